@@ -1,0 +1,133 @@
+//! Two processes share 64 MiB of host memory with zero copies.
+//!
+//! The exporter (this process) allocates a shared buffer, fills it, and offers its sealed
+//! handle over an authenticated Unix-socket link to an importer (this same binary,
+//! re-spawned with the role `importer`). The importer maps the buffer, checks every byte,
+//! writes a reply into it, drops its mapping and sends `Release`. The exporter reads the
+//! reply from its own memory, frees the buffer, and checks nothing is left in /dev/shm.
+//!
+//! ```text
+//! cargo run --example host_roundtrip
+//! ```
+
+use baton::Session;
+use baton::ipc::{
+    Backend, FrameFds, HostBackend, ImportCache, Link, LinkConfig, Listener, SocketDir, host,
+};
+use baton::messages::protocol::{Offer, Release};
+use baton::messages::{LeaseId, Message};
+use std::error::Error;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SIZE: usize = 64 << 20;
+const REPLY_AT: usize = SIZE - 4096;
+
+fn main() -> Result<(), Box<dyn Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("importer") => importer(&args[2]),
+        _ => exporter(),
+    }
+}
+
+fn exporter() -> Result<(), Box<dyn Error>> {
+    let session = Session::generate()?;
+    let tmp = std::env::temp_dir().join(format!("baton-example-{}", std::process::id()));
+    let dir = SocketDir::create(&tmp)?;
+    let listener = Listener::bind(&dir, "exporter.sock", LinkConfig::new(session.clone()))?;
+    let backend = HostBackend::new()?;
+
+    let alloc = backend.allocate(SIZE)?;
+    let payload: Vec<u8> = (0..REPLY_AT).map(|i| (i % 251) as u8).collect();
+    alloc.write(0, &payload)?;
+    let digest = blake3::hash(&payload);
+    println!(
+        "exporter: {} MiB host buffer {:?} filled, digest {}",
+        SIZE >> 20,
+        alloc.id(),
+        &digest.to_hex()[..16]
+    );
+
+    let (key, token) = session.child_env();
+    let mut child = Command::new(std::env::current_exe()?)
+        .args([
+            "importer",
+            listener.path().to_str().ok_or("socket path is not UTF-8")?,
+        ])
+        .env(key, token)
+        .spawn()?;
+    let mut link = listener.accept()?;
+    println!(
+        "exporter: link up with pid {} (same uid, token proven)",
+        link.peer().process.pid
+    );
+
+    let start = Instant::now();
+    let handle = alloc.handle(&session).build()?;
+    let lease = LeaseId::new(1);
+    link.send(&Message::Offer(Offer { lease, handle }), &[])?;
+    let answer = link.recv_timeout(Duration::from_secs(30))?.message;
+    let elapsed = start.elapsed();
+    if answer != Message::Release(Release { lease }) {
+        return Err(format!("expected Release, got {}", answer.kind()).into());
+    }
+    let mut reply = [0u8; 35];
+    alloc.read(REPLY_AT, &mut reply)?;
+    if &reply[..3] != b"ok:" || reply[3..] != *digest.as_bytes() {
+        return Err("the importer's reply does not match".into());
+    }
+    println!(
+        "exporter: importer verified all {} MiB and replied in {elapsed:.2?} (offer -> release)",
+        SIZE >> 20
+    );
+
+    drop(link);
+    let status = child.wait()?;
+    drop(alloc);
+    let left = host::list_segments(backend.namespace())?
+        .into_iter()
+        .filter(|s| s.owner_pid == std::process::id())
+        .count();
+    println!("exporter: importer exited with {status}; segments of ours left: {left}");
+    let _ = std::fs::remove_dir(&tmp);
+    if !status.success() || left != 0 {
+        return Err("round trip failed".into());
+    }
+    println!("host round trip: OK");
+    Ok(())
+}
+
+fn importer(socket: &str) -> Result<(), Box<dyn Error>> {
+    let session = Session::from_env()?;
+    let mut link = Link::connect(socket, &LinkConfig::new(session.clone()))?;
+    let cache = ImportCache::new(session, [Arc::new(HostBackend::new()?) as Arc<dyn Backend>]);
+    let received = link.recv_timeout(Duration::from_secs(30))?;
+    let Message::Offer(offer) = received.message else {
+        return Err("expected an offer".into());
+    };
+    let mut fds: FrameFds = received.fds;
+    let buffer = cache.open(&offer.handle, &mut fds)?;
+    let mut payload = vec![0u8; REPLY_AT];
+    buffer.read(0, &mut payload)?;
+    let digest = blake3::hash(&payload);
+    println!(
+        "importer: mapped {:?}, {} MiB, digest {}",
+        offer.handle.alloc,
+        buffer.len() >> 20,
+        &digest.to_hex()[..16]
+    );
+    let mut reply = b"ok:".to_vec();
+    reply.extend_from_slice(digest.as_bytes());
+    buffer.write(REPLY_AT, &reply)?;
+    drop(buffer);
+    link.send(&Message::Release(Release { lease: offer.lease }), &[])?;
+    // Stay until the exporter hangs up, so our Release arrives before our EOF.
+    let _ = link.recv_timeout(Duration::from_secs(30));
+    Ok(())
+}

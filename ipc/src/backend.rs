@@ -1,0 +1,438 @@
+//! The [`Backend`] trait and the two guards every backend hands out: [`Allocation`]
+//! (exporter side, owns the free) and [`OpenedMem`] (importer side, owns the close).
+
+use crate::session::{CheckedHandle, Session};
+use crate::{Error, Result};
+use baton_messages::{
+    ActorId, AllocationId, BackendKind, DeviceUuid, ExporterId, Generation, HandleDigest,
+    HandleMsg, IpcEventHandle, Layout, PROTOCOL_VERSION, RawHandle,
+};
+use std::fmt;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Where a buffer's bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemPtr {
+    /// Host memory, mapped in this process at this address.
+    Host(*mut u8),
+    /// Device memory at this device address (`CUdeviceptr`), valid in this process.
+    Device(u64),
+}
+
+impl MemPtr {
+    /// The address `offset` bytes further on.
+    pub fn offset_by(self, offset: usize) -> MemPtr {
+        match self {
+            MemPtr::Host(p) => MemPtr::Host(p.wrapping_add(offset)),
+            MemPtr::Device(p) => MemPtr::Device(p + offset as u64),
+        }
+    }
+}
+
+/// Memory a backend made or mapped. Implemented by each backend; used through
+/// [`Allocation`] and [`OpenedMem`], which check bounds before calling in.
+pub trait RawMemory: Send + Sync + fmt::Debug {
+    /// Bytes mapped.
+    fn size(&self) -> usize;
+    /// Where they are.
+    fn ptr(&self) -> MemPtr;
+    /// Copies `dst.len()` bytes from `offset` into host memory. `offset + dst.len() <= size()`.
+    ///
+    /// # Errors
+    /// A backend error (e.g. a failed device copy).
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` to `offset`. `offset + src.len() <= size()`.
+    ///
+    /// # Errors
+    /// A backend error.
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
+    /// Sets `len` bytes from `offset` to `byte`. `offset + len <= size()`.
+    ///
+    /// # Errors
+    /// A backend error.
+    fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()>;
+    /// Releases the memory (free, unmap, close), reporting failure. `Drop` does the same
+    /// and logs failures instead.
+    ///
+    /// # Errors
+    /// A backend error.
+    fn close(self: Box<Self>) -> Result<()> {
+        drop(self);
+        Ok(())
+    }
+}
+
+/// Exporter-side memory: [`RawMemory`] that can be shared.
+pub trait ExportableMemory: RawMemory {
+    /// The raw handle importers open. `fd_slot` is the index the descriptor from
+    /// [`export_fd`](Self::export_fd) will have among the frame's descriptors.
+    ///
+    /// # Errors
+    /// A backend error (e.g. `cuIpcGetMemHandle` failing).
+    fn raw_handle(&self, fd_slot: u8) -> Result<RawHandle>;
+    /// The descriptor to send beside the frame, for backends that share by descriptor.
+    fn export_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+}
+
+fn check_range(offset: usize, len: usize, size: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(Error::OutOfBounds { offset, len, size }),
+    }
+}
+
+/// The process-wide source of allocation ids: never reused, so a handle to a freed
+/// allocation can always be told from one to a new allocation.
+fn next_allocation_id() -> AllocationId {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    AllocationId::new(NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+macro_rules! memory_accessors {
+    () => {
+        /// Bytes in the buffer.
+        pub fn size(&self) -> usize {
+            self.mem.size()
+        }
+
+        /// Where the bytes are.
+        pub fn ptr(&self) -> MemPtr {
+            self.mem.ptr()
+        }
+
+        /// Copies `dst.len()` bytes starting at `offset` into `dst`.
+        ///
+        /// # Errors
+        /// [`Error::OutOfBounds`], or a backend error.
+        pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+            check_range(offset, dst.len(), self.mem.size())?;
+            self.mem.read(offset, dst)
+        }
+
+        /// Copies `src` into the buffer at `offset`.
+        ///
+        /// # Errors
+        /// [`Error::OutOfBounds`], or a backend error.
+        pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+            check_range(offset, src.len(), self.mem.size())?;
+            self.mem.write(offset, src)
+        }
+
+        /// Sets `len` bytes starting at `offset` to `byte`.
+        ///
+        /// # Errors
+        /// [`Error::OutOfBounds`], or a backend error.
+        pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+            check_range(offset, len, self.mem.size())?;
+            self.mem.fill(offset, len, byte)
+        }
+
+        /// The whole buffer copied into a new vector.
+        ///
+        /// # Errors
+        /// A backend error.
+        pub fn to_vec(&self) -> Result<Vec<u8>> {
+            let mut v = vec![0; self.mem.size()];
+            self.mem.read(0, &mut v)?;
+            Ok(v)
+        }
+    };
+}
+
+/// Exportable memory owned by this process. Dropping it frees the memory (for the host
+/// backend: unlinks the segment; importers that still map it keep their mapping).
+///
+/// Freeing while importers hold leases is the lease protocol's business (`BufferOwner`
+/// defers the free); at this level the guard simply owns the memory.
+pub struct Allocation {
+    id: AllocationId,
+    generation: Generation,
+    backend: BackendKind,
+    device: DeviceUuid,
+    mem: Box<dyn ExportableMemory>,
+}
+
+impl Allocation {
+    /// Wraps backend memory, giving it a fresh allocation id. For backend implementors.
+    pub fn new(backend: BackendKind, device: DeviceUuid, mem: Box<dyn ExportableMemory>) -> Self {
+        Self {
+            id: next_allocation_id(),
+            generation: Generation::FIRST,
+            backend,
+            device,
+            mem,
+        }
+    }
+
+    /// Reserves an allocation id before the memory exists (for backends whose raw handle
+    /// embeds the id, such as host segment names).
+    pub fn with_id(
+        id: AllocationId,
+        backend: BackendKind,
+        device: DeviceUuid,
+        mem: Box<dyn ExportableMemory>,
+    ) -> Self {
+        Self {
+            id,
+            generation: Generation::FIRST,
+            backend,
+            device,
+            mem,
+        }
+    }
+
+    /// A fresh allocation id for [`with_id`](Self::with_id).
+    pub fn reserve_id() -> AllocationId {
+        next_allocation_id()
+    }
+
+    /// Its id: unique in this process, never reused.
+    pub fn id(&self) -> AllocationId {
+        self.id
+    }
+
+    /// Its generation.
+    pub fn generation(&self) -> Generation {
+        self.generation
+    }
+
+    /// The backend that made it.
+    pub fn backend(&self) -> BackendKind {
+        self.backend
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> DeviceUuid {
+        self.device
+    }
+
+    memory_accessors!();
+
+    /// The backend memory, for backend-specific operations (kernels, streams).
+    pub fn raw(&self) -> &dyn ExportableMemory {
+        &*self.mem
+    }
+
+    /// The descriptor to send beside the frame that carries this allocation's handle
+    /// (VMM backends), if any.
+    pub fn export_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.mem.export_fd()
+    }
+
+    /// Starts a sealed handle message for this allocation (the whole of it, unless
+    /// [`HandleBuilder::range`] says otherwise).
+    pub fn handle<'a>(&'a self, session: &'a Session) -> HandleBuilder<'a> {
+        HandleBuilder {
+            alloc: self,
+            session,
+            actor: ActorId::new(0),
+            offset: 0,
+            len: self.size() as u64,
+            layout: None,
+            fd_slot: 0,
+            event: None,
+        }
+    }
+
+    /// Frees the memory now, reporting failure.
+    ///
+    /// # Errors
+    /// A backend error.
+    pub fn free(self) -> Result<()> {
+        self.mem.close()
+    }
+}
+
+impl fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocation")
+            .field("alloc", &self.id)
+            .field("gen", &self.generation)
+            .field("backend", &self.backend)
+            .field("size", &self.mem.size())
+            .finish()
+    }
+}
+
+/// Builds a sealed [`HandleMsg`] for (part of) an [`Allocation`].
+#[derive(Debug)]
+#[must_use]
+pub struct HandleBuilder<'a> {
+    alloc: &'a Allocation,
+    session: &'a Session,
+    actor: ActorId,
+    offset: u64,
+    len: u64,
+    layout: Option<Layout>,
+    fd_slot: u8,
+    event: Option<IpcEventHandle>,
+}
+
+impl HandleBuilder<'_> {
+    /// The owning actor (default 0).
+    pub fn actor(mut self, actor: ActorId) -> Self {
+        self.actor = actor;
+        self
+    }
+
+    /// Shares only `len` bytes from `offset` (a buffer carved from a slab).
+    pub fn range(mut self, offset: u64, len: u64) -> Self {
+        self.offset = offset;
+        self.len = len;
+        self
+    }
+
+    /// Element type and shape of the shared bytes.
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = Some(layout);
+        self
+    }
+
+    /// Index of this allocation's descriptor among the frame's descriptors (VMM).
+    pub fn fd_slot(mut self, slot: u8) -> Self {
+        self.fd_slot = slot;
+        self
+    }
+
+    /// An interprocess event importers wait on before use (CUDA).
+    pub fn event(mut self, event: IpcEventHandle) -> Self {
+        self.event = Some(event);
+        self
+    }
+
+    /// The sealed handle.
+    ///
+    /// # Errors
+    /// A backend error making the raw handle, or a handle that does not validate (range
+    /// outside the allocation, layout that does not cover it).
+    pub fn build(self) -> Result<HandleMsg> {
+        let a = self.alloc;
+        let handle = HandleMsg {
+            version: PROTOCOL_VERSION,
+            exporter: ExporterId {
+                process: self.session.process(),
+                actor: self.actor,
+            },
+            alloc: a.id,
+            generation: a.generation,
+            backend: a.backend,
+            device: a.device,
+            alloc_size: a.size() as u64,
+            offset: self.offset,
+            len: self.len,
+            layout: self.layout,
+            raw: a.mem.raw_handle(self.fd_slot)?,
+            event: self.event,
+            digest: HandleDigest::default(),
+        };
+        handle.validate()?;
+        Ok(handle.sealed(self.session.handle_key()))
+    }
+}
+
+/// Memory another process exported, mapped into this one. Dropping it unmaps (closes)
+/// the mapping; [`close`](Self::close) does the same and reports failure.
+///
+/// Usually reached through the [`ImportCache`](crate::ImportCache), which opens each
+/// allocation once per process and shares the mapping.
+pub struct OpenedMem {
+    exporter: ExporterId,
+    alloc: AllocationId,
+    generation: Generation,
+    backend: BackendKind,
+    mem: Box<dyn RawMemory>,
+}
+
+impl OpenedMem {
+    /// Wraps a backend mapping of `handle`'s allocation. For backend implementors.
+    pub fn new(handle: &HandleMsg, mem: Box<dyn RawMemory>) -> Self {
+        Self {
+            exporter: handle.exporter,
+            alloc: handle.alloc,
+            generation: handle.generation,
+            backend: handle.backend,
+            mem,
+        }
+    }
+
+    /// Who exported it.
+    pub fn exporter(&self) -> ExporterId {
+        self.exporter
+    }
+
+    /// The exported allocation.
+    pub fn alloc(&self) -> AllocationId {
+        self.alloc
+    }
+
+    /// Its generation.
+    pub fn generation(&self) -> Generation {
+        self.generation
+    }
+
+    /// The backend that mapped it.
+    pub fn backend(&self) -> BackendKind {
+        self.backend
+    }
+
+    memory_accessors!();
+
+    /// The backend mapping, for backend-specific operations.
+    pub fn raw(&self) -> &dyn RawMemory {
+        &*self.mem
+    }
+
+    /// Unmaps now, reporting failure.
+    ///
+    /// # Errors
+    /// A backend error.
+    pub fn close(self) -> Result<()> {
+        self.mem.close()
+    }
+}
+
+impl fmt::Debug for OpenedMem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpenedMem")
+            .field("exporter", &self.exporter)
+            .field("alloc", &self.alloc)
+            .field("gen", &self.generation)
+            .field("backend", &self.backend)
+            .field("size", &self.mem.size())
+            .finish()
+    }
+}
+
+/// A way to make, share and map memory. Object safe: pick one at run time with
+/// [`crate::select::auto`].
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// A short name for logs ("host", "cuda").
+    fn name(&self) -> &'static str;
+    /// The kind of handle [`allocate`](Self::allocate)d memory exports.
+    fn kind(&self) -> BackendKind;
+    /// The device this backend allocates on.
+    fn device(&self) -> DeviceUuid;
+    /// Whether [`open`](Self::open) takes handles of `kind`.
+    fn can_open(&self, kind: BackendKind) -> bool {
+        kind == self.kind()
+    }
+    /// Allocates `size` bytes of exportable memory, zeroed where the backend can.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSize`], or a backend error (out of memory, …).
+    fn allocate(&self, size: usize) -> Result<Allocation>;
+    /// Maps the allocation a checked handle names; `fd` is the descriptor from the
+    /// handle's slot for descriptor-based handles. Each call is one driver-level open
+    /// (the [`ImportCache`](crate::ImportCache) avoids repeats).
+    ///
+    /// # Errors
+    /// A backend error: the memory is gone, is smaller than claimed, the device is absent.
+    fn open(&self, handle: CheckedHandle<'_>, fd: Option<OwnedFd>) -> Result<OpenedMem>;
+}
+
+/// A shared backend.
+pub type SharedBackend = Arc<dyn Backend>;

@@ -1,0 +1,204 @@
+use baton_messages::protocol::RefuseReason;
+use baton_messages::{AllocationId, BackendKind, DeviceUuid, ExporterId, Generation, ProcessId};
+use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything that can go wrong in memory and transport mechanics.
+///
+/// Variants say what happened in terms a caller can act on: a peer that sent something
+/// bad ([`Error::Message`], [`Error::UnexpectedMessage`], …) should be disconnected; a
+/// handle that cannot be opened ([`Error::SegmentNotFound`], [`Error::StaleHandle`], …)
+/// should be refused; nothing here means the process is in trouble.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The peer sent bytes or data that do not decode or do not check.
+    #[error(transparent)]
+    Message(#[from] baton_messages::Error),
+    /// An operating-system call failed.
+    #[error("{op} failed: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer closed the link (or died).
+    #[error("peer closed the link")]
+    Closed,
+    /// A wait ran past its deadline.
+    #[error("{op} timed out after {after:?}")]
+    Timeout {
+        /// What was being waited for.
+        op: &'static str,
+        /// The deadline.
+        after: Duration,
+    },
+    /// The peer's credentials are not allowed by the [`PeerPolicy`](crate::PeerPolicy).
+    #[error(
+        "peer pid {pid} runs as uid {uid}, which is not allowed: add it to the PeerPolicy to accept it"
+    )]
+    PeerNotAllowed {
+        /// The peer's uid (`SO_PEERCRED`).
+        uid: u32,
+        /// The peer's pid (`SO_PEERCRED`).
+        pid: u32,
+    },
+    /// The peer could not prove it holds this session's token.
+    #[error(
+        "peer does not hold this session's token: check that both sides got the same BATON_TOKEN"
+    )]
+    BadToken,
+    /// The peer refused the link.
+    #[error("peer refused the link: {reason:?}")]
+    Refused {
+        /// Its reason.
+        reason: RefuseReason,
+    },
+    /// The peer sent a message that is not allowed at this point of the protocol.
+    #[error("expected {expected}, peer sent {got}")]
+    UnexpectedMessage {
+        /// What the protocol allows here.
+        expected: &'static str,
+        /// What came.
+        got: &'static str,
+    },
+    /// The identity a peer claims is not the process at the other end of the socket.
+    #[error("peer claims to be {claimed} but the socket belongs to pid {actual_pid}")]
+    PeerIdentityMismatch {
+        /// What the peer said.
+        claimed: ProcessId,
+        /// What the kernel says (`SO_PEERCRED`).
+        actual_pid: u32,
+    },
+    /// A frame announced more file descriptors than arrived with it.
+    #[error("frame announced {need} file descriptors but {have} arrived")]
+    MissingFds {
+        /// Announced.
+        need: usize,
+        /// Arrived.
+        have: usize,
+    },
+    /// A peer sent more file descriptors than its frames announce.
+    #[error("peer sent file descriptors that no frame announced")]
+    UnexpectedFds,
+    /// A handle refers to a file descriptor slot the frame did not carry.
+    #[error("handle refers to file descriptor slot {slot}, which its frame did not carry")]
+    MissingFdSlot {
+        /// The slot.
+        slot: u8,
+    },
+    /// The socket directory is reachable by other users or is not ours.
+    #[error("socket directory {path} is not private: {reason}")]
+    InsecureSocketDir {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// An allocation of zero bytes was asked for.
+    #[error("cannot allocate zero bytes")]
+    ZeroSize,
+    /// An access outside a buffer.
+    #[error("access of {len} bytes at offset {offset} is outside a buffer of {size} bytes")]
+    OutOfBounds {
+        /// Start of the access.
+        offset: usize,
+        /// Length of the access.
+        len: usize,
+        /// Size of the buffer.
+        size: usize,
+    },
+    /// The handle names a host segment that does not exist (freed, or never made).
+    #[error(
+        "{alloc} of {exporter} has no shared-memory segment: the exporter freed it or never made it"
+    )]
+    SegmentNotFound {
+        /// The exporter the handle names.
+        exporter: ExporterId,
+        /// The allocation the handle names.
+        alloc: AllocationId,
+    },
+    /// The segment is smaller than the handle says.
+    #[error("segment holds {actual} bytes but the handle claims {claimed}")]
+    SegmentTooSmall {
+        /// Bytes the handle claims.
+        claimed: u64,
+        /// Bytes the segment has.
+        actual: u64,
+    },
+    /// A host segment name does not belong to the exporter the handle names.
+    #[error("segment name does not belong to exporter {exporter}")]
+    SegmentOwnerMismatch {
+        /// The exporter the handle names.
+        exporter: ExporterId,
+    },
+    /// The shared-memory layer failed.
+    #[error("shared memory: {0}")]
+    Shm(String),
+    /// No backend in this process opens handles of this kind.
+    #[error("no backend here opens {kind:?} handles: create the importer with that backend")]
+    UnsupportedBackend {
+        /// The handle's backend.
+        kind: BackendKind,
+    },
+    /// The handle is for an allocation or generation the exporter has already freed.
+    #[error(
+        "handle is for {alloc} {generation:?}, which the exporter retired (freed at {retired:?}): ask for a fresh handle"
+    )]
+    StaleHandle {
+        /// The allocation.
+        alloc: AllocationId,
+        /// The handle's generation.
+        generation: Generation,
+        /// The newest generation known to be retired.
+        retired: Generation,
+    },
+    /// The handle's device is not present in this process.
+    #[error("device {device} is not visible to this process")]
+    DeviceNotFound {
+        /// The device.
+        device: DeviceUuid,
+    },
+    /// The handle was exported by a process on another machine boot.
+    #[error("handle comes from another machine or boot ({exporter})")]
+    ForeignHandle {
+        /// The exporter.
+        exporter: ExporterId,
+    },
+    /// A backend that was asked for is not available here.
+    #[error("backend {backend} is unavailable: {reason}")]
+    BackendUnavailable {
+        /// The backend.
+        backend: &'static str,
+        /// Why, and what to do.
+        reason: String,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(op: &'static str) -> impl FnOnce(io::Error) -> Error {
+        move |source| Error::Io { op, source }
+    }
+
+    /// Whether this error means the peer misbehaved (sent bad data or broke the
+    /// protocol), as opposed to a local or environmental failure.
+    pub fn is_peer_fault(&self) -> bool {
+        matches!(
+            self,
+            Error::Message(_)
+                | Error::UnexpectedMessage { .. }
+                | Error::PeerIdentityMismatch { .. }
+                | Error::MissingFds { .. }
+                | Error::UnexpectedFds
+                | Error::MissingFdSlot { .. }
+                | Error::BadToken
+                | Error::PeerNotAllowed { .. }
+        )
+    }
+}
+
+/// Result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

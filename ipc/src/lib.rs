@@ -1,0 +1,40 @@
+//! Baton's memory and transport mechanics.
+//!
+//! - [`Backend`]: make, share and map memory. Two real implementations: [`host`] (named
+//!   POSIX shared memory) and CUDA (device memory, when built and a GPU is present),
+//!   picked at run time by [`select::auto`].
+//! - [`Allocation`] owns exported memory (and its free); [`OpenedMem`] owns an imported
+//!   mapping (and its close); [`ImportCache`] maps each allocation once per process and
+//!   hands out [`Imported`] views.
+//! - [`Session`]: the deployment's token, which authenticates links and seals handles.
+//! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
+//! - [`process`]: process identity and liveness that survive pid reuse.
+//!
+//! This crate knows nothing of actors. `unsafe` code lives only in backend modules, each
+//! opening with a `# Safety` overview.
+
+#![deny(unsafe_code)]
+
+mod backend;
+mod cache;
+mod error;
+#[allow(unsafe_code)]
+pub mod host;
+pub mod link;
+pub mod process;
+pub mod select;
+mod session;
+
+pub use backend::{
+    Allocation, Backend, ExportableMemory, HandleBuilder, MemPtr, OpenedMem, RawMemory,
+    SharedBackend,
+};
+pub use cache::{CacheStats, ImportCache, Imported};
+pub use error::{Error, Result};
+pub use host::HostBackend;
+pub use link::{
+    FrameFds, Link, LinkConfig, Listener, PeerCred, PeerInfo, PeerPolicy, Received, SocketDir,
+};
+pub use session::{CheckedHandle, Session, TOKEN_ENV, random_bytes};
+
+pub use baton_messages as messages;

@@ -1,0 +1,332 @@
+//! Links: framed, authenticated channels over Unix-domain sockets, with file descriptors
+//! passed out of band.
+//!
+//! Establishing a link, in order, before any handle can be sent:
+//! 1. the socket lives in a [`SocketDir`] only our uid can enter;
+//! 2. each side reads the other's kernel credentials (`SO_PEERCRED`) and checks them
+//!    against its [`PeerPolicy`] (same uid by default) before reading a byte;
+//! 3. the handshake ([`baton_messages::protocol`]) checks versions, checks that the
+//!    identity each side claims is the connected process, and has both sides prove they
+//!    hold the session token.
+//!
+//! Every failure is a typed [`Error`] about that one connection, which is closed; a
+//! [`Listener`] goes on accepting the next.
+//!
+//! [`Link`] is the blocking driver (helper processes, tools, tests, benchmarks); the actor
+//! layer drives the same wire format and handshake asynchronously.
+
+mod creds;
+mod handshake;
+mod socket_dir;
+mod wire;
+
+pub use creds::{PeerCred, PeerPolicy};
+pub use socket_dir::SocketDir;
+pub use wire::{FrameFds, Received};
+
+pub(crate) use handshake::{ClientHandshake, Refusal, ServerHandshake};
+pub(crate) use wire::{Receiver, io_error, send_all};
+
+use crate::session::Session;
+use crate::{Error, Result};
+use baton_messages::codec::encode_frame;
+use baton_messages::{Message, ProcessId};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How links are established.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// The session whose token both sides must hold.
+    pub session: Session,
+    /// Which peers to accept.
+    pub policy: PeerPolicy,
+    /// How long a peer may take to complete the handshake.
+    pub handshake_timeout: Duration,
+}
+
+impl LinkConfig {
+    /// Same-uid peers, a 5 s handshake deadline.
+    pub fn new(session: Session) -> Self {
+        Self {
+            session,
+            policy: PeerPolicy::same_user(),
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// With another peer policy.
+    pub fn policy(mut self, policy: PeerPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// With another handshake deadline.
+    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+}
+
+/// Who is at the other end of an established link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The peer process, as it proved in the handshake.
+    pub process: ProcessId,
+    /// Its kernel credentials.
+    pub cred: PeerCred,
+}
+
+/// An established, authenticated, blocking link.
+#[derive(Debug)]
+pub struct Link {
+    stream: UnixStream,
+    rx: Receiver,
+    tx: Vec<u8>,
+    peer: PeerInfo,
+}
+
+fn with_deadline(e: Error, after: Duration) -> Error {
+    match e {
+        Error::Timeout { op, .. } => Error::Timeout { op, after },
+        other => other,
+    }
+}
+
+impl Link {
+    /// Connects to the listener at `path` and completes the handshake as the client.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if nobody listens there; [`Error::PeerNotAllowed`] if the listener
+    /// runs as a uid the policy refuses; a handshake error ([`Error::BadToken`],
+    /// [`Error::Refused`], [`Error::Timeout`], …).
+    pub fn connect(path: impl AsRef<Path>, config: &LinkConfig) -> Result<Link> {
+        let stream = UnixStream::connect(path.as_ref())
+            .map_err(Error::io("connecting to a Baton socket"))?;
+        Self::client(stream, config)
+    }
+
+    /// Completes the handshake as the client over a connected stream (e.g. one end of a
+    /// `socketpair` given to a child).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    pub fn client(stream: UnixStream, config: &LinkConfig) -> Result<Link> {
+        let cred = PeerCred::of(&stream)?;
+        config.policy.check(&cred)?;
+        let mut link = Self::unauthenticated(stream, cred, config.handshake_timeout)?;
+        let result = (|| {
+            let (state, hello) = ClientHandshake::start(&config.session)?;
+            link.send(&hello, &[])?;
+            let welcome = link.recv()?.message;
+            let (auth, server) = state
+                .on_welcome(&config.session, &cred, welcome)
+                .map_err(|r| link.refuse(r))?;
+            link.send(&auth, &[])?;
+            Ok(server)
+        })();
+        let server = result.map_err(|e| with_deadline(e, config.handshake_timeout))?;
+        link.peer.process = server;
+        link.set_timeout(None)?;
+        tracing::debug!(peer = %server, "link established (client)");
+        Ok(link)
+    }
+
+    /// Completes the handshake as the server over an accepted stream.
+    ///
+    /// # Errors
+    /// [`Error::PeerNotAllowed`] (the peer is told, then dropped), or a handshake error.
+    pub fn server(stream: UnixStream, config: &LinkConfig) -> Result<Link> {
+        let cred = PeerCred::of(&stream)?;
+        let mut link = Self::unauthenticated(stream, cred, config.handshake_timeout)?;
+        if let Err(e) = config.policy.check(&cred) {
+            let refusal = Refusal::new(e, baton_messages::protocol::RefuseReason::NotAllowed);
+            return Err(link.refuse(refusal));
+        }
+        let result = (|| {
+            let hello = link.recv()?.message;
+            let (state, welcome) = ServerHandshake::on_hello(&config.session, &cred, hello)
+                .map_err(|r| link.refuse(r))?;
+            link.send(&welcome, &[])?;
+            let auth = link.recv()?.message;
+            state
+                .on_auth(&config.session, auth)
+                .map_err(|r| link.refuse(r))
+        })();
+        let client = result.map_err(|e| with_deadline(e, config.handshake_timeout))?;
+        link.peer.process = client;
+        link.set_timeout(None)?;
+        tracing::debug!(peer = %client, "link established (server)");
+        Ok(link)
+    }
+
+    fn unauthenticated(stream: UnixStream, cred: PeerCred, timeout: Duration) -> Result<Link> {
+        let mut link = Link {
+            stream,
+            rx: Receiver::default(),
+            tx: Vec::with_capacity(512),
+            peer: PeerInfo {
+                process: ProcessId {
+                    boot: crate::process::boot_id(),
+                    pid: cred.pid,
+                    start_ticks: 0,
+                },
+                cred,
+            },
+        };
+        link.set_timeout(Some(timeout))?;
+        Ok(link)
+    }
+
+    /// Sends the refusal (best effort) and returns its error.
+    fn refuse(&mut self, refusal: Refusal) -> Error {
+        if let Some(reply) = refusal.reply() {
+            let _ = self.send(&reply, &[]);
+        }
+        refusal.error
+    }
+
+    /// Sets (or clears) the deadline of every later blocking send and receive.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) -> Result<()> {
+        self.stream
+            .set_read_timeout(timeout)
+            .map_err(Error::io("setting SO_RCVTIMEO"))?;
+        self.stream
+            .set_write_timeout(timeout)
+            .map_err(Error::io("setting SO_SNDTIMEO"))
+    }
+
+    /// Who is at the other end.
+    pub fn peer(&self) -> &PeerInfo {
+        &self.peer
+    }
+
+    /// Sends one message, with `fds` passed beside it.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] if the peer is gone, an encoding error, [`Error::Timeout`].
+    pub fn send(&mut self, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
+        self.tx.clear();
+        encode_frame(msg, fds.len(), &mut self.tx)?;
+        send_all(self.stream.as_fd(), &self.tx, fds)
+    }
+
+    /// Receives the next message and the descriptors that came with it.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] at a clean end of stream; a [`Error::Message`] for malformed or
+    /// cut-off frames; [`Error::MissingFds`]/[`Error::UnexpectedFds`]; [`Error::Timeout`].
+    /// After any error but a timeout, drop the link.
+    pub fn recv(&mut self) -> Result<Received> {
+        loop {
+            if let Some(received) = self.rx.next()? {
+                return Ok(received);
+            }
+            self.rx.check_fds()?;
+            match self.rx.recv_some(self.stream.as_fd()) {
+                Ok(0) => return Err(self.rx.at_eof()),
+                Ok(_) => {}
+                Err(e) => return Err(io_error("receiving a frame", e)),
+            }
+        }
+    }
+
+    /// Receives with a deadline, then restores blocking receives.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv); [`Error::Timeout`] if nothing came in time.
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Received> {
+        self.stream
+            .set_read_timeout(Some(timeout))
+            .map_err(Error::io("setting SO_RCVTIMEO"))?;
+        let r = self.recv().map_err(|e| with_deadline(e, timeout));
+        self.stream
+            .set_read_timeout(None)
+            .map_err(Error::io("setting SO_RCVTIMEO"))?;
+        r
+    }
+
+    /// The underlying socket.
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.stream.as_fd()
+    }
+}
+
+/// A listening socket that establishes a [`Link`] per accepted connection.
+///
+/// The socket file is removed when the listener drops.
+#[derive(Debug)]
+pub struct Listener {
+    listener: UnixListener,
+    path: PathBuf,
+    config: LinkConfig,
+}
+
+impl Listener {
+    /// Listens at `dir/name`. A stale socket file left by a dead listener is replaced; a
+    /// live one is an error.
+    ///
+    /// # Errors
+    /// [`Error::Io`] (`AddrInUse` if someone listens there already).
+    pub fn bind(dir: &SocketDir, name: &str, config: LinkConfig) -> Result<Listener> {
+        let path = dir.socket(name);
+        if path.exists() {
+            if UnixStream::connect(&path).is_ok() {
+                return Err(Error::Io {
+                    op: "binding a Baton socket",
+                    source: std::io::ErrorKind::AddrInUse.into(),
+                });
+            }
+            let _ = std::fs::remove_file(&path);
+        }
+        let listener = UnixListener::bind(&path).map_err(Error::io("binding a Baton socket"))?;
+        Ok(Listener {
+            listener,
+            path,
+            config,
+        })
+    }
+
+    /// Where it listens.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The configuration links are established with.
+    pub fn config(&self) -> &LinkConfig {
+        &self.config
+    }
+
+    /// Accepts one connection and establishes a link with it (server side).
+    ///
+    /// # Errors
+    /// An error about that one connection (not allowed, bad handshake, timeout, …); it
+    /// is closed, and the listener keeps working.
+    pub fn accept(&self) -> Result<Link> {
+        let (stream, _) = self
+            .listener
+            .accept()
+            .map_err(Error::io("accepting a connection"))?;
+        let link = Link::server(stream, &self.config);
+        if let Err(e) = &link {
+            tracing::warn!(error = %e, "refused a connection");
+        }
+        link
+    }
+
+    /// The listening socket, for event loops.
+    pub fn listener(&self) -> &UnixListener {
+        &self.listener
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}

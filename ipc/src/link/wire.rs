@@ -1,0 +1,214 @@
+//! Frames on a stream socket, with file descriptors out of band (`SCM_RIGHTS`).
+//!
+//! A sender attaches a frame's descriptors to the `sendmsg` that carries the frame's first
+//! byte; the kernel delivers them with that byte, so by the time a frame's bytes have all
+//! arrived its descriptors have too. The receiver queues descriptors in arrival order and
+//! hands each frame as many as its header announces. Descriptors nobody announced, or more
+//! than a frame may carry, are a protocol error.
+
+use crate::{Error, Result};
+use baton_messages::Message;
+use baton_messages::codec::{FrameDecoder, MAX_FDS_PER_FRAME};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+/// How many bytes one receive asks for.
+const RECV_CHUNK: usize = 64 * 1024;
+
+/// The descriptors that came with one frame, by slot. Taking one leaves its slot empty;
+/// whatever is not taken is closed on drop.
+#[derive(Debug, Default)]
+pub struct FrameFds(Vec<Option<OwnedFd>>);
+
+impl FrameFds {
+    /// No descriptors.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Descriptors in slot order.
+    pub fn new(fds: Vec<OwnedFd>) -> Self {
+        Self(fds.into_iter().map(Some).collect())
+    }
+
+    /// How many slots the frame carried.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the frame carried none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Takes the descriptor in `slot`.
+    ///
+    /// # Errors
+    /// [`Error::MissingFdSlot`] if the frame had no such slot or it was taken already.
+    pub fn take(&mut self, slot: u8) -> Result<OwnedFd> {
+        self.0
+            .get_mut(usize::from(slot))
+            .and_then(Option::take)
+            .ok_or(Error::MissingFdSlot { slot })
+    }
+}
+
+/// One received frame.
+#[derive(Debug)]
+pub struct Received {
+    /// The message.
+    pub message: Message,
+    /// The descriptors that came with it.
+    pub fds: FrameFds,
+}
+
+fn rustix_io(e: rustix::io::Errno) -> io::Error {
+    e.into()
+}
+
+/// One `sendmsg` of `bytes`, with `fds` attached (pass them only with a frame's first
+/// byte). Returns the bytes written; never raises `SIGPIPE`.
+///
+/// # Errors
+/// The OS error (`WouldBlock` on a non-blocking socket that is full).
+pub(crate) fn send_some(
+    sock: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<usize> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_FRAME))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "too many descriptors for one frame",
+        ));
+    }
+    loop {
+        match rustix::net::sendmsg(
+            sock,
+            &[IoSlice::new(bytes)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Err(rustix::io::Errno::INTR) => continue,
+            other => return other.map_err(rustix_io),
+        }
+    }
+}
+
+/// Writes all of `bytes` on a blocking socket, `fds` with the first chunk.
+///
+/// # Errors
+/// [`Error::Closed`] if the peer is gone, [`Error::Timeout`] past the socket's send
+/// timeout, else [`Error::Io`].
+pub(crate) fn send_all(
+    sock: BorrowedFd<'_>,
+    mut bytes: &[u8],
+    mut fds: &[BorrowedFd<'_>],
+) -> Result<()> {
+    while !bytes.is_empty() {
+        let n = send_some(sock, bytes, fds).map_err(|e| io_error("sending a frame", e))?;
+        fds = &[];
+        bytes = &bytes[n..];
+    }
+    Ok(())
+}
+
+/// Maps socket errors to the protocol's view: a reset or broken pipe is a closed link, a
+/// timed-out blocking call is a timeout.
+pub(crate) fn io_error(op: &'static str, e: io::Error) -> Error {
+    match e.kind() {
+        io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted => Error::Closed,
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout {
+            op,
+            after: std::time::Duration::ZERO,
+        },
+        _ => Error::Io { op, source: e },
+    }
+}
+
+/// The receiving half's state: bytes not yet framed, descriptors not yet claimed.
+#[derive(Debug, Default)]
+pub(crate) struct Receiver {
+    decoder: FrameDecoder,
+    fds: VecDeque<OwnedFd>,
+    /// The kernel dropped descriptors that did not fit (`MSG_CTRUNC`).
+    fds_truncated: bool,
+}
+
+impl Receiver {
+    /// The next complete frame with its descriptors, `Ok(None)` if more bytes are needed.
+    pub(crate) fn next(&mut self) -> Result<Option<Received>> {
+        let Some(frame) = self.decoder.next_frame()? else {
+            return Ok(None);
+        };
+        let need = usize::from(frame.header.nfds);
+        if self.fds.len() < need {
+            return Err(Error::MissingFds {
+                need,
+                have: self.fds.len(),
+            });
+        }
+        let fds = FrameFds::new(self.fds.drain(..need).collect());
+        Ok(Some(Received {
+            message: frame.message,
+            fds,
+        }))
+    }
+
+    /// One `recvmsg` into the buffer. Returns the bytes received; 0 means end of stream.
+    ///
+    /// # Errors
+    /// The OS error (`WouldBlock` on a non-blocking socket with nothing to read).
+    pub(crate) fn recv_some(&mut self, sock: BorrowedFd<'_>) -> io::Result<usize> {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_FRAME))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let msg = loop {
+            let spare = self.decoder.spare(RECV_CHUNK);
+            match rustix::net::recvmsg(
+                sock,
+                &mut [IoSliceMut::new(spare)],
+                &mut control,
+                RecvFlags::CMSG_CLOEXEC,
+            ) {
+                Err(rustix::io::Errno::INTR) => continue,
+                other => break other.map_err(rustix_io)?,
+            }
+        };
+        self.decoder.commit(msg.bytes);
+        for m in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = m {
+                self.fds.extend(fds);
+            }
+        }
+        self.fds_truncated |= msg.flags.contains(ReturnFlags::CTRUNC);
+        Ok(msg.bytes)
+    }
+
+    /// After draining complete frames: descriptors left over beyond what one partial frame
+    /// may carry were never announced, and more than one `sendmsg` may carry is abuse.
+    pub(crate) fn check_fds(&self) -> Result<()> {
+        if self.fds_truncated || self.fds.len() > MAX_FDS_PER_FRAME {
+            Err(Error::UnexpectedFds)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// At end of stream: a cut-off frame is an error, a clean end is [`Error::Closed`].
+    pub(crate) fn at_eof(&self) -> Error {
+        match self.decoder.finish() {
+            Ok(()) => Error::Closed,
+            Err(e) => Error::Message(e),
+        }
+    }
+}

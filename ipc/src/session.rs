@@ -1,0 +1,198 @@
+//! [`Session`]: this process's membership in one deployment of cooperating processes.
+
+use crate::{Error, Result};
+use baton_messages::protocol::{AuthProof, Nonce};
+use baton_messages::{HandleKey, ProcessId, SessionToken};
+use std::fmt;
+
+/// The environment variable through which a parent hands the session token to children
+/// (64 hex digits).
+pub const TOKEN_ENV: &str = "BATON_TOKEN";
+
+/// This process in one deployment: the shared token, the keys derived from it, and who we are.
+///
+/// The token authenticates links (each side proves it holds it, without sending it) and
+/// keys the digest that seals handle messages. Give every process of a deployment the same
+/// token, e.g. by spawning children with [`Session::child_env`].
+#[derive(Clone)]
+pub struct Session {
+    token: SessionToken,
+    handle_key: HandleKey,
+    auth_key: [u8; 32],
+    process: ProcessId,
+}
+
+impl Session {
+    /// A session with a given token.
+    pub fn new(token: SessionToken) -> Self {
+        let auth_key = blake3::derive_key("baton 2026-11 link authentication v1", token.as_bytes());
+        Self {
+            handle_key: HandleKey::derive(&token),
+            token,
+            auth_key,
+            process: crate::process::current(),
+        }
+    }
+
+    /// A session with a fresh random token: for the root of a deployment.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the kernel's random source fails.
+    pub fn generate() -> Result<Self> {
+        Ok(Self::new(SessionToken::from_bytes(random_bytes()?)))
+    }
+
+    /// The session whose token is in [`TOKEN_ENV`]: for children of a deployment.
+    ///
+    /// # Errors
+    /// [`Error::BadToken`] if the variable is missing or not 64 hex digits.
+    pub fn from_env() -> Result<Self> {
+        std::env::var(TOKEN_ENV)
+            .ok()
+            .and_then(|hex| SessionToken::from_hex(&hex))
+            .map(Self::new)
+            .ok_or(Error::BadToken)
+    }
+
+    /// The variable to set in a child's environment so that [`from_env`](Self::from_env)
+    /// finds this session.
+    pub fn child_env(&self) -> (&'static str, String) {
+        (TOKEN_ENV, self.token.to_hex())
+    }
+
+    /// The session token.
+    pub fn token(&self) -> &SessionToken {
+        &self.token
+    }
+
+    /// The key that seals and verifies handle messages.
+    pub fn handle_key(&self) -> &HandleKey {
+        &self.handle_key
+    }
+
+    /// This process.
+    pub fn process(&self) -> ProcessId {
+        self.process
+    }
+
+    /// The proof that the side `role` holds the token, bound to both nonces and to the
+    /// prover's identity.
+    pub(crate) fn proof(
+        &self,
+        role: Role,
+        client: &Nonce,
+        server: &Nonce,
+        prover: &ProcessId,
+    ) -> AuthProof {
+        let mut h = blake3::Hasher::new_keyed(&self.auth_key);
+        h.update(match role {
+            Role::Client => b"client",
+            Role::Server => b"server",
+        });
+        h.update(&client.0);
+        h.update(&server.0);
+        h.update(&prover.boot.0);
+        h.update(&prover.pid.to_le_bytes());
+        h.update(&prover.start_ticks.to_le_bytes());
+        AuthProof(*h.finalize().as_bytes())
+    }
+
+    /// Checks a proof in constant time.
+    pub(crate) fn check_proof(
+        &self,
+        role: Role,
+        client: &Nonce,
+        server: &Nonce,
+        prover: &ProcessId,
+        proof: &AuthProof,
+    ) -> bool {
+        let expected = blake3::Hash::from_bytes(self.proof(role, client, server, prover).0);
+        expected == blake3::Hash::from_bytes(proof.0)
+    }
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("process", &self.process)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which side of a handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Client,
+    Server,
+}
+
+/// `N` bytes from the kernel's random source (`getrandom`).
+///
+/// # Errors
+/// [`Error::Io`] if the call fails.
+pub fn random_bytes<const N: usize>() -> Result<[u8; N]> {
+    let mut out = [0u8; N];
+    let mut filled = 0;
+    while filled < N {
+        let n = rustix::rand::getrandom(&mut out[filled..], rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| Error::Io {
+                op: "getrandom",
+                source: e.into(),
+            })?;
+        filled += n;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proofs_bind_role_nonces_and_token() {
+        let s = Session::new(SessionToken::from_bytes([3; 32]));
+        let other = Session::new(SessionToken::from_bytes([4; 32]));
+        let (c, sv) = (Nonce([1; 32]), Nonce([2; 32]));
+        let me = s.process();
+        let p = s.proof(Role::Client, &c, &sv, &me);
+        assert!(s.check_proof(Role::Client, &c, &sv, &me, &p));
+        assert!(!s.check_proof(Role::Server, &c, &sv, &me, &p));
+        assert!(!s.check_proof(Role::Client, &sv, &c, &me, &p));
+        assert!(!other.check_proof(Role::Client, &c, &sv, &me, &p));
+    }
+
+    #[test]
+    fn random_bytes_differ() {
+        assert_ne!(random_bytes::<32>().unwrap(), random_bytes::<32>().unwrap());
+    }
+}
+
+/// A handle whose digest verified under this session's key, whose fields are
+/// consistent, and whose exporter runs on this machine boot. Only [`Session::check`] makes
+/// one, so a backend's `open` cannot be handed an unchecked handle.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckedHandle<'a>(&'a baton_messages::HandleMsg);
+
+impl std::ops::Deref for CheckedHandle<'_> {
+    type Target = baton_messages::HandleMsg;
+    fn deref(&self) -> &Self::Target {
+        self.0
+    }
+}
+
+impl Session {
+    /// Verifies a handle's digest, then its consistency, then that it comes from this boot.
+    ///
+    /// # Errors
+    /// [`Error::Message`] with `DigestMismatch` (corrupted, or sealed under another
+    /// token), a validation error, or [`Error::ForeignHandle`].
+    pub fn check<'a>(&self, handle: &'a baton_messages::HandleMsg) -> Result<CheckedHandle<'a>> {
+        handle.check(&self.handle_key)?;
+        if handle.exporter.process.boot != self.process.boot {
+            return Err(Error::ForeignHandle {
+                exporter: handle.exporter,
+            });
+        }
+        Ok(CheckedHandle(handle))
+    }
+}

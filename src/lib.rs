@@ -1,0 +1,11 @@
+#![doc = include_str!("../README.md")]
+#![deny(unsafe_code)]
+
+pub use baton_ipc as ipc;
+pub use baton_messages as messages;
+
+pub use baton_ipc::{
+    Allocation, Backend, Error, ImportCache, Imported, Link, LinkConfig, Listener, OpenedMem,
+    Session, SocketDir,
+};
+pub use baton_messages::{HandleMsg, Message};

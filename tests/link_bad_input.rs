@@ -1,0 +1,397 @@
+//! Bad input, one connection at a time, against one live listener: each is refused with
+//! a typed error and the listener goes on serving the next good client.
+
+#[path = "support/peer.rs"]
+mod peer;
+
+use baton::ipc::{Backend, HostBackend, ImportCache, Link, LinkConfig, Listener, PeerPolicy};
+use baton::messages::codec::{FrameHeader, HEADER_LEN, frame_bytes};
+use baton::messages::protocol::{Auth, AuthProof, Hello, Nonce, Offer, RefuseReason, Release};
+use baton::messages::{self as msg, LeaseId, Message, PROTOCOL_VERSION, SessionToken};
+use baton::{Error, Session};
+use proptest::prelude::*;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// A listener on a thread. Each accepted connection's outcome comes back on `outcomes`:
+/// a refused connection's error, or `Ok` once a good client released the buffer it was
+/// offered.
+struct Server {
+    path: PathBuf,
+    session: Session,
+    ns: String,
+    outcomes: mpsc::Receiver<Result<(), Error>>,
+    _tmp: tempfile::TempDir,
+}
+
+impl Server {
+    fn start(tag: &str, policy: PeerPolicy) -> Server {
+        let ns = peer::namespace(tag);
+        let session = Session::generate().unwrap();
+        let (tmp, dir) = peer::socket_dir();
+        let config = LinkConfig::new(session.clone())
+            .policy(policy)
+            .handshake_timeout(Duration::from_millis(500));
+        let listener = Listener::bind(&dir, "srv.sock", config).unwrap();
+        let path = listener.path().to_owned();
+        let (tx, outcomes) = mpsc::channel();
+        let (s, ns2) = (session.clone(), ns.clone());
+        std::thread::spawn(move || {
+            let backend = HostBackend::with_namespace(&ns2).unwrap();
+            let mut lease = 0;
+            loop {
+                let outcome = listener.accept().and_then(|mut link| {
+                    lease += 1;
+                    serve_one(&mut link, &backend, &s, LeaseId::new(lease))
+                });
+                if tx.send(outcome).is_err() {
+                    return;
+                }
+            }
+        });
+        Server {
+            path,
+            session,
+            ns,
+            outcomes,
+            _tmp: tmp,
+        }
+    }
+
+    fn outcome(&self) -> Result<(), Error> {
+        self.outcomes
+            .recv_timeout(DEADLINE)
+            .expect("the listener answered")
+    }
+
+    /// A good client completes a handshake, maps the offered buffer, checks it, releases.
+    fn good_client(&self) {
+        let mut link = Link::connect(&self.path, &LinkConfig::new(self.session.clone())).unwrap();
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::with_namespace(&self.ns).unwrap());
+        let cache = ImportCache::new(self.session.clone(), [backend]);
+        let r = link.recv_timeout(DEADLINE).unwrap();
+        let Message::Offer(offer) = r.message else {
+            panic!("expected an offer")
+        };
+        let mut fds = r.fds;
+        let buf = cache.open(&offer.handle, &mut fds).unwrap();
+        assert_eq!(buf.to_vec().unwrap(), vec![0x5A; 4096]);
+        drop(buf);
+        link.send(&Message::Release(Release { lease: offer.lease }), &[])
+            .unwrap();
+        self.outcome().expect("the good client was served");
+    }
+
+    fn raw(&self) -> UnixStream {
+        let s = UnixStream::connect(&self.path).unwrap();
+        s.set_read_timeout(Some(DEADLINE)).unwrap();
+        s
+    }
+}
+
+fn serve_one(
+    link: &mut Link,
+    backend: &HostBackend,
+    session: &Session,
+    lease: LeaseId,
+) -> Result<(), Error> {
+    let alloc = backend.allocate(4096)?;
+    alloc.fill(0, 4096, 0x5A)?;
+    let handle = alloc.handle(session).build()?;
+    link.send(&Message::Offer(Offer { lease, handle }), &[])?;
+    match link.recv_timeout(DEADLINE)?.message {
+        Message::Release(r) if r.lease == lease => Ok(()),
+        other => Err(Error::UnexpectedMessage {
+            expected: "Release",
+            got: other.kind(),
+        }),
+    }
+}
+
+fn header(version: u8, nfds: u8, len: u32) -> [u8; HEADER_LEN] {
+    FrameHeader { version, nfds, len }.to_bytes()
+}
+
+#[test]
+fn each_bad_peer_gets_a_typed_error_and_the_next_good_client_is_served() {
+    let server = Server::start("bad", PeerPolicy::same_user());
+    server.good_client();
+
+    // A truncated frame: the header promises 100 bytes, 10 arrive, then EOF.
+    let mut s = server.raw();
+    s.write_all(&header(PROTOCOL_VERSION, 0, 100)).unwrap();
+    s.write_all(&[0; 10]).unwrap();
+    drop(s);
+    assert!(matches!(
+        server.outcome(),
+        Err(Error::Message(msg::Error::Truncated {
+            have: 18,
+            need: 108
+        }))
+    ));
+    server.good_client();
+
+    // A length prefix of 4 GiB.
+    let mut s = server.raw();
+    s.write_all(&header(PROTOCOL_VERSION, 0, u32::MAX)).unwrap();
+    assert!(matches!(
+        server.outcome(),
+        Err(Error::Message(msg::Error::FrameTooLarge { .. }))
+    ));
+    server.good_client();
+
+    // An unknown protocol version in the frame header.
+    let mut s = server.raw();
+    s.write_all(&header(99, 0, 4)).unwrap();
+    assert!(matches!(
+        server.outcome(),
+        Err(Error::Message(msg::Error::UnsupportedVersion {
+            got: 99,
+            ..
+        }))
+    ));
+    server.good_client();
+
+    // Not Baton at all.
+    let mut s = server.raw();
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    assert!(matches!(
+        server.outcome(),
+        Err(Error::Message(msg::Error::BadMagic { .. }))
+    ));
+    server.good_client();
+
+    // A Hello with an unknown version inside a well-formed frame: refused with a reason.
+    let mut s = server.raw();
+    let hello = Message::Hello(Hello {
+        version: 7,
+        process: baton::ipc::process::current(),
+        nonce: Nonce([1; 32]),
+    });
+    s.write_all(&frame_bytes(&hello, 0).unwrap()).unwrap();
+    assert!(matches!(
+        server.outcome(),
+        Err(Error::Message(msg::Error::UnsupportedVersion {
+            got: 7,
+            ..
+        }))
+    ));
+    let refusal = read_message(&mut s);
+    assert_eq!(
+        refusal,
+        Some(Message::Refused(msg::protocol::Refused {
+            reason: RefuseReason::VersionMismatch {
+                supported: PROTOCOL_VERSION
+            }
+        }))
+    );
+    server.good_client();
+
+    // A message other than Hello first.
+    let mut s = server.raw();
+    s.write_all(&frame_bytes(&Message::Ping(3), 0).unwrap())
+        .unwrap();
+    assert!(matches!(
+        server.outcome(),
+        Err(Error::UnexpectedMessage {
+            expected: "Hello",
+            got: "Ping"
+        })
+    ));
+    server.good_client();
+
+    // A client with the wrong token: it refuses the server's proof, the server hears why.
+    let wrong = Session::new(SessionToken::from_bytes([0xEE; 32]));
+    let client = Link::connect(&server.path, &LinkConfig::new(wrong));
+    assert!(matches!(client, Err(Error::BadToken)));
+    assert!(matches!(
+        server.outcome(),
+        Err(Error::Refused {
+            reason: RefuseReason::BadToken
+        })
+    ));
+    server.good_client();
+
+    // A client that answers the Welcome with a forged proof.
+    let mut s = server.raw();
+    s.write_all(&frame_bytes(&hello_from_me(), 0).unwrap())
+        .unwrap();
+    assert!(matches!(read_message(&mut s), Some(Message::Welcome(_))));
+    let forged = Message::Auth(Auth {
+        proof: AuthProof([0x42; 32]),
+    });
+    s.write_all(&frame_bytes(&forged, 0).unwrap()).unwrap();
+    assert!(matches!(server.outcome(), Err(Error::BadToken)));
+    server.good_client();
+
+    // A stranger who connects and says nothing: cut off at the handshake deadline.
+    let s = server.raw();
+    assert!(matches!(server.outcome(), Err(Error::Timeout { .. })));
+    drop(s);
+    server.good_client();
+
+    // A frame that announces descriptors but carries none.
+    let mut s = server.raw();
+    s.write_all(&frame_bytes(&hello_from_me(), 2).unwrap())
+        .unwrap();
+    assert!(matches!(
+        server.outcome(),
+        Err(Error::MissingFds { need: 2, have: 0 })
+    ));
+    server.good_client();
+}
+
+#[test]
+fn a_peer_whose_uid_is_not_allowed_is_refused_before_anything_is_read() {
+    let me = rustix::process::geteuid().as_raw();
+    let server = Server::start("uid", PeerPolicy::uids([me.wrapping_add(4242)]));
+    let client = Link::connect(&server.path, &LinkConfig::new(server.session.clone()));
+    assert!(
+        matches!(
+            client,
+            Err(Error::Refused {
+                reason: RefuseReason::NotAllowed
+            })
+        ),
+        "{client:?}"
+    );
+    assert!(matches!(server.outcome(), Err(Error::PeerNotAllowed { uid, .. }) if uid == me));
+}
+
+fn hello_from_me() -> Message {
+    Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        process: baton::ipc::process::current(),
+        nonce: Nonce([9; 32]),
+    })
+}
+
+/// Reads one frame from a raw stream (None at end of stream).
+fn read_message(s: &mut UnixStream) -> Option<Message> {
+    let mut h = [0u8; HEADER_LEN];
+    s.read_exact(&mut h).ok()?;
+    let header = FrameHeader::parse(&h).unwrap();
+    let mut payload = vec![0; header.len as usize];
+    s.read_exact(&mut payload).unwrap();
+    Some(msg::codec::decode_payload(&payload).unwrap())
+}
+
+#[test]
+fn handles_that_name_nothing_or_too_much_are_refused_before_mapping() {
+    let ns = peer::namespace("hdl");
+    let session = Session::generate().unwrap();
+    let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+    let cache = ImportCache::new(session.clone(), [backend.clone() as Arc<dyn Backend>]);
+    let mut no_fds = baton::ipc::FrameFds::none();
+
+    // A segment that does not exist (the exporter freed it).
+    let alloc = backend.allocate(8192).unwrap();
+    let handle = alloc.handle(&session).build().unwrap();
+    drop(alloc);
+    assert!(matches!(
+        cache.open(&handle, &mut no_fds),
+        Err(Error::SegmentNotFound { .. })
+    ));
+
+    // A size larger than the segment, sealed by a confused (or lying) exporter.
+    let alloc = backend.allocate(8192).unwrap();
+    let mut big = alloc.handle(&session).build().unwrap();
+    big.alloc_size = 1 << 30;
+    big.len = 1 << 30;
+    let big = big.sealed(session.handle_key());
+    assert!(matches!(
+        cache.open(&big, &mut no_fds),
+        Err(Error::SegmentTooSmall {
+            claimed: 1073741824,
+            actual: 8192
+        })
+    ));
+
+    // One corrupted byte: refused by the digest, before any open.
+    let good = alloc.handle(&session).build().unwrap();
+    let mut corrupt = good.clone();
+    corrupt.offset ^= 1;
+    let opens = backend.opens();
+    assert!(matches!(
+        cache.open(&corrupt, &mut no_fds),
+        Err(Error::Message(msg::Error::DigestMismatch))
+    ));
+    assert_eq!(backend.opens(), opens, "no open was attempted");
+
+    // A handle sealed under another session's token.
+    let other = Session::generate().unwrap();
+    let foreign = alloc.handle(&other).build().unwrap();
+    assert!(matches!(
+        cache.open(&foreign, &mut no_fds),
+        Err(Error::Message(msg::Error::DigestMismatch))
+    ));
+
+    // A stale generation after the exporter said Gone.
+    cache.retire(good.exporter, good.alloc, good.generation);
+    assert!(matches!(
+        cache.open(&good, &mut no_fds),
+        Err(Error::StaleHandle { .. })
+    ));
+    assert_eq!(cache.stats().live, 0);
+}
+
+#[test]
+fn cache_hits_share_one_mapping_and_the_last_drop_closes_it() {
+    let ns = peer::namespace("hit");
+    let session = Session::generate().unwrap();
+    let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+    let cache = ImportCache::new(session.clone(), [backend.clone() as Arc<dyn Backend>]);
+    let alloc = backend.allocate(1 << 16).unwrap();
+    alloc.write(4096, b"slab").unwrap();
+    let mut fds = baton::ipc::FrameFds::none();
+
+    let whole = cache
+        .open(&alloc.handle(&session).build().unwrap(), &mut fds)
+        .unwrap();
+    let part = cache
+        .open(
+            &alloc.handle(&session).range(4096, 4).build().unwrap(),
+            &mut fds,
+        )
+        .unwrap();
+    assert_eq!(part.to_vec().unwrap(), b"slab");
+    let stats = cache.stats();
+    assert_eq!((stats.opens, stats.hits, stats.live), (1, 1, 1));
+    assert_eq!(
+        backend.opens(),
+        1,
+        "one driver-level open for two buffers of one allocation"
+    );
+    drop(whole);
+    assert_eq!(cache.stats().live, 1);
+    drop(part);
+    assert_eq!(cache.stats().live, 0);
+    assert_eq!(cache.stats().closes, 1);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_bytes_on_the_socket_are_refused_and_the_listener_survives(
+        bytes in proptest::collection::vec(any::<u8>(), 1..512)
+    ) {
+        thread_local! {
+            static SERVER: Server = Server::start("rnd", PeerPolicy::same_user());
+        }
+        SERVER.with(|server| {
+            let mut s = server.raw();
+            let _ = s.write_all(&bytes);
+            drop(s);
+            prop_assert!(server.outcome().is_err());
+            server.good_client();
+            Ok(())
+        })?;
+    }
+}

@@ -1,0 +1,111 @@
+//! Spawning and reaping helper processes in tests: every child is killed and reaped when
+//! its guard drops, also when a test fails.
+
+#![allow(dead_code)]
+
+use baton::Session;
+use baton::ipc::host;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// A helper process that is SIGKILLed and reaped when dropped.
+pub struct Peer {
+    child: Option<Child>,
+    what: String,
+}
+
+impl Peer {
+    /// Runs `exe args…` with the session's token and the segment namespace in its environment.
+    pub fn spawn_exe(exe: &str, session: &Session, namespace: &str, args: &[&str]) -> Peer {
+        let (key, token) = session.child_env();
+        let child = Command::new(exe)
+            .args(args)
+            .env(key, token)
+            .env(host::NAMESPACE_ENV, namespace)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {exe}: {e}"));
+        Peer {
+            child: Some(child),
+            what: format!("{exe} {args:?}"),
+        }
+    }
+
+    /// Runs the test helper binary in a role.
+    pub fn spawn(session: &Session, namespace: &str, args: &[&str]) -> Peer {
+        Self::spawn_exe(
+            env!("CARGO_BIN_EXE_baton-test-peer"),
+            session,
+            namespace,
+            args,
+        )
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Waits for the child to exit, at most `deadline`; kills it and panics past that.
+    pub fn wait(&mut self, deadline: Duration) -> ExitStatus {
+        let start = Instant::now();
+        let child = self.child.as_mut().expect("running");
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                self.child = None;
+                return status;
+            }
+            if start.elapsed() > deadline {
+                self.kill9();
+                panic!("{} did not exit within {deadline:?}", self.what);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A segment namespace of this test process alone (at most 32 characters).
+pub fn namespace(test: &str) -> String {
+    let ns = format!("t{}-{test}", std::process::id());
+    assert!(ns.len() <= 32, "namespace {ns} too long");
+    ns
+}
+
+/// How many segments of `namespace` exist now.
+pub fn segments(namespace: &str) -> usize {
+    host::list_segments(namespace)
+        .expect("listing /dev/shm")
+        .len()
+}
+
+/// Polls `cond` every few milliseconds until it holds; panics after `deadline`.
+pub fn poll_until(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A private socket directory in a fresh temporary directory.
+pub fn socket_dir() -> (tempfile::TempDir, baton::SocketDir) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = baton::SocketDir::create(tmp.path().join("sock")).expect("socket dir");
+    (tmp, dir)
+}
