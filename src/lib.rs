@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(unsafe_code)]
 
+pub use baton_actors as actors;
 pub use baton_ipc as ipc;
 pub use baton_messages as messages;
 

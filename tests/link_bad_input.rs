@@ -333,7 +333,7 @@ fn handles_that_name_nothing_or_too_much_are_refused_before_mapping() {
     ));
 
     // A stale generation after the exporter said Gone.
-    cache.retire(good.exporter, good.alloc, good.generation);
+    cache.retire(good.exporter.process, good.alloc, good.generation);
     assert!(matches!(
         cache.open(&good, &mut no_fds),
         Err(Error::StaleHandle { .. })

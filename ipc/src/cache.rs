@@ -45,7 +45,8 @@ struct Entry {
 
 struct State {
     entries: HashMap<Key, Entry>,
-    retired: HashMap<(ExporterId, AllocationId), Generation>,
+    /// Allocation ids are unique per process, so a process and an id name an allocation.
+    retired: HashMap<(ProcessId, AllocationId), Generation>,
     stats: CacheStats,
 }
 
@@ -109,7 +110,7 @@ impl ImportCache {
         let checked = self.shared.session.check(handle)?;
         let key = (handle.exporter, handle.alloc, handle.generation);
         let mut state = self.shared.lock();
-        if let Some(&retired) = state.retired.get(&(handle.exporter, handle.alloc)) {
+        if let Some(&retired) = state.retired.get(&(handle.exporter.process, handle.alloc)) {
             if handle.generation <= retired {
                 state.stats.stale += 1;
                 return Err(Error::StaleHandle {
@@ -168,10 +169,10 @@ impl ImportCache {
             .ok_or(Error::UnsupportedBackend { kind })
     }
 
-    /// Records that the exporter freed `alloc` up to `generation` (it said `Gone`):
-    /// handles of those generations are refused from now on. Live mappings are untouched:
-    /// their users' leases keep them valid until they drop.
-    pub fn retire(&self, exporter: ExporterId, alloc: AllocationId, generation: Generation) {
+    /// Records that the exporting process freed `alloc` up to `generation` (it said
+    /// `Gone`): handles of those generations are refused from now on. Live mappings are
+    /// untouched: their users' leases keep them valid until they drop.
+    pub fn retire(&self, exporter: ProcessId, alloc: AllocationId, generation: Generation) {
         let mut state = self.shared.lock();
         let slot = state.retired.entry((exporter, alloc)).or_insert(generation);
         *slot = (*slot).max(generation);
@@ -180,10 +181,7 @@ impl ImportCache {
     /// Forgets what is recorded about a dead exporter process (its tombstones). Its live
     /// mappings stay until their guards drop.
     pub fn forget_process(&self, process: &ProcessId) {
-        self.shared
-            .lock()
-            .retired
-            .retain(|(e, _), _| e.process != *process);
+        self.shared.lock().retired.retain(|(p, _), _| p != process);
     }
 
     /// The counters.

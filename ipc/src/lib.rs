@@ -33,7 +33,8 @@ pub use cache::{CacheStats, ImportCache, Imported};
 pub use error::{Error, Result};
 pub use host::HostBackend;
 pub use link::{
-    FrameFds, Link, LinkConfig, Listener, PeerCred, PeerInfo, PeerPolicy, Received, SocketDir,
+    AsyncLink, FrameFds, Link, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred, PeerInfo,
+    PeerPolicy, Received, SocketDir,
 };
 pub use session::{CheckedHandle, Session, TOKEN_ENV, random_bytes};
 

@@ -12,15 +12,17 @@
 //! Every failure is a typed [`Error`] about that one connection, which is closed; a
 //! [`Listener`] goes on accepting the next.
 //!
-//! [`Link`] is the blocking driver (helper processes, tools, tests, benchmarks); the actor
-//! layer drives the same wire format and handshake asynchronously.
+//! [`Link`] is the blocking driver (helper processes, tools, tests, benchmarks);
+//! [`AsyncLink`] drives the same wire format and handshake on tokio (the actor layer).
 
 mod creds;
 mod handshake;
+mod nonblocking;
 mod socket_dir;
 mod wire;
 
 pub use creds::{PeerCred, PeerPolicy};
+pub use nonblocking::{AsyncLink, LinkReader, LinkWriter};
 pub use socket_dir::SocketDir;
 pub use wire::{FrameFds, Received};
 

@@ -147,6 +147,67 @@ pub struct Gone {
     pub generation: Generation,
 }
 
+/// A typed message for a named actor in the receiving process.
+///
+/// `payload` is the user's message, bincode-encoded; each `Shared<T>` field in it was
+/// encoded as an index into `offers`, whose leases the sender created for this receiver.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Call {
+    /// Chosen by the caller; the [`Reply`] names it. Unique per link and direction.
+    pub id: u64,
+    /// The name the receiving actor was registered under.
+    pub target: String,
+    /// The message type's wire name, checked against what the target accepts.
+    pub type_name: String,
+    /// The encoded message.
+    #[serde(with = "serde_bytes")]
+    pub payload: Vec<u8>,
+    /// The buffers the message carries, each under a fresh lease for the receiver.
+    pub offers: Vec<Offer>,
+}
+
+/// Why a [`Call`] produced no reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[non_exhaustive]
+pub enum CallFault {
+    /// No actor is registered under the target name.
+    NoSuchActor,
+    /// The target accepts another message type.
+    WrongType {
+        /// The type the target accepts.
+        expected: String,
+    },
+    /// The payload did not decode as the target's message type.
+    BadPayload(String),
+    /// The target actor stopped before it answered.
+    ActorGone,
+    /// The reply could not be encoded or its buffers could not be shared.
+    ReplyFailed(String),
+}
+
+/// The answer to a [`Call`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Reply {
+    /// The call answered.
+    pub id: u64,
+    /// The encoded reply and the buffers it carries, or why there is none.
+    pub outcome: Result<Payload, CallFault>,
+}
+
+/// An encoded message with the buffers it carries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Payload {
+    /// The encoded value.
+    #[serde(with = "serde_bytes")]
+    pub bytes: Vec<u8>,
+    /// Its buffers, under fresh leases.
+    pub offers: Vec<Offer>,
+}
+
 /// Every message a link carries.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
@@ -172,6 +233,10 @@ pub enum Message {
     Revoke(Revoke),
     /// [`Gone`].
     Gone(Gone),
+    /// [`Call`].
+    Call(Call),
+    /// [`Reply`].
+    Reply(Reply),
     /// Liveness probe; answered with `Pong` of the same value.
     Ping(u64),
     /// Answer to `Ping`.
@@ -190,6 +255,8 @@ impl Message {
             Message::Release(_) => "Release",
             Message::Revoke(_) => "Revoke",
             Message::Gone(_) => "Gone",
+            Message::Call(_) => "Call",
+            Message::Reply(_) => "Reply",
             Message::Ping(_) => "Ping",
             Message::Pong(_) => "Pong",
         }

@@ -53,7 +53,15 @@ impl Peer {
         }
     }
 
+    /// The exit status, if the child has exited (reaping it).
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().expect("try_wait")?;
+        self.child = None;
+        Some(status)
+    }
+
     /// Waits for the child to exit, at most `deadline`; kills it and panics past that.
+    /// Blocks the thread: inside an actix system use `actors::exited` instead.
     pub fn wait(&mut self, deadline: Duration) -> ExitStatus {
         let start = Instant::now();
         let child = self.child.as_mut().expect("running");

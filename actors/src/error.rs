@@ -1,0 +1,161 @@
+use crate::ids::BufferId;
+use baton_messages::protocol::CallFault;
+use baton_messages::{DType, ExporterId, LeaseId, ProcessId};
+use std::time::Duration;
+
+/// Everything that can go wrong in the actor protocol.
+///
+/// The variants from [`UnknownLease`](Self::UnknownLease) to [`Unexpected`](Self::Unexpected)
+/// are a peer breaking the protocol: the link that carried it is dropped (see
+/// [`PeerEvent::Down`](crate::PeerEvent::Down)), and every other link and lease carries on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ActorError {
+    /// Memory or transport mechanics failed.
+    #[error(transparent)]
+    Ipc(#[from] baton_ipc::Error),
+    /// A message or reply could not be encoded.
+    #[error("could not encode {what}: {reason}")]
+    Encode {
+        /// What was being encoded.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A message or reply could not be decoded.
+    #[error("could not decode {what}: {reason}")]
+    Decode {
+        /// What was being decoded.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The remote side answered a call with a fault.
+    #[error("the remote actor refused the call: {0:?}")]
+    Remote(CallFault),
+    /// The link to the peer closed before the operation completed.
+    #[error("the link to {peer} is closed")]
+    LinkClosed {
+        /// The peer.
+        peer: ProcessId,
+    },
+    /// The buffer's exporter is gone (its process died or its link closed): the data may
+    /// be incomplete. Drop the lease; the mapping is closed when the last one goes.
+    #[error("the exporter {exporter} is gone: this lease is orphaned, drop it")]
+    Orphaned {
+        /// The exporting process.
+        exporter: ProcessId,
+    },
+    /// A buffer's element type is not the one asked for.
+    #[error("buffer holds {got:?} elements, not {expected:?}")]
+    WrongElementType {
+        /// The element type asked for.
+        expected: DType,
+        /// The element type the buffer has (`None`: untyped).
+        got: Option<DType>,
+    },
+    /// An element index or count outside the buffer.
+    #[error("{len} elements at index {index} do not fit a buffer of {size} elements")]
+    OutOfBounds {
+        /// First element.
+        index: usize,
+        /// Elements accessed.
+        len: usize,
+        /// Elements in the buffer.
+        size: usize,
+    },
+    /// The buffer is not (or no longer) owned here.
+    #[error("{0:?} is not owned by this buffer owner (freed, or never allocated here)")]
+    UnknownBuffer(BufferId),
+    /// A buffer received from another process was put in an outgoing message: only its
+    /// owner can share it.
+    #[error("a received buffer cannot be forwarded: ask its owner to share it")]
+    NotOwned,
+    /// `open()` was called on a buffer that was never received.
+    #[error("this Shared buffer was not received from another process: use the Buffer itself")]
+    NotReceived,
+    /// A message carries more descriptor-shared buffers than a frame may carry.
+    #[error(
+        "a message carries {count} descriptor-shared allocations; a frame carries at most {max}"
+    )]
+    TooManyDescriptors {
+        /// Descriptors needed.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The peer released a lease this link never granted it: unknown, released twice, or
+    /// granted to another peer.
+    #[error(
+        "peer released {lease:?}, which this link never granted it (unknown, replayed, or another peer's)"
+    )]
+    UnknownLease {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// The peer offered a buffer it does not own.
+    #[error("peer offered a buffer of {claimed}, not one of its own")]
+    ForeignOffer {
+        /// The exporter the handle names.
+        claimed: ExporterId,
+    },
+    /// The peer offered the same lease twice.
+    #[error("peer offered {lease:?} twice")]
+    DuplicateLease {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// The peer answered a call that is not pending.
+    #[error("peer answered call {id}, which is not pending")]
+    UnknownCall {
+        /// The call id.
+        id: u64,
+    },
+    /// The peer sent a message that makes no sense on an established link.
+    #[error("peer sent {got} on an established link")]
+    Unexpected {
+        /// The message kind.
+        got: &'static str,
+    },
+    /// The peer held a revoked lease past its deadline and was cut off.
+    #[error("peer held {lease:?} past its revoke deadline")]
+    RevokeDeadline {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// An actor's mailbox is closed.
+    #[error("actor mailbox: {0}")]
+    Mailbox(#[from] actix::MailboxError),
+    /// A wait ran past its deadline.
+    #[error("{op} timed out after {after:?}")]
+    Timeout {
+        /// What was waited for.
+        op: &'static str,
+        /// The deadline.
+        after: Duration,
+    },
+    /// A child process could not be spawned.
+    #[error("spawning child {name}: {source}")]
+    Spawn {
+        /// The child's name.
+        name: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl ActorError {
+    /// Whether this error is a peer breaking the protocol (its link is dropped for it).
+    pub fn is_peer_fault(&self) -> bool {
+        match self {
+            ActorError::Ipc(e) => e.is_peer_fault(),
+            ActorError::UnknownLease { .. }
+            | ActorError::ForeignOffer { .. }
+            | ActorError::DuplicateLease { .. }
+            | ActorError::UnknownCall { .. }
+            | ActorError::Unexpected { .. } => true,
+            _ => false,
+        }
+    }
+}

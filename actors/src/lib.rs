@@ -1,0 +1,62 @@
+//! Baton's actor protocol, on actix.
+//!
+//! Actors own device (or host) buffers, and other processes borrow them under leases:
+//!
+//! ```text
+//!  exporter process                               importer process
+//!  ┌────────────────────────────┐                 ┌─────────────────────────────┐
+//!  │ BufferOwner ── lease table │                 │ your actor (registered name)│
+//!  │   Buffer<T> ─ share() ─┐   │   Call + offers │   Shared<T> ─ open() ─ Lease │
+//!  │ RemoteAddr<M>.send(M{..})──┼──── PeerLink ───┼─▶ Handler<M>                │
+//!  │                        ◀───┼─── Release ─────┼── drop(Lease)               │
+//!  └────────────────────────────┘  (one actor per └─────────────────────────────┘
+//!                                    connection)
+//! ```
+//!
+//! - [`Node`]: this process in a deployment — session, backend, import cache, links, and
+//!   the actors reachable by name ([`Node::register`]).
+//! - [`BufferOwner`]: allocates [`Buffer`]s and keeps their lease table. A lease exists
+//!   from the moment its offer is sent. Dropping the last `Buffer` handle frees the buffer
+//!   once no lease is out — never before. [`Revoke`] asks for leases back by a deadline.
+//! - [`PeerLink`]: one actor per connection; framing, handshake, descriptors, routing of
+//!   the lease protocol; the peer's death reclaims its leases and orphans ours.
+//! - Typed buffer messages: a [`RemoteMessage`] may hold [`Shared<T>`] fields; sending it
+//!   through a [`RemoteAddr`] leases its buffers to the receiver, which `open()`s them into
+//!   [`Lease<T>`]s. Replies may carry buffers too.
+//! - [`supervisor`]: a process supervisor that spawns, watches and restarts child processes
+//!   (one-for-one or one-for-all, at most N restarts in a window), and feeds their deaths
+//!   into the lease protocol.
+//!
+//! Design choice: each owner's lease table lives beside its actor, behind a mutex, not
+//! inside it. Leases are granted and returned on the hot path of every handoff by the
+//! link actors, and a few hash-map operations under a mutex cost far less than two extra
+//! mailbox round trips. The actor keeps what needs time (revoke deadlines) and identity.
+//!
+//! All actors of a node run on the actix system of the calling thread.
+
+#![deny(unsafe_code)]
+
+mod buffer;
+mod error;
+mod ids;
+mod ledger;
+mod link;
+mod node;
+mod owner;
+mod remote;
+pub mod supervisor;
+
+pub use buffer::{Buffer, Element, Lease, Shared};
+pub use error::ActorError;
+pub use ids::{BufferId, LinkId};
+pub use ledger::{BufferLeases, OwnerStats};
+pub use link::PeerLink;
+pub use node::{Listening, Node, Offered, Peer, PeerEvent, RevokeRequested};
+pub use owner::{Allocate, BufferOwner, LeaseTable, Revoke, Stats};
+pub use remote::{RemoteAddr, RemoteMessage};
+pub use supervisor::{
+    ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor, RestartPolicy, Shutdown,
+    Strategy, SupervisorEvent,
+};
+
+pub use actix;

@@ -1,0 +1,193 @@
+//! [`BufferOwner`]: the actor that owns exportable buffers and their lease table.
+
+use crate::buffer::{Buffer, Element};
+use crate::error::ActorError;
+use crate::ids::BufferId;
+use crate::ledger::{BufferLeases, Ledger, OwnerStats};
+use crate::link::{CutOff, SendRevoke};
+use crate::node::Node;
+use actix::prelude::*;
+use baton_ipc::SharedBackend;
+use baton_messages::{ActorId, Layout, Shape};
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The actor that owns buffers: it allocates them through a backend, and its lease table
+/// records every lease on each of them from the moment an offer is sent.
+///
+/// - Buffers are freed by dropping their last [`Buffer`] handle; a buffer with leases out
+///   is *retired* and freed as soon as the last lease comes back — never before.
+/// - [`Revoke`] asks the holders of a buffer to give it back by a deadline; a holder
+///   that does not is cut off (its link is closed, which reclaims all its leases).
+/// - A peer's death (its link closing) reclaims all its leases at once.
+///
+/// The lease table lives beside the actor (see the crate docs), so it survives a restart
+/// of the actor under actix's `Supervisor`.
+#[derive(Debug)]
+pub struct BufferOwner {
+    ledger: Arc<Ledger>,
+    backend: SharedBackend,
+    span: tracing::Span,
+}
+
+impl BufferOwner {
+    /// An owner that allocates with the node's backend.
+    pub fn new(node: &Node) -> Self {
+        Self::with_backend(node, Arc::clone(node.backend()))
+    }
+
+    /// An owner that allocates with another backend.
+    pub fn with_backend(node: &Node, backend: SharedBackend) -> Self {
+        let id = crate::ids::next_actor();
+        Self {
+            ledger: Ledger::new(id, node.session().clone()),
+            span: tracing::info_span!("buffer_owner", actor = %id, backend = backend.name()),
+            backend,
+        }
+    }
+
+    /// Its actor id (in handle messages' exporter identity).
+    pub fn actor_id(&self) -> ActorId {
+        self.ledger.owner
+    }
+
+    fn enforce_deadlines(&mut self) {
+        let _g = self.span.enter();
+        for (lease, link) in self.ledger.overdue(Instant::now()) {
+            tracing::warn!(%lease, peer = %link.peer(), "revoke deadline passed: cutting the holder off");
+            link.addr
+                .do_send(CutOff(ActorError::RevokeDeadline { lease }));
+        }
+    }
+}
+
+impl Actor for BufferOwner {
+    type Context = Context<Self>;
+
+    fn started(&mut self, _ctx: &mut Self::Context) {
+        let _g = self.span.enter();
+        tracing::debug!("started");
+    }
+}
+
+impl Supervised for BufferOwner {
+    fn restarting(&mut self, _ctx: &mut Self::Context) {
+        let _g = self.span.enter();
+        tracing::info!("restarting; the lease table is kept");
+    }
+}
+
+/// Allocates a buffer of `T`s of a given shape. Replies with its [`Buffer`] handle.
+#[derive(Debug)]
+pub struct Allocate<T: Element> {
+    shape: Shape,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> Allocate<T> {
+    /// A buffer of this shape.
+    pub fn new(shape: Shape) -> Self {
+        Self {
+            shape,
+            _t: PhantomData,
+        }
+    }
+
+    /// A buffer of `len` elements.
+    pub fn vector(len: u64) -> Self {
+        Self::new(Shape::vector(len))
+    }
+}
+
+impl<T: Element> Message for Allocate<T> {
+    type Result = Result<Buffer<T>, ActorError>;
+}
+
+impl<T: Element> Handler<Allocate<T>> for BufferOwner {
+    type Result = Result<Buffer<T>, ActorError>;
+
+    fn handle(&mut self, msg: Allocate<T>, _ctx: &mut Self::Context) -> Self::Result {
+        let _g = self.span.enter();
+        let layout = Layout::new(T::DTYPE, msg.shape);
+        let bytes = layout
+            .byte_len()
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or(ActorError::OutOfBounds {
+                index: 0,
+                len: usize::MAX,
+                size: 0,
+            })?;
+        let alloc = self.backend.allocate(bytes)?;
+        tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated");
+        Ok(Buffer::new(self.ledger.insert(alloc, layout)))
+    }
+}
+
+/// Asks every holder of a buffer to release it within a deadline. Replies with how many
+/// leases were asked back. Holders still holding at the deadline are cut off.
+#[derive(Debug, Clone, Copy)]
+pub struct Revoke {
+    /// The buffer.
+    pub buffer: BufferId,
+    /// How long holders have.
+    pub within: Duration,
+}
+
+impl Message for Revoke {
+    type Result = Result<usize, ActorError>;
+}
+
+impl Handler<Revoke> for BufferOwner {
+    type Result = Result<usize, ActorError>;
+
+    fn handle(&mut self, msg: Revoke, ctx: &mut Self::Context) -> Self::Result {
+        let _g = self.span.enter();
+        let leases = self
+            .ledger
+            .revoke(msg.buffer, Instant::now() + msg.within)?;
+        for (lease, link) in &leases {
+            tracing::info!(%lease, peer = %link.peer(), within = ?msg.within, "revoking");
+            link.addr.do_send(SendRevoke {
+                lease: *lease,
+                within: msg.within,
+            });
+        }
+        if !leases.is_empty() {
+            ctx.run_later(msg.within, |act, _| act.enforce_deadlines());
+        }
+        Ok(leases.len())
+    }
+}
+
+/// Replies with the lease table: each live buffer, its leases and holders.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseTable;
+
+impl Message for LeaseTable {
+    type Result = Vec<BufferLeases>;
+}
+
+impl Handler<LeaseTable> for BufferOwner {
+    type Result = MessageResult<LeaseTable>;
+
+    fn handle(&mut self, _: LeaseTable, _ctx: &mut Self::Context) -> Self::Result {
+        MessageResult(self.ledger.table())
+    }
+}
+
+/// Replies with the owner's counters.
+#[derive(Debug, Clone, Copy)]
+pub struct Stats;
+
+impl Message for Stats {
+    type Result = OwnerStats;
+}
+
+impl Handler<Stats> for BufferOwner {
+    type Result = MessageResult<Stats>;
+
+    fn handle(&mut self, _: Stats, _ctx: &mut Self::Context) -> Self::Result {
+        MessageResult(self.ledger.stats())
+    }
+}

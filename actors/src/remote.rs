@@ -1,0 +1,294 @@
+//! Typed messages to actors in other processes.
+//!
+//! A user message type implements actix's `Message` (its `Result` is the reply) and
+//! [`RemoteMessage`] (its wire name). The receiving process registers an actor under a name
+//! with [`Node::register`](crate::Node::register); the sending process gets a
+//! [`RemoteAddr`] from a [`Peer`](crate::Peer) and `send`s to it like to an actix `Addr`.
+//!
+//! Messages and replies may hold [`Shared<T>`] fields. Encoding writes each as an index
+//! into a side table (as ipc-channel does for its OS objects); the sending link turns the
+//! table into leases and offers, and the receiving link turns offers back into unopened
+//! leases that decoding places in the same fields.
+
+use crate::buffer::{BufferCell, Element, IncomingLease, Shared, SharedInner};
+use crate::error::ActorError;
+use crate::link::{LinkRef, OutCall};
+use baton_messages::protocol::CallFault;
+use serde::de::{DeserializeOwned, Error as _};
+use serde::ser::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::cell::RefCell;
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// A message that can be sent to an actor in another process.
+///
+/// ```
+/// use baton_actors::{RemoteMessage, Shared};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize, actix::Message)]
+/// #[rtype(result = "u64")]
+/// struct Checksum {
+///     data: Shared<u8>,
+/// }
+///
+/// impl RemoteMessage for Checksum {
+///     const NAME: &'static str = "example.Checksum";
+/// }
+/// ```
+pub trait RemoteMessage: actix::Message + Serialize + DeserializeOwned + Send + 'static {
+    /// The type's name on the wire; the receiver checks it matches what it registered.
+    const NAME: &'static str;
+}
+
+/// An encoded value and the buffers it shares.
+pub(crate) struct Encoded {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) cells: Vec<Arc<BufferCell>>,
+}
+
+/// A received value not yet decoded, with its leases.
+pub(crate) struct IncomingPayload {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) leases: Vec<IncomingLease>,
+}
+
+thread_local! {
+    static OUTGOING: RefCell<Option<Vec<Arc<BufferCell>>>> = const { RefCell::new(None) };
+    static INCOMING: RefCell<Option<Vec<Option<IncomingLease>>>> = const { RefCell::new(None) };
+}
+
+type Config = bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<{ baton_messages::MAX_FRAME_LEN }>,
+>;
+
+fn config() -> Config {
+    bincode::config::standard().with_limit::<{ baton_messages::MAX_FRAME_LEN }>()
+}
+
+/// Encodes `value`, collecting the buffers of its `Shared` fields.
+pub(crate) fn encode<V: Serialize>(what: &'static str, value: &V) -> Result<Encoded, ActorError> {
+    let previous = OUTGOING.with(|t| t.replace(Some(Vec::new())));
+    let bytes = bincode::serde::encode_to_vec(value, config());
+    let cells = OUTGOING.with(|t| t.replace(previous)).unwrap_or_default();
+    let bytes = bytes.map_err(|e| ActorError::Encode {
+        what,
+        reason: e.to_string(),
+    })?;
+    Ok(Encoded { bytes, cells })
+}
+
+/// Decodes a value whose `Shared` fields index into `leases`. Leases no field claimed are
+/// released (dropped).
+pub(crate) fn decode<V: DeserializeOwned>(
+    what: &'static str,
+    bytes: &[u8],
+    leases: Vec<IncomingLease>,
+) -> Result<V, ActorError> {
+    let table = leases.into_iter().map(Some).collect();
+    let previous = INCOMING.with(|t| t.replace(Some(table)));
+    let decoded = bincode::serde::decode_from_slice::<V, _>(bytes, config());
+    drop(INCOMING.with(|t| t.replace(previous)));
+    let fail = |reason: String| ActorError::Decode { what, reason };
+    match decoded {
+        Ok((v, used)) if used == bytes.len() => Ok(v),
+        Ok((_, used)) => Err(fail(format!(
+            "{} bytes after the value",
+            bytes.len() - used
+        ))),
+        Err(e) => Err(fail(e.to_string())),
+    }
+}
+
+impl<T: Element> Serialize for Shared<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let SharedInner::Local(cell) = &self.inner else {
+            return Err(S::Error::custom(ActorError::NotOwned));
+        };
+        let index = OUTGOING.with(|t| {
+            t.borrow_mut().as_mut().map(|cells| {
+                cells.push(Arc::clone(cell));
+                cells.len() - 1
+            })
+        });
+        match index {
+            Some(i) => s.serialize_u32(i as u32),
+            None => Err(S::Error::custom(
+                "Shared<T> can only be sent in a Baton message",
+            )),
+        }
+    }
+}
+
+impl<'de, T: Element> Deserialize<'de> for Shared<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let index = u32::deserialize(d)? as usize;
+        let lease = INCOMING.with(|t| {
+            let mut t = t.borrow_mut();
+            let table = t.as_mut().ok_or_else(|| {
+                D::Error::custom("Shared<T> can only be received in a Baton message")
+            })?;
+            table
+                .get_mut(index)
+                .ok_or_else(|| D::Error::custom(format!("buffer index {index} out of range")))?
+                .take()
+                .ok_or_else(|| D::Error::custom(format!("buffer index {index} used twice")))
+        })?;
+        let got = lease
+            .imported
+            .as_ref()
+            .and_then(|i| i.layout())
+            .map(|l| l.dtype);
+        if got != Some(T::DTYPE) {
+            return Err(D::Error::custom(ActorError::WrongElementType {
+                expected: T::DTYPE,
+                got,
+            }));
+        }
+        Ok(Shared {
+            inner: SharedInner::Incoming(lease),
+            _t: PhantomData,
+        })
+    }
+}
+
+pub(crate) type Answer = Pin<Box<dyn Future<Output = Result<Encoded, CallFault>>>>;
+
+/// A registered receiver, with its message type erased.
+pub(crate) trait ErasedHandler: Send + Sync {
+    fn type_name(&self) -> &'static str;
+    /// Decodes the message, enqueues it to the actor, and returns the encoded answer to come.
+    fn invoke(&self, payload: &[u8], leases: Vec<IncomingLease>) -> Result<Answer, CallFault>;
+}
+
+pub(crate) struct Registered<M: RemoteMessage>
+where
+    M::Result: Send,
+{
+    pub(crate) recipient: actix::Recipient<M>,
+}
+
+impl<M> ErasedHandler for Registered<M>
+where
+    M: RemoteMessage,
+    M::Result: Serialize + Send,
+{
+    fn type_name(&self) -> &'static str {
+        M::NAME
+    }
+
+    fn invoke(&self, payload: &[u8], leases: Vec<IncomingLease>) -> Result<Answer, CallFault> {
+        let msg: M =
+            decode("message", payload, leases).map_err(|e| CallFault::BadPayload(e.to_string()))?;
+        // `send` enqueues now, so calls reach the actor in the order they arrived.
+        let request = self.recipient.send(msg);
+        Ok(Box::pin(async move {
+            match request.await {
+                Ok(reply) => {
+                    encode("reply", &reply).map_err(|e| CallFault::ReplyFailed(e.to_string()))
+                }
+                Err(_) => Err(CallFault::ActorGone),
+            }
+        }))
+    }
+}
+
+/// The address of a named actor in another process, for one message type.
+pub struct RemoteAddr<M: RemoteMessage> {
+    pub(crate) link: LinkRef,
+    pub(crate) target: Arc<str>,
+    pub(crate) _m: PhantomData<fn(M)>,
+}
+
+impl<M: RemoteMessage> Clone for RemoteAddr<M> {
+    fn clone(&self) -> Self {
+        Self {
+            link: self.link.clone(),
+            target: Arc::clone(&self.target),
+            _m: PhantomData,
+        }
+    }
+}
+
+impl<M: RemoteMessage> fmt::Debug for RemoteAddr<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "RemoteAddr<{}>({} on {:?})",
+            M::NAME,
+            self.target,
+            self.link
+        )
+    }
+}
+
+impl<M> RemoteAddr<M>
+where
+    M: RemoteMessage,
+    M::Result: DeserializeOwned,
+{
+    /// Whether the link to the actor's process is still up.
+    pub fn connected(&self) -> bool {
+        self.link.is_alive()
+    }
+
+    /// Sends `msg` and waits for the typed reply. The buffers in `msg` are leased to the
+    /// receiving process before the message leaves.
+    ///
+    /// The message is encoded and queued on the link when `send` is called (so calls leave
+    /// in the order they were made); the returned future only waits for the reply and
+    /// borrows nothing.
+    ///
+    /// # Errors
+    /// [`ActorError::Encode`], [`ActorError::LinkClosed`] if the link goes down first,
+    /// [`ActorError::Remote`] if the receiver refused the call, [`ActorError::Decode`].
+    pub fn send(&self, msg: M) -> impl Future<Output = Result<M::Result, ActorError>> + 'static {
+        let queued = encode("message", &msg).map(|encoded| {
+            let (tx, rx) = oneshot::channel();
+            self.link.addr.do_send(OutCall {
+                target: Arc::clone(&self.target),
+                type_name: M::NAME,
+                encoded,
+                reply: tx,
+            });
+            rx
+        });
+        drop(msg);
+        let peer = self.link.peer();
+        async move {
+            let payload = queued?
+                .await
+                .map_err(|_| ActorError::LinkClosed { peer })??;
+            decode("reply", &payload.bytes, payload.leases)
+        }
+    }
+
+    /// [`send`](Self::send) with a deadline.
+    ///
+    /// # Errors
+    /// As `send`, and [`ActorError::Timeout`]. A reply that comes after the deadline is
+    /// dropped (its leases are released).
+    pub fn send_timeout(
+        &self,
+        msg: M,
+        after: Duration,
+    ) -> impl Future<Output = Result<M::Result, ActorError>> + 'static {
+        let reply = self.send(msg);
+        async move {
+            tokio::time::timeout(after, reply)
+                .await
+                .map_err(|_| ActorError::Timeout {
+                    op: "remote call",
+                    after,
+                })?
+        }
+    }
+}

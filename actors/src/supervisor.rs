@@ -1,0 +1,473 @@
+//! [`ProcessSupervisor`]: spawns child processes, watches them, restarts them by strategy,
+//! and feeds their deaths into the lease protocol.
+//!
+//! - Children are spawned with `std::process::Command` (never `fork` after CUDA init).
+//!   A small reaper thread per child waits for it and reports its exit; signals go through
+//!   a pidfd (`pidfd_open`, `pidfd_send_signal`), so a recycled pid can never be hit.
+//! - Each child gets the session token ([`baton_ipc::TOKEN_ENV`]), its name
+//!   ([`CHILD_NAME_ENV`]) and, if set, the socket to connect back to ([`CONNECT_ENV`]).
+//! - When a child dies, every link to its pid is cut at once (reclaiming the leases it
+//!   held, orphaning the ones it granted), even if a descendant inherited its socket.
+//! - Restarts: [`Strategy::OneForOne`] restarts the child that died;
+//!   [`Strategy::OneForAll`] kills and restarts them all. More than
+//!   [`RestartPolicy::max_restarts`] restarts within [`RestartPolicy::within`] escalates:
+//!   every child is killed, subscribers get [`SupervisorEvent::Escalated`], and the
+//!   supervisor stops.
+//! - Stopping the supervisor kills and reaps every child.
+
+use crate::error::ActorError;
+use crate::node::Node;
+use actix::prelude::*;
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The variable that tells a child its name.
+pub const CHILD_NAME_ENV: &str = "BATON_CHILD_NAME";
+/// The variable that tells a child which socket to connect back to.
+pub const CONNECT_ENV: &str = "BATON_CONNECT";
+
+/// How to start one child.
+#[derive(Debug, Clone)]
+pub struct ChildSpec {
+    /// Its name (unique among the supervisor's children).
+    pub name: String,
+    /// The program.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+}
+
+impl ChildSpec {
+    /// A child running `program`.
+    pub fn new(name: impl Into<String>, program: impl Into<PathBuf>) -> Self {
+        Self {
+            name: name.into(),
+            program: program.into(),
+            args: Vec::new(),
+            env: Vec::new(),
+        }
+    }
+
+    /// The same binary as this process (`std::env::current_exe`), as most examples do
+    /// with a role argument.
+    ///
+    /// # Errors
+    /// [`ActorError::Spawn`] if the running executable cannot be found.
+    pub fn this_exe(name: impl Into<String>) -> Result<Self, ActorError> {
+        let name = name.into();
+        let exe = std::env::current_exe().map_err(|source| ActorError::Spawn {
+            name: name.clone(),
+            source,
+        })?;
+        Ok(Self::new(name, exe))
+    }
+
+    /// Adds an argument.
+    pub fn arg(mut self, arg: impl Into<String>) -> Self {
+        self.args.push(arg.into());
+        self
+    }
+
+    /// Adds an environment variable.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+}
+
+/// Which children to restart when one dies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Only the one that died.
+    OneForOne,
+    /// All of them (for children that only make sense together).
+    OneForAll,
+}
+
+/// How many restarts are tolerated before the supervisor gives up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RestartPolicy {
+    /// At most this many restarts…
+    pub max_restarts: u32,
+    /// …within this window.
+    pub within: Duration,
+}
+
+impl Default for RestartPolicy {
+    /// 5 restarts in 10 s.
+    fn default() -> Self {
+        Self {
+            max_restarts: 5,
+            within: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What the supervisor did; supervision events are data, for subscribers.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+#[non_exhaustive]
+pub enum SupervisorEvent {
+    /// A child started.
+    Started {
+        /// Its name.
+        name: String,
+        /// Its pid.
+        pid: u32,
+        /// How many times it was restarted before this start.
+        restarts: u32,
+    },
+    /// A child exited (or was killed).
+    Exited {
+        /// Its name.
+        name: String,
+        /// Its pid.
+        pid: u32,
+        /// How it ended: an exit code, or the signal that killed it.
+        status: String,
+    },
+    /// The restart limit was exceeded: all children were killed and the supervisor stops.
+    Escalated {
+        /// Restarts seen within the window.
+        restarts: usize,
+    },
+}
+
+/// The state of one child, for [`Children`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildStatus {
+    /// Its name.
+    pub name: String,
+    /// Its pid, if running.
+    pub pid: Option<u32>,
+    /// Times restarted so far.
+    pub restarts: u32,
+}
+
+struct Running {
+    pid: u32,
+    incarnation: u64,
+    pidfd: OwnedFd,
+    /// Waits for the child, reaps it, reports the exit, and returns the status.
+    reaper: Option<JoinHandle<Option<ExitStatus>>>,
+}
+
+fn describe(status: Option<ExitStatus>) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(code), _) => format!("exit code {code}"),
+            (None, Some(sig)) => format!("killed by signal {sig}"),
+            _ => format!("{s}"),
+        },
+        None => "unknown".to_owned(),
+    }
+}
+
+/// A process supervisor (see the [module docs](self)).
+pub struct ProcessSupervisor {
+    specs: Vec<ChildSpec>,
+    strategy: Strategy,
+    policy: RestartPolicy,
+    node: Node,
+    connect: Option<PathBuf>,
+    running: HashMap<String, Running>,
+    restarts: HashMap<String, u32>,
+    recent: VecDeque<Instant>,
+    incarnation: u64,
+    watchers: Vec<Recipient<SupervisorEvent>>,
+    stopping: bool,
+    span: tracing::Span,
+}
+
+impl std::fmt::Debug for ProcessSupervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessSupervisor")
+            .field("strategy", &self.strategy)
+            .field("policy", &self.policy)
+            .field("running", &self.running.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl ProcessSupervisor {
+    /// A supervisor of `children` whose deaths are fed into `node`'s links.
+    pub fn new(
+        node: Node,
+        children: Vec<ChildSpec>,
+        strategy: Strategy,
+        policy: RestartPolicy,
+    ) -> Self {
+        Self {
+            specs: children,
+            strategy,
+            policy,
+            node,
+            connect: None,
+            running: HashMap::new(),
+            restarts: HashMap::new(),
+            recent: VecDeque::new(),
+            incarnation: 0,
+            watchers: Vec::new(),
+            stopping: false,
+            span: tracing::info_span!("process_supervisor"),
+        }
+    }
+
+    /// Tells children to connect back to this socket ([`CONNECT_ENV`]).
+    pub fn connect_back(mut self, socket: impl Into<PathBuf>) -> Self {
+        self.connect = Some(socket.into());
+        self
+    }
+
+    /// Sends events to `recipient` from the start.
+    pub fn subscriber(mut self, recipient: Recipient<SupervisorEvent>) -> Self {
+        self.watchers.push(recipient);
+        self
+    }
+
+    fn emit(&self, event: SupervisorEvent) {
+        for w in &self.watchers {
+            w.do_send(event.clone());
+        }
+    }
+
+    fn spawn_child(&mut self, spec: &ChildSpec, ctx: &mut Context<Self>) -> Result<(), ActorError> {
+        let spawn_err = |source| ActorError::Spawn {
+            name: spec.name.clone(),
+            source,
+        };
+        let (token_key, token) = self.node.session().child_env();
+        let mut cmd = Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env(token_key, token)
+            .env(CHILD_NAME_ENV, &spec.name);
+        if let Some(path) = &self.connect {
+            cmd.env(CONNECT_ENV, path);
+        }
+        cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
+        let mut child: Child = cmd.spawn().map_err(spawn_err)?;
+        let pid = child.id();
+        let pidfd = rustix::process::Pid::from_raw(pid as i32)
+            .ok_or_else(|| spawn_err(std::io::Error::other("pid 0")))
+            .and_then(|p| {
+                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty())
+                    .map_err(|e| spawn_err(e.into()))
+            });
+        let pidfd = match pidfd {
+            Ok(fd) => fd,
+            Err(e) => {
+                // Without a pidfd it cannot be signalled safely: do not leave it running.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
+            }
+        };
+        self.incarnation += 1;
+        let incarnation = self.incarnation;
+        let addr = ctx.address();
+        let name = spec.name.clone();
+        let reaper = std::thread::Builder::new()
+            .name(format!("reap-{name}"))
+            .spawn(move || {
+                let status = child.wait().ok();
+                addr.do_send(ChildExited {
+                    name,
+                    pid,
+                    incarnation,
+                    status,
+                });
+                status
+            })
+            .map_err(spawn_err)?;
+        let restarts = self.restarts.get(&spec.name).copied().unwrap_or(0);
+        tracing::info!(child = %spec.name, pid, restarts, "child started");
+        self.running.insert(
+            spec.name.clone(),
+            Running {
+                pid,
+                incarnation,
+                pidfd,
+                reaper: Some(reaper),
+            },
+        );
+        self.emit(SupervisorEvent::Started {
+            name: spec.name.clone(),
+            pid,
+            restarts,
+        });
+        Ok(())
+    }
+
+    fn start_child(&mut self, spec: ChildSpec, ctx: &mut Context<Self>) {
+        if let Err(e) = self.spawn_child(&spec, ctx) {
+            tracing::error!(child = %spec.name, error = %e, "could not start child; retrying");
+            // A failed start counts like a death: retry later, within the restart limit.
+            ctx.run_later(Duration::from_millis(100), move |act, ctx| {
+                act.on_death(&spec.name, ctx);
+            });
+        }
+    }
+
+    fn kill(running: &Running) {
+        let _ = rustix::process::pidfd_send_signal(&running.pidfd, rustix::process::Signal::KILL);
+    }
+
+    /// A child died (or failed to start): restart by strategy, or escalate.
+    fn on_death(&mut self, name: &str, ctx: &mut Context<Self>) {
+        if self.stopping {
+            return;
+        }
+        let now = Instant::now();
+        self.recent.push_back(now);
+        while self
+            .recent
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > self.policy.within)
+        {
+            self.recent.pop_front();
+        }
+        if self.recent.len() > self.policy.max_restarts as usize {
+            tracing::error!(restarts = self.recent.len(), window = ?self.policy.within, "restart limit exceeded: escalating");
+            self.emit(SupervisorEvent::Escalated {
+                restarts: self.recent.len(),
+            });
+            ctx.stop();
+            return;
+        }
+        let to_restart: Vec<ChildSpec> = match self.strategy {
+            Strategy::OneForOne => self
+                .specs
+                .iter()
+                .filter(|s| s.name == name)
+                .cloned()
+                .collect(),
+            Strategy::OneForAll => {
+                for running in self.running.values() {
+                    Self::kill(running);
+                }
+                // Their exits arrive later, as an older incarnation: reaped, not restarted.
+                self.running.clear();
+                self.specs.clone()
+            }
+        };
+        for spec in to_restart {
+            *self.restarts.entry(spec.name.clone()).or_insert(0) += 1;
+            self.start_child(spec, ctx);
+        }
+    }
+}
+
+impl Actor for ProcessSupervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let _g = self.span.clone().entered();
+        for spec in self.specs.clone() {
+            self.start_child(spec, ctx);
+        }
+    }
+
+    fn stopped(&mut self, _ctx: &mut Self::Context) {
+        let _g = self.span.clone().entered();
+        self.stopping = true;
+        for (name, mut running) in self.running.drain() {
+            Self::kill(&running);
+            let status = running.reaper.take().and_then(|r| r.join().ok()).flatten();
+            self.node.disconnect_pid(running.pid);
+            tracing::info!(child = %name, pid = running.pid, status = %describe(status), "child stopped with the supervisor");
+        }
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct ChildExited {
+    name: String,
+    pid: u32,
+    incarnation: u64,
+    status: Option<ExitStatus>,
+}
+
+impl Handler<ChildExited> for ProcessSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ChildExited, ctx: &mut Self::Context) {
+        let _g = self.span.clone().entered();
+        // Feed the death into the lease protocol first.
+        self.node.disconnect_pid(msg.pid);
+        let status = describe(msg.status);
+        tracing::warn!(child = %msg.name, pid = msg.pid, %status, "child exited");
+        self.emit(SupervisorEvent::Exited {
+            name: msg.name.clone(),
+            pid: msg.pid,
+            status,
+        });
+        let current = self
+            .running
+            .get(&msg.name)
+            .is_some_and(|r| r.incarnation == msg.incarnation);
+        if current {
+            self.running.remove(&msg.name);
+            self.on_death(&msg.name, ctx);
+        }
+    }
+}
+
+/// SIGKILLs a child by name (chaos testing). Replies with the pid killed.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Option<u32>")]
+pub struct KillChild(pub String);
+
+impl Handler<KillChild> for ProcessSupervisor {
+    type Result = Option<u32>;
+
+    fn handle(&mut self, msg: KillChild, _ctx: &mut Self::Context) -> Option<u32> {
+        let running = self.running.get(&msg.0)?;
+        tracing::info!(child = %msg.0, pid = running.pid, "killing child");
+        Self::kill(running);
+        Some(running.pid)
+    }
+}
+
+/// Replies with every child's state.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "Vec<ChildStatus>")]
+pub struct Children;
+
+impl Handler<Children> for ProcessSupervisor {
+    type Result = MessageResult<Children>;
+
+    fn handle(&mut self, _: Children, _ctx: &mut Self::Context) -> Self::Result {
+        MessageResult(
+            self.specs
+                .iter()
+                .map(|s| ChildStatus {
+                    name: s.name.clone(),
+                    pid: self.running.get(&s.name).map(|r| r.pid),
+                    restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
+                })
+                .collect(),
+        )
+    }
+}
+
+/// Kills and reaps every child, then stops the supervisor.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+impl Handler<Shutdown> for ProcessSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: Shutdown, ctx: &mut Self::Context) {
+        self.stopping = true;
+        ctx.stop();
+    }
+}

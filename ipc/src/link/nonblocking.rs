@@ -1,0 +1,269 @@
+//! The asynchronous driver of links, on tokio: the same wire format and handshake as the
+//! blocking [`Link`](super::Link), for event loops and actors.
+
+use super::creds::PeerCred;
+use super::handshake::{ClientHandshake, Refusal, ServerHandshake};
+use super::wire::{Received, Receiver, io_error, send_some};
+use super::{LinkConfig, PeerInfo};
+use crate::{Error, Result};
+use baton_messages::codec::encode_frame;
+use baton_messages::protocol::RefuseReason;
+use baton_messages::{Message, ProcessId};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::Path;
+use std::sync::Arc;
+use tokio::io::Interest;
+use tokio::net::UnixStream;
+
+/// An established, authenticated link driven by tokio. Split it into a reader and a
+/// writer to receive and send from different tasks.
+#[derive(Debug)]
+pub struct AsyncLink {
+    stream: Arc<UnixStream>,
+    rx: Receiver,
+    peer: PeerInfo,
+}
+
+async fn send_frame(
+    stream: &UnixStream,
+    mut bytes: &[u8],
+    mut fds: &[BorrowedFd<'_>],
+) -> Result<()> {
+    while !bytes.is_empty() {
+        let n = stream
+            .async_io(Interest::WRITABLE, || send_some(stream.as_fd(), bytes, fds))
+            .await
+            .map_err(|e| io_error("sending a frame", e))?;
+        fds = &[];
+        bytes = &bytes[n..];
+    }
+    Ok(())
+}
+
+async fn recv_frame(stream: &UnixStream, rx: &mut Receiver) -> Result<Received> {
+    loop {
+        if let Some(received) = rx.next()? {
+            return Ok(received);
+        }
+        rx.check_fds()?;
+        let n = stream
+            .async_io(Interest::READABLE, || rx.recv_some(stream.as_fd()))
+            .await
+            .map_err(|e| io_error("receiving a frame", e))?;
+        if n == 0 {
+            return Err(rx.at_eof());
+        }
+    }
+}
+
+async fn send_message(stream: &UnixStream, msg: &Message) -> Result<()> {
+    let mut buf = Vec::with_capacity(256);
+    encode_frame(msg, 0, &mut buf)?;
+    send_frame(stream, &buf, &[]).await
+}
+
+async fn refuse(stream: &UnixStream, refusal: Refusal) -> Error {
+    if let Some(reply) = refusal.reply() {
+        let _ = send_message(stream, &reply).await;
+    }
+    refusal.error
+}
+
+impl AsyncLink {
+    /// Connects to the listener at `path` and completes the handshake as the client.
+    ///
+    /// # Errors
+    /// As [`Link::connect`](super::Link::connect).
+    pub async fn connect(path: impl AsRef<Path>, config: &LinkConfig) -> Result<AsyncLink> {
+        let stream = UnixStream::connect(path.as_ref())
+            .await
+            .map_err(Error::io("connecting to a Baton socket"))?;
+        Self::client(stream, config).await
+    }
+
+    /// Completes the handshake as the client over a connected stream.
+    ///
+    /// # Errors
+    /// As [`Link::client`](super::Link::client).
+    pub async fn client(stream: UnixStream, config: &LinkConfig) -> Result<AsyncLink> {
+        let cred = PeerCred::of(&stream)?;
+        config.policy.check(&cred)?;
+        let mut rx = Receiver::default();
+        let handshake = async {
+            let (state, hello) = ClientHandshake::start(&config.session)?;
+            send_message(&stream, &hello).await?;
+            let welcome = recv_frame(&stream, &mut rx).await?.message;
+            let (auth, server) = match state.on_welcome(&config.session, &cred, welcome) {
+                Ok(ok) => ok,
+                Err(r) => return Err(refuse(&stream, r).await),
+            };
+            send_message(&stream, &auth).await?;
+            Ok(server)
+        };
+        let server = deadline(config, handshake).await?;
+        tracing::debug!(peer = %server, "link established (client)");
+        Ok(Self::established(stream, rx, server, cred))
+    }
+
+    /// Completes the handshake as the server over an accepted stream.
+    ///
+    /// # Errors
+    /// As [`Link::server`](super::Link::server).
+    pub async fn server(stream: UnixStream, config: &LinkConfig) -> Result<AsyncLink> {
+        let cred = PeerCred::of(&stream)?;
+        if let Err(e) = config.policy.check(&cred) {
+            return Err(refuse(&stream, Refusal::new(e, RefuseReason::NotAllowed)).await);
+        }
+        let mut rx = Receiver::default();
+        let handshake = async {
+            let hello = recv_frame(&stream, &mut rx).await?.message;
+            let (state, welcome) = match ServerHandshake::on_hello(&config.session, &cred, hello) {
+                Ok(ok) => ok,
+                Err(r) => return Err(refuse(&stream, r).await),
+            };
+            send_message(&stream, &welcome).await?;
+            let auth = recv_frame(&stream, &mut rx).await?.message;
+            match state.on_auth(&config.session, auth) {
+                Ok(client) => Ok(client),
+                Err(r) => Err(refuse(&stream, r).await),
+            }
+        };
+        let client = deadline(config, handshake).await?;
+        tracing::debug!(peer = %client, "link established (server)");
+        Ok(Self::established(stream, rx, client, cred))
+    }
+
+    fn established(
+        stream: UnixStream,
+        rx: Receiver,
+        process: ProcessId,
+        cred: PeerCred,
+    ) -> AsyncLink {
+        AsyncLink {
+            stream: Arc::new(stream),
+            rx,
+            peer: PeerInfo { process, cred },
+        }
+    }
+
+    /// Who is at the other end.
+    pub fn peer(&self) -> &PeerInfo {
+        &self.peer
+    }
+
+    /// Splits into a receiving and a sending half, usable from different tasks.
+    pub fn into_split(self) -> (LinkReader, LinkWriter) {
+        (
+            LinkReader {
+                stream: Arc::clone(&self.stream),
+                rx: self.rx,
+            },
+            LinkWriter {
+                stream: self.stream,
+                buf: Vec::with_capacity(512),
+            },
+        )
+    }
+}
+
+async fn deadline<T>(config: &LinkConfig, fut: impl Future<Output = Result<T>>) -> Result<T> {
+    match tokio::time::timeout(config.handshake_timeout, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Timeout {
+            op: "link handshake",
+            after: config.handshake_timeout,
+        }),
+    }
+}
+
+/// The receiving half of an [`AsyncLink`].
+#[derive(Debug)]
+pub struct LinkReader {
+    stream: Arc<UnixStream>,
+    rx: Receiver,
+}
+
+impl LinkReader {
+    /// Receives the next message and the descriptors that came with it.
+    ///
+    /// # Errors
+    /// As [`Link::recv`](super::Link::recv); after an error, drop the link.
+    pub async fn recv(&mut self) -> Result<Received> {
+        recv_frame(&self.stream, &mut self.rx).await
+    }
+}
+
+/// The sending half of an [`AsyncLink`]. Closing it (drop) does not close the socket
+/// while the reader lives; [`shutdown`](Self::shutdown) does.
+#[derive(Debug)]
+pub struct LinkWriter {
+    stream: Arc<UnixStream>,
+    buf: Vec<u8>,
+}
+
+impl LinkWriter {
+    /// Sends one message with `fds` beside it.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] if the peer is gone, or an encoding error.
+    pub async fn send(&mut self, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
+        self.buf.clear();
+        encode_frame(msg, fds.len(), &mut self.buf)?;
+        send_frame(&self.stream, &self.buf, fds).await
+    }
+
+    /// Sends already encoded frames (see [`baton_messages::codec::encode_frame`]); `fds`
+    /// go with the first byte, so they must belong to the first frame.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] if the peer is gone.
+    pub async fn send_encoded(&mut self, frames: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+        send_frame(&self.stream, frames, fds).await
+    }
+
+    /// Shuts the socket down in both directions: the peer sees end of stream, and our
+    /// reader's pending receive ends.
+    pub fn shutdown(&self) {
+        let _ = rustix::net::shutdown(self.stream.as_fd(), rustix::net::Shutdown::Both);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Session;
+    use baton_messages::SessionToken;
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn handshake_and_frames_with_descriptors() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let config = LinkConfig::new(Session::new(SessionToken::from_bytes([8; 32])));
+        let (server, client) =
+            tokio::join!(AsyncLink::server(a, &config), AsyncLink::client(b, &config));
+        let (server, client) = (server.unwrap(), client.unwrap());
+        assert_eq!(server.peer().process, crate::process::current());
+        let (mut rx, _wx) = server.into_split();
+        let (_crx, mut cwx) = client.into_split();
+        let file = tempfile::tempfile().unwrap();
+        cwx.send(&Message::Ping(5), &[file.as_fd()]).await.unwrap();
+        cwx.send(&Message::Pong(6), &[]).await.unwrap();
+        let got = rx.recv().await.unwrap();
+        assert_eq!(got.message, Message::Ping(5));
+        assert_eq!(got.fds.len(), 1);
+        let got = rx.recv().await.unwrap();
+        assert_eq!((got.message, got.fds.len()), (Message::Pong(6), 0));
+        cwx.shutdown();
+        assert!(matches!(rx.recv().await, Err(Error::Closed)));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_silent_peer_times_out() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let config = LinkConfig::new(Session::new(SessionToken::from_bytes([8; 32])))
+            .handshake_timeout(std::time::Duration::from_millis(50));
+        assert!(matches!(
+            AsyncLink::server(a, &config).await,
+            Err(Error::Timeout { .. })
+        ));
+    }
+}

@@ -1,0 +1,218 @@
+//! The helper process of Baton's actor tests.
+//!
+//! `baton-actor-peer serve [SOCKET] [cooperative|stubborn]`: starts a node (session from
+//! `BATON_TOKEN`, host segments in `BATON_SHM_NAMESPACE`), connects to SOCKET (or to
+//! `BATON_CONNECT`, as a supervised child), registers the test actors, and runs until the
+//! link to its parent goes down. A `cooperative` holder gives revoked leases back; a
+//! `stubborn` one keeps them.
+
+#[path = "../../tests/support/msgs.rs"]
+mod msgs;
+
+use actix::prelude::*;
+use baton::actors::{Allocate, BufferOwner, Lease, Node, PeerEvent, RevokeRequested, supervisor};
+use baton::messages::LeaseId;
+use msgs::*;
+use std::collections::HashMap;
+
+struct TestActor {
+    node: Node,
+    owner: Addr<BufferOwner>,
+    held: HashMap<LeaseId, Lease<u32>>,
+    cooperative: bool,
+}
+
+impl Actor for TestActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<CheckPair> for TestActor {
+    type Result = ResponseFuture<PairChecked>;
+
+    fn handle(&mut self, msg: CheckPair, _ctx: &mut Context<Self>) -> Self::Result {
+        let owner = self.owner.clone();
+        Box::pin(async move {
+            let a = msg
+                .a
+                .open()
+                .expect("a is received")
+                .to_vec()
+                .expect("read a");
+            let b = msg
+                .b
+                .open()
+                .expect("b is received")
+                .to_vec()
+                .expect("read b");
+            let ok = a.len() == b.len()
+                && a.iter()
+                    .enumerate()
+                    .all(|(i, &v)| v == pattern(msg.seed, i))
+                && b.iter().enumerate().all(|(i, &v)| v == i as f32 * 0.5);
+            let sum: Vec<f32> = a.iter().zip(&b).map(|(&x, &y)| x as f32 + y).collect();
+            let out = owner
+                .send(Allocate::<f32>::vector(sum.len() as u64))
+                .await
+                .expect("owner alive")
+                .expect("allocate");
+            out.write_at(0, &sum).expect("write sum");
+            // The leases on `a` and `b` are released here, when the guards drop.
+            PairChecked {
+                ok,
+                sum: out.share(),
+            }
+        })
+    }
+}
+
+impl Handler<Hold> for TestActor {
+    type Result = usize;
+
+    fn handle(&mut self, msg: Hold, _ctx: &mut Context<Self>) -> usize {
+        for shared in msg.buffers {
+            let lease = shared.open().expect("received");
+            self.held.insert(lease.id(), lease);
+        }
+        self.held.len()
+    }
+}
+
+impl Handler<PeekHeld> for TestActor {
+    type Result = MessageResult<PeekHeld>;
+
+    fn handle(&mut self, _: PeekHeld, _ctx: &mut Context<Self>) -> Self::Result {
+        let mut first = [0u32];
+        MessageResult(
+            self.held
+                .values()
+                .map(|l| {
+                    l.read_into(0, &mut first)
+                        .map(|()| first[0])
+                        .unwrap_or(u32::MAX)
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Handler<DropHeld> for TestActor {
+    type Result = usize;
+
+    fn handle(&mut self, _: DropHeld, _ctx: &mut Context<Self>) -> usize {
+        let n = self.held.len();
+        self.held.clear();
+        n
+    }
+}
+
+impl Handler<MakeBuffers> for TestActor {
+    type Result = ResponseFuture<Made>;
+
+    fn handle(&mut self, msg: MakeBuffers, _ctx: &mut Context<Self>) -> Self::Result {
+        let owner = self.owner.clone();
+        Box::pin(async move {
+            let mut buffers = Vec::new();
+            for _ in 0..msg.n {
+                let buf = owner
+                    .send(Allocate::<u32>::vector(msg.len.into()))
+                    .await
+                    .expect("owner alive")
+                    .expect("allocate");
+                let data: Vec<u32> = (0..msg.len as usize)
+                    .map(|i| pattern(msg.seed, i))
+                    .collect();
+                buf.write_at(0, &data).expect("write");
+                buffers.push(buf.share());
+            }
+            Made { buffers }
+        })
+    }
+}
+
+impl Handler<Sum> for TestActor {
+    type Result = u64;
+
+    fn handle(&mut self, msg: Sum, _ctx: &mut Context<Self>) -> u64 {
+        msg.buffers
+            .into_iter()
+            .map(|s| {
+                let lease = s.open().expect("received");
+                lease
+                    .to_vec()
+                    .expect("read")
+                    .iter()
+                    .map(|&v| u64::from(v))
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+}
+
+impl Handler<RevokeRequested> for TestActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RevokeRequested, _ctx: &mut Context<Self>) {
+        if self.cooperative {
+            self.held.remove(&msg.lease);
+        }
+    }
+}
+
+/// Stops the system when the link to the parent goes down.
+impl Handler<PeerEvent> for TestActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: PeerEvent, _ctx: &mut Context<Self>) {
+        if let PeerEvent::Down { .. } = msg {
+            if self.node.peers().is_empty() {
+                System::current().stop();
+            }
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) != Some("serve") {
+        eprintln!("usage: baton-actor-peer serve [SOCKET] [cooperative|stubborn]");
+        std::process::exit(2);
+    }
+    let socket = args
+        .get(1)
+        .filter(|a| !matches!(a.as_str(), "cooperative" | "stubborn"))
+        .cloned()
+        .or_else(|| std::env::var(supervisor::CONNECT_ENV).ok())
+        .expect("a socket to connect to");
+    let cooperative = !args.iter().any(|a| a == "stubborn");
+    let system = System::new();
+    let result = system.block_on(async move {
+        let node = Node::from_env()?;
+        let owner = BufferOwner::new(&node).start();
+        let actor = TestActor {
+            node: node.clone(),
+            owner,
+            held: HashMap::new(),
+            cooperative,
+        }
+        .start();
+        node.register::<CheckPair>("checker", actor.clone().recipient());
+        node.register::<Hold>("holder", actor.clone().recipient());
+        node.register::<PeekHeld>("holder.peek", actor.clone().recipient());
+        node.register::<DropHeld>("holder.drop", actor.clone().recipient());
+        node.register::<MakeBuffers>("exporter", actor.clone().recipient());
+        node.register::<Sum>("sink", actor.clone().recipient());
+        node.on_revoke(actor.clone().recipient());
+        node.subscribe(actor.recipient());
+        node.connect(&socket).await?;
+        Ok::<_, baton::actors::ActorError>(())
+    });
+    if let Err(e) = result {
+        eprintln!("baton-actor-peer: {e}");
+        std::process::exit(1);
+    }
+    // Run until the parent's link goes down.
+    if let Err(e) = system.run() {
+        eprintln!("baton-actor-peer: {e}");
+        std::process::exit(1);
+    }
+}

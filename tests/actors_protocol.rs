@@ -1,0 +1,336 @@
+//! The actor protocol across processes, on the host backend: typed buffer messages, the
+//! lease table, deferred frees, revokes, importer death, scale.
+
+#[path = "support/actors.rs"]
+mod actors;
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/peer.rs"]
+mod peer;
+
+use actix::prelude::*;
+use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
+use baton::actors::{Allocate, Buffer, Revoke};
+use msgs::*;
+use std::future::Future;
+use std::time::Duration;
+
+fn run<F: Future<Output = ()>>(f: F) {
+    System::new().block_on(f);
+}
+
+async fn pattern_buffer(parent: &Parent, len: usize, seed: u32) -> Buffer<u32> {
+    let buf = parent
+        .owner
+        .send(Allocate::<u32>::vector(len as u64))
+        .await
+        .unwrap()
+        .unwrap();
+    let data: Vec<u32> = (0..len).map(|i| pattern(seed, i)).collect();
+    buf.write_at(0, &data).unwrap();
+    buf
+}
+
+/// Issue test 1: a typed message with two buffers goes to another process and back.
+#[test]
+fn a_typed_message_with_two_buffers_goes_to_another_process_and_back() {
+    run(async {
+        let parent = Parent::start("pair");
+        let (mut child, peer) = parent.child(&[]).await;
+        const N: usize = 1 << 18;
+        let a = pattern_buffer(&parent, N, 7).await;
+        let b: Buffer<f32> = parent
+            .owner
+            .send(Allocate::vector(N as u64))
+            .await
+            .unwrap()
+            .unwrap();
+        let halves: Vec<f32> = (0..N).map(|i| i as f32 * 0.5).collect();
+        b.write_at(0, &halves).unwrap();
+
+        let checker = peer.remote::<CheckPair>("checker");
+        let reply = checker
+            .send(CheckPair {
+                seed: 7,
+                a: a.share(),
+                b: b.share(),
+            })
+            .await
+            .unwrap();
+        assert!(reply.ok, "the child saw exactly the bytes we wrote");
+        let sum = reply.sum.open().unwrap();
+        assert_eq!(
+            sum.exporter().process.pid,
+            child.pid(),
+            "the reply buffer is the child's"
+        );
+        let got = sum.to_vec().unwrap();
+        for (i, v) in got.iter().enumerate() {
+            assert_eq!(*v, pattern(7, i) as f32 + i as f32 * 0.5, "element {i}");
+        }
+        drop(sum);
+        // The child dropped its leases on a and b after answering.
+        eventually_async(DEADLINE, "leases on a and b returned", || async {
+            parent.table().await.iter().all(|b| b.leases.is_empty())
+        })
+        .await;
+        drop((a, b));
+        assert_eq!(parent.segments(), 0);
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
+/// Issue test 2: dropping a lease shows up in the owner's lease table.
+#[test]
+fn dropping_a_lease_shows_up_in_the_owners_lease_table() {
+    run(async {
+        let parent = Parent::start("table");
+        let (mut child, peer) = parent.child(&[]).await;
+        let buf = pattern_buffer(&parent, 1024, 1).await;
+        let held = peer
+            .remote::<Hold>("holder")
+            .send(Hold {
+                buffers: vec![buf.share(), buf.share()],
+            })
+            .await
+            .unwrap();
+        assert_eq!(held, 2);
+        let table = parent.table().await;
+        assert_eq!(table.len(), 1);
+        assert_eq!(table[0].leases.len(), 2);
+        assert!(
+            table[0].leases.iter().all(|(_, p)| p.pid == child.pid()),
+            "held by the child"
+        );
+
+        assert_eq!(
+            peer.remote::<DropHeld>("holder.drop")
+                .send(DropHeld)
+                .await
+                .unwrap(),
+            2
+        );
+        eventually_async(DEADLINE, "the lease table to empty", || async {
+            parent.table().await[0].leases.is_empty()
+        })
+        .await;
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
+/// Issue test 3: freeing while an importer holds defers the free until its release.
+#[test]
+fn a_free_while_leased_is_deferred_until_the_release() {
+    run(async {
+        let parent = Parent::start("defer");
+        let (mut child, peer) = parent.child(&[]).await;
+        let buf = pattern_buffer(&parent, 4096, 99).await;
+        peer.remote::<Hold>("holder")
+            .send(Hold {
+                buffers: vec![buf.share()],
+            })
+            .await
+            .unwrap();
+        drop(buf); // the exporter frees: its last handle goes
+        let stats = parent.stats().await;
+        assert_eq!(
+            (stats.buffers, stats.retiring, stats.leases),
+            (1, 1, 1),
+            "retiring, not freed"
+        );
+        assert_eq!(parent.segments(), 1, "the memory is still there");
+        let seen = peer
+            .remote::<PeekHeld>("holder.peek")
+            .send(PeekHeld)
+            .await
+            .unwrap();
+        assert_eq!(
+            seen,
+            vec![pattern(99, 0)],
+            "the importer still reads the right data"
+        );
+
+        peer.remote::<DropHeld>("holder.drop")
+            .send(DropHeld)
+            .await
+            .unwrap();
+        eventually(DEADLINE, "the segment to go after the release", || {
+            parent.segments() == 0
+        })
+        .await;
+        let stats = parent.stats().await;
+        assert_eq!((stats.buffers, stats.leases, stats.freed), (0, 0, 1));
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
+/// Issue test 4: a cooperative holder returns a revoked lease; a stubborn one is cut off.
+#[test]
+fn revoke_with_a_deadline_cuts_off_only_the_holder_that_keeps_it() {
+    run(async {
+        let parent = Parent::start("revoke");
+        let (mut good, good_peer) = parent.child(&["cooperative"]).await;
+        let (mut stubborn, stubborn_peer) = parent.child(&["stubborn"]).await;
+        let buf = pattern_buffer(&parent, 1024, 3).await;
+        good_peer
+            .remote::<Hold>("holder")
+            .send(Hold {
+                buffers: vec![buf.share()],
+            })
+            .await
+            .unwrap();
+        stubborn_peer
+            .remote::<Hold>("holder")
+            .send(Hold {
+                buffers: vec![buf.share()],
+            })
+            .await
+            .unwrap();
+        assert_eq!(parent.table().await[0].leases.len(), 2);
+
+        let asked = parent
+            .owner
+            .send(Revoke {
+                buffer: buf.id(),
+                within: Duration::from_millis(400),
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(asked, 2);
+        eventually_async(
+            DEADLINE,
+            "the cooperative holder to give it back",
+            || async {
+                parent.table().await[0]
+                    .leases
+                    .iter()
+                    .all(|(_, p)| p.pid != good.pid())
+            },
+        )
+        .await;
+        eventually(DEADLINE, "the stubborn holder to be cut off", || {
+            parent.events.down_reason(stubborn_peer.link_id()).is_some()
+        })
+        .await;
+        let reason = parent
+            .events
+            .down_reason(stubborn_peer.link_id())
+            .unwrap()
+            .unwrap();
+        assert!(reason.contains("RevokeDeadline"), "{reason}");
+        eventually_async(DEADLINE, "every lease back", || async {
+            parent.table().await[0].leases.is_empty()
+        })
+        .await;
+        assert!(
+            exited(&mut stubborn, DEADLINE).await.success(),
+            "the stubborn child saw its link close and exited"
+        );
+
+        // The cooperative one is unaffected.
+        assert!(good_peer.is_connected());
+        let data = pattern_buffer(&parent, 16, 5).await;
+        let sum = good_peer
+            .remote::<Sum>("sink")
+            .send(Sum {
+                buffers: vec![data.share()],
+            })
+            .await
+            .unwrap();
+        assert_eq!(sum, (0..16).map(|i| u64::from(pattern(5, i))).sum::<u64>());
+        good_peer.close();
+        assert!(exited(&mut good, DEADLINE).await.success());
+    });
+}
+
+/// Issue test 5: an importer's SIGKILL reclaims its leases and completes pending frees.
+#[test]
+fn importer_sigkill_reclaims_its_leases_and_pending_frees_complete() {
+    run(async {
+        let parent = Parent::start("ikill");
+        let (mut child, peer) = parent.child(&[]).await;
+        let bufs = vec![
+            pattern_buffer(&parent, 1024, 1).await,
+            pattern_buffer(&parent, 2048, 2).await,
+            pattern_buffer(&parent, 4096, 3).await,
+        ];
+        let shares = bufs.iter().map(Buffer::share).collect();
+        assert_eq!(
+            peer.remote::<Hold>("holder")
+                .send(Hold { buffers: shares })
+                .await
+                .unwrap(),
+            3
+        );
+        drop(bufs);
+        assert_eq!(parent.stats().await.retiring, 3, "three frees pending");
+        assert_eq!(parent.segments(), 3);
+
+        child.kill9();
+        eventually(DEADLINE, "the link to go down", || {
+            parent.events.down_reason(peer.link_id()).is_some()
+        })
+        .await;
+        eventually_async(DEADLINE, "the pending frees to complete", || async {
+            let s = parent.stats().await;
+            s.buffers == 0 && s.leases == 0
+        })
+        .await;
+        assert_eq!(parent.segments(), 0, "no segment left");
+    });
+}
+
+/// Issue test 7: 1000 buffers to 4 importer processes and back, nothing left over.
+#[test]
+fn a_thousand_buffers_to_four_importers_and_back_leave_nothing() {
+    run(async {
+        let parent = Parent::start("k1000");
+        let mut children = Vec::new();
+        for _ in 0..4 {
+            children.push(parent.child(&[]).await);
+        }
+        const ROUNDS: usize = 10;
+        const PER_CALL: usize = 25;
+        let mut expected = 0u64;
+        let mut sent = 0;
+        for round in 0..ROUNDS {
+            let mut calls = Vec::new();
+            for (c, (_, peer)) in children.iter().enumerate() {
+                let mut shares = Vec::new();
+                for k in 0..PER_CALL {
+                    let seed = (round * 1000 + c * 100 + k) as u32;
+                    let buf = pattern_buffer(&parent, 256, seed).await;
+                    expected += (0..256).map(|i| u64::from(pattern(seed, i))).sum::<u64>();
+                    shares.push(buf.share());
+                    sent += 1;
+                }
+                calls.push(peer.remote::<Sum>("sink").send(Sum { buffers: shares }));
+            }
+            // Buffer handles went into the messages: each is freed when its lease returns.
+            let sums = futures_util::future::join_all(calls).await;
+            expected -= sums.into_iter().map(Result::unwrap).sum::<u64>();
+        }
+        assert_eq!(sent, 1000);
+        assert_eq!(expected, 0, "every importer saw every byte");
+        eventually_async(
+            DEADLINE,
+            "every lease back and every buffer freed",
+            || async {
+                let s = parent.stats().await;
+                s.leases == 0 && s.buffers == 0
+            },
+        )
+        .await;
+        let stats = parent.stats().await;
+        assert_eq!((stats.granted, stats.freed), (1000, 1000));
+        assert_eq!(parent.segments(), 0, "no segment left over");
+        for (mut child, peer) in children {
+            peer.close();
+            assert!(exited(&mut child, DEADLINE).await.success());
+        }
+    });
+}

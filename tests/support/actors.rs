@@ -1,0 +1,183 @@
+//! Helpers for actor tests: a parent node with a listener, an event recorder, polling.
+
+#![allow(dead_code)]
+
+use super::peer;
+use actix::prelude::*;
+use baton::actors::{BufferOwner, Listening, Node, Peer, PeerEvent};
+use baton::ipc::HostBackend;
+use baton::{Session, SocketDir};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Polls `cond` until it holds; panics past `deadline`. Never a bare sleep.
+pub async fn eventually(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Like [`eventually`], for conditions that need to await.
+pub async fn eventually_async<F: Future<Output = bool>>(
+    deadline: Duration,
+    what: &str,
+    mut cond: impl FnMut() -> F,
+) {
+    let start = Instant::now();
+    while !cond().await {
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits (without blocking the event loop) for a child to exit; kills it and panics past
+/// `deadline`.
+pub async fn exited(child: &mut peer::Peer, deadline: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait() {
+            return status;
+        }
+        if start.elapsed() > deadline {
+            child.kill9();
+            panic!("child did not exit within {deadline:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Records every peer event.
+#[derive(Default, Clone)]
+pub struct Events(pub Arc<Mutex<Vec<PeerEvent>>>);
+
+impl Actor for EventLog {
+    type Context = Context<Self>;
+}
+
+pub struct EventLog(Events);
+
+impl Handler<PeerEvent> for EventLog {
+    type Result = ();
+    fn handle(&mut self, msg: PeerEvent, _: &mut Context<Self>) {
+        self.0.0.lock().unwrap().push(msg);
+    }
+}
+
+impl Events {
+    pub fn all(&self) -> Vec<PeerEvent> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// The `Up` peers so far, in order.
+    pub fn ups(&self) -> Vec<Peer> {
+        self.all()
+            .into_iter()
+            .filter_map(|e| match e {
+                PeerEvent::Up(p) => Some(p),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The reason a link went down, once it has (`Some(None)`: a clean close).
+    pub fn down_reason(&self, link: baton::actors::LinkId) -> Option<Option<String>> {
+        self.all().into_iter().find_map(|e| match e {
+            PeerEvent::Down {
+                link: l, reason, ..
+            } if l == link => Some(reason.map(|r| format!("{r:?}"))),
+            _ => None,
+        })
+    }
+}
+
+/// A node listening in a private directory, with a buffer owner and an event log.
+pub struct Parent {
+    pub session: Session,
+    pub ns: String,
+    pub node: Node,
+    pub owner: Addr<BufferOwner>,
+    pub events: Events,
+    pub listening: Listening,
+    _tmp: tempfile::TempDir,
+}
+
+impl Parent {
+    /// Call inside an actix system.
+    pub fn start(tag: &str) -> Parent {
+        let ns = peer::namespace(tag);
+        let session = Session::generate().unwrap();
+        let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let node = Node::new(session.clone(), backend);
+        let events = Events::default();
+        node.subscribe(EventLog(events.clone()).start().recipient());
+        let (tmp, dir): (tempfile::TempDir, SocketDir) = peer::socket_dir();
+        let listening = node.listen(&dir, "parent.sock").unwrap();
+        let owner = BufferOwner::new(&node).start();
+        Parent {
+            session,
+            ns,
+            node,
+            owner,
+            events,
+            listening,
+            _tmp: tmp,
+        }
+    }
+
+    pub fn socket(&self) -> String {
+        self.listening.path().to_str().unwrap().to_owned()
+    }
+
+    /// Spawns the actor helper process, connected back to us; waits for its link.
+    pub async fn child(&self, extra: &[&str]) -> (peer::Peer, Peer) {
+        let sock = self.socket();
+        let mut args = vec!["serve", sock.as_str()];
+        args.extend_from_slice(extra);
+        let before = self.events.ups().len();
+        let child = peer::Peer::spawn_exe(
+            env!("CARGO_BIN_EXE_baton-actor-peer"),
+            &self.session,
+            &self.ns,
+            &args,
+        );
+        let pid = child.pid();
+        eventually(DEADLINE, "the child's link", || {
+            self.events
+                .ups()
+                .iter()
+                .skip(before)
+                .any(|p| p.process().pid == pid)
+        })
+        .await;
+        let link = self
+            .events
+            .ups()
+            .into_iter()
+            .find(|p| p.process().pid == pid)
+            .unwrap();
+        (child, link)
+    }
+
+    pub async fn table(&self) -> Vec<baton::actors::BufferLeases> {
+        self.owner.send(baton::actors::LeaseTable).await.unwrap()
+    }
+
+    pub async fn stats(&self) -> baton::actors::OwnerStats {
+        self.owner.send(baton::actors::Stats).await.unwrap()
+    }
+
+    pub fn segments(&self) -> usize {
+        peer::segments(&self.ns)
+    }
+}

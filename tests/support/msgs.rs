@@ -1,0 +1,91 @@
+//! Message types shared by the actor tests and their helper process
+//! (`src/bin/baton-actor-peer.rs` includes this file too).
+
+#![allow(dead_code)]
+
+use actix::Message;
+use baton::actors::{RemoteMessage, Shared};
+use serde::{Deserialize, Serialize};
+
+/// The value at index `i` of a pattern buffer.
+pub fn pattern(seed: u32, i: usize) -> u32 {
+    (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed)
+}
+
+/// Two buffers to check; the checker answers with a buffer of its own.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "PairChecked")]
+pub struct CheckPair {
+    pub seed: u32,
+    pub a: Shared<u32>,
+    pub b: Shared<f32>,
+}
+
+impl RemoteMessage for CheckPair {
+    const NAME: &'static str = "test.CheckPair";
+}
+
+/// `sum[i] = a[i] as f32 + b[i]`, in a buffer the checker owns.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PairChecked {
+    pub ok: bool,
+    pub sum: Shared<f32>,
+}
+
+/// Keep these leases until told otherwise.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "usize")]
+pub struct Hold {
+    pub buffers: Vec<Shared<u32>>,
+}
+
+impl RemoteMessage for Hold {
+    const NAME: &'static str = "test.Hold";
+}
+
+/// Read the first element of every held lease (errors count as `u32::MAX`).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Vec<u32>")]
+pub struct PeekHeld;
+
+impl RemoteMessage for PeekHeld {
+    const NAME: &'static str = "test.PeekHeld";
+}
+
+/// Drop every held lease; answers how many.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "usize")]
+pub struct DropHeld;
+
+impl RemoteMessage for DropHeld {
+    const NAME: &'static str = "test.DropHeld";
+}
+
+/// Make `n` buffers of `len` pattern values and share them back.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Made")]
+pub struct MakeBuffers {
+    pub n: u32,
+    pub len: u32,
+    pub seed: u32,
+}
+
+impl RemoteMessage for MakeBuffers {
+    const NAME: &'static str = "test.MakeBuffers";
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Made {
+    pub buffers: Vec<Shared<u32>>,
+}
+
+/// Sum every element of every buffer, then drop them.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "u64")]
+pub struct Sum {
+    pub buffers: Vec<Shared<u32>>,
+}
+
+impl RemoteMessage for Sum {
+    const NAME: &'static str = "test.Sum";
+}
