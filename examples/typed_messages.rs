@@ -1,0 +1,191 @@
+//! A user message type with two buffers, across two processes.
+//!
+//! The parent owns an image and a mask; it sends both in one typed message to a blender
+//! actor in a child process (this binary, re-spawned with the role `blender`). The child
+//! opens the two leases — the same memory the parent wrote, no copies — blends them into
+//! a buffer of its own and replies with *that* buffer, which the parent opens in turn.
+//!
+//! ```text
+//! cargo run --example typed_messages
+//! ```
+//!
+//! It runs on CUDA device memory when a GPU is present, on host shared memory otherwise
+//! (`BATON_BACKEND=host|cuda` forces one).
+
+use actix::prelude::*;
+use baton::actors::{Allocate, BufferOwner, Node, RemoteMessage, Shared};
+use baton::messages::Shape;
+use baton::{Session, SocketDir};
+use serde::{Deserialize, Serialize};
+use std::error::Error;
+use std::process::Command;
+use std::time::Instant;
+
+const W: u64 = 1920;
+const H: u64 = 1080;
+
+/// Blend `image` by `mask`, pixel by pixel.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Blended")]
+struct Blend {
+    image: Shared<f32>,
+    mask: Shared<f32>,
+}
+
+impl RemoteMessage for Blend {
+    const NAME: &'static str = "examples.Blend";
+}
+
+/// The blended image, in the blender's memory, and its mean.
+#[derive(Debug, Serialize, Deserialize)]
+struct Blended {
+    out: Shared<f32>,
+    mean: f32,
+}
+
+struct Blender {
+    owner: Addr<BufferOwner>,
+}
+
+impl Actor for Blender {
+    type Context = Context<Self>;
+}
+
+impl Handler<Blend> for Blender {
+    type Result = ResponseFuture<Blended>;
+
+    fn handle(&mut self, msg: Blend, _: &mut Context<Self>) -> Self::Result {
+        let owner = self.owner.clone();
+        Box::pin(async move {
+            // Errors would surface as a failed call on the parent's side; keep it simple here.
+            let image = msg
+                .image
+                .open()
+                .expect("received")
+                .to_vec()
+                .expect("read image");
+            let mask = msg
+                .mask
+                .open()
+                .expect("received")
+                .to_vec()
+                .expect("read mask");
+            let blended: Vec<f32> = image.iter().zip(&mask).map(|(i, m)| i * m).collect();
+            let mean = blended.iter().sum::<f32>() / blended.len() as f32;
+            let out = owner
+                .send(Allocate::<f32>::new(Shape::new([H, W]).expect("rank 2")))
+                .await
+                .expect("owner alive")
+                .expect("allocate");
+            out.write_at(0, &blended).expect("write");
+            println!("blender: blended {}x{} pixels, mean {mean:.4}", W, H);
+            Blended {
+                out: out.share(),
+                mean,
+            }
+        })
+    }
+}
+
+fn blender(socket: String) -> Result<(), Box<dyn Error>> {
+    let system = System::new();
+    system.block_on(async move {
+        let node = Node::from_env()?;
+        let owner = BufferOwner::new(&node).start();
+        node.register::<Blend>("blender", Blender { owner }.start().recipient());
+        let peer = node.connect(&socket).await?;
+        println!(
+            "blender: linked to pid {} on the {} backend",
+            peer.process().pid,
+            node.backend().name()
+        );
+        // Stop when the parent hangs up.
+        let watch = Watch.start();
+        node.subscribe(watch.recipient());
+        Ok::<_, Box<dyn Error>>(())
+    })?;
+    system.run()?;
+    Ok(())
+}
+
+struct Watch;
+
+impl Actor for Watch {
+    type Context = Context<Self>;
+}
+
+impl Handler<baton::actors::PeerEvent> for Watch {
+    type Result = ();
+    fn handle(&mut self, msg: baton::actors::PeerEvent, _: &mut Context<Self>) {
+        if matches!(msg, baton::actors::PeerEvent::Down { .. }) {
+            System::current().stop();
+        }
+    }
+}
+
+fn parent() -> Result<(), Box<dyn Error>> {
+    System::new().block_on(async {
+        let session = Session::generate()?;
+        let node = Node::new(session.clone(), baton::ipc::select::auto()?);
+        let tmp = std::env::temp_dir().join(format!("baton-typed-{}", std::process::id()));
+        let listening = node.listen(&SocketDir::create(&tmp)?, "parent.sock")?;
+        let (key, token) = session.child_env();
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["blender", listening.path().to_str().ok_or("path")?])
+            .env(key, token)
+            .spawn()?;
+        let owner = BufferOwner::new(&node).start();
+
+        let shape = Shape::new([H, W]).ok_or("rank")?;
+        let image = owner.send(Allocate::<f32>::new(shape.clone())).await??;
+        let mask = owner.send(Allocate::<f32>::new(shape)).await??;
+        let pixels = (W * H) as usize;
+        image.write_at(0, &(0..pixels).map(|i| (i % 256) as f32 / 255.0).collect::<Vec<_>>())?;
+        mask.write_at(0, &(0..pixels).map(|i| if (i / W as usize) % 2 == 0 { 1.0 } else { 0.5 }).collect::<Vec<_>>())?;
+        println!("parent: {} backend, two {}x{} f32 buffers ({} MiB each)", node.backend().name(), W, H, pixels * 4 >> 20);
+
+        // Wait for the blender to link up, then call it.
+        let peer = loop {
+            if let Some(p) = node.peers().into_iter().next() {
+                break p;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        };
+        let blender = peer.remote::<Blend>("blender");
+        let start = Instant::now();
+        let reply = blender.send(Blend { image: image.share(), mask: mask.share() }).await?;
+        let elapsed = start.elapsed();
+        let out = reply.out.open()?;
+        let got = out.to_vec()?;
+        let mean = got.iter().sum::<f32>() / got.len() as f32;
+        println!(
+            "parent: got the blender's {:?} buffer back (lease {:?}), mean {mean:.4} (blender said {:.4}), round trip {elapsed:.2?}",
+            out.shape(),
+            out.id(),
+            reply.mean
+        );
+        if (mean - reply.mean).abs() > 1e-3 {
+            return Err("means differ".into());
+        }
+        drop(out);
+        peer.close();
+        // Never block the actix thread (the close above would not go out): poll.
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        };
+        let _ = std::fs::remove_dir(&tmp);
+        println!("parent: blender exited with {status}; typed messages: OK");
+        Ok(())
+    })
+}
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("blender") => blender(args.get(2).cloned().ok_or("socket")?),
+        _ => parent(),
+    }
+}

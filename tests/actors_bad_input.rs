@@ -1,0 +1,243 @@
+//! Issue test 8: bad input from a peer at the protocol level. Each misbehaving link gets a
+//! typed error and is dropped; an honest peer connected all along, and the owner's lease
+//! table, are unharmed.
+//!
+//! The misbehaving peers are raw, authenticated links (`baton::ipc::Link`) driven from
+//! blocking tasks: they pass the handshake and then break the lease protocol.
+
+#[path = "support/actors.rs"]
+mod actors;
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/peer.rs"]
+mod peer;
+
+use actix::prelude::*;
+use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
+use baton::Error;
+use baton::actors::{Allocate, Buffer, LinkId};
+use baton::ipc::{Backend, HostBackend, Link, LinkConfig};
+use baton::messages::protocol::{Offer, Payload, Release, Reply};
+use baton::messages::{LeaseId, Message as Wire};
+use msgs::*;
+use std::future::Future;
+use tokio::task::spawn_blocking;
+
+fn run<F: Future<Output = ()>>(f: F) {
+    System::new().block_on(f);
+}
+
+/// A raw link, connected and authenticated, and the id the parent gave it.
+async fn raw(parent: &Parent) -> (Link, LinkId) {
+    let before = parent.events.ups().len();
+    let (path, config) = (
+        parent.listening.path().to_owned(),
+        LinkConfig::new(parent.session.clone()),
+    );
+    let link = spawn_blocking(move || Link::connect(path, &config))
+        .await
+        .unwrap()
+        .unwrap();
+    eventually(DEADLINE, "the raw link", || {
+        parent.events.ups().len() > before
+    })
+    .await;
+    (link, parent.events.ups()[before].link_id())
+}
+
+/// Sends `msg` on a raw link, then waits (blocking task) for the parent to drop it.
+async fn send_and_expect_drop(mut link: Link, msg: Wire) {
+    spawn_blocking(move || {
+        link.send(&msg, &[]).unwrap();
+        assert!(
+            matches!(link.recv_timeout(DEADLINE), Err(Error::Closed)),
+            "the parent dropped the link"
+        );
+    })
+    .await
+    .unwrap();
+}
+
+async fn dropped_because(parent: &Parent, link: LinkId, needle: &str) {
+    eventually(DEADLINE, "the bad link to be dropped", || {
+        parent.events.down_reason(link).is_some()
+    })
+    .await;
+    let reason = parent.events.down_reason(link).unwrap().unwrap_or_default();
+    assert!(
+        reason.contains(needle),
+        "dropped for {reason:?}, expected {needle}"
+    );
+}
+
+#[test]
+fn protocol_abuse_drops_only_the_abusive_link() {
+    run(async {
+        let parent = Parent::start("abuse");
+        let (mut honest, honest_peer) = parent.child(&[]).await;
+
+        // A raw peer that holds a lease honestly (it answers the Hold call).
+        let buf: Buffer<u32> = parent
+            .owner
+            .send(Allocate::vector(64))
+            .await
+            .unwrap()
+            .unwrap();
+        let (holder, holder_id) = raw(&parent).await;
+        let holder_peer = parent
+            .node
+            .peers()
+            .into_iter()
+            .find(|p| p.link_id() == holder_id)
+            .unwrap();
+        let call = holder_peer.remote::<Hold>("holder").send(Hold {
+            buffers: vec![buf.share()],
+        });
+        let (mut holder, lease) = spawn_blocking(move || {
+            let mut holder = holder;
+            let received = holder.recv_timeout(DEADLINE).unwrap();
+            let Wire::Call(call) = received.message else {
+                panic!("expected a call")
+            };
+            let lease = call.offers[0].lease;
+            let bytes = bincode::serde::encode_to_vec(1usize, bincode::config::standard()).unwrap();
+            let reply = Reply {
+                id: call.id,
+                outcome: Ok(Payload {
+                    bytes,
+                    offers: vec![],
+                }),
+            };
+            holder.send(&Wire::Reply(reply), &[]).unwrap();
+            (holder, lease)
+        })
+        .await
+        .unwrap();
+        assert_eq!(call.await.unwrap(), 1);
+        assert_eq!(parent.table().await[0].leases.len(), 1);
+
+        // 1. A release of a lease nobody was ever granted.
+        let (link, id) = raw(&parent).await;
+        send_and_expect_drop(
+            link,
+            Wire::Release(Release {
+                lease: LeaseId::new(u64::MAX - 1),
+            }),
+        )
+        .await;
+        dropped_because(&parent, id, "UnknownLease").await;
+
+        // 2. A release of someone else's lease: refused, and the holder keeps it.
+        let (link, id) = raw(&parent).await;
+        send_and_expect_drop(link, Wire::Release(Release { lease })).await;
+        dropped_because(&parent, id, "UnknownLease").await;
+        assert_eq!(
+            parent.table().await[0].leases.len(),
+            1,
+            "the real holder's lease stands"
+        );
+
+        // 3. A lease id replay: the holder releases honestly, then again.
+        holder = spawn_blocking(move || {
+            holder.send(&Wire::Release(Release { lease }), &[]).unwrap();
+            holder
+        })
+        .await
+        .unwrap();
+        eventually_async(DEADLINE, "the honest release", || async {
+            parent.table().await[0].leases.is_empty()
+        })
+        .await;
+        send_and_expect_drop(holder, Wire::Release(Release { lease })).await;
+        dropped_because(&parent, holder_id, "UnknownLease").await;
+
+        // 4. An offer for an allocation that does not exist.
+        let (link, id) = raw(&parent).await;
+        let backend = HostBackend::with_namespace(&parent.ns).unwrap();
+        let ghost = backend.allocate(4096).unwrap();
+        let handle = ghost.handle(&parent.session).build().unwrap();
+        drop(ghost);
+        send_and_expect_drop(
+            link,
+            Wire::Offer(Offer {
+                lease: LeaseId::new(1),
+                handle,
+            }),
+        )
+        .await;
+        dropped_because(&parent, id, "SegmentNotFound").await;
+
+        // 5. An offer of a buffer the peer does not own (another process's identity).
+        let (link, id) = raw(&parent).await;
+        let real = backend.allocate(4096).unwrap();
+        let mut handle = real.handle(&parent.session).build().unwrap();
+        handle.exporter.process.pid = 1;
+        let handle = handle.sealed(parent.session.handle_key());
+        send_and_expect_drop(
+            link,
+            Wire::Offer(Offer {
+                lease: LeaseId::new(2),
+                handle,
+            }),
+        )
+        .await;
+        dropped_because(&parent, id, "ForeignOffer").await;
+        drop(real);
+
+        // 6. A corrupted handle (one byte flipped after sealing).
+        let (link, id) = raw(&parent).await;
+        let real = backend.allocate(4096).unwrap();
+        let mut handle = real.handle(&parent.session).build().unwrap();
+        handle.len -= 1;
+        send_and_expect_drop(
+            link,
+            Wire::Offer(Offer {
+                lease: LeaseId::new(3),
+                handle,
+            }),
+        )
+        .await;
+        dropped_because(&parent, id, "DigestMismatch").await;
+        drop(real);
+
+        // Everyone else is fine: the honest peer never lost its link and still works.
+        assert!(honest_peer.is_connected());
+        assert!(parent.events.down_reason(honest_peer.link_id()).is_none());
+        let a: Buffer<u32> = parent
+            .owner
+            .send(Allocate::vector(1024))
+            .await
+            .unwrap()
+            .unwrap();
+        a.write_at(0, &(0..1024).map(|i| pattern(4, i)).collect::<Vec<_>>())
+            .unwrap();
+        let b: Buffer<f32> = parent
+            .owner
+            .send(Allocate::vector(1024))
+            .await
+            .unwrap()
+            .unwrap();
+        b.write_at(0, &(0..1024).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
+            .unwrap();
+        let reply = honest_peer
+            .remote::<CheckPair>("checker")
+            .send(CheckPair {
+                seed: 4,
+                a: a.share(),
+                b: b.share(),
+            })
+            .await
+            .unwrap();
+        assert!(reply.ok);
+        drop(reply);
+        drop((a, b, buf));
+        eventually_async(DEADLINE, "every buffer freed", || async {
+            parent.stats().await.buffers == 0
+        })
+        .await;
+        // The checker's reply buffer is freed by the child once our release reaches it.
+        eventually(DEADLINE, "no segment left", || parent.segments() == 0).await;
+        honest_peer.close();
+        assert!(exited(&mut honest, DEADLINE).await.success());
+    });
+}

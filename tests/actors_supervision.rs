@@ -1,0 +1,336 @@
+//! Supervision: a process supervisor restarts a SIGKILLed exporter while the importer's
+//! leases turn orphaned; restart limits escalate; one-for-all restarts all; actix's own
+//! `Supervisor` restarts an actor in process without losing its registration.
+
+#[path = "support/actors.rs"]
+mod actors;
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/peer.rs"]
+mod peer;
+
+use actix::prelude::*;
+use actors::{DEADLINE, Parent, eventually};
+use baton::actors::supervisor::{KillChild, Shutdown};
+use baton::actors::{
+    ActorError, ChildSpec, Lease, Node, ProcessSupervisor, RemoteMessage, RestartPolicy, Strategy,
+    SupervisorEvent,
+};
+use baton::ipc::{HostBackend, host};
+use msgs::*;
+use serde::{Deserialize, Serialize};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+fn run<F: Future<Output = ()>>(f: F) {
+    System::new().block_on(f);
+}
+
+#[derive(Default, Clone)]
+struct SupEvents(Arc<Mutex<Vec<SupervisorEvent>>>);
+
+struct SupLog(SupEvents);
+
+impl Actor for SupLog {
+    type Context = Context<Self>;
+}
+
+impl Handler<SupervisorEvent> for SupLog {
+    type Result = ();
+    fn handle(&mut self, msg: SupervisorEvent, _: &mut Context<Self>) {
+        self.0.0.lock().unwrap().push(msg);
+    }
+}
+
+impl SupEvents {
+    fn all(&self) -> Vec<SupervisorEvent> {
+        self.0.lock().unwrap().clone()
+    }
+
+    fn started(&self) -> Vec<(String, u32, u32)> {
+        self.all()
+            .into_iter()
+            .filter_map(|e| match e {
+                SupervisorEvent::Started {
+                    name,
+                    pid,
+                    restarts,
+                } => Some((name, pid, restarts)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn peer_spec(parent: &Parent, name: &str, role: &str) -> ChildSpec {
+    ChildSpec::new(name, env!("CARGO_BIN_EXE_baton-actor-peer"))
+        .arg(role)
+        .env(host::NAMESPACE_ENV, &parent.ns)
+}
+
+fn supervise(
+    parent: &Parent,
+    specs: Vec<ChildSpec>,
+    strategy: Strategy,
+    policy: RestartPolicy,
+) -> (Addr<ProcessSupervisor>, SupEvents) {
+    let events = SupEvents::default();
+    let sup = ProcessSupervisor::new(parent.node.clone(), specs, strategy, policy)
+        .connect_back(parent.listening.path())
+        .subscriber(SupLog(events.clone()).start().recipient())
+        .start();
+    (sup, events)
+}
+
+fn gone(pid: u32) -> bool {
+    !std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Issue test 6: exporter SIGKILL orphans the importer's leases; the supervisor restarts
+/// the exporter; new exports work; nothing leaks and no zombie is left.
+#[test]
+fn exporter_sigkill_orphans_leases_and_the_supervisor_restarts_it() {
+    run(async {
+        let parent = Parent::start("sup6");
+        let (sup, events) = supervise(
+            &parent,
+            vec![peer_spec(&parent, "exporter", "serve")],
+            Strategy::OneForOne,
+            RestartPolicy {
+                max_restarts: 3,
+                within: Duration::from_secs(10),
+            },
+        );
+        eventually(DEADLINE, "the exporter's link", || {
+            parent.events.ups().len() == 1
+        })
+        .await;
+        let first = parent.events.ups()[0].clone();
+        let pid1 = first.process().pid;
+
+        let made = first
+            .remote::<MakeBuffers>("exporter")
+            .send(MakeBuffers {
+                n: 2,
+                len: 1024,
+                seed: 11,
+            })
+            .await
+            .unwrap();
+        let leases: Vec<Lease<u32>> = made
+            .buffers
+            .into_iter()
+            .map(|s| s.open().unwrap())
+            .collect();
+        for lease in &leases {
+            assert_eq!(lease.to_vec().unwrap()[5], pattern(11, 5));
+        }
+        assert_eq!(parent.segments(), 2, "the exporter's two segments");
+
+        assert_eq!(
+            sup.send(KillChild("exporter".into())).await.unwrap(),
+            Some(pid1)
+        );
+        eventually(DEADLINE, "the leases to turn orphaned", || {
+            leases.iter().all(Lease::is_orphaned)
+        })
+        .await;
+        assert!(
+            matches!(leases[0].to_vec(), Err(ActorError::Orphaned { exporter }) if exporter.pid == pid1)
+        );
+        assert!(matches!(leases[1].ptr(), Err(ActorError::Orphaned { .. })));
+
+        eventually(DEADLINE, "the restarted exporter's link", || {
+            parent.events.ups().iter().any(|p| p.process().pid != pid1)
+        })
+        .await;
+        let second = parent
+            .events
+            .ups()
+            .into_iter()
+            .find(|p| p.process().pid != pid1)
+            .unwrap();
+        let made = second
+            .remote::<MakeBuffers>("exporter")
+            .send(MakeBuffers {
+                n: 1,
+                len: 64,
+                seed: 12,
+            })
+            .await
+            .unwrap();
+        let fresh = made.buffers.into_iter().next().unwrap().open().unwrap();
+        assert_eq!(
+            fresh.to_vec().unwrap(),
+            (0..64).map(|i| pattern(12, i)).collect::<Vec<_>>()
+        );
+
+        drop(leases); // orphaned: no Release to send, the mappings just close
+        drop(fresh);
+        let started = events.started();
+        assert_eq!(started.len(), 2);
+        assert_eq!(
+            (started[1].0.as_str(), started[1].2),
+            ("exporter", 1),
+            "one restart"
+        );
+        assert!(events.all().iter().any(|e| matches!(e, SupervisorEvent::Exited { pid, status, .. } if *pid == pid1 && status.contains("signal 9"))));
+
+        sup.send(Shutdown).await.unwrap();
+        let pid2 = second.process().pid;
+        eventually(DEADLINE, "both children reaped", || {
+            gone(pid1) && gone(pid2)
+        })
+        .await;
+        assert_eq!(
+            parent.node.cache().stats().live,
+            0,
+            "no mapping left in the importer"
+        );
+        // SIGKILL skipped the children's Drop: their segments are swept.
+        host::sweep(&parent.ns).unwrap();
+        assert_eq!(parent.segments(), 0);
+    });
+}
+
+#[test]
+fn too_many_restarts_in_the_window_escalate() {
+    run(async {
+        let parent = Parent::start("esc");
+        let (sup, events) = supervise(
+            &parent,
+            vec![peer_spec(&parent, "crasher", "no-such-role")],
+            Strategy::OneForOne,
+            RestartPolicy {
+                max_restarts: 2,
+                within: Duration::from_secs(30),
+            },
+        );
+        eventually(DEADLINE, "escalation", || {
+            events
+                .all()
+                .iter()
+                .any(|e| matches!(e, SupervisorEvent::Escalated { .. }))
+        })
+        .await;
+        assert_eq!(
+            events.started().len(),
+            3,
+            "the first start and two restarts"
+        );
+        eventually(DEADLINE, "the supervisor to stop", || !sup.connected()).await;
+        for (_, pid, _) in events.started() {
+            eventually(DEADLINE, "children reaped", || gone(pid)).await;
+        }
+    });
+}
+
+#[test]
+fn one_for_all_restarts_every_child() {
+    run(async {
+        let parent = Parent::start("ofa");
+        let (sup, events) = supervise(
+            &parent,
+            vec![
+                peer_spec(&parent, "a", "serve"),
+                peer_spec(&parent, "b", "serve"),
+            ],
+            Strategy::OneForAll,
+            RestartPolicy::default(),
+        );
+        eventually(DEADLINE, "two links", || parent.events.ups().len() == 2).await;
+        let first: Vec<u32> = events.started().iter().map(|s| s.1).collect();
+        sup.send(KillChild("a".into())).await.unwrap();
+        eventually(DEADLINE, "both restarted", || events.started().len() == 4).await;
+        let restarted = &events.started()[2..];
+        assert!(
+            restarted
+                .iter()
+                .all(|(_, pid, restarts)| !first.contains(pid) && *restarts == 1)
+        );
+        eventually(DEADLINE, "four links seen, two up", || {
+            parent.events.ups().len() == 4 && parent.node.peers().len() == 2
+        })
+        .await;
+        for pid in first {
+            eventually(DEADLINE, "old children reaped", || gone(pid)).await;
+        }
+        sup.send(Shutdown).await.unwrap();
+    });
+}
+
+// In-process restarts with actix's Supervisor.
+
+#[derive(Serialize, Deserialize, Message)]
+#[rtype(result = "u32")]
+struct Incarnation;
+
+impl RemoteMessage for Incarnation {
+    const NAME: &'static str = "test.Incarnation";
+}
+
+#[derive(Serialize, Deserialize, Message)]
+#[rtype(result = "()")]
+struct Crash;
+
+impl RemoteMessage for Crash {
+    const NAME: &'static str = "test.Crash";
+}
+
+struct Flaky {
+    incarnation: u32,
+}
+
+impl Actor for Flaky {
+    type Context = Context<Self>;
+}
+
+impl Supervised for Flaky {
+    fn restarting(&mut self, _: &mut Context<Self>) {
+        self.incarnation += 1;
+    }
+}
+
+impl Handler<Incarnation> for Flaky {
+    type Result = u32;
+    fn handle(&mut self, _: Incarnation, _: &mut Context<Self>) -> u32 {
+        self.incarnation
+    }
+}
+
+impl Handler<Crash> for Flaky {
+    type Result = ();
+    fn handle(&mut self, _: Crash, ctx: &mut Context<Self>) {
+        ctx.stop();
+    }
+}
+
+#[test]
+fn an_actix_supervisor_restarts_a_registered_actor_in_process() {
+    run(async {
+        let parent = Parent::start("ipsup");
+        let flaky = Supervisor::start(|_| Flaky { incarnation: 0 });
+        parent
+            .node
+            .register::<Incarnation>("flaky", flaky.clone().recipient());
+        parent
+            .node
+            .register::<Crash>("flaky.crash", flaky.recipient());
+
+        // A second node in this process calls it over a real link.
+        let caller = Node::new(
+            parent.session.clone(),
+            Arc::new(HostBackend::with_namespace(&parent.ns).unwrap()),
+        );
+        let peer = caller.connect(parent.listening.path()).await.unwrap();
+        let ask = peer.remote::<Incarnation>("flaky");
+        assert_eq!(ask.send(Incarnation).await.unwrap(), 0);
+        peer.remote::<Crash>("flaky.crash")
+            .send(Crash)
+            .await
+            .unwrap();
+        // The same registration reaches the restarted actor.
+        assert_eq!(ask.send(Incarnation).await.unwrap(), 1);
+    });
+}
