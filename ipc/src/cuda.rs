@@ -860,4 +860,87 @@ mod tests {
             Err(other) => panic!("unexpected {other}"),
         }
     }
+
+    use crate::{FrameFds, ImportCache, Session};
+    use baton_messages::SessionToken;
+
+    fn gpu_backend(export: CudaExport, events: usize) -> Arc<CudaBackend> {
+        Arc::new(
+            CudaBackend::with_event_limit(0, export, events)
+                .unwrap_or_else(|e| panic!("gpu-tests need a CUDA GPU: {e}")),
+        )
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(feature = "gpu-tests"),
+        ignore = "needs a CUDA GPU: --features gpu-tests"
+    )]
+    fn the_event_pool_lends_up_to_its_limit_and_reuses_returned_events() {
+        let b = gpu_backend(CudaExport::Legacy, 2);
+        let e1 = b.record_event().unwrap();
+        let e2 = b.record_event().unwrap();
+        assert_ne!(e1.ipc_handle(), e2.ipc_handle());
+        assert!(matches!(
+            b.record_event(),
+            Err(Error::EventsExhausted { limit: 2 })
+        ));
+        let h1 = e1.ipc_handle();
+        drop(e1);
+        let e3 = b.record_event().unwrap();
+        assert_eq!(e3.ipc_handle(), h1, "the returned event is lent again");
+        e3.synchronize().unwrap();
+        assert!(e3.is_complete().unwrap());
+        assert_eq!(b.event_counts(), (2, 2));
+        drop((e2, e3));
+        assert_eq!(b.event_counts(), (2, 0));
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(feature = "gpu-tests"),
+        ignore = "needs a CUDA GPU: --features gpu-tests"
+    )]
+    fn own_events_are_waited_on_without_opening_them() {
+        let b = gpu_backend(CudaExport::Legacy, 4);
+        let session = Session::new(SessionToken::from_bytes([3; 32]));
+        let cache = ImportCache::new(session.clone(), [b.clone() as crate::SharedBackend]);
+        let alloc = b.allocate(1 << 20).unwrap();
+        alloc.fill(0, 1 << 20, 9).unwrap();
+        let ev = b.record_event().unwrap();
+        let h = alloc
+            .handle(&session)
+            .event(ev.ipc_handle())
+            .build()
+            .unwrap();
+        let opened = cache.open(&h, &mut FrameFds::none()).unwrap();
+        assert_eq!(opened.to_vec().unwrap(), vec![9; 1 << 20]);
+        assert_eq!((b.opens(), b.opened_events()), (0, 0));
+    }
+
+    /// What the driver does when a process opens its own legacy handle (DESIGN: it
+    /// refuses, which is why such opens never reach it). Reported, not asserted.
+    #[test]
+    #[cfg_attr(
+        not(feature = "gpu-tests"),
+        ignore = "needs a CUDA GPU: --features gpu-tests"
+    )]
+    fn report_what_the_driver_does_with_our_own_legacy_handle() {
+        let b = gpu_backend(CudaExport::Legacy, 1);
+        let alloc = b.allocate(1 << 20).unwrap();
+        let RawHandle::CudaIpc(raw) = alloc.raw().raw_handle(0).unwrap() else {
+            unreachable!()
+        };
+        match IpcMapping::open(b.context(), &raw.0) {
+            Ok(mut m) => {
+                eprintln!(
+                    "driver opened our own handle at {:#x} (ours {:?})",
+                    m.ptr(),
+                    alloc.ptr()
+                );
+                m.close().unwrap();
+            }
+            Err(e) => eprintln!("driver refused our own handle: {e}"),
+        }
+    }
 }

@@ -105,7 +105,10 @@ mod tests {
     #[test]
     fn forced_cuda_without_a_gpu_says_why_and_auto_falls_back() {
         if cuda::probe().is_ok() {
-            return; // a GPU machine: covered by the conformance tests
+            // A GPU machine: both pick CUDA.
+            assert_eq!(BackendChoice::Auto.build().unwrap().name(), "cuda");
+            assert_eq!(BackendChoice::Cuda.build().unwrap().name(), "cuda");
+            return;
         }
         let err = BackendChoice::Cuda.build().unwrap_err();
         let msg = err.to_string();
