@@ -142,7 +142,7 @@ fn parent() -> Result<(), Box<dyn Error>> {
         let pixels = (W * H) as usize;
         image.write_at(0, &(0..pixels).map(|i| (i % 256) as f32 / 255.0).collect::<Vec<_>>())?;
         mask.write_at(0, &(0..pixels).map(|i| if (i / W as usize) % 2 == 0 { 1.0 } else { 0.5 }).collect::<Vec<_>>())?;
-        println!("parent: {} backend, two {}x{} f32 buffers ({} MiB each)", node.backend().name(), W, H, pixels * 4 >> 20);
+        println!("parent: {} backend, two {}x{} f32 buffers ({} MiB each)", node.backend().name(), W, H, (pixels * 4) >> 20);
 
         // Wait for the blender to link up, then call it.
         let peer = loop {

@@ -5,7 +5,7 @@ use crate::session::{CheckedHandle, Session};
 use crate::{Error, Result};
 use baton_messages::{
     ActorId, AllocationId, BackendKind, DeviceUuid, ExporterId, Generation, HandleDigest,
-    HandleMsg, IpcEventHandle, Layout, PROTOCOL_VERSION, RawHandle,
+    HandleMsg, IpcEventHandle, Layout, PROTOCOL_VERSION, ProcessId, RawHandle,
 };
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -432,6 +432,23 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Errors
     /// A backend error: the memory is gone, is smaller than claimed, the device is absent.
     fn open(&self, handle: CheckedHandle<'_>, fd: Option<OwnedFd>) -> Result<OpenedMem>;
+    /// Orders this backend's later work on opened memory after the exporter's recorded
+    /// `event` (CUDA: the backend stream waits on the interprocess event). The
+    /// [`ImportCache`](crate::ImportCache) calls it for every handle that carries an event,
+    /// on a miss and on a hit, before handing the buffer out. Backends without events (host)
+    /// do nothing.
+    ///
+    /// # Errors
+    /// A backend error (the event cannot be opened, …).
+    fn wait_event(&self, exporter: &ExporterId, event: &IpcEventHandle) -> Result<()> {
+        let _ = (exporter, event);
+        Ok(())
+    }
+    /// Drops what the backend keeps about a dead exporter process (opened events). Called
+    /// by [`ImportCache::forget_process`](crate::ImportCache::forget_process).
+    fn forget_process(&self, process: &ProcessId) {
+        let _ = process;
+    }
 }
 
 /// A shared backend.

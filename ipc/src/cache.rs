@@ -100,7 +100,10 @@ impl ImportCache {
     }
 
     /// Opens the buffer a handle names: checks the handle (digest, consistency, boot),
-    /// refuses stale generations, then maps the allocation or reuses its live mapping.
+    /// refuses stale generations, then maps the allocation or reuses its live mapping, and
+    /// finally, if the handle carries an event, has the backend wait on it
+    /// ([`Backend::wait_event`](crate::Backend::wait_event)) so that the buffer is used only
+    /// after the exporter's work that produced it.
     /// `fds` are the descriptors that came with the handle's frame.
     ///
     /// # Errors
@@ -151,14 +154,21 @@ impl ImportCache {
             mem
         };
         drop(state);
-        Ok(Imported {
+        let imported = Imported {
             cache: Arc::clone(&self.shared),
             key,
             mem: Some(mem),
             offset: handle.offset as usize,
             len: handle.len as usize,
             layout: handle.layout.clone(),
-        })
+        };
+        if let Some(event) = &handle.event {
+            // On a hit too: this handle's data may come from newer work on the same memory.
+            // On error `imported` drops, giving its reference back.
+            self.backend_for(handle.backend)?
+                .wait_event(&handle.exporter, event)?;
+        }
+        Ok(imported)
     }
 
     fn backend_for(&self, kind: BackendKind) -> Result<&SharedBackend> {
@@ -182,6 +192,9 @@ impl ImportCache {
     /// mappings stay until their guards drop.
     pub fn forget_process(&self, process: &ProcessId) {
         self.shared.lock().retired.retain(|(p, _), _| p != process);
+        for backend in &self.shared.backends {
+            backend.forget_process(process);
+        }
     }
 
     /// The counters.
@@ -323,5 +336,141 @@ impl Drop for Imported {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Allocation, Backend, ExportableMemory, RawMemory};
+    use crate::session::CheckedHandle;
+    use baton_messages::{
+        CudaIpcMemHandle, DeviceUuid, Error as MessageError, IpcEventHandle, SessionToken,
+    };
+    use std::os::fd::OwnedFd;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// Plain bytes standing in for device memory.
+    #[derive(Debug, Clone)]
+    struct Bytes(Arc<Mutex<Vec<u8>>>);
+
+    impl RawMemory for Bytes {
+        fn size(&self) -> usize {
+            self.0.lock().unwrap().len()
+        }
+        fn ptr(&self) -> MemPtr {
+            MemPtr::Device(0x1000)
+        }
+        fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+            dst.copy_from_slice(&self.0.lock().unwrap()[offset..offset + dst.len()]);
+            Ok(())
+        }
+        fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+            self.0.lock().unwrap()[offset..offset + src.len()].copy_from_slice(src);
+            Ok(())
+        }
+        fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+            self.0.lock().unwrap()[offset..offset + len].fill(byte);
+            Ok(())
+        }
+    }
+
+    impl ExportableMemory for Bytes {
+        fn raw_handle(&self, _fd_slot: u8) -> Result<RawHandle> {
+            Ok(RawHandle::CudaIpc(CudaIpcMemHandle([7; 64])))
+        }
+    }
+
+    /// A backend shaped like CUDA legacy IPC (handles carry events) that counts its calls.
+    #[derive(Debug, Default)]
+    struct EventBackend {
+        mem: Mutex<Option<Bytes>>,
+        opens: AtomicU64,
+        waits: AtomicU64,
+        forgotten: AtomicU64,
+    }
+
+    impl Backend for EventBackend {
+        fn name(&self) -> &'static str {
+            "fake-cuda"
+        }
+        fn kind(&self) -> BackendKind {
+            BackendKind::CudaLegacy
+        }
+        fn device(&self) -> DeviceUuid {
+            DeviceUuid([1; 16])
+        }
+        fn allocate(&self, size: usize) -> Result<Allocation> {
+            let bytes = Bytes(Arc::new(Mutex::new(vec![0; size])));
+            *self.mem.lock().unwrap() = Some(bytes.clone());
+            Ok(Allocation::new(self.kind(), self.device(), Box::new(bytes)))
+        }
+        fn open(&self, handle: CheckedHandle<'_>, _fd: Option<OwnedFd>) -> Result<OpenedMem> {
+            self.opens.fetch_add(1, Ordering::Relaxed);
+            let bytes = self.mem.lock().unwrap().clone().expect("allocated");
+            Ok(OpenedMem::new(&handle, Box::new(bytes)))
+        }
+        fn wait_event(&self, _exporter: &ExporterId, _event: &IpcEventHandle) -> Result<()> {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn forget_process(&self, _process: &ProcessId) {
+            self.forgotten.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn events_are_waited_on_for_misses_and_hits_and_bad_handles_reach_no_backend() {
+        let session = Session::new(SessionToken::from_bytes([8; 32]));
+        let backend = Arc::new(EventBackend::default());
+        let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+        let alloc = backend.allocate(4096).unwrap();
+        alloc.fill(0, 4096, 0x42).unwrap();
+        let event = IpcEventHandle([9; 64]);
+        let handle = alloc.handle(&session).event(event).build().unwrap();
+        let mut fds = FrameFds::none();
+
+        // One corrupted byte of the raw handle: refused before any backend call.
+        let mut bad = handle.clone();
+        let RawHandle::CudaIpc(raw) = &mut bad.raw else {
+            unreachable!()
+        };
+        raw.0[17] ^= 0x01;
+        assert!(matches!(
+            cache.open(&bad, &mut fds),
+            Err(Error::Message(MessageError::DigestMismatch))
+        ));
+        // Sealed under another token: refused too.
+        let other = Session::new(SessionToken::from_bytes([9; 32]));
+        let foreign = alloc.handle(&other).build().unwrap();
+        assert!(cache.open(&foreign, &mut fds).is_err());
+        assert_eq!(backend.opens.load(Ordering::Relaxed), 0);
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 0);
+
+        let first = cache.open(&handle, &mut fds).unwrap();
+        let second = cache.open(&handle, &mut fds).unwrap();
+        assert_eq!(first.to_vec().unwrap(), vec![0x42; 4096]);
+        assert_eq!(
+            backend.opens.load(Ordering::Relaxed),
+            1,
+            "the hit made no open"
+        );
+        assert_eq!(
+            backend.waits.load(Ordering::Relaxed),
+            2,
+            "the event was waited on for the miss and for the hit"
+        );
+        let stats = cache.stats();
+        assert_eq!((stats.opens, stats.hits, stats.live), (1, 1, 1));
+        drop((first, second));
+        assert_eq!(cache.stats().live, 0);
+
+        // A handle without an event waits on nothing.
+        let plain = alloc.handle(&session).build().unwrap();
+        drop(cache.open(&plain, &mut fds).unwrap());
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 2);
+
+        cache.forget_process(&session.process());
+        assert_eq!(backend.forgotten.load(Ordering::Relaxed), 1);
     }
 }

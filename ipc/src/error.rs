@@ -168,6 +168,40 @@ pub enum Error {
         /// The exporter.
         exporter: ExporterId,
     },
+    /// A CUDA driver call failed.
+    #[error("{op} failed: {code}")]
+    Cuda {
+        /// The driver call (`cuIpcOpenMemHandle_v2`, …).
+        op: &'static str,
+        /// The driver's result code.
+        code: crate::cuda::CudaError,
+    },
+    /// Every interprocess event of the pool is lent out.
+    #[error(
+        "all {limit} interprocess events are in use: release leases (their events return to the pool) or raise the backend's event limit"
+    )]
+    EventsExhausted {
+        /// The pool's limit.
+        limit: usize,
+    },
+    /// The exporting process opened its own handle, but the allocation is already freed.
+    #[error("{alloc} of {exporter} is already freed: ask for a fresh handle")]
+    AllocationGone {
+        /// The exporter the handle names.
+        exporter: ExporterId,
+        /// The allocation the handle names.
+        alloc: AllocationId,
+    },
+    /// A slab arena has no free range large enough.
+    #[error(
+        "slab arena cannot fit {requested} bytes (largest free range: {largest_free} bytes): drop buffers or use a larger slab"
+    )]
+    SlabFull {
+        /// Bytes asked for (after alignment).
+        requested: usize,
+        /// The largest free range.
+        largest_free: usize,
+    },
     /// A backend that was asked for is not available here.
     #[error("backend {backend} is unavailable: {reason}")]
     BackendUnavailable {

@@ -1,8 +1,11 @@
 //! Baton's memory and transport mechanics.
 //!
 //! - [`Backend`]: make, share and map memory. Two real implementations: [`host`] (named
-//!   POSIX shared memory) and CUDA (device memory, when built and a GPU is present),
+//!   POSIX shared memory) and [`cuda`] (device memory: legacy IPC handles or VMM file
+//!   descriptors, with IPC events; always built, used when a driver and a GPU are present),
 //!   picked at run time by [`select::auto`].
+//! - [`SlabArena`]: many buffers carved from one exported allocation, so an importer maps
+//!   the slab once.
 //! - [`Allocation`] owns exported memory (and its free); [`OpenedMem`] owns an imported
 //!   mapping (and its close); [`ImportCache`] maps each allocation once per process and
 //!   hands out [`Imported`] views.
@@ -17,6 +20,8 @@
 
 mod backend;
 mod cache;
+#[allow(unsafe_code)]
+pub mod cuda;
 mod error;
 #[allow(unsafe_code)]
 pub mod host;
@@ -24,12 +29,14 @@ pub mod link;
 pub mod process;
 pub mod select;
 mod session;
+pub mod slab;
 
 pub use backend::{
     Allocation, Backend, ExportableMemory, HandleBuilder, MemPtr, OpenedMem, RawMemory,
     SharedBackend,
 };
 pub use cache::{CacheStats, ImportCache, Imported};
+pub use cuda::CudaBackend;
 pub use error::{Error, Result};
 pub use host::HostBackend;
 pub use link::{
@@ -37,5 +44,6 @@ pub use link::{
     PeerPolicy, Received, SocketDir,
 };
 pub use session::{CheckedHandle, Session, TOKEN_ENV, random_bytes};
+pub use slab::{SlabArena, SlabBuffer};
 
 pub use baton_messages as messages;

@@ -1,5 +1,6 @@
 //! Choosing a backend at run time.
 
+use crate::cuda::{self, CudaBackend};
 use crate::host::HostBackend;
 use crate::{Error, Result, SharedBackend};
 use std::sync::Arc;
@@ -43,23 +44,39 @@ impl BackendChoice {
         }
     }
 
-    /// Makes the chosen backend.
+    /// Makes the chosen backend. CUDA is made by [`CudaBackend::from_env`] (device
+    /// [`cuda::DEVICE_ENV`], export mode [`cuda::EXPORT_ENV`]).
     ///
     /// # Errors
-    /// [`Error::BackendUnavailable`] when CUDA is forced and absent, with the reason.
+    /// [`Error::BackendUnavailable`] when CUDA is forced and absent, with the reason;
+    /// unparsable CUDA variables, also under `Auto` when a GPU is present.
     pub fn build(self) -> Result<SharedBackend> {
         match self {
             Self::Host => Ok(Arc::new(HostBackend::new()?)),
-            Self::Cuda => Err(cuda_unavailable()),
-            Self::Auto => Ok(Arc::new(HostBackend::new()?)),
+            Self::Cuda => CudaBackend::from_env()
+                .map(|b| Arc::new(b) as SharedBackend)
+                .map_err(|e| match e {
+                    Error::BackendUnavailable { reason, .. } => Error::BackendUnavailable {
+                        backend: "cuda",
+                        reason: format!("{BACKEND_ENV}=cuda asks for it, but {reason}"),
+                    },
+                    other => other,
+                }),
+            Self::Auto => match cuda::probe() {
+                Ok(_) => match CudaBackend::from_env() {
+                    Ok(b) => Ok(Arc::new(b)),
+                    Err(Error::Cuda { op, code }) => {
+                        tracing::warn!(op, %code, "a GPU is present but unusable; using the host backend");
+                        Ok(Arc::new(HostBackend::new()?))
+                    }
+                    Err(e) => Err(e),
+                },
+                Err(e) => {
+                    tracing::debug!(reason = %e, "no CUDA; using the host backend");
+                    Ok(Arc::new(HostBackend::new()?))
+                }
+            },
         }
-    }
-}
-
-fn cuda_unavailable() -> Error {
-    Error::BackendUnavailable {
-        backend: "cuda",
-        reason: "this build has no CUDA backend yet".into(),
     }
 }
 
@@ -70,4 +87,43 @@ fn cuda_unavailable() -> Error {
 /// As [`BackendChoice::build`].
 pub fn auto() -> Result<SharedBackend> {
     BackendChoice::from_env()?.build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choices_parse() {
+        assert_eq!(BackendChoice::parse("CUDA"), Some(BackendChoice::Cuda));
+        assert_eq!(BackendChoice::parse(""), Some(BackendChoice::Auto));
+        assert_eq!(BackendChoice::parse("host"), Some(BackendChoice::Host));
+        assert_eq!(BackendChoice::parse("gpu"), None);
+    }
+
+    /// Forcing CUDA where there is none fails and says why; `Auto` falls back to host.
+    #[test]
+    fn forced_cuda_without_a_gpu_says_why_and_auto_falls_back() {
+        if cuda::probe().is_ok() {
+            // A GPU machine: both pick CUDA.
+            assert_eq!(BackendChoice::Auto.build().unwrap().name(), "cuda");
+            assert_eq!(BackendChoice::Cuda.build().unwrap().name(), "cuda");
+            return;
+        }
+        let err = BackendChoice::Cuda.build().unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(
+            err,
+            Error::BackendUnavailable {
+                backend: "cuda",
+                ..
+            }
+        ));
+        assert!(msg.contains("BATON_BACKEND=cuda"), "{msg}");
+        assert!(
+            msg.contains("libcuda") || msg.contains("no CUDA device"),
+            "{msg}"
+        );
+        assert_eq!(BackendChoice::Auto.build().unwrap().name(), "host");
+    }
 }

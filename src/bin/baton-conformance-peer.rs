@@ -1,0 +1,285 @@
+//! The helper process of the backend conformance tests (`tests/conformance.rs`): one role
+//! per invocation, on the backend named by the first argument (`host`, `cuda-legacy`,
+//! `cuda-vmm`).
+//!
+//! Tests spawn it (`env!("CARGO_BIN_EXE_baton-conformance-peer")`), never fork, with the
+//! session token in `BATON_TOKEN` and a segment namespace in `BATON_SHM_NAMESPACE`. It uses
+//! the public API only, as a real peer would. Exit status 0 when the role did what it
+//! should; 1 with the reason on stderr otherwise.
+//!
+//! Roles (`BACKEND ROLE SOCKET ARGS…`):
+//! - `import-check SOCKET EXPECT_HEX REPLY_OFFSET REPLY_LEN REPLY_SEED`: the first offer
+//!   carries a corrupted handle, which must be refused with no driver open; the second is
+//!   good: open it, check the BLAKE3 of the whole buffer, open it three more times (cache
+//!   hits, no driver open), write the reply pattern, release.
+//! - `import-expect SOCKET EXPECT_HEX`: open the offer (waiting on its event), check the
+//!   BLAKE3 of the whole buffer (fails on stale data), release.
+//! - `import-slab SOCKET N`: take N offers of buffers carved from one slab, each filled with
+//!   its index + 1; they must cost one driver open in all; release each.
+//! - `import-hold SOCKET`: open the offer, read a byte, answer `Ping(1)`, hold until killed.
+//! - `export-hold SOCKET SIZE`: allocate SIZE bytes filled with 0xAB, offer them (fd beside
+//!   the frame for VMM), hold until killed.
+
+use baton::ipc::cuda::{CudaBackend, CudaExport};
+use baton::ipc::{
+    FrameFds, HostBackend, ImportCache, Imported, Link, LinkConfig, Session, SharedBackend,
+};
+use baton::messages::protocol::{Offer, Release};
+use baton::messages::{Error as MessageError, LeaseId, Message};
+use std::sync::Arc;
+use std::time::Duration;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The backend under test, with its driver-open counter.
+enum Subject {
+    Host(Arc<HostBackend>),
+    Cuda(Arc<CudaBackend>),
+}
+
+impl Subject {
+    fn new(name: &str) -> Res<Self> {
+        Ok(match name {
+            "host" => Self::Host(Arc::new(HostBackend::new()?)),
+            "cuda-legacy" => Self::Cuda(Arc::new(CudaBackend::new(0, CudaExport::Legacy)?)),
+            "cuda-vmm" => Self::Cuda(Arc::new(CudaBackend::new(0, CudaExport::Vmm)?)),
+            other => return Err(format!("unknown backend {other:?}").into()),
+        })
+    }
+
+    fn backend(&self) -> SharedBackend {
+        match self {
+            Self::Host(b) => b.clone(),
+            Self::Cuda(b) => b.clone(),
+        }
+    }
+
+    /// Driver-level opens so far.
+    fn opens(&self) -> u64 {
+        match self {
+            Self::Host(b) => b.opens(),
+            Self::Cuda(b) => b.opens(),
+        }
+    }
+}
+
+/// The reply pattern the importer writes: byte `i` is `(i * 31 + seed) mod 256`.
+fn reply_pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (i.wrapping_mul(31).wrapping_add(seed)) as u8)
+        .collect()
+}
+
+fn connect(socket: &str) -> Res<(Session, Link)> {
+    let session = Session::from_env()?;
+    let link = Link::connect(socket, &LinkConfig::new(session.clone()))?;
+    Ok((session, link))
+}
+
+fn take_offer(link: &mut Link) -> Res<(Offer, FrameFds)> {
+    let received = link.recv_timeout(DEADLINE)?;
+    match received.message {
+        Message::Offer(offer) => Ok((offer, received.fds)),
+        other => Err(format!("expected an Offer, got {}", other.kind()).into()),
+    }
+}
+
+fn digest_of(buffer: &Imported) -> Res<blake3::Hash> {
+    Ok(blake3::hash(&buffer.to_vec()?))
+}
+
+fn release_and_wait_close(link: &mut Link, leases: &[LeaseId]) -> Res<()> {
+    for &lease in leases {
+        link.send(&Message::Release(Release { lease }), &[])?;
+    }
+    // Wait for the exporter to hang up, so it sees the releases before our EOF.
+    match link.recv_timeout(DEADLINE) {
+        Err(baton::Error::Closed) => Ok(()),
+        Err(e) => Err(e.into()),
+        Ok(r) => Err(format!("unexpected {}", r.message.kind()).into()),
+    }
+}
+
+fn ensure(cond: bool, what: impl FnOnce() -> String) -> Res<()> {
+    if cond { Ok(()) } else { Err(what().into()) }
+}
+
+fn import_check(
+    subject: &Subject,
+    socket: &str,
+    expect: &str,
+    reply_offset: usize,
+    reply_len: usize,
+    seed: u64,
+) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    let cache = ImportCache::new(session, [subject.backend()]);
+
+    let (bad, mut fds) = take_offer(&mut link)?;
+    match cache.open(&bad.handle, &mut fds) {
+        Err(baton::Error::Message(MessageError::DigestMismatch)) => {}
+        Err(e) => return Err(format!("corrupted handle refused, but as {e}").into()),
+        Ok(_) => return Err("a corrupted handle was opened".into()),
+    }
+    ensure(subject.opens() == 0 && cache.stats().opens == 0, || {
+        format!(
+            "the corrupted handle reached the driver ({} opens)",
+            subject.opens()
+        )
+    })?;
+    drop(fds);
+    link.send(&Message::Ping(1), &[])?;
+
+    let (offer, mut fds) = take_offer(&mut link)?;
+    let buffer = cache.open(&offer.handle, &mut fds)?;
+    ensure(subject.opens() == 1, || {
+        format!("{} driver opens for one handle", subject.opens())
+    })?;
+    let digest = digest_of(&buffer)?;
+    ensure(digest.to_hex().as_str() == expect, || {
+        format!("checksum mismatch: got {}", digest.to_hex())
+    })?;
+    let again: Vec<Imported> = (0..3)
+        .map(|_| cache.open(&offer.handle, &mut fds))
+        .collect::<Result<_, _>>()?;
+    let stats = cache.stats();
+    ensure(
+        subject.opens() == 1 && stats.hits == 3 && stats.opens == 1,
+        || {
+            format!(
+                "cache hits opened again: driver opens {}, {stats:?}",
+                subject.opens()
+            )
+        },
+    )?;
+    drop(again);
+    buffer.write(reply_offset, &reply_pattern(reply_len, seed))?;
+    drop(buffer);
+    ensure(cache.stats().live == 0, || {
+        "mapping still open after the guards dropped".into()
+    })?;
+    eprintln!(
+        "baton-conformance-peer: import-check ok: driver opens {}, {:?}",
+        subject.opens(),
+        cache.stats()
+    );
+    release_and_wait_close(&mut link, &[offer.lease])
+}
+
+fn import_expect(subject: &Subject, socket: &str, expect: &str) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    let cache = ImportCache::new(session, [subject.backend()]);
+    let (offer, mut fds) = take_offer(&mut link)?;
+    ensure(
+        offer.handle.event.is_some() || !matches!(subject, Subject::Cuda(_)),
+        || "a CUDA handle came without an event".into(),
+    )?;
+    let buffer = cache.open(&offer.handle, &mut fds)?;
+    let digest = digest_of(&buffer)?;
+    ensure(digest.to_hex().as_str() == expect, || {
+        format!(
+            "stale data: the buffer read before the exporter's work finished (got {})",
+            digest.to_hex()
+        )
+    })?;
+    drop(buffer);
+    release_and_wait_close(&mut link, &[offer.lease])
+}
+
+fn import_slab(subject: &Subject, socket: &str, n: usize) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    let cache = ImportCache::new(session, [subject.backend()]);
+    let mut held = Vec::new();
+    for i in 0..n {
+        let (offer, mut fds) = take_offer(&mut link)?;
+        let buffer = cache.open(&offer.handle, &mut fds)?;
+        let want = vec![i as u8 + 1; buffer.len()];
+        ensure(buffer.to_vec()? == want, || {
+            format!("buffer {i} has wrong bytes")
+        })?;
+        held.push((offer.lease, buffer));
+    }
+    let stats = cache.stats();
+    ensure(
+        subject.opens() == 1 && stats.opens == 1 && stats.hits == n as u64 - 1,
+        || {
+            format!(
+                "{n} slab buffers cost {} driver opens ({stats:?})",
+                subject.opens()
+            )
+        },
+    )?;
+    let leases: Vec<LeaseId> = held.iter().map(|(l, _)| *l).collect();
+    drop(held);
+    release_and_wait_close(&mut link, &leases)
+}
+
+fn import_hold(subject: &Subject, socket: &str) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    let cache = ImportCache::new(session, [subject.backend()]);
+    let (offer, mut fds) = take_offer(&mut link)?;
+    let buffer = cache.open(&offer.handle, &mut fds)?;
+    let mut first = [0u8; 1];
+    buffer.read(0, &mut first)?;
+    link.send(&Message::Ping(1), &[])?;
+    loop {
+        std::thread::sleep(Duration::from_secs(60));
+        let _ = &buffer;
+    }
+}
+
+fn export_hold(subject: &Subject, socket: &str, size: usize) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    let alloc = subject.backend().allocate(size)?;
+    alloc.fill(0, alloc.size(), 0xAB)?;
+    let handle = alloc.handle(&session).build()?;
+    let fds: Vec<_> = alloc.export_fd().into_iter().collect();
+    link.send(
+        &Message::Offer(Offer {
+            lease: LeaseId::new(1),
+            handle,
+        }),
+        &fds,
+    )?;
+    loop {
+        std::thread::sleep(Duration::from_secs(60));
+        let _ = &alloc;
+    }
+}
+
+fn parse<T: std::str::FromStr>(what: &str, s: &str) -> Res<T> {
+    s.parse().map_err(|_| format!("bad {what}: {s:?}").into())
+}
+
+fn run(argv: &[&str]) -> Res<()> {
+    let [backend, role, rest @ ..] = argv else {
+        return Err("usage: BACKEND ROLE SOCKET ARGS…".into());
+    };
+    let subject = Subject::new(backend)?;
+    match (*role, rest) {
+        ("import-check", [socket, expect, offset, len, seed]) => import_check(
+            &subject,
+            socket,
+            expect,
+            parse("offset", offset)?,
+            parse("length", len)?,
+            parse("seed", seed)?,
+        ),
+        ("import-expect", [socket, expect]) => import_expect(&subject, socket, expect),
+        ("import-slab", [socket, n]) => import_slab(&subject, socket, parse("count", n)?),
+        ("import-hold", [socket]) => import_hold(&subject, socket),
+        ("export-hold", [socket, size]) => export_hold(&subject, socket, parse("size", size)?),
+        _ => Err(format!("unknown role {argv:?}").into()),
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    if let Err(e) = run(&argv) {
+        eprintln!("baton-conformance-peer: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,692 @@
+//! Backend conformance: the same tests, written once, for every backend.
+//!
+//! Each test is a function of a [`Flavor`]; the macro at the bottom instantiates it for
+//! `host` (runs everywhere, CI included) and for `cuda_legacy` and `cuda_vmm`, which run
+//! with `--features gpu-tests` on a machine with an NVIDIA GPU and are ignored otherwise.
+//! Two processes each time: this test process and `baton-conformance-peer`, spawned (never
+//! forked) and always killed and reaped by its guard.
+//!
+//! On CUDA the exporter writes with a kernel: hand-written PTX that the driver JIT-compiles
+//! (no NVRTC needed at run time). Should the driver refuse the PTX, the tests fall back to
+//! host-to-device copies and chains of memsets, and say so on stderr.
+
+#[path = "support/peer.rs"]
+mod peer;
+
+use baton::ipc::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use baton::ipc::cuda::cudarc::nvrtc::Ptx;
+use baton::ipc::cuda::{CudaBackend, CudaExport};
+use baton::ipc::{
+    Backend, FrameFds, HostBackend, ImportCache, MemPtr, SharedBackend, SlabArena, host,
+};
+use baton::messages::protocol::{Offer, Release};
+use baton::messages::{Error as MessageError, HandleMsg, LeaseId, Message, RawHandle};
+use baton::{Allocation, Error, LinkConfig, Listener, Session};
+use peer::{Peer, poll_until, socket_dir};
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const MIB: usize = 1 << 20;
+/// The buffer every two-process test shares.
+const SIZE: usize = 256 * MIB;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flavor {
+    Host,
+    CudaLegacy,
+    CudaVmm,
+}
+
+impl Flavor {
+    /// The peer's backend argument.
+    fn arg(self) -> &'static str {
+        match self {
+            Flavor::Host => "host",
+            Flavor::CudaLegacy => "cuda-legacy",
+            Flavor::CudaVmm => "cuda-vmm",
+        }
+    }
+}
+
+/// The backend under test in this process, with what the tests measure on it.
+struct Subject {
+    flavor: Flavor,
+    ns: String,
+    backend: SharedBackend,
+    host: Option<Arc<HostBackend>>,
+    cuda: Option<Arc<CudaBackend>>,
+}
+
+impl Subject {
+    fn new(flavor: Flavor, test: &str) -> Subject {
+        let ns = peer::namespace(test);
+        let (backend, host, cuda): (SharedBackend, _, _) = match flavor {
+            Flavor::Host => {
+                let b = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+                (b.clone(), Some(b), None)
+            }
+            Flavor::CudaLegacy | Flavor::CudaVmm => {
+                let export = if flavor == Flavor::CudaVmm {
+                    CudaExport::Vmm
+                } else {
+                    CudaExport::Legacy
+                };
+                let b = Arc::new(
+                    CudaBackend::new(0, export)
+                        .unwrap_or_else(|e| panic!("the {flavor:?} backend is unavailable: {e}")),
+                );
+                eprintln!("conformance: {b:?}");
+                (b.clone(), None, Some(b))
+            }
+        };
+        Subject {
+            flavor,
+            ns,
+            backend,
+            host,
+            cuda,
+        }
+    }
+
+    fn opens(&self) -> u64 {
+        match (&self.host, &self.cuda) {
+            (Some(h), _) => h.opens(),
+            (_, Some(c)) => c.opens(),
+            _ => unreachable!(),
+        }
+    }
+
+    fn spawn(&self, session: &Session, role: &str, args: &[&str]) -> Peer {
+        let mut all = vec![self.flavor.arg(), role];
+        all.extend_from_slice(args);
+        Peer::spawn_exe(
+            env!("CARGO_BIN_EXE_baton-conformance-peer"),
+            session,
+            &self.ns,
+            &all,
+        )
+    }
+
+    /// What leaks would change: free device bytes (CUDA) or the namespace's segment count
+    /// (host).
+    fn resources(&self) -> Resources {
+        match &self.cuda {
+            Some(c) => Resources::DeviceFree(c.mem_get_info().unwrap().0),
+            None => Resources::Segments(peer::segments(&self.ns)),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resources {
+    DeviceFree(usize),
+    Segments(usize),
+}
+
+impl Resources {
+    /// Whether `self` is back at `baseline` (device memory: within 1 MiB).
+    fn back_to(self, baseline: Resources) -> bool {
+        match (self, baseline) {
+            (Resources::DeviceFree(now), Resources::DeviceFree(base)) => now + MIB >= base,
+            (Resources::Segments(now), Resources::Segments(base)) => now == base,
+            _ => false,
+        }
+    }
+}
+
+// --- the exporter's work -------------------------------------------------------------
+
+/// Word `i` of the fill pattern, the same on the CPU and in the kernel.
+fn pattern_word(i: u64, seed: u32) -> u32 {
+    let v = (i as u32).wrapping_mul(0x9E37_79B1).wrapping_add(seed);
+    v ^ (v >> 15)
+}
+
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 4);
+    for i in 0..len.div_ceil(4) as u64 {
+        out.extend_from_slice(&pattern_word(i, seed).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// `baton_fill(ptr, n_words, seed, spin_ns)`: every thread first spins for `spin_ns`
+/// nanoseconds of `%globaltimer`, then the grid writes `pattern_word(i, seed)` to word `i`.
+const FILL_PTX: &str = r#"
+.version 7.0
+.target sm_75
+.address_size 64
+
+.visible .entry baton_fill(
+    .param .u64 p_ptr,
+    .param .u64 p_n,
+    .param .u32 p_seed,
+    .param .u64 p_spin
+)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<12>;
+
+    ld.param.u64 %rd1, [p_ptr];
+    ld.param.u64 %rd2, [p_n];
+    ld.param.u32 %r1, [p_seed];
+    ld.param.u64 %rd3, [p_spin];
+    cvta.to.global.u64 %rd1, %rd1;
+
+    setp.eq.u64 %p1, %rd3, 0;
+    @%p1 bra SPUN;
+    mov.u64 %rd4, %globaltimer;
+SPIN:
+    mov.u64 %rd5, %globaltimer;
+    sub.u64 %rd6, %rd5, %rd4;
+    setp.lt.u64 %p2, %rd6, %rd3;
+    @%p2 bra SPIN;
+SPUN:
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mul.wide.u32 %rd7, %r2, %r3;
+    cvt.u64.u32 %rd8, %r4;
+    add.u64 %rd7, %rd7, %rd8;
+    mov.u32 %r5, %nctaid.x;
+    mul.wide.u32 %rd9, %r5, %r3;
+LOOP:
+    setp.ge.u64 %p3, %rd7, %rd2;
+    @%p3 bra DONE;
+    cvt.u32.u64 %r6, %rd7;
+    mul.lo.s32 %r6, %r6, -1640531535;
+    add.s32 %r6, %r6, %r1;
+    shr.u32 %r7, %r6, 15;
+    xor.b32 %r6, %r6, %r7;
+    shl.b64 %rd10, %rd7, 2;
+    add.u64 %rd11, %rd1, %rd10;
+    st.global.u32 [%rd11], %r6;
+    add.u64 %rd7, %rd7, %rd9;
+    bra LOOP;
+DONE:
+    ret;
+}
+"#;
+
+/// The fill kernel, if the driver JIT-compiles it.
+fn fill_kernel(cuda: &CudaBackend) -> Option<CudaFunction> {
+    let loaded = cuda
+        .context()
+        .load_module(Ptx::from_src(FILL_PTX))
+        .and_then(|m| m.load_function("baton_fill"));
+    match loaded {
+        Ok(f) => Some(f),
+        Err(e) => {
+            eprintln!(
+                "conformance: the driver refused the PTX kernel ({e:?}); falling back to copies and memsets"
+            );
+            None
+        }
+    }
+}
+
+fn device_ptr(alloc: &Allocation) -> u64 {
+    match alloc.ptr() {
+        MemPtr::Device(p) => p,
+        MemPtr::Host(_) => panic!("not device memory"),
+    }
+}
+
+/// Launches the fill kernel over the whole allocation on the backend's stream (async).
+fn launch_fill(
+    cuda: &CudaBackend,
+    f: &CudaFunction,
+    alloc: &Allocation,
+    seed: u32,
+    spin: Duration,
+) {
+    let ptr = device_ptr(alloc);
+    let words = (alloc.size() / 4) as u64;
+    let spin_ns = spin.as_nanos() as u64;
+    let stream = cuda.stream();
+    let mut launch = stream.launch_builder(f);
+    launch.arg(&ptr).arg(&words).arg(&seed).arg(&spin_ns);
+    let cfg = LaunchConfig {
+        grid_dim: (1024, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the kernel takes (u64 pointer, u64 words, u32 seed, u64 nanoseconds), as
+    // pushed; it writes words 0..words of `ptr`, which is the allocation's base, and the
+    // allocation (`words * 4` bytes or more) outlives the launch: the tests synchronise or
+    // wait on an event recorded after it before the allocation drops.
+    unsafe { launch.launch(cfg) }.expect("launching the fill kernel");
+}
+
+/// Writes `pattern(alloc.size(), seed)` into the allocation, with the kernel where there
+/// is one; returns the pattern's digest.
+fn produce(subject: &Subject, alloc: &Allocation, seed: u32) -> blake3::Hash {
+    let expected = pattern(alloc.size(), seed);
+    match subject
+        .cuda
+        .as_deref()
+        .and_then(|c| fill_kernel(c).map(|f| (c, f)))
+    {
+        Some((cuda, f)) => {
+            launch_fill(cuda, &f, alloc, seed, Duration::ZERO);
+            cuda.synchronize().unwrap();
+        }
+        None => alloc.write(0, &expected).unwrap(),
+    }
+    blake3::hash(&expected)
+}
+
+fn offer(link: &mut baton::Link, lease: u64, handle: HandleMsg, fd: Option<BorrowedFd<'_>>) {
+    let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
+    link.send(
+        &Message::Offer(Offer {
+            lease: LeaseId::new(lease),
+            handle,
+        }),
+        &fds,
+    )
+    .unwrap();
+}
+
+/// The same handle with one byte of its raw part flipped (or, for a VMM handle, whose raw
+/// part is only a slot index, one byte of the device UUID).
+fn corrupted(handle: &HandleMsg) -> HandleMsg {
+    let mut bad = handle.clone();
+    match &mut bad.raw {
+        RawHandle::CudaIpc(raw) => raw.0[21] ^= 0x01,
+        RawHandle::HostSegment(name) => {
+            let mut s = name.as_str().to_owned();
+            let last = s.pop().unwrap();
+            s.push(if last == '0' { '1' } else { '0' });
+            *name = baton::messages::SegmentName::new(s).unwrap();
+        }
+        _ => bad.device.0[5] ^= 0x01,
+    }
+    bad
+}
+
+fn expect_release(link: &mut baton::Link, lease: u64) {
+    let got = link.recv_timeout(DEADLINE).unwrap().message;
+    assert_eq!(
+        got,
+        Message::Release(Release {
+            lease: LeaseId::new(lease)
+        })
+    );
+}
+
+// --- the tests, once ------------------------------------------------------------------
+
+/// A 256 MiB buffer written by the exporter is read back exactly by the importer, whose
+/// reply the exporter then sees. Before it, a corrupted handle is refused with no driver
+/// open; after it, reopening the handle hits the cache (no driver open).
+fn round_trip(flavor: Flavor) {
+    let subject = Subject::new(flavor, "rt");
+    let session = Session::generate().unwrap();
+    let (_tmp, dir) = socket_dir();
+    let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
+
+    let alloc = subject.backend.allocate(SIZE).unwrap();
+    let digest = produce(&subject, &alloc, 0x5eed);
+    const REPLY_OFFSET: usize = SIZE - MIB;
+    const REPLY_LEN: usize = MIB;
+    const REPLY_SEED: u64 = 77;
+
+    let sock = listener.path().to_str().unwrap().to_owned();
+    let mut child = subject.spawn(
+        &session,
+        "import-check",
+        &[
+            &sock,
+            digest.to_hex().as_str(),
+            &REPLY_OFFSET.to_string(),
+            &REPLY_LEN.to_string(),
+            &REPLY_SEED.to_string(),
+        ],
+    );
+    let mut link = listener.accept().unwrap();
+    let handle = alloc.handle(&session).build().unwrap();
+    assert_eq!(handle.alloc_size, SIZE as u64);
+    assert_eq!(handle.device, subject.backend.device());
+
+    offer(&mut link, 1, corrupted(&handle), alloc.export_fd());
+    assert_eq!(
+        link.recv_timeout(DEADLINE).unwrap().message,
+        Message::Ping(1),
+        "the importer refused the corrupted handle before any driver call"
+    );
+    offer(&mut link, 2, handle, alloc.export_fd());
+    expect_release(&mut link, 2);
+
+    let mut reply = vec![0u8; REPLY_LEN];
+    alloc.read(REPLY_OFFSET, &mut reply).unwrap();
+    let want: Vec<u8> = (0..REPLY_LEN as u64)
+        .map(|i| (i * 31 + REPLY_SEED) as u8)
+        .collect();
+    assert!(reply == want, "the exporter sees what the importer wrote");
+    drop(link);
+    assert!(
+        child.wait(DEADLINE).success(),
+        "the importer's checks passed"
+    );
+    alloc.free().unwrap();
+}
+
+/// The exporter launches long work that writes the buffer, records an event after it and
+/// offers the handle at once; the importer waits on the event and never sees stale data.
+fn event_ordering(flavor: Flavor) {
+    let subject = Subject::new(flavor, "ev");
+    let session = Session::generate().unwrap();
+    let (_tmp, dir) = socket_dir();
+    let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
+    let alloc = subject.backend.allocate(SIZE).unwrap();
+    alloc.fill(0, SIZE, 0x11).unwrap(); // the stale contents
+
+    const SEED: u32 = 0xfeed;
+    let kernel = subject.cuda.as_deref().and_then(fill_kernel);
+    let expected = match (&subject.cuda, &kernel) {
+        (Some(_), Some(_)) => blake3::hash(&pattern(SIZE, SEED)),
+        (Some(_), None) => blake3::hash(&vec![0x33; SIZE]),
+        (None, _) => blake3::hash(&pattern(SIZE, SEED)),
+    };
+    let sock = listener.path().to_str().unwrap().to_owned();
+    let mut child = subject.spawn(
+        &session,
+        "import-expect",
+        &[&sock, expected.to_hex().as_str()],
+    );
+    // The importer has made its backend (and CUDA context) by the time it connects.
+    let mut link = listener.accept().unwrap();
+
+    let mut event = None;
+    let mut builder = alloc.handle(&session);
+    match (&subject.cuda, &kernel) {
+        (Some(cuda), Some(f)) => {
+            launch_fill(cuda, f, &alloc, SEED, Duration::from_millis(500));
+        }
+        (Some(cuda), None) => {
+            // About as long, without a kernel: a chain of whole-buffer memsets.
+            for i in 0..4000 {
+                let byte = if i == 3999 { 0x33 } else { 0x22 };
+                // SAFETY: the whole allocation, on the backend's live stream, whose context
+                // `record_event` below binds; the allocation outlives the work (we wait for
+                // the importer's release, after its wait on the event, before freeing).
+                unsafe {
+                    baton::ipc::cuda::cudarc::driver::result::memset_d8_async(
+                        device_ptr(&alloc),
+                        byte,
+                        SIZE,
+                        cuda.stream().cu_stream(),
+                    )
+                }
+                .unwrap();
+            }
+        }
+        (None, _) => alloc.write(0, &pattern(SIZE, SEED)).unwrap(),
+    }
+    if let Some(cuda) = &subject.cuda {
+        let recorded = cuda.record_event().unwrap();
+        assert!(
+            !recorded.is_complete().unwrap(),
+            "the work was still running when the handle was offered (else this test proves nothing)"
+        );
+        builder = builder.event(recorded.ipc_handle());
+        event = Some(recorded);
+    }
+    offer(&mut link, 1, builder.build().unwrap(), alloc.export_fd());
+    expect_release(&mut link, 1);
+    drop(link);
+    assert!(
+        child.wait(DEADLINE).success(),
+        "the importer saw only the finished data"
+    );
+    if let (Some(cuda), Some(event)) = (&subject.cuda, event) {
+        drop(event);
+        assert_eq!(
+            cuda.event_counts(),
+            (1, 0),
+            "the event went back to the pool"
+        );
+    }
+    alloc.free().unwrap();
+}
+
+/// The importer is SIGKILLed while it maps the buffer; the exporter sees the link close,
+/// frees, and the device's free memory (host: the segments) returns to the baseline.
+fn importer_sigkill(flavor: Flavor) {
+    let subject = Subject::new(flavor, "ik");
+    let session = Session::generate().unwrap();
+    let (_tmp, dir) = socket_dir();
+    let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
+    let baseline = subject.resources();
+
+    let alloc = subject.backend.allocate(SIZE).unwrap();
+    alloc.fill(0, SIZE, 0x5A).unwrap();
+    let sock = listener.path().to_str().unwrap().to_owned();
+    let mut child = subject.spawn(&session, "import-hold", &[&sock]);
+    let mut link = listener.accept().unwrap();
+    offer(
+        &mut link,
+        1,
+        alloc.handle(&session).build().unwrap(),
+        alloc.export_fd(),
+    );
+    assert_eq!(
+        link.recv_timeout(DEADLINE).unwrap().message,
+        Message::Ping(1)
+    );
+    assert!(
+        !subject.resources().back_to(baseline),
+        "the allocation is visible in the measure"
+    );
+
+    child.kill9();
+    assert!(matches!(link.recv_timeout(DEADLINE), Err(Error::Closed)));
+    alloc.free().unwrap();
+    // The driver may release a dead process's context asynchronously: poll.
+    poll_until(DEADLINE, "the memory to return to its baseline", || {
+        subject.resources().back_to(baseline)
+    });
+    eprintln!(
+        "conformance: {flavor:?} baseline {baseline:?}, after {:?}",
+        subject.resources()
+    );
+}
+
+/// The exporter is SIGKILLed while the importer maps its buffer; the importer releases
+/// cleanly and its backend (CUDA: context) stays usable.
+fn exporter_sigkill(flavor: Flavor) {
+    let subject = Subject::new(flavor, "ek");
+    let session = Session::generate().unwrap();
+    let (_tmp, dir) = socket_dir();
+    let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
+    let sock = listener.path().to_str().unwrap().to_owned();
+    let mut child = subject.spawn(&session, "export-hold", &[&sock, &(64 * MIB).to_string()]);
+    let mut link = listener.accept().unwrap();
+    let received = link.recv_timeout(DEADLINE).unwrap();
+    let Message::Offer(offered) = received.message else {
+        panic!("expected an offer, got {:?}", received.message)
+    };
+    let mut fds = received.fds;
+    let fd = match offered.handle.raw {
+        RawHandle::CudaVmmFd { slot } => Some(fds.take(slot).unwrap()),
+        _ => None,
+    };
+    // Opened directly (not through the cache), to see the close's result.
+    let mem = subject
+        .backend
+        .open(session.check(&offered.handle).unwrap(), fd)
+        .unwrap();
+    assert_eq!(mem.to_vec().unwrap(), vec![0xAB; 64 * MIB]);
+    assert_eq!(subject.opens(), 1);
+
+    child.kill9();
+    assert!(matches!(link.recv_timeout(DEADLINE), Err(Error::Closed)));
+    let mut first = [0u8; 16];
+    let readable = mem.read(0, &mut first);
+    eprintln!("conformance: {flavor:?} read after the exporter died: {readable:?} {first:02x?}");
+    mem.close().expect("the importer releases cleanly");
+
+    let check = subject.backend.allocate(16 * MIB).unwrap();
+    check.fill(0, 16 * MIB, 0x5C).unwrap();
+    assert_eq!(
+        check.to_vec().unwrap(),
+        vec![0x5C; 16 * MIB],
+        "still usable"
+    );
+    check.free().unwrap();
+    if let Some(cuda) = &subject.cuda {
+        cuda.mem_get_info().expect("the context still answers");
+    } else {
+        // The dead owner skipped its Drop; sweep its segment.
+        assert_eq!(host::sweep(&subject.ns).unwrap().removed.len(), 1);
+    }
+}
+
+/// Many buffers carved from one slab cost the importer one driver open.
+fn slab_buffers_share_one_open(flavor: Flavor) {
+    let subject = Subject::new(flavor, "sl");
+    let session = Session::generate().unwrap();
+    let (_tmp, dir) = socket_dir();
+    let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
+    let arena = SlabArena::allocate(&*subject.backend, 8 * MIB).unwrap();
+    let buffers: Vec<_> = (0..3).map(|_| arena.carve(MIB + 100).unwrap()).collect();
+    for (i, b) in buffers.iter().enumerate() {
+        b.fill(0, b.len(), i as u8 + 1).unwrap();
+    }
+    let sock = listener.path().to_str().unwrap().to_owned();
+    let mut child = subject.spawn(&session, "import-slab", &[&sock, "3"]);
+    let mut link = listener.accept().unwrap();
+    for (i, b) in buffers.iter().enumerate() {
+        offer(
+            &mut link,
+            i as u64 + 1,
+            b.handle(&session).build().unwrap(),
+            b.export_fd(),
+        );
+    }
+    for i in 0..3 {
+        expect_release(&mut link, i + 1);
+    }
+    drop(link);
+    assert!(
+        child.wait(DEADLINE).success(),
+        "one driver open for three buffers"
+    );
+    drop(buffers);
+    assert_eq!(arena.live_buffers(), 0);
+}
+
+/// In one process: a corrupted handle is refused before the driver is called; the
+/// exporter's own handle opens to its own memory (CUDA: the same device pointer, no driver
+/// open, since the driver refuses that open) and stays valid after the exporter's guard
+/// drops; VMM sizes are rounded up to the granularity.
+fn same_process_open_and_corrupted_handles(flavor: Flavor) {
+    let subject = Subject::new(flavor, "sp");
+    let session = Session::generate().unwrap();
+    let cache = ImportCache::new(session.clone(), [subject.backend.clone()]);
+    let alloc = subject.backend.allocate(MIB).unwrap();
+    alloc.fill(0, MIB, 0x77).unwrap();
+    let handle = alloc.handle(&session).build().unwrap();
+    // What a frame carrying this handle would carry: the VMM descriptor, if any.
+    let mut fds = FrameFds::new(
+        alloc
+            .export_fd()
+            .map(|fd| fd.try_clone_to_owned().unwrap())
+            .into_iter()
+            .collect(),
+    );
+
+    let bad = corrupted(&handle);
+    assert!(matches!(
+        cache.open(&bad, &mut fds),
+        Err(Error::Message(MessageError::DigestMismatch))
+    ));
+    assert_eq!(subject.opens(), 0, "no driver call for a corrupted handle");
+    assert_eq!(cache.stats().opens, 0);
+
+    if let Some(cuda) = &subject.cuda {
+        let opened = cache.open(&handle, &mut fds).unwrap();
+        assert_eq!(opened.ptr(), alloc.ptr(), "the exporter's own mapping");
+        assert_eq!(cuda.opens(), 0, "no driver open in the exporting process");
+        opened.write(10, b"mine").unwrap();
+        let mut back = [0u8; 4];
+        alloc.read(10, &mut back).unwrap();
+        assert_eq!(&back, b"mine");
+        alloc.free().unwrap();
+        opened.read(10, &mut back).unwrap();
+        assert_eq!(
+            &back, b"mine",
+            "the memory lives until the opened view drops"
+        );
+        drop(opened);
+        assert_eq!(cache.stats().live, 0);
+        if flavor == Flavor::CudaVmm {
+            let g = cuda.vmm_granularity().unwrap();
+            let small = cuda.allocate(1000).unwrap();
+            assert_eq!(small.size(), g, "rounded up to the granularity");
+            let h = small.handle(&session).build().unwrap();
+            assert_eq!(h.alloc_size, g as u64);
+            assert!(small.export_fd().is_some());
+        }
+    } else {
+        let opened = cache.open(&handle, &mut fds).unwrap();
+        assert_eq!(opened.to_vec().unwrap(), vec![0x77; MIB]);
+        assert_eq!(subject.opens(), 1);
+    }
+}
+
+macro_rules! conformance {
+    ($($test:ident),* $(,)?) => {
+        mod on_host {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test(super::Flavor::Host)
+                }
+            )*
+        }
+
+        mod on_cuda_legacy {
+            $(
+                #[test]
+                #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
+                fn $test() {
+                    super::$test(super::Flavor::CudaLegacy)
+                }
+            )*
+        }
+
+        mod on_cuda_vmm {
+            $(
+                #[test]
+                #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
+                fn $test() {
+                    super::$test(super::Flavor::CudaVmm)
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    round_trip,
+    event_ordering,
+    importer_sigkill,
+    exporter_sigkill,
+    slab_buffers_share_one_open,
+    same_process_open_and_corrupted_handles,
+);
+
+#[test]
+fn the_fill_pattern_is_stable() {
+    // The kernel computes the same words; pin a few so a change to either side shows.
+    assert_eq!(pattern_word(0, 0), 0);
+    assert_eq!(pattern(8, 1)[..4], pattern_word(0, 1).to_le_bytes());
+    let w = 0x9E37_79B1u32.wrapping_add(7);
+    assert_eq!(pattern_word(1, 7), w ^ (w >> 15));
+}
