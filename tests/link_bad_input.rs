@@ -307,7 +307,7 @@ fn handles_that_name_nothing_or_too_much_are_refused_before_mapping() {
     let big = big.sealed(session.handle_key());
     assert!(matches!(
         cache.open(&big, &mut no_fds),
-        Err(Error::SegmentTooSmall {
+        Err(Error::MemoryTooSmall {
             claimed: 1073741824,
             actual: 8192
         })

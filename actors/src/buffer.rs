@@ -15,6 +15,7 @@ use crate::error::ActorError;
 use crate::ids::BufferId;
 use crate::ledger::Ledger;
 use crate::link::{LinkHandle, ReleaseLease};
+use baton_ipc::cuda::RecordedEvent;
 use baton_ipc::{Allocation, Imported, MemPtr};
 use baton_messages::{DType, ExporterId, Layout, LeaseId, Shape};
 use std::fmt;
@@ -60,7 +61,7 @@ impl Drop for BufferCell {
     }
 }
 
-/// The exporter's handle to a buffer of `T`s (see the [module docs](self)).
+/// The exporter's handle to a buffer of `T`s (see the [crate docs](crate)).
 pub struct Buffer<T: Element> {
     pub(crate) cell: Arc<BufferCell>,
     _t: PhantomData<fn() -> T>,
@@ -154,7 +155,25 @@ impl<T: Element> Buffer<T> {
     /// A handle to put in a message: sending the message grants its receiver a lease.
     pub fn share(&self) -> Shared<T> {
         Shared {
-            inner: SharedInner::Local(Arc::clone(&self.cell)),
+            inner: SharedInner::Local(Outgoing {
+                cell: Arc::clone(&self.cell),
+                event: None,
+            }),
+            _t: PhantomData,
+        }
+    }
+
+    /// Like [`share`](Self::share), for a buffer that device work is still writing: the
+    /// handle carries `event` (recorded after that work, e.g. with
+    /// [`CudaBackend::record_event`](baton_ipc::cuda::CudaBackend::record_event)), and the
+    /// importer's stream waits on it before the buffer is used. The lease keeps the event
+    /// out of the pool until it is released, as the event pool's reuse contract asks.
+    pub fn share_after(&self, event: &Arc<RecordedEvent>) -> Shared<T> {
+        Shared {
+            inner: SharedInner::Local(Outgoing {
+                cell: Arc::clone(&self.cell),
+                event: Some(Arc::clone(event)),
+            }),
             _t: PhantomData,
         }
     }
@@ -236,14 +255,21 @@ impl fmt::Debug for IncomingLease {
     }
 }
 
+/// A buffer on its way out: what the link needs to grant a lease on it.
+pub(crate) struct Outgoing {
+    pub(crate) cell: Arc<BufferCell>,
+    /// Recorded after the work that produced the buffer; kept by the lease.
+    pub(crate) event: Option<Arc<RecordedEvent>>,
+}
+
 pub(crate) enum SharedInner {
     /// On the sender's side: the buffer to lease out when the message is sent.
-    Local(Arc<BufferCell>),
+    Local(Outgoing),
     /// On the receiver's side: the lease, not yet opened.
     Incoming(IncomingLease),
 }
 
-/// A buffer of `T`s inside a message (see the [module docs](self)).
+/// A buffer of `T`s inside a message (see the [crate docs](crate)).
 ///
 /// `Shared<T>` serializes only inside Baton's messages (as an index into the message's
 /// leases); serializing it anywhere else is an error.
@@ -255,7 +281,7 @@ pub struct Shared<T: Element> {
 impl<T: Element> fmt::Debug for Shared<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.inner {
-            SharedInner::Local(cell) => write!(f, "Shared(local {:?})", cell.id),
+            SharedInner::Local(out) => write!(f, "Shared(local {:?})", out.cell.id),
             SharedInner::Incoming(l) => write!(f, "Shared(received {:?})", l.lease),
         }
     }
@@ -270,7 +296,7 @@ impl<T: Element> Shared<T> {
     /// Its layout.
     pub fn layout(&self) -> &Layout {
         match &self.inner {
-            SharedInner::Local(cell) => &cell.layout,
+            SharedInner::Local(out) => &out.cell.layout,
             SharedInner::Incoming(l) => l.imported().layout().expect("typed on arrival"),
         }
     }
@@ -290,7 +316,7 @@ impl<T: Element> Shared<T> {
     }
 }
 
-/// An importer's typed guard on another process's buffer (see the [module docs](self)).
+/// An importer's typed guard on another process's buffer (see the [crate docs](crate)).
 pub struct Lease<T: Element> {
     inner: IncomingLease,
     _t: PhantomData<fn() -> T>,

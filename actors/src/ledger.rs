@@ -16,6 +16,7 @@ use crate::buffer::BufferCell;
 use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
 use crate::link::{LinkRef, SendGone};
+use baton_ipc::cuda::RecordedEvent;
 use baton_ipc::{Allocation, Session};
 use baton_messages::protocol::Offer;
 use baton_messages::{ActorId, AllocationId, LeaseId, ProcessId};
@@ -29,6 +30,8 @@ use std::time::Instant;
 struct LeaseRecord {
     link: LinkRef,
     revoke_by: Option<Instant>,
+    /// The event the offer carried, kept out of the pool until the lease returns.
+    _event: Option<Arc<RecordedEvent>>,
 }
 
 #[derive(Debug)]
@@ -97,7 +100,7 @@ impl Freed {
     }
 }
 
-/// A buffer owner's lease table (see the [module docs](self)).
+/// A buffer owner's lease table (see the [crate docs](crate)).
 #[derive(Debug)]
 pub(crate) struct Ledger {
     pub(crate) owner: ActorId,
@@ -153,19 +156,23 @@ impl Ledger {
         buffer: BufferId,
         link: &LinkRef,
         fd_slot: u8,
+        event: Option<Arc<RecordedEvent>>,
     ) -> Result<(Offer, Option<OwnedFd>), ActorError> {
         let mut state = self.lock();
         let entry = state
             .buffers
             .get_mut(&buffer)
             .ok_or(ActorError::UnknownBuffer(buffer))?;
-        let handle = entry
+        let mut builder = entry
             .alloc
             .handle(&self.session)
             .actor(self.owner)
             .layout(entry.layout.clone())
-            .fd_slot(fd_slot)
-            .build()?;
+            .fd_slot(fd_slot);
+        if let Some(event) = &event {
+            builder = builder.event(event.ipc_handle());
+        }
+        let handle = builder.build()?;
         let fd = match entry.alloc.export_fd() {
             Some(fd) => Some(fd.try_clone_to_owned().map_err(|e| baton_ipc::Error::Io {
                 op: "dup(export fd)",
@@ -179,6 +186,7 @@ impl Ledger {
             LeaseRecord {
                 link: link.clone(),
                 revoke_by: None,
+                _event: event,
             },
         );
         entry.holders.entry(link.id).or_insert_with(|| link.clone());

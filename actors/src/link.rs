@@ -14,7 +14,7 @@
 //! process dying), every lease it granted is reclaimed, every lease it holds is orphaned,
 //! every pending call fails, and the node's watchers are told why.
 
-use crate::buffer::{BufferCell, HeldLease, IncomingLease};
+use crate::buffer::{HeldLease, IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::ids::LinkId;
 use crate::ledger::Ledger;
@@ -79,7 +79,7 @@ struct OutFrame {
     fds: Vec<OwnedFd>,
 }
 
-/// One actor per connection (see the [module docs](self)).
+/// One actor per connection (see the [crate docs](crate)).
 pub struct PeerLink {
     node: Node,
     me: LinkRef,
@@ -193,14 +193,11 @@ impl PeerLink {
     }
 
     /// Grants the peer a lease on each buffer; all or none.
-    fn grant_all(
-        &mut self,
-        cells: &[Arc<BufferCell>],
-    ) -> Result<(Vec<Offer>, Vec<OwnedFd>), ActorError> {
+    fn grant_all(&mut self, cells: &[Outgoing]) -> Result<(Vec<Offer>, Vec<OwnedFd>), ActorError> {
         let mut offers = Vec::with_capacity(cells.len());
         let mut fds = Vec::new();
         let mut failure = None;
-        for cell in cells {
+        for Outgoing { cell, event } in cells {
             if fds.len() > MAX_FDS_PER_FRAME {
                 failure = Some(ActorError::TooManyDescriptors {
                     count: fds.len(),
@@ -208,7 +205,10 @@ impl PeerLink {
                 });
                 break;
             }
-            match cell.ledger.grant(cell.id, &self.me, fds.len() as u8) {
+            match cell
+                .ledger
+                .grant(cell.id, &self.me, fds.len() as u8, event.clone())
+            {
                 Ok((offer, fd)) => {
                     fds.extend(fd);
                     self.offered.insert(offer.lease, Arc::clone(&cell.ledger));

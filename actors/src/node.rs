@@ -145,7 +145,7 @@ struct NodeInner {
     inbox: Mutex<Option<Recipient<Offered>>>,
 }
 
-/// This process in a deployment (see the [module docs](self)). Cheap to clone.
+/// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
 #[derive(Clone)]
 pub struct Node {
     inner: Arc<NodeInner>,

@@ -10,7 +10,7 @@
 //! table into leases and offers, and the receiving link turns offers back into unopened
 //! leases that decoding places in the same fields.
 
-use crate::buffer::{BufferCell, Element, IncomingLease, Shared, SharedInner};
+use crate::buffer::{Element, IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::link::{LinkRef, OutCall};
 use baton_messages::protocol::CallFault;
@@ -50,7 +50,7 @@ pub trait RemoteMessage: actix::Message + Serialize + DeserializeOwned + Send + 
 /// An encoded value and the buffers it shares.
 pub(crate) struct Encoded {
     pub(crate) bytes: Vec<u8>,
-    pub(crate) cells: Vec<Arc<BufferCell>>,
+    pub(crate) cells: Vec<Outgoing>,
 }
 
 /// A received value not yet decoded, with its leases.
@@ -60,7 +60,7 @@ pub(crate) struct IncomingPayload {
 }
 
 thread_local! {
-    static OUTGOING: RefCell<Option<Vec<Arc<BufferCell>>>> = const { RefCell::new(None) };
+    static OUTGOING: RefCell<Option<Vec<Outgoing>>> = const { RefCell::new(None) };
     static INCOMING: RefCell<Option<Vec<Option<IncomingLease>>>> = const { RefCell::new(None) };
 }
 
@@ -110,12 +110,15 @@ pub(crate) fn decode<V: DeserializeOwned>(
 
 impl<T: Element> Serialize for Shared<T> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let SharedInner::Local(cell) = &self.inner else {
+        let SharedInner::Local(out) = &self.inner else {
             return Err(S::Error::custom(ActorError::NotOwned));
         };
         let index = OUTGOING.with(|t| {
             t.borrow_mut().as_mut().map(|cells| {
-                cells.push(Arc::clone(cell));
+                cells.push(Outgoing {
+                    cell: Arc::clone(&out.cell),
+                    event: out.event.clone(),
+                });
                 cells.len() - 1
             })
         });

@@ -170,7 +170,7 @@ fn describe(status: Option<ExitStatus>) -> String {
     }
 }
 
-/// A process supervisor (see the [module docs](self)).
+/// A process supervisor (see the [crate docs](crate)).
 pub struct ProcessSupervisor {
     specs: Vec<ChildSpec>,
     strategy: Strategy,

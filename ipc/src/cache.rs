@@ -136,7 +136,7 @@ impl ImportCache {
             };
             let opened = backend.open(checked, fd)?;
             if (opened.size() as u64) < handle.alloc_size {
-                return Err(Error::SegmentTooSmall {
+                return Err(Error::MemoryTooSmall {
                     claimed: handle.alloc_size,
                     actual: opened.size() as u64,
                 });

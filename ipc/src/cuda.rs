@@ -668,7 +668,7 @@ impl CudaBackend {
                 alloc: handle.alloc,
             })?;
         if exported.kind != handle.backend || (exported.size as u64) < handle.alloc_size {
-            return Err(Error::SegmentTooSmall {
+            return Err(Error::MemoryTooSmall {
                 claimed: handle.alloc_size,
                 actual: exported.size as u64,
             });
@@ -751,7 +751,7 @@ impl Backend for CudaBackend {
             return Ok(OpenedMem::new(&handle, Box::new(mapped)));
         }
         self.check_device(handle.device)?;
-        let size = usize::try_from(handle.alloc_size).map_err(|_| Error::SegmentTooSmall {
+        let size = usize::try_from(handle.alloc_size).map_err(|_| Error::MemoryTooSmall {
             claimed: handle.alloc_size,
             actual: usize::MAX as u64,
         })?;
@@ -762,7 +762,7 @@ impl Backend for CudaBackend {
                 match mapping.mapped_size() {
                     Ok(actual) if actual < size => {
                         mapping.close()?;
-                        return Err(Error::SegmentTooSmall {
+                        return Err(Error::MemoryTooSmall {
                             claimed: handle.alloc_size,
                             actual: actual as u64,
                         });

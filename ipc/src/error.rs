@@ -121,9 +121,9 @@ pub enum Error {
         /// The allocation the handle names.
         alloc: AllocationId,
     },
-    /// The segment is smaller than the handle says.
-    #[error("segment holds {actual} bytes but the handle claims {claimed}")]
-    SegmentTooSmall {
+    /// The exported memory (segment or device allocation) is smaller than the handle says.
+    #[error("the exported memory holds {actual} bytes but the handle claims {claimed}")]
+    MemoryTooSmall {
         /// Bytes the handle claims.
         claimed: u64,
         /// Bytes the segment has.

@@ -15,7 +15,7 @@
 //!
 //! This module holds the host backend's `unsafe` code, all of it about one mapping:
 //! - a segment is mapped `MAP_SHARED` read-write for its whole size by `shared_memory`,
-//!   and stays mapped until the `Shmem` that mapped it drops; the [`Mapping`] owns that
+//!   and stays mapped until the `Shmem` that mapped it drops; the `Mapping` owns that
 //!   `Shmem`, so its base pointer is valid for `size` bytes for the mapping's lifetime;
 //! - every copy is bounds-checked by the caller ([`Allocation`] and [`OpenedMem`] check
 //!   `offset + len <= size` before calling in) and done with raw-pointer copies, never
@@ -177,7 +177,7 @@ impl Backend for HostBackend {
                 other => Error::Shm(format!("opening a segment: {other}")),
             })?;
         if (shmem.len() as u64) < handle.alloc_size {
-            return Err(Error::SegmentTooSmall {
+            return Err(Error::MemoryTooSmall {
                 claimed: handle.alloc_size,
                 actual: shmem.len() as u64,
             });
