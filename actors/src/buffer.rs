@@ -119,6 +119,12 @@ impl<T: Element> Buffer<T> {
         self.cell.alloc.ptr()
     }
 
+    /// How many leases on it are out now. A buffer with none may be written again
+    /// without racing a reader (a lease is counted from the moment its offer is sent).
+    pub fn leases_out(&self) -> usize {
+        self.cell.ledger.leases_on(self.cell.id)
+    }
+
     /// The backend allocation, for backend-specific work (e.g. launching a kernel on it).
     pub fn allocation(&self) -> &Allocation {
         &self.cell.alloc

@@ -319,6 +319,14 @@ impl Ledger {
             .collect()
     }
 
+    /// Leases out on one buffer.
+    pub(crate) fn leases_on(&self, buffer: BufferId) -> usize {
+        self.lock()
+            .buffers
+            .get(&buffer)
+            .map_or(0, |e| e.leases.len())
+    }
+
     /// The lease table.
     pub(crate) fn table(&self) -> Vec<BufferLeases> {
         let state = self.lock();

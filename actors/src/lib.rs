@@ -55,8 +55,8 @@ pub use node::{Listening, Node, Offered, Peer, PeerEvent, RevokeRequested};
 pub use owner::{Allocate, BufferOwner, LeaseTable, Revoke, Stats};
 pub use remote::{RemoteAddr, RemoteMessage};
 pub use supervisor::{
-    ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor, RestartPolicy, Shutdown,
-    Strategy, SupervisorEvent,
+    ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor, Restart, RestartPolicy,
+    Shutdown, Strategy, SupervisorEvent,
 };
 
 pub use actix;

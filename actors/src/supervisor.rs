@@ -8,7 +8,8 @@
 //!   ([`CHILD_NAME_ENV`]) and, if set, the socket to connect back to ([`CONNECT_ENV`]).
 //! - When a child dies, every link to its pid is cut at once (reclaiming the leases it
 //!   held, orphaning the ones it granted), even if a descendant inherited its socket.
-//! - Restarts: [`Strategy::OneForOne`] restarts the child that died;
+//! - Restarts, for [`Restart::Permanent`] children and failed [`Restart::Transient`]
+//!   ones: [`Strategy::OneForOne`] restarts the child that died;
 //!   [`Strategy::OneForAll`] kills and restarts them all. More than
 //!   [`RestartPolicy::max_restarts`] restarts within [`RestartPolicy::within`] escalates:
 //!   every child is killed, subscribers get [`SupervisorEvent::Escalated`], and the
@@ -30,6 +31,19 @@ pub const CHILD_NAME_ENV: &str = "BATON_CHILD_NAME";
 /// The variable that tells a child which socket to connect back to.
 pub const CONNECT_ENV: &str = "BATON_CONNECT";
 
+/// When a child that exited is restarted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Restart {
+    /// Always.
+    #[default]
+    Permanent,
+    /// Only if it failed (killed by a signal, or a non-zero exit code); a clean exit means
+    /// its work is done.
+    Transient,
+    /// Never.
+    Temporary,
+}
+
 /// How to start one child.
 #[derive(Debug, Clone)]
 pub struct ChildSpec {
@@ -41,6 +55,8 @@ pub struct ChildSpec {
     pub args: Vec<String>,
     /// Extra environment variables.
     pub env: Vec<(String, String)>,
+    /// When to restart it.
+    pub restart: Restart,
 }
 
 impl ChildSpec {
@@ -51,6 +67,7 @@ impl ChildSpec {
             program: program.into(),
             args: Vec::new(),
             env: Vec::new(),
+            restart: Restart::Permanent,
         }
     }
 
@@ -71,6 +88,12 @@ impl ChildSpec {
     /// Adds an argument.
     pub fn arg(mut self, arg: impl Into<String>) -> Self {
         self.args.push(arg.into());
+        self
+    }
+
+    /// Sets when it is restarted.
+    pub fn restart(mut self, restart: Restart) -> Self {
+        self.restart = restart;
         self
     }
 
@@ -403,7 +426,11 @@ impl Handler<ChildExited> for ProcessSupervisor {
         // Feed the death into the lease protocol first.
         self.node.disconnect_pid(msg.pid);
         let status = describe(msg.status);
-        tracing::warn!(child = %msg.name, pid = msg.pid, %status, "child exited");
+        if msg.status.is_some_and(|s| s.success()) {
+            tracing::info!(child = %msg.name, pid = msg.pid, %status, "child exited");
+        } else {
+            tracing::warn!(child = %msg.name, pid = msg.pid, %status, "child exited");
+        }
         self.emit(SupervisorEvent::Exited {
             name: msg.name.clone(),
             pid: msg.pid,
@@ -415,7 +442,19 @@ impl Handler<ChildExited> for ProcessSupervisor {
             .is_some_and(|r| r.incarnation == msg.incarnation);
         if current {
             self.running.remove(&msg.name);
-            self.on_death(&msg.name, ctx);
+            let restart = self
+                .specs
+                .iter()
+                .find(|s| s.name == msg.name)
+                .map_or(Restart::Permanent, |s| s.restart);
+            let clean = msg.status.is_some_and(|s| s.success());
+            match restart {
+                Restart::Permanent => self.on_death(&msg.name, ctx),
+                Restart::Transient if !clean => self.on_death(&msg.name, ctx),
+                Restart::Transient | Restart::Temporary => {
+                    tracing::info!(child = %msg.name, "child done; not restarted");
+                }
+            }
         }
     }
 }

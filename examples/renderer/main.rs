@@ -1,0 +1,869 @@
+//! A multi-process renderer on Baton: the supervisor-tree example.
+//!
+//! ```text
+//! cargo run --release --example renderer                    # 1920x1080, 4 workers
+//! cargo run --release --example renderer -- --size 3840x2160 --frames 120 --chaos
+//! ```
+//!
+//! ```text
+//! root (this process): Node + ProcessSupervisor (one-for-one)
+//!  ├── compositor  (same binary, --role compositor)   listens on compositor.sock
+//!  ├── worker-0    (same binary, --role worker)       connects to root and compositor
+//!  ├── …
+//!  └── worker-N-1
+//! ```
+//!
+//! Every frame the compositor asks each worker for its tiles (`Render`). A worker renders
+//! them into buffers its `BufferOwner` owns — with an NVRTC kernel on CUDA, with CPU code
+//! on the host backend — and answers with `Shared<u32>` tiles: leases on its memory, not
+//! copies. The compositor opens each lease (an import-cache hit after the first frame),
+//! copies the tile into its frame buffer (a kernel on CUDA, a copy on host), drops the
+//! leases, and writes PNGs of the first and last frames (and of the first frame that had
+//! to mark a tile missing). The root prints progress, and with `--chaos` SIGKILLs a random
+//! worker every K frames; the supervisor restarts it, the compositor marks the tiles it
+//! could not get, and the summary still shows zero leaked bytes.
+//!
+//! Options: `--size WxH` (default 1920x1080), `--frames N` (60), `--workers N` (4),
+//! `--tile N` (256), `--backend auto|host|cuda` (auto), `--chaos [K]` (kill every K frames,
+//! default 10), `--out DIR` (default target/renderer-out), `--staged` (CUDA only: copy each
+//! tile to host shared memory and back, the pipeline zero-copy replaces), `--verify`
+//! (compare the last frame with a single-process CPU render).
+
+mod gpu;
+mod scene;
+
+use actix::prelude::*;
+use baton::actors::supervisor::{CONNECT_ENV, Children, KillChild, Shutdown};
+use baton::actors::{
+    ActorError, Allocate, Buffer, BufferOwner, ChildSpec, Lease, Node, ProcessSupervisor,
+    RemoteMessage, Restart, RestartPolicy, Shared, Strategy, SupervisorEvent,
+};
+use baton::ipc::cuda::{CudaBackend, CudaExport};
+use baton::ipc::{Backend, HostBackend, SharedBackend, host};
+use baton::messages::Shape;
+use baton::{Session, SocketDir};
+use scene::TileRect;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::error::Error;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+// ---- options ------------------------------------------------------------------------------
+
+#[derive(Debug, Clone)]
+struct Options {
+    width: u32,
+    height: u32,
+    frames: u64,
+    workers: u32,
+    tile: u32,
+    backend: String,
+    chaos: Option<u64>,
+    out: PathBuf,
+    staged: bool,
+    verify: bool,
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Res<Options> {
+        let mut o = Options {
+            width: 1920,
+            height: 1080,
+            frames: 60,
+            workers: 4,
+            tile: 256,
+            backend: "auto".into(),
+            chaos: None,
+            out: PathBuf::from("target/renderer-out"),
+            staged: false,
+            verify: false,
+        };
+        let mut it = args.iter().peekable();
+        while let Some(arg) = it.next() {
+            let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
+            match arg.as_str() {
+                "--size" => {
+                    let v = value()?;
+                    let (w, h) = v.split_once('x').ok_or("--size is WIDTHxHEIGHT")?;
+                    (o.width, o.height) = (w.parse()?, h.parse()?);
+                }
+                "--frames" => o.frames = value()?.parse()?,
+                "--workers" => o.workers = value()?.parse()?,
+                "--tile" => o.tile = value()?.parse()?,
+                "--backend" => o.backend = value()?.clone(),
+                "--out" => o.out = PathBuf::from(value()?),
+                "--staged" => o.staged = true,
+                "--verify" => o.verify = true,
+                "--chaos" => {
+                    o.chaos = Some(match it.peek().and_then(|v| v.parse().ok()) {
+                        Some(k) => {
+                            it.next();
+                            k
+                        }
+                        None => 10,
+                    })
+                }
+                // Role arguments are read elsewhere.
+                "--role" | "--index" | "--sockets" => {
+                    value()?;
+                }
+                other => return Err(format!("unknown option {other}").into()),
+            }
+        }
+        if o.width == 0 || o.height == 0 || o.frames == 0 || o.workers == 0 || o.tile == 0 {
+            return Err("sizes, frames, workers and tile must be positive".into());
+        }
+        Ok(o)
+    }
+
+    /// The options again, as arguments for a child.
+    fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            "--size".into(),
+            format!("{}x{}", self.width, self.height),
+            "--frames".into(),
+            self.frames.to_string(),
+            "--workers".into(),
+            self.workers.to_string(),
+            "--tile".into(),
+            self.tile.to_string(),
+            "--backend".into(),
+            self.backend.clone(),
+            "--out".into(),
+            self.out.display().to_string(),
+        ];
+        if self.staged {
+            a.push("--staged".into());
+        }
+        if self.verify {
+            a.push("--verify".into());
+        }
+        a
+    }
+}
+
+fn arg_of<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
+
+/// This process's backend: CUDA (with its concrete type, for kernels) or host.
+fn backend(choice: &str) -> Res<(SharedBackend, Option<Arc<CudaBackend>>)> {
+    let cuda = match choice {
+        "host" => None,
+        "cuda" => Some(CudaBackend::new(0, CudaExport::from_env()?)?),
+        "auto" => CudaBackend::new(0, CudaExport::from_env()?).ok(),
+        other => return Err(format!("--backend {other}: use auto, host or cuda").into()),
+    };
+    Ok(match cuda {
+        Some(c) => {
+            let c = Arc::new(c);
+            (c.clone(), Some(c))
+        }
+        None => (Arc::new(HostBackend::new()?), None),
+    })
+}
+
+// ---- messages ------------------------------------------------------------------------------
+
+/// Compositor → worker: render these tiles of this frame.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<Rendered, String>")]
+struct Render {
+    frame: u64,
+    tiles: Vec<TileRect>,
+}
+
+impl RemoteMessage for Render {
+    const NAME: &'static str = "renderer.Render";
+}
+
+/// The tiles, as leases on the worker's memory.
+#[derive(Debug, Serialize, Deserialize)]
+struct Rendered {
+    tiles: Vec<(u32, Shared<u32>)>,
+}
+
+/// Worker → compositor: worker `index` is up (as process `pid`).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "()")]
+struct Join {
+    index: u32,
+    pid: u32,
+}
+
+impl RemoteMessage for Join {
+    const NAME: &'static str = "renderer.Join";
+}
+
+/// Compositor → root, after every frame.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[rtype(result = "()")]
+struct Progress {
+    frame: u64,
+    fps: f64,
+    tiles_missing: u64,
+    leases_held: u64,
+}
+
+impl RemoteMessage for Progress {
+    const NAME: &'static str = "renderer.Progress";
+}
+
+/// Compositor → root, at the end.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, Message)]
+#[rtype(result = "()")]
+struct Done {
+    frames: u64,
+    seconds: f64,
+    tiles_composed: u64,
+    tiles_missing: u64,
+    pngs: Vec<String>,
+    verify: Option<String>,
+}
+
+impl RemoteMessage for Done {
+    const NAME: &'static str = "renderer.Done";
+}
+
+// ---- worker --------------------------------------------------------------------------------
+
+/// A buffer per tile index.
+type TilePool = HashMap<u32, Buffer<u32>>;
+
+struct Worker {
+    opts: Options,
+    /// The root process: when its link goes, the run is over.
+    root: baton::messages::ProcessId,
+    owner: Addr<BufferOwner>,
+    /// One buffer per tile, reused when no lease on it is out (an import-cache hit for
+    /// the compositor on every frame after the first).
+    pool: TilePool,
+    gpu: Option<(Arc<CudaBackend>, gpu::Kernels)>,
+    /// `--staged`: host shared-memory copies of the device tiles.
+    staging: Option<(Addr<BufferOwner>, TilePool)>,
+}
+
+impl Actor for Worker {
+    type Context = Context<Self>;
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        // The pools drop with the actor: every buffer is freed (no lease is out any more).
+        System::current().stop();
+    }
+}
+
+impl Handler<baton::actors::PeerEvent> for Worker {
+    type Result = ();
+    fn handle(&mut self, e: baton::actors::PeerEvent, ctx: &mut Context<Self>) {
+        if let baton::actors::PeerEvent::Down { peer, .. } = e {
+            if peer.process == self.root {
+                ctx.stop();
+            }
+        }
+    }
+}
+
+fn reusable(pool: &TilePool, r: &TileRect) -> bool {
+    pool.get(&r.index)
+        .is_some_and(|b| b.leases_out() == 0 && b.len() == (r.w * r.h) as usize)
+}
+
+async fn allocate(
+    owner: &Addr<BufferOwner>,
+    rects: Vec<TileRect>,
+) -> Result<Vec<(u32, Buffer<u32>)>, ActorError> {
+    let mut out = Vec::with_capacity(rects.len());
+    for r in rects {
+        let shape = Shape::new([u64::from(r.h), u64::from(r.w)]).expect("rank 2");
+        out.push((r.index, owner.send(Allocate::<u32>::new(shape)).await??));
+    }
+    Ok(out)
+}
+
+impl Worker {
+    fn render(&mut self, msg: &Render) -> Res<Rendered> {
+        let (w, h) = (self.opts.width, self.opts.height);
+        let mut tiles = Vec::with_capacity(msg.tiles.len());
+        match &self.gpu {
+            None => {
+                for r in &msg.tiles {
+                    let buf = &self.pool[&r.index];
+                    buf.write_at(0, &scene::render_tile(r, w, h, msg.frame))?;
+                    tiles.push((r.index, buf.share()));
+                }
+            }
+            Some((backend, kernels)) => {
+                let t = scene::time_of(msg.frame);
+                for r in &msg.tiles {
+                    let buf = &self.pool[&r.index];
+                    let baton::ipc::MemPtr::Device(ptr) = buf.ptr() else {
+                        return Err("a CUDA buffer is device memory".into());
+                    };
+                    kernels.render(ptr, buf.len(), r, w, h, t)?;
+                }
+                if let Some((_, staging)) = &self.staging {
+                    // The pipeline zero-copy replaces: device -> host -> shared memory.
+                    for r in &msg.tiles {
+                        let pixels = self.pool[&r.index].to_vec()?;
+                        let host = &staging[&r.index];
+                        host.write_at(0, &pixels)?;
+                        tiles.push((r.index, host.share()));
+                    }
+                } else {
+                    // One event after all the tiles' kernels: the compositor's stream waits on
+                    // it before reading, so nobody blocks here.
+                    let event = Arc::new(backend.record_event()?);
+                    for r in &msg.tiles {
+                        tiles.push((r.index, self.pool[&r.index].share_after(&event)));
+                    }
+                }
+            }
+        }
+        Ok(Rendered { tiles })
+    }
+}
+
+impl Handler<Render> for Worker {
+    type Result = ResponseActFuture<Self, Result<Rendered, String>>;
+
+    fn handle(&mut self, msg: Render, _: &mut Context<Self>) -> Self::Result {
+        let need: Vec<TileRect> = msg
+            .tiles
+            .iter()
+            .filter(|r| !reusable(&self.pool, r))
+            .copied()
+            .collect();
+        let need_staged: Vec<TileRect> = match &self.staging {
+            Some((_, pool)) => msg
+                .tiles
+                .iter()
+                .filter(|r| !reusable(pool, r))
+                .copied()
+                .collect(),
+            None => Vec::new(),
+        };
+        let owner = self.owner.clone();
+        let staging_owner = self.staging.as_ref().map(|(o, _)| o.clone());
+        let fresh = async move {
+            let device = allocate(&owner, need).await?;
+            let host = match staging_owner {
+                Some(o) => allocate(&o, need_staged).await?,
+                None => Vec::new(),
+            };
+            Ok::<_, ActorError>((device, host))
+        };
+        Box::pin(fresh.into_actor(self).map(move |fresh, act, _| {
+            let (device, host) = fresh.map_err(|e| e.to_string())?;
+            act.pool.extend(device);
+            if let Some((_, pool)) = &mut act.staging {
+                pool.extend(host);
+            }
+            act.render(&msg).map_err(|e| e.to_string())
+        }))
+    }
+}
+
+async fn connect_retrying(node: &Node, path: &Path) -> Res<baton::actors::Peer> {
+    let start = Instant::now();
+    loop {
+        match node.connect(path).await {
+            Ok(p) => return Ok(p),
+            Err(e) if start.elapsed() > Duration::from_secs(30) => return Err(e.into()),
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+fn worker(opts: Options, index: u32, sockets: PathBuf) -> Res<()> {
+    let system = System::new();
+    system.block_on(async move {
+        let (backend, cuda) = backend(&opts.backend)?;
+        let node = Node::new(Session::from_env()?, backend);
+        let owner = BufferOwner::new(&node).start();
+        let staging = match (&cuda, opts.staged) {
+            (Some(_), true) => {
+                let host: SharedBackend = Arc::new(HostBackend::new()?);
+                Some((
+                    BufferOwner::with_backend(&node, host).start(),
+                    HashMap::new(),
+                ))
+            }
+            _ => None,
+        };
+        let gpu = match cuda {
+            Some(c) => {
+                let k = gpu::Kernels::load(&c)?;
+                Some((c, k))
+            }
+            None => None,
+        };
+        let root = node.connect(std::env::var(CONNECT_ENV)?).await?;
+        let actor = Worker {
+            opts,
+            root: root.process(),
+            owner,
+            pool: HashMap::new(),
+            gpu,
+            staging,
+        }
+        .start();
+        node.register::<Render>("render", actor.clone().recipient());
+        node.subscribe(actor.recipient());
+        let compositor = connect_retrying(&node, &sockets.join("compositor.sock")).await?;
+        compositor
+            .remote::<Join>("join")
+            .send(Join {
+                index,
+                pid: std::process::id(),
+            })
+            .await?;
+        Ok::<_, Box<dyn Error>>(())
+    })?;
+    system.run()?;
+    Ok(())
+}
+
+// ---- compositor ----------------------------------------------------------------------------
+
+/// Who is worker `index` now.
+#[derive(Default, Clone)]
+struct Roster(Arc<Mutex<HashMap<u32, u32>>>);
+
+struct Joins(Roster);
+
+impl Actor for Joins {
+    type Context = Context<Self>;
+}
+
+impl Handler<Join> for Joins {
+    type Result = ();
+    fn handle(&mut self, j: Join, _: &mut Context<Self>) {
+        self.0.0.lock().expect("roster").insert(j.index, j.pid);
+    }
+}
+
+fn write_png(path: &Path, width: u32, height: u32, pixels: &[u32]) -> Res<()> {
+    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut encoder = png::Encoder::new(file, width, height);
+    encoder.set_color(png::ColorType::Rgba);
+    encoder.set_depth(png::BitDepth::Eight);
+    encoder.set_compression(png::Compression::Fast);
+    encoder
+        .write_header()?
+        .write_image_data(bytemuck::cast_slice(pixels))?;
+    Ok(())
+}
+
+/// The compositor's frame: its own buffer, and how tiles get into it.
+struct Canvas {
+    opts: Options,
+    frame: Buffer<u32>,
+    gpu: Option<(Arc<CudaBackend>, gpu::Kernels)>,
+    /// `--staged` on CUDA: a device buffer to upload a host tile into before composing.
+    scratch: Option<Buffer<u32>>,
+}
+
+impl Canvas {
+    fn put_rows(&self, r: &TileRect, pixels: &[u32]) -> Res<()> {
+        let (fw, w) = (self.opts.width as usize, r.w as usize);
+        for row in 0..r.h as usize {
+            let at = (r.y as usize + row) * fw + r.x as usize;
+            self.frame.write_at(at, &pixels[row * w..(row + 1) * w])?;
+        }
+        Ok(())
+    }
+
+    fn compose(&self, r: &TileRect, lease: &Lease<u32>) -> Res<()> {
+        let (fw, fh) = (self.opts.width, self.opts.height);
+        match (&self.gpu, lease.ptr()?) {
+            (Some((_, k)), baton::ipc::MemPtr::Device(tile)) => {
+                let baton::ipc::MemPtr::Device(frame) = self.frame.ptr() else {
+                    return Err("the CUDA frame is device memory".into());
+                };
+                k.compose(frame, fw, fh, tile, lease.len(), r)
+            }
+            (Some((_, k)), baton::ipc::MemPtr::Host(_)) => {
+                // Staged: host tile -> device scratch -> frame.
+                let scratch = self.scratch.as_ref().ok_or("no scratch buffer")?;
+                scratch.write_at(0, &lease.to_vec()?)?;
+                let (baton::ipc::MemPtr::Device(frame), baton::ipc::MemPtr::Device(tile)) =
+                    (self.frame.ptr(), scratch.ptr())
+                else {
+                    return Err("the CUDA frame is device memory".into());
+                };
+                k.compose(frame, fw, fh, tile, scratch.len(), r)?;
+                k.synchronize()
+            }
+            (None, _) => self.put_rows(r, &lease.to_vec()?),
+        }
+    }
+
+    fn finish(&self) -> Res<()> {
+        match &self.gpu {
+            Some((_, k)) => k.synchronize(),
+            None => Ok(()),
+        }
+    }
+}
+
+fn compositor(opts: Options, sockets: PathBuf) -> Res<()> {
+    System::new().block_on(async move {
+        let (backend, cuda) = backend(&opts.backend)?;
+        let node = Node::new(Session::from_env()?, backend);
+        let owner = BufferOwner::new(&node).start();
+        let roster = Roster::default();
+        node.register::<Join>("join", Joins(roster.clone()).start().recipient());
+        let _listening = node.listen(&SocketDir::create(&sockets)?, "compositor.sock")?;
+        let root = node.connect(std::env::var(CONNECT_ENV)?).await?;
+        let (progress, done) = (root.remote::<Progress>("progress"), root.remote::<Done>("done"));
+
+        let shape = Shape::new([u64::from(opts.height), u64::from(opts.width)]).expect("rank 2");
+        let frame = owner.send(Allocate::<u32>::new(shape)).await??;
+        let scratch = match (&cuda, opts.staged) {
+            (Some(_), true) => Some(owner.send(Allocate::<u32>::vector(u64::from(opts.tile * opts.tile))).await??),
+            _ => None,
+        };
+        let gpu = match cuda {
+            Some(c) => {
+                let k = gpu::Kernels::load(&c)?;
+                Some((c, k))
+            }
+            None => None,
+        };
+        let canvas = Canvas { opts: opts.clone(), frame, gpu, scratch };
+        let all = scene::tiles(opts.width, opts.height, opts.tile);
+        std::fs::create_dir_all(&opts.out)?;
+
+        // Wait for the workers to join (those that do not will show as missing tiles).
+        let start = Instant::now();
+        while roster.0.lock().expect("roster").len() < opts.workers as usize && start.elapsed() < Duration::from_secs(60) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        let mut summary = Done::default();
+        let mut wrote_missing = false;
+        let start = Instant::now();
+        for f in 0..opts.frames {
+            // Ask every worker for its tiles at once.
+            let mut asks = Vec::new();
+            let mut missing: Vec<TileRect> = Vec::new();
+            for w in 0..opts.workers {
+                let mine: Vec<TileRect> = all.iter().filter(|t| t.index % opts.workers == w).copied().collect();
+                let pid = roster.0.lock().expect("roster").get(&w).copied();
+                match pid.and_then(|pid| node.peers().into_iter().find(|p| p.process().pid == pid && p.is_connected())) {
+                    Some(peer) => {
+                        let ask = peer.remote::<Render>("render").send_timeout(Render { frame: f, tiles: mine.clone() }, Duration::from_secs(60));
+                        asks.push((mine, ask));
+                    }
+                    None => missing.extend(mine),
+                }
+            }
+            let (rects, futures): (Vec<_>, Vec<_>) = asks.into_iter().unzip();
+            let answers = futures_util::future::join_all(futures).await;
+            let mut held = Vec::new();
+            for (mine, answer) in rects.into_iter().zip(answers) {
+                match answer {
+                    Ok(Ok(rendered)) => {
+                        for (index, shared) in rendered.tiles {
+                            let rect = all[index as usize];
+                            match shared.open().map_err(Into::into).and_then(|l| canvas.compose(&rect, &l).map(|()| l)) {
+                                Ok(lease) => held.push(lease),
+                                Err(_) => missing.push(rect),
+                            }
+                        }
+                    }
+                    _ => missing.extend(mine),
+                }
+            }
+            // Kernels that read the tiles must finish before the leases go back.
+            canvas.finish()?;
+            let leases_held = held.len() as u64;
+            summary.tiles_composed += leases_held;
+            drop(held);
+            for rect in &missing {
+                canvas.put_rows(rect, &scene::missing_tile(rect))?;
+            }
+            summary.tiles_missing += missing.len() as u64;
+
+            let last = f + 1 == opts.frames;
+            let first_missing = !missing.is_empty() && !wrote_missing;
+            if f == 0 || last || first_missing {
+                let name = if first_missing { format!("frame-{f:04}-missing.png") } else { format!("frame-{f:04}.png") };
+                let path = opts.out.join(name);
+                write_png(&path, opts.width, opts.height, &canvas.frame.to_vec()?)?;
+                summary.pngs.push(path.display().to_string());
+                wrote_missing |= first_missing;
+            }
+            if last && opts.verify {
+                let got = canvas.frame.to_vec()?;
+                let want = scene::reference_frame(opts.width, opts.height, f);
+                let diff = |a: u32, b: u32| (0..3).map(|c| ((a >> (8 * c)) & 0xff).abs_diff((b >> (8 * c)) & 0xff)).max().unwrap_or(0);
+                let exact = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+                let close = got.iter().zip(&want).filter(|(a, b)| diff(**a, **b) <= 2).count();
+                let worst = got.iter().zip(&want).map(|(a, b)| diff(*a, *b)).max().unwrap_or(0);
+                summary.verify = Some(format!(
+                    "last frame vs single-process CPU render: {:.4}% exact, {:.4}% within 2/255, worst channel diff {worst}",
+                    100.0 * exact as f64 / want.len() as f64,
+                    100.0 * close as f64 / want.len() as f64
+                ));
+            }
+            let fps = (f + 1) as f64 / start.elapsed().as_secs_f64();
+            actix::spawn(progress.send(Progress { frame: f + 1, fps, tiles_missing: summary.tiles_missing, leases_held }));
+        }
+        summary.frames = opts.frames;
+        summary.seconds = start.elapsed().as_secs_f64();
+        done.send(summary).await?;
+        Ok::<_, Box<dyn Error>>(())
+    })
+}
+
+// ---- root ----------------------------------------------------------------------------------
+
+struct Root {
+    opts: Options,
+    supervisor: Option<Addr<ProcessSupervisor>>,
+    restarts: u64,
+    last_print: Instant,
+    rng: u64,
+    done: Option<tokio::sync::oneshot::Sender<Done>>,
+    namespace: String,
+    /// Segments of killed children removed, and their bytes.
+    swept: (usize, u64),
+}
+
+impl Actor for Root {
+    type Context = Context<Self>;
+}
+
+impl Handler<Progress> for Root {
+    type Result = ();
+    fn handle(&mut self, p: Progress, _: &mut Context<Self>) {
+        if let (Some(k), Some(sup)) = (self.opts.chaos, &self.supervisor) {
+            if p.frame % k == 0 && p.frame < self.opts.frames {
+                self.rng ^= self.rng << 13;
+                self.rng ^= self.rng >> 7;
+                self.rng ^= self.rng << 17;
+                let victim = format!("worker-{}", self.rng % u64::from(self.opts.workers));
+                println!("chaos: frame {} — SIGKILL {victim}", p.frame);
+                sup.do_send(KillChild(victim));
+            }
+        }
+        if self.last_print.elapsed() > Duration::from_millis(500) || p.frame == self.opts.frames {
+            self.last_print = Instant::now();
+            println!(
+                "frame {:>5}/{} | {:>7.1} fps | live leases {:>4} | restarts {} | missing tiles {}",
+                p.frame, self.opts.frames, p.fps, p.leases_held, self.restarts, p.tiles_missing
+            );
+        }
+    }
+}
+
+impl Handler<Done> for Root {
+    type Result = ();
+    fn handle(&mut self, d: Done, _: &mut Context<Self>) {
+        if let Some(tx) = self.done.take() {
+            let _ = tx.send(d);
+        }
+    }
+}
+
+impl Handler<SupervisorEvent> for Root {
+    type Result = ();
+    fn handle(&mut self, e: SupervisorEvent, _: &mut Context<Self>) {
+        match e {
+            SupervisorEvent::Started { restarts, .. } if restarts > 0 => self.restarts += 1,
+            SupervisorEvent::Exited { .. } => {
+                // A killed child could not unlink its segments: remove them now.
+                if let Ok(r) = host::sweep(&self.namespace) {
+                    self.swept.0 += r.removed.len();
+                    self.swept.1 += r.removed_bytes;
+                    if !r.removed.is_empty() {
+                        tracing::info!(
+                            segments = r.removed.len(),
+                            bytes = r.removed_bytes,
+                            "swept a dead child's segments"
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn root(opts: Options) -> Res<()> {
+    let namespace = format!("renderer-{}", std::process::id());
+    // Children get the namespace through their specs (their segments are ours to count).
+    System::new().block_on(async move {
+        let (resolved, cuda) = backend(&opts.backend)?;
+        let mut opts = opts;
+        opts.backend = resolved.name().to_owned();
+        let device = match &cuda {
+            Some(c) => format!("{} (CUDA, {:?} export)", c.device(), c.export()),
+            None => "host shared memory".to_owned(),
+        };
+        let baseline = match &cuda {
+            Some(c) => Some(c.mem_get_info()?.0),
+            None => None,
+        };
+        let session = Session::generate()?;
+        let node = Node::new(session, Arc::new(HostBackend::with_namespace(&namespace)?));
+        let tmp = std::env::temp_dir().join(format!("baton-renderer-{}", std::process::id()));
+        let dir = SocketDir::create(&tmp)?;
+        let listening = node.listen(&dir, "root.sock")?;
+        let sockets = tmp.join("compositor");
+
+        let child = |name: String, role: &[&str]| -> Res<ChildSpec> {
+            let mut spec = ChildSpec::this_exe(name)?.restart(Restart::Transient).env(host::NAMESPACE_ENV, &namespace);
+            for a in opts.to_args().into_iter().chain(role.iter().map(|s| s.to_string())) {
+                spec = spec.arg(a);
+            }
+            Ok(spec.arg("--sockets").arg(sockets.display().to_string()))
+        };
+        let mut specs = vec![child("compositor".into(), &["--role", "compositor"])?];
+        for i in 0..opts.workers {
+            specs.push(child(format!("worker-{i}"), &["--role", "worker", "--index", &i.to_string()])?);
+        }
+
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 | 1;
+        let root = Root { opts: opts.clone(), supervisor: None, restarts: 0, last_print: Instant::now(), rng: seed, done: Some(tx), namespace: namespace.clone(), swept: (0, 0) }.start();
+        node.register::<Progress>("progress", root.clone().recipient());
+        node.register::<Done>("done", root.clone().recipient());
+        let budget = (opts.frames / opts.chaos.unwrap_or(u64::MAX).max(1)) as u32 + 5;
+        let supervisor = ProcessSupervisor::new(node.clone(), specs, Strategy::OneForOne, RestartPolicy { max_restarts: budget, within: Duration::from_secs(60) })
+            .connect_back(listening.path())
+            .subscriber(root.clone().recipient())
+            .start();
+        root.send(SetSupervisor(supervisor.clone())).await?;
+        println!(
+            "renderer: {}x{}, {} frames, {} workers + 1 compositor, tiles {}px, {}{}{}",
+            opts.width,
+            opts.height,
+            opts.frames,
+            opts.workers,
+            opts.tile,
+            device,
+            if opts.staged { ", host-staged" } else { ", zero-copy" },
+            opts.chaos.map(|k| format!(", chaos every {k} frames")).unwrap_or_default()
+        );
+
+        let summary = tokio::time::timeout(Duration::from_secs(1800), rx).await.map_err(|_| "the run did not finish in 30 minutes")??;
+        let (restarts, swept_during) = root.send(Restarts).await?;
+
+        // Wind down: closing the links ends the children cleanly (their Drop frees what
+        // they own); whatever is still running after a deadline is killed.
+        for peer in node.peers() {
+            peer.close();
+        }
+        let start = Instant::now();
+        while supervisor.send(Children).await?.iter().any(|c| c.pid.is_some()) && start.elapsed() < Duration::from_secs(30) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        supervisor.send(Shutdown).await?;
+        drop(listening);
+        let _ = std::fs::remove_dir_all(&tmp);
+
+        let swept = host::sweep(&namespace)?;
+        let left = host::list_segments(&namespace)?;
+        let leaked_host: u64 = left.iter().map(|s| s.size).sum();
+        let leaked_device = match (&cuda, baseline) {
+            (Some(c), Some(base)) => {
+                // The driver frees a dead process's memory asynchronously: poll a while.
+                let start = Instant::now();
+                let mut free = c.mem_get_info()?.0;
+                while free < base && start.elapsed() < Duration::from_secs(10) {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    free = c.mem_get_info()?.0;
+                }
+                Some(base.saturating_sub(free) as u64)
+            }
+            _ => None,
+        };
+
+        let fps = summary.frames as f64 / summary.seconds;
+        println!();
+        println!("== renderer summary ==");
+        println!("device            {device}");
+        println!("frames            {} at {}x{} in {:.2} s", summary.frames, opts.width, opts.height, summary.seconds);
+        println!("fps               {fps:.1}");
+        println!("handoffs/s        {:.0} ({} tiles composed, {} missing)", summary.tiles_composed as f64 / summary.seconds, summary.tiles_composed, summary.tiles_missing);
+        println!("restarts          {restarts}");
+        match leaked_device {
+            Some(d) => println!("leaked bytes      {d} (device free memory vs baseline) + {leaked_host} (host segments)"),
+            None => println!(
+                "leaked bytes      {leaked_host} (host segments left; {} segments, {} bytes of killed children swept)",
+                swept_during.0 + swept.removed.len(),
+                swept_during.1 + swept.removed_bytes
+            ),
+        }
+        if let Some(v) = &summary.verify {
+            println!("verify            {v}");
+        }
+        println!("pngs              {}", opts.out.display());
+        for p in &summary.pngs {
+            println!("                  {p}");
+        }
+        let leaked = leaked_host + leaked_device.unwrap_or(0);
+        if leaked > 0 {
+            return Err(format!("{leaked} bytes leaked").into());
+        }
+        Ok::<_, Box<dyn Error>>(())
+    })
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct SetSupervisor(Addr<ProcessSupervisor>);
+
+impl Handler<SetSupervisor> for Root {
+    type Result = ();
+    fn handle(&mut self, m: SetSupervisor, _: &mut Context<Self>) {
+        self.supervisor = Some(m.0);
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "(u64, (usize, u64))")]
+struct Restarts;
+
+impl Handler<Restarts> for Root {
+    type Result = MessageResult<Restarts>;
+    fn handle(&mut self, _: Restarts, _: &mut Context<Self>) -> Self::Result {
+        MessageResult((self.restarts, self.swept))
+    }
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = Options::parse(&args).and_then(|opts| {
+        let sockets = arg_of(&args, "--sockets").map(PathBuf::from);
+        match arg_of(&args, "--role") {
+            None | Some("root") => root(opts),
+            Some("compositor") => compositor(opts, sockets.ok_or("--sockets")?),
+            Some("worker") => {
+                let index = arg_of(&args, "--index").ok_or("--index")?.parse()?;
+                worker(opts, index, sockets.ok_or("--sockets")?)
+            }
+            Some(other) => Err(format!("unknown role {other}").into()),
+        }
+    });
+    if let Err(e) = result {
+        let role = arg_of(&args, "--role").unwrap_or("root").to_owned();
+        eprintln!("renderer ({role}): {e}");
+        std::process::exit(1);
+    }
+}
