@@ -109,15 +109,27 @@ pub struct Parent {
     pub owner: Addr<BufferOwner>,
     pub events: Events,
     pub listening: Listening,
+    /// Extra environment for children (e.g. `BATON_BACKEND=cuda`).
+    pub child_env: Vec<(String, String)>,
     _tmp: tempfile::TempDir,
 }
 
 impl Parent {
-    /// Call inside an actix system.
+    /// Call inside an actix system. Host backend; children use it too.
     pub fn start(tag: &str) -> Parent {
         let ns = peer::namespace(tag);
-        let session = Session::generate().unwrap();
         let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let mut parent = Self::start_with(&ns, backend);
+        parent
+            .child_env
+            .push(("BATON_BACKEND".into(), "host".into()));
+        parent
+    }
+
+    /// Call inside an actix system, with any backend for the parent's node.
+    pub fn start_with(ns: &str, backend: baton::ipc::SharedBackend) -> Parent {
+        let ns = ns.to_owned();
+        let session = Session::generate().unwrap();
         let node = Node::new(session.clone(), backend);
         let events = Events::default();
         node.subscribe(EventLog(events.clone()).start().recipient());
@@ -131,6 +143,7 @@ impl Parent {
             owner,
             events,
             listening,
+            child_env: Vec::new(),
             _tmp: tmp,
         }
     }

@@ -1,0 +1,235 @@
+//! The actor protocol on CUDA device memory (legacy IPC handles and VMM descriptors): the
+//! same scenarios as `actors_protocol.rs` and `actors_supervision.rs`, with leaks measured
+//! as device free memory back to its baseline. Needs a GPU: run with `--features gpu-tests`.
+
+#[path = "support/actors.rs"]
+mod actors;
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/peer.rs"]
+mod peer;
+
+use actix::prelude::*;
+use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
+use baton::actors::{ActorError, Allocate, Buffer, Lease};
+use baton::ipc::MemPtr;
+use baton::ipc::cuda::{CudaBackend, CudaExport};
+use msgs::*;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn run<F: Future<Output = ()>>(f: F) {
+    System::new().block_on(f);
+}
+
+const MIB: usize = 1 << 20;
+
+/// A parent on CUDA whose children use the same export kind.
+fn cuda_parent(tag: &str, export: CudaExport) -> (Parent, Arc<CudaBackend>) {
+    let cuda = Arc::new(CudaBackend::new(0, export).expect("a CUDA device"));
+    let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());
+    let kind = match export {
+        CudaExport::Legacy => "legacy",
+        CudaExport::Vmm => "vmm",
+    };
+    parent
+        .child_env
+        .push(("BATON_BACKEND".into(), "cuda".into()));
+    parent
+        .child_env
+        .push(("BATON_CUDA_EXPORT".into(), kind.into()));
+    (parent, cuda)
+}
+
+/// Polls until device free memory is back within 1 MiB of `baseline`.
+async fn device_back_to(cuda: &CudaBackend, baseline: usize) {
+    let start = Instant::now();
+    loop {
+        let free = cuda.mem_get_info().unwrap().0;
+        if free + MIB >= baseline {
+            return;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "device free memory stayed {} bytes under its baseline",
+            baseline - free
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn pattern_buffer(parent: &Parent, len: usize, seed: u32) -> Buffer<u32> {
+    let buf = parent
+        .owner
+        .send(Allocate::<u32>::vector(len as u64))
+        .await
+        .unwrap()
+        .unwrap();
+    buf.write_at(0, &(0..len).map(|i| pattern(seed, i)).collect::<Vec<_>>())
+        .unwrap();
+    assert!(matches!(buf.ptr(), MemPtr::Device(_)), "device memory");
+    buf
+}
+
+async fn typed_round_trip(export: CudaExport) {
+    let (parent, cuda) = cuda_parent(
+        if export == CudaExport::Vmm {
+            "cv-rt"
+        } else {
+            "cl-rt"
+        },
+        export,
+    );
+    let baseline = cuda.mem_get_info().unwrap().0;
+    let (mut child, peer) = parent.child(&[]).await;
+    const N: usize = 4 * MIB;
+    let a = pattern_buffer(&parent, N, 21).await;
+    let b: Buffer<f32> = parent
+        .owner
+        .send(Allocate::vector(N as u64))
+        .await
+        .unwrap()
+        .unwrap();
+    b.write_at(0, &(0..N).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
+        .unwrap();
+    let reply = peer
+        .remote::<CheckPair>("checker")
+        .send(CheckPair {
+            seed: 21,
+            a: a.share(),
+            b: b.share(),
+        })
+        .await
+        .unwrap();
+    assert!(reply.ok, "the child read our device memory exactly");
+    let sum = reply.sum.open().unwrap();
+    assert!(matches!(sum.ptr().unwrap(), MemPtr::Device(_)));
+    let got = sum.to_vec().unwrap();
+    assert!(
+        got.iter()
+            .enumerate()
+            .all(|(i, v)| *v == pattern(21, i) as f32 + i as f32 * 0.5)
+    );
+    drop(sum);
+    eventually_async(DEADLINE, "leases back", || async {
+        parent.table().await.iter().all(|b| b.leases.is_empty())
+    })
+    .await;
+    drop((a, b));
+    peer.close();
+    assert!(exited(&mut child, DEADLINE).await.success());
+    assert_eq!(parent.node.cache().stats().live, 0);
+    device_back_to(&cuda, baseline).await;
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn legacy_typed_message_with_two_device_buffers_there_and_back() {
+    run(typed_round_trip(CudaExport::Legacy));
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn vmm_typed_message_with_two_device_buffers_there_and_back() {
+    run(typed_round_trip(CudaExport::Vmm));
+}
+
+/// Deferred free and importer SIGKILL on device memory: the frees complete and the
+/// device's free memory returns to its baseline.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn importer_sigkill_on_device_memory_reclaims_everything() {
+    run(async {
+        let (parent, cuda) = cuda_parent("c-ik", CudaExport::Legacy);
+        let baseline = cuda.mem_get_info().unwrap().0;
+        let (mut child, peer) = parent.child(&[]).await;
+        let bufs = vec![
+            pattern_buffer(&parent, 16 * MIB, 1).await,
+            pattern_buffer(&parent, 16 * MIB, 2).await,
+        ];
+        let held = peer
+            .remote::<Hold>("holder")
+            .send(Hold {
+                buffers: bufs.iter().map(Buffer::share).collect(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(held, 2);
+        let seen = peer
+            .remote::<PeekHeld>("holder.peek")
+            .send(PeekHeld)
+            .await
+            .unwrap();
+        assert!(seen.contains(&pattern(1, 0)) && seen.contains(&pattern(2, 0)));
+        drop(bufs);
+        assert_eq!(
+            parent.stats().await.retiring,
+            2,
+            "frees deferred while the importer holds them"
+        );
+        child.kill9();
+        eventually_async(DEADLINE, "frees to complete", || async {
+            let s = parent.stats().await;
+            s.buffers == 0 && s.leases == 0
+        })
+        .await;
+        drop(peer);
+        device_back_to(&cuda, baseline).await;
+    });
+}
+
+/// Exporter SIGKILL on device memory: the importer's leases turn orphaned, dropping them
+/// is clean, and the context stays usable.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn exporter_sigkill_on_device_memory_orphans_leases() {
+    run(async {
+        let (parent, cuda) = cuda_parent("c-ek", CudaExport::Legacy);
+        let baseline = cuda.mem_get_info().unwrap().0;
+        let (mut child, peer) = parent.child(&[]).await;
+        let made = peer
+            .remote::<MakeBuffers>("exporter")
+            .send(MakeBuffers {
+                n: 2,
+                len: 1 << 20,
+                seed: 5,
+            })
+            .await
+            .unwrap();
+        let leases: Vec<Lease<u32>> = made
+            .buffers
+            .into_iter()
+            .map(|s| s.open().unwrap())
+            .collect();
+        assert_eq!(leases[0].to_vec().unwrap()[77], pattern(5, 77));
+        child.kill9();
+        eventually(DEADLINE, "orphaned", || {
+            leases.iter().all(Lease::is_orphaned)
+        })
+        .await;
+        assert!(matches!(
+            leases[1].to_vec(),
+            Err(ActorError::Orphaned { .. })
+        ));
+        drop(leases);
+        assert_eq!(parent.node.cache().stats().live, 0);
+        // The context still works: a fresh allocation and copy.
+        let again = pattern_buffer(&parent, 1024, 9).await;
+        assert_eq!(again.to_vec().unwrap()[3], pattern(9, 3));
+        drop(again);
+        device_back_to(&cuda, baseline).await;
+    });
+}
