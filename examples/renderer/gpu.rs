@@ -27,6 +27,12 @@ fn grid(w: u32, h: u32) -> LaunchConfig {
 impl Kernels {
     /// Compiles the scene with NVRTC and loads it.
     pub fn load(backend: &CudaBackend) -> Result<Self, Box<dyn Error>> {
+        // SAFETY: this only tries to load libnvrtc (running its initialisers, which have no
+        // preconditions); with dynamic loading cudarc would panic at the first NVRTC call
+        // if the library were missing, so ask first and fail with a clear message.
+        if !unsafe { baton::ipc::cuda::cudarc::nvrtc::sys::is_culib_present() } {
+            return Err("NVRTC (libnvrtc.so) not found: add the CUDA toolkit's lib64 to LD_LIBRARY_PATH".into());
+        }
         let ptx = compile_ptx(CUDA_SOURCE)
             .map_err(|e| format!("NVRTC could not compile the scene: {e}"))?;
         let module = backend.context().load_module(ptx)?;
