@@ -105,6 +105,11 @@ async fn typed_round_trip(export: CudaExport) {
     assert!(reply.ok, "the child read our device memory exactly");
     let sum = reply.sum.open().unwrap();
     assert!(matches!(sum.ptr().unwrap(), MemPtr::Device(_)));
+    assert_eq!(
+        sum.imported().unwrap().mapping().backend(),
+        export.kind(),
+        "the child exported with the same kind"
+    );
     let got = sum.to_vec().unwrap();
     assert!(
         got.iter()

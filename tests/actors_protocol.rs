@@ -56,7 +56,7 @@ fn a_typed_message_with_two_buffers_goes_to_another_process_and_back() {
                 b: b.share(),
             })
             .await
-            .unwrap();
+            .unwrap_or_else(|e| panic!("{e}; link events: {:?}", parent.events.all()));
         assert!(reply.ok, "the child saw exactly the bytes we wrote");
         let sum = reply.sum.open().unwrap();
         assert_eq!(

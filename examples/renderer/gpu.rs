@@ -31,7 +31,10 @@ impl Kernels {
         // preconditions); with dynamic loading cudarc would panic at the first NVRTC call
         // if the library were missing, so ask first and fail with a clear message.
         if !unsafe { baton::ipc::cuda::cudarc::nvrtc::sys::is_culib_present() } {
-            return Err("NVRTC (libnvrtc.so) not found: add the CUDA toolkit's lib64 to LD_LIBRARY_PATH".into());
+            return Err(
+                "NVRTC (libnvrtc.so) not found: add the CUDA toolkit's lib64 to LD_LIBRARY_PATH"
+                    .into(),
+            );
         }
         let ptx = compile_ptx(CUDA_SOURCE)
             .map_err(|e| format!("NVRTC could not compile the scene: {e}"))?;

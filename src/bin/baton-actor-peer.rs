@@ -163,6 +163,13 @@ impl Handler<PeerEvent> for TestActor {
     type Result = ();
 
     fn handle(&mut self, msg: PeerEvent, _ctx: &mut Context<Self>) {
+        if let PeerEvent::Down {
+            reason: Some(reason),
+            ..
+        } = &msg
+        {
+            eprintln!("baton-actor-peer: link dropped: {reason}");
+        }
         if let PeerEvent::Down { .. } = msg {
             if self.node.peers().is_empty() {
                 System::current().stop();

@@ -158,11 +158,12 @@ impl Parent {
         let mut args = vec!["serve", sock.as_str()];
         args.extend_from_slice(extra);
         let before = self.events.ups().len();
-        let child = peer::Peer::spawn_exe(
+        let child = peer::Peer::spawn_exe_env(
             env!("CARGO_BIN_EXE_baton-actor-peer"),
             &self.session,
             &self.ns,
             &args,
+            &self.child_env,
         );
         let pid = child.pid();
         eventually(DEADLINE, "the child's link", || {
