@@ -64,9 +64,14 @@ impl SupEvents {
 }
 
 fn peer_spec(parent: &Parent, name: &str, role: &str) -> ChildSpec {
-    ChildSpec::new(name, env!("CARGO_BIN_EXE_baton-actor-peer"))
+    let spec = ChildSpec::new(name, env!("CARGO_BIN_EXE_baton-actor-peer"))
         .arg(role)
-        .env(host::NAMESPACE_ENV, &parent.ns)
+        .env(host::NAMESPACE_ENV, &parent.ns);
+    // The parent's backend for the children too (a host-only parent cannot map CUDA buffers).
+    parent
+        .child_env
+        .iter()
+        .fold(spec, |spec, (k, v)| spec.env(k, v))
 }
 
 fn supervise(
