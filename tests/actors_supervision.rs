@@ -339,3 +339,37 @@ fn an_actix_supervisor_restarts_a_registered_actor_in_process() {
         assert_eq!(ask.send(Incarnation).await.unwrap(), 1);
     });
 }
+
+#[test]
+fn a_transient_child_that_exits_cleanly_is_not_restarted() {
+    run(async {
+        let parent = Parent::start("trans");
+        let spec = peer_spec(&parent, "job", "serve").restart(baton::actors::Restart::Transient);
+        let (sup, events) = supervise(
+            &parent,
+            vec![spec],
+            Strategy::OneForOne,
+            RestartPolicy::default(),
+        );
+        eventually(DEADLINE, "the child's link", || {
+            parent.events.ups().len() == 1
+        })
+        .await;
+        // Closing its only link makes the helper exit with status 0: its work is done.
+        parent.events.ups()[0].close();
+        eventually(DEADLINE, "a clean exit", || {
+            events.all().iter().any(
+                |e| matches!(e, SupervisorEvent::Exited { status, .. } if status == "exit code 0"),
+            )
+        })
+        .await;
+        let children = sup.send(baton::actors::Children).await.unwrap();
+        assert_eq!(
+            (children[0].pid, children[0].restarts),
+            (None, 0),
+            "done, not restarted"
+        );
+        assert_eq!(events.started().len(), 1);
+        sup.send(Shutdown).await.unwrap();
+    });
+}
