@@ -395,3 +395,29 @@ proptest! {
         })?;
     }
 }
+
+#[test]
+fn a_peer_that_dies_mid_frame_with_our_bytes_unread_reads_as_truncated() {
+    // A peer that dies with data we sent still unread makes the kernel report a reset
+    // (ECONNRESET) instead of an end of stream; the frame it cut off must still be named.
+    let session = Session::generate().unwrap();
+    let config = LinkConfig::new(session);
+    let (a, b) = UnixStream::pair().unwrap();
+    let client_config = config.clone();
+    let client = std::thread::spawn(move || Link::client(b, &client_config).unwrap());
+    let mut server = Link::server(a, &config).unwrap();
+    let client = client.join().unwrap();
+    server.send(&Message::Ping(1), &[]).unwrap(); // never read by the client
+    let frame = frame_bytes(&Message::Ping(2), 0).unwrap();
+    let mut raw = UnixStream::from(client.as_fd().try_clone_to_owned().unwrap());
+    raw.write_all(&frame[..frame.len() / 2]).unwrap();
+    drop(raw);
+    drop(client);
+    assert!(
+        matches!(
+            server.recv_timeout(DEADLINE),
+            Err(Error::Message(msg::Error::Truncated { .. }))
+        ),
+        "a cut-off frame is reported as truncated, not as a clean close"
+    );
+}
