@@ -13,10 +13,18 @@
 //!   mapping until killed.
 //! - `export-hold SOCKET SIZE`: connect, allocate SIZE bytes filled with 0xAB, offer them,
 //!   then hold until killed.
+//! - `half-frame-import SOCKET`: connect to an actor node, answer its first `Call` (open
+//!   every offered buffer, reply with their count, as a `Hold` answer), then write the
+//!   first half of a `Release` frame, print `half` on stdout, and hold until killed.
+//! - `half-frame-export SOCKET`: connect, offer a 4096-byte segment in a bare `Offer`,
+//!   write the first half of a second `Offer` frame, print `half`, and hold until killed.
 
 use baton::ipc::{FrameFds, HostBackend, ImportCache, Link, LinkConfig, Session};
-use baton::messages::protocol::{Offer, Release};
+use baton::messages::codec::frame_bytes;
+use baton::messages::protocol::{Offer, Payload, Release, Reply};
 use baton::messages::{LeaseId, Message};
+use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -103,6 +111,72 @@ fn export_hold(socket: &str, size: usize) -> Res<()> {
     }
 }
 
+/// Writes the first half of `msg`'s frame straight to the socket (a peer killed in the
+/// middle of a frame), then says so on stdout.
+fn write_half_frame(link: &Link, msg: &Message) -> Res<()> {
+    let frame = frame_bytes(msg, 0)?;
+    let mut socket = UnixStream::from(link.as_fd().try_clone_to_owned()?);
+    socket.write_all(&frame[..frame.len() / 2])?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "half")?;
+    out.flush()?;
+    Ok(())
+}
+
+fn hold_forever() -> ! {
+    loop {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+}
+
+fn half_frame_import(socket: &str) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    let cache = cache(&session)?;
+    let received = link.recv_timeout(Duration::from_secs(30))?;
+    let Message::Call(call) = received.message else {
+        return Err(format!("expected a Call, got {}", received.message.kind()).into());
+    };
+    let mut fds = received.fds;
+    let mut held = Vec::new();
+    for offer in &call.offers {
+        held.push(cache.open(&offer.handle, &mut fds)?);
+    }
+    // The answer to `Hold` is a usize: bincode's varint of a count below 251 is one byte.
+    let count = u8::try_from(held.len())
+        .ok()
+        .filter(|&n| n < 251)
+        .ok_or("too many offers")?;
+    let reply = Message::Reply(Reply {
+        id: call.id,
+        outcome: Ok(Payload {
+            bytes: vec![count],
+            offers: Vec::new(),
+        }),
+    });
+    link.send(&reply, &[])?;
+    let first = call.offers.first().ok_or("a Call without offers")?.lease;
+    write_half_frame(&link, &Message::Release(Release { lease: first }))?;
+    let _keep = held;
+    hold_forever()
+}
+
+fn half_frame_export(socket: &str) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    let backend = HostBackend::new()?;
+    let alloc = baton::ipc::Backend::allocate(&backend, 4096)?;
+    alloc.fill(0, 4096, 0xCD)?;
+    let offer = |lease| -> Res<Message> {
+        Ok(Message::Offer(Offer {
+            lease: LeaseId::new(lease),
+            handle: alloc.handle(&session).build()?,
+        }))
+    };
+    link.send(&offer(1)?, &[])?;
+    write_half_frame(&link, &offer(2)?)?;
+    let _keep = alloc;
+    hold_forever()
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -116,6 +190,8 @@ fn main() {
             .parse()
             .map_err(|e| format!("bad size: {e}").into())
             .and_then(|size| export_hold(socket, size)),
+        ["half-frame-import", socket] => half_frame_import(socket),
+        ["half-frame-export", socket] => half_frame_export(socket),
         _ => Err(format!("unknown role {argv:?}").into()),
     };
     if let Err(e) = result {
