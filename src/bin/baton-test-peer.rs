@@ -16,6 +16,11 @@
 //! - `half-frame-import SOCKET`: connect to an actor node, answer its first `Call` (open
 //!   every offered buffer, reply with their count, as a `Hold` answer), then write the
 //!   first half of a `Release` frame, print `half` on stdout, and hold until killed.
+//! - `probe SOCKET`: connect to SOCKET with no credentials to speak of (tests run it as
+//!   another uid), send a `Hello`, and print what happened — `connect-error: KIND`, or one
+//!   `frame: KIND` (`refused: REASON` for a refusal) per frame received until the end of
+//!   the stream. Exit status 0 whatever the outcome: the test judges it.
+//! - `list DIR`: try to list DIR and print `listed: N` or `list-error: KIND`.
 //! - `half-frame-export SOCKET`: connect, offer a 4096-byte segment in a bare `Offer`,
 //!   write the first half of a second `Offer` frame, print `half`, and hold until killed.
 
@@ -177,6 +182,57 @@ fn half_frame_export(socket: &str) -> Res<()> {
     hold_forever()
 }
 
+fn probe(socket: &str) -> Res<()> {
+    use std::io::Read;
+    let mut out = std::io::stdout().lock();
+    let mut stream = match UnixStream::connect(socket) {
+        Ok(s) => s,
+        Err(e) => {
+            writeln!(out, "connect-error: {:?}", e.kind())?;
+            return Ok(());
+        }
+    };
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let hello = Message::Hello(baton::messages::protocol::Hello {
+        version: baton::messages::PROTOCOL_VERSION,
+        process: baton::ipc::process::current(),
+        nonce: baton::messages::protocol::Nonce([7; 32]),
+    });
+    // The server may refuse before reading: a failed write is part of the story.
+    if let Err(e) = stream.write_all(&frame_bytes(&hello, 0)?) {
+        writeln!(out, "write-error: {:?}", e.kind())?;
+    }
+    let mut decoder = baton::messages::FrameDecoder::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) => {
+                writeln!(out, "read-error: {:?}", e.kind())?;
+                break;
+            }
+        };
+        decoder.push(&buf[..n]);
+        while let Some(frame) = decoder.next_frame()? {
+            match frame.message {
+                Message::Refused(r) => writeln!(out, "refused: {:?}", r.reason)?,
+                other => writeln!(out, "frame: {}", other.kind())?,
+            }
+        }
+    }
+    writeln!(out, "end")?;
+    Ok(())
+}
+
+fn list(dir: &str) -> Res<()> {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => println!("listed: {}", entries.count()),
+        Err(e) => println!("list-error: {:?}", e.kind()),
+    }
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -190,6 +246,8 @@ fn main() {
             .parse()
             .map_err(|e| format!("bad size: {e}").into())
             .and_then(|size| export_hold(socket, size)),
+        ["probe", socket] => probe(socket),
+        ["list", dir] => list(dir),
         ["half-frame-import", socket] => half_frame_import(socket),
         ["half-frame-export", socket] => half_frame_export(socket),
         _ => Err(format!("unknown role {argv:?}").into()),
