@@ -421,3 +421,34 @@ fn a_peer_that_dies_mid_frame_with_our_bytes_unread_reads_as_truncated() {
         "a cut-off frame is reported as truncated, not as a clean close"
     );
 }
+
+#[test]
+fn a_cache_hit_that_claims_more_than_the_live_mapping_is_refused() {
+    // Found by the `handle_msg` fuzz target: a second handle of an allocation already mapped
+    // claimed a larger allocation and a range past the mapping; the hit handed out a view
+    // (and a pointer) outside the mapped memory.
+    let ns = peer::namespace("hit2");
+    let session = Session::generate().unwrap();
+    let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+    let cache = ImportCache::new(session.clone(), [backend.clone() as Arc<dyn Backend>]);
+    let alloc = backend.allocate(8192).unwrap();
+    let mut fds = baton::ipc::FrameFds::none();
+    let first = cache
+        .open(&alloc.handle(&session).build().unwrap(), &mut fds)
+        .unwrap();
+    let mut liar = alloc.handle(&session).build().unwrap();
+    liar.alloc_size = 1 << 40;
+    liar.offset = 1 << 30;
+    liar.len = 4096;
+    let liar = liar.sealed(session.handle_key());
+    assert!(matches!(
+        cache.open(&liar, &mut fds),
+        Err(Error::MemoryTooSmall {
+            claimed: 1099511627776,
+            actual: 8192
+        })
+    ));
+    assert_eq!(cache.stats().hits, 0, "the refused hit took no reference");
+    drop(first);
+    assert_eq!(cache.stats().live, 0);
+}
