@@ -136,7 +136,14 @@ fn hold_forever() -> ! {
 
 fn half_frame_import(socket: &str) -> Res<()> {
     let (session, mut link) = connect(socket)?;
-    let cache = cache(&session)?;
+    // The buffers may be device memory (the CUDA soak): open with the backend
+    // `BATON_BACKEND` picks, and host segments too.
+    let chosen = baton::ipc::select::auto()?;
+    let mut backends = vec![chosen.clone()];
+    if baton::ipc::Backend::kind(&*chosen) != baton::messages::BackendKind::Host {
+        backends.push(Arc::new(HostBackend::new()?) as _);
+    }
+    let cache = ImportCache::new(session.clone(), backends);
     let received = link.recv_timeout(Duration::from_secs(30))?;
     let Message::Call(call) = received.message else {
         return Err(format!("expected a Call, got {}", received.message.kind()).into());
