@@ -12,7 +12,9 @@
 //! - **handoff latency**: the round trip of a typed message carrying one buffer the
 //!   importer already maps (grant a lease, send, the importer opens it — an import-cache
 //!   hit —, reads it and drops it, `Release`, reply), p50 and p99; and the same for a fresh
-//!   buffer it never mapped (a cache miss: one `shm_open` + `mmap`).
+//!   buffer it never mapped (a cache miss: one `shm_open` + `mmap`); and the cached round
+//!   trip always to the same importer (`hit1`), which separates what the number of
+//!   importers costs from what switching between importer processes costs.
 //!
 //! Each curve (one number of importers) runs in a fresh exporter process, so that memory an
 //! earlier curve freed — and the allocator kept — does not hide this one's growth. It
@@ -326,7 +328,7 @@ fn report_header(live: &[usize]) {
         }
     }
     println!(
-        "{:>9} {:>7} {:>12} {:>12} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7}",
+        "{:>9} {:>7} {:>12} {:>12} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}",
         "importers",
         "live",
         "exp B/lease",
@@ -335,6 +337,7 @@ fn report_header(live: &[usize]) {
         "imp anon B",
         "hit p50",
         "hit p99",
+        "hit1 p50",
         "miss p50",
         "miss p99",
         "fds"
@@ -443,6 +446,26 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                     }
                     assert_eq!(got, j as u32);
                 }
+                // The same, always to the first importer: tells what the number of
+                // importers costs from what alternating between processes costs.
+                let mut one = Vec::with_capacity(samples / 4);
+                for round in 0..(samples / 4 + samples / 40) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let j = (x % buffers.len().div_ceil(n) as u64) as usize * n;
+                    let t = Instant::now();
+                    let got = children[0]
+                        .peer
+                        .remote::<Touch>("touch")
+                        .send_timeout(Touch { buffer: buffers[j].share() }, DEADLINE)
+                        .await?;
+                    if round >= samples / 40 {
+                        one.push(t.elapsed());
+                    }
+                    assert_eq!(got, j as u32);
+                }
+                one.sort();
                 // Uncached handoffs: a fresh buffer each time (the first map in the importer).
                 let mut misses = Vec::with_capacity(samples / 10);
                 for k in 0..(samples / 10).max(1) {
@@ -462,7 +485,7 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                 misses.sort();
                 let fds = open_fds(me);
                 println!(
-                    "{:>9} {:>7} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>7}",
+                    "{:>9} {:>7} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>8.1}µs {:>7}",
                     n,
                     buffers.len(),
                     per(exp.total),
@@ -471,12 +494,13 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                     per(imp.anon),
                     us(percentile(&hits, 0.5)),
                     us(percentile(&hits, 0.99)),
+                    us(percentile(&one, 0.5)),
                     us(percentile(&misses, 0.5)),
                     us(percentile(&misses, 0.99)),
                     fds,
                 );
                 println!(
-                    "{{\"importers\":{n},\"live\":{},\"exporter_rss_bytes_per_lease\":{:.0},\"exporter_anon_bytes_per_lease\":{:.0},\"exporter_shmem_bytes_per_lease\":{:.0},\"importers_rss_bytes_per_lease\":{:.0},\"importers_anon_bytes_per_lease\":{:.0},\"importers_shmem_bytes_per_lease\":{:.0},\"hit_p50_us\":{:.1},\"hit_p99_us\":{:.1},\"hit_samples\":{},\"miss_p50_us\":{:.1},\"miss_p99_us\":{:.1},\"miss_samples\":{},\"exporter_fds\":{fds},\"machine\":{:?}}}",
+                    "{{\"importers\":{n},\"live\":{},\"exporter_rss_bytes_per_lease\":{:.0},\"exporter_anon_bytes_per_lease\":{:.0},\"exporter_shmem_bytes_per_lease\":{:.0},\"importers_rss_bytes_per_lease\":{:.0},\"importers_anon_bytes_per_lease\":{:.0},\"importers_shmem_bytes_per_lease\":{:.0},\"hit_p50_us\":{:.1},\"hit_p99_us\":{:.1},\"hit_samples\":{},\"hit_one_importer_p50_us\":{:.1},\"miss_p50_us\":{:.1},\"miss_p99_us\":{:.1},\"miss_samples\":{},\"exporter_fds\":{fds},\"machine\":{:?}}}",
                     buffers.len(),
                     per(exp.total),
                     per(exp.anon),
@@ -487,6 +511,7 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                     us(percentile(&hits, 0.5)),
                     us(percentile(&hits, 0.99)),
                     hits.len(),
+                    us(percentile(&one, 0.5)),
                     us(percentile(&misses, 0.5)),
                     us(percentile(&misses, 0.99)),
                     misses.len(),
