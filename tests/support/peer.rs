@@ -17,49 +17,17 @@ pub struct Peer {
 impl Peer {
     /// Runs `exe args…` with the session's token and the segment namespace in its environment.
     pub fn spawn_exe(exe: &str, session: &Session, namespace: &str, args: &[&str]) -> Peer {
-        Self::spawn_with(exe, session, namespace, args, &[], false)
-    }
-
-    /// As [`spawn_exe`](Self::spawn_exe), with more environment variables, and with its
-    /// stdout on a pipe (see [`take_stdout`](Self::take_stdout)) when `piped`.
-    pub fn spawn_with(
-        exe: &str,
-        session: &Session,
-        namespace: &str,
-        args: &[&str],
-        env: &[(&str, &str)],
-        piped: bool,
-    ) -> Peer {
         let (key, token) = session.child_env();
         let child = Command::new(exe)
             .args(args)
             .env(key, token)
             .env(host::NAMESPACE_ENV, namespace)
-            .envs(env.iter().copied())
             .stdin(Stdio::null())
-            .stdout(if piped {
-                Stdio::piped()
-            } else {
-                Stdio::inherit()
-            })
             .spawn()
             .unwrap_or_else(|e| panic!("spawning {exe}: {e}"));
         Peer {
             child: Some(child),
             what: format!("{exe} {args:?}"),
-        }
-    }
-
-    /// The child's stdout, if it was spawned with a pipe and not taken yet.
-    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
-        self.child.as_mut()?.stdout.take()
-    }
-
-    /// Sends SIGKILL without waiting: reap it with `try_wait` (or `actors::exited`), which
-    /// never blocks an event loop.
-    pub fn signal_kill(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = child.kill();
         }
     }
 
@@ -107,6 +75,49 @@ impl Peer {
                 panic!("{} did not exit within {deadline:?}", self.what);
             }
             std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// As [`spawn_exe`](Self::spawn_exe), with more environment variables, and with its
+    /// stdout on a pipe (see [`take_stdout`](Self::take_stdout)) when `piped`.
+    pub fn spawn_with(
+        exe: &str,
+        session: &Session,
+        namespace: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        piped: bool,
+    ) -> Peer {
+        let (key, token) = session.child_env();
+        let child = Command::new(exe)
+            .args(args)
+            .env(key, token)
+            .env(host::NAMESPACE_ENV, namespace)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(if piped {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {exe}: {e}"));
+        Peer {
+            child: Some(child),
+            what: format!("{exe} {args:?}"),
+        }
+    }
+
+    /// The child's stdout, if it was spawned with a pipe and not taken yet.
+    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
+        self.child.as_mut()?.stdout.take()
+    }
+
+    /// Sends SIGKILL without waiting: reap it with `try_wait` (or `actors::exited`), which
+    /// never blocks an event loop.
+    pub fn signal_kill(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
         }
     }
 }
