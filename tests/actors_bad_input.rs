@@ -241,3 +241,76 @@ fn protocol_abuse_drops_only_the_abusive_link() {
         assert!(exited(&mut honest, DEADLINE).await.success());
     });
 }
+
+/// Records what the node's inbox receives: the layout of each bare offer.
+struct Inbox(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Actor for Inbox {
+    type Context = Context<Self>;
+}
+
+impl Handler<baton::actors::Offered> for Inbox {
+    type Result = ();
+    fn handle(&mut self, msg: baton::actors::Offered, _: &mut Context<Self>) {
+        let layout = format!("{:?}", msg.buffer.layout());
+        let lease = msg.buffer.open().unwrap();
+        assert_eq!(lease.len(), 4096);
+        self.0.lock().unwrap().push(layout);
+    }
+}
+
+#[test]
+fn a_bare_offer_without_element_type_is_released_not_delivered() {
+    run(async {
+        let parent = Parent::start("bare");
+        let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        parent
+            .node
+            .set_inbox(Inbox(std::sync::Arc::clone(&got)).start().recipient());
+        let (link, id) = raw(&parent).await;
+        let backend = HostBackend::with_namespace(&parent.ns).unwrap();
+        let alloc = backend.allocate(4096).unwrap();
+        let untyped = alloc.handle(&parent.session).build().unwrap();
+        let typed = alloc
+            .handle(&parent.session)
+            .layout(baton::messages::Layout::new(
+                baton::messages::DType::U8,
+                baton::messages::Shape::vector(4096),
+            ))
+            .build()
+            .unwrap();
+        let link = spawn_blocking(move || {
+            let mut link = link;
+            // Untyped: the actor layer deals in typed buffers only; it gives it back.
+            let offer = Wire::Offer(Offer {
+                lease: LeaseId::new(1),
+                handle: untyped,
+            });
+            link.send(&offer, &[]).unwrap();
+            let back = link.recv_timeout(DEADLINE).unwrap().message;
+            assert_eq!(
+                back,
+                Wire::Release(Release {
+                    lease: LeaseId::new(1)
+                })
+            );
+            // Typed: delivered to the inbox.
+            let offer = Wire::Offer(Offer {
+                lease: LeaseId::new(2),
+                handle: typed,
+            });
+            link.send(&offer, &[]).unwrap();
+            link
+        })
+        .await
+        .unwrap();
+        eventually(DEADLINE, "the typed offer in the inbox", || {
+            got.lock().unwrap().len() == 1
+        })
+        .await;
+        assert!(got.lock().unwrap()[0].contains("U8"));
+        assert!(parent.events.down_reason(id).is_none(), "the link stays up");
+        drop(link);
+        drop(alloc);
+    });
+}

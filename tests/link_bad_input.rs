@@ -395,3 +395,60 @@ proptest! {
         })?;
     }
 }
+
+#[test]
+fn a_peer_that_dies_mid_frame_with_our_bytes_unread_reads_as_truncated() {
+    // A peer that dies with data we sent still unread makes the kernel report a reset
+    // (ECONNRESET) instead of an end of stream; the frame it cut off must still be named.
+    let session = Session::generate().unwrap();
+    let config = LinkConfig::new(session);
+    let (a, b) = UnixStream::pair().unwrap();
+    let client_config = config.clone();
+    let client = std::thread::spawn(move || Link::client(b, &client_config).unwrap());
+    let mut server = Link::server(a, &config).unwrap();
+    let client = client.join().unwrap();
+    server.send(&Message::Ping(1), &[]).unwrap(); // never read by the client
+    let frame = frame_bytes(&Message::Ping(2), 0).unwrap();
+    let mut raw = UnixStream::from(client.as_fd().try_clone_to_owned().unwrap());
+    raw.write_all(&frame[..frame.len() / 2]).unwrap();
+    drop(raw);
+    drop(client);
+    assert!(
+        matches!(
+            server.recv_timeout(DEADLINE),
+            Err(Error::Message(msg::Error::Truncated { .. }))
+        ),
+        "a cut-off frame is reported as truncated, not as a clean close"
+    );
+}
+
+#[test]
+fn a_cache_hit_that_claims_more_than_the_live_mapping_is_refused() {
+    // Found by the `handle_msg` fuzz target: a second handle of an allocation already mapped
+    // claimed a larger allocation and a range past the mapping; the hit handed out a view
+    // (and a pointer) outside the mapped memory.
+    let ns = peer::namespace("hit2");
+    let session = Session::generate().unwrap();
+    let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+    let cache = ImportCache::new(session.clone(), [backend.clone() as Arc<dyn Backend>]);
+    let alloc = backend.allocate(8192).unwrap();
+    let mut fds = baton::ipc::FrameFds::none();
+    let first = cache
+        .open(&alloc.handle(&session).build().unwrap(), &mut fds)
+        .unwrap();
+    let mut liar = alloc.handle(&session).build().unwrap();
+    liar.alloc_size = 1 << 40;
+    liar.offset = 1 << 30;
+    liar.len = 4096;
+    let liar = liar.sealed(session.handle_key());
+    assert!(matches!(
+        cache.open(&liar, &mut fds),
+        Err(Error::MemoryTooSmall {
+            claimed: 1099511627776,
+            actual: 8192
+        })
+    ));
+    assert_eq!(cache.stats().hits, 0, "the refused hit took no reference");
+    drop(first);
+    assert_eq!(cache.stats().live, 0);
+}

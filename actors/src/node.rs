@@ -262,7 +262,8 @@ impl Node {
         lock(&self.inner.revoke_watchers).push(recipient);
     }
 
-    /// Where bare offers go; without an inbox they are released at once.
+    /// Where bare offers go; without an inbox they are released at once, and so is an
+    /// offer without an element type and shape.
     pub fn set_inbox(&self, recipient: Recipient<Offered>) {
         *lock(&self.inner.inbox) = Some(recipient);
     }
@@ -281,6 +282,13 @@ impl Node {
     }
 
     pub(crate) fn deliver_offer(&self, peer: ProcessId, lease: IncomingLease) {
+        // Actors deal in typed buffers only (`Shared::layout` promises one): an offer
+        // without an element type and shape is given back at once (dropping the lease
+        // sends `Release`), never handed to user code.
+        if lease.imported.as_ref().and_then(|i| i.layout()).is_none() {
+            tracing::warn!(%peer, lease = %lease.lease, "bare offer without element type and shape: released");
+            return;
+        }
         let buffer = Shared {
             inner: SharedInner::Incoming(lease),
             _t: PhantomData,

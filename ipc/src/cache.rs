@@ -108,7 +108,9 @@ impl ImportCache {
     ///
     /// # Errors
     /// A check error, [`Error::StaleHandle`], [`Error::UnsupportedBackend`],
-    /// [`Error::MissingFdSlot`], or the backend's open error. Nothing is opened on error.
+    /// [`Error::MissingFdSlot`], [`Error::MemoryTooSmall`] (also on a hit, when the handle
+    /// claims more than the live mapping holds), or the backend's open error. Nothing is
+    /// opened on error.
     pub fn open(&self, handle: &HandleMsg, fds: &mut FrameFds) -> Result<Imported> {
         let checked = self.shared.session.check(handle)?;
         let key = (handle.exporter, handle.alloc, handle.generation);
@@ -124,6 +126,15 @@ impl ImportCache {
             }
         }
         let mem = if let Some(entry) = state.entries.get_mut(&key) {
+            // A hit maps nothing new, but this handle may claim more than the mapping
+            // holds (a confused or lying exporter): its view must stay inside it, as a
+            // miss checks against the memory it opens.
+            if (entry.mem.size() as u64) < handle.alloc_size {
+                return Err(Error::MemoryTooSmall {
+                    claimed: handle.alloc_size,
+                    actual: entry.mem.size() as u64,
+                });
+            }
             entry.users += 1;
             let mem = Arc::clone(&entry.mem);
             state.stats.hits += 1;

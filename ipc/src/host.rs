@@ -293,14 +293,14 @@ impl ExportableMemory for Mapping {
 
 /// The owner a segment name records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct SegmentOwner {
+pub(crate) struct SegmentOwner {
     pid: u32,
     start_ticks: u64,
 }
 
 impl SegmentOwner {
     /// Parses `<namespace>.<pid>.<start>.<alloc>.<tag>` (no leading slash).
-    fn parse(name: &str) -> Option<Self> {
+    pub(crate) fn parse(name: &str) -> Option<Self> {
         let mut parts = name.split('.');
         let ns = parts.next()?;
         let pid = parts.next()?.parse().ok()?;

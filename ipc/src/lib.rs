@@ -23,6 +23,8 @@ mod cache;
 #[allow(unsafe_code)]
 pub mod cuda;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 #[allow(unsafe_code)]
 pub mod host;
 pub mod link;

@@ -27,7 +27,7 @@ pub use socket_dir::SocketDir;
 pub use wire::{FrameFds, Received};
 
 pub(crate) use handshake::{ClientHandshake, Refusal, ServerHandshake};
-pub(crate) use wire::{Receiver, io_error, send_all};
+pub(crate) use wire::{Receiver, send_all};
 
 use crate::session::Session;
 use crate::{Error, Result};
@@ -233,7 +233,7 @@ impl Link {
             match self.rx.recv_some(self.stream.as_fd()) {
                 Ok(0) => return Err(self.rx.at_eof()),
                 Ok(_) => {}
-                Err(e) => return Err(io_error("receiving a frame", e)),
+                Err(e) => return Err(self.rx.recv_error(e)),
             }
         }
     }

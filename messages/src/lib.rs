@@ -19,6 +19,8 @@
 
 pub mod codec;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handle;
 pub mod ids;
 pub mod layout;

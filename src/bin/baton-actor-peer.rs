@@ -10,7 +10,9 @@
 mod msgs;
 
 use actix::prelude::*;
-use baton::actors::{Allocate, BufferOwner, Lease, Node, PeerEvent, RevokeRequested, supervisor};
+use baton::actors::{
+    Allocate, BufferOwner, Lease, LeaseTable, Node, PeerEvent, Revoke, RevokeRequested, supervisor,
+};
 use baton::messages::LeaseId;
 use msgs::*;
 use std::collections::HashMap;
@@ -148,6 +150,30 @@ impl Handler<Sum> for TestActor {
     }
 }
 
+impl Handler<RevokeAll> for TestActor {
+    type Result = ResponseFuture<usize>;
+
+    fn handle(&mut self, msg: RevokeAll, _ctx: &mut Context<Self>) -> Self::Result {
+        let owner = self.owner.clone();
+        Box::pin(async move {
+            let within = std::time::Duration::from_millis(msg.within_ms.into());
+            let table = owner.send(LeaseTable).await.expect("owner alive");
+            let mut asked = 0;
+            for buffer in table.iter().filter(|b| !b.leases.is_empty()) {
+                asked += owner
+                    .send(Revoke {
+                        buffer: buffer.buffer,
+                        within,
+                    })
+                    .await
+                    .expect("owner alive")
+                    .unwrap_or(0);
+            }
+            asked
+        })
+    }
+}
+
 impl Handler<RevokeRequested> for TestActor {
     type Result = ();
 
@@ -208,6 +234,7 @@ fn main() {
         node.register::<DropHeld>("holder.drop", actor.clone().recipient());
         node.register::<MakeBuffers>("exporter", actor.clone().recipient());
         node.register::<Sum>("sink", actor.clone().recipient());
+        node.register::<RevokeAll>("revoker", actor.clone().recipient());
         node.on_revoke(actor.clone().recipient());
         node.subscribe(actor.recipient());
         node.connect(&socket).await?;

@@ -13,10 +13,23 @@
 //!   mapping until killed.
 //! - `export-hold SOCKET SIZE`: connect, allocate SIZE bytes filled with 0xAB, offer them,
 //!   then hold until killed.
+//! - `half-frame-import SOCKET`: connect to an actor node, answer its first `Call` (open
+//!   every offered buffer, reply with their count, as a `Hold` answer), then write the
+//!   first half of a `Release` frame, print `half` on stdout, and hold until killed.
+//! - `probe SOCKET`: connect to SOCKET with no credentials to speak of (tests run it as
+//!   another uid), send a `Hello`, and print what happened — `connect-error: KIND`, or one
+//!   `frame: KIND` (`refused: REASON` for a refusal) per frame received until the end of
+//!   the stream. Exit status 0 whatever the outcome: the test judges it.
+//! - `list DIR`: try to list DIR and print `listed: N` or `list-error: KIND`.
+//! - `half-frame-export SOCKET`: connect, offer a 4096-byte segment in a bare `Offer`,
+//!   write the first half of a second `Offer` frame, print `half`, and hold until killed.
 
 use baton::ipc::{FrameFds, HostBackend, ImportCache, Link, LinkConfig, Session};
-use baton::messages::protocol::{Offer, Release};
+use baton::messages::codec::frame_bytes;
+use baton::messages::protocol::{Offer, Payload, Release, Reply};
 use baton::messages::{LeaseId, Message};
+use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -103,6 +116,130 @@ fn export_hold(socket: &str, size: usize) -> Res<()> {
     }
 }
 
+/// Writes the first half of `msg`'s frame straight to the socket (a peer killed in the
+/// middle of a frame), then says so on stdout.
+fn write_half_frame(link: &Link, msg: &Message) -> Res<()> {
+    let frame = frame_bytes(msg, 0)?;
+    let mut socket = UnixStream::from(link.as_fd().try_clone_to_owned()?);
+    socket.write_all(&frame[..frame.len() / 2])?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "half")?;
+    out.flush()?;
+    Ok(())
+}
+
+fn hold_forever() -> ! {
+    loop {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+}
+
+fn half_frame_import(socket: &str) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    // The buffers may be device memory (the CUDA soak): open with the backend
+    // `BATON_BACKEND` picks, and host segments too.
+    let chosen = baton::ipc::select::auto()?;
+    let mut backends = vec![chosen.clone()];
+    if baton::ipc::Backend::kind(&*chosen) != baton::messages::BackendKind::Host {
+        backends.push(Arc::new(HostBackend::new()?) as _);
+    }
+    let cache = ImportCache::new(session.clone(), backends);
+    let received = link.recv_timeout(Duration::from_secs(30))?;
+    let Message::Call(call) = received.message else {
+        return Err(format!("expected a Call, got {}", received.message.kind()).into());
+    };
+    let mut fds = received.fds;
+    let mut held = Vec::new();
+    for offer in &call.offers {
+        held.push(cache.open(&offer.handle, &mut fds)?);
+    }
+    // The answer to `Hold` is a usize: bincode's varint of a count below 251 is one byte.
+    let count = u8::try_from(held.len())
+        .ok()
+        .filter(|&n| n < 251)
+        .ok_or("too many offers")?;
+    let reply = Message::Reply(Reply {
+        id: call.id,
+        outcome: Ok(Payload {
+            bytes: vec![count],
+            offers: Vec::new(),
+        }),
+    });
+    link.send(&reply, &[])?;
+    let first = call.offers.first().ok_or("a Call without offers")?.lease;
+    write_half_frame(&link, &Message::Release(Release { lease: first }))?;
+    let _keep = held;
+    hold_forever()
+}
+
+fn half_frame_export(socket: &str) -> Res<()> {
+    let (session, mut link) = connect(socket)?;
+    let backend = HostBackend::new()?;
+    let alloc = baton::ipc::Backend::allocate(&backend, 4096)?;
+    alloc.fill(0, 4096, 0xCD)?;
+    let offer = |lease| -> Res<Message> {
+        Ok(Message::Offer(Offer {
+            lease: LeaseId::new(lease),
+            handle: alloc.handle(&session).build()?,
+        }))
+    };
+    link.send(&offer(1)?, &[])?;
+    write_half_frame(&link, &offer(2)?)?;
+    let _keep = alloc;
+    hold_forever()
+}
+
+fn probe(socket: &str) -> Res<()> {
+    use std::io::Read;
+    let mut out = std::io::stdout().lock();
+    let mut stream = match UnixStream::connect(socket) {
+        Ok(s) => s,
+        Err(e) => {
+            writeln!(out, "connect-error: {:?}", e.kind())?;
+            return Ok(());
+        }
+    };
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let hello = Message::Hello(baton::messages::protocol::Hello {
+        version: baton::messages::PROTOCOL_VERSION,
+        process: baton::ipc::process::current(),
+        nonce: baton::messages::protocol::Nonce([7; 32]),
+    });
+    // The server may refuse before reading: a failed write is part of the story.
+    if let Err(e) = stream.write_all(&frame_bytes(&hello, 0)?) {
+        writeln!(out, "write-error: {:?}", e.kind())?;
+    }
+    let mut decoder = baton::messages::FrameDecoder::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) => {
+                writeln!(out, "read-error: {:?}", e.kind())?;
+                break;
+            }
+        };
+        decoder.push(&buf[..n]);
+        while let Some(frame) = decoder.next_frame()? {
+            match frame.message {
+                Message::Refused(r) => writeln!(out, "refused: {:?}", r.reason)?,
+                other => writeln!(out, "frame: {}", other.kind())?,
+            }
+        }
+    }
+    writeln!(out, "end")?;
+    Ok(())
+}
+
+fn list(dir: &str) -> Res<()> {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => println!("listed: {}", entries.count()),
+        Err(e) => println!("list-error: {:?}", e.kind()),
+    }
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -116,6 +253,10 @@ fn main() {
             .parse()
             .map_err(|e| format!("bad size: {e}").into())
             .and_then(|size| export_hold(socket, size)),
+        ["probe", socket] => probe(socket),
+        ["list", dir] => list(dir),
+        ["half-frame-import", socket] => half_frame_import(socket),
+        ["half-frame-export", socket] => half_frame_export(socket),
         _ => Err(format!("unknown role {argv:?}").into()),
     };
     if let Err(e) = result {

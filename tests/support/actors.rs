@@ -65,7 +65,7 @@ impl Actor for EventLog {
     type Context = Context<Self>;
 }
 
-pub struct EventLog(Events);
+pub struct EventLog(pub Events);
 
 impl Handler<PeerEvent> for EventLog {
     type Result = ();

@@ -89,3 +89,15 @@ pub struct Sum {
 impl RemoteMessage for Sum {
     const NAME: &'static str = "test.Sum";
 }
+
+/// Revoke every lease out on the helper's own buffers, with this deadline; answers how
+/// many leases were asked back.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "usize")]
+pub struct RevokeAll {
+    pub within_ms: u32,
+}
+
+impl RemoteMessage for RevokeAll {
+    const NAME: &'static str = "test.RevokeAll";
+}

@@ -89,6 +89,49 @@ impl Peer {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
+
+    /// As [`spawn_exe`](Self::spawn_exe), with more environment variables, and with its
+    /// stdout on a pipe (see [`take_stdout`](Self::take_stdout)) when `piped`.
+    pub fn spawn_with(
+        exe: &str,
+        session: &Session,
+        namespace: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        piped: bool,
+    ) -> Peer {
+        let (key, token) = session.child_env();
+        let child = Command::new(exe)
+            .args(args)
+            .env(key, token)
+            .env(host::NAMESPACE_ENV, namespace)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(if piped {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {exe}: {e}"));
+        Peer {
+            child: Some(child),
+            what: format!("{exe} {args:?}"),
+        }
+    }
+
+    /// The child's stdout, if it was spawned with a pipe and not taken yet.
+    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
+        self.child.as_mut()?.stdout.take()
+    }
+
+    /// Sends SIGKILL without waiting: reap it with `try_wait` (or `actors::exited`), which
+    /// never blocks an event loop.
+    pub fn signal_kill(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+        }
+    }
 }
 
 impl Drop for Peer {
@@ -102,6 +145,17 @@ pub fn namespace(test: &str) -> String {
     let ns = format!("t{}-{test}", std::process::id());
     assert!(ns.len() <= 32, "namespace {ns} too long");
     ns
+}
+
+/// Whether `pid` is neither running nor a zombie: `/proc/<pid>` is gone, or (pid reused)
+/// its state is not `Z`.
+pub fn reaped(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z')),
+    }
 }
 
 /// How many segments of `namespace` exist now.

@@ -49,7 +49,7 @@ async fn recv_frame(stream: &UnixStream, rx: &mut Receiver) -> Result<Received> 
         let n = stream
             .async_io(Interest::READABLE, || rx.recv_some(stream.as_fd()))
             .await
-            .map_err(|e| io_error("receiving a frame", e))?;
+            .map_err(|e| rx.recv_error(e))?;
         if n == 0 {
             return Err(rx.at_eof());
         }

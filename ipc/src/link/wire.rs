@@ -204,6 +204,16 @@ impl Receiver {
         }
     }
 
+    /// A receive failed: a reset (the peer died with our bytes unread in its socket; the
+    /// kernel then reports `ECONNRESET` instead of end of stream) ends the stream like an
+    /// end of stream, so a frame it cut off is reported as truncated, not as a clean close.
+    pub(crate) fn recv_error(&self, e: io::Error) -> Error {
+        match io_error("receiving a frame", e) {
+            Error::Closed => self.at_eof(),
+            other => other,
+        }
+    }
+
     /// At end of stream: a cut-off frame is an error, a clean end is [`Error::Closed`].
     pub(crate) fn at_eof(&self) -> Error {
         match self.decoder.finish() {

@@ -1,0 +1,683 @@
+//! Crash soak: hundreds of cycles in which a helper process — an importer of our buffers or
+//! an exporter of its own — is SIGKILLed at a random point of the lease protocol:
+//!
+//! | kind | the child | killed |
+//! |---|---|---|
+//! | `importer-mid-open` | actor importer | while it maps the buffers of a `Hold` call |
+//! | `importer-mid-release` | actor importer | while it drops its leases (`Release`s in flight) |
+//! | `importer-mid-revoke` | actor importer, cooperative or stubborn | during a `Revoke` deadline |
+//! | `importer-mid-frame` | raw link importer | after writing half a `Release` frame |
+//! | `exporter-mid-open` | actor exporter | while it makes and offers buffers we map |
+//! | `exporter-mid-release` | actor exporter | while our `Release`s travel to it |
+//! | `exporter-mid-revoke` | actor exporter | during the deadline of its `Revoke` of our leases |
+//! | `exporter-mid-frame` | raw link exporter | after writing half an `Offer` frame |
+//!
+//! After every cycle: the child is reaped (no zombie), its link is down, every wait had a
+//! deadline, our owner has no buffer and no lease left once our handles drop, our import
+//! cache maps nothing, none of our segments is left (without a sweep), and after
+//! `host::sweep` no segment of the dead child is left either. The CUDA variant also checks
+//! that the device's free memory returns to its baseline.
+//!
+//! `BATON_SOAK_SEED` replays a run (the seed is printed); `BATON_SOAK_CYCLES` sets the
+//! number of cycles (default 200).
+
+#[path = "support/actors.rs"]
+mod actors;
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/peer.rs"]
+mod peer;
+
+use actix::prelude::*;
+use actors::{EventLog, Events, eventually, eventually_async, exited};
+use baton::actors::{Allocate, Buffer, BufferOwner, Lease, Listening, Node, Peer, Revoke, Stats};
+use baton::ipc::{HostBackend, SharedBackend, host};
+use baton::{Session, SocketDir};
+use msgs::*;
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Every wait of the soak ends by this deadline, or the test fails saying what it waited for.
+const DEADLINE: Duration = Duration::from_secs(30);
+/// The revoke deadline of the revoke cycles.
+const REVOKE_WITHIN: Duration = Duration::from_millis(150);
+
+/// SplitMix64: small, seedable, good enough to pick kill points.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn micros(&mut self, max: u64) -> Duration {
+        Duration::from_micros(self.below(max + 1))
+    }
+
+    fn coin(&mut self) -> bool {
+        self.next() & 1 == 1
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    ImporterMidOpen,
+    ImporterMidRelease,
+    ImporterMidRevoke,
+    ImporterMidFrame,
+    ExporterMidOpen,
+    ExporterMidRelease,
+    ExporterMidRevoke,
+    ExporterMidFrame,
+}
+
+const KINDS: [Kind; 8] = [
+    Kind::ImporterMidOpen,
+    Kind::ImporterMidRelease,
+    Kind::ImporterMidRevoke,
+    Kind::ImporterMidFrame,
+    Kind::ExporterMidOpen,
+    Kind::ExporterMidRelease,
+    Kind::ExporterMidRevoke,
+    Kind::ExporterMidFrame,
+];
+
+/// Which memory the soak runs on.
+#[derive(Clone)]
+enum Device {
+    Host,
+    Cuda(Arc<baton::ipc::cuda::CudaBackend>),
+}
+
+/// This process's side: a node listening in a private directory, a buffer owner, a log of
+/// link events.
+struct Rig {
+    session: Session,
+    ns: String,
+    node: Node,
+    owner: Addr<BufferOwner>,
+    events: Events,
+    listening: Listening,
+    /// Environment for the children (the backend they use).
+    child_env: Vec<(&'static str, &'static str)>,
+    _tmp: tempfile::TempDir,
+}
+
+impl Rig {
+    fn start(tag: &str, device: &Device) -> Rig {
+        let ns = peer::namespace(tag);
+        let session = Session::generate().unwrap();
+        let (backend, child_env): (SharedBackend, _) = match device {
+            Device::Host => (
+                Arc::new(HostBackend::with_namespace(&ns).unwrap()),
+                vec![("BATON_BACKEND", "host")],
+            ),
+            Device::Cuda(cuda) => (
+                Arc::clone(cuda) as SharedBackend,
+                vec![("BATON_BACKEND", "cuda")],
+            ),
+        };
+        let node = Node::new(session.clone(), backend);
+        let events = Events::default();
+        node.subscribe(EventLog(events.clone()).start().recipient());
+        let (tmp, dir): (tempfile::TempDir, SocketDir) = peer::socket_dir();
+        let listening = node.listen(&dir, "soak.sock").unwrap();
+        let owner = BufferOwner::new(&node).start();
+        Rig {
+            session,
+            ns,
+            node,
+            owner,
+            events,
+            listening,
+            child_env,
+            _tmp: tmp,
+        }
+    }
+
+    /// Spawns a helper and waits for its link to come up.
+    async fn spawn(&self, exe: &str, args: &[&str], piped: bool) -> (peer::Peer, Peer) {
+        let before = self.events.ups().len();
+        let child =
+            peer::Peer::spawn_with(exe, &self.session, &self.ns, args, &self.child_env, piped);
+        let pid = child.pid();
+        eventually(DEADLINE, "the child's link", || {
+            self.events
+                .ups()
+                .iter()
+                .skip(before)
+                .any(|p| p.process().pid == pid)
+        })
+        .await;
+        let link = self
+            .events
+            .ups()
+            .into_iter()
+            .skip(before)
+            .find(|p| p.process().pid == pid)
+            .expect("just seen");
+        (child, link)
+    }
+
+    /// An actor helper (`baton-actor-peer serve`).
+    async fn actor_child(&self, stubborn: bool) -> (peer::Peer, Peer) {
+        let sock = self.listening.path().to_str().unwrap().to_owned();
+        let mode = if stubborn { "stubborn" } else { "cooperative" };
+        self.spawn(
+            env!("CARGO_BIN_EXE_baton-actor-peer"),
+            &["serve", &sock, mode],
+            false,
+        )
+        .await
+    }
+
+    /// A raw link helper (`baton-test-peer ROLE`) whose stdout lines come on the channel.
+    async fn raw_child(&self, role: &str) -> (peer::Peer, Peer, mpsc::Receiver<String>) {
+        let sock = self.listening.path().to_str().unwrap().to_owned();
+        let (mut child, link) = self
+            .spawn(env!("CARGO_BIN_EXE_baton-test-peer"), &[role, &sock], true)
+            .await;
+        let out = child.take_stdout().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        // Ends at the child's death (end of the pipe).
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        (child, link, rx)
+    }
+
+    async fn buffers(&self, n: u64, seed: u32) -> Vec<Buffer<u32>> {
+        let mut out = Vec::new();
+        for i in 0..n {
+            let b: Buffer<u32> = self
+                .owner
+                .send(Allocate::vector(256))
+                .await
+                .unwrap()
+                .unwrap();
+            b.write_at(0, &[pattern(seed, i as usize)]).unwrap();
+            out.push(b);
+        }
+        out
+    }
+
+    async fn stats(&self) -> baton::actors::OwnerStats {
+        self.owner.send(Stats).await.unwrap()
+    }
+}
+
+/// Lets the event loop run for `d`, to the microsecond (tokio's timers tick in
+/// milliseconds): this picks a kill point, it synchronises nothing.
+async fn pause(d: Duration) {
+    let until = Instant::now() + d;
+    if d > Duration::from_millis(2) {
+        tokio::time::sleep(d - Duration::from_millis(2)).await;
+    }
+    while Instant::now() < until {
+        tokio::task::yield_now().await;
+    }
+}
+
+async fn wait_line(rx: &mpsc::Receiver<String>, want: &str) {
+    let mut seen = Vec::new();
+    eventually(DEADLINE, &format!("the child to print {want:?}"), || {
+        seen.extend(rx.try_iter());
+        seen.iter().any(|l| l == want)
+    })
+    .await;
+}
+
+/// What the cycles of one kind saw, for the summary, and where to aim their kills.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    cycles: u32,
+    /// Kills aimed at an operation we could time (a call).
+    aimed: u32,
+    /// Of those, operations that finished before the kill landed.
+    finished_first: u32,
+    /// Links we (not the kill) cut first: a stubborn holder past its revoke deadline.
+    cut_by_us: u32,
+    /// Segments of dead children removed by the sweep.
+    swept: u32,
+    /// How long the operation takes when nothing kills it (a running average).
+    window: Duration,
+}
+
+impl Tally {
+    /// A kill point: uniform over the operation's usual duration and a quarter beyond.
+    fn kill_point(&mut self, rng: &mut Rng) -> Duration {
+        self.aimed += 1;
+        let window = if self.window.is_zero() {
+            Duration::from_millis(2)
+        } else {
+            self.window
+        };
+        rng.micros(window.as_micros() as u64 * 5 / 4)
+    }
+
+    /// The operation finished before the kill, after `took`.
+    fn finished(&mut self, took: Duration) {
+        self.finished_first += 1;
+        self.window = if self.window.is_zero() {
+            took
+        } else {
+            (self.window * 3 + took) / 4
+        };
+    }
+}
+
+/// One cycle: spawn, work, SIGKILL at a random point, then check that everything is back.
+async fn cycle(rig: &Rig, kind: Kind, rng: &mut Rng, tally: &mut Tally) {
+    let seed = rng.next() as u32;
+    let k = 1 + rng.below(24);
+    let links_before = rig.node.peers().len();
+    let (mut child, link) = match kind {
+        Kind::ImporterMidFrame | Kind::ExporterMidFrame => {
+            let role = if kind == Kind::ImporterMidFrame {
+                "half-frame-import"
+            } else {
+                "half-frame-export"
+            };
+            let (child, link, lines) = rig.raw_child(role).await;
+            mid_frame(rig, kind, &link, &lines, k, seed).await;
+            (child, link)
+        }
+        _ => {
+            let stubborn = kind == Kind::ImporterMidRevoke && rng.coin();
+            let (mut child, link) = rig.actor_child(stubborn).await;
+            match kind {
+                Kind::ImporterMidOpen | Kind::ImporterMidRelease | Kind::ImporterMidRevoke => {
+                    as_exporter(rig, kind, &mut child, &link, rng, k, seed, tally).await
+                }
+                _ => as_importer(kind, &mut child, &link, rng, k, seed, tally).await,
+            }
+            (child, link)
+        }
+    };
+    let pid = link.process().pid;
+    child.signal_kill();
+    exited(&mut child, DEADLINE).await;
+    assert!(peer::reaped(pid), "child {pid} left a zombie");
+
+    // Its link is down, and everything it held of ours came back.
+    eventually(DEADLINE, "the dead child's link to go down", || {
+        !link.is_connected() && rig.node.peers().len() == links_before
+    })
+    .await;
+    eventually_async(DEADLINE, "our owner to have nothing left", || async {
+        let s = rig.stats().await;
+        s.buffers == 0 && s.leases == 0
+    })
+    .await;
+    eventually(DEADLINE, "our import cache to map nothing", || {
+        rig.node.cache().stats().live == 0
+    })
+    .await;
+    // Our own segments went without a sweep; the dead child's are swept.
+    let me = std::process::id();
+    let ours: Vec<_> = host::list_segments(&rig.ns)
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.owner_pid == me)
+        .collect();
+    assert!(
+        ours.is_empty(),
+        "our segments outlived their buffers: {ours:?}"
+    );
+    let report = host::sweep(&rig.ns).unwrap();
+    tally.swept += report.removed.len() as u32;
+    assert_eq!(report.kept, 0, "a segment of a live owner is left");
+    assert!(
+        host::list_segments(&rig.ns).unwrap().is_empty(),
+        "segments left after the sweep"
+    );
+    tally.cycles += 1;
+}
+
+/// We export, the child imports; it dies at a random point.
+#[allow(clippy::too_many_arguments)]
+async fn as_exporter(
+    rig: &Rig,
+    kind: Kind,
+    child: &mut peer::Peer,
+    link: &Peer,
+    rng: &mut Rng,
+    k: u64,
+    seed: u32,
+    tally: &mut Tally,
+) {
+    let buffers = rig.buffers(k, seed).await;
+    let hold = link.remote::<Hold>("holder");
+    let shares = || Hold {
+        buffers: buffers.iter().map(Buffer::share).collect(),
+    };
+    match kind {
+        Kind::ImporterMidOpen => {
+            // The call is queued now; the child maps the buffers when it arrives.
+            let start = Instant::now();
+            let call = hold.send_timeout(shares(), DEADLINE);
+            pause(tally.kill_point(rng)).await;
+            child.signal_kill();
+            if call.await.is_ok() {
+                tally.finished(start.elapsed());
+            }
+            drop(buffers);
+        }
+        Kind::ImporterMidRelease => {
+            assert_eq!(
+                hold.send_timeout(shares(), DEADLINE).await.unwrap(),
+                k as usize
+            );
+            let free_first = rng.coin();
+            let buffers = if free_first {
+                drop(buffers); // retiring: freed when the last lease returns
+                Vec::new()
+            } else {
+                buffers
+            };
+            let start = Instant::now();
+            let call = link
+                .remote::<DropHeld>("holder.drop")
+                .send_timeout(DropHeld, DEADLINE);
+            pause(tally.kill_point(rng)).await;
+            child.signal_kill();
+            if call.await.is_ok() {
+                tally.finished(start.elapsed());
+            }
+            drop(buffers);
+        }
+        Kind::ImporterMidRevoke => {
+            assert_eq!(
+                hold.send_timeout(shares(), DEADLINE).await.unwrap(),
+                k as usize
+            );
+            for b in &buffers {
+                let asked = rig
+                    .owner
+                    .send(Revoke {
+                        buffer: b.id(),
+                        within: REVOKE_WITHIN,
+                    })
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(asked, 1);
+            }
+            let at = rng.micros(REVOKE_WITHIN.as_micros() as u64 * 5 / 4);
+            pause(at).await;
+            if !link.is_connected() {
+                tally.cut_by_us += 1;
+            }
+            child.signal_kill();
+            drop(buffers);
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// The child exports, we import; it dies at a random point.
+#[allow(clippy::too_many_arguments)]
+async fn as_importer(
+    kind: Kind,
+    child: &mut peer::Peer,
+    link: &Peer,
+    rng: &mut Rng,
+    k: u64,
+    seed: u32,
+    tally: &mut Tally,
+) {
+    let make = link.remote::<MakeBuffers>("exporter");
+    let request = MakeBuffers {
+        n: k as u32,
+        len: 256,
+        seed,
+    };
+    match kind {
+        Kind::ExporterMidOpen => {
+            let start = Instant::now();
+            let call = make.send_timeout(request, DEADLINE);
+            pause(tally.kill_point(rng)).await;
+            child.signal_kill();
+            if let Ok(made) = call.await {
+                tally.finished(start.elapsed());
+                // Opened or orphaned: either way the mapping closes when the guard drops.
+                let leases: Vec<Lease<u32>> = made
+                    .buffers
+                    .into_iter()
+                    .map(|s| s.open().unwrap())
+                    .collect();
+                drop(leases);
+            }
+        }
+        Kind::ExporterMidRelease => {
+            let made = make.send_timeout(request, DEADLINE).await.unwrap();
+            let mut leases: Vec<Lease<u32>> = made
+                .buffers
+                .into_iter()
+                .map(|s| s.open().unwrap())
+                .collect();
+            for (i, l) in leases.iter().enumerate() {
+                assert_eq!(l.to_vec().unwrap()[0], pattern(seed, 0), "lease {i}");
+            }
+            // Drop some, let their Releases travel, kill, drop the rest (orphaned by then,
+            // or not yet: either way nothing may leak).
+            let keep = leases.split_off(rng.below(k + 1) as usize);
+            drop(leases);
+            pause(rng.micros(1_000)).await;
+            child.signal_kill();
+            drop(keep);
+        }
+        Kind::ExporterMidRevoke => {
+            let made = make.send_timeout(request, DEADLINE).await.unwrap();
+            let mut leases: Vec<Lease<u32>> = made
+                .buffers
+                .into_iter()
+                .map(|s| s.open().unwrap())
+                .collect();
+            let asked = link
+                .remote::<RevokeAll>("revoker")
+                .send_timeout(
+                    RevokeAll {
+                        within_ms: REVOKE_WITHIN.as_millis() as u32,
+                    },
+                    DEADLINE,
+                )
+                .await
+                .unwrap();
+            assert_eq!(asked, k as usize);
+            // Give some back in time, keep the rest; the exporter dies during the deadline.
+            let keep = leases.split_off(rng.below(k + 1) as usize);
+            drop(leases);
+            pause(rng.micros(REVOKE_WITHIN.as_micros() as u64)).await;
+            child.signal_kill();
+            drop(keep);
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// A raw link peer writes half a frame; it is killed then.
+async fn mid_frame(
+    rig: &Rig,
+    kind: Kind,
+    link: &Peer,
+    lines: &mpsc::Receiver<String>,
+    k: u64,
+    seed: u32,
+) {
+    let buffers = if kind == Kind::ImporterMidFrame {
+        let buffers = rig.buffers(k, seed).await;
+        let held = link
+            .remote::<Hold>("holder")
+            .send_timeout(
+                Hold {
+                    buffers: buffers.iter().map(Buffer::share).collect(),
+                },
+                DEADLINE,
+            )
+            .await
+            .unwrap();
+        assert_eq!(held, k as usize);
+        buffers
+    } else {
+        Vec::new()
+    };
+    wait_line(lines, "half").await;
+    // The caller kills now; the half frame must read as a truncated frame, not a clean end.
+    drop(buffers);
+}
+
+fn gone_reason(events: &Events, link: &Peer) -> Option<String> {
+    events.down_reason(link.link_id()).flatten()
+}
+
+fn cycles() -> u32 {
+    std::env::var("BATON_SOAK_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200)
+}
+
+fn seed() -> u64 {
+    std::env::var("BATON_SOAK_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        })
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+fn soak(device: Device, tag: &str) {
+    let seed = seed();
+    let n = cycles();
+    eprintln!("soak[{tag}]: seed {seed} ({n} cycles; replay with BATON_SOAK_SEED={seed})");
+    System::new().block_on(async move {
+        let rig = Rig::start(tag, &device);
+        let mut rng = Rng(seed);
+        let mut tallies: BTreeMap<Kind, Tally> = BTreeMap::new();
+        let mut truncated = 0u32;
+
+        // A warm-up cycle of each kind: first uses allocate what later ones reuse (runtime
+        // descriptors, the driver's per-process state), so baselines are taken after it.
+        for kind in KINDS {
+            let mut t = Tally::default();
+            cycle(&rig, kind, &mut rng, &mut t).await;
+        }
+        let fds = open_fds();
+        let free = device_free(&device);
+
+        let start = Instant::now();
+        let mut order = KINDS;
+        for i in 0..n as usize {
+            if i % KINDS.len() == 0 {
+                // A fresh random order of the kinds for each round.
+                for j in (1..order.len()).rev() {
+                    order.swap(j, rng.below(j as u64 + 1) as usize);
+                }
+            }
+            let kind = order[i % KINDS.len()];
+            let ups = rig.events.ups().len();
+            let tally = tallies.entry(kind).or_default();
+            cycle(&rig, kind, &mut rng, tally).await;
+            if matches!(kind, Kind::ImporterMidFrame | Kind::ExporterMidFrame) {
+                let link = rig.events.ups()[ups].clone();
+                // The event log hears of the link's end a moment after the link ends.
+                eventually(DEADLINE, "the link's Down event", || {
+                    rig.events.down_reason(link.link_id()).is_some()
+                })
+                .await;
+                let why = gone_reason(&rig.events, &link).unwrap_or_default();
+                assert!(
+                    why.contains("Truncated"),
+                    "{kind:?}: a half frame must end the link as truncated, not {why:?}"
+                );
+                truncated += 1;
+            }
+        }
+        let elapsed = start.elapsed();
+
+        // Nothing accumulated over the run.
+        eventually(DEADLINE, "descriptors back to the baseline", || {
+            open_fds() <= fds
+        })
+        .await;
+        if let (Some(baseline), Device::Cuda(cuda)) = (free, &device) {
+            let mut last = 0;
+            eventually(DEADLINE, "device free memory back to its baseline", || {
+                last = cuda.mem_get_info().unwrap().0;
+                last.abs_diff(baseline) <= 1 << 20
+            })
+            .await;
+            eprintln!(
+                "soak[{tag}]: device free memory {baseline} -> {last} bytes (|diff| {} bytes)",
+                last.abs_diff(baseline)
+            );
+        }
+        let total: u32 = tallies.values().map(|t| t.cycles).sum();
+        eprintln!(
+            "soak[{tag}]: {total} cycles in {:.1} s ({:.0} ms/cycle), seed {seed}; \
+             half frames seen as truncated: {truncated}; open fds {} (baseline {fds})",
+            elapsed.as_secs_f64(),
+            elapsed.as_secs_f64() * 1e3 / f64::from(total.max(1)),
+            open_fds()
+        );
+        for (kind, t) in &tallies {
+            eprintln!(
+                "soak[{tag}]:   {kind:?}: {} cycles; {}/{} timed operations finished before \
+                 the kill (usual duration {:?}); {} links cut by us first; {} segments swept",
+                t.cycles, t.finished_first, t.aimed, t.window, t.cut_by_us, t.swept
+            );
+        }
+        assert_eq!(total, n);
+        drop(rig);
+    });
+}
+
+fn device_free(device: &Device) -> Option<usize> {
+    match device {
+        Device::Host => None,
+        Device::Cuda(cuda) => Some(cuda.mem_get_info().unwrap().0),
+    }
+}
+
+#[test]
+fn host_crash_soak() {
+    soak(Device::Host, "soak");
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn cuda_crash_soak() {
+    let cuda = baton::ipc::cuda::CudaBackend::new(0, baton::ipc::cuda::CudaExport::Legacy)
+        .unwrap_or_else(|e| panic!("the CUDA backend is unavailable: {e}"));
+    eprintln!("soak[cuda]: {cuda:?}");
+    soak(Device::Cuda(Arc::new(cuda)), "soakcu");
+}
