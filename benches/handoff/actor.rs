@@ -1,0 +1,383 @@
+//! Items 2 and 4, through the real actor path: `RemoteAddr::send` of a typed message with a
+//! `Shared<u8>` field, to a consumer actor in another process that opens the lease and
+//! drops it (which sends `Release`) before it replies.
+//!
+//! The consumer holds one lease of the buffer for the whole run (the first message asks it
+//! to), as a consumer in a steady pipeline would, so every later open is an import-cache
+//! hit: no driver call, no `mmap`. Its cache counters are reported to show it.
+
+use crate::floor::DEADLINE;
+use crate::peer::PeerProcess;
+use crate::report::Report;
+use crate::stats::Summary;
+use crate::{BackendName, Config, Res};
+use actix::prelude::*;
+use baton::actors::{
+    Allocate, BufferOwner, Lease, Node, Peer, PeerEvent, RemoteMessage, Shared, Stats,
+};
+use baton::ipc::cuda::{CudaBackend, CudaExport};
+use baton::ipc::{HostBackend, SharedBackend, host};
+use baton::{Session, SocketDir};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where the consumer is registered.
+pub(crate) const CONSUMER: &str = "bench.consumer";
+const STATS: &str = "bench.consumer.stats";
+/// Bytes of the buffer handed off (one 1080p RGBA8 frame).
+const BUF_LEN: u64 = 1920 * 1080 * 4;
+/// Handoffs in flight in the pipelined run.
+const WINDOW: usize = 256;
+
+/// The message of items 2 and 4: a buffer to open and release.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "u64")]
+pub(crate) struct Handoff {
+    seq: u64,
+    /// Keep the lease (the warm-up handoff) instead of releasing it.
+    keep: bool,
+    buf: Shared<u8>,
+}
+
+impl RemoteMessage for Handoff {
+    const NAME: &'static str = "bench.Handoff";
+}
+
+/// Asks the consumer for its counters.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "ConsumerStats")]
+struct AskStats;
+
+impl RemoteMessage for AskStats {
+    const NAME: &'static str = "bench.AskStats";
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct ConsumerStats {
+    handled: u64,
+    cache_hits: u64,
+    cache_opens: u64,
+    failed: u64,
+}
+
+struct Consumer {
+    node: Node,
+    pinned: Vec<Lease<u8>>,
+    handled: u64,
+    failed: u64,
+}
+
+impl Actor for Consumer {
+    type Context = Context<Self>;
+}
+
+impl Handler<Handoff> for Consumer {
+    type Result = u64;
+
+    fn handle(&mut self, msg: Handoff, _: &mut Context<Self>) -> u64 {
+        // The lease arrived open (the link opened it through the import cache); `open`
+        // types it, `ptr` is what a kernel would be given.
+        match msg.buf.open() {
+            Ok(lease) => {
+                std::hint::black_box(lease.ptr().ok());
+                self.handled += 1;
+                if msg.keep {
+                    self.pinned.push(lease);
+                }
+                // Otherwise the lease drops here: unmap (a cache reference), then Release.
+                msg.seq
+            }
+            Err(e) => {
+                eprintln!("consumer: {e}");
+                self.failed += 1;
+                u64::MAX
+            }
+        }
+    }
+}
+
+impl Handler<AskStats> for Consumer {
+    type Result = MessageResult<AskStats>;
+
+    fn handle(&mut self, _: AskStats, _: &mut Context<Self>) -> Self::Result {
+        let cache = self.node.cache().stats();
+        MessageResult(ConsumerStats {
+            handled: self.handled,
+            cache_hits: cache.hits,
+            cache_opens: cache.opens,
+            failed: self.failed,
+        })
+    }
+}
+
+/// Stops the consumer's system when its link goes down.
+struct Stopper;
+
+impl Actor for Stopper {
+    type Context = Context<Self>;
+}
+
+impl Handler<PeerEvent> for Stopper {
+    type Result = ();
+    fn handle(&mut self, msg: PeerEvent, _: &mut Context<Self>) {
+        if matches!(msg, PeerEvent::Down { .. }) {
+            System::current().stop();
+        }
+    }
+}
+
+/// The consumer peer.
+pub(crate) fn consumer(socket: &str) -> Res<()> {
+    let system = System::new();
+    let socket = socket.to_owned();
+    system.block_on(async move {
+        let node = Node::from_env().map_err(|e| e.to_string())?;
+        let consumer = Consumer {
+            node: node.clone(),
+            pinned: Vec::new(),
+            handled: 0,
+            failed: 0,
+        }
+        .start();
+        node.register::<Handoff>(CONSUMER, consumer.clone().recipient());
+        node.register::<AskStats>(STATS, consumer.recipient());
+        node.subscribe(Stopper.start().recipient());
+        node.connect(&socket).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(())
+    })?;
+    system.run()?;
+    Ok(())
+}
+
+/// The backend a part allocates with.
+pub(crate) fn backend(name: BackendName, namespace: &str) -> Res<SharedBackend> {
+    Ok(match name {
+        BackendName::Host => Arc::new(HostBackend::with_namespace(namespace)?),
+        BackendName::CudaLegacy | BackendName::CudaVmm => cuda(name)?,
+    })
+}
+
+pub(crate) fn cuda(name: BackendName) -> Res<Arc<CudaBackend>> {
+    let export = match name {
+        BackendName::CudaVmm => CudaExport::Vmm,
+        _ => CudaExport::Legacy,
+    };
+    Ok(Arc::new(CudaBackend::new(0, export)?))
+}
+
+/// The environment of a peer that opens what `name` exports.
+pub(crate) fn peer_env(name: BackendName, namespace: &str) -> Vec<(&'static str, String)> {
+    vec![
+        (
+            baton::ipc::select::BACKEND_ENV,
+            if name.is_cuda() { "cuda" } else { "host" }.to_owned(),
+        ),
+        (host::NAMESPACE_ENV, namespace.to_owned()),
+    ]
+}
+
+async fn wait_for_link(node: &Node, peer: &mut PeerProcess) -> Res<Peer> {
+    let start = Instant::now();
+    let pid = peer.pid();
+    loop {
+        if let Some(p) = node.peers().into_iter().find(|p| p.process().pid == pid) {
+            return Ok(p);
+        }
+        if peer.exited() {
+            return Err("the consumer exited before linking".into());
+        }
+        if start.elapsed() > DEADLINE {
+            return Err("the consumer did not link".into());
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<()> {
+    let namespace = format!("bench{}", std::process::id());
+    let cfg = cfg.clone();
+    let records = System::new().block_on(async move { measure(&cfg, name, &namespace).await })?;
+    for r in records {
+        report.emit(r);
+    }
+    Ok(())
+}
+
+async fn measure(
+    cfg: &Config,
+    name: BackendName,
+    namespace: &str,
+) -> Result<Vec<serde_json::Value>, Box<dyn std::error::Error>> {
+    let mut out = Vec::new();
+    let session = Session::generate()?;
+    let cuda = if name.is_cuda() {
+        Some(cuda(name)?)
+    } else {
+        None
+    };
+    let backend: SharedBackend = match &cuda {
+        Some(c) => c.clone(),
+        None => backend(name, namespace)?,
+    };
+    let node = Node::new(session.clone(), backend);
+    let tmp = tempfile::tempdir()?;
+    let dir = SocketDir::create(tmp.path().join("s"))?;
+    let listening = node.listen(&dir, "bench.sock")?;
+    let env = peer_env(name, namespace);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let sock = listening.path().to_str().ok_or("path")?.to_owned();
+    let mut peer = PeerProcess::spawn(&session, "consumer", &[&sock], &env)?;
+    let link = wait_for_link(&node, &mut peer).await?;
+    let owner = BufferOwner::new(&node).start();
+    let buf = owner.send(Allocate::<u8>::vector(BUF_LEN)).await??;
+    let consumer = link.remote::<Handoff>(CONSUMER);
+    // The consumer keeps this lease: the buffer stays mapped there, later opens hit.
+    consumer
+        .send(Handoff {
+            seq: 0,
+            keep: true,
+            buf: buf.share(),
+        })
+        .await?;
+    let backend_name = name.as_str();
+
+    if cfg.wants(2) {
+        let mut variants = vec!["share"];
+        if cuda.is_some() {
+            variants.push("share_after");
+        }
+        for variant in variants {
+            let (warm, n) = (cfg.samples(2_000), cfg.samples(20_000));
+            let mut samples = Vec::with_capacity(n);
+            for i in 0..(warm + n) as u64 {
+                let t = Instant::now();
+                // With an event: recorded now on the backend's stream, carried in the
+                // handle; the consumer's stream waits on it when it opens the buffer.
+                let shared = match (variant, &cuda) {
+                    ("share_after", Some(c)) => buf.share_after(&Arc::new(c.record_event()?)),
+                    _ => buf.share(),
+                };
+                let seq = consumer
+                    .send(Handoff {
+                        seq: i + 1,
+                        keep: false,
+                        buf: shared,
+                    })
+                    .await?;
+                if seq != i + 1 {
+                    return Err(format!("handoff {} answered {seq}", i + 1).into());
+                }
+                if i >= warm as u64 {
+                    samples.push(t.elapsed());
+                }
+            }
+            let label = match variant {
+                "share" => "cached handoff round trip (send, open = cache hit, release)",
+                _ => "cached handoff round trip, with an IPC event (share_after)",
+            };
+            let mut rec = json!({
+                "item": 2, "name": "cached_roundtrip", "backend": backend_name,
+                "variant": variant, "label": label, "bytes": BUF_LEN,
+            });
+            merge(&mut rec, Summary::of(&samples).json());
+            out.push(rec);
+        }
+    }
+
+    if cfg.wants(4) {
+        let n = cfg.samples(200_000);
+        // Warm up the pipeline once, untimed.
+        pipeline(&consumer, &buf, cfg.samples(20_000), WINDOW).await?;
+        drained(&owner, 1).await?;
+        let t = Instant::now();
+        pipeline(&consumer, &buf, n, WINDOW).await?;
+        let replies = t.elapsed();
+        drained(&owner, 1).await?;
+        let all = t.elapsed();
+        out.push(json!({
+            "item": 4, "name": "pipelined", "backend": backend_name, "window": WINDOW, "n": n,
+            "label": format!("pipelined handoffs, {WINDOW} in flight, releases flowing back"),
+            "per_s": n as f64 / all.as_secs_f64(),
+            "per_s_replies": n as f64 / replies.as_secs_f64(),
+            "seconds": all.as_secs_f64(),
+            "note": format!("{:.0}/s counting replies only", n as f64 / replies.as_secs_f64()),
+        }));
+    }
+
+    let stats = link
+        .remote::<AskStats>(STATS)
+        .send(AskStats)
+        .await
+        .map_err(|e| e.to_string())?;
+    out.push(json!({
+        "item": 2, "name": "consumer_cache", "backend": backend_name,
+        "label": "consumer's import cache over the run",
+        "handled": stats.handled, "cache_hits": stats.cache_hits,
+        "cache_opens": stats.cache_opens, "failed": stats.failed,
+        "note": format!("{} handoffs: {} driver-level opens, {} cache hits", stats.handled, stats.cache_opens, stats.cache_hits),
+    }));
+    if stats.failed > 0 {
+        return Err(format!("the consumer failed {} handoffs", stats.failed).into());
+    }
+    link.close();
+    let start = Instant::now();
+    while !peer.exited() {
+        if start.elapsed() > DEADLINE {
+            return Err("the consumer did not exit".into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    drop(listening);
+    Ok(out)
+}
+
+/// `n` handoffs with at most `window` in flight; returns when every reply is in.
+async fn pipeline(
+    consumer: &baton::actors::RemoteAddr<Handoff>,
+    buf: &baton::actors::Buffer<u8>,
+    n: usize,
+    window: usize,
+) -> Res<()> {
+    let mut inflight = FuturesUnordered::new();
+    let (mut sent, mut done) = (0u64, 0usize);
+    while done < n {
+        while (sent as usize) < n && inflight.len() < window {
+            sent += 1;
+            inflight.push(consumer.send(Handoff {
+                seq: sent,
+                keep: false,
+                buf: buf.share(),
+            }));
+        }
+        match inflight.next().await {
+            Some(Ok(_)) => done += 1,
+            Some(Err(e)) => return Err(e.into()),
+            None => break,
+        }
+    }
+    Ok(())
+}
+
+/// Waits until only `keep` leases are out (every release came back).
+async fn drained(owner: &Addr<BufferOwner>, keep: usize) -> Res<()> {
+    let start = Instant::now();
+    loop {
+        if owner.send(Stats).await?.leases <= keep {
+            return Ok(());
+        }
+        if start.elapsed() > DEADLINE {
+            return Err("releases did not come back".into());
+        }
+        tokio::time::sleep(Duration::from_micros(100)).await;
+    }
+}
+
+pub(crate) fn merge(base: &mut serde_json::Value, extra: serde_json::Value) {
+    if let (Some(b), serde_json::Value::Object(e)) = (base.as_object_mut(), extra) {
+        b.extend(e);
+    }
+}

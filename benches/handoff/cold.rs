@@ -1,0 +1,221 @@
+//! Item 3, cold handoffs: a new buffer every time, on the `baton-ipc` link (no actors: the
+//! actor layer's fixed cost is item 2's, and here the driver's costs are the subject).
+//!
+//! Each handoff: the exporter makes a buffer (a new allocation, or a range carved from a
+//! slab arena), sends its handle in an `Offer` (VMM: the descriptor beside it), the
+//! importer opens it through its import cache, drops it and sends `Release`; the exporter
+//! then frees the buffer. Variants:
+//!
+//! - `new`: a new allocation each time (host segment; `cuMemAlloc` + `cuIpcGetMemHandle`;
+//!   `cuMemCreate` + export fd): the importer opens and closes the mapping every time;
+//! - `slab-kept`: a range of one slab each time, the importer holding one lease of the slab
+//!   for the whole run (so the slab stays mapped: every open is a cache hit);
+//! - `slab-unkept`: the same, with the importer holding nothing between handoffs: the import
+//!   cache closes the slab's mapping when the last lease drops, so every handoff maps the
+//!   whole slab again.
+
+use crate::floor::DEADLINE;
+use crate::peer::{PeerProcess, result_line};
+use crate::report::Report;
+use crate::stats::Summary;
+use crate::{BackendName, Config, Res};
+use baton::ipc::{Allocation, ImportCache, Link, LinkConfig, Listener, SlabArena, SlabBuffer};
+use baton::messages::protocol::{Offer, Release};
+use baton::messages::{LeaseId, Message};
+use baton::{Session, SocketDir};
+use serde_json::json;
+use std::os::fd::BorrowedFd;
+use std::time::{Duration, Instant};
+
+const MIB: usize = 1 << 20;
+/// Bytes of each buffer (a 1080p RGBA8 frame, rounded up to VMM's 2 MiB granularity).
+const BUF_LEN: usize = 8 * MIB;
+const SLAB_LEN: usize = 64 * MIB;
+
+enum Made {
+    Alloc(Allocation),
+    Slab(SlabBuffer),
+}
+
+impl Made {
+    fn offer(&self, session: &Session, lease: LeaseId) -> Res<Message> {
+        let handle = match self {
+            Made::Alloc(a) => a.handle(session).build()?,
+            Made::Slab(s) => s.handle(session).build()?,
+        };
+        Ok(Message::Offer(Offer { lease, handle }))
+    }
+
+    fn fd(&self) -> Option<BorrowedFd<'_>> {
+        match self {
+            Made::Alloc(a) => a.export_fd(),
+            Made::Slab(s) => s.export_fd(),
+        }
+    }
+}
+
+fn accept(listener: &Listener, peer: &mut PeerProcess) -> Res<Link> {
+    listener.listener().set_nonblocking(true)?;
+    let start = Instant::now();
+    loop {
+        match listener.accept() {
+            Ok(link) => return Ok(link),
+            Err(baton::Error::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::WouldBlock =>
+            {
+                if peer.exited() {
+                    return Err("the importer exited before connecting".into());
+                }
+                if start.elapsed() > DEADLINE {
+                    return Err("the importer did not connect".into());
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<()> {
+    let namespace = format!("bench{}", std::process::id());
+    let backend = crate::actor::backend(name, &namespace)?;
+    let new_label = match name {
+        BackendName::Host => "new shared-memory segment each time",
+        BackendName::CudaLegacy => "new cuMemAlloc + cuIpcGetMemHandle each time",
+        BackendName::CudaVmm => "new cuMemCreate + exported fd each time",
+    };
+    let new_n = if name == BackendName::CudaVmm {
+        300
+    } else {
+        1_000
+    };
+    let variants = [
+        ("new", new_label, new_n),
+        (
+            "slab-kept",
+            "range of a slab arena, slab kept mapped by the importer",
+            5_000,
+        ),
+        (
+            "slab-unkept",
+            "range of a slab arena, importer keeps nothing between handoffs",
+            1_000,
+        ),
+    ];
+    for (variant, label, n) in variants {
+        let session = Session::generate()?;
+        let tmp = tempfile::tempdir()?;
+        let dir = SocketDir::create(tmp.path().join("s"))?;
+        let listener = Listener::bind(&dir, "cold.sock", LinkConfig::new(session.clone()))?;
+        let sock = listener.path().to_str().ok_or("path")?.to_owned();
+        let env = crate::actor::peer_env(name, &namespace);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let pin = if variant == "slab-kept" {
+            "pin"
+        } else {
+            "nopin"
+        };
+        let mut peer = PeerProcess::spawn(&session, "cold-importer", &[&sock, pin], &env)?;
+        let mut link = accept(&listener, &mut peer)?;
+        link.set_timeout(Some(DEADLINE))?;
+        let arena = if variant == "new" {
+            None
+        } else {
+            Some(SlabArena::allocate(&*backend, SLAB_LEN)?)
+        };
+        let (warm, n) = (cfg.samples(n / 10).min(100), cfg.samples(n));
+        let (mut make, mut handoff, mut free, mut total) = (vec![], vec![], vec![], vec![]);
+        for i in 0..(warm + n) as u64 {
+            let t0 = Instant::now();
+            let made = match &arena {
+                None => Made::Alloc(backend.allocate(BUF_LEN)?),
+                Some(a) => Made::Slab(a.carve(BUF_LEN)?),
+            };
+            let t1 = Instant::now();
+            let lease = LeaseId::new(i + 1);
+            let fds: Vec<BorrowedFd<'_>> = made.fd().into_iter().collect();
+            link.send(&made.offer(&session, lease)?, &fds)?;
+            match link.recv()?.message {
+                Message::Release(Release { lease: back }) if back == lease => {}
+                other => return Err(format!("expected Release of {lease}, got {other:?}").into()),
+            }
+            let t2 = Instant::now();
+            drop(made);
+            let t3 = Instant::now();
+            if i >= warm as u64 {
+                make.push(t1 - t0);
+                handoff.push(t2 - t1);
+                free.push(t3 - t2);
+                total.push(t3 - t0);
+            }
+        }
+        drop(link);
+        let importer = peer.result(DEADLINE)?;
+        let (s_make, s_handoff, s_free) = (
+            Summary::of(&make),
+            Summary::of(&handoff),
+            Summary::of(&free),
+        );
+        let mut rec = json!({
+            "item": 3, "name": "cold_handoff", "backend": name.as_str(), "variant": variant,
+            "label": format!("cold handoff: {label}"), "bytes": BUF_LEN,
+            "make_p50_us": s_make.p50, "handoff_p50_us": s_handoff.p50, "free_p50_us": s_free.p50,
+            "importer": importer,
+            "note": format!(
+                "make {:.1} + offer→release {:.1} + free {:.1} µs (p50); importer open {:.1}, close {:.1} µs; {} driver opens",
+                s_make.p50, s_handoff.p50, s_free.p50,
+                importer["open"]["p50_us"].as_f64().unwrap_or(f64::NAN),
+                importer["close"]["p50_us"].as_f64().unwrap_or(f64::NAN),
+                importer["cache_opens"].as_u64().unwrap_or(0),
+            ),
+        });
+        crate::actor::merge(&mut rec, Summary::of(&total).json());
+        report.emit(rec);
+    }
+    Ok(())
+}
+
+/// The importer peer: opens every offer through its import cache, drops it (or keeps the
+/// first with `pin`), releases; at end of stream prints its timings.
+pub(crate) fn importer(socket: &str, pin: bool) -> Res<()> {
+    let session = Session::from_env()?;
+    let mut link = Link::connect(socket, &LinkConfig::new(session.clone()))?;
+    let cache = ImportCache::new(session, [baton::ipc::select::auto()?]);
+    let mut kept = None;
+    let (mut open, mut close) = (Vec::new(), Vec::new());
+    loop {
+        let received = match link.recv() {
+            Ok(r) => r,
+            Err(baton::Error::Closed) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let Message::Offer(offer) = received.message else {
+            return Err(format!("expected an Offer, got {}", received.message.kind()).into());
+        };
+        let mut fds = received.fds;
+        let t0 = Instant::now();
+        let imported = cache.open(&offer.handle, &mut fds)?;
+        let t1 = Instant::now();
+        if pin && kept.is_none() {
+            kept = Some(imported);
+        } else {
+            drop(imported);
+        }
+        let t2 = Instant::now();
+        open.push(t1 - t0);
+        close.push(t2 - t1);
+        link.send(&Message::Release(Release { lease: offer.lease }), &[])?;
+    }
+    drop(kept);
+    let stats = cache.stats();
+    // Skip the first open (the process's first driver-level open is the slow one).
+    let skip = usize::from(open.len() > 1);
+    result_line(&json!({
+        "open": Summary::of(&open[skip..]).json(),
+        "close": Summary::of(&close[skip..]).json(),
+        "first_open_us": open.first().map(|d| d.as_secs_f64() * 1e6),
+        "cache_opens": stats.opens,
+        "cache_hits": stats.hits,
+    }));
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! The handoff benchmark (issue 7): one program that measures, in one run on one machine,
+//!
+//! 1. the floor: a raw Unix-socket ping-pong between two processes, each message as long
+//!    as a real handle-carrying `Call` frame;
+//! 2. the cached handoff round trip: a typed message with a `Shared<u8>` field sent with
+//!    `RemoteAddr::send` to an actor in another process, which opens it (an import-cache
+//!    hit) and drops the lease (`Release`) before replying;
+//! 3. cold handoffs: a new allocation each time (legacy IPC, VMM, slab arena, host);
+//! 4. pipelined throughput: handoffs per second one way, many in flight, releases flowing
+//!    back;
+//! 5. bandwidth: a device copy from an imported buffer vs from a local one (CUDA events);
+//! 6. the renderer example, zero-copy vs host-staged (when the example exists);
+//! 7. the PyTorch peer, `bench/peers/torch_mp.py`, when asked to run it (`--torch`).
+//!
+//! It prints JSON lines as results come (and appends them to `$OUT/bench.jsonl` when `OUT`
+//! is set), then a table with the machine's name and the ratios against the issue's
+//! targets. Figures are reported, never asserted.
+//!
+//! ```text
+//! cargo bench --bench handoff                       # every item the machine can run
+//! cargo bench --bench handoff -- --quick            # fewer samples (a smoke run)
+//! cargo bench --bench handoff -- --backends host    # only the host backend
+//! cargo bench --bench handoff -- --torch bench/peers/torch_mp.py
+//! ```
+//!
+//! The peers are this same executable, re-spawned with `peer ROLE …` (never forked).
+
+mod actor;
+mod cold;
+mod floor;
+mod gpu;
+mod machine;
+mod peer;
+mod renderer;
+mod report;
+mod stats;
+mod torch;
+
+use report::Report;
+use std::error::Error;
+use std::path::PathBuf;
+
+pub(crate) type Res<T> = Result<T, Box<dyn Error>>;
+
+/// Which backends to run the items on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BackendName {
+    Host,
+    CudaLegacy,
+    CudaVmm,
+}
+
+impl BackendName {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Host => "host",
+            Self::CudaLegacy => "cuda-legacy",
+            Self::CudaVmm => "cuda-vmm",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "host" => Some(Self::Host),
+            "cuda-legacy" | "legacy" => Some(Self::CudaLegacy),
+            "cuda-vmm" | "vmm" => Some(Self::CudaVmm),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn is_cuda(self) -> bool {
+        self != Self::Host
+    }
+}
+
+/// How much to measure.
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) quick: bool,
+    pub(crate) backends: Vec<BackendName>,
+    pub(crate) items: Vec<u8>,
+    pub(crate) torch: Option<PathBuf>,
+    pub(crate) python: String,
+    pub(crate) renderer: Option<PathBuf>,
+}
+
+impl Config {
+    /// `full` samples normally, about a tenth with `--quick`.
+    pub(crate) fn samples(&self, full: usize) -> usize {
+        if self.quick {
+            (full / 10).max(20)
+        } else {
+            full
+        }
+    }
+
+    pub(crate) fn wants(&self, item: u8) -> bool {
+        self.items.is_empty() || self.items.contains(&item)
+    }
+}
+
+const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm] \
+[--items 1,2,3,4,5,6,7] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH]";
+
+fn parse_args(args: &[String]) -> Res<Config> {
+    let mut cfg = Config {
+        quick: false,
+        backends: Vec::new(),
+        items: Vec::new(),
+        torch: None,
+        python: "python3".to_owned(),
+        renderer: None,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{a} needs a value"))
+        };
+        match a.as_str() {
+            // cargo bench passes `--bench`; libtest-style filters are not used here.
+            "--bench" => {}
+            "--quick" => cfg.quick = true,
+            "--backends" => {
+                for b in value()?.split(',') {
+                    cfg.backends
+                        .push(BackendName::parse(b).ok_or(format!("unknown backend {b:?}"))?);
+                }
+            }
+            "--items" => {
+                for i in value()?.split(',') {
+                    cfg.items
+                        .push(i.parse().map_err(|_| format!("bad item {i:?}"))?);
+                }
+            }
+            "--torch" => cfg.torch = Some(value()?.into()),
+            "--python" => cfg.python = value()?,
+            "--renderer" => cfg.renderer = Some(value()?.into()),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}").into()),
+        }
+    }
+    Ok(cfg)
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("peer") {
+        return peer::run(&args[1..]);
+    }
+    let mut cfg = parse_args(&args)?;
+    let machine = machine::Machine::detect();
+    if cfg.backends.is_empty() {
+        cfg.backends.push(BackendName::Host);
+        if machine.gpu.is_some() {
+            cfg.backends
+                .extend([BackendName::CudaLegacy, BackendName::CudaVmm]);
+        }
+    }
+    let mut report = Report::new(machine)?;
+    report.header(&cfg);
+
+    // Item 1 first: every later ratio is against it.
+    if cfg.wants(1) || cfg.wants(2) {
+        floor::run(&cfg, &mut report)?;
+    }
+    for &backend in &cfg.backends {
+        if cfg.wants(2) || cfg.wants(4) {
+            report.attempt(&format!("actor items on {}", backend.as_str()), |r| {
+                actor::run(&cfg, backend, r)
+            });
+        }
+        if cfg.wants(3) {
+            report.attempt(&format!("cold handoffs on {}", backend.as_str()), |r| {
+                cold::run(&cfg, backend, r)
+            });
+        }
+        if cfg.wants(5) && backend.is_cuda() {
+            report.attempt(&format!("bandwidth on {}", backend.as_str()), |r| {
+                gpu::run(&cfg, backend, r)
+            });
+        }
+    }
+    if cfg.wants(6) {
+        report.attempt("renderer", |r| renderer::run(&cfg, r));
+    }
+    if cfg.wants(7) {
+        report.attempt("torch peer", |r| torch::run(&cfg, r));
+    }
+    report.finish();
+    Ok(())
+}

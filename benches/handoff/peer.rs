@@ -1,0 +1,145 @@
+//! The peer processes: this executable re-spawned with `peer ROLE …` (never forked), and
+//! the guard that kills and reaps one when it drops, also when a part fails.
+
+use crate::Res;
+use baton::Session;
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A peer: killed and reaped on drop. Its stdout is read on a thread; a line starting
+/// with `RESULT ` carries its JSON result.
+pub(crate) struct PeerProcess {
+    child: Option<Child>,
+    lines: mpsc::Receiver<String>,
+    role: String,
+}
+
+impl PeerProcess {
+    /// Spawns `peer ROLE args…` with the session's token and `env`.
+    pub(crate) fn spawn(
+        session: &Session,
+        role: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Res<PeerProcess> {
+        let (key, token) = session.child_env();
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.arg("peer")
+            .arg(role)
+            .args(args)
+            .env(key, token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn()?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(PeerProcess {
+            child: Some(child),
+            lines,
+            role: role.to_owned(),
+        })
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Waits for the `RESULT` line, then for the peer to exit.
+    pub(crate) fn result(&mut self, deadline: Duration) -> Res<Value> {
+        let start = std::time::Instant::now();
+        loop {
+            let left = deadline.saturating_sub(start.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(json) = line.strip_prefix("RESULT ") {
+                        let value: Value = serde_json::from_str(json)?;
+                        self.wait(deadline.saturating_sub(start.elapsed()))?;
+                        return Ok(value);
+                    }
+                    eprintln!("[{}] {line}", self.role);
+                }
+                Err(_) => {
+                    return Err(
+                        format!("peer {} gave no result within {deadline:?}", self.role).into(),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Waits for the peer to exit successfully.
+    pub(crate) fn wait(&mut self, deadline: Duration) -> Res<()> {
+        let start = std::time::Instant::now();
+        let Some(child) = self.child.as_mut() else {
+            return Ok(());
+        };
+        loop {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                return if status.success() {
+                    Ok(())
+                } else {
+                    Err(format!("peer {} exited with {status}", self.role).into())
+                };
+            }
+            if start.elapsed() > deadline {
+                return Err(format!("peer {} did not exit within {deadline:?}", self.role).into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Whether the peer has exited (reaping it), without blocking.
+    pub(crate) fn exited(&mut self) -> bool {
+        match self.child.as_mut().map(Child::try_wait) {
+            Some(Ok(Some(_))) | None => {
+                self.child = None;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Prints a peer's result for its parent.
+pub(crate) fn result_line(value: &Value) {
+    println!("RESULT {value}");
+}
+
+/// The peer side: `ROLE ARGS…`.
+pub(crate) fn run(args: &[String]) -> Res<()> {
+    let arg = |i: usize| -> Res<&str> {
+        args.get(i)
+            .map(String::as_str)
+            .ok_or_else(|| format!("peer {:?}: missing argument {i}", args.first()).into())
+    };
+    match arg(0)? {
+        "echo" => crate::floor::echo(arg(1)?, arg(2)?.parse()?),
+        "consumer" => crate::actor::consumer(arg(1)?),
+        "cold-importer" => crate::cold::importer(arg(1)?, arg(2)? == "pin"),
+        "bw-importer" => crate::gpu::importer(arg(1)?, arg(2)?.parse()?),
+        other => Err(format!("unknown peer role {other:?}").into()),
+    }
+}
