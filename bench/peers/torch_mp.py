@@ -8,7 +8,7 @@ it, then acks on a second queue. Prints one JSON line per result, like the Rust 
 (`cargo bench --bench handoff -- --torch bench/peers/torch_mp.py` folds them into its
 report so the ratio is a same-run ratio).
 
-Variants, all with one tensor of 1920*1080*4 bytes (the size of Baton's item 2 buffer):
+Variants, all with one tensor of 8 MiB (the size of Baton's item 2 buffer):
 - roundtrip/cached: the consumer holds the first tensor it received for the whole run, so
   torch's receive-side cache (storage_from_cache / the IPC handle cache) is hit every time,
   like Baton's consumer, which holds one lease;
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-NBYTES = 1920 * 1080 * 4
+NBYTES = 8 << 20  # as Baton's item 2 buffer (a 1080p RGBA8 frame, rounded up)
 WINDOW = 256
 
 

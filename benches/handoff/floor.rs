@@ -24,7 +24,7 @@ pub(crate) fn handle_frame_len(backend: &dyn Backend, session: &Session) -> Res<
     let handle = alloc
         .handle(session)
         .actor(ActorId::new(1))
-        .layout(Layout::new(DType::U8, Shape::vector(4096)))
+        .layout(Layout::new(DType::U8, Shape::vector(alloc.size() as u64)))
         .fd_slot(0)
         .build()?;
     let call = Message::Call(Call {

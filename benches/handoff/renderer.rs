@@ -1,18 +1,17 @@
 //! Item 6, the renderer example at 1920x1080 and 3840x2160: zero-copy fps vs a
-//! host-staged pipeline (copy to host, shared memory, copy back), both run by the example
-//! itself (`--staged`), in this same program run.
-//!
-//! TODO(issue 7, item 6): `examples/renderer.rs` is being written alongside this benchmark.
-//! Until it exists with a `--staged` mode, this part reports itself as not measured. When
-//! it does, this runs `renderer --frames N --size WxH [--staged]` (the built example next
-//! to this executable, or `--renderer PATH`) and reads the fps from its summary: a JSON
-//! line with an `fps` field, or the number before (or after) the word `fps`.
+//! host-staged pipeline (each tile copied to host shared memory and back, the pipeline
+//! zero-copy replaces), both run by the example itself (`--staged`, CUDA only), in this same
+//! program run: `renderer --backend cuda --frames N --size WxH [--staged]`, reading the fps
+//! from its summary (a JSON line with an `fps` field, or the number next to the word
+//! `fps`). The executable is `--renderer PATH`, else `renderer` beside this one (a bundle),
+//! else the built example (`target/<profile>/examples/renderer`). Without a GPU only the
+//! zero-copy host runs are made (`--staged` is CUDA only).
 
 use crate::report::Report;
 use crate::{Config, Res};
 use serde_json::{Value, json};
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 const SIZES: [&str; 2] = ["1920x1080", "3840x2160"];
 
@@ -20,11 +19,15 @@ fn locate(cfg: &Config) -> Option<PathBuf> {
     if let Some(p) = &cfg.renderer {
         return Some(p.clone());
     }
-    // target/<profile>/deps/handoff-… → target/<profile>/examples/renderer
     let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?;
-    let p = dir.join("examples").join("renderer");
-    p.exists().then_some(p)
+    let here = exe.parent()?;
+    // target/<profile>/deps/handoff-… → target/<profile>/examples/renderer
+    [
+        here.join("renderer"),
+        here.parent()?.join("examples").join("renderer"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
 }
 
 fn todo(report: &mut Report, why: &str) {
@@ -65,44 +68,64 @@ pub(crate) fn parse_fps(output: &str) -> Option<f64> {
     None
 }
 
+/// Runs the renderer once; its fps.
+fn render(exe: &Path, size: &str, frames: u64, backend: &str, staged: bool) -> Res<f64> {
+    let out_dir = tempfile::tempdir()?;
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "--frames",
+        &frames.to_string(),
+        "--size",
+        size,
+        "--backend",
+        backend,
+    ])
+    .arg("--out")
+    .arg(out_dir.path())
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    if staged {
+        cmd.arg("--staged");
+    }
+    let child = cmd.spawn()?;
+    let out = child.wait_with_output()?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("renderer {size} (staged: {staged}) failed: {text}").into());
+    }
+    parse_fps(&text).ok_or_else(|| format!("no fps in: {text}").into())
+}
+
 pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
     let Some(exe) = locate(cfg) else {
         todo(
             report,
-            "examples/renderer is not built in this tree yet (issue 6); rerun with --renderer PATH",
+            "the renderer example is not built (cargo build --release --example renderer), \
+             or pass --renderer PATH",
         );
         return Ok(());
     };
-    let help = Command::new(&exe).arg("--help").output()?;
-    let help =
-        String::from_utf8_lossy(&help.stdout).into_owned() + &String::from_utf8_lossy(&help.stderr);
-    if !help.contains("--staged") {
-        todo(
-            report,
-            "the renderer has no --staged (host-staged) mode yet",
-        );
-        return Ok(());
-    }
     let frames = std::env::var("BENCH_RENDERER_FRAMES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(if cfg.quick { 60 } else { 300 });
+        .unwrap_or(if cfg.quick { 30 } else { 120 });
+    let gpu = report.machine.gpu.is_some();
+    let backend = if gpu { "cuda" } else { "host" };
     for size in SIZES {
         for (variant, staged) in [("zero-copy", false), ("staged", true)] {
-            let mut cmd = Command::new(&exe);
-            cmd.args(["--frames", &frames.to_string(), "--size", size]);
-            if staged {
-                cmd.arg("--staged");
+            if staged && !gpu {
+                report.emit(json!({
+                    "item": 6, "name": "renderer", "backend": backend, "size": size,
+                    "variant": variant, "label": format!("renderer {size}, {variant}"),
+                    "note": "not run: --staged is CUDA only",
+                }));
+                continue;
             }
-            let out = cmd.output()?;
-            let text = String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr);
-            if !out.status.success() {
-                return Err(format!("renderer {size} {variant} failed: {text}").into());
-            }
-            let fps = parse_fps(&text).ok_or_else(|| format!("no fps in: {text}"))?;
+            let fps = render(&exe, size, frames, backend, staged)?;
             report.emit(json!({
-                "item": 6, "name": "renderer", "backend": "-", "size": size,
+                "item": 6, "name": "renderer", "backend": backend, "size": size,
                 "variant": variant, "frames": frames, "fps": fps,
                 "label": format!("renderer {size}, {variant}"),
             }));
