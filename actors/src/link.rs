@@ -117,14 +117,42 @@ fn frames(reader: LinkReader) -> impl Stream<Item = Result<Received, baton_ipc::
     })
 }
 
+/// The most bytes of frames one `sendmsg` carries when frames are queued back to back.
+const MAX_BATCH: usize = 64 * 1024;
+
+/// Drains the outgoing queue onto the socket. Frames queued behind the one being sent go
+/// out in the same `sendmsg` (one system call, one wakeup of the peer, instead of one per
+/// frame) — up to [`MAX_BATCH`] bytes, and never past a frame that carries descriptors:
+/// descriptors travel with their frame's first byte, so such a frame starts a new batch.
 async fn write_loop(
     mut writer: LinkWriter,
     mut rx: mpsc::UnboundedReceiver<OutFrame>,
     addr: Addr<PeerLink>,
 ) {
-    while let Some(frame) = rx.recv().await {
-        let fds: Vec<BorrowedFd<'_>> = frame.fds.iter().map(|fd| fd.as_fd()).collect();
-        if let Err(e) = writer.send_encoded(&frame.bytes, &fds).await {
+    let mut batch: Vec<u8> = Vec::with_capacity(4096);
+    let mut next: Option<OutFrame> = None;
+    loop {
+        let first = match next.take() {
+            Some(frame) => frame,
+            None => match rx.recv().await {
+                Some(frame) => frame,
+                None => break,
+            },
+        };
+        batch.clear();
+        batch.extend_from_slice(&first.bytes);
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(frame) if frame.fds.is_empty() => batch.extend_from_slice(&frame.bytes),
+                Ok(frame) => {
+                    next = Some(frame);
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        let fds: Vec<BorrowedFd<'_>> = first.fds.iter().map(|fd| fd.as_fd()).collect();
+        if let Err(e) = writer.send_encoded(&batch, &fds).await {
             addr.do_send(LinkFailed(e));
             break;
         }
