@@ -68,8 +68,15 @@ pub(crate) fn parse_fps(output: &str) -> Option<f64> {
     None
 }
 
-/// Runs the renderer once; its fps.
-fn render(exe: &Path, size: &str, frames: u64, backend: &str, staged: bool) -> Res<f64> {
+/// Runs the renderer once: its fps, and what went wrong if it exited with an error after
+/// printing its summary (e.g. its own leak check).
+fn render(
+    exe: &Path,
+    size: &str,
+    frames: u64,
+    backend: &str,
+    staged: bool,
+) -> Res<(f64, Option<String>)> {
     let out_dir = tempfile::tempdir()?;
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -88,14 +95,29 @@ fn render(exe: &Path, size: &str, frames: u64, backend: &str, staged: bool) -> R
     if staged {
         cmd.arg("--staged");
     }
-    let child = cmd.spawn()?;
-    let out = child.wait_with_output()?;
+    let out = cmd.spawn()?.wait_with_output()?;
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        return Err(format!("renderer {size} (staged: {staged}) failed: {text}").into());
+    let fps = parse_fps(&text);
+    match (fps, out.status.success()) {
+        (Some(fps), true) => Ok((fps, None)),
+        (Some(fps), false) => {
+            let why = text
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("")
+                .trim()
+                .to_owned();
+            Ok((
+                fps,
+                Some(format!("renderer exited with {}: {why}", out.status)),
+            ))
+        }
+        (None, _) => {
+            Err(format!("renderer {size} (staged: {staged}) printed no fps: {text}").into())
+        }
     }
-    parse_fps(&text).ok_or_else(|| format!("no fps in: {text}").into())
 }
 
 pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
@@ -123,11 +145,12 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
                 }));
                 continue;
             }
-            let fps = render(&exe, size, frames, backend, staged)?;
+            let (fps, trouble) = render(&exe, size, frames, backend, staged)?;
             report.emit(json!({
                 "item": 6, "name": "renderer", "backend": backend, "size": size,
                 "variant": variant, "frames": frames, "fps": fps,
                 "label": format!("renderer {size}, {variant}"),
+                "note": trouble.unwrap_or_default(),
             }));
         }
     }
