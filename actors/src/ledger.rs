@@ -43,11 +43,6 @@ struct Entry {
     retiring: bool,
     /// Links that ever held a lease on it: told `Gone` when it is freed.
     holders: HashMap<LinkId, LinkRef>,
-    /// The last sealed handle made without an event, and the descriptor slot it names:
-    /// every such handle of this buffer is the same (its allocation, generation, layout and
-    /// owner do not change), so a repeated grant clones it instead of building and sealing
-    /// it again.
-    sealed: Option<(u8, baton_messages::HandleMsg)>,
 }
 
 /// A buffer's leases, as [`BufferOwner::lease_table`](crate::BufferOwner) reports them.
@@ -144,7 +139,6 @@ impl Ledger {
                 leases: HashMap::new(),
                 retiring: false,
                 holders: HashMap::new(),
-                sealed: None,
             },
         );
         Arc::new(BufferCell {
@@ -169,25 +163,16 @@ impl Ledger {
             .buffers
             .get_mut(&buffer)
             .ok_or(ActorError::UnknownBuffer(buffer))?;
-        let handle = match (&event, &entry.sealed) {
-            (None, Some((slot, sealed))) if *slot == fd_slot => sealed.clone(),
-            _ => {
-                let mut builder = entry
-                    .alloc
-                    .handle(&self.session)
-                    .actor(self.owner)
-                    .layout(entry.layout.clone())
-                    .fd_slot(fd_slot);
-                if let Some(event) = &event {
-                    builder = builder.event(event.ipc_handle());
-                }
-                let handle = builder.build()?;
-                if event.is_none() {
-                    entry.sealed = Some((fd_slot, handle.clone()));
-                }
-                handle
-            }
-        };
+        let mut builder = entry
+            .alloc
+            .handle(&self.session)
+            .actor(self.owner)
+            .layout(entry.layout.clone())
+            .fd_slot(fd_slot);
+        if let Some(event) = &event {
+            builder = builder.event(event.ipc_handle());
+        }
+        let handle = builder.build()?;
         let fd = match entry.alloc.export_fd() {
             Some(fd) => Some(fd.try_clone_to_owned().map_err(|e| baton_ipc::Error::Io {
                 op: "dup(export fd)",
