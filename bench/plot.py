@@ -3,8 +3,10 @@
 
 usage: python3 bench/plot.py bench.jsonl [--out docs] [--prefix bench-gpu]
 
-Writes PREFIX-roundtrip.png, PREFIX-cold.png, PREFIX-throughput.png and, when the run had a
-GPU, PREFIX-bandwidth.png. Needs matplotlib (pip install matplotlib).
+Writes PREFIX-roundtrip.png, PREFIX-cold.png, PREFIX-throughput.png and, when the run had
+them, PREFIX-bandwidth.png and PREFIX-renderer.png. Several files may be given (e.g. a full
+run and a run of the items that failed in it); each chart takes every matching record.
+Needs matplotlib (pip install matplotlib).
 """
 
 import argparse
@@ -141,17 +143,42 @@ def bandwidth(records, title, path):
     return True
 
 
+def renderer(records, title, path):
+    rows = [r for r in pick(records, "renderer") if "fps" in r]
+    if not rows:
+        return False
+    sizes = sorted({r["size"] for r in rows}, key=lambda s: int(s.split("x")[0]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.38
+    for k, (variant, color) in enumerate([("zero-copy", "#1f77b4"), ("staged", "#ff7f0e")]):
+        vals = [next((r["fps"] for r in rows if r["size"] == s and r["variant"] == variant), 0)
+                for s in sizes]
+        xs = [i + (k - 0.5) * width for i in range(len(sizes))]
+        ax.bar(xs, vals, width, label=variant, color=color)
+        for x, v in zip(xs, vals):
+            ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(range(len(sizes))))
+    ax.set_xticklabels(sizes)
+    ax.set_ylabel("frames per second")
+    ax.set_title(f"Renderer example, zero-copy vs host-staged (item 6)\n{title}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("jsonl")
+    ap.add_argument("jsonl", nargs="+")
     ap.add_argument("--out", default="docs")
     ap.add_argument("--prefix", default="bench")
     args = ap.parse_args()
-    records = load(args.jsonl)
+    records = [r for path in args.jsonl for r in load(path)]
     title = machine_title(records)
     os.makedirs(args.out, exist_ok=True)
     for kind, fn in [("roundtrip", roundtrip), ("cold", cold), ("throughput", throughput),
-                     ("bandwidth", bandwidth)]:
+                     ("bandwidth", bandwidth), ("renderer", renderer)]:
         path = os.path.join(args.out, f"{args.prefix}-{kind}.png")
         if fn(records, title, path):
             print(path)
