@@ -83,7 +83,9 @@ async fn typed_round_trip(export: CudaExport) {
     );
     let baseline = cuda.mem_get_info().unwrap().0;
     let (mut child, peer) = parent.child(&[]).await;
-    const N: usize = 4 * MIB;
+    // Not a multiple of the 2 MiB VMM granularity: the handle must name the layout's bytes,
+    // not the rounded-up allocation.
+    const N: usize = 1920 * 1080;
     let a = pattern_buffer(&parent, N, 21).await;
     let b: Buffer<f32> = parent
         .owner

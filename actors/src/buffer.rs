@@ -101,7 +101,9 @@ impl<T: Element> Buffer<T> {
 
     /// Elements in the buffer.
     pub fn len(&self) -> usize {
-        self.cell.alloc.size() / size_of::<T>()
+        // The layout's element count, not the allocation's size: a backend may round the
+        // allocation up (VMM granularity).
+        self.cell.layout.shape.elements().unwrap_or(0) as usize
     }
 
     /// Whether it has no elements (never: empty buffers cannot be allocated).

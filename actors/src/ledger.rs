@@ -163,10 +163,14 @@ impl Ledger {
             .buffers
             .get_mut(&buffer)
             .ok_or(ActorError::UnknownBuffer(buffer))?;
+        // The buffer is the layout's bytes; the allocation may be larger (VMM rounds it up
+        // to the granularity), so the handle names exactly that range.
+        let len = entry.layout.byte_len().unwrap_or(0);
         let mut builder = entry
             .alloc
             .handle(&self.session)
             .actor(self.owner)
+            .range(0, len)
             .layout(entry.layout.clone())
             .fd_slot(fd_slot);
         if let Some(event) = &event {
