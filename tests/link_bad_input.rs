@@ -452,3 +452,37 @@ fn a_cache_hit_that_claims_more_than_the_live_mapping_is_refused() {
     drop(first);
     assert_eq!(cache.stats().live, 0);
 }
+
+#[test]
+fn a_hit_skips_no_check_a_changed_handle_needs() {
+    let ns = peer::namespace("hitchk");
+    let session = Session::generate().unwrap();
+    let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+    let cache = ImportCache::new(session.clone(), [backend.clone() as Arc<dyn Backend>]);
+    let alloc = backend.allocate(1 << 16).unwrap();
+    let mut fds = baton::ipc::FrameFds::none();
+    let good = alloc.handle(&session).range(0, 4096).build().unwrap();
+    let live = cache.open(&good, &mut fds).unwrap();
+    // The very same handle again: a hit (its digest verified before).
+    let again = cache.open(&good, &mut fds).unwrap();
+    // Any changed byte of a verified handle is checked again, and refused, on a hit too.
+    let mut bigger = good.clone();
+    bigger.len = 8192;
+    assert!(matches!(
+        cache.open(&bigger, &mut fds),
+        Err(Error::Message(msg::Error::DigestMismatch))
+    ));
+    let mut forged = good.clone();
+    forged.digest.0[0] ^= 1;
+    assert!(matches!(
+        cache.open(&forged, &mut fds),
+        Err(Error::Message(msg::Error::DigestMismatch))
+    ));
+    // A different, properly sealed view of the same mapping is a hit after its check.
+    let other = alloc.handle(&session).range(4096, 4096).build().unwrap();
+    let view = cache.open(&other, &mut fds).unwrap();
+    assert_eq!(cache.stats().opens, 1);
+    assert_eq!(cache.stats().hits, 2);
+    drop((live, again, view));
+    assert_eq!(cache.stats().live, 0);
+}

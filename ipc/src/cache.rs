@@ -41,6 +41,10 @@ pub struct CacheStats {
 struct Entry {
     mem: Arc<OpenedMem>,
     users: usize,
+    /// The last handle whose digest verified for this mapping. A handle equal to it, byte
+    /// for byte, would verify the same way: a hit with it skips the keyed hash (the
+    /// common case: an exporter re-sharing the same buffer).
+    verified: HandleMsg,
 }
 
 struct State {
@@ -112,8 +116,18 @@ impl ImportCache {
     /// claims more than the live mapping holds), or the backend's open error. Nothing is
     /// opened on error.
     pub fn open(&self, handle: &HandleMsg, fds: &mut FrameFds) -> Result<Imported> {
-        let checked = self.shared.session.check(handle)?;
         let key = (handle.exporter, handle.alloc, handle.generation);
+        let known = self
+            .shared
+            .lock()
+            .entries
+            .get(&key)
+            .is_some_and(|e| e.verified == *handle);
+        let mut checked = if known {
+            None
+        } else {
+            Some(self.shared.session.check(handle)?)
+        };
         let mut state = self.shared.lock();
         if let Some(&retired) = state.retired.get(&(handle.exporter.process, handle.alloc)) {
             if handle.generation <= retired {
@@ -136,10 +150,18 @@ impl ImportCache {
                 });
             }
             entry.users += 1;
+            if checked.is_some() {
+                entry.verified = handle.clone();
+            }
             let mem = Arc::clone(&entry.mem);
             state.stats.hits += 1;
             mem
         } else {
+            // The entry seen a moment ago may have closed since: check now if we skipped.
+            let checked = match checked.take() {
+                Some(c) => c,
+                None => self.shared.session.check(handle)?,
+            };
             let backend = self.backend_for(handle.backend)?;
             let fd = match handle.raw {
                 RawHandle::CudaVmmFd { slot } => Some(fds.take(slot)?),
@@ -158,6 +180,7 @@ impl ImportCache {
                 Entry {
                     mem: Arc::clone(&mem),
                     users: 1,
+                    verified: handle.clone(),
                 },
             );
             state.stats.opens += 1;
