@@ -576,11 +576,21 @@ fn compositor(opts: Options, sockets: PathBuf) -> Res<()> {
                             let rect = all[index as usize];
                             match shared.open().map_err(Into::into).and_then(|l| canvas.compose(&rect, &l).map(|()| l)) {
                                 Ok(lease) => held.push(lease),
-                                Err(_) => missing.push(rect),
+                                Err(e) => {
+                                    tracing::warn!(frame = f, tile = index, error = %e, "tile not composed");
+                                    missing.push(rect);
+                                }
                             }
                         }
                     }
-                    _ => missing.extend(mine),
+                    Ok(Err(e)) => {
+                        tracing::warn!(frame = f, error = %e, "a worker could not render");
+                        missing.extend(mine);
+                    }
+                    Err(e) => {
+                        tracing::warn!(frame = f, error = %e, "no answer from a worker");
+                        missing.extend(mine);
+                    }
                 }
             }
             // Kernels that read the tiles must finish before the leases go back.

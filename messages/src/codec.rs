@@ -25,8 +25,10 @@ pub const MAGIC: [u8; 2] = *b"Bt";
 /// The largest payload a frame may carry (1 MiB). Handle messages are a few hundred bytes;
 /// bulk data belongs in shared buffers, not inline.
 pub const MAX_FRAME_LEN: usize = 1 << 20;
-/// The most file descriptors one frame may carry.
-pub const MAX_FDS_PER_FRAME: usize = 8;
+/// The most file descriptors one frame may carry: Linux's limit for one `SCM_RIGHTS`
+/// message (`SCM_MAX_FD`). A message sharing many VMM buffers needs one per buffer (a
+/// renderer worker's reply carries one per tile).
+pub const MAX_FDS_PER_FRAME: usize = 253;
 
 type Config = bincode::config::Configuration<
     bincode::config::LittleEndian,
@@ -347,7 +349,7 @@ mod tests {
             matches!(FrameHeader::parse(&h), Err(Error::FrameTooLarge { len, .. }) if len == u64::from(u32::MAX))
         );
         let mut h: [u8; 8] = good[..8].try_into().unwrap();
-        h[3] = 200;
+        h[3] = 254;
         assert!(matches!(
             FrameHeader::parse(&h),
             Err(Error::TooManyFds { .. })
@@ -409,7 +411,7 @@ mod tests {
     fn encoding_too_many_fds_is_refused() {
         let mut out = vec![1, 2, 3];
         assert!(matches!(
-            encode_frame(&Message::Ping(0), 9, &mut out),
+            encode_frame(&Message::Ping(0), MAX_FDS_PER_FRAME + 1, &mut out),
             Err(Error::TooManyFds { .. })
         ));
         assert_eq!(out, [1, 2, 3]);

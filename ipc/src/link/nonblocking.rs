@@ -257,6 +257,25 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
+    async fn one_frame_carries_as_many_descriptors_as_scm_rights_allows() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let config = LinkConfig::new(Session::new(SessionToken::from_bytes([8; 32])));
+        let (server, client) =
+            tokio::join!(AsyncLink::server(a, &config), AsyncLink::client(b, &config));
+        let (mut rx, _wx) = server.unwrap().into_split();
+        let (_crx, mut cwx) = client.unwrap().into_split();
+        let max = baton_messages::MAX_FDS_PER_FRAME;
+        let files: Vec<std::fs::File> = (0..max).map(|_| tempfile::tempfile().unwrap()).collect();
+        let fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
+        cwx.send(&Message::Ping(1), &fds).await.unwrap();
+        cwx.send(&Message::Ping(2), &fds[..3]).await.unwrap();
+        let got = rx.recv().await.unwrap();
+        assert_eq!((got.message, got.fds.len()), (Message::Ping(1), max));
+        let got = rx.recv().await.unwrap();
+        assert_eq!((got.message, got.fds.len()), (Message::Ping(2), 3));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
     async fn a_silent_peer_times_out() {
         let (a, _b) = UnixStream::pair().unwrap();
         let config = LinkConfig::new(Session::new(SessionToken::from_bytes([8; 32])))
