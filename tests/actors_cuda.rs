@@ -60,14 +60,7 @@ async fn device_back_to(cuda: &CudaBackend, baseline: usize) {
 }
 
 async fn pattern_buffer(parent: &Parent, len: usize, seed: u32) -> Buffer<u32> {
-    let buf = parent
-        .owner
-        .send(Allocate::<u32>::vector(len as u64))
-        .await
-        .unwrap()
-        .unwrap();
-    buf.write_at(0, &(0..len).map(|i| pattern(seed, i)).collect::<Vec<_>>())
-        .unwrap();
+    let buf = parent.pattern_buffer(len, seed).await;
     assert!(matches!(buf.ptr(), MemPtr::Device(_)), "device memory");
     buf
 }

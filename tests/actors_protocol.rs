@@ -20,15 +20,7 @@ fn run<F: Future<Output = ()>>(f: F) {
 }
 
 async fn pattern_buffer(parent: &Parent, len: usize, seed: u32) -> Buffer<u32> {
-    let buf = parent
-        .owner
-        .send(Allocate::<u32>::vector(len as u64))
-        .await
-        .unwrap()
-        .unwrap();
-    let data: Vec<u32> = (0..len).map(|i| pattern(seed, i)).collect();
-    buf.write_at(0, &data).unwrap();
-    buf
+    parent.pattern_buffer(len, seed).await
 }
 
 /// Issue test 1: a typed message with two buffers goes to another process and back.

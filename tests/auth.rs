@@ -9,6 +9,8 @@
 
 #[path = "support/actors.rs"]
 mod actors;
+#[path = "support/msgs.rs"]
+mod msgs;
 #[path = "support/peer.rs"]
 mod peer;
 

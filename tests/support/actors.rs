@@ -183,6 +183,19 @@ impl Parent {
         (child, link)
     }
 
+    /// A buffer of `len` pattern values (see `msgs::pattern`) from our owner.
+    pub async fn pattern_buffer(&self, len: usize, seed: u32) -> baton::actors::Buffer<u32> {
+        let buf = self
+            .owner
+            .send(baton::actors::Allocate::<u32>::vector(len as u64))
+            .await
+            .unwrap()
+            .unwrap();
+        let data: Vec<u32> = (0..len).map(|i| super::msgs::pattern(seed, i)).collect();
+        buf.write_at(0, &data).unwrap();
+        buf
+    }
+
     pub async fn table(&self) -> Vec<baton::actors::BufferLeases> {
         self.owner.send(baton::actors::LeaseTable).await.unwrap()
     }
