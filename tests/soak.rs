@@ -29,10 +29,9 @@ mod msgs;
 mod peer;
 
 use actix::prelude::*;
-use actors::{EventLog, Events, eventually, eventually_async, exited};
-use baton::actors::{Allocate, Buffer, BufferOwner, Lease, Listening, Node, Peer, Revoke, Stats};
+use actors::{Events, Parent, eventually, eventually_async, exited};
+use baton::actors::{Allocate, Buffer, Lease, Peer, Revoke};
 use baton::ipc::{HostBackend, SharedBackend, host};
-use baton::{Session, SocketDir};
 use msgs::*;
 use std::collections::BTreeMap;
 use std::io::BufRead;
@@ -100,81 +99,34 @@ enum Device {
     Cuda(Arc<baton::ipc::cuda::CudaBackend>),
 }
 
-/// This process's side: a node listening in a private directory, a buffer owner, a log of
-/// link events.
-struct Rig {
-    session: Session,
-    ns: String,
-    node: Node,
-    owner: Addr<BufferOwner>,
-    events: Events,
-    listening: Listening,
-    /// Environment for the children (the backend they use).
-    child_env: Vec<(&'static str, &'static str)>,
-    _tmp: tempfile::TempDir,
+/// This process's side: the actor tests' [`Parent`] (a node listening in a private
+/// directory, a buffer owner, a log of link events), with the soak's own spawning.
+struct Rig(Parent);
+
+impl std::ops::Deref for Rig {
+    type Target = Parent;
+    fn deref(&self) -> &Parent {
+        &self.0
+    }
 }
 
 impl Rig {
     fn start(tag: &str, device: &Device) -> Rig {
         let ns = peer::namespace(tag);
-        let session = Session::generate().unwrap();
-        let (backend, child_env): (SharedBackend, _) = match device {
-            Device::Host => (
-                Arc::new(HostBackend::with_namespace(&ns).unwrap()),
-                vec![("BATON_BACKEND", "host")],
-            ),
-            Device::Cuda(cuda) => (
-                Arc::clone(cuda) as SharedBackend,
-                vec![("BATON_BACKEND", "cuda")],
-            ),
+        let (backend, kind): (SharedBackend, _) = match device {
+            Device::Host => (Arc::new(HostBackend::with_namespace(&ns).unwrap()), "host"),
+            Device::Cuda(cuda) => (Arc::clone(cuda) as SharedBackend, "cuda"),
         };
-        let node = Node::new(session.clone(), backend);
-        let events = Events::default();
-        node.subscribe(EventLog(events.clone()).start().recipient());
-        let (tmp, dir): (tempfile::TempDir, SocketDir) = peer::socket_dir();
-        let listening = node.listen(&dir, "soak.sock").unwrap();
-        let owner = BufferOwner::new(&node).start();
-        Rig {
-            session,
-            ns,
-            node,
-            owner,
-            events,
-            listening,
-            child_env,
-            _tmp: tmp,
-        }
-    }
-
-    /// Spawns a helper and waits for its link to come up.
-    async fn spawn(&self, exe: &str, args: &[&str], piped: bool) -> (peer::Peer, Peer) {
-        let before = self.events.ups().len();
-        let child =
-            peer::Peer::spawn_with(exe, &self.session, &self.ns, args, &self.child_env, piped);
-        let pid = child.pid();
-        eventually(DEADLINE, "the child's link", || {
-            self.events
-                .ups()
-                .iter()
-                .skip(before)
-                .any(|p| p.process().pid == pid)
-        })
-        .await;
-        let link = self
-            .events
-            .ups()
-            .into_iter()
-            .skip(before)
-            .find(|p| p.process().pid == pid)
-            .expect("just seen");
-        (child, link)
+        let mut parent = Parent::start_with(&ns, backend);
+        parent.child_env.push(("BATON_BACKEND".into(), kind.into()));
+        Rig(parent)
     }
 
     /// An actor helper (`baton-actor-peer serve`).
     async fn actor_child(&self, stubborn: bool) -> (peer::Peer, Peer) {
         let sock = self.listening.path().to_str().unwrap().to_owned();
         let mode = if stubborn { "stubborn" } else { "cooperative" };
-        self.spawn(
+        self.spawn_linked(
             env!("CARGO_BIN_EXE_baton-actor-peer"),
             &["serve", &sock, mode],
             false,
@@ -186,7 +138,7 @@ impl Rig {
     async fn raw_child(&self, role: &str) -> (peer::Peer, Peer, mpsc::Receiver<String>) {
         let sock = self.listening.path().to_str().unwrap().to_owned();
         let (mut child, link) = self
-            .spawn(env!("CARGO_BIN_EXE_baton-test-peer"), &[role, &sock], true)
+            .spawn_linked(env!("CARGO_BIN_EXE_baton-test-peer"), &[role, &sock], true)
             .await;
         let out = child.take_stdout().expect("piped");
         let (tx, rx) = mpsc::channel();
@@ -215,10 +167,6 @@ impl Rig {
             out.push(b);
         }
         out
-    }
-
-    async fn stats(&self) -> baton::actors::OwnerStats {
-        self.owner.send(Stats).await.unwrap()
     }
 }
 

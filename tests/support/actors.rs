@@ -157,29 +157,30 @@ impl Parent {
         let sock = self.socket();
         let mut args = vec!["serve", sock.as_str()];
         args.extend_from_slice(extra);
+        self.spawn_linked(env!("CARGO_BIN_EXE_baton-actor-peer"), &args, false)
+            .await
+    }
+
+    /// Spawns `exe args…` with our session, namespace and `child_env` (stdout piped when
+    /// `piped`), and waits for its link to come up.
+    pub async fn spawn_linked(&self, exe: &str, args: &[&str], piped: bool) -> (peer::Peer, Peer) {
         let before = self.events.ups().len();
-        let child = peer::Peer::spawn_exe_env(
-            env!("CARGO_BIN_EXE_baton-actor-peer"),
-            &self.session,
-            &self.ns,
-            &args,
-            &self.child_env,
-        );
+        let env: Vec<(&str, &str)> = self
+            .child_env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let child = peer::Peer::spawn_with(exe, &self.session, &self.ns, args, &env, piped);
         let pid = child.pid();
-        eventually(DEADLINE, "the child's link", || {
+        let find = || {
             self.events
                 .ups()
-                .iter()
+                .into_iter()
                 .skip(before)
-                .any(|p| p.process().pid == pid)
-        })
-        .await;
-        let link = self
-            .events
-            .ups()
-            .into_iter()
-            .find(|p| p.process().pid == pid)
-            .unwrap();
+                .find(|p| p.process().pid == pid)
+        };
+        eventually(DEADLINE, "the child's link", || find().is_some()).await;
+        let link = find().expect("just seen");
         (child, link)
     }
 

@@ -17,30 +17,7 @@ pub struct Peer {
 impl Peer {
     /// Runs `exe args…` with the session's token and the segment namespace in its environment.
     pub fn spawn_exe(exe: &str, session: &Session, namespace: &str, args: &[&str]) -> Peer {
-        Self::spawn_exe_env(exe, session, namespace, args, &[])
-    }
-
-    /// [`spawn_exe`](Self::spawn_exe) with more environment variables.
-    pub fn spawn_exe_env(
-        exe: &str,
-        session: &Session,
-        namespace: &str,
-        args: &[&str],
-        env: &[(String, String)],
-    ) -> Peer {
-        let (key, token) = session.child_env();
-        let child = Command::new(exe)
-            .args(args)
-            .env(key, token)
-            .env(host::NAMESPACE_ENV, namespace)
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawning {exe}: {e}"));
-        Peer {
-            child: Some(child),
-            what: format!("{exe} {args:?}"),
-        }
+        Self::spawn_with(exe, session, namespace, args, &[], false)
     }
 
     /// Runs the test helper binary in a role.
