@@ -512,10 +512,11 @@ fn exporter_sigkill(flavor: Flavor) {
         panic!("expected an offer, got {:?}", received.message)
     };
     let mut fds = received.fds;
-    let fd = match offered.handle.raw {
-        RawHandle::CudaVmmFd { slot } => Some(fds.take(slot).unwrap()),
-        _ => None,
-    };
+    let fd = offered
+        .handle
+        .raw
+        .fd_slot()
+        .map(|slot| fds.take(slot).unwrap());
     // Opened directly (not through the cache), to see the close's result.
     let mem = subject
         .backend

@@ -172,7 +172,7 @@ impl Ledger {
             .actor(self.owner)
             .range(0, len)
             .layout(entry.layout.clone())
-            .fd_slot(fd_slot);
+            .fd_slot(Some(fd_slot));
         if let Some(event) = &event {
             builder = builder.event(event.ipc_handle());
         }

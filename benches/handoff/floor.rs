@@ -25,7 +25,7 @@ pub(crate) fn handle_frame_len(backend: &dyn Backend, session: &Session) -> Res<
         .handle(session)
         .actor(ActorId::new(1))
         .layout(Layout::new(DType::U8, Shape::vector(alloc.size() as u64)))
-        .fd_slot(0)
+        .fd_slot(Some(0))
         .build()?;
     let call = Message::Call(Call {
         id: 1 << 20,

@@ -64,14 +64,33 @@ pub trait RawMemory: Send + Sync + fmt::Debug {
     }
 }
 
+/// What an exporter's free does to another process that still maps the memory. The lease
+/// ledger needs it: a holder whose link was cut may still map the memory, and only where
+/// its mapping survives the free may the exporter free at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FreeWhileMapped {
+    /// The importer's mapping stays valid after the exporter's free, and nobody else can
+    /// be handed that memory while it lives: host memory (the kernel frees the pages with
+    /// the last mapping) and CUDA VMM (the driver refcounts the physical allocation).
+    Survives,
+    /// Freeing while another process maps the memory is undefined behaviour, and the
+    /// exporter's next allocation may reuse the pages (CUDA legacy IPC: `cuMemFree` before
+    /// the importer's `cuIpcCloseMemHandle`). Such memory stays allocated — quarantined —
+    /// while a live process may map it.
+    Unsafe,
+}
+
 /// Exporter-side memory: [`RawMemory`] that can be shared.
 pub trait ExportableMemory: RawMemory {
+    /// What freeing this memory does to importers that still map it.
+    fn free_while_mapped(&self) -> FreeWhileMapped;
     /// The raw handle importers open. `fd_slot` is the index the descriptor from
-    /// [`export_fd`](Self::export_fd) will have among the frame's descriptors.
+    /// [`export_fd`](Self::export_fd) will have among the frame's descriptors, or `None`
+    /// when the descriptor is not sent because the importer already maps the memory.
     ///
     /// # Errors
     /// A backend error (e.g. `cuIpcGetMemHandle` failing).
-    fn raw_handle(&self, fd_slot: u8) -> Result<RawHandle>;
+    fn raw_handle(&self, fd_slot: Option<u8>) -> Result<RawHandle>;
     /// The descriptor to send beside the frame, for backends that share by descriptor.
     fn export_fd(&self) -> Option<BorrowedFd<'_>> {
         None
@@ -153,19 +172,14 @@ pub struct Allocation {
     generation: Generation,
     backend: BackendKind,
     device: DeviceUuid,
+    free_while_mapped: FreeWhileMapped,
     mem: Box<dyn ExportableMemory>,
 }
 
 impl Allocation {
     /// Wraps backend memory, giving it a fresh allocation id. For backend implementors.
     pub fn new(backend: BackendKind, device: DeviceUuid, mem: Box<dyn ExportableMemory>) -> Self {
-        Self {
-            id: next_allocation_id(),
-            generation: Generation::FIRST,
-            backend,
-            device,
-            mem,
-        }
+        Self::with_id(next_allocation_id(), backend, device, mem)
     }
 
     /// Reserves an allocation id before the memory exists (for backends whose raw handle
@@ -181,8 +195,24 @@ impl Allocation {
             generation: Generation::FIRST,
             backend,
             device,
+            free_while_mapped: mem.free_while_mapped(),
             mem,
         }
+    }
+
+    /// Declares another free rule than the memory's own: for backends that wrap another
+    /// one to model a third (a test backend giving host memory CUDA legacy's rule, so that
+    /// the ledger's quarantine can be exercised without a GPU). Declaring
+    /// [`FreeWhileMapped::Unsafe`] is always safe; declaring `Survives` for memory that
+    /// does not survive breaks the ledger's promise.
+    pub fn declare_free_while_mapped(mut self, rule: FreeWhileMapped) -> Self {
+        self.free_while_mapped = rule;
+        self
+    }
+
+    /// What freeing it does to importers that still map it.
+    pub fn free_while_mapped(&self) -> FreeWhileMapped {
+        self.free_while_mapped
     }
 
     /// A fresh allocation id for [`with_id`](Self::with_id).
@@ -233,7 +263,7 @@ impl Allocation {
             offset: 0,
             len: self.size() as u64,
             layout: None,
-            fd_slot: 0,
+            fd_slot: Some(0),
             event: None,
         }
     }
@@ -268,7 +298,7 @@ pub struct HandleBuilder<'a> {
     offset: u64,
     len: u64,
     layout: Option<Layout>,
-    fd_slot: u8,
+    fd_slot: Option<u8>,
     event: Option<IpcEventHandle>,
 }
 
@@ -292,8 +322,10 @@ impl HandleBuilder<'_> {
         self
     }
 
-    /// Index of this allocation's descriptor among the frame's descriptors (VMM).
-    pub fn fd_slot(mut self, slot: u8) -> Self {
+    /// Index of this allocation's descriptor among the frame's descriptors (descriptor-shared
+    /// backends; slot 0 unless set), or `None` when the descriptor is not sent because the
+    /// importer maps the allocation already.
+    pub fn fd_slot(mut self, slot: Option<u8>) -> Self {
         self.fd_slot = slot;
         self
     }

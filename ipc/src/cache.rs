@@ -15,7 +15,7 @@ use crate::link::FrameFds;
 use crate::session::Session;
 use crate::{Error, Result};
 use baton_messages::{
-    AllocationId, BackendKind, ExporterId, Generation, HandleMsg, Layout, ProcessId, RawHandle,
+    AllocationId, BackendKind, ExporterId, Generation, HandleMsg, Layout, ProcessId,
 };
 use std::collections::HashMap;
 use std::fmt;
@@ -163,9 +163,9 @@ impl ImportCache {
                 None => self.shared.session.check(handle)?,
             };
             let backend = self.backend_for(handle.backend)?;
-            let fd = match handle.raw {
-                RawHandle::CudaVmmFd { slot } => Some(fds.take(slot)?),
-                _ => None,
+            let fd = match handle.raw.fd_slot() {
+                Some(slot) => Some(fds.take(slot)?),
+                None => None,
             };
             let opened = backend.open(checked, fd)?;
             if (opened.size() as u64) < handle.alloc_size {
@@ -379,7 +379,8 @@ mod tests {
     use crate::backend::{Allocation, Backend, ExportableMemory, RawMemory};
     use crate::session::CheckedHandle;
     use baton_messages::{
-        CudaIpcMemHandle, DeviceUuid, Error as MessageError, IpcEventHandle, SessionToken,
+        CudaIpcMemHandle, DeviceUuid, Error as MessageError, IpcEventHandle, RawHandle,
+        SessionToken,
     };
     use std::os::fd::OwnedFd;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -410,7 +411,10 @@ mod tests {
     }
 
     impl ExportableMemory for Bytes {
-        fn raw_handle(&self, _fd_slot: u8) -> Result<RawHandle> {
+        fn free_while_mapped(&self) -> crate::FreeWhileMapped {
+            crate::FreeWhileMapped::Unsafe
+        }
+        fn raw_handle(&self, _fd_slot: Option<u8>) -> Result<RawHandle> {
             Ok(RawHandle::CudaIpc(CudaIpcMemHandle([7; 64])))
         }
     }

@@ -56,7 +56,9 @@ pub use cudarc;
 pub use event::{DEFAULT_EVENT_LIMIT, RecordedEvent};
 pub use result::CudaError;
 
-use crate::backend::{Allocation, Backend, ExportableMemory, MemPtr, OpenedMem, RawMemory};
+use crate::backend::{
+    Allocation, Backend, ExportableMemory, FreeWhileMapped, MemPtr, OpenedMem, RawMemory,
+};
 use crate::session::CheckedHandle;
 use crate::{Error, Result};
 use baton_messages::{
@@ -326,7 +328,17 @@ impl RawMemory for ExportedMem {
 }
 
 impl ExportableMemory for ExportedMem {
-    fn raw_handle(&self, fd_slot: u8) -> Result<RawHandle> {
+    /// Legacy IPC: `cuMemFree` while another process has the handle open is undefined
+    /// behaviour. VMM: the driver keeps the physical memory until every importer has
+    /// released its imported handle.
+    fn free_while_mapped(&self) -> FreeWhileMapped {
+        match self.0.backing {
+            ExportBacking::Legacy { .. } => FreeWhileMapped::Unsafe,
+            ExportBacking::Vmm { .. } => FreeWhileMapped::Survives,
+        }
+    }
+
+    fn raw_handle(&self, fd_slot: Option<u8>) -> Result<RawHandle> {
         Ok(match &self.0.backing {
             ExportBacking::Legacy { handle, .. } => RawHandle::CudaIpc(*handle),
             ExportBacking::Vmm { .. } => RawHandle::CudaVmmFd { slot: fd_slot },
@@ -780,7 +792,13 @@ impl Backend for CudaBackend {
                 }
             }
             RawHandle::CudaVmmFd { slot } => {
-                let fd = fd.ok_or(Error::MissingFdSlot { slot: *slot })?;
+                let fd = fd.ok_or(match slot {
+                    Some(slot) => Error::MissingFdSlot { slot: *slot },
+                    None => Error::NotMapped {
+                        exporter: handle.exporter,
+                        alloc: handle.alloc,
+                    },
+                })?;
                 let g = self.vmm_granularity_or_err()?;
                 self.opens.fetch_add(1, Ordering::Relaxed);
                 let region = VmmRegion::import(&self.access.ctx, self.dev, fd.as_fd(), size, g)?;
@@ -928,7 +946,7 @@ mod tests {
     fn report_what_the_driver_does_with_our_own_legacy_handle() {
         let b = gpu_backend(CudaExport::Legacy, 1);
         let alloc = b.allocate(1 << 20).unwrap();
-        let RawHandle::CudaIpc(raw) = alloc.raw().raw_handle(0).unwrap() else {
+        let RawHandle::CudaIpc(raw) = alloc.raw().raw_handle(None).unwrap() else {
             unreachable!()
         };
         match IpcMapping::open(b.context(), &raw.0) {

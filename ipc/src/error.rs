@@ -90,6 +90,19 @@ pub enum Error {
         /// The slot.
         slot: u8,
     },
+    /// A handle that carries no descriptor (the importer was expected to map the
+    /// allocation already) names an allocation this process does not map. The offer is
+    /// refused; the exporter sends the descriptor again with its next offer.
+    #[error(
+        "{exporter} offered {alloc} without its descriptor, but this process does not map it: \
+         refused (the next offer carries the descriptor again)"
+    )]
+    NotMapped {
+        /// The exporter.
+        exporter: ExporterId,
+        /// The allocation.
+        alloc: AllocationId,
+    },
     /// The socket directory is reachable by other users or is not ours.
     #[error("socket directory {path} is not private: {reason}")]
     InsecureSocketDir {

@@ -162,7 +162,7 @@ pub fn handle_msg(data: &[u8]) {
             Ok(view) => {
                 session.check(h).expect("only checked handles open");
                 assert!(
-                    !matches!(h.raw, RawHandle::CudaVmmFd { .. }),
+                    h.raw.fd_slot().is_none(),
                     "a descriptor handle opened without its descriptor"
                 );
                 let mapping = view.mapping().size() as u64;
@@ -451,7 +451,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             2048,
             Some(f32s),
         ),
-        handle(RawHandle::CudaVmmFd { slot: 0 }, 0, 8192, None),
+        handle(RawHandle::CudaVmmFd { slot: Some(0) }, 0, 8192, None),
     ];
     let mut out = Vec::new();
 

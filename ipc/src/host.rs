@@ -26,7 +26,9 @@
 //!   an access fault (`SIGBUS`); named segments cannot be sealed against that. Only
 //!   processes of an allowed uid holding the session token can learn segment names.
 
-use crate::backend::{Allocation, Backend, ExportableMemory, MemPtr, OpenedMem, RawMemory};
+use crate::backend::{
+    Allocation, Backend, ExportableMemory, FreeWhileMapped, MemPtr, OpenedMem, RawMemory,
+};
 use crate::process::{self, Liveness};
 use crate::session::CheckedHandle;
 use crate::{Error, Result};
@@ -283,7 +285,13 @@ impl RawMemory for Mapping {
 }
 
 impl ExportableMemory for Mapping {
-    fn raw_handle(&self, _fd_slot: u8) -> Result<RawHandle> {
+    /// Unlinking and unmapping the owner's segment leaves importers' mappings (and the
+    /// pages under them) in place.
+    fn free_while_mapped(&self) -> FreeWhileMapped {
+        FreeWhileMapped::Survives
+    }
+
+    fn raw_handle(&self, _fd_slot: Option<u8>) -> Result<RawHandle> {
         self.name
             .clone()
             .map(RawHandle::HostSegment)

@@ -34,8 +34,8 @@ mod session;
 pub mod slab;
 
 pub use backend::{
-    Allocation, Backend, ExportableMemory, HandleBuilder, MemPtr, OpenedMem, RawMemory,
-    SharedBackend,
+    Allocation, Backend, ExportableMemory, FreeWhileMapped, HandleBuilder, MemPtr, OpenedMem,
+    RawMemory, SharedBackend,
 };
 pub use cache::{CacheStats, ImportCache, Imported};
 pub use cuda::CudaBackend;

@@ -124,8 +124,10 @@ pub enum RawHandle {
     /// CUDA VMM: the shareable handle is the file descriptor at this index among the
     /// descriptors that travelled beside the frame (`SCM_RIGHTS`).
     CudaVmmFd {
-        /// Index into the frame's file descriptors.
-        slot: u8,
+        /// Index into the frame's file descriptors; `None` when the importer already maps
+        /// the allocation (the descriptor crossed this link before), so that only a hit in
+        /// its import cache can open it.
+        slot: Option<u8>,
     },
 }
 
@@ -147,12 +149,21 @@ impl RawHandle {
             RawHandle::CudaVmmFd { .. } => BackendKind::CudaVmm,
         }
     }
+
+    /// Where the descriptor this handle needs sits among its frame's descriptors: `None`
+    /// for handles that carry no descriptor, or whose descriptor the importer already has.
+    pub fn fd_slot(&self) -> Option<u8> {
+        match self {
+            RawHandle::CudaVmmFd { slot } => *slot,
+            RawHandle::HostSegment(_) | RawHandle::CudaIpc(_) => None,
+        }
+    }
 }
 
 impl fmt::Debug for RawHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RawHandle::CudaVmmFd { slot } => write!(f, "CudaVmmFd {{ slot: {slot} }}"),
+            RawHandle::CudaVmmFd { slot } => write!(f, "CudaVmmFd {{ slot: {slot:?} }}"),
             other => write!(f, "{}(<redacted>)", other.kind_name()),
         }
     }
