@@ -56,6 +56,7 @@ impl SupEvents {
                     name,
                     pid,
                     restarts,
+                    ..
                 } => Some((name, pid, restarts)),
                 _ => None,
             })

@@ -332,12 +332,20 @@ fn handles_that_name_nothing_or_too_much_are_refused_before_mapping() {
         Err(Error::Message(msg::Error::DigestMismatch))
     ));
 
-    // A stale generation after the exporter said Gone.
-    cache.retire(good.exporter.process, good.alloc, good.generation);
+    // A stale generation: the exporter reused the allocation for a newer buffer, and this
+    // process has opened that one.
+    let mut alloc = alloc;
+    let newer = alloc.renew();
+    let fresh = cache
+        .open(&alloc.handle(&session).build().unwrap(), &mut no_fds)
+        .unwrap();
+    let opens = backend.opens();
     assert!(matches!(
         cache.open(&good, &mut no_fds),
-        Err(Error::StaleHandle { .. })
+        Err(Error::StaleHandle { generation, current, .. }) if generation == good.generation && current == newer
     ));
+    assert_eq!(backend.opens(), opens, "no open was attempted");
+    drop(fresh);
     assert_eq!(cache.stats().live, 0);
 }
 

@@ -12,12 +12,12 @@
 //!   [`ActorError::Orphaned`].
 
 use crate::error::ActorError;
+use crate::exports::Exports;
 use crate::ids::BufferId;
-use crate::ledger::Ledger;
 use crate::link::{LinkHandle, ReleaseLease};
 use baton_ipc::cuda::RecordedEvent;
 use baton_ipc::{Allocation, Imported, MemPtr};
-use baton_messages::{DType, ExporterId, Layout, LeaseId, Shape};
+use baton_messages::{ActorId, DType, ExporterId, Layout, LeaseId, Shape};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -46,18 +46,20 @@ fn byte_range<T: Element>(index: usize, len: usize, size: usize) -> Result<usize
     }
 }
 
-/// The exporter-side state of one buffer: its memory and its owner's ledger. Dropping the
-/// last reference *retires* the buffer in the ledger, which frees it when no lease is out.
+/// The exporter-side state of one buffer: its memory and the node's exports. Dropping the
+/// last reference *retires* the buffer in the ledger, which frees it once no process may
+/// map it.
 pub(crate) struct BufferCell {
     pub(crate) id: BufferId,
+    pub(crate) owner: ActorId,
     pub(crate) alloc: Arc<Allocation>,
     pub(crate) layout: Layout,
-    pub(crate) ledger: Arc<Ledger>,
+    pub(crate) exports: Arc<Exports>,
 }
 
 impl Drop for BufferCell {
     fn drop(&mut self) {
-        self.ledger.retire(self.id);
+        self.exports.retire(self.id);
     }
 }
 
@@ -124,7 +126,7 @@ impl<T: Element> Buffer<T> {
     /// How many leases on it are out now. A buffer with none may be written again
     /// without racing a reader (a lease is counted from the moment its offer is sent).
     pub fn leases_out(&self) -> usize {
-        self.cell.ledger.leases_on(self.cell.id)
+        self.cell.exports.leases_on(self.cell.id)
     }
 
     /// The backend allocation, for backend-specific work (e.g. launching a kernel on it).

@@ -123,6 +123,22 @@ pub enum ActorError {
         /// The lease.
         lease: LeaseId,
     },
+    /// The peer sent nothing (not even a pong) within the heartbeat deadline: stopped,
+    /// deadlocked, or its event loop blocked. Its link was cut.
+    #[error("{peer} sent nothing for {silent_for:?}: cut as unresponsive")]
+    Unresponsive {
+        /// The peer.
+        peer: ProcessId,
+        /// How long it had been silent.
+        silent_for: Duration,
+    },
+    /// The peer's process exited (seen through its pidfd, or reaped by its supervisor)
+    /// while its link was up, e.g. because a descendant inherited its socket.
+    #[error("{peer} exited")]
+    PeerExited {
+        /// The peer.
+        peer: ProcessId,
+    },
     /// An actor's mailbox is closed.
     #[error("actor mailbox: {0}")]
     Mailbox(#[from] actix::MailboxError),

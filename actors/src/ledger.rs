@@ -1,368 +1,684 @@
-//! The exporter's lease table: for each buffer, who holds it under which lease.
+//! The lease ledger: who may map each exported allocation, as a state machine without I/O.
 //!
-//! A [`BufferOwner`](crate::BufferOwner)'s state lives here, behind a mutex, because leases
-//! are granted and returned on the hot path of every handoff by the peer links, and a
-//! mutex held for a few hash-map operations costs far less than a mailbox round trip. The
-//! owner actor keeps the lifecycle that needs time: revoke deadlines, tracing, stats.
+//! Like quinn-proto's connection or the link handshake, the ledger owns no socket, thread,
+//! timer or driver object. The node feeds it events — a lease granted or released, a link
+//! cut, a process confirmed dead, a buffer retired, a revoke, a deadline passed, a mapping
+//! closed — and carries out the [`Action`]s it queues: send a revoke or an unmap, cut a
+//! link, free memory, report a quarantine. Every interleaving can therefore be driven from
+//! a test, and the property tests at the bottom of this file do so against a simple model.
 //!
-//! Invariants:
-//! - a lease is recorded *before* its offer is sent, so one lost in flight still holds
-//!   the buffer until its link closes;
-//! - a buffer's memory is dropped only when it is retired (no [`Buffer`](crate::Buffer)
-//!   handle left) *and* has no lease out;
-//! - a release is accepted only from the link the lease was granted on.
+//! # What it tracks, per allocation
+//!
+//! - **Leases**: one per buffer in a message, from the moment its offer is sent (so one
+//!   lost in flight still counts) until the importer's `Release` — which may carry a
+//!   *release fence*: the point on the importer's stream after its last use.
+//! - **Mapping holds**, per link: the importer's process may map the allocation (its import
+//!   cache keeps a mapping warm after its last lease drops). A hold starts with the first
+//!   offer over a link — that offer carries the descriptor, later ones do not — and ends
+//!   with the importer's `Unmapped`, sent after it closed the mapping, either because we
+//!   asked (`Unmap`: we free the allocation, or the importer asked us with `Evict` to let it
+//!   drop an idle mapping) or because it could not open the offer.
+//! - **Cut holders**: processes whose link was cut while they held a lease or a mapping.
+//!   Cutting a link does not stop a live process from mapping memory it has mapped.
+//!
+//! # The invariant
+//!
+//! *An allocation's memory is freed only when no `Buffer` handle is left, no lease is out,
+//! and no process that may still map it is alive*: every importer that opened it has
+//! acknowledged closing its mapping (`Unmapped`), or is confirmed dead (its process id and
+//! start time, or its pidfd), or its link was cut and the backend declares that a free does
+//! not disturb a process that still maps the memory ([`FreeWhileMapped::Survives`]: host
+//! memory, CUDA VMM). Where a free does disturb it ([`FreeWhileMapped::Unsafe`]: CUDA legacy
+//! IPC, where `cuMemFree` before the importer's `cuIpcCloseMemHandle` lets the exporter's
+//! next allocation reuse pages another process still writes), the allocation is
+//! **quarantined** instead: counted, reported, and freed when the last cut holder is
+//! confirmed dead. The [`Action::Free`] it emits carries every release fence the importers
+//! sent, and the node frees only after they complete, so no GPU work that uses the memory
+//! can still run either.
+//!
+//! `check` (tests only) verifies the bookkeeping after every event.
 
-use crate::buffer::BufferCell;
-use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
-use crate::link::{LinkRef, SendGone};
-use baton_ipc::cuda::RecordedEvent;
-use baton_ipc::{Allocation, Session};
-use baton_messages::protocol::Offer;
+use baton_ipc::FreeWhileMapped;
 use baton_messages::{ActorId, AllocationId, LeaseId, ProcessId};
-use std::collections::HashMap;
-use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
 
-/// One lease, as its exporter records it.
-#[derive(Debug, Clone)]
-struct LeaseRecord {
-    link: LinkRef,
-    revoke_by: Option<Instant>,
-    /// The event the offer carried, kept out of the pool until the lease returns.
-    _event: Option<Arc<RecordedEvent>>,
+/// What a [`BufferOwner`](crate::BufferOwner) does to a holder that keeps a revoked lease
+/// past its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum RevokePolicy {
+    /// Cut the holder's link (the default). Its leases no longer count, but where the
+    /// backend's free is unsafe while a live process maps the memory (CUDA legacy IPC), the
+    /// memory stays quarantined until that process is confirmed dead.
+    #[default]
+    Cut,
+    /// Cut the link and, when the holder is a child of this node's
+    /// [`ProcessSupervisor`](crate::ProcessSupervisor), SIGKILL it: the quarantine ends when
+    /// it is reaped (and the supervisor restarts it by its strategy). Other holders are
+    /// only cut.
+    KillSupervisedChild,
+}
+
+/// Why the ledger refused an event. Each is the peer's or the caller's mistake; the ledger
+/// is unchanged by a refused event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The buffer or allocation is not in the ledger (freed, or never recorded).
+    UnknownBuffer,
+    /// The buffer has no `Buffer` handle left: nothing may lease it any more.
+    NotLive,
+    /// The link is not up (never registered, or cut).
+    LinkDown,
+    /// No lease of that id was granted over that link.
+    UnknownLease,
+}
+
+/// Something the node must do for the ledger.
+#[derive(Debug)]
+pub(crate) enum Action<M, F> {
+    /// Ask the holder of `lease` (over `link`) to give it back by `deadline`.
+    Revoke {
+        link: LinkId,
+        lease: LeaseId,
+        deadline: Instant,
+    },
+    /// Ask the importer over `link` to close its mapping of `alloc` and answer `Unmapped`.
+    Unmap { link: LinkId, alloc: AllocationId },
+    /// Cut `link`: its peer kept `lease` past the revoke deadline. `kill`: the owner's
+    /// policy asks to SIGKILL the holder if it is a supervised child.
+    Cut {
+        link: LinkId,
+        lease: LeaseId,
+        kill: bool,
+    },
+    /// Free the allocation once every fence has completed. Emitted once.
+    Free {
+        alloc: AllocationId,
+        meta: M,
+        fences: Vec<F>,
+    },
+    /// The allocation cannot be freed while these processes, whose links were cut, live.
+    /// Emitted once per allocation, when it enters quarantine.
+    Quarantine {
+        alloc: AllocationId,
+        bytes: u64,
+        holders: Vec<ProcessId>,
+    },
+}
+
+/// A new allocation, as [`Ledger::insert`] records it.
+#[derive(Debug)]
+pub(crate) struct NewAllocation<M> {
+    pub(crate) alloc: AllocationId,
+    pub(crate) buffer: BufferId,
+    pub(crate) owner: ActorId,
+    pub(crate) bytes: u64,
+    pub(crate) rule: FreeWhileMapped,
+    pub(crate) policy: RevokePolicy,
+    /// What the node needs to free it (the backend allocation); handed back in
+    /// [`Action::Free`].
+    pub(crate) meta: M,
+}
+
+/// A granted lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// This offer starts a mapping hold: it must carry the allocation's descriptor (for
+    /// descriptor-shared backends). Later offers over the same link name the allocation and
+    /// the importer uses its mapping.
+    pub(crate) new_hold: bool,
+}
+
+/// One importer's mapping hold over one link.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Hold {
+    /// Offers over this link may omit the descriptor.
+    current: bool,
+    /// `Unmap`s sent and not yet answered by `Unmapped`.
+    draining: u32,
+}
+
+impl Hold {
+    fn is_empty(&self) -> bool {
+        !self.current && self.draining == 0
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// `Buffer` handles exist.
+    Live,
+    /// No handle is left: freed as soon as the invariant allows.
+    Retired,
+    /// Retired, no lease out, no live link holds it, but a cut holder may still map it and
+    /// the backend's free is unsafe while it does.
+    Quarantined,
 }
 
 #[derive(Debug)]
-struct Entry {
-    alloc: Arc<Allocation>,
-    layout: baton_messages::Layout,
-    leases: HashMap<LeaseId, LeaseRecord>,
-    /// No `Buffer` handle is left: free when the last lease returns.
-    retiring: bool,
-    /// Links that ever held a lease on it: told `Gone` when it is freed.
-    holders: HashMap<LinkId, LinkRef>,
+struct Entry<M, F> {
+    buffer: BufferId,
+    owner: ActorId,
+    bytes: u64,
+    rule: FreeWhileMapped,
+    policy: RevokePolicy,
+    meta: M,
+    phase: Phase,
+    leases: BTreeSet<LeaseId>,
+    holds: BTreeMap<LinkId, Hold>,
+    cut_holders: BTreeSet<ProcessId>,
+    fences: Vec<F>,
 }
 
-/// A buffer's leases, as [`BufferOwner::lease_table`](crate::BufferOwner) reports them.
+#[derive(Debug, Clone, Copy)]
+struct LeaseRecord {
+    alloc: AllocationId,
+    link: LinkId,
+    revoke_by: Option<Instant>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LinkRecord {
+    process: ProcessId,
+    /// A `Cut` action was emitted for it already.
+    cut_asked: bool,
+}
+
+/// One buffer's leases, for tables.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BufferLeases {
-    /// The buffer.
-    pub buffer: BufferId,
-    /// Its allocation.
-    pub alloc: AllocationId,
-    /// Outstanding leases and the process holding each.
-    pub leases: Vec<(LeaseId, ProcessId)>,
-    /// Whether the buffer waits for its leases to be freed.
-    pub retiring: bool,
+pub(crate) struct EntryView {
+    pub(crate) buffer: BufferId,
+    pub(crate) alloc: AllocationId,
+    pub(crate) bytes: u64,
+    pub(crate) leases: Vec<(LeaseId, ProcessId)>,
+    pub(crate) mapped_by: Vec<ProcessId>,
+    pub(crate) cut_holders: Vec<ProcessId>,
+    pub(crate) retiring: bool,
+    pub(crate) quarantined: bool,
 }
 
-/// Counters of one owner.
+/// Counters, for one owner or all.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct OwnerStats {
-    /// Buffers alive (handles or leases out).
-    pub buffers: usize,
-    /// Of those, buffers waiting for leases to come back before they are freed.
-    pub retiring: usize,
-    /// Leases out.
-    pub leases: usize,
-    /// Bytes alive.
-    pub bytes: u64,
-    /// Leases granted so far.
-    pub granted: u64,
-    /// Buffers freed so far.
-    pub freed: u64,
+pub(crate) struct Counts {
+    pub(crate) buffers: usize,
+    pub(crate) retiring: usize,
+    pub(crate) quarantined: usize,
+    pub(crate) quarantined_bytes: u64,
+    pub(crate) leases: usize,
+    pub(crate) bytes: u64,
 }
 
-#[derive(Default, Debug)]
-struct State {
-    buffers: HashMap<BufferId, Entry>,
-    lease_index: HashMap<LeaseId, BufferId>,
+/// The lease ledger (see the module docs). `M` is what the node needs to free an
+/// allocation; `F` a release fence.
+#[derive(Debug)]
+pub(crate) struct Ledger<M, F> {
+    allocs: HashMap<AllocationId, Entry<M, F>>,
+    buffers: HashMap<BufferId, AllocationId>,
+    leases: HashMap<LeaseId, LeaseRecord>,
+    links: HashMap<LinkId, LinkRecord>,
+    actions: Vec<Action<M, F>>,
     granted: u64,
     freed: u64,
 }
 
-/// What a final free leaves to do outside the lock.
-struct Freed {
-    alloc: Arc<Allocation>,
-    holders: Vec<LinkRef>,
-}
-
-impl Freed {
-    fn finish(self, owner: ActorId) {
-        let (alloc, generation) = (self.alloc.id(), self.alloc.generation());
-        drop(self.alloc);
-        tracing::debug!(actor = %owner, %alloc, %generation, "buffer freed");
-        for link in self.holders {
-            link.addr.do_send(SendGone { alloc, generation });
+impl<M, F> Default for Ledger<M, F> {
+    fn default() -> Self {
+        Self {
+            allocs: HashMap::new(),
+            buffers: HashMap::new(),
+            leases: HashMap::new(),
+            links: HashMap::new(),
+            actions: Vec::new(),
+            granted: 0,
+            freed: 0,
         }
     }
 }
 
-/// A buffer owner's lease table (see the [crate docs](crate)).
-#[derive(Debug)]
-pub(crate) struct Ledger {
-    pub(crate) owner: ActorId,
-    pub(crate) session: Session,
-    state: Mutex<State>,
-}
-
-impl Ledger {
-    pub(crate) fn new(owner: ActorId, session: Session) -> Arc<Self> {
-        Arc::new(Self {
-            owner,
-            session,
-            state: Mutex::new(State::default()),
-        })
+impl<M, F> Ledger<M, F> {
+    /// The actions queued by the events so far, oldest first.
+    pub(crate) fn take_actions(&mut self) -> Vec<Action<M, F>> {
+        std::mem::take(&mut self.actions)
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // Every mutation is a few map operations that leave the maps consistent, so a
-        // panic elsewhere while the lock was held leaves nothing to repair.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Records a new buffer and returns its cell (the first handle).
-    pub(crate) fn insert(
-        self: &Arc<Self>,
-        alloc: Allocation,
-        layout: baton_messages::Layout,
-    ) -> Arc<BufferCell> {
-        let id = BufferId::next();
-        let alloc = Arc::new(alloc);
-        self.lock().buffers.insert(
-            id,
+    /// Records a new allocation, live (its first `Buffer` handle exists).
+    pub(crate) fn insert(&mut self, new: NewAllocation<M>) {
+        self.buffers.insert(new.buffer, new.alloc);
+        self.allocs.insert(
+            new.alloc,
             Entry {
-                alloc: Arc::clone(&alloc),
-                layout: layout.clone(),
-                leases: HashMap::new(),
-                retiring: false,
-                holders: HashMap::new(),
+                buffer: new.buffer,
+                owner: new.owner,
+                bytes: new.bytes,
+                rule: new.rule,
+                policy: new.policy,
+                meta: new.meta,
+                phase: Phase::Live,
+                leases: BTreeSet::new(),
+                holds: BTreeMap::new(),
+                cut_holders: BTreeSet::new(),
+                fences: Vec::new(),
             },
         );
-        Arc::new(BufferCell {
-            id,
-            alloc,
-            layout,
-            ledger: Arc::clone(self),
-        })
     }
 
-    /// Grants `link`'s peer a lease on `buffer` and builds the offer. `fd_slot` is where
-    /// the descriptor (returned for descriptor-shared backends) sits in the frame.
+    /// A link to `process` is up.
+    pub(crate) fn link_up(&mut self, link: LinkId, process: ProcessId) {
+        self.links.insert(
+            link,
+            LinkRecord {
+                process,
+                cut_asked: false,
+            },
+        );
+    }
+
+    /// Grants the peer over `link` a lease on `alloc`, before its offer is sent.
     pub(crate) fn grant(
-        &self,
-        buffer: BufferId,
-        link: &LinkRef,
-        fd_slot: u8,
-        event: Option<Arc<RecordedEvent>>,
-    ) -> Result<(Offer, Option<OwnedFd>), ActorError> {
-        let mut state = self.lock();
-        let entry = state
-            .buffers
-            .get_mut(&buffer)
-            .ok_or(ActorError::UnknownBuffer(buffer))?;
-        // The buffer is the layout's bytes; the allocation may be larger (VMM rounds it up
-        // to the granularity), so the handle names exactly that range.
-        let len = entry.layout.byte_len().unwrap_or(0);
-        let mut builder = entry
-            .alloc
-            .handle(&self.session)
-            .actor(self.owner)
-            .range(0, len)
-            .layout(entry.layout.clone())
-            .fd_slot(Some(fd_slot));
-        if let Some(event) = &event {
-            builder = builder.event(event.ipc_handle());
+        &mut self,
+        alloc: AllocationId,
+        link: LinkId,
+        lease: LeaseId,
+    ) -> Result<Grant, Refusal> {
+        if !self.links.contains_key(&link) {
+            return Err(Refusal::LinkDown);
         }
-        let handle = builder.build()?;
-        let fd = match entry.alloc.export_fd() {
-            Some(fd) => Some(fd.try_clone_to_owned().map_err(|e| baton_ipc::Error::Io {
-                op: "dup(export fd)",
-                source: e,
-            })?),
-            None => None,
-        };
-        let lease = crate::ids::next_lease();
-        entry.leases.insert(
+        let entry = self.allocs.get_mut(&alloc).ok_or(Refusal::UnknownBuffer)?;
+        if entry.phase != Phase::Live {
+            return Err(Refusal::NotLive);
+        }
+        entry.leases.insert(lease);
+        let hold = entry.holds.entry(link).or_default();
+        let new_hold = !hold.current;
+        hold.current = true;
+        self.leases.insert(
             lease,
             LeaseRecord {
-                link: link.clone(),
+                alloc,
+                link,
                 revoke_by: None,
-                _event: event,
             },
         );
-        entry.holders.entry(link.id).or_insert_with(|| link.clone());
-        state.lease_index.insert(lease, buffer);
-        state.granted += 1;
-        Ok((Offer { lease, handle }, fd))
+        self.granted += 1;
+        Ok(Grant { new_hold })
     }
 
-    /// Takes back a lease returned over `link`. Frees the buffer if it was the last lease
-    /// of a retired buffer.
-    pub(crate) fn release(&self, lease: LeaseId, link: LinkId) -> Result<(), ActorError> {
-        let freed = {
-            let mut state = self.lock();
-            let unknown = ActorError::UnknownLease { lease };
-            let buffer = *state.lease_index.get(&lease).ok_or(unknown)?;
-            let entry = state
-                .buffers
-                .get_mut(&buffer)
-                .expect("indexed leases have entries");
-            if entry.leases.get(&lease).map(|r| r.link.id) != Some(link) {
-                return Err(ActorError::UnknownLease { lease });
-            }
-            entry.leases.remove(&lease);
-            state.lease_index.remove(&lease);
-            Self::take_if_done(&mut state, buffer)
+    /// Takes back a lease whose offer was never sent. `grant` is what [`grant`](Self::grant)
+    /// returned: a hold it started is undone too, so the next offer carries the descriptor.
+    pub(crate) fn ungrant(&mut self, lease: LeaseId, grant: Grant) {
+        let Some(record) = self.leases.remove(&lease) else {
+            return;
         };
-        if let Some(f) = freed {
-            f.finish(self.owner);
+        if let Some(entry) = self.allocs.get_mut(&record.alloc) {
+            entry.leases.remove(&lease);
+            if grant.new_hold {
+                if let Some(hold) = entry.holds.get_mut(&record.link) {
+                    hold.current = false;
+                    if hold.is_empty() {
+                        entry.holds.remove(&record.link);
+                    }
+                }
+            }
         }
+        self.settle(record.alloc);
+    }
+
+    /// The peer over `link` gave `lease` back, after the work its `fence` marks.
+    pub(crate) fn release(
+        &mut self,
+        lease: LeaseId,
+        link: LinkId,
+        fence: Option<F>,
+    ) -> Result<(), Refusal> {
+        match self.leases.get(&lease) {
+            Some(record) if record.link == link => {}
+            _ => return Err(Refusal::UnknownLease),
+        }
+        let record = self.leases.remove(&lease).expect("checked above");
+        let entry = self
+            .allocs
+            .get_mut(&record.alloc)
+            .expect("a recorded lease has its entry");
+        entry.leases.remove(&lease);
+        entry.fences.extend(fence);
+        self.settle(record.alloc);
         Ok(())
     }
 
-    /// Reclaims every lease granted over a link that closed. Returns how many.
-    pub(crate) fn link_gone(&self, link: LinkId) -> usize {
-        let (count, freed) = {
-            let mut state = self.lock();
-            let mut count = 0;
-            let mut emptied = Vec::new();
-            let state_ref = &mut *state;
-            for (id, entry) in &mut state_ref.buffers {
-                let before = entry.leases.len();
-                entry.leases.retain(|lease, r| {
-                    let keep = r.link.id != link;
-                    if !keep {
-                        state_ref.lease_index.remove(lease);
-                    }
-                    keep
-                });
-                entry.holders.remove(&link);
-                count += before - entry.leases.len();
-                if before != entry.leases.len() {
-                    emptied.push(*id);
-                }
-            }
-            let freed: Vec<Freed> = emptied
-                .into_iter()
-                .filter_map(|id| Self::take_if_done(&mut state, id))
-                .collect();
-            (count, freed)
+    /// The last `Buffer` handle of `buffer` dropped: free it as soon as the invariant allows.
+    pub(crate) fn retire(&mut self, buffer: BufferId) {
+        let Some(&alloc) = self.buffers.get(&buffer) else {
+            return;
         };
-        for f in freed {
-            f.finish(self.owner);
-        }
-        count
-    }
-
-    /// The last handle of `buffer` dropped: free it now, or when its last lease returns.
-    pub(crate) fn retire(&self, buffer: BufferId) {
-        let freed = {
-            let mut state = self.lock();
-            if let Some(entry) = state.buffers.get_mut(&buffer) {
-                entry.retiring = true;
-                if !entry.leases.is_empty() {
-                    tracing::debug!(actor = %self.owner, alloc = %entry.alloc.id(), leases = entry.leases.len(), "free deferred until leases return");
-                }
+        if let Some(entry) = self.allocs.get_mut(&alloc) {
+            if entry.phase == Phase::Live {
+                entry.phase = Phase::Retired;
             }
-            Self::take_if_done(&mut state, buffer)
-        };
-        if let Some(f) = freed {
-            f.finish(self.owner);
         }
+        self.settle(alloc);
     }
 
-    fn take_if_done(state: &mut State, buffer: BufferId) -> Option<Freed> {
-        let done = state
-            .buffers
-            .get(&buffer)
-            .is_some_and(|e| e.retiring && e.leases.is_empty());
-        if !done {
-            return None;
+    /// Asks every holder of `buffer` to give its lease back by `deadline` (an earlier
+    /// deadline of an earlier revoke stands). Returns how many leases were asked back.
+    pub(crate) fn revoke(&mut self, buffer: BufferId, deadline: Instant) -> Result<usize, Refusal> {
+        let alloc = *self.buffers.get(&buffer).ok_or(Refusal::UnknownBuffer)?;
+        let entry = self.allocs.get(&alloc).ok_or(Refusal::UnknownBuffer)?;
+        for lease in &entry.leases {
+            let record = self.leases.get_mut(lease).expect("indexed");
+            let by = record.revoke_by.map_or(deadline, |d| d.min(deadline));
+            record.revoke_by = Some(by);
+            self.actions.push(Action::Revoke {
+                link: record.link,
+                lease: *lease,
+                deadline: by,
+            });
         }
-        let entry = state.buffers.remove(&buffer)?;
-        state.freed += 1;
-        Some(Freed {
-            alloc: entry.alloc,
-            holders: entry.holders.into_values().collect(),
-        })
+        Ok(entry.leases.len())
     }
 
-    /// Marks every lease on `buffer` as revoked by `deadline`; returns them and their links.
-    pub(crate) fn revoke(
-        &self,
-        buffer: BufferId,
-        deadline: Instant,
-    ) -> Result<Vec<(LeaseId, LinkRef)>, ActorError> {
-        let mut state = self.lock();
-        let entry = state
-            .buffers
-            .get_mut(&buffer)
-            .ok_or(ActorError::UnknownBuffer(buffer))?;
-        Ok(entry
+    /// Time passed: cuts the links of holders past a revoke deadline (once per link).
+    pub(crate) fn tick(&mut self, now: Instant) {
+        let mut overdue: Vec<(LinkId, LeaseId, AllocationId)> = self
             .leases
-            .iter_mut()
-            .map(|(lease, r)| {
-                r.revoke_by = Some(r.revoke_by.map_or(deadline, |d| d.min(deadline)));
-                (*lease, r.link.clone())
-            })
-            .collect())
-    }
-
-    /// Leases still out past their revoke deadline, and their links.
-    pub(crate) fn overdue(&self, now: Instant) -> Vec<(LeaseId, LinkRef)> {
-        let state = self.lock();
-        state
-            .buffers
-            .values()
-            .flat_map(|e| e.leases.iter())
+            .iter()
             .filter(|(_, r)| r.revoke_by.is_some_and(|d| d <= now))
-            .map(|(lease, r)| (*lease, r.link.clone()))
-            .collect()
+            .map(|(lease, r)| (r.link, *lease, r.alloc))
+            .collect();
+        overdue.sort();
+        for (link, lease, alloc) in overdue {
+            let Some(record) = self.links.get_mut(&link) else {
+                continue;
+            };
+            if record.cut_asked {
+                continue;
+            }
+            record.cut_asked = true;
+            let kill = self.allocs.get(&alloc).map(|e| e.policy)
+                == Some(RevokePolicy::KillSupervisedChild);
+            self.actions.push(Action::Cut { link, lease, kill });
+        }
     }
 
-    /// Leases out on one buffer.
+    /// The importer over `link` asks to drop its idle mapping of `alloc`: answer with
+    /// `Unmap` (after which offers carry the descriptor again).
+    pub(crate) fn evict(&mut self, link: LinkId, alloc: AllocationId) {
+        let Some(hold) = self
+            .allocs
+            .get_mut(&alloc)
+            .and_then(|e| e.holds.get_mut(&link))
+        else {
+            return;
+        };
+        if hold.current {
+            hold.current = false;
+            hold.draining += 1;
+            self.actions.push(Action::Unmap { link, alloc });
+        }
+    }
+
+    /// The importer over `link` closed its mapping of `alloc` (the answer to an `Unmap`, or
+    /// after an offer it could not open). Returns whether it held one; an unmatched
+    /// `Unmapped` is harmless (an `Unmap` and a failed open can cross) and changes nothing.
+    pub(crate) fn unmapped(&mut self, link: LinkId, alloc: AllocationId) -> bool {
+        let Some(entry) = self.allocs.get_mut(&alloc) else {
+            return false;
+        };
+        let Some(hold) = entry.holds.get_mut(&link) else {
+            return false;
+        };
+        if hold.draining > 0 {
+            hold.draining -= 1;
+        } else {
+            hold.current = false;
+        }
+        if hold.is_empty() {
+            entry.holds.remove(&link);
+        }
+        self.settle(alloc);
+        true
+    }
+
+    /// `link` is down (end of stream, a fault, a revoke deadline, a close). Its leases no
+    /// longer count, and its peer no longer answers `Unmap`; until that process is
+    /// confirmed dead it may still map what it held, which only matters where the
+    /// backend's free is unsafe while mapped.
+    pub(crate) fn link_cut(&mut self, link: LinkId) {
+        let Some(record) = self.links.remove(&link) else {
+            return;
+        };
+        self.drop_links(&[link], Some(record.process));
+    }
+
+    /// `process` is confirmed dead: nothing of ours is mapped there any more.
+    pub(crate) fn process_dead(&mut self, process: ProcessId) {
+        let links: Vec<LinkId> = self
+            .links
+            .iter()
+            .filter(|(_, r)| r.process == process)
+            .map(|(l, _)| *l)
+            .collect();
+        for link in &links {
+            self.links.remove(link);
+        }
+        // Forget it as a cut holder first, so that settling below sees it gone.
+        let touched: Vec<AllocationId> = self
+            .allocs
+            .iter_mut()
+            .filter_map(|(id, e)| e.cut_holders.remove(&process).then_some(*id))
+            .collect();
+        self.drop_links(&links, None);
+        for alloc in touched {
+            self.settle(alloc);
+        }
+    }
+
+    /// Removes the leases and holds of `links` (all of them before anything settles, so
+    /// no `Unmap` goes to a link about to go); `cut_holder` is recorded where they held any.
+    fn drop_links(&mut self, links: &[LinkId], cut_holder: Option<ProcessId>) {
+        if links.is_empty() {
+            return;
+        }
+        self.leases.retain(|_, r| !links.contains(&r.link));
+        let mut touched = Vec::new();
+        for (id, entry) in &mut self.allocs {
+            let before = entry.leases.len();
+            entry.leases.retain(|lease| self.leases.contains_key(lease));
+            let holds = entry.holds.len();
+            entry.holds.retain(|link, _| !links.contains(link));
+            if entry.holds.len() != holds || entry.leases.len() != before {
+                if let Some(process) = cut_holder {
+                    entry.cut_holders.insert(process);
+                }
+                touched.push(*id);
+            }
+        }
+        for alloc in touched {
+            self.settle(alloc);
+        }
+    }
+
+    /// Moves a retired allocation on: `Unmap` to live holders, then free, or quarantine.
+    fn settle(&mut self, alloc: AllocationId) {
+        let Some(entry) = self.allocs.get_mut(&alloc) else {
+            return;
+        };
+        if entry.phase == Phase::Live || !entry.leases.is_empty() {
+            return;
+        }
+        for (link, hold) in &mut entry.holds {
+            if hold.current {
+                hold.current = false;
+                hold.draining += 1;
+                self.actions.push(Action::Unmap { link: *link, alloc });
+            }
+        }
+        if !entry.holds.is_empty() {
+            return;
+        }
+        if entry.rule == FreeWhileMapped::Unsafe && !entry.cut_holders.is_empty() {
+            if entry.phase != Phase::Quarantined {
+                entry.phase = Phase::Quarantined;
+                self.actions.push(Action::Quarantine {
+                    alloc,
+                    bytes: entry.bytes,
+                    holders: entry.cut_holders.iter().copied().collect(),
+                });
+            }
+            return;
+        }
+        let entry = self.allocs.remove(&alloc).expect("present");
+        self.buffers.remove(&entry.buffer);
+        self.freed += 1;
+        self.actions.push(Action::Free {
+            alloc,
+            meta: entry.meta,
+            fences: entry.fences,
+        });
+    }
+
+    /// The owner of `buffer`.
+    pub(crate) fn owner_of(&self, buffer: BufferId) -> Option<ActorId> {
+        let alloc = self.buffers.get(&buffer)?;
+        self.allocs.get(alloc).map(|e| e.owner)
+    }
+
+    /// Leases out on `buffer`.
     pub(crate) fn leases_on(&self, buffer: BufferId) -> usize {
-        self.lock()
-            .buffers
+        self.buffers
             .get(&buffer)
+            .and_then(|a| self.allocs.get(a))
             .map_or(0, |e| e.leases.len())
     }
 
-    /// The lease table.
-    pub(crate) fn table(&self) -> Vec<BufferLeases> {
-        let state = self.lock();
-        let mut out: Vec<BufferLeases> = state
-            .buffers
+    /// The process at the other end of a live link.
+    pub(crate) fn link_process(&self, link: LinkId) -> Option<ProcessId> {
+        self.links.get(&link).map(|r| r.process)
+    }
+
+    /// Every allocation of `owner` (all owners: `None`), in buffer order.
+    pub(crate) fn view(&self, owner: Option<ActorId>) -> Vec<EntryView> {
+        let mut out: Vec<EntryView> = self
+            .allocs
             .iter()
-            .map(|(id, e)| {
-                let mut leases: Vec<_> =
-                    e.leases.iter().map(|(l, r)| (*l, r.link.peer())).collect();
+            .filter(|(_, e)| owner.is_none_or(|o| e.owner == o))
+            .map(|(alloc, e)| {
+                let mut leases: Vec<(LeaseId, ProcessId)> = e
+                    .leases
+                    .iter()
+                    .filter_map(|l| {
+                        let link = self.leases.get(l)?.link;
+                        Some((*l, self.links.get(&link)?.process))
+                    })
+                    .collect();
                 leases.sort();
-                BufferLeases {
-                    buffer: *id,
-                    alloc: e.alloc.id(),
+                let mut mapped_by: Vec<ProcessId> = e
+                    .holds
+                    .keys()
+                    .filter_map(|l| self.links.get(l).map(|r| r.process))
+                    .collect();
+                mapped_by.sort();
+                mapped_by.dedup();
+                EntryView {
+                    buffer: e.buffer,
+                    alloc: *alloc,
+                    bytes: e.bytes,
                     leases,
-                    retiring: e.retiring,
+                    mapped_by,
+                    cut_holders: e.cut_holders.iter().copied().collect(),
+                    retiring: e.phase != Phase::Live,
+                    quarantined: e.phase == Phase::Quarantined,
                 }
             })
             .collect();
-        out.sort_by_key(|b| b.buffer);
+        out.sort_by_key(|v| v.buffer);
         out
     }
 
-    /// Counters.
-    pub(crate) fn stats(&self) -> OwnerStats {
-        let state = self.lock();
-        OwnerStats {
-            buffers: state.buffers.len(),
-            retiring: state.buffers.values().filter(|e| e.retiring).count(),
-            leases: state.lease_index.len(),
-            bytes: state.buffers.values().map(|e| e.alloc.size() as u64).sum(),
-            granted: state.granted,
-            freed: state.freed,
+    /// Counters of `owner` (all owners: `None`).
+    pub(crate) fn counts(&self, owner: Option<ActorId>) -> Counts {
+        let mut c = Counts::default();
+        for e in self
+            .allocs
+            .values()
+            .filter(|e| owner.is_none_or(|o| e.owner == o))
+        {
+            c.buffers += 1;
+            c.bytes += e.bytes;
+            c.leases += e.leases.len();
+            match e.phase {
+                Phase::Live => {}
+                Phase::Retired => c.retiring += 1,
+                Phase::Quarantined => {
+                    c.retiring += 1;
+                    c.quarantined += 1;
+                    c.quarantined_bytes += e.bytes;
+                }
+            }
         }
+        c
+    }
+
+    /// Leases granted so far (with those whose offer never went out).
+    pub(crate) fn granted(&self) -> u64 {
+        self.granted
+    }
+
+    /// Allocations freed so far.
+    pub(crate) fn freed(&self) -> u64 {
+        self.freed
+    }
+
+    /// Checks the bookkeeping: indexes agree, holds and leases name live links, quarantine
+    /// only where the rule asks for it. Panics on a broken invariant.
+    #[cfg(test)]
+    pub(crate) fn check(&self) {
+        for (lease, r) in &self.leases {
+            let entry = self
+                .allocs
+                .get(&r.alloc)
+                .expect("a lease's allocation exists");
+            assert!(entry.leases.contains(lease), "lease index and entry agree");
+            assert!(
+                self.links.contains_key(&r.link),
+                "a lease is on a live link"
+            );
+        }
+        for (alloc, e) in &self.allocs {
+            assert_eq!(self.buffers.get(&e.buffer), Some(alloc), "buffer index");
+            for lease in &e.leases {
+                assert_eq!(self.leases.get(lease).map(|r| r.alloc), Some(*alloc));
+            }
+            for (link, hold) in &e.holds {
+                assert!(self.links.contains_key(link), "a hold is on a live link");
+                assert!(!hold.is_empty(), "empty holds are removed");
+            }
+            match e.phase {
+                Phase::Live => {}
+                Phase::Retired => {
+                    // A retired entry with nothing holding it would have been freed.
+                    assert!(
+                        !e.leases.is_empty() || !e.holds.is_empty(),
+                        "a retired allocation nobody holds is freed"
+                    );
+                }
+                Phase::Quarantined => {
+                    assert_eq!(e.rule, FreeWhileMapped::Unsafe);
+                    assert!(e.leases.is_empty() && e.holds.is_empty());
+                    assert!(!e.cut_holders.is_empty());
+                }
+            }
+            if e.phase != Phase::Live && e.leases.is_empty() {
+                assert!(
+                    e.holds.values().all(|h| !h.current),
+                    "every live holder of a retired allocation was asked to unmap"
+                );
+            }
+        }
+        assert_eq!(self.buffers.len(), self.allocs.len());
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -38,6 +38,7 @@
 
 mod buffer;
 mod error;
+mod exports;
 mod ids;
 mod ledger;
 mod link;
@@ -48,10 +49,11 @@ pub mod supervisor;
 
 pub use buffer::{Buffer, Element, Lease, Shared};
 pub use error::ActorError;
+pub use exports::{BufferLeases, OwnerStats};
 pub use ids::{BufferId, LinkId};
-pub use ledger::{BufferLeases, OwnerStats};
-pub use link::PeerLink;
-pub use node::{Listening, Node, Offered, Peer, PeerEvent, RevokeRequested};
+pub use ledger::RevokePolicy;
+pub use link::{Heartbeat, PeerLink};
+pub use node::{Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use owner::{Allocate, BufferOwner, LeaseTable, Revoke, Stats};
 pub use remote::{RemoteAddr, RemoteMessage};
 pub use supervisor::{

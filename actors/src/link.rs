@@ -1,37 +1,49 @@
 //! [`PeerLink`]: one actor per connection.
 //!
 //! It owns the socket: a reader stream feeds it frames, a writer task drains its outgoing
-//! queue (frames with their descriptors). It routes the lease protocol both ways:
+//! queue (frames with their descriptors), and a [`LinkCloser`] shuts the socket down when
+//! the link is cut, whatever the writer is doing. It routes the lease protocol both ways:
 //!
-//! - as exporter, it grants leases for the buffers in outgoing messages and remembers
-//!   which owner's table each belongs to; a `Release` is accepted only for a lease it
-//!   granted (anything else — unknown, replayed, another peer's — drops the link);
+//! - as exporter, it grants leases for the buffers in outgoing messages through the node's
+//!   [`Exports`](crate::exports::Exports); a `Release`, `Unmapped` or `Evict` is checked
+//!   against what was granted over *this* link (a release of anything else — unknown,
+//!   replayed, another peer's — drops the link);
 //! - as importer, it checks every incoming handle (digest, consistency, that the peer
-//!   offers only its own buffers), opens it through the import cache, and hands out lease
-//!   guards that send `Release` when dropped.
+//!   offers only its own buffers), opens it through the import cache, keeps the mapping
+//!   warm for the next offer of the same allocation (a *hold*, until the exporter sends
+//!   `Unmap`), and hands out lease guards that send `Release` when dropped.
 //!
-//! When the link ends (end of stream, a protocol fault, a revoke deadline, the peer's
-//! process dying), every lease it granted is reclaimed, every lease it holds is orphaned,
-//! every pending call fails, and the node's watchers are told why.
+//! It pings the peer on the node's heartbeat interval; a peer that sends nothing within
+//! the deadline is *unresponsive* and its link is cut.
+//!
+//! When the link ends (end of stream, a protocol fault, a revoke deadline, silence, the
+//! peer's process dying, a close), the socket is shut down, the leases it granted stop
+//! counting (the ledger decides when their memory may go: see
+//! [`ledger`](crate::ledger)), the mappings it kept warm are let go, every lease it holds
+//! is orphaned, every pending call fails, and the node's watchers are told why.
 
 use crate::buffer::{HeldLease, IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::ids::LinkId;
-use crate::ledger::Ledger;
+use crate::ledger::Grant;
 use crate::node::Node;
 use crate::remote::{Encoded, IncomingPayload};
 use actix::prelude::*;
-use baton_ipc::{AsyncLink, FrameFds, LinkReader, LinkWriter, PeerInfo, Received};
+use baton_ipc::{
+    AsyncLink, CacheKey, FrameFds, HolderId, LinkCloser, LinkReader, LinkWriter, PeerInfo, Received,
+};
 use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_frame};
-use baton_messages::protocol::{Call, CallFault, Gone, Offer, Payload, Release, Reply, Revoke};
-use baton_messages::{AllocationId, Generation, LeaseId, Message as Wire, ProcessId};
+use baton_messages::protocol::{
+    Call, CallFault, Evict, Offer, Payload, Release, Reply, Revoke, Unmap, Unmapped,
+};
+use baton_messages::{AllocationId, LeaseId, Message as Wire, ProcessId};
 use futures_util::stream::Stream;
 use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 /// Shared between a link actor and the guards that depend on it.
@@ -39,6 +51,8 @@ use tokio::sync::{mpsc, oneshot};
 pub(crate) struct LinkState {
     alive: AtomicBool,
     peer: ProcessId,
+    /// The last measured round trip in nanoseconds (0: none yet).
+    rtt_ns: AtomicU64,
 }
 
 /// A reference to a link: its actor, and whether it is still up.
@@ -56,6 +70,18 @@ impl LinkRef {
 
     pub(crate) fn peer(&self) -> ProcessId {
         self.state.peer
+    }
+
+    /// The last round trip the heartbeat or a ping measured.
+    pub(crate) fn round_trip(&self) -> Option<Duration> {
+        match self.state.rtt_ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
+    fn holder(&self) -> HolderId {
+        HolderId(self.id.get())
     }
 }
 
@@ -79,18 +105,52 @@ struct OutFrame {
     fds: Vec<OwnedFd>,
 }
 
+/// Leases granted for one frame: its offers, the descriptors that go with them, and what
+/// undoing each grant takes.
+struct Granted {
+    offers: Vec<Offer>,
+    fds: Vec<OwnedFd>,
+    grants: Vec<Grant>,
+}
+
+/// How a link watches its peer's liveness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// How often a link pings its peer (default 1 s).
+    pub interval: Duration,
+    /// How long a peer may send nothing before its link is cut as unresponsive
+    /// (default 10 s). A stopped (SIGSTOP) or deadlocked peer process, or one whose
+    /// event loop is blocked, answers nothing.
+    pub deadline: Duration,
+}
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(1),
+            deadline: Duration::from_secs(10),
+        }
+    }
+}
+
 /// One actor per connection (see the [crate docs](crate)).
 pub struct PeerLink {
     node: Node,
     me: LinkRef,
     peer: PeerInfo,
     out: Option<mpsc::UnboundedSender<OutFrame>>,
-    /// Leases granted over this link, and the table each belongs to.
-    offered: HashMap<LeaseId, Arc<Ledger>>,
+    closer: LinkCloser,
+    /// The peer's allocations this link keeps mapped (a hold in the import cache).
+    mapped: HashMap<AllocationId, CacheKey>,
     /// Leases held from the peer.
     held: HashMap<LeaseId, Weak<HeldLease>>,
     pending: HashMap<u64, oneshot::Sender<Result<IncomingPayload, ActorError>>>,
     next_call: u64,
+    /// Pings in flight: when each was sent, and who waits for its round trip.
+    pings: HashMap<u64, (Instant, Option<oneshot::Sender<Duration>>)>,
+    next_ping: u64,
+    /// When the peer last sent anything.
+    last_heard: Instant,
     down: Option<Arc<ActorError>>,
     span: tracing::Span,
 }
@@ -100,7 +160,7 @@ impl fmt::Debug for PeerLink {
         f.debug_struct("PeerLink")
             .field("link", &self.me.id)
             .field("peer", &self.peer.process)
-            .field("offered", &self.offered.len())
+            .field("mapped", &self.mapped.len())
             .field("held", &self.held.len())
             .field("pending", &self.pending.len())
             .finish()
@@ -170,7 +230,9 @@ impl PeerLink {
         let state = Arc::new(LinkState {
             alive: AtomicBool::new(true),
             peer: peer.process,
+            rtt_ns: AtomicU64::new(0),
         });
+        let closer = link.closer();
         let (reader, writer) = link.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
         let addr = PeerLink::create(|ctx| {
@@ -179,6 +241,9 @@ impl PeerLink {
                 addr: ctx.address(),
                 state: Arc::clone(&state),
             };
+            // Before any frame is handled or any call granted: leases need the link.
+            node.exports().link_up(&me);
+            node.watch(peer.process);
             ctx.add_stream(frames(reader));
             actix::spawn(write_loop(writer, rx, ctx.address()));
             PeerLink {
@@ -187,10 +252,14 @@ impl PeerLink {
                 me,
                 peer,
                 out: Some(tx),
-                offered: HashMap::new(),
+                closer,
+                mapped: HashMap::new(),
                 held: HashMap::new(),
                 pending: HashMap::new(),
                 next_call: 1,
+                pings: HashMap::new(),
+                next_ping: 1,
+                last_heard: Instant::now(),
                 down: None,
             }
         });
@@ -221,26 +290,29 @@ impl PeerLink {
     }
 
     /// Grants the peer a lease on each buffer; all or none.
-    fn grant_all(&mut self, cells: &[Outgoing]) -> Result<(Vec<Offer>, Vec<OwnedFd>), ActorError> {
+    fn grant_all(&mut self, cells: &[Outgoing]) -> Result<Granted, ActorError> {
         let mut offers = Vec::with_capacity(cells.len());
+        let mut grants = Vec::with_capacity(cells.len());
         let mut fds = Vec::new();
         let mut failure = None;
         for Outgoing { cell, event } in cells {
-            if fds.len() > MAX_FDS_PER_FRAME {
+            if fds.len() >= MAX_FDS_PER_FRAME && cell.alloc.export_fd().is_some() {
                 failure = Some(ActorError::TooManyDescriptors {
-                    count: fds.len(),
+                    count: fds.len() + 1,
                     max: MAX_FDS_PER_FRAME,
                 });
                 break;
             }
-            match cell
-                .ledger
-                .grant(cell.id, &self.me, fds.len() as u8, event.clone())
+            let event = event.as_ref().map(|e| e.ipc_handle());
+            match self
+                .node
+                .exports()
+                .grant(cell, &self.me, fds.len() as u8, event)
             {
-                Ok((offer, fd)) => {
+                Ok((offer, fd, grant)) => {
                     fds.extend(fd);
-                    self.offered.insert(offer.lease, Arc::clone(&cell.ledger));
                     offers.push(offer);
+                    grants.push(grant);
                 }
                 Err(e) => {
                     failure = Some(e);
@@ -248,27 +320,24 @@ impl PeerLink {
                 }
             }
         }
-        if failure.is_none() && fds.len() > MAX_FDS_PER_FRAME {
-            failure = Some(ActorError::TooManyDescriptors {
-                count: fds.len(),
-                max: MAX_FDS_PER_FRAME,
-            });
-        }
         match failure {
-            None => Ok((offers, fds)),
+            None => Ok(Granted {
+                offers,
+                fds,
+                grants,
+            }),
             Some(e) => {
-                self.ungrant(offers.iter().map(|o| o.lease));
+                self.ungrant(&offers, &grants);
                 Err(e)
             }
         }
     }
 
     /// Takes back leases granted for a frame that was never sent.
-    fn ungrant(&mut self, leases: impl IntoIterator<Item = LeaseId>) {
-        for lease in leases {
-            if let Some(ledger) = self.offered.remove(&lease) {
-                let _ = ledger.release(lease, self.me.id);
-            }
+    fn ungrant(&mut self, offers: &[Offer], grants: &[Grant]) {
+        // Newest first, so that the grant that started a hold is undone last.
+        for (offer, grant) in offers.iter().zip(grants).rev() {
+            self.node.exports().ungrant(offer.lease, *grant);
         }
     }
 
@@ -291,6 +360,13 @@ impl PeerLink {
             return Err(ActorError::DuplicateLease { lease: offer.lease });
         }
         let imported = self.node.cache().open(&offer.handle, fds)?;
+        // The first offer of an allocation over this link starts a hold: the mapping stays
+        // warm for the next offer until the exporter says `Unmap`. (A hold that was letting
+        // go while leases used the mapping is superseded: the cache answers its `Unmapped`.)
+        let key = imported.key();
+        if self.mapped.insert(offer.handle.alloc, key).is_none() {
+            self.node.cache().hold(&key, self.me.holder());
+        }
         let held = Arc::new(HeldLease::default());
         self.held.insert(offer.lease, Arc::downgrade(&held));
         Ok(IncomingLease {
@@ -312,18 +388,72 @@ impl PeerLink {
             .collect()
     }
 
+    /// The exporter asks us to close our mapping of `alloc`: answer `Unmapped` once no
+    /// lease of ours uses it (at once if none does, or if we hold none).
+    fn on_unmap(&mut self, alloc: AllocationId) -> Result<(), ActorError> {
+        let Some(key) = self.mapped.remove(&alloc) else {
+            return self.send(&Wire::Unmapped(Unmapped { alloc }), Vec::new());
+        };
+        let addr = self.me.addr.clone();
+        self.node.cache().unhold(
+            &key,
+            self.me.holder(),
+            Box::new(move || addr.do_send(SendUnmapped { alloc })),
+        );
+        Ok(())
+    }
+
+    /// Sends a ping; `reply` gets the round trip when its pong comes back.
+    fn ping(&mut self, reply: Option<oneshot::Sender<Duration>>) -> Result<(), ActorError> {
+        let n = self.next_ping;
+        self.next_ping += 1;
+        self.pings.insert(n, (Instant::now(), reply));
+        self.send(&Wire::Ping(n), Vec::new())
+    }
+
+    fn on_pong(&mut self, n: u64) {
+        // A pong we did not ask for is harmless: nothing is recorded for it.
+        if let Some((sent, reply)) = self.pings.remove(&n) {
+            let rtt = sent.elapsed();
+            self.me.state.rtt_ns.store(
+                rtt.as_nanos().clamp(1, u64::MAX.into()) as u64,
+                Ordering::Relaxed,
+            );
+            if let Some(reply) = reply {
+                let _ = reply.send(rtt);
+            }
+        }
+    }
+
+    /// Every heartbeat interval: cut a silent peer, else ping it.
+    fn heartbeat(&mut self, ctx: &mut Context<Self>) {
+        let deadline = self.node.heartbeat().deadline;
+        let silent_for = self.last_heard.elapsed();
+        if silent_for >= deadline {
+            self.cut(
+                ctx,
+                ActorError::Unresponsive {
+                    peer: self.peer.process,
+                    silent_for,
+                },
+            );
+            return;
+        }
+        // Pings never answered are dropped once the deadline has passed for them.
+        self.pings.retain(|_, (sent, _)| sent.elapsed() < deadline);
+        if let Err(e) = self.ping(None) {
+            self.cut(ctx, e);
+        }
+    }
+
     fn on_frame(&mut self, received: Received, ctx: &mut Context<Self>) -> Result<(), ActorError> {
         let Received { message, mut fds } = received;
         match message {
             Wire::Call(call) => self.on_call(call, &mut fds, ctx),
             Wire::Reply(reply) => self.on_reply(reply, &mut fds),
             Wire::Release(Release { lease }) => {
-                let ledger = self
-                    .offered
-                    .remove(&lease)
-                    .ok_or(ActorError::UnknownLease { lease })?;
                 tracing::trace!(%lease, "released");
-                ledger.release(lease, self.me.id)
+                self.node.exports().release(lease, self.me.id)
             }
             Wire::Revoke(Revoke { lease, deadline_ms }) => {
                 if let Some(held) = self.held.get(&lease).and_then(Weak::upgrade) {
@@ -338,10 +468,16 @@ impl PeerLink {
                 // A revoke of a lease we already released crossed our Release: nothing to do.
                 Ok(())
             }
-            Wire::Gone(Gone { alloc, generation }) => {
-                self.node
-                    .cache()
-                    .retire(self.peer.process, alloc, generation);
+            Wire::Unmap(Unmap { alloc }) => self.on_unmap(alloc),
+            Wire::Unmapped(Unmapped { alloc }) => {
+                // One that matches no hold crossed a failed open: harmless.
+                if !self.node.exports().unmapped(self.me.id, alloc) {
+                    tracing::debug!(%alloc, "Unmapped for no hold");
+                }
+                Ok(())
+            }
+            Wire::Evict(Evict { alloc }) => {
+                self.node.exports().evict(self.me.id, alloc);
                 Ok(())
             }
             Wire::Offer(offer) => {
@@ -350,7 +486,10 @@ impl PeerLink {
                 Ok(())
             }
             Wire::Ping(n) => self.send(&Wire::Pong(n), Vec::new()),
-            Wire::Pong(_) => Ok(()),
+            Wire::Pong(n) => {
+                self.on_pong(n);
+                Ok(())
+            }
             other => Err(ActorError::Unexpected { got: other.kind() }),
         }
     }
@@ -392,26 +531,35 @@ impl PeerLink {
         id: u64,
         result: Result<Encoded, CallFault>,
     ) -> Result<(), ActorError> {
-        let (outcome, fds) = match result {
+        let (outcome, fds, grants) = match result {
             Ok(encoded) => match self.grant_all(&encoded.cells) {
-                Ok((offers, fds)) => (
+                Ok(Granted {
+                    offers,
+                    fds,
+                    grants,
+                }) => (
                     Ok(Payload {
                         bytes: encoded.bytes,
                         offers,
                     }),
                     fds,
+                    grants,
                 ),
-                Err(e) => (Err(CallFault::ReplyFailed(e.to_string())), Vec::new()),
+                Err(e) => (
+                    Err(CallFault::ReplyFailed(e.to_string())),
+                    Vec::new(),
+                    Vec::new(),
+                ),
             },
-            Err(fault) => (Err(fault), Vec::new()),
+            Err(fault) => (Err(fault), Vec::new(), Vec::new()),
         };
-        let leases: Vec<LeaseId> = match &outcome {
-            Ok(p) => p.offers.iter().map(|o| o.lease).collect(),
+        let offers: Vec<Offer> = match &outcome {
+            Ok(p) => p.offers.clone(),
             Err(_) => Vec::new(),
         };
         let sent = self.send(&Wire::Reply(Reply { id, outcome }), fds);
         if sent.is_err() {
-            self.ungrant(leases);
+            self.ungrant(&offers, &grants);
         }
         sent
     }
@@ -437,25 +585,29 @@ impl PeerLink {
 impl Actor for PeerLink {
     type Context = Context<Self>;
 
-    fn started(&mut self, _ctx: &mut Self::Context) {
+    fn started(&mut self, ctx: &mut Self::Context) {
         let span = self.span.clone();
         let _g = span.enter();
         tracing::debug!(uid = self.peer.cred.uid, "link up");
+        ctx.run_interval(self.node.heartbeat().interval, |act, ctx| {
+            act.heartbeat(ctx)
+        });
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
         let span = self.span.clone();
         let _g = span.enter();
         self.me.state.alive.store(false, Ordering::Release);
+        // The peer sees end of stream now, even if our writer is parked on a full socket
+        // or the peer never reads what we queued.
+        self.closer.close();
         self.out = None;
-        // Reclaim every lease granted over this link, once per owner table.
-        let mut ledgers: Vec<Arc<Ledger>> = Vec::new();
-        for ledger in self.offered.values() {
-            if !ledgers.iter().any(|l| Arc::ptr_eq(l, ledger)) {
-                ledgers.push(Arc::clone(ledger));
-            }
-        }
-        let reclaimed: usize = ledgers.iter().map(|l| l.link_gone(self.me.id)).sum();
+        let exports = self.node.exports();
+        let before = exports.stats(None).leases;
+        exports.link_cut(self.me.id);
+        let reclaimed = before.saturating_sub(exports.stats(None).leases);
+        // The mappings this link kept warm go (now, or with the last orphaned lease).
+        self.node.cache().drop_holder(self.me.holder());
         for (_, tx) in self.pending.drain() {
             let _ = tx.send(Err(ActorError::LinkClosed {
                 peer: self.peer.process,
@@ -471,6 +623,7 @@ impl StreamHandler<Result<Received, baton_ipc::Error>> for PeerLink {
     fn handle(&mut self, item: Result<Received, baton_ipc::Error>, ctx: &mut Self::Context) {
         match item {
             Ok(received) => {
+                self.last_heard = Instant::now();
                 let span = self.span.clone();
                 let _g = span.enter();
                 if let Err(e) = self.on_frame(received, ctx) {
@@ -515,6 +668,31 @@ impl Handler<CutOff> for PeerLink {
     }
 }
 
+/// The peer's process died. Whatever it sent before is still read; if nothing is left to
+/// read and its end of the socket is still open (a descendant inherited it), cut now.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct PeerDied;
+
+impl Handler<PeerDied> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, _: PeerDied, ctx: &mut Self::Context) {
+        if self.closer.readable_now() {
+            // Frames or end of stream are waiting: the reader gets to them first.
+            ctx.run_later(Duration::from_millis(100), |_, ctx| {
+                ctx.address().do_send(PeerDied);
+            });
+        } else {
+            self.cut(
+                ctx,
+                ActorError::PeerExited {
+                    peer: self.peer.process,
+                },
+            );
+        }
+    }
+}
+
 /// A lease guard dropped: give the lease back.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -552,25 +730,55 @@ impl Handler<SendRevoke> for PeerLink {
     }
 }
 
-/// Tell the peer an allocation it held is freed.
+/// Ask the peer to close its mapping of one of our allocations.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct SendGone {
+pub(crate) struct SendUnmap {
     pub(crate) alloc: AllocationId,
-    pub(crate) generation: Generation,
 }
 
-impl Handler<SendGone> for PeerLink {
+impl Handler<SendUnmap> for PeerLink {
     type Result = ();
-    fn handle(&mut self, msg: SendGone, _ctx: &mut Self::Context) {
-        // Best effort: a peer that misses it just cannot tell a stale handle early.
-        let _ = self.send(
-            &Wire::Gone(Gone {
-                alloc: msg.alloc,
-                generation: msg.generation,
-            }),
-            Vec::new(),
-        );
+    fn handle(&mut self, msg: SendUnmap, ctx: &mut Self::Context) {
+        if let Err(e) = self.send(&Wire::Unmap(Unmap { alloc: msg.alloc }), Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+/// Our mapping of one of the peer's allocations is closed (an `Unmap` answered).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct SendUnmapped {
+    alloc: AllocationId,
+}
+
+impl Handler<SendUnmapped> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: SendUnmapped, ctx: &mut Self::Context) {
+        tracing::trace!(parent: &self.span, alloc = %msg.alloc, "unmapped");
+        if let Err(e) = self.send(&Wire::Unmapped(Unmapped { alloc: msg.alloc }), Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+/// The import cache's warm budget is exceeded: ask the peer to let us drop a mapping.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct RequestEvict {
+    pub(crate) alloc: AllocationId,
+}
+
+impl Handler<RequestEvict> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: RequestEvict, ctx: &mut Self::Context) {
+        if !self.mapped.contains_key(&msg.alloc) {
+            return;
+        }
+        if let Err(e) = self.send(&Wire::Evict(Evict { alloc: msg.alloc }), Vec::new()) {
+            self.cut(ctx, e);
+        }
     }
 }
 
@@ -590,7 +798,11 @@ impl Handler<OutCall> for PeerLink {
     fn handle(&mut self, msg: OutCall, _ctx: &mut Self::Context) {
         let span = self.span.clone();
         let _g = span.enter();
-        let (offers, fds) = match self.grant_all(&msg.encoded.cells) {
+        let Granted {
+            offers,
+            fds,
+            grants,
+        } = match self.grant_all(&msg.encoded.cells) {
             Ok(granted) => granted,
             Err(e) => {
                 let _ = msg.reply.send(Err(e));
@@ -599,7 +811,6 @@ impl Handler<OutCall> for PeerLink {
         };
         let id = self.next_call;
         self.next_call += 1;
-        let leases: Vec<LeaseId> = offers.iter().map(|o| o.lease).collect();
         let call = Wire::Call(Call {
             id,
             target: msg.target.to_string(),
@@ -609,26 +820,29 @@ impl Handler<OutCall> for PeerLink {
         });
         match self.send(&call, fds) {
             Ok(()) => {
-                tracing::trace!(call = id, leases = leases.len(), "call sent");
+                tracing::trace!(call = id, leases = grants.len(), "call sent");
                 self.pending.insert(id, msg.reply);
             }
             Err(e) => {
-                self.ungrant(leases);
+                let Wire::Call(call) = call else {
+                    unreachable!("built just above")
+                };
+                self.ungrant(&call.offers, &grants);
                 let _ = msg.reply.send(Err(e));
             }
         }
     }
 }
 
-/// Probe the peer.
+/// Probe the peer; the reply carries the round trip, when its pong comes back.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct SendPing(pub(crate) u64);
+pub(crate) struct SendPing(pub(crate) oneshot::Sender<Duration>);
 
 impl Handler<SendPing> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: SendPing, ctx: &mut Self::Context) {
-        if let Err(e) = self.send(&Wire::Ping(msg.0), Vec::new()) {
+        if let Err(e) = self.ping(Some(msg.0)) {
             self.cut(ctx, e);
         }
     }

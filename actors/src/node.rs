@@ -3,22 +3,24 @@
 
 use crate::buffer::{IncomingLease, Shared, SharedInner};
 use crate::error::ActorError;
+use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::LinkId;
-use crate::link::{CutOff, LinkRef, PeerLink, SendPing};
+use crate::link::{CutOff, Heartbeat, LinkRef, PeerDied, PeerLink, RequestEvict, SendPing};
 use crate::remote::{ErasedHandler, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
+use baton_ipc::process::DeathWatch;
 use baton_ipc::{
     AsyncLink, HostBackend, ImportCache, LinkConfig, Listener, PeerInfo, Session, SharedBackend,
-    SocketDir,
+    SocketDir, WarmBudget,
 };
 use baton_messages::{BackendKind, LeaseId, ProcessId};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 /// Something happened to a link.
@@ -79,6 +81,7 @@ impl fmt::Debug for Offered {
 pub struct Peer {
     pub(crate) link: LinkRef,
     pub(crate) info: PeerInfo,
+    link_deadline: Duration,
 }
 
 impl fmt::Debug for Peer {
@@ -121,12 +124,34 @@ impl Peer {
         }
     }
 
-    /// Sends a liveness probe (the peer answers `Pong`).
-    pub fn ping(&self, n: u64) {
-        self.link.addr.do_send(SendPing(n));
+    /// Measures the round trip to the peer: a `Ping` out, its `Pong` back, through both
+    /// processes' links. The heartbeat measures it too (see
+    /// [`round_trip`](Self::round_trip)).
+    ///
+    /// # Errors
+    /// [`ActorError::LinkClosed`] if the link goes down first; [`ActorError::Timeout`]
+    /// after the heartbeat deadline.
+    pub fn ping(&self) -> impl Future<Output = Result<Duration, ActorError>> + 'static {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.link.addr.do_send(SendPing(tx));
+        let (peer, after) = (self.info.process, self.link_deadline);
+        async move {
+            match tokio::time::timeout(after, rx).await {
+                Ok(Ok(rtt)) => Ok(rtt),
+                Ok(Err(_)) => Err(ActorError::LinkClosed { peer }),
+                Err(_) => Err(ActorError::Timeout { op: "ping", after }),
+            }
+        }
     }
 
-    /// Closes the link: leases granted over it are reclaimed, leases held over it orphaned.
+    /// The last round trip to the peer that its link measured (heartbeat or
+    /// [`ping`](Self::ping)), if any.
+    pub fn round_trip(&self) -> Option<Duration> {
+        self.link.round_trip()
+    }
+
+    /// Closes the link: leases granted over it stop counting (the memory is freed once no
+    /// live process may map it), leases held over it are orphaned.
     pub fn close(&self) {
         self.link.addr.do_send(CutOff(ActorError::LinkClosed {
             peer: self.info.process,
@@ -134,12 +159,58 @@ impl Peer {
     }
 }
 
+/// How a [`Node`] links and keeps its links and mappings.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// How links are established: session, peer policy, handshake deadline.
+    pub link: LinkConfig,
+    /// How links watch their peers' liveness.
+    pub heartbeat: Heartbeat,
+    /// How many mappings the import cache keeps warm.
+    pub warm: WarmBudget,
+}
+
+impl NodeConfig {
+    /// Same-uid peers holding the session's token; default heartbeat and warm budget.
+    pub fn new(session: Session) -> Self {
+        LinkConfig::new(session).into()
+    }
+
+    /// With another heartbeat.
+    pub fn heartbeat(mut self, heartbeat: Heartbeat) -> Self {
+        self.heartbeat = heartbeat;
+        self
+    }
+
+    /// With another budget of warm mappings.
+    pub fn warm(mut self, warm: WarmBudget) -> Self {
+        self.warm = warm;
+        self
+    }
+}
+
+impl From<LinkConfig> for NodeConfig {
+    fn from(link: LinkConfig) -> Self {
+        Self {
+            link,
+            heartbeat: Heartbeat::default(),
+            warm: WarmBudget::default(),
+        }
+    }
+}
+
 struct NodeInner {
-    config: LinkConfig,
+    config: NodeConfig,
     cache: ImportCache,
     backend: SharedBackend,
+    exports: Arc<Exports>,
+    /// Reports linked processes' deaths (`None` if its thread could not start: links
+    /// then learn of deaths by end of stream and from the supervisor only).
+    deaths: Option<DeathWatch>,
     handlers: Mutex<HashMap<String, Arc<dyn ErasedHandler>>>,
     links: Mutex<HashMap<LinkId, Peer>>,
+    /// Processes seen dead whose links are still ending.
+    dead: Mutex<HashSet<ProcessId>>,
     watchers: Mutex<Vec<Recipient<PeerEvent>>>,
     revoke_watchers: Mutex<Vec<Recipient<RevokeRequested>>>,
     inbox: Mutex<Option<Recipient<Offered>>>,
@@ -182,11 +253,12 @@ impl Node {
     /// A node that allocates with `backend` and links with same-uid peers holding the
     /// session's token. It opens handles of `backend`'s kind and host handles.
     pub fn new(session: Session, backend: SharedBackend) -> Node {
-        Self::with_config(LinkConfig::new(session), backend)
+        Self::with_config(NodeConfig::new(session), backend)
     }
 
-    /// A node with its own link configuration (peer policy, handshake deadline).
-    pub fn with_config(config: LinkConfig, backend: SharedBackend) -> Node {
+    /// A node with its own configuration (a [`NodeConfig`], or just a [`LinkConfig`]).
+    pub fn with_config(config: impl Into<NodeConfig>, backend: SharedBackend) -> Node {
+        let config = config.into();
         raise_fd_limit();
         let mut importers: Vec<SharedBackend> = vec![Arc::clone(&backend)];
         if !backend.can_open(BackendKind::Host) {
@@ -194,18 +266,43 @@ impl Node {
                 importers.push(Arc::new(host));
             }
         }
-        Node {
-            inner: Arc::new(NodeInner {
-                cache: ImportCache::new(config.session.clone(), importers),
+        let session = config.link.session.clone();
+        let inner = Arc::new_cyclic(|weak: &Weak<NodeInner>| {
+            let on_death = weak.clone();
+            let deaths = DeathWatch::spawn("baton-deaths", move |process| {
+                if let Some(inner) = on_death.upgrade() {
+                    (Node { inner }).process_exited(process);
+                }
+            })
+            .map_err(|e| tracing::warn!(error = %e, "no death watch: deaths are seen by end of stream only"))
+            .ok();
+            let cache = ImportCache::with_budget(session.clone(), importers, config.warm);
+            let evict = weak.clone();
+            cache.set_evictor(Arc::new(move |holder, key| {
+                let Some(inner) = evict.upgrade() else { return };
+                let peer = lock(&inner.links)
+                    .values()
+                    .find(|p| p.link.id.get() == holder.0)
+                    .cloned();
+                if let Some(peer) = peer {
+                    peer.link.addr.do_send(RequestEvict { alloc: key.alloc });
+                }
+            }));
+            NodeInner {
+                cache,
+                exports: Exports::new(session),
+                deaths,
                 config,
                 backend,
                 handlers: Mutex::new(HashMap::new()),
                 links: Mutex::new(HashMap::new()),
+                dead: Mutex::new(HashSet::new()),
                 watchers: Mutex::new(Vec::new()),
                 revoke_watchers: Mutex::new(Vec::new()),
                 inbox: Mutex::new(None),
-            }),
-        }
+            }
+        });
+        Node { inner }
     }
 
     /// The node of a child process: the session from `BATON_TOKEN`, the backend from
@@ -219,7 +316,38 @@ impl Node {
 
     /// The session.
     pub fn session(&self) -> &Session {
-        &self.inner.config.session
+        &self.inner.config.link.session
+    }
+
+    /// The node's configuration.
+    pub fn config(&self) -> &NodeConfig {
+        &self.inner.config
+    }
+
+    pub(crate) fn heartbeat(&self) -> Heartbeat {
+        self.inner.config.heartbeat
+    }
+
+    pub(crate) fn exports(&self) -> &Arc<Exports> {
+        &self.inner.exports
+    }
+
+    /// Every buffer this node's owners export, with its leases and holders (all owners;
+    /// [`LeaseTable`](crate::LeaseTable) gives one owner's).
+    pub fn lease_table(&self) -> Vec<BufferLeases> {
+        self.inner.exports.table(None)
+    }
+
+    /// Counters of every buffer this node's owners export.
+    pub fn export_stats(&self) -> OwnerStats {
+        self.inner.exports.stats(None)
+    }
+
+    /// Reports `process`'s death to the ledger when it happens.
+    pub(crate) fn watch(&self, process: ProcessId) {
+        if let Some(deaths) = &self.inner.deaths {
+            deaths.watch(process);
+        }
     }
 
     /// The backend buffers are allocated with.
@@ -315,7 +443,11 @@ impl Node {
     fn adopt(&self, link: AsyncLink) -> Peer {
         let info = *link.peer();
         let link = PeerLink::start(self.clone(), link);
-        let peer = Peer { link, info };
+        let peer = Peer {
+            link,
+            info,
+            link_deadline: self.inner.config.heartbeat.deadline,
+        };
         lock(&self.inner.links).insert(peer.link.id, peer.clone());
         self.notify(PeerEvent::Up(peer.clone()));
         peer
@@ -328,21 +460,48 @@ impl Node {
             !links.values().any(|p| p.info.process == peer.process)
         };
         if last_to_process {
-            // Its tombstones can only matter for handles it sends, and it sends no more.
+            // What the backends keep of it (its opened events) only serves handles it
+            // sends, and it sends no more.
             self.inner.cache.forget_process(&peer.process);
+            if lock(&self.inner.dead).remove(&peer.process) {
+                self.inner.exports.process_dead(peer.process);
+            }
         }
         self.notify(PeerEvent::Down { link, peer, reason });
     }
 
-    /// Cuts every link to the process with this pid (a supervised child died: even if a
-    /// descendant inherited its socket, its leases are reclaimed now).
-    pub fn disconnect_pid(&self, pid: u32) {
+    /// Cuts every link to `process` (for instance, one whose stopping a supervisor
+    /// decided). Its leases stop counting; its memory is freed once the ledger allows.
+    pub fn disconnect(&self, process: &ProcessId) {
         for peer in self.peers() {
-            if peer.info.process.pid == pid {
+            if peer.info.process == *process {
                 peer.link.addr.do_send(CutOff(ActorError::LinkClosed {
                     peer: peer.info.process,
                 }));
             }
+        }
+    }
+
+    /// `process` is dead (its pidfd said so, or its supervisor reaped it). Its links end:
+    /// each reads what the process sent before it died, then ends at end of stream — or
+    /// is cut at once if a descendant inherited its socket. Once no link to it is left,
+    /// the ledger learns that nothing it held can be mapped there any more, and frees what
+    /// waited for it (a quarantine, an `Unmapped` it never sent).
+    pub fn process_exited(&self, process: ProcessId) {
+        let links: Vec<Peer> = self
+            .peers()
+            .into_iter()
+            .filter(|p| p.info.process == process)
+            .collect();
+        if links.is_empty() {
+            self.inner.exports.process_dead(process);
+            self.inner.cache.forget_process(&process);
+            return;
+        }
+        // `link_down` of the last link finishes the job.
+        lock(&self.inner.dead).insert(process);
+        for peer in links {
+            peer.link.addr.do_send(PeerDied);
         }
     }
 
@@ -351,7 +510,7 @@ impl Node {
     /// # Errors
     /// A connection or handshake error.
     pub async fn connect(&self, path: impl AsRef<Path>) -> Result<Peer, ActorError> {
-        let link = AsyncLink::connect(path, &self.inner.config).await?;
+        let link = AsyncLink::connect(path, &self.inner.config.link).await?;
         Ok(self.adopt(link))
     }
 
@@ -362,7 +521,7 @@ impl Node {
     /// # Errors
     /// The socket cannot be bound.
     pub fn listen(&self, dir: &SocketDir, name: &str) -> Result<Listening, ActorError> {
-        let listener = Listener::bind(dir, name, self.inner.config.clone())?;
+        let listener = Listener::bind(dir, name, self.inner.config.link.clone())?;
         let std = listener
             .listener()
             .try_clone()
@@ -389,7 +548,7 @@ impl Node {
                 };
                 let node = node.clone();
                 actix::spawn(async move {
-                    match AsyncLink::server(stream, &node.inner.config).await {
+                    match AsyncLink::server(stream, &node.inner.config.link).await {
                         Ok(link) => {
                             node.adopt(link);
                         }

@@ -2,9 +2,9 @@
 
 use crate::buffer::{Buffer, Element};
 use crate::error::ActorError;
+use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::BufferId;
-use crate::ledger::{BufferLeases, Ledger, OwnerStats};
-use crate::link::{CutOff, SendRevoke};
+use crate::ledger::RevokePolicy;
 use crate::node::Node;
 use actix::prelude::*;
 use baton_ipc::SharedBackend;
@@ -13,21 +13,28 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The actor that owns buffers: it allocates them through a backend, and its lease table
-/// records every lease on each of them from the moment an offer is sent.
+/// The actor that owns buffers: it allocates them through a backend, and the node's lease
+/// ledger records every lease on each of them from the moment an offer is sent.
 ///
-/// - Buffers are freed by dropping their last [`Buffer`] handle; a buffer with leases out
-///   is *retired* and freed as soon as the last lease comes back — never before.
-/// - [`Revoke`] asks the holders of a buffer to give it back by a deadline; a holder
-///   that does not is cut off (its link is closed, which reclaims all its leases).
-/// - A peer's death (its link closing) reclaims all its leases at once.
+/// - Buffers are freed by dropping their last [`Buffer`] handle — but never while a live
+///   process may map them: a buffer with leases out, or mapped warm by an importer, is
+///   *retired* and freed once every lease is back and every importer answered `Unmap`
+///   (or died).
+/// - [`Revoke`] asks the holders of a buffer to give it back by a deadline; a holder that
+///   does not is cut off (its link is shut down). Its leases stop counting — but where the
+///   backend's free is unsafe while a live process maps the memory (CUDA legacy IPC) the
+///   memory stays *quarantined* until that process is confirmed dead. A
+///   [`RevokePolicy`] can escalate: SIGKILL a holder that is our supervised child.
+/// - A peer's death reclaims all its leases at once.
 ///
-/// The lease table lives beside the actor (see the crate docs), so it survives a restart
-/// of the actor under actix's `Supervisor`.
+/// The lease table lives in the node (see the crate docs), so it survives a restart of the
+/// actor under actix's `Supervisor`.
 #[derive(Debug)]
 pub struct BufferOwner {
-    ledger: Arc<Ledger>,
+    id: ActorId,
+    exports: Arc<Exports>,
     backend: SharedBackend,
+    policy: RevokePolicy,
     span: tracing::Span,
 }
 
@@ -41,24 +48,23 @@ impl BufferOwner {
     pub fn with_backend(node: &Node, backend: SharedBackend) -> Self {
         let id = crate::ids::next_actor();
         Self {
-            ledger: Ledger::new(id, node.session().clone()),
+            id,
+            exports: Arc::clone(node.exports()),
             span: tracing::info_span!("buffer_owner", actor = %id, backend = backend.name()),
             backend,
+            policy: RevokePolicy::default(),
         }
+    }
+
+    /// With another policy for holders that keep a revoked lease past its deadline.
+    pub fn revoke_policy(mut self, policy: RevokePolicy) -> Self {
+        self.policy = policy;
+        self
     }
 
     /// Its actor id (in handle messages' exporter identity).
     pub fn actor_id(&self) -> ActorId {
-        self.ledger.owner
-    }
-
-    fn enforce_deadlines(&mut self) {
-        let _g = self.span.enter();
-        for (lease, link) in self.ledger.overdue(Instant::now()) {
-            tracing::warn!(%lease, peer = %link.peer(), "revoke deadline passed: cutting the holder off");
-            link.addr
-                .do_send(CutOff(ActorError::RevokeDeadline { lease }));
-        }
+        self.id
     }
 }
 
@@ -120,7 +126,12 @@ impl<T: Element> Handler<Allocate<T>> for BufferOwner {
             })?;
         let alloc = self.backend.allocate(bytes)?;
         tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated");
-        Ok(Buffer::new(self.ledger.insert(alloc, layout)))
+        Ok(Buffer::new(self.exports.insert(
+            alloc,
+            layout,
+            self.id,
+            self.policy,
+        )))
     }
 }
 
@@ -143,24 +154,18 @@ impl Handler<Revoke> for BufferOwner {
 
     fn handle(&mut self, msg: Revoke, ctx: &mut Self::Context) -> Self::Result {
         let _g = self.span.enter();
-        let leases = self
-            .ledger
-            .revoke(msg.buffer, Instant::now() + msg.within)?;
-        for (lease, link) in &leases {
-            tracing::info!(%lease, peer = %link.peer(), within = ?msg.within, "revoking");
-            link.addr.do_send(SendRevoke {
-                lease: *lease,
-                within: msg.within,
-            });
+        let asked = self
+            .exports
+            .revoke(self.id, msg.buffer, Instant::now() + msg.within)?;
+        if asked > 0 {
+            // The ledger cuts whoever is still holding when the deadline has passed.
+            ctx.run_later(msg.within, |act, _| act.exports.tick(Instant::now()));
         }
-        if !leases.is_empty() {
-            ctx.run_later(msg.within, |act, _| act.enforce_deadlines());
-        }
-        Ok(leases.len())
+        Ok(asked)
     }
 }
 
-/// Replies with the lease table: each live buffer, its leases and holders.
+/// Replies with the owner's lease table: each buffer alive, its leases and holders.
 #[derive(Debug, Clone, Copy)]
 pub struct LeaseTable;
 
@@ -172,7 +177,7 @@ impl Handler<LeaseTable> for BufferOwner {
     type Result = MessageResult<LeaseTable>;
 
     fn handle(&mut self, _: LeaseTable, _ctx: &mut Self::Context) -> Self::Result {
-        MessageResult(self.ledger.table())
+        MessageResult(self.exports.table(Some(self.id)))
     }
 }
 
@@ -188,6 +193,6 @@ impl Handler<Stats> for BufferOwner {
     type Result = MessageResult<Stats>;
 
     fn handle(&mut self, _: Stats, _ctx: &mut Self::Context) -> Self::Result {
-        MessageResult(self.ledger.stats())
+        MessageResult(self.exports.stats(Some(self.id)))
     }
 }

@@ -6,8 +6,15 @@
 //!   a pidfd (`pidfd_open`, `pidfd_send_signal`), so a recycled pid can never be hit.
 //! - Each child gets the session token ([`baton_ipc::TOKEN_ENV`]), its name
 //!   ([`CHILD_NAME_ENV`]) and, if set, the socket to connect back to ([`CONNECT_ENV`]).
-//! - When a child dies, every link to its pid is cut at once (reclaiming the leases it
-//!   held, orphaning the ones it granted), even if a descendant inherited its socket.
+//! - Children are named by (pid, start time) ([`ProcessId`]), never by pid alone.
+//! - When a child dies, every link to it is cut at once (reclaiming the leases it held,
+//!   orphaning the ones it granted), even if a descendant inherited its socket, and the
+//!   ledger learns it is dead: memory quarantined for it is freed.
+//! - A child whose link goes silent past the heartbeat deadline (stopped, deadlocked) is
+//!   killed — and so restarted by its strategy — unless
+//!   [`kill_unresponsive`](ProcessSupervisor::kill_unresponsive) says otherwise. Owners
+//!   whose [`RevokePolicy`](crate::RevokePolicy) says so kill children that keep a revoked
+//!   lease past its deadline.
 //! - Restarts, for [`Restart::Permanent`] children and failed [`Restart::Transient`]
 //!   ones: [`Strategy::OneForOne`] restarts the child that died;
 //!   [`Strategy::OneForAll`] kills and restarts them all. More than
@@ -17,12 +24,14 @@
 //! - Stopping the supervisor kills and reaps every child.
 
 use crate::error::ActorError;
-use crate::node::Node;
+use crate::node::{Node, PeerEvent};
 use actix::prelude::*;
+use baton_messages::ProcessId;
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -143,6 +152,8 @@ pub enum SupervisorEvent {
         name: String,
         /// Its pid.
         pid: u32,
+        /// The process (pid and start time).
+        process: ProcessId,
         /// How many times it was restarted before this start.
         restarts: u32,
     },
@@ -152,6 +163,8 @@ pub enum SupervisorEvent {
         name: String,
         /// Its pid.
         pid: u32,
+        /// The process (pid and start time).
+        process: ProcessId,
         /// How it ended: an exit code, or the signal that killed it.
         status: String,
     },
@@ -169,14 +182,17 @@ pub struct ChildStatus {
     pub name: String,
     /// Its pid, if running.
     pub pid: Option<u32>,
+    /// The process (pid and start time), if running.
+    pub process: Option<ProcessId>,
     /// Times restarted so far.
     pub restarts: u32,
 }
 
 struct Running {
     pid: u32,
+    process: ProcessId,
     incarnation: u64,
-    pidfd: OwnedFd,
+    pidfd: Arc<OwnedFd>,
     /// Waits for the child, reaps it, reports the exit, and returns the status.
     reaper: Option<JoinHandle<Option<ExitStatus>>>,
 }
@@ -206,6 +222,7 @@ pub struct ProcessSupervisor {
     incarnation: u64,
     watchers: Vec<Recipient<SupervisorEvent>>,
     stopping: bool,
+    kill_unresponsive: bool,
     span: tracing::Span,
 }
 
@@ -239,8 +256,17 @@ impl ProcessSupervisor {
             incarnation: 0,
             watchers: Vec::new(),
             stopping: false,
+            kill_unresponsive: true,
             span: tracing::info_span!("process_supervisor"),
         }
+    }
+
+    /// Whether a child whose link goes silent past the heartbeat deadline is killed (and
+    /// so restarted by the strategy). Default: yes — a stopped or deadlocked child serves
+    /// nobody, and may pin memory until it dies.
+    pub fn kill_unresponsive(mut self, kill: bool) -> Self {
+        self.kill_unresponsive = kill;
+        self
     }
 
     /// Tells children to connect back to this socket ([`CONNECT_ENV`]).
@@ -284,7 +310,7 @@ impl ProcessSupervisor {
                     .map_err(|e| spawn_err(e.into()))
             });
         let pidfd = match pidfd {
-            Ok(fd) => fd,
+            Ok(fd) => Arc::new(fd),
             Err(e) => {
                 // Without a pidfd it cannot be signalled safely: do not leave it running.
                 let _ = child.kill();
@@ -292,6 +318,13 @@ impl ProcessSupervisor {
                 return Err(e);
             }
         };
+        // Not reaped until the reaper thread waits for it, so its pid is still its own.
+        let process = ProcessId {
+            boot: baton_ipc::process::boot_id(),
+            pid,
+            start_ticks: baton_ipc::process::start_ticks(pid).unwrap_or(0),
+        };
+        self.node.exports().supervise(process, Arc::clone(&pidfd));
         self.incarnation += 1;
         let incarnation = self.incarnation;
         let addr = ctx.address();
@@ -302,7 +335,7 @@ impl ProcessSupervisor {
                 let status = child.wait().ok();
                 addr.do_send(ChildExited {
                     name,
-                    pid,
+                    process,
                     incarnation,
                     status,
                 });
@@ -315,6 +348,7 @@ impl ProcessSupervisor {
             spec.name.clone(),
             Running {
                 pid,
+                process,
                 incarnation,
                 pidfd,
                 reaper: Some(reaper),
@@ -323,6 +357,7 @@ impl ProcessSupervisor {
         self.emit(SupervisorEvent::Started {
             name: spec.name.clone(),
             pid,
+            process,
             restarts,
         });
         Ok(())
@@ -339,7 +374,7 @@ impl ProcessSupervisor {
     }
 
     fn kill(running: &Running) {
-        let _ = rustix::process::pidfd_send_signal(&running.pidfd, rustix::process::Signal::KILL);
+        let _ = rustix::process::pidfd_send_signal(&*running.pidfd, rustix::process::Signal::KILL);
     }
 
     /// A child died (or failed to start): restart by strategy, or escalate.
@@ -392,6 +427,7 @@ impl Actor for ProcessSupervisor {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
+        self.node.subscribe(ctx.address().recipient());
         for spec in self.specs.clone() {
             self.start_child(spec, ctx);
         }
@@ -403,7 +439,7 @@ impl Actor for ProcessSupervisor {
         for (name, mut running) in self.running.drain() {
             Self::kill(&running);
             let status = running.reaper.take().and_then(|r| r.join().ok()).flatten();
-            self.node.disconnect_pid(running.pid);
+            self.node.process_exited(running.process);
             tracing::info!(child = %name, pid = running.pid, status = %describe(status), "child stopped with the supervisor");
         }
     }
@@ -413,7 +449,7 @@ impl Actor for ProcessSupervisor {
 #[rtype(result = "()")]
 struct ChildExited {
     name: String,
-    pid: u32,
+    process: ProcessId,
     incarnation: u64,
     status: Option<ExitStatus>,
 }
@@ -424,16 +460,18 @@ impl Handler<ChildExited> for ProcessSupervisor {
     fn handle(&mut self, msg: ChildExited, ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
         // Feed the death into the lease protocol first.
-        self.node.disconnect_pid(msg.pid);
+        self.node.process_exited(msg.process);
         let status = describe(msg.status);
+        let pid = msg.process.pid;
         if msg.status.is_some_and(|s| s.success()) {
-            tracing::info!(child = %msg.name, pid = msg.pid, %status, "child exited");
+            tracing::info!(child = %msg.name, pid, %status, "child exited");
         } else {
-            tracing::warn!(child = %msg.name, pid = msg.pid, %status, "child exited");
+            tracing::warn!(child = %msg.name, pid, %status, "child exited");
         }
         self.emit(SupervisorEvent::Exited {
             name: msg.name.clone(),
-            pid: msg.pid,
+            pid,
+            process: msg.process,
             status,
         });
         let current = self
@@ -454,6 +492,32 @@ impl Handler<ChildExited> for ProcessSupervisor {
                 Restart::Transient | Restart::Temporary => {
                     tracing::info!(child = %msg.name, "child done; not restarted");
                 }
+            }
+        }
+    }
+}
+
+impl Handler<PeerEvent> for ProcessSupervisor {
+    type Result = ();
+
+    /// A child's link went silent: kill it (it is restarted when its exit is seen).
+    fn handle(&mut self, event: PeerEvent, _ctx: &mut Self::Context) {
+        let PeerEvent::Down {
+            peer,
+            reason: Some(reason),
+            ..
+        } = event
+        else {
+            return;
+        };
+        if !self.kill_unresponsive || !matches!(*reason, ActorError::Unresponsive { .. }) {
+            return;
+        }
+        let _g = self.span.clone().entered();
+        for (name, running) in &self.running {
+            if running.process == peer.process {
+                tracing::warn!(child = %name, pid = running.pid, "child unresponsive: killing it");
+                Self::kill(running);
             }
         }
     }
@@ -490,6 +554,7 @@ impl Handler<Children> for ProcessSupervisor {
                 .map(|s| ChildStatus {
                     name: s.name.clone(),
                     pid: self.running.get(&s.name).map(|r| r.pid),
+                    process: self.running.get(&s.name).map(|r| r.process),
                     restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
                 })
                 .collect(),

@@ -230,6 +230,15 @@ impl Allocation {
         self.generation
     }
 
+    /// Marks the memory as holding a new buffer (the exporter reuses the allocation, e.g.
+    /// from a pool of recycled buffers): handles built from now on carry the next
+    /// generation, and an importer that has seen one refuses handles of older generations
+    /// ([`Error::StaleHandle`]). Returns the new generation.
+    pub fn renew(&mut self) -> Generation {
+        self.generation = self.generation.next();
+        self.generation
+    }
+
     /// The backend that made it.
     pub fn backend(&self) -> BackendKind {
         self.backend

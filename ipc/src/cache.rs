@@ -1,14 +1,32 @@
-//! [`ImportCache`]: each exported allocation is mapped once per process and shared.
+//! [`ImportCache`]: each exported allocation is mapped once per process, shared, and kept
+//! warm for reuse.
 //!
-//! Keyed by (exporter, allocation, generation). A hit makes no driver call; the mapping is
-//! closed when the last [`Imported`] guard of it drops. Opening and closing happen under
-//! the cache's lock, so a mapping is never closed while the same allocation is being
-//! reopened (CUDA returns the same address for a second open of a handle in one process,
-//! and an unlucky interleaving would otherwise close the new user's mapping).
+//! Keyed by (exporter, allocation). A hit makes no driver or `mmap` call. A mapping's
+//! life:
 //!
-//! The cache also remembers, per exporter allocation, the newest generation the exporter
-//! said is [`Gone`](baton_messages::protocol::Gone): a handle of that generation or older
-//! is refused as [`Error::StaleHandle`] without touching a driver.
+//! - **In use** while [`Imported`] views of it exist (one per lease).
+//! - **Warm** when its last view drops but a *holder* (a link that received the
+//!   allocation: [`hold`](ImportCache::hold)) keeps it: it stays mapped, so the next offer
+//!   of the same buffer is a hit. Warm mappings are bounded by a [`WarmBudget`] (entries and
+//!   bytes): past it, the least recently used warm mapping is handed to the *evictor*
+//!   ([`set_evictor`](ImportCache::set_evictor)), which asks the exporter to let it go; the
+//!   exporter answers `Unmap`, and the holder lets go with
+//!   [`unhold`](ImportCache::unhold).
+//! - **Closed** when it has neither views nor holders: at once if idle, else when its last
+//!   view drops. [`unhold`](ImportCache::unhold)'s callback runs then, so the link can
+//!   tell the exporter `Unmapped` only once nothing here maps the memory any more.
+//!
+//! A mapping opened without a holder (the low-level API: `open`, use, drop) closes with
+//! its last view, as before warm mappings existed.
+//!
+//! Opening and closing happen under the cache's lock, so a mapping is never closed while
+//! the same allocation is being reopened (CUDA returns the same address for a second open
+//! of a handle in one process, and an unlucky interleaving would otherwise close the new
+//! user's mapping). Callbacks run after the lock is released.
+//!
+//! Generations: an exporter that reuses an allocation for a new buffer gives it the next
+//! generation. A handle older than the generation this process maps is refused as
+//! [`Error::StaleHandle`], without touching a driver.
 
 use crate::backend::{MemPtr, OpenedMem, SharedBackend};
 use crate::link::FrameFds;
@@ -21,42 +39,177 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-type Key = (ExporterId, AllocationId, Generation);
+/// Which mapping: an allocation of an exporter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CacheKey {
+    /// The exporting process and actor.
+    pub exporter: ExporterId,
+    /// The allocation (unique in the exporting process).
+    pub alloc: AllocationId,
+}
+
+impl CacheKey {
+    /// The key of the mapping a handle names.
+    pub fn of(handle: &HandleMsg) -> Self {
+        Self {
+            exporter: handle.exporter,
+            alloc: handle.alloc,
+        }
+    }
+}
+
+/// Who keeps a mapping warm: an opaque id chosen by the caller (the actor layer uses its
+/// link ids).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HolderId(pub u64);
+
+/// How many mappings the cache keeps warm (mapped with no view of them alive).
+///
+/// A warm mapping pins nothing the exporter has not allocated anyway, and the exporter can
+/// reclaim it at any time (it sends `Unmap`); the budget bounds what one importer keeps
+/// mapped: address space, descriptors and driver objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WarmBudget {
+    /// At most this many warm mappings (default 1024).
+    pub max_entries: usize,
+    /// At most this many bytes of warm mappings (default 16 GiB).
+    pub max_bytes: u64,
+}
+
+impl Default for WarmBudget {
+    fn default() -> Self {
+        Self {
+            max_entries: 1024,
+            max_bytes: 16 << 30,
+        }
+    }
+}
 
 /// Counters of an [`ImportCache`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
-    /// Opens served from a live mapping (no driver call).
+    /// Opens served from a live or warm mapping (no driver call).
     pub hits: u64,
-    /// Opens that mapped memory (one driver-level open each).
+    /// Opens that mapped memory (one driver-level open or `mmap` each).
     pub opens: u64,
-    /// Mappings closed after their last user dropped.
+    /// Mappings closed.
     pub closes: u64,
     /// Handles refused as stale.
     pub stale: u64,
-    /// Mappings open now.
+    /// Warm mappings handed to the evictor because the budget was exceeded.
+    pub evictions: u64,
+    /// Mappings open now (in use or warm).
     pub live: usize,
+    /// Of those, warm: mapped with no view alive.
+    pub warm: usize,
+    /// Bytes of the warm mappings.
+    pub warm_bytes: u64,
 }
+
+/// Called when a mapping closes (see [`ImportCache::unhold`]).
+pub type OnClosed = Box<dyn FnOnce() + Send>;
+
+/// Asked to evict a warm mapping for a holder (see [`ImportCache::set_evictor`]).
+pub type Evictor = Arc<dyn Fn(HolderId, CacheKey) + Send + Sync>;
 
 struct Entry {
     mem: Arc<OpenedMem>,
     users: usize,
+    holders: Vec<HolderId>,
+    /// The newest generation of the allocation seen.
+    generation: Generation,
     /// The last handle whose digest verified for this mapping. A handle equal to it, byte
     /// for byte, would verify the same way: a hit with it skips the keyed hash (the
     /// common case: an exporter re-sharing the same buffer).
     verified: HandleMsg,
+    /// When it went warm (the cache's clock), for least-recently-used eviction.
+    warm_since: Option<u64>,
+    /// Handed to the evictor already.
+    evicting: bool,
+    /// Run when it closes (holders that let go while views were alive).
+    on_closed: Vec<OnClosed>,
 }
 
+impl Entry {
+    fn bytes(&self) -> u64 {
+        self.mem.size() as u64
+    }
+}
+
+#[derive(Default)]
 struct State {
-    entries: HashMap<Key, Entry>,
-    /// Allocation ids are unique per process, so a process and an id name an allocation.
-    retired: HashMap<(ProcessId, AllocationId), Generation>,
+    entries: HashMap<CacheKey, Entry>,
+    clock: u64,
     stats: CacheStats,
+}
+
+impl State {
+    /// Marks an entry in use (leaving the warm set if it was there).
+    fn touch(&mut self, key: &CacheKey) {
+        let Some(entry) = self.entries.get_mut(key) else {
+            return;
+        };
+        if entry.warm_since.take().is_some() {
+            self.stats.warm -= 1;
+            self.stats.warm_bytes -= entry.bytes();
+        }
+    }
+
+    /// Closes an entry that has neither views nor holders; returns its callbacks.
+    fn close(&mut self, key: &CacheKey) -> Vec<OnClosed> {
+        self.touch(key);
+        let Some(entry) = self.entries.remove(key) else {
+            return Vec::new();
+        };
+        debug_assert!(entry.users == 0 && entry.holders.is_empty());
+        self.stats.closes += 1;
+        // The cache and the views hold the only references (views hand out
+        // `&OpenedMem`, never the `Arc`), and no view is left, so this is the last one.
+        match Arc::try_unwrap(entry.mem) {
+            Ok(mem) => {
+                if let Err(e) = mem.close() {
+                    tracing::warn!(alloc = %key.alloc, error = %e, "closing an imported mapping failed");
+                }
+            }
+            Err(_) => tracing::error!(alloc = %key.alloc, "a closed mapping still had a reference"),
+        }
+        tracing::debug!(exporter = %key.exporter, alloc = %key.alloc, "unmapped");
+        entry.on_closed
+    }
+
+    /// Warm entries over `budget`, least recently used first, marked as evicting.
+    fn over_budget(&mut self, budget: &WarmBudget) -> Vec<(Vec<HolderId>, CacheKey)> {
+        let (mut count, mut bytes) = (self.stats.warm, self.stats.warm_bytes);
+        if count <= budget.max_entries && bytes <= budget.max_bytes {
+            return Vec::new();
+        }
+        let mut warm: Vec<(u64, CacheKey)> = self
+            .entries
+            .iter()
+            .filter_map(|(k, e)| e.warm_since.filter(|_| !e.evicting).map(|t| (t, *k)))
+            .collect();
+        warm.sort();
+        let mut out = Vec::new();
+        for (_, key) in warm {
+            if count <= budget.max_entries && bytes <= budget.max_bytes {
+                break;
+            }
+            let entry = self.entries.get_mut(&key).expect("listed");
+            entry.evicting = true;
+            count -= 1;
+            bytes -= entry.bytes();
+            self.stats.evictions += 1;
+            out.push((entry.holders.clone(), key));
+        }
+        out
+    }
 }
 
 struct Shared {
     session: Session,
     backends: Vec<SharedBackend>,
+    budget: WarmBudget,
+    evictor: Mutex<Option<Evictor>>,
     state: Mutex<State>,
 }
 
@@ -65,6 +218,33 @@ impl Shared {
         // A panic while holding the lock leaves the maps consistent (every mutation is a
         // single insert/remove), so a poisoned lock is safe to keep using.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs the evictor for what `over_budget` returned (outside the state lock).
+    fn evict(&self, victims: Vec<(Vec<HolderId>, CacheKey)>) {
+        if victims.is_empty() {
+            return;
+        }
+        let evictor = self
+            .evictor
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(evictor) = evictor else {
+            return;
+        };
+        for (holders, key) in victims {
+            tracing::debug!(exporter = %key.exporter, alloc = %key.alloc, "warm budget exceeded: asking to unmap");
+            for holder in holders {
+                evictor(holder, key);
+            }
+        }
+    }
+}
+
+fn run(callbacks: Vec<OnClosed>) {
+    for f in callbacks {
+        f();
     }
 }
 
@@ -83,17 +263,25 @@ impl fmt::Debug for ImportCache {
 }
 
 impl ImportCache {
-    /// A cache that opens handles with the first of `backends` that takes their kind.
+    /// A cache that opens handles with the first of `backends` that takes their kind, with
+    /// the default [`WarmBudget`].
     pub fn new(session: Session, backends: impl IntoIterator<Item = SharedBackend>) -> Self {
+        Self::with_budget(session, backends, WarmBudget::default())
+    }
+
+    /// A cache with its own budget of warm mappings.
+    pub fn with_budget(
+        session: Session,
+        backends: impl IntoIterator<Item = SharedBackend>,
+        budget: WarmBudget,
+    ) -> Self {
         Self {
             shared: Arc::new(Shared {
                 session,
                 backends: backends.into_iter().collect(),
-                state: Mutex::new(State {
-                    entries: HashMap::new(),
-                    retired: HashMap::new(),
-                    stats: CacheStats::default(),
-                }),
+                budget,
+                evictor: Mutex::new(None),
+                state: Mutex::new(State::default()),
             }),
         }
     }
@@ -103,20 +291,38 @@ impl ImportCache {
         &self.shared.session
     }
 
+    /// The budget of warm mappings.
+    pub fn budget(&self) -> WarmBudget {
+        self.shared.budget
+    }
+
+    /// Sets who is asked to evict a warm mapping past the budget: called once per holder of
+    /// the mapping, outside the cache's lock. It should ask the exporter to let the holder
+    /// go and call [`unhold`](Self::unhold) when it agrees.
+    pub fn set_evictor(&self, evictor: Evictor) {
+        *self
+            .shared
+            .evictor
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(evictor);
+    }
+
     /// Opens the buffer a handle names: checks the handle (digest, consistency, boot),
-    /// refuses stale generations, then maps the allocation or reuses its live mapping, and
-    /// finally, if the handle carries an event, has the backend wait on it
+    /// refuses stale generations, then maps the allocation or reuses its live or warm
+    /// mapping, and finally, if the handle carries an event, has the backend wait on it
     /// ([`Backend::wait_event`](crate::Backend::wait_event)) so that the buffer is used only
     /// after the exporter's work that produced it.
-    /// `fds` are the descriptors that came with the handle's frame.
+    /// `fds` are the descriptors that came with the handle's frame; one not needed (a hit)
+    /// is left for the frame to close.
     ///
     /// # Errors
     /// A check error, [`Error::StaleHandle`], [`Error::UnsupportedBackend`],
-    /// [`Error::MissingFdSlot`], [`Error::MemoryTooSmall`] (also on a hit, when the handle
-    /// claims more than the live mapping holds), or the backend's open error. Nothing is
-    /// opened on error.
+    /// [`Error::MissingFdSlot`], [`Error::NotMapped`] (a miss for a handle that carries no
+    /// descriptor), [`Error::MemoryTooSmall`] (also on a hit, when the handle claims more
+    /// than the live mapping holds), or the backend's open error. Nothing is opened on
+    /// error.
     pub fn open(&self, handle: &HandleMsg, fds: &mut FrameFds) -> Result<Imported> {
-        let key = (handle.exporter, handle.alloc, handle.generation);
+        let key = CacheKey::of(handle);
         let known = self
             .shared
             .lock()
@@ -129,17 +335,16 @@ impl ImportCache {
             Some(self.shared.session.check(handle)?)
         };
         let mut state = self.shared.lock();
-        if let Some(&retired) = state.retired.get(&(handle.exporter.process, handle.alloc)) {
-            if handle.generation <= retired {
+        let mem = if let Some(entry) = state.entries.get_mut(&key) {
+            if handle.generation < entry.generation {
+                let current = entry.generation;
                 state.stats.stale += 1;
                 return Err(Error::StaleHandle {
                     alloc: handle.alloc,
                     generation: handle.generation,
-                    retired,
+                    current,
                 });
             }
-        }
-        let mem = if let Some(entry) = state.entries.get_mut(&key) {
             // A hit maps nothing new, but this handle may claim more than the mapping
             // holds (a confused or lying exporter): its view must stay inside it, as a
             // miss checks against the memory it opens.
@@ -149,11 +354,13 @@ impl ImportCache {
                     actual: entry.mem.size() as u64,
                 });
             }
+            entry.generation = handle.generation;
             entry.users += 1;
             if checked.is_some() {
                 entry.verified = handle.clone();
             }
             let mem = Arc::clone(&entry.mem);
+            state.touch(&key);
             state.stats.hits += 1;
             mem
         } else {
@@ -180,7 +387,12 @@ impl ImportCache {
                 Entry {
                     mem: Arc::clone(&mem),
                     users: 1,
+                    holders: Vec::new(),
+                    generation: handle.generation,
                     verified: handle.clone(),
+                    warm_since: None,
+                    evicting: false,
+                    on_closed: Vec::new(),
                 },
             );
             state.stats.opens += 1;
@@ -191,6 +403,7 @@ impl ImportCache {
         let imported = Imported {
             cache: Arc::clone(&self.shared),
             key,
+            generation: handle.generation,
             mem: Some(mem),
             offset: handle.offset as usize,
             len: handle.len as usize,
@@ -213,19 +426,95 @@ impl ImportCache {
             .ok_or(Error::UnsupportedBackend { kind })
     }
 
-    /// Records that the exporting process freed `alloc` up to `generation` (it said
-    /// `Gone`): handles of those generations are refused from now on. Live mappings are
-    /// untouched: their users' leases keep them valid until they drop.
-    pub fn retire(&self, exporter: ProcessId, alloc: AllocationId, generation: Generation) {
-        let mut state = self.shared.lock();
-        let slot = state.retired.entry((exporter, alloc)).or_insert(generation);
-        *slot = (*slot).max(generation);
+    /// `holder` keeps the mapping of `key` warm from now on. Returns whether it did not
+    /// already. If holders had let go and the mapping was waiting for its views to close,
+    /// it stays open and their callbacks run now: this hold supersedes theirs.
+    pub fn hold(&self, key: &CacheKey, holder: HolderId) -> bool {
+        let (new, superseded) = {
+            let mut state = self.shared.lock();
+            let Some(entry) = state.entries.get_mut(key) else {
+                return false;
+            };
+            if entry.holders.contains(&holder) {
+                (false, Vec::new())
+            } else {
+                entry.holders.push(holder);
+                entry.evicting = false;
+                (true, std::mem::take(&mut entry.on_closed))
+            }
+        };
+        run(superseded);
+        new
     }
 
-    /// Forgets what is recorded about a dead exporter process (its tombstones). Its live
-    /// mappings stay until their guards drop.
+    /// `holder` lets the mapping of `key` go. `on_closed` runs once nothing of this holder
+    /// keeps it: at once if another holder keeps it or nothing uses it (then it closes
+    /// first), else when its last view drops and it closes — unless a new
+    /// [`hold`](Self::hold) comes first, which runs it then.
+    pub fn unhold(&self, key: &CacheKey, holder: HolderId, on_closed: OnClosed) {
+        let now = {
+            let mut state = self.shared.lock();
+            match state.entries.get_mut(key) {
+                None => vec![on_closed],
+                Some(entry) => {
+                    entry.holders.retain(|h| *h != holder);
+                    if !entry.holders.is_empty() {
+                        vec![on_closed]
+                    } else if entry.users == 0 {
+                        let mut callbacks = state.close(key);
+                        callbacks.push(on_closed);
+                        callbacks
+                    } else {
+                        entry.on_closed.push(on_closed);
+                        Vec::new()
+                    }
+                }
+            }
+        };
+        run(now);
+    }
+
+    /// `holder` is gone (its link closed): it keeps nothing warm any more. Mappings only it
+    /// kept close now, or with their last view.
+    pub fn drop_holder(&self, holder: HolderId) {
+        let callbacks = {
+            let mut state = self.shared.lock();
+            let keys: Vec<CacheKey> = state
+                .entries
+                .iter()
+                .filter(|(_, e)| e.holders.contains(&holder))
+                .map(|(k, _)| *k)
+                .collect();
+            let mut callbacks = Vec::new();
+            for key in keys {
+                let entry = state.entries.get_mut(&key).expect("listed");
+                entry.holders.retain(|h| *h != holder);
+                if entry.holders.is_empty() && entry.users == 0 {
+                    callbacks.extend(state.close(&key));
+                }
+            }
+            callbacks
+        };
+        run(callbacks);
+    }
+
+    /// The keys `holder` keeps warm or in use.
+    pub fn held_by(&self, holder: HolderId) -> Vec<CacheKey> {
+        let mut keys: Vec<CacheKey> = self
+            .shared
+            .lock()
+            .entries
+            .iter()
+            .filter(|(_, e)| e.holders.contains(&holder))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// Forgets what the backends keep of a dead exporter process (e.g. its opened events).
+    /// Mappings stay until their views drop and their holders let go.
     pub fn forget_process(&self, process: &ProcessId) {
-        self.shared.lock().retired.retain(|(p, _), _| p != process);
         for backend in &self.shared.backends {
             backend.forget_process(process);
         }
@@ -242,10 +531,11 @@ impl ImportCache {
 }
 
 /// One buffer opened through the [`ImportCache`]: a view of `len` bytes at `offset` of a
-/// shared mapping. Dropping the last view of a mapping closes it.
+/// shared mapping. The mapping stays open while a view of it or a holder is left.
 pub struct Imported {
     cache: Arc<Shared>,
-    key: Key,
+    key: CacheKey,
+    generation: Generation,
     /// Always `Some` until `drop`, which takes it to release it under the cache lock.
     mem: Option<Arc<OpenedMem>>,
     offset: usize,
@@ -273,19 +563,24 @@ impl Imported {
         self.layout.as_ref()
     }
 
+    /// Which mapping it is a view of.
+    pub fn key(&self) -> CacheKey {
+        self.key
+    }
+
     /// Who exported it.
     pub fn exporter(&self) -> ExporterId {
-        self.key.0
+        self.key.exporter
     }
 
     /// The exported allocation.
     pub fn alloc(&self) -> AllocationId {
-        self.key.1
+        self.key.alloc
     }
 
-    /// Its generation.
+    /// The generation of the handle it was opened with.
     pub fn generation(&self) -> Generation {
-        self.key.2
+        self.generation
     }
 
     /// Where the buffer's first byte is.
@@ -341,9 +636,9 @@ impl Imported {
 impl fmt::Debug for Imported {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Imported")
-            .field("exporter", &self.key.0)
-            .field("alloc", &self.key.1)
-            .field("gen", &self.key.2)
+            .field("exporter", &self.key.exporter)
+            .field("alloc", &self.key.alloc)
+            .field("gen", &self.generation)
             .field("range", &format_args!("{}..+{}", self.offset, self.len))
             .finish()
     }
@@ -351,25 +646,33 @@ impl fmt::Debug for Imported {
 
 impl Drop for Imported {
     fn drop(&mut self) {
-        let mut state = self.cache.lock();
-        let Some(entry) = state.entries.get_mut(&self.key) else {
-            return;
-        };
-        entry.users -= 1;
-        if entry.users == 0 {
-            let entry = state.entries.remove(&self.key).expect("present");
-            state.stats.closes += 1;
-            // Both references go while the lock is held, so the close cannot interleave
-            // with a reopen of the same allocation.
+        let (callbacks, victims) = {
+            let mut state = self.cache.lock();
+            // Our reference goes while the lock is held, so that a close below sees the
+            // cache's as the last one.
             drop(self.mem.take());
-            // The cache and the guards hold the only references (guards hand out
-            // `&OpenedMem`, never the `Arc`), so this is the last one.
-            if let Ok(mem) = Arc::try_unwrap(entry.mem) {
-                if let Err(e) = mem.close() {
-                    tracing::warn!(alloc = %self.key.1, error = %e, "closing an imported mapping failed");
-                }
+            let Some(entry) = state.entries.get_mut(&self.key) else {
+                return;
+            };
+            entry.users -= 1;
+            if entry.users > 0 {
+                return;
             }
-        }
+            if entry.holders.is_empty() {
+                (state.close(&self.key), Vec::new())
+            } else {
+                let bytes = entry.bytes();
+                state.clock += 1;
+                let now = state.clock;
+                let entry = state.entries.get_mut(&self.key).expect("present");
+                entry.warm_since = Some(now);
+                state.stats.warm += 1;
+                state.stats.warm_bytes += bytes;
+                (Vec::new(), state.over_budget(&self.cache.budget))
+            }
+        };
+        run(callbacks);
+        self.cache.evict(victims);
     }
 }
 

@@ -159,15 +159,16 @@ pub enum Error {
     },
     /// The handle is for an allocation or generation the exporter has already freed.
     #[error(
-        "handle is for {alloc} {generation:?}, which the exporter retired (freed at {retired:?}): ask for a fresh handle"
+        "handle is for {alloc} {generation:?}, but this process maps it at {current:?}: the \
+         exporter reused the allocation for a newer buffer since; ask for a fresh handle"
     )]
     StaleHandle {
         /// The allocation.
         alloc: AllocationId,
         /// The handle's generation.
         generation: Generation,
-        /// The newest generation known to be retired.
-        retired: Generation,
+        /// The newest generation this process has seen of the allocation.
+        current: Generation,
     },
     /// The handle's device is not present in this process.
     #[error("device {device} is not visible to this process")]

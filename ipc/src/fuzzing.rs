@@ -192,18 +192,35 @@ pub fn handle_msg(data: &[u8]) {
             }
         }
     }
-    // Once the exporter said Gone, neither handle opens, and no backend call is made.
-    cache.retire(h1.exporter.process, h1.alloc, h1.generation);
-    let before = backend.opens.load(Ordering::Relaxed);
-    assert!(
-        cache.open(&h1, &mut FrameFds::none()).is_err(),
-        "a retired handle opened"
-    );
-    assert_eq!(
-        backend.opens.load(Ordering::Relaxed),
-        before,
-        "a retired handle reached the backend"
-    );
+    // Once a newer generation of a mapped allocation was opened (the exporter reused it),
+    // the older handle is stale: refused, with no backend call.
+    if let Some(view) = views.first() {
+        let key = view.key();
+        let mut newer = h1.clone();
+        newer.exporter = key.exporter;
+        newer.alloc = key.alloc;
+        newer.generation = view.generation().next();
+        let newer = newer.sealed(session.handle_key());
+        if let Ok(v) = cache.open(&newer, &mut FrameFds::none()) {
+            let mut older = newer.clone();
+            older.generation = view.generation();
+            let older = older.sealed(session.handle_key());
+            let before = backend.opens.load(Ordering::Relaxed);
+            assert!(
+                matches!(
+                    cache.open(&older, &mut FrameFds::none()),
+                    Err(Error::StaleHandle { .. })
+                ),
+                "an older generation opened"
+            );
+            assert_eq!(
+                backend.opens.load(Ordering::Relaxed),
+                before,
+                "a stale handle reached the backend"
+            );
+            views.push(v);
+        }
+    }
     drop(views);
     assert_eq!(cache.stats().live, 0, "mappings outlived their views");
 

@@ -37,13 +37,15 @@ pub use backend::{
     Allocation, Backend, ExportableMemory, FreeWhileMapped, HandleBuilder, MemPtr, OpenedMem,
     RawMemory, SharedBackend,
 };
-pub use cache::{CacheStats, ImportCache, Imported};
+pub use cache::{
+    CacheKey, CacheStats, Evictor, HolderId, ImportCache, Imported, OnClosed, WarmBudget,
+};
 pub use cuda::CudaBackend;
 pub use error::{Error, Result};
 pub use host::HostBackend;
 pub use link::{
-    AsyncLink, FrameFds, Link, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred, PeerInfo,
-    PeerPolicy, Received, SocketDir,
+    AsyncLink, FrameFds, Link, LinkCloser, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred,
+    PeerInfo, PeerPolicy, Received, SocketDir,
 };
 pub use session::{CheckedHandle, Session, TOKEN_ENV, random_bytes};
 pub use slab::{SlabArena, SlabBuffer};

@@ -22,7 +22,7 @@ mod socket_dir;
 mod wire;
 
 pub use creds::{PeerCred, PeerPolicy};
-pub use nonblocking::{AsyncLink, LinkReader, LinkWriter};
+pub use nonblocking::{AsyncLink, LinkCloser, LinkReader, LinkWriter};
 pub use socket_dir::SocketDir;
 pub use wire::{FrameFds, Received};
 

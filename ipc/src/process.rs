@@ -102,6 +102,162 @@ pub fn liveness_of(pid: u32, start_ticks: u64) -> Liveness {
     }
 }
 
+/// Tells when processes die.
+///
+/// A thread of its own polls a pidfd per watched process (`pidfd_open`: readable once the
+/// process has exited; its pid cannot be reused while we hold it) and calls `on_death` once
+/// per process. Where pidfds are unavailable it checks `/proc` every second instead. A
+/// process is checked against its start time when it is first watched, so one that died
+/// (and whose pid was reused) before the watch began is reported dead at once.
+///
+/// A zombie counts as dead: by then the kernel has released its memory mappings and
+/// closed its descriptors, driver ones included.
+///
+/// Dropping the watch stops the thread (within a second); callbacks still running finish.
+#[derive(Debug)]
+pub struct DeathWatch {
+    shared: std::sync::Arc<WatchShared>,
+}
+
+#[derive(Debug)]
+struct WatchShared {
+    pending: std::sync::Mutex<Vec<ProcessId>>,
+    wake: std::os::fd::OwnedFd,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl WatchShared {
+    fn wake(&self) {
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+}
+
+impl DeathWatch {
+    /// Starts the watching thread, named `name`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Io`] if the eventfd or the thread cannot be made.
+    pub fn spawn(
+        name: &str,
+        on_death: impl Fn(ProcessId) + Send + 'static,
+    ) -> crate::Result<DeathWatch> {
+        use rustix::event::{EventfdFlags, eventfd};
+        let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| {
+            crate::Error::Io {
+                op: "eventfd",
+                source: e.into(),
+            }
+        })?;
+        let shared = std::sync::Arc::new(WatchShared {
+            pending: std::sync::Mutex::new(Vec::new()),
+            wake,
+            stop: std::sync::atomic::AtomicBool::new(false),
+        });
+        let thread_shared = std::sync::Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || watch_loop(&thread_shared, &on_death))
+            .map_err(crate::Error::io("spawning the death-watch thread"))?;
+        Ok(DeathWatch { shared })
+    }
+
+    /// Watches `process` (again is harmless); `on_death` is called once it has died.
+    pub fn watch(&self, process: ProcessId) {
+        self.shared
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(process);
+        self.shared.wake();
+    }
+}
+
+impl Drop for DeathWatch {
+    fn drop(&mut self) {
+        self.shared
+            .stop
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.shared.wake();
+    }
+}
+
+/// How a watched process is observed.
+enum Observed {
+    Pidfd(std::os::fd::OwnedFd),
+    /// No pidfd (old kernel, or not permitted): `/proc` is polled.
+    Proc,
+}
+
+fn start_watching(process: &ProcessId) -> Option<Observed> {
+    if process.boot != boot_id() {
+        return None;
+    }
+    let pid = rustix::process::Pid::from_raw(process.pid as i32)?;
+    let observed = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+        Ok(fd) => Observed::Pidfd(fd),
+        Err(rustix::io::Errno::SRCH) => return None,
+        Err(_) => Observed::Proc,
+    };
+    // The pid may have been reused before the pidfd was opened: the start time tells.
+    (liveness_of(process.pid, process.start_ticks) != Liveness::Dead).then_some(observed)
+}
+
+fn watch_loop(shared: &WatchShared, on_death: &dyn Fn(ProcessId)) {
+    use rustix::event::{PollFd, PollFlags, poll};
+    use std::sync::atomic::Ordering;
+    let mut watched: Vec<(ProcessId, Observed)> = Vec::new();
+    let second = rustix::fs::Timespec {
+        tv_sec: 1,
+        tv_nsec: 0,
+    };
+    while !shared.stop.load(Ordering::Acquire) {
+        let mut dead: Vec<ProcessId> = Vec::new();
+        let new = std::mem::take(&mut *shared.pending.lock().unwrap_or_else(|p| p.into_inner()));
+        for process in new {
+            if watched.iter().any(|(p, _)| *p == process) || dead.contains(&process) {
+                continue;
+            }
+            match start_watching(&process) {
+                Some(observed) => watched.push((process, observed)),
+                None => dead.push(process),
+            }
+        }
+        if dead.is_empty() {
+            let mut fds = vec![PollFd::new(&shared.wake, PollFlags::IN)];
+            fds.extend(watched.iter().filter_map(|(_, o)| match o {
+                Observed::Pidfd(fd) => Some(PollFd::new(fd, PollFlags::IN)),
+                Observed::Proc => None,
+            }));
+            let _ = poll(&mut fds, Some(&second));
+            let ready: Vec<bool> = fds
+                .iter()
+                .skip(1)
+                .map(|f| !f.revents().is_empty())
+                .collect();
+            drop(fds);
+            let mut buf = [0u8; 8];
+            let _ = rustix::io::read(&shared.wake, &mut buf);
+            let mut ready = ready.into_iter();
+            watched.retain(|(process, observed)| {
+                let gone = match observed {
+                    Observed::Pidfd(_) => ready.next().unwrap_or(false),
+                    Observed::Proc => {
+                        liveness_of(process.pid, process.start_ticks) == Liveness::Dead
+                    }
+                };
+                if gone {
+                    dead.push(*process);
+                }
+                !gone
+            });
+        }
+        for process in dead {
+            tracing::debug!(%process, "watched process died");
+            on_death(process);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +287,48 @@ mod tests {
             ..me
         };
         assert_eq!(liveness(&other_boot), Liveness::Dead);
+    }
+
+    #[test]
+    fn the_death_watch_reports_a_child_once_it_exits_and_a_dead_pid_at_once() {
+        use std::sync::mpsc;
+        use std::time::Duration;
+        let (tx, rx) = mpsc::channel();
+        let tx = std::sync::Mutex::new(tx);
+        let watch = DeathWatch::spawn("test-watch", move |p| {
+            let _ = tx.lock().unwrap().send(p);
+        })
+        .unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let process = ProcessId {
+            boot: boot_id(),
+            pid: child.id(),
+            start_ticks: start_ticks(child.id()).unwrap(),
+        };
+        watch.watch(process);
+        watch.watch(process);
+        // A process that is not the one named (its start time differs) is dead already.
+        let impostor = ProcessId {
+            start_ticks: process.start_ticks + 1,
+            ..process
+        };
+        watch.watch(impostor);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(impostor));
+        assert!(
+            rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "a live process is not reported"
+        );
+        child.kill().unwrap();
+        // Not reaped yet: a zombie counts as dead.
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(process));
+        child.wait().unwrap();
+        assert!(
+            rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "reported once"
+        );
     }
 
     #[test]

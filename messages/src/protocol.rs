@@ -15,11 +15,31 @@
 //! before the handshake completes.
 //!
 //! The lease protocol then runs in both directions: an exporter [`Offer`]s a handle under a
-//! fresh lease, the importer [`Release`]s it when its guard drops, the exporter may ask for
-//! it back early with [`Revoke`], and says [`Gone`] when an allocation is freed.
+//! fresh lease, the importer [`Release`]s it when its guard drops, and the exporter may ask
+//! for it back early with [`Revoke`].
+//!
+//! Mappings outlive leases: the importer keeps a mapping warm after its last lease drops,
+//! so the next offer of the same allocation maps nothing new (and, for descriptor-shared
+//! backends, carries no descriptor). The exporter ends that with [`Unmap`] — before it
+//! frees the allocation, or when the importer asks with [`Evict`] to drop an idle mapping —
+//! and the importer answers [`Unmapped`] once nothing in it maps the allocation:
+//!
+//! ```text
+//! exporter                                  importer
+//!   Offer { lease 1, handle + descriptor } ->   maps it (a mapping hold starts)
+//!                                          <-   Release { lease 1 }   (stays mapped: warm)
+//!   Offer { lease 2, handle }             ->    hit: no open
+//!                                          <-   Release { lease 2 }
+//!   (buffer dropped)  Unmap { alloc }     ->    closes when no lease uses it
+//!                                          <-   Unmapped { alloc }
+//!   (now frees)
+//! ```
+//!
+//! Links ping each other on an interval (`Ping`/`Pong`); a peer that answers nothing
+//! within a deadline is cut.
 
 use crate::handle::HandleMsg;
-use crate::ids::{AllocationId, Generation, LeaseId, ProcessId};
+use crate::ids::{AllocationId, LeaseId, ProcessId};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -136,15 +156,33 @@ pub struct Revoke {
     pub deadline_ms: u32,
 }
 
-/// An exporter says an allocation (up to and including `generation`) is freed: handles
-/// naming it are stale from now on.
+/// The exporter asks the importer to close its mapping of an allocation (it is about to
+/// free it, or it answers the importer's [`Evict`]) and to answer [`Unmapped`]. Offers of
+/// the allocation sent after it carry its descriptor again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
-pub struct Gone {
-    /// The freed allocation.
+pub struct Unmap {
+    /// The allocation.
     pub alloc: AllocationId,
-    /// Its last generation.
-    pub generation: Generation,
+}
+
+/// The importer no longer maps an allocation through this link: the answer to an
+/// [`Unmap`], sent once the mapping is closed (or another link of the process holds it),
+/// or after an offer the importer could not open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Unmapped {
+    /// The allocation.
+    pub alloc: AllocationId,
+}
+
+/// The importer asks to drop an idle mapping (its budget of warm mappings is exceeded);
+/// the exporter answers with [`Unmap`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Evict {
+    /// The allocation.
+    pub alloc: AllocationId,
 }
 
 /// A typed message for a named actor in the receiving process.
@@ -231,8 +269,12 @@ pub enum Message {
     Release(Release),
     /// [`Revoke`].
     Revoke(Revoke),
-    /// [`Gone`].
-    Gone(Gone),
+    /// [`Unmap`].
+    Unmap(Unmap),
+    /// [`Unmapped`].
+    Unmapped(Unmapped),
+    /// [`Evict`].
+    Evict(Evict),
     /// [`Call`].
     Call(Call),
     /// [`Reply`].
@@ -254,7 +296,9 @@ impl Message {
             Message::Offer(_) => "Offer",
             Message::Release(_) => "Release",
             Message::Revoke(_) => "Revoke",
-            Message::Gone(_) => "Gone",
+            Message::Unmap(_) => "Unmap",
+            Message::Unmapped(_) => "Unmapped",
+            Message::Evict(_) => "Evict",
             Message::Call(_) => "Call",
             Message::Reply(_) => "Reply",
             Message::Ping(_) => "Ping",

@@ -151,6 +151,12 @@ impl AsyncLink {
         &self.peer
     }
 
+    /// A handle that shuts the socket down, whatever the halves are doing (see
+    /// [`LinkCloser`]).
+    pub fn closer(&self) -> LinkCloser {
+        LinkCloser(Arc::clone(&self.stream))
+    }
+
     /// Splits into a receiving and a sending half, usable from different tasks.
     pub fn into_split(self) -> (LinkReader, LinkWriter) {
         (
@@ -173,6 +179,36 @@ async fn deadline<T>(config: &LinkConfig, fut: impl Future<Output = Result<T>>) 
             op: "link handshake",
             after: config.handshake_timeout,
         }),
+    }
+}
+
+/// Shuts an [`AsyncLink`]'s socket down in both directions (`shutdown(2)`), whatever its
+/// reader and writer are doing: a writer parked on a full socket fails at once, a pending
+/// receive ends, and the peer sees end of stream — even if it never reads what was queued.
+#[derive(Debug, Clone)]
+pub struct LinkCloser(Arc<UnixStream>);
+
+impl LinkCloser {
+    /// Shuts the socket down. Idempotent.
+    pub fn close(&self) {
+        let _ = rustix::net::shutdown(self.0.as_fd(), rustix::net::Shutdown::Both);
+    }
+
+    /// Whether a receive would return at once: bytes are waiting, or the peer's end is
+    /// closed (end of stream), or the socket failed. After the peer process died, `false`
+    /// means its end of the socket lives on in another process (a descendant inherited
+    /// it) and nothing it sent is left to read.
+    pub fn readable_now(&self) -> bool {
+        use rustix::net::RecvFlags;
+        let mut byte = [0u8; 1];
+        !matches!(
+            rustix::net::recv(
+                self.0.as_fd(),
+                &mut byte,
+                RecvFlags::PEEK | RecvFlags::DONTWAIT
+            ),
+            Err(rustix::io::Errno::AGAIN)
+        )
     }
 }
 

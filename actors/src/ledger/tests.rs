@@ -1,0 +1,694 @@
+//! The ledger against a simple model: random sequences of every event, for both kinds of
+//! backend rule, checking after each event that nothing is freed while a live process may
+//! map it (the invariant), that everything the model says is free-able is freed (no leak),
+//! and that quarantines, unmaps and cuts happen exactly when the model says.
+
+use super::*;
+use baton_messages::BootId;
+use proptest::prelude::*;
+use std::time::Duration;
+
+fn process(n: u32) -> ProcessId {
+    ProcessId {
+        boot: BootId([7; 16]),
+        pid: 1000 + n,
+        start_ticks: 50 + u64::from(n),
+    }
+}
+
+/// A release fence in the model: which lease it came from.
+type Fence = u64;
+
+/// One event, with indexes that pick among what exists (taken modulo the counts).
+#[derive(Debug, Clone)]
+enum Ev {
+    Insert {
+        unsafe_free: bool,
+        kill: bool,
+    },
+    LinkUp {
+        process: u32,
+    },
+    Grant {
+        alloc: usize,
+        link: usize,
+    },
+    Release {
+        lease: usize,
+        wrong_link: bool,
+        fence: bool,
+    },
+    Ungrant {
+        lease: usize,
+    },
+    Retire {
+        alloc: usize,
+    },
+    Revoke {
+        alloc: usize,
+    },
+    Tick {
+        advance_ms: u64,
+    },
+    Evict {
+        link: usize,
+        alloc: usize,
+    },
+    AnswerUnmap {
+        pending: usize,
+    },
+    SpuriousUnmapped {
+        link: usize,
+        alloc: usize,
+    },
+    LinkCut {
+        link: usize,
+    },
+    ProcessDead {
+        process: u32,
+    },
+}
+
+fn event() -> impl Strategy<Value = Ev> {
+    prop_oneof![
+        2 => (any::<bool>(), any::<bool>()).prop_map(|(unsafe_free, kill)| Ev::Insert { unsafe_free, kill }),
+        2 => (0u32..4).prop_map(|process| Ev::LinkUp { process }),
+        6 => (any::<usize>(), any::<usize>()).prop_map(|(alloc, link)| Ev::Grant { alloc, link }),
+        5 => (any::<usize>(), prop::bool::weighted(0.1), any::<bool>())
+            .prop_map(|(lease, wrong_link, fence)| Ev::Release { lease, wrong_link, fence }),
+        1 => any::<usize>().prop_map(|lease| Ev::Ungrant { lease }),
+        3 => any::<usize>().prop_map(|alloc| Ev::Retire { alloc }),
+        1 => any::<usize>().prop_map(|alloc| Ev::Revoke { alloc }),
+        1 => (0u64..200).prop_map(|advance_ms| Ev::Tick { advance_ms }),
+        1 => (any::<usize>(), any::<usize>()).prop_map(|(link, alloc)| Ev::Evict { link, alloc }),
+        4 => any::<usize>().prop_map(|pending| Ev::AnswerUnmap { pending }),
+        1 => (any::<usize>(), any::<usize>()).prop_map(|(link, alloc)| Ev::SpuriousUnmapped { link, alloc }),
+        1 => any::<usize>().prop_map(|link| Ev::LinkCut { link }),
+        1 => (0u32..4).prop_map(|process| Ev::ProcessDead { process }),
+    ]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Token {
+    /// Offers may omit the descriptor.
+    Current,
+    /// An `Unmap` is in flight.
+    Draining,
+}
+
+#[derive(Debug)]
+struct MAlloc {
+    id: AllocationId,
+    buffer: BufferId,
+    unsafe_free: bool,
+    kill: bool,
+    retired: bool,
+    freed: bool,
+    quarantine_reported: bool,
+    /// Fences released and not yet handed out.
+    fences: Vec<Fence>,
+}
+
+#[derive(Debug)]
+struct MLink {
+    id: LinkId,
+    process: u32,
+    up: bool,
+    cut_asked: bool,
+}
+
+#[derive(Debug, Clone)]
+struct MLease {
+    id: LeaseId,
+    alloc: usize,
+    link: usize,
+    out: bool,
+    new_hold: bool,
+    revoke_by: Option<Instant>,
+}
+
+/// The reference model: flat lists, recomputed predicates.
+#[derive(Debug, Default)]
+struct Model {
+    allocs: Vec<MAlloc>,
+    links: Vec<MLink>,
+    leases: Vec<MLease>,
+    /// (alloc, link, token): an importer's mapping hold.
+    holds: Vec<(usize, usize, Token)>,
+    /// (alloc, process): a process whose link was cut while it held the allocation.
+    cut: Vec<(usize, u32)>,
+    dead: Vec<u32>,
+    /// `Unmap`s the importers have not answered: (link, alloc).
+    pending_unmaps: Vec<(usize, usize)>,
+    next: u64,
+}
+
+impl Model {
+    fn fresh(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+
+    fn lease_out_on(&self, alloc: usize) -> bool {
+        self.leases.iter().any(|l| l.out && l.alloc == alloc)
+    }
+
+    fn held_on_live_link(&self, alloc: usize) -> bool {
+        self.holds
+            .iter()
+            .any(|&(a, l, _)| a == alloc && self.links[l].up)
+    }
+
+    fn cut_alive(&self, alloc: usize) -> Vec<u32> {
+        let mut v: Vec<u32> = self
+            .cut
+            .iter()
+            .filter(|&&(a, p)| a == alloc && !self.dead.contains(&p))
+            .map(|&(_, p)| p)
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// The invariant, in the model's terms: may this allocation be freed now?
+    fn may_free(&self, alloc: usize) -> bool {
+        let a = &self.allocs[alloc];
+        a.retired
+            && !a.freed
+            && !self.lease_out_on(alloc)
+            && !self.held_on_live_link(alloc)
+            && (!a.unsafe_free || self.cut_alive(alloc).is_empty())
+    }
+
+    fn cut_link(&mut self, link: usize, record_cut: bool) {
+        if !self.links[link].up {
+            return;
+        }
+        self.links[link].up = false;
+        let process = self.links[link].process;
+        let mut touched = Vec::new();
+        for l in &mut self.leases {
+            if l.out && l.link == link {
+                l.out = false;
+                touched.push(l.alloc);
+            }
+        }
+        self.holds.retain(|&(a, l, _)| {
+            if l == link {
+                touched.push(a);
+                false
+            } else {
+                true
+            }
+        });
+        self.pending_unmaps.retain(|&(l, _)| l != link);
+        if record_cut {
+            for a in touched {
+                if !self.allocs[a].freed {
+                    self.cut.push((a, process));
+                }
+            }
+        }
+    }
+}
+
+struct Run {
+    ledger: Ledger<u64, Fence>,
+    model: Model,
+    now: Instant,
+}
+
+impl Run {
+    fn new() -> Self {
+        Self {
+            ledger: Ledger::default(),
+            model: Model::default(),
+            now: Instant::now(),
+        }
+    }
+
+    fn apply(&mut self, ev: &Ev) {
+        let m = &mut self.model;
+        match *ev {
+            Ev::Insert { unsafe_free, kill } => {
+                let n = m.fresh();
+                let (id, buffer) = (AllocationId::new(n), BufferId::next());
+                m.allocs.push(MAlloc {
+                    id,
+                    buffer,
+                    unsafe_free,
+                    kill,
+                    retired: false,
+                    freed: false,
+                    quarantine_reported: false,
+                    fences: Vec::new(),
+                });
+                self.ledger.insert(NewAllocation {
+                    alloc: id,
+                    buffer,
+                    owner: ActorId::new(1),
+                    bytes: 4096,
+                    rule: if unsafe_free {
+                        FreeWhileMapped::Unsafe
+                    } else {
+                        FreeWhileMapped::Survives
+                    },
+                    policy: if kill {
+                        RevokePolicy::KillSupervisedChild
+                    } else {
+                        RevokePolicy::Cut
+                    },
+                    meta: n,
+                });
+            }
+            Ev::LinkUp { process: p } => {
+                if m.dead.contains(&p) {
+                    return;
+                }
+                let id = LinkId::next();
+                m.links.push(MLink {
+                    id,
+                    process: p,
+                    up: true,
+                    cut_asked: false,
+                });
+                self.ledger.link_up(id, process(p));
+            }
+            Ev::Grant { alloc, link } => {
+                if m.allocs.is_empty() || m.links.is_empty() {
+                    return;
+                }
+                let (a, l) = (alloc % m.allocs.len(), link % m.links.len());
+                let lease = LeaseId::new(m.fresh());
+                let got = self.ledger.grant(m.allocs[a].id, m.links[l].id, lease);
+                let expect = if !m.links[l].up {
+                    Err(Refusal::LinkDown)
+                } else if m.allocs[a].freed {
+                    Err(Refusal::UnknownBuffer)
+                } else if m.allocs[a].retired {
+                    Err(Refusal::NotLive)
+                } else {
+                    let current = m.holds.contains(&(a, l, Token::Current));
+                    Ok(Grant { new_hold: !current })
+                };
+                assert_eq!(got, expect, "grant of {a} over {l}");
+                if let Ok(g) = got {
+                    if g.new_hold {
+                        m.holds.push((a, l, Token::Current));
+                    }
+                    m.leases.push(MLease {
+                        id: lease,
+                        alloc: a,
+                        link: l,
+                        out: true,
+                        new_hold: g.new_hold,
+                        revoke_by: None,
+                    });
+                }
+            }
+            Ev::Release {
+                lease,
+                wrong_link,
+                fence,
+            } => {
+                if m.leases.is_empty() || m.links.is_empty() {
+                    return;
+                }
+                let i = lease % m.leases.len();
+                let l = m.leases[i].clone();
+                let link = if wrong_link {
+                    (l.link + 1) % m.links.len()
+                } else {
+                    l.link
+                };
+                let fence = fence.then_some(l.id.get());
+                let got = self.ledger.release(l.id, m.links[link].id, fence);
+                let accepted = l.out && link == l.link;
+                assert_eq!(got.is_ok(), accepted, "release of {i} over {link}: {got:?}");
+                if accepted {
+                    assert_eq!(got, Ok(()));
+                    m.leases[i].out = false;
+                    m.allocs[l.alloc].fences.extend(fence);
+                } else {
+                    assert_eq!(got, Err(Refusal::UnknownLease));
+                }
+            }
+            Ev::Ungrant { lease } => {
+                // Only the newest lease can be "never sent": the link ungrants right after
+                // granting, before anything else happens.
+                let Some(l) = m.leases.last().cloned() else {
+                    return;
+                };
+                if !l.out || lease % 2 == 0 {
+                    return;
+                }
+                self.ledger.ungrant(
+                    l.id,
+                    Grant {
+                        new_hold: l.new_hold,
+                    },
+                );
+                let i = m.leases.len() - 1;
+                m.leases[i].out = false;
+                if l.new_hold {
+                    if let Some(pos) = m
+                        .holds
+                        .iter()
+                        .position(|&t| t == (l.alloc, l.link, Token::Current))
+                    {
+                        m.holds.remove(pos);
+                    }
+                }
+            }
+            Ev::Retire { alloc } => {
+                if m.allocs.is_empty() {
+                    return;
+                }
+                let a = alloc % m.allocs.len();
+                m.allocs[a].retired = true;
+                self.ledger.retire(m.allocs[a].buffer);
+            }
+            Ev::Revoke { alloc } => {
+                if m.allocs.is_empty() {
+                    return;
+                }
+                let a = alloc % m.allocs.len();
+                let deadline = self.now + Duration::from_millis(100);
+                let got = self.ledger.revoke(m.allocs[a].buffer, deadline);
+                if m.allocs[a].freed {
+                    assert_eq!(got, Err(Refusal::UnknownBuffer));
+                } else {
+                    let mut asked = 0;
+                    for l in m.leases.iter_mut().filter(|l| l.out && l.alloc == a) {
+                        l.revoke_by = Some(l.revoke_by.map_or(deadline, |d| d.min(deadline)));
+                        asked += 1;
+                    }
+                    assert_eq!(got, Ok(asked));
+                }
+            }
+            Ev::Tick { advance_ms } => {
+                self.now += Duration::from_millis(advance_ms);
+                self.ledger.tick(self.now);
+            }
+            Ev::Evict { link, alloc } => {
+                if m.allocs.is_empty() || m.links.is_empty() {
+                    return;
+                }
+                let (a, l) = (alloc % m.allocs.len(), link % m.links.len());
+                self.ledger.evict(m.links[l].id, m.allocs[a].id);
+                if let Some(t) = m.holds.iter_mut().find(|t| **t == (a, l, Token::Current)) {
+                    t.2 = Token::Draining;
+                    m.pending_unmaps.push((l, a));
+                }
+            }
+            Ev::AnswerUnmap { pending } => {
+                if m.pending_unmaps.is_empty() {
+                    return;
+                }
+                let (l, a) = m.pending_unmaps.remove(pending % m.pending_unmaps.len());
+                let held = self.ledger.unmapped(m.links[l].id, m.allocs[a].id);
+                assert!(held, "an answered Unmap matches a hold");
+                let pos = m
+                    .holds
+                    .iter()
+                    .position(|&t| t == (a, l, Token::Draining))
+                    .expect("the model drains what it unmapped");
+                m.holds.remove(pos);
+            }
+            Ev::SpuriousUnmapped { link, alloc } => {
+                // An importer that could not open an offer says it does not map it.
+                if m.allocs.is_empty() || m.links.is_empty() {
+                    return;
+                }
+                let (a, l) = (alloc % m.allocs.len(), link % m.links.len());
+                let held = self.ledger.unmapped(m.links[l].id, m.allocs[a].id);
+                // The ledger drains an unanswered `Unmap` first, else ends the hold.
+                let pos = m
+                    .holds
+                    .iter()
+                    .position(|&t| t == (a, l, Token::Draining))
+                    .or_else(|| m.holds.iter().position(|&t| t == (a, l, Token::Current)));
+                assert_eq!(held, pos.is_some(), "unmapped {a} over {l}");
+                if let Some(pos) = pos {
+                    if m.holds.remove(pos).2 == Token::Draining {
+                        let i = m
+                            .pending_unmaps
+                            .iter()
+                            .position(|&p| p == (l, a))
+                            .expect("a draining hold has its pending Unmap");
+                        m.pending_unmaps.remove(i);
+                    }
+                }
+            }
+            Ev::LinkCut { link } => {
+                if m.links.is_empty() {
+                    return;
+                }
+                let l = link % m.links.len();
+                m.cut_link(l, true);
+                self.ledger.link_cut(m.links[l].id);
+            }
+            Ev::ProcessDead { process: p } => {
+                if m.dead.contains(&p) {
+                    return;
+                }
+                m.dead.push(p);
+                for l in 0..m.links.len() {
+                    if m.links[l].process == p {
+                        m.cut_link(l, false);
+                    }
+                }
+                self.ledger.process_dead(process(p));
+            }
+        }
+        self.settle_model_and_compare();
+    }
+
+    /// Mirrors `settle` in the model (unmaps owed to live holders of retired, unleased
+    /// allocations), then checks the ledger's actions and state against it.
+    fn settle_model_and_compare(&mut self) {
+        let actions = self.ledger.take_actions();
+        let m = &mut self.model;
+        let mut expected_unmaps = Vec::new();
+        for a in 0..m.allocs.len() {
+            if m.allocs[a].retired && !m.allocs[a].freed && !m.lease_out_on(a) {
+                for t in m.holds.iter_mut() {
+                    if t.0 == a && t.2 == Token::Current && m.links[t.1].up {
+                        t.2 = Token::Draining;
+                        expected_unmaps.push((t.1, a));
+                    }
+                }
+            }
+        }
+        let mut expected_cuts = Vec::new();
+        let now = self.now;
+        for l in &m.leases {
+            let link = &m.links[l.link];
+            if l.out && link.up && !link.cut_asked && l.revoke_by.is_some_and(|d| d <= now) {
+                expected_cuts.push(l.link);
+            }
+        }
+        expected_cuts.sort();
+        expected_cuts.dedup();
+
+        let mut unmaps = Vec::new();
+        let mut cuts = Vec::new();
+        for action in actions {
+            match action {
+                Action::Free {
+                    alloc,
+                    meta,
+                    mut fences,
+                } => {
+                    let a = m.allocs.iter().position(|x| x.id == alloc).expect("known");
+                    assert_eq!(meta, alloc.get(), "the allocation's own meta comes back");
+                    assert!(
+                        m.may_free(a),
+                        "freed {alloc:?} while the model says it may be mapped: {m:#?}"
+                    );
+                    fences.sort();
+                    let mut want = std::mem::take(&mut m.allocs[a].fences);
+                    want.sort();
+                    assert_eq!(fences, want, "every release fence goes with the free");
+                    m.allocs[a].freed = true;
+                }
+                Action::Quarantine {
+                    alloc,
+                    holders,
+                    bytes,
+                } => {
+                    let a = m.allocs.iter().position(|x| x.id == alloc).expect("known");
+                    let x = &m.allocs[a];
+                    assert!(x.unsafe_free && x.retired && !x.freed && !x.quarantine_reported);
+                    assert_eq!(bytes, 4096);
+                    let want: Vec<ProcessId> = m.cut_alive(a).into_iter().map(process).collect();
+                    assert_eq!(holders, want);
+                    m.allocs[a].quarantine_reported = true;
+                }
+                Action::Unmap { link, alloc } => {
+                    let l = m.links.iter().position(|x| x.id == link).expect("known");
+                    let a = m.allocs.iter().position(|x| x.id == alloc).expect("known");
+                    unmaps.push((l, a));
+                }
+                Action::Cut { link, lease, kill } => {
+                    let l = m.links.iter().position(|x| x.id == link).expect("known");
+                    let r = m.leases.iter().find(|x| x.id == lease).expect("known");
+                    assert_eq!(r.link, l);
+                    assert_eq!(kill, m.allocs[r.alloc].kill);
+                    m.links[l].cut_asked = true;
+                    cuts.push(l);
+                }
+                Action::Revoke { link, lease, .. } => {
+                    let l = m.links.iter().position(|x| x.id == link).expect("known");
+                    let r = m.leases.iter().find(|x| x.id == lease).expect("known");
+                    assert!(r.out && r.link == l);
+                }
+            }
+        }
+        // Unmaps from `evict` were recorded when the event was applied; the rest come from
+        // settling and must match the model's exactly.
+        let evicted: Vec<(usize, usize)> = unmaps
+            .iter()
+            .filter(|u| !expected_unmaps.contains(u))
+            .copied()
+            .collect();
+        for u in &evicted {
+            assert!(
+                m.pending_unmaps.contains(u),
+                "an unexpected Unmap {u:?}: {m:#?}"
+            );
+        }
+        unmaps.retain(|u| !evicted.contains(u));
+        unmaps.sort();
+        expected_unmaps.sort();
+        assert_eq!(unmaps, expected_unmaps, "Unmap to every live holder, once");
+        m.pending_unmaps.extend(expected_unmaps);
+        cuts.sort();
+        assert_eq!(cuts, expected_cuts, "one cut per overdue holder's link");
+
+        // No leak: whatever may be freed was freed; quarantines are reported.
+        for a in 0..m.allocs.len() {
+            if m.may_free(a) {
+                panic!("{:?} may be freed but was not: {m:#?}", m.allocs[a].id);
+            }
+            let x = &m.allocs[a];
+            let quarantined = x.retired
+                && !x.freed
+                && !m.lease_out_on(a)
+                && !m.held_on_live_link(a)
+                && x.unsafe_free
+                && !m.cut_alive(a).is_empty();
+            assert_eq!(
+                quarantined,
+                x.quarantine_reported && !x.freed,
+                "quarantine of {:?}",
+                x.id
+            );
+        }
+        self.ledger.check();
+        let c = self.ledger.counts(None);
+        let live = m.allocs.iter().filter(|x| !x.freed).count();
+        assert_eq!(c.buffers, live);
+        let out = m.leases.iter().filter(|l| l.out).count();
+        assert_eq!(c.leases, out);
+        assert_eq!(
+            self.ledger.freed(),
+            m.allocs.iter().filter(|x| x.freed).count() as u64
+        );
+    }
+
+    /// Ends every link and process, answers nothing: all that was retired must then be
+    /// freed (no quarantine outlives its holders).
+    fn finish(&mut self) {
+        for p in 0..4 {
+            self.apply(&Ev::ProcessDead { process: p });
+        }
+        for a in 0..self.model.allocs.len() {
+            self.apply(&Ev::Retire { alloc: a });
+        }
+        for x in &self.model.allocs {
+            assert!(x.freed, "{:?} leaked after every holder died", x.id);
+        }
+        assert_eq!(self.ledger.counts(None), Counts::default());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_ledger_frees_exactly_when_no_live_process_may_map(events in prop::collection::vec(event(), 1..120)) {
+        let mut run = Run::new();
+        for ev in &events {
+            run.apply(ev);
+        }
+        run.finish();
+    }
+}
+
+/// The scenario of the stubborn live holder, step by step, with both rules.
+#[test]
+fn a_cut_live_holder_quarantines_unsafe_memory_until_it_dies() {
+    for unsafe_free in [true, false] {
+        let mut run = Run::new();
+        run.apply(&Ev::Insert {
+            unsafe_free,
+            kill: false,
+        });
+        run.apply(&Ev::LinkUp { process: 0 });
+        run.apply(&Ev::Grant { alloc: 0, link: 0 });
+        run.apply(&Ev::Retire { alloc: 0 });
+        run.apply(&Ev::Revoke { alloc: 0 });
+        run.apply(&Ev::Tick { advance_ms: 150 });
+        assert!(
+            run.model.links[0].cut_asked,
+            "the holder is cut at its deadline"
+        );
+        run.apply(&Ev::LinkCut { link: 0 });
+        assert_eq!(
+            run.model.allocs[0].freed, !unsafe_free,
+            "unsafe memory waits for the holder's death; the rest is freed at the cut"
+        );
+        assert_eq!(
+            run.ledger.counts(None).quarantined,
+            usize::from(unsafe_free)
+        );
+        run.apply(&Ev::ProcessDead { process: 0 });
+        assert!(run.model.allocs[0].freed);
+    }
+}
+
+/// Two importers with warm mappings: the free waits for both `Unmapped`, or a death.
+#[test]
+fn a_free_waits_for_every_warm_mapping() {
+    let mut run = Run::new();
+    run.apply(&Ev::Insert {
+        unsafe_free: true,
+        kill: false,
+    });
+    run.apply(&Ev::LinkUp { process: 0 });
+    run.apply(&Ev::LinkUp { process: 1 });
+    run.apply(&Ev::Grant { alloc: 0, link: 0 });
+    run.apply(&Ev::Grant { alloc: 0, link: 1 });
+    run.apply(&Ev::Release {
+        lease: 0,
+        wrong_link: false,
+        fence: true,
+    });
+    run.apply(&Ev::Release {
+        lease: 1,
+        wrong_link: false,
+        fence: false,
+    });
+    run.apply(&Ev::Retire { alloc: 0 });
+    assert_eq!(
+        run.model.pending_unmaps.len(),
+        2,
+        "both importers asked to unmap"
+    );
+    run.apply(&Ev::AnswerUnmap { pending: 0 });
+    assert!(!run.model.allocs[0].freed, "one answer is not enough");
+    run.apply(&Ev::ProcessDead { process: 1 });
+    assert!(run.model.allocs[0].freed, "the other's death ends the wait");
+}
