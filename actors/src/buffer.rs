@@ -1,8 +1,9 @@
 //! Buffers on both sides of a handoff.
 //!
 //! - [`Buffer<T>`]: the exporter's handle to a buffer its [`BufferOwner`](crate::BufferOwner)
-//!   allocated. Cheap to clone. When the last clone drops the buffer is *freed* — at once if
-//!   no lease is out, else as soon as the last lease comes back (never before).
+//!   allocated. Cheap to clone. When the last clone drops the buffer is *freed* — as soon as
+//!   no live process may map it (no lease out, every importer's warm mapping closed), never
+//!   before.
 //! - [`Shared<T>`]: a buffer inside a message. The sender puts `buffer.share()` in a field;
 //!   sending the message grants the receiver a lease; the receiver finds an unopened lease
 //!   in the same field and [`open`](Shared::open)s it.

@@ -15,11 +15,14 @@
 //!
 //! - [`Node`]: this process in a deployment — session, backend, import cache, links, and
 //!   the actors reachable by name ([`Node::register`]).
-//! - [`BufferOwner`]: allocates [`Buffer`]s and keeps their lease table. A lease exists
-//!   from the moment its offer is sent. Dropping the last `Buffer` handle frees the buffer
-//!   once no lease is out — never before. [`Revoke`] asks for leases back by a deadline.
-//! - [`PeerLink`]: one actor per connection; framing, handshake, descriptors, routing of
-//!   the lease protocol; the peer's death reclaims its leases and orphans ours.
+//! - [`BufferOwner`]: allocates [`Buffer`]s; the node's lease ledger records every lease
+//!   on them from the moment its offer is sent. Dropping the last `Buffer` handle frees the
+//!   buffer once no live process may map it — no lease out, every warm mapping unmapped or
+//!   its process dead — never before; memory a cut but live holder may still map is
+//!   *quarantined* where the backend's free would be unsafe (CUDA legacy IPC). [`Revoke`]
+//!   asks for leases back by a deadline.
+//! - [`PeerLink`]: one actor per connection; framing, handshake, descriptors, heartbeat,
+//!   routing of the lease protocol; the peer's death reclaims its leases and orphans ours.
 //! - Typed buffer messages: a [`RemoteMessage`] may hold [`Shared<T>`] fields; sending it
 //!   through a [`RemoteAddr`] leases its buffers to the receiver, which `open()`s them into
 //!   [`Lease<T>`]s. Replies may carry buffers too.
@@ -27,10 +30,11 @@
 //!   (one-for-one or one-for-all, at most N restarts in a window), and feeds their deaths
 //!   into the lease protocol.
 //!
-//! Design choice: each owner's lease table lives beside its actor, behind a mutex, not
-//! inside it. Leases are granted and returned on the hot path of every handoff by the
+//! Design choice: the lease ledger is a state machine without I/O (`ledger.rs`,
+//! property-tested against a model), one per node, behind a mutex beside the actors rather
+//! than inside one. Leases are granted and returned on the hot path of every handoff by the
 //! link actors, and a few hash-map operations under a mutex cost far less than two extra
-//! mailbox round trips. The actor keeps what needs time (revoke deadlines) and identity.
+//! mailbox round trips. Owners keep what needs time (revoke deadlines) and identity.
 //!
 //! All actors of a node run on the actix system of the calling thread.
 

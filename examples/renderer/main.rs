@@ -224,6 +224,11 @@ struct Done {
     seconds: f64,
     tiles_composed: u64,
     tiles_missing: u64,
+    /// The compositor's import cache: driver-level opens (or `mmap`s) during the first
+    /// frame, and after it; hits.
+    opens_first_frame: u64,
+    opens_after: u64,
+    cache_hits: u64,
     pngs: Vec<String>,
     verify: Option<String>,
 }
@@ -602,6 +607,9 @@ fn compositor(opts: Options, sockets: PathBuf) -> Res<()> {
                 canvas.put_rows(rect, &scene::missing_tile(rect))?;
             }
             summary.tiles_missing += missing.len() as u64;
+            if f == 0 {
+                summary.opens_first_frame = node.cache().stats().opens;
+            }
 
             let last = f + 1 == opts.frames;
             let first_missing = !missing.is_empty() && !wrote_missing;
@@ -633,6 +641,9 @@ fn compositor(opts: Options, sockets: PathBuf) -> Res<()> {
         }
         summary.frames = opts.frames;
         summary.seconds = (start.elapsed() - io).as_secs_f64();
+        let cache = node.cache().stats();
+        summary.opens_after = cache.opens - summary.opens_first_frame;
+        summary.cache_hits = cache.hits;
         done.send(summary).await?;
         Ok::<_, Box<dyn Error>>(())
     })
@@ -813,6 +824,14 @@ fn root(opts: Options) -> Res<()> {
         println!("fps               {fps:.1}");
         println!("handoffs/s        {:.0} ({} tiles composed, {} missing)", summary.tiles_composed as f64 / summary.seconds, summary.tiles_composed, summary.tiles_missing);
         println!("restarts          {restarts}");
+        let later = summary.frames.saturating_sub(1).max(1);
+        println!(
+            "import cache      {} opens in the first frame, {} after ({:.2} per frame), {} hits",
+            summary.opens_first_frame,
+            summary.opens_after,
+            summary.opens_after as f64 / later as f64,
+            summary.cache_hits
+        );
         match leaked_device {
             Some(d) => println!("leaked bytes      {d} (device free memory vs baseline) + {leaked_host} (host segments)"),
             None => println!(

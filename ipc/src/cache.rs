@@ -177,27 +177,32 @@ impl State {
         entry.on_closed
     }
 
-    /// Warm entries over `budget`, least recently used first, marked as evicting.
+    /// Warm entries over `budget`, least recently used first, marked as evicting. Those
+    /// already handed to the evictor are on their way out and do not count.
     fn over_budget(&mut self, budget: &WarmBudget) -> Vec<(Vec<HolderId>, CacheKey)> {
-        let (mut count, mut bytes) = (self.stats.warm, self.stats.warm_bytes);
-        if count <= budget.max_entries && bytes <= budget.max_bytes {
+        if self.stats.warm <= budget.max_entries && self.stats.warm_bytes <= budget.max_bytes {
             return Vec::new();
         }
-        let mut warm: Vec<(u64, CacheKey)> = self
+        let mut warm: Vec<(u64, CacheKey, u64)> = self
             .entries
             .iter()
-            .filter_map(|(k, e)| e.warm_since.filter(|_| !e.evicting).map(|t| (t, *k)))
+            .filter_map(|(k, e)| {
+                e.warm_since
+                    .filter(|_| !e.evicting)
+                    .map(|t| (t, *k, e.bytes()))
+            })
             .collect();
+        let (mut count, mut bytes) = (warm.len(), warm.iter().map(|w| w.2).sum::<u64>());
         warm.sort();
         let mut out = Vec::new();
-        for (_, key) in warm {
+        for (_, key, size) in warm {
             if count <= budget.max_entries && bytes <= budget.max_bytes {
                 break;
             }
             let entry = self.entries.get_mut(&key).expect("listed");
             entry.evicting = true;
             count -= 1;
-            bytes -= entry.bytes();
+            bytes -= size;
             self.stats.evictions += 1;
             out.push((entry.holders.clone(), key));
         }
@@ -813,5 +818,127 @@ mod tests {
 
         cache.forget_process(&session.process());
         assert_eq!(backend.forgotten.load(Ordering::Relaxed), 1);
+    }
+
+    fn counter() -> (Arc<AtomicU64>, OnClosed) {
+        let n = Arc::new(AtomicU64::new(0));
+        let m = Arc::clone(&n);
+        (
+            n,
+            Box::new(move || {
+                m.fetch_add(1, Ordering::Relaxed);
+            }),
+        )
+    }
+
+    #[test]
+    fn warm_mappings_stay_while_held_and_close_once_let_go_and_unused() {
+        let session = Session::new(SessionToken::from_bytes([8; 32]));
+        let backend = Arc::new(EventBackend::default());
+        let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+        let alloc = backend.allocate(4096).unwrap();
+        let handle = alloc.handle(&session).build().unwrap();
+        let mut fds = FrameFds::none();
+        let (h1, h2) = (HolderId(1), HolderId(2));
+
+        // Held: the last view's drop leaves it warm; the next open is a hit.
+        let view = cache.open(&handle, &mut fds).unwrap();
+        let key = view.key();
+        assert!(cache.hold(&key, h1));
+        assert!(!cache.hold(&key, h1), "held once per holder");
+        drop(view);
+        let s = cache.stats();
+        assert_eq!((s.live, s.warm, s.warm_bytes, s.closes), (1, 1, 4096, 0));
+        let view = cache.open(&handle, &mut fds).unwrap();
+        let s = cache.stats();
+        assert_eq!((s.opens, s.hits, s.warm), (1, 1, 0));
+
+        // Let go while a view is alive: closed (and told) only when the view drops.
+        let (told, on_closed) = counter();
+        cache.unhold(&key, h1, on_closed);
+        assert_eq!(told.load(Ordering::Relaxed), 0);
+        assert_eq!(cache.stats().live, 1);
+        drop(view);
+        assert_eq!(told.load(Ordering::Relaxed), 1);
+        assert_eq!((cache.stats().live, cache.stats().closes), (0, 1));
+
+        // Two holders: the first to let go is told at once; the last closes it.
+        let view = cache.open(&handle, &mut fds).unwrap();
+        cache.hold(&key, h1);
+        cache.hold(&key, h2);
+        drop(view);
+        let (told1, f1) = counter();
+        cache.unhold(&key, h1, f1);
+        assert_eq!((told1.load(Ordering::Relaxed), cache.stats().live), (1, 1));
+        let (told2, f2) = counter();
+        cache.unhold(&key, h2, f2);
+        assert_eq!((told2.load(Ordering::Relaxed), cache.stats().live), (1, 0));
+
+        // A new hold supersedes one letting go: told at once, and the mapping stays.
+        let view = cache.open(&handle, &mut fds).unwrap();
+        cache.hold(&key, h1);
+        let (told, f) = counter();
+        cache.unhold(&key, h1, f);
+        assert!(cache.hold(&key, h1));
+        assert_eq!(told.load(Ordering::Relaxed), 1);
+        drop(view);
+        assert_eq!(cache.stats().warm, 1, "still held: warm, not closed");
+
+        // A holder that goes away lets its idle mappings close.
+        cache.drop_holder(h1);
+        assert_eq!(cache.stats().live, 0);
+        assert_eq!(backend.opens.load(Ordering::Relaxed), 3);
+
+        // Letting go of what is not mapped tells at once.
+        let (told, f) = counter();
+        cache.unhold(&key, h1, f);
+        assert_eq!(told.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn past_the_warm_budget_the_least_recently_used_mapping_is_handed_to_the_evictor() {
+        let session = Session::new(SessionToken::from_bytes([8; 32]));
+        let backend = Arc::new(EventBackend::default());
+        let budget = WarmBudget {
+            max_entries: 1,
+            max_bytes: 1 << 20,
+        };
+        let cache =
+            ImportCache::with_budget(session.clone(), [backend.clone() as SharedBackend], budget);
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&asked);
+        cache.set_evictor(Arc::new(move |holder, key| {
+            log.lock().unwrap().push((holder, key))
+        }));
+        let mut fds = FrameFds::none();
+        let mut keys = Vec::new();
+        for _ in 0..3 {
+            let alloc = backend.allocate(4096).unwrap();
+            let view = cache
+                .open(&alloc.handle(&session).build().unwrap(), &mut fds)
+                .unwrap();
+            keys.push(view.key());
+            cache.hold(&view.key(), HolderId(7));
+            drop(view);
+        }
+        // Three warm, one allowed: the two oldest are asked for, once each.
+        assert_eq!(
+            *asked.lock().unwrap(),
+            vec![(HolderId(7), keys[0]), (HolderId(7), keys[1])]
+        );
+        let s = cache.stats();
+        assert_eq!(
+            (s.warm, s.evictions),
+            (3, 2),
+            "warm until the holder lets go"
+        );
+        // The holder agrees (the exporter answered Unmap): they close.
+        for key in &keys[..2] {
+            let (told, f) = counter();
+            cache.unhold(key, HolderId(7), f);
+            assert_eq!(told.load(Ordering::Relaxed), 1);
+        }
+        let s = cache.stats();
+        assert_eq!((s.live, s.warm), (1, 1));
     }
 }

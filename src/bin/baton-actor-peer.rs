@@ -1,17 +1,21 @@
 //! The helper process of Baton's actor tests.
 //!
-//! `baton-actor-peer serve [SOCKET] [cooperative|stubborn]`: starts a node (session from
-//! `BATON_TOKEN`, host segments in `BATON_SHM_NAMESPACE`), connects to SOCKET (or to
-//! `BATON_CONNECT`, as a supervised child), registers the test actors, and runs until the
-//! link to its parent goes down. A `cooperative` holder gives revoked leases back; a
-//! `stubborn` one keeps them.
+//! `baton-actor-peer serve [SOCKET] [cooperative|stubborn] [linger]`: starts a node
+//! (session from `BATON_TOKEN`, host segments in `BATON_SHM_NAMESPACE`), connects to
+//! SOCKET (or to `BATON_CONNECT`, as a supervised child), registers the test actors, and
+//! runs until the link to its parent goes down. A `cooperative` holder gives revoked
+//! leases back; a `stubborn` one keeps them. With `linger`, when the link goes down it
+//! reports on stdout what its held leases read — through the lease (`api=orphaned` once the
+//! exporter is gone) and through the raw mapping (`raw=<sum of the u32s>`) — and keeps
+//! running (holding them) until killed.
 
 #[path = "../../tests/support/msgs.rs"]
 mod msgs;
 
 use actix::prelude::*;
 use baton::actors::{
-    Allocate, BufferOwner, Lease, LeaseTable, Node, PeerEvent, Revoke, RevokeRequested, supervisor,
+    Allocate, Buffer, BufferOwner, Lease, LeaseTable, Node, PeerEvent, Revoke, RevokeRequested,
+    supervisor,
 };
 use baton::messages::LeaseId;
 use msgs::*;
@@ -21,7 +25,44 @@ struct TestActor {
     node: Node,
     owner: Addr<BufferOwner>,
     held: HashMap<LeaseId, Lease<u32>>,
+    /// Where each held lease is mapped (host memory) and its length in `u32`s, taken while
+    /// the link was up.
+    raw: HashMap<LeaseId, (usize, usize)>,
+    lent: HashMap<u32, Buffer<u32>>,
     cooperative: bool,
+    linger: bool,
+}
+
+impl TestActor {
+    /// What each held lease reads, one line per lease, on stdout.
+    fn report(&self) {
+        let mut ids: Vec<&LeaseId> = self.held.keys().collect();
+        ids.sort();
+        for id in ids {
+            let lease = &self.held[id];
+            let api = match lease.to_vec() {
+                Ok(_) => "readable",
+                Err(baton::actors::ActorError::Orphaned { .. }) => "orphaned",
+                Err(_) => "error",
+            };
+            let raw = self.raw.get(id).map_or(0u64, |&(addr, len)| {
+                (0..len)
+                    .map(|i| {
+                        let word = (addr as *const u32).wrapping_add(i);
+                        // SAFETY: the lease is alive (held above), so its import-cache view
+                        // keeps the mapping of `len` u32s at `addr` mapped, and `i < len`;
+                        // host mappings are page-aligned. The exporter's process may write
+                        // it: a volatile read of plain integers sees some value, never an
+                        // invalid one.
+                        u64::from(unsafe { std::ptr::read_volatile(word) })
+                    })
+                    .sum()
+            });
+            println!("held {} api={api} raw={raw}", id.get());
+        }
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    }
 }
 
 impl Actor for TestActor {
@@ -73,6 +114,9 @@ impl Handler<Hold> for TestActor {
     fn handle(&mut self, msg: Hold, _ctx: &mut Context<Self>) -> usize {
         for shared in msg.buffers {
             let lease = shared.open().expect("received");
+            if let Ok(baton::ipc::MemPtr::Host(p)) = lease.ptr() {
+                self.raw.insert(lease.id(), (p as usize, lease.len()));
+            }
             self.held.insert(lease.id(), lease);
         }
         self.held.len()
@@ -128,6 +172,46 @@ impl Handler<MakeBuffers> for TestActor {
             }
             Made { buffers }
         })
+    }
+}
+
+impl Handler<Lend> for TestActor {
+    type Result = ResponseFuture<Made>;
+
+    fn handle(&mut self, msg: Lend, ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(buf) = self.lent.get(&msg.index) {
+            let buffers = vec![buf.share()];
+            return Box::pin(async move { Made { buffers } });
+        }
+        let owner = self.owner.clone();
+        let me = ctx.address();
+        Box::pin(async move {
+            let buf = owner
+                .send(Allocate::<u32>::vector(msg.len.into()))
+                .await
+                .expect("owner alive")
+                .expect("allocate");
+            let data: Vec<u32> = (0..msg.len as usize)
+                .map(|i| pattern(msg.seed, i))
+                .collect();
+            buf.write_at(0, &data).expect("write");
+            let buffers = vec![buf.share()];
+            me.do_send(Keep(msg.index, buf));
+            Made { buffers }
+        })
+    }
+}
+
+/// Keeps a lent buffer.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Keep(u32, Buffer<u32>);
+
+impl Handler<Keep> for TestActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Keep, _ctx: &mut Context<Self>) {
+        self.lent.entry(msg.0).or_insert(msg.1);
     }
 }
 
@@ -197,7 +281,9 @@ impl Handler<PeerEvent> for TestActor {
             eprintln!("baton-actor-peer: link dropped: {reason}");
         }
         if let PeerEvent::Down { .. } = msg {
-            if self.node.peers().is_empty() {
+            if self.linger {
+                self.report();
+            } else if self.node.peers().is_empty() {
                 System::current().stop();
             }
         }
@@ -207,16 +293,17 @@ impl Handler<PeerEvent> for TestActor {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) != Some("serve") {
-        eprintln!("usage: baton-actor-peer serve [SOCKET] [cooperative|stubborn]");
+        eprintln!("usage: baton-actor-peer serve [SOCKET] [cooperative|stubborn] [linger]");
         std::process::exit(2);
     }
     let socket = args
         .get(1)
-        .filter(|a| !matches!(a.as_str(), "cooperative" | "stubborn"))
+        .filter(|a| !matches!(a.as_str(), "cooperative" | "stubborn" | "linger"))
         .cloned()
         .or_else(|| std::env::var(supervisor::CONNECT_ENV).ok())
         .expect("a socket to connect to");
     let cooperative = !args.iter().any(|a| a == "stubborn");
+    let linger = args.iter().any(|a| a == "linger");
     let system = System::new();
     let result = system.block_on(async move {
         let node = Node::from_env()?;
@@ -225,7 +312,10 @@ fn main() {
             node: node.clone(),
             owner,
             held: HashMap::new(),
+            raw: HashMap::new(),
+            lent: HashMap::new(),
             cooperative,
+            linger,
         }
         .start();
         node.register::<CheckPair>("checker", actor.clone().recipient());
@@ -234,6 +324,7 @@ fn main() {
         node.register::<DropHeld>("holder.drop", actor.clone().recipient());
         node.register::<MakeBuffers>("exporter", actor.clone().recipient());
         node.register::<Sum>("sink", actor.clone().recipient());
+        node.register::<Lend>("lender", actor.clone().recipient());
         node.register::<RevokeAll>("revoker", actor.clone().recipient());
         node.on_revoke(actor.clone().recipient());
         node.subscribe(actor.recipient());

@@ -4,8 +4,8 @@
 
 use super::peer;
 use actix::prelude::*;
-use baton::actors::{BufferOwner, Listening, Node, Peer, PeerEvent};
-use baton::ipc::HostBackend;
+use baton::actors::{BufferOwner, Listening, Node, NodeConfig, Peer, PeerEvent};
+use baton::ipc::{Backend, FreeWhileMapped, HostBackend};
 use baton::{Session, SocketDir};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -128,9 +128,19 @@ impl Parent {
 
     /// Call inside an actix system, with any backend for the parent's node.
     pub fn start_with(ns: &str, backend: baton::ipc::SharedBackend) -> Parent {
+        Self::start_configured(ns, backend, |c| c)
+    }
+
+    /// Call inside an actix system, with any backend and a node configuration of its own
+    /// (`configure` gets the default one; children use host memory).
+    pub fn start_configured(
+        ns: &str,
+        backend: baton::ipc::SharedBackend,
+        configure: impl FnOnce(NodeConfig) -> NodeConfig,
+    ) -> Parent {
         let ns = ns.to_owned();
         let session = Session::generate().unwrap();
-        let node = Node::new(session.clone(), backend);
+        let node = Node::with_config(configure(NodeConfig::new(session.clone())), backend);
         let events = Events::default();
         node.subscribe(EventLog(events.clone()).start().recipient());
         let (tmp, dir): (tempfile::TempDir, SocketDir) = peer::socket_dir();
@@ -207,5 +217,76 @@ impl Parent {
 
     pub fn segments(&self) -> usize {
         peer::segments(&self.ns)
+    }
+}
+
+/// Host memory whose allocations declare CUDA legacy IPC's rule — a free while another
+/// process maps the memory is unsafe — so that the ledger's quarantine runs, and is tested,
+/// without a GPU. Everything else is the host backend's.
+#[derive(Debug)]
+pub struct LegacyLike(pub HostBackend);
+
+impl Backend for LegacyLike {
+    fn name(&self) -> &'static str {
+        "host (legacy-like free rule)"
+    }
+    fn kind(&self) -> baton::messages::BackendKind {
+        self.0.kind()
+    }
+    fn device(&self) -> baton::messages::DeviceUuid {
+        self.0.device()
+    }
+    fn allocate(&self, size: usize) -> baton::ipc::Result<baton::Allocation> {
+        Ok(self
+            .0
+            .allocate(size)?
+            .declare_free_while_mapped(FreeWhileMapped::Unsafe))
+    }
+    fn open(
+        &self,
+        handle: baton::ipc::CheckedHandle<'_>,
+        fd: Option<std::os::fd::OwnedFd>,
+    ) -> baton::ipc::Result<baton::ipc::OpenedMem> {
+        self.0.open(handle, fd)
+    }
+}
+
+/// Reads lines from a child's stdout on a thread; `next_line` waits with a deadline.
+pub struct Lines(std::sync::mpsc::Receiver<String>);
+
+impl Lines {
+    pub fn of(stdout: std::process::ChildStdout) -> Lines {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Lines(rx)
+    }
+
+    /// The next line; panics after `deadline`.
+    pub async fn next_line(&self, deadline: Duration) -> String {
+        let start = Instant::now();
+        loop {
+            match self.0.try_recv() {
+                Ok(line) => return line,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    panic!("the child's stdout closed")
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            }
+            assert!(
+                start.elapsed() < deadline,
+                "no line from the child within {deadline:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 }

@@ -101,3 +101,17 @@ pub struct RevokeAll {
 impl RemoteMessage for RevokeAll {
     const NAME: &'static str = "test.RevokeAll";
 }
+
+/// Share the helper's lent buffer number `index` (allocated and filled with
+/// `pattern(seed, _)` on the first call for that index, the same buffer every time after).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Made")]
+pub struct Lend {
+    pub index: u32,
+    pub len: u32,
+    pub seed: u32,
+}
+
+impl RemoteMessage for Lend {
+    const NAME: &'static str = "test.Lend";
+}

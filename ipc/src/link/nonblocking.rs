@@ -311,6 +311,44 @@ mod tests {
         assert_eq!((got.message, got.fds.len()), (Message::Ping(2), 3));
     }
 
+    /// A cut closes: a writer parked on a full socket (the peer reads nothing) fails at
+    /// once, and the peer — once it reads — finds the end of the stream after the bytes
+    /// already in its buffer, not the rest of the frame.
+    #[tokio::test(flavor = "current_thread")]
+    async fn closing_unparks_a_writer_on_a_full_socket_and_the_peer_sees_the_end() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let config = LinkConfig::new(Session::new(SessionToken::from_bytes([8; 32])));
+        let (server, client) =
+            tokio::join!(AsyncLink::server(a, &config), AsyncLink::client(b, &config));
+        let server = server.unwrap();
+        let closer = server.closer();
+        let (_rx, mut wx) = server.into_split();
+        let (mut peer_rx, _peer_wx) = client.unwrap().into_split();
+        // Far more than a socket buffer holds: the writer parks until someone reads.
+        let big = vec![0u8; 64 << 20];
+        let writer = tokio::spawn(async move { wx.send_encoded(&big, &[]).await });
+        tokio::task::yield_now().await;
+        assert!(
+            !writer.is_finished(),
+            "the writer is parked on the full socket"
+        );
+        closer.close();
+        let sent = tokio::time::timeout(std::time::Duration::from_secs(10), writer)
+            .await
+            .expect("the parked writer is woken")
+            .unwrap();
+        assert!(
+            sent.is_err(),
+            "the write fails once the socket is shut down"
+        );
+        // The peer reads what was buffered (garbage as frames), then the end: an error,
+        // never a hang.
+        let got = tokio::time::timeout(std::time::Duration::from_secs(10), peer_rx.recv())
+            .await
+            .expect("the peer sees the end of the stream");
+        assert!(got.is_err(), "{got:?}");
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_silent_peer_times_out() {
         let (a, _b) = UnixStream::pair().unwrap();
