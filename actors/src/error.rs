@@ -117,6 +117,35 @@ pub enum ActorError {
         /// The message kind.
         got: &'static str,
     },
+    /// The peer sent more buffers in one message than [`LinkLimits::offers_per_message`](crate::LinkLimits::offers_per_message).
+    #[error("peer sent {count} buffers in one message; at most {max} are accepted")]
+    TooManyOffers {
+        /// Buffers in the message.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The peer's offers would hold more leases open here than
+    /// [`LinkLimits::leases_held`](crate::LinkLimits::leases_held).
+    #[error("peer offered more than {max} leases to hold at once")]
+    TooManyLeases {
+        /// The limit.
+        max: usize,
+    },
+    /// The peer does not read what it makes us write (its pings' pongs, its calls'
+    /// replies): more than [`LinkLimits::queued_bytes`](crate::LinkLimits::queued_bytes)
+    /// would be queued for it.
+    #[error("peer {peer} does not read: {queued} bytes are queued for it already")]
+    PeerNotReading {
+        /// The peer.
+        peer: ProcessId,
+        /// Bytes queued when it was cut.
+        queued: usize,
+    },
+    /// A buffer of a reply could not be opened in this process (a descriptor limit, memory,
+    /// an unsupported backend): the reply's leases were given back, the link stays up.
+    #[error("a buffer of the reply could not be opened here: {0}")]
+    OfferRefused(#[source] baton_ipc::Error),
     /// The peer held a revoked lease past its deadline and was cut off.
     #[error("peer held {lease:?} past its revoke deadline")]
     RevokeDeadline {
@@ -170,7 +199,10 @@ impl ActorError {
             | ActorError::ForeignOffer { .. }
             | ActorError::DuplicateLease { .. }
             | ActorError::UnknownCall { .. }
-            | ActorError::Unexpected { .. } => true,
+            | ActorError::Unexpected { .. }
+            | ActorError::TooManyOffers { .. }
+            | ActorError::TooManyLeases { .. }
+            | ActorError::PeerNotReading { .. } => true,
             _ => false,
         }
     }

@@ -56,7 +56,7 @@ pub use error::ActorError;
 pub use exports::{BufferLeases, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
-pub use link::{Heartbeat, PeerLink};
+pub use link::{Heartbeat, LinkLimits, PeerLink};
 pub use node::{Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use owner::{Allocate, BufferOwner, LeaseTable, Revoke, Stats};
 pub use remote::{RemoteAddr, RemoteMessage};

@@ -41,10 +41,10 @@ use futures_util::stream::Stream;
 use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 /// Shared between a link actor and the guards that depend on it.
 #[derive(Debug)]
@@ -53,6 +53,17 @@ pub(crate) struct LinkState {
     peer: ProcessId,
     /// The last measured round trip in nanoseconds (0: none yet).
     rtt_ns: AtomicU64,
+    /// The next id of a call of ours (ids are chosen by the sender, so that a caller that
+    /// gives up can name its call).
+    next_call: AtomicU64,
+    /// Bytes our calls may queue for the socket ([`LinkLimits::send_window`]).
+    pub(crate) send_window: Arc<Semaphore>,
+    /// The size of the send window in bytes.
+    pub(crate) window_size: usize,
+    /// Calls of ours awaiting replies ([`LinkLimits::pending_calls`]).
+    pub(crate) pending_calls: Arc<Semaphore>,
+    /// Bytes queued for the socket, of every kind of frame.
+    queued: AtomicUsize,
 }
 
 /// A reference to a link: its actor, and whether it is still up.
@@ -83,6 +94,23 @@ impl LinkRef {
     fn holder(&self) -> HolderId {
         HolderId(self.id.get())
     }
+
+    pub(crate) fn state(&self) -> &LinkState {
+        &self.state
+    }
+}
+
+impl LinkState {
+    /// A fresh id for a call of ours.
+    pub(crate) fn next_call_id(&self) -> u64 {
+        self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Whether `id` was handed out already (a reply to it that is not pending answers a
+    /// call its caller gave up on).
+    fn issued(&self, id: u64) -> bool {
+        id < self.next_call.load(Ordering::Relaxed)
+    }
 }
 
 impl fmt::Debug for LinkRef {
@@ -103,7 +131,12 @@ pub(crate) type LinkHandle = LinkRef;
 struct OutFrame {
     bytes: Vec<u8>,
     fds: Vec<OwnedFd>,
+    /// For a call of ours: its share of the send window, given back once it is written.
+    window: Option<OwnedSemaphorePermit>,
 }
+
+/// An offer opened, or why it could not be (a local failure: refused, not a fault).
+type Opened<T = IncomingLease> = Result<T, baton_ipc::Error>;
 
 /// Leases granted for one frame: its offers, the descriptors that go with them, and what
 /// undoing each grant takes.
@@ -133,6 +166,49 @@ impl Default for Heartbeat {
     }
 }
 
+/// What one link may hold. Bounds the *peer* controls are protocol faults when exceeded
+/// (that link is cut with a typed error); bounds *we* control are backpressure (our own
+/// `send` waits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkLimits {
+    /// Bytes of our calls queued for the socket at once; a
+    /// [`RemoteAddr::send`](crate::RemoteAddr::send) past it waits until the writer has
+    /// sent enough (backpressure). Default 8 MiB (eight full frames).
+    pub send_window: usize,
+    /// Our calls awaiting a reply at once; a `send` past it waits. Default 1024.
+    pub pending_calls: usize,
+    /// Bytes queued for the socket of every kind — our calls, our replies to the peer's
+    /// calls, lease-protocol messages, pongs. A peer that lets more pile up (it does not
+    /// read: it sends pings or calls and never reads the answers) is cut
+    /// ([`ActorError::PeerNotReading`]). Default 32 MiB.
+    pub queued_bytes: usize,
+    /// The peer's calls this node runs at once; at the limit the link stops reading its
+    /// socket until one finishes, so a peer calling faster than its calls are handled
+    /// is slowed by its own socket. Default 256. (A handler that calls back the same peer
+    /// and waits can deadlock only when all of them do.)
+    pub calls_in_flight: usize,
+    /// Buffers in one message (a call, a reply or a bare offer): each is an open (a
+    /// `mmap` or a driver call) for the receiver; more is a protocol fault
+    /// ([`ActorError::TooManyOffers`]). Default 1024.
+    pub offers_per_message: usize,
+    /// Leases the peer's offers hold open here at once; more is a protocol fault
+    /// ([`ActorError::TooManyLeases`]). Default 65 536.
+    pub leases_held: usize,
+}
+
+impl Default for LinkLimits {
+    fn default() -> Self {
+        Self {
+            send_window: 8 << 20,
+            pending_calls: 1024,
+            queued_bytes: 32 << 20,
+            calls_in_flight: 256,
+            offers_per_message: 1024,
+            leases_held: 65_536,
+        }
+    }
+}
+
 /// One actor per connection (see the [crate docs](crate)).
 pub struct PeerLink {
     node: Node,
@@ -145,7 +221,9 @@ pub struct PeerLink {
     /// Leases held from the peer.
     held: HashMap<LeaseId, Weak<HeldLease>>,
     pending: HashMap<u64, oneshot::Sender<Result<IncomingPayload, ActorError>>>,
-    next_call: u64,
+    limits: LinkLimits,
+    /// The peer's calls running now: each holds one while it runs.
+    calls: Arc<Semaphore>,
     /// Pings in flight: when each was sent, and who waits for its round trip.
     pings: HashMap<u64, (Instant, Option<oneshot::Sender<Duration>>)>,
     next_ping: u64,
@@ -167,12 +245,21 @@ impl fmt::Debug for PeerLink {
     }
 }
 
-fn frames(reader: LinkReader) -> impl Stream<Item = Result<Received, baton_ipc::Error>> {
-    futures_util::stream::unfold(Some(reader), |state| async move {
-        let mut reader = state?;
-        match reader.recv().await {
-            Ok(r) => Some((Ok(r), Some(reader))),
-            Err(e) => Some((Err(e), None)),
+/// A frame, with the call slot taken before it was read (kept by a `Call` while it runs).
+type Incoming = (Result<Received, baton_ipc::Error>, OwnedSemaphorePermit);
+
+/// The link's frames. A slot of `calls` is taken before each read, so when every slot is
+/// held by a running call, reading pauses (see [`LinkLimits::calls_in_flight`]).
+fn frames(reader: LinkReader, calls: Arc<Semaphore>) -> impl Stream<Item = Incoming> {
+    futures_util::stream::unfold(Some(reader), move |state| {
+        let calls = Arc::clone(&calls);
+        async move {
+            let mut reader = state?;
+            let slot = calls.acquire_owned().await.ok()?;
+            match reader.recv().await {
+                Ok(r) => Some(((Ok(r), slot), Some(reader))),
+                Err(e) => Some(((Err(e), slot), None)),
+            }
         }
     })
 }
@@ -187,9 +274,11 @@ const MAX_BATCH: usize = 64 * 1024;
 async fn write_loop(
     mut writer: LinkWriter,
     mut rx: mpsc::UnboundedReceiver<OutFrame>,
+    state: Arc<LinkState>,
     addr: Addr<PeerLink>,
 ) {
     let mut batch: Vec<u8> = Vec::with_capacity(4096);
+    let mut windows: Vec<OwnedSemaphorePermit> = Vec::new();
     let mut next: Option<OutFrame> = None;
     loop {
         let first = match next.take() {
@@ -201,9 +290,13 @@ async fn write_loop(
         };
         batch.clear();
         batch.extend_from_slice(&first.bytes);
+        windows.extend(first.window);
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
-                Ok(frame) if frame.fds.is_empty() => batch.extend_from_slice(&frame.bytes),
+                Ok(frame) if frame.fds.is_empty() => {
+                    batch.extend_from_slice(&frame.bytes);
+                    windows.extend(frame.window);
+                }
                 Ok(frame) => {
                     next = Some(frame);
                     break;
@@ -212,7 +305,11 @@ async fn write_loop(
             }
         }
         let fds: Vec<BorrowedFd<'_>> = first.fds.iter().map(|fd| fd.as_fd()).collect();
-        if let Err(e) = writer.send_encoded(&batch, &fds).await {
+        let sent = writer.send_encoded(&batch, &fds).await;
+        state.queued.fetch_sub(batch.len(), Ordering::Relaxed);
+        // The calls' share of the window comes back: waiting senders may queue again.
+        windows.clear();
+        if let Err(e) = sent {
             addr.do_send(LinkFailed(e));
             break;
         }
@@ -227,11 +324,18 @@ impl PeerLink {
     pub(crate) fn start(node: Node, link: AsyncLink) -> LinkRef {
         let peer = *link.peer();
         let id = LinkId::next();
+        let limits = node.limits();
         let state = Arc::new(LinkState {
             alive: AtomicBool::new(true),
             peer: peer.process,
             rtt_ns: AtomicU64::new(0),
+            next_call: AtomicU64::new(1),
+            send_window: Arc::new(Semaphore::new(limits.send_window)),
+            window_size: limits.send_window,
+            pending_calls: Arc::new(Semaphore::new(limits.pending_calls)),
+            queued: AtomicUsize::new(0),
         });
+        let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let closer = link.closer();
         let (reader, writer) = link.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
@@ -244,8 +348,8 @@ impl PeerLink {
             // Before any frame is handled or any call granted: leases need the link.
             node.exports().link_up(&me);
             node.watch(peer.process);
-            ctx.add_stream(frames(reader));
-            actix::spawn(write_loop(writer, rx, ctx.address()));
+            ctx.add_stream(frames(reader, Arc::clone(&calls)));
+            actix::spawn(write_loop(writer, rx, Arc::clone(&state), ctx.address()));
             PeerLink {
                 span: tracing::info_span!("peer_link", link = %id, peer = %peer.process),
                 node,
@@ -256,7 +360,8 @@ impl PeerLink {
                 mapped: HashMap::new(),
                 held: HashMap::new(),
                 pending: HashMap::new(),
-                next_call: 1,
+                limits,
+                calls,
                 pings: HashMap::new(),
                 next_ping: 1,
                 last_heard: Instant::now(),
@@ -266,14 +371,50 @@ impl PeerLink {
         LinkRef { id, addr, state }
     }
 
+    /// Queues a frame of ours that answers the peer or runs the protocol (a reply, a
+    /// release, a pong…). Fails with [`ActorError::PeerNotReading`] when the queue is past
+    /// its bound: the peer makes us write and does not read.
     fn send(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
+        let bytes = Self::encode(msg, fds.len())?;
+        self.room_for(bytes.len())?;
+        self.enqueue(bytes, fds, None)
+    }
+
+    /// Whether `len` more bytes fit the queue's bound (see [`send`](Self::send)).
+    fn room_for(&self, len: usize) -> Result<(), ActorError> {
+        let queued = self.me.state.queued.load(Ordering::Relaxed);
+        if queued + len > self.limits.queued_bytes {
+            return Err(ActorError::PeerNotReading {
+                peer: self.peer.process,
+                queued,
+            });
+        }
+        Ok(())
+    }
+
+    fn encode(msg: &Wire, fds: usize) -> Result<Vec<u8>, ActorError> {
+        let mut bytes = Vec::with_capacity(256);
+        encode_frame(msg, fds, &mut bytes).map_err(baton_ipc::Error::from)?;
+        Ok(bytes)
+    }
+
+    fn enqueue(
+        &mut self,
+        bytes: Vec<u8>,
+        fds: Vec<OwnedFd>,
+        window: Option<OwnedSemaphorePermit>,
+    ) -> Result<(), ActorError> {
         let closed = || ActorError::LinkClosed {
             peer: self.peer.process,
         };
         let out = self.out.as_ref().ok_or_else(closed)?;
-        let mut bytes = Vec::with_capacity(256);
-        encode_frame(msg, fds.len(), &mut bytes).map_err(baton_ipc::Error::from)?;
-        out.send(OutFrame { bytes, fds }).map_err(|_| closed())
+        let len = bytes.len();
+        // Counted before the writer can see it (it subtracts once it is written).
+        self.me.state.queued.fetch_add(len, Ordering::Relaxed);
+        out.send(OutFrame { bytes, fds, window }).map_err(|_| {
+            self.me.state.queued.fetch_sub(len, Ordering::Relaxed);
+            closed()
+        })
     }
 
     /// Drops the link for a reason (logged once).
@@ -341,12 +482,10 @@ impl PeerLink {
         }
     }
 
-    /// Checks and opens an offered buffer, and returns the lease guard.
-    fn accept_offer(
-        &mut self,
-        offer: Offer,
-        fds: &mut FrameFds,
-    ) -> Result<IncomingLease, ActorError> {
+    /// Checks and opens an offered buffer, and returns the lease guard. `Ok(Err(..))`: it
+    /// could not be opened here, through no fault of the peer's (a descriptor limit, memory,
+    /// an unsupported backend, a mapping evicted meanwhile).
+    fn accept_offer(&mut self, offer: &Offer, fds: &mut FrameFds) -> Result<Opened, ActorError> {
         if offer.handle.exporter.process != self.peer.process {
             return Err(ActorError::ForeignOffer {
                 claimed: offer.handle.exporter,
@@ -359,7 +498,16 @@ impl PeerLink {
         {
             return Err(ActorError::DuplicateLease { lease: offer.lease });
         }
-        let imported = self.node.cache().open(&offer.handle, fds)?;
+        if self.held.len() >= self.limits.leases_held {
+            return Err(ActorError::TooManyLeases {
+                max: self.limits.leases_held,
+            });
+        }
+        let imported = match self.node.cache().open(&offer.handle, fds) {
+            Ok(imported) => imported,
+            Err(e) if e.is_peer_fault() => return Err(e.into()),
+            Err(e) => return Ok(Err(e)),
+        };
         // The first offer of an allocation over this link starts a hold: the mapping stays
         // warm for the next offer until the exporter says `Unmap`. (A hold that was letting
         // go while leases used the mapping is superseded: the cache answers its `Unmapped`.)
@@ -369,23 +517,61 @@ impl PeerLink {
         }
         let held = Arc::new(HeldLease::default());
         self.held.insert(offer.lease, Arc::downgrade(&held));
-        Ok(IncomingLease {
+        Ok(Ok(IncomingLease {
             imported: Some(imported),
             lease: offer.lease,
             link: self.me.clone(),
             held,
-        })
+        }))
     }
 
+    /// Opens every offer of one message, all or none. The outer error is the peer's fault
+    /// (the link is cut for it); `Ok(Err(..))` is a local failure: nothing is kept — the
+    /// leases opened are released as their guards drop, the others are released now, and
+    /// the exporter hears that we do not map what we could not open, so that its next
+    /// offer of it carries the descriptor again.
     fn accept_offers(
         &mut self,
         offers: Vec<Offer>,
         fds: &mut FrameFds,
-    ) -> Result<Vec<IncomingLease>, ActorError> {
-        offers
-            .into_iter()
-            .map(|o| self.accept_offer(o, fds))
-            .collect()
+    ) -> Result<Opened<Vec<IncomingLease>>, ActorError> {
+        if offers.len() > self.limits.offers_per_message {
+            return Err(ActorError::TooManyOffers {
+                count: offers.len(),
+                max: self.limits.offers_per_message,
+            });
+        }
+        let mut leases = Vec::with_capacity(offers.len());
+        for (i, offer) in offers.iter().enumerate() {
+            match self.accept_offer(offer, fds)? {
+                Ok(lease) => leases.push(lease),
+                Err(e) => {
+                    tracing::warn!(lease = %offer.lease, alloc = %offer.handle.alloc, error = %e, "could not open an offer: refused");
+                    drop(leases);
+                    self.give_back(&offers[i..])?;
+                    return Ok(Err(e));
+                }
+            }
+        }
+        Ok(Ok(leases))
+    }
+
+    /// Gives back offers we did not open: `Release` for each lease, and `Unmapped` for
+    /// each allocation we do not map, since the exporter counts a mapping hold from the
+    /// moment it offers.
+    fn give_back(&mut self, offers: &[Offer]) -> Result<(), ActorError> {
+        let mut unmapped: Vec<AllocationId> = Vec::new();
+        for offer in offers {
+            self.send(&Wire::Release(Release { lease: offer.lease }), Vec::new())?;
+            let alloc = offer.handle.alloc;
+            if !self.mapped.contains_key(&alloc) && !unmapped.contains(&alloc) {
+                unmapped.push(alloc);
+            }
+        }
+        for alloc in unmapped {
+            self.send(&Wire::Unmapped(Unmapped { alloc }), Vec::new())?;
+        }
+        Ok(())
     }
 
     /// The exporter asks us to close our mapping of `alloc`: answer `Unmapped` once no
@@ -428,6 +614,10 @@ impl PeerLink {
     /// Every heartbeat interval: cut a silent peer, else ping it.
     fn heartbeat(&mut self, ctx: &mut Context<Self>) {
         let deadline = self.node.heartbeat().deadline;
+        if self.calls.available_permits() == 0 {
+            // We stopped reading (every call slot is busy): the silence is ours.
+            self.last_heard = Instant::now();
+        }
         let silent_for = self.last_heard.elapsed();
         if silent_for >= deadline {
             self.cut(
@@ -446,10 +636,15 @@ impl PeerLink {
         }
     }
 
-    fn on_frame(&mut self, received: Received, ctx: &mut Context<Self>) -> Result<(), ActorError> {
+    fn on_frame(
+        &mut self,
+        received: Received,
+        slot: OwnedSemaphorePermit,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), ActorError> {
         let Received { message, mut fds } = received;
         match message {
-            Wire::Call(call) => self.on_call(call, &mut fds, ctx),
+            Wire::Call(call) => self.on_call(call, &mut fds, slot, ctx),
             Wire::Reply(reply) => self.on_reply(reply, &mut fds),
             Wire::Release(Release { lease }) => {
                 tracing::trace!(%lease, "released");
@@ -480,11 +675,16 @@ impl PeerLink {
                 self.node.exports().evict(self.me.id, alloc);
                 Ok(())
             }
-            Wire::Offer(offer) => {
-                let lease = self.accept_offer(offer, &mut fds)?;
-                self.node.deliver_offer(self.peer.process, lease);
-                Ok(())
-            }
+            Wire::Offer(offer) => match self.accept_offer(&offer, &mut fds)? {
+                Ok(lease) => {
+                    self.node.deliver_offer(self.peer.process, lease);
+                    Ok(())
+                }
+                Err(e) => {
+                    tracing::warn!(lease = %offer.lease, error = %e, "could not open a bare offer: refused");
+                    self.give_back(std::slice::from_ref(&offer))
+                }
+            },
             Wire::Ping(n) => self.send(&Wire::Pong(n), Vec::new()),
             Wire::Pong(n) => {
                 self.on_pong(n);
@@ -498,10 +698,14 @@ impl PeerLink {
         &mut self,
         call: Call,
         fds: &mut FrameFds,
+        slot: OwnedSemaphorePermit,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
-        let leases = self.accept_offers(call.offers, fds)?;
         let id = call.id;
+        let leases = match self.accept_offers(call.offers, fds)? {
+            Ok(leases) => leases,
+            Err(e) => return self.send_reply(id, Err(CallFault::OfferRefused(e.to_string()))),
+        };
         let Some(handler) = self.node.handler(&call.target) else {
             return self.send_reply(id, Err(CallFault::NoSuchActor));
         };
@@ -516,8 +720,11 @@ impl PeerLink {
         match handler.invoke(&call.payload, leases) {
             Err(fault) => self.send_reply(id, Err(fault)),
             Ok(answer) => {
+                // The call keeps its slot until it is answered: at the limit, reading pauses.
                 ctx.spawn(answer.into_actor(self).map(move |res, act, ctx| {
-                    if let Err(e) = act.send_reply(id, res) {
+                    let sent = act.send_reply(id, res);
+                    drop(slot);
+                    if let Err(e) = sent {
                         act.cut(ctx, e);
                     }
                 }));
@@ -557,7 +764,24 @@ impl PeerLink {
             Ok(p) => p.offers.clone(),
             Err(_) => Vec::new(),
         };
-        let sent = self.send(&Wire::Reply(Reply { id, outcome }), fds);
+        let bytes = match Self::encode(&Wire::Reply(Reply { id, outcome }), fds.len()) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                // Too large for a frame: the caller hears why, and the link stays up.
+                self.ungrant(&offers, &grants);
+                let fault = CallFault::ReplyFailed(format!("the reply could not be sent: {e}"));
+                return self.send(
+                    &Wire::Reply(Reply {
+                        id,
+                        outcome: Err(fault),
+                    }),
+                    Vec::new(),
+                );
+            }
+        };
+        let sent = self
+            .room_for(bytes.len())
+            .and_then(|()| self.enqueue(bytes, fds, None));
         if sent.is_err() {
             self.ungrant(&offers, &grants);
         }
@@ -565,15 +789,33 @@ impl PeerLink {
     }
 
     fn on_reply(&mut self, reply: Reply, fds: &mut FrameFds) -> Result<(), ActorError> {
-        let tx = self
-            .pending
-            .remove(&reply.id)
-            .ok_or(ActorError::UnknownCall { id: reply.id })?;
+        let Some(tx) = self.pending.remove(&reply.id) else {
+            if !self.me.state.issued(reply.id) {
+                return Err(ActorError::UnknownCall { id: reply.id });
+            }
+            // A call its caller gave up on (a timeout): give back what the reply carries.
+            tracing::debug!(call = reply.id, "late reply dropped");
+            return match reply.outcome {
+                Ok(payload) => {
+                    if payload.offers.len() > self.limits.offers_per_message {
+                        return Err(ActorError::TooManyOffers {
+                            count: payload.offers.len(),
+                            max: self.limits.offers_per_message,
+                        });
+                    }
+                    self.give_back(&payload.offers)
+                }
+                Err(_) => Ok(()),
+            };
+        };
         let result = match reply.outcome {
-            Ok(payload) => Ok(IncomingPayload {
-                bytes: payload.bytes,
-                leases: self.accept_offers(payload.offers, fds)?,
-            }),
+            Ok(payload) => match self.accept_offers(payload.offers, fds)? {
+                Ok(leases) => Ok(IncomingPayload {
+                    bytes: payload.bytes,
+                    leases,
+                }),
+                Err(e) => Err(ActorError::OfferRefused(e)),
+            },
             Err(fault) => Err(ActorError::Remote(fault)),
         };
         // The caller may have given up waiting; its leases are then released on drop.
@@ -598,6 +840,9 @@ impl Actor for PeerLink {
         let span = self.span.clone();
         let _g = span.enter();
         self.me.state.alive.store(false, Ordering::Release);
+        // Senders waiting for room on the link learn it is closed.
+        self.me.state.send_window.close();
+        self.me.state.pending_calls.close();
         // The peer sees end of stream now, even if our writer is parked on a full socket
         // or the peer never reads what we queued.
         self.closer.close();
@@ -619,14 +864,14 @@ impl Actor for PeerLink {
     }
 }
 
-impl StreamHandler<Result<Received, baton_ipc::Error>> for PeerLink {
-    fn handle(&mut self, item: Result<Received, baton_ipc::Error>, ctx: &mut Self::Context) {
+impl StreamHandler<Incoming> for PeerLink {
+    fn handle(&mut self, (item, slot): Incoming, ctx: &mut Self::Context) {
         match item {
             Ok(received) => {
                 self.last_heard = Instant::now();
                 let span = self.span.clone();
                 let _g = span.enter();
-                if let Err(e) = self.on_frame(received, ctx) {
+                if let Err(e) = self.on_frame(received, slot, ctx) {
                     drop(_g);
                     self.cut(ctx, e);
                 }
@@ -786,10 +1031,14 @@ impl Handler<RequestEvict> for PeerLink {
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct OutCall {
+    /// Chosen by the caller ([`LinkState::next_call_id`]), so that it can cancel.
+    pub(crate) id: u64,
     pub(crate) target: Arc<str>,
     pub(crate) type_name: &'static str,
     pub(crate) encoded: Encoded,
     pub(crate) reply: oneshot::Sender<Result<IncomingPayload, ActorError>>,
+    /// Its share of the send window, held until it is written.
+    pub(crate) window: OwnedSemaphorePermit,
 }
 
 impl Handler<OutCall> for PeerLink {
@@ -809,8 +1058,7 @@ impl Handler<OutCall> for PeerLink {
                 return;
             }
         };
-        let id = self.next_call;
-        self.next_call += 1;
+        let id = msg.id;
         let call = Wire::Call(Call {
             id,
             target: msg.target.to_string(),
@@ -818,7 +1066,9 @@ impl Handler<OutCall> for PeerLink {
             payload: msg.encoded.bytes,
             offers,
         });
-        match self.send(&call, fds) {
+        let queued = Self::encode(&call, fds.len())
+            .and_then(|bytes| self.enqueue(bytes, fds, Some(msg.window)));
+        match queued {
             Ok(()) => {
                 tracing::trace!(call = id, leases = grants.len(), "call sent");
                 self.pending.insert(id, msg.reply);
@@ -831,6 +1081,19 @@ impl Handler<OutCall> for PeerLink {
                 let _ = msg.reply.send(Err(e));
             }
         }
+    }
+}
+
+/// The caller of a pending call gave up (it dropped the future: a timeout): forget the
+/// call at once. A reply that comes later is given back (its leases released).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct CancelCall(pub(crate) u64);
+
+impl Handler<CancelCall> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: CancelCall, _ctx: &mut Self::Context) {
+        self.pending.remove(&msg.0);
     }
 }
 

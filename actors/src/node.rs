@@ -5,7 +5,9 @@ use crate::buffer::{IncomingLease, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::LinkId;
-use crate::link::{CutOff, Heartbeat, LinkRef, PeerDied, PeerLink, RequestEvict, SendPing};
+use crate::link::{
+    CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, PeerLink, RequestEvict, SendPing,
+};
 use crate::remote::{ErasedHandler, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
 use baton_ipc::process::DeathWatch;
@@ -168,6 +170,8 @@ pub struct NodeConfig {
     pub heartbeat: Heartbeat,
     /// How many mappings the import cache keeps warm.
     pub warm: WarmBudget,
+    /// What one link may hold (queues, calls, offers, leases).
+    pub limits: LinkLimits,
 }
 
 impl NodeConfig {
@@ -187,6 +191,12 @@ impl NodeConfig {
         self.warm = warm;
         self
     }
+
+    /// With other link limits.
+    pub fn limits(mut self, limits: LinkLimits) -> Self {
+        self.limits = limits;
+        self
+    }
 }
 
 impl From<LinkConfig> for NodeConfig {
@@ -195,6 +205,7 @@ impl From<LinkConfig> for NodeConfig {
             link,
             heartbeat: Heartbeat::default(),
             warm: WarmBudget::default(),
+            limits: LinkLimits::default(),
         }
     }
 }
@@ -326,6 +337,10 @@ impl Node {
 
     pub(crate) fn heartbeat(&self) -> Heartbeat {
         self.inner.config.heartbeat
+    }
+
+    pub(crate) fn limits(&self) -> LinkLimits {
+        self.inner.config.limits
     }
 
     pub(crate) fn exports(&self) -> &Arc<Exports> {

@@ -12,7 +12,7 @@
 
 use crate::buffer::{Element, IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
-use crate::link::{LinkRef, OutCall};
+use crate::link::{CancelCall, LinkRef, OutCall};
 use baton_messages::protocol::CallFault;
 use serde::de::{DeserializeOwned, Error as _};
 use serde::ser::Error as _;
@@ -24,7 +24,7 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::oneshot;
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 /// A message that can be sent to an actor in another process.
 ///
@@ -246,30 +246,72 @@ where
     /// Sends `msg` and waits for the typed reply. The buffers in `msg` are leased to the
     /// receiving process before the message leaves.
     ///
-    /// The message is encoded and queued on the link when `send` is called (so calls leave
-    /// in the order they were made); the returned future only waits for the reply and
-    /// borrows nothing.
+    /// The message is encoded when `send` is called, and queued on the link at once when
+    /// the link has room, so calls leave in the order they were made. When it has none —
+    /// [`LinkLimits::send_window`](crate::LinkLimits::send_window) bytes of calls wait for
+    /// the socket, or [`LinkLimits::pending_calls`](crate::LinkLimits::pending_calls) calls
+    /// wait for replies — the returned future waits for room first (backpressure: a sender
+    /// faster than its link waits; memory does not grow). The future borrows nothing;
+    /// dropping it gives the call up (a reply that comes later is given back).
     ///
     /// # Errors
     /// [`ActorError::Encode`], [`ActorError::LinkClosed`] if the link goes down first,
-    /// [`ActorError::Remote`] if the receiver refused the call, [`ActorError::Decode`].
+    /// [`ActorError::Remote`] if the receiver refused the call,
+    /// [`ActorError::OfferRefused`] if a buffer of the reply could not be opened here,
+    /// [`ActorError::Decode`].
     pub fn send(&self, msg: M) -> impl Future<Output = Result<M::Result, ActorError>> + 'static {
-        let queued = encode("message", &msg).map(|encoded| {
-            let (tx, rx) = oneshot::channel();
-            self.link.addr.do_send(OutCall {
-                target: Arc::clone(&self.target),
-                type_name: M::NAME,
-                encoded,
-                reply: tx,
-            });
-            rx
-        });
+        let encoded = encode("message", &msg);
         drop(msg);
-        let peer = self.link.peer();
+        let link = self.link.clone();
+        let target = Arc::clone(&self.target);
+        let peer = link.peer();
+        // The fast path, taken now: room on the link, so the call is queued in order.
+        let started = match encoded {
+            Err(e) => Err(e),
+            Ok(encoded) => {
+                let cost = window_cost(&encoded, &link);
+                let state = link.state();
+                match (
+                    Arc::clone(&state.pending_calls).try_acquire_owned(),
+                    Arc::clone(&state.send_window).try_acquire_many_owned(cost),
+                ) {
+                    (Ok(slot), Ok(window)) => Ok(Started::Queued(queue(
+                        &link,
+                        &target,
+                        M::NAME,
+                        encoded,
+                        window,
+                        slot,
+                    ))),
+                    _ => Ok(Started::Waiting(encoded, cost)),
+                }
+            }
+        };
         async move {
-            let payload = queued?
-                .await
-                .map_err(|_| ActorError::LinkClosed { peer })??;
+            let queued = match started? {
+                Started::Queued(q) => q,
+                Started::Waiting(encoded, cost) => {
+                    let state = link.state();
+                    let closed = |_| ActorError::LinkClosed { peer };
+                    let slot = Arc::clone(&state.pending_calls)
+                        .acquire_owned()
+                        .await
+                        .map_err(closed)?;
+                    let window = Arc::clone(&state.send_window)
+                        .acquire_many_owned(cost)
+                        .await
+                        .map_err(closed)?;
+                    queue(&link, &target, M::NAME, encoded, window, slot)
+                }
+            };
+            let Queued {
+                reply,
+                mut cancel,
+                slot,
+            } = queued;
+            let payload = reply.await.map_err(|_| ActorError::LinkClosed { peer })??;
+            cancel.disarm();
+            drop(slot);
             decode("reply", &payload.bytes, payload.leases)
         }
     }
@@ -292,6 +334,78 @@ where
                     op: "remote call",
                     after,
                 })?
+        }
+    }
+}
+
+/// How far a call got when `send` returned.
+enum Started {
+    Queued(Queued),
+    /// No room on the link yet: the encoded call and its window cost.
+    Waiting(Encoded, u32),
+}
+
+/// A call queued on its link.
+struct Queued {
+    reply: oneshot::Receiver<Result<IncomingPayload, ActorError>>,
+    cancel: CancelOnDrop,
+    /// The call's pending-call slot, held until its reply comes.
+    slot: OwnedSemaphorePermit,
+}
+
+/// What a call counts against the link's send window: its bytes and a frame's share per
+/// buffer, at most the whole window (so that any call can go when the link is idle; one
+/// larger than a frame fails with a typed error when it is framed).
+fn window_cost(encoded: &Encoded, link: &LinkRef) -> u32 {
+    let bytes = encoded.bytes.len() + 512 * encoded.cells.len() + 256;
+    let window = link.state().window_size;
+    u32::try_from(bytes.min(window).max(1)).unwrap_or(u32::MAX)
+}
+
+fn queue(
+    link: &LinkRef,
+    target: &Arc<str>,
+    type_name: &'static str,
+    encoded: Encoded,
+    window: OwnedSemaphorePermit,
+    slot: OwnedSemaphorePermit,
+) -> Queued {
+    let id = link.state().next_call_id();
+    let (tx, rx) = oneshot::channel();
+    link.addr.do_send(OutCall {
+        id,
+        target: Arc::clone(target),
+        type_name,
+        encoded,
+        reply: tx,
+        window,
+    });
+    Queued {
+        reply: rx,
+        cancel: CancelOnDrop {
+            link: Some(link.clone()),
+            id,
+        },
+        slot,
+    }
+}
+
+/// Tells the link a call was given up if the caller drops it before its reply.
+struct CancelOnDrop {
+    link: Option<LinkRef>,
+    id: u64,
+}
+
+impl CancelOnDrop {
+    fn disarm(&mut self) {
+        self.link = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(link) = self.link.take() {
+            link.addr.do_send(CancelCall(self.id));
         }
     }
 }

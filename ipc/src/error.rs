@@ -84,6 +84,16 @@ pub enum Error {
     /// A peer sent more file descriptors than its frames announce.
     #[error("peer sent file descriptors that no frame announced")]
     UnexpectedFds,
+    /// The kernel dropped the descriptors of a frame on its way into this process (it was
+    /// at its descriptor limit, `RLIMIT_NOFILE`): a local failure, not the sender's.
+    #[error(
+        "the descriptor in slot {slot} was dropped on receipt: this process is at its open-file \
+         limit (RLIMIT_NOFILE); close descriptors or raise the limit"
+    )]
+    DescriptorsLost {
+        /// The slot asked for.
+        slot: u8,
+    },
     /// A handle refers to a file descriptor slot the frame did not carry.
     #[error("handle refers to file descriptor slot {slot}, which its frame did not carry")]
     MissingFdSlot {

@@ -223,6 +223,10 @@ pub enum CallFault {
     ActorGone,
     /// The reply could not be encoded or its buffers could not be shared.
     ReplyFailed(String),
+    /// A buffer of the call could not be opened by the receiver (a local failure there: a
+    /// descriptor limit, memory, an unsupported backend); every lease of the call was
+    /// given back.
+    OfferRefused(String),
 }
 
 /// The answer to a [`Call`].

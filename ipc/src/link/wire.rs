@@ -24,7 +24,12 @@ const RECV_CHUNK: usize = 64 * 1024;
 /// The descriptors that came with one frame, by slot. Taking one leaves its slot empty;
 /// whatever is not taken is closed on drop.
 #[derive(Debug, Default)]
-pub struct FrameFds(Vec<Option<OwnedFd>>);
+pub struct FrameFds {
+    fds: Vec<Option<OwnedFd>>,
+    /// The kernel could not give this process the frame's descriptors (it was at its
+    /// descriptor limit): every slot reads as lost.
+    lost: bool,
+}
 
 impl FrameFds {
     /// No descriptors.
@@ -34,25 +39,41 @@ impl FrameFds {
 
     /// Descriptors in slot order.
     pub fn new(fds: Vec<OwnedFd>) -> Self {
-        Self(fds.into_iter().map(Some).collect())
+        Self {
+            fds: fds.into_iter().map(Some).collect(),
+            lost: false,
+        }
+    }
+
+    /// A frame whose descriptors the kernel dropped on the way in (`MSG_CTRUNC`): taking
+    /// any is [`Error::DescriptorsLost`].
+    pub fn lost() -> Self {
+        Self {
+            fds: Vec::new(),
+            lost: true,
+        }
     }
 
     /// How many slots the frame carried.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.fds.len()
     }
 
     /// Whether the frame carried none.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.fds.is_empty()
     }
 
     /// Takes the descriptor in `slot`.
     ///
     /// # Errors
+    /// [`Error::DescriptorsLost`] if the kernel dropped the frame's descriptors;
     /// [`Error::MissingFdSlot`] if the frame had no such slot or it was taken already.
     pub fn take(&mut self, slot: u8) -> Result<OwnedFd> {
-        self.0
+        if self.lost {
+            return Err(Error::DescriptorsLost { slot });
+        }
+        self.fds
             .get_mut(usize::from(slot))
             .and_then(Option::take)
             .ok_or(Error::MissingFdSlot { slot })
@@ -152,6 +173,17 @@ impl Receiver {
             return Ok(None);
         };
         let need = usize::from(frame.header.nfds);
+        if self.fds.len() < need && self.fds_truncated {
+            // The kernel dropped descriptors it could not give us (our descriptor limit):
+            // this frame's are gone. Our failure, not the peer's: the frame is delivered,
+            // and whatever needs its descriptors fails on its own.
+            self.fds.clear();
+            self.fds_truncated = false;
+            return Ok(Some(Received {
+                message: frame.message,
+                fds: FrameFds::lost(),
+            }));
+        }
         if self.fds.len() < need {
             return Err(Error::MissingFds {
                 need,
@@ -197,7 +229,7 @@ impl Receiver {
     /// After draining complete frames: descriptors left over beyond what one partial frame
     /// may carry were never announced, and more than one `sendmsg` may carry is abuse.
     pub(crate) fn check_fds(&self) -> Result<()> {
-        if self.fds_truncated || self.fds.len() > MAX_FDS_PER_FRAME {
+        if self.fds.len() > MAX_FDS_PER_FRAME {
             Err(Error::UnexpectedFds)
         } else {
             Ok(())
