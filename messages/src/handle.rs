@@ -507,8 +507,14 @@ pub(crate) mod tests {
         let h = sample(raw).sealed(&key());
         h.check(&key()).unwrap();
         let s = format!("{h:?}");
-        assert!(s.contains("pool: 7") && s.contains("pool_slot: Some(2)"), "{s}");
-        assert!(!s.contains("238") && !s.to_lowercase().contains("ee, "), "{s}");
+        assert!(
+            s.contains("pool: 7") && s.contains("pool_slot: Some(2)"),
+            "{s}"
+        );
+        assert!(
+            !s.contains("238") && !s.to_lowercase().contains("ee, "),
+            "{s}"
+        );
         let none = RawHandle::CudaPool {
             pool: 7,
             pool_slot: None,
@@ -529,7 +535,10 @@ pub(crate) mod tests {
             unreachable!()
         };
         *pool += 1;
-        assert!(matches!(other_pool.verify(&key()), Err(Error::DigestMismatch)));
+        assert!(matches!(
+            other_pool.verify(&key()),
+            Err(Error::DigestMismatch)
+        ));
     }
 
     #[test]
