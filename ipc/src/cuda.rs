@@ -14,7 +14,7 @@
 //! | free / close | `cuMemFree_v2` / `cuIpcCloseMemHandle` | unmap, free the range, `cuMemRelease` (both sides) | `cuMemFreeAsync` on the allocation's stream / `cuMemFreeAsync` on the importer's stream, synchronised |
 //! | exporter frees while an importer maps ([`FreeWhileMapped`]) | `Unsafe`: undefined behaviour, the pages may be reused | `Survives`: the driver refcounts the physical memory | `Unsafe`: the driver requires every importer's free to complete first, and the pool reuses the pages |
 //! | left after SIGKILL of everyone | nothing | nothing | nothing |
-//! | cost measured (H100/H200, driver 580) | allocate + export ≈ 184 µs cold | ≈ 1.3 ms cold (export ≈ 0.6–0.8 ms, import + map ≈ 0.6 ms) | to be measured; allocating from a warm pool takes microseconds |
+//! | cold handoff with a new allocation (H200, driver 580) | ≈ 184 µs | ≈ 1.3 ms (export ≈ 0.6–0.8 ms, import + map ≈ 0.6 ms) | not measured yet (a warm pool allocates without a driver allocation) |
 //!
 //! - **Choose legacy** when buffers are long-lived and reused (slabs, the import cache keeps
 //!   them mapped), you want no descriptors on the link, or the device lacks VMM/pools. It
@@ -75,7 +75,7 @@
 //!   driver);
 //! - each driver object (allocation, mapping, VMM region, pool, event, counter slab) has
 //!   exactly one owner, which releases it once, with its context pushed, and holds a
-//!   [`SharedContext`] of that context; allocations and mappings from a pool hold an `Arc`
+//!   `SharedContext` of that context; allocations and mappings from a pool hold an `Arc`
 //!   of the pool;
 //! - memory accessors ([`Allocation`], [`OpenedMem`]) check `offset + len <= size` before
 //!   calling in, and the owner of the memory outlives every access (the accessors borrow
