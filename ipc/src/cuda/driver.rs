@@ -19,9 +19,9 @@
 //! Each field's type is the C prototype of its symbol in `cuda.h` (CUDA 11.4 through 13),
 //! with `CUresult` and enum parameters as `c_int`/`c_uint`: a C enum whose values all fit
 //! in an `int` has the size, alignment and calling convention of `int` (or `unsigned int`,
-//! whose bits are the same for the non-negative codes the driver returns) on the x86-64 and
-//! AArch64 System V ABIs, and `CUDAAPI` is empty on Linux, so `extern "C"` is the
-//! convention. Pointer and struct parameters use cudarc's `#[repr(C)]` bindings of the same
+//! whose bits are the same for the non-negative codes the driver returns) in the C ABIs of
+//! the Linux targets the driver ships for (x86-64 System V, AArch64 AAPCS64), and `CUDAAPI`
+//! is empty on Linux, so `extern "C"` is the convention. Pointer and struct parameters use cudarc's `#[repr(C)]` bindings of the same
 //! structs. The library stays loaded for the life of the process (cudarc keeps it in a
 //! `static`), so the function pointers never dangle.
 
