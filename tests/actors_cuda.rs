@@ -1,6 +1,10 @@
-//! The actor protocol on CUDA device memory (legacy IPC handles and VMM descriptors): the
-//! same scenarios as `actors_protocol.rs` and `actors_supervision.rs`, with leaks measured
-//! as device free memory back to its baseline. Needs a GPU: run with `--features gpu-tests`.
+//! The actor protocol on CUDA device memory (legacy IPC handles, VMM descriptors and
+//! stream-ordered pool memory): the same scenarios as `actors_protocol.rs` and
+//! `actors_supervision.rs`, with leaks measured twice: exactly, as the backend's count of
+//! live allocations and mappings back to zero, and device-wide, as free memory back to its
+//! baseline (within 1 MiB, with every buffer at least 2 MiB, so that one leaked buffer
+//! shows). Each test holds the GPU test lock, so no other Baton test shares the device
+//! meanwhile. Needs a GPU: run with `--features gpu-tests`.
 
 #[path = "support/actors.rs"]
 mod actors;
@@ -13,6 +17,7 @@ use actix::prelude::*;
 use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
 use baton::actors::{ActorError, Allocate, Buffer, Lease};
 use baton::ipc::MemPtr;
+use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
 use baton::ipc::cuda::{CudaBackend, CudaExport};
 use msgs::*;
 use std::future::Future;
@@ -24,29 +29,43 @@ fn run<F: Future<Output = ()>>(f: F) {
 }
 
 const MIB: usize = 1 << 20;
+/// `u32`s in the smallest buffer these tests make: 2 MiB, above the 1 MiB tolerance of the
+/// device-wide measure.
+const MIN_ELEMS: usize = 2 * MIB / 4;
 
-/// A parent on CUDA whose children use the same export kind.
-fn cuda_parent(tag: &str, export: CudaExport) -> (Parent, Arc<CudaBackend>) {
+/// A parent on CUDA whose children use the same export kind, and the GPU test lock, held
+/// for the test's run.
+fn cuda_parent(tag: &str, export: CudaExport) -> (Parent, Arc<CudaBackend>, GpuTestLock) {
+    let gpu = exclusive_gpu(Duration::from_secs(1800)).expect("the GPU test lock");
     let cuda = Arc::new(CudaBackend::new(0, export).expect("a CUDA device"));
     let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());
-    let kind = match export {
-        CudaExport::Legacy => "legacy",
-        CudaExport::Vmm => "vmm",
-    };
     parent
         .child_env
         .push(("BATON_BACKEND".into(), "cuda".into()));
     parent
         .child_env
-        .push(("BATON_CUDA_EXPORT".into(), kind.into()));
-    (parent, cuda)
+        .push(("BATON_CUDA_EXPORT".into(), export.name().into()));
+    (parent, cuda, gpu)
 }
 
-/// Polls until device free memory is back within 1 MiB of `baseline`.
+/// Device free memory now, after the backend's pool gave back what it keeps for reuse
+/// (kept memory is no leak).
+fn device_free(cuda: &CudaBackend) -> usize {
+    cuda.synchronize().unwrap();
+    cuda.trim_pool(0).unwrap();
+    cuda.mem_get_info().unwrap().0
+}
+
+/// Polls until the backend holds no allocation or mapping, and device free memory is back
+/// within 1 MiB of `baseline`.
 async fn device_back_to(cuda: &CudaBackend, baseline: usize) {
+    eventually(DEADLINE, "the backend to hold nothing", || {
+        cuda.live().is_empty()
+    })
+    .await;
     let start = Instant::now();
     loop {
-        let free = cuda.mem_get_info().unwrap().0;
+        let free = device_free(cuda);
         if free + MIB >= baseline {
             return;
         }
@@ -66,20 +85,19 @@ async fn pattern_buffer(parent: &Parent, len: usize, seed: u32) -> Buffer<u32> {
 }
 
 async fn typed_round_trip(export: CudaExport) {
-    let (parent, cuda) = cuda_parent(
-        if export == CudaExport::Vmm {
-            "cv-rt"
-        } else {
-            "cl-rt"
-        },
-        export,
-    );
-    let baseline = cuda.mem_get_info().unwrap().0;
+    let tag = match export {
+        CudaExport::Legacy => "cl-rt",
+        CudaExport::Vmm => "cv-rt",
+        CudaExport::Pool => "cp-rt",
+    };
+    let (parent, cuda, _gpu) = cuda_parent(tag, export);
+    let baseline = device_free(&cuda);
     let (mut child, peer) = parent.child(&[]).await;
     // Not a multiple of the 2 MiB VMM granularity: the handle must name the layout's bytes,
     // not the rounded-up allocation.
     const N: usize = 1920 * 1080;
     let a = pattern_buffer(&parent, N, 21).await;
+    assert_eq!(cuda.live().exported, 1);
     let b: Buffer<f32> = parent
         .owner
         .send(Allocate::vector(N as u64))
@@ -141,6 +159,15 @@ fn vmm_typed_message_with_two_device_buffers_there_and_back() {
     run(typed_round_trip(CudaExport::Vmm));
 }
 
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn pool_typed_message_with_two_device_buffers_there_and_back() {
+    run(typed_round_trip(CudaExport::Pool));
+}
+
 /// Deferred free and importer SIGKILL on device memory: the frees complete and the
 /// device's free memory returns to its baseline.
 #[test]
@@ -150,8 +177,8 @@ fn vmm_typed_message_with_two_device_buffers_there_and_back() {
 )]
 fn importer_sigkill_on_device_memory_reclaims_everything() {
     run(async {
-        let (parent, cuda) = cuda_parent("c-ik", CudaExport::Legacy);
-        let baseline = cuda.mem_get_info().unwrap().0;
+        let (parent, cuda, _gpu) = cuda_parent("c-ik", CudaExport::Legacy);
+        let baseline = device_free(&cuda);
         let (mut child, peer) = parent.child(&[]).await;
         let bufs = vec![
             pattern_buffer(&parent, 16 * MIB, 1).await,
@@ -197,8 +224,8 @@ fn importer_sigkill_on_device_memory_reclaims_everything() {
 )]
 fn exporter_sigkill_on_device_memory_orphans_leases() {
     run(async {
-        let (parent, cuda) = cuda_parent("c-ek", CudaExport::Legacy);
-        let baseline = cuda.mem_get_info().unwrap().0;
+        let (parent, cuda, _gpu) = cuda_parent("c-ek", CudaExport::Legacy);
+        let baseline = device_free(&cuda);
         let (mut child, peer) = parent.child(&[]).await;
         let made = peer
             .remote::<MakeBuffers>("exporter")
@@ -215,6 +242,7 @@ fn exporter_sigkill_on_device_memory_orphans_leases() {
             .map(|s| s.open().unwrap())
             .collect();
         assert_eq!(leases[0].to_vec().unwrap()[77], pattern(5, 77));
+        assert_eq!(cuda.live().imported, 2, "both buffers mapped here");
         child.kill9();
         eventually(DEADLINE, "orphaned", || {
             leases.iter().all(Lease::is_orphaned)
@@ -226,8 +254,9 @@ fn exporter_sigkill_on_device_memory_orphans_leases() {
         ));
         drop(leases);
         assert_eq!(parent.node.cache().stats().live, 0);
+        assert_eq!(cuda.live().imported, 0, "the orphaned mappings closed");
         // The context still works: a fresh allocation and copy.
-        let again = pattern_buffer(&parent, 1024, 9).await;
+        let again = pattern_buffer(&parent, MIN_ELEMS, 9).await;
         assert_eq!(again.to_vec().unwrap()[3], pattern(9, 3));
         drop(again);
         device_back_to(&cuda, baseline).await;

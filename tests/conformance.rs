@@ -1,10 +1,16 @@
 //! Backend conformance: the same tests, written once, for every backend.
 //!
 //! Each test is a function of a [`Flavor`]; the macro at the bottom instantiates it for
-//! `host` (runs everywhere, CI included) and for `cuda_legacy` and `cuda_vmm`, which run
-//! with `--features gpu-tests` on a machine with an NVIDIA GPU and are ignored otherwise.
-//! Two processes each time: this test process and `baton-conformance-peer`, spawned (never
-//! forked) and always killed and reaped by its guard.
+//! `host` (runs everywhere, CI included) and for `cuda_legacy`, `cuda_vmm` and `cuda_pool`,
+//! which run with `--features gpu-tests` on a machine with an NVIDIA GPU and are ignored
+//! otherwise. Two processes each time: this test process and `baton-conformance-peer`,
+//! spawned (never forked) and always killed and reaped by its guard.
+//!
+//! CUDA tests hold the GPU test lock (`baton::ipc::cuda::testing::exclusive_gpu`) for their
+//! whole run, so that no other Baton test shares the device while free memory is measured;
+//! they also check the backend's exact count of live allocations and mappings. The fence
+//! tests at the end check producer/consumer ordering across the two processes for each
+//! fence kind.
 //!
 //! On CUDA the exporter writes with a kernel: hand-written PTX that the driver JIT-compiles
 //! (no NVRTC needed at run time). Should the driver refuse the PTX, the tests fall back to
@@ -15,11 +21,12 @@ mod peer;
 
 use baton::ipc::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use baton::ipc::cuda::cudarc::nvrtc::Ptx;
-use baton::ipc::cuda::{CudaBackend, CudaExport};
+use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
+use baton::ipc::cuda::{CudaBackend, CudaExport, FenceHandle, FenceKind};
 use baton::ipc::{
     Backend, FrameFds, HostBackend, ImportCache, MemPtr, SharedBackend, SlabArena, host,
 };
-use baton::messages::protocol::{Offer, Release};
+use baton::messages::protocol::{Call, Offer, Release};
 use baton::messages::{Error as MessageError, HandleMsg, LeaseId, Message, RawHandle};
 use baton::{Allocation, Error, LinkConfig, Listener, Session};
 use peer::{Peer, poll_until, socket_dir};
@@ -37,6 +44,7 @@ enum Flavor {
     Host,
     CudaLegacy,
     CudaVmm,
+    CudaPool,
 }
 
 impl Flavor {
@@ -46,9 +54,22 @@ impl Flavor {
             Flavor::Host => "host",
             Flavor::CudaLegacy => "cuda-legacy",
             Flavor::CudaVmm => "cuda-vmm",
+            Flavor::CudaPool => "cuda-pool",
+        }
+    }
+
+    fn export(self) -> Option<CudaExport> {
+        match self {
+            Flavor::Host => None,
+            Flavor::CudaLegacy => Some(CudaExport::Legacy),
+            Flavor::CudaVmm => Some(CudaExport::Vmm),
+            Flavor::CudaPool => Some(CudaExport::Pool),
         }
     }
 }
+
+/// How long a GPU test waits for the others to finish.
+const GPU_QUEUE: Duration = Duration::from_secs(1800);
 
 /// The backend under test in this process, with what the tests measure on it.
 struct Subject {
@@ -57,28 +78,33 @@ struct Subject {
     backend: SharedBackend,
     host: Option<Arc<HostBackend>>,
     cuda: Option<Arc<CudaBackend>>,
+    /// Held by CUDA subjects for the test's whole run.
+    _gpu: Option<GpuTestLock>,
 }
 
 impl Subject {
     fn new(flavor: Flavor, test: &str) -> Subject {
+        Self::with_fence(flavor, test, FenceKind::Event)
+    }
+
+    fn with_fence(flavor: Flavor, test: &str, fence: FenceKind) -> Subject {
         let ns = peer::namespace(test);
-        let (backend, host, cuda): (SharedBackend, _, _) = match flavor {
-            Flavor::Host => {
+        let (backend, host, cuda, gpu): (SharedBackend, _, _, _) = match flavor.export() {
+            None => {
                 let b = Arc::new(HostBackend::with_namespace(&ns).unwrap());
-                (b.clone(), Some(b), None)
+                (b.clone(), Some(b), None, None)
             }
-            Flavor::CudaLegacy | Flavor::CudaVmm => {
-                let export = if flavor == Flavor::CudaVmm {
-                    CudaExport::Vmm
-                } else {
-                    CudaExport::Legacy
-                };
+            Some(export) => {
+                let gpu = exclusive_gpu(GPU_QUEUE).expect("the GPU test lock");
                 let b = Arc::new(
-                    CudaBackend::new(0, export)
+                    CudaBackend::builder(0)
+                        .export(export)
+                        .fence(fence)
+                        .build()
                         .unwrap_or_else(|e| panic!("the {flavor:?} backend is unavailable: {e}")),
                 );
                 eprintln!("conformance: {b:?}");
-                (b.clone(), None, Some(b))
+                (b.clone(), None, Some(b), Some(gpu))
             }
         };
         Subject {
@@ -87,6 +113,7 @@ impl Subject {
             backend,
             host,
             cuda,
+            _gpu: gpu,
         }
     }
 
@@ -109,12 +136,23 @@ impl Subject {
         )
     }
 
-    /// What leaks would change: free device bytes (CUDA) or the namespace's segment count
-    /// (host).
+    /// What leaks would change: free device bytes (CUDA; after the pool gave back what it
+    /// keeps for reuse, which is no leak) or the namespace's segment count (host).
     fn resources(&self) -> Resources {
         match &self.cuda {
-            Some(c) => Resources::DeviceFree(c.mem_get_info().unwrap().0),
+            Some(c) => {
+                c.synchronize().unwrap();
+                c.trim_pool(0).unwrap();
+                Resources::DeviceFree(c.mem_get_info().unwrap().0)
+            }
             None => Resources::Segments(peer::segments(&self.ns)),
+        }
+    }
+
+    /// CUDA: the backend holds no allocation or mapping (exact, unlike free memory).
+    fn assert_nothing_live(&self, when: &str) {
+        if let Some(c) = &self.cuda {
+            assert!(c.live().is_empty(), "{when}: still live: {:?}", c.live());
         }
     }
 }
@@ -298,6 +336,7 @@ fn corrupted(handle: &HandleMsg) -> HandleMsg {
     let mut bad = handle.clone();
     match &mut bad.raw {
         RawHandle::CudaIpc(raw) => raw.0[21] ^= 0x01,
+        RawHandle::CudaPool { ptr, .. } => ptr.0[21] ^= 0x01,
         RawHandle::HostSegment(name) => {
             let mut s = name.as_str().to_owned();
             let last = s.pop().unwrap();
@@ -374,6 +413,7 @@ fn round_trip(flavor: Flavor) {
         "the importer's checks passed"
     );
     alloc.free().unwrap();
+    subject.assert_nothing_live("after the free");
 }
 
 /// The exporter launches long work that writes the buffer, records an event after it and
@@ -410,11 +450,14 @@ fn event_ordering(flavor: Flavor) {
         }
         (Some(cuda), None) => {
             // About as long, without a kernel: a chain of whole-buffer memsets.
+            // Baton leaves the caller's current context alone: the raw calls below need
+            // the backend's bound (cudarc binds it for its own calls, as here).
+            cuda.context().bind_to_thread().unwrap();
             for i in 0..4000 {
                 let byte = if i == 3999 { 0x33 } else { 0x22 };
-                // SAFETY: the whole allocation, on the backend's live stream, whose context
-                // `record_event` below binds; the allocation outlives the work (we wait for
-                // the importer's release, after its wait on the event, before freeing).
+                // SAFETY: the whole allocation, on the backend's live stream, whose context is
+                // bound just above; the allocation outlives the work (we wait for the
+                // importer's release, after its wait on the event, before freeing).
                 unsafe {
                     baton::ipc::cuda::cudarc::driver::result::memset_d8_async(
                         device_ptr(&alloc),
@@ -483,10 +526,14 @@ fn importer_sigkill(flavor: Flavor) {
         !subject.resources().back_to(baseline),
         "the allocation is visible in the measure"
     );
+    if let Some(c) = &subject.cuda {
+        assert_eq!((c.live().exported, c.live().exported_bytes), (1, SIZE));
+    }
 
     child.kill9();
     assert!(matches!(link.recv_timeout(DEADLINE), Err(Error::Closed)));
     alloc.free().unwrap();
+    subject.assert_nothing_live("after the free");
     // The driver may release a dead process's context asynchronously: poll.
     poll_until(DEADLINE, "the memory to return to its baseline", || {
         subject.resources().back_to(baseline)
@@ -530,7 +577,11 @@ fn exporter_sigkill(flavor: Flavor) {
     let mut first = [0u8; 16];
     let readable = mem.read(0, &mut first);
     eprintln!("conformance: {flavor:?} read after the exporter died: {readable:?} {first:02x?}");
+    if let Some(c) = &subject.cuda {
+        assert_eq!((c.live().imported, c.live().imported_bytes), (1, 64 * MIB));
+    }
     mem.close().expect("the importer releases cleanly");
+    subject.assert_nothing_live("after the close");
 
     let check = subject.backend.allocate(16 * MIB).unwrap();
     check.fill(0, 16 * MIB, 0x5C).unwrap();
@@ -540,6 +591,7 @@ fn exporter_sigkill(flavor: Flavor) {
         "still usable"
     );
     check.free().unwrap();
+    subject.assert_nothing_live("after the check allocation");
     if let Some(cuda) = &subject.cuda {
         cuda.mem_get_info().expect("the context still answers");
     } else {
@@ -626,6 +678,7 @@ fn same_process_open_and_corrupted_handles(flavor: Flavor) {
         );
         drop(opened);
         assert_eq!(cache.stats().live, 0);
+        subject.assert_nothing_live("after the exporter's free and the opened view's drop");
         if flavor == Flavor::CudaVmm {
             let g = cuda.vmm_granularity().unwrap();
             let small = cuda.allocate(1000).unwrap();
@@ -639,6 +692,123 @@ fn same_process_open_and_corrupted_handles(flavor: Flavor) {
         assert_eq!(opened.to_vec().unwrap(), vec![0x77; MIB]);
         assert_eq!(subject.opens(), 1);
     }
+}
+
+/// The exporter queues about half a second of work that writes the buffer on its stream,
+/// records a fence of `kind` after it and at once sends the fence and the buffer's handle
+/// (in a `Call`: fences travel as bytes until the wire vocabulary has a fence variant);
+/// the importer makes its stream wait on the fence and must never read stale data.
+fn fence_ordering(kind: FenceKind) {
+    let subject = Subject::with_fence(Flavor::CudaLegacy, "fe", kind);
+    let cuda = subject.cuda.clone().expect("a CUDA subject");
+    assert_eq!(
+        cuda.fence_kind(),
+        kind,
+        "this device falls back from {kind:?} fences (no 64-bit stream memory operations)"
+    );
+    let session = Session::generate().unwrap();
+    let (_tmp, dir) = socket_dir();
+    let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
+    let alloc = subject.backend.allocate(SIZE).unwrap();
+    alloc.fill(0, SIZE, 0x11).unwrap(); // the stale contents
+
+    const SEED: u32 = 0xfe1c;
+    let kernel = fill_kernel(&cuda);
+    let expected = match &kernel {
+        Some(_) => blake3::hash(&pattern(SIZE, SEED)),
+        None => blake3::hash(&vec![0x33; SIZE]),
+    };
+    let sock = listener.path().to_str().unwrap().to_owned();
+    let name = match kind {
+        FenceKind::Event => "event",
+        FenceKind::Counter => "counter",
+    };
+    let mut child = subject.spawn(
+        &session,
+        "import-fence",
+        &[&sock, name, expected.to_hex().as_str()],
+    );
+    // The importer has made its backend (and CUDA context) by the time it connects.
+    let mut link = listener.accept().unwrap();
+    match &kernel {
+        Some(f) => launch_fill(&cuda, f, &alloc, SEED, Duration::from_millis(500)),
+        None => {
+            cuda.context().bind_to_thread().unwrap();
+            for i in 0..4000 {
+                let byte = if i == 3999 { 0x33 } else { 0x22 };
+                // SAFETY: the whole allocation, on the backend's live stream, whose context is
+                // bound just above; the allocation outlives the work (we wait for the
+                // importer's release, after its wait on the fence, before freeing).
+                unsafe {
+                    baton::ipc::cuda::cudarc::driver::result::memset_d8_async(
+                        device_ptr(&alloc),
+                        byte,
+                        SIZE,
+                        cuda.stream().cu_stream(),
+                    )
+                }
+                .unwrap();
+            }
+        }
+    }
+    let fence = cuda.record_fence().unwrap();
+    assert_eq!(fence.kind(), kind);
+    assert!(
+        !fence.is_complete().unwrap(),
+        "the work was still running when the fence was sent (else this test proves nothing)"
+    );
+    let payload = match fence.handle() {
+        FenceHandle::Event(h) => h.0.to_vec(),
+        FenceHandle::Counter(c) => c.to_bytes().to_vec(),
+    };
+    let handle = alloc.handle(&session).build().unwrap();
+    assert!(
+        handle.event.is_none(),
+        "the fence alone orders the importer"
+    );
+    link.send(
+        &Message::Call(Call {
+            id: 1,
+            target: "fence".into(),
+            type_name: name.into(),
+            payload,
+            offers: vec![Offer {
+                lease: LeaseId::new(1),
+                handle,
+            }],
+        }),
+        &[],
+    )
+    .unwrap();
+    expect_release(&mut link, 1);
+    drop(link);
+    assert!(
+        child.wait(DEADLINE).success(),
+        "the importer saw only the finished data"
+    );
+    assert!(fence.is_complete().unwrap());
+    drop(fence);
+    assert_eq!(cuda.fence_counts().1, 0, "the fence went back to its pool");
+    alloc.free().unwrap();
+    subject.assert_nothing_live("after the free");
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn event_fences_order_the_importers_stream() {
+    fence_ordering(FenceKind::Event);
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn counter_fences_order_the_importers_stream() {
+    fence_ordering(FenceKind::Counter);
 }
 
 macro_rules! conformance {
@@ -668,6 +838,16 @@ macro_rules! conformance {
                 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
                 fn $test() {
                     super::$test(super::Flavor::CudaVmm)
+                }
+            )*
+        }
+
+        mod on_cuda_pool {
+            $(
+                #[test]
+                #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
+                fn $test() {
+                    super::$test(super::Flavor::CudaPool)
                 }
             )*
         }

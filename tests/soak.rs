@@ -15,8 +15,11 @@
 //! After every cycle: the child is reaped (no zombie), its link is down, every wait had a
 //! deadline, our owner has no buffer and no lease left once our handles drop, our import
 //! cache maps nothing, none of our segments is left (without a sweep), and after
-//! `host::sweep` no segment of the dead child is left either. The CUDA variant also checks
-//! that the device's free memory returns to its baseline.
+//! `host::sweep` no segment of the dead child is left either. The CUDA variant also checks,
+//! after every cycle, that the backend holds no allocation or mapping (an exact count), and
+//! at the end that the device's free memory returned to its baseline (within 1 MiB; its
+//! buffers are 2 MiB each, so one leaked buffer shows). It holds the GPU test lock for its
+//! run, so no other Baton test shares the device meanwhile.
 //!
 //! `BATON_SOAK_SEED` replays a run (the seed is printed); `BATON_SOAK_CYCLES` sets the
 //! number of cycles (default 200).
@@ -101,25 +104,45 @@ enum Device {
 
 /// This process's side: the actor tests' [`Parent`] (a node listening in a private
 /// directory, a buffer owner, a log of link events), with the soak's own spawning.
-struct Rig(Parent);
+struct Rig {
+    parent: Parent,
+    /// `u32`s per buffer, ours and the children's: 1 KiB on host, 2 MiB on CUDA (above the
+    /// 1 MiB tolerance of the device-wide measure).
+    elems: u32,
+    cuda: Option<Arc<baton::ipc::cuda::CudaBackend>>,
+}
 
 impl std::ops::Deref for Rig {
     type Target = Parent;
     fn deref(&self) -> &Parent {
-        &self.0
+        &self.parent
     }
 }
 
 impl Rig {
     fn start(tag: &str, device: &Device) -> Rig {
         let ns = peer::namespace(tag);
-        let (backend, kind): (SharedBackend, _) = match device {
-            Device::Host => (Arc::new(HostBackend::with_namespace(&ns).unwrap()), "host"),
-            Device::Cuda(cuda) => (Arc::clone(cuda) as SharedBackend, "cuda"),
+        let (backend, kind, elems, cuda): (SharedBackend, _, _, _) = match device {
+            Device::Host => (
+                Arc::new(HostBackend::with_namespace(&ns).unwrap()),
+                "host",
+                256,
+                None,
+            ),
+            Device::Cuda(cuda) => (
+                Arc::clone(cuda) as SharedBackend,
+                "cuda",
+                (2 << 20) / 4,
+                Some(Arc::clone(cuda)),
+            ),
         };
         let mut parent = Parent::start_with(&ns, backend);
         parent.child_env.push(("BATON_BACKEND".into(), kind.into()));
-        Rig(parent)
+        Rig {
+            parent,
+            elems,
+            cuda,
+        }
     }
 
     /// An actor helper (`baton-actor-peer serve`).
@@ -159,7 +182,7 @@ impl Rig {
         for i in 0..n {
             let b: Buffer<u32> = self
                 .owner
-                .send(Allocate::vector(256))
+                .send(Allocate::vector(self.elems.into()))
                 .await
                 .unwrap()
                 .unwrap();
@@ -253,7 +276,7 @@ async fn cycle(rig: &Rig, kind: Kind, rng: &mut Rng, tally: &mut Tally) {
                 Kind::ImporterMidOpen | Kind::ImporterMidRelease | Kind::ImporterMidRevoke => {
                     as_exporter(rig, kind, &mut child, &link, rng, k, seed, tally).await
                 }
-                _ => as_importer(kind, &mut child, &link, rng, k, seed, tally).await,
+                _ => as_importer(kind, &mut child, &link, rng, k, seed, rig.elems, tally).await,
             }
             (child, link)
         }
@@ -277,6 +300,12 @@ async fn cycle(rig: &Rig, kind: Kind, rng: &mut Rng, tally: &mut Tally) {
         rig.node.cache().stats().live == 0
     })
     .await;
+    if let Some(cuda) = &rig.cuda {
+        eventually(DEADLINE, "our CUDA backend to hold nothing", || {
+            cuda.live().is_empty()
+        })
+        .await;
+    }
     // Our own segments went without a sweep; the dead child's are swept.
     let me = std::process::id();
     let ours: Vec<_> = host::list_segments(&rig.ns)
@@ -388,12 +417,13 @@ async fn as_importer(
     rng: &mut Rng,
     k: u64,
     seed: u32,
+    elems: u32,
     tally: &mut Tally,
 ) {
     let make = link.remote::<MakeBuffers>("exporter");
     let request = MakeBuffers {
         n: k as u32,
-        len: 256,
+        len: elems,
         seed,
     };
     match kind {
@@ -609,7 +639,10 @@ fn soak(device: Device, tag: &str) {
 fn device_free(device: &Device) -> Option<usize> {
     match device {
         Device::Host => None,
-        Device::Cuda(cuda) => Some(cuda.mem_get_info().unwrap().0),
+        Device::Cuda(cuda) => {
+            cuda.synchronize().unwrap();
+            Some(cuda.mem_get_info().unwrap().0)
+        }
     }
 }
 
@@ -624,6 +657,8 @@ fn host_crash_soak() {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn cuda_crash_soak() {
+    let _gpu = baton::ipc::cuda::testing::exclusive_gpu(Duration::from_secs(1800))
+        .expect("the GPU test lock");
     let cuda = baton::ipc::cuda::CudaBackend::new(0, baton::ipc::cuda::CudaExport::Legacy)
         .unwrap_or_else(|e| panic!("the CUDA backend is unavailable: {e}"));
     eprintln!("soak[cuda]: {cuda:?}");

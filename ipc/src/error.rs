@@ -113,6 +113,19 @@ pub enum Error {
         /// The allocation.
         alloc: AllocationId,
     },
+    /// A CUDA pool handle that carries no descriptor (the importer was expected to have
+    /// imported the pool already) names a pool this process has not imported from that
+    /// exporter. The offer is refused; the exporter sends the pool's descriptor again.
+    #[error(
+        "{exporter} offered memory of its pool {pool} without the pool's descriptor, but this \
+         process has not imported that pool: refused (send the descriptor with the next offer)"
+    )]
+    PoolNotImported {
+        /// The exporter.
+        exporter: ExporterId,
+        /// The exporter's pool id.
+        pool: u64,
+    },
     /// The socket directory is reachable by other users or is not ours.
     #[error("socket directory {path} is not private: {reason}")]
     InsecureSocketDir {
@@ -206,6 +219,14 @@ pub enum Error {
     )]
     EventsExhausted {
         /// The pool's limit.
+        limit: usize,
+    },
+    /// Every counter slot of the backend's fence slab is lent out.
+    #[error(
+        "all {limit} counter fences are in use: release leases (their fences return to the pool) or raise the backend's event limit"
+    )]
+    FencesExhausted {
+        /// The slab's slots.
         limit: usize,
     },
     /// The exporting process opened its own handle, but the allocation is already freed.

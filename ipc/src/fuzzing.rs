@@ -429,8 +429,8 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     use baton_messages::fuzzing::{encode_handle, fuzz_handle_key};
     use baton_messages::protocol::{AuthProof, Nonce, Offer, Release};
     use baton_messages::{
-        ActorId, AllocationId, CudaIpcMemHandle, DType, ExporterId, Generation, HandleDigest,
-        Layout, LeaseId, PROTOCOL_VERSION, SegmentName, Shape,
+        ActorId, AllocationId, CudaIpcMemHandle, CudaPoolExportData, DType, ExporterId, Generation,
+        HandleDigest, Layout, LeaseId, PROTOCOL_VERSION, SegmentName, Shape,
     };
     let me = crate::process::current();
     let handle = |raw: RawHandle, offset: u64, len: u64, layout: Option<Layout>| HandleMsg {
@@ -466,9 +466,31 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             RawHandle::CudaIpc(CudaIpcMemHandle([0x11; 64])),
             0,
             2048,
-            Some(f32s),
+            Some(f32s.clone()),
         ),
         handle(RawHandle::CudaVmmFd { slot: Some(0) }, 0, 8192, None),
+        // A pool allocation with the pool's descriptor, and one whose pool the importer
+        // imported before.
+        handle(
+            RawHandle::CudaPool {
+                pool: 2,
+                pool_slot: Some(0),
+                ptr: CudaPoolExportData([0x9c; 64]),
+            },
+            4096,
+            4096,
+            None,
+        ),
+        handle(
+            RawHandle::CudaPool {
+                pool: 2,
+                pool_slot: None,
+                ptr: CudaPoolExportData([0x9c; 64]),
+            },
+            0,
+            2048,
+            Some(f32s),
+        ),
     ];
     let mut out = Vec::new();
 

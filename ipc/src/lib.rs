@@ -1,8 +1,9 @@
 //! Baton's memory and transport mechanics.
 //!
 //! - [`Backend`]: make, share and map memory. Two real implementations: [`host`] (named
-//!   POSIX shared memory) and [`cuda`] (device memory: legacy IPC handles or VMM file
-//!   descriptors, with IPC events; always built, used when a driver and a GPU are present),
+//!   POSIX shared memory) and [`cuda`] (device memory: legacy IPC handles, VMM file
+//!   descriptors or stream-ordered pool memory, with fences; always built, used when a
+//!   driver and a GPU are present),
 //!   picked at run time by [`select::auto`].
 //! - [`SlabArena`]: many buffers carved from one exported allocation, so an importer maps
 //!   the slab once.

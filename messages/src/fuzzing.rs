@@ -222,6 +222,17 @@ pub fn handle_msg(data: &[u8]) -> Option<HandleMsg> {
                 "Debug printed raw bytes"
             );
         }
+        RawHandle::CudaPool {
+            pool, pool_slot, ..
+        } => {
+            // Compared whole: the export data's hex could be a run of decimal digits that
+            // the pool id happens to contain.
+            assert_eq!(
+                format!("{:?}", handle.raw),
+                format!("CudaPool {{ pool: {pool}, pool_slot: {pool_slot:?}, ptr: <redacted> }}"),
+                "Debug printed pool export data"
+            );
+        }
         RawHandle::HostSegment(name) if name.as_str().len() > 12 => {
             assert!(
                 !shown.contains(name.as_str()),
@@ -243,7 +254,7 @@ pub fn handle_msg(data: &[u8]) -> Option<HandleMsg> {
 mod tests {
     use super::*;
     use crate::handle::tests::sample;
-    use crate::handle::{CudaIpcMemHandle, SegmentName};
+    use crate::handle::{CudaIpcMemHandle, CudaPoolExportData, SegmentName};
 
     #[test]
     fn valid_streams_and_handles_pass() {
@@ -257,6 +268,11 @@ mod tests {
         for raw in [
             RawHandle::HostSegment(SegmentName::new("/baton.1.2.3.0123456789abcdef").unwrap()),
             RawHandle::CudaIpc(CudaIpcMemHandle([0x77; 64])),
+            RawHandle::CudaPool {
+                pool: 3,
+                pool_slot: Some(0),
+                ptr: CudaPoolExportData([0x66; 64]),
+            },
         ] {
             let h = sample(raw).sealed(&fuzz_handle_key());
             assert!(handle_msg(&encode_handle(&h)).is_some());

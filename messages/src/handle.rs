@@ -25,6 +25,10 @@ pub enum BackendKind {
     CudaLegacy,
     /// CUDA device memory made with `cuMemCreate`, shared as a POSIX file descriptor.
     CudaVmm,
+    /// CUDA device memory from a stream-ordered, exportable memory pool
+    /// (`cuMemAllocFromPoolAsync`): the pool shared as a POSIX file descriptor, each
+    /// allocation as 64 bytes of `cuMemPoolExportPointer` data.
+    CudaPool,
 }
 
 /// The name of a host shared-memory segment: `/` then 1 to 200 of `[A-Za-z0-9._-]`.
@@ -107,6 +111,12 @@ secret_bytes64!(
 );
 
 secret_bytes64!(
+    /// The 64 opaque bytes of a CUDA `CUmemPoolPtrExportData` (`cuMemPoolExportPointer`):
+    /// names one allocation of an exported memory pool. A capability: never logged.
+    CudaPoolExportData
+);
+
+secret_bytes64!(
     /// The 64 opaque bytes of a CUDA `CUipcEventHandle`: the event the exporter recorded
     /// after the work that produced the buffer. The importer's stream waits on it before use.
     IpcEventHandle
@@ -129,6 +139,19 @@ pub enum RawHandle {
         /// its import cache can open it.
         slot: Option<u8>,
     },
+    /// CUDA stream-ordered pool memory: the allocation's export data, and the pool it comes
+    /// from, whose shareable handle is a file descriptor that crosses a link once.
+    CudaPool {
+        /// The exporting process's id of the pool, unique in that process: the importer
+        /// imports each (exporter process, pool) once and finds it again by this id.
+        pool: u64,
+        /// Index of the pool's descriptor among the frame's file descriptors; `None` when
+        /// the importer already imported the pool (the descriptor crossed this link
+        /// before).
+        pool_slot: Option<u8>,
+        /// The `cuMemPoolExportPointer` data of the allocation.
+        ptr: CudaPoolExportData,
+    },
 }
 
 impl RawHandle {
@@ -138,6 +161,7 @@ impl RawHandle {
             RawHandle::HostSegment(_) => "host segment",
             RawHandle::CudaIpc(_) => "CUDA IPC",
             RawHandle::CudaVmmFd { .. } => "CUDA VMM fd",
+            RawHandle::CudaPool { .. } => "CUDA pool pointer",
         }
     }
 
@@ -147,6 +171,7 @@ impl RawHandle {
             RawHandle::HostSegment(_) => BackendKind::Host,
             RawHandle::CudaIpc(_) => BackendKind::CudaLegacy,
             RawHandle::CudaVmmFd { .. } => BackendKind::CudaVmm,
+            RawHandle::CudaPool { .. } => BackendKind::CudaPool,
         }
     }
 
@@ -155,6 +180,7 @@ impl RawHandle {
     pub fn fd_slot(&self) -> Option<u8> {
         match self {
             RawHandle::CudaVmmFd { slot } => *slot,
+            RawHandle::CudaPool { pool_slot, .. } => *pool_slot,
             RawHandle::HostSegment(_) | RawHandle::CudaIpc(_) => None,
         }
     }
@@ -164,6 +190,12 @@ impl fmt::Debug for RawHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RawHandle::CudaVmmFd { slot } => write!(f, "CudaVmmFd {{ slot: {slot:?} }}"),
+            RawHandle::CudaPool {
+                pool, pool_slot, ..
+            } => write!(
+                f,
+                "CudaPool {{ pool: {pool}, pool_slot: {pool_slot:?}, ptr: <redacted> }}"
+            ),
             other => write!(f, "{}(<redacted>)", other.kind_name()),
         }
     }
@@ -460,6 +492,53 @@ pub(crate) mod tests {
         assert!(s.contains("redacted"));
         let s = format!("{:?}", SegmentName::new("/baton.secret").unwrap());
         assert!(!s.contains("secret"));
+    }
+
+    #[test]
+    fn pool_handles_name_their_kind_and_slot_and_hide_their_bytes() {
+        let raw = RawHandle::CudaPool {
+            pool: 7,
+            pool_slot: Some(2),
+            ptr: CudaPoolExportData([0xee; 64]),
+        };
+        assert_eq!(raw.backend(), BackendKind::CudaPool);
+        assert_eq!(raw.fd_slot(), Some(2));
+        assert_eq!(raw.kind_name(), "CUDA pool pointer");
+        let h = sample(raw).sealed(&key());
+        h.check(&key()).unwrap();
+        let s = format!("{h:?}");
+        assert!(
+            s.contains("pool: 7") && s.contains("pool_slot: Some(2)"),
+            "{s}"
+        );
+        assert!(
+            !s.contains("238") && !s.to_lowercase().contains("ee, "),
+            "{s}"
+        );
+        let none = RawHandle::CudaPool {
+            pool: 7,
+            pool_slot: None,
+            ptr: CudaPoolExportData([0; 64]),
+        };
+        assert_eq!(none.fd_slot(), None);
+        // Each byte of the export data is sealed.
+        for i in [0, 31, 63] {
+            let mut bad = h.clone();
+            let RawHandle::CudaPool { ptr, .. } = &mut bad.raw else {
+                unreachable!()
+            };
+            ptr.0[i] ^= 1;
+            assert!(matches!(bad.verify(&key()), Err(Error::DigestMismatch)));
+        }
+        let mut other_pool = h.clone();
+        let RawHandle::CudaPool { pool, .. } = &mut other_pool.raw else {
+            unreachable!()
+        };
+        *pool += 1;
+        assert!(matches!(
+            other_pool.verify(&key()),
+            Err(Error::DigestMismatch)
+        ));
     }
 
     #[test]

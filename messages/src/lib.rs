@@ -30,8 +30,8 @@ mod serde_bytes64;
 pub use codec::{FrameDecoder, FrameHeader, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
 pub use error::Error;
 pub use handle::{
-    BackendKind, CudaIpcMemHandle, HandleDigest, HandleKey, HandleMsg, IpcEventHandle, RawHandle,
-    SegmentName,
+    BackendKind, CudaIpcMemHandle, CudaPoolExportData, HandleDigest, HandleKey, HandleMsg,
+    IpcEventHandle, RawHandle, SegmentName,
 };
 pub use ids::{
     ActorId, AllocationId, BootId, DeviceUuid, ExporterId, Generation, LeaseId, ProcessId,

@@ -1,6 +1,6 @@
 //! The helper process of the backend conformance tests (`tests/conformance.rs`): one role
 //! per invocation, on the backend named by the first argument (`host`, `cuda-legacy`,
-//! `cuda-vmm`).
+//! `cuda-vmm`, `cuda-pool`).
 //!
 //! Tests spawn it (`env!("CARGO_BIN_EXE_baton-conformance-peer")`), never fork, with the
 //! session token in `BATON_TOKEN` and a segment namespace in `BATON_SHM_NAMESPACE`. It uses
@@ -11,21 +11,26 @@
 //! - `import-check SOCKET EXPECT_HEX REPLY_OFFSET REPLY_LEN REPLY_SEED`: the first offer
 //!   carries a corrupted handle, which must be refused with no driver open; the second is
 //!   good: open it, check the BLAKE3 of the whole buffer, open it three more times (cache
-//!   hits, no driver open), write the reply pattern, release.
+//!   hits, no driver open), write the reply pattern, release. On CUDA, the thread's current
+//!   context must be none before and after all that (Baton pushes and pops its own).
 //! - `import-expect SOCKET EXPECT_HEX`: open the offer (waiting on its event), check the
 //!   BLAKE3 of the whole buffer (fails on stale data), release.
+//! - `import-fence SOCKET KIND EXPECT_HEX` (CUDA): a `Call` whose payload is a fence of
+//!   KIND (`event`: the 64-byte IPC event handle; `counter`: `CounterFence::to_bytes`) and
+//!   whose offer is a handle without an event: open it, make the backend stream wait on the
+//!   fence (one wait), check the BLAKE3 of the whole buffer (fails on stale data), release.
 //! - `import-slab SOCKET N`: take N offers of buffers carved from one slab, each filled with
 //!   its index + 1; they must cost one driver open in all; release each.
 //! - `import-hold SOCKET`: open the offer, read a byte, answer `Ping(1)`, hold until killed.
 //! - `export-hold SOCKET SIZE`: allocate SIZE bytes filled with 0xAB, offer them (fd beside
 //!   the frame for VMM), hold until killed.
 
-use baton::ipc::cuda::{CudaBackend, CudaExport};
+use baton::ipc::cuda::{CounterFence, CudaBackend, CudaExport, FenceHandle};
 use baton::ipc::{
     FrameFds, HostBackend, ImportCache, Imported, Link, LinkConfig, Session, SharedBackend,
 };
 use baton::messages::protocol::{Offer, Release};
-use baton::messages::{Error as MessageError, LeaseId, Message};
+use baton::messages::{Error as MessageError, IpcEventHandle, LeaseId, Message};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,6 +50,7 @@ impl Subject {
             "host" => Self::Host(Arc::new(HostBackend::new()?)),
             "cuda-legacy" => Self::Cuda(Arc::new(CudaBackend::new(0, CudaExport::Legacy)?)),
             "cuda-vmm" => Self::Cuda(Arc::new(CudaBackend::new(0, CudaExport::Vmm)?)),
+            "cuda-pool" => Self::Cuda(Arc::new(CudaBackend::new(0, CudaExport::Pool)?)),
             other => return Err(format!("unknown backend {other:?}").into()),
         })
     }
@@ -54,6 +60,18 @@ impl Subject {
             Self::Host(b) => b.clone(),
             Self::Cuda(b) => b.clone(),
         }
+    }
+
+    /// CUDA: fails unless no context is current on this thread (the main thread never
+    /// binds one: only Baton's calls could have left one behind).
+    fn check_no_current_context(&self, when: &str) -> Res<()> {
+        if let Self::Cuda(_) = self {
+            let ctx = baton::ipc::cuda::current_context()?;
+            ensure(ctx.is_null(), || {
+                format!("{when}: Baton left a CUDA context current on the thread")
+            })?;
+        }
+        Ok(())
     }
 
     /// Driver-level opens so far.
@@ -114,6 +132,7 @@ fn import_check(
     reply_len: usize,
     seed: u64,
 ) -> Res<()> {
+    subject.check_no_current_context("after making the backend")?;
     let (session, mut link) = connect(socket)?;
     let cache = ImportCache::new(session, [subject.backend()]);
 
@@ -160,6 +179,7 @@ fn import_check(
     ensure(cache.stats().live == 0, || {
         "mapping still open after the guards dropped".into()
     })?;
+    subject.check_no_current_context("after opening, reading, writing and closing")?;
     eprintln!(
         "baton-conformance-peer: import-check ok: driver opens {}, {:?}",
         subject.opens(),
@@ -177,6 +197,52 @@ fn import_expect(subject: &Subject, socket: &str, expect: &str) -> Res<()> {
         || "a CUDA handle came without an event".into(),
     )?;
     let buffer = cache.open(&offer.handle, &mut fds)?;
+    let digest = digest_of(&buffer)?;
+    ensure(digest.to_hex().as_str() == expect, || {
+        format!(
+            "stale data: the buffer read before the exporter's work finished (got {})",
+            digest.to_hex()
+        )
+    })?;
+    drop(buffer);
+    release_and_wait_close(&mut link, &[offer.lease])
+}
+
+fn import_fence(subject: &Subject, socket: &str, kind: &str, expect: &str) -> Res<()> {
+    let Subject::Cuda(cuda) = subject else {
+        return Err("fences are a CUDA matter".into());
+    };
+    let (session, mut link) = connect(socket)?;
+    let cache = ImportCache::new(session, [subject.backend()]);
+    let received = link.recv_timeout(DEADLINE)?;
+    let Message::Call(call) = received.message else {
+        return Err(format!("expected a Call, got {}", received.message.kind()).into());
+    };
+    let mut fds = received.fds;
+    ensure(call.type_name == kind, || {
+        format!("a {} fence, expected {kind}", call.type_name)
+    })?;
+    let fence = match kind {
+        "event" => FenceHandle::Event(IpcEventHandle(
+            call.payload
+                .as_slice()
+                .try_into()
+                .map_err(|_| "an event handle is 64 bytes")?,
+        )),
+        "counter" => FenceHandle::Counter(
+            CounterFence::from_bytes(&call.payload).ok_or("a malformed counter fence")?,
+        ),
+        other => return Err(format!("unknown fence kind {other:?}").into()),
+    };
+    let [offer] = <[Offer; 1]>::try_from(call.offers).map_err(|_| "one offer expected")?;
+    ensure(offer.handle.event.is_none(), || {
+        "the handle carries an event: the fence would not be what orders the read".into()
+    })?;
+    let buffer = cache.open(&offer.handle, &mut fds)?;
+    cuda.wait_fence(&offer.handle.exporter.process, &fence)?;
+    ensure(cuda.waits() == 1, || {
+        format!("{} fence waits queued, expected 1", cuda.waits())
+    })?;
     let digest = digest_of(&buffer)?;
     ensure(digest.to_hex().as_str() == expect, || {
         format!(
@@ -268,6 +334,7 @@ fn run(argv: &[&str]) -> Res<()> {
             parse("seed", seed)?,
         ),
         ("import-expect", [socket, expect]) => import_expect(&subject, socket, expect),
+        ("import-fence", [socket, kind, expect]) => import_fence(&subject, socket, kind, expect),
         ("import-slab", [socket, n]) => import_slab(&subject, socket, parse("count", n)?),
         ("import-hold", [socket]) => import_hold(&subject, socket),
         ("export-hold", [socket, size]) => export_hold(&subject, socket, parse("size", size)?),

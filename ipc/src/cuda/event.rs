@@ -17,14 +17,16 @@
 //! # Safety
 //!
 //! Raw `CUevent`s live only inside [`EventInner`] and [`OpenedEvent`], which destroy them
-//! exactly once, in `Drop`, with their context bound. Both hold an `Arc` of that context,
-//! so it outlives them. The process-local registry holds only `Weak` references, so a
-//! lookup can never reach a destroyed event.
+//! exactly once, in `Drop`, with their context pushed. Both hold a [`SharedContext`], so
+//! it outlives them. The process-local registry holds only `Weak` references, so a lookup
+//! can never reach a destroyed event. Every driver call runs with a context pushed
+//! ([`ContextGuard`]): the event's, or the stream's for calls on a stream.
 
-use super::result;
+use super::context::ContextGuard;
+use super::{SharedContext, result};
 use crate::{Error, Result};
 use baton_messages::IpcEventHandle;
-use cudarc::driver::{CudaContext, CudaStream, sys};
+use cudarc::driver::{CudaStream, sys};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
@@ -41,13 +43,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// One interprocess event of this process.
 pub(crate) struct EventInner {
-    ctx: Arc<CudaContext>,
+    ctx: SharedContext,
     raw: sys::CUevent,
     handle: [u8; 64],
 }
 
-// SAFETY: a `CUevent` is a driver handle usable from any thread once its context is bound
-// (every use here binds it first); the struct has no thread-affine state.
+// SAFETY: a `CUevent` is a driver handle usable from any thread with its context current
+// (every use here pushes it first); the struct has no thread-affine state.
 unsafe impl Send for EventInner {}
 // SAFETY: `&EventInner` allows only driver calls (record, query, wait) that the driver
 // serialises internally; nothing here is mutated through a shared reference.
@@ -66,10 +68,9 @@ pub(crate) fn local_event(handle: &[u8; 64]) -> Option<Arc<EventInner>> {
 }
 
 impl EventInner {
-    fn new(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
-        ctx.bind_to_thread()
-            .map_err(result::from_driver("cuCtxSetCurrent"))?;
-        // SAFETY: the context is bound; the event is owned by `EventInner` below, whose
+    fn new(ctx: &SharedContext) -> Result<Arc<Self>> {
+        let pushed = ContextGuard::push(ctx)?;
+        // SAFETY: the context is current; the event is owned by `EventInner` below, whose
         // `Drop` destroys it once.
         let raw = unsafe { result::event_create_interprocess() }?;
         let mut inner = EventInner {
@@ -79,6 +80,7 @@ impl EventInner {
         };
         // SAFETY: `raw` is live (just made) and interprocess.
         inner.handle = unsafe { result::ipc_get_event_handle(inner.raw) }?;
+        drop(pushed);
         let inner = Arc::new(inner);
         lock(local_events()).insert(inner.handle, Arc::downgrade(&inner));
         Ok(inner)
@@ -86,11 +88,8 @@ impl EventInner {
 
     /// Makes `stream` wait for this event's latest record.
     pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(result::from_driver("cuCtxSetCurrent"))?;
-        // SAFETY: the stream is live (borrowed) in its bound context; the event is live.
+        let _pushed = ContextGuard::push(stream.context())?;
+        // SAFETY: the stream is live (borrowed) in its current context; the event is live.
         unsafe { result::stream_wait_event(stream.cu_stream(), self.raw) }
     }
 }
@@ -108,11 +107,14 @@ impl Drop for EventInner {
                 local.remove(&self.handle);
             }
         }
-        if let Err(e) = self.ctx.bind_to_thread() {
-            tracing::warn!(error = %super::CudaError::from(e), "binding the context to destroy an event failed");
-            return;
-        }
-        // SAFETY: `raw` is live, owned by us, destroyed once (here); its context is bound.
+        let _pushed = match ContextGuard::push(&self.ctx) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "pushing the context to destroy an event failed");
+                return;
+            }
+        };
+        // SAFETY: `raw` is live, owned by us, destroyed once (here); its context is current.
         if let Err(e) = unsafe { result::event_destroy(self.raw) } {
             tracing::warn!(error = %e, "destroying an interprocess event failed");
         }
@@ -127,7 +129,7 @@ struct PoolState {
 
 /// The exporter's pool of interprocess events.
 pub(crate) struct EventPool {
-    ctx: Arc<CudaContext>,
+    ctx: SharedContext,
     limit: usize,
     state: Mutex<PoolState>,
 }
@@ -144,7 +146,7 @@ impl fmt::Debug for EventPool {
 }
 
 impl EventPool {
-    pub(crate) fn new(ctx: Arc<CudaContext>, limit: usize) -> Arc<Self> {
+    pub(crate) fn new(ctx: SharedContext, limit: usize) -> Arc<Self> {
         Arc::new(Self {
             ctx,
             limit,
@@ -185,13 +187,11 @@ impl EventPool {
             event: Some(event),
             pool: Arc::clone(self),
         };
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(result::from_driver("cuCtxSetCurrent"))?;
-        // SAFETY: the event and the stream are live; the stream's context is bound (the
+        let pushed = ContextGuard::push(stream.context())?;
+        // SAFETY: the event and the stream are live; the stream's context is current (the
         // event's context is the backend's, as is the stream's).
         unsafe { result::event_record(recorded.inner().raw, stream.cu_stream()) }?;
+        drop(pushed);
         Ok(recorded)
     }
 }
@@ -228,11 +228,8 @@ impl RecordedEvent {
     #[doc(alias = "cuEventQuery")]
     pub fn is_complete(&self) -> Result<bool> {
         let inner = self.inner();
-        inner
-            .ctx
-            .bind_to_thread()
-            .map_err(result::from_driver("cuCtxSetCurrent"))?;
-        // SAFETY: the event is live while `self` holds it.
+        let _pushed = ContextGuard::push(&inner.ctx)?;
+        // SAFETY: the event is live while `self` holds it; its context is current.
         unsafe { result::event_query(inner.raw) }
     }
 
@@ -243,11 +240,8 @@ impl RecordedEvent {
     #[doc(alias = "cuEventSynchronize")]
     pub fn synchronize(&self) -> Result<()> {
         let inner = self.inner();
-        inner
-            .ctx
-            .bind_to_thread()
-            .map_err(result::from_driver("cuCtxSetCurrent"))?;
-        // SAFETY: the event is live while `self` holds it.
+        let _pushed = ContextGuard::push(&inner.ctx)?;
+        // SAFETY: the event is live while `self` holds it; its context is current.
         unsafe { result::event_synchronize(inner.raw) }
     }
 }
@@ -268,19 +262,21 @@ impl Drop for RecordedEvent {
 
 /// Another process's event, opened in this one.
 pub(crate) struct OpenedEvent {
-    ctx: Arc<CudaContext>,
+    ctx: SharedContext,
     raw: sys::CUevent,
 }
 
-// SAFETY: as for `EventInner`: a driver handle, used only with its context bound.
+// SAFETY: as for `EventInner`: a driver handle, used only with its context current.
 unsafe impl Send for OpenedEvent {}
+// SAFETY: `&OpenedEvent` allows only `wait_on`, a driver call the driver serialises
+// internally; nothing is mutated through a shared reference.
+unsafe impl Sync for OpenedEvent {}
 
 impl OpenedEvent {
     /// `cuIpcOpenEventHandle` in `ctx`.
-    pub(crate) fn open(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<Self> {
-        ctx.bind_to_thread()
-            .map_err(result::from_driver("cuCtxSetCurrent"))?;
-        // SAFETY: the context is bound; the event is owned by the `OpenedEvent` returned,
+    pub(crate) fn open(ctx: &SharedContext, handle: &[u8; 64]) -> Result<Self> {
+        let _pushed = ContextGuard::push(ctx)?;
+        // SAFETY: the context is current; the event is owned by the `OpenedEvent` returned,
         // whose `Drop` destroys it once.
         let raw = unsafe { result::ipc_open_event_handle(handle) }?;
         Ok(Self {
@@ -291,21 +287,23 @@ impl OpenedEvent {
 
     /// Makes `stream` (of the same context) wait for the event's latest record.
     pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(result::from_driver("cuCtxSetCurrent"))?;
-        // SAFETY: the stream is live (borrowed) in the bound context; the event is live.
+        let _pushed = ContextGuard::push(stream.context())?;
+        // SAFETY: the stream is live (borrowed) in its current context; the event is live
+        // (opened in that same context: the caller's backend's).
         unsafe { result::stream_wait_event(stream.cu_stream(), self.raw) }
     }
 }
 
 impl Drop for OpenedEvent {
     fn drop(&mut self) {
-        if let Err(e) = self.ctx.bind_to_thread() {
-            tracing::warn!(error = %super::CudaError::from(e), "binding the context to destroy an opened event failed");
-            return;
-        }
-        // SAFETY: `raw` is live, owned by us, destroyed once (here), its context bound.
+        let _pushed = match ContextGuard::push(&self.ctx) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "pushing the context to destroy an opened event failed");
+                return;
+            }
+        };
+        // SAFETY: `raw` is live, owned by us, destroyed once (here), its context current.
         // Destroying an event a stream still waits on is allowed: the driver defers it.
         if let Err(e) = unsafe { result::event_destroy(self.raw) } {
             tracing::warn!(error = %e, "destroying an opened interprocess event failed");

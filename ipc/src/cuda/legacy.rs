@@ -5,22 +5,19 @@
 //!
 //! [`DeviceAlloc`] owns one `cuMemAlloc_v2` allocation and [`IpcMapping`] one
 //! `cuIpcOpenMemHandle_v2` mapping; each releases it exactly once (an explicit `free`/
-//! `close`, or `Drop`), with its context bound, and holds an `Arc` of that context so the
-//! context outlives it. Their pointers are valid device memory for `size` bytes until then.
+//! `close`, or `Drop`), with its context pushed ([`ContextGuard`]), and holds a
+//! [`SharedContext`] so the context outlives it. Their pointers are valid device memory for
+//! `size` bytes until then.
 
-use super::result;
+use super::context::ContextGuard;
+use super::{SharedContext, result};
 use crate::Result;
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::sys;
 use std::sync::Arc;
-
-fn bind(ctx: &CudaContext) -> Result<()> {
-    ctx.bind_to_thread()
-        .map_err(result::from_driver("cuCtxSetCurrent"))
-}
 
 /// One `cuMemAlloc_v2` allocation.
 pub(crate) struct DeviceAlloc {
-    ctx: Arc<CudaContext>,
+    ctx: SharedContext,
     ptr: sys::CUdeviceptr,
     size: usize,
     live: bool,
@@ -28,9 +25,9 @@ pub(crate) struct DeviceAlloc {
 
 impl DeviceAlloc {
     /// `cuMemAlloc_v2(size)` in `ctx`.
-    pub(crate) fn new(ctx: &Arc<CudaContext>, size: usize) -> Result<Self> {
-        bind(ctx)?;
-        // SAFETY: the context is bound; the allocation is owned by the `DeviceAlloc`
+    pub(crate) fn new(ctx: &SharedContext, size: usize) -> Result<Self> {
+        let _pushed = ContextGuard::push(ctx)?;
+        // SAFETY: the context is current; the allocation is owned by the `DeviceAlloc`
         // returned, which frees it once.
         let ptr = unsafe { result::mem_alloc(size) }?;
         Ok(Self {
@@ -51,8 +48,8 @@ impl DeviceAlloc {
 
     /// `cuIpcGetMemHandle` of the allocation.
     pub(crate) fn ipc_handle(&self) -> Result<[u8; 64]> {
-        bind(&self.ctx)?;
-        // SAFETY: the context is bound; `ptr` is the base of our live allocation.
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the context is current; `ptr` is the base of our live allocation.
         unsafe { result::ipc_get_mem_handle(self.ptr) }
     }
 
@@ -62,9 +59,9 @@ impl DeviceAlloc {
             return Ok(());
         }
         self.live = false;
-        bind(&self.ctx)?;
+        let _pushed = ContextGuard::push(&self.ctx)?;
         // SAFETY: our allocation, still live (checked above), freed once; the context is
-        // bound; the owner guarantees no one uses it afterwards.
+        // current; the owner guarantees no one uses it afterwards.
         unsafe { result::mem_free(self.ptr) }
     }
 }
@@ -79,16 +76,16 @@ impl Drop for DeviceAlloc {
 
 /// One `cuIpcOpenMemHandle_v2` mapping of another process's allocation.
 pub(crate) struct IpcMapping {
-    ctx: Arc<CudaContext>,
+    ctx: SharedContext,
     ptr: sys::CUdeviceptr,
     live: bool,
 }
 
 impl IpcMapping {
     /// Opens `handle` in `ctx`, with lazy peer access (for memory of another device).
-    pub(crate) fn open(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<Self> {
-        bind(ctx)?;
-        // SAFETY: the context is bound; the handle was sealed and checked by the caller
+    pub(crate) fn open(ctx: &SharedContext, handle: &[u8; 64]) -> Result<Self> {
+        let _pushed = ContextGuard::push(ctx)?;
+        // SAFETY: the context is current; the handle was sealed and checked by the caller
         // (`CheckedHandle`); the mapping is owned by the `IpcMapping` returned.
         let ptr = unsafe { result::ipc_open_mem_handle(handle) }?;
         Ok(Self {
@@ -105,8 +102,8 @@ impl IpcMapping {
     /// Bytes of the allocation behind the mapping, as the driver reports them
     /// (`cuMemGetAddressRange_v2`).
     pub(crate) fn mapped_size(&self) -> Result<usize> {
-        bind(&self.ctx)?;
-        // SAFETY: the context is bound; a query about our live mapping.
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the context is current; a query about our live mapping.
         let (_base, size) = unsafe { result::mem_get_address_range(self.ptr) }?;
         Ok(size)
     }
@@ -117,8 +114,8 @@ impl IpcMapping {
             return Ok(());
         }
         self.live = false;
-        bind(&self.ctx)?;
-        // SAFETY: our live mapping (checked above), opened in this context, closed once;
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: our live mapping (checked above), opened in this context (current), closed once;
         // the owner guarantees no one uses it afterwards.
         unsafe { result::ipc_close_mem_handle(self.ptr) }
     }

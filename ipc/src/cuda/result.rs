@@ -1,21 +1,21 @@
-//! Thin `Result` wrappers over the raw driver calls of `cudarc::driver::sys`, one per call,
-//! each named after it. No ownership here: the RAII types in the sibling modules own what
-//! these functions make.
+//! Thin `Result` wrappers over the driver calls Baton makes, one per call, each named after
+//! it. No ownership here: the RAII types in the sibling modules own what these functions
+//! make.
+//!
+//! Every call goes through the [`driver`](super::driver) table, whose entry points return
+//! the raw `CUresult` integer: a code newer than our bindings is kept as a number
+//! ([`CudaError`]), never turned into (or read as) a Rust enum.
 //!
 //! # Safety
 //!
 //! Every function here is `unsafe` where the driver call reads or writes memory the caller
 //! names or acts on a handle the caller must keep valid; its `# Safety` section says what
-//! the caller promises. All of them require that the driver library was found
-//! ([`super::probe`] succeeded): with `dynamic-loading`, cudarc panics on the first call
-//! otherwise. Calls that need a current context say so; the callers bind one first
-//! (`CudaContext::bind_to_thread`).
-//!
-//! The raw calls return cudarc's `CUresult`, a Rust enum generated from the headers of the
-//! binding version we build against (CUDA 11.4). A newer driver may return a code that
-//! enum lacks; we convert every result to its integer at once and keep it as a
-//! [`CudaError`] number, never turning a number back into the enum.
+//! the caller promises. Calls that need a current context say so; the callers push one
+//! first ([`ContextGuard`](super::context::ContextGuard)). Should the driver table not be
+//! loaded ([`super::probe`] failed or never ran), every call fails as
+//! `CUDA_ERROR_NOT_INITIALIZED` before reaching the driver.
 
+use super::driver::{RawResult, StreamValue64Fn, api};
 use crate::{Error, Result};
 use cudarc::driver::sys;
 use std::ffi::{c_int, c_void};
@@ -33,8 +33,12 @@ impl CudaError {
     pub const INVALID_VALUE: CudaError = CudaError(1);
     /// `CUDA_ERROR_OUT_OF_MEMORY`.
     pub const OUT_OF_MEMORY: CudaError = CudaError(2);
+    /// `CUDA_ERROR_NOT_INITIALIZED`.
+    pub const NOT_INITIALIZED: CudaError = CudaError(3);
     /// `CUDA_ERROR_NO_DEVICE`.
     pub const NO_DEVICE: CudaError = CudaError(100);
+    /// `CUDA_ERROR_INVALID_CONTEXT`.
+    pub const INVALID_CONTEXT: CudaError = CudaError(201);
     /// `CUDA_ERROR_INVALID_HANDLE`.
     pub const INVALID_HANDLE: CudaError = CudaError(400);
     /// `CUDA_ERROR_NOT_READY`.
@@ -76,8 +80,8 @@ impl From<cudarc::driver::DriverError> for CudaError {
 }
 
 /// Turns a raw result into `Ok` or [`Error::Cuda`] naming `op`.
-pub(crate) fn check(op: &'static str, result: sys::CUresult) -> Result<()> {
-    match result as i32 {
+pub(crate) fn check(op: &'static str, code: RawResult) -> Result<()> {
+    match code {
         0 => Ok(()),
         code => Err(Error::Cuda {
             op,
@@ -86,19 +90,59 @@ pub(crate) fn check(op: &'static str, result: sys::CUresult) -> Result<()> {
     }
 }
 
-/// The same for errors from cudarc's safe layer.
+/// The same for errors from cudarc's safe layer (context and stream creation).
 pub(crate) fn from_driver(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
     move |e| Error::Cuda { op, code: e.into() }
 }
 
+/// Calls the entry point `$f` of the driver table with the arguments, and turns its result
+/// into a `Result<()>` naming it. Expands to one call through a function pointer: the call
+/// site wraps it in `unsafe` with the reason it is sound.
+macro_rules! call {
+    ($f:ident($($arg:expr),* $(,)?)) => {
+        check(stringify!($f), (api(stringify!($f))?.$f)($($arg),*))
+    };
+}
+
+/// Device attributes by their `cuda.h` numbers (`CUdevice_attribute`), so that attributes
+/// newer than our bindings can be asked for too.
+pub(crate) mod attr {
+    use std::ffi::c_int;
+
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1`: the v1 stream memory operations
+    /// are enabled (Linux: the `NVreg_EnableStreamMemOPs=1` module option).
+    pub(crate) const CAN_USE_STREAM_MEM_OPS_V1: c_int = 92;
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V1` (CUDA 12+ headers:
+    /// `..._64_BIT_STREAM_MEM_OPS_V1`, formerly without the suffix).
+    pub(crate) const CAN_USE_64_BIT_STREAM_MEM_OPS_V1: c_int = 93;
+    /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED`.
+    pub(crate) const VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED: c_int = 102;
+    /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
+    pub(crate) const HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
+    /// `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`.
+    pub(crate) const MEMORY_POOLS_SUPPORTED: c_int = 115;
+    /// `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES`: a bit mask of
+    /// `CUmemAllocationHandleType`.
+    pub(crate) const MEMPOOL_SUPPORTED_HANDLE_TYPES: c_int = 119;
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` (CUDA 12+; `..._V2` in 11.7 and
+    /// 11.8): `cuStreamWaitValue64_v2`/`cuStreamWriteValue64_v2` work on this device.
+    pub(crate) const CAN_USE_64_BIT_STREAM_MEM_OPS_V2: c_int = 122;
+}
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const POSIX_FD: c_int = 1;
+
 /// `cuInit(0)`.
 ///
+/// # Errors
+/// [`Error::Cuda`].
+///
 /// # Safety
-/// The driver library must be present ([`super::probe`]).
+/// The driver table must be loaded ([`super::driver::load`]).
 #[doc(alias = "cuInit")]
 pub(crate) unsafe fn init() -> Result<()> {
-    // SAFETY: no pointers; the caller promises the library is loaded.
-    check("cuInit", unsafe { sys::cuInit(0) })
+    // SAFETY: no pointers.
+    unsafe { call!(cuInit(0)) }
 }
 
 /// `cuDeviceGetCount`: how many devices this process sees.
@@ -107,12 +151,12 @@ pub(crate) unsafe fn init() -> Result<()> {
 /// [`Error::Cuda`].
 ///
 /// # Safety
-/// The driver must be loaded and initialised ([`init`]).
+/// The driver must be initialised ([`init`]).
 #[doc(alias = "cuDeviceGetCount")]
 pub(crate) unsafe fn device_count() -> Result<usize> {
     let mut n: c_int = 0;
     // SAFETY: `n` is a valid out pointer for the call's duration.
-    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    unsafe { call!(cuDeviceGetCount(&mut n)) }?;
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
@@ -122,7 +166,7 @@ pub(crate) unsafe fn device_count() -> Result<usize> {
 /// [`Error::Cuda`] (`CUDA_ERROR_INVALID_DEVICE` for an ordinal out of range).
 ///
 /// # Safety
-/// The driver must be loaded and initialised.
+/// The driver must be initialised.
 #[doc(alias = "cuDeviceGet")]
 pub(crate) unsafe fn device_get(ordinal: usize) -> Result<sys::CUdevice> {
     let ordinal = c_int::try_from(ordinal).map_err(|_| Error::Cuda {
@@ -131,9 +175,7 @@ pub(crate) unsafe fn device_get(ordinal: usize) -> Result<sys::CUdevice> {
     })?;
     let mut dev: sys::CUdevice = 0;
     // SAFETY: `dev` is a valid out pointer.
-    check("cuDeviceGet", unsafe {
-        sys::cuDeviceGet(&mut dev, ordinal)
-    })?;
+    unsafe { call!(cuDeviceGet(&mut dev, ordinal)) }?;
     Ok(dev)
 }
 
@@ -143,37 +185,87 @@ pub(crate) unsafe fn device_get(ordinal: usize) -> Result<sys::CUdevice> {
 /// [`Error::Cuda`].
 ///
 /// # Safety
-/// The driver must be loaded and initialised; `dev` must come from [`device_get`].
+/// The driver must be initialised; `dev` must come from [`device_get`].
 #[doc(alias = "cuDeviceGetUuid")]
 pub(crate) unsafe fn device_uuid(dev: sys::CUdevice) -> Result<[u8; 16]> {
     let mut uuid = MaybeUninit::<sys::CUuuid>::zeroed();
     // SAFETY: `uuid` is a valid, writable `CUuuid`.
-    check("cuDeviceGetUuid_v2", unsafe {
-        sys::cuDeviceGetUuid_v2(uuid.as_mut_ptr(), dev)
-    })?;
+    unsafe { call!(cuDeviceGetUuid_v2(uuid.as_mut_ptr(), dev)) }?;
     // SAFETY: zero-initialised, then written by the driver; any bytes are a valid CUuuid.
     let uuid = unsafe { uuid.assume_init() };
     Ok(uuid.bytes.map(|b| b as u8))
 }
 
-/// `cuDeviceGetAttribute`.
+/// `cuDeviceGetAttribute` of an attribute by number ([`attr`]).
+///
+/// # Errors
+/// [`Error::Cuda`] (`CUDA_ERROR_INVALID_VALUE` for an attribute this driver does not know).
+///
+/// # Safety
+/// The driver must be initialised; `dev` must come from [`device_get`].
+#[doc(alias = "cuDeviceGetAttribute")]
+pub(crate) unsafe fn device_attribute(dev: sys::CUdevice, attribute: c_int) -> Result<i32> {
+    let mut v: c_int = 0;
+    // SAFETY: `v` is a valid out pointer; the attribute is passed by value.
+    unsafe { call!(cuDeviceGetAttribute(&mut v, attribute, dev)) }?;
+    Ok(v)
+}
+
+/// `cuCtxGetCurrent`: the context current on this thread (null: none).
 ///
 /// # Errors
 /// [`Error::Cuda`].
 ///
 /// # Safety
-/// The driver must be loaded and initialised; `dev` must come from [`device_get`].
-#[doc(alias = "cuDeviceGetAttribute")]
-pub(crate) unsafe fn device_attribute(
-    dev: sys::CUdevice,
-    attr: sys::CUdevice_attribute,
-) -> Result<i32> {
-    let mut v: c_int = 0;
-    // SAFETY: `v` is a valid out pointer.
-    check("cuDeviceGetAttribute", unsafe {
-        sys::cuDeviceGetAttribute(&mut v, attr, dev)
-    })?;
-    Ok(v)
+/// The driver must be initialised.
+#[doc(alias = "cuCtxGetCurrent")]
+pub(crate) unsafe fn ctx_get_current() -> Result<sys::CUcontext> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `ctx` is a valid out pointer.
+    unsafe { call!(cuCtxGetCurrent(&mut ctx)) }?;
+    Ok(ctx)
+}
+
+/// `cuCtxSetCurrent`: replaces the top of this thread's context stack with `ctx` (null:
+/// pops it).
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `ctx` is null or a live context.
+#[doc(alias = "cuCtxSetCurrent")]
+pub(crate) unsafe fn ctx_set_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: the caller's promise.
+    unsafe { call!(cuCtxSetCurrent(ctx)) }
+}
+
+/// `cuCtxPushCurrent_v2`: makes `ctx` current on this thread, above the one that was.
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `ctx` is a live context, kept alive until the matching [`ctx_pop_current`].
+#[doc(alias = "cuCtxPushCurrent")]
+pub(crate) unsafe fn ctx_push_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: the caller's promise.
+    unsafe { call!(cuCtxPushCurrent_v2(ctx)) }
+}
+
+/// `cuCtxPopCurrent_v2`: pops this thread's current context; returns it.
+///
+/// # Errors
+/// [`Error::Cuda`] (`CUDA_ERROR_INVALID_CONTEXT` when the stack is empty).
+///
+/// # Safety
+/// The driver must be initialised.
+#[doc(alias = "cuCtxPopCurrent")]
+pub(crate) unsafe fn ctx_pop_current() -> Result<sys::CUcontext> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `ctx` is a valid out pointer.
+    unsafe { call!(cuCtxPopCurrent_v2(&mut ctx)) }?;
+    Ok(ctx)
 }
 
 /// `cuMemGetInfo_v2`: (free, total) bytes of the current context's device.
@@ -187,14 +279,12 @@ pub(crate) unsafe fn device_attribute(
 pub(crate) unsafe fn mem_get_info() -> Result<(usize, usize)> {
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: both are valid out pointers.
-    check("cuMemGetInfo_v2", unsafe {
-        sys::cuMemGetInfo_v2(&mut free, &mut total)
-    })?;
+    unsafe { call!(cuMemGetInfo_v2(&mut free, &mut total)) }?;
     Ok((free, total))
 }
 
 /// `cuMemAlloc_v2`: `size` bytes of device memory that can be exported with
-/// [`ipc_get_mem_handle`] (unlike `cuMemAllocAsync` memory).
+/// [`ipc_get_mem_handle`] (unlike `cuMemAllocAsync` memory of the default pool).
 ///
 /// # Errors
 /// [`Error::Cuda`] (`CUDA_ERROR_OUT_OF_MEMORY`, …).
@@ -205,9 +295,7 @@ pub(crate) unsafe fn mem_get_info() -> Result<(usize, usize)> {
 pub(crate) unsafe fn mem_alloc(size: usize) -> Result<sys::CUdeviceptr> {
     let mut ptr: sys::CUdeviceptr = 0;
     // SAFETY: `ptr` is a valid out pointer.
-    check("cuMemAlloc_v2", unsafe {
-        sys::cuMemAlloc_v2(&mut ptr, size)
-    })?;
+    unsafe { call!(cuMemAlloc_v2(&mut ptr, size)) }?;
     Ok(ptr)
 }
 
@@ -222,7 +310,7 @@ pub(crate) unsafe fn mem_alloc(size: usize) -> Result<sys::CUdeviceptr> {
 #[doc(alias = "cuMemFree")]
 pub(crate) unsafe fn mem_free(ptr: sys::CUdeviceptr) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr) })
+    unsafe { call!(cuMemFree_v2(ptr)) }
 }
 
 /// `cuMemGetAddressRange_v2`: the base and size of the allocation holding `ptr`.
@@ -238,9 +326,7 @@ pub(crate) unsafe fn mem_get_address_range(
 ) -> Result<(sys::CUdeviceptr, usize)> {
     let (mut base, mut size) = (0, 0usize);
     // SAFETY: both are valid out pointers.
-    check("cuMemGetAddressRange_v2", unsafe {
-        sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
-    })?;
+    unsafe { call!(cuMemGetAddressRange_v2(&mut base, &mut size, ptr)) }?;
     Ok((base, size))
 }
 
@@ -256,9 +342,7 @@ pub(crate) unsafe fn mem_get_address_range(
 pub(crate) unsafe fn ipc_get_mem_handle(ptr: sys::CUdeviceptr) -> Result<[u8; 64]> {
     let mut handle = MaybeUninit::<sys::CUipcMemHandle>::zeroed();
     // SAFETY: `handle` is a valid, writable `CUipcMemHandle`.
-    check("cuIpcGetMemHandle", unsafe {
-        sys::cuIpcGetMemHandle(handle.as_mut_ptr(), ptr)
-    })?;
+    unsafe { call!(cuIpcGetMemHandle(handle.as_mut_ptr(), ptr)) }?;
     // SAFETY: zero-initialised, then written; any bytes are a valid handle struct.
     let handle = unsafe { handle.assume_init() };
     Ok(handle.reserved.map(|b| b as u8))
@@ -282,14 +366,10 @@ pub(crate) unsafe fn ipc_open_mem_handle(handle: &[u8; 64]) -> Result<sys::CUdev
         reserved: handle.map(|b| b as std::ffi::c_char),
     };
     let mut ptr: sys::CUdeviceptr = 0;
+    // `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`.
+    const LAZY_PEER_ACCESS: std::ffi::c_uint = 1;
     // SAFETY: `ptr` is a valid out pointer; the handle is passed by value.
-    check("cuIpcOpenMemHandle_v2", unsafe {
-        sys::cuIpcOpenMemHandle_v2(
-            &mut ptr,
-            raw,
-            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-        )
-    })?;
+    unsafe { call!(cuIpcOpenMemHandle_v2(&mut ptr, raw, LAZY_PEER_ACCESS)) }?;
     Ok(ptr)
 }
 
@@ -304,9 +384,15 @@ pub(crate) unsafe fn ipc_open_mem_handle(handle: &[u8; 64]) -> Result<sys::CUdev
 #[doc(alias = "cuIpcCloseMemHandle")]
 pub(crate) unsafe fn ipc_close_mem_handle(ptr: sys::CUdeviceptr) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuIpcCloseMemHandle", unsafe {
-        sys::cuIpcCloseMemHandle(ptr)
-    })
+    unsafe { call!(cuIpcCloseMemHandle(ptr)) }
+}
+
+/// The location of device `dev`.
+fn device_location(dev: sys::CUdevice) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: dev,
+    }
 }
 
 /// The allocation properties of VMM memory on `dev` that can be shared as a POSIX fd.
@@ -317,8 +403,7 @@ pub(crate) fn vmm_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.requestedHandleTypes =
         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = dev;
+    prop.location = device_location(dev);
     prop
 }
 
@@ -333,14 +418,10 @@ pub(crate) fn vmm_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
 #[doc(alias = "cuMemGetAllocationGranularity")]
 pub(crate) unsafe fn mem_granularity(prop: &sys::CUmemAllocationProp) -> Result<usize> {
     let mut g = 0usize;
+    // `CU_MEM_ALLOC_GRANULARITY_MINIMUM`.
+    const MINIMUM: c_int = 0;
     // SAFETY: `g` is a valid out pointer, `prop` a valid struct.
-    check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut g,
-            prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
-    })?;
+    unsafe { call!(cuMemGetAllocationGranularity(&mut g, prop, MINIMUM)) }?;
     Ok(g)
 }
 
@@ -358,9 +439,7 @@ pub(crate) unsafe fn mem_create(
 ) -> Result<sys::CUmemGenericAllocationHandle> {
     let mut h: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: `h` is a valid out pointer, `prop` a valid struct.
-    check("cuMemCreate", unsafe {
-        sys::cuMemCreate(&mut h, size, prop, 0)
-    })?;
+    unsafe { call!(cuMemCreate(&mut h, size, prop, 0)) }?;
     Ok(h)
 }
 
@@ -374,7 +453,7 @@ pub(crate) unsafe fn mem_create(
 #[doc(alias = "cuMemRelease")]
 pub(crate) unsafe fn mem_release(h: sys::CUmemGenericAllocationHandle) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+    unsafe { call!(cuMemRelease(h)) }
 }
 
 /// `cuMemAddressReserve`: `size` bytes of virtual address space aligned to `align`.
@@ -388,9 +467,7 @@ pub(crate) unsafe fn mem_release(h: sys::CUmemGenericAllocationHandle) -> Result
 pub(crate) unsafe fn mem_address_reserve(size: usize, align: usize) -> Result<sys::CUdeviceptr> {
     let mut ptr: sys::CUdeviceptr = 0;
     // SAFETY: `ptr` is a valid out pointer.
-    check("cuMemAddressReserve", unsafe {
-        sys::cuMemAddressReserve(&mut ptr, size, align, 0, 0)
-    })?;
+    unsafe { call!(cuMemAddressReserve(&mut ptr, size, align, 0, 0)) }?;
     Ok(ptr)
 }
 
@@ -404,9 +481,7 @@ pub(crate) unsafe fn mem_address_reserve(size: usize, align: usize) -> Result<sy
 #[doc(alias = "cuMemAddressFree")]
 pub(crate) unsafe fn mem_address_free(ptr: sys::CUdeviceptr, size: usize) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuMemAddressFree", unsafe {
-        sys::cuMemAddressFree(ptr, size)
-    })
+    unsafe { call!(cuMemAddressFree(ptr, size)) }
 }
 
 /// `cuMemMap`: maps the whole of `h` at `ptr`.
@@ -423,7 +498,7 @@ pub(crate) unsafe fn mem_map(
     h: sys::CUmemGenericAllocationHandle,
 ) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuMemMap", unsafe { sys::cuMemMap(ptr, size, 0, h, 0) })
+    unsafe { call!(cuMemMap(ptr, size, 0, h, 0)) }
 }
 
 /// `cuMemUnmap`.
@@ -436,7 +511,15 @@ pub(crate) unsafe fn mem_map(
 #[doc(alias = "cuMemUnmap")]
 pub(crate) unsafe fn mem_unmap(ptr: sys::CUdeviceptr, size: usize) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, size) })
+    unsafe { call!(cuMemUnmap(ptr, size)) }
+}
+
+/// Read-write access for device `dev`.
+fn read_write_access(dev: sys::CUdevice) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: device_location(dev),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
 }
 
 /// `cuMemSetAccess`: read-write access for device `dev` to (`ptr`, `size`).
@@ -452,15 +535,21 @@ pub(crate) unsafe fn mem_set_access(
     size: usize,
     dev: sys::CUdevice,
 ) -> Result<()> {
-    // SAFETY: plain C struct; all-zero is valid (see `vmm_prop`).
-    let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-    desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    desc.location.id = dev;
-    desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    let desc = read_write_access(dev);
     // SAFETY: `desc` is one valid descriptor, and we pass count 1.
-    check("cuMemSetAccess", unsafe {
-        sys::cuMemSetAccess(ptr, size, &desc, 1)
-    })
+    unsafe { call!(cuMemSetAccess(ptr, size, &desc, 1)) }
+}
+
+/// Wraps a descriptor the driver just wrote through an `int` out pointer.
+fn owned_fd(op: &'static str, fd: c_int) -> Result<OwnedFd> {
+    if fd < 0 {
+        return Err(Error::Cuda {
+            op,
+            code: CudaError::INVALID_HANDLE,
+        });
+    }
+    // SAFETY: the driver just opened `fd` for us (a successful export); nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// `cuMemExportToShareableHandle` (POSIX fd): a new descriptor for `h`, ours to close.
@@ -474,22 +563,15 @@ pub(crate) unsafe fn mem_set_access(
 pub(crate) unsafe fn mem_export_fd(h: sys::CUmemGenericAllocationHandle) -> Result<OwnedFd> {
     let mut fd: c_int = -1;
     // SAFETY: for the POSIX-fd type the driver writes an `int` through the pointer.
-    check("cuMemExportToShareableHandle", unsafe {
-        sys::cuMemExportToShareableHandle(
+    unsafe {
+        call!(cuMemExportToShareableHandle(
             (&mut fd as *mut c_int).cast::<c_void>(),
             h,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    })?;
-    if fd < 0 {
-        return Err(Error::Cuda {
-            op: "cuMemExportToShareableHandle",
-            code: CudaError::INVALID_HANDLE,
-        });
-    }
-    // SAFETY: the driver just opened `fd` for us; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+            POSIX_FD,
+            0
+        ))
+    }?;
+    owned_fd("cuMemExportToShareableHandle", fd)
 }
 
 /// `cuMemImportFromShareableHandle` (POSIX fd). The driver does not take `fd`: the caller
@@ -508,14 +590,235 @@ pub(crate) unsafe fn mem_import_fd(
     let mut h: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: for the POSIX-fd type the descriptor's value travels as the pointer argument
     // (`(void*)(uintptr_t)fd`); `h` is a valid out pointer.
-    check("cuMemImportFromShareableHandle", unsafe {
-        sys::cuMemImportFromShareableHandle(
+    unsafe {
+        call!(cuMemImportFromShareableHandle(
             &mut h,
             fd.as_raw_fd() as usize as *mut c_void,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        )
-    })?;
+            POSIX_FD
+        ))
+    }?;
     Ok(h)
+}
+
+/// `cuMemPoolCreate`: a memory pool of pinned device memory on `dev` whose allocations can
+/// be exported (the pool as a POSIX file descriptor, each allocation as
+/// [`mem_pool_export_pointer`] data).
+///
+/// # Errors
+/// [`Error::Cuda`] (`CUDA_ERROR_NOT_SUPPORTED` where the device has no such pools).
+///
+/// # Safety
+/// A context of `dev` must be current. The caller owns the pool and must
+/// [`mem_pool_destroy`] it once.
+#[doc(alias = "cuMemPoolCreate")]
+pub(crate) unsafe fn mem_pool_create(dev: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+    // SAFETY: `CUmemPoolProps` is a plain C struct (enums whose zero is a declared
+    // variant, integers, a raw pointer, reserved bytes that must be zero); all-zero is
+    // valid and is what `cuda.h` asks for in the fields we leave.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    props.location = device_location(dev);
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out pointer, `props` a valid struct.
+    unsafe { call!(cuMemPoolCreate(&mut pool, &props)) }?;
+    Ok(pool)
+}
+
+/// `cuMemPoolDestroy`. Allocations still live keep the pool's memory until they are freed
+/// (the driver releases it then).
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `pool` came from [`mem_pool_create`] or [`mem_pool_import_fd`] and is destroyed once.
+#[doc(alias = "cuMemPoolDestroy")]
+pub(crate) unsafe fn mem_pool_destroy(pool: sys::CUmemoryPool) -> Result<()> {
+    // SAFETY: the caller's promise.
+    unsafe { call!(cuMemPoolDestroy(pool)) }
+}
+
+/// `cuMemPoolSetAttribute(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)`: how many bytes of freed
+/// memory the pool keeps reserved when a stream, event or context synchronises, instead of
+/// giving them back to the device.
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `pool` is live.
+#[doc(alias = "cuMemPoolSetAttribute")]
+pub(crate) unsafe fn mem_pool_set_release_threshold(
+    pool: sys::CUmemoryPool,
+    bytes: u64,
+) -> Result<()> {
+    // `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`, whose value is a `cuuint64_t`.
+    const RELEASE_THRESHOLD: c_int = 4;
+    let mut value: u64 = bytes;
+    // SAFETY: `value` is a valid `cuuint64_t` for the call's duration.
+    unsafe {
+        call!(cuMemPoolSetAttribute(
+            pool,
+            RELEASE_THRESHOLD,
+            (&mut value as *mut u64).cast::<c_void>()
+        ))
+    }
+}
+
+/// `cuMemPoolTrimTo`: gives memory the pool holds but no allocation uses back to the
+/// device, keeping at least `keep` bytes reserved.
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `pool` is live.
+#[doc(alias = "cuMemPoolTrimTo")]
+pub(crate) unsafe fn mem_pool_trim_to(pool: sys::CUmemoryPool, keep: usize) -> Result<()> {
+    // SAFETY: the caller's promise.
+    unsafe { call!(cuMemPoolTrimTo(pool, keep)) }
+}
+
+/// `cuMemPoolExportToShareableHandle` (POSIX fd): a new descriptor for the pool, ours to
+/// close.
+///
+/// # Errors
+/// [`Error::Cuda`] (`CUDA_ERROR_INVALID_VALUE` for a pool not made exportable).
+///
+/// # Safety
+/// `pool` is live and was made with the POSIX-fd handle type ([`mem_pool_create`]).
+#[doc(alias = "cuMemPoolExportToShareableHandle")]
+pub(crate) unsafe fn mem_pool_export_fd(pool: sys::CUmemoryPool) -> Result<OwnedFd> {
+    let mut fd: c_int = -1;
+    // SAFETY: for the POSIX-fd type the driver writes an `int` through the pointer.
+    unsafe {
+        call!(cuMemPoolExportToShareableHandle(
+            (&mut fd as *mut c_int).cast::<c_void>(),
+            pool,
+            POSIX_FD,
+            0
+        ))
+    }?;
+    owned_fd("cuMemPoolExportToShareableHandle", fd)
+}
+
+/// `cuMemPoolImportFromShareableHandle` (POSIX fd): another process's pool. The driver
+/// does not take `fd`: the caller may close it afterwards.
+///
+/// # Errors
+/// [`Error::Cuda`] (not a pool's descriptor, …).
+///
+/// # Safety
+/// The driver must be initialised; the caller owns the imported pool and must
+/// [`mem_pool_destroy`] it once.
+#[doc(alias = "cuMemPoolImportFromShareableHandle")]
+pub(crate) unsafe fn mem_pool_import_fd(fd: BorrowedFd<'_>) -> Result<sys::CUmemoryPool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: for the POSIX-fd type the descriptor's value travels as the pointer argument;
+    // `pool` is a valid out pointer.
+    unsafe {
+        call!(cuMemPoolImportFromShareableHandle(
+            &mut pool,
+            fd.as_raw_fd() as usize as *mut c_void,
+            POSIX_FD,
+            0
+        ))
+    }?;
+    Ok(pool)
+}
+
+/// `cuMemPoolSetAccess`: read-write access for device `dev` to the pool's memory (an
+/// imported pool grants none until this is called).
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `pool` is live.
+#[doc(alias = "cuMemPoolSetAccess")]
+pub(crate) unsafe fn mem_pool_set_access(
+    pool: sys::CUmemoryPool,
+    dev: sys::CUdevice,
+) -> Result<()> {
+    let desc = read_write_access(dev);
+    // SAFETY: `desc` is one valid descriptor, and we pass count 1.
+    unsafe { call!(cuMemPoolSetAccess(pool, &desc, 1)) }
+}
+
+/// `cuMemPoolExportPointer`: the 64 bytes another process that imported the pool passes to
+/// [`mem_pool_import_pointer`]. A capability.
+///
+/// # Errors
+/// [`Error::Cuda`] (`CUDA_ERROR_INVALID_VALUE` for memory not from an exportable pool).
+///
+/// # Safety
+/// `ptr` is the start of a live allocation from an exportable pool.
+#[doc(alias = "cuMemPoolExportPointer")]
+pub(crate) unsafe fn mem_pool_export_pointer(ptr: sys::CUdeviceptr) -> Result<[u8; 64]> {
+    let mut data = MaybeUninit::<sys::CUmemPoolPtrExportData>::zeroed();
+    // SAFETY: `data` is a valid, writable export-data struct.
+    unsafe { call!(cuMemPoolExportPointer(data.as_mut_ptr(), ptr)) }?;
+    // SAFETY: zero-initialised, then written; any bytes are a valid struct.
+    let data = unsafe { data.assume_init() };
+    Ok(data.reserved)
+}
+
+/// `cuMemPoolImportPointer`: maps the allocation `data` names, from imported `pool`.
+///
+/// # Errors
+/// [`Error::Cuda`] (the exporter freed it, `data` is not of this pool, …).
+///
+/// # Safety
+/// `pool` is a live imported pool. The caller owns the mapping and must free it once
+/// ([`mem_free_async`]), before the exporter frees the allocation. Integrity is the
+/// caller's business: only sealed, checked handles may come here.
+#[doc(alias = "cuMemPoolImportPointer")]
+pub(crate) unsafe fn mem_pool_import_pointer(
+    pool: sys::CUmemoryPool,
+    data: &[u8; 64],
+) -> Result<sys::CUdeviceptr> {
+    let mut raw = sys::CUmemPoolPtrExportData { reserved: *data };
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: `ptr` is a valid out pointer; `raw` a valid struct the driver only reads.
+    unsafe { call!(cuMemPoolImportPointer(&mut ptr, pool, &mut raw)) }?;
+    Ok(ptr)
+}
+
+/// `cuMemAllocFromPoolAsync`: `size` bytes from `pool`, available to work on `stream` in its
+/// order (and to other streams once that point of `stream` has been reached).
+///
+/// # Errors
+/// [`Error::Cuda`] (`CUDA_ERROR_OUT_OF_MEMORY`, …).
+///
+/// # Safety
+/// `pool` and `stream` are live, of the current context's device. The caller owns the
+/// allocation and must [`mem_free_async`] it once.
+#[doc(alias = "cuMemAllocFromPoolAsync")]
+pub(crate) unsafe fn mem_alloc_from_pool_async(
+    size: usize,
+    pool: sys::CUmemoryPool,
+    stream: sys::CUstream,
+) -> Result<sys::CUdeviceptr> {
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: `ptr` is a valid out pointer.
+    unsafe { call!(cuMemAllocFromPoolAsync(&mut ptr, size, pool, stream)) }?;
+    Ok(ptr)
+}
+
+/// `cuMemFreeAsync`: frees `ptr` in `stream`'s order.
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `ptr` came from [`mem_alloc_from_pool_async`] or [`mem_pool_import_pointer`], is freed
+/// once, and no work ordered after this point of `stream` uses it; `stream` is live in
+/// the current context.
+#[doc(alias = "cuMemFreeAsync")]
+pub(crate) unsafe fn mem_free_async(ptr: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller's promise.
+    unsafe { call!(cuMemFreeAsync(ptr, stream)) }
 }
 
 /// `cuEventCreate(CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS)`.
@@ -531,9 +834,23 @@ pub(crate) unsafe fn event_create_interprocess() -> Result<sys::CUevent> {
     let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
         | sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
     // SAFETY: `ev` is a valid out pointer.
-    check("cuEventCreate", unsafe {
-        sys::cuEventCreate(&mut ev, flags)
-    })?;
+    unsafe { call!(cuEventCreate(&mut ev, flags)) }?;
+    Ok(ev)
+}
+
+/// `cuEventCreate(CU_EVENT_DISABLE_TIMING)`: an event of this process only.
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// A context must be current; the caller must [`event_destroy`] the event once.
+#[doc(alias = "cuEventCreate")]
+pub(crate) unsafe fn event_create() -> Result<sys::CUevent> {
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: `ev` is a valid out pointer.
+    unsafe { call!(cuEventCreate(&mut ev, flags)) }?;
     Ok(ev)
 }
 
@@ -548,7 +865,7 @@ pub(crate) unsafe fn event_create_interprocess() -> Result<sys::CUevent> {
 #[doc(alias = "cuEventDestroy")]
 pub(crate) unsafe fn event_destroy(ev: sys::CUevent) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(ev) })
+    unsafe { call!(cuEventDestroy_v2(ev)) }
 }
 
 /// `cuIpcGetEventHandle`: the 64 bytes another process opens the event with.
@@ -562,9 +879,7 @@ pub(crate) unsafe fn event_destroy(ev: sys::CUevent) -> Result<()> {
 pub(crate) unsafe fn ipc_get_event_handle(ev: sys::CUevent) -> Result<[u8; 64]> {
     let mut h = MaybeUninit::<sys::CUipcEventHandle>::zeroed();
     // SAFETY: `h` is a valid, writable handle struct.
-    check("cuIpcGetEventHandle", unsafe {
-        sys::cuIpcGetEventHandle(h.as_mut_ptr(), ev)
-    })?;
+    unsafe { call!(cuIpcGetEventHandle(h.as_mut_ptr(), ev)) }?;
     // SAFETY: zero-initialised, then written; any bytes are valid.
     let h = unsafe { h.assume_init() };
     Ok(h.reserved.map(|b| b as u8))
@@ -584,9 +899,7 @@ pub(crate) unsafe fn ipc_open_event_handle(handle: &[u8; 64]) -> Result<sys::CUe
     };
     let mut ev: sys::CUevent = std::ptr::null_mut();
     // SAFETY: `ev` is a valid out pointer; the handle is passed by value.
-    check("cuIpcOpenEventHandle", unsafe {
-        sys::cuIpcOpenEventHandle(&mut ev, raw)
-    })?;
+    unsafe { call!(cuIpcOpenEventHandle(&mut ev, raw)) }?;
     Ok(ev)
 }
 
@@ -600,7 +913,7 @@ pub(crate) unsafe fn ipc_open_event_handle(handle: &[u8; 64]) -> Result<sys::CUe
 #[doc(alias = "cuEventRecord")]
 pub(crate) unsafe fn event_record(ev: sys::CUevent, stream: sys::CUstream) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })
+    unsafe { call!(cuEventRecord(ev, stream)) }
 }
 
 /// `cuEventQuery`: whether the work before the event's last record has completed.
@@ -613,13 +926,10 @@ pub(crate) unsafe fn event_record(ev: sys::CUevent, stream: sys::CUstream) -> Re
 #[doc(alias = "cuEventQuery")]
 pub(crate) unsafe fn event_query(ev: sys::CUevent) -> Result<bool> {
     // SAFETY: the caller's promise.
-    match unsafe { sys::cuEventQuery(ev) } as i32 {
-        0 => Ok(true),
-        600 => Ok(false),
-        code => Err(Error::Cuda {
-            op: "cuEventQuery",
-            code: CudaError(code),
-        }),
+    match unsafe { call!(cuEventQuery(ev)) } {
+        Ok(()) => Ok(true),
+        Err(Error::Cuda { code, .. }) if code == CudaError::NOT_READY => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -633,7 +943,7 @@ pub(crate) unsafe fn event_query(ev: sys::CUevent) -> Result<bool> {
 #[doc(alias = "cuEventSynchronize")]
 pub(crate) unsafe fn event_synchronize(ev: sys::CUevent) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev) })
+    unsafe { call!(cuEventSynchronize(ev)) }
 }
 
 /// `cuStreamWaitEvent`: later work on `stream` waits for the event's last record.
@@ -646,9 +956,7 @@ pub(crate) unsafe fn event_synchronize(ev: sys::CUevent) -> Result<()> {
 #[doc(alias = "cuStreamWaitEvent")]
 pub(crate) unsafe fn stream_wait_event(stream: sys::CUstream, ev: sys::CUevent) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuStreamWaitEvent", unsafe {
-        sys::cuStreamWaitEvent(stream, ev, 0)
-    })
+    unsafe { call!(cuStreamWaitEvent(stream, ev, 0)) }
 }
 
 /// `cuStreamSynchronize`.
@@ -661,9 +969,108 @@ pub(crate) unsafe fn stream_wait_event(stream: sys::CUstream, ev: sys::CUevent) 
 #[doc(alias = "cuStreamSynchronize")]
 pub(crate) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuStreamSynchronize", unsafe {
-        sys::cuStreamSynchronize(stream)
+    unsafe { call!(cuStreamSynchronize(stream)) }
+}
+
+/// Which entry points of the 64-bit stream memory operations a device can use.
+#[derive(Clone, Copy)]
+pub(crate) struct StreamMemOps {
+    write: StreamValue64Fn,
+    wait: StreamValue64Fn,
+    write_op: &'static str,
+    wait_op: &'static str,
+}
+
+impl fmt::Debug for StreamMemOps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.write_op)
+    }
+}
+
+/// The 64-bit stream memory operations `dev` supports: `cuStreamWriteValue64_v2` /
+/// `cuStreamWaitValue64_v2` (CUDA 11.7+, on by default) where the driver has them and the
+/// device says so (`CAN_USE_64_BIT_STREAM_MEM_OPS`), else the v1 calls where they are
+/// enabled (`NVreg_EnableStreamMemOPs=1`), else `None`.
+///
+/// # Errors
+/// [`Error::Cuda`] when the driver table is not loaded.
+///
+/// # Safety
+/// The driver must be initialised; `dev` must come from [`device_get`].
+pub(crate) unsafe fn stream_mem_ops(dev: sys::CUdevice) -> Result<Option<StreamMemOps>> {
+    let api = api("cuDeviceGetAttribute")?;
+    // An attribute the driver does not know (older than the one that added it) reads as 0.
+    // SAFETY: the caller's promise (initialised driver, valid device).
+    let has = |a| unsafe { device_attribute(dev, a) }.unwrap_or(0) != 0;
+    if let (Some(write), Some(wait)) = (api.cuStreamWriteValue64_v2, api.cuStreamWaitValue64_v2) {
+        if has(attr::CAN_USE_64_BIT_STREAM_MEM_OPS_V2) {
+            return Ok(Some(StreamMemOps {
+                write,
+                wait,
+                write_op: "cuStreamWriteValue64_v2",
+                wait_op: "cuStreamWaitValue64_v2",
+            }));
+        }
+    }
+    if let (Some(write), Some(wait)) = (api.cuStreamWriteValue64, api.cuStreamWaitValue64) {
+        if has(attr::CAN_USE_STREAM_MEM_OPS_V1) && has(attr::CAN_USE_64_BIT_STREAM_MEM_OPS_V1) {
+            return Ok(Some(StreamMemOps {
+                write,
+                wait,
+                write_op: "cuStreamWriteValue64",
+                wait_op: "cuStreamWaitValue64",
+            }));
+        }
+    }
+    Ok(None)
+}
+
+/// `cuStreamWriteValue64(_v2)` with the default flags: after the work queued on `stream`
+/// so far, and a memory barrier that makes that work's writes visible first, writes `value`
+/// to `addr`.
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `stream` is live in the current context; `addr` is 8-byte aligned device memory that
+/// stays mapped until the write has executed.
+#[doc(alias = "cuStreamWriteValue64")]
+pub(crate) unsafe fn stream_write_value64(
+    ops: StreamMemOps,
+    stream: sys::CUstream,
+    addr: sys::CUdeviceptr,
+    value: u64,
+) -> Result<()> {
+    // `CU_STREAM_WRITE_VALUE_DEFAULT`.
+    const DEFAULT: std::ffi::c_uint = 0;
+    // SAFETY: the caller's promise; `ops.write` has the C prototype of its symbol.
+    check(ops.write_op, unsafe {
+        (ops.write)(stream, addr, value, DEFAULT)
     })
+}
+
+/// `cuStreamWaitValue64(_v2)` with `CU_STREAM_WAIT_VALUE_GEQ`: later work on `stream` waits
+/// until the 64-bit value at `addr` is at least `value`.
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// `stream` is live in the current context; `addr` is 8-byte aligned device memory that
+/// stays mapped until the wait has been satisfied. A value that never comes blocks the
+/// stream forever.
+#[doc(alias = "cuStreamWaitValue64")]
+pub(crate) unsafe fn stream_wait_value64(
+    ops: StreamMemOps,
+    stream: sys::CUstream,
+    addr: sys::CUdeviceptr,
+    value: u64,
+) -> Result<()> {
+    // `CU_STREAM_WAIT_VALUE_GEQ` (a wrap-around-free comparison of 64-bit values).
+    const GEQ: std::ffi::c_uint = 0;
+    // SAFETY: the caller's promise; `ops.wait` has the C prototype of its symbol.
+    check(ops.wait_op, unsafe { (ops.wait)(stream, addr, value, GEQ) })
 }
 
 /// `cuMemcpyDtoHAsync_v2` of `dst.len()` bytes from `src`, ordered on `stream`.
@@ -682,9 +1089,14 @@ pub(crate) unsafe fn memcpy_dtoh_async(
     stream: sys::CUstream,
 ) -> Result<()> {
     // SAFETY: `dst` is valid for `dst.len()` writable bytes; the caller vouches for `src`.
-    check("cuMemcpyDtoHAsync_v2", unsafe {
-        sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), stream)
-    })
+    unsafe {
+        call!(cuMemcpyDtoHAsync_v2(
+            dst.as_mut_ptr().cast(),
+            src,
+            dst.len(),
+            stream
+        ))
+    }
 }
 
 /// `cuMemcpyHtoDAsync_v2` of `src` to `dst`, ordered on `stream`.
@@ -701,9 +1113,14 @@ pub(crate) unsafe fn memcpy_htod_async(
     stream: sys::CUstream,
 ) -> Result<()> {
     // SAFETY: `src` is valid for `src.len()` bytes; the caller vouches for `dst`.
-    check("cuMemcpyHtoDAsync_v2", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream)
-    })
+    unsafe {
+        call!(cuMemcpyHtoDAsync_v2(
+            dst,
+            src.as_ptr().cast(),
+            src.len(),
+            stream
+        ))
+    }
 }
 
 /// `cuMemsetD8Async`: `len` bytes at `dst` set to `byte`, ordered on `stream`.
@@ -721,9 +1138,7 @@ pub(crate) unsafe fn memset_d8_async(
     stream: sys::CUstream,
 ) -> Result<()> {
     // SAFETY: the caller's promise.
-    check("cuMemsetD8Async", unsafe {
-        sys::cuMemsetD8Async(dst, byte, len, stream)
-    })
+    unsafe { call!(cuMemsetD8Async(dst, byte, len, stream)) }
 }
 
 /// The name of a `CUresult` in `cuda.h`, from a table (CUDA 13.x headers).
@@ -847,19 +1262,79 @@ mod tests {
     fn codes_print_their_name_and_number() {
         assert_eq!(CudaError(1).to_string(), "CUDA_ERROR_INVALID_VALUE (1)");
         assert_eq!(CudaError::NO_DEVICE.name(), Some("CUDA_ERROR_NO_DEVICE"));
-        assert_eq!(CudaError(123_456).to_string(), "CUDA error 123456");
         assert_eq!(
             format!("{:?}", CudaError(2)),
             "CudaError(CUDA_ERROR_OUT_OF_MEMORY (2))"
         );
+        // Codes of CUDA 12 and 13 that the CUDA 11.4 bindings' enum lacks.
+        assert_eq!(CudaError(46).name(), Some("CUDA_ERROR_DEVICE_UNAVAILABLE"));
+        assert_eq!(CudaError(919).name(), Some("CUDA_ERROR_FABRIC_NOT_READY"));
+    }
+
+    /// A code no header has (yet) stays the number the driver returned.
+    #[test]
+    fn unknown_codes_are_kept_as_numbers() {
+        for code in [123_456, 920, -1, i32::MAX] {
+            let e = CudaError(code);
+            assert_eq!(e.name(), None);
+            assert_eq!(e.code(), code);
+            assert_eq!(e.to_string(), format!("CUDA error {code}"));
+            assert_eq!(format!("{e:?}"), format!("CudaError(CUDA error {code})"));
+        }
+    }
+
+    /// Every constant names the code `cuda.h` gives it.
+    #[test]
+    fn constants_match_the_table() {
+        for (c, name) in [
+            (CudaError::INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE"),
+            (CudaError::OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"),
+            (CudaError::NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED"),
+            (CudaError::NO_DEVICE, "CUDA_ERROR_NO_DEVICE"),
+            (CudaError::INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT"),
+            (CudaError::INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE"),
+            (CudaError::NOT_READY, "CUDA_ERROR_NOT_READY"),
+            (CudaError::NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"),
+        ] {
+            assert_eq!(c.name(), Some(name));
+        }
     }
 
     #[test]
     fn check_keeps_the_raw_code() {
-        let e = check("cuMemAlloc_v2", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY).unwrap_err();
+        let e = check("cuMemAlloc_v2", 2).unwrap_err();
         assert!(
             matches!(e, Error::Cuda { op: "cuMemAlloc_v2", code } if code == CudaError::OUT_OF_MEMORY)
         );
-        check("x", sys::CUresult::CUDA_SUCCESS).unwrap();
+        // A code past every enum variant of the bindings survives as itself.
+        let e = check("cuMemAlloc_v2", 4242).unwrap_err();
+        assert!(matches!(
+            e,
+            Error::Cuda {
+                code: CudaError(4242),
+                ..
+            }
+        ));
+        assert_eq!(
+            e.to_string(),
+            "cuMemAlloc_v2 failed: CUDA error 4242",
+            "the message names the call and the number"
+        );
+        check("x", 0).unwrap();
+    }
+
+    /// Before the driver table is loaded, a wrapper fails with a typed error naming its
+    /// call, without reaching a driver (none is needed for this test).
+    #[test]
+    fn wrappers_without_a_loaded_driver_fail_cleanly() {
+        if api("probe").is_ok() {
+            return; // a driver is loaded in this process: nothing to check here
+        }
+        // SAFETY: with no table loaded, the wrapper returns before any driver call.
+        let e = unsafe { mem_alloc(16) }.unwrap_err();
+        assert!(
+            matches!(e, Error::Cuda { op: "cuMemAlloc_v2", code } if code == CudaError::NOT_INITIALIZED),
+            "{e}"
+        );
     }
 }

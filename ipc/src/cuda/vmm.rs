@@ -10,13 +10,14 @@
 //! A [`VmmRegion`] owns one physical allocation handle, one reserved address range and the
 //! mapping of the one into the other, and records which of the three exist, so that
 //! [`VmmRegion::release`] (called at most once per resource, also from `Drop` and on a
-//! failed construction) undoes exactly what was done, in order, with its context bound. It
-//! holds an `Arc` of that context. While mapped, `ptr..ptr + size` is valid device memory
+//! failed construction) undoes exactly what was done, in order, with its context pushed. It
+//! holds a [`SharedContext`] of that context. While mapped, `ptr..ptr + size` is valid device memory
 //! with read-write access for the region's device.
 
-use super::result;
+use super::context::ContextGuard;
+use super::{SharedContext, result};
 use crate::Result;
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::sys;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
@@ -29,7 +30,7 @@ pub(crate) fn round_up(size: usize, granularity: usize) -> Option<usize> {
 
 /// One VMM allocation mapped into this process.
 pub(crate) struct VmmRegion {
-    ctx: Arc<CudaContext>,
+    ctx: SharedContext,
     size: usize,
     /// The physical allocation, while held.
     phys: Option<sys::CUmemGenericAllocationHandle>,
@@ -40,7 +41,7 @@ pub(crate) struct VmmRegion {
 }
 
 impl VmmRegion {
-    fn empty(ctx: &Arc<CudaContext>, size: usize) -> Self {
+    fn empty(ctx: &SharedContext, size: usize) -> Self {
         Self {
             ctx: Arc::clone(ctx),
             size,
@@ -50,24 +51,18 @@ impl VmmRegion {
         }
     }
 
-    fn bind(&self) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(result::from_driver("cuCtxSetCurrent"))
-    }
-
     /// Exporter: `cuMemCreate` of `size` bytes (a multiple of `granularity`) on `dev`,
     /// shareable as a POSIX fd, then reserve, map and grant `dev` read-write access.
     pub(crate) fn create(
-        ctx: &Arc<CudaContext>,
+        ctx: &SharedContext,
         dev: sys::CUdevice,
         size: usize,
         granularity: usize,
     ) -> Result<Self> {
         let mut region = Self::empty(ctx, size);
-        region.bind()?;
+        let _pushed = ContextGuard::push(ctx)?;
         let prop = result::vmm_prop(dev);
-        // SAFETY: the context is bound; the handle is stored in `region` at once, whose
+        // SAFETY: the context is current; the handle is stored in `region` at once, whose
         // `release` (or `Drop`) releases it once.
         region.phys = Some(unsafe { result::mem_create(size, &prop) }?);
         region.map_and_grant(dev, granularity)?;
@@ -78,24 +73,25 @@ impl VmmRegion {
     /// (the exporter's rounded size), map and grant `dev` read-write access. The caller
     /// may close `fd` afterwards.
     pub(crate) fn import(
-        ctx: &Arc<CudaContext>,
+        ctx: &SharedContext,
         dev: sys::CUdevice,
         fd: BorrowedFd<'_>,
         size: usize,
         granularity: usize,
     ) -> Result<Self> {
         let mut region = Self::empty(ctx, size);
-        region.bind()?;
-        // SAFETY: the context is bound; the handle is stored in `region` at once.
+        let _pushed = ContextGuard::push(ctx)?;
+        // SAFETY: the context is current; the handle is stored in `region` at once.
         region.phys = Some(unsafe { result::mem_import_fd(fd) }?);
         region.map_and_grant(dev, granularity)?;
         Ok(region)
     }
 
-    /// Reserve, map, grant access. On error `self` records what exists; its `Drop` undoes it.
+    /// Reserve, map, grant access, with the context pushed by the caller. On error `self`
+    /// records what exists; its `Drop` undoes it.
     fn map_and_grant(&mut self, dev: sys::CUdevice, granularity: usize) -> Result<()> {
         let phys = self.phys.expect("created or imported first");
-        // SAFETY: the context is bound (by the caller); the range is stored in `self.va`
+        // SAFETY: the context is current (pushed by the caller); the range is stored in `self.va`
         // at once and freed once by `release`.
         self.va = unsafe { result::mem_address_reserve(self.size, granularity) }?;
         // SAFETY: `va..va + size` is our reserved range and `phys` our live handle; the
@@ -119,7 +115,7 @@ impl VmmRegion {
     /// `cuMemExportToShareableHandle`: a new descriptor for the physical allocation.
     pub(crate) fn export_fd(&self) -> Result<OwnedFd> {
         let phys = self.phys.expect("live region");
-        self.bind()?;
+        let _pushed = ContextGuard::push(&self.ctx)?;
         // SAFETY: `phys` is our live handle, made shareable as a POSIX fd.
         unsafe { result::mem_export_fd(phys) }
     }
@@ -130,7 +126,8 @@ impl VmmRegion {
         if self.phys.is_none() && self.va == 0 {
             return Ok(());
         }
-        self.bind()?;
+        let ctx = Arc::clone(&self.ctx);
+        let _pushed = ContextGuard::push(&ctx)?;
         let mut first: Result<()> = Ok(());
         if self.mapped {
             self.mapped = false;

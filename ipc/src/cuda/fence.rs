@@ -1,0 +1,555 @@
+//! Fences: a producer records one on a stream after the work that produced a buffer; a
+//! consumer in another process makes *its* stream wait on it before touching the buffer.
+//! One type ([`RecordedFence`] on the producer's side, [`FenceHandle`] on the wire), two
+//! implementations, chosen per backend ([`FenceKind`], [`FENCE_ENV`]):
+//!
+//! - **IPC events** ([`FenceKind::Event`], the default): the producer records a pooled
+//!   interprocess event (`cuEventRecord`); the consumer opens each event handle once per
+//!   exporter process (`cuIpcOpenEventHandle`) and makes its stream wait on it
+//!   (`cuStreamWaitEvent`). See [`RecordedEvent`] for the reuse contract.
+//! - **Sequence counters** ([`FenceKind::Counter`]): the producer owns a small slab of
+//!   64-bit counters in device memory, shared as a legacy IPC handle; recording lends a
+//!   slot, bumps its value and has the stream write it (`cuStreamWriteValue64`, after a
+//!   memory barrier that makes the earlier work's writes visible); the consumer maps the
+//!   slab once per exporter process and has its stream wait until the slot holds at least
+//!   that value (`cuStreamWaitValue64` with `CU_STREAM_WAIT_VALUE_GEQ`), as NCCL does. No
+//!   event object, no `cuIpcOpenEventHandle`; the device must support 64-bit stream memory
+//!   operations (`CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`), otherwise the backend
+//!   falls back to events.
+//!
+//! Which one is cheaper is to be measured on a GPU; both obey the same contract: a slot or
+//! event is lent until its [`RecordedFence`] drops, which must wait until every consumer
+//! that got its handle has waited (the lease that carried it was released), because
+//! recording it again would move what a late wait waits for.
+//!
+//! **Counter fences and dead producers.** A stream waiting for a value that never comes
+//! waits forever, and unlike an event a counter has no owner the driver could tear down.
+//! When the consumer learns that the producer died
+//! ([`Backend::forget_process`](crate::Backend::forget_process)), it writes the largest
+//! value into every slot of that producer's slab it maps, which releases every stream still
+//! waiting there; the mapping itself stays open until the backend drops, since such a
+//! stream may not have read the value yet.
+//!
+//! # Safety
+//!
+//! A [`CounterSlab`] owns one `cuMemAlloc_v2` allocation (through a [`DeviceAlloc`]) that
+//! lives as long as the slab, which every lent slot and the process-local registry (a
+//! `Weak`) refer to. An [`OpenedSlab`] owns one `cuIpcOpenMemHandle_v2` mapping (an
+//! [`IpcMapping`]) and checks every offset it is asked to wait on against the mapped size,
+//! so a stream only ever reads inside the mapping. Every driver call runs with a context
+//! pushed ([`ContextGuard`]).
+
+use super::context::ContextGuard;
+use super::event::RecordedEvent;
+use super::legacy::{DeviceAlloc, IpcMapping};
+use super::result::{self, StreamMemOps};
+use super::{SharedContext, SharedStream};
+use crate::{Error, Result};
+use baton_messages::{CudaIpcMemHandle, IpcEventHandle};
+use cudarc::driver::CudaStream;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+/// The environment variable that picks a CUDA backend's fence kind: `event` (the
+/// default) or `counter`.
+pub const FENCE_ENV: &str = "BATON_CUDA_FENCE";
+
+/// How a CUDA backend's fences work (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum FenceKind {
+    /// Pooled interprocess events.
+    #[default]
+    Event,
+    /// A sequence counter in device memory both processes map, written and waited on by
+    /// the streams.
+    Counter,
+}
+
+impl FenceKind {
+    /// Parses `event` or `counter`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "event" | "events" | "" => Some(Self::Event),
+            "counter" | "counters" => Some(Self::Counter),
+            _ => None,
+        }
+    }
+
+    /// The choice in [`FENCE_ENV`], `Event` if unset.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] if it holds something else.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(FENCE_ENV) {
+            Err(_) => Ok(Self::Event),
+            Ok(v) => Self::parse(&v).ok_or_else(|| Error::BackendUnavailable {
+                backend: "cuda",
+                reason: format!("{FENCE_ENV}={v:?} is not one of event, counter"),
+            }),
+        }
+    }
+}
+
+/// A counter fence as it travels: which slot of which slab of the producer, and the value
+/// to wait for. The slab handle is a capability: `Debug` never prints it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CounterFence {
+    /// The legacy IPC handle of the producer's counter slab.
+    pub slab: CudaIpcMemHandle,
+    /// The producer process's id of the slab (unique in that process).
+    pub slab_id: u64,
+    /// Byte offset of the slot in the slab (a multiple of 8).
+    pub offset: u64,
+    /// The value the consumer's stream waits for (at least).
+    pub value: u64,
+}
+
+impl CounterFence {
+    /// Bytes of [`to_bytes`](Self::to_bytes).
+    pub const ENCODED_LEN: usize = 64 + 3 * 8;
+
+    /// The slab handle, then id, offset and value as little-endian `u64`s: the form it
+    /// takes inside a message until the wire vocabulary has a fence variant.
+    pub fn to_bytes(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        out[..64].copy_from_slice(&self.slab.0);
+        out[64..72].copy_from_slice(&self.slab_id.to_le_bytes());
+        out[72..80].copy_from_slice(&self.offset.to_le_bytes());
+        out[80..88].copy_from_slice(&self.value.to_le_bytes());
+        out
+    }
+
+    /// The inverse of [`to_bytes`](Self::to_bytes); `None` for any other length.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != Self::ENCODED_LEN {
+            return None;
+        }
+        let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        Some(Self {
+            slab: CudaIpcMemHandle(bytes[..64].try_into().expect("64 bytes")),
+            slab_id: word(64),
+            offset: word(72),
+            value: word(80),
+        })
+    }
+}
+
+impl fmt::Debug for CounterFence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CounterFence")
+            .field("slab", &"<redacted>")
+            .field("slab_id", &self.slab_id)
+            .field("offset", &self.offset)
+            .field("value", &self.value)
+            .finish()
+    }
+}
+
+/// What a consumer needs to wait on a [`RecordedFence`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FenceHandle {
+    /// An interprocess event (redacted in `Debug`).
+    Event(IpcEventHandle),
+    /// A slot of a counter slab.
+    Counter(CounterFence),
+}
+
+impl FenceHandle {
+    /// Its kind.
+    pub fn kind(&self) -> FenceKind {
+        match self {
+            FenceHandle::Event(_) => FenceKind::Event,
+            FenceHandle::Counter(_) => FenceKind::Counter,
+        }
+    }
+}
+
+enum Recorded {
+    Event(RecordedEvent),
+    Counter(LentSlot),
+}
+
+/// A fence recorded on a stream after the work queued there so far, lent from the
+/// backend's pool of events or counter slots. Send [`handle`](Self::handle) to the
+/// consumers and keep this guard until every one of them has waited on it: dropping it
+/// returns the event or slot to the pool, where it may be recorded again.
+pub struct RecordedFence(Recorded);
+
+impl RecordedFence {
+    /// What consumers wait on. A capability.
+    pub fn handle(&self) -> FenceHandle {
+        match &self.0 {
+            Recorded::Event(e) => FenceHandle::Event(e.ipc_handle()),
+            Recorded::Counter(s) => FenceHandle::Counter(s.fence()),
+        }
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> FenceKind {
+        self.handle().kind()
+    }
+
+    /// Whether the work before the fence has completed (events: `cuEventQuery`; counters:
+    /// the slot read back from device memory on a side stream).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn is_complete(&self) -> Result<bool> {
+        match &self.0 {
+            Recorded::Event(e) => e.is_complete(),
+            Recorded::Counter(s) => Ok(s.slab.read(s.slot)? >= s.value),
+        }
+    }
+
+    /// Blocks until the work before the fence has completed (events:
+    /// `cuEventSynchronize`; counters: a side stream waits for the value, then is
+    /// synchronised).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.0 {
+            Recorded::Event(e) => e.synchronize(),
+            Recorded::Counter(s) => s.slab.synchronize(s.slot, s.value),
+        }
+    }
+
+    pub(crate) fn from_event(event: RecordedEvent) -> Self {
+        Self(Recorded::Event(event))
+    }
+}
+
+impl fmt::Debug for RecordedFence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RecordedFence")
+            .field(&self.handle())
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section is a push, a pop or an increment: a poisoned lock is
+    // consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Slab ids, unique in this process.
+fn next_slab_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// This process's counter slabs, by id, so that a fence waited on in the process that
+/// recorded it uses the slab itself (the driver refuses to open one's own IPC handle).
+fn local_slabs() -> &'static Mutex<HashMap<u64, Weak<CounterSlab>>> {
+    static LOCAL: OnceLock<Mutex<HashMap<u64, Weak<CounterSlab>>>> = OnceLock::new();
+    LOCAL.get_or_init(Default::default)
+}
+
+/// This process's own slab with that id, if it is alive.
+pub(crate) fn local_slab(id: u64) -> Option<Arc<CounterSlab>> {
+    lock(local_slabs()).get(&id).and_then(Weak::upgrade)
+}
+
+struct SlabState {
+    free: Vec<u32>,
+    /// The last value recorded in each slot.
+    values: Vec<u64>,
+}
+
+/// The producer's counters: `slots` 64-bit words of device memory, shared as a legacy IPC
+/// handle, lent out one slot per recorded fence.
+pub(crate) struct CounterSlab {
+    ctx: SharedContext,
+    alloc: DeviceAlloc,
+    ipc: CudaIpcMemHandle,
+    id: u64,
+    ops: StreamMemOps,
+    /// A stream of the slab's own, for reads that must not queue behind anyone's work.
+    side: SharedStream,
+    state: Mutex<SlabState>,
+}
+
+impl fmt::Debug for CounterSlab {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = lock(&self.state);
+        f.debug_struct("CounterSlab")
+            .field("id", &self.id)
+            .field("slots", &state.values.len())
+            .field("free", &state.free.len())
+            .finish()
+    }
+}
+
+impl CounterSlab {
+    /// `cuMemAlloc_v2` of `slots` counters, zeroed, and their `cuIpcGetMemHandle`.
+    pub(crate) fn new(
+        ctx: &SharedContext,
+        slots: usize,
+        ops: StreamMemOps,
+        side: SharedStream,
+    ) -> Result<Arc<Self>> {
+        let slots = slots.clamp(1, u32::MAX as usize);
+        let alloc = DeviceAlloc::new(ctx, slots * 8)?;
+        {
+            let _pushed = ContextGuard::push(ctx)?;
+            // SAFETY: the side stream is live in the current context (the backend's);
+            // `alloc` is `slots * 8` bytes of our live device memory.
+            unsafe { result::memset_d8_async(alloc.ptr(), 0, slots * 8, side.cu_stream()) }?;
+            // SAFETY: as above.
+            unsafe { result::stream_synchronize(side.cu_stream()) }?;
+        }
+        let ipc = CudaIpcMemHandle(alloc.ipc_handle()?);
+        let slab = Arc::new(Self {
+            ctx: Arc::clone(ctx),
+            alloc,
+            ipc,
+            id: next_slab_id(),
+            ops,
+            side,
+            state: Mutex::new(SlabState {
+                free: (0..slots as u32).rev().collect(),
+                values: vec![0; slots],
+            }),
+        });
+        lock(local_slabs()).insert(slab.id, Arc::downgrade(&slab));
+        Ok(slab)
+    }
+
+    /// (slots, lent out).
+    pub(crate) fn counts(&self) -> (usize, usize) {
+        let state = lock(&self.state);
+        (state.values.len(), state.values.len() - state.free.len())
+    }
+
+    /// Lends a slot, bumps its value and has `stream` write it after the work queued there
+    /// so far.
+    pub(crate) fn record(self: &Arc<Self>, stream: &CudaStream) -> Result<RecordedFence> {
+        let (slot, value) = {
+            let mut state = lock(&self.state);
+            let limit = state.values.len();
+            let slot = state.free.pop().ok_or(Error::FencesExhausted { limit })?;
+            let v = &mut state.values[slot as usize];
+            *v += 1;
+            (slot, *v)
+        };
+        let lent = LentSlot {
+            slab: Arc::clone(self),
+            slot,
+            value,
+        };
+        let _pushed = ContextGuard::push(stream.context())?;
+        // SAFETY: the stream is live in its current context; the slot is 8-byte aligned
+        // inside our allocation, which `lent` keeps alive; the slot is lent to us alone, so
+        // no other write to it is queued concurrently.
+        unsafe {
+            result::stream_write_value64(self.ops, stream.cu_stream(), self.addr(slot), value)
+        }?;
+        Ok(RecordedFence(Recorded::Counter(lent)))
+    }
+
+    fn addr(&self, slot: u32) -> u64 {
+        self.alloc.ptr() + u64::from(slot) * 8
+    }
+
+    fn offset_slot(&self, offset: u64) -> Result<u32> {
+        let slots = lock(&self.state).values.len() as u64;
+        if offset % 8 != 0 || offset / 8 >= slots {
+            return Err(Error::Cuda {
+                op: "cuStreamWaitValue64",
+                code: super::CudaError::INVALID_VALUE,
+            });
+        }
+        Ok((offset / 8) as u32)
+    }
+
+    /// Makes `stream` wait until the slot at `offset` holds `value` or more (a fence of
+    /// this process, waited on in it).
+    pub(crate) fn wait(&self, offset: u64, value: u64, stream: &CudaStream) -> Result<()> {
+        let slot = self.offset_slot(offset)?;
+        let _pushed = ContextGuard::push(stream.context())?;
+        // SAFETY: the slot lies inside our live allocation (checked above); the stream is
+        // live in its current context.
+        unsafe { result::stream_wait_value64(self.ops, stream.cu_stream(), self.addr(slot), value) }
+    }
+
+    /// The slot's value now, read on the side stream.
+    fn read(&self, slot: u32) -> Result<u64> {
+        let mut bytes = [0u8; 8];
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the slot lies inside our live allocation; the side stream is live in the
+        // current context; `bytes` is not read before the synchronise below.
+        unsafe { result::memcpy_dtoh_async(&mut bytes, self.addr(slot), self.side.cu_stream()) }?;
+        // SAFETY: as above.
+        unsafe { result::stream_synchronize(self.side.cu_stream()) }?;
+        Ok(u64::from_le_bytes(bytes))
+    }
+
+    /// Blocks until the slot holds `value` or more.
+    fn synchronize(&self, slot: u32, value: u64) -> Result<()> {
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the slot lies inside our live allocation; the side stream is live in the
+        // current context. The value comes: the slot is lent to the caller, whose record
+        // queued its write.
+        unsafe {
+            result::stream_wait_value64(self.ops, self.side.cu_stream(), self.addr(slot), value)
+        }?;
+        // SAFETY: as above.
+        unsafe { result::stream_synchronize(self.side.cu_stream()) }
+    }
+}
+
+impl Drop for CounterSlab {
+    fn drop(&mut self) {
+        let mut local = lock(local_slabs());
+        if local.get(&self.id).is_some_and(|w| w.strong_count() == 0) {
+            local.remove(&self.id);
+        }
+        // `alloc` frees the memory (its context pushed) when the fields drop.
+    }
+}
+
+/// A slot lent to one recorded fence.
+struct LentSlot {
+    slab: Arc<CounterSlab>,
+    slot: u32,
+    value: u64,
+}
+
+impl LentSlot {
+    fn fence(&self) -> CounterFence {
+        CounterFence {
+            slab: self.slab.ipc,
+            slab_id: self.slab.id,
+            offset: u64::from(self.slot) * 8,
+            value: self.value,
+        }
+    }
+}
+
+impl Drop for LentSlot {
+    fn drop(&mut self) {
+        lock(&self.slab.state).free.push(self.slot);
+    }
+}
+
+/// Another process's counter slab, mapped in this one.
+pub(crate) struct OpenedSlab {
+    ctx: SharedContext,
+    mapping: IpcMapping,
+    size: u64,
+    ops: StreamMemOps,
+}
+
+impl fmt::Debug for OpenedSlab {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpenedSlab")
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl OpenedSlab {
+    /// `cuIpcOpenMemHandle_v2` of the slab, and its size.
+    pub(crate) fn open(
+        ctx: &SharedContext,
+        slab: &CudaIpcMemHandle,
+        ops: StreamMemOps,
+    ) -> Result<Self> {
+        let mut mapping = IpcMapping::open(ctx, &slab.0)?;
+        let size = match mapping.mapped_size() {
+            Ok(size) => size as u64,
+            Err(e) => {
+                mapping.close()?;
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            ctx: Arc::clone(ctx),
+            mapping,
+            size,
+            ops,
+        })
+    }
+
+    /// Makes `stream` wait until the counter at `offset` holds `value` or more.
+    pub(crate) fn wait(&self, offset: u64, value: u64, stream: &CudaStream) -> Result<()> {
+        let inside = offset % 8 == 0 && offset.checked_add(8).is_some_and(|end| end <= self.size);
+        if !inside {
+            return Err(Error::Cuda {
+                op: "cuStreamWaitValue64",
+                code: super::CudaError::INVALID_VALUE,
+            });
+        }
+        let _pushed = ContextGuard::push(stream.context())?;
+        // SAFETY: `offset..offset + 8` lies inside our live mapping (checked above), which
+        // stays open until the backend drops; the stream is live in its current context.
+        unsafe {
+            result::stream_wait_value64(
+                self.ops,
+                stream.cu_stream(),
+                self.mapping.ptr() + offset,
+                value,
+            )
+        }
+    }
+
+    /// Writes the largest value into every counter of the slab, on `side`, and waits for
+    /// that write: every stream waiting on this slab is released. For a producer that died.
+    pub(crate) fn release_waiters(&self, side: &SharedStream) -> Result<()> {
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the whole mapping, `size` bytes, is ours and live; the side stream is
+        // live in the current context (the backend's, which opened the mapping).
+        unsafe {
+            result::memset_d8_async(
+                self.mapping.ptr(),
+                0xFF,
+                self.size as usize,
+                side.cu_stream(),
+            )
+        }?;
+        // SAFETY: as above.
+        unsafe { result::stream_synchronize(side.cu_stream()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fence_kinds_parse() {
+        assert_eq!(FenceKind::parse("counter"), Some(FenceKind::Counter));
+        assert_eq!(FenceKind::parse(" Event "), Some(FenceKind::Event));
+        assert_eq!(FenceKind::parse(""), Some(FenceKind::Event));
+        assert_eq!(FenceKind::parse("semaphore"), None);
+        assert_eq!(FenceKind::default(), FenceKind::Event);
+    }
+
+    #[test]
+    fn counter_fences_round_trip_through_bytes_and_hide_the_slab() {
+        let fence = CounterFence {
+            slab: CudaIpcMemHandle([0xee; 64]),
+            slab_id: 3,
+            offset: 8 * 17,
+            value: u64::MAX - 1,
+        };
+        let bytes = fence.to_bytes();
+        assert_eq!(CounterFence::from_bytes(&bytes), Some(fence));
+        assert_eq!(CounterFence::from_bytes(&bytes[1..]), None);
+        let shown = format!("{:?}", FenceHandle::Counter(fence));
+        assert!(
+            shown.contains("redacted") && shown.contains("offset: 136"),
+            "{shown}"
+        );
+        assert!(
+            !shown.contains("238") && !shown.to_lowercase().contains("ee, "),
+            "{shown}"
+        );
+        let shown = format!("{:?}", FenceHandle::Event(IpcEventHandle([0xee; 64])));
+        assert!(!shown.contains("238"), "{shown}");
+        assert_eq!(FenceHandle::Counter(fence).kind(), FenceKind::Counter);
+    }
+}
