@@ -505,8 +505,8 @@ impl PeerLink {
         }
         let imported = match self.node.cache().open(&offer.handle, fds) {
             Ok(imported) => imported,
-            Err(e) if e.is_peer_fault() => return Err(e.into()),
-            Err(e) => return Ok(Err(e)),
+            Err(e) if e.is_local_open_failure() => return Ok(Err(e)),
+            Err(e) => return Err(e.into()),
         };
         // The first offer of an allocation over this link starts a hold: the mapping stays
         // warm for the next offer until the exporter says `Unmap`. (A hold that was letting

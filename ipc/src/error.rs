@@ -277,6 +277,31 @@ impl Error {
                 | Error::PeerNotAllowed { .. }
         )
     }
+
+    /// Whether an open that failed with this error failed for reasons of this process, not
+    /// of the handle the peer sent: a descriptor or memory limit, a backend or device this
+    /// process does not have, a mapping it no longer holds, exhausted driver resources. A
+    /// node refuses such an offer (its lease given back) and keeps the link; any other
+    /// open failure is the peer's (a handle that does not check, names memory that does
+    /// not exist or is smaller than claimed, an old generation) and drops its link.
+    pub fn is_local_open_failure(&self) -> bool {
+        matches!(
+            self,
+            Error::Io { .. }
+                | Error::Cuda { .. }
+                | Error::UnsupportedBackend { .. }
+                | Error::NotMapped { .. }
+                | Error::PoolNotImported { .. }
+                | Error::DescriptorsLost { .. }
+                | Error::DeviceNotFound { .. }
+                | Error::BackendUnavailable { .. }
+                | Error::EventsExhausted { .. }
+                | Error::FencesExhausted { .. }
+                // Mapping a segment that exists failed here (a segment that does not exist
+                // is `SegmentNotFound`): descriptors, memory.
+                | Error::Shm(_)
+        )
+    }
 }
 
 /// Result type of this crate.
