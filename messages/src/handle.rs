@@ -3,7 +3,7 @@
 //! A handle message is plain data. It names the exporter, the allocation and its
 //! generation, the backend and device, the byte range and typed layout of the buffer, and
 //! carries the backend's raw handle (a segment name, 64 CUDA IPC bytes, or the slot of a
-//! file descriptor sent beside the frame). Raw handles are capabilities: `Debug` never
+//! file descriptor sent beside the frame: a CUDA VMM handle or a sealed host `memfd`). Raw handles are capabilities: `Debug` never
 //! prints them, and every handle is sealed with a keyed digest over all its fields, which
 //! the importer verifies before any driver call. (A CUDA IPC handle with one corrupted byte
 //! was seen to open without error on driver 580, so the driver is no judge of integrity.)
@@ -19,7 +19,8 @@ use std::fmt;
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 #[non_exhaustive]
 pub enum BackendKind {
-    /// A named POSIX shared-memory segment in host memory.
+    /// Host memory: a sealed `memfd` shared by descriptor (Linux) or a named POSIX
+    /// shared-memory segment ([`RawHandle::HostMemfd`], [`RawHandle::HostSegment`]).
     Host,
     /// CUDA device memory shared with a legacy IPC handle (`cuIpcGetMemHandle`).
     CudaLegacy,
@@ -129,6 +130,15 @@ pub enum RawHandle {
         /// its import cache can open it.
         slot: Option<u8>,
     },
+    /// Host backend, `memfd` flavor (Linux): the sealed memory file is the descriptor at
+    /// this index among the descriptors that travelled beside the frame (`SCM_RIGHTS`).
+    /// It has no name, so nothing can list, shrink or leave it behind.
+    HostMemfd {
+        /// Index into the frame's file descriptors; `None` when the importer already maps
+        /// the allocation (the descriptor crossed this link before), so that only a hit in
+        /// its import cache can open it.
+        slot: Option<u8>,
+    },
 }
 
 impl RawHandle {
@@ -138,6 +148,7 @@ impl RawHandle {
             RawHandle::HostSegment(_) => "host segment",
             RawHandle::CudaIpc(_) => "CUDA IPC",
             RawHandle::CudaVmmFd { .. } => "CUDA VMM fd",
+            RawHandle::HostMemfd { .. } => "host memfd",
         }
     }
 
@@ -147,6 +158,7 @@ impl RawHandle {
             RawHandle::HostSegment(_) => BackendKind::Host,
             RawHandle::CudaIpc(_) => BackendKind::CudaLegacy,
             RawHandle::CudaVmmFd { .. } => BackendKind::CudaVmm,
+            RawHandle::HostMemfd { .. } => BackendKind::Host,
         }
     }
 
@@ -154,7 +166,7 @@ impl RawHandle {
     /// for handles that carry no descriptor, or whose descriptor the importer already has.
     pub fn fd_slot(&self) -> Option<u8> {
         match self {
-            RawHandle::CudaVmmFd { slot } => *slot,
+            RawHandle::CudaVmmFd { slot } | RawHandle::HostMemfd { slot } => *slot,
             RawHandle::HostSegment(_) | RawHandle::CudaIpc(_) => None,
         }
     }
@@ -164,6 +176,7 @@ impl fmt::Debug for RawHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RawHandle::CudaVmmFd { slot } => write!(f, "CudaVmmFd {{ slot: {slot:?} }}"),
+            RawHandle::HostMemfd { slot } => write!(f, "HostMemfd {{ slot: {slot:?} }}"),
             other => write!(f, "{}(<redacted>)", other.kind_name()),
         }
     }
@@ -447,6 +460,25 @@ pub(crate) mod tests {
             h.validate(),
             Err(Error::UnsupportedVersion { .. })
         ));
+    }
+
+    #[test]
+    fn a_memfd_handle_is_host_memory_with_a_sealed_slot() {
+        let raw = RawHandle::HostMemfd { slot: Some(2) };
+        assert_eq!(raw.backend(), BackendKind::Host);
+        assert_eq!(raw.fd_slot(), Some(2));
+        assert_eq!(raw.kind_name(), "host memfd");
+        assert_eq!(format!("{raw:?}"), "HostMemfd { slot: Some(2) }");
+        assert_eq!(RawHandle::HostMemfd { slot: None }.fd_slot(), None);
+        let h = sample(raw).sealed(&key());
+        h.check(&key()).unwrap();
+        // The slot is sealed: a relay cannot point the importer at another descriptor.
+        let mut moved = h.clone();
+        moved.raw = RawHandle::HostMemfd { slot: Some(0) };
+        assert!(matches!(moved.verify(&key()), Err(Error::DigestMismatch)));
+        let mut cuda = sample(RawHandle::HostMemfd { slot: None });
+        cuda.backend = BackendKind::CudaVmm;
+        assert!(matches!(cuda.validate(), Err(Error::BackendMismatch { .. })));
     }
 
     #[test]
