@@ -1,7 +1,8 @@
 //! Baton's memory and transport mechanics.
 //!
-//! - [`Backend`]: make, share and map memory. Two real implementations: [`host`] (named
-//!   POSIX shared memory) and [`cuda`] (device memory: legacy IPC handles or VMM file
+//! - [`Backend`]: make, share and map memory. Two real implementations: [`host`] (sealed
+//!   `memfd`s shared by descriptor on Linux, named POSIX shared memory elsewhere or on
+//!   request) and [`cuda`] (device memory: legacy IPC handles or VMM file
 //!   descriptors, with IPC events; always built, used when a driver and a GPU are present),
 //!   picked at run time by [`select::auto`].
 //! - [`SlabArena`]: many buffers carved from one exported allocation, so an importer maps
@@ -40,7 +41,7 @@ pub use backend::{
 pub use cache::{CacheStats, ImportCache, Imported};
 pub use cuda::CudaBackend;
 pub use error::{Error, Result};
-pub use host::HostBackend;
+pub use host::{HostBackend, HostFlavor};
 pub use link::{
     AsyncLink, FrameFds, Link, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred, PeerInfo,
     PeerPolicy, Received, SocketDir,

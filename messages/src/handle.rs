@@ -478,7 +478,10 @@ pub(crate) mod tests {
         assert!(matches!(moved.verify(&key()), Err(Error::DigestMismatch)));
         let mut cuda = sample(RawHandle::HostMemfd { slot: None });
         cuda.backend = BackendKind::CudaVmm;
-        assert!(matches!(cuda.validate(), Err(Error::BackendMismatch { .. })));
+        assert!(matches!(
+            cuda.validate(),
+            Err(Error::BackendMismatch { .. })
+        ));
     }
 
     #[test]
