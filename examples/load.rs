@@ -364,14 +364,14 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
             // Spawn the importers and wait for their links.
             let mut children = Vec::new();
             for _ in 0..n {
-                let (key, token) = session.child_env();
                 let before = ups.lock().expect("not poisoned").len();
-                let child = Command::new(&exe)
+                let mut importer = Command::new(&exe);
+                importer
                     .args(["importer", listening.path().to_str().ok_or("path")?])
-                    .env(key, token)
                     .env(host::NAMESPACE_ENV, &ns)
-                    .stdin(Stdio::null())
-                    .spawn()?;
+                    .stdin(Stdio::null());
+                session.pass_to(&mut importer)?;
+                let child = importer.spawn()?;
                 let pid = child.id();
                 poll("an importer's link", || {
                     ups.lock().expect("not poisoned")[before..]

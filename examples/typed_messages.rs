@@ -129,11 +129,10 @@ fn parent() -> Result<(), Box<dyn Error>> {
         let node = Node::new(session.clone(), baton::ipc::select::auto()?);
         let tmp = std::env::temp_dir().join(format!("baton-typed-{}", std::process::id()));
         let listening = node.listen(&SocketDir::create(&tmp)?, "parent.sock")?;
-        let (key, token) = session.child_env();
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(["blender", listening.path().to_str().ok_or("path")?])
-            .env(key, token)
-            .spawn()?;
+        let mut blender = Command::new(std::env::current_exe()?);
+        blender.args(["blender", listening.path().to_str().ok_or("path")?]);
+        session.pass_to(&mut blender)?;
+        let mut child = blender.spawn()?;
         let owner = BufferOwner::new(&node).start();
 
         let shape = Shape::new([H, W]).ok_or("rank")?;

@@ -13,9 +13,12 @@
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
 //! - [`process`]: process identity and liveness that survive pid reuse.
+//! - [`spawn`]: children that die with this process and get the token through a pipe,
+//!   never their environment.
 //!
-//! This crate knows nothing of actors. `unsafe` code lives only in backend modules, each
-//! opening with a `# Safety` overview.
+//! This crate knows nothing of actors. `unsafe` code lives only in backend modules and in
+//! [`spawn`] (`pre_exec` hooks, the inherited token descriptor), each opening with a
+//! `# Safety` overview.
 
 #![deny(unsafe_code)]
 
@@ -33,6 +36,8 @@ pub mod process;
 pub mod select;
 mod session;
 pub mod slab;
+#[allow(unsafe_code)]
+pub mod spawn;
 
 pub use backend::{
     Allocation, Backend, ExportableMemory, FreeWhileMapped, HandleBuilder, MemPtr, OpenedMem,
