@@ -1,8 +1,10 @@
 //! Backend conformance: the same tests, written once, for every backend.
 //!
 //! Each test is a function of a [`Flavor`]; the macro at the bottom instantiates it for
-//! `host` (runs everywhere, CI included) and for `cuda_legacy` and `cuda_vmm`, which run
-//! with `--features gpu-tests` on a machine with an NVIDIA GPU and are ignored otherwise.
+//! `host_memfd` and `host_named` (the host backend's two flavors: sealed memfds shared by
+//! descriptor, named segments; both run everywhere, CI included) and for `cuda_legacy` and
+//! `cuda_vmm`, which run with `--features gpu-tests` on a machine with an NVIDIA GPU and
+//! are ignored otherwise.
 //! Two processes each time: this test process and `baton-conformance-peer`, spawned (never
 //! forked) and always killed and reaped by its guard.
 //!
@@ -17,7 +19,7 @@ use baton::ipc::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg
 use baton::ipc::cuda::cudarc::nvrtc::Ptx;
 use baton::ipc::cuda::{CudaBackend, CudaExport};
 use baton::ipc::{
-    Backend, FrameFds, HostBackend, ImportCache, MemPtr, SharedBackend, SlabArena, host,
+    Backend, FrameFds, HostBackend, HostFlavor, ImportCache, MemPtr, SharedBackend, SlabArena, host,
 };
 use baton::messages::protocol::{Offer, Release};
 use baton::messages::{Error as MessageError, HandleMsg, LeaseId, Message, RawHandle};
@@ -34,7 +36,8 @@ const SIZE: usize = 256 * MIB;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Flavor {
-    Host,
+    HostMemfd,
+    HostNamed,
     CudaLegacy,
     CudaVmm,
 }
@@ -43,7 +46,8 @@ impl Flavor {
     /// The peer's backend argument.
     fn arg(self) -> &'static str {
         match self {
-            Flavor::Host => "host",
+            Flavor::HostMemfd => "host-memfd",
+            Flavor::HostNamed => "host-named",
             Flavor::CudaLegacy => "cuda-legacy",
             Flavor::CudaVmm => "cuda-vmm",
         }
@@ -63,8 +67,18 @@ impl Subject {
     fn new(flavor: Flavor, test: &str) -> Subject {
         let ns = peer::namespace(test);
         let (backend, host, cuda): (SharedBackend, _, _) = match flavor {
-            Flavor::Host => {
-                let b = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+            Flavor::HostMemfd | Flavor::HostNamed => {
+                let b = Arc::new(
+                    HostBackend::with_flavor(
+                        if flavor == Flavor::HostMemfd {
+                            HostFlavor::Memfd
+                        } else {
+                            HostFlavor::Named
+                        },
+                        &ns,
+                    )
+                    .unwrap(),
+                );
                 (b.clone(), Some(b), None)
             }
             Flavor::CudaLegacy | Flavor::CudaVmm => {
@@ -109,12 +123,18 @@ impl Subject {
         )
     }
 
-    /// What leaks would change: free device bytes (CUDA) or the namespace's segment count
-    /// (host).
+    /// What leaks would change: free device bytes (CUDA), the namespace's segment count
+    /// (named host segments), or what this process maps or holds open of the namespace's
+    /// memfds (memfd host memory: the kernel frees it with its last holder, and the other
+    /// process of each test is dead or gone when this is compared).
     fn resources(&self) -> Resources {
-        match &self.cuda {
-            Some(c) => Resources::DeviceFree(c.mem_get_info().unwrap().0),
-            None => Resources::Segments(peer::segments(&self.ns)),
+        match (&self.cuda, self.flavor) {
+            (Some(c), _) => Resources::DeviceFree(c.mem_get_info().unwrap().0),
+            (None, Flavor::HostMemfd) => {
+                let held = host::memfd_usage(std::process::id(), &self.ns).unwrap();
+                Resources::MemfdsHeld(held.mappings + held.fds)
+            }
+            (None, _) => Resources::Segments(peer::segments(&self.ns)),
         }
     }
 }
@@ -123,6 +143,7 @@ impl Subject {
 enum Resources {
     DeviceFree(usize),
     Segments(usize),
+    MemfdsHeld(usize),
 }
 
 impl Resources {
@@ -131,6 +152,7 @@ impl Resources {
         match (self, baseline) {
             (Resources::DeviceFree(now), Resources::DeviceFree(base)) => now + MIB >= base,
             (Resources::Segments(now), Resources::Segments(base)) => now == base,
+            (Resources::MemfdsHeld(now), Resources::MemfdsHeld(base)) => now == base,
             _ => false,
         }
     }
@@ -483,6 +505,14 @@ fn importer_sigkill(flavor: Flavor) {
         !subject.resources().back_to(baseline),
         "the allocation is visible in the measure"
     );
+    if flavor == Flavor::HostMemfd {
+        let theirs = host::memfd_usage(child.pid(), &subject.ns).unwrap();
+        assert_eq!(
+            (theirs.mappings, theirs.fds),
+            (1, 0),
+            "the importer maps the memfd and closed its descriptor"
+        );
+    }
 
     child.kill9();
     assert!(matches!(link.recv_timeout(DEADLINE), Err(Error::Closed)));
@@ -530,6 +560,11 @@ fn exporter_sigkill(flavor: Flavor) {
     let mut first = [0u8; 16];
     let readable = mem.read(0, &mut first);
     eprintln!("conformance: {flavor:?} read after the exporter died: {readable:?} {first:02x?}");
+    if subject.host.is_some() {
+        // Host memory lives on while we map it: the kernel frees it with its last holder.
+        readable.expect("host memory stays readable");
+        assert_eq!(first, [0xAB; 16]);
+    }
     mem.close().expect("the importer releases cleanly");
 
     let check = subject.backend.allocate(16 * MIB).unwrap();
@@ -542,9 +577,19 @@ fn exporter_sigkill(flavor: Flavor) {
     check.free().unwrap();
     if let Some(cuda) = &subject.cuda {
         cuda.mem_get_info().expect("the context still answers");
-    } else {
+    } else if flavor == Flavor::HostNamed {
         // The dead owner skipped its Drop; sweep its segment.
         assert_eq!(host::sweep(&subject.ns).unwrap().removed.len(), 1);
+    } else {
+        // A memfd has no name: nothing was left behind, nothing to sweep.
+        assert!(host::list_segments(&subject.ns).unwrap().is_empty());
+        assert_eq!(host::sweep(&subject.ns).unwrap().removed.len(), 0);
+        assert!(
+            host::memfd_usage(std::process::id(), &subject.ns)
+                .unwrap()
+                .is_empty(),
+            "we hold none of it any more"
+        );
     }
 }
 
@@ -643,11 +688,20 @@ fn same_process_open_and_corrupted_handles(flavor: Flavor) {
 
 macro_rules! conformance {
     ($($test:ident),* $(,)?) => {
-        mod on_host {
+        mod on_host_memfd {
             $(
                 #[test]
                 fn $test() {
-                    super::$test(super::Flavor::Host)
+                    super::$test(super::Flavor::HostMemfd)
+                }
+            )*
+        }
+
+        mod on_host_named {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test(super::Flavor::HostNamed)
                 }
             )*
         }
