@@ -169,9 +169,12 @@ impl Handler<PeerEvent> for StopOnDown {
 }
 
 fn importer(socket: &str) -> Result<(), Box<dyn Error>> {
+    // A child's entry point: take the token from the pipe the parent passed (and close it)
+    // first.
+    let session = Session::from_env()?;
     let system = System::new();
     system.block_on(async {
-        let node = Node::new(Session::from_env()?, Arc::new(HostBackend::new()?));
+        let node = Node::new(session, Arc::new(HostBackend::new()?));
         let holder = Holder { held: Vec::new() }.start();
         node.register::<Hold>("hold", holder.clone().recipient());
         node.register::<DropAll>("drop", holder.clone().recipient());

@@ -88,6 +88,9 @@ impl Handler<Blend> for Blender {
 }
 
 fn blender(socket: String) -> Result<(), Box<dyn Error>> {
+    // A child's entry point: take the token from the pipe the parent passed (and close it)
+    // first; `Node::from_env` below gets the same session.
+    Session::from_env()?;
     let system = System::new();
     system.block_on(async move {
         let node = Node::from_env()?;
