@@ -21,9 +21,9 @@
 //!
 //! # Safety
 //!
-//! This module holds the `unsafe` code that touches a host mapping's bytes ([`Mapping`]):
-//! - a [`Backing`] keeps its region mapped `MAP_SHARED` read-write for `size()` bytes from
-//!   `base()` for as long as it lives (each flavor's module says how), and the [`Mapping`]
+//! This module holds the `unsafe` code that touches a host mapping's bytes (`Mapping`):
+//! - a `Backing` keeps its region mapped `MAP_SHARED` read-write for `size()` bytes from
+//!   `base()` for as long as it lives (each flavor's module says how), and the `Mapping`
 //!   owns its backing, so the base pointer is valid for `size` bytes for the mapping's life;
 //! - every copy is bounds-checked by the caller ([`Allocation`] and [`OpenedMem`] check
 //!   `offset + len <= size` before calling in) and done with raw-pointer copies, never

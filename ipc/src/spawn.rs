@@ -31,7 +31,7 @@
 //!   (`prctl`, `getppid`, `fcntl`) through `rustix`, which neither allocate nor lock, and
 //!   builds its error from a raw errno (no allocation);
 //! - taking ownership of the inherited token descriptor, by number, in the child
-//!   ([`take_inherited_token`]): done at most once per process (a `OnceLock`), and only
+//!   (`take_inherited_token`): done at most once per process (a `OnceLock`), and only
 //!   after checking that the number names the very pipe the parent made (a FIFO with the
 //!   inode the variable names), which no other code of this process owns — it was
 //!   inherited, not opened here.
