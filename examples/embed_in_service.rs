@@ -94,6 +94,9 @@ impl Handler<PeerEvent> for ExitWhenAlone {
 }
 
 fn worker() -> Result<(), Box<dyn Error>> {
+    // A child's entry point: take the token from the pipe the supervisor passed (and close
+    // it) first; `Node::from_env` below gets the same session.
+    Session::from_env()?;
     let system = System::new();
     system.block_on(async {
         let node = Node::from_env()?;

@@ -4,7 +4,11 @@
 //! handle over an authenticated Unix-socket link to an importer (this same binary,
 //! re-spawned with the role `importer`). The importer maps the buffer, checks every byte,
 //! writes a reply into it, drops its mapping and sends `Release`. The exporter reads the
-//! reply from its own memory, frees the buffer, and checks nothing is left in /dev/shm.
+//! reply from its own memory, frees the buffer, and checks nothing is left: no memfd of
+//! ours mapped or open here, no segment of ours in /dev/shm.
+//!
+//! On Linux the buffer is a sealed memfd whose descriptor travels beside the offer
+//! (`BATON_HOST=named` makes it a named segment in /dev/shm instead).
 //!
 //! ```text
 //! cargo run --example host_roundtrip
@@ -54,14 +58,13 @@ fn exporter() -> Result<(), Box<dyn Error>> {
         &digest.to_hex()[..16]
     );
 
-    let (key, token) = session.child_env();
-    let mut child = Command::new(std::env::current_exe()?)
-        .args([
-            "importer",
-            listener.path().to_str().ok_or("socket path is not UTF-8")?,
-        ])
-        .env(key, token)
-        .spawn()?;
+    let mut importer = Command::new(std::env::current_exe()?);
+    importer.args([
+        "importer",
+        listener.path().to_str().ok_or("socket path is not UTF-8")?,
+    ]);
+    session.pass_to(&mut importer)?;
+    let mut child = importer.spawn()?;
     let mut link = listener.accept()?;
     println!(
         "exporter: link up with pid {} (same uid, token proven)",
@@ -71,7 +74,9 @@ fn exporter() -> Result<(), Box<dyn Error>> {
     let start = Instant::now();
     let handle = alloc.handle(&session).build()?;
     let lease = LeaseId::new(1);
-    link.send(&Message::Offer(Offer { lease, handle }), &[])?;
+    // A memfd's descriptor goes beside the frame (slot 0); a named segment needs none.
+    let fds: Vec<_> = alloc.export_fd().into_iter().collect();
+    link.send(&Message::Offer(Offer { lease, handle }), &fds)?;
     let answer = link.recv_timeout(Duration::from_secs(30))?.message;
     let elapsed = start.elapsed();
     if answer != Message::Release(Release { lease }) {
@@ -90,11 +95,19 @@ fn exporter() -> Result<(), Box<dyn Error>> {
     drop(link);
     let status = child.wait()?;
     drop(alloc);
-    let left = host::list_segments(backend.namespace())?
+    let me = std::process::id();
+    let segments = host::list_segments(backend.namespace())?
         .into_iter()
-        .filter(|s| s.owner_pid == std::process::id())
+        .filter(|s| s.owner_pid == me)
         .count();
-    println!("exporter: importer exited with {status}; segments of ours left: {left}");
+    let memfds = host::memfd_usage(me, backend.namespace())?;
+    let left = segments + memfds.mappings + memfds.fds;
+    println!(
+        "exporter: importer exited with {status}; {} host memory; left here: {segments} segments, {} memfd mappings, {} memfd descriptors",
+        backend.flavor().name(),
+        memfds.mappings,
+        memfds.fds
+    );
     let _ = std::fs::remove_dir(&tmp);
     if !status.success() || left != 0 {
         return Err("round trip failed".into());

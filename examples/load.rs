@@ -169,9 +169,12 @@ impl Handler<PeerEvent> for StopOnDown {
 }
 
 fn importer(socket: &str) -> Result<(), Box<dyn Error>> {
+    // A child's entry point: take the token from the pipe the parent passed (and close it)
+    // first.
+    let session = Session::from_env()?;
     let system = System::new();
     system.block_on(async {
-        let node = Node::new(Session::from_env()?, Arc::new(HostBackend::new()?));
+        let node = Node::new(session, Arc::new(HostBackend::new()?));
         let holder = Holder { held: Vec::new() }.start();
         node.register::<Hold>("hold", holder.clone().recipient());
         node.register::<DropAll>("drop", holder.clone().recipient());
@@ -364,14 +367,14 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
             // Spawn the importers and wait for their links.
             let mut children = Vec::new();
             for _ in 0..n {
-                let (key, token) = session.child_env();
                 let before = ups.lock().expect("not poisoned").len();
-                let child = Command::new(&exe)
+                let mut importer = Command::new(&exe);
+                importer
                     .args(["importer", listening.path().to_str().ok_or("path")?])
-                    .env(key, token)
                     .env(host::NAMESPACE_ENV, &ns)
-                    .stdin(Stdio::null())
-                    .spawn()?;
+                    .stdin(Stdio::null());
+                session.pass_to(&mut importer)?;
+                let child = importer.spawn()?;
                 let pid = child.id();
                 poll("an importer's link", || {
                     ups.lock().expect("not poisoned")[before..]

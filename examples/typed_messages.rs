@@ -88,6 +88,9 @@ impl Handler<Blend> for Blender {
 }
 
 fn blender(socket: String) -> Result<(), Box<dyn Error>> {
+    // A child's entry point: take the token from the pipe the parent passed (and close it)
+    // first; `Node::from_env` below gets the same session.
+    Session::from_env()?;
     let system = System::new();
     system.block_on(async move {
         let node = Node::from_env()?;
@@ -129,11 +132,10 @@ fn parent() -> Result<(), Box<dyn Error>> {
         let node = Node::new(session.clone(), baton::ipc::select::auto()?);
         let tmp = std::env::temp_dir().join(format!("baton-typed-{}", std::process::id()));
         let listening = node.listen(&SocketDir::create(&tmp)?, "parent.sock")?;
-        let (key, token) = session.child_env();
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(["blender", listening.path().to_str().ok_or("path")?])
-            .env(key, token)
-            .spawn()?;
+        let mut blender = Command::new(std::env::current_exe()?);
+        blender.args(["blender", listening.path().to_str().ok_or("path")?]);
+        session.pass_to(&mut blender)?;
+        let mut child = blender.spawn()?;
         let owner = BufferOwner::new(&node).start();
 
         let shape = Shape::new([H, W]).ok_or("rank")?;

@@ -194,9 +194,30 @@ fn exporter_sigkill_orphans_leases_and_the_supervisor_restarts_it() {
             0,
             "no mapping left in the importer"
         );
-        // SIGKILL skipped the children's Drop: their segments are swept.
-        host::sweep(&parent.ns).unwrap();
+        // SIGKILL skipped the children's Drop: the supervisor swept their segments, the
+        // first child's before it restarted it.
         assert_eq!(parent.segments(), 0);
+        let swept: Vec<(u32, usize)> = events
+            .all()
+            .into_iter()
+            .filter_map(|e| match e {
+                SupervisorEvent::Swept { pid, segments, .. } => Some((pid, segments)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(swept[0], (pid1, 2), "the killed exporter's two segments");
+        let all = events.all();
+        let position = |f: &dyn Fn(&SupervisorEvent) -> bool| all.iter().position(f).unwrap();
+        assert!(
+            position(&|e| matches!(e, SupervisorEvent::Swept { pid, .. } if *pid == pid1))
+                < position(&|e| matches!(e, SupervisorEvent::Started { restarts: 1, .. })),
+            "swept before the restart: {all:?}"
+        );
+        assert_eq!(
+            host::sweep(&parent.ns).unwrap().removed.len(),
+            0,
+            "nothing left to sweep"
+        );
     });
 }
 

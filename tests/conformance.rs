@@ -1,10 +1,12 @@
 //! Backend conformance: the same tests, written once, for every backend.
 //!
 //! Each test is a function of a [`Flavor`]; the macro at the bottom instantiates it for
-//! `host` (runs everywhere, CI included) and for `cuda_legacy`, `cuda_vmm` and `cuda_pool`,
-//! which run with `--features gpu-tests` on a machine with an NVIDIA GPU and are ignored
-//! otherwise. Two processes each time: this test process and `baton-conformance-peer`,
-//! spawned (never forked) and always killed and reaped by its guard.
+//! `host_memfd` and `host_named` (the host backend's two flavors: sealed memfds shared by
+//! descriptor, named segments; both run everywhere, CI included) and for `cuda_legacy`,
+//! `cuda_vmm` and `cuda_pool`, which run with `--features gpu-tests` on a machine with an
+//! NVIDIA GPU and are ignored otherwise. Two processes each time: this test process and
+//! `baton-conformance-peer`, spawned (never forked) and always killed and reaped by its
+//! guard.
 //!
 //! CUDA tests hold the GPU test lock (`baton::ipc::cuda::testing::exclusive_gpu`) for their
 //! whole run, so that no other Baton test shares the device while free memory is measured;
@@ -24,7 +26,7 @@ use baton::ipc::cuda::cudarc::nvrtc::Ptx;
 use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
 use baton::ipc::cuda::{CudaBackend, CudaExport, FenceHandle, FenceKind};
 use baton::ipc::{
-    Backend, FrameFds, HostBackend, ImportCache, MemPtr, SharedBackend, SlabArena, host,
+    Backend, FrameFds, HostBackend, HostFlavor, ImportCache, MemPtr, SharedBackend, SlabArena, host,
 };
 use baton::messages::protocol::{Call, Offer, Release};
 use baton::messages::{Error as MessageError, HandleMsg, LeaseId, Message, RawHandle};
@@ -41,7 +43,8 @@ const SIZE: usize = 256 * MIB;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Flavor {
-    Host,
+    HostMemfd,
+    HostNamed,
     CudaLegacy,
     CudaVmm,
     CudaPool,
@@ -51,7 +54,8 @@ impl Flavor {
     /// The peer's backend argument.
     fn arg(self) -> &'static str {
         match self {
-            Flavor::Host => "host",
+            Flavor::HostMemfd => "host-memfd",
+            Flavor::HostNamed => "host-named",
             Flavor::CudaLegacy => "cuda-legacy",
             Flavor::CudaVmm => "cuda-vmm",
             Flavor::CudaPool => "cuda-pool",
@@ -60,7 +64,7 @@ impl Flavor {
 
     fn export(self) -> Option<CudaExport> {
         match self {
-            Flavor::Host => None,
+            Flavor::HostMemfd | Flavor::HostNamed => None,
             Flavor::CudaLegacy => Some(CudaExport::Legacy),
             Flavor::CudaVmm => Some(CudaExport::Vmm),
             Flavor::CudaPool => Some(CudaExport::Pool),
@@ -91,7 +95,17 @@ impl Subject {
         let ns = peer::namespace(test);
         let (backend, host, cuda, gpu): (SharedBackend, _, _, _) = match flavor.export() {
             None => {
-                let b = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+                let b = Arc::new(
+                    HostBackend::with_flavor(
+                        if flavor == Flavor::HostMemfd {
+                            HostFlavor::Memfd
+                        } else {
+                            HostFlavor::Named
+                        },
+                        &ns,
+                    )
+                    .unwrap(),
+                );
                 (b.clone(), Some(b), None, None)
             }
             Some(export) => {
@@ -137,15 +151,22 @@ impl Subject {
     }
 
     /// What leaks would change: free device bytes (CUDA; after the pool gave back what it
-    /// keeps for reuse, which is no leak) or the namespace's segment count (host).
+    /// keeps for reuse, which is no leak), the namespace's segment count (named host
+    /// segments), or what this process maps or holds open of the namespace's memfds (memfd
+    /// host memory: the kernel frees it with its last holder, and the other process of each
+    /// test is dead or gone when this is compared).
     fn resources(&self) -> Resources {
-        match &self.cuda {
-            Some(c) => {
+        match (&self.cuda, self.flavor) {
+            (Some(c), _) => {
                 c.synchronize().unwrap();
                 c.trim_pool(0).unwrap();
                 Resources::DeviceFree(c.mem_get_info().unwrap().0)
             }
-            None => Resources::Segments(peer::segments(&self.ns)),
+            (None, Flavor::HostMemfd) => {
+                let held = host::memfd_usage(std::process::id(), &self.ns).unwrap();
+                Resources::MemfdsHeld(held.mappings + held.fds)
+            }
+            (None, _) => Resources::Segments(peer::segments(&self.ns)),
         }
     }
 
@@ -161,6 +182,7 @@ impl Subject {
 enum Resources {
     DeviceFree(usize),
     Segments(usize),
+    MemfdsHeld(usize),
 }
 
 impl Resources {
@@ -169,6 +191,7 @@ impl Resources {
         match (self, baseline) {
             (Resources::DeviceFree(now), Resources::DeviceFree(base)) => now + MIB >= base,
             (Resources::Segments(now), Resources::Segments(base)) => now == base,
+            (Resources::MemfdsHeld(now), Resources::MemfdsHeld(base)) => now == base,
             _ => false,
         }
     }
@@ -529,6 +552,14 @@ fn importer_sigkill(flavor: Flavor) {
     if let Some(c) = &subject.cuda {
         assert_eq!((c.live().exported, c.live().exported_bytes), (1, SIZE));
     }
+    if flavor == Flavor::HostMemfd {
+        let theirs = host::memfd_usage(child.pid(), &subject.ns).unwrap();
+        assert_eq!(
+            (theirs.mappings, theirs.fds),
+            (1, 0),
+            "the importer maps the memfd and closed its descriptor"
+        );
+    }
 
     child.kill9();
     assert!(matches!(link.recv_timeout(DEADLINE), Err(Error::Closed)));
@@ -580,6 +611,11 @@ fn exporter_sigkill(flavor: Flavor) {
     if let Some(c) = &subject.cuda {
         assert_eq!((c.live().imported, c.live().imported_bytes), (1, 64 * MIB));
     }
+    if subject.host.is_some() {
+        // Host memory lives on while we map it: the kernel frees it with its last holder.
+        readable.expect("host memory stays readable");
+        assert_eq!(first, [0xAB; 16]);
+    }
     mem.close().expect("the importer releases cleanly");
     subject.assert_nothing_live("after the close");
 
@@ -594,9 +630,19 @@ fn exporter_sigkill(flavor: Flavor) {
     subject.assert_nothing_live("after the check allocation");
     if let Some(cuda) = &subject.cuda {
         cuda.mem_get_info().expect("the context still answers");
-    } else {
+    } else if flavor == Flavor::HostNamed {
         // The dead owner skipped its Drop; sweep its segment.
         assert_eq!(host::sweep(&subject.ns).unwrap().removed.len(), 1);
+    } else {
+        // A memfd has no name: nothing was left behind, nothing to sweep.
+        assert!(host::list_segments(&subject.ns).unwrap().is_empty());
+        assert_eq!(host::sweep(&subject.ns).unwrap().removed.len(), 0);
+        assert!(
+            host::memfd_usage(std::process::id(), &subject.ns)
+                .unwrap()
+                .is_empty(),
+            "we hold none of it any more"
+        );
     }
 }
 
@@ -813,11 +859,20 @@ fn counter_fences_order_the_importers_stream() {
 
 macro_rules! conformance {
     ($($test:ident),* $(,)?) => {
-        mod on_host {
+        mod on_host_memfd {
             $(
                 #[test]
                 fn $test() {
-                    super::$test(super::Flavor::Host)
+                    super::$test(super::Flavor::HostMemfd)
+                }
+            )*
+        }
+
+        mod on_host_named {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test(super::Flavor::HostNamed)
                 }
             )*
         }

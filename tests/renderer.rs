@@ -1,34 +1,19 @@
 //! End to end: the renderer example, small, on the host backend — with and without
 //! `--chaos`. Without chaos the last PNG equals a single-process reference render pixel
-//! for pixel; with chaos the run ends, restarts are counted and nothing leaks.
+//! for pixel; with chaos the run ends, restarts are counted and nothing leaks: on memfd
+//! host memory (the default) nothing can, on named segments the supervisor sweeps what
+//! each killed worker left before restarting it. (`tests/process_tree.rs` SIGKILLs the
+//! renderer's root.)
 
+#[path = "support/renderer.rs"]
+mod renderer;
 #[path = "../examples/renderer/scene.rs"]
 mod scene;
 
-use std::path::{Path, PathBuf};
+use renderer::renderer;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// The renderer example binary, built now (a no-op when it is up to date: `cargo test`
-/// does not rebuild examples by itself), in the profile of this test.
-fn renderer() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = Command::new(cargo);
-    build
-        .args(["build", "--example", "renderer"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if release {
-        build.arg("--release");
-    }
-    assert!(
-        build.status().unwrap().success(),
-        "building the renderer example"
-    );
-    profile_dir.join("examples").join("renderer")
-}
 
 /// Kills the run if the test fails before it ends.
 struct Run(Option<Child>);
@@ -42,11 +27,19 @@ impl Drop for Run {
     }
 }
 
-/// Runs the renderer with `args`, at most `deadline`; returns its stdout.
+/// Runs the renderer with `args` on memfd host memory, at most `deadline`; returns its
+/// stdout.
 fn run(args: &[&str], deadline: Duration) -> String {
+    run_on("memfd", args, deadline)
+}
+
+/// Runs the renderer with `args` on host memory of `flavor` (`BATON_HOST`), at most
+/// `deadline`; returns its stdout.
+fn run_on(flavor: &str, args: &[&str], deadline: Duration) -> String {
     let child = Command::new(renderer())
         .args(args)
         .env("BATON_BACKEND", "host")
+        .env("BATON_HOST", flavor)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -116,7 +109,10 @@ fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
         ],
         Duration::from_secs(120),
     );
-    assert!(field(&stdout, "leaked bytes").starts_with("0 "), "{stdout}");
+    assert!(
+        field(&stdout, "leaked bytes").starts_with("0 (memfd host memory"),
+        "{stdout}"
+    );
     assert_eq!(field(&stdout, "restarts"), "0");
     assert!(
         field(&stdout, "handoffs/s").contains("(32 tiles composed, 0 missing)"),
@@ -192,4 +188,60 @@ fn the_renderer_survives_chaos_and_still_leaks_nothing() {
         let (_, _, pixels) = decode(&marked.path());
         assert!(pixels.contains(&scene::MISSING_A) && pixels.contains(&scene::MISSING_B));
     }
+}
+
+/// Chaos on named segments: every worker SIGKILLed in the middle of a run leaves its
+/// segments in /dev/shm, and the supervisor removes them before restarting it, so the run
+/// ends with none left (the root's own final sweep finds nothing).
+#[test]
+fn on_named_segments_the_supervisor_sweeps_what_killed_workers_left() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_str().unwrap();
+    let stdout = run_on(
+        "named",
+        &[
+            "--size",
+            "160x96",
+            "--frames",
+            "24",
+            "--workers",
+            "3",
+            "--tile",
+            "48",
+            "--backend",
+            "host",
+            "--chaos",
+            "4",
+            "--out",
+            dir,
+        ],
+        Duration::from_secs(180),
+    );
+    let restarts: u32 = field(&stdout, "restarts").parse().unwrap();
+    assert!(restarts >= 1, "chaos killed workers:\n{stdout}");
+    let leaked = field(&stdout, "leaked bytes");
+    assert!(
+        leaked.starts_with("0 (named host memory: 0 segments left"),
+        "{stdout}"
+    );
+    // "…; the supervisor swept N segments (B bytes) of killed children, the final sweep M)"
+    let count = |label: &str| -> usize {
+        leaked
+            .split_once(label)
+            .and_then(|(_, tail)| tail.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no {label:?} count in {leaked:?}"))
+    };
+    assert_eq!(
+        count("the final sweep "),
+        0,
+        "the supervisor left nothing: {leaked}"
+    );
+    let swept = count("the supervisor swept ");
+    // The first kill (frame 4) hits a worker that has rendered since frame 0 and holds a
+    // segment per tile.
+    assert!(
+        swept >= 1,
+        "the supervisor swept the killed workers' segments: {leaked}"
+    );
 }

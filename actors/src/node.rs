@@ -316,8 +316,12 @@ impl Node {
         Node { inner }
     }
 
-    /// The node of a child process: the session from `BATON_TOKEN`, the backend from
-    /// `BATON_BACKEND` (CUDA when present, else host).
+    /// The node of a child process: the session its parent passed
+    /// ([`Session::from_env`]: the token comes from the inherited pipe named in
+    /// `BATON_TOKEN_FD`, which is read and closed, so it is in neither this process's
+    /// environment nor its children's), the backend from `BATON_BACKEND` (CUDA when present,
+    /// else host, in the flavor `BATON_HOST` picks). A child's entry point: call it at the
+    /// top of `main`, or call [`Session::from_env`] there.
     ///
     /// # Errors
     /// [`baton_ipc::Error::BadToken`] without a token; a backend error.

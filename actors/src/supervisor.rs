@@ -1,10 +1,15 @@
 //! [`ProcessSupervisor`]: spawns child processes, watches them, restarts them by strategy,
 //! and feeds their deaths into the lease protocol.
 //!
-//! - Children are spawned with `std::process::Command` (never `fork` after CUDA init).
-//!   A small reaper thread per child waits for it and reports its exit; signals go through
-//!   a pidfd (`pidfd_open`, `pidfd_send_signal`), so a recycled pid can never be hit.
-//! - Each child gets the session token ([`baton_ipc::TOKEN_ENV`]), its name
+//! - Children are spawned with `std::process::Command` (never `fork` after CUDA init),
+//!   through [`baton_ipc::spawn::spawn_tied`]: the kernel SIGKILLs them when this process
+//!   dies, however it dies (`PR_SET_PDEATHSIG`, from a spawner thread that lives as long
+//!   as the process). A small reaper thread per child waits for it and reports its exit;
+//!   signals go through a pidfd (`pidfd_open`, `pidfd_send_signal`), so a recycled pid can
+//!   never be hit.
+//! - Each child gets the session token through an inherited pipe
+//!   ([`Session::pass_to`](baton_ipc::Session::pass_to): never in its environment; its
+//!   `Session::from_env` / `Node::from_env` reads and closes it), its name
 //!   ([`CHILD_NAME_ENV`]) and, if set, the socket to connect back to ([`CONNECT_ENV`]).
 //! - Children are named by (pid, start time) ([`ProcessId`]), never by pid alone.
 //! - When a child dies, every link to it is cut at once (reclaiming the leases it held,
@@ -15,6 +20,10 @@
 //!   [`kill_unresponsive`](ProcessSupervisor::kill_unresponsive) says otherwise. Owners
 //!   whose [`RevokePolicy`](crate::RevokePolicy) says so kill children that keep a revoked
 //!   lease past its deadline.
+//! - Before it is restarted (and when the supervisor stops), a dead child's named host
+//!   segments are swept ([`host::sweep_process`]: that process's, by pid and start time,
+//!   in any namespace), and subscribers get [`SupervisorEvent::Swept`]. Memfd host memory
+//!   needs no sweep: the kernel freed it with the child.
 //! - Restarts, for [`Restart::Permanent`] children and failed [`Restart::Transient`]
 //!   ones: [`Strategy::OneForOne`] restarts the child that died;
 //!   [`Strategy::OneForAll`] kills and restarts them all. More than
@@ -26,6 +35,7 @@
 use crate::error::ActorError;
 use crate::node::{Node, PeerEvent};
 use actix::prelude::*;
+use baton_ipc::{host, process};
 use baton_messages::ProcessId;
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
@@ -168,6 +178,18 @@ pub enum SupervisorEvent {
         /// How it ended: an exit code, or the signal that killed it.
         status: String,
     },
+    /// A dead child's named host segments were removed (it was killed before its `Drop`
+    /// could unlink them). Sent only when something was removed, before any restart.
+    Swept {
+        /// Its name.
+        name: String,
+        /// Its pid.
+        pid: u32,
+        /// Segments removed.
+        segments: usize,
+        /// Bytes they held.
+        bytes: u64,
+    },
     /// The restart limit was exceeded: all children were killed and the supervisor stops.
     Escalated {
         /// Restarts seen within the window.
@@ -190,6 +212,7 @@ pub struct ChildStatus {
 
 struct Running {
     pid: u32,
+    /// Its identity (pid and start time): for the ledger, kills and the sweep after its death.
     process: ProcessId,
     incarnation: u64,
     pidfd: Arc<OwnedFd>,
@@ -292,17 +315,29 @@ impl ProcessSupervisor {
             name: spec.name.clone(),
             source,
         };
-        let (token_key, token) = self.node.session().child_env();
         let mut cmd = Command::new(&spec.program);
-        cmd.args(&spec.args)
-            .env(token_key, token)
-            .env(CHILD_NAME_ENV, &spec.name);
+        cmd.args(&spec.args).env(CHILD_NAME_ENV, &spec.name);
         if let Some(path) = &self.connect {
             cmd.env(CONNECT_ENV, path);
         }
         cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
-        let mut child: Child = cmd.spawn().map_err(spawn_err)?;
+        // Last, so that no spec puts the token in the environment.
+        self.node
+            .session()
+            .pass_to(&mut cmd)
+            .map_err(|e| spawn_err(std::io::Error::other(e)))?;
+        let mut child: Child = baton_ipc::spawn::spawn_tied(cmd).map_err(spawn_err)?;
         let pid = child.id();
+        // Not reaped yet (only the reaper below waits for it), so its stat is readable.
+        let start_ticks = process::start_ticks(pid).unwrap_or_else(|| {
+            tracing::warn!(child = %spec.name, pid, "no start time: its segments will not be swept");
+            0
+        });
+        let child_process = ProcessId {
+            boot: process::boot_id(),
+            pid,
+            start_ticks,
+        };
         let pidfd = rustix::process::Pid::from_raw(pid as i32)
             .ok_or_else(|| spawn_err(std::io::Error::other("pid 0")))
             .and_then(|p| {
@@ -318,13 +353,9 @@ impl ProcessSupervisor {
                 return Err(e);
             }
         };
-        // Not reaped until the reaper thread waits for it, so its pid is still its own.
-        let process = ProcessId {
-            boot: baton_ipc::process::boot_id(),
-            pid,
-            start_ticks: baton_ipc::process::start_ticks(pid).unwrap_or(0),
-        };
-        self.node.exports().supervise(process, Arc::clone(&pidfd));
+        self.node
+            .exports()
+            .supervise(child_process, Arc::clone(&pidfd));
         self.incarnation += 1;
         let incarnation = self.incarnation;
         let addr = ctx.address();
@@ -335,7 +366,7 @@ impl ProcessSupervisor {
                 let status = child.wait().ok();
                 addr.do_send(ChildExited {
                     name,
-                    process,
+                    process: child_process,
                     incarnation,
                     status,
                 });
@@ -348,7 +379,7 @@ impl ProcessSupervisor {
             spec.name.clone(),
             Running {
                 pid,
-                process,
+                process: child_process,
                 incarnation,
                 pidfd,
                 reaper: Some(reaper),
@@ -357,7 +388,7 @@ impl ProcessSupervisor {
         self.emit(SupervisorEvent::Started {
             name: spec.name.clone(),
             pid,
-            process,
+            process: child_process,
             restarts,
         });
         Ok(())
@@ -370,6 +401,26 @@ impl ProcessSupervisor {
             ctx.run_later(Duration::from_millis(100), move |act, ctx| {
                 act.on_death(&spec.name, ctx);
             });
+        }
+    }
+
+    /// Removes a dead child's named host segments (its `Drop` never ran), before any
+    /// restart; tells subscribers if there were any.
+    fn sweep(&self, name: &str, child: &ProcessId) {
+        match host::sweep_process(child) {
+            Ok(report) if !report.removed.is_empty() => {
+                tracing::info!(child = %name, pid = child.pid, segments = report.removed.len(), bytes = report.removed_bytes, "swept a dead child's segments");
+                self.emit(SupervisorEvent::Swept {
+                    name: name.to_owned(),
+                    pid: child.pid,
+                    segments: report.removed.len(),
+                    bytes: report.removed_bytes,
+                });
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(child = %name, pid = child.pid, error = %e, "could not sweep a dead child's segments");
+            }
         }
     }
 
@@ -436,10 +487,12 @@ impl Actor for ProcessSupervisor {
     fn stopped(&mut self, _ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
         self.stopping = true;
-        for (name, mut running) in self.running.drain() {
+        let running: Vec<(String, Running)> = self.running.drain().collect();
+        for (name, mut running) in running {
             Self::kill(&running);
             let status = running.reaper.take().and_then(|r| r.join().ok()).flatten();
             self.node.process_exited(running.process);
+            self.sweep(&name, &running.process);
             tracing::info!(child = %name, pid = running.pid, status = %describe(status), "child stopped with the supervisor");
         }
     }
@@ -449,6 +502,7 @@ impl Actor for ProcessSupervisor {
 #[rtype(result = "()")]
 struct ChildExited {
     name: String,
+    /// The child (reaped by now).
     process: ProcessId,
     incarnation: u64,
     status: Option<ExitStatus>,
@@ -474,6 +528,8 @@ impl Handler<ChildExited> for ProcessSupervisor {
             process: msg.process,
             status,
         });
+        // Before any restart: what it left in /dev/shm goes now.
+        self.sweep(&msg.name, &msg.process);
         let current = self
             .running
             .get(&msg.name)

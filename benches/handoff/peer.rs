@@ -25,17 +25,16 @@ impl PeerProcess {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Res<PeerProcess> {
-        let (key, token) = session.child_env();
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.arg("peer")
             .arg(role)
             .args(args)
-            .env(key, token)
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
         for (k, v) in env {
             cmd.env(k, v);
         }
+        session.pass_to(&mut cmd)?;
         let mut child = cmd.spawn()?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
         let (tx, lines) = mpsc::channel();

@@ -39,7 +39,7 @@ use baton::actors::{
     RemoteMessage, Restart, RestartPolicy, Shared, Strategy, SupervisorEvent,
 };
 use baton::ipc::cuda::{CudaBackend, CudaExport};
-use baton::ipc::{Backend, HostBackend, SharedBackend, host};
+use baton::ipc::{Backend, HostBackend, HostFlavor, SharedBackend, host};
 use baton::messages::Shape;
 use baton::{Session, SocketDir};
 use scene::TileRect;
@@ -386,11 +386,11 @@ async fn connect_retrying(node: &Node, path: &Path) -> Res<baton::actors::Peer> 
     }
 }
 
-fn worker(opts: Options, index: u32, sockets: PathBuf) -> Res<()> {
+fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<()> {
     let system = System::new();
     system.block_on(async move {
         let (backend, cuda) = backend(&opts.backend)?;
-        let node = Node::new(Session::from_env()?, backend);
+        let node = Node::new(session, backend);
         let owner = BufferOwner::new(&node).start();
         let staging = match (&cuda, opts.staged) {
             (Some(_), true) => {
@@ -518,10 +518,10 @@ impl Canvas {
     }
 }
 
-fn compositor(opts: Options, sockets: PathBuf) -> Res<()> {
+fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
     System::new().block_on(async move {
         let (backend, cuda) = backend(&opts.backend)?;
-        let node = Node::new(Session::from_env()?, backend);
+        let node = Node::new(session, backend);
         let owner = BufferOwner::new(&node).start();
         let roster = Roster::default();
         node.register::<Join>("join", Joins(roster.clone()).start().recipient());
@@ -658,8 +658,7 @@ struct Root {
     last_print: Instant,
     rng: u64,
     done: Option<tokio::sync::oneshot::Sender<Done>>,
-    namespace: String,
-    /// Segments of killed children removed, and their bytes.
+    /// Segments of killed children the supervisor removed, and their bytes.
     swept: (usize, u64),
 }
 
@@ -704,19 +703,13 @@ impl Handler<SupervisorEvent> for Root {
     fn handle(&mut self, e: SupervisorEvent, _: &mut Context<Self>) {
         match e {
             SupervisorEvent::Started { restarts, .. } if restarts > 0 => self.restarts += 1,
-            SupervisorEvent::Exited { .. } => {
-                // A killed child could not unlink its segments: remove them now.
-                if let Ok(r) = host::sweep(&self.namespace) {
-                    self.swept.0 += r.removed.len();
-                    self.swept.1 += r.removed_bytes;
-                    if !r.removed.is_empty() {
-                        tracing::info!(
-                            segments = r.removed.len(),
-                            bytes = r.removed_bytes,
-                            "swept a dead child's segments"
-                        );
-                    }
-                }
+            // A killed child could not unlink its named segments: the supervisor removed
+            // them before restarting it. (Memfd memory needs no sweep.)
+            SupervisorEvent::Swept {
+                segments, bytes, ..
+            } => {
+                self.swept.0 += segments;
+                self.swept.1 += bytes;
             }
             _ => {}
         }
@@ -739,7 +732,8 @@ fn root(opts: Options) -> Res<()> {
             None => None,
         };
         let session = Session::generate()?;
-        let node = Node::new(session, Arc::new(HostBackend::with_namespace(&namespace)?));
+        let host_flavor = HostFlavor::from_env()?;
+        let node = Node::new(session, Arc::new(HostBackend::with_flavor(host_flavor, &namespace)?));
         let tmp = std::env::temp_dir().join(format!("baton-renderer-{}", std::process::id()));
         let dir = SocketDir::create(&tmp)?;
         let listening = node.listen(&dir, "root.sock")?;
@@ -759,7 +753,7 @@ fn root(opts: Options) -> Res<()> {
 
         let (tx, rx) = tokio::sync::oneshot::channel();
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 | 1;
-        let root = Root { opts: opts.clone(), supervisor: None, restarts: 0, last_print: Instant::now(), rng: seed, done: Some(tx), namespace: namespace.clone(), swept: (0, 0) }.start();
+        let root = Root { opts: opts.clone(), supervisor: None, restarts: 0, last_print: Instant::now(), rng: seed, done: Some(tx), swept: (0, 0) }.start();
         node.register::<Progress>("progress", root.clone().recipient());
         node.register::<Done>("done", root.clone().recipient());
         let budget = (opts.frames / opts.chaos.unwrap_or(u64::MAX).max(1)) as u32 + 5;
@@ -796,9 +790,12 @@ fn root(opts: Options) -> Res<()> {
         drop(listening);
         let _ = std::fs::remove_dir_all(&tmp);
 
+        // Every child is reaped: what is left is named segments nobody unlinked, and memfds
+        // this process still maps or holds (the children's went with them).
         let swept = host::sweep(&namespace)?;
         let left = host::list_segments(&namespace)?;
-        let leaked_host: u64 = left.iter().map(|s| s.size).sum();
+        let held = host::memfd_usage(std::process::id(), &namespace)?;
+        let leaked_host: u64 = left.iter().map(|s| s.size).sum::<u64>() + held.mapped_bytes;
         let leaked_device = match (&cuda, baseline) {
             (Some(c), Some(base)) => {
                 // The driver frees a dead process's memory asynchronously: poll a while.
@@ -833,11 +830,15 @@ fn root(opts: Options) -> Res<()> {
             summary.cache_hits
         );
         match leaked_device {
-            Some(d) => println!("leaked bytes      {d} (device free memory vs baseline) + {leaked_host} (host segments)"),
+            Some(d) => println!("leaked bytes      {d} (device free memory vs baseline) + {leaked_host} (host memory)"),
             None => println!(
-                "leaked bytes      {leaked_host} (host segments left; {} segments, {} bytes of killed children swept)",
-                swept_during.0 + swept.removed.len(),
-                swept_during.1 + swept.removed_bytes
+                "leaked bytes      {leaked_host} ({} host memory: {} segments left, {} memfd bytes still mapped here; the supervisor swept {} segments ({} bytes) of killed children, the final sweep {})",
+                host_flavor.name(),
+                left.len(),
+                held.mapped_bytes,
+                swept_during.0,
+                swept_during.1,
+                swept.removed.len()
             ),
         }
         if let Some(v) = &summary.verify {
@@ -885,14 +886,18 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // A child's entry point: take the session token from the pipe the supervisor passed
+    // (and close it) before anything else.
+    let child_session = || Session::from_env().map_err(|e| -> Box<dyn Error> { e.into() });
     let result = Options::parse(&args).and_then(|opts| {
         let sockets = arg_of(&args, "--sockets").map(PathBuf::from);
         match arg_of(&args, "--role") {
             None | Some("root") => root(opts),
-            Some("compositor") => compositor(opts, sockets.ok_or("--sockets")?),
+            Some("compositor") => compositor(child_session()?, opts, sockets.ok_or("--sockets")?),
             Some("worker") => {
+                let session = child_session()?;
                 let index = arg_of(&args, "--index").ok_or("--index")?.parse()?;
-                worker(opts, index, sockets.ok_or("--sockets")?)
+                worker(session, opts, index, sockets.ok_or("--sockets")?)
             }
             Some(other) => Err(format!("unknown role {other}").into()),
         }

@@ -165,6 +165,16 @@ pub enum Error {
         /// Bytes the segment has.
         actual: u64,
     },
+    /// A host memory descriptor that could change size under its mapping: not a memfd, or
+    /// one without the seals against shrinking and growing that every Baton memfd carries.
+    /// Mapping it would let its sender make our accesses fault (`SIGBUS`) by truncating it.
+    #[error(
+        "{exporter} sent host memory that is not a memfd sealed against shrinking and growing: refused"
+    )]
+    UnsealedMemory {
+        /// The exporter the handle names.
+        exporter: ExporterId,
+    },
     /// A host segment name does not belong to the exporter the handle names.
     #[error("segment name does not belong to exporter {exporter}")]
     SegmentOwnerMismatch {
@@ -273,6 +283,7 @@ impl Error {
                 | Error::MissingFds { .. }
                 | Error::UnexpectedFds
                 | Error::MissingFdSlot { .. }
+                | Error::UnsealedMemory { .. }
                 | Error::BadToken
                 | Error::PeerNotAllowed { .. }
         )

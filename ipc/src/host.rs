@@ -1,84 +1,166 @@
-//! The host backend: zero-copy CPU buffers between processes, in named POSIX
-//! shared-memory segments (`/dev/shm`), made and mapped with the `shared_memory` crate.
+//! The host backend: zero-copy CPU buffers between processes, in one of two flavors.
 //!
-//! A segment's name carries its owner's identity, `/<namespace>.<pid>.<start ticks>.<alloc>.<random>`,
-//! so that:
-//! - an importer checks the segment belongs to the exporter the (sealed) handle names;
-//! - [`sweep`] can remove the segments of owners that died without running `Drop`
-//!   (SIGKILL), and never those of a live owner, even one that reuses a dead owner's pid
-//!   (the start time differs).
+//! | | [`memfd`](HostFlavor::Memfd) (Linux, the default there) | [`named`](HostFlavor::Named) (portable) |
+//! |---|---|---|
+//! | allocate | `memfd_create`, `ftruncate`, seals against shrinking and growing | a named POSIX segment (`shared_memory`) |
+//! | raw handle | [`RawHandle::HostMemfd`]: a descriptor slot; the fd crosses the link by `SCM_RIGHTS` | [`RawHandle::HostSegment`]: the segment's name |
+//! | importer checks | seals (`F_GET_SEALS`) and size (`fstat`) before `mmap` | the name's owner is the exporter, size |
+//! | another process of the user can | nothing: it has no name to find | list names in `/dev/shm`, shrink a segment under an importer (`SIGBUS`) |
+//! | after SIGKILL of every process | nothing left: the kernel frees it with its last holder | names left in `/dev/shm` until [`sweep`]/[`sweep_process`] |
 //!
-//! The owner's [`Allocation`] unlinks the segment on drop; importers' mappings stay valid
-//! until they unmap (the kernel frees the pages with the last mapping).
+//! The flavor is chosen at run time: [`HOST_ENV`] (`BATON_HOST=memfd|named`) for
+//! [`HostBackend::new`], or explicitly with [`HostBackend::with_flavor`].
+//! [`HostBackend::with_namespace`] always makes the named flavor (a namespace is what
+//! segments are named, counted and swept in).
+//!
+//! One [`HostBackend`] *opens* host handles of both kinds, whatever flavor it allocates
+//! in: a process that allocates named segments (or CUDA memory, whose node adds a host
+//! importer) still imports a memfd peer's buffers, and the other way round. Both flavors
+//! declare [`FreeWhileMapped::Survives`]: an exporter's free leaves importers' mappings,
+//! and the pages under them, in place.
 //!
 //! # Safety
 //!
-//! This module holds the host backend's `unsafe` code, all of it about one mapping:
-//! - a segment is mapped `MAP_SHARED` read-write for its whole size by `shared_memory`,
-//!   and stays mapped until the `Shmem` that mapped it drops; the `Mapping` owns that
-//!   `Shmem`, so its base pointer is valid for `size` bytes for the mapping's lifetime;
+//! This module holds the `unsafe` code that touches a host mapping's bytes (`Mapping`):
+//! - a `Backing` keeps its region mapped `MAP_SHARED` read-write for `size()` bytes from
+//!   `base()` for as long as it lives (each flavor's module says how), and the `Mapping`
+//!   owns its backing, so the base pointer is valid for `size` bytes for the mapping's life;
 //! - every copy is bounds-checked by the caller ([`Allocation`] and [`OpenedMem`] check
 //!   `offset + len <= size` before calling in) and done with raw-pointer copies, never
 //!   through Rust references to the shared bytes, because other processes may write them
 //!   at any time. A racing writer yields torn bytes, never invalid values: only `u8`s
-//!   cross the boundary.
-//! - a segment shrunk by a hostile process of the same user after we mapped it would make
-//!   an access fault (`SIGBUS`); named segments cannot be sealed against that. Only
-//!   processes of an allowed uid holding the session token can learn segment names.
+//!   cross the boundary;
+//! - a named segment shrunk by a hostile process of the same user after we mapped it would
+//!   make an access fault (`SIGBUS`); named segments cannot be sealed against that (only
+//!   processes of an allowed uid holding the session token can learn their names). A memfd
+//!   is mapped only once its seals forbid any size change.
+
+#[cfg(target_os = "linux")]
+mod memfd;
+mod named;
+
+#[cfg(target_os = "linux")]
+pub use memfd::{MemfdUsage, memfd_usage};
+pub(crate) use named::SegmentOwner;
+pub use named::{
+    DEFAULT_NAMESPACE, NAMESPACE_ENV, SegmentInfo, SweepReport, list_segments, sweep, sweep_process,
+};
 
 use crate::backend::{
     Allocation, Backend, ExportableMemory, FreeWhileMapped, MemPtr, OpenedMem, RawMemory,
 };
-use crate::process::{self, Liveness};
 use crate::session::CheckedHandle;
 use crate::{Error, Result};
-use baton_messages::{AllocationId, BackendKind, DeviceUuid, RawHandle, SegmentName};
-use shared_memory::{Shmem, ShmemConf, ShmemError};
+use baton_messages::{BackendKind, DeviceUuid, RawHandle};
 use std::fmt;
-use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The environment variable that sets the default segment namespace.
-pub const NAMESPACE_ENV: &str = "BATON_SHM_NAMESPACE";
-/// The namespace used when none is set.
-pub const DEFAULT_NAMESPACE: &str = "baton";
-const SHM_DIR: &str = "/dev/shm";
+/// The environment variable that picks the host flavor [`HostBackend::new`] allocates in:
+/// `memfd` or `named` (default: `memfd` on Linux, `named` elsewhere).
+pub const HOST_ENV: &str = "BATON_HOST";
 
-/// Checks a namespace: 1 to 32 of `[A-Za-z0-9_-]` (no dots: they separate name fields).
-fn valid_namespace(ns: &str) -> bool {
-    (1..=32).contains(&ns.len())
-        && ns
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+/// How the host backend makes shareable memory (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HostFlavor {
+    /// Sealed `memfd`s shared by descriptor (Linux): nothing to list, shrink or leak.
+    Memfd,
+    /// Named POSIX shared-memory segments: portable, but listable, shrinkable by the same
+    /// user, and left in `/dev/shm` by owners killed before their `Drop` until swept.
+    Named,
 }
 
-/// The host shared-memory backend.
+impl HostFlavor {
+    /// `memfd` on Linux, `named` elsewhere.
+    pub const fn platform_default() -> Self {
+        if cfg!(target_os = "linux") {
+            Self::Memfd
+        } else {
+            Self::Named
+        }
+    }
+
+    /// Parses `memfd` or `named` (any case); empty means the platform default.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" => Some(Self::platform_default()),
+            "memfd" => Some(Self::Memfd),
+            "named" => Some(Self::Named),
+            _ => None,
+        }
+    }
+
+    /// The flavor in [`HOST_ENV`], the platform default if unset.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] if the variable holds something else.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(HOST_ENV) {
+            Err(_) => Ok(Self::platform_default()),
+            Ok(v) => Self::parse(&v).ok_or_else(|| Error::BackendUnavailable {
+                backend: "host",
+                reason: format!("{HOST_ENV}={v:?} is not one of memfd, named"),
+            }),
+        }
+    }
+
+    /// `"memfd"` or `"named"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Memfd => "memfd",
+            Self::Named => "named",
+        }
+    }
+}
+
+/// The host shared-memory backend: allocates in its [`HostFlavor`], opens host handles of
+/// both flavors.
 #[derive(Debug)]
 pub struct HostBackend {
+    flavor: HostFlavor,
     namespace: String,
     opens: AtomicU64,
 }
 
 impl HostBackend {
-    /// A host backend in the namespace from [`NAMESPACE_ENV`], else [`DEFAULT_NAMESPACE`].
+    /// A host backend in the flavor from [`HOST_ENV`] (default: memfd on Linux) and the
+    /// namespace from [`NAMESPACE_ENV`], else [`DEFAULT_NAMESPACE`].
     ///
     /// # Errors
-    /// [`Error::BackendUnavailable`] if the variable holds an invalid namespace.
+    /// [`Error::BackendUnavailable`] if either variable holds an invalid value.
     pub fn new() -> Result<Self> {
         let ns = std::env::var(NAMESPACE_ENV).unwrap_or_else(|_| DEFAULT_NAMESPACE.to_owned());
-        Self::with_namespace(&ns)
+        Self::with_flavor(HostFlavor::from_env()?, &ns)
     }
 
-    /// A host backend whose segments are named in `namespace` (1 to 32 of
-    /// `[A-Za-z0-9_-]`). Separate namespaces keep deployments (and tests) from counting
-    /// or sweeping each other's segments.
+    /// A host backend of the named flavor whose segments are named in `namespace` (1 to 32
+    /// of `[A-Za-z0-9_-]`), whatever [`HOST_ENV`] says. Separate namespaces keep
+    /// deployments (and tests) from counting or sweeping each other's segments.
     ///
     /// # Errors
     /// [`Error::BackendUnavailable`] for an invalid namespace.
     pub fn with_namespace(namespace: &str) -> Result<Self> {
-        if !valid_namespace(namespace) {
+        Self::with_flavor(HostFlavor::Named, namespace)
+    }
+
+    /// A host backend of the memfd flavor, labelled with the namespace from
+    /// [`NAMESPACE_ENV`] (see [`memfd_usage`]).
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] off Linux, or for an invalid namespace.
+    pub fn memfd() -> Result<Self> {
+        let ns = std::env::var(NAMESPACE_ENV).unwrap_or_else(|_| DEFAULT_NAMESPACE.to_owned());
+        Self::with_flavor(HostFlavor::Memfd, &ns)
+    }
+
+    /// A host backend of `flavor` in `namespace`: the segments' namespace (named), or the
+    /// label in the memfds' names that [`memfd_usage`] counts by (memfd).
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] for an invalid namespace, or for memfd off Linux.
+    pub fn with_flavor(flavor: HostFlavor, namespace: &str) -> Result<Self> {
+        if !named::valid_namespace(namespace) {
             return Err(Error::BackendUnavailable {
                 backend: "host",
                 reason: format!(
@@ -86,34 +168,33 @@ impl HostBackend {
                 ),
             });
         }
+        if flavor == HostFlavor::Memfd && !cfg!(target_os = "linux") {
+            return Err(Error::BackendUnavailable {
+                backend: "host",
+                reason: format!("memfd host memory needs Linux: set {HOST_ENV}=named"),
+            });
+        }
         Ok(Self {
+            flavor,
             namespace: namespace.to_owned(),
             opens: AtomicU64::new(0),
         })
     }
 
-    /// The segment namespace.
+    /// The flavor it allocates in.
+    pub fn flavor(&self) -> HostFlavor {
+        self.flavor
+    }
+
+    /// The namespace.
     pub fn namespace(&self) -> &str {
         &self.namespace
     }
 
-    /// How many segments this backend has mapped for importers (each is one `shm_open` +
+    /// How many mappings this backend has made for importers, of either flavor (each is one
     /// `mmap`; the import cache makes repeats free).
     pub fn opens(&self) -> u64 {
         self.opens.load(Ordering::Relaxed)
-    }
-
-    fn segment_name(&self, alloc: AllocationId) -> Result<SegmentName> {
-        let me = process::current();
-        let tag = u64::from_le_bytes(crate::session::random_bytes()?);
-        let name = format!(
-            "/{}.{}.{}.{}.{tag:016x}",
-            self.namespace,
-            me.pid,
-            me.start_ticks,
-            alloc.get()
-        );
-        Ok(SegmentName::new(name).expect("namespace and numbers make a valid segment name"))
     }
 }
 
@@ -134,109 +215,85 @@ impl Backend for HostBackend {
         if size == 0 {
             return Err(Error::ZeroSize);
         }
-        let id = Allocation::reserve_id();
-        let name = self.segment_name(id)?;
-        let shmem = ShmemConf::new()
-            .os_id(name.as_str())
-            .size(size)
-            .create()
-            .map_err(|e| Error::Shm(format!("creating a {size}-byte segment: {e}")))?;
-        let mapping = Mapping::new(shmem, Some(name))?;
-        tracing::debug!(alloc = %id, size, "host segment created");
-        Ok(Allocation::with_id(
-            id,
-            BackendKind::Host,
-            DeviceUuid::HOST,
-            Box::new(mapping),
-        ))
+        match self.flavor {
+            HostFlavor::Named => named::allocate(&self.namespace, size),
+            #[cfg(target_os = "linux")]
+            HostFlavor::Memfd => memfd::allocate(&self.namespace, size),
+            #[cfg(not(target_os = "linux"))]
+            HostFlavor::Memfd => unreachable!("with_flavor refuses memfd off Linux"),
+        }
     }
 
-    fn open(&self, handle: CheckedHandle<'_>, _fd: Option<OwnedFd>) -> Result<OpenedMem> {
-        let RawHandle::HostSegment(name) = &handle.raw else {
-            return Err(Error::UnsupportedBackend {
-                kind: handle.backend,
-            });
+    fn open(&self, handle: CheckedHandle<'_>, fd: Option<OwnedFd>) -> Result<OpenedMem> {
+        let opened = match &handle.raw {
+            RawHandle::HostSegment(name) => named::open(&handle, name)?,
+            #[cfg(target_os = "linux")]
+            RawHandle::HostMemfd { .. } => memfd::open(&handle, fd)?,
+            _ => {
+                return Err(Error::UnsupportedBackend {
+                    kind: handle.backend,
+                });
+            }
         };
-        let owner = SegmentOwner::parse(name.as_str().trim_start_matches('/'));
-        let expected = handle.exporter.process;
-        if !owner.is_some_and(|o| o.pid == expected.pid && o.start_ticks == expected.start_ticks) {
-            return Err(Error::SegmentOwnerMismatch {
-                exporter: handle.exporter,
-            });
-        }
-        let shmem = ShmemConf::new()
-            .os_id(name.as_str())
-            .open()
-            .map_err(|e| match e {
-                ShmemError::MapOpenFailed(code)
-                    if code == rustix::io::Errno::NOENT.raw_os_error() as u32 =>
-                {
-                    Error::SegmentNotFound {
-                        exporter: handle.exporter,
-                        alloc: handle.alloc,
-                    }
-                }
-                other => Error::Shm(format!("opening a segment: {other}")),
-            })?;
-        if (shmem.len() as u64) < handle.alloc_size {
-            return Err(Error::MemoryTooSmall {
-                claimed: handle.alloc_size,
-                actual: shmem.len() as u64,
-            });
-        }
         self.opens.fetch_add(1, Ordering::Relaxed);
-        let mapping = Mapping::new(shmem, None)?;
-        Ok(OpenedMem::new(&handle, Box::new(mapping)))
+        Ok(opened)
     }
 }
 
-/// One mapped segment: the owner's (which unlinks on drop) or an importer's.
-struct Mapping {
-    /// Keeps the mapping (and, for the owner, the name) alive; unmaps and unlinks on drop.
-    #[expect(
-        dead_code,
-        reason = "held for its Drop: munmap, and shm_unlink for the owner"
-    )]
-    shmem: Shmem,
+/// What keeps a host mapping mapped: one per flavor. Implementors guarantee that
+/// `base()..base()+size()` stays mapped read-write, `MAP_SHARED`, while they live (see
+/// the module's `# Safety`).
+trait Backing: Send + Sync + 'static {
+    /// The mapping's first byte.
+    fn base(&self) -> Result<NonNull<u8>>;
+    /// Bytes mapped.
+    fn size(&self) -> usize;
+    /// Whether this is the exporter's mapping (which can make raw handles).
+    fn is_owner(&self) -> bool;
+    /// The raw handle importers open (owner only).
+    fn raw_handle(&self, fd_slot: Option<u8>) -> Result<RawHandle>;
+    /// The descriptor to send beside the frame (memfd owner only).
+    fn export_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+}
+
+/// One mapped region of host shared memory, the owner's or an importer's.
+struct Mapping<B: Backing> {
     base: NonNull<u8>,
     size: usize,
-    /// The segment's name, for the owner (importers never need it again).
-    name: Option<SegmentName>,
+    backing: B,
 }
 
-// SAFETY: `Shmem` is `!Send` only because it holds a raw pointer. The mapping it owns is
-// process-wide (any thread may access or unmap it), and every access goes through
-// bounds-checked raw copies, so moving the owner to another thread is sound.
-unsafe impl Send for Mapping {}
+// SAFETY: the base pointer points into a process-wide shared mapping that `backing` (which
+// is `Send`) keeps alive; every access is a bounds-checked raw copy, so moving the mapping
+// to another thread is sound.
+unsafe impl<B: Backing> Send for Mapping<B> {}
 // SAFETY: `&Mapping` only allows raw copies into and out of the shared bytes, which are
 // plain `u8`s that other processes write concurrently anyway; no Rust reference to them
 // is ever formed, so concurrent use from several threads adds no hazard.
-unsafe impl Sync for Mapping {}
+unsafe impl<B: Backing> Sync for Mapping<B> {}
 
-impl Mapping {
-    fn new(shmem: Shmem, name: Option<SegmentName>) -> Result<Self> {
-        let base = NonNull::new(shmem.as_ptr())
-            .ok_or_else(|| Error::Shm("segment mapped at null".into()))?;
-        let size = shmem.len();
+impl<B: Backing> Mapping<B> {
+    fn new(backing: B) -> Result<Self> {
         Ok(Self {
-            shmem,
-            base,
-            size,
-            name,
+            base: backing.base()?,
+            size: backing.size(),
+            backing,
         })
     }
 }
 
-impl fmt::Debug for Mapping {
+impl<B: Backing> fmt::Debug for Mapping<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostMapping")
             .field("size", &self.size)
-            .field("owner", &self.name.is_some())
+            .field("owner", &self.backing.is_owner())
             .finish()
     }
 }
 
-impl RawMemory for Mapping {
+impl<B: Backing> RawMemory for Mapping<B> {
     fn size(&self) -> usize {
         self.size
     }
@@ -248,7 +305,7 @@ impl RawMemory for Mapping {
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         debug_assert!(offset + dst.len() <= self.size);
         // SAFETY: the caller checked `offset + dst.len() <= size`; the mapping is valid for
-        // `size` bytes while `self.shmem` lives (module overview); `dst` is a distinct
+        // `size` bytes while `self.backing` lives (module overview); `dst` is a distinct
         // local buffer, so the ranges cannot overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -276,7 +333,7 @@ impl RawMemory for Mapping {
     fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
         debug_assert!(offset + len <= self.size);
         // SAFETY: the caller checked `offset + len <= size`; the mapping is writable and
-        // valid for `size` bytes while `self.shmem` lives.
+        // valid for `size` bytes while `self.backing` lives.
         unsafe {
             std::ptr::write_bytes(self.base.as_ptr().wrapping_add(offset), byte, len);
         }
@@ -284,129 +341,20 @@ impl RawMemory for Mapping {
     }
 }
 
-impl ExportableMemory for Mapping {
-    /// Unlinking and unmapping the owner's segment leaves importers' mappings (and the
-    /// pages under them) in place.
+impl<B: Backing> ExportableMemory for Mapping<B> {
+    /// Freeing the owner's memory (unlinking and unmapping a segment, closing and
+    /// unmapping a memfd) leaves importers' mappings, and the pages under them, in place.
     fn free_while_mapped(&self) -> FreeWhileMapped {
         FreeWhileMapped::Survives
     }
 
-    fn raw_handle(&self, _fd_slot: Option<u8>) -> Result<RawHandle> {
-        self.name
-            .clone()
-            .map(RawHandle::HostSegment)
-            .ok_or_else(|| Error::Shm("an imported mapping cannot be exported again".into()))
+    fn raw_handle(&self, fd_slot: Option<u8>) -> Result<RawHandle> {
+        self.backing.raw_handle(fd_slot)
     }
-}
 
-/// The owner a segment name records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct SegmentOwner {
-    pid: u32,
-    start_ticks: u64,
-}
-
-impl SegmentOwner {
-    /// Parses `<namespace>.<pid>.<start>.<alloc>.<tag>` (no leading slash).
-    pub(crate) fn parse(name: &str) -> Option<Self> {
-        let mut parts = name.split('.');
-        let ns = parts.next()?;
-        let pid = parts.next()?.parse().ok()?;
-        let start_ticks = parts.next()?.parse().ok()?;
-        let _alloc: u64 = parts.next()?.parse().ok()?;
-        let tag = parts.next()?;
-        let ok = valid_namespace(ns) && tag.len() == 16 && parts.next().is_none();
-        ok.then_some(Self { pid, start_ticks })
+    fn export_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.backing.export_fd()
     }
-}
-
-/// A Baton segment present in `/dev/shm`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SegmentInfo {
-    /// The segment's name (without the leading `/`).
-    pub name: String,
-    /// Its owner's pid.
-    pub owner_pid: u32,
-    /// Whether the owner still runs.
-    pub owner: Liveness,
-    /// Size in bytes.
-    pub size: u64,
-}
-
-/// The Baton segments of `namespace` present now.
-///
-/// # Errors
-/// [`Error::Io`] if `/dev/shm` cannot be read.
-pub fn list_segments(namespace: &str) -> Result<Vec<SegmentInfo>> {
-    list_segments_in(Path::new(SHM_DIR), namespace)
-}
-
-fn list_segments_in(dir: &Path, namespace: &str) -> Result<Vec<SegmentInfo>> {
-    let prefix = format!("{namespace}.");
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(Error::io("reading /dev/shm"))? {
-        let Ok(entry) = entry else { continue };
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(&prefix) {
-            continue;
-        }
-        let Some(owner) = SegmentOwner::parse(name) else {
-            continue;
-        };
-        out.push(SegmentInfo {
-            name: name.to_owned(),
-            owner_pid: owner.pid,
-            owner: process::liveness_of(owner.pid, owner.start_ticks),
-            size: entry.metadata().map(|m| m.len()).unwrap_or(0),
-        });
-    }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
-}
-
-/// What a [`sweep`] did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct SweepReport {
-    /// Segments of dead owners that were removed.
-    pub removed: Vec<String>,
-    /// Bytes those segments held.
-    pub removed_bytes: u64,
-    /// Segments left because their owner lives (or liveness is unknown).
-    pub kept: usize,
-}
-
-/// Removes the segments of `namespace` whose owner is dead (it was killed before its
-/// `Drop` could unlink them). A live owner's segments are never touched, even if its pid
-/// was once a dead owner's: the start time tells them apart. Importers that still map a
-/// removed segment keep their mapping; only the name goes.
-///
-/// # Errors
-/// [`Error::Io`] if `/dev/shm` cannot be read. Segments that vanish meanwhile are fine.
-pub fn sweep(namespace: &str) -> Result<SweepReport> {
-    let mut report = SweepReport::default();
-    for seg in list_segments(namespace)? {
-        if seg.owner != Liveness::Dead {
-            report.kept += 1;
-            continue;
-        }
-        match rustix::shm::unlink(format!("/{}", seg.name).as_str()) {
-            Ok(()) | Err(rustix::io::Errno::NOENT) => {
-                tracing::info!(
-                    segment_owner = seg.owner_pid,
-                    bytes = seg.size,
-                    "swept segment of a dead owner"
-                );
-                report.removed_bytes += seg.size;
-                report.removed.push(seg.name);
-            }
-            Err(e) => {
-                tracing::warn!(segment_owner = seg.owner_pid, error = %e, "could not sweep segment");
-                report.kept += 1;
-            }
-        }
-    }
-    Ok(report)
 }
 
 #[cfg(test)]
@@ -415,87 +363,48 @@ mod tests {
     use crate::session::Session;
     use baton_messages::SessionToken;
 
-    fn ns(tag: &str) -> String {
-        format!("unit-{tag}-{}", std::process::id())
-    }
-
     #[test]
-    fn segment_names_round_trip_their_owner() {
-        let b = HostBackend::with_namespace("ns_1-x").unwrap();
-        let name = b.segment_name(AllocationId::new(9)).unwrap();
-        let me = process::current();
+    fn flavors_parse_and_default_by_platform() {
+        assert_eq!(HostFlavor::parse("MEMFD"), Some(HostFlavor::Memfd));
+        assert_eq!(HostFlavor::parse(" named "), Some(HostFlavor::Named));
+        assert_eq!(HostFlavor::parse(""), Some(HostFlavor::platform_default()));
+        assert_eq!(HostFlavor::parse("posix"), None);
+        #[cfg(target_os = "linux")]
+        assert_eq!(HostFlavor::platform_default(), HostFlavor::Memfd);
         assert_eq!(
-            SegmentOwner::parse(name.as_str().trim_start_matches('/')),
-            Some(SegmentOwner {
-                pid: me.pid,
-                start_ticks: me.start_ticks
-            })
+            HostBackend::with_namespace("n").unwrap().flavor(),
+            HostFlavor::Named
         );
-        assert_eq!(SegmentOwner::parse("ns.1.2.3"), None);
-        assert_eq!(SegmentOwner::parse("ns.x.2.3.0123456789abcdef"), None);
-        assert!(HostBackend::with_namespace("has.dot").is_err());
-        assert!(HostBackend::with_namespace("").is_err());
-    }
-
-    #[test]
-    fn allocate_write_open_read_and_unlink_on_drop() {
-        let ns = ns("rw");
-        let b = HostBackend::with_namespace(&ns).unwrap();
-        let session = Session::new(SessionToken::from_bytes([9; 32]));
-        let a = b.allocate(8192).unwrap();
-        a.write(100, b"hello").unwrap();
-        assert!(matches!(
-            a.write(8190, b"xyz"),
-            Err(Error::OutOfBounds { .. })
-        ));
-        let h = a.handle(&session).range(100, 5).build().unwrap();
-        let opened = b.open(session.check(&h).unwrap(), None).unwrap();
-        let mut got = [0; 5];
-        opened.read(100, &mut got).unwrap();
-        assert_eq!(&got, b"hello");
-        opened.write(0, b"reply").unwrap();
-        let mut back = [0; 5];
-        a.read(0, &mut back).unwrap();
-        assert_eq!(&back, b"reply");
-        assert_eq!(list_segments(&ns).unwrap().len(), 1);
-        drop(a);
-        assert_eq!(list_segments(&ns).unwrap().len(), 0);
-        // The importer's mapping outlives the name.
-        opened.read(0, &mut back).unwrap();
-        assert_eq!(&back, b"reply");
-        assert_eq!(b.opens(), 1);
     }
 
     #[test]
     fn zero_size_is_refused() {
-        let b = HostBackend::with_namespace(&ns("zero")).unwrap();
-        assert!(matches!(b.allocate(0), Err(Error::ZeroSize)));
+        for flavor in [HostFlavor::Memfd, HostFlavor::Named] {
+            let b = HostBackend::with_flavor(flavor, "unit-zero").unwrap();
+            assert!(matches!(b.allocate(0), Err(Error::ZeroSize)));
+        }
     }
 
+    /// One backend opens both kinds of host handle, whatever it allocates in.
+    #[cfg(target_os = "linux")]
     #[test]
-    fn sweep_keeps_live_owners() {
-        let ns = ns("sweep");
-        let b = HostBackend::with_namespace(&ns).unwrap();
-        let a = b.allocate(4096).unwrap();
-        let report = sweep(&ns).unwrap();
-        assert_eq!(report.removed.len(), 0);
-        assert_eq!(report.kept, 1);
-        drop(a);
-    }
-
-    #[test]
-    fn listing_ignores_foreign_names() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("ns.1.987654321.3.0123456789abcdef"), b"").unwrap();
-        std::fs::write(dir.path().join("ns.notours"), b"").unwrap();
-        std::fs::write(dir.path().join("other.1.2.3.0123456789abcdef"), b"").unwrap();
-        let segs = list_segments_in(dir.path(), "ns").unwrap();
-        assert_eq!(segs.len(), 1);
-        assert_eq!(segs[0].owner_pid, 1);
-        assert_eq!(
-            segs[0].owner,
-            Liveness::Dead,
-            "pid 1 did not start at tick 987654321"
-        );
+    fn either_flavor_opens_the_other() {
+        let ns = format!("unit-both-{}", std::process::id());
+        let session = Session::new(SessionToken::from_bytes([6; 32]));
+        let memfd = HostBackend::with_flavor(HostFlavor::Memfd, &ns).unwrap();
+        let named = HostBackend::with_namespace(&ns).unwrap();
+        let (m, n) = (memfd.allocate(4096).unwrap(), named.allocate(4096).unwrap());
+        m.fill(0, 4096, 1).unwrap();
+        n.fill(0, 4096, 2).unwrap();
+        let hm = m.handle(&session).build().unwrap();
+        let hn = n.handle(&session).build().unwrap();
+        let fd = m.export_fd().map(|fd| fd.try_clone_to_owned().unwrap());
+        let from_memfd = named.open(session.check(&hm).unwrap(), fd).unwrap();
+        let from_named = memfd.open(session.check(&hn).unwrap(), None).unwrap();
+        assert_eq!(from_memfd.to_vec().unwrap(), vec![1; 4096]);
+        assert_eq!(from_named.to_vec().unwrap(), vec![2; 4096]);
+        assert_eq!(m.free_while_mapped(), FreeWhileMapped::Survives);
+        assert_eq!(n.free_while_mapped(), FreeWhileMapped::Survives);
+        assert!(n.export_fd().is_none(), "a named segment travels by name");
     }
 }

@@ -1,9 +1,10 @@
 //! Baton's memory and transport mechanics.
 //!
-//! - [`Backend`]: make, share and map memory. Two real implementations: [`host`] (named
-//!   POSIX shared memory) and [`cuda`] (device memory: legacy IPC handles, VMM file
-//!   descriptors or stream-ordered pool memory, with fences; always built, used when a
-//!   driver and a GPU are present),
+//! - [`Backend`]: make, share and map memory. Two real implementations: [`host`] (sealed
+//!   `memfd`s shared by descriptor on Linux, named POSIX shared memory elsewhere or on
+//!   request) and [`cuda`] (device memory: legacy IPC handles, VMM file descriptors or
+//!   stream-ordered pool memory, with fences; always built, used when a driver and a GPU
+//!   are present),
 //!   picked at run time by [`select::auto`].
 //! - [`SlabArena`]: many buffers carved from one exported allocation, so an importer maps
 //!   the slab once.
@@ -13,9 +14,12 @@
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
 //! - [`process`]: process identity and liveness that survive pid reuse.
+//! - [`spawn`]: children that die with this process and get the token through a pipe,
+//!   never their environment.
 //!
-//! This crate knows nothing of actors. `unsafe` code lives only in backend modules, each
-//! opening with a `# Safety` overview.
+//! This crate knows nothing of actors. `unsafe` code lives only in backend modules and in
+//! [`spawn`] (`pre_exec` hooks, the inherited token descriptor), each opening with a
+//! `# Safety` overview.
 
 #![deny(unsafe_code)]
 
@@ -33,6 +37,8 @@ pub mod process;
 pub mod select;
 mod session;
 pub mod slab;
+#[allow(unsafe_code)]
+pub mod spawn;
 
 pub use backend::{
     Allocation, Backend, ExportableMemory, FreeWhileMapped, HandleBuilder, MemPtr, OpenedMem,
@@ -43,7 +49,7 @@ pub use cache::{
 };
 pub use cuda::CudaBackend;
 pub use error::{Error, Result};
-pub use host::HostBackend;
+pub use host::{HostBackend, HostFlavor};
 pub use link::{
     AsyncLink, FrameFds, Link, LinkCloser, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred,
     PeerInfo, PeerPolicy, Received, SocketDir,

@@ -13,7 +13,8 @@ pub const BACKEND_ENV: &str = "BATON_BACKEND";
 pub enum BackendChoice {
     /// CUDA when a driver and a device are present, else host.
     Auto,
-    /// Host shared memory.
+    /// Host shared memory, in the flavor [`HOST_ENV`](crate::host::HOST_ENV) picks
+    /// (sealed memfds by default on Linux).
     Host,
     /// CUDA device memory; an error if unavailable.
     Cuda,

@@ -5,15 +5,19 @@ use baton_messages::protocol::{AuthProof, Nonce};
 use baton_messages::{HandleKey, ProcessId, SessionToken};
 use std::fmt;
 
-/// The environment variable through which a parent hands the session token to children
-/// (64 hex digits).
+/// The environment variable a session token may be given in (64 hex digits) by whoever
+/// starts a process by hand. Discouraged: a token there is readable in
+/// `/proc/<pid>/environ` for the process's whole life and inherited by all its children.
+/// Baton's spawners never set it (they remove it) and pass the token through an inherited
+/// pipe instead ([`TOKEN_FD_ENV`](crate::spawn::TOKEN_FD_ENV), [`Session::pass_to`]).
 pub const TOKEN_ENV: &str = "BATON_TOKEN";
 
 /// This process in one deployment: the shared token, the keys derived from it, and who we are.
 ///
 /// The token authenticates links (each side proves it holds it, without sending it) and
 /// keys the digest that seals handle messages. Give every process of a deployment the same
-/// token, e.g. by spawning children with [`Session::child_env`].
+/// token, by spawning children with a command prepared by [`Session::pass_to`] (the
+/// [`ProcessSupervisor`](../baton_actors/supervisor/struct.ProcessSupervisor.html) does).
 #[derive(Clone)]
 pub struct Session {
     token: SessionToken,
@@ -42,22 +46,53 @@ impl Session {
         Ok(Self::new(SessionToken::from_bytes(random_bytes()?)))
     }
 
-    /// The session whose token is in [`TOKEN_ENV`]: for children of a deployment.
+    /// The session a parent handed this process: the child's entry point, called at the
+    /// top of `main` (or through `Node::from_env`).
+    ///
+    /// The token comes from the pipe named in
+    /// [`TOKEN_FD_ENV`](crate::spawn::TOKEN_FD_ENV) (set by [`pass_to`](Self::pass_to)): it
+    /// is read and the pipe closed on the first call, so the token never sits in this
+    /// process's environment or descriptors, and children inherit neither; later calls
+    /// return the same session. Without that variable (or if it names no token pipe of
+    /// ours: a stale variable inherited from a parent), the token is taken from
+    /// [`TOKEN_ENV`], for processes started by hand — with a warning, since the
+    /// environment keeps it.
     ///
     /// # Errors
-    /// [`Error::BadToken`] if the variable is missing or not 64 hex digits.
+    /// [`Error::BadToken`] if neither gives a token.
     pub fn from_env() -> Result<Self> {
-        std::env::var(TOKEN_ENV)
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        match crate::spawn::take_inherited_token() {
+            Some(Ok(token)) => return Ok(Self::new(token)),
+            Some(Err(why)) => {
+                WARNED.call_once(
+                    || tracing::warn!(%why, "no session token in the inherited descriptor"),
+                );
+            }
+            None => {}
+        }
+        let token = std::env::var(TOKEN_ENV)
             .ok()
             .and_then(|hex| SessionToken::from_hex(&hex))
-            .map(Self::new)
-            .ok_or(Error::BadToken)
+            .ok_or(Error::BadToken)?;
+        static LEGACY: std::sync::Once = std::sync::Once::new();
+        LEGACY.call_once(|| {
+            tracing::warn!(
+                "session token taken from {TOKEN_ENV}: it stays readable in /proc/<pid>/environ and is inherited by children; spawn with Session::pass_to instead"
+            );
+        });
+        Ok(Self::new(token))
     }
 
-    /// The variable to set in a child's environment so that [`from_env`](Self::from_env)
-    /// finds this session.
-    pub fn child_env(&self) -> (&'static str, String) {
-        (TOKEN_ENV, self.token.to_hex())
+    /// Prepares `cmd` so that its child's [`from_env`](Self::from_env) finds this session:
+    /// the token goes through a pipe the child inherits (named in
+    /// [`TOKEN_FD_ENV`](crate::spawn::TOKEN_FD_ENV)), never through its environment, and
+    /// [`TOKEN_ENV`] is removed from the child's environment. One command, one child.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the pipe cannot be made.
+    pub fn pass_to(&self, cmd: &mut std::process::Command) -> Result<()> {
+        crate::spawn::pass_token(cmd, &self.token).map_err(Error::io("passing the session token"))
     }
 
     /// The session token.

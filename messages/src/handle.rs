@@ -3,7 +3,7 @@
 //! A handle message is plain data. It names the exporter, the allocation and its
 //! generation, the backend and device, the byte range and typed layout of the buffer, and
 //! carries the backend's raw handle (a segment name, 64 CUDA IPC bytes, or the slot of a
-//! file descriptor sent beside the frame). Raw handles are capabilities: `Debug` never
+//! file descriptor sent beside the frame: a CUDA VMM handle or a sealed host `memfd`). Raw handles are capabilities: `Debug` never
 //! prints them, and every handle is sealed with a keyed digest over all its fields, which
 //! the importer verifies before any driver call. (A CUDA IPC handle with one corrupted byte
 //! was seen to open without error on driver 580, so the driver is no judge of integrity.)
@@ -19,7 +19,8 @@ use std::fmt;
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 #[non_exhaustive]
 pub enum BackendKind {
-    /// A named POSIX shared-memory segment in host memory.
+    /// Host memory: a sealed `memfd` shared by descriptor (Linux) or a named POSIX
+    /// shared-memory segment ([`RawHandle::HostMemfd`], [`RawHandle::HostSegment`]).
     Host,
     /// CUDA device memory shared with a legacy IPC handle (`cuIpcGetMemHandle`).
     CudaLegacy,
@@ -152,6 +153,15 @@ pub enum RawHandle {
         /// The `cuMemPoolExportPointer` data of the allocation.
         ptr: CudaPoolExportData,
     },
+    /// Host backend, `memfd` flavor (Linux): the sealed memory file is the descriptor at
+    /// this index among the descriptors that travelled beside the frame (`SCM_RIGHTS`).
+    /// It has no name, so nothing can list, shrink or leave it behind.
+    HostMemfd {
+        /// Index into the frame's file descriptors; `None` when the importer already maps
+        /// the allocation (the descriptor crossed this link before), so that only a hit in
+        /// its import cache can open it.
+        slot: Option<u8>,
+    },
 }
 
 impl RawHandle {
@@ -162,6 +172,7 @@ impl RawHandle {
             RawHandle::CudaIpc(_) => "CUDA IPC",
             RawHandle::CudaVmmFd { .. } => "CUDA VMM fd",
             RawHandle::CudaPool { .. } => "CUDA pool pointer",
+            RawHandle::HostMemfd { .. } => "host memfd",
         }
     }
 
@@ -172,6 +183,7 @@ impl RawHandle {
             RawHandle::CudaIpc(_) => BackendKind::CudaLegacy,
             RawHandle::CudaVmmFd { .. } => BackendKind::CudaVmm,
             RawHandle::CudaPool { .. } => BackendKind::CudaPool,
+            RawHandle::HostMemfd { .. } => BackendKind::Host,
         }
     }
 
@@ -179,7 +191,7 @@ impl RawHandle {
     /// for handles that carry no descriptor, or whose descriptor the importer already has.
     pub fn fd_slot(&self) -> Option<u8> {
         match self {
-            RawHandle::CudaVmmFd { slot } => *slot,
+            RawHandle::CudaVmmFd { slot } | RawHandle::HostMemfd { slot } => *slot,
             RawHandle::CudaPool { pool_slot, .. } => *pool_slot,
             RawHandle::HostSegment(_) | RawHandle::CudaIpc(_) => None,
         }
@@ -196,6 +208,7 @@ impl fmt::Debug for RawHandle {
                 f,
                 "CudaPool {{ pool: {pool}, pool_slot: {pool_slot:?}, ptr: <redacted> }}"
             ),
+            RawHandle::HostMemfd { slot } => write!(f, "HostMemfd {{ slot: {slot:?} }}"),
             other => write!(f, "{}(<redacted>)", other.kind_name()),
         }
     }
@@ -478,6 +491,28 @@ pub(crate) mod tests {
         assert!(matches!(
             h.validate(),
             Err(Error::UnsupportedVersion { .. })
+        ));
+    }
+
+    #[test]
+    fn a_memfd_handle_is_host_memory_with_a_sealed_slot() {
+        let raw = RawHandle::HostMemfd { slot: Some(2) };
+        assert_eq!(raw.backend(), BackendKind::Host);
+        assert_eq!(raw.fd_slot(), Some(2));
+        assert_eq!(raw.kind_name(), "host memfd");
+        assert_eq!(format!("{raw:?}"), "HostMemfd { slot: Some(2) }");
+        assert_eq!(RawHandle::HostMemfd { slot: None }.fd_slot(), None);
+        let h = sample(raw).sealed(&key());
+        h.check(&key()).unwrap();
+        // The slot is sealed: a relay cannot point the importer at another descriptor.
+        let mut moved = h.clone();
+        moved.raw = RawHandle::HostMemfd { slot: Some(0) };
+        assert!(matches!(moved.verify(&key()), Err(Error::DigestMismatch)));
+        let mut cuda = sample(RawHandle::HostMemfd { slot: None });
+        cuda.backend = BackendKind::CudaVmm;
+        assert!(matches!(
+            cuda.validate(),
+            Err(Error::BackendMismatch { .. })
         ));
     }
 

@@ -1,13 +1,14 @@
 //! The helper process of Baton's actor tests.
 //!
 //! `baton-actor-peer serve [SOCKET] [cooperative|stubborn] [linger]`: starts a node
-//! (session from `BATON_TOKEN`, host segments in `BATON_SHM_NAMESPACE`), connects to
-//! SOCKET (or to `BATON_CONNECT`, as a supervised child), registers the test actors, and
-//! runs until the link to its parent goes down. A `cooperative` holder gives revoked
-//! leases back; a `stubborn` one keeps them. With `linger`, when the link goes down it
-//! reports on stdout what its held leases read — through the lease (`api=orphaned` once the
-//! exporter is gone) and through the raw mapping (`raw=<sum of the u32s>`) — and keeps
-//! running (holding them) until killed.
+//! (session from the token pipe its parent passed, `BATON_TOKEN_FD`, taken at the top of
+//! `main`; host memory in the flavor `BATON_HOST` picks, segments in
+//! `BATON_SHM_NAMESPACE`), connects to SOCKET (or to `BATON_CONNECT`, as a supervised
+//! child), registers the test actors, and runs until the link to its parent goes down. A
+//! `cooperative` holder gives revoked leases back; a `stubborn` one keeps them. With
+//! `linger`, when the link goes down it reports on stdout what its held leases read —
+//! through the lease (`api=orphaned` once the exporter is gone) and through the raw mapping
+//! (`raw=<sum of the u32s>`) — and keeps running (holding them) until killed.
 
 #[path = "../../tests/support/msgs.rs"]
 mod msgs;
@@ -291,6 +292,12 @@ impl Handler<PeerEvent> for TestActor {
 }
 
 fn main() {
+    // The child's entry point: take the token (and close its pipe) before anything else;
+    // `Node::from_env` below gets the same session.
+    if let Err(e) = baton::Session::from_env() {
+        eprintln!("baton-actor-peer: {e}");
+        std::process::exit(1);
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) != Some("serve") {
         eprintln!("usage: baton-actor-peer serve [SOCKET] [cooperative|stubborn] [linger]");

@@ -1,9 +1,10 @@
 //! The helper process of the backend conformance tests (`tests/conformance.rs`): one role
-//! per invocation, on the backend named by the first argument (`host`, `cuda-legacy`,
-//! `cuda-vmm`, `cuda-pool`).
+//! per invocation, on the backend named by the first argument (`host-memfd`, `host-named`,
+//! `host` (the flavor `BATON_HOST` picks), `cuda-legacy`, `cuda-vmm`, `cuda-pool`).
 //!
 //! Tests spawn it (`env!("CARGO_BIN_EXE_baton-conformance-peer")`), never fork, with the
-//! session token in `BATON_TOKEN` and a segment namespace in `BATON_SHM_NAMESPACE`. It uses
+//! session token in an inherited pipe (`BATON_TOKEN_FD`, read by `Session::from_env` at the
+//! top of `main`) and a segment namespace in `BATON_SHM_NAMESPACE`. It uses
 //! the public API only, as a real peer would. Exit status 0 when the role did what it
 //! should; 1 with the reason on stderr otherwise.
 //!
@@ -23,11 +24,11 @@
 //!   its index + 1; they must cost one driver open in all; release each.
 //! - `import-hold SOCKET`: open the offer, read a byte, answer `Ping(1)`, hold until killed.
 //! - `export-hold SOCKET SIZE`: allocate SIZE bytes filled with 0xAB, offer them (fd beside
-//!   the frame for VMM), hold until killed.
+//!   the frame for VMM and memfd), hold until killed.
 
 use baton::ipc::cuda::{CounterFence, CudaBackend, CudaExport, FenceHandle};
 use baton::ipc::{
-    FrameFds, HostBackend, ImportCache, Imported, Link, LinkConfig, Session, SharedBackend,
+    FrameFds, HostBackend, ImportCache, Imported, Link, LinkConfig, Session, SharedBackend, host,
 };
 use baton::messages::protocol::{Offer, Release};
 use baton::messages::{Error as MessageError, IpcEventHandle, LeaseId, Message};
@@ -48,6 +49,11 @@ impl Subject {
     fn new(name: &str) -> Res<Self> {
         Ok(match name {
             "host" => Self::Host(Arc::new(HostBackend::new()?)),
+            "host-memfd" => Self::Host(Arc::new(HostBackend::memfd()?)),
+            "host-named" => Self::Host(Arc::new(HostBackend::with_namespace(
+                &std::env::var(host::NAMESPACE_ENV)
+                    .unwrap_or_else(|_| host::DEFAULT_NAMESPACE.to_owned()),
+            )?)),
             "cuda-legacy" => Self::Cuda(Arc::new(CudaBackend::new(0, CudaExport::Legacy)?)),
             "cuda-vmm" => Self::Cuda(Arc::new(CudaBackend::new(0, CudaExport::Vmm)?)),
             "cuda-pool" => Self::Cuda(Arc::new(CudaBackend::new(0, CudaExport::Pool)?)),
@@ -91,6 +97,7 @@ fn reply_pattern(len: usize, seed: u64) -> Vec<u8> {
 }
 
 fn connect(socket: &str) -> Res<(Session, Link)> {
+    // Taken at the top of `main` already; this is the same session.
     let session = Session::from_env()?;
     let link = Link::connect(socket, &LinkConfig::new(session.clone()))?;
     Ok((session, link))
@@ -343,6 +350,11 @@ fn run(argv: &[&str]) -> Res<()> {
 }
 
 fn main() {
+    // The child's entry point: take the token (and close its pipe) before anything else.
+    if let Err(e) = Session::from_env() {
+        eprintln!("baton-conformance-peer: {e}");
+        std::process::exit(1);
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     if let Err(e) = run(&argv) {

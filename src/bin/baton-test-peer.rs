@@ -1,7 +1,8 @@
 //! The helper process of Baton's multi-process tests: one role per invocation.
 //!
-//! Tests spawn it (`env!("CARGO_BIN_EXE_baton-test-peer")`) with the session token in
-//! `BATON_TOKEN` and a segment namespace in `BATON_SHM_NAMESPACE`, never by `fork`. It
+//! Tests spawn it (`env!("CARGO_BIN_EXE_baton-test-peer")`) with the session token in an
+//! inherited pipe (`BATON_TOKEN_FD`, taken at the top of `main`) and a segment namespace in
+//! `BATON_SHM_NAMESPACE`, never by `fork`. It
 //! speaks through the public API only, as a real peer would. Exit status: 0 when the role
 //! did what it should, 1 with a message on stderr otherwise.
 //!
@@ -23,6 +24,11 @@
 //! - `list DIR`: try to list DIR and print `listed: N` or `list-error: KIND`.
 //! - `half-frame-export SOCKET`: connect, offer a 4096-byte segment in a bare `Offer`,
 //!   write the first half of a second `Offer` frame, print `half`, and hold until killed.
+//! - `token-hold SOCKET`: connect (proving the token arrived), spawn `token-probe` as a
+//!   grandchild that dies with us, given nothing but what it inherits (environment and
+//!   descriptors), print `grandchild PID WHAT` with the probe's answer, hold until killed.
+//! - `token-probe`: print `probe no-token` if `Session::from_env` finds no token, else
+//!   `probe token-found`; hold until killed.
 
 use baton::ipc::{FrameFds, HostBackend, ImportCache, Link, LinkConfig, Session};
 use baton::messages::codec::frame_bytes;
@@ -103,12 +109,13 @@ fn export_hold(socket: &str, size: usize) -> Res<()> {
     let alloc = baton::ipc::Backend::allocate(&backend, size)?;
     alloc.fill(0, size, 0xAB)?;
     let handle = alloc.handle(&session).build()?;
+    let fds: Vec<_> = alloc.export_fd().into_iter().collect();
     link.send(
         &Message::Offer(Offer {
             lease: LeaseId::new(1),
             handle,
         }),
-        &[],
+        &fds,
     )?;
     loop {
         std::thread::sleep(Duration::from_secs(60));
@@ -183,7 +190,8 @@ fn half_frame_export(socket: &str) -> Res<()> {
             handle: alloc.handle(&session).build()?,
         }))
     };
-    link.send(&offer(1)?, &[])?;
+    let fds: Vec<_> = alloc.export_fd().into_iter().collect();
+    link.send(&offer(1)?, &fds)?;
     write_half_frame(&link, &offer(2)?)?;
     let _keep = alloc;
     hold_forever()
@@ -232,6 +240,49 @@ fn probe(socket: &str) -> Res<()> {
     Ok(())
 }
 
+fn token_hold(socket: &str) -> Res<()> {
+    use std::io::BufRead;
+    let (_session, _link) = connect(socket)?;
+    // What a careless child does: spawn a helper with everything inherited.
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.arg("token-probe")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped());
+    let mut probe = baton::ipc::spawn::spawn_tied(cmd)?;
+    let stdout = probe.stdout.take().ok_or("no stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let answer = rx
+        .recv_timeout(Duration::from_secs(30))
+        .map_err(|_| "the probe did not answer within 30 s")?;
+    let what = answer
+        .trim()
+        .strip_prefix("probe ")
+        .ok_or("a garbled probe answer")?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "grandchild {} {what}", probe.id())?;
+    out.flush()?;
+    drop(out);
+    let _keep = probe;
+    hold_forever()
+}
+
+fn token_probe() -> Res<()> {
+    let what = match Session::from_env() {
+        Ok(_) => "token-found",
+        Err(_) => "no-token",
+    };
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "probe {what}")?;
+    out.flush()?;
+    drop(out);
+    hold_forever()
+}
+
 fn list(dir: &str) -> Res<()> {
     match std::fs::read_dir(dir) {
         Ok(entries) => println!("listed: {}", entries.count()),
@@ -241,6 +292,9 @@ fn list(dir: &str) -> Res<()> {
 }
 
 fn main() {
+    // The child's entry point: take the token (and close its pipe) before anything else.
+    // Roles without a token (`probe`, `list`, `token-probe`) see the same answer later.
+    let _ = Session::from_env();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let result = match argv.as_slice() {
@@ -257,6 +311,8 @@ fn main() {
         ["list", dir] => list(dir),
         ["half-frame-import", socket] => half_frame_import(socket),
         ["half-frame-export", socket] => half_frame_export(socket),
+        ["token-hold", socket] => token_hold(socket),
+        ["token-probe"] => token_probe(),
         _ => Err(format!("unknown role {argv:?}").into()),
     };
     if let Err(e) = result {

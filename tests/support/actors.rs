@@ -115,7 +115,8 @@ pub struct Parent {
 }
 
 impl Parent {
-    /// Call inside an actix system. Host backend; children use it too.
+    /// Call inside an actix system. Host backend, named segments (the tests count them);
+    /// children use it too.
     pub fn start(tag: &str) -> Parent {
         let ns = peer::namespace(tag);
         let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
@@ -123,6 +124,9 @@ impl Parent {
         parent
             .child_env
             .push(("BATON_BACKEND".into(), "host".into()));
+        parent
+            .child_env
+            .push((baton::ipc::host::HOST_ENV.into(), "named".into()));
         parent
     }
 

@@ -15,7 +15,8 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// Runs `exe args…` with the session's token and the segment namespace in its environment.
+    /// Runs `exe args…` with the session's token (through an inherited pipe) and the segment
+    /// namespace in its environment, allocating named host segments.
     pub fn spawn_exe(exe: &str, session: &Session, namespace: &str, args: &[&str]) -> Peer {
         Self::spawn_with(exe, session, namespace, args, &[], false)
     }
@@ -77,18 +78,21 @@ impl Peer {
         env: &[(&str, &str)],
         piped: bool,
     ) -> Peer {
-        let (key, token) = session.child_env();
-        let child = Command::new(exe)
-            .args(args)
-            .env(key, token)
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
             .env(host::NAMESPACE_ENV, namespace)
+            // The tests count and sweep segments: helpers allocate named ones unless a
+            // test asks for memfds (`env` comes after, and wins).
+            .env(host::HOST_ENV, "named")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(if piped {
                 Stdio::piped()
             } else {
                 Stdio::inherit()
-            })
+            });
+        session.pass_to(&mut cmd).expect("passing the token");
+        let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("spawning {exe}: {e}"));
         Peer {
