@@ -22,7 +22,7 @@ use baton::ipc::{
 use baton::messages::protocol::{Offer, Release};
 use baton::messages::{Error as MessageError, HandleMsg, LeaseId, Message, RawHandle};
 use baton::{Allocation, Error, LinkConfig, Listener, Session};
-use peer::{Peer, poll_until, socket_dir};
+use peer::{Peer, accept_from, poll_until, socket_dir};
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 use std::time::Duration;
@@ -348,7 +348,7 @@ fn round_trip(flavor: Flavor) {
             &REPLY_SEED.to_string(),
         ],
     );
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     let handle = alloc.handle(&session).build().unwrap();
     assert_eq!(handle.alloc_size, SIZE as u64);
     assert_eq!(handle.device, subject.backend.device());
@@ -400,7 +400,7 @@ fn event_ordering(flavor: Flavor) {
         &[&sock, expected.to_hex().as_str()],
     );
     // The importer has made its backend (and CUDA context) by the time it connects.
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
 
     let mut event = None;
     let mut builder = alloc.handle(&session);
@@ -468,7 +468,7 @@ fn importer_sigkill(flavor: Flavor) {
     alloc.fill(0, SIZE, 0x5A).unwrap();
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = subject.spawn(&session, "import-hold", &[&sock]);
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     offer(
         &mut link,
         1,
@@ -506,7 +506,7 @@ fn exporter_sigkill(flavor: Flavor) {
     let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = subject.spawn(&session, "export-hold", &[&sock, &(64 * MIB).to_string()]);
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     let received = link.recv_timeout(DEADLINE).unwrap();
     let Message::Offer(offered) = received.message else {
         panic!("expected an offer, got {:?}", received.message)
@@ -561,7 +561,7 @@ fn slab_buffers_share_one_open(flavor: Flavor) {
     }
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = subject.spawn(&session, "import-slab", &[&sock, "3"]);
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     for (i, b) in buffers.iter().enumerate() {
         offer(
             &mut link,

@@ -8,7 +8,7 @@ use baton::ipc::{Backend, HostBackend, ImportCache, LinkConfig, Listener, Receiv
 use baton::messages::protocol::{Offer, Release};
 use baton::messages::{ActorId, LeaseId, Message};
 use baton::{Error, Session};
-use peer::{Peer, namespace, segments, socket_dir};
+use peer::{Peer, accept_from, namespace, segments, socket_dir};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,7 +56,7 @@ fn a_64_mib_buffer_goes_to_another_process_and_a_reply_comes_back() {
             &payload_len.to_string(),
         ],
     );
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     assert_eq!(
         link.peer().process.pid,
         child.pid(),
@@ -106,7 +106,7 @@ fn importer_sigkill_while_mapped_closes_the_link_and_the_exporter_frees() {
 
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = Peer::spawn(&session, &ns, &["import-hold", &sock]);
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     let handle = alloc.handle(&session).build().unwrap();
     link.send(
         &Message::Offer(Offer {
@@ -150,7 +150,7 @@ fn exporter_sigkill_closes_the_link_and_the_sweep_removes_its_segment() {
 
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = Peer::spawn(&session, &ns, &["export-hold", &sock, "1048576"]);
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     let Received { message, mut fds } = link.recv_timeout(DEADLINE).unwrap();
     let Message::Offer(offer) = message else {
         panic!("expected an offer, got {message:?}")
