@@ -8,16 +8,10 @@ mod msgs;
 #[path = "support/peer.rs"]
 mod peer;
 
-use actix::prelude::*;
-use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
+use actors::{DEADLINE, Parent, eventually, eventually_async, exited, run};
 use baton::actors::{Allocate, Buffer, Revoke};
 use msgs::*;
-use std::future::Future;
 use std::time::Duration;
-
-fn run<F: Future<Output = ()>>(f: F) {
-    System::new().block_on(f);
-}
 
 async fn pattern_buffer(parent: &Parent, len: usize, seed: u32) -> Buffer<u32> {
     parent.pattern_buffer(len, seed).await
