@@ -9,7 +9,7 @@ mod msgs;
 mod peer;
 
 use actors::{DEADLINE, Parent, eventually, eventually_async, exited, run};
-use baton::actors::{Allocate, Buffer, Revoke};
+use baton::actors::{ActorError, Allocate, Buffer, Revoke};
 use msgs::*;
 use std::time::Duration;
 
@@ -151,6 +151,78 @@ fn a_free_while_leased_is_deferred_until_the_release() {
         assert_eq!((stats.buffers, stats.leases, stats.freed), (0, 0, 1));
         peer.close();
         assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
+/// A lease exists from the moment its offer is sent: an importer that never reads its
+/// socket (a raw link client, `baton-test-peer import-silent`) leaves our `Hold` call and
+/// its offer in flight. The lease is counted, and the buffer — whose last handle we drop —
+/// is held, for as long as the link is up; it is freed only when the link closes: by us
+/// while the importer lives on, or by the importer's death.
+#[test]
+fn an_offer_in_flight_holds_the_buffer_until_the_link_closes() {
+    run(async {
+        let parent = Parent::start("flight");
+        let sock = parent.socket();
+        for closed_by_us in [true, false] {
+            let (mut child, peer) = parent
+                .spawn_linked(
+                    env!("CARGO_BIN_EXE_baton-test-peer"),
+                    &["import-silent", &sock],
+                    false,
+                )
+                .await;
+            let freed = parent.stats().await.freed;
+            let buf = pattern_buffer(&parent, 1024, 11).await;
+            // Sent now; never read, never answered.
+            let call = peer.remote::<Hold>("holder").send(Hold {
+                buffers: vec![buf.share()],
+            });
+            eventually_async(DEADLINE, "the lease of the offer in flight", || async {
+                parent.table().await.iter().any(|b| b.leases.len() == 1)
+            })
+            .await;
+            let table = parent.table().await;
+            assert_eq!(table.len(), 1);
+            assert_eq!(table[0].leases.len(), 1);
+            assert_eq!(
+                table[0].leases[0].1.pid,
+                child.pid(),
+                "held by the importer"
+            );
+            drop(buf); // our last handle: the free must wait for the lease
+            let stats = parent.stats().await;
+            assert_eq!(
+                (stats.buffers, stats.retiring, stats.leases, stats.freed),
+                (1, 1, 1, freed),
+                "the buffer is held, not freed, while its offer is in flight"
+            );
+            assert_eq!(parent.segments(), 1, "the memory is still there");
+            assert!(peer.is_connected());
+
+            if closed_by_us {
+                peer.close();
+            } else {
+                child.kill9();
+            }
+            assert!(
+                matches!(call.await, Err(ActorError::LinkClosed { .. })),
+                "the call ends with the link"
+            );
+            eventually_async(DEADLINE, "the buffer to be freed", || async {
+                let s = parent.stats().await;
+                s.buffers == 0 && s.leases == 0
+            })
+            .await;
+            assert_eq!(parent.stats().await.freed, freed + 1);
+            assert_eq!(parent.segments(), 0, "no segment left");
+            if closed_by_us {
+                assert!(
+                    child.try_wait().is_none(),
+                    "the importer lives on: closing the link alone freed the buffer"
+                );
+            }
+        }
     });
 }
 
