@@ -343,6 +343,62 @@ fn importer_sigkill_reclaims_its_leases_and_pending_frees_complete() {
     });
 }
 
+/// Lines of `/proc/<pid>/maps` that map the segment whose name ends in `tag` (its random
+/// part), also once unlinked.
+fn mappings_of(pid: u32, tag: &str) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(tag))
+        .count()
+}
+
+/// The exporter frees a buffer only once no live process may map it: when the free lands,
+/// the importer that held it has unmapped it (it lives on) or is dead.
+///
+/// Written ahead of the ledger's mapping holds (DESIGN.md, *to build*). Today it passes
+/// because dropping a lease closes the importer's mapping before its `Release` leaves. Once
+/// the import cache keeps mappings warm after the last lease, it must still pass: the free
+/// then has to wait for the importer's `Unmapped` (or its death), never just the `Release`.
+#[test]
+fn a_buffer_is_freed_only_once_no_live_process_maps_it() {
+    run(async {
+        let parent = Parent::start("unmap");
+        let (mut child, peer) = parent.child(&[]).await;
+        let buf = pattern_buffer(&parent, 4096, 21).await;
+        let segments = baton::ipc::host::list_segments(&parent.ns).unwrap();
+        assert_eq!(segments.len(), 1);
+        let tag = segments[0].name.rsplit('.').next().unwrap().to_owned();
+        peer.remote::<Hold>("holder")
+            .send(Hold {
+                buffers: vec![buf.share()],
+            })
+            .await
+            .unwrap();
+        assert_eq!(mappings_of(child.pid(), &tag), 1, "the importer maps it");
+        drop(buf);
+        assert_eq!(parent.stats().await.freed, 0, "held by the lease");
+
+        peer.remote::<DropHeld>("holder.drop")
+            .send(DropHeld)
+            .await
+            .unwrap();
+        eventually_async(DEADLINE, "the free", || async {
+            parent.stats().await.freed == 1
+        })
+        .await;
+        assert!(child.try_wait().is_none(), "the importer lives");
+        assert_eq!(
+            mappings_of(child.pid(), &tag),
+            0,
+            "the buffer was freed while a live importer still maps it"
+        );
+        assert_eq!(parent.segments(), 0);
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
 /// Issue test 7: 1000 buffers to 4 importer processes and back, nothing left over.
 #[test]
 fn a_thousand_buffers_to_four_importers_and_back_leave_nothing() {
