@@ -1,10 +1,18 @@
 //! End to end: the renderer example, small, on the host backend — with and without
 //! `--chaos`. Without chaos the last PNG equals a single-process reference render pixel
-//! for pixel; with chaos the run ends, restarts are counted and nothing leaks.
+//! for pixel; with chaos the run ends and restarts are counted.
+//!
+//! Leaks are counted here, not by the renderer: it runs with `--no-sweep`, so nothing
+//! removes a segment its owner left, and the test lists the run's namespace
+//! (`renderer-<pid>`) after the run. Without chaos nothing may be left at all; with chaos
+//! only segments of the workers the supervisor reported killed may be, and the sweep must
+//! remove each of them.
 
 #[path = "../examples/renderer/scene.rs"]
 mod scene;
 
+use baton::ipc::host;
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -42,15 +50,27 @@ impl Drop for Run {
     }
 }
 
-/// Runs the renderer with `args`, at most `deadline`; returns its stdout.
-fn run(args: &[&str], deadline: Duration) -> String {
+/// Sweeps a run's namespace when dropped, so a failed test leaves no segment behind.
+struct Namespace(String);
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = host::sweep(&self.0);
+    }
+}
+
+/// Runs the renderer with `args` and `--no-sweep`, at most `deadline`; returns its stdout
+/// and its segment namespace (left unswept).
+fn run(args: &[&str], deadline: Duration) -> (String, Namespace) {
     let child = Command::new(renderer())
         .args(args)
+        .arg("--no-sweep")
         .env("BATON_BACKEND", "host")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
+    let ns = Namespace(format!("renderer-{}", child.id()));
     let mut run = Run(Some(child));
     let start = Instant::now();
     loop {
@@ -71,7 +91,21 @@ fn run(args: &[&str], deadline: Duration) -> String {
         "renderer failed: {}\n{stdout}",
         output.status
     );
+    (stdout, ns)
+}
+
+/// The pids of the children the supervisor reported killed by SIGKILL.
+fn killed_pids(stdout: &str) -> BTreeSet<u32> {
     stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("child exited: "))
+        .filter(|l| l.ends_with("killed by signal 9"))
+        .map(|l| {
+            let pid = l.split(", pid ").nth(1).and_then(|r| r.split(',').next());
+            pid.and_then(|p| p.parse().ok())
+                .unwrap_or_else(|| panic!("a pid in {l:?}"))
+        })
+        .collect()
 }
 
 fn decode(path: &Path) -> (u32, u32, Vec<u32>) {
@@ -99,7 +133,7 @@ fn field<'a>(stdout: &'a str, name: &str) -> &'a str {
 fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().to_str().unwrap();
-    let stdout = run(
+    let (stdout, ns) = run(
         &[
             "--size",
             "200x120",
@@ -116,7 +150,17 @@ fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
         ],
         Duration::from_secs(120),
     );
+    // Every child exited cleanly and freed what it owned: no segment is left, though
+    // nothing swept.
+    let left = host::list_segments(&ns.0).unwrap();
+    assert!(left.is_empty(), "segments left: {left:?}\n{stdout}");
     assert!(field(&stdout, "leaked bytes").starts_with("0 "), "{stdout}");
+    assert!(killed_pids(&stdout).is_empty(), "{stdout}");
+    assert_eq!(
+        stdout.matches("child exited: ").count(),
+        4,
+        "the compositor and 3 workers exited: {stdout}"
+    );
     assert_eq!(field(&stdout, "restarts"), "0");
     assert!(
         field(&stdout, "handoffs/s").contains("(32 tiles composed, 0 missing)"),
@@ -142,7 +186,7 @@ fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
 fn the_renderer_survives_chaos_and_still_leaks_nothing() {
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().to_str().unwrap();
-    let stdout = run(
+    let (stdout, ns) = run(
         &[
             "--size",
             "160x96",
@@ -166,7 +210,28 @@ fn the_renderer_survives_chaos_and_still_leaks_nothing() {
         restarts >= 1,
         "chaos killed and the supervisor restarted workers:\n{stdout}"
     );
-    assert!(field(&stdout, "leaked bytes").starts_with("0 "), "{stdout}");
+    // What is left belongs to workers the supervisor reported SIGKILLed (they could not
+    // free), and the sweep removes all of it; nothing of a child that exited cleanly.
+    let killed = killed_pids(&stdout);
+    assert!(!killed.is_empty(), "{stdout}");
+    let left = host::list_segments(&ns.0).unwrap();
+    let strays: Vec<_> = left
+        .iter()
+        .filter(|s| !killed.contains(&s.owner_pid))
+        .collect();
+    assert!(
+        strays.is_empty(),
+        "segments of children that were not killed: {strays:?}\n{stdout}"
+    );
+    let report = host::sweep(&ns.0).unwrap();
+    assert_eq!(report.kept, 0, "{report:?}");
+    assert_eq!(report.removed.len(), left.len());
+    assert!(host::list_segments(&ns.0).unwrap().is_empty());
+    println!(
+        "{} segments of {} killed workers swept",
+        left.len(),
+        killed.len()
+    );
     assert!(
         field(&stdout, "frames").starts_with("24 at 160x96"),
         "{stdout}"
