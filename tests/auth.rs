@@ -4,8 +4,13 @@
 //!
 //! - a peer whose uid the policy does not allow is refused before the node reads a byte;
 //! - a peer without the session token is refused, in either direction;
-//! - the socket and its directory cannot be reached by another user (run as root, the test
-//!   spawns its probe as uid/gid 65534; as another user it says why it skips that part).
+//! - the socket and its directory cannot be reached by another user, and another uid that
+//!   reaches the socket is refused: these two spawn a probe as uid/gid 65534, which needs
+//!   root, so they are `#[ignore = "needs root …"]`; `.ci/run` runs them with `--ignored`
+//!   as root and fails if they did not run.
+//!
+//! A refused peer's link must end: at an end of stream or a reset. A read that times out
+//! means the node kept the link, and fails the test.
 
 #[path = "support/actors.rs"]
 mod actors;

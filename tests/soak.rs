@@ -256,7 +256,12 @@ impl Rig {
             rustix::process::Pid::from_raw(pid as i32).expect("a pid"),
             rustix::process::PidfdFlags::empty(),
         )
-        .expect("pidfd_open: the supervisor reaps the child only after we kill it");
+        .unwrap_or_else(|e| {
+            panic!(
+                "child {pid} is gone already ({e}): {:?}",
+                events.lock().unwrap()
+            )
+        });
         let child = Child {
             supervisor,
             events,
