@@ -380,11 +380,20 @@ impl Handler<Render> for Worker {
     }
 }
 
-async fn connect_retrying(node: &Node, path: &Path) -> Res<baton::actors::Peer> {
+/// Connects to `path`, retrying while it is not there yet — as long as `root` is linked:
+/// once the root has let go (the run is winding down), there is nothing to join: `None`.
+async fn connect_retrying(
+    node: &Node,
+    path: &Path,
+    root: &baton::actors::Peer,
+) -> Res<Option<baton::actors::Peer>> {
     let start = Instant::now();
     loop {
+        if !root.is_connected() {
+            return Ok(None);
+        }
         match node.connect(path).await {
-            Ok(p) => return Ok(p),
+            Ok(p) => return Ok(Some(p)),
             Err(e) if start.elapsed() > Duration::from_secs(30) => return Err(e.into()),
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
@@ -426,7 +435,13 @@ fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<
         .start();
         node.register::<Render>("render", actor.clone().recipient());
         node.subscribe(actor.recipient());
-        let compositor = connect_retrying(&node, &sockets.join("compositor.sock")).await?;
+        let Some(compositor) =
+            connect_retrying(&node, &sockets.join("compositor.sock"), &root).await?
+        else {
+            // The run ended before we could join: a clean exit, nothing to restart.
+            System::current().stop();
+            return Ok(());
+        };
         compositor
             .remote::<Join>("join")
             .send(Join {
@@ -794,6 +809,10 @@ fn root(opts: Options) -> Res<()> {
         }
         let start = Instant::now();
         while supervisor.send(Children).await?.iter().any(|c| c.pid.is_some()) && start.elapsed() < Duration::from_secs(30) {
+            // A worker restarted just before the end may link after the close above.
+            for peer in node.peers() {
+                peer.close();
+            }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         supervisor.send(Shutdown).await?;
