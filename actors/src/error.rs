@@ -188,6 +188,14 @@ pub enum ActorError {
         #[source]
         source: std::io::Error,
     },
+    /// The peer asked for this node's status again while more answers than allowed were
+    /// still being prepared for it (each costs a table of the node's buffers, and for the
+    /// tree scope a request to every linked peer).
+    #[error("peer asked for more than {max} statuses at once")]
+    TooManyStatusRequests {
+        /// The limit.
+        max: usize,
+    },
 }
 
 impl ActorError {
@@ -202,7 +210,8 @@ impl ActorError {
             | ActorError::Unexpected { .. }
             | ActorError::TooManyOffers { .. }
             | ActorError::TooManyLeases { .. }
-            | ActorError::PeerNotReading { .. } => true,
+            | ActorError::PeerNotReading { .. }
+            | ActorError::TooManyStatusRequests { .. } => true,
             _ => false,
         }
     }

@@ -12,12 +12,12 @@ use crate::buffer::BufferCell;
 use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
-    Action, Counts, EntryView, Grant, Ledger, NewAllocation, Refusal, RevokePolicy,
+    Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal, RevokePolicy,
 };
 use crate::link::{CutOff, LinkRef, SendRevoke, SendUnmap};
 use baton_ipc::{Allocation, Session};
 use baton_messages::protocol::Offer;
-use baton_messages::{ActorId, AllocationId, Layout, LeaseId, ProcessId};
+use baton_messages::{ActorId, AllocationId, BackendKind, DeviceUuid, Layout, LeaseId, ProcessId};
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::os::fd::OwnedFd;
@@ -101,6 +101,8 @@ pub struct OwnerStats {
     pub leases: usize,
     /// Bytes alive.
     pub bytes: u64,
+    /// Bytes of the buffers at least one lease is out on.
+    pub pinned_bytes: u64,
     /// Leases granted so far.
     pub granted: u64,
     /// Buffers freed so far.
@@ -116,10 +118,22 @@ impl OwnerStats {
             quarantined_bytes: c.quarantined_bytes,
             leases: c.leases,
             bytes: c.bytes,
+            pinned_bytes: c.pinned_bytes,
             granted: o.granted,
             freed: o.freed,
         }
     }
+}
+
+/// What a node's status reports of its exports ([`Exports::snapshot`]).
+#[derive(Debug)]
+pub(crate) struct ExportSnapshot {
+    pub(crate) counts: Counts,
+    pub(crate) granted: u64,
+    pub(crate) freed: u64,
+    pub(crate) holders: Vec<HolderView>,
+    /// Every buffer, with its allocation's backend kind and device.
+    pub(crate) table: Vec<(EntryView, Option<BackendKind>, DeviceUuid)>,
 }
 
 /// This node's exported buffers (see the module docs).
@@ -334,7 +348,7 @@ impl Exports {
             let mut state = self.lock();
             let grant = state
                 .ledger
-                .grant(cell.alloc.id(), link.id, lease)
+                .grant(cell.alloc.id(), link.id, lease, Instant::now())
                 .map_err(|r| match r {
                     Refusal::LinkDown => ActorError::LinkClosed { peer: link.peer() },
                     _ => ActorError::UnknownBuffer(cell.id),
@@ -447,6 +461,31 @@ impl Exports {
             .into_iter()
             .map(BufferLeases::from)
             .collect()
+    }
+
+    /// Everything the node's status reports of its exports, taken under one lock.
+    pub(crate) fn snapshot(&self) -> ExportSnapshot {
+        let state = self.lock();
+        let table = state
+            .ledger
+            .view(None)
+            .into_iter()
+            .map(|v| {
+                let (kind, device) = state
+                    .ledger
+                    .meta(v.alloc)
+                    .map(|m| (Some(m.alloc.backend()), m.alloc.device()))
+                    .unwrap_or((None, DeviceUuid::HOST));
+                (v, kind, device)
+            })
+            .collect();
+        ExportSnapshot {
+            counts: state.ledger.counts(None),
+            granted: state.ledger.granted(),
+            freed: state.ledger.freed(),
+            holders: state.ledger.holders(),
+            table,
+        }
     }
 
     /// Counters of `owner` (all: `None`).

@@ -49,6 +49,7 @@ mod link;
 mod node;
 mod owner;
 mod remote;
+mod status;
 pub mod supervisor;
 
 pub use buffer::{Buffer, Element, Lease, Shared};
@@ -57,9 +58,12 @@ pub use exports::{BufferLeases, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
 pub use link::{Heartbeat, LinkLimits, PeerLink};
-pub use node::{Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
+pub use node::{
+    Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested, token_file_of,
+};
 pub use owner::{Allocate, BufferOwner, LeaseTable, Revoke, Stats};
 pub use remote::{RemoteAddr, RemoteMessage};
+pub use status::TREE_DEADLINE;
 pub use supervisor::{
     ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor, Restart, RestartPolicy,
     Shutdown, Strategy, SupervisorEvent,

@@ -34,8 +34,10 @@ use baton_ipc::{
 };
 use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_frame};
 use baton_messages::protocol::{
-    Call, CallFault, Evict, Offer, Payload, Release, Reply, Revoke, Unmap, Unmapped,
+    Call, CallFault, Evict, Offer, Payload, Release, Reply, Revoke, Status, StatusRequest,
+    StatusScope, Unmap, Unmapped,
 };
+use baton_messages::status::STATUS_VERSION;
 use baton_messages::{AllocationId, LeaseId, Message as Wire, ProcessId};
 use futures_util::stream::Stream;
 use std::collections::HashMap;
@@ -67,6 +69,8 @@ pub(crate) struct LinkState {
     /// Of those, bytes of our own calls (bounded by the send window, not by
     /// [`LinkLimits::queued_bytes`]).
     queued_calls: AtomicUsize,
+    /// Leases held from the peer over this link (for status reports).
+    held_leases: AtomicUsize,
 }
 
 /// A reference to a link: its actor, and whether it is still up.
@@ -128,6 +132,11 @@ impl LinkState {
     /// Bytes queued for the socket now.
     pub(crate) fn queued_bytes(&self) -> usize {
         self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Leases held from the peer over this link now.
+    pub(crate) fn held_leases(&self) -> usize {
+        self.held_leases.load(Ordering::Relaxed)
     }
 
     /// Whether `id` was handed out already (a reply to it that is not pending answers a
@@ -244,6 +253,14 @@ pub struct PeerLink {
     mapped: HashMap<AllocationId, CacheKey>,
     /// Leases held from the peer.
     held: HashMap<LeaseId, Weak<HeldLease>>,
+    /// The bytes each held lease maps (for status reports of orphaned leases).
+    held_bytes: HashMap<LeaseId, u64>,
+    /// Status requests of ours awaiting the peer's answer.
+    status_waiters: HashMap<u64, oneshot::Sender<Result<String, ActorError>>>,
+    /// The next id of a status request of ours.
+    next_status: u64,
+    /// Status answers being prepared for the peer (at most [`STATUS_ANSWERS`]).
+    status_answers: usize,
     pending: HashMap<u64, oneshot::Sender<Result<IncomingPayload, ActorError>>>,
     limits: LinkLimits,
     /// The peer's calls running now: each holds one while it runs.
@@ -287,6 +304,10 @@ fn frames(reader: LinkReader, calls: Arc<Semaphore>) -> impl Stream<Item = Incom
         }
     })
 }
+
+/// Status answers a link prepares for its peer at once; one more request is a protocol
+/// fault ([`ActorError::TooManyStatusRequests`]).
+pub(crate) const STATUS_ANSWERS: usize = 4;
 
 /// The most bytes of frames one `sendmsg` carries when frames are queued back to back.
 const MAX_BATCH: usize = 64 * 1024;
@@ -369,6 +390,7 @@ impl PeerLink {
             pending_calls: Arc::new(Semaphore::new(limits.pending_calls)),
             queued: AtomicUsize::new(0),
             queued_calls: AtomicUsize::new(0),
+            held_leases: AtomicUsize::new(0),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let closer = link.closer();
@@ -394,6 +416,10 @@ impl PeerLink {
                 closer,
                 mapped: HashMap::new(),
                 held: HashMap::new(),
+                held_bytes: HashMap::new(),
+                status_waiters: HashMap::new(),
+                next_status: 1,
+                status_answers: 0,
                 pending: HashMap::new(),
                 limits,
                 calls,
@@ -558,6 +584,11 @@ impl PeerLink {
         }
         let held = Arc::new(HeldLease::default());
         self.held.insert(offer.lease, Arc::downgrade(&held));
+        self.held_bytes.insert(offer.lease, offer.handle.len);
+        self.me
+            .state
+            .held_leases
+            .store(self.held.len(), Ordering::Relaxed);
         Ok(Ok(IncomingLease {
             imported: Some(imported),
             lease: offer.lease,
@@ -731,6 +762,8 @@ impl PeerLink {
                 self.on_pong(n);
                 Ok(())
             }
+            Wire::StatusRequest(request) => self.on_status_request(request, ctx),
+            Wire::Status(status) => self.on_status(status),
             other => Err(ActorError::Unexpected { got: other.kind() }),
         }
     }
@@ -900,6 +933,15 @@ impl Actor for PeerLink {
             }));
         }
         let orphaned = self.held.values().filter(|h| h.strong_count() > 0).count();
+        // What our guards still hold of the peer's is orphaned: the node's status lists it
+        // until the guards drop.
+        let leases: Vec<(Weak<HeldLease>, u64)> = self
+            .held
+            .drain()
+            .filter(|(_, h)| h.strong_count() > 0)
+            .map(|(id, h)| (h, self.held_bytes.get(&id).copied().unwrap_or(0)))
+            .collect();
+        self.node.record_orphans(self.peer.process, leases);
         tracing::info!(reclaimed, orphaned, reason = ?self.down.as_deref().map(ToString::to_string), "link down");
         self.node.link_down(self.me.id, self.peer, self.down.take());
     }
@@ -988,6 +1030,11 @@ impl Handler<ReleaseLease> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: ReleaseLease, ctx: &mut Self::Context) {
         self.held.remove(&msg.0);
+        self.held_bytes.remove(&msg.0);
+        self.me
+            .state
+            .held_leases
+            .store(self.held.len(), Ordering::Relaxed);
         if let Err(e) = self.send(&Wire::Release(Release { lease: msg.0 }), Vec::new()) {
             self.cut(ctx, e);
         }
@@ -1148,6 +1195,85 @@ impl Handler<SendPing> for PeerLink {
     fn handle(&mut self, msg: SendPing, ctx: &mut Self::Context) {
         if let Err(e) = self.ping(Some(msg.0)) {
             self.cut(ctx, e);
+        }
+    }
+}
+
+impl PeerLink {
+    /// The peer asks what this node holds: answer with its status (and, for the tree
+    /// scope, every other linked peer's, asked now, each within a deadline).
+    fn on_status_request(
+        &mut self,
+        request: StatusRequest,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), ActorError> {
+        if self.status_answers >= STATUS_ANSWERS {
+            return Err(ActorError::TooManyStatusRequests {
+                max: STATUS_ANSWERS,
+            });
+        }
+        self.status_answers += 1;
+        let node = self.node.clone();
+        let me = self.me.id;
+        let answer = async move { crate::status::answer(&node, request, me).await };
+        ctx.spawn(answer.into_actor(self).map(move |json, act, ctx| {
+            act.status_answers -= 1;
+            let status = Wire::Status(Status {
+                id: request.id,
+                version: STATUS_VERSION,
+                json,
+            });
+            if let Err(e) = act.send(&status, Vec::new()) {
+                act.cut(ctx, e);
+            }
+        }));
+        Ok(())
+    }
+
+    /// The peer's answer to a status request of ours. One to a request we never made is
+    /// a protocol fault; one to a request whose asker gave up is dropped.
+    fn on_status(&mut self, status: Status) -> Result<(), ActorError> {
+        match self.status_waiters.remove(&status.id) {
+            Some(tx) => {
+                let _ = tx.send(Ok(status.json));
+                Ok(())
+            }
+            None if status.id < self.next_status => Ok(()),
+            None => Err(ActorError::Unexpected { got: "Status" }),
+        }
+    }
+}
+
+/// Ask the peer for its status; the reply carries its JSON body.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct AskStatus {
+    pub(crate) limit: u32,
+    pub(crate) reply: oneshot::Sender<Result<String, ActorError>>,
+}
+
+impl Handler<AskStatus> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: AskStatus, ctx: &mut Self::Context) {
+        let id = self.next_status;
+        self.next_status += 1;
+        // Answers nobody waits for any more are forgotten as requests are made.
+        self.status_waiters.retain(|_, tx| !tx.is_closed());
+        let request = Wire::StatusRequest(StatusRequest {
+            id,
+            scope: StatusScope::Node,
+            limit: msg.limit,
+        });
+        match self.send(&request, Vec::new()) {
+            Ok(()) => {
+                self.status_waiters.insert(id, msg.reply);
+            }
+            Err(e) => {
+                let _ = msg.reply.send(Err(ActorError::LinkClosed {
+                    peer: self.peer.process,
+                }));
+                self.cut(ctx, e);
+            }
         }
     }
 }

@@ -233,6 +233,8 @@ struct NodeInner {
     watchers: Mutex<Vec<Recipient<PeerEvent>>>,
     revoke_watchers: Mutex<Vec<Recipient<RevokeRequested>>>,
     inbox: Mutex<Option<Recipient<Offered>>>,
+    /// What the node's status reports besides the ledger, cache and links.
+    observed: crate::status::Observed,
 }
 
 /// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
@@ -319,6 +321,7 @@ impl Node {
                 watchers: Mutex::new(Vec::new()),
                 revoke_watchers: Mutex::new(Vec::new()),
                 inbox: Mutex::new(None),
+                observed: crate::status::Observed::new(),
             }
         });
         Node { inner }
@@ -368,6 +371,19 @@ impl Node {
     /// Counters of every buffer this node's owners export.
     pub fn export_stats(&self) -> OwnerStats {
         self.inner.exports.stats(None)
+    }
+
+    pub(crate) fn observed(&self) -> &crate::status::Observed {
+        &self.inner.observed
+    }
+
+    /// Leases held over a link that went down, still alive in their guards: orphaned.
+    pub(crate) fn record_orphans(
+        &self,
+        exporter: ProcessId,
+        leases: Vec<(Weak<crate::buffer::HeldLease>, u64)>,
+    ) {
+        self.inner.observed.record_orphans(exporter, leases);
     }
 
     /// Reports `process`'s death to the ledger when it happens.
@@ -545,10 +561,17 @@ impl Node {
     /// reported to subscribers as [`PeerEvent::Refused`]. Must be called inside an actix
     /// system.
     ///
+    /// Beside the socket it writes the admin credential, `dir/name.token` (the session
+    /// token in hex, mode 0600, in the directory only this uid can enter; see
+    /// [`Listening::token_file`]): with it, a tool run by the same user — the `baton`
+    /// command — links to the node and asks for its status knowing only the socket's path.
+    /// It is removed when the guard drops.
+    ///
     /// # Errors
-    /// The socket cannot be bound.
+    /// The socket cannot be bound, or the token file written.
     pub fn listen(&self, dir: &SocketDir, name: &str) -> Result<Listening, ActorError> {
         let listener = Listener::bind(dir, name, self.inner.config.link.clone())?;
+        let token_file = write_token_file(listener.path(), self.session())?;
         let std = listener
             .listener()
             .try_clone()
@@ -589,6 +612,7 @@ impl Node {
         });
         Ok(Listening {
             path: listener.path().to_owned(),
+            token_file,
             _listener: listener,
             task,
         })
@@ -599,6 +623,7 @@ impl Node {
 /// already up are unaffected.
 pub struct Listening {
     path: PathBuf,
+    token_file: PathBuf,
     _listener: Listener,
     task: tokio::task::JoinHandle<()>,
 }
@@ -616,10 +641,48 @@ impl Listening {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The admin credential beside the socket (`<socket>.token`): the session token in
+    /// hex, readable only by this uid. Removed when this guard drops.
+    pub fn token_file(&self) -> &Path {
+        &self.token_file
+    }
 }
 
 impl Drop for Listening {
     fn drop(&mut self) {
         self.task.abort();
+        let _ = std::fs::remove_file(&self.token_file);
     }
+}
+
+/// The path of the admin credential of the socket at `socket`: `<socket>.token`.
+pub fn token_file_of(socket: &Path) -> PathBuf {
+    let mut name = socket.as_os_str().to_owned();
+    name.push(".token");
+    PathBuf::from(name)
+}
+
+/// Writes `<socket>.token`: the session token in hex, created with mode 0600 (a stale
+/// file of a dead listener is replaced).
+fn write_token_file(socket: &Path, session: &Session) -> Result<PathBuf, ActorError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = token_file_of(socket);
+    let io = |op| move |source| baton_ipc::Error::Io { op, source };
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("removing a stale token file")(e).into()),
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io("creating the token file"))?;
+    file.write_all(session.token().to_hex().as_bytes())
+        .and_then(|()| file.write_all(b"\n"))
+        .map_err(io("writing the token file"))?;
+    Ok(path)
 }

@@ -246,6 +246,12 @@ pub struct ProcessSupervisor {
     watchers: Vec<Recipient<SupervisorEvent>>,
     stopping: bool,
     kill_unresponsive: bool,
+    /// How each child's last run ended.
+    last_exit: HashMap<String, String>,
+    /// Children that ended and are not restarted (done).
+    done: std::collections::HashSet<String>,
+    /// The children's states as the node's status lists them (see [`publish`](Self::publish)).
+    board: crate::status::ChildBoard,
     span: tracing::Span,
 }
 
@@ -280,6 +286,9 @@ impl ProcessSupervisor {
             watchers: Vec::new(),
             stopping: false,
             kill_unresponsive: true,
+            last_exit: HashMap::new(),
+            done: std::collections::HashSet::new(),
+            board: Arc::default(),
             span: tracing::info_span!("process_supervisor"),
         }
     }
@@ -302,6 +311,35 @@ impl ProcessSupervisor {
     pub fn subscriber(mut self, recipient: Recipient<SupervisorEvent>) -> Self {
         self.watchers.push(recipient);
         self
+    }
+
+    /// Puts the children's states where the node's status reads them.
+    fn publish(&self) {
+        let entries = self
+            .specs
+            .iter()
+            .map(|s| {
+                let running = self.running.get(&s.name);
+                let state = if running.is_some() {
+                    "running"
+                } else if self.stopping {
+                    "stopped"
+                } else if self.done.contains(&s.name) {
+                    "exited"
+                } else {
+                    "restarting"
+                };
+                baton_messages::status::ChildEntry {
+                    name: s.name.clone(),
+                    state: state.to_owned(),
+                    pid: running.map(|r| r.pid),
+                    start_ticks: running.map(|r| r.process.start_ticks),
+                    restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
+                    last_exit: self.last_exit.get(&s.name).cloned(),
+                }
+            })
+            .collect();
+        *self.board.lock().unwrap_or_else(|p| p.into_inner()) = entries;
     }
 
     fn emit(&self, event: SupervisorEvent) {
@@ -470,6 +508,7 @@ impl ProcessSupervisor {
             *self.restarts.entry(spec.name.clone()).or_insert(0) += 1;
             self.start_child(spec, ctx);
         }
+        self.publish();
     }
 }
 
@@ -479,9 +518,12 @@ impl Actor for ProcessSupervisor {
     fn started(&mut self, ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
         self.node.subscribe(ctx.address().recipient());
+        // The node's status lists the children for as long as this supervisor lives.
+        self.node.observed().register_children(&self.board);
         for spec in self.specs.clone() {
             self.start_child(spec, ctx);
         }
+        self.publish();
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
@@ -494,7 +536,9 @@ impl Actor for ProcessSupervisor {
             self.node.process_exited(running.process);
             self.sweep(&name, &running.process);
             tracing::info!(child = %name, pid = running.pid, status = %describe(status), "child stopped with the supervisor");
+            self.last_exit.insert(name, describe(status));
         }
+        self.publish();
     }
 }
 
@@ -517,6 +561,7 @@ impl Handler<ChildExited> for ProcessSupervisor {
         self.node.process_exited(msg.process);
         let status = describe(msg.status);
         let pid = msg.process.pid;
+        self.last_exit.insert(msg.name.clone(), status.clone());
         if msg.status.is_some_and(|s| s.success()) {
             tracing::info!(child = %msg.name, pid, %status, "child exited");
         } else {
@@ -550,9 +595,11 @@ impl Handler<ChildExited> for ProcessSupervisor {
                 Restart::Transient if !clean => self.on_death(&msg.name, ctx),
                 Restart::Transient | Restart::Temporary => {
                     tracing::info!(child = %msg.name, "child done; not restarted");
+                    self.done.insert(msg.name.clone());
                 }
             }
         }
+        self.publish();
     }
 }
 

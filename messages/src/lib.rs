@@ -10,6 +10,8 @@
 //!   buffer, sealed with a keyed digest so that a corrupted or forged handle is refused
 //!   before any driver call;
 //! - [`protocol`]: the [`Message`]s of the link and lease protocol;
+//! - [`status`]: [`NodeStatus`](status::NodeStatus), what a node tells an authenticated
+//!   peer about its buffers, leases, cache, links and children;
 //! - [`codec`]: length-prefixed frames with a hard size limit, decoded with bincode under a
 //!   byte limit, so that arbitrary input can never panic or allocate without bound.
 //!
@@ -26,6 +28,7 @@ pub mod ids;
 pub mod layout;
 pub mod protocol;
 mod serde_bytes64;
+pub mod status;
 
 pub use codec::{FrameDecoder, FrameHeader, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
 pub use error::Error;

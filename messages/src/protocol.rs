@@ -37,6 +37,9 @@
 //!
 //! Links ping each other on an interval (`Ping`/`Pong`); a peer that answers nothing
 //! within a deadline is cut.
+//!
+//! Either side may ask the other what it holds ([`StatusRequest`], answered by
+//! [`Status`]: see [`status`](crate::status)).
 
 use crate::handle::HandleMsg;
 use crate::ids::{AllocationId, LeaseId, ProcessId};
@@ -250,6 +253,47 @@ pub struct Payload {
     pub offers: Vec<Offer>,
 }
 
+/// How far a [`StatusRequest`] reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[non_exhaustive]
+pub enum StatusScope {
+    /// The node that receives the request.
+    Node,
+    /// That node and, one level down, every peer linked to it (a supervision root and its
+    /// children): each peer is asked for its own status, and its answer is put in its
+    /// link's entry. Peers that do not answer within a deadline are named, without one.
+    Tree,
+}
+
+/// Asks a node for its [`NodeStatus`](crate::status::NodeStatus). Any authenticated
+/// peer may ask; the handshake refuses an unauthenticated connection before any frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct StatusRequest {
+    /// Chosen by the asker; the [`Status`] names it.
+    pub id: u64,
+    /// This node only, or its linked peers too.
+    pub scope: StatusScope,
+    /// Entries wanted per list (capped at
+    /// [`MAX_STATUS_ENTRIES`](crate::status::MAX_STATUS_ENTRIES); 0: the node's default).
+    pub limit: u32,
+}
+
+/// The answer to a [`StatusRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Status {
+    /// The request answered.
+    pub id: u64,
+    /// The schema version of the body ([`STATUS_VERSION`](crate::status::STATUS_VERSION)).
+    pub version: u16,
+    /// A [`NodeStatus`](crate::status::NodeStatus) as JSON (self-describing, so that
+    /// tools and other languages read it and versions may differ), at most
+    /// [`MAX_STATUS_BYTES`](crate::status::MAX_STATUS_BYTES).
+    pub json: String,
+}
+
 /// Every message a link carries.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
@@ -287,6 +331,10 @@ pub enum Message {
     Ping(u64),
     /// Answer to `Ping`.
     Pong(u64),
+    /// [`StatusRequest`].
+    StatusRequest(StatusRequest),
+    /// [`Status`].
+    Status(Status),
 }
 
 impl Message {
@@ -307,6 +355,8 @@ impl Message {
             Message::Reply(_) => "Reply",
             Message::Ping(_) => "Ping",
             Message::Pong(_) => "Pong",
+            Message::StatusRequest(_) => "StatusRequest",
+            Message::Status(_) => "Status",
         }
     }
 }
