@@ -46,6 +46,7 @@ mod exports;
 mod ids;
 mod ledger;
 mod link;
+pub mod metrics;
 mod node;
 mod owner;
 mod remote;
@@ -58,6 +59,7 @@ pub use exports::{BufferLeases, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
 pub use link::{Heartbeat, LinkLimits, PeerLink};
+pub use metrics::MetricsPublisher;
 pub use node::{
     Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested, token_file_of,
 };
