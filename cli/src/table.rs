@@ -2,6 +2,7 @@
 //! links and children, for the node and (with `--tree`) every node linked to it.
 
 use baton_messages::status::NodeStatus;
+use std::collections::HashMap;
 use std::fmt::Write;
 
 /// `1536` → `1.5 KiB`.
@@ -96,10 +97,6 @@ fn table(out: &mut String, indent: &str, header: &[&str], rows: &[Vec<String>]) 
     }
 }
 
-fn opt_name(n: &Option<String>) -> String {
-    n.clone().unwrap_or_default()
-}
-
 fn left_out(out: &mut String, indent: &str, what: &str, n: u64) {
     if n > 0 {
         let _ = writeln!(out, "{indent}… and {n} more {what} (raise --limit)");
@@ -124,11 +121,29 @@ pub fn render(status: &NodeStatus) -> String {
         );
         out.push('\n');
     }
-    node(&mut out, status, "");
+    // Names a node knows of its own (supervised children) or a linked node says of itself.
+    let names: HashMap<u32, String> = status
+        .tree()
+        .iter()
+        .flat_map(|s| {
+            let own = s.name.clone().map(|n| (s.pid, n));
+            let children = s
+                .children
+                .iter()
+                .filter_map(|c| Some((c.pid?, c.name.clone())));
+            own.into_iter().chain(children).collect::<Vec<_>>()
+        })
+        .collect();
+    node(&mut out, status, "", &names);
     out
 }
 
-fn node(out: &mut String, s: &NodeStatus, indent: &str) {
+fn node(out: &mut String, s: &NodeStatus, indent: &str, names: &HashMap<u32, String>) {
+    let opt_name = |pid: u32, n: &Option<String>| {
+        n.clone()
+            .or_else(|| names.get(&pid).cloned())
+            .unwrap_or_default()
+    };
     let _ = writeln!(
         out,
         "{indent}node        {} · {} · device {} · up {}",
@@ -171,7 +186,7 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str) {
             .map(|p| {
                 vec![
                     p.pid.to_string(),
-                    opt_name(&p.name),
+                    opt_name(p.pid, &p.name),
                     if p.linked { "up" } else { "down" }.to_owned(),
                     p.leases.to_string(),
                     bytes(p.pinned_bytes),
@@ -261,10 +276,10 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str) {
             .map(|l| {
                 vec![
                     l.pid.to_string(),
-                    if l.requester {
-                        "(this command)".to_owned()
-                    } else {
-                        opt_name(&l.name)
+                    match (l.requester, indent.is_empty()) {
+                        (true, true) => "(this command)".to_owned(),
+                        (true, false) => format!("{} (asked)", opt_name(l.pid, &l.name)),
+                        _ => opt_name(l.pid, &l.name),
                     },
                     l.round_trip_us
                         .map_or("-".to_owned(), |us| format!("{:.2} ms", us as f64 / 1e3)),
@@ -309,7 +324,7 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str) {
         if let Some(child) = &l.status {
             out.push('\n');
             let _ = writeln!(out, "{indent}  ┌ linked node {}", label(child));
-            node(out, child, &nested);
+            node(out, child, &nested, names);
         } else if let Some(e) = &l.status_error {
             let _ = writeln!(
                 out,
