@@ -69,7 +69,7 @@ fn signal(child: &peer::Peer, sig: Signal) {
     kill_process(Pid::from_raw(child.pid() as i32).expect("a pid"), sig).expect("signal");
 }
 
-fn peer_row<'a>(json: &'a Value, pid: u32) -> &'a Value {
+fn peer_row(json: &Value, pid: u32) -> &Value {
     json["peers"]
         .as_array()
         .unwrap()

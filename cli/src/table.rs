@@ -278,7 +278,9 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str, names: &HashMap<u32, Str
                     l.pid.to_string(),
                     match (l.requester, indent.is_empty()) {
                         (true, true) => "(this command)".to_owned(),
-                        (true, false) => format!("{} (asked)", opt_name(l.pid, &l.name)),
+                        (true, false) => format!("{} (asked)", opt_name(l.pid, &l.name))
+                            .trim_start()
+                            .to_owned(),
                         _ => opt_name(l.pid, &l.name),
                     },
                     l.round_trip_us
