@@ -729,3 +729,93 @@ fn every_example_and_binary_answers_help() {
         assert!(help.contains(flag), "the renderer lost {flag}:\n{help}");
     }
 }
+
+/// A link may have at most four status answers in preparation: a tree answer waits for a
+/// stopped peer (and names it, without its status, after the deadline), and a fifth
+/// request while four wait is a protocol fault that cuts the asker, not the node.
+#[test]
+fn status_requests_are_bounded_per_link_and_a_silent_peer_is_named_not_waited_for() {
+    use baton::ipc::{Link, LinkConfig};
+    run(async {
+        let parent = Parent::start("statflood");
+        let (child, _link) = parent.child(&[]).await;
+        let child_pid = child.pid();
+        signal(&child, Signal::STOP);
+        let (socket, session) = (parent.socket(), parent.session.clone());
+        let (answers, me) = tokio::task::spawn_blocking(move || {
+            let request = |id| {
+                Message::StatusRequest(StatusRequest {
+                    id,
+                    scope: StatusScope::Tree,
+                    limit: 8,
+                })
+            };
+            let mut link = Link::connect(&socket, &LinkConfig::new(session)).unwrap();
+            let me = link.peer().process;
+            for id in 1..=4 {
+                link.send(&request(id), &[]).unwrap();
+            }
+            let mut answers = Vec::new();
+            while answers.len() < 4 {
+                match link.recv_timeout(DEADLINE).unwrap().message {
+                    Message::Status(s) => answers.push(s),
+                    Message::Ping(n) => link.send(&Message::Pong(n), &[]).unwrap(),
+                    _ => {}
+                }
+            }
+            // Five at once: the fifth arrives while four wait for the stopped peer.
+            for id in 5..=9 {
+                let _ = link.send(&request(id), &[]);
+            }
+            loop {
+                match link.recv_timeout(DEADLINE) {
+                    Ok(_) => {}
+                    Err(baton::Error::Closed) => break,
+                    Err(baton::Error::Io { source, .. })
+                        if source.kind() == std::io::ErrorKind::ConnectionReset =>
+                    {
+                        break;
+                    }
+                    Err(e) => panic!("the node did not cut the flooding link: {e}"),
+                }
+            }
+            (answers, me)
+        })
+        .await
+        .unwrap();
+        for answer in &answers {
+            let status = NodeStatus::from_json(&answer.json).unwrap();
+            let entry = status
+                .links
+                .iter()
+                .find(|l| l.pid == child_pid)
+                .expect("the stopped child is listed");
+            assert!(entry.status.is_none());
+            let why = entry.status_error.as_deref().unwrap_or_default();
+            assert!(why.contains("timed out"), "{why}");
+        }
+        eventually(
+            DEADLINE,
+            "the flooding link to be cut as a protocol fault",
+            || {
+                parent.events.all().into_iter().any(|e| match e {
+                    baton::actors::PeerEvent::Down {
+                        peer,
+                        reason: Some(r),
+                        ..
+                    } => {
+                        peer.process == me
+                            && matches!(
+                                *r,
+                                baton::actors::ActorError::TooManyStatusRequests { max: 4 }
+                            )
+                    }
+                    _ => false,
+                })
+            },
+        )
+        .await;
+        // The node carries on: it still answers.
+        assert_eq!(parent.node.status(0).pid, std::process::id());
+    });
+}

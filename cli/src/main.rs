@@ -72,6 +72,10 @@ enum Command {
         /// With --once: the screen's size, WIDTHxHEIGHT.
         #[arg(long, default_value = "110x32", value_parser = parse_size)]
         size: (u16, u16),
+        /// With --once: refreshes before the frame is printed (a second apart; two or more
+        /// give a handoff rate).
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=600))]
+        samples: u32,
     },
     /// Remove the named host segments (`BATON_HOST=named`) whose owners are dead; never a
     /// live owner's.
@@ -127,11 +131,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             node_only,
             once,
             size,
+            samples,
         } => {
             if once {
                 print!(
                     "{}",
-                    top::once(&socket, token_file.as_deref(), scope(!node_only), 3, size)?
+                    top::once(
+                        &socket,
+                        token_file.as_deref(),
+                        scope(!node_only),
+                        samples,
+                        size
+                    )?
                 );
             } else {
                 // Check the node answers before taking over the terminal.
