@@ -83,7 +83,7 @@ impl Server {
         let buf = cache.open(&offer.handle, &mut fds).unwrap();
         assert_eq!(buf.to_vec().unwrap(), vec![0x5A; 4096]);
         drop(buf);
-        link.send(&Message::Release(Release { lease: offer.lease }), &[])
+        link.send(&Message::Release(Release::now(offer.lease)), &[])
             .unwrap();
         self.outcome().expect("the good client was served");
     }

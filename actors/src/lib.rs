@@ -47,6 +47,8 @@ mod ids;
 mod ledger;
 mod link;
 mod node;
+mod offload;
+mod order;
 mod owner;
 mod remote;
 pub mod supervisor;
@@ -58,6 +60,7 @@ pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
 pub use link::{Heartbeat, LinkLimits, PeerLink};
 pub use node::{Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
+pub use order::MAX_STREAMS;
 pub use owner::{Allocate, BufferOwner, LeaseTable, Revoke, Stats};
 pub use remote::{RemoteAddr, RemoteMessage};
 pub use supervisor::{

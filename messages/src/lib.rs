@@ -9,6 +9,8 @@
 //! - [`handle`]: [`HandleMsg`], the serialized capability that lets another process map a
 //!   buffer, sealed with a keyed digest so that a corrupted or forged handle is refused
 //!   before any driver call;
+//! - [`fence`]: [`FenceHandle`], what orders GPU work across processes (acquire fences in
+//!   handles, release fences in `Release`);
 //! - [`protocol`]: the [`Message`]s of the link and lease protocol;
 //! - [`codec`]: length-prefixed frames with a hard size limit, decoded with bincode under a
 //!   byte limit, so that arbitrary input can never panic or allocate without bound.
@@ -19,6 +21,7 @@
 
 pub mod codec;
 mod error;
+pub mod fence;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod handle;
@@ -29,6 +32,7 @@ mod serde_bytes64;
 
 pub use codec::{FrameDecoder, FrameHeader, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
 pub use error::Error;
+pub use fence::{CounterFence, FenceHandle, FenceKind};
 pub use handle::{
     BackendKind, CudaIpcMemHandle, CudaPoolExportData, HandleDigest, HandleKey, HandleMsg,
     IpcEventHandle, RawHandle, SegmentName,
@@ -41,8 +45,9 @@ pub use layout::{DType, Layout, Shape};
 pub use protocol::Message;
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer
-/// speaking another version is refused before its payload is decoded.
-pub const PROTOCOL_VERSION: u8 = 1;
+/// speaking another version is refused before its payload is decoded. Version 2: handles
+/// carry a [`FenceHandle`] (was an IPC event), and `Release` carries release fences.
+pub const PROTOCOL_VERSION: u8 = 2;
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
