@@ -13,19 +13,14 @@ mod msgs;
 mod peer;
 
 use actix::prelude::*;
-use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
+use actors::{DEADLINE, Parent, eventually, eventually_async, exited, run};
 use baton::Error;
 use baton::actors::{Allocate, Buffer, LinkId};
 use baton::ipc::{Backend, HostBackend, Link, LinkConfig};
 use baton::messages::protocol::{Offer, Payload, Release, Reply};
 use baton::messages::{LeaseId, Message as Wire};
 use msgs::*;
-use std::future::Future;
 use tokio::task::spawn_blocking;
-
-fn run<F: Future<Output = ()>>(f: F) {
-    System::new().block_on(f);
-}
 
 /// A raw link, connected and authenticated, and the id the parent gave it.
 async fn raw(parent: &Parent) -> (Link, LinkId) {

@@ -8,16 +8,10 @@ mod msgs;
 #[path = "support/peer.rs"]
 mod peer;
 
-use actix::prelude::*;
-use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
-use baton::actors::{Allocate, Buffer, Revoke};
+use actors::{DEADLINE, Parent, eventually, eventually_async, exited, run};
+use baton::actors::{ActorError, Allocate, Buffer, Revoke};
 use msgs::*;
-use std::future::Future;
 use std::time::Duration;
-
-fn run<F: Future<Output = ()>>(f: F) {
-    System::new().block_on(f);
-}
 
 async fn pattern_buffer(parent: &Parent, len: usize, seed: u32) -> Buffer<u32> {
     parent.pattern_buffer(len, seed).await
@@ -160,6 +154,78 @@ fn a_free_while_leased_is_deferred_until_the_release() {
     });
 }
 
+/// A lease exists from the moment its offer is sent: an importer that never reads its
+/// socket (a raw link client, `baton-test-peer import-silent`) leaves our `Hold` call and
+/// its offer in flight. The lease is counted, and the buffer — whose last handle we drop —
+/// is held, for as long as the link is up; it is freed only when the link closes: by us
+/// while the importer lives on, or by the importer's death.
+#[test]
+fn an_offer_in_flight_holds_the_buffer_until_the_link_closes() {
+    run(async {
+        let parent = Parent::start("flight");
+        let sock = parent.socket();
+        for closed_by_us in [true, false] {
+            let (mut child, peer) = parent
+                .spawn_linked(
+                    env!("CARGO_BIN_EXE_baton-test-peer"),
+                    &["import-silent", &sock],
+                    false,
+                )
+                .await;
+            let freed = parent.stats().await.freed;
+            let buf = pattern_buffer(&parent, 1024, 11).await;
+            // Sent now; never read, never answered.
+            let call = peer.remote::<Hold>("holder").send(Hold {
+                buffers: vec![buf.share()],
+            });
+            eventually_async(DEADLINE, "the lease of the offer in flight", || async {
+                parent.table().await.iter().any(|b| b.leases.len() == 1)
+            })
+            .await;
+            let table = parent.table().await;
+            assert_eq!(table.len(), 1);
+            assert_eq!(table[0].leases.len(), 1);
+            assert_eq!(
+                table[0].leases[0].1.pid,
+                child.pid(),
+                "held by the importer"
+            );
+            drop(buf); // our last handle: the free must wait for the lease
+            let stats = parent.stats().await;
+            assert_eq!(
+                (stats.buffers, stats.retiring, stats.leases, stats.freed),
+                (1, 1, 1, freed),
+                "the buffer is held, not freed, while its offer is in flight"
+            );
+            assert_eq!(parent.segments(), 1, "the memory is still there");
+            assert!(peer.is_connected());
+
+            if closed_by_us {
+                peer.close();
+            } else {
+                child.kill9();
+            }
+            assert!(
+                matches!(call.await, Err(ActorError::LinkClosed { .. })),
+                "the call ends with the link"
+            );
+            eventually_async(DEADLINE, "the buffer to be freed", || async {
+                let s = parent.stats().await;
+                s.buffers == 0 && s.leases == 0
+            })
+            .await;
+            assert_eq!(parent.stats().await.freed, freed + 1);
+            assert_eq!(parent.segments(), 0, "no segment left");
+            if closed_by_us {
+                assert!(
+                    child.try_wait().is_none(),
+                    "the importer lives on: closing the link alone freed the buffer"
+                );
+            }
+        }
+    });
+}
+
 /// Issue test 4: a cooperative holder returns a revoked lease; a stubborn one is cut off.
 #[test]
 fn revoke_with_a_deadline_cuts_off_only_the_holder_that_keeps_it() {
@@ -274,6 +340,62 @@ fn importer_sigkill_reclaims_its_leases_and_pending_frees_complete() {
         })
         .await;
         assert_eq!(parent.segments(), 0, "no segment left");
+    });
+}
+
+/// Lines of `/proc/<pid>/maps` that map the segment whose name ends in `tag` (its random
+/// part), also once unlinked.
+fn mappings_of(pid: u32, tag: &str) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(tag))
+        .count()
+}
+
+/// The exporter frees a buffer only once no live process may map it: when the free lands,
+/// the importer that held it has unmapped it (it lives on) or is dead.
+///
+/// Written ahead of the ledger's mapping holds (DESIGN.md, *to build*). Today it passes
+/// because dropping a lease closes the importer's mapping before its `Release` leaves. Once
+/// the import cache keeps mappings warm after the last lease, it must still pass: the free
+/// then has to wait for the importer's `Unmapped` (or its death), never just the `Release`.
+#[test]
+fn a_buffer_is_freed_only_once_no_live_process_maps_it() {
+    run(async {
+        let parent = Parent::start("unmap");
+        let (mut child, peer) = parent.child(&[]).await;
+        let buf = pattern_buffer(&parent, 4096, 21).await;
+        let segments = baton::ipc::host::list_segments(&parent.ns).unwrap();
+        assert_eq!(segments.len(), 1);
+        let tag = segments[0].name.rsplit('.').next().unwrap().to_owned();
+        peer.remote::<Hold>("holder")
+            .send(Hold {
+                buffers: vec![buf.share()],
+            })
+            .await
+            .unwrap();
+        assert_eq!(mappings_of(child.pid(), &tag), 1, "the importer maps it");
+        drop(buf);
+        assert_eq!(parent.stats().await.freed, 0, "held by the lease");
+
+        peer.remote::<DropHeld>("holder.drop")
+            .send(DropHeld)
+            .await
+            .unwrap();
+        eventually_async(DEADLINE, "the free", || async {
+            parent.stats().await.freed == 1
+        })
+        .await;
+        assert!(child.try_wait().is_none(), "the importer lives");
+        assert_eq!(
+            mappings_of(child.pid(), &tag),
+            0,
+            "the buffer was freed while a live importer still maps it"
+        );
+        assert_eq!(parent.segments(), 0);
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
     });
 }
 

@@ -10,7 +10,7 @@ mod msgs;
 mod peer;
 
 use actix::prelude::*;
-use actors::{DEADLINE, Parent, eventually};
+use actors::{DEADLINE, Parent, eventually, run};
 use baton::actors::supervisor::{KillChild, Shutdown};
 use baton::actors::{
     ActorError, ChildSpec, Lease, Node, ProcessSupervisor, RemoteMessage, RestartPolicy, Strategy,
@@ -19,13 +19,8 @@ use baton::actors::{
 use baton::ipc::{HostBackend, host};
 use msgs::*;
 use serde::{Deserialize, Serialize};
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-fn run<F: Future<Output = ()>>(f: F) {
-    System::new().block_on(f);
-}
 
 #[derive(Default, Clone)]
 struct SupEvents(Arc<Mutex<Vec<SupervisorEvent>>>);

@@ -4,8 +4,13 @@
 //!
 //! - a peer whose uid the policy does not allow is refused before the node reads a byte;
 //! - a peer without the session token is refused, in either direction;
-//! - the socket and its directory cannot be reached by another user (run as root, the test
-//!   spawns its probe as uid/gid 65534; as another user it says why it skips that part).
+//! - the socket and its directory cannot be reached by another user, and another uid that
+//!   reaches the socket is refused: these two spawn a probe as uid/gid 65534, which needs
+//!   root, so they are `#[ignore = "needs root …"]`; `.ci/run` runs them with `--ignored`
+//!   as root and fails if they did not run.
+//!
+//! A refused peer's link must end: at an end of stream or a reset. A read that times out
+//! means the node kept the link, and fails the test.
 
 #[path = "support/actors.rs"]
 mod actors;
@@ -15,14 +20,13 @@ mod msgs;
 mod peer;
 
 use actix::prelude::*;
-use actors::{DEADLINE, EventLog, Events, eventually};
+use actors::{DEADLINE, EventLog, Events, eventually, run};
 use baton::actors::{Allocate, Buffer, BufferOwner, Node, PeerEvent};
 use baton::ipc::{HostBackend, LinkConfig, PeerPolicy};
 use baton::messages::codec::{FrameDecoder, frame_bytes};
 use baton::messages::protocol::{Auth, AuthProof, Hello, Nonce, RefuseReason};
 use baton::messages::{Message, PROTOCOL_VERSION, SessionToken};
 use baton::{Session, SocketDir};
-use std::future::Future;
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
@@ -30,10 +34,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::spawn_blocking;
-
-fn run<F: Future<Output = ()>>(f: F) {
-    System::new().block_on(f);
-}
 
 fn me() -> u32 {
     rustix::process::geteuid().as_raw()
@@ -111,19 +111,48 @@ fn hello() -> Message {
     })
 }
 
-/// A raw client: sends `first`, then (after a `Welcome`) `then`, and returns every message
-/// it received until the end of the stream.
-fn raw_client(path: &Path, first: Message, then: Option<Message>) -> Vec<Message> {
+/// How a raw client's stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// A clean end of stream: the node closed having read everything we sent.
+    Eof,
+    /// `ECONNRESET`: the node closed with bytes of ours unread.
+    Reset,
+}
+
+/// What a raw client saw.
+#[derive(Debug)]
+struct RawSession {
+    /// Every message received, in order.
+    got: Vec<Message>,
+    /// How the stream ended.
+    end: End,
+}
+
+/// A raw client connects and sends `first`. Called on the event loop's thread, it blocks
+/// that loop meanwhile, so `first` is in the node's socket before the node can accept the
+/// connection: whatever the node does next, it does with `first` waiting there.
+fn raw_connect(path: &Path, first: &Message) -> UnixStream {
     let mut s = UnixStream::connect(path).unwrap();
     s.set_read_timeout(Some(DEADLINE)).unwrap();
-    let _ = s.write_all(&frame_bytes(&first, 0).unwrap());
+    s.write_all(&frame_bytes(first, 0).unwrap())
+        .expect("the Hello goes into the socket before the node accepts");
+    s
+}
+
+/// The raw client goes on: sends `then` after a `Welcome`, and reads until the node drops
+/// the link. Only an end of stream or a reset counts as dropped: a read that times out
+/// (the node kept the link open) fails the test. Blocking: call from `spawn_blocking`.
+fn raw_client(mut s: UnixStream, then: Option<Message>) -> RawSession {
     let mut then = then;
     let mut decoder = FrameDecoder::new();
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
-    loop {
+    let end = loop {
         let n = match s.read(&mut buf) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break End::Eof,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break End::Reset,
+            Err(e) => panic!("the node did not drop the link ({e}); received {got:?}"),
             Ok(n) => n,
         };
         decoder.push(&buf[..n]);
@@ -135,8 +164,8 @@ fn raw_client(path: &Path, first: Message, then: Option<Message>) -> Vec<Message
             }
             got.push(frame.message);
         }
-    }
-    got
+    };
+    RawSession { got, end }
 }
 
 fn no_handles(got: &[Message]) {
@@ -160,15 +189,22 @@ fn a_uid_the_policy_does_not_allow_is_refused_before_any_handle_is_sent() {
 
         // A raw client of our uid (not allowed here) gets the refusal and nothing else:
         // not even a Welcome, so it learns nothing of the server.
-        let path = server.path();
-        let got = spawn_blocking(move || raw_client(&path, hello(), None))
+        let stream = raw_connect(&server.path(), &hello());
+        let raw = spawn_blocking(move || raw_client(stream, None))
             .await
             .unwrap();
         assert_eq!(
-            got,
+            raw.got,
             vec![Message::Refused(baton::messages::protocol::Refused {
                 reason: RefuseReason::NotAllowed
             })]
+        );
+        // Our Hello was in the node's socket before it accepted; a socket closed with bytes
+        // unread resets its peer, one whose bytes were all read ends cleanly.
+        assert_eq!(
+            raw.end,
+            End::Reset,
+            "the node read the Hello of a peer it refuses"
         );
         let why = server.refusal().await;
         assert!(
@@ -222,13 +258,14 @@ fn a_peer_without_the_token_is_refused_in_either_direction() {
 
         // A raw client that answers the Welcome with a forged proof: refused, and the
         // only frames it ever got are the Welcome and the refusal.
-        let path = server.path();
         let forged = Message::Auth(Auth {
             proof: AuthProof([0x42; 32]),
         });
-        let got = spawn_blocking(move || raw_client(&path, hello(), Some(forged)))
+        let stream = raw_connect(&server.path(), &hello());
+        let raw = spawn_blocking(move || raw_client(stream, Some(forged)))
             .await
             .unwrap();
+        let got = raw.got;
         assert!(matches!(got.first(), Some(Message::Welcome(_))), "{got:?}");
         assert_eq!(
             got.get(1),
@@ -255,16 +292,20 @@ fn a_peer_without_the_token_is_refused_in_either_direction() {
     });
 }
 
-/// Root may run a helper as another user; anyone else skips (saying why).
-fn can_switch_users() -> bool {
-    if me() == 0 {
-        return true;
-    }
-    eprintln!(
-        "skipped: spawning a helper as another uid needs root (this test runs as uid {})",
+/// The reason the tests that switch users are ignored by default. `.ci/run` runs them
+/// (`--ignored`) when it runs as root, and fails if they did not run.
+const NEEDS_ROOT: &str =
+    "needs root (runs a helper as uid 65534): .ci/run runs it with --ignored as root";
+
+/// Root may run a helper as another user; these tests are asked for explicitly, so anyone
+/// else fails them, saying why.
+fn assert_root() {
+    assert_eq!(
+        me(),
+        0,
+        "{NEEDS_ROOT}; this test runs as uid {}: leave it ignored",
         me()
     );
-    false
 }
 
 /// The test helper, copied where uid 65534 may run it (the build directory may sit under
@@ -282,16 +323,26 @@ fn stranger_exe() -> (tempfile::TempDir, PathBuf) {
 /// stdout. Killed and reaped past the deadline.
 fn run_as_stranger(exe: &Path, args: &[&str]) -> String {
     use std::os::unix::process::CommandExt;
-    let mut child = std::process::Command::new(exe)
-        .args(args)
-        .uid(65534)
-        .gid(65534)
-        .current_dir("/")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawning the helper as uid 65534");
     let start = Instant::now();
+    let mut child = loop {
+        let spawned = std::process::Command::new(exe)
+            .args(args)
+            .uid(65534)
+            .gid(65534)
+            .current_dir("/")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn();
+        match spawned {
+            // Another test's child, forked while our copy of the helper was still open for
+            // writing, holds that descriptor until it execs: retry until it has.
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                assert!(start.elapsed() < DEADLINE, "the helper stayed busy: {e}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            other => break other.expect("spawning the helper as uid 65534"),
+        }
+    };
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
@@ -315,10 +366,9 @@ fn run_as_stranger(exe: &Path, args: &[&str]) -> String {
 }
 
 #[test]
+#[ignore = "needs root (runs a helper as uid 65534): .ci/run runs it with --ignored as root"]
 fn the_socket_and_its_directory_are_not_reachable_by_other_users() {
-    if !can_switch_users() {
-        return;
-    }
+    assert_root();
     run(async {
         let server = Server::start(
             "priv",
@@ -365,10 +415,9 @@ fn the_socket_and_its_directory_are_not_reachable_by_other_users() {
 }
 
 #[test]
+#[ignore = "needs root (runs a helper as uid 65534): .ci/run runs it with --ignored as root"]
 fn another_uid_that_reaches_the_socket_is_refused_before_any_handle_is_sent() {
-    if !can_switch_users() {
-        return;
-    }
+    assert_root();
     run(async {
         let server = Server::start(
             "uid2",
@@ -387,13 +436,16 @@ fn another_uid_that_reaches_the_socket_is_refused_before_any_handle_is_sent() {
         let probe = spawn_blocking(move || run_as_stranger(&exe, &["probe", &sock]))
             .await
             .unwrap();
-        // The node refuses before reading a byte, so the probe's Hello stays unread: the
-        // kernel may then refuse the write, or report a reset after the refusal.
-        let lines: Vec<&str> = probe
-            .lines()
-            .filter(|l| !l.starts_with("write-error") && *l != "read-error: ConnectionReset")
-            .collect();
-        assert_eq!(lines, ["refused: NotAllowed", "end"], "{probe}");
+        // The node refuses before reading a byte, so the probe's Hello stays unread: either
+        // the node had closed the socket already (the write fails), or the Hello sat in it
+        // unread and the kernel reports a reset after the refusal. A clean end after a
+        // written Hello would mean the node read it; a timeout, that it kept the link.
+        let lines: Vec<&str> = probe.lines().collect();
+        match lines.as_slice() {
+            [written, "refused: NotAllowed", "end"] if written.starts_with("write-error") => {}
+            ["refused: NotAllowed", "read-error: ConnectionReset", "end"] => {}
+            _ => panic!("the stranger saw more than a refusal of an unread Hello:\n{probe}"),
+        }
         let why = server.refusal().await;
         assert!(
             why.contains("PeerNotAllowed") && why.contains("uid: 65534"),

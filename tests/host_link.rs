@@ -8,7 +8,7 @@ use baton::ipc::{Backend, HostBackend, ImportCache, LinkConfig, Listener, Receiv
 use baton::messages::protocol::{Offer, Release};
 use baton::messages::{ActorId, LeaseId, Message};
 use baton::{Error, Session};
-use peer::{Peer, namespace, segments, socket_dir};
+use peer::{Peer, accept_from, namespace, segments, socket_dir};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,7 +56,7 @@ fn a_64_mib_buffer_goes_to_another_process_and_a_reply_comes_back() {
             &payload_len.to_string(),
         ],
     );
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     assert_eq!(
         link.peer().process.pid,
         child.pid(),
@@ -94,8 +94,22 @@ fn a_64_mib_buffer_goes_to_another_process_and_a_reply_comes_back() {
     );
 }
 
+/// Lines of `/proc/<pid>/maps` that map a segment of `ns` (also once unlinked: "(deleted)").
+fn mappings_of(pid: &str, ns: &str) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(&format!("/dev/shm/{ns}.")))
+        .count()
+}
+
+/// The importer is SIGKILLed while it maps our segment: we see the link end as a clean close
+/// (`Closed`: not a timeout, not a cut-off frame), and our free then leaves nothing — no name
+/// in `/dev/shm`, no mapping in this process. (At this level nothing tracks importers: the
+/// free would unlink the name just the same with the importer alive. That the exporter's
+/// free waits for the importer is the lease ledger's promise, tested in `actors_protocol`.)
 #[test]
-fn importer_sigkill_while_mapped_closes_the_link_and_the_exporter_frees() {
+fn importer_sigkill_while_mapped_ends_the_link_cleanly_and_our_free_leaves_nothing() {
     let ns = namespace("ik");
     let before = segments(&ns);
     let session = Session::generate().unwrap();
@@ -106,7 +120,7 @@ fn importer_sigkill_while_mapped_closes_the_link_and_the_exporter_frees() {
 
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = Peer::spawn(&session, &ns, &["import-hold", &sock]);
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     let handle = alloc.handle(&session).build().unwrap();
     link.send(
         &Message::Offer(Offer {
@@ -121,12 +135,13 @@ fn importer_sigkill_while_mapped_closes_the_link_and_the_exporter_frees() {
         Message::Ping(1)
     );
 
-    // The child really maps the segment.
-    let maps = std::fs::read_to_string(format!("/proc/{}/maps", child.pid())).unwrap();
-    assert!(
-        maps.contains(&format!("/dev/shm/{ns}.")),
+    // The child really maps the segment, and so do we.
+    assert_eq!(
+        mappings_of(&child.pid().to_string(), &ns),
+        1,
         "child maps the segment"
     );
+    assert_eq!(mappings_of("self", &ns), 1, "we map our allocation");
 
     child.kill9();
     assert!(matches!(link.recv_timeout(DEADLINE), Err(Error::Closed)));
@@ -135,6 +150,11 @@ fn importer_sigkill_while_mapped_closes_the_link_and_the_exporter_frees() {
         segments(&ns),
         before,
         "nothing left after the exporter freed"
+    );
+    assert_eq!(
+        mappings_of("self", &ns),
+        0,
+        "the free unmapped our allocation"
     );
 }
 
@@ -150,7 +170,7 @@ fn exporter_sigkill_closes_the_link_and_the_sweep_removes_its_segment() {
 
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = Peer::spawn(&session, &ns, &["export-hold", &sock, "1048576"]);
-    let mut link = listener.accept().unwrap();
+    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     let Received { message, mut fds } = link.recv_timeout(DEADLINE).unwrap();
     let Message::Offer(offer) = message else {
         panic!("expected an offer, got {message:?}")

@@ -14,10 +14,13 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
 const DEADLINE: Duration = Duration::from_secs(10);
+/// How long a test's listener waits for its next client at most.
+const LISTENER_LIFETIME: Duration = Duration::from_secs(600);
 
 /// A listener on a thread. Each accepted connection's outcome comes back on `outcomes`:
 /// a refused connection's error, or `Ok` once a good client released the buffer it was
@@ -27,7 +30,15 @@ struct Server {
     session: Session,
     ns: String,
     outcomes: mpsc::Receiver<Result<(), Error>>,
+    /// Tells the listener's thread to end.
+    stop: Arc<AtomicBool>,
     _tmp: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Server {
@@ -42,11 +53,16 @@ impl Server {
         let path = listener.path().to_owned();
         let (tx, outcomes) = mpsc::channel();
         let (s, ns2) = (session.clone(), ns.clone());
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
         std::thread::spawn(move || {
             let backend = HostBackend::with_namespace(&ns2).unwrap();
             let mut lease = 0;
-            loop {
-                let outcome = listener.accept().and_then(|mut link| {
+            // Clients come while the test runs; the thread ends with the `Server`.
+            while let Some(accepted) = peer::accept_while(&listener, LISTENER_LIFETIME, || {
+                !stopped.load(Ordering::Relaxed)
+            }) {
+                let outcome = accepted.and_then(|mut link| {
                     lease += 1;
                     serve_one(&mut link, &backend, &s, LeaseId::new(lease))
                 });
@@ -60,6 +76,7 @@ impl Server {
             session,
             ns,
             outcomes,
+            stop,
             _tmp: tmp,
         }
     }
@@ -250,8 +267,74 @@ fn each_bad_peer_gets_a_typed_error_and_the_next_good_client_is_served() {
 #[test]
 fn a_peer_whose_uid_is_not_allowed_is_refused_before_anything_is_read() {
     let me = rustix::process::geteuid().as_raw();
-    let server = Server::start("uid", PeerPolicy::uids([me.wrapping_add(4242)]));
-    let client = Link::connect(&server.path, &LinkConfig::new(server.session.clone()));
+    let session = Session::generate().unwrap();
+    let (_tmp, dir) = peer::socket_dir();
+    let config = LinkConfig::new(session.clone())
+        .policy(PeerPolicy::uids([me.wrapping_add(4242)]))
+        .handshake_timeout(DEADLINE);
+    let listener = Listener::bind(&dir, "uid.sock", config).unwrap();
+
+    // A raw client connects and sends its Hello before the listener accepts, so the Hello
+    // already sits in the server's socket when the server decides. A Unix stream socket
+    // closed with bytes unread makes the kernel report a reset to its peer; one closed after
+    // reading everything, an end of stream. So the reset after the refusal shows that the
+    // server never read the Hello.
+    let mut raw = UnixStream::connect(listener.path()).unwrap();
+    raw.set_read_timeout(Some(DEADLINE)).unwrap();
+    raw.write_all(&frame_bytes(&hello_from_me(), 0).unwrap())
+        .unwrap();
+    let refused = peer::accept_within(&listener, DEADLINE);
+    assert!(
+        matches!(refused, Err(Error::PeerNotAllowed { uid, .. }) if uid == me),
+        "{refused:?}"
+    );
+    assert_eq!(
+        read_message(&mut raw),
+        Some(Message::Refused(msg::protocol::Refused {
+            reason: RefuseReason::NotAllowed
+        })),
+        "the refusal is the first frame"
+    );
+    assert_eq!(
+        stream_end(&mut raw),
+        StreamEnd::Reset,
+        "the server closed with our Hello unread"
+    );
+
+    // The control: a peer the policy allows, whose Hello the server must read to refuse it
+    // (an unknown version), ends in a clean end of stream.
+    let (_tmp2, dir2) = peer::socket_dir();
+    let open = Listener::bind(&dir2, "open.sock", LinkConfig::new(session.clone())).unwrap();
+    let mut raw = UnixStream::connect(open.path()).unwrap();
+    raw.set_read_timeout(Some(DEADLINE)).unwrap();
+    let hello = Message::Hello(Hello {
+        version: 7,
+        process: baton::ipc::process::current(),
+        nonce: Nonce([1; 32]),
+    });
+    raw.write_all(&frame_bytes(&hello, 0).unwrap()).unwrap();
+    assert!(matches!(
+        peer::accept_within(&open, DEADLINE),
+        Err(Error::Message(msg::Error::UnsupportedVersion {
+            got: 7,
+            ..
+        }))
+    ));
+    assert!(matches!(
+        read_message(&mut raw),
+        Some(Message::Refused(msg::protocol::Refused {
+            reason: RefuseReason::VersionMismatch { .. }
+        }))
+    ));
+    assert_eq!(stream_end(&mut raw), StreamEnd::Eof, "the Hello was read");
+
+    // A real client is refused the same way, and hears why.
+    let path = listener.path().to_owned();
+    let client_config = LinkConfig::new(session);
+    let client = std::thread::spawn(move || Link::connect(&path, &client_config));
+    let refused = peer::accept_within(&listener, DEADLINE);
+    assert!(matches!(refused, Err(Error::PeerNotAllowed { uid, .. }) if uid == me));
+    let client = client.join().unwrap();
     assert!(
         matches!(
             client,
@@ -261,7 +344,27 @@ fn a_peer_whose_uid_is_not_allowed_is_refused_before_anything_is_read() {
         ),
         "{client:?}"
     );
-    assert!(matches!(server.outcome(), Err(Error::PeerNotAllowed { uid, .. }) if uid == me));
+}
+
+/// How a raw stream ended after its last frame.
+#[derive(Debug, PartialEq, Eq)]
+enum StreamEnd {
+    /// A clean end of stream: the peer closed having read everything we sent.
+    Eof,
+    /// `ECONNRESET`: the peer closed with bytes of ours unread.
+    Reset,
+}
+
+/// Reads to the end of the stream, which must come within the read timeout: bytes after
+/// the last frame, or a timeout, fail the test.
+fn stream_end(s: &mut UnixStream) -> StreamEnd {
+    let mut buf = [0u8; 64];
+    match s.read(&mut buf) {
+        Ok(0) => StreamEnd::Eof,
+        Ok(n) => panic!("{n} more bytes after the last frame: {:02x?}", &buf[..n]),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => StreamEnd::Reset,
+        Err(e) => panic!("the stream did not end: {e}"),
+    }
 }
 
 fn hello_from_me() -> Message {
@@ -383,21 +486,124 @@ fn cache_hits_share_one_mapping_and_the_last_drop_closes_it() {
     assert_eq!(cache.stats().closes, 1);
 }
 
+/// What the server must report for a client that wrote `bytes` and hung up, worked out
+/// from the frame decoder and the handshake's rules: the decoder's own error for a bad or
+/// cut-off first frame, `MissingFds` for a frame announcing descriptors, `UnexpectedMessage`
+/// for anything but a `Hello` first, the handshake's refusal for a wrong `Hello`, and a
+/// clean close after a good `Hello` (the server waits for the `Auth` that never comes).
+fn expected_outcome(bytes: &[u8]) -> String {
+    let mut decoder = msg::codec::FrameDecoder::new();
+    decoder.push(bytes);
+    let error = match decoder.next_frame() {
+        Err(e) => Error::Message(e),
+        Ok(None) => match decoder.finish() {
+            Err(e) => Error::Message(e),
+            Ok(()) => Error::Closed,
+        },
+        Ok(Some(frame)) if frame.header.nfds > 0 => Error::MissingFds {
+            need: usize::from(frame.header.nfds),
+            have: 0,
+        },
+        Ok(Some(frame)) => match frame.message {
+            Message::Hello(h) if h.version != PROTOCOL_VERSION => {
+                Error::Message(msg::Error::UnsupportedVersion {
+                    got: h.version,
+                    supported: PROTOCOL_VERSION,
+                })
+            }
+            Message::Hello(h) if h.process != baton::ipc::process::current() => {
+                Error::PeerIdentityMismatch {
+                    claimed: h.process,
+                    actual_pid: std::process::id(),
+                }
+            }
+            Message::Hello(_) => Error::Closed,
+            Message::Refused(r) => Error::Refused { reason: r.reason },
+            other => Error::UnexpectedMessage {
+                expected: "Hello",
+                got: other.kind(),
+            },
+        },
+    };
+    format!("{error:?}")
+}
+
+/// The messages a client might open with, to mutate.
+fn first_message(which: u8, n: u64) -> Message {
+    let me = baton::ipc::process::current();
+    match which % 6 {
+        0 | 1 => hello_from_me(),
+        2 => Message::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            process: baton::messages::ProcessId { pid: 1, ..me },
+            nonce: Nonce([2; 32]),
+        }),
+        3 => Message::Ping(n),
+        4 => Message::Release(Release::now(LeaseId::new(n))),
+        _ => Message::Auth(Auth {
+            proof: AuthProof([n as u8; 32]),
+        }),
+    }
+}
+
+/// Bytes a bad client might send, in three families, so that most cases get past the frame
+/// header: any bytes at all (mostly not Baton: `BadMagic`); a valid header before random
+/// payload bytes (cut off, malformed, or a message out of place); a real first frame with
+/// a few payload bytes changed and perhaps cut short (a wrong version or identity, a
+/// descriptor count, a payload that no longer decodes).
+fn bad_client_bytes() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        proptest::collection::vec(any::<u8>(), 1..512),
+        (0u32..600, proptest::collection::vec(any::<u8>(), 0..700)).prop_map(|(len, payload)| {
+            let mut b = header(PROTOCOL_VERSION, 0, len).to_vec();
+            b.extend(payload);
+            b
+        }),
+        (
+            any::<u8>(),
+            any::<u64>(),
+            proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4),
+            any::<bool>(),
+            any::<usize>(),
+            0u8..3,
+        )
+            .prop_map(|(which, n, flips, cut, at, nfds)| {
+                let mut b = frame_bytes(&first_message(which, n), 0).unwrap();
+                if nfds == 2 {
+                    b[3] = 1; // announces a descriptor that never comes
+                }
+                let payload = b.len() - HEADER_LEN;
+                for (i, x) in flips {
+                    if payload > 0 {
+                        b[HEADER_LEN + i % payload] ^= x;
+                    }
+                }
+                if cut {
+                    b.truncate(1 + at % b.len());
+                }
+                b
+            }),
+    ]
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_bytes_on_the_socket_are_refused_and_the_listener_survives(
-        bytes in proptest::collection::vec(any::<u8>(), 1..512)
+    fn bad_bytes_on_the_socket_get_the_typed_error_they_deserve_and_the_listener_survives(
+        bytes in bad_client_bytes()
     ) {
         thread_local! {
             static SERVER: Server = Server::start("rnd", PeerPolicy::same_user());
         }
+        let want = expected_outcome(&bytes);
         SERVER.with(|server| {
             let mut s = server.raw();
             let _ = s.write_all(&bytes);
             drop(s);
-            prop_assert!(server.outcome().is_err());
+            let got = server.outcome();
+            prop_assert!(got.is_err(), "a bad client was served");
+            prop_assert_eq!(format!("{:?}", got.unwrap_err()), want);
             server.good_client();
             Ok(())
         })?;

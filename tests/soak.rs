@@ -12,14 +12,21 @@
 //! | `exporter-mid-revoke` | actor exporter | during the deadline of its `Revoke` of our leases |
 //! | `exporter-mid-frame` | raw link exporter | after writing half an `Offer` frame |
 //!
-//! After every cycle: the child is reaped (no zombie), its link is down, every wait had a
-//! deadline, our owner has no buffer and no lease left once our handles drop, our import
-//! cache maps nothing, none of our segments is left (without a sweep), and after
-//! `host::sweep` no segment of the dead child is left either. The CUDA variant also checks,
-//! after every cycle, that the backend holds no allocation or mapping (an exact count), and
-//! at the end that the device's free memory returned to its baseline (within 1 MiB; its
-//! buffers are 2 MiB each, so one leaked buffer shows). It holds the GPU test lock for its
-//! run, so no other Baton test shares the device meanwhile.
+//! Every child is spawned by a [`ProcessSupervisor`] of its own (one-child, never
+//! restarted), which also kills it. The supervisor runs on a node of its own that holds no
+//! link, so the child's death reaches our node through its socket alone, as a crash would.
+//!
+//! After every cycle: the supervisor reaped the child (`/proc/<pid>` gone or not a zombie
+//! when it reports the exit — the test never waits for the child itself), its link is down,
+//! every wait had a deadline, our owner has no buffer and no lease left once our handles
+//! drop, our import cache maps nothing, none of our segments is left (without a sweep), and
+//! after `host::sweep` no segment of the dead child is left either. An importer killed while
+//! its offers travel or it maps them held every buffer by its lease until then (checked after
+//! our own handles dropped). The CUDA variant also checks, after every cycle, that the
+//! backend holds no allocation or mapping (an exact count), and at the end that the device's
+//! free memory returned to its baseline (within 1 MiB; its buffers are 2 MiB each, so one
+//! leaked buffer shows). It holds the GPU test lock for its run, so no other Baton test
+//! shares the device meanwhile.
 //!
 //! `BATON_SOAK_SEED` replays a run (the seed is printed); `BATON_SOAK_CYCLES` sets the
 //! number of cycles (default 200).
@@ -32,14 +39,18 @@ mod msgs;
 mod peer;
 
 use actix::prelude::*;
-use actors::{Events, Parent, eventually, eventually_async, exited};
-use baton::actors::{Allocate, Buffer, Lease, Peer, Revoke};
+use actors::{Events, Parent, eventually, eventually_async};
+use baton::actors::supervisor::{KillChild, Shutdown};
+use baton::actors::{
+    Allocate, Buffer, ChildSpec, Lease, Node, Peer, ProcessSupervisor, Restart, RestartPolicy,
+    Revoke, Strategy, SupervisorEvent,
+};
 use baton::ipc::{HostBackend, SharedBackend, host};
 use msgs::*;
 use std::collections::BTreeMap;
-use std::io::BufRead;
-use std::sync::Arc;
-use std::sync::mpsc;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Every wait of the soak ends by this deadline, or the test fails saying what it waited for.
@@ -106,6 +117,13 @@ enum Device {
 /// directory, a buffer owner, a log of link events), with the soak's own spawning.
 struct Rig {
     parent: Parent,
+    /// The node the children's supervisors run on: same session, no links.
+    spawner: Node,
+    /// Where raw children write their status lines.
+    status_dir: tempfile::TempDir,
+    spawned: std::cell::Cell<u32>,
+    /// Whether our buffers are host segments (else device memory).
+    on_host: bool,
     /// `u32`s per buffer, ours and the children's: 1 KiB on host, 2 MiB on CUDA (above the
     /// 1 MiB tolerance of the device-wide measure).
     elems: u32,
@@ -116,6 +134,70 @@ impl std::ops::Deref for Rig {
     type Target = Parent;
     fn deref(&self) -> &Parent {
         &self.parent
+    }
+}
+
+/// Records a supervisor's events.
+struct SupervisorLog(Arc<Mutex<Vec<SupervisorEvent>>>);
+
+impl Actor for SupervisorLog {
+    type Context = Context<Self>;
+}
+
+impl Handler<SupervisorEvent> for SupervisorLog {
+    type Result = ();
+    fn handle(&mut self, e: SupervisorEvent, _: &mut Context<Self>) {
+        self.0.lock().unwrap().push(e);
+    }
+}
+
+/// One child under a supervisor of its own. SIGKILLed (through a pidfd, so never a
+/// recycled pid) if the test fails before the supervisor reaped it.
+struct Child {
+    supervisor: Addr<ProcessSupervisor>,
+    events: Arc<Mutex<Vec<SupervisorEvent>>>,
+    name: String,
+    pid: u32,
+    pidfd: OwnedFd,
+    /// The raw child's status file (see `baton-test-peer`), if any.
+    status: Option<PathBuf>,
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = rustix::process::pidfd_send_signal(&self.pidfd, rustix::process::Signal::KILL);
+        self.supervisor.do_send(Shutdown);
+    }
+}
+
+impl Child {
+    /// Has the supervisor SIGKILL the child, now (without waiting).
+    fn kill(&self) {
+        self.supervisor.do_send(KillChild(self.name.clone()));
+    }
+
+    /// How the child ended, once the supervisor reported it.
+    fn exit_status(&self) -> Option<String> {
+        self.events.lock().unwrap().iter().find_map(|e| match e {
+            SupervisorEvent::Exited { pid, status, .. } if *pid == self.pid => Some(status.clone()),
+            _ => None,
+        })
+    }
+
+    /// Waits for the supervisor to report the child's exit, then checks that it reaped it.
+    async fn reaped(&self) -> String {
+        eventually(
+            DEADLINE,
+            "the supervisor to report the child's exit",
+            || self.exit_status().is_some(),
+        )
+        .await;
+        assert!(
+            peer::reaped(self.pid),
+            "the supervisor reported child {} gone but left a zombie",
+            self.pid
+        );
+        self.exit_status().expect("just seen")
     }
 }
 
@@ -136,20 +218,102 @@ impl Rig {
                 Some(Arc::clone(cuda)),
             ),
         };
-        let mut parent = Parent::start_with(&ns, backend);
+        let mut parent = Parent::start_with(&ns, Arc::clone(&backend));
         parent.child_env.push(("BATON_BACKEND".into(), kind.into()));
+        let spawner = Node::new(parent.session.clone(), backend);
         Rig {
             parent,
+            spawner,
+            status_dir: tempfile::tempdir().unwrap(),
+            spawned: std::cell::Cell::new(0),
+            on_host: kind == "host",
             elems,
             cuda,
         }
     }
 
+    /// Spawns `exe args…` under a supervisor of its own, with our session, namespace and
+    /// `child_env` (and a status file, for raw children), and waits for its link.
+    async fn spawn(&self, exe: &str, args: &[&str], raw: bool) -> (Child, Peer) {
+        self.spawned.set(self.spawned.get() + 1);
+        let name = format!("child-{}", self.spawned.get());
+        let mut spec = ChildSpec::new(name.clone(), exe)
+            .restart(Restart::Temporary)
+            .env(host::NAMESPACE_ENV, &self.ns);
+        for a in args {
+            spec = spec.arg(*a);
+        }
+        for (k, v) in &self.child_env {
+            spec = spec.env(k, v);
+        }
+        let status = raw.then(|| self.status_dir.path().join(&name));
+        if let Some(path) = &status {
+            spec = spec.env("BATON_PEER_STATUS", path.to_str().unwrap());
+        }
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let before = self.events.ups().len();
+        let supervisor = ProcessSupervisor::new(
+            self.spawner.clone(),
+            vec![spec],
+            Strategy::OneForOne,
+            RestartPolicy::default(),
+        )
+        .subscriber(SupervisorLog(Arc::clone(&events)).start().recipient())
+        .start();
+        let started = || {
+            events.lock().unwrap().iter().find_map(|e| match e {
+                SupervisorEvent::Started { pid, .. } => Some(*pid),
+                _ => None,
+            })
+        };
+        eventually(DEADLINE, "the supervisor to start the child", || {
+            started().is_some()
+        })
+        .await;
+        let pid = started().expect("just seen");
+        let pidfd = rustix::process::pidfd_open(
+            rustix::process::Pid::from_raw(pid as i32).expect("a pid"),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .unwrap_or_else(|e| {
+            panic!(
+                "child {pid} is gone already ({e}): {:?}",
+                events.lock().unwrap()
+            )
+        });
+        let child = Child {
+            supervisor,
+            events,
+            name,
+            pid,
+            pidfd,
+            status,
+        };
+        let find = || {
+            self.events
+                .ups()
+                .into_iter()
+                .skip(before)
+                .find(|p| p.process().pid == pid)
+        };
+        eventually(DEADLINE, "the child's link", || {
+            assert!(
+                child.exit_status().is_none(),
+                "the child exited before its link came up: {:?}",
+                child.exit_status()
+            );
+            find().is_some()
+        })
+        .await;
+        let link = find().expect("just seen");
+        (child, link)
+    }
+
     /// An actor helper (`baton-actor-peer serve`).
-    async fn actor_child(&self, stubborn: bool) -> (peer::Peer, Peer) {
+    async fn actor_child(&self, stubborn: bool) -> (Child, Peer) {
         let sock = self.listening.path().to_str().unwrap().to_owned();
         let mode = if stubborn { "stubborn" } else { "cooperative" };
-        self.spawn_linked(
+        self.spawn(
             env!("CARGO_BIN_EXE_baton-actor-peer"),
             &["serve", &sock, mode],
             false,
@@ -157,24 +321,11 @@ impl Rig {
         .await
     }
 
-    /// A raw link helper (`baton-test-peer ROLE`) whose stdout lines come on the channel.
-    async fn raw_child(&self, role: &str) -> (peer::Peer, Peer, mpsc::Receiver<String>) {
+    /// A raw link helper (`baton-test-peer ROLE`), whose status lines go to a file.
+    async fn raw_child(&self, role: &str) -> (Child, Peer) {
         let sock = self.listening.path().to_str().unwrap().to_owned();
-        let (mut child, link) = self
-            .spawn_linked(env!("CARGO_BIN_EXE_baton-test-peer"), &[role, &sock], true)
-            .await;
-        let out = child.take_stdout().expect("piped");
-        let (tx, rx) = mpsc::channel();
-        // Ends at the child's death (end of the pipe).
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        (child, link, rx)
+        self.spawn(env!("CARGO_BIN_EXE_baton-test-peer"), &[role, &sock], true)
+            .await
     }
 
     async fn buffers(&self, n: u64, seed: u32) -> Vec<Buffer<u32>> {
@@ -205,11 +356,11 @@ async fn pause(d: Duration) {
     }
 }
 
-async fn wait_line(rx: &mpsc::Receiver<String>, want: &str) {
-    let mut seen = Vec::new();
-    eventually(DEADLINE, &format!("the child to print {want:?}"), || {
-        seen.extend(rx.try_iter());
-        seen.iter().any(|l| l == want)
+/// Waits for a raw child to say `want` (a line of its status file).
+async fn wait_line(child: &Child, want: &str) {
+    let path = child.status.as_ref().expect("a raw child");
+    eventually(DEADLINE, &format!("the child to say {want:?}"), || {
+        std::fs::read_to_string(path).is_ok_and(|text| text.lines().any(|l| l == want))
     })
     .await;
 }
@@ -258,33 +409,34 @@ async fn cycle(rig: &Rig, kind: Kind, rng: &mut Rng, tally: &mut Tally) {
     let seed = rng.next() as u32;
     let k = 1 + rng.below(24);
     let links_before = rig.node.peers().len();
-    let (mut child, link) = match kind {
+    let (child, link) = match kind {
         Kind::ImporterMidFrame | Kind::ExporterMidFrame => {
             let role = if kind == Kind::ImporterMidFrame {
                 "half-frame-import"
             } else {
                 "half-frame-export"
             };
-            let (child, link, lines) = rig.raw_child(role).await;
-            mid_frame(rig, kind, &link, &lines, k, seed).await;
+            let (child, link) = rig.raw_child(role).await;
+            mid_frame(rig, kind, &link, &child, k, seed).await;
             (child, link)
         }
         _ => {
             let stubborn = kind == Kind::ImporterMidRevoke && rng.coin();
-            let (mut child, link) = rig.actor_child(stubborn).await;
+            let (child, link) = rig.actor_child(stubborn).await;
             match kind {
                 Kind::ImporterMidOpen | Kind::ImporterMidRelease | Kind::ImporterMidRevoke => {
-                    as_exporter(rig, kind, &mut child, &link, rng, k, seed, tally).await
+                    as_exporter(rig, kind, &child, &link, rng, k, seed, tally).await
                 }
-                _ => as_importer(kind, &mut child, &link, rng, k, seed, rig.elems, tally).await,
+                _ => as_importer(kind, &child, &link, rng, k, seed, rig.elems, tally).await,
             }
             (child, link)
         }
     };
-    let pid = link.process().pid;
-    child.signal_kill();
-    exited(&mut child, DEADLINE).await;
-    assert!(peer::reaped(pid), "child {pid} left a zombie");
+    assert_eq!(link.process().pid, child.pid, "the link is the child's");
+    // The supervisor kills the child (if the cycle did not have it killed already) and reaps
+    // it; we only look at /proc.
+    child.kill();
+    child.reaped().await;
 
     // Its link is down, and everything it held of ours came back.
     eventually(DEADLINE, "the dead child's link to go down", || {
@@ -324,6 +476,7 @@ async fn cycle(rig: &Rig, kind: Kind, rng: &mut Rng, tally: &mut Tally) {
         host::list_segments(&rig.ns).unwrap().is_empty(),
         "segments left after the sweep"
     );
+    drop(child);
     tally.cycles += 1;
 }
 
@@ -332,7 +485,7 @@ async fn cycle(rig: &Rig, kind: Kind, rng: &mut Rng, tally: &mut Tally) {
 async fn as_exporter(
     rig: &Rig,
     kind: Kind,
-    child: &mut peer::Peer,
+    child: &Child,
     link: &Peer,
     rng: &mut Rng,
     k: u64,
@@ -346,15 +499,25 @@ async fn as_exporter(
     };
     match kind {
         Kind::ImporterMidOpen => {
-            // The call is queued now; the child maps the buffers when it arrives.
-            let start = Instant::now();
+            // The call is queued now; the child maps the buffers when it arrives. Our
+            // handles go at once: from the moment the offers are sent, every buffer is held
+            // by its lease (retiring, not freed), whether they still travel or are mapped.
             let call = hold.send_timeout(shares(), DEADLINE);
+            drop(buffers);
+            eventually_async(DEADLINE, "every buffer held by its lease", || async {
+                let s = rig.stats().await;
+                (s.buffers, s.retiring, s.leases) == (k as usize, k as usize, k as usize)
+            })
+            .await;
+            if rig.on_host {
+                assert_eq!(rig.segments(), k as usize, "the memory is still there");
+            }
+            let start = Instant::now();
             pause(tally.kill_point(rng)).await;
-            child.signal_kill();
+            child.kill();
             if call.await.is_ok() {
                 tally.finished(start.elapsed());
             }
-            drop(buffers);
         }
         Kind::ImporterMidRelease => {
             assert_eq!(
@@ -373,7 +536,7 @@ async fn as_exporter(
                 .remote::<DropHeld>("holder.drop")
                 .send_timeout(DropHeld, DEADLINE);
             pause(tally.kill_point(rng)).await;
-            child.signal_kill();
+            child.kill();
             if call.await.is_ok() {
                 tally.finished(start.elapsed());
             }
@@ -401,7 +564,7 @@ async fn as_exporter(
             if !link.is_connected() {
                 tally.cut_by_us += 1;
             }
-            child.signal_kill();
+            child.kill();
             drop(buffers);
         }
         _ => unreachable!(),
@@ -412,7 +575,7 @@ async fn as_exporter(
 #[allow(clippy::too_many_arguments)]
 async fn as_importer(
     kind: Kind,
-    child: &mut peer::Peer,
+    child: &Child,
     link: &Peer,
     rng: &mut Rng,
     k: u64,
@@ -431,7 +594,7 @@ async fn as_importer(
             let start = Instant::now();
             let call = make.send_timeout(request, DEADLINE);
             pause(tally.kill_point(rng)).await;
-            child.signal_kill();
+            child.kill();
             if let Ok(made) = call.await {
                 tally.finished(start.elapsed());
                 // Opened or orphaned: either way the mapping closes when the guard drops.
@@ -458,7 +621,7 @@ async fn as_importer(
             let keep = leases.split_off(rng.below(k + 1) as usize);
             drop(leases);
             pause(rng.micros(1_000)).await;
-            child.signal_kill();
+            child.kill();
             drop(keep);
         }
         Kind::ExporterMidRevoke => {
@@ -483,7 +646,7 @@ async fn as_importer(
             let keep = leases.split_off(rng.below(k + 1) as usize);
             drop(leases);
             pause(rng.micros(REVOKE_WITHIN.as_micros() as u64)).await;
-            child.signal_kill();
+            child.kill();
             drop(keep);
         }
         _ => unreachable!(),
@@ -491,14 +654,7 @@ async fn as_importer(
 }
 
 /// A raw link peer writes half a frame; it is killed then.
-async fn mid_frame(
-    rig: &Rig,
-    kind: Kind,
-    link: &Peer,
-    lines: &mpsc::Receiver<String>,
-    k: u64,
-    seed: u32,
-) {
+async fn mid_frame(rig: &Rig, kind: Kind, link: &Peer, child: &Child, k: u64, seed: u32) {
     let buffers = if kind == Kind::ImporterMidFrame {
         let buffers = rig.buffers(k, seed).await;
         let held = link
@@ -516,7 +672,7 @@ async fn mid_frame(
     } else {
         Vec::new()
     };
-    wait_line(lines, "half").await;
+    wait_line(child, "half").await;
     // The caller kills now; the half frame must read as a truncated frame, not a clean end.
     drop(buffers);
 }

@@ -67,6 +67,9 @@ pub(crate) struct LinkState {
     pub(crate) pending_calls: Arc<Semaphore>,
     /// Bytes queued for the socket, of every kind of frame.
     queued: AtomicUsize,
+    /// Of those, bytes of our own calls (bounded by the send window, not by
+    /// [`LinkLimits::queued_bytes`]).
+    queued_calls: AtomicUsize,
     /// File descriptors received from the peer beside its frames.
     fds_received: AtomicU64,
 }
@@ -114,6 +117,27 @@ impl LinkState {
     /// A fresh id for a call of ours.
     pub(crate) fn next_call_id(&self) -> u64 {
         self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Counts `len` bytes into (`add`) or out of the queue; `call`: a call of ours.
+    fn count(&self, len: usize, call: bool, add: bool) {
+        let counters: &[&AtomicUsize] = if call {
+            &[&self.queued, &self.queued_calls]
+        } else {
+            &[&self.queued]
+        };
+        for c in counters {
+            if add {
+                c.fetch_add(len, Ordering::Relaxed);
+            } else {
+                c.fetch_sub(len, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Bytes queued for the socket now.
+    pub(crate) fn queued_bytes(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
     }
 
     /// Whether `id` was handed out already (a reply to it that is not pending answers a
@@ -208,10 +232,10 @@ pub struct LinkLimits {
     pub send_window: usize,
     /// Our calls awaiting a reply at once; a `send` past it waits. Default 1024.
     pub pending_calls: usize,
-    /// Bytes queued for the socket of every kind — our calls, our replies to the peer's
-    /// calls, lease-protocol messages, pongs. A peer that lets more pile up (it does not
-    /// read: it sends pings or calls and never reads the answers) is cut
-    /// ([`ActorError::PeerNotReading`]). Default 32 MiB.
+    /// Bytes queued for the socket besides our own calls (which the send window bounds):
+    /// our replies to the peer's calls, lease-protocol messages, pongs. A peer that lets
+    /// more pile up (it does not read: it sends pings or calls and never reads the answers)
+    /// is cut ([`ActorError::PeerNotReading`]). Default 32 MiB.
     pub queued_bytes: usize,
     /// The peer's calls this node runs at once; at the limit the link stops reading its
     /// socket until one finishes, so a peer calling faster than its calls are handled
@@ -321,11 +345,20 @@ async fn write_loop(
         };
         batch.clear();
         batch.extend_from_slice(&first.bytes);
+        // Bytes of our calls in the batch.
+        let mut calls = if first.window.is_some() {
+            first.bytes.len()
+        } else {
+            0
+        };
         windows.extend(first.window);
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
                 Ok(frame) if frame.fds.is_empty() => {
                     batch.extend_from_slice(&frame.bytes);
+                    if frame.window.is_some() {
+                        calls += frame.bytes.len();
+                    }
                     windows.extend(frame.window);
                 }
                 Ok(frame) => {
@@ -338,6 +371,7 @@ async fn write_loop(
         let fds: Vec<BorrowedFd<'_>> = first.fds.iter().map(|fd| fd.as_fd()).collect();
         let sent = writer.send_encoded(&batch, &fds).await;
         state.queued.fetch_sub(batch.len(), Ordering::Relaxed);
+        state.queued_calls.fetch_sub(calls, Ordering::Relaxed);
         // The calls' share of the window comes back: waiting senders may queue again.
         windows.clear();
         if let Err(e) = sent {
@@ -365,6 +399,7 @@ impl PeerLink {
             window_size: limits.send_window,
             pending_calls: Arc::new(Semaphore::new(limits.pending_calls)),
             queued: AtomicUsize::new(0),
+            queued_calls: AtomicUsize::new(0),
             fds_received: AtomicU64::new(0),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
@@ -414,7 +449,11 @@ impl PeerLink {
 
     /// Whether `len` more bytes fit the queue's bound (see [`send`](Self::send)).
     fn room_for(&self, len: usize) -> Result<(), ActorError> {
-        let queued = self.me.state.queued.load(Ordering::Relaxed);
+        let state = &self.me.state;
+        let queued = state
+            .queued
+            .load(Ordering::Relaxed)
+            .saturating_sub(state.queued_calls.load(Ordering::Relaxed));
         if queued + len > self.limits.queued_bytes {
             return Err(ActorError::PeerNotReading {
                 peer: self.peer.process,
@@ -441,10 +480,12 @@ impl PeerLink {
         };
         let out = self.out.as_ref().ok_or_else(closed)?;
         let len = bytes.len();
+        let call = window.is_some();
         // Counted before the writer can see it (it subtracts once it is written).
-        self.me.state.queued.fetch_add(len, Ordering::Relaxed);
+        let state = &self.me.state;
+        state.count(len, call, true);
         out.send(OutFrame { bytes, fds, window }).map_err(|_| {
-            self.me.state.queued.fetch_sub(len, Ordering::Relaxed);
+            state.count(len, call, false);
             closed()
         })
     }

@@ -159,6 +159,14 @@ impl Peer {
         self.link.descriptors_received()
     }
 
+    /// Bytes queued for the peer's socket now (our calls, replies and protocol messages
+    /// not yet written). Our calls never hold more than
+    /// [`LinkLimits::send_window`] of it; the rest never more than
+    /// [`LinkLimits::queued_bytes`].
+    pub fn queued_bytes(&self) -> usize {
+        self.link.state().queued_bytes()
+    }
+
     /// Closes the link: leases granted over it stop counting (the memory is freed once no
     /// live process may map it), leases held over it are orphaned.
     pub fn close(&self) {

@@ -20,8 +20,8 @@
 //!   [`kill_unresponsive`](ProcessSupervisor::kill_unresponsive) says otherwise. Owners
 //!   whose [`RevokePolicy`](crate::RevokePolicy) says so kill children that keep a revoked
 //!   lease past its deadline.
-//! - Before it is restarted (and when the supervisor stops), a dead child's named host
-//!   segments are swept ([`host::sweep_process`]: that process's, by pid and start time,
+//! - Before it is restarted (and when the supervisor stops), a child that did not exit
+//!   cleanly has its named host segments swept ([`host::sweep_process`]: that process's, by pid and start time,
 //!   in any namespace), and subscribers get [`SupervisorEvent::Swept`]. Memfd host memory
 //!   needs no sweep: the kernel freed it with the child.
 //! - Restarts, for [`Restart::Permanent`] children and failed [`Restart::Transient`]
@@ -528,8 +528,11 @@ impl Handler<ChildExited> for ProcessSupervisor {
             process: msg.process,
             status,
         });
-        // Before any restart: what it left in /dev/shm goes now.
-        self.sweep(&msg.name, &msg.process);
+        // Before any restart: what a killed child left in /dev/shm goes now. A child that
+        // exited cleanly ran its `Drop`s: sweeping after it could only hide a leak.
+        if !msg.status.is_some_and(|s| s.success()) {
+            self.sweep(&msg.name, &msg.process);
+        }
         let current = self
             .running
             .get(&msg.name)

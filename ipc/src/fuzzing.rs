@@ -99,6 +99,40 @@ fn fuzz_session() -> Session {
     Session::new(SessionToken::from_bytes([0x5E; 32]))
 }
 
+/// How far an input got into the `handle_msg` target (see
+/// [`baton_messages::fuzzing::FrameDepth`] for why the corpus replay asks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum HandleDepth {
+    /// Not even a flags byte.
+    Empty,
+    /// The first handle did not decode.
+    Undecoded,
+    /// Decoded; every open was refused before reaching the backend (digest, consistency,
+    /// origin, staleness).
+    Refused,
+    /// An open reached the backend (a mapping was made, or its size refused).
+    Backend,
+    /// A checked handle of a live mapping reached the import cache's hit path (handed a
+    /// view, or refused there): where the fixed past-the-mapping bug lived.
+    CacheHit,
+}
+
+/// How far an input got into the `handshake` target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum HandshakeDepth {
+    /// Not even a mode byte.
+    Empty,
+    /// No message decoded from the input (the attacker scenarios then run an honest
+    /// handshake, with nothing of the input in it).
+    NoMessage,
+    /// The first step ran (it answered or refused).
+    FirstStep,
+    /// A later step ran.
+    LaterStep,
+    /// A side completed the handshake.
+    Completed,
+}
+
 /// Target `handle_msg`: the message-level checks of
 /// [`baton_messages::fuzzing::handle_msg`], then the importer's: a handle reaches a backend
 /// only after its digest, consistency and origin checked, never when stale, and every view
@@ -106,10 +140,10 @@ fn fuzz_session() -> Session {
 /// handle of the same allocation claims another size (a cache hit).
 ///
 /// Layout of `data`: one flags byte, a two-byte length, a first handle of that length, a
-/// second handle after it.
-pub fn handle_msg(data: &[u8]) {
+/// second handle after it. Returns how far the input got.
+pub fn handle_msg(data: &[u8]) -> HandleDepth {
     let Some((&flags, rest)) = data.split_first() else {
-        return;
+        return HandleDepth::Empty;
     };
     let (first, second) = match rest {
         [a, b, tail @ ..] => {
@@ -119,8 +153,9 @@ pub fn handle_msg(data: &[u8]) {
         _ => (rest, &[][..]),
     };
     let Some(mut h1) = baton_messages::fuzzing::handle_msg(first) else {
-        return;
+        return HandleDepth::Undecoded;
     };
+    let mut depth = HandleDepth::Refused;
     let session = fuzz_session();
     let backend = Arc::new(RecordingBackend::default());
     backend.short.store(flags & 0x40 != 0, Ordering::Relaxed);
@@ -155,10 +190,25 @@ pub fn handle_msg(data: &[u8]) {
         h2 = h2.sealed(session.handle_key());
     }
     let mut views = Vec::new();
-    for h in [&h1, &h2] {
+    for (i, h) in [&h1, &h2].into_iter().enumerate() {
         let before = backend.opens.load(Ordering::Relaxed);
         let stats = cache.stats();
-        match cache.open(h, &mut FrameFds::none()) {
+        let outcome = cache.open(h, &mut FrameFds::none());
+        // The second handle, checked, of the allocation the first mapped, with no backend
+        // call: the cache looked it up and decided on the live mapping.
+        let same_allocation = (h.exporter.process, h.alloc, h.generation)
+            == (h1.exporter.process, h1.alloc, h1.generation);
+        if i == 1
+            && !views.is_empty()
+            && same_allocation
+            && session.check(h).is_ok()
+            && backend.opens.load(Ordering::Relaxed) == before
+        {
+            depth = HandleDepth::CacheHit;
+        } else if backend.opens.load(Ordering::Relaxed) > before || outcome.is_ok() {
+            depth = depth.max(HandleDepth::Backend);
+        }
+        match outcome {
             Ok(view) => {
                 session.check(h).expect("only checked handles open");
                 assert!(
@@ -227,6 +277,7 @@ pub fn handle_msg(data: &[u8]) {
     if let RawHandle::HostSegment(name) = &h1.raw {
         let _ = crate::host::SegmentOwner::parse(name.as_str().trim_start_matches('/'));
     }
+    depth
 }
 
 /// Our own credentials, as `SO_PEERCRED` would report them for a socket pair.
@@ -277,9 +328,9 @@ fn check_refusal(refusal: &Refusal, got: &Message) {
 /// server fed every message in turn); 2 make a `Hello`/`Welcome`'s claimed identity ours;
 /// 3 put a correctly computed proof in an `Auth`/`Welcome`; 4 compute that proof with the
 /// wrong token; 5 make the version current.
-pub fn handshake(data: &[u8]) {
+pub fn handshake(data: &[u8]) -> HandshakeDepth {
     let Some((&mode, stream)) = data.split_first() else {
-        return;
+        return HandshakeDepth::Empty;
     };
     let msgs = messages(stream);
     let good = fuzz_session();
@@ -295,7 +346,7 @@ pub fn handshake(data: &[u8]) {
         // Server: the peer's first message is its Hello, the second its Auth.
         0 => {
             let Some(mut hello) = msgs.first().cloned() else {
-                return;
+                return HandshakeDepth::NoMessage;
             };
             if let Message::Hello(h) = &mut hello {
                 if fix_claim {
@@ -307,7 +358,10 @@ pub fn handshake(data: &[u8]) {
             }
             let (state, welcome) = match ServerHandshake::on_hello(&good, &cred, hello.clone()) {
                 Ok(ok) => ok,
-                Err(r) => return check_refusal(&r, &hello),
+                Err(r) => {
+                    check_refusal(&r, &hello);
+                    return HandshakeDepth::FirstStep;
+                }
             };
             let Message::Hello(h) = &hello else {
                 panic!("the server answered a {} with a Welcome", hello.kind());
@@ -335,8 +389,12 @@ pub fn handshake(data: &[u8]) {
                         Message::Auth(Auth { proof: right }),
                         "a wrong proof passed"
                     );
+                    HandshakeDepth::Completed
                 }
-                Err(r) => check_refusal(&r, &auth),
+                Err(r) => {
+                    check_refusal(&r, &auth);
+                    HandshakeDepth::LaterStep
+                }
             }
         }
         // Client: the peer's first message is the server's Welcome.
@@ -346,7 +404,7 @@ pub fn handshake(data: &[u8]) {
                 panic!("a client starts with a Hello");
             };
             let Some(mut welcome) = msgs.first().cloned() else {
-                return;
+                return HandshakeDepth::NoMessage;
             };
             if let Message::Welcome(w) = &mut welcome {
                 if fix_claim {
@@ -373,8 +431,12 @@ pub fn handshake(data: &[u8]) {
                     assert_eq!(w.proof, right, "a wrong server proof passed");
                     let mine = good.proof(Role::Client, &h.nonce, &w.nonce, &me);
                     assert_eq!(auth, Message::Auth(Auth { proof: mine }));
+                    HandshakeDepth::Completed
                 }
-                Err(r) => check_refusal(&r, &welcome),
+                Err(r) => {
+                    check_refusal(&r, &welcome);
+                    HandshakeDepth::FirstStep
+                }
             }
         }
         // Both sides, with an attacker in the middle who replaces the i-th message of the
@@ -400,8 +462,10 @@ pub fn handshake(data: &[u8]) {
             };
             let (client, hello) = ClientHandshake::start(client_session).expect("getrandom works");
             let hello = pass(0, hello);
+            let mut reached = HandshakeDepth::FirstStep;
             let outcome = ServerHandshake::on_hello(server_session, &cred, hello).and_then(
                 |(server, welcome)| {
+                    reached = HandshakeDepth::LaterStep;
                     let welcome = pass(1, welcome);
                     let (auth, _) = client.on_welcome(client_session, &cred, welcome)?;
                     server.on_auth(server_session, pass(2, auth))
@@ -412,12 +476,19 @@ pub fn handshake(data: &[u8]) {
                     same_token,
                     "a peer with the wrong token completed the handshake"
                 );
+                reached = HandshakeDepth::Completed;
             } else if !forged_any {
                 assert!(
                     !same_token,
                     "an honest handshake failed: {:?}",
                     outcome.err()
                 );
+            }
+            if msgs.is_empty() {
+                // An honest handshake: nothing of the input took part.
+                HandshakeDepth::NoMessage
+            } else {
+                reached
             }
         }
     }
@@ -575,9 +646,15 @@ mod tests {
     fn seeds_pass_their_targets() {
         for (target, input) in seeds() {
             match target {
-                "frame_decoder" => baton_messages::fuzzing::frame_decoder(&input),
-                "handle_msg" => handle_msg(&input),
-                "handshake" => handshake(&input),
+                "frame_decoder" => {
+                    baton_messages::fuzzing::frame_decoder(&input);
+                }
+                "handle_msg" => {
+                    handle_msg(&input);
+                }
+                "handshake" => {
+                    handshake(&input);
+                }
                 other => panic!("unknown target {other}"),
             }
         }

@@ -8,7 +8,7 @@
 //! the code under test is broken (that panic is the bug the fuzzer reports), and allocates
 //! no more than a small multiple of its input.
 
-use crate::codec::{self, FrameDecoder, HEADER_LEN, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
+use crate::codec::{self, FrameDecoder, FrameHeader, HEADER_LEN, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
 use crate::handle::{HandleDigest, HandleKey, HandleMsg, RawHandle};
 use crate::ids::SessionToken;
 use crate::{Message, PROTOCOL_VERSION};
@@ -88,13 +88,29 @@ fn decode_stream(stream: &[u8], mut chunk: impl FnMut() -> usize, in_place: bool
     }
 }
 
+/// How far an input got into the `frame_decoder` target: the corpus replay checks that
+/// inputs kept as regressions still get as far as they once did, so that a change of the
+/// frame format, which would stop them at the header, fails the replay instead of leaving
+/// it quietly shallow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FrameDepth {
+    /// No stream at all.
+    Empty,
+    /// Stopped at the first frame's header: too short, or refused (magic, version, limits).
+    Header,
+    /// Past the first header; stopped in its payload (cut off or malformed).
+    Payload,
+    /// At least one whole frame decoded (and round-tripped).
+    Frames,
+}
+
 /// Target `frame_decoder`: the byte stream after the first byte is decoded three ways —
 /// whole, in chunks chosen by the first byte, and in place through `spare`/`commit` — and
 /// every way must yield the same frames and the same error. Each decoded message must
-/// encode again, and decode to itself.
-pub fn frame_decoder(data: &[u8]) {
+/// encode again, and decode to itself. Returns how far the stream got.
+pub fn frame_decoder(data: &[u8]) -> FrameDepth {
     let Some((&seed, stream)) = data.split_first() else {
-        return;
+        return FrameDepth::Empty;
     };
     let whole = decode_stream(stream, || usize::MAX, false);
     let mut rng = SplitMix(u64::from(seed));
@@ -124,6 +140,15 @@ pub fn frame_decoder(data: &[u8]) {
             .expect("a decoded message encodes again");
         let again = codec::decode_payload(&wire[HEADER_LEN..]).expect("and decodes again");
         assert_eq!(&again, message, "a message did not survive a round trip");
+    }
+    let header_passes = stream
+        .first_chunk::<HEADER_LEN>()
+        .is_some_and(|h| FrameHeader::parse(h).is_ok());
+    match (whole.frames.is_empty(), header_passes) {
+        (false, _) => FrameDepth::Frames,
+        (true, true) => FrameDepth::Payload,
+        (true, false) if stream.is_empty() => FrameDepth::Empty,
+        (true, false) => FrameDepth::Header,
     }
 }
 
@@ -267,9 +292,14 @@ mod tests {
         for m in [Message::Ping(1), Message::Pong(2)] {
             codec::encode_frame(&m, 0, &mut wire).unwrap();
         }
-        frame_decoder(&wire);
-        frame_decoder(&[]);
-        frame_decoder(&[0, b'B', b't', 1, 0, 0xff, 0xff, 0xff, 0x7f]);
+        assert_eq!(frame_decoder(&wire), FrameDepth::Frames);
+        assert_eq!(frame_decoder(&[]), FrameDepth::Empty);
+        assert_eq!(frame_decoder(&[9]), FrameDepth::Empty);
+        let huge = [0, b'B', b't', PROTOCOL_VERSION, 0, 0xff, 0xff, 0xff, 0x7f];
+        assert_eq!(frame_decoder(&huge), FrameDepth::Header);
+        assert_eq!(frame_decoder(&wire[..wire.len() - 1]), FrameDepth::Frames);
+        assert_eq!(frame_decoder(&wire[..HEADER_LEN + 2]), FrameDepth::Payload);
+        assert_eq!(frame_decoder(b"xGET / HTTP/1.1"), FrameDepth::Header);
         for raw in [
             RawHandle::HostSegment(SegmentName::new("/baton.1.2.3.0123456789abcdef").unwrap()),
             RawHandle::CudaIpc(CudaIpcMemHandle([0x77; 64])),

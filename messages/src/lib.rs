@@ -45,9 +45,8 @@ pub use layout::{DType, Layout, Shape};
 pub use protocol::Message;
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer
-/// speaking another version is refused before its payload is decoded. Version 2: handles
-/// carry a [`FenceHandle`] (was an IPC event), and `Release` carries release fences.
-pub const PROTOCOL_VERSION: u8 = 2;
+/// speaking another version is refused before its payload is decoded.
+pub const PROTOCOL_VERSION: u8 = 1;
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -216,6 +216,34 @@ impl Handler<Keep> for TestActor {
     }
 }
 
+impl Handler<Blob> for TestActor {
+    type Result = usize;
+
+    fn handle(&mut self, msg: Blob, _ctx: &mut Context<Self>) -> usize {
+        msg.data.len()
+    }
+}
+
+impl Handler<LimitFds> for TestActor {
+    type Result = u64;
+
+    fn handle(&mut self, msg: LimitFds, _ctx: &mut Context<Self>) -> u64 {
+        use rustix::process::{Resource, getrlimit, setrlimit};
+        // The kernel gives a new descriptor the lowest free number, and refuses numbers at
+        // or past the limit: a limit at the lowest free number (plus `spare`) leaves exactly
+        // `spare` new descriptors. `dup` returns that number.
+        let free = {
+            use std::os::fd::AsRawFd;
+            let probe = rustix::io::dup(std::io::stderr()).expect("dup");
+            probe.as_raw_fd() as u64
+        };
+        let mut limit = getrlimit(Resource::Nofile);
+        limit.current = Some(free + msg.spare);
+        setrlimit(Resource::Nofile, limit).expect("lowering RLIMIT_NOFILE");
+        free + msg.spare
+    }
+}
+
 impl Handler<Sum> for TestActor {
     type Result = u64;
 
@@ -332,6 +360,8 @@ fn main() {
         node.register::<MakeBuffers>("exporter", actor.clone().recipient());
         node.register::<Sum>("sink", actor.clone().recipient());
         node.register::<Lend>("lender", actor.clone().recipient());
+        node.register::<Blob>("blob", actor.clone().recipient());
+        node.register::<LimitFds>("fd-limit", actor.clone().recipient());
         node.register::<RevokeAll>("revoker", actor.clone().recipient());
         node.on_revoke(actor.clone().recipient());
         node.subscribe(actor.recipient());

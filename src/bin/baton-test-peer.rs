@@ -29,6 +29,11 @@
 //!   descriptors), print `grandchild PID WHAT` with the probe's answer, hold until killed.
 //! - `token-probe`: print `probe no-token` if `Session::from_env` finds no token, else
 //!   `probe token-found`; hold until killed.
+//! - `import-silent SOCKET`: connect to an actor node, then never read a byte: whatever
+//!   the node sends stays in flight. Holds the link open until killed.
+//!
+//! Lines this helper "prints" go to stdout, or, when `BATON_PEER_STATUS` names a file, are
+//! appended to that file instead (for a supervisor's children, whose stdout is inherited).
 
 use baton::ipc::{FrameFds, HostBackend, ImportCache, Link, LinkConfig, Session};
 use baton::messages::codec::frame_bytes;
@@ -123,16 +128,40 @@ fn export_hold(socket: &str, size: usize) -> Res<()> {
     }
 }
 
+/// The variable that sends [`say`]'s lines to a file instead of stdout.
+const STATUS_ENV: &str = "BATON_PEER_STATUS";
+
+/// Says `line`: on stdout, or appended to the file `BATON_PEER_STATUS` names.
+fn say(line: &str) -> Res<()> {
+    match std::env::var_os(STATUS_ENV) {
+        Some(path) => {
+            let mut file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?;
+            file.write_all(format!("{line}\n").as_bytes())?;
+        }
+        None => {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{line}")?;
+            out.flush()?;
+        }
+    }
+    Ok(())
+}
+
 /// Writes the first half of `msg`'s frame straight to the socket (a peer killed in the
-/// middle of a frame), then says so on stdout.
+/// middle of a frame), then says so.
 fn write_half_frame(link: &Link, msg: &Message) -> Res<()> {
     let frame = frame_bytes(msg, 0)?;
     let mut socket = UnixStream::from(link.as_fd().try_clone_to_owned()?);
     socket.write_all(&frame[..frame.len() / 2])?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "half")?;
-    out.flush()?;
-    Ok(())
+    say("half")
+}
+
+fn import_silent(socket: &str) -> Res<()> {
+    let (_session, _link) = connect(socket)?;
+    hold_forever()
 }
 
 fn hold_forever() -> ! {
@@ -313,6 +342,7 @@ fn main() {
         ["half-frame-export", socket] => half_frame_export(socket),
         ["token-hold", socket] => token_hold(socket),
         ["token-probe"] => token_probe(),
+        ["import-silent", socket] => import_silent(socket),
         _ => Err(format!("unknown role {argv:?}").into()),
     };
     if let Err(e) = result {

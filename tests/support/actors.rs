@@ -12,6 +12,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub const DEADLINE: Duration = Duration::from_secs(30);
+/// How long a whole test may take: the last resort for any wait without its own deadline.
+pub const TEST_DEADLINE: Duration = Duration::from_secs(300);
+
+/// Runs an async test in a fresh actix system under [`TEST_DEADLINE`]: an await that never
+/// ends (a remote call to a child that hangs) fails the test instead of hanging it; the
+/// test's child guards drop with the future, killing and reaping the children.
+pub fn run<F: Future<Output = ()>>(test: F) {
+    System::new().block_on(async move {
+        if tokio::time::timeout(TEST_DEADLINE, test).await.is_err() {
+            panic!("the test did not finish within {TEST_DEADLINE:?}");
+        }
+    });
+}
 
 /// Polls `cond` until it holds; panics past `deadline`. Never a bare sleep.
 pub async fn eventually(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool) {

@@ -115,3 +115,39 @@ pub struct Lend {
 impl RemoteMessage for Lend {
     const NAME: &'static str = "test.Lend";
 }
+
+/// Sleep `ms`, then answer `reply_bytes` bytes (a slow handler with a sizeable reply).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Vec<u8>")]
+pub struct Nap {
+    pub ms: u32,
+    pub reply_bytes: u32,
+}
+
+impl RemoteMessage for Nap {
+    const NAME: &'static str = "test.Nap";
+}
+
+/// Bytes to swallow; answers how many arrived.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "usize")]
+pub struct Blob {
+    pub data: Vec<u8>,
+}
+
+impl RemoteMessage for Blob {
+    const NAME: &'static str = "test.Blob";
+}
+
+/// Lower this process's open-file limit so that only `spare` more descriptors can be
+/// opened: those the kernel would hand it beyond that (a memfd over `SCM_RIGHTS`, a
+/// segment's `shm_open`) fail. Answers the new limit.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "u64")]
+pub struct LimitFds {
+    pub spare: u64,
+}
+
+impl RemoteMessage for LimitFds {
+    const NAME: &'static str = "test.LimitFds";
+}

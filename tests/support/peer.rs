@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use baton::Session;
-use baton::ipc::host;
+use baton::ipc::{Link, Listener, host};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -155,6 +155,65 @@ pub fn poll_until(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool
             "timed out after {deadline:?} waiting for {what}"
         );
         std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Accepts one connection on `listener` and establishes its link (server side), waiting at
+/// most `deadline` for a peer to connect; panics past it, so a peer that never connects
+/// fails the test instead of hanging it. The handshake that follows has its own deadline
+/// (the listener's `handshake_timeout`).
+///
+/// The listening socket is switched to non-blocking; accepted sockets are not affected.
+pub fn accept_within(listener: &Listener, deadline: Duration) -> Result<Link, baton::Error> {
+    accept_while(listener, deadline, || true).expect("waited")
+}
+
+/// [`accept_within`], for the connection of `child`: panics at once if the child exits
+/// before anyone connects (it died before connecting).
+pub fn accept_from(
+    listener: &Listener,
+    child: &mut Peer,
+    deadline: Duration,
+) -> Result<Link, baton::Error> {
+    let what = child.what.clone();
+    accept_while(listener, deadline, || {
+        if let Some(status) = child.try_wait() {
+            panic!("{what} exited ({status}) before it connected");
+        }
+        true
+    })
+    .expect("waited")
+}
+
+/// [`accept_within`], asking `keep_waiting` every few milliseconds while nobody connects;
+/// `None` once it says no.
+pub fn accept_while(
+    listener: &Listener,
+    deadline: Duration,
+    mut keep_waiting: impl FnMut() -> bool,
+) -> Option<Result<Link, baton::Error>> {
+    listener
+        .listener()
+        .set_nonblocking(true)
+        .expect("a non-blocking listener");
+    let start = Instant::now();
+    loop {
+        match listener.accept() {
+            Err(baton::Error::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::WouldBlock =>
+            {
+                if !keep_waiting() {
+                    return None;
+                }
+                assert!(
+                    start.elapsed() < deadline,
+                    "nobody connected to {} within {deadline:?}",
+                    listener.path().display()
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            other => return Some(other),
+        }
     }
 }
 

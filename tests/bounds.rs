@@ -1,0 +1,370 @@
+//! A node no peer can exhaust: one flood test per bound a peer controls, each driven by a
+//! real second process (`baton-flood-peer`) that holds the session token and speaks the
+//! link protocol frame by frame. For each: the offending link ends with its typed error,
+//! this process's resident memory stays within a stated bound (printed), and an honest
+//! peer's handoffs keep working throughout (their round trips printed). Then the bounds we
+//! control: a sender faster than its link waits instead of queueing, and an importer that
+//! cannot open a buffer (its descriptor limit lowered) refuses that call and keeps its link
+//! and its other leases.
+
+#[path = "support/actors.rs"]
+mod actors;
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/peer.rs"]
+mod peer;
+
+use actix::prelude::*;
+use actors::{DEADLINE, Lines, Parent, eventually, exited, run};
+use baton::actors::{ActorError, LinkLimits, Peer};
+use baton::ipc::{HostBackend, SharedBackend};
+use baton::messages::protocol::CallFault;
+use msgs::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One test at a time: each measures this process's resident memory.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The limits of the node under test: small, so that each flood reaches its bound fast.
+fn limits() -> LinkLimits {
+    LinkLimits {
+        queued_bytes: 256 << 10,
+        calls_in_flight: 8,
+        offers_per_message: 64,
+        leases_held: 256,
+        ..LinkLimits::default()
+    }
+}
+
+/// Resident memory of this process, in bytes (`/proc/self/statm`).
+fn rss() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    // 4 KiB pages: x86-64 and the AArch64 kernels this runs on.
+    pages * 4096
+}
+
+/// Answers `Nap`: sleeps, then replies with `reply_bytes` bytes.
+struct Napper;
+
+impl Actor for Napper {
+    type Context = Context<Self>;
+}
+
+impl Handler<Nap> for Napper {
+    type Result = ResponseFuture<Vec<u8>>;
+
+    fn handle(&mut self, msg: Nap, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(msg.ms.into())).await;
+            vec![7; msg.reply_bytes as usize]
+        })
+    }
+}
+
+/// Keeps every buffer offered to it (an inbox that never lets go).
+struct Hoarder(Vec<baton::actors::Shared<u8>>);
+
+impl Actor for Hoarder {
+    type Context = Context<Self>;
+}
+
+impl Handler<baton::actors::Offered> for Hoarder {
+    type Result = ();
+    fn handle(&mut self, msg: baton::actors::Offered, _: &mut Context<Self>) {
+        self.0.push(msg.buffer);
+    }
+}
+
+/// Keeps every buffer of a `Hold` call.
+struct Keeper(Vec<baton::actors::Shared<u32>>);
+
+impl Actor for Keeper {
+    type Context = Context<Self>;
+}
+
+impl Handler<Hold> for Keeper {
+    type Result = usize;
+    fn handle(&mut self, msg: Hold, _: &mut Context<Self>) -> usize {
+        self.0.extend(msg.buffers);
+        self.0.len()
+    }
+}
+
+/// The node under test, with `limits()`, an honest child linked to it, and the handlers
+/// the floods aim at.
+async fn setup(tag: &str) -> (Parent, peer::Peer, Peer) {
+    let ns = peer::namespace(tag);
+    let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+    let mut parent = Parent::start_configured(&ns, backend, |c| c.limits(limits()));
+    parent
+        .child_env
+        .push(("BATON_BACKEND".into(), "host".into()));
+    parent
+        .node
+        .register::<Nap>("nap", Napper.start().recipient());
+    parent
+        .node
+        .register::<Hold>("holder", Keeper(Vec::new()).start().recipient());
+    parent
+        .node
+        .set_inbox(Hoarder(Vec::new()).start().recipient());
+    let (honest, link) = parent.child(&[]).await;
+    (parent, honest, link)
+}
+
+/// Round trips of an honest handoff (a buffer to the child, summed there), one after the
+/// other, until `done` holds; each must succeed. Returns the sorted latencies.
+async fn honest_handoffs(
+    parent: &Parent,
+    link: &Peer,
+    mut done: impl FnMut() -> bool,
+) -> Vec<Duration> {
+    let buf = parent.pattern_buffer(256, 9).await;
+    let want: u64 = (0..256).map(|i| u64::from(pattern(9, i))).sum();
+    let sink = link.remote::<Sum>("sink");
+    let mut took = Vec::new();
+    let start = Instant::now();
+    while !done() || took.len() < 20 {
+        assert!(start.elapsed() < DEADLINE, "the flood never ended");
+        let t = Instant::now();
+        let sum = sink
+            .send_timeout(
+                Sum {
+                    buffers: vec![buf.share()],
+                },
+                DEADLINE,
+            )
+            .await
+            .expect("the honest peer's handoff works during the flood");
+        took.push(t.elapsed());
+        assert_eq!(sum, want);
+    }
+    took.sort();
+    took
+}
+
+/// Runs `role args…` of the flood peer against the node, keeps an honest handoff loop
+/// going and samples memory until the flooder is cut, then checks its link ended with
+/// `expected` and memory stayed within `bound` bytes of growth.
+async fn flood(tag: &str, role: &str, args: &[&str], expected: &str, bound: u64) {
+    let (parent, mut honest, link) = setup(tag).await;
+    // Warm up (first allocations, mappings, code pages), then measure from here.
+    honest_handoffs(&parent, &link, || true).await;
+    let before = rss();
+    let sock = parent.socket();
+    let mut argv = vec![role, sock.as_str()];
+    argv.extend_from_slice(args);
+    let (mut flooder, flood_link) = parent
+        .spawn_linked(env!("CARGO_BIN_EXE_baton-flood-peer"), &argv, true)
+        .await;
+    let lines = Lines::of(flooder.take_stdout().expect("piped"));
+    let mut peak = before;
+    let events = parent.events.clone();
+    let id = flood_link.link_id();
+    let took = honest_handoffs(&parent, &link, || {
+        peak = peak.max(rss());
+        events.down_reason(id).is_some()
+    })
+    .await;
+    let reason = parent.events.down_reason(id).unwrap().unwrap_or_default();
+    assert!(
+        reason.contains(expected),
+        "{role}: the flooder's link ended with {reason:?}, not {expected}"
+    );
+    let sent = lines.next_line(DEADLINE).await;
+    assert!(exited(&mut flooder, DEADLINE).await.success());
+    let grew = peak.saturating_sub(before);
+    println!(
+        "{role}: flooder {sent}, cut with {expected}; our resident memory {} KiB → peak {} KiB \
+         (+{} KiB, bound {} KiB); honest handoffs during the flood: {}, p50 {:?}, p99 {:?}",
+        before >> 10,
+        peak >> 10,
+        grew >> 10,
+        bound >> 10,
+        took.len(),
+        took[took.len() / 2],
+        took[took.len() * 99 / 100],
+    );
+    assert!(
+        grew <= bound,
+        "{role}: memory grew by {grew} bytes, over the bound of {bound}"
+    );
+    // The honest peer never noticed.
+    assert!(link.is_connected());
+    assert!(parent.events.down_reason(link.link_id()).is_none());
+    link.close();
+    assert!(exited(&mut honest, DEADLINE).await.success());
+}
+
+#[test]
+fn a_hundred_thousand_pings_never_read_cut_the_flooder_not_the_node() {
+    let _serial = serial();
+    run(async {
+        // Pongs queue for a peer that does not read, up to the queue's 256 KiB.
+        flood("fping", "pings", &["100000"], "PeerNotReading", 32 << 20).await;
+    });
+}
+
+#[test]
+fn calls_faster_than_the_node_handles_them_pause_its_reading() {
+    let _serial = serial();
+    run(async {
+        // Eight calls run at once; reading pauses; their 4 KiB replies pile up unread.
+        flood("fcall", "calls", &[], "PeerNotReading", 32 << 20).await;
+    });
+}
+
+#[test]
+fn a_call_with_more_offers_than_allowed_is_a_protocol_fault() {
+    let _serial = serial();
+    run(async {
+        flood("foffer", "offers", &["65"], "TooManyOffers", 32 << 20).await;
+    });
+}
+
+#[test]
+fn more_leases_than_allowed_is_a_protocol_fault() {
+    let _serial = serial();
+    run(async {
+        flood("flease", "leases", &[], "TooManyLeases", 32 << 20).await;
+    });
+}
+
+/// A sender faster than its link: calls to a stopped peer wait for room instead of
+/// queueing — the link never holds more than the send window — and all go through once
+/// the peer reads again.
+#[test]
+fn a_sender_faster_than_its_link_waits_for_room() {
+    let _serial = serial();
+    run(async {
+        let (_parent, mut honest, link) = setup("fsend").await;
+        let window = limits().send_window;
+        let blob = link.remote::<Blob>("blob");
+        signal(&honest, rustix::process::Signal::STOP);
+        // 48 calls of 512 KiB (24 MiB): three times the window.
+        let sends: Vec<_> = (0..48)
+            .map(|_| {
+                actix::spawn(blob.send_timeout(
+                    Blob {
+                        data: vec![7; 512 << 10],
+                    },
+                    DEADLINE,
+                ))
+            })
+            .collect();
+        // The writer fills the socket and the window; the rest wait.
+        let start = Instant::now();
+        let mut most = 0;
+        while start.elapsed() < Duration::from_millis(500) {
+            most = most.max(link.queued_bytes());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        println!(
+            "queued for the stopped peer: at most {} KiB (window {} KiB)",
+            most >> 10,
+            window >> 10
+        );
+        assert!(most > 0, "something was queued");
+        assert!(
+            most <= window + (64 << 10),
+            "the link queued {most} bytes, past its {window}-byte window"
+        );
+        let finished = sends.iter().filter(|s| s.is_finished()).count();
+        if finished > 0 {
+            let first = sends.into_iter().find(|s| s.is_finished()).unwrap();
+            panic!(
+                "{finished} calls finished while the peer is stopped: {:?}",
+                first.await
+            );
+        }
+        signal(&honest, rustix::process::Signal::CONT);
+        for send in sends {
+            assert_eq!(send.await.unwrap().unwrap(), 512 << 10);
+        }
+        link.close();
+        assert!(exited(&mut honest, DEADLINE).await.success());
+    });
+}
+
+fn signal(child: &peer::Peer, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(child.pid() as i32).expect("a pid");
+    rustix::process::kill_process(pid, sig).expect("signal");
+}
+
+/// An importer that cannot open a buffer — it is at its open-file limit — refuses that
+/// call (a typed remote error; the lease comes back), and keeps its link and the leases it
+/// already holds. On named segments (the open is an `shm_open`) and on memfds (the
+/// descriptor cannot be received: the kernel drops it).
+#[test]
+fn an_importer_that_cannot_open_refuses_the_call_and_keeps_its_link() {
+    let _serial = serial();
+    run(async {
+        for flavor in ["named", "memfd"] {
+            let ns = peer::namespace(&format!("fdl{flavor}"));
+            let backend: SharedBackend = Arc::new(
+                HostBackend::with_flavor(
+                    if flavor == "named" {
+                        baton::ipc::HostFlavor::Named
+                    } else {
+                        baton::ipc::HostFlavor::Memfd
+                    },
+                    &ns,
+                )
+                .unwrap(),
+            );
+            let mut parent = Parent::start_with(&ns, backend);
+            parent
+                .child_env
+                .push(("BATON_BACKEND".into(), "host".into()));
+            let (mut child, link) = parent.child(&["stubborn"]).await;
+            let held = parent.pattern_buffer(64, 1).await;
+            let holder = link.remote::<Hold>("holder");
+            holder
+                .send(Hold {
+                    buffers: vec![held.share()],
+                })
+                .await
+                .unwrap();
+            let limit = link
+                .remote::<LimitFds>("fd-limit")
+                .send(LimitFds { spare: 0 })
+                .await
+                .unwrap();
+            let refused = parent.pattern_buffer(64, 2).await;
+            let got = holder
+                .send(Hold {
+                    buffers: vec![refused.share()],
+                })
+                .await;
+            println!(
+                "{flavor}: at its limit of {limit} descriptors, the importer answered {got:?}"
+            );
+            assert!(
+                matches!(&got, Err(ActorError::Remote(CallFault::OfferRefused(why))) if why.contains("open") || why.contains("descriptor") || why.contains("files")),
+                "{flavor}: {got:?}"
+            );
+            // The refused lease came back; the one held before is still out and readable.
+            eventually(DEADLINE, "the refused lease back", || {
+                refused.leases_out() == 0
+            })
+            .await;
+            assert_eq!(held.leases_out(), 1);
+            assert!(link.is_connected());
+            let first = link
+                .remote::<PeekHeld>("holder.peek")
+                .send(PeekHeld)
+                .await
+                .unwrap();
+            assert_eq!(first, vec![pattern(1, 0)]);
+            assert!(parent.events.down_reason(link.link_id()).is_none());
+            link.close();
+            assert!(exited(&mut child, DEADLINE).await.success());
+        }
+    });
+}
