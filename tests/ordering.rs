@@ -168,11 +168,11 @@ fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
 
         // The order of fence operations, from the log.
         let record_acquire = at(&device, "exp mark record");
-        let import_wait = at(&device, &format!("imp wait "));
+        let import_wait = at(&device, "imp wait ");
         let consume_queued = at(&device, &format!("queued work consume on s{CONSUMER}"));
-        let release_mark = at(&device, &format!("imp mark record"));
+        let release_mark = at(&device, "imp mark record");
         let late_queued = at(&device, &format!("queued work late on s{CONSUMER}"));
-        let release_fence = at(&device, &format!("imp record e"));
+        let release_fence = at(&device, "imp record e");
         let exporter_wait = after(&device, release_fence, "exp wait ");
         let exporter_copy = after(
             &device,
@@ -397,5 +397,46 @@ fn a_node_answers_pings_while_a_slow_driver_open_is_in_progress() {
         assert_eq!(kept.lock().unwrap().len(), 1);
         kept.lock().unwrap().clear();
         drop((to_importer, pinger));
+    });
+}
+
+/// Host `memfd` memory, whose descriptor is per allocation like a CUDA VMM allocation's:
+/// it crosses a link with the first offer of each allocation only (counted by the
+/// importer's link), however often the allocation is offered.
+#[test]
+fn a_per_allocation_descriptor_crosses_a_link_once_per_allocation() {
+    use baton::ipc::{HostBackend, HostFlavor};
+    run(async {
+        let ns = peer::namespace("ord-fd");
+        let host = |ns: &str| -> baton::ipc::SharedBackend {
+            Arc::new(HostBackend::with_flavor(HostFlavor::Memfd, ns).unwrap())
+        };
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), host(&ns));
+        let importer = Node::new(session, host(&ns));
+        let (_tmp, dir) = peer::socket_dir();
+        let listening = importer.listen(&dir, "fd.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let a: Buffer<u32> = owner.send(Allocate::vector(1024)).await.unwrap().unwrap();
+        let b: Buffer<u32> = owner.send(Allocate::vector(1024)).await.unwrap().unwrap();
+        for bufs in [
+            vec![a.share()],
+            vec![a.share(), b.share()],
+            vec![b.share()],
+            vec![a.share()],
+        ] {
+            to_importer
+                .remote::<Hold>("keep")
+                .send(Hold { buffers: bufs })
+                .await
+                .unwrap();
+            kept.lock().unwrap().clear();
+        }
+        let from_exporter = importer.peers().pop().expect("the exporter's link");
+        assert_eq!(from_exporter.descriptors_received(), 2);
+        drop(to_importer);
     });
 }
