@@ -9,9 +9,14 @@
 //!   against what was granted over *this* link (a release of anything else — unknown,
 //!   replayed, another peer's — drops the link);
 //! - as importer, it checks every incoming handle (digest, consistency, that the peer
-//!   offers only its own buffers), opens it through the import cache, keeps the mapping
-//!   warm for the next offer of the same allocation (a *hold*, until the exporter sends
-//!   `Unmap`), and hands out lease guards that send `Release` when dropped.
+//!   offers only its own buffers), opens it through the import cache — on the node's
+//!   driver thread when the backend's calls block (CUDA), the link waiting with
+//!   `ctx.wait` so that its frames keep their order — keeps the mapping warm for the next
+//!   offer of the same allocation (a *hold*, until the exporter sends `Unmap`), and hands
+//!   out lease guards that send `Release` (with the release fence after their last use)
+//!   when dropped;
+//! - it hands the release fences of the peer's `Release`s to the exporter's ledger, and
+//!   sends a pool's descriptor once per pool (see [`Exports`](crate::exports::Exports)).
 //!
 //! It pings the peer on the node's heartbeat interval; a peer that sends nothing within
 //! the deadline is *unresponsive* and its link is cut.

@@ -274,9 +274,6 @@ pub(crate) struct ExportOrder {
     uses: StreamUses,
     /// Importers' release fences not yet waited for by any stream of ours.
     released: Mutex<Vec<ReleaseFence>>,
-    /// The last acquire fence made, and whether a use came since.
-    last: Mutex<Option<Arc<dyn ExportedFence>>>,
-    used_since: AtomicBool,
 }
 
 impl ExportOrder {
@@ -284,8 +281,6 @@ impl ExportOrder {
         Self {
             uses: StreamUses::new(backend),
             released: Mutex::new(Vec::new()),
-            last: Mutex::new(None),
-            used_since: AtomicBool::new(false),
         }
     }
 
@@ -335,7 +330,6 @@ impl ExportOrder {
     pub(crate) fn use_on(&self, stream: StreamRef<'_>) -> Result<Option<&dyn UseMark>, ActorError> {
         let waited = self.order_released(stream, self.take_released())?;
         self.uses.order_after_others(stream)?;
-        self.used_since.store(true, Ordering::Release);
         let mark = match self.uses.get_or_add(stream, || Ok(()))? {
             Found::Known(u) | Found::New(u) => &*u.mark,
             Found::Unmarked | Found::Full => return Ok(None),
@@ -350,20 +344,10 @@ impl ExportOrder {
 
     /// The acquire fence for an offer: after the buffer's uses on streams (`None` if it
     /// has none: host copies complete before they return).
+    /// (One per offer: each lease keeps its own until it is back, as the pooled fences'
+    /// reuse contract asks.)
     pub(crate) fn acquire_fence(&self) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        if !self.used_since.swap(false, Ordering::AcqRel) {
-            if let Some(fence) = &*last {
-                return Ok(Some(Arc::clone(fence)));
-            }
-        }
-        let fence = self.uses.export();
-        if fence.is_err() {
-            self.used_since.store(true, Ordering::Release);
-        }
-        let fence = fence?;
-        last.clone_from(&fence);
-        Ok(fence)
+        self.uses.export()
     }
 
     /// Before the free (on a driver thread): waits until every release fence and every use

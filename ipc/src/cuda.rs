@@ -46,11 +46,20 @@
 //!   memset on the backend's [`stream`](CudaBackend::stream), followed by a synchronise of
 //!   that stream. Work launched on that stream is ordered with them.
 //! - **Fences.** An exporter records a fence after the work that produced a buffer
-//!   ([`CudaBackend::record_fence`], or [`CudaBackend::record_event`] for the IPC event
-//!   that handle messages carry today); the importer's [`ImportCache`](crate::ImportCache)
-//!   makes the backend stream wait on the event ([`Backend::wait_event`]) before handing the
-//!   buffer out, on a cache miss and on a hit. Fences are pooled IPC events or sequence
-//!   counters ([`FenceKind`], [`FENCE_ENV`]); see [`RecordedFence`] for the reuse contract.
+//!   ([`CudaBackend::record_fence`], [`CudaBackend::record_event`], or
+//!   [`Backend::export_fence`] from the buffer's use marks); the handle carries it
+//!   ([`HandleMsg::fence`](baton_messages::HandleMsg::fence)), and the importer makes each
+//!   stream it uses the buffer on wait on it ([`Backend::order_after`]) — the
+//!   [`ImportCache::open`](crate::ImportCache::open) of the low-level API makes the
+//!   backend's own stream wait. Release fences go the other way the same way. Fences are
+//!   pooled IPC events or sequence counters ([`FenceKind`], [`FENCE_ENV`]); see
+//!   [`RecordedFence`] for the reuse contract, and `docs/ORDERING.md` for the model.
+//! - **Use marks and release streams.** [`Backend::use_mark`] lends a cudarc event that
+//!   cudarc's `SyncOnDrop` records after each use of a buffer on a stream (`mark`);
+//!   [`Backend::export_fence`] makes one of the backend's release streams wait on marks and
+//!   record a pooled interprocess event, retired when dropped until its work completed.
+//!   [`DeviceArg`] passes any cudarc `DevicePtr` type (Baton's buffers and leases) as a
+//!   kernel argument.
 //! - **No lock across a driver call.** What the backend opens of other processes (events,
 //!   pools, counter slabs) is opened with no lock held, once per key
 //!   (`table::OnceTable`).
