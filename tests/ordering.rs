@@ -440,3 +440,57 @@ fn a_per_allocation_descriptor_crosses_a_link_once_per_allocation() {
         drop(to_importer);
     });
 }
+
+/// An importer gives a buffer back while its work on it is pending, and the exporter offers
+/// the buffer again without touching it: the next importer's stream still waits for the
+/// first importer's work (the new offer's acquire fence follows the release fence).
+#[test]
+fn a_reoffer_waits_for_the_previous_importers_pending_work() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::new(&device, "exp");
+        let imp = SimBackend::new(&device, "imp");
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), exp.clone());
+        let importer = Node::new(session, imp.clone());
+        let (_tmp, dir) = peer::socket_dir();
+        let listening = importer.listen(&dir, "r.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let keep = to_importer.remote::<Hold>("keep");
+
+        let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
+        let alloc = alloc_of(buf.ptr());
+        keep.send(Hold {
+            buffers: vec![buf.share()],
+        })
+        .await
+        .unwrap();
+        let first = kept.lock().unwrap().pop().unwrap();
+        first.wait_on(Stream::Id(300)).unwrap();
+        device.work(300, "first", "first", Some((alloc, 0, vec![4; 16])));
+        drop(first);
+        eventually("the first lease back", || buf.leases_out() == 0).await;
+
+        keep.send(Hold {
+            buffers: vec![buf.share()],
+        })
+        .await
+        .unwrap();
+        let second = kept.lock().unwrap().pop().unwrap();
+        second.wait_on(Stream::Id(400)).unwrap();
+        device.work(400, "second", "second", None);
+        device.open_gate("second");
+        assert!(
+            !device.ran("second"),
+            "the second importer's work ran before the first one's:\n{}",
+            device.log().join("\n")
+        );
+        device.open_gate("first");
+        assert!(device.ran("first") && device.ran("second"));
+        drop(second);
+        drop(to_importer);
+    });
+}

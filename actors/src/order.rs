@@ -342,11 +342,31 @@ impl ExportOrder {
         Ok(Some(mark))
     }
 
-    /// The acquire fence for an offer: after the buffer's uses on streams (`None` if it
-    /// has none: host copies complete before they return).
-    /// (One per offer: each lease keeps its own until it is back, as the pooled fences'
-    /// reuse contract asks.)
+    /// The acquire fence for an offer: after the buffer's uses on streams and after the
+    /// work of importers that gave it back since its last use here (`None` if there is
+    /// none: host copies complete before they return). One per offer: each lease keeps its
+    /// own until it is back, as the pooled fences' reuse contract asks.
     pub(crate) fn acquire_fence(&self) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        let released = self.take_released();
+        if !released.is_empty() {
+            // The next importer must not see the buffer before the last one's work ends:
+            // the backend's own stream takes the release fences in, and its mark (recorded
+            // at once) goes into the acquire fence. (On failure the fences go back in line:
+            // waiting on them twice is harmless.)
+            let kept = released.clone();
+            let marked = self
+                .order_released(StreamRef::Internal, released)
+                .and_then(|_| self.uses.get_or_add(StreamRef::Internal, || Ok(())))
+                .and_then(|found| match found {
+                    Found::Known(u) | Found::New(u) => Ok(u.mark.record(StreamRef::Internal)?),
+                    Found::Unmarked => Ok(()),
+                    Found::Full => Err(ActorError::TooManyStreams { max: MAX_STREAMS }),
+                });
+            if let Err(e) = marked {
+                self.released(kept);
+                return Err(e);
+            }
+        }
         self.uses.export()
     }
 
