@@ -81,9 +81,19 @@ pub(crate) struct BufferCell {
     /// Its uses on streams and the release fences it waits on.
     pub(crate) order: Arc<ExportOrder>,
     pub(crate) exports: Arc<Exports>,
+    /// Declared last, so that it drops after `alloc`: the ledger's free then holds the
+    /// allocation's last reference and frees it where it runs (the driver thread), after
+    /// the waits it needs.
+    pub(crate) _retire: Retire,
 }
 
-impl Drop for BufferCell {
+/// Retires a buffer when its cell drops.
+pub(crate) struct Retire {
+    pub(crate) id: BufferId,
+    pub(crate) exports: Arc<Exports>,
+}
+
+impl Drop for Retire {
     fn drop(&mut self) {
         self.exports.retire(self.id);
     }

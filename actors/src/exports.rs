@@ -10,7 +10,7 @@
 //! for, then the backend allocation is dropped), and kills of supervised children that
 //! hold revoked leases.
 
-use crate::buffer::BufferCell;
+use crate::buffer::{BufferCell, Retire};
 use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
@@ -377,6 +377,10 @@ impl Exports {
             layout,
             order,
             exports: Arc::clone(self),
+            _retire: Retire {
+                id,
+                exports: Arc::clone(self),
+            },
         })
     }
 

@@ -195,14 +195,14 @@ impl LeaseOrder {
     }
 
     /// Before a host copy (on the backend's own stream, synchronised before it returns):
-    /// that stream waits for the acquire fence, once.
+    /// that stream waits for the acquire fence (once) and for the lease's uses on other
+    /// streams (so a copy sees what a kernel of ours wrote).
     pub(crate) fn before_host_copy(&self) -> Result<(), ActorError> {
-        if self.acquire.is_none() || self.internal_ordered.load(Ordering::Acquire) {
-            return Ok(());
+        if self.acquire.is_some() && !self.internal_ordered.load(Ordering::Acquire) {
+            self.wait_acquire(StreamRef::Internal)?;
+            self.internal_ordered.store(true, Ordering::Release);
         }
-        self.wait_acquire(StreamRef::Internal)?;
-        self.internal_ordered.store(true, Ordering::Release);
-        Ok(())
+        self.uses.order_after_others(StreamRef::Internal)
     }
 
     /// Before a use on `stream`: on the first, it waits for the acquire fence; returns the
