@@ -143,7 +143,9 @@ fn protocol_abuse_drops_only_the_abusive_link() {
 
         // 3. A lease id replay: the holder releases honestly, then again.
         holder = spawn_blocking(move || {
-            holder.send(&Wire::Release(Release::now(lease)), &[]).unwrap();
+            holder
+                .send(&Wire::Release(Release::now(lease)), &[])
+                .unwrap();
             holder
         })
         .await
@@ -292,10 +294,7 @@ fn a_bare_offer_without_element_type_is_released_not_delivered() {
             });
             link.send(&offer, &[]).unwrap();
             let back = recv_skipping_pings(&mut link).unwrap().message;
-            assert_eq!(
-                back,
-                Wire::Release(Release::now(LeaseId::new(1)))
-            );
+            assert_eq!(back, Wire::Release(Release::now(LeaseId::new(1))));
             // Typed: delivered to the inbox.
             let offer = Wire::Offer(Offer {
                 lease: LeaseId::new(2),

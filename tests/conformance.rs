@@ -373,10 +373,7 @@ fn corrupted(handle: &HandleMsg) -> HandleMsg {
 
 fn expect_release(link: &mut baton::Link, lease: u64) {
     let got = link.recv_timeout(DEADLINE).unwrap().message;
-    assert_eq!(
-        got,
-        Message::Release(Release::now(LeaseId::new(lease)))
-    );
+    assert_eq!(got, Message::Release(Release::now(LeaseId::new(lease))));
 }
 
 // --- the tests, once ------------------------------------------------------------------

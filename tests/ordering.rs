@@ -23,9 +23,9 @@ mod peer;
 mod recording;
 
 use actix::prelude::*;
+use baton::Session;
 use baton::actors::{Allocate, Buffer, BufferOwner, Lease, Node};
 use baton::ipc::Stream;
-use baton::Session;
 use msgs::Hold;
 use recording::{Device, SimBackend, alloc_of};
 use std::future::Future;
@@ -77,7 +77,12 @@ fn after(device: &Device, from: usize, needle: &str) -> usize {
         .iter()
         .position(|l| l.starts_with(needle))
         .map(|i| i + from)
-        .unwrap_or_else(|| panic!("no {needle:?} from line {from} in the log:\n{}", lines.join("\n")))
+        .unwrap_or_else(|| {
+            panic!(
+                "no {needle:?} from line {from} in the log:\n{}",
+                lines.join("\n")
+            )
+        })
 }
 
 #[test]
@@ -104,7 +109,12 @@ fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
         // the buffer after that work: the offer carries an acquire fence after it.
         const PRODUCER: u64 = 100;
         buf.wait_on(Stream::Id(PRODUCER)).unwrap();
-        device.work(PRODUCER, "produce", "produce", Some((alloc, 0, vec![7; 16])));
+        device.work(
+            PRODUCER,
+            "produce",
+            "produce",
+            Some((alloc, 0, vec![7; 16])),
+        );
         let shared = buf.share_on(Stream::Id(PRODUCER)).unwrap();
         let held = to_importer
             .remote::<Hold>("keep")
@@ -121,7 +131,12 @@ fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
         // the producer's.
         const CONSUMER: u64 = 200;
         lease.wait_on(Stream::Id(CONSUMER)).unwrap();
-        device.work(CONSUMER, "consume", "consume", Some((alloc, 0, vec![9; 16])));
+        device.work(
+            CONSUMER,
+            "consume",
+            "consume",
+            Some((alloc, 0, vec![9; 16])),
+        );
         device.open_gate("consume");
         assert!(
             !device.ran("consume") && !device.ran("produce"),
@@ -179,12 +194,30 @@ fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
             release_fence,
             &format!("exp copy-in a{alloc} on s{}", exp.internal()),
         );
-        assert!(record_acquire < import_wait, "acquire: record before the import's wait");
-        assert!(import_wait < consume_queued, "acquire: wait before the first use");
-        assert!(late_queued < release_mark, "release: recorded after the last use");
-        assert!(release_mark < release_fence, "release: the fence follows the mark");
-        assert!(release_fence < exporter_wait, "release: the fence travels to the exporter");
-        assert!(exporter_wait < exporter_copy, "reuse: waited before the write");
+        assert!(
+            record_acquire < import_wait,
+            "acquire: record before the import's wait"
+        );
+        assert!(
+            import_wait < consume_queued,
+            "acquire: wait before the first use"
+        );
+        assert!(
+            late_queued < release_mark,
+            "release: recorded after the last use"
+        );
+        assert!(
+            release_mark < release_fence,
+            "release: the fence follows the mark"
+        );
+        assert!(
+            release_fence < exporter_wait,
+            "release: the fence travels to the exporter"
+        );
+        assert!(
+            exporter_wait < exporter_copy,
+            "reuse: waited before the write"
+        );
         let lines = device.log();
         assert!(
             lines[import_wait].ends_with(&format!("on s{CONSUMER}")),
@@ -210,9 +243,15 @@ fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
             .expect("a synchronise before the free");
         let fence_wait = lines[..free]
             .iter()
-            .rposition(|l| l.starts_with("exp wait ") && l.ends_with(&format!("on s{}", exp.internal())))
+            .rposition(|l| {
+                l.starts_with("exp wait ") && l.ends_with(&format!("on s{}", exp.internal()))
+            })
             .expect("a wait on the release fence before the free");
-        assert!(fence_wait < last_sync && last_sync < free, "{}", lines.join("\n"));
+        assert!(
+            fence_wait < last_sync && last_sync < free,
+            "{}",
+            lines.join("\n")
+        );
         // The importer's mapping closed only after waiting for its own release fence.
         let close = device.logged(&format!("imp close a{alloc}")).await;
         let lines = device.log();
@@ -278,10 +317,18 @@ fn host_copies_wait_on_the_backends_own_stream_and_release_without_a_fence() {
         assert_eq!(v, vec![0x0303_0303; 4], "read after the producer's work");
         let wait = at(&device, "imp wait ");
         assert!(device.log()[wait].ends_with(&format!("on s{}", imp.internal())));
-        let releases_before = device.log().iter().filter(|l| l.starts_with("imp record")).count();
+        let releases_before = device
+            .log()
+            .iter()
+            .filter(|l| l.starts_with("imp record"))
+            .count();
         drop(lease);
         eventually("the release", || buf.leases_out() == 0).await;
-        let releases_after = device.log().iter().filter(|l| l.starts_with("imp record")).count();
+        let releases_after = device
+            .log()
+            .iter()
+            .filter(|l| l.starts_with("imp record"))
+            .count();
         assert_eq!(
             releases_before, releases_after,
             "a lease used only through host copies records no release fence"
@@ -378,16 +425,15 @@ fn a_node_answers_pings_while_a_slow_driver_open_is_in_progress() {
         let pinger = third.connect(listening.path()).await.unwrap();
 
         let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
-        let sending = actix::spawn(
-            to_importer
-                .remote::<Hold>("keep")
-                .send(Hold {
-                    buffers: vec![buf.share()],
-                }),
-        );
+        let sending = actix::spawn(to_importer.remote::<Hold>("keep").send(Hold {
+            buffers: vec![buf.share()],
+        }));
         device.logged("imp open started").await;
         for _ in 0..3 {
-            let rtt = pinger.ping().await.expect("a pong while the open is blocked");
+            let rtt = pinger
+                .ping()
+                .await
+                .expect("a pong while the open is blocked");
             assert!(rtt < DEADLINE);
         }
         assert!(kept.lock().unwrap().is_empty(), "the open is still blocked");

@@ -44,7 +44,13 @@ fn run<F: Future<Output = ()>>(f: F) {
 async fn setup(
     tag: &str,
     export: CudaExport,
-) -> (Parent, Arc<CudaBackend>, peer::Peer, baton::actors::Peer, GpuTestLock) {
+) -> (
+    Parent,
+    Arc<CudaBackend>,
+    peer::Peer,
+    baton::actors::Peer,
+    GpuTestLock,
+) {
     let gpu = exclusive_gpu(Duration::from_secs(1800)).expect("the GPU test lock");
     let cuda = Arc::new(CudaBackend::new(0, export).expect("a CUDA device"));
     let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());

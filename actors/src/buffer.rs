@@ -312,9 +312,9 @@ fn after_use<'a>(
             // cudarc's way for calls that cannot fail: the context keeps the error for
             // its next fallible call. The use is made complete, so nothing outlives it.
             tracing::warn!(error = %e, "ordering a use of a shared buffer failed");
-            stream.context().record_err::<()>(Err(DriverError(
-                sys::cudaError_enum::CUDA_ERROR_UNKNOWN,
-            )));
+            stream
+                .context()
+                .record_err::<()>(Err(DriverError(sys::cudaError_enum::CUDA_ERROR_UNKNOWN)));
             SyncOnDrop::Sync(Some(stream))
         }
     }

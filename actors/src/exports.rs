@@ -443,9 +443,7 @@ impl Exports {
                 _ => None,
             };
             if let Some(fence) = &fence {
-                state
-                    .acquire
-                    .insert(lease, (link.id, Arc::clone(fence)));
+                state.acquire.insert(lease, (link.id, Arc::clone(fence)));
             }
             OfferGrant { ledger, pool }
         };

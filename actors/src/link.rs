@@ -195,6 +195,16 @@ fn open_views(cache: ImportCache, offers: Vec<Offer>, mut fds: FrameFds) -> Open
     let mut views = Vec::with_capacity(offers.len());
     for offer in &offers {
         let view = cache.open_unordered(&offer.handle, &mut fds);
+        if let (Ok(view), Some(fence)) = (&view, &offer.handle.fence) {
+            // Opened here, so that the lease's first wait (on whatever thread uses it)
+            // finds the exporter's event open.
+            if let Err(e) = view
+                .backend()
+                .prepare_fence(&offer.handle.exporter.process, fence)
+            {
+                tracing::debug!(error = %e, "could not open an offer's fence ahead of its first use");
+            }
+        }
         let failed = view.is_err();
         views.push(view);
         if failed {
@@ -606,7 +616,11 @@ impl PeerLink {
         offers: Vec<Offer>,
         fds: FrameFds,
         ctx: &mut Context<Self>,
-        then: impl FnOnce(&mut Self, Opened<Vec<IncomingLease>>, &mut Context<Self>) -> Result<(), ActorError>
+        then: impl FnOnce(
+            &mut Self,
+            Opened<Vec<IncomingLease>>,
+            &mut Context<Self>,
+        ) -> Result<(), ActorError>
         + 'static,
     ) -> Result<(), ActorError> {
         self.check_offers(&offers)?;
@@ -779,6 +793,22 @@ impl PeerLink {
                     return Err(ActorError::TooManyFences {
                         count: fences.len(),
                         max: MAX_RELEASE_FENCES,
+                    });
+                }
+                if !fences.is_empty() && !self.node.offload().is_inline() {
+                    // Opened on the driver thread now, so that the buffer's next use (on
+                    // whatever thread) finds the importer's events open.
+                    let (backend, peer, ahead) = (
+                        Arc::clone(self.node.backend()),
+                        self.peer.process,
+                        fences.clone(),
+                    );
+                    self.node.offload().submit(move || {
+                        for fence in &ahead {
+                            if let Err(e) = backend.prepare_fence(&peer, fence) {
+                                tracing::debug!(error = %e, "could not open a release fence ahead of its wait");
+                            }
+                        }
                     });
                 }
                 self.node.exports().release(lease, self.me.id, fences)
@@ -971,15 +1001,17 @@ impl PeerLink {
             };
         };
         match reply.outcome {
-            Ok(Payload { bytes, offers }) => self.with_opened(offers, fds, ctx, move |_, opened, _| {
-                let result = match opened {
-                    Ok(leases) => Ok(IncomingPayload { bytes, leases }),
-                    Err(e) => Err(ActorError::OfferRefused(e)),
-                };
-                // The caller may have given up waiting; its leases are then released on drop.
-                let _ = tx.send(result);
-                Ok(())
-            }),
+            Ok(Payload { bytes, offers }) => {
+                self.with_opened(offers, fds, ctx, move |_, opened, _| {
+                    let result = match opened {
+                        Ok(leases) => Ok(IncomingPayload { bytes, leases }),
+                        Err(e) => Err(ActorError::OfferRefused(e)),
+                    };
+                    // The caller may have given up waiting; its leases are then released on drop.
+                    let _ = tx.send(result);
+                    Ok(())
+                })
+            }
             Err(fault) => {
                 let _ = tx.send(Err(ActorError::Remote(fault)));
                 Ok(())

@@ -219,9 +219,10 @@ impl LeaseOrder {
     /// `stream` waits for the acquire fence (once), and the lease records its release mark
     /// there when it drops, after everything queued there by then.
     pub(crate) fn wait_on(&self, stream: Stream) -> Result<(), ActorError> {
-        match self.uses.get_or_add(stream.as_ref(), || {
-            self.wait_acquire(stream.as_ref())
-        })? {
+        match self
+            .uses
+            .get_or_add(stream.as_ref(), || self.wait_acquire(stream.as_ref()))?
+        {
             Found::Known(u) | Found::New(u) => {
                 // A stream named twice keeps the first name (the same stream).
                 let _ = u.held.set(stream);

@@ -520,6 +520,16 @@ pub trait Backend: Send + Sync + fmt::Debug {
         let _ = (stream, producer, fence);
         Ok(())
     }
+    /// Opens what waiting on `fence` (recorded by `producer`) needs — another process's
+    /// event or counter slab — so that a later [`order_after`](Self::order_after) on a
+    /// thread that must not block finds it open. Backends without fences do nothing.
+    ///
+    /// # Errors
+    /// A backend error (the fence cannot be opened).
+    fn prepare_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        let _ = (producer, fence);
+        Ok(())
+    }
     /// A new mark for uses of a buffer on `stream` (see [`UseMark`]), or `None` for backends
     /// without queued work (host).
     ///

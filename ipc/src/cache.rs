@@ -380,8 +380,7 @@ impl Shared {
                     job.run(self);
                 }
                 state = self.lock();
-                if !matches!(state.busy.get(key), Some(Busy::Closing(c)) if Arc::ptr_eq(c, &cell))
-                {
+                if !matches!(state.busy.get(key), Some(Busy::Closing(c)) if Arc::ptr_eq(c, &cell)) {
                     continue;
                 }
             }
@@ -938,8 +937,8 @@ mod tests {
         CudaIpcMemHandle, DeviceUuid, Error as MessageError, IpcEventHandle, RawHandle,
         SessionToken,
     };
-    use std::sync::Mutex;
     use std::os::fd::OwnedFd;
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     /// Plain bytes standing in for device memory.

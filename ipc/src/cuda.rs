@@ -120,8 +120,8 @@ use crate::ordering::{ExportedFence, StreamRef, UseMark};
 use crate::session::CheckedHandle;
 use crate::{Error, Result};
 use baton_messages::{
-    AllocationId, BackendKind, CudaIpcMemHandle, CudaPoolExportData, DeviceUuid,
-    IpcEventHandle, ProcessId, RawHandle,
+    AllocationId, BackendKind, CudaIpcMemHandle, CudaPoolExportData, DeviceUuid, IpcEventHandle,
+    ProcessId, RawHandle,
 };
 use context::{ContextGuard, KeepCurrent, Quiet};
 use cudarc::driver::{CudaContext, CudaStream, sys};
@@ -1598,6 +1598,28 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let stream = self.stream_of(stream, "cuStreamWaitEvent")?;
         self.wait_fence_on(producer, fence, stream)
+    }
+
+    /// `cuIpcOpenEventHandle` of another process's event, or `cuIpcOpenMemHandle_v2` of its
+    /// counter slab, once per (process, event or slab); nothing for this process's own.
+    fn prepare_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        if *producer == crate::process::current() {
+            return Ok(());
+        }
+        match fence {
+            FenceHandle::Event(handle) => self.opened_event(producer, handle).map(drop),
+            FenceHandle::Counter(counter) => {
+                let ops = self.stream_ops.ok_or(Error::Cuda {
+                    op: "cuStreamWaitValue64",
+                    code: CudaError::NOT_SUPPORTED,
+                })?;
+                self.opened_slabs
+                    .get_or_open(&(*producer, counter.slab_id), || {
+                        OpenedSlab::open(&self.access.ctx, &counter.slab, ops).map(Arc::new)
+                    })
+                    .map(drop)
+            }
+        }
     }
 
     /// A pooled cudarc event of the backend's context (`cuEventCreate` on first use), for

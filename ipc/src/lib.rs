@@ -46,22 +46,21 @@ pub mod slab;
 pub mod spawn;
 
 pub use backend::{
-    Allocation, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, HandleBuilder,
-    MemPtr, OpenedMem, RawMemory, SharedBackend,
+    Allocation, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, HandleBuilder, MemPtr,
+    OpenedMem, RawMemory, SharedBackend,
 };
 pub use cache::{
-    CacheKey, CacheStats, Evictor, Executor, HolderId, ImportCache, Imported, OnClosed,
-    WarmBudget,
+    CacheKey, CacheStats, Evictor, Executor, HolderId, ImportCache, Imported, OnClosed, WarmBudget,
 };
 pub use cuda::CudaBackend;
 pub use driver_thread::DriverThread;
 pub use error::{Error, Result};
-pub use ordering::{ExportedFence, Stream, StreamKey, StreamRef, UseMark};
 pub use host::{HostBackend, HostFlavor};
 pub use link::{
     AsyncLink, FrameFds, Link, LinkCloser, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred,
     PeerInfo, PeerPolicy, Received, SocketDir,
 };
+pub use ordering::{ExportedFence, Stream, StreamKey, StreamRef, UseMark};
 pub use session::{CheckedHandle, Session, TOKEN_ENV, random_bytes};
 pub use slab::{SlabArena, SlabBuffer};
 

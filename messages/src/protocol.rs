@@ -159,7 +159,9 @@ pub struct Release {
     /// Fences after the importer's last queued use of the buffer.
     #[cfg_attr(
         test,
-        proptest(strategy = "proptest::collection::vec(proptest::prelude::any::<FenceHandle>(), 0..3)")
+        proptest(
+            strategy = "proptest::collection::vec(proptest::prelude::any::<FenceHandle>(), 0..3)"
+        )
     )]
     pub fences: Vec<FenceHandle>,
 }

@@ -105,7 +105,12 @@ impl DeviceState {
                     if !ready {
                         break;
                     }
-                    let (id, op) = self.streams.get_mut(&s).expect("listed").pop_front().expect("ready");
+                    let (id, op) = self
+                        .streams
+                        .get_mut(&s)
+                        .expect("listed")
+                        .pop_front()
+                        .expect("ready");
                     match op {
                         Op::Work { name, write, .. } => {
                             if let Some((alloc, offset, bytes)) = write {
@@ -114,11 +119,20 @@ impl DeviceState {
                             }
                             self.log.push(format!("ran work {name} on s{s}"));
                         }
-                        Op::CopyIn { alloc, offset, bytes } => {
+                        Op::CopyIn {
+                            alloc,
+                            offset,
+                            bytes,
+                        } => {
                             let mem = self.memory.get_mut(&alloc).expect("live memory");
                             mem[offset..offset + bytes.len()].copy_from_slice(&bytes);
                         }
-                        Op::CopyOut { alloc, offset, len, out } => {
+                        Op::CopyOut {
+                            alloc,
+                            offset,
+                            len,
+                            out,
+                        } => {
                             let mem = &self.memory[&alloc];
                             *out.lock().unwrap() = Some(mem[offset..offset + len].to_vec());
                         }
@@ -212,16 +226,27 @@ impl Device {
 
     fn complete(&self, event: u64) -> bool {
         let state = self.lock();
-        state.events.get(&event).is_none_or(|r| state.done.contains(r))
+        state
+            .events
+            .get(&event)
+            .is_none_or(|r| state.done.contains(r))
     }
 
     fn record(&self, who: &str, event: u64, s: u64) {
-        self.enqueue(s, Op::Record { event }, Some(format!("{who} record e{event} on s{s}")));
+        self.enqueue(
+            s,
+            Op::Record { event },
+            Some(format!("{who} record e{event} on s{s}")),
+        );
     }
 
     fn wait(&self, who: &str, event: u64, s: u64) {
         let on = self.latest(event);
-        self.enqueue(s, Op::Wait { event, on }, Some(format!("{who} wait e{event} on s{s}")));
+        self.enqueue(
+            s,
+            Op::Wait { event, on },
+            Some(format!("{who} wait e{event} on s{s}")),
+        );
     }
 
     /// Queues work named `name` on stream `s`, which runs once gate `gate` opens and then
@@ -377,19 +402,23 @@ impl UseMark for SimMark {
     }
     fn record(&self, stream: StreamRef<'_>) -> Result<()> {
         let s = self.device.stream(stream)?;
-        self.device.device.record(&format!("{} mark", self.device.role), self.event, s);
+        self.device
+            .device
+            .record(&format!("{} mark", self.device.role), self.event, s);
         Ok(())
     }
     fn order(&self, stream: StreamRef<'_>) -> Result<()> {
         let s = self.device.stream(stream)?;
-        self.device.device.wait(&format!("{} mark", self.device.role), self.event, s);
+        self.device
+            .device
+            .wait(&format!("{} mark", self.device.role), self.event, s);
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
         let event = self.event;
-        self.device
-            .device
-            .block_until("a mark", |st| st.events.get(&event).is_none_or(|r| st.done.contains(r)));
+        self.device.device.block_until("a mark", |st| {
+            st.events.get(&event).is_none_or(|r| st.done.contains(r))
+        });
         Ok(())
     }
     fn as_any(&self) -> &dyn Any {
@@ -418,8 +447,9 @@ impl ExportedFence for SimFence {
     }
     fn synchronize(&self) -> Result<()> {
         let event = self.event;
-        self.device
-            .block_until("a fence", |st| st.events.get(&event).is_none_or(|r| st.done.contains(r)));
+        self.device.block_until("a fence", |st| {
+            st.events.get(&event).is_none_or(|r| st.done.contains(r))
+        });
         Ok(())
     }
 }
@@ -459,7 +489,10 @@ impl RawMemory for SimMem {
                 len: dst.len(),
                 out: Arc::clone(&out),
             },
-            Some(format!("{} copy-out a{} on s{s}", self.sim.role, self.alloc)),
+            Some(format!(
+                "{} copy-out a{} on s{s}",
+                self.sim.role, self.alloc
+            )),
         );
         self.sim.device.synchronize(s);
         dst.copy_from_slice(&out.lock().unwrap().take().expect("the copy ran"));
@@ -514,7 +547,8 @@ impl Drop for SimMem {
     fn drop(&mut self) {
         let what = if self.owner { "free" } else { "close" };
         self.sim
-            .device.note(format!("{} {what} a{}", self.sim.role, self.alloc));
+            .device
+            .note(format!("{} {what} a{}", self.sim.role, self.alloc));
     }
 }
 
@@ -613,7 +647,9 @@ impl Backend for SimBackend {
             state.next_alloc += 1;
             let alloc = state.next_alloc;
             state.memory.insert(alloc, vec![0; size]);
-            state.log.push(format!("{} allocate a{alloc}", self.sim.role));
+            state
+                .log
+                .push(format!("{} allocate a{alloc}", self.sim.role));
             alloc
         };
         let mem = SimMem {
@@ -633,12 +669,13 @@ impl Backend for SimBackend {
     fn open(&self, handle: CheckedHandle<'_>, fd: Option<OwnedFd>) -> Result<OpenedMem> {
         let role = &self.sim.role;
         self.sim
-            .device.note(format!("{role} open started a{}", handle.alloc.get()));
+            .device
+            .note(format!("{role} open started a{}", handle.alloc.get()));
         let gate = self.slow_open.lock().unwrap().clone();
         if let Some(gate) = gate {
-            self.sim.device.block_until(&format!("gate {gate}"), |st| {
-                st.open_gates.contains(&gate)
-            });
+            self.sim
+                .device
+                .block_until(&format!("gate {gate}"), |st| st.open_gates.contains(&gate));
         }
         if fd.is_some() {
             self.fds_opened.fetch_add(1, Ordering::Relaxed);
@@ -674,8 +711,7 @@ impl Backend for SimBackend {
             }
         };
         let size = self.sim.device.lock().memory[&alloc].len();
-        self.sim
-            .device.note(format!("{role} opened a{alloc}"));
+        self.sim.device.note(format!("{role} opened a{alloc}"));
         Ok(OpenedMem::new(
             &handle,
             Box::new(SimMem {

@@ -107,7 +107,9 @@ pub(crate) struct CudaMark {
 
 impl fmt::Debug for CudaMark {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaMark").field("stream", &self.key).finish()
+        f.debug_struct("CudaMark")
+            .field("stream", &self.key)
+            .finish()
     }
 }
 
