@@ -100,7 +100,7 @@ fn exporter() -> Result<(), Box<dyn Error>> {
     link.send(&Message::Offer(Offer { lease, handle }), &fds)?;
     let answer = link.recv_timeout(Duration::from_secs(30))?.message;
     let elapsed = start.elapsed();
-    if answer != Message::Release(Release { lease }) {
+    if answer != Message::Release(Release::now(lease)) {
         return Err(format!("expected Release, got {}", answer.kind()).into());
     }
     let mut reply = [0u8; 35];
@@ -160,7 +160,7 @@ fn importer(socket: &str) -> Result<(), Box<dyn Error>> {
     reply.extend_from_slice(digest.as_bytes());
     buffer.write(REPLY_AT, &reply)?;
     drop(buffer);
-    link.send(&Message::Release(Release { lease: offer.lease }), &[])?;
+    link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     // Stay until the exporter hangs up, so our Release arrives before our EOF.
     let _ = link.recv_timeout(Duration::from_secs(30));
     Ok(())

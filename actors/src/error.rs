@@ -179,6 +179,22 @@ pub enum ActorError {
         /// The deadline.
         after: Duration,
     },
+    /// A buffer was used on more streams than Baton tracks the uses of
+    /// ([`MAX_STREAMS`](crate::MAX_STREAMS)).
+    #[error("a buffer is used on more than {max} streams; synchronise one and use it there")]
+    TooManyStreams {
+        /// The limit.
+        max: usize,
+    },
+    /// The peer's `Release` carried more fences than
+    /// [`MAX_RELEASE_FENCES`](baton_messages::protocol::MAX_RELEASE_FENCES).
+    #[error("peer released a lease with {count} fences; at most {max} are accepted")]
+    TooManyFences {
+        /// Fences in the release.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A child process could not be spawned.
     #[error("spawning child {name}: {source}")]
     Spawn {
@@ -210,6 +226,7 @@ impl ActorError {
             | ActorError::Unexpected { .. }
             | ActorError::TooManyOffers { .. }
             | ActorError::TooManyLeases { .. }
+            | ActorError::TooManyFences { .. }
             | ActorError::PeerNotReading { .. }
             | ActorError::TooManyStatusRequests { .. } => true,
             _ => false,

@@ -352,13 +352,19 @@ impl<M, F> Ledger<M, F> {
         self.settle(record.alloc);
     }
 
-    /// The peer over `link` gave `lease` back, after the work its `fence` marks.
+    /// The peer over `link` gave `lease` back, after the work its `fences` mark. The
+    /// allocation keeps every distinct fence until it is freed ([`Action::Free`]): a fence
+    /// equal to one kept is the same pooled event or slot recorded again, which covers the
+    /// earlier record.
     pub(crate) fn release(
         &mut self,
         lease: LeaseId,
         link: LinkId,
-        fence: Option<F>,
-    ) -> Result<(), Refusal> {
+        fences: impl IntoIterator<Item = F>,
+    ) -> Result<AllocationId, Refusal>
+    where
+        F: PartialEq,
+    {
         match self.leases.get(&lease) {
             Some(record) if record.link == link => {}
             _ => return Err(Refusal::UnknownLease),
@@ -369,9 +375,22 @@ impl<M, F> Ledger<M, F> {
             .get_mut(&record.alloc)
             .expect("a recorded lease has its entry");
         entry.leases.remove(&lease);
-        entry.fences.extend(fence);
+        for fence in fences {
+            if !entry.fences.contains(&fence) {
+                entry.fences.push(fence);
+            }
+        }
         self.settle(record.alloc);
-        Ok(())
+        Ok(record.alloc)
+    }
+
+    /// Whether the importer over `link` was asked to unmap `alloc` (an `Unmapped` from it
+    /// answers that, rather than an offer it could not open).
+    pub(crate) fn unmap_asked(&self, link: LinkId, alloc: AllocationId) -> bool {
+        self.allocs
+            .get(&alloc)
+            .and_then(|e| e.holds.get(&link))
+            .is_some_and(|h| h.draining > 0)
     }
 
     /// The last `Buffer` handle of `buffer` dropped: free it as soon as the invariant allows.
@@ -577,6 +596,11 @@ impl<M, F> Ledger<M, F> {
             .get(&buffer)
             .and_then(|a| self.allocs.get(a))
             .map_or(0, |e| e.leases.len())
+    }
+
+    /// Whether `lease` is out (granted, not yet back).
+    pub(crate) fn is_out(&self, lease: LeaseId) -> bool {
+        self.leases.contains_key(&lease)
     }
 
     /// The process at the other end of a live link.

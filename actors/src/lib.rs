@@ -48,6 +48,8 @@ mod ledger;
 mod link;
 pub mod metrics;
 mod node;
+mod offload;
+mod order;
 mod owner;
 mod remote;
 mod status;
@@ -63,6 +65,7 @@ pub use metrics::MetricsPublisher;
 pub use node::{
     Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested, token_file_of,
 };
+pub use order::MAX_STREAMS;
 pub use owner::{Allocate, BufferOwner, LeaseTable, Revoke, Stats};
 pub use remote::{RemoteAddr, RemoteMessage};
 pub use status::TREE_DEADLINE;

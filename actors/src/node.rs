@@ -8,6 +8,7 @@ use crate::ids::LinkId;
 use crate::link::{
     CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, PeerLink, RequestEvict, SendPing,
 };
+use crate::offload::Offload;
 use crate::remote::{ErasedHandler, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
 use baton_ipc::process::DeathWatch;
@@ -152,6 +153,12 @@ impl Peer {
         self.link.round_trip()
     }
 
+    /// File descriptors this link has received from the peer so far (beside its offers:
+    /// VMM and `memfd` allocations once per allocation, pools once per pool).
+    pub fn descriptors_received(&self) -> u64 {
+        self.link.descriptors_received()
+    }
+
     /// Bytes queued for the peer's socket now (our calls, replies and protocol messages
     /// not yet written). Our calls never hold more than
     /// [`LinkLimits::send_window`] of it; the rest never more than
@@ -223,6 +230,8 @@ struct NodeInner {
     cache: ImportCache,
     backend: SharedBackend,
     exports: Arc<Exports>,
+    /// Where blocking backend calls run (a driver thread for CUDA; inline for host).
+    offload: Offload,
     /// Reports linked processes' deaths (`None` if its thread could not start: links
     /// then learn of deaths by end of stream and from the supervisor only).
     deaths: Option<DeathWatch>,
@@ -288,6 +297,7 @@ impl Node {
             }
         }
         let session = config.link.session.clone();
+        let offload = Offload::for_backends(&importers);
         let inner = Arc::new_cyclic(|weak: &Weak<NodeInner>| {
             let on_death = weak.clone();
             let deaths = DeathWatch::spawn("baton-deaths", move |process| {
@@ -298,6 +308,12 @@ impl Node {
             .map_err(|e| tracing::warn!(error = %e, "no death watch: deaths are seen by end of stream only"))
             .ok();
             let cache = ImportCache::with_budget(session.clone(), importers, config.warm);
+            if !offload.is_inline() {
+                // Mapping closes (and the waits for the work queued on them) are driver
+                // calls: never on an actor's thread.
+                let closer = offload.clone();
+                cache.set_executor(Arc::new(move |job| closer.submit(job)));
+            }
             let evict = weak.clone();
             cache.set_evictor(Arc::new(move |holder, key| {
                 let Some(inner) = evict.upgrade() else { return };
@@ -311,7 +327,8 @@ impl Node {
             }));
             NodeInner {
                 cache,
-                exports: Exports::new(session),
+                exports: Exports::new(session, offload.clone()),
+                offload,
                 deaths,
                 config,
                 backend,
@@ -360,6 +377,19 @@ impl Node {
 
     pub(crate) fn exports(&self) -> &Arc<Exports> {
         &self.inner.exports
+    }
+
+    pub(crate) fn offload(&self) -> Offload {
+        self.inner.offload.clone()
+    }
+
+    /// Drops what the backends keep of a dead process (opened events and pools: driver
+    /// calls), off the actor's thread.
+    fn forget(&self, process: ProcessId) {
+        let cache = self.inner.cache.clone();
+        self.inner
+            .offload
+            .submit(move || cache.forget_process(&process));
     }
 
     /// Every buffer this node's owners export, with its leases and holders (all owners;
@@ -461,7 +491,7 @@ impl Node {
             return;
         }
         let buffer = Shared {
-            inner: SharedInner::Incoming(lease),
+            inner: SharedInner::Incoming(Box::new(lease)),
             _t: PhantomData,
         };
         match &*lock(&self.inner.inbox) {
@@ -505,7 +535,7 @@ impl Node {
         if last_to_process {
             // What the backends keep of it (its opened events) only serves handles it
             // sends, and it sends no more.
-            self.inner.cache.forget_process(&peer.process);
+            self.forget(peer.process);
             if lock(&self.inner.dead).remove(&peer.process) {
                 self.inner.exports.process_dead(peer.process);
             }
@@ -538,7 +568,7 @@ impl Node {
             .collect();
         if links.is_empty() {
             self.inner.exports.process_dead(process);
-            self.inner.cache.forget_process(&process);
+            self.forget(process);
             return;
         }
         // `link_down` of the last link finishes the job.

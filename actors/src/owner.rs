@@ -6,6 +6,7 @@ use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::BufferId;
 use crate::ledger::RevokePolicy;
 use crate::node::Node;
+use crate::offload::Offload;
 use actix::prelude::*;
 use baton_ipc::SharedBackend;
 use baton_messages::{ActorId, Layout, Shape};
@@ -34,6 +35,8 @@ pub struct BufferOwner {
     id: ActorId,
     exports: Arc<Exports>,
     backend: SharedBackend,
+    /// Where allocations run (they fill and synchronise: driver calls, for CUDA).
+    offload: Offload,
     policy: RevokePolicy,
     span: tracing::Span,
 }
@@ -50,6 +53,7 @@ impl BufferOwner {
         Self {
             id,
             exports: Arc::clone(node.exports()),
+            offload: node.offload(),
             span: tracing::info_span!("buffer_owner", actor = %id, backend = backend.name()),
             backend,
             policy: RevokePolicy::default(),
@@ -111,27 +115,39 @@ impl<T: Element> Message for Allocate<T> {
 }
 
 impl<T: Element> Handler<Allocate<T>> for BufferOwner {
-    type Result = Result<Buffer<T>, ActorError>;
+    type Result = ResponseFuture<Result<Buffer<T>, ActorError>>;
 
+    /// Allocates on the node's driver thread when the backend's calls block (CUDA: the
+    /// allocation is zero-filled and synchronised), inline otherwise.
     fn handle(&mut self, msg: Allocate<T>, _ctx: &mut Self::Context) -> Self::Result {
         let _g = self.span.enter();
         let layout = Layout::new(T::DTYPE, msg.shape);
-        let bytes = layout
-            .byte_len()
-            .and_then(|b| usize::try_from(b).ok())
-            .ok_or(ActorError::OutOfBounds {
-                index: 0,
-                len: usize::MAX,
-                size: 0,
-            })?;
-        let alloc = self.backend.allocate(bytes)?;
-        tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated");
-        Ok(Buffer::new(self.exports.insert(
-            alloc,
-            layout,
+        let Some(bytes) = layout.byte_len().and_then(|b| usize::try_from(b).ok()) else {
+            return Box::pin(async {
+                Err(ActorError::OutOfBounds {
+                    index: 0,
+                    len: usize::MAX,
+                    size: 0,
+                })
+            });
+        };
+        let backend = Arc::clone(&self.backend);
+        let allocating = self.offload.run(move || backend.allocate(bytes));
+        let (exports, backend, owner, policy, span) = (
+            Arc::clone(&self.exports),
+            Arc::clone(&self.backend),
             self.id,
             self.policy,
-        )))
+            self.span.clone(),
+        );
+        Box::pin(async move {
+            let alloc = allocating.await??;
+            let _g = span.enter();
+            tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated");
+            Ok(Buffer::new(
+                exports.insert(alloc, backend, layout, owner, policy),
+            ))
+        })
     }
 }
 

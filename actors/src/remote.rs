@@ -117,7 +117,7 @@ impl<T: Element> Serialize for Shared<T> {
             t.borrow_mut().as_mut().map(|cells| {
                 cells.push(Outgoing {
                     cell: Arc::clone(&out.cell),
-                    event: out.event.clone(),
+                    fence: out.fence.clone(),
                 });
                 cells.len() - 1
             })
@@ -157,7 +157,7 @@ impl<'de, T: Element> Deserialize<'de> for Shared<T> {
             }));
         }
         Ok(Shared {
-            inner: SharedInner::Incoming(lease),
+            inner: SharedInner::Incoming(Box::new(lease)),
             _t: PhantomData,
         })
     }

@@ -220,6 +220,28 @@ struct Running {
     reaper: Option<JoinHandle<Option<ExitStatus>>>,
 }
 
+/// Removes a dead child's named host segments and tells `watchers` if there were any.
+fn sweep_dead_child(watchers: &[Recipient<SupervisorEvent>], name: &str, child: &ProcessId) {
+    match host::sweep_process(child) {
+        Ok(report) if !report.removed.is_empty() => {
+            tracing::info!(child = %name, pid = child.pid, segments = report.removed.len(), bytes = report.removed_bytes, "swept a dead child's segments");
+            let event = SupervisorEvent::Swept {
+                name: name.to_owned(),
+                pid: child.pid,
+                segments: report.removed.len(),
+                bytes: report.removed_bytes,
+            };
+            for w in watchers {
+                w.do_send(event.clone());
+            }
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(child = %name, pid = child.pid, error = %e, "could not sweep a dead child's segments");
+        }
+    }
+}
+
 fn describe(status: Option<ExitStatus>) -> String {
     use std::os::unix::process::ExitStatusExt;
     match status {
@@ -445,21 +467,7 @@ impl ProcessSupervisor {
     /// Removes a dead child's named host segments (its `Drop` never ran), before any
     /// restart; tells subscribers if there were any.
     fn sweep(&self, name: &str, child: &ProcessId) {
-        match host::sweep_process(child) {
-            Ok(report) if !report.removed.is_empty() => {
-                tracing::info!(child = %name, pid = child.pid, segments = report.removed.len(), bytes = report.removed_bytes, "swept a dead child's segments");
-                self.emit(SupervisorEvent::Swept {
-                    name: name.to_owned(),
-                    pid: child.pid,
-                    segments: report.removed.len(),
-                    bytes: report.removed_bytes,
-                });
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(child = %name, pid = child.pid, error = %e, "could not sweep a dead child's segments");
-            }
-        }
+        sweep_dead_child(&self.watchers, name, child);
     }
 
     fn kill(running: &Running) {
@@ -526,19 +534,36 @@ impl Actor for ProcessSupervisor {
         self.publish();
     }
 
+    /// SIGKILLs every child; a thread of its own waits for their reapers (never the
+    /// arbiter), then feeds their deaths into the lease protocol and sweeps them.
     fn stopped(&mut self, _ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
         self.stopping = true;
         let running: Vec<(String, Running)> = self.running.drain().collect();
-        for (name, mut running) in running {
-            Self::kill(&running);
-            let status = running.reaper.take().and_then(|r| r.join().ok()).flatten();
-            self.node.process_exited(running.process);
-            self.sweep(&name, &running.process);
-            tracing::info!(child = %name, pid = running.pid, status = %describe(status), "child stopped with the supervisor");
-            self.last_exit.insert(name, describe(status));
-        }
+        // The node's status lists them as stopped from now on.
         self.publish();
+        if running.is_empty() {
+            return;
+        }
+        for (_, running) in &running {
+            Self::kill(running);
+        }
+        let (node, watchers, span) = (self.node.clone(), self.watchers.clone(), self.span.clone());
+        let reap = move || {
+            let _g = span.entered();
+            for (name, mut running) in running {
+                let status = running.reaper.take().and_then(|r| r.join().ok()).flatten();
+                node.process_exited(running.process);
+                sweep_dead_child(&watchers, &name, &running.process);
+                tracing::info!(child = %name, pid = running.pid, status = %describe(status), "child stopped with the supervisor");
+            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("baton-supervisor-stop".to_owned())
+            .spawn(reap)
+        {
+            tracing::warn!(error = %e, "no thread to reap the stopped children: they are reaped by their own reapers only");
+        }
     }
 }
 

@@ -303,17 +303,17 @@ impl Worker {
                     tiles.push((r.index, buf.share()));
                 }
             }
-            Some((backend, kernels)) => {
+            Some((_, kernels)) => {
                 let t = scene::time_of(msg.frame);
                 for r in &msg.tiles {
-                    let buf = &self.pool[&r.index];
-                    let baton::ipc::MemPtr::Device(ptr) = buf.ptr() else {
-                        return Err("a CUDA buffer is device memory".into());
-                    };
-                    kernels.render(ptr, buf.len(), r, w, h, t)?;
+                    let buf = self.pool.get_mut(&r.index).ok_or("no buffer for a tile")?;
+                    // Waits on the compositor's release fence of this buffer's last frame,
+                    // then records the write: nobody blocks here.
+                    kernels.render(buf, r, w, h, t)?;
                 }
                 if let Some((_, staging)) = &self.staging {
-                    // The pipeline zero-copy replaces: device -> host -> shared memory.
+                    // The pipeline zero-copy replaces: device -> host -> shared memory (the
+                    // copy waits for the kernel that rendered the tile).
                     for r in &msg.tiles {
                         let pixels = self.pool[&r.index].to_vec()?;
                         let host = &staging[&r.index];
@@ -321,11 +321,10 @@ impl Worker {
                         tiles.push((r.index, host.share()));
                     }
                 } else {
-                    // One event after all the tiles' kernels: the compositor's stream waits on
-                    // it before reading, so nobody blocks here.
-                    let event = Arc::new(backend.record_event()?);
+                    // Each offer carries a fence after the kernel that rendered its tile; the
+                    // compositor's stream waits on it before reading.
                     for r in &msg.tiles {
-                        tiles.push((r.index, self.pool[&r.index].share_after(&event)));
+                        tiles.push((r.index, self.pool[&r.index].share()));
                     }
                 }
             }
@@ -499,35 +498,26 @@ impl Canvas {
         Ok(())
     }
 
+    /// Composes a tile into the frame. On CUDA the kernel is queued on the compositor's
+    /// stream, ordered by the lease (its first use waits on the worker's fence; dropping it
+    /// records the release after the kernel): no synchronise here, and none before the
+    /// leases go back.
     fn compose(&self, r: &TileRect, lease: &Lease<u32>) -> Res<()> {
         let (fw, fh) = (self.opts.width, self.opts.height);
-        match (&self.gpu, lease.ptr()?) {
-            (Some((_, k)), baton::ipc::MemPtr::Device(tile)) => {
-                let baton::ipc::MemPtr::Device(frame) = self.frame.ptr() else {
-                    return Err("the CUDA frame is device memory".into());
-                };
-                k.compose(frame, fw, fh, tile, lease.len(), r)
+        // A second handle of the frame buffer, for the `&mut` of cudarc's `DevicePtrMut`.
+        let mut frame = self.frame.clone();
+        match &self.gpu {
+            Some((_, k)) if lease.is_device() => {
+                k.compose(&mut frame, fw, fh, gpu::Tile::Leased(lease), r)
             }
-            (Some((_, k)), baton::ipc::MemPtr::Host(_)) => {
-                // Staged: host tile -> device scratch -> frame.
+            Some((_, k)) => {
+                // Staged: host tile -> device scratch -> frame. The upload waits for the
+                // kernel that last read the scratch buffer.
                 let scratch = self.scratch.as_ref().ok_or("no scratch buffer")?;
                 scratch.write_at(0, &lease.to_vec()?)?;
-                let (baton::ipc::MemPtr::Device(frame), baton::ipc::MemPtr::Device(tile)) =
-                    (self.frame.ptr(), scratch.ptr())
-                else {
-                    return Err("the CUDA frame is device memory".into());
-                };
-                k.compose(frame, fw, fh, tile, scratch.len(), r)?;
-                k.synchronize()
+                k.compose(&mut frame, fw, fh, gpu::Tile::Own(scratch), r)
             }
-            (None, _) => self.put_rows(r, &lease.to_vec()?),
-        }
-    }
-
-    fn finish(&self) -> Res<()> {
-        match &self.gpu {
-            Some((_, k)) => k.synchronize(),
-            None => Ok(()),
+            None => self.put_rows(r, &lease.to_vec()?),
         }
     }
 }
@@ -612,8 +602,9 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
                     }
                 }
             }
-            // Kernels that read the tiles must finish before the leases go back.
-            canvas.finish()?;
+            // The leases go back in plain scope order: each release carries a fence after the
+            // kernels that read its tile, and the worker waits on it before rendering there
+            // again. Host copies of the frame below wait for the compose kernels.
             let leases_held = held.len() as u64;
             summary.tiles_composed += leases_held;
             drop(held);

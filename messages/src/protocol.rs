@@ -16,7 +16,9 @@
 //!
 //! The lease protocol then runs in both directions: an exporter [`Offer`]s a handle under a
 //! fresh lease, the importer [`Release`]s it when its guard drops, and the exporter may ask
-//! for it back early with [`Revoke`].
+//! for it back early with [`Revoke`]. GPU work is ordered both ways by fences
+//! ([`crate::fence`]): the offer's handle carries the exporter's acquire fence, the
+//! `Release` the importer's release fences.
 //!
 //! Mappings outlive leases: the importer keeps a mapping warm after its last lease drops,
 //! so the next offer of the same allocation maps nothing new (and, for descriptor-shared
@@ -41,6 +43,7 @@
 //! Either side may ask the other what it holds ([`StatusRequest`], answered by
 //! [`Status`]: see [`status`](crate::status)).
 
+use crate::fence::FenceHandle;
 use crate::handle::HandleMsg;
 use crate::ids::{AllocationId, LeaseId, ProcessId};
 use serde::{Deserialize, Serialize};
@@ -141,12 +144,39 @@ pub struct Offer {
     pub handle: HandleMsg,
 }
 
-/// An importer gives a lease back: it no longer maps the buffer through it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// The most release fences one [`Release`] may carry; more is a protocol fault.
+pub const MAX_RELEASE_FENCES: usize = 8;
+
+/// An importer gives a lease back: it no longer maps the buffer through it, and queues no
+/// more work on it.
+///
+/// Work it queued before may still run: `fences` are recorded after that work (on the
+/// streams that used the lease), and the exporter waits on them before it writes the
+/// buffer again or frees it. Empty when no queued work uses the buffer (host memory, or
+/// leases used only through synchronous copies). At most [`MAX_RELEASE_FENCES`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub struct Release {
     /// The lease given back.
     pub lease: LeaseId,
+    /// Fences after the importer's last queued use of the buffer.
+    #[cfg_attr(
+        test,
+        proptest(
+            strategy = "proptest::collection::vec(proptest::prelude::any::<FenceHandle>(), 0..3)"
+        )
+    )]
+    pub fences: Vec<FenceHandle>,
+}
+
+impl Release {
+    /// A release with no fence: nothing the importer queued still uses the buffer.
+    pub fn now(lease: LeaseId) -> Self {
+        Self {
+            lease,
+            fences: Vec::new(),
+        }
+    }
 }
 
 /// An exporter asks for a lease back by a deadline; after it, the link is cut.

@@ -117,7 +117,7 @@ fn digest_of(buffer: &Imported) -> Res<blake3::Hash> {
 
 fn release_and_wait_close(link: &mut Link, leases: &[LeaseId]) -> Res<()> {
     for &lease in leases {
-        link.send(&Message::Release(Release { lease }), &[])?;
+        link.send(&Message::Release(Release::now(lease)), &[])?;
     }
     // Wait for the exporter to hang up, so it sees the releases before our EOF.
     match link.recv_timeout(DEADLINE) {
@@ -200,7 +200,7 @@ fn import_expect(subject: &Subject, socket: &str, expect: &str) -> Res<()> {
     let cache = ImportCache::new(session, [subject.backend()]);
     let (offer, mut fds) = take_offer(&mut link)?;
     ensure(
-        offer.handle.event.is_some() || !matches!(subject, Subject::Cuda(_)),
+        offer.handle.fence.is_some() || !matches!(subject, Subject::Cuda(_)),
         || "a CUDA handle came without an event".into(),
     )?;
     let buffer = cache.open(&offer.handle, &mut fds)?;
@@ -242,7 +242,7 @@ fn import_fence(subject: &Subject, socket: &str, kind: &str, expect: &str) -> Re
         other => return Err(format!("unknown fence kind {other:?}").into()),
     };
     let [offer] = <[Offer; 1]>::try_from(call.offers).map_err(|_| "one offer expected")?;
-    ensure(offer.handle.event.is_none(), || {
+    ensure(offer.handle.fence.is_none(), || {
         "the handle carries an event: the fence would not be what orders the read".into()
     })?;
     let buffer = cache.open(&offer.handle, &mut fds)?;

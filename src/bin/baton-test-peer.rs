@@ -85,7 +85,7 @@ fn import(socket: &str, expect_hex: &str, payload_len: usize) -> Res<()> {
     if cache.stats().live != 0 {
         return Err("mapping still open after the guard dropped".into());
     }
-    link.send(&Message::Release(Release { lease: offer.lease }), &[])?;
+    link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     // Wait for the exporter to hang up, so it sees the Release before our EOF.
     match link.recv_timeout(Duration::from_secs(30)) {
         Err(baton::Error::Closed) => Ok(()),
@@ -203,7 +203,7 @@ fn half_frame_import(socket: &str) -> Res<()> {
     });
     link.send(&reply, &[])?;
     let first = call.offers.first().ok_or("a Call without offers")?.lease;
-    write_half_frame(&link, &Message::Release(Release { lease: first }))?;
+    write_half_frame(&link, &Message::Release(Release::now(first)))?;
     let _keep = held;
     hold_forever()
 }

@@ -331,7 +331,7 @@ impl Run {
                 let accepted = l.out && link == l.link;
                 assert_eq!(got.is_ok(), accepted, "release of {i} over {link}: {got:?}");
                 if accepted {
-                    assert_eq!(got, Ok(()));
+                    assert_eq!(got, Ok(m.allocs[l.alloc].id));
                     m.leases[i].out = false;
                     m.allocs[l.alloc].fences.extend(fence);
                 } else {
