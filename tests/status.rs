@@ -689,6 +689,7 @@ fn every_example_and_binary_answers_help() {
         env!("CARGO_BIN_EXE_baton-test-peer"),
         env!("CARGO_BIN_EXE_baton-flood-peer"),
         env!("CARGO_BIN_EXE_baton-conformance-peer"),
+        env!("CARGO_BIN_EXE_baton-ordering-peer"),
     ] {
         targets.push((PathBuf::from(bin), vec!["--help"]));
     }

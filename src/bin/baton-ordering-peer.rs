@@ -90,16 +90,24 @@ impl Handler<Count> for Importer {
     }
 }
 
+/// The command line.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "baton-ordering-peer",
+    about = "The importer of the CUDA ordering tests (tests/ordering_cuda.rs): connects to SOCKET and answers Round, Check and Count calls on a stream of its own. Needs BATON_BACKEND=cuda; the session token comes through the pipe named in BATON_TOKEN_FD."
+)]
+struct Cli {
+    /// The test's socket.
+    socket: String,
+}
+
 fn main() {
+    let socket = <Cli as clap::Parser>::parse().socket;
     // The child's entry point: take the token (and close its pipe) before anything else.
     if let Err(e) = baton::Session::from_env() {
         eprintln!("baton-ordering-peer: {e}");
         std::process::exit(1);
     }
-    let Some(socket) = std::env::args().nth(1) else {
-        eprintln!("usage: baton-ordering-peer SOCKET");
-        std::process::exit(2);
-    };
     let system = System::new();
     let result = system.block_on(async move {
         let node = Node::from_env()?;
