@@ -583,6 +583,25 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 baton_messages::IpcEventHandle([4; 64]),
             )],
         }),
+        Message::Unmap(baton_messages::protocol::Unmap {
+            alloc: AllocationId::new(5),
+        }),
+        Message::Unmapped(baton_messages::protocol::Unmapped {
+            alloc: AllocationId::new(5),
+        }),
+        Message::Evict(baton_messages::protocol::Evict {
+            alloc: AllocationId::new(6),
+        }),
+        Message::StatusRequest(baton_messages::protocol::StatusRequest {
+            id: 1,
+            scope: baton_messages::protocol::StatusScope::Tree,
+            limit: 16,
+        }),
+        Message::Status(baton_messages::protocol::Status {
+            id: 1,
+            version: 1,
+            json: "{}".into(),
+        }),
         Message::Ping(7),
     ] {
         baton_messages::codec::encode_frame(&m, 0, &mut stream).expect("encodes");

@@ -49,7 +49,7 @@ pub use protocol::Message;
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer
 /// speaking another version is refused before its payload is decoded.
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
