@@ -1,11 +1,12 @@
 //! [`BufferOwner`]: the actor that owns exportable buffers and their lease table.
 
-use crate::buffer::{Buffer, Element};
+use crate::buffer::{Buffer, BufferCell, Element};
 use crate::error::ActorError;
 use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::BufferId;
 use crate::ledger::RevokePolicy;
 use crate::node::Node;
+use crate::raw::AnyBuffer;
 use actix::prelude::*;
 use baton_ipc::SharedBackend;
 use baton_messages::{ActorId, Layout, Shape};
@@ -114,8 +115,15 @@ impl<T: Element> Handler<Allocate<T>> for BufferOwner {
     type Result = Result<Buffer<T>, ActorError>;
 
     fn handle(&mut self, msg: Allocate<T>, _ctx: &mut Self::Context) -> Self::Result {
-        let _g = self.span.enter();
         let layout = Layout::new(T::DTYPE, msg.shape);
+        Ok(Buffer::new(self.allocate(layout)?))
+    }
+}
+
+impl BufferOwner {
+    /// Allocates a buffer of `layout` and enters it in the ledger.
+    fn allocate(&mut self, layout: Layout) -> Result<Arc<BufferCell>, ActorError> {
+        let _g = self.span.enter();
         let bytes = layout
             .byte_len()
             .and_then(|b| usize::try_from(b).ok())
@@ -126,12 +134,28 @@ impl<T: Element> Handler<Allocate<T>> for BufferOwner {
             })?;
         let alloc = self.backend.allocate(bytes)?;
         tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated");
-        Ok(Buffer::new(self.exports.insert(
-            alloc,
-            layout,
-            self.id,
-            self.policy,
-        )))
+        Ok(self.exports.insert(alloc, layout, self.id, self.policy))
+    }
+}
+
+/// Allocates a buffer of any layout — element types without a Rust type (`F16`, `BF16`)
+/// included — for code that handles buffers untyped (another language's bindings). Replies
+/// with its [`AnyBuffer`] handle.
+#[derive(Debug, Clone)]
+pub struct AllocateAny {
+    /// Element type and shape.
+    pub layout: Layout,
+}
+
+impl Message for AllocateAny {
+    type Result = Result<AnyBuffer, ActorError>;
+}
+
+impl Handler<AllocateAny> for BufferOwner {
+    type Result = Result<AnyBuffer, ActorError>;
+
+    fn handle(&mut self, msg: AllocateAny, _ctx: &mut Self::Context) -> Self::Result {
+        Ok(AnyBuffer::new(self.allocate(msg.layout)?))
     }
 }
 
