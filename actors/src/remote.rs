@@ -552,3 +552,100 @@ impl Drop for CancelOnDrop {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Sample {
+        count: u32,
+        name: String,
+        values: Vec<i64>,
+        maybe: Option<u8>,
+    }
+
+    /// What another language writes for a message with a buffer field.
+    #[derive(Serialize)]
+    struct WithRef {
+        data: ExtOut,
+    }
+
+    #[derive(Serialize)]
+    #[serde(rename = "_ExtStruct")]
+    struct ExtOut((i8, serde_bytes::ByteBuf));
+
+    #[derive(Debug, Deserialize)]
+    struct WithBuffer {
+        #[allow(dead_code)]
+        data: Shared<u32>,
+    }
+
+    fn ext(tag: i8, data: &[u8]) -> Vec<u8> {
+        rmp_serde::to_vec_named(&WithRef {
+            data: ExtOut((tag, serde_bytes::ByteBuf::from(data.to_vec()))),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn messagepack_carries_field_names_and_round_trips() {
+        let sample = Sample {
+            count: 3,
+            name: "three".into(),
+            values: vec![-1, 2],
+            maybe: None,
+        };
+        let encoded = encode("message", &sample, Encoding::MessagePack).unwrap();
+        assert!(encoded.cells.is_empty());
+        // Self-describing: a map whose keys are the field names (fixmap of 4, "count"…).
+        assert_eq!(encoded.bytes[0], 0x84);
+        assert_eq!(&encoded.bytes[1..7], b"\xa5count");
+        let back: Sample =
+            decode("message", &encoded.bytes, Vec::new(), Encoding::MessagePack).unwrap();
+        assert_eq!(back, sample);
+        // Bincode is not self-describing, and is still the default.
+        let bin = encode("message", &sample, Encoding::default()).unwrap();
+        assert!(!bin.bytes.windows(5).any(|w| w == b"count"));
+    }
+
+    #[test]
+    fn messagepack_decoding_refuses_what_does_not_fit() {
+        let sample = Sample {
+            count: 1,
+            name: String::new(),
+            values: Vec::new(),
+            maybe: Some(2),
+        };
+        let mut bytes = encode("message", &sample, Encoding::MessagePack)
+            .unwrap()
+            .bytes;
+        bytes.push(0xc0);
+        let err = decode::<Sample>("message", &bytes, Vec::new(), Encoding::MessagePack)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("1 bytes after the value"), "{err}");
+
+        let refuse = |bytes: Vec<u8>| {
+            decode::<WithBuffer>("message", &bytes, Vec::new(), Encoding::MessagePack)
+                .unwrap_err()
+                .to_string()
+        };
+        let err = refuse(ext(MSGPACK_SHARED_EXT, &0u32.to_be_bytes()));
+        assert!(err.contains("buffer index 0 out of range"), "{err}");
+        let err = refuse(ext(5, &0u32.to_be_bytes()));
+        assert!(
+            err.contains("extension 5 of 4 bytes is not a buffer"),
+            "{err}"
+        );
+        let err = refuse(ext(MSGPACK_SHARED_EXT, &[0, 0]));
+        assert!(err.contains("is not a buffer"), "{err}");
+        // A plain integer where a buffer belongs is no buffer either.
+        #[derive(Serialize)]
+        struct Plain {
+            data: u32,
+        }
+        let err = refuse(rmp_serde::to_vec_named(&Plain { data: 0 }).unwrap());
+        assert!(err.contains("could not decode message"), "{err}");
+    }
+}
