@@ -3,11 +3,11 @@
 //!
 //! Everything protocol-related is `baton-actors` and `baton-ipc` (the same links,
 //! credential and token checks, lease ledger and import cache as Rust peers): this crate
-//! only runs them on a thread of its own ([`runtime`]), converts values to and from
-//! MessagePack ([`codec`]), and hands buffers to Python as views whose lifetime keeps the
-//! memory mapped ([`memory`], [`dlpack`]).
+//! only runs them on a thread of its own (`runtime`), converts values to and from
+//! MessagePack (`codec`), and hands buffers to Python as views whose lifetime keeps the
+//! memory mapped (`memory`, `dlpack`).
 //!
-//! `unsafe` code lives only in [`dlpack`] (the capsule handed to DLPack consumers), which
+//! `unsafe` code lives only in `dlpack` (the capsule handed to DLPack consumers), which
 //! opens with a `# Safety` overview.
 
 #![deny(unsafe_code)]

@@ -251,7 +251,8 @@ impl Node {
         let deadline = seconds(py, timeout)?;
         match self.ups.pop_py(py, deadline)? {
             Waited::Done(peer) => Ok(self.peer(peer)),
-            _ => Err(Failure::timeout("accepting a peer", deadline)).or_raise(py),
+            Waited::Gone => Err(Failure::Released("the node was closed".into())).or_raise(py),
+            Waited::Pending => Err(Failure::timeout("accepting a peer", deadline)).or_raise(py),
         }
     }
 

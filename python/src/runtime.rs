@@ -123,10 +123,12 @@ impl Runtime {
                 task.abort();
             }
         };
-        let give_up = Instant::now() + deadline + GRACE;
+        // `None`: a deadline too far away to count.
+        let give_up = Instant::now().checked_add(deadline.saturating_add(GRACE));
         loop {
-            let now = Instant::now();
-            let slice = SLICE.min(give_up.saturating_duration_since(now));
+            let slice = give_up.map_or(SLICE, |t| {
+                SLICE.min(t.saturating_duration_since(Instant::now()))
+            });
             match py.detach(|| done.wait(slice)) {
                 Waited::Done(Ok(out)) => return Ok(out),
                 Waited::Done(Err(())) => {
@@ -143,7 +145,7 @@ impl Runtime {
                         abort();
                         return Err(e);
                     }
-                    if Instant::now() >= give_up {
+                    if give_up.is_some_and(|t| Instant::now() >= t) {
                         abort();
                         return Err(errors::to_py(
                             py,
@@ -327,7 +329,8 @@ impl<T> Queue<T> {
         }
     }
 
-    /// Pops within `timeout` without the GIL, checking for signals between slices.
+    /// Pops within `timeout` (`Duration::MAX`: no deadline) without the GIL, checking
+    /// for signals between slices.
     ///
     /// # Errors
     /// A signal handler's error.
@@ -335,11 +338,15 @@ impl<T> Queue<T> {
     where
         T: Send,
     {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now().checked_add(timeout);
         loop {
-            let slice = SLICE.min(deadline.saturating_duration_since(Instant::now()));
+            let slice = deadline.map_or(SLICE, |t| {
+                SLICE.min(t.saturating_duration_since(Instant::now()))
+            });
             match py.detach(|| self.pop(slice)) {
-                Waited::Pending if Instant::now() < deadline => py.check_signals()?,
+                Waited::Pending if deadline.is_none_or(|t| Instant::now() < t) => {
+                    py.check_signals()?
+                }
                 other => return Ok(other),
             }
         }

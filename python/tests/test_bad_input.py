@@ -115,3 +115,27 @@ def test_bad_arguments_are_python_errors(node, peer):
     mailbox.close()
     with pytest.raises(baton.Released, match="closed"):
         mailbox.recv(timeout=1)
+
+
+def test_a_wait_without_a_deadline_ends_when_its_mailbox_closes(node):
+    import threading
+
+    mailbox = node.register("idle", "py.Idle")
+    got: dict = {}
+
+    def wait() -> None:
+        try:
+            mailbox.recv()  # no timeout: until a call comes or the mailbox closes
+        except baton.Released as e:
+            got["error"] = str(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    mailbox.close()
+    waiter.join(timeout=DEADLINE)
+    assert not waiter.is_alive()
+    assert got == {"error": "mailbox \"idle\" was closed"}
+    assert mailbox.closed
+    node.close()
+    with pytest.raises(baton.Released, match="node was closed"):
+        node.accept(timeout=1e12)
