@@ -86,9 +86,7 @@ mod codec {
 
     #[divan::bench]
     fn encode_release_frame(bencher: Bencher<'_, '_>) {
-        let msg = Message::Release(Release {
-            lease: LeaseId::new(12345),
-        });
+        let msg = Message::Release(Release::now(LeaseId::new(12345)));
         let mut buf = Vec::with_capacity(64);
         bencher.bench_local(|| {
             buf.clear();

@@ -16,6 +16,12 @@
 //!
 //! With `RUST_LOG=debug` the log shows the `buffer_owner` and `peer_link` spans with the
 //! `alloc`, `gen`, `lease` and `peer` of every handoff.
+//!
+//! Metrics are opt-in: `--prometheus 127.0.0.1:9464` installs a Prometheus exporter (no
+//! listener without the flag) and has the node publish its counters and gauges every
+//! second (`baton_leases_out`, `baton_pinned_bytes`, `baton_handoffs_total`, …: see
+//! `baton::actors::metrics`); `--linger SECS` keeps the service up that long after its
+//! frames, to scrape it or point `baton top` at the socket it prints.
 
 use actix::prelude::*;
 use baton::actors::supervisor::Shutdown;
@@ -207,11 +213,15 @@ impl Actor for Camera {
     }
 }
 
-fn service() -> Result<(), Box<dyn Error>> {
+fn service(cli: &Cli) -> Result<(), Box<dyn Error>> {
     System::new().block_on(async {
         let node = Node::new(Session::generate()?, baton::ipc::select::auto()?);
         let dir = std::env::temp_dir().join(format!("baton-embed-{}", std::process::id()));
         let listening = node.listen(&SocketDir::create(&dir)?, "service.sock")?;
+        println!("service: listening on {} (baton status / baton top)", listening.path().display());
+        // Counters and gauges for the exporter installed by `--prometheus`; without a
+        // recorder this records nothing.
+        let _metrics = cli.prometheus.map(|_| node.publish_metrics(Duration::from_secs(1)));
         let supervisor = ProcessSupervisor::new(
             node.clone(),
             vec![ChildSpec::this_exe("summariser")?.arg("worker")],
@@ -251,6 +261,10 @@ fn service() -> Result<(), Box<dyn Error>> {
             stats.leases,
             stats.freed
         );
+        if let Some(secs) = cli.linger {
+            println!("service: lingering {secs} s");
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+        }
         supervisor.send(Shutdown).await?;
         drop(listening);
         let _ = std::fs::remove_dir(&dir);
@@ -262,15 +276,48 @@ fn service() -> Result<(), Box<dyn Error>> {
     })
 }
 
+/// Baton actors inside an existing actix service: its camera hands frames to a worker
+/// process with zero copies.
+#[derive(Debug, clap::Parser)]
+#[command(name = "embed_in_service")]
+struct Cli {
+    /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9464); off by default.
+    #[arg(long, value_name = "ADDR")]
+    prometheus: Option<std::net::SocketAddr>,
+    /// Stay up this many seconds after the last frame (to scrape the metrics, or to run
+    /// `baton status` on the socket).
+    #[arg(long, value_name = "SECS")]
+    linger: Option<u64>,
+    #[command(subcommand)]
+    role: Option<Role>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Role {
+    /// The worker process (the service's supervisor starts it).
+    #[command(hide = true)]
+    Worker,
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
+    use std::io::IsTerminal;
+    let cli = <Cli as clap::Parser>::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match std::env::args().nth(1).as_deref() {
-        Some("worker") => worker(),
-        _ => service(),
+    if let Some(addr) = cli.prometheus {
+        // Before any runtime exists: the exporter runs its listener on a thread of its own.
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()?;
+        println!("service: Prometheus metrics at http://{addr}/metrics");
+    }
+    match cli.role {
+        Some(Role::Worker) => worker(),
+        None => service(&cli),
     }
 }

@@ -28,15 +28,36 @@ use std::time::{Duration, Instant};
 const SIZE: usize = 64 << 20;
 const REPLY_AT: usize = SIZE - 4096;
 
+/// Two processes share 64 MiB of host memory with zero copies: this one exports a
+/// buffer, a second one (this binary, role `importer`) maps it, checks it and answers in it.
+#[derive(Debug, clap::Parser)]
+#[command(name = "host_roundtrip")]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Role {
+    /// The importer (the exporter starts it): link to SOCKET, map the offered buffer.
+    #[command(hide = true)]
+    Importer {
+        /// The exporter's socket.
+        socket: String,
+    },
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
+    use std::io::IsTerminal;
+    let cli = <Cli as clap::Parser>::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let args: Vec<String> = std::env::args().collect();
-    match args.get(1).map(String::as_str) {
-        Some("importer") => importer(&args[2]),
-        _ => exporter(),
+    match cli.role {
+        Some(Role::Importer { socket }) => importer(&socket),
+        None => exporter(),
     }
 }
 
@@ -79,7 +100,7 @@ fn exporter() -> Result<(), Box<dyn Error>> {
     link.send(&Message::Offer(Offer { lease, handle }), &fds)?;
     let answer = link.recv_timeout(Duration::from_secs(30))?.message;
     let elapsed = start.elapsed();
-    if answer != Message::Release(Release { lease }) {
+    if answer != Message::Release(Release::now(lease)) {
         return Err(format!("expected Release, got {}", answer.kind()).into());
     }
     let mut reply = [0u8; 35];
@@ -139,7 +160,7 @@ fn importer(socket: &str) -> Result<(), Box<dyn Error>> {
     reply.extend_from_slice(digest.as_bytes());
     buffer.write(REPLY_AT, &reply)?;
     drop(buffer);
-    link.send(&Message::Release(Release { lease: offer.lease }), &[])?;
+    link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     // Stay until the exporter hangs up, so our Release arrives before our EOF.
     let _ = link.recv_timeout(Duration::from_secs(30));
     Ok(())

@@ -76,21 +76,61 @@ const ELEMENTS: u64 = 1024;
 /// Buffers per `Hold` call (each offer is ~150 bytes of a frame of at most 1 MiB).
 const BATCH: usize = 500;
 
+/// Load: many importer processes holding many live leases on this process's buffers;
+/// memory per lease and handoff latency along a curve. Without arguments: 1, 4 and 16
+/// importers, each at 100, 1 000 and 10 000 live buffers.
+#[derive(Debug, clap::Parser)]
+#[command(name = "load", args_conflicts_with_subcommands = true)]
+struct Cli {
+    /// Importer processes (with LIVE: one point instead of the whole curve).
+    #[arg(requires = "live")]
+    importers: Option<usize>,
+    /// Live buffers.
+    live: Option<usize>,
+    /// Handoffs timed per point.
+    #[arg(default_value_t = 2000)]
+    samples: usize,
+    #[command(subcommand)]
+    role: Option<Role>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Role {
+    /// An importer (the exporter starts them).
+    #[command(hide = true)]
+    Importer {
+        /// The exporter's socket.
+        socket: String,
+    },
+    /// One curve for one number of importers, in a fresh process (so that memory freed by
+    /// an earlier curve and kept by the allocator does not hide this one's growth).
+    #[command(hide = true)]
+    Curve {
+        /// Importer processes.
+        importers: usize,
+        /// Live buffers at each point, comma-separated.
+        live: String,
+        /// Handoffs timed per point.
+        samples: usize,
+    },
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let num = |i: usize| args.get(i).and_then(|s| s.parse::<usize>().ok());
-    match args.get(1).map(String::as_str) {
-        Some("importer") => importer(&args[2]),
-        // One curve for one number of importers, in a fresh process (so that memory freed
-        // by an earlier curve and kept by the allocator does not hide this one's growth).
-        Some("curve") => {
-            let live: Vec<usize> = args[3].split(',').filter_map(|v| v.parse().ok()).collect();
-            exporter(num(2).ok_or("importers")?, &live, num(4).ok_or("samples")?)
+    let cli = <Cli as clap::Parser>::parse();
+    match cli.role {
+        Some(Role::Importer { socket }) => importer(&socket),
+        Some(Role::Curve {
+            importers,
+            live,
+            samples,
+        }) => {
+            let live: Vec<usize> = live.split(',').filter_map(|v| v.parse().ok()).collect();
+            exporter(importers, &live, samples)
         }
-        _ => {
-            let (importers, live, samples) = match (num(1), num(2)) {
-                (Some(i), Some(l)) => (vec![i], vec![l], num(3).unwrap_or(2000)),
-                _ => (vec![1, 4, 16], vec![100, 1_000, 10_000], 2000),
+        None => {
+            let (importers, live, samples) = match (cli.importers, cli.live) {
+                (Some(i), Some(l)) => (vec![i], vec![l], cli.samples),
+                _ => (vec![1, 4, 16], vec![100, 1_000, 10_000], cli.samples),
             };
             report_header(&live);
             let live: Vec<String> = live.iter().map(usize::to_string).collect();

@@ -42,6 +42,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::error::Error;
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The value at index `i` of a pattern buffer (as in the Python tests).
@@ -451,10 +452,36 @@ impl Handler<Types> for Partner {
     }
 }
 
-fn session(args: &[String]) -> Result<Session, Box<dyn Error>> {
-    match args.iter().position(|a| a == "--token-file") {
-        Some(i) => {
-            let path = args.get(i + 1).ok_or("--token-file needs a path")?;
+/// A Rust service for Python peers (the partner of the Python package's tests).
+#[derive(Debug, clap::Parser)]
+#[command(name = "py_partner")]
+struct Cli {
+    #[command(subcommand)]
+    role: Role,
+    /// A file holding the session token (64 hex digits); default: the token a Baton
+    /// supervisor passed (`BATON_TOKEN_FD`, then `BATON_TOKEN`).
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Role {
+    /// Listen at DIR/partner.sock.
+    Serve {
+        /// A private directory for the socket (made if missing).
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Link to a listening node.
+    Connect {
+        /// Its socket.
+        socket: PathBuf,
+    },
+}
+
+fn session(token_file: Option<&Path>) -> Result<Session, Box<dyn Error>> {
+    match token_file {
+        Some(path) => {
             let hex = std::fs::read_to_string(path)?;
             let token =
                 SessionToken::from_hex(hex.trim()).ok_or("the token file holds no token")?;
@@ -465,12 +492,8 @@ fn session(args: &[String]) -> Result<Session, Box<dyn Error>> {
 }
 
 fn main() -> Result<(), Box<dyn Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let role = args
-        .get(1)
-        .cloned()
-        .ok_or("usage: py_partner serve --dir DIR | connect SOCKET")?;
-    let session = session(&args)?;
+    let cli = <Cli as clap::Parser>::parse();
+    let session = session(cli.token_file.as_deref())?;
     // Never outlive the process that started us: exit when our stdin closes.
     std::thread::spawn(|| {
         let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
@@ -494,23 +517,16 @@ fn main() -> Result<(), Box<dyn Error>> {
         node.register::<Sink>("sink", partner.clone().recipient());
         node.register::<CallBack>("caller", partner.clone().recipient());
         node.register::<Types>("echo", partner.clone().recipient());
-        let socket = match role.as_str() {
-            "serve" => {
-                let dir = args
-                    .iter()
-                    .position(|a| a == "--dir")
-                    .and_then(|i| args.get(i + 1))
-                    .ok_or("serve needs --dir DIR")?;
+        let socket = match cli.role {
+            Role::Serve { dir } => {
                 let listening = node.listen(&SocketDir::create(dir)?, "partner.sock")?;
                 let path = listening.path().display().to_string();
                 (Some(listening), path)
             }
-            "connect" => {
-                let path = args.get(2).ok_or("connect needs a socket path")?.clone();
-                node.connect(&path).await?;
-                (None, path)
+            Role::Connect { socket } => {
+                node.connect(&socket).await?;
+                (None, socket.display().to_string())
             }
-            other => return Err(format!("unknown role {other}").into()),
         };
         println!(
             "ready {} {} {}",

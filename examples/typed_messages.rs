@@ -184,10 +184,28 @@ fn parent() -> Result<(), Box<dyn Error>> {
     })
 }
 
+/// A typed message carrying two buffers goes to an actor in another process (this binary,
+/// role `blender`), which reads them in place and answers with a buffer of its own.
+#[derive(Debug, clap::Parser)]
+#[command(name = "typed_messages")]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Role {
+    /// The blender process (the parent starts it): link to SOCKET and serve `Blend`.
+    #[command(hide = true)]
+    Blender {
+        /// The parent's socket.
+        socket: String,
+    },
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.get(1).map(String::as_str) {
-        Some("blender") => blender(args.get(2).cloned().ok_or("socket")?),
-        _ => parent(),
+    match <Cli as clap::Parser>::parse().role {
+        Some(Role::Blender { socket }) => blender(socket),
+        None => parent(),
     }
 }

@@ -126,16 +126,14 @@ fn protocol_abuse_drops_only_the_abusive_link() {
         let (link, id) = raw(&parent).await;
         send_and_expect_drop(
             link,
-            Wire::Release(Release {
-                lease: LeaseId::new(u64::MAX - 1),
-            }),
+            Wire::Release(Release::now(LeaseId::new(u64::MAX - 1))),
         )
         .await;
         dropped_because(&parent, id, "UnknownLease").await;
 
         // 2. A release of someone else's lease: refused, and the holder keeps it.
         let (link, id) = raw(&parent).await;
-        send_and_expect_drop(link, Wire::Release(Release { lease })).await;
+        send_and_expect_drop(link, Wire::Release(Release::now(lease))).await;
         dropped_because(&parent, id, "UnknownLease").await;
         assert_eq!(
             parent.table().await[0].leases.len(),
@@ -145,7 +143,9 @@ fn protocol_abuse_drops_only_the_abusive_link() {
 
         // 3. A lease id replay: the holder releases honestly, then again.
         holder = spawn_blocking(move || {
-            holder.send(&Wire::Release(Release { lease }), &[]).unwrap();
+            holder
+                .send(&Wire::Release(Release::now(lease)), &[])
+                .unwrap();
             holder
         })
         .await
@@ -154,7 +154,7 @@ fn protocol_abuse_drops_only_the_abusive_link() {
             parent.table().await[0].leases.is_empty()
         })
         .await;
-        send_and_expect_drop(holder, Wire::Release(Release { lease })).await;
+        send_and_expect_drop(holder, Wire::Release(Release::now(lease))).await;
         dropped_because(&parent, holder_id, "UnknownLease").await;
 
         // 4. An offer for an allocation that does not exist.
@@ -294,12 +294,7 @@ fn a_bare_offer_without_element_type_is_released_not_delivered() {
             });
             link.send(&offer, &[]).unwrap();
             let back = recv_skipping_pings(&mut link).unwrap().message;
-            assert_eq!(
-                back,
-                Wire::Release(Release {
-                    lease: LeaseId::new(1)
-                })
-            );
+            assert_eq!(back, Wire::Release(Release::now(LeaseId::new(1))));
             // Typed: delivered to the inbox.
             let offer = Wire::Offer(Offer {
                 lease: LeaseId::new(2),

@@ -373,12 +373,7 @@ fn corrupted(handle: &HandleMsg) -> HandleMsg {
 
 fn expect_release(link: &mut baton::Link, lease: u64) {
     let got = link.recv_timeout(DEADLINE).unwrap().message;
-    assert_eq!(
-        got,
-        Message::Release(Release {
-            lease: LeaseId::new(lease)
-        })
-    );
+    assert_eq!(got, Message::Release(Release::now(LeaseId::new(lease))));
 }
 
 // --- the tests, once ------------------------------------------------------------------
@@ -814,7 +809,7 @@ fn fence_ordering(kind: FenceKind) {
     };
     let handle = alloc.handle(&session).build().unwrap();
     assert!(
-        handle.event.is_none(),
+        handle.fence.is_none(),
         "the fence alone orders the importer"
     );
     link.send(

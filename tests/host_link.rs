@@ -73,7 +73,7 @@ fn a_64_mib_buffer_goes_to_another_process_and_a_reply_comes_back() {
         .unwrap();
 
     let Received { message, .. } = link.recv_timeout(DEADLINE).unwrap();
-    assert_eq!(message, Message::Release(Release { lease }));
+    assert_eq!(message, Message::Release(Release::now(lease)));
     let mut reply = [0u8; 35];
     alloc.read(payload_len, &mut reply).unwrap();
     assert_eq!(&reply[..3], b"ok:");

@@ -100,7 +100,7 @@ impl Server {
         let buf = cache.open(&offer.handle, &mut fds).unwrap();
         assert_eq!(buf.to_vec().unwrap(), vec![0x5A; 4096]);
         drop(buf);
-        link.send(&Message::Release(Release { lease: offer.lease }), &[])
+        link.send(&Message::Release(Release::now(offer.lease)), &[])
             .unwrap();
         self.outcome().expect("the good client was served");
     }
@@ -539,9 +539,7 @@ fn first_message(which: u8, n: u64) -> Message {
             nonce: Nonce([2; 32]),
         }),
         3 => Message::Ping(n),
-        4 => Message::Release(Release {
-            lease: LeaseId::new(n),
-        }),
+        4 => Message::Release(Release::now(LeaseId::new(n))),
         _ => Message::Auth(Auth {
             proof: AuthProof([n as u8; 32]),
         }),

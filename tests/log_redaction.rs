@@ -280,7 +280,7 @@ fn no_raw_handle_bytes_segment_names_or_tokens_reach_the_log() {
                     };
                     if refused {
                         assert!(
-                            matches!(&answer, Ok(r) if r.message == Message::Release(baton::messages::protocol::Release { lease: LeaseId::new(1) })),
+                            matches!(&answer, Ok(r) if r.message == Message::Release(baton::messages::protocol::Release::now(LeaseId::new(1)))),
                             "B gives the lease back: {answer:?}"
                         );
                     } else {

@@ -11,13 +11,36 @@
 //!   its import-cache reference) and then sends `Release`, without blocking. If the
 //!   exporter dies, the lease is *orphaned*: its accessors return
 //!   [`ActorError::Orphaned`].
+//!
+//! # Stream ordering (device memory)
+//!
+//! Both are cudarc citizens: they implement cudarc's `DeviceSlice`, `DevicePtr` and
+//! `DevicePtrMut`, so cudarc copies (`memcpy_dtod`, `memcpy_dtoh`, `memset_zeros`, …) and
+//! kernel launches (with [`DeviceArg`](baton_ipc::cuda::DeviceArg)) are ordered without
+//! user code, through cudarc's own `SyncOnDrop`:
+//!
+//! - a lease's first use on a stream makes that stream wait on the exporter's acquire
+//!   fence (once per stream); every use is followed by a mark on its stream; dropping the
+//!   lease turns the marks into a release fence that `Release` carries;
+//! - a buffer's use on a stream waits for the importers' release fences that came back
+//!   since, and for its uses on other streams; an offer carries a fence after its uses; its
+//!   free waits for all of them.
+//!
+//! Host copies (`read_into`, `to_vec`, `write_at`) are ordered the same way on the
+//! backend's own stream and complete before they return. For raw device pointers
+//! ([`Lease::ptr`], [`Buffer::ptr`]) order your stream with [`Lease::wait_on`],
+//! [`Buffer::wait_on`] and [`Buffer::share_on`]. See `docs/ORDERING.md`.
 
 use crate::error::ActorError;
 use crate::exports::Exports;
 use crate::ids::BufferId;
-use crate::link::{LinkHandle, ReleaseLease};
-use baton_ipc::cuda::RecordedEvent;
-use baton_ipc::{Allocation, Imported, MemPtr};
+use crate::link::{LinkHandle, PendingRelease, ReleaseLease};
+use crate::order::{ExportOrder, Finished, LeaseOrder};
+use baton_ipc::cuda::cudarc::driver::{
+    CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, SyncOnDrop, sys,
+};
+use baton_ipc::cuda::{RecordedEvent, RecordedFence};
+use baton_ipc::{Allocation, ExportedFence, Imported, MemPtr, SharedBackend, Stream, StreamRef};
 use baton_messages::{ActorId, DType, ExporterId, Layout, LeaseId, Shape};
 use std::fmt;
 use std::marker::PhantomData;
@@ -55,10 +78,22 @@ pub(crate) struct BufferCell {
     pub(crate) owner: ActorId,
     pub(crate) alloc: Arc<Allocation>,
     pub(crate) layout: Layout,
+    /// Its uses on streams and the release fences it waits on.
+    pub(crate) order: Arc<ExportOrder>,
+    pub(crate) exports: Arc<Exports>,
+    /// Declared last, so that it drops after `alloc`: the ledger's free then holds the
+    /// allocation's last reference and frees it where it runs (the driver thread), after
+    /// the waits it needs.
+    pub(crate) _retire: Retire,
+}
+
+/// Retires a buffer when its cell drops.
+pub(crate) struct Retire {
+    pub(crate) id: BufferId,
     pub(crate) exports: Arc<Exports>,
 }
 
-impl Drop for BufferCell {
+impl Drop for Retire {
     fn drop(&mut self) {
         self.exports.retire(self.id);
     }
@@ -135,21 +170,26 @@ impl<T: Element> Buffer<T> {
         &self.cell.alloc
     }
 
-    /// Writes `data` starting at element `index`.
+    /// Writes `data` starting at element `index`, after the work of importers that gave
+    /// the buffer back and the buffer's uses on streams (on the backend's own stream; done
+    /// when it returns).
     ///
     /// # Errors
     /// [`ActorError::OutOfBounds`], or a backend error.
     pub fn write_at(&self, index: usize, data: &[T]) -> Result<(), ActorError> {
         let at = byte_range::<T>(index, data.len(), self.len())?;
+        self.cell.order.before_host_copy()?;
         Ok(self.cell.alloc.write(at, bytemuck::cast_slice(data))?)
     }
 
-    /// Reads elements starting at `index` into `out`.
+    /// Reads elements starting at `index` into `out`, after the work of importers that
+    /// gave the buffer back and the buffer's uses on streams.
     ///
     /// # Errors
     /// [`ActorError::OutOfBounds`], or a backend error.
     pub fn read_into(&self, index: usize, out: &mut [T]) -> Result<(), ActorError> {
         let at = byte_range::<T>(index, out.len(), self.len())?;
+        self.cell.order.before_host_copy()?;
         Ok(self.cell.alloc.read(at, bytemuck::cast_slice_mut(out))?)
     }
 
@@ -164,29 +204,162 @@ impl<T: Element> Buffer<T> {
     }
 
     /// A handle to put in a message: sending the message grants its receiver a lease.
+    /// The offer carries an acquire fence after the buffer's uses on streams (cudarc
+    /// launches and copies, [`share_on`](Self::share_on)), if it had any.
     pub fn share(&self) -> Shared<T> {
-        Shared {
-            inner: SharedInner::Local(Outgoing {
-                cell: Arc::clone(&self.cell),
-                event: None,
-            }),
-            _t: PhantomData,
-        }
+        self.shared_with(None)
     }
 
     /// Like [`share`](Self::share), for a buffer that device work is still writing: the
     /// handle carries `event` (recorded after that work, e.g. with
     /// [`CudaBackend::record_event`](baton_ipc::cuda::CudaBackend::record_event)), and the
-    /// importer's stream waits on it before the buffer is used. The lease keeps the event
+    /// importer's streams wait on it before the buffer is used. The lease keeps the event
     /// out of the pool until it is released, as the event pool's reuse contract asks.
     pub fn share_after(&self, event: &Arc<RecordedEvent>) -> Shared<T> {
+        self.shared_with(Some(Arc::clone(event) as Arc<dyn ExportedFence>))
+    }
+
+    /// Like [`share_after`](Self::share_after), with a fence of either kind (an IPC event
+    /// or a sequence counter:
+    /// [`CudaBackend::record_fence_on`](baton_ipc::cuda::CudaBackend::record_fence_on)).
+    pub fn share_after_fence(&self, fence: &Arc<RecordedFence>) -> Shared<T> {
+        self.shared_with(Some(Arc::clone(fence) as Arc<dyn ExportedFence>))
+    }
+
+    /// Like [`share`](Self::share), after the work queued on `stream` so far (which
+    /// produced the buffer): the buffer's mark is recorded there now, and the offer's
+    /// acquire fence follows it.
+    ///
+    /// # Errors
+    /// A backend error (the stream is not of the backend's device, …);
+    /// [`ActorError::TooManyStreams`].
+    pub fn share_on(&self, stream: impl Into<Stream>) -> Result<Shared<T>, ActorError> {
+        let stream = stream.into();
+        if let Some(mark) = self.cell.order.use_on(stream.as_ref())? {
+            mark.record(stream.as_ref())?;
+        }
+        Ok(self.share())
+    }
+
+    /// Orders the work you queue on `stream` from now on (with the raw
+    /// [`ptr`](Self::ptr)) after the work of importers that gave the buffer back and after
+    /// its uses on other streams. Record the end of your work with
+    /// [`share_on`](Self::share_on), or use cudarc's API (`DevicePtr`), which does both.
+    ///
+    /// # Errors
+    /// A backend error; [`ActorError::TooManyStreams`].
+    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
+        let stream = stream.into();
+        self.cell.order.use_on(stream.as_ref())?;
+        Ok(())
+    }
+
+    /// Whether it is device memory of a CUDA backend (cudarc's traits apply).
+    pub fn is_device(&self) -> bool {
+        matches!(self.ptr(), MemPtr::Device(_)) && self.cell.order.backend().cuda().is_some()
+    }
+
+    fn shared_with(&self, fence: Option<Arc<dyn ExportedFence>>) -> Shared<T> {
         Shared {
             inner: SharedInner::Local(Outgoing {
                 cell: Arc::clone(&self.cell),
-                event: Some(Arc::clone(event)),
+                fence,
             }),
             _t: PhantomData,
         }
+    }
+}
+
+/// The device address of device memory.
+///
+/// # Panics
+/// For host memory, which cudarc's traits do not apply to.
+fn device_address(ptr: MemPtr) -> sys::CUdeviceptr {
+    match ptr {
+        MemPtr::Device(p) => p,
+        MemPtr::Host(_) => {
+            panic!("host memory has no device pointer: check is_device() before using cudarc")
+        }
+    }
+}
+
+/// The backend's own stream, for cudarc's `DeviceSlice::stream`.
+///
+/// # Panics
+/// For a backend that is not CUDA.
+fn cuda_stream(backend: &SharedBackend) -> &Arc<CudaStream> {
+    backend
+        .cuda()
+        .map(baton_ipc::CudaBackend::stream)
+        .expect("host memory has no CUDA stream: check is_device() before using cudarc")
+}
+
+/// What cudarc does after the use: record the mark on `stream` — or, without a mark (or
+/// when cudarc does not record events: a context without streams of its own, or with
+/// event tracking off), synchronise the stream so that the use is complete.
+fn after_use<'a>(
+    used: Result<Option<&'a dyn baton_ipc::UseMark>, ActorError>,
+    stream: &'a CudaStream,
+) -> SyncOnDrop<'a> {
+    let records = stream.context().is_managing_stream_synchronization();
+    match used {
+        Ok(Some(mark)) if records => match mark.cuda_event() {
+            Some(event) => SyncOnDrop::Record(Some((event, stream))),
+            None => SyncOnDrop::Sync(Some(stream)),
+        },
+        Ok(_) => SyncOnDrop::Sync(Some(stream)),
+        Err(e) => {
+            // cudarc's way for calls that cannot fail: the context keeps the error for
+            // its next fallible call. The use is made complete, so nothing outlives it.
+            tracing::warn!(error = %e, "ordering a use of a shared buffer failed");
+            stream
+                .context()
+                .record_err::<()>(Err(DriverError(sys::cudaError_enum::CUDA_ERROR_UNKNOWN)));
+            SyncOnDrop::Sync(Some(stream))
+        }
+    }
+}
+
+impl<T: Element> DeviceSlice<T> for Buffer<T> {
+    fn len(&self) -> usize {
+        Buffer::len(self)
+    }
+
+    /// The backend's own stream (host copies run there).
+    ///
+    /// # Panics
+    /// For host memory.
+    fn stream(&self) -> &Arc<CudaStream> {
+        cuda_stream(self.cell.order.backend())
+    }
+}
+
+impl<T: Element> DevicePtr<T> for Buffer<T> {
+    /// `stream` waits for the release fences of importers that gave the buffer back and
+    /// for its uses on other streams; the use is recorded on `stream` when the
+    /// `SyncOnDrop` drops.
+    ///
+    /// # Panics
+    /// For host memory.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        let ptr = device_address(self.ptr());
+        let used = self.cell.order.use_on(StreamRef::Cuda(stream));
+        (ptr, after_use(used, stream))
+    }
+}
+
+impl<T: Element> DevicePtrMut<T> for Buffer<T> {
+    /// As [`device_ptr`](DevicePtr::device_ptr).
+    ///
+    /// # Panics
+    /// For host memory.
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        let ptr = device_address(self.ptr());
+        let used = self.cell.order.use_on(StreamRef::Cuda(stream));
+        (ptr, after_use(used, stream))
     }
 }
 
@@ -198,6 +371,8 @@ pub(crate) struct IncomingLease {
     pub(crate) lease: LeaseId,
     pub(crate) link: LinkHandle,
     pub(crate) held: Arc<HeldLease>,
+    /// Its uses on streams and the acquire fence they wait on.
+    pub(crate) order: LeaseOrder,
 }
 
 /// What the importer's link knows of a lease it holds: whether the exporter asked for it
@@ -247,11 +422,36 @@ impl IncomingLease {
 
 impl Drop for IncomingLease {
     fn drop(&mut self) {
-        // The cache reference first (the mapping closes if it was the last), then the
-        // Release, queued on the link without blocking.
-        drop(self.imported.take());
+        // The release fence follows every use queued on a stream; the cache reference goes
+        // (its mapping closes — after that fence — if it was the last), then the Release
+        // with the fence, queued on the link without blocking.
+        let imported = self.imported.take();
+        let (fences, pending) = match self.order.finish() {
+            Finished::Idle => {
+                drop(imported);
+                (Vec::new(), None)
+            }
+            Finished::Fence(fence) => {
+                let handle = fence.handle();
+                if let Some(imported) = imported {
+                    imported.release_after(handle);
+                }
+                // Dropped now: a pooled release fence is recorded again only once its work
+                // has completed (see `Backend::export_fence`).
+                drop(fence);
+                (vec![handle], None)
+            }
+            Finished::Wait(marks) => (Vec::new(), Some(PendingRelease { marks, imported })),
+        };
         if self.link.is_alive() {
-            self.link.addr.do_send(ReleaseLease(self.lease));
+            self.link.addr.do_send(ReleaseLease {
+                lease: self.lease,
+                fences,
+                pending,
+            });
+        } else if let Some(pending) = pending {
+            // The exporter is gone; the mapping still must outlive our work on it.
+            pending.wait();
         }
     }
 }
@@ -269,15 +469,26 @@ impl fmt::Debug for IncomingLease {
 /// A buffer on its way out: what the link needs to grant a lease on it.
 pub(crate) struct Outgoing {
     pub(crate) cell: Arc<BufferCell>,
-    /// Recorded after the work that produced the buffer; kept by the lease.
-    pub(crate) event: Option<Arc<RecordedEvent>>,
+    /// Recorded after the work that produced the buffer; kept with the lease. `None`: the
+    /// buffer's own acquire fence (after its uses on streams), if it needs one.
+    pub(crate) fence: Option<Arc<dyn ExportedFence>>,
+}
+
+impl Outgoing {
+    /// The offer's acquire fence.
+    pub(crate) fn acquire_fence(&self) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        match &self.fence {
+            Some(f) => Ok(Some(Arc::clone(f))),
+            None => self.cell.order.acquire_fence(),
+        }
+    }
 }
 
 pub(crate) enum SharedInner {
     /// On the sender's side: the buffer to lease out when the message is sent.
     Local(Outgoing),
     /// On the receiver's side: the lease, not yet opened.
-    Incoming(IncomingLease),
+    Incoming(Box<IncomingLease>),
 }
 
 /// A buffer of `T`s inside a message (see the [crate docs](crate)).
@@ -319,7 +530,7 @@ impl<T: Element> Shared<T> {
     pub fn open(self) -> Result<Lease<T>, ActorError> {
         match self.inner {
             SharedInner::Incoming(inner) => Ok(Lease {
-                inner,
+                inner: *inner,
                 _t: PhantomData,
             }),
             SharedInner::Local(_) => Err(ActorError::NotReceived),
@@ -381,7 +592,9 @@ impl<T: Element> Lease<T> {
         self.inner.held.revoke_deadline()
     }
 
-    /// Where the first element is mapped in this process.
+    /// Where the first element is mapped in this process. Before queuing work that uses
+    /// it on a stream, call [`wait_on`](Self::wait_on) with that stream (cudarc's API does
+    /// it for you: `DevicePtr`).
     ///
     /// # Errors
     /// [`ActorError::Orphaned`].
@@ -389,13 +602,34 @@ impl<T: Element> Lease<T> {
         Ok(self.inner.live()?.ptr())
     }
 
-    /// Reads elements starting at `index` into `out`.
+    /// Orders the work you queue on `stream` from now on after the exporter's work that
+    /// produced the buffer (the stream waits on the offer's acquire fence, once per
+    /// stream), and keeps `stream`: dropping the lease records its release fence there,
+    /// after everything queued by then.
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`]; a backend error (the fence cannot be opened, the stream is
+    /// not of the backend's device); [`ActorError::TooManyStreams`].
+    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
+        self.inner.live()?;
+        self.inner.order.wait_on(stream.into())
+    }
+
+    /// Whether it is device memory of a CUDA backend (cudarc's traits apply).
+    pub fn is_device(&self) -> bool {
+        matches!(self.inner.imported().ptr(), MemPtr::Device(_))
+            && self.inner.imported().backend().cuda().is_some()
+    }
+
+    /// Reads elements starting at `index` into `out` (on the backend's own stream, after
+    /// the exporter's work that produced the buffer; done when it returns).
     ///
     /// # Errors
     /// [`ActorError::Orphaned`], [`ActorError::OutOfBounds`], or a backend error.
     pub fn read_into(&self, index: usize, out: &mut [T]) -> Result<(), ActorError> {
         let imported = self.inner.live()?;
         let at = byte_range::<T>(index, out.len(), self.len())?;
+        self.inner.order.before_host_copy()?;
         Ok(imported.read(at, bytemuck::cast_slice_mut(out))?)
     }
 
@@ -416,6 +650,7 @@ impl<T: Element> Lease<T> {
     pub fn write_at(&self, index: usize, data: &[T]) -> Result<(), ActorError> {
         let imported = self.inner.live()?;
         let at = byte_range::<T>(index, data.len(), self.len())?;
+        self.inner.order.before_host_copy()?;
         Ok(imported.write(at, bytemuck::cast_slice(data))?)
     }
 
@@ -429,4 +664,49 @@ impl<T: Element> Lease<T> {
 
     /// Gives the lease back now (the same as dropping it).
     pub fn release(self) {}
+}
+
+impl<T: Element> DeviceSlice<T> for Lease<T> {
+    fn len(&self) -> usize {
+        Lease::len(self)
+    }
+
+    /// The importing backend's own stream (host copies run there).
+    ///
+    /// # Panics
+    /// For host memory.
+    fn stream(&self) -> &Arc<CudaStream> {
+        cuda_stream(self.inner.imported().backend())
+    }
+}
+
+impl<T: Element> DevicePtr<T> for Lease<T> {
+    /// On the lease's first use on `stream`, the stream waits on the exporter's acquire
+    /// fence; the use is recorded on `stream` when the `SyncOnDrop` drops, and the
+    /// lease's release fence follows it. (An orphaned lease's memory stays mapped until the
+    /// lease drops: the pointer is valid, its data may be incomplete.)
+    ///
+    /// # Panics
+    /// For host memory.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        let ptr = device_address(self.inner.imported().ptr());
+        let used = self.inner.order.use_on(StreamRef::Cuda(stream));
+        (ptr, after_use(used, stream))
+    }
+}
+
+impl<T: Element> DevicePtrMut<T> for Lease<T> {
+    /// As [`device_ptr`](DevicePtr::device_ptr): leases may be written (the exporter sees
+    /// it once the lease is back).
+    ///
+    /// # Panics
+    /// For host memory.
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        let ptr = device_address(self.inner.imported().ptr());
+        let used = self.inner.order.use_on(StreamRef::Cuda(stream));
+        (ptr, after_use(used, stream))
+    }
 }

@@ -179,6 +179,22 @@ pub enum ActorError {
         /// The deadline.
         after: Duration,
     },
+    /// A buffer was used on more streams than Baton tracks the uses of
+    /// ([`MAX_STREAMS`](crate::MAX_STREAMS)).
+    #[error("a buffer is used on more than {max} streams; synchronise one and use it there")]
+    TooManyStreams {
+        /// The limit.
+        max: usize,
+    },
+    /// The peer's `Release` carried more fences than
+    /// [`MAX_RELEASE_FENCES`](baton_messages::protocol::MAX_RELEASE_FENCES).
+    #[error("peer released a lease with {count} fences; at most {max} are accepted")]
+    TooManyFences {
+        /// Fences in the release.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A child process could not be spawned.
     #[error("spawning child {name}: {source}")]
     Spawn {
@@ -187,6 +203,14 @@ pub enum ActorError {
         /// The OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// The peer asked for this node's status again while more answers than allowed were
+    /// still being prepared for it (each costs a table of the node's buffers, and for the
+    /// tree scope a request to every linked peer).
+    #[error("peer asked for more than {max} statuses at once")]
+    TooManyStatusRequests {
+        /// The limit.
+        max: usize,
     },
 }
 
@@ -202,7 +226,9 @@ impl ActorError {
             | ActorError::Unexpected { .. }
             | ActorError::TooManyOffers { .. }
             | ActorError::TooManyLeases { .. }
-            | ActorError::PeerNotReading { .. } => true,
+            | ActorError::TooManyFences { .. }
+            | ActorError::PeerNotReading { .. }
+            | ActorError::TooManyStatusRequests { .. } => true,
             _ => false,
         }
     }

@@ -5,21 +5,26 @@
 //! handle of it: leases are granted and returned on the hot path of every handoff by the
 //! link actors, and a few map operations under a mutex cost far less than a mailbox round
 //! trip. Events go in under the lock; the actions they queue are carried out after it is
-//! released: messages to link actors (`do_send`, never blocking), frees (dropping the
-//! backend allocation), and kills of supervised children that hold revoked leases.
+//! released: messages to link actors (`do_send`, never blocking), frees (on the node's
+//! driver thread: every release fence and every use of the buffer on a stream is waited
+//! for, then the backend allocation is dropped), and kills of supervised children that
+//! hold revoked leases.
 
-use crate::buffer::BufferCell;
+use crate::buffer::{BufferCell, Retire};
 use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
-    Action, Counts, EntryView, Grant, Ledger, NewAllocation, Refusal, RevokePolicy,
+    Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal, RevokePolicy,
 };
 use crate::link::{CutOff, LinkRef, SendRevoke, SendUnmap};
-use baton_ipc::{Allocation, Session};
+use crate::offload::Offload;
+use crate::order::{ExportOrder, ReleaseFence};
+use baton_ipc::{Allocation, DescriptorScope, ExportedFence, Session, SharedBackend};
 use baton_messages::protocol::Offer;
-use baton_messages::{ActorId, AllocationId, Layout, LeaseId, ProcessId};
-use std::collections::HashMap;
-use std::convert::Infallible;
+use baton_messages::{
+    ActorId, AllocationId, BackendKind, DeviceUuid, FenceHandle, Layout, LeaseId, ProcessId,
+};
+use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -29,11 +34,21 @@ use std::time::Instant;
 pub(crate) struct Owned {
     pub(crate) alloc: Arc<Allocation>,
     pub(crate) owner: ActorId,
+    /// The buffer's stream ordering: the free waits for its uses.
+    pub(crate) order: Arc<ExportOrder>,
 }
 
-/// Release fences: none yet on the backends this node speaks (host memory is written
-/// synchronously); the CUDA stream-ordered path adds them.
-pub(crate) type Fence = Infallible;
+/// Release fences: importers' fences after their last use of a lease (none for host
+/// memory, written synchronously).
+pub(crate) type Fence = ReleaseFence;
+
+/// A lease granted for an offer, and what undoing it takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OfferGrant {
+    pub(crate) ledger: Grant,
+    /// The offer carries the descriptor of this pool (once per link and pool).
+    pub(crate) pool: Option<u64>,
+}
 
 #[derive(Debug, Default)]
 struct State {
@@ -41,6 +56,16 @@ struct State {
     links: HashMap<LinkId, LinkRef>,
     supervised: HashMap<ProcessId, Arc<OwnedFd>>,
     per_owner: HashMap<ActorId, OwnerCounters>,
+    /// Each live allocation's stream ordering, for the release fences that come back.
+    orders: HashMap<AllocationId, Arc<ExportOrder>>,
+    /// The pool each pool allocation comes from.
+    pool_of: HashMap<AllocationId, u64>,
+    /// The pools whose descriptor went over a link (and that the importer has not failed
+    /// to import since).
+    pools_sent: HashSet<(LinkId, u64)>,
+    /// Each lease's acquire fence, kept until the lease is back (the reuse contract of
+    /// pooled fences), with the link it went over.
+    acquire: HashMap<LeaseId, (LinkId, Arc<dyn ExportedFence>)>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -101,6 +126,8 @@ pub struct OwnerStats {
     pub leases: usize,
     /// Bytes alive.
     pub bytes: u64,
+    /// Bytes of the buffers at least one lease is out on.
+    pub pinned_bytes: u64,
     /// Leases granted so far.
     pub granted: u64,
     /// Buffers freed so far.
@@ -116,17 +143,39 @@ impl OwnerStats {
             quarantined_bytes: c.quarantined_bytes,
             leases: c.leases,
             bytes: c.bytes,
+            pinned_bytes: c.pinned_bytes,
             granted: o.granted,
             freed: o.freed,
         }
     }
 }
 
+/// What a node's status reports of its exports ([`Exports::snapshot`]).
+#[derive(Debug)]
+pub(crate) struct ExportSnapshot {
+    pub(crate) counts: Counts,
+    pub(crate) granted: u64,
+    pub(crate) freed: u64,
+    pub(crate) holders: Vec<HolderView>,
+    /// Every buffer, with its allocation's backend kind and device.
+    pub(crate) table: Vec<(EntryView, Option<BackendKind>, DeviceUuid)>,
+}
+
 /// This node's exported buffers (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Exports {
     pub(crate) session: Session,
+    offload: Offload,
     state: Mutex<State>,
+}
+
+/// Which leases an event may end.
+enum Scope {
+    None,
+    /// One lease (released or ungranted).
+    Lease(LeaseId),
+    /// Those of links that went down.
+    Links,
 }
 
 /// Carries out actions after the lock is released.
@@ -135,10 +184,13 @@ struct Todo {
     actions: Vec<Action<Owned, Fence>>,
     links: HashMap<LinkId, LinkRef>,
     kill: HashMap<LinkId, Arc<OwnedFd>>,
+    /// Acquire fences of leases that are back.
+    fences: Vec<Arc<dyn ExportedFence>>,
 }
 
 impl Todo {
-    fn run(self) {
+    fn run(self, offload: &Offload) {
+        drop(self.fences);
         for action in self.actions {
             match action {
                 Action::Revoke {
@@ -184,10 +236,23 @@ impl Todo {
                     meta,
                     fences,
                 } => {
-                    let _: Vec<Fence> = fences;
-                    let generation = meta.alloc.generation();
-                    drop(meta.alloc);
-                    tracing::debug!(actor = %meta.owner, %alloc, %generation, "buffer freed");
+                    // No GPU work that uses the memory may still run: wait for the
+                    // importers' release fences and the buffer's own uses, on the driver
+                    // thread, then free.
+                    offload.submit(move || {
+                        let Owned {
+                            alloc: memory,
+                            owner,
+                            order,
+                        } = meta;
+                        if let Err(e) = order.before_free(&fences) {
+                            tracing::warn!(actor = %owner, %alloc, error = %e, "waiting for the work on a buffer before freeing it failed");
+                        }
+                        let generation = memory.generation();
+                        drop(order);
+                        drop(memory);
+                        tracing::debug!(actor = %owner, %alloc, %generation, "buffer freed");
+                    });
                 }
                 Action::Quarantine {
                     alloc,
@@ -208,9 +273,10 @@ impl Todo {
 }
 
 impl Exports {
-    pub(crate) fn new(session: Session) -> Arc<Self> {
+    pub(crate) fn new(session: Session, offload: Offload) -> Arc<Self> {
         Arc::new(Self {
             session,
+            offload,
             state: Mutex::new(State::default()),
         })
     }
@@ -224,6 +290,12 @@ impl Exports {
 
     /// Applies `event` to the ledger, then carries out what it asked for, unlocked.
     fn apply<R>(&self, event: impl FnOnce(&mut State) -> R) -> R {
+        self.apply_to(Scope::None, event)
+    }
+
+    /// As [`apply`](Self::apply), for an event that may end leases (`scope`): their
+    /// acquire fences go back.
+    fn apply_to<R>(&self, scope: Scope, event: impl FnOnce(&mut State) -> R) -> R {
         let (result, todo) = {
             let mut state = self.lock();
             let result = event(&mut state);
@@ -231,8 +303,10 @@ impl Exports {
             let mut todo = Todo::default();
             for action in &actions {
                 match action {
-                    Action::Free { meta, .. } => {
+                    Action::Free { meta, alloc, .. } => {
                         state.per_owner.entry(meta.owner).or_default().freed += 1;
+                        state.orders.remove(alloc);
+                        state.pool_of.remove(alloc);
                     }
                     Action::Revoke { link, .. }
                     | Action::Unmap { link, .. }
@@ -254,40 +328,75 @@ impl Exports {
                 }
             }
             todo.actions = actions;
+            // Acquire fences of leases no longer out go back to their pools.
+            let ledger = &state.ledger;
+            let back: Vec<LeaseId> = match &scope {
+                Scope::Lease(lease) => vec![*lease],
+                Scope::Links => state
+                    .acquire
+                    .iter()
+                    .filter(|(_, (link, _))| ledger.link_process(*link).is_none())
+                    .map(|(l, _)| *l)
+                    .collect(),
+                Scope::None => Vec::new(),
+            };
+            for lease in back {
+                if !state.ledger.is_out(lease) {
+                    if let Some((_, fence)) = state.acquire.remove(&lease) {
+                        todo.fences.push(fence);
+                    }
+                }
+            }
             (result, todo)
         };
-        todo.run();
+        todo.run(&self.offload);
         result
     }
 
-    /// Records a new buffer and returns its first handle's cell.
+    /// Records a new buffer, allocated with `backend`, and returns its first handle's
+    /// cell.
     pub(crate) fn insert(
         self: &Arc<Self>,
         alloc: Allocation,
+        backend: SharedBackend,
         layout: Layout,
         owner: ActorId,
         policy: RevokePolicy,
     ) -> Arc<BufferCell> {
         let id = BufferId::next();
         let alloc = Arc::new(alloc);
-        self.lock().ledger.insert(NewAllocation {
-            alloc: alloc.id(),
-            buffer: id,
-            owner,
-            bytes: alloc.size() as u64,
-            rule: alloc.free_while_mapped(),
-            policy,
-            meta: Owned {
-                alloc: Arc::clone(&alloc),
+        let order = Arc::new(ExportOrder::new(backend));
+        {
+            let mut state = self.lock();
+            state.ledger.insert(NewAllocation {
+                alloc: alloc.id(),
+                buffer: id,
                 owner,
-            },
-        });
+                bytes: alloc.size() as u64,
+                rule: alloc.free_while_mapped(),
+                policy,
+                meta: Owned {
+                    alloc: Arc::clone(&alloc),
+                    owner,
+                    order: Arc::clone(&order),
+                },
+            });
+            state.orders.insert(alloc.id(), Arc::clone(&order));
+            if let DescriptorScope::Pool(pool) = alloc.descriptor_scope() {
+                state.pool_of.insert(alloc.id(), pool);
+            }
+        }
         Arc::new(BufferCell {
             id,
             owner,
             alloc,
             layout,
+            order,
             exports: Arc::clone(self),
+            _retire: Retire {
+                id,
+                exports: Arc::clone(self),
+            },
         })
     }
 
@@ -300,15 +409,16 @@ impl Exports {
 
     /// A link is down (see [`Ledger::link_cut`]).
     pub(crate) fn link_cut(&self, link: LinkId) {
-        self.apply(|s| {
+        self.apply_to(Scope::Links, |s| {
             s.links.remove(&link);
+            s.pools_sent.retain(|(l, _)| *l != link);
             s.ledger.link_cut(link);
         });
     }
 
     /// A process is confirmed dead.
     pub(crate) fn process_dead(&self, process: ProcessId) {
-        self.apply(|s| {
+        self.apply_to(Scope::Links, |s| {
             s.supervised.remove(&process);
             s.ledger.process_dead(process);
         });
@@ -319,32 +429,44 @@ impl Exports {
         self.lock().supervised.insert(process, pidfd);
     }
 
-    /// Grants the peer over `link` a lease on `cell`'s buffer and builds the offer.
+    /// Grants the peer over `link` a lease on `cell`'s buffer and builds the offer, with
+    /// `fence` (recorded after the work that produced the buffer) as its acquire fence.
     /// `fd_slot` is where a descriptor would sit among the frame's descriptors: the
-    /// allocation's descriptor comes back only when this offer starts a mapping hold.
+    /// allocation's descriptor comes back only when this offer starts a mapping hold (a
+    /// pool's: when its descriptor has not crossed this link yet).
     pub(crate) fn grant(
         &self,
         cell: &BufferCell,
         link: &LinkRef,
         fd_slot: u8,
-        event: Option<baton_messages::IpcEventHandle>,
-    ) -> Result<(Offer, Option<OwnedFd>, Grant), ActorError> {
+        fence: Option<Arc<dyn ExportedFence>>,
+    ) -> Result<(Offer, Option<OwnedFd>, OfferGrant), ActorError> {
         let lease = crate::ids::next_lease();
         let grant = {
             let mut state = self.lock();
-            let grant = state
+            let ledger = state
                 .ledger
-                .grant(cell.alloc.id(), link.id, lease)
+                .grant(cell.alloc.id(), link.id, lease, Instant::now())
                 .map_err(|r| match r {
                     Refusal::LinkDown => ActorError::LinkClosed { peer: link.peer() },
                     _ => ActorError::UnknownBuffer(cell.id),
                 })?;
             state.per_owner.entry(cell.owner).or_default().granted += 1;
-            grant
+            let pool = match cell.alloc.descriptor_scope() {
+                DescriptorScope::Pool(pool) if state.pools_sent.insert((link.id, pool)) => {
+                    Some(pool)
+                }
+                _ => None,
+            };
+            if let Some(fence) = &fence {
+                state.acquire.insert(lease, (link.id, Arc::clone(fence)));
+            }
+            OfferGrant { ledger, pool }
         };
-        let built = self.build_offer(cell, lease, grant, fd_slot, event);
+        let handle = fence.as_ref().map(|f| f.handle());
+        let built = self.build_offer(cell, lease, grant, fd_slot, handle);
         if built.is_err() {
-            self.ungrant(lease, grant);
+            self.ungrant(lease, grant, link.id);
         }
         let (offer, fd) = built?;
         Ok((offer, fd, grant))
@@ -354,11 +476,15 @@ impl Exports {
         &self,
         cell: &BufferCell,
         lease: LeaseId,
-        grant: Grant,
+        grant: OfferGrant,
         fd_slot: u8,
-        event: Option<baton_messages::IpcEventHandle>,
+        fence: Option<FenceHandle>,
     ) -> Result<(Offer, Option<OwnedFd>), ActorError> {
-        let fd = match cell.alloc.export_fd().filter(|_| grant.new_hold) {
+        let send_fd = match cell.alloc.descriptor_scope() {
+            DescriptorScope::Allocation => grant.ledger.new_hold,
+            DescriptorScope::Pool(_) => grant.pool.is_some(),
+        };
+        let fd = match cell.alloc.export_fd().filter(|_| send_fd) {
             Some(fd) => Some(fd.try_clone_to_owned().map_err(|e| baton_ipc::Error::Io {
                 op: "dup(export fd)",
                 source: e,
@@ -375,8 +501,8 @@ impl Exports {
             .range(0, len)
             .layout(cell.layout.clone())
             .fd_slot(fd.as_ref().map(|_| fd_slot));
-        if let Some(event) = event {
-            builder = builder.event(event);
+        if let Some(fence) = fence {
+            builder = builder.fence(fence);
         }
         Ok((
             Offer {
@@ -387,15 +513,39 @@ impl Exports {
         ))
     }
 
-    /// Takes back a lease whose offer was never sent.
-    pub(crate) fn ungrant(&self, lease: LeaseId, grant: Grant) {
-        self.apply(|s| s.ledger.ungrant(lease, grant));
+    /// Takes back a lease whose offer (over `link`) was never sent.
+    pub(crate) fn ungrant(&self, lease: LeaseId, grant: OfferGrant, link: LinkId) {
+        self.apply_to(Scope::Lease(lease), |s| {
+            if let Some(pool) = grant.pool {
+                s.pools_sent.remove(&(link, pool));
+            }
+            s.ledger.ungrant(lease, grant.ledger);
+        });
     }
 
-    /// The peer over `link` gave `lease` back.
-    pub(crate) fn release(&self, lease: LeaseId, link: LinkId) -> Result<(), ActorError> {
-        self.apply(|s| s.ledger.release(lease, link, None))
-            .map_err(|_| ActorError::UnknownLease { lease })
+    /// The peer over `link` gave `lease` back, after the work its `fences` follow.
+    pub(crate) fn release(
+        &self,
+        lease: LeaseId,
+        link: LinkId,
+        fences: Vec<FenceHandle>,
+    ) -> Result<(), ActorError> {
+        self.apply_to(Scope::Lease(lease), |s| {
+            let producer = s.ledger.link_process(link);
+            let fences: Vec<ReleaseFence> = match producer {
+                Some(producer) => fences
+                    .into_iter()
+                    .map(|fence| ReleaseFence { producer, fence })
+                    .collect(),
+                None => Vec::new(),
+            };
+            let alloc = s.ledger.release(lease, link, fences.iter().cloned())?;
+            if let Some(order) = s.orders.get(&alloc) {
+                order.released(fences);
+            }
+            Ok(())
+        })
+        .map_err(|_: Refusal| ActorError::UnknownLease { lease })
     }
 
     /// The last handle of `buffer` dropped.
@@ -429,9 +579,17 @@ impl Exports {
         self.apply(|s| s.ledger.evict(link, alloc));
     }
 
-    /// The importer over `link` closed its mapping of `alloc`.
+    /// The importer over `link` closed its mapping of `alloc`. If we had not asked (it
+    /// could not open our offer), a pool's descriptor goes with the next offer again.
     pub(crate) fn unmapped(&self, link: LinkId, alloc: AllocationId) -> bool {
-        self.apply(|s| s.ledger.unmapped(link, alloc))
+        self.apply(|s| {
+            if !s.ledger.unmap_asked(link, alloc) {
+                if let Some(pool) = s.pool_of.get(&alloc) {
+                    s.pools_sent.remove(&(link, *pool));
+                }
+            }
+            s.ledger.unmapped(link, alloc)
+        })
     }
 
     /// Leases out on `buffer`.
@@ -447,6 +605,31 @@ impl Exports {
             .into_iter()
             .map(BufferLeases::from)
             .collect()
+    }
+
+    /// Everything the node's status reports of its exports, taken under one lock.
+    pub(crate) fn snapshot(&self) -> ExportSnapshot {
+        let state = self.lock();
+        let table = state
+            .ledger
+            .view(None)
+            .into_iter()
+            .map(|v| {
+                let (kind, device) = state
+                    .ledger
+                    .meta(v.alloc)
+                    .map(|m| (Some(m.alloc.backend()), m.alloc.device()))
+                    .unwrap_or((None, DeviceUuid::HOST));
+                (v, kind, device)
+            })
+            .collect();
+        ExportSnapshot {
+            counts: state.ledger.counts(None),
+            granted: state.ledger.granted(),
+            freed: state.ledger.freed(),
+            holders: state.ledger.holders(),
+            table,
+        }
     }
 
     /// Counters of `owner` (all: `None`).

@@ -177,6 +177,8 @@ struct LeaseRecord {
     alloc: AllocationId,
     link: LinkId,
     revoke_by: Option<Instant>,
+    /// When it was granted (the caller's clock, as given to [`Ledger::grant`]).
+    granted_at: Instant,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -208,6 +210,28 @@ pub(crate) struct Counts {
     pub(crate) quarantined_bytes: u64,
     pub(crate) leases: usize,
     pub(crate) bytes: u64,
+    /// Bytes of the allocations at least one lease is out on.
+    pub(crate) pinned_bytes: u64,
+}
+
+/// What one process holds of the ledger's allocations, for tables.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HolderView {
+    pub(crate) process: ProcessId,
+    /// A link to it is up.
+    pub(crate) linked: bool,
+    /// Leases it holds (over any of its links).
+    pub(crate) leases: usize,
+    /// Bytes of the allocations it holds at least one lease on.
+    pub(crate) pinned_bytes: u64,
+    /// Bytes of the allocations it holds a mapping hold on (warm or leased).
+    pub(crate) mapped_bytes: u64,
+    /// When its oldest lease was granted.
+    pub(crate) oldest_grant: Option<Instant>,
+    /// It is a cut holder of some allocation: it may map it until confirmed dead.
+    pub(crate) cut: bool,
+    /// Bytes of the quarantined allocations it is a cut holder of.
+    pub(crate) quarantined_bytes: u64,
 }
 
 /// The lease ledger (see the module docs). `M` is what the node needs to free an
@@ -275,12 +299,14 @@ impl<M, F> Ledger<M, F> {
         );
     }
 
-    /// Grants the peer over `link` a lease on `alloc`, before its offer is sent.
+    /// Grants the peer over `link` a lease on `alloc`, before its offer is sent; `now` is
+    /// the caller's clock (the lease's age in [`holders`](Self::holders) counts from it).
     pub(crate) fn grant(
         &mut self,
         alloc: AllocationId,
         link: LinkId,
         lease: LeaseId,
+        now: Instant,
     ) -> Result<Grant, Refusal> {
         if !self.links.contains_key(&link) {
             return Err(Refusal::LinkDown);
@@ -299,6 +325,7 @@ impl<M, F> Ledger<M, F> {
                 alloc,
                 link,
                 revoke_by: None,
+                granted_at: now,
             },
         );
         self.granted += 1;
@@ -325,13 +352,19 @@ impl<M, F> Ledger<M, F> {
         self.settle(record.alloc);
     }
 
-    /// The peer over `link` gave `lease` back, after the work its `fence` marks.
+    /// The peer over `link` gave `lease` back, after the work its `fences` mark. The
+    /// allocation keeps every distinct fence until it is freed ([`Action::Free`]): a fence
+    /// equal to one kept is the same pooled event or slot recorded again, which covers the
+    /// earlier record.
     pub(crate) fn release(
         &mut self,
         lease: LeaseId,
         link: LinkId,
-        fence: Option<F>,
-    ) -> Result<(), Refusal> {
+        fences: impl IntoIterator<Item = F>,
+    ) -> Result<AllocationId, Refusal>
+    where
+        F: PartialEq,
+    {
         match self.leases.get(&lease) {
             Some(record) if record.link == link => {}
             _ => return Err(Refusal::UnknownLease),
@@ -342,9 +375,22 @@ impl<M, F> Ledger<M, F> {
             .get_mut(&record.alloc)
             .expect("a recorded lease has its entry");
         entry.leases.remove(&lease);
-        entry.fences.extend(fence);
+        for fence in fences {
+            if !entry.fences.contains(&fence) {
+                entry.fences.push(fence);
+            }
+        }
         self.settle(record.alloc);
-        Ok(())
+        Ok(record.alloc)
+    }
+
+    /// Whether the importer over `link` was asked to unmap `alloc` (an `Unmapped` from it
+    /// answers that, rather than an offer it could not open).
+    pub(crate) fn unmap_asked(&self, link: LinkId, alloc: AllocationId) -> bool {
+        self.allocs
+            .get(&alloc)
+            .and_then(|e| e.holds.get(&link))
+            .is_some_and(|h| h.draining > 0)
     }
 
     /// The last `Buffer` handle of `buffer` dropped: free it as soon as the invariant allows.
@@ -552,6 +598,11 @@ impl<M, F> Ledger<M, F> {
             .map_or(0, |e| e.leases.len())
     }
 
+    /// Whether `lease` is out (granted, not yet back).
+    pub(crate) fn is_out(&self, lease: LeaseId) -> bool {
+        self.leases.contains_key(&lease)
+    }
+
     /// The process at the other end of a live link.
     pub(crate) fn link_process(&self, link: LinkId) -> Option<ProcessId> {
         self.links.get(&link).map(|r| r.process)
@@ -607,6 +658,9 @@ impl<M, F> Ledger<M, F> {
             c.buffers += 1;
             c.bytes += e.bytes;
             c.leases += e.leases.len();
+            if !e.leases.is_empty() {
+                c.pinned_bytes += e.bytes;
+            }
             match e.phase {
                 Phase::Live => {}
                 Phase::Retired => c.retiring += 1,
@@ -618,6 +672,71 @@ impl<M, F> Ledger<M, F> {
             }
         }
         c
+    }
+
+    /// Every process that holds a lease or a mapping hold on an allocation, or is a cut
+    /// holder of one, in process order.
+    pub(crate) fn holders(&self) -> Vec<HolderView> {
+        let mut by: BTreeMap<ProcessId, HolderView> = BTreeMap::new();
+        let view = |by: &mut BTreeMap<ProcessId, HolderView>, process: ProcessId| {
+            by.entry(process).or_insert_with(|| HolderView {
+                process,
+                linked: false,
+                leases: 0,
+                pinned_bytes: 0,
+                mapped_bytes: 0,
+                oldest_grant: None,
+                cut: false,
+                quarantined_bytes: 0,
+            });
+        };
+        for e in self.allocs.values() {
+            // Per process: whether it leases this allocation, whether it maps it.
+            let mut leasing: BTreeSet<ProcessId> = BTreeSet::new();
+            for lease in &e.leases {
+                let Some(r) = self.leases.get(lease) else {
+                    continue;
+                };
+                let Some(link) = self.links.get(&r.link) else {
+                    continue;
+                };
+                view(&mut by, link.process);
+                let h = by.get_mut(&link.process).expect("just inserted");
+                h.leases += 1;
+                h.oldest_grant = Some(h.oldest_grant.map_or(r.granted_at, |t| t.min(r.granted_at)));
+                if leasing.insert(link.process) {
+                    h.pinned_bytes += e.bytes;
+                }
+            }
+            let mapping: BTreeSet<ProcessId> = e
+                .holds
+                .keys()
+                .filter_map(|l| self.links.get(l).map(|r| r.process))
+                .collect();
+            for process in mapping {
+                view(&mut by, process);
+                by.get_mut(&process).expect("just inserted").mapped_bytes += e.bytes;
+            }
+            for &process in &e.cut_holders {
+                view(&mut by, process);
+                let h = by.get_mut(&process).expect("just inserted");
+                h.cut = true;
+                if e.phase == Phase::Quarantined {
+                    h.quarantined_bytes += e.bytes;
+                }
+            }
+        }
+        for link in self.links.values() {
+            if let Some(h) = by.get_mut(&link.process) {
+                h.linked = true;
+            }
+        }
+        by.into_values().collect()
+    }
+
+    /// What the node keeps of `alloc` to free it.
+    pub(crate) fn meta(&self, alloc: AllocationId) -> Option<&M> {
+        self.allocs.get(&alloc).map(|e| &e.meta)
     }
 
     /// Leases granted so far (with those whose offer never went out).

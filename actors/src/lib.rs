@@ -50,10 +50,14 @@ mod exports;
 mod ids;
 mod ledger;
 mod link;
+pub mod metrics;
 mod node;
+mod offload;
+mod order;
 mod owner;
 pub mod raw;
 mod remote;
+mod status;
 pub mod supervisor;
 
 pub use buffer::{Buffer, Element, Lease, Shared};
@@ -62,10 +66,15 @@ pub use exports::{BufferLeases, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
 pub use link::{Heartbeat, LinkLimits, PeerLink};
-pub use node::{Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
+pub use metrics::MetricsPublisher;
+pub use node::{
+    Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested, token_file_of,
+};
+pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
 pub use raw::{AnyBuffer, AnyLease, AnyShared, RawCall, RawHandler, RawMessage, RawReply};
 pub use remote::{Encoding, MSGPACK_SHARED_EXT, RemoteAddr, RemoteMessage};
+pub use status::TREE_DEADLINE;
 pub use supervisor::{
     ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor, Restart, RestartPolicy,
     Shutdown, Strategy, SupervisorEvent,

@@ -9,9 +9,14 @@
 //!   against what was granted over *this* link (a release of anything else — unknown,
 //!   replayed, another peer's — drops the link);
 //! - as importer, it checks every incoming handle (digest, consistency, that the peer
-//!   offers only its own buffers), opens it through the import cache, keeps the mapping
-//!   warm for the next offer of the same allocation (a *hold*, until the exporter sends
-//!   `Unmap`), and hands out lease guards that send `Release` when dropped.
+//!   offers only its own buffers), opens it through the import cache — on the node's
+//!   driver thread when the backend's calls block (CUDA), the link waiting with
+//!   `ctx.wait` so that its frames keep their order — keeps the mapping warm for the next
+//!   offer of the same allocation (a *hold*, until the exporter sends `Unmap`), and hands
+//!   out lease guards that send `Release` (with the release fence after their last use)
+//!   when dropped;
+//! - it hands the release fences of the peer's `Release`s to the exporter's ledger, and
+//!   sends a pool's descriptor once per pool (see [`Exports`](crate::exports::Exports)).
 //!
 //! It pings the peer on the node's heartbeat interval; a peer that sends nothing within
 //! the deadline is *unresponsive* and its link is cut.
@@ -24,19 +29,23 @@
 
 use crate::buffer::{HeldLease, IncomingLease, Outgoing};
 use crate::error::ActorError;
+use crate::exports::OfferGrant;
 use crate::ids::LinkId;
-use crate::ledger::Grant;
 use crate::node::Node;
+use crate::order::LeaseOrder;
 use crate::remote::{Encoded, IncomingPayload};
 use actix::prelude::*;
 use baton_ipc::{
-    AsyncLink, CacheKey, FrameFds, HolderId, LinkCloser, LinkReader, LinkWriter, PeerInfo, Received,
+    AsyncLink, CacheKey, FrameFds, HolderId, ImportCache, Imported, LinkCloser, LinkReader,
+    LinkWriter, PeerInfo, Received, UseMark,
 };
 use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_frame};
 use baton_messages::protocol::{
-    Call, CallFault, Evict, Offer, Payload, Release, Reply, Revoke, Unmap, Unmapped,
+    Call, CallFault, Evict, MAX_RELEASE_FENCES, Offer, Payload, Release, Reply, Revoke, Status,
+    StatusRequest, StatusScope, Unmap, Unmapped,
 };
-use baton_messages::{AllocationId, LeaseId, Message as Wire, ProcessId};
+use baton_messages::status::STATUS_VERSION;
+use baton_messages::{AllocationId, FenceHandle, LeaseId, Message as Wire, ProcessId};
 use futures_util::stream::Stream;
 use std::collections::HashMap;
 use std::fmt;
@@ -67,6 +76,10 @@ pub(crate) struct LinkState {
     /// Of those, bytes of our own calls (bounded by the send window, not by
     /// [`LinkLimits::queued_bytes`]).
     queued_calls: AtomicUsize,
+    /// Leases held from the peer over this link (for status reports).
+    held_leases: AtomicUsize,
+    /// File descriptors received from the peer beside its frames.
+    fds_received: AtomicU64,
 }
 
 /// A reference to a link: its actor, and whether it is still up.
@@ -101,6 +114,11 @@ impl LinkRef {
     pub(crate) fn state(&self) -> &LinkState {
         &self.state
     }
+
+    /// File descriptors received from the peer so far.
+    pub(crate) fn descriptors_received(&self) -> u64 {
+        self.state.fds_received.load(Ordering::Relaxed)
+    }
 }
 
 impl LinkState {
@@ -128,6 +146,11 @@ impl LinkState {
     /// Bytes queued for the socket now.
     pub(crate) fn queued_bytes(&self) -> usize {
         self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Leases held from the peer over this link now.
+    pub(crate) fn held_leases(&self) -> usize {
+        self.held_leases.load(Ordering::Relaxed)
     }
 
     /// Whether `id` was handed out already (a reply to it that is not pending answers a
@@ -167,7 +190,38 @@ type Opened<T = IncomingLease> = Result<T, baton_ipc::Error>;
 struct Granted {
     offers: Vec<Offer>,
     fds: Vec<OwnedFd>,
-    grants: Vec<Grant>,
+    grants: Vec<OfferGrant>,
+}
+
+/// What opening a frame's offers gave: each offer with its view, in order, up to the first
+/// failure.
+type OpenedViews = (Vec<Offer>, Vec<Result<Imported, baton_ipc::Error>>);
+
+/// Opens `offers` through `cache`, in order, stopping at the first failure: the job the
+/// driver thread runs (or the link inline, on a host-only node).
+fn open_views(cache: ImportCache, offers: Vec<Offer>, mut fds: FrameFds) -> OpenedViews {
+    let mut views = Vec::with_capacity(offers.len());
+    for offer in &offers {
+        let view = cache.open_unordered(&offer.handle, &mut fds);
+        if let (Ok(view), Some(fence)) = (&view, &offer.handle.fence) {
+            // Opened here, so that the lease's first wait (on whatever thread uses it)
+            // finds the exporter's event open.
+            if let Err(e) = view
+                .backend()
+                .prepare_fence(&offer.handle.exporter.process, fence)
+            {
+                tracing::debug!(error = %e, "could not open an offer's fence ahead of its first use");
+            }
+        }
+        let failed = view.is_err();
+        views.push(view);
+        if failed {
+            break;
+        }
+    }
+    // The frame's descriptors no offer took close here.
+    drop(fds);
+    (offers, views)
 }
 
 /// How a link watches its peer's liveness.
@@ -244,6 +298,14 @@ pub struct PeerLink {
     mapped: HashMap<AllocationId, CacheKey>,
     /// Leases held from the peer.
     held: HashMap<LeaseId, Weak<HeldLease>>,
+    /// The bytes each held lease maps (for status reports of orphaned leases).
+    held_bytes: HashMap<LeaseId, u64>,
+    /// Status requests of ours awaiting the peer's answer.
+    status_waiters: HashMap<u64, oneshot::Sender<Result<String, ActorError>>>,
+    /// The next id of a status request of ours.
+    next_status: u64,
+    /// Status answers being prepared for the peer (at most [`STATUS_ANSWERS`]).
+    status_answers: usize,
     pending: HashMap<u64, oneshot::Sender<Result<IncomingPayload, ActorError>>>,
     limits: LinkLimits,
     /// The peer's calls running now: each holds one while it runs.
@@ -287,6 +349,10 @@ fn frames(reader: LinkReader, calls: Arc<Semaphore>) -> impl Stream<Item = Incom
         }
     })
 }
+
+/// Status answers a link prepares for its peer at once; one more request is a protocol
+/// fault ([`ActorError::TooManyStatusRequests`]).
+pub(crate) const STATUS_ANSWERS: usize = 4;
 
 /// The most bytes of frames one `sendmsg` carries when frames are queued back to back.
 const MAX_BATCH: usize = 64 * 1024;
@@ -369,6 +435,8 @@ impl PeerLink {
             pending_calls: Arc::new(Semaphore::new(limits.pending_calls)),
             queued: AtomicUsize::new(0),
             queued_calls: AtomicUsize::new(0),
+            held_leases: AtomicUsize::new(0),
+            fds_received: AtomicU64::new(0),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let closer = link.closer();
@@ -394,6 +462,10 @@ impl PeerLink {
                 closer,
                 mapped: HashMap::new(),
                 held: HashMap::new(),
+                held_bytes: HashMap::new(),
+                status_waiters: HashMap::new(),
+                next_status: 1,
+                status_answers: 0,
                 pending: HashMap::new(),
                 limits,
                 calls,
@@ -477,7 +549,8 @@ impl PeerLink {
         let mut grants = Vec::with_capacity(cells.len());
         let mut fds = Vec::new();
         let mut failure = None;
-        for Outgoing { cell, event } in cells {
+        for out in cells {
+            let cell = &out.cell;
             if fds.len() >= MAX_FDS_PER_FRAME && cell.alloc.export_fd().is_some() {
                 failure = Some(ActorError::TooManyDescriptors {
                     count: fds.len() + 1,
@@ -485,12 +558,12 @@ impl PeerLink {
                 });
                 break;
             }
-            let event = event.as_ref().map(|e| e.ipc_handle());
-            match self
-                .node
-                .exports()
-                .grant(cell, &self.me, fds.len() as u8, event)
-            {
+            let granted = out.acquire_fence().and_then(|fence| {
+                self.node
+                    .exports()
+                    .grant(cell, &self.me, fds.len() as u8, fence)
+            });
+            match granted {
                 Ok((offer, fd, grant)) => {
                     fds.extend(fd);
                     offers.push(offer);
@@ -516,83 +589,140 @@ impl PeerLink {
     }
 
     /// Takes back leases granted for a frame that was never sent.
-    fn ungrant(&mut self, offers: &[Offer], grants: &[Grant]) {
+    fn ungrant(&mut self, offers: &[Offer], grants: &[OfferGrant]) {
         // Newest first, so that the grant that started a hold is undone last.
         for (offer, grant) in offers.iter().zip(grants).rev() {
-            self.node.exports().ungrant(offer.lease, *grant);
+            self.node.exports().ungrant(offer.lease, *grant, self.me.id);
         }
     }
 
-    /// Checks and opens an offered buffer, and returns the lease guard. `Ok(Err(..))`: it
-    /// could not be opened here, through no fault of the peer's (a descriptor limit, memory,
-    /// an unsupported backend, a mapping evicted meanwhile).
-    fn accept_offer(&mut self, offer: &Offer, fds: &mut FrameFds) -> Result<Opened, ActorError> {
-        if offer.handle.exporter.process != self.peer.process {
-            return Err(ActorError::ForeignOffer {
-                claimed: offer.handle.exporter,
-            });
-        }
-        if self
-            .held
-            .get(&offer.lease)
-            .is_some_and(|h| h.strong_count() > 0)
-        {
-            return Err(ActorError::DuplicateLease { lease: offer.lease });
-        }
-        if self.held.len() >= self.limits.leases_held {
-            return Err(ActorError::TooManyLeases {
-                max: self.limits.leases_held,
-            });
-        }
-        let imported = match self.node.cache().open(&offer.handle, fds) {
-            Ok(imported) => imported,
-            Err(e) if e.is_local_open_failure() => return Ok(Err(e)),
-            Err(e) => return Err(e.into()),
-        };
-        // The first offer of an allocation over this link starts a hold: the mapping stays
-        // warm for the next offer until the exporter says `Unmap`. (A hold that was letting
-        // go while leases used the mapping is superseded: the cache answers its `Unmapped`.)
-        let key = imported.key();
-        if self.mapped.insert(offer.handle.alloc, key).is_none() {
-            self.node.cache().hold(&key, self.me.holder());
-        }
-        let held = Arc::new(HeldLease::default());
-        self.held.insert(offer.lease, Arc::downgrade(&held));
-        Ok(Ok(IncomingLease {
-            imported: Some(imported),
-            lease: offer.lease,
-            link: self.me.clone(),
-            held,
-        }))
-    }
-
-    /// Opens every offer of one message, all or none. The outer error is the peer's fault
-    /// (the link is cut for it); `Ok(Err(..))` is a local failure: nothing is kept — the
-    /// leases opened are released as their guards drop, the others are released now, and
-    /// the exporter hears that we do not map what we could not open, so that its next
-    /// offer of it carries the descriptor again.
-    fn accept_offers(
-        &mut self,
-        offers: Vec<Offer>,
-        fds: &mut FrameFds,
-    ) -> Result<Opened<Vec<IncomingLease>>, ActorError> {
+    /// Checks a frame's offers before anything is opened: each is the peer's own, offered
+    /// once, and the leases fit the limits. An error is the peer's fault.
+    fn check_offers(&self, offers: &[Offer]) -> Result<(), ActorError> {
         if offers.len() > self.limits.offers_per_message {
             return Err(ActorError::TooManyOffers {
                 count: offers.len(),
                 max: self.limits.offers_per_message,
             });
         }
-        let mut leases = Vec::with_capacity(offers.len());
         for (i, offer) in offers.iter().enumerate() {
-            match self.accept_offer(offer, fds)? {
-                Ok(lease) => leases.push(lease),
-                Err(e) => {
+            if offer.handle.exporter.process != self.peer.process {
+                return Err(ActorError::ForeignOffer {
+                    claimed: offer.handle.exporter,
+                });
+            }
+            let held = self
+                .held
+                .get(&offer.lease)
+                .is_some_and(|h| h.strong_count() > 0);
+            if held || offers[..i].iter().any(|o| o.lease == offer.lease) {
+                return Err(ActorError::DuplicateLease { lease: offer.lease });
+            }
+        }
+        if self.held.len() + offers.len() > self.limits.leases_held {
+            return Err(ActorError::TooManyLeases {
+                max: self.limits.leases_held,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks and opens a frame's offers, all or none, then runs `then` on this actor with
+    /// the lease guards. Opens are driver calls: on a node whose backend makes blocking
+    /// calls they run on the node's driver thread while this link waits (`ctx.wait`: no
+    /// other frame of this link is handled meanwhile, so frames keep their order; other
+    /// links and actors run on). An error of the peer's (a check, or an open that failed
+    /// through the peer's fault) cuts the link; `Ok(Err(..))` given to `then` is a local
+    /// failure: nothing is kept — the leases opened are released as their guards drop,
+    /// the others are released now, and the exporter hears that we do not map what we
+    /// could not open, so that its next offer of it carries the descriptor again.
+    fn with_opened(
+        &mut self,
+        offers: Vec<Offer>,
+        fds: FrameFds,
+        ctx: &mut Context<Self>,
+        then: impl FnOnce(
+            &mut Self,
+            Opened<Vec<IncomingLease>>,
+            &mut Context<Self>,
+        ) -> Result<(), ActorError>
+        + 'static,
+    ) -> Result<(), ActorError> {
+        self.check_offers(&offers)?;
+        self.me
+            .state
+            .fds_received
+            .fetch_add(fds.len() as u64, Ordering::Relaxed);
+        if offers.is_empty() {
+            return then(self, Ok(Vec::new()), ctx);
+        }
+        let cache = self.node.cache().clone();
+        let offload = self.node.offload();
+        if offload.is_inline() {
+            let (offers, views) = open_views(cache, offers, fds);
+            let opened = self.finish_open(offers, views)?;
+            return then(self, opened, ctx);
+        }
+        let opening = offload.run(move || open_views(cache, offers, fds));
+        ctx.wait(opening.into_actor(self).map(move |views, act, ctx| {
+            let span = act.span.clone();
+            let _g = span.enter();
+            let done = views
+                .and_then(|(offers, views)| act.finish_open(offers, views))
+                .and_then(|opened| then(act, opened, ctx));
+            if let Err(e) = done {
+                drop(_g);
+                act.cut(ctx, e);
+            }
+        }));
+        Ok(())
+    }
+
+    /// Turns opened views into lease guards (see [`with_opened`](Self::with_opened)).
+    fn finish_open(
+        &mut self,
+        offers: Vec<Offer>,
+        views: Vec<Result<Imported, baton_ipc::Error>>,
+    ) -> Result<Opened<Vec<IncomingLease>>, ActorError> {
+        let mut leases = Vec::with_capacity(offers.len());
+        for (i, (offer, view)) in offers.iter().zip(views).enumerate() {
+            let imported = match view {
+                Ok(imported) => imported,
+                Err(e) if e.is_local_open_failure() => {
                     tracing::warn!(lease = %offer.lease, alloc = %offer.handle.alloc, error = %e, "could not open an offer: refused");
                     drop(leases);
                     self.give_back(&offers[i..])?;
                     return Ok(Err(e));
                 }
+                Err(e) => return Err(e.into()),
+            };
+            // The first offer of an allocation over this link starts a hold: the mapping
+            // stays warm for the next offer until the exporter says `Unmap`. (A hold that
+            // was letting go while leases used the mapping is superseded: the cache answers
+            // its `Unmapped`.)
+            let key = imported.key();
+            if self.mapped.insert(offer.handle.alloc, key).is_none() {
+                self.node.cache().hold(&key, self.me.holder());
             }
+            let held = Arc::new(HeldLease::default());
+            self.held.insert(offer.lease, Arc::downgrade(&held));
+            self.held_bytes.insert(offer.lease, offer.handle.len);
+            self.me
+                .state
+                .held_leases
+                .store(self.held.len(), Ordering::Relaxed);
+            let order = LeaseOrder::new(
+                Arc::clone(imported.backend()),
+                offer.handle.exporter.process,
+                offer.handle.fence,
+            );
+            leases.push(IncomingLease {
+                imported: Some(imported),
+                lease: offer.lease,
+                link: self.me.clone(),
+                held,
+                order,
+            });
         }
         Ok(Ok(leases))
     }
@@ -603,7 +733,7 @@ impl PeerLink {
     fn give_back(&mut self, offers: &[Offer]) -> Result<(), ActorError> {
         let mut unmapped: Vec<AllocationId> = Vec::new();
         for offer in offers {
-            self.send(&Wire::Release(Release { lease: offer.lease }), Vec::new())?;
+            self.send(&Wire::Release(Release::now(offer.lease)), Vec::new())?;
             let alloc = offer.handle.alloc;
             if !self.mapped.contains_key(&alloc) && !unmapped.contains(&alloc) {
                 unmapped.push(alloc);
@@ -683,13 +813,35 @@ impl PeerLink {
         slot: OwnedSemaphorePermit,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
-        let Received { message, mut fds } = received;
+        let Received { message, fds } = received;
         match message {
-            Wire::Call(call) => self.on_call(call, &mut fds, slot, ctx),
-            Wire::Reply(reply) => self.on_reply(reply, &mut fds),
-            Wire::Release(Release { lease }) => {
-                tracing::trace!(%lease, "released");
-                self.node.exports().release(lease, self.me.id)
+            Wire::Call(call) => self.on_call(call, fds, slot, ctx),
+            Wire::Reply(reply) => self.on_reply(reply, fds, ctx),
+            Wire::Release(Release { lease, fences }) => {
+                tracing::trace!(%lease, fences = fences.len(), "released");
+                if fences.len() > MAX_RELEASE_FENCES {
+                    return Err(ActorError::TooManyFences {
+                        count: fences.len(),
+                        max: MAX_RELEASE_FENCES,
+                    });
+                }
+                if !fences.is_empty() && !self.node.offload().is_inline() {
+                    // Opened on the driver thread now, so that the buffer's next use (on
+                    // whatever thread) finds the importer's events open.
+                    let (backend, peer, ahead) = (
+                        Arc::clone(self.node.backend()),
+                        self.peer.process,
+                        fences.clone(),
+                    );
+                    self.node.offload().submit(move || {
+                        for fence in &ahead {
+                            if let Err(e) = backend.prepare_fence(&peer, fence) {
+                                tracing::debug!(error = %e, "could not open a release fence ahead of its wait");
+                            }
+                        }
+                    });
+                }
+                self.node.exports().release(lease, self.me.id, fences)
             }
             Wire::Revoke(Revoke { lease, deadline_ms }) => {
                 if let Some(held) = self.held.get(&lease).and_then(Weak::upgrade) {
@@ -716,21 +868,22 @@ impl PeerLink {
                 self.node.exports().evict(self.me.id, alloc);
                 Ok(())
             }
-            Wire::Offer(offer) => match self.accept_offer(&offer, &mut fds)? {
-                Ok(lease) => {
-                    self.node.deliver_offer(self.peer.process, lease);
-                    Ok(())
+            Wire::Offer(offer) => self.with_opened(vec![offer], fds, ctx, |act, opened, _| {
+                // A refusal was logged and given back already.
+                if let Ok(leases) = opened {
+                    for lease in leases {
+                        act.node.deliver_offer(act.peer.process, lease);
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(lease = %offer.lease, error = %e, "could not open a bare offer: refused");
-                    self.give_back(std::slice::from_ref(&offer))
-                }
-            },
+                Ok(())
+            }),
             Wire::Ping(n) => self.send(&Wire::Pong(n), Vec::new()),
             Wire::Pong(n) => {
                 self.on_pong(n);
                 Ok(())
             }
+            Wire::StatusRequest(request) => self.on_status_request(request, ctx),
+            Wire::Status(status) => self.on_status(status),
             other => Err(ActorError::Unexpected { got: other.kind() }),
         }
     }
@@ -738,19 +891,44 @@ impl PeerLink {
     fn on_call(
         &mut self,
         call: Call,
-        fds: &mut FrameFds,
+        fds: FrameFds,
         slot: OwnedSemaphorePermit,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
-        let id = call.id;
-        let leases = match self.accept_offers(call.offers, fds)? {
+        let Call {
+            id,
+            target,
+            type_name,
+            payload,
+            offers,
+        } = call;
+        self.with_opened(offers, fds, ctx, move |act, opened, ctx| {
+            act.run_call(id, &target, &type_name, &payload, opened, slot, ctx)
+        })
+    }
+
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the parts of one call, handed on from with_opened's continuation"
+    )]
+    fn run_call(
+        &mut self,
+        id: u64,
+        target: &str,
+        type_name: &str,
+        payload: &[u8],
+        opened: Opened<Vec<IncomingLease>>,
+        slot: OwnedSemaphorePermit,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), ActorError> {
+        let leases = match opened {
             Ok(leases) => leases,
             Err(e) => return self.send_reply(id, Err(CallFault::OfferRefused(e.to_string()))),
         };
-        let Some(handler) = self.node.handler(&call.target) else {
+        let Some(handler) = self.node.handler(target) else {
             return self.send_reply(id, Err(CallFault::NoSuchActor));
         };
-        if handler.type_name() != call.type_name {
+        if handler.type_name() != type_name {
             return self.send_reply(
                 id,
                 Err(CallFault::WrongType {
@@ -758,7 +936,7 @@ impl PeerLink {
                 }),
             );
         }
-        match handler.invoke(self.peer.process, call.payload, leases) {
+        match handler.invoke(self.peer.process, payload, leases) {
             Err(fault) => self.send_reply(id, Err(fault)),
             Ok(answer) => {
                 // The call keeps its slot until it is answered: at the limit, reading pauses.
@@ -829,7 +1007,12 @@ impl PeerLink {
         sent
     }
 
-    fn on_reply(&mut self, reply: Reply, fds: &mut FrameFds) -> Result<(), ActorError> {
+    fn on_reply(
+        &mut self,
+        reply: Reply,
+        fds: FrameFds,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), ActorError> {
         let Some(tx) = self.pending.remove(&reply.id) else {
             if !self.me.state.issued(reply.id) {
                 return Err(ActorError::UnknownCall { id: reply.id });
@@ -849,19 +1032,23 @@ impl PeerLink {
                 Err(_) => Ok(()),
             };
         };
-        let result = match reply.outcome {
-            Ok(payload) => match self.accept_offers(payload.offers, fds)? {
-                Ok(leases) => Ok(IncomingPayload {
-                    bytes: payload.bytes,
-                    leases,
-                }),
-                Err(e) => Err(ActorError::OfferRefused(e)),
-            },
-            Err(fault) => Err(ActorError::Remote(fault)),
-        };
-        // The caller may have given up waiting; its leases are then released on drop.
-        let _ = tx.send(result);
-        Ok(())
+        match reply.outcome {
+            Ok(Payload { bytes, offers }) => {
+                self.with_opened(offers, fds, ctx, move |_, opened, _| {
+                    let result = match opened {
+                        Ok(leases) => Ok(IncomingPayload { bytes, leases }),
+                        Err(e) => Err(ActorError::OfferRefused(e)),
+                    };
+                    // The caller may have given up waiting; its leases are then released on drop.
+                    let _ = tx.send(result);
+                    Ok(())
+                })
+            }
+            Err(fault) => {
+                let _ = tx.send(Err(ActorError::Remote(fault)));
+                Ok(())
+            }
+        }
     }
 }
 
@@ -900,6 +1087,15 @@ impl Actor for PeerLink {
             }));
         }
         let orphaned = self.held.values().filter(|h| h.strong_count() > 0).count();
+        // What our guards still hold of the peer's is orphaned: the node's status lists it
+        // until the guards drop.
+        let leases: Vec<(Weak<HeldLease>, u64)> = self
+            .held
+            .drain()
+            .filter(|(_, h)| h.strong_count() > 0)
+            .map(|(id, h)| (h, self.held_bytes.get(&id).copied().unwrap_or(0)))
+            .collect();
+        self.node.record_orphans(self.peer.process, leases);
         tracing::info!(reclaimed, orphaned, reason = ?self.down.as_deref().map(ToString::to_string), "link down");
         self.node.link_down(self.me.id, self.peer, self.down.take());
     }
@@ -979,17 +1175,64 @@ impl Handler<PeerDied> for PeerLink {
     }
 }
 
-/// A lease guard dropped: give the lease back.
+/// What a dropped lease could not turn into a release fence (every pooled event was in
+/// use): its uses to wait for, and its view, closed after them.
+pub(crate) struct PendingRelease {
+    pub(crate) marks: Vec<Box<dyn UseMark>>,
+    pub(crate) imported: Option<Imported>,
+}
+
+impl PendingRelease {
+    /// Blocks until the lease's uses have completed, then lets its view go.
+    pub(crate) fn wait(self) {
+        for mark in &self.marks {
+            if let Err(e) = mark.synchronize() {
+                tracing::warn!(error = %e, "waiting for a lease's work failed");
+            }
+        }
+        drop(self.imported);
+    }
+}
+
+/// A lease guard dropped: give the lease back, with the fence after its last use.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct ReleaseLease(pub(crate) LeaseId);
+pub(crate) struct ReleaseLease {
+    pub(crate) lease: LeaseId,
+    pub(crate) fences: Vec<FenceHandle>,
+    /// Waited for (on the driver thread) before the `Release` goes.
+    pub(crate) pending: Option<PendingRelease>,
+}
 
 impl Handler<ReleaseLease> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: ReleaseLease, ctx: &mut Self::Context) {
-        self.held.remove(&msg.0);
-        if let Err(e) = self.send(&Wire::Release(Release { lease: msg.0 }), Vec::new()) {
-            self.cut(ctx, e);
+        let ReleaseLease {
+            lease,
+            fences,
+            pending,
+        } = msg;
+        self.held.remove(&lease);
+        self.held_bytes.remove(&lease);
+        self.me
+            .state
+            .held_leases
+            .store(self.held.len(), Ordering::Relaxed);
+        let release = Wire::Release(Release { lease, fences });
+        match pending {
+            None => {
+                if let Err(e) = self.send(&release, Vec::new()) {
+                    self.cut(ctx, e);
+                }
+            }
+            Some(pending) => {
+                let waited = self.node.offload().run(move || pending.wait());
+                ctx.spawn(waited.into_actor(self).map(move |_, act, ctx| {
+                    if let Err(e) = act.send(&release, Vec::new()) {
+                        act.cut(ctx, e);
+                    }
+                }));
+            }
         }
     }
 }
@@ -1148,6 +1391,85 @@ impl Handler<SendPing> for PeerLink {
     fn handle(&mut self, msg: SendPing, ctx: &mut Self::Context) {
         if let Err(e) = self.ping(Some(msg.0)) {
             self.cut(ctx, e);
+        }
+    }
+}
+
+impl PeerLink {
+    /// The peer asks what this node holds: answer with its status (and, for the tree
+    /// scope, every other linked peer's, asked now, each within a deadline).
+    fn on_status_request(
+        &mut self,
+        request: StatusRequest,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), ActorError> {
+        if self.status_answers >= STATUS_ANSWERS {
+            return Err(ActorError::TooManyStatusRequests {
+                max: STATUS_ANSWERS,
+            });
+        }
+        self.status_answers += 1;
+        let node = self.node.clone();
+        let me = self.me.id;
+        let answer = async move { crate::status::answer(&node, request, me).await };
+        ctx.spawn(answer.into_actor(self).map(move |json, act, ctx| {
+            act.status_answers -= 1;
+            let status = Wire::Status(Status {
+                id: request.id,
+                version: STATUS_VERSION,
+                json,
+            });
+            if let Err(e) = act.send(&status, Vec::new()) {
+                act.cut(ctx, e);
+            }
+        }));
+        Ok(())
+    }
+
+    /// The peer's answer to a status request of ours. One to a request we never made is
+    /// a protocol fault; one to a request whose asker gave up is dropped.
+    fn on_status(&mut self, status: Status) -> Result<(), ActorError> {
+        match self.status_waiters.remove(&status.id) {
+            Some(tx) => {
+                let _ = tx.send(Ok(status.json));
+                Ok(())
+            }
+            None if status.id < self.next_status => Ok(()),
+            None => Err(ActorError::Unexpected { got: "Status" }),
+        }
+    }
+}
+
+/// Ask the peer for its status; the reply carries its JSON body.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct AskStatus {
+    pub(crate) limit: u32,
+    pub(crate) reply: oneshot::Sender<Result<String, ActorError>>,
+}
+
+impl Handler<AskStatus> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: AskStatus, ctx: &mut Self::Context) {
+        let id = self.next_status;
+        self.next_status += 1;
+        // Answers nobody waits for any more are forgotten as requests are made.
+        self.status_waiters.retain(|_, tx| !tx.is_closed());
+        let request = Wire::StatusRequest(StatusRequest {
+            id,
+            scope: StatusScope::Node,
+            limit: msg.limit,
+        });
+        match self.send(&request, Vec::new()) {
+            Ok(()) => {
+                self.status_waiters.insert(id, msg.reply);
+            }
+            Err(e) => {
+                let _ = msg.reply.send(Err(ActorError::LinkClosed {
+                    peer: self.peer.process,
+                }));
+                self.cut(ctx, e);
+            }
         }
     }
 }

@@ -8,6 +8,7 @@ use crate::ids::LinkId;
 use crate::link::{
     CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, PeerLink, RequestEvict, SendPing,
 };
+use crate::offload::Offload;
 use crate::remote::{ErasedHandler, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
 use baton_ipc::process::DeathWatch;
@@ -152,6 +153,12 @@ impl Peer {
         self.link.round_trip()
     }
 
+    /// File descriptors this link has received from the peer so far (beside its offers:
+    /// VMM and `memfd` allocations once per allocation, pools once per pool).
+    pub fn descriptors_received(&self) -> u64 {
+        self.link.descriptors_received()
+    }
+
     /// Bytes queued for the peer's socket now (our calls, replies and protocol messages
     /// not yet written). Our calls never hold more than
     /// [`LinkLimits::send_window`] of it; the rest never more than
@@ -223,6 +230,8 @@ struct NodeInner {
     cache: ImportCache,
     backend: SharedBackend,
     exports: Arc<Exports>,
+    /// Where blocking backend calls run (a driver thread for CUDA; inline for host).
+    offload: Offload,
     /// Reports linked processes' deaths (`None` if its thread could not start: links
     /// then learn of deaths by end of stream and from the supervisor only).
     deaths: Option<DeathWatch>,
@@ -233,6 +242,8 @@ struct NodeInner {
     watchers: Mutex<Vec<Recipient<PeerEvent>>>,
     revoke_watchers: Mutex<Vec<Recipient<RevokeRequested>>>,
     inbox: Mutex<Option<Recipient<Offered>>>,
+    /// What the node's status reports besides the ledger, cache and links.
+    observed: crate::status::Observed,
 }
 
 /// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
@@ -286,6 +297,7 @@ impl Node {
             }
         }
         let session = config.link.session.clone();
+        let offload = Offload::for_backends(&importers);
         let inner = Arc::new_cyclic(|weak: &Weak<NodeInner>| {
             let on_death = weak.clone();
             let deaths = DeathWatch::spawn("baton-deaths", move |process| {
@@ -296,6 +308,12 @@ impl Node {
             .map_err(|e| tracing::warn!(error = %e, "no death watch: deaths are seen by end of stream only"))
             .ok();
             let cache = ImportCache::with_budget(session.clone(), importers, config.warm);
+            if !offload.is_inline() {
+                // Mapping closes (and the waits for the work queued on them) are driver
+                // calls: never on an actor's thread.
+                let closer = offload.clone();
+                cache.set_executor(Arc::new(move |job| closer.submit(job)));
+            }
             let evict = weak.clone();
             cache.set_evictor(Arc::new(move |holder, key| {
                 let Some(inner) = evict.upgrade() else { return };
@@ -309,7 +327,8 @@ impl Node {
             }));
             NodeInner {
                 cache,
-                exports: Exports::new(session),
+                exports: Exports::new(session, offload.clone()),
+                offload,
                 deaths,
                 config,
                 backend,
@@ -319,6 +338,7 @@ impl Node {
                 watchers: Mutex::new(Vec::new()),
                 revoke_watchers: Mutex::new(Vec::new()),
                 inbox: Mutex::new(None),
+                observed: crate::status::Observed::new(),
             }
         });
         Node { inner }
@@ -359,6 +379,19 @@ impl Node {
         &self.inner.exports
     }
 
+    pub(crate) fn offload(&self) -> Offload {
+        self.inner.offload.clone()
+    }
+
+    /// Drops what the backends keep of a dead process (opened events and pools: driver
+    /// calls), off the actor's thread.
+    fn forget(&self, process: ProcessId) {
+        let cache = self.inner.cache.clone();
+        self.inner
+            .offload
+            .submit(move || cache.forget_process(&process));
+    }
+
     /// Every buffer this node's owners export, with its leases and holders (all owners;
     /// [`LeaseTable`](crate::LeaseTable) gives one owner's).
     pub fn lease_table(&self) -> Vec<BufferLeases> {
@@ -368,6 +401,19 @@ impl Node {
     /// Counters of every buffer this node's owners export.
     pub fn export_stats(&self) -> OwnerStats {
         self.inner.exports.stats(None)
+    }
+
+    pub(crate) fn observed(&self) -> &crate::status::Observed {
+        &self.inner.observed
+    }
+
+    /// Leases held over a link that went down, still alive in their guards: orphaned.
+    pub(crate) fn record_orphans(
+        &self,
+        exporter: ProcessId,
+        leases: Vec<(Weak<crate::buffer::HeldLease>, u64)>,
+    ) {
+        self.inner.observed.record_orphans(exporter, leases);
     }
 
     /// Reports `process`'s death to the ledger when it happens.
@@ -449,7 +495,7 @@ impl Node {
             return;
         }
         let buffer = Shared {
-            inner: SharedInner::Incoming(lease),
+            inner: SharedInner::Incoming(Box::new(lease)),
             _t: PhantomData,
         };
         match &*lock(&self.inner.inbox) {
@@ -493,7 +539,7 @@ impl Node {
         if last_to_process {
             // What the backends keep of it (its opened events) only serves handles it
             // sends, and it sends no more.
-            self.inner.cache.forget_process(&peer.process);
+            self.forget(peer.process);
             if lock(&self.inner.dead).remove(&peer.process) {
                 self.inner.exports.process_dead(peer.process);
             }
@@ -526,7 +572,7 @@ impl Node {
             .collect();
         if links.is_empty() {
             self.inner.exports.process_dead(process);
-            self.inner.cache.forget_process(&process);
+            self.forget(process);
             return;
         }
         // `link_down` of the last link finishes the job.
@@ -549,10 +595,17 @@ impl Node {
     /// reported to subscribers as [`PeerEvent::Refused`]. Must be called inside an actix
     /// system.
     ///
+    /// Beside the socket it writes the admin credential, `dir/name.token` (the session
+    /// token in hex, mode 0600, in the directory only this uid can enter; see
+    /// [`Listening::token_file`]): with it, a tool run by the same user — the `baton`
+    /// command — links to the node and asks for its status knowing only the socket's path.
+    /// It is removed when the guard drops.
+    ///
     /// # Errors
-    /// The socket cannot be bound.
+    /// The socket cannot be bound, or the token file written.
     pub fn listen(&self, dir: &SocketDir, name: &str) -> Result<Listening, ActorError> {
         let listener = Listener::bind(dir, name, self.inner.config.link.clone())?;
+        let token_file = write_token_file(listener.path(), self.session())?;
         let std = listener
             .listener()
             .try_clone()
@@ -593,6 +646,7 @@ impl Node {
         });
         Ok(Listening {
             path: listener.path().to_owned(),
+            token_file,
             _listener: listener,
             task,
         })
@@ -603,6 +657,7 @@ impl Node {
 /// already up are unaffected.
 pub struct Listening {
     path: PathBuf,
+    token_file: PathBuf,
     _listener: Listener,
     task: tokio::task::JoinHandle<()>,
 }
@@ -620,10 +675,48 @@ impl Listening {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The admin credential beside the socket (`<socket>.token`): the session token in
+    /// hex, readable only by this uid. Removed when this guard drops.
+    pub fn token_file(&self) -> &Path {
+        &self.token_file
+    }
 }
 
 impl Drop for Listening {
     fn drop(&mut self) {
         self.task.abort();
+        let _ = std::fs::remove_file(&self.token_file);
     }
+}
+
+/// The path of the admin credential of the socket at `socket`: `<socket>.token`.
+pub fn token_file_of(socket: &Path) -> PathBuf {
+    let mut name = socket.as_os_str().to_owned();
+    name.push(".token");
+    PathBuf::from(name)
+}
+
+/// Writes `<socket>.token`: the session token in hex, created with mode 0600 (a stale
+/// file of a dead listener is replaced).
+fn write_token_file(socket: &Path, session: &Session) -> Result<PathBuf, ActorError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = token_file_of(socket);
+    let io = |op| move |source| baton_ipc::Error::Io { op, source };
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("removing a stale token file")(e).into()),
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io("creating the token file"))?;
+    file.write_all(session.token().to_hex().as_bytes())
+        .and_then(|()| file.write_all(b"\n"))
+        .map_err(io("writing the token file"))?;
+    Ok(path)
 }

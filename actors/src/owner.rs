@@ -6,6 +6,7 @@ use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::BufferId;
 use crate::ledger::RevokePolicy;
 use crate::node::Node;
+use crate::offload::Offload;
 use crate::raw::AnyBuffer;
 use actix::prelude::*;
 use baton_ipc::SharedBackend;
@@ -35,6 +36,8 @@ pub struct BufferOwner {
     id: ActorId,
     exports: Arc<Exports>,
     backend: SharedBackend,
+    /// Where allocations run (they fill and synchronise: driver calls, for CUDA).
+    offload: Offload,
     policy: RevokePolicy,
     span: tracing::Span,
 }
@@ -51,6 +54,7 @@ impl BufferOwner {
         Self {
             id,
             exports: Arc::clone(node.exports()),
+            offload: node.offload(),
             span: tracing::info_span!("buffer_owner", actor = %id, backend = backend.name()),
             backend,
             policy: RevokePolicy::default(),
@@ -112,29 +116,46 @@ impl<T: Element> Message for Allocate<T> {
 }
 
 impl<T: Element> Handler<Allocate<T>> for BufferOwner {
-    type Result = Result<Buffer<T>, ActorError>;
+    type Result = ResponseFuture<Result<Buffer<T>, ActorError>>;
 
+    /// Allocates on the node's driver thread when the backend's calls block (CUDA: the
+    /// allocation is zero-filled and synchronised), inline otherwise.
     fn handle(&mut self, msg: Allocate<T>, _ctx: &mut Self::Context) -> Self::Result {
-        let layout = Layout::new(T::DTYPE, msg.shape);
-        Ok(Buffer::new(self.allocate(layout)?))
+        let allocating = self.allocate(Layout::new(T::DTYPE, msg.shape));
+        Box::pin(async move { Ok(Buffer::new(allocating.await?)) })
     }
 }
 
 impl BufferOwner {
-    /// Allocates a buffer of `layout` and enters it in the ledger.
-    fn allocate(&mut self, layout: Layout) -> Result<Arc<BufferCell>, ActorError> {
-        let _g = self.span.enter();
-        let bytes = layout
-            .byte_len()
-            .and_then(|b| usize::try_from(b).ok())
-            .ok_or(ActorError::OutOfBounds {
-                index: 0,
-                len: usize::MAX,
-                size: 0,
-            })?;
-        let alloc = self.backend.allocate(bytes)?;
-        tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated");
-        Ok(self.exports.insert(alloc, layout, self.id, self.policy))
+    /// Allocates a buffer of `layout` (on the driver thread, see `Allocate`) and enters it
+    /// in the ledger.
+    fn allocate(
+        &mut self,
+        layout: Layout,
+    ) -> impl Future<Output = Result<Arc<BufferCell>, ActorError>> + 'static + use<> {
+        let bytes = layout.byte_len().and_then(|b| usize::try_from(b).ok());
+        let backend = Arc::clone(&self.backend);
+        let allocating = bytes.map(|bytes| self.offload.run(move || backend.allocate(bytes)));
+        let (exports, backend, owner, policy, span) = (
+            Arc::clone(&self.exports),
+            Arc::clone(&self.backend),
+            self.id,
+            self.policy,
+            self.span.clone(),
+        );
+        async move {
+            let (Some(bytes), Some(allocating)) = (bytes, allocating) else {
+                return Err(ActorError::OutOfBounds {
+                    index: 0,
+                    len: usize::MAX,
+                    size: 0,
+                });
+            };
+            let alloc = allocating.await??;
+            let _g = span.enter();
+            tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated");
+            Ok(exports.insert(alloc, backend, layout, owner, policy))
+        }
     }
 }
 
@@ -152,10 +173,12 @@ impl Message for AllocateAny {
 }
 
 impl Handler<AllocateAny> for BufferOwner {
-    type Result = Result<AnyBuffer, ActorError>;
+    type Result = ResponseFuture<Result<AnyBuffer, ActorError>>;
 
+    /// As [`Allocate`].
     fn handle(&mut self, msg: AllocateAny, _ctx: &mut Self::Context) -> Self::Result {
-        Ok(AnyBuffer::new(self.allocate(msg.layout)?))
+        let allocating = self.allocate(msg.layout);
+        Box::pin(async move { Ok(AnyBuffer::new(allocating.await?)) })
     }
 }
 

@@ -24,6 +24,11 @@
 //!
 //! Byte offsets and lengths: the raw accessors count bytes, so an
 //! [`ActorError::OutOfBounds`] they return counts bytes too.
+//!
+//! Stream ordering is the typed handles' (see `docs/ORDERING.md`): host copies
+//! ([`AnyBuffer::read`], [`AnyLease::write`], …) are ordered and complete when they
+//! return; work on a device pointer is ordered with [`AnyLease::wait_on`] and
+//! [`AnyBuffer::wait_on`] / [`AnyBuffer::share_on`].
 
 use crate::buffer::{BufferCell, IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
@@ -31,7 +36,7 @@ use crate::ids::BufferId;
 use crate::node::{Node, Peer};
 use crate::remote::{Answer, Encoded, ErasedHandler, call_encoded};
 use crate::{Buffer, Element};
-use baton_ipc::{Allocation, Imported, MemPtr};
+use baton_ipc::{Allocation, Imported, MemPtr, Stream};
 use baton_messages::protocol::CallFault;
 use baton_messages::{ExporterId, Layout, LeaseId, ProcessId};
 use std::fmt;
@@ -115,30 +120,60 @@ impl AnyBuffer {
         &self.cell.alloc
     }
 
-    /// Copies bytes out of the buffer, starting `offset` bytes in.
+    /// Copies bytes out of the buffer, starting `offset` bytes in, after the work of
+    /// importers that gave the buffer back and the buffer's uses on streams (as
+    /// [`Buffer::read_into`]).
     ///
     /// # Errors
     /// [`ActorError::OutOfBounds`] (in bytes), or a backend error.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), ActorError> {
         check_bytes(offset, dst.len(), self.byte_len())?;
+        self.cell.order.before_host_copy()?;
         Ok(self.cell.alloc.read(offset, dst)?)
     }
 
-    /// Copies bytes into the buffer, starting `offset` bytes in.
+    /// Copies bytes into the buffer, starting `offset` bytes in (as
+    /// [`Buffer::write_at`]).
     ///
     /// # Errors
     /// [`ActorError::OutOfBounds`] (in bytes), or a backend error.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ActorError> {
         check_bytes(offset, src.len(), self.byte_len())?;
+        self.cell.order.before_host_copy()?;
         Ok(self.cell.alloc.write(offset, src)?)
     }
 
-    /// A handle to put in a [`RawMessage`]: sending it grants the receiver a lease.
+    /// Orders the work queued on `stream` from now on after the work of importers that
+    /// gave the buffer back and after its uses on other streams (as [`Buffer::wait_on`]).
+    ///
+    /// # Errors
+    /// A backend error; [`ActorError::TooManyStreams`].
+    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
+        let stream = stream.into();
+        self.cell.order.use_on(stream.as_ref())?;
+        Ok(())
+    }
+
+    /// Like [`share`](Self::share), after the work queued on `stream` so far (as
+    /// [`Buffer::share_on`]).
+    ///
+    /// # Errors
+    /// A backend error; [`ActorError::TooManyStreams`].
+    pub fn share_on(&self, stream: impl Into<Stream>) -> Result<AnyShared, ActorError> {
+        let stream = stream.into();
+        if let Some(mark) = self.cell.order.use_on(stream.as_ref())? {
+            mark.record(stream.as_ref())?;
+        }
+        Ok(self.share())
+    }
+
+    /// A handle to put in a [`RawMessage`]: sending it grants the receiver a lease. The
+    /// offer carries an acquire fence after the buffer's uses on streams, if it had any.
     pub fn share(&self) -> AnyShared {
         AnyShared {
             inner: SharedInner::Local(Outgoing {
                 cell: Arc::clone(&self.cell),
-                event: None,
+                fence: None,
             }),
         }
     }
@@ -184,7 +219,7 @@ impl<T: Element> From<Shared<T>> for AnyShared {
 impl AnyShared {
     fn incoming(lease: IncomingLease) -> Self {
         Self {
-            inner: SharedInner::Incoming(lease),
+            inner: SharedInner::Incoming(Box::new(lease)),
         }
     }
 
@@ -216,7 +251,7 @@ impl AnyShared {
     /// [`ActorError::NotReceived`] for a buffer that was not received.
     pub fn open(self) -> Result<AnyLease, ActorError> {
         match self.inner {
-            SharedInner::Incoming(inner) => Ok(AnyLease { inner }),
+            SharedInner::Incoming(inner) => Ok(AnyLease { inner: *inner }),
             SharedInner::Local(_) => Err(ActorError::NotReceived),
         }
     }
@@ -288,6 +323,8 @@ impl AnyLease {
 
     /// Where the first byte is mapped in this process. The address stays valid while
     /// this lease lives (an orphaned lease included: its mapping closes when it drops).
+    /// Before queuing work that uses it on a stream, call [`wait_on`](Self::wait_on) with
+    /// that stream.
     ///
     /// # Errors
     /// [`ActorError::Orphaned`].
@@ -295,13 +332,15 @@ impl AnyLease {
         Ok(self.inner.live()?.ptr())
     }
 
-    /// Copies bytes out of the buffer, starting `offset` bytes in.
+    /// Copies bytes out of the buffer, starting `offset` bytes in (on the backend's own
+    /// stream, after the exporter's work that produced the buffer; done when it returns).
     ///
     /// # Errors
     /// [`ActorError::Orphaned`], [`ActorError::OutOfBounds`] (in bytes), or a backend error.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), ActorError> {
         let imported = self.inner.live()?;
         check_bytes(offset, dst.len(), imported.len())?;
+        self.inner.order.before_host_copy()?;
         Ok(imported.read(offset, dst)?)
     }
 
@@ -313,7 +352,19 @@ impl AnyLease {
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ActorError> {
         let imported = self.inner.live()?;
         check_bytes(offset, src.len(), imported.len())?;
+        self.inner.order.before_host_copy()?;
         Ok(imported.write(offset, src)?)
+    }
+
+    /// Orders the work queued on `stream` from now on after the exporter's work that
+    /// produced the buffer, and keeps `stream`: dropping the lease records its release
+    /// fence there (as [`Lease::wait_on`](crate::Lease::wait_on)).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`]; a backend error; [`ActorError::TooManyStreams`].
+    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
+        self.inner.live()?;
+        self.inner.order.wait_on(stream.into())
     }
 
     /// The import view, for backend-specific work.
@@ -414,12 +465,12 @@ impl ErasedHandler for RawRegistered {
     fn invoke(
         &self,
         peer: ProcessId,
-        payload: Vec<u8>,
+        payload: &[u8],
         leases: Vec<IncomingLease>,
     ) -> Result<Answer, CallFault> {
         let reply = self.handler.call(RawCall {
             peer,
-            message: RawMessage::from_incoming(payload, leases),
+            message: RawMessage::from_incoming(payload.to_vec(), leases),
         });
         Ok(Box::pin(async move {
             reply

@@ -219,7 +219,7 @@ impl<T: Element> Serialize for Shared<T> {
             t.borrow_mut().as_mut().map(|cells| {
                 cells.push(Outgoing {
                     cell: Arc::clone(&out.cell),
-                    event: out.event.clone(),
+                    fence: out.fence.clone(),
                 });
                 cells.len() - 1
             })
@@ -280,7 +280,7 @@ impl<'de, T: Element> Deserialize<'de> for Shared<T> {
             }));
         }
         Ok(Shared {
-            inner: SharedInner::Incoming(lease),
+            inner: SharedInner::Incoming(Box::new(lease)),
             _t: PhantomData,
         })
     }
@@ -295,7 +295,7 @@ pub(crate) trait ErasedHandler: Send + Sync {
     fn invoke(
         &self,
         peer: ProcessId,
-        payload: Vec<u8>,
+        payload: &[u8],
         leases: Vec<IncomingLease>,
     ) -> Result<Answer, CallFault>;
 }
@@ -319,10 +319,10 @@ where
     fn invoke(
         &self,
         _peer: ProcessId,
-        payload: Vec<u8>,
+        payload: &[u8],
         leases: Vec<IncomingLease>,
     ) -> Result<Answer, CallFault> {
-        let msg: M = decode("message", &payload, leases, M::ENCODING)
+        let msg: M = decode("message", payload, leases, M::ENCODING)
             .map_err(|e| CallFault::BadPayload(e.to_string()))?;
         // `send` enqueues now, so calls reach the actor in the order they arrived.
         let request = self.recipient.send(msg);

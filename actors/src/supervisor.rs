@@ -220,6 +220,28 @@ struct Running {
     reaper: Option<JoinHandle<Option<ExitStatus>>>,
 }
 
+/// Removes a dead child's named host segments and tells `watchers` if there were any.
+fn sweep_dead_child(watchers: &[Recipient<SupervisorEvent>], name: &str, child: &ProcessId) {
+    match host::sweep_process(child) {
+        Ok(report) if !report.removed.is_empty() => {
+            tracing::info!(child = %name, pid = child.pid, segments = report.removed.len(), bytes = report.removed_bytes, "swept a dead child's segments");
+            let event = SupervisorEvent::Swept {
+                name: name.to_owned(),
+                pid: child.pid,
+                segments: report.removed.len(),
+                bytes: report.removed_bytes,
+            };
+            for w in watchers {
+                w.do_send(event.clone());
+            }
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(child = %name, pid = child.pid, error = %e, "could not sweep a dead child's segments");
+        }
+    }
+}
+
 fn describe(status: Option<ExitStatus>) -> String {
     use std::os::unix::process::ExitStatusExt;
     match status {
@@ -246,6 +268,12 @@ pub struct ProcessSupervisor {
     watchers: Vec<Recipient<SupervisorEvent>>,
     stopping: bool,
     kill_unresponsive: bool,
+    /// How each child's last run ended.
+    last_exit: HashMap<String, String>,
+    /// Children that ended and are not restarted (done).
+    done: std::collections::HashSet<String>,
+    /// The children's states as the node's status lists them (see [`publish`](Self::publish)).
+    board: crate::status::ChildBoard,
     span: tracing::Span,
 }
 
@@ -280,6 +308,9 @@ impl ProcessSupervisor {
             watchers: Vec::new(),
             stopping: false,
             kill_unresponsive: true,
+            last_exit: HashMap::new(),
+            done: std::collections::HashSet::new(),
+            board: Arc::default(),
             span: tracing::info_span!("process_supervisor"),
         }
     }
@@ -302,6 +333,35 @@ impl ProcessSupervisor {
     pub fn subscriber(mut self, recipient: Recipient<SupervisorEvent>) -> Self {
         self.watchers.push(recipient);
         self
+    }
+
+    /// Puts the children's states where the node's status reads them.
+    fn publish(&self) {
+        let entries = self
+            .specs
+            .iter()
+            .map(|s| {
+                let running = self.running.get(&s.name);
+                let state = if running.is_some() {
+                    "running"
+                } else if self.stopping {
+                    "stopped"
+                } else if self.done.contains(&s.name) {
+                    "exited"
+                } else {
+                    "restarting"
+                };
+                baton_messages::status::ChildEntry {
+                    name: s.name.clone(),
+                    state: state.to_owned(),
+                    pid: running.map(|r| r.pid),
+                    start_ticks: running.map(|r| r.process.start_ticks),
+                    restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
+                    last_exit: self.last_exit.get(&s.name).cloned(),
+                }
+            })
+            .collect();
+        *self.board.lock().unwrap_or_else(|p| p.into_inner()) = entries;
     }
 
     fn emit(&self, event: SupervisorEvent) {
@@ -407,21 +467,7 @@ impl ProcessSupervisor {
     /// Removes a dead child's named host segments (its `Drop` never ran), before any
     /// restart; tells subscribers if there were any.
     fn sweep(&self, name: &str, child: &ProcessId) {
-        match host::sweep_process(child) {
-            Ok(report) if !report.removed.is_empty() => {
-                tracing::info!(child = %name, pid = child.pid, segments = report.removed.len(), bytes = report.removed_bytes, "swept a dead child's segments");
-                self.emit(SupervisorEvent::Swept {
-                    name: name.to_owned(),
-                    pid: child.pid,
-                    segments: report.removed.len(),
-                    bytes: report.removed_bytes,
-                });
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(child = %name, pid = child.pid, error = %e, "could not sweep a dead child's segments");
-            }
-        }
+        sweep_dead_child(&self.watchers, name, child);
     }
 
     fn kill(running: &Running) {
@@ -470,6 +516,7 @@ impl ProcessSupervisor {
             *self.restarts.entry(spec.name.clone()).or_insert(0) += 1;
             self.start_child(spec, ctx);
         }
+        self.publish();
     }
 }
 
@@ -479,21 +526,43 @@ impl Actor for ProcessSupervisor {
     fn started(&mut self, ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
         self.node.subscribe(ctx.address().recipient());
+        // The node's status lists the children for as long as this supervisor lives.
+        self.node.observed().register_children(&self.board);
         for spec in self.specs.clone() {
             self.start_child(spec, ctx);
         }
+        self.publish();
     }
 
+    /// SIGKILLs every child; a thread of its own waits for their reapers (never the
+    /// arbiter), then feeds their deaths into the lease protocol and sweeps them.
     fn stopped(&mut self, _ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
         self.stopping = true;
         let running: Vec<(String, Running)> = self.running.drain().collect();
-        for (name, mut running) in running {
-            Self::kill(&running);
-            let status = running.reaper.take().and_then(|r| r.join().ok()).flatten();
-            self.node.process_exited(running.process);
-            self.sweep(&name, &running.process);
-            tracing::info!(child = %name, pid = running.pid, status = %describe(status), "child stopped with the supervisor");
+        // The node's status lists them as stopped from now on.
+        self.publish();
+        if running.is_empty() {
+            return;
+        }
+        for (_, running) in &running {
+            Self::kill(running);
+        }
+        let (node, watchers, span) = (self.node.clone(), self.watchers.clone(), self.span.clone());
+        let reap = move || {
+            let _g = span.entered();
+            for (name, mut running) in running {
+                let status = running.reaper.take().and_then(|r| r.join().ok()).flatten();
+                node.process_exited(running.process);
+                sweep_dead_child(&watchers, &name, &running.process);
+                tracing::info!(child = %name, pid = running.pid, status = %describe(status), "child stopped with the supervisor");
+            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("baton-supervisor-stop".to_owned())
+            .spawn(reap)
+        {
+            tracing::warn!(error = %e, "no thread to reap the stopped children: they are reaped by their own reapers only");
         }
     }
 }
@@ -517,6 +586,7 @@ impl Handler<ChildExited> for ProcessSupervisor {
         self.node.process_exited(msg.process);
         let status = describe(msg.status);
         let pid = msg.process.pid;
+        self.last_exit.insert(msg.name.clone(), status.clone());
         if msg.status.is_some_and(|s| s.success()) {
             tracing::info!(child = %msg.name, pid, %status, "child exited");
         } else {
@@ -550,9 +620,11 @@ impl Handler<ChildExited> for ProcessSupervisor {
                 Restart::Transient if !clean => self.on_death(&msg.name, ctx),
                 Restart::Transient | Restart::Temporary => {
                     tracing::info!(child = %msg.name, "child done; not restarted");
+                    self.done.insert(msg.name.clone());
                 }
             }
         }
+        self.publish();
     }
 }
 

@@ -136,7 +136,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
             let fds: Vec<BorrowedFd<'_>> = made.fd().into_iter().collect();
             link.send(&made.offer(&session, lease)?, &fds)?;
             match link.recv()?.message {
-                Message::Release(Release { lease: back }) if back == lease => {}
+                Message::Release(Release { lease: back, .. }) if back == lease => {}
                 other => return Err(format!("expected Release of {lease}, got {other:?}").into()),
             }
             let t2 = Instant::now();
@@ -204,7 +204,7 @@ pub(crate) fn importer(socket: &str, pin: bool) -> Res<()> {
         let t2 = Instant::now();
         open.push(t1 - t0);
         close.push(t2 - t1);
-        link.send(&Message::Release(Release { lease: offer.lease }), &[])?;
+        link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     }
     drop(kept);
     let stats = cache.stats();

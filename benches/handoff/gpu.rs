@@ -57,7 +57,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
     link.set_timeout(Some(DEADLINE))?;
     let result = peer.result(DEADLINE)?;
     match link.recv()?.message {
-        Message::Release(Release { lease: back }) if back == lease => {}
+        Message::Release(Release { lease: back, .. }) if back == lease => {}
         other => return Err(format!("expected the Release, got {other:?}").into()),
     }
     let gbps = |k: &str| result[k]["gbps"].as_f64().unwrap_or(f64::NAN);
@@ -181,7 +181,7 @@ pub(crate) fn importer(socket: &str, reps: usize) -> Res<()> {
         .into());
     }
     drop(imported);
-    link.send(&Message::Release(Release { lease: offer.lease }), &[])?;
+    link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     let fig = |v: &[f32]| {
         let ms = f64::from(median(v.to_vec()));
         json!({

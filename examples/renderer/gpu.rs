@@ -1,15 +1,19 @@
 //! The renderer's CUDA kernels: compiled at run time with NVRTC (through cudarc), launched
-//! on the Baton CUDA backend's stream, so they are ordered with Baton's own copies and
-//! with the IPC events it records and waits on.
+//! on a stream of the process's own. Buffers and leases are cudarc citizens
+//! (`DevicePtr`/`DevicePtrMut`), passed as kernel arguments through `DeviceArg`, so every
+//! launch is ordered by Baton without a synchronise: a tile lease's first use on the stream
+//! waits on the worker's acquire fence, every use is recorded, and dropping a lease records
+//! its release fence after the kernels that read it (see `docs/ORDERING.md`).
 
 use crate::scene::{CUDA_SOURCE, TileRect};
-use baton::ipc::cuda::CudaBackend;
+use baton::actors::{Buffer, Lease};
 use baton::ipc::cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use baton::ipc::cuda::cudarc::nvrtc::compile_ptx;
+use baton::ipc::cuda::{CudaBackend, DeviceArg};
 use std::error::Error;
 use std::sync::Arc;
 
-/// The two kernels, loaded into the backend's context.
+/// The two kernels, loaded into the backend's context, and the stream they run on.
 pub struct Kernels {
     render: CudaFunction,
     compose: CudaFunction,
@@ -25,7 +29,7 @@ fn grid(w: u32, h: u32) -> LaunchConfig {
 }
 
 impl Kernels {
-    /// Compiles the scene with NVRTC and loads it.
+    /// Compiles the scene with NVRTC and loads it; makes the stream the kernels run on.
     pub fn load(backend: &CudaBackend) -> Result<Self, Box<dyn Error>> {
         // SAFETY: this only tries to load libnvrtc (running its initialisers, which have no
         // preconditions); with dynamic loading cudarc would panic at the first NVRTC call
@@ -42,78 +46,96 @@ impl Kernels {
         Ok(Self {
             render: module.load_function("render_tile")?,
             compose: module.load_function("compose_tile")?,
-            stream: Arc::clone(backend.stream()),
+            stream: backend.context().new_stream()?,
         })
     }
 
-    /// Renders `rect` of a `width`×`height` frame at time `t` into `out`, a device buffer
-    /// of at least `rect.w * rect.h` pixels. Asynchronous on the backend stream.
+    /// Renders `rect` of a `width`×`height` frame at time `t` into `out` (at least
+    /// `rect.w * rect.h` pixels). Asynchronous: the buffer records the write, so the offer
+    /// that shares it carries a fence after it.
     pub fn render(
         &self,
-        out: u64,
-        out_pixels: usize,
+        out: &mut Buffer<u32>,
         rect: &TileRect,
         width: u32,
         height: u32,
         t: f32,
     ) -> Result<(), Box<dyn Error>> {
-        if out_pixels < (rect.w * rect.h) as usize {
+        if out.len() < (rect.w * rect.h) as usize {
             return Err("tile buffer too small".into());
         }
-        let mut launch = self.stream.launch_builder(&self.render);
-        launch
-            .arg(&out)
-            .arg(&rect.x)
-            .arg(&rect.y)
-            .arg(&rect.w)
-            .arg(&rect.h)
-            .arg(&width)
-            .arg(&height)
-            .arg(&t);
         // SAFETY: the arguments match `render_tile`'s parameters in type and order (a
-        // device pointer as u64, six u32, one f32); the kernel writes only
+        // device pointer, six u32, one f32); the kernel writes only
         // `out[0 .. rect.w * rect.h]`, which the check above keeps inside the buffer, and
-        // the buffer outlives the launch (its owner holds it until the lease returns).
-        unsafe { launch.launch(grid(rect.w, rect.h)) }?;
+        // the buffer is freed only after the work recorded on it.
+        unsafe {
+            self.stream
+                .launch_builder(&self.render)
+                .arg(&DeviceArg::write(out, &self.stream))
+                .arg(&rect.x)
+                .arg(&rect.y)
+                .arg(&rect.w)
+                .arg(&rect.h)
+                .arg(&width)
+                .arg(&height)
+                .arg(&t)
+                .launch(grid(rect.w, rect.h))
+        }?;
         Ok(())
     }
 
-    /// Copies a `rect.w`×`rect.h` tile (device memory, imported) into its place in the
-    /// frame (device memory of `frame_w`×`frame_h`). Asynchronous on the backend stream.
+    /// Copies a `rect.w`×`rect.h` tile (a lease on another process's device memory, or a
+    /// buffer of ours) into its place in `frame` (device memory of `frame_w`×`frame_h`).
+    /// Asynchronous: the launch waits on the tile's acquire fence, and the tile and the
+    /// frame record their use.
     pub fn compose(
         &self,
-        frame: u64,
+        frame: &mut Buffer<u32>,
         frame_w: u32,
         frame_h: u32,
-        tile: u64,
-        tile_pixels: usize,
+        tile: Tile<'_>,
         rect: &TileRect,
     ) -> Result<(), Box<dyn Error>> {
+        let tile_pixels = match tile {
+            Tile::Leased(l) => l.len(),
+            Tile::Own(b) => b.len(),
+        };
         if rect.x + rect.w > frame_w
             || rect.y + rect.h > frame_h
             || tile_pixels < (rect.w * rect.h) as usize
+            || frame.len() < (frame_w * frame_h) as usize
         {
             return Err("tile does not fit the frame".into());
         }
-        let mut launch = self.stream.launch_builder(&self.compose);
-        launch
-            .arg(&frame)
-            .arg(&frame_w)
-            .arg(&tile)
-            .arg(&rect.x)
-            .arg(&rect.y)
-            .arg(&rect.w)
-            .arg(&rect.h);
-        // SAFETY: the arguments match `compose_tile`'s parameters; it reads
-        // `tile[0 .. w*h]` and writes the rect of `frame`, both checked above to lie
-        // inside their buffers, which stay mapped until the stream is synchronised (the
-        // compositor synchronises before it drops the tile leases).
-        unsafe { launch.launch(grid(rect.w, rect.h)) }?;
+        let tile = match tile {
+            Tile::Leased(l) => DeviceArg::read(l, &self.stream),
+            Tile::Own(b) => DeviceArg::read(b, &self.stream),
+        };
+        // SAFETY: the arguments match `compose_tile`'s parameters (two device pointers and
+        // five u32); it reads `tile[0 .. w*h]` and writes the rect of `frame`, both checked
+        // above to lie inside their buffers; the tile's mapping closes only after the
+        // lease's release fence, which follows this launch.
+        unsafe {
+            self.stream
+                .launch_builder(&self.compose)
+                .arg(&DeviceArg::write(frame, &self.stream))
+                .arg(&frame_w)
+                .arg(&tile)
+                .arg(&rect.x)
+                .arg(&rect.y)
+                .arg(&rect.w)
+                .arg(&rect.h)
+                .launch(grid(rect.w, rect.h))
+        }?;
         Ok(())
     }
+}
 
-    /// Waits for everything launched so far.
-    pub fn synchronize(&self) -> Result<(), Box<dyn Error>> {
-        Ok(self.stream.synchronize()?)
-    }
+/// A tile to compose: leased from a worker, or a buffer of ours (the staged path's).
+#[derive(Clone, Copy)]
+pub enum Tile<'a> {
+    /// A worker's tile.
+    Leased(&'a Lease<u32>),
+    /// Ours.
+    Own(&'a Buffer<u32>),
 }

@@ -23,7 +23,7 @@
 //! worker every K frames; the supervisor restarts it, the compositor marks the tiles it
 //! could not get, and the summary still shows zero leaked bytes.
 //!
-//! Options: `--size WxH` (default 1920x1080), `--frames N` (60), `--workers N` (4),
+//! Options (`--help` lists them): `--size WxH` (default 1920x1080), `--frames N` (60), `--workers N` (4),
 //! `--tile N` (256), `--backend auto|host|cuda` (auto), `--chaos [K]` (kill every K frames,
 //! default 10), `--out DIR` (default target/renderer-out), `--staged` (CUDA only: copy each
 //! tile to host shared memory and back, the pipeline zero-copy replaces), `--verify`
@@ -56,80 +56,81 @@ type Res<T> = Result<T, Box<dyn Error>>;
 
 // ---- options ------------------------------------------------------------------------------
 
-#[derive(Debug, Clone)]
+/// A multi-process renderer on Baton: a supervised tree of worker processes renders
+/// tiles into shared buffers, a compositor process composes them with zero copies.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "renderer")]
 struct Options {
+    /// Frame size, WIDTHxHEIGHT.
+    #[arg(long = "size", value_name = "WxH", default_value = "1920x1080", value_parser = parse_size)]
+    size: (u32, u32),
+    /// The frame's width (from `--size`).
+    #[arg(skip)]
     width: u32,
+    /// The frame's height (from `--size`).
+    #[arg(skip)]
     height: u32,
+    /// Frames to render.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     frames: u64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     workers: u32,
+    /// Tile edge in pixels.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     tile: u32,
+    /// Memory backend: auto (CUDA when present), host or cuda.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "host", "cuda"])]
     backend: String,
+    /// SIGKILL a random worker every K frames (default K: 10); the supervisor restarts it.
+    #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "10")]
     chaos: Option<u64>,
+    /// Where the PNGs go.
+    #[arg(long, default_value = "target/renderer-out")]
     out: PathBuf,
+    /// CUDA only: copy each tile through host shared memory (the pipeline zero-copy replaces).
+    #[arg(long)]
     staged: bool,
+    /// Compare the last frame with a single-process CPU render.
+    #[arg(long)]
     verify: bool,
+    /// Sweep nothing at the end: the caller counts what the run left.
+    #[arg(long)]
     no_sweep: bool,
+    /// The process's role in the tree (the root starts the others).
+    #[arg(long, hide = true, default_value = "root", value_parser = ["root", "compositor", "worker"])]
+    role: String,
+    /// A worker's index.
+    #[arg(long, hide = true)]
+    index: Option<u32>,
+    /// The compositor's socket directory.
+    #[arg(long, hide = true)]
+    sockets: Option<PathBuf>,
+}
+
+fn parse_size(s: &str) -> Result<(u32, u32), String> {
+    let (w, h) = s.split_once('x').ok_or("--size is WIDTHxHEIGHT")?;
+    let w: u32 = w.parse().map_err(|e| format!("width: {e}"))?;
+    let h: u32 = h.parse().map_err(|e| format!("height: {e}"))?;
+    if w == 0 || h == 0 {
+        return Err("sizes must be positive".into());
+    }
+    Ok((w, h))
 }
 
 impl Options {
-    fn parse(args: &[String]) -> Res<Options> {
-        let mut o = Options {
-            width: 1920,
-            height: 1080,
-            frames: 60,
-            workers: 4,
-            tile: 256,
-            backend: "auto".into(),
-            chaos: None,
-            out: PathBuf::from("target/renderer-out"),
-            staged: false,
-            verify: false,
-            no_sweep: false,
-        };
-        let mut it = args.iter().peekable();
-        while let Some(arg) = it.next() {
-            let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
-            match arg.as_str() {
-                "--size" => {
-                    let v = value()?;
-                    let (w, h) = v.split_once('x').ok_or("--size is WIDTHxHEIGHT")?;
-                    (o.width, o.height) = (w.parse()?, h.parse()?);
-                }
-                "--frames" => o.frames = value()?.parse()?,
-                "--workers" => o.workers = value()?.parse()?,
-                "--tile" => o.tile = value()?.parse()?,
-                "--backend" => o.backend = value()?.clone(),
-                "--out" => o.out = PathBuf::from(value()?),
-                "--staged" => o.staged = true,
-                "--verify" => o.verify = true,
-                "--no-sweep" => o.no_sweep = true,
-                "--chaos" => {
-                    o.chaos = Some(match it.peek().and_then(|v| v.parse().ok()) {
-                        Some(k) => {
-                            it.next();
-                            k
-                        }
-                        None => 10,
-                    })
-                }
-                // Role arguments are read elsewhere.
-                "--role" | "--index" | "--sockets" => {
-                    value()?;
-                }
-                other => return Err(format!("unknown option {other}").into()),
-            }
-        }
-        if o.width == 0 || o.height == 0 || o.frames == 0 || o.workers == 0 || o.tile == 0 {
-            return Err("sizes, frames, workers and tile must be positive".into());
-        }
-        Ok(o)
+    /// The command line, parsed (exits with a usage message, or the help, if it must).
+    fn from_args() -> Options {
+        let mut o = <Options as clap::Parser>::parse();
+        (o.width, o.height) = o.size;
+        o
     }
 
     /// The options again, as arguments for a child.
     fn to_args(&self) -> Vec<String> {
         let mut a = vec![
             "--size".into(),
-            format!("{}x{}", self.width, self.height),
+            format!("{}x{}", self.size.0, self.size.1),
             "--frames".into(),
             self.frames.to_string(),
             "--workers".into(),
@@ -149,13 +150,6 @@ impl Options {
         }
         a
     }
-}
-
-fn arg_of<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(String::as_str)
 }
 
 /// This process's backend: CUDA (with its concrete type, for kernels) or host.
@@ -309,17 +303,17 @@ impl Worker {
                     tiles.push((r.index, buf.share()));
                 }
             }
-            Some((backend, kernels)) => {
+            Some((_, kernels)) => {
                 let t = scene::time_of(msg.frame);
                 for r in &msg.tiles {
-                    let buf = &self.pool[&r.index];
-                    let baton::ipc::MemPtr::Device(ptr) = buf.ptr() else {
-                        return Err("a CUDA buffer is device memory".into());
-                    };
-                    kernels.render(ptr, buf.len(), r, w, h, t)?;
+                    let buf = self.pool.get_mut(&r.index).ok_or("no buffer for a tile")?;
+                    // Waits on the compositor's release fence of this buffer's last frame,
+                    // then records the write: nobody blocks here.
+                    kernels.render(buf, r, w, h, t)?;
                 }
                 if let Some((_, staging)) = &self.staging {
-                    // The pipeline zero-copy replaces: device -> host -> shared memory.
+                    // The pipeline zero-copy replaces: device -> host -> shared memory (the
+                    // copy waits for the kernel that rendered the tile).
                     for r in &msg.tiles {
                         let pixels = self.pool[&r.index].to_vec()?;
                         let host = &staging[&r.index];
@@ -327,11 +321,10 @@ impl Worker {
                         tiles.push((r.index, host.share()));
                     }
                 } else {
-                    // One event after all the tiles' kernels: the compositor's stream waits on
-                    // it before reading, so nobody blocks here.
-                    let event = Arc::new(backend.record_event()?);
+                    // Each offer carries a fence after the kernel that rendered its tile; the
+                    // compositor's stream waits on it before reading.
                     for r in &msg.tiles {
-                        tiles.push((r.index, self.pool[&r.index].share_after(&event)));
+                        tiles.push((r.index, self.pool[&r.index].share()));
                     }
                 }
             }
@@ -380,11 +373,20 @@ impl Handler<Render> for Worker {
     }
 }
 
-async fn connect_retrying(node: &Node, path: &Path) -> Res<baton::actors::Peer> {
+/// Connects to `path`, retrying while it is not there yet — as long as `root` is linked:
+/// once the root has let go (the run is winding down), there is nothing to join: `None`.
+async fn connect_retrying(
+    node: &Node,
+    path: &Path,
+    root: &baton::actors::Peer,
+) -> Res<Option<baton::actors::Peer>> {
     let start = Instant::now();
     loop {
+        if !root.is_connected() {
+            return Ok(None);
+        }
         match node.connect(path).await {
-            Ok(p) => return Ok(p),
+            Ok(p) => return Ok(Some(p)),
             Err(e) if start.elapsed() > Duration::from_secs(30) => return Err(e.into()),
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
@@ -426,7 +428,13 @@ fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<
         .start();
         node.register::<Render>("render", actor.clone().recipient());
         node.subscribe(actor.recipient());
-        let compositor = connect_retrying(&node, &sockets.join("compositor.sock")).await?;
+        let Some(compositor) =
+            connect_retrying(&node, &sockets.join("compositor.sock"), &root).await?
+        else {
+            // The run ended before we could join: a clean exit, nothing to restart.
+            System::current().stop();
+            return Ok(());
+        };
         compositor
             .remote::<Join>("join")
             .send(Join {
@@ -490,35 +498,26 @@ impl Canvas {
         Ok(())
     }
 
+    /// Composes a tile into the frame. On CUDA the kernel is queued on the compositor's
+    /// stream, ordered by the lease (its first use waits on the worker's fence; dropping it
+    /// records the release after the kernel): no synchronise here, and none before the
+    /// leases go back.
     fn compose(&self, r: &TileRect, lease: &Lease<u32>) -> Res<()> {
         let (fw, fh) = (self.opts.width, self.opts.height);
-        match (&self.gpu, lease.ptr()?) {
-            (Some((_, k)), baton::ipc::MemPtr::Device(tile)) => {
-                let baton::ipc::MemPtr::Device(frame) = self.frame.ptr() else {
-                    return Err("the CUDA frame is device memory".into());
-                };
-                k.compose(frame, fw, fh, tile, lease.len(), r)
+        // A second handle of the frame buffer, for the `&mut` of cudarc's `DevicePtrMut`.
+        let mut frame = self.frame.clone();
+        match &self.gpu {
+            Some((_, k)) if lease.is_device() => {
+                k.compose(&mut frame, fw, fh, gpu::Tile::Leased(lease), r)
             }
-            (Some((_, k)), baton::ipc::MemPtr::Host(_)) => {
-                // Staged: host tile -> device scratch -> frame.
+            Some((_, k)) => {
+                // Staged: host tile -> device scratch -> frame. The upload waits for the
+                // kernel that last read the scratch buffer.
                 let scratch = self.scratch.as_ref().ok_or("no scratch buffer")?;
                 scratch.write_at(0, &lease.to_vec()?)?;
-                let (baton::ipc::MemPtr::Device(frame), baton::ipc::MemPtr::Device(tile)) =
-                    (self.frame.ptr(), scratch.ptr())
-                else {
-                    return Err("the CUDA frame is device memory".into());
-                };
-                k.compose(frame, fw, fh, tile, scratch.len(), r)?;
-                k.synchronize()
+                k.compose(&mut frame, fw, fh, gpu::Tile::Own(scratch), r)
             }
-            (None, _) => self.put_rows(r, &lease.to_vec()?),
-        }
-    }
-
-    fn finish(&self) -> Res<()> {
-        match &self.gpu {
-            Some((_, k)) => k.synchronize(),
-            None => Ok(()),
+            None => self.put_rows(r, &lease.to_vec()?),
         }
     }
 }
@@ -603,8 +602,9 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
                     }
                 }
             }
-            // Kernels that read the tiles must finish before the leases go back.
-            canvas.finish()?;
+            // The leases go back in plain scope order: each release carries a fence after the
+            // kernels that read its tile, and the worker waits on it before rendering there
+            // again. Host copies of the frame below wait for the compose kernels.
             let leases_held = held.len() as u64;
             summary.tiles_composed += leases_held;
             drop(held);
@@ -656,7 +656,66 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
 
 // ---- root ----------------------------------------------------------------------------------
 
+/// Where the root's progress goes: a bar on a terminal, plain lines otherwise (a log, a
+/// test reading stdout).
+#[derive(Clone)]
+enum Output {
+    Bar(indicatif::ProgressBar),
+    Lines,
+}
+
+impl Output {
+    fn for_stdout(frames: u64) -> Output {
+        use std::io::IsTerminal;
+        if !std::io::stdout().is_terminal() {
+            return Output::Lines;
+        }
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(frames),
+            indicatif::ProgressDrawTarget::stdout(),
+        );
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos:>5}/{len} frames {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Output::Bar(bar)
+    }
+
+    /// A line of its own (above the bar, if there is one).
+    fn line(&self, line: &str) {
+        match self {
+            Output::Bar(bar) => bar.println(line),
+            Output::Lines => println!("{line}"),
+        }
+    }
+
+    /// Progress: the bar moves, or (at most twice a second) a line.
+    fn progress(&self, frame: u64, detail: &str, line: impl FnOnce() -> Option<String>) {
+        match self {
+            Output::Bar(bar) => {
+                bar.set_position(frame);
+                bar.set_message(detail.to_owned());
+            }
+            Output::Lines => {
+                if let Some(l) = line() {
+                    println!("{l}");
+                }
+            }
+        }
+    }
+
+    /// The run is over: the bar goes (the summary follows as lines).
+    fn finish(&self) {
+        if let Output::Bar(bar) = self {
+            bar.finish_and_clear();
+        }
+    }
+}
+
 struct Root {
+    out: Output,
     opts: Options,
     supervisor: Option<Addr<ProcessSupervisor>>,
     restarts: u64,
@@ -680,16 +739,22 @@ impl Handler<Progress> for Root {
                 self.rng ^= self.rng >> 7;
                 self.rng ^= self.rng << 17;
                 let victim = format!("worker-{}", self.rng % u64::from(self.opts.workers));
-                println!("chaos: frame {} — SIGKILL {victim}", p.frame);
+                self.out
+                    .line(&format!("chaos: frame {} — SIGKILL {victim}", p.frame));
                 sup.do_send(KillChild(victim));
             }
         }
-        if self.last_print.elapsed() > Duration::from_millis(500) || p.frame == self.opts.frames {
+        let detail = format!(
+            "| {:>7.1} fps | live leases {:>4} | restarts {} | missing tiles {}",
+            p.fps, p.leases_held, self.restarts, p.tiles_missing
+        );
+        let due =
+            self.last_print.elapsed() > Duration::from_millis(500) || p.frame == self.opts.frames;
+        self.out.progress(p.frame, &detail, || {
+            due.then(|| format!("frame {:>5}/{} {detail}", p.frame, self.opts.frames))
+        });
+        if due {
             self.last_print = Instant::now();
-            println!(
-                "frame {:>5}/{} | {:>7.1} fps | live leases {:>4} | restarts {} | missing tiles {}",
-                p.frame, self.opts.frames, p.fps, p.leases_held, self.restarts, p.tiles_missing
-            );
         }
     }
 }
@@ -719,7 +784,8 @@ impl Handler<SupervisorEvent> for Root {
             SupervisorEvent::Exited {
                 name, pid, status, ..
             } => {
-                println!("child exited: {name}, pid {pid}, {status}");
+                self.out
+                    .line(&format!("child exited: {name}, pid {pid}, {status}"));
             }
             _ => {}
         }
@@ -763,7 +829,8 @@ fn root(opts: Options) -> Res<()> {
 
         let (tx, rx) = tokio::sync::oneshot::channel();
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 | 1;
-        let root = Root { opts: opts.clone(), supervisor: None, restarts: 0, last_print: Instant::now(), rng: seed, done: Some(tx), swept: (0, 0) }.start();
+        let out = Output::for_stdout(opts.frames);
+        let root = Root { out: out.clone(), opts: opts.clone(), supervisor: None, restarts: 0, last_print: Instant::now(), rng: seed, done: Some(tx), swept: (0, 0) }.start();
         node.register::<Progress>("progress", root.clone().recipient());
         node.register::<Done>("done", root.clone().recipient());
         let budget = (opts.frames / opts.chaos.unwrap_or(u64::MAX).max(1)) as u32 + 5;
@@ -783,9 +850,12 @@ fn root(opts: Options) -> Res<()> {
             if opts.staged { ", host-staged" } else { ", zero-copy" },
             opts.chaos.map(|k| format!(", chaos every {k} frames")).unwrap_or_default()
         );
+        // Who pins what, while it runs: `baton status --tree <socket>` or `baton top <socket>`.
+        println!("socket            {}", listening.path().display());
 
         let summary = tokio::time::timeout(Duration::from_secs(1800), rx).await.map_err(|_| "the run did not finish in 30 minutes")??;
         let (restarts, swept_during) = root.send(Restarts).await?;
+        out.finish();
 
         // Wind down: closing the links ends the children cleanly (their Drop frees what
         // they own); whatever is still running after a deadline is killed.
@@ -794,6 +864,10 @@ fn root(opts: Options) -> Res<()> {
         }
         let start = Instant::now();
         while supervisor.send(Children).await?.iter().any(|c| c.pid.is_some()) && start.elapsed() < Duration::from_secs(30) {
+            // A worker restarted just before the end may link after the close above.
+            for peer in node.peers() {
+                peer.close();
+            }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         supervisor.send(Shutdown).await?;
@@ -894,31 +968,31 @@ impl Handler<Restarts> for Root {
 }
 
 fn main() {
+    use std::io::IsTerminal;
+    // Colours only for a person at a terminal: a redirected log is plain text.
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let opts = Options::from_args();
+    let role = opts.role.clone();
     // A child's entry point: take the session token from the pipe the supervisor passed
     // (and close it) before anything else.
     let child_session = || Session::from_env().map_err(|e| -> Box<dyn Error> { e.into() });
-    let result = Options::parse(&args).and_then(|opts| {
-        let sockets = arg_of(&args, "--sockets").map(PathBuf::from);
-        match arg_of(&args, "--role") {
-            None | Some("root") => root(opts),
-            Some("compositor") => compositor(child_session()?, opts, sockets.ok_or("--sockets")?),
-            Some("worker") => {
-                let session = child_session()?;
-                let index = arg_of(&args, "--index").ok_or("--index")?.parse()?;
-                worker(session, opts, index, sockets.ok_or("--sockets")?)
-            }
-            Some(other) => Err(format!("unknown role {other}").into()),
-        }
-    });
+    let sockets = opts.sockets.clone().ok_or("--sockets");
+    let result = match role.as_str() {
+        "compositor" => (|| compositor(child_session()?, opts, sockets?))(),
+        "worker" => (|| {
+            let session = child_session()?;
+            let index = opts.index.ok_or("--index")?;
+            worker(session, opts, index, sockets?)
+        })(),
+        _ => root(opts),
+    };
     if let Err(e) = result {
-        let role = arg_of(&args, "--role").unwrap_or("root").to_owned();
         eprintln!("renderer ({role}): {e}");
         std::process::exit(1);
     }

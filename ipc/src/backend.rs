@@ -1,11 +1,13 @@
 //! The [`Backend`] trait and the two guards every backend hands out: [`Allocation`]
 //! (exporter side, owns the free) and [`OpenedMem`] (importer side, owns the close).
 
+use crate::cuda::CudaBackend;
+use crate::ordering::{ExportedFence, StreamRef, UseMark};
 use crate::session::{CheckedHandle, Session};
 use crate::{Error, Result};
 use baton_messages::{
-    ActorId, AllocationId, BackendKind, DeviceUuid, ExporterId, Generation, HandleDigest,
-    HandleMsg, IpcEventHandle, Layout, PROTOCOL_VERSION, ProcessId, RawHandle,
+    ActorId, AllocationId, BackendKind, DeviceUuid, ExporterId, FenceHandle, Generation,
+    HandleDigest, HandleMsg, IpcEventHandle, Layout, PROTOCOL_VERSION, ProcessId, RawHandle,
 };
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -80,6 +82,19 @@ pub enum FreeWhileMapped {
     Unsafe,
 }
 
+/// What the descriptor of [`ExportableMemory::export_fd`] names, and so how often it must
+/// cross a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DescriptorScope {
+    /// This allocation alone (CUDA VMM, host `memfd`): once per (link, allocation) — an
+    /// importer keeps it with its mapping.
+    Allocation,
+    /// A pool many allocations come from (CUDA stream-ordered pools), named by the
+    /// exporting process's id of the pool: once per (link, pool) — the importer imports
+    /// the pool once and finds it again by that id.
+    Pool(u64),
+}
+
 /// Exporter-side memory: [`RawMemory`] that can be shared.
 pub trait ExportableMemory: RawMemory {
     /// What freeing this memory does to importers that still map it.
@@ -94,6 +109,10 @@ pub trait ExportableMemory: RawMemory {
     /// The descriptor to send beside the frame, for backends that share by descriptor.
     fn export_fd(&self) -> Option<BorrowedFd<'_>> {
         None
+    }
+    /// What [`export_fd`](Self::export_fd) names.
+    fn descriptor_scope(&self) -> DescriptorScope {
+        DescriptorScope::Allocation
     }
 }
 
@@ -262,6 +281,12 @@ impl Allocation {
         self.mem.export_fd()
     }
 
+    /// What [`export_fd`](Self::export_fd) names: this allocation, or a pool shared by
+    /// many (whose descriptor crosses a link once).
+    pub fn descriptor_scope(&self) -> DescriptorScope {
+        self.mem.descriptor_scope()
+    }
+
     /// Starts a sealed handle message for this allocation (the whole of it, unless
     /// [`HandleBuilder::range`] says otherwise).
     pub fn handle<'a>(&'a self, session: &'a Session) -> HandleBuilder<'a> {
@@ -273,7 +298,7 @@ impl Allocation {
             len: self.size() as u64,
             layout: None,
             fd_slot: Some(0),
-            event: None,
+            fence: None,
         }
     }
 
@@ -308,7 +333,7 @@ pub struct HandleBuilder<'a> {
     len: u64,
     layout: Option<Layout>,
     fd_slot: Option<u8>,
-    event: Option<IpcEventHandle>,
+    fence: Option<FenceHandle>,
 }
 
 impl HandleBuilder<'_> {
@@ -339,9 +364,15 @@ impl HandleBuilder<'_> {
         self
     }
 
-    /// An interprocess event importers wait on before use (CUDA).
+    /// An interprocess event importers wait on before use (CUDA): the acquire fence.
     pub fn event(mut self, event: IpcEventHandle) -> Self {
-        self.event = Some(event);
+        self.fence = Some(FenceHandle::Event(event));
+        self
+    }
+
+    /// The acquire fence importers wait on before use (device backends).
+    pub fn fence(mut self, fence: FenceHandle) -> Self {
+        self.fence = Some(fence);
         self
     }
 
@@ -367,7 +398,7 @@ impl HandleBuilder<'_> {
             len: self.len,
             layout: self.layout,
             raw: a.mem.raw_handle(self.fd_slot)?,
-            event: self.event,
+            fence: self.fence,
             digest: HandleDigest::default(),
         };
         handle.validate()?;
@@ -473,17 +504,68 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Errors
     /// A backend error: the memory is gone, is smaller than claimed, the device is absent.
     fn open(&self, handle: CheckedHandle<'_>, fd: Option<OwnedFd>) -> Result<OpenedMem>;
-    /// Orders this backend's later work on opened memory after the exporter's recorded
-    /// `event` (CUDA: the backend stream waits on the interprocess event). The
-    /// [`ImportCache`](crate::ImportCache) calls it for every handle that carries an event,
-    /// on a miss and on a hit, before handing the buffer out. Backends without events (host)
-    /// do nothing.
+    /// Orders the work queued on `stream` from now on after `fence`, which `producer`
+    /// recorded (CUDA: `cuStreamWaitEvent` on the opened interprocess event, or
+    /// `cuStreamWaitValue64` on the mapped counter; `producer` may be this process).
+    /// Backends whose memory is written synchronously (host) do nothing.
     ///
     /// # Errors
-    /// A backend error (the event cannot be opened, …).
-    fn wait_event(&self, exporter: &ExporterId, event: &IpcEventHandle) -> Result<()> {
-        let _ = (exporter, event);
+    /// A backend error (the fence cannot be opened, …).
+    fn order_after(
+        &self,
+        stream: StreamRef<'_>,
+        producer: &ProcessId,
+        fence: &FenceHandle,
+    ) -> Result<()> {
+        let _ = (stream, producer, fence);
         Ok(())
+    }
+    /// Opens what waiting on `fence` (recorded by `producer`) needs — another process's
+    /// event or counter slab — so that a later [`order_after`](Self::order_after) on a
+    /// thread that must not block finds it open. Backends without fences do nothing.
+    ///
+    /// # Errors
+    /// A backend error (the fence cannot be opened).
+    fn prepare_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        let _ = (producer, fence);
+        Ok(())
+    }
+    /// A new mark for uses of a buffer on `stream` (see [`UseMark`]), or `None` for backends
+    /// without queued work (host).
+    ///
+    /// # Errors
+    /// A backend error.
+    fn use_mark(&self, stream: StreamRef<'_>) -> Result<Option<Box<dyn UseMark>>> {
+        let _ = stream;
+        Ok(None)
+    }
+    /// A fence another process can wait on, complete once the latest record of every mark
+    /// in `after` has completed (CUDA: a stream of the backend's waits on the marks' events,
+    /// then records a pooled interprocess event). `None` when `after` is empty or the
+    /// backend has no fences.
+    ///
+    /// # Errors
+    /// A backend error ([`Error::EventsExhausted`] when every pooled event is in use).
+    fn export_fence(&self, after: &[&dyn UseMark]) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let _ = after;
+        Ok(None)
+    }
+    /// Blocks until the work queued on the backend's own stream has completed.
+    ///
+    /// # Errors
+    /// A backend error, including errors of that work.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Whether this backend's allocations, opens, closes and frees are driver calls that may
+    /// block for a while (CUDA): the actor layer then runs them on a driver thread, never
+    /// on an actor's thread. Host memory (`mmap`, `memfd_create`) runs inline.
+    fn blocking_calls(&self) -> bool {
+        false
+    }
+    /// The CUDA backend, if this is one (for cudarc interoperation).
+    fn cuda(&self) -> Option<&CudaBackend> {
+        None
     }
     /// Drops what the backend keeps about a dead exporter process (opened events). Called
     /// by [`ImportCache::forget_process`](crate::ImportCache::forget_process).

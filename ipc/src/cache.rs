@@ -13,16 +13,28 @@
 //!   exporter answers `Unmap`, and the holder lets go with
 //!   [`unhold`](ImportCache::unhold).
 //! - **Closed** when it has neither views nor holders: at once if idle, else when its last
-//!   view drops. [`unhold`](ImportCache::unhold)'s callback runs then, so the link can
-//!   tell the exporter `Unmapped` only once nothing here maps the memory any more.
+//!   view drops. [`unhold`](ImportCache::unhold)'s callback runs once the close is done,
+//!   so the link can tell the exporter `Unmapped` only once nothing here maps the
+//!   allocation any more.
 //!
 //! A mapping opened without a holder (the low-level API: `open`, use, drop) closes with
 //! its last view, as before warm mappings existed.
 //!
-//! Opening and closing happen under the cache's lock, so a mapping is never closed while
-//! the same allocation is being reopened (CUDA returns the same address for a second open
-//! of a handle in one process, and an unlucky interleaving would otherwise close the new
-//! user's mapping). Callbacks run after the lock is released.
+//! **No lock across a driver call.** Opens and closes run with the cache's lock released;
+//! the key is marked *opening* or *closing* meanwhile, and an open of a key that is being
+//! closed waits for that close to finish (running it itself if it has not started), so a
+//! mapping is never closed while the same allocation is being reopened (CUDA returns the
+//! same address for a second open of a handle in one process, and an unlucky interleaving
+//! would otherwise close the new user's mapping). Closes run on the cache's executor
+//! ([`set_executor`](ImportCache::set_executor): the actor layer's driver thread; inline by
+//! default), after every release fence of the views that used the mapping has completed
+//! ([`Imported::release_after`]): queued work never outlives its mapping. Callbacks run
+//! after the close, with no lock held.
+//!
+//! **Ordering.** [`open`](ImportCache::open) orders the backend's own stream after the
+//! handle's acquire fence, for callers that read through the view's copies;
+//! [`open_unordered`](ImportCache::open_unordered) leaves that to the caller, who makes each
+//! stream it uses wait on the fence (the actor layer's `Lease` does, once per stream).
 //!
 //! Generations: an exporter that reuses an allocation for a new buffer gives it the next
 //! generation. A handle older than the generation this process maps is refused as
@@ -30,14 +42,19 @@
 
 use crate::backend::{MemPtr, OpenedMem, SharedBackend};
 use crate::link::FrameFds;
+use crate::ordering::StreamRef;
 use crate::session::Session;
 use crate::{Error, Result};
 use baton_messages::{
-    AllocationId, BackendKind, ExporterId, Generation, HandleMsg, Layout, ProcessId,
+    AllocationId, BackendKind, ExporterId, FenceHandle, Generation, HandleMsg, Layout, ProcessId,
 };
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How long an open waits for another thread's open or close of the same allocation.
+const BUSY_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Which mapping: an allocation of an exporter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -92,13 +109,13 @@ pub struct CacheStats {
     pub hits: u64,
     /// Opens that mapped memory (one driver-level open or `mmap` each).
     pub opens: u64,
-    /// Mappings closed.
+    /// Mappings closed (or being closed).
     pub closes: u64,
     /// Handles refused as stale.
     pub stale: u64,
     /// Warm mappings handed to the evictor because the budget was exceeded.
     pub evictions: u64,
-    /// Mappings open now (in use or warm).
+    /// Mappings open now (in use, warm, or being closed).
     pub live: usize,
     /// Of those, warm: mapped with no view alive.
     pub warm: usize,
@@ -112,8 +129,12 @@ pub type OnClosed = Box<dyn FnOnce() + Send>;
 /// Asked to evict a warm mapping for a holder (see [`ImportCache::set_evictor`]).
 pub type Evictor = Arc<dyn Fn(HolderId, CacheKey) + Send + Sync>;
 
+/// Runs blocking work (mapping closes) somewhere (see [`ImportCache::set_executor`]).
+pub type Executor = Arc<dyn Fn(Box<dyn FnOnce() + Send>) + Send + Sync>;
+
 struct Entry {
     mem: Arc<OpenedMem>,
+    backend: SharedBackend,
     users: usize,
     holders: Vec<HolderId>,
     /// The newest generation of the allocation seen.
@@ -128,6 +149,10 @@ struct Entry {
     evicting: bool,
     /// Run when it closes (holders that let go while views were alive).
     on_closed: Vec<OnClosed>,
+    /// Release fences (this process's) of views that queued work on the mapping: the close
+    /// waits for them. Deduplicated: a pooled fence is recorded again only once its work
+    /// completed, so waiting on its latest record covers every earlier one.
+    pending: Vec<FenceHandle>,
 }
 
 impl Entry {
@@ -136,12 +161,78 @@ impl Entry {
     }
 }
 
+/// A close that has not run yet: taken by whoever runs it first (the executor, or an open
+/// of the same key that must not wait behind it).
+type CloseCell = Arc<Mutex<Option<CloseJob>>>;
+
+enum Busy {
+    /// A thread is opening the key with no lock held.
+    Opening,
+    /// The key's mapping is being closed.
+    Closing(CloseCell),
+}
+
 #[derive(Default)]
 struct State {
     entries: HashMap<CacheKey, Entry>,
+    busy: HashMap<CacheKey, Busy>,
     clock: u64,
     stats: CacheStats,
 }
+
+/// Everything a close needs, run with no lock held.
+struct CloseJob {
+    key: CacheKey,
+    mem: Arc<OpenedMem>,
+    backend: SharedBackend,
+    pending: Vec<FenceHandle>,
+    callbacks: Vec<OnClosed>,
+}
+
+impl CloseJob {
+    fn run(self, shared: &Shared) {
+        let CloseJob {
+            key,
+            mem,
+            backend,
+            pending,
+            callbacks,
+        } = self;
+        if !pending.is_empty() {
+            // Work this process queued on the mapping runs before it goes.
+            let me = crate::process::current();
+            let waited = pending
+                .iter()
+                .try_for_each(|f| backend.order_after(StreamRef::Internal, &me, f))
+                .and_then(|()| backend.synchronize());
+            if let Err(e) = waited {
+                tracing::warn!(alloc = %key.alloc, error = %e, "waiting for the work on a mapping before closing it failed");
+            }
+        }
+        // The cache and the views hold the only references (views hand out
+        // `&OpenedMem`, never the `Arc`), and no view is left, so this is the last one.
+        match Arc::try_unwrap(mem) {
+            Ok(mem) => {
+                if let Err(e) = mem.close() {
+                    tracing::warn!(alloc = %key.alloc, error = %e, "closing an imported mapping failed");
+                }
+            }
+            Err(_) => tracing::error!(alloc = %key.alloc, "a closed mapping still had a reference"),
+        }
+        tracing::debug!(exporter = %key.exporter, alloc = %key.alloc, "unmapped");
+        {
+            let mut state = shared.lock();
+            if matches!(state.busy.get(&key), Some(Busy::Closing(_))) {
+                state.busy.remove(&key);
+            }
+        }
+        shared.changed.notify_all();
+        run(callbacks);
+    }
+}
+
+/// A close to hand to the executor once the lock is released.
+struct Closing(CloseCell);
 
 impl State {
     /// Marks an entry in use (leaving the warm set if it was there).
@@ -155,26 +246,24 @@ impl State {
         }
     }
 
-    /// Closes an entry that has neither views nor holders; returns its callbacks.
-    fn close(&mut self, key: &CacheKey) -> Vec<OnClosed> {
+    /// Starts closing an entry that has neither views nor holders: removes it and marks the
+    /// key closing. `more` run after its own callbacks, once it is closed.
+    fn close(&mut self, key: &CacheKey, more: Vec<OnClosed>) -> Option<Closing> {
         self.touch(key);
-        let Some(entry) = self.entries.remove(key) else {
-            return Vec::new();
-        };
+        let entry = self.entries.remove(key)?;
         debug_assert!(entry.users == 0 && entry.holders.is_empty());
         self.stats.closes += 1;
-        // The cache and the views hold the only references (views hand out
-        // `&OpenedMem`, never the `Arc`), and no view is left, so this is the last one.
-        match Arc::try_unwrap(entry.mem) {
-            Ok(mem) => {
-                if let Err(e) = mem.close() {
-                    tracing::warn!(alloc = %key.alloc, error = %e, "closing an imported mapping failed");
-                }
-            }
-            Err(_) => tracing::error!(alloc = %key.alloc, "a closed mapping still had a reference"),
-        }
-        tracing::debug!(exporter = %key.exporter, alloc = %key.alloc, "unmapped");
-        entry.on_closed
+        let mut callbacks = entry.on_closed;
+        callbacks.extend(more);
+        let cell: CloseCell = Arc::new(Mutex::new(Some(CloseJob {
+            key: *key,
+            mem: entry.mem,
+            backend: entry.backend,
+            pending: entry.pending,
+            callbacks,
+        })));
+        self.busy.insert(*key, Busy::Closing(Arc::clone(&cell)));
+        Some(Closing(cell))
     }
 
     /// Warm entries over `budget`, least recently used first, marked as evicting. Those
@@ -215,7 +304,10 @@ struct Shared {
     backends: Vec<SharedBackend>,
     budget: WarmBudget,
     evictor: Mutex<Option<Evictor>>,
+    executor: Mutex<Option<Executor>>,
     state: Mutex<State>,
+    /// Notified when a key stops being busy.
+    changed: Condvar,
 }
 
 impl Shared {
@@ -244,6 +336,85 @@ impl Shared {
                 evictor(holder, key);
             }
         }
+    }
+
+    /// Hands a close to the executor (outside the state lock).
+    fn dispatch(self: &Arc<Self>, closing: Option<Closing>) {
+        let Some(Closing(cell)) = closing else {
+            return;
+        };
+        let executor = self
+            .executor
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let shared = Arc::clone(self);
+        let job = move || {
+            let job = cell.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(job) = job {
+                job.run(&shared);
+            }
+        };
+        match executor {
+            Some(executor) => executor(Box::new(job)),
+            None => job(),
+        }
+    }
+
+    /// Waits until no other thread opens or closes `key`; returns with the lock held. A
+    /// close queued but not started is run here, so an open on the executor's own thread
+    /// never waits for work queued behind it.
+    fn settled(&self, key: &CacheKey) -> Result<MutexGuard<'_, State>> {
+        let start = Instant::now();
+        let mut state = self.lock();
+        loop {
+            let cell = match state.busy.get(key) {
+                None => return Ok(state),
+                Some(Busy::Closing(cell)) => Some(Arc::clone(cell)),
+                Some(Busy::Opening) => None,
+            };
+            if let Some(cell) = cell {
+                drop(state);
+                let job = cell.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(job) = job {
+                    job.run(self);
+                }
+                state = self.lock();
+                if !matches!(state.busy.get(key), Some(Busy::Closing(c)) if Arc::ptr_eq(c, &cell)) {
+                    continue;
+                }
+            }
+            let left = BUSY_DEADLINE.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    op: "waiting for another open or close of the same allocation",
+                    after: BUSY_DEADLINE,
+                });
+            }
+            state = self
+                .changed
+                .wait_timeout(state, left.min(Duration::from_millis(100)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// Removes a key's `Opening` mark when the open ends, also by unwinding.
+struct OpeningMark<'a> {
+    shared: &'a Shared,
+    key: CacheKey,
+}
+
+impl Drop for OpeningMark<'_> {
+    fn drop(&mut self) {
+        {
+            let mut state = self.shared.lock();
+            if matches!(state.busy.get(&self.key), Some(Busy::Opening)) {
+                state.busy.remove(&self.key);
+            }
+        }
+        self.shared.changed.notify_all();
     }
 }
 
@@ -286,7 +457,9 @@ impl ImportCache {
                 backends: backends.into_iter().collect(),
                 budget,
                 evictor: Mutex::new(None),
+                executor: Mutex::new(None),
                 state: Mutex::new(State::default()),
+                changed: Condvar::new(),
             }),
         }
     }
@@ -301,6 +474,11 @@ impl ImportCache {
         self.shared.budget
     }
 
+    /// The backends handles are opened with.
+    pub fn backends(&self) -> &[SharedBackend] {
+        &self.shared.backends
+    }
+
     /// Sets who is asked to evict a warm mapping past the budget: called once per holder of
     /// the mapping, outside the cache's lock. It should ask the exporter to let the holder
     /// go and call [`unhold`](Self::unhold) when it agrees.
@@ -312,11 +490,41 @@ impl ImportCache {
             .unwrap_or_else(|p| p.into_inner()) = Some(evictor);
     }
 
+    /// Sets where mapping closes run (driver calls that may block, and waits for the work
+    /// queued on a mapping): a driver thread, for callers that must not block. Inline, on
+    /// the thread that let the mapping go, by default.
+    pub fn set_executor(&self, executor: Executor) {
+        *self
+            .shared
+            .executor
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(executor);
+    }
+
+    /// Opens the buffer a handle names ([`open_unordered`](Self::open_unordered)), then, if
+    /// the handle carries an acquire fence, orders the backend's own stream after it
+    /// ([`Backend::order_after`](crate::Backend::order_after) on
+    /// [`StreamRef::Internal`]), so that the view's copies (`read`, `write`, `to_vec`) see
+    /// the exporter's finished work — on a miss and on a hit.
+    ///
+    /// # Errors
+    /// As [`open_unordered`](Self::open_unordered); a backend error waiting on the fence.
+    pub fn open(&self, handle: &HandleMsg, fds: &mut FrameFds) -> Result<Imported> {
+        let imported = self.open_unordered(handle, fds)?;
+        if let Some(fence) = &handle.fence {
+            // On a hit too: this handle's data may come from newer work on the same memory.
+            // On error `imported` drops, giving its reference back.
+            imported
+                .backend
+                .order_after(StreamRef::Internal, &handle.exporter.process, fence)?;
+        }
+        Ok(imported)
+    }
+
     /// Opens the buffer a handle names: checks the handle (digest, consistency, boot),
-    /// refuses stale generations, then maps the allocation or reuses its live or warm
-    /// mapping, and finally, if the handle carries an event, has the backend wait on it
-    /// ([`Backend::wait_event`](crate::Backend::wait_event)) so that the buffer is used only
-    /// after the exporter's work that produced it.
+    /// refuses stale generations, then maps the allocation (no lock held during the driver
+    /// call) or reuses its live or warm mapping. Orders nothing: the caller makes every
+    /// stream it uses the buffer on wait on the handle's fence first.
     /// `fds` are the descriptors that came with the handle's frame; one not needed (a hit)
     /// is left for the frame to close.
     ///
@@ -324,9 +532,9 @@ impl ImportCache {
     /// A check error, [`Error::StaleHandle`], [`Error::UnsupportedBackend`],
     /// [`Error::MissingFdSlot`], [`Error::NotMapped`] (a miss for a handle that carries no
     /// descriptor), [`Error::MemoryTooSmall`] (also on a hit, when the handle claims more
-    /// than the live mapping holds), or the backend's open error. Nothing is opened on
-    /// error.
-    pub fn open(&self, handle: &HandleMsg, fds: &mut FrameFds) -> Result<Imported> {
+    /// than the live mapping holds), [`Error::Timeout`] (another open or close of the same
+    /// allocation hangs), or the backend's open error. Nothing is opened on error.
+    pub fn open_unordered(&self, handle: &HandleMsg, fds: &mut FrameFds) -> Result<Imported> {
         let key = CacheKey::of(handle);
         let known = self
             .shared
@@ -339,8 +547,8 @@ impl ImportCache {
         } else {
             Some(self.shared.session.check(handle)?)
         };
-        let mut state = self.shared.lock();
-        let mem = if let Some(entry) = state.entries.get_mut(&key) {
+        let mut state = self.shared.settled(&key)?;
+        let (mem, backend) = if let Some(entry) = state.entries.get_mut(&key) {
             if handle.generation < entry.generation {
                 let current = entry.generation;
                 state.stats.stale += 1;
@@ -364,63 +572,76 @@ impl ImportCache {
             if checked.is_some() {
                 entry.verified = handle.clone();
             }
-            let mem = Arc::clone(&entry.mem);
+            let found = (Arc::clone(&entry.mem), Arc::clone(&entry.backend));
             state.touch(&key);
             state.stats.hits += 1;
-            mem
+            found
         } else {
             // The entry seen a moment ago may have closed since: check now if we skipped.
             let checked = match checked.take() {
                 Some(c) => c,
                 None => self.shared.session.check(handle)?,
             };
-            let backend = self.backend_for(handle.backend)?;
+            let backend = Arc::clone(self.backend_for(handle.backend)?);
             let fd = match handle.raw.fd_slot() {
                 Some(slot) => Some(fds.take(slot)?),
                 None => None,
             };
+            state.busy.insert(key, Busy::Opening);
+            drop(state);
+            let mark = OpeningMark {
+                shared: &self.shared,
+                key,
+            };
             let opened = backend.open(checked, fd)?;
             if (opened.size() as u64) < handle.alloc_size {
+                let actual = opened.size() as u64;
+                if let Err(e) = opened.close() {
+                    tracing::warn!(alloc = %handle.alloc, error = %e, "closing a mapping smaller than claimed failed");
+                }
                 return Err(Error::MemoryTooSmall {
                     claimed: handle.alloc_size,
-                    actual: opened.size() as u64,
+                    actual,
                 });
             }
             let mem = Arc::new(opened);
-            state.entries.insert(
-                key,
-                Entry {
-                    mem: Arc::clone(&mem),
-                    users: 1,
-                    holders: Vec::new(),
-                    generation: handle.generation,
-                    verified: handle.clone(),
-                    warm_since: None,
-                    evicting: false,
-                    on_closed: Vec::new(),
-                },
-            );
-            state.stats.opens += 1;
+            {
+                let mut state = self.shared.lock();
+                state.entries.insert(
+                    key,
+                    Entry {
+                        mem: Arc::clone(&mem),
+                        backend: Arc::clone(&backend),
+                        users: 1,
+                        holders: Vec::new(),
+                        generation: handle.generation,
+                        verified: handle.clone(),
+                        warm_since: None,
+                        evicting: false,
+                        on_closed: Vec::new(),
+                        pending: Vec::new(),
+                    },
+                );
+                state.stats.opens += 1;
+            }
+            // Unmarked (and waiters woken) only now that the entry is in place.
+            drop(mark);
             tracing::debug!(exporter = %handle.exporter, alloc = %handle.alloc, gen = %handle.generation, "mapped");
-            mem
+            state = self.shared.lock();
+            (mem, backend)
         };
         drop(state);
-        let imported = Imported {
+        Ok(Imported {
             cache: Arc::clone(&self.shared),
             key,
             generation: handle.generation,
             mem: Some(mem),
+            backend,
             offset: handle.offset as usize,
             len: handle.len as usize,
             layout: handle.layout.clone(),
-        };
-        if let Some(event) = &handle.event {
-            // On a hit too: this handle's data may come from newer work on the same memory.
-            // On error `imported` drops, giving its reference back.
-            self.backend_for(handle.backend)?
-                .wait_event(&handle.exporter, event)?;
-        }
-        Ok(imported)
+            release: None,
+        })
     }
 
     fn backend_for(&self, kind: BackendKind) -> Result<&SharedBackend> {
@@ -453,36 +674,35 @@ impl ImportCache {
     }
 
     /// `holder` lets the mapping of `key` go. `on_closed` runs once nothing of this holder
-    /// keeps it: at once if another holder keeps it or nothing uses it (then it closes
-    /// first), else when its last view drops and it closes — unless a new
-    /// [`hold`](Self::hold) comes first, which runs it then.
+    /// keeps it: at once if another holder keeps it or nothing maps it, after the close if
+    /// nothing uses it (it closes now), else once its last view drops and it closes —
+    /// unless a new [`hold`](Self::hold) comes first, which runs it then.
     pub fn unhold(&self, key: &CacheKey, holder: HolderId, on_closed: OnClosed) {
-        let now = {
+        let (now, closing) = {
             let mut state = self.shared.lock();
             match state.entries.get_mut(key) {
-                None => vec![on_closed],
+                None => (vec![on_closed], None),
                 Some(entry) => {
                     entry.holders.retain(|h| *h != holder);
                     if !entry.holders.is_empty() {
-                        vec![on_closed]
+                        (vec![on_closed], None)
                     } else if entry.users == 0 {
-                        let mut callbacks = state.close(key);
-                        callbacks.push(on_closed);
-                        callbacks
+                        (Vec::new(), state.close(key, vec![on_closed]))
                     } else {
                         entry.on_closed.push(on_closed);
-                        Vec::new()
+                        (Vec::new(), None)
                     }
                 }
             }
         };
         run(now);
+        self.shared.dispatch(closing);
     }
 
     /// `holder` is gone (its link closed): it keeps nothing warm any more. Mappings only it
     /// kept close now, or with their last view.
     pub fn drop_holder(&self, holder: HolderId) {
-        let callbacks = {
+        let closing = {
             let mut state = self.shared.lock();
             let keys: Vec<CacheKey> = state
                 .entries
@@ -490,17 +710,19 @@ impl ImportCache {
                 .filter(|(_, e)| e.holders.contains(&holder))
                 .map(|(k, _)| *k)
                 .collect();
-            let mut callbacks = Vec::new();
+            let mut closing = Vec::new();
             for key in keys {
                 let entry = state.entries.get_mut(&key).expect("listed");
                 entry.holders.retain(|h| *h != holder);
                 if entry.holders.is_empty() && entry.users == 0 {
-                    callbacks.extend(state.close(&key));
+                    closing.push(state.close(&key, Vec::new()));
                 }
             }
-            callbacks
+            closing
         };
-        run(callbacks);
+        for c in closing {
+            self.shared.dispatch(c);
+        }
     }
 
     /// The keys `holder` keeps warm or in use.
@@ -528,8 +750,13 @@ impl ImportCache {
     /// The counters.
     pub fn stats(&self) -> CacheStats {
         let state = self.shared.lock();
+        let closing = state
+            .busy
+            .values()
+            .filter(|b| matches!(b, Busy::Closing(_)))
+            .count();
         CacheStats {
-            live: state.entries.len(),
+            live: state.entries.len() + closing,
             ..state.stats
         }
     }
@@ -543,9 +770,13 @@ pub struct Imported {
     generation: Generation,
     /// Always `Some` until `drop`, which takes it to release it under the cache lock.
     mem: Option<Arc<OpenedMem>>,
+    backend: SharedBackend,
     offset: usize,
     len: usize,
     layout: Option<Layout>,
+    /// A release fence of this process after the work queued on the view
+    /// ([`release_after`](Self::release_after)).
+    release: Option<FenceHandle>,
 }
 
 impl Imported {
@@ -596,6 +827,17 @@ impl Imported {
     /// The whole mapping this buffer is part of.
     pub fn mapping(&self) -> &OpenedMem {
         self.mem()
+    }
+
+    /// The backend that opened it: the one that orders work on it.
+    pub fn backend(&self) -> &SharedBackend {
+        &self.backend
+    }
+
+    /// Drops the view after queued work that uses it, which `fence` (recorded by this
+    /// process) follows: the mapping is not closed before that work has completed.
+    pub fn release_after(mut self, fence: FenceHandle) {
+        self.release = Some(fence);
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<usize> {
@@ -651,7 +893,7 @@ impl fmt::Debug for Imported {
 
 impl Drop for Imported {
     fn drop(&mut self) {
-        let (callbacks, victims) = {
+        let (closing, victims) = {
             let mut state = self.cache.lock();
             // Our reference goes while the lock is held, so that a close below sees the
             // cache's as the last one.
@@ -659,12 +901,17 @@ impl Drop for Imported {
             let Some(entry) = state.entries.get_mut(&self.key) else {
                 return;
             };
+            if let Some(fence) = self.release.take() {
+                if !entry.pending.contains(&fence) {
+                    entry.pending.push(fence);
+                }
+            }
             entry.users -= 1;
             if entry.users > 0 {
                 return;
             }
             if entry.holders.is_empty() {
-                (state.close(&self.key), Vec::new())
+                (state.close(&self.key, Vec::new()), Vec::new())
             } else {
                 let bytes = entry.bytes();
                 state.clock += 1;
@@ -673,10 +920,10 @@ impl Drop for Imported {
                 entry.warm_since = Some(now);
                 state.stats.warm += 1;
                 state.stats.warm_bytes += bytes;
-                (Vec::new(), state.over_budget(&self.cache.budget))
+                (None, state.over_budget(&self.cache.budget))
             }
         };
-        run(callbacks);
+        self.cache.dispatch(closing);
         self.cache.evict(victims);
     }
 }
@@ -691,6 +938,7 @@ mod tests {
         SessionToken,
     };
     use std::os::fd::OwnedFd;
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     /// Plain bytes standing in for device memory.
@@ -733,6 +981,7 @@ mod tests {
         mem: Mutex<Option<Bytes>>,
         opens: AtomicU64,
         waits: AtomicU64,
+        syncs: AtomicU64,
         forgotten: AtomicU64,
     }
 
@@ -756,8 +1005,18 @@ mod tests {
             let bytes = self.mem.lock().unwrap().clone().expect("allocated");
             Ok(OpenedMem::new(&handle, Box::new(bytes)))
         }
-        fn wait_event(&self, _exporter: &ExporterId, _event: &IpcEventHandle) -> Result<()> {
+        fn order_after(
+            &self,
+            stream: StreamRef<'_>,
+            _producer: &ProcessId,
+            _fence: &FenceHandle,
+        ) -> Result<()> {
+            assert!(matches!(stream, StreamRef::Internal));
             self.waits.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn synchronize(&self) -> Result<()> {
+            self.syncs.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
         fn forget_process(&self, _process: &ProcessId) {
@@ -818,6 +1077,59 @@ mod tests {
 
         cache.forget_process(&session.process());
         assert_eq!(backend.forgotten.load(Ordering::Relaxed), 1);
+    }
+
+    /// `open_unordered` leaves ordering to the caller; a view released after a fence
+    /// keeps its mapping open until that fence's work is waited for (on the executor), and
+    /// an open of the same allocation that finds the close queued runs it first, then maps
+    /// anew: a mapping is never closed under a new user.
+    #[test]
+    fn closes_wait_for_release_fences_on_the_executor_and_reopens_never_overlap_them() {
+        let session = Session::new(SessionToken::from_bytes([8; 32]));
+        let backend = Arc::new(EventBackend::default());
+        let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+        type Job = Box<dyn FnOnce() + Send>;
+        let queued: Arc<Mutex<Vec<Job>>> = Arc::default();
+        let q = Arc::clone(&queued);
+        cache.set_executor(Arc::new(move |job| q.lock().unwrap().push(job)));
+        let alloc = backend.allocate(4096).unwrap();
+        let handle = alloc
+            .handle(&session)
+            .event(IpcEventHandle([9; 64]))
+            .build()
+            .unwrap();
+        let mut fds = FrameFds::none();
+
+        let view = cache.open_unordered(&handle, &mut fds).unwrap();
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 0, "nothing ordered");
+        let release = FenceHandle::Event(IpcEventHandle([5; 64]));
+        view.release_after(release);
+        // The close is queued, not run: the mapping is still counted, nothing waited yet.
+        assert_eq!(queued.lock().unwrap().len(), 1);
+        assert_eq!((cache.stats().live, cache.stats().closes), (1, 1));
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 0);
+
+        // An open of the same allocation runs the queued close itself (waiting for the
+        // release fence first), then maps anew.
+        let again = cache.open_unordered(&handle, &mut fds).unwrap();
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 1, "the close waited");
+        assert_eq!(backend.syncs.load(Ordering::Relaxed), 1);
+        assert_eq!(backend.opens.load(Ordering::Relaxed), 2, "mapped anew");
+        assert_eq!(cache.stats().live, 1);
+        // The executor's turn comes later and finds nothing left to do.
+        for job in queued.lock().unwrap().drain(..) {
+            job();
+        }
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 1);
+        assert_eq!(cache.stats().live, 1, "the new mapping was not closed");
+        drop(again);
+        for job in queued.lock().unwrap().drain(..) {
+            job();
+        }
+        assert_eq!(cache.stats().live, 0);
+        // `open` orders the backend's own stream after the acquire fence.
+        drop(cache.open(&handle, &mut fds).unwrap());
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 2);
     }
 
     fn counter() -> (Arc<AtomicU64>, OnClosed) {

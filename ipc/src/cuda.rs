@@ -46,11 +46,20 @@
 //!   memset on the backend's [`stream`](CudaBackend::stream), followed by a synchronise of
 //!   that stream. Work launched on that stream is ordered with them.
 //! - **Fences.** An exporter records a fence after the work that produced a buffer
-//!   ([`CudaBackend::record_fence`], or [`CudaBackend::record_event`] for the IPC event
-//!   that handle messages carry today); the importer's [`ImportCache`](crate::ImportCache)
-//!   makes the backend stream wait on the event ([`Backend::wait_event`]) before handing the
-//!   buffer out, on a cache miss and on a hit. Fences are pooled IPC events or sequence
-//!   counters ([`FenceKind`], [`FENCE_ENV`]); see [`RecordedFence`] for the reuse contract.
+//!   ([`CudaBackend::record_fence`], [`CudaBackend::record_event`], or
+//!   [`Backend::export_fence`] from the buffer's use marks); the handle carries it
+//!   ([`HandleMsg::fence`](baton_messages::HandleMsg::fence)), and the importer makes each
+//!   stream it uses the buffer on wait on it ([`Backend::order_after`]) — the
+//!   [`ImportCache::open`](crate::ImportCache::open) of the low-level API makes the
+//!   backend's own stream wait. Release fences go the other way the same way. Fences are
+//!   pooled IPC events or sequence counters ([`FenceKind`], [`FENCE_ENV`]); see
+//!   [`RecordedFence`] for the reuse contract, and `docs/ORDERING.md` for the model.
+//! - **Use marks and release streams.** [`Backend::use_mark`] lends a cudarc event that
+//!   cudarc's `SyncOnDrop` records after each use of a buffer on a stream (`mark`);
+//!   [`Backend::export_fence`] makes one of the backend's release streams wait on marks and
+//!   record a pooled interprocess event, retired when dropped until its work completed.
+//!   [`DeviceArg`] passes any cudarc `DevicePtr` type (Baton's buffers and leases) as a
+//!   kernel argument.
 //! - **No lock across a driver call.** What the backend opens of other processes (events,
 //!   pools, counter slabs) is opened with no lock held, once per key
 //!   (`table::OnceTable`).
@@ -82,36 +91,44 @@
 //!   it), so every copy stays inside mapped device memory; host buffers are Rust slices.
 //! - raw handle bytes reach the driver only from a [`CheckedHandle`] (digest verified).
 
+mod arg;
 mod context;
 mod driver;
 mod event;
 mod fence;
 mod legacy;
+mod mark;
 mod pool;
 mod result;
 mod table;
 mod vmm;
 
+pub use arg::DeviceArg;
 pub use cudarc;
 pub use event::{DEFAULT_EVENT_LIMIT, RecordedEvent};
-pub use fence::{CounterFence, FENCE_ENV, FenceHandle, FenceKind, RecordedFence};
+pub use fence::{
+    CounterFence, FENCE_ENV, FenceHandle, FenceKind, RecordedFence, fence_kind_from_env,
+};
 pub use pool::DEFAULT_POOL_RELEASE_THRESHOLD;
 pub use result::CudaError;
 
 use crate::backend::{
-    Allocation, Backend, ExportableMemory, FreeWhileMapped, MemPtr, OpenedMem, RawMemory,
+    Allocation, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, MemPtr, OpenedMem,
+    RawMemory,
 };
+use crate::ordering::{ExportedFence, StreamRef, UseMark};
 use crate::session::CheckedHandle;
 use crate::{Error, Result};
 use baton_messages::{
-    AllocationId, BackendKind, CudaIpcMemHandle, CudaPoolExportData, DeviceUuid, ExporterId,
-    IpcEventHandle, ProcessId, RawHandle,
+    AllocationId, BackendKind, CudaIpcMemHandle, CudaPoolExportData, DeviceUuid, IpcEventHandle,
+    ProcessId, RawHandle,
 };
 use context::{ContextGuard, KeepCurrent, Quiet};
 use cudarc::driver::{CudaContext, CudaStream, sys};
 use event::{EventPool, OpenedEvent};
 use fence::{CounterSlab, OpenedSlab};
 use legacy::{DeviceAlloc, IpcMapping};
+use mark::MarkPool;
 use pool::{ExportPool, ImportedPool, PoolAlloc, PoolMapping};
 use result::StreamMemOps;
 use std::collections::HashMap;
@@ -132,6 +149,9 @@ pub const DEVICE_ENV: &str = "BATON_CUDA_DEVICE";
 /// How many opened events of other processes a backend keeps before it drops them all
 /// (destroying an opened event is safe even while a stream waits on it).
 const OPENED_EVENT_CAP: usize = 4096;
+
+/// How many release streams a backend has (see `CudaBackend::release_streams`).
+const RELEASE_STREAMS: usize = 4;
 
 /// The backend's context, shared by everything the backend made: each pushes it around its
 /// driver calls, and the last one to drop releases cudarc's context without leaving the
@@ -518,6 +538,14 @@ impl ExportableMemory for ExportedMem {
             ExportBacking::Pool { alloc, .. } => Some(alloc.pool().fd()),
         }
     }
+
+    /// Pool memory: the pool's descriptor, once per (link, pool).
+    fn descriptor_scope(&self) -> DescriptorScope {
+        match &self.0.backing {
+            ExportBacking::Pool { alloc, .. } => DescriptorScope::Pool(alloc.pool().id()),
+            _ => DescriptorScope::Allocation,
+        }
+    }
 }
 
 /// What backs an imported mapping.
@@ -686,6 +714,13 @@ pub struct CudaBackend {
     waits: AtomicU64,
     event_limit: usize,
     events: Arc<EventPool>,
+    /// Use marks: local events recorded after each use of a buffer on a stream.
+    marks: Arc<MarkPool>,
+    /// Streams of the backend's own on which marks become interprocess fences
+    /// ([`Backend::export_fence`]), made on first use; a mark's stream picks one, so that
+    /// fences of one user stream wait in that stream's order, and fences of others do not
+    /// queue behind them.
+    release_streams: [OnceLock<SharedStream>; RELEASE_STREAMS],
     /// The exportable pool, made on first use.
     pool: OnceTable<(), ExportPool>,
     /// The counter slab of counter fences, made on first use.
@@ -756,7 +791,7 @@ impl CudaBackend {
     /// As [`new`](Self::new); [`Error::BackendUnavailable`] for unparsable variables.
     pub fn from_env() -> Result<Self> {
         let export = CudaExport::from_env()?;
-        let fence = FenceKind::from_env()?;
+        let fence = fence_kind_from_env()?;
         let ordinal = match std::env::var(DEVICE_ENV) {
             Err(_) => 0,
             Ok(v) => v
@@ -827,6 +862,8 @@ impl CudaBackend {
             pool_release_threshold: b.pool_release_threshold,
             stream_ops,
             events: EventPool::new(Arc::clone(&ctx), b.event_limit),
+            marks: MarkPool::new(Arc::clone(&ctx), Arc::clone(&stream)),
+            release_streams: Default::default(),
             access: Access { ctx, stream },
             side,
             counters: Arc::default(),
@@ -1422,6 +1459,46 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// The CUDA stream a [`StreamRef`] names: the backend's own, or the caller's (which
+    /// must be of the backend's device).
+    fn stream_of<'a>(&'a self, stream: StreamRef<'a>, op: &'static str) -> Result<&'a CudaStream> {
+        match stream {
+            StreamRef::Internal => Ok(&self.access.stream),
+            StreamRef::Cuda(s) if s.context().cu_device() == self.dev => Ok(s),
+            StreamRef::Cuda(_) => Err(Error::Cuda {
+                op,
+                code: CudaError::INVALID_CONTEXT,
+            }),
+            StreamRef::Id(_) => Err(Error::Cuda {
+                op,
+                code: CudaError::INVALID_VALUE,
+            }),
+        }
+    }
+
+    /// The release stream for marks of `stream` (made on first use).
+    fn release_stream(&self, stream: crate::ordering::StreamKey) -> Result<SharedStream> {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(stream);
+        let slot = &self.release_streams[(hash as usize) % RELEASE_STREAMS];
+        if let Some(s) = slot.get() {
+            return Ok(Arc::clone(s));
+        }
+        // cudarc binds the context to make a stream: put the caller's back.
+        let keep = KeepCurrent::new()?;
+        let made = self
+            .access
+            .ctx
+            .new_stream()
+            .map_err(result::from_driver("cuStreamCreate"))?;
+        drop(keep);
+        // Two threads may race here: the loser's stream is dropped (quietly).
+        let made: SharedStream = Arc::new(Quiet::new(made));
+        Ok(Arc::clone(slot.get_or_init(|| made)))
+    }
+}
+
 /// The VMM granularity of `dev` if it supports VMM memory shared as POSIX fds.
 fn vmm_support(dev: sys::CUdevice) -> Result<Option<usize>> {
     use result::attr::{
@@ -1509,13 +1586,76 @@ impl Backend for CudaBackend {
         Ok(OpenedMem::new(&handle, Box::new(mapped)))
     }
 
-    /// Makes the backend's stream wait on the exporter's event
-    /// ([`wait_fence`](CudaBackend::wait_fence) of [`FenceHandle::Event`]). Events of
-    /// other processes are opened once (`cuIpcOpenEventHandle`) and kept until
-    /// [`forget_process`](Backend::forget_process); this process's own events are used
-    /// directly.
-    fn wait_event(&self, exporter: &ExporterId, event: &IpcEventHandle) -> Result<()> {
-        self.wait_fence(&exporter.process, &FenceHandle::Event(*event))
+    /// [`wait_fence_on`](CudaBackend::wait_fence_on) `stream` (the backend's own for
+    /// [`StreamRef::Internal`]). Events and counter slabs of other processes are opened once
+    /// and kept until [`forget_process`](Backend::forget_process); this process's own are
+    /// used directly.
+    fn order_after(
+        &self,
+        stream: StreamRef<'_>,
+        producer: &ProcessId,
+        fence: &FenceHandle,
+    ) -> Result<()> {
+        let stream = self.stream_of(stream, "cuStreamWaitEvent")?;
+        self.wait_fence_on(producer, fence, stream)
+    }
+
+    /// `cuIpcOpenEventHandle` of another process's event, or `cuIpcOpenMemHandle_v2` of its
+    /// counter slab, once per (process, event or slab); nothing for this process's own.
+    fn prepare_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        if *producer == crate::process::current() {
+            return Ok(());
+        }
+        match fence {
+            FenceHandle::Event(handle) => self.opened_event(producer, handle).map(drop),
+            FenceHandle::Counter(counter) => {
+                let ops = self.stream_ops.ok_or(Error::Cuda {
+                    op: "cuStreamWaitValue64",
+                    code: CudaError::NOT_SUPPORTED,
+                })?;
+                self.opened_slabs
+                    .get_or_open(&(*producer, counter.slab_id), || {
+                        OpenedSlab::open(&self.access.ctx, &counter.slab, ops).map(Arc::new)
+                    })
+                    .map(drop)
+            }
+        }
+    }
+
+    /// A pooled cudarc event of the backend's context (`cuEventCreate` on first use), for
+    /// `stream`, a stream of the backend's context.
+    fn use_mark(&self, stream: StreamRef<'_>) -> Result<Option<Box<dyn UseMark>>> {
+        self.stream_of(stream, "cuEventRecord")?;
+        Ok(Some(Box::new(self.marks.lend(stream)?)))
+    }
+
+    /// One of the backend's release streams waits on every mark (`cuStreamWaitEvent`), then
+    /// records a pooled interprocess event there (`cuEventRecord`). The event is retired,
+    /// not freed, when the fence drops: it is recorded again only once this work has
+    /// completed (see [`RecordedEvent`]).
+    fn export_fence(&self, after: &[&dyn UseMark]) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let Some(first) = after.first() else {
+            return Ok(None);
+        };
+        let stream = self.release_stream(first.stream())?;
+        for mark in after {
+            mark.order(StreamRef::Cuda(&stream))?;
+        }
+        let event = self.events.record_retiring(&stream)?;
+        Ok(Some(Arc::new(event)))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        CudaBackend::synchronize(self)
+    }
+
+    /// Yes: opens, closes, frees and fills are driver calls (up to milliseconds for VMM).
+    fn blocking_calls(&self) -> bool {
+        true
+    }
+
+    fn cuda(&self) -> Option<&CudaBackend> {
+        Some(self)
     }
 
     /// Drops the dead process's opened events and imported pools (mappings from a pool

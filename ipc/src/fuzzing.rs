@@ -519,7 +519,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         len,
         layout,
         raw,
-        event: None,
+        fence: None,
         digest: HandleDigest::default(),
     };
     let host = RawHandle::HostSegment(
@@ -579,6 +579,9 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         }),
         Message::Release(Release {
             lease: LeaseId::new(5),
+            fences: vec![baton_messages::FenceHandle::Event(
+                baton_messages::IpcEventHandle([4; 64]),
+            )],
         }),
         Message::Ping(7),
     ] {

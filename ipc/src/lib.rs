@@ -11,6 +11,9 @@
 //! - [`Allocation`] owns exported memory (and its free); [`OpenedMem`] owns an imported
 //!   mapping (and its close); [`ImportCache`] maps each allocation once per process and
 //!   hands out [`Imported`] views.
+//! - [`ordering`]: fences that order GPU work across processes, both ways (acquire fences
+//!   in offers, release fences in `Release`), on the streams that use the buffers.
+//! - [`DriverThread`]: where blocking driver calls run for threads that must not block.
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
 //! - [`process`]: process identity and liveness that survive pid reuse.
@@ -27,12 +30,14 @@ mod backend;
 mod cache;
 #[allow(unsafe_code)]
 pub mod cuda;
+mod driver_thread;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 #[allow(unsafe_code)]
 pub mod host;
 pub mod link;
+pub mod ordering;
 pub mod process;
 pub mod select;
 mod session;
@@ -41,19 +46,21 @@ pub mod slab;
 pub mod spawn;
 
 pub use backend::{
-    Allocation, Backend, ExportableMemory, FreeWhileMapped, HandleBuilder, MemPtr, OpenedMem,
-    RawMemory, SharedBackend,
+    Allocation, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, HandleBuilder, MemPtr,
+    OpenedMem, RawMemory, SharedBackend,
 };
 pub use cache::{
-    CacheKey, CacheStats, Evictor, HolderId, ImportCache, Imported, OnClosed, WarmBudget,
+    CacheKey, CacheStats, Evictor, Executor, HolderId, ImportCache, Imported, OnClosed, WarmBudget,
 };
 pub use cuda::CudaBackend;
+pub use driver_thread::DriverThread;
 pub use error::{Error, Result};
 pub use host::{HostBackend, HostFlavor};
 pub use link::{
     AsyncLink, FrameFds, Link, LinkCloser, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred,
     PeerInfo, PeerPolicy, Received, SocketDir,
 };
+pub use ordering::{ExportedFence, Stream, StreamKey, StreamRef, UseMark};
 pub use session::{CheckedHandle, Session, TOKEN_ENV, random_bytes};
 pub use slab::{SlabArena, SlabBuffer};
 

@@ -308,6 +308,7 @@ mod tests {
             Message::Ping(7),
             Message::Release(Release {
                 lease: LeaseId::new(9),
+                fences: vec![crate::FenceHandle::Event(crate::IpcEventHandle([3; 64]))],
             }),
         ];
         let mut wire = Vec::new();

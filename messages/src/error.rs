@@ -58,6 +58,9 @@ pub enum Error {
     /// A message could not be encoded.
     #[error("could not encode message: {0}")]
     Encode(String),
+    /// A node status (the JSON body of a `Status` message) is not one, or is too large.
+    #[error("not a node status: {0}")]
+    Status(String),
     /// The handle's byte range does not fit its allocation.
     #[error(
         "handle names bytes {offset}..+{len} of a {alloc_size}-byte allocation: out of bounds or empty"

@@ -266,11 +266,16 @@ pub fn handle_msg(data: &[u8]) -> Option<HandleMsg> {
         }
         _ => {}
     }
-    if let Some(event) = &handle.event {
-        assert!(
+    match &handle.fence {
+        Some(crate::FenceHandle::Event(event)) => assert!(
             !shown.contains(&hex(&event.0[..8])),
             "Debug printed an event handle"
-        );
+        ),
+        Some(crate::FenceHandle::Counter(counter)) => assert!(
+            !shown.contains(&hex(&counter.slab.0[..8])),
+            "Debug printed a counter slab handle"
+        ),
+        None => {}
     }
     Some(handle)
 }

@@ -8,6 +8,7 @@
 //! the importer verifies before any driver call. (A CUDA IPC handle with one corrupted byte
 //! was seen to open without error on driver 580, so the driver is no judge of integrity.)
 
+use crate::fence::FenceHandle;
 use crate::ids::{AllocationId, DeviceUuid, ExporterId, Generation, SessionToken};
 use crate::layout::Layout;
 use crate::{Error, PROTOCOL_VERSION, Result};
@@ -275,8 +276,10 @@ pub struct HandleMsg {
     pub layout: Option<Layout>,
     /// The backend's raw handle.
     pub raw: RawHandle,
-    /// An interprocess event to wait on before reading (CUDA only).
-    pub event: Option<IpcEventHandle>,
+    /// The acquire fence: recorded by the exporter after the work that produced the
+    /// buffer; the importer's work waits on it, on the stream it uses (device backends
+    /// only).
+    pub fence: Option<FenceHandle>,
     /// Keyed digest over all fields above.
     pub digest: HandleDigest,
 }
@@ -295,7 +298,7 @@ impl fmt::Debug for HandleMsg {
             )
             .field("layout", &self.layout)
             .field("raw", &self.raw)
-            .field("event", &self.event.is_some())
+            .field("fence", &self.fence.as_ref().map(FenceHandle::kind))
             .finish_non_exhaustive()
     }
 }
@@ -314,7 +317,7 @@ impl HandleMsg {
             &self.len,
             &self.layout,
             &self.raw,
-            &self.event,
+            &self.fence,
         );
         // Encoding plain data into a Vec cannot fail; an empty body would still be keyed.
         let bytes = bincode::serde::encode_to_vec(body, crate::codec::config()).unwrap_or_default();
@@ -366,8 +369,8 @@ impl HandleMsg {
                 });
             }
         }
-        let event_allowed = self.backend != BackendKind::Host || self.event.is_none();
-        if self.raw.backend() != self.backend || !event_allowed {
+        let fence_allowed = self.backend != BackendKind::Host || self.fence.is_none();
+        if self.raw.backend() != self.backend || !fence_allowed {
             return Err(Error::BackendMismatch {
                 backend: self.backend,
                 raw: self.raw.kind_name(),
@@ -432,7 +435,7 @@ pub(crate) mod tests {
             len: 2048,
             layout: Some(Layout::new(DType::F32, Shape::new([16, 32]).unwrap())),
             raw,
-            event: None,
+            fence: None,
             digest: HandleDigest::default(),
         }
     }
@@ -484,7 +487,7 @@ pub(crate) mod tests {
         h.backend = BackendKind::CudaLegacy;
         assert!(matches!(h.validate(), Err(Error::BackendMismatch { .. })));
         let mut h = sample(seg());
-        h.event = Some(IpcEventHandle([0; 64]));
+        h.fence = Some(FenceHandle::Event(IpcEventHandle([0; 64])));
         assert!(matches!(h.validate(), Err(Error::BackendMismatch { .. })));
         let mut h = sample(seg());
         h.version = 9;

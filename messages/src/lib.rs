@@ -9,7 +9,11 @@
 //! - [`handle`]: [`HandleMsg`], the serialized capability that lets another process map a
 //!   buffer, sealed with a keyed digest so that a corrupted or forged handle is refused
 //!   before any driver call;
+//! - [`fence`]: [`FenceHandle`], what orders GPU work across processes (acquire fences in
+//!   handles, release fences in `Release`);
 //! - [`protocol`]: the [`Message`]s of the link and lease protocol;
+//! - [`status`]: [`NodeStatus`](status::NodeStatus), what a node tells an authenticated
+//!   peer about its buffers, leases, cache, links and children;
 //! - [`codec`]: length-prefixed frames with a hard size limit, decoded with bincode under a
 //!   byte limit, so that arbitrary input can never panic or allocate without bound.
 //!
@@ -19,6 +23,7 @@
 
 pub mod codec;
 mod error;
+pub mod fence;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod handle;
@@ -26,9 +31,11 @@ pub mod ids;
 pub mod layout;
 pub mod protocol;
 mod serde_bytes64;
+pub mod status;
 
 pub use codec::{FrameDecoder, FrameHeader, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
 pub use error::Error;
+pub use fence::{CounterFence, FenceHandle, FenceKind};
 pub use handle::{
     BackendKind, CudaIpcMemHandle, CudaPoolExportData, HandleDigest, HandleKey, HandleMsg,
     IpcEventHandle, RawHandle, SegmentName,

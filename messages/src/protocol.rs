@@ -16,7 +16,9 @@
 //!
 //! The lease protocol then runs in both directions: an exporter [`Offer`]s a handle under a
 //! fresh lease, the importer [`Release`]s it when its guard drops, and the exporter may ask
-//! for it back early with [`Revoke`].
+//! for it back early with [`Revoke`]. GPU work is ordered both ways by fences
+//! ([`crate::fence`]): the offer's handle carries the exporter's acquire fence, the
+//! `Release` the importer's release fences.
 //!
 //! Mappings outlive leases: the importer keeps a mapping warm after its last lease drops,
 //! so the next offer of the same allocation maps nothing new (and, for descriptor-shared
@@ -37,7 +39,11 @@
 //!
 //! Links ping each other on an interval (`Ping`/`Pong`); a peer that answers nothing
 //! within a deadline is cut.
+//!
+//! Either side may ask the other what it holds ([`StatusRequest`], answered by
+//! [`Status`]: see [`status`](crate::status)).
 
+use crate::fence::FenceHandle;
 use crate::handle::HandleMsg;
 use crate::ids::{AllocationId, LeaseId, ProcessId};
 use serde::{Deserialize, Serialize};
@@ -138,12 +144,39 @@ pub struct Offer {
     pub handle: HandleMsg,
 }
 
-/// An importer gives a lease back: it no longer maps the buffer through it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// The most release fences one [`Release`] may carry; more is a protocol fault.
+pub const MAX_RELEASE_FENCES: usize = 8;
+
+/// An importer gives a lease back: it no longer maps the buffer through it, and queues no
+/// more work on it.
+///
+/// Work it queued before may still run: `fences` are recorded after that work (on the
+/// streams that used the lease), and the exporter waits on them before it writes the
+/// buffer again or frees it. Empty when no queued work uses the buffer (host memory, or
+/// leases used only through synchronous copies). At most [`MAX_RELEASE_FENCES`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub struct Release {
     /// The lease given back.
     pub lease: LeaseId,
+    /// Fences after the importer's last queued use of the buffer.
+    #[cfg_attr(
+        test,
+        proptest(
+            strategy = "proptest::collection::vec(proptest::prelude::any::<FenceHandle>(), 0..3)"
+        )
+    )]
+    pub fences: Vec<FenceHandle>,
+}
+
+impl Release {
+    /// A release with no fence: nothing the importer queued still uses the buffer.
+    pub fn now(lease: LeaseId) -> Self {
+        Self {
+            lease,
+            fences: Vec::new(),
+        }
+    }
 }
 
 /// An exporter asks for a lease back by a deadline; after it, the link is cut.
@@ -250,6 +283,47 @@ pub struct Payload {
     pub offers: Vec<Offer>,
 }
 
+/// How far a [`StatusRequest`] reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[non_exhaustive]
+pub enum StatusScope {
+    /// The node that receives the request.
+    Node,
+    /// That node and, one level down, every peer linked to it (a supervision root and its
+    /// children): each peer is asked for its own status, and its answer is put in its
+    /// link's entry. Peers that do not answer within a deadline are named, without one.
+    Tree,
+}
+
+/// Asks a node for its [`NodeStatus`](crate::status::NodeStatus). Any authenticated
+/// peer may ask; the handshake refuses an unauthenticated connection before any frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct StatusRequest {
+    /// Chosen by the asker; the [`Status`] names it.
+    pub id: u64,
+    /// This node only, or its linked peers too.
+    pub scope: StatusScope,
+    /// Entries wanted per list (capped at
+    /// [`MAX_STATUS_ENTRIES`](crate::status::MAX_STATUS_ENTRIES); 0: the node's default).
+    pub limit: u32,
+}
+
+/// The answer to a [`StatusRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Status {
+    /// The request answered.
+    pub id: u64,
+    /// The schema version of the body ([`STATUS_VERSION`](crate::status::STATUS_VERSION)).
+    pub version: u16,
+    /// A [`NodeStatus`](crate::status::NodeStatus) as JSON (self-describing, so that
+    /// tools and other languages read it and versions may differ), at most
+    /// [`MAX_STATUS_BYTES`](crate::status::MAX_STATUS_BYTES).
+    pub json: String,
+}
+
 /// Every message a link carries.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
@@ -287,6 +361,10 @@ pub enum Message {
     Ping(u64),
     /// Answer to `Ping`.
     Pong(u64),
+    /// [`StatusRequest`].
+    StatusRequest(StatusRequest),
+    /// [`Status`].
+    Status(Status),
 }
 
 impl Message {
@@ -307,6 +385,8 @@ impl Message {
             Message::Reply(_) => "Reply",
             Message::Ping(_) => "Ping",
             Message::Pong(_) => "Pong",
+            Message::StatusRequest(_) => "StatusRequest",
+            Message::Status(_) => "Status",
         }
     }
 }

@@ -23,17 +23,24 @@
 //!   taken before never read unmapped memory; new views and accessors raise
 //!   `baton.Orphaned`.
 //!
-//! # Device memory (stream ordering, conservative for now)
+//! # Device memory and stream ordering
 //!
-//! Baton's stream-ordered fences (the acquire fence on the importer's stream, release
-//! fences recorded on the streams that used a lease) are not on this branch's main yet, so
-//! device memory is synchronised conservatively, and marked `CONSERVATIVE SYNC` where it is:
-//! - *acquire*: opening a device lease synchronises the CUDA backend's stream, which the
-//!   import cache made wait on the exporter's event: the data is ready for any stream;
-//! - *release*: when a device lease (or buffer handle) is let go after views of it were
+//! Baton orders device memory with fences (`docs/ORDERING.md`): a lease waits on the
+//! exporter's acquire fence on each stream it is used on ([`AnyLease::wait_on`]), a
+//! buffer's uses wait on the release fences its importers sent back ([`AnyBuffer::wait_on`]).
+//! Python's consumers (torch, cupy) run on streams Baton does not own and cannot keep — a
+//! DLPack `stream` argument names a stream only for the call, and the array interface names
+//! none — so the Python layer orders what it can with those fences on the backend's own
+//! stream and synchronises the rest conservatively, marked `CONSERVATIVE SYNC` where it does:
+//! - *acquire*: opening a device lease makes the backend's stream wait on the exporter's
+//!   acquire fence and synchronises it (the lease API); views handed out after that see the
+//!   exporter's data on any stream;
+//! - *our buffers*: before a device view of a buffer of ours is handed out, the backend's
+//!   stream waits on the release fences of importers that gave it back, and is synchronised;
+//! - *release*: when a device lease (or a buffer handle) is let go after views of it were
 //!   handed out, a background thread synchronises the device's primary context (all
 //!   streams of this process on it: torch's and cupy's included) before the lease goes back
-//!   (or the memory is freed);
+//!   (or the memory is freed): the consumers' streams are unknown;
 //! - *send*: before a message with device buffers of ours leaves, the context is
 //!   synchronised, so the receiver reads what Python's streams wrote.
 
@@ -41,8 +48,8 @@ use crate::dlpack;
 use crate::errors::{Failure, OrRaise, to_py};
 use crate::runtime::lock;
 use baton_actors::{AnyBuffer, AnyLease, AnyShared};
-use baton_ipc::MemPtr;
 use baton_ipc::cuda::CudaBackend;
+use baton_ipc::{MemPtr, Stream};
 use baton_messages::{DType, Layout};
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
@@ -265,6 +272,14 @@ pub(crate) fn drop_after_sync(cuda: &Arc<CudaBackend>, what: Box<dyn Send>) {
     }
 }
 
+/// Before a device view of a buffer of ours is handed out: the backend's stream waits on
+/// the release fences of importers that gave the buffer back (and on its other uses), and
+/// is synchronised (CONSERVATIVE SYNC: the consumer's stream is not ours to keep).
+fn ordered_for_views(buffer: &AnyBuffer, cuda: &Arc<CudaBackend>) -> Result<(), Failure> {
+    buffer.wait_on(Stream::Internal)?;
+    Ok(cuda.synchronize()?)
+}
+
 /// CONSERVATIVE SYNC (send): waits until every stream of this process on the device is
 /// idle. Call without the GIL.
 pub(crate) fn sync_context(cuda: &Arc<CudaBackend>) -> Result<(), Failure> {
@@ -352,7 +367,7 @@ fn numpy_view<'py>(
 #[allow(clippy::too_many_arguments)]
 fn dlpack_capsule<'py>(
     py: Python<'py>,
-    guard: impl FnOnce() -> Result<ViewGuard, Failure>,
+    guard: impl FnOnce() -> Result<ViewGuard, Failure> + Send,
     spec: dlpack::TensorSpec,
     device: Device,
     stream: Option<&Bound<'py, PyAny>>,
@@ -405,7 +420,8 @@ fn dlpack_capsule<'py>(
             ),
         ));
     }
-    let guard = guard().or_raise(py)?;
+    // Making the view may wait for the device (our buffers: see `ordered_for_views`).
+    let guard = py.detach(guard).or_raise(py)?;
     dlpack::capsule(py, spec, guard, versioned)
 }
 
@@ -617,11 +633,16 @@ impl Shared {
             .and_then(|ptr| Device::of(ptr, &self.cuda))
             .or_raise(py)?;
         if let (Device::Cuda(_), Some(cuda)) = (device, &self.cuda) {
-            // CONSERVATIVE SYNC (acquire): the backend stream waited on the exporter's
-            // event when the import cache handed the buffer out; once it is idle, every
-            // stream sees the data.
+            // Acquire: the backend's stream waits on the exporter's fence; once it is
+            // idle, every stream sees the data (CONSERVATIVE SYNC: a host wait, since the
+            // consumers' streams are not ours to keep).
             let cuda = Arc::clone(cuda);
-            py.detach(move || cuda.synchronize()).or_raise(py)?;
+            let lease = &lease;
+            py.detach(move || -> Result<(), Failure> {
+                lease.wait_on(Stream::Internal)?;
+                Ok(cuda.synchronize()?)
+            })
+            .or_raise(py)?;
         }
         let exporter_pid = lease.exporter().process.pid;
         Ok(Lease {
@@ -906,13 +927,15 @@ impl Buffer {
     }
 
     fn view(&self) -> Result<ViewGuard, Failure> {
-        Ok(ViewGuard::Buffer {
-            buffer: self.handle()?,
-            cuda: match self.device {
-                Device::Cpu => None,
-                Device::Cuda(_) => self.cuda.clone(),
-            },
-        })
+        let buffer = self.handle()?;
+        let cuda = match self.device {
+            Device::Cpu => None,
+            Device::Cuda(_) => self.cuda.clone(),
+        };
+        if let Some(cuda) = &cuda {
+            ordered_for_views(&buffer, cuda)?;
+        }
+        Ok(ViewGuard::Buffer { buffer, cuda })
     }
 
     fn let_go(&self, object_dropped: bool) -> bool {
@@ -1051,6 +1074,10 @@ impl Buffer {
                 "__cuda_array_interface__: host memory (use numpy() or __dlpack__)",
             ));
         };
+        let buffer = self.handle().or_raise(py)?;
+        let ordered = Arc::clone(cuda);
+        py.detach(move || ordered_for_views(&buffer, &ordered))
+            .or_raise(py)?;
         {
             let mut state = lock(&self.state);
             if state.released || state.buffer.is_none() {

@@ -319,18 +319,31 @@ impl Handler<PeerEvent> for TestActor {
     }
 }
 
+/// The command line: `serve`, then the socket and the holder's manners.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "baton-actor-peer",
+    about = "The helper process of Baton's actor tests: a node with the test actors, linked to its parent",
+    after_help = "Usage as the tests run it: baton-actor-peer serve [SOCKET] [cooperative|stubborn] [linger]. Without SOCKET it connects to BATON_CONNECT (a supervised child). The session token comes through the pipe named in BATON_TOKEN_FD."
+)]
+struct Cli {
+    /// What to do (only `serve`).
+    #[arg(value_parser = ["serve"])]
+    command: String,
+    /// SOCKET, `cooperative` or `stubborn`, `linger`.
+    #[arg(value_name = "ARG")]
+    args: Vec<String>,
+}
+
 fn main() {
+    let cli = <Cli as clap::Parser>::parse();
     // The child's entry point: take the token (and close its pipe) before anything else;
     // `Node::from_env` below gets the same session.
     if let Err(e) = baton::Session::from_env() {
         eprintln!("baton-actor-peer: {e}");
         std::process::exit(1);
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) != Some("serve") {
-        eprintln!("usage: baton-actor-peer serve [SOCKET] [cooperative|stubborn] [linger]");
-        std::process::exit(2);
-    }
+    let args: Vec<String> = std::iter::once(cli.command).chain(cli.args).collect();
     let socket = args
         .get(1)
         .filter(|a| !matches!(a.as_str(), "cooperative" | "stubborn" | "linger"))

@@ -117,7 +117,7 @@ fn digest_of(buffer: &Imported) -> Res<blake3::Hash> {
 
 fn release_and_wait_close(link: &mut Link, leases: &[LeaseId]) -> Res<()> {
     for &lease in leases {
-        link.send(&Message::Release(Release { lease }), &[])?;
+        link.send(&Message::Release(Release::now(lease)), &[])?;
     }
     // Wait for the exporter to hang up, so it sees the releases before our EOF.
     match link.recv_timeout(DEADLINE) {
@@ -200,7 +200,7 @@ fn import_expect(subject: &Subject, socket: &str, expect: &str) -> Res<()> {
     let cache = ImportCache::new(session, [subject.backend()]);
     let (offer, mut fds) = take_offer(&mut link)?;
     ensure(
-        offer.handle.event.is_some() || !matches!(subject, Subject::Cuda(_)),
+        offer.handle.fence.is_some() || !matches!(subject, Subject::Cuda(_)),
         || "a CUDA handle came without an event".into(),
     )?;
     let buffer = cache.open(&offer.handle, &mut fds)?;
@@ -242,7 +242,7 @@ fn import_fence(subject: &Subject, socket: &str, kind: &str, expect: &str) -> Re
         other => return Err(format!("unknown fence kind {other:?}").into()),
     };
     let [offer] = <[Offer; 1]>::try_from(call.offers).map_err(|_| "one offer expected")?;
-    ensure(offer.handle.event.is_none(), || {
+    ensure(offer.handle.fence.is_none(), || {
         "the handle carries an event: the fence would not be what orders the read".into()
     })?;
     let buffer = cache.open(&offer.handle, &mut fds)?;
@@ -349,13 +349,33 @@ fn run(argv: &[&str]) -> Res<()> {
     }
 }
 
+/// The command line: a backend, a role and the role's arguments.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "baton-conformance-peer",
+    about = "The helper process of the backend conformance tests: one role per invocation, on one backend",
+    after_help = "Backends: host-memfd, host-named, host, cuda-legacy, cuda-vmm, cuda-pool. Roles: import-check SOCKET EXPECT_HEX REPLY_OFFSET REPLY_LEN REPLY_SEED | import-expect SOCKET EXPECT_HEX | import-fence SOCKET KIND EXPECT_HEX | import-slab SOCKET N | import-hold SOCKET | export-hold SOCKET SIZE. The session token comes through the pipe named in BATON_TOKEN_FD."
+)]
+struct Cli {
+    /// The backend.
+    backend: String,
+    /// The role.
+    role: String,
+    /// Its arguments.
+    args: Vec<String>,
+}
+
 fn main() {
+    let cli = <Cli as clap::Parser>::parse();
     // The child's entry point: take the token (and close its pipe) before anything else.
     if let Err(e) = Session::from_env() {
         eprintln!("baton-conformance-peer: {e}");
         std::process::exit(1);
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<String> = [cli.backend, cli.role]
+        .into_iter()
+        .chain(cli.args)
+        .collect();
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     if let Err(e) = run(&argv) {
         eprintln!("baton-conformance-peer: {e}");

@@ -76,9 +76,24 @@ fn drain(link: &mut Link) {
     }
 }
 
+/// The command line: a role and its arguments.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "baton-flood-peer",
+    about = "A peer that floods a node, for the bound tests: one role per invocation",
+    after_help = "Roles: pings SOCKET N | calls SOCKET | offers SOCKET N | leases SOCKET. The session token comes through the pipe named in BATON_TOKEN_FD."
+)]
+struct Cli {
+    /// The role.
+    role: String,
+    /// Its arguments.
+    args: Vec<String>,
+}
+
 fn main() {
+    let cli = <Cli as clap::Parser>::parse();
     let _ = Session::from_env();
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<String> = std::iter::once(cli.role).chain(cli.args).collect();
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let result: Res<u64> = (|| match argv.as_slice() {
         ["pings", socket, n] => {

@@ -85,7 +85,7 @@ fn import(socket: &str, expect_hex: &str, payload_len: usize) -> Res<()> {
     if cache.stats().live != 0 {
         return Err("mapping still open after the guard dropped".into());
     }
-    link.send(&Message::Release(Release { lease: offer.lease }), &[])?;
+    link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     // Wait for the exporter to hang up, so it sees the Release before our EOF.
     match link.recv_timeout(Duration::from_secs(30)) {
         Err(baton::Error::Closed) => Ok(()),
@@ -203,7 +203,7 @@ fn half_frame_import(socket: &str) -> Res<()> {
     });
     link.send(&reply, &[])?;
     let first = call.offers.first().ok_or("a Call without offers")?.lease;
-    write_half_frame(&link, &Message::Release(Release { lease: first }))?;
+    write_half_frame(&link, &Message::Release(Release::now(first)))?;
     let _keep = held;
     hold_forever()
 }
@@ -320,11 +320,26 @@ fn list(dir: &str) -> Res<()> {
     Ok(())
 }
 
+/// The command line: a role and its arguments, as the tests pass them.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "baton-test-peer",
+    about = "The helper process of Baton's multi-process tests: one role per invocation",
+    after_help = "Roles: import SOCKET EXPECT_HEX PAYLOAD_LEN | import-hold SOCKET | export-hold SOCKET SIZE | probe SOCKET | list DIR | half-frame-import SOCKET | half-frame-export SOCKET | token-hold SOCKET | token-probe | import-silent SOCKET (see the source's module docs). The session token comes through the pipe named in BATON_TOKEN_FD."
+)]
+struct Cli {
+    /// The role.
+    role: String,
+    /// Its arguments.
+    args: Vec<String>,
+}
+
 fn main() {
+    let cli = <Cli as clap::Parser>::parse();
     // The child's entry point: take the token (and close its pipe) before anything else.
     // Roles without a token (`probe`, `list`, `token-probe`) see the same answer later.
     let _ = Session::from_env();
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<String> = std::iter::once(cli.role).chain(cli.args).collect();
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let result = match argv.as_slice() {
         ["import", socket, expect, len] => len

@@ -125,6 +125,7 @@ struct MLease {
     out: bool,
     new_hold: bool,
     revoke_by: Option<Instant>,
+    granted_at: Instant,
 }
 
 /// The reference model: flat lists, recomputed predicates.
@@ -281,7 +282,9 @@ impl Run {
                 }
                 let (a, l) = (alloc % m.allocs.len(), link % m.links.len());
                 let lease = LeaseId::new(m.fresh());
-                let got = self.ledger.grant(m.allocs[a].id, m.links[l].id, lease);
+                let got = self
+                    .ledger
+                    .grant(m.allocs[a].id, m.links[l].id, lease, self.now);
                 let expect = if !m.links[l].up {
                     Err(Refusal::LinkDown)
                 } else if m.allocs[a].freed {
@@ -304,6 +307,7 @@ impl Run {
                         out: true,
                         new_hold: g.new_hold,
                         revoke_by: None,
+                        granted_at: self.now,
                     });
                 }
             }
@@ -327,7 +331,7 @@ impl Run {
                 let accepted = l.out && link == l.link;
                 assert_eq!(got.is_ok(), accepted, "release of {i} over {link}: {got:?}");
                 if accepted {
-                    assert_eq!(got, Ok(()));
+                    assert_eq!(got, Ok(m.allocs[l.alloc].id));
                     m.leases[i].out = false;
                     m.allocs[l.alloc].fences.extend(fence);
                 } else {
@@ -592,6 +596,41 @@ impl Run {
         assert_eq!(c.buffers, live);
         let out = m.leases.iter().filter(|l| l.out).count();
         assert_eq!(c.leases, out);
+        // Who holds what, per process: leases, their oldest grant, the bytes they pin.
+        let holders = self.ledger.holders();
+        for p in 0..4u32 {
+            let mine: Vec<&MLease> = m
+                .leases
+                .iter()
+                .filter(|l| l.out && m.links[l.link].process == p)
+                .collect();
+            let mut pinned: Vec<usize> = mine.iter().map(|l| l.alloc).collect();
+            pinned.sort();
+            pinned.dedup();
+            let row = holders.iter().find(|h| h.process == process(p));
+            assert_eq!(
+                row.map_or(0, |h| h.leases),
+                mine.len(),
+                "leases of process {p}"
+            );
+            assert_eq!(
+                row.and_then(|h| h.oldest_grant),
+                mine.iter().map(|l| l.granted_at).min(),
+                "oldest lease of process {p}"
+            );
+            assert_eq!(
+                row.map_or(0, |h| h.pinned_bytes),
+                4096 * pinned.len() as u64,
+                "bytes pinned by process {p}"
+            );
+            let cut = m
+                .cut
+                .iter()
+                .any(|&(a, q)| q == p && !m.dead.contains(&q) && !m.allocs[a].freed);
+            assert_eq!(row.is_some_and(|h| h.cut), cut, "process {p} a cut holder");
+        }
+        let pinned_allocs = (0..m.allocs.len()).filter(|&a| m.lease_out_on(a)).count();
+        assert_eq!(c.pinned_bytes, 4096 * pinned_allocs as u64);
         assert_eq!(
             self.ledger.freed(),
             m.allocs.iter().filter(|x| x.freed).count() as u64

@@ -3,8 +3,7 @@
 //!
 //! The exporter records an event after the work that produced a buffer and puts its IPC
 //! handle in the handle message ([`crate::HandleBuilder::event`]); the importer makes its
-//! stream wait on it before it touches the buffer ([`crate::Backend::wait_event`], called
-//! by [`crate::ImportCache::open`]).
+//! stream wait on it before it touches the buffer ([`crate::Backend::order_after`]).
 //!
 //! **Reuse contract.** A wait captures the event's most recent record *at the time of the
 //! wait*. If the exporter re-recorded an event while an importer that was handed the older
@@ -13,6 +12,13 @@
 //! actor layer) keeps that guard with the lease that carried the handle until the lease is
 //! released. The pool has a ceiling ([`DEFAULT_EVENT_LIMIT`]; the driver limits live IPC
 //! events too), and [`Error::EventsExhausted`] says when it is reached.
+//!
+//! Events recorded as *release* fences (and by [`crate::Backend::export_fence`]) follow a
+//! stricter rule, because their holder cannot know when the other process waits: dropping
+//! one *retires* it, and it is lent again only once its recorded work has completed. A
+//! later record then only makes a late wait wait longer — never shorter, and never for
+//! work that waits on the waiter (every wait, on either side, names work queued before
+//! it).
 //!
 //! # Safety
 //!
@@ -123,7 +129,9 @@ impl Drop for EventInner {
 
 struct PoolState {
     free: Vec<Arc<EventInner>>,
-    /// Events alive: free plus lent out.
+    /// Retired events, free again once their recorded work completes.
+    retired: Vec<Arc<EventInner>>,
+    /// Events alive: free, retired and lent out.
     live: usize,
 }
 
@@ -152,19 +160,52 @@ impl EventPool {
             limit,
             state: Mutex::new(PoolState {
                 free: Vec::new(),
+                retired: Vec::new(),
                 live: 0,
             }),
         })
     }
 
-    /// (alive, lent out) events.
+    /// (alive, lent out or retired) events.
     pub(crate) fn counts(&self) -> (usize, usize) {
         let state = lock(&self.state);
         (state.live, state.live - state.free.len())
     }
 
+    /// Frees the retired events whose work has completed (queried with no lock held).
+    fn sweep(&self) {
+        let retired = std::mem::take(&mut lock(&self.state).retired);
+        if retired.is_empty() {
+            return;
+        }
+        let (done, busy): (Vec<_>, Vec<_>) = retired.into_iter().partition(|e| {
+            let Ok(_pushed) = ContextGuard::push(&e.ctx) else {
+                return false;
+            };
+            // SAFETY: the event is live (we hold it); its context is current. An error of
+            // the recorded work will not complete later: count it as done.
+            unsafe { result::event_query(e.raw) }.unwrap_or(true)
+        });
+        let mut state = lock(&self.state);
+        state.free.extend(done);
+        state.retired.extend(busy);
+    }
+
     /// Takes a free event, or makes one below the limit, and records it on `stream`.
     pub(crate) fn record(self: &Arc<Self>, stream: &CudaStream) -> Result<RecordedEvent> {
+        self.record_as(stream, false)
+    }
+
+    /// As [`record`](Self::record), for an event retired (not freed) when its guard drops:
+    /// a release fence, whose waiter's timing its holder cannot know.
+    pub(crate) fn record_retiring(self: &Arc<Self>, stream: &CudaStream) -> Result<RecordedEvent> {
+        self.record_as(stream, true)
+    }
+
+    fn record_as(self: &Arc<Self>, stream: &CudaStream, retire: bool) -> Result<RecordedEvent> {
+        if lock(&self.state).free.is_empty() {
+            self.sweep();
+        }
         let event = {
             let mut state = lock(&self.state);
             match state.free.pop() {
@@ -186,6 +227,7 @@ impl EventPool {
         let recorded = RecordedEvent {
             event: Some(event),
             pool: Arc::clone(self),
+            retire,
         };
         let pushed = ContextGuard::push(stream.context())?;
         // SAFETY: the event and the stream are live; the stream's context is current (the
@@ -204,6 +246,9 @@ pub struct RecordedEvent {
     /// Always `Some` until `drop`.
     event: Option<Arc<EventInner>>,
     pool: Arc<EventPool>,
+    /// Dropping retires the event (lent again once its work completed) rather than
+    /// freeing it.
+    retire: bool,
 }
 
 impl RecordedEvent {
@@ -246,6 +291,20 @@ impl RecordedEvent {
     }
 }
 
+impl crate::ordering::ExportedFence for RecordedEvent {
+    fn handle(&self) -> crate::messages::FenceHandle {
+        crate::messages::FenceHandle::Event(self.ipc_handle())
+    }
+
+    fn is_complete(&self) -> Result<bool> {
+        RecordedEvent::is_complete(self)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        RecordedEvent::synchronize(self)
+    }
+}
+
 impl fmt::Debug for RecordedEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("RecordedEvent(<redacted>)")
@@ -255,7 +314,12 @@ impl fmt::Debug for RecordedEvent {
 impl Drop for RecordedEvent {
     fn drop(&mut self) {
         if let Some(event) = self.event.take() {
-            lock(&self.pool.state).free.push(event);
+            let mut state = lock(&self.pool.state);
+            if self.retire {
+                state.retired.push(event);
+            } else {
+                state.free.push(event);
+            }
         }
     }
 }

@@ -45,7 +45,8 @@ use super::legacy::{DeviceAlloc, IpcMapping};
 use super::result::{self, StreamMemOps};
 use super::{SharedContext, SharedStream};
 use crate::{Error, Result};
-use baton_messages::{CudaIpcMemHandle, IpcEventHandle};
+use baton_messages::CudaIpcMemHandle;
+pub use baton_messages::{CounterFence, FenceHandle, FenceKind};
 use cudarc::driver::CudaStream;
 use std::collections::HashMap;
 use std::fmt;
@@ -56,113 +57,17 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 /// default) or `counter`.
 pub const FENCE_ENV: &str = "BATON_CUDA_FENCE";
 
-/// How a CUDA backend's fences work (module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum FenceKind {
-    /// Pooled interprocess events.
-    #[default]
-    Event,
-    /// A sequence counter in device memory both processes map, written and waited on by
-    /// the streams.
-    Counter,
-}
-
-impl FenceKind {
-    /// Parses `event` or `counter`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "event" | "events" | "" => Some(Self::Event),
-            "counter" | "counters" => Some(Self::Counter),
-            _ => None,
-        }
-    }
-
-    /// The choice in [`FENCE_ENV`], `Event` if unset.
-    ///
-    /// # Errors
-    /// [`Error::BackendUnavailable`] if it holds something else.
-    pub fn from_env() -> Result<Self> {
-        match std::env::var(FENCE_ENV) {
-            Err(_) => Ok(Self::Event),
-            Ok(v) => Self::parse(&v).ok_or_else(|| Error::BackendUnavailable {
-                backend: "cuda",
-                reason: format!("{FENCE_ENV}={v:?} is not one of event, counter"),
-            }),
-        }
-    }
-}
-
-/// A counter fence as it travels: which slot of which slab of the producer, and the value
-/// to wait for. The slab handle is a capability: `Debug` never prints it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct CounterFence {
-    /// The legacy IPC handle of the producer's counter slab.
-    pub slab: CudaIpcMemHandle,
-    /// The producer process's id of the slab (unique in that process).
-    pub slab_id: u64,
-    /// Byte offset of the slot in the slab (a multiple of 8).
-    pub offset: u64,
-    /// The value the consumer's stream waits for (at least).
-    pub value: u64,
-}
-
-impl CounterFence {
-    /// Bytes of [`to_bytes`](Self::to_bytes).
-    pub const ENCODED_LEN: usize = 64 + 3 * 8;
-
-    /// The slab handle, then id, offset and value as little-endian `u64`s: the form it
-    /// takes inside a message until the wire vocabulary has a fence variant.
-    pub fn to_bytes(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        out[..64].copy_from_slice(&self.slab.0);
-        out[64..72].copy_from_slice(&self.slab_id.to_le_bytes());
-        out[72..80].copy_from_slice(&self.offset.to_le_bytes());
-        out[80..88].copy_from_slice(&self.value.to_le_bytes());
-        out
-    }
-
-    /// The inverse of [`to_bytes`](Self::to_bytes); `None` for any other length.
-    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
-        if bytes.len() != Self::ENCODED_LEN {
-            return None;
-        }
-        let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
-        Some(Self {
-            slab: CudaIpcMemHandle(bytes[..64].try_into().expect("64 bytes")),
-            slab_id: word(64),
-            offset: word(72),
-            value: word(80),
-        })
-    }
-}
-
-impl fmt::Debug for CounterFence {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CounterFence")
-            .field("slab", &"<redacted>")
-            .field("slab_id", &self.slab_id)
-            .field("offset", &self.offset)
-            .field("value", &self.value)
-            .finish()
-    }
-}
-
-/// What a consumer needs to wait on a [`RecordedFence`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FenceHandle {
-    /// An interprocess event (redacted in `Debug`).
-    Event(IpcEventHandle),
-    /// A slot of a counter slab.
-    Counter(CounterFence),
-}
-
-impl FenceHandle {
-    /// Its kind.
-    pub fn kind(&self) -> FenceKind {
-        match self {
-            FenceHandle::Event(_) => FenceKind::Event,
-            FenceHandle::Counter(_) => FenceKind::Counter,
-        }
+/// The fence kind [`FENCE_ENV`] asks for, `Event` if unset.
+///
+/// # Errors
+/// [`Error::BackendUnavailable`] if it holds something else.
+pub fn fence_kind_from_env() -> Result<FenceKind> {
+    match std::env::var(FENCE_ENV) {
+        Err(_) => Ok(FenceKind::Event),
+        Ok(v) => FenceKind::parse(&v).ok_or_else(|| Error::BackendUnavailable {
+            backend: "cuda",
+            reason: format!("{FENCE_ENV}={v:?} is not one of event, counter"),
+        }),
     }
 }
 
@@ -218,6 +123,20 @@ impl RecordedFence {
 
     pub(crate) fn from_event(event: RecordedEvent) -> Self {
         Self(Recorded::Event(event))
+    }
+}
+
+impl crate::ordering::ExportedFence for RecordedFence {
+    fn handle(&self) -> FenceHandle {
+        RecordedFence::handle(self)
+    }
+
+    fn is_complete(&self) -> Result<bool> {
+        RecordedFence::is_complete(self)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        RecordedFence::synchronize(self)
     }
 }
 
@@ -520,36 +439,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fence_kinds_parse() {
+    fn the_fence_kind_comes_from_the_environment_or_is_refused() {
+        // Only the parse path: the variable itself is process-wide and shared by tests.
         assert_eq!(FenceKind::parse("counter"), Some(FenceKind::Counter));
-        assert_eq!(FenceKind::parse(" Event "), Some(FenceKind::Event));
-        assert_eq!(FenceKind::parse(""), Some(FenceKind::Event));
-        assert_eq!(FenceKind::parse("semaphore"), None);
-        assert_eq!(FenceKind::default(), FenceKind::Event);
-    }
-
-    #[test]
-    fn counter_fences_round_trip_through_bytes_and_hide_the_slab() {
-        let fence = CounterFence {
-            slab: CudaIpcMemHandle([0xee; 64]),
-            slab_id: 3,
-            offset: 8 * 17,
-            value: u64::MAX - 1,
-        };
-        let bytes = fence.to_bytes();
-        assert_eq!(CounterFence::from_bytes(&bytes), Some(fence));
-        assert_eq!(CounterFence::from_bytes(&bytes[1..]), None);
-        let shown = format!("{:?}", FenceHandle::Counter(fence));
-        assert!(
-            shown.contains("redacted") && shown.contains("offset: 136"),
-            "{shown}"
-        );
-        assert!(
-            !shown.contains("238") && !shown.to_lowercase().contains("ee, "),
-            "{shown}"
-        );
-        let shown = format!("{:?}", FenceHandle::Event(IpcEventHandle([0xee; 64])));
-        assert!(!shown.contains("238"), "{shown}");
-        assert_eq!(FenceHandle::Counter(fence).kind(), FenceKind::Counter);
+        assert!(FenceKind::parse("semaphore").is_none());
+        if std::env::var_os(FENCE_ENV).is_none() {
+            assert_eq!(fence_kind_from_env().unwrap(), FenceKind::Event);
+        }
     }
 }

@@ -1,0 +1,391 @@
+//! Stream ordering of one buffer on either side of a handoff: which streams used it, what
+//! each must wait for, and the fences that go to the other process (see
+//! `docs/ORDERING.md`).
+//!
+//! - [`LeaseOrder`] (importer): each stream the lease is used on waits once for the
+//!   exporter's acquire fence before its first use; each use is followed by a mark on its
+//!   stream; dropping the lease turns the marks into one release fence.
+//! - [`ExportOrder`] (exporter): release fences from importers wait in line until the
+//!   buffer's next use on some stream, which waits on them; the buffer's own uses on
+//!   streams are marked, so that an offer carries an acquire fence after them, other streams
+//!   and host copies wait for them, and the free waits for them and for every release
+//!   fence.
+//!
+//! Everything here is the backend's fence operations ([`Backend::order_after`],
+//! [`Backend::use_mark`], [`Backend::export_fence`]): CUDA queues waits and records on
+//! streams (no blocking call but the free's synchronise, which runs on the driver thread);
+//! host memory has none and costs nothing.
+//!
+//! [`Backend::order_after`]: baton_ipc::Backend::order_after
+//! [`Backend::use_mark`]: baton_ipc::Backend::use_mark
+//! [`Backend::export_fence`]: baton_ipc::Backend::export_fence
+
+use crate::error::ActorError;
+use baton_ipc::{ExportedFence, SharedBackend, Stream, StreamKey, StreamRef, UseMark};
+use baton_messages::{FenceHandle, ProcessId};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The most streams whose uses of one buffer are tracked. A use on one more stream is
+/// still ordered, and made complete before it returns (cudarc) or refused (`wait_on`).
+pub const MAX_STREAMS: usize = 16;
+
+/// A release fence an exporter waits on, recorded by `producer`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ReleaseFence {
+    pub(crate) producer: ProcessId,
+    pub(crate) fence: FenceHandle,
+}
+
+/// One stream's uses.
+struct StreamUse {
+    key: StreamKey,
+    mark: Box<dyn UseMark>,
+    /// The stream itself, for streams named with `wait_on`: the mark is recorded there
+    /// again when the lease drops.
+    held: OnceLock<Stream>,
+}
+
+/// The streams that used a buffer, each with its mark.
+pub(crate) struct StreamUses {
+    backend: SharedBackend,
+    slots: Box<[OnceLock<StreamUse>; MAX_STREAMS]>,
+}
+
+impl fmt::Debug for StreamUses {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.slots.iter().filter_map(|s| s.get().map(|u| u.key)))
+            .finish()
+    }
+}
+
+/// What a lookup found.
+enum Found<'a> {
+    /// The stream has a mark already.
+    Known(&'a StreamUse),
+    /// A first use on it: made now.
+    New(&'a StreamUse),
+    /// The backend has no marks (host memory: nothing is ever queued).
+    Unmarked,
+    /// Every slot is taken.
+    Full,
+}
+
+impl StreamUses {
+    pub(crate) fn new(backend: SharedBackend) -> Self {
+        Self {
+            backend,
+            slots: Box::new(std::array::from_fn(|_| OnceLock::new())),
+        }
+    }
+
+    pub(crate) fn backend(&self) -> &SharedBackend {
+        &self.backend
+    }
+
+    fn find(&self, key: StreamKey) -> Option<&StreamUse> {
+        self.slots
+            .iter()
+            .filter_map(OnceLock::get)
+            .find(|u| u.key == key)
+    }
+
+    /// The stream's use, made (with `first`, run before the mark exists) if it has none.
+    fn get_or_add(
+        &self,
+        stream: StreamRef<'_>,
+        first: impl FnOnce() -> Result<(), ActorError>,
+    ) -> Result<Found<'_>, ActorError> {
+        let key = stream.key();
+        if let Some(u) = self.find(key) {
+            return Ok(Found::Known(u));
+        }
+        first()?;
+        let Some(mark) = self.backend.use_mark(stream)? else {
+            return Ok(Found::Unmarked);
+        };
+        let mut new = Some(StreamUse {
+            key,
+            mark,
+            held: OnceLock::new(),
+        });
+        for slot in self.slots.iter() {
+            if slot.get().is_some() {
+                continue;
+            }
+            // Another thread may fill this slot first: then try the next.
+            match slot.set(new.take().expect("kept until placed")) {
+                Ok(()) => return Ok(Found::New(slot.get().expect("just set"))),
+                Err(back) => new = Some(back),
+            }
+        }
+        tracing::debug!(?key, max = MAX_STREAMS, "no room to track one more stream");
+        Ok(Found::Full)
+    }
+
+    fn marks(&self) -> impl Iterator<Item = &StreamUse> {
+        self.slots.iter().filter_map(OnceLock::get)
+    }
+
+    /// Makes `stream` wait for the latest record of every mark but its own.
+    fn order_after_others(&self, stream: StreamRef<'_>) -> Result<(), ActorError> {
+        let key = stream.key();
+        for u in self.marks().filter(|u| u.key != key) {
+            u.mark.order(stream)?;
+        }
+        Ok(())
+    }
+
+    /// One fence after the latest record of every mark (`None` without marks).
+    fn export(&self) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        let marks: Vec<&dyn UseMark> = self.marks().map(|u| &*u.mark).collect();
+        if marks.is_empty() {
+            return Ok(None);
+        }
+        Ok(self.backend.export_fence(&marks)?)
+    }
+}
+
+/// The importer's side (see the module docs).
+#[derive(Debug)]
+pub(crate) struct LeaseOrder {
+    uses: StreamUses,
+    /// Who recorded the acquire fence.
+    producer: ProcessId,
+    /// The exporter's acquire fence, if its offer carried one.
+    acquire: Option<FenceHandle>,
+    /// The backend's own stream waited for the acquire fence already.
+    internal_ordered: AtomicBool,
+}
+
+/// What is left of a dropped lease: the fence its `Release` carries, or the marks to wait
+/// for (on a driver thread) before it is sent, when no fence could be made.
+pub(crate) enum Finished {
+    /// Nothing queued uses the buffer.
+    Idle,
+    /// A release fence after every use.
+    Fence(Arc<dyn ExportedFence>),
+    /// No fence could be made (every pooled event is in use): wait for these first.
+    Wait(Vec<Box<dyn UseMark>>),
+}
+
+impl LeaseOrder {
+    pub(crate) fn new(
+        backend: SharedBackend,
+        producer: ProcessId,
+        acquire: Option<FenceHandle>,
+    ) -> Self {
+        Self {
+            uses: StreamUses::new(backend),
+            producer,
+            acquire,
+            internal_ordered: AtomicBool::new(false),
+        }
+    }
+
+    fn wait_acquire(&self, stream: StreamRef<'_>) -> Result<(), ActorError> {
+        if let Some(fence) = &self.acquire {
+            self.uses
+                .backend
+                .order_after(stream, &self.producer, fence)?;
+        }
+        Ok(())
+    }
+
+    /// Before a host copy (on the backend's own stream, synchronised before it returns):
+    /// that stream waits for the acquire fence (once) and for the lease's uses on other
+    /// streams (so a copy sees what a kernel of ours wrote).
+    pub(crate) fn before_host_copy(&self) -> Result<(), ActorError> {
+        if self.acquire.is_some() && !self.internal_ordered.load(Ordering::Acquire) {
+            self.wait_acquire(StreamRef::Internal)?;
+            self.internal_ordered.store(true, Ordering::Release);
+        }
+        self.uses.order_after_others(StreamRef::Internal)
+    }
+
+    /// Before a use on `stream`: on the first, it waits for the acquire fence; returns the
+    /// mark to record after the use (`None`: no mark; make the use complete instead).
+    pub(crate) fn use_on(&self, stream: StreamRef<'_>) -> Result<Option<&dyn UseMark>, ActorError> {
+        Ok(
+            match self.uses.get_or_add(stream, || self.wait_acquire(stream))? {
+                Found::Known(u) | Found::New(u) => Some(&*u.mark),
+                Found::Unmarked | Found::Full => None,
+            },
+        )
+    }
+
+    /// `stream` waits for the acquire fence (once), and the lease records its release mark
+    /// there when it drops, after everything queued there by then.
+    pub(crate) fn wait_on(&self, stream: Stream) -> Result<(), ActorError> {
+        match self
+            .uses
+            .get_or_add(stream.as_ref(), || self.wait_acquire(stream.as_ref()))?
+        {
+            Found::Known(u) | Found::New(u) => {
+                // A stream named twice keeps the first name (the same stream).
+                let _ = u.held.set(stream);
+                Ok(())
+            }
+            Found::Unmarked => Ok(()),
+            Found::Full => Err(ActorError::TooManyStreams { max: MAX_STREAMS }),
+        }
+    }
+
+    /// The lease drops: marks are recorded on the streams named with `wait_on`, then turned
+    /// into one release fence.
+    pub(crate) fn finish(&mut self) -> Finished {
+        let mut any = false;
+        for u in self.uses.marks() {
+            any = true;
+            if let Some(stream) = u.held.get() {
+                if let Err(e) = u.mark.record(stream.as_ref()) {
+                    tracing::warn!(error = %e, "recording a lease's release mark failed");
+                }
+            }
+        }
+        if !any {
+            return Finished::Idle;
+        }
+        match self.uses.export() {
+            Ok(Some(fence)) => Finished::Fence(fence),
+            Ok(None) => Finished::Idle,
+            Err(e) => {
+                tracing::warn!(error = %e, "no release fence: the release waits for the lease's work first");
+                let slots: [OnceLock<StreamUse>; MAX_STREAMS] = *std::mem::replace(
+                    &mut self.uses.slots,
+                    Box::new(std::array::from_fn(|_| OnceLock::new())),
+                );
+                Finished::Wait(
+                    slots
+                        .into_iter()
+                        .filter_map(OnceLock::into_inner)
+                        .map(|u| u.mark)
+                        .collect(),
+                )
+            }
+        }
+    }
+}
+
+/// The exporter's side (see the module docs).
+#[derive(Debug)]
+pub(crate) struct ExportOrder {
+    uses: StreamUses,
+    /// Importers' release fences not yet waited for by any stream of ours.
+    released: Mutex<Vec<ReleaseFence>>,
+}
+
+impl ExportOrder {
+    pub(crate) fn new(backend: SharedBackend) -> Self {
+        Self {
+            uses: StreamUses::new(backend),
+            released: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn backend(&self) -> &SharedBackend {
+        self.uses.backend()
+    }
+
+    /// An importer gave a lease back after `fences`.
+    pub(crate) fn released(&self, fences: impl IntoIterator<Item = ReleaseFence>) {
+        let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        for f in fences {
+            if !released.contains(&f) {
+                released.push(f);
+            }
+        }
+    }
+
+    fn take_released(&self) -> Vec<ReleaseFence> {
+        std::mem::take(&mut *self.released.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Makes `stream` wait for fences taken from the line; puts them back on error.
+    fn order_released(
+        &self,
+        stream: StreamRef<'_>,
+        fences: Vec<ReleaseFence>,
+    ) -> Result<bool, ActorError> {
+        let any = !fences.is_empty();
+        for (i, f) in fences.iter().enumerate() {
+            if let Err(e) = self.backend().order_after(stream, &f.producer, &f.fence) {
+                self.released(fences[i..].iter().cloned());
+                return Err(e.into());
+            }
+        }
+        Ok(any)
+    }
+
+    /// Before a host copy (on the backend's own stream, synchronised before it returns):
+    /// it waits for the importers' release fences and the buffer's uses on other streams.
+    pub(crate) fn before_host_copy(&self) -> Result<(), ActorError> {
+        self.order_released(StreamRef::Internal, self.take_released())?;
+        self.uses.order_after_others(StreamRef::Internal)
+    }
+
+    /// Before a use on `stream`: it waits for the importers' release fences and the
+    /// buffer's uses on other streams; returns the mark to record after the use.
+    pub(crate) fn use_on(&self, stream: StreamRef<'_>) -> Result<Option<&dyn UseMark>, ActorError> {
+        let waited = self.order_released(stream, self.take_released())?;
+        self.uses.order_after_others(stream)?;
+        let mark = match self.uses.get_or_add(stream, || Ok(()))? {
+            Found::Known(u) | Found::New(u) => &*u.mark,
+            Found::Unmarked | Found::Full => return Ok(None),
+        };
+        if waited {
+            // Other streams order after this one's mark: record it now, so that they wait
+            // for the release fences too even before this use is recorded.
+            mark.record(stream)?;
+        }
+        Ok(Some(mark))
+    }
+
+    /// The acquire fence for an offer: after the buffer's uses on streams and after the
+    /// work of importers that gave it back since its last use here (`None` if there is
+    /// none: host copies complete before they return). One per offer: each lease keeps its
+    /// own until it is back, as the pooled fences' reuse contract asks.
+    pub(crate) fn acquire_fence(&self) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        let released = self.take_released();
+        if !released.is_empty() {
+            // The next importer must not see the buffer before the last one's work ends:
+            // the backend's own stream takes the release fences in, and its mark (recorded
+            // at once) goes into the acquire fence. (On failure the fences go back in line:
+            // waiting on them twice is harmless.)
+            let kept = released.clone();
+            let marked = self
+                .order_released(StreamRef::Internal, released)
+                .and_then(|_| self.uses.get_or_add(StreamRef::Internal, || Ok(())))
+                .and_then(|found| match found {
+                    Found::Known(u) | Found::New(u) => Ok(u.mark.record(StreamRef::Internal)?),
+                    Found::Unmarked => Ok(()),
+                    Found::Full => Err(ActorError::TooManyStreams { max: MAX_STREAMS }),
+                });
+            if let Err(e) = marked {
+                self.released(kept);
+                return Err(e);
+            }
+        }
+        self.uses.export()
+    }
+
+    /// Before the free (on a driver thread): waits until every release fence and every use
+    /// of the buffer on a stream has completed.
+    pub(crate) fn before_free(&self, fences: &[ReleaseFence]) -> Result<(), ActorError> {
+        let mut all = self.take_released();
+        for f in fences {
+            if !all.contains(f) {
+                all.push(f.clone());
+            }
+        }
+        let any = !all.is_empty() || self.uses.marks().next().is_some();
+        self.order_released(StreamRef::Internal, all)?;
+        self.uses.order_after_others(StreamRef::Internal)?;
+        if any {
+            self.backend().synchronize()?;
+        }
+        Ok(())
+    }
+}

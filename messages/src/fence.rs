@@ -1,0 +1,186 @@
+//! Fences as they travel: what one process records on a GPU stream after some work, and
+//! another process makes its own stream wait on.
+//!
+//! Two kinds ([`FenceKind`]): an interprocess event (its 64-byte IPC handle), or a slot of
+//! a sequence-counter slab in device memory that both processes map (the slab's legacy IPC
+//! handle, the slot and the value to wait for). Both appear in two places of the protocol:
+//!
+//! - an offer's handle carries the **acquire** fence ([`HandleMsg::fence`](crate::HandleMsg::fence)),
+//!   recorded by the exporter after the work that produced the buffer: the importer's work
+//!   waits on it, on the stream the importer uses;
+//! - a [`Release`](crate::protocol::Release) carries **release** fences, recorded by the
+//!   importer after its last use of the lease: the exporter waits on them before it writes
+//!   the buffer again or frees it.
+//!
+//! Fence handles are capabilities: `Debug` never prints their bytes.
+
+use crate::handle::{CudaIpcMemHandle, IpcEventHandle};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The kinds of fence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum FenceKind {
+    /// A pooled interprocess event (`cuEventRecord`, `cuIpcOpenEventHandle`,
+    /// `cuStreamWaitEvent`).
+    #[default]
+    Event,
+    /// A sequence counter in device memory both processes map, written and waited on by
+    /// the streams (`cuStreamWriteValue64`, `cuStreamWaitValue64`).
+    Counter,
+}
+
+impl FenceKind {
+    /// Parses `event` or `counter` (case-insensitive; empty is `event`).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "event" | "events" | "" => Some(Self::Event),
+            "counter" | "counters" => Some(Self::Counter),
+            _ => None,
+        }
+    }
+
+    /// The name [`parse`](Self::parse) takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Event => "event",
+            Self::Counter => "counter",
+        }
+    }
+}
+
+/// A counter fence: which slot of which slab of the producer, and the value to wait for.
+/// The slab handle is a capability: `Debug` never prints it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct CounterFence {
+    /// The legacy IPC handle of the producer's counter slab.
+    pub slab: CudaIpcMemHandle,
+    /// The producer process's id of the slab (unique in that process).
+    pub slab_id: u64,
+    /// Byte offset of the slot in the slab (a multiple of 8).
+    pub offset: u64,
+    /// The value the consumer's stream waits for (at least).
+    pub value: u64,
+}
+
+impl CounterFence {
+    /// Bytes of [`to_bytes`](Self::to_bytes).
+    pub const ENCODED_LEN: usize = 64 + 3 * 8;
+
+    /// The slab handle, then id, offset and value as little-endian `u64`s (for payloads
+    /// outside the protocol, such as test peers' arguments).
+    pub fn to_bytes(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        out[..64].copy_from_slice(&self.slab.0);
+        out[64..72].copy_from_slice(&self.slab_id.to_le_bytes());
+        out[72..80].copy_from_slice(&self.offset.to_le_bytes());
+        out[80..88].copy_from_slice(&self.value.to_le_bytes());
+        out
+    }
+
+    /// The inverse of [`to_bytes`](Self::to_bytes); `None` for any other length.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != Self::ENCODED_LEN {
+            return None;
+        }
+        let word = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&bytes[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        let mut slab = [0u8; 64];
+        slab.copy_from_slice(&bytes[..64]);
+        Some(Self {
+            slab: CudaIpcMemHandle(slab),
+            slab_id: word(64),
+            offset: word(72),
+            value: word(80),
+        })
+    }
+}
+
+impl fmt::Debug for CounterFence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CounterFence")
+            .field("slab", &"<redacted>")
+            .field("slab_id", &self.slab_id)
+            .field("offset", &self.offset)
+            .field("value", &self.value)
+            .finish()
+    }
+}
+
+/// What a consumer needs to wait on a fence another process recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub enum FenceHandle {
+    /// An interprocess event (redacted in `Debug`).
+    Event(IpcEventHandle),
+    /// A slot of a counter slab.
+    Counter(CounterFence),
+}
+
+impl FenceHandle {
+    /// Its kind.
+    pub fn kind(&self) -> FenceKind {
+        match self {
+            FenceHandle::Event(_) => FenceKind::Event,
+            FenceHandle::Counter(_) => FenceKind::Counter,
+        }
+    }
+}
+
+impl From<IpcEventHandle> for FenceHandle {
+    fn from(e: IpcEventHandle) -> Self {
+        FenceHandle::Event(e)
+    }
+}
+
+impl From<CounterFence> for FenceHandle {
+    fn from(c: CounterFence) -> Self {
+        FenceHandle::Counter(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fence_kinds_parse_and_name_themselves() {
+        assert_eq!(FenceKind::parse("counter"), Some(FenceKind::Counter));
+        assert_eq!(FenceKind::parse(" Event "), Some(FenceKind::Event));
+        assert_eq!(FenceKind::parse(""), Some(FenceKind::Event));
+        assert_eq!(FenceKind::parse("semaphore"), None);
+        assert_eq!(FenceKind::default(), FenceKind::Event);
+        for k in [FenceKind::Event, FenceKind::Counter] {
+            assert_eq!(FenceKind::parse(k.name()), Some(k));
+        }
+    }
+
+    #[test]
+    fn counter_fences_round_trip_through_bytes_and_hide_the_slab() {
+        let fence = CounterFence {
+            slab: CudaIpcMemHandle([0xee; 64]),
+            slab_id: 3,
+            offset: 8 * 17,
+            value: u64::MAX - 1,
+        };
+        let bytes = fence.to_bytes();
+        assert_eq!(CounterFence::from_bytes(&bytes), Some(fence));
+        assert_eq!(CounterFence::from_bytes(&bytes[1..]), None);
+        let shown = format!("{:?}", FenceHandle::Counter(fence));
+        assert!(
+            shown.contains("redacted") && shown.contains("offset: 136"),
+            "{shown}"
+        );
+        assert!(
+            !shown.contains("238") && !shown.to_lowercase().contains("ee, "),
+            "{shown}"
+        );
+        let shown = format!("{:?}", FenceHandle::Event(IpcEventHandle([0xee; 64])));
+        assert!(!shown.contains("238"), "{shown}");
+        assert_eq!(FenceHandle::Counter(fence).kind(), FenceKind::Counter);
+    }
+}

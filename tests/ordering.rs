@@ -1,0 +1,542 @@
+//! Stream ordering of a handoff, both ways, proven on a recording test backend (a
+//! simulated device that runs queued operations in stream order and logs every driver-level
+//! call: `tests/support/recording.rs`), without a GPU:
+//!
+//! - the exporter records an acquire fence after the work that produced the buffer; the
+//!   importer's stream waits on it before its first use; the importer's work runs only
+//!   after the exporter's;
+//! - a lease dropped while the importer's work is still pending records a release fence
+//!   after that work; the exporter's next write waits on it, and so does the free — the
+//!   importer's late write never lands over the exporter's new data;
+//! - pool-like descriptors cross a link once per (link, pool), and again after an import
+//!   failed;
+//! - a node keeps answering pings while a deliberately slow "driver" open is in progress
+//!   (opens run on the node's driver thread, not on its actors' thread).
+//!
+//! The same properties on a real GPU: `tests/ordering_cuda.rs` (`--features gpu-tests`).
+
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/peer.rs"]
+mod peer;
+#[path = "support/recording.rs"]
+mod recording;
+
+use actix::prelude::*;
+use baton::Session;
+use baton::actors::{Allocate, Buffer, BufferOwner, Lease, Node};
+use baton::ipc::Stream;
+use msgs::Hold;
+use recording::{Device, SimBackend, alloc_of};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Keeps the leases it is sent where the test can reach them (same process).
+struct Keeper(Arc<Mutex<Vec<Lease<u32>>>>);
+
+impl Actor for Keeper {
+    type Context = Context<Self>;
+}
+
+impl Handler<Hold> for Keeper {
+    type Result = usize;
+    fn handle(&mut self, msg: Hold, _: &mut Context<Self>) -> usize {
+        let mut kept = self.0.lock().unwrap();
+        for shared in msg.buffers {
+            kept.push(shared.open().expect("a received buffer"));
+        }
+        kept.len()
+    }
+}
+
+fn run<F: Future<Output = ()>>(f: F) {
+    System::new().block_on(f);
+}
+
+/// Where the first line starting with `needle` is in the log; panics with the log if there
+/// is none.
+fn at(device: &Device, needle: &str) -> usize {
+    after(device, 0, needle)
+}
+
+/// As [`at`], looking only at lines from index `from` on.
+fn after(device: &Device, from: usize, needle: &str) -> usize {
+    let lines = device.log();
+    lines[from..]
+        .iter()
+        .position(|l| l.starts_with(needle))
+        .map(|i| i + from)
+        .unwrap_or_else(|| {
+            panic!(
+                "no {needle:?} from line {from} in the log:\n{}",
+                lines.join("\n")
+            )
+        })
+}
+
+#[test]
+fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::new(&device, "exp");
+        let imp = SimBackend::new(&device, "imp");
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), exp.clone());
+        let importer = Node::new(session, imp.clone());
+        let (_tmp, dir) = peer::socket_dir();
+        let _listening = importer.listen(&dir, "importer.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(_listening.path()).await.unwrap();
+
+        let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
+        let alloc = alloc_of(buf.ptr());
+        buf.write_at(0, &[1, 1, 1, 1]).unwrap();
+
+        // The exporter produces the data on its stream 100 (work still pending), and shares
+        // the buffer after that work: the offer carries an acquire fence after it.
+        const PRODUCER: u64 = 100;
+        buf.wait_on(Stream::Id(PRODUCER)).unwrap();
+        device.work(
+            PRODUCER,
+            "produce",
+            "produce",
+            Some((alloc, 0, vec![7; 16])),
+        );
+        let shared = buf.share_on(Stream::Id(PRODUCER)).unwrap();
+        let held = to_importer
+            .remote::<Hold>("keep")
+            .send(Hold {
+                buffers: vec![shared],
+            })
+            .await
+            .unwrap();
+        assert_eq!(held, 1);
+        let lease = kept.lock().unwrap().pop().expect("kept");
+
+        // The importer uses the lease on its stream 200: the stream waits on the acquire
+        // fence first; its work (which overwrites the buffer: a late write) stays behind
+        // the producer's.
+        const CONSUMER: u64 = 200;
+        lease.wait_on(Stream::Id(CONSUMER)).unwrap();
+        device.work(
+            CONSUMER,
+            "consume",
+            "consume",
+            Some((alloc, 0, vec![9; 16])),
+        );
+        device.open_gate("consume");
+        assert!(
+            !device.ran("consume") && !device.ran("produce"),
+            "the importer's work ran before the exporter's work it waits on:\n{}",
+            device.log().join("\n")
+        );
+        device.open_gate("produce");
+        assert!(device.ran("produce") && device.ran("consume"));
+        // The consumer's late write is in; close its gate's twin for the next round: a
+        // second piece of importer work that stays pending while the lease is dropped.
+        device.work(CONSUMER, "late", "late", Some((alloc, 0, vec![8; 16])));
+
+        // Dropped while "late" is pending: the release fence follows it.
+        drop(lease);
+        let back = Instant::now();
+        while buf.leases_out() > 0 {
+            assert!(back.elapsed() < DEADLINE, "the release never came");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+
+        // The exporter reuses the buffer: its write waits on the release fence, so it cannot
+        // run while the importer's late work is pending.
+        let before_reuse = device.log_len();
+        let writer = {
+            let buf = buf.clone();
+            std::thread::spawn(move || buf.write_at(0, &[5, 5, 5, 5]))
+        };
+        // The copy is queued (behind the wait), and the writer blocks in its synchronise.
+        device
+            .logged_from(before_reuse, &format!("exp sync s{}", exp.internal()))
+            .await;
+        assert_eq!(
+            device.bytes(alloc),
+            vec![9; 16],
+            "the exporter's write ran before the importer's pending work"
+        );
+        device.open_gate("late");
+        writer.join().unwrap().unwrap();
+        assert_eq!(
+            buf.to_vec().unwrap(),
+            vec![5; 4],
+            "the importer's late write landed over the exporter's new data"
+        );
+
+        // The order of fence operations, from the log.
+        let record_acquire = at(&device, "exp mark record");
+        let import_wait = at(&device, "imp wait ");
+        let consume_queued = at(&device, &format!("queued work consume on s{CONSUMER}"));
+        let release_mark = at(&device, "imp mark record");
+        let late_queued = at(&device, &format!("queued work late on s{CONSUMER}"));
+        let release_fence = at(&device, "imp record e");
+        let exporter_wait = after(&device, release_fence, "exp wait ");
+        let exporter_copy = after(
+            &device,
+            release_fence,
+            &format!("exp copy-in a{alloc} on s{}", exp.internal()),
+        );
+        assert!(
+            record_acquire < import_wait,
+            "acquire: record before the import's wait"
+        );
+        assert!(
+            import_wait < consume_queued,
+            "acquire: wait before the first use"
+        );
+        assert!(
+            late_queued < release_mark,
+            "release: recorded after the last use"
+        );
+        assert!(
+            release_mark < release_fence,
+            "release: the fence follows the mark"
+        );
+        assert!(
+            release_fence < exporter_wait,
+            "release: the fence travels to the exporter"
+        );
+        assert!(
+            exporter_wait < exporter_copy,
+            "reuse: waited before the write"
+        );
+        let lines = device.log();
+        assert!(
+            lines[import_wait].ends_with(&format!("on s{CONSUMER}")),
+            "the acquire wait is on the importer's own stream, not a node-wide one: {}",
+            lines[import_wait]
+        );
+        assert!(
+            lines[exporter_wait].ends_with(&format!("on s{}", exp.internal())),
+            "{}",
+            lines[exporter_wait]
+        );
+
+        // The free waits for every release fence and for the buffer's own uses.
+        let frees_before = device.position(&format!("exp free a{alloc}"));
+        assert!(frees_before.is_none());
+        drop(buf);
+        device.logged(&format!("exp free a{alloc}")).await;
+        let lines = device.log();
+        let free = at(&device, &format!("exp free a{alloc}"));
+        let last_sync = lines[..free]
+            .iter()
+            .rposition(|l| l == &format!("exp sync s{}", exp.internal()))
+            .expect("a synchronise before the free");
+        let fence_wait = lines[..free]
+            .iter()
+            .rposition(|l| {
+                l.starts_with("exp wait ") && l.ends_with(&format!("on s{}", exp.internal()))
+            })
+            .expect("a wait on the release fence before the free");
+        assert!(
+            fence_wait < last_sync && last_sync < free,
+            "{}",
+            lines.join("\n")
+        );
+        // The importer's mapping closed only after waiting for its own release fence.
+        let close = device.logged(&format!("imp close a{alloc}")).await;
+        let lines = device.log();
+        let release_event = lines[release_fence]
+            .split_whitespace()
+            .nth(2)
+            .expect("\"imp record eN on sM\"")
+            .to_owned();
+        let close_wait = lines[..close]
+            .iter()
+            .rposition(|l| *l == format!("imp wait {release_event} on s{}", imp.internal()))
+            .expect("the importer waited for its release fence before closing");
+        let close_sync = lines[..close]
+            .iter()
+            .rposition(|l| *l == format!("imp sync s{}", imp.internal()))
+            .expect("and synchronised");
+        assert!(close_wait < close_sync, "{}", lines.join("\n"));
+        drop(to_importer);
+        drop((exporter, importer, owner));
+    });
+}
+
+/// A lease only read through host copies is ordered on the importer backend's own stream,
+/// and its release carries no fence (nothing of it is queued).
+#[test]
+fn host_copies_wait_on_the_backends_own_stream_and_release_without_a_fence() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::new(&device, "exp");
+        let imp = SimBackend::new(&device, "imp");
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), exp.clone());
+        let importer = Node::new(session, imp.clone());
+        let (_tmp, dir) = peer::socket_dir();
+        let listening = importer.listen(&dir, "i.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(listening.path()).await.unwrap();
+
+        let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
+        let alloc = alloc_of(buf.ptr());
+        buf.wait_on(Stream::Id(7)).unwrap();
+        device.work(7, "produce", "go", Some((alloc, 0, vec![3; 16])));
+        let shared = buf.share_on(Stream::Id(7)).unwrap();
+        to_importer
+            .remote::<Hold>("keep")
+            .send(Hold {
+                buffers: vec![shared],
+            })
+            .await
+            .unwrap();
+        let lease = kept.lock().unwrap().pop().unwrap();
+        let reader = std::thread::spawn(move || {
+            let v = lease.to_vec().unwrap();
+            (v, lease)
+        });
+        device
+            .logged(&format!("imp copy-out a{alloc} on s{}", imp.internal()))
+            .await;
+        device.open_gate("go");
+        let (v, lease) = reader.join().unwrap();
+        assert_eq!(v, vec![0x0303_0303; 4], "read after the producer's work");
+        let wait = at(&device, "imp wait ");
+        assert!(device.log()[wait].ends_with(&format!("on s{}", imp.internal())));
+        let releases_before = device
+            .log()
+            .iter()
+            .filter(|l| l.starts_with("imp record"))
+            .count();
+        drop(lease);
+        eventually("the release", || buf.leases_out() == 0).await;
+        let releases_after = device
+            .log()
+            .iter()
+            .filter(|l| l.starts_with("imp record"))
+            .count();
+        assert_eq!(
+            releases_before, releases_after,
+            "a lease used only through host copies records no release fence"
+        );
+        drop(to_importer);
+    });
+}
+
+/// Pool-like memory: the pool's descriptor crosses a link with the first offer of any of
+/// its allocations, and not again — until the importer could not import it, when the next
+/// offer carries it again.
+#[test]
+fn pool_descriptors_cross_a_link_once_per_pool_and_again_after_a_failed_import() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::pooled(&device, "exp");
+        let imp = SimBackend::new(&device, "imp");
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), exp.clone());
+        let importer = Node::new(session, imp.clone());
+        let (_tmp, dir) = peer::socket_dir();
+        let listening = importer.listen(&dir, "p.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let from_exporter = {
+            let start = Instant::now();
+            loop {
+                if let Some(p) = importer.peers().into_iter().next() {
+                    break p;
+                }
+                assert!(start.elapsed() < DEADLINE);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+
+        // The first import fails (a local failure): refused, and given back.
+        imp.fail_next_pool_import();
+        let a: Buffer<u32> = owner.send(Allocate::vector(8)).await.unwrap().unwrap();
+        let refused = to_importer
+            .remote::<Hold>("keep")
+            .send(Hold {
+                buffers: vec![a.share()],
+            })
+            .await;
+        assert!(refused.is_err(), "the offer was refused: {refused:?}");
+        assert_eq!(from_exporter.descriptors_received(), 1);
+        eventually("the refused lease back", || a.leases_out() == 0).await;
+
+        // Three allocations of the pool, over four offers: the descriptor comes once more
+        // (the importer never imported the pool), then never again.
+        let b: Buffer<u32> = owner.send(Allocate::vector(8)).await.unwrap().unwrap();
+        let c: Buffer<u32> = owner.send(Allocate::vector(8)).await.unwrap().unwrap();
+        for bufs in [vec![a.share(), b.share()], vec![c.share()], vec![a.share()]] {
+            to_importer
+                .remote::<Hold>("keep")
+                .send(Hold { buffers: bufs })
+                .await
+                .unwrap();
+        }
+        assert_eq!(kept.lock().unwrap().len(), 4);
+        assert_eq!(
+            from_exporter.descriptors_received(),
+            2,
+            "one descriptor for the pool after the failed import, none for later offers"
+        );
+        assert_eq!(imp.fds_opened.load(std::sync::atomic::Ordering::Relaxed), 2);
+        kept.lock().unwrap().clear();
+        drop(to_importer);
+    });
+}
+
+/// While a deliberately slow open (the recording backend's, blocked on a gate) runs on the
+/// importer node's driver thread, the node answers pings from another peer; the offer is
+/// delivered once the open finishes.
+#[test]
+fn a_node_answers_pings_while_a_slow_driver_open_is_in_progress() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::new(&device, "exp");
+        let imp = SimBackend::new(&device, "imp");
+        imp.slow_opens("open");
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), exp.clone());
+        let importer = Node::new(session.clone(), imp.clone());
+        let third = Node::new(session, SimBackend::new(&device, "third"));
+        let (_tmp, dir) = peer::socket_dir();
+        let listening = importer.listen(&dir, "s.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let pinger = third.connect(listening.path()).await.unwrap();
+
+        let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
+        let sending = actix::spawn(to_importer.remote::<Hold>("keep").send(Hold {
+            buffers: vec![buf.share()],
+        }));
+        device.logged("imp open started").await;
+        for _ in 0..3 {
+            let rtt = pinger
+                .ping()
+                .await
+                .expect("a pong while the open is blocked");
+            assert!(rtt < DEADLINE);
+        }
+        assert!(kept.lock().unwrap().is_empty(), "the open is still blocked");
+        device.open_gate("open");
+        let held = sending.await.unwrap().unwrap();
+        assert_eq!(held, 1);
+        assert_eq!(kept.lock().unwrap().len(), 1);
+        kept.lock().unwrap().clear();
+        drop((to_importer, pinger));
+    });
+}
+
+/// Host `memfd` memory, whose descriptor is per allocation like a CUDA VMM allocation's:
+/// it crosses a link with the first offer of each allocation only (counted by the
+/// importer's link), however often the allocation is offered.
+#[test]
+fn a_per_allocation_descriptor_crosses_a_link_once_per_allocation() {
+    use baton::ipc::{HostBackend, HostFlavor};
+    run(async {
+        let ns = peer::namespace("ord-fd");
+        let host = |ns: &str| -> baton::ipc::SharedBackend {
+            Arc::new(HostBackend::with_flavor(HostFlavor::Memfd, ns).unwrap())
+        };
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), host(&ns));
+        let importer = Node::new(session, host(&ns));
+        let (_tmp, dir) = peer::socket_dir();
+        let listening = importer.listen(&dir, "fd.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let a: Buffer<u32> = owner.send(Allocate::vector(1024)).await.unwrap().unwrap();
+        let b: Buffer<u32> = owner.send(Allocate::vector(1024)).await.unwrap().unwrap();
+        for bufs in [
+            vec![a.share()],
+            vec![a.share(), b.share()],
+            vec![b.share()],
+            vec![a.share()],
+        ] {
+            to_importer
+                .remote::<Hold>("keep")
+                .send(Hold { buffers: bufs })
+                .await
+                .unwrap();
+            kept.lock().unwrap().clear();
+        }
+        let from_exporter = importer.peers().pop().expect("the exporter's link");
+        assert_eq!(from_exporter.descriptors_received(), 2);
+        drop(to_importer);
+    });
+}
+
+/// An importer gives a buffer back while its work on it is pending, and the exporter offers
+/// the buffer again without touching it: the next importer's stream still waits for the
+/// first importer's work (the new offer's acquire fence follows the release fence).
+#[test]
+fn a_reoffer_waits_for_the_previous_importers_pending_work() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::new(&device, "exp");
+        let imp = SimBackend::new(&device, "imp");
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), exp.clone());
+        let importer = Node::new(session, imp.clone());
+        let (_tmp, dir) = peer::socket_dir();
+        let listening = importer.listen(&dir, "r.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let keep = to_importer.remote::<Hold>("keep");
+
+        let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
+        let alloc = alloc_of(buf.ptr());
+        keep.send(Hold {
+            buffers: vec![buf.share()],
+        })
+        .await
+        .unwrap();
+        let first = kept.lock().unwrap().pop().unwrap();
+        first.wait_on(Stream::Id(300)).unwrap();
+        device.work(300, "first", "first", Some((alloc, 0, vec![4; 16])));
+        drop(first);
+        eventually("the first lease back", || buf.leases_out() == 0).await;
+
+        keep.send(Hold {
+            buffers: vec![buf.share()],
+        })
+        .await
+        .unwrap();
+        let second = kept.lock().unwrap().pop().unwrap();
+        second.wait_on(Stream::Id(400)).unwrap();
+        device.work(400, "second", "second", None);
+        device.open_gate("second");
+        assert!(
+            !device.ran("second"),
+            "the second importer's work ran before the first one's:\n{}",
+            device.log().join("\n")
+        );
+        device.open_gate("first");
+        assert!(device.ran("first") && device.ran("second"));
+        drop(second);
+        drop(to_importer);
+    });
+}

@@ -1,0 +1,237 @@
+//! Stream ordering across processes on a real GPU (the same properties as
+//! `tests/ordering.rs` proves on a recording backend), with an importer process
+//! (`src/bin/baton-ordering-peer.rs`) that uses leases on a stream of its own, through
+//! cudarc's own API (Baton's `DevicePtr`/`DevicePtrMut` and `DeviceArg`):
+//!
+//! - **release**: a thousand rounds in which the importer queues a long kernel that writes
+//!   the lease and drops the lease at once, and the exporter then writes a new value: no
+//!   round shows the importer's late write over the exporter's new value;
+//! - **acquire**: the exporter fills a buffer with a long kernel on its own stream and
+//!   shares it while the kernel runs; the importer copies it on *its* stream (cudarc
+//!   `memcpy_dtod`) and finds only the finished data;
+//! - **VMM descriptors**: a VMM allocation's descriptor crosses a link once, however often
+//!   the allocation is offered over it (counted by the importer's link).
+//!
+//! Needs a GPU and NVRTC: `cargo test --test ordering_cuda --features gpu-tests`. Each test
+//! holds the GPU test lock.
+
+#[path = "support/actors.rs"]
+mod actors;
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/ordering_msgs.rs"]
+mod ordering_msgs;
+#[path = "support/peer.rs"]
+mod peer;
+
+use actix::prelude::*;
+use actors::{DEADLINE, Parent, eventually, exited};
+use baton::actors::{Allocate, Buffer};
+use baton::ipc::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use baton::ipc::cuda::cudarc::nvrtc::compile_ptx;
+use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
+use baton::ipc::cuda::{CudaBackend, CudaExport, DeviceArg};
+use ordering_msgs::{Check, Count, KERNELS, Round};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn run<F: Future<Output = ()>>(f: F) {
+    System::new().block_on(f);
+}
+
+/// A CUDA parent, the GPU test lock, and the importer process linked to it.
+async fn setup(
+    tag: &str,
+    export: CudaExport,
+) -> (
+    Parent,
+    Arc<CudaBackend>,
+    peer::Peer,
+    baton::actors::Peer,
+    GpuTestLock,
+) {
+    let gpu = exclusive_gpu(Duration::from_secs(1800)).expect("the GPU test lock");
+    let cuda = Arc::new(CudaBackend::new(0, export).expect("a CUDA device"));
+    let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());
+    parent
+        .child_env
+        .push(("BATON_BACKEND".into(), "cuda".into()));
+    parent
+        .child_env
+        .push(("BATON_CUDA_EXPORT".into(), export.name().into()));
+    let socket = parent.socket();
+    let (child, link) = parent
+        .spawn_linked(
+            env!("CARGO_BIN_EXE_baton-ordering-peer"),
+            &[socket.as_str()],
+            false,
+        )
+        .await;
+    (parent, cuda, child, link, gpu)
+}
+
+/// The importer queues a long kernel that writes `2r + 1` into element 0 and drops the
+/// lease at once; the exporter then writes `2r`. Without release ordering the importer's
+/// kernel lands after the exporter's write, and the next round reads `2r + 1`.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn an_importers_late_write_never_lands_over_the_exporters_next_write() {
+    run(async {
+        const ROUNDS: u32 = 1000;
+        let (parent, _cuda, mut child, link, _gpu) = setup("ord-rel", CudaExport::Legacy).await;
+        let buf: Buffer<u32> = parent
+            .owner
+            .send(Allocate::vector(1 << 20))
+            .await
+            .unwrap()
+            .unwrap();
+        const START: u32 = u32::MAX;
+        buf.write_at(0, &[START]).unwrap();
+        let round = link.remote::<Round>("round");
+        let mut late = Vec::new();
+        for r in 0..=ROUNDS {
+            let seen = round
+                .send(Round {
+                    round: r,
+                    buf: buf.share(),
+                })
+                .await
+                .unwrap();
+            let want = if r == 0 { START } else { 2 * (r - 1) };
+            if seen != want {
+                late.push((r, seen, want));
+            }
+            if r == ROUNDS {
+                break;
+            }
+            eventually(DEADLINE, "the lease back", || buf.leases_out() == 0).await;
+            // Waits on the importer's release fence: after its kernel.
+            buf.write_at(0, &[2 * r]).unwrap();
+        }
+        assert!(
+            late.is_empty(),
+            "{} of {ROUNDS} rounds saw the importer's late write over the new value \
+             (round, seen, expected): {:?}",
+            late.len(),
+            &late[..late.len().min(10)]
+        );
+        drop(buf);
+        link.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
+/// The exporter fills a buffer with a long kernel on its own stream (through cudarc, with
+/// `DeviceArg`) and shares it while the kernel still runs; the importer's copy on its own
+/// stream waits on the offer's acquire fence and sees only the finished fill.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn an_importers_stream_waits_for_the_exporters_work_before_its_first_use() {
+    run(async {
+        const N: u32 = 1 << 22;
+        const ROUNDS: u32 = 20;
+        let (parent, cuda, mut child, link, _gpu) = setup("ord-acq", CudaExport::Legacy).await;
+        let module = cuda
+            .context()
+            .load_module(compile_ptx(KERNELS).expect("NVRTC"))
+            .unwrap();
+        let fill = module.load_function("spin_then_fill").unwrap();
+        let stream = cuda.context().new_stream().unwrap();
+        let mut buf: Buffer<u32> = parent
+            .owner
+            .send(Allocate::vector(u64::from(N)))
+            .await
+            .unwrap()
+            .unwrap();
+        let check = link.remote::<Check>("check");
+        let cycles: i64 = 200_000_000;
+        for r in 1..=ROUNDS {
+            let cfg = LaunchConfig {
+                grid_dim: (256, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `spin_then_fill(unsigned int*, unsigned int, unsigned int, long long)`;
+            // it writes the buffer's N elements.
+            unsafe {
+                stream
+                    .launch_builder(&fill)
+                    .arg(&DeviceArg::write(&mut buf, &stream))
+                    .arg(&N)
+                    .arg(&r)
+                    .arg(&cycles)
+                    .launch(cfg)
+            }
+            .unwrap();
+            let probe = stream.record_event(None).unwrap();
+            assert!(
+                !probe.is_complete(),
+                "the fill had finished before the offer went out: raise the cycles (else this proves nothing)"
+            );
+            let shared = buf.share();
+            let wrong = check
+                .send(Check {
+                    expect: r,
+                    buf: shared,
+                })
+                .await
+                .unwrap();
+            assert_eq!(
+                wrong, 0,
+                "round {r}: the importer's stream read {wrong} elements before the exporter's fill"
+            );
+            eventually(DEADLINE, "the lease back", || buf.leases_out() == 0).await;
+        }
+        drop(buf);
+        link.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
+/// A VMM allocation's descriptor crosses a link with its first offer only: two
+/// allocations offered eight times in all make two descriptors and two driver imports.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn a_vmm_descriptor_crosses_a_link_once_per_allocation() {
+    run(async {
+        let (parent, _cuda, mut child, link, _gpu) = setup("ord-vmm", CudaExport::Vmm).await;
+        let a: Buffer<u32> = parent
+            .owner
+            .send(Allocate::vector(1 << 20))
+            .await
+            .unwrap()
+            .unwrap();
+        let b: Buffer<u32> = parent
+            .owner
+            .send(Allocate::vector(1 << 20))
+            .await
+            .unwrap()
+            .unwrap();
+        let count = link.remote::<Count>("count");
+        let mut last = (0, 0);
+        for (i, buf) in [&a, &a, &b, &a, &b, &a, &b, &a].into_iter().enumerate() {
+            last = count.send(Count { buf: buf.share() }).await.unwrap();
+            if i == 0 {
+                assert_eq!(last, (1, 1), "the first offer carried its descriptor");
+            }
+        }
+        assert_eq!(
+            last,
+            (2, 2),
+            "one descriptor and one import per allocation (descriptors, opens)"
+        );
+        drop((a, b));
+        link.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
