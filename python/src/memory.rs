@@ -405,9 +405,10 @@ fn dlpack_capsule<'py>(
             }
         }
     }
-    // For device memory, any consumer stream may use the data at once: the lease was
-    // synchronised when opened (CONSERVATIVE SYNC, acquire), and a buffer of ours holds
-    // only what Python's own streams wrote.
+    // For device memory, any consumer stream may use the data at once: a lease waited on
+    // its acquire fence when opened, and a buffer of ours waits on its importers' release
+    // fences when the view is made (`guard`) — each followed by a host wait (CONSERVATIVE
+    // SYNC).
     let versioned = max_version.is_some_and(|(major, _)| major >= 1);
     if !versioned && spec.read_only {
         return Err(to_py(
