@@ -680,6 +680,7 @@ fn every_example_and_binary_answers_help() {
         "typed_messages",
         "embed_in_service",
         "load",
+        "py_partner",
     ]
     .iter()
     .map(|e| (profile_dir.join("examples").join(e), vec!["--help"]))

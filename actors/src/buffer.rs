@@ -404,12 +404,12 @@ impl HeldLease {
 }
 
 impl IncomingLease {
-    fn imported(&self) -> &Imported {
+    pub(crate) fn imported(&self) -> &Imported {
         // Only `drop` takes it.
         self.imported.as_ref().expect("present until drop")
     }
 
-    fn live(&self) -> Result<&Imported, ActorError> {
+    pub(crate) fn live(&self) -> Result<&Imported, ActorError> {
         if self.link.is_alive() {
             Ok(self.imported())
         } else {

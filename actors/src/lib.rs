@@ -25,7 +25,11 @@
 //!   routing of the lease protocol; the peer's death reclaims its leases and orphans ours.
 //! - Typed buffer messages: a [`RemoteMessage`] may hold [`Shared<T>`] fields; sending it
 //!   through a [`RemoteAddr`] leases its buffers to the receiver, which `open()`s them into
-//!   [`Lease<T>`]s. Replies may carry buffers too.
+//!   [`Lease<T>`]s. Replies may carry buffers too. Each message type picks its
+//!   [`Encoding`]: bincode by default, MessagePack for messages that cross languages.
+//! - [`raw`]: untyped calls and buffers ([`Node::register_raw`], [`Peer::call_raw`],
+//!   [`AnyBuffer`], [`AnyShared`], [`AnyLease`]) for peers that do not share Rust types,
+//!   such as the Python package.
 //! - [`supervisor`]: a process supervisor that spawns, watches and restarts child processes
 //!   (one-for-one or one-for-all, at most N restarts in a window), and feeds their deaths
 //!   into the lease protocol.
@@ -51,6 +55,7 @@ mod node;
 mod offload;
 mod order;
 mod owner;
+pub mod raw;
 mod remote;
 mod status;
 pub mod supervisor;
@@ -66,8 +71,9 @@ pub use node::{
     Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested, token_file_of,
 };
 pub use order::MAX_STREAMS;
-pub use owner::{Allocate, BufferOwner, LeaseTable, Revoke, Stats};
-pub use remote::{RemoteAddr, RemoteMessage};
+pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
+pub use raw::{AnyBuffer, AnyLease, AnyShared, RawCall, RawHandler, RawMessage, RawReply};
+pub use remote::{Encoding, MSGPACK_SHARED_EXT, RemoteAddr, RemoteMessage};
 pub use status::TREE_DEADLINE;
 pub use supervisor::{
     ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor, Restart, RestartPolicy,

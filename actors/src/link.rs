@@ -936,7 +936,7 @@ impl PeerLink {
                 }),
             );
         }
-        match handler.invoke(payload, leases) {
+        match handler.invoke(self.peer.process, payload, leases) {
             Err(fault) => self.send_reply(id, Err(fault)),
             Ok(answer) => {
                 // The call keeps its slot until it is answered: at the limit, reading pauses.
@@ -1318,7 +1318,7 @@ pub(crate) struct OutCall {
     /// Chosen by the caller ([`LinkState::next_call_id`]), so that it can cancel.
     pub(crate) id: u64,
     pub(crate) target: Arc<str>,
-    pub(crate) type_name: &'static str,
+    pub(crate) type_name: Arc<str>,
     pub(crate) encoded: Encoded,
     pub(crate) reply: oneshot::Sender<Result<IncomingPayload, ActorError>>,
     /// Its share of the send window, held until it is written.
@@ -1346,7 +1346,7 @@ impl Handler<OutCall> for PeerLink {
         let call = Wire::Call(Call {
             id,
             target: msg.target.to_string(),
-            type_name: msg.type_name.to_owned(),
+            type_name: msg.type_name.to_string(),
             payload: msg.encoded.bytes,
             offers,
         });

@@ -440,7 +440,11 @@ impl Node {
         M: RemoteMessage,
         M::Result: Serialize + DeserializeOwned + Send,
     {
-        lock(&self.inner.handlers).insert(name.to_owned(), Arc::new(Registered { recipient }));
+        self.insert_handler(name, Arc::new(Registered { recipient }));
+    }
+
+    pub(crate) fn insert_handler(&self, name: &str, handler: Arc<dyn ErasedHandler>) {
+        lock(&self.inner.handlers).insert(name.to_owned(), handler);
     }
 
     /// Removes a registration.

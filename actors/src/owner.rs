@@ -1,12 +1,13 @@
 //! [`BufferOwner`]: the actor that owns exportable buffers and their lease table.
 
-use crate::buffer::{Buffer, Element};
+use crate::buffer::{Buffer, BufferCell, Element};
 use crate::error::ActorError;
 use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::BufferId;
 use crate::ledger::RevokePolicy;
 use crate::node::Node;
 use crate::offload::Offload;
+use crate::raw::AnyBuffer;
 use actix::prelude::*;
 use baton_ipc::SharedBackend;
 use baton_messages::{ActorId, Layout, Shape};
@@ -120,19 +121,21 @@ impl<T: Element> Handler<Allocate<T>> for BufferOwner {
     /// Allocates on the node's driver thread when the backend's calls block (CUDA: the
     /// allocation is zero-filled and synchronised), inline otherwise.
     fn handle(&mut self, msg: Allocate<T>, _ctx: &mut Self::Context) -> Self::Result {
-        let _g = self.span.enter();
-        let layout = Layout::new(T::DTYPE, msg.shape);
-        let Some(bytes) = layout.byte_len().and_then(|b| usize::try_from(b).ok()) else {
-            return Box::pin(async {
-                Err(ActorError::OutOfBounds {
-                    index: 0,
-                    len: usize::MAX,
-                    size: 0,
-                })
-            });
-        };
+        let allocating = self.allocate(Layout::new(T::DTYPE, msg.shape));
+        Box::pin(async move { Ok(Buffer::new(allocating.await?)) })
+    }
+}
+
+impl BufferOwner {
+    /// Allocates a buffer of `layout` (on the driver thread, see `Allocate`) and enters it
+    /// in the ledger.
+    fn allocate(
+        &mut self,
+        layout: Layout,
+    ) -> impl Future<Output = Result<Arc<BufferCell>, ActorError>> + 'static + use<> {
+        let bytes = layout.byte_len().and_then(|b| usize::try_from(b).ok());
         let backend = Arc::clone(&self.backend);
-        let allocating = self.offload.run(move || backend.allocate(bytes));
+        let allocating = bytes.map(|bytes| self.offload.run(move || backend.allocate(bytes)));
         let (exports, backend, owner, policy, span) = (
             Arc::clone(&self.exports),
             Arc::clone(&self.backend),
@@ -140,14 +143,42 @@ impl<T: Element> Handler<Allocate<T>> for BufferOwner {
             self.policy,
             self.span.clone(),
         );
-        Box::pin(async move {
+        async move {
+            let (Some(bytes), Some(allocating)) = (bytes, allocating) else {
+                return Err(ActorError::OutOfBounds {
+                    index: 0,
+                    len: usize::MAX,
+                    size: 0,
+                });
+            };
             let alloc = allocating.await??;
             let _g = span.enter();
             tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated");
-            Ok(Buffer::new(
-                exports.insert(alloc, backend, layout, owner, policy),
-            ))
-        })
+            Ok(exports.insert(alloc, backend, layout, owner, policy))
+        }
+    }
+}
+
+/// Allocates a buffer of any layout — element types without a Rust type (`F16`, `BF16`)
+/// included — for code that handles buffers untyped (another language's bindings). Replies
+/// with its [`AnyBuffer`] handle.
+#[derive(Debug, Clone)]
+pub struct AllocateAny {
+    /// Element type and shape.
+    pub layout: Layout,
+}
+
+impl Message for AllocateAny {
+    type Result = Result<AnyBuffer, ActorError>;
+}
+
+impl Handler<AllocateAny> for BufferOwner {
+    type Result = ResponseFuture<Result<AnyBuffer, ActorError>>;
+
+    /// As [`Allocate`].
+    fn handle(&mut self, msg: AllocateAny, _ctx: &mut Self::Context) -> Self::Result {
+        let allocating = self.allocate(msg.layout);
+        Box::pin(async move { Ok(AnyBuffer::new(allocating.await?)) })
     }
 }
 

@@ -9,15 +9,22 @@
 //! into a side table (as ipc-channel does for its OS objects); the sending link turns the
 //! table into leases and offers, and the receiving link turns offers back into unopened
 //! leases that decoding places in the same fields.
+//!
+//! Each message type picks its [`Encoding`]: bincode (compact, Rust to Rust, the default)
+//! or MessagePack (self-describing, for messages that cross languages: field names travel
+//! with the values, and a `Shared` field is a MessagePack extension, see
+//! [`MSGPACK_SHARED_EXT`]). Untyped peers (another language's runtime) use the raw API of
+//! [`raw`](crate::raw) instead: they send and receive encoded bytes and buffers.
 
 use crate::buffer::{Element, IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::link::{CancelCall, LinkRef, OutCall};
+use baton_messages::ProcessId;
 use baton_messages::protocol::CallFault;
 use serde::de::{DeserializeOwned, Error as _};
 use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
@@ -45,7 +52,49 @@ use tokio::sync::{OwnedSemaphorePermit, oneshot};
 pub trait RemoteMessage: actix::Message + Serialize + DeserializeOwned + Send + 'static {
     /// The type's name on the wire; the receiver checks it matches what it registered.
     const NAME: &'static str;
+    /// How the message and its reply are encoded: [`Encoding::Bincode`] unless the type
+    /// says otherwise. Both sides must agree (they share the type, or, across languages,
+    /// its description: see [`Encoding::MessagePack`]).
+    const ENCODING: Encoding = Encoding::Bincode;
 }
+
+/// How a [`RemoteMessage`] and its reply are encoded on the wire.
+///
+/// ```
+/// use baton_actors::{Encoding, RemoteMessage, Shared};
+/// use serde::{Deserialize, Serialize};
+///
+/// /// Sent by Python peers: `{"image": <baton.Buffer>, "gain": 1.5}`.
+/// #[derive(Serialize, Deserialize, actix::Message)]
+/// #[rtype(result = "f64")]
+/// struct Scale {
+///     image: Shared<f32>,
+///     gain: f64,
+/// }
+///
+/// impl RemoteMessage for Scale {
+///     const NAME: &'static str = "example.Scale";
+///     const ENCODING: Encoding = Encoding::MessagePack;
+/// }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Encoding {
+    /// bincode 2 (standard configuration, varint integers, size-limited): compact, not
+    /// self-describing; for messages between Rust processes that share the type.
+    #[default]
+    Bincode,
+    /// MessagePack through `rmp-serde`, structs as maps of field names: self-describing,
+    /// for messages that cross languages. Integers, floats, strings, `Option`, sequences,
+    /// maps, structs and enums map onto MessagePack's types (the Python package's guide
+    /// has the table); a [`Shared`] field is the extension [`MSGPACK_SHARED_EXT`] holding
+    /// the buffer's index among the message's offers (a big-endian `u32`).
+    MessagePack,
+}
+
+/// The MessagePack extension type of a [`Shared`] field under [`Encoding::MessagePack`]:
+/// its data is the buffer's index among the message's offers, a big-endian `u32`.
+pub const MSGPACK_SHARED_EXT: i8 = 66;
 
 /// An encoded value and the buffers it shares.
 pub(crate) struct Encoded {
@@ -62,7 +111,29 @@ pub(crate) struct IncomingPayload {
 thread_local! {
     static OUTGOING: RefCell<Option<Vec<Outgoing>>> = const { RefCell::new(None) };
     static INCOMING: RefCell<Option<Vec<Option<IncomingLease>>>> = const { RefCell::new(None) };
+    /// The encoding of the value being encoded or decoded on this thread (for `Shared`).
+    static CODEC: Cell<Encoding> = const { Cell::new(Encoding::Bincode) };
 }
+
+/// Sets the thread's codec for one encode or decode, and puts the previous one back.
+struct CodecScope(Encoding);
+
+impl CodecScope {
+    fn enter(encoding: Encoding) -> Self {
+        Self(CODEC.with(|c| c.replace(encoding)))
+    }
+}
+
+impl Drop for CodecScope {
+    fn drop(&mut self) {
+        CODEC.with(|c| c.set(self.0));
+    }
+}
+
+/// A `Shared` field under MessagePack: the extension `(MSGPACK_SHARED_EXT, index)`.
+#[derive(Deserialize)]
+#[serde(rename = "_ExtStruct")]
+struct SharedExt((i8, serde_bytes::ByteBuf));
 
 type Config = bincode::config::Configuration<
     bincode::config::LittleEndian,
@@ -75,14 +146,30 @@ fn config() -> Config {
 }
 
 /// Encodes `value`, collecting the buffers of its `Shared` fields.
-pub(crate) fn encode<V: Serialize>(what: &'static str, value: &V) -> Result<Encoded, ActorError> {
+pub(crate) fn encode<V: Serialize>(
+    what: &'static str,
+    value: &V,
+    encoding: Encoding,
+) -> Result<Encoded, ActorError> {
     let previous = OUTGOING.with(|t| t.replace(Some(Vec::new())));
-    let bytes = bincode::serde::encode_to_vec(value, config());
+    let bytes = {
+        let _codec = CodecScope::enter(encoding);
+        match encoding {
+            Encoding::Bincode => {
+                bincode::serde::encode_to_vec(value, config()).map_err(|e| e.to_string())
+            }
+            Encoding::MessagePack => {
+                let mut bytes = Vec::new();
+                let mut ser = rmp_serde::Serializer::new(&mut bytes).with_struct_map();
+                value
+                    .serialize(&mut ser)
+                    .map(|()| bytes)
+                    .map_err(|e| e.to_string())
+            }
+        }
+    };
     let cells = OUTGOING.with(|t| t.replace(previous)).unwrap_or_default();
-    let bytes = bytes.map_err(|e| ActorError::Encode {
-        what,
-        reason: e.to_string(),
-    })?;
+    let bytes = bytes.map_err(|reason| ActorError::Encode { what, reason })?;
     Ok(Encoded { bytes, cells })
 }
 
@@ -92,10 +179,25 @@ pub(crate) fn decode<V: DeserializeOwned>(
     what: &'static str,
     bytes: &[u8],
     leases: Vec<IncomingLease>,
+    encoding: Encoding,
 ) -> Result<V, ActorError> {
     let table = leases.into_iter().map(Some).collect();
     let previous = INCOMING.with(|t| t.replace(Some(table)));
-    let decoded = bincode::serde::decode_from_slice::<V, _>(bytes, config());
+    let decoded = {
+        let _codec = CodecScope::enter(encoding);
+        match encoding {
+            Encoding::Bincode => bincode::serde::decode_from_slice::<V, _>(bytes, config())
+                .map_err(|e| e.to_string()),
+            Encoding::MessagePack => {
+                // Bounded: the input is one frame at most, rmp-serde limits nesting depth,
+                // and serde caps preallocations whatever length the input claims.
+                let mut de = rmp_serde::Deserializer::new(std::io::Cursor::new(bytes));
+                V::deserialize(&mut de)
+                    .map(|v| (v, de.position() as usize))
+                    .map_err(|e| e.to_string())
+            }
+        }
+    };
     drop(INCOMING.with(|t| t.replace(previous)));
     let fail = |reason: String| ActorError::Decode { what, reason };
     match decoded {
@@ -104,7 +206,7 @@ pub(crate) fn decode<V: DeserializeOwned>(
             "{} bytes after the value",
             bytes.len() - used
         ))),
-        Err(e) => Err(fail(e.to_string())),
+        Err(e) => Err(fail(e)),
     }
 }
 
@@ -122,9 +224,16 @@ impl<T: Element> Serialize for Shared<T> {
                 cells.len() - 1
             })
         });
-        match index {
-            Some(i) => s.serialize_u32(i as u32),
-            None => Err(S::Error::custom(
+        match (index, CODEC.with(Cell::get)) {
+            (Some(i), Encoding::Bincode) => s.serialize_u32(i as u32),
+            (Some(i), Encoding::MessagePack) => s.serialize_newtype_struct(
+                rmp_serde::MSGPACK_EXT_STRUCT_NAME,
+                &(
+                    MSGPACK_SHARED_EXT,
+                    serde_bytes::Bytes::new(&(i as u32).to_be_bytes()),
+                ),
+            ),
+            (None, _) => Err(S::Error::custom(
                 "Shared<T> can only be sent in a Baton message",
             )),
         }
@@ -133,7 +242,21 @@ impl<T: Element> Serialize for Shared<T> {
 
 impl<'de, T: Element> Deserialize<'de> for Shared<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let index = u32::deserialize(d)? as usize;
+        let index = match CODEC.with(Cell::get) {
+            Encoding::Bincode => u32::deserialize(d)? as usize,
+            Encoding::MessagePack => {
+                let SharedExt((tag, data)) = SharedExt::deserialize(d)?;
+                match <[u8; 4]>::try_from(data.as_slice()) {
+                    Ok(be) if tag == MSGPACK_SHARED_EXT => u32::from_be_bytes(be) as usize,
+                    _ => {
+                        return Err(D::Error::custom(format!(
+                            "MessagePack extension {tag} of {} bytes is not a buffer (extension {MSGPACK_SHARED_EXT}, 4 bytes)",
+                            data.len()
+                        )));
+                    }
+                }
+            }
+        };
         let lease = INCOMING.with(|t| {
             let mut t = t.borrow_mut();
             let table = t.as_mut().ok_or_else(|| {
@@ -167,9 +290,14 @@ pub(crate) type Answer = Pin<Box<dyn Future<Output = Result<Encoded, CallFault>>
 
 /// A registered receiver, with its message type erased.
 pub(crate) trait ErasedHandler: Send + Sync {
-    fn type_name(&self) -> &'static str;
+    fn type_name(&self) -> &str;
     /// Decodes the message, enqueues it to the actor, and returns the encoded answer to come.
-    fn invoke(&self, payload: &[u8], leases: Vec<IncomingLease>) -> Result<Answer, CallFault>;
+    fn invoke(
+        &self,
+        peer: ProcessId,
+        payload: &[u8],
+        leases: Vec<IncomingLease>,
+    ) -> Result<Answer, CallFault>;
 }
 
 pub(crate) struct Registered<M: RemoteMessage>
@@ -184,20 +312,24 @@ where
     M: RemoteMessage,
     M::Result: Serialize + Send,
 {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         M::NAME
     }
 
-    fn invoke(&self, payload: &[u8], leases: Vec<IncomingLease>) -> Result<Answer, CallFault> {
-        let msg: M =
-            decode("message", payload, leases).map_err(|e| CallFault::BadPayload(e.to_string()))?;
+    fn invoke(
+        &self,
+        _peer: ProcessId,
+        payload: &[u8],
+        leases: Vec<IncomingLease>,
+    ) -> Result<Answer, CallFault> {
+        let msg: M = decode("message", payload, leases, M::ENCODING)
+            .map_err(|e| CallFault::BadPayload(e.to_string()))?;
         // `send` enqueues now, so calls reach the actor in the order they arrived.
         let request = self.recipient.send(msg);
         Ok(Box::pin(async move {
             match request.await {
-                Ok(reply) => {
-                    encode("reply", &reply).map_err(|e| CallFault::ReplyFailed(e.to_string()))
-                }
+                Ok(reply) => encode("reply", &reply, M::ENCODING)
+                    .map_err(|e| CallFault::ReplyFailed(e.to_string())),
                 Err(_) => Err(CallFault::ActorGone),
             }
         }))
@@ -260,59 +392,12 @@ where
     /// [`ActorError::OfferRefused`] if a buffer of the reply could not be opened here,
     /// [`ActorError::Decode`].
     pub fn send(&self, msg: M) -> impl Future<Output = Result<M::Result, ActorError>> + 'static {
-        let encoded = encode("message", &msg);
+        let encoded = encode("message", &msg, M::ENCODING);
         drop(msg);
-        let link = self.link.clone();
-        let target = Arc::clone(&self.target);
-        let peer = link.peer();
-        // The fast path, taken now: room on the link, so the call is queued in order.
-        let started = match encoded {
-            Err(e) => Err(e),
-            Ok(encoded) => {
-                let cost = window_cost(&encoded, &link);
-                let state = link.state();
-                match (
-                    Arc::clone(&state.pending_calls).try_acquire_owned(),
-                    Arc::clone(&state.send_window).try_acquire_many_owned(cost),
-                ) {
-                    (Ok(slot), Ok(window)) => Ok(Started::Queued(queue(
-                        &link,
-                        &target,
-                        M::NAME,
-                        encoded,
-                        window,
-                        slot,
-                    ))),
-                    _ => Ok(Started::Waiting(encoded, cost)),
-                }
-            }
-        };
+        let reply = call_encoded(&self.link, &self.target, Arc::from(M::NAME), encoded);
         async move {
-            let queued = match started? {
-                Started::Queued(q) => q,
-                Started::Waiting(encoded, cost) => {
-                    let state = link.state();
-                    let closed = |_| ActorError::LinkClosed { peer };
-                    let slot = Arc::clone(&state.pending_calls)
-                        .acquire_owned()
-                        .await
-                        .map_err(closed)?;
-                    let window = Arc::clone(&state.send_window)
-                        .acquire_many_owned(cost)
-                        .await
-                        .map_err(closed)?;
-                    queue(&link, &target, M::NAME, encoded, window, slot)
-                }
-            };
-            let Queued {
-                reply,
-                mut cancel,
-                slot,
-            } = queued;
-            let payload = reply.await.map_err(|_| ActorError::LinkClosed { peer })??;
-            cancel.disarm();
-            drop(slot);
-            decode("reply", &payload.bytes, payload.leases)
+            let payload = reply.await?;
+            decode("reply", &payload.bytes, payload.leases, M::ENCODING)
         }
     }
 
@@ -335,6 +420,64 @@ where
                     after,
                 })?
         }
+    }
+}
+
+/// Queues an encoded call on `link` (at once when the link has room, so calls leave in
+/// the order they were made; else the future waits for room first) and returns its reply,
+/// undecoded. Dropping the future gives the call up.
+pub(crate) fn call_encoded(
+    link: &LinkRef,
+    target: &Arc<str>,
+    type_name: Arc<str>,
+    encoded: Result<Encoded, ActorError>,
+) -> impl Future<Output = Result<IncomingPayload, ActorError>> + 'static + use<> {
+    let link = link.clone();
+    let target = Arc::clone(target);
+    let peer = link.peer();
+    // The fast path, taken now: room on the link, so the call is queued in order.
+    let started = match encoded {
+        Err(e) => Err(e),
+        Ok(encoded) => {
+            let cost = window_cost(&encoded, &link);
+            let state = link.state();
+            match (
+                Arc::clone(&state.pending_calls).try_acquire_owned(),
+                Arc::clone(&state.send_window).try_acquire_many_owned(cost),
+            ) {
+                (Ok(slot), Ok(window)) => Ok(Started::Queued(queue(
+                    &link, &target, &type_name, encoded, window, slot,
+                ))),
+                _ => Ok(Started::Waiting(encoded, cost)),
+            }
+        }
+    };
+    async move {
+        let queued = match started? {
+            Started::Queued(q) => q,
+            Started::Waiting(encoded, cost) => {
+                let state = link.state();
+                let closed = |_| ActorError::LinkClosed { peer };
+                let slot = Arc::clone(&state.pending_calls)
+                    .acquire_owned()
+                    .await
+                    .map_err(closed)?;
+                let window = Arc::clone(&state.send_window)
+                    .acquire_many_owned(cost)
+                    .await
+                    .map_err(closed)?;
+                queue(&link, &target, &type_name, encoded, window, slot)
+            }
+        };
+        let Queued {
+            reply,
+            mut cancel,
+            slot,
+        } = queued;
+        let payload = reply.await.map_err(|_| ActorError::LinkClosed { peer })??;
+        cancel.disarm();
+        drop(slot);
+        Ok(payload)
     }
 }
 
@@ -365,7 +508,7 @@ fn window_cost(encoded: &Encoded, link: &LinkRef) -> u32 {
 fn queue(
     link: &LinkRef,
     target: &Arc<str>,
-    type_name: &'static str,
+    type_name: &Arc<str>,
     encoded: Encoded,
     window: OwnedSemaphorePermit,
     slot: OwnedSemaphorePermit,
@@ -375,7 +518,7 @@ fn queue(
     link.addr.do_send(OutCall {
         id,
         target: Arc::clone(target),
-        type_name,
+        type_name: Arc::clone(type_name),
         encoded,
         reply: tx,
         window,
@@ -407,5 +550,102 @@ impl Drop for CancelOnDrop {
         if let Some(link) = self.link.take() {
             link.addr.do_send(CancelCall(self.id));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Sample {
+        count: u32,
+        name: String,
+        values: Vec<i64>,
+        maybe: Option<u8>,
+    }
+
+    /// What another language writes for a message with a buffer field.
+    #[derive(Serialize)]
+    struct WithRef {
+        data: ExtOut,
+    }
+
+    #[derive(Serialize)]
+    #[serde(rename = "_ExtStruct")]
+    struct ExtOut((i8, serde_bytes::ByteBuf));
+
+    #[derive(Debug, Deserialize)]
+    struct WithBuffer {
+        #[allow(dead_code)]
+        data: Shared<u32>,
+    }
+
+    fn ext(tag: i8, data: &[u8]) -> Vec<u8> {
+        rmp_serde::to_vec_named(&WithRef {
+            data: ExtOut((tag, serde_bytes::ByteBuf::from(data.to_vec()))),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn messagepack_carries_field_names_and_round_trips() {
+        let sample = Sample {
+            count: 3,
+            name: "three".into(),
+            values: vec![-1, 2],
+            maybe: None,
+        };
+        let encoded = encode("message", &sample, Encoding::MessagePack).unwrap();
+        assert!(encoded.cells.is_empty());
+        // Self-describing: a map whose keys are the field names (fixmap of 4, "count"…).
+        assert_eq!(encoded.bytes[0], 0x84);
+        assert_eq!(&encoded.bytes[1..7], b"\xa5count");
+        let back: Sample =
+            decode("message", &encoded.bytes, Vec::new(), Encoding::MessagePack).unwrap();
+        assert_eq!(back, sample);
+        // Bincode is not self-describing, and is still the default.
+        let bin = encode("message", &sample, Encoding::default()).unwrap();
+        assert!(!bin.bytes.windows(5).any(|w| w == b"count"));
+    }
+
+    #[test]
+    fn messagepack_decoding_refuses_what_does_not_fit() {
+        let sample = Sample {
+            count: 1,
+            name: String::new(),
+            values: Vec::new(),
+            maybe: Some(2),
+        };
+        let mut bytes = encode("message", &sample, Encoding::MessagePack)
+            .unwrap()
+            .bytes;
+        bytes.push(0xc0);
+        let err = decode::<Sample>("message", &bytes, Vec::new(), Encoding::MessagePack)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("1 bytes after the value"), "{err}");
+
+        let refuse = |bytes: Vec<u8>| {
+            decode::<WithBuffer>("message", &bytes, Vec::new(), Encoding::MessagePack)
+                .unwrap_err()
+                .to_string()
+        };
+        let err = refuse(ext(MSGPACK_SHARED_EXT, &0u32.to_be_bytes()));
+        assert!(err.contains("buffer index 0 out of range"), "{err}");
+        let err = refuse(ext(5, &0u32.to_be_bytes()));
+        assert!(
+            err.contains("extension 5 of 4 bytes is not a buffer"),
+            "{err}"
+        );
+        let err = refuse(ext(MSGPACK_SHARED_EXT, &[0, 0]));
+        assert!(err.contains("is not a buffer"), "{err}");
+        // A plain integer where a buffer belongs is no buffer either.
+        #[derive(Serialize)]
+        struct Plain {
+            data: u32,
+        }
+        let err = refuse(rmp_serde::to_vec_named(&Plain { data: 0 }).unwrap());
+        assert!(err.contains("could not decode message"), "{err}");
     }
 }

@@ -1,0 +1,530 @@
+//! Untyped messages and buffers, for peers that do not share Rust types: another
+//! language's bindings (Baton's Python package is built on this), a proxy, a recorder.
+//!
+//! A typed [`RemoteMessage`](crate::RemoteMessage) is encoded and decoded by Baton; a
+//! *raw* message is the encoded bytes and the buffers beside them, as they travel:
+//!
+//! - [`Node::register_raw`] registers a [`RawHandler`] under a name, for calls of one wire
+//!   type name. It receives each call's payload bytes and its buffers as unopened
+//!   [`AnyShared`]s (the leases exist already: dropping one releases it), and answers with
+//!   a [`RawMessage`] of its own — whose buffers are leased to the caller, as a typed
+//!   reply's would be.
+//! - [`Peer::call_raw`] sends a call of any wire type name with payload bytes and
+//!   buffers ([`AnyBuffer::share`]), and returns the reply undecoded.
+//!
+//! The lease protocol is the same one, run by the same links: every check (the type name
+//! the handler registered, the peer's offers, the limits) and every guarantee (leases
+//! counted from the offer, released on drop, reclaimed when a process dies, orphaned when
+//! the exporter does) holds for raw messages too. Only the payload is left to the caller:
+//! it must be encoded the way the receiver decodes it — for a Rust receiver, its message
+//! type's [`Encoding`](crate::Encoding); a buffer field under
+//! [`Encoding::MessagePack`](crate::Encoding::MessagePack) is the extension
+//! [`MSGPACK_SHARED_EXT`](crate::MSGPACK_SHARED_EXT) holding the buffer's index in
+//! [`RawMessage::buffers`].
+//!
+//! Byte offsets and lengths: the raw accessors count bytes, so an
+//! [`ActorError::OutOfBounds`] they return counts bytes too.
+//!
+//! Stream ordering is the typed handles' (see `docs/ORDERING.md`): host copies
+//! ([`AnyBuffer::read`], [`AnyLease::write`], …) are ordered and complete when they
+//! return; work on a device pointer is ordered with [`AnyLease::wait_on`] and
+//! [`AnyBuffer::wait_on`] / [`AnyBuffer::share_on`].
+
+use crate::buffer::{BufferCell, IncomingLease, Outgoing, Shared, SharedInner};
+use crate::error::ActorError;
+use crate::ids::BufferId;
+use crate::node::{Node, Peer};
+use crate::remote::{Answer, Encoded, ErasedHandler, call_encoded};
+use crate::{Buffer, Element};
+use baton_ipc::{Allocation, Imported, MemPtr, Stream};
+use baton_messages::protocol::CallFault;
+use baton_messages::{ExporterId, Layout, LeaseId, ProcessId};
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn check_bytes(offset: usize, len: usize, size: usize) -> Result<(), ActorError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(ActorError::OutOfBounds {
+            index: offset,
+            len,
+            size,
+        }),
+    }
+}
+
+/// The exporter's handle to a buffer of any element type: the untyped twin of
+/// [`Buffer<T>`]. Cheap to clone; the buffer is freed when the last clone (typed or not)
+/// drops and no live process may map it.
+#[derive(Clone)]
+pub struct AnyBuffer {
+    cell: Arc<BufferCell>,
+}
+
+impl fmt::Debug for AnyBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AnyBuffer")
+            .field("id", &self.cell.id)
+            .field("alloc", &self.cell.alloc.id())
+            .field("layout", &self.cell.layout)
+            .finish()
+    }
+}
+
+impl<T: Element> From<Buffer<T>> for AnyBuffer {
+    fn from(buffer: Buffer<T>) -> Self {
+        Self { cell: buffer.cell }
+    }
+}
+
+impl AnyBuffer {
+    pub(crate) fn new(cell: Arc<BufferCell>) -> Self {
+        Self { cell }
+    }
+
+    /// Its id in its owner.
+    pub fn id(&self) -> BufferId {
+        self.cell.id
+    }
+
+    /// Its element type and shape.
+    pub fn layout(&self) -> &Layout {
+        &self.cell.layout
+    }
+
+    /// Bytes in the buffer (its layout's; the allocation may be rounded up).
+    pub fn byte_len(&self) -> usize {
+        self.cell
+            .layout
+            .byte_len()
+            .and_then(|b| usize::try_from(b).ok())
+            .unwrap_or(0)
+    }
+
+    /// Where its first byte is (host address or device pointer).
+    pub fn ptr(&self) -> MemPtr {
+        self.cell.alloc.ptr()
+    }
+
+    /// How many leases on it are out now (see [`Buffer::leases_out`]).
+    pub fn leases_out(&self) -> usize {
+        self.cell.exports.leases_on(self.cell.id)
+    }
+
+    /// The backend allocation, for backend-specific work.
+    pub fn allocation(&self) -> &Allocation {
+        &self.cell.alloc
+    }
+
+    /// Copies bytes out of the buffer, starting `offset` bytes in, after the work of
+    /// importers that gave the buffer back and the buffer's uses on streams (as
+    /// [`Buffer::read_into`]).
+    ///
+    /// # Errors
+    /// [`ActorError::OutOfBounds`] (in bytes), or a backend error.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), ActorError> {
+        check_bytes(offset, dst.len(), self.byte_len())?;
+        self.cell.order.before_host_copy()?;
+        Ok(self.cell.alloc.read(offset, dst)?)
+    }
+
+    /// Copies bytes into the buffer, starting `offset` bytes in (as
+    /// [`Buffer::write_at`]).
+    ///
+    /// # Errors
+    /// [`ActorError::OutOfBounds`] (in bytes), or a backend error.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ActorError> {
+        check_bytes(offset, src.len(), self.byte_len())?;
+        self.cell.order.before_host_copy()?;
+        Ok(self.cell.alloc.write(offset, src)?)
+    }
+
+    /// Orders the work queued on `stream` from now on after the work of importers that
+    /// gave the buffer back and after its uses on other streams (as [`Buffer::wait_on`]).
+    ///
+    /// # Errors
+    /// A backend error; [`ActorError::TooManyStreams`].
+    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
+        let stream = stream.into();
+        self.cell.order.use_on(stream.as_ref())?;
+        Ok(())
+    }
+
+    /// Like [`share`](Self::share), after the work queued on `stream` so far (as
+    /// [`Buffer::share_on`]).
+    ///
+    /// # Errors
+    /// A backend error; [`ActorError::TooManyStreams`].
+    pub fn share_on(&self, stream: impl Into<Stream>) -> Result<AnyShared, ActorError> {
+        let stream = stream.into();
+        if let Some(mark) = self.cell.order.use_on(stream.as_ref())? {
+            mark.record(stream.as_ref())?;
+        }
+        Ok(self.share())
+    }
+
+    /// A handle to put in a [`RawMessage`]: sending it grants the receiver a lease. The
+    /// offer carries an acquire fence after the buffer's uses on streams, if it had any.
+    pub fn share(&self) -> AnyShared {
+        AnyShared {
+            inner: SharedInner::Local(Outgoing {
+                cell: Arc::clone(&self.cell),
+                fence: None,
+            }),
+        }
+    }
+
+    /// The typed handle, if `T` is its element type.
+    ///
+    /// # Errors
+    /// [`ActorError::WrongElementType`].
+    pub fn typed<T: Element>(&self) -> Result<Buffer<T>, ActorError> {
+        if self.cell.layout.dtype != T::DTYPE {
+            return Err(ActorError::WrongElementType {
+                expected: T::DTYPE,
+                got: Some(self.cell.layout.dtype),
+            });
+        }
+        Ok(Buffer::new(Arc::clone(&self.cell)))
+    }
+}
+
+/// A buffer of any element type in a [`RawMessage`]: about to be sent (from
+/// [`AnyBuffer::share`]) or received (an unopened lease; dropping it releases the lease).
+pub struct AnyShared {
+    inner: SharedInner,
+}
+
+impl fmt::Debug for AnyShared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.inner {
+            SharedInner::Local(out) => write!(f, "AnyShared(local {:?})", out.cell.id),
+            SharedInner::Incoming(l) => write!(f, "AnyShared(received {:?})", l.lease),
+        }
+    }
+}
+
+impl<T: Element> From<Shared<T>> for AnyShared {
+    fn from(shared: Shared<T>) -> Self {
+        Self {
+            inner: shared.inner,
+        }
+    }
+}
+
+impl AnyShared {
+    fn incoming(lease: IncomingLease) -> Self {
+        Self {
+            inner: SharedInner::Incoming(Box::new(lease)),
+        }
+    }
+
+    /// Whether this is a received buffer (as opposed to one about to be sent).
+    pub fn is_received(&self) -> bool {
+        matches!(self.inner, SharedInner::Incoming(_))
+    }
+
+    /// Its element type and shape; `None` for a received buffer its exporter offered
+    /// untyped.
+    pub fn layout(&self) -> Option<&Layout> {
+        match &self.inner {
+            SharedInner::Local(out) => Some(&out.cell.layout),
+            SharedInner::Incoming(l) => l.imported().layout(),
+        }
+    }
+
+    /// The lease id of a received buffer.
+    pub fn lease_id(&self) -> Option<LeaseId> {
+        match &self.inner {
+            SharedInner::Local(_) => None,
+            SharedInner::Incoming(l) => Some(l.lease),
+        }
+    }
+
+    /// Opens a received buffer as an untyped lease.
+    ///
+    /// # Errors
+    /// [`ActorError::NotReceived`] for a buffer that was not received.
+    pub fn open(self) -> Result<AnyLease, ActorError> {
+        match self.inner {
+            SharedInner::Incoming(inner) => Ok(AnyLease { inner: *inner }),
+            SharedInner::Local(_) => Err(ActorError::NotReceived),
+        }
+    }
+
+    /// The typed handle, if `T` is its element type.
+    ///
+    /// # Errors
+    /// [`ActorError::WrongElementType`] (the buffer is dropped: a received one is
+    /// released).
+    pub fn typed<T: Element>(self) -> Result<Shared<T>, ActorError> {
+        let got = self.layout().map(|l| l.dtype);
+        if got != Some(T::DTYPE) {
+            return Err(ActorError::WrongElementType {
+                expected: T::DTYPE,
+                got,
+            });
+        }
+        Ok(Shared {
+            inner: self.inner,
+            _t: PhantomData,
+        })
+    }
+}
+
+/// An importer's guard on another process's buffer, of any element type: the untyped twin
+/// of [`Lease<T>`](crate::Lease). Dropping it unmaps (drops its import-cache reference)
+/// and then sends `Release`, without blocking. If the exporter dies, the lease is
+/// orphaned: its accessors return [`ActorError::Orphaned`].
+pub struct AnyLease {
+    inner: IncomingLease,
+}
+
+impl fmt::Debug for AnyLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("AnyLease").field(&self.inner).finish()
+    }
+}
+
+impl AnyLease {
+    /// The lease id (the exporter's).
+    pub fn id(&self) -> LeaseId {
+        self.inner.lease
+    }
+
+    /// Who exported the buffer.
+    pub fn exporter(&self) -> ExporterId {
+        self.inner.imported().exporter()
+    }
+
+    /// Element type and shape; `None` if the exporter offered it untyped.
+    pub fn layout(&self) -> Option<&Layout> {
+        self.inner.imported().layout()
+    }
+
+    /// Bytes in the buffer.
+    pub fn byte_len(&self) -> usize {
+        self.inner.imported().len()
+    }
+
+    /// Whether the exporter is gone (its accessors then fail).
+    pub fn is_orphaned(&self) -> bool {
+        !self.inner.link.is_alive()
+    }
+
+    /// The deadline by which the exporter asked to have this lease back, if it did.
+    pub fn revoke_deadline(&self) -> Option<Instant> {
+        self.inner.held.revoke_deadline()
+    }
+
+    /// Where the first byte is mapped in this process. The address stays valid while
+    /// this lease lives (an orphaned lease included: its mapping closes when it drops).
+    /// Before queuing work that uses it on a stream, call [`wait_on`](Self::wait_on) with
+    /// that stream.
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`].
+    pub fn ptr(&self) -> Result<MemPtr, ActorError> {
+        Ok(self.inner.live()?.ptr())
+    }
+
+    /// Copies bytes out of the buffer, starting `offset` bytes in (on the backend's own
+    /// stream, after the exporter's work that produced the buffer; done when it returns).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`], [`ActorError::OutOfBounds`] (in bytes), or a backend error.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), ActorError> {
+        let imported = self.inner.live()?;
+        check_bytes(offset, dst.len(), imported.len())?;
+        self.inner.order.before_host_copy()?;
+        Ok(imported.read(offset, dst)?)
+    }
+
+    /// Copies bytes into the buffer, starting `offset` bytes in (the exporter sees them:
+    /// same memory).
+    ///
+    /// # Errors
+    /// As [`read`](Self::read).
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ActorError> {
+        let imported = self.inner.live()?;
+        check_bytes(offset, src.len(), imported.len())?;
+        self.inner.order.before_host_copy()?;
+        Ok(imported.write(offset, src)?)
+    }
+
+    /// Orders the work queued on `stream` from now on after the exporter's work that
+    /// produced the buffer, and keeps `stream`: dropping the lease records its release
+    /// fence there (as [`Lease::wait_on`](crate::Lease::wait_on)).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`]; a backend error; [`ActorError::TooManyStreams`].
+    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
+        self.inner.live()?;
+        self.inner.order.wait_on(stream.into())
+    }
+
+    /// The import view, for backend-specific work.
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`].
+    pub fn imported(&self) -> Result<&Imported, ActorError> {
+        self.inner.live()
+    }
+
+    /// Gives the lease back now (the same as dropping it).
+    pub fn release(self) {}
+}
+
+/// A message as it travels: encoded bytes, and the buffers they refer to (by index).
+#[derive(Debug, Default)]
+pub struct RawMessage {
+    /// The encoded value.
+    pub bytes: Vec<u8>,
+    /// Its buffers. Outgoing: [`AnyBuffer::share`]s, each leased to the receiver when the
+    /// message is sent (a received buffer cannot be forwarded: [`ActorError::NotOwned`]).
+    /// Incoming: unopened leases.
+    pub buffers: Vec<AnyShared>,
+}
+
+impl RawMessage {
+    /// A message of `bytes` with `buffers`.
+    pub fn new(bytes: Vec<u8>, buffers: Vec<AnyShared>) -> Self {
+        Self { bytes, buffers }
+    }
+
+    fn into_encoded(self) -> Result<Encoded, ActorError> {
+        let cells = self
+            .buffers
+            .into_iter()
+            .map(|b| match b.inner {
+                SharedInner::Local(out) => Ok(out),
+                SharedInner::Incoming(_) => Err(ActorError::NotOwned),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Encoded {
+            bytes: self.bytes,
+            cells,
+        })
+    }
+
+    fn from_incoming(bytes: Vec<u8>, leases: Vec<IncomingLease>) -> Self {
+        Self {
+            bytes,
+            buffers: leases.into_iter().map(AnyShared::incoming).collect(),
+        }
+    }
+}
+
+/// A call received by a [`RawHandler`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct RawCall {
+    /// The calling process (as proven in its link's handshake).
+    pub peer: ProcessId,
+    /// The message.
+    pub message: RawMessage,
+}
+
+/// The answer a [`RawHandler`] gives: a reply (its buffers are leased to the caller) or a
+/// fault the caller receives as [`ActorError::Remote`].
+pub type RawReply = Pin<Box<dyn Future<Output = Result<RawMessage, CallFault>>>>;
+
+/// Receives raw calls (see the [module docs](self)). Called on the arbiter of the link the
+/// call came in on: return at once, and do the work in the returned future (or elsewhere,
+/// answering through a channel the future awaits). Until its future completes, a call
+/// holds one of the link's [`calls_in_flight`](crate::LinkLimits::calls_in_flight); if the
+/// link goes down first, the future is dropped.
+pub trait RawHandler: Send + Sync + 'static {
+    /// Handles one call.
+    fn call(&self, call: RawCall) -> RawReply;
+}
+
+impl<F> RawHandler for F
+where
+    F: Fn(RawCall) -> RawReply + Send + Sync + 'static,
+{
+    fn call(&self, call: RawCall) -> RawReply {
+        self(call)
+    }
+}
+
+struct RawRegistered {
+    type_name: String,
+    handler: Arc<dyn RawHandler>,
+}
+
+impl ErasedHandler for RawRegistered {
+    fn type_name(&self) -> &str {
+        &self.type_name
+    }
+
+    fn invoke(
+        &self,
+        peer: ProcessId,
+        payload: &[u8],
+        leases: Vec<IncomingLease>,
+    ) -> Result<Answer, CallFault> {
+        let reply = self.handler.call(RawCall {
+            peer,
+            message: RawMessage::from_incoming(payload.to_vec(), leases),
+        });
+        Ok(Box::pin(async move {
+            reply
+                .await?
+                .into_encoded()
+                .map_err(|e| CallFault::ReplyFailed(e.to_string()))
+        }))
+    }
+}
+
+impl Node {
+    /// Makes `handler` reachable from other processes as `name`, for calls whose wire type
+    /// name is `type_name` (a call of another type is refused with
+    /// [`CallFault::WrongType`] before the handler sees it). Replaces any earlier
+    /// registration of `name`, typed or raw. See the [module docs](crate::raw).
+    pub fn register_raw(&self, name: &str, type_name: &str, handler: impl RawHandler) {
+        self.insert_handler(
+            name,
+            Arc::new(RawRegistered {
+                type_name: type_name.to_owned(),
+                handler: Arc::new(handler),
+            }),
+        );
+    }
+}
+
+impl Peer {
+    /// Sends a raw call to the actor registered as `target` in the peer process, as wire
+    /// type `type_name`, and returns its reply undecoded (its buffers are unopened leases).
+    /// The buffers of `message` are leased to the peer before it leaves. Queued and
+    /// bounded like [`RemoteAddr::send`](crate::RemoteAddr::send): calls leave in the order
+    /// they were made; dropping the future gives the call up.
+    ///
+    /// # Errors
+    /// [`ActorError::NotOwned`] for a received buffer in `message`;
+    /// [`ActorError::LinkClosed`] if the link goes down first; [`ActorError::Remote`] if
+    /// the receiver refused the call (no such actor, another type, a payload it could not
+    /// decode); [`ActorError::OfferRefused`] if a buffer of the reply could not be opened
+    /// here.
+    pub fn call_raw(
+        &self,
+        target: &str,
+        type_name: &str,
+        message: RawMessage,
+    ) -> impl Future<Output = Result<RawMessage, ActorError>> + 'static + use<> {
+        let reply = call_encoded(
+            &self.link,
+            &Arc::from(target),
+            Arc::from(type_name),
+            message.into_encoded(),
+        );
+        async move {
+            let payload = reply.await?;
+            Ok(RawMessage::from_incoming(payload.bytes, payload.leases))
+        }
+    }
+}

@@ -1,0 +1,242 @@
+"""Type stubs of the extension module `baton._baton` (re-exported by `baton`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Optional, Sequence, SupportsIndex, Tuple, Union
+
+__version__: str
+#: The MessagePack extension type of a buffer field (its data: the buffer's index among
+#: the message's buffers, a big-endian u32).
+MSGPACK_SHARED_EXT: int
+
+#: An element type: a name ("float32"), a NumPy dtype or scalar type, or a torch dtype.
+DTypeLike = Any
+#: Values a message may hold: None, bool, int (64-bit), float, str, bytes, bytearray,
+#: list, tuple, dict, Buffer (leased to the receiver), and nested combinations.
+Value = Any
+Device = Tuple[str, int]
+
+def generate_token() -> str:
+    """A fresh random session token (64 hex digits), for a process that starts a deployment."""
+
+def log_to_stderr(filter: str = "info") -> bool:
+    """Sends Baton's tracing events to stderr (once per process); returns whether it did."""
+
+class Node:
+    """This process in a Baton deployment.
+
+    ``Node()`` takes the session token a Baton supervisor passed (``BATON_TOKEN_FD``, then
+    ``BATON_TOKEN``); ``token=`` or ``token_file=`` give it explicitly. ``backend`` is
+    ``"auto"`` (CUDA when a GPU is usable), ``"host"`` or ``"cuda"``; default
+    ``BATON_BACKEND``.
+    """
+
+    def __init__(
+        self,
+        *,
+        token: Optional[str] = None,
+        token_file: Optional[Union[str, os.PathLike[str]]] = None,
+        backend: Optional[Literal["auto", "host", "cuda"]] = None,
+    ) -> None: ...
+    @staticmethod
+    def from_env(*, backend: Optional[Literal["auto", "host", "cuda"]] = None) -> Node:
+        """The node of a process a Baton supervisor started."""
+    @property
+    def pid(self) -> int: ...
+    @property
+    def backend(self) -> str:
+        """"host" or "cuda"."""
+    def connect(self, path: Union[str, os.PathLike[str]], *, timeout: float = 30.0) -> Peer:
+        """Links to the node listening at ``path`` (credentials and token checked)."""
+    def listen(self, directory: Union[str, os.PathLike[str]], name: str = "node.sock") -> Path:
+        """Accepts links at ``directory/name`` until ``close()``; returns the socket's path."""
+    def accept(self, *, timeout: float = 30.0) -> Peer:
+        """The next peer that linked to this node's listeners. Raises ``Timeout``."""
+    def peers(self) -> list[Peer]:
+        """The links up now."""
+    def register(self, name: str, type_name: str) -> Mailbox:
+        """Answers calls to ``name`` of wire type ``type_name``."""
+    def allocate(
+        self,
+        shape: Union[SupportsIndex, Sequence[SupportsIndex]],
+        dtype: Optional[DTypeLike] = None,
+        *,
+        timeout: float = 30.0,
+    ) -> Buffer:
+        """A buffer in this process's memory (device memory on the CUDA backend); float32
+        unless ``dtype`` says otherwise."""
+    def lease_table(self) -> list[dict[str, Any]]:
+        """The buffers this node exports and their leases."""
+    def export_stats(self) -> dict[str, int]:
+        """Counters of the buffers this node exports."""
+    def close(self) -> None:
+        """Stops listening, closes every mailbox and link."""
+    def __enter__(self) -> Node: ...
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class Peer:
+    """A linked process."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def connected(self) -> bool: ...
+    def call(
+        self,
+        target: str,
+        type_name: str,
+        message: Value = None,
+        *,
+        timeout: float = 30.0,
+    ) -> Value:
+        """Calls the actor ``target`` with ``message`` (MessagePack) and returns its reply;
+        buffers in the reply arrive as ``Shared``."""
+    def ping(self, *, timeout: float = 30.0) -> float:
+        """A round trip to the peer, in seconds."""
+    def close(self) -> None: ...
+
+class Mailbox:
+    """Calls to a registered name."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def type_name(self) -> str: ...
+    @property
+    def pending(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def recv(self, *, timeout: Optional[float] = None) -> Call:
+        """The next call (``None``: wait until one comes or the mailbox closes). Raises
+        ``Timeout``, or ``Released`` once closed."""
+    def close(self) -> None: ...
+    def __enter__(self) -> Mailbox: ...
+    def __exit__(self, *exc: object) -> bool: ...
+
+class Call:
+    """A received call: answer it with ``reply`` or ``reject`` (dropped unanswered, the
+    caller gets ``ActorGone``)."""
+
+    @property
+    def message(self) -> Value: ...
+    @property
+    def peer_pid(self) -> int: ...
+    @property
+    def type_name(self) -> str: ...
+    def reply(self, value: Value = None) -> bool:
+        """Answers; ``Buffer``s in ``value`` are leased to the caller. ``False``: the
+        caller's link went down first."""
+    def reject(self, reason: str) -> bool:
+        """Refuses the call: the caller gets ``BadPayload(reason)``."""
+
+class Shared:
+    """A received buffer, not opened yet (dropping it releases the lease)."""
+
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def lease_id(self) -> int: ...
+    def open(self, *, writable: bool = False) -> Lease:
+        """Maps the exporter's memory here. Raises ``Orphaned`` if the exporter is gone,
+        ``Released`` if opened or released before."""
+    def release(self) -> bool:
+        """Gives the lease back unopened; returns whether it was still unopened."""
+
+class Lease:
+    """An opened lease: the exporter's memory, zero-copy.
+
+    Views (``numpy()``, ``__dlpack__``) keep the lease out while they live;
+    ``release()`` and the end of a ``with`` block make the lease unusable at once and give
+    it back when its last view goes.
+    """
+
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def device(self) -> Device: ...
+    @property
+    def writable(self) -> bool: ...
+    @property
+    def lease_id(self) -> int: ...
+    @property
+    def exporter_pid(self) -> int: ...
+    @property
+    def released(self) -> bool: ...
+    @property
+    def orphaned(self) -> bool: ...
+    @property
+    def views(self) -> int: ...
+    def numpy(self) -> Any:
+        """A zero-copy ``numpy.ndarray`` of host memory (read-only unless writable)."""
+    def tobytes(self) -> bytes: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[int] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Device memory only (``AttributeError`` for host memory)."""
+    def release(self) -> bool:
+        """Returns whether the lease went back now (``False``: views are alive)."""
+    def __enter__(self) -> Lease: ...
+    def __exit__(self, *exc: object) -> bool: ...
+
+class Buffer:
+    """A buffer this process owns (``Node.allocate``): fill it through its views, put it
+    in messages (each send leases it to the receiver)."""
+
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def device(self) -> Device: ...
+    @property
+    def buffer_id(self) -> int: ...
+    @property
+    def released(self) -> bool: ...
+    @property
+    def leases_out(self) -> int: ...
+    def numpy(self) -> Any:
+        """A zero-copy, writable ``numpy.ndarray`` of host memory."""
+    def tobytes(self) -> bytes: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[int] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+    def release(self) -> bool:
+        """Drops Python's handle; the memory is freed once no view, lease or handle is left."""
+    def __enter__(self) -> Buffer: ...
+    def __exit__(self, *exc: object) -> bool: ...

@@ -1,0 +1,320 @@
+"""Baton's exceptions.
+
+Each class is named after the Rust error variant it stands for, and carries the Rust
+error's message unchanged:
+
+- ``baton_actors::ActorError`` variants: ``Orphaned``, ``LinkClosed``, ``Timeout``, ...
+- ``baton_ipc::Error`` variants (memory and transport), under ``Ipc``: ``BadToken``,
+  ``Closed``, ``Refused``, ``StaleHandle``, ...
+- ``CallFault`` variants (the remote side refused a call), under ``Remote``:
+  ``NoSuchActor``, ``WrongType``, ``BadPayload``, ``ActorGone``, ``ReplyFailed``,
+  ``RemoteOfferRefused``.
+
+and two of the Python layer's own: ``Released`` (a lease, buffer or mailbox used after it
+was released or closed) and ``RuntimeGone`` (the extension's runtime thread is not
+available, e.g. in a forked child).
+
+A variant without a class of its own raises its group's class (``Ipc``, ``Remote``), else
+``BatonError``. Catch ``BatonError`` for all of them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatonError",
+    # ActorError
+    "Encode", "Decode", "Remote", "LinkClosed", "Orphaned", "WrongElementType",
+    "OutOfBounds", "UnknownBuffer", "NotOwned", "NotReceived", "TooManyDescriptors",
+    "UnknownLease", "ForeignOffer", "DuplicateLease", "UnknownCall", "Unexpected",
+    "TooManyOffers", "TooManyLeases", "PeerNotReading", "OfferRefused", "RevokeDeadline",
+    "Unresponsive", "PeerExited", "Mailbox", "Timeout", "Spawn",
+    # CallFault
+    "NoSuchActor", "WrongType", "BadPayload", "ActorGone", "ReplyFailed",
+    "RemoteOfferRefused",
+    # baton_ipc::Error
+    "Ipc", "Message", "Io", "Closed", "PeerNotAllowed", "BadToken", "Refused",
+    "UnexpectedMessage", "PeerIdentityMismatch", "MissingFds", "UnexpectedFds",
+    "DescriptorsLost", "MissingFdSlot", "NotMapped", "PoolNotImported",
+    "InsecureSocketDir", "ZeroSize", "SegmentNotFound", "MemoryTooSmall",
+    "UnsealedMemory", "SegmentOwnerMismatch", "Shm", "UnsupportedBackend", "StaleHandle",
+    "DeviceNotFound", "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
+    "AllocationGone", "SlabFull", "BackendUnavailable",
+    # The Python layer's
+    "Released", "RuntimeGone",
+]
+
+
+class BatonError(Exception):
+    """Every Baton error."""
+
+
+# --- baton_actors::ActorError ---------------------------------------------------------
+
+class Encode(BatonError):
+    """A message or reply could not be encoded."""
+
+
+class Decode(BatonError):
+    """A message or reply could not be decoded."""
+
+
+class Remote(BatonError):
+    """The remote side answered a call with a fault (a subclass says which)."""
+
+
+class LinkClosed(BatonError):
+    """The link to the peer closed before the operation completed."""
+
+
+class Orphaned(BatonError):
+    """The buffer's exporter is gone: the lease is orphaned; drop it."""
+
+
+class WrongElementType(BatonError, TypeError):
+    """A buffer's element type is not the one asked for."""
+
+
+class OutOfBounds(BatonError, IndexError):
+    """An index or count outside the buffer."""
+
+
+class UnknownBuffer(BatonError):
+    """The buffer is not (or no longer) owned here."""
+
+
+class NotOwned(BatonError):
+    """A received buffer was put in an outgoing message: only its owner can share it."""
+
+
+class NotReceived(BatonError):
+    """open() of a buffer that was never received."""
+
+
+class TooManyDescriptors(BatonError):
+    """A message carries more descriptor-shared buffers than a frame may carry."""
+
+
+class UnknownLease(BatonError):
+    """The peer released a lease this link never granted it."""
+
+
+class ForeignOffer(BatonError):
+    """The peer offered a buffer it does not own."""
+
+
+class DuplicateLease(BatonError):
+    """The peer offered the same lease twice."""
+
+
+class UnknownCall(BatonError):
+    """The peer answered a call that is not pending."""
+
+
+class Unexpected(BatonError):
+    """The peer sent a message that makes no sense on an established link."""
+
+
+class TooManyOffers(BatonError):
+    """The peer sent more buffers in one message than accepted."""
+
+
+class TooManyLeases(BatonError):
+    """The peer's offers would hold more leases open than accepted."""
+
+
+class PeerNotReading(BatonError):
+    """The peer does not read what it makes us write."""
+
+
+class OfferRefused(BatonError):
+    """A buffer of the reply could not be opened in this process."""
+
+
+class RevokeDeadline(BatonError):
+    """The peer held a revoked lease past its deadline and was cut off."""
+
+
+class Unresponsive(BatonError):
+    """The peer sent nothing within the heartbeat deadline."""
+
+
+class PeerExited(BatonError):
+    """The peer's process exited while its link was up."""
+
+
+class Mailbox(BatonError):
+    """An actor's mailbox is closed."""
+
+
+class Timeout(BatonError, TimeoutError):
+    """A wait ran past its deadline."""
+
+
+class Spawn(BatonError):
+    """A child process could not be spawned."""
+
+
+# --- CallFault (under Remote) -----------------------------------------------------------
+
+class NoSuchActor(Remote):
+    """No actor is registered under the target name."""
+
+
+class WrongType(Remote):
+    """The target accepts another message type."""
+
+
+class BadPayload(Remote):
+    """The payload did not decode as the target's message type (or the target rejected it)."""
+
+
+class ActorGone(Remote):
+    """The target stopped (or dropped the call) before it answered."""
+
+
+class ReplyFailed(Remote):
+    """The reply could not be encoded or its buffers could not be shared."""
+
+
+class RemoteOfferRefused(Remote):
+    """A buffer of the call could not be opened by the receiver; every lease was given back."""
+
+
+# --- baton_ipc::Error (under Ipc) -------------------------------------------------------
+
+class Ipc(BatonError):
+    """Memory or transport mechanics failed (a subclass says how)."""
+
+
+class Message(Ipc):
+    """A wire message was malformed (decode, size limit, digest)."""
+
+
+class Io(Ipc):
+    """An operating-system call failed."""
+
+
+class Closed(Ipc):
+    """The peer closed the link."""
+
+
+class PeerNotAllowed(Ipc):
+    """The peer's credentials are not allowed (another uid)."""
+
+
+class BadToken(Ipc):
+    """The session token is missing, malformed, or not the deployment's."""
+
+
+class Refused(Ipc):
+    """The peer refused the link."""
+
+
+class UnexpectedMessage(Ipc):
+    """The peer sent something else than the handshake expects."""
+
+
+class PeerIdentityMismatch(Ipc):
+    """The peer claims another identity than the socket's process."""
+
+
+class MissingFds(Ipc):
+    """A frame announced file descriptors that did not arrive."""
+
+
+class UnexpectedFds(Ipc):
+    """The peer sent file descriptors no frame announced."""
+
+
+class DescriptorsLost(Ipc):
+    """File descriptors were lost (a descriptor limit)."""
+
+
+class MissingFdSlot(Ipc):
+    """A handle refers to a descriptor its frame did not carry."""
+
+
+class NotMapped(Ipc):
+    """A handle refers to a mapping this process does not have."""
+
+
+class PoolNotImported(Ipc):
+    """A handle refers to a CUDA pool not imported here."""
+
+
+class InsecureSocketDir(Ipc):
+    """The socket directory is not private."""
+
+
+class ZeroSize(Ipc):
+    """Zero bytes cannot be allocated."""
+
+
+class SegmentNotFound(Ipc):
+    """A named host segment does not exist (any more)."""
+
+
+class MemoryTooSmall(Ipc):
+    """The exported memory is smaller than its handle claims."""
+
+
+class UnsealedMemory(Ipc):
+    """A memfd came without its seals."""
+
+
+class SegmentOwnerMismatch(Ipc):
+    """A segment name does not belong to its exporter."""
+
+
+class Shm(Ipc):
+    """Shared memory failed."""
+
+
+class UnsupportedBackend(Ipc):
+    """No backend here opens handles of that kind."""
+
+
+class StaleHandle(Ipc):
+    """A handle of an older generation: the exporter freed that buffer."""
+
+
+class DeviceNotFound(Ipc):
+    """The handle's device is not visible to this process."""
+
+
+class ForeignHandle(Ipc):
+    """The handle comes from another machine or boot."""
+
+
+class Cuda(Ipc):
+    """A CUDA driver call failed."""
+
+
+class EventsExhausted(Ipc):
+    """Every interprocess event of the pool is lent out."""
+
+
+class FencesExhausted(Ipc):
+    """Every fence of the pool is lent out."""
+
+
+class AllocationGone(Ipc):
+    """The allocation was freed already."""
+
+
+class SlabFull(Ipc):
+    """A slab arena has no room."""
+
+
+class BackendUnavailable(Ipc):
+    """The backend asked for cannot be used here."""
+
+
+# --- The Python layer's -----------------------------------------------------------------
+
+class Released(BatonError, ValueError):
+    """A lease, buffer, received buffer or mailbox used after release()/close()/open()."""
+
+
+class RuntimeGone(BatonError):
+    """The extension's runtime thread is not available (e.g. in a forked child)."""

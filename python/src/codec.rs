@@ -1,0 +1,256 @@
+//! Python values ↔ MessagePack, the encoding of messages that cross languages
+//! (`baton_actors::Encoding::MessagePack`; the type table is in `python/README.md`).
+//!
+//! Buffers travel beside the bytes: a `baton.Buffer` in an outgoing value is encoded as the
+//! extension [`MSGPACK_SHARED_EXT`] holding its index among the message's buffers (and is
+//! leased to the receiver when the message is sent); in an incoming value, that extension
+//! becomes a `baton.Shared` (an unopened lease). A received buffer (`Shared`, `Lease`)
+//! cannot be put in a message: only its owner can share it.
+
+use crate::errors::{Failure, OrRaise};
+use crate::memory::{Buffer, Cuda, Lease, Shared};
+use baton_actors::{ActorError, AnyShared, MSGPACK_SHARED_EXT, RawMessage};
+use baton_ipc::cuda::CudaBackend;
+use pyo3::IntoPyObjectExt;
+use pyo3::prelude::*;
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
+};
+use rmpv::Value;
+use std::sync::Arc;
+
+/// How deep values may nest, both ways (a cycle in an outgoing value hits it too).
+const MAX_DEPTH: usize = 128;
+
+/// An outgoing value: its bytes, its buffers, and the CUDA backend of its device buffers
+/// (to synchronise before it leaves).
+pub(crate) struct Outgoing {
+    pub(crate) message: RawMessage,
+    pub(crate) device: Option<Arc<CudaBackend>>,
+}
+
+fn encode_error(reason: String) -> Failure {
+    Failure::Actor(ActorError::Encode {
+        what: "message",
+        reason,
+    })
+}
+
+/// Encodes `value` (see the module docs).
+pub(crate) fn encode(value: &Bound<'_, PyAny>) -> PyResult<Outgoing> {
+    let mut buffers = Vec::new();
+    let mut device = None;
+    let v = to_value(value, &mut buffers, &mut device, 0)?;
+    let mut bytes = Vec::new();
+    rmpv::encode::write_value(&mut bytes, &v)
+        .map_err(|e| encode_error(e.to_string()))
+        .or_raise(value.py())?;
+    Ok(Outgoing {
+        message: RawMessage::new(bytes, buffers),
+        device,
+    })
+}
+
+fn to_value(
+    obj: &Bound<'_, PyAny>,
+    buffers: &mut Vec<AnyShared>,
+    device: &mut Option<Arc<CudaBackend>>,
+    depth: usize,
+) -> PyResult<Value> {
+    let py = obj.py();
+    if depth > MAX_DEPTH {
+        return Err(encode_error(format!(
+            "values nest deeper than {MAX_DEPTH} levels (a cycle?)"
+        )))
+        .or_raise(py);
+    }
+    if obj.is_none() {
+        return Ok(Value::Nil);
+    }
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(Value::Boolean(b.is_true()));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return int_value(obj);
+    }
+    if let Ok(f) = obj.cast::<PyFloat>() {
+        return Ok(Value::F64(f.value()));
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(Value::String(s.to_cow()?.into_owned().into()));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(Value::Binary(b.as_bytes().to_vec()));
+    }
+    if let Ok(b) = obj.cast::<PyByteArray>() {
+        return Ok(Value::Binary(b.to_vec()));
+    }
+    if let Ok(l) = obj.cast::<PyList>() {
+        return l
+            .iter()
+            .map(|item| to_value(&item, buffers, device, depth + 1))
+            .collect::<PyResult<_>>()
+            .map(Value::Array);
+    }
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        return t
+            .iter()
+            .map(|item| to_value(&item, buffers, device, depth + 1))
+            .collect::<PyResult<_>>()
+            .map(Value::Array);
+    }
+    if let Ok(d) = obj.cast::<PyDict>() {
+        return d
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    to_value(&k, buffers, device, depth + 1)?,
+                    to_value(&v, buffers, device, depth + 1)?,
+                ))
+            })
+            .collect::<PyResult<_>>()
+            .map(Value::Map);
+    }
+    if let Ok(b) = obj.cast::<Buffer>() {
+        let (shared, cuda) = b.get().share().or_raise(py)?;
+        let index = u32::try_from(buffers.len()).expect("a frame holds far fewer buffers");
+        buffers.push(shared);
+        if cuda.is_some() {
+            *device = cuda;
+        }
+        return Ok(Value::Ext(MSGPACK_SHARED_EXT, index.to_be_bytes().to_vec()));
+    }
+    if obj.is_instance_of::<Shared>() || obj.is_instance_of::<Lease>() {
+        return Err(Failure::Actor(ActorError::NotOwned)).or_raise(py);
+    }
+    // NumPy scalars and other numbers.
+    if obj.hasattr("__index__")? {
+        return int_value(&obj.call_method0("__index__")?);
+    }
+    if obj.hasattr("__float__")? {
+        return Ok(Value::F64(obj.call_method0("__float__")?.extract()?));
+    }
+    Err(Failure::Type(format!(
+        "cannot put a {} in a Baton message: use None, bool, int, float, str, bytes, list, \
+         tuple, dict, or baton.Buffer",
+        obj.get_type().name()?
+    )))
+    .or_raise(py)
+}
+
+fn int_value(obj: &Bound<'_, PyAny>) -> PyResult<Value> {
+    if let Ok(i) = obj.extract::<i64>() {
+        return Ok(Value::from(i));
+    }
+    if let Ok(u) = obj.extract::<u64>() {
+        return Ok(Value::from(u));
+    }
+    Err(encode_error(format!(
+        "{} does not fit MessagePack's 64-bit integers",
+        obj.str()?
+    )))
+    .or_raise(obj.py())
+}
+
+/// Decodes a received message: its buffers become `baton.Shared`s where the value refers
+/// to them; those it does not refer to are released.
+pub(crate) fn decode(
+    py: Python<'_>,
+    what: &'static str,
+    message: RawMessage,
+    cuda: &Cuda,
+) -> PyResult<Py<PyAny>> {
+    let fail = |reason: String| Failure::Actor(ActorError::Decode { what, reason });
+    let mut rd: &[u8] = &message.bytes;
+    let value = rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH)
+        .map_err(|e| fail(e.to_string()))
+        .or_raise(py)?;
+    if !rd.is_empty() {
+        return Err(fail(format!("{} bytes after the value", rd.len()))).or_raise(py);
+    }
+    let mut buffers: Vec<Option<AnyShared>> = message.buffers.into_iter().map(Some).collect();
+    to_py(py, value, &mut buffers, cuda).map_err(|e| match e {
+        Decoded::Py(e) => e,
+        Decoded::Bad(reason) => crate::errors::to_py(py, fail(reason)),
+    })
+}
+
+enum Decoded {
+    Py(PyErr),
+    Bad(String),
+}
+
+impl From<PyErr> for Decoded {
+    fn from(e: PyErr) -> Self {
+        Decoded::Py(e)
+    }
+}
+
+fn to_py(
+    py: Python<'_>,
+    value: Value,
+    buffers: &mut [Option<AnyShared>],
+    cuda: &Cuda,
+) -> Result<Py<PyAny>, Decoded> {
+    Ok(match value {
+        Value::Nil => py.None(),
+        Value::Boolean(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
+        Value::Integer(i) => match (i.as_i64(), i.as_u64()) {
+            (Some(v), _) => v.into_py_any(py)?,
+            (None, Some(v)) => v.into_py_any(py)?,
+            (None, None) => return Err(Decoded::Bad("an integer out of range".into())),
+        },
+        Value::F32(f) => f64::from(f).into_py_any(py)?,
+        Value::F64(f) => f.into_py_any(py)?,
+        Value::String(s) => match s.into_str() {
+            Some(s) => PyString::new(py, &s).into_any().unbind(),
+            None => return Err(Decoded::Bad("a string that is not UTF-8".into())),
+        },
+        Value::Binary(b) => PyBytes::new(py, &b).into_any().unbind(),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(to_py(py, item, buffers, cuda)?)?;
+            }
+            list.into_any().unbind()
+        }
+        Value::Map(entries) => {
+            let dict = PyDict::new(py);
+            for (k, v) in entries {
+                let k = to_py(py, k, buffers, cuda)?;
+                let v = to_py(py, v, buffers, cuda)?;
+                dict.set_item(k, v)
+                    .map_err(|e| Decoded::Bad(format!("a map key Python cannot use ({e})")))?;
+            }
+            dict.into_any().unbind()
+        }
+        Value::Ext(MSGPACK_SHARED_EXT, data) => {
+            let index = <[u8; 4]>::try_from(data.as_slice())
+                .map(u32::from_be_bytes)
+                .map_err(|_| {
+                    Decoded::Bad(format!(
+                        "a buffer reference of {} bytes (4 expected)",
+                        data.len()
+                    ))
+                })? as usize;
+            let count = buffers.len();
+            let shared = buffers
+                .get_mut(index)
+                .ok_or_else(|| {
+                    Decoded::Bad(format!(
+                        "buffer index {index} out of range ({count} buffers)"
+                    ))
+                })?
+                .take()
+                .ok_or_else(|| Decoded::Bad(format!("buffer index {index} used twice")))?;
+            Bound::new(py, Shared::new(shared, cuda.clone()))?
+                .into_any()
+                .unbind()
+        }
+        Value::Ext(tag, _) => {
+            return Err(Decoded::Bad(format!(
+                "MessagePack extension {tag} (Baton knows only {MSGPACK_SHARED_EXT}, a buffer)"
+            )));
+        }
+    })
+}

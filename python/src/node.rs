@@ -1,0 +1,672 @@
+//! A Python process in a Baton deployment: [`Node`], its links ([`Peer`]), the names it
+//! answers ([`Mailbox`], [`Call`]).
+
+use crate::codec;
+use crate::errors::{Failure, OrRaise};
+use crate::memory::{self, Buffer, Cuda};
+use crate::runtime::{Queue, Waited, lock, runtime};
+use actix::prelude::*;
+use baton_actors::{
+    ActorError, AllocateAny, BufferOwner, Listening, PeerEvent, RawCall, RawMessage, RawReply,
+};
+use baton_ipc::cuda::{self, CudaBackend};
+use baton_ipc::select::BackendChoice;
+use baton_ipc::{HostBackend, Session, SharedBackend, SocketDir};
+use baton_messages::protocol::CallFault;
+use baton_messages::{Layout, SessionToken, Shape};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// The default deadline of a remote call, a connection and an allocation.
+const DEFAULT_TIMEOUT: f64 = 30.0;
+
+fn seconds(py: Python<'_>, timeout: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(timeout)
+        .map_err(|_| {
+            Failure::Value(format!(
+                "timeout must be a non-negative number of seconds, not {timeout}"
+            ))
+        })
+        .or_raise(py)
+}
+
+/// The backend `choice` (or `BATON_BACKEND`) asks for, and the CUDA backend among them.
+fn backend(choice: Option<&str>) -> Result<(SharedBackend, Cuda), Failure> {
+    let choice = match choice {
+        Some(s) => BackendChoice::parse(s).ok_or_else(|| {
+            Failure::Value(format!(
+                "backend {s:?} is not one of 'auto', 'host', 'cuda'"
+            ))
+        })?,
+        None => BackendChoice::from_env()?,
+    };
+    let host =
+        || -> Result<(SharedBackend, Cuda), Failure> { Ok((Arc::new(HostBackend::new()?), None)) };
+    let cuda = |c: CudaBackend| -> (SharedBackend, Cuda) {
+        let c = Arc::new(c);
+        (Arc::clone(&c) as SharedBackend, Some(c))
+    };
+    match choice {
+        BackendChoice::Host => host(),
+        BackendChoice::Cuda => Ok(cuda(CudaBackend::from_env()?)),
+        // As `baton_ipc::select::auto`, keeping the CUDA backend's type.
+        _ => match cuda::probe() {
+            Ok(_) => match CudaBackend::from_env() {
+                Ok(c) => Ok(cuda(c)),
+                Err(baton_ipc::Error::Cuda { op, code }) => {
+                    tracing::warn!(op, %code, "a GPU is present but unusable; using the host backend");
+                    host()
+                }
+                Err(e) => Err(e.into()),
+            },
+            Err(_) => host(),
+        },
+    }
+}
+
+/// Links that come up, for [`Node::accept`]; links this node initiated are left out.
+struct UpSink {
+    ups: Arc<Queue<baton_actors::Peer>>,
+    initiated: Arc<Mutex<HashSet<u64>>>,
+}
+
+impl Actor for UpSink {
+    type Context = Context<Self>;
+}
+
+impl Handler<PeerEvent> for UpSink {
+    type Result = ();
+    fn handle(&mut self, event: PeerEvent, _: &mut Context<Self>) {
+        if let PeerEvent::Up(peer) = event {
+            if !lock(&self.initiated).remove(&peer.link_id().get()) {
+                let _ = self.ups.push(peer);
+            }
+        }
+    }
+}
+
+/// A call to a name this process registered, on its way to Python.
+struct Incoming {
+    call: RawCall,
+    reply: oneshot::Sender<Result<RawMessage, CallFault>>,
+}
+
+/// This process in a Baton deployment.
+#[pyclass(frozen, module = "baton._baton", name = "Node")]
+pub(crate) struct Node {
+    node: baton_actors::Node,
+    owner: Addr<BufferOwner>,
+    cuda: Cuda,
+    backend_name: &'static str,
+    listening: Mutex<Vec<Listening>>,
+    ups: Arc<Queue<baton_actors::Peer>>,
+    initiated: Arc<Mutex<HashSet<u64>>>,
+    mailboxes: Mutex<Vec<(String, Arc<Queue<Incoming>>)>>,
+}
+
+impl Node {
+    fn start(py: Python<'_>, session: Session, backend_choice: Option<&str>) -> PyResult<Self> {
+        let (backend, cuda) = py.detach(|| backend(backend_choice)).or_raise(py)?;
+        let backend_name = backend.name();
+        let ups = Arc::new(Queue::new());
+        let initiated: Arc<Mutex<HashSet<u64>>> = Arc::default();
+        let (sink_ups, sink_initiated) = (Arc::clone(&ups), Arc::clone(&initiated));
+        let (node, owner) = runtime()
+            .or_raise(py)?
+            .run(py, "starting a node", move || {
+                let node = baton_actors::Node::new(session, backend);
+                let owner = BufferOwner::new(&node).start();
+                let sink = UpSink {
+                    ups: sink_ups,
+                    initiated: sink_initiated,
+                }
+                .start();
+                node.subscribe(sink.recipient());
+                (node, owner)
+            })?;
+        Ok(Self {
+            node,
+            owner,
+            cuda,
+            backend_name,
+            listening: Mutex::new(Vec::new()),
+            ups,
+            initiated,
+            mailboxes: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn peer(&self, peer: baton_actors::Peer) -> Peer {
+        Peer {
+            peer,
+            cuda: self.cuda.clone(),
+        }
+    }
+}
+
+fn token_from(hex: &str, whence: &str) -> Result<Session, Failure> {
+    SessionToken::from_hex(hex.trim())
+        .map(Session::new)
+        .ok_or_else(|| Failure::Value(format!("{whence} is not a session token (64 hex digits)")))
+}
+
+#[pymethods]
+impl Node {
+    /// Joins a deployment with its session token: `token` (64 hex digits), or the file
+    /// `token_file` holds, or else — neither given — the token a Baton supervisor passed
+    /// this process (`BATON_TOKEN_FD`, read and closed; `BATON_TOKEN` as a fallback).
+    /// `backend`: `"auto"` (CUDA when a GPU is usable, else host), `"host"` or `"cuda"`;
+    /// default `BATON_BACKEND`, else `"auto"`.
+    #[new]
+    #[pyo3(signature = (*, token = None, token_file = None, backend = None))]
+    fn new(
+        py: Python<'_>,
+        token: Option<String>,
+        token_file: Option<PathBuf>,
+        backend: Option<String>,
+    ) -> PyResult<Self> {
+        let session = match (token, token_file) {
+            (Some(_), Some(_)) => {
+                return Err(Failure::Value("give token or token_file, not both".into()))
+                    .or_raise(py);
+            }
+            (Some(hex), None) => token_from(&hex, "token").or_raise(py)?,
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| {
+                        Failure::Value(format!("reading the token file {}: {e}", path.display()))
+                    })
+                    .or_raise(py)?;
+                token_from(&text, &format!("the content of {}", path.display())).or_raise(py)?
+            }
+            (None, None) => Session::from_env().or_raise(py)?,
+        };
+        Self::start(py, session, backend.as_deref())
+    }
+
+    /// The node of a process a Baton supervisor started (`Node()` with no token).
+    #[staticmethod]
+    #[pyo3(signature = (*, backend = None))]
+    fn from_env(py: Python<'_>, backend: Option<String>) -> PyResult<Self> {
+        let session = Session::from_env().or_raise(py)?;
+        Self::start(py, session, backend.as_deref())
+    }
+
+    /// This process's pid.
+    #[getter]
+    fn pid(&self) -> u32 {
+        self.node.session().process().pid
+    }
+
+    /// The backend buffers are allocated with (`"host"`, `"cuda"`).
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend_name
+    }
+
+    /// Connects to the node listening at `path`; credentials and token are checked both
+    /// ways before any buffer moves.
+    #[pyo3(signature = (path, *, timeout = DEFAULT_TIMEOUT))]
+    fn connect(&self, py: Python<'_>, path: PathBuf, timeout: f64) -> PyResult<Peer> {
+        let deadline = seconds(py, timeout)?;
+        let node = self.node.clone();
+        let initiated = Arc::clone(&self.initiated);
+        let peer = runtime()
+            .or_raise(py)?
+            .block_on(py, "connecting", deadline, move || async move {
+                let peer = node.connect(path).await?;
+                lock(&initiated).insert(peer.link_id().get());
+                Ok::<_, ActorError>(peer)
+            })?
+            .or_raise(py)?;
+        Ok(self.peer(peer))
+    }
+
+    /// Accepts links at `directory/name` (the directory is made private, mode 0700, if it
+    /// does not exist; its parent must) until `close()`. Returns the socket's path.
+    #[pyo3(signature = (directory, name = "node.sock"))]
+    fn listen(&self, py: Python<'_>, directory: PathBuf, name: &str) -> PyResult<PathBuf> {
+        let node = self.node.clone();
+        let name = name.to_owned();
+        let listening = runtime()
+            .or_raise(py)?
+            .run(py, "listening", move || {
+                let dir = SocketDir::create(directory)?;
+                node.listen(&dir, &name)
+            })?
+            .or_raise(py)?;
+        let path = listening.path().to_owned();
+        lock(&self.listening).push(listening);
+        Ok(path)
+    }
+
+    /// The next peer that linked to this node's listeners, within `timeout` seconds.
+    #[pyo3(signature = (*, timeout = DEFAULT_TIMEOUT))]
+    fn accept(&self, py: Python<'_>, timeout: f64) -> PyResult<Peer> {
+        let deadline = seconds(py, timeout)?;
+        match self.ups.pop_py(py, deadline)? {
+            Waited::Done(peer) => Ok(self.peer(peer)),
+            Waited::Gone => Err(Failure::Released("the node was closed".into())).or_raise(py),
+            Waited::Pending => Err(Failure::timeout("accepting a peer", deadline)).or_raise(py),
+        }
+    }
+
+    /// The links up now.
+    fn peers(&self) -> Vec<Peer> {
+        self.node
+            .peers()
+            .into_iter()
+            .map(|p| self.peer(p))
+            .collect()
+    }
+
+    /// Answers calls to `name` whose wire type name is `type_name` (a call of another type
+    /// is refused before it reaches Python). Calls wait in the returned mailbox.
+    fn register(&self, name: String, type_name: String) -> Mailbox {
+        let queue: Arc<Queue<Incoming>> = Arc::new(Queue::new());
+        let handler_queue = Arc::clone(&queue);
+        self.node
+            .register_raw(&name, &type_name, move |call: RawCall| -> RawReply {
+                let (tx, rx) = oneshot::channel();
+                if handler_queue.push(Incoming { call, reply: tx }).is_err() {
+                    return Box::pin(async { Err(CallFault::ActorGone) });
+                }
+                Box::pin(async move { rx.await.unwrap_or(Err(CallFault::ActorGone)) })
+            });
+        lock(&self.mailboxes).push((name.clone(), Arc::clone(&queue)));
+        Mailbox {
+            name,
+            type_name,
+            queue,
+            node: self.node.clone(),
+            cuda: self.cuda.clone(),
+        }
+    }
+
+    /// Allocates a buffer of `shape` and `dtype` in this process's memory (device memory on
+    /// the CUDA backend), to fill through its views and send in messages. Host memory
+    /// starts zeroed; device memory is not initialised.
+    #[pyo3(signature = (shape, dtype = None, *, timeout = DEFAULT_TIMEOUT))]
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        shape: &Bound<'_, PyAny>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<Buffer> {
+        let dims: Vec<u64> = match shape.extract::<u64>() {
+            Ok(n) => vec![n],
+            Err(_) => shape.extract()?,
+        };
+        let rank = dims.len();
+        let shape = Shape::new(dims)
+            .ok_or_else(|| {
+                Failure::Value(format!(
+                    "a shape has at most {} dimensions, not {rank}",
+                    Shape::MAX_RANK
+                ))
+            })
+            .or_raise(py)?;
+        let dtype = match dtype {
+            Some(d) => memory::parse_dtype(d)?,
+            None => baton_messages::DType::F32,
+        };
+        let layout = Layout::new(dtype, shape);
+        let owner = self.owner.clone();
+        let deadline = seconds(py, timeout)?;
+        let buffer = runtime()
+            .or_raise(py)?
+            .block_on(py, "allocating", deadline, move || async move {
+                owner.send(AllocateAny { layout }).await?
+            })?
+            .or_raise(py)?;
+        Buffer::new(buffer, self.cuda.clone()).or_raise(py)
+    }
+
+    /// The buffers this node exports, with their leases: a list of dicts with `buffer`,
+    /// `bytes`, `leases` (`(lease_id, pid)` pairs), `mapped_by` (pids), `retiring`,
+    /// `quarantined`.
+    fn lease_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for b in self.node.lease_table() {
+            let d = PyDict::new(py);
+            d.set_item("buffer", b.buffer.get())?;
+            d.set_item("bytes", b.bytes)?;
+            let leases: Vec<(u64, u32)> = b.leases.iter().map(|(l, p)| (l.get(), p.pid)).collect();
+            d.set_item("leases", leases)?;
+            let mapped: Vec<u32> = b.mapped_by.iter().map(|p| p.pid).collect();
+            d.set_item("mapped_by", mapped)?;
+            d.set_item("retiring", b.retiring)?;
+            d.set_item("quarantined", b.quarantined)?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    /// Counters of the buffers this node exports: `buffers`, `retiring`, `quarantined`,
+    /// `leases`, `bytes`, `granted`, `freed`.
+    fn export_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.node.export_stats();
+        let d = PyDict::new(py);
+        d.set_item("buffers", s.buffers)?;
+        d.set_item("retiring", s.retiring)?;
+        d.set_item("quarantined", s.quarantined)?;
+        d.set_item("leases", s.leases)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("granted", s.granted)?;
+        d.set_item("freed", s.freed)?;
+        Ok(d)
+    }
+
+    /// Stops listening, closes every mailbox (calls waiting in them are answered
+    /// `ActorGone`) and every link (leases granted over them stop counting, leases held
+    /// over them are orphaned).
+    fn close(&self) {
+        lock(&self.listening).clear();
+        for (name, queue) in lock(&self.mailboxes).drain(..) {
+            self.node.unregister(&name);
+            drop(queue.close());
+        }
+        for peer in self.node.peers() {
+            peer.close();
+        }
+        drop(self.ups.close());
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<baton.Node pid {} on {}, {} links>",
+            self.pid(),
+            self.backend_name,
+            self.node.peers().len()
+        )
+    }
+}
+
+/// A linked process.
+#[pyclass(frozen, module = "baton._baton", name = "Peer")]
+pub(crate) struct Peer {
+    peer: baton_actors::Peer,
+    cuda: Cuda,
+}
+
+#[pymethods]
+impl Peer {
+    /// Its pid (as proven in the handshake).
+    #[getter]
+    fn pid(&self) -> u32 {
+        self.peer.process().pid
+    }
+
+    /// Its uid (from the kernel's credentials of the socket).
+    #[getter]
+    fn uid(&self) -> u32 {
+        self.peer.info().cred.uid
+    }
+
+    /// Whether the link is up.
+    #[getter]
+    fn connected(&self) -> bool {
+        self.peer.is_connected()
+    }
+
+    /// Calls the actor registered as `target` in the peer, as wire type `type_name`, with
+    /// `message` (encoded as MessagePack: the receiving type must use
+    /// `Encoding::MessagePack`), and returns its reply. `baton.Buffer`s in `message` are
+    /// leased to the peer; buffers in the reply arrive as `baton.Shared`.
+    #[pyo3(signature = (target, type_name, message = None, *, timeout = DEFAULT_TIMEOUT))]
+    fn call(
+        &self,
+        py: Python<'_>,
+        target: String,
+        type_name: String,
+        message: Option<&Bound<'_, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<Py<PyAny>> {
+        let deadline = seconds(py, timeout)?;
+        let out = match message {
+            Some(m) => codec::encode(m)?,
+            None => codec::encode(&py.None().into_bound(py))?,
+        };
+        if let Some(cuda) = &out.device {
+            py.detach(|| memory::sync_context(cuda)).or_raise(py)?;
+        }
+        let peer = self.peer.clone();
+        let message = out.message;
+        let reply = runtime()
+            .or_raise(py)?
+            .block_on(py, "remote call", deadline, move || {
+                peer.call_raw(&target, &type_name, message)
+            })?
+            .or_raise(py)?;
+        codec::decode(py, "reply", reply, &self.cuda)
+    }
+
+    /// Measures a round trip to the peer, in seconds.
+    #[pyo3(signature = (*, timeout = DEFAULT_TIMEOUT))]
+    fn ping(&self, py: Python<'_>, timeout: f64) -> PyResult<f64> {
+        let deadline = seconds(py, timeout)?;
+        let peer = self.peer.clone();
+        let rtt = runtime()
+            .or_raise(py)?
+            .block_on(
+                py,
+                "ping",
+                deadline,
+                move || async move { peer.ping().await },
+            )?
+            .or_raise(py)?;
+        Ok(rtt.as_secs_f64())
+    }
+
+    /// Closes the link: leases granted over it stop counting, leases held over it are
+    /// orphaned.
+    fn close(&self) {
+        self.peer.close();
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<baton.Peer pid {}{}>",
+            self.pid(),
+            if self.connected() { "" } else { ", closed" }
+        )
+    }
+}
+
+/// Calls to a registered name, waiting to be received.
+#[pyclass(frozen, module = "baton._baton", name = "Mailbox")]
+pub(crate) struct Mailbox {
+    name: String,
+    type_name: String,
+    queue: Arc<Queue<Incoming>>,
+    node: baton_actors::Node,
+    cuda: Cuda,
+}
+
+#[pymethods]
+impl Mailbox {
+    /// The registered name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The wire type name calls must have.
+    #[getter]
+    fn type_name(&self) -> &str {
+        &self.type_name
+    }
+
+    /// Calls waiting now.
+    #[getter]
+    fn pending(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// The next call, within `timeout` seconds (`None`: until one comes or the mailbox is
+    /// closed; Ctrl-C interrupts). A call whose payload is not MessagePack is answered
+    /// `BadPayload` here and never returned.
+    #[pyo3(signature = (*, timeout = None))]
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Call> {
+        let deadline = match timeout {
+            Some(t) => seconds(py, t)?,
+            None => Duration::MAX,
+        };
+        let start = std::time::Instant::now();
+        loop {
+            let left = deadline.saturating_sub(start.elapsed());
+            let incoming = match self.queue.pop_py(py, left)? {
+                Waited::Done(incoming) => incoming,
+                Waited::Gone => {
+                    return Err(Failure::Released(format!(
+                        "mailbox {:?} was closed",
+                        self.name
+                    )))
+                    .or_raise(py);
+                }
+                Waited::Pending => {
+                    return Err(Failure::timeout("receiving a call", deadline)).or_raise(py);
+                }
+            };
+            let Incoming { call, reply } = incoming;
+            let peer_pid = call.peer.pid;
+            match codec::decode(py, "message", call.message, &self.cuda) {
+                Ok(message) => {
+                    return Ok(Call {
+                        message,
+                        peer_pid,
+                        type_name: self.type_name.clone(),
+                        reply: Mutex::new(Some(reply)),
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(peer = peer_pid, error = %e, "a call's payload did not decode: refused");
+                    let _ = reply.send(Err(CallFault::BadPayload(e.to_string())));
+                }
+            }
+        }
+    }
+
+    /// Unregisters the name; calls waiting are answered `ActorGone`.
+    fn close(&self) {
+        self.node.unregister(&self.name);
+        drop(self.queue.close());
+    }
+
+    /// Whether it was closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.queue.is_closed()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close();
+        false
+    }
+}
+
+/// A received call; answer it with `reply` or `reject`. A call dropped unanswered is
+/// answered `ActorGone`.
+#[pyclass(frozen, module = "baton._baton", name = "Call")]
+pub(crate) struct Call {
+    message: Py<PyAny>,
+    peer_pid: u32,
+    type_name: String,
+    reply: Mutex<Option<oneshot::Sender<Result<RawMessage, CallFault>>>>,
+}
+
+impl Call {
+    fn answer(&self, py: Python<'_>, answer: Result<RawMessage, CallFault>) -> PyResult<bool> {
+        let Some(tx) = lock(&self.reply).take() else {
+            return Err(Failure::Released("this call was answered already".into())).or_raise(py);
+        };
+        Ok(tx.send(answer).is_ok())
+    }
+}
+
+#[pymethods]
+impl Call {
+    /// The decoded message (buffers in it are `baton.Shared`).
+    #[getter]
+    fn message(&self, py: Python<'_>) -> Py<PyAny> {
+        self.message.clone_ref(py)
+    }
+
+    /// The caller's pid.
+    #[getter]
+    fn peer_pid(&self) -> u32 {
+        self.peer_pid
+    }
+
+    /// The call's wire type name.
+    #[getter]
+    fn type_name(&self) -> &str {
+        &self.type_name
+    }
+
+    /// Answers with `value` (`baton.Buffer`s in it are leased to the caller). Returns
+    /// whether the answer reached the link (`False`: the caller's link went down first).
+    #[pyo3(signature = (value = None))]
+    fn reply(&self, py: Python<'_>, value: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        if lock(&self.reply).is_none() {
+            return Err(Failure::Released("this call was answered already".into())).or_raise(py);
+        }
+        let out = match value {
+            Some(v) => codec::encode(v)?,
+            None => codec::encode(&py.None().into_bound(py))?,
+        };
+        if let Some(cuda) = &out.device {
+            py.detach(|| memory::sync_context(cuda)).or_raise(py)?;
+        }
+        self.answer(py, Ok(out.message))
+    }
+
+    /// Refuses the call: the caller gets `baton.BadPayload` with `reason`.
+    fn reject(&self, py: Python<'_>, reason: String) -> PyResult<bool> {
+        self.answer(py, Err(CallFault::BadPayload(reason)))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<baton.Call {} from pid {}>", self.type_name, self.peer_pid)
+    }
+}
+
+/// A fresh random session token (64 hex digits), for a Python process that starts a
+/// deployment: hand it to the other processes (a file only they can read, or a pipe).
+#[pyfunction]
+pub(crate) fn generate_token(py: Python<'_>) -> PyResult<String> {
+    Ok(Session::generate().or_raise(py)?.token().to_hex())
+}
+
+/// Sends Baton's `tracing` events to stderr, filtered by `filter` (`"info"`,
+/// `"baton_actors=debug"`, …). Returns whether logging was set up (it can be only once).
+#[pyfunction]
+#[pyo3(signature = (filter = "info"))]
+pub(crate) fn log_to_stderr(filter: &str) -> bool {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .try_init()
+        .is_ok()
+}

@@ -1,0 +1,354 @@
+//! The actix system the extension owns, and the waits of Python threads on it.
+//!
+//! One thread per process (`baton-actix`) runs an actix system; every node's actors and
+//! links live there. A Python call posts a closure to that thread's arbiter, which spawns
+//! the future it makes; the calling thread waits for the result *without the GIL*
+//! (`Python::detach`), in slices so that a signal (Ctrl-C) is noticed, and always under a
+//! deadline: the future runs under the caller's deadline on the runtime, and the Python
+//! side gives up a grace period later if the runtime itself stops answering. A wait given
+//! up (a signal, the deadline) aborts the future, which drops what it was doing (a remote
+//! call is then cancelled on its link).
+
+use crate::errors::{self, Failure};
+use pyo3::prelude::*;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long a Python thread sleeps between checks for signals while it waits.
+const SLICE: Duration = Duration::from_millis(100);
+/// How much longer than its own deadline a wait gives the runtime to answer.
+const GRACE: Duration = Duration::from_secs(10);
+/// How long the runtime thread may take to start.
+const START_DEADLINE: Duration = Duration::from_secs(30);
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every value behind these mutexes is left consistent by each single operation.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The runtime thread: its arbiter, and the process that started it.
+pub(crate) struct Runtime {
+    arbiter: actix::ArbiterHandle,
+    pid: u32,
+}
+
+static RUNTIME: OnceLock<Result<Runtime, String>> = OnceLock::new();
+
+/// The process's runtime, started on first use.
+pub(crate) fn runtime() -> Result<&'static Runtime, Failure> {
+    let rt = RUNTIME
+        .get_or_init(start)
+        .as_ref()
+        .map_err(|e| Failure::Runtime(e.clone()))?;
+    if rt.pid != std::process::id() {
+        return Err(Failure::Runtime(format!(
+            "baton's runtime thread was started in process {} and this process ({}) is a fork of it, \
+             which has no such thread: start worker processes with multiprocessing's 'spawn' or \
+             'forkserver' method, or import and use baton only after the fork",
+            rt.pid,
+            std::process::id()
+        )));
+    }
+    Ok(rt)
+}
+
+fn start() -> Result<Runtime, String> {
+    let done = Completion::new();
+    let sender = done.sender();
+    std::thread::Builder::new()
+        .name("baton-actix".into())
+        .spawn(move || {
+            let system = actix::System::new();
+            let arbiter = system.block_on(async { actix::Arbiter::current() });
+            sender.send(arbiter);
+            if let Err(e) = system.run() {
+                tracing::error!(error = %e, "baton's actix system stopped");
+            }
+        })
+        .map_err(|e| format!("could not start baton's runtime thread: {e}"))?;
+    match done.wait(START_DEADLINE) {
+        Waited::Done(arbiter) => Ok(Runtime {
+            arbiter,
+            pid: std::process::id(),
+        }),
+        Waited::Gone => Err("baton's runtime thread failed to start".into()),
+        Waited::Pending => Err(format!(
+            "baton's runtime thread did not start within {START_DEADLINE:?}"
+        )),
+    }
+}
+
+impl Runtime {
+    /// Runs the future `make` returns on the runtime under `deadline`, and waits for its
+    /// output without the GIL.
+    ///
+    /// # Errors
+    /// [`Failure::Timeout`] past the deadline; the error of a signal handler (e.g.
+    /// `KeyboardInterrupt`); [`Failure::Runtime`] if the runtime is gone.
+    pub(crate) fn block_on<T, Fut, F>(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        deadline: Duration,
+        make: F,
+    ) -> PyResult<T>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = T> + 'static,
+        F: FnOnce() -> Fut + Send + 'static,
+    {
+        let done = Completion::new();
+        let sender = done.sender();
+        let task: Arc<Mutex<Option<tokio::task::AbortHandle>>> = Arc::default();
+        let task_slot = Arc::clone(&task);
+        let posted = self.arbiter.spawn_fn(move || {
+            let handle = actix::spawn(async move {
+                match tokio::time::timeout(deadline, make()).await {
+                    Ok(out) => sender.send(Ok(out)),
+                    Err(_) => sender.send(Err(())),
+                }
+            });
+            *lock(&task_slot) = Some(handle.abort_handle());
+        });
+        if !posted {
+            return Err(errors::to_py(
+                py,
+                Failure::Runtime("baton's runtime thread is gone".into()),
+            ));
+        }
+        let abort = || {
+            if let Some(task) = lock(&task).take() {
+                task.abort();
+            }
+        };
+        // `None`: a deadline too far away to count.
+        let give_up = Instant::now().checked_add(deadline.saturating_add(GRACE));
+        loop {
+            let slice = give_up.map_or(SLICE, |t| {
+                SLICE.min(t.saturating_duration_since(Instant::now()))
+            });
+            match py.detach(|| done.wait(slice)) {
+                Waited::Done(Ok(out)) => return Ok(out),
+                Waited::Done(Err(())) => {
+                    return Err(errors::to_py(py, Failure::timeout(op, deadline)));
+                }
+                Waited::Gone => {
+                    return Err(errors::to_py(
+                        py,
+                        Failure::Runtime(format!("{op} was dropped by the runtime")),
+                    ));
+                }
+                Waited::Pending => {
+                    if let Err(e) = py.check_signals() {
+                        abort();
+                        return Err(e);
+                    }
+                    if give_up.is_some_and(|t| Instant::now() >= t) {
+                        abort();
+                        return Err(errors::to_py(
+                            py,
+                            Failure::Runtime(format!(
+                                "baton's runtime did not answer {op} within {:?}",
+                                deadline + GRACE
+                            )),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs `f` on the runtime thread (for what must be made inside the actix system)
+    /// and waits for its result.
+    pub(crate) fn run<T, F>(&self, py: Python<'_>, op: &'static str, f: F) -> PyResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> T + Send + 'static,
+    {
+        self.block_on(py, op, START_DEADLINE, move || async move { f() })
+    }
+}
+
+/// What a wait found.
+pub(crate) enum Waited<T> {
+    Done(T),
+    /// The sender was dropped without sending (the task was aborted or panicked).
+    Gone,
+    /// Not yet.
+    Pending,
+}
+
+enum Slot<T> {
+    Pending,
+    Done(T),
+    Gone,
+    Taken,
+}
+
+/// A one-shot result that a thread can wait for with a deadline (a `Sync` receiver, unlike
+/// `std::sync::mpsc`'s, so that a wait can run without the GIL).
+pub(crate) struct Completion<T> {
+    inner: Arc<(Mutex<Slot<T>>, Condvar)>,
+}
+
+/// The sending half of a [`Completion`]; dropping it unsent wakes the waiter with
+/// [`Waited::Gone`].
+pub(crate) struct CompletionSender<T> {
+    inner: Option<Arc<(Mutex<Slot<T>>, Condvar)>>,
+}
+
+impl<T> Completion<T> {
+    pub(crate) fn new() -> Self {
+        Self {
+            inner: Arc::new((Mutex::new(Slot::Pending), Condvar::new())),
+        }
+    }
+
+    pub(crate) fn sender(&self) -> CompletionSender<T> {
+        CompletionSender {
+            inner: Some(Arc::clone(&self.inner)),
+        }
+    }
+
+    /// Waits at most `timeout` for the value.
+    pub(crate) fn wait(&self, timeout: Duration) -> Waited<T> {
+        let (m, cv) = &*self.inner;
+        let deadline = Instant::now() + timeout;
+        let mut slot = lock(m);
+        loop {
+            match std::mem::replace(&mut *slot, Slot::Taken) {
+                Slot::Done(v) => return Waited::Done(v),
+                Slot::Gone => {
+                    *slot = Slot::Gone;
+                    return Waited::Gone;
+                }
+                Slot::Taken => return Waited::Gone,
+                Slot::Pending => *slot = Slot::Pending,
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Waited::Pending;
+            }
+            slot = cv
+                .wait_timeout(slot, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+impl<T> CompletionSender<T> {
+    pub(crate) fn send(mut self, value: T) {
+        if let Some(inner) = self.inner.take() {
+            *lock(&inner.0) = Slot::Done(value);
+            inner.1.notify_all();
+        }
+    }
+}
+
+impl<T> Drop for CompletionSender<T> {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.take() {
+            let mut slot = lock(&inner.0);
+            if matches!(*slot, Slot::Pending) {
+                *slot = Slot::Gone;
+            }
+            drop(slot);
+            inner.1.notify_all();
+        }
+    }
+}
+
+/// A queue that Python threads pop with a deadline, without the GIL; closing it wakes them.
+pub(crate) struct Queue<T> {
+    inner: Mutex<(VecDeque<T>, bool)>,
+    cv: Condvar,
+}
+
+impl<T> Queue<T> {
+    pub(crate) fn new() -> Self {
+        Self {
+            inner: Mutex::new((VecDeque::new(), false)),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Adds `item`; gives it back if the queue is closed.
+    pub(crate) fn push(&self, item: T) -> Result<(), T> {
+        let mut q = lock(&self.inner);
+        if q.1 {
+            return Err(item);
+        }
+        q.0.push_back(item);
+        drop(q);
+        self.cv.notify_one();
+        Ok(())
+    }
+
+    /// Closes the queue and returns what was left in it.
+    pub(crate) fn close(&self) -> Vec<T> {
+        let mut q = lock(&self.inner);
+        q.1 = true;
+        let left = q.0.drain(..).collect();
+        drop(q);
+        self.cv.notify_all();
+        left
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        lock(&self.inner).1
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        lock(&self.inner).0.len()
+    }
+
+    /// The next item within `timeout`: `Done(Some)`, `Gone` when closed and empty,
+    /// `Pending` past the timeout.
+    pub(crate) fn pop(&self, timeout: Duration) -> Waited<T> {
+        let deadline = Instant::now() + timeout;
+        let mut q = lock(&self.inner);
+        loop {
+            if let Some(item) = q.0.pop_front() {
+                return Waited::Done(item);
+            }
+            if q.1 {
+                return Waited::Gone;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Waited::Pending;
+            }
+            q = self
+                .cv
+                .wait_timeout(q, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Pops within `timeout` (`Duration::MAX`: no deadline) without the GIL, checking
+    /// for signals between slices.
+    ///
+    /// # Errors
+    /// A signal handler's error.
+    pub(crate) fn pop_py(&self, py: Python<'_>, timeout: Duration) -> PyResult<Waited<T>>
+    where
+        T: Send,
+    {
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            let slice = deadline.map_or(SLICE, |t| {
+                SLICE.min(t.saturating_duration_since(Instant::now()))
+            });
+            match py.detach(|| self.pop(slice)) {
+                Waited::Pending if deadline.is_none_or(|t| Instant::now() < t) => {
+                    py.check_signals()?
+                }
+                other => return Ok(other),
+            }
+        }
+    }
+}

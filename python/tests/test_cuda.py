@@ -1,0 +1,143 @@
+"""Device memory: a Rust-exported CUDA buffer viewed by torch and cupy (zero-copy, DLPack
+and the CUDA array interface), written on a torch stream and read back by its exporter in
+order; a buffer Python allocates on the device, written by torch, read by a Rust actor.
+
+Skipped, each with its reason (`pytest -rs` prints it), without a GPU that Baton's CUDA
+backend can use, without torch with CUDA, or without cupy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import baton
+from conftest import DEADLINE, eventually, pattern
+
+N = 1 << 20
+#: GPU clock cycles of a spin queued before a write (about a second on an H100): the write
+#: is still queued when Python lets go of the memory, so the test fails if letting go does
+#: not wait for the stream.
+SPIN = 2_000_000_000
+
+
+def spin(torch) -> None:
+    """Queues a kernel that spins on the current stream (torch's private helper)."""
+    torch.cuda._sleep(SPIN)
+
+
+@pytest.fixture
+def cuda_node(token_file):
+    try:
+        node = baton.Node(token_file=str(token_file), backend="cuda")
+    except baton.BackendUnavailable as e:
+        pytest.skip(f"no GPU for Baton's CUDA backend: {e}")
+    yield node
+    node.close()
+
+
+@pytest.fixture
+def cuda_peer(cuda_node, partner_factory):
+    partner = partner_factory("cuda")
+    assert partner.backend == "cuda", "the partner runs on device memory"
+    return cuda_node.connect(partner.socket, timeout=DEADLINE)
+
+
+@pytest.fixture
+def torch():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    # Load the kernels the tests launch: a kernel's first launch loads its module, which
+    # can wait for the device, and would hide a missing wait of ours.
+    x = torch.arange(4, device="cuda", dtype=torch.float32)
+    torch.cuda._sleep(1)
+    x.mul_(2)
+    x.view(torch.int32).mul_(2)
+    torch.empty_like(x).copy_(x)
+    torch.cuda.synchronize()
+    return torch
+
+
+@pytest.fixture
+def cupy():
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # cupy raises its own CUDARuntimeError without a device
+        pytest.skip(f"cupy has no CUDA device: {e}")
+    return cupy
+
+
+def lend(peer, n=N, seed=5, index=0):
+    return peer.call("lender", "py.Lend", {"index": index, "len": n, "seed": seed})["buffer"]
+
+
+def inspect(peer, index=0):
+    return peer.call("inspector", "py.Inspect", {"index": index})
+
+
+def test_torch_reads_and_writes_a_rust_device_buffer_on_its_own_stream(torch, cuda_peer):
+    lease = lend(cuda_peer).open(writable=True)
+    assert lease.device == ("cuda", int(os.environ.get("BATON_CUDA_DEVICE", "0")))
+    with pytest.raises(BufferError, match="device memory has no NumPy view"):
+        lease.numpy()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        t = torch.from_dlpack(lease).view(torch.int32)  # zero-copy: the partner's memory
+        assert t.is_cuda and t.data_ptr() == lease.__cuda_array_interface__["data"][0]
+        want = torch.from_numpy(pattern(5, N).astype(np.int32)).cuda()
+        assert torch.equal(t, want), "torch reads what the partner wrote"
+        spin(torch)
+        t.mul_(2)  # queued on our stream behind the spin; nobody waits for it here
+        written = torch.cuda.Event()
+        written.record(stream)
+    del t
+    # The lease goes back only after the context is synchronised: the partner must see the
+    # write, not the memory as it was.
+    lease.release()
+    del lease
+    eventually(lambda: cuda_peer.call("table", "py.Table")["leases"] == 0, "the lease to go back")
+    assert written.query(), "the lease went back before our stream's write had run"
+    assert inspect(cuda_peer)["sum"] == int(pattern(5, N).astype(np.uint64).sum() * 2)
+
+
+def test_cupy_views_a_rust_device_buffer_through_dlpack_and_the_array_interface(cupy, cuda_peer):
+    # Writable: a DLPack consumer older than DLPack 1.0 has no read-only flag to honour.
+    lease = lend(cuda_peer, seed=8).open(writable=True)
+    via_dlpack = cupy.from_dlpack(lease)
+    np.testing.assert_array_equal(cupy.asnumpy(via_dlpack), pattern(8, N))
+    cai = lease.__cuda_array_interface__
+    assert cai["version"] == 3 and cai["typestr"] == "<u4" and cai["stream"]
+    via_cai = cupy.asarray(lease)
+    assert via_cai.data.ptr == via_dlpack.data.ptr, "both views are the partner's memory"
+    np.testing.assert_array_equal(cupy.asnumpy(via_cai), pattern(8, N))
+    del via_dlpack, via_cai
+    assert lease.release() is False, "the array interface was read: the object is a view"
+    assert inspect(cuda_peer)["leases"] == 1
+    del lease
+    eventually(lambda: inspect(cuda_peer)["leases"] == 0, "the lease to go back with its object")
+
+
+def test_a_device_buffer_python_allocates_is_read_by_a_rust_actor(torch, cuda_node, cuda_peer):
+    buf = cuda_node.allocate(N, "float32")
+    assert buf.device[0] == "cuda"
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        t = torch.from_dlpack(buf)
+        source = torch.arange(N, device="cuda", dtype=torch.float32)
+        spin(torch)
+        t.copy_(source)  # queued behind the spin, not waited
+        written = torch.cuda.Event()
+        written.record(stream)
+    # Sending synchronises the context first, so the partner reads what torch wrote.
+    reply = cuda_peer.call("sink", "py.Sink", {"data": buf})
+    assert written.query(), "the call left before our stream's write had run"
+    assert reply["len"] == N
+    assert reply["head"] == [float(i) for i in range(8)]
+    assert reply["sum"] == float(N * (N - 1) // 2)
+    del t
+    buf.release()
+    eventually(lambda: cuda_node.export_stats()["buffers"] == 0, "the device buffer to be freed")
