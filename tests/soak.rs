@@ -220,6 +220,12 @@ impl Rig {
         };
         let mut parent = Parent::start_with(&ns, Arc::clone(&backend));
         parent.child_env.push(("BATON_BACKEND".into(), kind.into()));
+        if let Some(cuda) = &cuda {
+            // Children export device memory the way we do.
+            parent
+                .child_env
+                .push(("BATON_CUDA_EXPORT".into(), cuda.export().name().into()));
+        }
         let spawner = Node::new(parent.session.clone(), backend);
         Rig {
             parent,
@@ -813,10 +819,16 @@ fn host_crash_soak() {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn cuda_crash_soak() {
+    use baton::ipc::cuda::{CudaBackend, CudaExport};
     let _gpu = baton::ipc::cuda::testing::exclusive_gpu(Duration::from_secs(1800))
         .expect("the GPU test lock");
-    let cuda = baton::ipc::cuda::CudaBackend::new(0, baton::ipc::cuda::CudaExport::Legacy)
-        .unwrap_or_else(|e| panic!("the CUDA backend is unavailable: {e}"));
-    eprintln!("soak[cuda]: {cuda:?}");
-    soak(Device::Cuda(Arc::new(cuda)), "soakcu");
+    // Every export kind, unless `BATON_SOAK_EXPORTS` names some (`legacy,vmm,pool`).
+    let kinds = std::env::var("BATON_SOAK_EXPORTS").unwrap_or_else(|_| "legacy,vmm,pool".into());
+    for name in kinds.split(',').map(str::trim).filter(|k| !k.is_empty()) {
+        let export = CudaExport::parse(name).unwrap_or_else(|| panic!("no export kind {name:?}"));
+        let cuda = CudaBackend::new(0, export)
+            .unwrap_or_else(|e| panic!("the CUDA backend is unavailable: {e}"));
+        eprintln!("soak[cuda {name}]: {cuda:?}");
+        soak(Device::Cuda(Arc::new(cuda)), &format!("soakcu{name}"));
+    }
 }
