@@ -12,6 +12,8 @@ mod actors;
 mod msgs;
 #[path = "support/peer.rs"]
 mod peer;
+#[path = "support/stubborn.rs"]
+mod stubborn;
 
 use actix::prelude::*;
 use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
@@ -266,6 +268,27 @@ fn exporter_sigkill_on_device_memory_orphans_leases() {
         let again = pattern_buffer(&parent, MIN_ELEMS, 9).await;
         assert_eq!(again.to_vec().unwrap()[3], pattern(9, 3));
         drop(again);
+        device_back_to(&cuda, baseline).await;
+    });
+}
+
+/// The stubborn live holder on legacy CUDA IPC, where `cuMemFree` under a live importer's
+/// mapping would let the next allocation hand those pages to another buffer: SIGSTOPped past
+/// a revoke deadline, the holder is cut, and the allocation stays (quarantined) while it
+/// lives; another buffer made meanwhile does not take its memory (the holder, SIGCONTed,
+/// reads its own data through the raw mapping and "orphaned" through the lease); its
+/// SIGKILL frees the memory, and device free memory comes back to its baseline.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn legacy_stubborn_live_holder_keeps_the_memory_quarantined_until_it_dies() {
+    run(async {
+        let (parent, cuda, _gpu) = cuda_parent("c-stub", CudaExport::Legacy);
+        let baseline = device_free(&cuda);
+        let allocations = || Some(cuda.live().exported);
+        stubborn::stubborn_live_holder(&parent, true, MIN_ELEMS, &allocations).await;
         device_back_to(&cuda, baseline).await;
     });
 }

@@ -16,120 +16,22 @@ mod actors;
 mod msgs;
 #[path = "support/peer.rs"]
 mod peer;
+#[path = "support/stubborn.rs"]
+mod stubborn;
 
 use actix::prelude::*;
-use actors::{DEADLINE, LegacyLike, Lines, Parent, eventually, eventually_async, exited};
-use baton::actors::{Heartbeat, PeerEvent, Revoke};
+use actors::{DEADLINE, LegacyLike, Parent, eventually, eventually_async, exited};
+use baton::actors::{Heartbeat, PeerEvent};
 use baton::ipc::{HostBackend, WarmBudget};
 use msgs::*;
-use rustix::process::{Pid, Signal, kill_process};
+use rustix::process::Signal;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use stubborn::{signal, stubborn_live_holder};
 
 fn run<F: Future<Output = ()>>(f: F) {
     System::new().block_on(f);
-}
-
-fn signal(child: &peer::Peer, sig: Signal) {
-    kill_process(Pid::from_raw(child.pid() as i32).expect("a pid"), sig).expect("signal");
-}
-
-/// The sum of a pattern buffer's values, as the holder reports it.
-fn pattern_sum(seed: u32, len: usize) -> u64 {
-    (0..len).map(|i| u64::from(pattern(seed, i))).sum()
-}
-
-/// A holder keeps a lease, is stopped, misses a revoke deadline and is cut. Returns what
-/// the parent saw: the buffer's row of the lease table after the cut.
-async fn stubborn_live_holder(parent: &Parent, legacy_like: bool) {
-    const LEN: usize = 4096;
-    let (mut child, link) = parent
-        .spawn_linked(
-            env!("CARGO_BIN_EXE_baton-actor-peer"),
-            &["serve", &parent.socket(), "stubborn", "linger"],
-            true,
-        )
-        .await;
-    let lines = Lines::of(child.take_stdout().expect("piped"));
-    let buf = parent.pattern_buffer(LEN, 11).await;
-    let id = buf.id();
-    link.remote::<Hold>("holder")
-        .send(Hold {
-            buffers: vec![buf.share()],
-        })
-        .await
-        .unwrap();
-    // The owner lets go of the buffer: it is freed once nobody may map it.
-    drop(buf);
-    let freed_before = parent.stats().await.freed;
-
-    signal(&child, Signal::STOP);
-    let asked = parent
-        .owner
-        .send(Revoke {
-            buffer: id,
-            within: Duration::from_millis(300),
-        })
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(asked, 1);
-    eventually(DEADLINE, "the stopped holder to be cut off", || {
-        parent.events.down_reason(link.link_id()).is_some()
-    })
-    .await;
-    let reason = parent.events.down_reason(link.link_id()).unwrap().unwrap();
-    assert!(reason.contains("RevokeDeadline"), "{reason}");
-
-    let table = parent.table().await;
-    if legacy_like {
-        // The holder lives and may map the memory: quarantined, not freed.
-        let row = table.iter().find(|b| b.buffer == id).expect("still there");
-        assert!(row.quarantined && row.retiring, "{row:?}");
-        assert!(
-            row.leases.is_empty(),
-            "the cut holder's lease no longer counts"
-        );
-        assert_eq!(row.cut_holders.len(), 1);
-        assert_eq!(row.cut_holders[0].pid, child.pid());
-        let stats = parent.stats().await;
-        assert_eq!((stats.quarantined, stats.freed), (1, freed_before));
-        assert_eq!(stats.quarantined_bytes, (LEN * 4) as u64);
-        assert_eq!(parent.node.export_stats().quarantined, 1);
-    } else {
-        // A host mapping survives the exporter's free: freed at the cut.
-        assert!(table.iter().all(|b| b.buffer != id), "{table:?}");
-        assert_eq!(parent.stats().await.freed, freed_before + 1);
-    }
-
-    // Awake again, the holder finds its link closed (the socket was shut down while it
-    // was stopped), and reads its lease without a crash: the lease says orphaned, the
-    // mapping still holds its own data.
-    signal(&child, Signal::CONT);
-    let line = lines.next_line(DEADLINE).await;
-    let expected = format!("api=orphaned raw={}", pattern_sum(11, LEN));
-    assert!(line.ends_with(&expected), "{line:?}, not …{expected}");
-    assert!(child.try_wait().is_none(), "the holder lives on");
-    if legacy_like {
-        let row = parent.table().await;
-        assert!(
-            row.iter().any(|b| b.buffer == id && b.quarantined),
-            "still quarantined while the holder lives"
-        );
-    }
-
-    // Its death ends the quarantine.
-    child.signal_kill();
-    exited(&mut child, DEADLINE).await;
-    eventually_async(
-        DEADLINE,
-        "the buffer freed after the holder died",
-        || async { parent.table().await.iter().all(|b| b.buffer != id) },
-    )
-    .await;
-    let stats = parent.stats().await;
-    assert_eq!((stats.quarantined, stats.freed), (0, freed_before + 1));
 }
 
 #[test]
@@ -141,7 +43,7 @@ fn a_stubborn_live_holder_of_legacy_like_memory_is_cut_and_the_memory_quarantine
         parent
             .child_env
             .push(("BATON_BACKEND".into(), "host".into()));
-        stubborn_live_holder(&parent, true).await;
+        stubborn_live_holder(&parent, true, 4096, &|| None).await;
         assert_eq!(parent.segments(), 0, "nothing left after the holder died");
     });
 }
@@ -150,7 +52,7 @@ fn a_stubborn_live_holder_of_legacy_like_memory_is_cut_and_the_memory_quarantine
 fn a_stubborn_live_holder_of_host_memory_is_cut_and_the_memory_freed_at_the_cut() {
     run(async {
         let parent = Parent::start("cutfree");
-        stubborn_live_holder(&parent, false).await;
+        stubborn_live_holder(&parent, false, 4096, &|| None).await;
         assert_eq!(parent.segments(), 0);
     });
 }

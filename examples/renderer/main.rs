@@ -724,6 +724,9 @@ struct Root {
     done: Option<tokio::sync::oneshot::Sender<Done>>,
     /// Segments of killed children the supervisor removed, and their bytes.
     swept: (usize, u64),
+    /// Every child process started, restarts included: the device-memory leak check counts
+    /// these and the root.
+    pids: Arc<Mutex<Vec<u32>>>,
 }
 
 impl Actor for Root {
@@ -772,7 +775,12 @@ impl Handler<SupervisorEvent> for Root {
     type Result = ();
     fn handle(&mut self, e: SupervisorEvent, _: &mut Context<Self>) {
         match e {
-            SupervisorEvent::Started { restarts, .. } if restarts > 0 => self.restarts += 1,
+            SupervisorEvent::Started { restarts, pid, .. } => {
+                self.pids.lock().expect("pids").push(pid);
+                if restarts > 0 {
+                    self.restarts += 1;
+                }
+            }
             // A killed child could not unlink its named segments: the supervisor removed
             // them before restarting it. (Memfd memory needs no sweep.)
             SupervisorEvent::Swept {
@@ -792,6 +800,41 @@ impl Handler<SupervisorEvent> for Root {
     }
 }
 
+/// The device memory `pids` use, summed, by the driver's per-process accounting (NVML,
+/// through `nvidia-smi --query-compute-apps`), in bytes (MiB resolution); `None` where that
+/// cannot be read or does not list this process (no `nvidia-smi`, or a PID namespace that
+/// hides our pids from the driver). Unlike device-wide free memory, other processes on the
+/// GPU do not count.
+fn tree_device_bytes(pids: &[u32]) -> Option<u64> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader,nounits",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let mut me_listed = false;
+    let mut mib = 0u64;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let mut fields = line.split(',').map(str::trim);
+        let (Some(pid), Some(used)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let (Ok(pid), Ok(used)) = (pid.parse::<u32>(), used.parse::<u64>()) else {
+            continue;
+        };
+        if pid == std::process::id() {
+            me_listed = true;
+        }
+        if pids.contains(&pid) {
+            mib += used;
+        }
+    }
+    me_listed.then_some(mib << 20)
+}
+
 fn root(opts: Options) -> Res<()> {
     let namespace = format!("renderer-{}", std::process::id());
     // Children get the namespace through their specs (their segments are ours to count).
@@ -803,10 +846,13 @@ fn root(opts: Options) -> Res<()> {
             Some(c) => format!("{} (CUDA, {:?} export)", c.device(), c.export()),
             None => "host shared memory".to_owned(),
         };
+        // The device-memory leak check: what this process tree uses by the driver's
+        // per-process accounting when it can be read here, else device-wide free memory.
         let baseline = match &cuda {
-            Some(c) => Some(c.mem_get_info()?.0),
+            Some(c) => Some((c.mem_get_info()?.0, tree_device_bytes(&[std::process::id()]))),
             None => None,
         };
+        let pids = Arc::new(Mutex::new(vec![std::process::id()]));
         let session = Session::generate()?;
         let host_flavor = HostFlavor::from_env()?;
         let node = Node::new(session, Arc::new(HostBackend::with_flavor(host_flavor, &namespace)?));
@@ -830,7 +876,7 @@ fn root(opts: Options) -> Res<()> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 | 1;
         let out = Output::for_stdout(opts.frames);
-        let root = Root { out: out.clone(), opts: opts.clone(), supervisor: None, restarts: 0, last_print: Instant::now(), rng: seed, done: Some(tx), swept: (0, 0) }.start();
+        let root = Root { out: out.clone(), opts: opts.clone(), supervisor: None, restarts: 0, last_print: Instant::now(), rng: seed, done: Some(tx), swept: (0, 0), pids: pids.clone() }.start();
         node.register::<Progress>("progress", root.clone().recipient());
         node.register::<Done>("done", root.clone().recipient());
         let budget = (opts.frames / opts.chaos.unwrap_or(u64::MAX).max(1)) as u32 + 5;
@@ -885,16 +931,26 @@ fn root(opts: Options) -> Res<()> {
         let left = host::list_segments(&namespace)?;
         let held = host::memfd_usage(std::process::id(), &namespace)?;
         let leaked_host: u64 = left.iter().map(|s| s.size).sum::<u64>() + held.mapped_bytes;
+        // The driver frees a dead process's memory asynchronously: poll a while.
         let leaked_device = match (&cuda, baseline) {
-            (Some(c), Some(base)) => {
-                // The driver frees a dead process's memory asynchronously: poll a while.
+            (Some(_), Some((_, Some(root_before)))) => {
+                let pids = pids.lock().expect("pids").clone();
+                let start = Instant::now();
+                let mut used = tree_device_bytes(&pids).unwrap_or(u64::MAX);
+                while used > root_before && start.elapsed() < Duration::from_secs(10) {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    used = tree_device_bytes(&pids).unwrap_or(u64::MAX);
+                }
+                Some((used.saturating_sub(root_before), "device memory of this process tree, per process, vs the root's at start"))
+            }
+            (Some(c), Some((free_before, None))) => {
                 let start = Instant::now();
                 let mut free = c.mem_get_info()?.0;
-                while free < base && start.elapsed() < Duration::from_secs(10) {
+                while free < free_before && start.elapsed() < Duration::from_secs(10) {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     free = c.mem_get_info()?.0;
                 }
-                Some(base.saturating_sub(free) as u64)
+                Some((free_before.saturating_sub(free) as u64, "device-wide free memory vs baseline: per-process accounting is not readable here, so other processes on the GPU count too"))
             }
             _ => None,
         };
@@ -919,7 +975,7 @@ fn root(opts: Options) -> Res<()> {
             summary.cache_hits
         );
         match leaked_device {
-            Some(d) => println!("leaked bytes      {d} (device free memory vs baseline) + {leaked_host} (host memory)"),
+            Some((d, how)) => println!("leaked bytes      {} ({d} device: {how}; {leaked_host} host memory)", d + leaked_host),
             None => println!(
                 "leaked bytes      {leaked_host} ({} host memory: {} segments left, {} memfd bytes still mapped here; the supervisor swept {} segments ({} bytes) of killed children, the final sweep {})",
                 host_flavor.name(),
@@ -937,7 +993,7 @@ fn root(opts: Options) -> Res<()> {
         for p in &summary.pngs {
             println!("                  {p}");
         }
-        let leaked = leaked_host + leaked_device.unwrap_or(0);
+        let leaked = leaked_host + leaked_device.map_or(0, |(d, _)| d);
         if leaked > 0 && !opts.no_sweep {
             return Err(format!("{leaked} bytes leaked").into());
         }

@@ -1738,6 +1738,28 @@ pub mod testing {
             }
         }
     }
+
+    /// Copies `dst.len()` bytes from device address `src` of device `ordinal`'s primary
+    /// context (the one every [`CudaBackend`](super::CudaBackend) of that device uses), with
+    /// no lease or cache in the way: a test reads what a mapping shows after its lease turned
+    /// orphaned.
+    ///
+    /// # Safety
+    /// `src .. src + dst.len()` is device memory this process maps (an allocation or an
+    /// opened handle not yet closed): a copy from an unmapped address may fault and poison
+    /// the context.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub unsafe fn read_device(ordinal: usize, src: u64, dst: &mut [u8]) -> Result<()> {
+        let ctx = cudarc::driver::CudaContext::new(ordinal)
+            .map_err(super::result::from_driver("cuDevicePrimaryCtxRetain"))?;
+        let _pushed = super::ContextGuard::push(&ctx)?;
+        // SAFETY: the primary context is current; `dst` is a valid host slice of the length
+        // copied; the device range is mapped (the caller's contract).
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, src) }
+            .map_err(super::result::from_driver("cuMemcpyDtoH"))
+    }
 }
 
 #[cfg(test)]

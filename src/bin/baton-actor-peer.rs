@@ -26,9 +26,9 @@ struct TestActor {
     node: Node,
     owner: Addr<BufferOwner>,
     held: HashMap<LeaseId, Lease<u32>>,
-    /// Where each held lease is mapped (host memory) and its length in `u32`s, taken while
-    /// the link was up.
-    raw: HashMap<LeaseId, (usize, usize)>,
+    /// Where each held lease is mapped and its length in `u32`s, taken while the link was
+    /// up.
+    raw: HashMap<LeaseId, (baton::ipc::MemPtr, usize)>,
     lent: HashMap<u32, Buffer<u32>>,
     cooperative: bool,
     linger: bool,
@@ -46,23 +46,47 @@ impl TestActor {
                 Err(baton::actors::ActorError::Orphaned { .. }) => "orphaned",
                 Err(_) => "error",
             };
-            let raw = self.raw.get(id).map_or(0u64, |&(addr, len)| {
-                (0..len)
-                    .map(|i| {
-                        let word = (addr as *const u32).wrapping_add(i);
-                        // SAFETY: the lease is alive (held above), so its import-cache view
-                        // keeps the mapping of `len` u32s at `addr` mapped, and `i < len`;
-                        // host mappings are page-aligned. The exporter's process may write
-                        // it: a volatile read of plain integers sees some value, never an
-                        // invalid one.
-                        u64::from(unsafe { std::ptr::read_volatile(word) })
-                    })
-                    .sum()
-            });
+            let raw = self
+                .raw
+                .get(id)
+                .map_or(0u64, |&(ptr, len)| raw_sum(ptr, len));
             println!("held {} api={api} raw={raw}", id.get());
         }
         use std::io::Write;
         let _ = std::io::stdout().flush();
+    }
+}
+
+/// The sum of the `len` u32s a held lease maps at `ptr`, read past the lease's API (which
+/// says orphaned once the exporter is gone): what the mapping itself shows.
+fn raw_sum(ptr: baton::ipc::MemPtr, len: usize) -> u64 {
+    match ptr {
+        baton::ipc::MemPtr::Host(addr) => (0..len)
+            .map(|i| {
+                let word = (addr as *const u32).wrapping_add(i);
+                // SAFETY: the lease is alive (held by the caller), so its import-cache view
+                // keeps the mapping of `len` u32s at `addr` mapped, and `i < len`; host
+                // mappings are page-aligned. The exporter's process may write it: a volatile
+                // read of plain integers sees some value, never an invalid one.
+                u64::from(unsafe { std::ptr::read_volatile(word) })
+            })
+            .sum(),
+        // Device memory of the tests' device 0 (the backend this binary runs on).
+        baton::ipc::MemPtr::Device(addr) => {
+            let mut bytes = vec![0u8; len * 4];
+            // SAFETY: the lease is alive (held by the caller), so the opened handle behind
+            // `addr .. addr + len * 4` is not closed.
+            match unsafe { baton::ipc::cuda::testing::read_device(0, addr, &mut bytes) } {
+                Ok(()) => bytes
+                    .chunks_exact(4)
+                    .map(|w| u64::from(u32::from_ne_bytes([w[0], w[1], w[2], w[3]])))
+                    .sum(),
+                Err(e) => {
+                    eprintln!("baton-actor-peer: reading the device mapping: {e}");
+                    0
+                }
+            }
+        }
     }
 }
 
@@ -115,8 +139,8 @@ impl Handler<Hold> for TestActor {
     fn handle(&mut self, msg: Hold, _ctx: &mut Context<Self>) -> usize {
         for shared in msg.buffers {
             let lease = shared.open().expect("received");
-            if let Ok(baton::ipc::MemPtr::Host(p)) = lease.ptr() {
-                self.raw.insert(lease.id(), (p as usize, lease.len()));
+            if let Ok(ptr) = lease.ptr() {
+                self.raw.insert(lease.id(), (ptr, lease.len()));
             }
             self.held.insert(lease.id(), lease);
         }
