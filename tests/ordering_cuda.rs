@@ -1,4 +1,5 @@
-//! Stream ordering across processes on a real GPU (the same properties as
+//! Stream ordering across processes on a real GPU, on legacy, VMM and pool memory (the same
+//! properties as
 //! `tests/ordering.rs` proves on a recording backend), with an importer process
 //! (`src/bin/baton-ordering-peer.rs`) that uses leases on a stream of its own, through
 //! cudarc's own API (Baton's `DevicePtr`/`DevicePtrMut` and `DeviceArg`):
@@ -80,9 +81,19 @@ async fn setup(
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn an_importers_late_write_never_lands_over_the_exporters_next_write() {
+    for export in EXPORTS {
+        eprintln!("release ordering on {export:?} memory");
+        late_write_never_lands(export);
+    }
+}
+
+/// Every export kind the ordering tests run on.
+const EXPORTS: [CudaExport; 3] = [CudaExport::Legacy, CudaExport::Vmm, CudaExport::Pool];
+
+fn late_write_never_lands(export: CudaExport) {
     run(async {
         const ROUNDS: u32 = 1000;
-        let (parent, _cuda, mut child, link, _gpu) = setup("ord-rel", CudaExport::Legacy).await;
+        let (parent, _cuda, mut child, link, _gpu) = setup("ord-rel", export).await;
         let buf: Buffer<u32> = parent
             .owner
             .send(Allocate::vector(1 << 20))
@@ -134,10 +145,17 @@ fn an_importers_late_write_never_lands_over_the_exporters_next_write() {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn an_importers_stream_waits_for_the_exporters_work_before_its_first_use() {
+    for export in EXPORTS {
+        eprintln!("acquire ordering on {export:?} memory");
+        first_use_waits(export);
+    }
+}
+
+fn first_use_waits(export: CudaExport) {
     run(async {
         const N: u32 = 1 << 22;
         const ROUNDS: u32 = 20;
-        let (parent, cuda, mut child, link, _gpu) = setup("ord-acq", CudaExport::Legacy).await;
+        let (parent, cuda, mut child, link, _gpu) = setup("ord-acq", export).await;
         let module = cuda
             .context()
             .load_module(compile_ptx(KERNELS).expect("NVRTC"))
