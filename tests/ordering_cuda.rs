@@ -1,6 +1,5 @@
 //! Stream ordering across processes on a real GPU, on legacy, VMM and pool memory (the same
-//! properties as
-//! `tests/ordering.rs` proves on a recording backend), with an importer process
+//! properties as `tests/ordering.rs` proves on a recording backend), with an importer process
 //! (`src/bin/baton-ordering-peer.rs`) that uses leases on a stream of its own, through
 //! cudarc's own API (Baton's `DevicePtr`/`DevicePtrMut` and `DeviceArg`):
 //!
