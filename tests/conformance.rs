@@ -564,6 +564,10 @@ fn importer_sigkill(flavor: Flavor) {
     child.kill9();
     assert!(matches!(link.recv_timeout(DEADLINE), Err(Error::Closed)));
     alloc.free().unwrap();
+    // What a node does when a peer process dies: the backend drops what it kept of it
+    // (CUDA pools: our export pool retires, as memory a dead importer mapped comes back
+    // only with the pool).
+    subject.backend.forget_process(&link.peer().process);
     subject.assert_nothing_live("after the free");
     // The driver may release a dead process's context asynchronously: poll.
     poll_until(DEADLINE, "the memory to return to its baseline", || {

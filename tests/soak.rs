@@ -803,6 +803,8 @@ fn device_free(device: &Device) -> Option<usize> {
         Device::Host => None,
         Device::Cuda(cuda) => {
             cuda.synchronize().unwrap();
+            // What the pool keeps for reuse is no leak.
+            cuda.trim_pool(0).unwrap();
             Some(cuda.mem_get_info().unwrap().0)
         }
     }

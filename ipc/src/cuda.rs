@@ -1663,6 +1663,12 @@ impl Backend for CudaBackend {
     /// fences (their slabs stay mapped until the backend drops).
     fn forget_process(&self, process: &ProcessId) {
         let of = |p: &ProcessId| p == process;
+        // A pool allocation freed after an importer died mapping it stays reserved in the
+        // driver's pool: trimming does not return it (H100, driver 580), destroying the
+        // pool does. So a death retires our export pool: new allocations come from a fresh
+        // one (importers import it once more), and the old one is destroyed with its last
+        // allocation.
+        drop(self.pool.take_where(|_| true));
         drop(self.opened_events.take_where(|(p, _)| of(p)));
         drop(self.imported_pools.take_where(|(p, _)| of(p)));
         let slabs = self.opened_slabs.take_where(|(p, _)| of(p));
