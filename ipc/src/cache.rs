@@ -584,11 +584,6 @@ impl ImportCache {
             };
             let backend = Arc::clone(self.backend_for(handle.backend)?);
             let fd = match handle.raw.fd_slot() {
-                // This process's own memory (a pool allocation, a VMM region) is mapped
-                // here already: its descriptor is used if it came, not required.
-                Some(slot) if handle.exporter.process == crate::process::current() => {
-                    fds.take(slot).ok()
-                }
                 Some(slot) => Some(fds.take(slot)?),
                 None => None,
             };

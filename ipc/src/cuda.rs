@@ -2001,7 +2001,15 @@ mod tests {
                 .event(ev.ipc_handle())
                 .build()
                 .unwrap();
-            let opened = cache.open(&h, &mut FrameFds::none()).unwrap();
+            // What a frame carrying this handle would carry: the descriptor it names, if
+            // any (a pool allocation's names the pool's).
+            let mut fds = match h.raw.fd_slot() {
+                Some(_) => FrameFds::new(vec![
+                    alloc.export_fd().unwrap().try_clone_to_owned().unwrap(),
+                ]),
+                None => FrameFds::none(),
+            };
+            let opened = cache.open(&h, &mut fds).unwrap();
             opened.write(0, b"CONTEXT").unwrap();
             if export == CudaExport::Vmm {
                 let fd = alloc.export_fd().unwrap().try_clone_to_owned().unwrap();
