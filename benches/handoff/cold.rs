@@ -7,7 +7,13 @@
 //! then frees the buffer. Variants:
 //!
 //! - `new`: a new allocation each time (host segment; `cuMemAlloc` + `cuIpcGetMemHandle`;
-//!   `cuMemCreate` + export fd): the importer opens and closes the mapping every time;
+//!   `cuMemCreate` + export fd; `cuMemAllocFromPoolAsync` + `cuMemPoolExportPointer`): the
+//!   importer opens and closes the mapping every time (pool: `cuMemPoolImportPointer`, the
+//!   pool itself imported once: its descriptor crosses the link with the first offer only,
+//!   as the actor layer sends it once per link and pool);
+//! - `same`: the same allocation every time, the importer holding the first lease for the
+//!   whole run: every open is a cache hit, nothing is made or freed. This is the cached
+//!   round trip on this same link, the base of the "cold ≤ 2× cached" target;
 //! - `slab-kept`: a range of one slab each time, the importer holding one lease of the slab
 //!   for the whole run (so the slab stays mapped: every open is a cache hit);
 //! - `slab-unkept`: the same, with the importer holding nothing between handoffs: the import
@@ -38,10 +44,13 @@ enum Made {
 }
 
 impl Made {
-    fn offer(&self, session: &Session, lease: LeaseId) -> Res<Message> {
+    /// The offer of a lease on it; `with_fd`: its descriptor goes in the frame (slot 0),
+    /// else the importer must map it (or its pool) already.
+    fn offer(&self, session: &Session, lease: LeaseId, with_fd: bool) -> Res<Message> {
+        let slot = if with_fd { Some(0) } else { None };
         let handle = match self {
-            Made::Alloc(a) => a.handle(session).build()?,
-            Made::Slab(s) => s.handle(session).build()?,
+            Made::Alloc(a) => a.handle(session).fd_slot(slot).build()?,
+            Made::Slab(s) => s.handle(session).fd_slot(slot).build()?,
         };
         Ok(Message::Offer(Offer { lease, handle }))
     }
@@ -54,7 +63,8 @@ impl Made {
     }
 }
 
-fn accept(listener: &Listener, peer: &mut PeerProcess) -> Res<Link> {
+/// Accepts the link of `peer`, giving up when it exits or after [`DEADLINE`].
+pub(crate) fn accept(listener: &Listener, peer: &mut PeerProcess) -> Res<Link> {
     listener.listener().set_nonblocking(true)?;
     let start = Instant::now();
     loop {
@@ -83,6 +93,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         BackendName::Host => "new shared-memory segment each time",
         BackendName::CudaLegacy => "new cuMemAlloc + cuIpcGetMemHandle each time",
         BackendName::CudaVmm => "new cuMemCreate + exported fd each time",
+        BackendName::CudaPool => "new cuMemAllocFromPoolAsync + exported pointer each time",
     };
     let new_n = if name == BackendName::CudaVmm {
         300
@@ -91,6 +102,11 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
     };
     let variants = [
         ("new", new_label, new_n),
+        (
+            "same",
+            "the same allocation each time, kept mapped by the importer (cached)",
+            5_000,
+        ),
         (
             "slab-kept",
             "range of a slab arena, slab kept mapped by the importer",
@@ -110,7 +126,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         let sock = listener.path().to_str().ok_or("path")?.to_owned();
         let env = crate::actor::peer_env(name, &namespace);
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let pin = if variant == "slab-kept" {
+        let pin = if matches!(variant, "slab-kept" | "same") {
             "pin"
         } else {
             "nopin"
@@ -118,23 +134,32 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         let mut peer = PeerProcess::spawn(&session, "cold-importer", &[&sock, pin], &env)?;
         let mut link = accept(&listener, &mut peer)?;
         link.set_timeout(Some(DEADLINE))?;
-        let arena = if variant == "new" {
-            None
-        } else {
+        let arena = if variant.starts_with("slab") {
             Some(SlabArena::allocate(&*backend, SLAB_LEN)?)
+        } else {
+            None
+        };
+        let same = if variant == "same" {
+            Some(Made::Alloc(backend.allocate(BUF_LEN)?))
+        } else {
+            None
         };
         let (warm, n) = (cfg.samples(n / 10).min(100), cfg.samples(n));
         let (mut make, mut handoff, mut free, mut total) = (vec![], vec![], vec![], vec![]);
         for i in 0..(warm + n) as u64 {
             let t0 = Instant::now();
-            let made = match &arena {
-                None => Made::Alloc(backend.allocate(BUF_LEN)?),
-                Some(a) => Made::Slab(a.carve(BUF_LEN)?),
+            let made = match (&arena, &same) {
+                (_, Some(_)) => None,
+                (None, None) => Some(Made::Alloc(backend.allocate(BUF_LEN)?)),
+                (Some(a), None) => Some(Made::Slab(a.carve(BUF_LEN)?)),
             };
             let t1 = Instant::now();
+            let this = made.as_ref().or(same.as_ref()).ok_or("nothing to offer")?;
             let lease = LeaseId::new(i + 1);
-            let fds: Vec<BorrowedFd<'_>> = made.fd().into_iter().collect();
-            link.send(&made.offer(&session, lease)?, &fds)?;
+            // A pool's descriptor, and the one allocation of `same`, cross the link once.
+            let with_fd = i == 0 || !(variant == "same" || name == BackendName::CudaPool);
+            let fds: Vec<BorrowedFd<'_>> = this.fd().into_iter().filter(|_| with_fd).collect();
+            link.send(&this.offer(&session, lease, with_fd)?, &fds)?;
             match link.recv()?.message {
                 Message::Release(Release { lease: back, .. }) if back == lease => {}
                 other => return Err(format!("expected Release of {lease}, got {other:?}").into()),

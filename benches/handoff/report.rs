@@ -5,12 +5,14 @@ use crate::{Config, Res};
 use serde_json::{Map, Value, json};
 use std::fs::File;
 use std::io::Write;
+use std::time::Instant;
 
 pub(crate) struct Report {
     pub(crate) machine: Machine,
     records: Vec<Value>,
     file: Option<File>,
     errors: Vec<String>,
+    started: Instant,
 }
 
 fn num(v: &Value, key: &str) -> Option<f64> {
@@ -37,6 +39,7 @@ impl Report {
             records: Vec::new(),
             file,
             errors: Vec::new(),
+            started: Instant::now(),
         })
     }
 
@@ -85,14 +88,25 @@ impl Report {
         self.emit(Value::Object(obj));
     }
 
-    /// Runs one part; a failure is reported and the run goes on.
+    /// Runs one part; a failure is reported and the run goes on. Its wall time is printed
+    /// (an `elapsed` record), so that a run's budget can be checked part by part.
     pub(crate) fn attempt(&mut self, what: &str, f: impl FnOnce(&mut Report) -> Res<()>) {
         eprintln!("== {what}");
-        if let Err(e) = f(self) {
+        let start = Instant::now();
+        let outcome = f(self);
+        let seconds = start.elapsed().as_secs_f64();
+        if let Err(e) = outcome {
             eprintln!("!! {what} failed: {e}");
             self.errors.push(format!("{what}: {e}"));
             self.emit(json!({"item": -1, "name": "error", "what": what, "error": e.to_string()}));
         }
+        eprintln!(
+            "== {what}: {seconds:.1} s (run so far {:.1} s)",
+            self.started.elapsed().as_secs_f64()
+        );
+        self.emit(json!({
+            "item": 0, "name": "elapsed", "what": what, "seconds": (seconds * 10.0).round() / 10.0,
+        }));
     }
 
     fn find(&self, pred: impl Fn(&Value) -> bool) -> Option<&Value> {
