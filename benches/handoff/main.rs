@@ -105,6 +105,9 @@ pub(crate) struct Config {
     pub(crate) torch: Option<PathBuf>,
     pub(crate) python: String,
     pub(crate) renderer: Option<PathBuf>,
+    /// Parts that would start after this much wall time are skipped (and said so), so that
+    /// a run under a per-command limit still prints its table.
+    pub(crate) budget: Option<std::time::Duration>,
 }
 
 impl Config {
@@ -123,7 +126,7 @@ impl Config {
 }
 
 const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm,cuda-pool] \
-[--items 1,2,3,4,5,6,7,8] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH]";
+[--items 1,2,3,4,5,6,7,8] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
 
 fn parse_args(args: &[String]) -> Res<Config> {
     let mut cfg = Config {
@@ -133,6 +136,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
         torch: None,
         python: "python3".to_owned(),
         renderer: None,
+        budget: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -160,6 +164,11 @@ fn parse_args(args: &[String]) -> Res<Config> {
             "--torch" => cfg.torch = Some(value()?.into()),
             "--python" => cfg.python = value()?,
             "--renderer" => cfg.renderer = Some(value()?.into()),
+            "--budget" => {
+                let v = value()?;
+                let secs: f64 = v.parse().map_err(|_| format!("bad --budget {v:?}"))?;
+                cfg.budget = Some(std::time::Duration::from_secs_f64(secs));
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -189,7 +198,7 @@ fn main() -> Res<()> {
             }
         }
     }
-    let mut report = Report::new(machine)?;
+    let mut report = Report::new(machine, cfg.budget)?;
     report.header(&cfg);
 
     // Item 1 first: every later ratio is against it.

@@ -13,6 +13,8 @@ pub(crate) struct Report {
     file: Option<File>,
     errors: Vec<String>,
     started: Instant,
+    /// Parts are skipped once the run has taken this long.
+    budget: Option<std::time::Duration>,
 }
 
 fn num(v: &Value, key: &str) -> Option<f64> {
@@ -24,7 +26,7 @@ fn text<'a>(v: &'a Value, key: &str) -> &'a str {
 }
 
 impl Report {
-    pub(crate) fn new(machine: Machine) -> Res<Report> {
+    pub(crate) fn new(machine: Machine, budget: Option<std::time::Duration>) -> Res<Report> {
         let file = match std::env::var_os("OUT") {
             Some(dir) => Some(
                 File::options()
@@ -40,6 +42,7 @@ impl Report {
             file,
             errors: Vec::new(),
             started: Instant::now(),
+            budget,
         })
     }
 
@@ -90,7 +93,17 @@ impl Report {
 
     /// Runs one part; a failure is reported and the run goes on. Its wall time is printed
     /// (an `elapsed` record), so that a run's budget can be checked part by part.
+    /// Past the `--budget`, the part is skipped and a `skipped` record says so.
     pub(crate) fn attempt(&mut self, what: &str, f: impl FnOnce(&mut Report) -> Res<()>) {
+        let so_far = self.started.elapsed();
+        if let Some(budget) = self.budget.filter(|b| so_far > *b) {
+            eprintln!("!! {what} skipped: the run has taken {so_far:.0?}, over its budget of {budget:?}");
+            self.errors
+                .push(format!("{what}: skipped (over the --budget of {budget:?})"));
+            self.emit(json!({"item": -1, "name": "skipped", "what": what,
+                             "seconds_so_far": so_far.as_secs_f64(), "budget_s": budget.as_secs_f64()}));
+            return;
+        }
         eprintln!("== {what}");
         let start = Instant::now();
         let outcome = f(self);
