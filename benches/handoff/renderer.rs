@@ -183,10 +183,7 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
     let vmm = report.machine.gpu.as_ref().is_some_and(|g| g.vmm);
     let backend = if gpu { "cuda" } else { "host" };
     for size in SIZES {
-        let mut variants = vec![
-            ("zero-copy", false, "legacy"),
-            ("staged", true, "legacy"),
-        ];
+        let mut variants = vec![("zero-copy", false, "legacy"), ("staged", true, "legacy")];
         if vmm && size == "3840x2160" {
             variants.push(("zero-copy-vmm", false, "vmm"));
         }
@@ -223,4 +220,3 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
     }
     Ok(())
 }
-

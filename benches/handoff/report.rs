@@ -97,7 +97,9 @@ impl Report {
     pub(crate) fn attempt(&mut self, what: &str, f: impl FnOnce(&mut Report) -> Res<()>) {
         let so_far = self.started.elapsed();
         if let Some(budget) = self.budget.filter(|b| so_far > *b) {
-            eprintln!("!! {what} skipped: the run has taken {so_far:.0?}, over its budget of {budget:?}");
+            eprintln!(
+                "!! {what} skipped: the run has taken {so_far:.0?}, over its budget of {budget:?}"
+            );
             self.errors
                 .push(format!("{what}: skipped (over the --budget of {budget:?})"));
             self.emit(json!({"item": -1, "name": "skipped", "what": what,
@@ -182,10 +184,7 @@ impl Report {
             self.emit(t);
         }
         println!();
-        println!(
-            "# whole run: {:.1} s",
-            self.started.elapsed().as_secs_f64()
-        );
+        println!("# whole run: {:.1} s", self.started.elapsed().as_secs_f64());
         if !self.errors.is_empty() {
             println!();
             println!("## Parts that failed");
@@ -310,7 +309,10 @@ impl Report {
             let detail: Vec<String> = runs.iter().map(|(r, n)| format!("{r}: {n}")).collect();
             out.push(target(
                 what,
-                format!("{total} opens after the first frame ({})", detail.join(", ")),
+                format!(
+                    "{total} opens after the first frame ({})",
+                    detail.join(", ")
+                ),
                 Some(total == 0),
                 None,
             ));
@@ -335,7 +337,10 @@ impl Report {
                     Some(c / h <= 2.0),
                     Some(c / h),
                 )),
-                _ => out.push(not_measured(&what, "cuda-pool cold handoffs not run (item 3)")),
+                _ => out.push(not_measured(
+                    &what,
+                    "cuda-pool cold handoffs not run (item 3)",
+                )),
             }
         }
 
@@ -348,7 +353,10 @@ impl Report {
         for r in &pipelined {
             let per_s = num(r, "per_s").unwrap_or(0.0);
             out.push(target(
-                &format!("pipelined CUDA handoffs ≥ 200,000/s ({})", text(r, "backend")),
+                &format!(
+                    "pipelined CUDA handoffs ≥ 200,000/s ({})",
+                    text(r, "backend")
+                ),
                 format!("{per_s:.0}/s"),
                 Some(per_s >= 200_000.0),
                 Some(per_s / 200_000.0),
