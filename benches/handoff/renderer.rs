@@ -182,6 +182,7 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
     let gpu = report.machine.gpu.is_some();
     let vmm = report.machine.gpu.as_ref().is_some_and(|g| g.vmm);
     let backend = if gpu { "cuda" } else { "host" };
+    let mut failed = Vec::new();
     for size in SIZES {
         let mut variants = vec![("zero-copy", false, "legacy"), ("staged", true, "legacy")];
         if vmm && size == "3840x2160" {
@@ -196,7 +197,21 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
                 }));
                 continue;
             }
-            let run = render(&exe, size, frames, backend, staged, export)?;
+            // One failed run (e.g. an export the renderer cannot use) does not lose the
+            // others: it is recorded, and the part fails at the end.
+            let run = match render(&exe, size, frames, backend, staged, export) {
+                Ok(run) => run,
+                Err(e) => {
+                    report.emit(json!({
+                        "item": 6, "name": "renderer", "backend": backend, "size": size,
+                        "variant": variant, "export": export, "error": e.to_string(),
+                        "label": format!("renderer {size}, {variant}: failed"),
+                        "note": "failed (see the error field)",
+                    }));
+                    failed.push(format!("{size} {variant}: {e}"));
+                    continue;
+                }
+            };
             let mut note = String::new();
             if let Some((first, after)) = run.opens {
                 note += &format!("opens: {first} first frame, {after} after; ");
@@ -218,5 +233,9 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
             }));
         }
     }
-    Ok(())
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(failed.join("; ").into())
+    }
 }
