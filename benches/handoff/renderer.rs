@@ -82,7 +82,7 @@ pub(crate) fn parse_opens(output: &str) -> Option<(u64, u64)> {
         .rev()
         .find_map(|l| l.trim().strip_prefix("import cache"))?;
     let (first, rest) = line.split_once("opens in the first frame,")?;
-    let after = rest.trim().split_whitespace().next()?;
+    let after = rest.split_whitespace().next()?;
     Some((first.trim().parse().ok()?, after.parse().ok()?))
 }
 
