@@ -233,7 +233,12 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
     let cfg = cfg.clone();
     let records = System::new().block_on(async move { measure(&cfg, name, &namespace).await })?;
     for r in records {
-        report.emit(r);
+        if r["name"] == "error" {
+            let what = r["what"].as_str().unwrap_or("item 2");
+            report.failed(what, r["error"].as_str().unwrap_or(""));
+        } else {
+            report.emit(r);
+        }
     }
     Ok(())
 }
@@ -282,46 +287,31 @@ async fn measure(
         }
         for variant in variants {
             let (warm, n) = (cfg.samples(2_000), cfg.samples(20_000));
-            let mut samples = Vec::with_capacity(n);
-            let mut replies = Vec::with_capacity(n);
             let this = match (variant, &ordered) {
                 ("ordered", Some((obuf, _))) => obuf,
                 _ => &buf,
             };
-            for i in 0..(warm + n) as u64 {
-                let t = Instant::now();
-                let shared = match (variant, &cuda, &ordered) {
-                    // With an event: recorded now on the backend's stream, carried in the
-                    // handle; the consumer's stream waits on it when it opens the buffer.
-                    ("share_after", Some(c), _) => buf.share_after(&Arc::new(c.record_event()?)),
-                    // The exporter's next use of the buffer on its stream waits on the
-                    // release fences that came back; the share records a mark there and
-                    // an acquire fence after it.
-                    ("ordered", _, Some((obuf, stream))) => {
-                        obuf.wait_on(stream)?;
-                        obuf.share_on(stream)?
-                    }
-                    _ => buf.share(),
-                };
-                let seq = consumer
-                    .send(Handoff {
-                        seq: i + 1,
-                        keep: false,
-                        ordered: variant == "ordered",
-                        buf: shared,
-                    })
-                    .await?;
-                if seq != i + 1 {
-                    return Err(format!("handoff {} answered {seq}", i + 1).into());
+            // A variant that fails is recorded; the others and item 4 still run.
+            let timed = round_trips(
+                variant,
+                (warm, n),
+                &consumer,
+                this,
+                cuda.as_deref(),
+                ordered.as_ref(),
+            )
+            .await;
+            let (samples, replies) = match timed {
+                Ok(t) => t,
+                Err(e) => {
+                    out.push(json!({
+                        "item": -1, "name": "error", "backend": backend_name,
+                        "what": format!("item 2 {variant} on {backend_name}"),
+                        "error": e.to_string(),
+                    }));
+                    continue;
                 }
-                let replied = t.elapsed();
-                // The consumer's pin stays out; this handoff's lease must be back.
-                released(this, 1).await?;
-                if i >= warm as u64 {
-                    samples.push(t.elapsed());
-                    replies.push(replied);
-                }
-            }
+            };
             let label = match variant {
                 "share" => "cached handoff round trip, unordered (send, open = cache hit, release)",
                 "share_after" => "cached handoff round trip, with an IPC event (share_after)",
@@ -417,6 +407,55 @@ async fn pipeline(
         }
     }
     Ok(())
+}
+
+/// `n` round trips of item 2's `variant` after `warm` untimed ones: (until the release is
+/// back, until the reply).
+async fn round_trips(
+    variant: &str,
+    (warm, n): (usize, usize),
+    consumer: &baton::actors::RemoteAddr<Handoff>,
+    this: &baton::actors::Buffer<u8>,
+    cuda: Option<&CudaBackend>,
+    ordered: Option<&(baton::actors::Buffer<u8>, Arc<CudaStream>)>,
+) -> Res<(Vec<Duration>, Vec<Duration>)> {
+    let mut samples = Vec::with_capacity(n);
+    let mut replies = Vec::with_capacity(n);
+    for i in 0..(warm + n) as u64 {
+        let t = Instant::now();
+        let shared = match (variant, cuda, ordered) {
+            // With an event: recorded now on the backend's stream, carried in the
+            // handle; the consumer's stream waits on it when it opens the buffer.
+            ("share_after", Some(c), _) => this.share_after(&Arc::new(c.record_event()?)),
+            // The exporter's next use of the buffer on its stream waits on the
+            // release fences that came back; the share records a mark there and
+            // an acquire fence after it.
+            ("ordered", _, Some((obuf, stream))) => {
+                obuf.wait_on(stream)?;
+                obuf.share_on(stream)?
+            }
+            _ => this.share(),
+        };
+        let seq = consumer
+            .send(Handoff {
+                seq: i + 1,
+                keep: false,
+                ordered: variant == "ordered",
+                buf: shared,
+            })
+            .await?;
+        if seq != i + 1 {
+            return Err(format!("handoff {} answered {seq}", i + 1).into());
+        }
+        let replied = t.elapsed();
+        // The consumer's pin stays out; this handoff's lease must be back.
+        released(this, 1).await?;
+        if i >= warm as u64 {
+            samples.push(t.elapsed());
+            replies.push(replied);
+        }
+    }
+    Ok((samples, replies))
 }
 
 /// Hands `buf` to the consumer to keep for the whole run: later opens are cache hits.

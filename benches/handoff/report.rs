@@ -111,9 +111,7 @@ impl Report {
         let outcome = f(self);
         let seconds = start.elapsed().as_secs_f64();
         if let Err(e) = outcome {
-            eprintln!("!! {what} failed: {e}");
-            self.errors.push(format!("{what}: {e}"));
-            self.emit(json!({"item": -1, "name": "error", "what": what, "error": e.to_string()}));
+            self.failed(what, &e.to_string());
         }
         eprintln!(
             "== {what}: {seconds:.1} s (run so far {:.1} s)",
@@ -122,6 +120,13 @@ impl Report {
         self.emit(json!({
             "item": 0, "name": "elapsed", "what": what, "seconds": (seconds * 10.0).round() / 10.0,
         }));
+    }
+
+    /// Records that `what` failed with `error` (listed again after the table).
+    pub(crate) fn failed(&mut self, what: &str, error: &str) {
+        eprintln!("!! {what} failed: {error}");
+        self.errors.push(format!("{what}: {error}"));
+        self.emit(json!({"item": -1, "name": "error", "what": what, "error": error}));
     }
 
     fn find(&self, pred: impl Fn(&Value) -> bool) -> Option<&Value> {
