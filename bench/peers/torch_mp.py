@@ -9,9 +9,28 @@ it, then acks on a second queue. Prints one JSON line per result, like the Rust 
 report so the ratio is a same-run ratio).
 
 Variants, all with one tensor of 8 MiB (the size of Baton's item 2 buffer):
-- roundtrip/cached: the consumer holds the first tensor it received for the whole run, so
-  torch's receive-side cache (storage_from_cache / the IPC handle cache) is hit every time,
-  like Baton's consumer, which holds one lease;
+- roundtrip/cached ("consumer keeps the tensor"): the consumer holds the first tensor it
+  received for the whole run, so torch's receive-side cache (storage_from_cache / the IPC
+  handle cache) is hit every time, like Baton's consumer, which holds one lease. This is
+  the figure issue 13 compares Baton's stream-ordered round trip with. What it includes,
+  as torch implements it (torch/multiprocessing/reductions.py, torch/csrc/CudaIPCTypes.cpp;
+  the torch version is printed in the torch_env line):
+    * producer, every put: pickling through ForkingPickler; storage._share_cuda_(), which
+      makes a CudaIPCSentData for the send: a new interprocess CUDA event
+      (cudaEventCreateWithFlags(..., cudaEventInterprocess)) recorded on the producer's
+      current stream (cudaEventRecord) and its handle (cudaIpcGetEventHandle) -- torch's
+      acquire fence, made every send -- the memory handle, and a slot of its shared-memory
+      reference-counter file; the queue's feeder thread and pipe;
+    * consumer, every get: unpickling; on the cache hit, no cudaIpcOpenMemHandle and no
+      event wait (torch waits on the producer's event only when it opens the handle, the
+      miss), but _release_ipc_counter (the producer's counter slot given back), then the
+      ack through a second queue;
+    * no release fence: torch orders the consumer's work before the producer's reuse by
+      the reference counter and its limbo of blocks whose events are not complete, not by
+      a stream wait.
+  So torch's cached round trip carries one event record per send and no waits; Baton's
+  stream-ordered round trip carries an acquire fence, the importer's stream wait, a
+  release fence and the exporter's stream wait: the comparison does not favour Baton;
 - roundtrip/naive: the consumer holds nothing between messages (the usual way to write it):
   every receive opens the handle again and every drop closes it;
 - pipelined: at most 256 tensors in flight, acks flowing back (the consumer holds the first).
@@ -132,7 +151,7 @@ def main():
         s = roundtrips(inbox, acks, x, 300 // scale, n, seq)
         seq += 300 // scale + n
         emit({"item": 7, "name": "torch_roundtrip", "variant": "cached", "bytes": NBYTES,
-              "label": "torch.multiprocessing round trip, consumer pins (cache hit)",
+              "label": "torch.multiprocessing round trip, consumer keeps the tensor (cache hit; an IPC event per send)",
               **summary(s)})
 
         # Pipelined, WINDOW in flight.

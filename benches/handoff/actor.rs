@@ -1,6 +1,17 @@
 //! Items 2 and 4, through the real actor path: `RemoteAddr::send` of a typed message with a
 //! `Shared<u8>` field, to a consumer actor in another process that opens the lease and
-//! drops it (which sends `Release`) before it replies.
+//! drops it (which sends `Release`) before it replies. A round trip ends when the reply is
+//! in and the `Release` is back at the exporter's buffer (`Buffer::leases_out`).
+//!
+//! Item 2's variants: `share` (unordered: `Buffer::share` of a buffer no stream used),
+//! `share_after` (an IPC event recorded by hand and carried in the handle), and `ordered`
+//! (the stream-ordered data path of docs/ORDERING.md: the exporter makes its own stream
+//! wait on the release fences that came back (`Buffer::wait_on`) and shares on it
+//! (`Buffer::share_on`: a mark, then an acquire fence on a release stream); the consumer
+//! makes its own stream wait on the acquire fence (`Lease::wait_on`) and drops the lease,
+//! which records a release fence after its stream; `Release` carries it back). Neither side
+//! queues other work, so the figure is the ordering's own cost. `ordered` uses a buffer of
+//! its own, so that the other variants and item 4 share a buffer no stream has used.
 //!
 //! The consumer holds one lease of the buffer for the whole run (the first message asks it
 //! to), as a consumer in a steady pipeline would, so every later open is an import-cache
@@ -15,7 +26,8 @@ use actix::prelude::*;
 use baton::actors::{
     Allocate, BufferOwner, Lease, Node, Peer, PeerEvent, RemoteMessage, Shared, Stats,
 };
-use baton::ipc::cuda::{CudaBackend, CudaExport};
+use baton::ipc::cuda::CudaBackend;
+use baton::ipc::cuda::cudarc::driver::CudaStream;
 use baton::ipc::{HostBackend, SharedBackend, host};
 use baton::{Session, SocketDir};
 use futures_util::StreamExt;
@@ -41,6 +53,9 @@ pub(crate) struct Handoff {
     seq: u64,
     /// Keep the lease (the warm-up handoff) instead of releasing it.
     keep: bool,
+    /// Make the consumer's stream wait on the lease (`Lease::wait_on`) before dropping it:
+    /// the lease then records a release fence on that stream.
+    ordered: bool,
     buf: Shared<u8>,
 }
 
@@ -67,6 +82,8 @@ struct ConsumerStats {
 
 struct Consumer {
     node: Node,
+    /// The consumer's own stream (CUDA), for `ordered` handoffs.
+    stream: Option<Arc<CudaStream>>,
     pinned: Vec<Lease<u8>>,
     handled: u64,
     failed: u64,
@@ -82,7 +99,13 @@ impl Handler<Handoff> for Consumer {
     fn handle(&mut self, msg: Handoff, _: &mut Context<Self>) -> u64 {
         // The lease arrived open (the link opened it through the import cache); `open`
         // types it, `ptr` is what a kernel would be given.
-        match msg.buf.open() {
+        let opened = msg.buf.open().and_then(|lease| {
+            if let (true, Some(stream)) = (msg.ordered, &self.stream) {
+                lease.wait_on(stream)?;
+            }
+            Ok(lease)
+        });
+        match opened {
             Ok(lease) => {
                 std::hint::black_box(lease.ptr().ok());
                 self.handled += 1;
@@ -137,8 +160,13 @@ pub(crate) fn consumer(socket: &str) -> Res<()> {
     let socket = socket.to_owned();
     system.block_on(async move {
         let node = Node::from_env().map_err(|e| e.to_string())?;
+        let stream = match node.backend().cuda() {
+            Some(c) => Some(c.context().new_stream().map_err(|e| e.to_string())?),
+            None => None,
+        };
         let consumer = Consumer {
             node: node.clone(),
+            stream,
             pinned: Vec::new(),
             handled: 0,
             failed: 0,
@@ -158,16 +186,13 @@ pub(crate) fn consumer(socket: &str) -> Res<()> {
 pub(crate) fn backend(name: BackendName, namespace: &str) -> Res<SharedBackend> {
     Ok(match name {
         BackendName::Host => Arc::new(HostBackend::with_namespace(namespace)?),
-        BackendName::CudaLegacy | BackendName::CudaVmm => cuda(name)?,
+        BackendName::CudaLegacy | BackendName::CudaVmm | BackendName::CudaPool => cuda(name)?,
     })
 }
 
+/// A CUDA backend on device 0 exporting as `name` says.
 pub(crate) fn cuda(name: BackendName) -> Res<Arc<CudaBackend>> {
-    let export = match name {
-        BackendName::CudaVmm => CudaExport::Vmm,
-        _ => CudaExport::Legacy,
-    };
-    Ok(Arc::new(CudaBackend::new(0, export)?))
+    Ok(Arc::new(CudaBackend::new(0, name.export())?))
 }
 
 /// The environment of a peer that opens what `name` exports.
@@ -178,6 +203,11 @@ pub(crate) fn peer_env(name: BackendName, namespace: &str) -> Vec<(&'static str,
             if name.is_cuda() { "cuda" } else { "host" }.to_owned(),
         ),
         (host::NAMESPACE_ENV, namespace.to_owned()),
+        // The peer exports the way this process does (it opens every kind either way).
+        (
+            baton::ipc::cuda::EXPORT_ENV,
+            name.export().name().to_owned(),
+        ),
     ]
 }
 
@@ -203,7 +233,12 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
     let cfg = cfg.clone();
     let records = System::new().block_on(async move { measure(&cfg, name, &namespace).await })?;
     for r in records {
-        report.emit(r);
+        if r["name"] == "error" {
+            let what = r["what"].as_str().unwrap_or("item 2");
+            report.failed(what, r["error"].as_str().unwrap_or(""));
+        } else {
+            report.emit(r);
+        }
     }
     Ok(())
 }
@@ -237,55 +272,65 @@ async fn measure(
     let buf = owner.send(Allocate::<u8>::vector(BUF_LEN)).await??;
     let consumer = link.remote::<Handoff>(CONSUMER);
     // The consumer keeps this lease: the buffer stays mapped there, later opens hit.
-    consumer
-        .send(Handoff {
-            seq: 0,
-            keep: true,
-            buf: buf.share(),
-        })
-        .await?;
+    pin(&consumer, &buf).await?;
     let backend_name = name.as_str();
 
     if cfg.wants(2) {
         let mut variants = vec!["share"];
-        if cuda.is_some() {
-            variants.push("share_after");
+        // The ordered variant's buffer and the exporter's own stream.
+        let mut ordered = None;
+        if let Some(c) = &cuda {
+            variants.extend(["share_after", "ordered"]);
+            let obuf = owner.send(Allocate::<u8>::vector(BUF_LEN)).await??;
+            pin(&consumer, &obuf).await?;
+            ordered = Some((obuf, c.context().new_stream()?));
         }
         for variant in variants {
             let (warm, n) = (cfg.samples(2_000), cfg.samples(20_000));
-            let mut samples = Vec::with_capacity(n);
-            for i in 0..(warm + n) as u64 {
-                let t = Instant::now();
-                // With an event: recorded now on the backend's stream, carried in the
-                // handle; the consumer's stream waits on it when it opens the buffer.
-                let shared = match (variant, &cuda) {
-                    ("share_after", Some(c)) => buf.share_after(&Arc::new(c.record_event()?)),
-                    _ => buf.share(),
-                };
-                let seq = consumer
-                    .send(Handoff {
-                        seq: i + 1,
-                        keep: false,
-                        buf: shared,
-                    })
-                    .await?;
-                if seq != i + 1 {
-                    return Err(format!("handoff {} answered {seq}", i + 1).into());
-                }
-                if i >= warm as u64 {
-                    samples.push(t.elapsed());
-                }
-            }
-            let label = match variant {
-                "share" => "cached handoff round trip (send, open = cache hit, release)",
-                _ => "cached handoff round trip, with an IPC event (share_after)",
+            let this = match (variant, &ordered) {
+                ("ordered", Some((obuf, _))) => obuf,
+                _ => &buf,
             };
+            // A variant that fails is recorded; the others and item 4 still run.
+            let timed = round_trips(
+                variant,
+                (warm, n),
+                &consumer,
+                this,
+                cuda.as_deref(),
+                ordered.as_ref(),
+            )
+            .await;
+            let (samples, replies) = match timed {
+                Ok(t) => t,
+                Err(e) => {
+                    out.push(json!({
+                        "item": -1, "name": "error", "backend": backend_name,
+                        "what": format!("item 2 {variant} on {backend_name}"),
+                        "error": e.to_string(),
+                    }));
+                    continue;
+                }
+            };
+            let label = match variant {
+                "share" => "cached handoff round trip, unordered (send, open = cache hit, release)",
+                "share_after" => "cached handoff round trip, with an IPC event (share_after)",
+                _ => "cached handoff round trip, stream-ordered (share_on, wait_on, release fence)",
+            };
+            let replies = Summary::of(&replies);
             let mut rec = json!({
                 "item": 2, "name": "cached_roundtrip", "backend": backend_name,
                 "variant": variant, "label": label, "bytes": BUF_LEN,
+                "reply_p50_us": replies.p50,
+                "note": format!("until the Release is back; {:.1} µs until the reply", replies.p50),
             });
             merge(&mut rec, Summary::of(&samples).json());
             out.push(rec);
+        }
+        if let Some((_, stream)) = &ordered {
+            // Every fence recorded on the way completes (a stream that waits forever
+            // would hang here, not pass).
+            stream.synchronize()?;
         }
     }
 
@@ -351,6 +396,7 @@ async fn pipeline(
             inflight.push(consumer.send(Handoff {
                 seq: sent,
                 keep: false,
+                ordered: false,
                 buf: buf.share(),
             }));
         }
@@ -359,6 +405,84 @@ async fn pipeline(
             Some(Err(e)) => return Err(e.into()),
             None => break,
         }
+    }
+    Ok(())
+}
+
+/// `n` round trips of item 2's `variant` after `warm` untimed ones: (until the release is
+/// back, until the reply).
+async fn round_trips(
+    variant: &str,
+    (warm, n): (usize, usize),
+    consumer: &baton::actors::RemoteAddr<Handoff>,
+    this: &baton::actors::Buffer<u8>,
+    cuda: Option<&CudaBackend>,
+    ordered: Option<&(baton::actors::Buffer<u8>, Arc<CudaStream>)>,
+) -> Res<(Vec<Duration>, Vec<Duration>)> {
+    let mut samples = Vec::with_capacity(n);
+    let mut replies = Vec::with_capacity(n);
+    for i in 0..(warm + n) as u64 {
+        let t = Instant::now();
+        let shared = match (variant, cuda, ordered) {
+            // With an event: recorded now on the backend's stream, carried in the
+            // handle; the consumer's stream waits on it when it opens the buffer.
+            ("share_after", Some(c), _) => this.share_after(&Arc::new(c.record_event()?)),
+            // The exporter's next use of the buffer on its stream waits on the
+            // release fences that came back; the share records a mark there and
+            // an acquire fence after it.
+            ("ordered", _, Some((obuf, stream))) => {
+                obuf.wait_on(stream)?;
+                obuf.share_on(stream)?
+            }
+            _ => this.share(),
+        };
+        let seq = consumer
+            .send(Handoff {
+                seq: i + 1,
+                keep: false,
+                ordered: variant == "ordered",
+                buf: shared,
+            })
+            .await?;
+        if seq != i + 1 {
+            return Err(format!("handoff {} answered {seq}", i + 1).into());
+        }
+        let replied = t.elapsed();
+        // The consumer's pin stays out; this handoff's lease must be back.
+        released(this, 1).await?;
+        if i >= warm as u64 {
+            samples.push(t.elapsed());
+            replies.push(replied);
+        }
+    }
+    Ok((samples, replies))
+}
+
+/// Hands `buf` to the consumer to keep for the whole run: later opens are cache hits.
+async fn pin(
+    consumer: &baton::actors::RemoteAddr<Handoff>,
+    buf: &baton::actors::Buffer<u8>,
+) -> Res<()> {
+    consumer
+        .send(Handoff {
+            seq: 0,
+            keep: true,
+            ordered: false,
+            buf: buf.share(),
+        })
+        .await?;
+    Ok(())
+}
+
+/// Waits until at most `keep` leases of `buf` are out, yielding to the node's actors (which
+/// take the `Release` in) between looks.
+async fn released(buf: &baton::actors::Buffer<u8>, keep: usize) -> Res<()> {
+    let start = Instant::now();
+    while buf.leases_out() > keep {
+        if start.elapsed() > DEADLINE {
+            return Err("a release did not come back".into());
+        }
+        tokio::task::yield_now().await;
     }
     Ok(())
 }

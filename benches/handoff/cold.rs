@@ -7,7 +7,18 @@
 //! then frees the buffer. Variants:
 //!
 //! - `new`: a new allocation each time (host segment; `cuMemAlloc` + `cuIpcGetMemHandle`;
-//!   `cuMemCreate` + export fd): the importer opens and closes the mapping every time;
+//!   `cuMemCreate` + export fd; `cuMemAllocFromPoolAsync` + `cuMemPoolExportPointer`): the
+//!   importer opens and closes the mapping every time (pool: `cuMemPoolImportPointer`, the
+//!   pool itself imported once: its descriptor crosses the link with the first offer only,
+//!   as the actor layer sends it once per link and pool);
+//! - `new-on-stream` (cuda-pool only): a new allocation each time made in stream order on
+//!   the exporter's own stream (`CudaBackend::allocate_on`: no synchronise, unlike
+//!   `Backend::allocate`, which zero-fills and waits), the offer carrying a fence recorded
+//!   after it (`record_fence_on`), which the importer's cache orders its stream after; the
+//!   free is `cuMemFreeAsync` on that stream;
+//! - `same`: the same allocation every time, the importer holding the first lease for the
+//!   whole run: every open is a cache hit, nothing is made or freed. This is the cached
+//!   round trip on this same link, the base of the "cold ≤ 2× cached" target;
 //! - `slab-kept`: a range of one slab each time, the importer holding one lease of the slab
 //!   for the whole run (so the slab stays mapped: every open is a cache hit);
 //! - `slab-unkept`: the same, with the importer holding nothing between handoffs: the import
@@ -21,7 +32,7 @@ use crate::stats::Summary;
 use crate::{BackendName, Config, Res};
 use baton::ipc::{Allocation, ImportCache, Link, LinkConfig, Listener, SlabArena, SlabBuffer};
 use baton::messages::protocol::{Offer, Release};
-use baton::messages::{LeaseId, Message};
+use baton::messages::{FenceHandle, LeaseId, Message};
 use baton::{Session, SocketDir};
 use serde_json::json;
 use std::os::fd::BorrowedFd;
@@ -38,11 +49,27 @@ enum Made {
 }
 
 impl Made {
-    fn offer(&self, session: &Session, lease: LeaseId) -> Res<Message> {
-        let handle = match self {
-            Made::Alloc(a) => a.handle(session).build()?,
-            Made::Slab(s) => s.handle(session).build()?,
-        };
+    /// The offer of a lease on it; `with_fd`: its descriptor goes in the frame (slot 0),
+    /// else the importer must map it (or its pool) already.
+    /// `fence`: the acquire fence the importer waits on.
+    fn offer(
+        &self,
+        session: &Session,
+        lease: LeaseId,
+        with_fd: bool,
+        fence: Option<FenceHandle>,
+    ) -> Res<Message> {
+        let slot = if with_fd { Some(0) } else { None };
+        let builder = match self {
+            Made::Alloc(a) => a.handle(session),
+            Made::Slab(s) => s.handle(session),
+        }
+        .fd_slot(slot);
+        let handle = match fence {
+            Some(f) => builder.fence(f),
+            None => builder,
+        }
+        .build()?;
         Ok(Message::Offer(Offer { lease, handle }))
     }
 
@@ -54,7 +81,8 @@ impl Made {
     }
 }
 
-fn accept(listener: &Listener, peer: &mut PeerProcess) -> Res<Link> {
+/// Accepts the link of `peer`, giving up when it exits or after [`DEADLINE`].
+pub(crate) fn accept(listener: &Listener, peer: &mut PeerProcess) -> Res<Link> {
     listener.listener().set_nonblocking(true)?;
     let start = Instant::now();
     loop {
@@ -83,14 +111,20 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         BackendName::Host => "new shared-memory segment each time",
         BackendName::CudaLegacy => "new cuMemAlloc + cuIpcGetMemHandle each time",
         BackendName::CudaVmm => "new cuMemCreate + exported fd each time",
+        BackendName::CudaPool => "new cuMemAllocFromPoolAsync + exported pointer each time",
     };
     let new_n = if name == BackendName::CudaVmm {
         300
     } else {
         1_000
     };
-    let variants = [
+    let mut variants = vec![
         ("new", new_label, new_n),
+        (
+            "same",
+            "the same allocation each time, kept mapped by the importer (cached)",
+            5_000,
+        ),
         (
             "slab-kept",
             "range of a slab arena, slab kept mapped by the importer",
@@ -102,6 +136,16 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
             1_000,
         ),
     ];
+    if name == BackendName::CudaPool {
+        variants.insert(
+            1,
+            (
+                "new-on-stream",
+                "new cuMemAllocFromPoolAsync on the exporter's stream (allocate_on), fence in the offer",
+                1_000,
+            ),
+        );
+    }
     for (variant, label, n) in variants {
         let session = Session::generate()?;
         let tmp = tempfile::tempdir()?;
@@ -110,7 +154,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         let sock = listener.path().to_str().ok_or("path")?.to_owned();
         let env = crate::actor::peer_env(name, &namespace);
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let pin = if variant == "slab-kept" {
+        let pin = if matches!(variant, "slab-kept" | "same") {
             "pin"
         } else {
             "nopin"
@@ -118,28 +162,51 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         let mut peer = PeerProcess::spawn(&session, "cold-importer", &[&sock, pin], &env)?;
         let mut link = accept(&listener, &mut peer)?;
         link.set_timeout(Some(DEADLINE))?;
-        let arena = if variant == "new" {
-            None
-        } else {
+        let arena = if variant.starts_with("slab") {
             Some(SlabArena::allocate(&*backend, SLAB_LEN)?)
+        } else {
+            None
+        };
+        // `new-on-stream`: the exporter's own stream, of the backend's context.
+        let cuda = backend.cuda();
+        let stream = match (variant, cuda) {
+            ("new-on-stream", Some(c)) => Some(c.context().new_stream()?),
+            ("new-on-stream", None) => return Err("new-on-stream needs a CUDA backend".into()),
+            _ => None,
+        };
+        let same = if variant == "same" {
+            Some(Made::Alloc(backend.allocate(BUF_LEN)?))
+        } else {
+            None
         };
         let (warm, n) = (cfg.samples(n / 10).min(100), cfg.samples(n));
         let (mut make, mut handoff, mut free, mut total) = (vec![], vec![], vec![], vec![]);
         for i in 0..(warm + n) as u64 {
             let t0 = Instant::now();
-            let made = match &arena {
-                None => Made::Alloc(backend.allocate(BUF_LEN)?),
-                Some(a) => Made::Slab(a.carve(BUF_LEN)?),
+            let (made, fence) = match (&arena, &same, &stream, cuda) {
+                (_, Some(_), _, _) => (None, None),
+                (None, None, Some(stream), Some(c)) => {
+                    let a = c.allocate_on(stream, BUF_LEN)?;
+                    (Some(Made::Alloc(a)), Some(c.record_fence_on(stream)?))
+                }
+                (None, None, _, _) => (Some(Made::Alloc(backend.allocate(BUF_LEN)?)), None),
+                (Some(a), None, _, _) => (Some(Made::Slab(a.carve(BUF_LEN)?)), None),
             };
             let t1 = Instant::now();
+            let this = made.as_ref().or(same.as_ref()).ok_or("nothing to offer")?;
             let lease = LeaseId::new(i + 1);
-            let fds: Vec<BorrowedFd<'_>> = made.fd().into_iter().collect();
-            link.send(&made.offer(&session, lease)?, &fds)?;
+            // A pool's descriptor, and the one allocation of `same`, cross the link once.
+            let with_fd = i == 0 || !(variant == "same" || name == BackendName::CudaPool);
+            let fds: Vec<BorrowedFd<'_>> = this.fd().into_iter().filter(|_| with_fd).collect();
+            let offer = this.offer(&session, lease, with_fd, fence.as_ref().map(|f| f.handle()))?;
+            link.send(&offer, &fds)?;
             match link.recv()?.message {
                 Message::Release(Release { lease: back, .. }) if back == lease => {}
                 other => return Err(format!("expected Release of {lease}, got {other:?}").into()),
             }
             let t2 = Instant::now();
+            // The importer waited on the fence before it released.
+            drop(fence);
             drop(made);
             let t3 = Instant::now();
             if i >= warm as u64 {
@@ -148,6 +215,9 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
                 free.push(t3 - t2);
                 total.push(t3 - t0);
             }
+        }
+        if let Some(stream) = &stream {
+            stream.synchronize()?;
         }
         drop(link);
         let importer = peer.result(DEADLINE)?;

@@ -10,6 +10,10 @@ pub(crate) struct Gpu {
     pub(crate) memory_gib: f64,
     /// `nvidia-smi`'s driver version, when it is there.
     pub(crate) driver: Option<String>,
+    /// Whether the device maps VMM memory shared as POSIX fds (`cuda-vmm` can run).
+    pub(crate) vmm: bool,
+    /// Whether the device shares memory pools as POSIX fds (`cuda-pool` can run).
+    pub(crate) pools: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -51,6 +55,8 @@ fn gpu() -> Result<Gpu, String> {
         name,
         memory_gib: memory as f64 / (1u64 << 30) as f64,
         driver,
+        vmm: backend.vmm_granularity().is_some(),
+        pools: backend.pools_supported(),
     })
 }
 
@@ -107,6 +113,8 @@ impl Machine {
             "gpu": self.gpu.as_ref().map(|g| g.name.clone()),
             "gpu_memory_gib": self.gpu.as_ref().map(|g| g.memory_gib.round()),
             "driver": self.gpu.as_ref().and_then(|g| g.driver.clone()),
+            "vmm": self.gpu.as_ref().map(|g| g.vmm),
+            "pools": self.gpu.as_ref().map(|g| g.pools),
             "no_gpu_reason": self.no_gpu,
         })
     }

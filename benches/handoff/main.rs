@@ -10,7 +10,10 @@
 //!    back;
 //! 5. bandwidth: a device copy from an imported buffer vs from a local one (CUDA events);
 //! 6. the renderer example, zero-copy vs host-staged (when the example exists);
-//! 7. the PyTorch peer, `bench/peers/torch_mp.py`, when asked to run it (`--torch`).
+//! 7. the PyTorch peer, `bench/peers/torch_mp.py`, when asked to run it (`--torch`);
+//! 8. fence costs: each driver call of a stream-ordered handoff timed on its own (record
+//!    the acquire fence, build and encode the offer, the importer's open and wait, its
+//!    release fence, the exporter's wait), for IPC-event and sequence-counter fences.
 //!
 //! It prints JSON lines as results come (and appends them to `$OUT/bench.jsonl` when `OUT`
 //! is set), then a table with the machine's name and the ratios against the issue's
@@ -21,12 +24,18 @@
 //! cargo bench --bench handoff -- --quick            # fewer samples (a smoke run)
 //! cargo bench --bench handoff -- --backends host    # only the host backend
 //! cargo bench --bench handoff -- --torch bench/peers/torch_mp.py
+//! cargo bench --bench handoff -- --items 2,8 --backends cuda-pool
 //! ```
+//!
+//! Without `--backends` it runs every backend the machine has: host, and on a GPU
+//! cuda-legacy, cuda-vmm (where the device maps VMM memory shared as fds) and cuda-pool
+//! (where it shares memory pools as fds). Each part's wall time is printed as it ends.
 //!
 //! The peers are this same executable, re-spawned with `peer ROLE …` (never forked).
 
 mod actor;
 mod cold;
+mod fence;
 mod floor;
 mod gpu;
 mod machine;
@@ -48,6 +57,8 @@ pub(crate) enum BackendName {
     Host,
     CudaLegacy,
     CudaVmm,
+    /// Stream-ordered pool memory (`CudaExport::Pool`).
+    CudaPool,
 }
 
 impl BackendName {
@@ -56,6 +67,7 @@ impl BackendName {
             Self::Host => "host",
             Self::CudaLegacy => "cuda-legacy",
             Self::CudaVmm => "cuda-vmm",
+            Self::CudaPool => "cuda-pool",
         }
     }
 
@@ -64,12 +76,23 @@ impl BackendName {
             "host" => Some(Self::Host),
             "cuda-legacy" | "legacy" => Some(Self::CudaLegacy),
             "cuda-vmm" | "vmm" => Some(Self::CudaVmm),
+            "cuda-pool" | "pool" => Some(Self::CudaPool),
             _ => None,
         }
     }
 
     pub(crate) fn is_cuda(self) -> bool {
         self != Self::Host
+    }
+
+    /// How a CUDA backend of this name exports (`Legacy` for host, unused there).
+    pub(crate) fn export(self) -> baton::ipc::cuda::CudaExport {
+        use baton::ipc::cuda::CudaExport;
+        match self {
+            Self::CudaVmm => CudaExport::Vmm,
+            Self::CudaPool => CudaExport::Pool,
+            Self::Host | Self::CudaLegacy => CudaExport::Legacy,
+        }
     }
 }
 
@@ -82,6 +105,9 @@ pub(crate) struct Config {
     pub(crate) torch: Option<PathBuf>,
     pub(crate) python: String,
     pub(crate) renderer: Option<PathBuf>,
+    /// Parts that would start after this much wall time are skipped (and said so), so that
+    /// a run under a per-command limit still prints its table.
+    pub(crate) budget: Option<std::time::Duration>,
 }
 
 impl Config {
@@ -99,8 +125,8 @@ impl Config {
     }
 }
 
-const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm] \
-[--items 1,2,3,4,5,6,7] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH]";
+const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm,cuda-pool] \
+[--items 1,2,3,4,5,6,7,8] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
 
 fn parse_args(args: &[String]) -> Res<Config> {
     let mut cfg = Config {
@@ -110,6 +136,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
         torch: None,
         python: "python3".to_owned(),
         renderer: None,
+        budget: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -137,6 +164,11 @@ fn parse_args(args: &[String]) -> Res<Config> {
             "--torch" => cfg.torch = Some(value()?.into()),
             "--python" => cfg.python = value()?,
             "--renderer" => cfg.renderer = Some(value()?.into()),
+            "--budget" => {
+                let v = value()?;
+                let secs: f64 = v.parse().map_err(|_| format!("bad --budget {v:?}"))?;
+                cfg.budget = Some(std::time::Duration::from_secs_f64(secs));
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -156,17 +188,22 @@ fn main() -> Res<()> {
     let machine = machine::Machine::detect();
     if cfg.backends.is_empty() {
         cfg.backends.push(BackendName::Host);
-        if machine.gpu.is_some() {
-            cfg.backends
-                .extend([BackendName::CudaLegacy, BackendName::CudaVmm]);
+        if let Some(gpu) = &machine.gpu {
+            cfg.backends.push(BackendName::CudaLegacy);
+            if gpu.vmm {
+                cfg.backends.push(BackendName::CudaVmm);
+            }
+            if gpu.pools {
+                cfg.backends.push(BackendName::CudaPool);
+            }
         }
     }
-    let mut report = Report::new(machine)?;
+    let mut report = Report::new(machine, cfg.budget)?;
     report.header(&cfg);
 
     // Item 1 first: every later ratio is against it.
     if cfg.wants(1) || cfg.wants(2) {
-        floor::run(&cfg, &mut report)?;
+        report.attempt("socket floor", |r| floor::run(&cfg, r));
     }
     for &backend in &cfg.backends {
         if cfg.wants(2) || cfg.wants(4) {
@@ -190,6 +227,13 @@ fn main() -> Res<()> {
     }
     if cfg.wants(7) {
         report.attempt("torch peer", |r| torch::run(&cfg, r));
+    }
+    if cfg.wants(8) {
+        if report.machine.gpu.is_some() {
+            report.attempt("fence costs", |r| fence::run(&cfg, r));
+        } else {
+            fence::not_run(&mut report, "no GPU");
+        }
     }
     report.finish();
     Ok(())

@@ -139,6 +139,7 @@ pub(crate) fn run(args: &[String]) -> Res<()> {
         "consumer" => crate::actor::consumer(arg(1)?),
         "cold-importer" => crate::cold::importer(arg(1)?, arg(2)? == "pin"),
         "bw-importer" => crate::gpu::importer(arg(1)?, arg(2)?.parse()?),
+        "fence-importer" => crate::fence::importer(arg(1)?, arg(2)?.parse()?),
         other => Err(format!("unknown peer role {other:?}").into()),
     }
 }

@@ -6,6 +6,13 @@
 //! `fps`). The executable is `--renderer PATH`, else `renderer` beside this one (a bundle),
 //! else the built example (`target/<profile>/examples/renderer`). Without a GPU only the
 //! zero-copy host runs are made (`--staged` is CUDA only).
+//!
+//! On CUDA the runs export as legacy IPC (`BATON_CUDA_EXPORT=legacy`), and the 3840x2160
+//! zero-copy run is made once more on VMM (`zero-copy-vmm`) where the device supports it.
+//! From each run's summary the import cache's line (`import cache  N opens in the first
+//! frame, M after …`: driver-level opens per frame after the first should be 0) and the
+//! leak check's line (`leaked bytes  N (…)`, the renderer's own process tree's device
+//! memory, or a labelled fallback) are kept in the record.
 
 use crate::report::Report;
 use crate::{Config, Res};
@@ -68,15 +75,47 @@ pub(crate) fn parse_fps(output: &str) -> Option<f64> {
     None
 }
 
-/// Runs the renderer once: its fps, and what went wrong if it exited with an error after
-/// printing its summary (e.g. its own leak check).
+/// The numbers of the summary's import-cache line: (opens in the first frame, opens after).
+pub(crate) fn parse_opens(output: &str) -> Option<(u64, u64)> {
+    let line = output
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("import cache"))?;
+    let (first, rest) = line.split_once("opens in the first frame,")?;
+    let after = rest.split_whitespace().next()?;
+    Some((first.trim().parse().ok()?, after.parse().ok()?))
+}
+
+/// The summary's leak line: (leaked bytes, what the parenthesis says was counted).
+pub(crate) fn parse_leaked(output: &str) -> Option<(u64, String)> {
+    let line = output
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("leaked bytes"))?
+        .trim();
+    let (n, how) = line.split_once(' ').unwrap_or((line, ""));
+    Some((n.parse().ok()?, how.trim().to_owned()))
+}
+
+/// One renderer run's figures.
+struct Run {
+    fps: f64,
+    /// What went wrong, when it exited with an error after printing its summary (e.g. its
+    /// own leak check).
+    trouble: Option<String>,
+    opens: Option<(u64, u64)>,
+    leaked: Option<(u64, String)>,
+}
+
+/// Runs the renderer once, exporting as `export` (CUDA).
 fn render(
     exe: &Path,
     size: &str,
     frames: u64,
     backend: &str,
     staged: bool,
-) -> Res<(f64, Option<String>)> {
+    export: &str,
+) -> Res<Run> {
     let out_dir = tempfile::tempdir()?;
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -91,7 +130,8 @@ fn render(
     .arg(out_dir.path())
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    .stderr(Stdio::piped())
+    .env(baton::ipc::cuda::EXPORT_ENV, export);
     if staged {
         cmd.arg("--staged");
     }
@@ -99,8 +139,14 @@ fn render(
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     let fps = parse_fps(&text);
+    let run = |fps, trouble| Run {
+        fps,
+        trouble,
+        opens: parse_opens(&text),
+        leaked: parse_leaked(&text),
+    };
     match (fps, out.status.success()) {
-        (Some(fps), true) => Ok((fps, None)),
+        (Some(fps), true) => Ok(run(fps, None)),
         (Some(fps), false) => {
             let why = text
                 .lines()
@@ -109,7 +155,7 @@ fn render(
                 .unwrap_or("")
                 .trim()
                 .to_owned();
-            Ok((
+            Ok(run(
                 fps,
                 Some(format!("renderer exited with {}: {why}", out.status)),
             ))
@@ -134,9 +180,15 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if cfg.quick { 30 } else { 120 });
     let gpu = report.machine.gpu.is_some();
+    let vmm = report.machine.gpu.as_ref().is_some_and(|g| g.vmm);
     let backend = if gpu { "cuda" } else { "host" };
+    let mut failed = Vec::new();
     for size in SIZES {
-        for (variant, staged) in [("zero-copy", false), ("staged", true)] {
+        let mut variants = vec![("zero-copy", false, "legacy"), ("staged", true, "legacy")];
+        if vmm && size == "3840x2160" {
+            variants.push(("zero-copy-vmm", false, "vmm"));
+        }
+        for (variant, staged, export) in variants {
             if staged && !gpu {
                 report.emit(json!({
                     "item": 6, "name": "renderer", "backend": backend, "size": size,
@@ -145,14 +197,45 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
                 }));
                 continue;
             }
-            let (fps, trouble) = render(&exe, size, frames, backend, staged)?;
+            // One failed run (e.g. an export the renderer cannot use) does not lose the
+            // others: it is recorded, and the part fails at the end.
+            let run = match render(&exe, size, frames, backend, staged, export) {
+                Ok(run) => run,
+                Err(e) => {
+                    report.emit(json!({
+                        "item": 6, "name": "renderer", "backend": backend, "size": size,
+                        "variant": variant, "export": export, "error": e.to_string(),
+                        "label": format!("renderer {size}, {variant}: failed"),
+                        "note": "failed (see the error field)",
+                    }));
+                    failed.push(format!("{size} {variant}: {e}"));
+                    continue;
+                }
+            };
+            let mut note = String::new();
+            if let Some((first, after)) = run.opens {
+                note += &format!("opens: {first} first frame, {after} after; ");
+            }
+            if let Some((n, _)) = &run.leaked {
+                note += &format!("leaked {n} bytes; ");
+            }
+            note += &run.trouble.unwrap_or_default();
             report.emit(json!({
                 "item": 6, "name": "renderer", "backend": backend, "size": size,
-                "variant": variant, "frames": frames, "fps": fps,
+                "variant": variant, "export": if gpu { export } else { "-" },
+                "frames": frames, "fps": run.fps,
+                "opens_first_frame": run.opens.map(|o| o.0),
+                "opens_after": run.opens.map(|o| o.1),
+                "leaked_bytes": run.leaked.as_ref().map(|l| l.0),
+                "leaked_how": run.leaked.map(|l| l.1),
                 "label": format!("renderer {size}, {variant}"),
-                "note": trouble.unwrap_or_default(),
+                "note": note.trim_end_matches("; "),
             }));
         }
     }
-    Ok(())
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(failed.join("; ").into())
+    }
 }
