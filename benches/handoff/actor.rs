@@ -273,6 +273,8 @@ async fn measure(
     let consumer = link.remote::<Handoff>(CONSUMER);
     // The consumer keeps this lease: the buffer stays mapped there, later opens hit.
     pin(&consumer, &buf).await?;
+    // Leases the consumer keeps for the whole run (the ordered variant pins one more).
+    let mut pinned = 1;
     let backend_name = name.as_str();
 
     if cfg.wants(2) {
@@ -283,6 +285,7 @@ async fn measure(
             variants.extend(["share_after", "ordered"]);
             let obuf = owner.send(Allocate::<u8>::vector(BUF_LEN)).await??;
             pin(&consumer, &obuf).await?;
+            pinned += 1;
             ordered = Some((obuf, c.context().new_stream()?));
         }
         for variant in variants {
@@ -338,11 +341,11 @@ async fn measure(
         let n = cfg.samples(200_000);
         // Warm up the pipeline once, untimed.
         pipeline(&consumer, &buf, cfg.samples(20_000), WINDOW).await?;
-        drained(&owner, 1).await?;
+        drained(&owner, pinned).await?;
         let t = Instant::now();
         pipeline(&consumer, &buf, n, WINDOW).await?;
         let replies = t.elapsed();
-        drained(&owner, 1).await?;
+        drained(&owner, pinned).await?;
         let all = t.elapsed();
         out.push(json!({
             "item": 4, "name": "pipelined", "backend": backend_name, "window": WINDOW, "n": n,
