@@ -45,6 +45,7 @@
 #![deny(unsafe_code)]
 
 mod buffer;
+pub mod child;
 mod error;
 mod exports;
 mod ids;
@@ -60,7 +61,8 @@ mod remote;
 mod status;
 pub mod supervisor;
 
-pub use buffer::{Buffer, Element, Lease, Shared};
+pub use buffer::{Buffer, Element, Lease, LeaseMut, Shared, SharedMut};
+pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use error::ActorError;
 pub use exports::{BufferLeases, OwnerStats};
 pub use ids::{BufferId, LinkId};
@@ -68,7 +70,8 @@ pub use ledger::RevokePolicy;
 pub use link::{Heartbeat, LinkLimits, PeerLink};
 pub use metrics::MetricsPublisher;
 pub use node::{
-    Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested, token_file_of,
+    ACCEPT_BACKLOG, Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested,
+    token_file_of,
 };
 pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
