@@ -45,14 +45,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let child = node.spawn_child(worker).await?; // started, linked, authenticated
     let data = node.allocate::<f32>(N)?;
     data.write_at(0, &vec![0.5; N])?;
-    let sum = child.peer().remote::<Sum>("worker");
-    let got = sum.send(Sum(data.share())).await??;
+    let worker = child.peer().remote::<Sum>("worker");
+    let sum = worker.send(Sum(data.share())).await??; // leased to the worker, not copied
     data.returned().await; // the worker's lease is back: the buffer is ours alone again
-    println!(
-        "sum of {N} halves: {got} (leases out: {})",
-        data.leases_out()
-    );
-    assert_eq!(got, N as f32 / 2.0);
+    println!("sum of {N} halves: {sum}");
+    assert_eq!(sum, N as f32 / 2.0);
     child.peer().close_and_wait().await;
     let status = child.wait().await?;
     assert!(status.success(), "worker: {status}");

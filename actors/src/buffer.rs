@@ -7,10 +7,22 @@
 //! - [`Shared<T>`]: a buffer inside a message. The sender puts `buffer.share()` in a field;
 //!   sending the message grants the receiver a lease; the receiver finds an unopened lease
 //!   in the same field and [`open`](Shared::open)s it.
-//! - [`Lease<T>`]: the receiver's guard on the exporter's memory. Dropping it unmaps (drops
-//!   its import-cache reference) and then sends `Release`, without blocking. If the
-//!   exporter dies, the lease is *orphaned*: its accessors return
-//!   [`ActorError::Orphaned`].
+//! - [`Lease<T>`]: the receiver's read-only guard on the exporter's memory
+//!   ([`Lease::as_slice`] reads host memory in place). Dropping it unmaps (drops its
+//!   import-cache reference) and then sends `Release`, without blocking. If the exporter
+//!   dies, the lease is *orphaned*: its accessors return [`ActorError::Orphaned`].
+//! - [`SharedMut<T>`] and [`LeaseMut<T>`]: the same, writable — the sender grants write
+//!   with [`Buffer::share_mut`], in a field whose type says so.
+//!
+//! # One writer or many readers
+//!
+//! Per buffer, the exporter grants either one writable lease or any number of read-only
+//! ones, never both, and refuses its own host writes ([`Buffer::write_at`]) while any
+//! lease is out ([`Buffer::returned`] waits for them). So nothing writes through Baton's
+//! safe API while a `&[T]` of [`Lease::as_slice`] lives; see [`Lease`] for what `unsafe`
+//! code elsewhere could still do. Device memory follows the same rule for host copies;
+//! kernels are ordered by fences (below), and not launching a kernel that writes what
+//! holders still read is the exporter's ordering to keep.
 //!
 //! # Stream ordering (device memory)
 //!
@@ -665,6 +677,14 @@ impl<T: Element> SharedMut<T> {
 /// session token) but does not sandbox them: a peer that writes under a reader breaks the
 /// protocol, and the reader may see torn values (the memory never goes away under the
 /// slice: the mapping lives as long as the lease).
+///
+/// A read-only lease has no write method:
+///
+/// ```compile_fail
+/// fn write(lease: &baton_actors::Lease<u32>) {
+///     lease.write_at(0, &[1]).unwrap(); // only a LeaseMut writes
+/// }
+/// ```
 pub struct Lease<T: Element> {
     inner: IncomingLease,
     _t: PhantomData<fn() -> T>,

@@ -77,7 +77,9 @@ struct OwnerCounters {
     freed: u64,
 }
 
-/// A buffer's leases, as [`LeaseTable`](crate::LeaseTable) reports them.
+/// A buffer's leases, as a [`BufferOwner`](crate::BufferOwner) reports them for its own
+/// buffers (the [`LeaseTable`](crate::LeaseTable) message) and [`Node::lease_table`](crate::Node::lease_table)
+/// for every buffer of the node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BufferLeases {
     /// The buffer.

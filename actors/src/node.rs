@@ -273,6 +273,8 @@ struct NodeInner {
     observed: crate::status::Observed,
     /// The exporter identity of buffers allocated with [`Node::allocate`].
     owner: ActorId,
+    /// The calling side of the loopback link ([`Node::local`]), once made.
+    local: Mutex<Option<Peer>>,
 }
 
 /// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
@@ -369,6 +371,7 @@ impl Node {
                 inbox: Mutex::new(None),
                 observed: crate::status::Observed::new(),
                 owner: crate::ids::next_actor(),
+                local: Mutex::new(None),
             }
         });
         Node { inner }
@@ -655,6 +658,59 @@ impl Node {
         lock(&self.inner.dead).insert(process);
         for peer in links {
             peer.link.addr.do_send(PeerDied);
+        }
+    }
+
+    /// A link from this node to itself, for sending messages to actors of this process
+    /// exactly as to those of another: `node.local().await?.remote::<M>(name)`. Location
+    /// transparency — a handler is unit-tested in one process with the very messages
+    /// another process would send it.
+    ///
+    /// It is a real link over a socket pair (both ends handled by this node's link actors),
+    /// so everything a remote send does happens: the message is encoded, each `Shared<T>`
+    /// field is a lease recorded in the ledger (held by this process: `lease_table` lists
+    /// it, [`Buffer::returned`] waits for it), the receiver's `open()` maps the *same*
+    /// memory through the import cache (host memory: the same pages, mapped a second
+    /// time; no copy), and dropping the lease sends `Release`. It is made on the first
+    /// call and kept; it appears twice in [`peers`](Self::peers) (one link per end).
+    /// Must be called inside an actix system.
+    ///
+    /// Limits: CUDA legacy IPC handles cannot be opened by the process that made them (a
+    /// driver rule), so a local send of such memory fails (the offer is refused); host
+    /// memory and CUDA VMM work.
+    ///
+    /// # Errors
+    /// The socket pair cannot be made; a handshake error.
+    pub async fn local(&self) -> Result<Peer, ActorError> {
+        if let Some(peer) = lock(&self.inner.local).as_ref() {
+            if peer.is_connected() {
+                return Ok(peer.clone());
+            }
+        }
+        let (ours, theirs) = tokio::net::UnixStream::pair().map_err(|e| baton_ipc::Error::Io {
+            op: "making the loopback socket pair",
+            source: e,
+        })?;
+        let config = &self.inner.config.link;
+        let (client, server) = futures_util::future::join(
+            AsyncLink::client(ours, config),
+            AsyncLink::server(theirs, config),
+        )
+        .await;
+        let (client, server) = (client?, server?);
+        let peer = self.adopt(client);
+        self.adopt(server);
+        let mut local = lock(&self.inner.local);
+        match local.as_ref() {
+            // Another task made one meanwhile: use it, and close ours (both ends go).
+            Some(made) if made.is_connected() => {
+                peer.close();
+                Ok(made.clone())
+            }
+            _ => {
+                *local = Some(peer.clone());
+                Ok(peer)
+            }
         }
     }
 
