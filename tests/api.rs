@@ -8,7 +8,6 @@
 mod actors;
 #[path = "support/api_msgs.rs"]
 mod api_msgs;
-#[allow(dead_code)]
 #[path = "support/msgs.rs"]
 mod msgs;
 #[path = "support/peer.rs"]

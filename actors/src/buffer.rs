@@ -812,10 +812,25 @@ impl<T: Element> Lease<T> {
     /// at once if it already has; never, if it never does. The future borrows nothing, so
     /// the actor that holds the lease can handle its revoke itself:
     ///
-    /// ```ignore
-    /// ctx.spawn(lease.revoked().into_actor(self).map(move |_deadline, act, _| {
-    ///     act.leases.remove(&id); // dropping it gives it back
-    /// }));
+    /// ```
+    /// use actix::prelude::*;
+    /// use baton_actors::Lease;
+    /// use std::collections::HashMap;
+    ///
+    /// struct Holder {
+    ///     leases: HashMap<u64, Lease<f32>>,
+    /// }
+    /// impl Actor for Holder {
+    ///     type Context = Context<Self>;
+    /// }
+    /// impl Holder {
+    ///     fn keep(&mut self, key: u64, lease: Lease<f32>, ctx: &mut Context<Self>) {
+    ///         ctx.spawn(lease.revoked().into_actor(self).map(move |_deadline, act, _| {
+    ///             act.leases.remove(&key); // dropping it gives it back
+    ///         }));
+    ///         self.leases.insert(key, lease);
+    ///     }
+    /// }
     /// ```
     ///
     /// [`Node::on_revoke`](crate::Node::on_revoke) reports every revoke of the node, by
