@@ -541,7 +541,8 @@ impl Node {
     }
 
     /// Tells `recipient` when an exporter asks for a lease back; a cooperative holder drops
-    /// the lease in time.
+    /// the lease in time. The actor that holds a lease can instead await that lease's own
+    /// [`Lease::revoked`](crate::Lease::revoked), with no lease ids to map.
     pub fn on_revoke(&self, recipient: Recipient<RevokeRequested>) {
         lock(&self.inner.revoke_watchers).push(recipient);
     }
