@@ -770,8 +770,13 @@ impl Node {
                     match AsyncLink::server(stream, &node.inner.config.link).await {
                         Ok(link) => {
                             let peer = node.adopt(link);
-                            if let Err(e) = arrived.try_send(peer) {
-                                tracing::debug!(peer = %e.into_inner().process(), "accept backlog full: the peer is linked, but not handed to `accept`");
+                            match arrived.try_send(peer) {
+                                Ok(()) => {}
+                                Err(tokio::sync::mpsc::error::TrySendError::Full(peer)) => {
+                                    tracing::debug!(peer = %peer.process(), "accept backlog full: the peer is linked, but not handed to `accept`");
+                                }
+                                // The `Listening` guard is gone: nobody accepts any more.
+                                Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => {}
                             }
                         }
                         Err(e) => {
