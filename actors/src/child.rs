@@ -173,7 +173,8 @@ impl Node {
     ///
     /// The token travels the safe way (an inherited pipe the child reads and closes); the
     /// child gets this node's backend unless `cmd` sets `BATON_BACKEND`; it is SIGKILLed
-    /// when this process dies.
+    /// when this process dies. The process started must be the one that links (its pid is
+    /// checked): start the Baton program itself, not a shell or launcher that runs it.
     ///
     /// # Errors
     /// [`ActorError::Spawn`] if it cannot start; [`ActorError::ChildExited`] if it exits
