@@ -217,7 +217,7 @@ fn service(cli: &Cli) -> Result<(), Box<dyn Error>> {
     System::new().block_on(async {
         let node = Node::new(Session::generate()?, baton::ipc::select::auto()?);
         let dir = std::env::temp_dir().join(format!("baton-embed-{}", std::process::id()));
-        let listening = node.listen(&SocketDir::create(&dir)?, "service.sock")?;
+        let mut listening = node.listen(&SocketDir::create(&dir)?, "service.sock")?;
         println!("service: listening on {} (baton status / baton top)", listening.path().display());
         // Counters and gauges for the exporter installed by `--prometheus`; without a
         // recorder this records nothing.
@@ -230,12 +230,8 @@ fn service(cli: &Cli) -> Result<(), Box<dyn Error>> {
         )
         .connect_back(listening.path())
         .start();
-        let peer = loop {
-            if let Some(p) = node.peers().into_iter().next() {
-                break p;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        };
+        // The supervised worker connects back to our socket: wait for it there.
+        let peer = listening.accept_timeout(Duration::from_secs(30)).await?;
         tracing::info!(worker = peer.process().pid, backend = node.backend().name(), "worker linked");
 
         let owner = BufferOwner::new(&node).start();

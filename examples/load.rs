@@ -31,12 +31,12 @@
 
 use actix::prelude::*;
 use baton::Session;
-use baton::actors::{Allocate, Buffer, BufferOwner, Lease, Node, Peer, PeerEvent, Shared, Stats};
-use baton::ipc::{HostBackend, SocketDir, host};
+use baton::actors::{Allocate, Buffer, BufferOwner, Lease, Node, Shared, Stats};
+use baton::ipc::{HostBackend, host};
 use serde::{Deserialize, Serialize};
 use std::error::Error;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Keep these leases.
@@ -98,10 +98,7 @@ struct Cli {
 enum Role {
     /// An importer (the exporter starts them).
     #[command(hide = true)]
-    Importer {
-        /// The exporter's socket.
-        socket: String,
-    },
+    Importer,
     /// One curve for one number of importers, in a fresh process (so that memory freed by
     /// an earlier curve and kept by the allocator does not hide this one's growth).
     #[command(hide = true)]
@@ -118,7 +115,7 @@ enum Role {
 fn main() -> Result<(), Box<dyn Error>> {
     let cli = <Cli as clap::Parser>::parse();
     match cli.role {
-        Some(Role::Importer { socket }) => importer(&socket),
+        Some(Role::Importer) => importer(),
         Some(Role::Curve {
             importers,
             live,
@@ -193,38 +190,19 @@ impl Handler<Touch> for Holder {
     }
 }
 
-struct StopOnDown(Node);
-
-impl Actor for StopOnDown {
-    type Context = Context<Self>;
-}
-
-impl Handler<PeerEvent> for StopOnDown {
-    type Result = ();
-    fn handle(&mut self, msg: PeerEvent, _: &mut Context<Self>) {
-        if matches!(msg, PeerEvent::Down { .. }) && self.0.peers().is_empty() {
-            System::current().stop();
-        }
-    }
-}
-
-fn importer(socket: &str) -> Result<(), Box<dyn Error>> {
-    // A child's entry point: take the token from the pipe the parent passed (and close it)
-    // first.
-    let session = Session::from_env()?;
-    let system = System::new();
-    system.block_on(async {
-        let node = Node::new(session, Arc::new(HostBackend::new()?));
+fn importer() -> Result<(), Box<dyn Error>> {
+    System::new().block_on(async {
+        // A child's entry point: the session (from the token pipe the parent passed), the
+        // parent's host backend and segment namespace, and the link to the parent.
+        let (node, parent) = Node::join().await?;
         let holder = Holder { held: Vec::new() }.start();
         node.register::<Hold>("hold", holder.clone().recipient());
         node.register::<DropAll>("drop", holder.clone().recipient());
         node.register::<Touch>("touch", holder.recipient());
-        node.subscribe(StopOnDown(node.clone()).start().recipient());
-        node.connect(socket).await?;
+        // Serve until the exporter hangs up.
+        parent.closed().await;
         Ok::<_, Box<dyn Error>>(())
-    })?;
-    system.run()?;
-    Ok(())
+    })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -315,34 +293,6 @@ fn machine() -> String {
     )
 }
 
-/// A spawned importer: killed and reaped on drop.
-struct Importer {
-    child: Child,
-    peer: Peer,
-}
-
-impl Drop for Importer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Ups(Arc<Mutex<Vec<Peer>>>);
-
-impl Actor for Ups {
-    type Context = Context<Self>;
-}
-
-impl Handler<PeerEvent> for Ups {
-    type Result = ();
-    fn handle(&mut self, msg: PeerEvent, _: &mut Context<Self>) {
-        if let PeerEvent::Up(p) = msg {
-            self.0.lock().expect("not poisoned").push(p);
-        }
-    }
-}
-
 async fn poll(what: &str, mut cond: impl FnMut() -> bool) -> Result<(), Box<dyn Error>> {
     let start = Instant::now();
     while !cond() {
@@ -393,12 +343,7 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
     system.block_on(async {
         let ns = format!("load-{}", std::process::id());
         let session = Session::generate()?;
-        let node = Node::new(session.clone(), Arc::new(HostBackend::with_namespace(&ns)?));
-        let ups = Arc::new(Mutex::new(Vec::new()));
-        node.subscribe(Ups(Arc::clone(&ups)).start().recipient());
-        let tmp = std::env::temp_dir().join(format!("baton-load-{}", std::process::id()));
-        let dir = SocketDir::create(&tmp)?;
-        let listening = node.listen(&dir, "load.sock")?;
+        let node = Node::new(session, Arc::new(HostBackend::with_namespace(&ns)?));
         let owner = BufferOwner::new(&node).start();
         let me = std::process::id();
         let exe = std::env::current_exe()?;
@@ -407,30 +352,16 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
             // Spawn the importers and wait for their links.
             let mut children = Vec::new();
             for _ in 0..n {
-                let before = ups.lock().expect("not poisoned").len();
                 let mut importer = Command::new(&exe);
                 importer
-                    .args(["importer", listening.path().to_str().ok_or("path")?])
+                    .arg("importer")
                     .env(host::NAMESPACE_ENV, &ns)
                     .stdin(Stdio::null());
-                session.pass_to(&mut importer)?;
-                let child = importer.spawn()?;
-                let pid = child.id();
-                poll("an importer's link", || {
-                    ups.lock().expect("not poisoned")[before..]
-                        .iter()
-                        .any(|p| p.process().pid == pid)
-                })
-                .await?;
-                let peer = ups.lock().expect("not poisoned")[before..]
-                    .iter()
-                    .find(|p| p.process().pid == pid)
-                    .cloned()
-                    .ok_or("no link")?;
-                children.push(Importer { child, peer });
+                // Started with our token (through a pipe) and backend, and linked.
+                children.push(node.spawn_child(importer).await?);
             }
             let exp_base = Rss::of(me);
-            let imp_base: Vec<Rss> = children.iter().map(|c| Rss::of(c.child.id())).collect();
+            let imp_base: Vec<Rss> = children.iter().map(|c| Rss::of(c.pid())).collect();
 
             let mut buffers: Vec<Buffer<u32>> = Vec::new();
             for &target in live {
@@ -446,7 +377,7 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                 for (i, c) in children.iter().enumerate() {
                     let mine: Vec<usize> = (start..buffers.len()).filter(|j| j % n == i).collect();
                     for chunk in mine.chunks(BATCH) {
-                        c.peer
+                        c.peer()
                             .remote::<Hold>("hold")
                             .send_timeout(
                                 Hold {
@@ -464,7 +395,7 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                 let imp = children
                     .iter()
                     .zip(&imp_base)
-                    .map(|(c, b)| Rss::of(c.child.id()).minus(*b))
+                    .map(|(c, b)| Rss::of(c.pid()).minus(*b))
                     .fold(Rss::default(), Rss::plus);
                 let per = |kib: i64| kib as f64 * 1024.0 / buffers.len() as f64;
 
@@ -480,7 +411,7 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                     let c = &children[j % n];
                     let t = Instant::now();
                     let got = c
-                        .peer
+                        .peer()
                         .remote::<Touch>("touch")
                         .send_timeout(Touch { buffer: buffers[j].share() }, DEADLINE)
                         .await?;
@@ -499,7 +430,7 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                     let j = (x % buffers.len().div_ceil(n) as u64) as usize * n;
                     let t = Instant::now();
                     let got = children[0]
-                        .peer
+                        .peer()
                         .remote::<Touch>("touch")
                         .send_timeout(Touch { buffer: buffers[j].share() }, DEADLINE)
                         .await?;
@@ -517,7 +448,7 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
                     let c = &children[k % n];
                     let t = Instant::now();
                     let got = c
-                        .peer
+                        .peer()
                         .remote::<Touch>("touch")
                         .send_timeout(Touch { buffer: b.share() }, DEADLINE)
                         .await?;
@@ -564,25 +495,18 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
 
             // Give everything back and check nothing is left.
             for c in &children {
-                c.peer.remote::<DropAll>("drop").send_timeout(DropAll, DEADLINE).await?;
+                c.peer().remote::<DropAll>("drop").send_timeout(DropAll, DEADLINE).await?;
             }
             drop(buffers);
             poll("every lease back and every buffer freed", || {
                 host::list_segments(&ns).map(|s| s.is_empty()).unwrap_or(false)
             })
             .await?;
-            for c in &children {
-                c.peer.close();
-            }
             // Each importer stops when its link goes down; reap them without blocking.
-            poll("the importers to exit", || {
-                children
-                    .iter_mut()
-                    .all(|c| matches!(c.child.try_wait(), Ok(Some(_))))
-            })
-            .await?;
-            drop(children);
-            ups.lock().expect("not poisoned").clear();
+            for c in children {
+                c.peer().close_and_wait().await;
+                c.wait().await?;
+            }
         }
         let left = owner.send(Stats).await?;
         println!(
@@ -591,8 +515,6 @@ fn exporter(n: usize, live: &[usize], samples: usize) -> Result<(), Box<dyn Erro
             left.leases,
             host::list_segments(&ns)?.len()
         );
-        drop(listening);
-        let _ = std::fs::remove_dir(&tmp);
         Ok::<_, Box<dyn Error>>(())
     })
 }

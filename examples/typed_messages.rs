@@ -15,7 +15,6 @@
 use actix::prelude::*;
 use baton::actors::{Allocate, BufferOwner, Node, RemoteMessage, Shared};
 use baton::messages::Shape;
-use baton::{Session, SocketDir};
 use serde::{Deserialize, Serialize};
 use std::error::Error;
 use std::process::Command;
@@ -87,55 +86,31 @@ impl Handler<Blend> for Blender {
     }
 }
 
-fn blender(socket: String) -> Result<(), Box<dyn Error>> {
-    // A child's entry point: take the token from the pipe the parent passed (and close it)
-    // first; `Node::from_env` below gets the same session.
-    Session::from_env()?;
-    let system = System::new();
-    system.block_on(async move {
-        let node = Node::from_env()?;
+fn blender() -> Result<(), Box<dyn Error>> {
+    System::new().block_on(async move {
+        // A child's entry point: the session (from the token pipe the parent passed), the
+        // parent's backend, and the link to the parent, in one call.
+        let (node, parent) = Node::join().await?;
         let owner = BufferOwner::new(&node).start();
         node.register::<Blend>("blender", Blender { owner }.start().recipient());
-        let peer = node.connect(&socket).await?;
         println!(
             "blender: linked to pid {} on the {} backend",
-            peer.process().pid,
+            parent.process().pid,
             node.backend().name()
         );
-        // Stop when the parent hangs up.
-        let watch = Watch.start();
-        node.subscribe(watch.recipient());
+        // Serve until the parent hangs up.
+        parent.closed().await;
         Ok::<_, Box<dyn Error>>(())
-    })?;
-    system.run()?;
-    Ok(())
-}
-
-struct Watch;
-
-impl Actor for Watch {
-    type Context = Context<Self>;
-}
-
-impl Handler<baton::actors::PeerEvent> for Watch {
-    type Result = ();
-    fn handle(&mut self, msg: baton::actors::PeerEvent, _: &mut Context<Self>) {
-        if matches!(msg, baton::actors::PeerEvent::Down { .. }) {
-            System::current().stop();
-        }
-    }
+    })
 }
 
 fn parent() -> Result<(), Box<dyn Error>> {
     System::new().block_on(async {
-        let session = Session::generate()?;
-        let node = Node::new(session.clone(), baton::ipc::select::auto()?);
-        let tmp = std::env::temp_dir().join(format!("baton-typed-{}", std::process::id()));
-        let listening = node.listen(&SocketDir::create(&tmp)?, "parent.sock")?;
+        let node = Node::root()?;
         let mut blender = Command::new(std::env::current_exe()?);
-        blender.args(["blender", listening.path().to_str().ok_or("path")?]);
-        session.pass_to(&mut blender)?;
-        let mut child = blender.spawn()?;
+        blender.arg("blender");
+        // Started with the session's token (through a pipe) and our backend, and linked.
+        let child = node.spawn_child(blender).await?;
         let owner = BufferOwner::new(&node).start();
 
         let shape = Shape::new([H, W]).ok_or("rank")?;
@@ -146,13 +121,7 @@ fn parent() -> Result<(), Box<dyn Error>> {
         mask.write_at(0, &(0..pixels).map(|i| if (i / W as usize) % 2 == 0 { 1.0 } else { 0.5 }).collect::<Vec<_>>())?;
         println!("parent: {} backend, two {}x{} f32 buffers ({} MiB each)", node.backend().name(), W, H, (pixels * 4) >> 20);
 
-        // Wait for the blender to link up, then call it.
-        let peer = loop {
-            if let Some(p) = node.peers().into_iter().next() {
-                break p;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        };
+        let peer = child.peer().clone();
         let blender = peer.remote::<Blend>("blender");
         let start = Instant::now();
         let reply = blender.send(Blend { image: image.share(), mask: mask.share() }).await?;
@@ -170,15 +139,9 @@ fn parent() -> Result<(), Box<dyn Error>> {
             return Err("means differ".into());
         }
         drop(out);
-        peer.close();
-        // Never block the actix thread (the close above would not go out): poll.
-        let status = loop {
-            if let Some(status) = child.try_wait()? {
-                break status;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        };
-        let _ = std::fs::remove_dir(&tmp);
+        // Both awaited: blocking the actix thread here would keep the close from going out.
+        peer.close_and_wait().await;
+        let status = child.wait().await?;
         println!("parent: blender exited with {status}; typed messages: OK");
         Ok(())
     })
@@ -195,17 +158,14 @@ struct Cli {
 
 #[derive(Debug, clap::Subcommand)]
 enum Role {
-    /// The blender process (the parent starts it): link to SOCKET and serve `Blend`.
+    /// The blender process (the parent starts it): join the parent and serve `Blend`.
     #[command(hide = true)]
-    Blender {
-        /// The parent's socket.
-        socket: String,
-    },
+    Blender,
 }
 
 fn main() -> Result<(), Box<dyn Error>> {
     match <Cli as clap::Parser>::parse().role {
-        Some(Role::Blender { socket }) => blender(socket),
+        Some(Role::Blender) => blender(),
         None => parent(),
     }
 }

@@ -6,7 +6,7 @@ pub use baton_ipc as ipc;
 pub use baton_messages as messages;
 
 pub use baton_ipc::{
-    Allocation, Backend, Error, ImportCache, Imported, Link, LinkConfig, Listener, OpenedMem,
-    Session, SocketDir,
+    Allocation, Backend, Error, HostBackend, ImportCache, Imported, Link, LinkConfig, Listener,
+    OpenedMem, Session, SharedBackend, SocketDir,
 };
 pub use baton_messages::{HandleMsg, Message};

@@ -184,14 +184,16 @@ fn exporter_sigkill_orphans_leases_and_the_supervisor_restarts_it() {
             gone(pid1) && gone(pid2)
         })
         .await;
-        assert_eq!(
-            parent.node.cache().stats().live,
-            0,
-            "no mapping left in the importer"
-        );
+        // A reaped child's link may still be ending (its end of stream or its pidfd not
+        // handled yet); the warm mapping it kept goes when it has.
+        eventually(DEADLINE, "no mapping left in the importer", || {
+            parent.node.cache().stats().live == 0
+        })
+        .await;
         // SIGKILL skipped the children's Drop: the supervisor swept their segments, the
-        // first child's before it restarted it.
-        assert_eq!(parent.segments(), 0);
+        // first child's before it restarted it (the second's once it has reaped it, which
+        // `gone` may see first).
+        eventually(DEADLINE, "no segment left", || parent.segments() == 0).await;
         let swept: Vec<(u32, usize)> = events
             .all()
             .into_iter()

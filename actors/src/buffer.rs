@@ -7,10 +7,22 @@
 //! - [`Shared<T>`]: a buffer inside a message. The sender puts `buffer.share()` in a field;
 //!   sending the message grants the receiver a lease; the receiver finds an unopened lease
 //!   in the same field and [`open`](Shared::open)s it.
-//! - [`Lease<T>`]: the receiver's guard on the exporter's memory. Dropping it unmaps (drops
-//!   its import-cache reference) and then sends `Release`, without blocking. If the
-//!   exporter dies, the lease is *orphaned*: its accessors return
-//!   [`ActorError::Orphaned`].
+//! - [`Lease<T>`]: the receiver's read-only guard on the exporter's memory
+//!   ([`Lease::as_slice`] reads host memory in place). Dropping it unmaps (drops its
+//!   import-cache reference) and then sends `Release`, without blocking. If the exporter
+//!   dies, the lease is *orphaned*: its accessors return [`ActorError::Orphaned`].
+//! - [`SharedMut<T>`] and [`LeaseMut<T>`]: the same, writable — the sender grants write
+//!   with [`Buffer::share_mut`], in a field whose type says so.
+//!
+//! # One writer or many readers
+//!
+//! Per buffer, the exporter grants either one writable lease or any number of read-only
+//! ones, never both, and refuses its own host writes ([`Buffer::write_at`]) while any
+//! lease is out ([`Buffer::returned`] waits for them). So nothing writes through Baton's
+//! safe API while a `&[T]` of [`Lease::as_slice`] lives; see [`Lease`] for what `unsafe`
+//! code elsewhere could still do. Device memory follows the same rule for host copies;
+//! kernels are ordered by fences (below), and not launching a kernel that writes what
+//! holders still read is the exporter's ordering to keep.
 //!
 //! # Stream ordering (device memory)
 //!
@@ -85,6 +97,19 @@ pub(crate) struct BufferCell {
     /// allocation's last reference and frees it where it runs (the driver thread), after
     /// the waits it needs.
     pub(crate) _retire: Retire,
+}
+
+impl BufferCell {
+    /// Refuses a write while leases on the buffer are out (see [`Buffer::write_at`]).
+    pub(crate) fn check_unleased(&self) -> Result<(), ActorError> {
+        match self.exports.leases_on(self.id) {
+            0 => Ok(()),
+            leases => Err(ActorError::BufferLeased {
+                buffer: self.id,
+                leases,
+            }),
+        }
+    }
 }
 
 /// Retires a buffer when its cell drops.
@@ -165,6 +190,18 @@ impl<T: Element> Buffer<T> {
         self.cell.exports.leases_on(self.cell.id)
     }
 
+    /// Resolves once every lease on the buffer is back — released by its holder, or
+    /// reclaimed because the holder's link went down — at once if none is out. A lease
+    /// granted after the future was made counts too (it waits for the buffer to be idle,
+    /// not for one set of leases). The future borrows nothing and does not keep the
+    /// buffer alive.
+    ///
+    /// It is woken by the node's link actors: await it from an actix system's task (or
+    /// any async context), never by blocking the thread those actors run on.
+    pub fn returned(&self) -> impl Future<Output = ()> + 'static + use<T> {
+        self.cell.exports.returned(self.cell.id)
+    }
+
     /// The backend allocation, for backend-specific work (e.g. launching a kernel on it).
     pub fn allocation(&self) -> &Allocation {
         &self.cell.alloc
@@ -174,9 +211,18 @@ impl<T: Element> Buffer<T> {
     /// the buffer back and the buffer's uses on streams (on the backend's own stream; done
     /// when it returns).
     ///
+    /// Refused while a lease on the buffer is out: its holder may be reading the memory
+    /// (a read-only lease of host memory gives it a `&[T]` of it, which must not change
+    /// under it) or writing it (a writable lease). Await [`returned`](Self::returned)
+    /// first. (Device work through cudarc or raw pointers is not refused: on the GPU the
+    /// exporter orders its kernels after the leases' release fences, and not writing what
+    /// holders still read is the program's ordering to keep.)
+    ///
     /// # Errors
-    /// [`ActorError::OutOfBounds`], or a backend error.
+    /// [`ActorError::BufferLeased`] while leases are out; [`ActorError::OutOfBounds`], or a
+    /// backend error.
     pub fn write_at(&self, index: usize, data: &[T]) -> Result<(), ActorError> {
+        self.cell.check_unleased()?;
         let at = byte_range::<T>(index, data.len(), self.len())?;
         self.cell.order.before_host_copy()?;
         Ok(self.cell.alloc.write(at, bytemuck::cast_slice(data))?)
@@ -208,6 +254,20 @@ impl<T: Element> Buffer<T> {
     /// launches and copies, [`share_on`](Self::share_on)), if it had any.
     pub fn share(&self) -> Shared<T> {
         self.shared_with(None)
+    }
+
+    /// A handle that grants its receiver a *writable* lease ([`LeaseMut`]): put it in a
+    /// [`SharedMut<T>`] field. One writer, or readers — like `&mut` and `&` across
+    /// processes: sending it fails with [`ActorError::LeaseConflict`] if any other lease on
+    /// the buffer is out, and while it is out no other lease is granted and the exporter's
+    /// own [`write_at`](Self::write_at) is refused. Await [`returned`](Self::returned) to
+    /// read what the holder wrote.
+    pub fn share_mut(&self) -> SharedMut<T> {
+        let mut shared = self.shared_with(None);
+        if let SharedInner::Local(out) = &mut shared.inner {
+            out.writable = true;
+        }
+        SharedMut(shared)
     }
 
     /// Like [`share`](Self::share), for a buffer that device work is still writing: the
@@ -264,6 +324,7 @@ impl<T: Element> Buffer<T> {
             inner: SharedInner::Local(Outgoing {
                 cell: Arc::clone(&self.cell),
                 fence,
+                writable: false,
             }),
             _t: PhantomData,
         }
@@ -381,6 +442,8 @@ pub(crate) struct IncomingLease {
 pub(crate) struct HeldLease {
     /// Milliseconds since `EPOCH` at which the revoke deadline passes (0: not revoked).
     revoke_deadline_ms: AtomicU64,
+    /// Woken when the exporter asks for the lease back ([`Lease::revoked`]).
+    revoked: tokio::sync::Notify,
 }
 
 fn epoch() -> Instant {
@@ -393,6 +456,24 @@ impl HeldLease {
         let at = Instant::now() + within;
         let ms = at.duration_since(epoch()).as_millis().max(1) as u64;
         self.revoke_deadline_ms.store(ms, Ordering::Release);
+        self.revoked.notify_waiters();
+    }
+
+    /// Resolves with the revoke deadline once the exporter asks for the lease back.
+    pub(crate) fn revoked(self: &Arc<Self>) -> impl Future<Output = Instant> + 'static + use<> {
+        let held = Arc::clone(self);
+        async move {
+            loop {
+                let notified = held.revoked.notified();
+                let mut notified = std::pin::pin!(notified);
+                // Registered before the check, so a revoke between the two wakes us.
+                notified.as_mut().enable();
+                if let Some(deadline) = held.revoke_deadline() {
+                    return deadline;
+                }
+                notified.await;
+            }
+        }
     }
 
     pub(crate) fn revoke_deadline(&self) -> Option<Instant> {
@@ -469,6 +550,9 @@ impl fmt::Debug for IncomingLease {
 /// A buffer on its way out: what the link needs to grant a lease on it.
 pub(crate) struct Outgoing {
     pub(crate) cell: Arc<BufferCell>,
+    /// A writable lease ([`Buffer::share_mut`]): granted only while no other lease is out,
+    /// and no other lease is granted while it is.
+    pub(crate) writable: bool,
     /// Recorded after the work that produced the buffer; kept with the lease. `None`: the
     /// buffer's own acquire fence (after its uses on streams), if it needs one.
     pub(crate) fence: Option<Arc<dyn ExportedFence>>,
@@ -538,7 +622,69 @@ impl<T: Element> Shared<T> {
     }
 }
 
-/// An importer's typed guard on another process's buffer (see the [crate docs](crate)).
+/// A buffer inside a message that its receiver may write: the sender puts
+/// [`buffer.share_mut()`](Buffer::share_mut) in a field of this type, and the receiver
+/// [`open`](Self::open)s a [`LeaseMut<T>`]. The write grant is in the message's type,
+/// which both sides share: nothing about it crosses the wire, and a [`Shared<T>`] field
+/// only ever opens read-only.
+///
+/// The exporter enforces one writer or many readers per buffer (see
+/// [`Buffer::share_mut`]).
+pub struct SharedMut<T: Element>(pub(crate) Shared<T>);
+
+impl<T: Element> fmt::Debug for SharedMut<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SharedMut({:?})", self.0)
+    }
+}
+
+impl<T: Element> SharedMut<T> {
+    /// Whether this is a received buffer (as opposed to one about to be sent).
+    pub fn is_received(&self) -> bool {
+        self.0.is_received()
+    }
+
+    /// Its layout.
+    pub fn layout(&self) -> &Layout {
+        self.0.layout()
+    }
+
+    /// Opens a received buffer as a writable lease.
+    ///
+    /// # Errors
+    /// [`ActorError::NotReceived`] for a buffer that was not received.
+    pub fn open(self) -> Result<LeaseMut<T>, ActorError> {
+        Ok(LeaseMut {
+            lease: self.0.open()?,
+        })
+    }
+}
+
+/// An importer's typed, read-only guard on another process's buffer (see the
+/// [crate docs](crate)). A writable lease is a [`LeaseMut<T>`].
+///
+/// # Reading in place
+///
+/// [`as_slice`](Self::as_slice) gives a `&[T]` of host memory without a copy. It is sound
+/// in safe code because nothing can write the memory through Baton's safe API while the
+/// lease is out: a read-only lease has no write method, the exporter's
+/// [`Buffer::write_at`] is refused while any lease on the buffer is out, and no writable
+/// lease is granted while a read-only one is (nor the other way round). What the API
+/// cannot stop: `unsafe` code — or a raw pointer ([`Buffer::ptr`], [`Lease::ptr`],
+/// `Imported::ptr`) dereferenced in `unsafe` code — in the exporter's process or another
+/// importer's, which writes the shared pages directly; and another process of the same
+/// user that maps the memory by itself. Baton authenticates its peers (same uid and the
+/// session token) but does not sandbox them: a peer that writes under a reader breaks the
+/// protocol, and the reader may see torn values (the memory never goes away under the
+/// slice: the mapping lives as long as the lease).
+///
+/// A read-only lease has no write method:
+///
+/// ```compile_fail
+/// fn write(lease: &baton_actors::Lease<u32>) {
+///     lease.write_at(0, &[1]).unwrap(); // only a LeaseMut writes
+/// }
+/// ```
 pub struct Lease<T: Element> {
     inner: IncomingLease,
     _t: PhantomData<fn() -> T>,
@@ -643,15 +789,54 @@ impl<T: Element> Lease<T> {
         Ok(v)
     }
 
-    /// Writes `data` starting at element `index` (the exporter sees it: same memory).
+    /// The elements in place, without a copy: host memory only (see
+    /// [Reading in place](Self#reading-in-place) for why this is sound, and what it
+    /// cannot stop).
     ///
     /// # Errors
-    /// As [`read_into`](Self::read_into).
-    pub fn write_at(&self, index: usize, data: &[T]) -> Result<(), ActorError> {
+    /// [`ActorError::Orphaned`]; [`ActorError::NotHostMemory`] for device memory (copy it
+    /// with [`to_vec`](Self::to_vec), or use it on a stream), or host memory not aligned
+    /// for `T`.
+    pub fn as_slice(&self) -> Result<&[T], ActorError> {
         let imported = self.inner.live()?;
-        let at = byte_range::<T>(index, data.len(), self.len())?;
         self.inner.order.before_host_copy()?;
-        Ok(imported.write(at, bytemuck::cast_slice(data))?)
+        let bytes = imported
+            .host_bytes()
+            .and_then(|b| b.get(..self.len() * size_of::<T>()))
+            .ok_or(ActorError::NotHostMemory)?;
+        bytemuck::try_cast_slice(bytes).map_err(|_| ActorError::NotHostMemory)
+    }
+
+    /// Resolves with the deadline once the exporter asks for this lease back
+    /// ([`Revoke`](crate::Revoke)); drop the lease before it, or the link is cut. Resolves
+    /// at once if it already has; never, if it never does. The future borrows nothing, so
+    /// the actor that holds the lease can handle its revoke itself:
+    ///
+    /// ```
+    /// use actix::prelude::*;
+    /// use baton_actors::Lease;
+    /// use std::collections::HashMap;
+    ///
+    /// struct Holder {
+    ///     leases: HashMap<u64, Lease<f32>>,
+    /// }
+    /// impl Actor for Holder {
+    ///     type Context = Context<Self>;
+    /// }
+    /// impl Holder {
+    ///     fn keep(&mut self, key: u64, lease: Lease<f32>, ctx: &mut Context<Self>) {
+    ///         ctx.spawn(lease.revoked().into_actor(self).map(move |_deadline, act, _| {
+    ///             act.leases.remove(&key); // dropping it gives it back
+    ///         }));
+    ///         self.leases.insert(key, lease);
+    ///     }
+    /// }
+    /// ```
+    ///
+    /// [`Node::on_revoke`](crate::Node::on_revoke) reports every revoke of the node, by
+    /// lease id, instead.
+    pub fn revoked(&self) -> impl Future<Output = Instant> + 'static + use<T> {
+        self.inner.held.revoked()
     }
 
     /// The import view, for backend-specific work (e.g. a kernel reading it).
@@ -695,9 +880,72 @@ impl<T: Element> DevicePtr<T> for Lease<T> {
     }
 }
 
-impl<T: Element> DevicePtrMut<T> for Lease<T> {
-    /// As [`device_ptr`](DevicePtr::device_ptr): leases may be written (the exporter sees
-    /// it once the lease is back).
+/// An importer's writable guard on another process's buffer: a [`Lease<T>`] (every read
+/// accessor, through `Deref`) that may also write. Opened from a [`SharedMut<T>`] field,
+/// which the sender filled with [`Buffer::share_mut`]; while it is out, the exporter
+/// grants no other lease on the buffer and refuses its own `write_at`, so this is the
+/// only writer its safe API allows.
+pub struct LeaseMut<T: Element> {
+    lease: Lease<T>,
+}
+
+impl<T: Element> fmt::Debug for LeaseMut<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("LeaseMut").field(&self.lease.inner).finish()
+    }
+}
+
+impl<T: Element> std::ops::Deref for LeaseMut<T> {
+    type Target = Lease<T>;
+    fn deref(&self) -> &Lease<T> {
+        &self.lease
+    }
+}
+
+impl<T: Element> LeaseMut<T> {
+    /// Writes `data` starting at element `index` (the exporter sees it: same memory, on
+    /// the backend's own stream, done when it returns).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`], [`ActorError::OutOfBounds`], or a backend error.
+    pub fn write_at(&self, index: usize, data: &[T]) -> Result<(), ActorError> {
+        let imported = self.lease.inner.live()?;
+        let at = byte_range::<T>(index, data.len(), self.lease.len())?;
+        self.lease.inner.order.before_host_copy()?;
+        Ok(imported.write(at, bytemuck::cast_slice(data))?)
+    }
+
+    /// Gives the lease back now (the same as dropping it).
+    pub fn release(self) {}
+}
+
+impl<T: Element> DeviceSlice<T> for LeaseMut<T> {
+    fn len(&self) -> usize {
+        Lease::len(&self.lease)
+    }
+
+    /// The importing backend's own stream (host copies run there).
+    ///
+    /// # Panics
+    /// For host memory.
+    fn stream(&self) -> &Arc<CudaStream> {
+        DeviceSlice::stream(&self.lease)
+    }
+}
+
+impl<T: Element> DevicePtr<T> for LeaseMut<T> {
+    /// As for [`Lease`].
+    ///
+    /// # Panics
+    /// For host memory.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.lease.device_ptr(stream)
+    }
+}
+
+impl<T: Element> DevicePtrMut<T> for LeaseMut<T> {
+    /// As [`device_ptr`](DevicePtr::device_ptr): the exporter sees what was written once
+    /// the lease is back (its uses wait for the lease's release fence).
     ///
     /// # Panics
     /// For host memory.
@@ -705,8 +953,6 @@ impl<T: Element> DevicePtrMut<T> for Lease<T> {
         &'a mut self,
         stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        let ptr = device_address(self.inner.imported().ptr());
-        let used = self.inner.order.use_on(StreamRef::Cuda(stream));
-        (ptr, after_use(used, stream))
+        self.lease.device_ptr(stream)
     }
 }

@@ -212,6 +212,55 @@ pub enum ActorError {
         /// The limit.
         max: usize,
     },
+    /// [`Listening::accept`](crate::Listening::accept): the accept loop has ended (its
+    /// actix system is stopping); no more peers will arrive.
+    #[error("the listener stopped accepting: its actix system is stopping")]
+    NotListening,
+    /// A child started with [`Node::spawn_child`](crate::Node::spawn_child) exited before
+    /// it linked to this node (it did not call `Node::join`, or failed before).
+    #[error("child {pid} exited with {status} before it linked to this node")]
+    ChildExited {
+        /// Its pid.
+        pid: u32,
+        /// How it exited.
+        status: std::process::ExitStatus,
+    },
+    /// `Node::join` was called in a process that [`Node::spawn_child`](crate::Node::spawn_child)
+    /// did not start (the socket variable is missing).
+    #[error("no parent to join: {var} is not set (start this process with Node::spawn_child)")]
+    NoParent {
+        /// The environment variable that names the parent's socket.
+        var: &'static str,
+    },
+    /// The exporter wrote to a buffer while leases on it were out: refused, since the
+    /// holders may be reading it (a read-only lease gives them a `&[T]` of it). Await
+    /// [`Buffer::returned`](crate::Buffer::returned) first.
+    #[error("{buffer:?} has {leases} leases out: wait for them (Buffer::returned) before writing")]
+    BufferLeased {
+        /// The buffer.
+        buffer: BufferId,
+        /// Leases out on it.
+        leases: usize,
+    },
+    /// A lease could not be granted without breaking the one-writer rule: a writable
+    /// lease ([`Buffer::share_mut`](crate::Buffer::share_mut)) needs the buffer to have no
+    /// other lease out, and no lease is granted on a buffer while a writable one is out.
+    #[error("{buffer:?} cannot be leased {wanted} now: {reason}")]
+    LeaseConflict {
+        /// The buffer.
+        buffer: BufferId,
+        /// `"writable"` or `"read-only"`.
+        wanted: &'static str,
+        /// What stands in the way.
+        reason: &'static str,
+    },
+    /// A slice view ([`Lease::as_slice`](crate::Lease::as_slice)) was asked of memory the
+    /// CPU cannot address (device memory): copy it (`to_vec`, `read_into`) or use it on a
+    /// stream.
+    #[error(
+        "device memory has no CPU slice view: copy it (to_vec, read_into) or use it on a stream"
+    )]
+    NotHostMemory,
 }
 
 impl ActorError {

@@ -66,6 +66,9 @@ struct State {
     /// Each lease's acquire fence, kept until the lease is back (the reuse contract of
     /// pooled fences), with the link it went over.
     acquire: HashMap<LeaseId, (LinkId, Arc<dyn ExportedFence>)>,
+    /// Writable leases out, and the allocation of each (one writer or many readers per
+    /// buffer: see `Buffer::share_mut`).
+    writable: HashMap<LeaseId, AllocationId>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -74,7 +77,9 @@ struct OwnerCounters {
     freed: u64,
 }
 
-/// A buffer's leases, as [`LeaseTable`](crate::LeaseTable) reports them.
+/// A buffer's leases, as a [`BufferOwner`](crate::BufferOwner) reports them for its own
+/// buffers (the [`LeaseTable`](crate::LeaseTable) message) and [`Node::lease_table`](crate::Node::lease_table)
+/// for every buffer of the node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BufferLeases {
     /// The buffer.
@@ -167,6 +172,9 @@ pub(crate) struct Exports {
     pub(crate) session: Session,
     offload: Offload,
     state: Mutex<State>,
+    /// Woken after every event (leases may have come back): what
+    /// [`Exports::returned`] waits on.
+    changed: tokio::sync::Notify,
 }
 
 /// Which leases an event may end.
@@ -278,6 +286,7 @@ impl Exports {
             session,
             offload,
             state: Mutex::new(State::default()),
+            changed: tokio::sync::Notify::new(),
         })
     }
 
@@ -347,10 +356,38 @@ impl Exports {
                     }
                 }
             }
+            if !matches!(scope, Scope::None) && !state.writable.is_empty() {
+                let State {
+                    ledger, writable, ..
+                } = &mut *state;
+                writable.retain(|lease, _| ledger.is_out(*lease));
+            }
             (result, todo)
         };
         todo.run(&self.offload);
+        self.changed.notify_waiters();
         result
+    }
+
+    /// Resolves once no lease on `buffer` is out (at once if none is; also once the
+    /// buffer is gone).
+    pub(crate) fn returned(
+        self: &Arc<Self>,
+        buffer: BufferId,
+    ) -> impl Future<Output = ()> + 'static + use<> {
+        let exports = Arc::clone(self);
+        async move {
+            loop {
+                let notified = exports.changed.notified();
+                let mut notified = std::pin::pin!(notified);
+                // Registered before the check, so a release between the two wakes us.
+                notified.as_mut().enable();
+                if exports.leases_on(buffer) == 0 {
+                    return;
+                }
+                notified.await;
+            }
+        }
     }
 
     /// Records a new buffer, allocated with `backend`, and returns its first handle's
@@ -434,16 +471,35 @@ impl Exports {
     /// `fd_slot` is where a descriptor would sit among the frame's descriptors: the
     /// allocation's descriptor comes back only when this offer starts a mapping hold (a
     /// pool's: when its descriptor has not crossed this link yet).
+    ///
+    /// One writer or many readers: a `writable` lease is refused while any other lease on
+    /// the buffer is out, and any lease while a writable one is.
     pub(crate) fn grant(
         &self,
         cell: &BufferCell,
         link: &LinkRef,
         fd_slot: u8,
         fence: Option<Arc<dyn ExportedFence>>,
+        writable: bool,
     ) -> Result<(Offer, Option<OwnedFd>, OfferGrant), ActorError> {
         let lease = crate::ids::next_lease();
         let grant = {
             let mut state = self.lock();
+            let alloc = cell.alloc.id();
+            let conflict = |wanted, reason| ActorError::LeaseConflict {
+                buffer: cell.id,
+                wanted,
+                reason,
+            };
+            if state.writable.values().any(|a| *a == alloc) {
+                return Err(conflict(
+                    if writable { "writable" } else { "read-only" },
+                    "a writable lease on it is out",
+                ));
+            }
+            if writable && state.ledger.leases_on(cell.id) > 0 {
+                return Err(conflict("writable", "other leases on it are out"));
+            }
             let ledger = state
                 .ledger
                 .grant(cell.alloc.id(), link.id, lease, Instant::now())
@@ -460,6 +516,9 @@ impl Exports {
             };
             if let Some(fence) = &fence {
                 state.acquire.insert(lease, (link.id, Arc::clone(fence)));
+            }
+            if writable {
+                state.writable.insert(lease, alloc);
             }
             OfferGrant { ledger, pool }
         };

@@ -14,18 +14,24 @@
 //! ```
 //!
 //! - [`Node`]: this process in a deployment — session, backend, import cache, links, and
-//!   the actors reachable by name ([`Node::register`]).
+//!   the actors reachable by name ([`Node::register`]). [`Node::spawn_child`] starts a
+//!   child process already linked to it (the child calls [`Node::join`]);
+//!   [`Listening::accept`] waits for peers that connect; [`Peer::closed`] waits for a
+//!   link's end; [`Node::allocate`] allocates a buffer as a plain call.
 //! - [`BufferOwner`]: allocates [`Buffer`]s; the node's lease ledger records every lease
 //!   on them from the moment its offer is sent. Dropping the last `Buffer` handle frees the
 //!   buffer once no live process may map it — no lease out, every warm mapping unmapped or
 //!   its process dead — never before; memory a cut but live holder may still map is
 //!   *quarantined* where the backend's free would be unsafe (CUDA legacy IPC). [`Revoke`]
-//!   asks for leases back by a deadline.
+//!   asks for leases back by a deadline; the holder learns it through
+//!   [`Lease::revoked`]. [`Buffer::returned`] waits for every lease on a buffer to come
+//!   back.
 //! - [`PeerLink`]: one actor per connection; framing, handshake, descriptors, heartbeat,
 //!   routing of the lease protocol; the peer's death reclaims its leases and orphans ours.
 //! - Typed buffer messages: a [`RemoteMessage`] may hold [`Shared<T>`] fields; sending it
 //!   through a [`RemoteAddr`] leases its buffers to the receiver, which `open()`s them into
-//!   [`Lease<T>`]s. Replies may carry buffers too. Each message type picks its
+//!   read-only [`Lease<T>`]s ([`SharedMut<T>`] fields open writable [`LeaseMut<T>`]s: one
+//!   writer or many readers per buffer). Replies may carry buffers too. Each message type picks its
 //!   [`Encoding`]: bincode by default, MessagePack for messages that cross languages.
 //! - [`raw`]: untyped calls and buffers ([`Node::register_raw`], [`Peer::call_raw`],
 //!   [`AnyBuffer`], [`AnyShared`], [`AnyLease`]) for peers that do not share Rust types,
@@ -40,11 +46,16 @@
 //! link actors, and a few hash-map operations under a mutex cost far less than two extra
 //! mailbox round trips. Owners keep what needs time (revoke deadlines) and identity.
 //!
-//! All actors of a node run on the actix system of the calling thread.
+//! All actors of a node run on the actix system of the calling thread. Never block that
+//! thread (a `std::process::Child::wait`, a sleep, a blocking receive): the node's links
+//! stop moving while it is blocked — after [`Peer::close`], a blocked parent never lets
+//! the close reach a child that waits for it, a deadlock. Await instead
+//! ([`Peer::close_and_wait`], [`LinkedChild::wait`]).
 
 #![deny(unsafe_code)]
 
 mod buffer;
+pub mod child;
 mod error;
 mod exports;
 mod ids;
@@ -60,7 +71,8 @@ mod remote;
 mod status;
 pub mod supervisor;
 
-pub use buffer::{Buffer, Element, Lease, Shared};
+pub use buffer::{Buffer, Element, Lease, LeaseMut, Shared, SharedMut};
+pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use error::ActorError;
 pub use exports::{BufferLeases, OwnerStats};
 pub use ids::{BufferId, LinkId};
@@ -68,7 +80,8 @@ pub use ledger::RevokePolicy;
 pub use link::{Heartbeat, LinkLimits, PeerLink};
 pub use metrics::MetricsPublisher;
 pub use node::{
-    Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested, token_file_of,
+    ACCEPT_BACKLOG, Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested,
+    token_file_of,
 };
 pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};

@@ -80,6 +80,9 @@ pub(crate) struct LinkState {
     held_leases: AtomicUsize,
     /// File descriptors received from the peer beside its frames.
     fds_received: AtomicU64,
+    /// `true` once the link actor has stopped and the node has processed the link's end
+    /// (leases reclaimed, `PeerEvent::Down` sent): what [`LinkRef::closed`] waits for.
+    stopped: tokio::sync::watch::Sender<bool>,
 }
 
 /// A reference to a link: its actor, and whether it is still up.
@@ -118,6 +121,17 @@ impl LinkRef {
     /// File descriptors received from the peer so far.
     pub(crate) fn descriptors_received(&self) -> u64 {
         self.state.fds_received.load(Ordering::Relaxed)
+    }
+
+    /// Resolves once the link actor has stopped and the node has processed the end of the
+    /// link (at once if it already has). Borrows nothing.
+    pub(crate) fn closed(&self) -> impl Future<Output = ()> + 'static + use<> {
+        let mut stopped = self.state.stopped.subscribe();
+        async move {
+            // The sender lives in the state this receiver's channel shares: it cannot drop
+            // before the value turns `true`, or while we wait.
+            let _ = stopped.wait_for(|s| *s).await;
+        }
     }
 }
 
@@ -437,6 +451,7 @@ impl PeerLink {
             queued_calls: AtomicUsize::new(0),
             held_leases: AtomicUsize::new(0),
             fds_received: AtomicU64::new(0),
+            stopped: tokio::sync::watch::Sender::new(false),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let closer = link.closer();
@@ -561,7 +576,7 @@ impl PeerLink {
             let granted = out.acquire_fence().and_then(|fence| {
                 self.node
                     .exports()
-                    .grant(cell, &self.me, fds.len() as u8, fence)
+                    .grant(cell, &self.me, fds.len() as u8, fence, out.writable)
             });
             match granted {
                 Ok((offer, fd, grant)) => {
@@ -1098,6 +1113,7 @@ impl Actor for PeerLink {
         self.node.record_orphans(self.peer.process, leases);
         tracing::info!(reclaimed, orphaned, reason = ?self.down.as_deref().map(ToString::to_string), "link down");
         self.node.link_down(self.me.id, self.peer, self.down.take());
+        self.me.state.stopped.send_replace(true);
     }
 }
 

@@ -1,10 +1,11 @@
 //! [`Node`]: this process in a Baton deployment — its session, backend, import cache,
 //! links, and the actors other processes can reach by name.
 
-use crate::buffer::{IncomingLease, Shared, SharedInner};
+use crate::buffer::{Buffer, Element, IncomingLease, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::LinkId;
+use crate::ledger::RevokePolicy;
 use crate::link::{
     CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, PeerLink, RequestEvict, SendPing,
 };
@@ -16,7 +17,7 @@ use baton_ipc::{
     AsyncLink, HostBackend, ImportCache, LinkConfig, Listener, PeerInfo, Session, SharedBackend,
     SocketDir, WarmBudget,
 };
-use baton_messages::{BackendKind, LeaseId, ProcessId};
+use baton_messages::{ActorId, BackendKind, Layout, LeaseId, ProcessId, Shape};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::{HashMap, HashSet};
@@ -168,11 +169,37 @@ impl Peer {
     }
 
     /// Closes the link: leases granted over it stop counting (the memory is freed once no
-    /// live process may map it), leases held over it are orphaned.
+    /// live process may map it), leases held over it are orphaned. It returns at once;
+    /// the link actor ends on its own thread's next turn: await
+    /// [`closed`](Self::closed) (or call [`close_and_wait`](Self::close_and_wait)) to know
+    /// it has.
+    ///
+    /// Do not block the thread the node's actors run on (`std::process::Child::wait`,
+    /// `std::thread::sleep`, a blocking `recv`) after `close`: the link actor runs there
+    /// too, so it never ends and the peer never sees the end of the link — a deadlock when
+    /// the peer waits for it to exit. Await instead ([`LinkedChild::wait`](crate::LinkedChild::wait)).
     pub fn close(&self) {
         self.link.addr.do_send(CutOff(ActorError::LinkClosed {
             peer: self.info.process,
         }));
+    }
+
+    /// Resolves once the link is down and the node has processed its end: leases granted
+    /// over it are reclaimed, leases held over it are orphaned, and subscribers have been
+    /// sent [`PeerEvent::Down`]. It resolves however the link ends — [`close`](Self::close),
+    /// the peer closing or exiting, a protocol fault, a missed heartbeat — and at once if
+    /// it already has. The future borrows nothing.
+    ///
+    /// A child process's usual end: `parent.closed().await`, then return from `main`.
+    pub fn closed(&self) -> impl Future<Output = ()> + 'static + use<> {
+        self.link.closed()
+    }
+
+    /// [`close`](Self::close), then [`closed`](Self::closed): resolves once the link is down
+    /// and processed.
+    pub fn close_and_wait(&self) -> impl Future<Output = ()> + 'static + use<> {
+        self.close();
+        self.closed()
     }
 }
 
@@ -244,6 +271,10 @@ struct NodeInner {
     inbox: Mutex<Option<Recipient<Offered>>>,
     /// What the node's status reports besides the ledger, cache and links.
     observed: crate::status::Observed,
+    /// The exporter identity of buffers allocated with [`Node::allocate`].
+    owner: ActorId,
+    /// The calling side of the loopback link ([`Node::local`]), once made.
+    local: Mutex<Option<Peer>>,
 }
 
 /// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
@@ -339,6 +370,8 @@ impl Node {
                 revoke_watchers: Mutex::new(Vec::new()),
                 inbox: Mutex::new(None),
                 observed: crate::status::Observed::new(),
+                owner: crate::ids::next_actor(),
+                local: Mutex::new(None),
             }
         });
         Node { inner }
@@ -423,6 +456,52 @@ impl Node {
         }
     }
 
+    /// Allocates a buffer of `len` `T`s with the node's backend, as a plain call: no
+    /// actor, no mailbox round trip. The node owns it (its exporter identity is the node's
+    /// own actor id) and its ledger records its leases like those of a
+    /// [`BufferOwner`](crate::BufferOwner)'s buffers; it is freed when its last handle drops
+    /// and no live process may map it. The memory is zeroed.
+    ///
+    /// The allocation runs on the calling thread. On host memory that is an `mmap` (and a
+    /// `memfd_create`): microseconds. On CUDA it is a driver allocation, a zero fill and a
+    /// synchronisation — it may block for milliseconds: inside an actor that must stay
+    /// responsive, send [`Allocate`](crate::Allocate) to a `BufferOwner` instead, which
+    /// runs it on the node's driver thread. To revoke a node-owned buffer's leases, use a
+    /// `BufferOwner`'s buffers ([`Revoke`](crate::Revoke)).
+    ///
+    /// # Errors
+    /// [`ActorError::OutOfBounds`] if `len` elements do not fit the address space; a
+    /// backend error (out of memory, a zero length, …).
+    pub fn allocate<T: Element>(&self, len: usize) -> Result<Buffer<T>, ActorError> {
+        self.allocate_shape(Shape::vector(len as u64))
+    }
+
+    /// [`allocate`](Self::allocate) with a shape.
+    ///
+    /// # Errors
+    /// As `allocate`.
+    pub fn allocate_shape<T: Element>(&self, shape: Shape) -> Result<Buffer<T>, ActorError> {
+        let layout = Layout::new(T::DTYPE, shape);
+        let bytes = layout
+            .byte_len()
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or(ActorError::OutOfBounds {
+                index: 0,
+                len: usize::MAX,
+                size: 0,
+            })?;
+        let backend = Arc::clone(&self.inner.backend);
+        let alloc = backend.allocate(bytes)?;
+        tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated (node)");
+        Ok(Buffer::new(self.inner.exports.insert(
+            alloc,
+            backend,
+            layout,
+            self.inner.owner,
+            RevokePolicy::default(),
+        )))
+    }
+
     /// The backend buffers are allocated with.
     pub fn backend(&self) -> &SharedBackend {
         &self.inner.backend
@@ -462,7 +541,8 @@ impl Node {
     }
 
     /// Tells `recipient` when an exporter asks for a lease back; a cooperative holder drops
-    /// the lease in time.
+    /// the lease in time. The actor that holds a lease can instead await that lease's own
+    /// [`Lease::revoked`](crate::Lease::revoked), with no lease ids to map.
     pub fn on_revoke(&self, recipient: Recipient<RevokeRequested>) {
         lock(&self.inner.revoke_watchers).push(recipient);
     }
@@ -582,6 +662,59 @@ impl Node {
         }
     }
 
+    /// A link from this node to itself, for sending messages to actors of this process
+    /// exactly as to those of another: `node.local().await?.remote::<M>(name)`. Location
+    /// transparency — a handler is unit-tested in one process with the very messages
+    /// another process would send it.
+    ///
+    /// It is a real link over a socket pair (both ends handled by this node's link actors),
+    /// so everything a remote send does happens: the message is encoded, each `Shared<T>`
+    /// field is a lease recorded in the ledger (held by this process: `lease_table` lists
+    /// it, [`Buffer::returned`] waits for it), the receiver's `open()` maps the *same*
+    /// memory through the import cache (host memory: the same pages, mapped a second
+    /// time; no copy), and dropping the lease sends `Release`. It is made on the first
+    /// call and kept; it appears twice in [`peers`](Self::peers) (one link per end).
+    /// Must be called inside an actix system.
+    ///
+    /// Limits: CUDA legacy IPC handles cannot be opened by the process that made them (a
+    /// driver rule), so a local send of such memory fails (the offer is refused); host
+    /// memory and CUDA VMM work.
+    ///
+    /// # Errors
+    /// The socket pair cannot be made; a handshake error.
+    pub async fn local(&self) -> Result<Peer, ActorError> {
+        if let Some(peer) = lock(&self.inner.local).as_ref() {
+            if peer.is_connected() {
+                return Ok(peer.clone());
+            }
+        }
+        let (ours, theirs) = tokio::net::UnixStream::pair().map_err(|e| baton_ipc::Error::Io {
+            op: "making the loopback socket pair",
+            source: e,
+        })?;
+        let config = &self.inner.config.link;
+        let (client, server) = futures_util::future::join(
+            AsyncLink::client(ours, config),
+            AsyncLink::server(theirs, config),
+        )
+        .await;
+        let (client, server) = (client?, server?);
+        let peer = self.adopt(client);
+        self.adopt(server);
+        let mut local = lock(&self.inner.local);
+        match local.as_ref() {
+            // Another task made one meanwhile: use it, and close ours (both ends go).
+            Some(made) if made.is_connected() => {
+                peer.close();
+                Ok(made.clone())
+            }
+            _ => {
+                *local = Some(peer.clone());
+                Ok(peer)
+            }
+        }
+    }
+
     /// Connects to a node listening at `path`. Must be called inside an actix system.
     ///
     /// # Errors
@@ -620,6 +753,7 @@ impl Node {
                 source: e,
             })?;
         let node = self.clone();
+        let (arrived, incoming) = tokio::sync::mpsc::channel(ACCEPT_BACKLOG);
         let task = actix::spawn(async move {
             loop {
                 let stream = match tokio_listener.accept().await {
@@ -631,10 +765,19 @@ impl Node {
                     }
                 };
                 let node = node.clone();
+                let arrived = arrived.clone();
                 actix::spawn(async move {
                     match AsyncLink::server(stream, &node.inner.config.link).await {
                         Ok(link) => {
-                            node.adopt(link);
+                            let peer = node.adopt(link);
+                            match arrived.try_send(peer) {
+                                Ok(()) => {}
+                                Err(tokio::sync::mpsc::error::TrySendError::Full(peer)) => {
+                                    tracing::debug!(peer = %peer.process(), "accept backlog full: the peer is linked, but not handed to `accept`");
+                                }
+                                // The `Listening` guard is gone: nobody accepts any more.
+                                Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => {}
+                            }
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "refused a connection");
@@ -649,17 +792,32 @@ impl Node {
             token_file,
             _listener: listener,
             task,
+            incoming,
         })
     }
 }
 
+/// How many linked peers [`Listening`] keeps for [`Listening::accept`] before it hands
+/// newer ones to subscribers only.
+pub const ACCEPT_BACKLOG: usize = 256;
+
 /// A listening socket; dropping it stops accepting and removes the socket file. Links
 /// already up are unaffected.
+///
+/// Every connection that passes the handshake becomes a link at once (its peer can call
+/// registered actors right away, and subscribers get [`PeerEvent::Up`]); [`accept`]
+/// hands the linked peers out in the order they arrived. Peers nobody accepts stay linked:
+/// `accept` is for code that wants to wait for a peer, not a gate. Up to
+/// [`ACCEPT_BACKLOG`] peers wait to be accepted; past that, newer ones are only reported
+/// to subscribers.
+///
+/// [`accept`]: Listening::accept
 pub struct Listening {
     path: PathBuf,
     token_file: PathBuf,
     _listener: Listener,
     task: tokio::task::JoinHandle<()>,
+    incoming: tokio::sync::mpsc::Receiver<Peer>,
 }
 
 impl fmt::Debug for Listening {
@@ -680,6 +838,32 @@ impl Listening {
     /// hex, readable only by this uid. Removed when this guard drops.
     pub fn token_file(&self) -> &Path {
         &self.token_file
+    }
+
+    /// Waits for the next peer that linked here (handshake passed) and returns it; a peer
+    /// that linked before the call is returned at once. Connections refused in the
+    /// handshake are not returned (subscribers see [`PeerEvent::Refused`]); the wait goes
+    /// on. The returned peer may already be down again: check
+    /// [`Peer::is_connected`] or await [`Peer::closed`].
+    ///
+    /// # Errors
+    /// [`ActorError::NotListening`] if the accept loop has ended (its actix system is
+    /// stopping).
+    pub async fn accept(&mut self) -> Result<Peer, ActorError> {
+        self.incoming.recv().await.ok_or(ActorError::NotListening)
+    }
+
+    /// [`accept`](Self::accept) with a deadline.
+    ///
+    /// # Errors
+    /// As `accept`; [`ActorError::Timeout`] if no peer linked within `after`.
+    pub async fn accept_timeout(&mut self, after: Duration) -> Result<Peer, ActorError> {
+        tokio::time::timeout(after, self.accept())
+            .await
+            .map_err(|_| ActorError::Timeout {
+                op: "accept",
+                after,
+            })?
     }
 }
 

@@ -133,11 +133,13 @@ impl AnyBuffer {
     }
 
     /// Copies bytes into the buffer, starting `offset` bytes in (as
-    /// [`Buffer::write_at`]).
+    /// [`Buffer::write_at`]: refused while leases on the buffer are out).
     ///
     /// # Errors
-    /// [`ActorError::OutOfBounds`] (in bytes), or a backend error.
+    /// [`ActorError::BufferLeased`]; [`ActorError::OutOfBounds`] (in bytes), or a backend
+    /// error.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ActorError> {
+        self.cell.check_unleased()?;
         check_bytes(offset, src.len(), self.byte_len())?;
         self.cell.order.before_host_copy()?;
         Ok(self.cell.alloc.write(offset, src)?)
@@ -174,6 +176,7 @@ impl AnyBuffer {
             inner: SharedInner::Local(Outgoing {
                 cell: Arc::clone(&self.cell),
                 fence: None,
+                writable: false,
             }),
         }
     }

@@ -16,7 +16,7 @@
 //! [`MSGPACK_SHARED_EXT`]). Untyped peers (another language's runtime) use the raw API of
 //! [`raw`](crate::raw) instead: they send and receive encoded bytes and buffers.
 
-use crate::buffer::{Element, IncomingLease, Outgoing, Shared, SharedInner};
+use crate::buffer::{Element, IncomingLease, Outgoing, Shared, SharedInner, SharedMut};
 use crate::error::ActorError;
 use crate::link::{CancelCall, LinkRef, OutCall};
 use baton_messages::ProcessId;
@@ -220,6 +220,7 @@ impl<T: Element> Serialize for Shared<T> {
                 cells.push(Outgoing {
                     cell: Arc::clone(&out.cell),
                     fence: out.fence.clone(),
+                    writable: out.writable,
                 });
                 cells.len() - 1
             })
@@ -287,6 +288,19 @@ impl<'de, T: Element> Deserialize<'de> for Shared<T> {
 }
 
 pub(crate) type Answer = Pin<Box<dyn Future<Output = Result<Encoded, CallFault>>>>;
+
+impl<T: Element> Serialize for SharedMut<T> {
+    /// As [`Shared`]: the write grant is in the field's type, not on the wire.
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de, T: Element> Deserialize<'de> for SharedMut<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Shared::deserialize(d).map(SharedMut)
+    }
+}
 
 /// A registered receiver, with its message type erased.
 pub(crate) trait ErasedHandler: Send + Sync {

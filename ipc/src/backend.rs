@@ -55,6 +55,17 @@ pub trait RawMemory: Send + Sync + fmt::Debug {
     /// # Errors
     /// A backend error.
     fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()>;
+    /// The memory as bytes this process can read in place, if the CPU can address it
+    /// (host memory; `None` for device memory, the default).
+    ///
+    /// The bytes are shared with other processes: another process (or this one, through
+    /// [`write`](Self::write) or a raw pointer) may change them while the slice is
+    /// borrowed. Callers hand such a view out only under a protocol that rules writers out
+    /// for as long as it lives — Baton's typed leases: an exporter's safe writes are
+    /// refused while a lease is out, and a read-only lease cannot write.
+    fn host_bytes(&self) -> Option<&[u8]> {
+        None
+    }
     /// Releases the memory (free, unmap, close), reporting failure. `Drop` does the same
     /// and logs failures instead.
     ///

@@ -869,6 +869,14 @@ impl Imported {
         self.mem().write(at, src)
     }
 
+    /// The buffer's bytes in place, if the CPU can address them (host memory; `None` for
+    /// device memory). The memory is shared: see [`RawMemory::host_bytes`](crate::RawMemory::host_bytes)
+    /// for who may change it while the slice is borrowed.
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        let all = self.mem().raw().host_bytes()?;
+        all.get(self.offset..self.offset.checked_add(self.len)?)
+    }
+
     /// The buffer's bytes, copied.
     ///
     /// # Errors

@@ -30,6 +30,11 @@
 //!   through Rust references to the shared bytes, because other processes may write them
 //!   at any time. A racing writer yields torn bytes, never invalid values: only `u8`s
 //!   cross the boundary;
+//! - the one exception is `RawMemory::host_bytes`, a `&[u8]` of the mapping, borrowed from
+//!   it (so it cannot outlive the mapping). It is only handed out under a protocol that
+//!   rules writers out while it lives (Baton's typed leases, see that method's docs); a
+//!   process that breaks the protocol with `unsafe` code or by writing through a raw
+//!   pointer can still change the bytes under it;
 //! - a named segment shrunk by a hostile process of the same user after we mapped it would
 //!   make an access fault (`SIGBUS`); named segments cannot be sealed against that (only
 //!   processes of an allowed uid holding the session token can learn their names). A memfd
@@ -328,6 +333,14 @@ impl<B: Backing> RawMemory for Mapping<B> {
             );
         }
         Ok(())
+    }
+
+    fn host_bytes(&self) -> Option<&[u8]> {
+        // SAFETY: the mapping is readable and valid for `size` bytes while `self.backing`
+        // lives, and the slice borrows `self`, so it cannot outlive it (module overview).
+        // The bytes are plain `u8`s: any value is valid. Writers while it is borrowed are
+        // ruled out by the caller's protocol (see `RawMemory::host_bytes`).
+        Some(unsafe { std::slice::from_raw_parts(self.base.as_ptr(), self.size) })
     }
 
     fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {

@@ -1,0 +1,83 @@
+//! Messages shared by `tests/api.rs` and its helper process (`src/bin/baton-api-peer.rs`
+//! includes this file too).
+
+#![allow(dead_code)]
+
+use actix::Message;
+use baton::actors::{RemoteMessage, Shared, SharedMut};
+use serde::{Deserialize, Serialize};
+
+/// Sum the buffer in place (`Lease::as_slice`). Answers the sum and whether the slice
+/// starts where the lease is mapped (zero copies).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<(f64, bool), String>")]
+pub struct SumInPlace {
+    pub data: Shared<f32>,
+}
+
+impl RemoteMessage for SumInPlace {
+    const NAME: &'static str = "api.SumInPlace";
+}
+
+/// Keep the lease until `GiveBack`. Answers how many leases are kept.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "usize")]
+pub struct Keep {
+    pub data: Shared<u32>,
+}
+
+impl RemoteMessage for Keep {
+    const NAME: &'static str = "api.Keep";
+}
+
+/// Drop every kept lease. Answers how many were dropped.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "usize")]
+pub struct GiveBack;
+
+impl RemoteMessage for GiveBack {
+    const NAME: &'static str = "api.GiveBack";
+}
+
+/// Keep the lease until its exporter revokes it: the holding actor awaits
+/// `Lease::revoked` itself (no node-level revoke subscription), then drops it.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "()")]
+pub struct KeepUntilRevoked {
+    pub data: Shared<u32>,
+}
+
+impl RemoteMessage for KeepUntilRevoked {
+    const NAME: &'static str = "api.KeepUntilRevoked";
+}
+
+/// Answers, for each revoke the holding actor handled, how many milliseconds it had left
+/// before the deadline when it learned of it.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Vec<u64>")]
+pub struct Revocations;
+
+impl RemoteMessage for Revocations {
+    const NAME: &'static str = "api.Revocations";
+}
+
+/// Write `value` into every element of a writable lease.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<(), String>")]
+pub struct Fill {
+    pub data: SharedMut<u32>,
+    pub value: u32,
+}
+
+impl RemoteMessage for Fill {
+    const NAME: &'static str = "api.Fill";
+}
+
+/// Answers the child's backend name and kind (`{:?}`).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "(String, String)")]
+pub struct WhichBackend;
+
+impl RemoteMessage for WhichBackend {
+    const NAME: &'static str = "api.WhichBackend";
+}
