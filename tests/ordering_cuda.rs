@@ -107,7 +107,7 @@ fn late_write_never_lands(export: CudaExport) {
             let seen = round
                 .send(Round {
                     round: r,
-                    buf: buf.share(),
+                    buf: buf.share_mut(),
                 })
                 .await
                 .unwrap();

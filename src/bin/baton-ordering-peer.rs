@@ -37,23 +37,18 @@ impl Handler<Round> for Importer {
     type Result = u32;
 
     fn handle(&mut self, msg: Round, _: &mut Context<Self>) -> u32 {
-        let lease = msg.buf.open().expect("a received buffer");
+        let mut lease = msg.buf.open().expect("a received buffer");
         // The previous round's kernel has finished: what we read is what came after it.
         self.stream.synchronize().expect("synchronise");
         let mut seen = [0u32];
         lease.read_into(0, &mut seen).expect("read");
         let value = 2 * msg.round + 1;
-        // `Round` carries a read-only `Shared` (tests/ordering_cuda.rs sends `share()`), so
-        // the kernel's write goes through a read argument: the ordering is the same (a
-        // lease records every use on a stream alike), and writing read-only memory from a
-        // kernel is the kind of thing only `unsafe` code can do (see `Lease`'s docs); the
-        // exporter writes nothing while the lease is out.
         // SAFETY: `spin_then_write(unsigned int*, unsigned int, long long)`; it writes one
-        // element of the lease, which is at least one element long.
+        // element of the (writable) lease, which is at least one element long.
         unsafe {
             self.stream
                 .launch_builder(&self.spin_then_write)
-                .arg(&DeviceArg::read(&lease, &self.stream))
+                .arg(&DeviceArg::write(&mut lease, &self.stream))
                 .arg(&value)
                 .arg(&LATE_WRITE_CYCLES)
                 .launch(LaunchConfig::for_num_elems(1))

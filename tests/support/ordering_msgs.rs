@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use actix::Message;
-use baton::actors::{RemoteMessage, Shared};
+use baton::actors::{RemoteMessage, Shared, SharedMut};
 use serde::{Deserialize, Serialize};
 
 /// CUDA C for NVRTC: kernels that spin for a number of clock cycles (so that they are
@@ -36,7 +36,8 @@ pub const LATE_WRITE_CYCLES: i64 = 5_000_000;
 #[rtype(result = "u32")]
 pub struct Round {
     pub round: u32,
-    pub buf: Shared<u32>,
+    /// Written by the importer's kernel: a writable grant.
+    pub buf: SharedMut<u32>,
 }
 
 impl RemoteMessage for Round {
