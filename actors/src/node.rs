@@ -84,7 +84,7 @@ impl fmt::Debug for Offered {
 pub struct Peer {
     pub(crate) link: LinkRef,
     pub(crate) info: PeerInfo,
-    link_deadline: Duration,
+    pub(crate) link_deadline: Duration,
 }
 
 impl fmt::Debug for Peer {
@@ -244,6 +244,8 @@ struct NodeInner {
     inbox: Mutex<Option<Recipient<Offered>>>,
     /// What the node's status reports besides the ledger, cache and links.
     observed: crate::status::Observed,
+    /// The forwards this node relays or holds.
+    relays: crate::relay::Relays,
 }
 
 /// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
@@ -339,6 +341,7 @@ impl Node {
                 revoke_watchers: Mutex::new(Vec::new()),
                 inbox: Mutex::new(None),
                 observed: crate::status::Observed::new(),
+                relays: crate::relay::Relays::default(),
             }
         });
         Node { inner }
@@ -377,6 +380,10 @@ impl Node {
 
     pub(crate) fn exports(&self) -> &Arc<Exports> {
         &self.inner.exports
+    }
+
+    pub(crate) fn relays(&self) -> &crate::relay::Relays {
+        &self.inner.relays
     }
 
     pub(crate) fn offload(&self) -> Offload {
