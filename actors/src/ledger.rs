@@ -653,6 +653,7 @@ impl<M, F> Ledger<M, F> {
             .filter(|(_, r)| links.contains(&r.link))
             .filter_map(|(l, r)| r.relayed_to.map(|holder| (*l, r.alloc, holder)))
             .collect();
+        let stranded_now: BTreeSet<LeaseId> = stranded.iter().map(|(l, ..)| *l).collect();
         for (lease, alloc, holder) in stranded {
             if let Some(entry) = self.allocs.get_mut(&alloc) {
                 entry.stranded.insert(lease, holder);
@@ -663,13 +664,22 @@ impl<M, F> Ledger<M, F> {
         let mut touched = Vec::new();
         for (id, entry) in &mut self.allocs {
             let before = entry.leases.len();
-            entry.leases.retain(|lease| self.leases.contains_key(lease));
+            // The relay of a stranded lease never mapped the memory through it: only its
+            // own leases and holds make the link's process a cut holder.
+            let mut own = false;
+            entry.leases.retain(|lease| {
+                let keep = self.leases.contains_key(lease);
+                own |= !keep && !stranded_now.contains(lease);
+                keep
+            });
             let holds = entry.holds.len();
             entry.holds.retain(|link, _| !links.contains(link));
-            if entry.holds.len() != holds || entry.leases.len() != before {
+            if entry.holds.len() != holds || own {
                 if let Some(process) = cut_holder {
                     entry.cut_holders.insert(process);
                 }
+            }
+            if entry.holds.len() != holds || entry.leases.len() != before {
                 touched.push(*id);
             }
         }
@@ -683,7 +693,7 @@ impl<M, F> Ledger<M, F> {
         let Some(entry) = self.allocs.get_mut(&alloc) else {
             return;
         };
-        if entry.phase == Phase::Live || !entry.leases.is_empty() || !entry.stranded.is_empty() {
+        if entry.phase == Phase::Live || !entry.leases.is_empty() {
             return;
         }
         for (link, hold) in &mut entry.holds {
@@ -693,7 +703,9 @@ impl<M, F> Ledger<M, F> {
                 self.actions.push(Action::Unmap { link: *link, alloc });
             }
         }
-        if !entry.holds.is_empty() {
+        // A stranded lease's holder may map it until it is confirmed dead, whatever the
+        // backend's rule: nobody can carry its `Release` any more.
+        if !entry.holds.is_empty() || !entry.stranded.is_empty() {
             return;
         }
         if entry.rule == FreeWhileMapped::Unsafe && !entry.cut_holders.is_empty() {
