@@ -348,6 +348,12 @@ pub struct Forwarded {
     /// The request answered.
     pub id: u64,
     /// The offer for the third process, or why the exporter refused.
+    #[cfg_attr(
+        test,
+        proptest(
+            strategy = "proptest::strategy::Strategy::boxed(proptest::prelude::any::<Result<Offer, String>>())"
+        )
+    )]
     pub outcome: Result<Offer, String>,
 }
 
@@ -360,6 +366,12 @@ pub struct Forwarded {
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub struct Relayed {
     /// The offer; its lease id is the sender's.
+    #[cfg_attr(
+        test,
+        proptest(
+            strategy = "proptest::strategy::Strategy::boxed(proptest::prelude::any::<Offer>())"
+        )
+    )]
     pub offer: Offer,
 }
 
