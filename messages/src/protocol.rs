@@ -40,6 +40,11 @@
 //! Links ping each other on an interval (`Ping`/`Pong`); a peer that answers nothing
 //! within a deadline is cut.
 //!
+//! A holder may pass a buffer on to a third process it is linked to ([`Forward`]): the
+//! exporter grants that process a lease of its own and answers [`Forwarded`] with the
+//! offer, which the holder passes on unopened as a [`Relayed`] offer; the third process's
+//! `Release` comes back the same way (see `docs/FORWARDING.md`).
+//!
 //! Either side may ask the other what it holds ([`StatusRequest`], answered by
 //! [`Status`]: see [`status`](crate::status)).
 
