@@ -376,8 +376,14 @@ impl Exports {
                     .collect(),
                 Scope::None => Vec::new(),
             };
+            // A stranded lease's holder may still wait on its acquire fence. (Only a link
+            // going down strands leases: a single release never has to look.)
+            let stranded = match &scope {
+                Scope::Links if !back.is_empty() => state.ledger.stranded(),
+                _ => Default::default(),
+            };
             for lease in back {
-                if !state.ledger.is_out(lease) {
+                if !state.ledger.is_out(lease) && !stranded.contains(&lease) {
                     if let Some((_, fence)) = state.acquire.remove(&lease) {
                         todo.fences.push(fence);
                     }

@@ -748,6 +748,14 @@ impl<M, F> Ledger<M, F> {
         self.leases.contains_key(&lease)
     }
 
+    /// The stranded relayed leases (see the module docs).
+    pub(crate) fn stranded(&self) -> BTreeSet<LeaseId> {
+        self.allocs
+            .values()
+            .flat_map(|e| e.stranded.keys().copied())
+            .collect()
+    }
+
     /// The process at the other end of a live link.
     pub(crate) fn link_process(&self, link: LinkId) -> Option<ProcessId> {
         self.links.get(&link).map(|r| r.process)

@@ -119,7 +119,9 @@ impl Relays {
     /// `link` is down: forwards asked over it fail, offers passed over it are forgotten
     /// (their holder's death ends them at the exporter, which watches it), and the
     /// mappings of relayed leases held over it stop being kept (they close with their
-    /// last lease).
+    /// last lease). Offers passed on *from* it (its peer was their exporter) are kept
+    /// until their holder gives them back, so that its `Release` is not taken for a
+    /// lease we never granted; it then goes nowhere.
     pub(crate) fn link_stopped(&self, link: LinkId, peer: ProcessId, cache: &ImportCache) {
         let (failed, holders) = {
             let mut state = self.lock();
@@ -133,9 +135,7 @@ impl Relays {
                 .into_iter()
                 .filter_map(|k| state.pending.remove(&k))
                 .collect();
-            state
-                .passed
-                .retain(|(down, _), (up, _)| *down != link && up.id != link);
+            state.passed.retain(|(down, _), _| *down != link);
             let holders: Vec<HolderId> = state
                 .held
                 .iter()
