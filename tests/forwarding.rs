@@ -287,6 +287,7 @@ fn the_holders_release_goes_back_through_the_relay() {
             let id = buf.id();
             let line = trio.c_lines.next_line(DEADLINE).await;
             assert!(line.starts_with("released lease="), "{line}");
+            assert!(line.ends_with("link=up"), "B took C's release: {line}");
             eventually(DEADLINE, "C's release to reach A through B", || {
                 parent
                     .node
@@ -309,6 +310,45 @@ fn the_holders_release_goes_back_through_the_relay() {
             assert!(trio.b_link.is_connected());
         });
     }
+}
+
+/// A closes its link to B while C holds: C's lease is stranded at A. C's later release
+/// reaches B, which passed the offer on: no fault, B keeps its link to C (and A keeps the
+/// memory until C dies — the release has no way back to it).
+#[test]
+fn a_release_after_the_exporters_link_is_gone_is_no_fault() {
+    run(async {
+        let parent = parent("fwd-late-release", HostFlavor::Memfd);
+        let flag = tempfile::tempdir().unwrap();
+        let drop_file = flag.path().join("drop");
+        let drop_arg = format!("drop-on={}", drop_file.display());
+        let mut trio = trio(&parent, &[drop_arg.as_str()]).await;
+        let buf = forward(&parent, &trio, 13).await;
+        let id = buf.id();
+        drop(buf);
+        let freed_before = parent.stats().await.freed;
+        trio.b_link.close();
+        eventually(DEADLINE, "the link to B to go down", || {
+            parent.events.down_reason(trio.b_link.link_id()).is_some()
+        })
+        .await;
+        eventually(DEADLINE, "C's lease to be stranded", || {
+            parent
+                .node
+                .lease_table()
+                .iter()
+                .any(|b| b.buffer == id && b.forwarded.len() == 1 && b.forwarded[0].via.is_none())
+        })
+        .await;
+
+        std::fs::write(&drop_file, b"").unwrap();
+        let line = trio.c_lines.next_line(DEADLINE).await;
+        assert!(line.starts_with("released lease="), "{line}");
+        assert!(line.ends_with("link=up"), "B cut C for its release: {line}");
+        assert_kept(&parent, id, freed_before).await;
+        trio.c.kill9();
+        assert_freed(&parent, id, freed_before, None).await;
+    });
 }
 
 #[test]

@@ -4,12 +4,14 @@
 //!   holder, then connects to its parent (A). Its `relay` actor ([`ForwardTo`]) keeps the
 //!   leases it receives and forwards each to a linked process; `relay.drop` ([`DropOwn`])
 //!   drops its own. Runs until killed.
-//! - `baton-relay-peer sink SOCKET [release]`: C. Connects to SOCKET (B's) and takes
-//!   the buffers forwarded to it from its inbox. For each it prints
+//! - `baton-relay-peer sink SOCKET [release | drop-on=FILE]`: C. Connects to SOCKET (B's)
+//!   and takes the buffers forwarded to it from its inbox. For each it prints
 //!   `got lease=<id> exporter=<pid> sum=<sum of the u32s>`; then, with `release`, drops it
-//!   and prints `released lease=<id>`, else keeps it and prints `first=<value>` whenever
-//!   the first element changes (read through the mapping, so also once its relay is gone).
-//!   Prints `ready` once linked. Runs until killed.
+//!   at once, else keeps it — printing `first=<value>` whenever the first element changes
+//!   (read through the mapping, so also once its relay is gone) — until FILE exists. Once
+//!   it dropped a lease it pings its relay twice (the second ping travels behind the
+//!   `Release`) and prints `released lease=<id> link=up|down`. Prints `ready` once linked.
+//!   Runs until killed.
 //!
 //! The session token comes through the pipe named in `BATON_TOKEN_FD`.
 
@@ -87,16 +89,49 @@ impl Handler<DropOwn> for Relay {
 
 /// C's actor.
 struct Sink {
+    node: Node,
     release: bool,
+    /// Drop the kept leases once this file exists.
+    drop_on: Option<std::path::PathBuf>,
     /// Kept leases, with where each is mapped and its first value last printed.
     kept: Vec<(Lease<u8>, usize, u32)>,
+}
+
+impl Sink {
+    /// Drops `lease`, then reports whether the link to the relay survived its release.
+    fn release(&mut self, lease: Lease<u8>, ctx: &mut Context<Self>) {
+        let id = lease.id().get();
+        drop(lease);
+        let relay = self.node.peers().into_iter().next();
+        ctx.spawn(
+            async move {
+                let up = match relay {
+                    // The first pong comes back after the `Release` was queued: the second
+                    // ping follows it on the link.
+                    Some(p) => p.ping().await.is_ok() && p.ping().await.is_ok(),
+                    None => false,
+                };
+                say(&format!(
+                    "released lease={id} link={}",
+                    if up { "up" } else { "down" }
+                ));
+            }
+            .into_actor(self),
+        );
+    }
 }
 
 impl Actor for Sink {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.run_interval(Duration::from_millis(10), |act, _| {
+        ctx.run_interval(Duration::from_millis(10), |act, ctx| {
+            if act.drop_on.as_ref().is_some_and(|f| f.exists()) {
+                act.drop_on = None;
+                for (lease, ..) in std::mem::take(&mut act.kept) {
+                    act.release(lease, ctx);
+                }
+            }
             for (_, addr, last) in &mut act.kept {
                 // SAFETY: the lease is kept (its import-cache view keeps the host mapping
                 // at `addr`, at least 4 bytes long, page-aligned), also once orphaned. The
@@ -114,7 +149,7 @@ impl Actor for Sink {
 impl Handler<Offered> for Sink {
     type Result = ();
 
-    fn handle(&mut self, msg: Offered, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: Offered, ctx: &mut Context<Self>) {
         let lease = msg.buffer.open().expect("received");
         let bytes = lease.to_vec().expect("read the forwarded buffer");
         let sum: u64 = bytes
@@ -127,9 +162,7 @@ impl Handler<Offered> for Sink {
             lease.exporter().process.pid
         ));
         if self.release {
-            let id = lease.id().get();
-            drop(lease);
-            say(&format!("released lease={id}"));
+            self.release(lease, ctx);
             return;
         }
         let Ok(baton::ipc::MemPtr::Host(addr)) = lease.ptr() else {
@@ -153,7 +186,8 @@ struct Cli {
     role: String,
     /// The socket to connect to.
     socket: String,
-    /// `relay`: the directory to listen in; `sink`: `release` to give buffers back at once.
+    /// `relay`: the directory to listen in; `sink`: `release` to give buffers back at once,
+    /// `drop-on=FILE` to give them back once FILE exists.
     extra: Option<String>,
 }
 
@@ -184,7 +218,13 @@ fn main() {
             }
             _ => {
                 let sink = Sink {
+                    node: node.clone(),
                     release: cli.extra.as_deref() == Some("release"),
+                    drop_on: cli
+                        .extra
+                        .as_deref()
+                        .and_then(|e| e.strip_prefix("drop-on="))
+                        .map(Into::into),
                     kept: Vec::new(),
                 }
                 .start();
