@@ -9,6 +9,10 @@
 //! - SIGKILL of B while C holds: the lease is stranded, A keeps the memory while C lives,
 //!   and frees it once C dies.
 //! - C's release goes back to A through B.
+//!
+//! The first two run on CUDA device memory too (legacy IPC handles, VMM and pool
+//! descriptors), with the backend's count of live allocations back to zero at the end:
+//! `--features gpu-tests`.
 
 #[path = "support/actors.rs"]
 mod actors;
@@ -22,6 +26,8 @@ mod relay_msgs;
 use actors::{DEADLINE, Lines, Parent, eventually, run};
 use baton::actors::{BufferId, BufferLeases, Peer};
 use baton::ipc::HostBackend;
+use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
+use baton::ipc::cuda::{CudaBackend, CudaExport};
 use baton::ipc::host::HostFlavor;
 use msgs::pattern;
 use relay_msgs::*;
@@ -47,6 +53,57 @@ fn parent(tag: &str, flavor: HostFlavor) -> Parent {
         .child_env
         .push((baton::ipc::host::HOST_ENV.into(), flavor.name().into()));
     parent
+}
+
+/// Where the buffers live, and what tells that they were freed.
+struct Setup {
+    parent: Parent,
+    /// Host, named segments: their count.
+    named: bool,
+    /// CUDA: the backend's count of live allocations, and the GPU test lock held meanwhile.
+    cuda: Option<(Arc<CudaBackend>, GpuTestLock)>,
+}
+
+fn host(tag: &str, flavor: HostFlavor) -> Setup {
+    Setup {
+        parent: parent(tag, flavor),
+        named: flavor == HostFlavor::Named,
+        cuda: None,
+    }
+}
+
+/// A parent on CUDA whose children export the same way, and the GPU test lock.
+fn cuda(tag: &str, export: CudaExport) -> Setup {
+    let gpu = exclusive_gpu(Duration::from_secs(1800)).expect("the GPU test lock");
+    let backend = Arc::new(CudaBackend::new(0, export).expect("a CUDA device"));
+    let mut parent = Parent::start_with(&peer::namespace(tag), backend.clone());
+    parent
+        .child_env
+        .push(("BATON_BACKEND".into(), "cuda".into()));
+    parent
+        .child_env
+        .push(("BATON_CUDA_EXPORT".into(), export.name().into()));
+    Setup {
+        parent,
+        named: false,
+        cuda: Some((backend, gpu)),
+    }
+}
+
+impl Setup {
+    fn segments(&self) -> Option<usize> {
+        self.named.then(|| self.parent.segments())
+    }
+
+    /// After a free: the backend holds no allocation of ours any more.
+    async fn backend_released(&self) {
+        if let Some((cuda, _)) = &self.cuda {
+            eventually(DEADLINE, "the backend to free the allocation", || {
+                cuda.live().exported == 0
+            })
+            .await;
+        }
+    }
 }
 
 /// The three processes: B linked to us, C linked to B only (its stdout read line by line).
@@ -183,96 +240,136 @@ fn segments(parent: &Parent, flavor: HostFlavor) -> Option<usize> {
     (flavor == HostFlavor::Named).then(|| parent.segments())
 }
 
+/// A → B → C; B and A let go; C's SIGKILL frees the buffer.
+async fn holder_killed(setup: &Setup) {
+    let parent = &setup.parent;
+    let mut trio = trio(parent, &[]).await;
+    let segments_before = setup.segments();
+    let buf = forward(parent, &trio, 7).await;
+    let id = buf.id();
+    assert_c_holds_via_b(parent, &trio, id).await;
+
+    // Zero-copy: C sees A's write to the same memory.
+    buf.write_at(0, &[0xDEAD_BEEF]).unwrap();
+    assert_eq!(trio.c_lines.next_line(DEADLINE).await, "first=3735928559");
+
+    // B lets its own lease go and A drops the buffer: C alone keeps it.
+    let dropped = trio
+        .b_link
+        .remote::<DropOwn>("relay.drop")
+        .send(DropOwn)
+        .await
+        .unwrap();
+    assert_eq!(dropped, 1);
+    drop(buf);
+    let freed_before = parent.stats().await.freed;
+    eventually(DEADLINE, "B's release", || {
+        parent
+            .node
+            .lease_table()
+            .iter()
+            .any(|b| b.buffer == id && b.leases.len() == 1)
+    })
+    .await;
+    let table = parent.table().await;
+    let row = row(&table, id).expect("C holds it");
+    assert_eq!(row.leases[0].1.pid, trio.c.pid());
+    assert!(row.retiring);
+    assert_kept(parent, id, freed_before).await;
+    if let Some(before) = segments_before {
+        assert_eq!(parent.segments(), before + 1, "the segment is still there");
+    }
+    if let Some((cuda, _)) = &setup.cuda {
+        assert_eq!(cuda.live().exported, 1, "still allocated");
+    }
+
+    trio.c.kill9();
+    assert_freed(parent, id, freed_before, segments_before).await;
+    setup.backend_released().await;
+    assert!(trio.b_link.is_connected(), "B is not blamed for C's death");
+}
+
+/// A → B → C; A drops the buffer; B's SIGKILL strands C's lease; C's SIGKILL frees it.
+async fn relay_killed(setup: &Setup) {
+    let parent = &setup.parent;
+    let mut trio = trio(parent, &[]).await;
+    let segments_before = setup.segments();
+    let buf = forward(parent, &trio, 9).await;
+    let id = buf.id();
+    assert_c_holds_via_b(parent, &trio, id).await;
+    drop(buf);
+    let freed_before = parent.stats().await.freed;
+
+    trio.b.kill9();
+    eventually(DEADLINE, "B's link to go down", || {
+        parent.events.down_reason(trio.b_link.link_id()).is_some()
+    })
+    .await;
+    // B's lease went with it; C's is stranded: kept while C lives.
+    eventually(DEADLINE, "B's lease to be reclaimed", || {
+        parent
+            .node
+            .lease_table()
+            .iter()
+            .any(|b| b.buffer == id && b.leases.len() == 1)
+    })
+    .await;
+    let table = parent.table().await;
+    let row = row(&table, id).expect("kept while C lives");
+    assert_eq!(row.forwarded.len(), 1);
+    assert_eq!(row.forwarded[0].holder.pid, trio.c.pid());
+    assert_eq!(row.forwarded[0].via, None, "stranded: its relay is gone");
+    assert_kept(parent, id, freed_before).await;
+    assert!(trio.c.try_wait().is_none(), "C lives on");
+    if let Some(before) = segments_before {
+        assert_eq!(parent.segments(), before + 1, "the segment is still there");
+    }
+    if let Some((cuda, _)) = &setup.cuda {
+        assert_eq!(cuda.live().exported, 1, "still allocated");
+    }
+
+    trio.c.kill9();
+    assert_freed(parent, id, freed_before, segments_before).await;
+    setup.backend_released().await;
+}
+
 #[test]
 fn a_forwarded_holder_is_counted_at_the_exporter_and_its_death_returns_its_hold() {
     for flavor in flavors() {
-        run(async {
-            let parent = parent("fwd-kill-c", flavor);
-            let mut trio = trio(&parent, &[]).await;
-            let segments_before = segments(&parent, flavor);
-            let buf = forward(&parent, &trio, 7).await;
-            let id = buf.id();
-            assert_c_holds_via_b(&parent, &trio, id).await;
-
-            // Zero-copy: C sees A's write to the same memory.
-            buf.write_at(0, &[0xDEAD_BEEF]).unwrap();
-            assert_eq!(trio.c_lines.next_line(DEADLINE).await, "first=3735928559");
-
-            // B lets its own lease go and A drops the buffer: C alone keeps it.
-            let dropped = trio
-                .b_link
-                .remote::<DropOwn>("relay.drop")
-                .send(DropOwn)
-                .await
-                .unwrap();
-            assert_eq!(dropped, 1);
-            drop(buf);
-            let freed_before = parent.stats().await.freed;
-            eventually(DEADLINE, "B's release", || {
-                parent
-                    .node
-                    .lease_table()
-                    .iter()
-                    .any(|b| b.buffer == id && b.leases.len() == 1)
-            })
-            .await;
-            let table = parent.table().await;
-            let row = row(&table, id).expect("C holds it");
-            assert_eq!(row.leases[0].1.pid, trio.c.pid());
-            assert!(row.retiring);
-            assert_kept(&parent, id, freed_before).await;
-            if let Some(before) = segments_before {
-                assert_eq!(parent.segments(), before + 1, "the segment is still there");
-            }
-
-            trio.c.kill9();
-            assert_freed(&parent, id, freed_before, segments_before).await;
-            assert!(trio.b_link.is_connected(), "B is not blamed for C's death");
-        });
+        run(async { holder_killed(&host("fwd-kill-c", flavor)).await });
     }
 }
 
 #[test]
 fn the_relays_death_strands_the_lease_until_the_holder_dies() {
     for flavor in flavors() {
-        run(async {
-            let parent = parent("fwd-kill-b", flavor);
-            let mut trio = trio(&parent, &[]).await;
-            let segments_before = segments(&parent, flavor);
-            let buf = forward(&parent, &trio, 9).await;
-            let id = buf.id();
-            assert_c_holds_via_b(&parent, &trio, id).await;
-            drop(buf);
-            let freed_before = parent.stats().await.freed;
+        run(async { relay_killed(&host("fwd-kill-b", flavor)).await });
+    }
+}
 
-            trio.b.kill9();
-            eventually(DEADLINE, "B's link to go down", || {
-                parent.events.down_reason(trio.b_link.link_id()).is_some()
-            })
-            .await;
-            // B's lease went with it; C's is stranded: kept while C lives.
-            eventually(DEADLINE, "B's lease to be reclaimed", || {
-                parent
-                    .node
-                    .lease_table()
-                    .iter()
-                    .any(|b| b.buffer == id && b.leases.len() == 1)
-            })
-            .await;
-            let table = parent.table().await;
-            let row = row(&table, id).expect("kept while C lives");
-            assert_eq!(row.forwarded.len(), 1);
-            assert_eq!(row.forwarded[0].holder.pid, trio.c.pid());
-            assert_eq!(row.forwarded[0].via, None, "stranded: its relay is gone");
-            assert_kept(&parent, id, freed_before).await;
-            assert!(trio.c.try_wait().is_none(), "C lives on");
-            if let Some(before) = segments_before {
-                assert_eq!(parent.segments(), before + 1, "the segment is still there");
-            }
+fn exports() -> [CudaExport; 3] {
+    [CudaExport::Legacy, CudaExport::Vmm, CudaExport::Pool]
+}
 
-            trio.c.kill9();
-            assert_freed(&parent, id, freed_before, segments_before).await;
-        });
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn cuda_a_forwarded_holders_death_returns_its_hold() {
+    for export in exports() {
+        run(async { holder_killed(&cuda("fwd-cuda-kill-c", export)).await });
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn cuda_the_relays_death_strands_the_lease_until_the_holder_dies() {
+    for export in exports() {
+        run(async { relay_killed(&cuda("fwd-cuda-kill-b", export)).await });
     }
 }
 

@@ -8,7 +8,8 @@
 //!   and takes the buffers forwarded to it from its inbox. For each it prints
 //!   `got lease=<id> exporter=<pid> sum=<sum of the u32s>`; then, with `release`, drops it
 //!   at once, else keeps it — printing `first=<value>` whenever the first element changes
-//!   (read through the mapping, so also once its relay is gone) — until FILE exists. Once
+//!   (host memory: read through the mapping, so also once its relay is gone; device
+//!   memory: through the lease) — until FILE exists. Once
 //!   it dropped a lease it pings its relay twice (the second ping travels behind the
 //!   `Release`) and prints `released lease=<id> link=up|down`. Prints `ready` once linked.
 //!   Runs until killed.
@@ -93,8 +94,9 @@ struct Sink {
     release: bool,
     /// Drop the kept leases once this file exists.
     drop_on: Option<std::path::PathBuf>,
-    /// Kept leases, with where each is mapped and its first value last printed.
-    kept: Vec<(Lease<u8>, usize, u32)>,
+    /// Kept leases, with where each is mapped in host memory (`None`: device memory, read
+    /// through the lease) and its first value last printed.
+    kept: Vec<(Lease<u8>, Option<usize>, u32)>,
 }
 
 impl Sink {
@@ -132,11 +134,22 @@ impl Actor for Sink {
                     act.release(lease, ctx);
                 }
             }
-            for (_, addr, last) in &mut act.kept {
-                // SAFETY: the lease is kept (its import-cache view keeps the host mapping
-                // at `addr`, at least 4 bytes long, page-aligned), also once orphaned. The
-                // exporter may write it: a volatile read of a plain integer sees some value.
-                let now = unsafe { std::ptr::read_volatile(*addr as *const u32) };
+            for (lease, addr, last) in &mut act.kept {
+                let now = match addr {
+                    // SAFETY: the lease is kept (its import-cache view keeps the host
+                    // mapping at `addr`, at least 4 bytes long, page-aligned), also once
+                    // orphaned. The exporter may write it: a volatile read of a plain
+                    // integer sees some value.
+                    Some(addr) => unsafe { std::ptr::read_volatile(*addr as *const u32) },
+                    None => {
+                        let mut first = [0u8; 4];
+                        match lease.read_into(0, &mut first) {
+                            Ok(()) => u32::from_ne_bytes(first),
+                            // Orphaned: nothing new to read.
+                            Err(_) => *last,
+                        }
+                    }
+                };
                 if now != *last {
                     *last = now;
                     say(&format!("first={now}"));
@@ -165,11 +178,12 @@ impl Handler<Offered> for Sink {
             self.release(lease, ctx);
             return;
         }
-        let Ok(baton::ipc::MemPtr::Host(addr)) = lease.ptr() else {
-            panic!("the forwarding tests run on host memory");
+        let addr = match lease.ptr() {
+            Ok(baton::ipc::MemPtr::Host(addr)) => Some(addr as usize),
+            _ => None,
         };
         let first = u32::from_ne_bytes(bytes[..4].try_into().expect("4 bytes"));
-        self.kept.push((lease, addr as usize, first));
+        self.kept.push((lease, addr, first));
     }
 }
 
