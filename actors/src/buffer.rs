@@ -849,6 +849,11 @@ impl<T: Element> Lease<T> {
 
     /// Gives the lease back now (the same as dropping it).
     pub fn release(self) {}
+
+    /// The untyped lease (its id, its link).
+    pub(crate) fn incoming(&self) -> &IncomingLease {
+        &self.inner
+    }
 }
 
 impl<T: Element> DeviceSlice<T> for Lease<T> {

@@ -69,8 +69,18 @@ pub enum ActorError {
     UnknownBuffer(BufferId),
     /// A buffer received from another process was put in an outgoing message: only its
     /// owner can share it.
+    /// ([`Peer::forward`](crate::Peer::forward) passes a received buffer on to a third
+    /// process instead.)
     #[error("a received buffer cannot be forwarded: ask its owner to share it")]
     NotOwned,
+    /// The exporter refused to lease one of its buffers to a third process
+    /// ([`Peer::forward`](crate::Peer::forward)): the lease is no longer out, the link to
+    /// the exporter went down, or the relay is at its limit of forwarded leases.
+    #[error("the exporter refused to forward the buffer: {reason}")]
+    ForwardRefused {
+        /// Why, as the exporter said it.
+        reason: String,
+    },
     /// `open()` was called on a buffer that was never received.
     #[error("this Shared buffer was not received from another process: use the Buffer itself")]
     NotReceived,

@@ -36,6 +36,8 @@ pub(crate) struct Owned {
     pub(crate) owner: ActorId,
     /// The buffer's stream ordering: the free waits for its uses.
     pub(crate) order: Arc<ExportOrder>,
+    /// The buffer's layout (for offers made without its handle: forwarding).
+    pub(crate) layout: Layout,
 }
 
 /// Release fences: importers' fences after their last use of a lease (none for host
@@ -88,8 +90,11 @@ pub struct BufferLeases {
     pub alloc: AllocationId,
     /// Bytes allocated.
     pub bytes: u64,
-    /// Outstanding leases and the process holding each.
+    /// Outstanding leases and the process holding each (for a forwarded lease: the
+    /// process it was forwarded to, which has no link to us).
     pub leases: Vec<(LeaseId, ProcessId)>,
+    /// Of those, the leases forwarded to a third process (see `docs/FORWARDING.md`).
+    pub forwarded: Vec<ForwardedLease>,
     /// Processes that may map it over a live link (a lease, or a warm mapping).
     pub mapped_by: Vec<ProcessId>,
     /// Processes whose link was cut while they held it, not yet confirmed dead.
@@ -108,12 +113,35 @@ impl From<EntryView> for BufferLeases {
             alloc: v.alloc,
             bytes: v.bytes,
             leases: v.leases,
+            forwarded: v
+                .relayed
+                .into_iter()
+                .map(|r| ForwardedLease {
+                    lease: r.lease,
+                    holder: r.holder,
+                    via: r.via,
+                })
+                .collect(),
             mapped_by: v.mapped_by,
             cut_holders: v.cut_holders,
             retiring: v.retiring,
             quarantined: v.quarantined,
         }
     }
+}
+
+/// A lease forwarded to a third process: granted at the request of one of our importers,
+/// which passed the offer on (A → B → C). The holder maps the memory with no link to us;
+/// the lease ends with its `Release` (carried back by `via`) or its death.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardedLease {
+    /// The lease.
+    pub lease: LeaseId,
+    /// The process it was forwarded to (C).
+    pub holder: ProcessId,
+    /// The process that relays it (B); `None` once that link is down: the lease is then
+    /// kept until `holder` is confirmed dead.
+    pub via: Option<ProcessId>,
 }
 
 /// Counters of one owner (or of the whole node: [`Node::export_stats`](crate::Node::export_stats)).
@@ -175,6 +203,13 @@ pub(crate) struct Exports {
     /// Woken after every event (leases may have come back): what
     /// [`Exports::returned`] waits on.
     changed: tokio::sync::Notify,
+}
+
+/// What an offer is built from.
+struct OfferParts<'a> {
+    alloc: &'a Allocation,
+    owner: ActorId,
+    layout: &'a Layout,
 }
 
 /// Which leases an event may end.
@@ -252,6 +287,7 @@ impl Todo {
                             alloc: memory,
                             owner,
                             order,
+                            ..
                         } = meta;
                         if let Err(e) = order.before_free(&fences) {
                             tracing::warn!(actor = %owner, %alloc, error = %e, "waiting for the work on a buffer before freeing it failed");
@@ -349,8 +385,14 @@ impl Exports {
                     .collect(),
                 Scope::None => Vec::new(),
             };
+            // A stranded lease's holder may still wait on its acquire fence. (Only a link
+            // going down strands leases: a single release never has to look.)
+            let stranded = match &scope {
+                Scope::Links if !back.is_empty() => state.ledger.stranded(),
+                _ => Default::default(),
+            };
             for lease in back {
-                if !state.ledger.is_out(lease) {
+                if !state.ledger.is_out(lease) && !stranded.contains(&lease) {
                     if let Some((_, fence)) = state.acquire.remove(&lease) {
                         todo.fences.push(fence);
                     }
@@ -416,6 +458,7 @@ impl Exports {
                     alloc: Arc::clone(&alloc),
                     owner,
                     order: Arc::clone(&order),
+                    layout: layout.clone(),
                 },
             });
             state.orders.insert(alloc.id(), Arc::clone(&order));
@@ -523,7 +566,16 @@ impl Exports {
             OfferGrant { ledger, pool }
         };
         let handle = fence.as_ref().map(|f| f.handle());
-        let built = self.build_offer(cell, lease, grant, fd_slot, handle);
+        let send_fd = match cell.alloc.descriptor_scope() {
+            DescriptorScope::Allocation => grant.ledger.new_hold,
+            DescriptorScope::Pool(_) => grant.pool.is_some(),
+        };
+        let parts = OfferParts {
+            alloc: &cell.alloc,
+            owner: cell.owner,
+            layout: &cell.layout,
+        };
+        let built = self.build_offer(parts, lease, send_fd, fd_slot, handle);
         if built.is_err() {
             self.ungrant(lease, grant, link.id);
         }
@@ -531,19 +583,86 @@ impl Exports {
         Ok((offer, fd, grant))
     }
 
+    /// Grants `holder` — a process with no link to us — a lease on the buffer of `via`, a
+    /// lease out over `link` whose peer forwards it, and builds the offer that peer passes
+    /// on: always with the allocation's (or pool's) descriptor, since the holder maps it
+    /// through no link of ours; with the buffer's acquire fence after its uses so far.
+    pub(crate) fn grant_relayed(
+        &self,
+        via: LeaseId,
+        link: &LinkRef,
+        holder: ProcessId,
+        max: usize,
+    ) -> Result<(Offer, Option<OwnedFd>), ActorError> {
+        let lease = crate::ids::next_lease();
+        let (alloc, owner, layout, order) = {
+            let mut state = self.lock();
+            let alloc = state
+                .ledger
+                .grant_relayed(via, link.id, lease, holder, max, Instant::now())
+                .map_err(|r| match r {
+                    Refusal::LinkDown => ActorError::LinkClosed { peer: link.peer() },
+                    Refusal::TooManyRelayed => ActorError::TooManyLeases { max },
+                    _ => ActorError::UnknownLease { lease: via },
+                })?;
+            let meta = state.ledger.meta(alloc).expect("granted just now");
+            let parts = (
+                Arc::clone(&meta.alloc),
+                meta.owner,
+                meta.layout.clone(),
+                Arc::clone(&meta.order),
+            );
+            state.per_owner.entry(parts.1).or_default().granted += 1;
+            parts
+        };
+        let undo = || {
+            self.ungrant(
+                lease,
+                OfferGrant {
+                    ledger: Grant { new_hold: false },
+                    pool: None,
+                },
+                link.id,
+            )
+        };
+        let fence = match order.acquire_fence() {
+            Ok(fence) => fence,
+            Err(e) => {
+                undo();
+                return Err(e);
+            }
+        };
+        if let Some(fence) = &fence {
+            self.lock()
+                .acquire
+                .insert(lease, (link.id, Arc::clone(fence)));
+        }
+        let parts = OfferParts {
+            alloc: &alloc,
+            owner,
+            layout: &layout,
+        };
+        let built = self.build_offer(parts, lease, true, 0, fence.as_ref().map(|f| f.handle()));
+        if built.is_err() {
+            undo();
+        }
+        built
+    }
+
     fn build_offer(
         &self,
-        cell: &BufferCell,
+        parts: OfferParts<'_>,
         lease: LeaseId,
-        grant: OfferGrant,
+        send_fd: bool,
         fd_slot: u8,
         fence: Option<FenceHandle>,
     ) -> Result<(Offer, Option<OwnedFd>), ActorError> {
-        let send_fd = match cell.alloc.descriptor_scope() {
-            DescriptorScope::Allocation => grant.ledger.new_hold,
-            DescriptorScope::Pool(_) => grant.pool.is_some(),
-        };
-        let fd = match cell.alloc.export_fd().filter(|_| send_fd) {
+        let OfferParts {
+            alloc,
+            owner,
+            layout,
+        } = parts;
+        let fd = match alloc.export_fd().filter(|_| send_fd) {
             Some(fd) => Some(fd.try_clone_to_owned().map_err(|e| baton_ipc::Error::Io {
                 op: "dup(export fd)",
                 source: e,
@@ -552,13 +671,12 @@ impl Exports {
         };
         // The buffer is the layout's bytes; the allocation may be larger (VMM rounds it up
         // to the granularity), so the handle names exactly that range.
-        let len = cell.layout.byte_len().unwrap_or(0);
-        let mut builder = cell
-            .alloc
+        let len = layout.byte_len().unwrap_or(0);
+        let mut builder = alloc
             .handle(&self.session)
-            .actor(cell.owner)
+            .actor(owner)
             .range(0, len)
-            .layout(cell.layout.clone())
+            .layout(layout.clone())
             .fd_slot(fd.as_ref().map(|_| fd_slot));
         if let Some(fence) = fence {
             builder = builder.fence(fence);
@@ -590,7 +708,11 @@ impl Exports {
         fences: Vec<FenceHandle>,
     ) -> Result<(), ActorError> {
         self.apply_to(Scope::Lease(lease), |s| {
-            let producer = s.ledger.link_process(link);
+            // A forwarded lease's fences were recorded by its holder, not by the relay.
+            let producer = s
+                .ledger
+                .lease_holder(lease)
+                .filter(|_| s.ledger.link_process(link).is_some());
             let fences: Vec<ReleaseFence> = match producer {
                 Some(producer) => fences
                     .into_iter()
@@ -598,7 +720,12 @@ impl Exports {
                     .collect(),
                 None => Vec::new(),
             };
-            let alloc = s.ledger.release(lease, link, fences.iter().cloned())?;
+            let alloc = match s.ledger.release(lease, link, fences.iter().cloned()) {
+                Ok(alloc) => alloc,
+                // A forwarded lease whose holder died while its release was on the way.
+                Err(_) if s.ledger.forget_ended_relay(lease, link) => return Ok(()),
+                Err(e) => return Err(e),
+            };
             if let Some(order) = s.orders.get(&alloc) {
                 order.released(fences);
             }

@@ -20,6 +20,13 @@
 //!   drop an idle mapping) or because it could not open the offer.
 //! - **Cut holders**: processes whose link was cut while they held a lease or a mapping.
 //!   Cutting a link does not stop a live process from mapping memory it has mapped.
+//! - **Relayed leases** (forwarding, see [`relay`](crate::relay)): a lease granted at the
+//!   request of a holder over `link` for a *third* process, which maps the memory without
+//!   a link to us. Its holder is that process, not the link's: the lease is released over
+//!   the relaying link, or ends when the holder is confirmed dead. If the relaying link
+//!   goes down first, the lease is *stranded*: it keeps the allocation — whatever the
+//!   backend's rule — until its holder is confirmed dead, since nobody can carry its
+//!   `Release` any more and nothing else tells us it stopped mapping.
 //!
 //! # The invariant
 //!
@@ -73,6 +80,8 @@ pub(crate) enum Refusal {
     LinkDown,
     /// No lease of that id was granted over that link.
     UnknownLease,
+    /// The link relays as many leases as it may.
+    TooManyRelayed,
 }
 
 /// Something the node must do for the ledger.
@@ -169,6 +178,9 @@ struct Entry<M, F> {
     leases: BTreeSet<LeaseId>,
     holds: BTreeMap<LinkId, Hold>,
     cut_holders: BTreeSet<ProcessId>,
+    /// Relayed leases whose relaying link went down, and their holders: kept until the
+    /// holder is confirmed dead.
+    stranded: BTreeMap<LeaseId, ProcessId>,
     fences: Vec<F>,
 }
 
@@ -179,6 +191,8 @@ struct LeaseRecord {
     revoke_by: Option<Instant>,
     /// When it was granted (the caller's clock, as given to [`Ledger::grant`]).
     granted_at: Instant,
+    /// A relayed lease: the third process that holds it (not the link's peer).
+    relayed_to: Option<ProcessId>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -195,10 +209,20 @@ pub(crate) struct EntryView {
     pub(crate) alloc: AllocationId,
     pub(crate) bytes: u64,
     pub(crate) leases: Vec<(LeaseId, ProcessId)>,
+    pub(crate) relayed: Vec<RelayedView>,
     pub(crate) mapped_by: Vec<ProcessId>,
     pub(crate) cut_holders: Vec<ProcessId>,
     pub(crate) retiring: bool,
     pub(crate) quarantined: bool,
+}
+
+/// One relayed lease, for tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RelayedView {
+    pub(crate) lease: LeaseId,
+    pub(crate) holder: ProcessId,
+    /// The process that relays it; `None` once its link is down (stranded).
+    pub(crate) via: Option<ProcessId>,
 }
 
 /// Counters, for one owner or all.
@@ -243,9 +267,15 @@ pub(crate) struct Ledger<M, F> {
     leases: HashMap<LeaseId, LeaseRecord>,
     links: HashMap<LinkId, LinkRecord>,
     actions: Vec<Action<M, F>>,
+    /// Relayed leases that ended with their holder's death, by the link that relays them:
+    /// the relay's `Release` of one may still be on its way (at most [`MAX_TOMBSTONES`]).
+    ended_relays: HashMap<LeaseId, LinkId>,
     granted: u64,
     freed: u64,
 }
+
+/// Relayed leases ended by a death whose late `Release` is still accepted.
+const MAX_TOMBSTONES: usize = 65_536;
 
 impl<M, F> Default for Ledger<M, F> {
     fn default() -> Self {
@@ -254,6 +284,7 @@ impl<M, F> Default for Ledger<M, F> {
             buffers: HashMap::new(),
             leases: HashMap::new(),
             links: HashMap::new(),
+            ended_relays: HashMap::new(),
             actions: Vec::new(),
             granted: 0,
             freed: 0,
@@ -283,6 +314,7 @@ impl<M, F> Ledger<M, F> {
                 leases: BTreeSet::new(),
                 holds: BTreeMap::new(),
                 cut_holders: BTreeSet::new(),
+                stranded: BTreeMap::new(),
                 fences: Vec::new(),
             },
         );
@@ -326,10 +358,74 @@ impl<M, F> Ledger<M, F> {
                 link,
                 revoke_by: None,
                 granted_at: now,
+                relayed_to: None,
             },
         );
         self.granted += 1;
         Ok(Grant { new_hold })
+    }
+
+    /// Grants `holder`, a process with no link to us, a lease on the allocation of `via`
+    /// — a lease out over `link`, whose peer asked to forward it — before the offer goes
+    /// out through that peer. Starts no mapping hold: the holder keeps no warm mapping of
+    /// a relayed offer. Allowed on a retired allocation (`via` keeps it allocated).
+    /// Refused for a `via` not out over `link` (or itself relayed: forwards are one hop),
+    /// a link that is down, and a holder already at `max` relayed leases over `link`.
+    pub(crate) fn grant_relayed(
+        &mut self,
+        via: LeaseId,
+        link: LinkId,
+        lease: LeaseId,
+        holder: ProcessId,
+        max: usize,
+        now: Instant,
+    ) -> Result<AllocationId, Refusal> {
+        if !self.links.contains_key(&link) {
+            return Err(Refusal::LinkDown);
+        }
+        let alloc = match self.leases.get(&via) {
+            Some(r) if r.link == link && r.relayed_to.is_none() => r.alloc,
+            _ => return Err(Refusal::UnknownLease),
+        };
+        let relayed = self
+            .leases
+            .values()
+            .filter(|r| r.link == link && r.relayed_to.is_some())
+            .count();
+        if relayed >= max {
+            return Err(Refusal::TooManyRelayed);
+        }
+        let entry = self.allocs.get_mut(&alloc).expect("a lease's entry exists");
+        entry.leases.insert(lease);
+        self.leases.insert(
+            lease,
+            LeaseRecord {
+                alloc,
+                link,
+                revoke_by: None,
+                granted_at: now,
+                relayed_to: Some(holder),
+            },
+        );
+        self.granted += 1;
+        Ok(alloc)
+    }
+
+    /// Whether `lease` was relayed over `link` and ended with its holder's death (then a
+    /// `Release` of it that crossed the death is harmless); forgets it.
+    pub(crate) fn forget_ended_relay(&mut self, lease: LeaseId, link: LinkId) -> bool {
+        if self.ended_relays.get(&lease) == Some(&link) {
+            self.ended_relays.remove(&lease);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The process that holds `lease`: the relayed holder, or the peer of its link.
+    pub(crate) fn lease_holder(&self, lease: LeaseId) -> Option<ProcessId> {
+        let r = self.leases.get(&lease)?;
+        r.relayed_to.or_else(|| self.link_process(r.link))
     }
 
     /// Takes back a lease whose offer was never sent. `grant` is what [`grant`](Self::grant)
@@ -429,7 +525,9 @@ impl<M, F> Ledger<M, F> {
         let mut overdue: Vec<(LinkId, LeaseId, AllocationId)> = self
             .leases
             .iter()
-            .filter(|(_, r)| r.revoke_by.is_some_and(|d| d <= now))
+            // A relayed lease's holder has no link to cut, and cutting its relay would
+            // punish the wrong process: it stays counted until released or its holder dies.
+            .filter(|(_, r)| r.relayed_to.is_none() && r.revoke_by.is_some_and(|d| d <= now))
             .map(|(lease, r)| (r.link, *lease, r.alloc))
             .collect();
         overdue.sort();
@@ -508,12 +606,34 @@ impl<M, F> Ledger<M, F> {
         for link in &links {
             self.links.remove(link);
         }
-        // Forget it as a cut holder first, so that settling below sees it gone.
-        let touched: Vec<AllocationId> = self
+        // Its relayed leases end: nothing of ours is mapped there any more.
+        let relayed: Vec<(LeaseId, AllocationId)> = self
+            .leases
+            .iter()
+            .filter(|(_, r)| r.relayed_to == Some(process))
+            .map(|(l, r)| (*l, r.alloc))
+            .collect();
+        for (lease, alloc) in &relayed {
+            let record = self.leases.remove(lease).expect("listed");
+            if self.ended_relays.len() < MAX_TOMBSTONES {
+                self.ended_relays.insert(*lease, record.link);
+            }
+            if let Some(entry) = self.allocs.get_mut(alloc) {
+                entry.leases.remove(lease);
+            }
+        }
+        // Forget it as a cut holder (and its stranded leases) first, so that settling
+        // below sees it gone.
+        let mut touched: Vec<AllocationId> = self
             .allocs
             .iter_mut()
-            .filter_map(|(id, e)| e.cut_holders.remove(&process).then_some(*id))
+            .filter_map(|(id, e)| {
+                let stranded = e.stranded.len();
+                e.stranded.retain(|_, holder| *holder != process);
+                (e.cut_holders.remove(&process) || e.stranded.len() != stranded).then_some(*id)
+            })
             .collect();
+        touched.extend(relayed.into_iter().map(|(_, alloc)| alloc));
         self.drop_links(&links, None);
         for alloc in touched {
             self.settle(alloc);
@@ -526,17 +646,40 @@ impl<M, F> Ledger<M, F> {
         if links.is_empty() {
             return;
         }
+        // Relayed leases over them are stranded: their holders may still map the memory.
+        let stranded: Vec<(LeaseId, AllocationId, ProcessId)> = self
+            .leases
+            .iter()
+            .filter(|(_, r)| links.contains(&r.link))
+            .filter_map(|(l, r)| r.relayed_to.map(|holder| (*l, r.alloc, holder)))
+            .collect();
+        let stranded_now: BTreeSet<LeaseId> = stranded.iter().map(|(l, ..)| *l).collect();
+        for (lease, alloc, holder) in stranded {
+            if let Some(entry) = self.allocs.get_mut(&alloc) {
+                entry.stranded.insert(lease, holder);
+            }
+        }
         self.leases.retain(|_, r| !links.contains(&r.link));
+        self.ended_relays.retain(|_, link| !links.contains(link));
         let mut touched = Vec::new();
         for (id, entry) in &mut self.allocs {
             let before = entry.leases.len();
-            entry.leases.retain(|lease| self.leases.contains_key(lease));
+            // The relay of a stranded lease never mapped the memory through it: only its
+            // own leases and holds make the link's process a cut holder.
+            let mut own = false;
+            entry.leases.retain(|lease| {
+                let keep = self.leases.contains_key(lease);
+                own |= !keep && !stranded_now.contains(lease);
+                keep
+            });
             let holds = entry.holds.len();
             entry.holds.retain(|link, _| !links.contains(link));
-            if entry.holds.len() != holds || entry.leases.len() != before {
+            if entry.holds.len() != holds || own {
                 if let Some(process) = cut_holder {
                     entry.cut_holders.insert(process);
                 }
+            }
+            if entry.holds.len() != holds || entry.leases.len() != before {
                 touched.push(*id);
             }
         }
@@ -560,7 +703,9 @@ impl<M, F> Ledger<M, F> {
                 self.actions.push(Action::Unmap { link: *link, alloc });
             }
         }
-        if !entry.holds.is_empty() {
+        // A stranded lease's holder may map it until it is confirmed dead, whatever the
+        // backend's rule: nobody can carry its `Release` any more.
+        if !entry.holds.is_empty() || !entry.stranded.is_empty() {
             return;
         }
         if entry.rule == FreeWhileMapped::Unsafe && !entry.cut_holders.is_empty() {
@@ -603,6 +748,14 @@ impl<M, F> Ledger<M, F> {
         self.leases.contains_key(&lease)
     }
 
+    /// The stranded relayed leases (see the module docs).
+    pub(crate) fn stranded(&self) -> BTreeSet<LeaseId> {
+        self.allocs
+            .values()
+            .flat_map(|e| e.stranded.keys().copied())
+            .collect()
+    }
+
     /// The process at the other end of a live link.
     pub(crate) fn link_process(&self, link: LinkId) -> Option<ProcessId> {
         self.links.get(&link).map(|r| r.process)
@@ -615,15 +768,36 @@ impl<M, F> Ledger<M, F> {
             .iter()
             .filter(|(_, e)| owner.is_none_or(|o| e.owner == o))
             .map(|(alloc, e)| {
+                let mut relayed: Vec<RelayedView> = Vec::new();
                 let mut leases: Vec<(LeaseId, ProcessId)> = e
                     .leases
                     .iter()
                     .filter_map(|l| {
-                        let link = self.leases.get(l)?.link;
-                        Some((*l, self.links.get(&link)?.process))
+                        let r = self.leases.get(l)?;
+                        let via = self.links.get(&r.link)?.process;
+                        match r.relayed_to {
+                            Some(holder) => {
+                                relayed.push(RelayedView {
+                                    lease: *l,
+                                    holder,
+                                    via: Some(via),
+                                });
+                                Some((*l, holder))
+                            }
+                            None => Some((*l, via)),
+                        }
                     })
                     .collect();
+                for (lease, holder) in &e.stranded {
+                    leases.push((*lease, *holder));
+                    relayed.push(RelayedView {
+                        lease: *lease,
+                        holder: *holder,
+                        via: None,
+                    });
+                }
                 leases.sort();
+                relayed.sort_by_key(|r| r.lease);
                 let mut mapped_by: Vec<ProcessId> = e
                     .holds
                     .keys()
@@ -636,6 +810,7 @@ impl<M, F> Ledger<M, F> {
                     alloc: *alloc,
                     bytes: e.bytes,
                     leases,
+                    relayed,
                     mapped_by,
                     cut_holders: e.cut_holders.iter().copied().collect(),
                     retiring: e.phase != Phase::Live,
@@ -657,8 +832,8 @@ impl<M, F> Ledger<M, F> {
         {
             c.buffers += 1;
             c.bytes += e.bytes;
-            c.leases += e.leases.len();
-            if !e.leases.is_empty() {
+            c.leases += e.leases.len() + e.stranded.len();
+            if !e.leases.is_empty() || !e.stranded.is_empty() {
                 c.pinned_bytes += e.bytes;
             }
             match e.phase {
@@ -700,11 +875,21 @@ impl<M, F> Ledger<M, F> {
                 let Some(link) = self.links.get(&r.link) else {
                     continue;
                 };
-                view(&mut by, link.process);
-                let h = by.get_mut(&link.process).expect("just inserted");
+                let process = r.relayed_to.unwrap_or(link.process);
+                view(&mut by, process);
+                let h = by.get_mut(&process).expect("just inserted");
                 h.leases += 1;
                 h.oldest_grant = Some(h.oldest_grant.map_or(r.granted_at, |t| t.min(r.granted_at)));
-                if leasing.insert(link.process) {
+                if leasing.insert(process) {
+                    h.pinned_bytes += e.bytes;
+                }
+            }
+            for &process in e.stranded.values() {
+                view(&mut by, process);
+                let h = by.get_mut(&process).expect("just inserted");
+                h.leases += 1;
+                h.cut = true;
+                if leasing.insert(process) {
                     h.pinned_bytes += e.bytes;
                 }
             }
@@ -778,15 +963,21 @@ impl<M, F> Ledger<M, F> {
                 Phase::Retired => {
                     // A retired entry with nothing holding it would have been freed.
                     assert!(
-                        !e.leases.is_empty() || !e.holds.is_empty(),
+                        !e.leases.is_empty() || !e.holds.is_empty() || !e.stranded.is_empty(),
                         "a retired allocation nobody holds is freed"
                     );
                 }
                 Phase::Quarantined => {
                     assert_eq!(e.rule, FreeWhileMapped::Unsafe);
-                    assert!(e.leases.is_empty() && e.holds.is_empty());
+                    assert!(e.leases.is_empty() && e.holds.is_empty() && e.stranded.is_empty());
                     assert!(!e.cut_holders.is_empty());
                 }
+            }
+            for lease in e.stranded.keys() {
+                assert!(
+                    !self.leases.contains_key(lease),
+                    "a stranded lease is not out"
+                );
             }
             if e.phase != Phase::Live && e.leases.is_empty() {
                 assert!(

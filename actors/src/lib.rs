@@ -36,6 +36,9 @@
 //! - [`raw`]: untyped calls and buffers ([`Node::register_raw`], [`Peer::call_raw`],
 //!   [`AnyBuffer`], [`AnyShared`], [`AnyLease`]) for peers that do not share Rust types,
 //!   such as the Python package.
+//! - Forwarding: a process passes a buffer it leased on to a third one, zero-copy
+//!   ([`Peer::forward`], A → B → C); the exporter's ledger counts the third process as a
+//!   holder until it gives the buffer back or dies (see `docs/FORWARDING.md`).
 //! - [`supervisor`]: a process supervisor that spawns, watches and restarts child processes
 //!   (one-for-one or one-for-all, at most N restarts in a window), and feeds their deaths
 //!   into the lease protocol.
@@ -67,6 +70,7 @@ mod offload;
 mod order;
 mod owner;
 pub mod raw;
+mod relay;
 mod remote;
 mod status;
 pub mod supervisor;
@@ -74,7 +78,7 @@ pub mod supervisor;
 pub use buffer::{Buffer, Element, Lease, LeaseMut, Shared, SharedMut};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use error::ActorError;
-pub use exports::{BufferLeases, OwnerStats};
+pub use exports::{BufferLeases, ForwardedLease, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
 pub use link::{Heartbeat, LinkLimits, PeerLink};

@@ -303,9 +303,9 @@ impl Default for LinkLimits {
 
 /// One actor per connection (see the [crate docs](crate)).
 pub struct PeerLink {
-    node: Node,
-    me: LinkRef,
-    peer: PeerInfo,
+    pub(crate) node: Node,
+    pub(crate) me: LinkRef,
+    pub(crate) peer: PeerInfo,
     out: Option<mpsc::UnboundedSender<OutFrame>>,
     closer: LinkCloser,
     /// The peer's allocations this link keeps mapped (a hold in the import cache).
@@ -321,7 +321,7 @@ pub struct PeerLink {
     /// Status answers being prepared for the peer (at most [`STATUS_ANSWERS`]).
     status_answers: usize,
     pending: HashMap<u64, oneshot::Sender<Result<IncomingPayload, ActorError>>>,
-    limits: LinkLimits,
+    pub(crate) limits: LinkLimits,
     /// The peer's calls running now: each holds one while it runs.
     calls: Arc<Semaphore>,
     /// Pings in flight: when each was sent, and who waits for its round trip.
@@ -330,7 +330,7 @@ pub struct PeerLink {
     /// When the peer last sent anything.
     last_heard: Instant,
     down: Option<Arc<ActorError>>,
-    span: tracing::Span,
+    pub(crate) span: tracing::Span,
 }
 
 impl fmt::Debug for PeerLink {
@@ -496,7 +496,7 @@ impl PeerLink {
     /// Queues a frame of ours that answers the peer or runs the protocol (a reply, a
     /// release, a pong…). Fails with [`ActorError::PeerNotReading`] when the queue is past
     /// its bound: the peer makes us write and does not read.
-    fn send(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
+    pub(crate) fn send(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
         let bytes = Self::encode(msg, fds.len())?;
         self.room_for(bytes.len())?;
         self.enqueue(bytes, fds, None)
@@ -546,7 +546,7 @@ impl PeerLink {
     }
 
     /// Drops the link for a reason (logged once).
-    fn cut(&mut self, ctx: &mut Context<Self>, why: ActorError) {
+    pub(crate) fn cut(&mut self, ctx: &mut Context<Self>, why: ActorError) {
         let span = self.span.clone();
         let _g = span.enter();
         if why.is_peer_fault() {
@@ -613,7 +613,7 @@ impl PeerLink {
 
     /// Checks a frame's offers before anything is opened: each is the peer's own, offered
     /// once, and the leases fit the limits. An error is the peer's fault.
-    fn check_offers(&self, offers: &[Offer]) -> Result<(), ActorError> {
+    fn check_offers(&self, offers: &[Offer], relayed: bool) -> Result<(), ActorError> {
         if offers.len() > self.limits.offers_per_message {
             return Err(ActorError::TooManyOffers {
                 count: offers.len(),
@@ -621,7 +621,9 @@ impl PeerLink {
             });
         }
         for (i, offer) in offers.iter().enumerate() {
-            if offer.handle.exporter.process != self.peer.process {
+            if relayed {
+                self.check_relayed(offer)?;
+            } else if offer.handle.exporter.process != self.peer.process {
                 return Err(ActorError::ForeignOffer {
                     claimed: offer.handle.exporter,
                 });
@@ -655,6 +657,7 @@ impl PeerLink {
         &mut self,
         offers: Vec<Offer>,
         fds: FrameFds,
+        relayed: bool,
         ctx: &mut Context<Self>,
         then: impl FnOnce(
             &mut Self,
@@ -663,7 +666,7 @@ impl PeerLink {
         ) -> Result<(), ActorError>
         + 'static,
     ) -> Result<(), ActorError> {
-        self.check_offers(&offers)?;
+        self.check_offers(&offers, relayed)?;
         self.me
             .state
             .fds_received
@@ -675,7 +678,7 @@ impl PeerLink {
         let offload = self.node.offload();
         if offload.is_inline() {
             let (offers, views) = open_views(cache, offers, fds);
-            let opened = self.finish_open(offers, views)?;
+            let opened = self.finish_open(offers, views, relayed)?;
             return then(self, opened, ctx);
         }
         let opening = offload.run(move || open_views(cache, offers, fds));
@@ -683,7 +686,7 @@ impl PeerLink {
             let span = act.span.clone();
             let _g = span.enter();
             let done = views
-                .and_then(|(offers, views)| act.finish_open(offers, views))
+                .and_then(|(offers, views)| act.finish_open(offers, views, relayed))
                 .and_then(|opened| then(act, opened, ctx));
             if let Err(e) = done {
                 drop(_g);
@@ -698,6 +701,7 @@ impl PeerLink {
         &mut self,
         offers: Vec<Offer>,
         views: Vec<Result<Imported, baton_ipc::Error>>,
+        relayed: bool,
     ) -> Result<Opened<Vec<IncomingLease>>, ActorError> {
         let mut leases = Vec::with_capacity(offers.len());
         for (i, (offer, view)) in offers.iter().zip(views).enumerate() {
@@ -706,7 +710,7 @@ impl PeerLink {
                 Err(e) if e.is_local_open_failure() => {
                     tracing::warn!(lease = %offer.lease, alloc = %offer.handle.alloc, error = %e, "could not open an offer: refused");
                     drop(leases);
-                    self.give_back(&offers[i..])?;
+                    self.give_back(&offers[i..], relayed)?;
                     return Ok(Err(e));
                 }
                 Err(e) => return Err(e.into()),
@@ -716,7 +720,15 @@ impl PeerLink {
             // was letting go while leases used the mapping is superseded: the cache answers
             // its `Unmapped`.)
             let key = imported.key();
-            if self.mapped.insert(offer.handle.alloc, key).is_none() {
+            if relayed {
+                // A third process's memory: no warm mapping (its exporter cannot ask us to
+                // unmap it); this lease's own hold keeps it until its `Release` may go.
+                let holder = self.node.relays().new_holder();
+                self.node.cache().hold(&key, holder);
+                self.node
+                    .relays()
+                    .hold(self.me.id, offer.lease, key, holder);
+            } else if self.mapped.insert(offer.handle.alloc, key).is_none() {
                 self.node.cache().hold(&key, self.me.holder());
             }
             let held = Arc::new(HeldLease::default());
@@ -745,12 +757,13 @@ impl PeerLink {
     /// Gives back offers we did not open: `Release` for each lease, and `Unmapped` for
     /// each allocation we do not map, since the exporter counts a mapping hold from the
     /// moment it offers.
-    fn give_back(&mut self, offers: &[Offer]) -> Result<(), ActorError> {
+    fn give_back(&mut self, offers: &[Offer], relayed: bool) -> Result<(), ActorError> {
         let mut unmapped: Vec<AllocationId> = Vec::new();
         for offer in offers {
             self.send(&Wire::Release(Release::now(offer.lease)), Vec::new())?;
             let alloc = offer.handle.alloc;
-            if !self.mapped.contains_key(&alloc) && !unmapped.contains(&alloc) {
+            // A relayed offer starts no hold at its exporter: nothing to unmap.
+            if !relayed && !self.mapped.contains_key(&alloc) && !unmapped.contains(&alloc) {
                 unmapped.push(alloc);
             }
         }
@@ -840,6 +853,10 @@ impl PeerLink {
                         max: MAX_RELEASE_FENCES,
                     });
                 }
+                if self.release_passed(lease, &fences) {
+                    // A lease we forwarded: handed on to its exporter (see `relay`).
+                    return Ok(());
+                }
                 if !fences.is_empty() && !self.node.offload().is_inline() {
                     // Opened on the driver thread now, so that the buffer's next use (on
                     // whatever thread) finds the importer's events open.
@@ -867,8 +884,12 @@ impl PeerLink {
                         lease,
                         within,
                     });
+                } else {
+                    // A lease we forwarded: its holder is asked (see `relay`). Else a
+                    // revoke of a lease we already released crossed our Release: nothing
+                    // to do.
+                    self.revoke_passed(lease, deadline_ms);
                 }
-                // A revoke of a lease we already released crossed our Release: nothing to do.
                 Ok(())
             }
             Wire::Unmap(Unmap { alloc }) => self.on_unmap(alloc),
@@ -883,15 +904,17 @@ impl PeerLink {
                 self.node.exports().evict(self.me.id, alloc);
                 Ok(())
             }
-            Wire::Offer(offer) => self.with_opened(vec![offer], fds, ctx, |act, opened, _| {
-                // A refusal was logged and given back already.
-                if let Ok(leases) = opened {
-                    for lease in leases {
-                        act.node.deliver_offer(act.peer.process, lease);
+            Wire::Offer(offer) => {
+                self.with_opened(vec![offer], fds, false, ctx, |act, opened, _| {
+                    // A refusal was logged and given back already.
+                    if let Ok(leases) = opened {
+                        for lease in leases {
+                            act.node.deliver_offer(act.peer.process, lease);
+                        }
                     }
-                }
-                Ok(())
-            }),
+                    Ok(())
+                })
+            }
             Wire::Ping(n) => self.send(&Wire::Pong(n), Vec::new()),
             Wire::Pong(n) => {
                 self.on_pong(n);
@@ -899,6 +922,19 @@ impl PeerLink {
             }
             Wire::StatusRequest(request) => self.on_status_request(request, ctx),
             Wire::Status(status) => self.on_status(status),
+            Wire::Forward(forward) => self.on_forward(forward),
+            Wire::Forwarded(forwarded) => self.on_forwarded(forwarded, fds),
+            Wire::Relayed(relayed) => {
+                self.with_opened(vec![relayed.offer], fds, true, ctx, |act, opened, _| {
+                    // A refusal was logged and given back already.
+                    if let Ok(leases) = opened {
+                        for lease in leases {
+                            act.node.deliver_offer(act.peer.process, lease);
+                        }
+                    }
+                    Ok(())
+                })
+            }
             other => Err(ActorError::Unexpected { got: other.kind() }),
         }
     }
@@ -917,7 +953,7 @@ impl PeerLink {
             payload,
             offers,
         } = call;
-        self.with_opened(offers, fds, ctx, move |act, opened, ctx| {
+        self.with_opened(offers, fds, false, ctx, move |act, opened, ctx| {
             act.run_call(id, &target, &type_name, &payload, opened, slot, ctx)
         })
     }
@@ -1042,14 +1078,14 @@ impl PeerLink {
                             max: self.limits.offers_per_message,
                         });
                     }
-                    self.give_back(&payload.offers)
+                    self.give_back(&payload.offers, false)
                 }
                 Err(_) => Ok(()),
             };
         };
         match reply.outcome {
             Ok(Payload { bytes, offers }) => {
-                self.with_opened(offers, fds, ctx, move |_, opened, _| {
+                self.with_opened(offers, fds, false, ctx, move |_, opened, _| {
                     let result = match opened {
                         Ok(leases) => Ok(IncomingPayload { bytes, leases }),
                         Err(e) => Err(ActorError::OfferRefused(e)),
@@ -1096,6 +1132,10 @@ impl Actor for PeerLink {
         let reclaimed = before.saturating_sub(exports.stats(None).leases);
         // The mappings this link kept warm go (now, or with the last orphaned lease).
         self.node.cache().drop_holder(self.me.holder());
+        // Forwards through this link: see `relay`.
+        self.node
+            .relays()
+            .link_stopped(self.me.id, self.peer.process, self.node.cache());
         for (_, tx) in self.pending.drain() {
             let _ = tx.send(Err(ActorError::LinkClosed {
                 peer: self.peer.process,
@@ -1234,21 +1274,27 @@ impl Handler<ReleaseLease> for PeerLink {
             .state
             .held_leases
             .store(self.held.len(), Ordering::Relaxed);
-        let release = Wire::Release(Release { lease, fences });
         match pending {
-            None => {
-                if let Err(e) = self.send(&release, Vec::new()) {
-                    self.cut(ctx, e);
-                }
-            }
+            None => self.release_now(lease, fences, ctx),
             Some(pending) => {
                 let waited = self.node.offload().run(move || pending.wait());
                 ctx.spawn(waited.into_actor(self).map(move |_, act, ctx| {
-                    if let Err(e) = act.send(&release, Vec::new()) {
-                        act.cut(ctx, e);
-                    }
+                    act.release_now(lease, fences, ctx);
                 }));
             }
+        }
+    }
+}
+
+impl PeerLink {
+    /// Sends `Release` of a lease whose uses are over — for a relayed lease, once its
+    /// mapping is closed (see `relay`).
+    fn release_now(&mut self, lease: LeaseId, fences: Vec<FenceHandle>, ctx: &mut Context<Self>) {
+        let Err((lease, fences)) = self.release_relayed(lease, fences) else {
+            return;
+        };
+        if let Err(e) = self.send(&Wire::Release(Release { lease, fences }), Vec::new()) {
+            self.cut(ctx, e);
         }
     }
 }

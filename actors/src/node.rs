@@ -85,7 +85,7 @@ impl fmt::Debug for Offered {
 pub struct Peer {
     pub(crate) link: LinkRef,
     pub(crate) info: PeerInfo,
-    link_deadline: Duration,
+    pub(crate) link_deadline: Duration,
 }
 
 impl fmt::Debug for Peer {
@@ -275,6 +275,8 @@ struct NodeInner {
     owner: ActorId,
     /// The calling side of the loopback link ([`Node::local`]), once made.
     local: Mutex<Option<Peer>>,
+    /// The forwards this node relays or holds.
+    relays: crate::relay::Relays,
 }
 
 /// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
@@ -372,6 +374,7 @@ impl Node {
                 observed: crate::status::Observed::new(),
                 owner: crate::ids::next_actor(),
                 local: Mutex::new(None),
+                relays: crate::relay::Relays::default(),
             }
         });
         Node { inner }
@@ -410,6 +413,10 @@ impl Node {
 
     pub(crate) fn exports(&self) -> &Arc<Exports> {
         &self.inner.exports
+    }
+
+    pub(crate) fn relays(&self) -> &crate::relay::Relays {
+        &self.inner.relays
     }
 
     pub(crate) fn offload(&self) -> Offload {

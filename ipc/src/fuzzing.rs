@@ -608,6 +608,37 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     }
     out.push(("frame_decoder", stream));
 
+    // frame_decoder: the forwarding messages (a relay's request, the exporter's answers,
+    // the relayed offer).
+    let mut stream = vec![5u8];
+    for m in [
+        Message::Forward(baton_messages::protocol::Forward {
+            id: 1,
+            lease: LeaseId::new(5),
+            to: me,
+        }),
+        Message::Forwarded(baton_messages::protocol::Forwarded {
+            id: 1,
+            outcome: Ok(Offer {
+                lease: LeaseId::new(6),
+                handle: handles[3].clone().sealed(&fuzz_handle_key()),
+            }),
+        }),
+        Message::Forwarded(baton_messages::protocol::Forwarded {
+            id: 2,
+            outcome: Err("the lease is back".into()),
+        }),
+        Message::Relayed(baton_messages::protocol::Relayed {
+            offer: Offer {
+                lease: LeaseId::new(7),
+                handle: handles[1].clone().sealed(&fuzz_handle_key()),
+            },
+        }),
+    ] {
+        baton_messages::codec::encode_frame(&m, 0, &mut stream).expect("encodes");
+    }
+    out.push(("frame_decoder", stream));
+
     // handle_msg: flags, length, first handle, second handle.
     for (i, h) in handles.iter().enumerate() {
         let first = encode_handle(&h.clone().sealed(&fuzz_handle_key()));

@@ -41,6 +41,11 @@ enum Ev {
     Ungrant {
         lease: usize,
     },
+    /// The holder of `via` asks to forward its buffer to process `to`.
+    GrantRelayed {
+        via: usize,
+        to: u32,
+    },
     Retire {
         alloc: usize,
     },
@@ -77,6 +82,7 @@ fn event() -> impl Strategy<Value = Ev> {
         5 => (any::<usize>(), prop::bool::weighted(0.1), any::<bool>())
             .prop_map(|(lease, wrong_link, fence)| Ev::Release { lease, wrong_link, fence }),
         1 => any::<usize>().prop_map(|lease| Ev::Ungrant { lease }),
+        3 => (any::<usize>(), 0u32..4).prop_map(|(via, to)| Ev::GrantRelayed { via, to }),
         3 => any::<usize>().prop_map(|alloc| Ev::Retire { alloc }),
         1 => any::<usize>().prop_map(|alloc| Ev::Revoke { alloc }),
         1 => (0u64..200).prop_map(|advance_ms| Ev::Tick { advance_ms }),
@@ -126,7 +132,21 @@ struct MLease {
     new_hold: bool,
     revoke_by: Option<Instant>,
     granted_at: Instant,
+    /// A relayed lease: the process it was forwarded to.
+    relayed_to: Option<u32>,
+    /// A relayed lease whose link went down: kept until its holder dies.
+    stranded: bool,
 }
+
+impl MLease {
+    /// Whether it keeps its allocation: out, or stranded.
+    fn counts(&self) -> bool {
+        self.out || self.stranded
+    }
+}
+
+/// Relayed leases one link may carry in the tests.
+const MAX_RELAYED: usize = 3;
 
 /// The reference model: flat lists, recomputed predicates.
 #[derive(Debug, Default)]
@@ -151,7 +171,12 @@ impl Model {
     }
 
     fn lease_out_on(&self, alloc: usize) -> bool {
-        self.leases.iter().any(|l| l.out && l.alloc == alloc)
+        self.leases.iter().any(|l| l.counts() && l.alloc == alloc)
+    }
+
+    /// The process that holds a lease.
+    fn holder(&self, l: &MLease) -> u32 {
+        l.relayed_to.unwrap_or(self.links[l.link].process)
     }
 
     fn held_on_live_link(&self, alloc: usize) -> bool {
@@ -192,7 +217,12 @@ impl Model {
         for l in &mut self.leases {
             if l.out && l.link == link {
                 l.out = false;
-                touched.push(l.alloc);
+                if l.relayed_to.is_some() {
+                    // Its holder may still map it; the relay never did.
+                    l.stranded = true;
+                } else {
+                    touched.push(l.alloc);
+                }
             }
         }
         self.holds.retain(|&(a, l, _)| {
@@ -308,6 +338,53 @@ impl Run {
                         new_hold: g.new_hold,
                         revoke_by: None,
                         granted_at: self.now,
+                        relayed_to: None,
+                        stranded: false,
+                    });
+                }
+            }
+            Ev::GrantRelayed { via, to } => {
+                // The node never forwards to a process it saw dead: its watch would end
+                // the lease at once.
+                if m.leases.is_empty() || m.dead.contains(&to) {
+                    return;
+                }
+                let v = m.leases[via % m.leases.len()].clone();
+                let lease = LeaseId::new(m.fresh());
+                let got = self.ledger.grant_relayed(
+                    v.id,
+                    m.links[v.link].id,
+                    lease,
+                    process(to),
+                    MAX_RELAYED,
+                    self.now,
+                );
+                let relayed = m
+                    .leases
+                    .iter()
+                    .filter(|l| l.out && l.link == v.link && l.relayed_to.is_some())
+                    .count();
+                let expect = if !m.links[v.link].up {
+                    Err(Refusal::LinkDown)
+                } else if !v.out || v.relayed_to.is_some() {
+                    Err(Refusal::UnknownLease)
+                } else if relayed >= MAX_RELAYED {
+                    Err(Refusal::TooManyRelayed)
+                } else {
+                    Ok(m.allocs[v.alloc].id)
+                };
+                assert_eq!(got, expect, "relayed grant of {v:?} to {to}");
+                if got.is_ok() {
+                    m.leases.push(MLease {
+                        id: lease,
+                        alloc: v.alloc,
+                        link: v.link,
+                        out: true,
+                        new_hold: false,
+                        revoke_by: None,
+                        granted_at: self.now,
+                        relayed_to: Some(to),
+                        stranded: false,
                     });
                 }
             }
@@ -463,6 +540,11 @@ impl Run {
                         m.cut_link(l, false);
                     }
                 }
+                // Its relayed leases end, out or stranded.
+                for l in m.leases.iter_mut().filter(|l| l.relayed_to == Some(p)) {
+                    l.out = false;
+                    l.stranded = false;
+                }
                 self.ledger.process_dead(process(p));
             }
         }
@@ -476,7 +558,8 @@ impl Run {
         let m = &mut self.model;
         let mut expected_unmaps = Vec::new();
         for a in 0..m.allocs.len() {
-            if m.allocs[a].retired && !m.allocs[a].freed && !m.lease_out_on(a) {
+            let out = m.leases.iter().any(|l| l.out && l.alloc == a);
+            if m.allocs[a].retired && !m.allocs[a].freed && !out {
                 for t in m.holds.iter_mut() {
                     if t.0 == a && t.2 == Token::Current && m.links[t.1].up {
                         t.2 = Token::Draining;
@@ -489,7 +572,12 @@ impl Run {
         let now = self.now;
         for l in &m.leases {
             let link = &m.links[l.link];
-            if l.out && link.up && !link.cut_asked && l.revoke_by.is_some_and(|d| d <= now) {
+            if l.out
+                && l.relayed_to.is_none()
+                && link.up
+                && !link.cut_asked
+                && l.revoke_by.is_some_and(|d| d <= now)
+            {
                 expected_cuts.push(l.link);
             }
         }
@@ -594,7 +682,7 @@ impl Run {
         let c = self.ledger.counts(None);
         let live = m.allocs.iter().filter(|x| !x.freed).count();
         assert_eq!(c.buffers, live);
-        let out = m.leases.iter().filter(|l| l.out).count();
+        let out = m.leases.iter().filter(|l| l.counts()).count();
         assert_eq!(c.leases, out);
         // Who holds what, per process: leases, their oldest grant, the bytes they pin.
         let holders = self.ledger.holders();
@@ -602,7 +690,7 @@ impl Run {
             let mine: Vec<&MLease> = m
                 .leases
                 .iter()
-                .filter(|l| l.out && m.links[l.link].process == p)
+                .filter(|l| l.counts() && m.holder(l) == p)
                 .collect();
             let mut pinned: Vec<usize> = mine.iter().map(|l| l.alloc).collect();
             pinned.sort();
@@ -615,7 +703,7 @@ impl Run {
             );
             assert_eq!(
                 row.and_then(|h| h.oldest_grant),
-                mine.iter().map(|l| l.granted_at).min(),
+                mine.iter().filter(|l| l.out).map(|l| l.granted_at).min(),
                 "oldest lease of process {p}"
             );
             assert_eq!(
@@ -626,7 +714,8 @@ impl Run {
             let cut = m
                 .cut
                 .iter()
-                .any(|&(a, q)| q == p && !m.dead.contains(&q) && !m.allocs[a].freed);
+                .any(|&(a, q)| q == p && !m.dead.contains(&q) && !m.allocs[a].freed)
+                || mine.iter().any(|l| l.stranded);
             assert_eq!(row.is_some_and(|h| h.cut), cut, "process {p} a cut holder");
         }
         let pinned_allocs = (0..m.allocs.len()).filter(|&a| m.lease_out_on(a)).count();
@@ -730,4 +819,75 @@ fn a_free_waits_for_every_warm_mapping() {
     assert!(!run.model.allocs[0].freed, "one answer is not enough");
     run.apply(&Ev::ProcessDead { process: 1 });
     assert!(run.model.allocs[0].freed, "the other's death ends the wait");
+}
+
+/// A forward: process 0 holds a lease and forwards it to process 1, which has no link.
+/// The relay's death strands process 1's lease: kept, whatever the rule, until 1 dies —
+/// and the relay, which never mapped through it, is no cut holder of it.
+#[test]
+fn a_stranded_forward_keeps_the_memory_until_its_holder_dies() {
+    for unsafe_free in [true, false] {
+        let mut run = Run::new();
+        run.apply(&Ev::Insert {
+            unsafe_free,
+            kill: false,
+        });
+        run.apply(&Ev::LinkUp { process: 0 });
+        run.apply(&Ev::Grant { alloc: 0, link: 0 });
+        run.apply(&Ev::GrantRelayed { via: 0, to: 1 });
+        assert!(run.model.leases[1].out, "the forward is granted");
+        let view = run.ledger.view(None);
+        assert_eq!(view[0].relayed.len(), 1);
+        assert_eq!(view[0].relayed[0].holder, process(1));
+        assert_eq!(view[0].relayed[0].via, Some(process(0)));
+        // Forwards are one hop: a relayed lease cannot be forwarded again.
+        run.apply(&Ev::GrantRelayed { via: 1, to: 2 });
+        assert_eq!(run.model.leases.len(), 2);
+        run.apply(&Ev::Release {
+            lease: 0,
+            wrong_link: false,
+            fence: false,
+        });
+        run.apply(&Ev::Retire { alloc: 0 });
+        run.apply(&Ev::ProcessDead { process: 0 });
+        assert!(!run.model.allocs[0].freed, "process 1 may still map it");
+        let view = run.ledger.view(None);
+        assert_eq!(view[0].relayed[0].via, None, "stranded");
+        assert!(view[0].cut_holders.is_empty(), "the relay is no cut holder");
+        assert_eq!(run.ledger.counts(None).quarantined, 0);
+        run.apply(&Ev::ProcessDead { process: 1 });
+        assert!(run.model.allocs[0].freed, "freed once its holder is dead");
+    }
+}
+
+/// A forwarded lease whose holder died: the relay's late `Release` of it is recognised
+/// once, not taken for a lease the link never had.
+#[test]
+fn a_release_that_crosses_the_holders_death_is_recognised() {
+    let mut ledger: Ledger<u64, Fence> = Ledger::default();
+    let (alloc, buffer, link) = (AllocationId::new(1), BufferId::next(), LinkId::next());
+    ledger.insert(NewAllocation {
+        alloc,
+        buffer,
+        owner: ActorId::new(1),
+        bytes: 4096,
+        rule: FreeWhileMapped::Unsafe,
+        policy: RevokePolicy::Cut,
+        meta: 1,
+    });
+    ledger.link_up(link, process(0));
+    let now = Instant::now();
+    let (own, fwd) = (LeaseId::new(1), LeaseId::new(2));
+    ledger.grant(alloc, link, own, now).unwrap();
+    assert_eq!(
+        ledger.grant_relayed(own, link, fwd, process(1), 4, now),
+        Ok(alloc)
+    );
+    assert_eq!(ledger.lease_holder(fwd), Some(process(1)));
+    ledger.process_dead(process(1));
+    ledger.check();
+    assert!(!ledger.is_out(fwd));
+    assert_eq!(ledger.release(fwd, link, None), Err(Refusal::UnknownLease));
+    assert!(ledger.forget_ended_relay(fwd, link));
+    assert!(!ledger.forget_ended_relay(fwd, link), "once");
 }
