@@ -249,8 +249,11 @@ async fn holder_killed(setup: &Setup) {
     let id = buf.id();
     assert_c_holds_via_b(parent, &trio, id).await;
 
-    // Zero-copy: C sees A's write to the same memory.
-    buf.write_at(0, &[0xDEAD_BEEF]).unwrap();
+    // Zero-copy: C sees A's write to the same memory. (`Buffer::write_at` refuses while a
+    // lease is out; the allocation's own write, one layer down, reaches the same memory.)
+    buf.allocation()
+        .write(0, &0xDEAD_BEEF_u32.to_ne_bytes())
+        .unwrap();
     assert_eq!(trio.c_lines.next_line(DEADLINE).await, "first=3735928559");
 
     // B lets its own lease go and A drops the buffer: C alone keeps it.
