@@ -19,7 +19,7 @@ use actix::prelude::*;
 use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
 use baton::actors::{ActorError, Allocate, Buffer, Lease};
 use baton::ipc::MemPtr;
-use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
+use baton::ipc::cuda::testing::GpuTestLock;
 use baton::ipc::cuda::{CudaBackend, CudaExport};
 use msgs::*;
 use std::future::Future;
@@ -38,16 +38,7 @@ const MIN_ELEMS: usize = 2 * MIB / 4;
 /// A parent on CUDA whose children use the same export kind, and the GPU test lock, held
 /// for the test's run.
 fn cuda_parent(tag: &str, export: CudaExport) -> (Parent, Arc<CudaBackend>, GpuTestLock) {
-    let gpu = exclusive_gpu(Duration::from_secs(1800)).expect("the GPU test lock");
-    let cuda = Arc::new(CudaBackend::new(0, export).expect("a CUDA device"));
-    let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());
-    parent
-        .child_env
-        .push(("BATON_BACKEND".into(), "cuda".into()));
-    parent
-        .child_env
-        .push(("BATON_CUDA_EXPORT".into(), export.name().into()));
-    (parent, cuda, gpu)
+    Parent::start_cuda(tag, export)
 }
 
 /// Device free memory now, after the backend's pool gave back what it keeps for reuse

@@ -26,7 +26,7 @@ mod relay_msgs;
 use actors::{DEADLINE, Lines, Parent, eventually, run};
 use baton::actors::{BufferId, BufferLeases, Peer};
 use baton::ipc::HostBackend;
-use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
+use baton::ipc::cuda::testing::GpuTestLock;
 use baton::ipc::cuda::{CudaBackend, CudaExport};
 use baton::ipc::host::HostFlavor;
 use msgs::pattern;
@@ -74,15 +74,7 @@ fn host(tag: &str, flavor: HostFlavor) -> Setup {
 
 /// A parent on CUDA whose children export the same way, and the GPU test lock.
 fn cuda(tag: &str, export: CudaExport) -> Setup {
-    let gpu = exclusive_gpu(Duration::from_secs(1800)).expect("the GPU test lock");
-    let backend = Arc::new(CudaBackend::new(0, export).expect("a CUDA device"));
-    let mut parent = Parent::start_with(&peer::namespace(tag), backend.clone());
-    parent
-        .child_env
-        .push(("BATON_BACKEND".into(), "cuda".into()));
-    parent
-        .child_env
-        .push(("BATON_CUDA_EXPORT".into(), export.name().into()));
+    let (parent, backend, gpu) = Parent::start_cuda(tag, export);
     Setup {
         parent,
         named: false,

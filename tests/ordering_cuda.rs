@@ -29,12 +29,11 @@ use actors::{DEADLINE, Parent, eventually, exited};
 use baton::actors::{Allocate, Buffer};
 use baton::ipc::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use baton::ipc::cuda::cudarc::nvrtc::compile_ptx;
-use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
+use baton::ipc::cuda::testing::GpuTestLock;
 use baton::ipc::cuda::{CudaBackend, CudaExport, DeviceArg};
 use ordering_msgs::{Check, Count, KERNELS, Round};
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 fn run<F: Future<Output = ()>>(f: F) {
     System::new().block_on(f);
@@ -51,15 +50,7 @@ async fn setup(
     baton::actors::Peer,
     GpuTestLock,
 ) {
-    let gpu = exclusive_gpu(Duration::from_secs(1800)).expect("the GPU test lock");
-    let cuda = Arc::new(CudaBackend::new(0, export).expect("a CUDA device"));
-    let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());
-    parent
-        .child_env
-        .push(("BATON_BACKEND".into(), "cuda".into()));
-    parent
-        .child_env
-        .push(("BATON_CUDA_EXPORT".into(), export.name().into()));
+    let (parent, cuda, gpu) = Parent::start_cuda(tag, export);
     let socket = parent.socket();
     let (child, link) = parent
         .spawn_linked(

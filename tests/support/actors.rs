@@ -148,6 +148,29 @@ impl Parent {
         Self::start_configured(ns, backend, |c| c)
     }
 
+    /// Call inside an actix system. A parent on CUDA device 0 exporting as `export`, whose
+    /// children export the same way, with the GPU test lock, held while the test runs.
+    pub fn start_cuda(
+        tag: &str,
+        export: baton::ipc::cuda::CudaExport,
+    ) -> (
+        Parent,
+        Arc<baton::ipc::cuda::CudaBackend>,
+        baton::ipc::cuda::testing::GpuTestLock,
+    ) {
+        let gpu = baton::ipc::cuda::testing::exclusive_gpu(Duration::from_secs(1800))
+            .expect("the GPU test lock");
+        let cuda = Arc::new(baton::ipc::cuda::CudaBackend::new(0, export).expect("a CUDA device"));
+        let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());
+        parent
+            .child_env
+            .push(("BATON_BACKEND".into(), "cuda".into()));
+        parent
+            .child_env
+            .push(("BATON_CUDA_EXPORT".into(), export.name().into()));
+        (parent, cuda, gpu)
+    }
+
     /// Call inside an actix system, with any backend and a node configuration of its own
     /// (`configure` gets the default one; children use host memory).
     pub fn start_configured(
