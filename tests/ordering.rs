@@ -24,7 +24,8 @@ mod recording;
 
 use actix::prelude::*;
 use baton::Session;
-use baton::actors::{Allocate, Buffer, BufferOwner, Lease, Node};
+use baton::actors::{Allocate, Buffer, BufferOwner, Lease, Listening, Node, Peer};
+use baton::ipc::SharedBackend;
 use baton::ipc::Stream;
 use msgs::Hold;
 use recording::{Device, SimBackend, alloc_of};
@@ -64,6 +65,45 @@ fn run<F: Future<Output = ()>>(f: F) {
     System::new().block_on(f);
 }
 
+/// Two nodes of one session, linked: the importer listens and keeps what it is sent to
+/// `"keep"` (in `kept`); the exporter allocates through `owner`. Every field lives as
+/// long as the test needs the link.
+struct Pair {
+    session: Session,
+    /// Kept alive for the link (the owner and the link belong to it).
+    _exporter: Node,
+    importer: Node,
+    owner: Addr<BufferOwner>,
+    kept: Arc<Mutex<Vec<Lease<u32>>>>,
+    to_importer: Peer,
+    listening: Listening,
+    _tmp: tempfile::TempDir,
+}
+
+impl Pair {
+    async fn link(exp: SharedBackend, imp: SharedBackend) -> Pair {
+        let session = Session::generate().unwrap();
+        let exporter = Node::new(session.clone(), exp);
+        let importer = Node::new(session.clone(), imp);
+        let (_tmp, dir) = peer::socket_dir();
+        let listening = importer.listen(&dir, "importer.sock").unwrap();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
+        let owner = BufferOwner::new(&exporter).start();
+        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        Pair {
+            session,
+            _exporter: exporter,
+            importer,
+            owner,
+            kept,
+            to_importer,
+            listening,
+            _tmp,
+        }
+    }
+}
+
 /// Where the first line starting with `needle` is in the log; panics with the log if there
 /// is none.
 fn at(device: &Device, needle: &str) -> usize {
@@ -91,15 +131,13 @@ fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
         let device = Device::new();
         let exp = SimBackend::new(&device, "exp");
         let imp = SimBackend::new(&device, "imp");
-        let session = Session::generate().unwrap();
-        let exporter = Node::new(session.clone(), exp.clone());
-        let importer = Node::new(session, imp.clone());
-        let (_tmp, dir) = peer::socket_dir();
-        let _listening = importer.listen(&dir, "importer.sock").unwrap();
-        let kept = Arc::new(Mutex::new(Vec::new()));
-        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
-        let owner = BufferOwner::new(&exporter).start();
-        let to_importer = exporter.connect(_listening.path()).await.unwrap();
+        let pair = Pair::link(exp.clone(), imp.clone()).await;
+        let Pair {
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
 
         let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
         let alloc = alloc_of(buf.ptr());
@@ -269,8 +307,7 @@ fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
             .rposition(|l| *l == format!("imp sync s{}", imp.internal()))
             .expect("and synchronised");
         assert!(close_wait < close_sync, "{}", lines.join("\n"));
-        drop(to_importer);
-        drop((exporter, importer, owner));
+        drop(pair);
     });
 }
 
@@ -282,15 +319,13 @@ fn host_copies_wait_on_the_backends_own_stream_and_release_without_a_fence() {
         let device = Device::new();
         let exp = SimBackend::new(&device, "exp");
         let imp = SimBackend::new(&device, "imp");
-        let session = Session::generate().unwrap();
-        let exporter = Node::new(session.clone(), exp.clone());
-        let importer = Node::new(session, imp.clone());
-        let (_tmp, dir) = peer::socket_dir();
-        let listening = importer.listen(&dir, "i.sock").unwrap();
-        let kept = Arc::new(Mutex::new(Vec::new()));
-        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
-        let owner = BufferOwner::new(&exporter).start();
-        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let pair = Pair::link(exp.clone(), imp.clone()).await;
+        let Pair {
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
 
         let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
         let alloc = alloc_of(buf.ptr());
@@ -333,7 +368,7 @@ fn host_copies_wait_on_the_backends_own_stream_and_release_without_a_fence() {
             releases_before, releases_after,
             "a lease used only through host copies records no release fence"
         );
-        drop(to_importer);
+        drop(pair);
     });
 }
 
@@ -346,15 +381,14 @@ fn pool_descriptors_cross_a_link_once_per_pool_and_again_after_a_failed_import()
         let device = Device::new();
         let exp = SimBackend::pooled(&device, "exp");
         let imp = SimBackend::new(&device, "imp");
-        let session = Session::generate().unwrap();
-        let exporter = Node::new(session.clone(), exp.clone());
-        let importer = Node::new(session, imp.clone());
-        let (_tmp, dir) = peer::socket_dir();
-        let listening = importer.listen(&dir, "p.sock").unwrap();
-        let kept = Arc::new(Mutex::new(Vec::new()));
-        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
-        let owner = BufferOwner::new(&exporter).start();
-        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let pair = Pair::link(exp.clone(), imp.clone()).await;
+        let Pair {
+            importer,
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
         let from_exporter = {
             let start = Instant::now();
             loop {
@@ -398,7 +432,7 @@ fn pool_descriptors_cross_a_link_once_per_pool_and_again_after_a_failed_import()
         );
         assert_eq!(imp.fds_opened.load(std::sync::atomic::Ordering::Relaxed), 2);
         kept.lock().unwrap().clear();
-        drop(to_importer);
+        drop(pair);
     });
 }
 
@@ -412,16 +446,16 @@ fn a_node_answers_pings_while_a_slow_driver_open_is_in_progress() {
         let exp = SimBackend::new(&device, "exp");
         let imp = SimBackend::new(&device, "imp");
         imp.slow_opens("open");
-        let session = Session::generate().unwrap();
-        let exporter = Node::new(session.clone(), exp.clone());
-        let importer = Node::new(session.clone(), imp.clone());
-        let third = Node::new(session, SimBackend::new(&device, "third"));
-        let (_tmp, dir) = peer::socket_dir();
-        let listening = importer.listen(&dir, "s.sock").unwrap();
-        let kept = Arc::new(Mutex::new(Vec::new()));
-        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
-        let owner = BufferOwner::new(&exporter).start();
-        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let pair = Pair::link(exp.clone(), imp.clone()).await;
+        let Pair {
+            session,
+            owner,
+            kept,
+            to_importer,
+            listening,
+            ..
+        } = &pair;
+        let third = Node::new(session.clone(), SimBackend::new(&device, "third"));
         let pinger = third.connect(listening.path()).await.unwrap();
 
         let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
@@ -442,7 +476,7 @@ fn a_node_answers_pings_while_a_slow_driver_open_is_in_progress() {
         assert_eq!(held, 1);
         assert_eq!(kept.lock().unwrap().len(), 1);
         kept.lock().unwrap().clear();
-        drop((to_importer, pinger));
+        drop((pair, pinger));
     });
 }
 
@@ -454,18 +488,17 @@ fn a_per_allocation_descriptor_crosses_a_link_once_per_allocation() {
     use baton::ipc::{HostBackend, HostFlavor};
     run(async {
         let ns = peer::namespace("ord-fd");
-        let host = |ns: &str| -> baton::ipc::SharedBackend {
+        let host = |ns: &str| -> SharedBackend {
             Arc::new(HostBackend::with_flavor(HostFlavor::Memfd, ns).unwrap())
         };
-        let session = Session::generate().unwrap();
-        let exporter = Node::new(session.clone(), host(&ns));
-        let importer = Node::new(session, host(&ns));
-        let (_tmp, dir) = peer::socket_dir();
-        let listening = importer.listen(&dir, "fd.sock").unwrap();
-        let kept = Arc::new(Mutex::new(Vec::new()));
-        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
-        let owner = BufferOwner::new(&exporter).start();
-        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let pair = Pair::link(host(&ns), host(&ns)).await;
+        let Pair {
+            importer,
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
         let a: Buffer<u32> = owner.send(Allocate::vector(1024)).await.unwrap().unwrap();
         let b: Buffer<u32> = owner.send(Allocate::vector(1024)).await.unwrap().unwrap();
         for bufs in [
@@ -483,7 +516,7 @@ fn a_per_allocation_descriptor_crosses_a_link_once_per_allocation() {
         }
         let from_exporter = importer.peers().pop().expect("the exporter's link");
         assert_eq!(from_exporter.descriptors_received(), 2);
-        drop(to_importer);
+        drop(pair);
     });
 }
 
@@ -496,15 +529,13 @@ fn a_reoffer_waits_for_the_previous_importers_pending_work() {
         let device = Device::new();
         let exp = SimBackend::new(&device, "exp");
         let imp = SimBackend::new(&device, "imp");
-        let session = Session::generate().unwrap();
-        let exporter = Node::new(session.clone(), exp.clone());
-        let importer = Node::new(session, imp.clone());
-        let (_tmp, dir) = peer::socket_dir();
-        let listening = importer.listen(&dir, "r.sock").unwrap();
-        let kept = Arc::new(Mutex::new(Vec::new()));
-        importer.register::<Hold>("keep", Keeper(Arc::clone(&kept)).start().recipient());
-        let owner = BufferOwner::new(&exporter).start();
-        let to_importer = exporter.connect(listening.path()).await.unwrap();
+        let pair = Pair::link(exp.clone(), imp.clone()).await;
+        let Pair {
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
         let keep = to_importer.remote::<Hold>("keep");
 
         let buf: Buffer<u32> = owner.send(Allocate::vector(4)).await.unwrap().unwrap();
@@ -537,6 +568,6 @@ fn a_reoffer_waits_for_the_previous_importers_pending_work() {
         device.open_gate("first");
         assert!(device.ran("first") && device.ran("second"));
         drop(second);
-        drop(to_importer);
+        drop(pair);
     });
 }
