@@ -1,5 +1,6 @@
-//! Stream ordering across processes on a real GPU, on legacy, VMM and pool memory (the same
-//! properties as `tests/ordering.rs` proves on a recording backend), with an importer process
+//! Stream ordering across processes on a real GPU, on legacy, VMM and pool memory, with
+//! counter fences (the default) and IPC-event fences (the same properties as
+//! `tests/ordering.rs` proves on a recording backend), with an importer process
 //! (`src/bin/baton-ordering-peer.rs`) that uses leases on a stream of its own, through
 //! cudarc's own API (Baton's `DevicePtr`/`DevicePtrMut` and `DeviceArg`):
 //!
@@ -10,7 +11,10 @@
 //!   shares it while the kernel runs; the importer copies it on *its* stream (cudarc
 //!   `memcpy_dtod`) and finds only the finished data;
 //! - **VMM descriptors**: a VMM allocation's descriptor crosses a link once, however often
-//!   the allocation is offered over it (counted by the importer's link).
+//!   the allocation is offered over it (counted by the importer's link);
+//! - **fence reuse**: a tight stream-ordered loop (share on a stream, the importer's stream
+//!   waits, release fence back; no host synchronisation) of many times the fence pool's size
+//!   never runs the pool dry, and every fence recorded on the way completes.
 //!
 //! Needs a GPU and NVRTC: `cargo test --test ordering_cuda --features gpu-tests`. Each test
 //! holds the GPU test lock.
@@ -30,8 +34,8 @@ use baton::actors::{Allocate, Buffer};
 use baton::ipc::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use baton::ipc::cuda::cudarc::nvrtc::compile_ptx;
 use baton::ipc::cuda::testing::GpuTestLock;
-use baton::ipc::cuda::{CudaBackend, CudaExport, DeviceArg};
-use ordering_msgs::{Check, Count, KERNELS, Round};
+use baton::ipc::cuda::{CudaBackend, CudaExport, DEFAULT_EVENT_LIMIT, DeviceArg, FenceKind};
+use ordering_msgs::{Check, Count, KERNELS, Round, Touch};
 use std::future::Future;
 use std::sync::Arc;
 
@@ -43,6 +47,7 @@ fn run<F: Future<Output = ()>>(f: F) {
 async fn setup(
     tag: &str,
     export: CudaExport,
+    fence: FenceKind,
 ) -> (
     Parent,
     Arc<CudaBackend>,
@@ -50,7 +55,7 @@ async fn setup(
     baton::actors::Peer,
     GpuTestLock,
 ) {
-    let (parent, cuda, gpu) = Parent::start_cuda(tag, export);
+    let (parent, cuda, gpu) = Parent::start_cuda_fenced(tag, export, fence);
     let socket = parent.socket();
     let (child, link) = parent
         .spawn_linked(
@@ -71,19 +76,26 @@ async fn setup(
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn an_importers_late_write_never_lands_over_the_exporters_next_write() {
-    for export in EXPORTS {
-        eprintln!("release ordering on {export:?} memory");
-        late_write_never_lands(export);
+    for (export, fence) in cases() {
+        eprintln!("release ordering on {export:?} memory, {fence:?} fences");
+        late_write_never_lands(export, fence);
     }
 }
 
 /// Every export kind the ordering tests run on.
 const EXPORTS: [CudaExport; 3] = [CudaExport::Legacy, CudaExport::Vmm, CudaExport::Pool];
 
-fn late_write_never_lands(export: CudaExport) {
+/// Every export kind with each fence kind.
+fn cases() -> impl Iterator<Item = (CudaExport, FenceKind)> {
+    EXPORTS
+        .into_iter()
+        .flat_map(|e| [FenceKind::Counter, FenceKind::Event].map(|f| (e, f)))
+}
+
+fn late_write_never_lands(export: CudaExport, fence: FenceKind) {
     run(async {
         const ROUNDS: u32 = 1000;
-        let (parent, _cuda, mut child, link, _gpu) = setup("ord-rel", export).await;
+        let (parent, _cuda, mut child, link, _gpu) = setup("ord-rel", export, fence).await;
         let buf: Buffer<u32> = parent
             .owner
             .send(Allocate::vector(1 << 20))
@@ -135,17 +147,17 @@ fn late_write_never_lands(export: CudaExport) {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn an_importers_stream_waits_for_the_exporters_work_before_its_first_use() {
-    for export in EXPORTS {
-        eprintln!("acquire ordering on {export:?} memory");
-        first_use_waits(export);
+    for (export, fence) in cases() {
+        eprintln!("acquire ordering on {export:?} memory, {fence:?} fences");
+        first_use_waits(export, fence);
     }
 }
 
-fn first_use_waits(export: CudaExport) {
+fn first_use_waits(export: CudaExport, fence: FenceKind) {
     run(async {
         const N: u32 = 1 << 22;
         const ROUNDS: u32 = 20;
-        let (parent, cuda, mut child, link, _gpu) = setup("ord-acq", export).await;
+        let (parent, cuda, mut child, link, _gpu) = setup("ord-acq", export, fence).await;
         let module = cuda
             .context()
             .load_module(compile_ptx(KERNELS).expect("NVRTC"))
@@ -212,7 +224,8 @@ fn first_use_waits(export: CudaExport) {
 )]
 fn a_vmm_descriptor_crosses_a_link_once_per_allocation() {
     run(async {
-        let (parent, _cuda, mut child, link, _gpu) = setup("ord-vmm", CudaExport::Vmm).await;
+        let (parent, _cuda, mut child, link, _gpu) =
+            setup("ord-vmm", CudaExport::Vmm, FenceKind::default()).await;
         let a: Buffer<u32> = parent
             .owner
             .send(Allocate::vector(1 << 20))
@@ -239,6 +252,70 @@ fn a_vmm_descriptor_crosses_a_link_once_per_allocation() {
             "one descriptor and one import per allocation (descriptors, opens)"
         );
         drop((a, b));
+        link.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
+/// A tight stream-ordered loop, as the benchmark's `ordered` variant runs it: the exporter's
+/// stream waits on the release fences that came back and shares on it, the importer's
+/// stream waits on the acquire fence and the lease drops at once, with no host
+/// synchronisation anywhere. Eight times the fence pool's size in handoffs never runs it
+/// dry (each side's pool gets its fences back once their work completed), and every fence
+/// recorded on the way completes (the exporter's stream drains within the deadline).
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn a_tight_ordered_loop_never_runs_the_fences_dry() {
+    for fence in [FenceKind::Counter, FenceKind::Event] {
+        eprintln!("a tight ordered loop with {fence:?} fences");
+        tight_ordered_loop(fence);
+    }
+}
+
+fn tight_ordered_loop(fence: FenceKind) {
+    run(async {
+        let handoffs = 8 * DEFAULT_EVENT_LIMIT;
+        let (parent, cuda, mut child, link, _gpu) =
+            setup("ord-loop", CudaExport::Legacy, fence).await;
+        let buf: Buffer<u32> = parent
+            .owner
+            .send(Allocate::vector(1 << 10))
+            .await
+            .unwrap()
+            .unwrap();
+        let stream = cuda.context().new_stream().unwrap();
+        let touch = link.remote::<Touch>("touch");
+        for i in 0..handoffs {
+            buf.wait_on(&stream).unwrap();
+            let shared = buf
+                .share_on(&stream)
+                .unwrap_or_else(|e| panic!("handoff {i} of {handoffs}: {e}"));
+            let answered = touch.send(Touch { buf: shared }).await;
+            assert!(
+                matches!(answered, Ok(true)),
+                "handoff {i} of {handoffs} ({fence:?} fences): {answered:?}"
+            );
+            eventually(DEADLINE, "the lease back", || buf.leases_out() == 0).await;
+        }
+        let (alive, out) = cuda.fence_counts();
+        eprintln!(
+            "{fence:?} fences after {handoffs} handoffs: {alive} alive, {out} out or retired"
+        );
+        // Every fence on the way completes: the exporter's stream (which waited on the last
+        // release fence) drains, on a thread of its own, within the deadline.
+        let (done, drained) = std::sync::mpsc::channel();
+        let waiter = Arc::clone(&stream);
+        std::thread::spawn(move || {
+            let _ = done.send(waiter.synchronize().map_err(|e| e.to_string()));
+        });
+        match drained.recv_timeout(DEADLINE) {
+            Ok(r) => r.unwrap(),
+            Err(_) => panic!("the exporter's stream did not drain: a fence never completed"),
+        }
+        drop(buf);
         link.close();
         assert!(exited(&mut child, DEADLINE).await.success());
     });

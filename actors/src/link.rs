@@ -238,6 +238,33 @@ fn open_views(cache: ImportCache, offers: Vec<Offer>, mut fds: FrameFds) -> Open
     (offers, views)
 }
 
+/// The offers' views if every one is a cache hit whose fence is open already — no driver
+/// call that blocks, so fine on an actor's thread — up to the first that fails (as
+/// [`open_views`]); `None` (nothing kept open) if any needs the driver thread.
+fn open_hits(
+    cache: &ImportCache,
+    offers: &[Offer],
+) -> Option<Vec<Result<Imported, baton_ipc::Error>>> {
+    let mut views = Vec::with_capacity(offers.len());
+    for offer in offers {
+        let view = cache.open_if_mapped(&offer.handle)?;
+        if let (Ok(view), Some(fence)) = (&view, &offer.handle.fence) {
+            if !view
+                .backend()
+                .fence_prepared(&offer.handle.exporter.process, fence)
+            {
+                return None;
+            }
+        }
+        let failed = view.is_err();
+        views.push(view);
+        if failed {
+            break;
+        }
+    }
+    Some(views)
+}
+
 /// How a link watches its peer's liveness.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Heartbeat {
@@ -678,6 +705,13 @@ impl PeerLink {
         let offload = self.node.offload();
         if offload.is_inline() {
             let (offers, views) = open_views(cache, offers, fds);
+            let opened = self.finish_open(offers, views, relayed)?;
+            return then(self, opened, ctx);
+        }
+        // Mapped already, fences open: nothing that blocks, so no trip to the driver thread
+        // (the cached handoff's common case).
+        if let Some(views) = open_hits(&cache, &offers) {
+            drop(fds);
             let opened = self.finish_open(offers, views, relayed)?;
             return then(self, opened, ctx);
         }

@@ -26,8 +26,8 @@ use actix::prelude::*;
 use baton::actors::{
     Allocate, BufferOwner, Lease, Node, Peer, PeerEvent, RemoteMessage, Shared, Stats,
 };
-use baton::ipc::cuda::CudaBackend;
 use baton::ipc::cuda::cudarc::driver::CudaStream;
+use baton::ipc::cuda::{CudaBackend, fence_kind_from_env};
 use baton::ipc::{HostBackend, SharedBackend, host};
 use baton::{Session, SocketDir};
 use futures_util::StreamExt;
@@ -190,9 +190,15 @@ pub(crate) fn backend(name: BackendName, namespace: &str) -> Res<SharedBackend> 
     })
 }
 
-/// A CUDA backend on device 0 exporting as `name` says.
+/// A CUDA backend on device 0 exporting as `name` says, with the fences `BATON_CUDA_FENCE`
+/// asks for (counters unless it says `event`; the consumer peer inherits the variable).
 pub(crate) fn cuda(name: BackendName) -> Res<Arc<CudaBackend>> {
-    Ok(Arc::new(CudaBackend::new(0, name.export())?))
+    Ok(Arc::new(
+        CudaBackend::builder(0)
+            .export(name.export())
+            .fence(fence_kind_from_env()?)
+            .build()?,
+    ))
 }
 
 /// The environment of a peer that opens what `name` exports.
@@ -324,8 +330,16 @@ async fn measure(
             let mut rec = json!({
                 "item": 2, "name": "cached_roundtrip", "backend": backend_name,
                 "variant": variant, "label": label, "bytes": BUF_LEN,
+                "fence": cuda.as_ref().map(|c| c.fence_kind().name()),
                 "reply_p50_us": replies.p50,
-                "note": format!("until the Release is back; {:.1} µs until the reply", replies.p50),
+                "note": match &cuda {
+                    Some(c) => format!(
+                        "until the Release is back; {:.1} µs until the reply; {} fences",
+                        replies.p50,
+                        c.fence_kind().name()
+                    ),
+                    None => format!("until the Release is back; {:.1} µs until the reply", replies.p50),
+                },
             });
             merge(&mut rec, Summary::of(&samples).json());
             out.push(rec);

@@ -541,6 +541,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
         let _ = (producer, fence);
         Ok(())
     }
+    /// Whether waiting on `fence` needs nothing opened first (it was
+    /// [prepared](Self::prepare_fence), or is this process's own), so that
+    /// [`order_after`](Self::order_after) on it makes no driver call that blocks. Backends
+    /// without fences: always.
+    fn fence_prepared(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
+        let _ = (producer, fence);
+        true
+    }
     /// A new mark for uses of a buffer on `stream` (see [`UseMark`]), or `None` for backends
     /// without queued work (host).
     ///

@@ -150,8 +150,9 @@ struct Entry {
     /// Run when it closes (holders that let go while views were alive).
     on_closed: Vec<OnClosed>,
     /// Release fences (this process's) of views that queued work on the mapping: the close
-    /// waits for them. Deduplicated: a pooled fence is recorded again only once its work
-    /// completed, so waiting on its latest record covers every earlier one.
+    /// waits for them. One per event or counter slot ([`FenceHandle::covers`]): a pooled
+    /// fence is recorded again only once its work completed, so waiting on its latest
+    /// record covers every earlier one.
     pending: Vec<FenceHandle>,
 }
 
@@ -235,6 +236,45 @@ impl CloseJob {
 struct Closing(CloseCell);
 
 impl State {
+    /// A hit on `key`'s entry (present): refuses a stale generation or a handle that claims
+    /// more than the mapping holds, else counts one more user. `checked`: the handle was
+    /// checked just now (it becomes the entry's verified one).
+    fn hit(
+        &mut self,
+        key: &CacheKey,
+        handle: &HandleMsg,
+        checked: bool,
+    ) -> Result<(Arc<OpenedMem>, SharedBackend)> {
+        let entry = self.entries.get_mut(key).expect("a hit on a present entry");
+        if handle.generation < entry.generation {
+            let current = entry.generation;
+            self.stats.stale += 1;
+            return Err(Error::StaleHandle {
+                alloc: handle.alloc,
+                generation: handle.generation,
+                current,
+            });
+        }
+        // A hit maps nothing new, but this handle may claim more than the mapping holds (a
+        // confused or lying exporter): its view must stay inside it, as a miss checks
+        // against the memory it opens.
+        if (entry.mem.size() as u64) < handle.alloc_size {
+            return Err(Error::MemoryTooSmall {
+                claimed: handle.alloc_size,
+                actual: entry.mem.size() as u64,
+            });
+        }
+        entry.generation = handle.generation;
+        entry.users += 1;
+        if checked {
+            entry.verified = handle.clone();
+        }
+        let found = (Arc::clone(&entry.mem), Arc::clone(&entry.backend));
+        self.touch(key);
+        self.stats.hits += 1;
+        Ok(found)
+    }
+
     /// Marks an entry in use (leaving the warm set if it was there).
     fn touch(&mut self, key: &CacheKey) {
         let Some(entry) = self.entries.get_mut(key) else {
@@ -548,34 +588,8 @@ impl ImportCache {
             Some(self.shared.session.check(handle)?)
         };
         let mut state = self.shared.settled(&key)?;
-        let (mem, backend) = if let Some(entry) = state.entries.get_mut(&key) {
-            if handle.generation < entry.generation {
-                let current = entry.generation;
-                state.stats.stale += 1;
-                return Err(Error::StaleHandle {
-                    alloc: handle.alloc,
-                    generation: handle.generation,
-                    current,
-                });
-            }
-            // A hit maps nothing new, but this handle may claim more than the mapping
-            // holds (a confused or lying exporter): its view must stay inside it, as a
-            // miss checks against the memory it opens.
-            if (entry.mem.size() as u64) < handle.alloc_size {
-                return Err(Error::MemoryTooSmall {
-                    claimed: handle.alloc_size,
-                    actual: entry.mem.size() as u64,
-                });
-            }
-            entry.generation = handle.generation;
-            entry.users += 1;
-            if checked.is_some() {
-                entry.verified = handle.clone();
-            }
-            let found = (Arc::clone(&entry.mem), Arc::clone(&entry.backend));
-            state.touch(&key);
-            state.stats.hits += 1;
-            found
+        let (mem, backend) = if state.entries.contains_key(&key) {
+            state.hit(&key, handle, checked.is_some())?
         } else {
             // The entry seen a moment ago may have closed since: check now if we skipped.
             let checked = match checked.take() {
@@ -631,7 +645,51 @@ impl ImportCache {
             (mem, backend)
         };
         drop(state);
-        Ok(Imported {
+        Ok(self.imported(key, handle, mem, backend))
+    }
+
+    /// As [`open_unordered`](Self::open_unordered), only if that is a hit: the allocation is
+    /// mapped (live or warm) and no open or close of it is under way. A hit makes no
+    /// driver call and never waits, so this may run on a thread that must not block (an
+    /// actor's). `None` if it would be a miss or would wait: nothing was done, open with
+    /// [`open_unordered`](Self::open_unordered) where blocking is allowed.
+    ///
+    /// # Errors
+    /// As [`open_unordered`](Self::open_unordered) on a hit (a check error,
+    /// [`Error::StaleHandle`], [`Error::MemoryTooSmall`]).
+    pub fn open_if_mapped(&self, handle: &HandleMsg) -> Option<Result<Imported>> {
+        let key = CacheKey::of(handle);
+        let known = {
+            let state = self.shared.lock();
+            if state.busy.contains_key(&key) {
+                return None;
+            }
+            state.entries.get(&key)?.verified == *handle
+        };
+        // Checked with no lock held, as a miss is.
+        let checked = !known;
+        if checked {
+            if let Err(e) = self.shared.session.check(handle) {
+                return Some(Err(e));
+            }
+        }
+        let mut state = self.shared.lock();
+        if state.busy.contains_key(&key) || !state.entries.contains_key(&key) {
+            return None;
+        }
+        let found = state.hit(&key, handle, checked);
+        drop(state);
+        Some(found.map(|(mem, backend)| self.imported(key, handle, mem, backend)))
+    }
+
+    fn imported(
+        &self,
+        key: CacheKey,
+        handle: &HandleMsg,
+        mem: Arc<OpenedMem>,
+        backend: SharedBackend,
+    ) -> Imported {
+        Imported {
             cache: Arc::clone(&self.shared),
             key,
             generation: handle.generation,
@@ -641,7 +699,7 @@ impl ImportCache {
             len: handle.len as usize,
             layout: handle.layout.clone(),
             release: None,
-        })
+        }
     }
 
     fn backend_for(&self, kind: BackendKind) -> Result<&SharedBackend> {
@@ -910,7 +968,10 @@ impl Drop for Imported {
                 return;
             };
             if let Some(fence) = self.release.take() {
-                if !entry.pending.contains(&fence) {
+                // One fence per event or counter slot, the latest (it covers the others):
+                // bounded by the backend's pool however long the mapping stays open.
+                if !entry.pending.iter().any(|p| p.covers(&fence)) {
+                    entry.pending.retain(|p| !fence.covers(p));
                     entry.pending.push(fence);
                 }
             }

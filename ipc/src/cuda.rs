@@ -52,12 +52,13 @@
 //!   stream it uses the buffer on wait on it ([`Backend::order_after`]) — the
 //!   [`ImportCache::open`](crate::ImportCache::open) of the low-level API makes the
 //!   backend's own stream wait. Release fences go the other way the same way. Fences are
-//!   pooled IPC events or sequence counters ([`FenceKind`], [`FENCE_ENV`]); see
-//!   [`RecordedFence`] for the reuse contract, and `docs/ORDERING.md` for the model.
+//!   sequence counters (the default) or pooled IPC events ([`FenceKind`], [`FENCE_ENV`]);
+//!   see [`RecordedFence`] for their reuse rules, and `docs/ORDERING.md` for the model.
 //! - **Use marks and release streams.** [`Backend::use_mark`] lends a cudarc event that
 //!   cudarc's `SyncOnDrop` records after each use of a buffer on a stream (`mark`);
 //!   [`Backend::export_fence`] makes one of the backend's release streams wait on marks and
-//!   record a pooled interprocess event, retired when dropped until its work completed.
+//!   record a fence of the backend's kind there, retired when dropped until its work
+//!   completed.
 //!   [`DeviceArg`] passes any cudarc `DevicePtr` type (Baton's buffers and leases) as a
 //!   kernel argument.
 //! - **No lock across a driver call.** What the backend opens of other processes (events,
@@ -639,7 +640,8 @@ impl CudaBackendBuilder {
         self
     }
 
-    /// Which fences [`CudaBackend::record_fence`] records (default [`FenceKind::Event`]).
+    /// Which fences the backend records ([`CudaBackend::record_fence`], and the acquire and
+    /// release fences of [`Backend::export_fence`]; default [`FenceKind::Counter`]).
     /// [`FenceKind::Counter`] on a device without 64-bit stream memory operations falls
     /// back to events ([`CudaBackend::fence_kind`] says which is used).
     pub fn fence(mut self, fence: FenceKind) -> Self {
@@ -749,8 +751,8 @@ impl fmt::Debug for CudaBackend {
 
 impl CudaBackend {
     /// A backend on device `ordinal` (of those this process sees), exporting as `export`,
-    /// with its own non-blocking stream on the device's primary context, and IPC-event
-    /// fences.
+    /// with its own non-blocking stream on the device's primary context, and counter fences
+    /// (IPC events on a device without 64-bit stream memory operations).
     ///
     /// # Errors
     /// As [`CudaBackendBuilder::build`].
@@ -778,14 +780,14 @@ impl CudaBackend {
         CudaBackendBuilder {
             ordinal,
             export: CudaExport::Legacy,
-            fence: FenceKind::Event,
+            fence: FenceKind::Counter,
             event_limit: DEFAULT_EVENT_LIMIT,
             pool_release_threshold: DEFAULT_POOL_RELEASE_THRESHOLD,
         }
     }
 
     /// The backend [`DEVICE_ENV`], [`EXPORT_ENV`] and [`FENCE_ENV`] ask for (device 0,
-    /// legacy export, event fences by default).
+    /// legacy export, counter fences by default).
     ///
     /// # Errors
     /// As [`new`](Self::new); [`Error::BackendUnavailable`] for unparsable variables.
@@ -1622,6 +1624,21 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// Another process's event or counter slab is open already (this process's own need no
+    /// open).
+    fn fence_prepared(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
+        if *producer == crate::process::current() {
+            return true;
+        }
+        match fence {
+            FenceHandle::Event(handle) => self.opened_events.get(&(*producer, handle.0)).is_some(),
+            FenceHandle::Counter(counter) => self
+                .opened_slabs
+                .get(&(*producer, counter.slab_id))
+                .is_some(),
+        }
+    }
+
     /// A pooled cudarc event of the backend's context (`cuEventCreate` on first use), for
     /// `stream`, a stream of the backend's context.
     fn use_mark(&self, stream: StreamRef<'_>) -> Result<Option<Box<dyn UseMark>>> {
@@ -1630,9 +1647,10 @@ impl Backend for CudaBackend {
     }
 
     /// One of the backend's release streams waits on every mark (`cuStreamWaitEvent`), then
-    /// records a pooled interprocess event there (`cuEventRecord`). The event is retired,
-    /// not freed, when the fence drops: it is recorded again only once this work has
-    /// completed (see [`RecordedEvent`]).
+    /// records a fence of the backend's kind there: a counter slot (`cuStreamWriteValue64`)
+    /// or a pooled interprocess event (`cuEventRecord`). Either is retired, not freed, when
+    /// the fence drops: it is recorded again only once this work has completed (see
+    /// [`RecordedFence`]).
     fn export_fence(&self, after: &[&dyn UseMark]) -> Result<Option<Arc<dyn ExportedFence>>> {
         let Some(first) = after.first() else {
             return Ok(None);
@@ -1641,8 +1659,10 @@ impl Backend for CudaBackend {
         for mark in after {
             mark.order(StreamRef::Cuda(&stream))?;
         }
-        let event = self.events.record_retiring(&stream)?;
-        Ok(Some(Arc::new(event)))
+        Ok(Some(match self.fence {
+            FenceKind::Counter => Arc::new(self.counter_slab()?.record(&stream)?),
+            FenceKind::Event => Arc::new(self.events.record_retiring(&stream)?),
+        }))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -2165,7 +2185,11 @@ mod tests {
         assert!(fence.is_complete().unwrap());
         fence.synchronize().unwrap();
         drop(fence);
-        assert_eq!(b.fence_counts(), (4, 0));
+        assert_eq!(
+            b.fence_counts(),
+            (4, 1),
+            "a dropped fence's slot is retired until the slab is read back"
+        );
         // Slots are reused with a higher value each time.
         let again = b.record_fence().unwrap();
         let FenceHandle::Counter(c) = again.handle() else {
@@ -2173,6 +2197,58 @@ mod tests {
         };
         again.synchronize().unwrap();
         assert!(c.value >= 1);
+        let _keep = KeepCurrent::new().unwrap();
+        drop(producer);
+    }
+
+    /// A dropped counter fence's slot is not lent again before its value has landed: with
+    /// one slot, a record while the first value is still behind long work finds none free;
+    /// once that work has completed, the slot comes back with the next value. (Lent again
+    /// earlier, the slot's two writes could land out of order: a waiter for the first value
+    /// would be released by the second too early, or one for the second would stall.)
+    #[test]
+    #[cfg_attr(
+        not(feature = "gpu-tests"),
+        ignore = "needs a CUDA GPU: --features gpu-tests"
+    )]
+    fn a_dropped_counter_slot_is_lent_again_only_once_its_value_landed() {
+        let _gpu = gpu_lock();
+        let b = CudaBackend::builder(0).event_limit(1).build().unwrap();
+        assert_eq!(
+            b.fence_kind(),
+            FenceKind::Counter,
+            "counter fences are the default (this GPU has no 64-bit stream memory operations?)"
+        );
+        let alloc = b.allocate(256 << 20).unwrap();
+        let producer = {
+            let _keep = KeepCurrent::new().unwrap();
+            b.context().new_stream().unwrap()
+        };
+        long_work(&alloc, &producer, 2000, 0x44);
+        let first = b.record_fence_on(&producer).unwrap();
+        let FenceHandle::Counter(c1) = first.handle() else {
+            unreachable!()
+        };
+        assert!(
+            !first.is_complete().unwrap(),
+            "the work still ran when the fence was recorded (else this test proves nothing)"
+        );
+        drop(first);
+        assert!(
+            matches!(b.record_fence(), Err(Error::FencesExhausted { limit: 1 })),
+            "the slot was lent again before its value landed"
+        );
+        {
+            let _keep = KeepCurrent::new().unwrap();
+            producer.synchronize().unwrap();
+        }
+        let second = b.record_fence().unwrap();
+        let FenceHandle::Counter(c2) = second.handle() else {
+            unreachable!()
+        };
+        assert_eq!((c2.offset, c2.value), (c1.offset, c1.value + 1));
+        second.synchronize().unwrap();
+        drop(second);
         let _keep = KeepCurrent::new().unwrap();
         drop(producer);
     }

@@ -22,20 +22,22 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum FenceKind {
     /// A pooled interprocess event (`cuEventRecord`, `cuIpcOpenEventHandle`,
-    /// `cuStreamWaitEvent`).
-    #[default]
+    /// `cuStreamWaitEvent`): the fallback where a device has no 64-bit stream memory
+    /// operations.
     Event,
     /// A sequence counter in device memory both processes map, written and waited on by
-    /// the streams (`cuStreamWriteValue64`, `cuStreamWaitValue64`).
+    /// the streams (`cuStreamWriteValue64`, `cuStreamWaitValue64`). The default: a record
+    /// costs about 1.5 µs against about 120 µs for an interprocess event (H100).
+    #[default]
     Counter,
 }
 
 impl FenceKind {
-    /// Parses `event` or `counter` (case-insensitive; empty is `event`).
+    /// Parses `event` or `counter` (case-insensitive; empty is the default, `counter`).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "event" | "events" | "" => Some(Self::Event),
-            "counter" | "counters" => Some(Self::Counter),
+            "event" | "events" => Some(Self::Event),
+            "counter" | "counters" | "" => Some(Self::Counter),
             _ => None,
         }
     }
@@ -129,6 +131,24 @@ impl FenceHandle {
             FenceHandle::Counter(_) => FenceKind::Counter,
         }
     }
+
+    /// Whether waiting on `self` also waits for everything `earlier` was recorded after,
+    /// given that a producer records a slot or event again only once its last record
+    /// completed (Baton's backends do): the same event, or the same counter slot with a
+    /// value at least as high. Lets a consumer keep one fence per slot or event instead of
+    /// one per record.
+    pub fn covers(&self, earlier: &FenceHandle) -> bool {
+        match (self, earlier) {
+            (FenceHandle::Event(a), FenceHandle::Event(b)) => a == b,
+            (FenceHandle::Counter(a), FenceHandle::Counter(b)) => {
+                a.slab_id == b.slab_id
+                    && a.slab == b.slab
+                    && a.offset == b.offset
+                    && a.value >= b.value
+            }
+            _ => false,
+        }
+    }
 }
 
 impl From<IpcEventHandle> for FenceHandle {
@@ -151,9 +171,9 @@ mod tests {
     fn fence_kinds_parse_and_name_themselves() {
         assert_eq!(FenceKind::parse("counter"), Some(FenceKind::Counter));
         assert_eq!(FenceKind::parse(" Event "), Some(FenceKind::Event));
-        assert_eq!(FenceKind::parse(""), Some(FenceKind::Event));
+        assert_eq!(FenceKind::parse(""), Some(FenceKind::Counter));
         assert_eq!(FenceKind::parse("semaphore"), None);
-        assert_eq!(FenceKind::default(), FenceKind::Event);
+        assert_eq!(FenceKind::default(), FenceKind::Counter);
         for k in [FenceKind::Event, FenceKind::Counter] {
             assert_eq!(FenceKind::parse(k.name()), Some(k));
         }
@@ -182,5 +202,33 @@ mod tests {
         let shown = format!("{:?}", FenceHandle::Event(IpcEventHandle([0xee; 64])));
         assert!(!shown.contains("238"), "{shown}");
         assert_eq!(FenceHandle::Counter(fence).kind(), FenceKind::Counter);
+    }
+
+    #[test]
+    fn a_later_value_of_the_same_slot_covers_an_earlier_one_and_nothing_else() {
+        let at = |slab_id, offset, value| {
+            FenceHandle::Counter(CounterFence {
+                slab: CudaIpcMemHandle([1; 64]),
+                slab_id,
+                offset,
+                value,
+            })
+        };
+        assert!(at(1, 8, 5).covers(&at(1, 8, 4)));
+        assert!(at(1, 8, 5).covers(&at(1, 8, 5)));
+        assert!(!at(1, 8, 4).covers(&at(1, 8, 5)), "an older value");
+        assert!(!at(1, 16, 5).covers(&at(1, 8, 4)), "another slot");
+        assert!(!at(2, 8, 5).covers(&at(1, 8, 4)), "another slab");
+        let mut other_handle = at(1, 8, 5);
+        if let FenceHandle::Counter(c) = &mut other_handle {
+            c.slab = CudaIpcMemHandle([2; 64]);
+        }
+        assert!(!other_handle.covers(&at(1, 8, 4)), "another slab handle");
+        let (e1, e2) = (
+            FenceHandle::Event(IpcEventHandle([1; 64])),
+            FenceHandle::Event(IpcEventHandle([2; 64])),
+        );
+        assert!(e1.covers(&e1) && !e1.covers(&e2));
+        assert!(!e1.covers(&at(1, 8, 1)) && !at(1, 8, 1).covers(&e1));
     }
 }

@@ -1,5 +1,5 @@
 //! The importer of the GPU ordering tests (`tests/ordering_cuda.rs`): connects to the
-//! socket given as its first argument and answers `Round`, `Check` and `Count`
+//! socket given as its first argument and answers `Round`, `Check`, `Count` and `Touch`
 //! (`tests/support/ordering_msgs.rs`) on a CUDA node (`BATON_BACKEND=cuda`), with kernels
 //! launched on a stream of its own. Exits when the link to the test goes down.
 
@@ -11,7 +11,7 @@ use baton::actors::{Node, PeerEvent};
 use baton::ipc::cuda::DeviceArg;
 use baton::ipc::cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use baton::ipc::cuda::cudarc::nvrtc::compile_ptx;
-use msgs::{Check, Count, KERNELS, LATE_WRITE_CYCLES, Round};
+use msgs::{Check, Count, KERNELS, LATE_WRITE_CYCLES, Round, Touch};
 use std::sync::Arc;
 
 struct Importer {
@@ -90,11 +90,25 @@ impl Handler<Count> for Importer {
     }
 }
 
+impl Handler<Touch> for Importer {
+    type Result = bool;
+
+    fn handle(&mut self, msg: Touch, _: &mut Context<Self>) -> bool {
+        let lease = msg.buf.open().expect("a received buffer");
+        lease
+            .wait_on(&self.stream)
+            .expect("wait on the acquire fence");
+        // Dropped at once: the release fence follows the stream's wait.
+        drop(lease);
+        true
+    }
+}
+
 /// The command line.
 #[derive(Debug, clap::Parser)]
 #[command(
     name = "baton-ordering-peer",
-    about = "The importer of the CUDA ordering tests (tests/ordering_cuda.rs): connects to SOCKET and answers Round, Check and Count calls on a stream of its own. Needs BATON_BACKEND=cuda; the session token comes through the pipe named in BATON_TOKEN_FD."
+    about = "The importer of the CUDA ordering tests (tests/ordering_cuda.rs): connects to SOCKET and answers Round, Check, Count and Touch calls on a stream of its own. Needs BATON_BACKEND=cuda; the session token comes through the pipe named in BATON_TOKEN_FD."
 )]
 struct Cli {
     /// The test's socket.
@@ -126,6 +140,7 @@ fn main() {
         node.register::<Round>("round", actor.clone().recipient());
         node.register::<Check>("check", actor.clone().recipient());
         node.register::<Count>("count", actor.clone().recipient());
+        node.register::<Touch>("touch", actor.clone().recipient());
         node.subscribe(actor.recipient());
         node.connect(&socket).await?;
         Ok::<_, Box<dyn std::error::Error>>(())

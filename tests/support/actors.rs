@@ -158,10 +158,37 @@ impl Parent {
         Arc<baton::ipc::cuda::CudaBackend>,
         baton::ipc::cuda::testing::GpuTestLock,
     ) {
+        Self::start_cuda_fenced(tag, export, baton::ipc::cuda::FenceKind::default())
+    }
+
+    /// As [`start_cuda`](Self::start_cuda), with `fence` fences on both sides (the children
+    /// get `BATON_CUDA_FENCE`).
+    pub fn start_cuda_fenced(
+        tag: &str,
+        export: baton::ipc::cuda::CudaExport,
+        fence: baton::ipc::cuda::FenceKind,
+    ) -> (
+        Parent,
+        Arc<baton::ipc::cuda::CudaBackend>,
+        baton::ipc::cuda::testing::GpuTestLock,
+    ) {
         let gpu = baton::ipc::cuda::testing::exclusive_gpu(Duration::from_secs(1800))
             .expect("the GPU test lock");
-        let cuda = Arc::new(baton::ipc::cuda::CudaBackend::new(0, export).expect("a CUDA device"));
+        let cuda = baton::ipc::cuda::CudaBackend::builder(0)
+            .export(export)
+            .fence(fence)
+            .build()
+            .expect("a CUDA device");
+        assert_eq!(
+            cuda.fence_kind(),
+            fence,
+            "this GPU cannot use {fence:?} fences"
+        );
+        let cuda = Arc::new(cuda);
         let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());
+        parent
+            .child_env
+            .push((baton::ipc::cuda::FENCE_ENV.into(), fence.name().into()));
         parent
             .child_env
             .push(("BATON_BACKEND".into(), "cuda".into()));

@@ -68,3 +68,17 @@ pub struct Count {
 impl RemoteMessage for Count {
     const NAME: &'static str = "ordering.Count";
 }
+
+/// Open the buffer, make the importer's stream wait on the offer's acquire fence
+/// (`Lease::wait_on`) and drop the lease at once: its release fence follows that stream.
+/// Answers `true`. No host synchronisation on either side: a stream-ordered handoff's own
+/// cost, as the benchmark's `ordered` variant measures it.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "bool")]
+pub struct Touch {
+    pub buf: Shared<u32>,
+}
+
+impl RemoteMessage for Touch {
+    const NAME: &'static str = "ordering.Touch";
+}

@@ -3,25 +3,31 @@
 //! One type ([`RecordedFence`] on the producer's side, [`FenceHandle`] on the wire), two
 //! implementations, chosen per backend ([`FenceKind`], [`FENCE_ENV`]):
 //!
-//! - **IPC events** ([`FenceKind::Event`], the default): the producer records a pooled
-//!   interprocess event (`cuEventRecord`); the consumer opens each event handle once per
-//!   exporter process (`cuIpcOpenEventHandle`) and makes its stream wait on it
-//!   (`cuStreamWaitEvent`). See [`RecordedEvent`] for the reuse contract.
-//! - **Sequence counters** ([`FenceKind::Counter`]): the producer owns a small slab of
-//!   64-bit counters in device memory, shared as a legacy IPC handle; recording lends a
-//!   slot, bumps its value and has the stream write it (`cuStreamWriteValue64`, after a
-//!   memory barrier that makes the earlier work's writes visible); the consumer maps the
-//!   slab once per exporter process and has its stream wait until the slot holds at least
-//!   that value (`cuStreamWaitValue64` with `CU_STREAM_WAIT_VALUE_GEQ`), as NCCL does. No
-//!   event object, no `cuIpcOpenEventHandle`; the device must support 64-bit stream memory
-//!   operations (`CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`), otherwise the backend
-//!   falls back to events.
+//! - **Sequence counters** ([`FenceKind::Counter`], the default): the producer owns a small
+//!   slab of 64-bit counters in device memory, shared as a legacy IPC handle; recording
+//!   lends a slot, bumps its value and has the stream write it (`cuStreamWriteValue64`,
+//!   after a memory barrier that makes the earlier work's writes visible); the consumer
+//!   maps the slab once per exporter process and has its stream wait until the slot holds
+//!   at least that value (`cuStreamWaitValue64` with `CU_STREAM_WAIT_VALUE_GEQ`), as NCCL
+//!   does. No event object, no `cuIpcOpenEventHandle`. The device must support 64-bit
+//!   stream memory operations (`CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`),
+//!   otherwise the backend falls back to events.
+//! - **IPC events** ([`FenceKind::Event`]): the producer records a pooled interprocess event
+//!   (`cuEventRecord`); the consumer opens each event handle once per exporter process
+//!   (`cuIpcOpenEventHandle`) and makes its stream wait on it (`cuStreamWaitEvent`). See
+//!   [`RecordedEvent`] for the reuse contract.
 //!
 //! Counters are far cheaper (H100: about 1.5 µs per write against about 120 µs per
-//! interprocess-event record; docs/BENCHMARKS.md, item 8). Both obey the same contract: a slot or
-//! event is lent until its [`RecordedFence`] drops, which must wait until every consumer
-//! that got its handle has waited (the lease that carried it was released), because
-//! recording it again would move what a late wait waits for.
+//! interprocess-event record; docs/BENCHMARKS.md, item 8), hence the default.
+//!
+//! **Reuse.** A wait on a counter fence names its value, so it cannot be moved by a later
+//! record: a slot is lent again only once its last value has landed (a dropped fence's slot
+//! is *retired* until the slab, read back in one copy when no slot is free, shows the
+//! value), so the values of one slot land in increasing order and a late wait for an old
+//! value is satisfied by any later one — never early, and never by work that waits on the
+//! waiter. An event, whose wait follows its latest record, needs more: it is lent until its
+//! [`RecordedFence`] drops, which must wait until every consumer that got its handle has
+//! waited (the lease that carried it was released); see [`RecordedEvent`].
 //!
 //! **Counter fences and dead producers.** A stream waiting for a value that never comes
 //! waits forever, and unlike an event a counter has no owner the driver could tear down.
@@ -54,17 +60,17 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
-/// The environment variable that picks a CUDA backend's fence kind: `event` (the
-/// default) or `counter`.
+/// The environment variable that picks a CUDA backend's fence kind: `counter` (the
+/// default) or `event`.
 pub const FENCE_ENV: &str = "BATON_CUDA_FENCE";
 
-/// The fence kind [`FENCE_ENV`] asks for, `Event` if unset.
+/// The fence kind [`FENCE_ENV`] asks for, `Counter` if unset.
 ///
 /// # Errors
 /// [`Error::BackendUnavailable`] if it holds something else.
 pub fn fence_kind_from_env() -> Result<FenceKind> {
     match std::env::var(FENCE_ENV) {
-        Err(_) => Ok(FenceKind::Event),
+        Err(_) => Ok(FenceKind::Counter),
         Ok(v) => FenceKind::parse(&v).ok_or_else(|| Error::BackendUnavailable {
             backend: "cuda",
             reason: format!("{FENCE_ENV}={v:?} is not one of event, counter"),
@@ -78,9 +84,15 @@ enum Recorded {
 }
 
 /// A fence recorded on a stream after the work queued there so far, lent from the
-/// backend's pool of events or counter slots. Send [`handle`](Self::handle) to the
-/// consumers and keep this guard until every one of them has waited on it: dropping it
-/// returns the event or slot to the pool, where it may be recorded again.
+/// backend's pool of counter slots or events. Send [`handle`](Self::handle) to the
+/// consumers.
+///
+/// **Reuse.** A counter slot whose fence dropped is lent again only once its value has
+/// landed, and a wait names its value, so the guard may drop as soon as the handle is sent.
+/// An event's wait follows its latest record: keep an event's guard until every consumer
+/// has waited on it, since dropping it returns the event to the pool, where it may be
+/// recorded again (the actor layer keeps it with the lease that carried it). See the
+/// module docs of `baton_ipc::cuda` and `docs/ORDERING.md`.
 pub struct RecordedFence(Recorded);
 
 impl RecordedFence {
@@ -175,6 +187,9 @@ pub(crate) fn local_slab(id: u64) -> Option<Arc<CounterSlab>> {
 
 struct SlabState {
     free: Vec<u32>,
+    /// Slots whose fence dropped, with the value recorded last: free again once the slab
+    /// shows it (see the module docs).
+    retired: Vec<(u32, u64)>,
     /// The last value recorded in each slot.
     values: Vec<u64>,
 }
@@ -231,6 +246,7 @@ impl CounterSlab {
             side,
             state: Mutex::new(SlabState {
                 free: (0..slots as u32).rev().collect(),
+                retired: Vec::new(),
                 values: vec![0; slots],
             }),
         });
@@ -238,15 +254,37 @@ impl CounterSlab {
         Ok(slab)
     }
 
-    /// (slots, lent out).
+    /// (slots, lent out or retired).
     pub(crate) fn counts(&self) -> (usize, usize) {
         let state = lock(&self.state);
         (state.values.len(), state.values.len() - state.free.len())
     }
 
+    /// Frees the retired slots whose value has landed: the whole slab read back in one
+    /// copy, with no lock held.
+    fn sweep(&self) -> Result<()> {
+        if lock(&self.state).retired.is_empty() {
+            return Ok(());
+        }
+        let landed = self.read_all()?;
+        let mut state = lock(&self.state);
+        let SlabState { free, retired, .. } = &mut *state;
+        retired.retain(|&(slot, value)| {
+            let done = landed[slot as usize] >= value;
+            if done {
+                free.push(slot);
+            }
+            !done
+        });
+        Ok(())
+    }
+
     /// Lends a slot, bumps its value and has `stream` write it after the work queued there
     /// so far.
     pub(crate) fn record(self: &Arc<Self>, stream: &CudaStream) -> Result<RecordedFence> {
+        if lock(&self.state).free.is_empty() {
+            self.sweep()?;
+        }
         let (slot, value) = {
             let mut state = lock(&self.state);
             let limit = state.values.len();
@@ -298,13 +336,35 @@ impl CounterSlab {
     /// The slot's value now, read on the side stream.
     fn read(&self, slot: u32) -> Result<u64> {
         let mut bytes = [0u8; 8];
-        let _pushed = ContextGuard::push(&self.ctx)?;
-        // SAFETY: the slot lies inside our live allocation; the side stream is live in the
-        // current context; `bytes` is not read before the synchronise below.
-        unsafe { result::memcpy_dtoh_async(&mut bytes, self.addr(slot), self.side.cu_stream()) }?;
-        // SAFETY: as above.
-        unsafe { result::stream_synchronize(self.side.cu_stream()) }?;
+        self.copy_out(slot, &mut bytes)?;
         Ok(u64::from_le_bytes(bytes))
+    }
+
+    /// Every slot's value now, read on the side stream in one copy.
+    fn read_all(&self) -> Result<Vec<u64>> {
+        let slots = lock(&self.state).values.len();
+        let mut bytes = vec![0u8; slots * 8];
+        self.copy_out(0, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    /// Copies `dst.len()` bytes from slot `slot` on, on the side stream, and waits for it.
+    fn copy_out(&self, slot: u32, dst: &mut [u8]) -> Result<()> {
+        let slots = lock(&self.state).values.len();
+        assert!(
+            slot as usize * 8 + dst.len() <= slots * 8,
+            "a read inside the slab"
+        );
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the range lies inside our live allocation (asserted above); the side
+        // stream is live in the current context; `dst` is not read before the synchronise
+        // below.
+        unsafe { result::memcpy_dtoh_async(dst, self.addr(slot), self.side.cu_stream()) }?;
+        // SAFETY: as above.
+        unsafe { result::stream_synchronize(self.side.cu_stream()) }
     }
 
     /// Blocks until the slot holds `value` or more.
@@ -350,8 +410,9 @@ impl LentSlot {
 }
 
 impl Drop for LentSlot {
+    /// Retires the slot: it is lent again once its value has landed (see the module docs).
     fn drop(&mut self) {
-        lock(&self.slab.state).free.push(self.slot);
+        lock(&self.slab.state).retired.push((self.slot, self.value));
     }
 }
 
@@ -445,7 +506,7 @@ mod tests {
         assert_eq!(FenceKind::parse("counter"), Some(FenceKind::Counter));
         assert!(FenceKind::parse("semaphore").is_none());
         if std::env::var_os(FENCE_ENV).is_none() {
-            assert_eq!(fence_kind_from_env().unwrap(), FenceKind::Event);
+            assert_eq!(fence_kind_from_env().unwrap(), FenceKind::Counter);
         }
     }
 }
