@@ -108,7 +108,8 @@ pub use arg::DeviceArg;
 pub use cudarc;
 pub use event::{DEFAULT_EVENT_LIMIT, RecordedEvent};
 pub use fence::{
-    CounterFence, FENCE_ENV, FenceHandle, FenceKind, RecordedFence, fence_kind_from_env,
+    CounterFence, DEFAULT_COUNTER_SLOTS, FENCE_ENV, FenceHandle, FenceKind, RecordedFence,
+    fence_kind_from_env,
 };
 pub use pool::DEFAULT_POOL_RELEASE_THRESHOLD;
 pub use result::CudaError;
@@ -630,6 +631,7 @@ pub struct CudaBackendBuilder {
     export: CudaExport,
     fence: FenceKind,
     event_limit: usize,
+    counter_slots: usize,
     pool_release_threshold: u64,
 }
 
@@ -649,10 +651,18 @@ impl CudaBackendBuilder {
         self
     }
 
-    /// At most this many interprocess events (and as many counter fences) lent out at once
-    /// (default [`DEFAULT_EVENT_LIMIT`]).
+    /// At most this many interprocess events lent out at once (default
+    /// [`DEFAULT_EVENT_LIMIT`]; the driver limits live IPC events too).
     pub fn event_limit(mut self, limit: usize) -> Self {
         self.event_limit = limit;
+        self
+    }
+
+    /// The counter fences' slots: at most this many counter fences lent out or not yet
+    /// landed at once (default [`DEFAULT_COUNTER_SLOTS`], 8 bytes of device memory each).
+    /// A frame that drops thousands of leases at once records as many release fences.
+    pub fn counter_slots(mut self, slots: usize) -> Self {
+        self.counter_slots = slots;
         self
     }
 
@@ -714,7 +724,8 @@ pub struct CudaBackend {
     counters: Arc<LiveCounters>,
     opens: AtomicU64,
     waits: AtomicU64,
-    event_limit: usize,
+    /// Slots of the counter slab.
+    counter_slots: usize,
     events: Arc<EventPool>,
     /// Use marks: local events recorded after each use of a buffer on a stream.
     marks: Arc<MarkPool>,
@@ -782,6 +793,7 @@ impl CudaBackend {
             export: CudaExport::Legacy,
             fence: FenceKind::Counter,
             event_limit: DEFAULT_EVENT_LIMIT,
+            counter_slots: DEFAULT_COUNTER_SLOTS,
             pool_release_threshold: DEFAULT_POOL_RELEASE_THRESHOLD,
         }
     }
@@ -871,7 +883,7 @@ impl CudaBackend {
             counters: Arc::default(),
             opens: AtomicU64::new(0),
             waits: AtomicU64::new(0),
-            event_limit: b.event_limit,
+            counter_slots: b.counter_slots,
             pool: OnceTable::default(),
             slab: OnceTable::default(),
             opened_events: OnceTable::default(),
@@ -1217,7 +1229,7 @@ impl CudaBackend {
         self.slab.get_or_open(&(), || {
             CounterSlab::new(
                 &self.access.ctx,
-                self.event_limit,
+                self.counter_slots,
                 ops,
                 Arc::clone(&self.side),
             )
@@ -2153,7 +2165,7 @@ mod tests {
         let _gpu = gpu_lock();
         let b = CudaBackend::builder(0)
             .fence(FenceKind::Counter)
-            .event_limit(4)
+            .counter_slots(4)
             .build()
             .unwrap();
         assert_eq!(
@@ -2213,7 +2225,7 @@ mod tests {
     )]
     fn a_dropped_counter_slot_is_lent_again_only_once_its_value_landed() {
         let _gpu = gpu_lock();
-        let b = CudaBackend::builder(0).event_limit(1).build().unwrap();
+        let b = CudaBackend::builder(0).counter_slots(1).build().unwrap();
         assert_eq!(
             b.fence_kind(),
             FenceKind::Counter,

@@ -233,7 +233,7 @@ pub enum Error {
     },
     /// Every counter slot of the backend's fence slab is lent out.
     #[error(
-        "all {limit} counter fences are in use: release leases (their fences return to the pool) or raise the backend's event limit"
+        "all {limit} counter fences are in use or their work has not completed: release leases (their fences return once their work completes) or raise the backend's counter slots"
     )]
     FencesExhausted {
         /// The slab's slots.

@@ -60,6 +60,10 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
+/// How many counter fences a backend's slab holds unless told otherwise
+/// ([`super::CudaBackendBuilder::counter_slots`]): 32 KiB of device memory.
+pub const DEFAULT_COUNTER_SLOTS: usize = 4096;
+
 /// The environment variable that picks a CUDA backend's fence kind: `counter` (the
 /// default) or `event`.
 pub const FENCE_ENV: &str = "BATON_CUDA_FENCE";
