@@ -152,9 +152,17 @@ struct Entry {
     /// Release fences (this process's) of views that queued work on the mapping: the close
     /// waits for them. One per event or counter slot ([`FenceHandle::covers`]): a pooled
     /// fence is recorded again only once its work completed, so waiting on its latest
-    /// record covers every earlier one.
+    /// record covers every earlier one. At most [`MAX_PENDING_FENCES`]; past that,
+    /// `pending_all` instead.
     pending: Vec<FenceHandle>,
+    /// Too many distinct fences to keep (a mapping warm for long, used on many streams or
+    /// slots): the close waits for every fence the backend has recorded
+    /// ([`Backend::synchronize_fences`](crate::Backend::synchronize_fences)).
+    pending_all: bool,
 }
+
+/// The most release fences a mapping keeps for its close to wait on, one by one.
+const MAX_PENDING_FENCES: usize = 32;
 
 impl Entry {
     fn bytes(&self) -> u64 {
@@ -187,6 +195,7 @@ struct CloseJob {
     mem: Arc<OpenedMem>,
     backend: SharedBackend,
     pending: Vec<FenceHandle>,
+    pending_all: bool,
     callbacks: Vec<OnClosed>,
 }
 
@@ -197,15 +206,20 @@ impl CloseJob {
             mem,
             backend,
             pending,
+            pending_all,
             callbacks,
         } = self;
-        if !pending.is_empty() {
+        if pending_all || !pending.is_empty() {
             // Work this process queued on the mapping runs before it goes.
             let me = crate::process::current();
-            let waited = pending
-                .iter()
-                .try_for_each(|f| backend.order_after(StreamRef::Internal, &me, f))
-                .and_then(|()| backend.synchronize());
+            let waited = if pending_all {
+                backend.synchronize_fences()
+            } else {
+                pending
+                    .iter()
+                    .try_for_each(|f| backend.order_after(StreamRef::Internal, &me, f))
+                    .and_then(|()| backend.synchronize())
+            };
             if let Err(e) = waited {
                 tracing::warn!(alloc = %key.alloc, error = %e, "waiting for the work on a mapping before closing it failed");
             }
@@ -300,6 +314,7 @@ impl State {
             mem: entry.mem,
             backend: entry.backend,
             pending: entry.pending,
+            pending_all: entry.pending_all,
             callbacks,
         })));
         self.busy.insert(*key, Busy::Closing(Arc::clone(&cell)));
@@ -634,6 +649,7 @@ impl ImportCache {
                         evicting: false,
                         on_closed: Vec::new(),
                         pending: Vec::new(),
+                        pending_all: false,
                     },
                 );
                 state.stats.opens += 1;
@@ -968,11 +984,16 @@ impl Drop for Imported {
                 return;
             };
             if let Some(fence) = self.release.take() {
-                // One fence per event or counter slot, the latest (it covers the others):
-                // bounded by the backend's pool however long the mapping stays open.
-                if !entry.pending.iter().any(|p| p.covers(&fence)) {
+                // One fence per event or counter slot, the latest (it covers the others),
+                // and at most MAX_PENDING_FENCES: a mapping warm for long collects no list.
+                if !entry.pending_all && !entry.pending.iter().any(|p| p.covers(&fence)) {
                     entry.pending.retain(|p| !fence.covers(p));
-                    entry.pending.push(fence);
+                    if entry.pending.len() < MAX_PENDING_FENCES {
+                        entry.pending.push(fence);
+                    } else {
+                        entry.pending = Vec::new();
+                        entry.pending_all = true;
+                    }
                 }
             }
             entry.users -= 1;
@@ -1051,6 +1072,7 @@ mod tests {
         opens: AtomicU64,
         waits: AtomicU64,
         syncs: AtomicU64,
+        fence_syncs: AtomicU64,
         forgotten: AtomicU64,
     }
 
@@ -1086,6 +1108,10 @@ mod tests {
         }
         fn synchronize(&self) -> Result<()> {
             self.syncs.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn synchronize_fences(&self) -> Result<()> {
+            self.fence_syncs.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
         fn forget_process(&self, _process: &ProcessId) {
@@ -1199,6 +1225,98 @@ mod tests {
         // `open` orders the backend's own stream after the acquire fence.
         drop(cache.open(&handle, &mut fds).unwrap());
         assert_eq!(backend.waits.load(Ordering::Relaxed), 2);
+    }
+
+    /// The release fences of views of a mapping kept warm by a holder: one per counter slot
+    /// (a later value of a slot replaces the earlier), and past `MAX_PENDING_FENCES` slots
+    /// none kept one by one: the close then waits for every fence the backend recorded.
+    #[test]
+    fn a_mappings_pending_fences_stay_few_however_many_views_released() {
+        let session = Session::new(SessionToken::from_bytes([8; 32]));
+        let backend = Arc::new(EventBackend::default());
+        let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+        let alloc = backend.allocate(4096).unwrap();
+        let handle = alloc.handle(&session).build().unwrap();
+        let key = CacheKey::of(&handle);
+        let holder = HolderId(1);
+        let mut fds = FrameFds::none();
+        let counter = |slot: u64, value: u64| {
+            FenceHandle::Counter(baton_messages::CounterFence {
+                slab: CudaIpcMemHandle([3; 64]),
+                slab_id: 1,
+                offset: slot * 8,
+                value,
+            })
+        };
+        let pending = |cache: &ImportCache| {
+            let state = cache.shared.lock();
+            let e = &state.entries[&key];
+            (e.pending.len(), e.pending_all)
+        };
+        // A holder keeps the mapping warm between views.
+        let first = cache.open_unordered(&handle, &mut fds).unwrap();
+        assert!(cache.hold(&key, holder));
+        drop(first);
+        for value in 1..=100 {
+            let view = cache.open_unordered(&handle, &mut fds).unwrap();
+            view.release_after(counter(value % 3, value));
+        }
+        assert_eq!(pending(&cache), (3, false), "one fence per slot");
+        for slot in 3..MAX_PENDING_FENCES as u64 {
+            let view = cache.open_unordered(&handle, &mut fds).unwrap();
+            view.release_after(counter(slot, 1));
+        }
+        assert_eq!(pending(&cache), (MAX_PENDING_FENCES, false));
+        let view = cache.open_unordered(&handle, &mut fds).unwrap();
+        view.release_after(counter(MAX_PENDING_FENCES as u64, 1));
+        assert_eq!(pending(&cache), (0, true), "one slot more: wait for all");
+        let view = cache.open_unordered(&handle, &mut fds).unwrap();
+        view.release_after(counter(0, 1000));
+        assert_eq!(pending(&cache), (0, true));
+        cache.unhold(&key, holder, Box::new(|| {}));
+        assert_eq!(cache.stats().live, 0, "closed once let go");
+        assert_eq!(
+            (
+                backend.fence_syncs.load(Ordering::Relaxed),
+                backend.waits.load(Ordering::Relaxed)
+            ),
+            (1, 0),
+            "the close waited for every fence at once, none one by one"
+        );
+    }
+
+    /// `open_if_mapped` answers only hits, and leaves a miss (or an open under way) to
+    /// `open_unordered`, doing nothing.
+    #[test]
+    fn open_if_mapped_opens_hits_only() {
+        let session = Session::new(SessionToken::from_bytes([8; 32]));
+        let backend = Arc::new(EventBackend::default());
+        let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+        let alloc = backend.allocate(4096).unwrap();
+        alloc.fill(0, 4096, 7).unwrap();
+        let handle = alloc.handle(&session).build().unwrap();
+        assert!(cache.open_if_mapped(&handle).is_none(), "a miss");
+        assert_eq!(backend.opens.load(Ordering::Relaxed), 0);
+        let first = cache
+            .open_unordered(&handle, &mut FrameFds::none())
+            .unwrap();
+        let hit = cache.open_if_mapped(&handle).expect("a hit").unwrap();
+        assert_eq!(hit.to_vec().unwrap(), vec![7; 4096]);
+        assert_eq!(backend.opens.load(Ordering::Relaxed), 1, "no driver open");
+        assert_eq!(cache.stats().hits, 1);
+        // A handle sealed under another session is refused on a hit too.
+        let other = Session::new(SessionToken::from_bytes([9; 32]));
+        let foreign = alloc.handle(&other).build().unwrap();
+        assert!(matches!(
+            cache.open_if_mapped(&foreign),
+            Some(Err(Error::Message(_)))
+        ));
+        drop((first, hit));
+        assert_eq!(cache.stats().live, 0);
+        assert!(
+            cache.open_if_mapped(&handle).is_none(),
+            "closed: a miss again"
+        );
     }
 
     fn counter() -> (Arc<AtomicU64>, OnClosed) {

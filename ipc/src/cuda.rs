@@ -1681,6 +1681,17 @@ impl Backend for CudaBackend {
         CudaBackend::synchronize(self)
     }
 
+    /// Synchronises every release stream made so far (`export_fence` records there), then
+    /// the backend's own stream.
+    fn synchronize_fences(&self) -> Result<()> {
+        let _pushed = ContextGuard::push(&self.access.ctx)?;
+        for stream in self.release_streams.iter().filter_map(OnceLock::get) {
+            // SAFETY: a live stream of the backend's context, which is current.
+            unsafe { result::stream_synchronize(stream.cu_stream()) }?;
+        }
+        self.access.sync()
+    }
+
     /// Yes: opens, closes, frees and fills are driver calls (up to milliseconds for VMM).
     fn blocking_calls(&self) -> bool {
         true
@@ -1690,9 +1701,13 @@ impl Backend for CudaBackend {
         Some(self)
     }
 
-    /// Drops the dead process's opened events and imported pools (mappings from a pool
-    /// keep it until they close), and releases every stream still waiting on its counter
-    /// fences (their slabs stay mapped until the backend drops).
+    /// Drops the process's opened events and imported pools (mappings from a pool keep it
+    /// until they close). If it is dead, also releases every stream still waiting on its
+    /// counter fences (their slabs stay mapped until the backend drops): they would wait
+    /// forever, since its queued work died with it. A process that only closed its links
+    /// is left alone — its queued work still writes its counters, and writing into a live
+    /// process's slab would release *its* waiters early — and its slabs stay open, for a
+    /// later call once it is dead.
     fn forget_process(&self, process: &ProcessId) {
         let of = |p: &ProcessId| p == process;
         // A pool allocation freed after an importer died mapping it stays reserved in the
@@ -1703,6 +1718,9 @@ impl Backend for CudaBackend {
         drop(self.pool.take_where(|_| true));
         drop(self.opened_events.take_where(|(p, _)| of(p)));
         drop(self.imported_pools.take_where(|(p, _)| of(p)));
+        if crate::process::liveness(process) != crate::process::Liveness::Dead {
+            return;
+        }
         let slabs = self.opened_slabs.take_where(|(p, _)| of(p));
         for slab in &slabs {
             if let Err(e) = slab.release_waiters(&self.side) {
