@@ -23,6 +23,7 @@ pub const PEERS: &str = "baton-test-peers";
 pub fn peer(name: &str) -> &'static str {
     static PATHS: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
     let exe = built(&["-p", PEERS, "--bins"], &profile_dir().join(name));
+    assert!(exe.exists(), "{}: not a binary of {PEERS}", exe.display());
     let exe = exe.to_str().expect("a UTF-8 target directory");
     let mut paths = PATHS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(known) = paths.iter().find(|p| **p == exe) {
@@ -67,51 +68,44 @@ fn built(args: &[&str], exe: &Path) -> PathBuf {
 
 /// `exe`, after `cargo build ARGS [--features gpu-tests]` has run once in this process.
 fn built_with(args: &[&str], exe: &Path, gpu_tests: bool) -> PathBuf {
+    let profile_dir = profile_dir();
+    let mut argv: Vec<&str> = args.to_vec();
+    match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") => {}
+        Some(profile) => argv.extend(["--profile", profile]),
+        None => panic!("no profile in {}", profile_dir.display()),
+    }
+    if gpu_tests {
+        argv.extend(["--features", "gpu-tests"]);
+    }
+    let command = format!("cargo build {}", argv.join(" "));
     // Held while building: one cargo at a time, and each build once.
     static DONE: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
-    let key = format!("{args:?} {gpu_tests}");
-    if done.contains(&key) {
+    if done.contains(&command) {
         return exe.to_owned();
     }
     let cargo = std::env::var_os("CARGO");
     if cargo.is_none() && exe.exists() {
         // Outside cargo, with the executable in place (a prebuilt bundle): use it.
-        done.push(key);
+        done.push(command);
         return exe.to_owned();
     }
-    let profile_dir = profile_dir();
-    let mut build = Command::new(cargo.unwrap_or_else(|| "cargo".into()));
-    build
+    let status = Command::new(cargo.unwrap_or_else(|| "cargo".into()))
         .arg("build")
-        .args(args)
+        .args(&argv)
         .arg("--target-dir")
         .arg(profile_dir.parent().expect("target/<profile>"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") => {}
-        Some(profile) => {
-            build.args(["--profile", profile]);
-        }
-        None => panic!("no profile in {}", profile_dir.display()),
-    }
-    if gpu_tests {
-        build.args(["--features", "gpu-tests"]);
-    }
-    let status = build.status().unwrap_or_else(|e| {
-        panic!(
-            "{} is missing and cargo did not start ({e}): build it with `cargo build {}`",
-            exe.display(),
-            args.join(" ")
-        )
-    });
-    assert!(status.success(), "cargo build {}: {status}", args.join(" "));
-    assert!(
-        exe.exists(),
-        "cargo build {} did not make {}",
-        args.join(" "),
-        exe.display()
-    );
-    done.push(key);
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{} is missing and cargo did not start ({e}): run `{command}` first",
+                exe.display()
+            )
+        });
+    assert!(status.success(), "`{command}`: {status}");
+    assert!(exe.exists(), "`{command}` did not make {}", exe.display());
+    done.push(command);
     exe.to_owned()
 }
