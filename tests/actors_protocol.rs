@@ -167,7 +167,7 @@ fn an_offer_in_flight_holds_the_buffer_until_the_link_closes() {
         for closed_by_us in [true, false] {
             let (mut child, peer) = parent
                 .spawn_linked(
-                    env!("CARGO_BIN_EXE_baton-test-peer"),
+                    peer::exe("baton-test-peer"),
                     &["import-silent", &sock],
                     false,
                 )

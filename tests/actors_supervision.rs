@@ -60,7 +60,7 @@ impl SupEvents {
 }
 
 fn peer_spec(parent: &Parent, name: &str, role: &str) -> ChildSpec {
-    let spec = ChildSpec::new(name, env!("CARGO_BIN_EXE_baton-actor-peer"))
+    let spec = ChildSpec::new(name, peer::exe("baton-actor-peer"))
         .arg(role)
         .env(host::NAMESPACE_ENV, &parent.ns);
     // The parent's backend for the children too (a host-only parent cannot map CUDA buffers).

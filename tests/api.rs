@@ -34,7 +34,7 @@ fn host_node() -> Node {
 
 /// The helper started with `spawn_child`, linked.
 async fn child(node: &Node) -> LinkedChild {
-    node.spawn_child(Command::new(env!("CARGO_BIN_EXE_baton-api-peer")))
+    node.spawn_child(Command::new(peer::exe("baton-api-peer")))
         .await
         .expect("the child links")
 }

@@ -314,7 +314,7 @@ fn stranger_exe() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let exe = dir.path().join("baton-test-peer");
-    std::fs::copy(env!("CARGO_BIN_EXE_baton-test-peer"), &exe).unwrap();
+    std::fs::copy(peer::exe("baton-test-peer"), &exe).unwrap();
     std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
     (dir, exe)
 }

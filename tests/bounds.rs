@@ -161,7 +161,7 @@ async fn flood(tag: &str, role: &str, args: &[&str], expected: &str, bound: u64)
     let mut argv = vec![role, sock.as_str()];
     argv.extend_from_slice(args);
     let (mut flooder, flood_link) = parent
-        .spawn_linked(env!("CARGO_BIN_EXE_baton-flood-peer"), &argv, true)
+        .spawn_linked(peer::exe("baton-flood-peer"), &argv, true)
         .await;
     let lines = Lines::of(flooder.take_stdout().expect("piped"));
     let mut peak = before;

@@ -142,12 +142,7 @@ impl Subject {
     fn spawn(&self, session: &Session, role: &str, args: &[&str]) -> Peer {
         let mut all = vec![self.flavor.arg(), role];
         all.extend_from_slice(args);
-        Peer::spawn_exe(
-            env!("CARGO_BIN_EXE_baton-conformance-peer"),
-            session,
-            &self.ns,
-            &all,
-        )
+        Peer::spawn_exe(peer::exe("baton-conformance-peer"), session, &self.ns, &all)
     }
 
     /// What leaks would change: free device bytes (CUDA; after the pool gave back what it

@@ -35,7 +35,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const LEN: usize = 2048;
-const RELAY: &str = env!("CARGO_BIN_EXE_baton-relay-peer");
+fn relay() -> &'static str {
+    peer::exe("baton-relay-peer")
+}
 
 fn pattern_sum(seed: u32) -> u64 {
     (0..LEN).map(|i| u64::from(pattern(seed, i))).sum()
@@ -112,7 +114,7 @@ async fn trio(parent: &Parent, c_args: &[&str]) -> Trio {
     let b_dir = dir.path().join("b");
     let b_dir = b_dir.to_str().unwrap().to_owned();
     let (b, b_link) = parent
-        .spawn_linked(RELAY, &["relay", &parent.socket(), &b_dir], false)
+        .spawn_linked(relay(), &["relay", &parent.socket(), &b_dir], false)
         .await;
     // B listens before it links to us: its socket is there.
     let b_sock = format!("{b_dir}/relay.sock");
@@ -123,7 +125,7 @@ async fn trio(parent: &Parent, c_args: &[&str]) -> Trio {
         .collect();
     let mut args = vec!["sink", b_sock.as_str()];
     args.extend_from_slice(c_args);
-    let mut c = peer::Peer::spawn_with(RELAY, &parent.session, &parent.ns, &args, &env, true);
+    let mut c = peer::Peer::spawn_with(relay(), &parent.session, &parent.ns, &args, &env, true);
     let c_lines = Lines::of(c.take_stdout().unwrap());
     assert_eq!(c_lines.next_line(DEADLINE).await, "ready");
     Trio {

@@ -1,7 +1,7 @@
 //! Stream ordering across processes on a real GPU, on legacy, VMM and pool memory, with
 //! counter fences (the default) and IPC-event fences (the same properties as
 //! `tests/ordering.rs` proves on a recording backend), with an importer process
-//! (`src/bin/baton-ordering-peer.rs`) that uses leases on a stream of its own, through
+//! (`test-peers/src/bin/baton-ordering-peer.rs`) that uses leases on a stream of its own, through
 //! cudarc's own API (Baton's `DevicePtr`/`DevicePtrMut` and `DeviceArg`):
 //!
 //! - **release**: a thousand rounds in which the importer queues a long kernel that writes
@@ -61,11 +61,7 @@ async fn setup(
     let (parent, cuda, gpu) = Parent::start_cuda_fenced(tag, export, fence);
     let socket = parent.socket();
     let (child, link) = parent
-        .spawn_linked(
-            env!("CARGO_BIN_EXE_baton-ordering-peer"),
-            &[socket.as_str()],
-            false,
-        )
+        .spawn_linked(peer::exe("baton-ordering-peer"), &[socket.as_str()], false)
         .await;
     (parent, cuda, child, link, gpu)
 }

@@ -339,7 +339,7 @@ fn the_token_is_in_no_childs_environment_and_no_grandchild_inherits_it() {
     listener.listener().set_nonblocking(true).unwrap();
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = peer::Peer::spawn_with(
-        env!("CARGO_BIN_EXE_baton-test-peer"),
+        peer::exe("baton-test-peer"),
         &session,
         &peer::namespace("tok"),
         &["token-hold", &sock],

@@ -320,7 +320,7 @@ impl Rig {
         let sock = self.listening.path().to_str().unwrap().to_owned();
         let mode = if stubborn { "stubborn" } else { "cooperative" };
         self.spawn(
-            env!("CARGO_BIN_EXE_baton-actor-peer"),
+            peer::exe("baton-actor-peer"),
             &["serve", &sock, mode],
             false,
         )
@@ -330,7 +330,7 @@ impl Rig {
     /// A raw link helper (`baton-test-peer ROLE`), whose status lines go to a file.
     async fn raw_child(&self, role: &str) -> (Child, Peer) {
         let sock = self.listening.path().to_str().unwrap().to_owned();
-        self.spawn(env!("CARGO_BIN_EXE_baton-test-peer"), &[role, &sock], true)
+        self.spawn(peer::exe("baton-test-peer"), &[role, &sock], true)
             .await
     }
 

@@ -126,7 +126,7 @@ fn baton_status_reports_exactly_the_buffers_leases_quarantine_and_orphans_it_hol
         // buffer (legacy-like rule) is quarantined while C lives.
         let (mut c, link_c) = parent
             .spawn_linked(
-                env!("CARGO_BIN_EXE_baton-actor-peer"),
+                peer::exe("baton-actor-peer"),
                 &["serve", &socket, "stubborn", "linger"],
                 true,
             )
@@ -662,18 +662,6 @@ fn baton_status_of_a_live_renderer_lists_its_leases_and_live_importers() {
 /// `--help` of every example, every helper binary, and `baton` and its subcommands.
 #[test]
 fn every_example_and_binary_answers_help() {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_owned();
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = std::process::Command::new(cargo);
-    build
-        .args(["build", "--examples"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if release {
-        build.arg("--release");
-    }
-    assert!(build.status().unwrap().success(), "building the examples");
     let mut targets: Vec<(PathBuf, Vec<&str>)> = [
         "renderer",
         "host_roundtrip",
@@ -683,14 +671,14 @@ fn every_example_and_binary_answers_help() {
         "py_partner",
     ]
     .iter()
-    .map(|e| (profile_dir.join("examples").join(e), vec!["--help"]))
+    .map(|e| (renderer::example(e), vec!["--help"]))
     .collect();
     for bin in [
-        env!("CARGO_BIN_EXE_baton-actor-peer"),
-        env!("CARGO_BIN_EXE_baton-test-peer"),
-        env!("CARGO_BIN_EXE_baton-flood-peer"),
-        env!("CARGO_BIN_EXE_baton-conformance-peer"),
-        env!("CARGO_BIN_EXE_baton-ordering-peer"),
+        peer::exe("baton-actor-peer"),
+        peer::exe("baton-test-peer"),
+        peer::exe("baton-flood-peer"),
+        peer::exe("baton-conformance-peer"),
+        peer::exe("baton-ordering-peer"),
     ] {
         targets.push((PathBuf::from(bin), vec!["--help"]));
     }

@@ -234,7 +234,7 @@ impl Parent {
         let sock = self.socket();
         let mut args = vec!["serve", sock.as_str()];
         args.extend_from_slice(extra);
-        self.spawn_linked(env!("CARGO_BIN_EXE_baton-actor-peer"), &args, false)
+        self.spawn_linked(peer::exe("baton-actor-peer"), &args, false)
             .await
     }
 

@@ -1,5 +1,5 @@
-//! Messages shared by `tests/api.rs` and its helper process (`src/bin/baton-api-peer.rs`
-//! includes this file too).
+//! Messages shared by `tests/api.rs` and its helper process
+//! (`test-peers/src/bin/baton-api-peer.rs` includes this file too).
 
 #![allow(dead_code)]
 

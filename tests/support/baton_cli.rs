@@ -2,6 +2,12 @@
 
 #![allow(dead_code)]
 
+// peer.rs, renderer.rs and baton_cli.rs each load it, so that each works alone; a test
+// with several of them holds a copy per module, each building its own targets.
+#[allow(clippy::duplicate_mod)]
+#[path = "built.rs"]
+mod built;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -9,27 +15,7 @@ use std::time::{Duration, Instant};
 /// The `baton` binary, built now (a no-op when it is up to date: `cargo test` builds only
 /// the binaries of the package under test), in the profile of this test.
 pub fn baton() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT.get_or_init(build).clone()
-}
-
-fn build() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = Command::new(cargo);
-    build
-        .args(["build", "-p", "baton-cli", "--bin", "baton"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if release {
-        build.arg("--release");
-    }
-    assert!(
-        build.status().unwrap().success(),
-        "building the baton command"
-    );
-    profile_dir.join("baton")
+    built::bin("baton-cli", "baton")
 }
 
 /// Runs `exe args…` to its end, killing it past `deadline`. Blocking.

@@ -1,5 +1,5 @@
 //! Message types shared by the actor tests and their helper process
-//! (`src/bin/baton-actor-peer.rs` includes this file too).
+//! (`test-peers/src/bin/baton-actor-peer.rs` includes this file too).
 
 #![allow(dead_code)]
 

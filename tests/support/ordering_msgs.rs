@@ -1,5 +1,5 @@
 //! Messages and kernels shared by the GPU ordering tests (`tests/ordering_cuda.rs`) and
-//! their helper process (`src/bin/baton-ordering-peer.rs` includes this file too).
+//! their helper process (`test-peers/src/bin/baton-ordering-peer.rs` includes this file too).
 
 #![allow(dead_code)]
 

@@ -3,10 +3,22 @@
 
 #![allow(dead_code)]
 
+// peer.rs, renderer.rs and baton_cli.rs each load it, so that each works alone; a test
+// with several of them holds a copy per module, each building its own targets.
+#[allow(clippy::duplicate_mod)]
+#[path = "built.rs"]
+mod built;
+
 use baton::Session;
 use baton::ipc::{Link, Listener, host};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+
+/// The test helper binary `name` (`baton-actor-peer`, …; package `baton-test-peers`), built
+/// on first use.
+pub fn exe(name: &str) -> &'static str {
+    built::peer(name)
+}
 
 /// A helper process that is SIGKILLed and reaped when dropped.
 pub struct Peer {
@@ -23,12 +35,7 @@ impl Peer {
 
     /// Runs the test helper binary in a role.
     pub fn spawn(session: &Session, namespace: &str, args: &[&str]) -> Peer {
-        Self::spawn_exe(
-            env!("CARGO_BIN_EXE_baton-test-peer"),
-            session,
-            namespace,
-            args,
-        )
+        Self::spawn_exe(exe("baton-test-peer"), session, namespace, args)
     }
 
     pub fn pid(&self) -> u32 {

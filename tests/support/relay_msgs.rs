@@ -1,5 +1,5 @@
 //! Message types of the forwarding tests and their helper process
-//! (`src/bin/baton-relay-peer.rs` includes this file too).
+//! (`test-peers/src/bin/baton-relay-peer.rs` includes this file too).
 
 #![allow(dead_code)]
 

@@ -1,27 +1,18 @@
-//! The renderer example, for the tests that run it as a real process tree.
+//! The examples, the renderer above all, for the tests that run them as real processes.
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+// peer.rs, renderer.rs and baton_cli.rs each load it, so that each works alone; a test
+// with several of them holds a copy per module, each building its own targets.
+#[allow(clippy::duplicate_mod)]
+#[path = "built.rs"]
+mod built;
+
+pub use built::example;
+use std::path::PathBuf;
 
 /// The renderer example binary, built now (a no-op when it is up to date: `cargo test`
-/// does not rebuild examples by itself), in the profile of this test.
+/// does not build examples), in the profile of this test.
 pub fn renderer() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = Command::new(cargo);
-    build
-        .args(["build", "--example", "renderer"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if release {
-        build.arg("--release");
-    }
-    assert!(
-        build.status().unwrap().success(),
-        "building the renderer example"
-    );
-    profile_dir.join("examples").join("renderer")
+    example("renderer")
 }

@@ -35,7 +35,7 @@ pub async fn stubborn_live_holder(
 ) {
     let (mut child, link) = parent
         .spawn_linked(
-            env!("CARGO_BIN_EXE_baton-actor-peer"),
+            peer::exe("baton-actor-peer"),
             &["serve", &parent.socket(), "stubborn", "linger"],
             true,
         )

@@ -10,7 +10,7 @@
 //! through the lease (`api=orphaned` once the exporter is gone) and through the raw mapping
 //! (`raw=<sum of the u32s>`) — and keeps running (holding them) until killed.
 
-#[path = "../../tests/support/msgs.rs"]
+#[path = "../../../tests/support/msgs.rs"]
 mod msgs;
 
 use actix::prelude::*;

@@ -16,7 +16,7 @@
 //!
 //! The session token comes through the pipe named in `BATON_TOKEN_FD`.
 
-#[path = "../../tests/support/relay_msgs.rs"]
+#[path = "../../../tests/support/relay_msgs.rs"]
 mod relay_msgs;
 
 use actix::prelude::*;

@@ -2,7 +2,7 @@
 //! joins its parent with `Node::join`, registers the test actor under `api.*` names, and exits when
 //! the link to its parent goes down (`Peer::closed`).
 
-#[path = "../../tests/support/api_msgs.rs"]
+#[path = "../../../tests/support/api_msgs.rs"]
 mod msgs;
 
 use actix::prelude::*;

@@ -3,7 +3,7 @@
 //! (`tests/support/ordering_msgs.rs`) on a CUDA node (`BATON_BACKEND=cuda`), with kernels
 //! launched on a stream of its own. Exits when the link to the test goes down.
 
-#[path = "../../tests/support/ordering_msgs.rs"]
+#[path = "../../../tests/support/ordering_msgs.rs"]
 mod msgs;
 
 use actix::prelude::*;

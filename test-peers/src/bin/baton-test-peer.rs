@@ -1,10 +1,10 @@
 //! The helper process of Baton's multi-process tests: one role per invocation.
 //!
-//! Tests spawn it (`env!("CARGO_BIN_EXE_baton-test-peer")`) with the session token in an
-//! inherited pipe (`BATON_TOKEN_FD`, taken at the top of `main`) and a segment namespace in
-//! `BATON_SHM_NAMESPACE`, never by `fork`. It
-//! speaks through the public API only, as a real peer would. Exit status: 0 when the role
-//! did what it should, 1 with a message on stderr otherwise.
+//! Tests spawn it (`peer::exe("baton-test-peer")`) with the session token in an inherited
+//! pipe (`BATON_TOKEN_FD`, taken at the top of `main`) and a segment namespace in
+//! `BATON_SHM_NAMESPACE`, never by `fork`. It speaks through the public API only, as a real
+//! peer would. Exit status: 0 when the role did what it should, 1 with a message on stderr
+//! otherwise.
 //!
 //! Roles:
 //! - `import SOCKET EXPECT_HEX PAYLOAD_LEN`: connect, take one `Offer`, check the BLAKE3 of

@@ -2,7 +2,7 @@
 //! per invocation, on the backend named by the first argument (`host-memfd`, `host-named`,
 //! `host` (the flavor `BATON_HOST` picks), `cuda-legacy`, `cuda-vmm`, `cuda-pool`).
 //!
-//! Tests spawn it (`env!("CARGO_BIN_EXE_baton-conformance-peer")`), never fork, with the
+//! Tests spawn it (`peer::exe("baton-conformance-peer")`), never fork, with the
 //! session token in an inherited pipe (`BATON_TOKEN_FD`, read by `Session::from_env` at the
 //! top of `main`) and a segment namespace in `BATON_SHM_NAMESPACE`. It uses
 //! the public API only, as a real peer would. Exit status 0 when the role did what it
