@@ -9,8 +9,11 @@
 //! driver thread: every release fence and every use of the buffer on a stream is waited
 //! for, then the backend allocation is dropped), and kills of supervised children that
 //! hold revoked leases.
+//!
+//! Each exported buffer's state is a [`BufferCell`] (made by [`Exports::insert`]): the
+//! typed and untyped handles (`Buffer<T>`, `AnyBuffer`) share it, and dropping the last
+//! one retires the buffer here.
 
-use crate::buffer::{BufferCell, Retire};
 use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
@@ -192,6 +195,48 @@ pub(crate) struct ExportSnapshot {
     pub(crate) holders: Vec<HolderView>,
     /// Every buffer, with its allocation's backend kind and device.
     pub(crate) table: Vec<(EntryView, Option<BackendKind>, DeviceUuid)>,
+}
+
+/// The exporter-side state of one buffer: its memory and the node's exports. Dropping the
+/// last reference *retires* the buffer in the ledger, which frees it once no process may
+/// map it.
+pub(crate) struct BufferCell {
+    pub(crate) id: BufferId,
+    pub(crate) owner: ActorId,
+    pub(crate) alloc: Arc<Allocation>,
+    pub(crate) layout: Layout,
+    /// Its uses on streams and the release fences it waits on.
+    pub(crate) order: Arc<ExportOrder>,
+    pub(crate) exports: Arc<Exports>,
+    /// Declared last, so that it drops after `alloc`: the ledger's free then holds the
+    /// allocation's last reference and frees it where it runs (the driver thread), after
+    /// the waits it needs.
+    pub(crate) _retire: Retire,
+}
+
+impl BufferCell {
+    /// Refuses a write while leases on the buffer are out (see [`Buffer::write_at`]).
+    pub(crate) fn check_unleased(&self) -> Result<(), ActorError> {
+        match self.exports.leases_on(self.id) {
+            0 => Ok(()),
+            leases => Err(ActorError::BufferLeased {
+                buffer: self.id,
+                leases,
+            }),
+        }
+    }
+}
+
+/// Retires a buffer when its cell drops.
+pub(crate) struct Retire {
+    pub(crate) id: BufferId,
+    pub(crate) exports: Arc<Exports>,
+}
+
+impl Drop for Retire {
+    fn drop(&mut self) {
+        self.exports.retire(self.id);
+    }
 }
 
 /// This node's exported buffers (see the module docs).

@@ -30,8 +30,9 @@
 //! return; work on a device pointer is ordered with [`AnyLease::wait_on`] and
 //! [`AnyBuffer::wait_on`] / [`AnyBuffer::share_on`].
 
-use crate::buffer::{BufferCell, IncomingLease, Outgoing, Shared, SharedInner};
+use crate::buffer::{IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
+use crate::exports::BufferCell;
 use crate::ids::BufferId;
 use crate::node::{Node, Peer};
 use crate::remote::{Answer, Encoded, ErasedHandler, call_encoded};
