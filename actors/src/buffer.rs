@@ -46,7 +46,7 @@
 use crate::error::ActorError;
 use crate::exports::BufferCell;
 use crate::ids::BufferId;
-use crate::link::{LinkHandle, PendingRelease, ReleaseLease};
+use crate::link_ref::{LinkHandle, PendingRelease, ReleaseLease};
 use crate::order::{Finished, LeaseOrder};
 use baton_ipc::cuda::cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, SyncOnDrop, sys,
@@ -483,7 +483,7 @@ impl Drop for IncomingLease {
             Finished::Wait(marks) => (Vec::new(), Some(PendingRelease { marks, imported })),
         };
         if self.link.is_alive() {
-            self.link.addr.do_send(ReleaseLease {
+            self.link.do_send(ReleaseLease {
                 lease: self.lease,
                 fences,
                 pending,

@@ -19,7 +19,7 @@ use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
     Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal, RevokePolicy,
 };
-use crate::link::{CutOff, LinkRef, SendRevoke, SendUnmap};
+use crate::link_ref::{CutOff, LinkRef, SendRevoke, SendUnmap};
 use crate::offload::Offload;
 use crate::order::{ExportOrder, ReleaseFence};
 use baton_ipc::{Allocation, DescriptorScope, ExportedFence, Session, SharedBackend};
@@ -289,13 +289,13 @@ impl Todo {
                     if let Some(l) = self.links.get(&link) {
                         let within = deadline.saturating_duration_since(Instant::now());
                         tracing::info!(%lease, peer = %l.peer(), ?within, "revoking");
-                        l.addr.do_send(SendRevoke { lease, within });
+                        l.do_send(SendRevoke { lease, within });
                     }
                 }
                 Action::Unmap { link, alloc } => {
                     if let Some(l) = self.links.get(&link) {
                         tracing::debug!(%alloc, peer = %l.peer(), "asking to unmap");
-                        l.addr.do_send(SendUnmap { alloc });
+                        l.do_send(SendUnmap { alloc });
                     }
                 }
                 Action::Cut { link, lease, kill } => {
@@ -303,7 +303,7 @@ impl Todo {
                         continue;
                     };
                     tracing::warn!(%lease, peer = %l.peer(), "revoke deadline passed: cutting the holder off");
-                    l.addr.do_send(CutOff(ActorError::RevokeDeadline { lease }));
+                    l.do_send(CutOff(ActorError::RevokeDeadline { lease }));
                     if kill {
                         match self.kill.get(&link) {
                             Some(pidfd) => {

@@ -64,6 +64,7 @@ mod exports;
 mod ids;
 mod ledger;
 mod link;
+mod link_ref;
 pub mod metrics;
 mod node;
 mod offload;
@@ -81,7 +82,8 @@ pub use error::ActorError;
 pub use exports::{BufferLeases, ForwardedLease, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
-pub use link::{Heartbeat, LinkLimits, PeerLink};
+pub use link::PeerLink;
+pub use link_ref::{Heartbeat, LinkLimits};
 pub use metrics::MetricsPublisher;
 pub use node::{
     ACCEPT_BACKLOG, Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested,

@@ -6,11 +6,10 @@ use crate::error::ActorError;
 use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::LinkId;
 use crate::ledger::RevokePolicy;
-use crate::link::{
-    CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, PeerLink, RequestEvict, SendPing,
-};
+use crate::link::PeerLink;
+use crate::link_ref::{CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, RequestEvict, SendPing};
 use crate::offload::Offload;
-use crate::remote::{ErasedHandler, Registered, RemoteAddr, RemoteMessage};
+use crate::remote::{ErasedHandler, OutCall, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
 use baton_ipc::process::DeathWatch;
 use baton_ipc::{
@@ -84,6 +83,8 @@ impl fmt::Debug for Offered {
 #[derive(Clone)]
 pub struct Peer {
     pub(crate) link: LinkRef,
+    /// Where typed calls over the link go (its actor).
+    pub(crate) calls: Recipient<OutCall>,
     pub(crate) info: PeerInfo,
     pub(crate) link_deadline: Duration,
 }
@@ -123,6 +124,7 @@ impl Peer {
     pub fn remote<M: RemoteMessage>(&self, name: &str) -> RemoteAddr<M> {
         RemoteAddr {
             link: self.link.clone(),
+            calls: self.calls.clone(),
             target: Arc::from(name),
             _m: PhantomData,
         }
@@ -137,7 +139,7 @@ impl Peer {
     /// after the heartbeat deadline.
     pub fn ping(&self) -> impl Future<Output = Result<Duration, ActorError>> + 'static {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.link.addr.do_send(SendPing(tx));
+        self.link.do_send(SendPing(tx));
         let (peer, after) = (self.info.process, self.link_deadline);
         async move {
             match tokio::time::timeout(after, rx).await {
@@ -179,7 +181,7 @@ impl Peer {
     /// too, so it never ends and the peer never sees the end of the link — a deadlock when
     /// the peer waits for it to exit. Await instead ([`LinkedChild::wait`](crate::LinkedChild::wait)).
     pub fn close(&self) {
-        self.link.addr.do_send(CutOff(ActorError::LinkClosed {
+        self.link.do_send(CutOff(ActorError::LinkClosed {
             peer: self.info.process,
         }));
     }
@@ -355,7 +357,7 @@ impl Node {
                     .find(|p| p.link.id.get() == holder.0)
                     .cloned();
                 if let Some(peer) = peer {
-                    peer.link.addr.do_send(RequestEvict { alloc: key.alloc });
+                    peer.link.do_send(RequestEvict { alloc: key.alloc });
                 }
             }));
             NodeInner {
@@ -606,9 +608,10 @@ impl Node {
 
     fn adopt(&self, link: AsyncLink) -> Peer {
         let info = *link.peer();
-        let link = PeerLink::start(self.clone(), link);
+        let (link, calls) = PeerLink::start(self.clone(), link);
         let peer = Peer {
             link,
+            calls,
             info,
             link_deadline: self.inner.config.heartbeat.deadline,
         };
@@ -639,7 +642,7 @@ impl Node {
     pub fn disconnect(&self, process: &ProcessId) {
         for peer in self.peers() {
             if peer.info.process == *process {
-                peer.link.addr.do_send(CutOff(ActorError::LinkClosed {
+                peer.link.do_send(CutOff(ActorError::LinkClosed {
                     peer: peer.info.process,
                 }));
             }
@@ -665,7 +668,7 @@ impl Node {
         // `link_down` of the last link finishes the job.
         lock(&self.inner.dead).insert(process);
         for peer in links {
-            peer.link.addr.do_send(PeerDied);
+            peer.link.do_send(PeerDied);
         }
     }
 

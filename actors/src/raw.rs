@@ -522,6 +522,7 @@ impl Peer {
     ) -> impl Future<Output = Result<RawMessage, ActorError>> + 'static + use<> {
         let reply = call_encoded(
             &self.link,
+            &self.calls,
             &Arc::from(target),
             Arc::from(type_name),
             message.into_encoded(),

@@ -39,7 +39,8 @@
 use crate::buffer::{Element, Lease};
 use crate::error::ActorError;
 use crate::ids::LinkId;
-use crate::link::{LinkRef, PeerLink};
+use crate::link::PeerLink;
+use crate::link_ref::{AskForward, GiveBack, LinkRef, PassOn, RevokePassed, SendRelease};
 use crate::node::Peer;
 use actix::prelude::*;
 use baton_ipc::{CacheKey, FrameFds, HolderId, ImportCache};
@@ -47,7 +48,6 @@ use baton_messages::protocol::{Forward, Forwarded, Offer, Relayed, Release, Revo
 use baton_messages::{FenceHandle, LeaseId, Message as Wire, ProcessId};
 use std::collections::HashMap;
 use std::future::Future;
-use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::oneshot;
@@ -206,7 +206,7 @@ impl Peer {
             })
         } else {
             let (tx, rx) = oneshot::channel();
-            upstream.addr.do_send(AskForward {
+            upstream.do_send(AskForward {
                 lease: incoming.lease,
                 to: self.process(),
                 downstream: self.link.clone(),
@@ -227,16 +227,6 @@ impl Peer {
             }
         }
     }
-}
-
-/// B: ask the exporter (this link's peer) to lease one of our leases' buffer to `to`.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct AskForward {
-    lease: LeaseId,
-    to: ProcessId,
-    downstream: LinkRef,
-    reply: oneshot::Sender<Result<LeaseId, ActorError>>,
 }
 
 impl Handler<AskForward> for PeerLink {
@@ -269,34 +259,6 @@ impl Handler<AskForward> for PeerLink {
             }
         }
     }
-}
-
-/// Gives an exporter's forwarded lease back through the upstream link if it was never
-/// passed on (dropped unused).
-struct GiveBack {
-    upstream: LinkRef,
-    lease: LeaseId,
-}
-
-impl Drop for GiveBack {
-    fn drop(&mut self) {
-        if self.upstream.is_alive() {
-            self.upstream.addr.do_send(SendRelease {
-                lease: self.lease,
-                fences: Vec::new(),
-            });
-        }
-    }
-}
-
-/// B: pass an exporter's offer on to this link's peer.
-#[derive(Message)]
-#[rtype(result = "()")]
-struct PassOn {
-    offer: Offer,
-    fd: Option<OwnedFd>,
-    give_back: GiveBack,
-    reply: oneshot::Sender<Result<LeaseId, ActorError>>,
 }
 
 impl Handler<PassOn> for PeerLink {
@@ -340,15 +302,6 @@ impl Handler<PassOn> for PeerLink {
     }
 }
 
-/// Send `Release` of `lease` to this link's peer: B handing on a holder's release, or C
-/// giving back a relayed lease once its mapping is closed.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendRelease {
-    pub(crate) lease: LeaseId,
-    pub(crate) fences: Vec<FenceHandle>,
-}
-
 impl Handler<SendRelease> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: SendRelease, ctx: &mut Self::Context) {
@@ -362,17 +315,9 @@ impl Handler<SendRelease> for PeerLink {
     }
 }
 
-/// B: hand the exporter's `Revoke` of a forwarded lease on to its holder.
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SendRevoke {
-    lease: LeaseId,
-    deadline_ms: u32,
-}
-
-impl Handler<SendRevoke> for PeerLink {
+impl Handler<RevokePassed> for PeerLink {
     type Result = ();
-    fn handle(&mut self, msg: SendRevoke, ctx: &mut Self::Context) {
+    fn handle(&mut self, msg: RevokePassed, ctx: &mut Self::Context) {
         let revoke = Wire::Revoke(Revoke {
             lease: msg.lease,
             deadline_ms: msg.deadline_ms,
@@ -493,7 +438,7 @@ impl PeerLink {
             }));
             return Ok(());
         }
-        pending.downstream.addr.do_send(PassOn {
+        pending.downstream.do_send(PassOn {
             offer,
             fd,
             give_back,
@@ -509,7 +454,7 @@ impl PeerLink {
             return false;
         };
         if upstream.is_alive() {
-            upstream.addr.do_send(SendRelease {
+            upstream.do_send(SendRelease {
                 lease: theirs,
                 fences: fences.to_vec(),
             });
@@ -534,7 +479,7 @@ impl PeerLink {
             return;
         };
         if let Some(peer) = self.node.peers().into_iter().find(|p| p.link.id == down) {
-            peer.link.addr.do_send(SendRevoke {
+            peer.link.do_send(RevokePassed {
                 lease: ours,
                 deadline_ms,
             });
@@ -562,11 +507,11 @@ impl PeerLink {
         let Some((key, holder)) = self.node.relays().take_held(self.me.id, lease) else {
             return Err((lease, fences));
         };
-        let addr = self.me.addr.clone();
+        let me = self.me.clone();
         self.node.cache().unhold(
             &key,
             holder,
-            Box::new(move || addr.do_send(SendRelease { lease, fences })),
+            Box::new(move || me.do_send(SendRelease { lease, fences })),
         );
         Ok(())
     }

@@ -15,7 +15,7 @@
 
 use crate::buffer::HeldLease;
 use crate::ids::LinkId;
-use crate::link::AskStatus;
+use crate::link_ref::AskStatus;
 use crate::node::{Node, Peer};
 use baton_messages::ProcessId;
 use baton_messages::protocol::{StatusRequest, StatusScope};
@@ -299,7 +299,7 @@ impl Peer {
         within: Duration,
     ) -> impl Future<Output = Result<NodeStatus, crate::ActorError>> + 'static {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.link.addr.do_send(AskStatus { limit, reply: tx });
+        self.link.do_send(AskStatus { limit, reply: tx });
         let peer = self.process();
         async move {
             let json = match tokio::time::timeout(within, rx).await {
