@@ -215,7 +215,7 @@ pub(crate) struct BufferCell {
 }
 
 impl BufferCell {
-    /// Refuses a write while leases on the buffer are out (see [`Buffer::write_at`]).
+    /// Refuses a write while leases on the buffer are out (see [`Buffer::write_at`](crate::Buffer::write_at)).
     pub(crate) fn check_unleased(&self) -> Result<(), ActorError> {
         match self.exports.leases_on(self.id) {
             0 => Ok(()),

@@ -59,6 +59,8 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
+mod forward;
+
 struct OutFrame {
     bytes: Vec<u8>,
     fds: Vec<OwnedFd>,

@@ -109,7 +109,7 @@ pub(crate) struct IncomingPayload {
     pub(crate) leases: Vec<IncomingLease>,
 }
 
-/// A typed call from a [`RemoteAddr`](crate::RemoteAddr).
+/// A typed call from a [`RemoteAddr`].
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct OutCall {
