@@ -67,6 +67,7 @@ mod link;
 mod link_ref;
 pub mod metrics;
 mod node;
+mod observed;
 mod offload;
 mod order;
 mod owner;

@@ -272,7 +272,7 @@ struct NodeInner {
     revoke_watchers: Mutex<Vec<Recipient<RevokeRequested>>>,
     inbox: Mutex<Option<Recipient<Offered>>>,
     /// What the node's status reports besides the ledger, cache and links.
-    observed: crate::status::Observed,
+    observed: crate::observed::Observed,
     /// The exporter identity of buffers allocated with [`Node::allocate`].
     owner: ActorId,
     /// The calling side of the loopback link ([`Node::local`]), once made.
@@ -373,7 +373,7 @@ impl Node {
                 watchers: Mutex::new(Vec::new()),
                 revoke_watchers: Mutex::new(Vec::new()),
                 inbox: Mutex::new(None),
-                observed: crate::status::Observed::new(),
+                observed: crate::observed::Observed::new(),
                 owner: crate::ids::next_actor(),
                 local: Mutex::new(None),
                 relays: crate::relay::Relays::default(),
@@ -445,7 +445,7 @@ impl Node {
         self.inner.exports.stats(None)
     }
 
-    pub(crate) fn observed(&self) -> &crate::status::Observed {
+    pub(crate) fn observed(&self) -> &crate::observed::Observed {
         &self.inner.observed
     }
 
