@@ -59,6 +59,7 @@
 
 mod buffer;
 pub mod child;
+mod connect;
 mod error;
 mod exports;
 mod ids;
@@ -79,6 +80,7 @@ pub mod supervisor;
 
 pub use buffer::{Buffer, Element, Lease, LeaseMut, Shared, SharedMut};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
+pub use connect::{ACCEPT_BACKLOG, Listening, token_file_of};
 pub use error::ActorError;
 pub use exports::{BufferLeases, ForwardedLease, OwnerStats};
 pub use ids::{BufferId, LinkId};
@@ -86,10 +88,7 @@ pub use ledger::RevokePolicy;
 pub use link::PeerLink;
 pub use link_ref::{Heartbeat, LinkLimits};
 pub use metrics::MetricsPublisher;
-pub use node::{
-    ACCEPT_BACKLOG, Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested,
-    token_file_of,
-};
+pub use node::{Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
 pub use raw::{AnyBuffer, AnyLease, AnyShared, RawCall, RawHandler, RawMessage, RawReply};
