@@ -44,16 +44,16 @@
 //! [`Buffer::wait_on`] and [`Buffer::share_on`]. See `docs/ORDERING.md`.
 
 use crate::error::ActorError;
-use crate::exports::Exports;
+use crate::exports::BufferCell;
 use crate::ids::BufferId;
-use crate::link::{LinkHandle, PendingRelease, ReleaseLease};
-use crate::order::{ExportOrder, Finished, LeaseOrder};
+use crate::link_ref::{LinkHandle, PendingRelease, ReleaseLease};
+use crate::order::{Finished, LeaseOrder};
 use baton_ipc::cuda::cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, SyncOnDrop, sys,
 };
 use baton_ipc::cuda::{RecordedEvent, RecordedFence};
 use baton_ipc::{Allocation, ExportedFence, Imported, MemPtr, SharedBackend, Stream, StreamRef};
-use baton_messages::{ActorId, DType, ExporterId, Layout, LeaseId, Shape};
+use baton_messages::{DType, ExporterId, Layout, LeaseId, Shape};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -79,48 +79,6 @@ fn byte_range<T: Element>(index: usize, len: usize, size: usize) -> Result<usize
     match index.checked_add(len) {
         Some(end) if end <= size => Ok(index * size_of::<T>()),
         _ => Err(ActorError::OutOfBounds { index, len, size }),
-    }
-}
-
-/// The exporter-side state of one buffer: its memory and the node's exports. Dropping the
-/// last reference *retires* the buffer in the ledger, which frees it once no process may
-/// map it.
-pub(crate) struct BufferCell {
-    pub(crate) id: BufferId,
-    pub(crate) owner: ActorId,
-    pub(crate) alloc: Arc<Allocation>,
-    pub(crate) layout: Layout,
-    /// Its uses on streams and the release fences it waits on.
-    pub(crate) order: Arc<ExportOrder>,
-    pub(crate) exports: Arc<Exports>,
-    /// Declared last, so that it drops after `alloc`: the ledger's free then holds the
-    /// allocation's last reference and frees it where it runs (the driver thread), after
-    /// the waits it needs.
-    pub(crate) _retire: Retire,
-}
-
-impl BufferCell {
-    /// Refuses a write while leases on the buffer are out (see [`Buffer::write_at`]).
-    pub(crate) fn check_unleased(&self) -> Result<(), ActorError> {
-        match self.exports.leases_on(self.id) {
-            0 => Ok(()),
-            leases => Err(ActorError::BufferLeased {
-                buffer: self.id,
-                leases,
-            }),
-        }
-    }
-}
-
-/// Retires a buffer when its cell drops.
-pub(crate) struct Retire {
-    pub(crate) id: BufferId,
-    pub(crate) exports: Arc<Exports>,
-}
-
-impl Drop for Retire {
-    fn drop(&mut self) {
-        self.exports.retire(self.id);
     }
 }
 
@@ -525,7 +483,7 @@ impl Drop for IncomingLease {
             Finished::Wait(marks) => (Vec::new(), Some(PendingRelease { marks, imported })),
         };
         if self.link.is_alive() {
-            self.link.addr.do_send(ReleaseLease {
+            self.link.do_send(ReleaseLease {
                 lease: self.lease,
                 fences,
                 pending,

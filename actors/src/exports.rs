@@ -9,14 +9,17 @@
 //! driver thread: every release fence and every use of the buffer on a stream is waited
 //! for, then the backend allocation is dropped), and kills of supervised children that
 //! hold revoked leases.
+//!
+//! Each exported buffer's state is a [`BufferCell`] (made by [`Exports::insert`]): the
+//! typed and untyped handles (`Buffer<T>`, `AnyBuffer`) share it, and dropping the last
+//! one retires the buffer here.
 
-use crate::buffer::{BufferCell, Retire};
 use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
     Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal, RevokePolicy,
 };
-use crate::link::{CutOff, LinkRef, SendRevoke, SendUnmap};
+use crate::link_ref::{CutOff, LinkRef, SendRevoke, SendUnmap};
 use crate::offload::Offload;
 use crate::order::{ExportOrder, ReleaseFence};
 use baton_ipc::{Allocation, DescriptorScope, ExportedFence, Session, SharedBackend};
@@ -194,6 +197,48 @@ pub(crate) struct ExportSnapshot {
     pub(crate) table: Vec<(EntryView, Option<BackendKind>, DeviceUuid)>,
 }
 
+/// The exporter-side state of one buffer: its memory and the node's exports. Dropping the
+/// last reference *retires* the buffer in the ledger, which frees it once no process may
+/// map it.
+pub(crate) struct BufferCell {
+    pub(crate) id: BufferId,
+    pub(crate) owner: ActorId,
+    pub(crate) alloc: Arc<Allocation>,
+    pub(crate) layout: Layout,
+    /// Its uses on streams and the release fences it waits on.
+    pub(crate) order: Arc<ExportOrder>,
+    pub(crate) exports: Arc<Exports>,
+    /// Declared last, so that it drops after `alloc`: the ledger's free then holds the
+    /// allocation's last reference and frees it where it runs (the driver thread), after
+    /// the waits it needs.
+    pub(crate) _retire: Retire,
+}
+
+impl BufferCell {
+    /// Refuses a write while leases on the buffer are out (see [`Buffer::write_at`](crate::Buffer::write_at)).
+    pub(crate) fn check_unleased(&self) -> Result<(), ActorError> {
+        match self.exports.leases_on(self.id) {
+            0 => Ok(()),
+            leases => Err(ActorError::BufferLeased {
+                buffer: self.id,
+                leases,
+            }),
+        }
+    }
+}
+
+/// Retires a buffer when its cell drops.
+pub(crate) struct Retire {
+    pub(crate) id: BufferId,
+    pub(crate) exports: Arc<Exports>,
+}
+
+impl Drop for Retire {
+    fn drop(&mut self) {
+        self.exports.retire(self.id);
+    }
+}
+
 /// This node's exported buffers (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Exports {
@@ -244,13 +289,13 @@ impl Todo {
                     if let Some(l) = self.links.get(&link) {
                         let within = deadline.saturating_duration_since(Instant::now());
                         tracing::info!(%lease, peer = %l.peer(), ?within, "revoking");
-                        l.addr.do_send(SendRevoke { lease, within });
+                        l.do_send(SendRevoke { lease, within });
                     }
                 }
                 Action::Unmap { link, alloc } => {
                     if let Some(l) = self.links.get(&link) {
                         tracing::debug!(%alloc, peer = %l.peer(), "asking to unmap");
-                        l.addr.do_send(SendUnmap { alloc });
+                        l.do_send(SendUnmap { alloc });
                     }
                 }
                 Action::Cut { link, lease, kill } => {
@@ -258,7 +303,7 @@ impl Todo {
                         continue;
                     };
                     tracing::warn!(%lease, peer = %l.peer(), "revoke deadline passed: cutting the holder off");
-                    l.addr.do_send(CutOff(ActorError::RevokeDeadline { lease }));
+                    l.do_send(CutOff(ActorError::RevokeDeadline { lease }));
                     if kill {
                         match self.kill.get(&link) {
                             Some(pidfd) => {

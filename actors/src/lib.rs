@@ -49,6 +49,26 @@
 //! link actors, and a few hash-map operations under a mutex cost far less than two extra
 //! mailbox round trips. Owners keep what needs time (revoke deadlines) and identity.
 //!
+//! Layers: each module uses only the modules below it, so none is part of an import
+//! cycle. `lib.rs` declares them bottom first, and `tests/layers.rs` fails on any import
+//! of a module declared later:
+//!
+//! 1. pure state: `ids`, `error`, `ledger` (the lease state machine), `order` (stream
+//!    ordering), `offload` (where blocking calls run);
+//! 2. what the node and its links share: `link_ref` (a link's handle, and the messages
+//!    its actor takes), `exports` (the ledger behind its mutex), `buffer`, `remote` (typed
+//!    messages and their encoding), `relay` (forwarding's tables), `observed` (what the
+//!    status reports besides them);
+//! 3. the node and its links: `node`, `status`, `link` (the [`PeerLink`] actor, which
+//!    serves the node), `connect` (which makes links and starts their actors);
+//! 4. the public API on top: [`raw`], `owner` ([`BufferOwner`]), [`child`],
+//!    [`supervisor`], [`metrics`].
+//!
+//! Where types point both ways — the node keeps its links and each link actor calls back
+//! into the node; lease guards, the exports and the node hold links — the lower side
+//! holds a `LinkRef`, which reaches the link actor through an actix `Recipient` of its
+//! mailbox without naming the actor.
+//!
 //! All actors of a node run on the actix system of the calling thread. Never block that
 //! thread (a `std::process::Child::wait`, a sleep, a blocking receive): the node's links
 //! stop moving while it is blocked — after [`Peer::close`], a blocked parent never lets
@@ -57,36 +77,69 @@
 
 #![deny(unsafe_code)]
 
-mod buffer;
-pub mod child;
-mod error;
-mod exports;
+// The modules, bottom layer first: each uses only the modules declared above it (see
+// "Layers" in the crate docs; `tests/layers.rs` checks it). One comment line per module
+// keeps rustfmt from sorting them.
+
+// 1. Pure state.
+// Ids local to this process.
 mod ids;
+// The crate's error type.
+mod error;
+// The lease ledger: a state machine without I/O.
 mod ledger;
-mod link;
-pub mod metrics;
-mod node;
-mod offload;
+// Stream ordering of a buffer on either side of a handoff.
 mod order;
-mod owner;
-pub mod raw;
-mod relay;
+// Where blocking backend calls run.
+mod offload;
+
+// 2. What the node and its links share.
+// A link as the rest of the crate holds it, and the messages its actor takes.
+mod link_ref;
+// The node's exported buffers: the ledger behind a mutex, and its actions.
+mod exports;
+// Buffers and leases on both sides of a handoff.
+mod buffer;
+// Typed messages to actors in other processes, and their encoding.
 mod remote;
+// Forwarding's tables.
+mod relay;
+// What a node keeps for its status.
+mod observed;
+
+// 3. The node and its links.
+// This process in a deployment: its links, exports, registered actors.
+mod node;
+// A node's status, as it answers it.
 mod status;
+// One actor per connection.
+mod link;
+// How a node gets its links.
+mod connect;
+
+// 4. The public API on top.
+// Untyped calls and buffers.
+pub mod raw;
+// The actor that allocates buffers.
+mod owner;
+// Child processes linked to their parent.
+pub mod child;
+// The process supervisor.
 pub mod supervisor;
+// A node's status as metrics.
+pub mod metrics;
 
 pub use buffer::{Buffer, Element, Lease, LeaseMut, Shared, SharedMut};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
+pub use connect::{ACCEPT_BACKLOG, Listening, token_file_of};
 pub use error::ActorError;
 pub use exports::{BufferLeases, ForwardedLease, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
-pub use link::{Heartbeat, LinkLimits, PeerLink};
+pub use link::PeerLink;
+pub use link_ref::{Heartbeat, LinkLimits};
 pub use metrics::MetricsPublisher;
-pub use node::{
-    ACCEPT_BACKLOG, Listening, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested,
-    token_file_of,
-};
+pub use node::{Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
 pub use raw::{AnyBuffer, AnyLease, AnyShared, RawCall, RawHandler, RawMessage, RawReply};

@@ -31,13 +31,17 @@ use crate::buffer::{HeldLease, IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::exports::OfferGrant;
 use crate::ids::LinkId;
+use crate::link_ref::{
+    AskStatus, CancelCall, CutOff, LinkCommand, LinkLimits, LinkRef, LinkState, PeerDied,
+    ReleaseLease, RequestEvict, SendPing, SendRevoke, SendUnmap,
+};
 use crate::node::Node;
 use crate::order::LeaseOrder;
-use crate::remote::{Encoded, IncomingPayload};
+use crate::remote::{Encoded, IncomingPayload, OutCall};
 use actix::prelude::*;
 use baton_ipc::{
-    AsyncLink, CacheKey, FrameFds, HolderId, ImportCache, Imported, LinkCloser, LinkReader,
-    LinkWriter, PeerInfo, Received, UseMark,
+    AsyncLink, CacheKey, FrameFds, ImportCache, Imported, LinkCloser, LinkReader, LinkWriter,
+    PeerInfo, Received,
 };
 use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_frame};
 use baton_messages::protocol::{
@@ -45,7 +49,7 @@ use baton_messages::protocol::{
     StatusRequest, StatusScope, Unmap, Unmapped,
 };
 use baton_messages::status::STATUS_VERSION;
-use baton_messages::{AllocationId, FenceHandle, LeaseId, Message as Wire, ProcessId};
+use baton_messages::{AllocationId, FenceHandle, LeaseId, Message as Wire};
 use futures_util::stream::Stream;
 use std::collections::HashMap;
 use std::fmt;
@@ -55,139 +59,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-/// Shared between a link actor and the guards that depend on it.
-#[derive(Debug)]
-pub(crate) struct LinkState {
-    alive: AtomicBool,
-    peer: ProcessId,
-    /// The last measured round trip in nanoseconds (0: none yet).
-    rtt_ns: AtomicU64,
-    /// The next id of a call of ours (ids are chosen by the sender, so that a caller that
-    /// gives up can name its call).
-    next_call: AtomicU64,
-    /// Bytes our calls may queue for the socket ([`LinkLimits::send_window`]).
-    pub(crate) send_window: Arc<Semaphore>,
-    /// The size of the send window in bytes.
-    pub(crate) window_size: usize,
-    /// Calls of ours awaiting replies ([`LinkLimits::pending_calls`]).
-    pub(crate) pending_calls: Arc<Semaphore>,
-    /// Bytes queued for the socket, of every kind of frame.
-    queued: AtomicUsize,
-    /// Of those, bytes of our own calls (bounded by the send window, not by
-    /// [`LinkLimits::queued_bytes`]).
-    queued_calls: AtomicUsize,
-    /// Leases held from the peer over this link (for status reports).
-    held_leases: AtomicUsize,
-    /// File descriptors received from the peer beside its frames.
-    fds_received: AtomicU64,
-    /// `true` once the link actor has stopped and the node has processed the link's end
-    /// (leases reclaimed, `PeerEvent::Down` sent): what [`LinkRef::closed`] waits for.
-    stopped: tokio::sync::watch::Sender<bool>,
-}
-
-/// A reference to a link: its actor, and whether it is still up.
-#[derive(Clone)]
-pub(crate) struct LinkRef {
-    pub(crate) id: LinkId,
-    pub(crate) addr: Addr<PeerLink>,
-    state: Arc<LinkState>,
-}
-
-impl LinkRef {
-    pub(crate) fn is_alive(&self) -> bool {
-        self.state.alive.load(Ordering::Acquire)
-    }
-
-    pub(crate) fn peer(&self) -> ProcessId {
-        self.state.peer
-    }
-
-    /// The last round trip the heartbeat or a ping measured.
-    pub(crate) fn round_trip(&self) -> Option<Duration> {
-        match self.state.rtt_ns.load(Ordering::Relaxed) {
-            0 => None,
-            ns => Some(Duration::from_nanos(ns)),
-        }
-    }
-
-    fn holder(&self) -> HolderId {
-        HolderId(self.id.get())
-    }
-
-    pub(crate) fn state(&self) -> &LinkState {
-        &self.state
-    }
-
-    /// File descriptors received from the peer so far.
-    pub(crate) fn descriptors_received(&self) -> u64 {
-        self.state.fds_received.load(Ordering::Relaxed)
-    }
-
-    /// Resolves once the link actor has stopped and the node has processed the end of the
-    /// link (at once if it already has). Borrows nothing.
-    pub(crate) fn closed(&self) -> impl Future<Output = ()> + 'static + use<> {
-        let mut stopped = self.state.stopped.subscribe();
-        async move {
-            // The sender lives in the state this receiver's channel shares: it cannot drop
-            // before the value turns `true`, or while we wait.
-            let _ = stopped.wait_for(|s| *s).await;
-        }
-    }
-}
-
-impl LinkState {
-    /// A fresh id for a call of ours.
-    pub(crate) fn next_call_id(&self) -> u64 {
-        self.next_call.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Counts `len` bytes into (`add`) or out of the queue; `call`: a call of ours.
-    fn count(&self, len: usize, call: bool, add: bool) {
-        let counters: &[&AtomicUsize] = if call {
-            &[&self.queued, &self.queued_calls]
-        } else {
-            &[&self.queued]
-        };
-        for c in counters {
-            if add {
-                c.fetch_add(len, Ordering::Relaxed);
-            } else {
-                c.fetch_sub(len, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Bytes queued for the socket now.
-    pub(crate) fn queued_bytes(&self) -> usize {
-        self.queued.load(Ordering::Relaxed)
-    }
-
-    /// Leases held from the peer over this link now.
-    pub(crate) fn held_leases(&self) -> usize {
-        self.held_leases.load(Ordering::Relaxed)
-    }
-
-    /// Whether `id` was handed out already (a reply to it that is not pending answers a
-    /// call its caller gave up on).
-    fn issued(&self, id: u64) -> bool {
-        id < self.next_call.load(Ordering::Relaxed)
-    }
-}
-
-impl fmt::Debug for LinkRef {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "LinkRef({:?} to {}, alive: {})",
-            self.id,
-            self.state.peer,
-            self.is_alive()
-        )
-    }
-}
-
-/// The guards' name for it.
-pub(crate) type LinkHandle = LinkRef;
+mod forward;
 
 struct OutFrame {
     bytes: Vec<u8>,
@@ -263,69 +135,6 @@ fn open_hits(
         }
     }
     Some(views)
-}
-
-/// How a link watches its peer's liveness.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Heartbeat {
-    /// How often a link pings its peer (default 1 s).
-    pub interval: Duration,
-    /// How long a peer may send nothing before its link is cut as unresponsive
-    /// (default 10 s). A stopped (SIGSTOP) or deadlocked peer process, or one whose
-    /// event loop is blocked, answers nothing.
-    pub deadline: Duration,
-}
-
-impl Default for Heartbeat {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(1),
-            deadline: Duration::from_secs(10),
-        }
-    }
-}
-
-/// What one link may hold. Bounds the *peer* controls are protocol faults when exceeded
-/// (that link is cut with a typed error); bounds *we* control are backpressure (our own
-/// `send` waits).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LinkLimits {
-    /// Bytes of our calls queued for the socket at once; a
-    /// [`RemoteAddr::send`](crate::RemoteAddr::send) past it waits until the writer has
-    /// sent enough (backpressure). Default 8 MiB (eight full frames).
-    pub send_window: usize,
-    /// Our calls awaiting a reply at once; a `send` past it waits. Default 1024.
-    pub pending_calls: usize,
-    /// Bytes queued for the socket besides our own calls (which the send window bounds):
-    /// our replies to the peer's calls, lease-protocol messages, pongs. A peer that lets
-    /// more pile up (it does not read: it sends pings or calls and never reads the answers)
-    /// is cut ([`ActorError::PeerNotReading`]). Default 32 MiB.
-    pub queued_bytes: usize,
-    /// The peer's calls this node runs at once; at the limit the link stops reading its
-    /// socket until one finishes, so a peer calling faster than its calls are handled
-    /// is slowed by its own socket. Default 256. (A handler that calls back the same peer
-    /// and waits can deadlock only when all of them do.)
-    pub calls_in_flight: usize,
-    /// Buffers in one message (a call, a reply or a bare offer): each is an open (a
-    /// `mmap` or a driver call) for the receiver; more is a protocol fault
-    /// ([`ActorError::TooManyOffers`]). Default 1024.
-    pub offers_per_message: usize,
-    /// Leases the peer's offers hold open here at once; more is a protocol fault
-    /// ([`ActorError::TooManyLeases`]). Default 65 536.
-    pub leases_held: usize,
-}
-
-impl Default for LinkLimits {
-    fn default() -> Self {
-        Self {
-            send_window: 8 << 20,
-            pending_calls: 1024,
-            queued_bytes: 32 << 20,
-            calls_in_flight: 256,
-            offers_per_message: 1024,
-            leases_held: 65_536,
-        }
-    }
 }
 
 /// One actor per connection (see the [crate docs](crate)).
@@ -462,7 +271,8 @@ async fn write_loop(
 
 impl PeerLink {
     /// Starts the actor for an established link on the current arbiter.
-    pub(crate) fn start(node: Node, link: AsyncLink) -> LinkRef {
+    /// Returns its reference and where typed calls to it go.
+    pub(crate) fn start(node: Node, link: AsyncLink) -> (LinkRef, Recipient<OutCall>) {
         let peer = *link.peer();
         let id = LinkId::next();
         let limits = node.limits();
@@ -485,11 +295,7 @@ impl PeerLink {
         let (reader, writer) = link.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
         let addr = PeerLink::create(|ctx| {
-            let me = LinkRef {
-                id,
-                addr: ctx.address(),
-                state: Arc::clone(&state),
-            };
+            let me = LinkRef::new(id, ctx.address().recipient(), Arc::clone(&state));
             // Before any frame is handled or any call granted: leases need the link.
             node.exports().link_up(&me);
             node.watch(peer.process);
@@ -517,7 +323,10 @@ impl PeerLink {
                 down: None,
             }
         });
-        LinkRef { id, addr, state }
+        (
+            LinkRef::new(id, addr.clone().recipient(), state),
+            addr.recipient(),
+        )
     }
 
     /// Queues a frame of ours that answers the peer or runs the protocol (a reply, a
@@ -809,11 +618,11 @@ impl PeerLink {
 
     /// The exporter asks us to close our mapping of `alloc`: answer `Unmapped` once no
     /// lease of ours uses it (at once if none does, or if we hold none).
-    fn on_unmap(&mut self, alloc: AllocationId) -> Result<(), ActorError> {
+    fn on_unmap(&mut self, alloc: AllocationId, ctx: &mut Context<Self>) -> Result<(), ActorError> {
         let Some(key) = self.mapped.remove(&alloc) else {
             return self.send(&Wire::Unmapped(Unmapped { alloc }), Vec::new());
         };
-        let addr = self.me.addr.clone();
+        let addr = ctx.address();
         self.node.cache().unhold(
             &key,
             self.me.holder(),
@@ -926,7 +735,7 @@ impl PeerLink {
                 }
                 Ok(())
             }
-            Wire::Unmap(Unmap { alloc }) => self.on_unmap(alloc),
+            Wire::Unmap(Unmap { alloc }) => self.on_unmap(alloc, ctx),
             Wire::Unmapped(Unmapped { alloc }) => {
                 // One that matches no hold crossed a failed open: harmless.
                 if !self.node.exports().unmapped(self.me.id, alloc) {
@@ -1228,10 +1037,12 @@ impl Handler<LinkFailed> for PeerLink {
     }
 }
 
-/// Cut the link off (a revoke deadline passed, the peer's process died, or the user closed it).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct CutOff(pub(crate) ActorError);
+impl Handler<LinkCommand> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: LinkCommand, ctx: &mut Self::Context) {
+        msg.dispatch(self, ctx);
+    }
+}
 
 impl Handler<CutOff> for PeerLink {
     type Result = ();
@@ -1239,12 +1050,6 @@ impl Handler<CutOff> for PeerLink {
         self.cut(ctx, msg.0);
     }
 }
-
-/// The peer's process died. Whatever it sent before is still read; if nothing is left to
-/// read and its end of the socket is still open (a descendant inherited it), cut now.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct PeerDied;
 
 impl Handler<PeerDied> for PeerLink {
     type Result = ();
@@ -1263,35 +1068,6 @@ impl Handler<PeerDied> for PeerLink {
             );
         }
     }
-}
-
-/// What a dropped lease could not turn into a release fence (every pooled event was in
-/// use): its uses to wait for, and its view, closed after them.
-pub(crate) struct PendingRelease {
-    pub(crate) marks: Vec<Box<dyn UseMark>>,
-    pub(crate) imported: Option<Imported>,
-}
-
-impl PendingRelease {
-    /// Blocks until the lease's uses have completed, then lets its view go.
-    pub(crate) fn wait(self) {
-        for mark in &self.marks {
-            if let Err(e) = mark.synchronize() {
-                tracing::warn!(error = %e, "waiting for a lease's work failed");
-            }
-        }
-        drop(self.imported);
-    }
-}
-
-/// A lease guard dropped: give the lease back, with the fence after its last use.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct ReleaseLease {
-    pub(crate) lease: LeaseId,
-    pub(crate) fences: Vec<FenceHandle>,
-    /// Waited for (on the driver thread) before the `Release` goes.
-    pub(crate) pending: Option<PendingRelease>,
 }
 
 impl Handler<ReleaseLease> for PeerLink {
@@ -1333,14 +1109,6 @@ impl PeerLink {
     }
 }
 
-/// Ask the peer to give a lease back within a deadline.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendRevoke {
-    pub(crate) lease: LeaseId,
-    pub(crate) within: Duration,
-}
-
 impl Handler<SendRevoke> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: SendRevoke, ctx: &mut Self::Context) {
@@ -1353,13 +1121,6 @@ impl Handler<SendRevoke> for PeerLink {
             self.cut(ctx, e);
         }
     }
-}
-
-/// Ask the peer to close its mapping of one of our allocations.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendUnmap {
-    pub(crate) alloc: AllocationId,
 }
 
 impl Handler<SendUnmap> for PeerLink {
@@ -1388,13 +1149,6 @@ impl Handler<SendUnmapped> for PeerLink {
     }
 }
 
-/// The import cache's warm budget is exceeded: ask the peer to let us drop a mapping.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct RequestEvict {
-    pub(crate) alloc: AllocationId,
-}
-
 impl Handler<RequestEvict> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: RequestEvict, ctx: &mut Self::Context) {
@@ -1405,20 +1159,6 @@ impl Handler<RequestEvict> for PeerLink {
             self.cut(ctx, e);
         }
     }
-}
-
-/// A typed call from a [`RemoteAddr`](crate::RemoteAddr).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct OutCall {
-    /// Chosen by the caller ([`LinkState::next_call_id`]), so that it can cancel.
-    pub(crate) id: u64,
-    pub(crate) target: Arc<str>,
-    pub(crate) type_name: Arc<str>,
-    pub(crate) encoded: Encoded,
-    pub(crate) reply: oneshot::Sender<Result<IncomingPayload, ActorError>>,
-    /// Its share of the send window, held until it is written.
-    pub(crate) window: OwnedSemaphorePermit,
 }
 
 impl Handler<OutCall> for PeerLink {
@@ -1464,23 +1204,12 @@ impl Handler<OutCall> for PeerLink {
     }
 }
 
-/// The caller of a pending call gave up (it dropped the future: a timeout): forget the
-/// call at once. A reply that comes later is given back (its leases released).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct CancelCall(pub(crate) u64);
-
 impl Handler<CancelCall> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: CancelCall, _ctx: &mut Self::Context) {
         self.pending.remove(&msg.0);
     }
 }
-
-/// Probe the peer; the reply carries the round trip, when its pong comes back.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendPing(pub(crate) oneshot::Sender<Duration>);
 
 impl Handler<SendPing> for PeerLink {
     type Result = ();
@@ -1534,14 +1263,6 @@ impl PeerLink {
             None => Err(ActorError::Unexpected { got: "Status" }),
         }
     }
-}
-
-/// Ask the peer for its status; the reply carries its JSON body.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct AskStatus {
-    pub(crate) limit: u32,
-    pub(crate) reply: oneshot::Sender<Result<String, ActorError>>,
 }
 
 impl Handler<AskStatus> for PeerLink {

@@ -1,8 +1,8 @@
 //! [`BufferOwner`]: the actor that owns exportable buffers and their lease table.
 
-use crate::buffer::{Buffer, BufferCell, Element};
+use crate::buffer::{Buffer, Element};
 use crate::error::ActorError;
-use crate::exports::{BufferLeases, Exports, OwnerStats};
+use crate::exports::{BufferCell, BufferLeases, Exports, OwnerStats};
 use crate::ids::BufferId;
 use crate::ledger::RevokePolicy;
 use crate::node::Node;

@@ -30,8 +30,9 @@
 //! return; work on a device pointer is ordered with [`AnyLease::wait_on`] and
 //! [`AnyBuffer::wait_on`] / [`AnyBuffer::share_on`].
 
-use crate::buffer::{BufferCell, IncomingLease, Outgoing, Shared, SharedInner};
+use crate::buffer::{IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
+use crate::exports::BufferCell;
 use crate::ids::BufferId;
 use crate::node::{Node, Peer};
 use crate::remote::{Answer, Encoded, ErasedHandler, call_encoded};
@@ -521,6 +522,7 @@ impl Peer {
     ) -> impl Future<Output = Result<RawMessage, ActorError>> + 'static + use<> {
         let reply = call_encoded(
             &self.link,
+            &self.calls,
             &Arc::from(target),
             Arc::from(type_name),
             message.into_encoded(),

@@ -35,19 +35,18 @@
 //!   leaves only after the mapping is closed, so A never needs to ask C to `Unmap`.
 //!
 //! The limits are in `docs/FORWARDING.md`.
+//!
+//! This module is the node's part: the tables, below the node that keeps them and the
+//! links that use them. The links' part — the messages' handlers, what A, B and C do with
+//! each frame, and [`Peer::forward`](crate::Peer::forward) — is `link/forward.rs`; the
+//! messages themselves are in `link_ref`.
 
-use crate::buffer::{Element, Lease};
 use crate::error::ActorError;
 use crate::ids::LinkId;
-use crate::link::{LinkRef, PeerLink};
-use crate::node::Peer;
-use actix::prelude::*;
-use baton_ipc::{CacheKey, FrameFds, HolderId, ImportCache};
-use baton_messages::protocol::{Forward, Forwarded, Offer, Relayed, Release, Revoke};
-use baton_messages::{FenceHandle, LeaseId, Message as Wire, ProcessId};
+use crate::link_ref::LinkRef;
+use baton_ipc::{CacheKey, HolderId, ImportCache};
+use baton_messages::{LeaseId, ProcessId};
 use std::collections::HashMap;
-use std::future::Future;
-use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::oneshot;
@@ -64,34 +63,34 @@ pub(crate) struct Relays {
 }
 
 #[derive(Debug, Default)]
-struct RelayState {
+pub(crate) struct RelayState {
     /// B: forwards asked over an upstream link, by (that link, request id).
-    pending: HashMap<(LinkId, u64), PendingForward>,
+    pub(crate) pending: HashMap<(LinkId, u64), PendingForward>,
     /// B: offers passed on, by (downstream link, our lease id): the upstream link and the
     /// exporter's lease id.
-    passed: HashMap<(LinkId, LeaseId), (LinkRef, LeaseId)>,
+    pub(crate) passed: HashMap<(LinkId, LeaseId), (LinkRef, LeaseId)>,
     /// C: relayed leases held, by (link, lease): the mapping and its holder in the cache.
-    held: HashMap<(LinkId, LeaseId), (CacheKey, HolderId)>,
+    pub(crate) held: HashMap<(LinkId, LeaseId), (CacheKey, HolderId)>,
 }
 
 #[derive(Debug)]
-struct PendingForward {
-    downstream: LinkRef,
-    reply: oneshot::Sender<Result<LeaseId, ActorError>>,
+pub(crate) struct PendingForward {
+    pub(crate) downstream: LinkRef,
+    pub(crate) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
 }
 
 impl Relays {
-    fn lock(&self) -> std::sync::MutexGuard<'_, RelayState> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, RelayState> {
         // Every operation leaves the maps consistent.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn next_id(&self) -> u64 {
+    pub(crate) fn next_id(&self) -> u64 {
         self.next.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Whether `id` was handed out already.
-    fn issued(&self, id: u64) -> bool {
+    pub(crate) fn issued(&self, id: u64) -> bool {
         id != 0 && id <= self.next.load(Ordering::Relaxed)
     }
 
@@ -151,423 +150,5 @@ impl Relays {
         for holder in holders {
             cache.drop_holder(holder);
         }
-    }
-}
-
-impl<T: Element> Lease<T> {
-    /// Passes this buffer on to `to`, zero-copy: the exporter leases it to `to` directly
-    /// (its ledger counts `to` as a holder), and this node relays the offer, which arrives
-    /// in `to`'s inbox ([`Node::set_inbox`](crate::Node::set_inbox)) as an
-    /// [`Offered`](crate::Offered) from this process. Returns the lease id `to` sees.
-    ///
-    /// This lease stays this node's to drop: the forwarded one is independent of it.
-    /// See [`Peer::forward`] and `docs/FORWARDING.md`.
-    ///
-    /// # Errors
-    /// As [`Peer::forward`].
-    pub fn forward_to(
-        &self,
-        to: &Peer,
-    ) -> impl Future<Output = Result<LeaseId, ActorError>> + 'static {
-        to.forward(self)
-    }
-}
-
-impl Peer {
-    /// Forwards a buffer this node leased from another process to this peer (A → B → C,
-    /// zero-copy): asks the exporter, over the link the lease came by, to grant this peer
-    /// a lease of its own, and passes the exporter's offer on. The peer finds it in its
-    /// inbox ([`Node::set_inbox`](crate::Node::set_inbox)); the exporter's lease table
-    /// lists it as a holder ([`BufferLeases::forwarded`](crate::BufferLeases::forwarded))
-    /// until it gives the buffer back or dies — also if this node dies first. Returns the
-    /// lease id the peer sees (this node's name for the forwarded lease).
-    ///
-    /// # Errors
-    /// [`ActorError::Orphaned`] if the exporter is gone; [`ActorError::LinkClosed`] if a
-    /// link goes down first; [`ActorError::ForwardRefused`] if the exporter refused (the
-    /// lease is back, the peer is the exporter itself, a limit); [`ActorError::Timeout`]
-    /// after the heartbeat deadline.
-    pub fn forward<T: Element>(
-        &self,
-        lease: &Lease<T>,
-    ) -> impl Future<Output = Result<LeaseId, ActorError>> + 'static {
-        let incoming = lease.incoming();
-        let upstream = incoming.link.clone();
-        let exporter = upstream.peer();
-        let asked = if !upstream.is_alive() {
-            Err(ActorError::Orphaned { exporter })
-        } else if !self.link.is_alive() {
-            Err(ActorError::LinkClosed {
-                peer: self.process(),
-            })
-        } else if self.process() == exporter {
-            Err(ActorError::ForwardRefused {
-                reason: format!("{exporter} is the buffer's exporter: it has the buffer"),
-            })
-        } else {
-            let (tx, rx) = oneshot::channel();
-            upstream.addr.do_send(AskForward {
-                lease: incoming.lease,
-                to: self.process(),
-                downstream: self.link.clone(),
-                reply: tx,
-            });
-            Ok(rx)
-        };
-        let after = self.link_deadline;
-        async move {
-            let rx = asked?;
-            match tokio::time::timeout(after, rx).await {
-                Ok(Ok(result)) => result,
-                Ok(Err(_)) => Err(ActorError::LinkClosed { peer: exporter }),
-                Err(_) => Err(ActorError::Timeout {
-                    op: "forward",
-                    after,
-                }),
-            }
-        }
-    }
-}
-
-/// B: ask the exporter (this link's peer) to lease one of our leases' buffer to `to`.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct AskForward {
-    lease: LeaseId,
-    to: ProcessId,
-    downstream: LinkRef,
-    reply: oneshot::Sender<Result<LeaseId, ActorError>>,
-}
-
-impl Handler<AskForward> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: AskForward, ctx: &mut Self::Context) {
-        let node = self.node.clone();
-        let relays = node.relays();
-        let id = relays.next_id();
-        let forward = Wire::Forward(Forward {
-            id,
-            lease: msg.lease,
-            to: msg.to,
-        });
-        tracing::debug!(parent: &self.span, lease = %msg.lease, to = %msg.to, "asking to forward");
-        match self.send(&forward, Vec::new()) {
-            Ok(()) => {
-                relays.lock().pending.insert(
-                    (self.me.id, id),
-                    PendingForward {
-                        downstream: msg.downstream,
-                        reply: msg.reply,
-                    },
-                );
-            }
-            Err(e) => {
-                let _ = msg.reply.send(Err(ActorError::LinkClosed {
-                    peer: self.peer.process,
-                }));
-                self.cut(ctx, e);
-            }
-        }
-    }
-}
-
-/// Gives an exporter's forwarded lease back through the upstream link if it was never
-/// passed on (dropped unused).
-struct GiveBack {
-    upstream: LinkRef,
-    lease: LeaseId,
-}
-
-impl Drop for GiveBack {
-    fn drop(&mut self) {
-        if self.upstream.is_alive() {
-            self.upstream.addr.do_send(SendRelease {
-                lease: self.lease,
-                fences: Vec::new(),
-            });
-        }
-    }
-}
-
-/// B: pass an exporter's offer on to this link's peer.
-#[derive(Message)]
-#[rtype(result = "()")]
-struct PassOn {
-    offer: Offer,
-    fd: Option<OwnedFd>,
-    give_back: GiveBack,
-    reply: oneshot::Sender<Result<LeaseId, ActorError>>,
-}
-
-impl Handler<PassOn> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: PassOn, ctx: &mut Self::Context) {
-        let PassOn {
-            offer,
-            fd,
-            give_back,
-            reply,
-        } = msg;
-        let ours = crate::ids::next_lease();
-        let theirs = give_back.lease;
-        self.node
-            .relays()
-            .lock()
-            .passed
-            .insert((self.me.id, ours), (give_back.upstream.clone(), theirs));
-        let relayed = Wire::Relayed(Relayed {
-            offer: Offer {
-                lease: ours,
-                handle: offer.handle,
-            },
-        });
-        match self.send(&relayed, fd.into_iter().collect()) {
-            Ok(()) => {
-                // Passed on: it comes back with the holder's `Release`, or ends with it.
-                std::mem::forget(give_back);
-                tracing::debug!(parent: &self.span, lease = %ours, exporter_lease = %theirs, "forwarded");
-                let _ = reply.send(Ok(ours));
-            }
-            Err(e) => {
-                self.node.relays().take_passed(self.me.id, ours);
-                drop(give_back);
-                let _ = reply.send(Err(ActorError::LinkClosed {
-                    peer: self.peer.process,
-                }));
-                self.cut(ctx, e);
-            }
-        }
-    }
-}
-
-/// Send `Release` of `lease` to this link's peer: B handing on a holder's release, or C
-/// giving back a relayed lease once its mapping is closed.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendRelease {
-    pub(crate) lease: LeaseId,
-    pub(crate) fences: Vec<FenceHandle>,
-}
-
-impl Handler<SendRelease> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendRelease, ctx: &mut Self::Context) {
-        let release = Wire::Release(Release {
-            lease: msg.lease,
-            fences: msg.fences,
-        });
-        if let Err(e) = self.send(&release, Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-/// B: hand the exporter's `Revoke` of a forwarded lease on to its holder.
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SendRevoke {
-    lease: LeaseId,
-    deadline_ms: u32,
-}
-
-impl Handler<SendRevoke> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendRevoke, ctx: &mut Self::Context) {
-        let revoke = Wire::Revoke(Revoke {
-            lease: msg.lease,
-            deadline_ms: msg.deadline_ms,
-        });
-        if let Err(e) = self.send(&revoke, Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-impl PeerLink {
-    /// A: the peer asks us to lease the buffer of its `lease` to a third process. A
-    /// refusal is answered, not a fault: the lease may have crossed a revoke.
-    pub(crate) fn on_forward(&mut self, forward: Forward) -> Result<(), ActorError> {
-        let Forward { id, lease, to } = forward;
-        let me = self.node.session().process();
-        let granted = if to == self.peer.process || to == me {
-            Err(ActorError::ForwardRefused {
-                reason: format!("{to} is the relay or the exporter itself"),
-            })
-        } else {
-            self.node
-                .exports()
-                .grant_relayed(lease, &self.me, to, self.limits.leases_held)
-        };
-        match granted {
-            Ok((offer, fd)) => {
-                let new = offer.lease;
-                // Before the offer leaves: a holder already dead is reported at once, and
-                // its lease ends then.
-                self.node.watch(to);
-                tracing::debug!(%lease, forwarded = %new, %to, "forwarding");
-                let answer = Wire::Forwarded(Forwarded {
-                    id,
-                    outcome: Ok(offer),
-                });
-                let sent = self.send(&answer, fd.into_iter().collect());
-                if sent.is_err() {
-                    self.node.exports().ungrant(
-                        new,
-                        crate::exports::OfferGrant {
-                            ledger: crate::ledger::Grant { new_hold: false },
-                            pool: None,
-                        },
-                        self.me.id,
-                    );
-                }
-                sent
-            }
-            Err(e) => {
-                tracing::debug!(%lease, %to, error = %e, "refused to forward");
-                let answer = Wire::Forwarded(Forwarded {
-                    id,
-                    outcome: Err(e.to_string()),
-                });
-                self.send(&answer, Vec::new())
-            }
-        }
-    }
-
-    /// B: the exporter's answer to a forward of ours. An answer to a request we never
-    /// made, or an offer of someone else's buffer, is a protocol fault; an offer nobody
-    /// waits for any more goes back at once.
-    pub(crate) fn on_forwarded(
-        &mut self,
-        forwarded: Forwarded,
-        mut fds: FrameFds,
-    ) -> Result<(), ActorError> {
-        let Forwarded { id, outcome } = forwarded;
-        let node = self.node.clone();
-        let relays = node.relays();
-        let pending = relays.lock().pending.remove(&(self.me.id, id));
-        let Some(pending) = pending else {
-            if !relays.issued(id) {
-                return Err(ActorError::Unexpected { got: "Forwarded" });
-            }
-            // A request that failed on our side meanwhile: give the lease back.
-            if let Ok(offer) = outcome {
-                return self.send(&Wire::Release(Release::now(offer.lease)), Vec::new());
-            }
-            return Ok(());
-        };
-        let offer = match outcome {
-            Ok(offer) => offer,
-            Err(reason) => {
-                let _ = pending
-                    .reply
-                    .send(Err(ActorError::ForwardRefused { reason }));
-                return Ok(());
-            }
-        };
-        if offer.handle.exporter.process != self.peer.process {
-            let _ = pending.reply.send(Err(ActorError::ForeignOffer {
-                claimed: offer.handle.exporter,
-            }));
-            return Err(ActorError::ForeignOffer {
-                claimed: offer.handle.exporter,
-            });
-        }
-        let give_back = GiveBack {
-            upstream: self.me.clone(),
-            lease: offer.lease,
-        };
-        let fd = match offer.handle.raw.fd_slot() {
-            Some(slot) => match fds.take(slot) {
-                Ok(fd) => Some(fd),
-                Err(e) => {
-                    let _ = pending.reply.send(Err(e.into()));
-                    // `give_back` returns the lease.
-                    return Ok(());
-                }
-            },
-            None => None,
-        };
-        if pending.reply.is_closed() || !pending.downstream.is_alive() {
-            let _ = pending.reply.send(Err(ActorError::LinkClosed {
-                peer: pending.downstream.peer(),
-            }));
-            return Ok(());
-        }
-        pending.downstream.addr.do_send(PassOn {
-            offer,
-            fd,
-            give_back,
-            reply: pending.reply,
-        });
-        Ok(())
-    }
-
-    /// B: a `Release` over this link of a lease we passed on: hand it on to the exporter.
-    /// Returns whether it was one.
-    pub(crate) fn release_passed(&mut self, lease: LeaseId, fences: &[FenceHandle]) -> bool {
-        let Some((upstream, theirs)) = self.node.relays().take_passed(self.me.id, lease) else {
-            return false;
-        };
-        if upstream.is_alive() {
-            upstream.addr.do_send(SendRelease {
-                lease: theirs,
-                fences: fences.to_vec(),
-            });
-        }
-        true
-    }
-
-    /// B: the exporter asks back a lease we passed on: ask its holder (nothing if it is
-    /// not one).
-    pub(crate) fn revoke_passed(&mut self, lease: LeaseId, deadline_ms: u32) {
-        let node = self.node.clone();
-        let relays = node.relays();
-        let found = {
-            let state = relays.lock();
-            state
-                .passed
-                .iter()
-                .find(|(_, (up, theirs))| up.id == self.me.id && *theirs == lease)
-                .map(|((down, ours), _)| (*down, *ours))
-        };
-        let Some((down, ours)) = found else {
-            return;
-        };
-        if let Some(peer) = self.node.peers().into_iter().find(|p| p.link.id == down) {
-            peer.link.addr.do_send(SendRevoke {
-                lease: ours,
-                deadline_ms,
-            });
-        }
-    }
-
-    /// C: a relayed offer from this link's peer must name a third process's buffer.
-    pub(crate) fn check_relayed(&self, offer: &Offer) -> Result<(), ActorError> {
-        let exporter = offer.handle.exporter.process;
-        if exporter == self.peer.process || exporter == self.node.session().process() {
-            return Err(ActorError::Unexpected {
-                got: "Relayed offer of the relay's or our own buffer",
-            });
-        }
-        Ok(())
-    }
-
-    /// C: a relayed lease's guard dropped: its mapping is let go, and its `Release` goes
-    /// once the mapping is closed. Hands `lease` and `fences` back if it was not one.
-    pub(crate) fn release_relayed(
-        &mut self,
-        lease: LeaseId,
-        fences: Vec<FenceHandle>,
-    ) -> Result<(), (LeaseId, Vec<FenceHandle>)> {
-        let Some((key, holder)) = self.node.relays().take_held(self.me.id, lease) else {
-            return Err((lease, fences));
-        };
-        let addr = self.me.addr.clone();
-        self.node.cache().unhold(
-            &key,
-            holder,
-            Box::new(move || addr.do_send(SendRelease { lease, fences })),
-        );
-        Ok(())
     }
 }

@@ -18,7 +18,8 @@
 
 use crate::buffer::{Element, IncomingLease, Outgoing, Shared, SharedInner, SharedMut};
 use crate::error::ActorError;
-use crate::link::{CancelCall, LinkRef, OutCall};
+use crate::link_ref::{CancelCall, LinkRef};
+use actix::{Message, Recipient};
 use baton_messages::ProcessId;
 use baton_messages::protocol::CallFault;
 use serde::de::{DeserializeOwned, Error as _};
@@ -49,7 +50,7 @@ use tokio::sync::{OwnedSemaphorePermit, oneshot};
 ///     const NAME: &'static str = "example.Checksum";
 /// }
 /// ```
-pub trait RemoteMessage: actix::Message + Serialize + DeserializeOwned + Send + 'static {
+pub trait RemoteMessage: Message + Serialize + DeserializeOwned + Send + 'static {
     /// The type's name on the wire; the receiver checks it matches what it registered.
     const NAME: &'static str;
     /// How the message and its reply are encoded: [`Encoding::Bincode`] unless the type
@@ -106,6 +107,20 @@ pub(crate) struct Encoded {
 pub(crate) struct IncomingPayload {
     pub(crate) bytes: Vec<u8>,
     pub(crate) leases: Vec<IncomingLease>,
+}
+
+/// A typed call from a [`RemoteAddr`].
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct OutCall {
+    /// Chosen by the caller ([`LinkState::next_call_id`](crate::link_ref::LinkState::next_call_id)), so that it can cancel.
+    pub(crate) id: u64,
+    pub(crate) target: Arc<str>,
+    pub(crate) type_name: Arc<str>,
+    pub(crate) encoded: Encoded,
+    pub(crate) reply: oneshot::Sender<Result<IncomingPayload, ActorError>>,
+    /// Its share of the send window, held until it is written.
+    pub(crate) window: OwnedSemaphorePermit,
 }
 
 thread_local! {
@@ -318,7 +333,7 @@ pub(crate) struct Registered<M: RemoteMessage>
 where
     M::Result: Send,
 {
-    pub(crate) recipient: actix::Recipient<M>,
+    pub(crate) recipient: Recipient<M>,
 }
 
 impl<M> ErasedHandler for Registered<M>
@@ -353,6 +368,7 @@ where
 /// The address of a named actor in another process, for one message type.
 pub struct RemoteAddr<M: RemoteMessage> {
     pub(crate) link: LinkRef,
+    pub(crate) calls: Recipient<OutCall>,
     pub(crate) target: Arc<str>,
     pub(crate) _m: PhantomData<fn(M)>,
 }
@@ -361,6 +377,7 @@ impl<M: RemoteMessage> Clone for RemoteAddr<M> {
     fn clone(&self) -> Self {
         Self {
             link: self.link.clone(),
+            calls: self.calls.clone(),
             target: Arc::clone(&self.target),
             _m: PhantomData,
         }
@@ -408,7 +425,13 @@ where
     pub fn send(&self, msg: M) -> impl Future<Output = Result<M::Result, ActorError>> + 'static {
         let encoded = encode("message", &msg, M::ENCODING);
         drop(msg);
-        let reply = call_encoded(&self.link, &self.target, Arc::from(M::NAME), encoded);
+        let reply = call_encoded(
+            &self.link,
+            &self.calls,
+            &self.target,
+            Arc::from(M::NAME),
+            encoded,
+        );
         async move {
             let payload = reply.await?;
             decode("reply", &payload.bytes, payload.leases, M::ENCODING)
@@ -439,14 +462,17 @@ where
 
 /// Queues an encoded call on `link` (at once when the link has room, so calls leave in
 /// the order they were made; else the future waits for room first) and returns its reply,
-/// undecoded. Dropping the future gives the call up.
+/// undecoded. The call goes to `calls`, the link actor's. Dropping the future gives the
+/// call up.
 pub(crate) fn call_encoded(
     link: &LinkRef,
+    calls: &Recipient<OutCall>,
     target: &Arc<str>,
     type_name: Arc<str>,
     encoded: Result<Encoded, ActorError>,
 ) -> impl Future<Output = Result<IncomingPayload, ActorError>> + 'static + use<> {
     let link = link.clone();
+    let calls = calls.clone();
     let target = Arc::clone(target);
     let peer = link.peer();
     // The fast path, taken now: room on the link, so the call is queued in order.
@@ -460,7 +486,7 @@ pub(crate) fn call_encoded(
                 Arc::clone(&state.send_window).try_acquire_many_owned(cost),
             ) {
                 (Ok(slot), Ok(window)) => Ok(Started::Queued(queue(
-                    &link, &target, &type_name, encoded, window, slot,
+                    &link, &calls, &target, &type_name, encoded, window, slot,
                 ))),
                 _ => Ok(Started::Waiting(encoded, cost)),
             }
@@ -480,7 +506,7 @@ pub(crate) fn call_encoded(
                     .acquire_many_owned(cost)
                     .await
                     .map_err(closed)?;
-                queue(&link, &target, &type_name, encoded, window, slot)
+                queue(&link, &calls, &target, &type_name, encoded, window, slot)
             }
         };
         let Queued {
@@ -521,6 +547,7 @@ fn window_cost(encoded: &Encoded, link: &LinkRef) -> u32 {
 
 fn queue(
     link: &LinkRef,
+    calls: &Recipient<OutCall>,
     target: &Arc<str>,
     type_name: &Arc<str>,
     encoded: Encoded,
@@ -529,7 +556,7 @@ fn queue(
 ) -> Queued {
     let id = link.state().next_call_id();
     let (tx, rx) = oneshot::channel();
-    link.addr.do_send(OutCall {
+    calls.do_send(OutCall {
         id,
         target: Arc::clone(target),
         type_name: Arc::clone(type_name),
@@ -562,7 +589,7 @@ impl CancelOnDrop {
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if let Some(link) = self.link.take() {
-            link.addr.do_send(CancelCall(self.id));
+            link.do_send(CancelCall(self.id));
         }
     }
 }

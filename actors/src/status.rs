@@ -13,93 +13,23 @@
 //! [`MAX_STATUS_BYTES`](baton_messages::status::MAX_STATUS_BYTES) (peers' statuses are
 //! left out, last first, until it does).
 
-use crate::buffer::HeldLease;
 use crate::ids::LinkId;
-use crate::link::AskStatus;
+use crate::link_ref::AskStatus;
 use crate::node::{Node, Peer};
 use baton_messages::ProcessId;
 use baton_messages::protocol::{StatusRequest, StatusScope};
 use baton_messages::status::{
-    BufferEntry, CacheEntry, ChildEntry, DEFAULT_STATUS_ENTRIES, LinkEntry, MAX_STATUS_ENTRIES,
-    NodeStatus, Omitted, OrphanedLeases, PeerLeases, STATUS_VERSION, truncate,
+    BufferEntry, CacheEntry, DEFAULT_STATUS_ENTRIES, LinkEntry, MAX_STATUS_ENTRIES, NodeStatus,
+    Omitted, OrphanedLeases, PeerLeases, STATUS_VERSION, truncate,
 };
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// How long a node waits for each linked peer's status when asked for the tree.
 pub const TREE_DEADLINE: Duration = Duration::from_secs(2);
 
-/// What a supervisor publishes about its children (see [`Observed::register_children`]).
-pub(crate) type ChildBoard = Arc<Mutex<Vec<ChildEntry>>>;
-
-/// Leases held from one exporter whose link went down.
-#[derive(Debug)]
-struct OrphanGroup {
-    exporter: ProcessId,
-    since: Instant,
-    leases: Vec<(Weak<HeldLease>, u64)>,
-}
-
-/// What a node keeps for its status besides its ledger, cache and links.
-#[derive(Debug)]
-pub(crate) struct Observed {
-    created: Instant,
-    orphans: Mutex<Vec<OrphanGroup>>,
-    boards: Mutex<Vec<Weak<Mutex<Vec<ChildEntry>>>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Each guarded value is a list left consistent by every single operation.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl Observed {
-    pub(crate) fn new() -> Self {
-        Self {
-            created: Instant::now(),
-            orphans: Mutex::new(Vec::new()),
-            boards: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// The leases a link held when it went down, still alive in their guards.
-    pub(crate) fn record_orphans(&self, exporter: ProcessId, leases: Vec<(Weak<HeldLease>, u64)>) {
-        let mut orphans = lock(&self.orphans);
-        Self::prune(&mut orphans);
-        if !leases.is_empty() {
-            orphans.push(OrphanGroup {
-                exporter,
-                since: Instant::now(),
-                leases,
-            });
-        }
-    }
-
-    fn prune(orphans: &mut Vec<OrphanGroup>) {
-        for g in orphans.iter_mut() {
-            g.leases.retain(|(h, _)| h.strong_count() > 0);
-        }
-        orphans.retain(|g| !g.leases.is_empty());
-    }
-
-    /// A supervisor's table of children, listed for as long as it lives.
-    pub(crate) fn register_children(&self, board: &ChildBoard) {
-        let mut boards = lock(&self.boards);
-        boards.retain(|b| b.strong_count() > 0);
-        boards.push(Arc::downgrade(board));
-    }
-
-    fn children(&self) -> Vec<ChildEntry> {
-        let mut boards = lock(&self.boards);
-        boards.retain(|b| b.strong_count() > 0);
-        boards
-            .iter()
-            .filter_map(Weak::upgrade)
-            .flat_map(|b| lock(&b).clone())
-            .collect()
-    }
-}
+/// The variable that tells a child its name.
+pub const CHILD_NAME_ENV: &str = "BATON_CHILD_NAME";
 
 fn age_ms(since: Instant, now: Instant) -> u64 {
     now.saturating_duration_since(since).as_millis() as u64
@@ -194,8 +124,7 @@ impl Node {
 
         let mut orphaned = (0u64, 0u64);
         let mut orphaned_leases: Vec<OrphanedLeases> = {
-            let mut groups = lock(&observed.orphans);
-            Observed::prune(&mut groups);
+            let groups = observed.orphan_groups();
             let mut by: HashMap<ProcessId, OrphanedLeases> = HashMap::new();
             for g in groups.iter() {
                 let e = by.entry(g.exporter).or_insert_with(|| OrphanedLeases {
@@ -260,7 +189,7 @@ impl Node {
             version: STATUS_VERSION,
             pid: session.pid,
             start_ticks: session.start_ticks,
-            name: std::env::var(crate::supervisor::CHILD_NAME_ENV).ok(),
+            name: std::env::var(CHILD_NAME_ENV).ok(),
             backend: self.backend().name().to_owned(),
             device: self.backend().device().to_string(),
             uptime_ms: age_ms(observed.created, now),
@@ -299,7 +228,7 @@ impl Peer {
         within: Duration,
     ) -> impl Future<Output = Result<NodeStatus, crate::ActorError>> + 'static {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.link.addr.do_send(AskStatus { limit, reply: tx });
+        self.link.do_send(AskStatus { limit, reply: tx });
         let peer = self.process();
         async move {
             let json = match tokio::time::timeout(within, rx).await {

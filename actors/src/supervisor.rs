@@ -45,8 +45,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The variable that tells a child its name.
-pub const CHILD_NAME_ENV: &str = "BATON_CHILD_NAME";
+// A child's status reports its name: the constant sits with the status, below the node.
+pub use crate::status::CHILD_NAME_ENV;
 /// The variable that tells a child which socket to connect back to.
 pub const CONNECT_ENV: &str = "BATON_CONNECT";
 
@@ -273,7 +273,7 @@ pub struct ProcessSupervisor {
     /// Children that ended and are not restarted (done).
     done: std::collections::HashSet<String>,
     /// The children's states as the node's status lists them (see [`publish`](Self::publish)).
-    board: crate::status::ChildBoard,
+    board: crate::observed::ChildBoard,
     span: tracing::Span,
 }
 

@@ -1,0 +1,380 @@
+//! The link's side of forwarding (see [`relay`](crate::relay) for the design): B asks
+//! its exporter for a lease on a third process's behalf and passes the offer on; A grants
+//! it; C checks a relayed offer, and gives it back only once its mapping is closed. Also
+//! the calls that start a forward ([`Peer::forward`], [`Lease::forward_to`]).
+
+use super::PeerLink;
+use crate::buffer::{Element, Lease};
+use crate::error::ActorError;
+use crate::link_ref::{AskForward, GiveBack, PassOn, RevokePassed, SendRelease};
+use crate::node::Peer;
+use crate::relay::PendingForward;
+use actix::prelude::*;
+use baton_ipc::FrameFds;
+use baton_messages::protocol::{Forward, Forwarded, Offer, Relayed, Release, Revoke};
+use baton_messages::{FenceHandle, LeaseId, Message as Wire};
+use std::future::Future;
+use tokio::sync::oneshot;
+
+impl<T: Element> Lease<T> {
+    /// Passes this buffer on to `to`, zero-copy: the exporter leases it to `to` directly
+    /// (its ledger counts `to` as a holder), and this node relays the offer, which arrives
+    /// in `to`'s inbox ([`Node::set_inbox`](crate::Node::set_inbox)) as an
+    /// [`Offered`](crate::Offered) from this process. Returns the lease id `to` sees.
+    ///
+    /// This lease stays this node's to drop: the forwarded one is independent of it.
+    /// See [`Peer::forward`] and `docs/FORWARDING.md`.
+    ///
+    /// # Errors
+    /// As [`Peer::forward`].
+    pub fn forward_to(
+        &self,
+        to: &Peer,
+    ) -> impl Future<Output = Result<LeaseId, ActorError>> + 'static {
+        to.forward(self)
+    }
+}
+
+impl Peer {
+    /// Forwards a buffer this node leased from another process to this peer (A → B → C,
+    /// zero-copy): asks the exporter, over the link the lease came by, to grant this peer
+    /// a lease of its own, and passes the exporter's offer on. The peer finds it in its
+    /// inbox ([`Node::set_inbox`](crate::Node::set_inbox)); the exporter's lease table
+    /// lists it as a holder ([`BufferLeases::forwarded`](crate::BufferLeases::forwarded))
+    /// until it gives the buffer back or dies — also if this node dies first. Returns the
+    /// lease id the peer sees (this node's name for the forwarded lease).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`] if the exporter is gone; [`ActorError::LinkClosed`] if a
+    /// link goes down first; [`ActorError::ForwardRefused`] if the exporter refused (the
+    /// lease is back, the peer is the exporter itself, a limit); [`ActorError::Timeout`]
+    /// after the heartbeat deadline.
+    pub fn forward<T: Element>(
+        &self,
+        lease: &Lease<T>,
+    ) -> impl Future<Output = Result<LeaseId, ActorError>> + 'static {
+        let incoming = lease.incoming();
+        let upstream = incoming.link.clone();
+        let exporter = upstream.peer();
+        let asked = if !upstream.is_alive() {
+            Err(ActorError::Orphaned { exporter })
+        } else if !self.link.is_alive() {
+            Err(ActorError::LinkClosed {
+                peer: self.process(),
+            })
+        } else if self.process() == exporter {
+            Err(ActorError::ForwardRefused {
+                reason: format!("{exporter} is the buffer's exporter: it has the buffer"),
+            })
+        } else {
+            let (tx, rx) = oneshot::channel();
+            upstream.do_send(AskForward {
+                lease: incoming.lease,
+                to: self.process(),
+                downstream: self.link.clone(),
+                reply: tx,
+            });
+            Ok(rx)
+        };
+        let after = self.link_deadline;
+        async move {
+            let rx = asked?;
+            match tokio::time::timeout(after, rx).await {
+                Ok(Ok(result)) => result,
+                Ok(Err(_)) => Err(ActorError::LinkClosed { peer: exporter }),
+                Err(_) => Err(ActorError::Timeout {
+                    op: "forward",
+                    after,
+                }),
+            }
+        }
+    }
+}
+
+impl Handler<AskForward> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: AskForward, ctx: &mut Self::Context) {
+        let node = self.node.clone();
+        let relays = node.relays();
+        let id = relays.next_id();
+        let forward = Wire::Forward(Forward {
+            id,
+            lease: msg.lease,
+            to: msg.to,
+        });
+        tracing::debug!(parent: &self.span, lease = %msg.lease, to = %msg.to, "asking to forward");
+        match self.send(&forward, Vec::new()) {
+            Ok(()) => {
+                relays.lock().pending.insert(
+                    (self.me.id, id),
+                    PendingForward {
+                        downstream: msg.downstream,
+                        reply: msg.reply,
+                    },
+                );
+            }
+            Err(e) => {
+                let _ = msg.reply.send(Err(ActorError::LinkClosed {
+                    peer: self.peer.process,
+                }));
+                self.cut(ctx, e);
+            }
+        }
+    }
+}
+
+impl Handler<PassOn> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: PassOn, ctx: &mut Self::Context) {
+        let PassOn {
+            offer,
+            fd,
+            give_back,
+            reply,
+        } = msg;
+        let ours = crate::ids::next_lease();
+        let theirs = give_back.lease;
+        self.node
+            .relays()
+            .lock()
+            .passed
+            .insert((self.me.id, ours), (give_back.upstream.clone(), theirs));
+        let relayed = Wire::Relayed(Relayed {
+            offer: Offer {
+                lease: ours,
+                handle: offer.handle,
+            },
+        });
+        match self.send(&relayed, fd.into_iter().collect()) {
+            Ok(()) => {
+                // Passed on: it comes back with the holder's `Release`, or ends with it.
+                std::mem::forget(give_back);
+                tracing::debug!(parent: &self.span, lease = %ours, exporter_lease = %theirs, "forwarded");
+                let _ = reply.send(Ok(ours));
+            }
+            Err(e) => {
+                self.node.relays().take_passed(self.me.id, ours);
+                drop(give_back);
+                let _ = reply.send(Err(ActorError::LinkClosed {
+                    peer: self.peer.process,
+                }));
+                self.cut(ctx, e);
+            }
+        }
+    }
+}
+
+impl Handler<SendRelease> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: SendRelease, ctx: &mut Self::Context) {
+        let release = Wire::Release(Release {
+            lease: msg.lease,
+            fences: msg.fences,
+        });
+        if let Err(e) = self.send(&release, Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+impl Handler<RevokePassed> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: RevokePassed, ctx: &mut Self::Context) {
+        let revoke = Wire::Revoke(Revoke {
+            lease: msg.lease,
+            deadline_ms: msg.deadline_ms,
+        });
+        if let Err(e) = self.send(&revoke, Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+impl PeerLink {
+    /// A: the peer asks us to lease the buffer of its `lease` to a third process. A
+    /// refusal is answered, not a fault: the lease may have crossed a revoke.
+    pub(crate) fn on_forward(&mut self, forward: Forward) -> Result<(), ActorError> {
+        let Forward { id, lease, to } = forward;
+        let me = self.node.session().process();
+        let granted = if to == self.peer.process || to == me {
+            Err(ActorError::ForwardRefused {
+                reason: format!("{to} is the relay or the exporter itself"),
+            })
+        } else {
+            self.node
+                .exports()
+                .grant_relayed(lease, &self.me, to, self.limits.leases_held)
+        };
+        match granted {
+            Ok((offer, fd)) => {
+                let new = offer.lease;
+                // Before the offer leaves: a holder already dead is reported at once, and
+                // its lease ends then.
+                self.node.watch(to);
+                tracing::debug!(%lease, forwarded = %new, %to, "forwarding");
+                let answer = Wire::Forwarded(Forwarded {
+                    id,
+                    outcome: Ok(offer),
+                });
+                let sent = self.send(&answer, fd.into_iter().collect());
+                if sent.is_err() {
+                    self.node.exports().ungrant(
+                        new,
+                        crate::exports::OfferGrant {
+                            ledger: crate::ledger::Grant { new_hold: false },
+                            pool: None,
+                        },
+                        self.me.id,
+                    );
+                }
+                sent
+            }
+            Err(e) => {
+                tracing::debug!(%lease, %to, error = %e, "refused to forward");
+                let answer = Wire::Forwarded(Forwarded {
+                    id,
+                    outcome: Err(e.to_string()),
+                });
+                self.send(&answer, Vec::new())
+            }
+        }
+    }
+
+    /// B: the exporter's answer to a forward of ours. An answer to a request we never
+    /// made, or an offer of someone else's buffer, is a protocol fault; an offer nobody
+    /// waits for any more goes back at once.
+    pub(crate) fn on_forwarded(
+        &mut self,
+        forwarded: Forwarded,
+        mut fds: FrameFds,
+    ) -> Result<(), ActorError> {
+        let Forwarded { id, outcome } = forwarded;
+        let node = self.node.clone();
+        let relays = node.relays();
+        let pending = relays.lock().pending.remove(&(self.me.id, id));
+        let Some(pending) = pending else {
+            if !relays.issued(id) {
+                return Err(ActorError::Unexpected { got: "Forwarded" });
+            }
+            // A request that failed on our side meanwhile: give the lease back.
+            if let Ok(offer) = outcome {
+                return self.send(&Wire::Release(Release::now(offer.lease)), Vec::new());
+            }
+            return Ok(());
+        };
+        let offer = match outcome {
+            Ok(offer) => offer,
+            Err(reason) => {
+                let _ = pending
+                    .reply
+                    .send(Err(ActorError::ForwardRefused { reason }));
+                return Ok(());
+            }
+        };
+        if offer.handle.exporter.process != self.peer.process {
+            let _ = pending.reply.send(Err(ActorError::ForeignOffer {
+                claimed: offer.handle.exporter,
+            }));
+            return Err(ActorError::ForeignOffer {
+                claimed: offer.handle.exporter,
+            });
+        }
+        let give_back = GiveBack {
+            upstream: self.me.clone(),
+            lease: offer.lease,
+        };
+        let fd = match offer.handle.raw.fd_slot() {
+            Some(slot) => match fds.take(slot) {
+                Ok(fd) => Some(fd),
+                Err(e) => {
+                    let _ = pending.reply.send(Err(e.into()));
+                    // `give_back` returns the lease.
+                    return Ok(());
+                }
+            },
+            None => None,
+        };
+        if pending.reply.is_closed() || !pending.downstream.is_alive() {
+            let _ = pending.reply.send(Err(ActorError::LinkClosed {
+                peer: pending.downstream.peer(),
+            }));
+            return Ok(());
+        }
+        pending.downstream.do_send(PassOn {
+            offer,
+            fd,
+            give_back,
+            reply: pending.reply,
+        });
+        Ok(())
+    }
+
+    /// B: a `Release` over this link of a lease we passed on: hand it on to the exporter.
+    /// Returns whether it was one.
+    pub(crate) fn release_passed(&mut self, lease: LeaseId, fences: &[FenceHandle]) -> bool {
+        let Some((upstream, theirs)) = self.node.relays().take_passed(self.me.id, lease) else {
+            return false;
+        };
+        if upstream.is_alive() {
+            upstream.do_send(SendRelease {
+                lease: theirs,
+                fences: fences.to_vec(),
+            });
+        }
+        true
+    }
+
+    /// B: the exporter asks back a lease we passed on: ask its holder (nothing if it is
+    /// not one).
+    pub(crate) fn revoke_passed(&mut self, lease: LeaseId, deadline_ms: u32) {
+        let node = self.node.clone();
+        let relays = node.relays();
+        let found = {
+            let state = relays.lock();
+            state
+                .passed
+                .iter()
+                .find(|(_, (up, theirs))| up.id == self.me.id && *theirs == lease)
+                .map(|((down, ours), _)| (*down, *ours))
+        };
+        let Some((down, ours)) = found else {
+            return;
+        };
+        if let Some(peer) = self.node.peers().into_iter().find(|p| p.link.id == down) {
+            peer.link.do_send(RevokePassed {
+                lease: ours,
+                deadline_ms,
+            });
+        }
+    }
+
+    /// C: a relayed offer from this link's peer must name a third process's buffer.
+    pub(crate) fn check_relayed(&self, offer: &Offer) -> Result<(), ActorError> {
+        let exporter = offer.handle.exporter.process;
+        if exporter == self.peer.process || exporter == self.node.session().process() {
+            return Err(ActorError::Unexpected {
+                got: "Relayed offer of the relay's or our own buffer",
+            });
+        }
+        Ok(())
+    }
+
+    /// C: a relayed lease's guard dropped: its mapping is let go, and its `Release` goes
+    /// once the mapping is closed. Hands `lease` and `fences` back if it was not one.
+    pub(crate) fn release_relayed(
+        &mut self,
+        lease: LeaseId,
+        fences: Vec<FenceHandle>,
+    ) -> Result<(), (LeaseId, Vec<FenceHandle>)> {
+        let Some((key, holder)) = self.node.relays().take_held(self.me.id, lease) else {
+            return Err((lease, fences));
+        };
+        let me = self.me.clone();
+        self.node.cache().unhold(
+            &key,
+            holder,
+            Box::new(move || me.do_send(SendRelease { lease, fences })),
+        );
+        Ok(())
+    }
+}

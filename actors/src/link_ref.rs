@@ -1,0 +1,425 @@
+//! What the rest of the crate holds of a link: a [`LinkRef`] — the link's id, the state it
+//! shares with the guards that depend on it, and its actor's mailbox — the messages the
+//! actor takes from elsewhere ([`LinkCommand`]), and the settings a link runs under
+//! ([`Heartbeat`], [`LinkLimits`]).
+//!
+//! It sits low, under everything that holds a link: lease guards (`buffer`), the exports
+//! that revoke and unmap through links, remote addresses, forwarding's tables, the node.
+//! It names no actor: the link actor (`link`) sits above the node it serves, and a
+//! `LinkRef` reaches it through an actix `Recipient` of [`LinkCommand`] — the same
+//! mailbox, in the same order, as its `Addr`. Typed calls carry buffers and go through a
+//! `Recipient` of their own (`OutCall`, in `remote`), which a [`Peer`](crate::Peer)
+//! holds.
+
+use crate::error::ActorError;
+use crate::ids::LinkId;
+use actix::prelude::*;
+use baton_ipc::{HolderId, Imported, UseMark};
+use baton_messages::protocol::Offer;
+use baton_messages::{AllocationId, FenceHandle, LeaseId, ProcessId};
+use std::fmt;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::{Semaphore, oneshot};
+
+/// How a link watches its peer's liveness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// How often a link pings its peer (default 1 s).
+    pub interval: Duration,
+    /// How long a peer may send nothing before its link is cut as unresponsive
+    /// (default 10 s). A stopped (SIGSTOP) or deadlocked peer process, or one whose
+    /// event loop is blocked, answers nothing.
+    pub deadline: Duration,
+}
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(1),
+            deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What one link may hold. Bounds the *peer* controls are protocol faults when exceeded
+/// (that link is cut with a typed error); bounds *we* control are backpressure (our own
+/// `send` waits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkLimits {
+    /// Bytes of our calls queued for the socket at once; a
+    /// [`RemoteAddr::send`](crate::RemoteAddr::send) past it waits until the writer has
+    /// sent enough (backpressure). Default 8 MiB (eight full frames).
+    pub send_window: usize,
+    /// Our calls awaiting a reply at once; a `send` past it waits. Default 1024.
+    pub pending_calls: usize,
+    /// Bytes queued for the socket besides our own calls (which the send window bounds):
+    /// our replies to the peer's calls, lease-protocol messages, pongs. A peer that lets
+    /// more pile up (it does not read: it sends pings or calls and never reads the answers)
+    /// is cut ([`ActorError::PeerNotReading`]). Default 32 MiB.
+    pub queued_bytes: usize,
+    /// The peer's calls this node runs at once; at the limit the link stops reading its
+    /// socket until one finishes, so a peer calling faster than its calls are handled
+    /// is slowed by its own socket. Default 256. (A handler that calls back the same peer
+    /// and waits can deadlock only when all of them do.)
+    pub calls_in_flight: usize,
+    /// Buffers in one message (a call, a reply or a bare offer): each is an open (a
+    /// `mmap` or a driver call) for the receiver; more is a protocol fault
+    /// ([`ActorError::TooManyOffers`]). Default 1024.
+    pub offers_per_message: usize,
+    /// Leases the peer's offers hold open here at once; more is a protocol fault
+    /// ([`ActorError::TooManyLeases`]). Default 65 536.
+    pub leases_held: usize,
+}
+
+impl Default for LinkLimits {
+    fn default() -> Self {
+        Self {
+            send_window: 8 << 20,
+            pending_calls: 1024,
+            queued_bytes: 32 << 20,
+            calls_in_flight: 256,
+            offers_per_message: 1024,
+            leases_held: 65_536,
+        }
+    }
+}
+
+/// Shared between a link actor and the guards that depend on it.
+#[derive(Debug)]
+pub(crate) struct LinkState {
+    pub(crate) alive: AtomicBool,
+    pub(crate) peer: ProcessId,
+    /// The last measured round trip in nanoseconds (0: none yet).
+    pub(crate) rtt_ns: AtomicU64,
+    /// The next id of a call of ours (ids are chosen by the sender, so that a caller that
+    /// gives up can name its call).
+    pub(crate) next_call: AtomicU64,
+    /// Bytes our calls may queue for the socket ([`LinkLimits::send_window`]).
+    pub(crate) send_window: Arc<Semaphore>,
+    /// The size of the send window in bytes.
+    pub(crate) window_size: usize,
+    /// Calls of ours awaiting replies ([`LinkLimits::pending_calls`]).
+    pub(crate) pending_calls: Arc<Semaphore>,
+    /// Bytes queued for the socket, of every kind of frame.
+    pub(crate) queued: AtomicUsize,
+    /// Of those, bytes of our own calls (bounded by the send window, not by
+    /// [`LinkLimits::queued_bytes`]).
+    pub(crate) queued_calls: AtomicUsize,
+    /// Leases held from the peer over this link (for status reports).
+    pub(crate) held_leases: AtomicUsize,
+    /// File descriptors received from the peer beside its frames.
+    pub(crate) fds_received: AtomicU64,
+    /// `true` once the link actor has stopped and the node has processed the link's end
+    /// (leases reclaimed, `PeerEvent::Down` sent): what [`LinkRef::closed`] waits for.
+    pub(crate) stopped: tokio::sync::watch::Sender<bool>,
+}
+
+/// A reference to a link: its actor's mailbox, and whether it is still up.
+#[derive(Clone)]
+pub(crate) struct LinkRef {
+    pub(crate) id: LinkId,
+    mailbox: Recipient<LinkCommand>,
+    pub(crate) state: Arc<LinkState>,
+}
+
+impl LinkRef {
+    /// The reference to link `id`, whose actor takes [`LinkCommand`]s at `mailbox`.
+    pub(crate) fn new(id: LinkId, mailbox: Recipient<LinkCommand>, state: Arc<LinkState>) -> Self {
+        Self { id, mailbox, state }
+    }
+
+    /// Queues `msg` for the link's actor without waiting (dropped if it has stopped).
+    pub(crate) fn do_send(&self, msg: impl Into<LinkCommand>) {
+        self.mailbox.do_send(msg.into());
+    }
+
+    pub(crate) fn is_alive(&self) -> bool {
+        self.state.alive.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn peer(&self) -> ProcessId {
+        self.state.peer
+    }
+
+    /// The last round trip the heartbeat or a ping measured.
+    pub(crate) fn round_trip(&self) -> Option<Duration> {
+        match self.state.rtt_ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
+    pub(crate) fn holder(&self) -> HolderId {
+        HolderId(self.id.get())
+    }
+
+    pub(crate) fn state(&self) -> &LinkState {
+        &self.state
+    }
+
+    /// File descriptors received from the peer so far.
+    pub(crate) fn descriptors_received(&self) -> u64 {
+        self.state.fds_received.load(Ordering::Relaxed)
+    }
+
+    /// Resolves once the link actor has stopped and the node has processed the end of the
+    /// link (at once if it already has). Borrows nothing.
+    pub(crate) fn closed(&self) -> impl Future<Output = ()> + 'static + use<> {
+        let mut stopped = self.state.stopped.subscribe();
+        async move {
+            // The sender lives in the state this receiver's channel shares: it cannot drop
+            // before the value turns `true`, or while we wait.
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    }
+}
+
+impl LinkState {
+    /// A fresh id for a call of ours.
+    pub(crate) fn next_call_id(&self) -> u64 {
+        self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Counts `len` bytes into (`add`) or out of the queue; `call`: a call of ours.
+    pub(crate) fn count(&self, len: usize, call: bool, add: bool) {
+        let counters: &[&AtomicUsize] = if call {
+            &[&self.queued, &self.queued_calls]
+        } else {
+            &[&self.queued]
+        };
+        for c in counters {
+            if add {
+                c.fetch_add(len, Ordering::Relaxed);
+            } else {
+                c.fetch_sub(len, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Bytes queued for the socket now.
+    pub(crate) fn queued_bytes(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Leases held from the peer over this link now.
+    pub(crate) fn held_leases(&self) -> usize {
+        self.held_leases.load(Ordering::Relaxed)
+    }
+
+    /// Whether `id` was handed out already (a reply to it that is not pending answers a
+    /// call its caller gave up on).
+    pub(crate) fn issued(&self, id: u64) -> bool {
+        id < self.next_call.load(Ordering::Relaxed)
+    }
+}
+
+impl fmt::Debug for LinkRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "LinkRef({:?} to {}, alive: {})",
+            self.id,
+            self.state.peer,
+            self.is_alive()
+        )
+    }
+}
+
+/// The guards' name for it.
+pub(crate) type LinkHandle = LinkRef;
+
+/// Declares [`LinkCommand`]: one variant per message, each also a message of its own.
+macro_rules! link_commands {
+    ($($message:ident),* $(,)?) => {
+        /// What the rest of the crate may ask of a link actor, through a [`LinkRef`]: one
+        /// variant per message, each handled by the message's own handler
+        /// ([`dispatch`](Self::dispatch)).
+        pub(crate) enum LinkCommand {
+            $(
+                #[doc = concat!("A [`", stringify!($message), "`].")]
+                $message($message),
+            )*
+        }
+
+        impl Message for LinkCommand {
+            type Result = ();
+        }
+
+        $(
+            impl From<$message> for LinkCommand {
+                fn from(msg: $message) -> Self {
+                    Self::$message(msg)
+                }
+            }
+        )*
+
+        impl LinkCommand {
+            /// Hands the message to `actor`'s handler of its own type.
+            pub(crate) fn dispatch<A>(self, actor: &mut A, ctx: &mut A::Context)
+            where
+                A: Actor $(+ Handler<$message, Result = ()>)*,
+            {
+                match self {
+                    $(Self::$message(msg) => <A as Handler<$message>>::handle(actor, msg, ctx),)*
+                }
+            }
+        }
+    };
+}
+
+link_commands!(
+    CutOff,
+    PeerDied,
+    ReleaseLease,
+    SendRevoke,
+    SendUnmap,
+    RequestEvict,
+    CancelCall,
+    SendPing,
+    AskStatus,
+    AskForward,
+    PassOn,
+    SendRelease,
+    RevokePassed,
+);
+
+/// Cut the link off (a revoke deadline passed, the peer's process died, or the user closed it).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct CutOff(pub(crate) ActorError);
+
+/// The peer's process died. Whatever it sent before is still read; if nothing is left to
+/// read and its end of the socket is still open (a descendant inherited it), cut now.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct PeerDied;
+
+/// What a dropped lease could not turn into a release fence (every pooled event was in
+/// use): its uses to wait for, and its view, closed after them.
+pub(crate) struct PendingRelease {
+    pub(crate) marks: Vec<Box<dyn UseMark>>,
+    pub(crate) imported: Option<Imported>,
+}
+
+impl PendingRelease {
+    /// Blocks until the lease's uses have completed, then lets its view go.
+    pub(crate) fn wait(self) {
+        for mark in &self.marks {
+            if let Err(e) = mark.synchronize() {
+                tracing::warn!(error = %e, "waiting for a lease's work failed");
+            }
+        }
+        drop(self.imported);
+    }
+}
+
+/// A lease guard dropped: give the lease back, with the fence after its last use.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct ReleaseLease {
+    pub(crate) lease: LeaseId,
+    pub(crate) fences: Vec<FenceHandle>,
+    /// Waited for (on the driver thread) before the `Release` goes.
+    pub(crate) pending: Option<PendingRelease>,
+}
+
+/// Ask the peer to give a lease back within a deadline.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SendRevoke {
+    pub(crate) lease: LeaseId,
+    pub(crate) within: Duration,
+}
+
+/// Ask the peer to close its mapping of one of our allocations.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SendUnmap {
+    pub(crate) alloc: AllocationId,
+}
+
+/// The import cache's warm budget is exceeded: ask the peer to let us drop a mapping.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct RequestEvict {
+    pub(crate) alloc: AllocationId,
+}
+
+/// The caller of a pending call gave up (it dropped the future: a timeout): forget the
+/// call at once. A reply that comes later is given back (its leases released).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct CancelCall(pub(crate) u64);
+
+/// Probe the peer; the reply carries the round trip, when its pong comes back.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SendPing(pub(crate) oneshot::Sender<Duration>);
+
+/// Ask the peer for its status; the reply carries its JSON body.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct AskStatus {
+    pub(crate) limit: u32,
+    pub(crate) reply: oneshot::Sender<Result<String, ActorError>>,
+}
+
+// Forwarding (see `relay`).
+
+/// B: ask the exporter (this link's peer) to lease one of our leases' buffer to `to`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct AskForward {
+    pub(crate) lease: LeaseId,
+    pub(crate) to: ProcessId,
+    pub(crate) downstream: LinkRef,
+    pub(crate) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
+}
+
+/// Gives an exporter's forwarded lease back through the upstream link if it was never
+/// passed on (dropped unused).
+pub(crate) struct GiveBack {
+    pub(crate) upstream: LinkRef,
+    pub(crate) lease: LeaseId,
+}
+
+impl Drop for GiveBack {
+    fn drop(&mut self) {
+        if self.upstream.is_alive() {
+            self.upstream.do_send(SendRelease {
+                lease: self.lease,
+                fences: Vec::new(),
+            });
+        }
+    }
+}
+
+/// B: pass an exporter's offer on to this link's peer.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct PassOn {
+    pub(crate) offer: Offer,
+    pub(crate) fd: Option<OwnedFd>,
+    pub(crate) give_back: GiveBack,
+    pub(crate) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
+}
+
+/// Send `Release` of `lease` to this link's peer: B handing on a holder's release, or C
+/// giving back a relayed lease once its mapping is closed.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SendRelease {
+    pub(crate) lease: LeaseId,
+    pub(crate) fences: Vec<FenceHandle>,
+}
+
+/// B: hand the exporter's `Revoke` of a forwarded lease on to its holder.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct RevokePassed {
+    pub(crate) lease: LeaseId,
+    pub(crate) deadline_ms: u32,
+}

@@ -1,0 +1,620 @@
+//! The modules of `baton-actors` form layers: `lib.rs` declares them bottom first, and
+//! each may use only the modules declared above it — so no two modules use each other,
+//! directly or around a cycle (see "Layers" in the crate docs).
+//!
+//! The check reads the sources: every `crate::x` path (also `$crate::x`, and each entry
+//! of `use crate::{x, y::z}`), and every `super::` path that climbs to the crate root from
+//! a nested module (an inline `mod` or a file under `src/<module>/`), names a module of
+//! the crate — directly, or through one of `lib.rs`'s re-exports (`crate::Node` is
+//! `node`'s). Comments (doc comments too) and string literals are not code and are
+//! skipped. What it cannot see is a method call on a type whose `impl` sits in a higher
+//! module; the layers keep those in order too, by review.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Token {
+    Ident(String),
+    /// `::`
+    PathSep,
+    Punct(char),
+}
+
+/// Rust source as tokens with their line numbers, without comments, string, byte and
+/// char literals.
+fn tokens(src: &str) -> Vec<(Token, usize)> {
+    let chars: Vec<char> = src.chars().collect();
+    let mut out = Vec::new();
+    let mut line = 1;
+    let mut i = 0;
+    // Skips to just past the `"` that ends a string whose body starts at `i`; with
+    // `hashes`, a raw string ending in `"` and that many `#`.
+    let skip_string = |mut i: usize, hashes: Option<usize>, line: &mut usize| -> usize {
+        while i < chars.len() {
+            match chars[i] {
+                '\n' => *line += 1,
+                '\\' if hashes.is_none() => {
+                    if chars.get(i + 1) == Some(&'\n') {
+                        *line += 1;
+                    }
+                    i += 1;
+                }
+                '"' => {
+                    let n = hashes.unwrap_or(0);
+                    if chars[i + 1..].iter().take(n).filter(|c| **c == '#').count() == n {
+                        return i + 1 + n;
+                    }
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        i
+    };
+    // Skips the char literal whose `'` is at `i` (`'x'`, `'\n'`, `'\u{1F600}'`); `None`
+    // for a lifetime or a label.
+    let skip_char = |i: usize| -> Option<usize> {
+        if chars.get(i + 1) == Some(&'\\') {
+            let mut j = i + 3;
+            while j < chars.len() && chars[j] != '\'' {
+                j += 1;
+            }
+            Some(j + 1)
+        } else if chars.get(i + 2) == Some(&'\'') {
+            Some(i + 3)
+        } else {
+            None
+        }
+    };
+    while i < chars.len() {
+        let c = chars[i];
+        let next = chars.get(i + 1).copied();
+        match c {
+            '\n' => {
+                line += 1;
+                i += 1;
+            }
+            c if c.is_whitespace() => i += 1,
+            '/' if next == Some('/') => {
+                while i < chars.len() && chars[i] != '\n' {
+                    i += 1;
+                }
+            }
+            '/' if next == Some('*') => {
+                let mut depth = 0;
+                while i < chars.len() {
+                    if chars[i] == '/' && chars.get(i + 1) == Some(&'*') {
+                        depth += 1;
+                        i += 2;
+                    } else if chars[i] == '*' && chars.get(i + 1) == Some(&'/') {
+                        depth -= 1;
+                        i += 2;
+                        if depth == 0 {
+                            break;
+                        }
+                    } else {
+                        if chars[i] == '\n' {
+                            line += 1;
+                        }
+                        i += 1;
+                    }
+                }
+            }
+            '"' => i = skip_string(i + 1, None, &mut line),
+            '\'' => i = skip_char(i).unwrap_or(i + 1),
+            ':' if next == Some(':') => {
+                out.push((Token::PathSep, line));
+                i += 2;
+            }
+            c if c.is_alphanumeric() || c == '_' => {
+                let start = i;
+                while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_') {
+                    i += 1;
+                }
+                let word: String = chars[start..i].iter().collect();
+                let at = chars.get(i).copied();
+                match (word.as_str(), at) {
+                    ("r" | "br" | "cr", Some('"' | '#')) => {
+                        let hashes = chars[i..].iter().take_while(|c| **c == '#').count();
+                        if chars.get(i + hashes) == Some(&'"') {
+                            i = skip_string(i + hashes + 1, Some(hashes), &mut line);
+                        } else {
+                            // `r#ident`: a raw identifier.
+                            out.push((Token::Ident(word), line));
+                        }
+                    }
+                    ("b" | "c", Some('"')) => i = skip_string(i + 1, None, &mut line),
+                    ("b", Some('\'')) => i = skip_char(i).unwrap_or(i + 1),
+                    _ => out.push((Token::Ident(word), line)),
+                }
+            }
+            c => {
+                out.push((Token::Punct(c), line));
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+fn ident(t: Option<&(Token, usize)>) -> Option<&str> {
+    match t {
+        Some((Token::Ident(s), _)) => Some(s),
+        _ => None,
+    }
+}
+
+fn is(t: Option<&(Token, usize)>, want: &Token) -> bool {
+    t.is_some_and(|(t, _)| t == want)
+}
+
+/// The first segment of each entry of the use group whose `{` is at `open`.
+fn group_heads(toks: &[(Token, usize)], open: usize) -> Vec<String> {
+    let mut heads = Vec::new();
+    let mut depth = 0;
+    let mut at_entry_start = true;
+    for (t, _) in &toks[open..] {
+        match t {
+            Token::Punct('{') => {
+                depth += 1;
+                at_entry_start = depth == 1;
+            }
+            Token::Punct('}') => {
+                depth -= 1;
+                if depth == 0 {
+                    break;
+                }
+            }
+            Token::Punct(',') if depth == 1 => at_entry_start = true,
+            Token::Ident(s) if at_entry_start && depth == 1 => {
+                heads.push(s.clone());
+                at_entry_start = false;
+            }
+            _ if depth == 1 => at_entry_start = false,
+            _ => {}
+        }
+    }
+    heads
+}
+
+/// A path into the crate root found in a file: its first segment, where it is, and how
+/// it reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RootPath {
+    head: String,
+    line: usize,
+    text: String,
+}
+
+/// The source text of the path starting at token `from`, as far as it goes.
+fn path_text(toks: &[(Token, usize)], from: usize) -> String {
+    let mut text = String::new();
+    let mut depth = 0;
+    for (t, _) in toks.iter().skip(from).take(40) {
+        match t {
+            Token::Ident(s) => text.push_str(s),
+            Token::PathSep => text.push_str("::"),
+            Token::Punct('{') => {
+                depth += 1;
+                text.push('{');
+            }
+            Token::Punct('}') if depth > 0 => {
+                depth -= 1;
+                text.push('}');
+            }
+            Token::Punct(',') if depth > 0 => text.push_str(", "),
+            Token::Punct('*') => text.push('*'),
+            _ if depth > 0 => {}
+            _ => break,
+        }
+        if depth == 0 && text.ends_with('}') {
+            break;
+        }
+    }
+    text
+}
+
+/// Every path in `src` that reaches the crate root: `crate::…` (and `$crate::…`), or a
+/// `super::…` that climbs out of `module` (the file's module path, e.g. `["link",
+/// "forward"]` for `src/link/forward.rs`; inline `mod`s are added as they open).
+fn root_paths(src: &str, module: &[String]) -> Vec<RootPath> {
+    let toks = tokens(src);
+    let mut found = Vec::new();
+    let mut inline: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < toks.len() {
+        let (tok, line) = &toks[i];
+        match tok {
+            Token::Punct('{') => depth += 1,
+            Token::Punct('}') => {
+                depth = depth.saturating_sub(1);
+                if inline.last().is_some_and(|(_, d)| *d == depth) {
+                    inline.pop();
+                }
+            }
+            Token::Ident(kw) if kw == "mod" => {
+                if let (Some(name), true) = (
+                    ident(toks.get(i + 1)),
+                    is(toks.get(i + 2), &Token::Punct('{')),
+                ) {
+                    inline.push((name.to_owned(), depth));
+                }
+            }
+            Token::Ident(kw) if kw == "crate" && is(toks.get(i + 1), &Token::PathSep) => {
+                found.extend(heads_at(&toks, i + 2, *line, path_text(&toks, i)));
+            }
+            Token::Ident(kw)
+                if kw == "super"
+                    && is(toks.get(i + 1), &Token::PathSep)
+                    && !(i >= 1 && is(toks.get(i - 1), &Token::PathSep)) =>
+            {
+                // `super::super::…`: how far it climbs.
+                let mut up = 0;
+                let mut j = i;
+                while ident(toks.get(j)) == Some("super") && is(toks.get(j + 1), &Token::PathSep) {
+                    up += 1;
+                    j += 2;
+                }
+                let here = module.len() + inline.len();
+                if up >= here {
+                    // At (or, in broken code, past) the crate root.
+                    found.extend(heads_at(&toks, j, *line, path_text(&toks, i)));
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    found
+}
+
+/// The first segments of the path (or use group) that starts at token `at`.
+fn heads_at(toks: &[(Token, usize)], at: usize, line: usize, text: String) -> Vec<RootPath> {
+    let heads = match toks.get(at) {
+        Some((Token::Punct('{'), _)) => group_heads(toks, at),
+        Some((Token::Ident(s), _)) => vec![s.clone()],
+        Some((Token::Punct('*'), _)) => vec!["*".to_owned()],
+        _ => Vec::new(),
+    };
+    heads
+        .into_iter()
+        .map(|head| RootPath {
+            head,
+            line,
+            text: text.clone(),
+        })
+        .collect()
+}
+
+/// What `lib.rs` declares: its modules in order, and which module (or other crate) each
+/// name its `use` items bring into the crate root comes from.
+struct Root {
+    modules: Vec<String>,
+    reexports: BTreeMap<String, String>,
+    /// Crates re-exported whole (`pub use actix;`): not modules of this crate.
+    crates: Vec<String>,
+}
+
+fn parse_root(lib: &str) -> Root {
+    let toks = tokens(lib);
+    let mut root = Root {
+        modules: Vec::new(),
+        reexports: BTreeMap::new(),
+        crates: Vec::new(),
+    };
+    let mut depth = 0;
+    let mut i = 0;
+    while i < toks.len() {
+        match &toks[i].0 {
+            Token::Punct('{') => depth += 1,
+            Token::Punct('}') => depth -= 1,
+            Token::Ident(kw) if kw == "mod" && depth == 0 => {
+                if let (Some(name), true) = (
+                    ident(toks.get(i + 1)),
+                    is(toks.get(i + 2), &Token::Punct(';')),
+                ) {
+                    root.modules.push(name.to_owned());
+                }
+            }
+            // `pub use` or `use`: either brings names into the crate root.
+            Token::Ident(kw) if kw == "use" && depth == 0 => {
+                // `use crate::m::…` and `use self::m::…` are `use m::…`.
+                let mut head = i + 1;
+                if matches!(ident(toks.get(head)), Some("crate" | "self"))
+                    && is(toks.get(head + 1), &Token::PathSep)
+                {
+                    head += 2;
+                }
+                let Some(from) = ident(toks.get(head)) else {
+                    i += 1;
+                    continue;
+                };
+                let end = toks[i..]
+                    .iter()
+                    .position(|(t, _)| *t == Token::Punct(';'))
+                    .map_or(toks.len(), |p| i + p);
+                if end == head + 1 {
+                    root.crates.push(from.to_owned());
+                }
+                // The names it brings in: each leaf of the tree, or its `as` name.
+                for k in head + 1..end {
+                    if let Some(name) = ident(toks.get(k)) {
+                        let closes = matches!(
+                            toks.get(k + 1).map(|t| &t.0),
+                            Some(Token::Punct(',' | '}' | ';'))
+                        );
+                        let renamed = ident(toks.get(k + 1)) == Some("as");
+                        if closes && name != "self" && !renamed {
+                            root.reexports.insert(name.to_owned(), from.to_owned());
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    root
+}
+
+/// One use of a module declared below the user's.
+struct Violation {
+    file: String,
+    line: usize,
+    text: String,
+    user: String,
+    user_at: usize,
+    used: String,
+    used_at: usize,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}: `{}`: module `{}` (#{} in lib.rs) uses `{}`, declared below it (#{})",
+            self.file, self.line, self.text, self.user, self.user_at, self.used, self.used_at
+        )
+    }
+}
+
+/// A source file of a module.
+struct SourceFile {
+    /// Its path, as reported.
+    name: String,
+    /// Its module path (`["link", "forward"]` for `src/link/forward.rs`).
+    module: Vec<String>,
+    text: String,
+}
+
+/// Checks every module's files (`files`, by module) against the order of `root`: the
+/// uses of modules declared below the user, and the paths that resolve to no module.
+fn check(root: &Root, files: &BTreeMap<String, Vec<SourceFile>>) -> (Vec<Violation>, Vec<String>) {
+    let position = |m: &str| root.modules.iter().position(|x| x == m);
+    let mut violations = Vec::new();
+    let mut unknown = Vec::new();
+    for (at, user) in root.modules.iter().enumerate() {
+        for SourceFile {
+            name: file,
+            module,
+            text,
+        } in files.get(user).into_iter().flatten()
+        {
+            for path in root_paths(text, module) {
+                let used = match root.reexports.get(&path.head) {
+                    Some(from) => from.clone(),
+                    None => path.head.clone(),
+                };
+                let Some(used_at) = position(&used) else {
+                    // Another crate, whole or an item of it, brought into the root.
+                    if !root.crates.contains(&path.head) && !root.reexports.contains_key(&path.head)
+                    {
+                        unknown.push(format!(
+                            "{file}:{}: `{}`: `{}` is neither a module of lib.rs nor one of its re-exports",
+                            path.line, path.text, path.head
+                        ));
+                    }
+                    continue;
+                };
+                if used_at > at {
+                    violations.push(Violation {
+                        file: file.clone(),
+                        line: path.line,
+                        text: path.text,
+                        user: user.clone(),
+                        user_at: at + 1,
+                        used,
+                        used_at: used_at + 1,
+                    });
+                }
+            }
+        }
+    }
+    (violations, unknown)
+}
+
+/// `dir`'s `.rs` files, at any depth.
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let mut entries: Vec<PathBuf> = entries
+        .map(|e| e.expect("a directory entry").path())
+        .collect();
+    entries.sort();
+    for path in entries {
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn modules_use_only_modules_declared_above_them() {
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = crate_dir.join("src");
+    let root = parse_root(&fs::read_to_string(src.join("lib.rs")).expect("lib.rs"));
+    assert!(
+        root.modules.len() >= 10,
+        "lib.rs should declare the crate's modules; found {:?}",
+        root.modules
+    );
+    let mut files = BTreeMap::new();
+    for module in &root.modules {
+        let mut paths = vec![src.join(format!("{module}.rs"))];
+        rust_files(&src.join(module), &mut paths);
+        let mut sources = Vec::new();
+        for path in paths {
+            let source =
+                fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let relative = path.strip_prefix(&src).expect("under src");
+            let module_path: Vec<String> = relative
+                .with_extension("")
+                .iter()
+                .map(|c| c.to_string_lossy().into_owned())
+                .collect();
+            let shown = path.strip_prefix(crate_dir).unwrap_or(&path);
+            sources.push(SourceFile {
+                name: shown.display().to_string(),
+                module: module_path,
+                text: source,
+            });
+        }
+        files.insert(module.clone(), sources);
+    }
+    let (violations, unknown) = check(&root, &files);
+    assert!(
+        unknown.is_empty(),
+        "unresolved paths:\n{}",
+        unknown.join("\n")
+    );
+    let report: Vec<String> = violations.iter().map(ToString::to_string).collect();
+    assert!(
+        violations.is_empty(),
+        "a module may use only the modules declared above it in lib.rs (the layers in the \
+         crate docs); move what it needs down, or the user up:\n{}",
+        report.join("\n")
+    );
+}
+
+fn heads(src: &str, module: &[&str]) -> Vec<String> {
+    let module: Vec<String> = module.iter().map(|s| (*s).to_owned()).collect();
+    root_paths(src, &module)
+        .into_iter()
+        .map(|p| p.head)
+        .collect()
+}
+
+#[test]
+fn every_form_of_path_to_the_crate_root_is_found() {
+    let src = r##"
+        use crate::alpha::A;
+        use crate::{beta, gamma::{G, H}};
+        pub(crate) fn f<'a>(x: &'a str) -> char {
+            crate::delta::g();
+            let _ = "crate::in_a_string";
+            let _ = r#"crate::in_a_raw "string""#;
+            let _ = b"crate::in_bytes";
+            let q = '"';
+            let _ = '\'';
+            let _ = b'"';
+            $crate::epsilon::m!();
+            q
+        } // crate::in_a_comment
+        /* crate::in_a /* nested */ block comment */
+        /// crate::in_a_doc_comment
+        mod inner {
+            use super::*;
+            use super::super::zeta::Z;
+            mod deeper {
+                use super::super::super::eta::E;
+            }
+        }
+        use super::theta;
+        use crate::Reexported;
+    "##;
+    assert_eq!(
+        heads(src, &["m"]),
+        [
+            "alpha",
+            "beta",
+            "gamma",
+            "delta",
+            "epsilon",
+            "zeta",
+            "eta",
+            "theta",
+            "Reexported"
+        ]
+    );
+    // A file under `src/m/`: one `super::` stays in `m`, two reach the root.
+    assert_eq!(
+        heads(
+            "use super::Here; use super::super::iota::I; super::sub::x();",
+            &["m", "sub"]
+        ),
+        ["iota"]
+    );
+}
+
+#[test]
+fn a_module_that_uses_one_declared_below_it_is_named() {
+    let root = parse_root(
+        "//! docs: mod ignored;\nmod low;\npub mod high;\npub use high::{Api, Other as Renamed};\npub use ext_crate;\nuse std::fmt;\npub use crate::low::Low;\n",
+    );
+    assert_eq!(root.modules, ["low", "high"]);
+    assert_eq!(root.reexports.get("Api").map(String::as_str), Some("high"));
+    assert_eq!(
+        root.reexports.get("Renamed").map(String::as_str),
+        Some("high")
+    );
+    assert_eq!(root.reexports.get("Low").map(String::as_str), Some("low"));
+    assert_eq!(root.reexports.get("fmt").map(String::as_str), Some("std"));
+    assert_eq!(root.crates, ["ext_crate"]);
+    let file = |name: &str, module: &[&str], text: &str| SourceFile {
+        name: name.to_owned(),
+        module: module.iter().map(|s| (*s).to_owned()).collect(),
+        text: text.to_owned(),
+    };
+    let mut files = BTreeMap::new();
+    files.insert(
+        "low".to_owned(),
+        vec![
+            file(
+                "src/low.rs",
+                &["low"],
+                "use crate::ext_crate::X; use crate::{Low, fmt::Debug}; fn f() { crate::Api::new(); }",
+            ),
+            file(
+                "src/low/sub.rs",
+                &["low", "sub"],
+                "use super::super::high::H;",
+            ),
+        ],
+    );
+    files.insert(
+        "high".to_owned(),
+        vec![file(
+            "src/high.rs",
+            &["high"],
+            "use crate::low::L; use crate::nowhere::N;",
+        )],
+    );
+    let (violations, unknown) = check(&root, &files);
+    let report: Vec<String> = violations.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        report,
+        [
+            "src/low.rs:1: `crate::Api::new`: module `low` (#1 in lib.rs) uses `high`, declared below it (#2)",
+            "src/low/sub.rs:1: `super::super::high::H`: module `low` (#1 in lib.rs) uses `high`, declared below it (#2)",
+        ]
+    );
+    assert_eq!(unknown.len(), 1, "{unknown:?}");
+    assert!(unknown[0].contains("`nowhere`"), "{unknown:?}");
+}
