@@ -592,11 +592,7 @@ fn a_message_to_an_actor_of_this_process_leases_the_same_memory() {
             .unwrap()
             .unwrap();
         assert_eq!(seen.sum, 1024.0);
-        assert_eq!(
-            seen.alloc,
-            buf.allocation().id().get(),
-            "the same allocation"
-        );
+        assert_eq!(seen.alloc, buf.allocation_id().get(), "the same allocation");
         assert_eq!(seen.held_here, 1, "the ledger counted the local lease");
         assert_eq!(node.export_stats().granted, granted + 1);
         tokio::time::timeout(DEADLINE, buf.returned())

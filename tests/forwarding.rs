@@ -24,11 +24,11 @@ mod peer;
 mod relay_msgs;
 
 use actors::{DEADLINE, Lines, Parent, eventually, run};
-use baton::actors::{BufferId, BufferLeases, Peer};
-use baton::ipc::HostBackend;
+use baton::actors::{Buffer, BufferId, BufferLeases, Peer};
 use baton::ipc::cuda::testing::GpuTestLock;
 use baton::ipc::cuda::{CudaBackend, CudaExport};
 use baton::ipc::host::HostFlavor;
+use baton::ipc::{HostBackend, MemPtr};
 use msgs::pattern;
 use relay_msgs::*;
 use std::sync::Arc;
@@ -138,7 +138,7 @@ async fn trio(parent: &Parent, c_args: &[&str]) -> Trio {
 }
 
 /// Sends a pattern buffer to B, which forwards it to C; checks what C read.
-async fn forward(parent: &Parent, trio: &Trio, seed: u32) -> baton::actors::Buffer<u32> {
+async fn forward(parent: &Parent, trio: &Trio, seed: u32) -> Buffer<u32> {
     let buf = parent.pattern_buffer(LEN, seed).await;
     let ids = trio
         .b_link
@@ -234,6 +234,20 @@ fn segments(parent: &Parent, flavor: HostFlavor) -> Option<usize> {
     (flavor == HostFlavor::Named).then(|| parent.segments())
 }
 
+/// Writes `value` into the first element of `buf` through its raw pointer, below Baton's
+/// lease rules.
+fn poke(buf: &Buffer<u32>, value: u32) {
+    match buf.ptr() {
+        // SAFETY: the buffer's host mapping, at least one element long and aligned, alive
+        // while `buf` is; nothing else writes it now.
+        MemPtr::Host(p) => unsafe { p.cast::<u32>().write_volatile(value) },
+        // SAFETY: the buffer's device memory, mapped in this process while `buf` lives.
+        MemPtr::Device(d) => {
+            unsafe { baton::ipc::cuda::testing::write_device(0, d, &value.to_ne_bytes()) }.unwrap()
+        }
+    }
+}
+
 /// A → B → C; B and A let go; C's SIGKILL frees the buffer.
 async fn holder_killed(setup: &Setup) {
     let parent = &setup.parent;
@@ -244,10 +258,8 @@ async fn holder_killed(setup: &Setup) {
     assert_c_holds_via_b(parent, &trio, id).await;
 
     // Zero-copy: C sees A's write to the same memory. (`Buffer::write_at` refuses while a
-    // lease is out; the allocation's own write, one layer down, reaches the same memory.)
-    buf.allocation()
-        .write(0, &0xDEAD_BEEF_u32.to_ne_bytes())
-        .unwrap();
+    // lease is out; a write through the raw pointer, as unsafe code could, reaches it.)
+    poke(&buf, 0xDEAD_BEEF);
     assert_eq!(trio.c_lines.next_line(DEADLINE).await, "first=3735928559");
 
     // B lets its own lease go and A drops the buffer: C alone keeps it.

@@ -52,8 +52,8 @@ use baton_ipc::cuda::cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, SyncOnDrop, sys,
 };
 use baton_ipc::cuda::{RecordedEvent, RecordedFence};
-use baton_ipc::{Allocation, ExportedFence, Imported, MemPtr, SharedBackend, Stream, StreamRef};
-use baton_messages::{DType, ExporterId, Layout, LeaseId, Shape};
+use baton_ipc::{ExportedFence, Imported, MemPtr, SharedBackend, Stream, StreamRef};
+use baton_messages::{AllocationId, DType, ExporterId, Layout, LeaseId, Shape};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -160,9 +160,13 @@ impl<T: Element> Buffer<T> {
         self.cell.exports.returned(self.cell.id)
     }
 
-    /// The backend allocation, for backend-specific work (e.g. launching a kernel on it).
-    pub fn allocation(&self) -> &Allocation {
-        &self.cell.alloc
+    /// The id of the backend allocation the buffer lives in (what importers' import caches
+    /// and `baton top` name). The allocation itself is not handed out: its safe `write`
+    /// would bypass the one-writer rule; device work goes through [`ptr`](Self::ptr) (raw,
+    /// ordered with [`wait_on`](Self::wait_on) and [`share_on`](Self::share_on)) or
+    /// cudarc's traits, host writes through [`write_at`](Self::write_at).
+    pub fn allocation_id(&self) -> AllocationId {
+        self.cell.alloc.id()
     }
 
     /// Writes `data` starting at element `index`, after the work of importers that gave

@@ -1816,6 +1816,25 @@ pub mod testing {
         unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, src) }
             .map_err(super::result::from_driver("cuMemcpyDtoH"))
     }
+
+    /// Copies `src` to device address `dst` of device `ordinal` (`cuMemcpyHtoD`), in its
+    /// primary context, whatever Baton's rules say: a test's stand-in for another
+    /// process's unsafe code that writes through a raw pointer.
+    ///
+    /// # Safety
+    /// As [`read_device`]: `dst..dst + src.len()` is device memory mapped in this process.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub unsafe fn write_device(ordinal: usize, dst: u64, src: &[u8]) -> Result<()> {
+        let ctx = cudarc::driver::CudaContext::new(ordinal)
+            .map_err(super::result::from_driver("cuDevicePrimaryCtxRetain"))?;
+        let _pushed = super::ContextGuard::push(&ctx)?;
+        // SAFETY: the primary context is current; `src` is a valid host slice of the length
+        // copied; the device range is mapped (the caller's contract).
+        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
+            .map_err(super::result::from_driver("cuMemcpyHtoD"))
+    }
 }
 
 #[cfg(test)]
