@@ -1587,4 +1587,47 @@ mod tests {
         assert_eq!(backend.opens.load(Ordering::Relaxed), opens);
         drop(fresh);
     }
+
+    /// A view writes in place only while it is its mapping's only one, and no other view
+    /// of the mapping is opened until it drops.
+    #[test]
+    fn a_mapping_is_written_in_place_only_through_its_only_view() {
+        let ns = format!("unit-inplace-{}", std::process::id());
+        let session = Session::new(SessionToken::from_bytes([9; 32]));
+        let backend = Arc::new(crate::HostBackend::with_namespace(&ns).unwrap());
+        let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+        let alloc = backend.allocate(4096).unwrap();
+        let handle = alloc.handle(&session).range(1024, 16).build().unwrap();
+        let mut fds = FrameFds::none();
+
+        // Two views: neither writes in place.
+        let mut first = cache.open(&handle, &mut fds).unwrap();
+        let second = cache.open(&handle, &mut fds).unwrap();
+        assert!(matches!(
+            first.host_bytes_mut(),
+            Err(Error::SharedMapping { views: 2, .. })
+        ));
+        drop(second);
+
+        // The only view writes its own range of the shared memory.
+        first
+            .host_bytes_mut()
+            .unwrap()
+            .unwrap()
+            .copy_from_slice(&[7; 16]);
+        let mut back = [0u8; 18];
+        alloc.read(1023, &mut back).unwrap();
+        assert_eq!(back[0], 0, "nothing before the view's range");
+        assert_eq!(&back[1..17], &[7; 16]);
+        assert_eq!(back[17], 0, "nothing after it");
+
+        // Until it drops, no other view of the mapping is opened.
+        assert!(matches!(
+            cache.open(&handle, &mut fds),
+            Err(Error::WrittenInPlace { .. })
+        ));
+        drop(first);
+        let again = cache.open(&handle, &mut fds).unwrap();
+        assert_eq!(again.host_bytes(), Some(&[7u8; 16][..]));
+    }
 }
