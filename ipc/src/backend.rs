@@ -77,6 +77,7 @@ pub trait RawMemory: Send + Sync + fmt::Debug {
     /// [`write`](Self::write), [`fill`](Self::fill)) or raw pointer access to them.
     /// [`Imported::host_bytes_mut`](crate::Imported::host_bytes_mut) is the safe way in.
     #[allow(unsafe_code)] // declares the contract only; implementations live in backend modules
+    #[allow(clippy::mut_from_ref)] // exclusivity is the caller's contract (`# Safety`)
     unsafe fn host_bytes_mut(&self) -> Option<&mut [u8]> {
         None
     }
