@@ -602,3 +602,68 @@ fn a_message_to_an_actor_of_this_process_leases_the_same_memory() {
         local.close_and_wait().await;
     });
 }
+
+/// Writes `value + i` to element `i` of a writable buffer, in place.
+#[derive(Debug, serde::Serialize, serde::Deserialize, Message)]
+#[rtype(result = "Result<(), String>")]
+struct FillInPlace {
+    data: baton::actors::SharedMut<u32>,
+    value: u32,
+}
+
+impl baton::actors::RemoteMessage for FillInPlace {
+    const NAME: &'static str = "api.FillInPlace";
+}
+
+/// An actor of the test's own process that writes through `as_mut_slice`.
+struct InPlaceFiller;
+
+impl Actor for InPlaceFiller {
+    type Context = Context<Self>;
+}
+
+impl Handler<FillInPlace> for InPlaceFiller {
+    type Result = Result<(), String>;
+    fn handle(&mut self, msg: FillInPlace, _: &mut Context<Self>) -> Self::Result {
+        let mut lease = msg.data.open().map_err(|e| e.to_string())?;
+        let mapped = lease.ptr().map_err(|e| e.to_string())?;
+        let slice = lease.as_mut_slice().map_err(|e| e.to_string())?;
+        if baton::ipc::MemPtr::Host(slice.as_mut_ptr().cast()) != mapped {
+            return Err("the slice is not the mapping".into());
+        }
+        for (i, x) in slice.iter_mut().enumerate() {
+            *x = msg.value + i as u32;
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_writable_lease_writes_host_memory_in_place() {
+    run(async {
+        let node = host_node();
+        node.register::<FillInPlace>("filler", InPlaceFiller.start().recipient());
+        let local = node.local().await.unwrap();
+        let buf = node.allocate::<u32>(1024).unwrap();
+        buf.write_at(0, &vec![0; 1024]).unwrap();
+        local
+            .remote::<FillInPlace>("filler")
+            .send(FillInPlace {
+                data: buf.share_mut(),
+                value: 7,
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        tokio::time::timeout(DEADLINE, buf.returned())
+            .await
+            .expect("the lease comes back on drop");
+        let expect: Vec<u32> = (0..1024).map(|i| 7 + i).collect();
+        assert_eq!(
+            buf.to_vec().unwrap(),
+            expect,
+            "the exporter reads what was written"
+        );
+        local.close_and_wait().await;
+    });
+}

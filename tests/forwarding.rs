@@ -241,8 +241,8 @@ fn poke(buf: &Buffer<u32>, value: u32) {
         // SAFETY: the buffer's host mapping, at least one element long and aligned, alive
         // while `buf` is; nothing else writes it now.
         MemPtr::Host(p) => unsafe { p.cast::<u32>().write_volatile(value) },
-        // SAFETY: the buffer's device memory, mapped in this process while `buf` lives.
         MemPtr::Device(d) => {
+            // SAFETY: the buffer's device memory, mapped in this process while `buf` lives.
             unsafe { baton::ipc::cuda::testing::write_device(0, d, &value.to_ne_bytes()) }.unwrap()
         }
     }

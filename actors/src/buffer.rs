@@ -12,15 +12,17 @@
 //!   import-cache reference) and then sends `Release`, without blocking. If the exporter
 //!   dies, the lease is *orphaned*: its accessors return [`ActorError::Orphaned`].
 //! - [`SharedMut<T>`] and [`LeaseMut<T>`]: the same, writable — the sender grants write
-//!   with [`Buffer::share_mut`], in a field whose type says so.
+//!   with [`Buffer::share_mut`], in a field whose type says so
+//!   ([`LeaseMut::as_mut_slice`] writes host memory in place).
 //!
 //! # One writer or many readers
 //!
 //! Per buffer, the exporter grants either one writable lease or any number of read-only
 //! ones, never both, and refuses its own host writes ([`Buffer::write_at`]) while any
 //! lease is out ([`Buffer::returned`] waits for them). So nothing writes through Baton's
-//! safe API while a `&[T]` of [`Lease::as_slice`] lives; see [`Lease`] for what `unsafe`
-//! code elsewhere could still do. Device memory follows the same rule for host copies;
+//! safe API while a `&[T]` of [`Lease::as_slice`] lives, and nothing but its holder reaches
+//! the memory while a `&mut [T]` of [`LeaseMut::as_mut_slice`] does; see [`Lease`] and
+//! [`LeaseMut`] for what `unsafe` code elsewhere could still do. Device memory follows the same rule for host copies;
 //! kernels are ordered by fences (below), and not launching a kernel that writes what
 //! holders still read is the exporter's ordering to keep.
 //!
@@ -640,11 +642,17 @@ impl<T: Element> SharedMut<T> {
 /// protocol, and the reader may see torn values (the memory never goes away under the
 /// slice: the mapping lives as long as the lease).
 ///
-/// A read-only lease has no write method:
+/// A read-only lease has no write method, nor a writable view:
 ///
 /// ```compile_fail
 /// fn write(lease: &baton_actors::Lease<u32>) {
 ///     lease.write_at(0, &[1]).unwrap(); // only a LeaseMut writes
+/// }
+/// ```
+///
+/// ```compile_fail
+/// fn write(mut lease: baton_actors::Lease<u32>) {
+///     lease.as_mut_slice().unwrap()[0] = 1; // only a LeaseMut writes in place
 /// }
 /// ```
 pub struct Lease<T: Element> {
@@ -852,6 +860,29 @@ impl<T: Element> DevicePtr<T> for Lease<T> {
 /// which the sender filled with [`Buffer::share_mut`]; while it is out, the exporter
 /// grants no other lease on the buffer and refuses its own `write_at`, so this is the
 /// only writer its safe API allows.
+///
+/// # Writing in place
+///
+/// [`as_mut_slice`](Self::as_mut_slice) gives a `&mut [T]` of host memory without a copy.
+/// It extends the argument of [Reading in place](Lease#reading-in-place): while a
+/// writable lease is out, the exporter grants no other lease on the buffer — writable or
+/// read-only, to any process, this one included — and refuses its own
+/// [`Buffer::write_at`], so no other holder's view of the memory exists. In this process
+/// the import cache backs that up: it hands the slice out only while the lease's view is
+/// the mapping's only one here, and opens no other view of it until the lease drops (an
+/// offer of it fails meanwhile). The slice borrows the lease mutably, so neither this
+/// lease's own copies ([`write_at`](Self::write_at), [`read_into`](Lease::read_into)) nor
+/// its `&[T]` ([`as_slice`](Lease::as_slice)) can be used while it lives.
+///
+/// What the API cannot stop is what it cannot stop for readers: `unsafe` code, or a raw
+/// pointer ([`Buffer::ptr`], [`Lease::ptr`], `Imported::ptr`) dereferenced in `unsafe`
+/// code, in the exporter's process or another one, that writes or reads the shared pages
+/// directly; and another process of the same user that maps the memory by itself. One
+/// more: a lease whose link is cut (its revoke deadline passed, or the link failed) no
+/// longer counts for the exporter, which may then write the buffer or lease it again
+/// while a slice taken before the cut still lives. Drop the slice (and the lease) before
+/// the revoke deadline ([`revoked`](Lease::revoked)); the memory never goes away under
+/// the slice either way.
 pub struct LeaseMut<T: Element> {
     lease: Lease<T>,
 }
@@ -880,6 +911,36 @@ impl<T: Element> LeaseMut<T> {
         let at = byte_range::<T>(index, data.len(), self.lease.len())?;
         self.lease.inner.order.before_host_copy()?;
         Ok(imported.write(at, bytemuck::cast_slice(data))?)
+    }
+
+    /// The elements in place, writable, without a copy: host memory only (see
+    /// [Writing in place](Self#writing-in-place) for why this is sound, and what it cannot
+    /// stop). The exporter sees what was written: it is the same memory, and the
+    /// exporter reads it once the lease is back.
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`]; [`ActorError::NotHostMemory`] for device memory (write it
+    /// with [`write_at`](Self::write_at), or on a stream), or host memory not aligned for
+    /// `T`; [`ActorError::Ipc`] with [`SharedMapping`](baton_ipc::Error::SharedMapping)
+    /// if another lease of this process maps the same allocation (which the exporter
+    /// grants only once this lease's link was cut).
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T], ActorError> {
+        let len = self.lease.len() * size_of::<T>();
+        let inner = &mut self.lease.inner;
+        if !inner.link.is_alive() {
+            return Err(ActorError::Orphaned {
+                exporter: inner.link.peer(),
+            });
+        }
+        inner.order.before_host_copy()?;
+        let bytes = inner
+            .imported
+            .as_mut()
+            .expect("present until drop")
+            .host_bytes_mut()?
+            .and_then(|b| b.get_mut(..len))
+            .ok_or(ActorError::NotHostMemory)?;
+        bytemuck::try_cast_slice_mut(bytes).map_err(|_| ActorError::NotHostMemory)
     }
 
     /// Gives the lease back now (the same as dropping it).

@@ -75,7 +75,8 @@ pub enum ActorError {
     NotOwned,
     /// The exporter refused to lease one of its buffers to a third process
     /// ([`Peer::forward`](crate::Peer::forward)): the lease is no longer out, the link to
-    /// the exporter went down, or the relay is at its limit of forwarded leases.
+    /// the exporter went down, the lease is writable (its holder's alone), or the relay is
+    /// at its limit of forwarded leases.
     #[error("the exporter refused to forward the buffer: {reason}")]
     ForwardRefused {
         /// Why, as the exporter said it.

@@ -642,6 +642,13 @@ impl Exports {
         let lease = crate::ids::next_lease();
         let (alloc, owner, layout, order) = {
             let mut state = self.lock();
+            // One writer or many readers holds for forwarded leases too: a writable lease
+            // is its holder's alone (its `as_mut_slice` relies on it).
+            if state.writable.contains_key(&via) {
+                return Err(ActorError::ForwardRefused {
+                    reason: format!("{via} is a writable lease: it is not forwarded"),
+                });
+            }
             let alloc = state
                 .ledger
                 .grant_relayed(via, link.id, lease, holder, max, Instant::now())

@@ -66,6 +66,21 @@ pub trait RawMemory: Send + Sync + fmt::Debug {
     fn host_bytes(&self) -> Option<&[u8]> {
         None
     }
+    /// The memory as bytes this process can write in place, if the CPU can address it
+    /// (host memory; `None` for device memory, the default). The bytes are shared with
+    /// other processes, as for [`host_bytes`](Self::host_bytes).
+    ///
+    /// # Safety
+    /// For as long as the slice lives, nothing else in this process may reach these bytes:
+    /// no other slice of them ([`host_bytes`](Self::host_bytes) or this method, on this
+    /// memory or on another view of the same mapping), and no copy ([`read`](Self::read),
+    /// [`write`](Self::write), [`fill`](Self::fill)) or raw pointer access to them.
+    /// [`Imported::host_bytes_mut`](crate::Imported::host_bytes_mut) is the safe way in.
+    #[allow(unsafe_code)] // declares the contract only; implementations live in backend modules
+    #[allow(clippy::mut_from_ref)] // exclusivity is the caller's contract (`# Safety`)
+    unsafe fn host_bytes_mut(&self) -> Option<&mut [u8]> {
+        None
+    }
     /// Releases the memory (free, unmap, close), reporting failure. `Drop` does the same
     /// and logs failures instead.
     ///

@@ -39,6 +39,14 @@
 //! Generations: an exporter that reuses an allocation for a new buffer gives it the next
 //! generation. A handle older than the generation this process maps is refused as
 //! [`Error::StaleHandle`], without touching a driver.
+//!
+//! # Safety
+//!
+//! One `unsafe` block, in [`Imported::host_bytes_mut`]: it calls the backend's
+//! `RawMemory::host_bytes_mut`, whose contract (nothing else in this process reaches the
+//! bytes while the `&mut [u8]` lives) only the cache can keep, because only the cache
+//! knows how many views of a mapping exist. It hands the slice out for a mapping's only
+//! view, borrowed `&mut`, and opens no other view of that mapping until that view drops.
 
 use crate::backend::{MemPtr, OpenedMem, SharedBackend};
 use crate::link::FrameFds;
@@ -147,6 +155,9 @@ struct Entry {
     warm_since: Option<u64>,
     /// Handed to the evictor already.
     evicting: bool,
+    /// Its only view handed out a `&mut` of the mapping ([`Imported::host_bytes_mut`]):
+    /// no other view is opened until that view drops.
+    written_in_place: bool,
     /// Run when it closes (holders that let go while views were alive).
     on_closed: Vec<OnClosed>,
     /// Release fences (this process's) of views that queued work on the mapping: the close
@@ -260,6 +271,11 @@ impl State {
         checked: bool,
     ) -> Result<(Arc<OpenedMem>, SharedBackend)> {
         let entry = self.entries.get_mut(key).expect("a hit on a present entry");
+        if entry.written_in_place {
+            return Err(Error::WrittenInPlace {
+                alloc: handle.alloc,
+            });
+        }
         if handle.generation < entry.generation {
             let current = entry.generation;
             self.stats.stale += 1;
@@ -647,6 +663,7 @@ impl ImportCache {
                         verified: handle.clone(),
                         warm_since: None,
                         evicting: false,
+                        written_in_place: false,
                         on_closed: Vec::new(),
                         pending: Vec::new(),
                         pending_all: false,
@@ -715,6 +732,7 @@ impl ImportCache {
             len: handle.len as usize,
             layout: handle.layout.clone(),
             release: None,
+            written_in_place: false,
         }
     }
 
@@ -851,6 +869,9 @@ pub struct Imported {
     /// A release fence of this process after the work queued on the view
     /// ([`release_after`](Self::release_after)).
     release: Option<FenceHandle>,
+    /// It handed out a `&mut` of the mapping ([`host_bytes_mut`](Self::host_bytes_mut)),
+    /// so its entry refuses new views until it drops.
+    written_in_place: bool,
 }
 
 impl Imported {
@@ -951,6 +972,55 @@ impl Imported {
         all.get(self.offset..self.offset.checked_add(self.len)?)
     }
 
+    /// The buffer's bytes in place, writable, if the CPU can address them (`Ok(None)` for
+    /// device memory). Given only while this is the mapping's only view in this process;
+    /// from then until this view drops, the cache opens no other view of the mapping (an
+    /// open of it fails with [`Error::WrittenInPlace`]). So while the slice lives nothing
+    /// else in this process reaches the bytes through this crate's safe API: the slice
+    /// borrows this view mutably, and no other view exists. Another process may still
+    /// write them (see [`RawMemory::host_bytes`](crate::RawMemory::host_bytes)), as may
+    /// `unsafe` code here through a raw pointer ([`ptr`](Self::ptr)) taken earlier.
+    ///
+    /// # Errors
+    /// [`Error::SharedMapping`] when the mapping has other views in this process (another
+    /// lease on the allocation in this process: drop it, or copy with
+    /// [`write`](Self::write)).
+    pub fn host_bytes_mut(&mut self) -> Result<Option<&mut [u8]>> {
+        if self.mem().raw().host_bytes().is_none() {
+            return Ok(None);
+        }
+        let range = self.offset..self.offset + self.len;
+        {
+            let mut state = self.cache.lock();
+            let entry = state
+                .entries
+                .get_mut(&self.key)
+                .expect("a view's entry stays until the view drops");
+            if entry.users != 1 {
+                return Err(Error::SharedMapping {
+                    alloc: self.key.alloc,
+                    views: entry.users,
+                });
+            }
+            entry.written_in_place = true;
+        }
+        self.written_in_place = true;
+        let mem = self.mem.as_deref().expect("present until drop");
+        #[allow(unsafe_code)]
+        // SAFETY: this view is the mapping's only one in this process (`users == 1`, checked
+        // under the cache lock), and its entry now refuses new views until this view drops
+        // (`State::hit`; a miss cannot happen while the entry exists). Views hand out
+        // `&OpenedMem`/`&[u8]` only borrowed from themselves, and the slice returned here
+        // borrows `self` mutably, so no other reference to these bytes, and no copy
+        // through this crate, exists in this process while it lives. The bytes are the
+        // host mapping's, which `mem` keeps mapped for as long as `self` lives.
+        let all = unsafe { mem.raw().host_bytes_mut() };
+        match all {
+            None => Ok(None),
+            Some(all) => Ok(all.get_mut(range)),
+        }
+    }
+
     /// The buffer's bytes, copied.
     ///
     /// # Errors
@@ -983,6 +1053,9 @@ impl Drop for Imported {
             let Some(entry) = state.entries.get_mut(&self.key) else {
                 return;
             };
+            if self.written_in_place {
+                entry.written_in_place = false;
+            }
             if let Some(fence) = self.release.take() {
                 // One fence per event or counter slot, the latest (it covers the others),
                 // and at most MAX_PENDING_FENCES: a mapping warm for long collects no list.
@@ -1513,5 +1586,48 @@ mod tests {
         assert_eq!(cache.stats().stale, 1);
         assert_eq!(backend.opens.load(Ordering::Relaxed), opens);
         drop(fresh);
+    }
+
+    /// A view writes in place only while it is its mapping's only one, and no other view
+    /// of the mapping is opened until it drops.
+    #[test]
+    fn a_mapping_is_written_in_place_only_through_its_only_view() {
+        let ns = format!("unit-inplace-{}", std::process::id());
+        let session = Session::new(SessionToken::from_bytes([9; 32]));
+        let backend = Arc::new(crate::HostBackend::with_namespace(&ns).unwrap());
+        let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+        let alloc = backend.allocate(4096).unwrap();
+        let handle = alloc.handle(&session).range(1024, 16).build().unwrap();
+        let mut fds = FrameFds::none();
+
+        // Two views: neither writes in place.
+        let mut first = cache.open(&handle, &mut fds).unwrap();
+        let second = cache.open(&handle, &mut fds).unwrap();
+        assert!(matches!(
+            first.host_bytes_mut(),
+            Err(Error::SharedMapping { views: 2, .. })
+        ));
+        drop(second);
+
+        // The only view writes its own range of the shared memory.
+        first
+            .host_bytes_mut()
+            .unwrap()
+            .unwrap()
+            .copy_from_slice(&[7; 16]);
+        let mut back = [0u8; 18];
+        alloc.read(1023, &mut back).unwrap();
+        assert_eq!(back[0], 0, "nothing before the view's range");
+        assert_eq!(&back[1..17], &[7; 16]);
+        assert_eq!(back[17], 0, "nothing after it");
+
+        // Until it drops, no other view of the mapping is opened.
+        assert!(matches!(
+            cache.open(&handle, &mut fds),
+            Err(Error::WrittenInPlace { .. })
+        ));
+        drop(first);
+        let again = cache.open(&handle, &mut fds).unwrap();
+        assert_eq!(again.host_bytes(), Some(&[7u8; 16][..]));
     }
 }

@@ -203,6 +203,28 @@ pub enum Error {
         /// The newest generation this process has seen of the allocation.
         current: Generation,
     },
+    /// [`Imported::host_bytes_mut`](crate::Imported::host_bytes_mut) on a view whose
+    /// mapping has other views in this process: a mapping is written in place only through
+    /// its only view.
+    #[error(
+        "{alloc} is mapped here by {views} views: it is written in place only through its only view; drop the other leases on it (or copy with `write`)"
+    )]
+    SharedMapping {
+        /// The allocation.
+        alloc: AllocationId,
+        /// Views of its mapping in this process, this one included.
+        views: usize,
+    },
+    /// A view of the mapping in this process is being written in place
+    /// ([`Imported::host_bytes_mut`](crate::Imported::host_bytes_mut)): no other view of it
+    /// is opened until that one drops.
+    #[error(
+        "{alloc} is written in place here through another lease's view: open it again once that lease is dropped"
+    )]
+    WrittenInPlace {
+        /// The allocation.
+        alloc: AllocationId,
+    },
     /// The handle's device is not present in this process.
     #[error("device {device} is not visible to this process")]
     DeviceNotFound {
@@ -302,6 +324,7 @@ impl Error {
                 | Error::Cuda { .. }
                 | Error::UnsupportedBackend { .. }
                 | Error::NotMapped { .. }
+                | Error::WrittenInPlace { .. }
                 | Error::PoolNotImported { .. }
                 | Error::DescriptorsLost { .. }
                 | Error::DeviceNotFound { .. }

@@ -35,6 +35,13 @@
 //!   rules writers out while it lives (Baton's typed leases, see that method's docs); a
 //!   process that breaks the protocol with `unsafe` code or by writing through a raw
 //!   pointer can still change the bytes under it;
+//! - `RawMemory::host_bytes_mut` gives a `&mut [u8]` of the mapping, also borrowed from
+//!   it. It is an `unsafe fn`: its caller guarantees that nothing else in this process
+//!   reaches the bytes while it lives. `Imported::host_bytes_mut` (the import cache) is
+//!   the only caller: it hands the slice out for a mapping that has a single view in this
+//!   process, borrowed `&mut`, and opens no other view of the mapping until that one
+//!   drops. Another process can still write the bytes under it (outside Rust's model, as
+//!   above); Baton's protocol rules that out while a writable lease is out;
 //! - a named segment shrunk by a hostile process of the same user after we mapped it would
 //!   make an access fault (`SIGBUS`); named segments cannot be sealed against that (only
 //!   processes of an allowed uid holding the session token can learn their names). A memfd
@@ -341,6 +348,18 @@ impl<B: Backing> RawMemory for Mapping<B> {
         // The bytes are plain `u8`s: any value is valid. Writers while it is borrowed are
         // ruled out by the caller's protocol (see `RawMemory::host_bytes`).
         Some(unsafe { std::slice::from_raw_parts(self.base.as_ptr(), self.size) })
+    }
+
+    #[allow(clippy::mut_from_ref)] // the `# Safety` contract of `RawMemory::host_bytes_mut`
+    unsafe fn host_bytes_mut(&self) -> Option<&mut [u8]> {
+        // SAFETY: the mapping is readable, writable (`MAP_SHARED` read-write, see `Backing`)
+        // and valid for `size` bytes while `self.backing` lives, and the slice borrows
+        // `self`, so it cannot outlive it. Any byte value is valid. That nothing else in
+        // this process reaches the bytes while it lives is the caller's contract
+        // (`RawMemory::host_bytes_mut`); `Imported::host_bytes_mut` keeps it by handing it
+        // out only for the mapping's single view, borrowed `&mut`, and refusing new views
+        // until that view drops.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr(), self.size) })
     }
 
     fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {

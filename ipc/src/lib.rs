@@ -20,9 +20,10 @@
 //! - [`spawn`]: children that die with this process and get the token through a pipe,
 //!   never their environment.
 //!
-//! This crate knows nothing of actors. `unsafe` code lives only in backend modules and in
-//! [`spawn`] (`pre_exec` hooks, the inherited token descriptor), each opening with a
-//! `# Safety` overview.
+//! This crate knows nothing of actors. `unsafe` code lives only in backend modules, in
+//! [`spawn`] (`pre_exec` hooks, the inherited token descriptor), and in one block of the
+//! import cache ([`Imported::host_bytes_mut`], the only caller that can keep the contract
+//! of `RawMemory::host_bytes_mut`), each opening with a `# Safety` overview.
 
 #![deny(unsafe_code)]
 
