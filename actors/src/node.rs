@@ -430,9 +430,12 @@ impl Node {
         self.inner.offload.clone()
     }
 
-    /// Drops what the backends keep of a dead process (opened events and pools: driver
-    /// calls), off the actor's thread.
+    /// Drops what the backends keep of a process whose last link went down or that died
+    /// (opened events and pools: driver calls), off the actor's thread. If it is dead, the
+    /// streams waiting on its fences are released first, at once, on this thread: the
+    /// driver thread's queue may hold a close that waits on those very streams.
     fn forget(&self, process: ProcessId) {
+        self.inner.cache.release_dead(&process);
         let cache = self.inner.cache.clone();
         self.inner
             .offload

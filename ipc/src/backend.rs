@@ -616,6 +616,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn forget_process(&self, process: &ProcessId) {
         let _ = process;
     }
+    /// If `process` is dead, releases at once every stream of ours still waiting on its
+    /// fences (CUDA counter fences: their values will never come). Quick (no wait on other
+    /// work), so it may run on any thread, and must not queue behind driver-thread work
+    /// that may itself wait on those streams. Called by
+    /// [`ImportCache::release_dead`](crate::ImportCache::release_dead).
+    fn release_dead(&self, process: &ProcessId) {
+        let _ = process;
+    }
 }
 
 /// A shared backend.

@@ -831,6 +831,15 @@ impl ImportCache {
         keys
     }
 
+    /// [`Backend::release_dead`] of every backend: if `process` is dead, the streams still
+    /// waiting on its fences go on. Call it as soon as a death is known, on any thread
+    /// (not behind the driver thread's queue, where a close may wait on those streams).
+    pub fn release_dead(&self, process: &ProcessId) {
+        for backend in &self.shared.backends {
+            backend.release_dead(process);
+        }
+    }
+
     /// Forgets what the backends keep of a dead exporter process (e.g. its opened events).
     /// Mappings stay until their views drop and their holders let go.
     pub fn forget_process(&self, process: &ProcessId) {

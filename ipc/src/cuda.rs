@@ -896,6 +896,12 @@ impl CudaBackend {
             // first allocation.
             backend.export_pool()?;
         }
+        if backend.fence == FenceKind::Counter {
+            // Made now too: an error here, not at the first fence; and the first fence,
+            // recorded behind running work, does not wait for an allocation (its driver
+            // calls may synchronise with that work).
+            backend.counter_slab()?;
+        }
         Ok(backend)
     }
 
@@ -1718,10 +1724,19 @@ impl Backend for CudaBackend {
         drop(self.pool.take_where(|_| true));
         drop(self.opened_events.take_where(|(p, _)| of(p)));
         drop(self.imported_pools.take_where(|(p, _)| of(p)));
+        self.release_dead(process);
+    }
+
+    /// If the process is dead (`/proc`), writes the largest value into every slot of its
+    /// counter slabs that we map (a memset on the side stream, waited for: microseconds),
+    /// which releases every stream still waiting there; the slabs stay mapped until the
+    /// backend drops. A live process's slab is never written (that would release *its*
+    /// waiters early).
+    fn release_dead(&self, process: &ProcessId) {
         if crate::process::liveness(process) != crate::process::Liveness::Dead {
             return;
         }
-        let slabs = self.opened_slabs.take_where(|(p, _)| of(p));
+        let slabs = self.opened_slabs.take_where(|(p, _)| p == process);
         for slab in &slabs {
             if let Err(e) = slab.release_waiters(&self.side) {
                 tracing::warn!(error = %e, %process, "releasing the waiters of a dead producer's counters failed");
