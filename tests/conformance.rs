@@ -775,6 +775,10 @@ fn fence_ordering(kind: FenceKind) {
     );
     // The importer has made its backend (and CUDA context) by the time it connects.
     let mut link = listener.accept().unwrap();
+    // The backend makes its fence pool (a counter slab: an allocation and its IPC handle)
+    // at its first fence; those driver calls may wait for running work, so make it now,
+    // before the long work below.
+    cuda.record_fence().unwrap().synchronize().unwrap();
     match &kernel {
         Some(f) => launch_fill(&cuda, f, &alloc, SEED, Duration::from_millis(500)),
         None => {

@@ -896,12 +896,6 @@ impl CudaBackend {
             // first allocation.
             backend.export_pool()?;
         }
-        if backend.fence == FenceKind::Counter {
-            // Made now too: an error here, not at the first fence; and the first fence,
-            // recorded behind running work, does not wait for an allocation (its driver
-            // calls may synchronise with that work).
-            backend.counter_slab()?;
-        }
         Ok(backend)
     }
 
@@ -1021,10 +1015,17 @@ impl CudaBackend {
         }
     }
 
-    /// (alive, lent out) fences of the backend's kind: events, or counter slots.
+    /// (alive, lent out) fences of the backend's kind: events, or counter slots (a slot
+    /// whose fence dropped counts as lent until its value has landed: the slab is read
+    /// back here to tell).
     pub fn fence_counts(&self) -> (usize, usize) {
         match (self.fence, self.slab.get(&())) {
-            (FenceKind::Counter, Some(slab)) => slab.counts(),
+            (FenceKind::Counter, Some(slab)) => {
+                if let Err(e) = slab.sweep() {
+                    tracing::warn!(error = %e, "reading the counter slab back failed");
+                }
+                slab.counts()
+            }
             (FenceKind::Counter, None) => (0, 0),
             (FenceKind::Event, _) => self.events.counts(),
         }
@@ -2251,8 +2252,8 @@ mod tests {
         drop(fence);
         assert_eq!(
             b.fence_counts(),
-            (4, 1),
-            "a dropped fence's slot is retired until the slab is read back"
+            (4, 0),
+            "a dropped fence whose value landed is free again"
         );
         // Slots are reused with a higher value each time.
         let again = b.record_fence().unwrap();

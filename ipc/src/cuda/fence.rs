@@ -266,7 +266,7 @@ impl CounterSlab {
 
     /// Frees the retired slots whose value has landed: the whole slab read back in one
     /// copy, with no lock held.
-    fn sweep(&self) -> Result<()> {
+    pub(crate) fn sweep(&self) -> Result<()> {
         if lock(&self.state).retired.is_empty() {
             return Ok(());
         }
