@@ -831,7 +831,7 @@ impl ImportCache {
         keys
     }
 
-    /// [`Backend::release_dead`] of every backend: if `process` is dead, the streams still
+    /// [`Backend::release_dead`](crate::Backend::release_dead) of every backend: if `process` is dead, the streams still
     /// waiting on its fences go on. Call it as soon as a death is known, on any thread
     /// (not behind the driver thread's queue, where a close may wait on those streams).
     pub fn release_dead(&self, process: &ProcessId) {
