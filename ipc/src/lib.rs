@@ -37,6 +37,7 @@ mod error;
 pub mod fuzzing;
 #[allow(unsafe_code)]
 pub mod host;
+pub mod inbox;
 pub mod link;
 pub mod ordering;
 pub mod process;

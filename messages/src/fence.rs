@@ -51,14 +51,18 @@ impl FenceKind {
     }
 }
 
-/// A counter fence: which slot of which slab of the producer, and the value to wait for.
-/// The slab handle is a capability: `Debug` never prints it.
+/// A counter fence: which slot of which slab, and the value to wait for. The slab is the
+/// **consumer's** fence inbox (see [`InboxGrant`]): the producer's stream writes the value
+/// into the consumer's memory, and the consumer's stream waits on its own memory, so the
+/// consumer can always release its own waits (by writing the slot itself) when the
+/// producer dies or does not deliver. The slab handle is a capability: `Debug` never
+/// prints it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub struct CounterFence {
-    /// The legacy IPC handle of the producer's counter slab.
+    /// The legacy IPC handle of the slab the slot lies in (the consumer's inbox).
     pub slab: CudaIpcMemHandle,
-    /// The producer process's id of the slab (unique in that process).
+    /// The slab owner's id of the slab (unique in that process).
     pub slab_id: u64,
     /// Byte offset of the slot in the slab (a multiple of 8).
     pub offset: u64,
@@ -109,6 +113,61 @@ impl fmt::Debug for CounterFence {
             .field("slab_id", &self.slab_id)
             .field("offset", &self.offset)
             .field("value", &self.value)
+            .finish()
+    }
+}
+
+/// What a process lends one peer process of its fence inbox: a *lane* of `slots` 64-bit
+/// counters starting at `first`, in the device memory of its CUDA backend, shared as a
+/// legacy IPC handle. The peer's streams write the values of the fences they record for
+/// this process there (one slot per release stream of the peer, each written in order);
+/// this process's streams wait on them in its own memory. Sent once per link, right after
+/// the handshake ([`Message::FenceInbox`](crate::protocol::Message::FenceInbox)). The
+/// handle is a capability: `Debug` never prints it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct InboxGrant {
+    /// The device the inbox lies on.
+    pub device: crate::DeviceUuid,
+    /// The legacy IPC handle of the inbox slab.
+    pub slab: CudaIpcMemHandle,
+    /// The owner's id of the slab.
+    pub slab_id: u64,
+    /// The lane's first slot.
+    pub first: u32,
+    /// The lane's slots.
+    pub slots: u32,
+    /// The value every slot of the lane holds now: the peer's first fence on a slot takes
+    /// the next value up (a lane lent again continues where it stood).
+    pub base: u64,
+}
+
+impl InboxGrant {
+    /// Byte offset of the lane's slot `i`, if it lies in the lane.
+    pub fn offset_of(&self, i: u32) -> Option<u64> {
+        (i < self.slots).then(|| (u64::from(self.first) + u64::from(i)) * 8)
+    }
+
+    /// The lane's slot index of a byte offset, if it is one of the lane's slots.
+    pub fn slot_of(&self, offset: u64) -> Option<u32> {
+        if offset % 8 != 0 {
+            return None;
+        }
+        let slot = offset / 8;
+        let first = u64::from(self.first);
+        (slot >= first && slot < first + u64::from(self.slots)).then(|| (slot - first) as u32)
+    }
+}
+
+impl fmt::Debug for InboxGrant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InboxGrant")
+            .field("device", &self.device)
+            .field("slab", &"<redacted>")
+            .field("slab_id", &self.slab_id)
+            .field("first", &self.first)
+            .field("slots", &self.slots)
+            .field("base", &self.base)
             .finish()
     }
 }

@@ -35,7 +35,7 @@ pub mod status;
 
 pub use codec::{FrameDecoder, FrameHeader, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
 pub use error::Error;
-pub use fence::{CounterFence, FenceHandle, FenceKind};
+pub use fence::{CounterFence, FenceHandle, FenceKind, InboxGrant};
 pub use handle::{
     BackendKind, CudaIpcMemHandle, CudaPoolExportData, HandleDigest, HandleKey, HandleMsg,
     IpcEventHandle, RawHandle, SegmentName,

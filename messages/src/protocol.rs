@@ -429,6 +429,10 @@ pub enum Message {
     Forwarded(Forwarded),
     /// [`Relayed`].
     Relayed(Relayed),
+    /// The sender's fence inbox lane for the receiver ([`InboxGrant`]): counter fences the
+    /// receiver records for the sender are written there. At most once per link, right
+    /// after the handshake; a second is a protocol fault.
+    FenceInbox(crate::fence::InboxGrant),
 }
 
 impl Message {
@@ -454,6 +458,7 @@ impl Message {
             Message::Forward(_) => "Forward",
             Message::Forwarded(_) => "Forwarded",
             Message::Relayed(_) => "Relayed",
+            Message::FenceInbox(_) => "FenceInbox",
         }
     }
 }
