@@ -55,7 +55,7 @@ use baton_ipc::cuda::cudarc::driver::{
 };
 use baton_ipc::cuda::{RecordedEvent, RecordedFence};
 use baton_ipc::{ExportedFence, Imported, MemPtr, SharedBackend, Stream, StreamRef};
-use baton_messages::{AllocationId, DType, ExporterId, Layout, LeaseId, Shape};
+use baton_messages::{AllocationId, DType, ExporterId, Layout, LeaseId, ProcessId, Shape};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -479,7 +479,8 @@ impl Drop for IncomingLease {
             Finished::Fence(fence) => {
                 let handle = fence.handle();
                 if let Some(imported) = imported {
-                    imported.release_after(handle);
+                    // The mapping closes after our own work: the fence's local twin.
+                    imported.release_after(fence.local_handle());
                 }
                 // Dropped now: a pooled release fence is recorded again only once its work
                 // has completed (see `Backend::export_fence`).
@@ -523,11 +524,19 @@ pub(crate) struct Outgoing {
 }
 
 impl Outgoing {
-    /// The offer's acquire fence.
-    pub(crate) fn acquire_fence(&self) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+    /// The offer's acquire fence, for process `to`: the buffer's own, or one after the
+    /// fence the sender recorded itself (passed on into `to`'s inbox).
+    pub(crate) fn acquire_fence(
+        &self,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
         match &self.fence {
-            Some(f) => Ok(Some(Arc::clone(f))),
-            None => self.cell.order.acquire_fence(),
+            Some(f) => {
+                let backend = self.cell.order.backend();
+                let me = baton_ipc::process::current();
+                Ok(backend.relay_fence(&me, &f.local_handle(), to)?)
+            }
+            None => self.cell.order.acquire_fence(to),
         }
     }
 }

@@ -21,7 +21,7 @@ use crate::ledger::{
 };
 use crate::link_ref::{CutOff, LinkRef, SendRevoke, SendUnmap};
 use crate::offload::Offload;
-use crate::order::{ExportOrder, ReleaseFence};
+use crate::order::{ExportOrder, FreeVerdict, ReleaseFence};
 use baton_ipc::{Allocation, DescriptorScope, ExportedFence, Session, SharedBackend};
 use baton_messages::protocol::Offer;
 use baton_messages::{
@@ -29,7 +29,7 @@ use baton_messages::{
 };
 use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
 /// What the ledger keeps of an allocation to free it.
@@ -244,10 +244,74 @@ impl Drop for Retire {
 pub(crate) struct Exports {
     pub(crate) session: Session,
     offload: Offload,
+    /// Itself, for free jobs that must come back (see [`Parked`]).
+    me: Weak<Exports>,
     state: Mutex<State>,
+    /// Frees held until processes die: our waits on their release fences were released
+    /// while they lived, so their work may still use the memory.
+    parked: Mutex<Vec<Parked>>,
     /// Woken after every event (leases may have come back): what
     /// [`Exports::returned`] waits on.
     changed: tokio::sync::Notify,
+}
+
+/// A free held until every process in `until` is dead (see
+/// [`ExportOrder::before_free`]): kept allocated meanwhile, and counted as quarantined.
+#[derive(Debug)]
+struct Parked {
+    alloc: AllocationId,
+    meta: Owned,
+    fences: Vec<Fence>,
+    until: Vec<ProcessId>,
+}
+
+/// The driver-thread job of a free: wait for the work on the memory, then free it — or
+/// park it until the processes whose work may still run are dead.
+fn free_job(exports: Weak<Exports>, alloc: AllocationId, meta: Owned, fences: Vec<Fence>) {
+    let verdict = meta.order.before_free(&fences);
+    match verdict {
+        FreeVerdict::Free => {
+            let Owned {
+                alloc: memory,
+                owner,
+                order,
+                ..
+            } = meta;
+            let generation = memory.generation();
+            drop(order);
+            drop(memory);
+            tracing::debug!(actor = %owner, %alloc, %generation, "buffer freed");
+        }
+        FreeVerdict::Hold(until) => {
+            tracing::warn!(
+                %alloc,
+                holders = ?until,
+                "quarantined: a producer whose release fence we stopped waiting for is alive, so its work may still use this memory; freed when it is confirmed dead"
+            );
+            match exports.upgrade() {
+                Some(exports) => exports.park(Parked {
+                    alloc,
+                    meta,
+                    fences,
+                    until,
+                }),
+                // The node is gone: nothing can learn of the deaths any more. Keep it.
+                None => std::mem::forget(meta),
+            }
+        }
+        FreeVerdict::Failed(e) => {
+            // Whether work still uses the memory is unknown: keeping it is the only
+            // choice the freeing rule allows.
+            tracing::error!(actor = %meta.owner, %alloc, error = %e, "waiting for the work on a buffer before freeing it failed: the memory is kept (leaked) rather than freed under work that may still run");
+            std::mem::forget(meta);
+        }
+    }
+}
+
+/// Whether an acquire fence must be kept until its lease is back: a pooled event (a wait
+/// follows its latest record). A counter fence names its value and lends nothing.
+fn keeps_until_back(fence: &dyn ExportedFence) -> bool {
+    fence.handle().kind() == baton_messages::FenceKind::Event
 }
 
 /// What an offer is built from.
@@ -277,7 +341,7 @@ struct Todo {
 }
 
 impl Todo {
-    fn run(self, offload: &Offload) {
+    fn run(self, offload: &Offload, exports: &Weak<Exports>) {
         drop(self.fences);
         for action in self.actions {
             match action {
@@ -326,22 +390,9 @@ impl Todo {
                 } => {
                     // No GPU work that uses the memory may still run: wait for the
                     // importers' release fences and the buffer's own uses, on the driver
-                    // thread, then free.
-                    offload.submit(move || {
-                        let Owned {
-                            alloc: memory,
-                            owner,
-                            order,
-                            ..
-                        } = meta;
-                        if let Err(e) = order.before_free(&fences) {
-                            tracing::warn!(actor = %owner, %alloc, error = %e, "waiting for the work on a buffer before freeing it failed");
-                        }
-                        let generation = memory.generation();
-                        drop(order);
-                        drop(memory);
-                        tracing::debug!(actor = %owner, %alloc, %generation, "buffer freed");
-                    });
+                    // thread, then free (or hold it: see `free_job`).
+                    let exports = exports.clone();
+                    offload.submit(move || free_job(exports, alloc, meta, fences));
                 }
                 Action::Quarantine {
                     alloc,
@@ -363,12 +414,51 @@ impl Todo {
 
 impl Exports {
     pub(crate) fn new(session: Session, offload: Offload) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
             session,
             offload,
+            me: me.clone(),
             state: Mutex::new(State::default()),
+            parked: Mutex::new(Vec::new()),
             changed: tokio::sync::Notify::new(),
         })
+    }
+
+    fn park(&self, parked: Parked) {
+        let mut all = self.parked.lock().unwrap_or_else(|p| p.into_inner());
+        // A process may have died between the verdict and now: `process_dead` already ran.
+        all.push(parked);
+    }
+
+    /// Frees held for `process` (see [`Parked`]) go ahead once no other live process
+    /// holds them.
+    fn unpark(&self, process: ProcessId) {
+        let ready: Vec<Parked> = {
+            let mut all = self.parked.lock().unwrap_or_else(|p| p.into_inner());
+            for p in all.iter_mut() {
+                p.until.retain(|q| *q != process);
+            }
+            let (ready, held) = std::mem::take(&mut *all)
+                .into_iter()
+                .partition(|p| p.until.is_empty());
+            *all = held;
+            ready
+        };
+        for p in ready {
+            let exports = self.me.clone();
+            self.offload
+                .submit(move || free_job(exports, p.alloc, p.meta, p.fences));
+        }
+    }
+
+    /// Allocations whose free is held until a producer dies (see [`Parked`]), and their
+    /// bytes.
+    pub(crate) fn held_frees(&self) -> (usize, u64) {
+        let all = self.parked.lock().unwrap_or_else(|p| p.into_inner());
+        (
+            all.len(),
+            all.iter().map(|p| p.meta.alloc.raw().size() as u64).sum(),
+        )
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -451,7 +541,7 @@ impl Exports {
             }
             (result, todo)
         };
-        todo.run(&self.offload);
+        todo.run(&self.offload, &self.me);
         self.changed.notify_waiters();
         result
     }
@@ -547,6 +637,7 @@ impl Exports {
             s.supervised.remove(&process);
             s.ledger.process_dead(process);
         });
+        self.unpark(process);
     }
 
     /// A child of this node's supervisor, which the owners' [`RevokePolicy`] may kill.
@@ -602,7 +693,7 @@ impl Exports {
                 }
                 _ => None,
             };
-            if let Some(fence) = &fence {
+            if let Some(fence) = fence.as_ref().filter(|f| keeps_until_back(f.as_ref())) {
                 state.acquire.insert(lease, (link.id, Arc::clone(fence)));
             }
             if writable {
@@ -677,14 +768,14 @@ impl Exports {
                 link.id,
             )
         };
-        let fence = match order.acquire_fence() {
+        let fence = match order.acquire_fence(&holder) {
             Ok(fence) => fence,
             Err(e) => {
                 undo();
                 return Err(e);
             }
         };
-        if let Some(fence) = &fence {
+        if let Some(fence) = fence.as_ref().filter(|f| keeps_until_back(f.as_ref())) {
             self.lock()
                 .acquire
                 .insert(lease, (link.id, Arc::clone(fence)));

@@ -49,7 +49,7 @@ use baton_messages::protocol::{
     StatusRequest, StatusScope, Unmap, Unmapped,
 };
 use baton_messages::status::STATUS_VERSION;
-use baton_messages::{AllocationId, FenceHandle, LeaseId, Message as Wire};
+use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire};
 use futures_util::stream::Stream;
 use std::collections::HashMap;
 use std::fmt;
@@ -166,6 +166,8 @@ pub struct PeerLink {
     /// When the peer last sent anything.
     last_heard: Instant,
     down: Option<Arc<ActorError>>,
+    /// The peer lent us a fence inbox lane over this link already (at most once).
+    inbox_received: bool,
     pub(crate) span: tracing::Span,
 }
 
@@ -321,6 +323,7 @@ impl PeerLink {
                 next_ping: 1,
                 last_heard: Instant::now(),
                 down: None,
+                inbox_received: false,
             }
         });
         (
@@ -409,7 +412,7 @@ impl PeerLink {
                 });
                 break;
             }
-            let granted = out.acquire_fence().and_then(|fence| {
+            let granted = out.acquire_fence(&self.peer.process).and_then(|fence| {
                 self.node
                     .exports()
                     .grant(cell, &self.me, fds.len() as u8, fence, out.writable)
@@ -463,6 +466,13 @@ impl PeerLink {
                 return Err(ActorError::ForeignOffer {
                     claimed: offer.handle.exporter,
                 });
+            }
+            if let Some(fence) = &offer.handle.fence {
+                // Before anything waits on it: it must name our inbox, in its producer's
+                // lane, with a sane value (forged fences are the peer's fault).
+                self.node
+                    .backend()
+                    .check_fence(&offer.handle.exporter.process, fence)?;
             }
             let held = self
                 .held
@@ -696,9 +706,12 @@ impl PeerLink {
                         max: MAX_RELEASE_FENCES,
                     });
                 }
-                if self.release_passed(lease, &fences) {
+                if self.release_passed(lease) {
                     // A lease we forwarded: handed on to its exporter (see `relay`).
                     return Ok(());
+                }
+                for fence in &fences {
+                    self.node.backend().check_fence(&self.peer.process, fence)?;
                 }
                 if !fences.is_empty() && !self.node.offload().is_inline() {
                     // Opened on the driver thread now, so that the buffer's next use (on
@@ -767,6 +780,7 @@ impl PeerLink {
             Wire::Status(status) => self.on_status(status),
             Wire::Forward(forward) => self.on_forward(forward),
             Wire::Forwarded(forwarded) => self.on_forwarded(forwarded, fds),
+            Wire::FenceInbox(grant) => self.on_fence_inbox(grant),
             Wire::Relayed(relayed) => {
                 self.with_opened(vec![relayed.offer], fds, true, ctx, |act, opened, _| {
                     // A refusal was logged and given back already.
@@ -780,6 +794,29 @@ impl PeerLink {
             }
             other => Err(ActorError::Unexpected { got: other.kind() }),
         }
+    }
+
+    /// The peer lends us a lane of its fence inbox: fences we record for it go there. Its
+    /// inbox is mapped on the driver thread (a fence recorded before that maps it then).
+    fn on_fence_inbox(&mut self, grant: InboxGrant) -> Result<(), ActorError> {
+        if std::mem::replace(&mut self.inbox_received, true) {
+            return Err(ActorError::Unexpected {
+                got: "a second FenceInbox",
+            });
+        }
+        let (backend, peer) = (Arc::clone(self.node.backend()), self.peer.process);
+        let accept = move || {
+            if let Err(e) = backend.accept_inbox(&peer, &grant) {
+                tracing::warn!(error = %e, %peer, "the peer's fence inbox could not be mapped: fences for it are made complete before they are sent");
+            }
+        };
+        let offload = self.node.offload();
+        if offload.is_inline() {
+            accept();
+        } else {
+            offload.submit(accept);
+        }
+        Ok(())
     }
 
     fn on_call(
@@ -953,6 +990,14 @@ impl Actor for PeerLink {
         let span = self.span.clone();
         let _g = span.enter();
         tracing::debug!(uid = self.peer.cred.uid, "link up");
+        // Fences the peer records for us are written into our memory: lend it a lane
+        // first, before anything of ours can ask it for a fence.
+        if let Some(grant) = self.node.backend().inbox_grant(&self.peer.process) {
+            if let Err(e) = self.send(&Wire::FenceInbox(grant), Vec::new()) {
+                self.cut(ctx, e);
+                return;
+            }
+        }
         ctx.run_interval(self.node.heartbeat().interval, |act, ctx| {
             act.heartbeat(ctx)
         });

@@ -379,6 +379,16 @@ impl Node {
                 relays: crate::relay::Relays::default(),
             }
         });
+        // A producer that names fence values and does not deliver them is cut (our waits
+        // on it were released already; see `baton_ipc::inbox`).
+        let faulty = Arc::downgrade(&inner);
+        inner
+            .backend
+            .add_fence_fault_hook(Arc::new(move |process| {
+                if let Some(inner) = faulty.upgrade() {
+                    (Node { inner }).disconnect(&process);
+                }
+            }));
         Node { inner }
     }
 
@@ -446,6 +456,27 @@ impl Node {
     /// [`LeaseTable`](crate::LeaseTable) gives one owner's).
     pub fn lease_table(&self) -> Vec<BufferLeases> {
         self.inner.exports.table(None)
+    }
+
+    /// Allocations whose free is held until a producer dies — our waits on its release
+    /// fences were released while it lived (it was cut, or missed the fence deadline), so
+    /// its work may still use the memory — and their bytes.
+    pub fn held_frees(&self) -> (usize, u64) {
+        self.inner.exports.held_frees()
+    }
+
+    /// Waits, at most `within`, until the fences this node's backend recorded for peers
+    /// have been written (see [`baton_ipc::Backend::flush_fences`]): call it before a
+    /// process exits, so that peers need not wait out their fence deadline. Blocks the
+    /// calling thread. Returns whether they all were.
+    pub fn flush_fences(&self, within: Duration) -> bool {
+        match self.inner.backend.flush_fences(within) {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!(error = %e, "flushing fences failed");
+                false
+            }
+        }
     }
 
     /// Counters of every buffer this node's owners export.
@@ -627,6 +658,15 @@ impl Node {
             !links.values().any(|p| p.info.process == peer.process)
         };
         if last_to_process {
+            if baton_ipc::process::liveness(&peer.process) != baton_ipc::process::Liveness::Dead {
+                if reason.is_some() {
+                    // Cut (a fault, a missed heartbeat or deadline): our waits on its
+                    // fences are released now; memory they guard is held until it dies.
+                    self.inner.backend.producer_cut(&peer.process);
+                }
+                // Its death releases what we still hold for it (waits, frees, pools).
+                self.watch(peer.process);
+            }
             // What the backends keep of it (its opened events) only serves handles it
             // sends, and it sends no more.
             self.forget(peer.process);

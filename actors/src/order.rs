@@ -138,13 +138,14 @@ impl StreamUses {
         Ok(())
     }
 
-    /// One fence after the latest record of every mark (`None` without marks).
-    fn export(&self) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+    /// One fence for process `to` after the latest record of every mark (`None` without
+    /// marks).
+    fn export(&self, to: &ProcessId) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
         let marks: Vec<&dyn UseMark> = self.marks().map(|u| &*u.mark).collect();
         if marks.is_empty() {
             return Ok(None);
         }
-        Ok(self.backend.export_fence(&marks)?)
+        Ok(self.backend.export_fence(&marks, to)?)
     }
 }
 
@@ -248,7 +249,7 @@ impl LeaseOrder {
         if !any {
             return Finished::Idle;
         }
-        match self.uses.export() {
+        match self.uses.export(&self.producer) {
             Ok(Some(fence)) => Finished::Fence(fence),
             Ok(None) => Finished::Idle,
             Err(e) => {
@@ -343,11 +344,15 @@ impl ExportOrder {
         Ok(Some(mark))
     }
 
-    /// The acquire fence for an offer: after the buffer's uses on streams and after the
-    /// work of importers that gave it back since its last use here (`None` if there is
-    /// none: host copies complete before they return). One per offer: each lease keeps its
-    /// own until it is back, as the pooled fences' reuse contract asks.
-    pub(crate) fn acquire_fence(&self) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+    /// The acquire fence for an offer to process `to`: after the buffer's uses on streams
+    /// and after the work of importers that gave it back since its last use here (`None`
+    /// if there is none: host copies complete before they return, and without a fence
+    /// inbox from `to` the work is waited for here). One per offer: an event fence's lease
+    /// keeps it until it is back, as the pooled events' reuse contract asks.
+    pub(crate) fn acquire_fence(
+        &self,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
         let released = self.take_released();
         if !released.is_empty() {
             // The next importer must not see the buffer before the last one's work ends:
@@ -368,24 +373,55 @@ impl ExportOrder {
                 return Err(e);
             }
         }
-        self.uses.export()
+        self.uses.export(to)
     }
 
-    /// Before the free (on a driver thread): waits until every release fence and every use
-    /// of the buffer on a stream has completed.
-    pub(crate) fn before_free(&self, fences: &[ReleaseFence]) -> Result<(), ActorError> {
+    /// Before the free (on a driver thread): whether the memory may be freed, once every
+    /// release fence and every use of the buffer on a stream has completed (waited for
+    /// here). Every wait is on this process's own fence inbox, which the backend releases
+    /// within the fence deadline if a producer dies or does not deliver — so this returns
+    /// within it. A fence whose wait was released while its producer lives guards work that
+    /// may still run: the free must wait for those producers' deaths (nothing is waited
+    /// for then). The fences stay in line for a later call.
+    pub(crate) fn before_free(&self, fences: &[ReleaseFence]) -> FreeVerdict {
         let mut all = self.take_released();
         for f in fences {
-            if !all.contains(f) {
+            if !all.iter().any(|kept| kept == f) {
                 all.push(f.clone());
             }
         }
-        let any = !all.is_empty() || self.uses.marks().next().is_some();
-        self.order_released(StreamRef::Internal, all)?;
-        self.uses.order_after_others(StreamRef::Internal)?;
-        if any {
-            self.backend().synchronize()?;
+        let backend = Arc::clone(self.backend());
+        let mut alive: Vec<ProcessId> = all
+            .iter()
+            .filter(|f| backend.unsafe_to_free(&f.producer, &f.fence))
+            .map(|f| f.producer)
+            .collect();
+        alive.sort_unstable_by_key(|p| (p.pid, p.start_ticks));
+        alive.dedup();
+        if !alive.is_empty() {
+            self.released(all);
+            return FreeVerdict::Hold(alive);
         }
-        Ok(())
+        let any = !all.is_empty() || self.uses.marks().next().is_some();
+        let waited = self
+            .order_released(StreamRef::Internal, all)
+            .and_then(|_| self.uses.order_after_others(StreamRef::Internal))
+            .and_then(|()| Ok(if any { backend.synchronize()? }));
+        match waited {
+            Ok(()) => FreeVerdict::Free,
+            Err(e) => FreeVerdict::Failed(e),
+        }
     }
+}
+
+/// What [`ExportOrder::before_free`] found.
+#[derive(Debug)]
+pub(crate) enum FreeVerdict {
+    /// Nothing queued uses the memory any more: free it.
+    Free,
+    /// Work of these live processes may still use it (our waits on their fences were
+    /// released early): keep it until they are dead, then ask again.
+    Hold(Vec<ProcessId>),
+    /// Waiting failed: whether work still uses the memory is unknown, so it is kept.
+    Failed(ActorError),
 }

@@ -7,9 +7,11 @@ use crate::session::{CheckedHandle, Session};
 use crate::{Error, Result};
 use baton_messages::{
     ActorId, AllocationId, BackendKind, DeviceUuid, ExporterId, FenceHandle, Generation,
-    HandleDigest, HandleMsg, IpcEventHandle, Layout, PROTOCOL_VERSION, ProcessId, RawHandle,
+    HandleDigest, HandleMsg, InboxGrant, IpcEventHandle, Layout, PROTOCOL_VERSION, ProcessId,
+    RawHandle,
 };
 use std::fmt;
+use std::time::Duration;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -573,16 +575,94 @@ pub trait Backend: Send + Sync + fmt::Debug {
         let _ = stream;
         Ok(None)
     }
-    /// A fence another process can wait on, complete once the latest record of every mark
-    /// in `after` has completed (CUDA: a stream of the backend's waits on the marks' events,
-    /// then records a pooled interprocess event). `None` when `after` is empty or the
-    /// backend has no fences.
+    /// A fence process `to` can wait on, complete once the latest record of every mark in
+    /// `after` has completed (CUDA: a release stream of the backend's waits on the marks'
+    /// events, then writes a counter into `to`'s fence inbox — or records a pooled
+    /// interprocess event). `to` may be this process (a fence waited on here). `None` when
+    /// `after` is empty or the backend has no fences — and also when `to` lent us no inbox:
+    /// the marks are then synchronised before this returns (own work only, so bounded), and
+    /// nothing is left to wait for.
     ///
     /// # Errors
     /// A backend error ([`Error::EventsExhausted`] when every pooled event is in use).
-    fn export_fence(&self, after: &[&dyn UseMark]) -> Result<Option<Arc<dyn ExportedFence>>> {
-        let _ = after;
+    fn export_fence(
+        &self,
+        after: &[&dyn UseMark],
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let _ = (after, to);
         Ok(None)
+    }
+    /// A fence for `to` that completes once `fence` (which `producer` recorded for this
+    /// process) has: how a relay passes an acquire fence on, and how a fence a user
+    /// recorded here becomes one a peer can wait on. `None` for backends without fences,
+    /// or when `to` lent us no inbox (then `fence` is waited for first, as
+    /// [`export_fence`](Self::export_fence) does).
+    ///
+    /// # Errors
+    /// As [`order_after`](Self::order_after) and [`export_fence`](Self::export_fence).
+    fn relay_fence(
+        &self,
+        producer: &ProcessId,
+        fence: &FenceHandle,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let _ = (producer, fence, to);
+        Ok(None)
+    }
+    /// The lane of this backend's fence inbox lent to `peer` (see [`crate::inbox`]), the
+    /// same each time while it is live; `None` for backends without counter fences, or
+    /// when every lane was lent. Sent to `peer` once per link.
+    fn inbox_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
+        let _ = peer;
+        None
+    }
+    /// `peer` lent us `grant`: counter fences recorded for `peer` are written there. May
+    /// open `peer`'s inbox (a driver call that may block: call it on a driver thread; a
+    /// fence recorded before it finishes opens it then).
+    ///
+    /// # Errors
+    /// A backend error (the inbox cannot be opened).
+    fn accept_inbox(&self, peer: &ProcessId, grant: &InboxGrant) -> Result<()> {
+        let _ = (peer, grant);
+        Ok(())
+    }
+    /// Checks a fence `producer` sent (on an offer or a release) before anything waits on
+    /// it, and notes its value (see [`crate::inbox::Lanes::announce`]).
+    ///
+    /// # Errors
+    /// [`Error::FenceRefused`]: the peer's fault.
+    fn check_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        let _ = (producer, fence);
+        Ok(())
+    }
+    /// Adds where the backend reports a producer that named fence values and did not
+    /// deliver them within the fence deadline (its waits are released already): each node
+    /// on the backend cuts its links to it.
+    fn add_fence_fault_hook(&self, hook: FenceFaultHook) {
+        let _ = hook;
+    }
+    /// `process` is cut while it may be alive: every wait of ours on its fences is
+    /// released now, and its fences guard memory until it dies
+    /// ([`unsafe_to_free`](Self::unsafe_to_free)).
+    fn producer_cut(&self, process: &ProcessId) {
+        let _ = process;
+    }
+    /// Whether memory that `fence` (from `producer`) guards must not be freed yet: our wait
+    /// on it was released while `producer` was alive, so its work may still run.
+    fn unsafe_to_free(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
+        let _ = (producer, fence);
+        false
+    }
+    /// Waits, at most `within`, until the fences this backend recorded for other processes
+    /// have been written (their work completed): what a closing node does so that its
+    /// peers need not wait out their deadline. Returns whether they all were.
+    ///
+    /// # Errors
+    /// A backend error.
+    fn flush_fences(&self, within: Duration) -> Result<bool> {
+        let _ = within;
+        Ok(true)
     }
     /// Blocks until the work queued on the backend's own stream has completed.
     ///
@@ -628,3 +708,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
 /// A shared backend.
 pub type SharedBackend = Arc<dyn Backend>;
+
+/// Told of a producer that did not deliver its fences within the deadline
+/// ([`Backend::add_fence_fault_hook`]). Called on the backend's watch thread: it must not
+/// block.
+pub type FenceFaultHook = Arc<dyn Fn(ProcessId) + Send + Sync>;

@@ -97,6 +97,7 @@ mod context;
 mod driver;
 mod event;
 mod fence;
+mod inbox;
 mod legacy;
 mod mark;
 mod pool;
@@ -121,6 +122,7 @@ use crate::backend::{
 use crate::ordering::{ExportedFence, StreamRef, UseMark};
 use crate::session::CheckedHandle;
 use crate::{Error, Result};
+use baton_messages::InboxGrant;
 use baton_messages::{
     AllocationId, BackendKind, CudaIpcMemHandle, CudaPoolExportData, DeviceUuid, IpcEventHandle,
     ProcessId, RawHandle,
@@ -128,7 +130,8 @@ use baton_messages::{
 use context::{ContextGuard, KeepCurrent, Quiet};
 use cudarc::driver::{CudaContext, CudaStream, sys};
 use event::{EventPool, OpenedEvent};
-use fence::{CounterSlab, OpenedSlab};
+use fence::{OpenedSlab, PeerFence};
+use inbox::Inbox;
 use legacy::{DeviceAlloc, IpcMapping};
 use mark::MarkPool;
 use pool::{ExportPool, ImportedPool, PoolAlloc, PoolMapping};
@@ -138,6 +141,7 @@ use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
 use table::OnceTable;
 use vmm::VmmRegion;
 
@@ -154,6 +158,10 @@ const OPENED_EVENT_CAP: usize = 4096;
 
 /// How many release streams a backend has (see `CudaBackend::release_streams`).
 const RELEASE_STREAMS: usize = 4;
+
+/// How many peer processes get a lane of a backend's fence inbox unless told otherwise
+/// ([`CudaBackendBuilder::inbox_lanes`]).
+pub const DEFAULT_INBOX_LANES: usize = 4096;
 
 /// The backend's context, shared by everything the backend made: each pushes it around its
 /// driver calls, and the last one to drop releases cudarc's context without leaving the
@@ -632,6 +640,8 @@ pub struct CudaBackendBuilder {
     fence: FenceKind,
     event_limit: usize,
     counter_slots: usize,
+    inbox_lanes: usize,
+    fence_deadline: Duration,
     pool_release_threshold: u64,
 }
 
@@ -663,6 +673,23 @@ impl CudaBackendBuilder {
     /// A frame that drops thousands of leases at once records as many release fences.
     pub fn counter_slots(mut self, slots: usize) -> Self {
         self.counter_slots = slots;
+        self
+    }
+
+    /// How many peer processes, over the backend's life, get a lane of its fence inbox
+    /// (default [`DEFAULT_INBOX_LANES`]; 32 bytes of device memory each). Fences from peers
+    /// past that are made complete before they are sent (host-synchronised, slower).
+    pub fn inbox_lanes(mut self, lanes: usize) -> Self {
+        self.inbox_lanes = lanes;
+        self
+    }
+
+    /// How long a peer may leave the fence values it named unwritten, with no progress,
+    /// before our waits on them are released and it is cut (default
+    /// [`crate::inbox::fence_deadline_from_env`]: `BATON_FENCE_DEADLINE_MS`, else 10 s).
+    /// Raise it for kernels that run longer than that on a leased buffer.
+    pub fn fence_deadline(mut self, deadline: Duration) -> Self {
+        self.fence_deadline = deadline;
         self
     }
 
@@ -718,14 +745,9 @@ pub struct CudaBackend {
     /// The 64-bit stream memory operations the device supports, if any.
     stream_ops: Option<StreamMemOps>,
     access: Access,
-    /// A stream of the backend's own for fence housekeeping (reading a counter, releasing
-    /// the waiters of a dead producer) that must not queue behind anyone's work.
-    side: SharedStream,
     counters: Arc<LiveCounters>,
     opens: AtomicU64,
     waits: AtomicU64,
-    /// Slots of the counter slab.
-    counter_slots: usize,
     events: Arc<EventPool>,
     /// Use marks: local events recorded after each use of a buffer on a stream.
     marks: Arc<MarkPool>,
@@ -736,14 +758,13 @@ pub struct CudaBackend {
     release_streams: [OnceLock<SharedStream>; RELEASE_STREAMS],
     /// The exportable pool, made on first use.
     pool: OnceTable<(), ExportPool>,
-    /// The counter slab of counter fences, made on first use.
-    slab: OnceTable<(), CounterSlab>,
+    /// The fence inbox (counter fences only), made with the backend.
+    inbox: Option<Inbox>,
     opened_events: OnceTable<(ProcessId, [u8; 64]), OpenedEvent>,
     imported_pools: OnceTable<(ProcessId, u64), ImportedPool>,
-    opened_slabs: OnceTable<(ProcessId, u64), OpenedSlab>,
-    /// Slabs of dead producers, their waiters released, kept mapped until the backend
-    /// drops (a released stream may not have read the value yet).
-    dead_slabs: Mutex<Vec<Arc<OpenedSlab>>>,
+    /// Peers' fence inboxes we write into, by (process, slab id); kept open until the
+    /// backend drops (writes of ours may still be queued there).
+    peer_inboxes: OnceTable<(ProcessId, u64), OpenedSlab>,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -794,6 +815,8 @@ impl CudaBackend {
             fence: FenceKind::Counter,
             event_limit: DEFAULT_EVENT_LIMIT,
             counter_slots: DEFAULT_COUNTER_SLOTS,
+            inbox_lanes: DEFAULT_INBOX_LANES,
+            fence_deadline: crate::inbox::fence_deadline_from_env(),
             pool_release_threshold: DEFAULT_POOL_RELEASE_THRESHOLD,
         }
     }
@@ -866,6 +889,27 @@ impl CudaBackend {
             }
             (kind, _) => kind,
         };
+        let inbox = match (fence, stream_ops) {
+            (FenceKind::Counter, Some(ops)) => {
+                let keep = KeepCurrent::new()?;
+                let watch = ctx
+                    .new_stream()
+                    .map_err(result::from_driver("cuStreamCreate"))?;
+                drop(keep);
+                Some(Inbox::new(
+                    &ctx,
+                    DeviceUuid(uuid),
+                    ops,
+                    Arc::clone(&side),
+                    Arc::new(Quiet::new(watch)),
+                    RELEASE_STREAMS,
+                    b.counter_slots,
+                    b.inbox_lanes,
+                    b.fence_deadline,
+                )?)
+            }
+            _ => None,
+        };
         let backend = Self {
             export: b.export,
             fence,
@@ -879,17 +923,14 @@ impl CudaBackend {
             marks: MarkPool::new(Arc::clone(&ctx), Arc::clone(&stream)),
             release_streams: Default::default(),
             access: Access { ctx, stream },
-            side,
             counters: Arc::default(),
             opens: AtomicU64::new(0),
             waits: AtomicU64::new(0),
-            counter_slots: b.counter_slots,
             pool: OnceTable::default(),
-            slab: OnceTable::default(),
+            inbox,
             opened_events: OnceTable::default(),
             imported_pools: OnceTable::default(),
-            opened_slabs: OnceTable::default(),
-            dead_slabs: Mutex::new(Vec::new()),
+            peer_inboxes: OnceTable::default(),
         };
         if b.export == CudaExport::Pool {
             // Made now, so that a pool that cannot be made is an error here, not at the
@@ -1011,7 +1052,7 @@ impl CudaBackend {
     pub fn record_fence_on(&self, stream: &CudaStream) -> Result<RecordedFence> {
         match self.fence {
             FenceKind::Event => Ok(RecordedFence::from_event(self.events.record(stream)?)),
-            FenceKind::Counter => self.counter_slab()?.record(stream),
+            FenceKind::Counter => self.inbox()?.slab().record(stream),
         }
     }
 
@@ -1019,7 +1060,7 @@ impl CudaBackend {
     /// whose fence dropped counts as lent until its value has landed: the slab is read
     /// back here to tell).
     pub fn fence_counts(&self) -> (usize, usize) {
-        match (self.fence, self.slab.get(&())) {
+        match (self.fence, self.inbox.as_ref().map(Inbox::slab)) {
             (FenceKind::Counter, Some(slab)) => {
                 if let Err(e) = slab.sweep() {
                     tracing::warn!(error = %e, "reading the counter slab back failed");
@@ -1074,25 +1115,29 @@ impl CudaBackend {
                 }
             }
             FenceHandle::Counter(counter) => {
-                let ops = self.stream_ops.ok_or(Error::Cuda {
-                    op: "cuStreamWaitValue64",
-                    code: CudaError::NOT_SUPPORTED,
-                })?;
-                let local = if own {
-                    fence::local_slab(counter.slab_id)
-                } else {
-                    None
-                };
-                match local {
-                    Some(slab) => slab.wait(counter.offset, counter.value, stream)?,
-                    None => {
-                        let slab = self
-                            .opened_slabs
-                            .get_or_open(&(*exporter, counter.slab_id), || {
-                                OpenedSlab::open(&self.access.ctx, &counter.slab, ops).map(Arc::new)
-                            })?;
-                        slab.wait(counter.offset, counter.value, stream)?;
+                if self.stream_ops.is_none() {
+                    return Err(Error::Cuda {
+                        op: "cuStreamWaitValue64",
+                        code: CudaError::NOT_SUPPORTED,
+                    });
+                }
+                match self.inbox.as_ref().filter(|i| i.is_ours(counter)) {
+                    Some(inbox) => {
+                        if !own {
+                            inbox.may_wait(exporter, counter)?;
+                        }
+                        inbox.slab().wait(counter.offset, counter.value, stream)?;
                     }
+                    // Another backend's slab in this process.
+                    None => match fence::local_slab(counter.slab_id).filter(|_| own) {
+                        Some(slab) => slab.wait(counter.offset, counter.value, stream)?,
+                        None => {
+                            return Err(Error::FenceRefused {
+                                producer: *exporter,
+                                reason: crate::inbox::FenceRefusal::ForeignSlab,
+                            });
+                        }
+                    },
                 }
             }
         }
@@ -1227,23 +1272,70 @@ impl CudaBackend {
         })
     }
 
-    /// The counter slab, made on first use.
-    fn counter_slab(&self) -> Result<Arc<CounterSlab>> {
+    /// The fence inbox.
+    fn inbox(&self) -> Result<&Inbox> {
+        self.inbox.as_ref().ok_or(Error::Cuda {
+            op: "cuStreamWriteValue64",
+            code: CudaError::NOT_SUPPORTED,
+        })
+    }
+
+    /// `peer`'s inbox mapped here, opened on first use, with its grant; `None` if `peer`
+    /// lent us none.
+    fn peer_inbox(&self, peer: &ProcessId) -> Result<Option<(Arc<OpenedSlab>, InboxGrant)>> {
+        let Some(inbox) = &self.inbox else {
+            return Ok(None);
+        };
+        let Some(grant) = inbox.peer_grant(peer) else {
+            return Ok(None);
+        };
         let ops = self.stream_ops.ok_or(Error::Cuda {
             op: "cuStreamWriteValue64",
             code: CudaError::NOT_SUPPORTED,
         })?;
-        self.slab.get_or_open(&(), || {
-            CounterSlab::new(
-                &self.access.ctx,
-                self.counter_slots,
-                ops,
-                Arc::clone(&self.side),
-            )
-        })
+        let slab = self.peer_inboxes.get_or_open(&(*peer, grant.slab_id), || {
+            OpenedSlab::open(&self.access.ctx, &grant.slab, ops).map(Arc::new)
+        })?;
+        Ok(Some((slab, grant)))
     }
 
-    /// Another process's event, opened once (dropping them all past a cap).
+    /// Release stream `i` (waited on what the fence must follow, its lock held) records
+    /// a fence for `to`: a counter written into `to`'s inbox with its local twin in ours,
+    /// a fence in our own slab when `to` is us, or a pooled event. Without an inbox from
+    /// `to`, the stream is synchronised instead (our own work) and no fence is needed.
+    fn fence_on(
+        &self,
+        i: usize,
+        stream: &CudaStream,
+        mark: &mut MutexGuard<'_, u64>,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        if self.fence == FenceKind::Event {
+            return Ok(Some(Arc::new(self.events.record_retiring(stream)?)));
+        }
+        let inbox = self.inbox()?;
+        if *to == crate::process::current() {
+            return Ok(Some(Arc::new(inbox.slab().record(stream)?)));
+        }
+        match self.peer_inbox(to)? {
+            Some((slab, _)) => {
+                let handle = inbox
+                    .next_peer_value(to, i)
+                    .expect("the grant was just found");
+                slab.write_on(handle.offset, handle.value, stream)?;
+                let local = inbox.write_mark(mark, i, stream)?;
+                Ok(Some(Arc::new(PeerFence { handle, local })))
+            }
+            None => {
+                let _pushed = ContextGuard::push(&self.access.ctx)?;
+                // SAFETY: a live stream of the backend's context, which is current. Its
+                // work is our own, whose waits on peers are released within the deadline.
+                unsafe { result::stream_synchronize(stream.cu_stream()) }?;
+                Ok(None)
+            }
+        }
+    }
+
     fn opened_event(
         &self,
         exporter: &ProcessId,
@@ -1498,13 +1590,14 @@ impl CudaBackend {
         }
     }
 
-    /// The release stream for marks of `stream` (made on first use).
-    fn release_stream(&self, stream: crate::ordering::StreamKey) -> Result<SharedStream> {
+    /// The release stream for marks of `stream` (made on first use), and its index.
+    fn release_stream(&self, stream: crate::ordering::StreamKey) -> Result<(usize, SharedStream)> {
         use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
         let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(stream);
-        let slot = &self.release_streams[(hash as usize) % RELEASE_STREAMS];
+        let i = (hash as usize) % RELEASE_STREAMS;
+        let slot = &self.release_streams[i];
         if let Some(s) = slot.get() {
-            return Ok(Arc::clone(s));
+            return Ok((i, Arc::clone(s)));
         }
         // cudarc binds the context to make a stream: put the caller's back.
         let keep = KeepCurrent::new()?;
@@ -1516,7 +1609,7 @@ impl CudaBackend {
         drop(keep);
         // Two threads may race here: the loser's stream is dropped (quietly).
         let made: SharedStream = Arc::new(Quiet::new(made));
-        Ok(Arc::clone(slot.get_or_init(|| made)))
+        Ok((i, Arc::clone(slot.get_or_init(|| made))))
     }
 }
 
@@ -1621,40 +1714,26 @@ impl Backend for CudaBackend {
         self.wait_fence_on(producer, fence, stream)
     }
 
-    /// `cuIpcOpenEventHandle` of another process's event, or `cuIpcOpenMemHandle_v2` of its
-    /// counter slab, once per (process, event or slab); nothing for this process's own.
+    /// `cuIpcOpenEventHandle` of another process's event, once per (process, event);
+    /// nothing for counter fences (they lie in our own inbox) or this process's own.
     fn prepare_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
         if *producer == crate::process::current() {
             return Ok(());
         }
         match fence {
             FenceHandle::Event(handle) => self.opened_event(producer, handle).map(drop),
-            FenceHandle::Counter(counter) => {
-                let ops = self.stream_ops.ok_or(Error::Cuda {
-                    op: "cuStreamWaitValue64",
-                    code: CudaError::NOT_SUPPORTED,
-                })?;
-                self.opened_slabs
-                    .get_or_open(&(*producer, counter.slab_id), || {
-                        OpenedSlab::open(&self.access.ctx, &counter.slab, ops).map(Arc::new)
-                    })
-                    .map(drop)
-            }
+            FenceHandle::Counter(_) => Ok(()),
         }
     }
 
-    /// Another process's event or counter slab is open already (this process's own need no
-    /// open).
+    /// Another process's event is open already; counter fences need nothing opened.
     fn fence_prepared(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
         if *producer == crate::process::current() {
             return true;
         }
         match fence {
             FenceHandle::Event(handle) => self.opened_events.get(&(*producer, handle.0)).is_some(),
-            FenceHandle::Counter(counter) => self
-                .opened_slabs
-                .get(&(*producer, counter.slab_id))
-                .is_some(),
+            FenceHandle::Counter(_) => true,
         }
     }
 
@@ -1666,22 +1745,113 @@ impl Backend for CudaBackend {
     }
 
     /// One of the backend's release streams waits on every mark (`cuStreamWaitEvent`), then
-    /// records a fence of the backend's kind there: a counter slot (`cuStreamWriteValue64`)
-    /// or a pooled interprocess event (`cuEventRecord`). Either is retired, not freed, when
-    /// the fence drops: it is recorded again only once this work has completed (see
-    /// [`RecordedFence`]).
-    fn export_fence(&self, after: &[&dyn UseMark]) -> Result<Option<Arc<dyn ExportedFence>>> {
+    /// records a fence of the backend's kind there: a counter written into `to`'s inbox
+    /// (`cuStreamWriteValue64`, with its local twin in ours), or a pooled interprocess
+    /// event (`cuEventRecord`, retired, not freed, when the fence drops: recorded again
+    /// only once this work has completed). A counter slot of a lane is written by one
+    /// release stream only, under its lock, so its values land in order.
+    fn export_fence(
+        &self,
+        after: &[&dyn UseMark],
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
         let Some(first) = after.first() else {
             return Ok(None);
         };
-        let stream = self.release_stream(first.stream())?;
+        let (i, stream) = self.release_stream(first.stream())?;
+        let Some(inbox) = &self.inbox else {
+            for mark in after {
+                mark.order(StreamRef::Cuda(&stream))?;
+            }
+            return Ok(Some(Arc::new(self.events.record_retiring(&stream)?)));
+        };
+        let mut held = inbox.mark_lock(i);
         for mark in after {
             mark.order(StreamRef::Cuda(&stream))?;
         }
-        Ok(Some(match self.fence {
-            FenceKind::Counter => Arc::new(self.counter_slab()?.record(&stream)?),
-            FenceKind::Event => Arc::new(self.events.record_retiring(&stream)?),
-        }))
+        self.fence_on(i, &stream, &mut held, to)
+    }
+
+    /// A release stream waits on `fence`, then records a fence for `to` (as
+    /// [`export_fence`](Backend::export_fence)).
+    fn relay_fence(
+        &self,
+        producer: &ProcessId,
+        fence: &FenceHandle,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let (i, stream) = self.release_stream(crate::ordering::StreamKey::Internal)?;
+        let Some(inbox) = &self.inbox else {
+            self.wait_fence_on(producer, fence, &stream)?;
+            return Ok(Some(Arc::new(self.events.record_retiring(&stream)?)));
+        };
+        let mut held = inbox.mark_lock(i);
+        self.wait_fence_on(producer, fence, &stream)?;
+        self.fence_on(i, &stream, &mut held, to)
+    }
+
+    fn inbox_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
+        self.inbox.as_ref()?.grant(peer)
+    }
+
+    /// Notes the grant, and maps the peer's inbox (`cuIpcOpenMemHandle_v2`, once per
+    /// (process, slab)).
+    fn accept_inbox(&self, peer: &ProcessId, grant: &InboxGrant) -> Result<()> {
+        let Some(inbox) = &self.inbox else {
+            return Ok(());
+        };
+        inbox.accept(peer, grant);
+        self.peer_inbox(peer).map(drop)
+    }
+
+    fn check_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        match (fence, &self.inbox) {
+            (FenceHandle::Counter(counter), Some(inbox)) => inbox.check(producer, counter),
+            (FenceHandle::Counter(_), None) => Err(Error::FenceRefused {
+                producer: *producer,
+                reason: crate::inbox::FenceRefusal::NoLane,
+            }),
+            (FenceHandle::Event(_), _) => Ok(()),
+        }
+    }
+
+    fn add_fence_fault_hook(&self, hook: crate::backend::FenceFaultHook) {
+        if let Some(inbox) = &self.inbox {
+            inbox.add_hook(hook);
+        }
+    }
+
+    fn producer_cut(&self, process: &ProcessId) {
+        if let Some(inbox) = &self.inbox {
+            inbox.cut(process);
+        }
+    }
+
+    fn unsafe_to_free(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
+        match (fence, &self.inbox) {
+            (FenceHandle::Counter(counter), Some(inbox)) => inbox.unsafe_to_free(producer, counter),
+            _ => false,
+        }
+    }
+
+    /// Polls the release streams (`cuStreamQuery`, which never blocks) until each has run
+    /// what it was given, or `within` passed.
+    fn flush_fences(&self, within: Duration) -> Result<bool> {
+        let until = Instant::now() + within;
+        let _pushed = ContextGuard::push(&self.access.ctx)?;
+        for stream in self.release_streams.iter().filter_map(OnceLock::get) {
+            loop {
+                // SAFETY: a live stream of the backend's context, which is current.
+                if unsafe { result::stream_query(stream.cu_stream()) }? {
+                    break;
+                }
+                if Instant::now() >= until {
+                    return Ok(false);
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        Ok(true)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -1709,41 +1879,38 @@ impl Backend for CudaBackend {
     }
 
     /// Drops the process's opened events and imported pools (mappings from a pool keep it
-    /// until they close). If it is dead, also releases every stream still waiting on its
-    /// counter fences (their slabs stay mapped until the backend drops): they would wait
-    /// forever, since its queued work died with it. A process that only closed its links
-    /// is left alone — its queued work still writes its counters, and writing into a live
-    /// process's slab would release *its* waiters early — and its slabs stay open, for a
-    /// later call once it is dead.
+    /// until they close). If it is dead, also releases every wait of ours on its counter
+    /// fences ([`release_dead`](Backend::release_dead)) and retires our export pool. A
+    /// process that only closed its links is left to its deadline: its queued work still
+    /// writes our inbox; the node watches for its death and calls this again.
     fn forget_process(&self, process: &ProcessId) {
         let of = |p: &ProcessId| p == process;
-        // A pool allocation freed after an importer died mapping it stays reserved in the
-        // driver's pool: trimming does not return it (H100, driver 580), destroying the
-        // pool does. So a death retires our export pool: new allocations come from a fresh
-        // one (importers import it once more), and the old one is destroyed with its last
-        // allocation.
-        drop(self.pool.take_where(|_| true));
+        let dead = crate::process::liveness(process) == crate::process::Liveness::Dead;
+        if dead {
+            // A pool allocation freed after an importer died mapping it stays reserved in
+            // the driver's pool: trimming does not return it (H100, driver 580),
+            // destroying the pool does. So a death retires our export pool: new
+            // allocations come from a fresh one (importers import it once more), and the
+            // old one is destroyed with its last allocation. Only a death: an importer
+            // that closed its links unmapped first.
+            drop(self.pool.take_where(|_| true));
+        }
         drop(self.opened_events.take_where(|(p, _)| of(p)));
         drop(self.imported_pools.take_where(|(p, _)| of(p)));
         self.release_dead(process);
     }
 
-    /// If the process is dead (`/proc`), writes the largest value into every slot of its
-    /// counter slabs that we map (a memset on the side stream, waited for: microseconds),
-    /// which releases every stream still waiting there; the slabs stay mapped until the
-    /// backend drops. A live process's slab is never written (that would release *its*
-    /// waiters early).
+    /// If the process is dead (`/proc`), writes `u64::MAX` into the lanes of our inbox it
+    /// wrote (a memset on the watch stream, waited for: microseconds), which releases
+    /// every stream of ours still waiting on its fences: its queued writes died with it.
+    /// Only our own memory is written, and only our own waits are released.
     fn release_dead(&self, process: &ProcessId) {
         if crate::process::liveness(process) != crate::process::Liveness::Dead {
             return;
         }
-        let slabs = self.opened_slabs.take_where(|(p, _)| p == process);
-        for slab in &slabs {
-            if let Err(e) = slab.release_waiters(&self.side) {
-                tracing::warn!(error = %e, %process, "releasing the waiters of a dead producer's counters failed");
-            }
+        if let Some(inbox) = &self.inbox {
+            inbox.died(process);
         }
-        lock(&self.dead_slabs).extend(slabs);
     }
 }
 

@@ -245,6 +245,16 @@ pub enum Error {
         /// The driver's result code.
         code: crate::cuda::CudaError,
     },
+    /// A fence a peer sent does not check against the fence inbox lane this process lent
+    /// it (a slab that is not ours, a slot outside its lane, a forged value): the peer's
+    /// fault; the link that carried it is dropped.
+    #[error("a fence from {producer} is refused: {reason}")]
+    FenceRefused {
+        /// Who sent it.
+        producer: ProcessId,
+        /// What is wrong with it.
+        reason: crate::inbox::FenceRefusal,
+    },
     /// Every interprocess event of the pool is lent out.
     #[error(
         "all {limit} interprocess events are in use: release leases (their events return to the pool) or raise the backend's event limit"
@@ -308,6 +318,7 @@ impl Error {
                 | Error::UnsealedMemory { .. }
                 | Error::BadToken
                 | Error::PeerNotAllowed { .. }
+                | Error::FenceRefused { .. }
         )
     }
 

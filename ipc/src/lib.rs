@@ -48,7 +48,8 @@ pub mod slab;
 pub mod spawn;
 
 pub use backend::{
-    Allocation, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, HandleBuilder, MemPtr,
+    Allocation, Backend, DescriptorScope, ExportableMemory, FenceFaultHook, FreeWhileMapped,
+    HandleBuilder, MemPtr,
     OpenedMem, RawMemory, SharedBackend,
 };
 pub use cache::{

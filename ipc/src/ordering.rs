@@ -154,6 +154,12 @@ pub trait UseMark: Send + Sync + fmt::Debug {
 pub trait ExportedFence: Send + Sync + fmt::Debug {
     /// What the other process waits on. A capability.
     fn handle(&self) -> FenceHandle;
+    /// What this process waits on for the same point (a counter fence recorded for a peer
+    /// lies in the peer's inbox; its local twin lies in ours). For closing a mapping only
+    /// after our own work on it.
+    fn local_handle(&self) -> FenceHandle {
+        self.handle()
+    }
     /// Whether the work before it has completed.
     ///
     /// # Errors

@@ -742,7 +742,11 @@ impl Backend for SimBackend {
             stream: stream.key(),
         })))
     }
-    fn export_fence(&self, after: &[&dyn UseMark]) -> Result<Option<Arc<dyn ExportedFence>>> {
+    fn export_fence(
+        &self,
+        after: &[&dyn UseMark],
+        _to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
         if after.is_empty() {
             return Ok(None);
         }

@@ -309,16 +309,19 @@ impl PeerLink {
         Ok(())
     }
 
-    /// B: a `Release` over this link of a lease we passed on: hand it on to the exporter.
+    /// B: a `Release` over this link of a lease we passed on: hand it on to the exporter,
+    /// without fences. The holder sends it only once its mapping is closed, after its own
+    /// work on it completed (see `docs/FORWARDING.md`), so nothing is left to wait for —
+    /// and its fences lie in *our* inbox, where the exporter could not wait on them.
     /// Returns whether it was one.
-    pub(crate) fn release_passed(&mut self, lease: LeaseId, fences: &[FenceHandle]) -> bool {
+    pub(crate) fn release_passed(&mut self, lease: LeaseId) -> bool {
         let Some((upstream, theirs)) = self.node.relays().take_passed(self.me.id, lease) else {
             return false;
         };
         if upstream.is_alive() {
             upstream.do_send(SendRelease {
                 lease: theirs,
-                fences: fences.to_vec(),
+                fences: Vec::new(),
             });
         }
         true

@@ -145,6 +145,7 @@ driver_api! {
         cuEventSynchronize = "cuEventSynchronize": fn(CUevent);
         cuStreamWaitEvent = "cuStreamWaitEvent": fn(CUstream, CUevent, c_uint);
         cuStreamSynchronize = "cuStreamSynchronize": fn(CUstream);
+        cuStreamQuery = "cuStreamQuery": fn(CUstream);
         cuMemcpyDtoHAsync_v2 = "cuMemcpyDtoHAsync_v2":
             fn(*mut c_void, CUdeviceptr, usize, CUstream);
         cuMemcpyHtoDAsync_v2 = "cuMemcpyHtoDAsync_v2":

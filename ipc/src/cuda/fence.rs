@@ -3,45 +3,44 @@
 //! One type ([`RecordedFence`] on the producer's side, [`FenceHandle`] on the wire), two
 //! implementations, chosen per backend ([`FenceKind`], [`FENCE_ENV`]):
 //!
-//! - **Sequence counters** ([`FenceKind::Counter`], the default): the producer owns a small
-//!   slab of 64-bit counters in device memory, shared as a legacy IPC handle; recording
-//!   lends a slot, bumps its value and has the stream write it (`cuStreamWriteValue64`,
-//!   after a memory barrier that makes the earlier work's writes visible); the consumer
-//!   maps the slab once per exporter process and has its stream wait until the slot holds
-//!   at least that value (`cuStreamWaitValue64` with `CU_STREAM_WAIT_VALUE_GEQ`), as NCCL
-//!   does. No event object, no `cuIpcOpenEventHandle`. The device must support 64-bit
+//! - **Sequence counters** ([`FenceKind::Counter`], the default): 64-bit words in device
+//!   memory, written by the producer's stream (`cuStreamWriteValue64`, whose default
+//!   memory barrier makes the earlier work's writes visible) and waited on by the
+//!   consumer's stream until the word holds at least the fence's value
+//!   (`cuStreamWaitValue64` with `CU_STREAM_WAIT_VALUE_GEQ`), as NCCL does. The words live
+//!   in the **consumer's** memory: each backend owns an *inbox* slab ([`CounterSlab`],
+//!   shared as a legacy IPC handle) and lends each peer process a lane of it
+//!   ([`crate::inbox`]); a producer maps the consumer's inbox once ([`OpenedSlab`]) and
+//!   writes there. So a consumer only ever waits on its own memory, and can release its
+//!   own waits alone — by writing the words itself — when a producer dies or does not
+//!   deliver (the backend's watch thread, `super::inbox`). The device must support 64-bit
 //!   stream memory operations (`CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`),
 //!   otherwise the backend falls back to events.
 //! - **IPC events** ([`FenceKind::Event`]): the producer records a pooled interprocess event
 //!   (`cuEventRecord`); the consumer opens each event handle once per exporter process
 //!   (`cuIpcOpenEventHandle`) and makes its stream wait on it (`cuStreamWaitEvent`). See
-//!   [`RecordedEvent`] for the reuse contract.
+//!   [`RecordedEvent`] for the reuse contract. The consumer cannot release such a wait
+//!   itself (see `docs/ORDERING.md` for what that leaves).
 //!
 //! Counters are far cheaper (H100: about 1.5 µs per write against about 120 µs per
 //! interprocess-event record; docs/BENCHMARKS.md, item 8), hence the default.
 //!
-//! **Reuse.** A wait on a counter fence names its value, so it cannot be moved by a later
-//! record: a slot is lent again only once its last value has landed (a dropped fence's slot
-//! is *retired* until the slab, read back in one copy when no slot is free, shows the
-//! value), so the values of one slot land in increasing order and a late wait for an old
-//! value is satisfied by any later one — never early, and never by work that waits on the
-//! waiter. An event, whose wait follows its latest record, needs more: it is lent until its
-//! [`RecordedFence`] drops, which must wait until every consumer that got its handle has
-//! waited (the lease that carried it was released); see [`RecordedEvent`].
-//!
-//! **Counter fences and dead producers.** A stream waiting for a value that never comes
-//! waits forever, and unlike an event a counter has no owner the driver could tear down.
-//! When the consumer learns that the producer died
-//! ([`Backend::forget_process`](crate::Backend::forget_process)), it writes the largest
-//! value into every slot of that producer's slab it maps, which releases every stream still
-//! waiting there; the mapping itself stays open until the backend drops, since such a
-//! stream may not have read the value yet.
+//! **Order of one slot's values.** A wait names its value, and a slot's values must land in
+//! increasing order, or a later wait could be released by an earlier record. A lane slot is
+//! written by one release stream of the producer only, under that stream's lock, so its
+//! values land in the order they were taken. The slots this process lends to its own
+//! fences ([`CounterSlab::record`], waited on in this process) are written from any
+//! stream: such a slot is lent again only once its last value has landed (a dropped
+//! fence's slot is *retired* until the slab, read back in one copy when no slot is free,
+//! shows the value).
 //!
 //! # Safety
 //!
 //! A [`CounterSlab`] owns one `cuMemAlloc_v2` allocation (through a [`DeviceAlloc`]) that
 //! lives as long as the slab, which every lent slot and the process-local registry (a
-//! `Weak`) refer to. An [`OpenedSlab`] owns one `cuIpcOpenMemHandle_v2` mapping (an
+//! `Weak`) refer to — or longer: once lent to a peer, it is never freed while this
+//! process runs ([`CounterSlab::keep_for_peers`]), since a peer may map it and write into
+//! it at any time. An [`OpenedSlab`] owns one `cuIpcOpenMemHandle_v2` mapping (an
 //! [`IpcMapping`]) and checks every offset it is asked to wait on against the mapped size,
 //! so a stream only ever reads inside the mapping. Every driver call runs with a context
 //! pushed ([`ContextGuard`]).
@@ -57,7 +56,9 @@ pub use baton_messages::{CounterFence, FenceHandle, FenceKind};
 use cudarc::driver::CudaStream;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 /// How many counter fences a backend's slab holds unless told otherwise
@@ -190,6 +191,8 @@ pub(crate) fn local_slab(id: u64) -> Option<Arc<CounterSlab>> {
 }
 
 struct SlabState {
+    /// Slots lent by `record`.
+    lendable: usize,
     free: Vec<u32>,
     /// Slots whose fence dropped, with the value recorded last: free again once the slab
     /// shows it (see the module docs).
@@ -198,11 +201,15 @@ struct SlabState {
     values: Vec<u64>,
 }
 
-/// The producer's counters: `slots` 64-bit words of device memory, shared as a legacy IPC
-/// handle, lent out one slot per recorded fence.
+/// A backend's counters: `slots` 64-bit words of device memory, shared as a legacy IPC
+/// handle. Part of it is lent out one slot per fence this process records for itself
+/// ([`record`](Self::record)); the rest is the inbox that peers write into (its layout is
+/// the backend's, `super::inbox`).
 pub(crate) struct CounterSlab {
     ctx: SharedContext,
-    alloc: DeviceAlloc,
+    alloc: ManuallyDrop<DeviceAlloc>,
+    /// Lent to a peer: never freed (see the module's `# Safety`).
+    keep: AtomicBool,
     ipc: CudaIpcMemHandle,
     id: u64,
     ops: StreamMemOps,
@@ -223,14 +230,17 @@ impl fmt::Debug for CounterSlab {
 }
 
 impl CounterSlab {
-    /// `cuMemAlloc_v2` of `slots` counters, zeroed, and their `cuIpcGetMemHandle`.
+    /// `cuMemAlloc_v2` of `slots` counters, zeroed, and their `cuIpcGetMemHandle`; slots
+    /// `lend.0 .. lend.0 + lend.1` are lent by [`record`](Self::record).
     pub(crate) fn new(
         ctx: &SharedContext,
         slots: usize,
+        lend: (u32, u32),
         ops: StreamMemOps,
         side: SharedStream,
     ) -> Result<Arc<Self>> {
         let slots = slots.clamp(1, u32::MAX as usize);
+        let lend_end = (u64::from(lend.0) + u64::from(lend.1)).min(slots as u64) as u32;
         let alloc = DeviceAlloc::new(ctx, slots * 8)?;
         {
             let _pushed = ContextGuard::push(ctx)?;
@@ -243,13 +253,15 @@ impl CounterSlab {
         let ipc = CudaIpcMemHandle(alloc.ipc_handle()?);
         let slab = Arc::new(Self {
             ctx: Arc::clone(ctx),
-            alloc,
+            alloc: ManuallyDrop::new(alloc),
+            keep: AtomicBool::new(false),
             ipc,
             id: next_slab_id(),
             ops,
             side,
             state: Mutex::new(SlabState {
-                free: (0..slots as u32).rev().collect(),
+                lendable: lend_end.saturating_sub(lend.0) as usize,
+                free: (lend.0.min(lend_end)..lend_end).rev().collect(),
                 retired: Vec::new(),
                 values: vec![0; slots],
             }),
@@ -258,10 +270,86 @@ impl CounterSlab {
         Ok(slab)
     }
 
-    /// (slots, lent out or retired).
+    /// (slots lent by [`record`](Self::record), of those lent out or retired).
     pub(crate) fn counts(&self) -> (usize, usize) {
         let state = lock(&self.state);
-        (state.values.len(), state.values.len() - state.free.len())
+        (state.lendable, state.lendable - state.free.len())
+    }
+
+    /// The slab's id (unique in this process).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Its legacy IPC handle.
+    pub(crate) fn ipc(&self) -> CudaIpcMemHandle {
+        self.ipc
+    }
+
+    /// Its slots.
+    pub(crate) fn slots(&self) -> usize {
+        lock(&self.state).values.len()
+    }
+
+    /// From now on the memory is never freed: a peer may map it.
+    pub(crate) fn keep_for_peers(&self) {
+        self.keep.store(true, Ordering::Relaxed);
+    }
+
+    /// Has `stream` write `value` into `slot` after the work queued there so far. The
+    /// caller keeps one slot's writes in increasing order (see the module docs).
+    pub(crate) fn write_on(&self, stream: &CudaStream, slot: u32, value: u64) -> Result<()> {
+        self.check_slot(slot)?;
+        let _pushed = ContextGuard::push(stream.context())?;
+        // SAFETY: the stream is live in its current context; the slot is 8-byte aligned
+        // inside our live allocation (checked above).
+        unsafe { result::stream_write_value64(self.ops, stream.cu_stream(), self.addr(slot), value) }
+    }
+
+    /// Writes `u64::MAX` into `slots` slots from `first` on, on `stream` (a stream that
+    /// waits on nothing), and waits for that write: every wait on them is released.
+    pub(crate) fn release(&self, first: u32, slots: u32, stream: &SharedStream) -> Result<()> {
+        let end = u64::from(first) + u64::from(slots);
+        if end > self.slots() as u64 {
+            return Err(Error::Cuda {
+                op: "cuMemsetD8Async",
+                code: super::CudaError::INVALID_VALUE,
+            });
+        }
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the range lies inside our live allocation (checked above); the stream is
+        // live in the current context (the slab's).
+        unsafe {
+            result::memset_d8_async(self.addr(first), 0xFF, slots as usize * 8, stream.cu_stream())
+        }?;
+        // SAFETY: as above.
+        unsafe { result::stream_synchronize(stream.cu_stream()) }
+    }
+
+    /// Every slot's value now, read on `stream` (a stream that waits on nothing) in one
+    /// copy.
+    pub(crate) fn read_all_on(&self, stream: &SharedStream) -> Result<Vec<u64>> {
+        let slots = self.slots();
+        let mut bytes = vec![0u8; slots * 8];
+        {
+            let _pushed = ContextGuard::push(&self.ctx)?;
+            // SAFETY: the whole allocation is ours and live; the stream is live in the
+            // current context; `bytes` is not read before the synchronise below.
+            unsafe { result::memcpy_dtoh_async(&mut bytes, self.addr(0), stream.cu_stream()) }?;
+            // SAFETY: as above.
+            unsafe { result::stream_synchronize(stream.cu_stream()) }?;
+        }
+        Ok(words(&bytes))
+    }
+
+    fn check_slot(&self, slot: u32) -> Result<()> {
+        if slot as usize >= self.slots() {
+            return Err(Error::Cuda {
+                op: "cuStreamWriteValue64",
+                code: super::CudaError::INVALID_VALUE,
+            });
+        }
+        Ok(())
     }
 
     /// Frees the retired slots whose value has landed: the whole slab read back in one
@@ -349,10 +437,7 @@ impl CounterSlab {
         let slots = lock(&self.state).values.len();
         let mut bytes = vec![0u8; slots * 8];
         self.copy_out(0, &mut bytes)?;
-        Ok(bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect())
+        Ok(words(&bytes))
     }
 
     /// Copies `dst.len()` bytes from slot `slot` on, on the side stream, and waits for it.
@@ -371,18 +456,31 @@ impl CounterSlab {
         unsafe { result::stream_synchronize(self.side.cu_stream()) }
     }
 
-    /// Blocks until the slot holds `value` or more.
+    /// Blocks until the slot holds `value` or more: the slot read back on the side stream
+    /// (never a wait queued there, which could hold up every later read), more and more
+    /// rarely. The value comes: the slot's writes are this process's own, behind work
+    /// whose waits on peers are released within the fence deadline.
     fn synchronize(&self, slot: u32, value: u64) -> Result<()> {
-        let _pushed = ContextGuard::push(&self.ctx)?;
-        // SAFETY: the slot lies inside our live allocation; the side stream is live in the
-        // current context. The value comes: the slot is lent to the caller, whose record
-        // queued its write.
-        unsafe {
-            result::stream_wait_value64(self.ops, self.side.cu_stream(), self.addr(slot), value)
-        }?;
-        // SAFETY: as above.
-        unsafe { result::stream_synchronize(self.side.cu_stream()) }
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            if self.read(slot)? >= value {
+                return Ok(());
+            }
+            std::thread::sleep(pause);
+            if start.elapsed() > Duration::from_millis(2) {
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
+        }
     }
+}
+
+/// Little-endian 64-bit words.
+fn words(bytes: &[u8]) -> Vec<u64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
 }
 
 impl Drop for CounterSlab {
@@ -391,7 +489,16 @@ impl Drop for CounterSlab {
         if local.get(&self.id).is_some_and(|w| w.strong_count() == 0) {
             local.remove(&self.id);
         }
-        // `alloc` frees the memory (its context pushed) when the fields drop.
+        drop(local);
+        if self.keep.load(Ordering::Relaxed) {
+            tracing::debug!(
+                slab = self.id,
+                "a fence inbox lent to peers stays allocated until the process exits"
+            );
+            return;
+        }
+        // SAFETY: dropped once, here; nothing uses the field afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.alloc) };
     }
 }
 
@@ -422,7 +529,6 @@ impl Drop for LentSlot {
 
 /// Another process's counter slab, mapped in this one.
 pub(crate) struct OpenedSlab {
-    ctx: SharedContext,
     mapping: IpcMapping,
     size: u64,
     ops: StreamMemOps,
@@ -452,27 +558,34 @@ impl OpenedSlab {
             }
         };
         Ok(Self {
-            ctx: Arc::clone(ctx),
             mapping,
             size,
             ops,
         })
     }
 
-    /// Makes `stream` wait until the counter at `offset` holds `value` or more.
-    pub(crate) fn wait(&self, offset: u64, value: u64, stream: &CudaStream) -> Result<()> {
+    fn check(&self, offset: u64, op: &'static str) -> Result<()> {
         let inside = offset % 8 == 0 && offset.checked_add(8).is_some_and(|end| end <= self.size);
-        if !inside {
-            return Err(Error::Cuda {
-                op: "cuStreamWaitValue64",
+        if inside {
+            Ok(())
+        } else {
+            Err(Error::Cuda {
+                op,
                 code: super::CudaError::INVALID_VALUE,
-            });
+            })
         }
+    }
+
+    /// Has `stream` write `value` into the counter at `offset` of the peer's inbox, after
+    /// the work queued there so far. The caller keeps one slot's writes in increasing
+    /// order.
+    pub(crate) fn write_on(&self, offset: u64, value: u64, stream: &CudaStream) -> Result<()> {
+        self.check(offset, "cuStreamWriteValue64")?;
         let _pushed = ContextGuard::push(stream.context())?;
         // SAFETY: `offset..offset + 8` lies inside our live mapping (checked above), which
         // stays open until the backend drops; the stream is live in its current context.
         unsafe {
-            result::stream_wait_value64(
+            result::stream_write_value64(
                 self.ops,
                 stream.cu_stream(),
                 self.mapping.ptr() + offset,
@@ -480,23 +593,59 @@ impl OpenedSlab {
             )
         }
     }
+}
 
-    /// Writes the largest value into every counter of the slab, on `side`, and waits for
-    /// that write: every stream waiting on this slab is released. For a producer that died.
-    pub(crate) fn release_waiters(&self, side: &SharedStream) -> Result<()> {
-        let _pushed = ContextGuard::push(&self.ctx)?;
-        // SAFETY: the whole mapping, `size` bytes, is ours and live; the side stream is
-        // live in the current context (the backend's, which opened the mapping).
-        unsafe {
-            result::memset_d8_async(
-                self.mapping.ptr(),
-                0xFF,
-                self.size as usize,
-                side.cu_stream(),
-            )
-        }?;
-        // SAFETY: as above.
-        unsafe { result::stream_synchronize(side.cu_stream()) }
+/// A fence this process recorded for itself in a slot of its inbox that only one release
+/// stream writes (see [`CounterSlab::write_on`]): the local twin of a fence recorded for a
+/// peer, complete once the same work is.
+pub(crate) struct LocalMark {
+    pub(crate) slab: Arc<CounterSlab>,
+    pub(crate) slot: u32,
+    pub(crate) value: u64,
+}
+
+impl LocalMark {
+    fn handle(&self) -> FenceHandle {
+        FenceHandle::Counter(CounterFence {
+            slab: self.slab.ipc,
+            slab_id: self.slab.id,
+            offset: u64::from(self.slot) * 8,
+            value: self.value,
+        })
+    }
+}
+
+/// A counter fence recorded for a peer: the value written into the peer's inbox, and its
+/// local twin in ours.
+pub(crate) struct PeerFence {
+    pub(crate) handle: CounterFence,
+    pub(crate) local: LocalMark,
+}
+
+impl fmt::Debug for PeerFence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PeerFence")
+            .field("fence", &self.handle)
+            .field("local_slot", &self.local.slot)
+            .finish()
+    }
+}
+
+impl crate::ordering::ExportedFence for PeerFence {
+    fn handle(&self) -> FenceHandle {
+        FenceHandle::Counter(self.handle)
+    }
+
+    fn local_handle(&self) -> FenceHandle {
+        self.local.handle()
+    }
+
+    fn is_complete(&self) -> Result<bool> {
+        Ok(self.local.slab.read(self.local.slot)? >= self.local.value)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.local.slab.synchronize(self.local.slot, self.local.value)
     }
 }
 

@@ -972,6 +972,24 @@ pub(crate) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
     unsafe { call!(cuStreamSynchronize(stream)) }
 }
 
+/// `cuStreamQuery`: whether every operation queued on the stream has completed. Never
+/// blocks.
+///
+/// # Errors
+/// [`Error::Cuda`] (an error of that work).
+///
+/// # Safety
+/// `stream` is live in the current context.
+#[doc(alias = "cuStreamQuery")]
+pub(crate) unsafe fn stream_query(stream: sys::CUstream) -> Result<bool> {
+    // SAFETY: the caller's promise.
+    match unsafe { call!(cuStreamQuery(stream)) } {
+        Ok(()) => Ok(true),
+        Err(Error::Cuda { code, .. }) if code == CudaError::NOT_READY => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Which entry points of the 64-bit stream memory operations a device can use.
 #[derive(Clone, Copy)]
 pub(crate) struct StreamMemOps {

@@ -1,0 +1,299 @@
+//! The CUDA backend's fence inbox (see [`crate::inbox`] for the rules): its own counter
+//! slab, the watch thread that releases waits on producers that died or do not deliver,
+//! and the lanes of peers' inboxes this backend writes its fences into.
+//!
+//! Layout of the slab, in 64-bit slots:
+//!
+//! ```text
+//! [0, R)                 local marks: slot i is written by release stream i only, after
+//!                        each fence it records for a peer (the fence's local twin)
+//! [R, R + lend)          slots lent one per fence this process records for itself
+//! [R + lend, ...)        lanes of R slots, one per peer process: that peer's release
+//!                        stream i writes slot i of its lane
+//! ```
+//!
+//! (R = the backend's release streams.) Only the slab's own process waits on it; peers
+//! write into it. The watch thread reads it back (one copy, on a stream of its own that
+//! waits on nothing) whenever a lane has values pending, at most every [`WATCH_TICK`].
+
+use super::fence::{CounterSlab, LocalMark};
+use super::{SharedContext, SharedStream};
+use crate::backend::FenceFaultHook;
+use crate::inbox::{FenceRefusal, Lanes, ReleaseRange};
+use crate::process::{Liveness, liveness};
+use crate::{Error, Result};
+use baton_messages::{CounterFence, DeviceUuid, InboxGrant, ProcessId};
+use cudarc::driver::CudaStream;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use super::result::StreamMemOps;
+
+/// How often the watch thread looks at lanes with values pending.
+pub(crate) const WATCH_TICK: Duration = Duration::from_millis(20);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves its state consistent before a call that may panic.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What the watch thread shares with the backend.
+struct Watched {
+    slab: Arc<CounterSlab>,
+    lanes: Mutex<Lanes>,
+    /// A stream that waits on nothing: reads and releases never queue behind anyone.
+    stream: SharedStream,
+    hooks: Mutex<Vec<FenceFaultHook>>,
+}
+
+impl Watched {
+    fn release(&self, ranges: &[ReleaseRange]) {
+        for r in ranges {
+            if let Err(e) = self.slab.release(r.first, r.slots, &self.stream) {
+                tracing::warn!(error = %e, first = r.first, "releasing a fence inbox lane failed");
+            }
+        }
+    }
+
+    /// One look: read the slab back if a lane needs it, release what the lanes decide.
+    fn observe(&self) -> Result<()> {
+        if !lock(&self.lanes).needs_observing() {
+            return Ok(());
+        }
+        let values = self.slab.read_all_on(&self.stream)?;
+        let seen = lock(&self.lanes).observe(&values, Instant::now(), |p| {
+            liveness(p) != Liveness::Dead
+        });
+        self.release(&seen.release);
+        if !seen.missed.is_empty() {
+            let hooks = lock(&self.hooks).clone();
+            for producer in seen.missed {
+                tracing::warn!(
+                    %producer,
+                    "a peer's fences did not land within the fence deadline: our waits on them are released and the peer is cut"
+                );
+                for hook in &hooks {
+                    hook(producer);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn watch(watched: Weak<Watched>) {
+    loop {
+        std::thread::sleep(WATCH_TICK);
+        let Some(w) = watched.upgrade() else {
+            return;
+        };
+        if let Err(e) = w.observe() {
+            tracing::warn!(error = %e, "reading the fence inbox back failed");
+        }
+    }
+}
+
+/// A lane of a peer's inbox that this backend writes into.
+#[derive(Debug)]
+struct PeerLane {
+    grant: InboxGrant,
+    /// The last value taken per slot.
+    values: Vec<u64>,
+}
+
+/// The backend's inbox (see the module docs).
+pub(crate) struct Inbox {
+    device: DeviceUuid,
+    watched: Arc<Watched>,
+    /// The last value of each local mark slot; the lock is held while its release stream
+    /// queues a fence's writes, which keeps every slot's values in order.
+    marks: Vec<Mutex<u64>>,
+    peers: Mutex<HashMap<ProcessId, PeerLane>>,
+}
+
+impl std::fmt::Debug for Inbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox")
+            .field("slab", &self.watched.slab)
+            .field("lanes", &lock(&self.watched.lanes).lent())
+            .finish()
+    }
+}
+
+impl Inbox {
+    /// A slab of `release_streams` local marks, `lend` slots for this process's own fences
+    /// and `lanes` peer lanes, and its watch thread.
+    pub(crate) fn new(
+        ctx: &SharedContext,
+        device: DeviceUuid,
+        ops: StreamMemOps,
+        side: SharedStream,
+        stream: SharedStream,
+        release_streams: usize,
+        lend: usize,
+        lanes: usize,
+        deadline: Duration,
+    ) -> Result<Self> {
+        let r = release_streams as u32;
+        let lend = lend.clamp(1, 1 << 20) as u32;
+        let lanes = lanes.min(1 << 16) as u32;
+        let total = r as usize + lend as usize + lanes as usize * r as usize;
+        let slab = CounterSlab::new(ctx, total, (r, lend), ops, side)?;
+        let watched = Arc::new(Watched {
+            lanes: Mutex::new(Lanes::new(r + lend, lanes, r, deadline)),
+            slab,
+            stream,
+            hooks: Mutex::new(Vec::new()),
+        });
+        let weak = Arc::downgrade(&watched);
+        std::thread::Builder::new()
+            .name("baton-fence-watch".into())
+            .spawn(move || watch(weak))
+            .map_err(Error::io("spawning the fence watch thread"))?;
+        Ok(Self {
+            device,
+            watched,
+            marks: (0..release_streams).map(|_| Mutex::new(0)).collect(),
+            peers: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub(crate) fn slab(&self) -> &Arc<CounterSlab> {
+        &self.watched.slab
+    }
+
+    /// The lane lent to `peer` (see [`Lanes::grant`]).
+    pub(crate) fn grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
+        let (first, slots, base) = lock(&self.watched.lanes).grant(peer, Instant::now())?;
+        let slab = self.slab();
+        slab.keep_for_peers();
+        Some(InboxGrant {
+            device: self.device,
+            slab: slab.ipc(),
+            slab_id: slab.id(),
+            first,
+            slots,
+            base,
+        })
+    }
+
+    /// `peer` lent us `grant` (a new grant replaces its last one).
+    pub(crate) fn accept(&self, peer: &ProcessId, grant: &InboxGrant) {
+        let mut peers = lock(&self.peers);
+        if peers.get(peer).is_some_and(|l| l.grant == *grant) {
+            return;
+        }
+        peers.insert(
+            *peer,
+            PeerLane {
+                grant: *grant,
+                values: vec![grant.base; grant.slots as usize],
+            },
+        );
+    }
+
+    /// `peer`'s grant to us, if any.
+    pub(crate) fn peer_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
+        lock(&self.peers).get(peer).map(|l| l.grant)
+    }
+
+    /// Takes the next value of `peer`'s lane slot for release stream `i` (call with that
+    /// stream's mark lock held, and queue the write before letting it go).
+    pub(crate) fn next_peer_value(&self, peer: &ProcessId, i: usize) -> Option<CounterFence> {
+        let mut peers = lock(&self.peers);
+        let lane = peers.get_mut(peer)?;
+        let slot = (i as u32) % lane.grant.slots.max(1);
+        let offset = lane.grant.offset_of(slot)?;
+        let v = &mut lane.values[slot as usize];
+        *v += 1;
+        Some(CounterFence {
+            slab: lane.grant.slab,
+            slab_id: lane.grant.slab_id,
+            offset,
+            value: *v,
+        })
+    }
+
+    /// The lock of release stream `i`'s local mark.
+    pub(crate) fn mark_lock(&self, i: usize) -> MutexGuard<'_, u64> {
+        lock(&self.marks[i % self.marks.len()])
+    }
+
+    /// Writes release stream `i`'s next local mark on `stream` (the guard from
+    /// [`mark_lock`](Self::mark_lock) held).
+    pub(crate) fn write_mark(
+        &self,
+        value: &mut MutexGuard<'_, u64>,
+        i: usize,
+        stream: &CudaStream,
+    ) -> Result<LocalMark> {
+        let slot = (i % self.marks.len()) as u32;
+        self.slab().write_on(stream, slot, **value + 1)?;
+        **value += 1;
+        Ok(LocalMark {
+            slab: Arc::clone(self.slab()),
+            slot,
+            value: **value,
+        })
+    }
+
+    fn refused(producer: &ProcessId, reason: FenceRefusal) -> Error {
+        Error::FenceRefused {
+            producer: *producer,
+            reason,
+        }
+    }
+
+    /// Checks a fence `producer` sent us, and notes its value.
+    pub(crate) fn check(&self, producer: &ProcessId, fence: &CounterFence) -> Result<()> {
+        if fence.slab_id != self.slab().id() || fence.slab != self.slab().ipc() {
+            return Err(Self::refused(producer, FenceRefusal::ForeignSlab));
+        }
+        lock(&self.watched.lanes)
+            .announce(producer, fence.offset, fence.value, Instant::now())
+            .map_err(|r| Self::refused(producer, r))
+    }
+
+    /// Whether `fence` names our slab.
+    pub(crate) fn is_ours(&self, fence: &CounterFence) -> bool {
+        fence.slab_id == self.slab().id()
+    }
+
+    /// `producer` may make our streams wait on `fence` (in our slab).
+    pub(crate) fn may_wait(&self, producer: &ProcessId, fence: &CounterFence) -> Result<()> {
+        if lock(&self.watched.lanes).may_wait(producer, fence.offset) {
+            Ok(())
+        } else {
+            Err(Self::refused(
+                producer,
+                FenceRefusal::OutsideLane {
+                    offset: fence.offset,
+                },
+            ))
+        }
+    }
+
+    /// `process` is dead: its lanes are released.
+    pub(crate) fn died(&self, process: &ProcessId) {
+        let ranges = lock(&self.watched.lanes).producer_died(process);
+        self.watched.release(&ranges);
+    }
+
+    /// `process` is cut while it may live: its lanes are released and stay so.
+    pub(crate) fn cut(&self, process: &ProcessId) {
+        let ranges = lock(&self.watched.lanes).producer_cut(process);
+        self.watched.release(&ranges);
+    }
+
+    /// See [`Lanes::unsafe_to_free`]; a dead producer's fences never are.
+    pub(crate) fn unsafe_to_free(&self, producer: &ProcessId, fence: &CounterFence) -> bool {
+        self.is_ours(fence)
+            && lock(&self.watched.lanes).unsafe_to_free(producer, fence.offset)
+            && liveness(producer) != Liveness::Dead
+    }
+
+    pub(crate) fn add_hook(&self, hook: FenceFaultHook) {
+        lock(&self.watched.hooks).push(hook);
+    }
+}
