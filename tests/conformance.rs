@@ -775,10 +775,15 @@ fn fence_ordering(kind: FenceKind) {
     );
     // The importer has made its backend (and CUDA context) by the time it connects.
     let mut link = listener.accept().unwrap();
-    // The backend makes its fence pool (a counter slab: an allocation and its IPC handle)
-    // at its first fence; those driver calls may wait for running work, so make it now,
-    // before the long work below.
-    cuda.record_fence().unwrap().synchronize().unwrap();
+    let importer = link.peer().process;
+    if kind == FenceKind::Counter {
+        // Counter fences for the importer are written into its inbox: it lends us a lane.
+        let got = link.recv_timeout(DEADLINE).unwrap().message;
+        let Message::FenceInbox(grant) = got else {
+            panic!("expected the importer's FenceInbox, got {}", got.kind());
+        };
+        cuda.accept_inbox(&importer, &grant).unwrap();
+    }
     match &kernel {
         Some(f) => launch_fill(&cuda, f, &alloc, SEED, Duration::from_millis(500)),
         None => {
@@ -800,8 +805,11 @@ fn fence_ordering(kind: FenceKind) {
             }
         }
     }
-    let fence = cuda.record_fence().unwrap();
-    assert_eq!(fence.kind(), kind);
+    let fence = cuda
+        .record_fence_for(cuda.stream(), &importer)
+        .unwrap()
+        .expect("the importer lent an inbox");
+    assert_eq!(fence.handle().kind(), kind);
     assert!(
         !fence.is_complete().unwrap(),
         "the work was still running when the fence was sent (else this test proves nothing)"

@@ -403,11 +403,15 @@ impl ExportOrder {
             return FreeVerdict::Hold(alive);
         }
         let any = !all.is_empty() || self.uses.marks().next().is_some();
-        let waited = self
-            .order_released(StreamRef::Internal, all)
-            .and_then(|_| self.uses.order_after_others(StreamRef::Internal))
-            .and_then(|()| Ok(if any { backend.synchronize()? }));
-        match waited {
+        let waited = || -> Result<(), ActorError> {
+            self.order_released(StreamRef::Internal, all)?;
+            self.uses.order_after_others(StreamRef::Internal)?;
+            if any {
+                backend.synchronize()?;
+            }
+            Ok(())
+        };
+        match waited() {
             Ok(()) => FreeVerdict::Free,
             Err(e) => FreeVerdict::Failed(e),
         }

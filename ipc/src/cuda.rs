@@ -1056,6 +1056,28 @@ impl CudaBackend {
         }
     }
 
+    /// Records a fence on `stream` that process `to` can wait on: with counter fences, a
+    /// value written into the lane of `to`'s inbox that `to` lent us
+    /// ([`Backend::accept_inbox`]) — after a fence of our own on `stream`, which a release
+    /// stream waits on — or, when `to` lent us none, `stream`'s work waited for here and
+    /// `None`; with event fences, a pooled event. `to` may be this process.
+    ///
+    /// # Errors
+    /// As [`record_fence_on`](Self::record_fence_on); a driver error mapping `to`'s inbox.
+    #[doc(alias = "cuStreamWriteValue64")]
+    pub fn record_fence_for(
+        &self,
+        stream: &CudaStream,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let own = self.record_fence_on(stream)?;
+        if self.fence == FenceKind::Event || *to == crate::process::current() {
+            return Ok(Some(Arc::new(own)));
+        }
+        let me = crate::process::current();
+        Backend::relay_fence(self, &me, &own.handle(), to)
+    }
+
     /// (alive, lent out) fences of the backend's kind: events, or counter slots (a slot
     /// whose fence dropped counts as lent until its value has landed: the slab is read
     /// back here to tell).
@@ -1790,7 +1812,11 @@ impl Backend for CudaBackend {
         self.fence_on(i, &stream, &mut held, to)
     }
 
+    /// None for this process itself (its fences for itself use its own slots).
     fn inbox_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
+        if *peer == crate::process::current() {
+            return None;
+        }
         self.inbox.as_ref()?.grant(peer)
     }
 
@@ -1800,11 +1826,30 @@ impl Backend for CudaBackend {
         let Some(inbox) = &self.inbox else {
             return Ok(());
         };
+        if *peer == crate::process::current() {
+            return Ok(());
+        }
         inbox.accept(peer, grant);
         self.peer_inbox(peer).map(drop)
     }
 
     fn check_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        if *producer == crate::process::current() {
+            // Our own fence (a loopback link): waited on in our own memory.
+            return match fence {
+                FenceHandle::Counter(c)
+                    if self.inbox.as_ref().is_some_and(|i| i.is_ours(c))
+                        || fence::local_slab(c.slab_id).is_some() =>
+                {
+                    Ok(())
+                }
+                FenceHandle::Counter(_) => Err(Error::FenceRefused {
+                    producer: *producer,
+                    reason: crate::inbox::FenceRefusal::ForeignSlab,
+                }),
+                FenceHandle::Event(_) => Ok(()),
+            };
+        }
         match (fence, &self.inbox) {
             (FenceHandle::Counter(counter), Some(inbox)) => inbox.check(producer, counter),
             (FenceHandle::Counter(_), None) => Err(Error::FenceRefused {

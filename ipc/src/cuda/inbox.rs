@@ -124,6 +124,10 @@ impl std::fmt::Debug for Inbox {
 impl Inbox {
     /// A slab of `release_streams` local marks, `lend` slots for this process's own fences
     /// and `lanes` peer lanes, and its watch thread.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "called once, by the backend's build, with its own fields"
+    )]
     pub(crate) fn new(
         ctx: &SharedContext,
         device: DeviceUuid,

@@ -220,6 +220,11 @@ fn import_fence(subject: &Subject, socket: &str, kind: &str, expect: &str) -> Re
         return Err("fences are a CUDA matter".into());
     };
     let (session, mut link) = connect(socket)?;
+    let exporter = link.peer().process;
+    // Counter fences for us are written into our inbox: lend the exporter a lane first.
+    if let Some(grant) = subject.backend().inbox_grant(&exporter) {
+        link.send(&Message::FenceInbox(grant), &[])?;
+    }
     let cache = ImportCache::new(session, [subject.backend()]);
     let received = link.recv_timeout(DEADLINE)?;
     let Message::Call(call) = received.message else {
@@ -246,6 +251,9 @@ fn import_fence(subject: &Subject, socket: &str, kind: &str, expect: &str) -> Re
         "the handle carries an event: the fence would not be what orders the read".into()
     })?;
     let buffer = cache.open(&offer.handle, &mut fds)?;
+    subject
+        .backend()
+        .check_fence(&offer.handle.exporter.process, &fence)?;
     cuda.wait_fence(&offer.handle.exporter.process, &fence)?;
     ensure(cuda.waits() == 1, || {
         format!("{} fence waits queued, expected 1", cuda.waits())
