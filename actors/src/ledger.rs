@@ -39,9 +39,10 @@
 //! IPC, where `cuMemFree` before the importer's `cuIpcCloseMemHandle` lets the exporter's
 //! next allocation reuse pages another process still writes), the allocation is
 //! **quarantined** instead: counted, reported, and freed when the last cut holder is
-//! confirmed dead. The [`Action::Free`] it emits carries every release fence the importers
-//! sent, and the node frees only after they complete, so no GPU work that uses the memory
-//! can still run either.
+//! confirmed dead. The [`Action::Free`] it emits carries the newest release fence of every
+//! counter slot or event the importers sent (a newer one [`Covers`] the older ones), and the
+//! node frees only after they complete, so no GPU work that uses the memory can still run
+//! either.
 //!
 //! `check` (tests only) verifies the bookkeeping after every event.
 
@@ -50,6 +51,14 @@ use baton_ipc::FreeWhileMapped;
 use baton_messages::{ActorId, AllocationId, LeaseId, ProcessId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
+
+/// A release fence that may make another redundant: waiting on `self` also waits for
+/// everything `earlier` follows. The ledger keeps only fences no other kept fence covers.
+pub(crate) trait Covers {
+    /// Whether waiting on `self` also waits for everything `earlier` was recorded after.
+    /// Reflexive: a fence covers itself (and an equal one).
+    fn covers(&self, earlier: &Self) -> bool;
+}
 
 /// What a [`BufferOwner`](crate::BufferOwner) does to a holder that keeps a revoked lease
 /// past its deadline.
@@ -181,7 +190,21 @@ struct Entry<M, F> {
     /// Relayed leases whose relaying link went down, and their holders: kept until the
     /// holder is confirmed dead.
     stranded: BTreeMap<LeaseId, ProcessId>,
+    /// The release fences the free waits for: none covers another (see [`keep_newest`]),
+    /// so there is at most one per (producer, counter slot) and one per event. A counter
+    /// fence's slot is one of the lane we lent its producer (checked on arrival,
+    /// `Backend::check_fence`), so however often the buffer is leased and released, this
+    /// holds at most a lane's slots per producer, plus the distinct events sent.
     fences: Vec<F>,
+}
+
+/// Adds `fence` to `kept` unless a kept fence covers it, and drops the kept fences it covers.
+fn keep_newest<F: Covers>(kept: &mut Vec<F>, fence: F) {
+    if kept.iter().any(|k| k.covers(&fence)) {
+        return;
+    }
+    kept.retain(|k| !fence.covers(k));
+    kept.push(fence);
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -449,9 +472,9 @@ impl<M, F> Ledger<M, F> {
     }
 
     /// The peer over `link` gave `lease` back, after the work its `fences` mark. The
-    /// allocation keeps every distinct fence until it is freed ([`Action::Free`]): a fence
-    /// equal to one kept is the same pooled event or slot recorded again, which covers the
-    /// earlier record.
+    /// allocation keeps them until it is freed ([`Action::Free`]), but only the newest per
+    /// counter slot or event: a fence a kept one [`Covers`] is dropped, and kept fences the
+    /// new one covers are replaced by it.
     pub(crate) fn release(
         &mut self,
         lease: LeaseId,
@@ -459,7 +482,7 @@ impl<M, F> Ledger<M, F> {
         fences: impl IntoIterator<Item = F>,
     ) -> Result<AllocationId, Refusal>
     where
-        F: PartialEq,
+        F: Covers,
     {
         match self.leases.get(&lease) {
             Some(record) if record.link == link => {}
@@ -472,9 +495,7 @@ impl<M, F> Ledger<M, F> {
             .expect("a recorded lease has its entry");
         entry.leases.remove(&lease);
         for fence in fences {
-            if !entry.fences.contains(&fence) {
-                entry.fences.push(fence);
-            }
+            keep_newest(&mut entry.fences, fence);
         }
         self.settle(record.alloc);
         Ok(record.alloc)
@@ -932,6 +953,31 @@ impl<M, F> Ledger<M, F> {
     /// Allocations freed so far.
     pub(crate) fn freed(&self) -> u64 {
         self.freed
+    }
+
+    /// The release fences `alloc` keeps for its free.
+    #[cfg(test)]
+    pub(crate) fn fences(&self, alloc: AllocationId) -> Option<&[F]> {
+        self.allocs.get(&alloc).map(|e| e.fences.as_slice())
+    }
+
+    /// Checks that no allocation keeps a release fence another of its fences covers.
+    /// Panics if one does.
+    #[cfg(test)]
+    pub(crate) fn check_fences(&self)
+    where
+        F: Covers + std::fmt::Debug,
+    {
+        for (alloc, e) in &self.allocs {
+            for (i, a) in e.fences.iter().enumerate() {
+                for (j, b) in e.fences.iter().enumerate() {
+                    assert!(
+                        i == j || !a.covers(b),
+                        "{alloc:?} keeps {b:?}, which {a:?} covers"
+                    );
+                }
+            }
+        }
     }
 
     /// Checks the bookkeeping: indexes agree, holds and leases name live links, quarantine

@@ -38,6 +38,15 @@ pub(crate) struct ReleaseFence {
     pub(crate) fence: FenceHandle,
 }
 
+/// Same producer, and the same event or a value at least as high of the same counter slot
+/// ([`FenceHandle::covers`]). Another producer's fence never covers: a slot of one lane has
+/// one writer.
+impl crate::ledger::Covers for ReleaseFence {
+    fn covers(&self, earlier: &Self) -> bool {
+        self.producer == earlier.producer && self.fence.covers(&earlier.fence)
+    }
+}
+
 /// One stream's uses.
 struct StreamUse {
     key: StreamKey,
@@ -290,13 +299,19 @@ impl ExportOrder {
         self.uses.backend()
     }
 
-    /// An importer gave a lease back after `fences`.
+    /// An importer gave a lease back after `fences`. A fence covered by one in line is
+    /// dropped, and one in line that the new one covers goes: the line holds at most one
+    /// fence per (producer, counter slot or event), however many releases come between
+    /// two uses.
     pub(crate) fn released(&self, fences: impl IntoIterator<Item = ReleaseFence>) {
+        use crate::ledger::Covers;
         let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
         for f in fences {
-            if !released.contains(&f) {
-                released.push(f);
+            if released.iter().any(|kept| kept.covers(&f)) {
+                continue;
             }
+            released.retain(|kept| !f.covers(kept));
+            released.push(f);
         }
     }
 

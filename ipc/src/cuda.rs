@@ -159,6 +159,10 @@ const OPENED_EVENT_CAP: usize = 4096;
 /// How many release streams a backend has (see `CudaBackend::release_streams`).
 const RELEASE_STREAMS: usize = 4;
 
+/// How long a death waits for our release streams to drain before closing the dead
+/// peer's inbox mapping (else it is closed at a later death, or with the backend).
+const DYING_INBOX_WAIT: Duration = Duration::from_millis(200);
+
 /// How many peer processes get a lane of a backend's fence inbox unless told otherwise
 /// ([`CudaBackendBuilder::inbox_lanes`]).
 pub const DEFAULT_INBOX_LANES: usize = 4096;
@@ -762,9 +766,12 @@ pub struct CudaBackend {
     inbox: Option<Inbox>,
     opened_events: OnceTable<(ProcessId, [u8; 64]), OpenedEvent>,
     imported_pools: OnceTable<(ProcessId, u64), ImportedPool>,
-    /// Peers' fence inboxes we write into, by (process, slab id); kept open until the
-    /// backend drops (writes of ours may still be queued there).
+    /// Peers' fence inboxes we write into, by (process, slab id); closed once the peer
+    /// is dead and no write of ours to it is queued (a mapping of a dead process's memory
+    /// pins it on the device).
     peer_inboxes: OnceTable<(ProcessId, u64), OpenedSlab>,
+    /// Dead peers' inboxes whose close waits for our release streams to drain.
+    dying_inboxes: Mutex<Vec<Arc<OpenedSlab>>>,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -931,6 +938,7 @@ impl CudaBackend {
             opened_events: OnceTable::default(),
             imported_pools: OnceTable::default(),
             peer_inboxes: OnceTable::default(),
+            dying_inboxes: Mutex::new(Vec::new()),
         };
         if b.export == CudaExport::Pool {
             // Made now, so that a pool that cannot be made is an error here, not at the
@@ -1943,6 +1951,18 @@ impl Backend for CudaBackend {
         drop(self.opened_events.take_where(|(p, _)| of(p)));
         drop(self.imported_pools.take_where(|(p, _)| of(p)));
         self.release_dead(process);
+        if dead {
+            if let Some(inbox) = &self.inbox {
+                inbox.forget_peer(process);
+            }
+            let mut dying = lock(&self.dying_inboxes);
+            dying.extend(self.peer_inboxes.take_where(|(p, _)| of(p)));
+            // Writes of ours into them may still be queued: close them once every release
+            // stream has drained (now, or at a later death; else when the backend drops).
+            if !dying.is_empty() && matches!(self.flush_fences(DYING_INBOX_WAIT), Ok(true)) {
+                dying.clear();
+            }
+        }
     }
 
     /// If the process is dead (`/proc`), writes `u64::MAX` into the lanes of our inbox it

@@ -26,14 +26,17 @@
 //! - A fence a peer sends must name a slot of the lane lent to *that* peer, with a value at
 //!   most [`MAX_VALUE_STEP`] above what the slot holds or was named before: anything else
 //!   is [`FenceRefusal`], the peer's fault (the link that carried it is dropped).
-//! - A lane whose named values have not all landed, and whose slots have shown no progress
-//!   for the deadline, is **released**: every slot is written with `u64::MAX`, which
+//! - A lane with a slot whose named value has not landed, and that slot has shown no
+//!   progress for the deadline (each slot has its own: its own release stream), is
+//!   **released**: every slot is written with `u64::MAX`, which
 //!   releases every wait of ours on it, and its producer is reported (the node cuts it).
 //!   While that producer lives, the lane is written again at each observation (a late write
 //!   of its own could lower a slot under a wait still queued), and fences it had named
 //!   guard memory that must not be freed before it dies ([`Lanes::unsafe_to_free`]).
-//! - A dead producer's lane is released at once ([`Lanes::producer_died`]); its queued
-//!   writes died with it, so nothing is held for it.
+//! - A dead producer's lane is released at once ([`Lanes::producer_died`], or the first
+//!   observation that finds it dead with values pending); its queued writes died with it,
+//!   so nothing is held for it. A released lane accepts any value (every wait on it
+//!   passes).
 //! - A released lane is never lent again: a producer that links again gets a fresh lane.
 //!
 //! Memory is bounded: one lane per peer process, `slots` words each; lanes are never lent
@@ -118,13 +121,19 @@ struct Lane {
     announced: Vec<u64>,
     /// Value per slot at the last observation.
     seen: Vec<u64>,
-    /// When the lane last made progress (or first had a value pending).
-    progress_at: Instant,
+    /// Per slot: when it last made progress, or was first named a value while it had none
+    /// pending. Each slot has its own deadline: progress on one slot (another release
+    /// stream of the producer) says nothing of another.
+    progress_at: Vec<Instant>,
 }
 
 impl Lane {
+    fn slot_pending(&self, s: usize) -> bool {
+        self.announced[s] > self.seen[s]
+    }
+
     fn pending(&self) -> bool {
-        self.announced.iter().zip(&self.seen).any(|(a, s)| a > s)
+        (0..self.seen.len()).any(|s| self.slot_pending(s))
     }
 }
 
@@ -212,7 +221,7 @@ impl Lanes {
                 status: LaneStatus::Live,
                 announced: vec![0; n],
                 seen: vec![0; n],
-                progress_at: now,
+                progress_at: vec![now; n],
             },
         ));
         self.current.insert(*peer, self.lanes.len() - 1);
@@ -250,15 +259,15 @@ impl Lanes {
         let (i, s) = self.slot(peer, offset)?;
         let lane = &mut self.lanes[i].1;
         if lane.status != LaneStatus::Live {
-            // Released: every wait on it passes; nothing to track.
+            // Released: every wait on it passes whatever the value; nothing to track.
             return Ok(());
         }
         let floor = lane.announced[s].max(lane.seen[s]);
         if value > floor.saturating_add(MAX_VALUE_STEP) {
             return Err(FenceRefusal::ValueTooFar { value, floor });
         }
-        if !lane.pending() {
-            lane.progress_at = now;
+        if !lane.slot_pending(s) {
+            lane.progress_at[s] = now;
         }
         lane.announced[s] = lane.announced[s].max(value);
         Ok(())
@@ -307,28 +316,28 @@ impl Lanes {
                     out.release.push(range);
                 }
                 LaneStatus::Live => {
-                    let mut progressed = false;
-                    for (s, seen) in lane.seen.iter_mut().enumerate() {
+                    let mut stuck = false;
+                    for s in 0..lane.seen.len() {
                         let v = values
                             .get(lane.first as usize + s)
                             .copied()
-                            .unwrap_or(*seen);
-                        if v > *seen {
-                            progressed = true;
-                            *seen = v;
+                            .unwrap_or(lane.seen[s]);
+                        if v > lane.seen[s] {
+                            lane.seen[s] = v;
+                            lane.progress_at[s] = now;
                         }
+                        stuck |= lane.slot_pending(s)
+                            && now.saturating_duration_since(lane.progress_at[s]) >= self.deadline;
                     }
-                    if progressed {
-                        lane.progress_at = now;
+                    if !lane.pending() {
+                        continue;
                     }
-                    if lane.pending()
-                        && now.saturating_duration_since(lane.progress_at) >= self.deadline
-                    {
-                        lane.status = if alive(peer) {
-                            LaneStatus::Released
-                        } else {
-                            LaneStatus::Dead
-                        };
+                    if !alive(peer) {
+                        // Dead: its queued writes died with it; release at once, hold nothing.
+                        lane.status = LaneStatus::Dead;
+                        out.release.push(range);
+                    } else if stuck {
+                        lane.status = LaneStatus::Released;
                         out.missed.push(*peer);
                         out.release.push(range);
                     }

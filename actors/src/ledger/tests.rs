@@ -1,10 +1,11 @@
 //! The ledger against a simple model: random sequences of every event, for both kinds of
 //! backend rule, checking after each event that nothing is freed while a live process may
 //! map it (the invariant), that everything the model says is free-able is freed (no leak),
-//! and that quarantines, unmaps and cuts happen exactly when the model says.
+//! that quarantines, unmaps and cuts happen exactly when the model says, and that an
+//! allocation keeps only the newest release fence of each counter slot or event.
 
 use super::*;
-use baton_messages::BootId;
+use baton_messages::{BootId, CounterFence, CudaIpcMemHandle, FenceHandle};
 use proptest::prelude::*;
 use std::time::Duration;
 
@@ -16,8 +17,58 @@ fn process(n: u32) -> ProcessId {
     }
 }
 
-/// A release fence in the model: which lease it came from.
-type Fence = u64;
+/// What a release fence marks: a value of one of its producer's counter slots, or one of
+/// its events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Point {
+    Slot { slot: u32, value: u64 },
+    Event(u32),
+}
+
+/// A release fence in the model: what process `producer` recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Fence {
+    producer: u32,
+    at: Point,
+}
+
+impl Fence {
+    /// The slot or event it is a record of: a ledger keeps at most one fence per key.
+    fn key(&self) -> (u32, Option<u32>, Option<u32>) {
+        match self.at {
+            Point::Slot { slot, .. } => (self.producer, Some(slot), None),
+            Point::Event(e) => (self.producer, None, Some(e)),
+        }
+    }
+}
+
+impl Covers for Fence {
+    fn covers(&self, earlier: &Self) -> bool {
+        self.producer == earlier.producer
+            && match (self.at, earlier.at) {
+                (Point::Slot { slot, value }, Point::Slot { slot: s, value: v }) => {
+                    slot == s && value >= v
+                }
+                (Point::Event(a), Point::Event(b)) => a == b,
+                _ => false,
+            }
+    }
+}
+
+/// The newest fence of each slot or event in `released`, in order: what the ledger must
+/// keep of them (computed without [`Covers`]).
+fn newest(released: &[Fence]) -> Vec<Fence> {
+    let mut by_key: BTreeMap<(u32, Option<u32>, Option<u32>), Fence> = BTreeMap::new();
+    for f in released {
+        by_key
+            .entry(f.key())
+            .and_modify(|kept| *kept = (*kept).max(*f))
+            .or_insert(*f);
+    }
+    let mut out: Vec<Fence> = by_key.into_values().collect();
+    out.sort();
+    out
+}
 
 /// One event, with indexes that pick among what exists (taken modulo the counts).
 #[derive(Debug, Clone)]
@@ -33,10 +84,11 @@ enum Ev {
         alloc: usize,
         link: usize,
     },
+    /// Fences recorded by the lease's holder.
     Release {
         lease: usize,
         wrong_link: bool,
-        fence: bool,
+        fences: Vec<Point>,
     },
     Ungrant {
         lease: usize,
@@ -74,13 +126,22 @@ enum Ev {
     },
 }
 
+/// Few slots, events and values, so that fences often cover each other (equal ones too),
+/// in either order.
+fn point() -> impl Strategy<Value = Point> {
+    prop_oneof![
+        3 => (0u32..3, 0u64..6).prop_map(|(slot, value)| Point::Slot { slot, value }),
+        1 => (0u32..2).prop_map(Point::Event),
+    ]
+}
+
 fn event() -> impl Strategy<Value = Ev> {
     prop_oneof![
         2 => (any::<bool>(), any::<bool>()).prop_map(|(unsafe_free, kill)| Ev::Insert { unsafe_free, kill }),
         2 => (0u32..4).prop_map(|process| Ev::LinkUp { process }),
         6 => (any::<usize>(), any::<usize>()).prop_map(|(alloc, link)| Ev::Grant { alloc, link }),
-        5 => (any::<usize>(), prop::bool::weighted(0.1), any::<bool>())
-            .prop_map(|(lease, wrong_link, fence)| Ev::Release { lease, wrong_link, fence }),
+        5 => (any::<usize>(), prop::bool::weighted(0.1), prop::collection::vec(point(), 0..4))
+            .prop_map(|(lease, wrong_link, fences)| Ev::Release { lease, wrong_link, fences }),
         1 => any::<usize>().prop_map(|lease| Ev::Ungrant { lease }),
         3 => (any::<usize>(), 0u32..4).prop_map(|(via, to)| Ev::GrantRelayed { via, to }),
         3 => any::<usize>().prop_map(|alloc| Ev::Retire { alloc }),
@@ -111,8 +172,8 @@ struct MAlloc {
     retired: bool,
     freed: bool,
     quarantine_reported: bool,
-    /// Fences released and not yet handed out.
-    fences: Vec<Fence>,
+    /// Every release fence that came back for it (the ledger keeps the [`newest`]).
+    released: Vec<Fence>,
 }
 
 #[derive(Debug)]
@@ -273,7 +334,7 @@ impl Run {
                     retired: false,
                     freed: false,
                     quarantine_reported: false,
-                    fences: Vec::new(),
+                    released: Vec::new(),
                 });
                 self.ledger.insert(NewAllocation {
                     alloc: id,
@@ -391,7 +452,7 @@ impl Run {
             Ev::Release {
                 lease,
                 wrong_link,
-                fence,
+                ref fences,
             } => {
                 if m.leases.is_empty() || m.links.is_empty() {
                     return;
@@ -403,14 +464,17 @@ impl Run {
                 } else {
                     l.link
                 };
-                let fence = fence.then_some(l.id.get());
-                let got = self.ledger.release(l.id, m.links[link].id, fence);
+                let producer = m.holder(&l);
+                let fences: Vec<Fence> = fences.iter().map(|&at| Fence { producer, at }).collect();
+                let got = self
+                    .ledger
+                    .release(l.id, m.links[link].id, fences.iter().copied());
                 let accepted = l.out && link == l.link;
                 assert_eq!(got.is_ok(), accepted, "release of {i} over {link}: {got:?}");
                 if accepted {
                     assert_eq!(got, Ok(m.allocs[l.alloc].id));
                     m.leases[i].out = false;
-                    m.allocs[l.alloc].fences.extend(fence);
+                    m.allocs[l.alloc].released.extend(fences);
                 } else {
                     assert_eq!(got, Err(Refusal::UnknownLease));
                 }
@@ -600,9 +664,11 @@ impl Run {
                         "freed {alloc:?} while the model says it may be mapped: {m:#?}"
                     );
                     fences.sort();
-                    let mut want = std::mem::take(&mut m.allocs[a].fences);
-                    want.sort();
-                    assert_eq!(fences, want, "every release fence goes with the free");
+                    assert_eq!(
+                        fences,
+                        newest(&m.allocs[a].released),
+                        "the newest release fence of each slot or event goes with the free"
+                    );
                     m.allocs[a].freed = true;
                 }
                 Action::Quarantine {
@@ -679,6 +745,21 @@ impl Run {
             );
         }
         self.ledger.check();
+        self.ledger.check_fences();
+        // The kept fences are bounded: the newest of each slot or event, no more.
+        for x in m.allocs.iter().filter(|x| !x.freed) {
+            let mut kept = self.ledger.fences(x.id).expect("not freed").to_vec();
+            let keys: BTreeSet<_> = x.released.iter().map(Fence::key).collect();
+            assert!(
+                kept.len() <= keys.len(),
+                "{:?} keeps {} fences of {} slots or events",
+                x.id,
+                kept.len(),
+                keys.len()
+            );
+            kept.sort();
+            assert_eq!(kept, newest(&x.released), "fences kept for {:?}", x.id);
+        }
         let c = self.ledger.counts(None);
         let live = m.allocs.iter().filter(|x| !x.freed).count();
         assert_eq!(c.buffers, live);
@@ -802,12 +883,12 @@ fn a_free_waits_for_every_warm_mapping() {
     run.apply(&Ev::Release {
         lease: 0,
         wrong_link: false,
-        fence: true,
+        fences: vec![Point::Slot { slot: 0, value: 1 }],
     });
     run.apply(&Ev::Release {
         lease: 1,
         wrong_link: false,
-        fence: false,
+        fences: Vec::new(),
     });
     run.apply(&Ev::Retire { alloc: 0 });
     assert_eq!(
@@ -846,7 +927,7 @@ fn a_stranded_forward_keeps_the_memory_until_its_holder_dies() {
         run.apply(&Ev::Release {
             lease: 0,
             wrong_link: false,
-            fence: false,
+            fences: Vec::new(),
         });
         run.apply(&Ev::Retire { alloc: 0 });
         run.apply(&Ev::ProcessDead { process: 0 });
@@ -890,4 +971,76 @@ fn a_release_that_crosses_the_holders_death_is_recognised() {
     assert_eq!(ledger.release(fwd, link, None), Err(Refusal::UnknownLease));
     assert!(ledger.forget_ended_relay(fwd, link));
     assert!(!ledger.forget_ended_relay(fwd, link), "once");
+}
+
+/// A release fence as the node hands it to the ledger — the fence and the process that
+/// recorded it — with the same rule as `order::ReleaseFence` (which this layer may not
+/// name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PeerFence {
+    producer: ProcessId,
+    fence: FenceHandle,
+}
+
+impl Covers for PeerFence {
+    fn covers(&self, earlier: &Self) -> bool {
+        self.producer == earlier.producer && self.fence.covers(&earlier.fence)
+    }
+}
+
+/// One peer leases and releases one reused buffer 10,000 times, each release after a
+/// counter fence of one of two slots of its lane, values rising: the allocation keeps the
+/// newest fence of each slot, so the free waits for two fences, not 10,000.
+#[test]
+fn a_flood_of_releases_of_one_reused_buffer_keeps_one_fence_per_slot() {
+    let slot = |offset: u64, value: u64| PeerFence {
+        producer: process(0),
+        fence: FenceHandle::Counter(CounterFence {
+            slab: CudaIpcMemHandle([3; 64]),
+            slab_id: 9,
+            offset,
+            value,
+        }),
+    };
+    let mut ledger: Ledger<u64, PeerFence> = Ledger::default();
+    let (alloc, buffer, link) = (AllocationId::new(1), BufferId::next(), LinkId::next());
+    ledger.insert(NewAllocation {
+        alloc,
+        buffer,
+        owner: ActorId::new(1),
+        bytes: 4096,
+        rule: FreeWhileMapped::Unsafe,
+        policy: RevokePolicy::Cut,
+        meta: 1,
+    });
+    ledger.link_up(link, process(0));
+    let now = Instant::now();
+    const CYCLES: u64 = 10_000;
+    for n in 1..=CYCLES {
+        let lease = LeaseId::new(n);
+        ledger.grant(alloc, link, lease, now).unwrap();
+        // Slots 0 and 1 of the lane take turns; each value is higher than the last.
+        let fence = slot(8 * (n % 2), 100 + n);
+        assert_eq!(ledger.release(lease, link, [fence]), Ok(alloc));
+    }
+    ledger.check();
+    ledger.check_fences();
+    assert_eq!(ledger.fences(alloc).map(<[_]>::len), Some(2));
+    assert!(ledger.take_actions().is_empty(), "nothing to do while live");
+    ledger.retire(buffer);
+    ledger.unmapped(link, alloc);
+    let actions = ledger.take_actions();
+    let fences = actions
+        .into_iter()
+        .find_map(|a| match a {
+            Action::Free { fences, .. } => Some(fences),
+            _ => None,
+        })
+        .expect("freed once the importer unmapped");
+    assert_eq!(fences.len(), 2, "one fence per slot, not one per release");
+    assert!(fences.contains(&slot(0, 100 + CYCLES)), "slot 0's newest");
+    assert!(
+        fences.contains(&slot(8, 100 + CYCLES - 1)),
+        "slot 1's newest"
+    );
 }

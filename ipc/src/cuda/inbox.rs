@@ -197,6 +197,11 @@ impl Inbox {
         );
     }
 
+    /// `peer` is dead: we write no more fences for it.
+    pub(crate) fn forget_peer(&self, peer: &ProcessId) {
+        lock(&self.peers).remove(peer);
+    }
+
     /// `peer`'s grant to us, if any.
     pub(crate) fn peer_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
         lock(&self.peers).get(peer).map(|l| l.grant)
