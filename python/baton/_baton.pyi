@@ -73,7 +73,8 @@ class Node:
     def export_stats(self) -> dict[str, int]:
         """Counters of the buffers this node exports."""
     def close(self) -> None:
-        """Stops listening, closes every mailbox and link."""
+        """Waits (at most 2 s) for fences recorded for peers to land, then stops listening
+        and closes every mailbox and link."""
     def __enter__(self) -> Node: ...
     def __exit__(
         self,

@@ -365,8 +365,12 @@ impl Node {
 
     /// Stops listening, closes every mailbox (calls waiting in them are answered
     /// `ActorGone`) and every link (leases granted over them stop counting, leases held
-    /// over them are orphaned).
-    fn close(&self) {
+    /// over them are orphaned). First waits (at most 2 s) until the fences this node
+    /// recorded for peers were written, so that peers need not wait out their fence
+    /// deadline after we exit.
+    fn close(&self, py: Python<'_>) {
+        let node = self.node.clone();
+        py.detach(move || node.flush_fences(Duration::from_secs(2)));
         lock(&self.listening).clear();
         for (name, queue) in lock(&self.mailboxes).drain(..) {
             self.node.unregister(&name);
@@ -384,7 +388,7 @@ impl Node {
 
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close();
+        self.close(_exc.py());
         false
     }
 
