@@ -7,8 +7,30 @@
 //!   operation runs only when those before it on its stream have run, a wait only once the
 //!   record it waits for has run, and *work* (a stand-in for a kernel) only once the test
 //!   opens its gate. Work may write memory when it runs, so a late write shows.
-//! - Fences are interprocess events: a record is an operation; a wait names the event's
-//!   latest record at the time it is queued, as `cuStreamWaitEvent` does.
+//! - Fences are interprocess events by default: a record is an operation; a wait names the
+//!   event's latest record at the time it is queued, as `cuStreamWaitEvent` does.
+//! - In counter mode ([`SimBackend::with_counters`]) fences are counters, as the CUDA
+//!   backend's (`ipc/src/cuda/inbox.rs`): each backend owns a *fence inbox* (64-bit words on
+//!   the simulated device) laid out like the CUDA slab (local marks, a lend area, then one
+//!   lane of `R` slots per peer process, managed by the real `baton_ipc::inbox::Lanes`); a
+//!   fence for a peer is a `WriteValue` into the peer's inbox lane (slot = release stream)
+//!   queued on a release stream after the marks, plus a local twin in its own inbox; a wait
+//!   is a `WaitValue` on the waiter's own inbox, which runs once the word holds at least the
+//!   value. A `watch` step (called by the test, with simulated time: [`Device::advance`])
+//!   reads the inbox back into `Lanes::observe`, writes `u64::MAX` into released lanes and
+//!   calls the fence fault hooks.
+//! - Liveness is simulated per role ([`Device::kill`]): a dead role's queued operations are
+//!   dropped (its queued work died with it) and it queues nothing more; a role's writes into
+//!   its peers' inboxes can be held forever ([`Device::hold_writes`]: a producer that does
+//!   not deliver). Every process id a backend sees is the test process's own (all roles live
+//!   in one process), so a backend resolves a process id to the role whose inbox grant it
+//!   accepted ([`SimBackend::set_peer_role`] for raw peers). The CUDA backend's special
+//!   cases for its own process (a loopback link lends no lane; a fence from this process is
+//!   waited on in its own slots) are not mirrored: here every role is a process of its own.
+//! - Safety is checked as it happens: a free of an allocation while a live role still has
+//!   queued work that uses it, and work that runs on freed memory, are recorded as
+//!   [`Device::violations`]; a blocking wait on a thread marked with
+//!   [`forbid_blocking_on_this_thread`] (an actor thread) is recorded too (and not waited).
 //! - Every driver-level call is logged, tagged with the backend's role (`exp`, `imp`), so
 //!   tests assert on the order of records, waits, copies, opens, closes and frees.
 //! - Opens can be made slow on purpose (a gate), and pool-like allocations share one
@@ -18,18 +40,21 @@
 
 #![allow(dead_code)]
 
+use baton::ipc::inbox::{FenceRefusal, LaneStatus, Lanes, Observation, ReleaseRange};
 use baton::ipc::{
     Allocation, Backend, CheckedHandle, DescriptorScope, Error, ExportableMemory, ExportedFence,
-    FreeWhileMapped, MemPtr, OpenedMem, RawMemory, Result, StreamKey, StreamRef, UseMark,
+    FenceFaultHook, FreeWhileMapped, MemPtr, OpenedMem, RawMemory, Result, StreamKey, StreamRef,
+    UseMark,
 };
 use baton::messages::{
-    AllocationId, BackendKind, CudaIpcMemHandle, CudaPoolExportData, DeviceUuid, FenceHandle,
-    IpcEventHandle, ProcessId, RawHandle,
+    AllocationId, BackendKind, CounterFence, CudaIpcMemHandle, CudaPoolExportData, DeviceUuid,
+    FenceHandle, InboxGrant, IpcEventHandle, ProcessId, RawHandle,
 };
 use std::any::Any;
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -41,9 +66,30 @@ fn internal_stream(backend: u64) -> u64 {
     1000 + backend
 }
 
-/// The id of a backend's release stream.
+/// The id of a backend's release stream (event mode).
 fn release_stream(backend: u64) -> u64 {
     2000 + backend
+}
+
+/// The id of a backend's release stream `i` (counter mode).
+fn counter_release_stream(backend: u64, i: u32) -> u64 {
+    3000 + backend * 16 + u64::from(i)
+}
+
+/// Slots of the lend area of a counter-mode inbox (this process's own fences: unused by
+/// the actor layer, kept for the layout).
+const LEND: u32 = 1;
+
+thread_local! {
+    static NO_BLOCKING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks the calling thread as one that must never block on the device (an actix arbiter
+/// thread): a blocking wait there that has to wait is recorded as a violation, and returns
+/// at once (so that the test reports it rather than hangs: the gate it waits for may be
+/// opened by this very thread).
+pub fn forbid_blocking_on_this_thread() {
+    NO_BLOCKING.with(|b| b.set(true));
 }
 
 enum Op {
@@ -71,6 +117,36 @@ enum Op {
         len: usize,
         out: Arc<Mutex<Option<Vec<u8>>>>,
     },
+    /// `cuStreamWriteValue64`: sets a word of an inbox (`inbox` is its backend's number).
+    /// A write into a peer's inbox (`peer`) by a role whose writes are held never runs.
+    WriteValue {
+        inbox: u64,
+        slot: u32,
+        value: u64,
+        writer: String,
+        peer: bool,
+    },
+    /// `cuStreamWaitValue64` (`GEQ`): runs once the word holds at least `value`.
+    WaitValue {
+        inbox: u64,
+        slot: u32,
+        value: u64,
+    },
+}
+
+impl Op {
+    /// The allocation the operation reads or writes, if any.
+    fn uses(&self) -> Option<u64> {
+        match self {
+            Op::Work {
+                write: Some((a, ..)),
+                ..
+            }
+            | Op::CopyIn { alloc: a, .. }
+            | Op::CopyOut { alloc: a, .. } => Some(*a),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -86,9 +162,52 @@ struct DeviceState {
     memory: HashMap<u64, Vec<u8>>,
     next_alloc: u64,
     log: Vec<String>,
+    /// Counter-mode inboxes, by backend number.
+    inboxes: HashMap<u64, Vec<u64>>,
+    /// Each backend's role, by number.
+    roles: HashMap<u64, String>,
+    /// The role each stream belongs to (the first that queued on it).
+    owners: HashMap<u64, String>,
+    /// The first lane slot of each inbox: slots below it are the backend's own (local
+    /// marks, lend area), waited on for its own work only.
+    lane_areas: HashMap<u64, u32>,
+    /// Roles whose process is dead.
+    dead: HashSet<String>,
+    /// Roles whose writes into peers' inboxes never run.
+    held: HashSet<String>,
+    /// Simulated time since the device was made.
+    clock: Duration,
+    /// Each stream's head operation and the simulated time it became the head.
+    heads: HashMap<u64, (u64, Duration)>,
+    /// Allocations freed.
+    freed: HashSet<u64>,
+    /// Broken safety rules, as they happened.
+    violations: Vec<String>,
 }
 
 impl DeviceState {
+    fn word(&self, inbox: u64, slot: u32) -> u64 {
+        self.inboxes
+            .get(&inbox)
+            .and_then(|w| w.get(slot as usize))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn is_dead(&self, role: &str) -> bool {
+        self.dead.contains(role)
+    }
+
+    fn ready(&self, op: &Op) -> bool {
+        match op {
+            Op::Work { gate, .. } => self.open_gates.contains(gate),
+            Op::Wait { on, .. } => on.is_none_or(|o| self.done.contains(&o)),
+            Op::WriteValue { writer, peer, .. } => !(*peer && self.held.contains(writer)),
+            Op::WaitValue { inbox, slot, value } => self.word(*inbox, *slot) >= *value,
+            _ => true,
+        }
+    }
+
     /// Runs every operation that can run, in stream order.
     fn pump(&mut self) {
         loop {
@@ -98,9 +217,7 @@ impl DeviceState {
                 loop {
                     let ready = match self.streams.get(&s).and_then(|q| q.front()) {
                         None => false,
-                        Some((_, Op::Work { gate, .. })) => self.open_gates.contains(gate),
-                        Some((_, Op::Wait { on, .. })) => on.is_none_or(|o| self.done.contains(&o)),
-                        Some(_) => true,
+                        Some((_, op)) => self.ready(op),
                     };
                     if !ready {
                         break;
@@ -111,6 +228,12 @@ impl DeviceState {
                         .expect("listed")
                         .pop_front()
                         .expect("ready");
+                    if let Some(alloc) = op.uses().filter(|a| self.freed.contains(a)) {
+                        let owner = self.owners.get(&s).cloned().unwrap_or_default();
+                        self.violations.push(format!(
+                            "work of {owner} on s{s} used a{alloc} after it was freed"
+                        ));
+                    }
                     match op {
                         Op::Work { name, write, .. } => {
                             if let Some((alloc, offset, bytes)) = write {
@@ -136,30 +259,76 @@ impl DeviceState {
                             let mem = &self.memory[&alloc];
                             *out.lock().unwrap() = Some(mem[offset..offset + len].to_vec());
                         }
-                        Op::Record { .. } | Op::Wait { .. } => {}
+                        Op::WriteValue {
+                            inbox, slot, value, ..
+                        } => {
+                            if let Some(w) = self
+                                .inboxes
+                                .get_mut(&inbox)
+                                .and_then(|w| w.get_mut(slot as usize))
+                            {
+                                *w = value;
+                            }
+                        }
+                        Op::Record { .. } | Op::Wait { .. } | Op::WaitValue { .. } => {}
                     }
                     self.done.insert(id);
                     progress = true;
                 }
             }
             if !progress {
-                return;
+                break;
+            }
+        }
+        let now = self.clock;
+        for (s, q) in &self.streams {
+            match q.front() {
+                Some((id, _)) => {
+                    if self.heads.get(s).is_none_or(|(h, _)| h != id) {
+                        self.heads.insert(*s, (*id, now));
+                    }
+                }
+                None => {
+                    self.heads.remove(s);
+                }
             }
         }
     }
 }
 
 /// The simulated device and its log, shared by the backends of a test.
-#[derive(Default)]
 pub struct Device {
     state: Mutex<DeviceState>,
     changed: Condvar,
     next_backend: AtomicU64,
+    base: Instant,
+    deadline: Duration,
+}
+
+impl Default for Device {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            changed: Condvar::new(),
+            next_backend: AtomicU64::new(0),
+            base: Instant::now(),
+            deadline: DEVICE_DEADLINE,
+        }
+    }
 }
 
 impl Device {
     pub fn new() -> Arc<Device> {
         Arc::new(Device::default())
+    }
+
+    /// A device whose host-side waits fail the test after `deadline` (instead of
+    /// [`DEVICE_DEADLINE`]).
+    pub fn with_deadline(deadline: Duration) -> Arc<Device> {
+        Arc::new(Device {
+            deadline,
+            ..Device::default()
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, DeviceState> {
@@ -173,9 +342,25 @@ impl Device {
 
     /// Queues `op` on stream `s`, logged as `line`; returns its id.
     fn enqueue(&self, s: u64, op: Op, line: Option<String>) -> u64 {
+        self.enqueue_as(None, s, op, line)
+    }
+
+    /// As [`enqueue`](Self::enqueue), on behalf of `role`, which owns the stream if nobody
+    /// did. Operations on a dead role's streams are dropped.
+    fn enqueue_as(&self, role: Option<&str>, s: u64, op: Op, line: Option<String>) -> u64 {
         let mut state = self.lock();
         state.next_op += 1;
         let id = state.next_op;
+        if let Some(role) = role {
+            state.owners.entry(s).or_insert_with(|| role.to_owned());
+        }
+        let owner = state.owners.get(&s).cloned();
+        if owner.as_deref().is_some_and(|o| state.is_dead(o)) {
+            if let Some(line) = line {
+                state.log.push(format!("dropped (dead): {line}"));
+            }
+            return id;
+        }
         if let Some(line) = line {
             state.log.push(line);
         }
@@ -189,17 +374,45 @@ impl Device {
         id
     }
 
-    /// Blocks until `cond` holds of the device state (pumping as gates open).
-    fn block_until(&self, what: &str, mut cond: impl FnMut(&DeviceState) -> bool) {
+    /// Blocks until `cond` holds of the device state (pumping as gates open). A dead
+    /// `who` never waits (its process is gone).
+    fn block_until(&self, who: Option<&str>, what: &str, cond: impl FnMut(&DeviceState) -> bool) {
+        let done = self.block_within(who, what, self.deadline, cond);
+        assert!(done, "the simulated device never got to {what}");
+    }
+
+    /// As [`block_until`](Self::block_until), giving up after `within`; returns whether
+    /// `cond` came to hold.
+    fn block_within(
+        &self,
+        who: Option<&str>,
+        what: &str,
+        within: Duration,
+        mut cond: impl FnMut(&DeviceState) -> bool,
+    ) -> bool {
         let start = Instant::now();
         let mut state = self.lock();
+        let mut first = true;
         loop {
             state.pump();
-            if cond(&state) {
-                return;
+            if cond(&state) || who.is_some_and(|w| state.is_dead(w)) {
+                return true;
             }
-            let left = DEVICE_DEADLINE.saturating_sub(start.elapsed());
-            assert!(!left.is_zero(), "the simulated device never got to {what}");
+            if first && NO_BLOCKING.with(Cell::get) {
+                // Recorded, and not waited for: the test fails on the violation instead of
+                // hanging (the thread that would open the gate may be this one).
+                let line = format!(
+                    "{} blocked on an actor thread waiting for {what}",
+                    who.unwrap_or("someone")
+                );
+                state.violations.push(line);
+                return true;
+            }
+            first = false;
+            let left = within.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return false;
+            }
             state = self
                 .changed
                 .wait_timeout(state, left.min(Duration::from_millis(50)))
@@ -209,9 +422,28 @@ impl Device {
     }
 
     fn synchronize(&self, s: u64) {
-        self.block_until(&format!("the end of stream {s}"), |st| {
+        self.synchronize_as(None, s);
+    }
+
+    fn synchronize_as(&self, who: Option<&str>, s: u64) {
+        self.block_until(who, &format!("the end of stream {s}"), |st| {
             st.streams.get(&s).is_none_or(VecDeque::is_empty)
         });
+    }
+
+    /// Blocks, at most `within`, until stream `s` has run everything queued on it (a host
+    /// synchronise, as `cudaStreamSynchronize`); returns whether it has.
+    pub fn try_synchronize(&self, s: u64, within: Duration) -> bool {
+        self.block_within(None, &format!("the end of stream {s}"), within, |st| {
+            st.streams.get(&s).is_none_or(VecDeque::is_empty)
+        })
+    }
+
+    /// Whether stream `s` has nothing left to run.
+    pub fn idle(&self, s: u64) -> bool {
+        let mut st = self.lock();
+        st.pump();
+        st.streams.get(&s).is_none_or(VecDeque::is_empty)
     }
 
     fn new_event(&self) -> u64 {
@@ -232,8 +464,14 @@ impl Device {
             .is_none_or(|r| state.done.contains(r))
     }
 
+    /// The role part of a log tag ("exp mark" → "exp").
+    fn role_of(who: &str) -> &str {
+        who.split(' ').next().unwrap_or(who)
+    }
+
     fn record(&self, who: &str, event: u64, s: u64) {
-        self.enqueue(
+        self.enqueue_as(
+            Some(Self::role_of(who)),
             s,
             Op::Record { event },
             Some(format!("{who} record e{event} on s{s}")),
@@ -242,7 +480,8 @@ impl Device {
 
     fn wait(&self, who: &str, event: u64, s: u64) {
         let on = self.latest(event);
-        self.enqueue(
+        self.enqueue_as(
+            Some(Self::role_of(who)),
             s,
             Op::Wait { event, on },
             Some(format!("{who} wait e{event} on s{s}")),
@@ -252,7 +491,32 @@ impl Device {
     /// Queues work named `name` on stream `s`, which runs once gate `gate` opens and then
     /// writes `write` (an allocation of this device, an offset and bytes) if given.
     pub fn work(&self, s: u64, name: &str, gate: &str, write: Option<(u64, usize, Vec<u8>)>) {
-        self.enqueue(
+        self.work_as(None, s, name, gate, write);
+    }
+
+    /// As [`work`](Self::work), queued by `role` (which owns the stream from then on): work
+    /// of a process that has no backend here (a raw peer).
+    pub fn work_by(
+        &self,
+        role: &str,
+        s: u64,
+        name: &str,
+        gate: &str,
+        write: Option<(u64, usize, Vec<u8>)>,
+    ) {
+        self.work_as(Some(role), s, name, gate, write);
+    }
+
+    fn work_as(
+        &self,
+        role: Option<&str>,
+        s: u64,
+        name: &str,
+        gate: &str,
+        write: Option<(u64, usize, Vec<u8>)>,
+    ) {
+        self.enqueue_as(
+            role,
             s,
             Op::Work {
                 name: name.to_owned(),
@@ -299,6 +563,14 @@ impl Device {
         self.lock().log.len()
     }
 
+    /// The log lines from index `from` on that start with `prefix`.
+    pub fn count_from(&self, from: usize, prefix: &str) -> usize {
+        self.lock().log[from..]
+            .iter()
+            .filter(|l| l.starts_with(prefix))
+            .count()
+    }
+
     /// Waits (polling, with a deadline) until a log line starting with `prefix` appears;
     /// returns its index. For tests on an async runtime.
     pub async fn logged(&self, prefix: &str) -> usize {
@@ -317,12 +589,182 @@ impl Device {
                 return i;
             }
             assert!(
-                start.elapsed() < DEVICE_DEADLINE,
+                start.elapsed() < self.deadline,
                 "no log line starting with {prefix:?}:\n{}",
                 self.log().join("\n")
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    // ---- simulated time, liveness and safety (counter mode) ----
+
+    /// The simulated clock now: real time at the device's making, plus every
+    /// [`advance`](Self::advance).
+    pub fn now(&self) -> Instant {
+        self.base + self.lock().clock
+    }
+
+    /// Moves the simulated clock on.
+    pub fn advance(&self, by: Duration) {
+        let mut st = self.lock();
+        st.clock += by;
+        st.pump();
+    }
+
+    /// `role`'s process dies: its queued operations are dropped (its queued work died with
+    /// it), nothing more it queues runs, and its own host waits return at once.
+    pub fn kill(&self, role: &str) {
+        let mut st = self.lock();
+        st.dead.insert(role.to_owned());
+        let streams: Vec<u64> = st
+            .owners
+            .iter()
+            .filter(|(_, o)| o.as_str() == role)
+            .map(|(s, _)| *s)
+            .collect();
+        let mut dropped = 0;
+        for s in streams {
+            if let Some(q) = st.streams.get_mut(&s) {
+                dropped += q.len();
+                q.clear();
+            }
+        }
+        st.log.push(format!(
+            "killed {role} ({dropped} queued operations dropped)"
+        ));
+        st.pump();
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Whether `role` was killed.
+    pub fn is_dead(&self, role: &str) -> bool {
+        self.lock().is_dead(role)
+    }
+
+    /// `role`'s writes into its peers' inboxes never run from now on (held forever: a
+    /// producer that does not deliver), until [`deliver`](Self::deliver).
+    pub fn hold_writes(&self, role: &str) {
+        let mut st = self.lock();
+        st.held.insert(role.to_owned());
+        st.log.push(format!("holding {role}'s writes"));
+    }
+
+    /// `role`'s held writes run again.
+    pub fn deliver(&self, role: &str) {
+        let mut st = self.lock();
+        st.held.remove(role);
+        st.log.push(format!("delivering {role}'s writes"));
+        st.pump();
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Word `slot` of backend `inbox`'s fence inbox.
+    pub fn inbox_word(&self, inbox: u64, slot: u32) -> u64 {
+        self.lock().word(inbox, slot)
+    }
+
+    /// Writes word `slot` of backend `inbox`'s fence inbox now (a peer's write landing).
+    pub fn write_inbox(&self, inbox: u64, slot: u32, value: u64) {
+        let mut st = self.lock();
+        if let Some(w) = st
+            .inboxes
+            .get_mut(&inbox)
+            .and_then(|w| w.get_mut(slot as usize))
+        {
+            *w = value;
+        }
+        st.pump();
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Waits of live roles' streams on a peer's value (a lane slot of their inbox) that have
+    /// been the head of their stream, unsatisfied, for longer than `longer_than` of
+    /// simulated time.
+    pub fn stuck_waits(&self, longer_than: Duration) -> Vec<String> {
+        let mut st = self.lock();
+        st.pump();
+        let mut out = Vec::new();
+        for (s, q) in &st.streams {
+            let Some((id, Op::WaitValue { inbox, slot, value })) = q.front() else {
+                continue;
+            };
+            let owner = st.owners.get(s).cloned().unwrap_or_default();
+            let own = st.lane_areas.get(inbox).is_some_and(|first| slot < first);
+            if own || st.is_dead(&owner) || st.word(*inbox, *slot) >= *value {
+                continue;
+            }
+            let since = match st.heads.get(s) {
+                Some((h, at)) if h == id => *at,
+                _ => st.clock,
+            };
+            let waited = st.clock.saturating_sub(since);
+            if waited > longer_than {
+                out.push(format!(
+                    "s{s} of {owner} has waited {waited:?} for slot {slot} >= {value} (it holds {})",
+                    st.word(*inbox, *slot)
+                ));
+            }
+        }
+        out
+    }
+
+    /// Broken safety rules so far.
+    pub fn violations(&self) -> Vec<String> {
+        self.lock().violations.clone()
+    }
+
+    /// Whether allocation `alloc` was freed.
+    pub fn freed(&self, alloc: u64) -> bool {
+        self.lock().freed.contains(&alloc)
+    }
+
+    /// Queued (not yet run) operations of live roles that use `alloc`.
+    pub fn queued_uses(&self, alloc: u64) -> usize {
+        let st = self.lock();
+        st.streams
+            .iter()
+            .filter(|(s, _)| st.owners.get(*s).is_none_or(|o| !st.is_dead(o)))
+            .flat_map(|(_, q)| q.iter())
+            .filter(|(_, op)| op.uses() == Some(alloc))
+            .count()
+    }
+
+    /// A free of `alloc` by `role`: recorded, and checked against the work still queued.
+    fn free(&self, role: &str, alloc: u64) {
+        let mut st = self.lock();
+        let mut broken = Vec::new();
+        // A dead exporter frees nothing: the driver keeps its memory while importers map it.
+        let streams = if st.is_dead(role) {
+            Vec::new()
+        } else {
+            st.streams.iter().collect()
+        };
+        for (s, q) in streams {
+            let owner = st.owners.get(s).cloned().unwrap_or_default();
+            if st.is_dead(&owner) {
+                continue;
+            }
+            for (_, op) in q {
+                if op.uses() == Some(alloc) {
+                    let what = match op {
+                        Op::Work { name, .. } => format!("work {name}"),
+                        _ => "a copy".to_owned(),
+                    };
+                    broken.push(format!(
+                        "a{alloc} freed by {role} while {what} of live {owner} on s{s} may still use it"
+                    ));
+                }
+            }
+        }
+        st.violations.extend(broken);
+        st.freed.insert(alloc);
+        st.log.push(format!("{role} free a{alloc}"));
+        drop(st);
+        self.changed.notify_all();
     }
 }
 
@@ -361,6 +803,14 @@ fn encode_alloc(alloc: u64) -> [u8; 64] {
 
 fn decode_alloc(bytes: &[u8; 64]) -> u64 {
     u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"))
+}
+
+/// The (simulated) IPC handle of backend `number`'s fence inbox.
+pub fn inbox_handle(number: u64) -> CudaIpcMemHandle {
+    let mut bytes = [0u8; 64];
+    bytes[..8].copy_from_slice(b"siminbox");
+    bytes[8..16].copy_from_slice(&number.to_le_bytes());
+    CudaIpcMemHandle(bytes)
 }
 
 /// A use mark: an event recorded on its stream.
@@ -416,9 +866,11 @@ impl UseMark for SimMark {
     }
     fn synchronize(&self) -> Result<()> {
         let event = self.event;
-        self.device.device.block_until("a mark", |st| {
-            st.events.get(&event).is_none_or(|r| st.done.contains(r))
-        });
+        self.device
+            .device
+            .block_until(Some(&self.device.role), "a mark", |st| {
+                st.events.get(&event).is_none_or(|r| st.done.contains(r))
+            });
         Ok(())
     }
     fn as_any(&self) -> &dyn Any {
@@ -429,6 +881,7 @@ impl UseMark for SimMark {
 /// An interprocess fence: an event recorded on a release stream.
 struct SimFence {
     device: Arc<Device>,
+    role: String,
     event: u64,
 }
 
@@ -447,9 +900,59 @@ impl ExportedFence for SimFence {
     }
     fn synchronize(&self) -> Result<()> {
         let event = self.event;
-        self.device.block_until("a fence", |st| {
+        self.device.block_until(Some(&self.role), "a fence", |st| {
             st.events.get(&event).is_none_or(|r| st.done.contains(r))
         });
+        Ok(())
+    }
+}
+
+/// A counter fence recorded for a peer: a value written into the peer's inbox, and its
+/// local twin in ours (what we wait on to know our own work has run).
+struct SimCounterFence {
+    device: Arc<Device>,
+    role: String,
+    handle: CounterFence,
+    local: CounterFence,
+    own: u64,
+    live: Arc<AtomicUsize>,
+}
+
+impl std::fmt::Debug for SimCounterFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SimCounterFence(inbox{} @{} = {})",
+            self.handle.slab_id, self.handle.offset, self.handle.value
+        )
+    }
+}
+
+impl Drop for SimCounterFence {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl ExportedFence for SimCounterFence {
+    fn handle(&self) -> FenceHandle {
+        FenceHandle::Counter(self.handle)
+    }
+    fn local_handle(&self) -> FenceHandle {
+        FenceHandle::Counter(self.local)
+    }
+    fn is_complete(&self) -> Result<bool> {
+        Ok(self
+            .device
+            .inbox_word(self.own, (self.local.offset / 8) as u32)
+            >= self.local.value)
+    }
+    fn synchronize(&self) -> Result<()> {
+        let (own, slot, value) = (self.own, (self.local.offset / 8) as u32, self.local.value);
+        self.device
+            .block_until(Some(&self.role), "a counter fence", |st| {
+                st.word(own, slot) >= value
+            });
         Ok(())
     }
 }
@@ -481,7 +984,8 @@ impl RawMemory for SimMem {
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         let out = Arc::new(Mutex::new(None));
         let s = self.internal();
-        self.sim.device.enqueue(
+        self.sim.device.enqueue_as(
+            Some(&self.sim.role),
             s,
             Op::CopyOut {
                 alloc: self.alloc,
@@ -494,13 +998,18 @@ impl RawMemory for SimMem {
                 self.sim.role, self.alloc
             )),
         );
-        self.sim.device.synchronize(s);
-        dst.copy_from_slice(&out.lock().unwrap().take().expect("the copy ran"));
+        self.sim.device.synchronize_as(Some(&self.sim.role), s);
+        match out.lock().unwrap().take() {
+            Some(bytes) => dst.copy_from_slice(&bytes),
+            // Only a dead role's copy never runs.
+            None => dst.fill(0),
+        }
         Ok(())
     }
     fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         let s = self.internal();
-        self.sim.device.enqueue(
+        self.sim.device.enqueue_as(
+            Some(&self.sim.role),
             s,
             Op::CopyIn {
                 alloc: self.alloc,
@@ -510,7 +1019,7 @@ impl RawMemory for SimMem {
             Some(format!("{} copy-in a{} on s{s}", self.sim.role, self.alloc)),
         );
         self.sim.device.note(format!("{} sync s{s}", self.sim.role));
-        self.sim.device.synchronize(s);
+        self.sim.device.synchronize_as(Some(&self.sim.role), s);
         Ok(())
     }
     fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
@@ -545,11 +1054,65 @@ impl ExportableMemory for SimMem {
 
 impl Drop for SimMem {
     fn drop(&mut self) {
-        let what = if self.owner { "free" } else { "close" };
-        self.sim
-            .device
-            .note(format!("{} {what} a{}", self.sim.role, self.alloc));
+        if self.owner {
+            self.sim.device.free(&self.sim.role, self.alloc);
+        } else {
+            self.sim
+                .device
+                .note(format!("{} close a{}", self.sim.role, self.alloc));
+        }
     }
+}
+
+/// Counter-fence mode: how a backend's fence inbox is laid out, and the fence deadline
+/// (simulated time: see [`Device::advance`]).
+#[derive(Debug, Clone, Copy)]
+pub struct CounterMode {
+    /// Release streams, and so slots per lane (R).
+    pub release_streams: u32,
+    /// Lanes the inbox lends, one per peer process over the backend's life.
+    pub lanes: u32,
+    /// How long a producer may name values without progress.
+    pub deadline: Duration,
+}
+
+impl Default for CounterMode {
+    fn default() -> Self {
+        Self {
+            release_streams: 4,
+            lanes: 8,
+            deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A lane of a peer's inbox this backend writes its fences into.
+#[derive(Debug)]
+struct PeerLane {
+    grant: InboxGrant,
+    /// The last value taken per slot.
+    values: Vec<u64>,
+}
+
+/// A backend's counter-fence state (mirrors `ipc/src/cuda/inbox.rs`).
+struct CounterState {
+    mode: CounterMode,
+    lanes: Mutex<Lanes>,
+    /// The last value of each local mark slot; held while a release stream queues a
+    /// fence's writes.
+    marks: Vec<Mutex<u64>>,
+    peers: Mutex<HashMap<ProcessId, PeerLane>>,
+    hooks: Mutex<Vec<FenceFaultHook>>,
+    /// Which role each process id stands for (learned from the grants accepted).
+    peer_roles: Mutex<HashMap<ProcessId, String>>,
+    /// Accepts wait until this gate opens (a slow `cuIpcOpenMemHandle`).
+    slow_accept: Mutex<Option<String>>,
+    /// Counter fences of ours alive now.
+    live: Arc<AtomicUsize>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The recording backend (see the module docs).
@@ -563,6 +1126,8 @@ pub struct SimBackend {
     slow_open: Mutex<Option<String>>,
     /// File descriptors the opens were given.
     pub fds_opened: AtomicU64,
+    /// Counter mode, if on.
+    counters: Option<CounterState>,
 }
 
 impl std::fmt::Debug for SimBackend {
@@ -574,7 +1139,7 @@ impl std::fmt::Debug for SimBackend {
 impl SimBackend {
     /// A backend called `role` in the log, allocating legacy-like memory.
     pub fn new(device: &Arc<Device>, role: &str) -> Arc<SimBackend> {
-        Self::make(device, role, None)
+        Self::make(device, role, None, None)
     }
 
     /// As [`new`](Self::new), allocating pool-like memory: every allocation shares one
@@ -582,11 +1147,40 @@ impl SimBackend {
     pub fn pooled(device: &Arc<Device>, role: &str) -> Arc<SimBackend> {
         let fd = rustix::fs::memfd_create("sim-pool", rustix::fs::MemfdFlags::CLOEXEC)
             .expect("memfd_create");
-        Self::make(device, role, Some(Arc::new(fd)))
+        Self::make(device, role, Some(Arc::new(fd)), None)
     }
 
-    fn make(device: &Arc<Device>, role: &str, pool_fd: Option<Arc<OwnedFd>>) -> Arc<SimBackend> {
+    /// As [`new`](Self::new), with counter fences in fence inboxes (see the module docs).
+    pub fn with_counters(device: &Arc<Device>, role: &str, mode: CounterMode) -> Arc<SimBackend> {
+        Self::make(device, role, None, Some(mode))
+    }
+
+    fn make(
+        device: &Arc<Device>,
+        role: &str,
+        pool_fd: Option<Arc<OwnedFd>>,
+        mode: Option<CounterMode>,
+    ) -> Arc<SimBackend> {
         let number = device.next_backend.fetch_add(1, Ordering::Relaxed) + 1;
+        let counters = mode.map(|mode| {
+            let r = mode.release_streams.max(1);
+            let words = (r + LEND + mode.lanes * r) as usize;
+            let mut st = device.lock();
+            st.inboxes.insert(number, vec![0; words]);
+            st.lane_areas.insert(number, r + LEND);
+            drop(st);
+            CounterState {
+                mode,
+                lanes: Mutex::new(Lanes::new(r + LEND, mode.lanes, r, mode.deadline)),
+                marks: (0..r).map(|_| Mutex::new(0)).collect(),
+                peers: Mutex::new(HashMap::new()),
+                hooks: Mutex::new(Vec::new()),
+                peer_roles: Mutex::new(HashMap::new()),
+                slow_accept: Mutex::new(None),
+                live: Arc::new(AtomicUsize::new(0)),
+            }
+        });
+        device.lock().roles.insert(number, role.to_owned());
         Arc::new(SimBackend {
             sim: Arc::new(SimRef {
                 device: Arc::clone(device),
@@ -598,7 +1192,18 @@ impl SimBackend {
             fail_pool_import: AtomicBool::new(false),
             slow_open: Mutex::new(None),
             fds_opened: AtomicU64::new(0),
+            counters,
         })
+    }
+
+    /// The role.
+    pub fn role(&self) -> &str {
+        &self.sim.role
+    }
+
+    /// The backend's number (its inbox's id).
+    pub fn number(&self) -> u64 {
+        self.sim.number
     }
 
     /// The id of this backend's own stream.
@@ -606,9 +1211,14 @@ impl SimBackend {
         internal_stream(self.sim.number)
     }
 
-    /// The id of this backend's release stream.
+    /// The id of this backend's release stream (event mode).
     pub fn release_stream(&self) -> u64 {
         release_stream(self.sim.number)
+    }
+
+    /// The id of release stream `i` (counter mode).
+    pub fn counter_release_stream(&self, i: u32) -> u64 {
+        counter_release_stream(self.sim.number, i)
     }
 
     /// Opens wait for gate `gate` from now on.
@@ -619,6 +1229,264 @@ impl SimBackend {
     /// The next pool import fails (a local failure: descriptors, memory).
     pub fn fail_next_pool_import(&self) {
         self.fail_pool_import.store(true, Ordering::SeqCst);
+    }
+
+    /// Queues work of this backend's role on stream `s` (which it owns from then on), as
+    /// [`Device::work`].
+    pub fn work(&self, s: u64, name: &str, gate: &str, write: Option<(u64, usize, Vec<u8>)>) {
+        self.sim
+            .device
+            .work_as(Some(&self.sim.role), s, name, gate, write);
+    }
+
+    fn counters(&self) -> &CounterState {
+        self.counters.as_ref().expect("a counter-mode backend")
+    }
+
+    /// Counter mode: whether a peer's inbox grant was accepted.
+    pub fn has_peer_inbox(&self) -> bool {
+        !lock(&self.counters().peers).is_empty()
+    }
+
+    /// Counter mode: the process id the test process has stands, for this backend, for
+    /// `role` (a raw peer, which lends no inbox).
+    pub fn set_peer_role(&self, role: &str) {
+        lock(&self.counters().peer_roles).insert(baton::ipc::process::current(), role.to_owned());
+    }
+
+    /// Counter mode: accepts wait for gate `gate` from now on.
+    pub fn slow_accepts(&self, gate: &str) {
+        *lock(&self.counters().slow_accept) = Some(gate.to_owned());
+    }
+
+    /// Counter mode: counter fences of ours alive now (recorded, not yet dropped).
+    pub fn live_fences(&self) -> usize {
+        self.counters().live.load(Ordering::Relaxed)
+    }
+
+    /// Counter mode: the status of the lane we lent to `peer`.
+    pub fn lane_status(&self, peer: &ProcessId) -> Option<LaneStatus> {
+        lock(&self.counters().lanes).status(peer)
+    }
+
+    /// Counter mode: lanes lent so far, of the capacity.
+    pub fn lanes_lent(&self) -> (u32, u32) {
+        lock(&self.counters().lanes).lent()
+    }
+
+    /// Counter mode: the fence deadline.
+    pub fn deadline(&self) -> Duration {
+        self.counters().mode.deadline
+    }
+
+    /// Whether the process `p` stands for may still run work (simulated liveness).
+    fn alive(&self, p: &ProcessId) -> bool {
+        let role = self
+            .counters
+            .as_ref()
+            .and_then(|c| lock(&c.peer_roles).get(p).cloned());
+        role.is_none_or(|r| !self.sim.device.is_dead(&r))
+    }
+
+    /// Writes `u64::MAX` into `ranges` of our inbox (a memset on a stream that waits on
+    /// nothing, waited for).
+    fn release(&self, ranges: &[ReleaseRange]) {
+        let mut st = self.sim.device.lock();
+        for r in ranges {
+            if let Some(words) = st.inboxes.get_mut(&self.sim.number) {
+                for w in words
+                    .iter_mut()
+                    .skip(r.first as usize)
+                    .take(r.slots as usize)
+                {
+                    *w = u64::MAX;
+                }
+            }
+            st.log.push(format!(
+                "{} release slots {}..{}",
+                self.sim.role,
+                r.first,
+                r.first + r.slots
+            ));
+        }
+        st.pump();
+        drop(st);
+        self.sim.device.changed.notify_all();
+    }
+
+    /// One look of the watch thread (`ipc/src/cuda/inbox.rs`, `Watched::observe`), at the
+    /// device's simulated time: the inbox is read back into the lanes, released lanes are
+    /// written, and producers that missed the deadline are reported to the hooks.
+    pub fn watch(&self) -> Observation {
+        let Some(c) = &self.counters else {
+            return Observation::default();
+        };
+        if self.sim.device.is_dead(&self.sim.role) || !lock(&c.lanes).needs_observing() {
+            return Observation::default();
+        }
+        let values = self
+            .sim
+            .device
+            .lock()
+            .inboxes
+            .get(&self.sim.number)
+            .cloned()
+            .unwrap_or_default();
+        let now = self.sim.device.now();
+        let seen = lock(&c.lanes).observe(&values, now, |p| self.alive(p));
+        self.release(&seen.release);
+        if !seen.missed.is_empty() {
+            self.sim.device.note(format!(
+                "{} missed deadline: {:?}",
+                self.sim.role, seen.missed
+            ));
+            let hooks = lock(&c.hooks).clone();
+            for producer in &seen.missed {
+                for hook in &hooks {
+                    hook(*producer);
+                }
+            }
+        }
+        seen
+    }
+
+    /// The release stream a fence after uses on `stream` is recorded on.
+    fn pick(&self, stream: StreamKey) -> u32 {
+        let r = self.counters().marks.len() as u32;
+        match stream {
+            StreamKey::Id(n) => (n % u64::from(r)) as u32,
+            _ => 0,
+        }
+    }
+
+    /// Release stream `i` (its mark lock held, waited on what the fence must follow)
+    /// records a fence for `to` (as `CudaBackend::fence_on`).
+    fn fence_on(
+        &self,
+        i: u32,
+        held: &mut u64,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let c = self.counters();
+        let role = self.sim.role.as_str();
+        let s = self.counter_release_stream(i);
+        let taken = {
+            let mut peers = lock(&c.peers);
+            peers.get_mut(to).map(|lane| {
+                let slot = i % lane.grant.slots.max(1);
+                let v = &mut lane.values[slot as usize];
+                *v += 1;
+                (lane.grant, slot, *v)
+            })
+        };
+        let Some((grant, slot, value)) = taken else {
+            self.sim
+                .device
+                .note(format!("{role} sync s{s} (no inbox from the peer)"));
+            self.sim.device.synchronize_as(Some(role), s);
+            return Ok(None);
+        };
+        let device = &self.sim.device;
+        device.enqueue_as(
+            Some(role),
+            s,
+            Op::WriteValue {
+                inbox: grant.slab_id,
+                slot: grant.first + slot,
+                value,
+                writer: role.to_owned(),
+                peer: true,
+            },
+            Some(format!(
+                "{role} write inbox{} slot{} = {value} on s{s}",
+                grant.slab_id,
+                grant.first + slot
+            )),
+        );
+        *held += 1;
+        device.enqueue_as(
+            Some(role),
+            s,
+            Op::WriteValue {
+                inbox: self.sim.number,
+                slot: i,
+                value: *held,
+                writer: role.to_owned(),
+                peer: false,
+            },
+            Some(format!("{role} write mark slot{i} = {} on s{s}", *held)),
+        );
+        c.live.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Arc::new(SimCounterFence {
+            device: Arc::clone(device),
+            role: role.to_owned(),
+            handle: CounterFence {
+                slab: grant.slab,
+                slab_id: grant.slab_id,
+                offset: grant.offset_of(slot).expect("a slot of the lane"),
+                value,
+            },
+            local: CounterFence {
+                slab: inbox_handle(self.sim.number),
+                slab_id: self.sim.number,
+                offset: u64::from(i) * 8,
+                value: *held,
+            },
+            own: self.sim.number,
+            live: Arc::clone(&c.live),
+        })))
+    }
+
+    fn refused(producer: &ProcessId, reason: FenceRefusal) -> Error {
+        Error::FenceRefused {
+            producer: *producer,
+            reason,
+        }
+    }
+
+    /// `stream` waits on a counter fence in our inbox (as `CudaBackend::wait_fence_on`):
+    /// a fence in a lane only if it lies in `producer`'s lane; our own (local marks, lend
+    /// area) always.
+    fn wait_counter(&self, s: u64, producer: &ProcessId, fence: &CounterFence) -> Result<()> {
+        let c = self.counters();
+        let n = self.sim.number;
+        if fence.slab_id != n || fence.slab != inbox_handle(n) {
+            return Err(Self::refused(producer, FenceRefusal::ForeignSlab));
+        }
+        let r = c.marks.len() as u64;
+        let slot = fence.offset / 8;
+        let words = self.sim.device.lock().inboxes[&n].len() as u64;
+        if fence.offset % 8 != 0 || slot >= words {
+            return Err(Self::refused(
+                producer,
+                FenceRefusal::OutsideLane {
+                    offset: fence.offset,
+                },
+            ));
+        }
+        if slot >= r + u64::from(LEND) && !lock(&c.lanes).may_wait(producer, fence.offset) {
+            return Err(Self::refused(
+                producer,
+                FenceRefusal::OutsideLane {
+                    offset: fence.offset,
+                },
+            ));
+        }
+        let role = &self.sim.role;
+        self.sim.device.enqueue_as(
+            Some(role),
+            s,
+            Op::WaitValue {
+                inbox: n,
+                slot: slot as u32,
+                value: fence.value,
+            },
+            Some(format!(
+                "{role} wait-value slot{slot} >= {} on s{s}",
+                fence.value
+            )),
+        );
+        Ok(())
     }
 }
 
@@ -675,7 +1543,9 @@ impl Backend for SimBackend {
         if let Some(gate) = gate {
             self.sim
                 .device
-                .block_until(&format!("gate {gate}"), |st| st.open_gates.contains(&gate));
+                .block_until(None, &format!("gate {gate}"), |st| {
+                    st.open_gates.contains(&gate)
+                });
         }
         if fd.is_some() {
             self.fds_opened.fetch_add(1, Ordering::Relaxed);
@@ -726,10 +1596,13 @@ impl Backend for SimBackend {
     fn order_after(
         &self,
         stream: StreamRef<'_>,
-        _producer: &ProcessId,
+        producer: &ProcessId,
         fence: &FenceHandle,
     ) -> Result<()> {
         let s = self.sim.stream(stream)?;
+        if let (FenceHandle::Counter(counter), Some(_)) = (fence, &self.counters) {
+            return self.wait_counter(s, producer, counter);
+        }
         let event = decode_event(fence)?;
         self.sim.device.wait(&self.sim.role, event, s);
         Ok(())
@@ -745,10 +1618,19 @@ impl Backend for SimBackend {
     fn export_fence(
         &self,
         after: &[&dyn UseMark],
-        _to: &ProcessId,
+        to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>> {
-        if after.is_empty() {
+        let Some(first) = after.first() else {
             return Ok(None);
+        };
+        if let Some(c) = &self.counters {
+            let i = self.pick(first.stream());
+            let s = self.counter_release_stream(i);
+            let mut held = lock(&c.marks[i as usize]);
+            for mark in after {
+                mark.order(StreamRef::Id(s))?;
+            }
+            return self.fence_on(i, &mut held, to);
         }
         let s = self.release_stream();
         for mark in after {
@@ -758,16 +1640,182 @@ impl Backend for SimBackend {
         self.sim.device.record(&self.sim.role, event, s);
         Ok(Some(Arc::new(SimFence {
             device: Arc::clone(&self.sim.device),
+            role: self.sim.role.clone(),
             event,
         })))
+    }
+    fn relay_fence(
+        &self,
+        producer: &ProcessId,
+        fence: &FenceHandle,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let Some(c) = &self.counters else {
+            return Ok(None);
+        };
+        let s = self.counter_release_stream(0);
+        let mut held = lock(&c.marks[0]);
+        self.order_after(StreamRef::Id(s), producer, fence)?;
+        self.fence_on(0, &mut held, to)
+    }
+    fn inbox_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
+        let c = self.counters.as_ref()?;
+        let (first, slots, base) = lock(&c.lanes).grant(peer, self.sim.device.now())?;
+        self.sim.device.note(format!(
+            "{} grant lane {first}..{}",
+            self.sim.role,
+            first + slots
+        ));
+        Some(InboxGrant {
+            device: self.device(),
+            slab: inbox_handle(self.sim.number),
+            slab_id: self.sim.number,
+            first,
+            slots,
+            base,
+        })
+    }
+    fn accept_inbox(&self, peer: &ProcessId, grant: &InboxGrant) -> Result<()> {
+        let Some(c) = &self.counters else {
+            return Ok(());
+        };
+        let gate = lock(&c.slow_accept).clone();
+        if let Some(gate) = gate {
+            self.sim
+                .device
+                .block_until(None, &format!("gate {gate}"), |st| {
+                    st.open_gates.contains(&gate)
+                });
+        }
+        let granter = {
+            let st = self.sim.device.lock();
+            let fits = st
+                .inboxes
+                .get(&grant.slab_id)
+                .is_some_and(|w| u64::from(grant.first) + u64::from(grant.slots) <= w.len() as u64);
+            (fits && grant.slab == inbox_handle(grant.slab_id))
+                .then(|| st.roles.get(&grant.slab_id).cloned().unwrap_or_default())
+        };
+        let Some(granter) = granter else {
+            return Err(Error::Io {
+                op: "opening a peer's fence inbox (simulated)",
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            });
+        };
+        {
+            let mut peers = lock(&c.peers);
+            if !peers.get(peer).is_some_and(|l| l.grant == *grant) {
+                peers.insert(
+                    *peer,
+                    PeerLane {
+                        grant: *grant,
+                        values: vec![grant.base; grant.slots as usize],
+                    },
+                );
+            }
+        }
+        lock(&c.peer_roles).insert(*peer, granter.clone());
+        self.sim.device.note(format!(
+            "{} accepted lane {}..{} of {granter}",
+            self.sim.role,
+            grant.first,
+            grant.first + grant.slots
+        ));
+        Ok(())
+    }
+    fn check_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        let (Some(c), FenceHandle::Counter(counter)) = (&self.counters, fence) else {
+            return Ok(());
+        };
+        let n = self.sim.number;
+        if counter.slab_id != n || counter.slab != inbox_handle(n) {
+            return Err(Self::refused(producer, FenceRefusal::ForeignSlab));
+        }
+        let now = self.sim.device.now();
+        lock(&c.lanes)
+            .announce(producer, counter.offset, counter.value, now)
+            .map_err(|r| Self::refused(producer, r))
+    }
+    fn add_fence_fault_hook(&self, hook: FenceFaultHook) {
+        if let Some(c) = &self.counters {
+            lock(&c.hooks).push(hook);
+        }
+    }
+    fn producer_cut(&self, process: &ProcessId) {
+        let Some(c) = &self.counters else { return };
+        let ranges = lock(&c.lanes).producer_cut(process);
+        self.sim
+            .device
+            .note(format!("{} cut producer {process}", self.sim.role));
+        self.release(&ranges);
+    }
+    fn unsafe_to_free(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
+        match (fence, &self.counters) {
+            (FenceHandle::Counter(counter), Some(c)) => {
+                counter.slab_id == self.sim.number
+                    && lock(&c.lanes).unsafe_to_free(producer, counter.offset)
+                    && self.alive(producer)
+            }
+            _ => false,
+        }
+    }
+    fn flush_fences(&self, within: Duration) -> Result<bool> {
+        let Some(c) = &self.counters else {
+            return Ok(true);
+        };
+        let streams: Vec<u64> = (0..c.marks.len() as u32)
+            .map(|i| self.counter_release_stream(i))
+            .collect();
+        Ok(self.sim.device.block_within(
+            Some(&self.sim.role),
+            "the release streams",
+            within,
+            |st| {
+                streams
+                    .iter()
+                    .all(|s| st.streams.get(s).is_none_or(VecDeque::is_empty))
+            },
+        ))
     }
     fn synchronize(&self) -> Result<()> {
         let s = self.internal();
         self.sim.device.note(format!("{} sync s{s}", self.sim.role));
-        self.sim.device.synchronize(s);
+        self.sim.device.synchronize_as(Some(&self.sim.role), s);
         Ok(())
+    }
+    fn synchronize_fences(&self) -> Result<()> {
+        if let Some(c) = &self.counters {
+            for i in 0..c.marks.len() as u32 {
+                self.sim
+                    .device
+                    .synchronize_as(Some(&self.sim.role), self.counter_release_stream(i));
+            }
+        }
+        self.synchronize()
     }
     fn blocking_calls(&self) -> bool {
         true
+    }
+    fn forget_process(&self, process: &ProcessId) {
+        self.release_dead(process);
+        if let Some(c) = &self.counters {
+            if !self.alive(process) {
+                // We write no more fences for it (as `Inbox::forget_peer`).
+                lock(&c.peers).remove(process);
+            }
+        }
+    }
+    fn release_dead(&self, process: &ProcessId) {
+        let Some(c) = &self.counters else { return };
+        if self.alive(process) {
+            return;
+        }
+        let ranges = lock(&c.lanes).producer_died(process);
+        if !ranges.is_empty() {
+            self.sim
+                .device
+                .note(format!("{} producer died {process}", self.sim.role));
+        }
+        self.release(&ranges);
     }
 }
