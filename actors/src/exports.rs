@@ -851,11 +851,11 @@ impl Exports {
         fences: Vec<FenceHandle>,
     ) -> Result<(), ActorError> {
         self.apply_to(Scope::Lease(lease), |s| {
-            // A forwarded lease's fences were recorded by its holder, not by the relay.
-            let producer = s
-                .ledger
-                .lease_holder(lease)
-                .filter(|_| s.ledger.link_process(link).is_some());
+            // The fences were checked against the lane we lent the link's peer: it wrote
+            // them. (A relay passes a forwarded lease's release on without fences, since
+            // its holder closed its mapping after its own work; fences a faulty relay adds
+            // are its own, waited on — and released, if it dies — as such.)
+            let producer = s.ledger.link_process(link);
             let fences: Vec<ReleaseFence> = match producer {
                 Some(producer) => fences
                     .into_iter()

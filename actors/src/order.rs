@@ -418,6 +418,7 @@ impl ExportOrder {
             return FreeVerdict::Hold(alive);
         }
         let any = !all.is_empty() || self.uses.marks().next().is_some();
+        let checked = all.clone();
         let waited = || -> Result<(), ActorError> {
             self.order_released(StreamRef::Internal, all)?;
             self.uses.order_after_others(StreamRef::Internal)?;
@@ -426,10 +427,23 @@ impl ExportOrder {
             }
             Ok(())
         };
-        match waited() {
-            Ok(()) => FreeVerdict::Free,
-            Err(e) => FreeVerdict::Failed(e),
+        if let Err(e) = waited() {
+            return FreeVerdict::Failed(e);
         }
+        // The deadline may have released a wait while we waited: then it guards work
+        // that may still run after all.
+        let mut alive: Vec<ProcessId> = checked
+            .iter()
+            .filter(|f| backend.unsafe_to_free(&f.producer, &f.fence))
+            .map(|f| f.producer)
+            .collect();
+        if alive.is_empty() {
+            return FreeVerdict::Free;
+        }
+        alive.sort_unstable_by_key(|p| (p.pid, p.start_ticks));
+        alive.dedup();
+        self.released(checked);
+        FreeVerdict::Hold(alive)
     }
 }
 

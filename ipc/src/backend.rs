@@ -578,10 +578,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// A fence process `to` can wait on, complete once the latest record of every mark in
     /// `after` has completed (CUDA: a release stream of the backend's waits on the marks'
     /// events, then writes a counter into `to`'s fence inbox — or records a pooled
-    /// interprocess event). `to` may be this process (a fence waited on here). `None` when
-    /// `after` is empty or the backend has no fences — and also when `to` lent us no inbox:
-    /// the marks are then synchronised before this returns (own work only, so bounded), and
-    /// nothing is left to wait for.
+    /// interprocess event, also where `to` lent us no inbox lane we can use). `to` may be
+    /// this process (a fence waited on here). `None` when `after` is empty or the backend
+    /// has no fences. Never blocks on queued work.
     ///
     /// # Errors
     /// A backend error ([`Error::EventsExhausted`] when every pooled event is in use).
@@ -595,9 +594,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
     /// A fence for `to` that completes once `fence` (which `producer` recorded for this
     /// process) has: how a relay passes an acquire fence on, and how a fence a user
-    /// recorded here becomes one a peer can wait on. `None` for backends without fences,
-    /// or when `to` lent us no inbox (then `fence` is waited for first, as
-    /// [`export_fence`](Self::export_fence) does).
+    /// recorded here becomes one a peer can wait on. `None` for backends without fences.
     ///
     /// # Errors
     /// As [`order_after`](Self::order_after) and [`export_fence`](Self::export_fence).

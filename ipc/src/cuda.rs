@@ -1067,8 +1067,8 @@ impl CudaBackend {
     /// Records a fence on `stream` that process `to` can wait on: with counter fences, a
     /// value written into the lane of `to`'s inbox that `to` lent us
     /// ([`Backend::accept_inbox`]) — after a fence of our own on `stream`, which a release
-    /// stream waits on — or, when `to` lent us none, `stream`'s work waited for here and
-    /// `None`; with event fences, a pooled event. `to` may be this process.
+    /// stream waits on — or, when `to` lent us none, a pooled interprocess event; with
+    /// event fences, a pooled event. `to` may be this process.
     ///
     /// # Errors
     /// As [`record_fence_on`](Self::record_fence_on); a driver error mapping `to`'s inbox.
@@ -1347,22 +1347,23 @@ impl CudaBackend {
         if *to == crate::process::current() {
             return Ok(Some(Arc::new(inbox.slab().record(stream)?)));
         }
-        match self.peer_inbox(to)? {
-            Some((slab, _)) => {
-                let handle = inbox
-                    .next_peer_value(to, i)
-                    .expect("the grant was just found");
+        let lane = match self.peer_inbox(to)? {
+            Some((slab, grant)) => inbox
+                .next_peer_value(to, i)
+                .filter(|h| h.slab_id == grant.slab_id)
+                .map(|h| (slab, h)),
+            None => None,
+        };
+        match lane {
+            Some((slab, handle)) => {
                 slab.write_on(handle.offset, handle.value, stream)?;
                 let local = inbox.write_mark(mark, i, stream)?;
                 Ok(Some(Arc::new(PeerFence { handle, local })))
             }
-            None => {
-                let _pushed = ContextGuard::push(&self.access.ctx)?;
-                // SAFETY: a live stream of the backend's context, which is current. Its
-                // work is our own, whose waits on peers are released within the deadline.
-                unsafe { result::stream_synchronize(stream.cu_stream()) }?;
-                Ok(None)
-            }
+            // `to` lent us no lane we can use (none, several, or it is gone): a pooled
+            // interprocess event, which any process can wait on, and nothing blocks here.
+            // (The fallback's wait cannot be released by its waiter: see ORDERING.md.)
+            None => Ok(Some(Arc::new(self.events.record_retiring(stream)?))),
         }
     }
 

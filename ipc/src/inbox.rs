@@ -232,16 +232,25 @@ impl Lanes {
         self.current.get(peer).map(|&i| &self.lanes[i].1)
     }
 
-    /// The lane slot of `offset` in `peer`'s current lane.
+    /// The lane slot of `offset` in a lane lent to `peer`: its current lane, or an older
+    /// one (released when it was replaced, so a fence queued from it still passes).
     fn slot(&self, peer: &ProcessId, offset: u64) -> Result<(usize, usize), FenceRefusal> {
-        let &i = self.current.get(peer).ok_or(FenceRefusal::NoLane)?;
-        let lane = &self.lanes[i].1;
+        let &current = self.current.get(peer).ok_or(FenceRefusal::NoLane)?;
         let slot = offset / 8;
-        let first = u64::from(lane.first);
-        if offset % 8 != 0 || slot < first || slot >= first + u64::from(self.lane_slots) {
-            return Err(FenceRefusal::OutsideLane { offset });
+        let within = |lane: &Lane| {
+            let first = u64::from(lane.first);
+            (offset % 8 == 0 && slot >= first && slot < first + u64::from(self.lane_slots))
+                .then(|| (slot - first) as usize)
+        };
+        if let Some(s) = within(&self.lanes[current].1) {
+            return Ok((current, s));
         }
-        Ok((i, (slot - first) as usize))
+        self.lanes
+            .iter()
+            .enumerate()
+            .filter(|(_, (p, _))| p == peer)
+            .find_map(|(i, (_, lane))| within(lane).map(|s| (i, s)))
+            .ok_or(FenceRefusal::OutsideLane { offset })
     }
 
     /// Checks a fence `peer` sent (byte `offset` in our inbox, `value`), and records its

@@ -102,6 +102,28 @@ struct PeerLane {
     values: Vec<u64>,
 }
 
+/// What we know of a peer process's inbox.
+#[derive(Debug)]
+enum PeerInbox {
+    /// One lane lent to us: our fences for it go there.
+    Lane(PeerLane),
+    /// Two different lanes from one process (two nodes there), or a lane another backend of
+    /// ours writes already: which one a fence is for cannot be told, so fences for that
+    /// process are interprocess events.
+    Ambiguous,
+}
+
+/// Lanes of other processes' inboxes claimed by a backend of this process, by (owner, slab,
+/// first slot): a lane has one writer — two backends of one process counting values in it
+/// would satisfy each other's waits. A claim outlives its backend (a later backend counting
+/// from zero again would be satisfied by the old one's values): another backend of this
+/// process gets event fences for that peer.
+fn claimed() -> &'static Mutex<HashMap<(ProcessId, u64, u32), u64>> {
+    static CLAIMED: std::sync::OnceLock<Mutex<HashMap<(ProcessId, u64, u32), u64>>> =
+        std::sync::OnceLock::new();
+    CLAIMED.get_or_init(Default::default)
+}
+
 /// The backend's inbox (see the module docs).
 pub(crate) struct Inbox {
     device: DeviceUuid,
@@ -109,7 +131,7 @@ pub(crate) struct Inbox {
     /// The last value of each local mark slot; the lock is held while its release stream
     /// queues a fence's writes, which keeps every slot's values in order.
     marks: Vec<Mutex<u64>>,
-    peers: Mutex<HashMap<ProcessId, PeerLane>>,
+    peers: Mutex<HashMap<ProcessId, PeerInbox>>,
 }
 
 impl std::fmt::Debug for Inbox {
@@ -182,36 +204,58 @@ impl Inbox {
         })
     }
 
-    /// `peer` lent us `grant` (a new grant replaces its last one).
+    /// `peer` lent us `grant`. A second, different grant from the same process, or a lane
+    /// another backend of this process writes already, makes it ambiguous (see
+    /// [`PeerInbox::Ambiguous`]).
     pub(crate) fn accept(&self, peer: &ProcessId, grant: &InboxGrant) {
         let mut peers = lock(&self.peers);
-        if peers.get(peer).is_some_and(|l| l.grant == *grant) {
-            return;
+        match peers.get(peer) {
+            Some(PeerInbox::Lane(l)) if l.grant == *grant => return,
+            Some(PeerInbox::Lane(_) | PeerInbox::Ambiguous) => {
+                tracing::debug!(%peer, "two fence inbox lanes from one process: its fences are events");
+                peers.insert(*peer, PeerInbox::Ambiguous);
+                return;
+            }
+            None => {}
         }
-        peers.insert(
-            *peer,
-            PeerLane {
+        let me = self.slab().id();
+        let owner = *lock(claimed())
+            .entry((*peer, grant.slab_id, grant.first))
+            .or_insert(me);
+        let entry = if owner == me {
+            PeerInbox::Lane(PeerLane {
                 grant: *grant,
                 values: vec![grant.base; grant.slots as usize],
-            },
-        );
+            })
+        } else {
+            tracing::debug!(%peer, "another backend of this process writes this fence inbox lane: fences for it are events");
+            PeerInbox::Ambiguous
+        };
+        peers.insert(*peer, entry);
     }
 
     /// `peer` is dead: we write no more fences for it.
     pub(crate) fn forget_peer(&self, peer: &ProcessId) {
-        lock(&self.peers).remove(peer);
+        if let Some(PeerInbox::Lane(l)) = lock(&self.peers).remove(peer) {
+            lock(claimed()).remove(&(*peer, l.grant.slab_id, l.grant.first));
+        }
     }
 
-    /// `peer`'s grant to us, if any.
+    /// `peer`'s grant to us, if it lent us exactly one lane.
     pub(crate) fn peer_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
-        lock(&self.peers).get(peer).map(|l| l.grant)
+        match lock(&self.peers).get(peer)? {
+            PeerInbox::Lane(l) => Some(l.grant),
+            PeerInbox::Ambiguous => None,
+        }
     }
 
     /// Takes the next value of `peer`'s lane slot for release stream `i` (call with that
     /// stream's mark lock held, and queue the write before letting it go).
     pub(crate) fn next_peer_value(&self, peer: &ProcessId, i: usize) -> Option<CounterFence> {
         let mut peers = lock(&self.peers);
-        let lane = peers.get_mut(peer)?;
+        let PeerInbox::Lane(lane) = peers.get_mut(peer)? else {
+            return None;
+        };
         let slot = (i as u32) % lane.grant.slots.max(1);
         let offset = lane.grant.offset_of(slot)?;
         let v = &mut lane.values[slot as usize];

@@ -644,16 +644,13 @@ fn a_producer_whose_lane_was_released_gets_a_fresh_different_lane() {
         let fresh = first_slot(&mut l, &p, t1);
         assert_ne!(fresh, old, "{p}");
         assert_eq!(l.status(&p), Some(LaneStatus::Live));
-        // Its fences now name the fresh lane, never the released one.
+        // Its new fences name the fresh lane; one still queued from the released lane
+        // passes (its wait was released with the lane), whatever its value.
         assert_eq!(l.announce(&p, offset(fresh), 1, t1), Ok(()));
         assert!(l.may_wait(&p, offset(fresh)));
-        assert_eq!(
-            l.announce(&p, offset(old), 1, t1),
-            Err(FenceRefusal::OutsideLane {
-                offset: offset(old)
-            })
-        );
-        assert!(!l.may_wait(&p, offset(old)));
+        assert_eq!(l.announce(&p, offset(old), u64::MAX, t1), Ok(()));
+        assert!(l.may_wait(&p, offset(old)));
+        assert_eq!(l.status(&p), Some(LaneStatus::Live), "the fresh lane is current");
         assert_eq!(l.grant(&p, t1), Some((fresh, SLOTS, 0)), "and keeps it");
     }
     assert_eq!(l.lent(), (4, 4));
@@ -1001,7 +998,16 @@ impl Run {
             Target::Anywhere(slot) => offset(slot),
             Target::Misaligned(b) => offset(lane_first) + b + u64::from(b % 8 == 0),
         };
-        let in_lane = cur.and_then(|i| self.model[i].slot(offset).map(|s| (i, s)));
+        // The current lane first, then any older (released) lane of the same peer.
+        let in_lane = cur.and_then(|i| {
+            self.model[i].slot(offset).map(|s| (i, s)).or_else(|| {
+                self.model
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| l.owner == p)
+                    .find_map(|(j, l)| l.slot(offset).map(|s| (j, s)))
+            })
+        });
         let floor = in_lane.map_or(0, |(i, s)| {
             self.model[i].announced[s].max(self.model[i].seen[s])
         });
