@@ -445,12 +445,6 @@ impl<M, F> Ledger<M, F> {
         }
     }
 
-    /// The process that holds `lease`: the relayed holder, or the peer of its link.
-    pub(crate) fn lease_holder(&self, lease: LeaseId) -> Option<ProcessId> {
-        let r = self.leases.get(&lease)?;
-        r.relayed_to.or_else(|| self.link_process(r.link))
-    }
-
     /// Takes back a lease whose offer was never sent. `grant` is what [`grant`](Self::grant)
     /// returned: a hold it started is undone too, so the next offer carries the descriptor.
     pub(crate) fn ungrant(&mut self, lease: LeaseId, grant: Grant) {

@@ -382,13 +382,11 @@ impl Node {
         // A producer that names fence values and does not deliver them is cut (our waits
         // on it were released already; see `baton_ipc::inbox`).
         let faulty = Arc::downgrade(&inner);
-        inner
-            .backend
-            .add_fence_fault_hook(Arc::new(move |process| {
-                if let Some(inner) = faulty.upgrade() {
-                    (Node { inner }).disconnect(&process);
-                }
-            }));
+        inner.backend.add_fence_fault_hook(Arc::new(move |process| {
+            if let Some(inner) = faulty.upgrade() {
+                (Node { inner }).disconnect(&process);
+            }
+        }));
         Node { inner }
     }
 

@@ -11,10 +11,10 @@ use baton_messages::{
     RawHandle,
 };
 use std::fmt;
-use std::time::Duration;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Where a buffer's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -92,7 +92,9 @@ pub enum FenceRefusal {
         offset: u64,
     },
     /// The value jumps too far ahead of the slot.
-    #[error("the fence names value {value}, more than {MAX_VALUE_STEP} above {floor}, the highest its slot held or was named with")]
+    #[error(
+        "the fence names value {value}, more than {MAX_VALUE_STEP} above {floor}, the highest its slot held or was named with"
+    )]
     ValueTooFar {
         /// The value named.
         value: u64,

@@ -58,8 +58,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
 
 /// How many counter fences a backend's slab holds unless told otherwise
 /// ([`super::CudaBackendBuilder::counter_slots`]): 32 KiB of device memory.
@@ -303,7 +303,9 @@ impl CounterSlab {
         let _pushed = ContextGuard::push(stream.context())?;
         // SAFETY: the stream is live in its current context; the slot is 8-byte aligned
         // inside our live allocation (checked above).
-        unsafe { result::stream_write_value64(self.ops, stream.cu_stream(), self.addr(slot), value) }
+        unsafe {
+            result::stream_write_value64(self.ops, stream.cu_stream(), self.addr(slot), value)
+        }
     }
 
     /// Writes `u64::MAX` into `slots` slots from `first` on, on `stream` (a stream that
@@ -320,7 +322,12 @@ impl CounterSlab {
         // SAFETY: the range lies inside our live allocation (checked above); the stream is
         // live in the current context (the slab's).
         unsafe {
-            result::memset_d8_async(self.addr(first), 0xFF, slots as usize * 8, stream.cu_stream())
+            result::memset_d8_async(
+                self.addr(first),
+                0xFF,
+                slots as usize * 8,
+                stream.cu_stream(),
+            )
         }?;
         // SAFETY: as above.
         unsafe { result::stream_synchronize(stream.cu_stream()) }
@@ -557,11 +564,7 @@ impl OpenedSlab {
                 return Err(e);
             }
         };
-        Ok(Self {
-            mapping,
-            size,
-            ops,
-        })
+        Ok(Self { mapping, size, ops })
     }
 
     fn check(&self, offset: u64, op: &'static str) -> Result<()> {
@@ -645,7 +648,9 @@ impl crate::ordering::ExportedFence for PeerFence {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.local.slab.synchronize(self.local.slot, self.local.value)
+        self.local
+            .slab
+            .synchronize(self.local.slot, self.local.value)
     }
 }
 

@@ -62,9 +62,8 @@ impl Watched {
             return Ok(());
         }
         let values = self.slab.read_all_on(&self.stream)?;
-        let seen = lock(&self.lanes).observe(&values, Instant::now(), |p| {
-            liveness(p) != Liveness::Dead
-        });
+        let seen =
+            lock(&self.lanes).observe(&values, Instant::now(), |p| liveness(p) != Liveness::Dead);
         self.release(&seen.release);
         if !seen.missed.is_empty() {
             let hooks = lock(&self.hooks).clone();
@@ -118,11 +117,13 @@ enum PeerInbox {
 /// would satisfy each other's waits. A claim outlives its backend (a later backend counting
 /// from zero again would be satisfied by the old one's values): another backend of this
 /// process gets event fences for that peer.
-fn claimed() -> &'static Mutex<HashMap<(ProcessId, u64, u32), u64>> {
-    static CLAIMED: std::sync::OnceLock<Mutex<HashMap<(ProcessId, u64, u32), u64>>> =
-        std::sync::OnceLock::new();
+fn claimed() -> &'static Mutex<HashMap<LaneKey, u64>> {
+    static CLAIMED: std::sync::OnceLock<Mutex<HashMap<LaneKey, u64>>> = std::sync::OnceLock::new();
     CLAIMED.get_or_init(Default::default)
 }
+
+/// A lane of another process's inbox: (owner, slab id, first slot).
+type LaneKey = (ProcessId, u64, u32);
 
 /// The backend's inbox (see the module docs).
 pub(crate) struct Inbox {

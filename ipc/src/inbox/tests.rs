@@ -650,7 +650,11 @@ fn a_producer_whose_lane_was_released_gets_a_fresh_different_lane() {
         assert!(l.may_wait(&p, offset(fresh)));
         assert_eq!(l.announce(&p, offset(old), u64::MAX, t1), Ok(()));
         assert!(l.may_wait(&p, offset(old)));
-        assert_eq!(l.status(&p), Some(LaneStatus::Live), "the fresh lane is current");
+        assert_eq!(
+            l.status(&p),
+            Some(LaneStatus::Live),
+            "the fresh lane is current"
+        );
         assert_eq!(l.grant(&p, t1), Some((fresh, SLOTS, 0)), "and keeps it");
     }
     assert_eq!(l.lent(), (4, 4));
