@@ -19,12 +19,23 @@
 //!   value. A `watch` step (called by the test, with simulated time: [`Device::advance`])
 //!   reads the inbox back into `Lanes::observe`, writes `u64::MAX` into released lanes and
 //!   calls the fence fault hooks.
+//! - A fence for a peer that lent us no lane we can use — none, an ambiguous one, or one
+//!   forgotten at its death — is an interprocess event recorded on the release stream (as
+//!   `CudaBackend::fence_on`'s fallback): nothing blocks, and the consumer waits on it like
+//!   any event. A peer's lane is ambiguous (as `PeerInbox::Ambiguous`) when one backend
+//!   gets two different grants from one process, or when another backend of this process
+//!   claimed that lane first. The claims are process-wide in the CUDA backend (`claimed()`
+//!   in `ipc/src/cuda/inbox.rs`, outliving their backend); here they are the [`Device`]'s,
+//!   shared by the backends of a test (one process), and dropped when a backend forgets a
+//!   dead peer.
 //! - Liveness is simulated per role ([`Device::kill`]): a dead role's queued operations are
-//!   dropped (its queued work died with it) and it queues nothing more; a role's writes into
-//!   its peers' inboxes can be held forever ([`Device::hold_writes`]: a producer that does
-//!   not deliver). Every process id a backend sees is the test process's own (all roles live
-//!   in one process), so a backend resolves a process id to the role whose inbox grant it
-//!   accepted ([`SimBackend::set_peer_role`] for raw peers). The CUDA backend's special
+//!   dropped (its queued work died with it) and it queues nothing more; waits on its events'
+//!   dropped records pass (`docs/ORDERING.md`: an event wait is resolved by the peer's
+//!   context being torn down when it dies); a role's writes into its peers' inboxes can be
+//!   held forever ([`Device::hold_writes`]: a producer that does not deliver). Every
+//!   process id a backend sees is the test process's own (all roles live in one process),
+//!   so a backend resolves a process id to the role whose inbox grant it accepted
+//!   ([`SimBackend::set_peer_role`] for raw peers). The CUDA backend's special
 //!   cases for its own process (a loopback link lends no lane; a fence from this process is
 //!   waited on in its own slots) are not mirrored: here every role is a process of its own.
 //! - Safety is checked as it happens: a free of an allocation while a live role still has
@@ -183,6 +194,10 @@ struct DeviceState {
     freed: HashSet<u64>,
     /// Broken safety rules, as they happened.
     violations: Vec<String>,
+    /// Lanes of peers' inboxes claimed by a backend of this (test) process, by (owner,
+    /// inbox, first slot): the backend's number (as `claimed()` in
+    /// `ipc/src/cuda/inbox.rs`, process-wide there).
+    claimed: HashMap<(ProcessId, u64, u32), u64>,
 }
 
 impl DeviceState {
@@ -624,12 +639,18 @@ impl Device {
             .map(|(s, _)| *s)
             .collect();
         let mut dropped = 0;
+        let mut records = Vec::new();
         for s in streams {
             if let Some(q) = st.streams.get_mut(&s) {
                 dropped += q.len();
-                q.clear();
+                records.extend(
+                    q.drain(..)
+                        .filter_map(|(id, op)| matches!(op, Op::Record { .. }).then_some(id)),
+                );
             }
         }
+        // Its context is torn down: waits of other roles on its events pass.
+        st.done.extend(records);
         st.log.push(format!(
             "killed {role} ({dropped} queued operations dropped)"
         ));
@@ -1094,6 +1115,17 @@ struct PeerLane {
     values: Vec<u64>,
 }
 
+/// What a backend knows of a peer process's inbox (as `PeerInbox` in
+/// `ipc/src/cuda/inbox.rs`).
+#[derive(Debug)]
+enum PeerInbox {
+    /// One lane lent to us: our fences for it go there.
+    Lane(PeerLane),
+    /// Two different lanes from one process, or a lane another backend of this process
+    /// claimed first: fences for that process are events.
+    Ambiguous,
+}
+
 /// A backend's counter-fence state (mirrors `ipc/src/cuda/inbox.rs`).
 struct CounterState {
     mode: CounterMode,
@@ -1101,7 +1133,7 @@ struct CounterState {
     /// The last value of each local mark slot; held while a release stream queues a
     /// fence's writes.
     marks: Vec<Mutex<u64>>,
-    peers: Mutex<HashMap<ProcessId, PeerLane>>,
+    peers: Mutex<HashMap<ProcessId, PeerInbox>>,
     hooks: Mutex<Vec<FenceFaultHook>>,
     /// Which role each process id stands for (learned from the grants accepted).
     peer_roles: Mutex<HashMap<ProcessId, String>>,
@@ -1243,9 +1275,27 @@ impl SimBackend {
         self.counters.as_ref().expect("a counter-mode backend")
     }
 
-    /// Counter mode: whether a peer's inbox grant was accepted.
+    /// Counter mode: whether a peer's inbox grant was accepted (a usable lane or not).
     pub fn has_peer_inbox(&self) -> bool {
         !lock(&self.counters().peers).is_empty()
+    }
+
+    /// Counter mode: whether our fences for `peer` go into a lane of its inbox (else they
+    /// are events).
+    pub fn has_lane_for(&self, peer: &ProcessId) -> bool {
+        matches!(
+            lock(&self.counters().peers).get(peer),
+            Some(PeerInbox::Lane(_))
+        )
+    }
+
+    /// Counter mode: whether `peer`'s inbox is ambiguous to us (two grants from its
+    /// process, or a lane another backend claimed first).
+    pub fn ambiguous(&self, peer: &ProcessId) -> bool {
+        matches!(
+            lock(&self.counters().peers).get(peer),
+            Some(PeerInbox::Ambiguous)
+        )
     }
 
     /// Counter mode: the process id the test process has stands, for this backend, for
@@ -1372,19 +1422,29 @@ impl SimBackend {
         let s = self.counter_release_stream(i);
         let taken = {
             let mut peers = lock(&c.peers);
-            peers.get_mut(to).map(|lane| {
-                let slot = i % lane.grant.slots.max(1);
-                let v = &mut lane.values[slot as usize];
-                *v += 1;
-                (lane.grant, slot, *v)
-            })
+            match peers.get_mut(to) {
+                Some(PeerInbox::Lane(lane)) => {
+                    let slot = i % lane.grant.slots.max(1);
+                    let v = &mut lane.values[slot as usize];
+                    *v += 1;
+                    Some((lane.grant, slot, *v))
+                }
+                Some(PeerInbox::Ambiguous) | None => None,
+            }
         };
         let Some((grant, slot, value)) = taken else {
-            self.sim
-                .device
-                .note(format!("{role} sync s{s} (no inbox from the peer)"));
-            self.sim.device.synchronize_as(Some(role), s);
-            return Ok(None);
+            // `to` lent us no lane we can use (none, several, or it is gone): an
+            // interprocess event, which any process can wait on; nothing blocks here.
+            self.sim.device.note(format!(
+                "{role} event fence on s{s} (no usable inbox lane from the peer)"
+            ));
+            let event = self.sim.device.new_event();
+            self.sim.device.record(role, event, s);
+            return Ok(Some(Arc::new(SimFence {
+                device: Arc::clone(&self.sim.device),
+                role: role.to_owned(),
+                event,
+            })));
         };
         let device = &self.sim.device;
         device.enqueue_as(
@@ -1702,21 +1762,44 @@ impl Backend for SimBackend {
                 source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
             });
         };
-        {
+        // As `Inbox::accept`: a second, different grant from one process, or a lane another
+        // backend of this process claimed first, makes the peer ambiguous.
+        let accepted = {
             let mut peers = lock(&c.peers);
-            if !peers.get(peer).is_some_and(|l| l.grant == *grant) {
-                peers.insert(
-                    *peer,
-                    PeerLane {
-                        grant: *grant,
-                        values: vec![grant.base; grant.slots as usize],
-                    },
-                );
+            match peers.get(peer) {
+                Some(PeerInbox::Lane(l)) if l.grant == *grant => "accepted",
+                Some(PeerInbox::Lane(_) | PeerInbox::Ambiguous) => {
+                    peers.insert(*peer, PeerInbox::Ambiguous);
+                    "ambiguous (two lanes from one process)"
+                }
+                None => {
+                    let me = self.sim.number;
+                    let owner = *self
+                        .sim
+                        .device
+                        .lock()
+                        .claimed
+                        .entry((*peer, grant.slab_id, grant.first))
+                        .or_insert(me);
+                    if owner == me {
+                        peers.insert(
+                            *peer,
+                            PeerInbox::Lane(PeerLane {
+                                grant: *grant,
+                                values: vec![grant.base; grant.slots as usize],
+                            }),
+                        );
+                        "accepted"
+                    } else {
+                        peers.insert(*peer, PeerInbox::Ambiguous);
+                        "ambiguous (claimed by another backend)"
+                    }
+                }
             }
-        }
+        };
         lock(&c.peer_roles).insert(*peer, granter.clone());
         self.sim.device.note(format!(
-            "{} accepted lane {}..{} of {granter}",
+            "{} {accepted} lane {}..{} of {granter}",
             self.sim.role,
             grant.first,
             grant.first + grant.slots
@@ -1800,8 +1883,16 @@ impl Backend for SimBackend {
         self.release_dead(process);
         if let Some(c) = &self.counters {
             if !self.alive(process) {
-                // We write no more fences for it (as `Inbox::forget_peer`).
-                lock(&c.peers).remove(process);
+                // We write no more fences for it, and its lane is no longer claimed (as
+                // `Inbox::forget_peer`).
+                let forgotten = lock(&c.peers).remove(process);
+                if let Some(PeerInbox::Lane(l)) = forgotten {
+                    self.sim.device.lock().claimed.remove(&(
+                        *process,
+                        l.grant.slab_id,
+                        l.grant.first,
+                    ));
+                }
             }
         }
     }
