@@ -28,7 +28,7 @@
 //!   is [`FenceRefusal`], the peer's fault (the link that carried it is dropped).
 //! - A lane with a slot whose named value has not landed, and that slot has shown no
 //!   progress for the deadline (each slot has its own: its own release stream), is
-//!   **released**: every slot is written with `u64::MAX`, which
+//!   **released**: every slot is written with [`Lanes::release_value`] (above every value it held or was named with; `GEQ` is cyclic), which
 //!   releases every wait of ours on it, and its producer is reported (the node cuts it).
 //!   While that producer lives, the lane is written again at each observation (a late write
 //!   of its own could lower a slot under a wait still queued), and fences it had named
@@ -56,6 +56,14 @@ pub const MAX_VALUE_STEP: u64 = 1 << 24;
 /// before its lane is released and it is cut. Generous: a release fence waits behind the
 /// consumer's own kernels, which may be long. `BATON_FENCE_DEADLINE_MS` overrides it.
 pub const DEFAULT_FENCE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How far above the highest value a lane's slots held or were named with a released lane
+/// is written. `cuStreamWaitValue64`'s `GEQ` is a *cyclic* comparison — a wait for `v`
+/// passes once `(word - v) as i64 >= 0` — so writing `u64::MAX` would satisfy nothing:
+/// the release writes `highest + RELEASE_STEP`, which every wait queued on the lane (for at
+/// most `highest`) passes, and a wait on a released lane is never queued at all
+/// ([`Lanes::is_released`]).
+pub const RELEASE_STEP: u64 = 1 << 32;
 
 /// The environment variable that sets the fence deadline, in milliseconds.
 pub const FENCE_DEADLINE_ENV: &str = "BATON_FENCE_DEADLINE_MS";
@@ -109,7 +117,7 @@ pub enum LaneStatus {
     /// Its producer's writes order our waits.
     Live,
     /// Released while its producer was alive (it missed its deadline, or was cut): written
-    /// with `u64::MAX` again at every observation while it lives.
+    /// with its release value again at every observation while it lives.
     Released,
     /// Released because its producer died: nothing more to do.
     Dead,
@@ -139,7 +147,7 @@ impl Lane {
     }
 }
 
-/// A range of slots to write with `u64::MAX`.
+/// A range of slots to release (write with [`Lanes::release_value`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReleaseRange {
     /// First slot.
@@ -154,7 +162,7 @@ pub struct Observation {
     /// Producers that named values and made no progress for the deadline: their lanes are
     /// released (in `release`), and they should be cut.
     pub missed: Vec<ProcessId>,
-    /// Ranges to write with `u64::MAX` now.
+    /// Ranges to release now.
     pub release: Vec<ReleaseRange>,
 }
 
@@ -284,6 +292,34 @@ impl Lanes {
         Ok(())
     }
 
+    /// The value to write into every slot of the lane starting at slot `first` to release
+    /// it: above everything it held or was named with (see [`RELEASE_STEP`]).
+    pub fn release_value(&self, first: u32) -> u64 {
+        self.lanes
+            .iter()
+            .find(|(_, l)| l.first == first)
+            .map_or(RELEASE_STEP, |(_, l)| {
+                let highest = l
+                    .announced
+                    .iter()
+                    .chain(&l.seen)
+                    .copied()
+                    .max()
+                    .unwrap_or(0);
+                // A late write of a released producer can only be lower: `seen` never
+                // follows a value at or above the release.
+                highest.min(u64::MAX / 4) + RELEASE_STEP
+            })
+    }
+
+    /// Whether byte `offset` lies in a lane of `peer` that was released: a wait there would
+    /// pass at once (or, for a value named after the release, not at all), so none is
+    /// queued.
+    pub fn is_released(&self, peer: &ProcessId, offset: u64) -> bool {
+        self.slot(peer, offset)
+            .is_ok_and(|(i, _)| self.lanes[i].1.status != LaneStatus::Live)
+    }
+
     /// Whether `peer` may make our streams wait on byte `offset` of our inbox (a slot of
     /// its current lane).
     pub fn may_wait(&self, peer: &ProcessId, offset: u64) -> bool {
@@ -332,7 +368,10 @@ impl Lanes {
                         let v = values
                             .get(lane.first as usize + s)
                             .copied()
-                            .unwrap_or(lane.seen[s]);
+                            .unwrap_or(lane.seen[s])
+                            // A word of a lane released before it was lent again is not
+                            // progress of this producer's.
+                            .min(u64::MAX / 4);
                         if v > lane.seen[s] {
                             lane.seen[s] = v;
                             lane.progress_at[s] = now;
@@ -358,7 +397,7 @@ impl Lanes {
         out
     }
 
-    /// `peer` is dead: its lanes are released (ranges to write with `u64::MAX`).
+    /// `peer` is dead: its lanes are released (ranges to release).
     pub fn producer_died(&mut self, peer: &ProcessId) -> Vec<ReleaseRange> {
         let lane_slots = self.lane_slots;
         let mut out = Vec::new();
@@ -375,7 +414,7 @@ impl Lanes {
     }
 
     /// `peer` is cut while it may be alive: its lanes are released now and kept released
-    /// (see the module docs); ranges to write with `u64::MAX`.
+    /// (see the module docs); ranges to release.
     pub fn producer_cut(&mut self, peer: &ProcessId) -> Vec<ReleaseRange> {
         let lane_slots = self.lane_slots;
         let mut out = Vec::new();

@@ -308,27 +308,32 @@ impl CounterSlab {
         }
     }
 
-    /// Writes `u64::MAX` into `slots` slots from `first` on, on `stream` (a stream that
-    /// waits on nothing), and waits for that write: every wait on them is released.
-    pub(crate) fn release(&self, first: u32, slots: u32, stream: &SharedStream) -> Result<()> {
+    /// Writes `value` into `slots` slots from `first` on, on `stream` (a stream that waits
+    /// on nothing), and waits for that write: every wait on them for a value up to `value`
+    /// is released. (`GEQ` compares cyclically, `(word - wanted) as i64 >= 0`: the value
+    /// must be chosen just above the waits', never `u64::MAX`.)
+    pub(crate) fn release(
+        &self,
+        first: u32,
+        slots: u32,
+        value: u64,
+        stream: &SharedStream,
+    ) -> Result<()> {
         let end = u64::from(first) + u64::from(slots);
         if end > self.slots() as u64 {
             return Err(Error::Cuda {
-                op: "cuMemsetD8Async",
+                op: "cuStreamWriteValue64",
                 code: super::CudaError::INVALID_VALUE,
             });
         }
         let _pushed = ContextGuard::push(&self.ctx)?;
-        // SAFETY: the range lies inside our live allocation (checked above); the stream is
-        // live in the current context (the slab's).
-        unsafe {
-            result::memset_d8_async(
-                self.addr(first),
-                0xFF,
-                slots as usize * 8,
-                stream.cu_stream(),
-            )
-        }?;
+        for slot in first..first + slots {
+            // SAFETY: the slot lies inside our live allocation (checked above); the stream
+            // is live in the current context (the slab's).
+            unsafe {
+                result::stream_write_value64(self.ops, stream.cu_stream(), self.addr(slot), value)
+            }?;
+        }
         // SAFETY: as above.
         unsafe { result::stream_synchronize(stream.cu_stream()) }
     }

@@ -50,7 +50,8 @@ struct Watched {
 impl Watched {
     fn release(&self, ranges: &[ReleaseRange]) {
         for r in ranges {
-            if let Err(e) = self.slab.release(r.first, r.slots, &self.stream) {
+            let value = lock(&self.lanes).release_value(r.first);
+            if let Err(e) = self.slab.release(r.first, r.slots, value, &self.stream) {
                 tracing::warn!(error = %e, first = r.first, "releasing a fence inbox lane failed");
             }
         }
@@ -312,6 +313,12 @@ impl Inbox {
     /// Whether `fence` names our slab.
     pub(crate) fn is_ours(&self, fence: &CounterFence) -> bool {
         fence.slab_id == self.slab().id()
+    }
+
+    /// Whether a wait on `fence` (from `producer`, in our slab) would be on a released
+    /// lane: then none is queued.
+    pub(crate) fn is_released(&self, producer: &ProcessId, fence: &CounterFence) -> bool {
+        lock(&self.watched.lanes).is_released(producer, fence.offset)
     }
 
     /// `producer` may make our streams wait on `fence` (in our slab).

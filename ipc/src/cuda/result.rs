@@ -1085,7 +1085,8 @@ pub(crate) unsafe fn stream_wait_value64(
     addr: sys::CUdeviceptr,
     value: u64,
 ) -> Result<()> {
-    // `CU_STREAM_WAIT_VALUE_GEQ` (a wrap-around-free comparison of 64-bit values).
+    // `CU_STREAM_WAIT_VALUE_GEQ`: a *cyclic* comparison, `(*addr - value) as i64 >= 0`
+    // (so `u64::MAX` does not satisfy a wait for 1: see `crate::inbox::RELEASE_STEP`).
     const GEQ: std::ffi::c_uint = 0;
     // SAFETY: the caller's promise; `ops.wait` has the C prototype of its symbol.
     check(ops.wait_op, unsafe { (ops.wait)(stream, addr, value, GEQ) })
