@@ -1292,3 +1292,35 @@ proptest! {
         run.finish();
     }
 }
+
+#[test]
+fn a_released_lane_is_written_above_every_value_it_held_or_was_named_with_and_takes_no_more_waits()
+{
+    // `cuStreamWaitValue64`'s GEQ is cyclic: `u64::MAX` would release nothing, so the
+    // release value must lie above every wait's value by less than 2^63.
+    let t0 = Instant::now();
+    let a = peer(1);
+    let mut l = lanes(2);
+    let first = first_slot(&mut l, &a, t0);
+    l.announce(&a, offset(first), 41, t0).unwrap();
+    l.announce(&a, offset(first + 1), 7, t0).unwrap();
+    let mut words = inbox(2);
+    words[first as usize + 1] = 9;
+    assert!(!l.is_released(&a, offset(first)));
+    let out = l.observe(&words, t0 + DEADLINE, |_| true);
+    assert_eq!(out.missed, vec![a]);
+    let v = l.release_value(first);
+    assert_eq!(v, 41 + RELEASE_STEP);
+    for wanted in [0u64, 7, 9, 41] {
+        assert!(
+            (v.wrapping_sub(wanted) as i64) >= 0,
+            "a queued wait for {wanted} passes"
+        );
+    }
+    assert!(
+        (u64::MAX.wrapping_sub(41) as i64) < 0,
+        "the old release value satisfied nothing"
+    );
+    assert!(l.is_released(&a, offset(first)), "no wait is queued on it");
+    assert!(l.is_released(&a, offset(first + 1)));
+}
