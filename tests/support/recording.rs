@@ -17,7 +17,7 @@
 //!   queued on a release stream after the marks, plus a local twin in its own inbox; a wait
 //!   is a `WaitValue` on the waiter's own inbox, which runs once the word holds at least the
 //!   value. A `watch` step (called by the test, with simulated time: [`Device::advance`])
-//!   reads the inbox back into `Lanes::observe`, writes `u64::MAX` into released lanes and
+//!   reads the inbox back into `Lanes::observe`, writes the release value into released lanes and
 //!   calls the fence fault hooks.
 //! - A fence for a peer that lent us no lane we can use — none, an ambiguous one, or one
 //!   forgotten at its death — is an interprocess event recorded on the release stream (as
@@ -68,6 +68,12 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// `cuStreamWaitValue64`'s `GEQ`: a *cyclic* comparison, as the driver does it (so
+/// `u64::MAX` satisfies no wait for a small value).
+fn geq(word: u64, wanted: u64) -> bool {
+    (word.wrapping_sub(wanted) as i64) >= 0
+}
 
 /// How long a host-side wait on the simulated device may take before the test fails.
 pub const DEVICE_DEADLINE: Duration = Duration::from_secs(30);
@@ -218,7 +224,7 @@ impl DeviceState {
             Op::Work { gate, .. } => self.open_gates.contains(gate),
             Op::Wait { on, .. } => on.is_none_or(|o| self.done.contains(&o)),
             Op::WriteValue { writer, peer, .. } => !(*peer && self.held.contains(writer)),
-            Op::WaitValue { inbox, slot, value } => self.word(*inbox, *slot) >= *value,
+            Op::WaitValue { inbox, slot, value } => geq(self.word(*inbox, *slot), *value),
             _ => true,
         }
     }
@@ -715,7 +721,7 @@ impl Device {
             };
             let owner = st.owners.get(s).cloned().unwrap_or_default();
             let own = st.lane_areas.get(inbox).is_some_and(|first| slot < first);
-            if own || st.is_dead(&owner) || st.word(*inbox, *slot) >= *value {
+            if own || st.is_dead(&owner) || geq(st.word(*inbox, *slot), *value) {
                 continue;
             }
             let since = match st.heads.get(s) {
@@ -972,7 +978,7 @@ impl ExportedFence for SimCounterFence {
         let (own, slot, value) = (self.own, (self.local.offset / 8) as u32, self.local.value);
         self.device
             .block_until(Some(&self.role), "a counter fence", |st| {
-                st.word(own, slot) >= value
+                geq(st.word(own, slot), value)
             });
         Ok(())
     }
@@ -1338,18 +1344,25 @@ impl SimBackend {
         role.is_none_or(|r| !self.sim.device.is_dead(&r))
     }
 
-    /// Writes `u64::MAX` into `ranges` of our inbox (a memset on a stream that waits on
-    /// nothing, waited for).
+    /// Writes each range's release value ([`Lanes::release_value`]) into `ranges` of our
+    /// inbox (writes on a stream that waits on nothing, waited for).
     fn release(&self, ranges: &[ReleaseRange]) {
+        let values: Vec<u64> = {
+            let lanes = lock(&self.counters().lanes);
+            ranges
+                .iter()
+                .map(|r| lanes.release_value(r.first))
+                .collect()
+        };
         let mut st = self.sim.device.lock();
-        for r in ranges {
+        for (r, &value) in ranges.iter().zip(&values) {
             if let Some(words) = st.inboxes.get_mut(&self.sim.number) {
                 for w in words
                     .iter_mut()
                     .skip(r.first as usize)
                     .take(r.slots as usize)
                 {
-                    *w = u64::MAX;
+                    *w = value;
                 }
             }
             st.log.push(format!(
