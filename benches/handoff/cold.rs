@@ -82,6 +82,21 @@ impl Made {
 }
 
 /// Accepts the link of `peer`, giving up when it exits or after [`DEADLINE`].
+/// Counter fences are written into their waiter's inbox (`docs/ORDERING.md`): each side of
+/// a raw link lends the other a lane first — sends its `FenceInbox`, then takes the
+/// other's — where its backend has counter fences (both sides run the same kind).
+pub(crate) fn exchange_inboxes(link: &mut Link, backend: &dyn baton::ipc::Backend) -> Res<()> {
+    let peer = link.peer().process;
+    let Some(grant) = backend.inbox_grant(&peer) else {
+        return Ok(());
+    };
+    link.send(&Message::FenceInbox(grant), &[])?;
+    match link.recv()?.message {
+        Message::FenceInbox(theirs) => Ok(backend.accept_inbox(&peer, &theirs)?),
+        other => Err(format!("expected the peer's FenceInbox, got {}", other.kind()).into()),
+    }
+}
+
 pub(crate) fn accept(listener: &Listener, peer: &mut PeerProcess) -> Res<Link> {
     listener.listener().set_nonblocking(true)?;
     let start = Instant::now();
@@ -162,6 +177,8 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         let mut peer = PeerProcess::spawn(&session, "cold-importer", &[&sock, pin], &env)?;
         let mut link = accept(&listener, &mut peer)?;
         link.set_timeout(Some(DEADLINE))?;
+        exchange_inboxes(&mut link, &*backend)?;
+        let importer_process = link.peer().process;
         let arena = if variant.starts_with("slab") {
             Some(SlabArena::allocate(&*backend, SLAB_LEN)?)
         } else {
@@ -187,7 +204,10 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
                 (_, Some(_), _, _) => (None, None),
                 (None, None, Some(stream), Some(c)) => {
                     let a = c.allocate_on(stream, BUF_LEN)?;
-                    (Some(Made::Alloc(a)), Some(c.record_fence_on(stream)?))
+                    (
+                        Some(Made::Alloc(a)),
+                        c.record_fence_for(stream, &importer_process)?,
+                    )
                 }
                 (None, None, _, _) => (Some(Made::Alloc(backend.allocate(BUF_LEN)?)), None),
                 (Some(a), None, _, _) => (Some(Made::Slab(a.carve(BUF_LEN)?)), None),
@@ -250,7 +270,10 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
 pub(crate) fn importer(socket: &str, pin: bool) -> Res<()> {
     let session = Session::from_env()?;
     let mut link = Link::connect(socket, &LinkConfig::new(session.clone()))?;
-    let cache = ImportCache::new(session, [baton::ipc::select::auto()?]);
+    let backend = baton::ipc::select::auto()?;
+    exchange_inboxes(&mut link, &*backend)?;
+    let exporter = link.peer().process;
+    let cache = ImportCache::new(session, [backend.clone()]);
     let mut kept = None;
     let (mut open, mut close) = (Vec::new(), Vec::new());
     loop {
@@ -263,6 +286,9 @@ pub(crate) fn importer(socket: &str, pin: bool) -> Res<()> {
             return Err(format!("expected an Offer, got {}", received.message.kind()).into());
         };
         let mut fds = received.fds;
+        if let Some(fence) = &offer.handle.fence {
+            backend.check_fence(&exporter, fence)?;
+        }
         let t0 = Instant::now();
         let imported = cache.open(&offer.handle, &mut fds)?;
         let t1 = Instant::now();

@@ -10,13 +10,13 @@
 //!
 //! | step | side | call |
 //! |---|---|---|
-//! | `record_acquire` | exporter | `CudaBackend::record_fence_on(stream)` (`cuEventRecord` / `cuStreamWriteValue64`) |
+//! | `record_acquire` | exporter | `CudaBackend::record_fence_for(stream, importer)` (`cuEventRecord`; or a fence of its own on `stream`, a release stream waiting on it, then `cuStreamWriteValue64` into the importer's inbox) |
 //! | `build_offer` | exporter | the handle with the fence, sealed (`HandleBuilder::fence(..).build()`) |
 //! | `encode` | exporter | the `Offer` frame encoded (`codec::frame_bytes`, bincode) |
 //! | `send` | exporter | `Link::send` (encodes again, `sendmsg`) |
 //! | `open` | importer | `ImportCache::open_unordered` (a hit) |
 //! | `wait_acquire` | importer | `CudaBackend::wait_fence_on(exporter, fence, stream)` (`cuStreamWaitEvent` / `cuStreamWaitValue64`) |
-//! | `record_release` | importer | `record_fence_on(stream)` on the importer's stream |
+//! | `record_release` | importer | `record_fence_for(stream, exporter)` on the importer's stream |
 //! | `send_release` | importer | `Link::send` of `Release { fences: [that fence] }` |
 //! | `drop_release` | importer | the previous release fence given back to its pool (the exporter waited on it before this offer) |
 //! | `wait_reply` | exporter | from the send to the `Release` in (the importer's steps and two socket hops) |
@@ -34,7 +34,8 @@ use crate::peer::{PeerProcess, result_line};
 use crate::report::Report;
 use crate::stats::{Summary, round};
 use crate::{Config, Res};
-use baton::ipc::cuda::{CudaBackend, CudaExport, FenceKind, RecordedFence, fence_kind_from_env};
+use baton::ipc::ExportedFence;
+use baton::ipc::cuda::{CudaBackend, CudaExport, FenceKind, fence_kind_from_env};
 use baton::ipc::{Backend, ImportCache, Link, LinkConfig, Listener, SharedBackend};
 use baton::messages::codec;
 use baton::messages::protocol::{Offer, Release};
@@ -183,13 +184,16 @@ fn measure(cfg: &Config, kind: FenceKind) -> Res<(FenceKind, Value, Value, Value
     )?;
     let mut link = crate::cold::accept(&listener, &mut peer)?;
     link.set_timeout(Some(DEADLINE))?;
+    crate::cold::exchange_inboxes(&mut link, &*cuda)?;
     let importer = link.peer().process;
     let mut steps: Vec<Vec<Duration>> = vec![Vec::with_capacity(n); EXPORTER_STEPS.len()];
     let mut total = Vec::with_capacity(n);
     for i in 0..(warm + n) as u64 {
         let lease = LeaseId::new(i + 1);
         let t0 = Instant::now();
-        let acquire = cuda.record_fence_on(&stream)?;
+        let acquire = cuda
+            .record_fence_for(&stream, &importer)?
+            .ok_or("no fence recorded")?;
         let t1 = Instant::now();
         let handle = alloc.handle(&session).fence(acquire.handle()).build()?;
         let msg = Message::Offer(Offer { lease, handle });
@@ -213,6 +217,7 @@ fn measure(cfg: &Config, kind: FenceKind) -> Res<(FenceKind, Value, Value, Value
             return Err("the Release carried no fence".into());
         }
         for fence in &fences {
+            cuda.check_fence(&importer, fence)?;
             cuda.wait_fence_on(&importer, fence, &stream)?;
         }
         let t7 = Instant::now();
@@ -269,10 +274,12 @@ pub(crate) fn importer(socket: &str, warm: usize) -> Res<()> {
             .fence(fence_kind_from_env()?)
             .build()?,
     );
+    crate::cold::exchange_inboxes(&mut link, &*cuda)?;
+    let exporter = link.peer().process;
     let cache = ImportCache::new(session, [cuda.clone() as SharedBackend]);
     let stream = cuda.context().new_stream()?;
     let mut kept = None;
-    let mut previous: Option<RecordedFence> = None;
+    let mut previous: Option<Arc<dyn ExportedFence>> = None;
     let mut steps: Vec<Vec<Duration>> = vec![Vec::new(); IMPORTER_STEPS.len()];
     loop {
         let received = match link.recv() {
@@ -291,9 +298,12 @@ pub(crate) fn importer(socket: &str, warm: usize) -> Res<()> {
         let t1 = Instant::now();
         let imported = cache.open_unordered(&offer.handle, &mut fds)?;
         let t2 = Instant::now();
+        cuda.check_fence(&offer.handle.exporter.process, &fence)?;
         cuda.wait_fence_on(&offer.handle.exporter.process, &fence, &stream)?;
         let t3 = Instant::now();
-        let release = cuda.record_fence_on(&stream)?;
+        let release = cuda
+            .record_fence_for(&stream, &exporter)?
+            .ok_or("no fence recorded")?;
         let t4 = Instant::now();
         link.send(
             &Message::Release(Release {
