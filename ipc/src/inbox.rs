@@ -9,7 +9,7 @@
 //! driver thread or a user's `torch.cuda.synchronize()` waiting forever, and releasing a
 //! wait never touches a word another process waits on.
 //!
-//! The inbox is cut into **lanes**, one per peer process ([`InboxGrant`]): a lane has one
+//! The inbox is cut into **lanes**, one per peer process ([`InboxGrant`](baton_messages::InboxGrant)): a lane has one
 //! slot per release stream of the producer, and a producer writes each slot from one
 //! stream only, so a slot's values land in increasing order and a wait for a value is
 //! satisfied by it or any later one — never early.

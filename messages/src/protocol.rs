@@ -429,7 +429,7 @@ pub enum Message {
     Forwarded(Forwarded),
     /// [`Relayed`].
     Relayed(Relayed),
-    /// The sender's fence inbox lane for the receiver ([`InboxGrant`]): counter fences the
+    /// The sender's fence inbox lane for the receiver ([`InboxGrant`](crate::InboxGrant)): counter fences the
     /// receiver records for the sender are written there. At most once per link, right
     /// after the handshake; a second is a protocol fault.
     FenceInbox(crate::fence::InboxGrant),
