@@ -424,10 +424,23 @@ impl Exports {
         })
     }
 
-    fn park(&self, parked: Parked) {
-        let mut all = self.parked.lock().unwrap_or_else(|p| p.into_inner());
-        // A process may have died between the verdict and now: `process_dead` already ran.
-        all.push(parked);
+    fn park(&self, mut parked: Parked) {
+        {
+            let mut all = self.parked.lock().unwrap_or_else(|p| p.into_inner());
+            // A process may have died between the verdict and now, its `process_dead`
+            // already run: nothing would ever wake this free for it. (Checked under the
+            // lock, so a death reported after this is seen by `unpark`.)
+            parked
+                .until
+                .retain(|p| baton_ipc::process::liveness(p) != baton_ipc::process::Liveness::Dead);
+            if !parked.until.is_empty() {
+                all.push(parked);
+                return;
+            }
+        }
+        let exports = self.me.clone();
+        self.offload
+            .submit(move || free_job(exports, parked.alloc, parked.meta, parked.fences));
     }
 
     /// Frees held for `process` (see [`Parked`]) go ahead once no other live process
