@@ -1334,10 +1334,10 @@ impl CudaBackend {
         Ok(Some((slab, grant)))
     }
 
-    /// Release stream `i` (waited on what the fence must follow, its lock held) records
-    /// a fence for `to`: a counter written into `to`'s inbox with its local twin in ours,
-    /// a fence in our own slab when `to` is us, or a pooled event. Without an inbox from
-    /// `to`, the stream is synchronised instead (our own work) and no fence is needed.
+    /// Release stream `i` (waited on what the fence must follow, its mark lock held)
+    /// records a counter fence for `to`: written into `to`'s inbox with its local twin in
+    /// ours, a fence in our own slab when `to` is us, or — without a usable lane from
+    /// `to` — a pooled interprocess event.
     fn fence_on(
         &self,
         i: usize,
@@ -1345,9 +1345,7 @@ impl CudaBackend {
         mark: &mut MutexGuard<'_, u64>,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>> {
-        if self.fence == FenceKind::Event {
-            return Ok(Some(Arc::new(self.events.record_retiring(stream)?)));
-        }
+        // Only counter backends have an inbox, whose mark lock the caller holds.
         let inbox = self.inbox()?;
         if *to == crate::process::current() {
             return Ok(Some(Arc::new(inbox.slab().record(stream)?)));
