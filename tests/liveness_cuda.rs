@@ -12,9 +12,9 @@
 //! `CudaBackendBuilder::fence_deadline`). After the event of each scenario the survivor
 //! checks three things: its stream and its whole context (`cuCtxSynchronize`, as a user's
 //! `torch.cuda.synchronize()` would) synchronise — each on a thread of its own, awaited
-//! with a deadline (the fence deadline plus 10 s with counter fences; 30 s with event
-//! fences, which the waiter cannot release itself) — so a hang fails the test instead of
-//! hanging it; its device memory comes back to its baseline once its buffers are released
+//! with a deadline (the fence deadline plus 10 s, with either fence kind: the waiter
+//! releases its own waits, counter fences in its inbox, event fences through its bridge
+//! slots) — so a hang fails the test instead of hanging it; its device memory comes back to its baseline once its buffers are released
 //! (the driver's per-process accounting through `nvidia-smi --query-compute-apps`, or
 //! device-wide free memory where that does not list this process), and its backend holds
 //! no allocation or mapping; and every helper process it started has exited or was
@@ -52,7 +52,9 @@
 //!    lane whose value it never writes; our stream's wait on it and our free are released
 //!    after the fence deadline, its link is cut, and the memory the fence guarded stays
 //!    allocated (`Node::held_frees`) while it lives — its work may still run — and is
-//!    freed once it is killed. Counter fences only: a waiter cannot release an event wait.
+//!    freed once it is killed. Counter fences; the event form (7b) is a helper whose
+//!    release event is recorded behind a kernel that outlives the test, with the same
+//!    checks (`baton-liveness-peer linger`, which lives on once cut).
 //! 8. **A flood of releases of one reused buffer keeps fences bounded.** A helper leases and
 //!    releases one buffer 10,000 times, with a kernel on it each time; our device memory
 //!    stays flat, and the free waits on a bounded number of fences (at most one per slot of
@@ -62,7 +64,8 @@
 //!
 //! Each scenario is one test that runs on legacy, VMM and pool memory with counter and
 //! event fences (but for 7 and 8, as said), skipping (with a printed reason) the memory
-//! kinds and fence kinds the device cannot use. Needs a GPU, NVRTC and the helper binaries:
+//! kinds and fence kinds the device cannot use; every variant runs even when an earlier
+//! one failed, and the test then names each that failed. Needs a GPU, NVRTC and the helper binaries:
 //! `cargo test --test liveness_cuda --features gpu-tests`. Each case holds the GPU test
 //! lock.
 
@@ -127,6 +130,28 @@ fn cases() -> impl Iterator<Item = (CudaExport, FenceKind)> {
         .flat_map(|e| [FenceKind::Counter, FenceKind::Event].map(|f| (e, f)))
 }
 
+/// Runs `case` for every variant, each to its end even when an earlier one failed, then
+/// fails naming every variant that failed: one run tells the whole story.
+fn each<C: std::fmt::Debug>(
+    scenario: &str,
+    variants: impl IntoIterator<Item = C>,
+    case: impl Fn(&C),
+) {
+    let mut failed = Vec::new();
+    for v in variants {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(&v))).is_err() {
+            eprintln!("{scenario}: {v:?} FAILED (its panic is above)");
+            failed.push(format!("{v:?}"));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{scenario}: {} variant(s) failed: {}",
+        failed.len(),
+        failed.join(", ")
+    );
+}
+
 fn liveness_peer() -> &'static str {
     peer::exe("baton-liveness-peer")
 }
@@ -144,7 +169,6 @@ fn relay_peer() -> &'static str {
 struct Setup {
     parent: Parent,
     cuda: Arc<CudaBackend>,
-    fence: FenceKind,
     /// The stream our own work on leases and buffers runs on.
     stream: Arc<CudaStream>,
     _gpu: GpuTestLock,
@@ -191,20 +215,16 @@ impl Setup {
         Some(Setup {
             parent,
             cuda,
-            fence,
             stream,
             _gpu: gpu,
         })
     }
 
     /// How long a synchronisation may take once the peer it waited on is gone: the fence
-    /// deadline and a margin with counter fences (the waiter releases its own waits); with
-    /// event fences, which only the peer's teardown resolves, [`DEADLINE`].
+    /// deadline and a margin, with either fence kind (the waiter releases its own waits:
+    /// counter fences in its inbox, event fences through its bridge slots).
     fn release_bound(&self) -> Duration {
-        match self.fence {
-            FenceKind::Counter => FENCE_DEADLINE + MARGIN,
-            FenceKind::Event => DEADLINE,
-        }
+        FENCE_DEADLINE + MARGIN
     }
 
     /// `baton-liveness-peer serve`, linked to us.
@@ -556,9 +576,11 @@ enum Goes {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn a_producer_killed_before_its_acquire_fence_lands_never_blocks_the_consumer() {
-    for (export, fence) in cases() {
-        producer_goes("lv-prod-kill", export, fence, Goes::Killed);
-    }
+    each(
+        "a_producer_killed_before_its_acquire_fence_lands_never_blocks_the_consumer",
+        cases(),
+        |(export, fence)| producer_goes("lv-prod-kill", *export, *fence, Goes::Killed),
+    );
 }
 
 /// As the killed producer, but the helper returns from `main` right after sharing, with
@@ -569,9 +591,11 @@ fn a_producer_killed_before_its_acquire_fence_lands_never_blocks_the_consumer() 
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn a_producer_that_exits_with_work_queued_never_blocks_the_consumer() {
-    for (export, fence) in cases() {
-        producer_goes("lv-prod-exit", export, fence, Goes::Exits);
-    }
+    each(
+        "a_producer_that_exits_with_work_queued_never_blocks_the_consumer",
+        cases(),
+        |(export, fence)| producer_goes("lv-prod-exit", *export, *fence, Goes::Exits),
+    );
 }
 
 fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes) {
@@ -654,9 +678,11 @@ fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes) {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn a_consumer_killed_with_work_queued_on_a_lease_leaves_the_exporter_working() {
-    for (export, fence) in cases() {
-        consumer_killed(export, fence);
-    }
+    each(
+        "a_consumer_killed_with_work_queued_on_a_lease_leaves_the_exporter_working",
+        cases(),
+        |(export, fence)| consumer_killed(*export, *fence),
+    );
 }
 
 fn consumer_killed(export: CudaExport, fence: FenceKind) {
@@ -743,11 +769,11 @@ fn consumer_killed(export: CudaExport, fence: FenceKind) {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn a_consumer_that_exits_right_after_release_leaves_the_exporter_working() {
-    for (export, fence) in cases() {
-        for flush in [true, false] {
-            consumer_exits(export, fence, flush);
-        }
-    }
+    each(
+        "a_consumer_that_exits_right_after_release_leaves_the_exporter_working",
+        cases().flat_map(|(e, f)| [(e, f, true), (e, f, false)]),
+        |(export, fence, flush)| consumer_exits(*export, *fence, *flush),
+    );
 }
 
 fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool) {
@@ -869,9 +895,11 @@ fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool) {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn a_relay_that_dies_while_the_holder_lives_releases_nothing_early() {
-    for (export, fence) in cases() {
-        relay_dies(export, fence);
-    }
+    each(
+        "a_relay_that_dies_while_the_holder_lives_releases_nothing_early",
+        cases(),
+        |(export, fence)| relay_dies(*export, *fence),
+    );
 }
 
 fn relay_dies(export: CudaExport, fence: FenceKind) {
@@ -995,9 +1023,11 @@ fn relay_dies(export: CudaExport, fence: FenceKind) {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn the_exporter_of_a_forwarded_lease_killed_mid_kernel_never_blocks_the_holder() {
-    for (export, fence) in cases() {
-        forwarded_exporter_killed(export, fence);
-    }
+    each(
+        "the_exporter_of_a_forwarded_lease_killed_mid_kernel_never_blocks_the_holder",
+        cases(),
+        |(export, fence)| forwarded_exporter_killed(*export, *fence),
+    );
 }
 
 fn forwarded_exporter_killed(export: CudaExport, fence: FenceKind) {
@@ -1095,12 +1125,14 @@ fn forwarded_exporter_killed(export: CudaExport, fence: FenceKind) {
 )]
 fn a_peer_that_names_a_fence_value_it_never_writes_is_cut_within_the_deadline() {
     eprintln!(
-        "event fences skipped: a counter fence names a value in the waiter's own inbox, which \
-         the waiter can release; an event wait only the peer's teardown resolves"
+        "counter fences here (a value in the waiter's inbox); the event form is \
+         a_peer_whose_event_fence_never_completes_is_cut_within_the_deadline"
     );
-    for export in EXPORTS {
-        forged_fence(export);
-    }
+    each(
+        "a_peer_that_names_a_fence_value_it_never_writes_is_cut_within_the_deadline",
+        EXPORTS,
+        |export| forged_fence(*export),
+    );
 }
 
 fn forged_fence(export: CudaExport) {
@@ -1191,6 +1223,109 @@ fn forged_fence(export: CudaExport) {
     });
 }
 
+/// The event-fence form of 7: a helper (`linger`: it lives on once cut) opens our buffer
+/// writable, queues a kernel that spins far longer than the test, and gives the lease back
+/// at once: its `Release` carries an interprocess event recorded behind that kernel. Our
+/// stream's wait on it (a bridge slot of ours) and our free are released after the fence
+/// deadline, the link is cut, and the memory stays allocated while the helper lives, then
+/// is freed once it is killed.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn a_peer_whose_event_fence_never_completes_is_cut_within_the_deadline() {
+    each(
+        "a_peer_whose_event_fence_never_completes_is_cut_within_the_deadline",
+        EXPORTS,
+        |export| stalled_event(*export),
+    );
+}
+
+fn stalled_event(export: CudaExport) {
+    /// About 30 to 40 s: the kernel outlives the test's checks, and dies with its process.
+    const STALL_CYCLES: i64 = 20 * SPIN_CYCLES;
+    run(async {
+        let Some(s) = Setup::start("lv-stalled", export, FenceKind::Event) else {
+            return;
+        };
+        let socket = s.parent.socket();
+        let (mut child, link) = s
+            .parent
+            .spawn_linked(liveness_peer(), &["linger", socket.as_str()], false)
+            .await;
+        let pid = child.pid();
+        let base = s.baseline().await;
+
+        let mut buf: Buffer<u32> = s.buffer(LEN).await;
+        buf.write_at(0, &[START]).unwrap();
+        let running = link
+            .remote::<Scribble>("scribble")
+            .send(Scribble {
+                buf: buf.share_mut(),
+                value: LATE,
+                cycles: STALL_CYCLES,
+                keep: false,
+            })
+            .await
+            .expect("the helper answers the call");
+        assert!(
+            running,
+            "the helper's kernel had finished (else this proves nothing)"
+        );
+        leases_back(&buf, "the stalled release").await;
+        let released = Instant::now();
+
+        buf.wait_on(&s.stream).expect("wait on the release fence");
+        s.stream.memset_zeros(&mut buf).expect("queue a write");
+        let probe = s.stream.record_event(None).unwrap();
+        assert!(
+            !probe.is_complete(),
+            "our stream did not wait on the helper's event (else this proves nothing)"
+        );
+        drop(buf);
+        s.assert_synchronises("after a peer's event fence stalled")
+            .await;
+        eventually(
+            FENCE_DEADLINE + MARGIN,
+            "the stalled helper's link to be cut",
+            || s.parent.events.down_reason(link.link_id()).is_some(),
+        )
+        .await;
+        eprintln!(
+            "  released and cut {:?} after the stalled release: {:?}",
+            released.elapsed(),
+            s.parent.events.down_reason(link.link_id())
+        );
+        eventually(FENCE_DEADLINE + MARGIN, "the free to be held", || {
+            s.parent.node.held_frees().0 == 1
+        })
+        .await;
+        holds_for(2 * FENCE_DEADLINE, async || {
+            if s.cuda.live().exported != 1 {
+                return Err(
+                    "the memory the stalled event guarded was freed while the helper lives".into(),
+                );
+            }
+            Ok(())
+        })
+        .await;
+        assert!(child.try_wait().is_none(), "the helper lives on");
+
+        child.signal_kill();
+        assert_killed(exited(&mut child, DEADLINE).await, "the helper");
+        eventually(
+            DEADLINE,
+            "the held free to be carried out after the helper's death",
+            || s.parent.node.held_frees() == (0, 0) && s.cuda.live().exported == 0,
+        )
+        .await;
+        s.assert_synchronises("after the helper's death").await;
+        s.assert_released(base).await;
+        assert_reaped(&[pid]);
+    });
+}
+
 // ---------------------------------------------------------------------------------------
 // 8: a flood of releases
 // ---------------------------------------------------------------------------------------
@@ -1208,9 +1343,11 @@ fn a_flood_of_releases_of_one_reused_buffer_keeps_fences_bounded() {
         "event fences: not run (the known event-fence bug of tight ordered loops, \
          docs/ORDERING.md; ordering_cuda's ignored event_fences_in_a_tight_ordered_loop)"
     );
-    for export in EXPORTS {
-        flood(export, FenceKind::Counter);
-    }
+    each(
+        "a_flood_of_releases_of_one_reused_buffer_keeps_fences_bounded",
+        EXPORTS,
+        |export| flood(*export, FenceKind::Counter),
+    );
 }
 
 fn flood(export: CudaExport, fence: FenceKind) {

@@ -93,6 +93,7 @@
 //! - raw handle bytes reach the driver only from a [`CheckedHandle`] (digest verified).
 
 mod arg;
+mod bridge;
 mod context;
 mod driver;
 mod event;
@@ -764,6 +765,8 @@ pub struct CudaBackend {
     pool: OnceTable<(), ExportPool>,
     /// The fence inbox (counter fences only), made with the backend.
     inbox: Option<Inbox>,
+    /// Waits on other processes' interprocess events, released by us alone.
+    bridge: bridge::Bridge,
     opened_events: OnceTable<(ProcessId, [u8; 64]), OpenedEvent>,
     imported_pools: OnceTable<(ProcessId, u64), ImportedPool>,
     /// Peers' fence inboxes we write into, by (process, slab id); closed once the peer
@@ -917,6 +920,7 @@ impl CudaBackend {
             }
             _ => None,
         };
+        let bridge = bridge::Bridge::new(&ctx, stream_ops, side, b.fence_deadline);
         let backend = Self {
             export: b.export,
             fence,
@@ -935,6 +939,7 @@ impl CudaBackend {
             waits: AtomicU64::new(0),
             pool: OnceTable::default(),
             inbox,
+            bridge,
             opened_events: OnceTable::default(),
             imported_pools: OnceTable::default(),
             peer_inboxes: OnceTable::default(),
@@ -1141,7 +1146,12 @@ impl CudaBackend {
                 };
                 match local {
                     Some(ev) => ev.wait_on(stream)?,
-                    None => self.opened_event(exporter, handle)?.wait_on(stream)?,
+                    // Never `cuStreamWaitEvent` on another process's event: a wait its
+                    // waiter can release (`cuda/bridge.rs`).
+                    None => {
+                        self.bridge
+                            .wait(exporter, &self.opened_event(exporter, handle)?, stream)?
+                    }
                 }
             }
             FenceHandle::Counter(counter) => {
@@ -1365,7 +1375,7 @@ impl CudaBackend {
             }
             // `to` lent us no lane we can use (none, several, or it is gone): a pooled
             // interprocess event, which any process can wait on, and nothing blocks here.
-            // (The fallback's wait cannot be released by its waiter: see ORDERING.md.)
+            // (Its waiter bridges the wait through memory of its own: `cuda/bridge.rs`.)
             None => Ok(Some(Arc::new(self.events.record_retiring(stream)?))),
         }
     }
@@ -1874,20 +1884,25 @@ impl Backend for CudaBackend {
 
     fn add_fence_fault_hook(&self, hook: crate::backend::FenceFaultHook) {
         if let Some(inbox) = &self.inbox {
-            inbox.add_hook(hook);
+            inbox.add_hook(Arc::clone(&hook));
         }
+        self.bridge.add_hook(hook);
     }
 
     fn producer_cut(&self, process: &ProcessId) {
         if let Some(inbox) = &self.inbox {
             inbox.cut(process);
         }
+        self.bridge.cut(process);
     }
 
     fn unsafe_to_free(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
         match (fence, &self.inbox) {
             (FenceHandle::Counter(counter), Some(inbox)) => inbox.unsafe_to_free(producer, counter),
-            _ => false,
+            (FenceHandle::Counter(_), None) => false,
+            (FenceHandle::Event(_), _) => {
+                *producer != crate::process::current() && self.bridge.unsafe_to_free(producer)
+            }
         }
     }
 
@@ -1980,6 +1995,7 @@ impl Backend for CudaBackend {
         if let Some(inbox) = &self.inbox {
             inbox.died(process);
         }
+        self.bridge.died(process);
     }
 }
 

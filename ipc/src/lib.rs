@@ -28,6 +28,7 @@
 #![deny(unsafe_code)]
 
 mod backend;
+mod bridge;
 mod cache;
 #[allow(unsafe_code)]
 pub mod cuda;

@@ -324,7 +324,7 @@ impl Drop for RecordedEvent {
     }
 }
 
-/// Another process's event, opened in this one.
+/// Another process's event, opened in this one: only ever queried (see `super::bridge`).
 pub(crate) struct OpenedEvent {
     ctx: SharedContext,
     raw: sys::CUevent,
@@ -332,8 +332,9 @@ pub(crate) struct OpenedEvent {
 
 // SAFETY: as for `EventInner`: a driver handle, used only with its context current.
 unsafe impl Send for OpenedEvent {}
-// SAFETY: `&OpenedEvent` allows only `wait_on`, a driver call the driver serialises
-// internally; nothing is mutated through a shared reference.
+// SAFETY: `&OpenedEvent` allows only `is_complete`, a driver call the driver serialises
+// internally; nothing is mutated through a shared reference. No stream of ours ever waits
+// on it (`cuStreamWaitEvent` on a dead process's event never returns): see `bridge.rs`.
 unsafe impl Sync for OpenedEvent {}
 
 impl OpenedEvent {
@@ -349,12 +350,12 @@ impl OpenedEvent {
         })
     }
 
-    /// Makes `stream` (of the same context) wait for the event's latest record.
-    pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
-        let _pushed = ContextGuard::push(stream.context())?;
-        // SAFETY: the stream is live (borrowed) in its current context; the event is live
-        // (opened in that same context: the caller's backend's).
-        unsafe { result::stream_wait_event(stream.cu_stream(), self.raw) }
+    /// Whether the event's latest record has completed (`cuEventQuery`, which never
+    /// blocks). An event never recorded counts as complete, as for `cuStreamWaitEvent`.
+    pub(crate) fn is_complete(&self) -> Result<bool> {
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the event is live (owned by `self`), opened in this context, current.
+        unsafe { result::event_query(self.raw) }
     }
 }
 

@@ -18,9 +18,10 @@
 //!   otherwise the backend falls back to events.
 //! - **IPC events** ([`FenceKind::Event`]): the producer records a pooled interprocess event
 //!   (`cuEventRecord`); the consumer opens each event handle once per exporter process
-//!   (`cuIpcOpenEventHandle`) and makes its stream wait on it (`cuStreamWaitEvent`). See
-//!   [`RecordedEvent`] for the reuse contract. The consumer cannot release such a wait
-//!   itself (see `docs/ORDERING.md` for what that leaves).
+//!   (`cuIpcOpenEventHandle`) and never makes a stream wait on it: if it has not completed,
+//!   the stream waits on a *bridge* slot of the consumer's own, written once the event
+//!   completes or its producer dies, is cut or misses the fence deadline (`super::bridge`).
+//!   See [`RecordedEvent`] for the reuse contract.
 //!
 //! Counters are far cheaper (H100: about 1.5 µs per write against about 120 µs per
 //! interprocess-event record; docs/BENCHMARKS.md, item 8), hence the default.

@@ -6,6 +6,8 @@
 //! - `serve SOCKET`: connects to the test and answers `SpinShare` (`spin_share`),
 //!   `Scribble` (`scribble`) and `Exit` (`exit`) (`tests/support/liveness_msgs.rs`). Returns
 //!   from `main` when told to (`Exit`) or when the link to the test goes down.
+//! - `linger SOCKET`: as `serve`, but lives on when the link goes down (a peer the test
+//!   cuts while its work still runs), until killed or told to `Exit`.
 //! - `holder SOCKET EXIT_FILE`: the holder C of a forwarded lease. Connects to SOCKET (the
 //!   relay B's) and takes the buffers forwarded to it from its inbox: for each, queues a
 //!   long kernel that copies it on its stream and prints
@@ -132,6 +134,8 @@ struct Server {
     kept: Vec<Buffer<u32>>,
     /// Leases kept by `Scribble { keep: true }`.
     held: Vec<LeaseMut<u32>>,
+    /// Live on when the link goes down (`linger`).
+    linger: bool,
 }
 
 impl Actor for Server {
@@ -141,7 +145,9 @@ impl Actor for Server {
 impl Handler<PeerEvent> for Server {
     type Result = ();
     fn handle(&mut self, e: PeerEvent, _: &mut Context<Self>) {
-        if let PeerEvent::Down { .. } = e {
+        if let PeerEvent::Down { .. } = e
+            && !self.linger
+        {
             System::current().stop();
         }
     }
@@ -209,13 +215,14 @@ impl Handler<Exit> for Server {
     }
 }
 
-async fn serve(socket: String) -> Res<()> {
+async fn serve(socket: String, linger: bool) -> Res<()> {
     let node = Node::from_env()?;
     let server = Server {
         gpu: Gpu::of(&node)?,
         node: node.clone(),
         kept: Vec::new(),
         held: Vec::new(),
+        linger,
     }
     .start();
     node.register::<SpinShare>("spin_share", server.clone().recipient());
@@ -482,11 +489,11 @@ fn forge(socket: &str) -> Res<()> {
 #[command(
     name = "baton-liveness-peer",
     about = "The helper process of the GPU liveness tests (tests/liveness_cuda.rs): one role per invocation",
-    after_help = "Roles: serve SOCKET | holder SOCKET EXIT_FILE | exporter RELAY_SOCKET SOCKET | forge SOCKET. Needs BATON_BACKEND=cuda (forge: no GPU); the session token comes through the pipe named in BATON_TOKEN_FD."
+    after_help = "Roles: serve SOCKET | linger SOCKET | holder SOCKET EXIT_FILE | exporter RELAY_SOCKET SOCKET | forge SOCKET. Needs BATON_BACKEND=cuda (forge: no GPU); the session token comes through the pipe named in BATON_TOKEN_FD."
 )]
 struct Cli {
     /// The role.
-    #[arg(value_parser = ["serve", "holder", "exporter", "forge"])]
+    #[arg(value_parser = ["serve", "linger", "holder", "exporter", "forge"])]
     role: String,
     /// Its arguments.
     args: Vec<String>,
@@ -514,7 +521,8 @@ fn main() {
     let system = System::new();
     let started: Res<()> = system.block_on(async {
         match (cli.role.as_str(), args.as_slice()) {
-            ("serve", [socket]) => serve(socket.to_string()).await,
+            ("serve", [socket]) => serve(socket.to_string(), false).await,
+            ("linger", [socket]) => serve(socket.to_string(), true).await,
             ("holder", [socket, exit_file]) => holder(socket.to_string(), exit_file.into()).await,
             ("exporter", [relay, socket]) => exporter(relay.to_string(), socket.to_string()).await,
             (role, args) => Err(format!("bad arguments for {role}: {args:?}").into()),
