@@ -392,7 +392,7 @@ impl CounterSlab {
         }
         let (slot, value) = {
             let mut state = lock(&self.state);
-            let limit = state.values.len();
+            let limit = state.lendable;
             let slot = state.free.pop().ok_or(Error::FencesExhausted { limit })?;
             let v = &mut state.values[slot as usize];
             *v += 1;

@@ -35,6 +35,7 @@
 //! Lines this helper "prints" go to stdout, or, when `BATON_PEER_STATUS` names a file, are
 //! appended to that file instead (for a supervisor's children, whose stdout is inherited).
 
+use baton::ipc::link::Received;
 use baton::ipc::{FrameFds, HostBackend, ImportCache, Link, LinkConfig, Session};
 use baton::messages::codec::frame_bytes;
 use baton::messages::protocol::{Offer, Payload, Release, Reply};
@@ -59,8 +60,19 @@ fn cache(session: &Session) -> Res<ImportCache> {
     ))
 }
 
+/// The next message within 30 s, but the fence inbox lane a CUDA node lends at the link's
+/// start (this raw peer records no fences, so it needs none and writes none).
+fn recv(link: &mut Link) -> baton::ipc::Result<Received> {
+    loop {
+        let received = link.recv_timeout(Duration::from_secs(30))?;
+        if !matches!(received.message, Message::FenceInbox(_)) {
+            return Ok(received);
+        }
+    }
+}
+
 fn take_offer(link: &mut Link) -> Res<(Offer, FrameFds)> {
-    let received = link.recv_timeout(Duration::from_secs(30))?;
+    let received = recv(link)?;
     match received.message {
         Message::Offer(offer) => Ok((offer, received.fds)),
         other => Err(format!("expected an Offer, got {}", other.kind()).into()),
@@ -87,7 +99,7 @@ fn import(socket: &str, expect_hex: &str, payload_len: usize) -> Res<()> {
     }
     link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     // Wait for the exporter to hang up, so it sees the Release before our EOF.
-    match link.recv_timeout(Duration::from_secs(30)) {
+    match recv(&mut link) {
         Err(baton::Error::Closed) => Ok(()),
         Err(e) => Err(e.into()),
         Ok(r) => Err(format!("unexpected {}", r.message.kind()).into()),
@@ -180,7 +192,7 @@ fn half_frame_import(socket: &str) -> Res<()> {
         backends.push(Arc::new(HostBackend::new()?) as _);
     }
     let cache = ImportCache::new(session.clone(), backends);
-    let received = link.recv_timeout(Duration::from_secs(30))?;
+    let received = recv(&mut link)?;
     let Message::Call(call) = received.message else {
         return Err(format!("expected a Call, got {}", received.message.kind()).into());
     };
