@@ -22,8 +22,10 @@ if [ -z "$exe" ] || [ ! -x "$exe" ]; then
 fi
 rm -rf "$dir" && mkdir -p "$dir/peers"
 cp "$exe" "$dir/handoff" && strip "$dir/handoff"
+target=$(cargo metadata --format-version 1 --no-deps \
+  | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 if cargo build --release --example renderer >/dev/null 2>&1; then
-  cp target/release/examples/renderer "$dir/renderer" && strip "$dir/renderer"
+  cp "$target/release/examples/renderer" "$dir/renderer" && strip "$dir/renderer"
 else
   echo "bundle: the renderer example did not build: item 6 will say 'not measured'" >&2
 fi
