@@ -665,7 +665,9 @@ impl Exports {
     /// pool's: when its descriptor has not crossed this link yet).
     ///
     /// One writer or many readers: a `writable` lease is refused while any other lease on
-    /// the buffer is out, and any lease while a writable one is.
+    /// the buffer is out, and any lease while a writable one is or while its owner writes
+    /// it in place (the flag is read under the lock, after which `Buffer::as_mut_slice`
+    /// counts the leases under the same lock: one of the two sees the other).
     pub(crate) fn grant(
         &self,
         cell: &BufferCell,
@@ -683,6 +685,12 @@ impl Exports {
                 wanted,
                 reason,
             };
+            if cell.alloc.is_in_place() {
+                return Err(conflict(
+                    if writable { "writable" } else { "read-only" },
+                    "its owner is writing it in place (Buffer::as_mut_slice)",
+                ));
+            }
             if state.writable.values().any(|a| *a == alloc) {
                 return Err(conflict(
                     if writable { "writable" } else { "read-only" },

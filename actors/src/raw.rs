@@ -488,8 +488,10 @@ impl ErasedHandler for RawRegistered {
 impl Node {
     /// Makes `handler` reachable from other processes as `name`, for calls whose wire type
     /// name is `type_name` (a call of another type is refused with
-    /// [`CallFault::WrongType`] before the handler sees it). Replaces any earlier
-    /// registration of `name`, typed or raw. See the [module docs](crate::raw).
+    /// [`CallFault::WrongType`] before the handler sees it). As with
+    /// [`Node::register`], one name serves several types: this replaces only an earlier
+    /// registration of `name` for `type_name`, typed or raw. See the
+    /// [module docs](crate::raw).
     pub fn register_raw(&self, name: &str, type_name: &str, handler: impl RawHandler) {
         self.insert_handler(
             name,
