@@ -171,18 +171,7 @@ impl<T: Element> Buffer<T> {
         &self,
         timeout: Duration,
     ) -> impl Future<Output = Result<(), ActorError>> + 'static + use<T> {
-        let returned = self.returned();
-        let (exports, id) = (Arc::clone(&self.cell.exports), self.cell.id);
-        async move {
-            match tokio::time::timeout(timeout, returned).await {
-                Ok(()) => Ok(()),
-                Err(_) => Err(ActorError::NotReturned {
-                    buffer: id,
-                    leases: exports.leases_on(id),
-                    after: timeout,
-                }),
-            }
-        }
+        self.cell.returned_within(timeout)
     }
 
     /// The buffer's elements in place, writable, without a copy: host memory only. The

@@ -227,6 +227,28 @@ impl BufferCell {
     }
 }
 
+impl BufferCell {
+    /// Resolves once no lease on the buffer is out, or with
+    /// [`ActorError::NotReturned`] after `timeout` (see
+    /// [`Buffer::returned_within`](crate::Buffer::returned_within)).
+    pub(crate) fn returned_within(
+        &self,
+        timeout: std::time::Duration,
+    ) -> impl Future<Output = Result<(), ActorError>> + 'static + use<> {
+        let returned = self.exports.returned(self.id);
+        let (exports, buffer) = (Arc::clone(&self.exports), self.id);
+        async move {
+            tokio::time::timeout(timeout, returned)
+                .await
+                .map_err(|_| ActorError::NotReturned {
+                    buffer,
+                    leases: exports.leases_on(buffer),
+                    after: timeout,
+                })
+        }
+    }
+}
+
 /// Retires a buffer when its cell drops.
 pub(crate) struct Retire {
     pub(crate) id: BufferId,

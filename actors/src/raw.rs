@@ -116,6 +116,22 @@ impl AnyBuffer {
         self.cell.exports.leases_on(self.cell.id)
     }
 
+    /// Resolves once every lease on it is back (see [`Buffer::returned`]).
+    pub fn returned(&self) -> impl Future<Output = ()> + 'static + use<> {
+        self.cell.exports.returned(self.cell.id)
+    }
+
+    /// [`returned`](Self::returned) with a deadline (see [`Buffer::returned_within`]).
+    ///
+    /// # Errors
+    /// [`ActorError::NotReturned`], with how many leases were still out.
+    pub fn returned_within(
+        &self,
+        timeout: std::time::Duration,
+    ) -> impl Future<Output = Result<(), ActorError>> + 'static + use<> {
+        self.cell.returned_within(timeout)
+    }
+
     /// The backend allocation, for backend-specific work.
     pub fn allocation(&self) -> &Allocation {
         &self.cell.alloc
