@@ -48,8 +48,12 @@ class Node:
     def join(
         *, backend: Optional[Literal["auto", "host", "cuda"]] = None, timeout: float = 30.0
     ) -> Tuple[Node, Peer]:
-        """The entry point of a child started with ``Node.spawn``: ``(node, parent)``.
-        Raises ``NoParent`` in a process not started that way."""
+        """The entry point of a child started with ``Node.spawn``: ``(node, parent)``. A child
+        that serves names registers them first instead: ``Node()``, ``register``, then
+        ``connect_parent()``. Raises ``NoParent`` in a process not started that way."""
+    def connect_parent(self, *, timeout: float = 30.0) -> Peer:
+        """Links to the parent that started this process with ``Node.spawn``. Raises
+        ``NoParent`` in a process not started that way."""
     def spawn(
         self,
         args: Sequence[Union[str, os.PathLike[str]]],

@@ -193,20 +193,34 @@ impl Node {
     /// `Node::spawn_child`): the token it was passed, the parent's backend, and the link
     /// to the parent. Returns `(node, parent)`; `parent` is a `Peer`.
     ///
+    /// The parent may call as soon as the link is up, and this process's calls are
+    /// answered on the extension's own thread: a child that serves names should register
+    /// them first — `node = Node()`, `node.register(...)`, then
+    /// `parent = node.connect_parent()` — or a call may find no name yet (`NoSuchActor`).
+    ///
     /// Raises `baton.NoParent` in a process not started that way.
     #[staticmethod]
     #[pyo3(signature = (*, backend = None, timeout = DEFAULT_TIMEOUT))]
     fn join(py: Python<'_>, backend: Option<String>, timeout: f64) -> PyResult<(Self, Peer)> {
+        let node = Self::new(py, None, None, backend)?;
+        let parent = node.connect_parent(py, timeout)?;
+        Ok((node, parent))
+    }
+
+    /// Links to the parent that started this process with `Node.spawn` (or Rust's
+    /// `Node::spawn_child`), within `timeout` seconds. Register the names the parent calls
+    /// before this.
+    ///
+    /// Raises `baton.NoParent` in a process not started that way.
+    #[pyo3(signature = (*, timeout = DEFAULT_TIMEOUT))]
+    fn connect_parent(&self, py: Python<'_>, timeout: f64) -> PyResult<Peer> {
         let Some(socket) = std::env::var_os(baton_actors::PARENT_SOCKET_ENV) else {
             return Err(Failure::Actor(ActorError::NoParent {
                 var: baton_actors::PARENT_SOCKET_ENV,
             }))
             .or_raise(py);
         };
-        let session = Session::from_env().or_raise(py)?;
-        let node = Self::start(py, session, backend.as_deref())?;
-        let parent = node.connect(py, PathBuf::from(socket), timeout)?;
-        Ok((node, parent))
+        self.connect(py, PathBuf::from(socket), timeout)
     }
 
     /// Starts `args` (a program and its arguments: `[sys.executable, "worker.py"]`, or a

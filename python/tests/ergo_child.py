@@ -8,12 +8,11 @@ import sys
 
 import baton
 
-node, parent = baton.Node.join(backend="host")  # the token and the link, one call
 role = sys.argv[1]
 
 if role == "wait":
+    node, parent = baton.Node.join(backend="host")  # the token and the link, one call
     mailbox = node.register("idle", "t.Nothing")
-    print("waiting", flush=True)
     try:
         mailbox.recv(timeout=120)  # far past the test's deadline: only the link's end ends it
     except baton.LinkClosed as e:
@@ -21,11 +20,12 @@ if role == "wait":
         sys.exit(0)
     sys.exit(3)  # a call came: nobody sends one
 
+node = baton.Node(backend="host")  # the token its parent passed it
 sums = node.register("worker", "t.Sum")
 holds = node.register("worker", "t.Hold")  # one name, several wire types
 drops = node.register("worker", "t.Drop")
+parent = node.connect_parent()  # linked once the names are there
 held = []
-print("serving", flush=True)
 while True:
     for mailbox in (holds, drops):
         while mailbox.pending:

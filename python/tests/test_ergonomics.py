@@ -117,10 +117,13 @@ def test_no_token_says_so(monkeypatch):
         baton.Node(backend="host")
 
 
-def test_join_outside_a_spawned_child_says_so(monkeypatch):
+def test_join_outside_a_spawned_child_says_so(monkeypatch, root):
     monkeypatch.delenv("BATON_PARENT_SOCKET", raising=False)
-    with pytest.raises(baton.NoParent):
+    monkeypatch.setenv("BATON_TOKEN", baton.generate_token())
+    with pytest.raises(baton.NoParent, match="BATON_PARENT_SOCKET"):
         baton.Node.join(backend="host")
+    with pytest.raises(baton.NoParent):
+        root.connect_parent()
 
 
 def test_pytest_inside_python_uses_the_installed_package():
@@ -146,3 +149,18 @@ def test_pytest_without_an_installed_package_refuses_with_what_to_do():
     assert out.returncode == 0, out.stderr
     assert "the baton package is not installed" in out.stdout
     assert "python/run-tests.sh" in out.stdout
+
+
+def test_the_readme_opens_with_the_weight_sync_program_and_it_runs():
+    readme = (REPO / "python/README.md").read_text()
+    program = (REPO / "python/examples/weight_sync.py").read_text()
+    first = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert first == program, "python/README.md's first code block is examples/weight_sync.py"
+    lines = [line for line in program.splitlines() if line.strip()]
+    assert len(lines) <= 60, f"the weight-sync program has {len(lines)} lines; the issue allows 60"
+    out = subprocess.run(
+        [sys.executable, str(REPO / "python/examples/weight_sync.py")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "20 steps of 200 tensors checked" in out.stdout
