@@ -17,7 +17,8 @@ pub const TOKEN_ENV: &str = "BATON_TOKEN";
 /// The token authenticates links (each side proves it holds it, without sending it) and
 /// keys the digest that seals handle messages. Give every process of a deployment the same
 /// token, by spawning children with a command prepared by [`Session::pass_to`] (the
-/// [`ProcessSupervisor`](../baton_actors/supervisor/struct.ProcessSupervisor.html) does).
+/// `baton_actors::supervisor::ProcessSupervisor` does; not a link: `baton-ipc` does not
+/// depend on it).
 #[derive(Clone)]
 pub struct Session {
     token: SessionToken,
