@@ -13,7 +13,7 @@ mod peer;
 use actix::prelude::*;
 use actors::{DEADLINE, run};
 use baton::actors::raw::{RawCall, RawMessage, RawReply};
-use baton::actors::{ActorError, LeaseMut, Node};
+use baton::actors::{ActorError, Buffer, LeaseMut, Node, Peer};
 use baton::messages::protocol::CallFault;
 use baton::{HostBackend, RemoteMessage, Session, Shared, SharedMut, SocketDir};
 use serde::{Deserialize, Serialize};
@@ -98,6 +98,17 @@ fn worker_node() -> Node {
     node
 }
 
+/// Has "worker" hold a writable lease on `buf` (held once this returns).
+async fn hold(local: &Peer, buf: &Buffer<u32>) {
+    let held = local.remote::<Hold>("worker").send(Hold(buf.share_mut()));
+    held.await.unwrap().unwrap();
+}
+
+/// Has "worker" drop the leases it holds; returns how many.
+async fn let_go(local: &Peer) -> usize {
+    local.remote::<LetGo>("worker").send(LetGo).await.unwrap()
+}
+
 #[test]
 fn one_name_serves_every_message_type_registered_under_it() {
     run(async {
@@ -115,16 +126,8 @@ fn one_name_serves_every_message_type_registered_under_it() {
             Ok(3000.0),
             "the first type registered still reaches it"
         );
-        local
-            .remote::<Hold>("worker")
-            .send(Hold(buf.share_mut()))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            local.remote::<LetGo>("worker").send(LetGo).await.unwrap(),
-            1
-        );
+        hold(&local, &buf).await;
+        assert_eq!(let_go(&local).await, 1);
 
         let err = local
             .remote::<Unknown>("worker")
@@ -203,21 +206,13 @@ fn the_owner_writes_in_place_only_while_no_lease_is_out() {
         buf.returned_within(DEADLINE).await.unwrap();
 
         // A lease out: refused, and the buffer stays usable.
-        local
-            .remote::<Hold>("worker")
-            .send(Hold(buf.share_mut()))
-            .await
-            .unwrap()
-            .unwrap();
+        hold(&local, &buf).await;
         let leased = buf.as_mut_slice().unwrap_err();
         assert!(
             matches!(leased, ActorError::BufferLeased { leases: 1, .. }),
             "{leased:?}"
         );
-        assert_eq!(
-            local.remote::<LetGo>("worker").send(LetGo).await.unwrap(),
-            1
-        );
+        assert_eq!(let_go(&local).await, 1);
         buf.returned_within(DEADLINE).await.unwrap();
         buf.as_mut_slice().unwrap()[0] = 7;
         assert_eq!(buf.to_vec().unwrap()[0], 7);
@@ -234,12 +229,9 @@ fn returned_within_says_how_many_leases_are_still_out() {
         buf.returned_within(Duration::ZERO)
             .await
             .expect("no lease out: at once");
-        local
-            .remote::<Hold>("worker")
-            .send(Hold(buf.share_mut()))
-            .await
-            .unwrap()
-            .unwrap();
+        hold(&local, &buf).await;
+        // The reply came after the receiver mapped the lease: it holds it now.
+        assert_eq!(buf.leases_out(), 1);
         let err = buf
             .returned_within(Duration::from_millis(20))
             .await
@@ -249,10 +241,7 @@ fn returned_within_says_how_many_leases_are_still_out() {
             "{err:?}"
         );
         let waiting = buf.returned_within(DEADLINE);
-        assert_eq!(
-            local.remote::<LetGo>("worker").send(LetGo).await.unwrap(),
-            1
-        );
+        assert_eq!(let_go(&local).await, 1);
         waiting.await.expect("back once dropped");
         local.close_and_wait().await;
     });
