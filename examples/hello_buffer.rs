@@ -1,8 +1,7 @@
 //! Two processes, one buffer: send 1 Mi `f32`s to a worker actor in a child process,
 //! get their sum back, and wait for the lease to come back. `cargo run --example hello_buffer`
 use actix::prelude::*;
-use baton::actors::{Node, RemoteMessage, Shared};
-use baton::{HostBackend, Session};
+use baton::{HostBackend, Node, RemoteMessage, Session, Shared};
 use serde::{Deserialize, Serialize};
 use std::{error::Error, process::Command, sync::Arc};
 
@@ -44,7 +43,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     worker.arg("worker");
     let child = node.spawn_child(worker).await?; // started, linked, authenticated
     let data = node.allocate::<f32>(N)?;
-    data.write_at(0, &vec![0.5; N])?;
+    data.as_mut_slice()?.fill(0.5); // filled in place: the shared pages, no copy
     let worker = child.peer().remote::<Sum>("worker");
     let sum = worker.send(Sum(data.share())).await??; // leased to the worker, not copied
     data.returned().await; // the worker's lease is back: the buffer is ours alone again

@@ -162,6 +162,62 @@ impl<T: Element> Buffer<T> {
         self.cell.exports.returned(self.cell.id)
     }
 
+    /// [`returned`](Self::returned) with a deadline: `Ok(())` once every lease on the
+    /// buffer is back, an error if some are still out after `timeout`.
+    ///
+    /// # Errors
+    /// [`ActorError::NotReturned`], with how many leases were still out.
+    pub fn returned_within(
+        &self,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<(), ActorError>> + 'static + use<T> {
+        self.cell.returned_within(timeout)
+    }
+
+    /// The buffer's elements in place, writable, without a copy: host memory only. The
+    /// guard derefs to `&mut [T]`; while it lives, no lease on the buffer is granted
+    /// (sending a message that shares it fails with [`ActorError::LeaseConflict`]) and its
+    /// copies (`write_at`, `read_into`, `to_vec`, through any clone) are refused.
+    ///
+    /// Refused while a lease on the buffer is out (one writer or many readers: the
+    /// holders may be reading or writing the same pages): await
+    /// [`returned`](Self::returned) first. Device memory has no CPU view: it is refused
+    /// with [`ActorError::NotHostMemory`] — fill it with [`write_at`](Self::write_at) or
+    /// on a stream.
+    ///
+    /// ```no_run
+    /// # async fn fill(node: baton_actors::Node) -> Result<(), baton_actors::ActorError> {
+    /// let data = node.allocate::<f32>(1 << 20)?;
+    /// for (i, x) in data.as_mut_slice()?.iter_mut().enumerate() {
+    ///     *x = i as f32; // the shared pages themselves: no temporary, no copy
+    /// } // the guard drops here: the buffer may be shared again
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ActorError::BufferLeased`] while leases are out; [`ActorError::NotHostMemory`] for
+    /// device memory (or host memory not aligned for `T`); [`ActorError::Ipc`] with
+    /// [`InPlace`](baton_ipc::Error::InPlace) while another such guard of it lives.
+    pub fn as_mut_slice(&self) -> Result<BufferMut<'_, T>, ActorError> {
+        // The flag first, then the count (see `Exports::grant`): a grant that raced us is
+        // counted, and none is made once the flag is set.
+        let mut place = self
+            .cell
+            .alloc
+            .write_in_place()?
+            .ok_or(ActorError::NotHostMemory)?;
+        self.cell.check_unleased()?;
+        self.cell.order.before_host_copy()?;
+        let len = self.len() * size_of::<T>();
+        let bytes = place.get_mut(..len).ok_or(ActorError::NotHostMemory)?;
+        bytemuck::try_cast_slice_mut::<u8, T>(bytes).map_err(|_| ActorError::NotHostMemory)?;
+        Ok(BufferMut {
+            place,
+            len,
+            _t: PhantomData,
+        })
+    }
+
     /// The id of the backend allocation the buffer lives in (what importers' import caches
     /// and `baton top` name). The allocation itself is not handed out: its safe `write`
     /// would bypass the one-writer rule; device work goes through [`ptr`](Self::ptr) (raw,
@@ -292,6 +348,38 @@ impl<T: Element> Buffer<T> {
             }),
             _t: PhantomData,
         }
+    }
+}
+
+/// A buffer's host memory, writable in place by its owner ([`Buffer::as_mut_slice`]):
+/// derefs to `[T]`. No lease on the buffer is granted, and its copies are refused, until it
+/// drops.
+pub struct BufferMut<'a, T: Element> {
+    place: baton_ipc::InPlace<'a>,
+    /// Bytes of the buffer's elements (the allocation may be larger).
+    len: usize,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> fmt::Debug for BufferMut<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BufferMut")
+            .field("len", &(self.len / size_of::<T>()))
+            .finish()
+    }
+}
+
+impl<T: Element> std::ops::Deref for BufferMut<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // Checked castable when the guard was made; the bytes do not move.
+        bytemuck::cast_slice(&self.place[..self.len])
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for BufferMut<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        bytemuck::cast_slice_mut(&mut self.place[..self.len])
     }
 }
 

@@ -190,6 +190,20 @@ pub enum ActorError {
         /// The deadline.
         after: Duration,
     },
+    /// Leases on a buffer were still out when a deadline passed
+    /// ([`Buffer::returned_within`](crate::Buffer::returned_within)): their holders keep
+    /// them. Wait longer, or ask for them back ([`Revoke`](crate::Revoke)).
+    #[error(
+        "{buffer:?} still has {leases} leases out after {after:?}: their holders keep them (wait longer, or Revoke them)"
+    )]
+    NotReturned {
+        /// The buffer.
+        buffer: BufferId,
+        /// Leases still out when the deadline passed.
+        leases: usize,
+        /// The deadline.
+        after: Duration,
+    },
     /// A buffer was used on more streams than Baton tracks the uses of
     /// ([`MAX_STREAMS`](crate::MAX_STREAMS)).
     #[error("a buffer is used on more than {max} streams; synchronise one and use it there")]

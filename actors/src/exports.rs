@@ -227,6 +227,28 @@ impl BufferCell {
     }
 }
 
+impl BufferCell {
+    /// Resolves once no lease on the buffer is out, or with
+    /// [`ActorError::NotReturned`] after `timeout` (see
+    /// [`Buffer::returned_within`](crate::Buffer::returned_within)).
+    pub(crate) fn returned_within(
+        &self,
+        timeout: std::time::Duration,
+    ) -> impl Future<Output = Result<(), ActorError>> + 'static + use<> {
+        let returned = self.exports.returned(self.id);
+        let (exports, buffer) = (Arc::clone(&self.exports), self.id);
+        async move {
+            tokio::time::timeout(timeout, returned)
+                .await
+                .map_err(|_| ActorError::NotReturned {
+                    buffer,
+                    leases: exports.leases_on(buffer),
+                    after: timeout,
+                })
+        }
+    }
+}
+
 /// Retires a buffer when its cell drops.
 pub(crate) struct Retire {
     pub(crate) id: BufferId,
@@ -665,7 +687,9 @@ impl Exports {
     /// pool's: when its descriptor has not crossed this link yet).
     ///
     /// One writer or many readers: a `writable` lease is refused while any other lease on
-    /// the buffer is out, and any lease while a writable one is.
+    /// the buffer is out, and any lease while a writable one is or while its owner writes
+    /// it in place (the flag is read under the lock, after which `Buffer::as_mut_slice`
+    /// counts the leases under the same lock: one of the two sees the other).
     pub(crate) fn grant(
         &self,
         cell: &BufferCell,
@@ -683,6 +707,12 @@ impl Exports {
                 wanted,
                 reason,
             };
+            if cell.alloc.is_in_place() {
+                return Err(conflict(
+                    if writable { "writable" } else { "read-only" },
+                    "its owner is writing it in place (Buffer::as_mut_slice)",
+                ));
+            }
             if state.writable.values().any(|a| *a == alloc) {
                 return Err(conflict(
                     if writable { "writable" } else { "read-only" },

@@ -129,7 +129,7 @@ pub mod supervisor;
 // A node's status as metrics.
 pub mod metrics;
 
-pub use buffer::{Buffer, Element, Lease, LeaseMut, Shared, SharedMut};
+pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, Shared, SharedMut};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use connect::{ACCEPT_BACKLOG, Listening, token_file_of};
 pub use error::ActorError;
@@ -137,7 +137,7 @@ pub use exports::{BufferLeases, ForwardedLease, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
 pub use link::PeerLink;
-pub use link_ref::{Heartbeat, LinkLimits};
+pub use link_ref::{CLOSE_FLUSH, Heartbeat, LinkLimits};
 pub use metrics::MetricsPublisher;
 pub use node::{Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use order::MAX_STREAMS;

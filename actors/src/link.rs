@@ -32,7 +32,7 @@ use crate::error::ActorError;
 use crate::exports::OfferGrant;
 use crate::ids::LinkId;
 use crate::link_ref::{
-    AskStatus, CancelCall, CutOff, LinkCommand, LinkLimits, LinkRef, LinkState, PeerDied,
+    AskStatus, CancelCall, Close, CutOff, LinkCommand, LinkLimits, LinkRef, LinkState, PeerDied,
     ReleaseLease, RequestEvict, SendPing, SendRevoke, SendUnmap,
 };
 use crate::node::Node;
@@ -168,6 +168,11 @@ pub struct PeerLink {
     down: Option<Arc<ActorError>>,
     /// The peer lent us a fence inbox lane over this link already (at most once).
     inbox_received: bool,
+    /// The peer's calls whose answers are under way (handed to their handler, not yet
+    /// queued): a closing link waits for them.
+    answering: usize,
+    /// Closing ([`Close`]): cut once nothing is owed to the peer, or at this deadline.
+    closing: Option<Instant>,
     pub(crate) span: tracing::Span,
 }
 
@@ -324,6 +329,8 @@ impl PeerLink {
                 last_heard: Instant::now(),
                 down: None,
                 inbox_received: false,
+                answering: 0,
+                closing: None,
             }
         });
         (
@@ -856,22 +863,17 @@ impl PeerLink {
             Ok(leases) => leases,
             Err(e) => return self.send_reply(id, Err(CallFault::OfferRefused(e.to_string()))),
         };
-        let Some(handler) = self.node.handler(target) else {
-            return self.send_reply(id, Err(CallFault::NoSuchActor));
+        let handler = match self.node.handler(target, type_name) {
+            Ok(handler) => handler,
+            Err(fault) => return self.send_reply(id, Err(fault)),
         };
-        if handler.type_name() != type_name {
-            return self.send_reply(
-                id,
-                Err(CallFault::WrongType {
-                    expected: handler.type_name().to_owned(),
-                }),
-            );
-        }
         match handler.invoke(self.peer.process, payload, leases) {
             Err(fault) => self.send_reply(id, Err(fault)),
             Ok(answer) => {
                 // The call keeps its slot until it is answered: at the limit, reading pauses.
+                self.answering += 1;
                 ctx.spawn(answer.into_actor(self).map(move |res, act, ctx| {
+                    act.answering -= 1;
                     let sent = act.send_reply(id, res);
                     drop(slot);
                     if let Err(e) = sent {
@@ -1093,6 +1095,47 @@ impl Handler<CutOff> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: CutOff, ctx: &mut Self::Context) {
         self.cut(ctx, msg.0);
+    }
+}
+
+/// How often a closing link looks whether what it owes the peer is written.
+const CLOSE_POLL: Duration = Duration::from_millis(2);
+
+impl PeerLink {
+    /// Cuts a closing link once no answer to the peer's calls is under way and its queued
+    /// frames are written (on the socket: the peer reads them before the end of stream), or
+    /// once the close's deadline passed; looks again shortly otherwise.
+    fn finish_close(&mut self, ctx: &mut Context<Self>) {
+        let Some(deadline) = self.closing else {
+            return;
+        };
+        let flushed = self.answering == 0 && self.me.state.queued.load(Ordering::Acquire) == 0;
+        if flushed || Instant::now() >= deadline {
+            if !flushed {
+                tracing::info!(
+                    answering = self.answering,
+                    "closing before every answer was sent: the flush deadline passed"
+                );
+            }
+            self.cut(
+                ctx,
+                ActorError::LinkClosed {
+                    peer: self.peer.process,
+                },
+            );
+        } else {
+            ctx.run_later(CLOSE_POLL, |act, ctx| act.finish_close(ctx));
+        }
+    }
+}
+
+impl Handler<Close> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: Close, ctx: &mut Self::Context) {
+        if self.closing.is_none() {
+            self.closing = Some(Instant::now() + msg.flush);
+            self.finish_close(ctx);
+        }
     }
 }
 

@@ -272,6 +272,7 @@ macro_rules! link_commands {
 
 link_commands!(
     CutOff,
+    Close,
     PeerDied,
     ReleaseLease,
     SendRevoke,
@@ -290,6 +291,19 @@ link_commands!(
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct CutOff(pub(crate) ActorError);
+
+/// How long a closing link ([`Peer::close`](crate::Peer::close)) waits for the answers
+/// to the peer's calls that are under way and the frames queued for the peer to be
+/// written, before it closes anyway.
+pub const CLOSE_FLUSH: Duration = Duration::from_secs(2);
+
+/// Close the link once what is owed to the peer is sent (answers to its calls under way,
+/// frames queued), or at `flush` from now, whichever comes first (the user closed it).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Close {
+    pub(crate) flush: Duration,
+}
 
 /// The peer's process died. Whatever it sent before is still read; if nothing is left to
 /// read and its end of the socket is still open (a descendant inherited it), cut now.

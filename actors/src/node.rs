@@ -9,7 +9,9 @@ use crate::error::ActorError;
 use crate::exports::{BufferLeases, Exports, OwnerStats};
 use crate::ids::LinkId;
 use crate::ledger::RevokePolicy;
-use crate::link_ref::{CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, RequestEvict, SendPing};
+use crate::link_ref::{
+    CLOSE_FLUSH, Close, CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, RequestEvict, SendPing,
+};
 use crate::offload::Offload;
 use crate::remote::{ErasedHandler, OutCall, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
@@ -17,6 +19,7 @@ use baton_ipc::process::DeathWatch;
 use baton_ipc::{
     HostBackend, ImportCache, LinkConfig, PeerInfo, Session, SharedBackend, WarmBudget,
 };
+use baton_messages::protocol::CallFault;
 use baton_messages::{ActorId, BackendKind, Layout, LeaseId, ProcessId, Shape};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -176,14 +179,19 @@ impl Peer {
     /// [`closed`](Self::closed) (or call [`close_and_wait`](Self::close_and_wait)) to know
     /// it has.
     ///
+    /// What this side owes the peer goes first: answers to the peer's calls that are under
+    /// way (a handler that replied just before the close) and frames already queued are
+    /// written before the end of the link, for at most [`CLOSE_FLUSH`](crate::CLOSE_FLUSH)
+    /// (a peer that does not read, or a handler that never answers, does not hold the
+    /// close up longer). Our own calls still waiting for the peer's answers end with
+    /// [`ActorError::LinkClosed`].
+    ///
     /// Do not block the thread the node's actors run on (`std::process::Child::wait`,
     /// `std::thread::sleep`, a blocking `recv`) after `close`: the link actor runs there
     /// too, so it never ends and the peer never sees the end of the link — a deadlock when
     /// the peer waits for it to exit. Await instead ([`LinkedChild::wait`](crate::LinkedChild::wait)).
     pub fn close(&self) {
-        self.link.do_send(CutOff(ActorError::LinkClosed {
-            peer: self.info.process,
-        }));
+        self.link.do_send(Close { flush: CLOSE_FLUSH });
     }
 
     /// Resolves once the link is down and the node has processed its end: leases granted
@@ -264,7 +272,8 @@ struct NodeInner {
     /// Reports linked processes' deaths (`None` if its thread could not start: links
     /// then learn of deaths by end of stream and from the supervisor only).
     deaths: Option<DeathWatch>,
-    handlers: Mutex<HashMap<String, Arc<dyn ErasedHandler>>>,
+    /// Per name, a handler per wire type name (few: a linear search).
+    handlers: Mutex<HashMap<String, Vec<Arc<dyn ErasedHandler>>>>,
     links: Mutex<HashMap<LinkId, Peer>>,
     /// Processes seen dead whose links are still ending.
     dead: Mutex<HashSet<ProcessId>>,
@@ -398,7 +407,7 @@ impl Node {
     /// top of `main`, or call [`Session::from_env`] there.
     ///
     /// # Errors
-    /// [`baton_ipc::Error::BadToken`] without a token; a backend error.
+    /// [`baton_ipc::Error::NoToken`] without a token; a backend error.
     pub fn from_env() -> Result<Node, ActorError> {
         Ok(Self::new(Session::from_env()?, baton_ipc::select::auto()?))
     }
@@ -559,7 +568,33 @@ impl Node {
     }
 
     /// Makes the actor registered as `name` reachable from other processes, for messages
-    /// of type `M` (replacing any earlier registration of that name).
+    /// of type `M`.
+    ///
+    /// One name serves every message type registered under it: an actor that handles
+    /// several types is registered once per type, under the same name, and each call goes
+    /// to the registration of its type ([`RemoteMessage::NAME`](crate::RemoteMessage::NAME)).
+    /// Registering a type again under the same name replaces that type's registration
+    /// only. A call of a type the name does not serve is refused with
+    /// [`CallFault::WrongType`](baton_messages::protocol::CallFault::WrongType), which
+    /// lists the types it does.
+    ///
+    /// ```no_run
+    /// # use actix::prelude::*;
+    /// # use baton_actors::{Node, RemoteMessage};
+    /// # #[derive(serde::Serialize, serde::Deserialize, Message)] #[rtype(result = "u32")] struct Get;
+    /// # impl RemoteMessage for Get { const NAME: &'static str = "doc.Get"; }
+    /// # #[derive(serde::Serialize, serde::Deserialize, Message)] #[rtype(result = "()")] struct Set(u32);
+    /// # impl RemoteMessage for Set { const NAME: &'static str = "doc.Set"; }
+    /// # struct Cell(u32);
+    /// # impl Actor for Cell { type Context = Context<Self>; }
+    /// # impl Handler<Get> for Cell { type Result = u32; fn handle(&mut self, _: Get, _: &mut Context<Self>) -> u32 { self.0 } }
+    /// # impl Handler<Set> for Cell { type Result = (); fn handle(&mut self, m: Set, _: &mut Context<Self>) { self.0 = m.0 } }
+    /// # fn run(node: &Node) {
+    /// let cell = Cell(0).start();
+    /// node.register::<Get>("cell", cell.clone().recipient());
+    /// node.register::<Set>("cell", cell.recipient()); // both types reach the same actor
+    /// # }
+    /// ```
     pub fn register<M>(&self, name: &str, recipient: Recipient<M>)
     where
         M: RemoteMessage,
@@ -568,17 +603,48 @@ impl Node {
         self.insert_handler(name, Arc::new(Registered { recipient }));
     }
 
+    /// Adds `handler` to the types `name` serves (replacing its type's earlier handler).
     pub(crate) fn insert_handler(&self, name: &str, handler: Arc<dyn ErasedHandler>) {
-        lock(&self.inner.handlers).insert(name.to_owned(), handler);
+        let mut handlers = lock(&self.inner.handlers);
+        let types = handlers.entry(name.to_owned()).or_default();
+        types.retain(|h| h.type_name() != handler.type_name());
+        types.push(handler);
     }
 
-    /// Removes a registration.
+    /// Removes every registration of `name` (of every type).
     pub fn unregister(&self, name: &str) {
         lock(&self.inner.handlers).remove(name);
     }
 
-    pub(crate) fn handler(&self, name: &str) -> Option<Arc<dyn ErasedHandler>> {
-        lock(&self.inner.handlers).get(name).cloned()
+    /// Removes the registration of `name` for the wire type `type_name` only; the name
+    /// keeps serving its other types.
+    pub fn unregister_type(&self, name: &str, type_name: &str) {
+        let mut handlers = lock(&self.inner.handlers);
+        if let Some(types) = handlers.get_mut(name) {
+            types.retain(|h| h.type_name() != type_name);
+            if types.is_empty() {
+                handlers.remove(name);
+            }
+        }
+    }
+
+    /// The handler of `name` for calls of `type_name`: refused with `NoSuchActor` if
+    /// nothing is registered as `name`, `WrongType` (naming the types it serves) if the
+    /// name does not serve this type.
+    pub(crate) fn handler(
+        &self,
+        name: &str,
+        type_name: &str,
+    ) -> Result<Arc<dyn ErasedHandler>, CallFault> {
+        let handlers = lock(&self.inner.handlers);
+        let types = handlers.get(name).ok_or(CallFault::NoSuchActor)?;
+        if let Some(h) = types.iter().find(|h| h.type_name() == type_name) {
+            return Ok(Arc::clone(h));
+        }
+        let served: Vec<&str> = types.iter().map(|h| h.type_name()).collect();
+        Err(CallFault::WrongType {
+            expected: served.join(" or "),
+        })
     }
 
     /// Tells `recipient` about every link that comes up, goes down or is refused.

@@ -116,6 +116,22 @@ impl AnyBuffer {
         self.cell.exports.leases_on(self.cell.id)
     }
 
+    /// Resolves once every lease on it is back (see [`Buffer::returned`]).
+    pub fn returned(&self) -> impl Future<Output = ()> + 'static + use<> {
+        self.cell.exports.returned(self.cell.id)
+    }
+
+    /// [`returned`](Self::returned) with a deadline (see [`Buffer::returned_within`]).
+    ///
+    /// # Errors
+    /// [`ActorError::NotReturned`], with how many leases were still out.
+    pub fn returned_within(
+        &self,
+        timeout: std::time::Duration,
+    ) -> impl Future<Output = Result<(), ActorError>> + 'static + use<> {
+        self.cell.returned_within(timeout)
+    }
+
     /// The backend allocation, for backend-specific work.
     pub fn allocation(&self) -> &Allocation {
         &self.cell.alloc
@@ -488,8 +504,10 @@ impl ErasedHandler for RawRegistered {
 impl Node {
     /// Makes `handler` reachable from other processes as `name`, for calls whose wire type
     /// name is `type_name` (a call of another type is refused with
-    /// [`CallFault::WrongType`] before the handler sees it). Replaces any earlier
-    /// registration of `name`, typed or raw. See the [module docs](crate::raw).
+    /// [`CallFault::WrongType`] before the handler sees it). As with
+    /// [`Node::register`], one name serves several types: this replaces only an earlier
+    /// registration of `name` for `type_name`, typed or raw. See the
+    /// [module docs](crate::raw).
     pub fn register_raw(&self, name: &str, type_name: &str, handler: impl RawHandler) {
         self.insert_handler(
             name,

@@ -417,6 +417,17 @@ where
     /// faster than its link waits; memory does not grow). The future borrows nothing;
     /// dropping it gives the call up (a reply that comes later is given back).
     ///
+    /// The reply also tells you where the leases stand: the receiving process maps a
+    /// call's buffers before its handler runs (a buffer it cannot open fails the call with
+    /// [`CallFault::OfferRefused`](baton_messages::protocol::CallFault::OfferRefused)), so
+    /// once `send` resolves `Ok`, each lease of `msg` is either held by the receiver —
+    /// mapped, in its handler's hands — or already given back ([`Buffer::leases_out`]
+    /// says which; [`Buffer::returned`] waits for the rest). No protocol message is needed
+    /// for "the receiver opened it": answer the call after opening.
+    ///
+    /// [`Buffer::leases_out`]: crate::Buffer::leases_out
+    /// [`Buffer::returned`]: crate::Buffer::returned
+    ///
     /// # Errors
     /// [`ActorError::Encode`], [`ActorError::LinkClosed`] if the link goes down first,
     /// [`ActorError::Remote`] if the receiver refused the call,

@@ -1,5 +1,16 @@
 //! The [`Backend`] trait and the two guards every backend hands out: [`Allocation`]
 //! (exporter side, owns the free) and [`OpenedMem`] (importer side, owns the close).
+//!
+//! # Safety
+//!
+//! One `unsafe` block, in [`Allocation::write_in_place`]: it calls the backend's
+//! `RawMemory::host_bytes_mut`, whose contract (nothing else in this process reaches the
+//! bytes while the `&mut [u8]` lives) the allocation keeps with a flag of its own: only one
+//! [`InPlace`] exists at a time, and while it does the allocation's copies
+//! (`read`, `write`, `fill`, `to_vec`) are refused with [`Error::InPlace`]. The
+//! allocation's memory is reached otherwise only through [`Allocation::raw`], the
+//! backend's escape hatch, whose `host_bytes` is handed out under the protocol of
+//! `RawMemory::host_bytes` (Baton's typed buffers never do while an `InPlace` lives).
 
 use crate::cuda::CudaBackend;
 use crate::ordering::{ExportedFence, StreamRef, UseMark};
@@ -13,7 +24,7 @@ use baton_messages::{
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Where a buffer's bytes are.
@@ -175,6 +186,7 @@ macro_rules! memory_accessors {
         /// # Errors
         /// [`Error::OutOfBounds`], or a backend error.
         pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+            self.check_copy()?;
             check_range(offset, dst.len(), self.mem.size())?;
             self.mem.read(offset, dst)
         }
@@ -184,6 +196,7 @@ macro_rules! memory_accessors {
         /// # Errors
         /// [`Error::OutOfBounds`], or a backend error.
         pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+            self.check_copy()?;
             check_range(offset, src.len(), self.mem.size())?;
             self.mem.write(offset, src)
         }
@@ -193,6 +206,7 @@ macro_rules! memory_accessors {
         /// # Errors
         /// [`Error::OutOfBounds`], or a backend error.
         pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+            self.check_copy()?;
             check_range(offset, len, self.mem.size())?;
             self.mem.fill(offset, len, byte)
         }
@@ -202,6 +216,7 @@ macro_rules! memory_accessors {
         /// # Errors
         /// A backend error.
         pub fn to_vec(&self) -> Result<Vec<u8>> {
+            self.check_copy()?;
             let mut v = vec![0; self.mem.size()];
             self.mem.read(0, &mut v)?;
             Ok(v)
@@ -220,6 +235,8 @@ pub struct Allocation {
     backend: BackendKind,
     device: DeviceUuid,
     free_while_mapped: FreeWhileMapped,
+    /// An [`InPlace`] of it lives (see [`Allocation::write_in_place`]).
+    in_place: AtomicBool,
     mem: Box<dyn ExportableMemory>,
 }
 
@@ -243,6 +260,7 @@ impl Allocation {
             backend,
             device,
             free_while_mapped: mem.free_while_mapped(),
+            in_place: AtomicBool::new(false),
             mem,
         }
     }
@@ -298,6 +316,54 @@ impl Allocation {
 
     memory_accessors!();
 
+    fn check_copy(&self) -> Result<()> {
+        if self.in_place.load(Ordering::Acquire) {
+            return Err(Error::InPlace { alloc: self.id });
+        }
+        Ok(())
+    }
+
+    /// Whether an [`InPlace`] of it lives now.
+    pub fn is_in_place(&self) -> bool {
+        self.in_place.load(Ordering::Acquire)
+    }
+
+    /// The memory as a `&mut [u8]` this process writes in place, without a copy: host
+    /// memory only (`Ok(None)` for device memory). One at a time: while the [`InPlace`]
+    /// lives, a second one and the allocation's copies ([`read`](Self::read),
+    /// [`write`](Self::write), [`fill`](Self::fill), [`to_vec`](Self::to_vec)) are
+    /// refused with [`Error::InPlace`].
+    ///
+    /// Other *processes* that map the memory are not stopped by it: the caller rules them
+    /// out (Baton's typed buffers hand it out only while no lease is out and none can be
+    /// granted: `Buffer::as_mut_slice` in `baton-actors`).
+    ///
+    /// # Errors
+    /// [`Error::InPlace`] while another `InPlace` of it lives.
+    pub fn write_in_place(&self) -> Result<Option<InPlace<'_>>> {
+        if self.mem.host_bytes().is_none() {
+            return Ok(None);
+        }
+        if self
+            .in_place
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Err(Error::InPlace { alloc: self.id });
+        }
+        // Cleared when the guard drops, also if the slice is missing.
+        let flag = InPlaceFlag(&self.in_place);
+        #[allow(unsafe_code)]
+        // SAFETY: the flag was clear and is now ours (compare-exchange), so no other
+        // `InPlace` of this allocation exists; while it is set, the allocation's copies
+        // are refused (`check_copy`), and nothing else in this crate reaches the bytes of an
+        // `Allocation` but `raw()` (see the module's `# Safety`). The slice borrows `self`,
+        // so the mapping (owned by `mem`) outlives it; the flag is cleared only when the
+        // guard holding the slice drops.
+        let bytes = unsafe { self.mem.host_bytes_mut() };
+        Ok(bytes.map(|bytes| InPlace { bytes, _flag: flag }))
+    }
+
     /// The backend memory, for backend-specific operations (kernels, streams).
     pub fn raw(&self) -> &dyn ExportableMemory {
         &*self.mem
@@ -347,6 +413,43 @@ impl fmt::Debug for Allocation {
             .field("backend", &self.backend)
             .field("size", &self.mem.size())
             .finish()
+    }
+}
+
+/// Clears an allocation's in-place flag when it drops.
+struct InPlaceFlag<'a>(&'a AtomicBool);
+
+impl Drop for InPlaceFlag<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// A host allocation's bytes, writable in place ([`Allocation::write_in_place`]); the
+/// allocation's copies are refused until it drops.
+pub struct InPlace<'a> {
+    bytes: &'a mut [u8],
+    _flag: InPlaceFlag<'a>,
+}
+
+impl fmt::Debug for InPlace<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InPlace")
+            .field("len", &self.bytes.len())
+            .finish()
+    }
+}
+
+impl std::ops::Deref for InPlace<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.bytes
+    }
+}
+
+impl std::ops::DerefMut for InPlace<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.bytes
     }
 }
 
@@ -480,6 +583,12 @@ impl OpenedMem {
     }
 
     memory_accessors!();
+
+    /// An importer's copies are never refused here (its writers are ruled out by the
+    /// lease protocol and the import cache).
+    fn check_copy(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// The backend mapping, for backend-specific operations.
     pub fn raw(&self) -> &dyn RawMemory {

@@ -51,6 +51,17 @@ pub enum Error {
         "peer does not hold this session's token: check that both sides got the same BATON_TOKEN"
     )]
     BadToken,
+    /// This process was given no session token: neither a descriptor a Baton spawner
+    /// passed it (`BATON_TOKEN_FD`) nor `BATON_TOKEN`.
+    #[error(
+        "no session token was given to this process{}: pass one (a token, a token file), or start it with a Baton spawner that passes it (BATON_TOKEN_FD)",
+        why.as_deref().map(|w| format!(" ({w})")).unwrap_or_default()
+    )]
+    NoToken {
+        /// What was found instead, if anything (a descriptor named in `BATON_TOKEN_FD`
+        /// that held no token, a `BATON_TOKEN` that is not one).
+        why: Option<String>,
+    },
     /// The peer refused the link.
     #[error("peer refused the link: {reason:?}")]
     Refused {
@@ -222,6 +233,13 @@ pub enum Error {
         "{alloc} is written in place here through another lease's view: open it again once that lease is dropped"
     )]
     WrittenInPlace {
+        /// The allocation.
+        alloc: AllocationId,
+    },
+    /// The exporter's own allocation is being written in place
+    /// ([`Allocation::write_in_place`](crate::Allocation::write_in_place)).
+    #[error("{alloc} is being written in place by its owner: try again once that view is dropped")]
+    InPlace {
         /// The allocation.
         alloc: AllocationId,
     },

@@ -50,7 +50,7 @@ pub mod spawn;
 
 pub use backend::{
     Allocation, Backend, DescriptorScope, ExportableMemory, FenceFaultHook, FreeWhileMapped,
-    HandleBuilder, MemPtr, OpenedMem, RawMemory, SharedBackend,
+    HandleBuilder, InPlace, MemPtr, OpenedMem, RawMemory, SharedBackend,
 };
 pub use cache::{
     CacheKey, CacheStats, Evictor, Executor, HolderId, ImportCache, Imported, OnClosed, WarmBudget,

@@ -17,7 +17,8 @@ pub const TOKEN_ENV: &str = "BATON_TOKEN";
 /// The token authenticates links (each side proves it holds it, without sending it) and
 /// keys the digest that seals handle messages. Give every process of a deployment the same
 /// token, by spawning children with a command prepared by [`Session::pass_to`] (the
-/// [`ProcessSupervisor`](../baton_actors/supervisor/struct.ProcessSupervisor.html) does).
+/// `baton_actors::supervisor::ProcessSupervisor` does; not a link: `baton-ipc` does not
+/// depend on it).
 #[derive(Clone)]
 pub struct Session {
     token: SessionToken,
@@ -59,22 +60,27 @@ impl Session {
     /// environment keeps it.
     ///
     /// # Errors
-    /// [`Error::BadToken`] if neither gives a token.
+    /// [`Error::NoToken`] if neither gives a token (also when [`TOKEN_ENV`] is set but is
+    /// not one: 64 hex digits).
     pub fn from_env() -> Result<Self> {
         static WARNED: std::sync::Once = std::sync::Once::new();
+        let mut inherited = None;
         match crate::spawn::take_inherited_token() {
             Some(Ok(token)) => return Ok(Self::new(token)),
             Some(Err(why)) => {
                 WARNED.call_once(
                     || tracing::warn!(%why, "no session token in the inherited descriptor"),
                 );
+                inherited = Some(format!("the inherited descriptor: {why}"));
             }
             None => {}
         }
-        let token = std::env::var(TOKEN_ENV)
-            .ok()
-            .and_then(|hex| SessionToken::from_hex(&hex))
-            .ok_or(Error::BadToken)?;
+        let hex = std::env::var(TOKEN_ENV).map_err(|_| Error::NoToken { why: inherited })?;
+        let token = SessionToken::from_hex(&hex).ok_or_else(|| Error::NoToken {
+            why: Some(format!(
+                "{TOKEN_ENV} is set but is not a token (64 hex digits)"
+            )),
+        })?;
         static LEGACY: std::sync::Once = std::sync::Once::new();
         LEGACY.call_once(|| {
             tracing::warn!(

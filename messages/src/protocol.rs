@@ -250,9 +250,9 @@ pub struct Call {
 pub enum CallFault {
     /// No actor is registered under the target name.
     NoSuchActor,
-    /// The target accepts another message type.
+    /// The target accepts other message types.
     WrongType {
-        /// The type the target accepts.
+        /// The types the target accepts (`"a.X or b.Y"`).
         expected: String,
     },
     /// The payload did not decode as the target's message type.

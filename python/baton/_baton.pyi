@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Optional, Sequence, SupportsIndex, Tuple, Union
+from typing import Any, Awaitable, Literal, Optional, Sequence, SupportsIndex, Tuple, Union
 
 __version__: str
 #: The MessagePack extension type of a buffer field (its data: the buffer's index among
@@ -44,6 +44,25 @@ class Node:
     @staticmethod
     def from_env(*, backend: Optional[Literal["auto", "host", "cuda"]] = None) -> Node:
         """The node of a process a Baton supervisor started."""
+    @staticmethod
+    def join(
+        *, backend: Optional[Literal["auto", "host", "cuda"]] = None, timeout: float = 30.0
+    ) -> Tuple[Node, Peer]:
+        """The entry point of a child started with ``Node.spawn``: ``(node, parent)``. A child
+        that serves names registers them first instead: ``Node()``, ``register``, then
+        ``connect_parent()``. Raises ``NoParent`` in a process not started that way."""
+    def connect_parent(self, *, timeout: float = 30.0) -> Peer:
+        """Links to the parent that started this process with ``Node.spawn``. Raises
+        ``NoParent`` in a process not started that way."""
+    def spawn(
+        self,
+        args: Sequence[Union[str, os.PathLike[str]]],
+        *,
+        env: Optional[dict[str, str]] = None,
+        timeout: float = 30.0,
+    ) -> Child:
+        """Starts ``args`` as a child linked to this node (the token through an inherited
+        pipe, this node's backend); returns once it has linked."""
     @property
     def pid(self) -> int: ...
     @property
@@ -106,6 +125,20 @@ class Peer:
         """A round trip to the peer, in seconds."""
     def close(self) -> None: ...
 
+class Child:
+    """A child process started with ``Node.spawn``, linked to its parent. SIGKILLed when
+    this object is collected while it still runs."""
+
+    @property
+    def peer(self) -> Peer:
+        """The link to the child."""
+    @property
+    def pid(self) -> int: ...
+    def wait(self, timeout: float = 30.0) -> int:
+        """Its exit code (``-signal`` if a signal ended it). Raises ``Timeout``."""
+    def kill(self) -> None:
+        """SIGKILL (reap it with ``wait``)."""
+
 class Mailbox:
     """Calls to a registered name."""
 
@@ -119,7 +152,8 @@ class Mailbox:
     def closed(self) -> bool: ...
     def recv(self, *, timeout: Optional[float] = None) -> Call:
         """The next call (``None``: wait until one comes or the mailbox closes). Raises
-        ``Timeout``, or ``Released`` once closed."""
+        ``Timeout``, ``Released`` once closed, or ``LinkClosed`` once no link is up and
+        the node does not listen (nobody can call it any more)."""
     def close(self) -> None: ...
     def __enter__(self) -> Mailbox: ...
     def __exit__(self, *exc: object) -> bool: ...
@@ -223,6 +257,10 @@ class Buffer:
     def released(self) -> bool: ...
     @property
     def leases_out(self) -> int: ...
+    def returned(self, timeout: float = 30.0) -> None:
+        """Waits until every lease on it is back. Raises ``NotReturned`` past ``timeout``."""
+    def returned_async(self, timeout: float = 30.0) -> Awaitable[None]:
+        """``returned`` for asyncio (awaitable)."""
     def numpy(self) -> Any:
         """A zero-copy, writable ``numpy.ndarray`` of host memory."""
     def tobytes(self) -> bytes: ...

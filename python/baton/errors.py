@@ -27,12 +27,12 @@ __all__ = [
     "OutOfBounds", "UnknownBuffer", "NotOwned", "NotReceived", "TooManyDescriptors",
     "UnknownLease", "ForeignOffer", "DuplicateLease", "UnknownCall", "Unexpected",
     "TooManyOffers", "TooManyLeases", "PeerNotReading", "OfferRefused", "RevokeDeadline",
-    "Unresponsive", "PeerExited", "Mailbox", "Timeout", "Spawn",
+    "Unresponsive", "PeerExited", "Mailbox", "Timeout", "NotReturned", "Spawn", "NoParent",
     # CallFault
     "NoSuchActor", "WrongType", "BadPayload", "ActorGone", "ReplyFailed",
     "RemoteOfferRefused",
     # baton_ipc::Error
-    "Ipc", "Message", "Io", "Closed", "PeerNotAllowed", "BadToken", "Refused",
+    "Ipc", "Message", "Io", "Closed", "PeerNotAllowed", "BadToken", "NoToken", "Refused",
     "UnexpectedMessage", "PeerIdentityMismatch", "MissingFds", "UnexpectedFds",
     "DescriptorsLost", "MissingFdSlot", "NotMapped", "PoolNotImported",
     "InsecureSocketDir", "ZeroSize", "SegmentNotFound", "MemoryTooSmall",
@@ -150,6 +150,15 @@ class Timeout(BatonError, TimeoutError):
     """A wait ran past its deadline."""
 
 
+class NotReturned(Timeout):
+    """Leases on a buffer were still out when ``Buffer.returned(timeout)`` gave up."""
+
+
+class NoParent(BatonError):
+    """``Node.join()`` in a process that ``Node.spawn`` (or Rust's ``spawn_child``) did
+    not start."""
+
+
 class Spawn(BatonError):
     """A child process could not be spawned."""
 
@@ -203,7 +212,13 @@ class PeerNotAllowed(Ipc):
 
 
 class BadToken(Ipc):
-    """The session token is missing, malformed, or not the deployment's."""
+    """The peer could not prove it holds this session's token (the two sides were given
+    different tokens)."""
+
+
+class NoToken(Ipc):
+    """This process was given no session token: pass ``token=`` or ``token_file=``, or
+    start it with ``Node.spawn`` (or a Baton supervisor), which passes one."""
 
 
 class Refused(Ipc):

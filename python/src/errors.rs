@@ -29,6 +29,8 @@ pub(crate) enum Failure {
     Type(String),
     /// A view that cannot be made (`BufferError`).
     Buffer(String),
+    /// No link is up, and none can come (`baton.LinkClosed`): a mailbox nobody can call.
+    NoLinks(String),
 }
 
 impl From<ActorError> for Failure {
@@ -108,6 +110,7 @@ pub(crate) fn to_py(py: Python<'_>, failure: Failure) -> PyErr {
         Failure::Value(m) => PyValueError::new_err(m),
         Failure::Type(m) => PyTypeError::new_err(m),
         Failure::Buffer(m) => PyBufferError::new_err(m),
+        Failure::NoLinks(m) => raise(py, &["LinkClosed".into()], m),
     }
 }
 

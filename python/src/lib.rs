@@ -30,6 +30,7 @@ fn _baton(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::Peer>()?;
     m.add_class::<node::Mailbox>()?;
     m.add_class::<node::Call>()?;
+    m.add_class::<node::Child>()?;
     m.add_class::<memory::Shared>()?;
     m.add_class::<memory::Lease>()?;
     m.add_class::<memory::Buffer>()?;

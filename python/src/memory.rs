@@ -46,7 +46,7 @@
 
 use crate::dlpack;
 use crate::errors::{Failure, OrRaise, to_py};
-use crate::runtime::lock;
+use crate::runtime::{lock, runtime};
 use baton_actors::{AnyBuffer, AnyLease, AnyShared};
 use baton_ipc::cuda::CudaBackend;
 use baton_ipc::{MemPtr, Stream};
@@ -1012,6 +1012,45 @@ impl Buffer {
     #[getter]
     fn leases_out(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.handle().or_raise(py)?.leases_out())
+    }
+
+    /// Waits until every lease on it is back (released by its holder, or reclaimed because
+    /// the holder's link went down), at most `timeout` seconds; returns at once if none is
+    /// out. The GIL is released while it waits.
+    ///
+    /// Raises `baton.NotReturned` (a `baton.Timeout`) if leases are still out then.
+    #[pyo3(signature = (timeout = 30.0))]
+    fn returned(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let after = std::time::Duration::try_from_secs_f64(timeout)
+            .map_err(|_| {
+                Failure::Value(format!(
+                    "timeout must be a non-negative number of seconds, not {timeout}"
+                ))
+            })
+            .or_raise(py)?;
+        let handle = self.handle().or_raise(py)?;
+        // The inner deadline answers first; the runtime's is a backstop.
+        runtime()
+            .or_raise(py)?
+            .block_on(
+                py,
+                "waiting for leases to come back",
+                after.saturating_add(std::time::Duration::from_secs(1)),
+                move || handle.returned_within(after),
+            )?
+            .or_raise(py)
+    }
+
+    /// `returned(timeout)` for asyncio: an awaitable that resolves once every lease is
+    /// back (it waits on the running loop's default executor, so the loop keeps running).
+    #[pyo3(signature = (timeout = 30.0))]
+    fn returned_async<'py>(slf: &Bound<'py, Self>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let asyncio = py.import("asyncio")?;
+        let wait = slf.getattr("returned")?;
+        asyncio
+            .call_method0("get_running_loop")?
+            .call_method1("run_in_executor", (py.None(), wait, timeout))
     }
 
     /// A zero-copy, writable NumPy view of host memory. The memory stays allocated while

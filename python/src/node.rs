@@ -103,7 +103,7 @@ pub(crate) struct Node {
     owner: Addr<BufferOwner>,
     cuda: Cuda,
     backend_name: &'static str,
-    listening: Mutex<Vec<Listening>>,
+    listening: Arc<Mutex<Vec<Listening>>>,
     ups: Arc<Queue<baton_actors::Peer>>,
     initiated: Arc<Mutex<HashSet<u64>>>,
     mailboxes: Mutex<Vec<(String, Arc<Queue<Incoming>>)>>,
@@ -134,7 +134,7 @@ impl Node {
             owner,
             cuda,
             backend_name,
-            listening: Mutex::new(Vec::new()),
+            listening: Arc::default(),
             ups,
             initiated,
             mailboxes: Mutex::new(Vec::new()),
@@ -187,6 +187,87 @@ impl Node {
             (None, None) => Session::from_env().or_raise(py)?,
         };
         Self::start(py, session, backend.as_deref())
+    }
+
+    /// The entry point of a child started with `Node.spawn` (or Rust's
+    /// `Node::spawn_child`): the token it was passed, the parent's backend, and the link
+    /// to the parent. Returns `(node, parent)`; `parent` is a `Peer`.
+    ///
+    /// The parent may call as soon as the link is up, and this process's calls are
+    /// answered on the extension's own thread: a child that serves names should register
+    /// them first — `node = Node()`, `node.register(...)`, then
+    /// `parent = node.connect_parent()` — or a call may find no name yet (`NoSuchActor`).
+    ///
+    /// Raises `baton.NoParent` in a process not started that way.
+    #[staticmethod]
+    #[pyo3(signature = (*, backend = None, timeout = DEFAULT_TIMEOUT))]
+    fn join(py: Python<'_>, backend: Option<String>, timeout: f64) -> PyResult<(Self, Peer)> {
+        let node = Self::new(py, None, None, backend)?;
+        let parent = node.connect_parent(py, timeout)?;
+        Ok((node, parent))
+    }
+
+    /// Links to the parent that started this process with `Node.spawn` (or Rust's
+    /// `Node::spawn_child`), within `timeout` seconds. Register the names the parent calls
+    /// before this.
+    ///
+    /// Raises `baton.NoParent` in a process not started that way.
+    #[pyo3(signature = (*, timeout = DEFAULT_TIMEOUT))]
+    fn connect_parent(&self, py: Python<'_>, timeout: f64) -> PyResult<Peer> {
+        let Some(socket) = std::env::var_os(baton_actors::PARENT_SOCKET_ENV) else {
+            return Err(Failure::Actor(ActorError::NoParent {
+                var: baton_actors::PARENT_SOCKET_ENV,
+            }))
+            .or_raise(py);
+        };
+        self.connect(py, PathBuf::from(socket), timeout)
+    }
+
+    /// Starts `args` (a program and its arguments: `[sys.executable, "worker.py"]`, or a
+    /// Rust program that calls `Node::join`) as a child process linked to this node, and
+    /// returns once it has linked (within `timeout` seconds): a `baton.Child`, whose
+    /// `peer` is the link. The child gets the session token through an inherited pipe
+    /// (never its environment) and this node's backend; it calls `baton.Node.join()`.
+    /// `env`: variables to set for it (on top of this process's environment).
+    ///
+    /// The child is SIGKILLed if this process dies, and when the `Child` object is
+    /// collected while it still runs: `wait()` for it, or `kill()` it.
+    #[pyo3(signature = (args, *, env = None, timeout = DEFAULT_TIMEOUT))]
+    fn spawn(
+        &self,
+        py: Python<'_>,
+        args: Vec<PathBuf>,
+        env: Option<std::collections::HashMap<String, String>>,
+        timeout: f64,
+    ) -> PyResult<Child> {
+        let deadline = seconds(py, timeout)?;
+        let Some((program, rest)) = args.split_first() else {
+            return Err(Failure::Value(
+                "args needs at least the program to start".into(),
+            ))
+            .or_raise(py);
+        };
+        let mut cmd = std::process::Command::new(program);
+        cmd.args(rest);
+        cmd.envs(env.unwrap_or_default());
+        let node = self.node.clone();
+        let initiated = Arc::clone(&self.initiated);
+        let linked = runtime()
+            .or_raise(py)?
+            .block_on(py, "starting a child", deadline, move || async move {
+                let child = node.spawn_child(cmd).await?;
+                // Its link is ours, not one `accept` returns.
+                lock(&initiated).insert(child.peer().link_id().get());
+                Ok::<_, ActorError>(child)
+            })?
+            .or_raise(py)?;
+        let peer = self.peer(linked.peer().clone());
+        let pid = linked.pid();
+        Ok(Child {
+            peer: Py::new(py, peer)?,
+            pid,
+            process: Mutex::new(Some(linked.into_child())),
+        })
     }
 
     /// The node of a process a Baton supervisor started (`Node()` with no token).
@@ -284,6 +365,7 @@ impl Node {
             type_name,
             queue,
             node: self.node.clone(),
+            listening: Arc::clone(&self.listening),
             cuda: self.cuda.clone(),
         }
     }
@@ -373,7 +455,7 @@ impl Node {
         py.detach(move || node.flush_fences(Duration::from_secs(2)));
         lock(&self.listening).clear();
         for (name, queue) in lock(&self.mailboxes).drain(..) {
-            self.node.unregister(&name);
+            self.node.unregister(&name); // every type of it
             drop(queue.close());
         }
         for peer in self.node.peers() {
@@ -493,6 +575,95 @@ impl Peer {
     }
 }
 
+/// A child process started with `Node.spawn`, linked to its parent.
+#[pyclass(frozen, module = "baton._baton", name = "Child")]
+pub(crate) struct Child {
+    peer: Py<Peer>,
+    pid: u32,
+    /// `None` once reaped.
+    process: Mutex<Option<std::process::Child>>,
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if let Some(mut child) = lock(&self.process).take() {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+            }
+            let _ = std::thread::Builder::new()
+                .name("baton-child-reap".into())
+                .spawn(move || child.wait());
+        }
+    }
+}
+
+#[pymethods]
+impl Child {
+    /// The link to the child.
+    #[getter]
+    fn peer(&self, py: Python<'_>) -> Py<Peer> {
+        self.peer.clone_ref(py)
+    }
+
+    /// Its pid.
+    #[getter]
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Waits at most `timeout` seconds for the child to exit (the GIL is released) and
+    /// returns its exit code, or `-signal` if a signal ended it, as `subprocess` does.
+    /// Raises `baton.Timeout` if it still runs (it keeps running).
+    #[pyo3(signature = (timeout = DEFAULT_TIMEOUT))]
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<i32> {
+        use std::os::unix::process::ExitStatusExt;
+        let after = seconds(py, timeout)?;
+        let start = std::time::Instant::now();
+        loop {
+            let status = {
+                let mut process = lock(&self.process);
+                let Some(child) = process.as_mut() else {
+                    return Err(Failure::Released(format!(
+                        "child {} was reaped already",
+                        self.pid
+                    )))
+                    .or_raise(py);
+                };
+                child
+                    .try_wait()
+                    .map_err(|e| Failure::Value(format!("waiting for child {}: {e}", self.pid)))
+                    .or_raise(py)?
+            };
+            if let Some(status) = status {
+                lock(&self.process).take();
+                return Ok(status
+                    .code()
+                    .unwrap_or_else(|| -status.signal().unwrap_or(0)));
+            }
+            if start.elapsed() >= after {
+                return Err(Failure::timeout("waiting for a child to exit", after)).or_raise(py);
+            }
+            py.detach(|| std::thread::sleep(Duration::from_millis(5)));
+            py.check_signals()?;
+        }
+    }
+
+    /// Sends SIGKILL to the child (reap it with `wait`).
+    fn kill(&self, py: Python<'_>) -> PyResult<()> {
+        if let Some(child) = lock(&self.process).as_mut() {
+            child
+                .kill()
+                .map_err(|e| Failure::Value(format!("killing child {}: {e}", self.pid)))
+                .or_raise(py)?;
+        }
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<baton.Child pid {}>", self.pid)
+    }
+}
+
 /// Calls to a registered name, waiting to be received.
 #[pyclass(frozen, module = "baton._baton", name = "Mailbox")]
 pub(crate) struct Mailbox {
@@ -500,7 +671,20 @@ pub(crate) struct Mailbox {
     type_name: String,
     queue: Arc<Queue<Incoming>>,
     node: baton_actors::Node,
+    /// The node's listeners: while it listens, a caller may still come.
+    listening: Arc<Mutex<Vec<Listening>>>,
     cuda: Cuda,
+}
+
+/// How often a waiting `Mailbox.recv` looks whether any caller is left.
+const LINK_CHECK: Duration = Duration::from_millis(50);
+
+impl Mailbox {
+    /// Whether nobody can call this mailbox any more: no link is up and the node does not
+    /// listen.
+    fn unreachable(&self) -> bool {
+        self.node.peers().is_empty() && lock(&self.listening).is_empty()
+    }
 }
 
 #[pymethods]
@@ -535,7 +719,7 @@ impl Mailbox {
         let start = std::time::Instant::now();
         loop {
             let left = deadline.saturating_sub(start.elapsed());
-            let incoming = match self.queue.pop_py(py, left)? {
+            let incoming = match self.queue.pop_py(py, left.min(LINK_CHECK))? {
                 Waited::Done(incoming) => incoming,
                 Waited::Gone => {
                     return Err(Failure::Released(format!(
@@ -544,6 +728,14 @@ impl Mailbox {
                     )))
                     .or_raise(py);
                 }
+                Waited::Pending if self.unreachable() => {
+                    return Err(Failure::NoLinks(format!(
+                        "mailbox {:?}: no link is up and the node does not listen, so no call can come",
+                        self.name
+                    )))
+                    .or_raise(py);
+                }
+                Waited::Pending if left > LINK_CHECK => continue,
                 Waited::Pending => {
                     return Err(Failure::timeout("receiving a call", deadline)).or_raise(py);
                 }
@@ -567,9 +759,9 @@ impl Mailbox {
         }
     }
 
-    /// Unregisters the name; calls waiting are answered `ActorGone`.
+    /// Unregisters the name (for this wire type); calls waiting are answered `ActorGone`.
     fn close(&self) {
-        self.node.unregister(&self.name);
+        self.node.unregister_type(&self.name, &self.type_name);
         drop(self.queue.close());
     }
 

@@ -23,9 +23,18 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import pytest
 
-import baton
+from source_guard import use_installed_baton
 
 REPO = Path(__file__).resolve().parents[2]
+
+# `python -m pytest` run inside python/ puts python/ first on sys.path, where the source
+# package (without its compiled `_baton`) would shadow the installed one.
+_refusal = use_installed_baton(REPO / "python", sys.path)
+if _refusal is not None:
+    pytest.exit(_refusal, returncode=4)
+
+import baton  # noqa: E402  (after the guard above)
+
 #: How long any single wait in the suite may take.
 DEADLINE = 30.0
 

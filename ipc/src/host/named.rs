@@ -250,7 +250,7 @@ pub fn sweep(namespace: &str) -> Result<SweepReport> {
 
 /// Removes the segments of one process, in every namespace, if that process is dead: what
 /// a supervisor does for a child that died before its `Drop` could unlink them (the
-/// [`ProcessSupervisor`](../../baton_actors/supervisor/struct.ProcessSupervisor.html)
+/// `baton_actors::supervisor::ProcessSupervisor`
 /// does it before restarting the child). A live process's segments are never touched, nor
 /// those of another process that reuses its pid (the start time differs).
 ///
