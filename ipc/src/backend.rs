@@ -5,9 +5,10 @@
 //!
 //! One `unsafe` block, in [`Allocation::write_in_place`]: it calls the backend's
 //! `RawMemory::host_bytes_mut`, whose contract (nothing else in this process reaches the
-//! bytes while the `&mut [u8]` lives) the allocation keeps with a flag of its own: only one
-//! [`InPlace`] exists at a time, and while it does the allocation's copies
-//! (`read`, `write`, `fill`, `to_vec`) are refused with [`Error::InPlace`]. The
+//! bytes while the `&mut [u8]` lives) the allocation keeps with a state word of its own:
+//! its copies (`read`, `write`, `fill`, `to_vec`) count themselves in while they run, an
+//! [`InPlace`] is made only when none runs and no other `InPlace` lives, and while it lives
+//! every copy is refused with [`Error::InPlace`]. The
 //! allocation's memory is reached otherwise only through [`Allocation::raw`], the
 //! backend's escape hatch, whose `host_bytes` is handed out under the protocol of
 //! `RawMemory::host_bytes` (Baton's typed buffers never do while an `InPlace` lives).
@@ -24,7 +25,7 @@ use baton_messages::{
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// Where a buffer's bytes are.
@@ -186,7 +187,7 @@ macro_rules! memory_accessors {
         /// # Errors
         /// [`Error::OutOfBounds`], or a backend error.
         pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-            self.check_copy()?;
+            let _copying = self.check_copy()?;
             check_range(offset, dst.len(), self.mem.size())?;
             self.mem.read(offset, dst)
         }
@@ -196,7 +197,7 @@ macro_rules! memory_accessors {
         /// # Errors
         /// [`Error::OutOfBounds`], or a backend error.
         pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-            self.check_copy()?;
+            let _copying = self.check_copy()?;
             check_range(offset, src.len(), self.mem.size())?;
             self.mem.write(offset, src)
         }
@@ -206,7 +207,7 @@ macro_rules! memory_accessors {
         /// # Errors
         /// [`Error::OutOfBounds`], or a backend error.
         pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-            self.check_copy()?;
+            let _copying = self.check_copy()?;
             check_range(offset, len, self.mem.size())?;
             self.mem.fill(offset, len, byte)
         }
@@ -216,7 +217,7 @@ macro_rules! memory_accessors {
         /// # Errors
         /// A backend error.
         pub fn to_vec(&self) -> Result<Vec<u8>> {
-            self.check_copy()?;
+            let _copying = self.check_copy()?;
             let mut v = vec![0; self.mem.size()];
             self.mem.read(0, &mut v)?;
             Ok(v)
@@ -235,8 +236,9 @@ pub struct Allocation {
     backend: BackendKind,
     device: DeviceUuid,
     free_while_mapped: FreeWhileMapped,
-    /// An [`InPlace`] of it lives (see [`Allocation::write_in_place`]).
-    in_place: AtomicBool,
+    /// [`IN_PLACE`] while an [`InPlace`] of it lives (see
+    /// [`Allocation::write_in_place`]); below it, how many of its copies are running.
+    access: AtomicUsize,
     mem: Box<dyn ExportableMemory>,
 }
 
@@ -260,7 +262,7 @@ impl Allocation {
             backend,
             device,
             free_while_mapped: mem.free_while_mapped(),
-            in_place: AtomicBool::new(false),
+            access: AtomicUsize::new(0),
             mem,
         }
     }
@@ -316,16 +318,29 @@ impl Allocation {
 
     memory_accessors!();
 
-    fn check_copy(&self) -> Result<()> {
-        if self.in_place.load(Ordering::Acquire) {
-            return Err(Error::InPlace { alloc: self.id });
+    /// Counts a copy in for as long as the guard lives; refused while an [`InPlace`]
+    /// lives (so no copy ever overlaps the `&mut [u8]`).
+    fn check_copy(&self) -> Result<CopyGuard<'_>> {
+        let mut now = self.access.load(Ordering::Acquire);
+        loop {
+            if now & IN_PLACE != 0 {
+                return Err(Error::InPlace { alloc: self.id });
+            }
+            match self.access.compare_exchange_weak(
+                now,
+                now + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(CopyGuard(Some(&self.access))),
+                Err(seen) => now = seen,
+            }
         }
-        Ok(())
     }
 
     /// Whether an [`InPlace`] of it lives now.
     pub fn is_in_place(&self) -> bool {
-        self.in_place.load(Ordering::Acquire)
+        self.access.load(Ordering::Acquire) & IN_PLACE != 0
     }
 
     /// The memory as a `&mut [u8]` this process writes in place, without a copy: host
@@ -339,24 +354,26 @@ impl Allocation {
     /// granted: `Buffer::as_mut_slice` in `baton-actors`).
     ///
     /// # Errors
-    /// [`Error::InPlace`] while another `InPlace` of it lives.
+    /// [`Error::InPlace`] while another `InPlace` of it lives, or one of its copies is
+    /// running on another thread.
     pub fn write_in_place(&self) -> Result<Option<InPlace<'_>>> {
         if self.mem.host_bytes().is_none() {
             return Ok(None);
         }
+        // Only from "no copy running, no `InPlace`".
         if self
-            .in_place
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .access
+            .compare_exchange(0, IN_PLACE, Ordering::AcqRel, Ordering::Acquire)
             .is_err()
         {
             return Err(Error::InPlace { alloc: self.id });
         }
         // Cleared when the guard drops, also if the slice is missing.
-        let flag = InPlaceFlag(&self.in_place);
+        let flag = InPlaceFlag(&self.access);
         #[allow(unsafe_code)]
-        // SAFETY: the flag was clear and is now ours (compare-exchange), so no other
-        // `InPlace` of this allocation exists; while it is set, the allocation's copies
-        // are refused (`check_copy`), and nothing else in this crate reaches the bytes of an
+        // SAFETY: the state was "no copy running, no `InPlace`" and is now ours
+        // (compare-exchange), so no other `InPlace` of this allocation exists and no copy
+        // runs; while it is set, the allocation's copies are refused (`check_copy`), and nothing else in this crate reaches the bytes of an
         // `Allocation` but `raw()` (see the module's `# Safety`). The slice borrows `self`,
         // so the mapping (owned by `mem`) outlives it; the flag is cleared only when the
         // guard holding the slice drops.
@@ -416,12 +433,27 @@ impl fmt::Debug for Allocation {
     }
 }
 
-/// Clears an allocation's in-place flag when it drops.
-struct InPlaceFlag<'a>(&'a AtomicBool);
+/// The bit of `Allocation::access` an [`InPlace`] holds; no copy is counted while it is set.
+const IN_PLACE: usize = 1 << (usize::BITS - 1);
+
+/// Clears an allocation's in-place bit when it drops.
+struct InPlaceFlag<'a>(&'a AtomicUsize);
 
 impl Drop for InPlaceFlag<'_> {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        // No copy could count itself in meanwhile: the state is exactly `IN_PLACE`.
+        self.0.store(0, Ordering::Release);
+    }
+}
+
+/// A copy of an allocation counted in (`None`: an importer's, not counted).
+struct CopyGuard<'a>(Option<&'a AtomicUsize>);
+
+impl Drop for CopyGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(access) = self.0 {
+            access.fetch_sub(1, Ordering::Release);
+        }
     }
 }
 
@@ -586,8 +618,8 @@ impl OpenedMem {
 
     /// An importer's copies are never refused here (its writers are ruled out by the
     /// lease protocol and the import cache).
-    fn check_copy(&self) -> Result<()> {
-        Ok(())
+    fn check_copy(&self) -> Result<CopyGuard<'_>> {
+        Ok(CopyGuard(None))
     }
 
     /// The backend mapping, for backend-specific operations.
@@ -819,3 +851,30 @@ pub type SharedBackend = Arc<dyn Backend>;
 /// ([`Backend::add_fence_fault_hook`]). Called on the backend's watch thread: it must not
 /// block.
 pub type FenceFaultHook = Arc<dyn Fn(ProcessId) + Send + Sync>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::HostBackend;
+
+    /// An `InPlace` and a copy never overlap: a copy running refuses the `InPlace`, an
+    /// `InPlace` living refuses every copy, and each is possible again once the other ends.
+    #[test]
+    fn an_in_place_write_and_a_copy_never_overlap() {
+        let backend = HostBackend::new().unwrap();
+        let alloc = backend.allocate(4096).unwrap();
+        {
+            let _copying = alloc.check_copy().unwrap();
+            assert!(matches!(alloc.write_in_place(), Err(Error::InPlace { .. })));
+        }
+        let mut in_place = alloc.write_in_place().unwrap().expect("host memory");
+        in_place[0] = 7;
+        assert!(alloc.is_in_place());
+        assert!(matches!(alloc.to_vec(), Err(Error::InPlace { .. })));
+        assert!(matches!(alloc.write(0, &[1]), Err(Error::InPlace { .. })));
+        assert!(matches!(alloc.write_in_place(), Err(Error::InPlace { .. })));
+        drop(in_place);
+        assert!(!alloc.is_in_place());
+        assert_eq!(alloc.to_vec().unwrap()[0], 7);
+    }
+}
