@@ -13,8 +13,8 @@ use actix::prelude::*;
 use actors::{DEADLINE, Parent, eventually, run};
 use baton::actors::supervisor::{KillChild, Shutdown};
 use baton::actors::{
-    ActorError, ChildSpec, Lease, Node, ProcessSupervisor, RemoteMessage, RestartPolicy, Strategy,
-    SupervisorEvent,
+    ActorError, ChildSpec, Heartbeat, Lease, Node, ProcessSupervisor, RemoteMessage, RestartPolicy,
+    Strategy, SupervisorEvent,
 };
 use baton::ipc::{HostBackend, host};
 use msgs::*;
@@ -389,6 +389,76 @@ fn a_transient_child_that_exits_cleanly_is_not_restarted() {
             "done, not restarted"
         );
         assert_eq!(events.started().len(), 1);
+        sup.send(Shutdown).await.unwrap();
+    });
+}
+
+/// A child whose link goes silent (SIGSTOPped: alive, but answering nothing) is cut as
+/// `Unresponsive` by the heartbeat, and the supervisor — by default — SIGKILLs it, so the
+/// strategy restarts it: a stopped or deadlocked child serves nobody and may pin memory.
+#[test]
+fn an_unresponsive_child_is_killed_and_restarted() {
+    run(async {
+        let ns = peer::namespace("supbeat");
+        let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let mut parent = Parent::start_configured(&ns, backend, |c| {
+            c.heartbeat(Heartbeat {
+                interval: Duration::from_millis(50),
+                deadline: Duration::from_millis(500),
+            })
+        });
+        parent
+            .child_env
+            .push(("BATON_BACKEND".into(), "host".into()));
+        let (sup, events) = supervise(
+            &parent,
+            vec![peer_spec(&parent, "sleeper", "serve")],
+            Strategy::OneForOne,
+            RestartPolicy {
+                max_restarts: 3,
+                within: Duration::from_secs(60),
+            },
+        );
+        eventually(DEADLINE, "the child's link", || {
+            parent.events.ups().len() == 1
+        })
+        .await;
+        let link = parent.events.ups()[0].clone();
+        let pid1 = link.process().pid;
+        let stopped = rustix::process::Pid::from_raw(pid1 as i32).expect("a pid");
+        rustix::process::kill_process(stopped, rustix::process::Signal::STOP).expect("SIGSTOP");
+
+        eventually(DEADLINE, "the silent child cut", || {
+            parent.events.down_reason(link.link_id()).is_some()
+        })
+        .await;
+        let reason = parent.events.down_reason(link.link_id()).unwrap();
+        assert!(
+            reason
+                .as_deref()
+                .is_some_and(|r| r.contains("Unresponsive")),
+            "{reason:?}"
+        );
+        // Nobody but the supervisor kills it: the test only stopped it.
+        eventually(
+            DEADLINE,
+            "the stopped child killed by the supervisor",
+            || {
+                events.all().iter().any(|e| {
+                    matches!(e, SupervisorEvent::Exited { pid, status, .. }
+                    if *pid == pid1 && status.contains("signal 9"))
+                })
+            },
+        )
+        .await;
+        eventually(DEADLINE, "its restart", || {
+            events
+                .started()
+                .iter()
+                .any(|(name, pid, restarts)| name == "sleeper" && *pid != pid1 && *restarts == 1)
+        })
+        .await;
+        eventually(DEADLINE, "the killed child reaped", || gone(pid1)).await;
         sup.send(Shutdown).await.unwrap();
     });
 }
