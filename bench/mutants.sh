@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Mutation testing of the protocol cores with cargo-mutants (a dev tool: see
+# docs/DEPENDENCIES.md; `cargo install cargo-mutants --locked`). Not part of CI: it takes
+# long. Each set mutates one part of the code and runs the tests that guard it.
+#
+#   bash bench/mutants.sh [SET…]        sets: ledger exports supervisor link cache ipc-link
+#                                       (default: ledger exports, the highest-value two)
+#
+# Budget for a 2-core machine: one job (-j 1), mutants tested in place in a copy of the
+# tree (a git worktree of HEAD, so the caller's tree is never mutated), incremental builds
+# in one target dir (BATON_MUTANTS_TARGET, default target/mutants), no baseline run (the
+# caller's tests pass), each test run cut at --timeout. Figures of a run on the 2-core
+# development VM are in docs/mutants/README.md. The report of each set (caught, missed,
+# timeout, unviable lists) is copied to docs/mutants/<set>/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+sets=("$@")
+[ ${#sets[@]} -gt 0 ] || sets=(ledger exports)
+
+command -v cargo-mutants >/dev/null || {
+  echo "mutants: cargo-mutants not found: cargo install cargo-mutants --locked" >&2
+  exit 1
+}
+
+target=${BATON_MUTANTS_TARGET:-$root/target/mutants}
+tree=$(mktemp -d "${TMPDIR:-/tmp}/baton-mutants-XXXXXX")
+cleanup() { git -C "$root" worktree remove --force "$tree" >/dev/null 2>&1 || rm -rf "$tree"; }
+trap cleanup EXIT
+git -C "$root" worktree add --detach "$tree" HEAD >/dev/null
+
+# The files each set mutates, and the tests that run for each of its mutants.
+args_of() {
+  case "$1" in
+    # The ledger is a state machine without I/O: its unit and property tests prove it.
+    ledger) echo "-f actors/src/ledger.rs --cargo-test-arg=--lib" ;;
+    # The export table: the actor protocol and lease tests drive it across processes.
+    exports) echo "-f actors/src/exports.rs --test-package baton --cargo-test-arg=--test=actors_protocol --cargo-test-arg=--test=leases" ;;
+    supervisor) echo "-f actors/src/supervisor.rs --test-package baton --cargo-test-arg=--test=actors_supervision" ;;
+    link) echo "-f actors/src/link.rs --test-package baton --cargo-test-arg=--test=actors_protocol --cargo-test-arg=--test=bounds --cargo-test-arg=--test=actors_bad_input" ;;
+    cache) echo "-f ipc/src/cache.rs --test-package baton-ipc" ;;
+    ipc-link) echo "-f ipc/src/link.rs -f ipc/src/link/*.rs --test-package baton-ipc --test-package baton --cargo-test-arg=--test=link_bad_input --cargo-test-arg=--test=auth" ;;
+    *) echo "mutants: unknown set $1" >&2; return 1 ;;
+  esac
+}
+
+for set in "${sets[@]}"; do
+  read -r -a set_args <<<"$(args_of "$set")"
+  out="$target/out/$set"
+  mkdir -p "$out"
+  start=$(date +%s)
+  echo "== mutants: $set (${set_args[*]})"
+  # cargo-mutants exits 2 when mutants were missed, 3 on timeouts: the report says which.
+  (cd "$tree" && CARGO_TARGET_DIR="$target" cargo mutants --workspace --in-place \
+      --baseline=skip -j 1 --timeout "${BATON_MUTANTS_TIMEOUT:-300}" --build-timeout 600 \
+      --cap-lints true --no-times -o "$out" "${set_args[@]}") || true
+  took=$(( $(date +%s) - start ))
+  mkdir -p "docs/mutants/$set"
+  for f in caught missed timeout unviable; do
+    cp "$out/mutants.out/$f.txt" "docs/mutants/$set/$f.txt" 2>/dev/null || : >"docs/mutants/$set/$f.txt"
+  done
+  echo "$set: $(wc -l <"docs/mutants/$set/caught.txt") caught, $(wc -l <"docs/mutants/$set/missed.txt") missed, $(wc -l <"docs/mutants/$set/timeout.txt") timeout, $(wc -l <"docs/mutants/$set/unviable.txt") unviable; ${took} s" \
+    | tee "docs/mutants/$set/summary.txt"
+done
