@@ -6,7 +6,8 @@
 #   bash bench/mutants.sh [SET…]        sets: ledger exports supervisor link cache ipc-link
 #                                       (default: ledger exports, the highest-value two)
 #
-# Budget for a 2-core machine: one job (-j 1), mutants tested in place in a copy of the
+# Budget for a 2-core machine: one mutant at a time (in place, so builds are incremental),
+# cargo's build jobs capped (BATON_MUTANTS_BUILD_JOBS, default 2), in a copy of the
 # tree (a git worktree of HEAD, so the caller's tree is never mutated), incremental builds
 # in one target dir (BATON_MUTANTS_TARGET, default target/mutants), no baseline run (the
 # caller's tests pass), each test run cut at --timeout. Figures of a run on the 2-core
@@ -51,8 +52,8 @@ for set in "${sets[@]}"; do
   start=$(date +%s)
   echo "== mutants: $set (${set_args[*]})"
   # cargo-mutants exits 2 when mutants were missed, 3 on timeouts: the report says which.
-  (cd "$tree" && CARGO_TARGET_DIR="$target" cargo mutants --workspace --in-place \
-      --baseline=skip -j 1 --timeout "${BATON_MUTANTS_TIMEOUT:-300}" --build-timeout 600 \
+  (cd "$tree" && CARGO_TARGET_DIR="$target" CARGO_BUILD_JOBS="${BATON_MUTANTS_BUILD_JOBS:-2}" \
+    cargo mutants --workspace --in-place --baseline=skip --timeout "${BATON_MUTANTS_TIMEOUT:-300}" --build-timeout 600 \
       --cap-lints true --no-times -o "$out" "${set_args[@]}") || true
   took=$(( $(date +%s) - start ))
   mkdir -p "docs/mutants/$set"
