@@ -10,7 +10,7 @@
 # cargo's build jobs capped (BATON_MUTANTS_BUILD_JOBS, default 2), in a copy of the
 # tree (a git worktree of HEAD, so the caller's tree is never mutated), incremental builds
 # in one target dir (BATON_MUTANTS_TARGET, default target/mutants), no baseline run (the
-# caller's tests pass), each test run cut at --timeout. Figures of a run on the 2-core
+# caller's tests pass), each test run cut at its set's --timeout (a few times its usual length). Figures of a run on the 2-core
 # development VM are in docs/mutants/README.md. The report of each set (caught, missed,
 # timeout, unviable lists) is copied to docs/mutants/<set>/.
 set -euo pipefail
@@ -34,13 +34,13 @@ git -C "$root" worktree add --detach "$tree" HEAD >/dev/null
 args_of() {
   case "$1" in
     # The ledger is a state machine without I/O: its unit and property tests prove it.
-    ledger) echo "-f actors/src/ledger.rs --cargo-test-arg=--lib" ;;
+    ledger) echo "-f actors/src/ledger.rs --cargo-test-arg=--lib --timeout 60" ;;
     # The export table: the actor protocol and lease tests drive it across processes.
-    exports) echo "-f actors/src/exports.rs --test-package baton --cargo-test-arg=--test=actors_protocol --cargo-test-arg=--test=leases" ;;
-    supervisor) echo "-f actors/src/supervisor.rs --test-package baton --cargo-test-arg=--test=actors_supervision" ;;
-    link) echo "-f actors/src/link.rs --test-package baton --cargo-test-arg=--test=actors_protocol --cargo-test-arg=--test=bounds --cargo-test-arg=--test=actors_bad_input" ;;
-    cache) echo "-f ipc/src/cache.rs --test-package baton-ipc" ;;
-    ipc-link) echo "-f ipc/src/link.rs -f ipc/src/link/*.rs --test-package baton-ipc --test-package baton --cargo-test-arg=--test=link_bad_input --cargo-test-arg=--test=auth" ;;
+    exports) echo "-f actors/src/exports.rs --test-package baton --cargo-test-arg=--test=actors_protocol --cargo-test-arg=--test=leases --timeout 240" ;;
+    supervisor) echo "-f actors/src/supervisor.rs --test-package baton --cargo-test-arg=--test=actors_supervision --timeout 240" ;;
+    link) echo "-f actors/src/link.rs --test-package baton --cargo-test-arg=--test=actors_protocol --cargo-test-arg=--test=bounds --cargo-test-arg=--test=actors_bad_input --timeout 240" ;;
+    cache) echo "-f ipc/src/cache.rs --test-package baton-ipc --timeout 120" ;;
+    ipc-link) echo "-f ipc/src/link.rs -f ipc/src/link/*.rs --test-package baton-ipc --test-package baton --cargo-test-arg=--test=link_bad_input --cargo-test-arg=--test=auth --timeout 240" ;;
     *) echo "mutants: unknown set $1" >&2; return 1 ;;
   esac
 }
@@ -53,7 +53,7 @@ for set in "${sets[@]}"; do
   echo "== mutants: $set (${set_args[*]})"
   # cargo-mutants exits 2 when mutants were missed, 3 on timeouts: the report says which.
   (cd "$tree" && CARGO_TARGET_DIR="$target" CARGO_BUILD_JOBS="${BATON_MUTANTS_BUILD_JOBS:-2}" \
-    cargo mutants --workspace --in-place --baseline=skip --timeout "${BATON_MUTANTS_TIMEOUT:-300}" --build-timeout 600 \
+    cargo mutants --workspace --in-place --baseline=skip --build-timeout 600 \
       --cap-lints true --no-times -o "$out" "${set_args[@]}") || true
   took=$(( $(date +%s) - start ))
   mkdir -p "docs/mutants/$set"
