@@ -25,7 +25,7 @@ command -v cargo-mutants >/dev/null || {
 }
 
 target=${BATON_MUTANTS_TARGET:-$root/target/mutants}
-tree=$(mktemp -d "${TMPDIR:-/tmp}/baton-mutants-XXXXXX")
+tree=$(mktemp -d "${TMPDIR:-/tmp}/mutants-of-baton-XXXXXX")
 cleanup() { git -C "$root" worktree remove --force "$tree" >/dev/null 2>&1 || rm -rf "$tree"; }
 trap cleanup EXIT
 git -C "$root" worktree add --detach "$tree" HEAD >/dev/null

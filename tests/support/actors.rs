@@ -127,6 +127,15 @@ pub struct Parent {
     _tmp: tempfile::TempDir,
 }
 
+/// When a test ends (passed or failed), the named segments of its processes that died
+/// without unlinking them (SIGKILLed children) go: the suite leaves /dev/shm as it found it.
+/// A live owner's segments are never touched; tests that count leaks do so before this.
+impl Drop for Parent {
+    fn drop(&mut self) {
+        let _ = baton::ipc::host::sweep(&self.ns);
+    }
+}
+
 impl Parent {
     /// Call inside an actix system. Host backend, named segments (the tests count them);
     /// children use it too.
