@@ -765,6 +765,22 @@ impl Run {
         assert_eq!(c.buffers, live);
         let out = m.leases.iter().filter(|l| l.counts()).count();
         assert_eq!(c.leases, out);
+        // Every grant is counted, relayed ones too (the status's `granted`).
+        assert_eq!(
+            self.ledger.granted(),
+            m.leases.len() as u64,
+            "leases granted"
+        );
+        // An `Unmapped` answers an `Unmap` exactly where one is owed.
+        for (l, link) in m.links.iter().enumerate() {
+            for (a, x) in m.allocs.iter().enumerate() {
+                assert_eq!(
+                    self.ledger.unmap_asked(link.id, x.id),
+                    m.holds.contains(&(a, l, Token::Draining)),
+                    "Unmap of {a} asked over {l}"
+                );
+            }
+        }
         // Who holds what, per process: leases, their oldest grant, the bytes they pin.
         let holders = self.ledger.holders();
         for p in 0..4u32 {
@@ -942,7 +958,7 @@ fn a_stranded_forward_keeps_the_memory_until_its_holder_dies() {
 }
 
 /// A forwarded lease whose holder died: the relay's late `Release` of it is recognised
-/// once, not taken for a lease the link never had.
+/// once (also after another link went down), not taken for a lease the link never had.
 #[test]
 fn a_release_that_crosses_the_holders_death_is_recognised() {
     let mut ledger: Ledger<u64, Fence> = Ledger::default();
@@ -969,6 +985,11 @@ fn a_release_that_crosses_the_holders_death_is_recognised() {
     ledger.check();
     assert!(!ledger.is_out(fwd));
     assert_eq!(ledger.release(fwd, link, None), Err(Refusal::UnknownLease));
+    // Another link going down forgets only its own ended relays, not this one's.
+    let other = LinkId::next();
+    ledger.link_up(other, process(2));
+    ledger.link_cut(other);
+    ledger.check();
     assert!(ledger.forget_ended_relay(fwd, link));
     assert!(!ledger.forget_ended_relay(fwd, link), "once");
 }
