@@ -765,6 +765,23 @@ impl Run {
         assert_eq!(c.buffers, live);
         let out = m.leases.iter().filter(|l| l.counts()).count();
         assert_eq!(c.leases, out);
+        // What the export table asks of the ledger: leases out per buffer (stranded ones
+        // are not out: they keep the memory, not a lease), whether a lease is out, the
+        // stranded ones.
+        for (a, x) in m.allocs.iter().enumerate().filter(|(_, x)| !x.freed) {
+            let on = m.leases.iter().filter(|l| l.out && l.alloc == a).count();
+            assert_eq!(self.ledger.leases_on(x.buffer), on, "leases on {a}");
+        }
+        for l in &m.leases {
+            assert_eq!(self.ledger.is_out(l.id), l.out, "{l:?} out");
+        }
+        let stranded: BTreeSet<LeaseId> = m
+            .leases
+            .iter()
+            .filter(|l| l.stranded)
+            .map(|l| l.id)
+            .collect();
+        assert_eq!(self.ledger.stranded(), stranded, "stranded leases");
         // Every grant is counted, relayed ones too (the status's `granted`).
         assert_eq!(
             self.ledger.granted(),
