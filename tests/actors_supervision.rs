@@ -13,8 +13,8 @@ use actix::prelude::*;
 use actors::{DEADLINE, Parent, eventually, run};
 use baton::actors::supervisor::{KillChild, Shutdown};
 use baton::actors::{
-    ActorError, ChildSpec, Heartbeat, Lease, Node, ProcessSupervisor, RemoteMessage, RestartPolicy,
-    Strategy, SupervisorEvent,
+    ActorError, ChildSpec, Lease, Node, ProcessSupervisor, RemoteMessage, RestartPolicy, Strategy,
+    SupervisorEvent,
 };
 use baton::ipc::{HostBackend, host};
 use msgs::*;
@@ -399,17 +399,7 @@ fn a_transient_child_that_exits_cleanly_is_not_restarted() {
 #[test]
 fn an_unresponsive_child_is_killed_and_restarted() {
     run(async {
-        let ns = peer::namespace("supbeat");
-        let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
-        let mut parent = Parent::start_configured(&ns, backend, |c| {
-            c.heartbeat(Heartbeat {
-                interval: Duration::from_millis(50),
-                deadline: Duration::from_millis(500),
-            })
-        });
-        parent
-            .child_env
-            .push(("BATON_BACKEND".into(), "host".into()));
+        let parent = Parent::start_beating("supbeat");
         let (sup, events) = supervise(
             &parent,
             vec![peer_spec(&parent, "sleeper", "serve")],

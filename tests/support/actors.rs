@@ -234,6 +234,23 @@ impl Parent {
         }
     }
 
+    /// Call inside an actix system. Host memory (children too), and a heartbeat fast
+    /// enough for tests: a ping every 50 ms, a peer silent for 500 ms is cut.
+    pub fn start_beating(tag: &str) -> Parent {
+        let ns = peer::namespace(tag);
+        let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let mut parent = Parent::start_configured(&ns, backend, |c| {
+            c.heartbeat(baton::actors::Heartbeat {
+                interval: Duration::from_millis(50),
+                deadline: Duration::from_millis(500),
+            })
+        });
+        parent
+            .child_env
+            .push(("BATON_BACKEND".into(), "host".into()));
+        parent
+    }
+
     pub fn socket(&self) -> String {
         self.listening.path().to_str().unwrap().to_owned()
     }
