@@ -782,6 +782,65 @@ impl Run {
             .map(|l| l.id)
             .collect();
         assert_eq!(self.ledger.stranded(), stranded, "stranded leases");
+        // The lease table and the counters the status reports, per allocation.
+        let view = self.ledger.view(None);
+        let live: Vec<(usize, &MAlloc)> = m
+            .allocs
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| !x.freed)
+            .collect();
+        assert_eq!(view.len(), live.len());
+        let quarantined = |a: usize| m.allocs[a].quarantine_reported;
+        for ((a, x), v) in live.iter().zip(&view) {
+            assert_eq!((v.alloc, v.buffer), (x.id, x.buffer), "view of {a}");
+            let mut leases: Vec<(LeaseId, ProcessId)> = m
+                .leases
+                .iter()
+                .filter(|l| l.counts() && l.alloc == *a)
+                .map(|l| (l.id, process(m.holder(l))))
+                .collect();
+            leases.sort();
+            assert_eq!(v.leases, leases, "leases of {a} and their holders");
+            assert_eq!(v.retiring, x.retired, "{a} retiring");
+            assert_eq!(v.quarantined, quarantined(*a), "{a} quarantined");
+        }
+        let pinned = live
+            .iter()
+            .filter(|(a, _)| m.leases.iter().any(|l| l.counts() && l.alloc == *a));
+        let (q, retired) = (
+            live.iter().filter(|(a, _)| quarantined(*a)).count(),
+            live.iter().filter(|(_, x)| x.retired).count(),
+        );
+        assert_eq!(
+            (
+                c.bytes,
+                c.pinned_bytes,
+                c.retiring,
+                c.quarantined,
+                c.quarantined_bytes
+            ),
+            (
+                4096 * live.len() as u64,
+                4096 * pinned.count() as u64,
+                retired,
+                q,
+                4096 * q as u64
+            ),
+            "bytes, pinned bytes, retiring, quarantined"
+        );
+        // By owner: every allocation here is owner 1's, none another's.
+        assert_eq!(self.ledger.view(Some(ActorId::new(1))), view);
+        assert!(self.ledger.view(Some(ActorId::new(2))).is_empty());
+        assert_eq!(
+            self.ledger.counts(Some(ActorId::new(1))).buffers,
+            live.len()
+        );
+        assert_eq!(self.ledger.counts(Some(ActorId::new(2))).buffers, 0);
+        for link in m.links.iter() {
+            let expect = link.up.then(|| process(link.process));
+            assert_eq!(self.ledger.link_process(link.id), expect, "{link:?}");
+        }
         // Every grant is counted, relayed ones too (the status's `granted`).
         assert_eq!(
             self.ledger.granted(),
