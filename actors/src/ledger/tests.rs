@@ -890,6 +890,33 @@ impl Run {
                 .any(|&(a, q)| q == p && !m.dead.contains(&q) && !m.allocs[a].freed)
                 || mine.iter().any(|l| l.stranded);
             assert_eq!(row.is_some_and(|h| h.cut), cut, "process {p} a cut holder");
+            let live = |a: &usize| !m.allocs[*a].freed;
+            let mapped: BTreeSet<usize> = m
+                .holds
+                .iter()
+                .filter(|&&(_, l, _)| m.links[l].up && m.links[l].process == p)
+                .map(|&(a, ..)| a)
+                .filter(live)
+                .collect();
+            assert_eq!(
+                row.map_or(0, |h| h.mapped_bytes),
+                4096 * mapped.len() as u64,
+                "bytes mapped by process {p}"
+            );
+            let quarantined = (0..m.allocs.len())
+                .filter(live)
+                .filter(|&a| m.allocs[a].quarantine_reported && m.cut_alive(a).contains(&p))
+                .count();
+            assert_eq!(
+                row.map_or(0, |h| h.quarantined_bytes),
+                4096 * quarantined as u64,
+                "bytes quarantined for process {p}"
+            );
+        }
+        // Who owns each buffer, and what the node keeps to free it.
+        for x in m.allocs.iter().filter(|x| !x.freed) {
+            assert_eq!(self.ledger.owner_of(x.buffer), Some(ActorId::new(1)));
+            assert!(self.ledger.meta(x.id).is_some(), "{:?} has its meta", x.id);
         }
         let pinned_allocs = (0..m.allocs.len()).filter(|&a| m.lease_out_on(a)).count();
         assert_eq!(c.pinned_bytes, 4096 * pinned_allocs as u64);
