@@ -5,6 +5,9 @@
 #
 #   bash bench/mutants.sh [SET…]        sets: ledger exports supervisor link cache ipc-link
 #                                       (default: ledger exports, the highest-value two)
+#   BATON_MUTANTS_ITERATE=1 bash bench/mutants.sh SET
+#                                       test again only what the last run of SET did not
+#                                       catch (cargo mutants --iterate), after new tests
 #
 # Budget for a 2-core machine: one mutant at a time (in place, so builds are incremental),
 # cargo's build jobs capped (BATON_MUTANTS_BUILD_JOBS, default 2), in a copy of the
@@ -54,7 +57,8 @@ for set in "${sets[@]}"; do
   # cargo-mutants exits 2 when mutants were missed, 3 on timeouts: the report says which.
   (cd "$tree" && CARGO_TARGET_DIR="$target" CARGO_BUILD_JOBS="${BATON_MUTANTS_BUILD_JOBS:-2}" \
     cargo mutants --workspace --in-place --baseline=skip --build-timeout 600 \
-      --cap-lints true --no-times -o "$out" "${set_args[@]}") || true
+      --cap-lints true --no-times -o "$out" ${BATON_MUTANTS_ITERATE:+--iterate} \
+      "${set_args[@]}") || true
   took=$(( $(date +%s) - start ))
   mkdir -p "docs/mutants/$set"
   for f in caught missed timeout unviable; do
