@@ -50,6 +50,19 @@ args_of() {
   esac
 }
 
+# A mutant that breaks a test's cleanup (or hangs it until the timeout kills it) leaves that
+# test's named segments in /dev/shm: the sweep at the end removes those of dead owners in
+# the namespaces that appeared during the run (the tests' `t<pid>-<tag>`).
+namespaces() { ls /dev/shm | sed -n 's/^\(t[0-9]*-[a-z0-9_-]*\)\.[0-9]*\.[0-9]*\.[0-9]*\.[0-9a-f]\{16\}$/\1/p' | sort -u; }
+namespaces_before=$(namespaces)
+sweep_new() {
+  local ns
+  for ns in $(comm -13 <(echo "$namespaces_before") <(namespaces)); do
+    cargo run -q -p baton-cli --bin baton -- sweep --namespace "$ns" --sockets-in "$tree" | sed -n '/^namespace/p'
+  done
+}
+trap 'sweep_new; cleanup' EXIT
+
 for set in "${sets[@]}"; do
   read -r -a set_args <<<"$(args_of "$set")"
   out="$target/out/$set"
