@@ -129,7 +129,9 @@ fn exporter() -> Result<(), Box<dyn Error>> {
         memfds.mappings,
         memfds.fds
     );
-    let _ = std::fs::remove_dir(&tmp);
+    // The socket goes with its listener; then the directory is empty and goes too.
+    drop(listener);
+    std::fs::remove_dir(&tmp)?;
     if !status.success() || left != 0 {
         return Err("round trip failed".into());
     }

@@ -226,6 +226,65 @@ fn an_offer_in_flight_holds_the_buffer_until_the_link_closes() {
     });
 }
 
+/// A reply that comes after its caller gave up (a timeout) still carries leases: the
+/// exporter granted them when it sent the reply. We give them back at once, so the
+/// exporter frees the buffers while the link stays up (a lease kept until the link closes
+/// would pin them for as long as the peers live).
+#[test]
+fn the_leases_of_a_reply_after_its_call_timed_out_are_given_back() {
+    run(async {
+        let parent = Parent::start("late");
+        let (mut child, peer) = parent.child(&[]).await;
+        let status = || async {
+            peer.status(16, DEADLINE)
+                .await
+                .expect("the exporter's status")
+        };
+        let before = status().await;
+        assert_eq!((before.buffers, before.leases), (0, 0));
+        let late = peer.remote::<MakeBuffersLate>("late-exporter");
+        let call = late.send_timeout(
+            MakeBuffersLate {
+                ms: 500,
+                n: 2,
+                len: 1024,
+                seed: 5,
+            },
+            Duration::from_millis(50),
+        );
+        assert!(
+            matches!(call.await, Err(ActorError::Timeout { .. })),
+            "the call times out before its reply"
+        );
+        // The exporter replies later, granting a lease per buffer …
+        eventually_async(DEADLINE, "the late reply's leases granted", || async {
+            status().await.granted >= before.granted + 2
+        })
+        .await;
+        // … and both come back: the exporter frees the buffers, the link stays up.
+        eventually_async(DEADLINE, "the late reply's leases given back", || async {
+            let s = status().await;
+            s.leases == 0 && s.buffers == 0 && s.freed >= before.freed + 2
+        })
+        .await;
+        assert!(peer.is_connected(), "a late reply is no fault");
+        // The link still works.
+        let made = peer
+            .remote::<MakeBuffers>("exporter")
+            .send(MakeBuffers {
+                n: 1,
+                len: 16,
+                seed: 6,
+            })
+            .await
+            .unwrap();
+        assert_eq!(made.buffers.len(), 1);
+        drop(made);
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
 /// Issue test 4: a cooperative holder returns a revoked lease; a stubborn one is cut off.
 #[test]
 fn revoke_with_a_deadline_cuts_off_only_the_holder_that_keeps_it() {

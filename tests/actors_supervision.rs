@@ -392,3 +392,63 @@ fn a_transient_child_that_exits_cleanly_is_not_restarted() {
         sup.send(Shutdown).await.unwrap();
     });
 }
+
+/// A child whose link goes silent (SIGSTOPped: alive, but answering nothing) is cut as
+/// `Unresponsive` by the heartbeat, and the supervisor — by default — SIGKILLs it, so the
+/// strategy restarts it: a stopped or deadlocked child serves nobody and may pin memory.
+#[test]
+fn an_unresponsive_child_is_killed_and_restarted() {
+    run(async {
+        let parent = Parent::start_beating("supbeat");
+        let (sup, events) = supervise(
+            &parent,
+            vec![peer_spec(&parent, "sleeper", "serve")],
+            Strategy::OneForOne,
+            RestartPolicy {
+                max_restarts: 3,
+                within: Duration::from_secs(60),
+            },
+        );
+        eventually(DEADLINE, "the child's link", || {
+            parent.events.ups().len() == 1
+        })
+        .await;
+        let link = parent.events.ups()[0].clone();
+        let pid1 = link.process().pid;
+        let stopped = rustix::process::Pid::from_raw(pid1 as i32).expect("a pid");
+        rustix::process::kill_process(stopped, rustix::process::Signal::STOP).expect("SIGSTOP");
+
+        eventually(DEADLINE, "the silent child cut", || {
+            parent.events.down_reason(link.link_id()).is_some()
+        })
+        .await;
+        let reason = parent.events.down_reason(link.link_id()).unwrap();
+        assert!(
+            reason
+                .as_deref()
+                .is_some_and(|r| r.contains("Unresponsive")),
+            "{reason:?}"
+        );
+        // Nobody but the supervisor kills it: the test only stopped it.
+        eventually(
+            DEADLINE,
+            "the stopped child killed by the supervisor",
+            || {
+                events.all().iter().any(|e| {
+                    matches!(e, SupervisorEvent::Exited { pid, status, .. }
+                    if *pid == pid1 && status.contains("signal 9"))
+                })
+            },
+        )
+        .await;
+        eventually(DEADLINE, "its restart", || {
+            events
+                .started()
+                .iter()
+                .any(|(name, pid, restarts)| name == "sleeper" && *pid != pid1 && *restarts == 1)
+        })
+        .await;
+        eventually(DEADLINE, "the killed child reaped", || gone(pid1)).await;
+        sup.send(Shutdown).await.unwrap();
+    });
+}

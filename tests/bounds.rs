@@ -21,6 +21,7 @@ use baton::ipc::{HostBackend, SharedBackend};
 use baton::messages::protocol::CallFault;
 use msgs::*;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// One test at a time: each measures this process's resident memory.
@@ -49,8 +50,14 @@ fn rss() -> u64 {
     pages * 4096
 }
 
-/// Answers `Nap`: sleeps, then replies with `reply_bytes` bytes.
+/// Answers `Nap`: sleeps, then replies with `reply_bytes` bytes. Counts the naps running
+/// at once ([`NAPPING`]) and the most seen ([`MOST_NAPPING`]).
 struct Napper;
+
+/// `Nap`s running now.
+static NAPPING: AtomicUsize = AtomicUsize::new(0);
+/// The most `Nap`s seen running at once since the last reset.
+static MOST_NAPPING: AtomicUsize = AtomicUsize::new(0);
 
 impl Actor for Napper {
     type Context = Context<Self>;
@@ -60,8 +67,11 @@ impl Handler<Nap> for Napper {
     type Result = ResponseFuture<Vec<u8>>;
 
     fn handle(&mut self, msg: Nap, _: &mut Context<Self>) -> Self::Result {
+        let now = NAPPING.fetch_add(1, Ordering::SeqCst) + 1;
+        MOST_NAPPING.fetch_max(now, Ordering::SeqCst);
         Box::pin(async move {
             tokio::time::sleep(Duration::from_millis(msg.ms.into())).await;
+            NAPPING.fetch_sub(1, Ordering::SeqCst);
             vec![7; msg.reply_bytes as usize]
         })
     }
@@ -217,6 +227,52 @@ fn calls_faster_than_the_node_handles_them_pause_its_reading() {
     run(async {
         // Eight calls run at once; reading pauses; their 4 KiB replies pile up unread.
         flood("fcall", "calls", &[], "PeerNotReading", 32 << 20).await;
+    });
+}
+
+/// The calls-in-flight bound itself, told apart from no bound: a peer that sends 64 slow
+/// calls at once and reads every reply is never cut (it breaks no rule), but at most
+/// `calls_in_flight` (8) of its calls run here at once — the others wait, unread, in its
+/// socket — and all 64 are answered.
+#[test]
+fn at_most_calls_in_flight_of_a_peers_calls_run_at_once() {
+    let _serial = serial();
+    run(async {
+        let (parent, mut honest, link) = setup("fburst").await;
+        NAPPING.store(0, Ordering::SeqCst);
+        MOST_NAPPING.store(0, Ordering::SeqCst);
+        let sock = parent.socket();
+        let (mut burst, burst_link) = parent
+            .spawn_linked(
+                peer::exe("baton-flood-peer"),
+                &["burst", &sock, "64", "100"],
+                true,
+            )
+            .await;
+        let lines = Lines::of(burst.take_stdout().expect("piped"));
+        let answered = lines.next_line(DEADLINE).await;
+        assert!(exited(&mut burst, DEADLINE).await.success());
+        let most = MOST_NAPPING.load(Ordering::SeqCst);
+        let bound = limits().calls_in_flight;
+        println!(
+            "64 calls at once: {answered} answered, at most {most} ran at once (bound {bound})"
+        );
+        assert_eq!(answered, "sent 64", "every call answered");
+        assert!(
+            most <= bound,
+            "{most} of the peer's calls ran at once, past the bound of {bound}"
+        );
+        assert!(most > 1, "the calls ran concurrently ({most} at most)");
+        assert!(
+            parent
+                .events
+                .down_reason(burst_link.link_id())
+                .flatten()
+                .is_none_or(|r| !r.contains("PeerNotReading")),
+            "a peer that reads its replies is not cut"
+        );
+        link.close();
+        assert!(exited(&mut honest, DEADLINE).await.success());
     });
 }
 

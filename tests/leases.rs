@@ -21,7 +21,7 @@ mod stubborn;
 
 use actix::prelude::*;
 use actors::{DEADLINE, LegacyLike, Parent, eventually, eventually_async, exited};
-use baton::actors::{Heartbeat, PeerEvent};
+use baton::actors::PeerEvent;
 use baton::ipc::{HostBackend, WarmBudget};
 use msgs::*;
 use rustix::process::Signal;
@@ -272,17 +272,7 @@ fn a_free_waits_for_every_warm_mapping_or_its_holders_death() {
 #[test]
 fn a_stopped_peer_is_declared_unresponsive_and_cut() {
     run(async {
-        let ns = peer::namespace("beat");
-        let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
-        let mut parent = Parent::start_configured(&ns, backend, |c| {
-            c.heartbeat(Heartbeat {
-                interval: Duration::from_millis(50),
-                deadline: Duration::from_millis(500),
-            })
-        });
-        parent
-            .child_env
-            .push(("BATON_BACKEND".into(), "host".into()));
+        let parent = Parent::start_beating("beat");
         let (mut child, link) = parent.child(&[]).await;
         let rtt = link.ping().await.expect("a live peer answers");
         assert!(rtt > Duration::ZERO);

@@ -211,6 +211,8 @@ fn a_sigkilled_renderer_root_takes_its_tree_and_its_host_memory_with_it() {
     become_subreaper();
     let exe = renderer::renderer();
     let out = tempfile::tempdir().unwrap();
+    // The root's socket directory, which its SIGKILL leaves behind, goes with this one.
+    let tmp = tempfile::tempdir().unwrap();
     let before = shmem();
 
     let mut root = Command::new(exe)
@@ -230,6 +232,7 @@ fn a_sigkilled_renderer_root_takes_its_tree_and_its_host_memory_with_it() {
         .arg(out.path())
         .env("BATON_BACKEND", "host")
         .env(host::HOST_ENV, "memfd")
+        .env("TMPDIR", tmp.path())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -8,8 +8,9 @@
 //! (`renderer-<pid>`) after the run. On named segments, without chaos nothing may be left
 //! at all; with chaos the supervisor removes what each killed worker left before
 //! restarting it (it sweeps only children that did not exit cleanly), so nothing is left
-//! either. On memfd host memory (the default) a dead process's memory goes with it; the
-//! root reports what it still maps.
+//! either. On memfd host memory (the default) a dead process's memory goes with it unless a
+//! survivor keeps it mapped: the root reports what it still maps, and what the compositor
+//! maps of killed workers (from its `/proc/<pid>/maps`, by inode).
 
 #[path = "support/renderer.rs"]
 mod renderer;
@@ -207,6 +208,13 @@ fn the_renderer_survives_chaos_and_still_leaks_nothing() {
     assert!(host::list_segments(&ns.0).unwrap().is_empty());
     assert!(
         field(&stdout, "leaked bytes").starts_with("0 (memfd host memory"),
+        "{stdout}"
+    );
+    // The compositor held the killed workers' leases and warm mappings: it let them go.
+    // Seen from outside it (its /proc maps against the descriptors and mappings of the
+    // live processes of the tree, by inode), with a worker just killed and restarted.
+    assert!(
+        field(&stdout, "dead tiles mapped").starts_with("0 bytes"),
         "{stdout}"
     );
     assert!(

@@ -324,6 +324,15 @@ fn baton_status_reports_exactly_the_buffers_leases_quarantine_and_orphans_it_hol
         );
         assert_eq!(json["peers"].as_array().unwrap().len(), 2);
         drop((a1, a2, b1));
+        // D was SIGKILLed before its `Drop` could unlink its named segment: it is left for
+        // a sweep (a supervisor's, for its children) — here the test's own, so that the
+        // suite leaves /dev/shm as it found it.
+        let swept = baton::ipc::host::sweep(&ns).unwrap();
+        assert_eq!(swept.removed.len(), 1, "D's segment: {swept:?}");
+        assert!(
+            swept.removed[0].contains(&format!(".{d_pid}.")),
+            "{swept:?}"
+        );
     });
 }
 
@@ -531,7 +540,8 @@ impl Drop for RendererRun {
 
 /// `baton status --tree` on a live renderer's root socket: buffers and leases while it
 /// runs, every importer listed a live child of the renderer (its compositor); the
-/// renderer's log, redirected to a file, has no ANSI colour codes.
+/// renderer's log, redirected to a file, has no ANSI colour codes. `baton sweep` keeps its
+/// socket directory while it runs, and removes it once the root was SIGKILLed.
 #[test]
 fn baton_status_of_a_live_renderer_lists_its_leases_and_live_importers() {
     rustix::process::set_child_subreaper(Some(rustix::process::getpid()))
@@ -539,6 +549,19 @@ fn baton_status_of_a_live_renderer_lists_its_leases_and_live_importers() {
     let exe = renderer::renderer();
     let out = tempfile::tempdir().unwrap();
     let log: PathBuf = out.path().join("renderer.log");
+    // The root makes its socket directory in TMPDIR: ours, so that `baton sweep` is tried
+    // on it alone, and a failed test leaves nothing in /tmp.
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp_dir = tmp.path().to_str().unwrap().to_owned();
+    let sweep = |dry: bool| {
+        let mut args = vec!["sweep", "--sockets-in", &tmp_dir, "--min-age", "0"];
+        if dry {
+            args.push("--dry-run");
+        }
+        let out = baton_cli::run(&baton_cli::baton(), &args, DEADLINE);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
     let root = std::process::Command::new(exe)
         .args([
             "--size",
@@ -556,6 +579,7 @@ fn baton_status_of_a_live_renderer_lists_its_leases_and_live_importers() {
         .arg(out.path())
         .env("BATON_BACKEND", "host")
         .env("RUST_LOG", "info")
+        .env("TMPDIR", tmp.path())
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -650,7 +674,28 @@ fn baton_status_of_a_live_renderer_lists_its_leases_and_live_importers() {
     );
     assert!(screen.contains("5 nodes"), "{screen}");
 
-    drop(run);
+    // While the root listens, its socket directory is not a dead node's.
+    let dir = Path::new(&socket).parent().unwrap().to_owned();
+    assert!(dir.starts_with(tmp.path()), "{}", dir.display());
+    let kept = sweep(false);
+    assert!(kept.contains(": removed 0 of dead nodes, kept 1"), "{kept}");
+    assert!(Path::new(&socket).exists());
+
+    drop(run); // SIGKILLs the root; its children die with it
+    // The killed root could not remove its socket directory: the sweep does, once nobody
+    // listens there (a dry run first names it and removes nothing).
+    let planned = sweep(true);
+    assert!(
+        planned.contains(&format!("would remove {}", dir.display())),
+        "{planned}"
+    );
+    assert!(dir.exists());
+    let swept = sweep(false);
+    assert!(
+        swept.contains(&format!("removed {}", dir.display())),
+        "{swept}"
+    );
+    assert!(!dir.exists(), "{swept}");
     let log = std::fs::read(&log).unwrap();
     assert!(!log.is_empty(), "RUST_LOG=info logged something");
     assert!(

@@ -3,7 +3,8 @@
 //! ```text
 //! baton status SOCKET [--tree] [--json]   what the node holds, who holds what of it
 //! baton top SOCKET                        the same, live, for the node and its tree
-//! baton sweep [--namespace NS]            remove named host segments of dead owners
+//! baton sweep [--namespace NS]            remove named host segments of dead owners,
+//!                                         and socket directories of dead nodes
 //! ```
 //!
 //! Run by the node's user, it needs only the socket's path: a node writes its admin
@@ -78,11 +79,21 @@ enum Command {
         samples: u32,
     },
     /// Remove the named host segments (`BATON_HOST=named`) whose owners are dead; never a
-    /// live owner's.
+    /// live owner's. Then the socket directories dead nodes left (`baton-…` directories,
+    /// private, holding only sockets nobody listens on and their tokens), never one where
+    /// a node listens.
     Sweep {
         /// The segments' namespace (default: `BATON_SHM_NAMESPACE`, else `baton`).
         #[arg(long)]
         namespace: Option<String>,
+        /// Where socket directories are looked for (default: the temporary directory,
+        /// `TMPDIR` else `/tmp`).
+        #[arg(long)]
+        sockets_in: Option<PathBuf>,
+        /// Socket directories younger than this many seconds are kept (a node may be
+        /// starting in one).
+        #[arg(long, default_value_t = 60)]
+        min_age: u64,
         /// Only list them.
         #[arg(long)]
         dry_run: bool,
@@ -150,7 +161,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 top::run(&socket, token_file.as_deref(), scope(!node_only))?;
             }
         }
-        Command::Sweep { namespace, dry_run } => {
+        Command::Sweep {
+            namespace,
+            sockets_in,
+            min_age,
+            dry_run,
+        } => {
             let ns = namespace.unwrap_or_else(|| {
                 std::env::var(baton_ipc::host::NAMESPACE_ENV)
                     .unwrap_or_else(|_| baton_ipc::host::DEFAULT_NAMESPACE.to_owned())
@@ -177,6 +193,19 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     report.kept
                 );
             }
+            let parent = sockets_in.unwrap_or_else(std::env::temp_dir);
+            let report =
+                baton_ipc::link::sweep_dead_dirs(&parent, Duration::from_secs(min_age), !dry_run)?;
+            let verb = if dry_run { "would remove" } else { "removed" };
+            for path in &report.removed {
+                println!("{verb} {}", path.display());
+            }
+            println!(
+                "sockets in {}: {verb} {} of dead nodes, kept {}",
+                parent.display(),
+                report.removed.len(),
+                report.kept
+            );
         }
     }
     Ok(())

@@ -721,7 +721,9 @@ struct Root {
     restarts: u64,
     last_print: Instant,
     rng: u64,
-    done: Option<tokio::sync::oneshot::Sender<Done>>,
+    /// The summary goes to the root's main flow with a sender that answers the compositor's
+    /// `Done` call: the compositor stays as it is until the root has looked at it.
+    done: Option<tokio::sync::oneshot::Sender<(Done, tokio::sync::oneshot::Sender<()>)>>,
     /// Segments of killed children the supervisor removed, and their bytes.
     swept: (usize, u64),
     /// Every child process started, restarts included: the device-memory leak check counts
@@ -763,11 +765,15 @@ impl Handler<Progress> for Root {
 }
 
 impl Handler<Done> for Root {
-    type Result = ();
-    fn handle(&mut self, d: Done, _: &mut Context<Self>) {
+    type Result = ResponseFuture<()>;
+    fn handle(&mut self, d: Done, _: &mut Context<Self>) -> Self::Result {
+        let (looked, after) = tokio::sync::oneshot::channel();
         if let Some(tx) = self.done.take() {
-            let _ = tx.send(d);
+            let _ = tx.send((d, looked));
         }
+        Box::pin(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(30), after).await;
+        })
     }
 }
 
@@ -835,6 +841,48 @@ fn tree_device_bytes(pids: &[u32]) -> Option<u64> {
     me_listed.then_some(mib << 20)
 }
 
+/// Bytes of memfds of `namespace` the compositor maps that no live process of the tree holds
+/// a descriptor or mapping of: the tiles of workers that died, which it should have let go
+/// when their links ended. Read from `/proc` by inode (names are shared by the whole tree),
+/// not from the compositor's own account; polled up to 10 s, since a worker killed just
+/// before the end is seen dead by the compositor a moment later.
+async fn mapped_of_the_dead(supervisor: &Addr<ProcessSupervisor>, namespace: &str) -> Res<u64> {
+    let start = Instant::now();
+    loop {
+        let children = supervisor.send(Children).await?;
+        let Some(compositor) = children
+            .iter()
+            .find(|c| c.name == "compositor")
+            .and_then(|c| c.pid)
+        else {
+            return Ok(0);
+        };
+        let mine = host::memfd_files(compositor, namespace)?;
+        let mut live = mine.held.clone();
+        for worker in children
+            .iter()
+            .filter(|c| c.name != "compositor")
+            .filter_map(|c| c.pid)
+        {
+            // A worker that died meanwhile holds nothing.
+            if let Ok(files) = host::memfd_files(worker, namespace) {
+                live.extend(files.held);
+                live.extend(files.mapped.into_keys());
+            }
+        }
+        let dead: u64 = mine
+            .mapped
+            .iter()
+            .filter(|(inode, _)| !live.contains(inode))
+            .map(|(_, bytes)| bytes)
+            .sum();
+        if dead == 0 || start.elapsed() > Duration::from_secs(10) {
+            return Ok(dead);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn root(opts: Options) -> Res<()> {
     let namespace = format!("renderer-{}", std::process::id());
     // Children get the namespace through their specs (their segments are ours to count).
@@ -899,9 +947,19 @@ fn root(opts: Options) -> Res<()> {
         // Who pins what, while it runs: `baton status --tree <socket>` or `baton top <socket>`.
         println!("socket            {}", listening.path().display());
 
-        let summary = tokio::time::timeout(Duration::from_secs(1800), rx).await.map_err(|_| "the run did not finish in 30 minutes")??;
+        let (summary, looked) = tokio::time::timeout(Duration::from_secs(1800), rx).await.map_err(|_| "the run did not finish in 30 minutes")??;
         let (restarts, swept_during) = root.send(Restarts).await?;
         out.finish();
+        // Before the wind down, while the compositor waits for the answer to its `Done`:
+        // does it still map a killed worker's tiles?
+        let dead_mapped = mapped_of_the_dead(&supervisor, &namespace).await?;
+        let _ = looked.send(());
+        // The compositor ends by itself once that answer reaches it: let it, before closing
+        // the links (a close could overtake the answer).
+        let start = Instant::now();
+        while supervisor.send(Children).await?.iter().any(|c| c.name == "compositor" && c.pid.is_some()) && start.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
 
         // Wind down: closing the links ends the children cleanly (their Drop frees what
         // they own); whatever is still running after a deadline is killed.
@@ -986,6 +1044,10 @@ fn root(opts: Options) -> Res<()> {
                 swept.removed.len()
             ),
         }
+        println!(
+            "dead tiles mapped {} bytes (memfds the compositor maps that neither it nor a live worker holds: a killed worker's tiles it kept)",
+            dead_mapped
+        );
         if let Some(v) = &summary.verify {
             println!("verify            {v}");
         }

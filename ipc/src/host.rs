@@ -52,7 +52,7 @@ mod memfd;
 mod named;
 
 #[cfg(target_os = "linux")]
-pub use memfd::{MemfdUsage, memfd_usage};
+pub use memfd::{MemfdFiles, MemfdUsage, memfd_files, memfd_usage};
 pub(crate) use named::SegmentOwner;
 pub use named::{
     DEFAULT_NAMESPACE, NAMESPACE_ENV, SegmentInfo, SweepReport, list_segments, sweep, sweep_process,

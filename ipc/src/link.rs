@@ -23,7 +23,7 @@ mod wire;
 
 pub use creds::{PeerCred, PeerPolicy};
 pub use nonblocking::{AsyncLink, LinkCloser, LinkReader, LinkWriter};
-pub use socket_dir::SocketDir;
+pub use socket_dir::{SocketDir, SocketSweepReport, sweep_dead_dirs};
 pub use wire::{FrameFds, Received};
 
 pub(crate) use handshake::{ClientHandshake, Refusal, ServerHandshake};

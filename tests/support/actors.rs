@@ -127,6 +127,15 @@ pub struct Parent {
     _tmp: tempfile::TempDir,
 }
 
+/// When a test ends (passed or failed), the named segments of its processes that died
+/// without unlinking them (SIGKILLed children) go: the suite leaves /dev/shm as it found it.
+/// A live owner's segments are never touched; tests that count leaks do so before this.
+impl Drop for Parent {
+    fn drop(&mut self) {
+        let _ = baton::ipc::host::sweep(&self.ns);
+    }
+}
+
 impl Parent {
     /// Call inside an actix system. Host backend, named segments (the tests count them);
     /// children use it too.
@@ -223,6 +232,23 @@ impl Parent {
             child_env: Vec::new(),
             _tmp: tmp,
         }
+    }
+
+    /// Call inside an actix system. Host memory (children too), and a heartbeat fast
+    /// enough for tests: a ping every 50 ms, a peer silent for 500 ms is cut.
+    pub fn start_beating(tag: &str) -> Parent {
+        let ns = peer::namespace(tag);
+        let backend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let mut parent = Parent::start_configured(&ns, backend, |c| {
+            c.heartbeat(baton::actors::Heartbeat {
+                interval: Duration::from_millis(50),
+                deadline: Duration::from_millis(500),
+            })
+        });
+        parent
+            .child_env
+            .push(("BATON_BACKEND".into(), "host".into()));
+        parent
     }
 
     pub fn socket(&self) -> String {

@@ -102,6 +102,21 @@ impl RemoteMessage for RevokeAll {
     const NAME: &'static str = "test.RevokeAll";
 }
 
+/// Sleep `ms`, then make `n` buffers of `len` pattern values and share them back (a reply
+/// that can come after its caller gave up).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Made")]
+pub struct MakeBuffersLate {
+    pub ms: u32,
+    pub n: u32,
+    pub len: u32,
+    pub seed: u32,
+}
+
+impl RemoteMessage for MakeBuffersLate {
+    const NAME: &'static str = "test.MakeBuffersLate";
+}
+
 /// Share the helper's lent buffer number `index` (allocated and filled with
 /// `pattern(seed, _)` on the first call for that index, the same buffer every time after).
 #[derive(Debug, Serialize, Deserialize, Message)]

@@ -765,6 +765,98 @@ impl Run {
         assert_eq!(c.buffers, live);
         let out = m.leases.iter().filter(|l| l.counts()).count();
         assert_eq!(c.leases, out);
+        // What the export table asks of the ledger: leases out per buffer (stranded ones
+        // are not out: they keep the memory, not a lease), whether a lease is out, the
+        // stranded ones.
+        for (a, x) in m.allocs.iter().enumerate().filter(|(_, x)| !x.freed) {
+            let on = m.leases.iter().filter(|l| l.out && l.alloc == a).count();
+            assert_eq!(self.ledger.leases_on(x.buffer), on, "leases on {a}");
+        }
+        for l in &m.leases {
+            assert_eq!(self.ledger.is_out(l.id), l.out, "{l:?} out");
+        }
+        let stranded: BTreeSet<LeaseId> = m
+            .leases
+            .iter()
+            .filter(|l| l.stranded)
+            .map(|l| l.id)
+            .collect();
+        assert_eq!(self.ledger.stranded(), stranded, "stranded leases");
+        // The lease table and the counters the status reports, per allocation.
+        let view = self.ledger.view(None);
+        let live: Vec<(usize, &MAlloc)> = m
+            .allocs
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| !x.freed)
+            .collect();
+        assert_eq!(view.len(), live.len());
+        let quarantined = |a: usize| m.allocs[a].quarantine_reported;
+        for ((a, x), v) in live.iter().zip(&view) {
+            assert_eq!((v.alloc, v.buffer), (x.id, x.buffer), "view of {a}");
+            let mut leases: Vec<(LeaseId, ProcessId)> = m
+                .leases
+                .iter()
+                .filter(|l| l.counts() && l.alloc == *a)
+                .map(|l| (l.id, process(m.holder(l))))
+                .collect();
+            leases.sort();
+            assert_eq!(v.leases, leases, "leases of {a} and their holders");
+            assert_eq!(v.retiring, x.retired, "{a} retiring");
+            assert_eq!(v.quarantined, quarantined(*a), "{a} quarantined");
+        }
+        let pinned = live
+            .iter()
+            .filter(|(a, _)| m.leases.iter().any(|l| l.counts() && l.alloc == *a));
+        let (q, retired) = (
+            live.iter().filter(|(a, _)| quarantined(*a)).count(),
+            live.iter().filter(|(_, x)| x.retired).count(),
+        );
+        assert_eq!(
+            (
+                c.bytes,
+                c.pinned_bytes,
+                c.retiring,
+                c.quarantined,
+                c.quarantined_bytes
+            ),
+            (
+                4096 * live.len() as u64,
+                4096 * pinned.count() as u64,
+                retired,
+                q,
+                4096 * q as u64
+            ),
+            "bytes, pinned bytes, retiring, quarantined"
+        );
+        // By owner: every allocation here is owner 1's, none another's.
+        assert_eq!(self.ledger.view(Some(ActorId::new(1))), view);
+        assert!(self.ledger.view(Some(ActorId::new(2))).is_empty());
+        assert_eq!(
+            self.ledger.counts(Some(ActorId::new(1))).buffers,
+            live.len()
+        );
+        assert_eq!(self.ledger.counts(Some(ActorId::new(2))).buffers, 0);
+        for link in m.links.iter() {
+            let expect = link.up.then(|| process(link.process));
+            assert_eq!(self.ledger.link_process(link.id), expect, "{link:?}");
+        }
+        // Every grant is counted, relayed ones too (the status's `granted`).
+        assert_eq!(
+            self.ledger.granted(),
+            m.leases.len() as u64,
+            "leases granted"
+        );
+        // An `Unmapped` answers an `Unmap` exactly where one is owed.
+        for (l, link) in m.links.iter().enumerate() {
+            for (a, x) in m.allocs.iter().enumerate() {
+                assert_eq!(
+                    self.ledger.unmap_asked(link.id, x.id),
+                    m.holds.contains(&(a, l, Token::Draining)),
+                    "Unmap of {a} asked over {l}"
+                );
+            }
+        }
         // Who holds what, per process: leases, their oldest grant, the bytes they pin.
         let holders = self.ledger.holders();
         for p in 0..4u32 {
@@ -798,6 +890,33 @@ impl Run {
                 .any(|&(a, q)| q == p && !m.dead.contains(&q) && !m.allocs[a].freed)
                 || mine.iter().any(|l| l.stranded);
             assert_eq!(row.is_some_and(|h| h.cut), cut, "process {p} a cut holder");
+            let live = |a: &usize| !m.allocs[*a].freed;
+            let mapped: BTreeSet<usize> = m
+                .holds
+                .iter()
+                .filter(|&&(_, l, _)| m.links[l].up && m.links[l].process == p)
+                .map(|&(a, ..)| a)
+                .filter(live)
+                .collect();
+            assert_eq!(
+                row.map_or(0, |h| h.mapped_bytes),
+                4096 * mapped.len() as u64,
+                "bytes mapped by process {p}"
+            );
+            let quarantined = (0..m.allocs.len())
+                .filter(live)
+                .filter(|&a| m.allocs[a].quarantine_reported && m.cut_alive(a).contains(&p))
+                .count();
+            assert_eq!(
+                row.map_or(0, |h| h.quarantined_bytes),
+                4096 * quarantined as u64,
+                "bytes quarantined for process {p}"
+            );
+        }
+        // Who owns each buffer, and what the node keeps to free it.
+        for x in m.allocs.iter().filter(|x| !x.freed) {
+            assert_eq!(self.ledger.owner_of(x.buffer), Some(ActorId::new(1)));
+            assert!(self.ledger.meta(x.id).is_some(), "{:?} has its meta", x.id);
         }
         let pinned_allocs = (0..m.allocs.len()).filter(|&a| m.lease_out_on(a)).count();
         assert_eq!(c.pinned_bytes, 4096 * pinned_allocs as u64);
@@ -942,7 +1061,7 @@ fn a_stranded_forward_keeps_the_memory_until_its_holder_dies() {
 }
 
 /// A forwarded lease whose holder died: the relay's late `Release` of it is recognised
-/// once, not taken for a lease the link never had.
+/// once (also after another link went down), not taken for a lease the link never had.
 #[test]
 fn a_release_that_crosses_the_holders_death_is_recognised() {
     let mut ledger: Ledger<u64, Fence> = Ledger::default();
@@ -969,6 +1088,11 @@ fn a_release_that_crosses_the_holders_death_is_recognised() {
     ledger.check();
     assert!(!ledger.is_out(fwd));
     assert_eq!(ledger.release(fwd, link, None), Err(Refusal::UnknownLease));
+    // Another link going down forgets only its own ended relays, not this one's.
+    let other = LinkId::next();
+    ledger.link_up(other, process(2));
+    ledger.link_cut(other);
+    ledger.check();
     assert!(ledger.forget_ended_relay(fwd, link));
     assert!(!ledger.forget_ended_relay(fwd, link), "once");
 }

@@ -260,24 +260,73 @@ fn memfd_label_matches(path: &str, label: &str) -> bool {
 
 fn parse_maps(maps: &str, label: &str) -> MemfdUsage {
     let mut usage = MemfdUsage::default();
-    for line in maps.lines() {
-        // `start-end perms offset dev inode path`; the path may hold spaces.
-        let mut fields = line.splitn(6, ' ');
-        let range = fields.next().unwrap_or("");
-        let path = fields.nth(4).unwrap_or("").trim_start();
-        if !memfd_label_matches(path, label) {
-            continue;
-        }
-        let Some((start, end)) = range.split_once('-') else {
-            continue;
-        };
-        if let (Ok(start), Ok(end)) = (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
-        {
-            usage.mappings += 1;
-            usage.mapped_bytes += end.saturating_sub(start);
-        }
+    for (_, bytes) in label_mappings(maps, label) {
+        usage.mappings += 1;
+        usage.mapped_bytes += bytes;
     }
     usage
+}
+
+/// The label's mappings in a `/proc/<pid>/maps` text: (inode, bytes spanned) per line.
+fn label_mappings<'a>(maps: &'a str, label: &'a str) -> impl Iterator<Item = (u64, u64)> + 'a {
+    maps.lines().filter_map(move |line| {
+        // `start-end perms offset dev inode path`; the path may hold spaces.
+        let mut fields = line.splitn(6, ' ');
+        let range = fields.next()?;
+        let inode = fields.nth(3)?.parse().ok()?;
+        let path = fields.next().unwrap_or("").trim_start();
+        if !memfd_label_matches(path, label) {
+            return None;
+        }
+        let (start, end) = range.split_once('-')?;
+        let (start, end) = (
+            u64::from_str_radix(start, 16).ok()?,
+            u64::from_str_radix(end, 16).ok()?,
+        );
+        Some((inode, end.saturating_sub(start)))
+    })
+}
+
+/// A namespace's memfds one process maps or holds, by identity (inode): what tells one
+/// process's memory from another's, where the names (namespace and allocation number,
+/// shared by every process of a tree) cannot.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemfdFiles {
+    /// Inodes of the memfds it maps, with the bytes its mappings of each span.
+    pub mapped: std::collections::BTreeMap<u64, u64>,
+    /// Inodes of the memfds it holds a descriptor of (an exporter holds its allocations').
+    pub held: std::collections::BTreeSet<u64>,
+}
+
+/// The memfds of `namespace` that process `pid` maps or holds, by inode (from
+/// `/proc/<pid>/maps` and `stat` of `/proc/<pid>/fd/*`).
+///
+/// # Errors
+/// [`Error::Io`] if `/proc/<pid>/maps` or `/proc/<pid>/fd` cannot be read (the process is
+/// gone, or belongs to another user).
+pub fn memfd_files(pid: u32, namespace: &str) -> Result<MemfdFiles> {
+    use std::os::unix::fs::MetadataExt;
+    let label = format!("/memfd:{NAME_PREFIX}{namespace}.");
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map_err(Error::io("reading /proc/<pid>/maps"))?;
+    let mut files = MemfdFiles::default();
+    for (inode, bytes) in label_mappings(&maps, &label) {
+        *files.mapped.entry(inode).or_default() += bytes;
+    }
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map_err(Error::io("reading /proc/<pid>/fd"))?;
+    for entry in fds.flatten() {
+        // A descriptor closed meanwhile has no link to read: skip it.
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        if memfd_label_matches(&target.to_string_lossy(), &label) {
+            if let Ok(meta) = std::fs::metadata(entry.path()) {
+                files.held.insert(meta.ino());
+            }
+        }
+    }
+    Ok(files)
 }
 
 #[cfg(test)]
@@ -333,6 +382,16 @@ mod tests {
         assert_eq!(held.mappings, 2, "{held:?}");
         assert_eq!(held.fds, 1, "the importer closed its descriptor: {held:?}");
         assert!(held.mapped_bytes >= 2 * (3 * 4096 + 5) as u64);
+        // By identity: one memfd, mapped twice (owner and importer), its descriptor held.
+        let files = memfd_files(me, &ns).unwrap();
+        let inode = {
+            use std::os::unix::fs::MetadataExt;
+            let fd = a.export_fd().unwrap().try_clone_to_owned().unwrap();
+            std::fs::File::from(fd).metadata().unwrap().ino()
+        };
+        assert_eq!(files.mapped.keys().copied().collect::<Vec<_>>(), [inode]);
+        assert_eq!(files.mapped[&inode], held.mapped_bytes);
+        assert_eq!(files.held.iter().copied().collect::<Vec<_>>(), [inode]);
         drop(a);
         // The owner's free leaves the importer's mapping valid.
         opened.read(0, &mut back).unwrap();
@@ -340,6 +399,7 @@ mod tests {
         assert_eq!(memfd_usage(me, &ns).unwrap().fds, 0);
         drop(opened);
         assert!(memfd_usage(me, &ns).unwrap().is_empty());
+        assert_eq!(memfd_files(me, &ns).unwrap(), MemfdFiles::default());
         assert!(
             crate::host::list_segments(&ns).unwrap().is_empty(),
             "no name anywhere"

@@ -81,9 +81,217 @@ impl SocketDir {
     }
 }
 
+/// What [`sweep_dead_dirs`] removed and kept.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SocketSweepReport {
+    /// Socket directories of dead nodes that were removed (with everything in them), and
+    /// dead sockets removed from the default directory, which itself stays.
+    pub removed: Vec<PathBuf>,
+    /// Directories left: a node still listens in them, they are younger than the minimum
+    /// age, or they hold something that is not a socket or a socket's token.
+    pub kept: usize,
+}
+
+/// How deep [`sweep_dead_dirs`] looks into a socket directory (the renderer's root keeps
+/// the compositor's sockets one level down).
+const SWEEP_DEPTH: usize = 3;
+
+/// Removes the socket directories that dead nodes left in `parent` (a node killed before
+/// it could remove its own: `/tmp/baton-renderer-<pid>/`, a test's temporary directory):
+/// each directory in `parent` named `baton-…`, ours and private (mode `0700`, as a
+/// [`SocketDir`] is), older than `min_age`, holding only sockets, their `.token` files
+/// and directories of the same — and no socket a process still listens on. A socket is
+/// taken for dead only when a connection to it is refused (`ECONNREFUSED`: nobody
+/// listens); one listed as bound in `/proc/net/unix` is taken for live without one.
+/// Anything else is kept: a directory with other files is not Baton's to judge. The
+/// default directory ([`SocketDir::default_path`]) is never removed, only the dead
+/// sockets in it (and their tokens). With `remove` false nothing is removed: the report
+/// says what would be (a dry run).
+///
+/// # Errors
+/// [`Error::Io`] if `parent` cannot be read. Entries that vanish or cannot be removed
+/// meanwhile are kept, not errors.
+pub fn sweep_dead_dirs(
+    parent: &Path,
+    min_age: std::time::Duration,
+    remove: bool,
+) -> Result<SocketSweepReport> {
+    let mut report = SocketSweepReport::default();
+    let bound = bound_socket_paths();
+    let me = rustix::process::geteuid().as_raw();
+    let default = SocketDir::default_path();
+    let entries =
+        std::fs::read_dir(parent).map_err(Error::io("reading the socket directories' parent"))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let ours = entry.file_name().to_string_lossy().starts_with("baton-")
+            && std::fs::symlink_metadata(&path)
+                .is_ok_and(|m| m.is_dir() && m.uid() == me && m.permissions().mode() & 0o077 == 0);
+        if !ours {
+            continue;
+        }
+        let Some(contents) = socket_dir_contents(&path, SWEEP_DEPTH) else {
+            report.kept += 1;
+            continue;
+        };
+        let young = contents
+            .times
+            .iter()
+            .any(|t| t.elapsed().map_or(true, |age| age < min_age));
+        let live = |socket: &PathBuf| bound.contains(socket) || !refused(socket);
+        if path == default {
+            for socket in contents.sockets.iter().filter(|s| !live(s)) {
+                if !remove {
+                    report.removed.push(socket.clone());
+                } else if std::fs::remove_file(socket).is_ok() {
+                    let _ = std::fs::remove_file(token_of(socket));
+                    report.removed.push(socket.clone());
+                }
+            }
+            report.kept += 1;
+        } else if young || contents.sockets.iter().any(live) {
+            report.kept += 1;
+        } else if !remove {
+            report.removed.push(path);
+        } else if std::fs::remove_dir_all(&path).is_ok() {
+            tracing::info!(dir = %path.display(), "swept the socket directory of a dead node");
+            report.removed.push(path);
+        } else {
+            report.kept += 1;
+        }
+    }
+    Ok(report)
+}
+
+/// The sockets of a directory tree, and the modification times of it and everything in
+/// it; `None` if it holds anything but directories, sockets and `.token` files, or is
+/// deeper than `depth`.
+struct DirContents {
+    sockets: Vec<PathBuf>,
+    times: Vec<std::time::SystemTime>,
+}
+
+fn socket_dir_contents(dir: &Path, depth: usize) -> Option<DirContents> {
+    use std::os::unix::fs::FileTypeExt;
+    let mut contents = DirContents {
+        sockets: Vec::new(),
+        times: vec![std::fs::symlink_metadata(dir).ok()?.modified().ok()?],
+    };
+    for entry in std::fs::read_dir(dir).ok()? {
+        let entry = entry.ok()?;
+        let meta = std::fs::symlink_metadata(entry.path()).ok()?;
+        contents.times.push(meta.modified().ok()?);
+        let kind = meta.file_type();
+        if kind.is_socket() {
+            contents.sockets.push(entry.path());
+        } else if kind.is_file() && entry.file_name().to_string_lossy().ends_with(".token") {
+        } else if kind.is_dir() && depth > 1 {
+            let inner = socket_dir_contents(&entry.path(), depth - 1)?;
+            contents.sockets.extend(inner.sockets);
+            contents.times.extend(inner.times);
+        } else {
+            return None;
+        }
+    }
+    Some(contents)
+}
+
+/// Whether a connection to the socket at `path` is refused: nobody listens on it.
+fn refused(path: &Path) -> bool {
+    matches!(
+        std::os::unix::net::UnixStream::connect(path),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
+    )
+}
+
+/// The paths of the Unix sockets bound in this network namespace (`/proc/net/unix`).
+fn bound_socket_paths() -> std::collections::HashSet<PathBuf> {
+    std::fs::read_to_string("/proc/net/unix")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        // `Num RefCount Protocol Flags Type St Inode Path`
+        .filter_map(|line| line.split_whitespace().nth(7))
+        .filter(|p| p.starts_with('/'))
+        .map(PathBuf::from)
+        .collect()
+}
+
+/// The admin token a node writes beside its socket (`<socket>.token`).
+fn token_of(socket: &Path) -> PathBuf {
+    let mut name = socket.as_os_str().to_owned();
+    name.push(".token");
+    PathBuf::from(name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::net::UnixListener;
+    use std::time::Duration;
+
+    /// A socket left as a killed node leaves it: bound, then nobody listening.
+    fn dead_socket(path: &Path) {
+        drop(UnixListener::bind(path).unwrap());
+        std::fs::write(token_of(path), b"token").unwrap();
+    }
+
+    fn private_dir(path: &Path) -> PathBuf {
+        SocketDir::create(path).unwrap().path().to_owned()
+    }
+
+    #[test]
+    fn the_sweep_removes_dead_nodes_socket_dirs_and_keeps_live_young_and_foreign_ones() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        // A killed renderer root: its socket, its token, the compositor's below.
+        let dead = private_dir(&root.join("baton-renderer-1"));
+        dead_socket(&dead.join("root.sock"));
+        let inner = private_dir(&dead.join("compositor"));
+        dead_socket(&inner.join("compositor.sock"));
+        // An empty directory whose node died before it bound.
+        let empty = private_dir(&root.join("baton-example-2"));
+        // A live node: one socket listening, one dead beside it.
+        let live = private_dir(&root.join("baton-live-3"));
+        let _listening = UnixListener::bind(live.join("node.sock")).unwrap();
+        dead_socket(&live.join("old.sock"));
+        // Not Baton's to judge: another file inside, a name not ours, an open mode.
+        let foreign = private_dir(&root.join("baton-notes-4"));
+        dead_socket(&foreign.join("node.sock"));
+        std::fs::write(foreign.join("notes.txt"), b"mine").unwrap();
+        let other = private_dir(&root.join("other-5"));
+        dead_socket(&other.join("node.sock"));
+        let open = root.join("baton-open-6");
+        std::fs::create_dir(&open).unwrap();
+        dead_socket(&open.join("node.sock"));
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+        // All of them younger than an hour: nothing goes.
+        let report = sweep_dead_dirs(root, Duration::from_secs(3600), true).unwrap();
+        assert!(report.removed.is_empty(), "{report:?}");
+        assert_eq!(report.kept, 4, "{report:?}");
+
+        // A dry run names what would go and removes nothing.
+        let planned = sweep_dead_dirs(root, Duration::ZERO, false).unwrap();
+        assert_eq!(planned.removed.len(), 2, "{planned:?}");
+        assert!(dead.exists() && empty.exists());
+
+        let report = sweep_dead_dirs(root, Duration::ZERO, true).unwrap();
+        let mut removed = report.removed.clone();
+        removed.sort();
+        assert_eq!(removed, [empty.clone(), dead.clone()], "{report:?}");
+        let mut planned = planned.removed;
+        planned.sort();
+        assert_eq!(planned, removed);
+        assert_eq!(report.kept, 2, "the live node's and the foreign one");
+        assert!(!dead.exists() && !empty.exists());
+        for kept in [live.join("node.sock"), live.join("old.sock")] {
+            assert!(kept.exists(), "{}", kept.display());
+        }
+        assert!(foreign.join("notes.txt").exists());
+        assert!(other.join("node.sock").exists());
+        assert!(open.join("node.sock").exists());
+    }
 
     #[test]
     fn creates_private_and_refuses_open_dirs() {

@@ -200,6 +200,24 @@ impl Handler<MakeBuffers> for TestActor {
     }
 }
 
+impl Handler<MakeBuffersLate> for TestActor {
+    type Result = ResponseFuture<Made>;
+
+    fn handle(&mut self, msg: MakeBuffersLate, ctx: &mut Context<Self>) -> Self::Result {
+        let me = ctx.address();
+        Box::pin(async move {
+            actix::clock::sleep(std::time::Duration::from_millis(msg.ms.into())).await;
+            me.send(MakeBuffers {
+                n: msg.n,
+                len: msg.len,
+                seed: msg.seed,
+            })
+            .await
+            .expect("the actor is alive")
+        })
+    }
+}
+
 impl Handler<Lend> for TestActor {
     type Result = ResponseFuture<Made>;
 
@@ -395,6 +413,7 @@ fn main() {
         node.register::<PeekHeld>("holder.peek", actor.clone().recipient());
         node.register::<DropHeld>("holder.drop", actor.clone().recipient());
         node.register::<MakeBuffers>("exporter", actor.clone().recipient());
+        node.register::<MakeBuffersLate>("late-exporter", actor.clone().recipient());
         node.register::<Sum>("sink", actor.clone().recipient());
         node.register::<Lend>("lender", actor.clone().recipient());
         node.register::<Blob>("blob", actor.clone().recipient());

@@ -7,6 +7,8 @@
 //! - `pings SOCKET N`: send up to N `Ping`s without ever reading the `Pong`s.
 //! - `calls SOCKET`: send `test.Nap` calls (10 ms each, 4 KiB replies) to `nap` as fast as
 //!   the socket takes them, never reading the replies.
+//! - `burst SOCKET N MS`: send N `test.Nap` calls (MS each, 16-byte replies) to `nap` at
+//!   once, then read until all N replies came (at most a minute); `sent M` counts the replies.
 //! - `offers SOCKET N`: send one call to `holder` (`test.Hold`) carrying N buffers (one
 //!   host allocation of ours under N leases), then read until the stream ends.
 //! - `leases SOCKET`: send bare `Offer`s of one buffer under fresh leases until cut off.
@@ -81,7 +83,7 @@ fn drain(link: &mut Link) {
 #[command(
     name = "baton-flood-peer",
     about = "A peer that floods a node, for the bound tests: one role per invocation",
-    after_help = "Roles: pings SOCKET N | calls SOCKET | offers SOCKET N | leases SOCKET. The session token comes through the pipe named in BATON_TOKEN_FD."
+    after_help = "Roles: pings SOCKET N | calls SOCKET | burst SOCKET N MS | offers SOCKET N | leases SOCKET. The session token comes through the pipe named in BATON_TOKEN_FD."
 )]
 struct Cli {
     /// The role.
@@ -123,6 +125,26 @@ fn main() {
                 sent += 1;
             }
             Ok(sent)
+        }
+        ["burst", socket, n, ms] => {
+            let (_, mut link) = connect(socket)?;
+            let (n, ms): (u64, u64) = (n.parse()?, ms.parse()?);
+            let mut payload = Vec::new();
+            varint(&mut payload, ms);
+            varint(&mut payload, 16);
+            for id in 1..=n {
+                link.send(&call(id, "nap", "test.Nap", payload.clone(), vec![]), &[])?;
+            }
+            let start = std::time::Instant::now();
+            let mut answered = 0;
+            while answered < n && start.elapsed() < Duration::from_secs(60) {
+                match link.recv_timeout(Duration::from_secs(60)) {
+                    Ok(received) if matches!(received.message, Message::Reply(_)) => answered += 1,
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            Ok(answered)
         }
         ["offers", socket, n] => {
             let (session, mut link) = connect(socket)?;
