@@ -137,14 +137,16 @@ def test_pytest_inside_python_uses_the_installed_package():
 
 
 def test_pytest_without_an_installed_package_refuses_with_what_to_do():
-    # -S: no site-packages, so only the source tree's package is left.
+    # -S: no site-packages, and no PYTHONPATH (where a bundle may have installed the
+    # package, as the GPU machine's run does), so only the source tree's package is left.
     code = (
         "import sys; sys.path.insert(0, 'tests'); from source_guard import use_installed_baton;"
         "from pathlib import Path; print(use_installed_baton(Path('.'), sys.path))"
     )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
         [sys.executable, "-S", "-c", code], cwd=REPO / "python", capture_output=True,
-        text=True, timeout=60,
+        text=True, timeout=60, env=env,
     )
     assert out.returncode == 0, out.stderr
     assert "the baton package is not installed" in out.stdout
