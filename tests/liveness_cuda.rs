@@ -1145,7 +1145,6 @@ fn forged_fence(export: CudaExport) {
             .parent
             .spawn_linked(liveness_peer(), &["forge", socket.as_str()], true)
             .await;
-        let pid = child.pid();
         let lines = Lines::of(child.take_stdout().unwrap());
         let base = s.baseline().await;
 
@@ -1174,52 +1173,12 @@ fn forged_fence(export: CudaExport) {
         drop(buf);
         s.assert_synchronises("after a peer named a fence value it never writes")
             .await;
-        eventually(
-            FENCE_DEADLINE + MARGIN,
-            "the forger's link to be cut",
-            || s.parent.events.down_reason(link.link_id()).is_some(),
-        )
-        .await;
-        eprintln!(
-            "  released and cut {:?} after the forged release: {:?}",
-            released.elapsed(),
-            s.parent.events.down_reason(link.link_id())
-        );
-        assert_eq!(lines.next_line(DEADLINE).await, "cut");
-        eventually(FENCE_DEADLINE + MARGIN, "the free to be held", || {
+        held_until_killed(&s, &mut child, &link, released, "the forger", base, |s| {
             s.parent.node.held_frees().0 == 1
         })
         .await;
-
-        // Held while the forger lives: its work may still use the memory.
-        holds_for(2 * FENCE_DEADLINE, async || {
-            if s.cuda.live().exported != 1 {
-                return Err(
-                    "the memory the forged fence guarded was freed while the forger lives".into(),
-                );
-            }
-            if s.parent.node.held_frees().0 != 1 {
-                return Err(format!(
-                    "the held free went: {:?}",
-                    s.parent.node.held_frees()
-                ));
-            }
-            Ok(())
-        })
-        .await;
-        assert!(child.try_wait().is_none(), "the forger lives on");
-
-        child.signal_kill();
-        assert_killed(exited(&mut child, DEADLINE).await, "the forger");
-        eventually(
-            DEADLINE,
-            "the held free to be carried out after the forger's death",
-            || s.parent.node.held_frees() == (0, 0) && s.cuda.live().exported == 0,
-        )
-        .await;
-        s.assert_synchronises("after the forger's death").await;
-        s.assert_released(base).await;
-        assert_reaped(&[pid]);
+        // The forger printed it once its link ended, before it was killed.
+        assert_eq!(lines.next_line(DEADLINE).await, "cut");
     });
 }
 
@@ -1288,57 +1247,76 @@ fn stalled_event(export: CudaExport) {
         drop(buf);
         s.assert_synchronises("after a peer's event fence stalled")
             .await;
-        eventually(
-            FENCE_DEADLINE + MARGIN,
-            "the stalled helper's link to be cut",
-            || s.parent.events.down_reason(link.link_id()).is_some(),
-        )
-        .await;
-        eprintln!(
-            "  released and cut {:?} after the stalled release: {:?}",
-            released.elapsed(),
-            s.parent.events.down_reason(link.link_id())
-        );
         // Held one of two ways while the helper lives: where the helper's warm mapping
         // may outlive its cut link and freeing under it is unsafe (legacy IPC, pool), the
         // ledger quarantines the buffer before any free is tried; otherwise (VMM) the free
         // is tried, finds our wait on the helper's event released early, and is held.
-        let held = |s: &Setup| {
-            let quarantined = row(&s.parent.node.lease_table(), id)
-                .is_some_and(|r| r.quarantined && r.cut_holders.iter().any(|p| p.pid == pid));
-            (s.parent.node.held_frees().0 == 1, quarantined)
-        };
-        eventually(FENCE_DEADLINE + MARGIN, "the memory to be held", || {
-            held(&s) != (false, false)
+        held_until_killed(&s, &mut child, &link, released, "the helper", base, |s| {
+            s.parent.node.held_frees().0 == 1
+                || row(&s.parent.node.lease_table(), id)
+                    .is_some_and(|r| r.quarantined && r.cut_holders.iter().any(|p| p.pid == pid))
         })
         .await;
-        eprintln!("  held (held free, quarantined): {:?}", held(&s));
-        holds_for(2 * FENCE_DEADLINE, async || {
-            if s.cuda.live().exported != 1 {
-                return Err(
-                    "the memory the stalled event guarded was freed while the helper lives".into(),
-                );
-            }
-            if held(&s) == (false, false) {
-                return Err("the memory is neither a held free nor quarantined".into());
-            }
-            Ok(())
-        })
-        .await;
-        assert!(child.try_wait().is_none(), "the helper lives on");
-
-        child.signal_kill();
-        assert_killed(exited(&mut child, DEADLINE).await, "the helper");
-        eventually(
-            DEADLINE,
-            "the held free to be carried out after the helper's death",
-            || s.parent.node.held_frees() == (0, 0) && s.cuda.live().exported == 0,
-        )
-        .await;
-        s.assert_synchronises("after the helper's death").await;
-        s.assert_released(base).await;
-        assert_reaped(&[pid]);
     });
+}
+
+/// The end of scenario 7, either fence kind, once our stream synchronised: the peer's link
+/// is cut within the deadline, the memory stays allocated and `held` (a held free, or the
+/// ledger's quarantine) for twice the deadline while the peer lives — its work may still
+/// use it — and is freed once the peer is killed; then everything synchronises and our
+/// memory is back to `base`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one call per scenario, each argument its own"
+)]
+async fn held_until_killed(
+    s: &Setup,
+    child: &mut peer::Peer,
+    link: &baton::actors::Peer,
+    released: Instant,
+    who: &str,
+    base: Baseline,
+    held: impl Fn(&Setup) -> bool,
+) {
+    let pid = child.pid();
+    eventually(
+        FENCE_DEADLINE + MARGIN,
+        &format!("{who}'s link to be cut"),
+        || s.parent.events.down_reason(link.link_id()).is_some(),
+    )
+    .await;
+    eprintln!(
+        "  released and cut {:?} after the release: {:?}",
+        released.elapsed(),
+        s.parent.events.down_reason(link.link_id())
+    );
+    eventually(FENCE_DEADLINE + MARGIN, "the memory to be held", || held(s)).await;
+    holds_for(2 * FENCE_DEADLINE, async || {
+        if s.cuda.live().exported != 1 {
+            return Err(format!("the memory was freed while {who} lives"));
+        }
+        if !held(s) {
+            return Err(format!(
+                "the memory is no longer held (held frees {:?})",
+                s.parent.node.held_frees()
+            ));
+        }
+        Ok(())
+    })
+    .await;
+    assert!(child.try_wait().is_none(), "{who} lives on");
+
+    child.signal_kill();
+    assert_killed(exited(child, DEADLINE).await, who);
+    eventually(
+        DEADLINE,
+        &format!("the held memory to be freed after {who}'s death"),
+        || s.parent.node.held_frees() == (0, 0) && s.cuda.live().exported == 0,
+    )
+    .await;
+    s.assert_synchronises(&format!("after {who}'s death")).await;
+    s.assert_released(base).await;
+    assert_reaped(&[pid]);
 }
 
 // ---------------------------------------------------------------------------------------
