@@ -267,7 +267,10 @@ async fn write_loop(
         // The calls' share of the window comes back: waiting senders may queue again.
         windows.clear();
         if let Err(e) = sent {
-            addr.do_send(LinkFailed(e));
+            addr.do_send(LinkFailed {
+                error: e,
+                deferred: 0,
+            });
             break;
         }
     }
@@ -1072,12 +1075,33 @@ impl StreamHandler<Incoming> for PeerLink {
 /// The writer failed: the socket is gone.
 #[derive(Message)]
 #[rtype(result = "()")]
-struct LinkFailed(baton_ipc::Error);
+struct LinkFailed {
+    error: baton_ipc::Error,
+    /// How many times the verdict was left to the reader already.
+    deferred: u8,
+}
+
+/// How many times (100 ms apart) a writer's "closed" waits for the reader's verdict.
+const READER_VERDICT_TRIES: u8 = 10;
 
 impl Handler<LinkFailed> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: LinkFailed, ctx: &mut Self::Context) {
-        match msg.0 {
+        match msg.error {
+            baton_ipc::Error::Closed
+                if msg.deferred < READER_VERDICT_TRIES && self.closer.readable_now() =>
+            {
+                // What the peer sent last (frames, half a frame, the end of stream) is still
+                // to be read: the reader's verdict — a clean end, or `Truncated` — says how
+                // the link ended, not a write that found the socket gone first.
+                let deferred = msg.deferred + 1;
+                ctx.run_later(Duration::from_millis(100), move |_, ctx| {
+                    ctx.address().do_send(LinkFailed {
+                        error: baton_ipc::Error::Closed,
+                        deferred,
+                    });
+                });
+            }
             baton_ipc::Error::Closed => ctx.stop(),
             e => self.cut(ctx, e.into()),
         }
