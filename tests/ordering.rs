@@ -298,15 +298,19 @@ fn a_handoff_and_its_release_are_ordered_on_the_streams_that_use_the_buffer() {
             .nth(2)
             .expect("\"imp record eN on sM\"")
             .to_owned();
+        // Polled on the host: no wait queued on the importer's own stream, which could
+        // order it after work queued later (a cycle within the process).
         let close_wait = lines[..close]
             .iter()
-            .rposition(|l| *l == format!("imp wait {release_event} on s{}", imp.internal()))
+            .rposition(|l| *l == format!("imp landed {release_event}"))
             .expect("the importer waited for its release fence before closing");
-        let close_sync = lines[..close]
-            .iter()
-            .rposition(|l| *l == format!("imp sync s{}", imp.internal()))
-            .expect("and synchronised");
-        assert!(close_wait < close_sync, "{}", lines.join("\n"));
+        assert!(
+            !lines[close_wait..close]
+                .iter()
+                .any(|l| l.starts_with(&format!("imp wait {release_event} "))),
+            "{}",
+            lines.join("\n")
+        );
         drop(pair);
     });
 }

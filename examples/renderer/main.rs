@@ -243,8 +243,14 @@ type TilePool = HashMap<u32, Buffer<u32>>;
 
 struct Worker {
     opts: Options,
-    /// The root process: when its link goes, the run is over.
-    root: baton::messages::ProcessId,
+    index: u32,
+    node: Node,
+    sockets: PathBuf,
+    /// The root: when its link goes, the run is over.
+    root: baton::actors::Peer,
+    /// The compositor joined last: when its link goes (it died and is being restarted),
+    /// the worker joins the next one.
+    compositor: Option<baton::messages::ProcessId>,
     owner: Addr<BufferOwner>,
     /// One buffer per tile, reused when no lease on it is out (an import-cache hit for
     /// the compositor on every frame after the first).
@@ -257,6 +263,10 @@ struct Worker {
 impl Actor for Worker {
     type Context = Context<Self>;
 
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.join(ctx);
+    }
+
     fn stopped(&mut self, _: &mut Context<Self>) {
         // The pools drop with the actor: every buffer is freed (no lease is out any more).
         System::current().stop();
@@ -267,10 +277,32 @@ impl Handler<baton::actors::PeerEvent> for Worker {
     type Result = ();
     fn handle(&mut self, e: baton::actors::PeerEvent, ctx: &mut Context<Self>) {
         if let baton::actors::PeerEvent::Down { peer, .. } = e {
-            if peer.process == self.root {
+            if peer.process == self.root.process() {
                 ctx.stop();
+            } else if Some(peer.process) == self.compositor {
+                // It died: the supervisor restarts it, and we join the new one.
+                self.compositor = None;
+                self.join(ctx);
             }
         }
+    }
+}
+
+impl Worker {
+    /// Joins the compositor (retrying while it starts). Once the root has let go there is
+    /// nothing to join and the worker stops: a clean exit, nothing to restart.
+    fn join(&mut self, ctx: &mut Context<Self>) {
+        let (node, sockets, root, index) =
+            (self.node.clone(), self.sockets.clone(), self.root.clone(), self.index);
+        let join = async move { join_compositor(&node, &sockets, &root, index).await };
+        ctx.spawn(join.into_actor(self).map(|joined, act, ctx| match joined {
+            Ok(Some(compositor)) => act.compositor = Some(compositor),
+            Ok(None) => ctx.stop(),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not join the compositor");
+                ctx.stop();
+            }
+        }));
     }
 }
 
@@ -393,6 +425,28 @@ async fn connect_retrying(
     }
 }
 
+/// Connects to the compositor and tells it which worker this process is; `None` once the
+/// root has let go.
+async fn join_compositor(
+    node: &Node,
+    sockets: &Path,
+    root: &baton::actors::Peer,
+    index: u32,
+) -> Res<Option<baton::messages::ProcessId>> {
+    let Some(compositor) = connect_retrying(node, &sockets.join("compositor.sock"), root).await?
+    else {
+        return Ok(None);
+    };
+    compositor
+        .remote::<Join>("join")
+        .send(Join {
+            index,
+            pid: std::process::id(),
+        })
+        .await?;
+    Ok(Some(compositor.process()))
+}
+
 fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<()> {
     let system = System::new();
     system.block_on(async move {
@@ -417,9 +471,14 @@ fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<
             None => None,
         };
         let root = node.connect(std::env::var(CONNECT_ENV)?).await?;
+        // Registered before it joins the compositor, which asks for tiles once all joined.
         let actor = Worker {
             opts,
-            root: root.process(),
+            index,
+            node: node.clone(),
+            sockets,
+            root,
+            compositor: None,
             owner,
             pool: HashMap::new(),
             gpu,
@@ -428,20 +487,6 @@ fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<
         .start();
         node.register::<Render>("render", actor.clone().recipient());
         node.subscribe(actor.recipient());
-        let Some(compositor) =
-            connect_retrying(&node, &sockets.join("compositor.sock"), &root).await?
-        else {
-            // The run ended before we could join: a clean exit, nothing to restart.
-            System::current().stop();
-            return Ok(());
-        };
-        compositor
-            .remote::<Join>("join")
-            .send(Join {
-                index,
-                pid: std::process::id(),
-            })
-            .await?;
         Ok::<_, Box<dyn Error>>(())
     })?;
     system.run()?;

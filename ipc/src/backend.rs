@@ -802,6 +802,20 @@ pub trait Backend: Send + Sync + fmt::Debug {
         let _ = within;
         Ok(true)
     }
+    /// Polls, on the calling thread and for at most a bound of the backend's own (CUDA:
+    /// twice the fence deadline, and a second), until this process's own `fences` have
+    /// landed — with `all`, every fence the backend has recorded so far. Returns whether
+    /// they did. What a mapping's close waits on before it unmaps: never a wait queued on
+    /// a stream, which would order the backend's stream after a release stream (or a
+    /// pooled event's latest record) that may itself be waiting on work queued on that
+    /// stream later — a cycle inside one process, which no fence deadline releases.
+    ///
+    /// # Errors
+    /// A backend error.
+    fn own_fences_landed(&self, fences: &[FenceHandle], all: bool) -> Result<bool> {
+        let _ = (fences, all);
+        Ok(true)
+    }
     /// Blocks until the work queued on the backend's own stream has completed.
     ///
     /// # Errors

@@ -221,18 +221,27 @@ impl CloseJob {
             callbacks,
         } = self;
         if pending_all || !pending.is_empty() {
-            // Work this process queued on the mapping runs before it goes.
-            let me = crate::process::current();
-            let waited = if pending_all {
-                backend.synchronize_fences()
-            } else {
-                pending
-                    .iter()
-                    .try_for_each(|f| backend.order_after(StreamRef::Internal, &me, f))
-                    .and_then(|()| backend.synchronize())
-            };
-            if let Err(e) = waited {
-                tracing::warn!(alloc = %key.alloc, error = %e, "waiting for the work on a mapping before closing it failed");
+            // Work this process queued on the mapping runs before it goes: polled here,
+            // never a wait queued on a stream (see `Backend::own_fences_landed`).
+            match backend.own_fences_landed(&pending, pending_all) {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Closing under work that may still run is never safe: the mapping
+                    // stays open, and the exporter is not told it was unmapped (its ledger
+                    // holds the memory until this process exits).
+                    tracing::error!(alloc = %key.alloc, "work this process queued on a mapping did not complete within the backend's bound: the mapping stays open until the process exits");
+                    std::mem::forget(mem);
+                    let mut state = shared.lock();
+                    if matches!(state.busy.get(&key), Some(Busy::Closing(_))) {
+                        state.busy.remove(&key);
+                    }
+                    drop(state);
+                    shared.changed.notify_all();
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(alloc = %key.alloc, error = %e, "waiting for the work on a mapping before closing it failed");
+                }
             }
         }
         // The cache and the views hold the only references (views hand out
@@ -1111,7 +1120,7 @@ mod tests {
     };
     use std::os::fd::OwnedFd;
     use std::sync::Mutex;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
     /// Plain bytes standing in for device memory.
     #[derive(Debug, Clone)]
@@ -1155,6 +1164,8 @@ mod tests {
         waits: AtomicU64,
         syncs: AtomicU64,
         fence_syncs: AtomicU64,
+        /// Fences a close polled one by one.
+        landed: AtomicUsize,
         forgotten: AtomicU64,
     }
 
@@ -1195,6 +1206,14 @@ mod tests {
         fn synchronize_fences(&self) -> Result<()> {
             self.fence_syncs.fetch_add(1, Ordering::Relaxed);
             Ok(())
+        }
+        fn own_fences_landed(&self, fences: &[FenceHandle], all: bool) -> Result<bool> {
+            if all {
+                self.fence_syncs.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.landed.fetch_add(fences.len(), Ordering::Relaxed);
+            }
+            Ok(true)
         }
         fn forget_process(&self, _process: &ProcessId) {
             self.forgotten.fetch_add(1, Ordering::Relaxed);
@@ -1286,18 +1305,22 @@ mod tests {
         assert_eq!((cache.stats().live, cache.stats().closes), (1, 1));
         assert_eq!(backend.waits.load(Ordering::Relaxed), 0);
 
-        // An open of the same allocation runs the queued close itself (waiting for the
-        // release fence first), then maps anew.
+        // An open of the same allocation runs the queued close itself (polling the
+        // release fence first: no wait queued on a stream), then maps anew.
         let again = cache.open_unordered(&handle, &mut fds).unwrap();
-        assert_eq!(backend.waits.load(Ordering::Relaxed), 1, "the close waited");
-        assert_eq!(backend.syncs.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            backend.landed.load(Ordering::Relaxed),
+            1,
+            "the close waited"
+        );
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 0);
         assert_eq!(backend.opens.load(Ordering::Relaxed), 2, "mapped anew");
         assert_eq!(cache.stats().live, 1);
         // The executor's turn comes later and finds nothing left to do.
         for job in queued.lock().unwrap().drain(..) {
             job();
         }
-        assert_eq!(backend.waits.load(Ordering::Relaxed), 1);
+        assert_eq!(backend.landed.load(Ordering::Relaxed), 1);
         assert_eq!(cache.stats().live, 1, "the new mapping was not closed");
         drop(again);
         for job in queued.lock().unwrap().drain(..) {
@@ -1306,7 +1329,7 @@ mod tests {
         assert_eq!(cache.stats().live, 0);
         // `open` orders the backend's own stream after the acquire fence.
         drop(cache.open(&handle, &mut fds).unwrap());
-        assert_eq!(backend.waits.load(Ordering::Relaxed), 2);
+        assert_eq!(backend.waits.load(Ordering::Relaxed), 1);
     }
 
     /// The release fences of views of a mapping kept warm by a holder: one per counter slot
@@ -1360,7 +1383,7 @@ mod tests {
         assert_eq!(
             (
                 backend.fence_syncs.load(Ordering::Relaxed),
-                backend.waits.load(Ordering::Relaxed)
+                backend.landed.load(Ordering::Relaxed)
             ),
             (1, 0),
             "the close waited for every fence at once, none one by one"

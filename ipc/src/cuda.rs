@@ -767,6 +767,8 @@ pub struct CudaBackend {
     inbox: Option<Inbox>,
     /// Waits on other processes' interprocess events, released by us alone.
     bridge: bridge::Bridge,
+    /// The fence deadline (bounds how long a close polls our own fences).
+    fence_deadline: Duration,
     opened_events: OnceTable<(ProcessId, [u8; 64]), OpenedEvent>,
     imported_pools: OnceTable<(ProcessId, u64), ImportedPool>,
     /// Peers' fence inboxes we write into, by (process, slab id); closed once the peer
@@ -940,6 +942,7 @@ impl CudaBackend {
             pool: OnceTable::default(),
             inbox,
             bridge,
+            fence_deadline: b.fence_deadline,
             opened_events: OnceTable::default(),
             imported_pools: OnceTable::default(),
             peer_inboxes: OnceTable::default(),
@@ -1342,6 +1345,27 @@ impl CudaBackend {
             OpenedSlab::open(&self.access.ctx, &grant.slab, ops).map(Arc::new)
         })?;
         Ok(Some((slab, grant)))
+    }
+
+    /// Whether a fence this process recorded has landed. One whose event or slab is gone
+    /// counts as landed: nothing of ours can wait on it any more.
+    fn own_fence_landed(&self, fence: &FenceHandle) -> Result<bool> {
+        match fence {
+            FenceHandle::Event(handle) => match event::local_event(&handle.0) {
+                Some(ev) => ev.is_complete(),
+                None => Ok(true),
+            },
+            FenceHandle::Counter(counter) => {
+                let slab = match self.inbox.as_ref().filter(|i| i.is_ours(counter)) {
+                    Some(inbox) => Some(Arc::clone(inbox.slab())),
+                    None => fence::local_slab(counter.slab_id),
+                };
+                match slab {
+                    Some(slab) => slab.holds(counter.offset, counter.value),
+                    None => Ok(true),
+                }
+            }
+        }
     }
 
     /// Release stream `i` (waited on what the fence must follow, its mark lock held)
@@ -1924,6 +1948,36 @@ impl Backend for CudaBackend {
             }
         }
         Ok(true)
+    }
+
+    /// Polls each fence (a counter: its slot read back on the slab's side stream; an
+    /// event: `cuEventQuery`), backing off to 1 ms, for at most twice the fence deadline
+    /// and a second: our own work waits on peers only until that deadline. With `all`,
+    /// polls the release streams instead ([`flush_fences`](Backend::flush_fences)).
+    fn own_fences_landed(&self, fences: &[FenceHandle], all: bool) -> Result<bool> {
+        let bound = self.fence_deadline * 2 + Duration::from_secs(1);
+        if all {
+            return self.flush_fences(bound);
+        }
+        let until = Instant::now() + bound;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let mut landed = true;
+            for f in fences {
+                if !self.own_fence_landed(f)? {
+                    landed = false;
+                    break;
+                }
+            }
+            if landed {
+                return Ok(true);
+            }
+            if Instant::now() >= until {
+                return Ok(false);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
     }
 
     fn synchronize(&self) -> Result<()> {

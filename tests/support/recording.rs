@@ -1873,6 +1873,49 @@ impl Backend for SimBackend {
             },
         ))
     }
+    /// Logs "ROLE landed F..." (`eN` for an event, `iN@O=V` for a counter), then waits in
+    /// the simulation, at most the device's deadline, until they all hold.
+    fn own_fences_landed(&self, fences: &[FenceHandle], all: bool) -> Result<bool> {
+        let within = self.sim.device.deadline;
+        if all {
+            self.sim
+                .device
+                .note(format!("{} landed all", self.sim.role));
+            if self.counters.is_none() {
+                let s = self.release_stream();
+                return Ok(self.sim.device.try_synchronize(s, within));
+            }
+            return self.flush_fences(within);
+        }
+        let mut names = Vec::new();
+        let mut wanted = Vec::new();
+        for f in fences {
+            match f {
+                FenceHandle::Counter(c) => {
+                    names.push(format!("i{}@{}={}", c.slab_id, c.offset, c.value));
+                    wanted.push((None, Some((c.slab_id, (c.offset / 8) as u32, c.value))));
+                }
+                FenceHandle::Event(_) => {
+                    let event = decode_event(f)?;
+                    names.push(format!("e{event}"));
+                    wanted.push((Some(event), None));
+                }
+            }
+        }
+        self.sim
+            .device
+            .note(format!("{} landed {}", self.sim.role, names.join(" ")));
+        Ok(self
+            .sim
+            .device
+            .block_within(Some(&self.sim.role), "its own fences", within, |st| {
+                wanted.iter().all(|w| match w {
+                    (Some(event), _) => st.events.get(event).is_none_or(|r| st.done.contains(r)),
+                    (None, Some((inbox, slot, value))) => geq(st.word(*inbox, *slot), *value),
+                    (None, None) => true,
+                })
+            }))
+    }
     fn synchronize(&self) -> Result<()> {
         let s = self.internal();
         self.sim.device.note(format!("{} sync s{s}", self.sim.role));

@@ -93,6 +93,13 @@ impl EventInner {
     }
 
     /// Makes `stream` wait for this event's latest record.
+    /// Whether its latest record has completed (`cuEventQuery`).
+    pub(crate) fn is_complete(&self) -> Result<bool> {
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: the event is live while `self` is; its context is current.
+        unsafe { result::event_query(self.raw) }
+    }
+
     pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
         let _pushed = ContextGuard::push(stream.context())?;
         // SAFETY: the stream is live (borrowed) in its current context; the event is live.

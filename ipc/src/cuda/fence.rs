@@ -438,6 +438,12 @@ impl CounterSlab {
         unsafe { result::stream_wait_value64(self.ops, stream.cu_stream(), self.addr(slot), value) }
     }
 
+    /// Whether the slot at `offset` holds `value` or more now (read on the side stream).
+    pub(crate) fn holds(&self, offset: u64, value: u64) -> Result<bool> {
+        let slot = self.offset_slot(offset)?;
+        Ok(self.read(slot)? >= value)
+    }
+
     /// The slot's value now, read on the side stream.
     fn read(&self, slot: u32) -> Result<u64> {
         let mut bytes = [0u8; 8];
