@@ -237,6 +237,46 @@ fn the_renderer_survives_chaos_and_still_leaks_nothing() {
     }
 }
 
+/// The compositor SIGKILLed mid-run: the supervisor restarts it, every worker (still
+/// running, its link to the dead compositor gone) joins the new one, which renders the
+/// run again with every tile — its last frame equals the single-process reference — and
+/// nothing leaks.
+#[test]
+fn workers_join_a_restarted_compositor() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_str().unwrap();
+    let (stdout, _ns) = run(
+        "memfd",
+        &[
+            "--size",
+            "160x96",
+            "--frames",
+            "12",
+            "--workers",
+            "3",
+            "--tile",
+            "48",
+            "--backend",
+            "host",
+            "--kill-compositor",
+            "5",
+            "--out",
+            dir,
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(stdout.contains("SIGKILL compositor"), "{stdout}");
+    assert_eq!(killed_pids(&stdout).len(), 1, "{stdout}");
+    assert!(
+        field(&stdout, "handoffs/s").contains("(96 tiles composed, 0 missing)"),
+        "{stdout}"
+    );
+    assert!(field(&stdout, "leaked bytes").starts_with("0 "), "{stdout}");
+    let (w, h, pixels) = decode(&out.path().join("frame-0011.png"));
+    assert_eq!((w, h), (160, 96));
+    assert!(pixels == scene::reference_frame(160, 96, 11), "{stdout}");
+}
+
 /// Chaos on named segments: every worker SIGKILLed in the middle of a run leaves its
 /// segments in /dev/shm (its `Drop` never ran), and the supervisor removes them before
 /// restarting it — so, though the root sweeps nothing, the run ends with none left, and

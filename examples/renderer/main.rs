@@ -25,7 +25,8 @@
 //!
 //! Options (`--help` lists them): `--size WxH` (default 1920x1080), `--frames N` (60), `--workers N` (4),
 //! `--tile N` (256), `--backend auto|host|cuda` (auto), `--chaos [K]` (kill every K frames,
-//! default 10), `--out DIR` (default target/renderer-out), `--staged` (CUDA only: copy each
+//! default 10), `--kill-compositor N` (SIGKILL the compositor once, at frame N: the workers
+//! join its successor, which renders the run again), `--out DIR` (default target/renderer-out), `--staged` (CUDA only: copy each
 //! tile to host shared memory and back, the pipeline zero-copy replaces), `--verify`
 //! (compare the last frame with a single-process CPU render), `--no-sweep` (the root does
 //! not sweep at the end, so the caller can check what a run left: the summary counts it,
@@ -85,6 +86,10 @@ struct Options {
     /// SIGKILL a random worker every K frames (default K: 10); the supervisor restarts it.
     #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "10")]
     chaos: Option<u64>,
+    /// SIGKILL the compositor once, at frame N: the supervisor restarts it, the workers
+    /// join the new one, and it renders the whole run again.
+    #[arg(long, value_name = "N")]
+    kill_compositor: Option<u64>,
     /// Where the PNGs go.
     #[arg(long, default_value = "target/renderer-out")]
     out: PathBuf,
@@ -292,8 +297,12 @@ impl Worker {
     /// Joins the compositor (retrying while it starts). Once the root has let go there is
     /// nothing to join and the worker stops: a clean exit, nothing to restart.
     fn join(&mut self, ctx: &mut Context<Self>) {
-        let (node, sockets, root, index) =
-            (self.node.clone(), self.sockets.clone(), self.root.clone(), self.index);
+        let (node, sockets, root, index) = (
+            self.node.clone(),
+            self.sockets.clone(),
+            self.root.clone(),
+            self.index,
+        );
         let join = async move { join_compositor(&node, &sockets, &root, index).await };
         ctx.spawn(join.into_actor(self).map(|joined, act, ctx| match joined {
             Ok(Some(compositor)) => act.compositor = Some(compositor),
@@ -783,6 +792,15 @@ impl Actor for Root {
 impl Handler<Progress> for Root {
     type Result = ();
     fn handle(&mut self, p: Progress, _: &mut Context<Self>) {
+        if let (Some(f), Some(sup)) = (self.opts.kill_compositor.take(), &self.supervisor) {
+            if p.frame >= f {
+                self.out
+                    .line(&format!("chaos: frame {} — SIGKILL compositor", p.frame));
+                sup.do_send(KillChild("compositor".into()));
+            } else {
+                self.opts.kill_compositor = Some(f);
+            }
+        }
         if let (Some(k), Some(sup)) = (self.opts.chaos, &self.supervisor) {
             if p.frame % k == 0 && p.frame < self.opts.frames {
                 self.rng ^= self.rng << 13;
