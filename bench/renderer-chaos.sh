@@ -8,6 +8,7 @@
 #
 #   bash .gpu/run.sh --shell 'bash bench/renderer-chaos.sh'     # from a gpu-bundle
 #   RUNS=2 SIZES=1920x1080 KINDS=legacy bash bench/renderer-chaos.sh
+#   RUNS=4 ARGS="--kill-compositor 25" bash bench/renderer-chaos.sh   # the compositor too
 #
 # Needs the renderer example on PATH (`.gpu/run.sh --shell` puts the bundle's examples
 # there). Logs of each run go to $OUT/renderer-chaos/ when OUT is set.
@@ -18,6 +19,7 @@ kinds=${KINDS:-"legacy vmm pool"}
 frames=${FRAMES:-60}
 every=${CHAOS_EVERY:-10}
 deadline=${RUN_DEADLINE:-90}
+read -r -a extra <<< "${ARGS:-}"
 logs=${OUT:-/tmp}/renderer-chaos
 mkdir -p "$logs"
 exe=$(command -v renderer) || { echo "renderer-chaos: no renderer on PATH" >&2; exit 2; }
@@ -30,7 +32,7 @@ for kind in $kinds; do
       out=$(mktemp -d /tmp/baton-chaos-out.XXXXXX)
       start=$(date +%s%N)
       BATON_CUDA_EXPORT=$kind timeout -k 5 "$deadline" "$exe" --backend cuda --size "$size" \
-        --frames "$frames" --chaos "$every" --out "$out" > "$log" 2>&1
+        --frames "$frames" --chaos "$every" "${extra[@]}" --out "$out" > "$log" 2>&1
       rc=$?
       ms=$(( ($(date +%s%N) - start) / 1000000 ))
       secs=$((ms / 1000)).$(( (ms % 1000) / 100 ))
