@@ -1,21 +1,16 @@
 //! 4 Mi `f32`s to a child's actor, a writable lease, the child SIGKILLed holding it.
 use actix::prelude::*;
-use baton::{HostBackend, LeaseMut, Node, RemoteMessage, Session, Shared, SharedMut};
+use baton::{HostBackend, LeaseMut, Node, Session, Shared, SharedMut, remote_message};
 use serde::{Deserialize, Serialize};
 use std::{error::Error, process::Command, sync::Arc, time::Duration};
 
 #[derive(Serialize, Deserialize, Message)]
 #[rtype(result = "Result<(f32, f32), String>")]
 struct Stats(Shared<f32>); // read-only: mean and max back
-impl RemoteMessage for Stats {
-    const NAME: &'static str = "crash.Stats";
-}
 #[derive(Serialize, Deserialize, Message)]
 #[rtype(result = "()")]
 struct Keep(SharedMut<f32>); // writable: the worker writes, then keeps it
-impl RemoteMessage for Keep {
-    const NAME: &'static str = "crash.Keep";
-}
+remote_message!(Stats = "crash.Stats", Keep = "crash.Keep"); // their names on the wire
 
 struct Worker(Vec<LeaseMut<f32>>);
 impl Actor for Worker {
@@ -41,18 +36,17 @@ impl Handler<Keep> for Worker {
 
 #[actix::main]
 async fn main() -> Result<(), Box<dyn Error>> {
-    if std::env::args().nth(1).as_deref() == Some("worker") {
+    if Node::is_child() {
         let (node, parent) = Node::join().await?;
         let worker = Worker(Vec::new()).start();
         node.register::<Stats>("worker", worker.clone().recipient()); // one name serves
         node.register::<Keep>("worker", worker.recipient()); // both message types
-        parent.closed().await;
+        parent.closed().await; // serves until the parent goes
         return Ok(());
     }
     let node = Node::new(Session::generate()?, Arc::new(HostBackend::new()?));
-    let mut worker = Command::new(std::env::current_exe()?);
-    worker.arg("worker");
-    let mut child = node.spawn_child(worker).await?; // started, given the token, linked
+    let me = Command::new(std::env::current_exe()?); // this program, as the child
+    let mut child = node.spawn_child(me).await?; // started, given the token, linked
     let data = node.allocate::<f32>(4 << 20)?;
     for (i, x) in data.as_mut_slice()?.iter_mut().enumerate() {
         *x = (i % 64) as f32; // filled in place: no temporary, no copy
@@ -61,8 +55,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let (mean, max) = stats.send(Stats(data.share())).await??;
     assert_eq!((mean, max), (31.5, 63.0), "mean and max");
     data.returned_within(Duration::from_secs(10)).await?;
-    let keep = child.peer().remote::<Keep>("worker");
-    keep.send(Keep(data.share_mut())).await?; // answered: the worker holds the lease
+    let keep = Keep(data.share_mut()); // answered once the worker holds the lease:
+    child.peer().remote::<Keep>("worker").send(keep).await?;
     child.kill()?; // SIGKILL, with the writable lease out
     data.returned_within(Duration::from_secs(10)).await?; // reclaimed: ours again
     assert_eq!(data.as_mut_slice()?[0], -1.0, "the worker's write");

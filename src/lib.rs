@@ -13,7 +13,7 @@ pub use baton_messages as messages;
 #[doc(inline)]
 pub use baton_actors::{
     ActorError, Buffer, BufferMut, Lease, LeaseMut, LinkedChild, Node, Peer, RemoteMessage, Shared,
-    SharedMut,
+    SharedMut, remote_message,
 };
 
 pub use baton_ipc::{

@@ -243,6 +243,13 @@ impl Node {
         }
     }
 
+    /// Whether this process was started by [`spawn_child`](Self::spawn_child) (its
+    /// [`PARENT_SOCKET_ENV`] is set): what a program that spawns itself checks first,
+    /// before it [`join`](Self::join)s.
+    pub fn is_child() -> bool {
+        std::env::var_os(PARENT_SOCKET_ENV).is_some()
+    }
+
     /// A child's entry point: the node of a process started by
     /// [`spawn_child`](Self::spawn_child) ([`Node::from_env`]: the session from the
     /// inherited token pipe, the parent's backend) and its link to the parent. Must be

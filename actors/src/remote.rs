@@ -59,6 +59,35 @@ pub trait RemoteMessage: Message + Serialize + DeserializeOwned + Send + 'static
     const ENCODING: Encoding = Encoding::Bincode;
 }
 
+/// Implements [`RemoteMessage`] for each type, with its wire name, in one line (the
+/// default [`Encoding`]; implement the trait by hand for another):
+///
+/// ```
+/// use baton_actors::{Shared, remote_message};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize, actix::Message)]
+/// #[rtype(result = "u64")]
+/// struct Checksum(Shared<u8>);
+///
+/// #[derive(Serialize, Deserialize, actix::Message)]
+/// #[rtype(result = "()")]
+/// struct Forget(u64);
+///
+/// remote_message!(Checksum = "example.Checksum", Forget = "example.Forget");
+/// assert_eq!(<Forget as baton_actors::RemoteMessage>::NAME, "example.Forget");
+/// ```
+#[macro_export]
+macro_rules! remote_message {
+    ($($t:ty = $name:literal),+ $(,)?) => {
+        $(
+            impl $crate::RemoteMessage for $t {
+                const NAME: &'static str = $name;
+            }
+        )+
+    };
+}
+
 /// How a [`RemoteMessage`] and its reply are encoded on the wire.
 ///
 /// ```
