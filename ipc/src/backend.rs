@@ -823,16 +823,6 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
-    /// Blocks until every fence [`export_fence`](Self::export_fence) has recorded so far,
-    /// and the work of the backend's own stream, has completed: what a caller waits on
-    /// when it kept too many fences to wait on each. Backends without fences:
-    /// [`synchronize`](Self::synchronize).
-    ///
-    /// # Errors
-    /// A backend error, including errors of that work.
-    fn synchronize_fences(&self) -> Result<()> {
-        self.synchronize()
-    }
     /// Whether this backend's allocations, opens, closes and frees are driver calls that may
     /// block for a while (CUDA): the actor layer then runs them on a driver thread, never
     /// on an actor's thread. Host memory (`mmap`, `memfd_create`) runs inline.

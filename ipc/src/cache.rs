@@ -168,7 +168,7 @@ struct Entry {
     pending: Vec<FenceHandle>,
     /// Too many distinct fences to keep (a mapping warm for long, used on many streams or
     /// slots): the close waits for every fence the backend has recorded
-    /// ([`Backend::synchronize_fences`](crate::Backend::synchronize_fences)).
+    /// ([`Backend::own_fences_landed`](crate::Backend::own_fences_landed) with `all`).
     pending_all: bool,
 }
 
@@ -1201,10 +1201,6 @@ mod tests {
         }
         fn synchronize(&self) -> Result<()> {
             self.syncs.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        }
-        fn synchronize_fences(&self) -> Result<()> {
-            self.fence_syncs.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
         fn own_fences_landed(&self, fences: &[FenceHandle], all: bool) -> Result<bool> {

@@ -1984,17 +1984,6 @@ impl Backend for CudaBackend {
         CudaBackend::synchronize(self)
     }
 
-    /// Synchronises every release stream made so far (`export_fence` records there), then
-    /// the backend's own stream.
-    fn synchronize_fences(&self) -> Result<()> {
-        let _pushed = ContextGuard::push(&self.access.ctx)?;
-        for stream in self.release_streams.iter().filter_map(OnceLock::get) {
-            // SAFETY: a live stream of the backend's context, which is current.
-            unsafe { result::stream_synchronize(stream.cu_stream()) }?;
-        }
-        self.access.sync()
-    }
-
     /// Yes: opens, closes, frees and fills are driver calls (up to milliseconds for VMM).
     fn blocking_calls(&self) -> bool {
         true

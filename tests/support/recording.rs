@@ -1922,16 +1922,6 @@ impl Backend for SimBackend {
         self.sim.device.synchronize_as(Some(&self.sim.role), s);
         Ok(())
     }
-    fn synchronize_fences(&self) -> Result<()> {
-        if let Some(c) = &self.counters {
-            for i in 0..c.marks.len() as u32 {
-                self.sim
-                    .device
-                    .synchronize_as(Some(&self.sim.role), self.counter_release_stream(i));
-            }
-        }
-        self.synchronize()
-    }
     fn blocking_calls(&self) -> bool {
         true
     }
