@@ -1120,7 +1120,7 @@ mod tests {
     };
     use std::os::fd::OwnedFd;
     use std::sync::Mutex;
-    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
     /// Plain bytes standing in for device memory.
     #[derive(Debug, Clone)]
@@ -1166,6 +1166,8 @@ mod tests {
         fence_syncs: AtomicU64,
         /// Fences a close polled one by one.
         landed: AtomicUsize,
+        /// Our own fences never land (work stuck past the backend's bound).
+        stuck: AtomicBool,
         forgotten: AtomicU64,
     }
 
@@ -1209,7 +1211,7 @@ mod tests {
             } else {
                 self.landed.fetch_add(fences.len(), Ordering::Relaxed);
             }
-            Ok(true)
+            Ok(!self.stuck.load(Ordering::Relaxed))
         }
         fn forget_process(&self, _process: &ProcessId) {
             self.forgotten.fetch_add(1, Ordering::Relaxed);
@@ -1326,6 +1328,46 @@ mod tests {
         // `open` orders the backend's own stream after the acquire fence.
         drop(cache.open(&handle, &mut fds).unwrap());
         assert_eq!(backend.waits.load(Ordering::Relaxed), 1);
+    }
+
+    /// A close whose own fences do not land within the backend's bound never unmaps under
+    /// that work: the mapping stays (its memory referenced), the exporter is not told it
+    /// was unmapped (the holder's callback does not run), and the key is free again — a
+    /// new open maps anew.
+    #[test]
+    fn a_close_whose_fences_do_not_land_keeps_the_mapping_and_tells_no_one() {
+        let session = Session::new(SessionToken::from_bytes([8; 32]));
+        let backend = Arc::new(EventBackend::default());
+        backend.stuck.store(true, Ordering::Relaxed);
+        let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+        let alloc = backend.allocate(4096).unwrap();
+        let handle = alloc.handle(&session).build().unwrap();
+        let key = CacheKey::of(&handle);
+        let refs = || Arc::strong_count(&backend.mem.lock().unwrap().as_ref().unwrap().0);
+        let unmapped = refs();
+        let mut fds = FrameFds::none();
+        let view = cache.open_unordered(&handle, &mut fds).unwrap();
+        assert_eq!(refs(), unmapped + 1, "mapped");
+        assert!(cache.hold(&key, HolderId(1)));
+        view.release_after(FenceHandle::Event(IpcEventHandle([5; 64])));
+        let told = Arc::new(AtomicBool::new(false));
+        let t = Arc::clone(&told);
+        cache.unhold(
+            &key,
+            HolderId(1),
+            Box::new(move || t.store(true, Ordering::Relaxed)),
+        );
+        assert_eq!(
+            backend.landed.load(Ordering::Relaxed),
+            1,
+            "the close polled"
+        );
+        assert!(!told.load(Ordering::Relaxed), "the holder was not told");
+        assert_eq!(refs(), unmapped + 1, "the mapping stays");
+        assert_eq!(cache.stats().live, 0);
+        let again = cache.open_unordered(&handle, &mut fds).unwrap();
+        assert_eq!(backend.opens.load(Ordering::Relaxed), 2, "mapped anew");
+        drop(again);
     }
 
     /// The release fences of views of a mapping kept warm by a holder: one per counter slot
