@@ -294,8 +294,9 @@ impl Handler<baton::actors::PeerEvent> for Worker {
 }
 
 impl Worker {
-    /// Joins the compositor (retrying while it starts). Once the root has let go there is
-    /// nothing to join and the worker stops: a clean exit, nothing to restart.
+    /// Joins the compositor (retrying while it starts, and again after a failed join: the
+    /// compositor may have died meanwhile and be restarting). Once the root has let go
+    /// there is nothing to join and the worker stops: a clean exit, nothing to restart.
     fn join(&mut self, ctx: &mut Context<Self>) {
         let (node, sockets, root, index) = (
             self.node.clone(),
@@ -308,8 +309,8 @@ impl Worker {
             Ok(Some(compositor)) => act.compositor = Some(compositor),
             Ok(None) => ctx.stop(),
             Err(e) => {
-                tracing::warn!(error = %e, "could not join the compositor");
-                ctx.stop();
+                tracing::warn!(error = %e, "could not join the compositor: trying again");
+                ctx.run_later(Duration::from_millis(100), |act, ctx| act.join(ctx));
             }
         }));
     }
