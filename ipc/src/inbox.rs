@@ -147,6 +147,17 @@ impl Lane {
     }
 }
 
+/// A slot whose named value has not landed ([`Lanes::pending_slots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PendingSlot {
+    /// The slot's number in the inbox.
+    pub slot: u32,
+    /// The highest value its producer named.
+    pub named: u64,
+    /// The highest value seen in it.
+    pub seen: u64,
+}
+
 /// A range of slots to release (write with [`Lanes::release_value`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReleaseRange {
@@ -395,6 +406,25 @@ impl Lanes {
             }
         }
         out
+    }
+
+    /// `peer`'s slots (inbox slot numbers) whose value named last has not been seen, each
+    /// with that value and the value seen last: what a missed deadline reports, so that a
+    /// log says which fences did not land, not only whose.
+    pub fn pending_slots(&self, peer: &ProcessId) -> Vec<PendingSlot> {
+        self.lanes
+            .iter()
+            .filter(|(p, _)| p == peer)
+            .flat_map(|(_, l)| {
+                (0..l.seen.len())
+                    .filter(|&s| l.slot_pending(s))
+                    .map(move |s| PendingSlot {
+                        slot: l.first + s as u32,
+                        named: l.announced[s],
+                        seen: l.seen[s],
+                    })
+            })
+            .collect()
     }
 
     /// `peer` is dead: its lanes are released (ranges to release).

@@ -69,8 +69,10 @@ impl Watched {
         if !seen.missed.is_empty() {
             let hooks = lock(&self.hooks).clone();
             for producer in seen.missed {
+                let pending = lock(&self.lanes).pending_slots(&producer);
                 tracing::warn!(
                     %producer,
+                    ?pending,
                     "a peer's fences did not land within the fence deadline: our waits on them are released and the peer is cut"
                 );
                 for hook in &hooks {

@@ -75,6 +75,15 @@ fn missed_lane(a: &ProcessId, t0: Instant) -> (Lanes, u32, Instant) {
     let out = l.observe(&inbox(4), t0 + DEADLINE, all_alive);
     assert_eq!(out.missed, vec![*a]);
     assert_eq!(l.status(a), Some(LaneStatus::Released));
+    // What the missed deadline reports: the slot, the value named, the value seen.
+    assert_eq!(
+        l.pending_slots(a),
+        vec![PendingSlot {
+            slot: first,
+            named: 1,
+            seen: 0
+        }]
+    );
     (l, first, t0 + DEADLINE)
 }
 
