@@ -1168,6 +1168,8 @@ mod tests {
         landed: AtomicUsize,
         /// Our own fences never land (work stuck past the backend's bound).
         stuck: AtomicBool,
+        /// `release_dead` calls.
+        released_dead: AtomicU64,
         forgotten: AtomicU64,
     }
 
@@ -1215,6 +1217,9 @@ mod tests {
         }
         fn forget_process(&self, _process: &ProcessId) {
             self.forgotten.fetch_add(1, Ordering::Relaxed);
+        }
+        fn release_dead(&self, _process: &ProcessId) {
+            self.released_dead.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -1582,6 +1587,88 @@ mod tests {
         }
         let s = cache.stats();
         assert_eq!((s.live, s.warm), (1, 1));
+    }
+
+    /// The warm set's counts, its least-recently-warm order and its evictions, by bytes and
+    /// by entries; holders, accessors and the dead-process hook (written against the
+    /// mutants `bench/mutants.sh cache` left: docs/mutants/cache).
+    #[test]
+    fn the_warm_budget_counts_bytes_and_entries_and_evicts_the_least_recently_warm() {
+        let session = Session::new(SessionToken::from_bytes([8; 32]));
+        let backend = Arc::new(EventBackend::default());
+        let mut fds = FrameFds::none();
+        let evicted = |cache: &ImportCache| {
+            let asked = Arc::new(Mutex::new(Vec::new()));
+            let log = Arc::clone(&asked);
+            cache.set_evictor(Arc::new(move |_, key| log.lock().unwrap().push(key)));
+            asked
+        };
+
+        // By bytes: 8 KiB allowed. A and B (4 KiB each) warm in the order B, A; then C
+        // (8 KiB): 16 KiB warm, so the two least recently warm go, B then A, in one call.
+        let budget = WarmBudget {
+            max_entries: 100,
+            max_bytes: 8192,
+        };
+        let cache =
+            ImportCache::with_budget(session.clone(), [backend.clone() as SharedBackend], budget);
+        assert_eq!((cache.budget(), cache.backends().len()), (budget, 1));
+        let asked = evicted(&cache);
+        // (The test backend maps its latest allocation: each is opened before the next.)
+        let (mut handles, mut views) = (Vec::new(), Vec::new());
+        for size in [4096, 4096, 8192] {
+            let alloc = backend.allocate(size).unwrap();
+            let handle = alloc.handle(&session).build().unwrap();
+            views.push(Some(cache.open(&handle, &mut fds).unwrap()));
+            handles.push(handle);
+        }
+        let keys: Vec<CacheKey> = views.iter().flatten().map(Imported::key).collect();
+        for key in &keys {
+            assert!(cache.hold(key, HolderId(7)));
+        }
+        assert_eq!(cache.held_by(HolderId(7)), keys, "keys in order");
+        for i in [1, 0] {
+            drop(views[i].take());
+        }
+        let s = cache.stats();
+        assert_eq!((s.warm, s.warm_bytes, s.evictions), (2, 8192, 0));
+        drop(views[2].take());
+        assert_eq!(*asked.lock().unwrap(), vec![keys[1], keys[0]]);
+        // A hit takes its entry out of the warm set, bytes and all (C: 8 KiB).
+        let hit = cache.open(&handles[2], &mut fds).unwrap();
+        let s = cache.stats();
+        assert_eq!((s.warm, s.warm_bytes), (2, 8192));
+        drop(hit);
+
+        // By entries: two allowed. A, B, C warm in that order: only A goes (each of its
+        // two holders is asked).
+        let budget = WarmBudget {
+            max_entries: 2,
+            max_bytes: 1 << 30,
+        };
+        let cache =
+            ImportCache::with_budget(session.clone(), [backend.clone() as SharedBackend], budget);
+        let asked = evicted(&cache);
+        let mut keys = Vec::new();
+        for _ in 0..3 {
+            let alloc = backend.allocate(4096).unwrap();
+            let view = cache
+                .open(&alloc.handle(&session).build().unwrap(), &mut fds)
+                .unwrap();
+            keys.push(view.key());
+            assert!(cache.hold(&view.key(), HolderId(1)));
+            assert!(cache.hold(&view.key(), HolderId(2)));
+        }
+        assert_eq!(*asked.lock().unwrap(), vec![keys[0]; 2]);
+        // One holder of two lets go of everything: the mappings stay for the other.
+        let live = cache.stats().live;
+        cache.drop_holder(HolderId(1));
+        assert_eq!(cache.stats().live, live);
+        assert_eq!(cache.held_by(HolderId(1)), Vec::new());
+
+        // A death reaches every backend.
+        cache.release_dead(&session.process());
+        assert_eq!(backend.released_dead.load(Ordering::Relaxed), 1);
     }
 
     /// What the counters, the views and the generations promise, case by case (written
