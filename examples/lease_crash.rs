@@ -2,7 +2,7 @@
 use actix::prelude::*;
 use baton::{HostBackend, LeaseMut, Node, Session, Shared, SharedMut, remote_message};
 use serde::{Deserialize, Serialize};
-use std::{error::Error, process::Command, sync::Arc, time::Duration};
+use std::{env::current_exe, error::Error, process::Command, sync::Arc, time::Duration};
 
 #[derive(Serialize, Deserialize, Message)]
 #[rtype(result = "Result<(f32, f32), String>")]
@@ -45,12 +45,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
         return Ok(());
     }
     let node = Node::new(Session::generate()?, Arc::new(HostBackend::new()?));
-    let me = Command::new(std::env::current_exe()?); // this program, as the child
-    let mut child = node.spawn_child(me).await?; // started, given the token, linked
+    let mut child = node.spawn_child(Command::new(current_exe()?)).await?; // this program, linked
     let data = node.allocate::<f32>(4 << 20)?;
-    for (i, x) in data.as_mut_slice()?.iter_mut().enumerate() {
-        *x = (i % 64) as f32; // filled in place: no temporary, no copy
-    }
+    let fill = |(i, x): (usize, &mut f32)| *x = (i % 64) as f32; // in place: no copy
+    data.as_mut_slice()?.iter_mut().enumerate().for_each(fill);
     let stats = child.peer().remote::<Stats>("worker");
     let (mean, max) = stats.send(Stats(data.share())).await??;
     assert_eq!((mean, max), (31.5, 63.0), "mean and max");
