@@ -5,8 +5,10 @@
 # SIGCONTed. The GPU machine has no gdb; symbolise here with the same binary:
 #   python3 bench/stacksym.py path/to/renderer < RUN-stacks.txt
 #   bash .gpu/run.sh --shell 'RUNS=8 bash bench/renderer-stall-watch.sh'   # logs in $OUT/stall
+#   KIND=vmm ARGS="--kill-compositor 25" bash bench/renderer-stall-watch.sh  # extra renderer args
 set -u
 runs=${RUNS:-20}; kind=${KIND:-legacy}; size=${SIZE:-1920x1080}; deadline=${RUN_DEADLINE:-40}
+frames=${FRAMES:-60}; read -r -a extra <<< "${ARGS:-}"
 logs=${OUT:-/tmp}/stall; mkdir -p "$logs"
 exe=$(command -v renderer)
 here=$(cd "$(dirname "$0")" && pwd)
@@ -25,10 +27,10 @@ diag() {
 }
 bad=0
 for i in $(seq 1 "$runs"); do
-  log="$logs/$kind-$size-$i.txt"; out=$(mktemp -d /tmp/baton-chaos-out.XXXXXX)
+  log="$logs/$kind-$size-$i${TAG:+-$TAG}.txt"; out=$(mktemp -d /tmp/baton-chaos-out.XXXXXX)
   start=$(date +%s)
   RUST_LOG=${RUST_LOG:-info} BATON_CUDA_EXPORT=$kind timeout -k 5 "$deadline" "$exe" --backend cuda --size "$size" \
-    --frames 60 --chaos 10 --out "$out" > "$log" 2>&1 &
+    --frames "$frames" --chaos 10 "${extra[@]}" --out "$out" > "$log" 2>&1 &
   rp=$!
   last=$(date +%s); lsz=0; dumped=0
   while kill -0 $rp 2>/dev/null; do
@@ -36,7 +38,7 @@ for i in $(seq 1 "$runs"); do
     sz=$(stat -c %s "$log"); now=$(date +%s)
     if [ "$sz" != "$lsz" ]; then lsz=$sz; last=$now; fi
     if [ $dumped -eq 0 ] && [ $((now - last)) -ge 4 ]; then
-      diag "$logs/$kind-$size-$i-stacks.txt"; dumped=1
+      diag "${log%.txt}-stacks.txt"; dumped=1
       echo "run $i: silent 4 s at $((now - start)) s; stacks taken"
     fi
   done

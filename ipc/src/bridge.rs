@@ -39,6 +39,8 @@ struct Pending<E> {
     producer: ProcessId,
     event: E,
     since: Instant,
+    /// Reported in [`Look::late`] already.
+    late_reported: bool,
 }
 
 /// What one [`look`](Bridges::look) decided.
@@ -48,6 +50,9 @@ pub(crate) struct Look {
     pub release: Vec<SlotWrite>,
     /// Live producers whose events missed the deadline (to be cut).
     pub missed: Vec<ProcessId>,
+    /// Live producers with a wait pending for a quarter of the deadline, reported once per
+    /// wait (for a log line long before the deadline cuts them).
+    pub late: Vec<ProcessId>,
 }
 
 /// The bridge slots of one backend, and the waits pending on them. `E` is the event a
@@ -102,6 +107,7 @@ impl<E: Clone> Bridges<E> {
             producer,
             event,
             since: now,
+            late_reported: false,
         });
         Some(write)
     }
@@ -148,14 +154,22 @@ impl<E: Clone> Bridges<E> {
         let deadline = self.deadline;
         let mut dead = HashSet::new();
         let mut late = HashSet::new();
-        for p in &self.pending {
+        let mut slow = HashSet::new();
+        for p in &mut self.pending {
+            let waited = now.saturating_duration_since(p.since);
             if !alive(&p.producer) {
                 dead.insert(p.producer);
-            } else if now.saturating_duration_since(p.since) >= deadline {
+            } else if waited >= deadline {
                 late.insert(p.producer);
+            } else if waited >= deadline / 4 && !p.late_reported {
+                p.late_reported = true;
+                slow.insert(p.producer);
             }
         }
-        let mut look = Look::default();
+        let mut look = Look {
+            late: slow.into_iter().collect(),
+            ..Look::default()
+        };
         for p in dead {
             look.release.extend(self.died(&p));
         }
@@ -247,8 +261,13 @@ mod tests {
         let mut b = Bridges::new(4, DEADLINE);
         let a = b.open(pid(1), (), t).unwrap();
         let young = b.open(pid(2), (), t + DEADLINE / 2).unwrap();
-        assert!(b.look(t + DEADLINE / 2, |_| true).release.is_empty());
+        let look = b.look(t + DEADLINE / 2, |_| true);
+        assert!(look.release.is_empty());
+        // Late by a quarter of the deadline: reported (for a log line), once.
+        assert_eq!(look.late, vec![pid(1)]);
+        assert_eq!(b.look(t + DEADLINE * 3 / 4, |_| true).late, vec![pid(2)]);
         let look = b.look(t + DEADLINE, |_| true);
+        assert!(look.late.is_empty());
         assert_eq!(look.release, vec![a]);
         assert_eq!(look.missed, vec![pid(1)]);
         assert!(b.unsafe_to_free(&pid(1)) && b.is_released(&pid(1)));

@@ -135,6 +135,8 @@ struct Lane {
     /// pending. Each slot has its own deadline: progress on one slot (another release
     /// stream of the producer) says nothing of another.
     progress_at: Vec<Instant>,
+    /// Reported late ([`Observation::late`]) since its last progress.
+    late_reported: bool,
 }
 
 impl Lane {
@@ -175,6 +177,10 @@ pub struct Observation {
     pub missed: Vec<ProcessId>,
     /// Ranges to release now.
     pub release: Vec<ReleaseRange>,
+    /// Live producers with a named value that has not landed and no progress for a
+    /// quarter of the deadline: reported once until their lane makes progress (a log
+    /// line that says which waits are stuck long before the deadline cuts them).
+    pub late: Vec<ProcessId>,
 }
 
 /// The lanes of one inbox (see the module docs).
@@ -243,6 +249,7 @@ impl Lanes {
                 announced: vec![0; n],
                 seen: vec![0; n],
                 progress_at: vec![now; n],
+                late_reported: false,
             },
         ));
         self.current.insert(*peer, self.lanes.len() - 1);
@@ -375,6 +382,7 @@ impl Lanes {
                 }
                 LaneStatus::Live => {
                     let mut stuck = false;
+                    let mut late = false;
                     for s in 0..lane.seen.len() {
                         let v = values
                             .get(lane.first as usize + s)
@@ -386,9 +394,11 @@ impl Lanes {
                         if v > lane.seen[s] {
                             lane.seen[s] = v;
                             lane.progress_at[s] = now;
+                            lane.late_reported = false;
                         }
-                        stuck |= lane.slot_pending(s)
-                            && now.saturating_duration_since(lane.progress_at[s]) >= self.deadline;
+                        let waited = now.saturating_duration_since(lane.progress_at[s]);
+                        stuck |= lane.slot_pending(s) && waited >= self.deadline;
+                        late |= lane.slot_pending(s) && waited >= self.deadline / 4;
                     }
                     if !lane.pending() {
                         continue;
@@ -401,6 +411,9 @@ impl Lanes {
                         lane.status = LaneStatus::Released;
                         out.missed.push(*peer);
                         out.release.push(range);
+                    } else if late && !lane.late_reported {
+                        lane.late_reported = true;
+                        out.late.push(*peer);
                     }
                 }
             }

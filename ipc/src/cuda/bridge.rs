@@ -114,6 +114,9 @@ impl Shared {
                 let seen = state.look(Instant::now(), |p| liveness(p) != Liveness::Dead);
                 writes.extend(seen.release);
                 missed = seen.missed;
+                for producer in &seen.late {
+                    tracing::warn!(%producer, "a peer's event fence is late: pending for a quarter of the fence deadline");
+                }
             }
             (writes, missed)
         };

@@ -66,6 +66,14 @@ impl Watched {
         let seen =
             lock(&self.lanes).observe(&values, Instant::now(), |p| liveness(p) != Liveness::Dead);
         self.release(&seen.release);
+        for producer in &seen.late {
+            let pending = lock(&self.lanes).pending_slots(producer);
+            tracing::warn!(
+                %producer,
+                ?pending,
+                "a peer's fences are late: no progress for a quarter of the fence deadline"
+            );
+        }
         if !seen.missed.is_empty() {
             let hooks = lock(&self.hooks).clone();
             for producer in seen.missed {
@@ -340,12 +348,18 @@ impl Inbox {
     /// `process` is dead: its lanes are released.
     pub(crate) fn died(&self, process: &ProcessId) {
         let ranges = lock(&self.watched.lanes).producer_died(process);
+        if !ranges.is_empty() {
+            tracing::info!(producer = %process, lanes = ranges.len(), "a dead peer's fence inbox lanes released");
+        }
         self.watched.release(&ranges);
     }
 
     /// `process` is cut while it may live: its lanes are released and stay so.
     pub(crate) fn cut(&self, process: &ProcessId) {
         let ranges = lock(&self.watched.lanes).producer_cut(process);
+        if !ranges.is_empty() {
+            tracing::info!(producer = %process, lanes = ranges.len(), "a cut peer's fence inbox lanes released");
+        }
         self.watched.release(&ranges);
     }
 

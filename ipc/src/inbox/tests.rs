@@ -51,6 +51,12 @@ fn range(first: u32) -> ReleaseRange {
     }
 }
 
+/// What an observation decided (releases, cuts), without the late reports (a log line's
+/// worth; checked on their own).
+fn decided(o: Observation) -> Observation {
+    Observation { late: vec![], ..o }
+}
+
 fn all_alive(_: &ProcessId) -> bool {
     true
 }
@@ -122,7 +128,7 @@ fn a_fence_outside_the_senders_lane_is_refused_and_changes_nothing() {
     assert!(!l.needs_observing(), "a refused fence names no value");
     let out = l.observe(&inbox(4), t0 + DEADLINE * 10, all_alive);
     assert_eq!(
-        out,
+        decided(out),
         Observation::default(),
         "a refused fence starts no deadline"
     );
@@ -164,7 +170,7 @@ fn a_fence_from_a_peer_with_no_lane_is_refused_and_changes_nothing() {
     assert_eq!(l.lent(), (1, 4), "a refused fence lends no lane");
     assert!(!l.needs_observing());
     let out = l.observe(&inbox(4), t0 + DEADLINE * 10, all_alive);
-    assert_eq!(out, Observation::default());
+    assert_eq!(decided(out), Observation::default());
 }
 
 #[test]
@@ -219,7 +225,7 @@ fn a_fence_more_than_max_value_step_above_its_slots_floor_is_refused_and_changes
     assert_eq!(l.status(&a), Some(LaneStatus::Live));
     let out = l.observe(&mem, t0 + DEADLINE * 10, all_alive);
     assert_eq!(
-        out,
+        decided(out),
         Observation::default(),
         "no refused value is waited for"
     );
@@ -255,11 +261,50 @@ fn a_lane_whose_producer_keeps_making_progress_is_never_released_however_long_th
     for n in 1..=1000u32 {
         mem[first as usize] = u64::from(n);
         let out = l.observe(&mem, t0 + step * n, all_alive);
-        assert_eq!(out, Observation::default(), "observation {n}");
+        assert_eq!(decided(out), Observation::default(), "observation {n}");
         assert_eq!(l.status(&a), Some(LaneStatus::Live));
         assert!(l.needs_observing());
     }
     assert!(!l.unsafe_to_free(&a, offset(first)));
+}
+
+#[test]
+fn a_lane_late_by_a_quarter_of_the_deadline_is_reported_once_per_stall_and_not_released() {
+    let t0 = Instant::now();
+    let a = peer(1);
+    let mut l = lanes(4);
+    let first = first_slot(&mut l, &a, t0);
+    l.announce(&a, offset(first), 3, t0).unwrap();
+    let mut mem = inbox(4);
+    let quarter = DEADLINE / 4;
+    assert_eq!(
+        l.observe(&mem, t0 + quarter - ms(1), all_alive),
+        Observation::default()
+    );
+    let out = l.observe(&mem, t0 + quarter, all_alive);
+    assert_eq!(
+        (out.late, out.missed, out.release),
+        (vec![a], vec![], vec![])
+    );
+    // Once per stall: not again while it makes no progress.
+    assert_eq!(
+        l.observe(&mem, t0 + DEADLINE / 2, all_alive),
+        Observation::default()
+    );
+    // Progress (1 of 3 landed) ends the stall; the next one is reported again.
+    mem[first as usize] = 1;
+    let t1 = t0 + DEADLINE * 3 / 4;
+    assert_eq!(l.observe(&mem, t1, all_alive), Observation::default());
+    assert_eq!(l.observe(&mem, t1 + quarter, all_alive).late, vec![a]);
+    assert_eq!(l.status(&a), Some(LaneStatus::Live));
+    // Nothing pending is never late, however long it is silent.
+    mem[first as usize] = 3;
+    for n in 1..=10u32 {
+        assert_eq!(
+            l.observe(&mem, t1 + DEADLINE * n, all_alive),
+            Observation::default()
+        );
+    }
 }
 
 #[test]
@@ -278,7 +323,7 @@ fn a_lane_with_nothing_pending_is_never_released_however_long_it_is_silent() {
     assert!(!l.needs_observing());
     for n in 1..=100u32 {
         let out = l.observe(&mem, t0 + DEADLINE * n * 10, all_alive);
-        assert_eq!(out, Observation::default());
+        assert_eq!(decided(out), Observation::default());
     }
     assert_eq!(l.status(&a), Some(LaneStatus::Live));
 }
@@ -294,7 +339,7 @@ fn the_deadline_starts_when_a_value_is_named_not_when_the_lane_was_granted() {
     let t1 = t0 + DEADLINE * 50;
     l.announce(&a, offset(first), 1, t1).unwrap();
     let out = l.observe(&mem, t1 + DEADLINE - ms(1), all_alive);
-    assert_eq!(out, Observation::default());
+    assert_eq!(decided(out), Observation::default());
     // It lands; a quiet spell; the next value starts a fresh deadline.
     mem[first as usize] = 1;
     assert_eq!(
@@ -304,7 +349,7 @@ fn the_deadline_starts_when_a_value_is_named_not_when_the_lane_was_granted() {
     let t2 = t1 + DEADLINE * 50;
     l.announce(&a, offset(first + 1), 1, t2).unwrap();
     let out = l.observe(&mem, t2 + DEADLINE - ms(1), all_alive);
-    assert_eq!(out, Observation::default());
+    assert_eq!(decided(out), Observation::default());
     let out = l.observe(&mem, t2 + DEADLINE, all_alive);
     assert_eq!(out.missed, vec![a]);
 }
@@ -325,7 +370,7 @@ fn a_lane_without_progress_for_the_deadline_is_released_at_the_first_observation
         for n in [1, 10, 50, 99] {
             let out = l.observe(&mem, t0 + ms(n), all_alive);
             assert_eq!(
-                out,
+                decided(out),
                 Observation::default(),
                 "before the deadline, at {n} ms"
             );
@@ -350,7 +395,7 @@ fn naming_more_values_does_not_restart_the_deadline() {
         let slot = first + (v % 2) as u32;
         l.announce(&a, offset(slot), v, t0 + ms(at)).unwrap();
         let out = l.observe(&inbox(4), t0 + ms(at), all_alive);
-        assert_eq!(out, Observation::default());
+        assert_eq!(decided(out), Observation::default());
     }
     let out = l.observe(&inbox(4), t0 + DEADLINE, all_alive);
     assert_eq!(
@@ -373,7 +418,7 @@ fn progress_restarts_the_deadline() {
     assert_eq!(l.observe(&mem, t1, all_alive), Observation::default());
     let out = l.observe(&mem, t1 + DEADLINE - ms(1), all_alive);
     assert_eq!(
-        out,
+        decided(out),
         Observation::default(),
         "progress at {t1:?} restarted it"
     );
@@ -401,9 +446,13 @@ fn a_stuck_slot_is_released_even_while_another_slot_of_its_lane_makes_progress()
         mem[first as usize + 1] = u64::from(n);
         l.observe(mem, now, all_alive)
     };
-    assert_eq!(rise(&mut l, &mut mem, 1), Observation::default());
+    assert_eq!(decided(rise(&mut l, &mut mem, 1)), Observation::default());
     let out = l.observe(&mem, t0 + DEADLINE - ms(1), all_alive);
-    assert_eq!(out, Observation::default(), "just before the deadline");
+    assert_eq!(
+        decided(out),
+        Observation::default(),
+        "just before the deadline"
+    );
     assert_eq!(l.status(&a), Some(LaneStatus::Live));
     // The first observation at the deadline from the naming of slot 0: released, though
     // slot 1 rose in this very observation.
@@ -449,7 +498,7 @@ fn a_released_lane_of_a_live_producer_is_released_at_every_observation_then_once
     assert!(!l.needs_observing());
     for alive in [all_dead, all_alive] {
         let out = l.observe(&mem, t1 + ms(200), alive);
-        assert_eq!(out, Observation::default());
+        assert_eq!(decided(out), Observation::default());
     }
     assert!(l.producer_died(&a).is_empty());
 }
@@ -465,7 +514,7 @@ fn a_released_lane_is_released_one_last_time_when_its_producer_is_reported_dead(
     assert!(l.producer_died(&a).is_empty(), "released once");
     for alive in [all_alive, all_dead] {
         let out = l.observe(&inbox(4), t1 + ms(10), alive);
-        assert_eq!(out, Observation::default());
+        assert_eq!(decided(out), Observation::default());
     }
     assert!(
         l.producer_cut(&a).is_empty(),
@@ -501,7 +550,7 @@ fn producer_died_releases_every_lane_of_that_producer_once() {
     assert!(l.producer_died(&a).is_empty(), "once");
     let alive = |p: &ProcessId| *p == b;
     let out = l.observe(&inbox(4), t0 + ms(1), alive);
-    assert_eq!(out, Observation::default());
+    assert_eq!(decided(out), Observation::default());
     assert!(l.needs_observing(), "only `b`'s value is pending");
     let out = l.observe(&inbox(4), t0 + DEADLINE, alive);
     assert_eq!(out.missed, vec![b]);
@@ -606,10 +655,12 @@ fn memory_behind_a_live_lane_or_a_dead_producers_lane_is_safe_to_free() {
         Observation {
             missed: vec![],
             release: vec![range(firsts[1])],
+            late: vec![],
         }
     );
     let out = l.observe(&inbox(4), t0 + DEADLINE - ms(1), alive);
-    assert_eq!(out, Observation::default(), "`b` is released once");
+    assert_eq!(out.release, vec![], "`b` is released once");
+    assert_eq!(out.late, vec![d], "`d` is late, not yet missed");
     let out = l.observe(&inbox(4), t0 + DEADLINE, alive);
     assert_eq!(out.missed, vec![d], "only `d` missed");
     assert_eq!(out.release, vec![range(firsts[3])]);
@@ -714,7 +765,7 @@ fn a_flood_of_fences_from_an_honest_producer_keeps_one_live_lane() {
         mem[first as usize] = v - 1;
         if v % 50 == 0 {
             let out = l.observe(&mem, now, all_alive);
-            assert_eq!(out, Observation::default(), "value {v}");
+            assert_eq!(decided(out), Observation::default(), "value {v}");
             assert_eq!(l.status(&a), Some(LaneStatus::Live));
         }
         if v % 10_000 == 0 {
@@ -730,7 +781,7 @@ fn a_flood_of_fences_from_an_honest_producer_keeps_one_live_lane() {
     }
     mem[first as usize] = 100_000;
     let out = l.observe(&mem, t0 + ms(100_001), all_alive);
-    assert_eq!(out, Observation::default());
+    assert_eq!(decided(out), Observation::default());
     assert!(!l.needs_observing());
 }
 
