@@ -137,9 +137,29 @@ struct Lane {
     progress_at: Vec<Instant>,
     /// Reported late ([`Observation::late`]) since its last progress.
     late_reported: bool,
+    /// Dead: when an observation first found it so (see [`LaneStatus::Dead`] in
+    /// [`Lanes::observe`]).
+    died_at: Option<Instant>,
+    /// Dead, and seen at or above its release value for a whole deadline since.
+    settled: bool,
 }
 
 impl Lane {
+    /// Above every value it held or was named with (`GEQ` is cyclic: see
+    /// [`Lanes::release_value`]).
+    fn release_value(&self) -> u64 {
+        let highest = self
+            .announced
+            .iter()
+            .chain(&self.seen)
+            .copied()
+            .max()
+            .unwrap_or(0);
+        // A late write of a released producer can only be lower: `seen` never follows a
+        // value at or above the release.
+        highest.min(u64::MAX / 4) + RELEASE_STEP
+    }
+
     fn slot_pending(&self, s: usize) -> bool {
         self.announced[s] > self.seen[s]
     }
@@ -181,6 +201,9 @@ pub struct Observation {
     /// quarter of the deadline: reported once until their lane makes progress (a log
     /// line that says which waits are stuck long before the deadline cuts them).
     pub late: Vec<ProcessId>,
+    /// Dead producers whose released lane was found below its release value (a write of
+    /// theirs landed after the release): written again (in `release`).
+    pub lowered: Vec<ProcessId>,
 }
 
 /// The lanes of one inbox (see the module docs).
@@ -250,6 +273,8 @@ impl Lanes {
                 seen: vec![0; n],
                 progress_at: vec![now; n],
                 late_reported: false,
+                died_at: None,
+                settled: false,
             },
         ));
         self.current.insert(*peer, self.lanes.len() - 1);
@@ -316,18 +341,7 @@ impl Lanes {
         self.lanes
             .iter()
             .find(|(_, l)| l.first == first)
-            .map_or(RELEASE_STEP, |(_, l)| {
-                let highest = l
-                    .announced
-                    .iter()
-                    .chain(&l.seen)
-                    .copied()
-                    .max()
-                    .unwrap_or(0);
-                // A late write of a released producer can only be lower: `seen` never
-                // follows a value at or above the release.
-                highest.min(u64::MAX / 4) + RELEASE_STEP
-            })
+            .map_or(RELEASE_STEP, |(_, l)| l.release_value())
     }
 
     /// Whether byte `offset` lies in a lane of `peer` that was released: a wait there would
@@ -350,7 +364,7 @@ impl Lanes {
         self.lanes.iter().any(|(_, l)| match l.status {
             LaneStatus::Live => l.pending(),
             LaneStatus::Released => true,
-            LaneStatus::Dead => false,
+            LaneStatus::Dead => !l.settled,
         })
     }
 
@@ -371,7 +385,28 @@ impl Lanes {
                 slots: lane_slots,
             };
             match lane.status {
-                LaneStatus::Dead => {}
+                LaneStatus::Dead if lane.settled => {}
+                LaneStatus::Dead => {
+                    // A process seen dead (a zombie, its socket closed) may still have
+                    // writes of its own in flight on the device for a while: one landing
+                    // after our release lowers a slot under a wait still queued, which
+                    // then never passes (the renderer's chaos runs on the H100). So a dead
+                    // lane is read back for a deadline after its death, and written again
+                    // whenever it is found below its release value.
+                    let died_at = *lane.died_at.get_or_insert(now);
+                    let release = lane.release_value();
+                    let lowered = (0..lane_slots as usize).any(|s| {
+                        values
+                            .get(lane.first as usize + s)
+                            .is_some_and(|&v| (v.wrapping_sub(release) as i64) < 0)
+                    });
+                    if lowered {
+                        out.release.push(range);
+                        out.lowered.push(*peer);
+                    } else if now.saturating_duration_since(died_at) >= self.deadline {
+                        lane.settled = true;
+                    }
+                }
                 LaneStatus::Released => {
                     if !alive(peer) {
                         lane.status = LaneStatus::Dead;
@@ -404,8 +439,10 @@ impl Lanes {
                         continue;
                     }
                     if !alive(peer) {
-                        // Dead: its queued writes died with it; release at once, hold nothing.
+                        // Dead: release at once, hold nothing (its work cannot outlive its
+                        // context); watched a while longer for a late write (above).
                         lane.status = LaneStatus::Dead;
+                        lane.died_at = Some(now);
                         out.release.push(range);
                     } else if stuck {
                         lane.status = LaneStatus::Released;

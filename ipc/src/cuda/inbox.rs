@@ -66,6 +66,12 @@ impl Watched {
         let seen =
             lock(&self.lanes).observe(&values, Instant::now(), |p| liveness(p) != Liveness::Dead);
         self.release(&seen.release);
+        for producer in &seen.lowered {
+            tracing::warn!(
+                %producer,
+                "a dead peer's write landed in its fence inbox lane after the lane was released: released again"
+            );
+        }
         for producer in &seen.late {
             let pending = lock(&self.lanes).pending_slots(producer);
             tracing::warn!(

@@ -51,6 +51,16 @@ fn range(first: u32) -> ReleaseRange {
     }
 }
 
+/// Performs release writes on `mem` as the device would (the subject's release value).
+fn write_releases(l: &Lanes, mem: &mut [u64], ranges: &[ReleaseRange]) {
+    for r in ranges {
+        let value = l.release_value(r.first);
+        for s in r.first..r.first + r.slots {
+            mem[s as usize] = value;
+        }
+    }
+}
+
 /// What an observation decided (releases, cuts), without the late reports (a log line's
 /// worth; checked on their own).
 fn decided(o: Observation) -> Observation {
@@ -490,15 +500,32 @@ fn a_released_lane_of_a_live_producer_is_released_at_every_observation_then_once
         assert!(l.needs_observing());
         assert_eq!(l.status(&a), Some(LaneStatus::Released));
     }
-    // It dies: one last release, then never again.
+    // It dies: one last release; then read back for a deadline, and released again only
+    // if a write of its own in flight at its death lowers a slot.
     let out = l.observe(&mem, t1 + ms(100), all_dead);
     assert_eq!(out.release, vec![range(first)]);
     assert!(out.missed.is_empty());
     assert_eq!(l.status(&a), Some(LaneStatus::Dead));
-    assert!(!l.needs_observing());
+    write_releases(&l, &mut mem, &out.release);
+    let died = t1 + ms(200);
+    assert_eq!(l.observe(&mem, died, all_dead), Observation::default());
+    assert!(
+        l.needs_observing(),
+        "watched for a deadline after its death"
+    );
+    mem[first as usize] = 9;
+    let out = l.observe(&mem, died + ms(10), all_dead);
+    assert_eq!((out.release, out.lowered), (vec![range(first)], vec![a]));
+    write_releases(&l, &mut mem, &[range(first)]);
+    assert_eq!(
+        l.observe(&mem, died + DEADLINE, all_dead),
+        Observation::default()
+    );
+    assert!(!l.needs_observing(), "settled a deadline after its death");
     for alive in [all_dead, all_alive] {
-        let out = l.observe(&mem, t1 + ms(200), alive);
-        assert_eq!(decided(out), Observation::default());
+        mem[first as usize] = 10;
+        let out = l.observe(&mem, died + DEADLINE * 2, alive);
+        assert_eq!(out, Observation::default());
     }
     assert!(l.producer_died(&a).is_empty());
 }
@@ -508,14 +535,20 @@ fn a_released_lane_is_released_one_last_time_when_its_producer_is_reported_dead(
     let t0 = Instant::now();
     let a = peer(1);
     let (mut l, first, t1) = missed_lane(&a, t0);
+    let mut mem = inbox(4);
     assert_eq!(l.producer_died(&a), vec![range(first)]);
+    write_releases(&l, &mut mem, &[range(first)]);
     assert_eq!(l.status(&a), Some(LaneStatus::Dead));
-    assert!(!l.needs_observing());
+    assert!(
+        l.needs_observing(),
+        "watched for a deadline after its death"
+    );
     assert!(l.producer_died(&a).is_empty(), "released once");
-    for alive in [all_alive, all_dead] {
-        let out = l.observe(&inbox(4), t1 + ms(10), alive);
-        assert_eq!(decided(out), Observation::default());
+    for (n, alive) in [all_alive, all_dead].into_iter().enumerate() {
+        let out = l.observe(&mem, t1 + DEADLINE * n as u32, alive);
+        assert_eq!(out, Observation::default());
     }
+    assert!(!l.needs_observing());
     assert!(
         l.producer_cut(&a).is_empty(),
         "a dead lane is not revived by a cut"
@@ -548,11 +581,13 @@ fn producer_died_releases_every_lane_of_that_producer_once() {
         "another producer's lane is kept"
     );
     assert!(l.producer_died(&a).is_empty(), "once");
+    let mut mem = inbox(4);
+    write_releases(&l, &mut mem, &got);
     let alive = |p: &ProcessId| *p == b;
-    let out = l.observe(&inbox(4), t0 + ms(1), alive);
+    let out = l.observe(&mem, t0 + ms(1), alive);
     assert_eq!(decided(out), Observation::default());
-    assert!(l.needs_observing(), "only `b`'s value is pending");
-    let out = l.observe(&inbox(4), t0 + DEADLINE, alive);
+    assert!(l.needs_observing(), "`b`'s value is pending");
+    let out = l.observe(&mem, t0 + DEADLINE, alive);
     assert_eq!(out.missed, vec![b]);
     assert_eq!(out.release, vec![range(b_first)], "never `a`'s lanes again");
 }
@@ -578,6 +613,7 @@ fn a_dead_producers_pending_lane_is_released_at_the_first_observation() {
         l.announce(&c, offset(c_first), 1, t0 + late).unwrap();
         let alive = |p: &ProcessId| *p == c;
         let out = l.observe(&mem, t0 + late, alive);
+        write_releases(&l, &mut mem, &out.release);
         assert_eq!(out.release, vec![range(a_first)], "late by {late:?}");
         assert!(out.missed.is_empty(), "late by {late:?}: {out:?}");
         assert_eq!(l.status(&a), Some(LaneStatus::Dead));
@@ -642,26 +678,31 @@ fn memory_behind_a_live_lane_or_a_dead_producers_lane_is_safe_to_free() {
         .collect();
     // `a` is reported dead while live; `b` dies unreported with its value pending; `c` is
     // cut, then reported dead; `d` stays live and misses its deadline.
-    l.producer_died(&a);
-    l.producer_cut(&c);
+    let mut mem = inbox(4);
+    let died = l.producer_died(&a);
+    write_releases(&l, &mut mem, &died);
+    let cut = l.producer_cut(&c);
+    write_releases(&l, &mut mem, &cut);
     assert!(l.unsafe_to_free(&c, offset(firsts[2])));
     l.producer_died(&c);
     let alive = |p: &ProcessId| *p == d;
     // `b`'s lane is released at the first observation that finds it dead, well before its
     // deadline, and `b` is not reported as having missed it.
-    let out = l.observe(&inbox(4), t0 + ms(1), alive);
+    let out = l.observe(&mem, t0 + ms(1), alive);
+    write_releases(&l, &mut mem, &out.release);
     assert_eq!(
         out,
         Observation {
             missed: vec![],
             release: vec![range(firsts[1])],
             late: vec![],
+            lowered: vec![],
         }
     );
-    let out = l.observe(&inbox(4), t0 + DEADLINE - ms(1), alive);
+    let out = l.observe(&mem, t0 + DEADLINE - ms(1), alive);
     assert_eq!(out.release, vec![], "`b` is released once");
     assert_eq!(out.late, vec![d], "`d` is late, not yet missed");
-    let out = l.observe(&inbox(4), t0 + DEADLINE, alive);
+    let out = l.observe(&mem, t0 + DEADLINE, alive);
     assert_eq!(out.missed, vec![d], "only `d` missed");
     assert_eq!(out.release, vec![range(firsts[3])]);
     // `d`'s lane is released while it lives: the one unsafe case.
@@ -846,6 +887,13 @@ enum Op {
         notify: bool,
     },
     Cut(usize),
+    /// A dead peer's write that was in flight when it died lands in one of its lanes
+    /// (`lane` taken modulo its lanes), below the release written there.
+    LateWrite {
+        peer: usize,
+        lane: usize,
+        slot: u32,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -870,6 +918,8 @@ fn op() -> impl Strategy<Value = Op> {
         28 => (1..=MAX_STEP_MS).prop_map(Op::Observe),
         2 => (0..PEERS, any::<bool>()).prop_map(|(peer, notify)| Op::Die { peer, notify }),
         3 => (0..PEERS).prop_map(Op::Cut),
+        3 => (0..PEERS, 0usize..3, 0..SLOTS)
+            .prop_map(|(peer, lane, slot)| Op::LateWrite { peer, lane, slot }),
     ]
 }
 
@@ -895,6 +945,10 @@ struct MLane {
     last_landing: Vec<u64>,
     /// Released (missed or cut) while its producer was alive.
     released_while_alive: bool,
+    /// Dead: when an observation first saw it dead (ms).
+    died_at: Option<u64>,
+    /// Dead, and not found below its release value for a deadline since.
+    settled: bool,
 }
 
 impl MLane {
@@ -964,11 +1018,31 @@ impl Run {
         self.base + ms(self.now)
     }
 
+    /// Performs the release writes `ranges` asks for, with the subject's release value.
     fn write_max(&mut self, ranges: &[ReleaseRange]) {
         for r in ranges {
+            let value = self.lanes.release_value(r.first);
             for s in r.first..r.first + r.slots {
-                self.mem[s as usize] = u64::MAX;
+                self.mem[s as usize] = value;
             }
+        }
+    }
+
+    fn late_write(&mut self, p: usize, lane: usize, s: u32) {
+        if self.alive[p] {
+            return;
+        }
+        let owned: Vec<usize> = (0..self.model.len())
+            .filter(|&i| self.model[i].owner == p)
+            .collect();
+        if owned.is_empty() {
+            return;
+        }
+        let l = &self.model[owned[lane % owned.len()]];
+        // In flight when it died: it lands soon after, not after a whole deadline of the
+        // lane being read back (the bound the subject assumes; docs/ORDERING.md).
+        if !l.settled {
+            self.mem[(l.first + s) as usize] = l.landed[s as usize];
         }
     }
 
@@ -1005,6 +1079,7 @@ impl Run {
             Op::Observe(step) => self.observe(step),
             Op::Die { peer, notify } => self.die(peer, notify),
             Op::Cut(p) => self.cut(p),
+            Op::LateWrite { peer, lane, slot } => self.late_write(peer, lane, slot),
         }
         self.check();
     }
@@ -1047,6 +1122,8 @@ impl Run {
             pending_since: vec![self.now; SLOTS as usize],
             last_landing: vec![self.now; SLOTS as usize],
             released_while_alive: false,
+            died_at: None,
+            settled: false,
         });
         self.current[p] = Some(self.model.len() - 1);
     }
@@ -1169,7 +1246,27 @@ impl Run {
         for (i, l) in self.model.iter_mut().enumerate() {
             let in_release = out.release.contains(&range(l.first));
             match l.status {
-                LaneStatus::Dead => assert!(!in_release, "lane {i}: a dead lane released again"),
+                LaneStatus::Dead if l.settled => {
+                    assert!(!in_release, "lane {i}: a settled dead lane released again");
+                }
+                LaneStatus::Dead => {
+                    // Read back for a deadline after the death, released again whenever a
+                    // late write of the dead producer's lowered it.
+                    let died_at = *l.died_at.get_or_insert(now);
+                    let release = self.lanes.release_value(l.first);
+                    let lowered = (0..SLOTS).any(|s| values[(l.first + s) as usize] < release);
+                    assert_eq!(
+                        in_release, lowered,
+                        "lane {i} at {now} ms: a dead lane is released again exactly when \
+                         found below its release value"
+                    );
+                    if lowered {
+                        assert!(out.lowered.contains(&self.pids[l.owner]), "lane {i}");
+                        released.push(i);
+                    } else if now - died_at >= DEADLINE_MS {
+                        l.settled = true;
+                    }
+                }
                 LaneStatus::Released => {
                     assert!(
                         in_release,
@@ -1196,6 +1293,7 @@ impl Run {
                         if in_release {
                             released.push(i);
                             l.status = LaneStatus::Dead;
+                            l.died_at = Some(now);
                         }
                     } else if in_release {
                         // (b) Safety: some slot with a value pending made no progress for
@@ -1230,14 +1328,15 @@ impl Run {
             "missed names the newly released lanes' producers"
         );
         self.write_max(&out.release);
-        // Every wait is satisfied but the pending ones of live lanes (bounded above).
+        // Every wait is satisfied but the pending ones of live lanes (bounded above). Waits
+        // are queued only for values named while the lane was live (`is_released`).
         for (i, l) in self.model.iter().enumerate() {
             for s in 0..SLOTS as usize {
                 let held = self.mem[l.first as usize + s];
                 assert!(
-                    held >= l.wanted[s] || (l.status == LaneStatus::Live && l.pending()),
+                    held >= l.announced[s] || (l.status == LaneStatus::Live && l.pending()),
                     "lane {i} slot {s} holds {held} under a wait for {}",
-                    l.wanted[s]
+                    l.announced[s]
                 );
             }
         }
@@ -1291,7 +1390,7 @@ impl Run {
         let want = self.model.iter().any(|l| match l.status {
             LaneStatus::Live => l.seen_pending(),
             LaneStatus::Released => true,
-            LaneStatus::Dead => false,
+            LaneStatus::Dead => !l.settled,
         });
         assert_eq!(self.lanes.needs_observing(), want, "needs_observing");
         // (c) unsafe_to_free.
@@ -1332,7 +1431,10 @@ impl Run {
                 notify: true,
             });
         }
-        self.apply(&Op::Observe(1));
+        // Dead lanes are read back for a deadline after the death, then left alone.
+        for _ in 0..=(DEADLINE_MS + MAX_STEP_MS) / MAX_STEP_MS {
+            self.apply(&Op::Observe(MAX_STEP_MS));
+        }
         assert!(!self.lanes.needs_observing());
         assert!(self.model.iter().all(|l| l.status == LaneStatus::Dead));
     }
