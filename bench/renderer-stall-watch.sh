@@ -45,7 +45,7 @@ for i in $(seq 1 "$runs"); do
   wait $rp; rc=$?
   rm -rf "$out"
   pkill -9 -f "^$exe" 2>/dev/null
-  echo "run $i rc=$rc secs=$(( $(date +%s) - start )) dumped=$dumped"
+  echo "run $i rc=$rc secs=$(( $(date +%s) - start )) dumped=$dumped late=$(grep -c 'fences are late' "$log") rereleased=$(grep -c 'released again' "$log") cut=$(grep -c 'did not land' "$log")"
   if [ $rc -ne 0 ] || [ $dumped -ne 0 ]; then bad=$((bad+1)); else rm -f "$log"; fi
 done
 echo "stall: $bad of $runs runs stalled or failed"
