@@ -250,6 +250,50 @@ fn too_many_restarts_in_the_window_escalate() {
     });
 }
 
+/// The restart limit counts deaths *within the window*: deaths spread over more than the
+/// window never escalate, however many. And a killed child that left no segments brings
+/// no `Swept` event (the sweep found nothing). Each fails under a mutation
+/// `bench/mutants.sh supervisor` left alive (docs/mutants/supervisor).
+#[test]
+fn restarts_spread_wider_than_the_window_do_not_escalate_and_nothing_swept_is_not_reported() {
+    run(async {
+        let parent = Parent::start("window");
+        let window = Duration::from_millis(300);
+        let (sup, events) = supervise(
+            &parent,
+            vec![peer_spec(&parent, "svc", "serve")],
+            Strategy::OneForOne,
+            RestartPolicy {
+                max_restarts: 1,
+                within: window,
+            },
+        );
+        eventually(DEADLINE, "the first start", || events.started().len() == 1).await;
+        for n in 1..=3 {
+            // Each death comes more than a window after the one before it.
+            tokio::time::sleep(window + Duration::from_millis(150)).await;
+            assert!(sup.send(KillChild("svc".into())).await.unwrap().is_some());
+            eventually(DEADLINE, "the restart", || events.started().len() == n + 1).await;
+        }
+        let all = events.all();
+        assert!(
+            !all.iter()
+                .any(|e| matches!(e, SupervisorEvent::Escalated { .. })),
+            "one death per window never exceeds max_restarts 1: {all:?}"
+        );
+        assert!(sup.connected(), "the supervisor still runs");
+        // `Swept` comes before the restart's `Started` when there is one: none here.
+        assert!(
+            !all.iter().any(|e| matches!(e, SupervisorEvent::Swept { .. })),
+            "a child that made no segments is not reported swept: {all:?}"
+        );
+        sup.send(Shutdown).await.unwrap();
+        for (_, pid, _) in events.started() {
+            eventually(DEADLINE, "children reaped", || gone(pid)).await;
+        }
+    });
+}
+
 #[test]
 fn one_for_all_restarts_every_child() {
     run(async {
