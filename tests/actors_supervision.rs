@@ -284,7 +284,8 @@ fn restarts_spread_wider_than_the_window_do_not_escalate_and_nothing_swept_is_no
         assert!(sup.connected(), "the supervisor still runs");
         // `Swept` comes before the restart's `Started` when there is one: none here.
         assert!(
-            !all.iter().any(|e| matches!(e, SupervisorEvent::Swept { .. })),
+            !all.iter()
+                .any(|e| matches!(e, SupervisorEvent::Swept { .. })),
             "a child that made no segments is not reported swept: {all:?}"
         );
         sup.send(Shutdown).await.unwrap();
