@@ -34,8 +34,11 @@
 //!   of its own could lower a slot under a wait still queued), and fences it had named
 //!   guard memory that must not be freed before it dies ([`Lanes::unsafe_to_free`]).
 //! - A dead producer's lane is released at once ([`Lanes::producer_died`], or the first
-//!   observation that finds it dead with values pending); its queued writes died with it,
-//!   so nothing is held for it. A released lane accepts any value (every wait on it
+//!   observation that finds it dead with values pending), and nothing is held for it. A
+//!   write of its own already on its way when it was seen dead can still land after the
+//!   release and lower a slot (seen on the H100): so a dead lane is read back for a
+//!   deadline after the death and released again whenever it is found below its release
+//!   value ([`Observation::lowered`]). A released lane accepts any value (every wait on it
 //!   passes).
 //! - A released lane is never lent again: a producer that links again gets a fresh lane.
 //!
