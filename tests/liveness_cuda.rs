@@ -58,9 +58,8 @@
 //! 8. **A flood of releases of one reused buffer keeps fences bounded.** A helper leases and
 //!    releases one buffer 10,000 times, with a kernel on it each time; our device memory
 //!    stays flat, and the free waits on a bounded number of fences (at most one per slot of
-//!    the helper), within the deadline. Counter fences; with event fences this loop is the
-//!    tight ordered loop of the known event-pool bug (docs/ORDERING.md), which
-//!    `ordering_cuda`'s ignored `event_fences_in_a_tight_ordered_loop` reproduces.
+//!    the helper), within the deadline. Counter and event fences (the event form is the
+//!    tight loop that ran the event pools dry before their reuse rules, `cuda/event.rs`).
 //!
 //! Each scenario is one test that runs on legacy, VMM and pool memory with counter and
 //! event fences (but for 7 and 8, as said), skipping (with a printed reason) the memory
@@ -1332,14 +1331,13 @@ async fn held_until_killed(
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn a_flood_of_releases_of_one_reused_buffer_keeps_fences_bounded() {
-    eprintln!(
-        "event fences: not run (the known event-fence bug of tight ordered loops, \
-         docs/ORDERING.md; ordering_cuda's ignored event_fences_in_a_tight_ordered_loop)"
-    );
     each(
         "a_flood_of_releases_of_one_reused_buffer_keeps_fences_bounded",
         EXPORTS,
-        |export| flood(*export, FenceKind::Counter),
+        |export| {
+            flood(*export, FenceKind::Counter);
+            flood(*export, FenceKind::Event);
+        },
     );
 }
 

@@ -766,7 +766,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(())
     }
     /// Checks a fence `producer` sent (on an offer or a release) before anything waits on
-    /// it, and notes its value (see [`crate::inbox::Lanes::announce`]).
+    /// it, and notes its value (see [`crate::inbox::Lanes::announce`]). An event named
+    /// again is a new record made after the older ones completed (the wire's rule,
+    /// `docs/ORDERING.md`): our waits on those are released here.
     ///
     /// # Errors
     /// [`Error::FenceRefused`]: the peer's fault.

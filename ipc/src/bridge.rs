@@ -180,6 +180,21 @@ impl<E: Clone> Bridges<E> {
         look
     }
 
+    /// `producer` named an event in a fence again: it records an event anew only once the
+    /// older records completed, and only for the process that had them (`cuda/event.rs`),
+    /// so our waits on that event (`is` picks them) are over — released now, whatever the
+    /// event's current record says (it may be the new one, which a poll would follow).
+    pub(crate) fn renamed(
+        &mut self,
+        producer: &ProcessId,
+        is: impl Fn(&E) -> bool,
+    ) -> Vec<SlotWrite> {
+        self.take(|p| p.producer == *producer && is(&p.event))
+            .into_iter()
+            .map(|(w, _)| w)
+            .collect()
+    }
+
     /// `producer` is dead: its waits are released, and its work died with it.
     pub(crate) fn died(&mut self, producer: &ProcessId) -> Vec<SlotWrite> {
         self.released_alive.remove(producer);
@@ -278,6 +293,22 @@ mod tests {
         assert!(b.unsafe_to_free(&pid(2)));
     }
 
+    #[test]
+    fn naming_an_event_again_releases_only_that_producers_waits_on_it() {
+        let t = Instant::now();
+        let mut b = Bridges::new(4, DEADLINE);
+        let old = b.open(pid(1), "e", t).unwrap();
+        let other_event = b.open(pid(1), "f", t).unwrap();
+        let other_producer = b.open(pid(2), "e", t).unwrap();
+        assert_eq!(b.renamed(&pid(1), |e| *e == "e"), vec![old]);
+        assert!(b.renamed(&pid(1), |e| *e == "e").is_empty());
+        // Not a release while alive: the old record completed.
+        assert!(!b.unsafe_to_free(&pid(1)) && !b.is_released(&pid(1)));
+        let mut rest = b.drain();
+        rest.sort_by_key(|w| w.slot);
+        assert_eq!(rest, vec![other_event, other_producer]);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Open(u32),
@@ -285,6 +316,7 @@ mod tests {
         Look(u64),
         Died(u32),
         Cut(u32),
+        Renamed(u32),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -294,13 +326,14 @@ mod tests {
             1 => (0u64..15).prop_map(Op::Look),
             1 => (0u32..3).prop_map(Op::Died),
             1 => (0u32..3).prop_map(Op::Cut),
+            1 => (0u32..3).prop_map(Op::Renamed),
         ]
     }
 
     proptest! {
         /// Against a model of the slots' words: a release write never releases a wait other
         /// than its own; every wait is released exactly once, by its event, its producer's
-        /// death or cut, or the deadline; a producer released while alive is unsafe to free
+        /// death or cut, its event named again, or the deadline; a producer released while alive is unsafe to free
         /// until it dies; nothing grows past the slots.
         #[test]
         fn writes_release_exactly_their_own_wait(ops in proptest::collection::vec(op(), 1..200)) {
@@ -358,6 +391,12 @@ mod tests {
                     Op::Cut(p) => {
                         released_alive.insert(p);
                         for w in b.cut(&pid(p)) { apply(&w, &mut word, &mut waiting)?; }
+                    }
+                    Op::Renamed(p) => {
+                        // Each producer's waits here follow its one event (`p` itself).
+                        let writes = b.renamed(&pid(p), |e| *e == p);
+                        prop_assert_eq!(writes.len(), waiting.values().filter(|(q, _)| *q == p).count());
+                        for w in writes { apply(&w, &mut word, &mut waiting)?; }
                     }
                 }
                 prop_assert_eq!(b.pending_count(), waiting.len());

@@ -1033,13 +1033,16 @@ impl CudaBackend {
 
     /// Records an interprocess event on the backend's stream, after the work launched
     /// there so far. Keep the guard until every importer handed its
-    /// [`ipc_handle`](RecordedEvent::ipc_handle) has released its lease.
+    /// [`ipc_handle`](RecordedEvent::ipc_handle) has released its lease and no longer
+    /// waits on it: the event is recorded again once this record has completed, for
+    /// anyone (Baton's own fences use events recorded for one process, which follow
+    /// stricter rules: `cuda/event.rs`).
     ///
     /// # Errors
     /// [`Error::EventsExhausted`] when all events are lent out; [`Error::Cuda`].
     #[doc(alias = "cuEventRecord")]
     pub fn record_event(&self) -> Result<RecordedEvent> {
-        self.events.record(&self.access.stream)
+        self.events.record_for(&self.access.stream, None)
     }
 
     /// Records an interprocess event on `stream` (of this backend's context).
@@ -1047,7 +1050,7 @@ impl CudaBackend {
     /// # Errors
     /// As [`record_event`](Self::record_event).
     pub fn record_event_on(&self, stream: &CudaStream) -> Result<RecordedEvent> {
-        self.events.record(stream)
+        self.events.record_for(stream, None)
     }
 
     /// Records a fence of the backend's [`fence_kind`](Self::fence_kind) on the backend's
@@ -1067,7 +1070,9 @@ impl CudaBackend {
     #[doc(alias = "cuStreamWriteValue64")]
     pub fn record_fence_on(&self, stream: &CudaStream) -> Result<RecordedFence> {
         match self.fence {
-            FenceKind::Event => Ok(RecordedFence::from_event(self.events.record(stream)?)),
+            FenceKind::Event => Ok(RecordedFence::from_event(
+                self.events.record_for(stream, None)?,
+            )),
             FenceKind::Counter => self.inbox()?.slab().record(stream),
         }
     }
@@ -1086,8 +1091,11 @@ impl CudaBackend {
         stream: &CudaStream,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        if self.fence == FenceKind::Event {
+            return Ok(Some(Arc::new(self.events.record_for(stream, waiter(to))?)));
+        }
         let own = self.record_fence_on(stream)?;
-        if self.fence == FenceKind::Event || *to == crate::process::current() {
+        if *to == crate::process::current() {
             return Ok(Some(Arc::new(own)));
         }
         let me = crate::process::current();
@@ -1400,7 +1408,7 @@ impl CudaBackend {
             // `to` lent us no lane we can use (none, several, or it is gone): a pooled
             // interprocess event, which any process can wait on, and nothing blocks here.
             // (Its waiter bridges the wait through memory of its own: `cuda/bridge.rs`.)
-            None => Ok(Some(Arc::new(self.events.record_retiring(stream)?))),
+            None => Ok(Some(Arc::new(self.events.record_for(stream, Some(*to))?))),
         }
     }
 
@@ -1831,7 +1839,7 @@ impl Backend for CudaBackend {
             for mark in after {
                 mark.order(StreamRef::Cuda(&stream))?;
             }
-            return Ok(Some(Arc::new(self.events.record_retiring(&stream)?)));
+            return Ok(Some(Arc::new(self.events.record_for(&stream, waiter(to))?)));
         };
         let mut held = inbox.mark_lock(i);
         for mark in after {
@@ -1851,7 +1859,7 @@ impl Backend for CudaBackend {
         let (i, stream) = self.release_stream(crate::ordering::StreamKey::Internal)?;
         let Some(inbox) = &self.inbox else {
             self.wait_fence_on(producer, fence, &stream)?;
-            return Ok(Some(Arc::new(self.events.record_retiring(&stream)?)));
+            return Ok(Some(Arc::new(self.events.record_for(&stream, waiter(to))?)));
         };
         let mut held = inbox.mark_lock(i);
         self.wait_fence_on(producer, fence, &stream)?;
@@ -1902,7 +1910,15 @@ impl Backend for CudaBackend {
                 producer: *producer,
                 reason: crate::inbox::FenceRefusal::NoLane,
             }),
-            (FenceHandle::Event(_), _) => Ok(()),
+            (FenceHandle::Event(handle), _) => {
+                // Named again: our waits on its older records are over (`cuda/event.rs`),
+                // on a bridge slot or polled on a thread (`wait_here`).
+                if let Some(ev) = self.opened_events.get(&(*producer, handle.0)) {
+                    ev.renamed();
+                }
+                self.bridge.renamed(producer, &handle.0);
+                Ok(())
+            }
         }
     }
 
@@ -2146,6 +2162,12 @@ pub mod testing {
         unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
             .map_err(super::result::from_driver("cuMemcpyHtoD"))
     }
+}
+
+/// Whom an event recorded for `to` is lent to ([`event`]'s reuse rules): nobody in
+/// particular for this process itself (its own waits capture the record when queued).
+fn waiter(to: &ProcessId) -> Option<ProcessId> {
+    (*to != crate::process::current()).then_some(*to)
 }
 
 #[cfg(test)]

@@ -9,6 +9,11 @@
 //! Without 64-bit stream memory operations, or with every slot taken, the wait happens on
 //! the calling thread instead: `cuEventQuery` polled, released by the same three causes.
 //!
+//! A wait is also released when the producer names the same event in a new fence
+//! ([`Bridge::renamed`]): it records an event again only after the older record completed,
+//! and only for us (`cuda/event.rs`), and the new record — which the event's query now
+//! follows — may wait on our own stream.
+//!
 //! Latency: a bridged wait is released one poll ([`POLL`]) after its event completes at
 //! worst — event fences are the fallback, counter fences the fast path.
 
@@ -278,8 +283,12 @@ impl Bridge {
     fn wait_here(&self, producer: &ProcessId, event: &OpenedEvent) -> Result<()> {
         let start = Instant::now();
         let mut last_look = start;
+        let named = event.named();
         loop {
-            if event.is_complete()? || lock(&self.shared.state).is_released(producer) {
+            if event.named() != named
+                || event.is_complete()?
+                || lock(&self.shared.state).is_released(producer)
+            {
                 return Ok(());
             }
             if last_look.elapsed() >= LOOK {
@@ -295,6 +304,13 @@ impl Bridge {
             }
             std::thread::sleep(POLL);
         }
+    }
+
+    /// `producer` named the event with `handle` in a fence again: our waits on its older
+    /// records are released ([`Bridges::renamed`]).
+    pub(crate) fn renamed(&self, producer: &ProcessId, handle: &[u8; 64]) {
+        let writes = lock(&self.shared.state).renamed(producer, |e| e.handle() == handle);
+        self.shared.write(&writes);
     }
 
     /// `producer` is dead: our waits on its events are released.

@@ -6,19 +6,22 @@
 //! stream wait on it before it touches the buffer ([`crate::Backend::order_after`]).
 //!
 //! **Reuse contract.** A wait captures the event's most recent record *at the time of the
-//! wait*. If the exporter re-recorded an event while an importer that was handed the older
-//! record had not yet waited, the importer would wait for the wrong work. So a pooled
-//! event goes back to the pool only when its [`RecordedEvent`] drops, and the exporter (the
-//! actor layer) keeps that guard with the lease that carried the handle until the lease is
-//! released. The pool has a ceiling ([`DEFAULT_EVENT_LIMIT`]; the driver limits live IPC
-//! events too), and [`Error::EventsExhausted`] says when it is reached.
+//! wait*, and a waiter's bridge (`super::bridge`) follows whatever record is current when
+//! it *polls*. If the exporter re-recorded an event while an importer handed the older
+//! record had not yet waited, or not yet seen it complete, the importer would wait for the
+//! wrong work — work that may itself wait on the importer, a cycle only the fence deadline
+//! breaks (the event-fence tight loop ran the pools dry that way, run W). So:
 //!
-//! Events recorded as *release* fences (and by [`crate::Backend::export_fence`]) follow a
-//! stricter rule, because their holder cannot know when the other process waits: dropping
-//! one *retires* it, and it is lent again only once its recorded work has completed. A
-//! later record then only makes a late wait wait longer — never shorter, and never for
-//! work that waits on the waiter (every wait, on either side, names work queued before
-//! it).
+//! - the exporter (the actor layer) keeps a [`RecordedEvent`] with the lease that carried
+//!   its handle until the lease is back; dropping it *retires* the event, lent again only
+//!   once its recorded work has completed;
+//! - an event recorded for a process is recorded again only for that process (while it
+//!   lives): the fence naming the new record reaches the only process that may still
+//!   follow the old one, which takes it as word that the old one completed and releases
+//!   its waits on it (`Backend::check_fence`, [`OpenedEvent::renamed`]).
+//!
+//! The pool has a ceiling ([`DEFAULT_EVENT_LIMIT`]; the driver limits live IPC events too),
+//! and [`Error::EventsExhausted`] says when it is reached.
 //!
 //! # Safety
 //!
@@ -30,11 +33,14 @@
 
 use super::context::ContextGuard;
 use super::{SharedContext, result};
+use crate::process::{Liveness, liveness};
 use crate::{Error, Result};
 use baton_messages::IpcEventHandle;
+use baton_messages::ProcessId;
 use cudarc::driver::{CudaStream, sys};
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 /// How many interprocess events a backend keeps alive at most, unless told otherwise
@@ -134,28 +140,128 @@ impl Drop for EventInner {
     }
 }
 
-struct PoolState {
-    free: Vec<Arc<EventInner>>,
-    /// Retired events, free again once their recorded work completes.
-    retired: Vec<Arc<EventInner>>,
+/// Who may be waiting on an event's latest record: the process it was recorded for, or
+/// `None` when Baton does not know (an event a user records and hands out themselves).
+type Waiter = Option<ProcessId>;
+
+/// The reuse bookkeeping of a pool (no driver calls, so it is tested without a GPU): which
+/// events are free, for whom, and which are retired until their work completes.
+///
+/// Two rules keep a waiter from ever following a record that was not meant for it (the
+/// ABA of pooled events: a waiter's bridge follows whatever record is current when it
+/// *polls*, and a later record can wait on the waiter itself — a cycle only the fence
+/// deadline would break):
+///
+/// - an event is recorded again only once its previous record has completed (every
+///   dropped guard retires its event; [`put_back`](Self::put_back) frees it when done);
+/// - an event recorded for process `W` is recorded again only for `W` (or for anyone once
+///   `W` is dead), so the fence that names the new record reaches the one process that
+///   may still be polling the old one, and `W` takes it as word that the old one completed
+///   (`Backend::check_fence` releases its waits on that event). An event nobody was told
+///   of (`None`) may go to anyone.
+#[derive(Debug)]
+struct Lending<T> {
+    free: HashMap<Waiter, Vec<T>>,
+    /// Retired: free again, for the same waiter, once their recorded work completes.
+    retired: Vec<(Waiter, T)>,
     /// Events alive: free, retired and lent out.
     live: usize,
+    limit: usize,
+}
+
+/// What [`Lending::take`] decided.
+#[derive(Debug, PartialEq, Eq)]
+enum Take<T> {
+    /// Record this one again.
+    Reuse(T),
+    /// Make a new event (counted already; [`Lending::unmake`] if that fails).
+    Make,
+    /// Every event is lent out, retired, or free for another live process.
+    Exhausted,
+}
+
+impl<T> Lending<T> {
+    fn new(limit: usize) -> Self {
+        Self {
+            free: HashMap::new(),
+            retired: Vec::new(),
+            live: 0,
+            limit,
+        }
+    }
+
+    fn free_count(&self) -> usize {
+        self.free.values().map(Vec::len).sum()
+    }
+
+    /// An event to record for `waiter`: one free for it; else a new one below the limit;
+    /// else one free for a dead process (`alive` says), or one nobody was told of.
+    fn take(&mut self, waiter: Waiter, alive: impl Fn(&ProcessId) -> bool) -> Take<T> {
+        if let Some(e) = self.free.get_mut(&waiter).and_then(Vec::pop) {
+            return Take::Reuse(e);
+        }
+        if self.live < self.limit {
+            self.live += 1;
+            return Take::Make;
+        }
+        let dead = self
+            .free
+            .iter()
+            .find(|(w, list)| !list.is_empty() && w.is_some_and(|p| !alive(&p)))
+            .map(|(w, _)| *w);
+        let from = dead.or_else(|| {
+            self.free
+                .get(&None)
+                .is_some_and(|l| !l.is_empty())
+                .then_some(None)
+        });
+        match from.and_then(|w| self.free.get_mut(&w)).and_then(Vec::pop) {
+            Some(e) => Take::Reuse(e),
+            None => Take::Exhausted,
+        }
+    }
+
+    /// Making the event [`take`](Self::take) asked for failed.
+    fn unmake(&mut self) {
+        self.live -= 1;
+    }
+
+    /// The guard of an event recorded for `waiter` dropped.
+    fn retire(&mut self, waiter: Waiter, event: T) {
+        self.retired.push((waiter, event));
+    }
+
+    /// The retired events, to query (with no lock held) and [`put_back`](Self::put_back).
+    fn take_retired(&mut self) -> Vec<(Waiter, T)> {
+        std::mem::take(&mut self.retired)
+    }
+
+    /// Queried retired events back: `done` ones are free for their waiter.
+    fn put_back(&mut self, queried: Vec<(Waiter, T, bool)>) {
+        for (waiter, event, done) in queried {
+            if done {
+                self.free.entry(waiter).or_default().push(event);
+            } else {
+                self.retired.push((waiter, event));
+            }
+        }
+        self.free.retain(|_, list| !list.is_empty());
+    }
 }
 
 /// The exporter's pool of interprocess events.
 pub(crate) struct EventPool {
     ctx: SharedContext,
-    limit: usize,
-    state: Mutex<PoolState>,
+    state: Mutex<Lending<Arc<EventInner>>>,
 }
 
 impl fmt::Debug for EventPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = lock(&self.state);
         f.debug_struct("EventPool")
-            .field("limit", &self.limit)
+            .field("limit", &state.limit)
             .field("live", &state.live)
-            .field("free", &state.free.len())
+            .field("free", &state.free_count())
             .finish()
     }
 }
@@ -164,77 +270,73 @@ impl EventPool {
     pub(crate) fn new(ctx: SharedContext, limit: usize) -> Arc<Self> {
         Arc::new(Self {
             ctx,
-            limit,
-            state: Mutex::new(PoolState {
-                free: Vec::new(),
-                retired: Vec::new(),
-                live: 0,
-            }),
+            state: Mutex::new(Lending::new(limit)),
         })
     }
 
     /// (alive, lent out or retired) events.
     pub(crate) fn counts(&self) -> (usize, usize) {
         let state = lock(&self.state);
-        (state.live, state.live - state.free.len())
+        (state.live, state.live - state.free_count())
     }
 
     /// Frees the retired events whose work has completed (queried with no lock held).
     fn sweep(&self) {
-        let retired = std::mem::take(&mut lock(&self.state).retired);
+        let retired = lock(&self.state).take_retired();
         if retired.is_empty() {
             return;
         }
-        let (done, busy): (Vec<_>, Vec<_>) = retired.into_iter().partition(|e| {
-            let Ok(_pushed) = ContextGuard::push(&e.ctx) else {
-                return false;
-            };
-            // SAFETY: the event is live (we hold it); its context is current. An error of
-            // the recorded work will not complete later: count it as done.
-            unsafe { result::event_query(e.raw) }.unwrap_or(true)
-        });
-        let mut state = lock(&self.state);
-        state.free.extend(done);
-        state.retired.extend(busy);
+        let queried = retired
+            .into_iter()
+            .map(|(waiter, e)| {
+                let done = ContextGuard::push(&e.ctx).is_ok_and(|_pushed| {
+                    // SAFETY: the event is live (we hold it); its context is current. An
+                    // error of the recorded work will not complete later: count it as done.
+                    unsafe { result::event_query(e.raw) }.unwrap_or(true)
+                });
+                (waiter, e, done)
+            })
+            .collect();
+        lock(&self.state).put_back(queried);
     }
 
-    /// Takes a free event, or makes one below the limit, and records it on `stream`.
-    pub(crate) fn record(self: &Arc<Self>, stream: &CudaStream) -> Result<RecordedEvent> {
-        self.record_as(stream, false)
-    }
-
-    /// As [`record`](Self::record), for an event retired (not freed) when its guard drops:
-    /// a release fence, whose waiter's timing its holder cannot know.
-    pub(crate) fn record_retiring(self: &Arc<Self>, stream: &CudaStream) -> Result<RecordedEvent> {
-        self.record_as(stream, true)
-    }
-
-    fn record_as(self: &Arc<Self>, stream: &CudaStream, retire: bool) -> Result<RecordedEvent> {
-        if lock(&self.state).free.is_empty() {
+    /// Takes an event (see [`Lending`]) and records it on `stream` for `waiter`: the
+    /// process the handle goes to, or `None` for an event whose handle the caller hands
+    /// out itself.
+    pub(crate) fn record_for(
+        self: &Arc<Self>,
+        stream: &CudaStream,
+        waiter: Waiter,
+    ) -> Result<RecordedEvent> {
+        let alive = |p: &ProcessId| liveness(p) != Liveness::Dead;
+        let mut take = lock(&self.state).take(waiter, alive);
+        if matches!(take, Take::Exhausted | Take::Make) {
+            // Retired events that are done first: reuse before making more.
             self.sweep();
-        }
-        let event = {
             let mut state = lock(&self.state);
-            match state.free.pop() {
-                Some(e) => e,
-                None if state.live < self.limit => {
-                    state.live += 1;
-                    drop(state);
-                    match EventInner::new(&self.ctx) {
-                        Ok(e) => e,
-                        Err(e) => {
-                            lock(&self.state).live -= 1;
-                            return Err(e);
-                        }
-                    }
+            if matches!(take, Take::Make) {
+                state.unmake();
+            }
+            take = state.take(waiter, alive);
+        }
+        let event = match take {
+            Take::Reuse(e) => e,
+            Take::Make => match EventInner::new(&self.ctx) {
+                Ok(e) => e,
+                Err(e) => {
+                    lock(&self.state).unmake();
+                    return Err(e);
                 }
-                None => return Err(Error::EventsExhausted { limit: self.limit }),
+            },
+            Take::Exhausted => {
+                let limit = lock(&self.state).limit;
+                return Err(Error::EventsExhausted { limit });
             }
         };
         let recorded = RecordedEvent {
             event: Some(event),
             pool: Arc::clone(self),
-            retire,
+            waiter,
         };
         let pushed = ContextGuard::push(stream.context())?;
         // SAFETY: the event and the stream are live; the stream's context is current (the
@@ -248,14 +350,13 @@ impl EventPool {
 /// An interprocess event recorded after some work, lent from the backend's pool. Put
 /// [`ipc_handle`](Self::ipc_handle) in the handle message ([`crate::HandleBuilder::event`])
 /// and keep this guard until every importer that got the handle has released its lease:
-/// dropping it returns the event to the pool, where it may be recorded again.
+/// dropping it retires the event, recorded again once this record has completed.
 pub struct RecordedEvent {
     /// Always `Some` until `drop`.
     event: Option<Arc<EventInner>>,
     pool: Arc<EventPool>,
-    /// Dropping retires the event (lent again once its work completed) rather than
-    /// freeing it.
-    retire: bool,
+    /// The process this record was made for (its next record is for it too).
+    waiter: Waiter,
 }
 
 impl RecordedEvent {
@@ -321,12 +422,7 @@ impl fmt::Debug for RecordedEvent {
 impl Drop for RecordedEvent {
     fn drop(&mut self) {
         if let Some(event) = self.event.take() {
-            let mut state = lock(&self.pool.state);
-            if self.retire {
-                state.retired.push(event);
-            } else {
-                state.free.push(event);
-            }
+            lock(&self.pool.state).retire(self.waiter, event);
         }
     }
 }
@@ -335,6 +431,10 @@ impl Drop for RecordedEvent {
 pub(crate) struct OpenedEvent {
     ctx: SharedContext,
     raw: sys::CUevent,
+    handle: [u8; 64],
+    /// Bumped each time its producer names the event in a fence again: the older records
+    /// have completed ([`Lending`]'s rules), so a wait on one of them is over.
+    named: AtomicU64,
 }
 
 // SAFETY: as for `EventInner`: a driver handle, used only with its context current.
@@ -354,7 +454,25 @@ impl OpenedEvent {
         Ok(Self {
             ctx: Arc::clone(ctx),
             raw,
+            handle: *handle,
+            named: AtomicU64::new(0),
         })
+    }
+
+    /// The IPC handle it was opened from.
+    pub(crate) fn handle(&self) -> &[u8; 64] {
+        &self.handle
+    }
+
+    /// How often its producer named it again since it was opened (see `named`).
+    pub(crate) fn named(&self) -> u64 {
+        self.named.load(Ordering::Acquire)
+    }
+
+    /// Its producer named it in a fence again: it recorded it anew, after the older
+    /// records completed.
+    pub(crate) fn renamed(&self) {
+        self.named.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Whether the event's latest record has completed (`cuEventQuery`, which never
@@ -379,6 +497,173 @@ impl Drop for OpenedEvent {
         // Destroying an event a stream still waits on is allowed: the driver defers it.
         if let Err(e) = unsafe { result::event_destroy(self.raw) } {
             tracing::warn!(error = %e, "destroying an opened interprocess event failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashSet;
+
+    fn pid(n: u32) -> ProcessId {
+        ProcessId {
+            boot: baton_messages::BootId([7; 16]),
+            pid: n,
+            start_ticks: u64::from(n),
+        }
+    }
+
+    /// Takes for `waiter` and, when asked to make one, makes `next`.
+    fn take(
+        l: &mut Lending<u32>,
+        waiter: Waiter,
+        dead: &HashSet<u32>,
+        next: &mut u32,
+    ) -> Option<u32> {
+        match l.take(waiter, |p| !dead.contains(&p.pid)) {
+            Take::Reuse(e) => Some(e),
+            Take::Make => {
+                *next += 1;
+                Some(*next)
+            }
+            Take::Exhausted => None,
+        }
+    }
+
+    #[test]
+    fn an_event_is_recorded_again_only_once_done_and_only_for_the_process_it_was_for() {
+        let mut l = Lending::new(2);
+        let none = HashSet::new();
+        let mut next = 0;
+        let a = take(&mut l, Some(pid(1)), &none, &mut next).unwrap();
+        l.retire(Some(pid(1)), a);
+        // Not done yet: a new one, for anyone.
+        let b = take(&mut l, Some(pid(1)), &none, &mut next).unwrap();
+        assert_ne!(a, b);
+        l.retire(Some(pid(2)), b);
+        let queried = l
+            .take_retired()
+            .into_iter()
+            .map(|(w, e)| (w, e, true))
+            .collect();
+        l.put_back(queried);
+        // At the limit, each is free for its own process only.
+        assert_eq!(take(&mut l, Some(pid(3)), &none, &mut next), None);
+        assert_eq!(take(&mut l, None, &none, &mut next), None);
+        assert_eq!(take(&mut l, Some(pid(2)), &none, &mut next), Some(b));
+        assert_eq!(take(&mut l, Some(pid(1)), &none, &mut next), Some(a));
+        assert_eq!(l.live, 2);
+    }
+
+    #[test]
+    fn a_dead_processs_events_and_those_nobody_was_told_of_go_to_anyone() {
+        let mut l = Lending::new(2);
+        let mut dead = HashSet::new();
+        let mut next = 0;
+        let a = take(&mut l, Some(pid(1)), &dead, &mut next).unwrap();
+        let b = take(&mut l, None, &dead, &mut next).unwrap();
+        l.retire(Some(pid(1)), a);
+        l.retire(None, b);
+        l.put_back(vec![(Some(pid(1)), a, true), (None, b, true)]);
+        assert_eq!(take(&mut l, Some(pid(2)), &dead, &mut next), Some(b));
+        assert_eq!(take(&mut l, Some(pid(2)), &dead, &mut next), None);
+        dead.insert(1);
+        assert_eq!(take(&mut l, Some(pid(2)), &dead, &mut next), Some(a));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Record for waiter `n` (3: nobody in particular).
+        Take(u32),
+        /// Drop the guard of the `i`th lent event.
+        Drop(usize),
+        /// The `i`th retired event's work completes, and a sweep runs.
+        Done(usize),
+        Die(u32),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (0u32..4).prop_map(Op::Take),
+            2 => (0usize..6).prop_map(Op::Drop),
+            2 => (0usize..6).prop_map(Op::Done),
+            1 => (0u32..3).prop_map(Op::Die),
+        ]
+    }
+
+    proptest! {
+        /// Against a model of each event's last record: an event is recorded again only
+        /// once that record completed, and only for the process it was for (or for anyone
+        /// once that process is dead, or when it was for nobody in particular); never more
+        /// than the limit alive; exhausted only when no event may be taken or made.
+        #[test]
+        fn events_are_reused_only_as_the_rules_allow(ops in proptest::collection::vec(op(), 1..200)) {
+            const LIMIT: usize = 4;
+            let mut l: Lending<u32> = Lending::new(LIMIT);
+            let mut dead = HashSet::new();
+            let mut next = 0;
+            // event -> (its last record's waiter, completed)
+            let mut last: HashMap<u32, (Waiter, bool)> = HashMap::new();
+            let mut lent: Vec<(u32, Waiter)> = Vec::new();
+            let mut retired: Vec<u32> = Vec::new();
+            let waiter_of = |n: u32| (n < 3).then(|| pid(n));
+            for op in ops {
+                match op {
+                    Op::Take(n) => {
+                        let w = waiter_of(n);
+                        match take(&mut l, w, &dead, &mut next) {
+                            Some(e) => {
+                                if let Some(&(was, done)) = last.get(&e) {
+                                    prop_assert!(done, "recorded again before its record completed");
+                                    prop_assert!(
+                                        was == w || was.is_none_or(|p| dead.contains(&p.pid)),
+                                        "recorded for {:?}, then for {:?}", was, w
+                                    );
+                                }
+                                last.insert(e, (w, false));
+                                lent.push((e, w));
+                            }
+                            None => {
+                                prop_assert_eq!(l.live, LIMIT);
+                                // Nothing free that this waiter may take (retired ones are
+                                // swept only as the backend does, before a take).
+                                let free = last.iter().filter(|(e, (was, done))| {
+                                    *done && !lent.iter().any(|(x, _)| x == *e)
+                                        && !retired.contains(e)
+                                        && (*was == w || was.is_none_or(|p| dead.contains(&p.pid)))
+                                }).count();
+                                prop_assert_eq!(free, 0);
+                            }
+                        }
+                    }
+                    Op::Drop(i) => {
+                        if i < lent.len() {
+                            let (e, w) = lent.remove(i);
+                            l.retire(w, e);
+                            retired.push(e);
+                        }
+                    }
+                    Op::Done(i) => {
+                        if let Some(&e) = retired.get(i) {
+                            last.get_mut(&e).expect("recorded").1 = true;
+                        }
+                        let queried = l.take_retired().into_iter().map(|(w, e)| {
+                            let done = last[&e].1;
+                            (w, e, done)
+                        }).collect();
+                        l.put_back(queried);
+                        retired.retain(|e| !last[e].1);
+                    }
+                    Op::Die(n) => {
+                        dead.insert(n);
+                    }
+                }
+                prop_assert!(l.live <= LIMIT);
+                prop_assert_eq!(l.live, last.len());
+                prop_assert_eq!(l.live - l.free_count(), lent.len() + retired.len());
+            }
         }
     }
 }
