@@ -299,7 +299,15 @@ fn tight_ordered_loop(fence: FenceKind, handoffs: usize) {
             .unwrap();
         let stream = cuda.context().new_stream().unwrap();
         let touch = link.remote::<Touch>("touch");
+        let start = std::time::Instant::now();
         for i in 0..handoffs {
+            if i % 256 == 0 {
+                let (alive, out) = cuda.fence_counts();
+                eprintln!(
+                    "handoff {i} at {:?}: {alive} fences alive, {out} out or retired",
+                    start.elapsed()
+                );
+            }
             buf.wait_on(&stream).unwrap();
             let shared = buf
                 .share_on(&stream)

@@ -125,6 +125,13 @@ impl Shared {
             }
             (writes, missed)
         };
+        if !writes.is_empty() {
+            tracing::trace!(
+                released = writes.len(),
+                polled = pending.len(),
+                "bridged event waits released"
+            );
+        }
         self.write(&writes);
         self.missed(&missed);
     }
@@ -274,6 +281,7 @@ impl Bridge {
             self.shared.write(&released);
             return Err(e);
         }
+        tracing::trace!(%producer, slot = write.slot, value = write.value, "bridged an event wait");
         self.shared.wake.notify_one();
         Ok(())
     }
@@ -310,6 +318,9 @@ impl Bridge {
     /// records are released ([`Bridges::renamed`]).
     pub(crate) fn renamed(&self, producer: &ProcessId, handle: &[u8; 64]) {
         let writes = lock(&self.shared.state).renamed(producer, |e| e.handle() == handle);
+        if !writes.is_empty() {
+            tracing::trace!(%producer, released = writes.len(), "an event named again released our waits on it");
+        }
         self.shared.write(&writes);
     }
 

@@ -333,6 +333,10 @@ impl EventPool {
                 return Err(Error::EventsExhausted { limit });
             }
         };
+        if tracing::enabled!(tracing::Level::TRACE) {
+            let (live, out) = self.counts();
+            tracing::trace!(live, out, ?waiter, "recording a pooled event");
+        }
         let recorded = RecordedEvent {
             event: Some(event),
             pool: Arc::clone(self),
