@@ -122,6 +122,13 @@ fn main() {
         eprintln!("baton-ordering-peer: {e}");
         std::process::exit(1);
     }
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .init();
+    }
     let system = System::new();
     let result = system.block_on(async move {
         let node = Node::from_env()?;
