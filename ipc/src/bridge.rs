@@ -120,6 +120,14 @@ impl<E: Clone> Bridges<E> {
             .collect()
     }
 
+    /// When the wait pending on `slot` was opened.
+    pub(crate) fn since(&self, slot: u32) -> Option<Instant> {
+        self.pending
+            .iter()
+            .find(|p| p.write.slot == slot)
+            .map(|p| p.since)
+    }
+
     /// How many waits are pending.
     pub(crate) fn pending_count(&self) -> usize {
         self.pending.len()

@@ -99,6 +99,7 @@ impl Shared {
     /// — when `look` — those of dead producers and past the deadline.
     fn poll(&self, look: bool) {
         let pending = lock(&self.state).pending();
+        let queried = Instant::now();
         let landed: Vec<u32> = pending
             .iter()
             .filter(|(_, ev)| match ev.is_complete() {
@@ -111,8 +112,23 @@ impl Shared {
             })
             .map(|(slot, _)| *slot)
             .collect();
+        let query_us = queried.elapsed().as_micros();
         let (writes, missed) = {
             let mut state = lock(&self.state);
+            let oldest_us = landed
+                .iter()
+                .filter_map(|slot| state.since(*slot))
+                .map(|since| since.elapsed().as_micros())
+                .max();
+            if let Some(oldest_us) = oldest_us {
+                tracing::trace!(
+                    landed = landed.len(),
+                    polled = pending.len(),
+                    query_us,
+                    oldest_us,
+                    "bridged events completed"
+                );
+            }
             let mut writes = state.landed(&landed);
             let mut missed = Vec::new();
             if look {
@@ -125,14 +141,15 @@ impl Shared {
             }
             (writes, missed)
         };
+        let wrote = Instant::now();
+        self.write(&writes);
         if !writes.is_empty() {
             tracing::trace!(
                 released = writes.len(),
-                polled = pending.len(),
+                write_us = wrote.elapsed().as_micros(),
                 "bridged event waits released"
             );
         }
-        self.write(&writes);
         self.missed(&missed);
     }
 }
@@ -248,6 +265,7 @@ impl Bridge {
         stream: &CudaStream,
     ) -> Result<()> {
         if lock(&self.shared.state).is_released(producer) || event.is_complete()? {
+            tracing::trace!(%producer, "an event wait needs no bridge");
             return Ok(());
         }
         if liveness(producer) == Liveness::Dead {

@@ -343,10 +343,12 @@ impl EventPool {
             waiter,
         };
         let pushed = ContextGuard::push(stream.context())?;
+        let recording = std::time::Instant::now();
         // SAFETY: the event and the stream are live; the stream's context is current (the
         // event's context is the backend's, as is the stream's).
         unsafe { result::event_record(recorded.inner().raw, stream.cu_stream()) }?;
         drop(pushed);
+        tracing::trace!(record_us = recording.elapsed().as_micros(), "recorded");
         Ok(recorded)
     }
 }
