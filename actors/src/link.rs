@@ -298,6 +298,7 @@ impl PeerLink {
             queued_calls: AtomicUsize::new(0),
             held_leases: AtomicUsize::new(0),
             fds_received: AtomicU64::new(0),
+            turn: Arc::new(tokio::sync::Mutex::new(())),
             stopped: tokio::sync::watch::Sender::new(false),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));

@@ -112,6 +112,10 @@ pub(crate) struct LinkState {
     pub(crate) held_leases: AtomicUsize,
     /// File descriptors received from the peer beside its frames.
     pub(crate) fds_received: AtomicU64,
+    /// Held by a call while it is queued: a call that has to wait (for room on the link or
+    /// for fences to spare) holds it meanwhile, so later calls wait behind it and calls
+    /// leave in the order they were made.
+    pub(crate) turn: Arc<tokio::sync::Mutex<()>>,
     /// `true` once the link actor has stopped and the node has processed the link's end
     /// (leases reclaimed, `PeerEvent::Down` sent): what [`LinkRef::closed`] waits for.
     pub(crate) stopped: tokio::sync::watch::Sender<bool>,

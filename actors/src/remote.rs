@@ -515,17 +515,23 @@ pub(crate) fn call_encoded(
     let calls = calls.clone();
     let target = Arc::clone(target);
     let peer = link.peer();
-    // The fast path, taken now: room on the link, so the call is queued in order.
+    // The fast path, taken now: no call waits before this one (the turn), room on the
+    // link and fences to spare, so the call is queued in order.
     let started = match encoded {
         Err(e) => Err(e),
         Ok(encoded) => {
             let cost = window_cost(&encoded, &link);
             let state = link.state();
+            let fast = Arc::clone(&state.turn)
+                .try_lock_owned()
+                .ok()
+                .filter(|_| fence_room(&encoded, peer));
             match (
+                fast,
                 Arc::clone(&state.pending_calls).try_acquire_owned(),
                 Arc::clone(&state.send_window).try_acquire_many_owned(cost),
             ) {
-                (Ok(slot), Ok(window)) => Ok(Started::Queued(queue(
+                (Some(_turn), Ok(slot), Ok(window)) => Ok(Started::Queued(queue(
                     &link, &calls, &target, &type_name, encoded, window, slot,
                 ))),
                 _ => Ok(Started::Waiting(encoded, cost)),
@@ -537,6 +543,9 @@ pub(crate) fn call_encoded(
             Started::Queued(q) => q,
             Started::Waiting(encoded, cost) => {
                 let state = link.state();
+                // Calls that wait go in the order they were made.
+                let _turn = Arc::clone(&state.turn).lock_owned().await;
+                wait_for_fences(&encoded, &link).await;
                 let closed = |_| ActorError::LinkClosed { peer };
                 let slot = Arc::clone(&state.pending_calls)
                     .acquire_owned()
@@ -558,6 +567,35 @@ pub(crate) fn call_encoded(
         cancel.disarm();
         drop(slot);
         Ok(payload)
+    }
+}
+
+/// Whether every buffer of the call can carry a fence to `peer` now
+/// ([`Backend::fence_room`](baton_ipc::Backend::fence_room)).
+fn fence_room(encoded: &Encoded, peer: ProcessId) -> bool {
+    encoded
+        .cells
+        .iter()
+        .all(|out| out.cell.order.backend().fence_room(&peer))
+}
+
+/// How long a call waits for fences to spare before it goes anyway (and its offer may
+/// fail with `EventsExhausted`): the fence deadline's default, past which the other side's
+/// waits are released and its fences come back.
+const FENCE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Waits (polling, asynchronously) until the call's buffers can carry fences to the link's
+/// peer, the link goes down, or [`FENCE_PATIENCE`] has passed.
+async fn wait_for_fences(encoded: &Encoded, link: &LinkRef) {
+    let peer = link.peer();
+    let start = std::time::Instant::now();
+    let mut waited = false;
+    while !fence_room(encoded, peer) && link.is_alive() && start.elapsed() < FENCE_PATIENCE {
+        if !waited {
+            tracing::debug!(%peer, "no fence to spare for the peer: the call waits for its fences' work");
+            waited = true;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 

@@ -776,6 +776,16 @@ pub trait Backend: Send + Sync + fmt::Debug {
         let _ = (producer, fence);
         Ok(())
     }
+    /// Whether a fence for process `to` can be made now without running a pool dry or
+    /// deepening a backlog the GPU works through slowly: `false` asks a sender to wait
+    /// (asynchronously, never on an actor's thread) before it offers a buffer to `to`.
+    /// CUDA event fences: an event for `to` can be had, and fewer than
+    /// [`RETIRED_PER_PEER`](crate::cuda::RETIRED_PER_PEER) of the events lent to `to` wait
+    /// for their work. Backends whose fences lend nothing: always.
+    fn fence_room(&self, to: &ProcessId) -> bool {
+        let _ = to;
+        true
+    }
     /// Adds where the backend reports a producer that named fence values and did not
     /// deliver them within the fence deadline (its waits are released already): each node
     /// on the backend cuts its links to it.

@@ -1922,6 +1922,15 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// Event fences only: counter fences lend nothing for long (a slot comes back when its
+    /// value lands, which the GPU does on its own), and a peer without a usable lane is
+    /// rare enough to meet `EventsExhausted` instead.
+    fn fence_room(&self, to: &ProcessId) -> bool {
+        self.fence != FenceKind::Event
+            || *to == crate::process::current()
+            || self.events.room_for(waiter(to), RETIRED_PER_PEER)
+    }
+
     fn add_fence_fault_hook(&self, hook: crate::backend::FenceFaultHook) {
         if let Some(inbox) = &self.inbox {
             inbox.add_hook(Arc::clone(&hook));
@@ -2163,6 +2172,14 @@ pub mod testing {
             .map_err(super::result::from_driver("cuMemcpyHtoD"))
     }
 }
+
+/// How many pooled events recorded for one process may wait for their work before a
+/// sender offering it a buffer waits ([`Backend::fence_room`]): each such event's work
+/// waits, through the other process's bridge, on the work before it, and a host loop that
+/// runs ahead of that chain (a bridge hop costs a poll; tens of them queued on both sides,
+/// a GPU time slice each on the H200, run Y) would run the pool dry. Small on purpose:
+/// a shallow chain keeps its hops fast.
+pub const RETIRED_PER_PEER: usize = 8;
 
 /// Whom an event recorded for `to` is lent to ([`event`]'s reuse rules): nobody in
 /// particular for this process itself (its own waits capture the record when queued).

@@ -221,6 +221,20 @@ impl<T> Lending<T> {
         }
     }
 
+    /// Whether [`take`](Self::take) for `waiter` would find an event, and fewer than
+    /// `backlog` of those retired for `waiter` still wait for their work (a backlog of
+    /// records the other side has not waited through yet).
+    fn room(&self, waiter: Waiter, backlog: usize, alive: impl Fn(&ProcessId) -> bool) -> bool {
+        let behind = self.retired.iter().filter(|(w, _)| *w == waiter).count();
+        let takeable = self.free.get(&waiter).is_some_and(|l| !l.is_empty())
+            || self.live < self.limit
+            || self
+                .free
+                .iter()
+                .any(|(w, list)| !list.is_empty() && w.is_none_or(|p| !alive(&p)));
+        behind < backlog && takeable
+    }
+
     /// Making the event [`take`](Self::take) asked for failed.
     fn unmake(&mut self) {
         self.live -= 1;
@@ -298,6 +312,13 @@ impl EventPool {
             })
             .collect();
         lock(&self.state).put_back(queried);
+    }
+
+    /// Whether an event for `waiter` can be recorded now with fewer than `backlog` of its
+    /// retired events still waiting for their work (swept first).
+    pub(crate) fn room_for(&self, waiter: Waiter, backlog: usize) -> bool {
+        self.sweep();
+        lock(&self.state).room(waiter, backlog, |p| liveness(p) != Liveness::Dead)
     }
 
     /// Takes an event (see [`Lending`]) and records it on `stream` for `waiter`: the
@@ -577,6 +598,34 @@ mod tests {
         assert_eq!(take(&mut l, Some(pid(2)), &dead, &mut next), None);
         dead.insert(1);
         assert_eq!(take(&mut l, Some(pid(2)), &dead, &mut next), Some(a));
+    }
+
+    #[test]
+    fn room_runs_out_with_a_backlog_of_retired_events_or_none_to_take() {
+        let mut l = Lending::new(3);
+        let none = HashSet::new();
+        let alive = |p: &ProcessId| !none.contains(&p.pid);
+        let mut next = 0;
+        assert!(l.room(Some(pid(1)), 2, alive));
+        let a = take(&mut l, Some(pid(1)), &none, &mut next).unwrap();
+        let b = take(&mut l, Some(pid(1)), &none, &mut next).unwrap();
+        l.retire(Some(pid(1)), a);
+        assert!(l.room(Some(pid(1)), 2, alive), "one behind");
+        l.retire(Some(pid(1)), b);
+        assert!(!l.room(Some(pid(1)), 2, alive), "two behind");
+        assert!(
+            l.room(Some(pid(2)), 2, alive),
+            "another peer's backlog is its own"
+        );
+        let _c = take(&mut l, Some(pid(2)), &none, &mut next).unwrap();
+        assert!(!l.room(Some(pid(2)), 2, alive), "none left to take");
+        assert_eq!(l.take_retired().len(), 2);
+        l.put_back(vec![(Some(pid(1)), a, true), (Some(pid(1)), b, false)]);
+        assert!(l.room(Some(pid(1)), 2, alive));
+        assert!(
+            !l.room(Some(pid(2)), 2, alive),
+            "pid 1's free event is not for pid 2"
+        );
     }
 
     #[derive(Debug, Clone)]
