@@ -1,5 +1,6 @@
 //! Supervision: a process supervisor restarts a SIGKILLed exporter while the importer's
-//! leases turn orphaned; restart limits escalate; one-for-all restarts all; actix's own
+//! leases turn orphaned; restart limits escalate; one-for-all restarts all; a child that
+//! keeps a revoked lease is killed where its owner's `RevokePolicy` says so; actix's own
 //! `Supervisor` restarts an actor in process without losing its registration.
 
 #[path = "support/actors.rs"]
@@ -13,8 +14,8 @@ use actix::prelude::*;
 use actors::{DEADLINE, Parent, eventually, run};
 use baton::actors::supervisor::{KillChild, Shutdown};
 use baton::actors::{
-    ActorError, ChildSpec, Lease, Node, ProcessSupervisor, RemoteMessage, RestartPolicy, Strategy,
-    SupervisorEvent,
+    ActorError, Allocate, Buffer, BufferOwner, ChildSpec, Lease, Node, ProcessSupervisor,
+    RemoteMessage, RestartPolicy, Revoke, RevokePolicy, Strategy, SupervisorEvent,
 };
 use baton::ipc::{HostBackend, host};
 use msgs::*;
@@ -435,6 +436,97 @@ fn a_transient_child_that_exits_cleanly_is_not_restarted() {
         );
         assert_eq!(events.started().len(), 1);
         sup.send(Shutdown).await.unwrap();
+    });
+}
+
+/// `RevokePolicy::KillSupervisedChild`: a supervised child that keeps a revoked lease past
+/// its deadline is cut *and* SIGKILLed by the node (through the pidfd its supervisor
+/// registered) — a stubborn holder left alone would exit cleanly once cut, so the signal
+/// is the node's — and the buffer's memory is freed, no lease left.
+#[test]
+fn a_supervised_child_that_keeps_a_revoked_lease_is_killed() {
+    run(async {
+        let parent = Parent::start("revkill");
+        let owner = BufferOwner::new(&parent.node)
+            .revoke_policy(RevokePolicy::KillSupervisedChild)
+            .start();
+        let (sup, events) = supervise(
+            &parent,
+            vec![
+                peer_spec(&parent, "holder", "serve")
+                    .arg("stubborn")
+                    .restart(baton::actors::Restart::Temporary),
+            ],
+            Strategy::OneForOne,
+            RestartPolicy::default(),
+        );
+        eventually(DEADLINE, "the child's link", || {
+            parent.events.ups().len() == 1
+        })
+        .await;
+        let link = parent.events.ups()[0].clone();
+        let pid = link.process().pid;
+
+        let buf: Buffer<u32> = owner.send(Allocate::vector(1024)).await.unwrap().unwrap();
+        let data: Vec<u32> = (0..1024).map(|i| pattern(5, i)).collect();
+        buf.write_at(0, &data).unwrap();
+        let id = buf.id();
+        let held = link
+            .remote::<Hold>("holder")
+            .send(Hold {
+                buffers: vec![buf.share()],
+            })
+            .await
+            .unwrap();
+        assert_eq!(held, 1);
+        drop(buf);
+        assert_eq!(parent.node.export_stats().leases, 1);
+        assert_eq!(parent.segments(), 1, "the leased buffer's segment");
+
+        let asked = owner
+            .send(Revoke {
+                buffer: id,
+                within: Duration::from_millis(200),
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(asked, 1);
+        eventually(DEADLINE, "the holder's exit", || {
+            events
+                .all()
+                .iter()
+                .any(|e| matches!(e, SupervisorEvent::Exited { pid: p, .. } if *p == pid))
+        })
+        .await;
+        let status = events
+            .all()
+            .into_iter()
+            .find_map(|e| match e {
+                SupervisorEvent::Exited { pid: p, status, .. } if p == pid => Some(status),
+                _ => None,
+            })
+            .unwrap();
+        assert!(
+            status.contains("signal 9"),
+            "the stubborn child was not killed by the node: it ended with {status}"
+        );
+        let reason = parent.events.down_reason(link.link_id()).unwrap();
+        assert!(
+            reason
+                .as_deref()
+                .is_some_and(|r| r.contains("RevokeDeadline")),
+            "{reason:?}"
+        );
+        eventually(DEADLINE, "the buffer freed", || {
+            parent.node.lease_table().iter().all(|b| b.buffer != id)
+        })
+        .await;
+        assert_eq!(parent.node.export_stats().leases, 0);
+        assert_eq!(parent.segments(), 0, "nothing left in /dev/shm");
+        assert_eq!(events.started().len(), 1, "a temporary child: no restart");
+        sup.send(Shutdown).await.unwrap();
+        eventually(DEADLINE, "the child reaped", || gone(pid)).await;
     });
 }
 

@@ -3,9 +3,10 @@
 //! link protocol frame by frame. For each: the offending link ends with its typed error,
 //! this process's resident memory stays within a stated bound (printed), and an honest
 //! peer's handoffs keep working throughout (their round trips printed). Then the bounds we
-//! control: a sender faster than its link waits instead of queueing, and an importer that
-//! cannot open a buffer (its descriptor limit lowered) refuses that call and keeps its link
-//! and its other leases.
+//! control: a sender faster than its link waits instead of queueing, a batch of our calls
+//! leaves the queue's bound as strict as before, and an importer that cannot open a buffer
+//! (its descriptor limit lowered) refuses that call and keeps its link and its other
+//! leases.
 
 #[path = "support/actors.rs"]
 mod actors;
@@ -17,12 +18,14 @@ mod peer;
 use actix::prelude::*;
 use actors::{DEADLINE, Lines, Parent, eventually, exited, run};
 use baton::actors::{ActorError, LinkLimits, Peer};
-use baton::ipc::{HostBackend, SharedBackend};
+use baton::ipc::{HostBackend, Link, LinkConfig, SharedBackend};
+use baton::messages::Message as Wire;
 use baton::messages::protocol::CallFault;
 use msgs::*;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+use tokio::task::spawn_blocking;
 
 /// One test at a time: each measures this process's resident memory.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -345,6 +348,77 @@ fn a_sender_faster_than_its_link_waits_for_room() {
         }
         link.close();
         assert!(exited(&mut honest, DEADLINE).await.success());
+    });
+}
+
+/// Calls of ours queued back to back leave in one `sendmsg`, and the batch takes their
+/// bytes out of the calls' count exactly (the send window bounds them, not the queue's
+/// bound). So after a batch of eight calls, a peer that sends pings and reads no pong is
+/// still cut at the queue's bound (`PeerNotReading`): a miscounted batch would leave the
+/// bound unenforced. The peer is a raw link of this process, driven from a blocking task.
+#[test]
+fn after_a_batch_of_calls_the_queue_bound_still_cuts_a_peer_that_does_not_read() {
+    let _serial = serial();
+    run(async {
+        let ns = peer::namespace("fbatch");
+        let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits()));
+        let before = parent.events.ups().len();
+        let (path, config) = (
+            parent.listening.path().to_owned(),
+            LinkConfig::new(parent.session.clone()),
+        );
+        let mut raw = spawn_blocking(move || Link::connect(path, &config))
+            .await
+            .unwrap()
+            .unwrap();
+        eventually(DEADLINE, "the raw link", || {
+            parent.events.ups().len() > before
+        })
+        .await;
+        let link = parent.events.ups()[before].clone();
+
+        // `send` queues its call before it returns: all eight are queued before the link's
+        // writer runs, and leave together.
+        let blob = link.remote::<Blob>("blob");
+        let calls: Vec<_> = (0..8)
+            .map(|i| actix::spawn(blob.send_timeout(Blob { data: vec![i; 64] }, DEADLINE)))
+            .collect();
+        // The peer reads the eight calls (and answers none), then sends pings and reads no
+        // pong.
+        let flood = spawn_blocking(move || {
+            let mut calls = 0;
+            while calls < 8 {
+                if let Wire::Call(_) = raw.recv_timeout(DEADLINE)?.message {
+                    calls += 1;
+                }
+            }
+            let mut sent = 0u64;
+            while sent < 200_000 && raw.send(&Wire::Ping(sent), &[]).is_ok() {
+                sent += 1;
+            }
+            Ok::<_, baton::Error>(sent)
+        });
+        eventually(DEADLINE, "the raw link to end", || {
+            parent.events.down_reason(link.link_id()).is_some()
+        })
+        .await;
+        let reason = parent.events.down_reason(link.link_id()).unwrap();
+        assert!(
+            reason
+                .as_deref()
+                .is_some_and(|r| r.contains("PeerNotReading")),
+            "after a batch of calls, the peer that reads no pong ended with {reason:?}"
+        );
+        let sent = flood.await.unwrap().expect("the peer read our eight calls");
+        println!("after a batch of 8 calls: the peer sent {sent} pings before it was cut");
+        for call in calls {
+            let got = call.await.unwrap();
+            assert!(
+                matches!(got, Err(ActorError::LinkClosed { .. })),
+                "an unanswered call ends with the link: {got:?}"
+            );
+        }
     });
 }
 

@@ -11,7 +11,9 @@
 //! - pool-like descriptors cross a link once per (link, pool), and again after an import
 //!   failed;
 //! - a node keeps answering pings while a deliberately slow "driver" open is in progress
-//!   (opens run on the node's driver thread, not on its actors' thread).
+//!   (opens run on the node's driver thread, not on its actors' thread), and a message whose
+//!   offers are all cache hits is opened without it, every view intact;
+//! - a frame that carries descriptors, queued behind other frames, keeps its descriptors.
 //!
 //! The same properties on a real GPU: `tests/ordering_cuda.rs` (`--features gpu-tests`).
 
@@ -520,6 +522,147 @@ fn a_per_allocation_descriptor_crosses_a_link_once_per_allocation() {
         }
         let from_exporter = importer.peers().pop().expect("the exporter's link");
         assert_eq!(from_exporter.descriptors_received(), 2);
+        drop(pair);
+    });
+}
+
+/// Frames queued back to back leave in one `sendmsg`, but a frame that carries descriptors
+/// starts a batch of its own (descriptors travel with their frame's first byte). Calls
+/// without buffers, each run followed at once by a call whose buffer crosses the link for
+/// the first time (its memfd goes with it), all queued before the link's writer runs: every
+/// descriptor arrives, and every buffer reads what the exporter wrote.
+#[test]
+fn offers_with_descriptors_queued_behind_other_frames_arrive_intact() {
+    use baton::ipc::{HostBackend, HostFlavor};
+    run(async {
+        let ns = peer::namespace("ord-batch");
+        let host = |ns: &str| -> SharedBackend {
+            Arc::new(HostBackend::with_flavor(HostFlavor::Memfd, ns).unwrap())
+        };
+        let pair = Pair::link(host(&ns), host(&ns)).await;
+        let Pair {
+            importer,
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
+        let keep = to_importer.remote::<Hold>("keep");
+        let mut bufs = Vec::new();
+        for seed in 0..4 {
+            let buf: Buffer<u32> = owner.send(Allocate::vector(256)).await.unwrap().unwrap();
+            buf.write_at(0, &patterned(seed, 256)).unwrap();
+            bufs.push(buf);
+        }
+        // `send` queues its call before it returns: nothing runs the link's writer until
+        // all 36 are queued.
+        let mut sends = Vec::new();
+        for buf in &bufs {
+            for _ in 0..8 {
+                sends.push(keep.send_timeout(
+                    Hold {
+                        buffers: Vec::new(),
+                    },
+                    DEADLINE,
+                ));
+            }
+            sends.push(keep.send_timeout(
+                Hold {
+                    buffers: vec![buf.share()],
+                },
+                DEADLINE,
+            ));
+        }
+        for (i, send) in sends.into_iter().enumerate() {
+            send.await
+                .unwrap_or_else(|e| panic!("call {i} of the batch failed: {e}"));
+        }
+        let from_exporter = importer.peers().pop().expect("the exporter's link");
+        assert_eq!(
+            from_exporter.descriptors_received(),
+            4,
+            "one memfd per buffer"
+        );
+        let leases = std::mem::take(&mut *kept.lock().unwrap());
+        assert_eq!(leases.len(), 4);
+        for (seed, lease) in (0..).zip(&leases) {
+            assert_eq!(
+                lease.to_vec().unwrap(),
+                patterned(seed, 256),
+                "buffer {seed}"
+            );
+        }
+        drop(leases);
+        for buf in &bufs {
+            eventually("the leases back", || buf.leases_out() == 0).await;
+        }
+        drop(pair);
+    });
+}
+
+/// `len` pattern values (see `msgs::pattern`).
+fn patterned(seed: u32, len: usize) -> Vec<u32> {
+    (0..len).map(|i| msgs::pattern(seed, i)).collect()
+}
+
+/// A message whose offers are all warm mappings of the importer's (opened for an earlier
+/// message, kept after its leases went back) is opened on the link's own thread, with no
+/// trip to the driver thread: every offer still arrives as a view of its own buffer.
+#[test]
+fn a_message_whose_offers_are_all_cache_hits_arrives_with_every_view() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::new(&device, "exp");
+        let imp = SimBackend::new(&device, "imp");
+        let pair = Pair::link(exp.clone(), imp.clone()).await;
+        let Pair {
+            importer,
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
+        let keep = to_importer.remote::<Hold>("keep");
+        let mut bufs = Vec::new();
+        for seed in 0..3 {
+            let buf: Buffer<u32> = owner.send(Allocate::vector(64)).await.unwrap().unwrap();
+            buf.write_at(0, &patterned(seed, 64)).unwrap();
+            bufs.push(buf);
+        }
+        let cache = importer.cache();
+        for round in ["first: three opens", "again: three cache hits"] {
+            let before = cache.stats();
+            let held = keep
+                .send_timeout(
+                    Hold {
+                        buffers: bufs.iter().map(|b| b.share()).collect(),
+                    },
+                    DEADLINE,
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{round}: {e}"));
+            assert_eq!(held, 3, "{round}");
+            let after = cache.stats();
+            let (opens, hits) = (after.opens - before.opens, after.hits - before.hits);
+            if round.starts_with("first") {
+                assert_eq!((opens, hits), (3, 0), "{round}: {after:?}");
+            } else {
+                assert_eq!((opens, hits), (0, 3), "{round}: {after:?}");
+            }
+            let leases = std::mem::take(&mut *kept.lock().unwrap());
+            for (seed, lease) in (0..).zip(&leases) {
+                assert_eq!(
+                    lease.to_vec().unwrap(),
+                    patterned(seed, 64),
+                    "{round}: buffer {seed}"
+                );
+            }
+            drop(leases);
+            for buf in &bufs {
+                eventually("the leases back", || buf.leases_out() == 0).await;
+            }
+            assert_eq!(cache.stats().warm, 3, "{round}: kept warm");
+        }
         drop(pair);
     });
 }

@@ -1017,3 +1017,6 @@ impl Exports {
         OwnerStats::new(state.ledger.counts(owner), counters)
     }
 }
+
+#[cfg(test)]
+mod tests;
