@@ -647,6 +647,7 @@ pub struct CudaBackendBuilder {
     counter_slots: usize,
     inbox_lanes: usize,
     fence_deadline: Duration,
+    event_backlog: usize,
     pool_release_threshold: u64,
 }
 
@@ -695,6 +696,14 @@ impl CudaBackendBuilder {
     /// Raise it for kernels that run longer than that on a leased buffer.
     pub fn fence_deadline(mut self, deadline: Duration) -> Self {
         self.fence_deadline = deadline;
+        self
+    }
+
+    /// How many pooled events recorded for one peer may wait for their work before a call
+    /// offering that peer a buffer waits for them ([`Backend::fence_room`]; default
+    /// [`DEFAULT_EVENT_BACKLOG`], or `BATON_EVENT_BACKLOG`). At least 1.
+    pub fn event_backlog(mut self, backlog: usize) -> Self {
+        self.event_backlog = backlog.max(1);
         self
     }
 
@@ -769,6 +778,8 @@ pub struct CudaBackend {
     bridge: bridge::Bridge,
     /// The fence deadline (bounds how long a close polls our own fences).
     fence_deadline: Duration,
+    /// [`CudaBackendBuilder::event_backlog`].
+    event_backlog: usize,
     opened_events: OnceTable<(ProcessId, [u8; 64]), OpenedEvent>,
     imported_pools: OnceTable<(ProcessId, u64), ImportedPool>,
     /// Peers' fence inboxes we write into, by (process, slab id); closed once the peer
@@ -829,6 +840,7 @@ impl CudaBackend {
             counter_slots: DEFAULT_COUNTER_SLOTS,
             inbox_lanes: DEFAULT_INBOX_LANES,
             fence_deadline: crate::inbox::fence_deadline_from_env(),
+            event_backlog: event_backlog_from_env(),
             pool_release_threshold: DEFAULT_POOL_RELEASE_THRESHOLD,
         }
     }
@@ -943,6 +955,7 @@ impl CudaBackend {
             inbox,
             bridge,
             fence_deadline: b.fence_deadline,
+            event_backlog: b.event_backlog,
             opened_events: OnceTable::default(),
             imported_pools: OnceTable::default(),
             peer_inboxes: OnceTable::default(),
@@ -1928,7 +1941,7 @@ impl Backend for CudaBackend {
     fn fence_room(&self, to: &ProcessId) -> bool {
         self.fence != FenceKind::Event
             || *to == crate::process::current()
-            || self.events.room_for(waiter(to), RETIRED_PER_PEER)
+            || self.events.room_for(waiter(to), self.event_backlog)
     }
 
     fn add_fence_fault_hook(&self, hook: crate::backend::FenceFaultHook) {
@@ -2174,12 +2187,30 @@ pub mod testing {
 }
 
 /// How many pooled events recorded for one process may wait for their work before a
-/// sender offering it a buffer waits ([`Backend::fence_room`]): each such event's work
-/// waits, through the other process's bridge, on the work before it, and a host loop that
-/// runs ahead of that chain (a bridge hop costs a poll; tens of them queued on both sides,
-/// a GPU time slice each on the H200, run Y) would run the pool dry. Small on purpose:
-/// a shallow chain keeps its hops fast.
-pub const RETIRED_PER_PEER: usize = 8;
+/// sender offering it a buffer waits ([`Backend::fence_room`],
+/// [`CudaBackendBuilder::event_backlog`]): each such event's work waits, through the other
+/// process's bridge, on the work before it, and a host loop that runs ahead of that chain
+/// would run the pool dry (`docs/ORDERING.md`, "Costs and limits").
+pub const DEFAULT_EVENT_BACKLOG: usize = 8;
+
+/// The variable that sets [`CudaBackendBuilder::event_backlog`] for backends built from
+/// the environment.
+pub const EVENT_BACKLOG_ENV: &str = "BATON_EVENT_BACKLOG";
+
+/// [`EVENT_BACKLOG_ENV`]'s value, [`DEFAULT_EVENT_BACKLOG`] if unset or not a positive
+/// number (logged).
+fn event_backlog_from_env() -> usize {
+    match std::env::var(EVENT_BACKLOG_ENV) {
+        Err(_) => DEFAULT_EVENT_BACKLOG,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                tracing::warn!(value = %v, "{EVENT_BACKLOG_ENV} is not a positive number: using the default");
+                DEFAULT_EVENT_BACKLOG
+            }
+        },
+    }
+}
 
 /// Whom an event recorded for `to` is lent to ([`event`]'s reuse rules): nobody in
 /// particular for this process itself (its own waits capture the record when queued).
