@@ -58,8 +58,9 @@
 //! 8. **A flood of releases of one reused buffer keeps fences bounded.** A helper leases and
 //!    releases one buffer 10,000 times, with a kernel on it each time; our device memory
 //!    stays flat, and the free waits on a bounded number of fences (at most one per slot of
-//!    the helper), within the deadline. Counter and event fences (the event form is the
-//!    tight loop that ran the event pools dry before their reuse rules, `cuda/event.rs`).
+//!    the helper), within the deadline. Counter fences (10,000 rounds) and event fences
+//!    (2,048: the tight loop that ran the event pool dry before calls waited for a peer's
+//!    backlog of events, docs/ORDERING.md).
 //!
 //! Each scenario is one test that runs on legacy, VMM and pool memory with counter and
 //! event fences (but for 7 and 8, as said), skipping (with a printed reason) the memory

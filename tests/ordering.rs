@@ -486,18 +486,22 @@ fn a_node_answers_pings_while_a_slow_driver_open_is_in_progress() {
     });
 }
 
+/// Two linked nodes on host `memfd` memory (a descriptor per allocation, as for VMM).
+async fn memfd_pair(tag: &str) -> Pair {
+    use baton::ipc::{HostBackend, HostFlavor};
+    let ns = peer::namespace(tag);
+    let host =
+        || -> SharedBackend { Arc::new(HostBackend::with_flavor(HostFlavor::Memfd, &ns).unwrap()) };
+    Pair::link(host(), host()).await
+}
+
 /// Host `memfd` memory, whose descriptor is per allocation like a CUDA VMM allocation's:
 /// it crosses a link with the first offer of each allocation only (counted by the
 /// importer's link), however often the allocation is offered.
 #[test]
 fn a_per_allocation_descriptor_crosses_a_link_once_per_allocation() {
-    use baton::ipc::{HostBackend, HostFlavor};
     run(async {
-        let ns = peer::namespace("ord-fd");
-        let host = |ns: &str| -> SharedBackend {
-            Arc::new(HostBackend::with_flavor(HostFlavor::Memfd, ns).unwrap())
-        };
-        let pair = Pair::link(host(&ns), host(&ns)).await;
+        let pair = memfd_pair("ord-fd").await;
         let Pair {
             importer,
             owner,
@@ -533,13 +537,8 @@ fn a_per_allocation_descriptor_crosses_a_link_once_per_allocation() {
 /// descriptor arrives, and every buffer reads what the exporter wrote.
 #[test]
 fn offers_with_descriptors_queued_behind_other_frames_arrive_intact() {
-    use baton::ipc::{HostBackend, HostFlavor};
     run(async {
-        let ns = peer::namespace("ord-batch");
-        let host = |ns: &str| -> SharedBackend {
-            Arc::new(HostBackend::with_flavor(HostFlavor::Memfd, ns).unwrap())
-        };
-        let pair = Pair::link(host(&ns), host(&ns)).await;
+        let pair = memfd_pair("ord-batch").await;
         let Pair {
             importer,
             owner,

@@ -272,12 +272,13 @@ fn a_tight_ordered_loop_never_runs_the_fences_dry() {
     tight_ordered_loop(FenceKind::Counter, 2 * DEFAULT_COUNTER_SLOTS);
 }
 
-/// The same loop with IPC-event fences, 8 times the event pool's size. Before the pools'
-/// reuse rules (`ipc/src/cuda/event.rs`) an event went back to a pool once *its recorder*
-/// saw it complete, and was recorded again before the other side's bridge had seen it
-/// complete; that bridge then followed the new record, which waited on the bridge's own
-/// stream, until the fence deadline: the H100 ran the pool dry after ~260 handoffs
-/// (`EventsExhausted`, run W). Now every handoff completes and the pools stay small.
+/// The same loop with IPC-event fences, 8 times the event pool's size. Each handoff's
+/// fences wait, through both processes' bridges, on the one before, and that chain runs
+/// far slower than the loop (a bridged hop took ~2 ms on the H200 once a few waits were
+/// queued on both sides, run Y): without backpressure the exporter ran its 256 events dry
+/// after ~260 handoffs (`EventsExhausted`, runs D to Y). Now a call waits while the peer
+/// has its backlog of events in flight (`CudaBackendBuilder::event_backlog`), and every
+/// handoff completes.
 #[test]
 #[cfg_attr(
     not(feature = "gpu-tests"),

@@ -10,7 +10,7 @@
 //! it *polls*. If the exporter re-recorded an event while an importer handed the older
 //! record had not yet waited, or not yet seen it complete, the importer would wait for the
 //! wrong work — work that may itself wait on the importer, a cycle only the fence deadline
-//! breaks (the event-fence tight loop ran the pools dry that way, run W). So:
+//! breaks. So:
 //!
 //! - the exporter (the actor layer) keeps a [`RecordedEvent`] with the lease that carried
 //!   its handle until the lease is back; dropping it *retires* the event, lent again only
@@ -21,7 +21,9 @@
 //!   its waits on it (`Backend::check_fence`, [`OpenedEvent::renamed`]).
 //!
 //! The pool has a ceiling ([`DEFAULT_EVENT_LIMIT`]; the driver limits live IPC events too),
-//! and [`Error::EventsExhausted`] says when it is reached.
+//! and [`Error::EventsExhausted`] says when it is reached. A sender keeps short of it:
+//! [`EventPool::room_for`] tells it to wait while a peer has a backlog of retired events
+//! whose work has not completed (`Backend::fence_room`).
 //!
 //! # Safety
 //!
