@@ -1214,7 +1214,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// (alive, lent out) interprocess events of the pool.
+    /// (alive, lent out or retired with work still running) interprocess events of the
+    /// pool (retired events whose work completed are swept free first).
     pub fn event_counts(&self) -> (usize, usize) {
         self.events.counts()
     }

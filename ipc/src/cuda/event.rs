@@ -290,8 +290,10 @@ impl EventPool {
         })
     }
 
-    /// (alive, lent out or retired) events.
+    /// (alive, lent out or retired with their work still running) events: retired ones
+    /// whose work completed are swept free first.
     pub(crate) fn counts(&self) -> (usize, usize) {
+        self.sweep();
         let state = lock(&self.state);
         (state.live, state.live - state.free_count())
     }
@@ -357,7 +359,9 @@ impl EventPool {
             }
         };
         if tracing::enabled!(tracing::Level::TRACE) {
-            let (live, out) = self.counts();
+            let state = lock(&self.state);
+            let (live, out) = (state.live, state.live - state.free_count());
+            drop(state);
             tracing::trace!(live, out, ?waiter, "recording a pooled event");
         }
         let recorded = RecordedEvent {
