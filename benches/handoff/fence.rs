@@ -157,6 +157,21 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
     Ok(())
 }
 
+/// Waits (untimed) while `to` has a backlog of our event fences whose work has not
+/// completed, as the actor layer's calls do (`Backend::fence_room`): a loop with no host
+/// synchronisation runs ahead of the bridged chain of event fences and would run the
+/// pool dry (docs/ORDERING.md). Counter fences always have room.
+fn room_for(cuda: &CudaBackend, to: &baton::messages::ProcessId) -> Res<()> {
+    let start = Instant::now();
+    while !cuda.fence_room(to) {
+        if start.elapsed() > DEADLINE {
+            return Err("no event fence to spare within the deadline".into());
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    Ok(())
+}
+
 /// One kind: (the kind the backend used, the exporter's step summaries, the importer's
 /// result, the whole handoff's summary).
 fn measure(cfg: &Config, kind: FenceKind) -> Res<(FenceKind, Value, Value, Value)> {
@@ -190,6 +205,7 @@ fn measure(cfg: &Config, kind: FenceKind) -> Res<(FenceKind, Value, Value, Value
     let mut total = Vec::with_capacity(n);
     for i in 0..(warm + n) as u64 {
         let lease = LeaseId::new(i + 1);
+        room_for(&cuda, &importer)?;
         let t0 = Instant::now();
         let acquire = cuda
             .record_fence_for(&stream, &importer)?
@@ -292,6 +308,7 @@ pub(crate) fn importer(socket: &str, warm: usize) -> Res<()> {
         };
         let mut fds = received.fds;
         let fence = offer.handle.fence.ok_or("the offer carried no fence")?;
+        room_for(&cuda, &exporter)?;
         let t0 = Instant::now();
         // The exporter's stream waited on it before it sent this offer.
         drop(previous.take());
