@@ -422,6 +422,79 @@ fn after_a_batch_of_calls_the_queue_bound_still_cuts_a_peer_that_does_not_read()
     });
 }
 
+/// The queue's bound is a sum of bytes: a peer that falls a long way behind but reads is not
+/// cut. A raw link of this process sends pings without reading until ~64 KiB of our pongs
+/// are queued past its socket (a quarter of the 256 KiB bound), then reads every pong: the
+/// link stays up, and every ping is answered.
+#[test]
+fn a_peer_far_behind_that_reads_is_not_cut() {
+    use std::sync::atomic::AtomicBool;
+    let _serial = serial();
+    run(async {
+        let ns = peer::namespace("fslow");
+        let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits()));
+        let before = parent.events.ups().len();
+        let (path, config) = (
+            parent.listening.path().to_owned(),
+            LinkConfig::new(parent.session.clone()),
+        );
+        let mut raw = spawn_blocking(move || Link::connect(path, &config))
+            .await
+            .unwrap()
+            .unwrap();
+        eventually(DEADLINE, "the raw link", || {
+            parent.events.ups().len() > before
+        })
+        .await;
+        let link = parent.events.ups()[before].clone();
+        let behind = 64 << 10;
+        let read_now = Arc::new(AtomicBool::new(false));
+        let peer = {
+            let read_now = Arc::clone(&read_now);
+            spawn_blocking(move || {
+                let mut sent = 0u64;
+                while !read_now.load(Ordering::SeqCst) && sent < 1_000_000 {
+                    raw.send(&Wire::Ping(sent), &[])?;
+                    sent += 1;
+                }
+                let mut pongs = 0u64;
+                while pongs < sent {
+                    if let Wire::Pong(_) = raw.recv_timeout(DEADLINE)?.message {
+                        pongs += 1;
+                    }
+                }
+                Ok::<_, baton::Error>((sent, raw))
+            })
+        };
+        let mut most = 0;
+        eventually(DEADLINE, "our pongs to queue up", || {
+            most = most.max(link.queued_bytes());
+            most >= behind || parent.events.down_reason(link.link_id()).is_some()
+        })
+        .await;
+        read_now.store(true, Ordering::SeqCst);
+        let (sent, raw) = peer
+            .await
+            .unwrap()
+            .expect("the peer that reads gets every pong");
+        println!(
+            "the peer sent {sent} pings, fell {} KiB behind (bound {} KiB), then read every pong",
+            most >> 10,
+            limits().queued_bytes >> 10
+        );
+        assert!(
+            parent.events.down_reason(link.link_id()).is_none(),
+            "a peer {} KiB behind, under the bound, was cut: {:?}",
+            most >> 10,
+            parent.events.down_reason(link.link_id())
+        );
+        assert!(most >= behind, "only {most} bytes were ever queued");
+        assert!(link.is_connected());
+        drop(raw);
+    });
+}
+
 fn signal(child: &peer::Peer, sig: rustix::process::Signal) {
     let pid = rustix::process::Pid::from_raw(child.pid() as i32).expect("a pid");
     rustix::process::kill_process(pid, sig).expect("signal");

@@ -13,7 +13,9 @@
 //! - a node keeps answering pings while a deliberately slow "driver" open is in progress
 //!   (opens run on the node's driver thread, not on its actors' thread), and a message whose
 //!   offers are all cache hits is opened without it, every view intact;
-//! - a frame that carries descriptors, queued behind other frames, keeps its descriptors.
+//! - a frame that carries descriptors, queued behind other frames, keeps its descriptors;
+//! - a message refused before it leaves (too many descriptors for a frame, or a buffer that
+//!   cannot be leased part-way) takes back every lease granted for it.
 //!
 //! The same properties on a real GPU: `tests/ordering_cuda.rs` (`--features gpu-tests`).
 
@@ -602,6 +604,97 @@ fn offers_with_descriptors_queued_behind_other_frames_arrive_intact() {
 /// `len` pattern values (see `msgs::pattern`).
 fn patterned(seed: u32, len: usize) -> Vec<u32> {
     (0..len).map(|i| msgs::pattern(seed, i)).collect()
+}
+
+/// A message that offers more descriptor-shared allocations than a frame carries is refused
+/// before it leaves, with the count it needed, and every lease granted for it on the way
+/// (253 of them) is taken back: the buffers are unleased, and the link still works.
+#[test]
+fn a_message_past_the_descriptors_per_frame_is_refused_and_its_grants_undone() {
+    use baton::actors::ActorError;
+    use baton::messages::MAX_FDS_PER_FRAME;
+    run(async {
+        let pair = memfd_pair("ord-fds").await;
+        let Pair {
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
+        let mut bufs: Vec<Buffer<u32>> = Vec::new();
+        for _ in 0..=MAX_FDS_PER_FRAME {
+            bufs.push(owner.send(Allocate::vector(16)).await.unwrap().unwrap());
+        }
+        let keep = to_importer.remote::<Hold>("keep");
+        let err = keep
+            .send_timeout(
+                Hold {
+                    buffers: bufs.iter().map(|b| b.share()).collect(),
+                },
+                DEADLINE,
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ActorError::TooManyDescriptors { count, max: MAX_FDS_PER_FRAME }
+                    if count == MAX_FDS_PER_FRAME + 1
+            ),
+            "{err:?}"
+        );
+        let leased = bufs.iter().filter(|b| b.leases_out() > 0).count();
+        assert_eq!(leased, 0, "buffers still leased after the refused message");
+        // Nothing reached the importer, and the link carries the next message.
+        assert!(kept.lock().unwrap().is_empty());
+        let held = keep
+            .send_timeout(
+                Hold {
+                    buffers: vec![bufs[MAX_FDS_PER_FRAME].share()],
+                },
+                DEADLINE,
+            )
+            .await
+            .unwrap();
+        assert_eq!(held, 1);
+        drop(pair);
+    });
+}
+
+/// A message whose second buffer cannot be leased (its owner is writing it in place) fails
+/// with `LeaseConflict`, and the lease already granted on its first buffer is taken back at
+/// once: the first buffer is unleased and its owner may write it in place.
+#[test]
+fn a_message_refused_part_way_gives_back_the_leases_it_granted() {
+    use baton::actors::ActorError;
+    run(async {
+        let pair = memfd_pair("ord-part").await;
+        let Pair {
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
+        let first: Buffer<u32> = owner.send(Allocate::vector(64)).await.unwrap().unwrap();
+        let second: Buffer<u32> = owner.send(Allocate::vector(64)).await.unwrap().unwrap();
+        let writing = second.as_mut_slice().unwrap();
+        let err = to_importer
+            .remote::<Hold>("keep")
+            .send_timeout(
+                Hold {
+                    buffers: vec![first.share(), second.share()],
+                },
+                DEADLINE,
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ActorError::LeaseConflict { .. }), "{err:?}");
+        assert_eq!(first.leases_out(), 0, "the first buffer's lease was kept");
+        first.as_mut_slice().expect("the first buffer is unleased")[0] = 1;
+        drop(writing);
+        assert!(kept.lock().unwrap().is_empty());
+        drop(pair);
+    });
 }
 
 /// A message whose offers are all warm mappings of the importer's (opened for an earlier
