@@ -41,19 +41,20 @@ git -C "$root" worktree add --detach "$tree" HEAD >/dev/null
 args_of() {
   case "$1" in
     # The ledger is a state machine without I/O: its unit and property tests prove it.
-    ledger) echo "-f actors/src/ledger.rs --cargo-test-arg=--lib --timeout 60" ;;
+    ledger) echo "-f actors/src/ledger.rs --cargo-arg=--lib --timeout 60" ;;
     # The export table: the actor protocol and lease tests drive it across processes.
     # (The first run, with actors_protocol and leases only, missed 31 of its first 49
     # mutants, in code that api, liveness and forwarding drive: see docs/mutants/exports.)
-    exports) echo "-f actors/src/exports.rs --test-package baton --cargo-test-arg=--test=actors_protocol --cargo-test-arg=--test=leases --cargo-test-arg=--test=api --cargo-test-arg=--test=liveness --cargo-test-arg=--test=forwarding --timeout 300" ;;
-    supervisor) echo "-f actors/src/supervisor.rs --test-package baton --cargo-test-arg=--test=actors_supervision --timeout 240" ;;
+    exports) echo "-f actors/src/exports.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=leases --cargo-arg=--test=api --cargo-arg=--test=liveness --cargo-arg=--test=forwarding --timeout 300" ;;
+    supervisor) echo "-f actors/src/supervisor.rs --test-package baton --cargo-arg=--test=actors_supervision --timeout 240" ;;
     # `ordering` since 7065eb2: its cache-hit and descriptor-batch tests guard the link.
-    link) echo "-f actors/src/link.rs --test-package baton --cargo-test-arg=--test=actors_protocol --cargo-test-arg=--test=bounds --cargo-test-arg=--test=actors_bad_input --cargo-test-arg=--test=ordering --timeout 240" ;;
+    link) echo "-f actors/src/link.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=bounds --cargo-arg=--test=actors_bad_input --cargo-arg=--test=ordering --timeout 240" ;;
     cache) echo "-f ipc/src/cache.rs --test-package baton-ipc --timeout 120" ;;
     # `--lib` runs baton-ipc's unit tests (the handshake's model test, the wire's, the socket
     # directory's); the facade's link tests cross real processes. (Without `--lib`, `--test`
-    # would select only the facade's test targets.)
-    ipc-link) echo "-f ipc/src/link.rs -f ipc/src/link/*.rs --test-package baton-ipc --test-package baton --cargo-test-arg=--lib --cargo-test-arg=--test=link_bad_input --cargo-test-arg=--test=auth --cargo-test-arg=--test=host_link --timeout 240" ;;
+    # would select only the facade's test targets.) The selections are `--cargo-arg`s, so
+    # that each mutant's build makes only the test binaries that run.
+    ipc-link) echo "-f ipc/src/link.rs -f ipc/src/link/*.rs --test-package baton-ipc --test-package baton --cargo-arg=--lib --cargo-arg=--test=link_bad_input --cargo-arg=--test=auth --cargo-arg=--test=host_link --timeout 240" ;;
     *) echo "mutants: unknown set $1" >&2; return 1 ;;
   esac
 }
