@@ -667,3 +667,131 @@ fn a_writable_lease_writes_host_memory_in_place() {
         local.close_and_wait().await;
     });
 }
+
+/// 200 named tensors (`f32` matrices and norms, an `i64` step) in one bundle, synced to a
+/// child three times: each sync is one lease, every tensor arrives (its sum checked), the
+/// lease comes back, and from the second sync on the child opens nothing (its import cache
+/// keeps the allocation mapped).
+#[test]
+fn a_bundle_of_many_tensors_is_one_lease_and_its_next_sync_opens_nothing() {
+    use baton::messages::{BundleLayout, DType, Shape};
+    run(async {
+        let node = host_node();
+        let child = child(&node).await;
+        let mut specs: Vec<(String, DType, Shape)> = (0..199)
+            .map(|i| {
+                let (what, shape) = if i % 2 == 0 {
+                    ("weight", Shape::new([48, 40]).unwrap())
+                } else {
+                    ("norm", Shape::vector(40))
+                };
+                (format!("layers.{i}.{what}"), DType::F32, shape)
+            })
+            .collect();
+        specs.push(("step".into(), DType::I64, Shape::vector(1)));
+        let bundle = node
+            .allocate_bundle(BundleLayout::packed(specs.clone()).unwrap())
+            .unwrap();
+        assert_eq!(bundle.layout().len(), 200);
+        let sync = child.peer().remote::<SumBundle>("api.bundle");
+        let mut opened = Vec::new();
+        for step in 0..3i64 {
+            let mut expect = Vec::new();
+            for (i, (name, dtype, shape)) in specs.iter().enumerate() {
+                let n = shape.elements().unwrap() as usize;
+                if *dtype == DType::I64 {
+                    bundle.write(name, &[step]).unwrap();
+                    expect.push(step as f64);
+                } else {
+                    let v = step as f32 + i as f32 / 256.0;
+                    bundle.write(name, &vec![v; n]).unwrap();
+                    expect.push(f64::from(v) * n as f64);
+                }
+            }
+            let (sums, opens) = sync
+                .send(SumBundle {
+                    weights: bundle.share(),
+                })
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(sums, expect, "sync {step}");
+            tokio::time::timeout(DEADLINE, bundle.buffer().returned())
+                .await
+                .expect("the bundle's one lease comes back");
+            opened.push(opens);
+        }
+        assert_eq!(opened, [1, 1, 1], "the child's opens after each sync");
+        assert_eq!(bundle.read::<i64>("step").unwrap(), [2]);
+        assert!(matches!(
+            bundle.read::<f32>("step"),
+            Err(ActorError::WrongElementType { .. })
+        ));
+        assert!(matches!(
+            bundle.write("nope", &[0f32]),
+            Err(ActorError::NoSuchTensor { .. })
+        ));
+        finish(child).await;
+    });
+}
+
+/// A peer's bundle layout is input: tensors that overlap or reach past the buffer are
+/// refused (a typed error back to the caller), the lease comes back, and the link carries
+/// the next, honest bundle.
+#[test]
+fn a_forged_bundle_layout_is_refused_and_the_link_carries_on() {
+    use baton::messages::{BundleLayout, DType, Shape, TensorSpec};
+    run(async {
+        let node = host_node();
+        let child = child(&node).await;
+        let buf = node.allocate::<u8>(64).unwrap();
+        let spec = |name: &str, len: u64, offset: u64| TensorSpec {
+            name: name.into(),
+            dtype: DType::F32,
+            shape: Shape::vector(len),
+            offset,
+        };
+        let forged = child.peer().remote::<ForgedBundle>("api.bundle");
+        for (what, layout) in [
+            ("overlapping", vec![spec("a", 8, 0), spec("b", 8, 16)]),
+            (
+                "past the buffer",
+                vec![spec("a", 8, 0), spec("b", 1 << 20, 32)],
+            ),
+        ] {
+            let got = forged
+                .send(ForgedBundle {
+                    layout,
+                    buffer: buf.share(),
+                })
+                .await;
+            match got {
+                Err(ActorError::Remote(fault)) => println!("{what}: refused: {fault:?}"),
+                Ok(Err(reason)) => {
+                    assert!(reason.contains("need"), "{what}: {reason}");
+                    println!("{what}: refused: {reason}");
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+            tokio::time::timeout(DEADLINE, buf.returned())
+                .await
+                .expect("the forged bundle's lease comes back");
+        }
+        let bundle = node
+            .allocate_bundle(BundleLayout::packed([("x", DType::F32, Shape::vector(4))]).unwrap())
+            .unwrap();
+        bundle.write("x", &[1f32, 2., 3., 4.]).unwrap();
+        let (sums, _) = child
+            .peer()
+            .remote::<SumBundle>("api.bundle")
+            .send(SumBundle {
+                weights: bundle.share(),
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(sums, [10.0]);
+        assert!(child.peer().is_connected());
+        finish(child).await;
+    });
+}

@@ -286,6 +286,21 @@ pub enum ActorError {
         "device memory has no CPU slice view: copy it (to_vec, read_into) or use it on a stream"
     )]
     NotHostMemory,
+    /// A bundle has no tensor of this name.
+    #[error("the bundle has no tensor named {name:?}")]
+    NoSuchTensor {
+        /// The name asked for.
+        name: String,
+    },
+    /// A received bundle's layout reaches past its buffer: it is refused when opened (and
+    /// the lease given back).
+    #[error("the bundle's tensors need {needs} bytes; its buffer has {len}")]
+    BundleTooLarge {
+        /// Bytes the layout needs.
+        needs: u64,
+        /// Bytes in the buffer.
+        len: u64,
+    },
 }
 
 impl ActorError {

@@ -100,6 +100,8 @@ mod link_ref;
 mod exports;
 // Buffers and leases on both sides of a handoff.
 mod buffer;
+// Many named tensors in one buffer.
+mod bundle;
 // Typed messages to actors in other processes, and their encoding.
 mod remote;
 // Forwarding's tables.
@@ -130,6 +132,7 @@ pub mod supervisor;
 pub mod metrics;
 
 pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, Shared, SharedMut};
+pub use bundle::{Bundle, BundleLease, SharedBundle};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use connect::{ACCEPT_BACKLOG, Listening, token_file_of};
 pub use error::ActorError;

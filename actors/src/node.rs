@@ -531,6 +531,26 @@ impl Node {
         self.allocate_shape(Shape::vector(len as u64))
     }
 
+    /// A [`Bundle`](crate::Bundle): one buffer holding every tensor of `layout` (see
+    /// [`BundleLayout::packed`](baton_messages::BundleLayout::packed)), zeroed as
+    /// [`allocate`](Self::allocate)'s buffers are.
+    ///
+    /// # Errors
+    /// As `allocate`.
+    pub fn allocate_bundle(
+        &self,
+        layout: baton_messages::BundleLayout,
+    ) -> Result<crate::Bundle, ActorError> {
+        // At least a byte: a bundle of empty tensors is still one allocation.
+        let bytes =
+            usize::try_from(layout.byte_len().max(1)).map_err(|_| ActorError::OutOfBounds {
+                index: 0,
+                len: usize::MAX,
+                size: 0,
+            })?;
+        Ok(crate::Bundle::new(self.allocate::<u8>(bytes)?, layout))
+    }
+
     /// [`allocate`](Self::allocate) with a shape.
     ///
     /// # Errors

@@ -132,6 +132,221 @@ impl Layout {
     }
 }
 
+/// One named tensor of a bundle: its element type, shape, and where its bytes start in the
+/// bundle's buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// Its name, unique in the bundle (1 to [`BundleLayout::MAX_NAME`] bytes).
+    pub name: String,
+    /// The element type.
+    pub dtype: DType,
+    /// The shape, outermost dimension first.
+    pub shape: Shape,
+    /// Where its first byte is in the bundle's buffer (a multiple of the element size).
+    pub offset: u64,
+}
+
+impl TensorSpec {
+    /// The bytes its elements take, or `None` if that overflows `u64`.
+    pub fn byte_len(&self) -> Option<u64> {
+        Layout::new(self.dtype, self.shape.clone()).byte_len()
+    }
+}
+
+/// Why a bundle layout was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LayoutError {
+    /// More tensors than [`BundleLayout::MAX_TENSORS`].
+    #[error("a bundle of {0} tensors: at most {max}", max = BundleLayout::MAX_TENSORS)]
+    TooManyTensors(usize),
+    /// A name that is empty or longer than [`BundleLayout::MAX_NAME`] bytes.
+    #[error("a tensor name of {0} bytes: 1 to {max} allowed", max = BundleLayout::MAX_NAME)]
+    BadName(usize),
+    /// Two tensors of one name.
+    #[error("two tensors are named {0:?}")]
+    DuplicateName(String),
+    /// An offset that is not a multiple of the element size.
+    #[error("tensor {name:?} starts at byte {offset}, not a multiple of its element size")]
+    Misaligned {
+        /// The tensor.
+        name: String,
+        /// Its offset.
+        offset: u64,
+    },
+    /// A tensor whose end overflows `u64`.
+    #[error("tensor {0:?} ends past u64::MAX")]
+    TooLarge(String),
+    /// Two tensors share bytes.
+    #[error("tensors {0:?} and {1:?} overlap")]
+    Overlap(String, String),
+}
+
+/// The tensors of a bundle — many named, typed tensors in one buffer, leased and opened as
+/// one — checked: at most [`MAX_TENSORS`](Self::MAX_TENSORS) of them, names unique and
+/// 1 to [`MAX_NAME`](Self::MAX_NAME) bytes, each offset a multiple of its element size,
+/// no two tensors sharing a byte. Decoding checks the same (a peer's layout is input); the
+/// receiver checks that it fits the buffer when it opens it.
+///
+/// [`packed`](Self::packed) lays tensors out one after another, each at a multiple of
+/// [`ALIGN`](Self::ALIGN) bytes.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(try_from = "Vec<TensorSpec>", into = "Vec<TensorSpec>")]
+pub struct BundleLayout {
+    tensors: Vec<TensorSpec>,
+    /// Tensor index by name.
+    index: std::collections::HashMap<String, usize>,
+    byte_len: u64,
+}
+
+impl BundleLayout {
+    /// The most tensors a bundle may hold (a large model has a few thousand).
+    pub const MAX_TENSORS: usize = 1 << 16;
+    /// The longest tensor name, in bytes.
+    pub const MAX_NAME: usize = 512;
+    /// Where [`packed`](Self::packed) starts each tensor: a multiple of this many bytes
+    /// (what CUDA's allocators give, and enough for any vector load).
+    pub const ALIGN: u64 = 256;
+
+    /// Tensors at the offsets given, checked (see the type's docs).
+    ///
+    /// # Errors
+    /// A [`LayoutError`] naming the first tensor that breaks a rule.
+    pub fn new(tensors: Vec<TensorSpec>) -> Result<Self, LayoutError> {
+        if tensors.len() > Self::MAX_TENSORS {
+            return Err(LayoutError::TooManyTensors(tensors.len()));
+        }
+        let mut index = std::collections::HashMap::with_capacity(tensors.len());
+        let mut spans = Vec::with_capacity(tensors.len());
+        let mut byte_len = 0;
+        for (i, t) in tensors.iter().enumerate() {
+            if t.name.is_empty() || t.name.len() > Self::MAX_NAME {
+                return Err(LayoutError::BadName(t.name.len()));
+            }
+            if index.insert(t.name.clone(), i).is_some() {
+                return Err(LayoutError::DuplicateName(t.name.clone()));
+            }
+            if t.offset % t.dtype.size() as u64 != 0 {
+                return Err(LayoutError::Misaligned {
+                    name: t.name.clone(),
+                    offset: t.offset,
+                });
+            }
+            let end = t
+                .byte_len()
+                .and_then(|len| t.offset.checked_add(len))
+                .ok_or_else(|| LayoutError::TooLarge(t.name.clone()))?;
+            if end > t.offset {
+                spans.push((t.offset, end, i));
+            }
+            byte_len = byte_len.max(end);
+        }
+        spans.sort_unstable();
+        for pair in spans.windows(2) {
+            let ((_, end, a), (start, _, b)) = (pair[0], pair[1]);
+            if start < end {
+                return Err(LayoutError::Overlap(
+                    tensors[a].name.clone(),
+                    tensors[b].name.clone(),
+                ));
+            }
+        }
+        Ok(Self {
+            tensors,
+            index,
+            byte_len,
+        })
+    }
+
+    /// Tensors laid out in the order given, each at the next multiple of
+    /// [`ALIGN`](Self::ALIGN) bytes.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn packed<S: Into<String>>(
+        tensors: impl IntoIterator<Item = (S, DType, Shape)>,
+    ) -> Result<Self, LayoutError> {
+        let mut offset = 0u64;
+        let mut specs = Vec::new();
+        for (name, dtype, shape) in tensors {
+            let name = name.into();
+            let len = Layout::new(dtype, shape.clone())
+                .byte_len()
+                .ok_or_else(|| LayoutError::TooLarge(name.clone()))?;
+            let next = offset
+                .checked_add(len)
+                .and_then(|end| end.checked_next_multiple_of(Self::ALIGN))
+                .ok_or_else(|| LayoutError::TooLarge(name.clone()))?;
+            specs.push(TensorSpec {
+                name,
+                dtype,
+                shape,
+                offset,
+            });
+            offset = next;
+            if specs.len() > Self::MAX_TENSORS {
+                return Err(LayoutError::TooManyTensors(specs.len()));
+            }
+        }
+        Self::new(specs)
+    }
+
+    /// The tensors, in the order they were given.
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// The tensor named `name`.
+    pub fn get(&self, name: &str) -> Option<&TensorSpec> {
+        self.index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// The bytes a buffer needs to hold every tensor (the end of the last one).
+    pub fn byte_len(&self) -> u64 {
+        self.byte_len
+    }
+
+    /// How many tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether it holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+}
+
+impl fmt::Debug for BundleLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BundleLayout")
+            .field("tensors", &self.tensors.len())
+            .field("byte_len", &self.byte_len)
+            .finish()
+    }
+}
+
+impl PartialEq for BundleLayout {
+    fn eq(&self, other: &Self) -> bool {
+        self.tensors == other.tensors
+    }
+}
+
+impl Eq for BundleLayout {}
+
+impl TryFrom<Vec<TensorSpec>> for BundleLayout {
+    type Error = LayoutError;
+    fn try_from(tensors: Vec<TensorSpec>) -> Result<Self, LayoutError> {
+        Self::new(tensors)
+    }
+}
+
+impl From<BundleLayout> for Vec<TensorSpec> {
+    fn from(layout: BundleLayout) -> Vec<TensorSpec> {
+        layout.tensors
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,5 +358,114 @@ mod tests {
         let huge = Layout::new(DType::F64, Shape::new([u64::MAX, 2]).unwrap());
         assert_eq!(huge.byte_len(), None);
         assert_eq!(Shape::new(vec![1; 9]), None);
+    }
+
+    fn spec(name: &str, dtype: DType, dims: &[u64], offset: u64) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            dtype,
+            shape: Shape::new(dims.to_vec()).unwrap(),
+            offset,
+        }
+    }
+
+    #[test]
+    fn packed_bundles_align_each_tensor_and_index_them_by_name() {
+        let layout = BundleLayout::packed([
+            ("w", DType::BF16, Shape::new([3, 5]).unwrap()),
+            ("b", DType::F32, Shape::vector(7)),
+            ("empty", DType::F16, Shape::vector(0)),
+            ("n", DType::U8, Shape::vector(1)),
+        ])
+        .unwrap();
+        let offsets: Vec<u64> = layout.tensors().iter().map(|t| t.offset).collect();
+        assert_eq!(offsets, [0, 256, 512, 512]);
+        assert_eq!(layout.byte_len(), 513);
+        assert_eq!(layout.get("b").unwrap().byte_len(), Some(28));
+        assert_eq!(layout.get("nope"), None);
+        assert_eq!(layout.len(), 4);
+    }
+
+    #[test]
+    fn bad_layouts_are_refused_with_what_is_wrong() {
+        use LayoutError::*;
+        let bad = |t: Vec<TensorSpec>| BundleLayout::new(t).unwrap_err();
+        assert_eq!(bad(vec![spec("", DType::U8, &[1], 0)]), BadName(0));
+        let long = "x".repeat(BundleLayout::MAX_NAME + 1);
+        assert_eq!(bad(vec![spec(&long, DType::U8, &[1], 0)]), BadName(513));
+        assert_eq!(
+            bad(vec![
+                spec("a", DType::U8, &[1], 0),
+                spec("a", DType::U8, &[1], 8)
+            ]),
+            DuplicateName("a".into())
+        );
+        assert!(matches!(
+            bad(vec![spec("a", DType::F32, &[1], 2)]),
+            Misaligned { offset: 2, .. }
+        ));
+        assert_eq!(
+            bad(vec![spec("a", DType::U8, &[8], u64::MAX - 4)]),
+            TooLarge("a".into())
+        );
+        assert_eq!(
+            bad(vec![
+                spec("a", DType::U8, &[8], 0),
+                spec("b", DType::U8, &[8], 7)
+            ]),
+            Overlap("a".into(), "b".into())
+        );
+        let many = (0..=BundleLayout::MAX_TENSORS)
+            .map(|i| spec(&i.to_string(), DType::U8, &[0], 0))
+            .collect();
+        assert_eq!(bad(many), TooManyTensors(BundleLayout::MAX_TENSORS + 1));
+        // Empty tensors share no byte with anything.
+        assert!(
+            BundleLayout::new(vec![
+                spec("a", DType::U8, &[8], 0),
+                spec("z", DType::U8, &[0], 3)
+            ])
+            .is_ok()
+        );
+    }
+
+    proptest::proptest! {
+        /// Any layout that decodes keeps its rules (a peer's layout is input): against a
+        /// plain model of them, over arbitrary specs.
+        #[test]
+        fn decoding_keeps_the_rules(specs in proptest::collection::vec(
+            ("[a-c]{1,2}", proptest::prelude::any::<DType>(),
+             proptest::collection::vec(0u64..6, 0..3), 0u64..64),
+            0..6,
+        )) {
+            let specs: Vec<TensorSpec> = specs
+                .into_iter()
+                .map(|(name, dtype, dims, offset)| spec(&name, dtype, &dims, offset))
+                .collect();
+            let bytes = bincode::serde::encode_to_vec(&specs, bincode::config::standard()).unwrap();
+            let decoded: Result<(BundleLayout, usize), _> =
+                bincode::serde::decode_from_slice(&bytes, bincode::config::standard());
+            let names: std::collections::HashSet<_> = specs.iter().map(|t| &t.name).collect();
+            let aligned = specs.iter().all(|t| t.offset % t.dtype.size() as u64 == 0);
+            let spans: Vec<(u64, u64)> = specs
+                .iter()
+                .map(|t| (t.offset, t.offset + t.byte_len().unwrap()))
+                .filter(|(a, b)| b > a)
+                .collect();
+            let disjoint = spans.iter().enumerate().all(|(i, a)| {
+                spans[i + 1..].iter().all(|b| a.1 <= b.0 || b.1 <= a.0)
+            });
+            let ok = names.len() == specs.len() && aligned && disjoint;
+            proptest::prop_assert_eq!(decoded.is_ok(), ok, "{:?}", specs);
+            if let Ok((layout, _)) = decoded {
+                // Empty tensors count too: every tensor starts inside (or at the end of) the
+                // buffer that holds them.
+                let end = specs.iter().map(|t| t.offset + t.byte_len().unwrap()).max().unwrap_or(0);
+                proptest::prop_assert_eq!(layout.byte_len(), end);
+                for t in &specs {
+                    proptest::prop_assert_eq!(layout.get(&t.name), Some(t));
+                }
+            }
+        }
     }
 }

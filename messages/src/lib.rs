@@ -5,7 +5,8 @@
 //! - [`ids`]: newtype identifiers ([`AllocationId`], [`Generation`], [`LeaseId`],
 //!   [`DeviceUuid`], [`ExporterId`], …) so that a lease id can never be passed where an
 //!   allocation id is expected;
-//! - [`layout`]: element types and shapes of typed buffers;
+//! - [`layout`]: element types and shapes of typed buffers, and the layouts of bundles
+//!   (many named tensors in one buffer);
 //! - [`handle`]: [`HandleMsg`], the serialized capability that lets another process map a
 //!   buffer, sealed with a keyed digest so that a corrupted or forged handle is refused
 //!   before any driver call;
@@ -44,7 +45,7 @@ pub use ids::{
     ActorId, AllocationId, BootId, DeviceUuid, ExporterId, Generation, LeaseId, ProcessId,
     SessionToken,
 };
-pub use layout::{DType, Layout, Shape};
+pub use layout::{BundleLayout, DType, Layout, LayoutError, Shape, TensorSpec};
 pub use protocol::Message;
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer

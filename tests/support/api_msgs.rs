@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use actix::Message;
-use baton::actors::{RemoteMessage, Shared, SharedMut};
+use baton::actors::{RemoteMessage, Shared, SharedBundle, SharedMut};
 use serde::{Deserialize, Serialize};
 
 /// Sum the buffer in place (`Lease::as_slice`). Answers the sum and whether the slice
@@ -80,4 +80,31 @@ pub struct WhichBackend;
 
 impl RemoteMessage for WhichBackend {
     const NAME: &'static str = "api.WhichBackend";
+}
+
+/// Open the bundle and read every tensor: `f32` ones in place (`BundleLease::tensor`),
+/// `i64` ones copied out (`BundleLease::read`). Answers each tensor's sum, in layout
+/// order, and how many allocations the helper's import cache has opened so far.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<(Vec<f64>, u64), String>")]
+pub struct SumBundle {
+    pub weights: SharedBundle,
+}
+
+impl RemoteMessage for SumBundle {
+    const NAME: &'static str = "api.SumBundle";
+}
+
+/// What a forging peer can send under `SumBundle`'s name: any list of tensor specs
+/// beside a buffer (the same wire form, unchecked).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<(Vec<f64>, u64), String>")]
+pub struct ForgedBundle {
+    #[serde(rename = "baton.bundle")]
+    pub layout: Vec<baton::messages::TensorSpec>,
+    pub buffer: Shared<u8>,
+}
+
+impl RemoteMessage for ForgedBundle {
+    const NAME: &'static str = "api.SumBundle";
 }

@@ -37,6 +37,29 @@ impl Handler<SumInPlace> for ApiActor {
     }
 }
 
+impl Handler<SumBundle> for ApiActor {
+    type Result = Result<(Vec<f64>, u64), String>;
+    fn handle(&mut self, msg: SumBundle, _: &mut Context<Self>) -> Self::Result {
+        use baton::messages::DType;
+        let lease = msg.weights.open().map_err(|e| e.to_string())?;
+        let mut sums = Vec::with_capacity(lease.layout().len());
+        for t in lease.layout().tensors() {
+            let sum = match t.dtype {
+                DType::F32 => lease
+                    .tensor::<f32>(&t.name)
+                    .map(|x| x.iter().map(|&v| f64::from(v)).sum()),
+                DType::I64 => lease
+                    .read::<i64>(&t.name)
+                    .map(|x| x.iter().map(|&v| v as f64).sum()),
+                other => return Err(format!("no test reads {other:?}")),
+            };
+            sums.push(sum.map_err(|e| e.to_string())?);
+        }
+        let opens = self.node.as_ref().map_or(0, |n| n.cache().stats().opens);
+        Ok((sums, opens))
+    }
+}
+
 impl Handler<Keep> for ApiActor {
     type Result = usize;
     fn handle(&mut self, msg: Keep, _: &mut Context<Self>) -> usize {
@@ -114,6 +137,7 @@ async fn main() {
     .start();
     node.register::<SumInPlace>("api.sum", actor.clone().recipient());
     node.register::<Keep>("api.keep", actor.clone().recipient());
+    node.register::<SumBundle>("api.bundle", actor.clone().recipient());
     node.register::<GiveBack>("api.give", actor.clone().recipient());
     node.register::<KeepUntilRevoked>("api.revocable", actor.clone().recipient());
     node.register::<Revocations>("api.revocations", actor.clone().recipient());
