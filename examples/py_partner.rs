@@ -27,6 +27,12 @@
 //! - `table`: `py.Table` — the partner's lease table: `{ buffers, leases, holders }`;
 //! - `sink`: `py.Sink { data: Shared<f32> }` — sums a buffer a Python process allocated:
 //!   `{ sum, len, head }`;
+//! - `bundles`: `py.SumBundle { weights: SharedBundle }` — opens a bundle a Python process
+//!   allocated and sums each tensor (`f32`/`i64` as numbers, 2-byte types as their raw
+//!   `u16` bits): `{ names, sums }`, in layout order;
+//! - `bundler`: `py.MakeBundle { tensors, seed }` — a bundle of its own of `tensors` `f32`
+//!   tensors (`t0` of shape `[1]`, `t1` of `[2]`, …; `ti` filled with `seed + i`), kept
+//!   by the partner: `{ weights: SharedBundle }`;
 //! - `caller`: `py.CallBack { pid, target, seed, len }` — calls the Python process `pid`
 //!   back at `target` (wire type `py.Scale`) with two buffers `{ seed, a: Shared<u32>, b:
 //!   Shared<f32> }`, expects `{ x: Shared<f32>, y: Shared<i64> }` with `x[i] = 2 b[i]` and
@@ -35,7 +41,10 @@
 //!   encoded back.
 
 use actix::prelude::*;
-use baton::actors::{Allocate, Buffer, BufferOwner, Encoding, Node, RemoteMessage, Shared, Stats};
+use baton::actors::{
+    Allocate, Buffer, BufferOwner, Bundle, Encoding, Node, RemoteMessage, Shared, SharedBundle,
+    Stats,
+};
 use baton::messages::SessionToken;
 use baton::{Session, SocketDir};
 use serde::{Deserialize, Serialize};
@@ -213,6 +222,126 @@ struct Partner {
     node: Node,
     owner: Addr<BufferOwner>,
     lent: HashMap<u32, Buffer<u32>>,
+    bundles: Vec<Bundle>,
+}
+
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "SummedBundle")]
+struct SumBundle {
+    weights: SharedBundle,
+}
+msgpack!(SumBundle, "py.SumBundle");
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct SummedBundle {
+    names: Vec<String>,
+    sums: Vec<f64>,
+    error: Option<String>,
+}
+
+impl Handler<SumBundle> for Partner {
+    type Result = MessageResult<SumBundle>;
+
+    fn handle(&mut self, msg: SumBundle, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(Self::sum_bundle(msg).unwrap_or_else(|e| SummedBundle {
+            error: Some(e),
+            ..SummedBundle::default()
+        }))
+    }
+}
+
+impl Partner {
+    fn sum_bundle(msg: SumBundle) -> Result<SummedBundle, String> {
+        use baton::messages::DType;
+        let lease = msg.weights.open().map_err(|e| e.to_string())?;
+        let (mut names, mut sums) = (Vec::new(), Vec::new());
+        for t in lease.layout().tensors() {
+            let sum = match t.dtype {
+                DType::F32 => lease
+                    .read::<f32>(&t.name)
+                    .map(|v| v.iter().map(|&x| f64::from(x)).sum()),
+                DType::I64 => lease
+                    .read::<i64>(&t.name)
+                    .map(|v| v.iter().map(|&x| x as f64).sum()),
+                d if d.size() == 2 => {
+                    // F16, BF16 (no Rust element type here): their raw bits, from the bytes.
+                    let (at, len) = (t.offset as usize, t.byte_len().unwrap_or(0) as usize);
+                    let mut raw = vec![0u8; len];
+                    lease
+                        .lease()
+                        .read_into(at, &mut raw)
+                        .map_err(|e| e.to_string())?;
+                    Ok(raw
+                        .chunks_exact(2)
+                        .map(|b| f64::from(u16::from_le_bytes([b[0], b[1]])))
+                        .sum())
+                }
+                other => return Err(format!("the partner does not sum {other:?}")),
+            };
+            names.push(t.name.clone());
+            sums.push(sum.map_err(|e| e.to_string())?);
+        }
+        Ok(SummedBundle {
+            names,
+            sums,
+            error: None,
+        })
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "MadeBundle")]
+struct MakeBundle {
+    tensors: u32,
+    seed: u32,
+}
+msgpack!(MakeBundle, "py.MakeBundle");
+
+#[derive(Debug, Serialize, Deserialize)]
+struct MadeBundle {
+    weights: Option<SharedBundle>,
+    error: Option<String>,
+}
+
+impl Handler<MakeBundle> for Partner {
+    type Result = MessageResult<MakeBundle>;
+
+    fn handle(&mut self, msg: MakeBundle, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(match self.make_bundle(msg) {
+            Ok(weights) => MadeBundle {
+                weights: Some(weights),
+                error: None,
+            },
+            Err(e) => MadeBundle {
+                weights: None,
+                error: Some(e),
+            },
+        })
+    }
+}
+
+impl Partner {
+    fn make_bundle(&mut self, msg: MakeBundle) -> Result<SharedBundle, String> {
+        use baton::messages::{BundleLayout, DType, Shape};
+        let layout = BundleLayout::packed(
+            (0..u64::from(msg.tensors))
+                .map(|i| (format!("t{i}"), DType::F32, Shape::vector(i + 1))),
+        )
+        .map_err(|e| e.to_string())?;
+        let bundle = self
+            .node
+            .allocate_bundle(layout)
+            .map_err(|e| e.to_string())?;
+        for i in 0..msg.tensors {
+            let value = (msg.seed + i) as f32;
+            bundle
+                .write(&format!("t{i}"), &vec![value; i as usize + 1])
+                .map_err(|e| e.to_string())?;
+        }
+        let weights = bundle.share();
+        self.bundles.push(bundle);
+        Ok(weights)
+    }
 }
 
 impl Actor for Partner {
@@ -507,6 +636,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             node: node.clone(),
             owner: owner.clone(),
             lent: HashMap::new(),
+            bundles: Vec::new(),
         }
         .start();
         node.register::<CheckPair>("checker", partner.clone().recipient());
@@ -515,6 +645,8 @@ fn main() -> Result<(), Box<dyn Error>> {
         node.register::<Forget>("forgetter", partner.clone().recipient());
         node.register::<Table>("table", partner.clone().recipient());
         node.register::<Sink>("sink", partner.clone().recipient());
+        node.register::<SumBundle>("bundles", partner.clone().recipient());
+        node.register::<MakeBundle>("bundler", partner.clone().recipient());
         node.register::<CallBack>("caller", partner.clone().recipient());
         node.register::<Types>("echo", partner.clone().recipient());
         let socket = match cli.role {

@@ -1,35 +1,5 @@
-//! Bundles: many named, typed tensors in one buffer, leased and opened as one.
-//!
-//! A model's weights are hundreds of tensors. Sent one buffer each, every sync grants,
-//! offers and (the first time) opens hundreds of leases; sent as one [`Bundle`] — one
-//! allocation with a [`BundleLayout`] of names, element types, shapes and offsets — a
-//! sync is one lease, and from the second sync on the importer's cache already has the
-//! allocation mapped: it opens nothing.
-//!
-//! ```no_run
-//! # async fn sync(node: baton_actors::Node) -> Result<(), baton_actors::ActorError> {
-//! use baton_actors::{Bundle, SharedBundle};
-//! use baton_messages::{BundleLayout, DType, Shape};
-//! let layout = BundleLayout::packed([
-//!     ("wq", DType::F32, Shape::new([1024, 1024]).unwrap()),
-//!     ("norm", DType::F32, Shape::vector(1024)),
-//! ])
-//! .expect("a valid layout");
-//! let weights: Bundle = node.allocate_bundle(layout)?;
-//! weights.write("norm", &[1.0f32; 1024])?;
-//! let shared: SharedBundle = weights.share(); // a field of a message, like a Shared<T>
-//! # Ok(()) }
-//! ```
-//!
-//! The receiver [`open`](SharedBundle::open)s it into a [`BundleLease`], checked against
-//! the buffer (a layout that does not fit is refused, so a tensor never reaches past the
-//! mapping), and reads each tensor by name: in place for host memory
-//! ([`tensor`](BundleLease::tensor)), as a device pointer for GPU memory
-//! ([`tensor_ptr`](BundleLease::tensor_ptr), after [`wait_on`](BundleLease::wait_on)).
-//!
-//! On the wire a `SharedBundle` is a struct of two fields, `"baton.bundle"` (the layout:
-//! a list of `{name, dtype, shape, offset}`) and `"buffer"` (a `Shared<u8>`): Python
-//! receives it as a `baton.SharedBundle` and sends a `baton.Bundle` as the same.
+//! Bundles: many named, typed tensors in one buffer, leased and opened as one (see
+//! [`Bundle`]).
 
 use crate::buffer::{Buffer, Element, Lease, Shared};
 use crate::error::ActorError;
@@ -75,9 +45,40 @@ fn range_of(spec: &TensorSpec) -> Result<(usize, usize), ActorError> {
     Ok((start, len))
 }
 
-/// The exporter's handle to a bundle: one buffer of bytes and the layout of the tensors in
-/// it (see the [module docs](self)). Made by [`Node::allocate_bundle`](crate::Node::allocate_bundle).
-/// Cloning it clones the handle, as for [`Buffer`].
+/// The exporter's handle to a bundle: many named, typed tensors in one buffer, leased and
+/// opened as one. Made by [`Node::allocate_bundle`](crate::Node::allocate_bundle); cloning
+/// it clones the handle, as for [`Buffer`].
+///
+/// A model's weights are hundreds of tensors. Sent one buffer each, every sync grants,
+/// offers and (the first time) opens hundreds of leases; sent as one [`Bundle`] — one
+/// allocation with a [`BundleLayout`] of names, element types, shapes and offsets — a
+/// sync is one lease, and from the second sync on the importer's cache already has the
+/// allocation mapped: it opens nothing.
+///
+/// ```no_run
+/// # async fn sync(node: baton_actors::Node) -> Result<(), baton_actors::ActorError> {
+/// use baton_actors::{Bundle, SharedBundle};
+/// use baton_messages::{BundleLayout, DType, Shape};
+/// let layout = BundleLayout::packed([
+///     ("wq", DType::F32, Shape::new([1024, 1024]).unwrap()),
+///     ("norm", DType::F32, Shape::vector(1024)),
+/// ])
+/// .expect("a valid layout");
+/// let weights: Bundle = node.allocate_bundle(layout)?;
+/// weights.write("norm", &[1.0f32; 1024])?;
+/// let shared: SharedBundle = weights.share(); // a field of a message, like a Shared<T>
+/// # Ok(()) }
+/// ```
+///
+/// The receiver [`open`](SharedBundle::open)s it into a [`BundleLease`], checked against
+/// the buffer (a layout that does not fit is refused, so a tensor never reaches past the
+/// mapping), and reads each tensor by name: in place for host memory
+/// ([`tensor`](BundleLease::tensor)), as a device pointer for GPU memory
+/// ([`tensor_ptr`](BundleLease::tensor_ptr), after [`wait_on`](BundleLease::wait_on)).
+///
+/// On the wire a `SharedBundle` is a struct of two fields, `"baton.bundle"` (the layout:
+/// a list of `{name, dtype, shape, offset}`) and `"buffer"` (a `Shared<u8>`): Python
+/// receives it as a `baton.SharedBundle` and sends a `baton.Bundle` as the same.
 #[derive(Clone)]
 pub struct Bundle {
     buffer: Buffer<u8>,
@@ -237,7 +238,7 @@ impl SharedBundle {
 }
 
 /// An importer's read-only guard on a received bundle: one lease on the exporter's buffer,
-/// and its tensors by name (see the [module docs](self)). Dropping it gives the lease back.
+/// and its tensors by name (see [`Bundle`]). Dropping it gives the lease back.
 pub struct BundleLease {
     lease: Lease<u8>,
     layout: Arc<BundleLayout>,

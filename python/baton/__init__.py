@@ -21,11 +21,15 @@ from ._baton import (
     generate_token,
     log_to_stderr,
 )
+from .bundle import Bundle, BundleLayout, BundleLease, SharedBundle
 from .errors import *  # noqa: F401,F403  (the exception classes, as baton.Orphaned etc.)
 
 __all__ = [
     "MSGPACK_SHARED_EXT",
     "Buffer",
+    "Bundle",
+    "BundleLayout",
+    "BundleLease",
     "Call",
     "Child",
     "Lease",
@@ -33,6 +37,7 @@ __all__ = [
     "Node",
     "Peer",
     "Shared",
+    "SharedBundle",
     "__version__",
     "errors",
     "generate_token",

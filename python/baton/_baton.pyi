@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Awaitable, Literal, Optional, Sequence, SupportsIndex, Tuple, Union
+from typing import Any, Awaitable, Literal, Mapping, Optional, Sequence, SupportsIndex, Tuple, Union
+
+import baton.bundle
 
 __version__: str
 #: The MessagePack extension type of a buffer field (its data: the buffer's index among
@@ -87,6 +89,13 @@ class Node:
     ) -> Buffer:
         """A buffer in this process's memory (device memory on the CUDA backend); float32
         unless ``dtype`` says otherwise."""
+    def allocate_bundle(
+        self,
+        spec: Union[BundleLayout, Mapping[str, tuple], Sequence[tuple]],
+        *,
+        timeout: float = 30.0,
+    ) -> "baton.bundle.Bundle":
+        """A bundle: one buffer holding many named tensors (see ``baton.bundle``)."""
     def lease_table(self) -> list[dict[str, Any]]:
         """The buffers this node exports and their leases."""
     def export_stats(self) -> dict[str, int]:
@@ -279,3 +288,17 @@ class Buffer:
         """Drops Python's handle; the memory is freed once no view, lease or handle is left."""
     def __enter__(self) -> Buffer: ...
     def __exit__(self, *exc: object) -> bool: ...
+
+class BundleLayout:
+    """Where many named tensors are in one buffer (each at a multiple of 256 bytes)."""
+
+    def __init__(self, spec: Union[Mapping[str, tuple], Sequence[tuple]]) -> None: ...
+    @property
+    def tensors(self) -> list[tuple[str, str, tuple[int, ...], int]]:
+        """``(name, dtype, shape, offset)`` of each tensor, in order."""
+    @property
+    def nbytes(self) -> int:
+        """The bytes a buffer needs to hold every tensor."""
+    def __getitem__(self, name: str) -> tuple[str, tuple[int, ...], int]: ...
+    def __contains__(self, name: object) -> bool: ...
+    def __len__(self) -> int: ...

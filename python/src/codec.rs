@@ -7,6 +7,7 @@
 //! becomes a `baton.Shared` (an unopened lease). A received buffer (`Shared`, `Lease`)
 //! cannot be put in a message: only its owner can share it.
 
+use crate::bundle::{self, BundleLayout, LAYOUT_KEY};
 use crate::errors::{Failure, OrRaise};
 use crate::memory::{Buffer, Cuda, Lease, Shared};
 use baton_actors::{ActorError, AnyShared, MSGPACK_SHARED_EXT, RawMessage};
@@ -18,6 +19,9 @@ use pyo3::types::{
 };
 use rmpv::Value;
 use std::sync::Arc;
+
+/// The method of an outgoing object that gives its wire value (`baton.Bundle`'s).
+const WIRE_METHOD: &str = "__baton_wire__";
 
 /// How deep values may nest, both ways (a cycle in an outgoing value hits it too).
 const MAX_DEPTH: usize = 128;
@@ -123,6 +127,15 @@ fn to_value(
     if obj.is_instance_of::<Shared>() || obj.is_instance_of::<Lease>() {
         return Err(Failure::Actor(ActorError::NotOwned)).or_raise(py);
     }
+    if let Ok(layout) = obj.cast::<BundleLayout>() {
+        return bundle::encode_layout(&layout.get().inner)
+            .map_err(encode_error)
+            .or_raise(py);
+    }
+    // A `baton.Bundle` (Python, `baton/bundle.py`) says what it is on the wire.
+    if obj.hasattr(WIRE_METHOD)? {
+        return to_value(&obj.call_method0(WIRE_METHOD)?, buffers, device, depth + 1);
+    }
     // NumPy scalars and other numbers.
     if obj.hasattr("__index__")? {
         return int_value(&obj.call_method0("__index__")?);
@@ -214,6 +227,9 @@ fn to_py(
             }
             list.into_any().unbind()
         }
+        Value::Map(entries) if entries.iter().any(|(k, _)| k.as_str() == Some(LAYOUT_KEY)) => {
+            received_bundle(py, entries, buffers, cuda)?
+        }
         Value::Map(entries) => {
             let dict = PyDict::new(py);
             for (k, v) in entries {
@@ -253,4 +269,45 @@ fn to_py(
             )));
         }
     })
+}
+
+/// A received bundle (the map of Rust's `SharedBundle`): its layout checked, then a
+/// `baton.SharedBundle` of it and its buffer.
+fn received_bundle(
+    py: Python<'_>,
+    entries: Vec<(Value, Value)>,
+    buffers: &mut [Option<AnyShared>],
+    cuda: &Cuda,
+) -> Result<Py<PyAny>, Decoded> {
+    let (mut layout, mut buffer) = (None, None);
+    for (k, v) in entries {
+        match k.as_str() {
+            Some(LAYOUT_KEY) if layout.is_none() => {
+                layout = Some(bundle::decode_layout(&v).map_err(Decoded::Bad)?);
+            }
+            Some("buffer") if buffer.is_none() => buffer = Some(to_py(py, v, buffers, cuda)?),
+            _ => {
+                return Err(Decoded::Bad(format!(
+                    "a bundle has the fields {LAYOUT_KEY:?} and \"buffer\" once each, not {k}"
+                )));
+            }
+        }
+    }
+    let (Some(layout), Some(buffer)) = (layout, buffer) else {
+        return Err(Decoded::Bad("a bundle without its buffer".into()));
+    };
+    if !buffer.bind(py).is_instance_of::<Shared>() {
+        return Err(Decoded::Bad("a bundle's buffer is not a buffer".into()));
+    }
+    let layout = Bound::new(
+        py,
+        BundleLayout {
+            inner: Arc::new(layout),
+        },
+    )?;
+    Ok(py
+        .import("baton.bundle")?
+        .getattr("SharedBundle")?
+        .call1((layout, buffer))?
+        .unbind())
 }

@@ -12,6 +12,7 @@
 
 #![deny(unsafe_code)]
 
+mod bundle;
 mod codec;
 mod dlpack;
 mod errors;
@@ -35,6 +36,7 @@ fn _baton(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<memory::Lease>()?;
     m.add_class::<memory::Buffer>()?;
     m.add_class::<memory::HostView>()?;
+    m.add_class::<bundle::BundleLayout>()?;
     m.add_function(wrap_pyfunction!(node::generate_token, m)?)?;
     m.add_function(wrap_pyfunction!(node::log_to_stderr, m)?)?;
     Ok(())

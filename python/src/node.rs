@@ -1,6 +1,7 @@
 //! A Python process in a Baton deployment: [`Node`], its links ([`Peer`]), the names it
 //! answers ([`Mailbox`], [`Call`]).
 
+use crate::bundle::BundleLayout;
 use crate::codec;
 use crate::errors::{Failure, OrRaise};
 use crate::memory::{self, Buffer, Cuda};
@@ -408,6 +409,30 @@ impl Node {
             })?
             .or_raise(py)?;
         Buffer::new(buffer, self.cuda.clone()).or_raise(py)
+    }
+
+    /// Allocates a bundle: one buffer holding many named tensors (see `baton.BundleLayout`:
+    /// `spec` is one, or a dict `{name: (shape, dtype)}`, or a list of `(name, shape,
+    /// dtype)`). Its `tensors()` are views of the buffer; sent in a message, it is one lease,
+    /// and the receiver opens it as one (`baton.SharedBundle.open`).
+    #[pyo3(signature = (spec, *, timeout = DEFAULT_TIMEOUT))]
+    fn allocate_bundle<'py>(
+        &self,
+        py: Python<'py>,
+        spec: &Bound<'py, PyAny>,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let layout = match spec.cast::<BundleLayout>() {
+            Ok(l) => l.clone(),
+            Err(_) => Bound::new(py, BundleLayout::new(spec)?)?,
+        };
+        // At least a byte: a bundle of empty tensors is still one allocation.
+        let bytes = layout.get().inner.byte_len().max(1).into_pyobject(py)?;
+        let uint8 = "uint8".into_pyobject(py)?;
+        let buffer = self.allocate(py, bytes.as_any(), Some(uint8.as_any()), timeout)?;
+        py.import("baton.bundle")?
+            .getattr("Bundle")?
+            .call1((buffer, layout))
     }
 
     /// The buffers this node exports, with their leases: a list of dicts with `buffer`,

@@ -1,6 +1,7 @@
 """Device memory: a Rust-exported CUDA buffer viewed by torch and cupy (zero-copy, DLPack
 and the CUDA array interface), written on a torch stream and read back by its exporter in
-order; a buffer Python allocates on the device, written by torch, read by a Rust actor.
+order; a buffer Python allocates on the device, written by torch, read by a Rust actor;
+bundles of bfloat16 and float32 tensors both ways, as torch views.
 
 Skipped, each with its reason (`pytest -rs` prints it), without a GPU that Baton's CUDA
 backend can use, without torch with CUDA, or without cupy.
@@ -141,3 +142,45 @@ def test_a_device_buffer_python_allocates_is_read_by_a_rust_actor(torch, cuda_no
     del t
     buf.release()
     eventually(lambda: cuda_node.export_stats()["buffers"] == 0, "the device buffer to be freed")
+
+
+def test_a_device_bundle_of_bfloat16_tensors_syncs_to_rust_as_torch_views(
+    torch, cuda_node, cuda_peer
+):
+    spec = [
+        (f"layers.{i}.weight", (64, 48), "bfloat16") if i % 2 == 0
+        else (f"layers.{i}.norm", (48,), "float32")
+        for i in range(200)
+    ]
+    bundle = cuda_node.allocate_bundle(spec)
+    views = bundle.tensors()  # device memory: torch tensors by default
+    assert views["layers.0.weight"].dtype == torch.bfloat16 and views["layers.0.weight"].is_cuda
+    # One allocation: the second tensor starts at the first's end, rounded up to 256 bytes.
+    assert views["layers.1.norm"].data_ptr() - views["layers.0.weight"].data_ptr() == 6144
+    for step in range(3):
+        expect = []
+        for i, (name, _, dtype) in enumerate(spec):
+            v = views[name]
+            v.fill_(step + i / 64)  # torch's current stream; sending synchronises first
+            if dtype == "bfloat16":
+                expect.append(float((v.view(torch.int16).to(torch.int64) & 0xFFFF).sum()))
+            else:
+                expect.append(float(v.double().sum()))
+        reply = cuda_peer.call("bundles", "py.SumBundle", {"weights": bundle}, timeout=DEADLINE)
+        assert reply["error"] is None, reply
+        assert reply["sums"] == expect, step
+        bundle.returned(timeout=DEADLINE)
+
+
+def test_a_rust_device_bundle_opens_in_python_as_torch_tensors(torch, cuda_peer):
+    shared = cuda_peer.call("bundler", "py.MakeBundle", {"tensors": 20, "seed": 3})["weights"]
+    assert isinstance(shared, baton.SharedBundle)
+    # Writable: torch may take a DLPack capsule without the read-only flag (see
+    # test_torch_reads_and_writes_a_rust_device_buffer_on_its_own_stream).
+    with shared.open(writable=True) as opened:
+        views = opened.tensors("torch")
+        for i in range(20):
+            t = views[f"t{i}"]
+            assert t.is_cuda and t.tolist() == [3.0 + i] * (i + 1)
+        del views, t
+    eventually(lambda: cuda_peer.call("table", "py.Table")["leases"] == 0, "the lease to go back")

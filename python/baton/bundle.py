@@ -1,0 +1,255 @@
+"""Bundles: many named tensors in one buffer, leased and opened as one.
+
+A model's weights are hundreds of tensors. Sent as one ``Buffer`` each, every sync grants
+and offers hundreds of leases, and the receiver opens hundreds of allocations the first
+time; sent as one bundle, a sync is one lease, and from the second sync on the receiver's
+import cache has the allocation mapped already: it opens nothing.
+
+- ``node.allocate_bundle(spec)`` gives a :class:`Bundle`: ``spec`` is a
+  :class:`BundleLayout`, a dict ``{name: (shape, dtype)}`` or a list of
+  ``(name, shape, dtype)``; every tensor sits at a multiple of 256 bytes.
+- ``bundle.tensors()`` gives a dict of views of this process's memory, by name: NumPy
+  arrays for host memory, torch tensors for device memory (or ask: ``"numpy"``,
+  ``"torch"``, ``"cupy"``). bfloat16 needs torch or cupy (NumPy has no bfloat16) — or the
+  ``ml_dtypes`` package.
+- Put the bundle in a message as you would a ``Buffer``; the receiver gets a
+  :class:`SharedBundle` and ``open()``\\ s it into a :class:`BundleLease`, whose
+  ``tensors()`` are views of the sender's memory; the lease goes back once the
+  ``BundleLease`` is released (or collected) and its views are gone, as for a ``Lease``.
+
+On the wire a bundle is Rust's ``baton_actors::SharedBundle``: Rust and Python peers send
+each other bundles. A received layout is checked (unique names, aligned, disjoint
+tensors) on arrival and against the buffer when opened.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+from ._baton import Buffer, BundleLayout, Lease, Shared
+
+__all__ = ["Bundle", "BundleLayout", "BundleLease", "SharedBundle"]
+
+_ITEMSIZE = {
+    "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2, "bfloat16": 2,
+    "uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8, "float64": 8,
+}
+
+
+def _nbytes(dtype: str, shape: tuple) -> int:
+    n = _ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
+def _numpy_dtype(dtype: str) -> Any:
+    import numpy as np
+
+    if dtype != "bfloat16":
+        return np.dtype(dtype)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(
+            "NumPy has no bfloat16: use tensors('torch') or tensors('cupy'), "
+            "or install ml_dtypes"
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _views(memory: Any, layout: BundleLayout, framework: Optional[str]) -> Dict[str, Any]:
+    """Views of each tensor of ``layout`` in ``memory`` (a Buffer or a Lease of bytes)."""
+    if framework is None:
+        framework = "numpy" if memory.device[0] == "cpu" else "torch"
+    if framework == "numpy":
+        flat = memory.numpy()
+
+        def cut(start, end, dtype, shape):
+            return flat[start:end].view(_numpy_dtype(dtype)).reshape(shape)
+
+    elif framework == "torch":
+        import torch
+
+        flat = torch.from_dlpack(memory)
+
+        def cut(start, end, dtype, shape):
+            return flat[start:end].view(getattr(torch, dtype)).view(shape)
+
+    elif framework == "cupy":
+        import cupy
+
+        flat = cupy.from_dlpack(memory)
+
+        def cut(start, end, dtype, shape):
+            # cupy takes the ml_dtypes bfloat16 where NumPy has it; else it has none.
+            return flat[start:end].view(_numpy_dtype(dtype)).reshape(shape)
+
+    else:
+        raise ValueError(f"unknown framework {framework!r}: numpy, torch or cupy")
+    return {
+        name: cut(offset, offset + _nbytes(dtype, shape), dtype, shape)
+        for name, dtype, shape, offset in layout.tensors
+    }
+
+
+class Bundle:
+    """The owner's bundle: one ``Buffer`` of bytes and the :class:`BundleLayout` of the
+    tensors in it (made by ``Node.allocate_bundle``). Leases, ``returned()`` and
+    ``release()`` work as for the buffer."""
+
+    __slots__ = ("_buffer", "_layout")
+
+    def __init__(self, buffer: Buffer, layout: BundleLayout) -> None:
+        if buffer.dtype != "uint8" or buffer.nbytes < layout.nbytes:
+            raise ValueError(
+                f"a bundle of {layout.nbytes} bytes needs a uint8 buffer at least that "
+                f"large, not {buffer!r}"
+            )
+        self._buffer = buffer
+        self._layout = layout
+
+    @property
+    def buffer(self) -> Buffer:
+        """The buffer that holds every tensor."""
+        return self._buffer
+
+    @property
+    def layout(self) -> BundleLayout:
+        """Where each tensor is."""
+        return self._layout
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.nbytes
+
+    @property
+    def device(self) -> tuple:
+        return self._buffer.device
+
+    def tensors(self, framework: Optional[str] = None) -> Dict[str, Any]:
+        """A view of each tensor of this process's memory, by name, in layout order
+        (writable while no lease is out)."""
+        return _views(self._buffer, self._layout, framework)
+
+    @property
+    def leases_out(self) -> int:
+        """Leases on the bundle now out (as ``Buffer.leases_out``)."""
+        return self._buffer.leases_out
+
+    def returned(self, timeout: float) -> None:
+        """Waits until every lease on the bundle is back (see ``Buffer.returned``)."""
+        self._buffer.returned(timeout)
+
+    def returned_async(self, timeout: float) -> Any:
+        """``returned`` under asyncio."""
+        return self._buffer.returned_async(timeout)
+
+    def release(self) -> bool:
+        """Lets go of the buffer (see ``Buffer.release``)."""
+        return self._buffer.release()
+
+    def __baton_wire__(self) -> dict:
+        # What Rust's `SharedBundle` is on the wire (the codec encodes it).
+        return {"baton.bundle": self._layout, "buffer": self._buffer}
+
+    def __repr__(self) -> str:
+        return f"Bundle({len(self._layout)} tensors, {self._buffer!r})"
+
+
+class SharedBundle:
+    """A received bundle, not opened yet (a ``baton.Shared`` and its layout)."""
+
+    __slots__ = ("_layout", "_shared")
+
+    def __init__(self, layout: BundleLayout, shared: Shared) -> None:
+        self._layout = layout
+        self._shared = shared
+
+    @property
+    def layout(self) -> BundleLayout:
+        return self._layout
+
+    @property
+    def nbytes(self) -> int:
+        return self._shared.nbytes
+
+    def open(self, writable: bool = False) -> "BundleLease":
+        """Opens the bundle's lease (see ``Shared.open``). Raises ``ValueError`` — and gives
+        the lease back — when the layout reaches past the buffer."""
+        if self._layout.nbytes > self._shared.nbytes:
+            self._shared.release()
+            raise ValueError(
+                f"the bundle's tensors need {self._layout.nbytes} bytes; its buffer has "
+                f"{self._shared.nbytes}"
+            )
+        return BundleLease(self._layout, self._shared.open(writable=writable))
+
+    def release(self) -> bool:
+        """Gives the lease back unopened."""
+        return self._shared.release()
+
+    def __repr__(self) -> str:
+        return f"SharedBundle({len(self._layout)} tensors, {self._shared!r})"
+
+
+class BundleLease:
+    """An opened bundle: one ``Lease`` and the layout of its tensors. A context manager,
+    released as a ``Lease`` is (the lease goes back once its views are gone)."""
+
+    __slots__ = ("_layout", "_lease")
+
+    def __init__(self, layout: BundleLayout, lease: Lease) -> None:
+        self._layout = layout
+        self._lease = lease
+
+    @property
+    def layout(self) -> BundleLayout:
+        return self._layout
+
+    @property
+    def lease(self) -> Lease:
+        """The lease on the whole buffer."""
+        return self._lease
+
+    @property
+    def device(self) -> tuple:
+        return self._lease.device
+
+    def tensors(self, framework: Optional[str] = None) -> Dict[str, Any]:
+        """A view of each tensor of the exporter's memory, by name, in layout order
+        (read-only unless opened writable)."""
+        return _views(self._lease, self._layout, framework)
+
+    def copy_into(self, params: Mapping[str, Any]) -> None:
+        """Copies each tensor into the array of the same name in ``params`` — NumPy arrays,
+        torch tensors or cupy arrays, of the tensor's shape — as an engine's
+        ``load_weights`` does, and keeps no view: the lease can go back as soon as this
+        returns. Raises ``KeyError`` for a name the bundle does not have."""
+        first = next(iter(params.values()), None)
+        module = type(first).__module__.split(".")[0]
+        framework = module if module in ("torch", "cupy") else "numpy"
+        views = _views(self._lease, self._layout, framework)
+        try:
+            for name, dst in params.items():
+                src = views[name]
+                if framework == "torch":
+                    dst.copy_(src)
+                else:
+                    dst[...] = src
+        finally:
+            views.clear()
+
+    def release(self) -> bool:
+        """Gives the lease back (deferred while views are alive: see ``Lease.release``)."""
+        return self._lease.release()
+
+    def __enter__(self) -> "BundleLease":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self._lease.release()
+        return False
+
+    def __repr__(self) -> str:
+        return f"BundleLease({len(self._layout)} tensors, {self._lease!r})"

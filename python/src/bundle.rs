@@ -1,0 +1,150 @@
+//! Bundle layouts in Python: the Rust [`baton_messages::BundleLayout`] (its packing, its
+//! checks and its wire form), wrapped. The bundle classes themselves (`baton.Bundle`,
+//! `baton.SharedBundle`, `baton.BundleLease`) are Python, in `baton/bundle.py`: they hold
+//! a `Buffer`, `Shared` or `Lease` of bytes and cut views of it by this layout.
+//!
+//! On the wire a bundle is the map `{"baton.bundle": layout, "buffer": Shared<u8>}` that
+//! Rust's `SharedBundle` is; the codec turns a received one into a `baton.SharedBundle`
+//! after checking its layout here ([`decode_layout`]).
+
+use crate::errors::{Failure, OrRaise};
+use crate::memory::{dtype_name, parse_dtype};
+use baton_messages::{BundleLayout as Layout, Shape};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+use std::sync::Arc;
+
+/// The key of a bundle's layout in its wire map.
+pub(crate) const LAYOUT_KEY: &str = "baton.bundle";
+
+/// Where many named tensors are in one buffer: names, element types, shapes and byte
+/// offsets, each tensor at a multiple of 256 bytes. Made from a spec — a dict
+/// `{name: (shape, dtype)}` or a list of `(name, shape, dtype)` — in the order given; a
+/// received bundle's layout was checked on arrival (unique names, aligned and disjoint
+/// tensors) and against its buffer when opened.
+#[pyclass(frozen, module = "baton._baton", name = "BundleLayout")]
+pub(crate) struct BundleLayout {
+    pub(crate) inner: Arc<Layout>,
+}
+
+fn spec_entry(
+    name: Bound<'_, PyAny>,
+    shape: Bound<'_, PyAny>,
+    dtype: Bound<'_, PyAny>,
+) -> PyResult<(String, baton_messages::DType, Shape)> {
+    let py = name.py();
+    let name: String = name.extract()?;
+    let dims: Vec<u64> = match shape.extract::<u64>() {
+        Ok(n) => vec![n],
+        Err(_) => shape.extract()?,
+    };
+    let rank = dims.len();
+    let shape = Shape::new(dims)
+        .ok_or_else(|| {
+            Failure::Value(format!(
+                "tensor {name:?}: a shape has at most {} dimensions, not {rank}",
+                Shape::MAX_RANK
+            ))
+        })
+        .or_raise(py)?;
+    Ok((name, parse_dtype(&dtype)?, shape))
+}
+
+#[pymethods]
+impl BundleLayout {
+    #[new]
+    pub(crate) fn new(spec: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = spec.py();
+        let mut entries = Vec::new();
+        if let Ok(d) = spec.cast::<PyDict>() {
+            for (name, v) in d.iter() {
+                let (shape, dtype) = v.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()?;
+                entries.push(spec_entry(name, shape, dtype)?);
+            }
+        } else {
+            for item in spec.try_iter()? {
+                let (name, shape, dtype) =
+                    item?.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>)>()?;
+                entries.push(spec_entry(name, shape, dtype)?);
+            }
+        }
+        let inner = Layout::packed(entries)
+            .map_err(|e| Failure::Value(e.to_string()))
+            .or_raise(py)?;
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The tensors, in order: `(name, dtype, shape, offset)` tuples.
+    #[getter]
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for t in self.inner.tensors() {
+            list.append((
+                t.name.as_str(),
+                dtype_name(t.dtype),
+                PyTuple::new(py, t.shape.dims())?,
+                t.offset,
+            ))?;
+        }
+        Ok(list)
+    }
+
+    /// The bytes a buffer needs to hold every tensor.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.inner.byte_len()
+    }
+
+    /// `(dtype, shape, offset)` of the tensor `name` (`KeyError` if there is none).
+    fn __getitem__<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyTuple>> {
+        let t = self
+            .inner
+            .get(name)
+            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_owned()))?;
+        PyTuple::new(
+            py,
+            [
+                dtype_name(t.dtype).into_pyobject(py)?.into_any(),
+                PyTuple::new(py, t.shape.dims())?.into_any(),
+                t.offset.into_pyobject(py)?.into_any(),
+            ],
+        )
+    }
+
+    fn __contains__(&self, name: &str) -> bool {
+        self.inner.get(name).is_some()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<BundleLayout>()
+            .is_ok_and(|o| *o.get().inner == *self.inner)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BundleLayout({} tensors, {} bytes)",
+            self.inner.len(),
+            self.inner.byte_len()
+        )
+    }
+}
+
+/// The wire form of a layout (what Rust's serde writes with struct maps).
+pub(crate) fn encode_layout(layout: &Layout) -> Result<rmpv::Value, String> {
+    let bytes = rmp_serde::to_vec_named(layout).map_err(|e| e.to_string())?;
+    rmpv::decode::read_value(&mut bytes.as_slice()).map_err(|e| e.to_string())
+}
+
+/// A received layout, checked (the same checks as Rust's decoding).
+pub(crate) fn decode_layout(value: &rmpv::Value) -> Result<Layout, String> {
+    let mut bytes = Vec::new();
+    rmpv::encode::write_value(&mut bytes, value).map_err(|e| e.to_string())?;
+    rmp_serde::from_slice(&bytes).map_err(|e| format!("a bundle layout: {e}"))
+}

@@ -1,0 +1,173 @@
+"""Bundles: many named tensors in one buffer, one lease per sync, both ways between Python
+and Rust, and between two Python nodes; forged layouts refused with the link unharmed.
+(Device bundles with torch views: `test_cuda.py`.)"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import baton
+from conftest import DEADLINE, eventually, table
+
+# A model-shaped set: float32 matrices, float16 norms, an int64 step.
+SPEC = [
+    (f"layers.{i}.weight", (24, 16), "float32") if i % 2 == 0
+    else (f"layers.{i}.norm", (16,), "float16")
+    for i in range(199)
+] + [("step", (), "int64")]
+
+
+def fill(views: dict, step: int) -> list:
+    """Writes every tensor for `step`; returns what the partner should answer per tensor
+    (sums; 2-byte types as the sum of their raw bits)."""
+    expect = []
+    for i, (name, _, dtype) in enumerate(SPEC):
+        v = views[name]
+        v[...] = step if dtype == "int64" else step + i / 256
+        expect.append(float(v.view(np.uint16).sum(dtype=np.float64)) if v.itemsize == 2
+                      else float(v.sum(dtype=np.float64)))
+    return expect
+
+
+def test_a_layout_packs_named_tensors_at_aligned_offsets():
+    layout = baton.BundleLayout({"w": ((3, 5), "bfloat16"), "b": (7, np.float32)})
+    assert layout.tensors == [("w", "bfloat16", (3, 5), 0), ("b", "float32", (7,), 256)]
+    assert layout.nbytes == 256 + 28 and len(layout) == 2 and "b" in layout
+    assert layout["b"] == ("float32", (7,), 256)
+    with pytest.raises(KeyError):
+        layout["nope"]
+    assert baton.BundleLayout([("w", (3, 5), "bfloat16"), ("b", 7, "float32")]) == layout
+    with pytest.raises(ValueError, match="two tensors are named"):
+        baton.BundleLayout([("a", 1, "uint8"), ("a", 1, "uint8")])
+    with pytest.raises(ValueError, match="name"):
+        baton.BundleLayout([("", 1, "uint8")])
+    with pytest.raises(TypeError, match="unknown element type"):
+        baton.BundleLayout([("a", 1, "complex64")])
+
+
+def test_a_python_bundle_syncs_to_rust_as_one_lease(node, peer):
+    bundle = node.allocate_bundle(SPEC)
+    assert isinstance(bundle, baton.Bundle) and len(bundle.layout) == 200
+    views = bundle.tensors()
+    assert views["layers.0.weight"].shape == (24, 16) and views["step"].shape == ()
+    assert views["layers.1.norm"].dtype == np.float16
+    # One allocation for every tensor.
+    assert [b["bytes"] for b in node.lease_table()] == [bundle.nbytes]
+    for step in range(3):
+        expect = fill(views, step)
+        reply = peer.call("bundles", "py.SumBundle", {"weights": bundle}, timeout=DEADLINE)
+        assert reply["error"] is None, reply
+        assert reply["names"] == [name for name, _, _ in SPEC]
+        assert reply["sums"] == expect, step
+        bundle.returned(timeout=DEADLINE)
+        assert bundle.leases_out == 0
+
+
+def test_a_rust_bundle_opens_in_python_as_a_dict_of_views(node, peer):
+    reply = peer.call("bundler", "py.MakeBundle", {"tensors": 50, "seed": 7})
+    shared = reply["weights"]
+    assert isinstance(shared, baton.SharedBundle), reply
+    assert len(shared.layout) == 50 and shared.layout["t3"] == ("float32", (4,), 768)
+    with shared.open() as opened:
+        views = opened.tensors()
+        assert list(views) == [f"t{i}" for i in range(50)]
+        for i in range(50):
+            assert views[f"t{i}"].tolist() == [7.0 + i] * (i + 1)
+        assert not views["t0"].flags.writeable
+        del views
+    eventually(lambda: table(peer)["leases"] == 0, "the bundle's lease to go back")
+    # load_weights: copied into arrays of ours by name, no view kept.
+    params = {f"t{i}": np.zeros(i + 1, np.float32) for i in range(0, 50, 7)}
+    shared = peer.call("bundler", "py.MakeBundle", {"tensors": 50, "seed": 1})["weights"]
+    opened = shared.open()
+    opened.copy_into(params)
+    assert opened.release() is True, "copy_into keeps no view"
+    assert all(p.tolist() == [1.0 + i] * (i + 1) for i, p in zip(range(0, 50, 7), params.values()))
+    eventually(lambda: table(peer)["leases"] == 0, "the second bundle's lease to go back")
+    shared = peer.call("bundler", "py.MakeBundle", {"tensors": 2, "seed": 1})["weights"]
+    with shared.open() as opened, pytest.raises(KeyError, match="t9"):
+        opened.copy_into({"t9": np.zeros(10, np.float32)})
+
+
+def test_a_forged_bundle_layout_is_refused_and_the_link_carries_on(node, peer):
+    buf = node.allocate(64, "uint8")
+    overlapping = [
+        {"name": "a", "dtype": "F32", "shape": [8], "offset": 0},
+        {"name": "b", "dtype": "F32", "shape": [8], "offset": 16},
+    ]
+    with pytest.raises(baton.BadPayload, match="overlap"):
+        peer.call("bundles", "py.SumBundle", {"weights": {"baton.bundle": overlapping, "buffer": buf}})
+    buf.returned(timeout=DEADLINE)  # the refused call's lease comes back
+    past_the_end = [{"name": "a", "dtype": "F32", "shape": [1 << 20], "offset": 0}]
+    reply = peer.call(
+        "bundles", "py.SumBundle", {"weights": {"baton.bundle": past_the_end, "buffer": buf}}
+    )
+    assert "need" in reply["error"], reply
+    buf.returned(timeout=DEADLINE)
+    # The link carries the next, honest bundle.
+    bundle = node.allocate_bundle({"x": (4, "float32")})
+    bundle.tensors()["x"][:] = [1, 2, 3, 4]
+    assert peer.call("bundles", "py.SumBundle", {"weights": bundle})["sums"] == [10.0]
+
+
+def test_python_nodes_send_each_other_bundles_and_refuse_forged_ones(node, token_file, short_dir):
+    """Python's own decoding checks a received layout: a forged one is answered BadPayload
+    (the receiving mailbox carries on), an honest one opens as a dict of views."""
+    node.listen(short_dir, "py.sock")
+    sender = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("weights", "py.Weights")
+        got = {}
+
+        def serve() -> None:
+            call = mailbox.recv(timeout=DEADLINE)  # the forged call never surfaces here
+            shared = call.message["weights"]
+            with shared.open() as opened:
+                views = opened.tensors()
+                got["w"] = views["w"].tolist()
+                got["step"] = int(views["step"])
+                del views
+            call.reply(len(shared.layout))
+
+        server = threading.Thread(target=serve)
+        server.start()
+        buf = sender.allocate(64, "uint8")
+        forged = [
+            {"name": "w", "dtype": "F32", "shape": [2], "offset": 0},
+            {"name": "w", "dtype": "F32", "shape": [2], "offset": 8},
+        ]
+        with pytest.raises(baton.BadPayload, match="two tensors are named"):
+            to_node.call("weights", "py.Weights", {"weights": {"baton.bundle": forged, "buffer": buf}})
+        buf.returned(timeout=DEADLINE)
+        bundle = sender.allocate_bundle([("w", (2, 2), "float32"), ("step", (), "int64")])
+        views = bundle.tensors()
+        views["w"][...] = [[1, 2], [3, 4]]
+        views["step"][...] = 9
+        assert to_node.call("weights", "py.Weights", {"weights": bundle}, timeout=DEADLINE) == 2
+        server.join(timeout=DEADLINE)
+        assert got == {"w": [[1.0, 2.0], [3.0, 4.0]], "step": 9}
+        bundle.returned(timeout=DEADLINE)
+    finally:
+        sender.close()
+
+
+def test_numpy_views_of_bfloat16_say_what_to_use():
+    layout = baton.BundleLayout({"w": (4, "bfloat16")})
+    assert layout.nbytes == 8
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("ml_dtypes is installed: NumPy views of bfloat16 work")
+    node = baton.Node(token=baton.generate_token(), backend="host")
+    try:
+        bundle = node.allocate_bundle(layout)
+        with pytest.raises(TypeError, match="bfloat16"):
+            bundle.tensors()
+    finally:
+        node.close()
