@@ -100,6 +100,8 @@ class Node:
         """The buffers this node exports and their leases."""
     def export_stats(self) -> dict[str, int]:
         """Counters of the buffers this node exports."""
+    def import_stats(self) -> dict[str, int]:
+        """Counters of this node's import cache (``opens``: driver-level opens)."""
     def close(self) -> None:
         """Waits (at most 2 s) for fences recorded for peers to land, then stops listening
         and closes every mailbox and link."""

@@ -470,6 +470,23 @@ impl Node {
         Ok(d)
     }
 
+    /// Counters of this node's import cache: `opens` (driver-level opens or `mmap`s:
+    /// each first open of an allocation), `hits` (opens served from a mapping already
+    /// there), `closes`, `stale`, `evictions`, and now: `live`, `warm`, `warm_bytes`.
+    fn import_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.node.cache().stats();
+        let d = PyDict::new(py);
+        d.set_item("opens", s.opens)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("closes", s.closes)?;
+        d.set_item("stale", s.stale)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("live", s.live)?;
+        d.set_item("warm", s.warm)?;
+        d.set_item("warm_bytes", s.warm_bytes)?;
+        Ok(d)
+    }
+
     /// Stops listening, closes every mailbox (calls waiting in them are answered
     /// `ActorGone`) and every link (leases granted over them stop counting, leases held
     /// over them are orphaned). First waits (at most 2 s) until the fences this node

@@ -147,10 +147,12 @@ def test_python_nodes_send_each_other_bundles_and_refuse_forged_ones(node, token
         views = bundle.tensors()
         views["w"][...] = [[1, 2], [3, 4]]
         views["step"][...] = 9
+        opens = node.import_stats()["opens"]
         assert to_node.call("weights", "py.Weights", {"weights": bundle}, timeout=DEADLINE) == 2
         server.join(timeout=DEADLINE)
         assert got == {"w": [[1.0, 2.0], [3.0, 4.0]], "step": 9}
         bundle.returned(timeout=DEADLINE)
+        assert node.import_stats()["opens"] == opens + 1, "one open for the whole bundle"
     finally:
         sender.close()
 

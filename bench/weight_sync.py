@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Weight sync, trainer to inference engine, on one GPU (issue 25's benchmark).
+
+A trainer process updates every weight of a model-shaped set each step (an optimizer-like
+kernel: one `_foreach_add_` over every tensor) and hands the weights to an engine process,
+which copies every tensor into its own preallocated parameters (as an engine's
+`load_weights` does), waits for the copies, checks the step it was sent, and answers. In
+the same run, the same bytes through:
+
+- `baton-bundle`: one Baton bundle (one allocation, one lease per sync; the engine's
+  import cache keeps it mapped, so a sync after the first opens nothing);
+- `torch-mp-tensors`: torch.multiprocessing, one CUDA tensor per weight (what RL
+  frameworks do without bucketing);
+- `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
+- `copy`: the floor — one process copying the same tensors device to device, once per
+  tensor and once as one flat copy.
+
+Prints one JSON line per path: per-sync time (median and p90 of the steps after the
+first; the first apart), driver-level opens per sync after the first (Baton: the engine's
+import cache counter), the engine's reserved device memory at the first and the last
+step; then a summary line with the ratios the issue sets targets for.
+
+usage: python3 bench/weight_sync.py [--model qwen2.5-0.5b|qwen2.5-7b] [--steps N]
+                                    [--paths baton-bundle,torch-mp-tensors,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+# Real configs (Hugging Face config.json): hidden, layers, intermediate, vocab, heads,
+# key/value heads, whether lm_head is tied to the embedding.
+MODELS = {
+    "qwen2.5-0.5b": (896, 24, 4864, 151936, 14, 2, True),  # ~0.92 GiB in bf16, 290 tensors
+    "qwen2.5-7b": (3584, 28, 18944, 152064, 28, 4, False),  # ~14.2 GiB in bf16, 339 tensors
+}
+
+
+def model_spec(name: str) -> list:
+    """(name, shape, dtype) of every weight, in a checkpoint's order, plus a `step` scalar
+    the engine checks."""
+    hidden, layers, inter, vocab, heads, kv_heads, tied = MODELS[name]
+    kv = hidden // heads * kv_heads
+    spec = [("model.embed_tokens.weight", (vocab, hidden), "bfloat16")]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        spec += [
+            (p + "self_attn.q_proj.weight", (hidden, hidden), "bfloat16"),
+            (p + "self_attn.q_proj.bias", (hidden,), "bfloat16"),
+            (p + "self_attn.k_proj.weight", (kv, hidden), "bfloat16"),
+            (p + "self_attn.k_proj.bias", (kv,), "bfloat16"),
+            (p + "self_attn.v_proj.weight", (kv, hidden), "bfloat16"),
+            (p + "self_attn.v_proj.bias", (kv,), "bfloat16"),
+            (p + "self_attn.o_proj.weight", (hidden, hidden), "bfloat16"),
+            (p + "mlp.gate_proj.weight", (inter, hidden), "bfloat16"),
+            (p + "mlp.up_proj.weight", (inter, hidden), "bfloat16"),
+            (p + "mlp.down_proj.weight", (hidden, inter), "bfloat16"),
+            (p + "input_layernorm.weight", (hidden,), "bfloat16"),
+            (p + "post_attention_layernorm.weight", (hidden,), "bfloat16"),
+        ]
+    spec.append(("model.norm.weight", (hidden,), "bfloat16"))
+    if not tied:
+        spec.append(("lm_head.weight", (vocab, hidden), "bfloat16"))
+    spec.append(("step", (), "int64"))
+    return spec
+
+
+SIZE = {"bfloat16": 2, "int64": 8}
+
+
+def flat_layout(spec) -> tuple:
+    """Where each tensor sits in one flat bucket, each at a multiple of 256 bytes (as in a
+    Baton bundle): [(name, shape, dtype, offset, bytes)], total bytes."""
+    import math
+
+    out, at = [], 0
+    for name, shape, dtype in spec:
+        n = math.prod(shape) * SIZE[dtype]
+        out.append((name, shape, dtype, at, n))
+        at = (at + n + 255) // 256 * 256
+    return out, at
+
+
+def nbytes(spec) -> int:
+    return flat_layout(spec)[1]
+
+
+def params_like(torch, spec) -> dict:
+    return {n: torch.empty(s, dtype=getattr(torch, d), device="cuda") for n, s, d in spec}
+
+
+def summary(path: str, times: list, **extra) -> dict:
+    rest = sorted(times[1:]) or times
+    line = {
+        "bench": "weight_sync",
+        "path": path,
+        "per_sync_ms_median": round(statistics.median(rest) * 1e3, 3),
+        "per_sync_ms_p90": round(rest[int(len(rest) * 0.9) - 1 if len(rest) > 1 else 0] * 1e3, 3),
+        "first_sync_ms": round(times[0] * 1e3, 3),
+        "steps": len(times),
+        **extra,
+    }
+    print(json.dumps(line), flush=True)
+    return line
+
+
+# ---- the floor: device-to-device copies in one process ----------------------------------
+
+def run_copy(args, spec) -> list:
+    import torch
+
+    src, dst = params_like(torch, spec), params_like(torch, spec)
+    out = []
+    for how in ("per-tensor", "flat"):
+        flat_src = torch.empty(nbytes(spec), dtype=torch.uint8, device="cuda")
+        flat_dst = torch.empty_like(flat_src)
+        times = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            if how == "flat":
+                flat_dst.copy_(flat_src)
+            else:
+                for n in dst:
+                    dst[n].copy_(src[n])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out.append(summary(f"copy-{how}", times, opens_per_sync=0))
+        del flat_src, flat_dst
+    return out
+
+
+# ---- Baton: one bundle --------------------------------------------------------------------
+
+def baton_engine(model: str) -> None:
+    import torch
+
+    import baton
+
+    spec = model_spec(model)
+    node = baton.Node()  # the token and backend the trainer passed
+    mailbox = node.register("engine", "rl.Weights")
+    node.connect_parent()
+    params = params_like(torch, spec)
+    while True:
+        try:
+            call = mailbox.recv(timeout=120)
+        except baton.LinkClosed:
+            return
+        with call.message["weights"].open() as weights:
+            weights.copy_into(params)
+        torch.cuda.current_stream().synchronize()  # loaded: what an engine waits for
+        ok = int(params["step"].item()) == call.message["step"]
+        call.reply({
+            "ok": ok,
+            "opens": node.import_stats()["opens"],
+            "reserved": torch.cuda.memory_reserved(),
+        })
+
+
+def run_baton(args, spec) -> dict:
+    import torch
+
+    import baton
+
+    node = baton.Node(token=baton.generate_token(), backend="cuda")
+    child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine",
+                        "--model", args.model], timeout=120)
+    bundle = node.allocate_bundle(spec)
+    views = bundle.tensors()
+    weights = [v for n, v in views.items() if n != "step"]
+    for w in weights:
+        w.fill_(0)
+    times, opens, reserved = [], [], []
+    for step in range(args.steps):
+        torch._foreach_add_(weights, 1e-3)  # the optimizer's update
+        views["step"].fill_(step)
+        t = time.perf_counter()
+        reply = child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": step},
+                                timeout=120)
+        bundle.returned(timeout=120)
+        times.append(time.perf_counter() - t)
+        assert reply["ok"], (step, reply)
+        opens.append(reply["opens"])
+        reserved.append(reply["reserved"])
+    child.peer.close()
+    child.wait(timeout=60)
+    node.close()
+    return summary(
+        "baton-bundle", times,
+        opens_first=opens[0],
+        opens_per_sync=(opens[-1] - opens[0]) / max(1, len(opens) - 1),
+        engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
+    )
+
+
+# ---- torch.multiprocessing ----------------------------------------------------------------
+
+def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
+    import torch
+
+    spec = model_spec(model)
+    params = params_like(torch, spec)
+    while True:
+        item = inbox.get()
+        if item is None:
+            return
+        step, payload = item
+        if flat:
+            # One bucket: cut it by the layout both sides know.
+            for name, shape, dtype, at, n in flat_layout(spec)[0]:
+                params[name].copy_(payload[at:at + n].view(getattr(torch, dtype)).view(shape))
+        else:
+            for name, tensor in zip(params, payload):
+                params[name].copy_(tensor)
+        del payload, item
+        torch.cuda.current_stream().synchronize()
+        outbox.put((int(params["step"].item()) == step, torch.cuda.memory_reserved()))
+
+
+def run_torch(args, spec, flat: bool) -> dict:
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=torch_engine, args=(args.model, flat, inbox, outbox))
+    proc.start()
+    if flat:
+        bucket = torch.zeros(nbytes(spec), dtype=torch.uint8, device="cuda")
+        views = {name: bucket[at:at + n].view(getattr(torch, dtype)).view(shape)
+                 for name, shape, dtype, at, n in flat_layout(spec)[0]}
+    else:
+        views = params_like(torch, spec)
+        for v in views.values():
+            v.zero_()
+    weights = [v for n, v in views.items() if n != "step"]
+    times, reserved = [], []
+    for step in range(args.steps):
+        torch._foreach_add_(weights, 1e-3)
+        views["step"].fill_(step)
+        t = time.perf_counter()
+        inbox.put((step, bucket if flat else list(views.values())))
+        ok, res = outbox.get(timeout=300)
+        times.append(time.perf_counter() - t)
+        assert ok, step
+        reserved.append(res)
+    inbox.put(None)
+    proc.join(60)
+    return summary(
+        "torch-mp-flat" if flat else "torch-mp-tensors", times,
+        engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
+        torch=torch.__version__,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--paths", default="copy,baton-bundle,torch-mp-flat,torch-mp-tensors")
+    ap.add_argument("--role", default="trainer", choices=["trainer", "engine"])
+    args = ap.parse_args()
+    if args.role == "engine":
+        return baton_engine(args.model)
+    import torch
+
+    spec = model_spec(args.model)
+    print(json.dumps({
+        "bench": "weight_sync", "model": args.model, "tensors": len(spec) - 1,
+        "bytes": nbytes(spec), "steps": args.steps,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    }), flush=True)
+    results = {}
+    for path in args.paths.split(","):
+        if path == "copy":
+            for line in run_copy(args, spec):
+                results[line["path"]] = line
+        elif path == "baton-bundle":
+            results[path] = run_baton(args, spec)
+        elif path in ("torch-mp-flat", "torch-mp-tensors"):
+            results[path] = run_torch(args, spec, flat=path == "torch-mp-flat")
+        else:
+            raise SystemExit(f"unknown path {path}")
+        torch.cuda.empty_cache()
+    med = {k: v["per_sync_ms_median"] for k, v in results.items()}
+    if "baton-bundle" in med:
+        b = med["baton-bundle"]
+        ratios = {f"{k}_over_baton" if k.startswith("torch") else f"baton_over_{k}":
+                  round(v / b if k.startswith("torch") else b / v, 2)
+                  for k, v in med.items() if k != "baton-bundle"}
+        print(json.dumps({"bench": "weight_sync", "summary": ratios}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
