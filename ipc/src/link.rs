@@ -332,3 +332,32 @@ impl Drop for Listener {
         let _ = std::fs::remove_file(&self.path);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_messages::SessionToken;
+
+    /// A listener owns its socket file: a second one at the same name is refused while it
+    /// listens, the file goes when it drops, and a stale file (its listener gone without
+    /// removing it, as a killed node leaves it) is replaced.
+    #[test]
+    fn a_listener_removes_its_socket_when_dropped_and_replaces_a_stale_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = SocketDir::create(tmp.path().join("node")).unwrap();
+        let config = || LinkConfig::new(Session::new(SessionToken::from_bytes([3; 32])));
+        let listener = Listener::bind(&dir, "n.sock", config()).unwrap();
+        let path = listener.path().to_owned();
+        assert!(path.exists());
+        assert!(
+            Listener::bind(&dir, "n.sock", config()).is_err(),
+            "someone listens there"
+        );
+        drop(listener);
+        assert!(!path.exists(), "the socket file went with its listener");
+        drop(UnixListener::bind(&path).unwrap());
+        assert!(path.exists(), "a stale socket file");
+        let again = Listener::bind(&dir, "n.sock", config()).unwrap();
+        assert!(UnixStream::connect(again.path()).is_ok());
+    }
+}

@@ -116,6 +116,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_policy_lists_the_uids_it_accepts_once_each() {
+        let me = rustix::process::geteuid().as_raw();
+        let other = me.wrapping_add(1000);
+        let policy = PeerPolicy::same_user().allow_uid(other).allow_uid(other);
+        assert_eq!(policy.allowed_uids(), [me, other]);
+    }
+
+    #[test]
     fn policy_decides_by_uid() {
         let me = rustix::process::geteuid().as_raw();
         let cred = |uid| PeerCred {

@@ -292,6 +292,28 @@ mod tests {
         assert!(matches!(rx.recv().await, Err(Error::Closed)));
     }
 
+    /// `readable_now` (the reader's verdict on a dead peer): nothing waiting is `false`;
+    /// bytes waiting are `true`, and peeking leaves them to be read; the peer's end closed
+    /// is `true` (a receive would return the end of the stream at once).
+    #[tokio::test(flavor = "current_thread")]
+    async fn readable_now_tells_waiting_bytes_and_a_closed_peer_from_silence() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let config = LinkConfig::new(Session::new(SessionToken::from_bytes([8; 32])));
+        let (server, client) =
+            tokio::join!(AsyncLink::server(a, &config), AsyncLink::client(b, &config));
+        let server = server.unwrap();
+        let closer = server.closer();
+        let (mut rx, _wx) = server.into_split();
+        let (_crx, mut cwx) = client.unwrap().into_split();
+        assert!(!closer.readable_now(), "nothing was sent");
+        cwx.send(&Message::Ping(1), &[]).await.unwrap();
+        assert!(closer.readable_now(), "a frame is waiting");
+        assert_eq!(rx.recv().await.unwrap().message, Message::Ping(1));
+        assert!(!closer.readable_now(), "the frame was read");
+        cwx.shutdown();
+        assert!(closer.readable_now(), "the peer's end is closed");
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn one_frame_carries_as_many_descriptors_as_scm_rights_allows() {
         let (a, b) = UnixStream::pair().unwrap();
