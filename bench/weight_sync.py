@@ -8,7 +8,11 @@ which copies every tensor into its own preallocated parameters (as an engine's
 the same run, the same bytes through:
 
 - `baton-bundle`: one Baton bundle (one allocation, one lease per sync; the engine's
-  import cache keeps it mapped, so a sync after the first opens nothing);
+  import cache keeps it mapped, so a sync after the first opens nothing), with Python's
+  conservative device synchronisation on send, open and release;
+- `baton-bundle-ordered`: the same, stream-ordered (`call(..., stream=s)`,
+  `open(stream=s)`, `wait_on(s)`): fences on the streams, no host synchronisation but the
+  engine's own wait for its copies;
 - `torch-mp-tensors`: torch.multiprocessing, one CUDA tensor per weight (what RL
   frameworks do without bucketing);
 - `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
@@ -137,7 +141,7 @@ def run_copy(args, spec) -> list:
 
 # ---- Baton: one bundle --------------------------------------------------------------------
 
-def baton_engine(model: str) -> None:
+def baton_engine(model: str, ordered: bool) -> None:
     import torch
 
     import baton
@@ -152,7 +156,8 @@ def baton_engine(model: str) -> None:
             call = mailbox.recv(timeout=120)
         except baton.LinkClosed:
             return
-        with call.message["weights"].open() as weights:
+        stream = torch.cuda.current_stream() if ordered else None
+        with call.message["weights"].open(stream=stream) as weights:
             weights.copy_into(params)
         torch.cuda.current_stream().synchronize()  # loaded: what an engine waits for
         ok = int(params["step"].item()) == call.message["step"]
@@ -163,14 +168,16 @@ def baton_engine(model: str) -> None:
         })
 
 
-def run_baton(args, spec) -> dict:
+def run_baton(args, spec, ordered: bool) -> dict:
     import torch
 
     import baton
 
     node = baton.Node(token=baton.generate_token(), backend="cuda")
     child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine",
-                        "--model", args.model], timeout=120)
+                        "--model", args.model] + (["--ordered"] if ordered else []),
+                       timeout=120)
+    stream = torch.cuda.current_stream() if ordered else None
     bundle = node.allocate_bundle(spec)
     views = bundle.tensors()
     weights = [v for n, v in views.items() if n != "step"]
@@ -182,8 +189,10 @@ def run_baton(args, spec) -> dict:
         views["step"].fill_(step)
         t = time.perf_counter()
         reply = child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": step},
-                                timeout=120)
+                                timeout=120, stream=stream)
         bundle.returned(timeout=120)
+        if ordered:
+            bundle.wait_on(stream)  # the next update waits for the engine's copies
         times.append(time.perf_counter() - t)
         assert reply["ok"], (step, reply)
         opens.append(reply["opens"])
@@ -192,7 +201,7 @@ def run_baton(args, spec) -> dict:
     child.wait(timeout=60)
     node.close()
     return summary(
-        "baton-bundle", times,
+        "baton-bundle-ordered" if ordered else "baton-bundle", times,
         opens_first=opens[0],
         opens_per_sync=(opens[-1] - opens[0]) / max(1, len(opens) - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
@@ -263,11 +272,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--paths", default="copy,baton-bundle,torch-mp-flat,torch-mp-tensors")
+    ap.add_argument("--paths", default="copy,baton-bundle,baton-bundle-ordered,"
+                    "torch-mp-flat,torch-mp-tensors")
     ap.add_argument("--role", default="trainer", choices=["trainer", "engine"])
+    ap.add_argument("--ordered", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "engine":
-        return baton_engine(args.model)
+        return baton_engine(args.model, args.ordered)
     import torch
 
     spec = model_spec(args.model)
@@ -281,20 +292,25 @@ def main() -> None:
         if path == "copy":
             for line in run_copy(args, spec):
                 results[line["path"]] = line
-        elif path == "baton-bundle":
-            results[path] = run_baton(args, spec)
+        elif path in ("baton-bundle", "baton-bundle-ordered"):
+            results[path] = run_baton(args, spec, ordered=path.endswith("ordered"))
         elif path in ("torch-mp-flat", "torch-mp-tensors"):
             results[path] = run_torch(args, spec, flat=path == "torch-mp-flat")
         else:
             raise SystemExit(f"unknown path {path}")
         torch.cuda.empty_cache()
     med = {k: v["per_sync_ms_median"] for k, v in results.items()}
-    if "baton-bundle" in med:
-        b = med["baton-bundle"]
-        ratios = {f"{k}_over_baton" if k.startswith("torch") else f"baton_over_{k}":
-                  round(v / b if k.startswith("torch") else b / v, 2)
-                  for k, v in med.items() if k != "baton-bundle"}
-        print(json.dumps({"bench": "weight_sync", "summary": ratios}), flush=True)
+    ratios = {}
+    for baton_path in ("baton-bundle", "baton-bundle-ordered"):
+        if baton_path not in med:
+            continue
+        b = med[baton_path]
+        for k, v in med.items():
+            if k.startswith("torch"):
+                ratios[f"{k} / {baton_path}"] = round(v / b, 2)
+            elif k.startswith("copy"):
+                ratios[f"{baton_path} / {k}"] = round(b / v, 2)
+    print(json.dumps({"bench": "weight_sync", "summary": ratios}), flush=True)
 
 
 if __name__ == "__main__":

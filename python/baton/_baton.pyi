@@ -20,6 +20,10 @@ DTypeLike = Any
 #: list, tuple, dict, Buffer (leased to the receiver), and nested combinations.
 Value = Any
 Device = Tuple[str, int]
+#: A CUDA stream of the device's primary context: a ``torch.cuda.Stream``, a
+#: ``cupy.cuda.Stream`` (kept alive by Baton once named), or a raw ``CUstream`` handle
+#: (which must stay alive for the life of the process).
+StreamLike = Any
 
 def generate_token() -> str:
     """A fresh random session token (64 hex digits), for a process that starts a deployment."""
@@ -129,9 +133,11 @@ class Peer:
         message: Value = None,
         *,
         timeout: float = 30.0,
+        stream: Optional[StreamLike] = None,
     ) -> Value:
         """Calls the actor ``target`` with ``message`` (MessagePack) and returns its reply;
-        buffers in the reply arrive as ``Shared``."""
+        buffers in the reply arrive as ``Shared``. ``stream``: device buffers' acquire
+        fences are recorded on it, and the device is not synchronised first."""
     def ping(self, *, timeout: float = 30.0) -> float:
         """A round trip to the peer, in seconds."""
     def close(self) -> None: ...
@@ -179,7 +185,7 @@ class Call:
     def peer_pid(self) -> int: ...
     @property
     def type_name(self) -> str: ...
-    def reply(self, value: Value = None) -> bool:
+    def reply(self, value: Value = None, *, stream: Optional[StreamLike] = None) -> bool:
         """Answers; ``Buffer``s in ``value`` are leased to the caller. ``False``: the
         caller's link went down first."""
     def reject(self, reason: str) -> bool:
@@ -196,9 +202,11 @@ class Shared:
     def nbytes(self) -> int: ...
     @property
     def lease_id(self) -> int: ...
-    def open(self, *, writable: bool = False) -> Lease:
+    def open(self, *, writable: bool = False, stream: Optional[StreamLike] = None) -> Lease:
         """Maps the exporter's memory here. Raises ``Orphaned`` if the exporter is gone,
-        ``Released`` if opened or released before."""
+        ``Released`` if opened or released before. ``stream`` (device memory): the stream
+        waits on the exporter's fence and the release fence is recorded on it — no host
+        synchronisation."""
     def release(self) -> bool:
         """Gives the lease back unopened; returns whether it was still unopened."""
 
@@ -268,6 +276,9 @@ class Buffer:
     def released(self) -> bool: ...
     @property
     def leases_out(self) -> int: ...
+    def wait_on(self, stream: StreamLike) -> None:
+        """Device memory: work queued on ``stream`` from now on waits for the importers'
+        release fences (stream-ordered writes after ``returned()``)."""
     def returned(self, timeout: float = 30.0) -> None:
         """Waits until every lease on it is back. Raises ``NotReturned`` past ``timeout``."""
     def returned_async(self, timeout: float = 30.0) -> Awaitable[None]:

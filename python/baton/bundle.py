@@ -137,6 +137,12 @@ class Bundle:
         """Leases on the bundle now out (as ``Buffer.leases_out``)."""
         return self._buffer.leases_out
 
+    def wait_on(self, stream: Any) -> None:
+        """Orders the work queued on ``stream`` from now on after the importers' work on the
+        bundle (see ``Buffer.wait_on``): call it after ``returned()``, before writing the
+        bundle on that stream again."""
+        self._buffer.wait_on(stream)
+
     def returned(self, timeout: float) -> None:
         """Waits until every lease on the bundle is back (see ``Buffer.returned``)."""
         self._buffer.returned(timeout)
@@ -174,16 +180,18 @@ class SharedBundle:
     def nbytes(self) -> int:
         return self._shared.nbytes
 
-    def open(self, writable: bool = False) -> "BundleLease":
-        """Opens the bundle's lease (see ``Shared.open``). Raises ``ValueError`` — and gives
-        the lease back — when the layout reaches past the buffer."""
+    def open(self, writable: bool = False, stream: Any = None) -> "BundleLease":
+        """Opens the bundle's lease (see ``Shared.open``; ``stream`` makes it
+        stream-ordered: no host synchronisation, the release fence recorded on that stream).
+        Raises ``ValueError`` — and gives the lease back — when the layout reaches past the
+        buffer."""
         if self._layout.nbytes > self._shared.nbytes:
             self._shared.release()
             raise ValueError(
                 f"the bundle's tensors need {self._layout.nbytes} bytes; its buffer has "
                 f"{self._shared.nbytes}"
             )
-        return BundleLease(self._layout, self._shared.open(writable=writable))
+        return BundleLease(self._layout, self._shared.open(writable=writable, stream=stream))
 
     def release(self) -> bool:
         """Gives the lease back unopened."""

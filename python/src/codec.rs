@@ -11,6 +11,7 @@ use crate::bundle::{self, BundleLayout, LAYOUT_KEY};
 use crate::errors::{Failure, OrRaise};
 use crate::memory::{Buffer, Cuda, Lease, Shared};
 use baton_actors::{ActorError, AnyShared, MSGPACK_SHARED_EXT, RawMessage};
+use baton_ipc::Stream;
 use baton_ipc::cuda::CudaBackend;
 use pyo3::IntoPyObjectExt;
 use pyo3::prelude::*;
@@ -40,11 +41,23 @@ fn encode_error(reason: String) -> Failure {
     })
 }
 
-/// Encodes `value` (see the module docs).
-pub(crate) fn encode(value: &Bound<'_, PyAny>) -> PyResult<Outgoing> {
+/// Encodes `value` (see the module docs). With `stream` (a Python stream object, for device
+/// buffers), each buffer's acquire fence follows the work queued on it, and the caller need
+/// not synchronise the device before sending (`Outgoing::device` stays `None`).
+pub(crate) fn encode(
+    value: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Outgoing> {
     let mut buffers = Vec::new();
     let mut device = None;
-    let v = to_value(value, &mut buffers, &mut device, 0)?;
+    let mut order = Order {
+        named: stream,
+        stream: None,
+    };
+    let v = to_value(value, &mut buffers, &mut device, &mut order, 0)?;
+    if order.stream.is_some() {
+        device = None;
+    }
     let mut bytes = Vec::new();
     rmpv::encode::write_value(&mut bytes, &v)
         .map_err(|e| encode_error(e.to_string()))
@@ -55,10 +68,18 @@ pub(crate) fn encode(value: &Bound<'_, PyAny>) -> PyResult<Outgoing> {
     })
 }
 
+/// The stream an outgoing value's device buffers are ordered on: named by the caller,
+/// wrapped at the first device buffer.
+struct Order<'a, 'py> {
+    named: Option<&'a Bound<'py, PyAny>>,
+    stream: Option<Stream>,
+}
+
 fn to_value(
     obj: &Bound<'_, PyAny>,
     buffers: &mut Vec<AnyShared>,
     device: &mut Option<Arc<CudaBackend>>,
+    order: &mut Order<'_, '_>,
     depth: usize,
 ) -> PyResult<Value> {
     let py = obj.py();
@@ -92,14 +113,14 @@ fn to_value(
     if let Ok(l) = obj.cast::<PyList>() {
         return l
             .iter()
-            .map(|item| to_value(&item, buffers, device, depth + 1))
+            .map(|item| to_value(&item, buffers, device, order, depth + 1))
             .collect::<PyResult<_>>()
             .map(Value::Array);
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
         return t
             .iter()
-            .map(|item| to_value(&item, buffers, device, depth + 1))
+            .map(|item| to_value(&item, buffers, device, order, depth + 1))
             .collect::<PyResult<_>>()
             .map(Value::Array);
     }
@@ -108,15 +129,19 @@ fn to_value(
             .iter()
             .map(|(k, v)| {
                 Ok((
-                    to_value(&k, buffers, device, depth + 1)?,
-                    to_value(&v, buffers, device, depth + 1)?,
+                    to_value(&k, buffers, device, order, depth + 1)?,
+                    to_value(&v, buffers, device, order, depth + 1)?,
                 ))
             })
             .collect::<PyResult<_>>()
             .map(Value::Map);
     }
     if let Ok(b) = obj.cast::<Buffer>() {
-        let (shared, cuda) = b.get().share().or_raise(py)?;
+        let b = b.get();
+        if let (Some(named), None, Some(cuda)) = (order.named, &order.stream, b.cuda_of_device()) {
+            order.stream = Some(crate::stream::named(named, &cuda)?);
+        }
+        let (shared, cuda) = b.share(order.stream.as_ref()).or_raise(py)?;
         let index = u32::try_from(buffers.len()).expect("a frame holds far fewer buffers");
         buffers.push(shared);
         if cuda.is_some() {
@@ -134,7 +159,13 @@ fn to_value(
     }
     // A `baton.Bundle` (Python, `baton/bundle.py`) says what it is on the wire.
     if obj.hasattr(WIRE_METHOD)? {
-        return to_value(&obj.call_method0(WIRE_METHOD)?, buffers, device, depth + 1);
+        return to_value(
+            &obj.call_method0(WIRE_METHOD)?,
+            buffers,
+            device,
+            order,
+            depth + 1,
+        );
     }
     // NumPy scalars and other numbers.
     if obj.hasattr("__index__")? {

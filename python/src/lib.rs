@@ -7,8 +7,8 @@
 //! MessagePack (`codec`), and hands buffers to Python as views whose lifetime keeps the
 //! memory mapped (`memory`, `dlpack`).
 //!
-//! `unsafe` code lives only in `dlpack` (the capsule handed to DLPack consumers), which
-//! opens with a `# Safety` overview.
+//! `unsafe` code lives only in `dlpack` (the capsule handed to DLPack consumers) and
+//! `stream` (wrapping a stream Python names), which each open with a `# Safety` overview.
 
 #![deny(unsafe_code)]
 
@@ -19,6 +19,7 @@ mod errors;
 mod memory;
 mod node;
 mod runtime;
+mod stream;
 
 use pyo3::prelude::*;
 

@@ -453,6 +453,9 @@ pub(crate) struct LeaseCell {
     id: u64,
     exporter_pid: u32,
     cuda: Cuda,
+    /// Opened on a stream the caller named: the release fence is recorded on it when the
+    /// lease goes back, instead of synchronising the device first.
+    ordered: bool,
 }
 
 impl LeaseCell {
@@ -491,10 +494,14 @@ impl LeaseCell {
     }
 
     /// Device leases go back after the context is synchronised: a kernel that used a
-    /// view may still be queued even after the view itself is gone.
+    /// view may still be queued even after the view itself is gone. A stream-ordered one
+    /// goes back at once: dropping it records its release fence on the caller's stream,
+    /// after the work queued there.
     fn give_back(&self, lease: AnyLease) {
         match (&self.cuda, self.device) {
-            (Some(cuda), Device::Cuda(_)) => drop_after_sync(cuda, Box::new(lease)),
+            (Some(cuda), Device::Cuda(_)) if !self.ordered => {
+                drop_after_sync(cuda, Box::new(lease));
+            }
             _ => drop(lease),
         }
     }
@@ -602,8 +609,21 @@ impl Shared {
 
     /// Opens the buffer: the same memory the exporter wrote, mapped here. `writable`: whether
     /// views of it may write (NumPy views and DLPack capsules are read-only otherwise).
-    #[pyo3(signature = (*, writable = false))]
-    fn open(&self, py: Python<'_>, writable: bool) -> PyResult<Lease> {
+    ///
+    /// `stream` (device memory: a `torch.cuda.Stream`, a `cupy.cuda.Stream` or a raw
+    /// `CUstream` handle): stream-ordered. The stream waits on the exporter's acquire fence
+    /// — no host synchronisation — and the lease's release fence is recorded on it when
+    /// the lease goes back, after the work queued there by then. Use the views on that
+    /// stream (or order your other streams after it). Without `stream`, opening waits on
+    /// the host until the data is there, and giving the lease back synchronises the
+    /// device first. Ignored for host memory.
+    #[pyo3(signature = (*, writable = false, stream = None))]
+    fn open(
+        &self,
+        py: Python<'_>,
+        writable: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Lease> {
         let shared = {
             let mut inner = lock(&self.inner);
             match std::mem::replace(&mut *inner, SharedState::Opened) {
@@ -633,17 +653,28 @@ impl Shared {
             .map_err(Failure::from)
             .and_then(|ptr| Device::of(ptr, &self.cuda))
             .or_raise(py)?;
+        let mut ordered = false;
         if let (Device::Cuda(_), Some(cuda)) = (device, &self.cuda) {
-            // Acquire: the backend's stream waits on the exporter's fence; once it is
-            // idle, every stream sees the data (CONSERVATIVE SYNC: a host wait, since the
-            // consumers' streams are not ours to keep).
-            let cuda = Arc::clone(cuda);
-            let lease = &lease;
-            py.detach(move || -> Result<(), Failure> {
-                lease.wait_on(Stream::Internal)?;
-                Ok(cuda.synchronize()?)
-            })
-            .or_raise(py)?;
+            match stream {
+                // Acquire, stream-ordered: the caller's stream waits on the fence.
+                Some(stream) => {
+                    let stream = crate::stream::named(stream, cuda)?;
+                    lease.wait_on(stream).or_raise(py)?;
+                    ordered = true;
+                }
+                // Acquire: the backend's stream waits on the exporter's fence; once it is
+                // idle, every stream sees the data (CONSERVATIVE SYNC: a host wait, since
+                // the consumers' streams are not ours to keep).
+                None => {
+                    let cuda = Arc::clone(cuda);
+                    let lease = &lease;
+                    py.detach(move || -> Result<(), Failure> {
+                        lease.wait_on(Stream::Internal)?;
+                        Ok(cuda.synchronize()?)
+                    })
+                    .or_raise(py)?;
+                }
+            }
         }
         let exporter_pid = lease.exporter().process.pid;
         Ok(Lease {
@@ -662,6 +693,7 @@ impl Shared {
                 id: self.id,
                 exporter_pid,
                 cuda: self.cuda.clone(),
+                ordered,
             }),
         })
     }
@@ -917,14 +949,27 @@ impl Buffer {
         }
     }
 
-    /// A share of it for an outgoing message, and whether it is device memory.
-    pub(crate) fn share(&self) -> Result<(AnyShared, Option<Arc<CudaBackend>>), Failure> {
-        let handle = self.handle()?;
-        let cuda = match self.device {
+    /// Its CUDA backend, if it is device memory.
+    pub(crate) fn cuda_of_device(&self) -> Option<Arc<CudaBackend>> {
+        match self.device {
             Device::Cpu => None,
             Device::Cuda(_) => self.cuda.clone(),
+        }
+    }
+
+    /// A share of it for an outgoing message, and whether it is device memory. With a
+    /// `stream` (device memory), the share's acquire fence follows the work queued there.
+    pub(crate) fn share(
+        &self,
+        stream: Option<&Stream>,
+    ) -> Result<(AnyShared, Option<Arc<CudaBackend>>), Failure> {
+        let handle = self.handle()?;
+        let cuda = self.cuda_of_device();
+        let shared = match (stream, &cuda) {
+            (Some(stream), Some(_)) => handle.share_on(stream.clone())?,
+            _ => handle.share(),
         };
-        Ok((handle.share(), cuda))
+        Ok((shared, cuda))
     }
 
     fn view(&self) -> Result<ViewGuard, Failure> {
@@ -1012,6 +1057,21 @@ impl Buffer {
     #[getter]
     fn leases_out(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.handle().or_raise(py)?.leases_out())
+    }
+
+    /// Stream-ordered writes (device memory): the work queued on `stream` from now on
+    /// (a `torch.cuda.Stream`, a `cupy.cuda.Stream` or a raw `CUstream` handle) waits for
+    /// the work of importers that gave the buffer back — their release fences — with no
+    /// host synchronisation. Call it after `returned()` and before writing the buffer on
+    /// that stream again, when importers opened it stream-ordered. Nothing to do for host
+    /// memory.
+    fn wait_on(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let handle = self.handle().or_raise(py)?;
+        if let (Device::Cuda(_), Some(cuda)) = (self.device, &self.cuda) {
+            let stream = crate::stream::named(stream, cuda)?;
+            handle.wait_on(stream).map_err(Failure::from).or_raise(py)?;
+        }
+        Ok(())
     }
 
     /// Waits until every lease on it is back (released by its holder, or reclaimed because

@@ -557,7 +557,13 @@ impl Peer {
     /// `message` (encoded as MessagePack: the receiving type must use
     /// `Encoding::MessagePack`), and returns its reply. `baton.Buffer`s in `message` are
     /// leased to the peer; buffers in the reply arrive as `baton.Shared`.
-    #[pyo3(signature = (target, type_name, message = None, *, timeout = DEFAULT_TIMEOUT))]
+    ///
+    /// Device buffers: without `stream`, the device is synchronised before the message
+    /// leaves, so the peer reads what any stream of this process wrote. With `stream` (a
+    /// `torch.cuda.Stream`, a `cupy.cuda.Stream` or a raw `CUstream` handle), nothing is
+    /// synchronised: each buffer's acquire fence is recorded on that stream, after the work
+    /// queued there — write the buffers on it (or order your other streams before it).
+    #[pyo3(signature = (target, type_name, message = None, *, timeout = DEFAULT_TIMEOUT, stream = None))]
     fn call(
         &self,
         py: Python<'_>,
@@ -565,11 +571,12 @@ impl Peer {
         type_name: String,
         message: Option<&Bound<'_, PyAny>>,
         timeout: f64,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let deadline = seconds(py, timeout)?;
         let out = match message {
-            Some(m) => codec::encode(m)?,
-            None => codec::encode(&py.None().into_bound(py))?,
+            Some(m) => codec::encode(m, stream)?,
+            None => codec::encode(&py.None().into_bound(py), None)?,
         };
         if let Some(cuda) = &out.device {
             py.detach(|| memory::sync_context(cuda)).or_raise(py)?;
@@ -865,14 +872,20 @@ impl Call {
 
     /// Answers with `value` (`baton.Buffer`s in it are leased to the caller). Returns
     /// whether the answer reached the link (`False`: the caller's link went down first).
-    #[pyo3(signature = (value = None))]
-    fn reply(&self, py: Python<'_>, value: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+    /// `stream`: as for `Peer.call`.
+    #[pyo3(signature = (value = None, *, stream = None))]
+    fn reply(
+        &self,
+        py: Python<'_>,
+        value: Option<&Bound<'_, PyAny>>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
         if lock(&self.reply).is_none() {
             return Err(Failure::Released("this call was answered already".into())).or_raise(py);
         }
         let out = match value {
-            Some(v) => codec::encode(v)?,
-            None => codec::encode(&py.None().into_bound(py))?,
+            Some(v) => codec::encode(v, stream)?,
+            None => codec::encode(&py.None().into_bound(py), None)?,
         };
         if let Some(cuda) = &out.device {
             py.detach(|| memory::sync_context(cuda)).or_raise(py)?;

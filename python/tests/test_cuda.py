@@ -1,7 +1,8 @@
 """Device memory: a Rust-exported CUDA buffer viewed by torch and cupy (zero-copy, DLPack
 and the CUDA array interface), written on a torch stream and read back by its exporter in
 order; a buffer Python allocates on the device, written by torch, read by a Rust actor;
-bundles of bfloat16 and float32 tensors both ways, as torch views.
+bundles of bfloat16 and float32 tensors both ways, as torch views; stream-ordered sends,
+opens and releases that never synchronise the device.
 
 Skipped, each with its reason (`pytest -rs` prints it), without a GPU that Baton's CUDA
 backend can use, without torch with CUDA, or without cupy.
@@ -184,3 +185,76 @@ def test_a_rust_device_bundle_opens_in_python_as_torch_tensors(torch, cuda_peer)
             assert t.is_cuda and t.tolist() == [3.0 + i] * (i + 1)
         del views, t
     eventually(lambda: cuda_peer.call("table", "py.Table")["leases"] == 0, "the lease to go back")
+
+
+def test_stream_ordered_send_open_and_release_never_synchronise_the_device(torch, cuda_node, cuda_peer):
+    """`peer.call(..., stream=s)`, `shared.open(stream=s)` and the release of such a lease
+    order by fences on `s`, never by a host synchronisation: a spin queued on another
+    stream before each of them is still running after it returns (a device
+    synchronisation would have waited for it), and every read and write still lands in
+    order."""
+    s, other = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def busy() -> "torch.cuda.Event":
+        """Three spins on the other stream (about 3 s: longer than any wait of the test's
+        own), and an event after them."""
+        with torch.cuda.stream(other):
+            for _ in range(3):
+                spin(torch)
+            done = torch.cuda.Event()
+            done.record(other)
+        return done
+
+    # Send: written on `s` behind a spin, sent with stream=s; the partner reads it after
+    # the write (its read waits on the acquire fence recorded on `s`).
+    buf = cuda_node.allocate(N, "float32")
+    with torch.cuda.stream(s):
+        t = torch.from_dlpack(buf)
+        spin(torch)
+        t.copy_(torch.arange(N, device="cuda", dtype=torch.float32))
+    unrelated = busy()
+    reply = cuda_peer.call("sink", "py.Sink", {"data": buf}, stream=s, timeout=DEADLINE)
+    assert reply["sum"] == float(N * (N - 1) // 2), "the partner read before our write"
+    assert not unrelated.query(), "sending synchronised the device"
+    other.synchronize()
+    buf.returned(timeout=DEADLINE)
+    buf.wait_on(s)
+
+    # Open: the partner's buffer on `s`, no host wait; written behind a spin, released;
+    # the partner reads the write once the lease is back (it waits on the release fence).
+    unrelated = busy()
+    lease = lend(cuda_peer, seed=4).open(writable=True, stream=s)
+    assert not unrelated.query(), "opening synchronised the device"
+    with torch.cuda.stream(s):
+        view = torch.from_dlpack(lease).view(torch.int32)
+        spin(torch)
+        view.mul_(2)
+        written = torch.cuda.Event()
+        written.record(s)
+    del view
+    unrelated = busy()
+    lease.release()
+    del lease
+    eventually(lambda: inspect(cuda_peer)["leases"] == 0, "the lease to go back")
+    assert not unrelated.query(), "the release synchronised the device"
+    assert inspect(cuda_peer)["sum"] == int(pattern(4, N).astype(np.uint64).sum() * 2)
+    assert written.query()
+    other.synchronize()
+
+
+def test_a_stream_ordered_bundle_sync_round_trip(torch, cuda_node, cuda_peer):
+    """The weight-sync loop with no host synchronisation of ours: update on `s`, send on
+    `s`, and after the lease is back, `wait_on(s)` before the next update."""
+    s = torch.cuda.Stream()
+    bundle = cuda_node.allocate_bundle([(f"w{i}", (256, 64), "bfloat16") for i in range(40)])
+    views = bundle.tensors()
+    with torch.cuda.stream(s):
+        for step in range(3):
+            for i, v in enumerate(views.values()):
+                v.fill_(step + i)
+            reply = cuda_peer.call("bundles", "py.SumBundle", {"weights": bundle}, stream=s,
+                                   timeout=DEADLINE)
+            want = [float((v.view(torch.int16).to(torch.int64) & 0xFFFF).sum()) for v in views.values()]
+            assert reply["sums"] == want, step
+            bundle.returned(timeout=DEADLINE)
+            bundle.wait_on(s)
