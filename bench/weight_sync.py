@@ -4,7 +4,9 @@
 A trainer process updates every weight of a model-shaped set each step (an optimizer-like
 kernel: one `_foreach_add_` over every tensor) and hands the weights to an engine process,
 which copies every tensor into its own preallocated parameters (as an engine's
-`load_weights` does), waits for the copies, checks the step it was sent, and answers. In
+`load_weights` does; every path loads the same way, one fused `_foreach_copy_`), waits for
+the copies, checks the step it was sent, and answers. A sync is timed from the trainer's
+call (its update done) to the weights being its own again. In
 the same run, the same bytes through:
 
 - `baton-bundle`: one Baton bundle (one allocation, one lease per sync; the engine's
@@ -16,8 +18,8 @@ the same run, the same bytes through:
 - `torch-mp-tensors`: torch.multiprocessing, one CUDA tensor per weight (what RL
   frameworks do without bucketing);
 - `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
-- `copy`: the floor — one process copying the same tensors device to device, once per
-  tensor and once as one flat copy.
+- `copy`: the floor — one process copying the same tensors device to device: per tensor
+  (one fused `_foreach_copy_`), and as one flat copy of the same bytes.
 
 Prints one JSON line per path: per-sync time (median and p90 of the steps after the
 first; the first apart), driver-level opens per sync after the first (Baton: the engine's
@@ -119,6 +121,7 @@ def run_copy(args, spec) -> list:
     import torch
 
     src, dst = params_like(torch, spec), params_like(torch, spec)
+    src_list, dst_list = list(src.values()), list(dst.values())
     out = []
     for how in ("per-tensor", "flat"):
         flat_src = torch.empty(nbytes(spec), dtype=torch.uint8, device="cuda")
@@ -130,8 +133,7 @@ def run_copy(args, spec) -> list:
             if how == "flat":
                 flat_dst.copy_(flat_src)
             else:
-                for n in dst:
-                    dst[n].copy_(src[n])
+                torch._foreach_copy_(dst_list, src_list)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         out.append(summary(f"copy-{how}", times, opens_per_sync=0))
@@ -156,8 +158,8 @@ def baton_engine(model: str, ordered: bool) -> None:
             call = mailbox.recv(timeout=120)
         except baton.LinkClosed:
             return
-        stream = torch.cuda.current_stream() if ordered else None
-        with call.message["weights"].open(stream=stream) as weights:
+        ordering = {"stream": torch.cuda.current_stream()} if ordered else {}
+        with call.message["weights"].open(**ordering) as weights:
             weights.copy_into(params)
         torch.cuda.current_stream().synchronize()  # loaded: what an engine waits for
         ok = int(params["step"].item()) == call.message["step"]
@@ -187,9 +189,11 @@ def run_baton(args, spec, ordered: bool) -> dict:
     for step in range(args.steps):
         torch._foreach_add_(weights, 1e-3)  # the optimizer's update
         views["step"].fill_(step)
+        torch.cuda.synchronize()  # the update is the trainer's step, not the sync's
         t = time.perf_counter()
+        ordering = {"stream": stream} if ordered else {}
         reply = child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": step},
-                                timeout=120, stream=stream)
+                                timeout=120, **ordering)
         bundle.returned(timeout=120)
         if ordered:
             bundle.wait_on(stream)  # the next update waits for the engine's copies
@@ -215,18 +219,22 @@ def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
 
     spec = model_spec(model)
     params = params_like(torch, spec)
+    dst = [p.view(-1).view(torch.uint8) for p in params.values()]
+    sizes, end = [], 0
+    for _, _, _, at, n in flat_layout(spec)[0]:
+        sizes += [at - end, n]
+        end = at + n
     while True:
         item = inbox.get()
         if item is None:
             return
         step, payload = item
+        # The same loading as Baton's `copy_into`, so that the transports are compared:
+        # one fused copy (`_foreach_copy_`), of bytes cut by the layout for the bucket.
         if flat:
-            # One bucket: cut it by the layout both sides know.
-            for name, shape, dtype, at, n in flat_layout(spec)[0]:
-                params[name].copy_(payload[at:at + n].view(getattr(torch, dtype)).view(shape))
+            torch._foreach_copy_(dst, list(payload[:end].split(sizes)[1::2]))
         else:
-            for name, tensor in zip(params, payload):
-                params[name].copy_(tensor)
+            torch._foreach_copy_(list(params.values()), payload)
         del payload, item
         torch.cuda.current_stream().synchronize()
         outbox.put((int(params["step"].item()) == step, torch.cuda.memory_reserved()))
@@ -253,6 +261,7 @@ def run_torch(args, spec, flat: bool) -> dict:
     for step in range(args.steps):
         torch._foreach_add_(weights, 1e-3)
         views["step"].fill_(step)
+        torch.cuda.synchronize()
         t = time.perf_counter()
         inbox.put((step, bucket if flat else list(views.values())))
         ok, res = outbox.get(timeout=300)

@@ -93,6 +93,61 @@ def _views(memory: Any, layout: BundleLayout, framework: Optional[str]) -> Dict[
     }
 
 
+class _TorchPlan:
+    """How to copy a bundle into torch tensors of the same dtypes and sizes, as bytes, in
+    two calls: one split of the lease's bytes, one fused copy (``_foreach_copy_``)."""
+
+    __slots__ = ("layout", "params", "dst", "sizes", "end")
+
+    def __init__(self, layout, params, dst, sizes, end) -> None:
+        self.layout, self.params, self.dst, self.sizes, self.end = (
+            layout, list(params.values()), dst, sizes, end)
+
+    def matches(self, layout: BundleLayout, params: Mapping[str, Any]) -> bool:
+        return (len(params) == len(self.params)
+                and all(a is b for a, b in zip(params.values(), self.params))
+                and layout == self.layout)
+
+    def copy(self, lease: Lease) -> None:
+        import torch
+
+        # The split alternates the gap before a tensor and the tensor's bytes.
+        chunks = torch.from_dlpack(lease)[: self.end].split(self.sizes)
+        torch._foreach_copy_(self.dst, list(chunks[1::2]))
+
+
+#: The last few plans made (an engine loads the same bundle into the same tensors).
+_PLANS: list = []
+
+
+def _torch_plan(layout: BundleLayout, params: Mapping[str, Any]) -> Optional[_TorchPlan]:
+    """The byte-copy plan for these destinations, or None when one is not a contiguous
+    tensor of its source's dtype and size (then each tensor is copied typed, converting)."""
+    import torch
+
+    for plan in _PLANS:
+        if plan.matches(layout, params):
+            return plan
+    spans = []
+    for name, value in params.items():
+        dtype, shape, offset = layout[name]
+        n = _nbytes(dtype, shape)
+        if (not isinstance(value, torch.Tensor) or value.dtype != getattr(torch, dtype)
+                or not value.is_contiguous() or value.numel() * value.element_size() != n):
+            return None
+        spans.append((offset, n, value))
+    spans.sort(key=lambda span: span[0])
+    dst, sizes, at = [], [], 0
+    for offset, n, value in spans:
+        sizes += [offset - at, n]
+        dst.append(value.view(-1).view(torch.uint8))
+        at = offset + n
+    plan = _TorchPlan(layout, params, dst, sizes, at)
+    _PLANS.insert(0, plan)
+    del _PLANS[4:]
+    return plan
+
+
 class Bundle:
     """The owner's bundle: one ``Buffer`` of bytes and the :class:`BundleLayout` of the
     tensors in it (made by ``Node.allocate_bundle``). Leases, ``returned()`` and
@@ -233,10 +288,19 @@ class BundleLease:
         """Copies each tensor into the array of the same name in ``params`` — NumPy arrays,
         torch tensors or cupy arrays, of the tensor's shape — as an engine's
         ``load_weights`` does, and keeps no view: the lease can go back as soon as this
-        returns. Raises ``KeyError`` for a name the bundle does not have."""
+        returns. Raises ``KeyError`` for a name the bundle does not have.
+
+        Into torch tensors of the bundle's dtypes, contiguous: one fused copy of bytes
+        (``torch._foreach_copy_``), with the plan for these tensors kept for the next sync;
+        otherwise one typed copy per tensor (converting dtypes). Copies are queued on
+        torch's current stream."""
         first = next(iter(params.values()), None)
         module = type(first).__module__.split(".")[0]
         framework = module if module in ("torch", "cupy") else "numpy"
+        if framework == "torch":
+            plan = _torch_plan(self._layout, params)
+            if plan is not None:
+                return plan.copy(self._lease)
         views = _views(self._lease, self._layout, framework)
         try:
             for name, dst in params.items():

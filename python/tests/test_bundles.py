@@ -157,19 +157,23 @@ def test_python_nodes_send_each_other_bundles_and_refuse_forged_ones(node, token
         sender.close()
 
 
-def test_numpy_views_of_bfloat16_say_what_to_use():
+def test_numpy_views_of_bfloat16_need_ml_dtypes_and_say_so():
     layout = baton.BundleLayout({"w": (4, "bfloat16")})
     assert layout.nbytes == 8
     try:
-        import ml_dtypes  # noqa: F401
+        import ml_dtypes
     except ImportError:
-        pass
-    else:
-        pytest.skip("ml_dtypes is installed: NumPy views of bfloat16 work")
+        ml_dtypes = None
     node = baton.Node(token=baton.generate_token(), backend="host")
     try:
         bundle = node.allocate_bundle(layout)
-        with pytest.raises(TypeError, match="bfloat16"):
-            bundle.tensors()
+        if ml_dtypes is None:
+            with pytest.raises(TypeError, match="bfloat16"):
+                bundle.tensors()
+        else:
+            w = bundle.tensors()["w"]
+            w[:] = [1.0, 2.0, 0.5, -3.0]
+            assert w.dtype == np.dtype(ml_dtypes.bfloat16)
+            assert w.view(np.uint16).tolist() == [0x3F80, 0x4000, 0x3F00, 0xC040]
     finally:
         node.close()

@@ -185,6 +185,21 @@ def test_a_rust_device_bundle_opens_in_python_as_torch_tensors(torch, cuda_peer)
             assert t.is_cuda and t.tolist() == [3.0 + i] * (i + 1)
         del views, t
     eventually(lambda: cuda_peer.call("table", "py.Table")["leases"] == 0, "the lease to go back")
+    # load_weights into torch tensors: of the same dtypes, one fused copy of bytes (its plan
+    # kept for the next sync); of another dtype, a typed copy per tensor.
+    same = {f"t{i}": torch.zeros(i + 1, device="cuda") for i in (9, 0, 4)}
+    other = {f"t{i}": torch.zeros(i + 1, device="cuda", dtype=torch.float64) for i in (1, 7)}
+    for seed in (5, 6):
+        shared = cuda_peer.call("bundler", "py.MakeBundle", {"tensors": 20, "seed": seed})["weights"]
+        with shared.open() as opened:
+            opened.copy_into(same)
+            opened.copy_into(other)
+        torch.cuda.synchronize()
+        for params in (same, other):
+            for name, t in params.items():
+                i = int(name[1:])
+                assert t.tolist() == [float(seed + i)] * (i + 1), (seed, name)
+    eventually(lambda: cuda_peer.call("table", "py.Table")["leases"] == 0, "the leases to go back")
 
 
 def test_stream_ordered_send_open_and_release_never_synchronise_the_device(torch, cuda_node, cuda_peer):
