@@ -143,7 +143,14 @@ def run_copy(args, spec) -> list:
 
 # ---- Baton: one bundle --------------------------------------------------------------------
 
-def baton_engine(model: str, ordered: bool) -> None:
+def baton_engine(model: str, ordered: bool, kill: str) -> None:
+    """The engine. `kill`: `engine` — SIGKILL itself in the middle of its third sync (the
+    lease open, its copies queued); `trainer` — SIGKILL its trainer at that point, finish
+    loading from the dead trainer's memory (an orphaned lease stays mapped until let go),
+    then check it is left with no mapping, and exit cleanly once its mailbox says the link
+    is gone, printing what it saw."""
+    import signal
+
     import torch
 
     import baton
@@ -153,14 +160,35 @@ def baton_engine(model: str, ordered: bool) -> None:
     mailbox = node.register("engine", "rl.Weights")
     node.connect_parent()
     params = params_like(torch, spec)
+    synced = 0
     while True:
         try:
             call = mailbox.recv(timeout=120)
         except baton.LinkClosed:
+            if kill == "trainer":
+                # The dead trainer's memory must not stay mapped here (not even warm).
+                deadline = time.monotonic() + 10
+                while node.import_stats()["live"] and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                live = node.import_stats()["live"]
+                node.close()
+                print(json.dumps({"bench": "weight_sync", "kill": "trainer",
+                                  "engine_after": "exited cleanly", "syncs": synced,
+                                  "engine_mappings_left": live}), flush=True)
             return
         ordering = {"stream": torch.cuda.current_stream()} if ordered else {}
         with call.message["weights"].open(**ordering) as weights:
             weights.copy_into(params)
+            if synced == 2 and kill == "engine":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if synced == 2 and kill == "trainer":
+                os.kill(os.getppid(), signal.SIGKILL)
+                torch.cuda.current_stream().synchronize()  # the copies still complete
+        synced += 1
+        if kill == "trainer" and synced == 3:
+            # Our reply has nowhere to go; the mailbox raises LinkClosed next.
+            call.reply(None)
+            continue
         torch.cuda.current_stream().synchronize()  # loaded: what an engine waits for
         ok = int(params["step"].item()) == call.message["step"]
         call.reply({
@@ -210,6 +238,112 @@ def run_baton(args, spec, ordered: bool) -> dict:
         opens_per_sync=(opens[-1] - opens[0]) / max(1, len(opens) - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
     )
+
+
+# ---- SIGKILL in the middle of a sync ---------------------------------------------------------
+
+def device_free() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[0]
+
+
+def run_kill(args) -> None:
+    """`--kill engine`: this process is the trainer; its engine dies in its third sync. The
+    call fails with a typed error, the lease comes back, the engine's device memory returns
+    to the device, and a new engine takes the next syncs. `--kill trainer`: a trainer in a
+    process of its own (`--role victim`) is killed by its engine in the third sync; the
+    engine must exit cleanly with no mapping left (it prints its verdict) within a
+    deadline, and its memory return to the device."""
+    import subprocess
+
+    import torch
+
+    torch.cuda.init()
+    spec = model_spec(args.model)
+    if args.kill == "trainer":
+        before = device_free()
+        victim = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--role", "victim", "--model",
+             args.model], stdout=subprocess.PIPE, text=True)
+        t = time.perf_counter()
+        try:
+            out, _ = victim.communicate(timeout=120)  # EOF: the engine, which shares the pipe, is gone too
+        except subprocess.TimeoutExpired:
+            victim.kill()
+            raise SystemExit("kill trainer: the engine did not exit within 120 s")
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        verdict = next((x for x in lines if x.get("engine_after")), None)
+        time.sleep(0.5)
+        print(json.dumps({
+            "bench": "weight_sync", "kill": "trainer", "victim_status": victim.returncode,
+            "engine": verdict, "all_gone_s": round(time.perf_counter() - t, 2),
+            "device_free_delta_mib": (device_free() - before) >> 20,
+        }), flush=True)
+        return
+
+    import baton
+
+    before = device_free()
+    node = baton.Node(token=baton.generate_token(), backend="cuda")
+    bundle = node.allocate_bundle(spec)
+    views = bundle.tensors()
+
+    def engine():
+        return node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine",
+                           "--model", args.model, "--kill", "engine"], timeout=120)
+
+    child, failed, t_kill = engine(), None, None
+    for step in range(3):
+        views["step"].fill_(step)
+        try:
+            child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": step}, timeout=60)
+        except baton.BatonError as e:
+            failed, t_kill = type(e).__name__, time.perf_counter()
+    bundle.returned(timeout=30)
+    back_s = round(time.perf_counter() - t_kill, 3) if t_kill else None
+    status = child.wait(timeout=30)
+    engine_gone = device_free()
+    # A new engine takes over.
+    child = engine()
+    views["step"].fill_(7)
+    reply = child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": 7}, timeout=60)
+    child.peer.close()
+    child.wait(timeout=30)
+    bundle.release()
+    node.close()
+    torch.cuda.synchronize()
+    print(json.dumps({
+        "bench": "weight_sync", "kill": "engine", "call_failed_with": failed,
+        "lease_back_s_after_failure": back_s, "engine_status": status,
+        "new_engine_sync_ok": bool(reply and reply["ok"]),
+        "device_free_after_kill_vs_start_mib": (engine_gone - before) >> 20,
+        "bundle_mib": bundle_mib(spec),
+    }), flush=True)
+
+
+def bundle_mib(spec) -> int:
+    return nbytes(spec) >> 20
+
+
+def kill_victim_trainer(args) -> None:
+    """The trainer of `--kill trainer`: syncs until its engine kills it."""
+    import torch
+
+    import baton
+
+    spec = model_spec(args.model)
+    node = baton.Node(token=baton.generate_token(), backend="cuda")
+    child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine",
+                        "--model", args.model, "--kill", "trainer"], timeout=120)
+    bundle = node.allocate_bundle(spec)
+    views = bundle.tensors()
+    for step in range(10):
+        views["step"].fill_(step)
+        torch.cuda.synchronize()
+        child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": step}, timeout=60)
+        bundle.returned(timeout=60)
+    raise SystemExit("the victim trainer was never killed")
 
 
 # ---- torch.multiprocessing ----------------------------------------------------------------
@@ -283,11 +417,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--paths", default="copy,baton-bundle,baton-bundle-ordered,"
                     "torch-mp-flat,torch-mp-tensors")
-    ap.add_argument("--role", default="trainer", choices=["trainer", "engine"])
+    ap.add_argument("--role", default="trainer", choices=["trainer", "engine", "victim"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--ordered", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kill", choices=["engine", "trainer"],
+                    help="instead of timing: SIGKILL the engine, or the trainer, in the middle "
+                    "of a sync, and report how the survivor fares")
     args = ap.parse_args()
     if args.role == "engine":
-        return baton_engine(args.model, args.ordered)
+        return baton_engine(args.model, args.ordered, args.kill or "")
+    if args.role == "victim":
+        return kill_victim_trainer(args)
+    if args.kill:
+        return run_kill(args)
     import torch
 
     spec = model_spec(args.model)
