@@ -14,12 +14,17 @@ pub struct SocketDir {
 impl SocketDir {
     /// Where sockets go by default: `$XDG_RUNTIME_DIR/baton`, else `/tmp/baton-<uid>`.
     pub fn default_path() -> PathBuf {
-        match std::env::var_os("XDG_RUNTIME_DIR") {
+        Self::default_path_for(
+            std::env::var_os("XDG_RUNTIME_DIR"),
+            rustix::process::geteuid().as_raw(),
+        )
+    }
+
+    /// [`default_path`](Self::default_path) for this runtime directory and uid.
+    fn default_path_for(runtime_dir: Option<std::ffi::OsString>, uid: u32) -> PathBuf {
+        match runtime_dir {
             Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("baton"),
-            _ => PathBuf::from(format!(
-                "/tmp/baton-{}",
-                rustix::process::geteuid().as_raw()
-            )),
+            _ => PathBuf::from(format!("/tmp/baton-{uid}")),
         }
     }
 
@@ -229,6 +234,42 @@ mod tests {
     use super::*;
     use std::os::unix::net::UnixListener;
     use std::time::Duration;
+
+    #[test]
+    fn the_default_path_is_the_runtime_dir_else_a_tmp_dir_of_the_uid() {
+        let path = |dir: Option<&str>| SocketDir::default_path_for(dir.map(Into::into), 1234);
+        assert_eq!(
+            path(Some("/run/user/1234")),
+            Path::new("/run/user/1234/baton")
+        );
+        assert_eq!(path(Some("")), Path::new("/tmp/baton-1234"));
+        assert_eq!(path(None), Path::new("/tmp/baton-1234"));
+        let here = SocketDir::default_path();
+        assert!(here.is_absolute() && here.to_string_lossy().contains("baton"), "{here:?}");
+    }
+
+    #[test]
+    fn create_makes_a_private_dir_once_and_says_when_it_cannot() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("sockets");
+        SocketDir::create(&dir).unwrap();
+        assert_eq!(
+            std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        SocketDir::create(&dir).expect("an existing private directory is taken as it is");
+        let err = SocketDir::create(tmp.path().join("missing/sockets")).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Io {
+                    op: "creating the socket directory",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
 
     /// A socket left as a killed node leaves it: bound, then nobody listening.
     fn dead_socket(path: &Path) {
