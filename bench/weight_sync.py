@@ -19,7 +19,8 @@ the same run, the same bytes through:
   frameworks do without bucketing);
 - `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
 - `copy`: the floor — one process copying the same tensors device to device: per tensor
-  (one fused `_foreach_copy_`), and as one flat copy of the same bytes.
+  (one fused `_foreach_copy_` of the bf16 tensors, and of the same bytes as 8-byte words),
+  and as one flat copy of the same bytes.
 
 Prints one JSON line per path: per-sync time (median and p90 of the steps after the
 first; the first apart), driver-level opens per sync after the first (Baton: the engine's
@@ -122,8 +123,10 @@ def run_copy(args, spec) -> list:
 
     src, dst = params_like(torch, spec), params_like(torch, spec)
     src_list, dst_list = list(src.values()), list(dst.values())
+    src_words = [t.view(-1).view(torch.int64) for t in src_list]
+    dst_words = [t.view(-1).view(torch.int64) for t in dst_list]
     out = []
-    for how in ("per-tensor", "flat"):
+    for how in ("per-tensor", "per-tensor-words", "flat"):
         flat_src = torch.empty(nbytes(spec), dtype=torch.uint8, device="cuda")
         flat_dst = torch.empty_like(flat_src)
         times = []
@@ -132,8 +135,10 @@ def run_copy(args, spec) -> list:
             t = time.perf_counter()
             if how == "flat":
                 flat_dst.copy_(flat_src)
-            else:
+            elif how == "per-tensor":
                 torch._foreach_copy_(dst_list, src_list)
+            else:
+                torch._foreach_copy_(dst_words, src_words)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         out.append(summary(f"copy-{how}", times, opens_per_sync=0))
@@ -144,11 +149,8 @@ def run_copy(args, spec) -> list:
 # ---- Baton: one bundle --------------------------------------------------------------------
 
 def baton_engine(model: str, ordered: bool, kill: str) -> None:
-    """The engine. `kill`: `engine` — SIGKILL itself in the middle of its third sync (the
-    lease open, its copies queued); `trainer` — SIGKILL its trainer at that point, finish
-    loading from the dead trainer's memory (an orphaned lease stays mapped until let go),
-    then check it is left with no mapping, and exit cleanly once its mailbox says the link
-    is gone, printing what it saw."""
+    """The engine, a child of the trainer (`Node.spawn`). `kill == "engine"`: SIGKILL
+    itself in the middle of its third sync (the lease open, its copies queued)."""
     import signal
 
     import torch
@@ -165,30 +167,13 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
         try:
             call = mailbox.recv(timeout=120)
         except baton.LinkClosed:
-            if kill == "trainer":
-                # The dead trainer's memory must not stay mapped here (not even warm).
-                deadline = time.monotonic() + 10
-                while node.import_stats()["live"] and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                live = node.import_stats()["live"]
-                node.close()
-                print(json.dumps({"bench": "weight_sync", "kill": "trainer",
-                                  "engine_after": "exited cleanly", "syncs": synced,
-                                  "engine_mappings_left": live}), flush=True)
             return
         ordering = {"stream": torch.cuda.current_stream()} if ordered else {}
         with call.message["weights"].open(**ordering) as weights:
             weights.copy_into(params)
             if synced == 2 and kill == "engine":
                 os.kill(os.getpid(), signal.SIGKILL)
-            if synced == 2 and kill == "trainer":
-                os.kill(os.getppid(), signal.SIGKILL)
-                torch.cuda.current_stream().synchronize()  # the copies still complete
         synced += 1
-        if kill == "trainer" and synced == 3:
-            # Our reply has nowhere to go; the mailbox raises LinkClosed next.
-            call.reply(None)
-            continue
         torch.cuda.current_stream().synchronize()  # loaded: what an engine waits for
         ok = int(params["step"].item()) == call.message["step"]
         call.reply({
@@ -251,10 +236,8 @@ def device_free() -> int:
 def run_kill(args) -> None:
     """`--kill engine`: this process is the trainer; its engine dies in its third sync. The
     call fails with a typed error, the lease comes back, the engine's device memory returns
-    to the device, and a new engine takes the next syncs. `--kill trainer`: a trainer in a
-    process of its own (`--role victim`) is killed by its engine in the third sync; the
-    engine must exit cleanly with no mapping left (it prints its verdict) within a
-    deadline, and its memory return to the device."""
+    to the device, and a new engine takes the next syncs. `--kill trainer`: see
+    `kill_trainer`."""
     import subprocess
 
     import torch
@@ -262,26 +245,7 @@ def run_kill(args) -> None:
     torch.cuda.init()
     spec = model_spec(args.model)
     if args.kill == "trainer":
-        before = device_free()
-        victim = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--role", "victim", "--model",
-             args.model], stdout=subprocess.PIPE, text=True)
-        t = time.perf_counter()
-        try:
-            out, _ = victim.communicate(timeout=120)  # EOF: the engine, which shares the pipe, is gone too
-        except subprocess.TimeoutExpired:
-            victim.kill()
-            raise SystemExit("kill trainer: the engine did not exit within 120 s")
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        verdict = next((x for x in lines if x.get("engine_after")), None)
-        time.sleep(0.5)
-        print(json.dumps({
-            "bench": "weight_sync", "kill": "trainer", "victim_status": victim.returncode,
-            "engine": verdict, "all_gone_s": round(time.perf_counter() - t, 2),
-            "device_free_delta_mib": (device_free() - before) >> 20,
-        }), flush=True)
-        return
-
+        return kill_trainer(args)
     import baton
 
     before = device_free()
@@ -326,24 +290,129 @@ def bundle_mib(spec) -> int:
     return nbytes(spec) >> 20
 
 
-def kill_victim_trainer(args) -> None:
-    """The trainer of `--kill trainer`: syncs until its engine kills it."""
+def kill_trainer(args) -> None:
+    """`--kill trainer`: an engine that serves trainers (a process of its own, listening, as
+    an inference service is) kills its trainer in the middle of a sync — the lease open,
+    its copies queued — and must carry on: finish loading, be left with no mapping of the
+    dead trainer's memory, serve the next trainer, and exit cleanly."""
+    import queue
+    import shutil
+    import subprocess
+    import tempfile
+    import threading
+
+    import baton
+
+    sockets = tempfile.mkdtemp(prefix="baton-ws-")
+    env = dict(os.environ, BATON_TOKEN=baton.generate_token())
+    me = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--dir", sockets]
+    before = device_free()
+    engine = subprocess.Popen(me + ["--role", "engine-server"], env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    lines: "queue.Queue[dict]" = queue.Queue()
+
+    def read() -> None:
+        for line in engine.stdout:
+            if line.startswith("{"):
+                lines.put(json.loads(line))
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def expect(key: str) -> dict:
+        while True:
+            line = lines.get(timeout=120)
+            if key in line:
+                return line[key]
+
+    try:
+        expect("ready")
+        victim = subprocess.run(me + ["--role", "client", "--steps", "5", "--kill-at", "2"],
+                                env=env, timeout=120)
+        after = expect("after_trainer_kill")
+        again = subprocess.run(me + ["--role", "client", "--steps", "3"], env=env, timeout=120)
+        engine.stdin.close()
+        status = engine.wait(timeout=60)
+        final = expect("engine_exit")
+    finally:
+        engine.kill()
+        shutil.rmtree(sockets, ignore_errors=True)
+    time.sleep(0.5)
+    print(json.dumps({
+        "bench": "weight_sync", "kill": "trainer", "trainer_status": victim.returncode,
+        "engine_after_the_kill": after, "next_trainer_status": again.returncode,
+        "engine": final, "engine_status": status,
+        "device_free_vs_start_mib": (device_free() - before) >> 20,
+    }), flush=True)
+
+
+def engine_server(args) -> None:
+    """The engine of `--kill trainer`: listens, loads what trainers send, kills the trainer
+    whose call asks for it (`kill_me`) in the middle of loading; exits when stdin closes."""
+    import signal
+    import threading
+
     import torch
 
     import baton
 
     spec = model_spec(args.model)
-    node = baton.Node(token=baton.generate_token(), backend="cuda")
-    child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine",
-                        "--model", args.model, "--kill", "trainer"], timeout=120)
+    node = baton.Node(token=os.environ["BATON_TOKEN"], backend="cuda")
+    node.listen(args.dir, "engine.sock")
+    mailbox = node.register("engine", "rl.Weights")
+    params = params_like(torch, spec)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    print(json.dumps({"ready": True}), flush=True)
+    syncs = 0
+    while not stop.is_set():
+        try:
+            call = mailbox.recv(timeout=0.2)
+        except baton.Timeout:
+            continue
+        kill = call.message.get("kill_me", False)
+        with call.message["weights"].open() as weights:
+            weights.copy_into(params)
+            if kill:
+                os.kill(call.peer_pid, signal.SIGKILL)
+        torch.cuda.current_stream().synchronize()  # the copies complete all the same
+        if kill:
+            t = time.monotonic()
+            while node.import_stats()["live"] and time.monotonic() - t < 10:
+                time.sleep(0.01)
+            print(json.dumps({"after_trainer_kill": {
+                "loaded_step_ok": int(params["step"].item()) == call.message["step"],
+                "mappings_left": node.import_stats()["live"],
+                "mapping_gone_after_s": round(time.monotonic() - t, 3),
+                "reply_delivered": call.reply(None),
+            }}), flush=True)
+            continue
+        syncs += 1
+        call.reply({"ok": int(params["step"].item()) == call.message["step"]})
+    node.close()
+    print(json.dumps({"engine_exit": {"clean": True, "honest_syncs": syncs}}), flush=True)
+
+
+def trainer_client(args) -> None:
+    """A trainer of `--kill trainer`: connects to the engine and syncs `--steps` times (the
+    sync numbered `--kill-at` asks the engine to kill it)."""
+    import torch
+
+    import baton
+
+    spec = model_spec(args.model)
+    node = baton.Node(token=os.environ["BATON_TOKEN"], backend="cuda")
+    peer = node.connect(os.path.join(args.dir, "engine.sock"), timeout=60)
     bundle = node.allocate_bundle(spec)
     views = bundle.tensors()
-    for step in range(10):
+    for step in range(args.steps):
         views["step"].fill_(step)
         torch.cuda.synchronize()
-        child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": step}, timeout=60)
+        reply = peer.call("engine", "rl.Weights",
+                          {"weights": bundle, "step": step, "kill_me": step == args.kill_at},
+                          timeout=60)
+        assert reply["ok"], (step, reply)
         bundle.returned(timeout=60)
-    raise SystemExit("the victim trainer was never killed")
+    node.close()
 
 
 # ---- torch.multiprocessing ----------------------------------------------------------------
@@ -353,7 +422,8 @@ def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
 
     spec = model_spec(model)
     params = params_like(torch, spec)
-    dst = [p.view(-1).view(torch.uint8) for p in params.values()]
+    # Every tensor of these models is a multiple of 8 bytes.
+    dst = [p.view(-1).view(torch.int64) for p in params.values()]
     sizes, end = [], 0
     for _, _, _, at, n in flat_layout(spec)[0]:
         sizes += [at - end, n]
@@ -364,11 +434,12 @@ def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
             return
         step, payload = item
         # The same loading as Baton's `copy_into`, so that the transports are compared:
-        # one fused copy (`_foreach_copy_`), of bytes cut by the layout for the bucket.
+        # fused copies (`_foreach_copy_`) of 8-byte words, cut by the layout for the bucket.
         if flat:
-            torch._foreach_copy_(dst, list(payload[:end].split(sizes)[1::2]))
+            chunks = payload[:end].split(sizes)[1::2]
+            torch._foreach_copy_(dst, [c.view(torch.int64) for c in chunks])
         else:
-            torch._foreach_copy_(list(params.values()), payload)
+            torch._foreach_copy_(dst, [t.view(-1).view(torch.int64) for t in payload])
         del payload, item
         torch.cuda.current_stream().synchronize()
         outbox.put((int(params["step"].item()) == step, torch.cuda.memory_reserved()))
@@ -417,17 +488,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--paths", default="copy,baton-bundle,baton-bundle-ordered,"
                     "torch-mp-flat,torch-mp-tensors")
-    ap.add_argument("--role", default="trainer", choices=["trainer", "engine", "victim"],
-                    help=argparse.SUPPRESS)
+    ap.add_argument("--role", default="trainer",
+                    choices=["trainer", "engine", "engine-server", "client"], help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--ordered", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kill", choices=["engine", "trainer"],
-                    help="instead of timing: SIGKILL the engine, or the trainer, in the middle "
-                    "of a sync, and report how the survivor fares")
+                    help="instead of timing: SIGKILL the engine (a child of the trainer), or "
+                    "the trainer (of an engine serving trainers), in the middle of a sync, and "
+                    "report how the survivor fares")
     args = ap.parse_args()
     if args.role == "engine":
         return baton_engine(args.model, args.ordered, args.kill or "")
-    if args.role == "victim":
-        return kill_victim_trainer(args)
+    if args.role == "engine-server":
+        return engine_server(args)
+    if args.role == "client":
+        return trainer_client(args)
     if args.kill:
         return run_kill(args)
     import torch

@@ -94,26 +94,30 @@ def _views(memory: Any, layout: BundleLayout, framework: Optional[str]) -> Dict[
 
 
 class _TorchPlan:
-    """How to copy a bundle into torch tensors of the same dtypes and sizes, as bytes, in
-    two calls: one split of the lease's bytes, one fused copy (``_foreach_copy_``)."""
+    """How to copy a bundle into torch tensors of the same dtypes and sizes, as bytes: one
+    split of the lease's bytes, then one fused copy (``_foreach_copy_``) per group — the
+    tensors whose bytes are a multiple of 8 copied as ``int64`` words (wide loads: close to
+    a flat copy's bandwidth), the rest as bytes."""
 
-    __slots__ = ("layout", "params", "dst", "sizes", "end")
+    __slots__ = ("layout", "params", "sizes", "end", "groups")
 
-    def __init__(self, layout, params, dst, sizes, end) -> None:
-        self.layout, self.params, self.dst, self.sizes, self.end = (
-            layout, list(params.values()), dst, sizes, end)
+    def __init__(self, layout, params, sizes, end, groups) -> None:
+        self.layout, self.params, self.sizes, self.end, self.groups = (
+            layout, list(params.values()), sizes, end, groups)
 
     def matches(self, layout: BundleLayout, params: Mapping[str, Any]) -> bool:
+        # A layout received again is the same object (the codec keeps the last few).
         return (len(params) == len(self.params)
                 and all(a is b for a, b in zip(params.values(), self.params))
-                and layout == self.layout)
+                and (layout is self.layout or layout == self.layout))
 
     def copy(self, lease: Lease) -> None:
         import torch
 
         # The split alternates the gap before a tensor and the tensor's bytes.
         chunks = torch.from_dlpack(lease)[: self.end].split(self.sizes)
-        torch._foreach_copy_(self.dst, list(chunks[1::2]))
+        for dtype, dst, index in self.groups:
+            torch._foreach_copy_(dst, [chunks[i].view(dtype) for i in index])
 
 
 #: The last few plans made (an engine loads the same bundle into the same tensors).
@@ -137,12 +141,18 @@ def _torch_plan(layout: BundleLayout, params: Mapping[str, Any]) -> Optional[_To
             return None
         spans.append((offset, n, value))
     spans.sort(key=lambda span: span[0])
-    dst, sizes, at = [], [], 0
+    sizes, at = [], 0
+    words = (torch.int64, [], [])
+    rest = (torch.uint8, [], [])
     for offset, n, value in spans:
         sizes += [offset - at, n]
-        dst.append(value.view(-1).view(torch.uint8))
         at = offset + n
-    plan = _TorchPlan(layout, params, dst, sizes, at)
+        # Offsets are multiples of 256 and torch's allocations of 512: only the size decides.
+        group = words if n % 8 == 0 and value.data_ptr() % 8 == 0 else rest
+        group[1].append(value.view(-1).view(group[0]))
+        group[2].append(len(sizes) - 1)
+    groups = [g for g in (words, rest) if g[1]]
+    plan = _TorchPlan(layout, params, sizes, at, groups)
     _PLANS.insert(0, plan)
     del _PLANS[4:]
     return plan
@@ -290,10 +300,10 @@ class BundleLease:
         ``load_weights`` does, and keeps no view: the lease can go back as soon as this
         returns. Raises ``KeyError`` for a name the bundle does not have.
 
-        Into torch tensors of the bundle's dtypes, contiguous: one fused copy of bytes
-        (``torch._foreach_copy_``), with the plan for these tensors kept for the next sync;
-        otherwise one typed copy per tensor (converting dtypes). Copies are queued on
-        torch's current stream."""
+        Into torch tensors of the bundle's dtypes, contiguous: fused copies of their bytes
+        (``torch._foreach_copy_``, as 8-byte words where sizes allow), with the plan for
+        these tensors kept for the next sync; otherwise one typed copy per tensor
+        (converting dtypes). Copies are queued on torch's current stream."""
         first = next(iter(params.values()), None)
         module = type(first).__module__.split(".")[0]
         framework = module if module in ("torch", "cupy") else "numpy"

@@ -9,10 +9,11 @@
 
 use crate::errors::{Failure, OrRaise};
 use crate::memory::{dtype_name, parse_dtype};
+use crate::runtime::lock;
 use baton_messages::{BundleLayout as Layout, Shape};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The key of a bundle's layout in its wire map.
 pub(crate) const LAYOUT_KEY: &str = "baton.bundle";
@@ -25,6 +26,27 @@ pub(crate) const LAYOUT_KEY: &str = "baton.bundle";
 #[pyclass(frozen, module = "baton._baton", name = "BundleLayout")]
 pub(crate) struct BundleLayout {
     pub(crate) inner: Arc<Layout>,
+    /// Its wire form, made at the first send (a bundle is sent every sync).
+    wire: OnceLock<rmpv::Value>,
+}
+
+impl BundleLayout {
+    pub(crate) fn of(inner: Arc<Layout>) -> Self {
+        Self {
+            inner,
+            wire: OnceLock::new(),
+        }
+    }
+
+    /// Its wire form (what Rust's serde writes with struct maps).
+    pub(crate) fn wire(&self) -> Result<rmpv::Value, String> {
+        if let Some(v) = self.wire.get() {
+            return Ok(v.clone());
+        }
+        let bytes = rmp_serde::to_vec_named(&*self.inner).map_err(|e| e.to_string())?;
+        let value = rmpv::decode::read_value(&mut bytes.as_slice()).map_err(|e| e.to_string())?;
+        Ok(self.wire.get_or_init(|| value).clone())
+    }
 }
 
 fn spec_entry(
@@ -71,9 +93,7 @@ impl BundleLayout {
         let inner = Layout::packed(entries)
             .map_err(|e| Failure::Value(e.to_string()))
             .or_raise(py)?;
-        Ok(Self {
-            inner: Arc::new(inner),
-        })
+        Ok(Self::of(Arc::new(inner)))
     }
 
     /// The tensors, in order: `(name, dtype, shape, offset)` tuples.
@@ -136,15 +156,30 @@ impl BundleLayout {
     }
 }
 
-/// The wire form of a layout (what Rust's serde writes with struct maps).
-pub(crate) fn encode_layout(layout: &Layout) -> Result<rmpv::Value, String> {
-    let bytes = rmp_serde::to_vec_named(layout).map_err(|e| e.to_string())?;
-    rmpv::decode::read_value(&mut bytes.as_slice()).map_err(|e| e.to_string())
-}
+/// The layouts received last, by their wire bytes: a bundle sent every sync carries the
+/// same layout every time, and is decoded (and checked) once.
+const RECENT: usize = 8;
 
-/// A received layout, checked (the same checks as Rust's decoding).
-pub(crate) fn decode_layout(value: &rmpv::Value) -> Result<Layout, String> {
+/// A received layout (its wire value), checked — the same checks as Rust's decoding — or
+/// the `BundleLayout` made the last time these bytes came.
+pub(crate) fn decode_layout(
+    py: Python<'_>,
+    value: &rmpv::Value,
+) -> Result<Py<BundleLayout>, String> {
+    static SEEN: Mutex<Vec<(Vec<u8>, Py<BundleLayout>)>> = Mutex::new(Vec::new());
     let mut bytes = Vec::new();
     rmpv::encode::write_value(&mut bytes, value).map_err(|e| e.to_string())?;
-    rmp_serde::from_slice(&bytes).map_err(|e| format!("a bundle layout: {e}"))
+    let mut seen = lock(&SEEN);
+    if let Some(i) = seen.iter().position(|(b, _)| *b == bytes) {
+        let hit = seen.remove(i);
+        let layout = hit.1.clone_ref(py);
+        seen.insert(0, hit);
+        return Ok(layout);
+    }
+    let layout: Layout =
+        rmp_serde::from_slice(&bytes).map_err(|e| format!("a bundle layout: {e}"))?;
+    let layout = Py::new(py, BundleLayout::of(Arc::new(layout))).map_err(|e| e.to_string())?;
+    seen.insert(0, (bytes, layout.clone_ref(py)));
+    seen.truncate(RECENT);
+    Ok(layout)
 }

@@ -153,9 +153,7 @@ fn to_value(
         return Err(Failure::Actor(ActorError::NotOwned)).or_raise(py);
     }
     if let Ok(layout) = obj.cast::<BundleLayout>() {
-        return bundle::encode_layout(&layout.get().inner)
-            .map_err(encode_error)
-            .or_raise(py);
+        return layout.get().wire().map_err(encode_error).or_raise(py);
     }
     // A `baton.Bundle` (Python, `baton/bundle.py`) says what it is on the wire.
     if obj.hasattr(WIRE_METHOD)? {
@@ -314,7 +312,7 @@ fn received_bundle(
     for (k, v) in entries {
         match k.as_str() {
             Some(LAYOUT_KEY) if layout.is_none() => {
-                layout = Some(bundle::decode_layout(&v).map_err(Decoded::Bad)?);
+                layout = Some(bundle::decode_layout(py, &v).map_err(Decoded::Bad)?);
             }
             Some("buffer") if buffer.is_none() => buffer = Some(to_py(py, v, buffers, cuda)?),
             _ => {
@@ -330,12 +328,6 @@ fn received_bundle(
     if !buffer.bind(py).is_instance_of::<Shared>() {
         return Err(Decoded::Bad("a bundle's buffer is not a buffer".into()));
     }
-    let layout = Bound::new(
-        py,
-        BundleLayout {
-            inner: Arc::new(layout),
-        },
-    )?;
     Ok(py
         .import("baton.bundle")?
         .getattr("SharedBundle")?
