@@ -121,10 +121,19 @@ pub fn sweep_dead_dirs(
     min_age: std::time::Duration,
     remove: bool,
 ) -> Result<SocketSweepReport> {
+    sweep_with_default(parent, &SocketDir::default_path(), min_age, remove)
+}
+
+/// [`sweep_dead_dirs`], with `default` for the default directory (tests name their own).
+fn sweep_with_default(
+    parent: &Path,
+    default: &Path,
+    min_age: std::time::Duration,
+    remove: bool,
+) -> Result<SocketSweepReport> {
     let mut report = SocketSweepReport::default();
     let bound = bound_socket_paths();
     let me = rustix::process::geteuid().as_raw();
-    let default = SocketDir::default_path();
     let entries =
         std::fs::read_dir(parent).map_err(Error::io("reading the socket directories' parent"))?;
     for entry in entries.flatten() {
@@ -245,7 +254,10 @@ mod tests {
         assert_eq!(path(Some("")), Path::new("/tmp/baton-1234"));
         assert_eq!(path(None), Path::new("/tmp/baton-1234"));
         let here = SocketDir::default_path();
-        assert!(here.is_absolute() && here.to_string_lossy().contains("baton"), "{here:?}");
+        assert!(
+            here.is_absolute() && here.to_string_lossy().contains("baton"),
+            "{here:?}"
+        );
     }
 
     #[test]
@@ -269,6 +281,47 @@ mod tests {
             ),
             "{err:?}"
         );
+    }
+
+    /// The default directory is never removed, only its dead sockets and their tokens; a
+    /// socket bound but not listening (listed in `/proc/net/unix`, refusing connections)
+    /// counts as live.
+    #[test]
+    fn the_sweep_keeps_the_default_dir_and_its_live_sockets() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let default = private_dir(&root.join("baton-0"));
+        dead_socket(&default.join("dead.sock"));
+        let _listening = UnixListener::bind(default.join("live.sock")).unwrap();
+        let bound = rustix::net::socket(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::STREAM,
+            None,
+        )
+        .unwrap();
+        let addr = rustix::net::SocketAddrUnix::new(default.join("bound.sock")).unwrap();
+        rustix::net::bind(&bound, &addr).unwrap();
+        assert!(refused(&default.join("bound.sock")), "bound, not listening");
+
+        let planned = sweep_with_default(root, &default, Duration::ZERO, false).unwrap();
+        assert_eq!(planned.removed, [default.join("dead.sock")], "{planned:?}");
+        assert_eq!(planned.kept, 1, "{planned:?}");
+        assert!(
+            default.join("dead.sock").exists(),
+            "a dry run removes nothing"
+        );
+
+        let report = sweep_with_default(root, &default, Duration::ZERO, true).unwrap();
+        assert_eq!(report.removed, [default.join("dead.sock")], "{report:?}");
+        assert_eq!(report.kept, 1, "{report:?}");
+        assert!(!default.join("dead.sock").exists());
+        assert!(
+            !token_of(&default.join("dead.sock")).exists(),
+            "its token went too"
+        );
+        for kept in ["live.sock", "bound.sock"] {
+            assert!(default.join(kept).exists(), "{kept}");
+        }
     }
 
     /// A socket left as a killed node leaves it: bound, then nobody listening.
