@@ -121,18 +121,20 @@ pub fn sweep_dead_dirs(
     min_age: std::time::Duration,
     remove: bool,
 ) -> Result<SocketSweepReport> {
-    sweep_with_default(parent, &SocketDir::default_path(), min_age, remove)
+    let bound = bound_socket_paths();
+    sweep_with(parent, &SocketDir::default_path(), &bound, min_age, remove)
 }
 
-/// [`sweep_dead_dirs`], with `default` for the default directory (tests name their own).
-fn sweep_with_default(
+/// [`sweep_dead_dirs`], with `default` for the default directory and `bound` for the
+/// sockets `/proc/net/unix` lists (tests name their own).
+fn sweep_with(
     parent: &Path,
     default: &Path,
+    bound: &std::collections::HashSet<PathBuf>,
     min_age: std::time::Duration,
     remove: bool,
 ) -> Result<SocketSweepReport> {
     let mut report = SocketSweepReport::default();
-    let bound = bound_socket_paths();
     let me = rustix::process::geteuid().as_raw();
     let entries =
         std::fs::read_dir(parent).map_err(Error::io("reading the socket directories' parent"))?;
@@ -303,7 +305,8 @@ mod tests {
         rustix::net::bind(&bound, &addr).unwrap();
         assert!(refused(&default.join("bound.sock")), "bound, not listening");
 
-        let planned = sweep_with_default(root, &default, Duration::ZERO, false).unwrap();
+        let bound = bound_socket_paths();
+        let planned = sweep_with(root, &default, &bound, Duration::ZERO, false).unwrap();
         assert_eq!(planned.removed, [default.join("dead.sock")], "{planned:?}");
         assert_eq!(planned.kept, 1, "{planned:?}");
         assert!(
@@ -311,7 +314,7 @@ mod tests {
             "a dry run removes nothing"
         );
 
-        let report = sweep_with_default(root, &default, Duration::ZERO, true).unwrap();
+        let report = sweep_with(root, &default, &bound, Duration::ZERO, true).unwrap();
         assert_eq!(report.removed, [default.join("dead.sock")], "{report:?}");
         assert_eq!(report.kept, 1, "{report:?}");
         assert!(!default.join("dead.sock").exists());
@@ -322,6 +325,36 @@ mod tests {
         for kept in ["live.sock", "bound.sock"] {
             assert!(default.join(kept).exists(), "{kept}");
         }
+    }
+
+    /// Without `/proc/net/unix` (another network namespace's view, or none), a socket is
+    /// judged by connecting: one that accepts is live. And a directory deeper than the
+    /// sweep looks is not Baton's to judge: kept.
+    #[test]
+    fn the_sweep_connects_to_judge_a_socket_and_keeps_what_is_too_deep() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let live = private_dir(&root.join("baton-live-1"));
+        let _listening = UnixListener::bind(live.join("node.sock")).unwrap();
+        let mut deep = private_dir(&root.join("baton-deep-2"));
+        for level in ["a", "b", "c"] {
+            deep = private_dir(&deep.join(level));
+        }
+        dead_socket(&deep.join("node.sock"));
+        let shallow = private_dir(&root.join("baton-shallow-3"));
+        dead_socket(&private_dir(&private_dir(&shallow.join("a")).join("b")).join("node.sock"));
+        let nothing_bound = std::collections::HashSet::new();
+        let report = sweep_with(
+            root,
+            &root.join("baton-0"),
+            &nothing_bound,
+            Duration::ZERO,
+            true,
+        )
+        .unwrap();
+        assert_eq!(report.removed, std::slice::from_ref(&shallow), "{report:?}");
+        assert_eq!(report.kept, 2, "the live one and the deep one");
+        assert!(live.join("node.sock").exists() && deep.join("node.sock").exists());
     }
 
     /// A socket left as a killed node leaves it: bound, then nobody listening.

@@ -254,3 +254,28 @@ impl Receiver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_fds_say_how_many_came_and_whether_the_kernel_dropped_them() {
+        let file = tempfile::tempfile().unwrap();
+        let mut fds = FrameFds::new(vec![file.into()]);
+        assert!(!fds.is_empty() && fds.len() == 1);
+        assert!(fds.take(0).is_ok());
+        assert!(matches!(fds.take(0), Err(Error::MissingFdSlot { slot: 0 })));
+        let mut none = FrameFds::none();
+        assert!(none.is_empty());
+        assert!(matches!(
+            none.take(0),
+            Err(Error::MissingFdSlot { slot: 0 })
+        ));
+        let mut lost = FrameFds::lost();
+        assert!(matches!(
+            lost.take(3),
+            Err(Error::DescriptorsLost { slot: 3 })
+        ));
+    }
+}
