@@ -278,4 +278,57 @@ mod tests {
             Err(Error::DescriptorsLost { slot: 3 })
         ));
     }
+
+    fn descriptors(n: usize) -> Vec<OwnedFd> {
+        (0..n)
+            .map(|_| tempfile::tempfile().unwrap().into())
+            .collect()
+    }
+
+    /// A frame that announces more descriptors than came is the peer's fault
+    /// (`MissingFds`) — unless the kernel dropped some on the way in (our descriptor
+    /// limit, `MSG_CTRUNC`): then the frame is delivered with its descriptors lost, and the
+    /// next frame starts afresh.
+    #[test]
+    fn a_frame_short_of_descriptors_is_missing_them_unless_the_kernel_dropped_them() {
+        let frame = baton_messages::codec::frame_bytes(&Message::Ping(1), 2).unwrap();
+        let mut rx = Receiver::default();
+        rx.decoder.push(&frame);
+        rx.fds.extend(descriptors(1));
+        assert!(matches!(
+            rx.next(),
+            Err(Error::MissingFds { need: 2, have: 1 })
+        ));
+
+        let mut rx = Receiver::default();
+        rx.decoder.push(&frame);
+        rx.fds.extend(descriptors(1));
+        rx.fds_truncated = true;
+        let mut got = rx.next().unwrap().expect("a frame");
+        assert_eq!(got.message, Message::Ping(1));
+        assert!(matches!(
+            got.fds.take(0),
+            Err(Error::DescriptorsLost { slot: 0 })
+        ));
+        assert!(rx.fds.is_empty() && !rx.fds_truncated);
+
+        // Enough descriptors: the truncation was another frame's.
+        let mut rx = Receiver::default();
+        rx.decoder.push(&frame);
+        rx.fds.extend(descriptors(2));
+        rx.fds_truncated = true;
+        let mut got = rx.next().unwrap().expect("a frame");
+        assert!(got.fds.take(0).is_ok() && got.fds.take(1).is_ok());
+    }
+
+    /// Descriptors left over once the complete frames are drained: up to what one partial
+    /// frame may carry is fine; more were never announced.
+    #[test]
+    fn more_unclaimed_descriptors_than_a_frame_carries_are_unexpected() {
+        let mut rx = Receiver::default();
+        rx.fds.extend(descriptors(MAX_FDS_PER_FRAME));
+        assert!(rx.check_fds().is_ok());
+        rx.fds.extend(descriptors(1));
+        assert!(matches!(rx.check_fds(), Err(Error::UnexpectedFds)));
+    }
 }
