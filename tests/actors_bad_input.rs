@@ -315,3 +315,131 @@ fn a_bare_offer_without_element_type_is_released_not_delivered() {
         drop(alloc);
     });
 }
+
+/// Keeps every bare offer it is given, unopened (each a lease held).
+struct Hoarder(std::sync::Arc<std::sync::Mutex<Vec<baton::actors::Shared<u8>>>>);
+
+impl Actor for Hoarder {
+    type Context = Context<Self>;
+}
+
+impl Handler<baton::actors::Offered> for Hoarder {
+    type Result = ();
+    fn handle(&mut self, msg: baton::actors::Offered, _: &mut Context<Self>) {
+        self.0.lock().unwrap().push(msg.buffer);
+    }
+}
+
+/// The bounds a peer's offers meet are exact, and a lease id is offered once: a call with
+/// exactly `offers_per_message` offers is no fault (it is answered); holding exactly
+/// `leases_held` leases is no fault, one more is `TooManyLeases`; a lease offered twice in
+/// one call, or offered again while held, is `DuplicateLease` — each fault drops only its
+/// link.
+#[test]
+fn the_offer_and_lease_bounds_are_exact_and_a_lease_is_offered_once() {
+    use baton::actors::LinkLimits;
+    use baton::messages::protocol::Call;
+    use baton::messages::{DType, Layout, Shape};
+    run(async {
+        let ns = peer::namespace("exact");
+        let backend: baton::ipc::SharedBackend =
+            std::sync::Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let limits = LinkLimits {
+            offers_per_message: 3,
+            leases_held: 5,
+            ..LinkLimits::default()
+        };
+        let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits));
+        let kept = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        parent
+            .node
+            .set_inbox(Hoarder(std::sync::Arc::clone(&kept)).start().recipient());
+        let exporter = HostBackend::with_namespace(&parent.ns).unwrap();
+        let mem = exporter.allocate(4096).unwrap();
+        let handle = mem
+            .handle(&parent.session)
+            .layout(Layout::new(DType::U8, Shape::vector(4096)))
+            .build()
+            .unwrap();
+        let offer = {
+            let handle = handle.clone();
+            move |lease: u64| Offer {
+                lease: LeaseId::new(lease),
+                handle: handle.clone(),
+            }
+        };
+        let call = |offers: Vec<Offer>| {
+            Wire::Call(Call {
+                id: 1,
+                target: "nobody".into(),
+                type_name: "test.Nothing".into(),
+                payload: Vec::new(),
+                offers,
+            })
+        };
+
+        // Exactly offers_per_message offers: checked, opened, and answered (no such actor).
+        let (mut link, id) = raw(&parent).await;
+        let msg = call((10..13).map(&offer).collect());
+        link = spawn_blocking(move || {
+            link.send(&msg, &[]).unwrap();
+            let got = recv_skipping_pings(&mut link).unwrap();
+            assert!(matches!(got.message, Wire::Reply(_)), "{:?}", got.message);
+            link
+        })
+        .await
+        .unwrap();
+        assert!(parent.events.down_reason(id).is_none());
+        drop(link);
+
+        // The same lease twice in one call.
+        let (link, id) = raw(&parent).await;
+        send_and_expect_drop(link, call(vec![offer(20), offer(21), offer(20)])).await;
+        dropped_because(&parent, id, "DuplicateLease").await;
+
+        // Exactly leases_held bare offers are held; a lease offered again while held is a
+        // duplicate; one lease more than the bound is too many.
+        let (mut link, id) = raw(&parent).await;
+        let offers = offer.clone();
+        link = spawn_blocking(move || {
+            for lease in 30..35 {
+                let offer = &offers;
+                link.send(&Wire::Offer(offer(lease)), &[]).unwrap();
+            }
+            link
+        })
+        .await
+        .unwrap();
+        eventually(DEADLINE, "five leases held", || {
+            kept.lock().unwrap().len() == 5
+        })
+        .await;
+        assert!(
+            parent.events.down_reason(id).is_none(),
+            "at the bound is no fault"
+        );
+        send_and_expect_drop(link, Wire::Offer(offer(31))).await;
+        dropped_because(&parent, id, "DuplicateLease").await;
+
+        kept.lock().unwrap().clear();
+        let (mut link, id) = raw(&parent).await;
+        let offers = offer.clone();
+        link = spawn_blocking(move || {
+            for lease in 40..45 {
+                let offer = &offers;
+                link.send(&Wire::Offer(offer(lease)), &[]).unwrap();
+            }
+            link
+        })
+        .await
+        .unwrap();
+        eventually(DEADLINE, "five more leases held", || {
+            kept.lock().unwrap().len() == 5
+        })
+        .await;
+        assert!(parent.events.down_reason(id).is_none());
+        send_and_expect_drop(link, Wire::Offer(offer(45))).await;
+        dropped_because(&parent, id, "TooManyLeases").await;
+        drop(mem);
+    });
+}
