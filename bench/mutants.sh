@@ -8,6 +8,9 @@
 #   BATON_MUTANTS_ITERATE=1 bash bench/mutants.sh SET
 #                                       test again only what the last run of SET did not
 #                                       catch (cargo mutants --iterate), after new tests
+#   BATON_MUTANTS_SHARD=K/N BATON_MUTANTS_REPORT=docs/mutants/SET/shardK bash bench/mutants.sh SET
+#                                       one shard of a set (cargo mutants --shard), its
+#                                       lists in a directory of their own
 #
 # Budget for a 2-core machine: one mutant at a time (in place, so builds are incremental),
 # cargo's build jobs capped (BATON_MUTANTS_BUILD_JOBS, default 2), in a copy of the
@@ -87,10 +90,11 @@ for set in "${sets[@]}"; do
       --cap-lints true --no-times -o "$out" ${BATON_MUTANTS_ITERATE:+--iterate} \
       ${BATON_MUTANTS_SHARD:+--shard "$BATON_MUTANTS_SHARD"} "${set_args[@]}") || true
   took=$(( $(date +%s) - start ))
-  mkdir -p "docs/mutants/$set"
+  report=${BATON_MUTANTS_REPORT:-docs/mutants/$set}
+  mkdir -p "$report"
   for f in caught missed timeout unviable; do
-    cp "$out/mutants.out/$f.txt" "docs/mutants/$set/$f.txt" 2>/dev/null || : >"docs/mutants/$set/$f.txt"
+    cp "$out/mutants.out/$f.txt" "$report/$f.txt" 2>/dev/null || : >"$report/$f.txt"
   done
-  echo "$set: $(wc -l <"docs/mutants/$set/caught.txt") caught, $(wc -l <"docs/mutants/$set/missed.txt") missed, $(wc -l <"docs/mutants/$set/timeout.txt") timeout, $(wc -l <"docs/mutants/$set/unviable.txt") unviable; ${took} s" \
-    | tee "docs/mutants/$set/summary.txt"
+  echo "$set${BATON_MUTANTS_SHARD:+ shard $BATON_MUTANTS_SHARD}: $(wc -l <"$report/caught.txt") caught, $(wc -l <"$report/missed.txt") missed, $(wc -l <"$report/timeout.txt") timeout, $(wc -l <"$report/unviable.txt") unviable; ${took} s" \
+    | tee "$report/summary.txt"
 done
