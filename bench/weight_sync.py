@@ -257,13 +257,15 @@ def run_kill(args) -> None:
         return node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine",
                            "--model", args.model, "--kill", "engine"], timeout=120)
 
-    child, failed, t_kill = engine(), None, None
+    child, failed, t_kill, with_engine = engine(), None, None, None
     for step in range(3):
         views["step"].fill_(step)
         try:
             child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": step}, timeout=60)
         except baton.BatonError as e:
             failed, t_kill = type(e).__name__, time.perf_counter()
+        if step == 0:
+            with_engine = device_free()
     bundle.returned(timeout=30)
     back_s = round(time.perf_counter() - t_kill, 3) if t_kill else None
     status = child.wait(timeout=30)
@@ -282,6 +284,7 @@ def run_kill(args) -> None:
         "lease_back_s_after_failure": back_s, "engine_status": status,
         "new_engine_sync_ok": bool(reply and reply["ok"]),
         "device_free_after_kill_vs_start_mib": (engine_gone - before) >> 20,
+        "device_freed_by_the_kill_mib": (engine_gone - with_engine) >> 20,
         "bundle_mib": bundle_mib(spec),
     }), flush=True)
 
