@@ -534,15 +534,41 @@ fn an_importer_that_cannot_open_refuses_the_call_and_keeps_its_link() {
                 })
                 .await
                 .unwrap();
+            // A buffer the importer keeps mapped after giving its lease back (warm).
+            let warm = parent.pattern_buffer(64, 3).await;
+            holder
+                .send(Hold {
+                    buffers: vec![warm.share()],
+                })
+                .await
+                .unwrap();
+            link.remote::<DropHeld>("holder.drop")
+                .send(DropHeld)
+                .await
+                .unwrap();
+            eventually(DEADLINE, "the warm buffer's lease back", || {
+                warm.leases_out() == 0
+            })
+            .await;
+            holder
+                .send(Hold {
+                    buffers: vec![held.share()],
+                })
+                .await
+                .unwrap();
             let limit = link
                 .remote::<LimitFds>("fd-limit")
                 .send(LimitFds { spare: 0 })
                 .await
                 .unwrap();
             let refused = parent.pattern_buffer(64, 2).await;
+            // The refused call also carries buffers the importer maps already (no
+            // descriptor needed): it gives back every lease, and says `Unmapped` for the
+            // new allocation only — never for one it maps, or the exporter would count it
+            // unmapped while it is.
             let got = holder
                 .send(Hold {
-                    buffers: vec![refused.share()],
+                    buffers: vec![refused.share(), warm.share(), held.share(), refused.share()],
                 })
                 .await;
             println!(
@@ -557,7 +583,28 @@ fn an_importer_that_cannot_open_refuses_the_call_and_keeps_its_link() {
                 refused.leases_out() == 0
             })
             .await;
-            assert_eq!(held.leases_out(), 1);
+            eventually(
+                DEADLINE,
+                "the refused call's lease on the held buffer back",
+                || held.leases_out() == 1,
+            )
+            .await;
+            let child_pid = link.process().pid;
+            let table = parent.table().await;
+            let mapping = |id| {
+                table
+                    .iter()
+                    .find(|b| b.buffer == id)
+                    .is_some_and(|b| b.mapped_by.iter().any(|p| p.pid == child_pid))
+            };
+            assert!(
+                mapping(held.id()),
+                "{flavor}: the importer still maps the held buffer"
+            );
+            assert!(
+                !mapping(refused.id()),
+                "{flavor}: it maps nothing of the refused one"
+            );
             assert!(link.is_connected());
             let first = link
                 .remote::<PeekHeld>("holder.peek")
