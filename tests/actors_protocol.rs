@@ -508,3 +508,20 @@ fn a_thousand_buffers_to_four_importers_and_back_leave_nothing() {
         }
     });
 }
+
+/// Pings are told apart: eight `Peer::ping`s at once, beside the links' own heartbeat,
+/// are each answered with their own round trip.
+#[test]
+fn concurrent_pings_are_each_answered() {
+    run(async {
+        let parent = Parent::start("pings");
+        let (mut child, peer) = parent.child(&[]).await;
+        let pings: Vec<_> = (0..8).map(|_| actix::spawn(peer.ping())).collect();
+        for ping in pings {
+            let rtt = ping.await.unwrap().expect("every ping is answered");
+            assert!(rtt < DEADLINE);
+        }
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
