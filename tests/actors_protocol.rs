@@ -510,7 +510,7 @@ fn a_thousand_buffers_to_four_importers_and_back_leave_nothing() {
 }
 
 /// Pings are told apart: eight `Peer::ping`s at once, beside the links' own heartbeat,
-/// are each answered with their own round trip.
+/// are each answered with their own round trip; one answered late survives heartbeats.
 #[test]
 fn concurrent_pings_are_each_answered() {
     run(async {
@@ -521,6 +521,16 @@ fn concurrent_pings_are_each_answered() {
             let rtt = ping.await.unwrap().expect("every ping is answered");
             assert!(rtt < DEADLINE);
         }
+        // A ping the peer answers late — it is stopped for a few heartbeat intervals (1 s
+        // each), well within the 10 s deadline — is still waited for, not dropped with the
+        // stale ones at a heartbeat.
+        let pid = rustix::process::Pid::from_raw(child.pid() as i32).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+        let late = actix::spawn(peer.ping());
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+        let rtt = late.await.unwrap().expect("the late ping is answered");
+        assert!(rtt >= Duration::from_secs(2), "{rtt:?}");
         peer.close();
         assert!(exited(&mut child, DEADLINE).await.success());
     });
