@@ -35,7 +35,9 @@ use baton::actors::{
 };
 use baton::ipc::inbox::{LaneStatus, MAX_VALUE_STEP};
 use baton::ipc::{Backend, Link, LinkConfig, Stream, StreamRef};
-use baton::messages::protocol::{Forward, Offer, Payload, Release, Reply, Unmapped};
+use baton::messages::protocol::{
+    Forward, MAX_RELEASE_FENCES, Offer, Payload, Release, Reply, Unmapped,
+};
 use baton::messages::{
     AllocationId, CounterFence, DType, FenceHandle, InboxGrant, Layout, LeaseId, Message as Wire,
     ProcessId, Shape,
@@ -770,6 +772,39 @@ fn a_forged_fence_on_an_offer_or_a_release_is_refused_and_drops_only_its_link() 
                 "{forgery:?} on an offer: dropped for {reason}"
             );
             drop(mem);
+        }
+
+        // A release with more fences than one may carry is refused for that, before any is
+        // looked at; one with exactly as many is looked at (here: forged, so refused).
+        for (count, refusal) in [
+            (MAX_RELEASE_FENCES, "FenceRefused"),
+            (MAX_RELEASE_FENCES + 1, "TooManyFences"),
+        ] {
+            let other = t.buffer(4).await;
+            let (raw, peer) =
+                Raw::connect(&t.exporter, t.exp_listening.path().to_owned(), &t.session).await;
+            let (raw, offers) = raw_hold(raw, &peer, vec![other.share()]).await;
+            let fence = Forgery::ForeignSlab.fence(&raw.grant.unwrap(), forger.number());
+            let lease_id = offers[0].lease;
+            let dropped = blocking(move || {
+                let mut raw = raw;
+                raw.send(&Wire::Release(Release {
+                    lease: lease_id,
+                    fences: vec![fence; count],
+                }));
+                raw.dropped()
+            })
+            .await;
+            assert!(dropped, "{count} fences: the link was dropped");
+            eventually("the down event", || {
+                t.exp_downs.reason(peer.link_id()).is_some()
+            })
+            .await;
+            let reason = t.exp_downs.reason(peer.link_id()).unwrap();
+            assert!(
+                reason.contains(refusal),
+                "{count} fences: dropped for {reason}"
+            );
         }
 
         // The honest link and lease are unharmed, and so are the lanes both ways.
