@@ -4,7 +4,7 @@
 A trainer process updates every weight of a model-shaped set each step (an optimizer-like
 kernel: one `_foreach_add_` over every tensor) and hands the weights to an engine process,
 which copies every tensor into its own preallocated parameters (as an engine's
-`load_weights` does; every path loads the same way, one fused `_foreach_copy_`), waits for
+`load_weights` does; every path loads the same way as Baton's `copy_into`), waits for
 the copies, checks the step it was sent, and answers. A sync is timed from the trainer's
 call (its update done) to the weights being its own again. In
 the same run, the same bytes through:
@@ -19,8 +19,9 @@ the same run, the same bytes through:
   frameworks do without bucketing);
 - `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
 - `copy`: the floor — one process copying the same tensors device to device: per tensor
-  (one fused `_foreach_copy_` of the bf16 tensors, and of the same bytes as 8-byte words),
-  and as one flat copy of the same bytes.
+  (one fused `_foreach_copy_` of the bf16 tensors; and as every path's loader does it, a
+  memcpy per tensor of 1 MiB or more and one fused copy of words for the rest), and as one
+  flat copy of the same bytes.
 
 Prints one JSON line per path: per-sync time (median and p90 of the steps after the
 first; the first apart), driver-level opens per sync after the first (Baton: the engine's
@@ -123,10 +124,10 @@ def run_copy(args, spec) -> list:
 
     src, dst = params_like(torch, spec), params_like(torch, spec)
     src_list, dst_list = list(src.values()), list(dst.values())
-    src_words = [t.view(-1).view(torch.int64) for t in src_list]
-    dst_words = [t.view(-1).view(torch.int64) for t in dst_list]
+    src_bytes = [t.view(-1).view(torch.uint8) for t in src_list]
+    dst_bytes = [t.view(-1).view(torch.uint8) for t in dst_list]
     out = []
-    for how in ("per-tensor", "per-tensor-words", "flat"):
+    for how in ("per-tensor", "per-tensor-loader", "flat"):
         flat_src = torch.empty(nbytes(spec), dtype=torch.uint8, device="cuda")
         flat_dst = torch.empty_like(flat_src)
         times = []
@@ -138,7 +139,7 @@ def run_copy(args, spec) -> list:
             elif how == "per-tensor":
                 torch._foreach_copy_(dst_list, src_list)
             else:
-                torch._foreach_copy_(dst_words, src_words)
+                load(dst_bytes, src_bytes)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         out.append(summary(f"copy-{how}", times, opens_per_sync=0))
@@ -425,8 +426,7 @@ def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
 
     spec = model_spec(model)
     params = params_like(torch, spec)
-    # Every tensor of these models is a multiple of 8 bytes.
-    dst = [p.view(-1).view(torch.int64) for p in params.values()]
+    dst = [p.view(-1).view(torch.uint8) for p in params.values()]
     sizes, end = [], 0
     for _, _, _, at, n in flat_layout(spec)[0]:
         sizes += [at - end, n]
@@ -436,16 +436,34 @@ def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
         if item is None:
             return
         step, payload = item
-        # The same loading as Baton's `copy_into`, so that the transports are compared:
-        # fused copies (`_foreach_copy_`) of 8-byte words, cut by the layout for the bucket.
+        # The same loading as Baton's `copy_into`, so that the transports are compared: a
+        # memcpy per large tensor, one fused copy (`_foreach_copy_`) of 8-byte words for
+        # the small ones; the bucket cut by the layout.
         if flat:
-            chunks = payload[:end].split(sizes)[1::2]
-            torch._foreach_copy_(dst, [c.view(torch.int64) for c in chunks])
+            src = payload[:end].split(sizes)[1::2]
         else:
-            torch._foreach_copy_(dst, [t.view(-1).view(torch.int64) for t in payload])
+            src = [t.view(-1).view(torch.uint8) for t in payload]
+        load(dst, src)
         del payload, item
         torch.cuda.current_stream().synchronize()
         outbox.put((int(params["step"].item()) == step, torch.cuda.memory_reserved()))
+
+
+def load(dst: list, src: list) -> None:
+    """Copies byte tensors `src` into `dst` as Baton's `copy_into` does: a memcpy for each
+    of 1 MiB or more, one fused copy of 8-byte words for the rest (every tensor of these
+    models is a multiple of 8 bytes)."""
+    import torch
+
+    small_dst, small_src = [], []
+    for d, s in zip(dst, src):
+        if d.numel() >= 1 << 20:
+            d.copy_(s)
+        else:
+            small_dst.append(d.view(torch.int64))
+            small_src.append(s.view(torch.int64))
+    if small_dst:
+        torch._foreach_copy_(small_dst, small_src)
 
 
 def run_torch(args, spec, flat: bool) -> dict:

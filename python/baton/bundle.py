@@ -95,15 +95,16 @@ def _views(memory: Any, layout: BundleLayout, framework: Optional[str]) -> Dict[
 
 class _TorchPlan:
     """How to copy a bundle into torch tensors of the same dtypes and sizes, as bytes: one
-    split of the lease's bytes, then one fused copy (``_foreach_copy_``) per group — the
-    tensors whose bytes are a multiple of 8 copied as ``int64`` words (wide loads: close to
-    a flat copy's bandwidth), the rest as bytes."""
+    split of the lease's bytes; then each large tensor copied on its own (a device-to-device
+    memcpy, at the bandwidth of a flat copy), and the small ones in one fused copy
+    (``_foreach_copy_``) of 8-byte words where sizes allow, of bytes otherwise — a launch
+    per small tensor would cost more than its copy."""
 
-    __slots__ = ("layout", "params", "sizes", "end", "groups")
+    __slots__ = ("layout", "params", "sizes", "end", "large", "groups")
 
-    def __init__(self, layout, params, sizes, end, groups) -> None:
-        self.layout, self.params, self.sizes, self.end, self.groups = (
-            layout, list(params.values()), sizes, end, groups)
+    def __init__(self, layout, params, sizes, end, large, groups) -> None:
+        self.layout, self.params, self.sizes, self.end = layout, list(params.values()), sizes, end
+        self.large, self.groups = large, groups
 
     def matches(self, layout: BundleLayout, params: Mapping[str, Any]) -> bool:
         # A layout received again is the same object (the codec keeps the last few).
@@ -116,9 +117,14 @@ class _TorchPlan:
 
         # The split alternates the gap before a tensor and the tensor's bytes.
         chunks = torch.from_dlpack(lease)[: self.end].split(self.sizes)
+        for dst, i in self.large:
+            dst.copy_(chunks[i])
         for dtype, dst, index in self.groups:
             torch._foreach_copy_(dst, [chunks[i].view(dtype) for i in index])
 
+
+#: Tensors at least this large are copied on their own (see `_TorchPlan`).
+_LARGE = 1 << 20
 
 #: The last few plans made (an engine loads the same bundle into the same tensors).
 _PLANS: list = []
@@ -141,18 +147,22 @@ def _torch_plan(layout: BundleLayout, params: Mapping[str, Any]) -> Optional[_To
             return None
         spans.append((offset, n, value))
     spans.sort(key=lambda span: span[0])
-    sizes, at = [], 0
+    sizes, at, large = [], 0, []
     words = (torch.int64, [], [])
     rest = (torch.uint8, [], [])
     for offset, n, value in spans:
         sizes += [offset - at, n]
         at = offset + n
+        data = value.view(-1).view(torch.uint8)
+        if n >= _LARGE:
+            large.append((data, len(sizes) - 1))
+            continue
         # Offsets are multiples of 256 and torch's allocations of 512: only the size decides.
         group = words if n % 8 == 0 and value.data_ptr() % 8 == 0 else rest
-        group[1].append(value.view(-1).view(group[0]))
+        group[1].append(data.view(group[0]))
         group[2].append(len(sizes) - 1)
     groups = [g for g in (words, rest) if g[1]]
-    plan = _TorchPlan(layout, params, sizes, at, groups)
+    plan = _TorchPlan(layout, params, sizes, at, large, groups)
     _PLANS.insert(0, plan)
     del _PLANS[4:]
     return plan
@@ -300,10 +310,11 @@ class BundleLease:
         ``load_weights`` does, and keeps no view: the lease can go back as soon as this
         returns. Raises ``KeyError`` for a name the bundle does not have.
 
-        Into torch tensors of the bundle's dtypes, contiguous: fused copies of their bytes
-        (``torch._foreach_copy_``, as 8-byte words where sizes allow), with the plan for
-        these tensors kept for the next sync; otherwise one typed copy per tensor
-        (converting dtypes). Copies are queued on torch's current stream."""
+        Into torch tensors of the bundle's dtypes, contiguous: copies of their bytes — a
+        memcpy for each tensor of 1 MiB or more, one fused ``torch._foreach_copy_`` for the
+        smaller ones — with the plan for these tensors kept for the next sync; otherwise one
+        typed copy per tensor (converting dtypes). Copies are queued on torch's current
+        stream."""
         first = next(iter(params.values()), None)
         module = type(first).__module__.split(".")[0]
         framework = module if module in ("torch", "cupy") else "numpy"
