@@ -131,6 +131,29 @@ async fn setup(tag: &str) -> (Parent, peer::Peer, Peer) {
     (parent, honest, link)
 }
 
+/// A node under test with `limits()`, and a raw link of this process connected to it (a
+/// peer driven frame by frame from blocking tasks), with the node's side of it.
+async fn raw_peer(tag: &str) -> (Parent, Link, Peer) {
+    let ns = peer::namespace(tag);
+    let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+    let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits()));
+    let before = parent.events.ups().len();
+    let (path, config) = (
+        parent.listening.path().to_owned(),
+        LinkConfig::new(parent.session.clone()),
+    );
+    let raw = spawn_blocking(move || Link::connect(path, &config))
+        .await
+        .unwrap()
+        .unwrap();
+    eventually(DEADLINE, "the raw link", || {
+        parent.events.ups().len() > before
+    })
+    .await;
+    let link = parent.events.ups()[before].clone();
+    (parent, raw, link)
+}
+
 /// Round trips of an honest handoff (a buffer to the child, summed there), one after the
 /// other, until `done` holds; each must succeed. Returns the sorted latencies.
 async fn honest_handoffs(
@@ -360,23 +383,7 @@ fn a_sender_faster_than_its_link_waits_for_room() {
 fn after_a_batch_of_calls_the_queue_bound_still_cuts_a_peer_that_does_not_read() {
     let _serial = serial();
     run(async {
-        let ns = peer::namespace("fbatch");
-        let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
-        let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits()));
-        let before = parent.events.ups().len();
-        let (path, config) = (
-            parent.listening.path().to_owned(),
-            LinkConfig::new(parent.session.clone()),
-        );
-        let mut raw = spawn_blocking(move || Link::connect(path, &config))
-            .await
-            .unwrap()
-            .unwrap();
-        eventually(DEADLINE, "the raw link", || {
-            parent.events.ups().len() > before
-        })
-        .await;
-        let link = parent.events.ups()[before].clone();
+        let (parent, mut raw, link) = raw_peer("fbatch").await;
 
         // `send` queues its call before it returns: all eight are queued before the link's
         // writer runs, and leave together.
@@ -431,23 +438,7 @@ fn a_peer_far_behind_that_reads_is_not_cut() {
     use std::sync::atomic::AtomicBool;
     let _serial = serial();
     run(async {
-        let ns = peer::namespace("fslow");
-        let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
-        let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits()));
-        let before = parent.events.ups().len();
-        let (path, config) = (
-            parent.listening.path().to_owned(),
-            LinkConfig::new(parent.session.clone()),
-        );
-        let mut raw = spawn_blocking(move || Link::connect(path, &config))
-            .await
-            .unwrap()
-            .unwrap();
-        eventually(DEADLINE, "the raw link", || {
-            parent.events.ups().len() > before
-        })
-        .await;
-        let link = parent.events.ups()[before].clone();
+        let (parent, mut raw, link) = raw_peer("fslow").await;
         let behind = 64 << 10;
         let read_now = Arc::new(AtomicBool::new(false));
         let peer = {

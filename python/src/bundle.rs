@@ -8,7 +8,7 @@
 //! after checking its layout here ([`decode_layout`]).
 
 use crate::errors::{Failure, OrRaise};
-use crate::memory::{dtype_name, parse_dtype};
+use crate::memory::{dtype_name, parse_dtype, parse_shape};
 use crate::runtime::lock;
 use baton_messages::{BundleLayout as Layout, Shape};
 use pyo3::prelude::*;
@@ -54,21 +54,8 @@ fn spec_entry(
     shape: Bound<'_, PyAny>,
     dtype: Bound<'_, PyAny>,
 ) -> PyResult<(String, baton_messages::DType, Shape)> {
-    let py = name.py();
     let name: String = name.extract()?;
-    let dims: Vec<u64> = match shape.extract::<u64>() {
-        Ok(n) => vec![n],
-        Err(_) => shape.extract()?,
-    };
-    let rank = dims.len();
-    let shape = Shape::new(dims)
-        .ok_or_else(|| {
-            Failure::Value(format!(
-                "tensor {name:?}: a shape has at most {} dimensions, not {rank}",
-                Shape::MAX_RANK
-            ))
-        })
-        .or_raise(py)?;
+    let shape = parse_shape(&shape, &format!("tensor {name:?}'s shape"))?;
     Ok((name, parse_dtype(&dtype)?, shape))
 }
 

@@ -117,6 +117,25 @@ pub(crate) fn dtype_name(d: DType) -> &'static str {
         .map_or("unknown", |(_, n)| n)
 }
 
+/// A shape from an int or a sequence of ints (at most [`Shape::MAX_RANK`] of them);
+/// `what` names it in the error.
+pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<baton_messages::Shape> {
+    use baton_messages::Shape;
+    let dims: Vec<u64> = match obj.extract::<u64>() {
+        Ok(n) => vec![n],
+        Err(_) => obj.extract()?,
+    };
+    let rank = dims.len();
+    Shape::new(dims)
+        .ok_or_else(|| {
+            Failure::Value(format!(
+                "{what} has at most {} dimensions, not {rank}",
+                Shape::MAX_RANK
+            ))
+        })
+        .or_raise(obj.py())
+}
+
 /// An element type from a name (`"float32"`), a NumPy dtype or scalar type, or a torch
 /// dtype (`torch.float32`).
 pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<DType> {

@@ -14,7 +14,7 @@ use baton_ipc::cuda::{self, CudaBackend};
 use baton_ipc::select::BackendChoice;
 use baton_ipc::{HostBackend, Session, SharedBackend, SocketDir};
 use baton_messages::protocol::CallFault;
-use baton_messages::{Layout, SessionToken, Shape};
+use baton_messages::{Layout, SessionToken};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::collections::HashSet;
@@ -382,19 +382,7 @@ impl Node {
         dtype: Option<&Bound<'_, PyAny>>,
         timeout: f64,
     ) -> PyResult<Buffer> {
-        let dims: Vec<u64> = match shape.extract::<u64>() {
-            Ok(n) => vec![n],
-            Err(_) => shape.extract()?,
-        };
-        let rank = dims.len();
-        let shape = Shape::new(dims)
-            .ok_or_else(|| {
-                Failure::Value(format!(
-                    "a shape has at most {} dimensions, not {rank}",
-                    Shape::MAX_RANK
-                ))
-            })
-            .or_raise(py)?;
+        let shape = memory::parse_shape(shape, "a shape")?;
         let dtype = match dtype {
             Some(d) => memory::parse_dtype(d)?,
             None => baton_messages::DType::F32,
