@@ -13,9 +13,14 @@ import cache has the allocation mapped already: it opens nothing.
   ``"torch"``, ``"cupy"``). bfloat16 needs torch or cupy (NumPy has no bfloat16) — or the
   ``ml_dtypes`` package.
 - Put the bundle in a message as you would a ``Buffer``; the receiver gets a
-  :class:`SharedBundle` and ``open()``\\ s it into a :class:`BundleLease`, whose
-  ``tensors()`` are views of the sender's memory; the lease goes back once the
-  ``BundleLease`` is released (or collected) and its views are gone, as for a ``Lease``.
+  :class:`SharedBundle` and opens it into a :class:`BundleLease`, whose ``tensors()`` are
+  views of the sender's memory and whose ``copy_into(params)`` copies every tensor into
+  arrays of yours by name (an engine's ``load_weights``); the lease goes back once the
+  ``BundleLease`` is released (or collected) and its views are gone, as for a ``Lease`` —
+  a view kept in a variable keeps it.
+- On device memory, ``open(stream=s)``, ``peer.call(..., stream=s)`` and
+  ``bundle.wait_on(s)`` order by fences on a stream of yours instead of synchronising
+  the device (see the README's *Device memory and streams*).
 
 On the wire a bundle is Rust's ``baton_actors::SharedBundle``: Rust and Python peers send
 each other bundles. A received layout is checked (unique names, aligned, disjoint
