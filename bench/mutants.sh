@@ -11,6 +11,10 @@
 #   BATON_MUTANTS_SHARD=K/N BATON_MUTANTS_REPORT=docs/mutants/SET/shardK bash bench/mutants.sh SET
 #                                       one shard of a set (cargo mutants --shard), its
 #                                       lists in a directory of their own
+#   BATON_MUTANTS_RE=REGEX BATON_MUTANTS_REPORT=DIR bash bench/mutants.sh SET
+#                                       only SET's mutants whose name matches REGEX
+#                                       (cargo mutants --re), e.g. a list of missed ones
+#                                       after the set gained tests
 #
 # Budget for a 2-core machine: one mutant at a time (in place, so builds are incremental),
 # cargo's build jobs capped (BATON_MUTANTS_BUILD_JOBS, default 2), in a copy of the
@@ -51,7 +55,10 @@ args_of() {
     exports) echo "-f actors/src/exports.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=leases --cargo-arg=--test=api --cargo-arg=--test=liveness --cargo-arg=--test=forwarding --timeout 300" ;;
     supervisor) echo "-f actors/src/supervisor.rs --test-package baton --cargo-arg=--test=actors_supervision --timeout 240" ;;
     # `ordering` since 7065eb2: its cache-hit and descriptor-batch tests guard the link.
-    link) echo "-f actors/src/link.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=bounds --cargo-arg=--test=actors_bad_input --cargo-arg=--test=ordering --timeout 240" ;;
+    # `leases`, `liveness`, `status`, `api` and `soak` since 2026-11-26: they drive the
+    # link's teardown (a socket that ends, a peer seen dead, a stopped peer), the close's
+    # flush and the status answers, which the four above left to them.
+    link) echo "-f actors/src/link.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=bounds --cargo-arg=--test=actors_bad_input --cargo-arg=--test=ordering --cargo-arg=--test=leases --cargo-arg=--test=liveness --cargo-arg=--test=status --cargo-arg=--test=api --cargo-arg=--test=soak --timeout 300" ;;
     cache) echo "-f ipc/src/cache.rs --test-package baton-ipc --timeout 120" ;;
     # `--lib` runs baton-ipc's unit tests (the handshake's model test, the wire's, the socket
     # directory's); the facade's link tests cross real processes. (Without `--lib`, `--test`
@@ -88,13 +95,14 @@ for set in "${sets[@]}"; do
     CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_TEST_DEBUG=0 RUSTFLAGS="${RUSTFLAGS:-$lld_flags}" \
     cargo mutants --workspace --in-place --baseline=skip --build-timeout 600 \
       --cap-lints true --no-times -o "$out" ${BATON_MUTANTS_ITERATE:+--iterate} \
-      ${BATON_MUTANTS_SHARD:+--shard "$BATON_MUTANTS_SHARD"} "${set_args[@]}") || true
+      ${BATON_MUTANTS_SHARD:+--shard "$BATON_MUTANTS_SHARD"} \
+      ${BATON_MUTANTS_RE:+--re "$BATON_MUTANTS_RE"} "${set_args[@]}") || true
   took=$(( $(date +%s) - start ))
   report=${BATON_MUTANTS_REPORT:-docs/mutants/$set}
   mkdir -p "$report"
   for f in caught missed timeout unviable; do
     cp "$out/mutants.out/$f.txt" "$report/$f.txt" 2>/dev/null || : >"$report/$f.txt"
   done
-  echo "$set${BATON_MUTANTS_SHARD:+ shard $BATON_MUTANTS_SHARD}: $(wc -l <"$report/caught.txt") caught, $(wc -l <"$report/missed.txt") missed, $(wc -l <"$report/timeout.txt") timeout, $(wc -l <"$report/unviable.txt") unviable; ${took} s" \
+  echo "$set${BATON_MUTANTS_SHARD:+ shard $BATON_MUTANTS_SHARD}${BATON_MUTANTS_RE:+ (only --re)}: $(wc -l <"$report/caught.txt") caught, $(wc -l <"$report/missed.txt") missed, $(wc -l <"$report/timeout.txt") timeout, $(wc -l <"$report/unviable.txt") unviable; ${took} s" \
     | tee "$report/summary.txt"
 done

@@ -1,5 +1,6 @@
 //! What no test across processes reaches on purpose: a grant over a link the ledger already
-//! knows is down while its actor still handles sends. The ledger forgets a link when its
+//! knows is down while its actor still handles sends (below), and forwarding's refusals and
+//! counters, whose answers reach a relay only as text (the tests after those). The ledger forgets a link when its
 //! actor stops (`link_cut`) — after which the actor handles nothing — or when the peer's
 //! process is confirmed dead (`process_dead`), which the death watch reports from its own
 //! thread and may do between a link actor's start and the node listing the link. A send
@@ -110,5 +111,83 @@ fn a_grant_over_a_cut_link_is_link_closed() {
     exports.link_up(&link);
     exports.link_cut(link.id);
     assert_link_closed(exports.grant(&cell, &link, 0, None, false), peer);
+    assert_eq!(exports.leases_on(cell.id), 0);
+}
+
+/// A buffer leased over a link to `relay`, as the lease a relay forwards.
+fn leased_to_relay() -> (Arc<Exports>, Arc<BufferCell>, LinkRef, LeaseId) {
+    let (exports, cell) = exports_with_a_buffer();
+    let link = link_to(process(5000));
+    exports.link_up(&link);
+    let (offer, _fd, _grant) = exports.grant(&cell, &link, 0, None, false).unwrap();
+    (exports, cell, link, offer.lease)
+}
+
+#[test]
+fn a_relayed_grant_over_a_link_whose_peer_was_confirmed_dead_is_link_closed() {
+    let (exports, _cell, link, via) = leased_to_relay();
+    exports.process_dead(link.peer());
+    match exports.grant_relayed(via, &link, process(5001), 4) {
+        Err(ActorError::LinkClosed { peer }) => assert_eq!(peer, link.peer()),
+        Err(e) => panic!("a forward over a link that is down failed with {e:?}, not LinkClosed"),
+        Ok(_) => panic!("a lease was forwarded over a link that is down"),
+    }
+}
+
+#[test]
+fn relayed_grants_past_the_bound_are_too_many_leases_and_are_counted_for_their_owner() {
+    let (exports, cell, link, via) = leased_to_relay();
+    let owner_granted = |e: &Exports| e.stats(Some(cell.owner)).granted;
+    assert_eq!(owner_granted(&exports), 1, "the relay's own lease");
+    let max = 3;
+    for n in 0..max {
+        exports
+            .grant_relayed(via, &link, process(6000 + n as u32), max)
+            .unwrap();
+    }
+    assert_eq!(owner_granted(&exports), 1 + max as u64);
+    assert_eq!(exports.stats(None).granted, 1 + max as u64);
+    assert_eq!(exports.leases_on(cell.id), 1 + max);
+    match exports.grant_relayed(via, &link, process(6100), max) {
+        Err(ActorError::TooManyLeases { max: m }) => assert_eq!(m, max),
+        Err(e) => panic!("a forward past the bound failed with {e:?}, not TooManyLeases"),
+        Ok(_) => panic!("a forward past the bound of {max} was granted"),
+    }
+    assert_eq!(
+        owner_granted(&exports),
+        1 + max as u64,
+        "a refusal grants nothing"
+    );
+    assert_eq!(exports.leases_on(cell.id), 1 + max);
+}
+
+#[test]
+fn a_release_that_crossed_its_relayed_holders_death_is_no_fault_but_an_unknown_one_is() {
+    let (exports, cell, link, via) = leased_to_relay();
+    let holder = process(7000);
+    let (offer, _fd) = exports.grant_relayed(via, &link, holder, 4).unwrap();
+    let forwarded = offer.lease;
+    // The holder dies; its release, passed on by the relay, was already on the way.
+    exports.process_dead(holder);
+    assert_eq!(
+        exports.leases_on(cell.id),
+        1,
+        "the relay's own lease is left"
+    );
+    exports
+        .release(forwarded, link.id, Vec::new())
+        .expect("a release that crossed its holder's death");
+    // Once: a second release of it is a lease the link does not hold.
+    match exports.release(forwarded, link.id, Vec::new()) {
+        Err(ActorError::UnknownLease { lease }) => assert_eq!(lease, forwarded),
+        other => panic!("a second release of an ended relay gave {other:?}"),
+    }
+    // A lease never granted is refused the same way.
+    let never = crate::ids::next_lease();
+    match exports.release(never, link.id, Vec::new()) {
+        Err(ActorError::UnknownLease { lease }) => assert_eq!(lease, never),
+        other => panic!("the release of a lease never granted gave {other:?}"),
+    }
+    exports.release(via, link.id, Vec::new()).unwrap();
     assert_eq!(exports.leases_on(cell.id), 0);
 }
