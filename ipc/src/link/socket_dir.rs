@@ -420,6 +420,54 @@ mod tests {
         assert!(open.join("node.sock").exists());
     }
 
+    /// A dead node's directory that cannot be removed is kept, and counted so. What stops
+    /// the removal: for a user, a subdirectory it may not write; for root (whom modes do
+    /// not stop), a token file marked immutable (`chattr +i`; where the file system or the
+    /// container refuses that, the test says so and checks nothing).
+    #[test]
+    fn a_dead_nodes_dir_that_cannot_be_removed_is_kept_and_counted() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let dead = private_dir(&root.join("baton-stuck-1"));
+        let sub = private_dir(&dead.join("worker"));
+        dead_socket(&sub.join("worker.sock"));
+        let token = token_of(&sub.join("worker.sock"));
+        let as_root = rustix::process::geteuid().is_root();
+        let chattr = |flag: &str| {
+            std::process::Command::new("chattr")
+                .arg(flag)
+                .arg(&token)
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if as_root {
+            if !chattr("+i") {
+                eprintln!("skipped: running as root and `chattr +i` is refused here");
+                return;
+            }
+        } else {
+            std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o500)).unwrap();
+        }
+        let report = sweep_with(
+            root,
+            &root.join("baton-0"),
+            &std::collections::HashSet::new(),
+            Duration::ZERO,
+            true,
+        );
+        // Undo first, so that the temporary directory goes whatever the verdict.
+        if as_root {
+            assert!(chattr("-i"), "chattr -i");
+        } else {
+            std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o700)).unwrap();
+        }
+        let report = report.unwrap();
+        assert!(report.removed.is_empty(), "{report:?}");
+        assert_eq!(report.kept, 1, "{report:?}");
+        assert!(token.exists());
+    }
+
     #[test]
     fn creates_private_and_refuses_open_dirs() {
         let tmp = tempfile::tempdir().unwrap();
