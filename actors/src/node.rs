@@ -551,6 +551,61 @@ impl Node {
         Ok(crate::Bundle::new(self.allocate::<u8>(bytes)?, layout))
     }
 
+    /// A bundle over device memory this process allocated outside Baton — a model's
+    /// parameters from PyTorch's caching allocator, say —, leased and sent as
+    /// [`allocate_bundle`](Self::allocate_bundle)'s are, without a copy. `base` is the
+    /// base of one CUDA allocation (`CudaBackend::address_range` of a tensor's address);
+    /// `layout` names tensors at their offsets from `base`. The whole allocation is
+    /// shared (legacy IPC maps whole allocations): a peer a lease of it goes to can reach
+    /// all of it, not only the tensors named. When Baton is done with it — no handle,
+    /// lease or mapping left, no work pending — it drops `keep`, and frees nothing.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::borrow`](baton_ipc::cuda::CudaBackend::borrow): `keep` keeps the
+    /// allocation allocated until it drops, and nothing frees it meanwhile.
+    ///
+    /// # Errors
+    /// [`ActorError::Ipc`] with `NotBorrowable` (see `CudaBackend::borrow`; also a node
+    /// whose backend is not CUDA); [`ActorError::BundleTooLarge`] for a layout past the
+    /// allocation's end (then `keep` is dropped at once).
+    #[allow(
+        unsafe_code,
+        reason = "the one contract Baton cannot check: who keeps borrowed memory allocated"
+    )]
+    pub unsafe fn borrow_bundle(
+        &self,
+        base: u64,
+        keep: Box<dyn Send + Sync>,
+        layout: baton_messages::BundleLayout,
+    ) -> Result<crate::Bundle, ActorError> {
+        let backend = Arc::clone(&self.inner.backend);
+        let cuda = backend
+            .cuda()
+            .ok_or_else(|| baton_ipc::Error::NotBorrowable {
+                ptr: base,
+                reason: format!("this node's backend is {}, not CUDA", backend.name()),
+            })?;
+        let needs = layout.byte_len();
+        let (_, size) = cuda.address_range(base)?;
+        if needs > size as u64 {
+            return Err(ActorError::BundleTooLarge {
+                needs,
+                len: size as u64,
+            });
+        }
+        // SAFETY: the caller's promise, passed on.
+        let alloc = unsafe { cuda.borrow(base, keep) }?;
+        tracing::debug!(alloc = %alloc.id(), bytes = size, "borrowed (node)");
+        let buffer = Buffer::new(self.inner.exports.insert(
+            alloc,
+            Arc::clone(&backend),
+            Layout::new(u8::DTYPE, Shape::vector(size as u64)),
+            self.inner.owner,
+            RevokePolicy::default(),
+        ));
+        Ok(crate::Bundle::new(buffer, layout))
+    }
+
     /// [`allocate`](Self::allocate) with a shape.
     ///
     /// # Errors

@@ -431,6 +431,13 @@ enum ExportBacking {
         alloc: PoolAlloc,
         data: CudaPoolExportData,
     },
+    /// A `cuMemAlloc` allocation made by someone else (PyTorch's caching allocator, say),
+    /// shared as legacy IPC. Baton never frees it: "freeing" drops `keep`, which keeps it
+    /// allocated ([`CudaBackend::borrow`]).
+    Borrowed {
+        handle: CudaIpcMemHandle,
+        keep: Option<Box<dyn Send + Sync>>,
+    },
 }
 
 /// Memory this process allocated for export. Shared (`Arc`) between the exporter's
@@ -452,6 +459,10 @@ impl Exported {
             ExportBacking::Legacy { alloc, .. } => alloc.free(),
             ExportBacking::Vmm { region, .. } => region.release(),
             ExportBacking::Pool { alloc, .. } => alloc.free(),
+            ExportBacking::Borrowed { keep, .. } => {
+                drop(keep.take());
+                Ok(())
+            }
         }
     }
 }
@@ -461,6 +472,13 @@ impl Drop for Exported {
         let mut live = lock(live_allocations());
         if live.get(&self.id).is_some_and(|w| w.strong_count() == 0) {
             live.remove(&self.id);
+        }
+        drop(live);
+        if let ExportBacking::Borrowed { .. } = self.backing {
+            let mut borrowed = lock(borrowed_bases());
+            if borrowed.get(&self.ptr) == Some(&self.id) {
+                borrowed.remove(&self.ptr);
+            }
         }
         // The backing's own `Drop` frees the memory (with its context pushed).
     }
@@ -472,6 +490,14 @@ impl Drop for Exported {
 fn live_allocations() -> &'static Mutex<HashMap<AllocationId, Weak<Exported>>> {
     static LIVE: OnceLock<Mutex<HashMap<AllocationId, Weak<Exported>>>> = OnceLock::new();
     LIVE.get_or_init(Default::default)
+}
+
+/// The bases of the allocations this process borrowed ([`CudaBackend::borrow`]) and not yet
+/// released: legacy IPC lets an importer open an allocation once, so one allocation is
+/// borrowed once at a time.
+fn borrowed_bases() -> &'static Mutex<HashMap<u64, AllocationId>> {
+    static BORROWED: OnceLock<Mutex<HashMap<u64, AllocationId>>> = OnceLock::new();
+    BORROWED.get_or_init(Default::default)
 }
 
 /// The exporter's view: [`RawMemory`] + [`ExportableMemory`] over a shared [`Exported`].
@@ -527,14 +553,18 @@ impl ExportableMemory for ExportedMem {
     /// to the pool, whose next allocation may reuse it: unsafe, as legacy.
     fn free_while_mapped(&self) -> FreeWhileMapped {
         match self.0.backing {
-            ExportBacking::Legacy { .. } | ExportBacking::Pool { .. } => FreeWhileMapped::Unsafe,
+            ExportBacking::Legacy { .. }
+            | ExportBacking::Pool { .. }
+            | ExportBacking::Borrowed { .. } => FreeWhileMapped::Unsafe,
             ExportBacking::Vmm { .. } => FreeWhileMapped::Survives,
         }
     }
 
     fn raw_handle(&self, fd_slot: Option<u8>) -> Result<RawHandle> {
         Ok(match &self.0.backing {
-            ExportBacking::Legacy { handle, .. } => RawHandle::CudaIpc(*handle),
+            ExportBacking::Legacy { handle, .. } | ExportBacking::Borrowed { handle, .. } => {
+                RawHandle::CudaIpc(*handle)
+            }
             ExportBacking::Vmm { .. } => RawHandle::CudaVmmFd { slot: fd_slot },
             ExportBacking::Pool { alloc, data } => RawHandle::CudaPool {
                 pool: alloc.pool().id(),
@@ -548,7 +578,7 @@ impl ExportableMemory for ExportedMem {
     /// allocation of the pool; importers import it once per exporter process).
     fn export_fd(&self) -> Option<BorrowedFd<'_>> {
         match &self.0.backing {
-            ExportBacking::Legacy { .. } => None,
+            ExportBacking::Legacy { .. } | ExportBacking::Borrowed { .. } => None,
             ExportBacking::Vmm { fd, .. } => Some(fd.as_fd()),
             ExportBacking::Pool { alloc, .. } => Some(alloc.pool().fd()),
         }
@@ -1318,6 +1348,100 @@ impl CudaBackend {
             Some(pool) => pool.trim_to(keep),
             None => Ok(()),
         }
+    }
+
+    /// The allocation that holds `ptr`, a device address of this process: its base and
+    /// size (`cuMemGetAddressRange`). Tensors that share one allocation (as PyTorch's caching
+    /// allocator packs them) are [borrowed](Self::borrow) together, through their base.
+    ///
+    /// # Errors
+    /// [`Error::NotBorrowable`] for an address no allocation of the driver's holds.
+    #[doc(alias = "cuMemGetAddressRange")]
+    pub fn address_range(&self, ptr: u64) -> Result<(u64, usize)> {
+        let _pushed = ContextGuard::push(&self.access.ctx)?;
+        // SAFETY: a context is current.
+        unsafe { result::mem_get_address_range(ptr) }.map_err(|e| Error::NotBorrowable {
+            ptr,
+            reason: format!("no CUDA allocation of this process holds it ({e})"),
+        })
+    }
+
+    /// Wraps device memory someone else allocated — PyTorch's default caching allocator,
+    /// `cuMemAlloc`, `cudaMalloc` — as an [`Allocation`] importers open as legacy IPC
+    /// ([`RawHandle::CudaIpc`], whatever the backend's [`export`](Self::export)). `base` is
+    /// an allocation's base ([`address_range`](Self::address_range)): the whole allocation
+    /// is shared, since legacy IPC maps whole allocations, and a peer it is leased to can
+    /// reach all of it. Baton never frees it: when the allocation would be freed (no
+    /// handle, lease or mapping left, no work pending) it drops `keep` instead.
+    ///
+    /// Refused ([`Error::NotBorrowable`]) for memory legacy IPC cannot share — PyTorch's
+    /// expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`) and other
+    /// VMM memory, memory-pool (`cudaMallocAsync`) memory, host memory —, memory of
+    /// another device, an address that is not an allocation's base, and an allocation this
+    /// process borrowed already and has not released (an importer may open an allocation
+    /// only once).
+    ///
+    /// # Safety
+    /// `keep` keeps the whole allocation allocated until it drops, and nothing frees it
+    /// meanwhile: Baton's freeing rule (never freed while a peer may map it or work on it
+    /// may run) holds only if the allocation lives as long as `keep`.
+    ///
+    /// # Errors
+    /// [`Error::NotBorrowable`]; [`Error::Cuda`].
+    #[doc(alias = "cuIpcGetMemHandle")]
+    pub unsafe fn borrow(&self, base: u64, keep: Box<dyn Send + Sync>) -> Result<Allocation> {
+        let refuse = |reason: String| Error::NotBorrowable { ptr: base, reason };
+        let (found, size) = self.address_range(base)?;
+        if found != base {
+            return Err(refuse(format!(
+                "it lies inside the allocation at {found:#x}: borrow that base"
+            )));
+        }
+        let handle = {
+            let _pushed = ContextGuard::push(&self.access.ctx)?;
+            // SAFETY: the driver is initialised (a context is current).
+            let ordinal = unsafe { result::pointer_device_ordinal(base) }
+                .map_err(|e| refuse(format!("the driver does not know it ({e})")))?;
+            if usize::try_from(ordinal).ok() != Some(self.ordinal()) {
+                return Err(refuse(format!(
+                    "it is memory of device {ordinal}, and this backend's is {}",
+                    self.ordinal()
+                )));
+            }
+            // SAFETY: a context is current; `base` is the base of a live allocation (the
+            // driver just said so); the driver refuses memory it cannot share.
+            unsafe { result::ipc_get_mem_handle(base) }.map_err(|e| {
+                refuse(format!(
+                    "legacy CUDA IPC cannot share it ({e}): memory from cuMemAlloc/cudaMalloc \
+                     (PyTorch's default caching allocator) can be leased; expandable \
+                     segments, cudaMallocAsync pools and VMM memory cannot"
+                ))
+            })?
+        };
+        let id = Allocation::reserve_id();
+        {
+            let mut borrowed = lock(borrowed_bases());
+            if borrowed.contains_key(&base) {
+                return Err(refuse(
+                    "this process borrowed the allocation already and has not released it"
+                        .to_owned(),
+                ));
+            }
+            borrowed.insert(base, id);
+        }
+        tracing::debug!(alloc = %id, size, "borrowed CUDA memory");
+        Ok(self.finish_allocation(Exported {
+            id,
+            kind: BackendKind::CudaLegacy,
+            access: self.access.clone(),
+            ptr: base,
+            size,
+            _live: LiveToken::new(&self.counters, false, size),
+            backing: ExportBacking::Borrowed {
+                handle: CudaIpcMemHandle(handle),
+                keep: Some(keep),
+            },
+        }))
     }
 
     fn vmm_granularity_or_err(&self) -> Result<usize> {
@@ -2378,6 +2502,88 @@ mod tests {
         assert_eq!(b.waits(), 2, "a cache hit waits too");
         assert_eq!((b.opens(), b.opened_events()), (0, 0));
         drop((opened, again));
+    }
+
+    /// Memory allocated outside Baton (`cuMemAlloc`, as PyTorch's caching allocator does) is
+    /// borrowed through its base: shared as a legacy handle, opened (here, in the exporting
+    /// process, as its own memory), never freed by Baton, its keeper dropped when the
+    /// allocation is; an interior address, a second borrow while the first lives, and an
+    /// address no allocation holds are refused with a reason.
+    #[test]
+    #[cfg_attr(
+        not(feature = "gpu-tests"),
+        ignore = "needs a CUDA GPU: --features gpu-tests"
+    )]
+    fn memory_allocated_elsewhere_is_borrowed_by_its_base_and_its_keeper_dropped_with_it() {
+        use std::sync::atomic::AtomicBool;
+        /// Owns the allocation (freed when dropped) and says when it dropped.
+        struct Keeper(
+            #[expect(dead_code, reason = "held: freed on drop")] DeviceAlloc,
+            Arc<AtomicBool>,
+        );
+        impl Drop for Keeper {
+            fn drop(&mut self) {
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
+        let _gpu = gpu_lock();
+        let b = gpu_backend(CudaExport::Vmm, 2);
+        let session = Session::new(SessionToken::from_bytes([4; 32]));
+        let cache = ImportCache::new(session.clone(), [b.clone() as crate::SharedBackend]);
+        let theirs = DeviceAlloc::new(&b.access.ctx, 3 << 20).unwrap();
+        let base = theirs.ptr();
+        assert_eq!(b.address_range(base + 4096).unwrap(), (base, 3 << 20));
+        let dropped = Arc::new(AtomicBool::new(false));
+        let keep = Box::new(Keeper(theirs, Arc::clone(&dropped)));
+        // SAFETY: `keep` owns the allocation and frees it only when dropped.
+        let alloc = unsafe { b.borrow(base, keep) }.unwrap();
+        assert_eq!((device_ptr(&alloc), alloc.size()), (base, 3 << 20));
+        assert_eq!(
+            alloc.backend(),
+            BackendKind::CudaLegacy,
+            "whatever the backend's export"
+        );
+        assert_eq!(b.live().exported_bytes, 3 << 20);
+        alloc.fill(0, 3 << 20, 7).unwrap();
+        let h = alloc.handle(&session).build().unwrap();
+        let opened = cache.open(&h, &mut FrameFds::none()).unwrap();
+        assert_eq!(opened.to_vec().unwrap(), vec![7; 3 << 20]);
+
+        let refused = |r: Result<Allocation>| match r {
+            Err(Error::NotBorrowable { reason, .. }) => reason,
+            other => panic!("not refused: {other:?}"),
+        };
+        // SAFETY: refused before anything is kept (each of these).
+        let inside = refused(unsafe { b.borrow(base + 4096, Box::new(())) });
+        assert!(inside.contains("inside the allocation"), "{inside}");
+        // SAFETY: as above.
+        let again = refused(unsafe { b.borrow(base, Box::new(())) });
+        assert!(again.contains("borrowed the allocation already"), "{again}");
+        assert!(matches!(
+            b.address_range(8),
+            Err(Error::NotBorrowable { ptr: 8, .. })
+        ));
+        // Baton's own VMM memory: legacy IPC cannot share it.
+        let vmm = b.allocate(1 << 20).unwrap();
+        // SAFETY: as above.
+        let no_ipc = refused(unsafe { b.borrow(device_ptr(&vmm), Box::new(())) });
+        assert!(
+            no_ipc.contains("legacy CUDA IPC cannot share it"),
+            "{no_ipc}"
+        );
+
+        // The cache's warm mapping of our own memory holds it too: drop both first.
+        drop((opened, cache));
+        assert!(!dropped.load(Ordering::SeqCst), "the allocation lives");
+        alloc.free().unwrap();
+        assert!(dropped.load(Ordering::SeqCst), "freeing dropped the keeper");
+        assert_eq!(b.live().exported_bytes, 1 << 20, "the VMM allocation only");
+        // Released, the allocation may be borrowed again.
+        let theirs = DeviceAlloc::new(&b.access.ctx, 1 << 20).unwrap();
+        let base = theirs.ptr();
+        // SAFETY: as above.
+        let again = unsafe { b.borrow(base, Box::new(theirs)) }.unwrap();
+        again.free().unwrap();
     }
 
     /// DESIGN and this module rely on the driver refusing to open a legacy handle in the

@@ -307,6 +307,15 @@ pub enum Error {
         /// The largest free range.
         largest_free: usize,
     },
+    /// Memory allocated outside Baton that Baton cannot lease (see
+    /// [`CudaBackend::borrow`](crate::cuda::CudaBackend::borrow)).
+    #[error("memory at {ptr:#x} cannot be leased: {reason}")]
+    NotBorrowable {
+        /// The address asked for.
+        ptr: u64,
+        /// Why, and what to do.
+        reason: String,
+    },
     /// A backend that was asked for is not available here.
     #[error("backend {backend} is unavailable: {reason}")]
     BackendUnavailable {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Awaitable, Literal, Mapping, Optional, Sequence, SupportsIndex, Tuple, Union
+from typing import Any, Awaitable, Iterable, Literal, Mapping, Optional, Sequence, SupportsIndex, Tuple, Union
 
 import baton.bundle
 
@@ -100,6 +100,11 @@ class Node:
         timeout: float = 30.0,
     ) -> "baton.bundle.Bundle":
         """A bundle: one buffer holding many named tensors (see ``baton.bundle``)."""
+    def borrow_tensors(
+        self, tensors: Union[Mapping[str, Any], Iterable[tuple[str, Any]]]
+    ) -> list["baton.bundle.Bundle"]:
+        """Leases CUDA tensors PyTorch allocated, in place: one bundle per CUDA allocation
+        they lie in; their storages are kept until Baton is done with them."""
     def lease_table(self) -> list[dict[str, Any]]:
         """The buffers this node exports and their leases."""
     def export_stats(self) -> dict[str, int]:

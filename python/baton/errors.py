@@ -38,7 +38,7 @@ __all__ = [
     "InsecureSocketDir", "ZeroSize", "SegmentNotFound", "MemoryTooSmall",
     "UnsealedMemory", "SegmentOwnerMismatch", "Shm", "UnsupportedBackend", "StaleHandle",
     "DeviceNotFound", "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
-    "AllocationGone", "SlabFull", "BackendUnavailable",
+    "AllocationGone", "SlabFull", "BackendUnavailable", "NotBorrowable",
     # The Python layer's
     "Released", "RuntimeGone",
 ]
@@ -323,6 +323,12 @@ class SlabFull(Ipc):
 
 class BackendUnavailable(Ipc):
     """The backend asked for cannot be used here."""
+
+
+class NotBorrowable(Ipc, ValueError):
+    """Memory allocated outside Baton that Baton cannot lease (``Node.borrow_tensors``):
+    expandable segments or another allocator's memory, another device's, or memory this
+    process lent already."""
 
 
 # --- The Python layer's -----------------------------------------------------------------

@@ -423,6 +423,110 @@ impl Node {
             .call1((buffer, layout))
     }
 
+    /// Leases memory PyTorch allocated, without a copy: `tensors` maps names to CUDA
+    /// tensors (a dict, or `(name, tensor)` pairs such as `model.named_parameters()`),
+    /// each contiguous, on this node's device. Returns a list of `baton.Bundle`, one per
+    /// CUDA allocation the tensors lie in (PyTorch's caching allocator packs small tensors
+    /// into shared segments), each naming its tensors where they are: sent, each is one
+    /// lease, opened as any bundle. The tensors' storages are kept alive until Baton is done
+    /// with them (no handle, lease or mapping left, no work pending). A peer a bundle is
+    /// leased to can reach its whole allocation, not only the tensors named. Refused
+    /// (`baton.NotBorrowable`) for expandable segments and other memory legacy CUDA IPC
+    /// cannot share, another device's memory, and an allocation this process lent already
+    /// (borrow a model's parameters once and keep the bundles); `ValueError` for a tensor
+    /// that is empty, not contiguous, not CUDA, or overlaps another (tied weights: pass one).
+    #[allow(
+        unsafe_code,
+        reason = "borrowing memory: the storages kept stop PyTorch freeing it (see the body)"
+    )]
+    fn borrow_tensors<'py>(
+        &self,
+        py: Python<'py>,
+        tensors: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        use baton_messages::{BundleLayout as Layout, TensorSpec};
+        use std::collections::BTreeMap;
+        let value = |m: String| crate::errors::to_py(py, Failure::Value(m));
+        let backend = Arc::clone(self.node.backend());
+        let Some(cuda) = backend.cuda() else {
+            return Err(value(format!(
+                "this node's memory is {}, not CUDA: only CUDA tensors can be borrowed",
+                backend.name()
+            )));
+        };
+        let items: Vec<(String, Bound<'py, PyAny>)> = match tensors.cast::<PyDict>() {
+            Ok(d) => d
+                .iter()
+                .map(|(k, v)| Ok((k.extract()?, v)))
+                .collect::<PyResult<_>>()?,
+            Err(_) => tensors
+                .try_iter()?
+                .map(|i| i?.extract::<(String, Bound<'py, PyAny>)>())
+                .collect::<PyResult<_>>()?,
+        };
+        // Allocation base -> its tensors and the storages that keep it.
+        type Group<'py> = (Vec<TensorSpec>, Vec<Py<PyAny>>, Vec<(u64, u64, String)>);
+        let mut groups: BTreeMap<u64, Group<'py>> = BTreeMap::new();
+        for (name, t) in items {
+            let is_cuda: bool = t.getattr("is_cuda")?.extract()?;
+            let contiguous: bool = t.call_method0("is_contiguous")?.extract()?;
+            let nbytes: u64 = t.call_method0("numel")?.extract::<u64>()?
+                * t.call_method0("element_size")?.extract::<u64>()?;
+            if !is_cuda || !contiguous || nbytes == 0 {
+                return Err(value(format!(
+                    "tensor {name:?} cannot be borrowed: it must be a CUDA tensor, \
+                     contiguous and not empty"
+                )));
+            }
+            let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+            let dtype = memory::parse_dtype(&t.getattr("dtype")?)?;
+            let shape = memory::parse_shape(&t.getattr("shape")?, "a tensor's shape")?;
+            let (base, _) = cuda.address_range(ptr).or_raise(py)?;
+            let group = groups.entry(base).or_default();
+            if let Some((_, _, other)) = group
+                .2
+                .iter()
+                .find(|(p, n, _)| ptr < p + n && *p < ptr + nbytes)
+            {
+                return Err(value(format!(
+                    "tensors {other:?} and {name:?} share memory (tied weights?): pass one of them"
+                )));
+            }
+            group.2.push((ptr, nbytes, name.clone()));
+            group.0.push(TensorSpec {
+                name,
+                dtype,
+                shape,
+                offset: ptr - base,
+            });
+            // The storage, not the tensor: a tensor can be pointed at other memory
+            // (`set_`); its storage keeps this block, so PyTorch keeps the segment.
+            group.1.push(t.call_method0("untyped_storage")?.unbind());
+        }
+        let bundle_class = py.import("baton.bundle")?.getattr("Bundle")?;
+        let out = PyList::empty(py);
+        for (base, (specs, keep, _)) in groups {
+            let layout = Arc::new(
+                Layout::new(specs)
+                    .map_err(|e| Failure::Value(e.to_string()))
+                    .or_raise(py)?,
+            );
+            // SAFETY: PyTorch's caching allocator frees a segment (`cudaFree`) only when
+            // no block of it is in use, and each storage kept holds a block of this one;
+            // `keep` holds them until Baton is done with the memory. (A user who resizes a
+            // kept storage to nothing breaks this: the guide says not to.)
+            let bundle = unsafe {
+                self.node
+                    .borrow_bundle(base, Box::new(keep), (*layout).clone())
+            }
+            .or_raise(py)?;
+            let buffer =
+                Buffer::new(bundle.buffer().clone().into(), self.cuda.clone()).or_raise(py)?;
+            out.append(bundle_class.call1((buffer, BundleLayout::of(layout)))?)?;
+        }
+        Ok(out)
+    }
+
     /// The buffers this node exports, with their leases: a list of dicts with `buffer`,
     /// `bytes`, `leases` (`(lease_id, pid)` pairs), `mapped_by` (pids), `retiring`,
     /// `quarantined`.

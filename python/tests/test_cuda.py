@@ -11,6 +11,8 @@ backend can use, without torch with CUDA, or without cupy.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -273,3 +275,109 @@ def test_a_stream_ordered_bundle_sync_round_trip(torch, cuda_node, cuda_peer):
             assert reply["sums"] == want, step
             bundle.returned(timeout=DEADLINE)
             bundle.wait_on(s)
+
+
+def _bundle_sums(torch, bundle, params):
+    """What py.SumBundle answers for `bundle`: per tensor in layout order, the sum of a
+    float32 tensor's values, of a bfloat16 tensor's raw bits."""
+    sums = []
+    for name, dtype, _shape, _offset in bundle.layout.tensors:
+        t = params[name]
+        if dtype == "bfloat16":
+            sums.append(float((t.view(torch.int16).to(torch.int64) & 0xFFFF).sum()))
+        else:
+            sums.append(float(t.double().sum()))
+    return sums
+
+
+def test_tensors_torch_allocated_are_leased_in_place_and_kept_until_baton_is_done(
+    torch, cuda_node, cuda_peer
+):
+    # A model's parameters as PyTorch allocates them: small ones share the caching
+    # allocator's segments, a large one has a segment of its own.
+    params = {}
+    for i in range(40):
+        if i % 2 == 0:
+            params[f"layers.{i}.weight"] = torch.empty((64, 48), dtype=torch.bfloat16, device="cuda")
+        else:
+            params[f"layers.{i}.norm"] = torch.empty((48,), dtype=torch.float32, device="cuda")
+    params["embed"] = torch.empty((4096, 1024), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    bundles = cuda_node.borrow_tensors(params.items())
+    assert 2 <= len(bundles) < len(params), "grouped by CUDA allocation"
+    assert sorted(n for b in bundles for n, *_ in b.layout.tensors) == sorted(params)
+    for b in bundles:
+        for name, view in b.tensors().items():
+            # No copy: a bundle's views are the tensors' own memory.
+            assert view.data_ptr() == params[name].data_ptr(), name
+            assert view.dtype == params[name].dtype and view.shape == params[name].shape
+    # A trainer's steps: update in place, sync every bundle, wait for it back.
+    for step in range(3):
+        for i, t in enumerate(params.values()):
+            t.fill_(step + i / 64)
+        for b in bundles:
+            reply = cuda_peer.call("bundles", "py.SumBundle", {"weights": b}, timeout=DEADLINE)
+            assert reply["error"] is None, reply
+            assert reply["sums"] == _bundle_sums(torch, b, params), step
+        for b in bundles:
+            b.returned(timeout=DEADLINE)
+
+    # Lent once: the same memory again, tied weights, and tensors legacy IPC cannot share.
+    with pytest.raises(baton.NotBorrowable):
+        cuda_node.borrow_tensors({"again": params["embed"]})
+    with pytest.raises(ValueError, match="share memory"):
+        cuda_node.borrow_tensors({"a": params["embed"], "b": params["embed"][:2]})
+    with pytest.raises(ValueError, match="contiguous"):
+        cuda_node.borrow_tensors({"t": torch.empty((8, 4), device="cuda").t()})
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        cuda_node.borrow_tensors({"host": torch.ones(4)})
+
+    # Baton keeps the storages: dropping the trainer's tensors frees nothing while the
+    # bundles live; letting go of the bundles (the peer unmaps its warm mappings when
+    # asked) gives the memory back to PyTorch.
+    del params, view, t
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() >= allocated, "kept while Baton holds it"
+    for b in bundles:
+        assert b.release()
+    del bundles, b
+
+    def given_back():
+        cuda_node.lease_table()  # any call into Baton runs deferred reference drops
+        return torch.cuda.memory_allocated() < allocated
+
+    eventually(given_back, "the borrowed tensors' memory to go back to PyTorch")
+
+
+def test_expandable_segments_are_refused_with_a_reason(tmp_path, token_file):
+    # PyTorch's expandable segments are VMM memory, which legacy IPC cannot share: a child
+    # with that allocator setting is refused, clearly, and goes on.
+    pytest.importorskip("torch", reason="torch is not installed")
+    script = tmp_path / "expandable.py"
+    script.write_text(
+        "import sys, torch, baton\n"
+        "if not torch.cuda.is_available():\n"
+        "    print('no-gpu'); sys.exit(0)\n"
+        "try:\n"
+        "    node = baton.Node(token_file=sys.argv[1], backend='cuda')\n"
+        "except baton.BackendUnavailable:\n"
+        "    print('no-gpu'); sys.exit(0)\n"
+        "t = torch.ones(1 << 20, device='cuda')\n"
+        "try:\n"
+        "    node.borrow_tensors({'t': t})\n"
+        "    print('borrowed')\n"
+        "except baton.NotBorrowable as e:\n"
+        "    print('refused:', e)\n"
+        "node.close()\n"
+    )
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    out = subprocess.run(
+        [sys.executable, str(script), str(token_file)],
+        env=env, capture_output=True, text=True, timeout=DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no-gpu":
+        pytest.skip("no GPU for Baton's CUDA backend")
+    assert out.stdout.startswith("refused:"), out.stdout
+    assert "expandable segments" in out.stdout, out.stdout

@@ -112,6 +112,7 @@ driver_api! {
         cuMemGetAddressRange_v2 = "cuMemGetAddressRange_v2":
             fn(*mut CUdeviceptr, *mut usize, CUdeviceptr);
         cuIpcGetMemHandle = "cuIpcGetMemHandle": fn(*mut CUipcMemHandle, CUdeviceptr);
+        cuPointerGetAttribute = "cuPointerGetAttribute": fn(*mut c_void, c_int, CUdeviceptr);
         cuIpcOpenMemHandle_v2 = "cuIpcOpenMemHandle_v2":
             fn(*mut CUdeviceptr, CUipcMemHandle, c_uint);
         cuIpcCloseMemHandle = "cuIpcCloseMemHandle": fn(CUdeviceptr);

@@ -330,6 +330,30 @@ pub(crate) unsafe fn mem_get_address_range(
     Ok((base, size))
 }
 
+/// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)`: the ordinal of the device
+/// whose memory `ptr` is.
+///
+/// # Errors
+/// [`Error::Cuda`] (`CUDA_ERROR_INVALID_VALUE` for an address the driver does not know).
+///
+/// # Safety
+/// The driver is initialised.
+#[doc(alias = "cuPointerGetAttribute")]
+pub(crate) unsafe fn pointer_device_ordinal(ptr: sys::CUdeviceptr) -> Result<i32> {
+    /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` (CUDA 9.2 and later).
+    const DEVICE_ORDINAL: c_int = 9;
+    let mut ordinal: c_int = -1;
+    // SAFETY: the attribute's value is an `int`, written to a valid out pointer.
+    unsafe {
+        call!(cuPointerGetAttribute(
+            (&mut ordinal as *mut c_int).cast(),
+            DEVICE_ORDINAL,
+            ptr
+        ))
+    }?;
+    Ok(ordinal)
+}
+
 /// `cuIpcGetMemHandle`: the 64 opaque bytes another process opens. A capability.
 ///
 /// # Errors
