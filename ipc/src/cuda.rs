@@ -2577,7 +2577,11 @@ mod tests {
         assert!(!dropped.load(Ordering::SeqCst), "the allocation lives");
         alloc.free().unwrap();
         assert!(dropped.load(Ordering::SeqCst), "freeing dropped the keeper");
-        assert_eq!(b.live().exported_bytes, 1 << 20, "the VMM allocation only");
+        assert_eq!(
+            b.live().exported_bytes,
+            vmm.size(),
+            "the VMM allocation only"
+        );
         // Released, the allocation may be borrowed again.
         let theirs = DeviceAlloc::new(&b.access.ctx, 1 << 20).unwrap();
         let base = theirs.ptr();
