@@ -15,6 +15,9 @@ the same run, the same bytes through:
 - `baton-bundle-ordered`: the same, stream-ordered (`call(..., stream=s)`,
   `open(stream=s)`, `wait_on(s)`): fences on the streams, no host synchronisation but the
   engine's own wait for its copies;
+- `baton-borrowed`: the trainer's own torch tensors leased in place
+  (`Node.borrow_tensors`: one bundle per CUDA allocation of PyTorch's caching allocator,
+  no copy into a Baton buffer), the engine copying out of each;
 - `torch-mp-tensors`: torch.multiprocessing, one CUDA tensor per weight (what RL
   frameworks do without bucketing);
 - `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
@@ -170,10 +173,15 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
         except baton.LinkClosed:
             return
         ordering = {"stream": torch.cuda.current_stream()} if ordered else {}
-        with call.message["weights"].open(**ordering) as weights:
-            weights.copy_into(params)
-            if synced == 2 and kill == "engine":
-                os.kill(os.getpid(), signal.SIGKILL)
+        sent = call.message["weights"]
+        for shared in sent if isinstance(sent, list) else [sent]:
+            with shared.open(**ordering) as weights:
+                if isinstance(sent, list):  # borrowed: each bundle holds some of them
+                    weights.copy_into({n: params[n] for n, *_ in weights.layout.tensors})
+                else:
+                    weights.copy_into(params)
+                if synced == 2 and kill == "engine":
+                    os.kill(os.getpid(), signal.SIGKILL)
         synced += 1
         torch.cuda.current_stream().synchronize()  # loaded: what an engine waits for
         ok = int(params["step"].item()) == call.message["step"]
@@ -184,7 +192,7 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
         })
 
 
-def run_baton(args, spec, ordered: bool) -> dict:
+def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
     import torch
 
     import baton
@@ -194,8 +202,15 @@ def run_baton(args, spec, ordered: bool) -> dict:
                         "--model", args.model] + (["--ordered"] if ordered else []),
                        timeout=120)
     stream = torch.cuda.current_stream() if ordered else None
-    bundle = node.allocate_bundle(spec)
-    views = bundle.tensors()
+    if borrowed:
+        views = params_like(torch, spec)  # the trainer's own parameters
+        bundles = node.borrow_tensors(views)
+        sent = bundles
+    else:
+        bundle = node.allocate_bundle(spec)
+        bundles = [bundle]
+        sent = bundle
+        views = bundle.tensors()
     weights = [v for n, v in views.items() if n != "step"]
     for w in weights:
         w.fill_(0)
@@ -206,11 +221,12 @@ def run_baton(args, spec, ordered: bool) -> dict:
         torch.cuda.synchronize()  # the update is the trainer's step, not the sync's
         t = time.perf_counter()
         ordering = {"stream": stream} if ordered else {}
-        reply = child.peer.call("engine", "rl.Weights", {"weights": bundle, "step": step},
+        reply = child.peer.call("engine", "rl.Weights", {"weights": sent, "step": step},
                                 timeout=120, **ordering)
-        bundle.returned(timeout=120)
-        if ordered:
-            bundle.wait_on(stream)  # the next update waits for the engine's copies
+        for b in bundles:
+            b.returned(timeout=120)
+            if ordered:
+                b.wait_on(stream)  # the next update waits for the engine's copies
         times.append(time.perf_counter() - t)
         assert reply["ok"], (step, reply)
         opens.append(reply["opens"])
@@ -219,7 +235,9 @@ def run_baton(args, spec, ordered: bool) -> dict:
     child.wait(timeout=60)
     node.close()
     return summary(
+        "baton-borrowed" if borrowed else
         "baton-bundle-ordered" if ordered else "baton-bundle", times,
+        bundles=len(bundles),
         opens_first=opens[0],
         opens_per_sync=(opens[-1] - opens[0]) / max(1, len(opens) - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
@@ -508,7 +526,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--paths", default="copy,baton-bundle,baton-bundle-ordered,"
-                    "torch-mp-flat,torch-mp-tensors")
+                    "baton-borrowed,torch-mp-flat,torch-mp-tensors")
     ap.add_argument("--role", default="trainer",
                     choices=["trainer", "engine", "engine-server", "client"], help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -542,6 +560,8 @@ def main() -> None:
                 results[line["path"]] = line
         elif path in ("baton-bundle", "baton-bundle-ordered"):
             results[path] = run_baton(args, spec, ordered=path.endswith("ordered"))
+        elif path == "baton-borrowed":
+            results[path] = run_baton(args, spec, ordered=False, borrowed=True)
         elif path in ("torch-mp-flat", "torch-mp-tensors"):
             results[path] = run_torch(args, spec, flat=path == "torch-mp-flat")
         else:
@@ -549,7 +569,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     med = {k: v["per_sync_ms_median"] for k, v in results.items()}
     ratios = {}
-    for baton_path in ("baton-bundle", "baton-bundle-ordered"):
+    for baton_path in ("baton-bundle", "baton-bundle-ordered", "baton-borrowed"):
         if baton_path not in med:
             continue
         b = med[baton_path]
