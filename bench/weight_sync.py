@@ -29,7 +29,11 @@ the same run, the same bytes through:
 Prints one JSON line per path: per-sync time (median and p90 of the steps after the
 first; the first apart), driver-level opens per sync after the first (Baton: the engine's
 import cache counter), the engine's reserved device memory at the first and the last
-step; then a summary line with the ratios the issue sets targets for.
+step, and for Baton's paths where a sync's time goes (`stages_ms_median`: the engine's
+`open`, `copy` (queueing `copy_into`), `release` and `wait` (for its copies), `engine` (all
+of its handling), `call_overhead` (the call's round trip beyond the engine's handling:
+encode, socket, mailbox hops, decode), `returned` (the trainer's wait for the leases back));
+then a summary line with the ratios the issue sets targets for.
 
 usage: python3 bench/weight_sync.py [--model qwen2.5-0.5b|qwen2.5-7b] [--steps N]
                                     [--paths baton-bundle,torch-mp-tensors,...]
@@ -172,23 +176,38 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
             call = mailbox.recv(timeout=120)
         except baton.LinkClosed:
             return
+        # Where the engine's time goes (seconds, summed over the bundles of a sync).
+        stage = dict.fromkeys(("open", "copy", "release", "wait"), 0.0)
+        t_in = time.perf_counter()
         ordering = {"stream": torch.cuda.current_stream()} if ordered else {}
         sent = call.message["weights"]
         for shared in sent if isinstance(sent, list) else [sent]:
-            with shared.open(**ordering) as weights:
-                if isinstance(sent, list):  # borrowed: each bundle holds some of them
-                    weights.copy_into({n: params[n] for n, *_ in weights.layout.tensors})
-                else:
-                    weights.copy_into(params)
-                if synced == 2 and kill == "engine":
-                    os.kill(os.getpid(), signal.SIGKILL)
+            t = time.perf_counter()
+            weights = shared.open(**ordering)
+            t1 = time.perf_counter()
+            if isinstance(sent, list):  # borrowed: each bundle holds some of them
+                weights.copy_into({n: params[n] for n, *_ in weights.layout.tensors})
+            else:
+                weights.copy_into(params)
+            if synced == 2 and kill == "engine":
+                os.kill(os.getpid(), signal.SIGKILL)
+            t2 = time.perf_counter()
+            weights.release()
+            t3 = time.perf_counter()
+            stage["open"] += t1 - t
+            stage["copy"] += t2 - t1
+            stage["release"] += t3 - t2
         synced += 1
+        t = time.perf_counter()
         torch.cuda.current_stream().synchronize()  # loaded: what an engine waits for
+        stage["wait"] = time.perf_counter() - t
         ok = int(params["step"].item()) == call.message["step"]
+        stage["engine"] = time.perf_counter() - t_in
         call.reply({
             "ok": ok,
             "opens": node.import_stats()["opens"],
             "reserved": torch.cuda.memory_reserved(),
+            "stages": stage,
         })
 
 
@@ -214,7 +233,7 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
     weights = [v for n, v in views.items() if n != "step"]
     for w in weights:
         w.fill_(0)
-    times, opens, reserved = [], [], []
+    times, opens, reserved, stages = [], [], [], []
     for step in range(args.steps):
         torch._foreach_add_(weights, 1e-3)  # the optimizer's update
         views["step"].fill_(step)
@@ -223,12 +242,17 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
         ordering = {"stream": stream} if ordered else {}
         reply = child.peer.call("engine", "rl.Weights", {"weights": sent, "step": step},
                                 timeout=120, **ordering)
+        t_reply = time.perf_counter()
         for b in bundles:
             b.returned(timeout=120)
             if ordered:
                 b.wait_on(stream)  # the next update waits for the engine's copies
         times.append(time.perf_counter() - t)
         assert reply["ok"], (step, reply)
+        # The trainer's view: the call's round trip less the engine's own time (messages,
+        # encode and decode, mailbox hops), and the wait for the leases back.
+        stages.append(dict(reply["stages"], call_overhead=t_reply - t - reply["stages"]["engine"],
+                           returned=times[-1] - (t_reply - t)))
         opens.append(reply["opens"])
         reserved.append(reply["reserved"])
     child.peer.close()
@@ -241,6 +265,8 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
         opens_first=opens[0],
         opens_per_sync=(opens[-1] - opens[0]) / max(1, len(opens) - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
+        stages_ms_median={k: round(statistics.median(s[k] for s in stages[1:] or stages) * 1e3, 3)
+                          for k in stages[0]},
     )
 
 

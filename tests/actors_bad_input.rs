@@ -443,3 +443,96 @@ fn the_offer_and_lease_bounds_are_exact_and_a_lease_is_offered_once() {
         drop(mem);
     });
 }
+
+/// A reply that comes after its call timed out is held to the offer bound too, exactly:
+/// with `offers_per_message` offers its leases are given back (a `Release` each) and the
+/// link stays up; with one more it is `TooManyOffers`, and only that link drops.
+#[test]
+fn a_late_replys_offers_meet_the_offer_bound_exactly() {
+    use baton::actors::LinkLimits;
+    use baton::messages::{DType, Layout, Shape};
+    use std::time::Duration;
+    run(async {
+        let ns = peer::namespace("late-bound");
+        let backend: baton::ipc::SharedBackend =
+            std::sync::Arc::new(HostBackend::with_namespace(&ns).unwrap());
+        let limits = LinkLimits {
+            offers_per_message: 3,
+            ..LinkLimits::default()
+        };
+        let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits));
+        let exporter = HostBackend::with_namespace(&parent.ns).unwrap();
+        let mem = exporter.allocate(4096).unwrap();
+        let handle = mem
+            .handle(&parent.session)
+            .layout(Layout::new(DType::U32, Shape::vector(1024)))
+            .build()
+            .unwrap();
+        for (offers, cut) in [(3_u64, false), (4, true)] {
+            let before = parent.events.ups().len();
+            let (mut link, id) = raw(&parent).await;
+            let peer = parent.events.ups()[before].clone();
+            // Our call to the raw peer, which it answers only after the caller gave up.
+            let call = peer
+                .remote::<Hold>("holder")
+                .send_timeout(Hold { buffers: vec![] }, Duration::from_millis(50));
+            let asked = spawn_blocking(move || {
+                let got = recv_skipping_pings(&mut link).unwrap();
+                let Wire::Call(call) = got.message else {
+                    panic!("expected our call, got {:?}", got.message)
+                };
+                (link, call.id)
+            });
+            assert!(matches!(call.await, Err(baton::ActorError::Timeout { .. })));
+            let (link, call_id) = asked.await.unwrap();
+            let handle = handle.clone();
+            let released = spawn_blocking(move || {
+                let mut link = link;
+                let reply = Wire::Reply(Reply {
+                    id: call_id,
+                    outcome: Ok(Payload {
+                        bytes: Vec::new(),
+                        offers: (0..offers)
+                            .map(|n| Offer {
+                                lease: LeaseId::new(100 + n),
+                                handle: handle.clone(),
+                            })
+                            .collect(),
+                    }),
+                });
+                link.send(&reply, &[]).unwrap();
+                // Until the link drops (cut), or every lease came back.
+                let mut released = Vec::new();
+                while cut || released.len() < offers as usize {
+                    let Ok(got) = link.recv_timeout(DEADLINE) else {
+                        break;
+                    };
+                    if let Wire::Release(r) = got.message {
+                        released.push(r.lease.get());
+                    }
+                }
+                (link, released)
+            });
+            if cut {
+                eventually(DEADLINE, "the late reply's link dropped", || {
+                    parent.events.down_reason(id).is_some()
+                })
+                .await;
+                let why = parent.events.down_reason(id).unwrap().unwrap_or_default();
+                assert!(why.contains("TooManyOffers"), "{why}");
+                assert!(released.await.unwrap().1.is_empty(), "nothing was taken");
+            } else {
+                // The link is kept (dropping it would end it) until the checks are done.
+                let (_link, mut released) = released.await.unwrap();
+                released.sort_unstable();
+                assert_eq!(released, [100, 101, 102], "each lease given back");
+                assert!(
+                    parent.events.down_reason(id).is_none(),
+                    "a late reply within the bound is no fault: {:?}",
+                    parent.events.down_reason(id)
+                );
+                assert!(peer.is_connected());
+            }
+        }
+    });
+}
