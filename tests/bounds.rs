@@ -609,3 +609,90 @@ fn an_importer_that_cannot_open_refuses_the_call_and_keeps_its_link() {
         }
     });
 }
+
+/// A peer that ends in the middle of a frame while our reading is paused (its call holds
+/// the only call slot) and our writer meets the closed socket first (a heartbeat ping):
+/// the reader's verdict says how the link ended, not the write. The writer leaves the
+/// verdict to the reader for at most `READER_VERDICT_TRIES` × 100 ms (1 s): a call that
+/// ends within that lets the reader read the half frame — `Truncated`; one that outlives
+/// it does not hold the link open, which then ends without a reason.
+#[test]
+fn a_peer_gone_mid_frame_while_reading_is_paused_leaves_the_verdict_to_the_reader() {
+    use baton::messages::codec::frame_bytes;
+    use baton::messages::protocol::Call;
+    use std::io::Write;
+    let _serial = serial();
+    run(async {
+        for (nap_ms, truncated) in [(400_u32, true), (5000, false)] {
+            let ns = peer::namespace("verdict");
+            let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
+            let parent = Parent::start_configured(&ns, backend, |c| {
+                c.limits(LinkLimits {
+                    calls_in_flight: 1,
+                    ..LinkLimits::default()
+                })
+                // Pings fast, so the writer meets the closed socket at once; no silence cut.
+                .heartbeat(baton::actors::Heartbeat {
+                    interval: Duration::from_millis(50),
+                    deadline: Duration::from_secs(60),
+                })
+            });
+            parent
+                .node
+                .register::<Nap>("nap", Napper.start().recipient());
+            let before = parent.events.ups().len();
+            let (path, config) = (
+                parent.listening.path().to_owned(),
+                LinkConfig::new(parent.session.clone()),
+            );
+            let link = spawn_blocking(move || Link::connect(path, &config))
+                .await
+                .unwrap()
+                .unwrap();
+            eventually(DEADLINE, "the raw link", || {
+                parent.events.ups().len() > before
+            })
+            .await;
+            let link_id = parent.events.ups()[before].link_id();
+            let call = Wire::Call(Call {
+                id: 1,
+                target: "nap".into(),
+                type_name: "test.Nap".into(),
+                payload: bincode::serde::encode_to_vec(
+                    Nap {
+                        ms: nap_ms,
+                        reply_bytes: 0,
+                    },
+                    bincode::config::standard(),
+                )
+                .unwrap(),
+                offers: Vec::new(),
+            });
+            spawn_blocking(move || {
+                let mut link = link;
+                link.send(&call, &[]).unwrap();
+                // Half of another frame, then the peer is gone (both descriptors closed).
+                let frame = frame_bytes(&call, 0).unwrap();
+                let mut socket = std::os::unix::net::UnixStream::from(
+                    link.as_fd().try_clone_to_owned().unwrap(),
+                );
+                socket.write_all(&frame[..frame.len() / 2]).unwrap();
+            })
+            .await
+            .unwrap();
+            eventually(DEADLINE, "the link down", || {
+                parent.events.down_reason(link_id).is_some()
+            })
+            .await;
+            let reason = parent.events.down_reason(link_id).unwrap();
+            if truncated {
+                assert!(
+                    reason.as_deref().is_some_and(|r| r.contains("Truncated")),
+                    "a call that ended within the writer's wait: {reason:?}"
+                );
+            } else {
+                assert_eq!(reason, None, "a call that outlived the writer's wait");
+            }
+        }
+    });
+}

@@ -173,6 +173,9 @@ pub struct PeerLink {
     answering: usize,
     /// Closing ([`Close`]): cut once nothing is owed to the peer, or at this deadline.
     closing: Option<Instant>,
+    /// The writer found the socket gone and left the verdict to the reader
+    /// ([`LinkFailed`]): a send that fails meanwhile is that same end, no reason of its own.
+    verdict_pending: bool,
     pub(crate) span: tracing::Span,
 }
 
@@ -335,6 +338,7 @@ impl PeerLink {
                 inbox_received: false,
                 answering: 0,
                 closing: None,
+                verdict_pending: false,
             }
         });
         (
@@ -399,6 +403,12 @@ impl PeerLink {
     pub(crate) fn cut(&mut self, ctx: &mut Context<Self>, why: ActorError) {
         let span = self.span.clone();
         let _g = span.enter();
+        if self.verdict_pending && matches!(why, ActorError::LinkClosed { .. }) {
+            // A ping or a reply queued after the writer failed: the reader's verdict (or
+            // the writer's last try) ends the link, within `READER_VERDICT_TRIES` × 100 ms.
+            tracing::debug!("a send failed while the reader's verdict is awaited");
+            return;
+        }
         if why.is_peer_fault() {
             tracing::warn!(error = %why, "peer broke the protocol: dropping the link");
         } else {
@@ -1096,6 +1106,7 @@ impl Handler<LinkFailed> for PeerLink {
                 // to be read: the reader's verdict — a clean end, or `Truncated` — says how
                 // the link ended, not a write that found the socket gone first.
                 let deferred = msg.deferred + 1;
+                self.verdict_pending = true;
                 ctx.run_later(Duration::from_millis(100), move |_, ctx| {
                     ctx.address().do_send(LinkFailed {
                         error: baton_ipc::Error::Closed,
