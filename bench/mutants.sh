@@ -55,10 +55,11 @@ args_of() {
     exports) echo "-f actors/src/exports.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=leases --cargo-arg=--test=api --cargo-arg=--test=liveness --cargo-arg=--test=forwarding --timeout 300" ;;
     supervisor) echo "-f actors/src/supervisor.rs --test-package baton --cargo-arg=--test=actors_supervision --timeout 240" ;;
     # `ordering` since 7065eb2: its cache-hit and descriptor-batch tests guard the link.
-    # `leases`, `liveness`, `status`, `api` and `soak` since 2026-11-26: they drive the
-    # link's teardown (a socket that ends, a peer seen dead, a stopped peer), the close's
-    # flush and the status answers, which the four above left to them.
-    link) echo "-f actors/src/link.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=bounds --cargo-arg=--test=actors_bad_input --cargo-arg=--test=ordering --cargo-arg=--test=leases --cargo-arg=--test=liveness --cargo-arg=--test=status --cargo-arg=--test=api --cargo-arg=--test=soak --timeout 300" ;;
+    # `leases`, `liveness`, `status`, `api`, `soak` and `ergonomics` since 2026-11-26: they
+    # drive the link's teardown (a socket that ends, a peer seen dead, a stopped peer), the
+    # close's flush (ergonomics' reply-then-close) and the status answers, which the four
+    # above left to them.
+    link) echo "-f actors/src/link.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=bounds --cargo-arg=--test=actors_bad_input --cargo-arg=--test=ordering --cargo-arg=--test=leases --cargo-arg=--test=liveness --cargo-arg=--test=status --cargo-arg=--test=api --cargo-arg=--test=soak --cargo-arg=--test=ergonomics --timeout 300" ;;
     cache) echo "-f ipc/src/cache.rs --test-package baton-ipc --timeout 120" ;;
     # `--lib` runs baton-ipc's unit tests (the handshake's model test, the wire's, the socket
     # directory's); the facade's link tests cross real processes. (Without `--lib`, `--test`
