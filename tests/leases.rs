@@ -298,3 +298,35 @@ fn a_stopped_peer_is_declared_unresponsive_and_cut() {
         assert!(exited(&mut child, DEADLINE).await.success());
     });
 }
+
+/// A peer whose socket outlives it — a subprocess it started inherited the descriptor —
+/// sends no end of stream when it dies: its death, seen through its pidfd, ends the link as
+/// `PeerExited` (not the heartbeat's silence, seconds later).
+#[test]
+fn a_peer_whose_socket_outlives_it_is_cut_when_it_dies() {
+    run(async {
+        let parent = Parent::start("outlive");
+        let sock = parent.socket();
+        let (mut child, link) = parent
+            .spawn_linked(peer::exe("baton-test-peer"), &["inherit-hold", &sock], true)
+            .await;
+        let lines = actors::Lines::of(child.take_stdout().expect("piped"));
+        let line = lines.next_line(DEADLINE).await;
+        let holder: i32 = line
+            .strip_prefix("holder ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected line {line:?}"));
+        let holder = rustix::process::Pid::from_raw(holder).expect("a pid");
+        child.kill9();
+        eventually(DEADLINE, "the link cut for the death", || {
+            parent.events.down_reason(link.link_id()).is_some()
+        })
+        .await;
+        let reason = parent.events.down_reason(link.link_id()).unwrap();
+        let _ = rustix::process::kill_process(holder, Signal::KILL);
+        assert!(
+            reason.as_deref().is_some_and(|r| r.contains("PeerExited")),
+            "{reason:?}"
+        );
+    });
+}

@@ -176,6 +176,18 @@ fn import_silent(socket: &str) -> Res<()> {
     hold_forever()
 }
 
+/// Connects, then starts a subprocess (`sleep 600`) that inherits the link's socket — as a
+/// process that starts workers without closing its descriptors does — and says
+/// `holder <pid>`. Killed, this peer leaves its socket open in the holder: no end of
+/// stream reaches the node, only its death.
+fn inherit_hold(socket: &str) -> Res<()> {
+    let (_session, link) = connect(socket)?;
+    rustix::io::fcntl_setfd(link.as_fd(), rustix::io::FdFlags::empty())?;
+    let holder = std::process::Command::new("sleep").arg("600").spawn()?;
+    say(&format!("holder {}", holder.id()))?;
+    hold_forever()
+}
+
 fn hold_forever() -> ! {
     loop {
         std::thread::sleep(Duration::from_secs(60));
@@ -370,6 +382,7 @@ fn main() {
         ["token-hold", socket] => token_hold(socket),
         ["token-probe"] => token_probe(),
         ["import-silent", socket] => import_silent(socket),
+        ["inherit-hold", socket] => inherit_hold(socket),
         _ => Err(format!("unknown role {argv:?}").into()),
     };
     if let Err(e) = result {
