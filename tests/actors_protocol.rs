@@ -227,9 +227,9 @@ fn an_offer_in_flight_holds_the_buffer_until_the_link_closes() {
 }
 
 /// A reply that comes after its caller gave up (a timeout) still carries leases: the
-/// exporter granted them when it sent the reply. We give them back at once, so the
-/// exporter frees the buffers while the link stays up (a lease kept until the link closes
-/// would pin them for as long as the peers live).
+/// exporter granted them when it sent the reply. We give them back at once, without
+/// opening them, so the exporter frees the buffers while the link stays up (a lease kept
+/// until the link closes would pin them for as long as the peers live).
 #[test]
 fn the_leases_of_a_reply_after_its_call_timed_out_are_given_back() {
     run(async {
@@ -242,6 +242,7 @@ fn the_leases_of_a_reply_after_its_call_timed_out_are_given_back() {
         };
         let before = status().await;
         assert_eq!((before.buffers, before.leases), (0, 0));
+        let opens = parent.node.cache().stats().opens;
         let late = peer.remote::<MakeBuffersLate>("late-exporter");
         let call = late.send_timeout(
             MakeBuffersLate {
@@ -268,6 +269,11 @@ fn the_leases_of_a_reply_after_its_call_timed_out_are_given_back() {
         })
         .await;
         assert!(peer.is_connected(), "a late reply is no fault");
+        assert_eq!(
+            parent.node.cache().stats().opens,
+            opens,
+            "given back unopened: the call was cancelled when its caller gave up"
+        );
         // The link still works.
         let made = peer
             .remote::<MakeBuffers>("exporter")
