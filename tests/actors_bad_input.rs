@@ -536,3 +536,86 @@ fn a_late_replys_offers_meet_the_offer_bound_exactly() {
         }
     });
 }
+
+/// Status answers: each request has its own id; an answer still awaited is delivered
+/// though other requests were made and given up meanwhile; one that comes after its asker
+/// gave up (a timeout) is no fault, whether or not a later request already forgot its
+/// asker — the link carries on; one to a request never made is `Unexpected`, and drops
+/// only its link.
+#[test]
+fn late_status_answers_are_no_fault_and_an_unasked_one_is_unexpected() {
+    use baton::messages::protocol::Status;
+    use baton::messages::status::STATUS_VERSION;
+    use std::time::Duration;
+    run(async {
+        let parent = Parent::start("status-answers");
+        let before = parent.events.ups().len();
+        let (link, id) = raw(&parent).await;
+        let peer = parent.events.ups()[before].clone();
+        let mut link = Some(link);
+        let mut next_request = async || {
+            let mut l = link.take().unwrap();
+            let (l, asked) = spawn_blocking(move || {
+                let got = recv_skipping_pings(&mut l).unwrap();
+                let Wire::StatusRequest(request) = got.message else {
+                    panic!("expected a status request, got {:?}", got.message)
+                };
+                (l, request.id)
+            })
+            .await
+            .unwrap();
+            link = Some(l);
+            asked
+        };
+        // One asker waits on; two more give up (each request forgets askers that gave up).
+        let waiting = actix::spawn(peer.status(4, DEADLINE));
+        let a = next_request().await;
+        for _ in 0..2 {
+            assert!(peer.status(4, Duration::from_millis(50)).await.is_err());
+        }
+        let b = next_request().await;
+        let c = next_request().await;
+        assert!(a < b && b < c, "each request its own id: {a}, {b}, {c}");
+        let mut link = link.take().unwrap();
+        let json = parent.node.status(4).to_json().unwrap();
+        let answer = move |id: u64| {
+            Wire::Status(Status {
+                id,
+                version: STATUS_VERSION,
+                json: json.clone(),
+            })
+        };
+        // Late answers (b's asker forgotten, c's not yet), then the one still awaited, then
+        // a call: its answer (frames are handled in order) shows the link carried on.
+        let call = Wire::Call(baton::messages::protocol::Call {
+            id: 1,
+            target: "nobody".into(),
+            type_name: "test.Nothing".into(),
+            payload: Vec::new(),
+            offers: Vec::new(),
+        });
+        let unasked = answer(c + 1);
+        let frames = [answer(b), answer(c), answer(a), call];
+        let link = spawn_blocking(move || {
+            for frame in &frames {
+                link.send(frame, &[]).unwrap();
+            }
+            let got = recv_skipping_pings(&mut link).unwrap();
+            assert!(matches!(got.message, Wire::Reply(_)), "{:?}", got.message);
+            link
+        })
+        .await
+        .unwrap();
+        assert!(
+            parent.events.down_reason(id).is_none(),
+            "late answers are no fault"
+        );
+        waiting
+            .await
+            .unwrap()
+            .expect("the answer still awaited is delivered");
+        // An answer to a request never made.
+        send_and_expect_drop(link, unasked).await;
+        dropped_because(&parent, id, "Unexpected").await;
+    });
+}
