@@ -104,6 +104,8 @@ for set in "${sets[@]}"; do
   for f in caught missed timeout unviable; do
     cp "$out/mutants.out/$f.txt" "$report/$f.txt" 2>/dev/null || : >"$report/$f.txt"
   done
-  echo "$set${BATON_MUTANTS_SHARD:+ shard $BATON_MUTANTS_SHARD}${BATON_MUTANTS_RE:+ (only --re)}: $(wc -l <"$report/caught.txt") caught, $(wc -l <"$report/missed.txt") missed, $(wc -l <"$report/timeout.txt") timeout, $(wc -l <"$report/unviable.txt") unviable; ${took} s" \
+  label="$set${BATON_MUTANTS_SHARD:+ shard $BATON_MUTANTS_SHARD}"
+  [ -z "${BATON_MUTANTS_RE:-}" ] || label="$label, only those --re matched"
+  echo "$label: $(wc -l <"$report/caught.txt") caught, $(wc -l <"$report/missed.txt") missed, $(wc -l <"$report/timeout.txt") timeout, $(wc -l <"$report/unviable.txt") unviable; ${took} s" \
     | tee "$report/summary.txt"
 done
