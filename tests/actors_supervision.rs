@@ -405,8 +405,10 @@ fn an_actix_supervisor_restarts_a_registered_actor_in_process() {
     });
 }
 
+/// `Restart::Transient`: a child that crashes (SIGKILL) is restarted; one that exits
+/// cleanly (status 0: its work is done) is not.
 #[test]
-fn a_transient_child_that_exits_cleanly_is_not_restarted() {
+fn a_transient_child_is_restarted_after_a_crash_and_not_after_a_clean_exit() {
     run(async {
         let parent = Parent::start("trans");
         let spec = peer_spec(&parent, "job", "serve").restart(baton::actors::Restart::Transient);
@@ -420,8 +422,19 @@ fn a_transient_child_that_exits_cleanly_is_not_restarted() {
             parent.events.ups().len() == 1
         })
         .await;
+        let first = events.started()[0].1;
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(first as i32).expect("a pid"),
+            rustix::process::Signal::KILL,
+        )
+        .expect("SIGKILL");
+        eventually(DEADLINE, "the crashed child restarted", || {
+            events.started().len() == 2 && parent.events.ups().len() == 2
+        })
+        .await;
+        assert_eq!(events.started()[1].2, 1, "its first restart");
         // Closing its only link makes the helper exit with status 0: its work is done.
-        parent.events.ups()[0].close();
+        parent.events.ups()[1].close();
         eventually(DEADLINE, "a clean exit", || {
             events.all().iter().any(
                 |e| matches!(e, SupervisorEvent::Exited { status, .. } if status == "exit code 0"),
@@ -431,10 +444,10 @@ fn a_transient_child_that_exits_cleanly_is_not_restarted() {
         let children = sup.send(baton::actors::Children).await.unwrap();
         assert_eq!(
             (children[0].pid, children[0].restarts),
-            (None, 0),
-            "done, not restarted"
+            (None, 1),
+            "done, not restarted again"
         );
-        assert_eq!(events.started().len(), 1);
+        assert_eq!(events.started().len(), 2);
         sup.send(Shutdown).await.unwrap();
     });
 }
