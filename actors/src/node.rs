@@ -533,7 +533,11 @@ impl Node {
 
     /// A [`Bundle`](crate::Bundle): one buffer holding every tensor of `layout` (see
     /// [`BundleLayout::packed`](baton_messages::BundleLayout::packed)), zeroed as
-    /// [`allocate`](Self::allocate)'s buffers are.
+    /// [`allocate`](Self::allocate)'s buffers are. On a CUDA node it is VMM memory where
+    /// the device has it, whatever the backend's export
+    /// ([`CudaBackend::bulk_export`](baton_ipc::cuda::CudaBackend::bulk_export)): an
+    /// importer reads a VMM import as fast as its own memory, a legacy IPC import about
+    /// 25 % slower.
     ///
     /// # Errors
     /// As `allocate`.
@@ -548,7 +552,21 @@ impl Node {
                 len: usize::MAX,
                 size: 0,
             })?;
-        Ok(crate::Bundle::new(self.allocate::<u8>(bytes)?, layout))
+        let backend = Arc::clone(&self.inner.backend);
+        let alloc = match backend.cuda() {
+            // Read whole by importers: VMM where the device has it (see `bulk_export`).
+            Some(cuda) => cuda.allocate_as(cuda.bulk_export(), bytes)?,
+            None => backend.allocate(bytes)?,
+        };
+        tracing::debug!(alloc = %alloc.id(), bytes, "allocated a bundle (node)");
+        let buffer = Buffer::new(self.inner.exports.insert(
+            alloc,
+            Arc::clone(&backend),
+            Layout::new(u8::DTYPE, Shape::vector(bytes as u64)),
+            self.inner.owner,
+            RevokePolicy::default(),
+        ));
+        Ok(crate::Bundle::new(buffer, layout))
     }
 
     /// A bundle over device memory this process allocated outside Baton — a model's

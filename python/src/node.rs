@@ -402,7 +402,9 @@ impl Node {
     /// Allocates a bundle: one buffer holding many named tensors (see `baton.BundleLayout`:
     /// `spec` is one, or a dict `{name: (shape, dtype)}`, or a list of `(name, shape,
     /// dtype)`). Its `tensors()` are views of the buffer; sent in a message, it is one lease,
-    /// and the receiver opens it as one (`baton.SharedBundle.open`).
+    /// and the receiver opens it as one (`baton.SharedBundle.open`). On a GPU it is VMM
+    /// memory where the device has it, whatever `BATON_CUDA_EXPORT` says (as Rust's
+    /// `Node::allocate_bundle`): importers read it as fast as their own memory.
     #[pyo3(signature = (spec, *, timeout = DEFAULT_TIMEOUT))]
     fn allocate_bundle<'py>(
         &self,
@@ -414,10 +416,19 @@ impl Node {
             Ok(l) => l.clone(),
             Err(_) => Bound::new(py, BundleLayout::new(spec)?)?,
         };
-        // At least a byte: a bundle of empty tensors is still one allocation.
-        let bytes = layout.get().inner.byte_len().max(1).into_pyobject(py)?;
-        let uint8 = "uint8".into_pyobject(py)?;
-        let buffer = self.allocate(py, bytes.as_any(), Some(uint8.as_any()), timeout)?;
+        let buffer = if self.node.backend().cuda().is_some() {
+            // The node's own allocation (on this thread, without the GIL: a driver call).
+            let (node, inner) = (self.node.clone(), (*layout.get().inner).clone());
+            let bundle = py
+                .detach(move || node.allocate_bundle(inner))
+                .or_raise(py)?;
+            Buffer::new(bundle.buffer().clone().into(), self.cuda.clone()).or_raise(py)?
+        } else {
+            // At least a byte: a bundle of empty tensors is still one allocation.
+            let bytes = layout.get().inner.byte_len().max(1).into_pyobject(py)?;
+            let uint8 = "uint8".into_pyobject(py)?;
+            self.allocate(py, bytes.as_any(), Some(uint8.as_any()), timeout)?
+        };
         py.import("baton.bundle")?
             .getattr("Bundle")?
             .call1((buffer, layout))
