@@ -137,6 +137,12 @@ async fn raw_peer(tag: &str) -> (Parent, Link, Peer) {
     let ns = peer::namespace(tag);
     let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
     let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits()));
+    let (raw, link) = raw_link(&parent).await;
+    (parent, raw, link)
+}
+
+/// A raw link of this process connected to `parent`, with the node's side of it.
+async fn raw_link(parent: &Parent) -> (Link, Peer) {
     let before = parent.events.ups().len();
     let (path, config) = (
         parent.listening.path().to_owned(),
@@ -151,7 +157,7 @@ async fn raw_peer(tag: &str) -> (Parent, Link, Peer) {
     })
     .await;
     let link = parent.events.ups()[before].clone();
-    (parent, raw, link)
+    (raw, link)
 }
 
 /// Round trips of an honest handoff (a buffer to the child, summed there), one after the
@@ -640,20 +646,8 @@ fn a_peer_gone_mid_frame_while_reading_is_paused_leaves_the_verdict_to_the_reade
             parent
                 .node
                 .register::<Nap>("nap", Napper.start().recipient());
-            let before = parent.events.ups().len();
-            let (path, config) = (
-                parent.listening.path().to_owned(),
-                LinkConfig::new(parent.session.clone()),
-            );
-            let link = spawn_blocking(move || Link::connect(path, &config))
-                .await
-                .unwrap()
-                .unwrap();
-            eventually(DEADLINE, "the raw link", || {
-                parent.events.ups().len() > before
-            })
-            .await;
-            let link_id = parent.events.ups()[before].link_id();
+            let (link, node_side) = raw_link(&parent).await;
+            let link_id = node_side.link_id();
             let call = Wire::Call(Call {
                 id: 1,
                 target: "nap".into(),
