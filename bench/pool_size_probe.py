@@ -6,9 +6,10 @@ On an NVIDIA H200 (driver 580.159.04, 2026-11-26), with the exporter's
 `BATON_CUDA_EXPORT=pool`, a child that receives a buffer of 1, 4 or 5 GiB opens it; of 7 or 8
 GiB it dies with SIGSEGV inside its `recv` (while Baton's runtime opens the offer:
 `cuMemPoolImportFromShareableHandle` / `cuMemPoolImportPointer`), before any Python code
-touches the memory. Legacy IPC and VMM buffers of 8 GiB open. Not yet known: whether the
-driver or Baton's pool import is at fault (no debugger on the lent machines). Bundles are
-VMM memory, so weight sync does not meet it.
+touches the memory. Legacy IPC and VMM buffers of 8 GiB open. The driver is at fault:
+`bench/pool_size_driver.py` makes the same calls without Baton and its child dies the same
+way, in `cuMemPoolImportPointer`, from 5.5 GiB. Bundles are VMM memory, so weight sync does
+not meet it.
 
 usage: BATON_CUDA_EXPORT=pool SIZES=5,7 python3 bench/pool_size_probe.py
 Prints one line per size: what the child answered, or that it died and its status.
