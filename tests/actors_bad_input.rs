@@ -16,7 +16,7 @@ use actix::prelude::*;
 use actors::{DEADLINE, Parent, eventually, eventually_async, exited, run};
 use baton::Error;
 use baton::actors::{Allocate, Buffer, LinkId};
-use baton::ipc::{Backend, HostBackend, Link, LinkConfig};
+use baton::ipc::{Backend, HostBackend, Link};
 use baton::messages::protocol::{Offer, Payload, Release, Reply};
 use baton::messages::{LeaseId, Message as Wire};
 use msgs::*;
@@ -24,20 +24,8 @@ use tokio::task::spawn_blocking;
 
 /// A raw link, connected and authenticated, and the id the parent gave it.
 async fn raw(parent: &Parent) -> (Link, LinkId) {
-    let before = parent.events.ups().len();
-    let (path, config) = (
-        parent.listening.path().to_owned(),
-        LinkConfig::new(parent.session.clone()),
-    );
-    let link = spawn_blocking(move || Link::connect(path, &config))
-        .await
-        .unwrap()
-        .unwrap();
-    eventually(DEADLINE, "the raw link", || {
-        parent.events.ups().len() > before
-    })
-    .await;
-    (link, parent.events.ups()[before].link_id())
+    let (link, peer) = parent.raw_link().await;
+    (link, peer.link_id())
 }
 
 /// The next frame that is not a heartbeat (the parent's links ping every second).
@@ -469,9 +457,8 @@ fn a_late_replys_offers_meet_the_offer_bound_exactly() {
             .build()
             .unwrap();
         for (offers, cut) in [(3_u64, false), (4, true)] {
-            let before = parent.events.ups().len();
-            let (mut link, id) = raw(&parent).await;
-            let peer = parent.events.ups()[before].clone();
+            let (mut link, peer) = parent.raw_link().await;
+            let id = peer.link_id();
             // Our call to the raw peer, which it answers only after the caller gave up.
             let call = peer
                 .remote::<Hold>("holder")
@@ -549,9 +536,8 @@ fn late_status_answers_are_no_fault_and_an_unasked_one_is_unexpected() {
     use std::time::Duration;
     run(async {
         let parent = Parent::start("status-answers");
-        let before = parent.events.ups().len();
-        let (link, id) = raw(&parent).await;
-        let peer = parent.events.ups()[before].clone();
+        let (link, peer) = parent.raw_link().await;
+        let id = peer.link_id();
         let mut link = Some(link);
         let mut next_request = async || {
             let mut l = link.take().unwrap();

@@ -18,7 +18,7 @@ mod peer;
 use actix::prelude::*;
 use actors::{DEADLINE, Lines, Parent, eventually, exited, run};
 use baton::actors::{ActorError, LinkLimits, Peer};
-use baton::ipc::{HostBackend, Link, LinkConfig, SharedBackend};
+use baton::ipc::{HostBackend, Link, SharedBackend};
 use baton::messages::Message as Wire;
 use baton::messages::protocol::CallFault;
 use msgs::*;
@@ -137,27 +137,8 @@ async fn raw_peer(tag: &str) -> (Parent, Link, Peer) {
     let ns = peer::namespace(tag);
     let backend: SharedBackend = Arc::new(HostBackend::with_namespace(&ns).unwrap());
     let parent = Parent::start_configured(&ns, backend, |c| c.limits(limits()));
-    let (raw, link) = raw_link(&parent).await;
+    let (raw, link) = parent.raw_link().await;
     (parent, raw, link)
-}
-
-/// A raw link of this process connected to `parent`, with the node's side of it.
-async fn raw_link(parent: &Parent) -> (Link, Peer) {
-    let before = parent.events.ups().len();
-    let (path, config) = (
-        parent.listening.path().to_owned(),
-        LinkConfig::new(parent.session.clone()),
-    );
-    let raw = spawn_blocking(move || Link::connect(path, &config))
-        .await
-        .unwrap()
-        .unwrap();
-    eventually(DEADLINE, "the raw link", || {
-        parent.events.ups().len() > before
-    })
-    .await;
-    let link = parent.events.ups()[before].clone();
-    (raw, link)
 }
 
 /// Round trips of an honest handoff (a buffer to the child, summed there), one after the
@@ -646,7 +627,7 @@ fn a_peer_gone_mid_frame_while_reading_is_paused_leaves_the_verdict_to_the_reade
             parent
                 .node
                 .register::<Nap>("nap", Napper.start().recipient());
-            let (link, node_side) = raw_link(&parent).await;
+            let (link, node_side) = parent.raw_link().await;
             let link_id = node_side.link_id();
             let call = Wire::Call(Call {
                 id: 1,

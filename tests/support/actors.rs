@@ -251,6 +251,27 @@ impl Parent {
         parent
     }
 
+    /// A raw link of this process connected to the parent (a peer driven frame by frame
+    /// from blocking tasks: `baton::ipc::Link`), connected and authenticated, with the
+    /// node's side of it.
+    pub async fn raw_link(&self) -> (baton::ipc::Link, Peer) {
+        let before = self.events.ups().len();
+        let (path, config) = (
+            self.listening.path().to_owned(),
+            baton::ipc::LinkConfig::new(self.session.clone()),
+        );
+        let raw = tokio::task::spawn_blocking(move || baton::ipc::Link::connect(path, &config))
+            .await
+            .unwrap()
+            .unwrap();
+        eventually(DEADLINE, "the raw link", || {
+            self.events.ups().len() > before
+        })
+        .await;
+        let link = self.events.ups()[before].clone();
+        (raw, link)
+    }
+
     pub fn socket(&self) -> String {
         self.listening.path().to_str().unwrap().to_owned()
     }
