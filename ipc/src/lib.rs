@@ -37,6 +37,8 @@ mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 #[allow(unsafe_code)]
+pub mod handoff;
+#[allow(unsafe_code)]
 pub mod host;
 pub mod inbox;
 pub mod link;
@@ -58,13 +60,14 @@ pub use cache::{
 pub use cuda::CudaBackend;
 pub use driver_thread::DriverThread;
 pub use error::{Error, Result};
+pub use handoff::TOKEN_ENV;
 pub use host::{HostBackend, HostFlavor};
 pub use link::{
     AsyncLink, FrameFds, Link, LinkCloser, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred,
     PeerInfo, PeerPolicy, Received, SocketDir,
 };
 pub use ordering::{ExportedFence, Stream, StreamKey, StreamRef, UseMark};
-pub use session::{CheckedHandle, Session, TOKEN_ENV, random_bytes};
+pub use session::{CheckedHandle, Session, random_bytes};
 pub use slab::{SlabArena, SlabBuffer};
 
 pub use baton_messages as messages;

@@ -1,16 +1,11 @@
-//! [`Session`]: this process's membership in one deployment of cooperating processes.
+//! [`Session`]: this process's membership in one deployment of cooperating processes: the
+//! token, the keys derived from it (link proofs, handle seals), and the handle check.
+//! How the token reaches a child process is [`handoff`](crate::handoff)'s.
 
 use crate::{Error, Result};
 use baton_messages::protocol::{AuthProof, Nonce};
 use baton_messages::{HandleKey, ProcessId, SessionToken};
 use std::fmt;
-
-/// The environment variable a session token may be given in (64 hex digits) by whoever
-/// starts a process by hand. Discouraged: a token there is readable in
-/// `/proc/<pid>/environ` for the process's whole life and inherited by all its children.
-/// Baton's spawners never set it (they remove it) and pass the token through an inherited
-/// pipe instead ([`TOKEN_FD_ENV`](crate::spawn::TOKEN_FD_ENV), [`Session::pass_to`]).
-pub const TOKEN_ENV: &str = "BATON_TOKEN";
 
 /// This process in one deployment: the shared token, the keys derived from it, and who we are.
 ///
@@ -51,54 +46,31 @@ impl Session {
     /// top of `main` (or through `Node::from_env`).
     ///
     /// The token comes from the pipe named in
-    /// [`TOKEN_FD_ENV`](crate::spawn::TOKEN_FD_ENV) (set by [`pass_to`](Self::pass_to)): it
+    /// [`TOKEN_FD_ENV`](crate::handoff::TOKEN_FD_ENV) (set by [`pass_to`](Self::pass_to)): it
     /// is read and the pipe closed on the first call, so the token never sits in this
     /// process's environment or descriptors, and children inherit neither; later calls
     /// return the same session. Without that variable (or if it names no token pipe of
     /// ours: a stale variable inherited from a parent), the token is taken from
-    /// [`TOKEN_ENV`], for processes started by hand — with a warning, since the
-    /// environment keeps it.
+    /// [`TOKEN_ENV`](crate::TOKEN_ENV), for processes started by hand — with a warning,
+    /// since the environment keeps it.
     ///
     /// # Errors
-    /// [`Error::NoToken`] if neither gives a token (also when [`TOKEN_ENV`] is set but is
-    /// not one: 64 hex digits).
+    /// [`Error::NoToken`] if neither gives a token (also when [`TOKEN_ENV`](crate::TOKEN_ENV)
+    /// is set but is not one: 64 hex digits).
     pub fn from_env() -> Result<Self> {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        let mut inherited = None;
-        match crate::spawn::take_inherited_token() {
-            Some(Ok(token)) => return Ok(Self::new(token)),
-            Some(Err(why)) => {
-                WARNED.call_once(
-                    || tracing::warn!(%why, "no session token in the inherited descriptor"),
-                );
-                inherited = Some(format!("the inherited descriptor: {why}"));
-            }
-            None => {}
-        }
-        let hex = std::env::var(TOKEN_ENV).map_err(|_| Error::NoToken { why: inherited })?;
-        let token = SessionToken::from_hex(&hex).ok_or_else(|| Error::NoToken {
-            why: Some(format!(
-                "{TOKEN_ENV} is set but is not a token (64 hex digits)"
-            )),
-        })?;
-        static LEGACY: std::sync::Once = std::sync::Once::new();
-        LEGACY.call_once(|| {
-            tracing::warn!(
-                "session token taken from {TOKEN_ENV}: it stays readable in /proc/<pid>/environ and is inherited by children; spawn with Session::pass_to instead"
-            );
-        });
-        Ok(Self::new(token))
+        Ok(Self::new(crate::handoff::inherited_token()?))
     }
 
     /// Prepares `cmd` so that its child's [`from_env`](Self::from_env) finds this session:
     /// the token goes through a pipe the child inherits (named in
-    /// [`TOKEN_FD_ENV`](crate::spawn::TOKEN_FD_ENV)), never through its environment, and
-    /// [`TOKEN_ENV`] is removed from the child's environment. One command, one child.
+    /// [`TOKEN_FD_ENV`](crate::handoff::TOKEN_FD_ENV)), never through its environment, and
+    /// [`TOKEN_ENV`](crate::TOKEN_ENV) is removed from the child's environment. One command,
+    /// one child.
     ///
     /// # Errors
     /// [`Error::Io`] if the pipe cannot be made.
     pub fn pass_to(&self, cmd: &mut std::process::Command) -> Result<()> {
-        crate::spawn::pass_token(cmd, &self.token).map_err(Error::io("passing the session token"))
+        crate::handoff::pass_token(cmd, &self.token).map_err(Error::io("passing the session token"))
     }
 
     /// The session token.
