@@ -1,4 +1,4 @@
-use crate::handle::BackendKind;
+use crate::raw::BackendKind;
 
 /// Everything that can be wrong with bytes or data received from a peer.
 ///

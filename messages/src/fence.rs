@@ -14,7 +14,7 @@
 //!
 //! Fence handles are capabilities: `Debug` never prints their bytes.
 
-use crate::handle::{CudaIpcMemHandle, IpcEventHandle};
+use crate::raw::{CudaIpcMemHandle, IpcEventHandle};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 

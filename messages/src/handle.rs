@@ -1,12 +1,31 @@
-//! [`HandleMsg`]: the serialized capability to map one buffer of another process.
+//! [`HandleMsg`]: the serialized capability to map one buffer of another process, and its
+//! seal.
 //!
 //! A handle message is plain data. It names the exporter, the allocation and its
 //! generation, the backend and device, the byte range and typed layout of the buffer, and
-//! carries the backend's raw handle (a segment name, 64 CUDA IPC bytes, or the slot of a
-//! file descriptor sent beside the frame: a CUDA VMM handle or a sealed host `memfd`). Raw handles are capabilities: `Debug` never
-//! prints them, and every handle is sealed with a keyed digest over all its fields, which
-//! the importer verifies before any driver call. (A CUDA IPC handle with one corrupted byte
-//! was seen to open without error on driver 580, so the driver is no judge of integrity.)
+//! carries the backend's raw handle ([`RawHandle`]: a segment name, 64 CUDA IPC bytes, or
+//! the slot of a file descriptor sent beside the frame: a CUDA VMM handle or a sealed host
+//! `memfd`). Raw handles are capabilities: `Debug` never prints them, and every handle is
+//! sealed with a keyed digest over all its fields, which the importer verifies before any
+//! driver call. (A CUDA IPC handle with one corrupted byte was seen to open without error
+//! on driver 580, so the driver is no judge of integrity.)
+//!
+//! # The seal
+//!
+//! [`HandleMsg::seal`] computes BLAKE3, keyed with the session's [`HandleKey`], over every
+//! field of the handle but the digest, in the order the struct declares them (`version`,
+//! `exporter`, `alloc`, `generation`, `backend`, `device`, `alloc_size`, `offset`, `len`,
+//! `layout`, `raw`, `fence`), taken as one tuple in their serde representation and
+//! written by bincode 2 in its standard configuration: little-endian; integers of
+//! variable length (below 251 one byte, else a marker byte 251, 252 or 253 then 2, 4 or 8
+//! bytes); enum variants as their index; `Option` as a 0 or 1 byte, then the value;
+//! sequences length first; the 64-byte raw handles as 64 bytes, no length; no size limit.
+//!
+//! That encoding is the seal's own, not the framing codec's ([`codec`](crate::codec), a
+//! layer above): frames have a size limit, seals need none, and either may change without
+//! the other. It writes the same bytes as the framing configuration, which differs only
+//! by its decode limit, and a test pins the digests computed before the seal had an
+//! encoding of its own: handles on the wire are byte for byte what they were.
 
 use crate::fence::FenceHandle;
 use crate::ids::{AllocationId, DeviceUuid, ExporterId, Generation, SessionToken};
@@ -15,205 +34,10 @@ use crate::{Error, PROTOCOL_VERSION, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// Which backend made a buffer, and so how to open its handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
-#[non_exhaustive]
-pub enum BackendKind {
-    /// Host memory: a sealed `memfd` shared by descriptor (Linux) or a named POSIX
-    /// shared-memory segment ([`RawHandle::HostMemfd`], [`RawHandle::HostSegment`]).
-    Host,
-    /// CUDA device memory shared with a legacy IPC handle (`cuIpcGetMemHandle`).
-    CudaLegacy,
-    /// CUDA device memory made with `cuMemCreate`, shared as a POSIX file descriptor.
-    CudaVmm,
-    /// CUDA device memory from a stream-ordered, exportable memory pool
-    /// (`cuMemAllocFromPoolAsync`): the pool shared as a POSIX file descriptor, each
-    /// allocation as 64 bytes of `cuMemPoolExportPointer` data.
-    CudaPool,
-}
-
-/// The name of a host shared-memory segment: `/` then 1 to 200 of `[A-Za-z0-9._-]`.
-#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct SegmentName(String);
-
-impl SegmentName {
-    /// Longest name accepted, leading `/` excluded.
-    pub const MAX_LEN: usize = 200;
-
-    /// Checks and wraps a name.
-    pub fn new(name: impl Into<String>) -> Option<Self> {
-        let name = name.into();
-        let rest = name.strip_prefix('/')?;
-        let ok = !rest.is_empty()
-            && rest.len() <= Self::MAX_LEN
-            && rest != "."
-            && rest != ".."
-            && rest
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-        ok.then_some(Self(name))
-    }
-
-    /// The name, with its leading `/`.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for SegmentName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("SegmentName(<redacted>)")
-    }
-}
-
-impl TryFrom<String> for SegmentName {
-    type Error = String;
-    fn try_from(s: String) -> std::result::Result<Self, String> {
-        SegmentName::new(s).ok_or_else(|| "invalid shared-memory segment name".to_owned())
-    }
-}
-
-impl From<SegmentName> for String {
-    fn from(s: SegmentName) -> String {
-        s.0
-    }
-}
-
-macro_rules! secret_bytes64 {
-    ($(#[$doc:meta])* $name:ident) => {
-        $(#[$doc])*
-        #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-        pub struct $name(#[serde(with = "crate::serde_bytes64")] pub [u8; 64]);
-
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(concat!(stringify!($name), "(<redacted>)"))
-            }
-        }
-
-        #[cfg(test)]
-        impl proptest::arbitrary::Arbitrary for $name {
-            type Parameters = ();
-            type Strategy = proptest::strategy::BoxedStrategy<$name>;
-            fn arbitrary_with((): ()) -> Self::Strategy {
-                use proptest::prelude::*;
-                proptest::collection::vec(any::<u8>(), 64)
-                    .prop_map(|v| $name(v.try_into().unwrap()))
-                    .boxed()
-            }
-        }
-    };
-}
-
-secret_bytes64!(
-    /// The 64 opaque bytes of a CUDA `CUipcMemHandle`. A capability: never logged.
-    CudaIpcMemHandle
-);
-
-secret_bytes64!(
-    /// The 64 opaque bytes of a CUDA `CUmemPoolPtrExportData` (`cuMemPoolExportPointer`):
-    /// names one allocation of an exported memory pool. A capability: never logged.
-    CudaPoolExportData
-);
-
-secret_bytes64!(
-    /// The 64 opaque bytes of a CUDA `CUipcEventHandle`: the event the exporter recorded
-    /// after the work that produced the buffer. The importer's stream waits on it before use.
-    IpcEventHandle
-);
-
-/// The backend-specific part of a handle. A capability: `Debug` never prints it.
-#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
-#[non_exhaustive]
-pub enum RawHandle {
-    /// Host backend: the shared-memory segment to map.
-    HostSegment(#[cfg_attr(test, proptest(strategy = "tests::segment_name()"))] SegmentName),
-    /// CUDA legacy IPC: the memory handle.
-    CudaIpc(CudaIpcMemHandle),
-    /// CUDA VMM: the shareable handle is the file descriptor at this index among the
-    /// descriptors that travelled beside the frame (`SCM_RIGHTS`).
-    CudaVmmFd {
-        /// Index into the frame's file descriptors; `None` when the importer already maps
-        /// the allocation (the descriptor crossed this link before), so that only a hit in
-        /// its import cache can open it.
-        slot: Option<u8>,
-    },
-    /// CUDA stream-ordered pool memory: the allocation's export data, and the pool it comes
-    /// from, whose shareable handle is a file descriptor that crosses a link once.
-    CudaPool {
-        /// The exporting process's id of the pool, unique in that process: the importer
-        /// imports each (exporter process, pool) once and finds it again by this id.
-        pool: u64,
-        /// Index of the pool's descriptor among the frame's file descriptors; `None` when
-        /// the importer already imported the pool (the descriptor crossed this link
-        /// before).
-        pool_slot: Option<u8>,
-        /// The `cuMemPoolExportPointer` data of the allocation.
-        ptr: CudaPoolExportData,
-    },
-    /// Host backend, `memfd` flavor (Linux): the sealed memory file is the descriptor at
-    /// this index among the descriptors that travelled beside the frame (`SCM_RIGHTS`).
-    /// It has no name, so nothing can list, shrink or leave it behind.
-    HostMemfd {
-        /// Index into the frame's file descriptors; `None` when the importer already maps
-        /// the allocation (the descriptor crossed this link before), so that only a hit in
-        /// its import cache can open it.
-        slot: Option<u8>,
-    },
-}
-
-impl RawHandle {
-    /// What kind of raw handle this is, for messages (never the bytes).
-    pub fn kind_name(&self) -> &'static str {
-        match self {
-            RawHandle::HostSegment(_) => "host segment",
-            RawHandle::CudaIpc(_) => "CUDA IPC",
-            RawHandle::CudaVmmFd { .. } => "CUDA VMM fd",
-            RawHandle::CudaPool { .. } => "CUDA pool pointer",
-            RawHandle::HostMemfd { .. } => "host memfd",
-        }
-    }
-
-    /// The backend that makes raw handles of this kind.
-    pub fn backend(&self) -> BackendKind {
-        match self {
-            RawHandle::HostSegment(_) => BackendKind::Host,
-            RawHandle::CudaIpc(_) => BackendKind::CudaLegacy,
-            RawHandle::CudaVmmFd { .. } => BackendKind::CudaVmm,
-            RawHandle::CudaPool { .. } => BackendKind::CudaPool,
-            RawHandle::HostMemfd { .. } => BackendKind::Host,
-        }
-    }
-
-    /// Where the descriptor this handle needs sits among its frame's descriptors: `None`
-    /// for handles that carry no descriptor, or whose descriptor the importer already has.
-    pub fn fd_slot(&self) -> Option<u8> {
-        match self {
-            RawHandle::CudaVmmFd { slot } | RawHandle::HostMemfd { slot } => *slot,
-            RawHandle::CudaPool { pool_slot, .. } => *pool_slot,
-            RawHandle::HostSegment(_) | RawHandle::CudaIpc(_) => None,
-        }
-    }
-}
-
-impl fmt::Debug for RawHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RawHandle::CudaVmmFd { slot } => write!(f, "CudaVmmFd {{ slot: {slot:?} }}"),
-            RawHandle::CudaPool {
-                pool, pool_slot, ..
-            } => write!(
-                f,
-                "CudaPool {{ pool: {pool}, pool_slot: {pool_slot:?}, ptr: <redacted> }}"
-            ),
-            RawHandle::HostMemfd { slot } => write!(f, "HostMemfd {{ slot: {slot:?} }}"),
-            other => write!(f, "{}(<redacted>)", other.kind_name()),
-        }
-    }
-}
+// The raw handles were first defined here: their paths under `handle` stay.
+pub use crate::raw::{
+    BackendKind, CudaIpcMemHandle, CudaPoolExportData, IpcEventHandle, RawHandle, SegmentName,
+};
 
 /// The key that seals handle messages, derived from the [`SessionToken`].
 #[derive(Clone)]
@@ -303,6 +127,9 @@ impl fmt::Debug for HandleMsg {
     }
 }
 
+/// The seal's encoding: see "The seal" in the module docs.
+const SEAL_ENCODING: bincode::config::Configuration = bincode::config::standard();
+
 impl HandleMsg {
     fn compute_digest(&self, key: &HandleKey) -> HandleDigest {
         let body = (
@@ -320,7 +147,7 @@ impl HandleMsg {
             &self.fence,
         );
         // Encoding plain data into a Vec cannot fail; an empty body would still be keyed.
-        let bytes = bincode::serde::encode_to_vec(body, crate::codec::config()).unwrap_or_default();
+        let bytes = bincode::serde::encode_to_vec(body, SEAL_ENCODING).unwrap_or_default();
         HandleDigest(*blake3::keyed_hash(&key.0, &bytes).as_bytes())
     }
 
@@ -409,11 +236,6 @@ pub(crate) mod tests {
     use super::*;
     use crate::ids::{ActorId, BootId, ProcessId};
     use crate::layout::{DType, Shape};
-    use proptest::prelude::*;
-
-    pub(crate) fn segment_name() -> impl Strategy<Value = SegmentName> {
-        "/[A-Za-z0-9._-]{1,40}".prop_filter_map("dot names", SegmentName::new)
-    }
 
     pub(crate) fn sample(raw: RawHandle) -> HandleMsg {
         HandleMsg {
@@ -579,19 +401,59 @@ pub(crate) mod tests {
         ));
     }
 
+    /// Handles whose seals are pinned by [`seals_are_pinned`]: every kind of field, large
+    /// integers (multi-byte varints), a layout, both kinds of fence.
+    fn pinned_handles() -> Vec<HandleMsg> {
+        let mut pool = sample(RawHandle::CudaPool {
+            pool: 300,
+            pool_slot: Some(2),
+            ptr: CudaPoolExportData(std::array::from_fn(|i| i as u8)),
+        });
+        pool.device = DeviceUuid([0xab; 16]);
+        pool.alloc_size = 1 << 40;
+        pool.offset = 70_000;
+        pool.len = (1 << 40) - 70_000;
+        pool.layout = None;
+        pool.fence = Some(FenceHandle::Counter(crate::fence::CounterFence {
+            slab: CudaIpcMemHandle([0x11; 64]),
+            slab_id: u64::MAX,
+            offset: 256,
+            value: 1 << 33,
+        }));
+        let mut ipc = sample(RawHandle::CudaIpc(CudaIpcMemHandle([0x5a; 64])));
+        ipc.generation = Generation::FIRST.next().next();
+        ipc.fence = Some(FenceHandle::Event(IpcEventHandle([0xc3; 64])));
+        vec![
+            sample(RawHandle::HostSegment(
+                SegmentName::new("/baton.pinned-1").unwrap(),
+            )),
+            sample(RawHandle::HostMemfd { slot: Some(4) }),
+            sample(RawHandle::CudaVmmFd { slot: None }),
+            pool,
+            ipc,
+        ]
+    }
+
+    /// The seal's encoding is pinned: these digests were computed before the seal had an
+    /// encoding of its own (when it borrowed the framing codec's configuration), so the
+    /// digest input, and so every handle on the wire, is byte for byte what it was. A
+    /// change here changes what peers of another build accept.
     #[test]
-    fn segment_names_are_checked() {
-        assert!(SegmentName::new("/ok.name-1_2").is_some());
-        for bad in [
-            "",
-            "/",
-            "noslash",
-            "/a/b",
-            "/..",
-            "/sp ace",
-            &format!("/{}", "a".repeat(201)),
-        ] {
-            assert!(SegmentName::new(bad).is_none(), "{bad:?}");
-        }
+    fn seals_are_pinned() {
+        let pinned = [
+            "155ab08dc4cf49f9852ea484fa9e0eec9374564b72cb0d4acfba7d603b1675f8",
+            "cf0ece48ddf5bfd0179363d8d8096928bad3d88ef07ef910e667599778917318",
+            "f042c5afa2b92f638ecd4bc9ee245e07ee8ea6f25b2d32cef68ae6f4c4908e06",
+            "005c108ff824102f2fe5fb4da5ef34bed2144db81c799c982e95eb8f95dad3ef",
+            "36e2221a93a813a848f79213b90bed0d7fc79c5c2485f2b37b4a1d4dfae67cfa",
+        ];
+        let got: Vec<String> = pinned_handles()
+            .into_iter()
+            .map(|h| {
+                let digest = h.sealed(&key()).digest.0;
+                digest.iter().map(|b| format!("{b:02x}")).collect()
+            })
+            .collect();
+        assert_eq!(got, pinned);
     }
 }

@@ -1,52 +1,83 @@
 //! Baton's wire vocabulary.
 //!
-//! Everything two Baton processes say to each other is defined here, as plain data:
+//! Everything two Baton processes say to each other is defined here, as plain data.
 //!
-//! - [`ids`]: newtype identifiers ([`AllocationId`], [`Generation`], [`LeaseId`],
-//!   [`DeviceUuid`], [`ExporterId`], …) so that a lease id can never be passed where an
-//!   allocation id is expected;
-//! - [`layout`]: element types and shapes of typed buffers, and the layouts of bundles
-//!   (many named tensors in one buffer);
-//! - [`handle`]: [`HandleMsg`], the serialized capability that lets another process map a
-//!   buffer, sealed with a keyed digest so that a corrupted or forged handle is refused
-//!   before any driver call;
-//! - [`fence`]: [`FenceHandle`], what orders GPU work across processes (acquire fences in
-//!   handles, release fences in `Release`);
-//! - [`protocol`]: the [`Message`]s of the link and lease protocol;
-//! - [`status`]: [`NodeStatus`](status::NodeStatus), what a node tells an authenticated
-//!   peer about its buffers, leases, cache, links and children;
-//! - [`codec`]: length-prefixed frames with a hard size limit, decoded with bincode under a
-//!   byte limit, so that arbitrary input can never panic or allocate without bound.
+//! # Layers
+//!
+//! Each module holds one concept and uses only the modules below it, so none is part of
+//! an import cycle. `lib.rs` declares them bottom first, and the workspace's
+//! `tests/layers.rs` fails on any use of a module declared later:
+//!
+//! 1. `serde_bytes64`: serde for the 64-byte arrays of raw handles;
+//! 2. [`ids`]: newtype identifiers ([`AllocationId`], [`Generation`], [`LeaseId`],
+//!    [`DeviceUuid`], [`ExporterId`], …) so that a lease id can never be passed where an
+//!    allocation id is expected, and the [`SessionToken`];
+//! 3. [`layout`]: element types and shapes of typed buffers, and the layouts of bundles
+//!    (many named tensors in one buffer);
+//! 4. `raw`: what each backend puts in a handle ([`RawHandle`]: a segment name, 64 CUDA
+//!    bytes or a descriptor's slot) and which backend made a buffer ([`BackendKind`]);
+//!    re-exported from [`handle`], where they were first defined;
+//! 5. `error`: [`Error`], everything that can be wrong with what a peer sent;
+//! 6. [`fence`]: [`FenceHandle`], what orders GPU work across processes (acquire fences
+//!    in handles, release fences in `Release`);
+//! 7. [`handle`]: [`HandleMsg`], the serialized capability that lets another process map
+//!    a buffer, sealed with a keyed digest (whose encoding is the seal's own: see "The
+//!    seal" there) so that a corrupted or forged handle is refused before any driver
+//!    call;
+//! 8. [`protocol`]: the [`Message`]s of the link and lease protocol;
+//! 9. [`codec`]: length-prefixed frames of messages with a hard size limit, decoded with
+//!    bincode under a byte limit, so that arbitrary input can never panic or allocate
+//!    without bound;
+//! 10. [`status`]: [`NodeStatus`](status::NodeStatus), what a node tells an
+//!     authenticated peer about its buffers, leases, cache, links and children (the JSON
+//!     body of a `Status` message);
+//! 11. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
 //!
 //! This crate knows nothing of CUDA, sockets or actors, and has no `unsafe` code.
 
 #![forbid(unsafe_code)]
 
-pub mod codec;
+// The modules, bottom layer first: each uses only the modules declared above it (see
+// "Layers" in the crate docs). One comment line per module keeps rustfmt from sorting
+// them.
+
+// Serde for 64-byte arrays.
+mod serde_bytes64;
+// Identifiers.
+pub mod ids;
+// Element types, shapes, bundle layouts.
+pub mod layout;
+// Raw handles and backend kinds.
+mod raw;
+// What can be wrong with what a peer sent.
 mod error;
+// Fences as they travel.
 pub mod fence;
+// Handle messages and their seal.
+pub mod handle;
+// The messages of the protocol.
+pub mod protocol;
+// Frames.
+pub mod codec;
+// Node status.
+pub mod status;
+// The fuzz targets' logic.
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod handle;
-pub mod ids;
-pub mod layout;
-pub mod protocol;
-mod serde_bytes64;
-pub mod status;
 
 pub use codec::{FrameDecoder, FrameHeader, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
 pub use error::Error;
 pub use fence::{CounterFence, FenceHandle, FenceKind, InboxGrant};
-pub use handle::{
-    BackendKind, CudaIpcMemHandle, CudaPoolExportData, HandleDigest, HandleKey, HandleMsg,
-    IpcEventHandle, RawHandle, SegmentName,
-};
+pub use handle::{HandleDigest, HandleKey, HandleMsg};
 pub use ids::{
     ActorId, AllocationId, BootId, DeviceUuid, ExporterId, Generation, LeaseId, ProcessId,
     SessionToken,
 };
 pub use layout::{BundleLayout, DType, Layout, LayoutError, Shape, TensorSpec};
 pub use protocol::Message;
+pub use raw::{
+    BackendKind, CudaIpcMemHandle, CudaPoolExportData, IpcEventHandle, RawHandle, SegmentName,
+};
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer
 /// speaking another version is refused before its payload is decoded.
