@@ -50,8 +50,8 @@
 //! mailbox round trips. Owners keep what needs time (revoke deadlines) and identity.
 //!
 //! Layers: each module uses only the modules below it, so none is part of an import
-//! cycle. `lib.rs` declares them bottom first, and `tests/layers.rs` fails on any import
-//! of a module declared later:
+//! cycle. `lib.rs` declares them bottom first, and the workspace's `tests/layers.rs`
+//! fails on any import of a module declared later:
 //!
 //! 1. pure state: `ids`, `error`, `ledger` (the lease state machine), `order` (stream
 //!    ordering), `offload` (where blocking calls run);
@@ -78,8 +78,8 @@
 #![deny(unsafe_code)]
 
 // The modules, bottom layer first: each uses only the modules declared above it (see
-// "Layers" in the crate docs; `tests/layers.rs` checks it). One comment line per module
-// keeps rustfmt from sorting them.
+// "Layers" in the crate docs; the workspace's `tests/layers.rs` checks it). One comment
+// line per module keeps rustfmt from sorting them.
 
 // 1. Pure state.
 // Ids local to this process.

@@ -17,38 +17,96 @@
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
 //! - [`process`]: process identity and liveness that survive pid reuse.
-//! - [`spawn`]: children that die with this process and get the token through a pipe,
-//!   never their environment.
+//! - [`spawn`]: children that die with this process; [`handoff`]: how a child gets the
+//!   session token (through a pipe, never its environment).
+//!
+//! # Layers
+//!
+//! Each module holds one concept and uses only the modules below it, so none is part of
+//! an import cycle. `lib.rs` declares them bottom first, and the workspace's
+//! `tests/layers.rs` fails on any use of a module declared later:
+//!
+//! 1. fence bookkeeping without I/O, which the CUDA backend drives: `bridge` (waits on
+//!    another process's event that this process can still release alone), [`inbox`]
+//!    (the consumer's side of counter fences, whose refusals [`Error`] carries);
+//! 2. foundations: `error` ([`Error`]), [`process`] (identity and liveness), [`ordering`]
+//!    (the vocabulary of cross-process stream ordering: streams, fences, use marks),
+//!    `driver_thread` ([`DriverThread`]);
+//! 3. the deployment: [`handoff`] (the session token's way to a child process), `session`
+//!    ([`Session`]: the token, its keys, the handle check), [`spawn`] (children that die
+//!    with this process);
+//! 4. the transport: [`link`] (sockets, handshake, frames with descriptors);
+//! 5. memory: `backend` (the [`Backend`] trait, [`Allocation`], [`OpenedMem`]), [`host`]
+//!    (the backend every generic test can run on), `cache` ([`ImportCache`],
+//!    [`Imported`]: any backend's mappings), [`cuda`] (after the cache, which its GPU tests
+//!    open through), [`select`] (which backend, at run time), [`slab`] ([`SlabArena`]);
+//! 6. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
+//!
+//! Edges that still point up, allowed by the layer test until issue 28 removes them:
+//! `backend` names `cuda` (`Backend::cuda()`) and its tests use `host`; `error` names
+//! `cuda` ([`Error::Cuda`] carries a `cuda::CudaError`, defined in the CUDA backend).
 //!
 //! This crate knows nothing of actors. `unsafe` code lives only in backend modules, in
-//! [`spawn`] (`pre_exec` hooks, the inherited token descriptor), and in one block of the
-//! import cache ([`Imported::host_bytes_mut`], the only caller that can keep the contract
-//! of `RawMemory::host_bytes_mut`), each opening with a `# Safety` overview.
+//! [`spawn`] (`pre_exec` hooks) and [`handoff`] (a `pre_exec` hook, the inherited token
+//! descriptor), and in one block of the import cache ([`Imported::host_bytes_mut`], the
+//! only caller that can keep the contract of `RawMemory::host_bytes_mut`), each opening
+//! with a `# Safety` overview.
 
 #![deny(unsafe_code)]
 
-mod backend;
+// The modules, bottom layer first: each uses only the modules declared above it (see
+// "Layers" in the crate docs). One comment line per module keeps rustfmt from sorting
+// them.
+
+// 1. Fence bookkeeping without I/O.
+// Waits on another process's event, releasable alone.
 mod bridge;
-mod cache;
-#[allow(unsafe_code)]
-pub mod cuda;
-mod driver_thread;
+// The consumer's side of counter fences.
+pub mod inbox;
+
+// 2. Foundations.
+// The crate's error type.
 mod error;
-#[doc(hidden)]
-pub mod fuzzing;
+// Process identity and liveness.
+pub mod process;
+// The vocabulary of stream ordering across processes.
+pub mod ordering;
+// Where blocking driver calls run.
+mod driver_thread;
+
+// 3. The deployment.
+// The session token's way to a child process.
 #[allow(unsafe_code)]
 pub mod handoff;
-#[allow(unsafe_code)]
-pub mod host;
-pub mod inbox;
-pub mod link;
-pub mod ordering;
-pub mod process;
-pub mod select;
+// The session: token, keys, handle check.
 mod session;
-pub mod slab;
+// Children that die with this process.
 #[allow(unsafe_code)]
 pub mod spawn;
+
+// 4. The transport.
+// Framed, authenticated links.
+pub mod link;
+
+// 5. Memory.
+// The backend trait, allocations and mappings.
+mod backend;
+// Host memory.
+#[allow(unsafe_code)]
+pub mod host;
+// The import cache.
+mod cache;
+// Device memory.
+#[allow(unsafe_code)]
+pub mod cuda;
+// Choosing a backend at run time.
+pub mod select;
+// Slabs of many buffers.
+pub mod slab;
+
+// 6. The fuzz targets' logic.
+#[doc(hidden)]
+pub mod fuzzing;
 
 pub use backend::{
     Allocation, Backend, DescriptorScope, ExportableMemory, FenceFaultHook, FreeWhileMapped,
