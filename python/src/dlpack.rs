@@ -18,16 +18,19 @@
 //!   does not), or the capsule's destructor does (the capsule still bears its first name:
 //!   nobody took it). The `shape` array the tensor points into lives in the same box;
 //! - the deleter may run on any thread, with or without the GIL (a consumer's tensor is
-//!   freed by its library): it touches no Python object, only the Rust [`ViewGuard`],
-//!   whose drop is thread-safe;
+//!   freed by its library): it touches no Python object, only the guard the capsule was
+//!   made with, which is `Send` and whose drop needs no GIL (the caller's guarantee: see
+//!   [`capsule`]);
 //! - the capsule destructor runs with the GIL held (CPython calls it when the capsule is
 //!   collected) and only checks the capsule's name and reads its pointer;
-//! - the memory the tensor points at stays mapped while the guard lives (see
-//!   [`memory`](crate::memory)).
+//! - the memory the tensor points at stays mapped while the guard lives (the caller's
+//!   guarantee: `memory`'s views guard their memory so).
+//!
+//! This module knows nothing of Baton's buffers: it takes the guard as a type parameter,
+//! so the views (`memory`) use it and it uses nothing of theirs.
 
 #![allow(unsafe_code)]
 
-use crate::memory::ViewGuard;
 use baton_messages::DType;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -124,14 +127,14 @@ fn dl_dtype(d: DType) -> DLDataType {
     }
 }
 
-/// A managed tensor and what it owns: the shape it points into and the guard that keeps
-/// its memory mapped. `#[repr(C)]` with the tensor first, so that a pointer to the tensor
-/// is a pointer to the whole.
+/// A managed tensor and what it owns: the shape it points into and the guard `G` that
+/// keeps its memory mapped. `#[repr(C)]` with the tensor first, so that a pointer to the
+/// tensor is a pointer to the whole.
 #[repr(C)]
-struct Managed<M> {
+struct Managed<M, G> {
     tensor: M,
     shape: Vec<i64>,
-    _guard: ViewGuard,
+    _guard: G,
 }
 
 fn dl_tensor(spec: &TensorSpec, shape: &mut [i64]) -> DLTensor {
@@ -150,25 +153,26 @@ fn dl_tensor(spec: &TensorSpec, shape: &mut [i64]) -> DLTensor {
     }
 }
 
-unsafe extern "C" fn delete_legacy(tensor: *mut DLManagedTensor) {
+unsafe extern "C" fn delete_legacy<G>(tensor: *mut DLManagedTensor) {
     if tensor.is_null() {
         return;
     }
-    // SAFETY: `tensor` is the first field of a leaked `Box<Managed<DLManagedTensor>>`
-    // (`repr(C)`), and DLPack's contract is that the deleter is called once.
-    drop(unsafe { Box::from_raw(tensor.cast::<Managed<DLManagedTensor>>()) });
+    // SAFETY: `tensor` is the first field of a leaked `Box<Managed<DLManagedTensor, G>>`
+    // (`repr(C)`; `capsule::<G>` stored this deleter with it), and DLPack's contract is
+    // that the deleter is called once.
+    drop(unsafe { Box::from_raw(tensor.cast::<Managed<DLManagedTensor, G>>()) });
 }
 
-unsafe extern "C" fn delete_versioned(tensor: *mut DLManagedTensorVersioned) {
+unsafe extern "C" fn delete_versioned<G>(tensor: *mut DLManagedTensorVersioned) {
     if tensor.is_null() {
         return;
     }
-    // SAFETY: as in `delete_legacy`, for `Managed<DLManagedTensorVersioned>`.
-    drop(unsafe { Box::from_raw(tensor.cast::<Managed<DLManagedTensorVersioned>>()) });
+    // SAFETY: as in `delete_legacy`, for `Managed<DLManagedTensorVersioned, G>`.
+    drop(unsafe { Box::from_raw(tensor.cast::<Managed<DLManagedTensorVersioned, G>>()) });
 }
 
-/// Deletes the tensor of a capsule no consumer took.
-unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+/// Deletes the tensor of a capsule no consumer took (one made by `capsule::<G>`).
+unsafe extern "C" fn capsule_destructor<G>(capsule: *mut ffi::PyObject) {
     for (name, versioned) in [(NAME, false), (NAME_VERSIONED, true)] {
         // SAFETY: CPython calls this with the GIL held and a valid capsule;
         // `PyCapsule_IsValid` sets no exception.
@@ -180,11 +184,11 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
         // SAFETY: as above; the name matches, so this returns the capsule's pointer.
         let tensor = unsafe { ffi::PyCapsule_GetPointer(capsule, name.as_ptr()) };
         if versioned {
-            // SAFETY: the pointer `capsule()` stored under this name, deleted once here.
-            unsafe { delete_versioned(tensor.cast()) };
+            // SAFETY: the pointer `capsule::<G>()` stored under this name, deleted once here.
+            unsafe { delete_versioned::<G>(tensor.cast()) };
         } else {
             // SAFETY: as above.
-            unsafe { delete_legacy(tensor.cast()) };
+            unsafe { delete_legacy::<G>(tensor.cast()) };
         }
         return;
     }
@@ -192,10 +196,13 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
 
 /// A capsule holding a managed tensor of `spec`, whose deleter drops `guard`: versioned
 /// (DLPack 1.0, with the read-only flag) or not.
-pub(crate) fn capsule<'py>(
+///
+/// `guard` must keep the memory at `spec.data` valid while it lives, and its drop must be
+/// safe on any thread without the GIL (the deleter's: see the module docs).
+pub(crate) fn capsule<'py, G: Send + 'static>(
     py: Python<'py>,
     spec: TensorSpec,
-    guard: ViewGuard,
+    guard: G,
     versioned: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (ptr, name): (*mut c_void, &CStr) = if versioned {
@@ -203,7 +210,7 @@ pub(crate) fn capsule<'py>(
             tensor: DLManagedTensorVersioned {
                 version: DLPackVersion { major: 1, minor: 0 },
                 manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_versioned),
+                deleter: Some(delete_versioned::<G>),
                 flags: if spec.read_only { FLAG_READ_ONLY } else { 0 },
                 dl_tensor: dl_tensor(&spec, &mut []),
             },
@@ -221,7 +228,7 @@ pub(crate) fn capsule<'py>(
             tensor: DLManagedTensor {
                 dl_tensor: dl_tensor(&spec, &mut []),
                 manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_legacy),
+                deleter: Some(delete_legacy::<G>),
             },
             shape: spec.shape.clone(),
             _guard: guard,
@@ -235,14 +242,14 @@ pub(crate) fn capsule<'py>(
     // SAFETY: `ptr` is a valid managed tensor, `name` a static C string, the destructor
     // has the signature CPython expects. On failure the capsule does not exist and the
     // tensor is still ours: it is deleted below.
-    let capsule = unsafe { ffi::PyCapsule_New(ptr, name.as_ptr(), Some(capsule_destructor)) };
+    let capsule = unsafe { ffi::PyCapsule_New(ptr, name.as_ptr(), Some(capsule_destructor::<G>)) };
     if capsule.is_null() {
         if versioned {
             // SAFETY: no capsule took `ptr`; it is deleted once, here.
-            unsafe { delete_versioned(ptr.cast()) };
+            unsafe { delete_versioned::<G>(ptr.cast()) };
         } else {
             // SAFETY: as above.
-            unsafe { delete_legacy(ptr.cast()) };
+            unsafe { delete_legacy::<G>(ptr.cast()) };
         }
         return Err(PyErr::fetch(py));
     }
