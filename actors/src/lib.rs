@@ -88,6 +88,8 @@ mod ids;
 mod error;
 // The lease ledger: a state machine without I/O.
 mod ledger;
+// A link's protocol: a state machine without I/O.
+mod link_session;
 // Stream ordering of a buffer on either side of a handoff.
 mod order;
 // Where blocking backend calls run.
