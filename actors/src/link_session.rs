@@ -45,6 +45,9 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
+#[cfg(test)]
+mod tests;
+
 /// Status answers a link prepares for its peer at once; one more request is a protocol
 /// fault ([`ActorError::TooManyStatusRequests`]).
 pub(crate) const STATUS_ANSWERS: usize = 4;
@@ -525,6 +528,12 @@ impl<A: Attach> LinkSession<A> {
         self.mapped.contains_key(&alloc)
     }
 
+    /// Our calls awaiting a reply now.
+    #[cfg(test)]
+    pub(crate) fn calls_pending(&self) -> usize {
+        self.pending.len()
+    }
+
     /// A call of ours was queued: `caller` waits for its reply.
     pub(crate) fn call_sent(&mut self, id: u64, caller: A::Caller) {
         self.pending.insert(id, caller);
@@ -569,6 +578,12 @@ impl<A: Attach> LinkSession<A> {
         self.pings
             .retain(|_, (sent, _)| now.saturating_duration_since(*sent) < deadline);
         Ok(self.ping(now, None))
+    }
+
+    /// Pings awaiting their pong.
+    #[cfg(test)]
+    pub(crate) fn pings(&self) -> usize {
+        self.pings.len()
     }
 
     /// A status request of ours, for at most `limit` entries: its id and frame. Once it
