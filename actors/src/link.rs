@@ -1,56 +1,58 @@
-//! [`PeerLink`]: one actor per connection, the I/O shell of its
+//! [`PeerLink`]: one actor per connection — the I/O shell of its protocol, a
 //! [`LinkSession`](crate::link_session::LinkSession).
 //!
-//! The session holds the link's protocol (what is held, pending, pinged, checked) and
-//! decides what each frame means; the actor carries out its actions. It owns the socket: a reader stream feeds it frames, a writer task drains its outgoing
-//! queue (frames with their descriptors), and a [`LinkCloser`] shuts the socket down when
-//! the link is cut, whatever the writer is doing. It routes the lease protocol both ways:
+//! The session (a state machine without I/O, in the crate's bottom layer) holds what the
+//! link knows of the protocol — leases held, mappings kept warm, pending calls, pings,
+//! status requests — and says what each frame means: an action to carry out, or the
+//! peer's fault. The actor owns everything else: the socket (a reader stream feeds it
+//! frames, a writer task drains its outgoing queue, and a [`LinkCloser`] shuts the socket
+//! down when the link is cut, whatever the writer is doing), the timers, and the calls
+//! into the node. It routes the lease protocol both ways:
 //!
-//! - as exporter, it grants leases for the buffers in outgoing messages through the node's
-//!   [`Exports`](crate::exports::Exports); a `Release`, `Unmapped` or `Evict` is checked
-//!   against what was granted over *this* link (a release of anything else — unknown,
-//!   replayed, another peer's — drops the link);
-//! - as importer, it checks every incoming handle (digest, consistency, that the peer
-//!   offers only its own buffers), opens it through the import cache — on the node's
-//!   driver thread when the backend's calls block (CUDA), the link waiting with
-//!   `ctx.wait` so that its frames keep their order — keeps the mapping warm for the next
-//!   offer of the same allocation (a *hold*, until the exporter sends `Unmap`), and hands
-//!   out lease guards that send `Release` (with the release fence after their last use)
-//!   when dropped;
-//! - it hands the release fences of the peer's `Release`s to the exporter's ledger, and
-//!   sends a pool's descriptor once per pool (see [`Exports`](crate::exports::Exports)).
+//! - as exporter (`link/outgoing.rs`, `link/leases.rs`), it grants leases for the buffers
+//!   in outgoing messages through the node's [`Exports`](crate::exports::Exports); a
+//!   `Release`, `Unmapped` or `Evict` is checked against what was granted over *this*
+//!   link (a release of anything else — unknown, replayed, another peer's — drops the
+//!   link), and the release fences of the peer's `Release`s go to the exporter's ledger;
+//! - as importer (`link/open.rs`), it opens the offers the session checked through the
+//!   import cache — on the node's driver thread when the backend's calls block (CUDA),
+//!   the link waiting with `ctx.wait` so that its frames keep their order — keeps the
+//!   mapping warm for the next offer of the same allocation (a *hold*, until the exporter
+//!   sends `Unmap`), and hands out lease guards that send `Release` (with the release
+//!   fence after their last use) when dropped;
+//! - as relay (`link/forward.rs`), it passes leases on to third processes.
 //!
 //! It pings the peer on the node's heartbeat interval; a peer that sends nothing within
 //! the deadline is *unresponsive* and its link is cut.
 //!
-//! When the link ends (end of stream, a protocol fault, a revoke deadline, silence, the
-//! peer's process dying, a close), the socket is shut down, the leases it granted stop
-//! counting (the ledger decides when their memory may go: see
+//! When the link ends (`link/closing.rs`: end of stream, a protocol fault, a revoke
+//! deadline, silence, the peer's process dying, a close), the socket is shut down, the
+//! leases it granted stop counting (the ledger decides when their memory may go: see
 //! [`ledger`](crate::ledger)), the mappings it kept warm are let go, every lease it holds
+//! is orphaned, every pending call fails, and the node's watchers are told why.
 
 use crate::buffer::HeldLease;
 use crate::error::ActorError;
 use crate::ids::LinkId;
-use crate::link_ref::{
-    AskStatus, Close, CutOff, LinkCommand, LinkRef, LinkState, PeerDied, ReleaseLease,
-    RequestEvict, SendPing, SendRevoke, SendUnmap,
-};
-use crate::link_session::{Action, Attach, Checks, Ended, LinkSession, SessionLimits};
+use crate::link_ref::{AskStatus, LinkCommand, LinkLimits, LinkRef, LinkState, SendPing};
+use crate::link_session::{Action, Attach, Checks, Ended, LinkSession, SessionLimits, Then};
 use crate::node::Node;
 use crate::remote::{IncomingPayload, OutCall};
 use actix::prelude::*;
 use baton_ipc::{AsyncLink, CacheKey, FrameFds, LinkCloser, LinkReader, PeerInfo, Received};
-use baton_messages::protocol::{Evict, Release, Revoke, Status, StatusRequest, Unmap, Unmapped};
+use baton_messages::protocol::{Status, StatusRequest};
 use baton_messages::status::STATUS_VERSION;
-use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire, ProcessId};
+use baton_messages::{FenceHandle, Message as Wire, ProcessId};
 use futures_util::stream::Stream;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
+mod closing;
 mod forward;
+mod leases;
 mod open;
 mod outgoing;
 
@@ -90,17 +92,17 @@ pub struct PeerLink {
     closer: LinkCloser,
     /// The link's protocol state.
     session: LinkSession<Attached>,
-    pub(crate) limits: crate::link_ref::LinkLimits,
+    pub(crate) limits: LinkLimits,
     /// The peer's calls running now: each holds one while it runs.
     calls: Arc<Semaphore>,
     down: Option<Arc<ActorError>>,
     /// The peer's calls whose answers are under way (handed to their handler, not yet
     /// queued): a closing link waits for them.
     answering: usize,
-    /// Closing ([`Close`]): cut once nothing is owed to the peer, or at this deadline.
+    /// Closing ([`Close`](crate::link_ref::Close)): cut once nothing is owed to the peer, or at this deadline.
     closing: Option<Instant>,
     /// The writer found the socket gone and left the verdict to the reader
-    /// ([`LinkFailed`]): a send that fails meanwhile is that same end, no reason of its own.
+    /// ([`LinkFailed`](closing::LinkFailed)): a send that fails meanwhile is that same end, no reason of its own.
     verdict_pending: bool,
     pub(crate) span: tracing::Span,
 }
@@ -158,7 +160,7 @@ impl PeerLink {
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let closer = link.closer();
-        let me_process = node.session().process();
+        let ours = node.session().process();
         let (reader, writer) = link.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
         let addr = PeerLink::create(|ctx| {
@@ -177,7 +179,7 @@ impl PeerLink {
                 closer,
                 session: LinkSession::new(
                     peer.process,
-                    me_process,
+                    ours,
                     SessionLimits {
                         offers_per_message: limits.offers_per_message,
                         leases_held: limits.leases_held,
@@ -250,7 +252,12 @@ impl PeerLink {
             Action::Send(frame) => self.send(&frame, Vec::new()),
             Action::Open(open) => {
                 let fds = fds.take().unwrap_or_default();
-                self.open(open, fds, slot.take(), ctx)
+                // Only the peer's call keeps its slot while it runs; the others' frees now.
+                let slot = match open.then {
+                    Then::Call { .. } => slot.take(),
+                    _ => None,
+                };
+                self.open(open, fds, slot, ctx)
             }
             Action::Released { lease, fences } => self.on_release(lease, fences),
             Action::Revoke {
@@ -258,37 +265,15 @@ impl PeerLink {
                 deadline_ms,
                 held,
             } => {
-                if let Some(held) = held.as_ref().and_then(Weak::upgrade) {
-                    let within = Duration::from_millis(deadline_ms.into());
-                    held.request_revoke(within);
-                    self.node.notify_revoke(crate::node::RevokeRequested {
-                        peer: self.peer.process,
-                        lease,
-                        within,
-                    });
-                } else {
-                    // A lease we forwarded: its holder is asked (see `relay`). Else a
-                    // revoke of a lease we already released crossed our Release: nothing
-                    // to do.
-                    self.revoke_passed(lease, deadline_ms);
-                }
+                self.on_revoke(lease, deadline_ms, held);
                 Ok(())
             }
             Action::Unhold { alloc, mapping } => {
-                // Answered once no lease of ours uses the mapping (at once if none does).
-                let addr = ctx.address();
-                self.node.cache().unhold(
-                    &mapping,
-                    self.me.holder(),
-                    Box::new(move || addr.do_send(SendUnmapped { alloc })),
-                );
+                self.unhold(alloc, &mapping, ctx);
                 Ok(())
             }
             Action::Unmapped(alloc) => {
-                // One that matches no hold crossed a failed open: harmless.
-                if !self.node.exports().unmapped(self.me.id, alloc) {
-                    tracing::debug!(%alloc, "Unmapped for no hold");
-                }
+                self.on_unmapped(alloc);
                 Ok(())
             }
             Action::Evict(alloc) => {
@@ -324,36 +309,6 @@ impl PeerLink {
         }
     }
 
-    /// The peer released a lease we granted: one we passed on goes to its exporter, else
-    /// the ledger checks it and takes its release fences (each checked first).
-    fn on_release(&mut self, lease: LeaseId, fences: Vec<FenceHandle>) -> Result<(), ActorError> {
-        tracing::trace!(%lease, fences = fences.len(), "released");
-        if self.release_passed(lease) {
-            // A lease we forwarded: handed on to its exporter (see `relay`).
-            return Ok(());
-        }
-        for fence in &fences {
-            self.node.backend().check_fence(&self.peer.process, fence)?;
-        }
-        if !fences.is_empty() && !self.node.offload().is_inline() {
-            // Opened on the driver thread now, so that the buffer's next use (on
-            // whatever thread) finds the importer's events open.
-            let (backend, peer, ahead) = (
-                Arc::clone(self.node.backend()),
-                self.peer.process,
-                fences.clone(),
-            );
-            self.node.offload().submit(move || {
-                for fence in &ahead {
-                    if let Err(e) = backend.prepare_fence(&peer, fence) {
-                        tracing::debug!(error = %e, "could not open a release fence ahead of its wait");
-                    }
-                }
-            });
-        }
-        self.node.exports().release(lease, self.me.id, fences)
-    }
-
     /// Every heartbeat interval: cut a silent peer, else ping it.
     fn heartbeat(&mut self, ctx: &mut Context<Self>) {
         let deadline = self.node.heartbeat().deadline;
@@ -365,23 +320,6 @@ impl PeerLink {
             .and_then(|ping| self.send(&ping, Vec::new()));
         if let Err(e) = pinged {
             self.cut(ctx, e);
-        }
-    }
-
-    /// The peer lends us a lane of its fence inbox: fences we record for it go there. Its
-    /// inbox is mapped on the driver thread (a fence recorded before that maps it then).
-    fn accept_inbox(&mut self, grant: InboxGrant) {
-        let (backend, peer) = (Arc::clone(self.node.backend()), self.peer.process);
-        let accept = move || {
-            if let Err(e) = backend.accept_inbox(&peer, &grant) {
-                tracing::warn!(error = %e, %peer, "the peer's fence inbox could not be mapped: fences for it are made complete before they are sent");
-            }
-        };
-        let offload = self.node.offload();
-        if offload.is_inline() {
-            accept();
-        } else {
-            offload.submit(accept);
         }
     }
 }
@@ -464,204 +402,10 @@ impl StreamHandler<Incoming> for PeerLink {
     }
 }
 
-/// The writer failed: the socket is gone.
-#[derive(Message)]
-#[rtype(result = "()")]
-struct LinkFailed {
-    error: baton_ipc::Error,
-    /// How many times the verdict was left to the reader already.
-    deferred: u8,
-}
-
-/// How many times (100 ms apart) a writer's "closed" waits for the reader's verdict.
-const READER_VERDICT_TRIES: u8 = 10;
-
-impl Handler<LinkFailed> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: LinkFailed, ctx: &mut Self::Context) {
-        match msg.error {
-            baton_ipc::Error::Closed
-                if msg.deferred < READER_VERDICT_TRIES && self.closer.readable_now() =>
-            {
-                // What the peer sent last (frames, half a frame, the end of stream) is still
-                // to be read: the reader's verdict — a clean end, or `Truncated` — says how
-                // the link ended, not a write that found the socket gone first.
-                let deferred = msg.deferred + 1;
-                self.verdict_pending = true;
-                ctx.run_later(Duration::from_millis(100), move |_, ctx| {
-                    ctx.address().do_send(LinkFailed {
-                        error: baton_ipc::Error::Closed,
-                        deferred,
-                    });
-                });
-            }
-            baton_ipc::Error::Closed => ctx.stop(),
-            e => self.cut(ctx, e.into()),
-        }
-    }
-}
-
 impl Handler<LinkCommand> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: LinkCommand, ctx: &mut Self::Context) {
         msg.dispatch(self, ctx);
-    }
-}
-
-impl Handler<CutOff> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: CutOff, ctx: &mut Self::Context) {
-        self.cut(ctx, msg.0);
-    }
-}
-
-/// How often a closing link looks whether what it owes the peer is written.
-const CLOSE_POLL: Duration = Duration::from_millis(2);
-
-impl PeerLink {
-    /// Cuts a closing link once no answer to the peer's calls is under way and its queued
-    /// frames are written (on the socket: the peer reads them before the end of stream), or
-    /// once the close's deadline passed; looks again shortly otherwise.
-    fn finish_close(&mut self, ctx: &mut Context<Self>) {
-        let Some(deadline) = self.closing else {
-            return;
-        };
-        let flushed = self.answering == 0 && self.me.state.queued.load(Ordering::Acquire) == 0;
-        if flushed || Instant::now() >= deadline {
-            if !flushed {
-                tracing::info!(
-                    answering = self.answering,
-                    "closing before every answer was sent: the flush deadline passed"
-                );
-            }
-            self.cut(
-                ctx,
-                ActorError::LinkClosed {
-                    peer: self.peer.process,
-                },
-            );
-        } else {
-            ctx.run_later(CLOSE_POLL, |act, ctx| act.finish_close(ctx));
-        }
-    }
-}
-
-impl Handler<Close> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: Close, ctx: &mut Self::Context) {
-        if self.closing.is_none() {
-            self.closing = Some(Instant::now() + msg.flush);
-            self.finish_close(ctx);
-        }
-    }
-}
-
-impl Handler<PeerDied> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, _: PeerDied, ctx: &mut Self::Context) {
-        if self.closer.readable_now() {
-            // Frames or end of stream are waiting: the reader gets to them first.
-            ctx.run_later(Duration::from_millis(100), |_, ctx| {
-                ctx.address().do_send(PeerDied);
-            });
-        } else {
-            self.cut(
-                ctx,
-                ActorError::PeerExited {
-                    peer: self.peer.process,
-                },
-            );
-        }
-    }
-}
-
-impl Handler<ReleaseLease> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: ReleaseLease, ctx: &mut Self::Context) {
-        let ReleaseLease {
-            lease,
-            fences,
-            pending,
-        } = msg;
-        self.session.released(lease);
-        self.me
-            .state
-            .held_leases
-            .store(self.session.held(), Ordering::Relaxed);
-        match pending {
-            None => self.release_now(lease, fences, ctx),
-            Some(pending) => {
-                let waited = self.node.offload().run(move || pending.wait());
-                ctx.spawn(waited.into_actor(self).map(move |_, act, ctx| {
-                    act.release_now(lease, fences, ctx);
-                }));
-            }
-        }
-    }
-}
-
-impl PeerLink {
-    /// Sends `Release` of a lease whose uses are over — for a relayed lease, once its
-    /// mapping is closed (see `relay`).
-    fn release_now(&mut self, lease: LeaseId, fences: Vec<FenceHandle>, ctx: &mut Context<Self>) {
-        let Err((lease, fences)) = self.release_relayed(lease, fences) else {
-            return;
-        };
-        if let Err(e) = self.send(&Wire::Release(Release { lease, fences }), Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-impl Handler<SendRevoke> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendRevoke, ctx: &mut Self::Context) {
-        let deadline_ms = u32::try_from(msg.within.as_millis()).unwrap_or(u32::MAX);
-        let revoke = Wire::Revoke(Revoke {
-            lease: msg.lease,
-            deadline_ms,
-        });
-        if let Err(e) = self.send(&revoke, Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-impl Handler<SendUnmap> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendUnmap, ctx: &mut Self::Context) {
-        if let Err(e) = self.send(&Wire::Unmap(Unmap { alloc: msg.alloc }), Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-/// Our mapping of one of the peer's allocations is closed (an `Unmap` answered).
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SendUnmapped {
-    alloc: AllocationId,
-}
-
-impl Handler<SendUnmapped> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendUnmapped, ctx: &mut Self::Context) {
-        tracing::trace!(parent: &self.span, alloc = %msg.alloc, "unmapped");
-        if let Err(e) = self.send(&Wire::Unmapped(Unmapped { alloc: msg.alloc }), Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-impl Handler<RequestEvict> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: RequestEvict, ctx: &mut Self::Context) {
-        if !self.session.maps(msg.alloc) {
-            return;
-        }
-        if let Err(e) = self.send(&Wire::Evict(Evict { alloc: msg.alloc }), Vec::new()) {
-            self.cut(ctx, e);
-        }
     }
 }
 

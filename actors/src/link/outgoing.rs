@@ -90,7 +90,7 @@ pub(super) async fn write_loop(
         // The calls' share of the window comes back: waiting senders may queue again.
         windows.clear();
         if let Err(e) = sent {
-            addr.do_send(super::LinkFailed {
+            addr.do_send(super::closing::LinkFailed {
                 error: e,
                 deferred: 0,
             });
