@@ -28,6 +28,9 @@
 //!   back.
 //! - [`PeerLink`]: one actor per connection; framing, handshake, descriptors, heartbeat,
 //!   routing of the lease protocol; the peer's death reclaims its leases and orphans ours.
+//!   Its protocol — what it holds of the peer's, what is pending, every check on a frame
+//!   and the fault it is — is a state machine without I/O (`link_session`); the actor is
+//!   its shell, which owns the socket, the writer, the timers and the opens.
 //! - Typed buffer messages: a [`RemoteMessage`] may hold [`Shared<T>`] fields; sending it
 //!   through a [`RemoteAddr`] leases its buffers to the receiver, which `open()`s them into
 //!   read-only [`Lease<T>`]s ([`SharedMut<T>`] fields open writable [`LeaseMut<T>`]s: one
@@ -45,7 +48,11 @@
 //!
 //! Design choice: the lease ledger is a state machine without I/O (`ledger.rs`,
 //! property-tested against a model), one per node, behind a mutex beside the actors rather
-//! than inside one. Leases are granted and returned on the hot path of every handoff by the
+//! than inside one. So is each link's protocol (`link_session.rs`, one per link, owned by
+//! its actor): the actor feeds it frames, opens and heartbeats with their time and
+//! carries out the actions it returns, the way quinn drives quinn-proto's connection, so
+//! every fault a peer can commit is a unit test and random frame sequences are checked
+//! against a model, with no socket or process. Leases are granted and returned on the hot path of every handoff by the
 //! link actors, and a few hash-map operations under a mutex cost far less than two extra
 //! mailbox round trips. Owners keep what needs time (revoke deadlines) and identity.
 //!
@@ -53,14 +60,18 @@
 //! cycle. `lib.rs` declares them bottom first, and the workspace's `tests/layers.rs`
 //! fails on any import of a module declared later:
 //!
-//! 1. pure state: `ids`, `error`, `ledger` (the lease state machine), `order` (stream
-//!    ordering), `offload` (where blocking calls run);
+//! 1. pure state: `ids`, `error`, `ledger` (the lease state machine), `link_session` (a
+//!    link's protocol state machine), `order` (stream ordering), `offload` (where blocking
+//!    calls run);
 //! 2. what the node and its links share: `link_ref` (a link's handle, and the messages
 //!    its actor takes), `exports` (the ledger behind its mutex), `buffer`, `remote` (typed
 //!    messages and their encoding), `relay` (forwarding's tables), `observed` (what the
 //!    status reports besides them);
 //! 3. the node and its links: `node`, `status`, `link` (the [`PeerLink`] actor, which
-//!    serves the node), `connect` (which makes links and starts their actors);
+//!    serves the node: the I/O shell of its `link_session`, by concept in `link/` —
+//!    `outgoing` (queue, writer, grants), `open` (opening offers), `leases` (the lease
+//!    protocol's other messages), `forward`, `closing`), `connect` (which makes links and
+//!    starts their actors);
 //! 4. the public API on top: [`raw`], `owner` ([`BufferOwner`]), [`child`],
 //!    [`supervisor`], [`metrics`].
 //!
@@ -88,6 +99,8 @@ mod ids;
 mod error;
 // The lease ledger: a state machine without I/O.
 mod ledger;
+// A link's protocol: a state machine without I/O.
+mod link_session;
 // Stream ordering of a buffer on either side of a handoff.
 mod order;
 // Where blocking backend calls run.

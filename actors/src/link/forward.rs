@@ -351,17 +351,6 @@ impl PeerLink {
         }
     }
 
-    /// C: a relayed offer from this link's peer must name a third process's buffer.
-    pub(crate) fn check_relayed(&self, offer: &Offer) -> Result<(), ActorError> {
-        let exporter = offer.handle.exporter.process;
-        if exporter == self.peer.process || exporter == self.node.session().process() {
-            return Err(ActorError::Unexpected {
-                got: "Relayed offer of the relay's or our own buffer",
-            });
-        }
-        Ok(())
-    }
-
     /// C: a relayed lease's guard dropped: its mapping is let go, and its `Release` goes
     /// once the mapping is closed. Hands `lease` and `fences` back if it was not one.
     pub(crate) fn release_relayed(

@@ -1,0 +1,205 @@
+//! The lease protocol's messages besides the frames the session checks: a release of the
+//! peer's handed to the ledger (with its fences opened ahead), our guards' releases, the
+//! revokes, unmaps and evictions the ledger and the cache ask for, and the fence inbox
+//! lane the peer lends us.
+
+use super::PeerLink;
+use crate::buffer::HeldLease;
+use crate::error::ActorError;
+use crate::link_ref::{ReleaseLease, RequestEvict, SendRevoke, SendUnmap};
+use actix::prelude::*;
+use baton_ipc::CacheKey;
+use baton_messages::protocol::{Evict, Release, Revoke, Unmap, Unmapped};
+use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+impl PeerLink {
+    /// The peer released a lease we granted: one we passed on goes to its exporter, else
+    /// the ledger checks it and takes its release fences (each checked first).
+    pub(super) fn on_release(
+        &mut self,
+        lease: LeaseId,
+        fences: Vec<FenceHandle>,
+    ) -> Result<(), ActorError> {
+        tracing::trace!(%lease, fences = fences.len(), "released");
+        if self.release_passed(lease) {
+            // A lease we forwarded: handed on to its exporter (see `relay`).
+            return Ok(());
+        }
+        for fence in &fences {
+            self.node.backend().check_fence(&self.peer.process, fence)?;
+        }
+        if !fences.is_empty() && !self.node.offload().is_inline() {
+            // Opened on the driver thread now, so that the buffer's next use (on
+            // whatever thread) finds the importer's events open.
+            let (backend, peer, ahead) = (
+                Arc::clone(self.node.backend()),
+                self.peer.process,
+                fences.clone(),
+            );
+            self.node.offload().submit(move || {
+                for fence in &ahead {
+                    if let Err(e) = backend.prepare_fence(&peer, fence) {
+                        tracing::debug!(error = %e, "could not open a release fence ahead of its wait");
+                    }
+                }
+            });
+        }
+        self.node.exports().release(lease, self.me.id, fences)
+    }
+
+    /// The exporter asks for a lease back: the holder of one we hold hears it (and the
+    /// node's watchers); one we forwarded is asked of its holder (see `relay`). Else a
+    /// revoke of a lease we already released crossed our `Release`: nothing to do.
+    pub(super) fn on_revoke(
+        &mut self,
+        lease: LeaseId,
+        deadline_ms: u32,
+        held: Option<Weak<HeldLease>>,
+    ) {
+        if let Some(held) = held.as_ref().and_then(Weak::upgrade) {
+            let within = Duration::from_millis(deadline_ms.into());
+            held.request_revoke(within);
+            self.node.notify_revoke(crate::node::RevokeRequested {
+                peer: self.peer.process,
+                lease,
+                within,
+            });
+        } else {
+            self.revoke_passed(lease, deadline_ms);
+        }
+    }
+
+    /// The exporter asks us to close our mapping of `alloc`: answer `Unmapped` once no
+    /// lease of ours uses it (at once if none does).
+    pub(super) fn unhold(
+        &mut self,
+        alloc: AllocationId,
+        mapping: &CacheKey,
+        ctx: &mut Context<Self>,
+    ) {
+        let addr = ctx.address();
+        self.node.cache().unhold(
+            mapping,
+            self.me.holder(),
+            Box::new(move || addr.do_send(SendUnmapped { alloc })),
+        );
+    }
+
+    /// The peer closed its mapping of our `alloc`.
+    pub(super) fn on_unmapped(&mut self, alloc: AllocationId) {
+        // One that matches no hold crossed a failed open: harmless.
+        if !self.node.exports().unmapped(self.me.id, alloc) {
+            tracing::debug!(%alloc, "Unmapped for no hold");
+        }
+    }
+
+    /// The peer lends us a lane of its fence inbox: fences we record for it go there. Its
+    /// inbox is mapped on the driver thread (a fence recorded before that maps it then).
+    pub(super) fn accept_inbox(&mut self, grant: InboxGrant) {
+        let (backend, peer) = (Arc::clone(self.node.backend()), self.peer.process);
+        let accept = move || {
+            if let Err(e) = backend.accept_inbox(&peer, &grant) {
+                tracing::warn!(error = %e, %peer, "the peer's fence inbox could not be mapped: fences for it are made complete before they are sent");
+            }
+        };
+        let offload = self.node.offload();
+        if offload.is_inline() {
+            accept();
+        } else {
+            offload.submit(accept);
+        }
+    }
+}
+
+impl Handler<ReleaseLease> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: ReleaseLease, ctx: &mut Self::Context) {
+        let ReleaseLease {
+            lease,
+            fences,
+            pending,
+        } = msg;
+        self.session.released(lease);
+        self.me
+            .state
+            .held_leases
+            .store(self.session.held(), Ordering::Relaxed);
+        match pending {
+            None => self.release_now(lease, fences, ctx),
+            Some(pending) => {
+                let waited = self.node.offload().run(move || pending.wait());
+                ctx.spawn(waited.into_actor(self).map(move |_, act, ctx| {
+                    act.release_now(lease, fences, ctx);
+                }));
+            }
+        }
+    }
+}
+
+impl PeerLink {
+    /// Sends `Release` of a lease whose uses are over — for a relayed lease, once its
+    /// mapping is closed (see `relay`).
+    fn release_now(&mut self, lease: LeaseId, fences: Vec<FenceHandle>, ctx: &mut Context<Self>) {
+        let Err((lease, fences)) = self.release_relayed(lease, fences) else {
+            return;
+        };
+        if let Err(e) = self.send(&Wire::Release(Release { lease, fences }), Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+impl Handler<SendRevoke> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: SendRevoke, ctx: &mut Self::Context) {
+        let deadline_ms = u32::try_from(msg.within.as_millis()).unwrap_or(u32::MAX);
+        let revoke = Wire::Revoke(Revoke {
+            lease: msg.lease,
+            deadline_ms,
+        });
+        if let Err(e) = self.send(&revoke, Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+impl Handler<SendUnmap> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: SendUnmap, ctx: &mut Self::Context) {
+        if let Err(e) = self.send(&Wire::Unmap(Unmap { alloc: msg.alloc }), Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+/// Our mapping of one of the peer's allocations is closed (an `Unmap` answered).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct SendUnmapped {
+    alloc: AllocationId,
+}
+
+impl Handler<SendUnmapped> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: SendUnmapped, ctx: &mut Self::Context) {
+        tracing::trace!(parent: &self.span, alloc = %msg.alloc, "unmapped");
+        if let Err(e) = self.send(&Wire::Unmapped(Unmapped { alloc: msg.alloc }), Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+impl Handler<RequestEvict> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: RequestEvict, ctx: &mut Self::Context) {
+        if !self.session.maps(msg.alloc) {
+            return;
+        }
+        if let Err(e) = self.send(&Wire::Evict(Evict { alloc: msg.alloc }), Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}

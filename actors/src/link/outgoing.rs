@@ -1,0 +1,315 @@
+//! The link's outgoing side: the queue of frames and the task that writes them (batched),
+//! the bound on what the peer lets pile up, and the lease grants that go with our calls
+//! and replies (all or none, undone if the frame is never sent).
+
+use super::PeerLink;
+use crate::buffer::Outgoing;
+use crate::error::ActorError;
+use crate::exports::OfferGrant;
+use crate::link_ref::{CancelCall, LinkState};
+use crate::remote::{Encoded, OutCall};
+use actix::prelude::*;
+use baton_ipc::LinkWriter;
+use baton_messages::Message as Wire;
+use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_frame};
+use baton_messages::protocol::{Call, CallFault, Offer, Payload, Reply};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+
+/// A frame queued for the writer.
+pub(super) struct OutFrame {
+    bytes: Vec<u8>,
+    fds: Vec<OwnedFd>,
+    /// For a call of ours: its share of the send window, given back once it is written.
+    window: Option<OwnedSemaphorePermit>,
+}
+
+/// Leases granted for one frame: its offers, the descriptors that go with them, and what
+/// undoing each grant takes.
+struct Granted {
+    offers: Vec<Offer>,
+    fds: Vec<OwnedFd>,
+    grants: Vec<OfferGrant>,
+}
+
+/// The most bytes of frames one `sendmsg` carries when frames are queued back to back.
+const MAX_BATCH: usize = 64 * 1024;
+
+/// Drains the outgoing queue onto the socket. Frames queued behind the one being sent go
+/// out in the same `sendmsg` (one system call, one wakeup of the peer, instead of one per
+/// frame) — up to [`MAX_BATCH`] bytes, and never past a frame that carries descriptors:
+/// descriptors travel with their frame's first byte, so such a frame starts a new batch.
+pub(super) async fn write_loop(
+    mut writer: LinkWriter,
+    mut rx: mpsc::UnboundedReceiver<OutFrame>,
+    state: Arc<LinkState>,
+    addr: Addr<PeerLink>,
+) {
+    let mut batch: Vec<u8> = Vec::with_capacity(4096);
+    let mut windows: Vec<OwnedSemaphorePermit> = Vec::new();
+    let mut next: Option<OutFrame> = None;
+    loop {
+        let first = match next.take() {
+            Some(frame) => frame,
+            None => match rx.recv().await {
+                Some(frame) => frame,
+                None => break,
+            },
+        };
+        batch.clear();
+        batch.extend_from_slice(&first.bytes);
+        // Bytes of our calls in the batch.
+        let mut calls = if first.window.is_some() {
+            first.bytes.len()
+        } else {
+            0
+        };
+        windows.extend(first.window);
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(frame) if frame.fds.is_empty() => {
+                    batch.extend_from_slice(&frame.bytes);
+                    if frame.window.is_some() {
+                        calls += frame.bytes.len();
+                    }
+                    windows.extend(frame.window);
+                }
+                Ok(frame) => {
+                    next = Some(frame);
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        let fds: Vec<BorrowedFd<'_>> = first.fds.iter().map(|fd| fd.as_fd()).collect();
+        let sent = writer.send_encoded(&batch, &fds).await;
+        state.queued.fetch_sub(batch.len(), Ordering::Relaxed);
+        state.queued_calls.fetch_sub(calls, Ordering::Relaxed);
+        // The calls' share of the window comes back: waiting senders may queue again.
+        windows.clear();
+        if let Err(e) = sent {
+            addr.do_send(super::closing::LinkFailed {
+                error: e,
+                deferred: 0,
+            });
+            break;
+        }
+    }
+    // The actor dropped its sender (it stopped) or the socket failed: the peer sees the
+    // end of the stream, and our reader's pending receive ends.
+    writer.shutdown();
+}
+
+impl PeerLink {
+    /// Queues a frame of ours that answers the peer or runs the protocol (a reply, a
+    /// release, a pong…). Fails with [`ActorError::PeerNotReading`] when the queue is past
+    /// its bound: the peer makes us write and does not read.
+    pub(crate) fn send(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
+        let bytes = Self::encode(msg, fds.len())?;
+        self.room_for(bytes.len())?;
+        self.enqueue(bytes, fds, None)
+    }
+
+    /// Whether `len` more bytes fit the queue's bound (see [`send`](Self::send)).
+    fn room_for(&self, len: usize) -> Result<(), ActorError> {
+        let state = &self.me.state;
+        let queued = state
+            .queued
+            .load(Ordering::Relaxed)
+            .saturating_sub(state.queued_calls.load(Ordering::Relaxed));
+        if queued + len > self.limits.queued_bytes {
+            return Err(ActorError::PeerNotReading {
+                peer: self.peer.process,
+                queued,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn encode(msg: &Wire, fds: usize) -> Result<Vec<u8>, ActorError> {
+        let mut bytes = Vec::with_capacity(256);
+        encode_frame(msg, fds, &mut bytes).map_err(baton_ipc::Error::from)?;
+        Ok(bytes)
+    }
+
+    fn enqueue(
+        &mut self,
+        bytes: Vec<u8>,
+        fds: Vec<OwnedFd>,
+        window: Option<OwnedSemaphorePermit>,
+    ) -> Result<(), ActorError> {
+        let closed = || ActorError::LinkClosed {
+            peer: self.peer.process,
+        };
+        let out = self.out.as_ref().ok_or_else(closed)?;
+        let len = bytes.len();
+        let call = window.is_some();
+        // Counted before the writer can see it (it subtracts once it is written).
+        let state = &self.me.state;
+        state.count(len, call, true);
+        out.send(OutFrame { bytes, fds, window }).map_err(|_| {
+            state.count(len, call, false);
+            closed()
+        })
+    }
+
+    /// Grants the peer a lease on each buffer; all or none.
+    fn grant_all(&mut self, cells: &[Outgoing]) -> Result<Granted, ActorError> {
+        let mut offers = Vec::with_capacity(cells.len());
+        let mut grants = Vec::with_capacity(cells.len());
+        let mut fds = Vec::new();
+        let mut failure = None;
+        for out in cells {
+            let cell = &out.cell;
+            if fds.len() >= MAX_FDS_PER_FRAME && cell.alloc.export_fd().is_some() {
+                failure = Some(ActorError::TooManyDescriptors {
+                    count: fds.len() + 1,
+                    max: MAX_FDS_PER_FRAME,
+                });
+                break;
+            }
+            let granted = out.acquire_fence(&self.peer.process).and_then(|fence| {
+                self.node
+                    .exports()
+                    .grant(cell, &self.me, fds.len() as u8, fence, out.writable)
+            });
+            match granted {
+                Ok((offer, fd, grant)) => {
+                    fds.extend(fd);
+                    offers.push(offer);
+                    grants.push(grant);
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        match failure {
+            None => Ok(Granted {
+                offers,
+                fds,
+                grants,
+            }),
+            Some(e) => {
+                self.ungrant(&offers, &grants);
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes back leases granted for a frame that was never sent.
+    fn ungrant(&mut self, offers: &[Offer], grants: &[OfferGrant]) {
+        // Newest first, so that the grant that started a hold is undone last.
+        for (offer, grant) in offers.iter().zip(grants).rev() {
+            self.node.exports().ungrant(offer.lease, *grant, self.me.id);
+        }
+    }
+
+    pub(super) fn send_reply(
+        &mut self,
+        id: u64,
+        result: Result<Encoded, CallFault>,
+    ) -> Result<(), ActorError> {
+        let (outcome, fds, grants) = match result {
+            Ok(encoded) => match self.grant_all(&encoded.cells) {
+                Ok(Granted {
+                    offers,
+                    fds,
+                    grants,
+                }) => (
+                    Ok(Payload {
+                        bytes: encoded.bytes,
+                        offers,
+                    }),
+                    fds,
+                    grants,
+                ),
+                Err(e) => (
+                    Err(CallFault::ReplyFailed(e.to_string())),
+                    Vec::new(),
+                    Vec::new(),
+                ),
+            },
+            Err(fault) => (Err(fault), Vec::new(), Vec::new()),
+        };
+        let offers: Vec<Offer> = match &outcome {
+            Ok(p) => p.offers.clone(),
+            Err(_) => Vec::new(),
+        };
+        let bytes = match Self::encode(&Wire::Reply(Reply { id, outcome }), fds.len()) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                // Too large for a frame: the caller hears why, and the link stays up.
+                self.ungrant(&offers, &grants);
+                let fault = CallFault::ReplyFailed(format!("the reply could not be sent: {e}"));
+                return self.send(
+                    &Wire::Reply(Reply {
+                        id,
+                        outcome: Err(fault),
+                    }),
+                    Vec::new(),
+                );
+            }
+        };
+        let sent = self
+            .room_for(bytes.len())
+            .and_then(|()| self.enqueue(bytes, fds, None));
+        if sent.is_err() {
+            self.ungrant(&offers, &grants);
+        }
+        sent
+    }
+}
+
+impl Handler<OutCall> for PeerLink {
+    type Result = ();
+
+    fn handle(&mut self, msg: OutCall, _ctx: &mut Self::Context) {
+        let span = self.span.clone();
+        let _g = span.enter();
+        let Granted {
+            offers,
+            fds,
+            grants,
+        } = match self.grant_all(&msg.encoded.cells) {
+            Ok(granted) => granted,
+            Err(e) => {
+                let _ = msg.reply.send(Err(e));
+                return;
+            }
+        };
+        let id = msg.id;
+        let call = Wire::Call(Call {
+            id,
+            target: msg.target.to_string(),
+            type_name: msg.type_name.to_string(),
+            payload: msg.encoded.bytes,
+            offers,
+        });
+        let queued = Self::encode(&call, fds.len())
+            .and_then(|bytes| self.enqueue(bytes, fds, Some(msg.window)));
+        match queued {
+            Ok(()) => {
+                tracing::trace!(call = id, leases = grants.len(), "call sent");
+                self.session.call_sent(id, msg.reply);
+            }
+            Err(e) => {
+                let Wire::Call(call) = call else {
+                    unreachable!("built just above")
+                };
+                self.ungrant(&call.offers, &grants);
+                let _ = msg.reply.send(Err(e));
+            }
+        }
+    }
+}
+
+impl Handler<CancelCall> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: CancelCall, _ctx: &mut Self::Context) {
+        self.session.cancel(msg.0);
+    }
+}

@@ -1,0 +1,630 @@
+//! The link's protocol as a state machine without I/O: [`LinkSession`].
+//!
+//! Like quinn-proto's connection under quinn's driver (and the [`ledger`](crate::ledger)
+//! beside it), a session owns no socket, task, timer or driver object. Its shell, the
+//! [`PeerLink`](crate::PeerLink) actor, feeds it what happens — a frame read
+//! ([`handle`](LinkSession::handle)), an offer opened or refused
+//! ([`opened`](LinkSession::opened), [`refused`](LinkSession::refused)), a lease guard
+//! dropped ([`released`](LinkSession::released)), a call sent, a heartbeat
+//! ([`tick`](LinkSession::tick)), with the time it happened — and carries out the
+//! [`Action`]s it returns: send a frame, open offers, hand a release to the ledger… A
+//! frame that breaks the protocol is an `Err` with the typed fault ([`ActorError`], whose
+//! [`is_peer_fault`](ActorError::is_peer_fault) is true), and the shell cuts the link with
+//! it. Every interleaving can therefore be driven from a test (`link_session/tests.rs`:
+//! every fault, and random frame sequences against a model).
+//!
+//! What a session tracks, for one link:
+//!
+//! - as **importer**: the leases held from the peer (each with its guard's liveness, and
+//!   its bytes for the status of orphans), the peer's allocations this link keeps mapped,
+//!   and the checks on every offer (the peer's own buffer, offered once, within the
+//!   limits, its fence sane);
+//! - as **caller**: our calls awaiting a reply (a reply to a call never made is a fault,
+//!   a late one's leases go back);
+//! - **liveness**: pings in flight and when the peer was last heard;
+//! - **status**: our requests awaiting an answer, and the peer's being answered (bounded).
+//!
+//! What it leaves to the shell, and why: the lease *grants* (the node's ledger, shared by
+//! every link, decides them and a release's validity), the import cache and the driver
+//! calls that open offers, forwarding's tables (shared by the links a forward crosses), the
+//! outgoing queue and its bounds, and the calls running now (their slots bound reading).
+//!
+//! The types the shell attaches to the records (a lease's guard, a mapping's cache key,
+//! a call's waiter) are the session's parameters ([`Attach`]), so a test attaches plain
+//! values.
+
+use crate::error::ActorError;
+use baton_messages::protocol::{
+    Call, CallFault, Evict, Forward, Forwarded, MAX_RELEASE_FENCES, Offer, Payload, Release, Reply,
+    Revoke, Status, StatusRequest, StatusScope, Unmap, Unmapped,
+};
+use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire, ProcessId};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Weak;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+#[cfg(test)]
+mod tests;
+
+/// Status answers a link prepares for its peer at once; one more request is a protocol
+/// fault ([`ActorError::TooManyStatusRequests`]).
+pub(crate) const STATUS_ANSWERS: usize = 4;
+
+/// What the shell attaches to a session's records; the session only stores and hands
+/// them back.
+pub(crate) trait Attach {
+    /// A lease held from the peer, as its guard is seen from the link: held while
+    /// [`Held::is_held`].
+    type Held: Held + Clone;
+    /// A mapping of the peer's allocation that this link keeps warm (the import cache's
+    /// key).
+    type Mapping;
+    /// Who waits for the reply to one of our calls.
+    type Caller;
+}
+
+/// Whether a lease's guard still holds it (its last handle may drop before the shell
+/// reports the lease [`released`](LinkSession::released)).
+pub(crate) trait Held {
+    /// Whether the lease is held still.
+    fn is_held(&self) -> bool;
+}
+
+impl<T> Held for Weak<T> {
+    fn is_held(&self) -> bool {
+        self.strong_count() > 0
+    }
+}
+
+/// What the session asks of the node while it checks a frame (the few calls that leave
+/// it, in one place).
+pub(crate) trait Checks {
+    /// Whether `fence`, on an offer of `exporter`'s buffer, may be waited on: it names
+    /// our inbox, in its producer's lane, with a sane value. An error is the peer's fault.
+    fn check_fence(&self, exporter: &ProcessId, fence: &FenceHandle) -> Result<(), ActorError>;
+    /// Whether our call `id` was handed out already (a reply to it that is not pending
+    /// answers a call its caller gave up on).
+    fn call_issued(&self, id: u64) -> bool;
+}
+
+/// The limits of a session that the peer controls: past them is a protocol fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SessionLimits {
+    /// Offers in one frame ([`ActorError::TooManyOffers`]).
+    pub(crate) offers_per_message: usize,
+    /// Leases held from the peer at once ([`ActorError::TooManyLeases`]).
+    pub(crate) leases_held: usize,
+}
+
+/// What the shell does next, for the session.
+pub(crate) enum Action<A: Attach> {
+    /// Send this frame of ours (it carries no descriptors).
+    Send(Wire),
+    /// Open these checked offers — the frame's descriptors go with them — all or none,
+    /// reporting each through [`opened`](LinkSession::opened) or the rest through
+    /// [`refused`](LinkSession::refused); then carry on with `then`.
+    Open(Open<A>),
+    /// The peer released a lease: one we passed on goes to its exporter (forwarding);
+    /// else the ledger checks it was granted over this link, and takes its fences (their
+    /// count is checked; each fence is checked by the shell).
+    Released {
+        /// The lease.
+        lease: LeaseId,
+        /// Its release fences.
+        fences: Vec<FenceHandle>,
+    },
+    /// The exporter asks for a lease back by `deadline_ms`: one we hold (`held`), else one
+    /// we forwarded (its holder is asked), else one whose `Release` crossed the revoke
+    /// (nothing to do).
+    Revoke {
+        /// The lease.
+        lease: LeaseId,
+        /// Its deadline, as sent.
+        deadline_ms: u32,
+        /// Its guard, if we hold it.
+        held: Option<A::Held>,
+    },
+    /// Let go of this link's warm mapping of `alloc`; send `Unmapped` once it is closed.
+    Unhold {
+        /// The allocation.
+        alloc: AllocationId,
+        /// Our mapping of it.
+        mapping: A::Mapping,
+    },
+    /// The peer closed its mapping of our `alloc` (the ledger's hold ends).
+    Unmapped(AllocationId),
+    /// The peer asks us to let it drop its idle mapping of our `alloc`.
+    Evict(AllocationId),
+    /// Answer the peer's status request (then report [`status_answered`](LinkSession::status_answered)).
+    AnswerStatus(StatusRequest),
+    /// The peer lends us a lane of its fence inbox.
+    AcceptInbox(InboxGrant),
+    /// The peer asks us to lease a buffer to a third process (forwarding).
+    Forward(Forward),
+    /// The exporter's answer to a forward of ours (its descriptor travels with the frame).
+    Forwarded(Forwarded),
+    /// A call of ours failed at the peer.
+    CallFailed {
+        /// Who waits for its reply.
+        caller: A::Caller,
+        /// Why.
+        fault: CallFault,
+    },
+    /// A ping of ours came back.
+    Pong {
+        /// Its round trip.
+        rtt: Duration,
+        /// Who waits for it, if anyone.
+        reply: Option<oneshot::Sender<Duration>>,
+    },
+}
+
+/// Offers to open, checked, and what they came with.
+pub(crate) struct Open<A: Attach> {
+    /// The offers, in order.
+    pub(crate) offers: Vec<Offer>,
+    /// Whether they are relayed (a third process's buffers, passed on by the peer).
+    pub(crate) relayed: bool,
+    /// What to do with the leases once opened.
+    pub(crate) then: Then<A>,
+}
+
+/// What opened offers are for.
+pub(crate) enum Then<A: Attach> {
+    /// Bare offers (or a relayed one): delivered to the node's inbox.
+    Deliver,
+    /// The peer's call: run its handler with them.
+    Call {
+        /// The call's id (its reply names it).
+        id: u64,
+        /// The registered actor called.
+        target: String,
+        /// The message type.
+        type_name: String,
+        /// The encoded message.
+        payload: Vec<u8>,
+    },
+    /// The reply to a call of ours: its caller gets them.
+    Reply {
+        /// Who waits for the reply.
+        caller: A::Caller,
+        /// The encoded reply.
+        bytes: Vec<u8>,
+    },
+}
+
+/// What an ended session leaves to the shell.
+pub(crate) struct Ended<A: Attach> {
+    /// Our calls that were awaiting a reply: they fail.
+    pub(crate) callers: Vec<A::Caller>,
+    /// The leases still held, with their bytes: orphaned.
+    pub(crate) orphans: Vec<(A::Held, u64)>,
+}
+
+/// The link's protocol state (see the [module docs](self)).
+pub(crate) struct LinkSession<A: Attach> {
+    /// The peer's process.
+    peer: ProcessId,
+    /// Our own process.
+    me: ProcessId,
+    limits: SessionLimits,
+    /// The peer's allocations this link keeps mapped.
+    mapped: HashMap<AllocationId, A::Mapping>,
+    /// Leases held from the peer: each one's guard, and the bytes it maps.
+    held: HashMap<LeaseId, (A::Held, u64)>,
+    /// Our calls awaiting the peer's reply.
+    pending: HashMap<u64, A::Caller>,
+    /// Pings in flight: when each was sent, and who waits for its round trip.
+    pings: HashMap<u64, (Instant, Option<oneshot::Sender<Duration>>)>,
+    next_ping: u64,
+    /// When the peer last sent anything.
+    last_heard: Instant,
+    /// Status requests of ours awaiting the peer's answer.
+    status_waiters: HashMap<u64, oneshot::Sender<Result<String, ActorError>>>,
+    /// The next id of a status request of ours.
+    next_status: u64,
+    /// Status answers being prepared for the peer (at most [`STATUS_ANSWERS`]).
+    status_answers: usize,
+    /// The peer lent us a fence inbox lane already (at most once).
+    inbox_received: bool,
+}
+
+impl<A: Attach> fmt::Debug for LinkSession<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LinkSession")
+            .field("peer", &self.peer)
+            .field("mapped", &self.mapped.len())
+            .field("held", &self.held.len())
+            .field("pending", &self.pending.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<A: Attach> LinkSession<A> {
+    /// A session with `peer`, for our process `me`, started at `now`.
+    pub(crate) fn new(peer: ProcessId, me: ProcessId, limits: SessionLimits, now: Instant) -> Self {
+        Self {
+            peer,
+            me,
+            limits,
+            mapped: HashMap::new(),
+            held: HashMap::new(),
+            pending: HashMap::new(),
+            pings: HashMap::new(),
+            next_ping: 1,
+            last_heard: now,
+            status_waiters: HashMap::new(),
+            next_status: 1,
+            status_answers: 0,
+            inbox_received: false,
+        }
+    }
+
+    /// A frame from the peer, read at `now`: what to do about it, or the peer's fault.
+    /// The frame's descriptors stay with the shell, for the [`Action::Open`] or
+    /// [`Action::Forwarded`] it may return (they close otherwise).
+    ///
+    /// # Errors
+    /// The protocol fault the frame commits (the link is cut with it).
+    pub(crate) fn handle(
+        &mut self,
+        frame: Wire,
+        now: Instant,
+        checks: &impl Checks,
+    ) -> Result<Vec<Action<A>>, ActorError> {
+        self.last_heard = now;
+        let action = match frame {
+            Wire::Call(Call {
+                id,
+                target,
+                type_name,
+                payload,
+                offers,
+            }) => self.open(
+                offers,
+                false,
+                Then::Call {
+                    id,
+                    target,
+                    type_name,
+                    payload,
+                },
+                checks,
+            )?,
+            Wire::Reply(reply) => return self.on_reply(reply, checks),
+            Wire::Release(Release { lease, fences }) => {
+                if fences.len() > MAX_RELEASE_FENCES {
+                    return Err(ActorError::TooManyFences {
+                        count: fences.len(),
+                        max: MAX_RELEASE_FENCES,
+                    });
+                }
+                Action::Released { lease, fences }
+            }
+            Wire::Revoke(Revoke { lease, deadline_ms }) => Action::Revoke {
+                lease,
+                deadline_ms,
+                held: self
+                    .held
+                    .get(&lease)
+                    .map(|(h, _)| h)
+                    .filter(|h| h.is_held())
+                    .cloned(),
+            },
+            Wire::Unmap(Unmap { alloc }) => match self.mapped.remove(&alloc) {
+                Some(mapping) => Action::Unhold { alloc, mapping },
+                // Not mapped (never, or no more): nothing to close.
+                None => Action::Send(Wire::Unmapped(Unmapped { alloc })),
+            },
+            Wire::Unmapped(Unmapped { alloc }) => Action::Unmapped(alloc),
+            Wire::Evict(Evict { alloc }) => Action::Evict(alloc),
+            Wire::Offer(offer) => self.open(vec![offer], false, Then::Deliver, checks)?,
+            Wire::Relayed(relayed) => {
+                self.open(vec![relayed.offer], true, Then::Deliver, checks)?
+            }
+            Wire::Ping(n) => Action::Send(Wire::Pong(n)),
+            Wire::Pong(n) => match self.pings.remove(&n) {
+                Some((sent, reply)) => Action::Pong {
+                    rtt: now.saturating_duration_since(sent),
+                    reply,
+                },
+                // A pong we did not ask for is harmless: nothing is recorded for it.
+                None => return Ok(Vec::new()),
+            },
+            Wire::StatusRequest(request) => {
+                if self.status_answers >= STATUS_ANSWERS {
+                    return Err(ActorError::TooManyStatusRequests {
+                        max: STATUS_ANSWERS,
+                    });
+                }
+                self.status_answers += 1;
+                Action::AnswerStatus(request)
+            }
+            Wire::Status(status) => {
+                self.on_status(status)?;
+                return Ok(Vec::new());
+            }
+            Wire::Forward(forward) => Action::Forward(forward),
+            Wire::Forwarded(forwarded) => Action::Forwarded(forwarded),
+            Wire::FenceInbox(grant) => {
+                if std::mem::replace(&mut self.inbox_received, true) {
+                    return Err(ActorError::Unexpected {
+                        got: "a second FenceInbox",
+                    });
+                }
+                Action::AcceptInbox(grant)
+            }
+            other => return Err(ActorError::Unexpected { got: other.kind() }),
+        };
+        Ok(vec![action])
+    }
+
+    /// Checks offers and asks the shell to open them.
+    fn open(
+        &self,
+        offers: Vec<Offer>,
+        relayed: bool,
+        then: Then<A>,
+        checks: &impl Checks,
+    ) -> Result<Action<A>, ActorError> {
+        self.check_offers(&offers, relayed, checks)?;
+        Ok(Action::Open(Open {
+            offers,
+            relayed,
+            then,
+        }))
+    }
+
+    /// Checks a frame's offers before anything is opened: each is the peer's own (a
+    /// relayed one: a third process's), offered once, its fence sane, and the leases fit
+    /// the limits. An error is the peer's fault.
+    fn check_offers(
+        &self,
+        offers: &[Offer],
+        relayed: bool,
+        checks: &impl Checks,
+    ) -> Result<(), ActorError> {
+        if offers.len() > self.limits.offers_per_message {
+            return Err(ActorError::TooManyOffers {
+                count: offers.len(),
+                max: self.limits.offers_per_message,
+            });
+        }
+        for (i, offer) in offers.iter().enumerate() {
+            let exporter = offer.handle.exporter.process;
+            if relayed {
+                if exporter == self.peer || exporter == self.me {
+                    return Err(ActorError::Unexpected {
+                        got: "Relayed offer of the relay's or our own buffer",
+                    });
+                }
+            } else if exporter != self.peer {
+                return Err(ActorError::ForeignOffer {
+                    claimed: offer.handle.exporter,
+                });
+            }
+            if let Some(fence) = &offer.handle.fence {
+                // Before anything waits on it (forged fences are the peer's fault).
+                checks.check_fence(&exporter, fence)?;
+            }
+            let held = self
+                .held
+                .get(&offer.lease)
+                .is_some_and(|(h, _)| h.is_held());
+            if held || offers[..i].iter().any(|o| o.lease == offer.lease) {
+                return Err(ActorError::DuplicateLease { lease: offer.lease });
+            }
+        }
+        if self.held.len() + offers.len() > self.limits.leases_held {
+            return Err(ActorError::TooManyLeases {
+                max: self.limits.leases_held,
+            });
+        }
+        Ok(())
+    }
+
+    fn on_reply(
+        &mut self,
+        reply: Reply,
+        checks: &impl Checks,
+    ) -> Result<Vec<Action<A>>, ActorError> {
+        let Some(caller) = self.pending.remove(&reply.id) else {
+            if !checks.call_issued(reply.id) {
+                return Err(ActorError::UnknownCall { id: reply.id });
+            }
+            // A call its caller gave up on (a timeout): give back what the reply carries.
+            tracing::debug!(call = reply.id, "late reply dropped");
+            return match reply.outcome {
+                Ok(payload) => {
+                    if payload.offers.len() > self.limits.offers_per_message {
+                        return Err(ActorError::TooManyOffers {
+                            count: payload.offers.len(),
+                            max: self.limits.offers_per_message,
+                        });
+                    }
+                    Ok(self
+                        .refused(&payload.offers, false)
+                        .into_iter()
+                        .map(Action::Send)
+                        .collect())
+                }
+                Err(_) => Ok(Vec::new()),
+            };
+        };
+        let action = match reply.outcome {
+            Ok(Payload { bytes, offers }) => {
+                self.open(offers, false, Then::Reply { caller, bytes }, checks)?
+            }
+            Err(fault) => Action::CallFailed { caller, fault },
+        };
+        Ok(vec![action])
+    }
+
+    /// The peer's answer to a status request of ours. One to a request we never made is
+    /// a protocol fault; one to a request whose asker gave up is dropped.
+    fn on_status(&mut self, status: Status) -> Result<(), ActorError> {
+        match self.status_waiters.remove(&status.id) {
+            Some(tx) => {
+                let _ = tx.send(Ok(status.json));
+                Ok(())
+            }
+            None if status.id < self.next_status => Ok(()),
+            None => Err(ActorError::Unexpected { got: "Status" }),
+        }
+    }
+
+    /// An offer of an [`Action::Open`] opened: its lease is held (through `held`). For an
+    /// offer of the peer's own buffer, `mapping` is our mapping of its allocation; returns
+    /// whether it is the first over this link — a *hold* starts, that keeps the mapping
+    /// warm for the next offer until the peer says `Unmap`. (A relayed offer's mapping is
+    /// its own lease's: `None`.)
+    pub(crate) fn opened(
+        &mut self,
+        offer: &Offer,
+        held: A::Held,
+        mapping: Option<A::Mapping>,
+    ) -> bool {
+        let new_hold = mapping.is_some_and(|m| self.mapped.insert(offer.handle.alloc, m).is_none());
+        self.held.insert(offer.lease, (held, offer.handle.len));
+        new_hold
+    }
+
+    /// Offers of an [`Action::Open`] that were not opened (a local failure, or the
+    /// peer's call a late reply carries): the frames that give them back — `Release` for
+    /// each lease, and `Unmapped` for each allocation we do not map, since the exporter
+    /// counts a mapping hold from the moment it offers (a relayed offer starts none).
+    pub(crate) fn refused(&self, offers: &[Offer], relayed: bool) -> Vec<Wire> {
+        let mut frames = Vec::with_capacity(offers.len() + 1);
+        let mut unmapped: Vec<AllocationId> = Vec::new();
+        for offer in offers {
+            frames.push(Wire::Release(Release::now(offer.lease)));
+            let alloc = offer.handle.alloc;
+            if !relayed && !self.mapped.contains_key(&alloc) && !unmapped.contains(&alloc) {
+                unmapped.push(alloc);
+            }
+        }
+        frames.extend(
+            unmapped
+                .into_iter()
+                .map(|alloc| Wire::Unmapped(Unmapped { alloc })),
+        );
+        frames
+    }
+
+    /// The guard of a lease we held dropped: it is no longer held.
+    pub(crate) fn released(&mut self, lease: LeaseId) {
+        self.held.remove(&lease);
+    }
+
+    /// Leases held from the peer now.
+    pub(crate) fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether this link keeps the peer's `alloc` mapped.
+    pub(crate) fn maps(&self, alloc: AllocationId) -> bool {
+        self.mapped.contains_key(&alloc)
+    }
+
+    /// Our calls awaiting a reply now.
+    #[cfg(test)]
+    pub(crate) fn calls_pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// A call of ours was queued: `caller` waits for its reply.
+    pub(crate) fn call_sent(&mut self, id: u64, caller: A::Caller) {
+        self.pending.insert(id, caller);
+    }
+
+    /// The caller of our call `id` gave up: a reply to it is late.
+    pub(crate) fn cancel(&mut self, id: u64) {
+        self.pending.remove(&id);
+    }
+
+    /// A ping to send at `now`; `reply` gets the round trip when its pong comes back.
+    pub(crate) fn ping(&mut self, now: Instant, reply: Option<oneshot::Sender<Duration>>) -> Wire {
+        let n = self.next_ping;
+        self.next_ping += 1;
+        self.pings.insert(n, (now, reply));
+        Wire::Ping(n)
+    }
+
+    /// A heartbeat at `now`: the ping to send, or [`ActorError::Unresponsive`] if the
+    /// peer sent nothing within `deadline`. While `reading_paused` (every call slot is
+    /// busy, so we do not read) the silence is ours. Pings never answered are forgotten
+    /// once the deadline passed for them.
+    ///
+    /// # Errors
+    /// [`ActorError::Unresponsive`].
+    pub(crate) fn tick(
+        &mut self,
+        now: Instant,
+        deadline: Duration,
+        reading_paused: bool,
+    ) -> Result<Wire, ActorError> {
+        if reading_paused {
+            self.last_heard = now;
+        }
+        let silent_for = now.saturating_duration_since(self.last_heard);
+        if silent_for >= deadline {
+            return Err(ActorError::Unresponsive {
+                peer: self.peer,
+                silent_for,
+            });
+        }
+        self.pings
+            .retain(|_, (sent, _)| now.saturating_duration_since(*sent) < deadline);
+        Ok(self.ping(now, None))
+    }
+
+    /// Pings awaiting their pong.
+    #[cfg(test)]
+    pub(crate) fn pings(&self) -> usize {
+        self.pings.len()
+    }
+
+    /// A status request of ours, for at most `limit` entries: its id and frame. Once it
+    /// is sent, [`await_status`](Self::await_status) registers who waits for the answer.
+    pub(crate) fn status_request(&mut self, limit: u32) -> (u64, Wire) {
+        let id = self.next_status;
+        self.next_status += 1;
+        // Answers nobody waits for any more are forgotten as requests are made.
+        self.status_waiters.retain(|_, tx| !tx.is_closed());
+        let request = Wire::StatusRequest(StatusRequest {
+            id,
+            scope: StatusScope::Node,
+            limit,
+        });
+        (id, request)
+    }
+
+    /// `reply` waits for the answer to our status request `id`.
+    pub(crate) fn await_status(
+        &mut self,
+        id: u64,
+        reply: oneshot::Sender<Result<String, ActorError>>,
+    ) {
+        self.status_waiters.insert(id, reply);
+    }
+
+    /// One of the peer's status requests ([`Action::AnswerStatus`]) was answered.
+    pub(crate) fn status_answered(&mut self) {
+        self.status_answers = self.status_answers.saturating_sub(1);
+    }
+
+    /// The link ended: what the session held that others wait on.
+    pub(crate) fn end(&mut self) -> Ended<A> {
+        Ended {
+            callers: self.pending.drain().map(|(_, caller)| caller).collect(),
+            orphans: self
+                .held
+                .drain()
+                .map(|(_, held)| held)
+                .filter(|(h, _)| h.is_held())
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,1185 @@
+//! The link's protocol without sockets: every fault a peer can commit, one test each, and
+//! random frame sequences against a simple model (leases held = opened − released, calls
+//! pending = sent − answered − cancelled, every bound kept, every fault the one the model
+//! expects).
+
+use super::*;
+use baton_ipc::inbox::FenceRefusal;
+use baton_messages::protocol::{RefuseReason, Refused, Relayed};
+use baton_messages::{
+    ActorId, BootId, CounterFence, CudaIpcMemHandle, DeviceUuid, ExporterId, Generation,
+    HandleDigest, HandleMsg, RawHandle, SegmentName,
+};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+/// Plain values for what the shell attaches: a guard is an `Arc<()>` the test keeps, a
+/// mapping is its allocation's number, a caller is its call id.
+enum Plain {}
+
+impl Attach for Plain {
+    type Held = Weak<()>;
+    type Mapping = u64;
+    type Caller = u64;
+}
+
+fn process(n: u32) -> ProcessId {
+    ProcessId {
+        boot: BootId([7; 16]),
+        pid: 1000 + n,
+        start_ticks: 50 + u64::from(n),
+    }
+}
+
+/// Us, the peer, and a third process.
+fn me() -> ProcessId {
+    process(0)
+}
+fn peer() -> ProcessId {
+    process(1)
+}
+fn third() -> ProcessId {
+    process(2)
+}
+
+/// What the node answers: calls issued below `issued`; fences refused if `refuse_fences`.
+#[derive(Default)]
+struct Node {
+    issued: u64,
+    refuse_fences: bool,
+}
+
+impl Checks for Node {
+    fn check_fence(&self, exporter: &ProcessId, _: &FenceHandle) -> Result<(), ActorError> {
+        if self.refuse_fences {
+            return Err(baton_ipc::Error::FenceRefused {
+                producer: *exporter,
+                reason: FenceRefusal::NoLane,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    fn call_issued(&self, id: u64) -> bool {
+        id < self.issued
+    }
+}
+
+const LIMITS: SessionLimits = SessionLimits {
+    offers_per_message: 4,
+    leases_held: 6,
+};
+
+fn session() -> LinkSession<Plain> {
+    LinkSession::new(peer(), me(), LIMITS, Instant::now())
+}
+
+fn offer_of(exporter: ProcessId, lease: u64, alloc: u64) -> Offer {
+    Offer {
+        lease: LeaseId::new(lease),
+        handle: HandleMsg {
+            version: baton_messages::PROTOCOL_VERSION,
+            exporter: ExporterId {
+                process: exporter,
+                actor: ActorId::new(1),
+            },
+            alloc: AllocationId::new(alloc),
+            generation: Generation::FIRST,
+            backend: baton_messages::BackendKind::Host,
+            device: DeviceUuid::HOST,
+            alloc_size: 4096,
+            offset: 0,
+            len: 4096,
+            layout: None,
+            raw: RawHandle::HostSegment(SegmentName::new("/baton.test").expect("a name")),
+            fence: None,
+            digest: HandleDigest::default(),
+        },
+    }
+}
+
+/// An offer of the peer's own buffer.
+fn offer(lease: u64, alloc: u64) -> Offer {
+    offer_of(peer(), lease, alloc)
+}
+
+fn call(id: u64, offers: Vec<Offer>) -> Wire {
+    Wire::Call(Call {
+        id,
+        target: "echo".into(),
+        type_name: "t".into(),
+        payload: vec![1, 2, 3],
+        offers,
+    })
+}
+
+fn reply(id: u64, offers: Vec<Offer>) -> Wire {
+    Wire::Reply(Reply {
+        id,
+        outcome: Ok(Payload {
+            bytes: vec![9],
+            offers,
+        }),
+    })
+}
+
+fn fence() -> FenceHandle {
+    FenceHandle::Counter(CounterFence {
+        slab: CudaIpcMemHandle([1; 64]),
+        slab_id: 1,
+        offset: 0,
+        value: 1,
+    })
+}
+
+/// Feeds `frame`; the fault it must be (and that it is the peer's).
+fn fault(s: &mut LinkSession<Plain>, frame: Wire, node: &Node) -> ActorError {
+    match s.handle(frame, Instant::now(), node) {
+        Ok(_) => panic!("the frame should have been a fault"),
+        Err(e) => {
+            assert!(e.is_peer_fault(), "{e} should be the peer's fault");
+            e
+        }
+    }
+}
+
+/// Feeds `frame`, which must be no fault.
+fn handle(s: &mut LinkSession<Plain>, frame: Wire) -> Vec<Action<Plain>> {
+    s.handle(frame, Instant::now(), &Node::default())
+        .unwrap_or_else(|e| panic!("no fault expected: {e}"))
+}
+
+/// Does what the shell does with an [`Action::Open`]: every offer opens; returns the
+/// guards (the leases' holders).
+fn open_all(s: &mut LinkSession<Plain>, actions: Vec<Action<Plain>>) -> Vec<(LeaseId, Arc<()>)> {
+    let mut guards = Vec::new();
+    for action in actions {
+        let Action::Open(open) = action else {
+            panic!("an open was expected")
+        };
+        for offer in &open.offers {
+            let guard = Arc::new(());
+            let mapping = (!open.relayed).then_some(offer.handle.alloc.get());
+            s.opened(offer, Arc::downgrade(&guard), mapping);
+            guards.push((offer.lease, guard));
+        }
+    }
+    guards
+}
+
+/// Holds `leases` (of allocation `alloc`), offered bare.
+fn hold(s: &mut LinkSession<Plain>, leases: &[u64], alloc: u64) -> Vec<(LeaseId, Arc<()>)> {
+    let mut guards = Vec::new();
+    for &lease in leases {
+        let actions = handle(s, Wire::Offer(offer(lease, alloc)));
+        guards.extend(open_all(s, actions));
+    }
+    guards
+}
+
+fn sent(actions: &[Action<Plain>]) -> Vec<&Wire> {
+    actions
+        .iter()
+        .map(|a| match a {
+            Action::Send(frame) => frame,
+            _ => panic!("only frames to send were expected"),
+        })
+        .collect()
+}
+
+// Faults, one test each.
+
+#[test]
+fn too_many_offers_in_one_frame_is_a_fault() {
+    let mut s = session();
+    let offers: Vec<Offer> = (1..=5).map(|l| offer(l, 1)).collect();
+    let e = fault(&mut s, call(1, offers), &Node::default());
+    assert!(
+        matches!(e, ActorError::TooManyOffers { count: 5, max: 4 }),
+        "{e}"
+    );
+    // Exactly at the limit is fine.
+    let offers: Vec<Offer> = (1..=4).map(|l| offer(l, 1)).collect();
+    handle(&mut s, call(2, offers));
+}
+
+#[test]
+fn too_many_offers_in_a_late_reply_is_a_fault() {
+    let mut s = session();
+    let node = Node {
+        issued: 10,
+        ..Node::default()
+    };
+    let offers: Vec<Offer> = (1..=5).map(|l| offer(l, 1)).collect();
+    let e = fault(&mut s, reply(3, offers), &node);
+    assert!(
+        matches!(e, ActorError::TooManyOffers { count: 5, .. }),
+        "{e}"
+    );
+}
+
+#[test]
+fn an_offer_of_someone_elses_buffer_is_a_fault() {
+    let mut s = session();
+    for frame in [
+        Wire::Offer(offer_of(third(), 1, 1)),
+        call(1, vec![offer(2, 1), offer_of(me(), 3, 1)]),
+    ] {
+        let e = fault(&mut s, frame, &Node::default());
+        assert!(matches!(e, ActorError::ForeignOffer { .. }), "{e}");
+    }
+    assert_eq!(s.held(), 0, "nothing of a faulty frame is held");
+}
+
+#[test]
+fn a_relayed_offer_of_the_relays_or_our_own_buffer_is_a_fault() {
+    let mut s = session();
+    for exporter in [peer(), me()] {
+        let e = fault(
+            &mut s,
+            Wire::Relayed(Relayed {
+                offer: offer_of(exporter, 1, 1),
+            }),
+            &Node::default(),
+        );
+        assert!(matches!(e, ActorError::Unexpected { .. }), "{e}");
+    }
+    // A third process's buffer is what a relay passes on: opened, with no warm mapping.
+    let actions = handle(
+        &mut s,
+        Wire::Relayed(Relayed {
+            offer: offer_of(third(), 1, 1),
+        }),
+    );
+    let _guards = open_all(&mut s, actions);
+    assert_eq!(s.held(), 1);
+    assert!(!s.maps(AllocationId::new(1)));
+}
+
+#[test]
+fn a_forged_fence_is_a_fault() {
+    let mut s = session();
+    let mut forged = offer(1, 1);
+    forged.handle.fence = Some(fence());
+    let node = Node {
+        refuse_fences: true,
+        ..Node::default()
+    };
+    let e = fault(&mut s, Wire::Offer(forged.clone()), &node);
+    assert!(matches!(e, ActorError::Ipc(_)), "{e}");
+    // The same offer with a fence the node accepts opens.
+    handle(&mut s, Wire::Offer(forged));
+}
+
+#[test]
+fn a_lease_offered_twice_in_one_frame_is_a_fault() {
+    let mut s = session();
+    let e = fault(
+        &mut s,
+        call(1, vec![offer(7, 1), offer(7, 2)]),
+        &Node::default(),
+    );
+    assert!(
+        matches!(e, ActorError::DuplicateLease { lease } if lease == LeaseId::new(7)),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_lease_offered_while_it_is_held_is_a_fault() {
+    let mut s = session();
+    let mut guards = hold(&mut s, &[7], 1);
+    let e = fault(&mut s, Wire::Offer(offer(7, 1)), &Node::default());
+    assert!(matches!(e, ActorError::DuplicateLease { .. }), "{e}");
+    // Once its guard dropped (its `Release` under way), the id is no longer held.
+    guards.clear();
+    handle(&mut s, Wire::Offer(offer(7, 1)));
+}
+
+#[test]
+fn more_leases_than_the_limit_is_a_fault() {
+    let mut s = session();
+    let _guards = hold(&mut s, &[1, 2, 3, 4], 1);
+    let e = fault(
+        &mut s,
+        call(1, vec![offer(5, 1), offer(6, 1), offer(7, 1)]),
+        &Node::default(),
+    );
+    assert!(matches!(e, ActorError::TooManyLeases { max: 6 }), "{e}");
+    // Up to the limit is fine.
+    handle(&mut s, call(2, vec![offer(5, 1), offer(6, 1)]));
+}
+
+#[test]
+fn a_release_with_too_many_fences_is_a_fault() {
+    let mut s = session();
+    let fences = vec![fence(); MAX_RELEASE_FENCES + 1];
+    let e = fault(
+        &mut s,
+        Wire::Release(Release {
+            lease: LeaseId::new(1),
+            fences,
+        }),
+        &Node::default(),
+    );
+    assert!(matches!(e, ActorError::TooManyFences { .. }), "{e}");
+    // At the limit, the release goes to the ledger (which knows what was granted).
+    let actions = handle(
+        &mut s,
+        Wire::Release(Release {
+            lease: LeaseId::new(1),
+            fences: vec![fence(); MAX_RELEASE_FENCES],
+        }),
+    );
+    assert!(matches!(
+        &actions[..],
+        [Action::Released { fences, .. }] if fences.len() == MAX_RELEASE_FENCES
+    ));
+}
+
+#[test]
+fn a_reply_to_a_call_never_made_is_a_fault() {
+    let mut s = session();
+    let node = Node {
+        issued: 5,
+        ..Node::default()
+    };
+    let e = fault(&mut s, reply(5, Vec::new()), &node);
+    assert!(matches!(e, ActorError::UnknownCall { id: 5 }), "{e}");
+}
+
+#[test]
+fn a_late_replys_leases_go_back() {
+    let mut s = session();
+    // Allocation 1 is mapped over this link already; 2 and 3 are not.
+    let _guards = hold(&mut s, &[1], 1);
+    let node = Node {
+        issued: 10,
+        ..Node::default()
+    };
+    let actions = s
+        .handle(
+            reply(4, vec![offer(2, 1), offer(3, 2), offer(4, 2), offer(5, 3)]),
+            Instant::now(),
+            &node,
+        )
+        .expect("a late reply is no fault");
+    let frames = sent(&actions);
+    let expected: Vec<Wire> = vec![
+        Wire::Release(Release::now(LeaseId::new(2))),
+        Wire::Release(Release::now(LeaseId::new(3))),
+        Wire::Release(Release::now(LeaseId::new(4))),
+        Wire::Release(Release::now(LeaseId::new(5))),
+        Wire::Unmapped(Unmapped {
+            alloc: AllocationId::new(2),
+        }),
+        Wire::Unmapped(Unmapped {
+            alloc: AllocationId::new(3),
+        }),
+    ];
+    assert_eq!(frames, expected.iter().collect::<Vec<_>>());
+    assert_eq!(s.held(), 1, "a late reply's leases are never held");
+    // A late failure carries nothing.
+    let actions = s
+        .handle(
+            Wire::Reply(Reply {
+                id: 5,
+                outcome: Err(CallFault::ActorGone),
+            }),
+            Instant::now(),
+            &node,
+        )
+        .expect("no fault");
+    assert!(actions.is_empty());
+}
+
+#[test]
+fn a_status_answer_to_a_request_never_made_is_a_fault() {
+    let mut s = session();
+    let status = |id| {
+        Wire::Status(Status {
+            id,
+            version: 1,
+            json: "{}".into(),
+        })
+    };
+    let (id, _) = s.status_request(0);
+    let (tx, mut rx) = oneshot::channel();
+    s.await_status(id, tx);
+    assert!(handle(&mut s, status(id)).is_empty());
+    assert_eq!(rx.try_recv().expect("answered").expect("ok"), "{}");
+    // Answered already (or its asker gave up): dropped.
+    assert!(handle(&mut s, status(id)).is_empty());
+    let e = fault(&mut s, status(id + 1), &Node::default());
+    assert!(matches!(e, ActorError::Unexpected { got: "Status" }), "{e}");
+}
+
+#[test]
+fn too_many_status_requests_at_once_is_a_fault() {
+    let mut s = session();
+    let request = |id| {
+        Wire::StatusRequest(StatusRequest {
+            id,
+            scope: StatusScope::Node,
+            limit: 0,
+        })
+    };
+    for id in 0..STATUS_ANSWERS as u64 {
+        assert!(matches!(
+            &handle(&mut s, request(id))[..],
+            [Action::AnswerStatus(_)]
+        ));
+    }
+    let e = fault(&mut s, request(9), &Node::default());
+    assert!(matches!(e, ActorError::TooManyStatusRequests { .. }), "{e}");
+    // One answered: room for one more.
+    s.status_answered();
+    handle(&mut s, request(10));
+}
+
+#[test]
+fn a_second_fence_inbox_is_a_fault() {
+    let mut s = session();
+    let grant = InboxGrant {
+        device: DeviceUuid::HOST,
+        slab: CudaIpcMemHandle([2; 64]),
+        slab_id: 1,
+        first: 0,
+        slots: 4,
+        base: 0,
+    };
+    assert!(matches!(
+        &handle(&mut s, Wire::FenceInbox(grant))[..],
+        [Action::AcceptInbox(_)]
+    ));
+    let e = fault(&mut s, Wire::FenceInbox(grant), &Node::default());
+    assert!(
+        matches!(
+            e,
+            ActorError::Unexpected {
+                got: "a second FenceInbox"
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_handshake_frame_on_a_link_is_a_fault() {
+    let mut s = session();
+    let e = fault(
+        &mut s,
+        Wire::Refused(Refused {
+            reason: RefuseReason::BadToken,
+        }),
+        &Node::default(),
+    );
+    assert!(
+        matches!(e, ActorError::Unexpected { got: "Refused" }),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_silent_peer_is_unresponsive() {
+    let t0 = Instant::now();
+    let mut s: LinkSession<Plain> = LinkSession::new(peer(), me(), LIMITS, t0);
+    let deadline = Duration::from_secs(10);
+    let s1 = Duration::from_secs(1);
+    assert!(matches!(
+        s.tick(t0 + s1, deadline, false),
+        Ok(Wire::Ping(1))
+    ));
+    // Heard at 5 s: silent for 9 s at 14 s, pinged.
+    handle_at(&mut s, Wire::Pong(99), t0 + 5 * s1);
+    assert!(matches!(
+        s.tick(t0 + 14 * s1, deadline, false),
+        Ok(Wire::Ping(2))
+    ));
+    // A paused reader's silence is ours.
+    assert!(s.tick(t0 + 30 * s1, deadline, true).is_ok());
+    match s.tick(t0 + 40 * s1, deadline, false) {
+        Err(ActorError::Unresponsive { silent_for, .. }) => assert_eq!(silent_for, deadline),
+        other => panic!("expected Unresponsive, got {:?}", other.map(|w| w.kind())),
+    }
+}
+
+fn handle_at(s: &mut LinkSession<Plain>, frame: Wire, at: Instant) -> Vec<Action<Plain>> {
+    s.handle(frame, at, &Node::default()).expect("no fault")
+}
+
+// What is no fault.
+
+#[test]
+fn pongs_give_their_round_trip_once() {
+    let t0 = Instant::now();
+    let mut s: LinkSession<Plain> = LinkSession::new(peer(), me(), LIMITS, t0);
+    let (tx, mut rx) = oneshot::channel();
+    let Wire::Ping(n) = s.ping(t0, Some(tx)) else {
+        panic!("a ping")
+    };
+    let actions = handle_at(&mut s, Wire::Pong(n), t0 + Duration::from_millis(3));
+    let [Action::Pong { rtt, reply }] = &actions[..] else {
+        panic!("a pong")
+    };
+    assert_eq!(*rtt, Duration::from_millis(3));
+    assert!(reply.is_some());
+    drop(actions);
+    assert!(rx.try_recv().is_err(), "the shell sends the round trip");
+    // The same pong again, or one never asked for: nothing.
+    assert!(handle(&mut s, Wire::Pong(n)).is_empty());
+    assert!(handle(&mut s, Wire::Pong(77)).is_empty());
+    // Pings never answered are forgotten once past the deadline.
+    s.ping(t0, None);
+    assert_eq!(s.pings(), 1);
+    s.tick(t0 + Duration::from_secs(2), Duration::from_secs(10), true)
+        .expect("alive");
+    assert_eq!(s.pings(), 2);
+    s.tick(t0 + Duration::from_secs(10), Duration::from_secs(10), true)
+        .expect("alive");
+    assert_eq!(s.pings(), 2, "the first is forgotten, the tick's own added");
+}
+
+#[test]
+fn unmap_lets_go_of_a_mapping_or_answers_at_once() {
+    let mut s = session();
+    let _guards = hold(&mut s, &[1], 1);
+    let unmap = |alloc| {
+        Wire::Unmap(Unmap {
+            alloc: AllocationId::new(alloc),
+        })
+    };
+    assert!(matches!(
+        &handle(&mut s, unmap(1))[..],
+        [Action::Unhold { mapping: 1, .. }]
+    ));
+    assert!(!s.maps(AllocationId::new(1)));
+    for alloc in [1, 2] {
+        let actions = handle(&mut s, unmap(alloc));
+        assert_eq!(
+            sent(&actions),
+            [&Wire::Unmapped(Unmapped {
+                alloc: AllocationId::new(alloc)
+            })]
+        );
+    }
+}
+
+#[test]
+fn the_first_offer_of_an_allocation_starts_a_hold() {
+    let mut s = session();
+    let a = offer(1, 1);
+    let b = offer(2, 1);
+    let (ga, gb) = (Arc::new(()), Arc::new(()));
+    assert!(s.opened(&a, Arc::downgrade(&ga), Some(1)));
+    assert!(!s.opened(&b, Arc::downgrade(&gb), Some(1)));
+    assert!(
+        !s.opened(&offer(3, 2), Arc::downgrade(&gb), None),
+        "relayed"
+    );
+    assert_eq!(s.held(), 3);
+}
+
+#[test]
+fn a_revoke_names_the_guard_of_a_lease_held() {
+    let mut s = session();
+    let mut guards = hold(&mut s, &[1], 1);
+    let revoke = Wire::Revoke(Revoke {
+        lease: LeaseId::new(1),
+        deadline_ms: 50,
+    });
+    assert!(matches!(
+        &handle(&mut s, revoke.clone())[..],
+        [Action::Revoke {
+            held: Some(_),
+            deadline_ms: 50,
+            ..
+        }]
+    ));
+    guards.clear();
+    assert!(matches!(
+        &handle(&mut s, revoke)[..],
+        [Action::Revoke { held: None, .. }]
+    ));
+}
+
+#[test]
+fn refused_offers_go_back() {
+    let s = session();
+    let offers = [offer(1, 1), offer(2, 1), offer(3, 2)];
+    assert_eq!(
+        s.refused(&offers, false),
+        [
+            Wire::Release(Release::now(LeaseId::new(1))),
+            Wire::Release(Release::now(LeaseId::new(2))),
+            Wire::Release(Release::now(LeaseId::new(3))),
+            Wire::Unmapped(Unmapped {
+                alloc: AllocationId::new(1)
+            }),
+            Wire::Unmapped(Unmapped {
+                alloc: AllocationId::new(2)
+            }),
+        ]
+    );
+    // A relayed offer starts no hold at its exporter: no `Unmapped`.
+    assert_eq!(s.refused(&offers[..1], true).len(), 1);
+}
+
+#[test]
+fn replies_find_their_callers() {
+    let mut s = session();
+    s.call_sent(1, 1);
+    s.call_sent(2, 2);
+    s.call_sent(3, 3);
+    assert!(matches!(
+        &handle(&mut s, reply(1, vec![offer(1, 1)]))[..],
+        [Action::Open(Open {
+            then: Then::Reply { caller: 1, .. },
+            ..
+        })]
+    ));
+    let failed = Wire::Reply(Reply {
+        id: 2,
+        outcome: Err(CallFault::NoSuchActor),
+    });
+    assert!(matches!(
+        &handle(&mut s, failed)[..],
+        [Action::CallFailed { caller: 2, .. }]
+    ));
+    s.cancel(3);
+    assert_eq!(s.calls_pending(), 0);
+}
+
+#[test]
+fn an_ended_session_hands_back_its_callers_and_orphans() {
+    let mut s = session();
+    let mut guards = hold(&mut s, &[1, 2], 1);
+    s.call_sent(4, 4);
+    guards.truncate(1);
+    let ended = s.end();
+    assert_eq!(ended.callers, [4]);
+    assert_eq!(
+        ended.orphans.len(),
+        1,
+        "only leases still held are orphaned"
+    );
+    assert_eq!(ended.orphans[0].1, 4096);
+    assert_eq!((s.held(), s.calls_pending()), (0, 0));
+}
+
+// The model.
+
+/// One step of a random run: a frame from the peer, or something the shell reports.
+#[derive(Debug, Clone)]
+enum Step {
+    /// The peer offers leases (bare, relayed, in a call, or in a reply).
+    Offers {
+        how: How,
+        /// (lease — `None`: one never offered before —, allocation, whose buffer)
+        offers: Vec<(Option<u64>, u64, Whose)>,
+        /// The shell's open fails at this offer (a local failure).
+        fails_at: Option<usize>,
+    },
+    /// The peer releases a lease of ours with this many fences.
+    Release(usize),
+    /// Our lease guard drops, and the shell reports it (or not yet).
+    Drop {
+        index: usize,
+        reported: bool,
+    },
+    /// The peer asks us to unmap an allocation.
+    Unmap(u64),
+    /// We send call `id` (ids are issued in order; this one may be skipped).
+    Send,
+    /// Our caller gives up on the call with this index.
+    Cancel(usize),
+    /// The peer's status request, or the end of one of our answers.
+    StatusRequest,
+    StatusAnswered,
+    /// A ping of ours, and the peer's pong to ping `n`.
+    Ping,
+    Pong(u64),
+    /// A heartbeat `ms` after the last.
+    Tick {
+        ms: u64,
+        paused: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum How {
+    Bare,
+    Call,
+    /// A reply: to a pending call, a call given up on (late), or one never made.
+    Reply {
+        pick: usize,
+        to: ReplyTo,
+    },
+    Relayed,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum ReplyTo {
+    Pending,
+    Late,
+    NeverMade,
+}
+
+/// Whose buffer an offer names: the one it should (the peer's; a third process's when
+/// relayed), or another.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Whose {
+    Right,
+    Ours,
+    Third,
+    Peer,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let whose = prop_oneof![
+        60 => Just(Whose::Right),
+        1 => Just(Whose::Ours),
+        1 => Just(Whose::Third),
+        1 => Just(Whose::Peer),
+    ];
+    let lease = prop::option::weighted(0.1, 0..12u64).prop_map(|l| l.map(|l| l + 1));
+    let offer = (lease, 0..4u64, whose);
+    let offers = prop_oneof![
+        30 => prop::collection::vec(offer.clone(), 0..=LIMITS.offers_per_message),
+        1 => prop::collection::vec(offer, LIMITS.offers_per_message + 1..=LIMITS.offers_per_message + 2),
+    ];
+    let to = prop_oneof![
+        10 => Just(ReplyTo::Pending),
+        3 => Just(ReplyTo::Late),
+        1 => Just(ReplyTo::NeverMade),
+    ];
+    let how = prop_oneof![
+        2 => Just(How::Bare),
+        2 => Just(How::Call),
+        2 => (0..8usize, to).prop_map(|(pick, to)| How::Reply { pick, to }),
+        1 => Just(How::Relayed),
+    ];
+    let fences = prop_oneof![
+        20 => 0..=MAX_RELEASE_FENCES,
+        1 => Just(MAX_RELEASE_FENCES + 1),
+    ];
+    prop_oneof![
+        8 => (how, offers, prop::option::weighted(0.1, 0..6usize)).prop_map(
+            |(how, offers, fails_at)| Step::Offers { how, offers, fails_at }
+        ),
+        1 => fences.prop_map(Step::Release),
+        6 => (0..8usize, prop::bool::weighted(0.8)).prop_map(|(index, reported)| Step::Drop { index, reported }),
+        1 => (0..4u64).prop_map(Step::Unmap),
+        3 => Just(Step::Send),
+        1 => (0..8usize).prop_map(Step::Cancel),
+        1 => Just(Step::StatusRequest),
+        1 => Just(Step::StatusAnswered),
+        1 => Just(Step::Ping),
+        1 => (0..6u64).prop_map(Step::Pong),
+        2 => (0..6000u64, prop::bool::weighted(0.2)).prop_map(|(ms, paused)| Step::Tick { ms, paused }),
+    ]
+}
+
+/// The fault the model expects, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Fault {
+    TooManyOffers,
+    Foreign,
+    Duplicate,
+    TooManyLeases,
+    TooManyFences,
+    UnknownCall,
+    TooManyStatusRequests,
+    Unresponsive,
+}
+
+fn kind(e: &ActorError) -> Option<Fault> {
+    Some(match e {
+        ActorError::TooManyOffers { .. } => Fault::TooManyOffers,
+        ActorError::ForeignOffer { .. } | ActorError::Unexpected { .. } => Fault::Foreign,
+        ActorError::DuplicateLease { .. } => Fault::Duplicate,
+        ActorError::TooManyLeases { .. } => Fault::TooManyLeases,
+        ActorError::TooManyFences { .. } => Fault::TooManyFences,
+        ActorError::UnknownCall { .. } => Fault::UnknownCall,
+        ActorError::TooManyStatusRequests { .. } => Fault::TooManyStatusRequests,
+        ActorError::Unresponsive { .. } => Fault::Unresponsive,
+        _ => return None,
+    })
+}
+
+/// What the session should hold, kept the plain way.
+#[derive(Default)]
+struct Model {
+    /// Leases held (opened, not reported released), and whether the guard is alive.
+    held: BTreeMap<u64, bool>,
+    /// The guards alive, by lease (the test's side of the shell).
+    guards: Vec<(u64, Arc<()>)>,
+    /// Allocations mapped over the link.
+    mapped: BTreeSet<u64>,
+    /// Calls issued (ids 0..issued), and those pending.
+    issued: u64,
+    pending: BTreeSet<u64>,
+    status_answers: usize,
+    /// Pings sent and not yet answered or forgotten: when each was sent (ms).
+    pings: BTreeMap<u64, u64>,
+    next_ping: u64,
+    /// The last fresh lease id handed out (fresh ones start above the ones reused).
+    fresh: u64,
+    /// Time (ms since start), and when the peer was last heard.
+    now: u64,
+    heard: u64,
+}
+
+const DEADLINE_MS: u64 = 10_000;
+
+impl Model {
+    fn live(&self, lease: u64) -> bool {
+        self.held.get(&lease).copied().unwrap_or(false)
+    }
+
+    /// The fault a frame of these offers is, checked in the session's order.
+    fn offers_fault(&self, offers: &[(u64, u64, ProcessId)], relayed: bool) -> Option<Fault> {
+        if offers.len() > LIMITS.offers_per_message {
+            return Some(Fault::TooManyOffers);
+        }
+        for (i, &(lease, _, exporter)) in offers.iter().enumerate() {
+            let foreign = if relayed {
+                exporter == peer() || exporter == me()
+            } else {
+                exporter != peer()
+            };
+            if foreign {
+                return Some(Fault::Foreign);
+            }
+            if self.live(lease) || offers[..i].iter().any(|o| o.0 == lease) {
+                return Some(Fault::Duplicate);
+            }
+        }
+        if self.held.len() + offers.len() > LIMITS.leases_held {
+            return Some(Fault::TooManyLeases);
+        }
+        None
+    }
+}
+
+/// The exporter of an offer: the right one (the peer's; a third process's, relayed), or
+/// the one named.
+fn exporter(whose: Whose, relayed: bool) -> ProcessId {
+    match whose {
+        Whose::Right if relayed => third(),
+        Whose::Right | Whose::Peer => peer(),
+        Whose::Ours => me(),
+        Whose::Third => third(),
+    }
+}
+
+/// How a run ended.
+#[derive(Default)]
+struct Outcome {
+    /// The fault that ended it, if one did.
+    fault: Option<Fault>,
+    /// The most leases held at once.
+    most_held: usize,
+}
+
+/// Runs `steps` against a session and the model; stops at the first fault, which must be
+/// the one the model expects.
+fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let mut s: LinkSession<Plain> = LinkSession::new(peer(), me(), LIMITS, t0);
+    let mut outcome = Outcome::default();
+    let mut m = Model {
+        next_ping: 1,
+        fresh: 100,
+        ..Model::default()
+    };
+    for step in steps {
+        let node = Node {
+            issued: m.issued,
+            refuse_fences: false,
+        };
+        // A frame from the peer: the fault the model expects, and the result.
+        let (expected, result) = match step {
+            Step::Offers {
+                how,
+                offers,
+                fails_at,
+            } => {
+                let relayed = matches!(how, How::Relayed);
+                // Leases never offered before get fresh ids; the buffers' exporters.
+                let offers: Vec<(u64, u64, ProcessId)> = offers
+                    .into_iter()
+                    .map(|(lease, alloc, whose)| {
+                        let lease = lease.unwrap_or_else(|| {
+                            m.fresh += 1;
+                            m.fresh
+                        });
+                        (lease, alloc, exporter(whose, relayed))
+                    })
+                    .collect();
+                let mut offers = offers;
+                if matches!(how, How::Bare | How::Relayed) {
+                    offers.truncate(1);
+                }
+                let wire: Vec<Offer> = offers
+                    .iter()
+                    .map(|&(lease, alloc, exporter)| offer_of(exporter, lease, alloc))
+                    .collect();
+                let (frame, mut expected, late) = match how {
+                    // A bare or relayed offer is one.
+                    How::Bare | How::Relayed if wire.is_empty() => continue,
+                    How::Bare => (Wire::Offer(wire[0].clone()), None, false),
+                    How::Relayed => (
+                        Wire::Relayed(Relayed {
+                            offer: wire[0].clone(),
+                        }),
+                        None,
+                        false,
+                    ),
+                    How::Call => (call(1, wire), None, false),
+                    How::Reply { pick, to } => {
+                        let late: Vec<u64> =
+                            (0..m.issued).filter(|id| !m.pending.contains(id)).collect();
+                        let pending: Vec<u64> = m.pending.iter().copied().collect();
+                        let (id, expected, late) = match to {
+                            ReplyTo::Pending if !pending.is_empty() => {
+                                let id = pending[pick % pending.len()];
+                                m.pending.remove(&id);
+                                (id, None, false)
+                            }
+                            ReplyTo::Late if !late.is_empty() => {
+                                let too_many = offers.len() > LIMITS.offers_per_message;
+                                let expected = too_many.then_some(Fault::TooManyOffers);
+                                (late[pick % late.len()], expected, true)
+                            }
+                            ReplyTo::NeverMade => {
+                                (m.issued + pick as u64, Some(Fault::UnknownCall), false)
+                            }
+                            _ => continue,
+                        };
+                        (reply(id, wire), expected, late)
+                    }
+                };
+                if expected.is_none() && !late {
+                    expected = m.offers_fault(&offers, relayed);
+                }
+                m.heard = m.now;
+                let result = s.handle(frame, at(m.now), &node);
+                if let (None, Ok(actions)) = (&expected, &result) {
+                    if late {
+                        // Every lease goes back; nothing is held.
+                        let releases = sent(actions)
+                            .iter()
+                            .filter(|w| matches!(w, Wire::Release(_)))
+                            .count();
+                        prop_assert_eq!(releases, offers.len());
+                    } else {
+                        prop_assert_eq!(actions.len(), 1);
+                        let Action::Open(open) = &actions[0] else {
+                            return Err(TestCaseError::fail("an open was expected"));
+                        };
+                        let upto = fails_at.unwrap_or(usize::MAX).min(open.offers.len());
+                        for o in &open.offers[..upto] {
+                            let guard = Arc::new(());
+                            let mapping = (!relayed).then_some(o.handle.alloc.get());
+                            let new_hold = s.opened(o, Arc::downgrade(&guard), mapping);
+                            let alloc = o.handle.alloc.get();
+                            prop_assert_eq!(new_hold, !relayed && m.mapped.insert(alloc));
+                            m.held.insert(o.lease.get(), true);
+                            m.guards.push((o.lease.get(), guard));
+                        }
+                        if upto < open.offers.len() {
+                            let back = s.refused(&open.offers[upto..], relayed);
+                            let unmapped: BTreeSet<u64> = if relayed {
+                                BTreeSet::new()
+                            } else {
+                                open.offers[upto..]
+                                    .iter()
+                                    .map(|o| o.handle.alloc.get())
+                                    .filter(|a| !m.mapped.contains(a))
+                                    .collect()
+                            };
+                            prop_assert_eq!(back.len(), open.offers.len() - upto + unmapped.len());
+                        }
+                    }
+                }
+                (expected, result.map(|_| ()))
+            }
+            Step::Release(fences) => {
+                m.heard = m.now;
+                let frame = Wire::Release(Release {
+                    lease: LeaseId::new(1),
+                    fences: vec![fence(); fences],
+                });
+                let expected = (fences > MAX_RELEASE_FENCES).then_some(Fault::TooManyFences);
+                (expected, s.handle(frame, at(m.now), &node).map(|_| ()))
+            }
+            Step::Unmap(alloc) => {
+                m.heard = m.now;
+                let frame = Wire::Unmap(Unmap {
+                    alloc: AllocationId::new(alloc),
+                });
+                let actions = s.handle(frame, at(m.now), &node).expect("no fault");
+                let was = m.mapped.remove(&alloc);
+                prop_assert_eq!(
+                    matches!(&actions[..], [Action::Unhold { mapping, .. }] if *mapping == alloc),
+                    was
+                );
+                continue;
+            }
+            Step::StatusRequest => {
+                m.heard = m.now;
+                let frame = Wire::StatusRequest(StatusRequest {
+                    id: 1,
+                    scope: StatusScope::Node,
+                    limit: 0,
+                });
+                let expected = if m.status_answers >= STATUS_ANSWERS {
+                    Some(Fault::TooManyStatusRequests)
+                } else {
+                    m.status_answers += 1;
+                    None
+                };
+                (expected, s.handle(frame, at(m.now), &node).map(|_| ()))
+            }
+            Step::Pong(n) => {
+                m.heard = m.now;
+                let actions = s.handle(Wire::Pong(n), at(m.now), &node).expect("no fault");
+                match m.pings.remove(&n) {
+                    Some(sent) => {
+                        let rtt = Duration::from_millis(m.now - sent);
+                        let pong =
+                            matches!(&actions[..], [Action::Pong { rtt: r, .. }] if *r == rtt);
+                        prop_assert!(pong, "a pong of {:?}", rtt);
+                    }
+                    None => prop_assert!(actions.is_empty()),
+                }
+                continue;
+            }
+            Step::Tick { ms, paused } => {
+                m.now += ms;
+                if paused {
+                    m.heard = m.now;
+                }
+                let result = s.tick(at(m.now), Duration::from_millis(DEADLINE_MS), paused);
+                let expected = (m.now - m.heard >= DEADLINE_MS).then_some(Fault::Unresponsive);
+                if expected.is_none() {
+                    let now = m.now;
+                    m.pings.retain(|_, sent| now - *sent < DEADLINE_MS);
+                    m.pings.insert(m.next_ping, m.now);
+                    m.next_ping += 1;
+                }
+                (expected, result.map(|_| ()))
+            }
+            // What the shell reports.
+            Step::Drop { index, reported } => {
+                if !m.guards.is_empty() {
+                    let (lease, guard) = m.guards.remove(index % m.guards.len());
+                    drop(guard);
+                    m.held.insert(lease, false);
+                    if reported {
+                        s.released(LeaseId::new(lease));
+                        m.held.remove(&lease);
+                    }
+                }
+                continue;
+            }
+            Step::Send => {
+                s.call_sent(m.issued, m.issued);
+                m.pending.insert(m.issued);
+                m.issued += 1;
+                continue;
+            }
+            Step::Cancel(i) => {
+                s.cancel(i as u64);
+                m.pending.remove(&(i as u64));
+                continue;
+            }
+            Step::StatusAnswered => {
+                s.status_answered();
+                m.status_answers = m.status_answers.saturating_sub(1);
+                continue;
+            }
+            Step::Ping => {
+                s.ping(at(m.now), None);
+                m.pings.insert(m.next_ping, m.now);
+                m.next_ping += 1;
+                continue;
+            }
+        };
+        match (expected, result) {
+            (None, Ok(())) => {}
+            (Some(fault), Err(e)) => {
+                prop_assert_eq!(Some(fault), kind(&e), "{}", e);
+                // The session is over: what it held is handed back, as the model says.
+                let ended = s.end();
+                prop_assert_eq!(ended.orphans.len(), m.guards.len());
+                prop_assert_eq!(ended.callers.len(), m.pending.len());
+                outcome.fault = Some(fault);
+                return Ok(outcome);
+            }
+            (expected, result) => {
+                return Err(TestCaseError::fail(format!(
+                    "expected {expected:?}, the session said {:?}",
+                    result.err().map(|e| e.to_string())
+                )));
+            }
+        }
+        // After every step: the session holds what the model does, within the bounds.
+        prop_assert_eq!(s.held(), m.held.len());
+        outcome.most_held = outcome.most_held.max(s.held());
+        prop_assert!(s.held() <= LIMITS.leases_held);
+        prop_assert_eq!(s.calls_pending(), m.pending.len());
+        prop_assert!(s.status_answers <= STATUS_ANSWERS);
+        prop_assert_eq!(s.status_answers, m.status_answers);
+        prop_assert_eq!(s.pings(), m.pings.len());
+        for alloc in 0..4 {
+            prop_assert_eq!(s.maps(AllocationId::new(alloc)), m.mapped.contains(&alloc));
+        }
+    }
+    Ok(outcome)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn random_frames_against_the_model(steps in prop::collection::vec(step(), 1..80)) {
+        run(steps)?;
+    }
+}
+
+/// The model's runs reach every fault, and the lease limit: the property above is not
+/// vacuous.
+#[test]
+fn the_random_runs_reach_every_fault() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let mut runner = TestRunner::deterministic();
+    let steps = prop::collection::vec(step(), 1..80);
+    let mut faults = BTreeSet::new();
+    let mut most_held = 0;
+    for _ in 0..2000 {
+        let tree = steps.new_tree(&mut runner).expect("a run");
+        let outcome = run(tree.current()).expect("the model agrees");
+        faults.extend(outcome.fault);
+        most_held = most_held.max(outcome.most_held);
+    }
+    assert_eq!(
+        faults.into_iter().collect::<Vec<_>>(),
+        [
+            Fault::TooManyOffers,
+            Fault::Foreign,
+            Fault::Duplicate,
+            Fault::TooManyLeases,
+            Fault::TooManyFences,
+            Fault::UnknownCall,
+            Fault::TooManyStatusRequests,
+            Fault::Unresponsive,
+        ]
+    );
+    assert_eq!(most_held, LIMITS.leases_held);
+}
