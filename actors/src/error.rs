@@ -5,8 +5,11 @@ use std::time::Duration;
 
 /// Everything that can go wrong in the actor protocol.
 ///
-/// The variants from [`UnknownLease`](Self::UnknownLease) to [`Unexpected`](Self::Unexpected)
-/// are a peer breaking the protocol: the link that carried it is dropped (see
+/// Whose fault each variant is, [`fault`](Self::fault) says (the kinds of
+/// [`baton_ipc::Fault`], an [`Ipc`](Self::Ipc) error having the kind of the error it
+/// wraps). Those of kind [`Peer`](baton_ipc::Fault::Peer) — [`UnknownLease`](Self::UnknownLease),
+/// [`Unexpected`](Self::Unexpected), [`TooManyOffers`](Self::TooManyOffers), … — are a peer
+/// breaking the protocol: the link that carried it is dropped (see
 /// [`PeerEvent::Down`](crate::PeerEvent::Down)), and every other link and lease carries on.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -304,10 +307,13 @@ pub enum ActorError {
 }
 
 impl ActorError {
-    /// Whether this error is a peer breaking the protocol (its link is dropped for it).
-    pub fn is_peer_fault(&self) -> bool {
+    /// Whose fault this error is (see [`Fault`](baton_ipc::Fault)); an
+    /// [`Ipc`](Self::Ipc) error has the kind of the error it wraps.
+    pub fn fault(&self) -> baton_ipc::Fault {
+        use baton_ipc::Fault;
+        // No catch-all arm: a new variant must say whose fault it is.
         match self {
-            ActorError::Ipc(e) => e.is_peer_fault(),
+            ActorError::Ipc(e) => e.fault(),
             ActorError::UnknownLease { .. }
             | ActorError::ForeignOffer { .. }
             | ActorError::DuplicateLease { .. }
@@ -317,8 +323,271 @@ impl ActorError {
             | ActorError::TooManyLeases { .. }
             | ActorError::TooManyFences { .. }
             | ActorError::PeerNotReading { .. }
-            | ActorError::TooManyStatusRequests { .. } => true,
-            _ => false,
+            | ActorError::TooManyStatusRequests { .. } => Fault::Peer,
+            ActorError::Remote(_) | ActorError::ForwardRefused { .. } => Fault::Refused,
+            // A received bundle's layout names more memory than its buffer has: refused
+            // when opened, its lease given back.
+            ActorError::BundleTooLarge { .. } => Fault::Handle,
+            // By construction a local failure to open a reply's buffer (see
+            // `is_local_open_failure`): the link stays up.
+            ActorError::OfferRefused(_) | ActorError::Spawn { .. } => Fault::Local,
+            ActorError::Encode { .. }
+            | ActorError::Decode { .. }
+            | ActorError::WrongElementType { .. }
+            | ActorError::OutOfBounds { .. }
+            | ActorError::UnknownBuffer(_)
+            | ActorError::NotOwned
+            | ActorError::NotReceived
+            | ActorError::TooManyDescriptors { .. }
+            | ActorError::TooManyStreams { .. }
+            | ActorError::NoParent { .. }
+            | ActorError::BufferLeased { .. }
+            | ActorError::LeaseConflict { .. }
+            | ActorError::NotHostMemory
+            | ActorError::NoSuchTensor { .. } => Fault::Usage,
+            ActorError::LinkClosed { .. }
+            | ActorError::Orphaned { .. }
+            | ActorError::RevokeDeadline { .. }
+            | ActorError::Unresponsive { .. }
+            | ActorError::PeerExited { .. }
+            | ActorError::Mailbox(_)
+            | ActorError::Timeout { .. }
+            | ActorError::NotReturned { .. }
+            | ActorError::NotListening
+            | ActorError::ChildExited { .. } => Fault::Ended,
+        }
+    }
+
+    /// Whether this error is a peer breaking the protocol (its link is dropped for it):
+    /// [`Fault::Peer`](baton_ipc::Fault::Peer).
+    pub fn is_peer_fault(&self) -> bool {
+        self.fault() == baton_ipc::Fault::Peer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_ipc::Fault;
+    use baton_messages::{ActorId, BootId};
+    use std::os::unix::process::ExitStatusExt;
+
+    fn process() -> ProcessId {
+        ProcessId {
+            boot: BootId([1; 16]),
+            pid: 7,
+            start_ticks: 9,
+        }
+    }
+
+    /// One error of every variant of this crate's own, with the kind it must have (the
+    /// `Ipc` variant is pinned by the nesting test below).
+    fn every_own_variant() -> Vec<(ActorError, Fault)> {
+        let (lease, buffer) = (LeaseId::new(4), BufferId::next());
+        let secs = Duration::from_secs(1);
+        vec![
+            (ActorError::UnknownLease { lease }, Fault::Peer),
+            (
+                ActorError::ForeignOffer {
+                    claimed: ExporterId {
+                        process: process(),
+                        actor: ActorId::new(2),
+                    },
+                },
+                Fault::Peer,
+            ),
+            (ActorError::DuplicateLease { lease }, Fault::Peer),
+            (ActorError::UnknownCall { id: 3 }, Fault::Peer),
+            (ActorError::Unexpected { got: "Hello" }, Fault::Peer),
+            (ActorError::TooManyOffers { count: 9, max: 8 }, Fault::Peer),
+            (ActorError::TooManyLeases { max: 8 }, Fault::Peer),
+            (ActorError::TooManyFences { count: 9, max: 8 }, Fault::Peer),
+            (
+                ActorError::PeerNotReading {
+                    peer: process(),
+                    queued: 1 << 20,
+                },
+                Fault::Peer,
+            ),
+            (ActorError::TooManyStatusRequests { max: 4 }, Fault::Peer),
+            (ActorError::Remote(CallFault::NoSuchActor), Fault::Refused),
+            (
+                ActorError::ForwardRefused {
+                    reason: "writable".into(),
+                },
+                Fault::Refused,
+            ),
+            (
+                ActorError::BundleTooLarge { needs: 8, len: 4 },
+                Fault::Handle,
+            ),
+            (
+                ActorError::OfferRefused(baton_ipc::Error::DescriptorsLost { slot: 0 }),
+                Fault::Local,
+            ),
+            (
+                ActorError::Spawn {
+                    name: "child".into(),
+                    source: std::io::Error::from_raw_os_error(2),
+                },
+                Fault::Local,
+            ),
+            (
+                ActorError::Encode {
+                    what: "a call",
+                    reason: "too deep".into(),
+                },
+                Fault::Usage,
+            ),
+            (
+                ActorError::Decode {
+                    what: "a reply",
+                    reason: "wrong type".into(),
+                },
+                Fault::Usage,
+            ),
+            (
+                ActorError::WrongElementType {
+                    expected: DType::F32,
+                    got: None,
+                },
+                Fault::Usage,
+            ),
+            (
+                ActorError::OutOfBounds {
+                    index: 1,
+                    len: 2,
+                    size: 2,
+                },
+                Fault::Usage,
+            ),
+            (ActorError::UnknownBuffer(buffer), Fault::Usage),
+            (ActorError::NotOwned, Fault::Usage),
+            (ActorError::NotReceived, Fault::Usage),
+            (
+                ActorError::TooManyDescriptors {
+                    count: 300,
+                    max: 253,
+                },
+                Fault::Usage,
+            ),
+            (ActorError::TooManyStreams { max: 4 }, Fault::Usage),
+            (
+                ActorError::NoParent {
+                    var: "BATON_PARENT",
+                },
+                Fault::Usage,
+            ),
+            (ActorError::BufferLeased { buffer, leases: 1 }, Fault::Usage),
+            (
+                ActorError::LeaseConflict {
+                    buffer,
+                    wanted: "writable",
+                    reason: "other leases on it are out",
+                },
+                Fault::Usage,
+            ),
+            (ActorError::NotHostMemory, Fault::Usage),
+            (ActorError::NoSuchTensor { name: "w".into() }, Fault::Usage),
+            (ActorError::LinkClosed { peer: process() }, Fault::Ended),
+            (
+                ActorError::Orphaned {
+                    exporter: process(),
+                },
+                Fault::Ended,
+            ),
+            (ActorError::RevokeDeadline { lease }, Fault::Ended),
+            (
+                ActorError::Unresponsive {
+                    peer: process(),
+                    silent_for: secs,
+                },
+                Fault::Ended,
+            ),
+            (ActorError::PeerExited { peer: process() }, Fault::Ended),
+            (
+                ActorError::Mailbox(actix::MailboxError::Closed),
+                Fault::Ended,
+            ),
+            (
+                ActorError::Timeout {
+                    op: "call",
+                    after: secs,
+                },
+                Fault::Ended,
+            ),
+            (
+                ActorError::NotReturned {
+                    buffer,
+                    leases: 1,
+                    after: secs,
+                },
+                Fault::Ended,
+            ),
+            (ActorError::NotListening, Fault::Ended),
+            (
+                ActorError::ChildExited {
+                    pid: 9,
+                    status: std::process::ExitStatus::from_raw(0),
+                },
+                Fault::Ended,
+            ),
+        ]
+    }
+
+    #[test]
+    fn every_variant_has_the_kind_it_is_pinned_to() {
+        for (error, kind) in every_own_variant() {
+            assert_eq!(error.fault(), kind, "{error:?}");
+            assert_eq!(error.is_peer_fault(), kind == Fault::Peer, "{error:?}");
+        }
+    }
+
+    /// The peer faults are the list as it stood before the kinds: the protocol breaches
+    /// from `UnknownLease` to `TooManyStatusRequests`, none of the cuts this node decides
+    /// (a revoke deadline, silence, an exit).
+    #[test]
+    fn the_peer_faults_are_the_protocol_breaches() {
+        let peer = every_own_variant()
+            .into_iter()
+            .filter(|(e, _)| e.is_peer_fault())
+            .count();
+        assert_eq!(peer, 10);
+        for e in [
+            ActorError::RevokeDeadline {
+                lease: LeaseId::new(1),
+            },
+            ActorError::Unresponsive {
+                peer: process(),
+                silent_for: Duration::ZERO,
+            },
+            ActorError::PeerExited { peer: process() },
+            ActorError::OfferRefused(baton_ipc::Error::Closed),
+        ] {
+            assert!(!e.is_peer_fault(), "{e:?}");
+        }
+    }
+
+    /// An `Ipc` error is what it wraps: nested kinds, as rustls nests them.
+    #[test]
+    fn an_ipc_error_has_the_kind_it_wraps() {
+        for (inner, kind) in [
+            (baton_ipc::Error::BadToken, Fault::Peer),
+            (baton_ipc::Error::UnexpectedFds, Fault::Peer),
+            (baton_ipc::Error::DescriptorsLost { slot: 0 }, Fault::Local),
+            (baton_ipc::Error::Closed, Fault::Ended),
+            (baton_ipc::Error::ZeroSize, Fault::Usage),
+            (
+                baton_ipc::Error::MemoryTooSmall {
+                    claimed: 2,
+                    actual: 1,
+                },
+                Fault::Handle,
+            ),
+        ] {
+            let outer = ActorError::from(inner);
+            assert_eq!(outer.fault(), kind, "{outer:?}");
+            assert_eq!(outer.is_peer_fault(), kind == Fault::Peer, "{outer:?}");
         }
     }
 }

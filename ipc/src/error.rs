@@ -326,55 +326,367 @@ pub enum Error {
     },
 }
 
+/// Whose fault an [`Error`] is (or an `ActorError` of `baton-actors`, which shares the
+/// kinds): what a node does about it. Every variant says its kind in [`Error::fault`], a
+/// `match` with no catch-all arm, so a new variant cannot be added without saying whose
+/// fault it is (as rustls nests `PeerMisbehaved` and `InvalidMessage` under its `Error`).
+///
+/// The two questions a node asks of an error are thin readings of it:
+/// [`Error::is_peer_fault`] is [`Fault::Peer`], [`Error::is_local_open_failure`] is
+/// [`Fault::Local`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Fault {
+    /// The peer broke the protocol or sent data that does not check (bytes that do not
+    /// decode, a message out of place, descriptors its frames do not announce, a forged
+    /// fence, a wrong token or identity): the link that carried it is dropped, and the
+    /// drop is logged as the peer's.
+    Peer,
+    /// The peer turned down what was asked, within the protocol: a link it refuses, a call
+    /// its actor fails, a forward it will not make. Nobody broke a rule.
+    Refused,
+    /// What a handle (or a received layout) names is not memory that can be used as it
+    /// claims: gone, smaller than claimed, another exporter's or another boot's, an older
+    /// generation. Sent by a peer, it is the peer's handle that is wrong, not this
+    /// process: an open that fails so is no [`Local`](Self::Local) failure.
+    Handle,
+    /// This process or its environment lacks what the operation needs: an OS call or a
+    /// driver call that failed, descriptors or memory, a backend or device it does not
+    /// have, a mapping it no longer holds, exhausted driver resources. Not the peer's
+    /// doing: an offer that fails to open so is refused (its lease given back) and the
+    /// link kept.
+    Local,
+    /// The caller asked for what cannot be done as asked, or configured this process so:
+    /// zero bytes, an access out of bounds, a write while the memory is shared or leased,
+    /// a wrong element type, no session token, an insecure socket directory, a slab too
+    /// small. Change the call or the configuration.
+    Usage,
+    /// The link, the peer, an actor or a wait ended before the operation completed: a
+    /// closed link, an exited or unresponsive peer, a passed deadline, a stopped mailbox.
+    /// No rule the error names was broken by the peer (a holder cut at its revoke
+    /// deadline is cut by this node's policy).
+    Ended,
+}
+
 impl Error {
     pub(crate) fn io(op: &'static str) -> impl FnOnce(io::Error) -> Error {
         move |source| Error::Io { op, source }
     }
 
-    /// Whether this error means the peer misbehaved (sent bad data or broke the
-    /// protocol), as opposed to a local or environmental failure.
-    pub fn is_peer_fault(&self) -> bool {
-        matches!(
-            self,
+    /// Whose fault this error is (see [`Fault`]).
+    pub fn fault(&self) -> Fault {
+        // No catch-all arm: a new variant must say whose fault it is.
+        match self {
             Error::Message(_)
-                | Error::UnexpectedMessage { .. }
-                | Error::PeerIdentityMismatch { .. }
-                | Error::MissingFds { .. }
-                | Error::UnexpectedFds
-                | Error::MissingFdSlot { .. }
-                | Error::UnsealedMemory { .. }
-                | Error::BadToken
-                | Error::PeerNotAllowed { .. }
-                | Error::FenceRefused { .. }
-        )
+            | Error::UnexpectedMessage { .. }
+            | Error::PeerIdentityMismatch { .. }
+            | Error::MissingFds { .. }
+            | Error::UnexpectedFds
+            | Error::MissingFdSlot { .. }
+            | Error::UnsealedMemory { .. }
+            | Error::BadToken
+            | Error::PeerNotAllowed { .. }
+            | Error::FenceRefused { .. } => Fault::Peer,
+            Error::Refused { .. } => Fault::Refused,
+            Error::SegmentNotFound { .. }
+            | Error::MemoryTooSmall { .. }
+            | Error::SegmentOwnerMismatch { .. }
+            | Error::StaleHandle { .. }
+            | Error::ForeignHandle { .. }
+            | Error::AllocationGone { .. } => Fault::Handle,
+            Error::Io { .. }
+            | Error::Cuda { .. }
+            | Error::UnsupportedBackend { .. }
+            | Error::NotMapped { .. }
+            | Error::WrittenInPlace { .. }
+            | Error::PoolNotImported { .. }
+            | Error::DescriptorsLost { .. }
+            | Error::DeviceNotFound { .. }
+            | Error::BackendUnavailable { .. }
+            | Error::EventsExhausted { .. }
+            | Error::FencesExhausted { .. }
+            // Mapping a segment that exists failed here (a segment that does not exist
+            // is `SegmentNotFound`): descriptors, memory.
+            | Error::Shm(_) => Fault::Local,
+            Error::NoToken { .. }
+            | Error::InsecureSocketDir { .. }
+            | Error::ZeroSize
+            | Error::OutOfBounds { .. }
+            | Error::SharedMapping { .. }
+            | Error::InPlace { .. }
+            | Error::SlabFull { .. }
+            | Error::NotBorrowable { .. } => Fault::Usage,
+            Error::Closed | Error::Timeout { .. } => Fault::Ended,
+        }
+    }
+
+    /// Whether this error means the peer misbehaved (sent bad data or broke the
+    /// protocol), as opposed to a local or environmental failure: [`Fault::Peer`].
+    pub fn is_peer_fault(&self) -> bool {
+        self.fault() == Fault::Peer
     }
 
     /// Whether an open that failed with this error failed for reasons of this process, not
     /// of the handle the peer sent: a descriptor or memory limit, a backend or device this
-    /// process does not have, a mapping it no longer holds, exhausted driver resources. A
-    /// node refuses such an offer (its lease given back) and keeps the link; any other
-    /// open failure is the peer's (a handle that does not check, names memory that does
-    /// not exist or is smaller than claimed, an old generation) and drops its link.
+    /// process does not have, a mapping it no longer holds, exhausted driver resources
+    /// ([`Fault::Local`]). A node refuses such an offer (its lease given back) and keeps
+    /// the link; any other open failure is the peer's (a handle that does not check, names
+    /// memory that does not exist or is smaller than claimed, an old generation) and drops
+    /// its link.
     pub fn is_local_open_failure(&self) -> bool {
-        matches!(
-            self,
-            Error::Io { .. }
-                | Error::Cuda { .. }
-                | Error::UnsupportedBackend { .. }
-                | Error::NotMapped { .. }
-                | Error::WrittenInPlace { .. }
-                | Error::PoolNotImported { .. }
-                | Error::DescriptorsLost { .. }
-                | Error::DeviceNotFound { .. }
-                | Error::BackendUnavailable { .. }
-                | Error::EventsExhausted { .. }
-                | Error::FencesExhausted { .. }
-                // Mapping a segment that exists failed here (a segment that does not exist
-                // is `SegmentNotFound`): descriptors, memory.
-                | Error::Shm(_)
-        )
+        self.fault() == Fault::Local
     }
 }
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_messages::{ActorId, BootId};
+
+    fn process() -> ProcessId {
+        ProcessId {
+            boot: BootId([1; 16]),
+            pid: 7,
+            start_ticks: 9,
+        }
+    }
+
+    fn exporter() -> ExporterId {
+        ExporterId {
+            process: process(),
+            actor: ActorId::new(1),
+        }
+    }
+
+    fn io_error() -> Error {
+        Error::Io {
+            op: "open",
+            source: io::Error::from_raw_os_error(24),
+        }
+    }
+
+    /// One error of every variant, with the kind it must have: a new variant fails to
+    /// compile in `fault` until it is given one, and is pinned here.
+    fn every_variant() -> Vec<(Error, Fault)> {
+        let (alloc, generation) = (AllocationId::new(3), Generation::new(2));
+        vec![
+            (
+                Error::Message(baton_messages::Error::BadMagic { got: [0, 1] }),
+                Fault::Peer,
+            ),
+            (
+                Error::UnexpectedMessage {
+                    expected: "Hello",
+                    got: "Ping",
+                },
+                Fault::Peer,
+            ),
+            (
+                Error::PeerIdentityMismatch {
+                    claimed: process(),
+                    actual_pid: 8,
+                },
+                Fault::Peer,
+            ),
+            (Error::MissingFds { need: 2, have: 1 }, Fault::Peer),
+            (Error::UnexpectedFds, Fault::Peer),
+            (Error::MissingFdSlot { slot: 1 }, Fault::Peer),
+            (
+                Error::UnsealedMemory {
+                    exporter: exporter(),
+                },
+                Fault::Peer,
+            ),
+            (Error::BadToken, Fault::Peer),
+            (Error::PeerNotAllowed { uid: 1, pid: 2 }, Fault::Peer),
+            (
+                Error::FenceRefused {
+                    producer: process(),
+                    reason: crate::inbox::FenceRefusal::NoLane,
+                },
+                Fault::Peer,
+            ),
+            (
+                Error::Refused {
+                    reason: RefuseReason::BadToken,
+                },
+                Fault::Refused,
+            ),
+            (
+                Error::SegmentNotFound {
+                    exporter: exporter(),
+                    alloc,
+                },
+                Fault::Handle,
+            ),
+            (
+                Error::MemoryTooSmall {
+                    claimed: 8,
+                    actual: 4,
+                },
+                Fault::Handle,
+            ),
+            (
+                Error::SegmentOwnerMismatch {
+                    exporter: exporter(),
+                },
+                Fault::Handle,
+            ),
+            (
+                Error::StaleHandle {
+                    alloc,
+                    generation,
+                    current: Generation::new(3),
+                },
+                Fault::Handle,
+            ),
+            (
+                Error::ForeignHandle {
+                    exporter: exporter(),
+                },
+                Fault::Handle,
+            ),
+            (
+                Error::AllocationGone {
+                    exporter: exporter(),
+                    alloc,
+                },
+                Fault::Handle,
+            ),
+            (io_error(), Fault::Local),
+            (
+                Error::Cuda {
+                    op: "cuIpcOpenMemHandle_v2",
+                    code: crate::cuda::CudaError::INVALID_VALUE,
+                },
+                Fault::Local,
+            ),
+            (
+                Error::UnsupportedBackend {
+                    kind: BackendKind::CudaLegacy,
+                },
+                Fault::Local,
+            ),
+            (
+                Error::NotMapped {
+                    exporter: exporter(),
+                    alloc,
+                },
+                Fault::Local,
+            ),
+            (Error::WrittenInPlace { alloc }, Fault::Local),
+            (
+                Error::PoolNotImported {
+                    exporter: exporter(),
+                    pool: 4,
+                },
+                Fault::Local,
+            ),
+            (Error::DescriptorsLost { slot: 0 }, Fault::Local),
+            (
+                Error::DeviceNotFound {
+                    device: DeviceUuid([5; 16]),
+                },
+                Fault::Local,
+            ),
+            (
+                Error::BackendUnavailable {
+                    backend: "cuda",
+                    reason: "no driver".into(),
+                },
+                Fault::Local,
+            ),
+            (Error::EventsExhausted { limit: 4 }, Fault::Local),
+            (Error::FencesExhausted { limit: 4 }, Fault::Local),
+            (Error::Shm("mmap failed".into()), Fault::Local),
+            (Error::NoToken { why: None }, Fault::Usage),
+            (
+                Error::InsecureSocketDir {
+                    path: PathBuf::from("/tmp/x"),
+                    reason: "world-writable",
+                },
+                Fault::Usage,
+            ),
+            (Error::ZeroSize, Fault::Usage),
+            (
+                Error::OutOfBounds {
+                    offset: 4,
+                    len: 8,
+                    size: 8,
+                },
+                Fault::Usage,
+            ),
+            (Error::SharedMapping { alloc, views: 2 }, Fault::Usage),
+            (Error::InPlace { alloc }, Fault::Usage),
+            (
+                Error::SlabFull {
+                    requested: 64,
+                    largest_free: 32,
+                },
+                Fault::Usage,
+            ),
+            (
+                Error::NotBorrowable {
+                    ptr: 0x1000,
+                    reason: "not a CUDA allocation".into(),
+                },
+                Fault::Usage,
+            ),
+            (Error::Closed, Fault::Ended),
+            (
+                Error::Timeout {
+                    op: "handshake",
+                    after: Duration::from_secs(1),
+                },
+                Fault::Ended,
+            ),
+        ]
+    }
+
+    #[test]
+    fn every_variant_has_the_kind_it_is_pinned_to() {
+        for (error, kind) in every_variant() {
+            assert_eq!(error.fault(), kind, "{error:?}");
+        }
+    }
+
+    /// The two questions a node asks are the kinds `Peer` and `Local`, and no error is both.
+    #[test]
+    fn peer_fault_and_local_open_failure_read_the_kind() {
+        let mut peer = 0;
+        let mut local = 0;
+        for (error, kind) in every_variant() {
+            assert_eq!(error.is_peer_fault(), kind == Fault::Peer, "{error:?}");
+            assert_eq!(
+                error.is_local_open_failure(),
+                kind == Fault::Local,
+                "{error:?}"
+            );
+            assert!(!(error.is_peer_fault() && error.is_local_open_failure()));
+            peer += usize::from(error.is_peer_fault());
+            local += usize::from(error.is_local_open_failure());
+        }
+        assert_eq!(
+            (peer, local),
+            (10, 12),
+            "the lists as they stood before the kinds"
+        );
+    }
+
+    /// A handle that does not check is no local failure: an open that fails so drops the
+    /// peer's link, and the drop is not logged as a protocol breach.
+    #[test]
+    fn a_bad_handle_is_neither_local_nor_a_protocol_breach() {
+        let stale = Error::StaleHandle {
+            alloc: AllocationId::new(1),
+            generation: Generation::new(1),
+            current: Generation::new(2),
+        };
+        assert!(!stale.is_local_open_failure());
+        assert!(!stale.is_peer_fault());
+        assert_eq!(stale.fault(), Fault::Handle);
+    }
+}

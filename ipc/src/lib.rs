@@ -57,7 +57,7 @@ pub use cache::{
 };
 pub use cuda::CudaBackend;
 pub use driver_thread::DriverThread;
-pub use error::{Error, Result};
+pub use error::{Error, Fault, Result};
 pub use host::{HostBackend, HostFlavor};
 pub use link::{
     AsyncLink, FrameFds, Link, LinkCloser, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred,
