@@ -1386,3 +1386,100 @@ fn grants_and_frees_are_counted_per_owner() {
     assert_eq!(ledger.totals(None), totals(4, 2));
     assert_eq!((ledger.granted(), ledger.freed()), (4, 2));
 }
+
+/// The leases whose end the ledger queued, with their data, in lease order.
+fn ended<M, F, D: Ord>(ledger: &mut Ledger<M, F, D>) -> Vec<(LeaseId, D)> {
+    let mut ended: Vec<(LeaseId, D)> = ledger
+        .take_actions()
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::LeaseEnded { lease, data, .. } => Some((lease, data)),
+            _ => None,
+        })
+        .collect();
+    ended.sort();
+    ended
+}
+
+/// A pool's descriptor crosses a link once for all the pool's allocations: again after the
+/// offer that carried it was taken back unsent, after the importer could not open an offer
+/// of the pool (an `Unmapped` nobody asked for), and over a new link. Each lease's data
+/// comes back when it ends.
+#[test]
+fn a_pools_descriptor_goes_once_per_link_until_an_open_fails() {
+    let mut ledger: Ledger<u64, Fence, &'static str> = Ledger::default();
+    let (a, b) = (AllocationId::new(1), AllocationId::new(2));
+    for (alloc, meta) in [(a, 1), (b, 2)] {
+        ledger.insert(NewAllocation {
+            alloc,
+            buffer: BufferId::next(),
+            owner: ActorId::new(1),
+            bytes: 4096,
+            rule: FreeWhileMapped::Survives,
+            policy: RevokePolicy::Cut,
+            pool: Some(7),
+            meta,
+        });
+    }
+    let link = LinkId::next();
+    ledger.link_up(link, process(0));
+    let now = Instant::now();
+    let lease = LeaseId::new;
+    let hold = |new_hold| Grant { new_hold };
+    assert_eq!(
+        ledger.grant(a, link, lease(1), now, false, "one"),
+        Ok((hold(true), Some(7)))
+    );
+    assert_eq!(
+        ledger.grant(b, link, lease(2), now, false, "two"),
+        Ok((hold(true), None)),
+        "the pool's descriptor went with the first offer"
+    );
+    // The first offer never went out: the next one carries the descriptor.
+    assert_eq!(ledger.ungrant(lease(1)), Some((link, hold(true), Some(7))));
+    assert_eq!(
+        ledger.grant(a, link, lease(3), now, false, "three"),
+        Ok((hold(true), Some(7)))
+    );
+    // The importer could not open `b`'s offer: the pool goes again.
+    assert!(ledger.unmapped(link, b));
+    assert_eq!(
+        ledger.grant(b, link, lease(4), now, false, "four"),
+        Ok((hold(true), Some(7)))
+    );
+    // A writable lease waits for the others; none is granted while one is out.
+    assert_eq!(
+        ledger.grant(a, link, lease(5), now, true, "five"),
+        Err(Refusal::ReadersOut)
+    );
+    // A new link gets the descriptor with its first offer.
+    let other = LinkId::next();
+    ledger.link_up(other, process(1));
+    assert_eq!(
+        ledger.grant(b, other, lease(6), now, false, "six"),
+        Ok((hold(true), Some(7)))
+    );
+    ledger.check();
+    assert_eq!(
+        ended(&mut ledger),
+        [(lease(1), "one")],
+        "only the ungranted lease ended"
+    );
+    ledger.link_cut(link);
+    assert_eq!(
+        ended(&mut ledger),
+        [(lease(2), "two"), (lease(3), "three"), (lease(4), "four")],
+        "the cut link's leases end, each with its data"
+    );
+    // `a`'s leases went with the link: a writable lease may go out now (the pool's
+    // descriptor already crossed `other`), and then no other lease on `a`.
+    assert_eq!(
+        ledger.grant(a, other, lease(7), now, true, "seven"),
+        Ok((hold(true), None))
+    );
+    assert_eq!(
+        ledger.grant(a, other, lease(8), now, false, "eight"),
+        Err(Refusal::WriterOut)
+    );
+    ledger.check();
+}
