@@ -5,8 +5,11 @@ use std::time::Duration;
 
 /// Everything that can go wrong in the actor protocol.
 ///
-/// The variants from [`UnknownLease`](Self::UnknownLease) to [`Unexpected`](Self::Unexpected)
-/// are a peer breaking the protocol: the link that carried it is dropped (see
+/// Whose fault each variant is, [`fault`](Self::fault) says (the kinds of
+/// [`baton_ipc::Fault`], an [`Ipc`](Self::Ipc) error having the kind of the error it
+/// wraps). Those of kind [`Peer`](baton_ipc::Fault::Peer) — [`UnknownLease`](Self::UnknownLease),
+/// [`Unexpected`](Self::Unexpected), [`TooManyOffers`](Self::TooManyOffers), … — are a peer
+/// breaking the protocol: the link that carried it is dropped (see
 /// [`PeerEvent::Down`](crate::PeerEvent::Down)), and every other link and lease carries on.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -304,10 +307,13 @@ pub enum ActorError {
 }
 
 impl ActorError {
-    /// Whether this error is a peer breaking the protocol (its link is dropped for it).
-    pub fn is_peer_fault(&self) -> bool {
+    /// Whose fault this error is (see [`Fault`](baton_ipc::Fault)); an
+    /// [`Ipc`](Self::Ipc) error has the kind of the error it wraps.
+    pub fn fault(&self) -> baton_ipc::Fault {
+        use baton_ipc::Fault;
+        // No catch-all arm: a new variant must say whose fault it is.
         match self {
-            ActorError::Ipc(e) => e.is_peer_fault(),
+            ActorError::Ipc(e) => e.fault(),
             ActorError::UnknownLease { .. }
             | ActorError::ForeignOffer { .. }
             | ActorError::DuplicateLease { .. }
@@ -317,8 +323,47 @@ impl ActorError {
             | ActorError::TooManyLeases { .. }
             | ActorError::TooManyFences { .. }
             | ActorError::PeerNotReading { .. }
-            | ActorError::TooManyStatusRequests { .. } => true,
-            _ => false,
+            | ActorError::TooManyStatusRequests { .. } => Fault::Peer,
+            ActorError::Remote(_) | ActorError::ForwardRefused { .. } => Fault::Refused,
+            // A received bundle's layout names more memory than its buffer has: refused
+            // when opened, its lease given back.
+            ActorError::BundleTooLarge { .. } => Fault::Handle,
+            // By construction a local failure to open a reply's buffer (see
+            // `is_local_open_failure`): the link stays up.
+            ActorError::OfferRefused(_) | ActorError::Spawn { .. } => Fault::Local,
+            ActorError::Encode { .. }
+            | ActorError::Decode { .. }
+            | ActorError::WrongElementType { .. }
+            | ActorError::OutOfBounds { .. }
+            | ActorError::UnknownBuffer(_)
+            | ActorError::NotOwned
+            | ActorError::NotReceived
+            | ActorError::TooManyDescriptors { .. }
+            | ActorError::TooManyStreams { .. }
+            | ActorError::NoParent { .. }
+            | ActorError::BufferLeased { .. }
+            | ActorError::LeaseConflict { .. }
+            | ActorError::NotHostMemory
+            | ActorError::NoSuchTensor { .. } => Fault::Usage,
+            ActorError::LinkClosed { .. }
+            | ActorError::Orphaned { .. }
+            | ActorError::RevokeDeadline { .. }
+            | ActorError::Unresponsive { .. }
+            | ActorError::PeerExited { .. }
+            | ActorError::Mailbox(_)
+            | ActorError::Timeout { .. }
+            | ActorError::NotReturned { .. }
+            | ActorError::NotListening
+            | ActorError::ChildExited { .. } => Fault::Ended,
         }
     }
+
+    /// Whether this error is a peer breaking the protocol (its link is dropped for it):
+    /// [`Fault::Peer`](baton_ipc::Fault::Peer).
+    pub fn is_peer_fault(&self) -> bool {
+        self.fault() == baton_ipc::Fault::Peer
+    }
 }
+
+#[cfg(test)]
+mod tests;

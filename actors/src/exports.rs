@@ -7,8 +7,14 @@
 //! trip. Events go in under the lock; the actions they queue are carried out after it is
 //! released: messages to link actors (`do_send`, never blocking), frees (on the node's
 //! driver thread: every release fence and every use of the buffer on a stream is waited
-//! for, then the backend allocation is dropped), and kills of supervised children that
-//! hold revoked leases.
+//! for, then the backend allocation is dropped), kills of supervised children that hold
+//! revoked leases, and acquire fences of ended leases going back to their pools.
+//!
+//! Everything about leases — who holds what, one writer or many readers, which pool
+//! descriptors went over which link, each lease's acquire fence, the counters per owner —
+//! is the ledger's; beside it this node keeps only what reaches outside the process: each
+//! link's actor (to send it what the ledger asks) and the pidfds of supervised children
+//! (to kill one that keeps a revoked lease).
 //!
 //! Each exported buffer's state is a [`BufferCell`] (made by [`Exports::insert`]): the
 //! typed and untyped handles (`Buffer<T>`, `AnyBuffer`) share it, and dropping the last
@@ -18,6 +24,7 @@ use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
     Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal, RevokePolicy,
+    Totals,
 };
 use crate::link_ref::{CutOff, LinkRef, SendRevoke, SendUnmap};
 use crate::offload::Offload;
@@ -27,7 +34,7 @@ use baton_messages::protocol::Offer;
 use baton_messages::{
     ActorId, AllocationId, BackendKind, DeviceUuid, FenceHandle, Layout, LeaseId, ProcessId,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
@@ -47,6 +54,10 @@ pub(crate) struct Owned {
 /// memory, written synchronously).
 pub(crate) type Fence = ReleaseFence;
 
+/// What the ledger keeps with a lease: its acquire fence, when that is a pooled event
+/// that must not be reused until the lease is back (see [`keeps_until_back`]).
+pub(crate) type Acquire = Option<Arc<dyn ExportedFence>>;
+
 /// A lease granted for an offer, and what undoing it takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct OfferGrant {
@@ -57,29 +68,11 @@ pub(crate) struct OfferGrant {
 
 #[derive(Debug, Default)]
 struct State {
-    ledger: Ledger<Owned, Fence>,
+    ledger: Ledger<Owned, Fence, Acquire>,
+    /// The actor of each link the ledger knows, to carry out what it asks of the link.
     links: HashMap<LinkId, LinkRef>,
+    /// Children of this node's supervisor, which a [`RevokePolicy`] may kill.
     supervised: HashMap<ProcessId, Arc<OwnedFd>>,
-    per_owner: HashMap<ActorId, OwnerCounters>,
-    /// Each live allocation's stream ordering, for the release fences that come back.
-    orders: HashMap<AllocationId, Arc<ExportOrder>>,
-    /// The pool each pool allocation comes from.
-    pool_of: HashMap<AllocationId, u64>,
-    /// The pools whose descriptor went over a link (and that the importer has not failed
-    /// to import since).
-    pools_sent: HashSet<(LinkId, u64)>,
-    /// Each lease's acquire fence, kept until the lease is back (the reuse contract of
-    /// pooled fences), with the link it went over.
-    acquire: HashMap<LeaseId, (LinkId, Arc<dyn ExportedFence>)>,
-    /// Writable leases out, and the allocation of each (one writer or many readers per
-    /// buffer: see `Buffer::share_mut`).
-    writable: HashMap<LeaseId, AllocationId>,
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-struct OwnerCounters {
-    granted: u64,
-    freed: u64,
 }
 
 /// A buffer's leases, as a [`BufferOwner`](crate::BufferOwner) reports them for its own
@@ -171,7 +164,7 @@ pub struct OwnerStats {
 }
 
 impl OwnerStats {
-    fn new(c: Counts, o: OwnerCounters) -> Self {
+    fn new(c: Counts, o: Totals) -> Self {
         Self {
             buffers: c.buffers,
             retiring: c.retiring,
@@ -343,30 +336,23 @@ struct OfferParts<'a> {
     layout: &'a Layout,
 }
 
-/// Which leases an event may end.
-enum Scope {
-    None,
-    /// One lease (released or ungranted).
-    Lease(LeaseId),
-    /// Those of links that went down.
-    Links,
-}
-
 /// Carries out actions after the lock is released.
 #[derive(Default)]
 struct Todo {
-    actions: Vec<Action<Owned, Fence>>,
+    actions: Vec<Action<Owned, Fence, Acquire>>,
     links: HashMap<LinkId, LinkRef>,
     kill: HashMap<LinkId, Arc<OwnedFd>>,
-    /// Acquire fences of leases that are back.
-    fences: Vec<Arc<dyn ExportedFence>>,
 }
 
 impl Todo {
     fn run(self, offload: &Offload, exports: &Weak<Exports>) {
-        drop(self.fences);
         for action in self.actions {
             match action {
+                Action::LeaseEnded { lease, alloc, data } => {
+                    // Its acquire fence (a pooled event) goes back to its pool.
+                    tracing::trace!(%lease, %alloc, fence = data.is_some(), "lease ended");
+                    drop(data);
+                }
                 Action::Revoke {
                     link,
                     lease,
@@ -505,75 +491,35 @@ impl Exports {
 
     /// Applies `event` to the ledger, then carries out what it asked for, unlocked.
     fn apply<R>(&self, event: impl FnOnce(&mut State) -> R) -> R {
-        self.apply_to(Scope::None, event)
-    }
-
-    /// As [`apply`](Self::apply), for an event that may end leases (`scope`): their
-    /// acquire fences go back.
-    fn apply_to<R>(&self, scope: Scope, event: impl FnOnce(&mut State) -> R) -> R {
         let (result, todo) = {
             let mut state = self.lock();
             let result = event(&mut state);
             let actions = state.ledger.take_actions();
             let mut todo = Todo::default();
+            // The links (and supervised children) the actions reach, looked up under the lock.
             for action in &actions {
-                match action {
-                    Action::Free { meta, alloc, .. } => {
-                        state.per_owner.entry(meta.owner).or_default().freed += 1;
-                        state.orders.remove(alloc);
-                        state.pool_of.remove(alloc);
-                    }
+                let link = match action {
                     Action::Revoke { link, .. }
                     | Action::Unmap { link, .. }
-                    | Action::Cut { link, .. } => {
-                        if let Some(l) = state.links.get(link) {
-                            todo.links.insert(*link, l.clone());
-                        }
-                        if let Action::Cut { kill: true, .. } = action {
-                            let pidfd = state
-                                .ledger
-                                .link_process(*link)
-                                .and_then(|p| state.supervised.get(&p));
-                            if let Some(fd) = pidfd {
-                                todo.kill.insert(*link, Arc::clone(fd));
-                            }
-                        }
+                    | Action::Cut { link, .. } => *link,
+                    Action::Free { .. } | Action::Quarantine { .. } | Action::LeaseEnded { .. } => {
+                        continue;
                     }
-                    Action::Quarantine { .. } => {}
+                };
+                if let Some(l) = state.links.get(&link) {
+                    todo.links.insert(link, l.clone());
+                }
+                if let Action::Cut { kill: true, .. } = action {
+                    let pidfd = state
+                        .ledger
+                        .link_process(link)
+                        .and_then(|p| state.supervised.get(&p));
+                    if let Some(fd) = pidfd {
+                        todo.kill.insert(link, Arc::clone(fd));
+                    }
                 }
             }
             todo.actions = actions;
-            // Acquire fences of leases no longer out go back to their pools.
-            let ledger = &state.ledger;
-            let back: Vec<LeaseId> = match &scope {
-                Scope::Lease(lease) => vec![*lease],
-                Scope::Links => state
-                    .acquire
-                    .iter()
-                    .filter(|(_, (link, _))| ledger.link_process(*link).is_none())
-                    .map(|(l, _)| *l)
-                    .collect(),
-                Scope::None => Vec::new(),
-            };
-            // A stranded lease's holder may still wait on its acquire fence. (Only a link
-            // going down strands leases: a single release never has to look.)
-            let stranded = match &scope {
-                Scope::Links if !back.is_empty() => state.ledger.stranded(),
-                _ => Default::default(),
-            };
-            for lease in back {
-                if !state.ledger.is_out(lease) && !stranded.contains(&lease) {
-                    if let Some((_, fence)) = state.acquire.remove(&lease) {
-                        todo.fences.push(fence);
-                    }
-                }
-            }
-            if !matches!(scope, Scope::None) && !state.writable.is_empty() {
-                let State {
-                    ledger, writable, ..
-                } = &mut *state;
-                writable.retain(|lease, _| ledger.is_out(*lease));
-            }
             (result, todo)
         };
         todo.run(&self.offload, &self.me);
@@ -624,6 +570,10 @@ impl Exports {
                 bytes: alloc.size() as u64,
                 rule: alloc.free_while_mapped(),
                 policy,
+                pool: match alloc.descriptor_scope() {
+                    DescriptorScope::Pool(pool) => Some(pool),
+                    DescriptorScope::Allocation => None,
+                },
                 meta: Owned {
                     alloc: Arc::clone(&alloc),
                     owner,
@@ -631,10 +581,6 @@ impl Exports {
                     layout: layout.clone(),
                 },
             });
-            state.orders.insert(alloc.id(), Arc::clone(&order));
-            if let DescriptorScope::Pool(pool) = alloc.descriptor_scope() {
-                state.pool_of.insert(alloc.id(), pool);
-            }
         }
         Arc::new(BufferCell {
             id,
@@ -659,16 +605,15 @@ impl Exports {
 
     /// A link is down (see [`Ledger::link_cut`]).
     pub(crate) fn link_cut(&self, link: LinkId) {
-        self.apply_to(Scope::Links, |s| {
+        self.apply(|s| {
             s.links.remove(&link);
-            s.pools_sent.retain(|(l, _)| *l != link);
             s.ledger.link_cut(link);
         });
     }
 
     /// A process is confirmed dead.
     pub(crate) fn process_dead(&self, process: ProcessId) {
-        self.apply_to(Scope::Links, |s| {
+        self.apply(|s| {
             s.supervised.remove(&process);
             s.ledger.process_dead(process);
         });
@@ -707,41 +652,26 @@ impl Exports {
                 wanted,
                 reason,
             };
+            let wanted = if writable { "writable" } else { "read-only" };
             if cell.alloc.is_in_place() {
                 return Err(conflict(
-                    if writable { "writable" } else { "read-only" },
+                    wanted,
                     "its owner is writing it in place (Buffer::as_mut_slice)",
                 ));
             }
-            if state.writable.values().any(|a| *a == alloc) {
-                return Err(conflict(
-                    if writable { "writable" } else { "read-only" },
-                    "a writable lease on it is out",
-                ));
-            }
-            if writable && state.ledger.leases_on(cell.id) > 0 {
-                return Err(conflict("writable", "other leases on it are out"));
-            }
-            let ledger = state
+            let kept = fence
+                .as_ref()
+                .filter(|f| keeps_until_back(f.as_ref()))
+                .map(Arc::clone);
+            let (ledger, pool) = state
                 .ledger
-                .grant(cell.alloc.id(), link.id, lease, Instant::now())
+                .grant(alloc, link.id, lease, Instant::now(), writable, kept)
                 .map_err(|r| match r {
+                    Refusal::WriterOut => conflict(wanted, "a writable lease on it is out"),
+                    Refusal::ReadersOut => conflict("writable", "other leases on it are out"),
                     Refusal::LinkDown => ActorError::LinkClosed { peer: link.peer() },
                     _ => ActorError::UnknownBuffer(cell.id),
                 })?;
-            state.per_owner.entry(cell.owner).or_default().granted += 1;
-            let pool = match cell.alloc.descriptor_scope() {
-                DescriptorScope::Pool(pool) if state.pools_sent.insert((link.id, pool)) => {
-                    Some(pool)
-                }
-                _ => None,
-            };
-            if let Some(fence) = fence.as_ref().filter(|f| keeps_until_back(f.as_ref())) {
-                state.acquire.insert(lease, (link.id, Arc::clone(fence)));
-            }
-            if writable {
-                state.writable.insert(lease, alloc);
-            }
             OfferGrant { ledger, pool }
         };
         let handle = fence.as_ref().map(|f| f.handle());
@@ -777,29 +707,26 @@ impl Exports {
         let (alloc, owner, layout, order) = {
             let mut state = self.lock();
             // One writer or many readers holds for forwarded leases too: a writable lease
-            // is its holder's alone (its `as_mut_slice` relies on it).
-            if state.writable.contains_key(&via) {
-                return Err(ActorError::ForwardRefused {
-                    reason: format!("{via} is a writable lease: it is not forwarded"),
-                });
-            }
+            // is its holder's alone (its `as_mut_slice` relies on it). The acquire fence is
+            // made below, unlocked, and kept with the lease then.
             let alloc = state
                 .ledger
-                .grant_relayed(via, link.id, lease, holder, max, Instant::now())
+                .grant_relayed(via, link.id, lease, holder, max, Instant::now(), None)
                 .map_err(|r| match r {
+                    Refusal::WriterOut => ActorError::ForwardRefused {
+                        reason: format!("{via} is a writable lease: it is not forwarded"),
+                    },
                     Refusal::LinkDown => ActorError::LinkClosed { peer: link.peer() },
                     Refusal::TooManyRelayed => ActorError::TooManyLeases { max },
                     _ => ActorError::UnknownLease { lease: via },
                 })?;
             let meta = state.ledger.meta(alloc).expect("granted just now");
-            let parts = (
+            (
                 Arc::clone(&meta.alloc),
                 meta.owner,
                 meta.layout.clone(),
                 Arc::clone(&meta.order),
-            );
-            state.per_owner.entry(parts.1).or_default().granted += 1;
-            parts
+            )
         };
         let undo = || {
             self.ungrant(
@@ -819,9 +746,10 @@ impl Exports {
             }
         };
         if let Some(fence) = fence.as_ref().filter(|f| keeps_until_back(f.as_ref())) {
-            self.lock()
-                .acquire
-                .insert(lease, (link.id, Arc::clone(fence)));
+            // A lease that ended meanwhile (its holder died) keeps nothing.
+            if let Some(kept) = self.lock().ledger.lease_data_mut(lease) {
+                *kept = Some(Arc::clone(fence));
+            }
         }
         let parts = OfferParts {
             alloc: &alloc,
@@ -876,13 +804,16 @@ impl Exports {
         ))
     }
 
-    /// Takes back a lease whose offer (over `link`) was never sent.
+    /// Takes back a lease whose offer (over `link`) was never sent. `grant` is what
+    /// [`grant`](Self::grant) returned (for a relayed lease: no hold, no pool); the ledger
+    /// remembers both, and undoes what it recorded.
     pub(crate) fn ungrant(&self, lease: LeaseId, grant: OfferGrant, link: LinkId) {
-        self.apply_to(Scope::Lease(lease), |s| {
-            if let Some(pool) = grant.pool {
-                s.pools_sent.remove(&(link, pool));
-            }
-            s.ledger.ungrant(lease, grant.ledger);
+        self.apply(|s| {
+            let undone = s.ledger.ungrant(lease);
+            debug_assert!(
+                undone.is_none_or(|u| u == (link, grant.ledger, grant.pool)),
+                "{lease} was granted as {undone:?}, not {grant:?} over {link:?}"
+            );
         });
     }
 
@@ -893,7 +824,7 @@ impl Exports {
         link: LinkId,
         fences: Vec<FenceHandle>,
     ) -> Result<(), ActorError> {
-        self.apply_to(Scope::Lease(lease), |s| {
+        self.apply(|s| {
             // The fences were checked against the lane we lent the link's peer: it wrote
             // them. (A relay passes a forwarded lease's release on without fences, since
             // its holder closed its mapping after its own work; fences a faulty relay adds
@@ -906,13 +837,16 @@ impl Exports {
                     .collect(),
                 None => Vec::new(),
             };
-            let alloc = match s.ledger.release(lease, link, fences.iter().cloned()) {
-                Ok(alloc) => alloc,
+            // The buffer's stream ordering takes the fences in too (read before the release,
+            // which may free the buffer).
+            let order = s.ledger.lease_meta(lease).map(|m| Arc::clone(&m.order));
+            match s.ledger.release(lease, link, fences.iter().cloned()) {
+                Ok(_) => {}
                 // A forwarded lease whose holder died while its release was on the way.
                 Err(_) if s.ledger.forget_ended_relay(lease, link) => return Ok(()),
                 Err(e) => return Err(e),
-            };
-            if let Some(order) = s.orders.get(&alloc) {
+            }
+            if let Some(order) = order {
                 order.released(fences);
             }
             Ok(())
@@ -954,14 +888,7 @@ impl Exports {
     /// The importer over `link` closed its mapping of `alloc`. If we had not asked (it
     /// could not open our offer), a pool's descriptor goes with the next offer again.
     pub(crate) fn unmapped(&self, link: LinkId, alloc: AllocationId) -> bool {
-        self.apply(|s| {
-            if !s.ledger.unmap_asked(link, alloc) {
-                if let Some(pool) = s.pool_of.get(&alloc) {
-                    s.pools_sent.remove(&(link, *pool));
-                }
-            }
-            s.ledger.unmapped(link, alloc)
-        })
+        self.apply(|s| s.ledger.unmapped(link, alloc))
     }
 
     /// Leases out on `buffer`.
@@ -1007,14 +934,7 @@ impl Exports {
     /// Counters of `owner` (all: `None`).
     pub(crate) fn stats(&self, owner: Option<ActorId>) -> OwnerStats {
         let state = self.lock();
-        let counters = match owner {
-            Some(o) => state.per_owner.get(&o).copied().unwrap_or_default(),
-            None => OwnerCounters {
-                granted: state.ledger.granted(),
-                freed: state.ledger.freed(),
-            },
-        };
-        OwnerStats::new(state.ledger.counts(owner), counters)
+        OwnerStats::new(state.ledger.counts(owner), state.ledger.totals(owner))
     }
 }
 

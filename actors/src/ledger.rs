@@ -4,20 +4,28 @@
 //! timer or driver object. The node feeds it events — a lease granted or released, a link
 //! cut, a process confirmed dead, a buffer retired, a revoke, a deadline passed, a mapping
 //! closed — and carries out the [`Action`]s it queues: send a revoke or an unmap, cut a
-//! link, free memory, report a quarantine. Every interleaving can therefore be driven from
-//! a test, and the property tests at the bottom of this file do so against a simple model.
+//! link, free memory, report a quarantine, let go of what a lease that ended kept
+//! ([`Action::LeaseEnded`], with the data the node gave its grant). Every interleaving can
+//! therefore be driven from a test, and the property tests in `ledger/tests.rs` do so
+//! against a simple model.
 //!
 //! # What it tracks, per allocation
 //!
 //! - **Leases**: one per buffer in a message, from the moment its offer is sent (so one
 //!   lost in flight still counts) until the importer's `Release` — which may carry a
-//!   *release fence*: the point on the importer's stream after its last use.
+//!   *release fence*: the point on the importer's stream after its last use. One writer or
+//!   many readers: a writable lease is granted only while no other lease on the allocation
+//!   is out, and no lease while a writable one is. Each lease keeps the data the node gave
+//!   its grant (its acquire fence) and hands it back in [`Action::LeaseEnded`].
 //! - **Mapping holds**, per link: the importer's process may map the allocation (its import
 //!   cache keeps a mapping warm after its last lease drops). A hold starts with the first
 //!   offer over a link — that offer carries the descriptor, later ones do not — and ends
 //!   with the importer's `Unmapped`, sent after it closed the mapping, either because we
 //!   asked (`Unmap`: we free the allocation, or the importer asked us with `Evict` to let it
 //!   drop an idle mapping) or because it could not open the offer.
+//! - **Pool descriptors**, per link: for memory of an exporter's pool, the first offer of
+//!   any allocation of the pool over a link carries the pool's descriptor, until the link
+//!   goes or the importer says it could not open an offer of the pool.
 //! - **Cut holders**: processes whose link was cut while they held a lease or a mapping.
 //!   Cutting a link does not stop a live process from mapping memory it has mapped.
 //! - **Relayed leases** (forwarding, see [`relay`](crate::relay)): a lease granted at the
@@ -44,13 +52,19 @@
 //! node frees only after they complete, so no GPU work that uses the memory can still run
 //! either.
 //!
-//! `check` (tests only) verifies the bookkeeping after every event.
+//! It also counts, per owner and in all, the leases granted and the allocations freed.
+//!
+//! What the node reports of it — the lease table, the counters, what each process holds —
+//! is read in [`tables`]; `check` (tests only, `ledger/check.rs`) verifies the bookkeeping
+//! after every event.
 
 use crate::ids::{BufferId, LinkId};
 use baton_ipc::FreeWhileMapped;
 use baton_messages::{ActorId, AllocationId, LeaseId, ProcessId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
+
+pub(crate) use tables::{Counts, EntryView, HolderView};
 
 /// A release fence that may make another redundant: waiting on `self` also waits for
 /// everything `earlier` follows. The ledger keeps only fences no other kept fence covers.
@@ -91,11 +105,16 @@ pub(crate) enum Refusal {
     UnknownLease,
     /// The link relays as many leases as it may.
     TooManyRelayed,
+    /// A writable lease on the allocation is out: no other lease is granted (nor is the
+    /// writable lease forwarded) until it is back.
+    WriterOut,
+    /// A writable lease was asked for while other leases on the allocation are out.
+    ReadersOut,
 }
 
-/// Something the node must do for the ledger.
+/// Something the node must do for the ledger. `D` is the data the node gave each grant.
 #[derive(Debug)]
-pub(crate) enum Action<M, F> {
+pub(crate) enum Action<M, F, D = ()> {
     /// Ask the holder of `lease` (over `link`) to give it back by `deadline`.
     Revoke {
         link: LinkId,
@@ -124,6 +143,14 @@ pub(crate) enum Action<M, F> {
         bytes: u64,
         holders: Vec<ProcessId>,
     },
+    /// `lease` on `alloc` is over: released, taken back unsent, its link gone (a relayed
+    /// lease's: its holder confirmed dead; until then it is stranded), or its relayed
+    /// holder confirmed dead. `data` is what the node gave its grant, handed back once.
+    LeaseEnded {
+        lease: LeaseId,
+        alloc: AllocationId,
+        data: D,
+    },
 }
 
 /// A new allocation, as [`Ledger::insert`] records it.
@@ -135,6 +162,9 @@ pub(crate) struct NewAllocation<M> {
     pub(crate) bytes: u64,
     pub(crate) rule: FreeWhileMapped,
     pub(crate) policy: RevokePolicy,
+    /// The exporter's pool it comes from, whose descriptor an offer carries once per link
+    /// (`None`: the allocation's own descriptor, or none).
+    pub(crate) pool: Option<u64>,
     /// What the node needs to free it (the backend allocation); handed back in
     /// [`Action::Free`].
     pub(crate) meta: M,
@@ -176,12 +206,13 @@ enum Phase {
 }
 
 #[derive(Debug)]
-struct Entry<M, F> {
+struct Entry<M, F, D> {
     buffer: BufferId,
     owner: ActorId,
     bytes: u64,
     rule: FreeWhileMapped,
     policy: RevokePolicy,
+    pool: Option<u64>,
     meta: M,
     phase: Phase,
     leases: BTreeSet<LeaseId>,
@@ -189,7 +220,7 @@ struct Entry<M, F> {
     cut_holders: BTreeSet<ProcessId>,
     /// Relayed leases whose relaying link went down, and their holders: kept until the
     /// holder is confirmed dead.
-    stranded: BTreeMap<LeaseId, ProcessId>,
+    stranded: BTreeMap<LeaseId, Stranded<D>>,
     /// The release fences the free waits for: none covers another (see [`keep_newest`]),
     /// so there is at most one per (producer, counter slot) and one per event. A counter
     /// fence's slot is one of the lane we lent its producer (checked on arrival,
@@ -207,8 +238,15 @@ fn keep_newest<F: Covers>(kept: &mut Vec<F>, fence: F) {
     kept.push(fence);
 }
 
-#[derive(Debug, Clone, Copy)]
-struct LeaseRecord {
+/// A relayed lease whose relaying link went down (see the module docs).
+#[derive(Debug)]
+struct Stranded<D> {
+    holder: ProcessId,
+    data: D,
+}
+
+#[derive(Debug)]
+struct LeaseRecord<D> {
     alloc: AllocationId,
     link: LinkId,
     revoke_by: Option<Instant>,
@@ -216,91 +254,56 @@ struct LeaseRecord {
     granted_at: Instant,
     /// A relayed lease: the third process that holds it (not the link's peer).
     relayed_to: Option<ProcessId>,
+    /// A writable lease: the only one out on its allocation.
+    writable: bool,
+    /// Its grant started the link's mapping hold (undone with it, see [`Ledger::ungrant`]).
+    new_hold: bool,
+    /// The pool whose descriptor its offer carries (given back with an ungrant).
+    pool: Option<u64>,
+    /// What the node gave the grant: handed back in [`Action::LeaseEnded`].
+    data: D,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct LinkRecord {
     process: ProcessId,
     /// A `Cut` action was emitted for it already.
     cut_asked: bool,
+    /// The pools whose descriptor went over it, and that its importer has not failed to
+    /// open an offer of since.
+    pools: BTreeSet<u64>,
 }
 
-/// One buffer's leases, for tables.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct EntryView {
-    pub(crate) buffer: BufferId,
-    pub(crate) alloc: AllocationId,
-    pub(crate) bytes: u64,
-    pub(crate) leases: Vec<(LeaseId, ProcessId)>,
-    pub(crate) relayed: Vec<RelayedView>,
-    pub(crate) mapped_by: Vec<ProcessId>,
-    pub(crate) cut_holders: Vec<ProcessId>,
-    pub(crate) retiring: bool,
-    pub(crate) quarantined: bool,
-}
-
-/// One relayed lease, for tables.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RelayedView {
-    pub(crate) lease: LeaseId,
-    pub(crate) holder: ProcessId,
-    /// The process that relays it; `None` once its link is down (stranded).
-    pub(crate) via: Option<ProcessId>,
-}
-
-/// Counters, for one owner or all.
+/// Leases granted and allocations freed so far, of one owner or all.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Counts {
-    pub(crate) buffers: usize,
-    pub(crate) retiring: usize,
-    pub(crate) quarantined: usize,
-    pub(crate) quarantined_bytes: u64,
-    pub(crate) leases: usize,
-    pub(crate) bytes: u64,
-    /// Bytes of the allocations at least one lease is out on.
-    pub(crate) pinned_bytes: u64,
-}
-
-/// What one process holds of the ledger's allocations, for tables.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct HolderView {
-    pub(crate) process: ProcessId,
-    /// A link to it is up.
-    pub(crate) linked: bool,
-    /// Leases it holds (over any of its links).
-    pub(crate) leases: usize,
-    /// Bytes of the allocations it holds at least one lease on.
-    pub(crate) pinned_bytes: u64,
-    /// Bytes of the allocations it holds a mapping hold on (warm or leased).
-    pub(crate) mapped_bytes: u64,
-    /// When its oldest lease was granted.
-    pub(crate) oldest_grant: Option<Instant>,
-    /// It is a cut holder of some allocation: it may map it until confirmed dead.
-    pub(crate) cut: bool,
-    /// Bytes of the quarantined allocations it is a cut holder of.
-    pub(crate) quarantined_bytes: u64,
+pub(crate) struct Totals {
+    /// Leases granted (with those whose offer never went out, and relayed ones).
+    pub(crate) granted: u64,
+    /// Allocations freed.
+    pub(crate) freed: u64,
 }
 
 /// The lease ledger (see the module docs). `M` is what the node needs to free an
-/// allocation; `F` a release fence.
+/// allocation; `F` a release fence; `D` what the node keeps with each lease until it ends.
 #[derive(Debug)]
-pub(crate) struct Ledger<M, F> {
-    allocs: HashMap<AllocationId, Entry<M, F>>,
+pub(crate) struct Ledger<M, F, D = ()> {
+    allocs: HashMap<AllocationId, Entry<M, F, D>>,
     buffers: HashMap<BufferId, AllocationId>,
-    leases: HashMap<LeaseId, LeaseRecord>,
+    leases: HashMap<LeaseId, LeaseRecord<D>>,
     links: HashMap<LinkId, LinkRecord>,
-    actions: Vec<Action<M, F>>,
+    actions: Vec<Action<M, F, D>>,
     /// Relayed leases that ended with their holder's death, by the link that relays them:
     /// the relay's `Release` of one may still be on its way (at most [`MAX_TOMBSTONES`]).
     ended_relays: HashMap<LeaseId, LinkId>,
-    granted: u64,
-    freed: u64,
+    totals: Totals,
+    /// Per owner (an owner's entry stays once it has one).
+    owners: HashMap<ActorId, Totals>,
 }
 
 /// Relayed leases ended by a death whose late `Release` is still accepted.
 const MAX_TOMBSTONES: usize = 65_536;
 
-impl<M, F> Default for Ledger<M, F> {
+impl<M, F, D> Default for Ledger<M, F, D> {
     fn default() -> Self {
         Self {
             allocs: HashMap::new(),
@@ -309,15 +312,15 @@ impl<M, F> Default for Ledger<M, F> {
             links: HashMap::new(),
             ended_relays: HashMap::new(),
             actions: Vec::new(),
-            granted: 0,
-            freed: 0,
+            totals: Totals::default(),
+            owners: HashMap::new(),
         }
     }
 }
 
-impl<M, F> Ledger<M, F> {
+impl<M, F, D> Ledger<M, F, D> {
     /// The actions queued by the events so far, oldest first.
-    pub(crate) fn take_actions(&mut self) -> Vec<Action<M, F>> {
+    pub(crate) fn take_actions(&mut self) -> Vec<Action<M, F, D>> {
         std::mem::take(&mut self.actions)
     }
 
@@ -332,6 +335,7 @@ impl<M, F> Ledger<M, F> {
                 bytes: new.bytes,
                 rule: new.rule,
                 policy: new.policy,
+                pool: new.pool,
                 meta: new.meta,
                 phase: Phase::Live,
                 leases: BTreeSet::new(),
@@ -350,22 +354,40 @@ impl<M, F> Ledger<M, F> {
             LinkRecord {
                 process,
                 cut_asked: false,
+                pools: BTreeSet::new(),
             },
         );
     }
 
-    /// Grants the peer over `link` a lease on `alloc`, before its offer is sent; `now` is
-    /// the caller's clock (the lease's age in [`holders`](Self::holders) counts from it).
+    /// Grants the peer over `link` a lease on `alloc` (`writable`: its holder's alone),
+    /// before its offer is sent; `now` is the caller's clock (the lease's age in
+    /// [`holders`](Self::holders) counts from it); `data` is kept with the lease until
+    /// [`Action::LeaseEnded`] hands it back. Returns whether the offer starts a mapping
+    /// hold, and the pool whose descriptor it must carry (once per link and pool).
+    ///
+    /// One writer or many readers: refused while a writable lease on `alloc` is out, and a
+    /// writable one while any lease on it is (both before the link and the allocation are
+    /// looked at).
     pub(crate) fn grant(
         &mut self,
         alloc: AllocationId,
         link: LinkId,
         lease: LeaseId,
         now: Instant,
-    ) -> Result<Grant, Refusal> {
-        if !self.links.contains_key(&link) {
-            return Err(Refusal::LinkDown);
+        writable: bool,
+        data: D,
+    ) -> Result<(Grant, Option<u64>), Refusal> {
+        if let Some(entry) = self.allocs.get(&alloc) {
+            if self.writer_out(entry) {
+                return Err(Refusal::WriterOut);
+            }
+            if writable && !entry.leases.is_empty() {
+                return Err(Refusal::ReadersOut);
+            }
         }
+        let Some(record) = self.links.get_mut(&link) else {
+            return Err(Refusal::LinkDown);
+        };
         let entry = self.allocs.get_mut(&alloc).ok_or(Refusal::UnknownBuffer)?;
         if entry.phase != Phase::Live {
             return Err(Refusal::NotLive);
@@ -374,6 +396,8 @@ impl<M, F> Ledger<M, F> {
         let hold = entry.holds.entry(link).or_default();
         let new_hold = !hold.current;
         hold.current = true;
+        let pool = entry.pool.filter(|pool| record.pools.insert(*pool));
+        let owner = entry.owner;
         self.leases.insert(
             lease,
             LeaseRecord {
@@ -382,18 +406,40 @@ impl<M, F> Ledger<M, F> {
                 revoke_by: None,
                 granted_at: now,
                 relayed_to: None,
+                writable,
+                new_hold,
+                pool,
+                data,
             },
         );
-        self.granted += 1;
-        Ok(Grant { new_hold })
+        self.count_grant(owner);
+        Ok((Grant { new_hold }, pool))
+    }
+
+    /// Whether a writable lease on `entry` is out. (It is then the only lease out on it,
+    /// see [`grant`](Self::grant): the first one tells.)
+    fn writer_out(&self, entry: &Entry<M, F, D>) -> bool {
+        entry
+            .leases
+            .first()
+            .and_then(|l| self.leases.get(l))
+            .is_some_and(|r| r.writable)
+    }
+
+    fn count_grant(&mut self, owner: ActorId) {
+        self.totals.granted += 1;
+        self.owners.entry(owner).or_default().granted += 1;
     }
 
     /// Grants `holder`, a process with no link to us, a lease on the allocation of `via`
     /// — a lease out over `link`, whose peer asked to forward it — before the offer goes
     /// out through that peer. Starts no mapping hold: the holder keeps no warm mapping of
     /// a relayed offer. Allowed on a retired allocation (`via` keeps it allocated).
-    /// Refused for a `via` not out over `link` (or itself relayed: forwards are one hop),
-    /// a link that is down, and a holder already at `max` relayed leases over `link`.
+    /// Refused for a writable `via` (its holder's alone, checked first), a `via` not out
+    /// over `link` (or itself relayed: forwards are one hop), a link that is down, and a
+    /// holder already at `max` relayed leases over `link`. `data` as for
+    /// [`grant`](Self::grant).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn grant_relayed(
         &mut self,
         via: LeaseId,
@@ -402,7 +448,11 @@ impl<M, F> Ledger<M, F> {
         holder: ProcessId,
         max: usize,
         now: Instant,
+        data: D,
     ) -> Result<AllocationId, Refusal> {
+        if self.leases.get(&via).is_some_and(|r| r.writable) {
+            return Err(Refusal::WriterOut);
+        }
         if !self.links.contains_key(&link) {
             return Err(Refusal::LinkDown);
         }
@@ -420,6 +470,7 @@ impl<M, F> Ledger<M, F> {
         }
         let entry = self.allocs.get_mut(&alloc).expect("a lease's entry exists");
         entry.leases.insert(lease);
+        let owner = entry.owner;
         self.leases.insert(
             lease,
             LeaseRecord {
@@ -428,10 +479,31 @@ impl<M, F> Ledger<M, F> {
                 revoke_by: None,
                 granted_at: now,
                 relayed_to: Some(holder),
+                writable: false,
+                new_hold: false,
+                pool: None,
+                data,
             },
         );
-        self.granted += 1;
+        self.count_grant(owner);
         Ok(alloc)
+    }
+
+    /// The data kept with `lease` (out, or stranded), to replace what its grant was given.
+    pub(crate) fn lease_data_mut(&mut self, lease: LeaseId) -> Option<&mut D> {
+        if let Some(record) = self.leases.get_mut(&lease) {
+            return Some(&mut record.data);
+        }
+        self.allocs
+            .values_mut()
+            .find_map(|e| e.stranded.get_mut(&lease))
+            .map(|s| &mut s.data)
+    }
+
+    /// What the node keeps to free the allocation `lease` is on, while the lease is out.
+    pub(crate) fn lease_meta(&self, lease: LeaseId) -> Option<&M> {
+        let record = self.leases.get(&lease)?;
+        self.allocs.get(&record.alloc).map(|e| &e.meta)
     }
 
     /// Whether `lease` was relayed over `link` and ended with its holder's death (then a
@@ -445,15 +517,15 @@ impl<M, F> Ledger<M, F> {
         }
     }
 
-    /// Takes back a lease whose offer was never sent. `grant` is what [`grant`](Self::grant)
-    /// returned: a hold it started is undone too, so the next offer carries the descriptor.
-    pub(crate) fn ungrant(&mut self, lease: LeaseId, grant: Grant) {
-        let Some(record) = self.leases.remove(&lease) else {
-            return;
-        };
+    /// Takes back a lease whose offer was never sent: a hold its grant started is undone
+    /// too, so the next offer carries the descriptor (a pool's likewise). Returns what was
+    /// undone — the link, what [`grant`](Self::grant) returned — or `None` for a lease
+    /// not out.
+    pub(crate) fn ungrant(&mut self, lease: LeaseId) -> Option<(LinkId, Grant, Option<u64>)> {
+        let record = self.leases.remove(&lease)?;
         if let Some(entry) = self.allocs.get_mut(&record.alloc) {
             entry.leases.remove(&lease);
-            if grant.new_hold {
+            if record.new_hold {
                 if let Some(hold) = entry.holds.get_mut(&record.link) {
                     hold.current = false;
                     if hold.is_empty() {
@@ -462,7 +534,29 @@ impl<M, F> Ledger<M, F> {
                 }
             }
         }
-        self.settle(record.alloc);
+        if let (Some(pool), Some(link)) = (record.pool, self.links.get_mut(&record.link)) {
+            link.pools.remove(&pool);
+        }
+        let undone = (
+            record.link,
+            Grant {
+                new_hold: record.new_hold,
+            },
+            record.pool,
+        );
+        let alloc = record.alloc;
+        self.end(lease, record);
+        self.settle(alloc);
+        Some(undone)
+    }
+
+    /// Queues the end of a lease no longer recorded as out (nor stranded).
+    fn end(&mut self, lease: LeaseId, record: LeaseRecord<D>) {
+        self.actions.push(Action::LeaseEnded {
+            lease,
+            alloc: record.alloc,
+            data: record.data,
+        });
     }
 
     /// The peer over `link` gave `lease` back, after the work its `fences` mark. The
@@ -483,16 +577,18 @@ impl<M, F> Ledger<M, F> {
             _ => return Err(Refusal::UnknownLease),
         }
         let record = self.leases.remove(&lease).expect("checked above");
+        let alloc = record.alloc;
         let entry = self
             .allocs
-            .get_mut(&record.alloc)
+            .get_mut(&alloc)
             .expect("a recorded lease has its entry");
         entry.leases.remove(&lease);
         for fence in fences {
             keep_newest(&mut entry.fences, fence);
         }
-        self.settle(record.alloc);
-        Ok(record.alloc)
+        self.end(lease, record);
+        self.settle(alloc);
+        Ok(alloc)
     }
 
     /// Whether the importer over `link` was asked to unmap `alloc` (an `Unmapped` from it
@@ -579,11 +675,18 @@ impl<M, F> Ledger<M, F> {
 
     /// The importer over `link` closed its mapping of `alloc` (the answer to an `Unmap`, or
     /// after an offer it could not open). Returns whether it held one; an unmatched
-    /// `Unmapped` is harmless (an `Unmap` and a failed open can cross) and changes nothing.
+    /// `Unmapped` is harmless (an `Unmap` and a failed open can cross) and changes nothing
+    /// of the holds. One we had not asked for (it could not open our offer) also means it
+    /// may not have the allocation's pool: the next offer of the pool carries its
+    /// descriptor again.
     pub(crate) fn unmapped(&mut self, link: LinkId, alloc: AllocationId) -> bool {
+        let asked = self.unmap_asked(link, alloc);
         let Some(entry) = self.allocs.get_mut(&alloc) else {
             return false;
         };
+        if let (false, Some(pool), Some(record)) = (asked, entry.pool, self.links.get_mut(&link)) {
+            record.pools.remove(&pool);
+        }
         let Some(hold) = entry.holds.get_mut(&link) else {
             return false;
         };
@@ -636,18 +739,30 @@ impl<M, F> Ledger<M, F> {
             if let Some(entry) = self.allocs.get_mut(alloc) {
                 entry.leases.remove(lease);
             }
+            self.end(*lease, record);
         }
-        // Forget it as a cut holder (and its stranded leases) first, so that settling
-        // below sees it gone.
-        let mut touched: Vec<AllocationId> = self
-            .allocs
-            .iter_mut()
-            .filter_map(|(id, e)| {
-                let stranded = e.stranded.len();
-                e.stranded.retain(|_, holder| *holder != process);
-                (e.cut_holders.remove(&process) || e.stranded.len() != stranded).then_some(*id)
-            })
-            .collect();
+        // Forget it as a cut holder (and its stranded leases, which end) first, so that
+        // settling below sees it gone.
+        let mut touched: Vec<AllocationId> = Vec::new();
+        for (id, e) in &mut self.allocs {
+            let theirs: Vec<LeaseId> = e
+                .stranded
+                .iter()
+                .filter(|(_, s)| s.holder == process)
+                .map(|(l, _)| *l)
+                .collect();
+            for lease in &theirs {
+                let stranded = e.stranded.remove(lease).expect("listed");
+                self.actions.push(Action::LeaseEnded {
+                    lease: *lease,
+                    alloc: *id,
+                    data: stranded.data,
+                });
+            }
+            if e.cut_holders.remove(&process) || !theirs.is_empty() {
+                touched.push(*id);
+            }
+        }
         touched.extend(relayed.into_iter().map(|(_, alloc)| alloc));
         self.drop_links(&links, None);
         for alloc in touched {
@@ -661,20 +776,29 @@ impl<M, F> Ledger<M, F> {
         if links.is_empty() {
             return;
         }
-        // Relayed leases over them are stranded: their holders may still map the memory.
-        let stranded: Vec<(LeaseId, AllocationId, ProcessId)> = self
+        // Their leases end, but relayed ones are stranded: their holders may still map the
+        // memory.
+        let mut gone: Vec<LeaseId> = self
             .leases
             .iter()
             .filter(|(_, r)| links.contains(&r.link))
-            .filter_map(|(l, r)| r.relayed_to.map(|holder| (*l, r.alloc, holder)))
+            .map(|(l, _)| *l)
             .collect();
-        let stranded_now: BTreeSet<LeaseId> = stranded.iter().map(|(l, ..)| *l).collect();
-        for (lease, alloc, holder) in stranded {
-            if let Some(entry) = self.allocs.get_mut(&alloc) {
-                entry.stranded.insert(lease, holder);
+        gone.sort_unstable();
+        let mut stranded_now: BTreeSet<LeaseId> = BTreeSet::new();
+        for lease in gone {
+            let record = self.leases.remove(&lease).expect("listed");
+            match record.relayed_to {
+                Some(holder) => {
+                    stranded_now.insert(lease);
+                    if let Some(entry) = self.allocs.get_mut(&record.alloc) {
+                        let data = record.data;
+                        entry.stranded.insert(lease, Stranded { holder, data });
+                    }
+                }
+                None => self.end(lease, record),
             }
         }
-        self.leases.retain(|_, r| !links.contains(&r.link));
         self.ended_relays.retain(|_, link| !links.contains(link));
         let mut touched = Vec::new();
         for (id, entry) in &mut self.allocs {
@@ -736,7 +860,8 @@ impl<M, F> Ledger<M, F> {
         }
         let entry = self.allocs.remove(&alloc).expect("present");
         self.buffers.remove(&entry.buffer);
-        self.freed += 1;
+        self.totals.freed += 1;
+        self.owners.entry(entry.owner).or_default().freed += 1;
         self.actions.push(Action::Free {
             alloc,
             meta: entry.meta,
@@ -759,11 +884,13 @@ impl<M, F> Ledger<M, F> {
     }
 
     /// Whether `lease` is out (granted, not yet back).
+    #[cfg(test)]
     pub(crate) fn is_out(&self, lease: LeaseId) -> bool {
         self.leases.contains_key(&lease)
     }
 
     /// The stranded relayed leases (see the module docs).
+    #[cfg(test)]
     pub(crate) fn stranded(&self) -> BTreeSet<LeaseId> {
         self.allocs
             .values()
@@ -776,164 +903,6 @@ impl<M, F> Ledger<M, F> {
         self.links.get(&link).map(|r| r.process)
     }
 
-    /// Every allocation of `owner` (all owners: `None`), in buffer order.
-    pub(crate) fn view(&self, owner: Option<ActorId>) -> Vec<EntryView> {
-        let mut out: Vec<EntryView> = self
-            .allocs
-            .iter()
-            .filter(|(_, e)| owner.is_none_or(|o| e.owner == o))
-            .map(|(alloc, e)| {
-                let mut relayed: Vec<RelayedView> = Vec::new();
-                let mut leases: Vec<(LeaseId, ProcessId)> = e
-                    .leases
-                    .iter()
-                    .filter_map(|l| {
-                        let r = self.leases.get(l)?;
-                        let via = self.links.get(&r.link)?.process;
-                        match r.relayed_to {
-                            Some(holder) => {
-                                relayed.push(RelayedView {
-                                    lease: *l,
-                                    holder,
-                                    via: Some(via),
-                                });
-                                Some((*l, holder))
-                            }
-                            None => Some((*l, via)),
-                        }
-                    })
-                    .collect();
-                for (lease, holder) in &e.stranded {
-                    leases.push((*lease, *holder));
-                    relayed.push(RelayedView {
-                        lease: *lease,
-                        holder: *holder,
-                        via: None,
-                    });
-                }
-                leases.sort();
-                relayed.sort_by_key(|r| r.lease);
-                let mut mapped_by: Vec<ProcessId> = e
-                    .holds
-                    .keys()
-                    .filter_map(|l| self.links.get(l).map(|r| r.process))
-                    .collect();
-                mapped_by.sort();
-                mapped_by.dedup();
-                EntryView {
-                    buffer: e.buffer,
-                    alloc: *alloc,
-                    bytes: e.bytes,
-                    leases,
-                    relayed,
-                    mapped_by,
-                    cut_holders: e.cut_holders.iter().copied().collect(),
-                    retiring: e.phase != Phase::Live,
-                    quarantined: e.phase == Phase::Quarantined,
-                }
-            })
-            .collect();
-        out.sort_by_key(|v| v.buffer);
-        out
-    }
-
-    /// Counters of `owner` (all owners: `None`).
-    pub(crate) fn counts(&self, owner: Option<ActorId>) -> Counts {
-        let mut c = Counts::default();
-        for e in self
-            .allocs
-            .values()
-            .filter(|e| owner.is_none_or(|o| e.owner == o))
-        {
-            c.buffers += 1;
-            c.bytes += e.bytes;
-            c.leases += e.leases.len() + e.stranded.len();
-            if !e.leases.is_empty() || !e.stranded.is_empty() {
-                c.pinned_bytes += e.bytes;
-            }
-            match e.phase {
-                Phase::Live => {}
-                Phase::Retired => c.retiring += 1,
-                Phase::Quarantined => {
-                    c.retiring += 1;
-                    c.quarantined += 1;
-                    c.quarantined_bytes += e.bytes;
-                }
-            }
-        }
-        c
-    }
-
-    /// Every process that holds a lease or a mapping hold on an allocation, or is a cut
-    /// holder of one, in process order.
-    pub(crate) fn holders(&self) -> Vec<HolderView> {
-        let mut by: BTreeMap<ProcessId, HolderView> = BTreeMap::new();
-        let view = |by: &mut BTreeMap<ProcessId, HolderView>, process: ProcessId| {
-            by.entry(process).or_insert_with(|| HolderView {
-                process,
-                linked: false,
-                leases: 0,
-                pinned_bytes: 0,
-                mapped_bytes: 0,
-                oldest_grant: None,
-                cut: false,
-                quarantined_bytes: 0,
-            });
-        };
-        for e in self.allocs.values() {
-            // Per process: whether it leases this allocation, whether it maps it.
-            let mut leasing: BTreeSet<ProcessId> = BTreeSet::new();
-            for lease in &e.leases {
-                let Some(r) = self.leases.get(lease) else {
-                    continue;
-                };
-                let Some(link) = self.links.get(&r.link) else {
-                    continue;
-                };
-                let process = r.relayed_to.unwrap_or(link.process);
-                view(&mut by, process);
-                let h = by.get_mut(&process).expect("just inserted");
-                h.leases += 1;
-                h.oldest_grant = Some(h.oldest_grant.map_or(r.granted_at, |t| t.min(r.granted_at)));
-                if leasing.insert(process) {
-                    h.pinned_bytes += e.bytes;
-                }
-            }
-            for &process in e.stranded.values() {
-                view(&mut by, process);
-                let h = by.get_mut(&process).expect("just inserted");
-                h.leases += 1;
-                h.cut = true;
-                if leasing.insert(process) {
-                    h.pinned_bytes += e.bytes;
-                }
-            }
-            let mapping: BTreeSet<ProcessId> = e
-                .holds
-                .keys()
-                .filter_map(|l| self.links.get(l).map(|r| r.process))
-                .collect();
-            for process in mapping {
-                view(&mut by, process);
-                by.get_mut(&process).expect("just inserted").mapped_bytes += e.bytes;
-            }
-            for &process in &e.cut_holders {
-                view(&mut by, process);
-                let h = by.get_mut(&process).expect("just inserted");
-                h.cut = true;
-                if e.phase == Phase::Quarantined {
-                    h.quarantined_bytes += e.bytes;
-                }
-            }
-        }
-        for link in self.links.values() {
-            if let Some(h) = by.get_mut(&link.process) {
-                h.linked = true;
-            }
-        }
-        by.into_values().collect()
-    }
-
     /// What the node keeps of `alloc` to free it.
     pub(crate) fn meta(&self, alloc: AllocationId) -> Option<&M> {
         self.allocs.get(&alloc).map(|e| &e.meta)
@@ -941,94 +910,25 @@ impl<M, F> Ledger<M, F> {
 
     /// Leases granted so far (with those whose offer never went out).
     pub(crate) fn granted(&self) -> u64 {
-        self.granted
+        self.totals.granted
     }
 
     /// Allocations freed so far.
     pub(crate) fn freed(&self) -> u64 {
-        self.freed
+        self.totals.freed
     }
 
-    /// The release fences `alloc` keeps for its free.
-    #[cfg(test)]
-    pub(crate) fn fences(&self, alloc: AllocationId) -> Option<&[F]> {
-        self.allocs.get(&alloc).map(|e| e.fences.as_slice())
-    }
-
-    /// Checks that no allocation keeps a release fence another of its fences covers.
-    /// Panics if one does.
-    #[cfg(test)]
-    pub(crate) fn check_fences(&self)
-    where
-        F: Covers + std::fmt::Debug,
-    {
-        for (alloc, e) in &self.allocs {
-            for (i, a) in e.fences.iter().enumerate() {
-                for (j, b) in e.fences.iter().enumerate() {
-                    assert!(
-                        i == j || !a.covers(b),
-                        "{alloc:?} keeps {b:?}, which {a:?} covers"
-                    );
-                }
-            }
+    /// Leases granted and allocations freed so far, of `owner` (all owners: `None`).
+    pub(crate) fn totals(&self, owner: Option<ActorId>) -> Totals {
+        match owner {
+            Some(o) => self.owners.get(&o).copied().unwrap_or_default(),
+            None => self.totals,
         }
-    }
-
-    /// Checks the bookkeeping: indexes agree, holds and leases name live links, quarantine
-    /// only where the rule asks for it. Panics on a broken invariant.
-    #[cfg(test)]
-    pub(crate) fn check(&self) {
-        for (lease, r) in &self.leases {
-            let entry = self
-                .allocs
-                .get(&r.alloc)
-                .expect("a lease's allocation exists");
-            assert!(entry.leases.contains(lease), "lease index and entry agree");
-            assert!(
-                self.links.contains_key(&r.link),
-                "a lease is on a live link"
-            );
-        }
-        for (alloc, e) in &self.allocs {
-            assert_eq!(self.buffers.get(&e.buffer), Some(alloc), "buffer index");
-            for lease in &e.leases {
-                assert_eq!(self.leases.get(lease).map(|r| r.alloc), Some(*alloc));
-            }
-            for (link, hold) in &e.holds {
-                assert!(self.links.contains_key(link), "a hold is on a live link");
-                assert!(!hold.is_empty(), "empty holds are removed");
-            }
-            match e.phase {
-                Phase::Live => {}
-                Phase::Retired => {
-                    // A retired entry with nothing holding it would have been freed.
-                    assert!(
-                        !e.leases.is_empty() || !e.holds.is_empty() || !e.stranded.is_empty(),
-                        "a retired allocation nobody holds is freed"
-                    );
-                }
-                Phase::Quarantined => {
-                    assert_eq!(e.rule, FreeWhileMapped::Unsafe);
-                    assert!(e.leases.is_empty() && e.holds.is_empty() && e.stranded.is_empty());
-                    assert!(!e.cut_holders.is_empty());
-                }
-            }
-            for lease in e.stranded.keys() {
-                assert!(
-                    !self.leases.contains_key(lease),
-                    "a stranded lease is not out"
-                );
-            }
-            if e.phase != Phase::Live && e.leases.is_empty() {
-                assert!(
-                    e.holds.values().all(|h| !h.current),
-                    "every live holder of a retired allocation was asked to unmap"
-                );
-            }
-        }
-        assert_eq!(self.buffers.len(), self.allocs.len());
     }
 }
 
+#[cfg(test)]
+mod check;
+mod tables;
 #[cfg(test)]
 mod tests;

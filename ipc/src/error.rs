@@ -326,55 +326,120 @@ pub enum Error {
     },
 }
 
+/// Whose fault an [`Error`] is (or an `ActorError` of `baton-actors`, which shares the
+/// kinds): what a node does about it. Every variant says its kind in [`Error::fault`], a
+/// `match` with no catch-all arm, so a new variant cannot be added without saying whose
+/// fault it is (as rustls nests `PeerMisbehaved` and `InvalidMessage` under its `Error`).
+///
+/// The two questions a node asks of an error are thin readings of it:
+/// [`Error::is_peer_fault`] is [`Fault::Peer`], [`Error::is_local_open_failure`] is
+/// [`Fault::Local`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Fault {
+    /// The peer broke the protocol or sent data that does not check (bytes that do not
+    /// decode, a message out of place, descriptors its frames do not announce, a forged
+    /// fence, a wrong token or identity): the link that carried it is dropped, and the
+    /// drop is logged as the peer's.
+    Peer,
+    /// The peer turned down what was asked, within the protocol: a link it refuses, a call
+    /// its actor fails, a forward it will not make. Nobody broke a rule.
+    Refused,
+    /// What a handle (or a received layout) names is not memory that can be used as it
+    /// claims: gone, smaller than claimed, another exporter's or another boot's, an older
+    /// generation. Sent by a peer, it is the peer's handle that is wrong, not this
+    /// process: an open that fails so is no [`Local`](Self::Local) failure.
+    Handle,
+    /// This process or its environment lacks what the operation needs: an OS call or a
+    /// driver call that failed, descriptors or memory, a backend or device it does not
+    /// have, a mapping it no longer holds, exhausted driver resources. Not the peer's
+    /// doing: an offer that fails to open so is refused (its lease given back) and the
+    /// link kept.
+    Local,
+    /// The caller asked for what cannot be done as asked, or configured this process so:
+    /// zero bytes, an access out of bounds, a write while the memory is shared or leased,
+    /// a wrong element type, no session token, an insecure socket directory, a slab too
+    /// small. Change the call or the configuration.
+    Usage,
+    /// The link, the peer, an actor or a wait ended before the operation completed: a
+    /// closed link, an exited or unresponsive peer, a passed deadline, a stopped mailbox.
+    /// No rule the error names was broken by the peer (a holder cut at its revoke
+    /// deadline is cut by this node's policy).
+    Ended,
+}
+
 impl Error {
     pub(crate) fn io(op: &'static str) -> impl FnOnce(io::Error) -> Error {
         move |source| Error::Io { op, source }
     }
 
-    /// Whether this error means the peer misbehaved (sent bad data or broke the
-    /// protocol), as opposed to a local or environmental failure.
-    pub fn is_peer_fault(&self) -> bool {
-        matches!(
-            self,
+    /// Whose fault this error is (see [`Fault`]).
+    pub fn fault(&self) -> Fault {
+        // No catch-all arm: a new variant must say whose fault it is.
+        match self {
             Error::Message(_)
-                | Error::UnexpectedMessage { .. }
-                | Error::PeerIdentityMismatch { .. }
-                | Error::MissingFds { .. }
-                | Error::UnexpectedFds
-                | Error::MissingFdSlot { .. }
-                | Error::UnsealedMemory { .. }
-                | Error::BadToken
-                | Error::PeerNotAllowed { .. }
-                | Error::FenceRefused { .. }
-        )
+            | Error::UnexpectedMessage { .. }
+            | Error::PeerIdentityMismatch { .. }
+            | Error::MissingFds { .. }
+            | Error::UnexpectedFds
+            | Error::MissingFdSlot { .. }
+            | Error::UnsealedMemory { .. }
+            | Error::BadToken
+            | Error::PeerNotAllowed { .. }
+            | Error::FenceRefused { .. } => Fault::Peer,
+            Error::Refused { .. } => Fault::Refused,
+            Error::SegmentNotFound { .. }
+            | Error::MemoryTooSmall { .. }
+            | Error::SegmentOwnerMismatch { .. }
+            | Error::StaleHandle { .. }
+            | Error::ForeignHandle { .. }
+            | Error::AllocationGone { .. } => Fault::Handle,
+            Error::Io { .. }
+            | Error::Cuda { .. }
+            | Error::UnsupportedBackend { .. }
+            | Error::NotMapped { .. }
+            | Error::WrittenInPlace { .. }
+            | Error::PoolNotImported { .. }
+            | Error::DescriptorsLost { .. }
+            | Error::DeviceNotFound { .. }
+            | Error::BackendUnavailable { .. }
+            | Error::EventsExhausted { .. }
+            | Error::FencesExhausted { .. }
+            // Mapping a segment that exists failed here (a segment that does not exist
+            // is `SegmentNotFound`): descriptors, memory.
+            | Error::Shm(_) => Fault::Local,
+            Error::NoToken { .. }
+            | Error::InsecureSocketDir { .. }
+            | Error::ZeroSize
+            | Error::OutOfBounds { .. }
+            | Error::SharedMapping { .. }
+            | Error::InPlace { .. }
+            | Error::SlabFull { .. }
+            | Error::NotBorrowable { .. } => Fault::Usage,
+            Error::Closed | Error::Timeout { .. } => Fault::Ended,
+        }
+    }
+
+    /// Whether this error means the peer misbehaved (sent bad data or broke the
+    /// protocol), as opposed to a local or environmental failure: [`Fault::Peer`].
+    pub fn is_peer_fault(&self) -> bool {
+        self.fault() == Fault::Peer
     }
 
     /// Whether an open that failed with this error failed for reasons of this process, not
     /// of the handle the peer sent: a descriptor or memory limit, a backend or device this
-    /// process does not have, a mapping it no longer holds, exhausted driver resources. A
-    /// node refuses such an offer (its lease given back) and keeps the link; any other
-    /// open failure is the peer's (a handle that does not check, names memory that does
-    /// not exist or is smaller than claimed, an old generation) and drops its link.
+    /// process does not have, a mapping it no longer holds, exhausted driver resources
+    /// ([`Fault::Local`]). A node refuses such an offer (its lease given back) and keeps
+    /// the link; any other open failure is the peer's (a handle that does not check, names
+    /// memory that does not exist or is smaller than claimed, an old generation) and drops
+    /// its link.
     pub fn is_local_open_failure(&self) -> bool {
-        matches!(
-            self,
-            Error::Io { .. }
-                | Error::Cuda { .. }
-                | Error::UnsupportedBackend { .. }
-                | Error::NotMapped { .. }
-                | Error::WrittenInPlace { .. }
-                | Error::PoolNotImported { .. }
-                | Error::DescriptorsLost { .. }
-                | Error::DeviceNotFound { .. }
-                | Error::BackendUnavailable { .. }
-                | Error::EventsExhausted { .. }
-                | Error::FencesExhausted { .. }
-                // Mapping a segment that exists failed here (a segment that does not exist
-                // is `SegmentNotFound`): descriptors, memory.
-                | Error::Shm(_)
-        )
+        self.fault() == Fault::Local
     }
 }
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests;

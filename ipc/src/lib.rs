@@ -117,7 +117,7 @@ pub use cache::{
 };
 pub use cuda::CudaBackend;
 pub use driver_thread::DriverThread;
-pub use error::{Error, Result};
+pub use error::{Error, Fault, Result};
 pub use handoff::TOKEN_ENV;
 pub use host::{HostBackend, HostFlavor};
 pub use link::{

@@ -2,7 +2,11 @@
 //! backend rule, checking after each event that nothing is freed while a live process may
 //! map it (the invariant), that everything the model says is free-able is freed (no leak),
 //! that quarantines, unmaps and cuts happen exactly when the model says, and that an
-//! allocation keeps only the newest release fence of each counter slot or event.
+//! allocation keeps only the newest release fence of each counter slot or event. The model
+//! also holds the rules the node used to keep beside the ledger: one writer or many
+//! readers, a pool's descriptor once per link, each lease's data handed back once when
+//! the lease ends (which lease, on which allocation, with what data), the counters per
+//! owner.
 
 use super::*;
 use baton_messages::{BootId, CounterFence, CudaIpcMemHandle, FenceHandle};
@@ -76,6 +80,8 @@ enum Ev {
     Insert {
         unsafe_free: bool,
         kill: bool,
+        /// The exporter's pool it comes from.
+        pool: Option<u64>,
     },
     LinkUp {
         process: u32,
@@ -83,6 +89,7 @@ enum Ev {
     Grant {
         alloc: usize,
         link: usize,
+        writable: bool,
     },
     /// Fences recorded by the lease's holder.
     Release {
@@ -91,6 +98,11 @@ enum Ev {
         fences: Vec<Point>,
     },
     Ungrant {
+        lease: usize,
+    },
+    /// The node replaces the data kept with a lease (a forward's acquire fence, made after
+    /// its grant).
+    SetData {
         lease: usize,
     },
     /// The holder of `via` asks to forward its buffer to process `to`.
@@ -137,12 +149,15 @@ fn point() -> impl Strategy<Value = Point> {
 
 fn event() -> impl Strategy<Value = Ev> {
     prop_oneof![
-        2 => (any::<bool>(), any::<bool>()).prop_map(|(unsafe_free, kill)| Ev::Insert { unsafe_free, kill }),
+        2 => (any::<bool>(), any::<bool>(), prop::option::weighted(0.4, 0u64..2))
+            .prop_map(|(unsafe_free, kill, pool)| Ev::Insert { unsafe_free, kill, pool }),
         2 => (0u32..4).prop_map(|process| Ev::LinkUp { process }),
-        6 => (any::<usize>(), any::<usize>()).prop_map(|(alloc, link)| Ev::Grant { alloc, link }),
+        6 => (any::<usize>(), any::<usize>(), prop::bool::weighted(0.15))
+            .prop_map(|(alloc, link, writable)| Ev::Grant { alloc, link, writable }),
         5 => (any::<usize>(), prop::bool::weighted(0.1), prop::collection::vec(point(), 0..4))
             .prop_map(|(lease, wrong_link, fences)| Ev::Release { lease, wrong_link, fences }),
         1 => any::<usize>().prop_map(|lease| Ev::Ungrant { lease }),
+        1 => any::<usize>().prop_map(|lease| Ev::SetData { lease }),
         3 => (any::<usize>(), 0u32..4).prop_map(|(via, to)| Ev::GrantRelayed { via, to }),
         3 => any::<usize>().prop_map(|alloc| Ev::Retire { alloc }),
         1 => any::<usize>().prop_map(|alloc| Ev::Revoke { alloc }),
@@ -174,6 +189,7 @@ struct MAlloc {
     quarantine_reported: bool,
     /// Every release fence that came back for it (the ledger keeps the [`newest`]).
     released: Vec<Fence>,
+    pool: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -182,6 +198,8 @@ struct MLink {
     process: u32,
     up: bool,
     cut_asked: bool,
+    /// The pools whose descriptor went over it (and no failed open of the pool since).
+    pools: BTreeSet<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -197,6 +215,11 @@ struct MLease {
     relayed_to: Option<u32>,
     /// A relayed lease whose link went down: kept until its holder dies.
     stranded: bool,
+    writable: bool,
+    /// The pool whose descriptor its offer carried.
+    pool: Option<u64>,
+    /// What the node keeps with it (handed back when it ends).
+    data: u64,
 }
 
 impl MLease {
@@ -229,6 +252,13 @@ impl Model {
     fn fresh(&mut self) -> u64 {
         self.next += 1;
         self.next
+    }
+
+    /// Whether a writable lease on `alloc` is out.
+    fn writer_out(&self, alloc: usize) -> bool {
+        self.leases
+            .iter()
+            .any(|l| l.out && l.writable && l.alloc == alloc)
     }
 
     fn lease_out_on(&self, alloc: usize) -> bool {
@@ -273,6 +303,7 @@ impl Model {
             return;
         }
         self.links[link].up = false;
+        self.links[link].pools.clear();
         let process = self.links[link].process;
         let mut touched = Vec::new();
         for l in &mut self.leases {
@@ -306,9 +337,11 @@ impl Model {
 }
 
 struct Run {
-    ledger: Ledger<u64, Fence>,
+    ledger: Ledger<u64, Fence, u64>,
     model: Model,
     now: Instant,
+    /// Which leases kept their allocation before the event (out or stranded).
+    counted_before: Vec<bool>,
 }
 
 impl Run {
@@ -317,13 +350,19 @@ impl Run {
             ledger: Ledger::default(),
             model: Model::default(),
             now: Instant::now(),
+            counted_before: Vec::new(),
         }
     }
 
     fn apply(&mut self, ev: &Ev) {
+        self.counted_before = self.model.leases.iter().map(MLease::counts).collect();
         let m = &mut self.model;
         match *ev {
-            Ev::Insert { unsafe_free, kill } => {
+            Ev::Insert {
+                unsafe_free,
+                kill,
+                pool,
+            } => {
                 let n = m.fresh();
                 let (id, buffer) = (AllocationId::new(n), BufferId::next());
                 m.allocs.push(MAlloc {
@@ -335,6 +374,7 @@ impl Run {
                     freed: false,
                     quarantine_reported: false,
                     released: Vec::new(),
+                    pool,
                 });
                 self.ledger.insert(NewAllocation {
                     alloc: id,
@@ -351,6 +391,7 @@ impl Run {
                     } else {
                         RevokePolicy::Cut
                     },
+                    pool,
                     meta: n,
                 });
             }
@@ -364,19 +405,39 @@ impl Run {
                     process: p,
                     up: true,
                     cut_asked: false,
+                    pools: BTreeSet::new(),
                 });
                 self.ledger.link_up(id, process(p));
             }
-            Ev::Grant { alloc, link } => {
+            Ev::Grant {
+                alloc,
+                link,
+                writable,
+            } => {
                 if m.allocs.is_empty() || m.links.is_empty() {
                     return;
                 }
                 let (a, l) = (alloc % m.allocs.len(), link % m.links.len());
                 let lease = LeaseId::new(m.fresh());
-                let got = self
-                    .ledger
-                    .grant(m.allocs[a].id, m.links[l].id, lease, self.now);
-                let expect = if !m.links[l].up {
+                let data = m.fresh();
+                let got = self.ledger.grant(
+                    m.allocs[a].id,
+                    m.links[l].id,
+                    lease,
+                    self.now,
+                    writable,
+                    data,
+                );
+                let readers = m.leases.iter().any(|x| x.out && x.alloc == a);
+                let pool = m.allocs[a]
+                    .pool
+                    .filter(|p| m.links[l].up && !m.links[l].pools.contains(p));
+                // One writer or many readers comes first: a lease out keeps the entry.
+                let expect = if m.writer_out(a) {
+                    Err(Refusal::WriterOut)
+                } else if writable && readers {
+                    Err(Refusal::ReadersOut)
+                } else if !m.links[l].up {
                     Err(Refusal::LinkDown)
                 } else if m.allocs[a].freed {
                     Err(Refusal::UnknownBuffer)
@@ -384,10 +445,13 @@ impl Run {
                     Err(Refusal::NotLive)
                 } else {
                     let current = m.holds.contains(&(a, l, Token::Current));
-                    Ok(Grant { new_hold: !current })
+                    Ok((Grant { new_hold: !current }, pool))
                 };
-                assert_eq!(got, expect, "grant of {a} over {l}");
-                if let Ok(g) = got {
+                assert_eq!(got, expect, "grant of {a} over {l} (writable: {writable})");
+                if let Ok((g, pool)) = got {
+                    if let Some(pool) = pool {
+                        m.links[l].pools.insert(pool);
+                    }
                     if g.new_hold {
                         m.holds.push((a, l, Token::Current));
                     }
@@ -401,6 +465,9 @@ impl Run {
                         granted_at: self.now,
                         relayed_to: None,
                         stranded: false,
+                        writable,
+                        pool,
+                        data,
                     });
                 }
             }
@@ -412,6 +479,7 @@ impl Run {
                 }
                 let v = m.leases[via % m.leases.len()].clone();
                 let lease = LeaseId::new(m.fresh());
+                let data = m.fresh();
                 let got = self.ledger.grant_relayed(
                     v.id,
                     m.links[v.link].id,
@@ -419,13 +487,16 @@ impl Run {
                     process(to),
                     MAX_RELAYED,
                     self.now,
+                    data,
                 );
                 let relayed = m
                     .leases
                     .iter()
                     .filter(|l| l.out && l.link == v.link && l.relayed_to.is_some())
                     .count();
-                let expect = if !m.links[v.link].up {
+                let expect = if v.out && v.writable {
+                    Err(Refusal::WriterOut)
+                } else if !m.links[v.link].up {
                     Err(Refusal::LinkDown)
                 } else if !v.out || v.relayed_to.is_some() {
                     Err(Refusal::UnknownLease)
@@ -446,6 +517,9 @@ impl Run {
                         granted_at: self.now,
                         relayed_to: Some(to),
                         stranded: false,
+                        writable: false,
+                        pool: None,
+                        data,
                     });
                 }
             }
@@ -488,12 +562,23 @@ impl Run {
                 if !l.out || lease % 2 == 0 {
                     return;
                 }
-                self.ledger.ungrant(
-                    l.id,
-                    Grant {
-                        new_hold: l.new_hold,
-                    },
+                // The ledger remembers what the grant did, and says what it undid.
+                let undone = self.ledger.ungrant(l.id);
+                assert_eq!(
+                    undone,
+                    Some((
+                        m.links[l.link].id,
+                        Grant {
+                            new_hold: l.new_hold,
+                        },
+                        l.pool
+                    )),
+                    "ungrant of {l:?}"
                 );
+                assert_eq!(self.ledger.ungrant(l.id), None, "a lease is ungranted once");
+                if let Some(pool) = l.pool {
+                    m.links[l.link].pools.remove(&pool);
+                }
                 let i = m.leases.len() - 1;
                 m.leases[i].out = false;
                 if l.new_hold {
@@ -504,6 +589,24 @@ impl Run {
                     {
                         m.holds.remove(pos);
                     }
+                }
+            }
+            Ev::SetData { lease } => {
+                if m.leases.is_empty() {
+                    return;
+                }
+                let i = lease % m.leases.len();
+                let data = m.fresh();
+                let got = self.ledger.lease_data_mut(m.leases[i].id);
+                assert_eq!(
+                    got.as_deref().copied(),
+                    m.leases[i].counts().then_some(m.leases[i].data),
+                    "the data kept with {:?}",
+                    m.leases[i]
+                );
+                if let Some(kept) = got {
+                    *kept = data;
+                    m.leases[i].data = data;
                 }
             }
             Ev::Retire { alloc } => {
@@ -568,6 +671,12 @@ impl Run {
                 }
                 let (a, l) = (alloc % m.allocs.len(), link % m.links.len());
                 let held = self.ledger.unmapped(m.links[l].id, m.allocs[a].id);
+                // Not an answer to an `Unmap`: the importer could not open an offer, so the
+                // pool's descriptor goes with the next offer again.
+                let asked = m.holds.contains(&(a, l, Token::Draining));
+                if let (false, false, Some(pool)) = (asked, m.allocs[a].freed, m.allocs[a].pool) {
+                    m.links[l].pools.remove(&pool);
+                }
                 // The ledger drains an unanswered `Unmap` first, else ends the hold.
                 let pos = m
                     .holds
@@ -650,8 +759,18 @@ impl Run {
 
         let mut unmaps = Vec::new();
         let mut cuts = Vec::new();
+        let mut ended = Vec::new();
         for action in actions {
             match action {
+                Action::LeaseEnded { lease, alloc, data } => {
+                    let r = m.leases.iter().find(|x| x.id == lease).expect("known");
+                    assert_eq!(
+                        alloc, m.allocs[r.alloc].id,
+                        "{lease:?} ends on its allocation"
+                    );
+                    assert_eq!(data, r.data, "{lease:?} hands back the data kept with it");
+                    ended.push(lease);
+                }
                 Action::Free {
                     alloc,
                     meta,
@@ -724,6 +843,18 @@ impl Run {
         m.pending_unmaps.extend(expected_unmaps);
         cuts.sort();
         assert_eq!(cuts, expected_cuts, "one cut per overdue holder's link");
+        // A lease ends exactly when it stops keeping its allocation (released, ungranted,
+        // its link gone unless relayed, its relayed holder dead), once.
+        let mut expected_ended: Vec<LeaseId> = m
+            .leases
+            .iter()
+            .zip(&self.counted_before)
+            .filter(|(l, before)| **before && !l.counts())
+            .map(|(l, _)| l.id)
+            .collect();
+        expected_ended.sort();
+        ended.sort();
+        assert_eq!(ended, expected_ended, "the leases that ended");
 
         // No leak: whatever may be freed was freed; quarantines are reported.
         for a in 0..m.allocs.len() {
@@ -847,6 +978,14 @@ impl Run {
             m.leases.len() as u64,
             "leases granted"
         );
+        // The same counters per owner: every allocation here is owner 1's.
+        let totals = Totals {
+            granted: self.ledger.granted(),
+            freed: self.ledger.freed(),
+        };
+        assert_eq!(self.ledger.totals(None), totals);
+        assert_eq!(self.ledger.totals(Some(ActorId::new(1))), totals);
+        assert_eq!(self.ledger.totals(Some(ActorId::new(2))), Totals::default());
         // An `Unmapped` answers an `Unmap` exactly where one is owed.
         for (l, link) in m.links.iter().enumerate() {
             for (a, x) in m.allocs.iter().enumerate() {
@@ -963,9 +1102,14 @@ fn a_cut_live_holder_quarantines_unsafe_memory_until_it_dies() {
         run.apply(&Ev::Insert {
             unsafe_free,
             kill: false,
+            pool: None,
         });
         run.apply(&Ev::LinkUp { process: 0 });
-        run.apply(&Ev::Grant { alloc: 0, link: 0 });
+        run.apply(&Ev::Grant {
+            alloc: 0,
+            link: 0,
+            writable: false,
+        });
         run.apply(&Ev::Retire { alloc: 0 });
         run.apply(&Ev::Revoke { alloc: 0 });
         run.apply(&Ev::Tick { advance_ms: 150 });
@@ -994,11 +1138,20 @@ fn a_free_waits_for_every_warm_mapping() {
     run.apply(&Ev::Insert {
         unsafe_free: true,
         kill: false,
+        pool: None,
     });
     run.apply(&Ev::LinkUp { process: 0 });
     run.apply(&Ev::LinkUp { process: 1 });
-    run.apply(&Ev::Grant { alloc: 0, link: 0 });
-    run.apply(&Ev::Grant { alloc: 0, link: 1 });
+    run.apply(&Ev::Grant {
+        alloc: 0,
+        link: 0,
+        writable: false,
+    });
+    run.apply(&Ev::Grant {
+        alloc: 0,
+        link: 1,
+        writable: false,
+    });
     run.apply(&Ev::Release {
         lease: 0,
         wrong_link: false,
@@ -1031,9 +1184,14 @@ fn a_stranded_forward_keeps_the_memory_until_its_holder_dies() {
         run.apply(&Ev::Insert {
             unsafe_free,
             kill: false,
+            pool: None,
         });
         run.apply(&Ev::LinkUp { process: 0 });
-        run.apply(&Ev::Grant { alloc: 0, link: 0 });
+        run.apply(&Ev::Grant {
+            alloc: 0,
+            link: 0,
+            writable: false,
+        });
         run.apply(&Ev::GrantRelayed { via: 0, to: 1 });
         assert!(run.model.leases[1].out, "the forward is granted");
         let view = run.ledger.view(None);
@@ -1073,14 +1231,15 @@ fn a_release_that_crosses_the_holders_death_is_recognised() {
         bytes: 4096,
         rule: FreeWhileMapped::Unsafe,
         policy: RevokePolicy::Cut,
+        pool: None,
         meta: 1,
     });
     ledger.link_up(link, process(0));
     let now = Instant::now();
     let (own, fwd) = (LeaseId::new(1), LeaseId::new(2));
-    ledger.grant(alloc, link, own, now).unwrap();
+    ledger.grant(alloc, link, own, now, false, ()).unwrap();
     assert_eq!(
-        ledger.grant_relayed(own, link, fwd, process(1), 4, now),
+        ledger.grant_relayed(own, link, fwd, process(1), 4, now, ()),
         Ok(alloc)
     );
     assert_eq!(ledger.stranded().len(), 0);
@@ -1135,6 +1294,7 @@ fn a_flood_of_releases_of_one_reused_buffer_keeps_one_fence_per_slot() {
         bytes: 4096,
         rule: FreeWhileMapped::Unsafe,
         policy: RevokePolicy::Cut,
+        pool: None,
         meta: 1,
     });
     ledger.link_up(link, process(0));
@@ -1142,10 +1302,16 @@ fn a_flood_of_releases_of_one_reused_buffer_keeps_one_fence_per_slot() {
     const CYCLES: u64 = 10_000;
     for n in 1..=CYCLES {
         let lease = LeaseId::new(n);
-        ledger.grant(alloc, link, lease, now).unwrap();
+        ledger.grant(alloc, link, lease, now, false, ()).unwrap();
         // Slots 0 and 1 of the lane take turns; each value is higher than the last.
         let fence = slot(8 * (n % 2), 100 + n);
         assert_eq!(ledger.release(lease, link, [fence]), Ok(alloc));
+        // The lease's end is all there is to do.
+        let ended = ledger.take_actions();
+        assert!(
+            matches!(ended[..], [Action::LeaseEnded { lease: l, alloc: a, data: () }] if l == lease && a == alloc),
+            "{ended:?}"
+        );
     }
     ledger.check();
     ledger.check_fences();
@@ -1167,4 +1333,153 @@ fn a_flood_of_releases_of_one_reused_buffer_keeps_one_fence_per_slot() {
         fences.contains(&slot(8, 100 + CYCLES - 1)),
         "slot 1's newest"
     );
+}
+
+/// Grants (forwarded ones too) and frees are counted for the owner of their allocation;
+/// the totals are the sums.
+#[test]
+fn grants_and_frees_are_counted_per_owner() {
+    let mut ledger: Ledger<u64, Fence> = Ledger::default();
+    let link = LinkId::next();
+    ledger.link_up(link, process(0));
+    let now = Instant::now();
+    let mut buffers = Vec::new();
+    for (n, owner) in [(1, 1), (2, 2), (3, 2)] {
+        let (alloc, buffer) = (AllocationId::new(n), BufferId::next());
+        ledger.insert(NewAllocation {
+            alloc,
+            buffer,
+            owner: ActorId::new(owner),
+            bytes: 4096,
+            rule: FreeWhileMapped::Survives,
+            policy: RevokePolicy::Cut,
+            pool: None,
+            meta: n,
+        });
+        buffers.push((alloc, buffer));
+    }
+    // Owner 1: a lease and its forward; owner 2: a lease on each of its two buffers.
+    let lease = LeaseId::new;
+    ledger
+        .grant(buffers[0].0, link, lease(1), now, false, ())
+        .unwrap();
+    ledger
+        .grant_relayed(lease(1), link, lease(2), process(1), 4, now, ())
+        .unwrap();
+    ledger
+        .grant(buffers[1].0, link, lease(3), now, false, ())
+        .unwrap();
+    ledger
+        .grant(buffers[2].0, link, lease(4), now, false, ())
+        .unwrap();
+    // Owner 2's buffers go: released, retired, unmapped.
+    for (l, (alloc, buffer)) in [(3, buffers[1]), (4, buffers[2])] {
+        assert_eq!(ledger.release(lease(l), link, None), Ok(alloc));
+        ledger.retire(buffer);
+        assert!(ledger.unmapped(link, alloc));
+    }
+    ledger.check();
+    let totals = |granted, freed| Totals { granted, freed };
+    assert_eq!(ledger.totals(Some(ActorId::new(1))), totals(2, 0));
+    assert_eq!(ledger.totals(Some(ActorId::new(2))), totals(2, 2));
+    assert_eq!(ledger.totals(Some(ActorId::new(3))), Totals::default());
+    assert_eq!(ledger.totals(None), totals(4, 2));
+    assert_eq!((ledger.granted(), ledger.freed()), (4, 2));
+}
+
+/// The leases whose end the ledger queued, with their data, in lease order.
+fn ended<M, F, D: Ord>(ledger: &mut Ledger<M, F, D>) -> Vec<(LeaseId, D)> {
+    let mut ended: Vec<(LeaseId, D)> = ledger
+        .take_actions()
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::LeaseEnded { lease, data, .. } => Some((lease, data)),
+            _ => None,
+        })
+        .collect();
+    ended.sort();
+    ended
+}
+
+/// A pool's descriptor crosses a link once for all the pool's allocations: again after the
+/// offer that carried it was taken back unsent, after the importer could not open an offer
+/// of the pool (an `Unmapped` nobody asked for), and over a new link. Each lease's data
+/// comes back when it ends.
+#[test]
+fn a_pools_descriptor_goes_once_per_link_until_an_open_fails() {
+    let mut ledger: Ledger<u64, Fence, &'static str> = Ledger::default();
+    let (a, b) = (AllocationId::new(1), AllocationId::new(2));
+    for (alloc, meta) in [(a, 1), (b, 2)] {
+        ledger.insert(NewAllocation {
+            alloc,
+            buffer: BufferId::next(),
+            owner: ActorId::new(1),
+            bytes: 4096,
+            rule: FreeWhileMapped::Survives,
+            policy: RevokePolicy::Cut,
+            pool: Some(7),
+            meta,
+        });
+    }
+    let link = LinkId::next();
+    ledger.link_up(link, process(0));
+    let now = Instant::now();
+    let lease = LeaseId::new;
+    let hold = |new_hold| Grant { new_hold };
+    assert_eq!(
+        ledger.grant(a, link, lease(1), now, false, "one"),
+        Ok((hold(true), Some(7)))
+    );
+    assert_eq!(
+        ledger.grant(b, link, lease(2), now, false, "two"),
+        Ok((hold(true), None)),
+        "the pool's descriptor went with the first offer"
+    );
+    // The first offer never went out: the next one carries the descriptor.
+    assert_eq!(ledger.ungrant(lease(1)), Some((link, hold(true), Some(7))));
+    assert_eq!(
+        ledger.grant(a, link, lease(3), now, false, "three"),
+        Ok((hold(true), Some(7)))
+    );
+    // The importer could not open `b`'s offer: the pool goes again.
+    assert!(ledger.unmapped(link, b));
+    assert_eq!(
+        ledger.grant(b, link, lease(4), now, false, "four"),
+        Ok((hold(true), Some(7)))
+    );
+    // A writable lease waits for the others; none is granted while one is out.
+    assert_eq!(
+        ledger.grant(a, link, lease(5), now, true, "five"),
+        Err(Refusal::ReadersOut)
+    );
+    // A new link gets the descriptor with its first offer.
+    let other = LinkId::next();
+    ledger.link_up(other, process(1));
+    assert_eq!(
+        ledger.grant(b, other, lease(6), now, false, "six"),
+        Ok((hold(true), Some(7)))
+    );
+    ledger.check();
+    assert_eq!(
+        ended(&mut ledger),
+        [(lease(1), "one")],
+        "only the ungranted lease ended"
+    );
+    ledger.link_cut(link);
+    assert_eq!(
+        ended(&mut ledger),
+        [(lease(2), "two"), (lease(3), "three"), (lease(4), "four")],
+        "the cut link's leases end, each with its data"
+    );
+    // `a`'s leases went with the link: a writable lease may go out now (the pool's
+    // descriptor already crossed `other`), and then no other lease on `a`.
+    assert_eq!(
+        ledger.grant(a, other, lease(7), now, true, "seven"),
+        Ok((hold(true), None))
+    );
+    assert_eq!(
+        ledger.grant(a, other, lease(8), now, false, "eight"),
+        Err(Refusal::WriterOut)
+    );
+    ledger.check();
 }

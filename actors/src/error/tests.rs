@@ -1,0 +1,225 @@
+//! Whose fault each error is: every variant's kind pinned (see `fault`).
+
+use super::*;
+use baton_ipc::Fault;
+use baton_messages::{ActorId, BootId};
+use std::os::unix::process::ExitStatusExt;
+
+fn process() -> ProcessId {
+    ProcessId {
+        boot: BootId([1; 16]),
+        pid: 7,
+        start_ticks: 9,
+    }
+}
+
+/// One error of every variant of this crate's own, with the kind it must have (the
+/// `Ipc` variant is pinned by the nesting test below).
+fn every_own_variant() -> Vec<(ActorError, Fault)> {
+    let (lease, buffer) = (LeaseId::new(4), BufferId::next());
+    let secs = Duration::from_secs(1);
+    vec![
+        (ActorError::UnknownLease { lease }, Fault::Peer),
+        (
+            ActorError::ForeignOffer {
+                claimed: ExporterId {
+                    process: process(),
+                    actor: ActorId::new(2),
+                },
+            },
+            Fault::Peer,
+        ),
+        (ActorError::DuplicateLease { lease }, Fault::Peer),
+        (ActorError::UnknownCall { id: 3 }, Fault::Peer),
+        (ActorError::Unexpected { got: "Hello" }, Fault::Peer),
+        (ActorError::TooManyOffers { count: 9, max: 8 }, Fault::Peer),
+        (ActorError::TooManyLeases { max: 8 }, Fault::Peer),
+        (ActorError::TooManyFences { count: 9, max: 8 }, Fault::Peer),
+        (
+            ActorError::PeerNotReading {
+                peer: process(),
+                queued: 1 << 20,
+            },
+            Fault::Peer,
+        ),
+        (ActorError::TooManyStatusRequests { max: 4 }, Fault::Peer),
+        (ActorError::Remote(CallFault::NoSuchActor), Fault::Refused),
+        (
+            ActorError::ForwardRefused {
+                reason: "writable".into(),
+            },
+            Fault::Refused,
+        ),
+        (
+            ActorError::BundleTooLarge { needs: 8, len: 4 },
+            Fault::Handle,
+        ),
+        (
+            ActorError::OfferRefused(baton_ipc::Error::DescriptorsLost { slot: 0 }),
+            Fault::Local,
+        ),
+        (
+            ActorError::Spawn {
+                name: "child".into(),
+                source: std::io::Error::from_raw_os_error(2),
+            },
+            Fault::Local,
+        ),
+        (
+            ActorError::Encode {
+                what: "a call",
+                reason: "too deep".into(),
+            },
+            Fault::Usage,
+        ),
+        (
+            ActorError::Decode {
+                what: "a reply",
+                reason: "wrong type".into(),
+            },
+            Fault::Usage,
+        ),
+        (
+            ActorError::WrongElementType {
+                expected: DType::F32,
+                got: None,
+            },
+            Fault::Usage,
+        ),
+        (
+            ActorError::OutOfBounds {
+                index: 1,
+                len: 2,
+                size: 2,
+            },
+            Fault::Usage,
+        ),
+        (ActorError::UnknownBuffer(buffer), Fault::Usage),
+        (ActorError::NotOwned, Fault::Usage),
+        (ActorError::NotReceived, Fault::Usage),
+        (
+            ActorError::TooManyDescriptors {
+                count: 300,
+                max: 253,
+            },
+            Fault::Usage,
+        ),
+        (ActorError::TooManyStreams { max: 4 }, Fault::Usage),
+        (
+            ActorError::NoParent {
+                var: "BATON_PARENT",
+            },
+            Fault::Usage,
+        ),
+        (ActorError::BufferLeased { buffer, leases: 1 }, Fault::Usage),
+        (
+            ActorError::LeaseConflict {
+                buffer,
+                wanted: "writable",
+                reason: "other leases on it are out",
+            },
+            Fault::Usage,
+        ),
+        (ActorError::NotHostMemory, Fault::Usage),
+        (ActorError::NoSuchTensor { name: "w".into() }, Fault::Usage),
+        (ActorError::LinkClosed { peer: process() }, Fault::Ended),
+        (
+            ActorError::Orphaned {
+                exporter: process(),
+            },
+            Fault::Ended,
+        ),
+        (ActorError::RevokeDeadline { lease }, Fault::Ended),
+        (
+            ActorError::Unresponsive {
+                peer: process(),
+                silent_for: secs,
+            },
+            Fault::Ended,
+        ),
+        (ActorError::PeerExited { peer: process() }, Fault::Ended),
+        (
+            ActorError::Mailbox(actix::MailboxError::Closed),
+            Fault::Ended,
+        ),
+        (
+            ActorError::Timeout {
+                op: "call",
+                after: secs,
+            },
+            Fault::Ended,
+        ),
+        (
+            ActorError::NotReturned {
+                buffer,
+                leases: 1,
+                after: secs,
+            },
+            Fault::Ended,
+        ),
+        (ActorError::NotListening, Fault::Ended),
+        (
+            ActorError::ChildExited {
+                pid: 9,
+                status: std::process::ExitStatus::from_raw(0),
+            },
+            Fault::Ended,
+        ),
+    ]
+}
+
+#[test]
+fn every_variant_has_the_kind_it_is_pinned_to() {
+    for (error, kind) in every_own_variant() {
+        assert_eq!(error.fault(), kind, "{error:?}");
+        assert_eq!(error.is_peer_fault(), kind == Fault::Peer, "{error:?}");
+    }
+}
+
+/// The peer faults are the list as it stood before the kinds: the protocol breaches
+/// from `UnknownLease` to `TooManyStatusRequests`, none of the cuts this node decides
+/// (a revoke deadline, silence, an exit).
+#[test]
+fn the_peer_faults_are_the_protocol_breaches() {
+    let peer = every_own_variant()
+        .into_iter()
+        .filter(|(e, _)| e.is_peer_fault())
+        .count();
+    assert_eq!(peer, 10);
+    for e in [
+        ActorError::RevokeDeadline {
+            lease: LeaseId::new(1),
+        },
+        ActorError::Unresponsive {
+            peer: process(),
+            silent_for: Duration::ZERO,
+        },
+        ActorError::PeerExited { peer: process() },
+        ActorError::OfferRefused(baton_ipc::Error::Closed),
+    ] {
+        assert!(!e.is_peer_fault(), "{e:?}");
+    }
+}
+
+/// An `Ipc` error is what it wraps: nested kinds, as rustls nests them.
+#[test]
+fn an_ipc_error_has_the_kind_it_wraps() {
+    for (inner, kind) in [
+        (baton_ipc::Error::BadToken, Fault::Peer),
+        (baton_ipc::Error::UnexpectedFds, Fault::Peer),
+        (baton_ipc::Error::DescriptorsLost { slot: 0 }, Fault::Local),
+        (baton_ipc::Error::Closed, Fault::Ended),
+        (baton_ipc::Error::ZeroSize, Fault::Usage),
+        (
+            baton_ipc::Error::MemoryTooSmall {
+                claimed: 2,
+                actual: 1,
+            },
+            Fault::Handle,
+        ),
+    ] {
+        let outer = ActorError::from(inner);
+        assert_eq!(outer.fault(), kind, "{outer:?}");
+        assert_eq!(outer.is_peer_fault(), kind == Fault::Peer, "{outer:?}");
+    }
+}

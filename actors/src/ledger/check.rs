@@ -1,0 +1,97 @@
+//! Checks of the ledger's bookkeeping, run by the tests after every event.
+
+use super::{Covers, FreeWhileMapped, Ledger, Phase};
+use baton_messages::AllocationId;
+
+impl<M, F, D> Ledger<M, F, D> {
+    /// The release fences `alloc` keeps for its free.
+    pub(crate) fn fences(&self, alloc: AllocationId) -> Option<&[F]> {
+        self.allocs.get(&alloc).map(|e| e.fences.as_slice())
+    }
+
+    /// Checks that no allocation keeps a release fence another of its fences covers.
+    /// Panics if one does.
+    pub(crate) fn check_fences(&self)
+    where
+        F: Covers + std::fmt::Debug,
+    {
+        for (alloc, e) in &self.allocs {
+            for (i, a) in e.fences.iter().enumerate() {
+                for (j, b) in e.fences.iter().enumerate() {
+                    assert!(
+                        i == j || !a.covers(b),
+                        "{alloc:?} keeps {b:?}, which {a:?} covers"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Checks the bookkeeping: indexes agree, holds and leases name live links, quarantine
+    /// only where the rule asks for it. Panics on a broken invariant.
+    pub(crate) fn check(&self) {
+        for (lease, r) in &self.leases {
+            let entry = self
+                .allocs
+                .get(&r.alloc)
+                .expect("a lease's allocation exists");
+            assert!(entry.leases.contains(lease), "lease index and entry agree");
+            assert!(
+                self.links.contains_key(&r.link),
+                "a lease is on a live link"
+            );
+        }
+        for (alloc, e) in &self.allocs {
+            assert_eq!(self.buffers.get(&e.buffer), Some(alloc), "buffer index");
+            for lease in &e.leases {
+                assert_eq!(self.leases.get(lease).map(|r| r.alloc), Some(*alloc));
+            }
+            for (link, hold) in &e.holds {
+                assert!(self.links.contains_key(link), "a hold is on a live link");
+                assert!(!hold.is_empty(), "empty holds are removed");
+            }
+            match e.phase {
+                Phase::Live => {}
+                Phase::Retired => {
+                    // A retired entry with nothing holding it would have been freed.
+                    assert!(
+                        !e.leases.is_empty() || !e.holds.is_empty() || !e.stranded.is_empty(),
+                        "a retired allocation nobody holds is freed"
+                    );
+                }
+                Phase::Quarantined => {
+                    assert_eq!(e.rule, FreeWhileMapped::Unsafe);
+                    assert!(e.leases.is_empty() && e.holds.is_empty() && e.stranded.is_empty());
+                    assert!(!e.cut_holders.is_empty());
+                }
+            }
+            for lease in e.stranded.keys() {
+                assert!(
+                    !self.leases.contains_key(lease),
+                    "a stranded lease is not out"
+                );
+            }
+            let writable = e
+                .leases
+                .iter()
+                .filter(|l| self.leases.get(l).is_some_and(|r| r.writable))
+                .count();
+            assert!(
+                writable == 0 || e.leases.len() == 1,
+                "a writable lease is the only lease out on its allocation"
+            );
+            assert_eq!(
+                self.writer_out(e),
+                writable == 1,
+                "the first lease tells a writer"
+            );
+            if e.phase != Phase::Live && e.leases.is_empty() {
+                assert!(
+                    e.holds.values().all(|h| !h.current),
+                    "every live holder of a retired allocation was asked to unmap"
+                );
+            }
+        }
+        assert_eq!(self.buffers.len(), self.allocs.len());
+    }
+}

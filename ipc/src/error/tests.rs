@@ -1,0 +1,248 @@
+//! Whose fault each error is: every variant's kind pinned (see `fault`).
+
+use super::*;
+use baton_messages::{ActorId, BootId};
+
+fn process() -> ProcessId {
+    ProcessId {
+        boot: BootId([1; 16]),
+        pid: 7,
+        start_ticks: 9,
+    }
+}
+
+fn exporter() -> ExporterId {
+    ExporterId {
+        process: process(),
+        actor: ActorId::new(1),
+    }
+}
+
+fn io_error() -> Error {
+    Error::Io {
+        op: "open",
+        source: io::Error::from_raw_os_error(24),
+    }
+}
+
+/// One error of every variant, with the kind it must have: a new variant fails to
+/// compile in `fault` until it is given one, and is pinned here.
+fn every_variant() -> Vec<(Error, Fault)> {
+    let (alloc, generation) = (AllocationId::new(3), Generation::new(2));
+    vec![
+        (
+            Error::Message(baton_messages::Error::BadMagic { got: [0, 1] }),
+            Fault::Peer,
+        ),
+        (
+            Error::UnexpectedMessage {
+                expected: "Hello",
+                got: "Ping",
+            },
+            Fault::Peer,
+        ),
+        (
+            Error::PeerIdentityMismatch {
+                claimed: process(),
+                actual_pid: 8,
+            },
+            Fault::Peer,
+        ),
+        (Error::MissingFds { need: 2, have: 1 }, Fault::Peer),
+        (Error::UnexpectedFds, Fault::Peer),
+        (Error::MissingFdSlot { slot: 1 }, Fault::Peer),
+        (
+            Error::UnsealedMemory {
+                exporter: exporter(),
+            },
+            Fault::Peer,
+        ),
+        (Error::BadToken, Fault::Peer),
+        (Error::PeerNotAllowed { uid: 1, pid: 2 }, Fault::Peer),
+        (
+            Error::FenceRefused {
+                producer: process(),
+                reason: crate::inbox::FenceRefusal::NoLane,
+            },
+            Fault::Peer,
+        ),
+        (
+            Error::Refused {
+                reason: RefuseReason::BadToken,
+            },
+            Fault::Refused,
+        ),
+        (
+            Error::SegmentNotFound {
+                exporter: exporter(),
+                alloc,
+            },
+            Fault::Handle,
+        ),
+        (
+            Error::MemoryTooSmall {
+                claimed: 8,
+                actual: 4,
+            },
+            Fault::Handle,
+        ),
+        (
+            Error::SegmentOwnerMismatch {
+                exporter: exporter(),
+            },
+            Fault::Handle,
+        ),
+        (
+            Error::StaleHandle {
+                alloc,
+                generation,
+                current: Generation::new(3),
+            },
+            Fault::Handle,
+        ),
+        (
+            Error::ForeignHandle {
+                exporter: exporter(),
+            },
+            Fault::Handle,
+        ),
+        (
+            Error::AllocationGone {
+                exporter: exporter(),
+                alloc,
+            },
+            Fault::Handle,
+        ),
+        (io_error(), Fault::Local),
+        (
+            Error::Cuda {
+                op: "cuIpcOpenMemHandle_v2",
+                code: crate::cuda::CudaError::INVALID_VALUE,
+            },
+            Fault::Local,
+        ),
+        (
+            Error::UnsupportedBackend {
+                kind: BackendKind::CudaLegacy,
+            },
+            Fault::Local,
+        ),
+        (
+            Error::NotMapped {
+                exporter: exporter(),
+                alloc,
+            },
+            Fault::Local,
+        ),
+        (Error::WrittenInPlace { alloc }, Fault::Local),
+        (
+            Error::PoolNotImported {
+                exporter: exporter(),
+                pool: 4,
+            },
+            Fault::Local,
+        ),
+        (Error::DescriptorsLost { slot: 0 }, Fault::Local),
+        (
+            Error::DeviceNotFound {
+                device: DeviceUuid([5; 16]),
+            },
+            Fault::Local,
+        ),
+        (
+            Error::BackendUnavailable {
+                backend: "cuda",
+                reason: "no driver".into(),
+            },
+            Fault::Local,
+        ),
+        (Error::EventsExhausted { limit: 4 }, Fault::Local),
+        (Error::FencesExhausted { limit: 4 }, Fault::Local),
+        (Error::Shm("mmap failed".into()), Fault::Local),
+        (Error::NoToken { why: None }, Fault::Usage),
+        (
+            Error::InsecureSocketDir {
+                path: PathBuf::from("/tmp/x"),
+                reason: "world-writable",
+            },
+            Fault::Usage,
+        ),
+        (Error::ZeroSize, Fault::Usage),
+        (
+            Error::OutOfBounds {
+                offset: 4,
+                len: 8,
+                size: 8,
+            },
+            Fault::Usage,
+        ),
+        (Error::SharedMapping { alloc, views: 2 }, Fault::Usage),
+        (Error::InPlace { alloc }, Fault::Usage),
+        (
+            Error::SlabFull {
+                requested: 64,
+                largest_free: 32,
+            },
+            Fault::Usage,
+        ),
+        (
+            Error::NotBorrowable {
+                ptr: 0x1000,
+                reason: "not a CUDA allocation".into(),
+            },
+            Fault::Usage,
+        ),
+        (Error::Closed, Fault::Ended),
+        (
+            Error::Timeout {
+                op: "handshake",
+                after: Duration::from_secs(1),
+            },
+            Fault::Ended,
+        ),
+    ]
+}
+
+#[test]
+fn every_variant_has_the_kind_it_is_pinned_to() {
+    for (error, kind) in every_variant() {
+        assert_eq!(error.fault(), kind, "{error:?}");
+    }
+}
+
+/// The two questions a node asks are the kinds `Peer` and `Local`, and no error is both.
+#[test]
+fn peer_fault_and_local_open_failure_read_the_kind() {
+    let mut peer = 0;
+    let mut local = 0;
+    for (error, kind) in every_variant() {
+        assert_eq!(error.is_peer_fault(), kind == Fault::Peer, "{error:?}");
+        assert_eq!(
+            error.is_local_open_failure(),
+            kind == Fault::Local,
+            "{error:?}"
+        );
+        assert!(!(error.is_peer_fault() && error.is_local_open_failure()));
+        peer += usize::from(error.is_peer_fault());
+        local += usize::from(error.is_local_open_failure());
+    }
+    assert_eq!(
+        (peer, local),
+        (10, 12),
+        "the lists as they stood before the kinds"
+    );
+}
+
+/// A handle that does not check is no local failure: an open that fails so drops the
+/// peer's link, and the drop is not logged as a protocol breach.
+#[test]
+fn a_bad_handle_is_neither_local_nor_a_protocol_breach() {
+    let stale = Error::StaleHandle {
+        alloc: AllocationId::new(1),
+        generation: Generation::new(1),
+        current: Generation::new(2),
+    };
+    assert!(!stale.is_local_open_failure());
+    assert!(!stale.is_peer_fault());
+    assert_eq!(stale.fault(), Fault::Handle);
+}
