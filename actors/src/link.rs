@@ -94,6 +94,7 @@ fn open_views(cache: ImportCache, offers: Vec<Offer>, mut fds: FrameFds) -> Open
             // finds the exporter's event open.
             if let Err(e) = view
                 .backend()
+                .ordering()
                 .prepare_fence(&offer.handle.exporter.process, fence)
             {
                 tracing::debug!(error = %e, "could not open an offer's fence ahead of its first use");
@@ -123,6 +124,7 @@ fn open_hits(
         if let (Ok(view), Some(fence)) = (&view, &offer.handle.fence) {
             if !view
                 .backend()
+                .ordering()
                 .fence_prepared(&offer.handle.exporter.process, fence)
             {
                 return None;
@@ -493,6 +495,7 @@ impl PeerLink {
                 // lane, with a sane value (forged fences are the peer's fault).
                 self.node
                     .backend()
+                    .ordering()
                     .check_fence(&offer.handle.exporter.process, fence)?;
             }
             let held = self
@@ -732,7 +735,10 @@ impl PeerLink {
                     return Ok(());
                 }
                 for fence in &fences {
-                    self.node.backend().check_fence(&self.peer.process, fence)?;
+                    self.node
+                        .backend()
+                        .ordering()
+                        .check_fence(&self.peer.process, fence)?;
                 }
                 if !fences.is_empty() && !self.node.offload().is_inline() {
                     // Opened on the driver thread now, so that the buffer's next use (on
@@ -744,7 +750,7 @@ impl PeerLink {
                     );
                     self.node.offload().submit(move || {
                         for fence in &ahead {
-                            if let Err(e) = backend.prepare_fence(&peer, fence) {
+                            if let Err(e) = backend.ordering().prepare_fence(&peer, fence) {
                                 tracing::debug!(error = %e, "could not open a release fence ahead of its wait");
                             }
                         }
@@ -827,7 +833,7 @@ impl PeerLink {
         }
         let (backend, peer) = (Arc::clone(self.node.backend()), self.peer.process);
         let accept = move || {
-            if let Err(e) = backend.accept_inbox(&peer, &grant) {
+            if let Err(e) = backend.ordering().accept_inbox(&peer, &grant) {
                 tracing::warn!(error = %e, %peer, "the peer's fence inbox could not be mapped: fences for it are made complete before they are sent");
             }
         };
@@ -1008,7 +1014,12 @@ impl Actor for PeerLink {
         tracing::debug!(uid = self.peer.cred.uid, "link up");
         // Fences the peer records for us are written into our memory: lend it a lane
         // first, before anything of ours can ask it for a fence.
-        if let Some(grant) = self.node.backend().inbox_grant(&self.peer.process) {
+        if let Some(grant) = self
+            .node
+            .backend()
+            .ordering()
+            .inbox_grant(&self.peer.process)
+        {
             if let Err(e) = self.send(&Wire::FenceInbox(grant), Vec::new()) {
                 self.cut(ctx, e);
                 return;

@@ -168,7 +168,7 @@ struct Entry {
     pending: Vec<FenceHandle>,
     /// Too many distinct fences to keep (a mapping warm for long, used on many streams or
     /// slots): the close waits for every fence the backend has recorded
-    /// ([`Backend::own_fences_landed`](crate::Backend::own_fences_landed) with `all`).
+    /// ([`StreamOrdering::own_fences_landed`](crate::StreamOrdering::own_fences_landed) with `all`).
     pending_all: bool,
 }
 
@@ -222,8 +222,8 @@ impl CloseJob {
         } = self;
         if pending_all || !pending.is_empty() {
             // Work this process queued on the mapping runs before it goes: polled here,
-            // never a wait queued on a stream (see `Backend::own_fences_landed`).
-            match backend.own_fences_landed(&pending, pending_all) {
+            // never a wait queued on a stream (see `StreamOrdering::own_fences_landed`).
+            match backend.ordering().own_fences_landed(&pending, pending_all) {
                 Ok(true) => {}
                 Ok(false) => {
                     // Closing under work that may still run is never safe: the mapping
@@ -583,7 +583,7 @@ impl ImportCache {
 
     /// Opens the buffer a handle names ([`open_unordered`](Self::open_unordered)), then, if
     /// the handle carries an acquire fence, orders the backend's own stream after it
-    /// ([`Backend::order_after`](crate::Backend::order_after) on
+    /// ([`StreamOrdering::order_after`](crate::StreamOrdering::order_after) on
     /// [`StreamRef::Internal`]), so that the view's copies (`read`, `write`, `to_vec`) see
     /// the exporter's finished work — on a miss and on a hit.
     ///
@@ -594,9 +594,11 @@ impl ImportCache {
         if let Some(fence) = &handle.fence {
             // On a hit too: this handle's data may come from newer work on the same memory.
             // On error `imported` drops, giving its reference back.
-            imported
-                .backend
-                .order_after(StreamRef::Internal, &handle.exporter.process, fence)?;
+            imported.backend.ordering().order_after(
+                StreamRef::Internal,
+                &handle.exporter.process,
+                fence,
+            )?;
         }
         Ok(imported)
     }
@@ -840,12 +842,12 @@ impl ImportCache {
         keys
     }
 
-    /// [`Backend::release_dead`](crate::Backend::release_dead) of every backend: if `process` is dead, the streams still
+    /// [`StreamOrdering::release_dead`](crate::StreamOrdering::release_dead) of every backend: if `process` is dead, the streams still
     /// waiting on its fences go on. Call it as soon as a death is known, on any thread
     /// (not behind the driver thread's queue, where a close may wait on those streams).
     pub fn release_dead(&self, process: &ProcessId) {
         for backend in &self.shared.backends {
-            backend.release_dead(process);
+            backend.ordering().release_dead(process);
         }
     }
 
@@ -1113,6 +1115,7 @@ impl Drop for Imported {
 mod tests {
     use super::*;
     use crate::backend::{Allocation, Backend, ExportableMemory, RawMemory};
+    use crate::ordering::StreamOrdering;
     use crate::session::CheckedHandle;
     use baton_messages::{
         CudaIpcMemHandle, DeviceUuid, Error as MessageError, IpcEventHandle, RawHandle,
@@ -1193,6 +1196,15 @@ mod tests {
             let bytes = self.mem.lock().unwrap().clone().expect("allocated");
             Ok(OpenedMem::new(&handle, Box::new(bytes)))
         }
+        fn ordering(&self) -> &dyn StreamOrdering {
+            self
+        }
+        fn forget_process(&self, _process: &ProcessId) {
+            self.forgotten.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    impl StreamOrdering for EventBackend {
         fn order_after(
             &self,
             stream: StreamRef<'_>,
@@ -1214,9 +1226,6 @@ mod tests {
                 self.landed.fetch_add(fences.len(), Ordering::Relaxed);
             }
             Ok(!self.stuck.load(Ordering::Relaxed))
-        }
-        fn forget_process(&self, _process: &ProcessId) {
-            self.forgotten.fetch_add(1, Ordering::Relaxed);
         }
         fn release_dead(&self, _process: &ProcessId) {
             self.released_dead.fetch_add(1, Ordering::Relaxed);

@@ -47,16 +47,16 @@
 //!   that stream. Work launched on that stream is ordered with them.
 //! - **Fences.** An exporter records a fence after the work that produced a buffer
 //!   ([`CudaBackend::record_fence`], [`CudaBackend::record_event`], or
-//!   [`Backend::export_fence`] from the buffer's use marks); the handle carries it
+//!   [`StreamOrdering::export_fence`] from the buffer's use marks); the handle carries it
 //!   ([`HandleMsg::fence`](baton_messages::HandleMsg::fence)), and the importer makes each
-//!   stream it uses the buffer on wait on it ([`Backend::order_after`]) — the
+//!   stream it uses the buffer on wait on it ([`StreamOrdering::order_after`]) — the
 //!   [`ImportCache::open`](crate::ImportCache::open) of the low-level API makes the
 //!   backend's own stream wait. Release fences go the other way the same way. Fences are
 //!   sequence counters (the default) or pooled IPC events ([`FenceKind`], [`FENCE_ENV`]);
 //!   see [`RecordedFence`] for their reuse rules, and `docs/ORDERING.md` for the model.
-//! - **Use marks and release streams.** [`Backend::use_mark`] lends a cudarc event that
+//! - **Use marks and release streams.** [`StreamOrdering::use_mark`] lends a cudarc event that
 //!   cudarc's `SyncOnDrop` records after each use of a buffer on a stream (`mark`);
-//!   [`Backend::export_fence`] makes one of the backend's release streams wait on marks and
+//!   [`StreamOrdering::export_fence`] makes one of the backend's release streams wait on marks and
 //!   record a fence of the backend's kind there, retired when dropped until its work
 //!   completed.
 //!   [`DeviceArg`] passes any cudarc `DevicePtr` type (Baton's buffers and leases) as a
@@ -117,10 +117,10 @@ pub use pool::DEFAULT_POOL_RELEASE_THRESHOLD;
 pub use result::CudaError;
 
 use crate::backend::{
-    Allocation, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, MemPtr, OpenedMem,
-    RawMemory,
+    Allocation, AsAny, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, MemPtr,
+    OpenedMem, RawMemory,
 };
-use crate::ordering::{ExportedFence, StreamRef, UseMark};
+use crate::ordering::{ExportedFence, FenceFaultHook, StreamOrdering, StreamRef, UseMark};
 use crate::session::CheckedHandle;
 use crate::{Error, Result};
 use baton_messages::InboxGrant;
@@ -689,7 +689,7 @@ impl CudaBackendBuilder {
     }
 
     /// Which fences the backend records ([`CudaBackend::record_fence`], and the acquire and
-    /// release fences of [`Backend::export_fence`]; default [`FenceKind::Counter`]).
+    /// release fences of [`StreamOrdering::export_fence`]; default [`FenceKind::Counter`]).
     /// [`FenceKind::Counter`] on a device without 64-bit stream memory operations falls
     /// back to events ([`CudaBackend::fence_kind`] says which is used).
     pub fn fence(mut self, fence: FenceKind) -> Self {
@@ -730,7 +730,7 @@ impl CudaBackendBuilder {
     }
 
     /// How many pooled events recorded for one peer may wait for their work before a call
-    /// offering that peer a buffer waits for them ([`Backend::fence_room`]; default
+    /// offering that peer a buffer waits for them ([`StreamOrdering::fence_room`]; default
     /// [`DEFAULT_EVENT_BACKLOG`], or `BATON_EVENT_BACKLOG`). At least 1.
     pub fn event_backlog(mut self, backlog: usize) -> Self {
         self.event_backlog = backlog.max(1);
@@ -796,7 +796,7 @@ pub struct CudaBackend {
     /// Use marks: local events recorded after each use of a buffer on a stream.
     marks: Arc<MarkPool>,
     /// Streams of the backend's own on which marks become interprocess fences
-    /// ([`Backend::export_fence`]), made on first use; a mark's stream picks one, so that
+    /// ([`StreamOrdering::export_fence`]), made on first use; a mark's stream picks one, so that
     /// fences of one user stream wait in that stream's order, and fences of others do not
     /// queue behind them.
     release_streams: [OnceLock<SharedStream>; RELEASE_STREAMS],
@@ -1122,7 +1122,7 @@ impl CudaBackend {
 
     /// Records a fence on `stream` that process `to` can wait on: with counter fences, a
     /// value written into the lane of `to`'s inbox that `to` lent us
-    /// ([`Backend::accept_inbox`]) — after a fence of our own on `stream`, which a release
+    /// ([`StreamOrdering::accept_inbox`]) — after a fence of our own on `stream`, which a release
     /// stream waits on — or, when `to` lent us none, a pooled interprocess event; with
     /// event fences, a pooled event. `to` may be this process.
     ///
@@ -1142,7 +1142,7 @@ impl CudaBackend {
             return Ok(Some(Arc::new(own)));
         }
         let me = crate::process::current();
-        Backend::relay_fence(self, &me, &own.handle(), to)
+        StreamOrdering::relay_fence(self, &me, &own.handle(), to)
     }
 
     /// (alive, lent out) fences of the backend's kind: events, or counter slots (a slot
@@ -1939,6 +1939,51 @@ impl Backend for CudaBackend {
         Ok(OpenedMem::new(&handle, Box::new(mapped)))
     }
 
+    fn ordering(&self) -> &dyn StreamOrdering {
+        self
+    }
+
+    /// Yes: opens, closes, frees and fills are driver calls (up to milliseconds for VMM).
+    fn blocking_calls(&self) -> bool {
+        true
+    }
+
+    /// Drops the process's opened events and imported pools (mappings from a pool keep it
+    /// until they close). If it is dead, also releases every wait of ours on its counter
+    /// fences ([`release_dead`](StreamOrdering::release_dead)) and retires our export pool. A
+    /// process that only closed its links is left to its deadline: its queued work still
+    /// writes our inbox; the node watches for its death and calls this again.
+    fn forget_process(&self, process: &ProcessId) {
+        let of = |p: &ProcessId| p == process;
+        let dead = crate::process::liveness(process) == crate::process::Liveness::Dead;
+        if dead {
+            // A pool allocation freed after an importer died mapping it stays reserved in
+            // the driver's pool: trimming does not return it (H100, driver 580),
+            // destroying the pool does. So a death retires our export pool: new
+            // allocations come from a fresh one (importers import it once more), and the
+            // old one is destroyed with its last allocation. Only a death: an importer
+            // that closed its links unmapped first.
+            drop(self.pool.take_where(|_| true));
+        }
+        drop(self.opened_events.take_where(|(p, _)| of(p)));
+        drop(self.imported_pools.take_where(|(p, _)| of(p)));
+        self.release_dead(process);
+        if dead {
+            if let Some(inbox) = &self.inbox {
+                inbox.forget_peer(process);
+            }
+            let mut dying = lock(&self.dying_inboxes);
+            dying.extend(self.peer_inboxes.take_where(|(p, _)| of(p)));
+            // Writes of ours into them may still be queued: close them once every release
+            // stream has drained (now, or at a later death; else when the backend drops).
+            if !dying.is_empty() && matches!(self.flush_fences(DYING_INBOX_WAIT), Ok(true)) {
+                dying.clear();
+            }
+        }
+    }
+}
+
+impl StreamOrdering for CudaBackend {
     /// [`wait_fence_on`](CudaBackend::wait_fence_on) `stream` (the backend's own for
     /// [`StreamRef::Internal`]). Events and counter slabs of other processes are opened once
     /// and kept until [`forget_process`](Backend::forget_process); this process's own are
@@ -2012,7 +2057,7 @@ impl Backend for CudaBackend {
     }
 
     /// A release stream waits on `fence`, then records a fence for `to` (as
-    /// [`export_fence`](Backend::export_fence)).
+    /// [`export_fence`](StreamOrdering::export_fence)).
     fn relay_fence(
         &self,
         producer: &ProcessId,
@@ -2094,7 +2139,7 @@ impl Backend for CudaBackend {
             || self.events.room_for(waiter(to), self.event_backlog)
     }
 
-    fn add_fence_fault_hook(&self, hook: crate::backend::FenceFaultHook) {
+    fn add_fence_fault_hook(&self, hook: FenceFaultHook) {
         if let Some(inbox) = &self.inbox {
             inbox.add_hook(Arc::clone(&hook));
         }
@@ -2141,7 +2186,7 @@ impl Backend for CudaBackend {
     /// Polls each fence (a counter: its slot read back on the slab's side stream; an
     /// event: `cuEventQuery`), backing off to 1 ms, for at most twice the fence deadline
     /// and a second: our own work waits on peers only until that deadline. With `all`,
-    /// polls the release streams instead ([`flush_fences`](Backend::flush_fences)).
+    /// polls the release streams instead ([`flush_fences`](StreamOrdering::flush_fences)).
     fn own_fences_landed(&self, fences: &[FenceHandle], all: bool) -> Result<bool> {
         let bound = self.fence_deadline * 2 + Duration::from_secs(1);
         if all {
@@ -2172,49 +2217,6 @@ impl Backend for CudaBackend {
         CudaBackend::synchronize(self)
     }
 
-    /// Yes: opens, closes, frees and fills are driver calls (up to milliseconds for VMM).
-    fn blocking_calls(&self) -> bool {
-        true
-    }
-
-    fn cuda(&self) -> Option<&CudaBackend> {
-        Some(self)
-    }
-
-    /// Drops the process's opened events and imported pools (mappings from a pool keep it
-    /// until they close). If it is dead, also releases every wait of ours on its counter
-    /// fences ([`release_dead`](Backend::release_dead)) and retires our export pool. A
-    /// process that only closed its links is left to its deadline: its queued work still
-    /// writes our inbox; the node watches for its death and calls this again.
-    fn forget_process(&self, process: &ProcessId) {
-        let of = |p: &ProcessId| p == process;
-        let dead = crate::process::liveness(process) == crate::process::Liveness::Dead;
-        if dead {
-            // A pool allocation freed after an importer died mapping it stays reserved in
-            // the driver's pool: trimming does not return it (H100, driver 580),
-            // destroying the pool does. So a death retires our export pool: new
-            // allocations come from a fresh one (importers import it once more), and the
-            // old one is destroyed with its last allocation. Only a death: an importer
-            // that closed its links unmapped first.
-            drop(self.pool.take_where(|_| true));
-        }
-        drop(self.opened_events.take_where(|(p, _)| of(p)));
-        drop(self.imported_pools.take_where(|(p, _)| of(p)));
-        self.release_dead(process);
-        if dead {
-            if let Some(inbox) = &self.inbox {
-                inbox.forget_peer(process);
-            }
-            let mut dying = lock(&self.dying_inboxes);
-            dying.extend(self.peer_inboxes.take_where(|(p, _)| of(p)));
-            // Writes of ours into them may still be queued: close them once every release
-            // stream has drained (now, or at a later death; else when the backend drops).
-            if !dying.is_empty() && matches!(self.flush_fences(DYING_INBOX_WAIT), Ok(true)) {
-                dying.clear();
-            }
-        }
-    }
-
     /// If the process is dead (`/proc`), writes `u64::MAX` into the lanes of our inbox it
     /// wrote (a memset on the watch stream, waited for: microseconds), which releases
     /// every stream of ours still waiting on its fences: its queued writes died with it.
@@ -2227,6 +2229,14 @@ impl Backend for CudaBackend {
             inbox.died(process);
         }
         self.bridge.died(process);
+    }
+}
+
+impl dyn Backend {
+    /// The CUDA backend, if this is one (for cudarc interoperation): the downcast lives here,
+    /// beside the CUDA backend, so that the [`Backend`] trait names no implementation.
+    pub fn cuda(&self) -> Option<&CudaBackend> {
+        AsAny::as_any(self).downcast_ref()
     }
 }
 
@@ -2337,7 +2347,7 @@ pub mod testing {
 }
 
 /// How many pooled events recorded for one process may wait for their work before a
-/// sender offering it a buffer waits ([`Backend::fence_room`],
+/// sender offering it a buffer waits ([`StreamOrdering::fence_room`],
 /// [`CudaBackendBuilder::event_backlog`]): each such event's work waits, through the other
 /// process's bridge, on the work before it, and a host loop that runs ahead of that chain
 /// would run the pool dry (`docs/ORDERING.md`, "Costs and limits").
