@@ -291,8 +291,8 @@ pub trait StreamOrdering: Send + Sync + fmt::Debug {
     /// deepening a backlog the GPU works through slowly: `false` asks a sender to wait
     /// (asynchronously, never on an actor's thread) before it offers a buffer to `to`.
     /// CUDA event fences: an event for `to` can be had, and fewer than the backend's
-    /// [event backlog](crate::cuda::CudaBackendBuilder::event_backlog) of the events lent
-    /// to `to` wait for their work. Backends whose fences lend nothing: always.
+    /// event backlog (`CudaBackendBuilder::event_backlog`) of the events lent to `to` wait
+    /// for their work. Backends whose fences lend nothing: always.
     fn fence_room(&self, to: &ProcessId) -> bool {
         let _ = to;
         true
