@@ -782,7 +782,7 @@ fn fence_ordering(kind: FenceKind) {
         let Message::FenceInbox(grant) = got else {
             panic!("expected the importer's FenceInbox, got {}", got.kind());
         };
-        cuda.accept_inbox(&importer, &grant).unwrap();
+        cuda.ordering().accept_inbox(&importer, &grant).unwrap();
     }
     match &kernel {
         Some(f) => launch_fill(&cuda, f, &alloc, SEED, Duration::from_millis(500)),

@@ -559,33 +559,7 @@ fn messages_modules_use_only_modules_declared_above_them() {
 
 #[test]
 fn ipc_modules_use_only_modules_declared_above_them() {
-    check_crate(
-        "ipc",
-        10,
-        &[
-            // Issue 28: helper a's branch removes `Backend::cuda()` (the trait naming one of
-            // its implementations) and the backend tests' use of the host backend; delete
-            // both entries when it merges.
-            (
-                "backend",
-                "cuda",
-                "`Backend::cuda()` names the CUDA backend (issue 28)",
-            ),
-            (
-                "backend",
-                "host",
-                "backend.rs's tests use `HostBackend` (issue 28)",
-            ),
-            // Issue 28: `Error::Cuda` carries `cuda::CudaError` (cuda/result.rs), while
-            // the CUDA backend uses `Error`; moving `CudaError` below `error` (or into
-            // it) removes this one. Delete the entry with that change.
-            (
-                "error",
-                "cuda",
-                "`Error::Cuda` names `cuda::CudaError` (issue 28)",
-            ),
-        ],
-    );
+    check_crate("ipc", 10, &[]);
 }
 
 #[test]

@@ -1432,6 +1432,7 @@ fn an_offer_to_a_peer_that_lent_no_inbox_never_blocks_an_actor_thread() {
 
         // The consumer (a backend standing for the raw peer) waits on the event.
         t.imp
+            .ordering()
             .order_after(StreamRef::Id(900), &t.me(), &fence)
             .unwrap();
         t.imp.work(900, "consume", "consume", None);

@@ -571,7 +571,7 @@ impl Drop for IncomingLease {
                     imported.release_after(fence.local_handle());
                 }
                 // Dropped now: a pooled release fence is recorded again only once its work
-                // has completed (see `Backend::export_fence`).
+                // has completed (see `StreamOrdering::export_fence`).
                 drop(fence);
                 (vec![handle], None)
             }
@@ -622,7 +622,7 @@ impl Outgoing {
             Some(f) => {
                 let backend = self.cell.order.backend();
                 let me = baton_ipc::process::current();
-                Ok(backend.relay_fence(&me, &f.local_handle(), to)?)
+                Ok(backend.ordering().relay_fence(&me, &f.local_handle(), to)?)
             }
             None => self.cell.order.acquire_fence(to),
         }

@@ -224,7 +224,7 @@ struct Entry<M, F, D> {
     /// The release fences the free waits for: none covers another (see [`keep_newest`]),
     /// so there is at most one per (producer, counter slot) and one per event. A counter
     /// fence's slot is one of the lane we lent its producer (checked on arrival,
-    /// `Backend::check_fence`), so however often the buffer is leased and released, this
+    /// `StreamOrdering::check_fence`), so however often the buffer is leased and released, this
     /// holds at most a lane's slots per producer, plus the distinct events sent.
     fences: Vec<F>,
 }

@@ -75,7 +75,11 @@ struct NodeChecks<'a> {
 
 impl Checks for NodeChecks<'_> {
     fn check_fence(&self, exporter: &ProcessId, fence: &FenceHandle) -> Result<(), ActorError> {
-        Ok(self.node.backend().check_fence(exporter, fence)?)
+        Ok(self
+            .node
+            .backend()
+            .ordering()
+            .check_fence(exporter, fence)?)
     }
 
     fn call_issued(&self, id: u64) -> bool {
@@ -333,7 +337,12 @@ impl Actor for PeerLink {
         tracing::debug!(uid = self.peer.cred.uid, "link up");
         // Fences the peer records for us are written into our memory: lend it a lane
         // first, before anything of ours can ask it for a fence.
-        if let Some(grant) = self.node.backend().inbox_grant(&self.peer.process) {
+        if let Some(grant) = self
+            .node
+            .backend()
+            .ordering()
+            .inbox_grant(&self.peer.process)
+        {
             if let Err(e) = self.send(&Wire::FenceInbox(grant), Vec::new()) {
                 self.cut(ctx, e);
                 return;

@@ -391,11 +391,14 @@ impl Node {
         // A producer that names fence values and does not deliver them is cut (our waits
         // on it were released already; see `baton_ipc::inbox`).
         let faulty = Arc::downgrade(&inner);
-        inner.backend.add_fence_fault_hook(Arc::new(move |process| {
-            if let Some(inner) = faulty.upgrade() {
-                (Node { inner }).disconnect(&process);
-            }
-        }));
+        inner
+            .backend
+            .ordering()
+            .add_fence_fault_hook(Arc::new(move |process| {
+                if let Some(inner) = faulty.upgrade() {
+                    (Node { inner }).disconnect(&process);
+                }
+            }));
         Node { inner }
     }
 
@@ -473,11 +476,11 @@ impl Node {
     }
 
     /// Waits, at most `within`, until the fences this node's backend recorded for peers
-    /// have been written (see [`baton_ipc::Backend::flush_fences`]): call it before a
+    /// have been written (see [`baton_ipc::StreamOrdering::flush_fences`]): call it before a
     /// process exits, so that peers need not wait out their fence deadline. Blocks the
     /// calling thread. Returns whether they all were.
     pub fn flush_fences(&self, within: Duration) -> bool {
-        match self.inner.backend.flush_fences(within) {
+        match self.inner.backend.ordering().flush_fences(within) {
             Ok(done) => done,
             Err(e) => {
                 tracing::warn!(error = %e, "flushing fences failed");
@@ -819,7 +822,7 @@ impl Node {
                 if reason.is_some() {
                     // Cut (a fault, a missed heartbeat or deadline): our waits on its
                     // fences are released now; memory they guard is held until it dies.
-                    self.inner.backend.producer_cut(&peer.process);
+                    self.inner.backend.ordering().producer_cut(&peer.process);
                 }
                 // Its death releases what we still hold for it (waits, frees, pools).
                 self.watch(peer.process);

@@ -11,14 +11,14 @@
 //!   and host copies wait for them, and the free waits for them and for every release
 //!   fence.
 //!
-//! Everything here is the backend's fence operations ([`Backend::order_after`],
-//! [`Backend::use_mark`], [`Backend::export_fence`]): CUDA queues waits and records on
+//! Everything here is the backend's fence operations ([`StreamOrdering::order_after`],
+//! [`StreamOrdering::use_mark`], [`StreamOrdering::export_fence`]): CUDA queues waits and records on
 //! streams (no blocking call but the free's synchronise, which runs on the driver thread);
 //! host memory has none and costs nothing.
 //!
-//! [`Backend::order_after`]: baton_ipc::Backend::order_after
-//! [`Backend::use_mark`]: baton_ipc::Backend::use_mark
-//! [`Backend::export_fence`]: baton_ipc::Backend::export_fence
+//! [`StreamOrdering::order_after`]: baton_ipc::StreamOrdering::order_after
+//! [`StreamOrdering::use_mark`]: baton_ipc::StreamOrdering::use_mark
+//! [`StreamOrdering::export_fence`]: baton_ipc::StreamOrdering::export_fence
 
 use crate::error::ActorError;
 use baton_ipc::{ExportedFence, SharedBackend, Stream, StreamKey, StreamRef, UseMark};
@@ -112,7 +112,7 @@ impl StreamUses {
             return Ok(Found::Known(u));
         }
         first()?;
-        let Some(mark) = self.backend.use_mark(stream)? else {
+        let Some(mark) = self.backend.ordering().use_mark(stream)? else {
             return Ok(Found::Unmarked);
         };
         let mut new = Some(StreamUse {
@@ -154,7 +154,7 @@ impl StreamUses {
         if marks.is_empty() {
             return Ok(None);
         }
-        Ok(self.backend.export_fence(&marks, to)?)
+        Ok(self.backend.ordering().export_fence(&marks, to)?)
     }
 }
 
@@ -199,6 +199,7 @@ impl LeaseOrder {
         if let Some(fence) = &self.acquire {
             self.uses
                 .backend
+                .ordering()
                 .order_after(stream, &self.producer, fence)?;
         }
         Ok(())
@@ -327,7 +328,11 @@ impl ExportOrder {
     ) -> Result<bool, ActorError> {
         let any = !fences.is_empty();
         for (i, f) in fences.iter().enumerate() {
-            if let Err(e) = self.backend().order_after(stream, &f.producer, &f.fence) {
+            if let Err(e) = self
+                .backend()
+                .ordering()
+                .order_after(stream, &f.producer, &f.fence)
+            {
                 self.released(fences[i..].iter().cloned());
                 return Err(e.into());
             }
@@ -408,7 +413,7 @@ impl ExportOrder {
         let backend = Arc::clone(self.backend());
         let mut alive: Vec<ProcessId> = all
             .iter()
-            .filter(|f| backend.unsafe_to_free(&f.producer, &f.fence))
+            .filter(|f| backend.ordering().unsafe_to_free(&f.producer, &f.fence))
             .map(|f| f.producer)
             .collect();
         alive.sort_unstable_by_key(|p| (p.pid, p.start_ticks));
@@ -423,7 +428,7 @@ impl ExportOrder {
             self.order_released(StreamRef::Internal, all)?;
             self.uses.order_after_others(StreamRef::Internal)?;
             if any {
-                backend.synchronize()?;
+                backend.ordering().synchronize()?;
             }
             Ok(())
         };
@@ -434,7 +439,7 @@ impl ExportOrder {
         // that may still run after all.
         let mut alive: Vec<ProcessId> = checked
             .iter()
-            .filter(|f| backend.unsafe_to_free(&f.producer, &f.fence))
+            .filter(|f| backend.ordering().unsafe_to_free(&f.producer, &f.fence))
             .map(|f| f.producer)
             .collect();
         if alive.is_empty() {

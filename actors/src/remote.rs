@@ -571,12 +571,12 @@ pub(crate) fn call_encoded(
 }
 
 /// Whether every buffer of the call can carry a fence to `peer` now
-/// ([`Backend::fence_room`](baton_ipc::Backend::fence_room)).
+/// ([`StreamOrdering::fence_room`](baton_ipc::StreamOrdering::fence_room)).
 fn fence_room(encoded: &Encoded, peer: ProcessId) -> bool {
     encoded
         .cells
         .iter()
-        .all(|out| out.cell.order.backend().fence_room(&peer))
+        .all(|out| out.cell.order.backend().ordering().fence_room(&peer))
 }
 
 /// How long a call waits for fences to spare before it goes anyway (and its offer may

@@ -87,12 +87,12 @@ impl Made {
 /// other's — where its backend has counter fences (both sides run the same kind).
 pub(crate) fn exchange_inboxes(link: &mut Link, backend: &dyn baton::ipc::Backend) -> Res<()> {
     let peer = link.peer().process;
-    let Some(grant) = backend.inbox_grant(&peer) else {
+    let Some(grant) = backend.ordering().inbox_grant(&peer) else {
         return Ok(());
     };
     link.send(&Message::FenceInbox(grant), &[])?;
     match link.recv()?.message {
-        Message::FenceInbox(theirs) => Ok(backend.accept_inbox(&peer, &theirs)?),
+        Message::FenceInbox(theirs) => Ok(backend.ordering().accept_inbox(&peer, &theirs)?),
         other => Err(format!("expected the peer's FenceInbox, got {}", other.kind()).into()),
     }
 }
@@ -287,7 +287,7 @@ pub(crate) fn importer(socket: &str, pin: bool) -> Res<()> {
         };
         let mut fds = received.fds;
         if let Some(fence) = &offer.handle.fence {
-            backend.check_fence(&exporter, fence)?;
+            backend.ordering().check_fence(&exporter, fence)?;
         }
         let t0 = Instant::now();
         let imported = cache.open(&offer.handle, &mut fds)?;

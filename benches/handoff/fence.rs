@@ -158,12 +158,12 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
 }
 
 /// Waits (untimed) while `to` has a backlog of our event fences whose work has not
-/// completed, as the actor layer's calls do (`Backend::fence_room`): a loop with no host
+/// completed, as the actor layer's calls do (`StreamOrdering::fence_room`): a loop with no host
 /// synchronisation runs ahead of the bridged chain of event fences and would run the
 /// pool dry (docs/ORDERING.md). Counter fences always have room.
 fn room_for(cuda: &CudaBackend, to: &baton::messages::ProcessId) -> Res<()> {
     let start = Instant::now();
-    while !cuda.fence_room(to) {
+    while !cuda.ordering().fence_room(to) {
         if start.elapsed() > DEADLINE {
             return Err("no event fence to spare within the deadline".into());
         }
@@ -233,7 +233,7 @@ fn measure(cfg: &Config, kind: FenceKind) -> Res<(FenceKind, Value, Value, Value
             return Err("the Release carried no fence".into());
         }
         for fence in &fences {
-            cuda.check_fence(&importer, fence)?;
+            cuda.ordering().check_fence(&importer, fence)?;
             cuda.wait_fence_on(&importer, fence, &stream)?;
         }
         let t7 = Instant::now();
@@ -315,7 +315,8 @@ pub(crate) fn importer(socket: &str, warm: usize) -> Res<()> {
         let t1 = Instant::now();
         let imported = cache.open_unordered(&offer.handle, &mut fds)?;
         let t2 = Instant::now();
-        cuda.check_fence(&offer.handle.exporter.process, &fence)?;
+        cuda.ordering()
+            .check_fence(&offer.handle.exporter.process, &fence)?;
         cuda.wait_fence_on(&offer.handle.exporter.process, &fence, &stream)?;
         let t3 = Instant::now();
         let release = cuda

@@ -1,5 +1,14 @@
-//! The [`Backend`] trait and the two guards every backend hands out: [`Allocation`]
-//! (exporter side, owns the free) and [`OpenedMem`] (importer side, owns the close).
+//! The memory trait, [`Backend`] (make, share and map memory), and the two guards every
+//! backend hands out: [`Allocation`] (exporter side, owns the free) and [`OpenedMem`]
+//! (importer side, owns the close).
+//!
+//! Ordering GPU work across processes is not here: it is
+//! [`StreamOrdering`](crate::ordering::StreamOrdering), which a backend with queued work
+//! implements beside this trait and hands out from [`Backend::ordering`]; a backend
+//! without it (host) implements this trait alone, and its `ordering()` is
+//! [`NoOrdering`](crate::ordering::NoOrdering), which does what a backend without fences
+//! must (nothing, or "ready"). This module names no backend: implementations live in the
+//! `host` and `cuda` modules, and a `dyn Backend` is downcast to one through [`AsAny`].
 //!
 //! # Safety
 //!
@@ -13,20 +22,18 @@
 //! backend's escape hatch, whose `host_bytes` is handed out under the protocol of
 //! `RawMemory::host_bytes` (Baton's typed buffers never do while an `InPlace` lives).
 
-use crate::cuda::CudaBackend;
-use crate::ordering::{ExportedFence, StreamRef, UseMark};
+use crate::ordering::{NoOrdering, StreamOrdering};
 use crate::session::{CheckedHandle, Session};
 use crate::{Error, Result};
 use baton_messages::{
     ActorId, AllocationId, BackendKind, DeviceUuid, ExporterId, FenceHandle, Generation,
-    HandleDigest, HandleMsg, InboxGrant, IpcEventHandle, Layout, PROTOCOL_VERSION, ProcessId,
-    RawHandle,
+    HandleDigest, HandleMsg, IpcEventHandle, Layout, PROTOCOL_VERSION, ProcessId, RawHandle,
 };
+use std::any::Any;
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
 
 /// Where a buffer's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -320,7 +327,7 @@ impl Allocation {
 
     /// Counts a copy in for as long as the guard lives; refused while an [`InPlace`]
     /// lives (so no copy ever overlaps the `&mut [u8]`).
-    fn check_copy(&self) -> Result<CopyGuard<'_>> {
+    pub(crate) fn check_copy(&self) -> Result<CopyGuard<'_>> {
         let mut now = self.access.load(Ordering::Acquire);
         loop {
             if now & IN_PLACE != 0 {
@@ -447,7 +454,7 @@ impl Drop for InPlaceFlag<'_> {
 }
 
 /// A copy of an allocation counted in (`None`: an importer's, not counted).
-struct CopyGuard<'a>(Option<&'a AtomicUsize>);
+pub(crate) struct CopyGuard<'a>(Option<&'a AtomicUsize>);
 
 impl Drop for CopyGuard<'_> {
     fn drop(&mut self) {
@@ -618,7 +625,7 @@ impl OpenedMem {
 
     /// An importer's copies are never refused here (its writers are ruled out by the
     /// lease protocol and the import cache).
-    fn check_copy(&self) -> Result<CopyGuard<'_>> {
+    pub(crate) fn check_copy(&self) -> Result<CopyGuard<'_>> {
         Ok(CopyGuard(None))
     }
 
@@ -648,9 +655,17 @@ impl fmt::Debug for OpenedMem {
     }
 }
 
-/// A way to make, share and map memory. Object safe: pick one at run time with
-/// [`crate::select::auto`].
-pub trait Backend: Send + Sync + fmt::Debug {
+/// A way to make, share and map memory: the memory trait every backend implements. Object
+/// safe: pick one at run time with [`crate::select::auto`].
+///
+/// Ordering GPU work across processes is another concept, [`StreamOrdering`], which only
+/// backends with queued work implement (CUDA); [`ordering`](Self::ordering) reaches it from
+/// a `dyn Backend`, and for memory written synchronously (host) it is [`NoOrdering`], whose
+/// every operation does nothing. Callers write `backend.ordering().order_after(…)` whatever
+/// the backend. A concrete backend is reached by downcasting through [`AsAny`] (the CUDA
+/// backend's `<dyn Backend>::cuda()` is defined in the CUDA module), so that this trait
+/// names no implementation of its own.
+pub trait Backend: AsAny + Send + Sync + fmt::Debug {
     /// A short name for logs ("host", "cuda").
     fn name(&self) -> &'static str;
     /// The kind of handle [`allocate`](Self::allocate)d memory exports.
@@ -673,167 +688,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Errors
     /// A backend error: the memory is gone, is smaller than claimed, the device is absent.
     fn open(&self, handle: CheckedHandle<'_>, fd: Option<OwnedFd>) -> Result<OpenedMem>;
-    /// Orders the work queued on `stream` from now on after `fence`, which `producer`
-    /// recorded (CUDA: `cuStreamWaitEvent` on the opened interprocess event, or
-    /// `cuStreamWaitValue64` on the mapped counter; `producer` may be this process).
-    /// Backends whose memory is written synchronously (host) do nothing.
-    ///
-    /// # Errors
-    /// A backend error (the fence cannot be opened, …).
-    fn order_after(
-        &self,
-        stream: StreamRef<'_>,
-        producer: &ProcessId,
-        fence: &FenceHandle,
-    ) -> Result<()> {
-        let _ = (stream, producer, fence);
-        Ok(())
-    }
-    /// Opens what waiting on `fence` (recorded by `producer`) needs — another process's
-    /// event or counter slab — so that a later [`order_after`](Self::order_after) on a
-    /// thread that must not block finds it open. Backends without fences do nothing.
-    ///
-    /// # Errors
-    /// A backend error (the fence cannot be opened).
-    fn prepare_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
-        let _ = (producer, fence);
-        Ok(())
-    }
-    /// Whether waiting on `fence` needs nothing opened first (it was
-    /// [prepared](Self::prepare_fence), or is this process's own), so that
-    /// [`order_after`](Self::order_after) on it makes no driver call that blocks. Backends
-    /// without fences: always.
-    fn fence_prepared(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
-        let _ = (producer, fence);
-        true
-    }
-    /// A new mark for uses of a buffer on `stream` (see [`UseMark`]), or `None` for backends
-    /// without queued work (host).
-    ///
-    /// # Errors
-    /// A backend error.
-    fn use_mark(&self, stream: StreamRef<'_>) -> Result<Option<Box<dyn UseMark>>> {
-        let _ = stream;
-        Ok(None)
-    }
-    /// A fence process `to` can wait on, complete once the latest record of every mark in
-    /// `after` has completed (CUDA: a release stream of the backend's waits on the marks'
-    /// events, then writes a counter into `to`'s fence inbox — or records a pooled
-    /// interprocess event, also where `to` lent us no inbox lane we can use). `to` may be
-    /// this process (a fence waited on here). `None` when `after` is empty or the backend
-    /// has no fences. Never blocks on queued work.
-    ///
-    /// # Errors
-    /// A backend error ([`Error::EventsExhausted`] when every pooled event is in use).
-    fn export_fence(
-        &self,
-        after: &[&dyn UseMark],
-        to: &ProcessId,
-    ) -> Result<Option<Arc<dyn ExportedFence>>> {
-        let _ = (after, to);
-        Ok(None)
-    }
-    /// A fence for `to` that completes once `fence` (which `producer` recorded for this
-    /// process) has: how a relay passes an acquire fence on, and how a fence a user
-    /// recorded here becomes one a peer can wait on. `None` for backends without fences.
-    ///
-    /// # Errors
-    /// As [`order_after`](Self::order_after) and [`export_fence`](Self::export_fence).
-    fn relay_fence(
-        &self,
-        producer: &ProcessId,
-        fence: &FenceHandle,
-        to: &ProcessId,
-    ) -> Result<Option<Arc<dyn ExportedFence>>> {
-        let _ = (producer, fence, to);
-        Ok(None)
-    }
-    /// The lane of this backend's fence inbox lent to `peer` (see [`crate::inbox`]), the
-    /// same each time while it is live; `None` for backends without counter fences, or
-    /// when every lane was lent. Sent to `peer` once per link.
-    fn inbox_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
-        let _ = peer;
-        None
-    }
-    /// `peer` lent us `grant`: counter fences recorded for `peer` are written there. May
-    /// open `peer`'s inbox (a driver call that may block: call it on a driver thread; a
-    /// fence recorded before it finishes opens it then).
-    ///
-    /// # Errors
-    /// A backend error (the inbox cannot be opened).
-    fn accept_inbox(&self, peer: &ProcessId, grant: &InboxGrant) -> Result<()> {
-        let _ = (peer, grant);
-        Ok(())
-    }
-    /// Checks a fence `producer` sent (on an offer or a release) before anything waits on
-    /// it, and notes its value (see [`crate::inbox::Lanes::announce`]). An event named
-    /// again is a new record made after the older ones completed (the wire's rule,
-    /// `docs/ORDERING.md`): our waits on those are released here.
-    ///
-    /// # Errors
-    /// [`Error::FenceRefused`]: the peer's fault.
-    fn check_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
-        let _ = (producer, fence);
-        Ok(())
-    }
-    /// Whether a fence for process `to` can be made now without running a pool dry or
-    /// deepening a backlog the GPU works through slowly: `false` asks a sender to wait
-    /// (asynchronously, never on an actor's thread) before it offers a buffer to `to`.
-    /// CUDA event fences: an event for `to` can be had, and fewer than the backend's
-    /// [event backlog](crate::cuda::CudaBackendBuilder::event_backlog) of the events lent
-    /// to `to` wait for their work. Backends whose fences lend nothing: always.
-    fn fence_room(&self, to: &ProcessId) -> bool {
-        let _ = to;
-        true
-    }
-    /// Adds where the backend reports a producer that named fence values and did not
-    /// deliver them within the fence deadline (its waits are released already): each node
-    /// on the backend cuts its links to it.
-    fn add_fence_fault_hook(&self, hook: FenceFaultHook) {
-        let _ = hook;
-    }
-    /// `process` is cut while it may be alive: every wait of ours on its fences is
-    /// released now, and its fences guard memory until it dies
-    /// ([`unsafe_to_free`](Self::unsafe_to_free)).
-    fn producer_cut(&self, process: &ProcessId) {
-        let _ = process;
-    }
-    /// Whether memory that `fence` (from `producer`) guards must not be freed yet: our wait
-    /// on it was released while `producer` was alive, so its work may still run.
-    fn unsafe_to_free(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
-        let _ = (producer, fence);
-        false
-    }
-    /// Waits, at most `within`, until the fences this backend recorded for other processes
-    /// have been written (their work completed): what a closing node does so that its
-    /// peers need not wait out their deadline. Returns whether they all were.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn flush_fences(&self, within: Duration) -> Result<bool> {
-        let _ = within;
-        Ok(true)
-    }
-    /// Polls, on the calling thread and for at most a bound of the backend's own (CUDA:
-    /// twice the fence deadline, and a second), until this process's own `fences` have
-    /// landed — with `all`, every fence the backend has recorded so far. Returns whether
-    /// they did. What a mapping's close waits on before it unmaps: never a wait queued on
-    /// a stream, which would order the backend's stream after a release stream (or a
-    /// pooled event's latest record) that may itself be waiting on work queued on that
-    /// stream later — a cycle inside one process, which no fence deadline releases.
-    ///
-    /// # Errors
-    /// A backend error.
-    fn own_fences_landed(&self, fences: &[FenceHandle], all: bool) -> Result<bool> {
-        let _ = (fences, all);
-        Ok(true)
-    }
-    /// Blocks until the work queued on the backend's own stream has completed.
-    ///
-    /// # Errors
-    /// A backend error, including errors of that work.
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
+    /// How this backend orders work queued on streams across processes (fences); for
+    /// backends whose memory is written synchronously (host), [`NoOrdering`], the default.
+    fn ordering(&self) -> &dyn StreamOrdering {
+        &NoOrdering
     }
     /// Whether this backend's allocations, opens, closes and frees are driver calls that may
     /// block for a while (CUDA): the actor layer then runs them on a driver thread, never
@@ -841,56 +699,26 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn blocking_calls(&self) -> bool {
         false
     }
-    /// The CUDA backend, if this is one (for cudarc interoperation).
-    fn cuda(&self) -> Option<&CudaBackend> {
-        None
-    }
-    /// Drops what the backend keeps about a dead exporter process (opened events). Called
-    /// by [`ImportCache::forget_process`](crate::ImportCache::forget_process).
+    /// Drops what the backend keeps about a dead exporter process (CUDA: imported pools,
+    /// and its ordering's opened events). Called by
+    /// [`ImportCache::forget_process`](crate::ImportCache::forget_process).
     fn forget_process(&self, process: &ProcessId) {
         let _ = process;
     }
-    /// If `process` is dead, releases at once every stream of ours still waiting on its
-    /// fences (CUDA counter fences: their values will never come). Quick (no wait on other
-    /// work), so it may run on any thread, and must not queue behind driver-thread work
-    /// that may itself wait on those streams. Called by
-    /// [`ImportCache::release_dead`](crate::ImportCache::release_dead).
-    fn release_dead(&self, process: &ProcessId) {
-        let _ = process;
+}
+
+/// How a `dyn Backend` is downcast to the type behind it (`<dyn Backend>::cuda()`):
+/// implemented for every `'static` type, so a backend never implements it itself.
+pub trait AsAny {
+    /// The value as [`Any`].
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<T: Any> AsAny for T {
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 
 /// A shared backend.
 pub type SharedBackend = Arc<dyn Backend>;
-
-/// Told of a producer that did not deliver its fences within the deadline
-/// ([`Backend::add_fence_fault_hook`]). Called on the backend's watch thread: it must not
-/// block.
-pub type FenceFaultHook = Arc<dyn Fn(ProcessId) + Send + Sync>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::host::HostBackend;
-
-    /// An `InPlace` and a copy never overlap: a copy running refuses the `InPlace`, an
-    /// `InPlace` living refuses every copy, and each is possible again once the other ends.
-    #[test]
-    fn an_in_place_write_and_a_copy_never_overlap() {
-        let backend = HostBackend::new().unwrap();
-        let alloc = backend.allocate(4096).unwrap();
-        {
-            let _copying = alloc.check_copy().unwrap();
-            assert!(matches!(alloc.write_in_place(), Err(Error::InPlace { .. })));
-        }
-        let mut in_place = alloc.write_in_place().unwrap().expect("host memory");
-        in_place[0] = 7;
-        assert!(alloc.is_in_place());
-        assert!(matches!(alloc.to_vec(), Err(Error::InPlace { .. })));
-        assert!(matches!(alloc.write(0, &[1]), Err(Error::InPlace { .. })));
-        assert!(matches!(alloc.write_in_place(), Err(Error::InPlace { .. })));
-        drop(in_place);
-        assert!(!alloc.is_in_place());
-        assert_eq!(alloc.to_vec().unwrap()[0], 7);
-    }
-}

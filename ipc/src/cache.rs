@@ -150,7 +150,7 @@ impl ImportCache {
 
     /// Opens the buffer a handle names ([`open_unordered`](Self::open_unordered)), then, if
     /// the handle carries an acquire fence, orders the backend's own stream after it
-    /// ([`Backend::order_after`](crate::Backend::order_after) on
+    /// ([`StreamOrdering::order_after`](crate::StreamOrdering::order_after) on
     /// [`StreamRef::Internal`]), so that the view's copies (`read`, `write`, `to_vec`) see
     /// the exporter's finished work — on a miss and on a hit.
     ///
@@ -161,9 +161,11 @@ impl ImportCache {
         if let Some(fence) = &handle.fence {
             // On a hit too: this handle's data may come from newer work on the same memory.
             // On error `imported` drops, giving its reference back.
-            imported
-                .backend
-                .order_after(StreamRef::Internal, &handle.exporter.process, fence)?;
+            imported.backend.ordering().order_after(
+                StreamRef::Internal,
+                &handle.exporter.process,
+                fence,
+            )?;
         }
         Ok(imported)
     }
@@ -328,12 +330,12 @@ impl ImportCache {
         self.shared.lock().held_by(holder)
     }
 
-    /// [`Backend::release_dead`](crate::Backend::release_dead) of every backend: if `process` is dead, the streams still
+    /// [`StreamOrdering::release_dead`](crate::StreamOrdering::release_dead) of every backend: if `process` is dead, the streams still
     /// waiting on its fences go on. Call it as soon as a death is known, on any thread
     /// (not behind the driver thread's queue, where a close may wait on those streams).
     pub fn release_dead(&self, process: &ProcessId) {
         for backend in &self.shared.backends {
-            backend.release_dead(process);
+            backend.ordering().release_dead(process);
         }
     }
 

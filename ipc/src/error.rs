@@ -261,7 +261,7 @@ pub enum Error {
         /// The driver call (`cuIpcOpenMemHandle_v2`, …).
         op: &'static str,
         /// The driver's result code.
-        code: crate::cuda::CudaError,
+        code: CudaError,
     },
     /// A fence a peer sent does not check against the fence inbox lane this process lent
     /// it (a slab that is not ours, a slot outside its lane, a forged value): the peer's
@@ -440,6 +440,9 @@ impl Error {
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+mod cuda_code;
+pub use cuda_code::CudaError;
 
 #[cfg(test)]
 mod tests;

@@ -395,6 +395,27 @@ mod tests {
     use crate::session::Session;
     use baton_messages::SessionToken;
 
+    /// An `InPlace` and a copy never overlap: a copy running refuses the `InPlace`, an
+    /// `InPlace` living refuses every copy, and each is possible again once the other ends.
+    #[test]
+    fn an_in_place_write_and_a_copy_never_overlap() {
+        let backend = HostBackend::new().unwrap();
+        let alloc = backend.allocate(4096).unwrap();
+        {
+            let _copying = alloc.check_copy().unwrap();
+            assert!(matches!(alloc.write_in_place(), Err(Error::InPlace { .. })));
+        }
+        let mut in_place = alloc.write_in_place().unwrap().expect("host memory");
+        in_place[0] = 7;
+        assert!(alloc.is_in_place());
+        assert!(matches!(alloc.to_vec(), Err(Error::InPlace { .. })));
+        assert!(matches!(alloc.write(0, &[1]), Err(Error::InPlace { .. })));
+        assert!(matches!(alloc.write_in_place(), Err(Error::InPlace { .. })));
+        drop(in_place);
+        assert!(!alloc.is_in_place());
+        assert_eq!(alloc.to_vec().unwrap()[0], 7);
+    }
+
     #[test]
     fn flavors_parse_and_default_by_platform() {
         assert_eq!(HostFlavor::parse("MEMFD"), Some(HostFlavor::Memfd));

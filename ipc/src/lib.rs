@@ -11,8 +11,10 @@
 //! - [`Allocation`] owns exported memory (and its free); [`OpenedMem`] owns an imported
 //!   mapping (and its close); [`ImportCache`] maps each allocation once per process and
 //!   hands out [`Imported`] views.
-//! - [`ordering`]: fences that order GPU work across processes, both ways (acquire fences
-//!   in offers, release fences in `Release`), on the streams that use the buffers.
+//! - [`StreamOrdering`] ([`ordering`]): fences that order GPU work across processes, both
+//!   ways (acquire fences in offers, release fences in `Release`), on the streams that use
+//!   the buffers. A second trait beside [`Backend`], implemented only by backends with
+//!   queued work (CUDA) and reached with [`Backend::ordering`] ([`NoOrdering`] for host).
 //! - [`DriverThread`]: where blocking driver calls run for threads that must not block.
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
@@ -109,8 +111,8 @@ pub mod slab;
 pub mod fuzzing;
 
 pub use backend::{
-    Allocation, Backend, DescriptorScope, ExportableMemory, FenceFaultHook, FreeWhileMapped,
-    HandleBuilder, InPlace, MemPtr, OpenedMem, RawMemory, SharedBackend,
+    Allocation, AsAny, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, HandleBuilder,
+    InPlace, MemPtr, OpenedMem, RawMemory, SharedBackend,
 };
 pub use cache::{
     CacheKey, CacheStats, Evictor, Executor, HolderId, ImportCache, Imported, OnClosed, WarmBudget,
@@ -124,7 +126,10 @@ pub use link::{
     AsyncLink, FrameFds, Link, LinkCloser, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred,
     PeerInfo, PeerPolicy, Received, SocketDir,
 };
-pub use ordering::{ExportedFence, Stream, StreamKey, StreamRef, UseMark};
+pub use ordering::{
+    ExportedFence, FenceFaultHook, NoOrdering, Stream, StreamKey, StreamOrdering, StreamRef,
+    UseMark,
+};
 pub use session::{CheckedHandle, Session, random_bytes};
 pub use slab::{SlabArena, SlabBuffer};
 

@@ -1,14 +1,16 @@
-//! Stream ordering across processes: the vocabulary the [`Backend`](crate::Backend) fence
-//! operations speak.
+//! Stream ordering across processes: the [`StreamOrdering`] trait, which backends with
+//! queued work implement beside [`Backend`](crate::Backend) (reached with
+//! [`Backend::ordering`](crate::Backend::ordering); [`NoOrdering`] for host memory), and the
+//! vocabulary its operations speak.
 //!
 //! GPU work is asynchronous: a buffer handed to another process may still be written by
 //! work its producer queued, and a buffer given back may still be read by work its borrower
 //! queued. Baton orders both directions with fences (see `docs/ORDERING.md`):
 //!
 //! - **acquire**: the exporter records a fence after the work that produced the buffer
-//!   ([`Backend::export_fence`](crate::Backend::export_fence)); the importer makes each
+//!   ([`StreamOrdering::export_fence`]); the importer makes each
 //!   stream it uses the buffer on wait on it once, before the first use
-//!   ([`Backend::order_after`](crate::Backend::order_after));
+//!   ([`StreamOrdering::order_after`]);
 //! - **release**: each use of a buffer on a stream is followed by a [`UseMark`] recorded on
 //!   that stream (cudarc's own `SyncOnDrop` records it after a launch or a copy); giving the
 //!   buffer back turns the marks into one [`ExportedFence`] that the other process waits on
@@ -19,11 +21,12 @@
 //! the order of fence operations).
 
 use crate::Result;
-use baton_messages::FenceHandle;
+use baton_messages::{FenceHandle, InboxGrant, ProcessId};
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// A stream, as fence operations name it.
 #[derive(Clone, Copy)]
@@ -117,10 +120,8 @@ pub enum StreamKey {
 }
 
 /// A point on one stream of this process after a use of a buffer, re-recorded after each
-/// later use on that stream. Local to the process: [`Backend::export_fence`] turns marks
+/// later use on that stream. Local to the process: [`StreamOrdering::export_fence`] turns marks
 /// into a fence another process can wait on.
-///
-/// [`Backend::export_fence`]: crate::Backend::export_fence
 pub trait UseMark: Send + Sync + fmt::Debug {
     /// The stream the mark belongs to.
     fn stream(&self) -> StreamKey;
@@ -171,3 +172,199 @@ pub trait ExportedFence: Send + Sync + fmt::Debug {
     /// A backend error.
     fn synchronize(&self) -> Result<()>;
 }
+
+/// How a backend orders work queued on streams across processes: fences, their inbox
+/// lanes, and what a dead or cut producer leaves behind. Implemented by backends with
+/// queued work (CUDA, test backends that record the order of fence operations) beside
+/// [`Backend`](crate::Backend), and reached from it with
+/// [`Backend::ordering`](crate::Backend::ordering). A backend whose memory is written
+/// synchronously (host) implements none of it: its `ordering()` is [`NoOrdering`].
+///
+/// Every method has a default, which is what a backend without that kind of fence does
+/// (nothing, "ready", or `None`): an implementation overrides those it has.
+pub trait StreamOrdering: Send + Sync + fmt::Debug {
+    /// Orders the work queued on `stream` from now on after `fence`, which `producer`
+    /// recorded (CUDA: `cuStreamWaitEvent` on the opened interprocess event, or
+    /// `cuStreamWaitValue64` on the mapped counter; `producer` may be this process).
+    /// Backends whose memory is written synchronously (host) do nothing.
+    ///
+    /// # Errors
+    /// A backend error (the fence cannot be opened, …).
+    fn order_after(
+        &self,
+        stream: StreamRef<'_>,
+        producer: &ProcessId,
+        fence: &FenceHandle,
+    ) -> Result<()> {
+        let _ = (stream, producer, fence);
+        Ok(())
+    }
+    /// Opens what waiting on `fence` (recorded by `producer`) needs — another process's
+    /// event or counter slab — so that a later [`order_after`](Self::order_after) on a
+    /// thread that must not block finds it open. Backends without fences do nothing.
+    ///
+    /// # Errors
+    /// A backend error (the fence cannot be opened).
+    fn prepare_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        let _ = (producer, fence);
+        Ok(())
+    }
+    /// Whether waiting on `fence` needs nothing opened first (it was
+    /// [prepared](Self::prepare_fence), or is this process's own), so that
+    /// [`order_after`](Self::order_after) on it makes no driver call that blocks. Backends
+    /// without fences: always.
+    fn fence_prepared(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
+        let _ = (producer, fence);
+        true
+    }
+    /// A new mark for uses of a buffer on `stream` (see [`UseMark`]), or `None` for backends
+    /// without queued work (host).
+    ///
+    /// # Errors
+    /// A backend error.
+    fn use_mark(&self, stream: StreamRef<'_>) -> Result<Option<Box<dyn UseMark>>> {
+        let _ = stream;
+        Ok(None)
+    }
+    /// A fence process `to` can wait on, complete once the latest record of every mark in
+    /// `after` has completed (CUDA: a release stream of the backend's waits on the marks'
+    /// events, then writes a counter into `to`'s fence inbox — or records a pooled
+    /// interprocess event, also where `to` lent us no inbox lane we can use). `to` may be
+    /// this process (a fence waited on here). `None` when `after` is empty or the backend
+    /// has no fences. Never blocks on queued work.
+    ///
+    /// # Errors
+    /// A backend error ([`Error::EventsExhausted`](crate::Error::EventsExhausted) when
+    /// every pooled event is in use).
+    fn export_fence(
+        &self,
+        after: &[&dyn UseMark],
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let _ = (after, to);
+        Ok(None)
+    }
+    /// A fence for `to` that completes once `fence` (which `producer` recorded for this
+    /// process) has: how a relay passes an acquire fence on, and how a fence a user
+    /// recorded here becomes one a peer can wait on. `None` for backends without fences.
+    ///
+    /// # Errors
+    /// As [`order_after`](Self::order_after) and [`export_fence`](Self::export_fence).
+    fn relay_fence(
+        &self,
+        producer: &ProcessId,
+        fence: &FenceHandle,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let _ = (producer, fence, to);
+        Ok(None)
+    }
+    /// The lane of this backend's fence inbox lent to `peer` (see [`crate::inbox`]), the
+    /// same each time while it is live; `None` for backends without counter fences, or
+    /// when every lane was lent. Sent to `peer` once per link.
+    fn inbox_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
+        let _ = peer;
+        None
+    }
+    /// `peer` lent us `grant`: counter fences recorded for `peer` are written there. May
+    /// open `peer`'s inbox (a driver call that may block: call it on a driver thread; a
+    /// fence recorded before it finishes opens it then).
+    ///
+    /// # Errors
+    /// A backend error (the inbox cannot be opened).
+    fn accept_inbox(&self, peer: &ProcessId, grant: &InboxGrant) -> Result<()> {
+        let _ = (peer, grant);
+        Ok(())
+    }
+    /// Checks a fence `producer` sent (on an offer or a release) before anything waits on
+    /// it, and notes its value (see [`crate::inbox::Lanes::announce`]). An event named
+    /// again is a new record made after the older ones completed (the wire's rule,
+    /// `docs/ORDERING.md`): our waits on those are released here.
+    ///
+    /// # Errors
+    /// [`Error::FenceRefused`](crate::Error::FenceRefused): the peer's fault.
+    fn check_fence(&self, producer: &ProcessId, fence: &FenceHandle) -> Result<()> {
+        let _ = (producer, fence);
+        Ok(())
+    }
+    /// Whether a fence for process `to` can be made now without running a pool dry or
+    /// deepening a backlog the GPU works through slowly: `false` asks a sender to wait
+    /// (asynchronously, never on an actor's thread) before it offers a buffer to `to`.
+    /// CUDA event fences: an event for `to` can be had, and fewer than the backend's
+    /// event backlog (`CudaBackendBuilder::event_backlog`) of the events lent to `to` wait
+    /// for their work. Backends whose fences lend nothing: always.
+    fn fence_room(&self, to: &ProcessId) -> bool {
+        let _ = to;
+        true
+    }
+    /// Adds where the backend reports a producer that named fence values and did not
+    /// deliver them within the fence deadline (its waits are released already): each node
+    /// on the backend cuts its links to it.
+    fn add_fence_fault_hook(&self, hook: FenceFaultHook) {
+        let _ = hook;
+    }
+    /// `process` is cut while it may be alive: every wait of ours on its fences is
+    /// released now, and its fences guard memory until it dies
+    /// ([`unsafe_to_free`](Self::unsafe_to_free)).
+    fn producer_cut(&self, process: &ProcessId) {
+        let _ = process;
+    }
+    /// Whether memory that `fence` (from `producer`) guards must not be freed yet: our wait
+    /// on it was released while `producer` was alive, so its work may still run.
+    fn unsafe_to_free(&self, producer: &ProcessId, fence: &FenceHandle) -> bool {
+        let _ = (producer, fence);
+        false
+    }
+    /// Waits, at most `within`, until the fences this backend recorded for other processes
+    /// have been written (their work completed): what a closing node does so that its
+    /// peers need not wait out their deadline. Returns whether they all were.
+    ///
+    /// # Errors
+    /// A backend error.
+    fn flush_fences(&self, within: Duration) -> Result<bool> {
+        let _ = within;
+        Ok(true)
+    }
+    /// Polls, on the calling thread and for at most a bound of the backend's own (CUDA:
+    /// twice the fence deadline, and a second), until this process's own `fences` have
+    /// landed — with `all`, every fence the backend has recorded so far. Returns whether
+    /// they did. What a mapping's close waits on before it unmaps: never a wait queued on
+    /// a stream, which would order the backend's stream after a release stream (or a
+    /// pooled event's latest record) that may itself be waiting on work queued on that
+    /// stream later — a cycle inside one process, which no fence deadline releases.
+    ///
+    /// # Errors
+    /// A backend error.
+    fn own_fences_landed(&self, fences: &[FenceHandle], all: bool) -> Result<bool> {
+        let _ = (fences, all);
+        Ok(true)
+    }
+    /// Blocks until the work queued on the backend's own stream has completed.
+    ///
+    /// # Errors
+    /// A backend error, including errors of that work.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    /// If `process` is dead, releases at once every stream of ours still waiting on its
+    /// fences (CUDA counter fences: their values will never come). Quick (no wait on other
+    /// work), so it may run on any thread, and must not queue behind driver-thread work
+    /// that may itself wait on those streams. Called by
+    /// [`ImportCache::release_dead`](crate::ImportCache::release_dead).
+    fn release_dead(&self, process: &ProcessId) {
+        let _ = process;
+    }
+}
+
+/// The ordering of a backend whose memory is written synchronously (host): every
+/// [`StreamOrdering`] operation does nothing — no wait, no mark, no fence — and every
+/// question answers "ready" (the trait's defaults).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoOrdering;
+
+impl StreamOrdering for NoOrdering {}
+
+/// Told of a producer that did not deliver its fences within the deadline
+/// ([`StreamOrdering::add_fence_fault_hook`]). Called on the backend's watch thread: it
+/// must not block.
+pub type FenceFaultHook = Arc<dyn Fn(ProcessId) + Send + Sync>;

@@ -54,8 +54,8 @@
 use baton::ipc::inbox::{FenceRefusal, LaneStatus, Lanes, Observation, ReleaseRange};
 use baton::ipc::{
     Allocation, Backend, CheckedHandle, DescriptorScope, Error, ExportableMemory, ExportedFence,
-    FenceFaultHook, FreeWhileMapped, MemPtr, OpenedMem, RawMemory, Result, StreamKey, StreamRef,
-    UseMark,
+    FenceFaultHook, FreeWhileMapped, MemPtr, OpenedMem, RawMemory, Result, StreamKey,
+    StreamOrdering, StreamRef, UseMark,
 };
 use baton::messages::{
     AllocationId, BackendKind, CounterFence, CudaIpcMemHandle, CudaPoolExportData, DeviceUuid,
@@ -1666,6 +1666,32 @@ impl Backend for SimBackend {
             }),
         ))
     }
+    fn ordering(&self) -> &dyn StreamOrdering {
+        self
+    }
+    fn blocking_calls(&self) -> bool {
+        true
+    }
+    fn forget_process(&self, process: &ProcessId) {
+        self.release_dead(process);
+        if let Some(c) = &self.counters {
+            if !self.alive(process) {
+                // We write no more fences for it, and its lane is no longer claimed (as
+                // `Inbox::forget_peer`).
+                let forgotten = lock(&c.peers).remove(process);
+                if let Some(PeerInbox::Lane(l)) = forgotten {
+                    self.sim.device.lock().claimed.remove(&(
+                        *process,
+                        l.grant.slab_id,
+                        l.grant.first,
+                    ));
+                }
+            }
+        }
+    }
+}
+
+impl StreamOrdering for SimBackend {
     fn order_after(
         &self,
         stream: StreamRef<'_>,
@@ -1921,26 +1947,6 @@ impl Backend for SimBackend {
         self.sim.device.note(format!("{} sync s{s}", self.sim.role));
         self.sim.device.synchronize_as(Some(&self.sim.role), s);
         Ok(())
-    }
-    fn blocking_calls(&self) -> bool {
-        true
-    }
-    fn forget_process(&self, process: &ProcessId) {
-        self.release_dead(process);
-        if let Some(c) = &self.counters {
-            if !self.alive(process) {
-                // We write no more fences for it, and its lane is no longer claimed (as
-                // `Inbox::forget_peer`).
-                let forgotten = lock(&c.peers).remove(process);
-                if let Some(PeerInbox::Lane(l)) = forgotten {
-                    self.sim.device.lock().claimed.remove(&(
-                        *process,
-                        l.grant.slab_id,
-                        l.grant.first,
-                    ));
-                }
-            }
-        }
     }
     fn release_dead(&self, process: &ProcessId) {
         let Some(c) = &self.counters else { return };

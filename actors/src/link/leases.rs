@@ -29,7 +29,10 @@ impl PeerLink {
             return Ok(());
         }
         for fence in &fences {
-            self.node.backend().check_fence(&self.peer.process, fence)?;
+            self.node
+                .backend()
+                .ordering()
+                .check_fence(&self.peer.process, fence)?;
         }
         if !fences.is_empty() && !self.node.offload().is_inline() {
             // Opened on the driver thread now, so that the buffer's next use (on
@@ -41,7 +44,7 @@ impl PeerLink {
             );
             self.node.offload().submit(move || {
                 for fence in &ahead {
-                    if let Err(e) = backend.prepare_fence(&peer, fence) {
+                    if let Err(e) = backend.ordering().prepare_fence(&peer, fence) {
                         tracing::debug!(error = %e, "could not open a release fence ahead of its wait");
                     }
                 }
@@ -101,7 +104,7 @@ impl PeerLink {
     pub(super) fn accept_inbox(&mut self, grant: InboxGrant) {
         let (backend, peer) = (Arc::clone(self.node.backend()), self.peer.process);
         let accept = move || {
-            if let Err(e) = backend.accept_inbox(&peer, &grant) {
+            if let Err(e) = backend.ordering().accept_inbox(&peer, &grant) {
                 tracing::warn!(error = %e, %peer, "the peer's fence inbox could not be mapped: fences for it are made complete before they are sent");
             }
         };

@@ -34,6 +34,7 @@ fn open_views(cache: ImportCache, offers: Vec<Offer>, mut fds: FrameFds) -> Open
             // finds the exporter's event open.
             if let Err(e) = view
                 .backend()
+                .ordering()
                 .prepare_fence(&offer.handle.exporter.process, fence)
             {
                 tracing::debug!(error = %e, "could not open an offer's fence ahead of its first use");
@@ -63,6 +64,7 @@ fn open_hits(
         if let (Ok(view), Some(fence)) = (&view, &offer.handle.fence) {
             if !view
                 .backend()
+                .ordering()
                 .fence_prepared(&offer.handle.exporter.process, fence)
             {
                 return None;

@@ -24,8 +24,8 @@ impl CloseJob<Mapping> {
         } = self;
         if pending_all || !pending.is_empty() {
             // Work this process queued on the mapping runs before it goes: polled here,
-            // never a wait queued on a stream (see `Backend::own_fences_landed`).
-            match backend.own_fences_landed(&pending, pending_all) {
+            // never a wait queued on a stream (see `StreamOrdering::own_fences_landed`).
+            match backend.ordering().own_fences_landed(&pending, pending_all) {
                 Ok(true) => {}
                 Ok(false) => {
                     // Closing under work that may still run is never safe: the mapping

@@ -118,7 +118,7 @@ pub(super) struct Entry<M> {
     pub(super) pending: Vec<FenceHandle>,
     /// Too many distinct fences to keep (a mapping warm for long, used on many streams or
     /// slots): the close waits for every fence the backend has recorded
-    /// ([`Backend::own_fences_landed`](crate::Backend::own_fences_landed) with `all`).
+    /// ([`StreamOrdering::own_fences_landed`](crate::StreamOrdering::own_fences_landed) with `all`).
     pub(super) pending_all: bool,
 }
 

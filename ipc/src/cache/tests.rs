@@ -3,6 +3,7 @@
 use super::state::MAX_PENDING_FENCES;
 use super::*;
 use crate::backend::{Allocation, Backend, ExportableMemory, MemPtr, OpenedMem, RawMemory};
+use crate::ordering::StreamOrdering;
 use crate::session::CheckedHandle;
 use baton_messages::{
     CudaIpcMemHandle, DeviceUuid, Error as MessageError, FenceHandle, IpcEventHandle, RawHandle,
@@ -83,6 +84,15 @@ impl Backend for EventBackend {
         let bytes = self.mem.lock().unwrap().clone().expect("allocated");
         Ok(OpenedMem::new(&handle, Box::new(bytes)))
     }
+    fn ordering(&self) -> &dyn StreamOrdering {
+        self
+    }
+    fn forget_process(&self, _process: &ProcessId) {
+        self.forgotten.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl StreamOrdering for EventBackend {
     fn order_after(
         &self,
         stream: StreamRef<'_>,
@@ -104,9 +114,6 @@ impl Backend for EventBackend {
             self.landed.fetch_add(fences.len(), Ordering::Relaxed);
         }
         Ok(!self.stuck.load(Ordering::Relaxed))
-    }
-    fn forget_process(&self, _process: &ProcessId) {
-        self.forgotten.fetch_add(1, Ordering::Relaxed);
     }
     fn release_dead(&self, _process: &ProcessId) {
         self.released_dead.fetch_add(1, Ordering::Relaxed);

@@ -3,7 +3,7 @@
 //!
 //! The exporter records an event after the work that produced a buffer and puts its IPC
 //! handle in the handle message ([`crate::HandleBuilder::event`]); the importer makes its
-//! stream wait on it before it touches the buffer ([`crate::Backend::order_after`]).
+//! stream wait on it before it touches the buffer ([`crate::StreamOrdering::order_after`]).
 //!
 //! **Reuse contract.** A wait captures the event's most recent record *at the time of the
 //! wait*, and a waiter's bridge (`super::bridge`) follows whatever record is current when
@@ -18,12 +18,12 @@
 //! - an event recorded for a process is recorded again only for that process (while it
 //!   lives): the fence naming the new record reaches the only process that may still
 //!   follow the old one, which takes it as word that the old one completed and releases
-//!   its waits on it (`Backend::check_fence`, [`OpenedEvent::renamed`]).
+//!   its waits on it (`StreamOrdering::check_fence`, [`OpenedEvent::renamed`]).
 //!
 //! The pool has a ceiling ([`DEFAULT_EVENT_LIMIT`]; the driver limits live IPC events too),
 //! and [`Error::EventsExhausted`] says when it is reached. A sender keeps short of it:
 //! [`EventPool::room_for`] tells it to wait while a peer has a backlog of retired events
-//! whose work has not completed (`Backend::fence_room`).
+//! whose work has not completed (`StreamOrdering::fence_room`).
 //!
 //! # Safety
 //!
@@ -159,7 +159,7 @@ type Waiter = Option<ProcessId>;
 /// - an event recorded for process `W` is recorded again only for `W` (or for anyone once
 ///   `W` is dead), so the fence that names the new record reaches the one process that
 ///   may still be polling the old one, and `W` takes it as word that the old one completed
-///   (`Backend::check_fence` releases its waits on that event). An event nobody was told
+///   (`StreamOrdering::check_fence` releases its waits on that event). An event nobody was told
 ///   of (`None`) may go to anyone.
 #[derive(Debug)]
 struct Lending<T> {

@@ -18,8 +18,8 @@
 
 use super::fence::{CounterSlab, LocalMark};
 use super::{SharedContext, SharedStream};
-use crate::backend::FenceFaultHook;
 use crate::inbox::{FenceRefusal, Lanes, ReleaseRange};
+use crate::ordering::FenceFaultHook;
 use crate::process::{Liveness, liveness};
 use crate::{Error, Result};
 use baton_messages::{CounterFence, DeviceUuid, InboxGrant, ProcessId};

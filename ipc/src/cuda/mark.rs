@@ -3,7 +3,7 @@
 //!
 //! A [`CudaMark`] is a plain (not interprocess) cudarc [`CudaEvent`], so that cudarc's own
 //! `SyncOnDrop::Record` can record it after a launch or a copy; the backend's
-//! [`export_fence`](crate::Backend::export_fence) turns marks into an interprocess fence on
+//! [`export_fence`](crate::StreamOrdering::export_fence) turns marks into an interprocess fence on
 //! a *release stream* of its own (which waits on the marks' events, then records a pooled
 //! interprocess event). Marks are pooled per backend ([`MarkPool`]): a mark goes back when
 //! its holder drops it, which it does only after every wait that needs its latest record

@@ -117,7 +117,7 @@ fn every_variant() -> Vec<(Error, Fault)> {
         (
             Error::Cuda {
                 op: "cuIpcOpenMemHandle_v2",
-                code: crate::cuda::CudaError::INVALID_VALUE,
+                code: CudaError::INVALID_VALUE,
             },
             Fault::Local,
         ),

@@ -225,6 +225,7 @@ fn import_fence(subject: &Subject, socket: &str, kind: &str, expect: &str) -> Re
     if kind == "counter" {
         let grant = subject
             .backend()
+            .ordering()
             .inbox_grant(&exporter)
             .ok_or("a counter-fence backend lends an inbox lane")?;
         link.send(&Message::FenceInbox(grant), &[])?;
@@ -257,6 +258,7 @@ fn import_fence(subject: &Subject, socket: &str, kind: &str, expect: &str) -> Re
     let buffer = cache.open(&offer.handle, &mut fds)?;
     subject
         .backend()
+        .ordering()
         .check_fence(&offer.handle.exporter.process, &fence)?;
     cuda.wait_fence(&offer.handle.exporter.process, &fence)?;
     ensure(cuda.waits() == 1, || {
