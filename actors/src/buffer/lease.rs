@@ -1,0 +1,612 @@
+//! The importer's side and the wire's: [`Shared<T>`] and [`SharedMut<T>`] (a buffer inside a
+//! message), [`Lease<T>`] and [`LeaseMut<T>`] (the receiver's guards), and the crate's
+//! untyped [`IncomingLease`]/[`HeldLease`]/[`Outgoing`] they are made of. See the
+//! [parent module](super) for the rules they keep.
+
+use super::*;
+
+/// An importer's lease before it is typed: the mapping, the lease, and the link to release
+/// it on.
+pub(crate) struct IncomingLease {
+    /// `Some` until drop, which unmaps before it sends `Release`.
+    pub(crate) imported: Option<Imported>,
+    pub(crate) lease: LeaseId,
+    pub(crate) link: LinkHandle,
+    pub(crate) held: Arc<HeldLease>,
+    /// Its uses on streams and the acquire fence they wait on.
+    pub(crate) order: LeaseOrder,
+}
+
+/// What the importer's link knows of a lease it holds: whether the exporter asked for it
+/// back, and by when.
+#[derive(Debug, Default)]
+pub(crate) struct HeldLease {
+    /// Milliseconds since `EPOCH` at which the revoke deadline passes (0: not revoked).
+    revoke_deadline_ms: AtomicU64,
+    /// Woken when the exporter asks for the lease back ([`Lease::revoked`]).
+    revoked: tokio::sync::Notify,
+}
+
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+impl HeldLease {
+    pub(crate) fn request_revoke(&self, within: Duration) {
+        let at = Instant::now() + within;
+        let ms = at.duration_since(epoch()).as_millis().max(1) as u64;
+        self.revoke_deadline_ms.store(ms, Ordering::Release);
+        self.revoked.notify_waiters();
+    }
+
+    /// Resolves with the revoke deadline once the exporter asks for the lease back.
+    pub(crate) fn revoked(self: &Arc<Self>) -> impl Future<Output = Instant> + 'static + use<> {
+        let held = Arc::clone(self);
+        async move {
+            loop {
+                let notified = held.revoked.notified();
+                let mut notified = std::pin::pin!(notified);
+                // Registered before the check, so a revoke between the two wakes us.
+                notified.as_mut().enable();
+                if let Some(deadline) = held.revoke_deadline() {
+                    return deadline;
+                }
+                notified.await;
+            }
+        }
+    }
+
+    pub(crate) fn revoke_deadline(&self) -> Option<Instant> {
+        match self.revoke_deadline_ms.load(Ordering::Acquire) {
+            0 => None,
+            ms => Some(epoch() + Duration::from_millis(ms)),
+        }
+    }
+}
+
+impl IncomingLease {
+    pub(crate) fn imported(&self) -> &Imported {
+        // Only `drop` takes it.
+        self.imported.as_ref().expect("present until drop")
+    }
+
+    pub(crate) fn live(&self) -> Result<&Imported, ActorError> {
+        if self.link.is_alive() {
+            Ok(self.imported())
+        } else {
+            Err(ActorError::Orphaned {
+                exporter: self.link.peer(),
+            })
+        }
+    }
+}
+
+impl Drop for IncomingLease {
+    fn drop(&mut self) {
+        // The release fence follows every use queued on a stream; the cache reference goes
+        // (its mapping closes — after that fence — if it was the last), then the Release
+        // with the fence, queued on the link without blocking.
+        let imported = self.imported.take();
+        let (fences, pending) = match self.order.finish() {
+            Finished::Idle => {
+                drop(imported);
+                (Vec::new(), None)
+            }
+            Finished::Fence(fence) => {
+                let handle = fence.handle();
+                if let Some(imported) = imported {
+                    // The mapping closes after our own work: the fence's local twin.
+                    imported.release_after(fence.local_handle());
+                }
+                // Dropped now: a pooled release fence is recorded again only once its work
+                // has completed (see `StreamOrdering::export_fence`).
+                drop(fence);
+                (vec![handle], None)
+            }
+            Finished::Wait(marks) => (Vec::new(), Some(PendingRelease { marks, imported })),
+        };
+        if self.link.is_alive() {
+            self.link.do_send(ReleaseLease {
+                lease: self.lease,
+                fences,
+                pending,
+            });
+        } else if let Some(pending) = pending {
+            // The exporter is gone; the mapping still must outlive our work on it.
+            pending.wait();
+        }
+    }
+}
+
+impl fmt::Debug for IncomingLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IncomingLease")
+            .field("lease", &self.lease)
+            .field("buffer", &self.imported)
+            .field("orphaned", &!self.link.is_alive())
+            .finish()
+    }
+}
+
+/// A buffer on its way out: what the link needs to grant a lease on it.
+pub(crate) struct Outgoing {
+    pub(crate) cell: Arc<BufferCell>,
+    /// A writable lease ([`Buffer::share_mut`]): granted only while no other lease is out,
+    /// and no other lease is granted while it is.
+    pub(crate) writable: bool,
+    /// Recorded after the work that produced the buffer; kept with the lease. `None`: the
+    /// buffer's own acquire fence (after its uses on streams), if it needs one.
+    pub(crate) fence: Option<Arc<dyn ExportedFence>>,
+}
+
+impl Outgoing {
+    /// The offer's acquire fence, for process `to`: the buffer's own, or one after the
+    /// fence the sender recorded itself (passed on into `to`'s inbox).
+    pub(crate) fn acquire_fence(
+        &self,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        match &self.fence {
+            Some(f) => {
+                let backend = self.cell.order.backend();
+                let me = baton_ipc::process::current();
+                Ok(backend.ordering().relay_fence(&me, &f.local_handle(), to)?)
+            }
+            None => self.cell.order.acquire_fence(to),
+        }
+    }
+}
+
+pub(crate) enum SharedInner {
+    /// On the sender's side: the buffer to lease out when the message is sent.
+    Local(Outgoing),
+    /// On the receiver's side: the lease, not yet opened.
+    Incoming(Box<IncomingLease>),
+}
+
+/// A buffer of `T`s inside a message (see the [crate docs](crate)).
+///
+/// `Shared<T>` serializes only inside Baton's messages (as an index into the message's
+/// leases); serializing it anywhere else is an error.
+pub struct Shared<T: Element> {
+    pub(crate) inner: SharedInner,
+    pub(crate) _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> fmt::Debug for Shared<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.inner {
+            SharedInner::Local(out) => write!(f, "Shared(local {:?})", out.cell.id),
+            SharedInner::Incoming(l) => write!(f, "Shared(received {:?})", l.lease),
+        }
+    }
+}
+
+impl<T: Element> Shared<T> {
+    /// Whether this is a received buffer (as opposed to one about to be sent).
+    pub fn is_received(&self) -> bool {
+        matches!(self.inner, SharedInner::Incoming(_))
+    }
+
+    /// Its layout.
+    pub fn layout(&self) -> &Layout {
+        match &self.inner {
+            SharedInner::Local(out) => &out.cell.layout,
+            SharedInner::Incoming(l) => l.imported().layout().expect("typed on arrival"),
+        }
+    }
+
+    /// Opens a received buffer as a typed lease.
+    ///
+    /// # Errors
+    /// [`ActorError::NotReceived`] for a buffer that was not received.
+    pub fn open(self) -> Result<Lease<T>, ActorError> {
+        match self.inner {
+            SharedInner::Incoming(inner) => Ok(Lease {
+                inner: *inner,
+                _t: PhantomData,
+            }),
+            SharedInner::Local(_) => Err(ActorError::NotReceived),
+        }
+    }
+}
+
+/// A buffer inside a message that its receiver may write: the sender puts
+/// [`buffer.share_mut()`](Buffer::share_mut) in a field of this type, and the receiver
+/// [`open`](Self::open)s a [`LeaseMut<T>`]. The write grant is in the message's type,
+/// which both sides share: nothing about it crosses the wire, and a [`Shared<T>`] field
+/// only ever opens read-only.
+///
+/// The exporter enforces one writer or many readers per buffer (see
+/// [`Buffer::share_mut`]).
+pub struct SharedMut<T: Element>(pub(crate) Shared<T>);
+
+impl<T: Element> fmt::Debug for SharedMut<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SharedMut({:?})", self.0)
+    }
+}
+
+impl<T: Element> SharedMut<T> {
+    /// Whether this is a received buffer (as opposed to one about to be sent).
+    pub fn is_received(&self) -> bool {
+        self.0.is_received()
+    }
+
+    /// Its layout.
+    pub fn layout(&self) -> &Layout {
+        self.0.layout()
+    }
+
+    /// Opens a received buffer as a writable lease.
+    ///
+    /// # Errors
+    /// [`ActorError::NotReceived`] for a buffer that was not received.
+    pub fn open(self) -> Result<LeaseMut<T>, ActorError> {
+        Ok(LeaseMut {
+            lease: self.0.open()?,
+        })
+    }
+}
+
+/// An importer's typed, read-only guard on another process's buffer (see the
+/// [crate docs](crate)). A writable lease is a [`LeaseMut<T>`].
+///
+/// # Reading in place
+///
+/// [`as_slice`](Self::as_slice) gives a `&[T]` of host memory without a copy. It is sound
+/// in safe code because nothing can write the memory through Baton's safe API while the
+/// lease is out: a read-only lease has no write method, the exporter's
+/// [`Buffer::write_at`] is refused while any lease on the buffer is out, and no writable
+/// lease is granted while a read-only one is (nor the other way round). What the API
+/// cannot stop: `unsafe` code — or a raw pointer ([`Buffer::ptr`], [`Lease::ptr`],
+/// `Imported::ptr`) dereferenced in `unsafe` code — in the exporter's process or another
+/// importer's, which writes the shared pages directly; and another process of the same
+/// user that maps the memory by itself. Baton authenticates its peers (same uid and the
+/// session token) but does not sandbox them: a peer that writes under a reader breaks the
+/// protocol, and the reader may see torn values (the memory never goes away under the
+/// slice: the mapping lives as long as the lease).
+///
+/// A read-only lease has no write method, nor a writable view:
+///
+/// ```compile_fail
+/// fn write(lease: &baton_actors::Lease<u32>) {
+///     lease.write_at(0, &[1]).unwrap(); // only a LeaseMut writes
+/// }
+/// ```
+///
+/// ```compile_fail
+/// fn write(mut lease: baton_actors::Lease<u32>) {
+///     lease.as_mut_slice().unwrap()[0] = 1; // only a LeaseMut writes in place
+/// }
+/// ```
+pub struct Lease<T: Element> {
+    inner: IncomingLease,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> fmt::Debug for Lease<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Lease").field(&self.inner).finish()
+    }
+}
+
+impl<T: Element> Lease<T> {
+    /// The lease id (the exporter's).
+    pub fn id(&self) -> LeaseId {
+        self.inner.lease
+    }
+
+    /// Who exported the buffer.
+    pub fn exporter(&self) -> ExporterId {
+        self.inner.imported().exporter()
+    }
+
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        self.inner.imported().len() / size_of::<T>()
+    }
+
+    /// Whether it has no elements (never, for a valid handle).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its shape.
+    pub fn shape(&self) -> &Shape {
+        &self.layout().shape
+    }
+
+    /// Its layout.
+    pub fn layout(&self) -> &Layout {
+        self.inner.imported().layout().expect("typed on arrival")
+    }
+
+    /// Whether the exporter is gone (its accessors then fail).
+    pub fn is_orphaned(&self) -> bool {
+        !self.inner.link.is_alive()
+    }
+
+    /// The deadline by which the exporter asked to have this lease back, if it did.
+    /// Drop the lease before then, or the link is cut.
+    pub fn revoke_deadline(&self) -> Option<Instant> {
+        self.inner.held.revoke_deadline()
+    }
+
+    /// Where the first element is mapped in this process. Before queuing work that uses
+    /// it on a stream, call [`wait_on`](Self::wait_on) with that stream (cudarc's API does
+    /// it for you: `DevicePtr`).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`].
+    pub fn ptr(&self) -> Result<MemPtr, ActorError> {
+        Ok(self.inner.live()?.ptr())
+    }
+
+    /// Orders the work you queue on `stream` from now on after the exporter's work that
+    /// produced the buffer (the stream waits on the offer's acquire fence, once per
+    /// stream), and keeps `stream`: dropping the lease records its release fence there,
+    /// after everything queued by then.
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`]; a backend error (the fence cannot be opened, the stream is
+    /// not of the backend's device); [`ActorError::TooManyStreams`].
+    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
+        self.inner.live()?;
+        self.inner.order.wait_on(stream.into())
+    }
+
+    /// Whether it is device memory of a CUDA backend (cudarc's traits apply).
+    pub fn is_device(&self) -> bool {
+        matches!(self.inner.imported().ptr(), MemPtr::Device(_))
+            && self.inner.imported().backend().cuda().is_some()
+    }
+
+    /// Reads elements starting at `index` into `out` (on the backend's own stream, after
+    /// the exporter's work that produced the buffer; done when it returns).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`], [`ActorError::OutOfBounds`], or a backend error.
+    pub fn read_into(&self, index: usize, out: &mut [T]) -> Result<(), ActorError> {
+        let imported = self.inner.live()?;
+        let at = byte_range::<T>(index, out.len(), self.len())?;
+        self.inner.order.before_host_copy()?;
+        Ok(imported.read(at, bytemuck::cast_slice_mut(out))?)
+    }
+
+    /// All elements, copied out.
+    ///
+    /// # Errors
+    /// As [`read_into`](Self::read_into).
+    pub fn to_vec(&self) -> Result<Vec<T>, ActorError> {
+        let mut v = vec![T::zeroed(); self.len()];
+        self.read_into(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// The elements in place, without a copy: host memory only (see
+    /// [Reading in place](Self#reading-in-place) for why this is sound, and what it
+    /// cannot stop).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`]; [`ActorError::NotHostMemory`] for device memory (copy it
+    /// with [`to_vec`](Self::to_vec), or use it on a stream), or host memory not aligned
+    /// for `T`.
+    pub fn as_slice(&self) -> Result<&[T], ActorError> {
+        let imported = self.inner.live()?;
+        self.inner.order.before_host_copy()?;
+        let bytes = imported
+            .host_bytes()
+            .and_then(|b| b.get(..self.len() * size_of::<T>()))
+            .ok_or(ActorError::NotHostMemory)?;
+        bytemuck::try_cast_slice(bytes).map_err(|_| ActorError::NotHostMemory)
+    }
+
+    /// Resolves with the deadline once the exporter asks for this lease back
+    /// ([`Revoke`](crate::Revoke)); drop the lease before it, or the link is cut. Resolves
+    /// at once if it already has; never, if it never does. The future borrows nothing, so
+    /// the actor that holds the lease can handle its revoke itself:
+    ///
+    /// ```
+    /// use actix::prelude::*;
+    /// use baton_actors::Lease;
+    /// use std::collections::HashMap;
+    ///
+    /// struct Holder {
+    ///     leases: HashMap<u64, Lease<f32>>,
+    /// }
+    /// impl Actor for Holder {
+    ///     type Context = Context<Self>;
+    /// }
+    /// impl Holder {
+    ///     fn keep(&mut self, key: u64, lease: Lease<f32>, ctx: &mut Context<Self>) {
+    ///         ctx.spawn(lease.revoked().into_actor(self).map(move |_deadline, act, _| {
+    ///             act.leases.remove(&key); // dropping it gives it back
+    ///         }));
+    ///         self.leases.insert(key, lease);
+    ///     }
+    /// }
+    /// ```
+    ///
+    /// [`Node::on_revoke`](crate::Node::on_revoke) reports every revoke of the node, by
+    /// lease id, instead.
+    pub fn revoked(&self) -> impl Future<Output = Instant> + 'static + use<T> {
+        self.inner.held.revoked()
+    }
+
+    /// The import view, for backend-specific work (e.g. a kernel reading it).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`].
+    pub fn imported(&self) -> Result<&Imported, ActorError> {
+        self.inner.live()
+    }
+
+    /// Gives the lease back now (the same as dropping it).
+    pub fn release(self) {}
+
+    /// The untyped lease (its id, its link).
+    pub(crate) fn incoming(&self) -> &IncomingLease {
+        &self.inner
+    }
+}
+
+impl<T: Element> DeviceSlice<T> for Lease<T> {
+    fn len(&self) -> usize {
+        Lease::len(self)
+    }
+
+    /// The importing backend's own stream (host copies run there).
+    ///
+    /// # Panics
+    /// For host memory.
+    fn stream(&self) -> &Arc<CudaStream> {
+        cuda_stream(self.inner.imported().backend())
+    }
+}
+
+impl<T: Element> DevicePtr<T> for Lease<T> {
+    /// On the lease's first use on `stream`, the stream waits on the exporter's acquire
+    /// fence; the use is recorded on `stream` when the `SyncOnDrop` drops, and the
+    /// lease's release fence follows it. (An orphaned lease's memory stays mapped until the
+    /// lease drops: the pointer is valid, its data may be incomplete.)
+    ///
+    /// # Panics
+    /// For host memory.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        let ptr = device_address(self.inner.imported().ptr());
+        let used = self.inner.order.use_on(StreamRef::Cuda(stream));
+        (ptr, after_use(used, stream))
+    }
+}
+
+/// An importer's writable guard on another process's buffer: a [`Lease<T>`] (every read
+/// accessor, through `Deref`) that may also write. Opened from a [`SharedMut<T>`] field,
+/// which the sender filled with [`Buffer::share_mut`]; while it is out, the exporter
+/// grants no other lease on the buffer and refuses its own `write_at`, so this is the
+/// only writer its safe API allows.
+///
+/// # Writing in place
+///
+/// [`as_mut_slice`](Self::as_mut_slice) gives a `&mut [T]` of host memory without a copy.
+/// It extends the argument of [Reading in place](Lease#reading-in-place): while a
+/// writable lease is out, the exporter grants no other lease on the buffer — writable or
+/// read-only, to any process, this one included — and refuses its own
+/// [`Buffer::write_at`], so no other holder's view of the memory exists. In this process
+/// the import cache backs that up: it hands the slice out only while the lease's view is
+/// the mapping's only one here, and opens no other view of it until the lease drops (an
+/// offer of it fails meanwhile). The slice borrows the lease mutably, so neither this
+/// lease's own copies ([`write_at`](Self::write_at), [`read_into`](Lease::read_into)) nor
+/// its `&[T]` ([`as_slice`](Lease::as_slice)) can be used while it lives.
+///
+/// What the API cannot stop is what it cannot stop for readers: `unsafe` code, or a raw
+/// pointer ([`Buffer::ptr`], [`Lease::ptr`], `Imported::ptr`) dereferenced in `unsafe`
+/// code, in the exporter's process or another one, that writes or reads the shared pages
+/// directly; and another process of the same user that maps the memory by itself. One
+/// more: a lease whose link is cut (its revoke deadline passed, or the link failed) no
+/// longer counts for the exporter, which may then write the buffer or lease it again
+/// while a slice taken before the cut still lives. Drop the slice (and the lease) before
+/// the revoke deadline ([`revoked`](Lease::revoked)); the memory never goes away under
+/// the slice either way.
+pub struct LeaseMut<T: Element> {
+    lease: Lease<T>,
+}
+
+impl<T: Element> fmt::Debug for LeaseMut<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("LeaseMut").field(&self.lease.inner).finish()
+    }
+}
+
+impl<T: Element> std::ops::Deref for LeaseMut<T> {
+    type Target = Lease<T>;
+    fn deref(&self) -> &Lease<T> {
+        &self.lease
+    }
+}
+
+impl<T: Element> LeaseMut<T> {
+    /// Writes `data` starting at element `index` (the exporter sees it: same memory, on
+    /// the backend's own stream, done when it returns).
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`], [`ActorError::OutOfBounds`], or a backend error.
+    pub fn write_at(&self, index: usize, data: &[T]) -> Result<(), ActorError> {
+        let imported = self.lease.inner.live()?;
+        let at = byte_range::<T>(index, data.len(), self.lease.len())?;
+        self.lease.inner.order.before_host_copy()?;
+        Ok(imported.write(at, bytemuck::cast_slice(data))?)
+    }
+
+    /// The elements in place, writable, without a copy: host memory only (see
+    /// [Writing in place](Self#writing-in-place) for why this is sound, and what it cannot
+    /// stop). The exporter sees what was written: it is the same memory, and the
+    /// exporter reads it once the lease is back.
+    ///
+    /// # Errors
+    /// [`ActorError::Orphaned`]; [`ActorError::NotHostMemory`] for device memory (write it
+    /// with [`write_at`](Self::write_at), or on a stream), or host memory not aligned for
+    /// `T`; [`ActorError::Ipc`] with [`SharedMapping`](baton_ipc::Error::SharedMapping)
+    /// if another lease of this process maps the same allocation (which the exporter
+    /// grants only once this lease's link was cut).
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T], ActorError> {
+        let len = self.lease.len() * size_of::<T>();
+        let inner = &mut self.lease.inner;
+        if !inner.link.is_alive() {
+            return Err(ActorError::Orphaned {
+                exporter: inner.link.peer(),
+            });
+        }
+        inner.order.before_host_copy()?;
+        let bytes = inner
+            .imported
+            .as_mut()
+            .expect("present until drop")
+            .host_bytes_mut()?
+            .and_then(|b| b.get_mut(..len))
+            .ok_or(ActorError::NotHostMemory)?;
+        bytemuck::try_cast_slice_mut(bytes).map_err(|_| ActorError::NotHostMemory)
+    }
+
+    /// Gives the lease back now (the same as dropping it).
+    pub fn release(self) {}
+}
+
+impl<T: Element> DeviceSlice<T> for LeaseMut<T> {
+    fn len(&self) -> usize {
+        Lease::len(&self.lease)
+    }
+
+    /// The importing backend's own stream (host copies run there).
+    ///
+    /// # Panics
+    /// For host memory.
+    fn stream(&self) -> &Arc<CudaStream> {
+        DeviceSlice::stream(&self.lease)
+    }
+}
+
+impl<T: Element> DevicePtr<T> for LeaseMut<T> {
+    /// As for [`Lease`].
+    ///
+    /// # Panics
+    /// For host memory.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.lease.device_ptr(stream)
+    }
+}
+
+impl<T: Element> DevicePtrMut<T> for LeaseMut<T> {
+    /// As [`device_ptr`](DevicePtr::device_ptr): the exporter sees what was written once
+    /// the lease is back (its uses wait for the lease's release fence).
+    ///
+    /// # Panics
+    /// For host memory.
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.lease.device_ptr(stream)
+    }
+}
