@@ -16,6 +16,7 @@
 //! - [`DriverThread`]: where blocking driver calls run for threads that must not block.
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
+//! - [`tcp`]: host links, the same frames between hosts over TCP with Noise.
 //! - [`process`]: process identity and liveness that survive pid reuse.
 //! - [`spawn`]: children that die with this process; [`handoff`]: how a child gets the
 //!   session token (through a pipe, never its environment).
@@ -35,7 +36,8 @@
 //! 3. the deployment: [`handoff`] (the session token's way to a child process), `session`
 //!    ([`Session`]: the token, its keys, the handle check), [`spawn`] (children that die
 //!    with this process);
-//! 4. the transport: [`link`] (sockets, handshake, frames with descriptors);
+//! 4. the transport: [`link`] (sockets, handshake, frames with descriptors), [`tcp`]
+//!    (host links: TCP with Noise, the same frames without descriptors);
 //! 5. memory: `backend` (the [`Backend`] trait, [`Allocation`], [`OpenedMem`]), [`host`]
 //!    (the backend every generic test can run on), `cache` ([`ImportCache`],
 //!    [`Imported`]: any backend's mappings), [`cuda`] (after the cache, which its GPU tests
@@ -87,6 +89,8 @@ pub mod spawn;
 // 4. The transport.
 // Framed, authenticated links.
 pub mod link;
+// Host links: TCP with Noise, across hosts.
+pub mod tcp;
 
 // 5. Memory.
 // The backend trait, allocations and mappings.
