@@ -32,7 +32,9 @@ mod nonblocking;
 
 pub use nonblocking::{AsyncHostLink, HostLinkCloser, HostLinkReader, HostLinkWriter};
 
-pub(crate) use noise::{Established, Handshake, Opener, Sealer, record_at, refusal_record};
+pub(crate) use noise::{
+    Established, Handshake, MAX_RECORD, Opener, Sealer, psk, record_at, refusal_record,
+};
 
 use crate::link::Received;
 use crate::session::{Role, Session};
@@ -405,11 +407,28 @@ pub(crate) fn io_error(op: &'static str, e: io::Error) -> Error {
     }
 }
 
-/// Sends the refusal record (best effort) and returns the error.
+/// Sends the refusal record (best effort) and returns the error. Then reads the peer's
+/// bytes until it closes (or at most a second, within the deadline) so that closing does
+/// not reset the connection and throw the refusal away before the peer reads it.
 fn refuse(stream: &TcpStream, deadline: &Deadline, (e, reason): (Error, RefuseReason)) -> Error {
-    let _ = deadline.write(stream, &refusal_record(reason));
+    if deadline.write(stream, &refusal_record(reason)).is_ok() {
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let linger = Deadline::after(
+            deadline
+                .at
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(1)),
+            "lingering after a refusal",
+        );
+        let mut sink = [0u8; 4096];
+        while linger.arm(stream).is_ok() && matches!((&*stream).read(&mut sink), Ok(n) if n > 0) {}
+    }
     e
 }
+
+/// The responder's verdict on the handshake, after its last message: accepted (a record
+/// of length 0 with reason 0), or a refusal record.
+const ACCEPTED: [u8; 3] = [0, 0, 0];
 
 /// The Noise handshake as the initiator, on a blocking stream.
 pub(crate) fn noise_client(
@@ -425,6 +444,14 @@ pub(crate) fn noise_client(
         .on_second(&second)
         .map_err(|r| refuse(stream, deadline, r))?;
     deadline.write(stream, &third)?;
+    let mut verdict = [0u8; 3];
+    deadline.read_exact(stream, &mut verdict)?;
+    if verdict != ACCEPTED {
+        record_at(&verdict)?;
+        return Err(Error::Refused {
+            reason: RefuseReason::ProtocolViolation,
+        });
+    }
     hs.finish()
 }
 
@@ -441,6 +468,7 @@ pub(crate) fn noise_server(
     let third = deadline.read_record(stream)?;
     hs.on_third(&third)
         .map_err(|r| refuse(stream, deadline, r))?;
+    deadline.write(stream, &ACCEPTED)?;
     hs.finish()
 }
 
@@ -874,7 +902,8 @@ impl Drop for HostListener {
 }
 
 /// A slot among the handshakes in progress, given back on drop.
-struct Slot(Arc<AtomicUsize>);
+#[derive(Debug)]
+pub(crate) struct Slot(Arc<AtomicUsize>);
 
 impl Drop for Slot {
     fn drop(&mut self) {
@@ -882,12 +911,17 @@ impl Drop for Slot {
     }
 }
 
-fn accept_loop(
+/// Accepts connections on `listener` until `stop`, each handed with its [`Slot`] to
+/// `handle` on a thread of its own; beyond `max` slots held, a connection is closed at
+/// once. The handler gives its slot back (drops it) once its handshake is done.
+pub(crate) fn serve(
     listener: TcpListener,
-    config: TcpConfig,
+    max: usize,
     stop: Arc<AtomicBool>,
-    tx: mpsc::SyncSender<Result<HostLink>>,
+    name: &'static str,
+    handle: impl Fn(TcpStream, Slot) + Send + Sync + 'static,
 ) {
+    let handle = Arc::new(handle);
     let in_progress = Arc::new(AtomicUsize::new(0));
     let tick = rustix::event::Timespec {
         tv_sec: 0,
@@ -902,7 +936,7 @@ fn accept_loop(
             Ok(0) | Err(rustix::io::Errno::INTR) => continue,
             Ok(_) => {}
             Err(e) => {
-                tracing::warn!(error = %e, "host link listener failed");
+                tracing::warn!(error = %e, "a TCP listener failed");
                 return;
             }
         }
@@ -913,29 +947,45 @@ fn accept_loop(
                 continue;
             }
         };
-        if in_progress.fetch_add(1, Ordering::AcqRel) >= config.max_handshakes {
+        if in_progress.fetch_add(1, Ordering::AcqRel) >= max {
             in_progress.fetch_sub(1, Ordering::AcqRel);
-            tracing::debug!("host link handshakes at their cap: connection closed");
+            tracing::debug!("TCP handshakes at their cap: connection closed");
             continue;
         }
         let slot = Slot(Arc::clone(&in_progress));
-        let (config, tx) = (config.clone(), tx.clone());
+        let handle = Arc::clone(&handle);
         let spawned = std::thread::Builder::new()
-            .name("baton-tcp-handshake".into())
-            .spawn(move || {
-                let _slot = slot;
-                let outcome = HostLink::server(stream, &config);
-                if let Err(e) = &outcome {
-                    tracing::warn!(error = %e, "refused a host link");
-                }
-                if tx.try_send(outcome).is_err() {
-                    tracing::warn!("nobody accepts host links: one dropped");
-                }
-            });
+            .name(name.into())
+            .spawn(move || handle(stream, slot));
         if let Err(e) = spawned {
-            tracing::warn!(error = %e, "no thread for a host link handshake");
+            tracing::warn!(error = %e, "no thread for a TCP handshake");
         }
     }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    config: TcpConfig,
+    stop: Arc<AtomicBool>,
+    tx: mpsc::SyncSender<Result<HostLink>>,
+) {
+    let max = config.max_handshakes;
+    serve(
+        listener,
+        max,
+        stop,
+        "baton-tcp-handshake",
+        move |stream, slot| {
+            let outcome = HostLink::server(stream, &config);
+            drop(slot);
+            if let Err(e) = &outcome {
+                tracing::warn!(error = %e, "refused a host link");
+            }
+            if tx.try_send(outcome).is_err() {
+                tracing::warn!("nobody accepts host links: one dropped");
+            }
+        },
+    );
 }
 
 #[cfg(test)]

@@ -142,7 +142,6 @@ pub(crate) struct Established {
     pub(crate) claim: Claim,
     pub(crate) remote_key: [u8; 32],
     /// The handshake hash: binds keys derived later (a transfer's MAC key) to this channel.
-    #[allow(dead_code)] // Used by the TCP transfer engine (next commit).
     pub(crate) hash: [u8; 32],
 }
 
@@ -381,6 +380,15 @@ impl Opener {
     /// Ciphertext received and not yet opened.
     pub(crate) fn buffered(&self) -> usize {
         self.end - self.start
+    }
+
+    /// Takes up to `out.len()` bytes received but not opened, as they are (the clear
+    /// bytes that follow a record, such as a transfer's payload).
+    pub(crate) fn take_raw(&mut self, out: &mut [u8]) -> usize {
+        let n = out.len().min(self.buffered());
+        out[..n].copy_from_slice(&self.cipher[self.start..self.start + n]);
+        self.start += n;
+        n
     }
 
     /// Opens the next complete record into `out` (at least [`MAX_RECORD`] bytes):

@@ -1,0 +1,276 @@
+//! The TCP engine on loopback: round trips of every size with the data checked; a changed
+//! byte caught by the MAC; a peer that goes away, goes silent, or is aborted fails the
+//! transfer with a typed error within its deadline; a wrong token is refused.
+
+use super::*;
+use crate::tcp::NodeKey;
+use baton_messages::SessionToken;
+use std::net::Shutdown;
+
+const STALL: Duration = Duration::from_secs(2);
+const WAIT: Duration = Duration::from_secs(60);
+
+fn config(token: u8) -> TcpConfig {
+    let session = crate::Session::new(SessionToken::from_bytes([token; 32]));
+    TcpConfig::new(session, NodeKey::generate().unwrap())
+}
+
+fn engine(token: u8) -> TcpEngine {
+    TcpEngine::bind("127.0.0.1:0", config(token), STALL).unwrap()
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 13) as u8)
+        .collect()
+}
+
+/// Sends `src` from `a` to `b` (to `via`, if given, instead of `b`'s own address) as
+/// transfer `id`: (the send, the receive). Both engines are in this process, so the peer
+/// of each is the same process: distinct engines tell them apart by their connections.
+fn start(
+    a: &TcpEngine,
+    b: &TcpEngine,
+    id: u64,
+    src: &mut [u8],
+    dst: &mut [u8],
+    via: Option<SocketAddr>,
+) -> (Transfer, Transfer) {
+    let mut to_b = b.as_peer();
+    if via.is_some() {
+        to_b.data_addr = via;
+    }
+    let from_a = a.as_peer();
+    // SAFETY: the buffers outlive both transfers: every test waits for or aborts them
+    // before the buffers drop.
+    let recv = unsafe { b.recv(&from_a, TransferId(id), Region::of_slice(dst)) }.unwrap();
+    // SAFETY: as above.
+    let send = unsafe { a.send(&to_b, TransferId(id), Region::of_slice(src)) }.unwrap();
+    (send, recv)
+}
+
+#[test]
+fn round_trips_of_every_size_land_with_their_bytes() {
+    let (a, b) = (engine(1), engine(1));
+    assert_eq!(a.name(), "tcp");
+    assert!(!a.moves_device_memory());
+    for (id, len) in [0usize, 1, 1 << 20, 256 << 20].into_iter().enumerate() {
+        let mut src = pattern(len, id as u8);
+        let mut dst = vec![0u8; len];
+        let (send, recv) = start(&a, &b, id as u64, &mut src, &mut dst, None);
+        recv.wait(WAIT).unwrap();
+        send.wait(WAIT).unwrap();
+        assert!(send.is_finished() && recv.is_finished());
+        assert!(src == dst, "{len} bytes arrived changed");
+    }
+    // And back, on the other direction's connection.
+    let mut src = pattern(4096, 9);
+    let mut dst = vec![0u8; 4096];
+    let (send, recv) = start(&b, &a, 100, &mut src, &mut dst, None);
+    recv.wait(WAIT).unwrap();
+    send.wait(WAIT).unwrap();
+    assert_eq!(src, dst);
+}
+
+#[test]
+fn device_memory_and_a_size_mismatch_are_refused() {
+    let (a, b) = (engine(1), engine(1));
+    let device = Region {
+        ptr: MemPtr::Device(0x1000),
+        len: 16,
+        device: Some(baton_messages::DeviceUuid([1; 16])),
+    };
+    // SAFETY: refused before any memory is touched.
+    let r = unsafe { a.send(&b.as_peer(), TransferId(1), device) };
+    assert!(matches!(
+        r,
+        Err(Error::RegionUnsupported { engine: "tcp", .. })
+    ));
+    let mut src = pattern(100, 1);
+    let mut dst = vec![0u8; 50];
+    let (send, recv) = start(&a, &b, 2, &mut src, &mut dst, None);
+    assert!(matches!(
+        recv.wait(WAIT),
+        Err(Error::TransferSizeMismatch {
+            sent: 100,
+            room: 50,
+            ..
+        })
+    ));
+    assert!(matches!(
+        send.wait(WAIT),
+        Err(Error::TransferSizeMismatch { .. })
+    ));
+}
+
+/// A proxy to `to`: forwards both ways; from the sender, flips the byte at stream offset
+/// `flip_at` (if any) and stops forwarding (without closing) after `stall_after` bytes.
+fn proxy(to: SocketAddr, flip_at: Option<usize>, stall_after: Option<usize>) -> SocketAddr {
+    let front = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = front.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (client, _) = front.accept().unwrap();
+        let server = TcpStream::connect(to).unwrap();
+        let (mut c_r, mut s_w) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+        let (mut s_r, mut c_w) = (server, client);
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut s_r, &mut c_w);
+            let _ = c_w.shutdown(Shutdown::Both);
+        });
+        let mut buf = vec![0u8; 1 << 16];
+        let mut seen = 0usize;
+        loop {
+            let n = match c_r.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if let Some(at) = flip_at {
+                if (seen..seen + n).contains(&at) {
+                    buf[at - seen] ^= 0x01;
+                }
+            }
+            let n = match stall_after {
+                Some(limit) if seen + n >= limit => {
+                    let _ = s_w.write_all(&buf[..limit - seen]);
+                    // Silent from now on: hold both ends open, forward nothing.
+                    std::thread::sleep(Duration::from_secs(120));
+                    return;
+                }
+                _ => n,
+            };
+            if s_w.write_all(&buf[..n]).is_err() {
+                break;
+            }
+            seen += n;
+        }
+        let _ = s_w.shutdown(Shutdown::Both);
+    });
+    addr
+}
+
+#[test]
+fn a_changed_payload_byte_is_caught_by_the_mac() {
+    let (a, b) = (engine(1), engine(1));
+    let via = proxy(b.data_addr(), Some(300_000), None);
+    let mut src = pattern(1 << 20, 3);
+    let mut dst = vec![0u8; 1 << 20];
+    let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
+    assert!(matches!(
+        recv.wait(WAIT),
+        Err(Error::TransferCorrupt { id: 1 })
+    ));
+    assert!(matches!(
+        send.wait(WAIT),
+        Err(Error::TransferCorrupt { id: 1 })
+    ));
+}
+
+#[test]
+fn a_sender_that_goes_away_mid_transfer_fails_the_receive() {
+    let b = engine(1);
+    let mut dst = vec![0u8; 64 << 20];
+    let mut src = pattern(64 << 20, 4);
+    let a = engine(1);
+    // The proxy holds the transfer halfway, so it is mid-way when the sender goes.
+    let via = proxy(b.data_addr(), None, Some(8 << 20));
+    let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!recv.is_finished());
+    let started = Instant::now();
+    drop(a); // aborts its transfers and shuts its connections
+    let e = send.wait(Duration::ZERO).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::TransferAborted { id: 1 } | Error::TransferPeerGone { id: 1, .. }
+        ),
+        "{e}"
+    );
+    // The proxy holds its end open: the receiver notices by its stall deadline.
+    let e = recv.wait(WAIT).unwrap_err();
+    assert!(matches!(e, Error::TransferPeerGone { id: 1, .. }), "{e}");
+    assert!(started.elapsed() < STALL + Duration::from_secs(5));
+}
+
+#[test]
+fn a_receiver_that_goes_away_mid_transfer_fails_the_send() {
+    let a = engine(1);
+    let mut src = pattern(256 << 20, 5);
+    let mut dst = vec![0u8; 256 << 20];
+    let b = engine(1);
+    let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, None);
+    // Gone as soon as the bytes flow (or earlier: either way the send fails).
+    drop(b);
+    assert!(matches!(
+        recv.wait(Duration::ZERO),
+        Err(Error::TransferAborted { .. }) | Ok(())
+    ));
+    match send.wait(WAIT) {
+        Err(Error::TransferPeerGone { id: 1, .. }) => {}
+        Ok(()) => assert!(recv.wait(Duration::ZERO).is_ok(), "landed before the drop"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_silent_peer_fails_the_transfer_by_the_stall_deadline() {
+    let (a, b) = (engine(1), engine(1));
+    let via = proxy(b.data_addr(), None, Some(4 << 20));
+    let mut src = pattern(32 << 20, 6);
+    let mut dst = vec![0u8; 32 << 20];
+    let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
+    let started = Instant::now();
+    let e = recv.wait(WAIT).unwrap_err();
+    assert!(matches!(e, Error::TransferPeerGone { .. }), "{e}");
+    let e = send.wait(WAIT).unwrap_err();
+    assert!(matches!(e, Error::TransferPeerGone { .. }), "{e}");
+    assert!(started.elapsed() < 2 * STALL + Duration::from_secs(5));
+}
+
+#[test]
+fn abort_mid_transfer_returns_once_the_memory_is_free() {
+    let (a, b) = (engine(1), engine(1));
+    let via = proxy(b.data_addr(), None, Some(4 << 20));
+    let mut src = pattern(32 << 20, 7);
+    let mut dst = vec![0u8; 32 << 20];
+    let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!send.is_finished() && !recv.is_finished());
+    send.abort();
+    assert!(matches!(
+        send.wait(Duration::ZERO),
+        Err(Error::TransferAborted { id: 1 })
+    ));
+    src.fill(0); // ours again
+    b.abort_peer(&a.as_peer());
+    assert!(matches!(
+        recv.wait(Duration::ZERO),
+        Err(Error::TransferAborted { id: 1 })
+    ));
+    dst.fill(0);
+    // The engines carry on: a new transfer after the aborts lands.
+    let mut src = pattern(1000, 8);
+    let mut dst = vec![0u8; 1000];
+    let (send, recv) = start(&a, &b, 2, &mut src, &mut dst, None);
+    recv.wait(WAIT).unwrap();
+    send.wait(WAIT).unwrap();
+    assert_eq!(src, dst);
+}
+
+#[test]
+fn a_data_connection_with_a_wrong_token_is_refused() {
+    let (a, b) = (engine(1), engine(2));
+    let mut src = pattern(1000, 1);
+    // SAFETY: `src` outlives the transfer, which is waited for.
+    let send = unsafe { a.send(&b.as_peer(), TransferId(1), Region::of_slice(&mut src)) }.unwrap();
+    let e = send.wait(WAIT).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Refused {
+                reason: baton_messages::protocol::RefuseReason::BadToken
+            }
+        ),
+        "{e}"
+    );
+}
