@@ -29,6 +29,8 @@
 
 mod noise;
 mod nonblocking;
+#[cfg(test)]
+pub(crate) mod proxy;
 
 pub use nonblocking::{AsyncHostLink, HostLinkCloser, HostLinkReader, HostLinkWriter};
 
@@ -578,10 +580,7 @@ impl HostLink {
             }
         })();
         steps?;
-        link.stream
-            .set_read_timeout(None)
-            .and_then(|()| link.stream.set_write_timeout(None))
-            .map_err(Error::io("clearing a socket timeout"))?;
+        link.set_timeout(None)?;
         tracing::debug!(peer = %link.peer.process, host = %link.peer.host, "host link established (client)");
         Ok(link)
     }
@@ -639,10 +638,7 @@ impl HostLink {
             step.map_err(|r| link.refuse(r, &deadline))
         })();
         steps?;
-        link.stream
-            .set_read_timeout(None)
-            .and_then(|()| link.stream.set_write_timeout(None))
-            .map_err(Error::io("clearing a socket timeout"))?;
+        link.set_timeout(None)?;
         tracing::debug!(peer = %link.peer.process, host = %link.peer.host, "host link established (server)");
         Ok(link)
     }

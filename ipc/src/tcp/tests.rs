@@ -4,7 +4,6 @@
 
 use super::*;
 use baton_messages::SessionToken;
-use std::net::Shutdown;
 
 fn session(b: u8) -> Session {
     Session::new(SessionToken::from_bytes([b; 32]))
@@ -113,43 +112,15 @@ fn a_key_outside_the_pinned_set_is_refused() {
     assert!(c.is_ok() && s.is_ok());
 }
 
-/// A proxy that forwards both ways and, once `flip` is set, flips one byte inside the
-/// next chunk it forwards from the client.
-fn tampering_proxy(to: SocketAddr, flip: Arc<AtomicBool>) -> SocketAddr {
-    let front = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = front.local_addr().unwrap();
-    std::thread::spawn(move || {
-        let (client, _) = front.accept().unwrap();
-        let server = TcpStream::connect(to).unwrap();
-        let (mut c_r, mut s_w) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-        let (mut s_r, mut c_w) = (server, client);
-        std::thread::spawn(move || {
-            let _ = io::copy(&mut s_r, &mut c_w);
-            let _ = c_w.shutdown(Shutdown::Both);
-        });
-        let mut buf = vec![0u8; 1 << 16];
-        loop {
-            let n = match c_r.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            if n > 8 && flip.swap(false, Ordering::SeqCst) {
-                buf[6] ^= 0x20;
-            }
-            if s_w.write_all(&buf[..n]).is_err() {
-                break;
-            }
-        }
-        let _ = s_w.shutdown(Shutdown::Both);
-    });
-    addr
-}
-
 #[test]
 fn a_changed_byte_in_a_transport_message_is_refused_as_tampered() {
     let listener = listen(config(1));
     let flip = Arc::new(AtomicBool::new(false));
-    let proxy = tampering_proxy(listener.local_addr(), Arc::clone(&flip));
+    let proxy = proxy::proxy(
+        listener.local_addr(),
+        proxy::Flip::WhenArmed(Arc::clone(&flip)),
+        None,
+    );
     let mut c = HostLink::connect(proxy, &config(1)).unwrap();
     let mut s = listener.accept_timeout(Duration::from_secs(10)).unwrap();
     c.send(&Message::Ping(1), &[]).unwrap();

@@ -4,8 +4,8 @@
 
 use super::*;
 use crate::tcp::NodeKey;
+use crate::tcp::proxy::{Flip, proxy};
 use baton_messages::SessionToken;
-use std::net::Shutdown;
 
 const STALL: Duration = Duration::from_secs(2);
 const WAIT: Duration = Duration::from_secs(60);
@@ -103,55 +103,10 @@ fn device_memory_and_a_size_mismatch_are_refused() {
     ));
 }
 
-/// A proxy to `to`: forwards both ways; from the sender, flips the byte at stream offset
-/// `flip_at` (if any) and stops forwarding (without closing) after `stall_after` bytes.
-fn proxy(to: SocketAddr, flip_at: Option<usize>, stall_after: Option<usize>) -> SocketAddr {
-    let front = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = front.local_addr().unwrap();
-    std::thread::spawn(move || {
-        let (client, _) = front.accept().unwrap();
-        let server = TcpStream::connect(to).unwrap();
-        let (mut c_r, mut s_w) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-        let (mut s_r, mut c_w) = (server, client);
-        std::thread::spawn(move || {
-            let _ = std::io::copy(&mut s_r, &mut c_w);
-            let _ = c_w.shutdown(Shutdown::Both);
-        });
-        let mut buf = vec![0u8; 1 << 16];
-        let mut seen = 0usize;
-        loop {
-            let n = match c_r.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            if let Some(at) = flip_at {
-                if (seen..seen + n).contains(&at) {
-                    buf[at - seen] ^= 0x01;
-                }
-            }
-            let n = match stall_after {
-                Some(limit) if seen + n >= limit => {
-                    let _ = s_w.write_all(&buf[..limit - seen]);
-                    // Silent from now on: hold both ends open, forward nothing.
-                    std::thread::sleep(Duration::from_secs(120));
-                    return;
-                }
-                _ => n,
-            };
-            if s_w.write_all(&buf[..n]).is_err() {
-                break;
-            }
-            seen += n;
-        }
-        let _ = s_w.shutdown(Shutdown::Both);
-    });
-    addr
-}
-
 #[test]
 fn a_changed_payload_byte_is_caught_by_the_mac() {
     let (a, b) = (engine(1), engine(1));
-    let via = proxy(b.data_addr(), Some(300_000), None);
+    let via = proxy(b.data_addr(), Flip::At(300_000), None);
     let mut src = pattern(1 << 20, 3);
     let mut dst = vec![0u8; 1 << 20];
     let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
@@ -172,7 +127,7 @@ fn a_sender_that_goes_away_mid_transfer_fails_the_receive() {
     let mut src = pattern(64 << 20, 4);
     let a = engine(1);
     // The proxy holds the transfer halfway, so it is mid-way when the sender goes.
-    let via = proxy(b.data_addr(), None, Some(8 << 20));
+    let via = proxy(b.data_addr(), Flip::Never, Some(8 << 20));
     let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
     std::thread::sleep(Duration::from_millis(200));
     assert!(!recv.is_finished());
@@ -215,7 +170,7 @@ fn a_receiver_that_goes_away_mid_transfer_fails_the_send() {
 #[test]
 fn a_silent_peer_fails_the_transfer_by_the_stall_deadline() {
     let (a, b) = (engine(1), engine(1));
-    let via = proxy(b.data_addr(), None, Some(4 << 20));
+    let via = proxy(b.data_addr(), Flip::Never, Some(4 << 20));
     let mut src = pattern(32 << 20, 6);
     let mut dst = vec![0u8; 32 << 20];
     let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
@@ -230,7 +185,7 @@ fn a_silent_peer_fails_the_transfer_by_the_stall_deadline() {
 #[test]
 fn abort_mid_transfer_returns_once_the_memory_is_free() {
     let (a, b) = (engine(1), engine(1));
-    let via = proxy(b.data_addr(), None, Some(4 << 20));
+    let via = proxy(b.data_addr(), Flip::Never, Some(4 << 20));
     let mut src = pattern(32 << 20, 7);
     let mut dst = vec![0u8; 32 << 20];
     let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
