@@ -4,8 +4,7 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Which byte from the connecting side to flip.
 #[derive(Debug, Clone)]
@@ -18,12 +17,19 @@ pub(crate) enum Flip {
     WhenArmed(Arc<AtomicBool>),
 }
 
-/// Proxies one connection to `to`; returns the address to connect to instead. After
-/// `stall_after` bytes from the connecting side, forwards nothing more (both ends stay
-/// open for two minutes).
-pub(crate) fn proxy(to: SocketAddr, flip: Flip, stall_after: Option<usize>) -> SocketAddr {
+/// Proxies one connection to `to`; returns the address to connect to instead, and the
+/// count of bytes forwarded from the connecting side. After `stall_after` bytes from the
+/// connecting side, forwards nothing more: both ends stay open (what comes in is read
+/// and dropped) until the connecting side closes, then the other end is closed too.
+pub(crate) fn proxy(
+    to: SocketAddr,
+    flip: Flip,
+    stall_after: Option<usize>,
+) -> (SocketAddr, Arc<AtomicUsize>) {
     let front = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = front.local_addr().unwrap();
+    let forwarded = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&forwarded);
     std::thread::spawn(move || {
         let (client, _) = front.accept().unwrap();
         let server = TcpStream::connect(to).unwrap();
@@ -49,15 +55,17 @@ pub(crate) fn proxy(to: SocketAddr, flip: Flip, stall_after: Option<usize>) -> S
             }
             if let Some(limit) = stall_after.filter(|limit| seen + n >= *limit) {
                 let _ = s_w.write_all(&buf[..limit - seen]);
-                std::thread::sleep(Duration::from_secs(120));
-                return;
+                count.store(limit, Ordering::SeqCst);
+                while matches!(c_r.read(&mut buf), Ok(n) if n > 0) {}
+                break;
             }
             if s_w.write_all(&buf[..n]).is_err() {
                 break;
             }
             seen += n;
+            count.store(seen, Ordering::SeqCst);
         }
         let _ = s_w.shutdown(Shutdown::Both);
     });
-    addr
+    (addr, forwarded)
 }

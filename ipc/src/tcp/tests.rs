@@ -116,7 +116,7 @@ fn a_key_outside_the_pinned_set_is_refused() {
 fn a_changed_byte_in_a_transport_message_is_refused_as_tampered() {
     let listener = listen(config(1));
     let flip = Arc::new(AtomicBool::new(false));
-    let proxy = proxy::proxy(
+    let (proxy, _) = proxy::proxy(
         listener.local_addr(),
         proxy::Flip::WhenArmed(Arc::clone(&flip)),
         None,

@@ -106,7 +106,7 @@ fn device_memory_and_a_size_mismatch_are_refused() {
 #[test]
 fn a_changed_payload_byte_is_caught_by_the_mac() {
     let (a, b) = (engine(1), engine(1));
-    let via = proxy(b.data_addr(), Flip::At(300_000), None);
+    let (via, _) = proxy(b.data_addr(), Flip::At(300_000), None);
     let mut src = pattern(1 << 20, 3);
     let mut dst = vec![0u8; 1 << 20];
     let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
@@ -127,7 +127,7 @@ fn a_sender_that_goes_away_mid_transfer_fails_the_receive() {
     let mut src = pattern(64 << 20, 4);
     let a = engine(1);
     // The proxy holds the transfer halfway, so it is mid-way when the sender goes.
-    let via = proxy(b.data_addr(), Flip::Never, Some(8 << 20));
+    let (via, _) = proxy(b.data_addr(), Flip::Never, Some(8 << 20));
     let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
     std::thread::sleep(Duration::from_millis(200));
     assert!(!recv.is_finished());
@@ -141,7 +141,7 @@ fn a_sender_that_goes_away_mid_transfer_fails_the_receive() {
         ),
         "{e}"
     );
-    // The proxy holds its end open: the receiver notices by its stall deadline.
+    // The receiver notices (the proxy passes the close on) within its stall deadline.
     let e = recv.wait(WAIT).unwrap_err();
     assert!(matches!(e, Error::TransferPeerGone { id: 1, .. }), "{e}");
     assert!(started.elapsed() < STALL + Duration::from_secs(5));
@@ -170,7 +170,7 @@ fn a_receiver_that_goes_away_mid_transfer_fails_the_send() {
 #[test]
 fn a_silent_peer_fails_the_transfer_by_the_stall_deadline() {
     let (a, b) = (engine(1), engine(1));
-    let via = proxy(b.data_addr(), Flip::Never, Some(4 << 20));
+    let (via, _) = proxy(b.data_addr(), Flip::Never, Some(4 << 20));
     let mut src = pattern(32 << 20, 6);
     let mut dst = vec![0u8; 32 << 20];
     let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
@@ -185,7 +185,7 @@ fn a_silent_peer_fails_the_transfer_by_the_stall_deadline() {
 #[test]
 fn abort_mid_transfer_returns_once_the_memory_is_free() {
     let (a, b) = (engine(1), engine(1));
-    let via = proxy(b.data_addr(), Flip::Never, Some(4 << 20));
+    let (via, _) = proxy(b.data_addr(), Flip::Never, Some(4 << 20));
     let mut src = pattern(32 << 20, 7);
     let mut dst = vec![0u8; 32 << 20];
     let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
@@ -228,4 +228,75 @@ fn a_data_connection_with_a_wrong_token_is_refused() {
         ),
         "{e}"
     );
+}
+
+/// The child's role in `a_killed_sender_process_fails_the_receive`: sends a large buffer
+/// to the parent's engine (through the address in the environment) and waits to be killed.
+#[test]
+#[ignore = "a child process's role, run by a_killed_sender_process_fails_the_receive"]
+fn child_sender() {
+    let Ok(to) = std::env::var("BATON_TEST_ENGINE_TO") else {
+        return;
+    };
+    let token = SessionToken::from_hex(&std::env::var("BATON_TEST_TOKEN").unwrap()).unwrap();
+    let config = TcpConfig::new(crate::Session::new(token), NodeKey::generate().unwrap());
+    let a = TcpEngine::bind("127.0.0.1:0", config, STALL).unwrap();
+    let parent = rustix::process::getppid().unwrap().as_raw_nonzero().get() as u32;
+    let peer = EnginePeer {
+        process: ProcessId {
+            boot: crate::process::boot_id(),
+            pid: parent,
+            start_ticks: crate::process::start_ticks(parent).unwrap(),
+        },
+        host: crate::tcp::HostId::current(),
+        data_addr: Some(to.parse().unwrap()),
+    };
+    let mut src = pattern(64 << 20, 1);
+    // SAFETY: `src` lives until this process is killed (the wait below outlasts the test).
+    let send = unsafe { a.send(&peer, TransferId(1), Region::of_slice(&mut src)) }.unwrap();
+    let _ = send.wait(Duration::from_secs(120));
+}
+
+/// SIGKILL of the sending process mid-transfer (held halfway by a proxy, which passes the
+/// kill's close on): the receiver's transfer fails with a typed error at once.
+#[test]
+fn a_killed_sender_process_fails_the_receive() {
+    let token = SessionToken::from_bytes(crate::session::random_bytes().unwrap());
+    let config = TcpConfig::new(
+        crate::Session::new(token.clone()),
+        NodeKey::generate().unwrap(),
+    );
+    let b = TcpEngine::bind("127.0.0.1:0", config, STALL).unwrap();
+    let (via, forwarded) = proxy(b.data_addr(), Flip::Never, Some(8 << 20));
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "transfer::tcp::tests::child_sender", "--ignored"])
+        .env("BATON_TEST_ENGINE_TO", via.to_string())
+        .env("BATON_TEST_TOKEN", token.to_hex())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let from = EnginePeer {
+        process: ProcessId {
+            boot: crate::process::boot_id(),
+            pid: child.id(),
+            start_ticks: crate::process::start_ticks(child.id()).unwrap(),
+        },
+        host: crate::tcp::HostId::current(),
+        data_addr: None,
+    };
+    let mut dst = vec![0u8; 64 << 20];
+    // SAFETY: `dst` outlives the transfer, which is waited for below.
+    let recv = unsafe { b.recv(&from, TransferId(1), Region::of_slice(&mut dst)) }.unwrap();
+    // Until its bytes flow (the proxy holds them halfway), then the kill.
+    let until = Instant::now() + WAIT;
+    while forwarded.load(Ordering::SeqCst) < 8 << 20 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!recv.is_finished(), "mid-transfer");
+    let _ = child.kill();
+    let _ = child.wait();
+    let started = Instant::now();
+    let e = recv.wait(WAIT).unwrap_err();
+    assert!(matches!(e, Error::TransferPeerGone { id: 1, .. }), "{e}");
+    assert!(started.elapsed() < STALL + Duration::from_secs(5));
 }
