@@ -324,6 +324,88 @@ pub enum Error {
         /// Why, and what to do.
         reason: String,
     },
+    // Hosts (issue 26): the TCP host link and the transfer engines.
+    /// A Noise message from a TCP peer failed its authentication check: its bytes were
+    /// changed on the way, or it does not come from a holder of this session's token. The
+    /// connection is dropped.
+    #[error(
+        "a {what} from the TCP peer failed its authentication check: its bytes were changed \
+         on the way, or the peer is not of this session; the connection is dropped"
+    )]
+    Tampered {
+        /// What failed to check (a handshake message, a transport message).
+        what: &'static str,
+    },
+    /// A TCP peer's static key is not in this side's pinned set
+    /// ([`TcpPolicy`](crate::tcp::TcpPolicy)).
+    #[error(
+        "the TCP peer's static key {key} is not pinned: add it to the TcpPolicy to accept that node"
+    )]
+    HostKeyNotPinned {
+        /// The peer's public key, in hex.
+        key: String,
+    },
+    /// A TCP peer's claimed process is not the one its Noise handshake announced.
+    #[error(
+        "the TCP peer claims to be {claimed} but its authenticated handshake announced {announced}"
+    )]
+    HostClaimMismatch {
+        /// What the Baton handshake claimed.
+        claimed: ProcessId,
+        /// What the Noise handshake payload said.
+        announced: ProcessId,
+    },
+    /// A frame with file descriptors was to be sent over TCP, which cannot carry them.
+    #[error(
+        "a frame with {nfds} file descriptors cannot cross a TCP link: send host memory through a transfer engine instead"
+    )]
+    DescriptorsOverTcp {
+        /// The descriptors the frame was to carry.
+        nfds: usize,
+    },
+    /// A transfer engine was given memory it cannot move (device memory to the TCP engine).
+    #[error("the {engine} engine cannot move this memory: {reason}")]
+    RegionUnsupported {
+        /// The engine.
+        engine: &'static str,
+        /// What is wrong, and what to do.
+        reason: &'static str,
+    },
+    /// A transfer was aborted ([`Transfer::abort`](crate::transfer::Transfer::abort) or
+    /// `abort_peer`) before it landed.
+    #[error("transfer {id} was aborted before it landed")]
+    TransferAborted {
+        /// The transfer.
+        id: u64,
+    },
+    /// The peer of a transfer went away (its connection closed or failed) before the
+    /// transfer landed.
+    #[error("the peer of transfer {id} went away before it landed: {why}")]
+    TransferPeerGone {
+        /// The transfer.
+        id: u64,
+        /// How it went.
+        why: String,
+    },
+    /// A transfer's bytes do not match the MAC the sender computed: they were changed on
+    /// the way. The receiving region holds garbage; the data connection is dropped.
+    #[error(
+        "transfer {id} arrived corrupted (its MAC does not check): the data connection is dropped"
+    )]
+    TransferCorrupt {
+        /// The transfer.
+        id: u64,
+    },
+    /// The sender and receiver of a transfer disagree on its size.
+    #[error("transfer {id}: the sender sends {sent} bytes, the receiving region holds {room}")]
+    TransferSizeMismatch {
+        /// The transfer.
+        id: u64,
+        /// Bytes sent.
+        sent: u64,
+        /// Bytes the receiving region holds.
+        room: u64,
+    },
 }
 
 /// Whose fault an [`Error`] is (or an `ActorError` of `baton-actors`, which shares the
@@ -386,7 +468,12 @@ impl Error {
             | Error::UnsealedMemory { .. }
             | Error::BadToken
             | Error::PeerNotAllowed { .. }
-            | Error::FenceRefused { .. } => Fault::Peer,
+            | Error::FenceRefused { .. }
+            | Error::Tampered { .. }
+            | Error::HostKeyNotPinned { .. }
+            | Error::HostClaimMismatch { .. }
+            | Error::TransferCorrupt { .. }
+            | Error::TransferSizeMismatch { .. } => Fault::Peer,
             Error::Refused { .. } => Fault::Refused,
             Error::SegmentNotFound { .. }
             | Error::MemoryTooSmall { .. }
@@ -415,8 +502,13 @@ impl Error {
             | Error::SharedMapping { .. }
             | Error::InPlace { .. }
             | Error::SlabFull { .. }
-            | Error::NotBorrowable { .. } => Fault::Usage,
-            Error::Closed | Error::Timeout { .. } => Fault::Ended,
+            | Error::NotBorrowable { .. }
+            | Error::DescriptorsOverTcp { .. }
+            | Error::RegionUnsupported { .. } => Fault::Usage,
+            Error::Closed
+            | Error::Timeout { .. }
+            | Error::TransferAborted { .. }
+            | Error::TransferPeerGone { .. } => Fault::Ended,
         }
     }
 

@@ -200,6 +200,46 @@ fn every_variant() -> Vec<(Error, Fault)> {
             },
             Fault::Ended,
         ),
+        // Hosts (issue 26): the TCP host link and the transfer engines.
+        (
+            Error::Tampered {
+                what: "transport message",
+            },
+            Fault::Peer,
+        ),
+        (Error::HostKeyNotPinned { key: "00ff".into() }, Fault::Peer),
+        (
+            Error::HostClaimMismatch {
+                claimed: process(),
+                announced: process(),
+            },
+            Fault::Peer,
+        ),
+        (Error::DescriptorsOverTcp { nfds: 1 }, Fault::Usage),
+        (
+            Error::RegionUnsupported {
+                engine: "tcp",
+                reason: "device memory",
+            },
+            Fault::Usage,
+        ),
+        (Error::TransferAborted { id: 1 }, Fault::Ended),
+        (
+            Error::TransferPeerGone {
+                id: 1,
+                why: "connection closed".into(),
+            },
+            Fault::Ended,
+        ),
+        (Error::TransferCorrupt { id: 1 }, Fault::Peer),
+        (
+            Error::TransferSizeMismatch {
+                id: 1,
+                sent: 8,
+                room: 4,
+            },
+            Fault::Peer,
+        ),
     ]
 }
 
@@ -226,10 +266,12 @@ fn peer_fault_and_local_open_failure_read_the_kind() {
         peer += usize::from(error.is_peer_fault());
         local += usize::from(error.is_local_open_failure());
     }
+    // Issue 26 added five peer faults (a tampered or unpinned TCP peer, a host claim
+    // that does not match, a corrupt transfer, a size disagreement).
     assert_eq!(
         (peer, local),
-        (10, 12),
-        "the lists as they stood before the kinds"
+        (10 + 5, 12),
+        "the lists as they stood before the kinds, with issue 26's host variants"
     );
 }
 
