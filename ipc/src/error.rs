@@ -324,6 +324,62 @@ pub enum Error {
         /// Why, and what to do.
         reason: String,
     },
+    // Transfer engines (issue 26).
+    /// NCCL cannot be used in this process: no `libnccl`, one too old, a missing entry point.
+    #[error("NCCL is unavailable: {reason}")]
+    NcclUnavailable {
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// An NCCL call failed (the code is kept as NCCL returned it).
+    #[error("{op} failed: NCCL error {code}: {message}")]
+    Nccl {
+        /// The call (`ncclCommInitRankConfig`, …).
+        op: &'static str,
+        /// `ncclResult_t`, as returned (`-1`: a CUDA call around it failed).
+        code: i32,
+        /// `ncclGetErrorString`'s text, or the CUDA error.
+        message: String,
+    },
+    /// This node aborted the transfer (its `abort`, the engine's `abort_peer` or drop)
+    /// before the bytes landed; the engine no longer touches its memory.
+    #[error("transfer {id} was aborted before its bytes landed")]
+    TransferAborted {
+        /// The transfer.
+        id: u64,
+    },
+    /// The peer of a transfer died or left before the bytes landed.
+    #[error("transfer {id} failed: the peer died or left before the bytes landed")]
+    TransferPeerGone {
+        /// The transfer.
+        id: u64,
+    },
+    /// The channel a transfer ran on failed (an NCCL communicator's asynchronous error, a
+    /// rendezvous that timed out, an abort of another transfer on it); the engine no
+    /// longer touches its memory. Starting the transfer again makes a fresh channel.
+    #[error("transfer {id} failed: {reason}")]
+    TransferFailed {
+        /// The transfer.
+        id: u64,
+        /// What failed.
+        reason: String,
+    },
+    /// A peer's rendezvous message (an engine's connection set-up, carried by the control
+    /// plane) does not decode: the peer's fault.
+    #[error("a rendezvous message from the peer is refused: {reason}")]
+    BadRendezvous {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A transfer asked of an engine that cannot make it (host memory to the NCCL engine,
+    /// a transfer to this node itself).
+    #[error("the {engine} engine cannot make this transfer: {reason}")]
+    TransferMemory {
+        /// The engine.
+        engine: &'static str,
+        /// Why, and what to use instead.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -40,13 +40,16 @@
 //!    (the backend every generic test can run on), `cache` ([`ImportCache`],
 //!    [`Imported`]: any backend's mappings), [`cuda`] (after the cache, which its GPU tests
 //!    open through), [`select`] (which backend, at run time), [`slab`] ([`SlabArena`]);
-//! 6. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
+//! 6. the data plane: [`transfer`] (engines that move a buffer's bytes to a node on
+//!    another host; [`transfer::nccl`] moves device memory over NCCL);
+//! 7. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
 //!
 //! Edges that still point up, allowed by the layer test until issue 28 removes them:
 //! `backend` names `cuda` (`Backend::cuda()`) and its tests use `host`; `error` names
 //! `cuda` ([`Error::Cuda`] carries a `cuda::CudaError`, defined in the CUDA backend).
 //!
-//! This crate knows nothing of actors. `unsafe` code lives only in backend modules, in
+//! This crate knows nothing of actors. `unsafe` code lives only in backend modules (the
+//! transfer engines among them: NCCL is loaded and called through FFI), in
 //! [`spawn`] (`pre_exec` hooks) and [`handoff`] (a `pre_exec` hook, the inherited token
 //! descriptor), and in one block of the import cache ([`Imported::host_bytes_mut`], the
 //! only caller that can keep the contract of `RawMemory::host_bytes_mut`), each opening
@@ -104,7 +107,12 @@ pub mod select;
 // Slabs of many buffers.
 pub mod slab;
 
-// 6. The fuzz targets' logic.
+// 6. The data plane.
+// Transfer engines between hosts.
+#[allow(unsafe_code)]
+pub mod transfer;
+
+// 7. The fuzz targets' logic.
 #[doc(hidden)]
 pub mod fuzzing;
 
