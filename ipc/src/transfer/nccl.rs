@@ -26,6 +26,14 @@
 //!
 //! The lifecycle is the I/O-free state machine of `comm` (property-tested); the NCCL calls
 //! go through the `api::Nccl` trait, implemented by the library and by a fake in tests.
+//!
+//! # Safety
+//!
+//! The FFI lives in `library` (its own overview). Here, `send`/`recv` are `unsafe` for the
+//! memory contract of [`TransferEngine`]: the engine hands a region's address to NCCL only
+//! while its transfer is unfinished, and finishes a launched transfer only once its
+//! operation completed or its communicator's `ncclCommAbort` returned (the order of the
+//! `comm` table's actions, checked by its model test).
 
 use crate::transfer::{EnginePeer, HostId, InFlight, Region, Transfer, TransferEngine, TransferId};
 use crate::{Error, MemPtr, Result};
@@ -325,12 +333,7 @@ impl NcclEngine {
         region: Region,
         dir: Dir,
     ) -> Result<Transfer> {
-        let MemPtr::Device(addr) = region.ptr else {
-            return Err(Error::TransferMemory {
-                engine: "nccl",
-                reason: "NCCL moves device memory; use the TCP engine for host memory".into(),
-            });
-        };
+        let addr = api::device_addr(&region)?;
         let key = self.shared.key(peer, dir)?;
         let outcome = Arc::new(Outcome::default());
         let mut st = self.shared.lock();

@@ -2,9 +2,23 @@
 //! loaded at run time (`super::library`) and, in tests, by a fake that records calls and
 //! can hold a transfer forever or raise an asynchronous error.
 
-use crate::Result;
 use crate::transfer::Region;
+use crate::{Error, MemPtr, Result};
 use std::fmt;
+
+/// The device address of `region`: NCCL moves device memory only.
+///
+/// # Errors
+/// [`Error::TransferMemory`] for host memory.
+pub fn device_addr(region: &Region) -> Result<u64> {
+    match region.ptr {
+        MemPtr::Device(addr) => Ok(addr),
+        MemPtr::Host(_) => Err(Error::TransferMemory {
+            engine: "nccl",
+            reason: "NCCL moves device memory; use the TCP engine for host memory".into(),
+        }),
+    }
+}
 
 /// A rank in a 2-rank communicator: 0 (the lower identity) or 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -46,7 +60,7 @@ pub enum Progress {
     /// Completed.
     Done,
     /// Failed; the communicator must be aborted.
-    Failed(crate::Error),
+    Failed(Error),
 }
 
 /// The NCCL calls of the engine. Every call returns at once (communicators are made

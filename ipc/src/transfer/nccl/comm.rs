@@ -245,37 +245,38 @@ impl<P: Ord + Clone + fmt::Debug> CommTable<P> {
         self.slots.entry(peer.clone()).or_insert_with(Slot::new)
     }
 
-    fn start_offer(&mut self, peer: &P, now: Instant, out: &mut Vec<Action<P>>) {
+    /// A fresh communicator: offered by us (`uid` None: the engine makes the unique id),
+    /// or joining the peer's `uid`.
+    fn start(&mut self, peer: &P, uid: Option<UniqueId>, now: Instant, out: &mut Vec<Action<P>>) {
         let attempt = self.fresh();
         let rank = self.rank(peer);
         let deadline = now + self.rendezvous_timeout;
-        let serials = self.serials.entry(peer.clone()).or_default();
-        serials.serial += 1;
-        let offer = *serials;
+        let action = match uid {
+            None => {
+                let serials = self.serials.entry(peer.clone()).or_default();
+                serials.serial += 1;
+                let offer = *serials;
+                Action::Offer {
+                    peer: peer.clone(),
+                    attempt,
+                    rank,
+                    offer,
+                }
+            }
+            Some(uid) => Action::Join {
+                peer: peer.clone(),
+                attempt,
+                uid,
+                rank,
+            },
+        };
         let slot = self.slot(peer);
-        slot.phase = Phase::Offered(attempt);
+        slot.phase = match uid {
+            None => Phase::Offered(attempt),
+            Some(_) => Phase::Joining(attempt),
+        };
         slot.init_deadline = Some(deadline);
-        out.push(Action::Offer {
-            peer: peer.clone(),
-            attempt,
-            rank,
-            offer,
-        });
-    }
-
-    fn start_join(&mut self, peer: &P, uid: UniqueId, now: Instant, out: &mut Vec<Action<P>>) {
-        let attempt = self.fresh();
-        let rank = self.rank(peer);
-        let deadline = now + self.rendezvous_timeout;
-        let slot = self.slot(peer);
-        slot.phase = Phase::Joining(attempt);
-        slot.init_deadline = Some(deadline);
-        out.push(Action::Join {
-            peer: peer.clone(),
-            attempt,
-            uid,
-            rank,
-        });
+        out.push(action);
     }
 
     fn finish(&mut self, tid: Tid, outcome: Result<(), Failure>, out: &mut Vec<Action<P>>) {
@@ -350,7 +351,7 @@ impl<P: Ord + Clone + fmt::Debug> CommTable<P> {
             }
             Phase::Idle => {
                 slot.queued.push_back((tid, deadline, limit));
-                self.start_offer(peer, now, out);
+                self.start(peer, None, now, out);
             }
             Phase::Offered(_) | Phase::Joining(_) | Phase::Aborting(_) => {
                 slot.queued.push_back((tid, deadline, limit));
@@ -386,7 +387,7 @@ impl<P: Ord + Clone + fmt::Debug> CommTable<P> {
         }
         let slot = self.slot(peer);
         match slot.phase {
-            Phase::Idle => self.start_join(peer, uid, now, out),
+            Phase::Idle => self.start(peer, Some(uid), now, out),
             Phase::Aborting(_) => slot.next_offer = Some(uid),
             Phase::Offered(_) | Phase::Joining(_) | Phase::Ready(_) => {
                 let why = Failure::Comm("the peer started a new communicator".into());
@@ -444,10 +445,10 @@ impl<P: Ord + Clone + fmt::Debug> CommTable<P> {
         }
         slot.phase = Phase::Idle;
         if let Some(uid) = slot.next_offer.take() {
-            self.start_join(peer, uid, now, out);
+            self.start(peer, Some(uid), now, out);
         } else if !slot.queued.is_empty() {
             if slot.offers {
-                self.start_offer(peer, now, out);
+                self.start(peer, None, now, out);
             }
         } else {
             self.slots.remove(peer);

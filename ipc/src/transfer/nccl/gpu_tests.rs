@@ -13,7 +13,6 @@
 //! transfer::nccl::gpu_tests -- --test-threads=1 --nocapture`.
 
 use super::*;
-use baton_messages::BootId;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -23,16 +22,7 @@ const SIZES: [usize; 6] = [1, 7, 4096, 1 << 20, 16 << 20, 64 << 20];
 const PEER_ROLE: &str = "BATON_NCCL_PEER";
 const LINE: &str = "BATON-R ";
 
-fn node(n: u8) -> EnginePeer {
-    EnginePeer {
-        process: ProcessId {
-            boot: BootId([n; 16]),
-            pid: u32::from(n),
-            start_ticks: 1,
-        },
-        host: HostId([n; 32]),
-    }
-}
+use super::tests::peer as node;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)

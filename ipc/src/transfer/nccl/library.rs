@@ -25,7 +25,7 @@
 
 use super::api::{CommHandle, Nccl, OpHandle, Progress, Rank, UniqueId};
 use crate::transfer::Region;
-use crate::{Error, MemPtr, Result};
+use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
@@ -85,14 +85,20 @@ impl Config {
     }
 }
 
+/// `ncclSend`/`ncclRecv`: buffer, count, data type, peer rank, communicator, stream.
+type PointToPoint =
+    unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> RawResult;
+
 /// The entry points, by name.
 struct Api {
     get_version: unsafe extern "C" fn(*mut c_int) -> RawResult,
     get_unique_id: unsafe extern "C" fn(*mut RawUniqueId) -> RawResult,
     comm_init_rank_config:
         unsafe extern "C" fn(*mut RawComm, c_int, RawUniqueId, c_int, *mut Config) -> RawResult,
-    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, RawStream) -> RawResult,
-    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> RawResult,
+    /// `ncclSend`, whose buffer is `const void*`: the same in the ABI as `void*`.
+    send: PointToPoint,
+    /// `ncclRecv`.
+    recv: PointToPoint,
     comm_get_async_error: unsafe extern "C" fn(RawComm, *mut c_int) -> RawResult,
     comm_abort: unsafe extern "C" fn(RawComm) -> RawResult,
     get_error_string: unsafe extern "C" fn(RawResult) -> *const c_char,
@@ -349,31 +355,23 @@ impl LibraryNccl {
             unreachable!("neither enqueued nor enqueueing")
         };
         let stream = c.stream.cu_stream() as RawStream;
-        let (name, code) = if send {
-            // SAFETY: `ptr` is device memory valid until the operation ends (the caller's
-            // promise); `c.raw` is live (held under the lock); the stream is the comm's.
-            ("ncclSend", unsafe {
-                (self.api.send)(
-                    ptr as *const c_void,
-                    len,
-                    UINT8,
-                    c_int::from(peer.0),
-                    c.raw,
-                    stream,
-                )
-            })
+        let (name, call) = if send {
+            ("ncclSend", self.api.send)
         } else {
-            // SAFETY: as above.
-            ("ncclRecv", unsafe {
-                (self.api.recv)(
-                    ptr as *mut c_void,
-                    len,
-                    UINT8,
-                    c_int::from(peer.0),
-                    c.raw,
-                    stream,
-                )
-            })
+            ("ncclRecv", self.api.recv)
+        };
+        // SAFETY: `ptr` is device memory valid until the operation ends (the caller's
+        // promise; ncclSend only reads it); `c.raw` is live (held under the lock); the
+        // stream is the communicator's.
+        let code = unsafe {
+            call(
+                ptr as *mut c_void,
+                len,
+                UINT8,
+                c_int::from(peer.0),
+                c.raw,
+                stream,
+            )
         };
         match code {
             SUCCESS => {
@@ -400,12 +398,7 @@ impl LibraryNccl {
         peer: Rank,
         send: bool,
     ) -> Result<OpHandle> {
-        let MemPtr::Device(ptr) = region.ptr else {
-            return Err(Error::TransferMemory {
-                engine: "nccl",
-                reason: "NCCL moves device memory; this region is host memory".into(),
-            });
-        };
+        let ptr = super::api::device_addr(&region)?;
         self.bind()?;
         let mut tables = self.tables();
         if !tables.comms.contains_key(&comm.0) {

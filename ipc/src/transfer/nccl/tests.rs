@@ -7,7 +7,7 @@ use super::*;
 use baton_messages::BootId;
 use std::sync::mpsc;
 
-fn peer(n: u8) -> EnginePeer {
+pub(super) fn peer(n: u8) -> EnginePeer {
     EnginePeer {
         process: ProcessId {
             boot: BootId([n; 16]),
@@ -25,6 +25,17 @@ fn region(buf: &mut [u8]) -> Region {
         len: buf.len(),
         device: None,
     }
+}
+
+/// Moves `src` from node 1 to node 2's `dst` as transfer `id`, and checks it landed.
+fn move_checked(pair: &Pair, id: u64, src: &mut [u8], dst: &mut [u8]) {
+    // SAFETY: the buffers outlive the waits, which end the transfers.
+    let s = unsafe { pair.a.send(&peer(2), TransferId(id), region(src)) }.unwrap();
+    // SAFETY: as above.
+    let r = unsafe { pair.b.recv(&peer(1), TransferId(id), region(dst)) }.unwrap();
+    s.wait(soon()).unwrap();
+    r.wait(soon()).unwrap();
+    assert_eq!(dst, src);
 }
 
 fn soon() -> Instant {
@@ -220,13 +231,7 @@ fn a_stuck_transfer_is_aborted_at_its_deadline_and_a_fresh_comm_follows() {
     assert!(pair.fabric().aborts() >= 1);
     // Released: the next transfer makes a new communicator and lands.
     pair.fabric().hold = false;
-    // SAFETY: as above.
-    let s = unsafe { pair.a.send(&peer(2), TransferId(2), region(&mut src)) }.unwrap();
-    // SAFETY: as above.
-    let r = unsafe { pair.b.recv(&peer(1), TransferId(2), region(&mut dst)) }.unwrap();
-    s.wait(soon()).unwrap();
-    r.wait(soon()).unwrap();
-    assert_eq!(dst, src);
+    move_checked(&pair, 2, &mut src, &mut dst);
 }
 
 #[test]
@@ -325,13 +330,7 @@ fn a_failed_init_fails_the_queued_transfer_and_the_next_one_retries() {
     let t = unsafe { pair.a.send(&peer(2), TransferId(1), region(&mut src)) }.unwrap();
     assert!(matches!(t.wait(soon()), Err(Error::TransferFailed { .. })));
     pair.fabric().fail_init = false;
-    // SAFETY: as above.
-    let s = unsafe { pair.a.send(&peer(2), TransferId(2), region(&mut src)) }.unwrap();
-    // SAFETY: as above.
-    let r = unsafe { pair.b.recv(&peer(1), TransferId(2), region(&mut dst)) }.unwrap();
-    s.wait(soon()).unwrap();
-    r.wait(soon()).unwrap();
-    assert_eq!(dst, src);
+    move_checked(&pair, 2, &mut src, &mut dst);
 }
 
 #[test]

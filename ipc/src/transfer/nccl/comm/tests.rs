@@ -331,24 +331,35 @@ proptest! {
     }
 }
 
+/// A transfer with peer `peer` that offers its communicator.
+fn submit(peer: usize, limit_ms: u64) -> Event {
+    Event::Submit {
+        peer,
+        limit_ms,
+        offers: true,
+    }
+}
+
+/// A first offer from `peer`, which had seen none of ours.
+fn offer(peer: usize) -> Event {
+    Event::Offer {
+        peer,
+        byte: 9,
+        seen: 0,
+        stale: false,
+    }
+}
+
 #[test]
 fn a_fresh_comm_follows_an_aborted_one() {
     let mut h = Harness::new();
-    h.apply(Event::Submit {
-        peer: 1,
-        limit_ms: 50,
-        offers: true,
-    });
+    h.apply(submit(1, 50));
     h.apply(Event::Ready { peer: 1 });
     assert_eq!(h.unfinished_launched().len(), 1);
     h.apply(Event::Fail { peer: 1 });
     assert!(matches!(h.table.phase(&7), Phase::Aborting(Attempt(1))));
     // Transfers submitted while aborting wait for the next communicator.
-    h.apply(Event::Submit {
-        peer: 1,
-        limit_ms: 50,
-        offers: true,
-    });
+    h.apply(submit(1, 50));
     h.apply(Event::AckAbort { pick: 0 });
     assert_eq!(h.table.phase(&7), Phase::Offered(Attempt(2)));
     h.apply(Event::Ready { peer: 1 });
@@ -361,11 +372,7 @@ fn a_fresh_comm_follows_an_aborted_one() {
 #[test]
 fn a_running_transfer_past_its_deadline_aborts_its_comm() {
     let mut h = Harness::new();
-    h.apply(Event::Submit {
-        peer: 0,
-        limit_ms: 10,
-        offers: true,
-    });
+    h.apply(submit(0, 10));
     h.apply(Event::Ready { peer: 0 });
     let mut out = Vec::new();
     h.now += Duration::from_millis(11);
@@ -390,33 +397,15 @@ fn a_running_transfer_past_its_deadline_aborts_its_comm() {
 fn crossing_offers_resolve_to_the_lower_identity() {
     // We (5) offered; the lower peer (3) offered too: ours is aborted and theirs joined.
     let mut h = Harness::new();
-    h.apply(Event::Submit {
-        peer: 0,
-        limit_ms: 50,
-        offers: true,
-    });
+    h.apply(submit(0, 50));
     assert_eq!(h.table.phase(&3), Phase::Offered(Attempt(1)));
-    h.apply(Event::Offer {
-        peer: 0,
-        byte: 9,
-        seen: 0,
-        stale: false,
-    });
+    h.apply(offer(0));
     assert_eq!(h.table.phase(&3), Phase::Aborting(Attempt(1)));
     h.apply(Event::AckAbort { pick: 0 });
     assert_eq!(h.table.phase(&3), Phase::Joining(Attempt(2)));
     // The higher peer (7) offering while we offered is ignored: it joins ours.
-    h.apply(Event::Submit {
-        peer: 1,
-        limit_ms: 50,
-        offers: true,
-    });
-    h.apply(Event::Offer {
-        peer: 1,
-        byte: 9,
-        seen: 0,
-        stale: false,
-    });
+    h.apply(submit(1, 50));
+    h.apply(offer(1));
     assert_eq!(h.table.phase(&7), Phase::Offered(Attempt(3)));
 }
 
