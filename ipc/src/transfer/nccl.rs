@@ -654,8 +654,12 @@ impl InFlight for NcclTransfer {
         let r = match self.outcome.wait(Some(deadline)) {
             Some(r) => r,
             None => {
-                // The caller gives up: stop the transfer before its memory is let go.
+                // The caller gives up: stop the transfer before its memory is let go
+                // (unless it landed in the meantime).
                 self.abort();
+                if let Some(Ok(())) = self.outcome.wait(None) {
+                    return Ok(());
+                }
                 return Err(Error::Timeout {
                     op: "NCCL transfer wait",
                     after: deadline.saturating_duration_since(started),

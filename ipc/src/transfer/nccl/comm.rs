@@ -540,6 +540,10 @@ impl<P: Ord + Clone + fmt::Debug> CommTable<P> {
                 .iter()
                 .find(|(_, (deadline, _))| *deadline <= now)
                 .map(|(tid, (_, after))| (*tid, *after));
+            if slot.phase == Phase::Idle && slot.queued.is_empty() && slot.next_offer.is_none() {
+                self.slots.remove(&peer);
+                continue;
+            }
             if let Some((tid, after)) = expired {
                 let why =
                     Failure::Comm(format!("aborted: transfer {} ran past its deadline", tid.0));
