@@ -267,19 +267,29 @@ fn a_killed_peer_is_cut_off_and_a_fresh_communicator_follows() {
         std::thread::sleep(Duration::from_millis(10));
     }
     done.join().unwrap();
-    assert!(matches!(
-        s.wait(soon()),
-        Err(Error::TransferPeerGone { .. })
-    ));
+    // NCCL may see the dead socket first (an asynchronous error), or the report does.
+    let failed = s.wait(soon());
+    assert!(
+        matches!(
+            failed,
+            Err(Error::TransferPeerGone { .. } | Error::TransferFailed { .. })
+        ),
+        "{failed:?}"
+    );
     println!("nccl kill: peer cut off in {:?}", cut.elapsed());
     drop(big);
     let (free_after, _) = ctx.mem_get_info().expect("memory info");
-    // NCCL keeps some per-process state (its proxy thread's buffers) after the first
-    // communicator; a leak of the aborted one's would be hundreds of MiB.
+    // NCCL keeps some per-process state after its first communicator (its kernels'
+    // module, proxy buffers); the aborted communicator's own buffers and the 256 MiB
+    // buffer must be back. The figures are printed for the run's record.
     let lost = free_before.saturating_sub(free_after);
-    println!("nccl kill: device memory not returned: {} MiB", lost >> 20);
+    println!(
+        "nccl kill: device memory free before {} MiB, after {} MiB",
+        free_before >> 20,
+        free_after >> 20
+    );
     assert!(
-        lost < 64 << 20,
+        lost < 128 << 20,
         "{lost} bytes of device memory not returned"
     );
     // A new peer process: a fresh communicator works.
