@@ -23,6 +23,9 @@
 //!   communicator.
 //! - A wait that reaches its deadline aborts the transfer before it returns, for the same
 //!   reason.
+//! - NVLink SHARP (multicast) stays off: before NCCL is loaded the process's
+//!   `NCCL_NVLS_ENABLE` is set to `0` if unset (a launcher that wants otherwise sets it),
+//!   and Baton never calls `cuMulticastCreate`.
 //!
 //! The lifecycle is the I/O-free state machine of `comm` (property-tested); the NCCL calls
 //! go through the `api::Nccl` trait, implemented by the library and by a fake in tests.
@@ -240,7 +243,8 @@ impl fmt::Debug for NcclEngine {
 }
 
 impl NcclEngine {
-    /// An engine for the CUDA device `ordinal`, for the node `me`, loading NCCL.
+    /// An engine for the CUDA device `ordinal`, for the node `me`, loading NCCL (the
+    /// first load sets `NCCL_NVLS_ENABLE=0` in the process environment if unset).
     ///
     /// # Errors
     /// [`Error::NcclUnavailable`] (checked first: no NCCL, or one older than 2.17);
