@@ -363,8 +363,10 @@ pub enum Error {
         /// The descriptors the frame was to carry.
         nfds: usize,
     },
-    /// A transfer engine was given memory it cannot move (device memory to the TCP engine).
-    #[error("the {engine} engine cannot move this memory: {reason}")]
+    /// A transfer engine was asked for a transfer it cannot make: memory it cannot move
+    /// (device memory to the TCP engine, host memory to the NCCL engine), or a peer that
+    /// is this node itself.
+    #[error("the {engine} engine cannot make this transfer: {reason}")]
     RegionUnsupported {
         /// The engine.
         engine: &'static str,
@@ -405,6 +407,39 @@ pub enum Error {
         sent: u64,
         /// Bytes the receiving region holds.
         room: u64,
+    },
+    /// The channel a transfer ran on failed (an NCCL communicator's asynchronous error, a
+    /// rendezvous that timed out, an abort of another transfer on it); the engine no
+    /// longer touches its memory. Starting the transfer again makes a fresh channel.
+    #[error("transfer {id} failed: {reason}")]
+    TransferFailed {
+        /// The transfer.
+        id: u64,
+        /// What failed.
+        reason: String,
+    },
+    /// NCCL cannot be used in this process: no `libnccl`, one too old, a missing entry point.
+    #[error("NCCL is unavailable: {reason}")]
+    NcclUnavailable {
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// An NCCL call failed (the code is kept as NCCL returned it).
+    #[error("{op} failed: NCCL error {code}: {message}")]
+    Nccl {
+        /// The call (`ncclCommInitRankConfig`, …).
+        op: &'static str,
+        /// `ncclResult_t`, as returned (`-1`: a CUDA call around it failed).
+        code: i32,
+        /// `ncclGetErrorString`'s text, or the CUDA error.
+        message: String,
+    },
+    /// A peer's rendezvous message (an engine's connection set-up, carried by the control
+    /// plane) does not decode: the peer's fault.
+    #[error("a rendezvous message from the peer is refused: {reason}")]
+    BadRendezvous {
+        /// What is wrong with it.
+        reason: &'static str,
     },
 }
 
@@ -473,7 +508,8 @@ impl Error {
             | Error::HostKeyNotPinned { .. }
             | Error::HostClaimMismatch { .. }
             | Error::TransferCorrupt { .. }
-            | Error::TransferSizeMismatch { .. } => Fault::Peer,
+            | Error::TransferSizeMismatch { .. }
+            | Error::BadRendezvous { .. } => Fault::Peer,
             Error::Refused { .. } => Fault::Refused,
             Error::SegmentNotFound { .. }
             | Error::MemoryTooSmall { .. }
@@ -492,6 +528,8 @@ impl Error {
             | Error::BackendUnavailable { .. }
             | Error::EventsExhausted { .. }
             | Error::FencesExhausted { .. }
+            | Error::NcclUnavailable { .. }
+            | Error::Nccl { .. }
             // Mapping a segment that exists failed here (a segment that does not exist
             // is `SegmentNotFound`): descriptors, memory.
             | Error::Shm(_) => Fault::Local,
@@ -508,7 +546,8 @@ impl Error {
             Error::Closed
             | Error::Timeout { .. }
             | Error::TransferAborted { .. }
-            | Error::TransferPeerGone { .. } => Fault::Ended,
+            | Error::TransferPeerGone { .. }
+            | Error::TransferFailed { .. } => Fault::Ended,
         }
     }
 

@@ -45,8 +45,8 @@
 //!    (the backend every generic test can run on), `cache` ([`ImportCache`],
 //!    [`Imported`]: any backend's mappings), [`cuda`] (after the cache, which its GPU tests
 //!    open through), [`select`] (which backend, at run time), [`slab`] ([`SlabArena`]);
-//! 6. moving bytes between hosts: [`transfer`] (the [`TransferEngine`] trait and its
-//!    TCP engine, for host memory);
+//! 6. moving bytes between hosts: [`transfer`] (the [`TransferEngine`] trait, its TCP
+//!    engine for host memory and [`transfer::nccl`] for device memory over NCCL);
 //! 7. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
 //!
 //! Edges that still point up, allowed by the layer test until issue 28 removes them:
@@ -55,10 +55,10 @@
 //!
 //! This crate knows nothing of actors. `unsafe` code lives only in backend modules, in
 //! [`spawn`] (`pre_exec` hooks), [`transfer`] (an engine's threads reading and writing a
-//! transfer's memory) and [`handoff`] (a `pre_exec` hook, the inherited token
-//! descriptor), and in one block of the import cache ([`Imported::host_bytes_mut`], the
-//! only caller that can keep the contract of `RawMemory::host_bytes_mut`), each opening
-//! with a `# Safety` overview.
+//! transfer's memory; NCCL loaded and called through FFI) and [`handoff`] (a `pre_exec`
+//! hook, the inherited token descriptor), and in one block of the import cache
+//! ([`Imported::host_bytes_mut`], the only caller that can keep the contract of
+//! `RawMemory::host_bytes_mut`), each opening with a `# Safety` overview.
 
 #![deny(unsafe_code)]
 
@@ -115,7 +115,7 @@ pub mod select;
 pub mod slab;
 
 // 6. Moving bytes between hosts.
-// Transfer engines: the trait and the TCP engine.
+// Transfer engines: the trait, the TCP and NCCL engines.
 #[allow(unsafe_code)]
 pub mod transfer;
 

@@ -8,15 +8,17 @@
 //! that memory, so the caller may free or reuse it at once.
 //!
 //! Backends: [`tcp`] (host memory over its own authenticated TCP connections; what CI
-//! runs); the NCCL engine (device memory) lives beside it.
+//! runs) and [`nccl`] (device memory over NCCL point-to-point, NCCL loaded at run time).
 //!
 //! # Safety
 //! `send` and `recv` are `unsafe fn`: the engine reads or writes the region from its own
 //! threads after they return, which only the caller can make sound (see their contracts).
 //! The TCP backend builds byte slices over a region only between
 //! [`TransferSignal::begin_touch`] and [`TransferSignal::end_touch`], which an abort waits
-//! out.
+//! out; the NCCL backend holds its transfer "touching" from its start until its operation
+//! completed or its communicator's abort returned.
 
+pub mod nccl;
 pub mod tcp;
 
 use crate::tcp::HostId;
@@ -27,6 +29,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+pub use nccl::NcclEngine;
 pub use tcp::TcpEngine;
 
 /// Where a transfer's bytes are: host memory or one device's memory.
@@ -226,6 +229,10 @@ pub(crate) fn again(e: &Error, id: TransferId) -> Error {
         },
         Error::TransferAborted { id } => Error::TransferAborted { id: *id },
         Error::TransferCorrupt { id } => Error::TransferCorrupt { id: *id },
+        Error::TransferFailed { reason, .. } => Error::TransferFailed {
+            id: id.0,
+            reason: reason.clone(),
+        },
         Error::TransferSizeMismatch { id, sent, room } => Error::TransferSizeMismatch {
             id: *id,
             sent: *sent,

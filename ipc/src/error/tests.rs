@@ -240,6 +240,33 @@ fn every_variant() -> Vec<(Error, Fault)> {
             },
             Fault::Peer,
         ),
+        (
+            Error::TransferFailed {
+                id: 1,
+                reason: "the communicator failed".into(),
+            },
+            Fault::Ended,
+        ),
+        (
+            Error::NcclUnavailable {
+                reason: "no libnccl.so.2".into(),
+            },
+            Fault::Local,
+        ),
+        (
+            Error::Nccl {
+                op: "ncclCommInitRankConfig",
+                code: 2,
+                message: "unhandled system error".into(),
+            },
+            Fault::Local,
+        ),
+        (
+            Error::BadRendezvous {
+                reason: "wrong length",
+            },
+            Fault::Peer,
+        ),
     ]
 }
 
@@ -266,11 +293,12 @@ fn peer_fault_and_local_open_failure_read_the_kind() {
         peer += usize::from(error.is_peer_fault());
         local += usize::from(error.is_local_open_failure());
     }
-    // Issue 26 added five peer faults (a tampered or unpinned TCP peer, a host claim
-    // that does not match, a corrupt transfer, a size disagreement).
+    // Issue 26 added six peer faults (a tampered or unpinned TCP peer, a host claim that
+    // does not match, a corrupt transfer, a size disagreement, a bad rendezvous) and two
+    // local failures (no NCCL, an NCCL call that failed).
     assert_eq!(
         (peer, local),
-        (10 + 5, 12),
+        (10 + 6, 12 + 2),
         "the lists as they stood before the kinds, with issue 26's host variants"
     );
 }
