@@ -324,6 +324,123 @@ pub enum Error {
         /// Why, and what to do.
         reason: String,
     },
+    // Hosts (issue 26): the TCP host link and the transfer engines.
+    /// A Noise message from a TCP peer failed its authentication check: its bytes were
+    /// changed on the way, or it does not come from a holder of this session's token. The
+    /// connection is dropped.
+    #[error(
+        "a {what} from the TCP peer failed its authentication check: its bytes were changed \
+         on the way, or the peer is not of this session; the connection is dropped"
+    )]
+    Tampered {
+        /// What failed to check (a handshake message, a transport message).
+        what: &'static str,
+    },
+    /// A TCP peer's static key is not in this side's pinned set
+    /// ([`TcpPolicy`](crate::tcp::TcpPolicy)).
+    #[error(
+        "the TCP peer's static key {key} is not pinned: add it to the TcpPolicy to accept that node"
+    )]
+    HostKeyNotPinned {
+        /// The peer's public key, in hex.
+        key: String,
+    },
+    /// A TCP peer's claimed process is not the one its Noise handshake announced.
+    #[error(
+        "the TCP peer claims to be {claimed} but its authenticated handshake announced {announced}"
+    )]
+    HostClaimMismatch {
+        /// What the Baton handshake claimed.
+        claimed: ProcessId,
+        /// What the Noise handshake payload said.
+        announced: ProcessId,
+    },
+    /// A frame with file descriptors was to be sent over TCP, which cannot carry them.
+    #[error(
+        "a frame with {nfds} file descriptors cannot cross a TCP link: send host memory through a transfer engine instead"
+    )]
+    DescriptorsOverTcp {
+        /// The descriptors the frame was to carry.
+        nfds: usize,
+    },
+    /// A transfer engine was asked for a transfer it cannot make: memory it cannot move
+    /// (device memory to the TCP engine, host memory to the NCCL engine), or a peer that
+    /// is this node itself.
+    #[error("the {engine} engine cannot make this transfer: {reason}")]
+    RegionUnsupported {
+        /// The engine.
+        engine: &'static str,
+        /// What is wrong, and what to do.
+        reason: &'static str,
+    },
+    /// A transfer was aborted ([`Transfer::abort`](crate::transfer::Transfer::abort) or
+    /// `abort_peer`) before it landed.
+    #[error("transfer {id} was aborted before it landed")]
+    TransferAborted {
+        /// The transfer.
+        id: u64,
+    },
+    /// The peer of a transfer went away (its connection closed or failed) before the
+    /// transfer landed.
+    #[error("the peer of transfer {id} went away before it landed: {why}")]
+    TransferPeerGone {
+        /// The transfer.
+        id: u64,
+        /// How it went.
+        why: String,
+    },
+    /// A transfer's bytes do not match the MAC the sender computed: they were changed on
+    /// the way. The receiving region holds garbage; the data connection is dropped.
+    #[error(
+        "transfer {id} arrived corrupted (its MAC does not check): the data connection is dropped"
+    )]
+    TransferCorrupt {
+        /// The transfer.
+        id: u64,
+    },
+    /// The sender and receiver of a transfer disagree on its size.
+    #[error("transfer {id}: the sender sends {sent} bytes, the receiving region holds {room}")]
+    TransferSizeMismatch {
+        /// The transfer.
+        id: u64,
+        /// Bytes sent.
+        sent: u64,
+        /// Bytes the receiving region holds.
+        room: u64,
+    },
+    /// The channel a transfer ran on failed (an NCCL communicator's asynchronous error, a
+    /// rendezvous that timed out, an abort of another transfer on it); the engine no
+    /// longer touches its memory. Starting the transfer again makes a fresh channel.
+    #[error("transfer {id} failed: {reason}")]
+    TransferFailed {
+        /// The transfer.
+        id: u64,
+        /// What failed.
+        reason: String,
+    },
+    /// NCCL cannot be used in this process: no `libnccl`, one too old, a missing entry point.
+    #[error("NCCL is unavailable: {reason}")]
+    NcclUnavailable {
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// An NCCL call failed (the code is kept as NCCL returned it).
+    #[error("{op} failed: NCCL error {code}: {message}")]
+    Nccl {
+        /// The call (`ncclCommInitRankConfig`, …).
+        op: &'static str,
+        /// `ncclResult_t`, as returned (`-1`: a CUDA call around it failed).
+        code: i32,
+        /// `ncclGetErrorString`'s text, or the CUDA error.
+        message: String,
+    },
+    /// A peer's rendezvous message (an engine's connection set-up, carried by the control
+    /// plane) does not decode: the peer's fault.
+    #[error("a rendezvous message from the peer is refused: {reason}")]
+    BadRendezvous {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
 }
 
 /// Whose fault an [`Error`] is (or an `ActorError` of `baton-actors`, which shares the
@@ -386,7 +503,13 @@ impl Error {
             | Error::UnsealedMemory { .. }
             | Error::BadToken
             | Error::PeerNotAllowed { .. }
-            | Error::FenceRefused { .. } => Fault::Peer,
+            | Error::FenceRefused { .. }
+            | Error::Tampered { .. }
+            | Error::HostKeyNotPinned { .. }
+            | Error::HostClaimMismatch { .. }
+            | Error::TransferCorrupt { .. }
+            | Error::TransferSizeMismatch { .. }
+            | Error::BadRendezvous { .. } => Fault::Peer,
             Error::Refused { .. } => Fault::Refused,
             Error::SegmentNotFound { .. }
             | Error::MemoryTooSmall { .. }
@@ -405,6 +528,8 @@ impl Error {
             | Error::BackendUnavailable { .. }
             | Error::EventsExhausted { .. }
             | Error::FencesExhausted { .. }
+            | Error::NcclUnavailable { .. }
+            | Error::Nccl { .. }
             // Mapping a segment that exists failed here (a segment that does not exist
             // is `SegmentNotFound`): descriptors, memory.
             | Error::Shm(_) => Fault::Local,
@@ -415,8 +540,14 @@ impl Error {
             | Error::SharedMapping { .. }
             | Error::InPlace { .. }
             | Error::SlabFull { .. }
-            | Error::NotBorrowable { .. } => Fault::Usage,
-            Error::Closed | Error::Timeout { .. } => Fault::Ended,
+            | Error::NotBorrowable { .. }
+            | Error::DescriptorsOverTcp { .. }
+            | Error::RegionUnsupported { .. } => Fault::Usage,
+            Error::Closed
+            | Error::Timeout { .. }
+            | Error::TransferAborted { .. }
+            | Error::TransferPeerGone { .. }
+            | Error::TransferFailed { .. } => Fault::Ended,
         }
     }
 

@@ -18,6 +18,8 @@
 //! - [`DriverThread`]: where blocking driver calls run for threads that must not block.
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
+//! - [`tcp`]: host links, the same frames between hosts over TCP with Noise.
+//! - [`transfer`]: engines that move memory between hosts ([`TransferEngine`]).
 //! - [`process`]: process identity and liveness that survive pid reuse.
 //! - [`spawn`]: children that die with this process; [`handoff`]: how a child gets the
 //!   session token (through a pipe, never its environment).
@@ -37,22 +39,26 @@
 //! 3. the deployment: [`handoff`] (the session token's way to a child process), `session`
 //!    ([`Session`]: the token, its keys, the handle check), [`spawn`] (children that die
 //!    with this process);
-//! 4. the transport: [`link`] (sockets, handshake, frames with descriptors);
+//! 4. the transport: [`link`] (sockets, handshake, frames with descriptors), [`tcp`]
+//!    (host links: TCP with Noise, the same frames without descriptors);
 //! 5. memory: `backend` (the [`Backend`] trait, [`Allocation`], [`OpenedMem`]), [`host`]
 //!    (the backend every generic test can run on), `cache` ([`ImportCache`],
 //!    [`Imported`]: any backend's mappings), [`cuda`] (after the cache, which its GPU tests
 //!    open through), [`select`] (which backend, at run time), [`slab`] ([`SlabArena`]);
-//! 6. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
+//! 6. moving bytes between hosts: [`transfer`] (the [`TransferEngine`] trait, its TCP
+//!    engine for host memory and [`transfer::nccl`] for device memory over NCCL);
+//! 7. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
 //!
 //! Edges that still point up, allowed by the layer test until issue 28 removes them:
 //! `backend` names `cuda` (`Backend::cuda()`) and its tests use `host`; `error` names
 //! `cuda` ([`Error::Cuda`] carries a `cuda::CudaError`, defined in the CUDA backend).
 //!
 //! This crate knows nothing of actors. `unsafe` code lives only in backend modules, in
-//! [`spawn`] (`pre_exec` hooks) and [`handoff`] (a `pre_exec` hook, the inherited token
-//! descriptor), and in one block of the import cache ([`Imported::host_bytes_mut`], the
-//! only caller that can keep the contract of `RawMemory::host_bytes_mut`), each opening
-//! with a `# Safety` overview.
+//! [`spawn`] (`pre_exec` hooks), [`transfer`] (an engine's threads reading and writing a
+//! transfer's memory; NCCL loaded and called through FFI) and [`handoff`] (a `pre_exec`
+//! hook, the inherited token descriptor), and in one block of the import cache
+//! ([`Imported::host_bytes_mut`], the only caller that can keep the contract of
+//! `RawMemory::host_bytes_mut`), each opening with a `# Safety` overview.
 
 #![deny(unsafe_code)]
 
@@ -89,6 +95,8 @@ pub mod spawn;
 // 4. The transport.
 // Framed, authenticated links.
 pub mod link;
+// Host links: TCP with Noise, across hosts.
+pub mod tcp;
 
 // 5. Memory.
 // The backend trait, allocations and mappings.
@@ -106,7 +114,12 @@ pub mod select;
 // Slabs of many buffers.
 pub mod slab;
 
-// 6. The fuzz targets' logic.
+// 6. Moving bytes between hosts.
+// Transfer engines: the trait, the TCP and NCCL engines.
+#[allow(unsafe_code)]
+pub mod transfer;
+
+// 7. The fuzz targets' logic.
 #[doc(hidden)]
 pub mod fuzzing;
 
@@ -132,5 +145,6 @@ pub use ordering::{
 };
 pub use session::{CheckedHandle, Session, random_bytes};
 pub use slab::{SlabArena, SlabBuffer};
+pub use transfer::{EnginePeer, Region, Transfer, TransferEngine, TransferId};
 
 pub use baton_messages as messages;

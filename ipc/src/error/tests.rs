@@ -200,6 +200,73 @@ fn every_variant() -> Vec<(Error, Fault)> {
             },
             Fault::Ended,
         ),
+        // Hosts (issue 26): the TCP host link and the transfer engines.
+        (
+            Error::Tampered {
+                what: "transport message",
+            },
+            Fault::Peer,
+        ),
+        (Error::HostKeyNotPinned { key: "00ff".into() }, Fault::Peer),
+        (
+            Error::HostClaimMismatch {
+                claimed: process(),
+                announced: process(),
+            },
+            Fault::Peer,
+        ),
+        (Error::DescriptorsOverTcp { nfds: 1 }, Fault::Usage),
+        (
+            Error::RegionUnsupported {
+                engine: "tcp",
+                reason: "device memory",
+            },
+            Fault::Usage,
+        ),
+        (Error::TransferAborted { id: 1 }, Fault::Ended),
+        (
+            Error::TransferPeerGone {
+                id: 1,
+                why: "connection closed".into(),
+            },
+            Fault::Ended,
+        ),
+        (Error::TransferCorrupt { id: 1 }, Fault::Peer),
+        (
+            Error::TransferSizeMismatch {
+                id: 1,
+                sent: 8,
+                room: 4,
+            },
+            Fault::Peer,
+        ),
+        (
+            Error::TransferFailed {
+                id: 1,
+                reason: "the communicator failed".into(),
+            },
+            Fault::Ended,
+        ),
+        (
+            Error::NcclUnavailable {
+                reason: "no libnccl.so.2".into(),
+            },
+            Fault::Local,
+        ),
+        (
+            Error::Nccl {
+                op: "ncclCommInitRankConfig",
+                code: 2,
+                message: "unhandled system error".into(),
+            },
+            Fault::Local,
+        ),
+        (
+            Error::BadRendezvous {
+                reason: "wrong length",
+            },
+            Fault::Peer,
+        ),
     ]
 }
 
@@ -226,10 +293,13 @@ fn peer_fault_and_local_open_failure_read_the_kind() {
         peer += usize::from(error.is_peer_fault());
         local += usize::from(error.is_local_open_failure());
     }
+    // Issue 26 added six peer faults (a tampered or unpinned TCP peer, a host claim that
+    // does not match, a corrupt transfer, a size disagreement, a bad rendezvous) and two
+    // local failures (no NCCL, an NCCL call that failed).
     assert_eq!(
         (peer, local),
-        (10, 12),
-        "the lists as they stood before the kinds"
+        (10 + 6, 12 + 2),
+        "the lists as they stood before the kinds, with issue 26's host variants"
     );
 }
 

@@ -1,0 +1,627 @@
+//! The NCCL engine: device memory between nodes on different hosts, over NCCL
+//! point-to-point (`ncclSend`/`ncclRecv`), NCCL loaded at run time (builds need no NCCL).
+//!
+//! - Two 2-rank communicators per peer node, one per direction (the one this node sends
+//!   on, the one it receives on), made lazily when a transfer needs one and cached. One
+//!   direction per communicator: NCCL runs a communicator's operations in order, so a
+//!   large send each way on one communicator would each wait for a receive queued behind
+//!   the other's send.
+//! - The rendezvous is the caller's: the engine gives the control plane the bytes to carry
+//!   to a peer (a [`RendezvousSink`]), and takes the peer's ([`NcclEngine::on_rendezvous`]).
+//!   They hold an `ncclUniqueId`, which opens the maker's bootstrap socket: carry them only
+//!   over the authenticated link. The sending side of a direction offers its communicator
+//!   when its first transfer needs it; the receiving side queues its receives until the
+//!   offer comes (or their deadline). The lower node identity is rank 0.
+//! - NCCL matches point-to-point operations by order: per peer and direction, the receiver
+//!   must start its receives in the order the sender started the matching sends, with the
+//!   same lengths (the engine launches in the order transfers are started).
+//! - A watchdog thread polls each communicator's `ncclCommGetAsyncError`, each operation's
+//!   completion and each deadline. On an error, a deadline, [`Transfer::abort`] or
+//!   [`TransferEngine::abort_peer`] it calls `ncclCommAbort` (never `ncclCommDestroy`, which
+//!   waits for a stuck communicator) and only then fails the transfers: a transfer that
+//!   finished with an `Err` is one NCCL no longer touches. The next transfer makes a fresh
+//!   communicator.
+//! - A [`Transfer::wait`] that times out leaves the transfer running (the engine's own
+//!   per-transfer limit, [`NcclConfig`], stops it); [`Transfer::abort`] stops it at once
+//!   and returns once NCCL no longer touches its memory.
+//! - NVLink SHARP (multicast) stays off: before NCCL is loaded the process's
+//!   `NCCL_NVLS_ENABLE` is set to `0` if unset (a launcher that wants otherwise sets it),
+//!   and Baton never calls `cuMulticastCreate`.
+//!
+//! The lifecycle is the I/O-free state machine of `comm` (property-tested); the NCCL calls
+//! go through the `api::Nccl` trait, implemented by the library and by a fake in tests.
+//!
+//! # Safety
+//!
+//! The FFI lives in `library` (its own overview). Here, `send`/`recv` are `unsafe` for the
+//! memory contract of [`TransferEngine`]: the engine hands a region's address to NCCL only
+//! while its transfer is unfinished, and finishes a launched transfer only once its
+//! operation completed or its communicator's `ncclCommAbort` returned (the order of the
+//! `comm` table's actions, checked by its model test). Its [`TransferSignal`] counts as
+//! touching the memory from the start until that finish, so [`Transfer::abort`] returns
+//! only after it.
+
+use crate::tcp::HostId;
+use crate::transfer::{
+    EnginePeer, Region, Transfer, TransferEngine, TransferId, TransferSignal, transfer_pair,
+};
+use crate::{Error, MemPtr, Result};
+use api::{CommHandle, Nccl, OpHandle, Progress, Rank, UniqueId};
+use baton_messages::ProcessId;
+use comm::{Action, Attempt, CommTable, Failure, Offer, Phase, Tid};
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+mod api;
+mod comm;
+#[allow(unsafe_code)]
+mod library;
+
+pub use library::{NCCL_LIB_ENV, available};
+
+/// Where the engine's rendezvous messages go: the control plane carries each to its peer,
+/// which hands it to its engine's [`NcclEngine::on_rendezvous`]. Called with the engine's
+/// lock held: queue the message, never block or call the engine from it.
+pub type RendezvousSink = Arc<dyn Fn(&EnginePeer, Vec<u8>) + Send + Sync>;
+
+/// The engine's limits.
+#[derive(Debug, Clone, Copy)]
+pub struct NcclConfig {
+    /// How long a transfer may take from its start before its communicator is aborted.
+    pub transfer_limit: Duration,
+    /// How long a communicator's init may wait for the peer to join.
+    pub rendezvous_timeout: Duration,
+    /// How often the watchdog polls errors, completions and deadlines.
+    pub poll_interval: Duration,
+}
+
+impl Default for NcclConfig {
+    fn default() -> Self {
+        Self {
+            transfer_limit: Duration::from_secs(60),
+            rendezvous_timeout: Duration::from_secs(30),
+            poll_interval: Duration::from_millis(2),
+        }
+    }
+}
+
+/// A node as the engine orders them: the lower is rank 0.
+type NodeKey = (HostId, ProcessId);
+
+/// Which way a communicator moves bytes, seen from this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Dir {
+    /// This node sends on it.
+    Out,
+    /// This node receives on it.
+    In,
+}
+
+/// One communicator of the engine: a peer and a direction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct Key {
+    node: NodeKey,
+    dir: Dir,
+}
+
+fn node_key(peer: &EnginePeer) -> NodeKey {
+    (peer.host, peer.process)
+}
+
+/// Magic and version of a rendezvous message.
+const MAGIC: [u8; 4] = *b"BNC1";
+/// Bytes of a rendezvous message: magic, direction, serial, seen, unique id.
+const RENDEZVOUS_LEN: usize = 4 + 1 + 8 + 8 + 128;
+
+/// A rendezvous message: `dir` is the direction seen from its maker.
+fn encode_rendezvous(dir: Dir, offer: Offer, uid: &UniqueId) -> Vec<u8> {
+    let mut out = Vec::with_capacity(RENDEZVOUS_LEN);
+    out.extend_from_slice(&MAGIC);
+    out.push(match dir {
+        Dir::Out => 0,
+        Dir::In => 1,
+    });
+    out.extend_from_slice(&offer.serial.to_le_bytes());
+    out.extend_from_slice(&offer.seen.to_le_bytes());
+    out.extend_from_slice(&uid.0);
+    out
+}
+
+/// Decodes a peer's rendezvous message; the direction is returned as seen from here.
+fn decode_rendezvous(bytes: &[u8]) -> Result<(Dir, Offer, UniqueId)> {
+    let refuse = |reason| Error::BadRendezvous { reason };
+    if bytes.len() != RENDEZVOUS_LEN {
+        return Err(refuse("wrong length"));
+    }
+    if bytes[..4] != MAGIC {
+        return Err(refuse("not an NCCL rendezvous message of this version"));
+    }
+    let dir = match bytes[4] {
+        // The maker sends on it: we receive.
+        0 => Dir::In,
+        1 => Dir::Out,
+        _ => return Err(refuse("unknown direction")),
+    };
+    let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+    let offer = Offer {
+        serial: word(5),
+        seen: word(13),
+    };
+    if offer.serial == 0 {
+        return Err(refuse("offer serial 0"));
+    }
+    let uid = UniqueId(bytes[21..].try_into().expect("128 bytes"));
+    Ok((dir, offer, uid))
+}
+
+/// A transfer the table knows, until its Finish.
+#[derive(Debug)]
+struct Pending {
+    id: TransferId,
+    /// The region's device address (the engine takes no host memory).
+    addr: u64,
+    len: usize,
+    /// Touching from the start until the Finish; the Finish reports the outcome.
+    signal: TransferSignal,
+}
+
+impl Pending {
+    fn region(&self) -> Region {
+        Region {
+            ptr: MemPtr::Device(self.addr),
+            len: self.len,
+            device: None,
+        }
+    }
+}
+
+struct State {
+    table: CommTable<Key>,
+    /// The communicators made, by attempt.
+    comms: HashMap<Attempt, (Key, CommHandle)>,
+    /// The operations launched, by transfer.
+    ops: HashMap<Tid, (Key, Attempt, OpHandle)>,
+    transfers: HashMap<Tid, Pending>,
+    /// What the sink is called with, per node.
+    peers: HashMap<NodeKey, EnginePeer>,
+    next_tid: u64,
+    stop: bool,
+}
+
+struct Shared {
+    nccl: Arc<dyn Nccl>,
+    me: NodeKey,
+    config: NcclConfig,
+    sink: RendezvousSink,
+    state: Mutex<State>,
+    /// Signalled when an abort completes, and to stop the watchdog.
+    changed: Condvar,
+}
+
+/// Device memory between nodes on different hosts, over NCCL (module docs).
+pub struct NcclEngine {
+    shared: Arc<Shared>,
+    watchdog: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for NcclEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NcclEngine")
+            .field("nccl", &self.shared.nccl)
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NcclEngine {
+    /// An engine for the CUDA device `ordinal`, for the node `me`, loading NCCL (the
+    /// first load sets `NCCL_NVLS_ENABLE=0` in the process environment if unset).
+    ///
+    /// # Errors
+    /// [`Error::NcclUnavailable`] (checked first: no NCCL, or one older than 2.17);
+    /// [`Error::Nccl`] if the device's context cannot be made.
+    pub fn new(
+        ordinal: usize,
+        me: &EnginePeer,
+        config: NcclConfig,
+        sink: RendezvousSink,
+    ) -> Result<Self> {
+        available()?;
+        let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| Error::Nccl {
+            op: "cuDevicePrimaryCtxRetain",
+            code: -1,
+            message: e.to_string(),
+        })?;
+        let nccl = library::LibraryNccl::new(ctx)?;
+        Ok(Self::with_nccl(Arc::new(nccl), me, config, sink))
+    }
+
+    fn with_nccl(
+        nccl: Arc<dyn Nccl>,
+        me: &EnginePeer,
+        config: NcclConfig,
+        sink: RendezvousSink,
+    ) -> Self {
+        let me = node_key(me);
+        let table = CommTable::new(
+            move |k: &Key| if me < k.node { Rank(0) } else { Rank(1) },
+            config.rendezvous_timeout,
+        );
+        let shared = Arc::new(Shared {
+            nccl,
+            me,
+            config,
+            sink,
+            state: Mutex::new(State {
+                table,
+                comms: HashMap::new(),
+                ops: HashMap::new(),
+                transfers: HashMap::new(),
+                peers: HashMap::new(),
+                next_tid: 0,
+                stop: false,
+            }),
+            changed: Condvar::new(),
+        });
+        let watched = shared.clone();
+        let watchdog = std::thread::Builder::new()
+            .name("baton-nccl-watchdog".into())
+            .spawn(move || watched.watch())
+            .expect("spawning the NCCL watchdog thread");
+        Self {
+            shared,
+            watchdog: Some(watchdog),
+        }
+    }
+
+    /// A rendezvous message from `peer`, carried by the control plane: joins (or declines,
+    /// for crossing offers) the communicator it offers.
+    ///
+    /// # Errors
+    /// [`Error::BadRendezvous`]: the bytes are not a rendezvous message (the peer's fault).
+    pub fn on_rendezvous(&self, peer: &EnginePeer, bytes: &[u8]) -> Result<()> {
+        let (dir, offer, uid) = decode_rendezvous(bytes)?;
+        let key = self.shared.key(peer, dir)?;
+        let mut st = self.shared.lock();
+        st.peers.insert(key.node, *peer);
+        let mut out = Vec::new();
+        st.table
+            .on_offer(&key, uid, offer, Instant::now(), &mut out);
+        drop(self.shared.execute(st, out));
+        Ok(())
+    }
+
+    /// The peer died or left: its transfers fail ([`Error::TransferPeerGone`]) and its
+    /// communicators are aborted; returns once none touches memory.
+    pub fn peer_gone(&self, peer: &EnginePeer) {
+        self.shared.stop_peer(peer, Failure::PeerGone);
+    }
+
+    /// Starts a transfer (`send`: `dir` Out).
+    ///
+    /// # Safety
+    /// As [`TransferEngine::send`].
+    unsafe fn start(
+        &self,
+        peer: &EnginePeer,
+        id: TransferId,
+        region: Region,
+        dir: Dir,
+    ) -> Result<Transfer> {
+        let addr = api::device_addr(&region)?;
+        let key = self.shared.key(peer, dir)?;
+        let mut st = self.shared.lock();
+        st.peers.insert(key.node, *peer);
+        st.next_tid += 1;
+        let tid = Tid(st.next_tid);
+        // An abort stops the transfer through the table (aborting its communicator if it
+        // runs) and waits for its Finish, which ends the touch.
+        let engine = Arc::downgrade(&self.shared);
+        let (transfer, signal) = transfer_pair(id, move || {
+            if let Some(engine) = Weak::upgrade(&engine) {
+                engine.abort_transfer(tid);
+            }
+        });
+        let touching = signal.begin_touch();
+        debug_assert!(touching, "a new transfer is neither finished nor aborted");
+        st.transfers.insert(
+            tid,
+            Pending {
+                id,
+                addr,
+                len: region.len,
+                signal,
+            },
+        );
+        let mut out = Vec::new();
+        let limit = self.shared.config.transfer_limit;
+        // The sender offers its direction's communicator; the receiver waits for the offer.
+        (st.table).submit(&key, tid, limit, dir == Dir::Out, Instant::now(), &mut out);
+        drop(self.shared.execute(st, out));
+        Ok(transfer)
+    }
+
+    /// Where the communicator this node sends to `peer` on is, for tests and status.
+    #[cfg(test)]
+    fn phase(&self, peer: &EnginePeer, dir: Dir) -> Phase {
+        let st = self.shared.lock();
+        (st.table).phase(&Key {
+            node: node_key(peer),
+            dir,
+        })
+    }
+}
+
+impl TransferEngine for NcclEngine {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn moves_device_memory(&self) -> bool {
+        true
+    }
+
+    unsafe fn send(&self, peer: &EnginePeer, id: TransferId, src: Region) -> Result<Transfer> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.start(peer, id, src, Dir::Out) }
+    }
+
+    unsafe fn recv(&self, peer: &EnginePeer, id: TransferId, dst: Region) -> Result<Transfer> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.start(peer, id, dst, Dir::In) }
+    }
+
+    fn abort_peer(&self, peer: &EnginePeer) {
+        self.shared.stop_peer(peer, Failure::Aborted);
+    }
+}
+
+impl Drop for NcclEngine {
+    /// Stops the watchdog, then aborts every communicator (failing what still runs).
+    fn drop(&mut self) {
+        self.shared.lock().stop = true;
+        self.shared.changed.notify_all();
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+        let peers: Vec<EnginePeer> = self.shared.lock().peers.values().copied().collect();
+        for peer in peers {
+            self.shared.stop_peer(&peer, Failure::Aborted);
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn key(&self, peer: &EnginePeer, dir: Dir) -> Result<Key> {
+        let node = node_key(peer);
+        if node == self.me {
+            return Err(Error::RegionUnsupported {
+                engine: "nccl",
+                reason: "a transfer needs a peer node other than this one",
+            });
+        }
+        Ok(Key { node, dir })
+    }
+
+    /// Fails and stops everything with `peer`; returns once no abort of its communicators
+    /// is in progress (here or on another thread).
+    fn stop_peer(&self, peer: &EnginePeer, why: Failure) {
+        let node = node_key(peer);
+        let keys = [Dir::Out, Dir::In].map(|dir| Key { node, dir });
+        let mut st = self.lock();
+        let mut out = Vec::new();
+        for key in &keys {
+            st.table.abort_peer(key, why.clone(), &mut out);
+        }
+        st = self.execute(st, out);
+        while keys
+            .iter()
+            .any(|k| matches!(st.table.phase(k), Phase::Aborting(_)))
+        {
+            st = (self.changed)
+                .wait_timeout(st, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Performs `actions` in order (and those they lead to). Only `ncclCommAbort` runs
+    /// without the lock; what follows an Abort runs after it returned.
+    fn execute<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        actions: Vec<Action<Key>>,
+    ) -> MutexGuard<'a, State> {
+        let mut work: VecDeque<Action<Key>> = actions.into();
+        while let Some(action) = work.pop_front() {
+            let mut out = Vec::new();
+            match action {
+                Action::Offer {
+                    peer,
+                    attempt,
+                    rank,
+                    offer,
+                } => {
+                    let made = (self.nccl.unique_id())
+                        .and_then(|uid| Ok((uid, self.nccl.init(&uid, rank)?)));
+                    match made {
+                        Ok((uid, comm)) => {
+                            st.comms.insert(attempt, (peer, comm));
+                            let bytes = encode_rendezvous(peer.dir, offer, &uid);
+                            if let Some(to) = st.peers.get(&peer.node) {
+                                (self.sink)(to, bytes);
+                            }
+                        }
+                        Err(e) => st
+                            .table
+                            .comm_failed(&peer, attempt, e.to_string(), &mut out),
+                    }
+                }
+                Action::Join {
+                    peer,
+                    attempt,
+                    uid,
+                    rank,
+                } => match self.nccl.init(&uid, rank) {
+                    Ok(comm) => {
+                        st.comms.insert(attempt, (peer, comm));
+                    }
+                    Err(e) => st
+                        .table
+                        .comm_failed(&peer, attempt, e.to_string(), &mut out),
+                },
+                Action::Launch { peer, attempt, tid } => {
+                    let st = &mut *st;
+                    let (Some((_, comm)), Some(t)) =
+                        (st.comms.get(&attempt), st.transfers.get(&tid))
+                    else {
+                        continue;
+                    };
+                    if !st.table.is_running(tid, attempt) {
+                        continue;
+                    }
+                    let to = st.table.rank(&peer).other();
+                    // SAFETY: the region stays valid until the transfer ends (the promise
+                    // of `send`/`recv`), and it ends only after its operation completed or
+                    // its communicator was aborted (`comm` module docs).
+                    let launched = match peer.dir {
+                        // SAFETY: as above.
+                        Dir::Out => unsafe { self.nccl.send(*comm, t.region(), to) },
+                        // SAFETY: as above.
+                        Dir::In => unsafe { self.nccl.recv(*comm, t.region(), to) },
+                    };
+                    match launched {
+                        Ok(op) => {
+                            st.ops.insert(tid, (peer, attempt, op));
+                        }
+                        Err(e) => st
+                            .table
+                            .comm_failed(&peer, attempt, e.to_string(), &mut out),
+                    }
+                }
+                Action::Abort { peer, attempt } => {
+                    let comm = st.comms.remove(&attempt);
+                    drop(st);
+                    if let Some((_, comm)) = comm {
+                        tracing::debug!(?attempt, "aborting an NCCL communicator");
+                        self.nccl.abort(comm);
+                    }
+                    st = self.lock();
+                    let dead: Vec<Tid> = (st.ops.iter())
+                        .filter(|(_, (_, a, _))| *a == attempt)
+                        .map(|(t, _)| *t)
+                        .collect();
+                    for tid in dead {
+                        if let Some((_, _, op)) = st.ops.remove(&tid) {
+                            self.nccl.release_op(op);
+                        }
+                    }
+                    st.table.aborted(&peer, attempt, Instant::now(), &mut out);
+                    self.changed.notify_all();
+                }
+                Action::Finish { tid, outcome } => {
+                    if let Some((_, _, op)) = st.ops.remove(&tid) {
+                        self.nccl.release_op(op);
+                    }
+                    if let Some(t) = st.transfers.remove(&tid) {
+                        if let Err(f) = &outcome {
+                            tracing::debug!(transfer = t.id.0, failure = ?f, "NCCL transfer failed");
+                        }
+                        // NCCL no longer touches the region: its operation completed, or
+                        // its communicator's abort returned, or it never launched.
+                        t.signal.end_touch();
+                        t.signal.finish(outcome.map_err(|f| failure_error(t.id, f)));
+                    }
+                }
+            }
+            work.extend(out);
+        }
+        st
+    }
+
+    /// One round of the watchdog: inits that completed or failed, asynchronous errors,
+    /// completed operations, deadlines.
+    fn poll<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        let mut out = Vec::new();
+        let comms: Vec<(Attempt, Key, CommHandle)> =
+            st.comms.iter().map(|(a, (k, c))| (*a, *k, *c)).collect();
+        for (attempt, key, comm) in comms {
+            let phase = st.table.phase(&key);
+            let initialising =
+                matches!(phase, Phase::Offered(a) | Phase::Joining(a) if a == attempt);
+            match self.nccl.comm_progress(comm) {
+                Progress::Done if initialising => st.table.comm_ready(&key, attempt, &mut out),
+                Progress::Failed(e) => st.table.comm_failed(&key, attempt, e.to_string(), &mut out),
+                Progress::Done | Progress::Pending => {}
+            }
+        }
+        let ops: Vec<(Tid, Key, Attempt, OpHandle)> = st
+            .ops
+            .iter()
+            .map(|(t, (k, a, o))| (*t, *k, *a, *o))
+            .collect();
+        for (tid, key, attempt, op) in ops {
+            match self.nccl.op_progress(op) {
+                Progress::Done => st.table.transfer_done(tid, &mut out),
+                Progress::Failed(e) => st.table.comm_failed(&key, attempt, e.to_string(), &mut out),
+                Progress::Pending => {}
+            }
+        }
+        st.table.poll_timeout(Instant::now(), &mut out);
+        self.execute(st, out)
+    }
+
+    /// The watchdog thread: polls until the engine stops.
+    fn watch(&self) {
+        let mut st = self.lock();
+        while !st.stop {
+            st = self.poll(st);
+            if st.stop {
+                break;
+            }
+            st = (self.changed)
+                .wait_timeout(st, self.config.poll_interval)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Aborts one transfer (and, if it runs, its communicator).
+    fn abort_transfer(&self, tid: Tid) {
+        let mut st = self.lock();
+        let mut out = Vec::new();
+        st.table.abort_transfer(tid, &mut out);
+        drop(self.execute(st, out));
+    }
+}
+
+/// The typed error of a failed transfer.
+fn failure_error(id: TransferId, f: Failure) -> Error {
+    let id = id.0;
+    match f {
+        Failure::Aborted => Error::TransferAborted { id },
+        Failure::PeerGone => Error::TransferPeerGone {
+            id,
+            why: "the peer died or left".into(),
+        },
+        Failure::TimedOut { after } => Error::Timeout {
+            op: "NCCL transfer",
+            after,
+        },
+        Failure::Comm(reason) => Error::TransferFailed { id, reason },
+    }
+}
+
+#[cfg(test)]
+mod fake;
+#[cfg(all(test, feature = "gpu-tests"))]
+mod gpu_tests;
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,416 @@
+//! The engine against the fake NCCL: two engines whose rendezvous messages travel through
+//! a pump thread (the control plane), data checked both ways; the watchdog and the abort
+//! paths: deadlines, asynchronous errors, `abort_peer`, peer deaths — nothing hangs.
+
+use super::fake::{Call, Fabric, FakeNccl};
+use super::*;
+use baton_messages::BootId;
+use std::sync::mpsc;
+
+pub(super) fn peer(n: u8) -> EnginePeer {
+    EnginePeer {
+        process: ProcessId {
+            boot: BootId([n; 16]),
+            pid: u32::from(n),
+            start_ticks: 1,
+        },
+        host: HostId([n; 32]),
+        data_addr: None,
+    }
+}
+
+/// A host buffer posing as device memory for the fake.
+fn region(buf: &mut [u8]) -> Region {
+    Region {
+        ptr: MemPtr::Device(buf.as_mut_ptr() as u64),
+        len: buf.len(),
+        device: None,
+    }
+}
+
+/// Moves `src` from node 1 to node 2's `dst` as transfer `id`, and checks it landed.
+fn move_checked(pair: &Pair, id: u64, src: &mut [u8], dst: &mut [u8]) {
+    // SAFETY: the buffers outlive the waits, which end the transfers.
+    let s = unsafe { pair.a.send(&peer(2), TransferId(id), region(src)) }.unwrap();
+    // SAFETY: as above.
+    let r = unsafe { pair.b.recv(&peer(1), TransferId(id), region(dst)) }.unwrap();
+    ended(&s, soon()).unwrap();
+    ended(&r, soon()).unwrap();
+    assert_eq!(dst, src);
+}
+
+/// How long a test waits for a transfer that must end.
+fn soon() -> Duration {
+    Duration::from_secs(10)
+}
+
+/// Waits at most `within` for `t` to end; one still running then is aborted before this
+/// returns (a wait that times out leaves a transfer running), so a test that fails here
+/// never lets go of memory NCCL may still touch.
+pub(super) fn ended(t: &Transfer, within: Duration) -> Result<()> {
+    let r = t.wait(within);
+    if !t.is_finished() {
+        t.abort();
+    }
+    r
+}
+
+struct Pair {
+    a: Arc<NcclEngine>,
+    b: Arc<NcclEngine>,
+    fabric: Arc<Mutex<Fabric>>,
+}
+
+impl Pair {
+    /// Engines for nodes 1 (`a`, rank 0) and 2 (`b`) on one fake fabric, their rendezvous
+    /// carried by a pump thread.
+    fn new(config: NcclConfig) -> Self {
+        let fabric = Arc::new(Mutex::new(Fabric::default()));
+        let (tx, rx) = mpsc::channel::<(EnginePeer, Vec<u8>)>();
+        let sink = |from: EnginePeer| -> RendezvousSink {
+            let tx = tx.clone();
+            Arc::new(move |to: &EnginePeer, bytes: Vec<u8>| {
+                let _ = tx.send((*to, [from_bytes(&from), bytes].concat()));
+            })
+        };
+        let fake = || {
+            Arc::new(FakeNccl {
+                fabric: fabric.clone(),
+            })
+        };
+        let a = Arc::new(NcclEngine::with_nccl(
+            fake(),
+            &peer(1),
+            config,
+            sink(peer(1)),
+        ));
+        let b = Arc::new(NcclEngine::with_nccl(
+            fake(),
+            &peer(2),
+            config,
+            sink(peer(2)),
+        ));
+        drop(tx);
+        let (pa, pb) = (Arc::downgrade(&a), Arc::downgrade(&b));
+        // Ends when both engines (and their sinks) are dropped.
+        std::thread::spawn(move || {
+            for (to, msg) in rx {
+                let from = if msg[0] == 1 { peer(1) } else { peer(2) };
+                let engine = if to == peer(1) {
+                    pa.upgrade()
+                } else {
+                    pb.upgrade()
+                };
+                if let Some(e) = engine {
+                    e.on_rendezvous(&from, &msg[1..])
+                        .expect("a good rendezvous");
+                }
+            }
+        });
+        Self { a, b, fabric }
+    }
+
+    fn fabric(&self) -> MutexGuard<'_, Fabric> {
+        self.fabric.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The pump's envelope: which node a message is from.
+fn from_bytes(from: &EnginePeer) -> Vec<u8> {
+    vec![from.host.0[0]]
+}
+
+fn fast() -> NcclConfig {
+    NcclConfig {
+        transfer_limit: Duration::from_secs(10),
+        rendezvous_timeout: Duration::from_secs(10),
+        poll_interval: Duration::from_millis(1),
+    }
+}
+
+#[test]
+fn without_nccl_every_entry_point_is_typed_unavailable() {
+    match available() {
+        // A machine with NCCL: it loaded and is new enough.
+        Ok(version) => assert!(version >= 21700),
+        Err(e) => {
+            assert!(matches!(e, Error::NcclUnavailable { .. }), "{e}");
+            assert!(e.to_string().contains("NCCL"), "{e}");
+            let made = NcclEngine::new(0, &peer(1), NcclConfig::default(), Arc::new(|_, _| {}));
+            assert!(matches!(made, Err(Error::NcclUnavailable { .. })));
+        }
+    }
+}
+
+#[test]
+fn rendezvous_messages_decode_or_are_refused() {
+    let uid = UniqueId([7; 128]);
+    let offer = Offer { serial: 3, seen: 2 };
+    let bytes = encode_rendezvous(Dir::Out, offer, &uid);
+    let (dir, o, u) = decode_rendezvous(&bytes).unwrap();
+    assert_eq!((dir, o, u), (Dir::In, offer, uid));
+    for bad in [
+        &bytes[..10],
+        &[bytes.as_slice(), &[0]].concat()[..],
+        &[b"XXXX".as_slice(), &bytes[4..]].concat()[..],
+    ] {
+        assert!(matches!(
+            decode_rendezvous(bad),
+            Err(Error::BadRendezvous { .. })
+        ));
+    }
+    let mut bad_dir = bytes.clone();
+    bad_dir[4] = 9;
+    assert!(decode_rendezvous(&bad_dir).is_err());
+}
+
+#[test]
+fn buffers_move_both_ways_on_one_communicator_per_direction() {
+    let pair = Pair::new(fast());
+    let (a, b) = (&pair.a, &pair.b);
+    for (i, len) in [1usize, 7, 4096, 1 << 20].into_iter().enumerate() {
+        let id = TransferId(i as u64);
+        let mut src: Vec<u8> = (0..len).map(|x| (x * 31 + i) as u8).collect();
+        let mut reply: Vec<u8> = src.iter().map(|x| !x).collect();
+        let mut dst = vec![0u8; len];
+        let mut back = vec![0u8; len];
+        // SAFETY: the buffers outlive the waits below, which end every transfer.
+        let s = unsafe { a.send(&peer(2), id, region(&mut src)) }.unwrap();
+        // SAFETY: as above.
+        let r = unsafe { b.recv(&peer(1), id, region(&mut dst)) }.unwrap();
+        // SAFETY: as above.
+        let s2 = unsafe { b.send(&peer(1), id, region(&mut reply)) }.unwrap();
+        // SAFETY: as above.
+        let r2 = unsafe { a.recv(&peer(2), id, region(&mut back)) }.unwrap();
+        for t in [&s, &r, &s2, &r2] {
+            ended(t, soon()).unwrap();
+        }
+        assert_eq!(dst, src);
+        assert_eq!(back, reply);
+        assert!(s.is_finished() && r2.is_finished());
+    }
+    assert_eq!(a.phase(&peer(2), Dir::Out), Phase::Ready(Attempt(1)));
+    let f = pair.fabric();
+    let inits = f
+        .calls
+        .iter()
+        .filter(|c| matches!(c, Call::Init { .. }))
+        .count();
+    assert_eq!(inits, 4, "two communicators, two ranks each, made once");
+    assert_eq!(f.aborts(), 0);
+    let ranks: Vec<u8> = (f.calls.iter())
+        .filter_map(|c| match c {
+            Call::Init { rank, .. } => Some(*rank),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ranks.iter().filter(|r| **r == 0).count(), 2);
+}
+
+#[test]
+fn a_stuck_transfer_is_aborted_at_its_deadline_and_a_fresh_comm_follows() {
+    let mut config = fast();
+    config.transfer_limit = Duration::from_millis(100);
+    let pair = Pair::new(config);
+    let mut src = vec![1u8; 64];
+    let mut dst = vec![0u8; 64];
+    pair.fabric().hold = true;
+    // SAFETY: the buffers outlive the waits, which end the transfers.
+    let s = unsafe { pair.a.send(&peer(2), TransferId(1), region(&mut src)) }.unwrap();
+    // SAFETY: as above.
+    let r = unsafe { pair.b.recv(&peer(1), TransferId(1), region(&mut dst)) }.unwrap();
+    // Whichever side's deadline came first aborted its communicator; the other side's
+    // then failed (or timed out too).
+    let errors = [
+        ended(&s, soon()).unwrap_err(),
+        ended(&r, soon()).unwrap_err(),
+    ];
+    assert!(
+        (errors.iter()).any(|e| matches!(
+            e,
+            Error::Timeout {
+                op: "NCCL transfer",
+                ..
+            }
+        )),
+        "{errors:?}"
+    );
+    assert!(
+        (errors.iter()).all(|e| matches!(e, Error::Timeout { .. } | Error::TransferFailed { .. })),
+        "{errors:?}"
+    );
+    assert_eq!(
+        pair.fabric().live_ops(),
+        0,
+        "nothing touches memory after the abort"
+    );
+    assert!(pair.fabric().aborts() >= 1);
+    // Released: the next transfer makes a new communicator and lands.
+    pair.fabric().hold = false;
+    move_checked(&pair, 2, &mut src, &mut dst);
+}
+
+#[test]
+fn an_async_error_fails_the_comms_transfers_and_aborts_it() {
+    let pair = Pair::new(fast());
+    let mut src = vec![1u8; 64];
+    let mut dst = vec![0u8; 64];
+    pair.fabric().hold = true;
+    // SAFETY: the buffers outlive the waits.
+    let s = unsafe { pair.a.send(&peer(2), TransferId(1), region(&mut src)) }.unwrap();
+    // SAFETY: as above.
+    let r = unsafe { pair.b.recv(&peer(1), TransferId(1), region(&mut dst)) }.unwrap();
+    // Wait until both ran on a ready communicator, then break it.
+    let deadline = Instant::now() + soon();
+    while (pair.fabric().calls.iter())
+        .filter(|c| matches!(c, Call::Send { .. } | Call::Recv { .. }))
+        .count()
+        < 2
+    {
+        assert!(Instant::now() < deadline, "the transfers never launched");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    pair.fabric().raise_error();
+    for t in [&s, &r] {
+        let e = ended(t, soon()).unwrap_err();
+        assert!(matches!(e, Error::TransferFailed { .. }), "{e}");
+    }
+    assert_eq!(pair.fabric().live_ops(), 0);
+    assert_eq!(
+        pair.fabric().aborts(),
+        2,
+        "each side aborted its communicator"
+    );
+    assert_eq!(
+        pair.fabric()
+            .calls
+            .iter()
+            .filter(|c| **c == Call::UniqueId)
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn abort_peer_returns_once_nothing_touches_memory() {
+    let pair = Pair::new(fast());
+    pair.fabric().hold = true;
+    let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 256]).collect();
+    let transfers: Vec<Transfer> = bufs
+        .iter_mut()
+        .enumerate()
+        // SAFETY: the buffers outlive abort_peer, which ends every transfer.
+        .map(|(i, b)| unsafe { pair.a.send(&peer(2), TransferId(i as u64), region(b)) }.unwrap())
+        .collect();
+    let a = pair.a.clone();
+    std::thread::spawn(move || a.abort_peer(&peer(2)))
+        .join()
+        .unwrap();
+    assert!(transfers.iter().all(Transfer::is_finished));
+    for t in &transfers {
+        assert!(matches!(
+            ended(t, soon()),
+            Err(Error::TransferAborted { .. })
+        ));
+    }
+    let f = pair.fabric();
+    let a_ops_live = f.live_ops();
+    drop(f);
+    // Only a's side is aborted; b's receive side never launched anything.
+    assert_eq!(
+        a_ops_live, 0,
+        "abort_peer returned while an operation could still run"
+    );
+}
+
+#[test]
+fn a_peer_death_fails_its_transfers_typed_and_queued_ones_too() {
+    let pair = Pair::new(fast());
+    pair.fabric().fail_init = false;
+    let mut buf = vec![0u8; 16];
+    pair.fabric().hold = true;
+    // SAFETY: the buffer outlives peer_gone, which ends the transfer.
+    let t = unsafe { pair.a.recv(&peer(2), TransferId(5), region(&mut buf)) }.unwrap();
+    pair.a.peer_gone(&peer(2));
+    assert!(matches!(
+        ended(&t, soon()),
+        Err(Error::TransferPeerGone { id: 5, .. })
+    ));
+    assert_eq!(pair.a.phase(&peer(2), Dir::In), Phase::Idle);
+}
+
+#[test]
+fn a_failed_init_fails_the_queued_transfer_and_the_next_one_retries() {
+    let pair = Pair::new(fast());
+    pair.fabric().fail_init = true;
+    let mut src = vec![3u8; 8];
+    let mut dst = vec![0u8; 8];
+    // SAFETY: the buffer outlives the wait.
+    let t = unsafe { pair.a.send(&peer(2), TransferId(1), region(&mut src)) }.unwrap();
+    assert!(matches!(
+        ended(&t, soon()),
+        Err(Error::TransferFailed { .. })
+    ));
+    pair.fabric().fail_init = false;
+    move_checked(&pair, 2, &mut src, &mut dst);
+}
+
+#[test]
+fn a_wait_that_gives_up_leaves_it_to_an_abort_and_host_memory_is_refused() {
+    let pair = Pair::new(fast());
+    pair.fabric().hold = true;
+    let mut buf = vec![0u8; 16];
+    // SAFETY: the buffer outlives the abort, which ends the transfer.
+    let t = unsafe { pair.a.send(&peer(2), TransferId(1), region(&mut buf)) }.unwrap();
+    let e = t.wait(Duration::from_millis(20)).unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    // A wait that gives up does not stop the transfer (`Transfer::wait`); an abort does,
+    // and returns once NCCL no longer touches the memory.
+    assert!(!t.is_finished());
+    t.abort();
+    assert!(t.is_finished());
+    assert_eq!(pair.fabric().live_ops(), 0);
+    assert!(matches!(
+        t.wait(Duration::ZERO),
+        Err(Error::TransferAborted { id: 1 })
+    ));
+    let host = Region {
+        ptr: MemPtr::Host(buf.as_mut_ptr()),
+        len: buf.len(),
+        device: None,
+    };
+    // SAFETY: refused before any use.
+    let refused = unsafe { pair.a.send(&peer(2), TransferId(2), host) };
+    assert!(matches!(
+        refused,
+        Err(Error::RegionUnsupported { engine: "nccl", .. })
+    ));
+    // SAFETY: refused before any use.
+    let to_self = unsafe { pair.a.send(&peer(1), TransferId(3), region(&mut buf)) };
+    assert!(matches!(
+        to_self,
+        Err(Error::RegionUnsupported { engine: "nccl", .. })
+    ));
+}
+
+#[test]
+fn dropping_an_engine_aborts_what_runs() {
+    let pair = Pair::new(fast());
+    pair.fabric().hold = true;
+    let mut buf = vec![0u8; 16];
+    let engine = NcclEngine::with_nccl(
+        Arc::new(FakeNccl {
+            fabric: pair.fabric.clone(),
+        }),
+        &peer(3),
+        fast(),
+        Arc::new(|_, _| {}),
+    );
+    // SAFETY: the buffer outlives the engine's drop, which ends the transfer.
+    let t = unsafe { engine.send(&peer(2), TransferId(1), region(&mut buf)) }.unwrap();
+    drop(engine);
+    assert!(matches!(
+        ended(&t, soon()),
+        Err(Error::TransferAborted { .. })
+    ));
+}

@@ -1,0 +1,824 @@
+//! The TCP engine: host memory between hosts, over the engine's own TCP connections.
+//!
+//! Each (this engine, peer process) pair gets one data connection per direction, opened
+//! lazily by the sender to the receiver's [`data_addr`](TcpEngine::data_addr) and
+//! authenticated by the Noise handshake of host links (the session's pre-shared key, the
+//! pinned keys of the [`TcpPolicy`](crate::tcp::TcpPolicy)): only session members
+//! connect. On it, one transfer after another:
+//!
+//! ```text
+//! sender → receiver   record [1, id, len]    (Noise: encrypted, authenticated)
+//!                     len bytes of payload   (in clear, for speed: as NCCL's sockets)
+//!                     record [2, mac]        (keyed blake3 of id, len and the payload)
+//! receiver → sender   record [3, id, status, room]
+//! ```
+//!
+//! Threat model: the payload crosses in clear, so an observer of the network between the
+//! hosts reads it (as it reads NCCL's traffic); nobody outside the session can send or
+//! change it unnoticed: the MAC key is derived from the session's pre-shared key and the
+//! connection's handshake hash, and the MAC travels in an authenticated record, so a
+//! changed byte fails the transfer ([`Error::TransferCorrupt`], on both sides) before
+//! `wait` can say it landed. Use a network you would run NCCL on.
+//!
+//! Every wait has a deadline: a connection stalled longer than the engine's stall timeout
+//! fails its transfer; [`Transfer::wait`] takes its own. `abort_peer` shuts the peer's
+//! connections down and returns once no engine thread touches the memory of its
+//! transfers.
+//!
+//! # Safety
+//! Byte slices over a transfer's region are made only by the engine thread that holds the
+//! transfer's touch ([`TransferSignal::begin_touch`] to `end_touch`), one chunk at a time,
+//! within the region's bounds; the `unsafe` contract of `send`/`recv` keeps the memory
+//! valid until the transfer is finished or aborted, and an abort waits the touch out.
+
+use super::{EnginePeer, Region, Transfer, TransferEngine, TransferId, TransferSignal};
+use crate::tcp::{self as host, Deadline, Opener, Sealer, TcpConfig};
+use crate::{Error, MemPtr, Result};
+use baton_messages::ProcessId;
+use std::collections::{HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Payload bytes moved (and hashed) at once.
+const CHUNK: usize = 1 << 20;
+
+const HEADER: u8 = 1;
+const MAC: u8 = 2;
+const ACK: u8 = 3;
+
+/// What the receiver says of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Status {
+    Landed = 0,
+    Corrupt = 1,
+    NotPosted = 2,
+    SizeMismatch = 3,
+    Aborted = 4,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Host memory an engine thread may touch while it holds the transfer's touch.
+#[derive(Debug, Clone, Copy)]
+struct Mem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: `Mem` is an address the `send`/`recv` contract keeps valid (and, for `recv`,
+// untouched by others) until the transfer is finished or aborted; the one engine thread
+// that holds the transfer's touch is the only one that dereferences it.
+unsafe impl Send for Mem {}
+
+impl Mem {
+    fn of(engine: &'static str, region: Region) -> Result<Mem> {
+        match (region.ptr, region.device) {
+            (MemPtr::Host(ptr), None) => Ok(Mem {
+                ptr,
+                len: region.len,
+            }),
+            _ => Err(Error::RegionUnsupported {
+                engine,
+                reason: "it moves host memory only: send device memory with the NCCL engine, or stage it in host memory",
+            }),
+        }
+    }
+
+    /// The bytes at `offset..offset + len`.
+    ///
+    /// # Safety
+    /// The caller holds the transfer's touch; the range is within the region.
+    unsafe fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        debug_assert!(offset + len <= self.len);
+        let at = self.ptr.wrapping_add(offset);
+        // SAFETY: the `send` contract keeps the region valid for reads while the caller
+        // holds the touch, and the range is within it.
+        unsafe { std::slice::from_raw_parts(at, len) }
+    }
+
+    /// The bytes at `offset..offset + len`, to write.
+    ///
+    /// # Safety
+    /// The caller holds the transfer's touch; the range is within the region.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn bytes_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+        debug_assert!(offset + len <= self.len);
+        let at = self.ptr.wrapping_add(offset);
+        // SAFETY: the `recv` contract keeps the region valid for writes, and untouched by
+        // anyone else, while the caller holds the touch; the range is within it.
+        unsafe { std::slice::from_raw_parts_mut(at, len) }
+    }
+}
+
+/// The connection that carries a transfer now, so that an abort can shut it down.
+type Wire = Mutex<Option<Arc<TcpStream>>>;
+
+fn cut(wire: &Wire) {
+    if let Some(s) = lock(wire).as_ref() {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn gone(id: TransferId, why: impl std::fmt::Display) -> Error {
+    Error::TransferPeerGone {
+        id: id.0,
+        why: why.to_string(),
+    }
+}
+
+/// A transfer's failure when its connection failed: a refusal (the receiver refused our
+/// handshake: wrong token, unpinned key) or changed bytes as they are; else the peer is
+/// gone.
+fn failed(e: &Error, id: TransferId) -> Error {
+    match e {
+        Error::Refused { .. }
+        | Error::BadToken
+        | Error::HostKeyNotPinned { .. }
+        | Error::Tampered { .. }
+        | Error::HostClaimMismatch { .. } => super::again(e, id),
+        other => gone(id, other),
+    }
+}
+
+/// One send waiting for its connection.
+#[derive(Debug)]
+struct Job {
+    signal: TransferSignal,
+    mem: Mem,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    active: Option<TransferSignal>,
+    closed: bool,
+}
+
+/// The sending connection to one peer.
+#[derive(Debug)]
+struct Outgoing {
+    peer: EnginePeer,
+    queue: Mutex<Queue>,
+    more: Condvar,
+    wire: Arc<Wire>,
+}
+
+impl Outgoing {
+    /// Fails every queued transfer and the active one; no more are taken.
+    fn close(&self, why: &Error) {
+        let (jobs, active) = {
+            let mut q = lock(&self.queue);
+            q.closed = true;
+            (std::mem::take(&mut q.jobs), q.active.take())
+        };
+        self.more.notify_all();
+        for job in jobs {
+            job.signal.finish(Err(failed(why, job.signal.id())));
+        }
+        if let Some(active) = active {
+            active.abort(|| cut(&self.wire));
+        }
+        cut(&self.wire);
+    }
+}
+
+/// A receive waiting for its bytes.
+#[derive(Debug)]
+struct Posted {
+    signal: TransferSignal,
+    mem: Mem,
+    wire: Arc<Wire>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: TcpConfig,
+    stall: Duration,
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    outgoing: Mutex<HashMap<ProcessId, Arc<Outgoing>>>,
+    posted: Mutex<HashMap<(ProcessId, u64), Posted>>,
+    posted_changed: Condvar,
+    incoming: Mutex<HashMap<ProcessId, Vec<Arc<TcpStream>>>>,
+    /// Receives whose bytes are coming in now (taken from `posted`).
+    active: Mutex<Vec<(ProcessId, TransferSignal, Arc<Wire>)>>,
+}
+
+/// The TCP transfer engine (host memory). See the module docs for the wire and the
+/// threat model.
+#[derive(Debug)]
+pub struct TcpEngine {
+    inner: Arc<Inner>,
+    acceptor: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TcpEngine {
+    /// An engine whose data connections come in at `addr` (port 0: any free port), with
+    /// `config`'s session, key and policy, failing a transfer whose connection stalls for
+    /// longer than `stall`.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn bind(addr: impl ToSocketAddrs, config: TcpConfig, stall: Duration) -> Result<Self> {
+        let listener =
+            TcpListener::bind(addr).map_err(Error::io("binding the TCP engine's listener"))?;
+        let addr = listener
+            .local_addr()
+            .map_err(Error::io("reading a listener address"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let inner = Arc::new(Inner {
+            config,
+            stall,
+            addr,
+            stop: Arc::clone(&stop),
+            outgoing: Mutex::new(HashMap::new()),
+            posted: Mutex::new(HashMap::new()),
+            posted_changed: Condvar::new(),
+            incoming: Mutex::new(HashMap::new()),
+            active: Mutex::new(Vec::new()),
+        });
+        let acceptor = {
+            let weak = Arc::downgrade(&inner);
+            let max = inner.config.max_handshakes;
+            std::thread::Builder::new()
+                .name("baton-tcp-engine".into())
+                .spawn(move || {
+                    host::serve(
+                        listener,
+                        max,
+                        stop,
+                        "baton-tcp-data",
+                        move |stream, slot| {
+                            if let Some(inner) = weak.upgrade() {
+                                incoming(&inner, stream, slot);
+                            }
+                        },
+                    );
+                })
+                .map_err(Error::io("spawning the TCP engine's acceptor"))?
+        };
+        Ok(TcpEngine {
+            inner,
+            acceptor: Some(acceptor),
+        })
+    }
+
+    /// Where its data connections come in.
+    pub fn data_addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// This engine as its peers name it.
+    pub fn as_peer(&self) -> EnginePeer {
+        EnginePeer {
+            process: self.inner.config.session.process(),
+            host: self.inner.config.host,
+            data_addr: Some(self.inner.addr),
+        }
+    }
+
+    fn outgoing(&self, peer: &EnginePeer) -> Result<Arc<Outgoing>> {
+        let mut map = lock(&self.inner.outgoing);
+        if let Some(out) = map.get(&peer.process) {
+            if !lock(&out.queue).closed {
+                return Ok(Arc::clone(out));
+            }
+        }
+        let out = Arc::new(Outgoing {
+            peer: *peer,
+            queue: Mutex::new(Queue::default()),
+            more: Condvar::new(),
+            wire: Arc::new(Mutex::new(None)),
+        });
+        let inner = Arc::clone(&self.inner);
+        let thread_out = Arc::clone(&out);
+        std::thread::Builder::new()
+            .name("baton-tcp-send".into())
+            .spawn(move || sending(&inner, &thread_out))
+            .map_err(Error::io("spawning a TCP engine sender"))?;
+        map.insert(peer.process, Arc::clone(&out));
+        Ok(out)
+    }
+}
+
+impl TransferEngine for TcpEngine {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn moves_device_memory(&self) -> bool {
+        false
+    }
+
+    unsafe fn send(&self, peer: &EnginePeer, id: TransferId, src: Region) -> Result<Transfer> {
+        let mem = Mem::of("tcp", src)?;
+        if peer.data_addr.is_none() {
+            return Err(Error::RegionUnsupported {
+                engine: "tcp",
+                reason: "the peer has no TCP data address: give its EnginePeer one",
+            });
+        }
+        let out = self.outgoing(peer)?;
+        let wire = Arc::clone(&out.wire);
+        let (transfer, signal) = super::transfer_pair(id, move || cut(&wire));
+        {
+            let mut q = lock(&out.queue);
+            if q.closed {
+                signal.finish(Err(gone(id, "its connection closed")));
+            } else {
+                q.jobs.push_back(Job { signal, mem });
+            }
+        }
+        out.more.notify_all();
+        Ok(transfer)
+    }
+
+    unsafe fn recv(&self, peer: &EnginePeer, id: TransferId, dst: Region) -> Result<Transfer> {
+        let mem = Mem::of("tcp", dst)?;
+        let wire: Arc<Wire> = Arc::new(Mutex::new(None));
+        let (transfer, signal) = super::transfer_pair(id, {
+            let wire = Arc::clone(&wire);
+            move || cut(&wire)
+        });
+        let old =
+            lock(&self.inner.posted).insert((peer.process, id.0), Posted { signal, mem, wire });
+        if let Some(old) = old {
+            old.signal.abort(|| cut(&old.wire));
+        }
+        self.inner.posted_changed.notify_all();
+        Ok(transfer)
+    }
+
+    fn abort_peer(&self, peer: &EnginePeer) {
+        abort_peer(&self.inner, peer.process);
+    }
+}
+
+fn abort_peer(inner: &Inner, peer: ProcessId) {
+    if let Some(out) = lock(&inner.outgoing).remove(&peer) {
+        out.close(&Error::Closed);
+    }
+    for p in take_posted(inner, peer) {
+        p.signal.abort(|| cut(&p.wire));
+    }
+    let active: Vec<_> = lock(&inner.active)
+        .iter()
+        .filter(|(p, ..)| *p == peer)
+        .map(|(_, signal, wire)| (signal.clone(), Arc::clone(wire)))
+        .collect();
+    for (signal, wire) in active {
+        signal.abort(|| cut(&wire));
+    }
+    if let Some(streams) = lock(&inner.incoming).remove(&peer) {
+        for s in streams {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for TcpEngine {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::Relaxed);
+        let mut peers: Vec<ProcessId> = lock(&self.inner.outgoing).keys().copied().collect();
+        peers.extend(lock(&self.inner.posted).keys().map(|(p, _)| *p));
+        peers.extend(lock(&self.inner.incoming).keys().copied());
+        peers.extend(lock(&self.inner.active).iter().map(|(p, ..)| *p));
+        for p in peers {
+            abort_peer(&self.inner, p);
+        }
+        if let Some(t) = self.acceptor.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The MAC key of one data connection: the session's pre-shared key, bound to the
+/// connection's handshake.
+fn mac_key(config: &TcpConfig, hash: &[u8; 32]) -> [u8; 32] {
+    let mut material = host::psk(&config.session).to_vec();
+    material.extend_from_slice(hash);
+    blake3::derive_key("baton tcp transfer mac v1", &material)
+}
+
+fn mac_start(key: &[u8; 32], id: u64, len: u64) -> blake3::Hasher {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(&id.to_le_bytes());
+    h.update(&len.to_le_bytes());
+    h
+}
+
+/// A data connection's state after its handshake.
+struct Channel {
+    stream: Arc<TcpStream>,
+    sealer: Sealer,
+    opener: Opener,
+    key: [u8; 32],
+    record: Vec<u8>,
+    wire: Vec<u8>,
+}
+
+impl Channel {
+    fn new(stream: TcpStream, est: host::Established, config: &TcpConfig) -> Channel {
+        Channel {
+            key: mac_key(config, &est.hash),
+            sealer: Sealer::new(Arc::clone(&est.transport)),
+            opener: Opener::new(est.transport),
+            stream: Arc::new(stream),
+            record: vec![0u8; host::MAX_RECORD],
+            wire: Vec::with_capacity(128),
+        }
+    }
+
+    fn write_record(&mut self, plain: &[u8]) -> Result<()> {
+        self.wire.clear();
+        self.sealer.seal(plain, &mut self.wire)?;
+        (&*self.stream)
+            .write_all(&self.wire)
+            .map_err(|e| host::io_error("sending a transfer", e))
+    }
+
+    /// The next record's plaintext (in `self.record`), its length.
+    fn read_record(&mut self) -> Result<usize> {
+        loop {
+            if let Some(n) = self.opener.open(&mut self.record)? {
+                return Ok(n);
+            }
+            let n = read_some(&self.stream, self.opener.spare())?;
+            self.opener.commit(n);
+        }
+    }
+
+    /// Reads exactly `out.len()` payload bytes (those buffered first).
+    fn read_payload(&mut self, out: &mut [u8]) -> Result<()> {
+        let mut got = self.opener.take_raw(out);
+        while got < out.len() {
+            got += read_some(&self.stream, &mut out[got..])?;
+        }
+        Ok(())
+    }
+}
+
+/// One read; end of stream is [`Error::Closed`].
+fn read_some(mut stream: &TcpStream, out: &mut [u8]) -> Result<usize> {
+    loop {
+        match stream.read(out) {
+            Ok(0) => return Err(Error::Closed),
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(host::io_error("receiving a transfer", e)),
+        }
+    }
+}
+
+fn set_stall(stream: &TcpStream, stall: Option<Duration>) -> Result<()> {
+    stream
+        .set_read_timeout(stall)
+        .and_then(|()| stream.set_write_timeout(stall))
+        .map_err(Error::io("setting a socket timeout"))
+}
+
+/// The sender thread of one outgoing connection: connects, then sends its queue's jobs
+/// one after another until closed or its connection fails.
+fn sending(inner: &Inner, out: &Outgoing) {
+    let why = match connect(inner, out) {
+        Ok(mut ch) => {
+            *lock(&out.wire) = Some(Arc::clone(&ch.stream));
+            loop {
+                let job = {
+                    let mut q = lock(&out.queue);
+                    loop {
+                        if q.closed {
+                            break None;
+                        }
+                        if let Some(job) = q.jobs.pop_front() {
+                            q.active = Some(job.signal.clone());
+                            break Some(job);
+                        }
+                        q = out.more.wait(q).unwrap_or_else(|p| p.into_inner());
+                    }
+                };
+                let Some(job) = job else {
+                    break Error::Closed;
+                };
+                let r = send_one(&mut ch, &job);
+                lock(&out.queue).active = None;
+                match r {
+                    Ok(outcome) => job.signal.finish(outcome),
+                    Err(e) => {
+                        job.signal.finish(Err(failed(&e, job.signal.id())));
+                        break Error::TransferPeerGone {
+                            id: job.signal.id().0,
+                            why: format!("an earlier transfer's connection failed: {e}"),
+                        };
+                    }
+                }
+            }
+        }
+        Err(e) => e,
+    };
+    let mut map = lock(&inner.outgoing);
+    if map
+        .get(&out.peer.process)
+        .is_some_and(|o| std::ptr::eq(Arc::as_ptr(o), out))
+    {
+        map.remove(&out.peer.process);
+    }
+    drop(map);
+    out.close(&why);
+    // Transfers keep the wire (to cut it): the connection must not live on in it.
+    if let Some(stream) = lock(&out.wire).take() {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn connect(inner: &Inner, out: &Outgoing) -> Result<Channel> {
+    let config = &inner.config;
+    let addr = out.peer.data_addr.ok_or(Error::Closed)?;
+    let stream = TcpStream::connect_timeout(&addr, config.handshake_timeout)
+        .map_err(Error::io("connecting to a TCP engine"))?;
+    config.keepalive.apply(stream.as_fd())?;
+    let deadline = Deadline::after(config.handshake_timeout, "TCP engine handshake");
+    let est = host::noise_client(&stream, config, &deadline)?;
+    if est.claim.process != out.peer.process {
+        return Err(Error::HostClaimMismatch {
+            claimed: out.peer.process,
+            announced: est.claim.process,
+        });
+    }
+    set_stall(&stream, Some(inner.stall))?;
+    Ok(Channel::new(stream, est, config))
+}
+
+/// Sends one transfer and reads the receiver's verdict. `Err` is the connection's failure.
+fn send_one(ch: &mut Channel, job: &Job) -> Result<Result<()>> {
+    let id = job.signal.id();
+    if !job.signal.begin_touch() {
+        return Ok(Err(Error::TransferAborted { id: id.0 }));
+    }
+    let len = job.mem.len;
+    let sent = (|| {
+        let mut header = [0u8; 17];
+        header[0] = HEADER;
+        header[1..9].copy_from_slice(&id.0.to_le_bytes());
+        header[9..].copy_from_slice(&(len as u64).to_le_bytes());
+        ch.write_record(&header)?;
+        let mut mac = mac_start(&ch.key, id.0, len as u64);
+        let mut offset = 0;
+        while offset < len {
+            if job.signal.is_aborted() {
+                return Err(Error::TransferAborted { id: id.0 });
+            }
+            let n = CHUNK.min(len - offset);
+            // SAFETY: we hold the touch, and `offset + n <= len`.
+            let chunk = unsafe { job.mem.bytes(offset, n) };
+            mac.update(chunk);
+            (&*ch.stream)
+                .write_all(chunk)
+                .map_err(|e| host::io_error("sending a transfer", e))?;
+            offset += n;
+        }
+        Ok(mac.finalize())
+    })();
+    job.signal.end_touch();
+    let mac = sent?;
+    let mut trailer = [0u8; 33];
+    trailer[0] = MAC;
+    trailer[1..].copy_from_slice(mac.as_bytes());
+    ch.write_record(&trailer)?;
+    let n = ch.read_record()?;
+    let ack = &ch.record[..n];
+    if n != 18 || ack[0] != ACK || ack[1..9] != id.0.to_le_bytes() {
+        return Err(Error::Refused {
+            reason: baton_messages::protocol::RefuseReason::ProtocolViolation,
+        });
+    }
+    let room = u64::from_le_bytes(ack[10..18].try_into().expect("8 bytes"));
+    Ok(match ack[9] {
+        s if s == Status::Landed as u8 => Ok(()),
+        s if s == Status::Corrupt as u8 => Err(Error::TransferCorrupt { id: id.0 }),
+        s if s == Status::SizeMismatch as u8 => Err(Error::TransferSizeMismatch {
+            id: id.0,
+            sent: len as u64,
+            room,
+        }),
+        s if s == Status::Aborted as u8 => Err(gone(id, "the receiver aborted it")),
+        _ => Err(gone(id, "the receiver posted no buffer for it in time")),
+    })
+}
+
+/// An incoming data connection: its handshake, then one transfer after another.
+fn incoming(inner: &Arc<Inner>, stream: TcpStream, slot: host::Slot) {
+    let config = &inner.config;
+    let est = (|| {
+        config.keepalive.apply(stream.as_fd())?;
+        let deadline = Deadline::after(config.handshake_timeout, "TCP engine handshake");
+        host::noise_server(&stream, config, &deadline)
+    })();
+    drop(slot);
+    let est = match est {
+        Ok(est) => est,
+        Err(e) => {
+            tracing::warn!(error = %e, "refused a TCP engine connection");
+            return;
+        }
+    };
+    let peer = est.claim.process;
+    let mut ch = Channel::new(stream, est, config);
+    lock(&inner.incoming)
+        .entry(peer)
+        .or_default()
+        .push(Arc::clone(&ch.stream));
+    let r = receiving(inner, peer, &mut ch);
+    if let Err(e) = &r {
+        tracing::debug!(error = %e, %peer, "a TCP engine connection ended");
+    }
+    let _ = ch.stream.shutdown(std::net::Shutdown::Both);
+    let last = {
+        let mut incoming = lock(&inner.incoming);
+        // Not registered any more: `abort_peer` took it, and failed the peer's receives.
+        incoming.get_mut(&peer).is_some_and(|list| {
+            let before = list.len();
+            list.retain(|s| !Arc::ptr_eq(s, &ch.stream));
+            list.len() < before && list.is_empty()
+        })
+    };
+    if last {
+        // The peer's data connection ended: receives posted for it will get no bytes.
+        let why = match &r {
+            Ok(()) => Error::Closed,
+            Err(e) => super::again(e, TransferId(0)),
+        };
+        for p in take_posted(inner, peer) {
+            p.signal.finish(Err(gone(p.signal.id(), &why)));
+        }
+    }
+}
+
+/// Takes the receives posted for `peer`.
+fn take_posted(inner: &Inner, peer: ProcessId) -> Vec<Posted> {
+    let mut map = lock(&inner.posted);
+    let keys: Vec<_> = map.keys().filter(|(p, _)| *p == peer).copied().collect();
+    keys.into_iter().filter_map(|k| map.remove(&k)).collect()
+}
+
+fn receiving(inner: &Inner, peer: ProcessId, ch: &mut Channel) -> Result<()> {
+    loop {
+        if inner.stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        set_stall(&ch.stream, None)?;
+        let n = match ch.read_record() {
+            Ok(n) => n,
+            Err(Error::Closed) if ch.opener.buffered() == 0 => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        set_stall(&ch.stream, Some(inner.stall))?;
+        let header = &ch.record[..n];
+        if n != 17 || header[0] != HEADER {
+            return Err(Error::Refused {
+                reason: baton_messages::protocol::RefuseReason::ProtocolViolation,
+            });
+        }
+        let id = TransferId(u64::from_le_bytes(header[1..9].try_into().expect("8")));
+        let len = u64::from_le_bytes(header[9..17].try_into().expect("8"));
+        let posted = wait_posted(inner, peer, id);
+        if let Some(p) = &posted {
+            lock(&inner.active).push((peer, p.signal.clone(), Arc::clone(&p.wire)));
+        }
+        let r = receive_one(ch, id, len, posted.as_ref());
+        if let Some(p) = &posted {
+            lock(&inner.active).retain(|(_, s, _)| !s.same(&p.signal));
+        }
+        let (status, room, corrupt) = r?;
+        let mut ack = [0u8; 18];
+        ack[0] = ACK;
+        ack[1..9].copy_from_slice(&id.0.to_le_bytes());
+        ack[9] = status as u8;
+        ack[10..].copy_from_slice(&room.to_le_bytes());
+        ch.write_record(&ack)?;
+        if corrupt {
+            return Err(Error::TransferCorrupt { id: id.0 });
+        }
+    }
+}
+
+/// The receive posted for `id`, waiting up to the stall timeout for it.
+fn wait_posted(inner: &Inner, peer: ProcessId, id: TransferId) -> Option<Posted> {
+    let until = Instant::now() + inner.stall;
+    let mut map = lock(&inner.posted);
+    loop {
+        if let Some(p) = map.remove(&(peer, id.0)) {
+            return Some(p);
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() || inner.stop.load(Ordering::Relaxed) {
+            return None;
+        }
+        map = inner
+            .posted_changed
+            .wait_timeout(map, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+}
+
+/// Receives one transfer's payload and MAC. Returns the status to acknowledge, the room
+/// of the receiving region, and whether the bytes were corrupt; `Err` is the connection's
+/// failure (the posted receive fails with it).
+fn receive_one(
+    ch: &mut Channel,
+    id: TransferId,
+    len: u64,
+    posted: Option<&Posted>,
+) -> Result<(Status, u64, bool)> {
+    let Some(posted) = posted else {
+        discard(ch, len)?;
+        return Ok((Status::NotPosted, 0, false));
+    };
+    let signal = &posted.signal;
+    let room = posted.mem.len as u64;
+    if len != room {
+        discard(ch, len)?;
+        signal.finish(Err(Error::TransferSizeMismatch {
+            id: id.0,
+            sent: len,
+            room,
+        }));
+        return Ok((Status::SizeMismatch, room, false));
+    }
+    *lock(&posted.wire) = Some(Arc::clone(&ch.stream));
+    if !signal.begin_touch() {
+        discard(ch, len)?;
+        return Ok((Status::Aborted, room, false));
+    }
+    let mut mac = mac_start(&ch.key, id.0, len);
+    let landed = (|| {
+        let mut offset = 0;
+        while offset < posted.mem.len {
+            if signal.is_aborted() {
+                return Ok(false);
+            }
+            let n = CHUNK.min(posted.mem.len - offset);
+            // SAFETY: we hold the touch, and `offset + n <= len`.
+            let chunk = unsafe { posted.mem.bytes_mut(offset, n) };
+            ch.read_payload(chunk)?;
+            mac.update(chunk);
+            offset += n;
+        }
+        Ok(true)
+    })();
+    signal.end_touch();
+    let landed = match landed {
+        Ok(landed) => landed,
+        Err(e) => {
+            signal.finish(Err(gone(id, &e)));
+            return Err(e);
+        }
+    };
+    if !landed {
+        // Aborted halfway (its connection is being shut down): the connection ends.
+        return Err(Error::TransferAborted { id: id.0 });
+    }
+    let n = match ch.read_record() {
+        Ok(n) => n,
+        Err(e) => {
+            signal.finish(Err(gone(id, &e)));
+            return Err(e);
+        }
+    };
+    let trailer = &ch.record[..n];
+    let ok = n == 33
+        && trailer[0] == MAC
+        && blake3::Hash::from_bytes(trailer[1..].try_into().expect("32 bytes")) == mac.finalize();
+    if ok {
+        signal.finish(Ok(()));
+        Ok((Status::Landed, room, false))
+    } else {
+        signal.finish(Err(Error::TransferCorrupt { id: id.0 }));
+        Ok((Status::Corrupt, room, true))
+    }
+}
+
+/// Reads past a payload nobody receives, and its MAC record.
+fn discard(ch: &mut Channel, len: u64) -> Result<()> {
+    let mut scratch = vec![0u8; CHUNK.min(usize::try_from(len).unwrap_or(CHUNK)).max(1)];
+    let mut left = len;
+    while left > 0 {
+        let n = scratch
+            .len()
+            .min(usize::try_from(left).unwrap_or(usize::MAX));
+        ch.read_payload(&mut scratch[..n])?;
+        left -= n as u64;
+    }
+    ch.read_record().map(drop)
+}
+
+#[cfg(test)]
+mod tests;
