@@ -49,9 +49,9 @@
 //!    engine for host memory and [`transfer::nccl`] for device memory over NCCL);
 //! 7. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
 //!
-//! Edges that still point up, allowed by the layer test until issue 28 removes them:
-//! `backend` names `cuda` (`Backend::cuda()`) and its tests use `host`; `error` names
-//! `cuda` ([`Error::Cuda`] carries a `cuda::CudaError`, defined in the CUDA backend).
+//! No edge points up: [`Error::Cuda`]'s `CudaError` is defined under `error` (the CUDA
+//! backend re-exports it), and the downcast from a `dyn Backend` to the CUDA backend lives
+//! beside `CudaBackend`, not in the trait.
 //!
 //! This crate knows nothing of actors. `unsafe` code lives only in backend modules, in
 //! [`spawn`] (`pre_exec` hooks), [`transfer`] (an engine's threads reading and writing a
