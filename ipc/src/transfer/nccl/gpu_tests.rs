@@ -239,19 +239,21 @@ fn two_processes_move_device_buffers_both_ways() {
     println!("nccl two processes: OK");
 }
 
-#[test]
-fn a_killed_peer_is_cut_off_and_a_fresh_communicator_follows() {
-    require_two_gpus();
-    let ctx = CudaContext::new(0).expect("device 0");
-    let stream = ctx.default_stream();
-    let (e, stdin) = engine_for_child();
-    let (free_before, _) = ctx.mem_get_info().expect("memory info");
-    let (child, child_stdin) = spawn_peer(&e, "stall");
+/// Spawns a peer as node 2 that joins and never receives, starts a 256 MiB send to it,
+/// SIGKILLs it and reports its death: the send must fail, typed, and `peer_gone` return
+/// within 30 s. Returns how long the cut took.
+fn kill_a_stalled_peer(
+    e: &Arc<NcclEngine>,
+    stdin: &Mutex<Option<std::process::ChildStdin>>,
+    stream: &Arc<CudaStream>,
+    id: u64,
+) -> Duration {
+    let (child, child_stdin) = spawn_peer(e, "stall");
     let mut child = Reap(child);
     *stdin.lock().unwrap() = Some(child_stdin);
-    let big = DeviceBuf::with(&stream, &pattern(256 << 20, 1));
+    let big = DeviceBuf::with(stream, &pattern(256 << 20, 1));
     // SAFETY: `big` outlives the wait below, which ends the transfer.
-    let s = unsafe { e.send(&node(2), TransferId(0), big.region()) }.unwrap();
+    let s = unsafe { e.send(&node(2), TransferId(id), big.region()) }.unwrap();
     let deadline = Instant::now() + soon();
     while !matches!(e.phase(&node(2), Dir::Out), Phase::Ready(_)) {
         assert!(Instant::now() < deadline, "the peer never joined");
@@ -279,21 +281,38 @@ fn a_killed_peer_is_cut_off_and_a_fresh_communicator_follows() {
         ),
         "{failed:?}"
     );
-    println!("nccl kill: peer cut off in {:?}", cut.elapsed());
-    drop(big);
-    let (free_after, _) = ctx.mem_get_info().expect("memory info");
-    // NCCL keeps some per-process state after its first communicator (its kernels'
-    // module, proxy buffers); the aborted communicator's own buffers and the 256 MiB
-    // buffer must be back. The figures are printed for the run's record.
-    let lost = free_before.saturating_sub(free_after);
+    cut.elapsed()
+}
+
+#[test]
+fn a_killed_peer_is_cut_off_and_a_fresh_communicator_follows() {
+    require_two_gpus();
+    let ctx = CudaContext::new(0).expect("device 0");
+    let stream = ctx.default_stream();
+    let (e, stdin) = engine_for_child();
+    let free = || ctx.mem_get_info().expect("memory info").0;
+    let before = free();
+    let took = kill_a_stalled_peer(&e, &stdin, &stream, 0);
+    println!("nccl kill: peer cut off in {took:?}");
+    let after_first = free();
+    // The first communicator of a process loads NCCL's per-process state (its kernels'
+    // module, proxy buffers), which stays: the first run on the H200 (run CB) measured
+    // 448 MiB less free memory after it than before, where this test had guessed 128.
+    // What must not grow is what each aborted communicator leaves: a second kill cycle
+    // must leave free memory where the first left it.
+    let took = kill_a_stalled_peer(&e, &stdin, &stream, 1);
+    println!("nccl kill: second peer cut off in {took:?}");
+    let after_second = free();
     println!(
-        "nccl kill: device memory free before {} MiB, after {} MiB",
-        free_before >> 20,
-        free_after >> 20
+        "nccl kill: device memory free before {} MiB, after the first aborted communicator {} MiB, after the second {} MiB",
+        before >> 20,
+        after_first >> 20,
+        after_second >> 20
     );
+    let lost = after_first.saturating_sub(after_second);
     assert!(
-        lost < 128 << 20,
-        "{lost} bytes of device memory not returned"
+        lost < 64 << 20,
+        "{lost} bytes of device memory not returned by the second aborted communicator"
     );
     // A new peer process: a fresh communicator works.
     let (child, child_stdin) = spawn_peer(&e, "echo");
