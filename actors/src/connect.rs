@@ -1,6 +1,7 @@
 //! How a node gets its links: [`Node::connect`] to a node that listens, [`Node::listen`]
 //! for nodes that connect ([`Listening`], [`Listening::accept`]), [`Node::local`] for a
-//! link to itself. Each connection that passes the handshake gets its [`PeerLink`] actor
+//! link to itself; across hosts, [`Node::connect_tcp`] and [`Node::listen_tcp`]
+//! ([`TcpListening`]) over TCP host links. Each connection that passes the handshake gets its [`PeerLink`] actor
 //! here and joins the node's links.
 //!
 //! It sits above `link`, whose actors it starts; the node below it keeps the links once
@@ -9,16 +10,21 @@
 use crate::error::ActorError;
 use crate::link::PeerLink;
 use crate::node::{Node, Peer, PeerEvent};
+use crate::transport::Transport;
+use baton_ipc::tcp::{AsyncHostLink, HostListener};
 use baton_ipc::{AsyncLink, Listener, Session, SocketDir};
 use std::fmt;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 impl Node {
     /// Starts the actor of an established link, which joins the node's links.
-    fn adopt(&self, link: AsyncLink) -> Peer {
-        let info = *link.peer();
+    pub(crate) fn adopt(&self, link: impl Into<Transport>) -> Peer {
+        let link = link.into();
+        let info = link.peer();
         let (link, calls) = PeerLink::start(self.clone(), link);
         let peer = Peer {
             link,
@@ -162,6 +168,174 @@ impl Node {
             task,
             incoming,
         })
+    }
+}
+
+impl Node {
+    /// Connects to a node on another host listening at `addr`
+    /// ([`listen_tcp`](Self::listen_tcp)): a host link over TCP, authenticated by the
+    /// session's token (the Noise pre-shared key) and the node keys its
+    /// [`HostSettings`](crate::HostSettings) accept, before any message. The peer is an
+    /// ordinary [`Peer`]: typed messages, supervision and status work as over a Unix link;
+    /// a buffer sent over it arrives as a copy in memory the receiver's node owns (see
+    /// `docs/CROSS_HOST.md`). Must be called inside an actix system.
+    ///
+    /// # Errors
+    /// A connection or handshake error: [`baton_ipc::Error::Refused`] (wrong token, our key
+    /// not accepted there), [`baton_ipc::Error::HostKeyNotPinned`],
+    /// [`baton_ipc::Error::Timeout`], …
+    pub async fn connect_tcp(&self, addr: impl ToSocketAddrs) -> Result<Peer, ActorError> {
+        let addr = resolve(addr)?;
+        let plane = self.host_plane(unspecified(addr.ip()))?;
+        let link = AsyncHostLink::connect(addr, &plane.tcp).await?;
+        Ok(self.adopt(link))
+    }
+
+    /// Accepts host links from nodes on other hosts at `addr` (port 0: any free port; see
+    /// [`TcpListening::local_addr`]) until the returned guard drops. Each handshake runs
+    /// under the handshake deadline on a thread of its own, at most 64 at once: silent or
+    /// garbage-sending connections cost a slot for at most the deadline and harm no honest
+    /// peer. Refused connections are reported to subscribers as [`PeerEvent::Refused`].
+    /// The node's TCP engine takes data connections at the same IP address. Must be
+    /// called inside an actix system.
+    ///
+    /// # Errors
+    /// The address cannot be bound.
+    pub fn listen_tcp(&self, addr: impl ToSocketAddrs) -> Result<TcpListening, ActorError> {
+        let addr = resolve(addr)?;
+        let plane = self.host_plane(addr.ip())?;
+        let listener = HostListener::bind(addr, plane.tcp.clone())?;
+        let local = listener.local_addr();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (arrived, mut outcomes) = tokio::sync::mpsc::channel(ACCEPT_BACKLOG);
+        // The listener's `accept` blocks: a thread hands its outcomes to the node's
+        // arbiter, and ends within a poll once the guard drops.
+        let thread = {
+            let stop = Arc::clone(&stop);
+            std::thread::Builder::new()
+                .name("baton-tcp-links".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        match listener.accept_timeout(Duration::from_millis(200)) {
+                            Err(baton_ipc::Error::Timeout { .. }) => {}
+                            Err(baton_ipc::Error::Closed) => break,
+                            outcome => {
+                                if arrived.blocking_send(outcome).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                })
+                .map_err(|e| baton_ipc::Error::Io {
+                    op: "spawning the host link acceptor",
+                    source: e,
+                })?
+        };
+        let node = self.clone();
+        let (linked, incoming) = tokio::sync::mpsc::channel(ACCEPT_BACKLOG);
+        let task = actix::spawn(async move {
+            while let Some(outcome) = outcomes.recv().await {
+                match outcome.and_then(AsyncHostLink::from_blocking) {
+                    Ok(link) => {
+                        let peer = node.adopt(link);
+                        if linked.try_send(peer).is_err() {
+                            tracing::debug!(
+                                "accept backlog full: the peer is linked, but not handed to `accept`"
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "refused a host link");
+                        node.notify(PeerEvent::Refused(Arc::new(e.into())));
+                    }
+                }
+            }
+        });
+        Ok(TcpListening {
+            addr: local,
+            stop,
+            thread: Some(thread),
+            task,
+            incoming,
+        })
+    }
+}
+
+/// The first address `addr` names.
+fn resolve(addr: impl ToSocketAddrs) -> Result<SocketAddr, ActorError> {
+    let io = |source| baton_ipc::Error::Io {
+        op: "resolving a host link address",
+        source,
+    };
+    addr.to_socket_addrs()
+        .map_err(io)?
+        .next()
+        .ok_or_else(|| io(std::io::Error::other("the address names no host")).into())
+}
+
+/// The unspecified address of `ip`'s family: a connecting node's TCP engine takes data
+/// connections on every interface (its peer reaches it at the address the link came from).
+fn unspecified(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+/// A listening TCP socket for host links ([`Node::listen_tcp`]); dropping it stops
+/// accepting. Links already up are unaffected.
+pub struct TcpListening {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    task: tokio::task::JoinHandle<()>,
+    incoming: tokio::sync::mpsc::Receiver<Peer>,
+}
+
+impl fmt::Debug for TcpListening {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpListening")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl TcpListening {
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Waits for the next peer that linked here (as [`Listening::accept`]).
+    ///
+    /// # Errors
+    /// [`ActorError::NotListening`] if the accept loop has ended.
+    pub async fn accept(&mut self) -> Result<Peer, ActorError> {
+        self.incoming.recv().await.ok_or(ActorError::NotListening)
+    }
+
+    /// [`accept`](Self::accept) with a deadline.
+    ///
+    /// # Errors
+    /// As `accept`; [`ActorError::Timeout`] if no peer linked within `after`.
+    pub async fn accept_timeout(&mut self, after: Duration) -> Result<Peer, ActorError> {
+        tokio::time::timeout(after, self.accept())
+            .await
+            .map_err(|_| ActorError::Timeout {
+                op: "accept",
+                after,
+            })?
+    }
+}
+
+impl Drop for TcpListening {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.abort();
+        // The thread ends within its poll (200 ms); not joined here, which may run on
+        // the node's arbiter.
+        drop(self.thread.take());
     }
 }
 

@@ -760,7 +760,7 @@ impl Exports {
         if built.is_err() {
             undo();
         }
-        built
+        Ok(built?)
     }
 
     fn build_offer(
@@ -770,7 +770,7 @@ impl Exports {
         send_fd: bool,
         fd_slot: u8,
         fence: Option<FenceHandle>,
-    ) -> Result<(Offer, Option<OwnedFd>), ActorError> {
+    ) -> Result<(Offer, Option<OwnedFd>), baton_ipc::Error> {
         let OfferParts {
             alloc,
             owner,
@@ -801,6 +801,24 @@ impl Exports {
                 handle: builder.build()?,
             },
             fd,
+        ))
+    }
+
+    /// A handle of one of our own buffers, with its descriptor, for our own import cache
+    /// (a copy that landed from another host is opened so: see `link/copy.rs`). No lease.
+    pub(crate) fn own_handle(
+        &self,
+        cell: &BufferCell,
+    ) -> Result<(baton_messages::HandleMsg, baton_ipc::FrameFds), baton_ipc::Error> {
+        let parts = OfferParts {
+            alloc: &cell.alloc,
+            owner: cell.owner,
+            layout: &cell.layout,
+        };
+        let (offer, fd) = self.build_offer(parts, LeaseId::new(0), true, 0, None)?;
+        Ok((
+            offer.handle,
+            baton_ipc::FrameFds::new(fd.into_iter().collect()),
         ))
     }
 

@@ -128,7 +128,9 @@ mod node;
 // A node's status, as it answers it.
 mod status;
 // One actor per connection.
+// The two transports of a link (Unix socket, TCP host link) behind one shape.
 mod link;
+mod transport;
 // How a node gets its links.
 mod connect;
 
@@ -147,7 +149,7 @@ pub mod metrics;
 pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, Shared, SharedMut};
 pub use bundle::{Bundle, BundleLease, SharedBundle};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
-pub use connect::{ACCEPT_BACKLOG, Listening, token_file_of};
+pub use connect::{ACCEPT_BACKLOG, Listening, TcpListening, token_file_of};
 pub use error::ActorError;
 pub use exports::{BufferLeases, ForwardedLease, OwnerStats};
 pub use ids::{BufferId, LinkId};
@@ -155,7 +157,7 @@ pub use ledger::RevokePolicy;
 pub use link::PeerLink;
 pub use link_ref::{CLOSE_FLUSH, Heartbeat, LinkLimits};
 pub use metrics::MetricsPublisher;
-pub use node::{Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
+pub use node::{HostSettings, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
 pub use raw::{AnyBuffer, AnyLease, AnyShared, RawCall, RawHandler, RawMessage, RawReply};

@@ -5,7 +5,7 @@
 //! link knows of the protocol — leases held, mappings kept warm, pending calls, pings,
 //! status requests — and says what each frame means: an action to carry out, or the
 //! peer's fault. The actor owns everything else: the socket (a reader stream feeds it
-//! frames, a writer task drains its outgoing queue, and a [`LinkCloser`] shuts the socket
+//! frames, a writer task drains its outgoing queue, and a [`Closer`] shuts the socket
 //! down when the link is cut, whatever the writer is doing), the timers, and the calls
 //! into the node. It routes the lease protocol both ways:
 //!
@@ -38,8 +38,9 @@ use crate::link_ref::{AskStatus, LinkCommand, LinkLimits, LinkRef, LinkState, Se
 use crate::link_session::{Action, Attach, Checks, Ended, LinkSession, SessionLimits, Then};
 use crate::node::Node;
 use crate::remote::{IncomingPayload, OutCall};
+use crate::transport::{Closer, Reader, Transport};
 use actix::prelude::*;
-use baton_ipc::{AsyncLink, CacheKey, FrameFds, LinkCloser, LinkReader, PeerInfo, Received};
+use baton_ipc::{CacheKey, FrameFds, PeerInfo, Received};
 use baton_messages::protocol::{Status, StatusRequest};
 use baton_messages::status::STATUS_VERSION;
 use baton_messages::{FenceHandle, Message as Wire, ProcessId};
@@ -51,6 +52,7 @@ use std::time::Instant;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 mod closing;
+mod copy;
 mod forward;
 mod leases;
 mod open;
@@ -93,7 +95,7 @@ pub struct PeerLink {
     pub(crate) me: LinkRef,
     pub(crate) peer: PeerInfo,
     out: Option<mpsc::UnboundedSender<OutFrame>>,
-    closer: LinkCloser,
+    closer: Closer,
     /// The link's protocol state.
     session: LinkSession<Attached>,
     pub(crate) limits: LinkLimits,
@@ -108,6 +110,8 @@ pub struct PeerLink {
     /// The writer found the socket gone and left the verdict to the reader
     /// ([`LinkFailed`](closing::LinkFailed)): a send that fails meanwhile is that same end, no reason of its own.
     verdict_pending: bool,
+    /// Sends of copies under way (a host link's; see `link/copy.rs`).
+    copies_out: copy::CopiesOut,
     pub(crate) span: tracing::Span,
 }
 
@@ -126,7 +130,7 @@ type Incoming = (Result<Received, baton_ipc::Error>, OwnedSemaphorePermit);
 
 /// The link's frames. A slot of `calls` is taken before each read, so when every slot is
 /// held by a running call, reading pauses (see [`LinkLimits::calls_in_flight`]).
-fn frames(reader: LinkReader, calls: Arc<Semaphore>) -> impl Stream<Item = Incoming> {
+fn frames(reader: Reader, calls: Arc<Semaphore>) -> impl Stream<Item = Incoming> {
     futures_util::stream::unfold(Some(reader), move |state| {
         let calls = Arc::clone(&calls);
         async move {
@@ -143,8 +147,8 @@ fn frames(reader: LinkReader, calls: Arc<Semaphore>) -> impl Stream<Item = Incom
 impl PeerLink {
     /// Starts the actor for an established link on the current arbiter.
     /// Returns its reference and where typed calls to it go.
-    pub(crate) fn start(node: Node, link: AsyncLink) -> (LinkRef, Recipient<OutCall>) {
-        let peer = *link.peer();
+    pub(crate) fn start(node: Node, link: Transport) -> (LinkRef, Recipient<OutCall>) {
+        let peer = link.peer();
         let id = LinkId::next();
         let limits = node.limits();
         let state = Arc::new(LinkState {
@@ -163,15 +167,18 @@ impl PeerLink {
             stopped: tokio::sync::watch::Sender::new(false),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
-        let closer = link.closer();
         let ours = node.session().process();
-        let (reader, writer) = link.into_split();
+        let (closer, reader, writer) = link.split();
         let (tx, rx) = mpsc::unbounded_channel();
         let addr = PeerLink::create(|ctx| {
             let me = LinkRef::new(id, ctx.address().recipient(), Arc::clone(&state));
             // Before any frame is handled or any call granted: leases need the link.
             node.exports().link_up(&me);
-            node.watch(peer.process);
+            if peer.host().is_none() {
+                // A process of this host: its death is seen at once. A peer on another
+                // host is watched by its link alone (end of stream, the heartbeat).
+                node.watch(peer.process);
+            }
             ctx.add_stream(frames(reader, Arc::clone(&calls)));
             actix::spawn(write_loop(writer, rx, Arc::clone(&state), ctx.address()));
             PeerLink {
@@ -196,6 +203,7 @@ impl PeerLink {
                 answering: 0,
                 closing: None,
                 verdict_pending: false,
+                copies_out: copy::CopiesOut::new(),
             }
         });
         (
@@ -334,7 +342,7 @@ impl Actor for PeerLink {
     fn started(&mut self, ctx: &mut Self::Context) {
         let span = self.span.clone();
         let _g = span.enter();
-        tracing::debug!(uid = self.peer.cred.uid, "link up");
+        tracing::debug!(via = ?self.peer.via, "link up");
         // Fences the peer records for us are written into our memory: lend it a lane
         // first, before anything of ours can ask it for a fence.
         if let Some(grant) = self
@@ -364,6 +372,8 @@ impl Actor for PeerLink {
         // or the peer never reads what we queued.
         self.closer.close();
         self.out = None;
+        // No transfer touches our buffers once their leases are taken back.
+        self.abort_copies();
         let exports = self.node.exports();
         let before = exports.stats(None).leases;
         exports.link_cut(self.me.id);

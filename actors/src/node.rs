@@ -6,7 +6,7 @@
 
 use crate::buffer::{Buffer, Element, IncomingLease, Shared, SharedInner};
 use crate::error::ActorError;
-use crate::exports::{BufferLeases, Exports, OwnerStats};
+use crate::exports::{BufferCell, BufferLeases, Exports, OwnerStats};
 use crate::ids::LinkId;
 use crate::ledger::RevokePolicy;
 use crate::link_ref::{
@@ -16,8 +16,10 @@ use crate::offload::Offload;
 use crate::remote::{ErasedHandler, OutCall, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
 use baton_ipc::process::DeathWatch;
+use baton_ipc::tcp::{HostId, NodeKey, TcpConfig, TcpPolicy};
+use baton_ipc::transfer::TcpEngine;
 use baton_ipc::{
-    HostBackend, ImportCache, LinkConfig, PeerInfo, Session, SharedBackend, WarmBudget,
+    Allocation, HostBackend, ImportCache, LinkConfig, PeerInfo, Session, SharedBackend, WarmBudget,
 };
 use baton_messages::protocol::CallFault;
 use baton_messages::{ActorId, BackendKind, Layout, LeaseId, ProcessId, Shape};
@@ -26,6 +28,7 @@ use serde::de::DeserializeOwned;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::marker::PhantomData;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -224,6 +227,43 @@ pub struct NodeConfig {
     pub warm: WarmBudget,
     /// What one link may hold (queues, calls, offers, leases).
     pub limits: LinkLimits,
+    /// How this node links to nodes on other hosts ([`Node::listen_tcp`],
+    /// [`Node::connect_tcp`]).
+    pub hosts: HostSettings,
+}
+
+/// How a node links to nodes on other hosts: its key, whom it accepts, which host it says
+/// it runs on. The session (its token is the Noise pre-shared key) is the node's.
+#[derive(Debug, Clone)]
+pub struct HostSettings {
+    /// This node's static key; `None`: one is made on the first host link.
+    pub key: Option<NodeKey>,
+    /// Which peers' keys to accept (default: any holder of the session's token).
+    pub policy: TcpPolicy,
+    /// The host this node says it runs on (default [`HostId::current`]: `BATON_HOST_ID`,
+    /// else the machine id).
+    pub host: HostId,
+    /// How long a host link's handshake may take (default 5 s).
+    pub handshake_timeout: Duration,
+}
+
+impl Default for HostSettings {
+    fn default() -> Self {
+        Self {
+            key: None,
+            policy: TcpPolicy::any(),
+            host: HostId::current(),
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What a node needs once it links beyond its host: the host links' configuration (with
+/// its TCP engine's data port) and the engine that carries buffers' bytes to and from
+/// nodes on other hosts. Made on the node's first host link.
+pub(crate) struct HostPlane {
+    pub(crate) tcp: TcpConfig,
+    pub(crate) engine: TcpEngine,
 }
 
 impl NodeConfig {
@@ -249,6 +289,12 @@ impl NodeConfig {
         self.limits = limits;
         self
     }
+
+    /// With other settings for links to other hosts.
+    pub fn hosts(mut self, hosts: HostSettings) -> Self {
+        self.hosts = hosts;
+        self
+    }
 }
 
 impl From<LinkConfig> for NodeConfig {
@@ -258,6 +304,7 @@ impl From<LinkConfig> for NodeConfig {
             heartbeat: Heartbeat::default(),
             warm: WarmBudget::default(),
             limits: LinkLimits::default(),
+            hosts: HostSettings::default(),
         }
     }
 }
@@ -288,6 +335,8 @@ struct NodeInner {
     local: Mutex<Option<Peer>>,
     /// The forwards this node relays or holds.
     relays: crate::relay::Relays,
+    /// Its reach beyond its host, once it has a host link.
+    plane: Mutex<Option<Arc<HostPlane>>>,
 }
 
 /// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
@@ -386,6 +435,7 @@ impl Node {
                 owner: crate::ids::next_actor(),
                 local: Mutex::new(None),
                 relays: crate::relay::Relays::default(),
+                plane: Mutex::new(None),
             }
         });
         // A producer that names fence values and does not deliver them is cut (our waits
@@ -632,7 +682,45 @@ impl Node {
     /// # Errors
     /// As `allocate`.
     pub fn allocate_shape<T: Element>(&self, shape: Shape) -> Result<Buffer<T>, ActorError> {
-        let layout = Layout::new(T::DTYPE, shape);
+        Ok(Buffer::new(
+            self.allocate_layout(Layout::new(T::DTYPE, shape))?,
+        ))
+    }
+
+    /// Its reach beyond its host: made on the first call, its TCP engine taking data
+    /// connections at `ip` (any free port).
+    pub(crate) fn host_plane(&self, ip: IpAddr) -> Result<Arc<HostPlane>, ActorError> {
+        let mut plane = lock(&self.inner.plane);
+        if let Some(made) = plane.as_ref() {
+            return Ok(Arc::clone(made));
+        }
+        let settings = &self.inner.config.hosts;
+        let key = match &settings.key {
+            Some(key) => key.clone(),
+            None => NodeKey::generate()?,
+        };
+        let tcp = TcpConfig::new(self.session().clone(), key)
+            .policy(settings.policy.clone())
+            .host(settings.host)
+            .handshake_timeout(settings.handshake_timeout);
+        // A transfer whose connection makes no progress for a heartbeat deadline fails,
+        // as a silent link is cut.
+        let engine = TcpEngine::bind((ip, 0), tcp.clone(), self.heartbeat().deadline)?;
+        let tcp = tcp.data_port(engine.data_addr().port());
+        tracing::info!(host = %settings.host, key = %tcp.key.public(), data = %engine.data_addr(), "links beyond this host");
+        let made = Arc::new(HostPlane { tcp, engine });
+        *plane = Some(Arc::clone(&made));
+        Ok(made)
+    }
+
+    /// Its reach beyond its host, if it has linked beyond it.
+    pub(crate) fn plane(&self) -> Option<Arc<HostPlane>> {
+        lock(&self.inner.plane).clone()
+    }
+
+    /// A buffer of this node with `layout`'s bytes (zeroed), as [`allocate`](Self::allocate)
+    /// makes them.
+    pub(crate) fn allocate_layout(&self, layout: Layout) -> Result<Arc<BufferCell>, ActorError> {
         let bytes = layout
             .byte_len()
             .and_then(|b| usize::try_from(b).ok())
@@ -641,16 +729,20 @@ impl Node {
                 len: usize::MAX,
                 size: 0,
             })?;
-        let backend = Arc::clone(&self.inner.backend);
-        let alloc = backend.allocate(bytes)?;
-        tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes, "allocated (node)");
-        Ok(Buffer::new(self.inner.exports.insert(
+        let alloc = self.inner.backend.allocate(bytes)?;
+        Ok(self.adopt_allocation(alloc, layout))
+    }
+
+    /// Makes `alloc` (of this node's backend) one of the node's buffers.
+    pub(crate) fn adopt_allocation(&self, alloc: Allocation, layout: Layout) -> Arc<BufferCell> {
+        tracing::debug!(alloc = %alloc.id(), gen = %alloc.generation(), bytes = alloc.size(), "allocated (node)");
+        self.inner.exports.insert(
             alloc,
-            backend,
+            Arc::clone(&self.inner.backend),
             layout,
             self.inner.owner,
             RevokePolicy::default(),
-        )))
+        )
     }
 
     /// The backend buffers are allocated with.

@@ -512,7 +512,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         },
         alloc: AllocationId::new(17),
         generation: Generation::FIRST,
-        backend: raw.backend(),
+        backend: raw.backend().unwrap_or(BackendKind::Host),
         device: DeviceUuid::HOST,
         alloc_size: 8192,
         offset,

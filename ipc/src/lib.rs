@@ -94,6 +94,8 @@ pub mod spawn;
 
 // 4. The transport.
 // Framed, authenticated links.
+// Who a peer is across hosts (host id, node key), below both transports.
+mod identity;
 pub mod link;
 // Host links: TCP with Noise, across hosts.
 pub mod tcp;
@@ -137,7 +139,7 @@ pub use handoff::TOKEN_ENV;
 pub use host::{HostBackend, HostFlavor};
 pub use link::{
     AsyncLink, FrameFds, Link, LinkCloser, LinkConfig, LinkReader, LinkWriter, Listener, PeerCred,
-    PeerInfo, PeerPolicy, Received, SocketDir,
+    PeerInfo, PeerPolicy, Received, SocketDir, Via,
 };
 pub use ordering::{
     ExportedFence, FenceFaultHook, NoOrdering, Stream, StreamKey, StreamOrdering, StreamRef,

@@ -29,6 +29,7 @@ pub use wire::{FrameFds, Received};
 pub(crate) use handshake::{ClientHandshake, Refusal, ServerHandshake};
 pub(crate) use wire::{Receiver, send_all};
 
+use crate::identity::HostPeer;
 use crate::session::Session;
 use crate::{Error, Result};
 use baton_messages::codec::encode_frame;
@@ -77,8 +78,37 @@ impl LinkConfig {
 pub struct PeerInfo {
     /// The peer process, as it proved in the handshake.
     pub process: ProcessId,
-    /// Its kernel credentials.
-    pub cred: PeerCred,
+    /// How the link reaches it, and what the transport proved besides.
+    pub via: Via,
+}
+
+/// The transport of a link, and what it proved about the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Via {
+    /// A Unix socket on this host: the kernel's credentials of the peer (`SO_PEERCRED`).
+    Unix(PeerCred),
+    /// A host link over TCP ([`tcp`](crate::tcp)): the peer's host, static key and
+    /// addresses, as its Noise handshake proved them.
+    Tcp(HostPeer),
+}
+
+impl PeerInfo {
+    /// The peer's kernel credentials, for a link over a Unix socket (`None` over TCP).
+    pub fn cred(&self) -> Option<PeerCred> {
+        match self.via {
+            Via::Unix(cred) => Some(cred),
+            Via::Tcp(_) => None,
+        }
+    }
+
+    /// The peer's host, for a host link (`None` for a Unix socket: this host).
+    pub fn host(&self) -> Option<&HostPeer> {
+        match &self.via {
+            Via::Tcp(host) => Some(host),
+            Via::Unix(_) => None,
+        }
+    }
 }
 
 /// An established, authenticated, blocking link.
@@ -170,12 +200,12 @@ impl Link {
             rx: Receiver::default(),
             tx: Vec::with_capacity(512),
             peer: PeerInfo {
+                via: Via::Unix(cred),
                 process: ProcessId {
                     boot: crate::process::boot_id(),
                     pid: cred.pid,
                     start_ticks: 0,
                 },
-                cred,
             },
         };
         link.set_timeout(Some(timeout))?;

@@ -32,6 +32,8 @@ mod nonblocking;
 #[cfg(test)]
 pub(crate) mod proxy;
 
+use crate::identity::hex;
+pub use crate::identity::{HOST_ID_ENV, HostId, HostPeer, NodePublicKey};
 pub use nonblocking::{AsyncHostLink, HostLinkCloser, HostLinkReader, HostLinkWriter};
 
 pub(crate) use noise::{
@@ -51,69 +53,6 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
-
-/// The environment variable that names this host (hashed into its [`HostId`]): two
-/// network namespaces of one machine given different names count as two hosts.
-pub const HOST_ID_ENV: &str = "BATON_HOST_ID";
-
-/// Which host a node runs on: blake3 of [`HOST_ID_ENV`] if set, else of
-/// `/etc/machine-id`, else of the boot id. Same host id: the peers use IPC (zero-copy);
-/// else the transfer engines.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct HostId(pub [u8; 32]);
-
-impl HostId {
-    /// This host's id (computed once).
-    pub fn current() -> HostId {
-        static ME: std::sync::OnceLock<HostId> = std::sync::OnceLock::new();
-        *ME.get_or_init(|| {
-            if let Ok(name) = std::env::var(HOST_ID_ENV) {
-                return HostId::named(&name);
-            }
-            match std::fs::read_to_string("/etc/machine-id") {
-                Ok(id) if !id.trim().is_empty() => HostId::named(id.trim()),
-                _ => HostId::named(&format!("boot {:?}", crate::process::boot_id())),
-            }
-        })
-    }
-
-    /// The id of a host named `name` (what [`HOST_ID_ENV`] would give).
-    pub fn named(name: &str) -> HostId {
-        HostId(blake3::derive_key("baton host id v1", name.as_bytes()))
-    }
-}
-
-impl fmt::Debug for HostId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "host:{}", hex(&self.0[..6]))
-    }
-}
-
-impl fmt::Display for HostId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A node's static public key (X25519), as pinned in a [`TcpPolicy`].
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct NodePublicKey(pub [u8; 32]);
-
-impl fmt::Debug for NodePublicKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", hex(&self.0))
-    }
-}
-
-impl fmt::Display for NodePublicKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
-    }
-}
 
 /// A node's static key pair (X25519): made at start, or loaded to be pinned by peers.
 /// Its `Debug` shows the public half only.
@@ -263,6 +202,11 @@ pub struct TcpConfig {
     pub max_handshakes: usize,
     /// The sockets' keepalive.
     pub keepalive: Keepalive,
+    /// The port this node's TCP engine takes data connections on
+    /// ([`TcpEngine::data_addr`](crate::transfer::TcpEngine::data_addr)), announced in the
+    /// handshake; the peer reaches it at the address it reached the link on. `None`: no
+    /// engine (the peer cannot send us buffers).
+    pub data_port: Option<u16>,
 }
 
 impl TcpConfig {
@@ -276,6 +220,7 @@ impl TcpConfig {
             handshake_timeout: Duration::from_secs(5),
             max_handshakes: 64,
             keepalive: Keepalive::default(),
+            data_port: None,
         }
     }
 
@@ -297,24 +242,17 @@ impl TcpConfig {
         self
     }
 
+    /// Announcing its TCP engine's data port.
+    pub fn data_port(mut self, port: u16) -> Self {
+        self.data_port = Some(port);
+        self
+    }
+
     /// With another cap on handshakes in progress.
     pub fn max_handshakes(mut self, n: usize) -> Self {
         self.max_handshakes = n.max(1);
         self
     }
-}
-
-/// Who is at the other end of an established host link.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HostPeer {
-    /// The peer process, as it proved in the handshake.
-    pub process: ProcessId,
-    /// The host it runs on.
-    pub host: HostId,
-    /// Its static key.
-    pub key: NodePublicKey,
-    /// Its address.
-    pub addr: SocketAddr,
 }
 
 /// The deadline of a handshake: every blocking read and write gets the time left.
@@ -438,8 +376,7 @@ pub(crate) fn noise_client(
     config: &TcpConfig,
     deadline: &Deadline,
 ) -> Result<Established> {
-    let (mut hs, first) =
-        Handshake::initiator(&config.session, &config.key, &config.policy, config.host)?;
+    let (mut hs, first) = Handshake::initiator(config)?;
     deadline.write(stream, &first)?;
     let second = deadline.read_record(stream)?;
     let third = hs
@@ -463,7 +400,7 @@ pub(crate) fn noise_server(
     config: &TcpConfig,
     deadline: &Deadline,
 ) -> Result<Established> {
-    let mut hs = Handshake::responder(&config.session, &config.key, &config.policy, config.host)?;
+    let mut hs = Handshake::responder(config)?;
     let first = deadline.read_record(stream)?;
     let second = hs.on_first(&first)?;
     deadline.write(stream, &second)?;
@@ -658,6 +595,8 @@ impl HostLink {
                 host: est.claim.host,
                 key: NodePublicKey(est.remote_key),
                 addr,
+                data_addr: (est.claim.data_port != 0)
+                    .then(|| SocketAddr::new(addr.ip(), est.claim.data_port)),
             },
             stream,
         })

@@ -18,6 +18,7 @@
 //! out; the NCCL backend holds its transfer "touching" from its start until its operation
 //! completed or its communicator's abort returned.
 
+mod held;
 pub mod nccl;
 pub mod tcp;
 
@@ -29,6 +30,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+pub use held::HeldTransfer;
 pub use nccl::NcclEngine;
 pub use tcp::TcpEngine;
 

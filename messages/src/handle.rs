@@ -197,7 +197,7 @@ impl HandleMsg {
             }
         }
         let fence_allowed = self.backend != BackendKind::Host || self.fence.is_none();
-        if self.raw.backend() != self.backend || !fence_allowed {
+        if !self.raw.fits(self.backend) || !fence_allowed {
             return Err(Error::BackendMismatch {
                 backend: self.backend,
                 raw: self.raw.kind_name(),
@@ -250,7 +250,7 @@ pub(crate) mod tests {
             },
             alloc: AllocationId::new(17),
             generation: Generation::FIRST,
-            backend: raw.backend(),
+            backend: raw.backend().unwrap_or(BackendKind::Host),
             device: DeviceUuid::HOST,
             alloc_size: 4096,
             offset: 1024,
@@ -322,7 +322,7 @@ pub(crate) mod tests {
     #[test]
     fn a_memfd_handle_is_host_memory_with_a_sealed_slot() {
         let raw = RawHandle::HostMemfd { slot: Some(2) };
-        assert_eq!(raw.backend(), BackendKind::Host);
+        assert_eq!(raw.backend(), Some(BackendKind::Host));
         assert_eq!(raw.fd_slot(), Some(2));
         assert_eq!(raw.kind_name(), "host memfd");
         assert_eq!(format!("{raw:?}"), "HostMemfd { slot: Some(2) }");
@@ -361,7 +361,7 @@ pub(crate) mod tests {
             pool_slot: Some(2),
             ptr: CudaPoolExportData([0xee; 64]),
         };
-        assert_eq!(raw.backend(), BackendKind::CudaPool);
+        assert_eq!(raw.backend(), Some(BackendKind::CudaPool));
         assert_eq!(raw.fd_slot(), Some(2));
         assert_eq!(raw.kind_name(), "CUDA pool pointer");
         let h = sample(raw).sealed(&key());

@@ -76,7 +76,8 @@ pub use ids::{
 pub use layout::{BundleLayout, DType, Layout, LayoutError, Shape, TensorSpec};
 pub use protocol::Message;
 pub use raw::{
-    BackendKind, CudaIpcMemHandle, CudaPoolExportData, IpcEventHandle, RawHandle, SegmentName,
+    BackendKind, CopyEngine, CudaIpcMemHandle, CudaPoolExportData, IpcEventHandle, RawHandle,
+    SegmentName,
 };
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer

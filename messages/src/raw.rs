@@ -156,6 +156,22 @@ pub enum RawHandle {
         /// its import cache can open it.
         slot: Option<u8>,
     },
+    /// Across hosts: nothing to map. The exporter's transfer engine sends the buffer's
+    /// bytes as the transfer named by the offer's lease, and the importer receives them
+    /// into memory of its own (see `docs/CROSS_HOST.md`). Valid only on a host link.
+    Copy {
+        /// The engine that carries the bytes.
+        engine: CopyEngine,
+    },
+}
+
+/// The transfer engine that carries a [`RawHandle::Copy`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[non_exhaustive]
+pub enum CopyEngine {
+    /// The TCP engine: host memory, over the nodes' own authenticated data connections.
+    Tcp,
 }
 
 impl RawHandle {
@@ -167,18 +183,26 @@ impl RawHandle {
             RawHandle::CudaVmmFd { .. } => "CUDA VMM fd",
             RawHandle::CudaPool { .. } => "CUDA pool pointer",
             RawHandle::HostMemfd { .. } => "host memfd",
+            RawHandle::Copy { .. } => "copy",
         }
     }
 
-    /// The backend that makes raw handles of this kind.
-    pub fn backend(&self) -> BackendKind {
+    /// The backend that makes raw handles of this kind (`None` for a
+    /// [`Copy`](RawHandle::Copy), which any backend's memory makes).
+    pub fn backend(&self) -> Option<BackendKind> {
         match self {
-            RawHandle::HostSegment(_) => BackendKind::Host,
-            RawHandle::CudaIpc(_) => BackendKind::CudaLegacy,
-            RawHandle::CudaVmmFd { .. } => BackendKind::CudaVmm,
-            RawHandle::CudaPool { .. } => BackendKind::CudaPool,
-            RawHandle::HostMemfd { .. } => BackendKind::Host,
+            RawHandle::HostSegment(_) => Some(BackendKind::Host),
+            RawHandle::CudaIpc(_) => Some(BackendKind::CudaLegacy),
+            RawHandle::CudaVmmFd { .. } => Some(BackendKind::CudaVmm),
+            RawHandle::CudaPool { .. } => Some(BackendKind::CudaPool),
+            RawHandle::HostMemfd { .. } => Some(BackendKind::Host),
+            RawHandle::Copy { .. } => None,
         }
+    }
+
+    /// Whether a handle of `backend` may carry this raw handle.
+    pub fn fits(&self, backend: BackendKind) -> bool {
+        self.backend().is_none_or(|b| b == backend)
     }
 
     /// Where the descriptor this handle needs sits among its frame's descriptors: `None`
@@ -187,7 +211,7 @@ impl RawHandle {
         match self {
             RawHandle::CudaVmmFd { slot } | RawHandle::HostMemfd { slot } => *slot,
             RawHandle::CudaPool { pool_slot, .. } => *pool_slot,
-            RawHandle::HostSegment(_) | RawHandle::CudaIpc(_) => None,
+            RawHandle::HostSegment(_) | RawHandle::CudaIpc(_) | RawHandle::Copy { .. } => None,
         }
     }
 }

@@ -644,10 +644,11 @@ impl Peer {
         self.peer.process().pid
     }
 
-    /// Its uid (from the kernel's credentials of the socket).
+    /// Its uid (from the kernel's credentials of the socket); `None` for a peer on a TCP
+    /// host link, which has none.
     #[getter]
-    fn uid(&self) -> u32 {
-        self.peer.info().cred.uid
+    fn uid(&self) -> Option<u32> {
+        self.peer.info().cred().map(|c| c.uid)
     }
 
     /// Whether the link is up.

@@ -15,6 +15,9 @@ pub(crate) struct IncomingLease {
     pub(crate) held: Arc<HeldLease>,
     /// Its uses on streams and the acquire fence they wait on.
     pub(crate) order: LeaseOrder,
+    /// A copy of a buffer from another host: our own buffer (the view maps it), whose
+    /// lease went back when its bytes landed — nothing to release, never orphaned.
+    pub(crate) copy: Option<Arc<BufferCell>>,
 }
 
 /// What the importer's link knows of a lease it holds: whether the exporter asked for it
@@ -72,7 +75,7 @@ impl IncomingLease {
     }
 
     pub(crate) fn live(&self) -> Result<&Imported, ActorError> {
-        if self.link.is_alive() {
+        if self.copy.is_some() || self.link.is_alive() {
             Ok(self.imported())
         } else {
             Err(ActorError::Orphaned {
@@ -88,6 +91,21 @@ impl Drop for IncomingLease {
         // (its mapping closes — after that fence — if it was the last), then the Release
         // with the fence, queued on the link without blocking.
         let imported = self.imported.take();
+        if let Some(copy) = self.copy.take() {
+            // Our own buffer: the view goes after the work queued on it, then the buffer
+            // (freed once nothing maps it); its lease went back when it landed.
+            match self.order.finish() {
+                Finished::Idle => drop(imported),
+                Finished::Fence(fence) => {
+                    if let Some(imported) = imported {
+                        imported.release_after(fence.local_handle());
+                    }
+                }
+                Finished::Wait(marks) => PendingRelease { marks, imported }.wait(),
+            }
+            drop(copy);
+            return;
+        }
         let (fences, pending) = match self.order.finish() {
             Finished::Idle => {
                 drop(imported);

@@ -24,6 +24,8 @@ impl PeerLink {
         fences: Vec<FenceHandle>,
     ) -> Result<(), ActorError> {
         tracing::trace!(%lease, fences = fences.len(), "released");
+        // A copy's lease comes back once its bytes landed.
+        self.copy_done(lease, false);
         if self.release_passed(lease) {
             // A lease we forwarded: handed on to its exporter (see `relay`).
             return Ok(());

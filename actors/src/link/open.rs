@@ -101,6 +101,16 @@ impl PeerLink {
             relayed,
             then,
         } = open;
+        if self.copies() {
+            // A host link: the offers are copies, received through the engine.
+            drop(fds);
+            let open = Open {
+                offers,
+                relayed,
+                then,
+            };
+            return self.receive_copies(open, slot, ctx);
+        }
         self.me
             .state
             .fds_received
@@ -195,6 +205,7 @@ impl PeerLink {
                 link: self.me.clone(),
                 held,
                 order,
+                copy: None,
             });
         }
         Ok(Ok(leases))
@@ -202,7 +213,7 @@ impl PeerLink {
 
     /// What opened offers were for: delivered to the node's inbox, the peer's call run,
     /// or the reply to our call handed to its caller.
-    fn then(
+    pub(super) fn then(
         &mut self,
         then: Then<Attached>,
         opened: Opened<Vec<IncomingLease>>,

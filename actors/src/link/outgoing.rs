@@ -8,8 +8,8 @@ use crate::error::ActorError;
 use crate::exports::OfferGrant;
 use crate::link_ref::{CancelCall, LinkState};
 use crate::remote::{Encoded, OutCall};
+use crate::transport::Writer;
 use actix::prelude::*;
-use baton_ipc::LinkWriter;
 use baton_messages::Message as Wire;
 use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_frame};
 use baton_messages::protocol::{Call, CallFault, Offer, Payload, Reply};
@@ -42,7 +42,7 @@ const MAX_BATCH: usize = 64 * 1024;
 /// frame) — up to [`MAX_BATCH`] bytes, and never past a frame that carries descriptors:
 /// descriptors travel with their frame's first byte, so such a frame starts a new batch.
 pub(super) async fn write_loop(
-    mut writer: LinkWriter,
+    mut writer: Writer,
     mut rx: mpsc::UnboundedReceiver<OutFrame>,
     state: Arc<LinkState>,
     addr: Addr<PeerLink>,
@@ -162,6 +162,19 @@ impl PeerLink {
         let mut fds = Vec::new();
         let mut failure = None;
         for out in cells {
+            if self.copies() {
+                match self.grant_copy(out) {
+                    Ok((offer, grant)) => {
+                        offers.push(offer);
+                        grants.push(grant);
+                        continue;
+                    }
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            }
             let cell = &out.cell;
             if fds.len() >= MAX_FDS_PER_FRAME && cell.alloc.export_fd().is_some() {
                 failure = Some(ActorError::TooManyDescriptors {
@@ -204,6 +217,7 @@ impl PeerLink {
     fn ungrant(&mut self, offers: &[Offer], grants: &[OfferGrant]) {
         // Newest first, so that the grant that started a hold is undone last.
         for (offer, grant) in offers.iter().zip(grants).rev() {
+            self.copy_done(offer.lease, true);
             self.node.exports().ungrant(offer.lease, *grant, self.me.id);
         }
     }

@@ -4,7 +4,7 @@
 use super::creds::PeerCred;
 use super::handshake::{ClientHandshake, Refusal, ServerHandshake};
 use super::wire::{Received, Receiver, io_error, send_some};
-use super::{LinkConfig, PeerInfo};
+use super::{LinkConfig, PeerInfo, Via};
 use crate::{Error, Result};
 use baton_messages::codec::encode_frame;
 use baton_messages::protocol::RefuseReason;
@@ -142,7 +142,10 @@ impl AsyncLink {
         AsyncLink {
             stream: Arc::new(stream),
             rx,
-            peer: PeerInfo { process, cred },
+            peer: PeerInfo {
+                process,
+                via: Via::Unix(cred),
+            },
         }
     }
 

@@ -9,7 +9,7 @@
 //! record of length 0 is a refusal: one reason byte follows, in clear (it can only make a
 //! peer give up, which anyone on the path could do by closing).
 
-use super::{HostId, NodeKey, TcpPolicy};
+use super::{HostId, TcpConfig, TcpPolicy};
 use crate::session::Session;
 use crate::{Error, Result};
 use baton_messages::codec::FrameDecoder;
@@ -44,15 +44,19 @@ pub(crate) fn params() -> snow::params::NoiseParams {
 pub(crate) struct Claim {
     pub(crate) host: HostId,
     pub(crate) process: ProcessId,
+    /// The port its TCP engine takes data connections on, at the address the link runs
+    /// over (0: it has none).
+    pub(crate) data_port: u16,
 }
 
-const CLAIM_LEN: usize = 32 + 16 + 4 + 8;
+const CLAIM_LEN: usize = 32 + 16 + 4 + 8 + 2;
 
 impl Claim {
-    pub(crate) fn of(session: &Session, host: HostId) -> Claim {
+    pub(crate) fn of(config: &TcpConfig) -> Claim {
         Claim {
-            host,
-            process: session.process(),
+            host: config.host,
+            process: config.session.process(),
+            data_port: config.data_port.unwrap_or(0),
         }
     }
 
@@ -61,7 +65,8 @@ impl Claim {
         out[..32].copy_from_slice(&self.host.0);
         out[32..48].copy_from_slice(&self.process.boot.0);
         out[48..52].copy_from_slice(&self.process.pid.to_le_bytes());
-        out[52..].copy_from_slice(&self.process.start_ticks.to_le_bytes());
+        out[52..60].copy_from_slice(&self.process.start_ticks.to_le_bytes());
+        out[60..].copy_from_slice(&self.data_port.to_le_bytes());
         out
     }
 
@@ -80,8 +85,9 @@ impl Claim {
             process: ProcessId {
                 boot: BootId(boot),
                 pid: u32::from_le_bytes(bytes[48..52].try_into().expect("4 bytes")),
-                start_ticks: u64::from_le_bytes(bytes[52..].try_into().expect("8 bytes")),
+                start_ticks: u64::from_le_bytes(bytes[52..60].try_into().expect("8 bytes")),
             },
+            data_port: u16::from_le_bytes(bytes[60..].try_into().expect("2 bytes")),
         })
     }
 }
@@ -159,16 +165,10 @@ fn tampered(what: &'static str) -> impl FnOnce(snow::Error) -> Error {
 }
 
 impl Handshake {
-    fn new(
-        session: &Session,
-        key: &NodeKey,
-        policy: &TcpPolicy,
-        host: HostId,
-        initiator: bool,
-    ) -> Result<Handshake> {
-        let psk = psk(session);
+    fn new(config: &TcpConfig, initiator: bool) -> Result<Handshake> {
+        let psk = psk(&config.session);
         let builder = snow::Builder::new(params())
-            .local_private_key(key.private())
+            .local_private_key(config.key.private())
             .and_then(|b| b.psk(3, &psk))
             .map_err(|e| Error::Io {
                 op: "setting up a Noise handshake",
@@ -185,32 +185,22 @@ impl Handshake {
         })?;
         Ok(Handshake {
             state,
-            policy: policy.clone(),
-            me: Claim::of(session, host),
+            policy: config.policy.clone(),
+            me: Claim::of(config),
             peer: None,
         })
     }
 
     /// The initiator (client): its first record, to send.
-    pub(crate) fn initiator(
-        session: &Session,
-        key: &NodeKey,
-        policy: &TcpPolicy,
-        host: HostId,
-    ) -> Result<(Handshake, Vec<u8>)> {
-        let mut hs = Self::new(session, key, policy, host, true)?;
+    pub(crate) fn initiator(config: &TcpConfig) -> Result<(Handshake, Vec<u8>)> {
+        let mut hs = Self::new(config, true)?;
         let out = hs.write(&[])?;
         Ok((hs, out))
     }
 
     /// The responder (server).
-    pub(crate) fn responder(
-        session: &Session,
-        key: &NodeKey,
-        policy: &TcpPolicy,
-        host: HostId,
-    ) -> Result<Self> {
-        Self::new(session, key, policy, host, false)
+    pub(crate) fn responder(config: &TcpConfig) -> Result<Self> {
+        Self::new(config, false)
     }
 
     fn write(&mut self, payload: &[u8]) -> Result<Vec<u8>> {
@@ -453,6 +443,7 @@ impl Opener {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tcp::NodeKey;
     use baton_messages::SessionToken;
 
     fn session(b: u8) -> Session {
@@ -467,11 +458,12 @@ mod tests {
     type Outcome = Result<(Handshake, Handshake), (Error, RefuseReason)>;
 
     fn run(client: &Session, server: &Session) -> Outcome {
-        let (ck, sk) = (NodeKey::generate().unwrap(), NodeKey::generate().unwrap());
-        let any = TcpPolicy::any();
         let host = HostId::named("test");
-        let (mut c, first) = Handshake::initiator(client, &ck, &any, host).unwrap();
-        let mut s = Handshake::responder(server, &sk, &any, host).unwrap();
+        let config = |session: &Session| {
+            TcpConfig::new(session.clone(), NodeKey::generate().unwrap()).host(host)
+        };
+        let (mut c, first) = Handshake::initiator(&config(client)).unwrap();
+        let mut s = Handshake::responder(&config(server)).unwrap();
         let second = s.on_first(body(&first)).unwrap();
         let third = c.on_second(body(&second)).unwrap();
         s.on_third(body(&third))?;

@@ -175,8 +175,7 @@ fn rogue_clients_leave_an_honest_one_unharmed() {
     for _ in 0..4 {
         let s = TcpStream::connect(addr).unwrap();
         let cfg = config(1);
-        let (_, first) =
-            Handshake::initiator(&cfg.session, &cfg.key, &cfg.policy, cfg.host).unwrap();
+        let (_, first) = Handshake::initiator(&cfg).unwrap();
         (&s).write_all(&first[..first.len() / 2]).unwrap();
         drop(s);
     }

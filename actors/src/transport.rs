@@ -1,0 +1,141 @@
+//! The two transports a [`PeerLink`](crate::link::PeerLink) runs over, behind one shape:
+//! a Unix socket to a process on this host ([`AsyncLink`]) or a host link over TCP to one
+//! on another host ([`AsyncHostLink`]). Both carry the same frames under the same bounds
+//! and split the same way — a reader, a writer and a closer — so the link's code is one
+//! path; only descriptors differ (a host link carries none: a frame with any is refused
+//! before it is sent, and buffers cross hosts as copies, see `link/copy.rs`).
+
+use baton_ipc::tcp::{AsyncHostLink, HostLinkCloser, HostLinkReader, HostLinkWriter};
+use baton_ipc::{AsyncLink, LinkCloser, LinkReader, LinkWriter, PeerInfo, Received, Via};
+use std::os::fd::BorrowedFd;
+
+/// An established link, before the link actor splits it.
+#[derive(Debug)]
+pub(crate) enum Transport {
+    /// A Unix socket on this host.
+    Unix(AsyncLink),
+    /// A host link over TCP.
+    Tcp(AsyncHostLink),
+}
+
+impl From<AsyncLink> for Transport {
+    fn from(link: AsyncLink) -> Self {
+        Transport::Unix(link)
+    }
+}
+
+impl From<AsyncHostLink> for Transport {
+    fn from(link: AsyncHostLink) -> Self {
+        Transport::Tcp(link)
+    }
+}
+
+impl Transport {
+    /// Who is at the other end, and how it is reached.
+    pub(crate) fn peer(&self) -> PeerInfo {
+        match self {
+            Transport::Unix(link) => *link.peer(),
+            Transport::Tcp(link) => {
+                let host = *link.peer();
+                PeerInfo {
+                    process: host.process,
+                    via: Via::Tcp(host),
+                }
+            }
+        }
+    }
+
+    /// Its closer, reader and writer.
+    pub(crate) fn split(self) -> (Closer, Reader, Writer) {
+        match self {
+            Transport::Unix(link) => {
+                let closer = Closer::Unix(link.closer());
+                let (r, w) = link.into_split();
+                (closer, Reader::Unix(r), Writer::Unix(w))
+            }
+            Transport::Tcp(link) => {
+                let closer = Closer::Tcp(link.closer());
+                let (r, w) = link.into_split();
+                (closer, Reader::Tcp(r), Writer::Tcp(w))
+            }
+        }
+    }
+}
+
+/// Shuts the link's socket down whatever its halves are doing.
+#[derive(Debug, Clone)]
+pub(crate) enum Closer {
+    Unix(LinkCloser),
+    Tcp(HostLinkCloser),
+}
+
+impl Closer {
+    /// Shuts the socket down. Idempotent.
+    pub(crate) fn close(&self) {
+        match self {
+            Closer::Unix(c) => c.close(),
+            Closer::Tcp(c) => c.close(),
+        }
+    }
+
+    /// Whether a receive would return at once (bytes waiting, end of stream, a failure).
+    pub(crate) fn readable_now(&self) -> bool {
+        match self {
+            Closer::Unix(c) => c.readable_now(),
+            Closer::Tcp(c) => c.readable_now(),
+        }
+    }
+}
+
+/// The receiving half.
+#[derive(Debug)]
+pub(crate) enum Reader {
+    Unix(LinkReader),
+    Tcp(HostLinkReader),
+}
+
+impl Reader {
+    /// The next frame and its descriptors (none over TCP).
+    pub(crate) async fn recv(&mut self) -> Result<Received, baton_ipc::Error> {
+        match self {
+            Reader::Unix(r) => r.recv().await,
+            Reader::Tcp(r) => r.recv().await,
+        }
+    }
+}
+
+/// The sending half.
+#[derive(Debug)]
+pub(crate) enum Writer {
+    Unix(LinkWriter),
+    Tcp(HostLinkWriter),
+}
+
+impl Writer {
+    /// Sends encoded frames, `fds` with the first byte.
+    ///
+    /// # Errors
+    /// [`baton_ipc::Error::DescriptorsOverTcp`] for descriptors over a host link; the
+    /// socket's failure.
+    pub(crate) async fn send_encoded(
+        &mut self,
+        frames: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(), baton_ipc::Error> {
+        match self {
+            Writer::Unix(w) => w.send_encoded(frames, fds).await,
+            Writer::Tcp(_) if !fds.is_empty() => {
+                Err(baton_ipc::Error::DescriptorsOverTcp { nfds: fds.len() })
+            }
+            Writer::Tcp(w) => w.send_encoded(frames).await,
+        }
+    }
+
+    /// Shuts the socket down in both directions.
+    pub(crate) fn shutdown(&self) {
+        match self {
+            Writer::Unix(w) => w.shutdown(),
+            Writer::Tcp(w) => w.shutdown(),
+        }
+    }
+}

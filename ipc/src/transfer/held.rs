@@ -1,0 +1,158 @@
+//! [`HeldTransfer`]: the safe form of [`TransferEngine::send`] and
+//! [`TransferEngine::recv`] for memory this crate allocated — the transfer keeps its
+//! [`Allocation`] alive until the engine no longer touches it, and a dropped transfer is
+//! aborted first.
+
+use super::{EnginePeer, Region, Transfer, TransferEngine, TransferId};
+use crate::backend::{Allocation, MemPtr};
+use crate::{Error, Result};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What a [`HeldTransfer`] keeps alive: the allocation it sends from (shared with its
+/// owner), or the one it receives into (its own until it lands).
+enum Kept {
+    /// Held only to keep the memory alive.
+    #[allow(dead_code)]
+    Shared(Arc<Allocation>),
+    Owned(Allocation),
+}
+
+/// A transfer of part of an [`Allocation`] that holds the allocation until the engine no
+/// longer touches it (see the [module docs](self)).
+pub struct HeldTransfer {
+    transfer: Transfer,
+    /// `Some` until drop or [`into_allocation`](Self::into_allocation).
+    kept: Option<Kept>,
+}
+
+impl fmt::Debug for HeldTransfer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldTransfer")
+            .field("transfer", &self.transfer)
+            .finish()
+    }
+}
+
+/// Bytes `offset..offset + len` of `alloc`, as a region.
+fn region_of(alloc: &Allocation, offset: usize, len: usize) -> Result<Region> {
+    match offset.checked_add(len) {
+        Some(end) if end <= alloc.size() => {}
+        _ => {
+            return Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: alloc.size(),
+            });
+        }
+    }
+    let ptr = alloc.ptr().offset_by(offset);
+    Ok(Region {
+        ptr,
+        len,
+        device: match ptr {
+            MemPtr::Host(_) => None,
+            MemPtr::Device(_) => Some(alloc.device()),
+        },
+    })
+}
+
+impl HeldTransfer {
+    /// Starts sending bytes `offset..offset + len` of `alloc` to `peer` as transfer `id`,
+    /// keeping `alloc` until the transfer has finished or been aborted.
+    ///
+    /// The bytes should not change meanwhile (Baton's exporters refuse their own writes
+    /// while the lease a send serves is out); memory shared with other processes may
+    /// still be written by them, as everywhere in this crate (see
+    /// [`RawMemory::host_bytes`](crate::RawMemory::host_bytes)).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`]; the engine's refusal ([`Error::RegionUnsupported`]: memory
+    /// it does not move).
+    pub fn send(
+        engine: &dyn TransferEngine,
+        peer: &EnginePeer,
+        id: TransferId,
+        alloc: Arc<Allocation>,
+        offset: usize,
+        len: usize,
+    ) -> Result<HeldTransfer> {
+        let src = region_of(&alloc, offset, len)?;
+        // SAFETY: `src` lies within `alloc` (checked above), which this transfer keeps
+        // alive until the engine no longer touches it: `Drop` aborts an unfinished
+        // transfer (the abort returns once no engine thread touches the memory) before
+        // it lets go of `alloc`.
+        let transfer = unsafe { engine.send(peer, id, src)? };
+        Ok(HeldTransfer {
+            transfer,
+            kept: Some(Kept::Shared(alloc)),
+        })
+    }
+
+    /// Starts receiving transfer `id` from `peer` into bytes `offset..offset + len` of
+    /// `alloc`, which it owns until it lands ([`into_allocation`](Self::into_allocation)).
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub fn recv(
+        engine: &dyn TransferEngine,
+        peer: &EnginePeer,
+        id: TransferId,
+        alloc: Allocation,
+        offset: usize,
+        len: usize,
+    ) -> Result<HeldTransfer> {
+        let dst = region_of(&alloc, offset, len)?;
+        // SAFETY: `dst` lies within `alloc`, which this transfer owns, so nothing else
+        // reads or writes it through this process's allocation until it is handed back
+        // (`into_allocation` aborts an unfinished transfer first, as `Drop` does); the
+        // allocation is fresh memory of this process, exported to nobody yet.
+        let transfer = unsafe { engine.recv(peer, id, dst)? };
+        Ok(HeldTransfer {
+            transfer,
+            kept: Some(Kept::Owned(alloc)),
+        })
+    }
+
+    /// Its id.
+    pub fn id(&self) -> TransferId {
+        self.transfer.id()
+    }
+
+    /// Waits at most `timeout` for it to finish (see [`Transfer::wait`]).
+    ///
+    /// # Errors
+    /// As [`Transfer::wait`].
+    pub fn wait(&self, timeout: Duration) -> Result<()> {
+        self.transfer.wait(timeout)
+    }
+
+    /// Whether it has finished (landed or failed).
+    pub fn is_finished(&self) -> bool {
+        self.transfer.is_finished()
+    }
+
+    /// Stops it (see [`Transfer::abort`]).
+    pub fn abort(&self) {
+        self.transfer.abort();
+    }
+
+    /// The allocation a receive filled — after aborting the transfer if it has not
+    /// finished, so nothing touches it any more. `None` for a send (the owner has it).
+    pub fn into_allocation(mut self) -> Option<Allocation> {
+        self.transfer.abort();
+        match self.kept.take() {
+            Some(Kept::Owned(alloc)) => Some(alloc),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for HeldTransfer {
+    fn drop(&mut self) {
+        // Unfinished: the engine stops touching the memory before it may go.
+        self.transfer.abort();
+        drop(self.kept.take());
+    }
+}
