@@ -502,6 +502,60 @@ fn lists_are_bounded_and_a_node_answers_for_its_tree() {
     });
 }
 
+#[test]
+fn baton_status_shows_a_peer_on_another_host_with_its_host_and_address() {
+    use baton::actors::{HostSettings, Node, NodeConfig};
+    use baton::ipc::tcp::HostId;
+    run(async {
+        let ns = peer::namespace("stathost");
+        let here = |config: NodeConfig| {
+            config.hosts(HostSettings {
+                host: HostId::named("status-a"),
+                ..HostSettings::default()
+            })
+        };
+        let parent = Parent::start_configured(&ns, Arc::new(HostBackend::new().unwrap()), here);
+        let elsewhere = Node::with_config(
+            NodeConfig::new(parent.session.clone()).hosts(HostSettings {
+                host: HostId::named("status-b"),
+                ..HostSettings::default()
+            }),
+            Arc::new(HostBackend::new().unwrap()),
+        );
+        let mut listening = elsewhere.listen_tcp("127.0.0.1:0").unwrap();
+        let to_b = parent
+            .node
+            .connect_tcp(listening.local_addr())
+            .await
+            .unwrap();
+        listening.accept_timeout(DEADLINE).await.unwrap();
+        let b = HostId::named("status-b").to_string();
+
+        let json: NodeStatus = serde_json::from_value(status_json(&parent.socket()).await).unwrap();
+        let remote = json
+            .links
+            .iter()
+            .find(|l| l.host.as_deref() == Some(b.as_str()))
+            .expect("the host link is listed with its host");
+        assert_eq!(remote.addr, Some(listening.local_addr().to_string()));
+        assert_eq!(remote.pid, std::process::id());
+        assert!(remote.name.is_none(), "a remote pid names no child of ours");
+
+        let out = baton(vec!["status".into(), parent.socket()]).await;
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let table = text(&out.stdout);
+        assert!(
+            table.contains(&format!("@ {} ({b})", listening.local_addr())),
+            "the table shows where the remote peer is:\n{table}"
+        );
+        // The peer on the other host answers for itself over the host link.
+        let theirs = to_b.status(0, DEADLINE).await.unwrap();
+        assert!(theirs.links.iter().any(|l| l.requester
+            && l.host.as_deref() == Some(HostId::named("status-a").to_string().as_str())));
+        to_b.close_and_wait().await;
+    });
+}
+
 /// The parent of `pid` and whether it is a zombie, from `/proc`.
 fn parent_and_state(pid: u32) -> Option<(u32, char)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -899,7 +899,21 @@ impl Node {
 
     /// A link is up (see `connect`): it joins the node's links, and subscribers hear of it.
     pub(crate) fn link_up(&self, peer: &Peer) {
-        lock(&self.inner.links).insert(peer.link.id, peer.clone());
+        let stale = {
+            let mut links = lock(&self.inner.links);
+            links.insert(peer.link.id, peer.clone());
+            stale_incarnations(links.values().map(|p| (p.link.id, &p.info)), &peer.info)
+        };
+        for link in stale {
+            let old = lock(&self.inner.links).get(&link).cloned();
+            if let Some(old) = old {
+                // Its host rebooted: that process is gone, whatever its link still says.
+                tracing::warn!(old = %old.process(), new = %peer.process(), "a host came back with a new boot id: its old links are cut, their leases void");
+                old.link.do_send(CutOff(ActorError::LinkClosed {
+                    peer: old.process(),
+                }));
+            }
+        }
         self.notify(PeerEvent::Up(peer.clone()));
     }
 
@@ -909,7 +923,15 @@ impl Node {
             links.remove(&link);
             !links.values().any(|p| p.info.process == peer.process)
         };
-        if last_to_process {
+        if last_to_process && peer.host().is_some() {
+            // A peer on another host maps nothing of ours (buffers reach it as copies, and
+            // their sends were aborted before the link's leases were taken back): once its
+            // last link is down, nothing it held can be mapped there. Its pid names no
+            // process of this host, so it is not watched.
+            self.forget(peer.process);
+            lock(&self.inner.dead).remove(&peer.process);
+            self.inner.exports.process_dead(peer.process);
+        } else if last_to_process {
             if baton_ipc::process::liveness(&peer.process) != baton_ipc::process::Liveness::Dead {
                 if reason.is_some() {
                     // Cut (a fault, a missed heartbeat or deadline): our waits on its
@@ -962,5 +984,82 @@ impl Node {
         for peer in links {
             peer.link.do_send(PeerDied);
         }
+    }
+}
+
+/// The links to processes of `new`'s host that ran before its host's last boot: the old
+/// incarnation, whose leases a reconnect with a new boot id voids. Only host links (a
+/// Unix link's peer is on this host, whose boot is ours).
+fn stale_incarnations<'a>(
+    links: impl Iterator<Item = (LinkId, &'a PeerInfo)>,
+    new: &PeerInfo,
+) -> Vec<LinkId> {
+    let Some(host) = new.host() else {
+        return Vec::new();
+    };
+    links
+        .filter(|(_, p)| {
+            p.host().is_some_and(|h| h.host == host.host) && p.process.boot != new.process.boot
+        })
+        .map(|(id, _)| id)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_ipc::tcp::{HostId, HostPeer, NodePublicKey};
+    use baton_ipc::{PeerCred, Via};
+    use baton_messages::BootId;
+
+    fn on(host: &str, boot: u8, pid: u32) -> PeerInfo {
+        PeerInfo {
+            process: ProcessId {
+                boot: BootId([boot; 16]),
+                pid,
+                start_ticks: 1,
+            },
+            via: Via::Tcp(HostPeer {
+                process: ProcessId {
+                    boot: BootId([boot; 16]),
+                    pid,
+                    start_ticks: 1,
+                },
+                host: HostId::named(host),
+                key: NodePublicKey([0; 32]),
+                addr: "10.0.0.1:1".parse().unwrap(),
+                data_addr: None,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_host_back_with_a_new_boot_id_voids_only_its_old_incarnation() {
+        let local = PeerInfo {
+            process: ProcessId {
+                boot: BootId([9; 16]),
+                pid: 7,
+                start_ticks: 1,
+            },
+            via: Via::Unix(PeerCred {
+                pid: 7,
+                uid: 0,
+                gid: 0,
+            }),
+        };
+        let links = [
+            (LinkId::next(), on("a", 1, 10)),
+            (LinkId::next(), on("a", 1, 11)),
+            (LinkId::next(), on("a", 2, 12)),
+            (LinkId::next(), on("b", 1, 10)),
+            (LinkId::next(), local),
+        ];
+        let stale = |new: &PeerInfo| stale_incarnations(links.iter().map(|(id, p)| (*id, p)), new);
+        // Host a rebooted (boot 2): its boot-1 processes are gone.
+        assert_eq!(stale(&on("a", 2, 13)), vec![links[0].0, links[1].0]);
+        // Host b's boot is unchanged: nothing is void.
+        assert!(stale(&on("b", 1, 20)).is_empty());
+        // A Unix peer is on this host, whose boot is ours.
+        assert!(stale(&local).is_empty());
     }
 }

@@ -165,7 +165,13 @@ impl Node {
                 id: p.link_id().get(),
                 pid: p.process().pid,
                 start_ticks: p.process().start_ticks,
-                name: name_of(p.process().pid),
+                // A remote pid names no child of ours, whatever its number.
+                name: match p.info().host() {
+                    None => name_of(p.process().pid),
+                    Some(_) => None,
+                },
+                host: p.info().host().map(|h| h.host.to_string()),
+                addr: p.info().host().map(|h| h.addr.to_string()),
                 round_trip_us: p.round_trip().map(|d| d.as_micros() as u64),
                 queued_bytes: p.queued_bytes() as u64,
                 leases_held: p.link.state().held_leases() as u64,

@@ -275,7 +275,10 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str, names: &HashMap<u32, Str
             .iter()
             .map(|l| {
                 vec![
-                    l.pid.to_string(),
+                    match (&l.host, &l.addr) {
+                        (Some(host), Some(addr)) => format!("{} @ {addr} ({host})", l.pid),
+                        _ => l.pid.to_string(),
+                    },
                     match (l.requester, indent.is_empty()) {
                         (true, true) => "(this command)".to_owned(),
                         (true, false) => format!("{} (asked)", opt_name(l.pid, &l.name))

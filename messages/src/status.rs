@@ -193,6 +193,10 @@ pub struct LinkEntry {
     pub start_ticks: u64,
     /// Its name, if it is a child of this node's supervisor.
     pub name: Option<String>,
+    /// For a peer on another host (a TCP host link): its host id, as shown in logs.
+    pub host: Option<String>,
+    /// For a peer on another host: the address of its end of the link.
+    pub addr: Option<String>,
     /// The last round trip measured (heartbeat or ping), in microseconds.
     pub round_trip_us: Option<u64>,
     /// Bytes queued for the peer's socket.
