@@ -8,7 +8,8 @@
 //! `cooperative` holder gives revoked leases back; a `stubborn` one keeps them. With
 //! `linger`, when the link goes down it reports on stdout what its held leases read —
 //! through the lease (`api=orphaned` once the exporter is gone) and through the raw mapping
-//! (`raw=<sum of the u32s>`) — and keeps running (holding them) until killed.
+//! (`raw=<sum of the u32s>`) — and keeps running (holding them) until killed. Its CUDA
+//! device is `BATON_CUDA_DEVICE`'s (0 by default).
 
 #[path = "../../../tests/support/msgs.rs"]
 mod msgs;
@@ -129,6 +130,31 @@ impl Handler<CheckPair> for TestActor {
                 ok,
                 sum: out.share(),
             }
+        })
+    }
+}
+
+impl Handler<Overwrite> for TestActor {
+    type Result = MessageResult<Overwrite>;
+
+    fn handle(&mut self, msg: Overwrite, _ctx: &mut Context<Self>) -> Self::Result {
+        let lease = msg.buf.open().expect("a received buffer");
+        let wrong = lease
+            .to_vec()
+            .expect("read the lease")
+            .iter()
+            .enumerate()
+            .filter(|&(i, &v)| v != pattern(msg.expect, i))
+            .count() as u64;
+        let data: Vec<u32> = (0..lease.len()).map(|i| pattern(msg.write, i)).collect();
+        lease.write_at(0, &data).expect("write the lease");
+        // The lease goes back here, its release after the write.
+        drop(lease);
+        let backend = self.node.backend();
+        MessageResult(Overwritten {
+            wrong,
+            ordinal: backend.cuda().map(|c| c.ordinal() as u32),
+            device: backend.device(),
         })
     }
 }
@@ -409,6 +435,7 @@ fn main() {
         }
         .start();
         node.register::<CheckPair>("checker", actor.clone().recipient());
+        node.register::<Overwrite>("overwriter", actor.clone().recipient());
         node.register::<Hold>("holder", actor.clone().recipient());
         node.register::<PeekHeld>("holder.peek", actor.clone().recipient());
         node.register::<DropHeld>("holder.drop", actor.clone().recipient());
