@@ -406,7 +406,9 @@ fn renderer_on_two_gpus(export: &str) {
             dir,
         ],
         &[(baton::ipc::cuda::EXPORT_ENV, export)],
-        Duration::from_secs(120),
+        // Three runs inside the GPU bundle's per-test limit (240 s): a hung run fails
+        // here, naming its export kind, rather than timing the whole test out.
+        Duration::from_secs(70),
     );
     println!("{stdout}");
     // Who used which device: "worker 3 uses CUDA device 1 (GPU-…), pid 1234".
