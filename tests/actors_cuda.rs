@@ -5,9 +5,20 @@
 //! baseline (within 1 MiB, with every buffer at least 2 MiB, so that one leaked buffer
 //! shows). Each test holds the GPU test lock, so no other Baton test shares the device
 //! meanwhile. Needs a GPU: run with `--features gpu-tests`.
+//!
+//! Across two GPUs of one host (issue 27, "Same host, two GPUs"): for each export kind, a
+//! buffer on our device 0 is opened writable by a helper whose node uses device 1
+//! (`BATON_CUDA_DEVICE=1`: CUDA peer access, through the driver's lazy peer access for
+//! legacy handles, `cuMemSetAccess` for the importing device for VMM, `cuMemPoolSetAccess`
+//! for pools); it checks what we wrote and writes over it, we read its data back, write
+//! again and it reads that; and a buffer it makes on device 1 comes to us and we read it.
+//! These need two GPUs: on one they print why and pass, unless `BATON_EXPECT_GPUS=2`
+//! (`support/gpus.rs`) says the run expects two, and then they fail.
 
 #[path = "support/actors.rs"]
 mod actors;
+#[path = "support/gpus.rs"]
+mod gpus;
 #[path = "support/msgs.rs"]
 mod msgs;
 #[path = "support/peer.rs"]
@@ -20,7 +31,7 @@ use actors::{DEADLINE, Parent, eventually, eventually_async, exited};
 use baton::actors::{ActorError, Allocate, Buffer, Lease};
 use baton::ipc::MemPtr;
 use baton::ipc::cuda::testing::GpuTestLock;
-use baton::ipc::cuda::{CudaBackend, CudaExport};
+use baton::ipc::cuda::{CudaBackend, CudaExport, DEVICE_ENV};
 use msgs::*;
 use std::future::Future;
 use std::sync::Arc;
@@ -282,4 +293,203 @@ fn legacy_stubborn_live_holder_keeps_the_memory_quarantined_until_it_dies() {
         stubborn::stubborn_live_holder(&parent, true, MIN_ELEMS, &allocations).await;
         device_back_to(&cuda, baseline).await;
     });
+}
+
+// ---------------------------------------------------------------------------------------
+// Two GPUs: a buffer on device 0, opened and written by a process on device 1
+// ---------------------------------------------------------------------------------------
+
+/// Waits for every lease on `buf` to be back, at most [`DEADLINE`].
+async fn leases_back<T: baton::actors::Element>(buf: &Buffer<T>, what: &str) {
+    if tokio::time::timeout(DEADLINE, buf.returned())
+        .await
+        .is_err()
+    {
+        panic!(
+            "{what}: {} leases still out after {DEADLINE:?}",
+            buf.leases_out()
+        );
+    }
+}
+
+/// How many elements of `got` are not `pattern(seed, _)`.
+fn wrong(got: &[u32], seed: u32) -> usize {
+    got.iter()
+        .enumerate()
+        .filter(|&(i, &v)| v != pattern(seed, i))
+        .count()
+}
+
+/// One [`Overwrite`] of a fresh `len`-element buffer of ours (pattern `seed`) by the
+/// helper, which writes pattern `seed + 1`; checks both reads; answers the buffer.
+async fn overwritten(
+    parent: &Parent,
+    cuda: &CudaBackend,
+    peer: &baton::actors::Peer,
+    len: usize,
+    seed: u32,
+) -> Buffer<u32> {
+    let buf = pattern_buffer(parent, len, seed).await;
+    overwrite_round(cuda, peer, &buf, seed, "a fresh buffer").await;
+    buf
+}
+
+/// The helper checks that `buf` holds pattern `seed` and writes pattern `seed + 1`; we
+/// check its write when the lease is back.
+async fn overwrite_round(
+    cuda: &CudaBackend,
+    peer: &baton::actors::Peer,
+    buf: &Buffer<u32>,
+    seed: u32,
+    what: &str,
+) {
+    let reply = peer
+        .remote::<Overwrite>("overwriter")
+        .send(Overwrite {
+            buf: buf.share_mut(),
+            expect: seed,
+            write: seed + 1,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        reply.ordinal,
+        Some(1),
+        "the helper's node uses device 1 ({DEVICE_ENV})"
+    );
+    assert_ne!(
+        reply.device,
+        baton::ipc::Backend::device(cuda),
+        "the helper's device is another GPU than ours"
+    );
+    assert_eq!(
+        reply.wrong,
+        0,
+        "{what}: the process on device 1 read {} of {} elements of our device-0 buffer wrong",
+        reply.wrong,
+        buf.len()
+    );
+    leases_back(buf, "the overwriter's lease").await;
+    assert_eq!(
+        wrong(&buf.to_vec().unwrap(), seed + 1),
+        0,
+        "{what}: what the process on device 1 wrote into our device-0 buffer does not read \
+         back here"
+    );
+}
+
+/// Reads every buffer the helper makes on device 1 (`MakeBuffers`, pattern `seed`) here, on
+/// device 0.
+async fn read_theirs(peer: &baton::actors::Peer, export: CudaExport, len: usize, seed: u32) {
+    let made = peer
+        .remote::<MakeBuffers>("exporter")
+        .send(MakeBuffers {
+            n: 1,
+            len: len as u32,
+            seed,
+        })
+        .await
+        .unwrap();
+    for shared in made.buffers {
+        let lease: Lease<u32> = shared.open().unwrap();
+        assert!(matches!(lease.ptr().unwrap(), MemPtr::Device(_)));
+        assert_eq!(
+            lease.imported().unwrap().mapping().backend(),
+            export.kind(),
+            "the helper exported with the same kind"
+        );
+        assert_eq!(
+            wrong(&lease.to_vec().unwrap(), seed),
+            0,
+            "a device-1 buffer of the helper reads wrong on our device 0"
+        );
+    }
+}
+
+/// Our device-0 buffer opened writable by a helper on device 1, data checked both ways,
+/// twice (the second open is the helper's warm mapping); then a buffer of the helper's
+/// device 1 read here; then everything released and device 0's free memory back to its
+/// baseline — taken after a warm-up round of the same traffic, so that what enabling peer
+/// access costs once per pair of contexts is not counted as a leak (printed).
+async fn across_gpus(test: &str, export: CudaExport) {
+    if !gpus::two_gpus(test) {
+        return;
+    }
+    let tag = match export {
+        CudaExport::Legacy => "cl-2gpu",
+        CudaExport::Vmm => "cv-2gpu",
+        CudaExport::Pool => "cp-2gpu",
+    };
+    let (mut parent, cuda, _gpu) = cuda_parent(tag, export);
+    parent.child_env.push((DEVICE_ENV.into(), "1".into()));
+    let before = device_free(&cuda);
+    let (mut child, peer) = parent.child(&[]).await;
+    // Warm-up: both ways once, everything released again.
+    drop(overwritten(&parent, &cuda, &peer, MIN_ELEMS, 31).await);
+    read_theirs(&peer, export, MIN_ELEMS, 33).await;
+    eventually(DEADLINE, "the warm-up's mappings and buffers to go", || {
+        parent.node.cache().stats().live == 0 && cuda.live().is_empty()
+    })
+    .await;
+    let baseline = device_free(&cuda);
+    eprintln!(
+        "{test}: device 0's free memory after the warm-up round across GPUs: {} KiB below \
+         where it was before the helper started",
+        before.saturating_sub(baseline) >> 10
+    );
+
+    // 16 MiB, not a multiple of the VMM granularity.
+    const N: usize = 4 * MIB + 3;
+    let buf = overwritten(&parent, &cuda, &peer, N, 41).await;
+    // Again, on the helper's warm mapping, with what we write now.
+    let data: Vec<u32> = (0..N).map(|i| pattern(43, i)).collect();
+    buf.write_at(0, &data).unwrap();
+    overwrite_round(&cuda, &peer, &buf, 43, "the same buffer again").await;
+    // The other way: a buffer the helper makes on device 1, mapped on our device 0.
+    read_theirs(&peer, export, MIN_ELEMS + 5, 45).await;
+
+    drop(buf);
+    peer.close();
+    assert!(exited(&mut child, DEADLINE).await.success());
+    eventually(DEADLINE, "the import cache to close every mapping", || {
+        parent.node.cache().stats().live == 0
+    })
+    .await;
+    device_back_to(&cuda, baseline).await;
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs (--features gpu-tests)"
+)]
+fn legacy_device_buffer_read_and_written_from_another_gpu() {
+    run(across_gpus(
+        "legacy_device_buffer_read_and_written_from_another_gpu",
+        CudaExport::Legacy,
+    ));
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs (--features gpu-tests)"
+)]
+fn vmm_device_buffer_read_and_written_from_another_gpu() {
+    run(across_gpus(
+        "vmm_device_buffer_read_and_written_from_another_gpu",
+        CudaExport::Vmm,
+    ));
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs (--features gpu-tests)"
+)]
+fn pool_device_buffer_read_and_written_from_another_gpu() {
+    run(across_gpus(
+        "pool_device_buffer_read_and_written_from_another_gpu",
+        CudaExport::Pool,
+    ));
 }

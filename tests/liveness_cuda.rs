@@ -68,9 +68,22 @@
 //! one failed, and the test then names each that failed. Needs a GPU, NVRTC and the helper binaries:
 //! `cargo test --test liveness_cuda --features gpu-tests`. Each case holds the GPU test
 //! lock.
+//!
+//! **Across two GPUs** (issue 27, "Same host, two GPUs"): scenarios 1 to 4 run again with
+//! the helper's node on device 1 (`BATON_CUDA_DEVICE=1`) and ours on device 0, so that
+//! every buffer and every fence crosses GPUs through peer access (the tests named
+//! `…_on_another_gpu_…`): a producer on device 1 killed or exiting while our device-0
+//! stream waits on its acquire fence; a consumer on device 1, its kernel writing our
+//! device-0 buffer, SIGKILLed holding the lease or exiting right after its release. The
+//! same checks: the lease comes back, our memory returns to its baseline, our stream and
+//! context synchronise within the bound, the helper is reaped. They need two GPUs: on one
+//! they print why and pass, unless `BATON_EXPECT_GPUS=2` (`support/gpus.rs`) says the run
+//! expects two, and then they fail.
 
 #[path = "support/actors.rs"]
 mod actors;
+#[path = "support/gpus.rs"]
+mod gpus;
 #[path = "support/liveness_msgs.rs"]
 mod liveness_msgs;
 #[path = "support/msgs.rs"]
@@ -86,7 +99,7 @@ use baton::actors::{Allocate, Buffer, BufferId, BufferLeases, Offered, Shared};
 use baton::ipc::cuda::cudarc::driver::CudaStream;
 use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
 use baton::ipc::cuda::{
-    CudaBackend, CudaExport, DEFAULT_EVENT_LIMIT, EXPORT_ENV, FENCE_ENV, FenceKind,
+    CudaBackend, CudaExport, DEFAULT_EVENT_LIMIT, DEVICE_ENV, EXPORT_ENV, FENCE_ENV, FenceKind,
 };
 use baton::ipc::inbox::FENCE_DEADLINE_ENV;
 use liveness_msgs::{
@@ -152,6 +165,38 @@ fn each<C: std::fmt::Debug>(
     );
 }
 
+/// [`each`], for a test whose helpers are on the other GPU: where this process sees one GPU
+/// it prints why and runs nothing (or fails, as `gpus::two_gpus` says).
+fn each_across_gpus<C: std::fmt::Debug>(
+    scenario: &str,
+    variants: impl IntoIterator<Item = C>,
+    case: impl Fn(&C),
+) {
+    if gpus::two_gpus(scenario) {
+        each(scenario, variants, case);
+    }
+}
+
+/// Which GPU the helper processes' nodes use; ours uses device 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PeerGpu {
+    /// Device 0, as ours.
+    Same,
+    /// Device 1 (`BATON_CUDA_DEVICE=1`): every buffer and fence crosses GPUs, through peer
+    /// access. Only where [`gpus::two_gpus`] said yes.
+    Other,
+}
+
+impl PeerGpu {
+    /// `tag`, marked for the other GPU (segment namespaces stay apart).
+    fn tag(self, tag: &str) -> String {
+        match self {
+            PeerGpu::Same => tag.to_owned(),
+            PeerGpu::Other => format!("x{tag}"),
+        }
+    }
+}
+
 fn liveness_peer() -> &'static str {
     peer::exe("baton-liveness-peer")
 }
@@ -178,7 +223,19 @@ impl Setup {
     /// Call inside an actix system. `None`, saying why, where the device cannot export as
     /// `export` or record `fence` fences.
     fn start(tag: &str, export: CudaExport, fence: FenceKind) -> Option<Setup> {
-        eprintln!("{tag}: {export:?} memory, {fence:?} fences");
+        Self::start_with_peers(tag, export, fence, PeerGpu::Same)
+    }
+
+    /// As [`start`](Self::start), with the helpers' nodes on `peers`' GPU.
+    fn start_with_peers(
+        tag: &str,
+        export: CudaExport,
+        fence: FenceKind,
+        peers: PeerGpu,
+    ) -> Option<Setup> {
+        let tag = peers.tag(tag);
+        let tag = tag.as_str();
+        eprintln!("{tag}: {export:?} memory, {fence:?} fences, helpers on {peers:?} GPU");
         let gpu = exclusive_gpu(Duration::from_secs(1800)).expect("the GPU test lock");
         let built = CudaBackend::builder(0)
             .export(export)
@@ -211,6 +268,9 @@ impl Setup {
             (FENCE_DEADLINE_ENV, deadline_ms.as_str()),
         ] {
             parent.child_env.push((k.into(), v.into()));
+        }
+        if peers == PeerGpu::Other {
+            parent.child_env.push((DEVICE_ENV.into(), "1".into()));
         }
         Some(Setup {
             parent,
@@ -285,6 +345,47 @@ impl Setup {
         eprintln!(
             "  {when}: our stream synchronised in {on_stream:?}, our context in {in_context:?}"
         );
+    }
+
+    /// The baseline of the checks that follow, taken after a warm-up round when the
+    /// helper (linked to us as `link`, serving `Scribble`) is on the other GPU: a buffer of
+    /// ours leased to it, its kernel writing it through peer access, fences both ways.
+    /// What enabling peer access between two contexts costs, once, then sits in the
+    /// baseline instead of counting as a leak; the warm-up prints it.
+    async fn baseline_after_warm_up(&self, peers: PeerGpu, link: &baton::actors::Peer) -> Baseline {
+        if peers == PeerGpu::Same {
+            return self.baseline().await;
+        }
+        let before = self.baseline().await;
+        let buf: Buffer<u32> = self.buffer(1 << 20).await;
+        buf.write_at(0, &[START]).unwrap();
+        link.remote::<Scribble>("scribble")
+            .send(Scribble {
+                buf: buf.share_mut(),
+                value: MARK,
+                cycles: SHORT_CYCLES,
+                keep: false,
+            })
+            .await
+            .expect("the helper's warm-up round");
+        leases_back(&buf, "the warm-up lease").await;
+        let (buf, first) = first_of(buf, self.release_bound(), "reading the warm-up buffer").await;
+        assert_eq!(
+            first, MARK,
+            "the helper's kernel on the other GPU did not write our buffer through peer access"
+        );
+        drop(buf);
+        eventually(self.release_bound(), "the warm-up buffer's free", || {
+            self.cuda.live().exported == 0
+        })
+        .await;
+        eprintln!(
+            "  warm-up round across GPUs: our device memory ({:?}) is {} KiB above what it \
+             was before",
+            before.meter,
+            self.used_above(before).await >> 10
+        );
+        self.baseline().await
     }
 
     /// Our device memory now, as the baseline of the checks that follow.
@@ -579,7 +680,9 @@ fn a_producer_killed_before_its_acquire_fence_lands_never_blocks_the_consumer() 
     each(
         "a_producer_killed_before_its_acquire_fence_lands_never_blocks_the_consumer",
         cases(),
-        |(export, fence)| producer_goes("lv-prod-kill", *export, *fence, Goes::Killed),
+        |(export, fence)| {
+            producer_goes("lv-prod-kill", *export, *fence, Goes::Killed, PeerGpu::Same)
+        },
     );
 }
 
@@ -594,18 +697,55 @@ fn a_producer_that_exits_with_work_queued_never_blocks_the_consumer() {
     each(
         "a_producer_that_exits_with_work_queued_never_blocks_the_consumer",
         cases(),
-        |(export, fence)| producer_goes("lv-prod-exit", *export, *fence, Goes::Exits),
+        |(export, fence)| {
+            producer_goes("lv-prod-exit", *export, *fence, Goes::Exits, PeerGpu::Same)
+        },
     );
 }
 
-fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes) {
+/// Scenario 1 with the producer on device 1: its kernel fills a device-1 buffer that our
+/// device-0 stream waits on and copies.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs: --features gpu-tests"
+)]
+fn a_producer_on_another_gpu_killed_before_its_acquire_fence_lands_never_blocks_the_consumer() {
+    const TEST: &str =
+        "a_producer_on_another_gpu_killed_before_its_acquire_fence_lands_never_blocks_the_consumer";
+    each_across_gpus(TEST, cases(), |(export, fence)| {
+        producer_goes(
+            "lv-prod-kill",
+            *export,
+            *fence,
+            Goes::Killed,
+            PeerGpu::Other,
+        )
+    });
+}
+
+/// Scenario 2 with the producer on device 1.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs: --features gpu-tests"
+)]
+fn a_producer_on_another_gpu_that_exits_with_work_queued_never_blocks_the_consumer() {
+    const TEST: &str =
+        "a_producer_on_another_gpu_that_exits_with_work_queued_never_blocks_the_consumer";
+    each_across_gpus(TEST, cases(), |(export, fence)| {
+        producer_goes("lv-prod-exit", *export, *fence, Goes::Exits, PeerGpu::Other)
+    });
+}
+
+fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes, peers: PeerGpu) {
     run(async {
-        let Some(s) = Setup::start(tag, export, fence) else {
+        let Some(s) = Setup::start_with_peers(tag, export, fence, peers) else {
             return;
         };
         let (mut child, link) = s.serve().await;
         let pid = child.pid();
-        let base = s.baseline().await;
+        let base = s.baseline_after_warm_up(peers, &link).await;
         let mut copy: Buffer<u32> = s.buffer(LEN).await;
         let spun = link
             .remote::<SpinShare>("spin_share")
@@ -681,18 +821,33 @@ fn a_consumer_killed_with_work_queued_on_a_lease_leaves_the_exporter_working() {
     each(
         "a_consumer_killed_with_work_queued_on_a_lease_leaves_the_exporter_working",
         cases(),
-        |(export, fence)| consumer_killed(*export, *fence),
+        |(export, fence)| consumer_killed(*export, *fence, PeerGpu::Same),
     );
 }
 
-fn consumer_killed(export: CudaExport, fence: FenceKind) {
+/// Scenario 3 with the consumer on device 1: its kernel writes our device-0 buffer through
+/// peer access when it is SIGKILLed holding the lease.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs: --features gpu-tests"
+)]
+fn a_consumer_on_another_gpu_killed_with_work_queued_on_a_lease_leaves_the_exporter_working() {
+    const TEST: &str =
+        "a_consumer_on_another_gpu_killed_with_work_queued_on_a_lease_leaves_the_exporter_working";
+    each_across_gpus(TEST, cases(), |(export, fence)| {
+        consumer_killed(*export, *fence, PeerGpu::Other)
+    });
+}
+
+fn consumer_killed(export: CudaExport, fence: FenceKind, peers: PeerGpu) {
     run(async {
-        let Some(s) = Setup::start("lv-cons-kill", export, fence) else {
+        let Some(s) = Setup::start_with_peers("lv-cons-kill", export, fence, peers) else {
             return;
         };
         let (mut child, link) = s.serve().await;
         let pid = child.pid();
-        let base = s.baseline().await;
+        let base = s.baseline_after_warm_up(peers, &link).await;
         let buf: Buffer<u32> = s.buffer(LEN).await;
         buf.write_at(0, &[START]).unwrap();
         let running = link
@@ -772,23 +927,40 @@ fn a_consumer_that_exits_right_after_release_leaves_the_exporter_working() {
     each(
         "a_consumer_that_exits_right_after_release_leaves_the_exporter_working",
         cases().flat_map(|(e, f)| [(e, f, true), (e, f, false)]),
-        |(export, fence, flush)| consumer_exits(*export, *fence, *flush),
+        |(export, fence, flush)| consumer_exits(*export, *fence, *flush, PeerGpu::Same),
     );
 }
 
-fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool) {
+/// Scenario 4 with the consumer on device 1: its kernel writes our device-0 buffer through
+/// peer access, it releases and returns from `main`, with and without flushing its fences.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs: --features gpu-tests"
+)]
+fn a_consumer_on_another_gpu_that_exits_right_after_release_leaves_the_exporter_working() {
+    const TEST: &str =
+        "a_consumer_on_another_gpu_that_exits_right_after_release_leaves_the_exporter_working";
+    each_across_gpus(
+        TEST,
+        cases().flat_map(|(e, f)| [(e, f, true), (e, f, false)]),
+        |(export, fence, flush)| consumer_exits(*export, *fence, *flush, PeerGpu::Other),
+    );
+}
+
+fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool, peers: PeerGpu) {
     run(async {
         let tag = if flush {
             "lv-cons-flush"
         } else {
             "lv-cons-exit"
         };
-        let Some(s) = Setup::start(tag, export, fence) else {
+        let Some(s) = Setup::start_with_peers(tag, export, fence, peers) else {
             return;
         };
         let (mut child, link) = s.serve().await;
         let pid = child.pid();
-        let base = s.baseline().await;
+        let base = s.baseline_after_warm_up(peers, &link).await;
         let buf: Buffer<u32> = s.buffer(LEN).await;
         buf.write_at(0, &[START]).unwrap();
         let running = link

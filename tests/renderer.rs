@@ -11,7 +11,16 @@
 //! either. On memfd host memory (the default) a dead process's memory goes with it unless a
 //! survivor keeps it mapped: the root reports what it still maps, and what the compositor
 //! maps of killed workers (from its `/proc/<pid>/maps`, by inode).
+//!
+//! On two GPUs (`gpu-tests`; issue 27, "Same host, two GPUs"): the renderer on CUDA with
+//! `--devices 0,1`, for each export kind: the compositor on device 0, four workers round
+//! robin over devices 0 and 1 (each prints the device it uses), so half the tiles cross
+//! GPUs through peer access; every tile is composed, the last frame matches the CPU
+//! reference, nothing leaks. On one GPU it prints why and passes, unless
+//! `BATON_EXPECT_GPUS=2` (`support/gpus.rs`) says the run expects two, and then it fails.
 
+#[path = "support/gpus.rs"]
+mod gpus;
 #[path = "support/renderer.rs"]
 mod renderer;
 #[path = "../examples/renderer/scene.rs"]
@@ -49,11 +58,22 @@ impl Drop for Namespace {
 /// (`BATON_HOST`: `memfd` or `named`), at most `deadline`; returns its stdout and its
 /// segment namespace (left unswept by the root).
 fn run(flavor: &str, args: &[&str], deadline: Duration) -> (String, Namespace) {
+    run_with(flavor, args, &[], deadline)
+}
+
+/// As [`run`], with more environment variables.
+fn run_with(
+    flavor: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    deadline: Duration,
+) -> (String, Namespace) {
     let child = Command::new(renderer())
         .args(args)
         .arg("--no-sweep")
         .env("BATON_BACKEND", "host")
         .env("BATON_HOST", flavor)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -330,4 +350,117 @@ fn on_named_segments_the_supervisor_sweeps_what_killed_workers_left() {
         swept >= 1,
         "the supervisor swept the killed workers' segments: {leaked}"
     );
+}
+
+/// The renderer on CUDA with `--devices 0,1`, for each export kind: the compositor on
+/// device 0, four workers round robin over devices 0 and 1, so that the tiles of workers 1
+/// and 3 cross GPUs (peer access) into the compositor's frame. Each process says which
+/// device it uses; every tile is composed, the last frame matches the CPU reference
+/// (within the GPU's float rounding, as `--verify` measures it), and nothing leaks.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs: --features gpu-tests"
+)]
+fn the_renderer_spreads_its_workers_over_two_gpus() {
+    const TEST: &str = "the_renderer_spreads_its_workers_over_two_gpus";
+    if !gpus::two_gpus(TEST) {
+        return;
+    }
+    // No other Baton test on the GPUs meanwhile: the leak check reads device memory.
+    let _gpu = baton::ipc::cuda::testing::exclusive_gpu(Duration::from_secs(1800))
+        .expect("the GPU test lock");
+    let mut failed = Vec::new();
+    for export in ["legacy", "vmm", "pool"] {
+        eprintln!("{TEST}: {export} memory");
+        if std::panic::catch_unwind(|| renderer_on_two_gpus(export)).is_err() {
+            eprintln!("{TEST}: {export} FAILED (its panic is above)");
+            failed.push(export);
+        }
+    }
+    assert!(failed.is_empty(), "{TEST} failed on {failed:?} memory");
+}
+
+fn renderer_on_two_gpus(export: &str) {
+    const WORKERS: u32 = 4;
+    const FRAMES: u64 = 6;
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_str().unwrap();
+    let (stdout, ns) = run_with(
+        "memfd",
+        &[
+            "--size",
+            "320x192",
+            "--frames",
+            &FRAMES.to_string(),
+            "--workers",
+            &WORKERS.to_string(),
+            "--tile",
+            "64",
+            "--backend",
+            "cuda",
+            "--devices",
+            "0,1",
+            "--verify",
+            "--out",
+            dir,
+        ],
+        &[(baton::ipc::cuda::EXPORT_ENV, export)],
+        // Three runs inside the GPU bundle's per-test limit (240 s): a hung run fails
+        // here, naming its export kind, rather than timing the whole test out.
+        Duration::from_secs(70),
+    );
+    println!("{stdout}");
+    // Who used which device: "worker 3 uses CUDA device 1 (GPU-…), pid 1234".
+    let uses = |who: &str| -> Vec<usize> {
+        stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix(&format!("{who} uses CUDA device ")))
+            .map(|rest| {
+                rest.split(' ')
+                    .next()
+                    .and_then(|d| d.parse().ok())
+                    .unwrap_or_else(|| panic!("a device ordinal in {rest:?}"))
+            })
+            .collect()
+    };
+    assert_eq!(
+        uses("compositor"),
+        [0],
+        "the compositor on device 0:\n{stdout}"
+    );
+    for w in 0..WORKERS {
+        assert_eq!(
+            uses(&format!("worker {w}")),
+            [w as usize % 2],
+            "worker {w} round robin over devices 0 and 1:\n{stdout}"
+        );
+    }
+    assert!(
+        field(&stdout, "device").contains("workers round robin over devices 0, 1"),
+        "{stdout}"
+    );
+    assert!(killed_pids(&stdout).is_empty(), "{stdout}");
+    assert_eq!(field(&stdout, "restarts"), "0", "{stdout}");
+    // 5 × 3 tiles of 64 px, every frame.
+    let tiles = 15 * FRAMES;
+    assert!(
+        field(&stdout, "handoffs/s").contains(&format!("({tiles} tiles composed, 0 missing)")),
+        "{stdout}"
+    );
+    assert!(field(&stdout, "leaked bytes").starts_with("0 "), "{stdout}");
+    assert!(host::list_segments(&ns.0).unwrap().is_empty());
+    // "last frame vs single-process CPU render: 99.9778% exact, 100.0000% within 2/255, …"
+    let verify = field(&stdout, "verify");
+    let within: f64 = verify
+        .split_once("% exact, ")
+        .and_then(|(_, rest)| rest.split('%').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no \"within 2/255\" share in {verify:?}"));
+    assert!(
+        within >= 99.9,
+        "the last frame, its tiles rendered on two GPUs, differs from the CPU reference: {verify}"
+    );
+    let (w, h, _) = decode(&out.path().join(format!("frame-{:04}.png", FRAMES - 1)));
+    assert_eq!((w, h), (320, 192));
 }

@@ -24,7 +24,9 @@
 //! could not get, and the summary still shows zero leaked bytes.
 //!
 //! Options (`--help` lists them): `--size WxH` (default 1920x1080), `--frames N` (60), `--workers N` (4),
-//! `--tile N` (256), `--backend auto|host|cuda` (auto), `--chaos [K]` (kill every K frames,
+//! `--tile N` (256), `--backend auto|host|cuda` (auto), `--devices LIST` (CUDA device
+//! ordinals, default 0: the compositor uses the first, the workers take them round robin,
+//! and each process prints the device it uses), `--chaos [K]` (kill every K frames,
 //! default 10), `--kill-compositor N` (SIGKILL the compositor once, at frame N: the workers
 //! join its successor, which renders the run again), `--out DIR` (default target/renderer-out), `--staged` (CUDA only: copy each
 //! tile to host shared memory and back, the pipeline zero-copy replaces), `--verify`
@@ -83,6 +85,11 @@ struct Options {
     /// Memory backend: auto (CUDA when present), host or cuda.
     #[arg(long, default_value = "auto", value_parser = ["auto", "host", "cuda"])]
     backend: String,
+    /// CUDA devices by ordinal, comma-separated (`0,1`): the compositor uses the first,
+    /// worker i the (i mod n)-th — round robin — and each process prints the device it
+    /// uses. Tiles then cross GPUs through CUDA peer access.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', num_args = 1.., default_value = "0")]
+    devices: Vec<usize>,
     /// SIGKILL a random worker every K frames (default K: 10); the supervisor restarts it.
     #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "10")]
     chaos: Option<u64>,
@@ -144,6 +151,12 @@ impl Options {
             self.tile.to_string(),
             "--backend".into(),
             self.backend.clone(),
+            "--devices".into(),
+            self.devices
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
             "--out".into(),
             self.out.display().to_string(),
         ];
@@ -155,14 +168,36 @@ impl Options {
         }
         a
     }
+
+    /// The compositor's CUDA device (and the root's): the first of `--devices`.
+    fn compositor_device(&self) -> usize {
+        self.devices[0]
+    }
+
+    /// Worker `index`'s CUDA device: `--devices` round robin.
+    fn worker_device(&self, index: u32) -> usize {
+        self.devices[index as usize % self.devices.len()]
+    }
+
+    /// `--devices` without repeats, in order.
+    fn distinct_devices(&self) -> Vec<usize> {
+        let mut seen = Vec::new();
+        for &d in &self.devices {
+            if !seen.contains(&d) {
+                seen.push(d);
+            }
+        }
+        seen
+    }
 }
 
-/// This process's backend: CUDA (with its concrete type, for kernels) or host.
-fn backend(choice: &str) -> Res<(SharedBackend, Option<Arc<CudaBackend>>)> {
+/// This process's backend: CUDA on device `ordinal` (with its concrete type, for kernels)
+/// or host.
+fn backend(choice: &str, ordinal: usize) -> Res<(SharedBackend, Option<Arc<CudaBackend>>)> {
     let cuda = match choice {
         "host" => None,
-        "cuda" => Some(CudaBackend::new(0, CudaExport::from_env()?)?),
-        "auto" => CudaBackend::new(0, CudaExport::from_env()?).ok(),
+        "cuda" => Some(CudaBackend::new(ordinal, CudaExport::from_env()?)?),
+        "auto" => CudaBackend::new(ordinal, CudaExport::from_env()?).ok(),
         other => return Err(format!("--backend {other}: use auto, host or cuda").into()),
     };
     Ok(match cuda {
@@ -457,10 +492,23 @@ async fn join_compositor(
     Ok(Some(compositor.process()))
 }
 
+/// Says on stdout which CUDA device `who` uses (nothing on host memory).
+fn say_device(who: &str, cuda: Option<&Arc<CudaBackend>>) {
+    if let Some(c) = cuda {
+        println!(
+            "{who} uses CUDA device {} ({}), pid {}",
+            c.ordinal(),
+            c.device(),
+            std::process::id()
+        );
+    }
+}
+
 fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<()> {
     let system = System::new();
     system.block_on(async move {
-        let (backend, cuda) = backend(&opts.backend)?;
+        let (backend, cuda) = backend(&opts.backend, opts.worker_device(index))?;
+        say_device(&format!("worker {index}"), cuda.as_ref());
         let node = Node::new(session, backend);
         let owner = BufferOwner::new(&node).start();
         let staging = match (&cuda, opts.staged) {
@@ -579,7 +627,8 @@ impl Canvas {
 
 fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
     System::new().block_on(async move {
-        let (backend, cuda) = backend(&opts.backend)?;
+        let (backend, cuda) = backend(&opts.backend, opts.compositor_device())?;
+        say_device("compositor", cuda.as_ref());
         let node = Node::new(session, backend);
         let owner = BufferOwner::new(&node).start();
         let roster = Roster::default();
@@ -870,7 +919,7 @@ impl Handler<SupervisorEvent> for Root {
     }
 }
 
-/// The device memory `pids` use, summed, by the driver's per-process accounting (NVML,
+/// The device memory `pids` use, summed (over every GPU they use), by the driver's per-process accounting (NVML,
 /// through `nvidia-smi --query-compute-apps`), in bytes (MiB resolution); `None` where that
 /// cannot be read or does not list this process (no `nvidia-smi`, or a PID namespace that
 /// hides our pids from the driver). Unlike device-wide free memory, other processes on the
@@ -951,17 +1000,36 @@ fn root(opts: Options) -> Res<()> {
     let namespace = format!("renderer-{}", std::process::id());
     // Children get the namespace through their specs (their segments are ours to count).
     System::new().block_on(async move {
-        let (resolved, cuda) = backend(&opts.backend)?;
+        let (resolved, cuda) = backend(&opts.backend, opts.compositor_device())?;
         let mut opts = opts;
         opts.backend = resolved.name().to_owned();
+        // A backend on each of `--devices`: a device that is not there fails the run here,
+        // before any child starts; the leak check's fallback measures each one.
+        let mut meters = Vec::new();
+        if let Some(c) = &cuda {
+            meters.push(Arc::clone(c));
+            for d in opts.distinct_devices().into_iter().skip(1) {
+                meters.push(Arc::new(CudaBackend::new(d, CudaExport::Legacy)?));
+            }
+        }
+        let free_on_devices = || -> Res<usize> {
+            Ok(meters.iter().map(|m| m.mem_get_info().map(|(free, _)| free)).sum::<baton::ipc::Result<usize>>()?)
+        };
         let device = match &cuda {
+            Some(c) if meters.len() > 1 => format!(
+                "{} (CUDA, {:?} export), the compositor's; workers round robin over devices {}",
+                c.device(),
+                c.export(),
+                opts.distinct_devices().iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+            ),
             Some(c) => format!("{} (CUDA, {:?} export)", c.device(), c.export()),
             None => "host shared memory".to_owned(),
         };
         // The device-memory leak check: what this process tree uses by the driver's
-        // per-process accounting when it can be read here, else device-wide free memory.
+        // per-process accounting when it can be read here, else device-wide free memory
+        // (of every device in `--devices`).
         let baseline = match &cuda {
-            Some(c) => Some((c.mem_get_info()?.0, tree_device_bytes(&[std::process::id()]))),
+            Some(_) => Some((free_on_devices()?, tree_device_bytes(&[std::process::id()]))),
             None => None,
         };
         let pids = Arc::new(Mutex::new(vec![std::process::id()]));
@@ -1065,12 +1133,12 @@ fn root(opts: Options) -> Res<()> {
                 }
                 Some((used.saturating_sub(root_before), "device memory of this process tree, per process, vs the root's at start"))
             }
-            (Some(c), Some((free_before, None))) => {
+            (Some(_), Some((free_before, None))) => {
                 let start = Instant::now();
-                let mut free = c.mem_get_info()?.0;
+                let mut free = free_on_devices()?;
                 while free < free_before && start.elapsed() < Duration::from_secs(10) {
                     tokio::time::sleep(Duration::from_millis(50)).await;
-                    free = c.mem_get_info()?.0;
+                    free = free_on_devices()?;
                 }
                 Some((free_before.saturating_sub(free) as u64, "device-wide free memory vs baseline: per-process accounting is not readable here, so other processes on the GPU count too"))
             }

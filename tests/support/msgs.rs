@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use actix::Message;
-use baton::actors::{RemoteMessage, Shared};
+use baton::actors::{RemoteMessage, Shared, SharedMut};
 use serde::{Deserialize, Serialize};
 
 /// The value at index `i` of a pattern buffer.
@@ -30,6 +30,32 @@ impl RemoteMessage for CheckPair {
 pub struct PairChecked {
     pub ok: bool,
     pub sum: Shared<f32>,
+}
+
+/// Open the (writable) buffer, check that it holds `pattern(expect, _)`, write
+/// `pattern(write, _)` over it (a host copy through the helper's own backend), and give the
+/// lease back.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Overwritten")]
+pub struct Overwrite {
+    pub buf: SharedMut<u32>,
+    pub expect: u32,
+    pub write: u32,
+}
+
+impl RemoteMessage for Overwrite {
+    const NAME: &'static str = "test.Overwrite";
+}
+
+/// The answer to [`Overwrite`].
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Overwritten {
+    /// How many elements did not hold the expected pattern (0: the read was exact).
+    pub wrong: u64,
+    /// The helper's CUDA device ordinal (`None` on host memory).
+    pub ordinal: Option<u32>,
+    /// The device the helper's backend allocates on.
+    pub device: baton::messages::DeviceUuid,
 }
 
 /// Keep these leases until told otherwise.

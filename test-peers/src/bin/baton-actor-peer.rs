@@ -8,7 +8,8 @@
 //! `cooperative` holder gives revoked leases back; a `stubborn` one keeps them. With
 //! `linger`, when the link goes down it reports on stdout what its held leases read —
 //! through the lease (`api=orphaned` once the exporter is gone) and through the raw mapping
-//! (`raw=<sum of the u32s>`) — and keeps running (holding them) until killed.
+//! (`raw=<sum of the u32s>`) — and keeps running (holding them) until killed. Its CUDA
+//! device is `BATON_CUDA_DEVICE`'s (0 by default).
 
 #[path = "../../../tests/support/msgs.rs"]
 mod msgs;
@@ -35,6 +36,11 @@ struct TestActor {
 }
 
 impl TestActor {
+    /// The CUDA device ordinal of this process's backend (0 on host memory).
+    fn ordinal(&self) -> usize {
+        self.node.backend().cuda().map_or(0, |c| c.ordinal())
+    }
+
     /// What each held lease reads, one line per lease, on stdout.
     fn report(&self) {
         let mut ids: Vec<&LeaseId> = self.held.keys().collect();
@@ -49,7 +55,7 @@ impl TestActor {
             let raw = self
                 .raw
                 .get(id)
-                .map_or(0u64, |&(ptr, len)| raw_sum(ptr, len));
+                .map_or(0u64, |&(ptr, len)| raw_sum(ptr, len, self.ordinal()));
             println!("held {} api={api} raw={raw}", id.get());
         }
         use std::io::Write;
@@ -59,7 +65,7 @@ impl TestActor {
 
 /// The sum of the `len` u32s a held lease maps at `ptr`, read past the lease's API (which
 /// says orphaned once the exporter is gone): what the mapping itself shows.
-fn raw_sum(ptr: baton::ipc::MemPtr, len: usize) -> u64 {
+fn raw_sum(ptr: baton::ipc::MemPtr, len: usize, ordinal: usize) -> u64 {
     match ptr {
         baton::ipc::MemPtr::Host(addr) => (0..len)
             .map(|i| {
@@ -71,12 +77,13 @@ fn raw_sum(ptr: baton::ipc::MemPtr, len: usize) -> u64 {
                 u64::from(unsafe { std::ptr::read_volatile(word) })
             })
             .sum(),
-        // Device memory of the tests' device 0 (the backend this binary runs on).
+        // Device memory mapped in the context of `ordinal`, the device this binary's
+        // backend runs on (`BATON_CUDA_DEVICE`).
         baton::ipc::MemPtr::Device(addr) => {
             let mut bytes = vec![0u8; len * 4];
             // SAFETY: the lease is alive (held by the caller), so the opened handle behind
             // `addr .. addr + len * 4` is not closed.
-            match unsafe { baton::ipc::cuda::testing::read_device(0, addr, &mut bytes) } {
+            match unsafe { baton::ipc::cuda::testing::read_device(ordinal, addr, &mut bytes) } {
                 Ok(()) => bytes
                     .chunks_exact(4)
                     .map(|w| u64::from(u32::from_ne_bytes([w[0], w[1], w[2], w[3]])))
@@ -129,6 +136,31 @@ impl Handler<CheckPair> for TestActor {
                 ok,
                 sum: out.share(),
             }
+        })
+    }
+}
+
+impl Handler<Overwrite> for TestActor {
+    type Result = MessageResult<Overwrite>;
+
+    fn handle(&mut self, msg: Overwrite, _ctx: &mut Context<Self>) -> Self::Result {
+        let lease = msg.buf.open().expect("a received buffer");
+        let wrong = lease
+            .to_vec()
+            .expect("read the lease")
+            .iter()
+            .enumerate()
+            .filter(|&(i, &v)| v != pattern(msg.expect, i))
+            .count() as u64;
+        let data: Vec<u32> = (0..lease.len()).map(|i| pattern(msg.write, i)).collect();
+        lease.write_at(0, &data).expect("write the lease");
+        // The lease goes back here, its release after the write.
+        drop(lease);
+        let backend = self.node.backend();
+        MessageResult(Overwritten {
+            wrong,
+            ordinal: backend.cuda().map(|c| c.ordinal() as u32),
+            device: backend.device(),
         })
     }
 }
@@ -409,6 +441,7 @@ fn main() {
         }
         .start();
         node.register::<CheckPair>("checker", actor.clone().recipient());
+        node.register::<Overwrite>("overwriter", actor.clone().recipient());
         node.register::<Hold>("holder", actor.clone().recipient());
         node.register::<PeekHeld>("holder.peek", actor.clone().recipient());
         node.register::<DropHeld>("holder.drop", actor.clone().recipient());
