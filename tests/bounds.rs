@@ -671,3 +671,89 @@ fn a_peer_gone_mid_frame_while_reading_is_paused_leaves_the_verdict_to_the_reade
         }
     });
 }
+
+/// Sums what it is sent (the other host's side of the test below).
+struct Summer;
+
+impl Actor for Summer {
+    type Context = Context<Self>;
+}
+
+impl Handler<Sum> for Summer {
+    type Result = u64;
+    fn handle(&mut self, msg: Sum, _: &mut Context<Self>) -> u64 {
+        msg.buffers
+            .into_iter()
+            .map(|b| {
+                let lease = b.open().expect("a landed copy opens");
+                lease
+                    .to_vec()
+                    .expect("readable")
+                    .iter()
+                    .map(|&x| u64::from(x))
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+}
+
+#[test]
+fn a_peer_on_another_host_cannot_make_us_receive_more_copies_than_the_bound() {
+    use baton::actors::{HostSettings, Node, NodeConfig};
+    use baton::ipc::tcp::HostId;
+    let _serial = serial();
+    run(async {
+        let session = baton::Session::generate().unwrap();
+        let config = |host: &str| {
+            NodeConfig::new(session.clone())
+                .hosts(HostSettings {
+                    host: HostId::named(host),
+                    ..HostSettings::default()
+                })
+                .limits(LinkLimits {
+                    copy_bytes: 1 << 20,
+                    ..LinkLimits::default()
+                })
+        };
+        let ours = Node::with_config(config("bound-a"), Arc::new(HostBackend::new().unwrap()));
+        let theirs = Node::with_config(config("bound-b"), Arc::new(HostBackend::new().unwrap()));
+        ours.register::<Sum>("sum", Summer.start().recipient());
+        let mut listening = ours.listen_tcp("127.0.0.1:0").unwrap();
+        let peer = theirs.connect_tcp(listening.local_addr()).await.unwrap();
+        listening.accept_timeout(DEADLINE).await.unwrap();
+        let sum = peer.remote::<Sum>("sum");
+
+        // Two 768 KiB buffers in one message: 1.5 MiB of copies, past the 1 MiB bound.
+        let big: Vec<_> = (0..2)
+            .map(|_| {
+                let b = theirs.allocate::<u32>(192 << 10).unwrap();
+                b.write_at(0, &vec![1u32; 192 << 10]).unwrap();
+                b
+            })
+            .collect();
+        let refused = sum
+            .send(Sum {
+                buffers: big.iter().map(|b| b.share()).collect(),
+            })
+            .await;
+        assert!(
+            matches!(refused, Err(ActorError::Remote(CallFault::OfferRefused(_)))),
+            "refused, typed: {refused:?}"
+        );
+        for b in &big {
+            b.returned_within(DEADLINE)
+                .await
+                .expect("the leases come back");
+        }
+        // The link is unharmed: one of them alone fits.
+        let total = sum
+            .send(Sum {
+                buffers: vec![big[0].share()],
+            })
+            .await
+            .expect("within the bound");
+        assert_eq!(total, 192 << 10);
+        assert!(peer.is_connected());
+        peer.close_and_wait().await;
+    });
+}

@@ -112,6 +112,8 @@ pub struct PeerLink {
     verdict_pending: bool,
     /// Sends of copies under way (a host link's; see `link/copy.rs`).
     copies_out: copy::CopiesOut,
+    /// Bytes of copies being received now (at most [`LinkLimits::copy_bytes`]).
+    copies_in: usize,
     pub(crate) span: tracing::Span,
 }
 
@@ -204,6 +206,7 @@ impl PeerLink {
                 closing: None,
                 verdict_pending: false,
                 copies_out: copy::CopiesOut::new(),
+                copies_in: 0,
             }
         });
         (

@@ -72,6 +72,12 @@ pub struct LinkLimits {
     /// Leases the peer's offers hold open here at once; more is a protocol fault
     /// ([`ActorError::TooManyLeases`]). Default 65 536.
     pub leases_held: usize,
+    /// Bytes of copies a host link's peer may have this node receive at once (each is
+    /// memory this node allocates: see `docs/CROSS_HOST.md`); a message past it is
+    /// refused — its leases given back, a call answered with
+    /// [`CallFault::OfferRefused`](baton_messages::protocol::CallFault) — and the link
+    /// stays up. Default 4 GiB.
+    pub copy_bytes: usize,
 }
 
 impl Default for LinkLimits {
@@ -83,6 +89,7 @@ impl Default for LinkLimits {
             calls_in_flight: 256,
             offers_per_message: 1024,
             leases_held: 65_536,
+            copy_bytes: 4 << 30,
         }
     }
 }

@@ -30,7 +30,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-pub use held::HeldTransfer;
+pub use held::{HeldTransfer, decline};
 pub use nccl::NcclEngine;
 pub use tcp::TcpEngine;
 

@@ -39,7 +39,7 @@ use crate::exports::{BufferCell, OfferGrant};
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
 use actix::prelude::*;
-use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferId};
+use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferId, decline};
 use baton_ipc::{Error as IpcError, MemPtr};
 use baton_messages::protocol::Offer;
 use baton_messages::{CopyEngine, DType, Layout, LeaseId, RawHandle, Shape};
@@ -210,19 +210,33 @@ impl PeerLink {
             }
             offer.handle.check(key).map_err(IpcError::from)?;
         }
+        let len = offers
+            .iter()
+            .fold(0usize, |n, o| n.saturating_add(o.handle.len as usize));
         let received = if relayed {
             Err(IpcError::RegionUnsupported {
                 engine: "tcp",
                 reason: "a forwarded lease does not cross hosts",
+            })
+        } else if self.copies_in.saturating_add(len) > self.limits.copy_bytes {
+            // Each copy is memory of ours: a peer cannot make us allocate without bound.
+            Err(IpcError::RegionUnsupported {
+                engine: "tcp",
+                reason: "the link's copies in flight would pass LinkLimits::copy_bytes",
             })
         } else {
             self.post_receives(&offers)
         };
         let receiving = match received {
             Ok(receiving) => receiving,
-            Err(e) => return self.copies_failed(&offers, e, then, slot, ctx),
+            Err(e) => {
+                // The sender sends them all the same: read past them, so that they do
+                // not hold up the copies behind them on its connection.
+                self.decline(&offers);
+                return self.copies_failed(&offers, e, then, slot, ctx);
+            }
         };
-        let len: usize = offers.iter().map(|o| o.handle.len as usize).sum();
+        self.copies_in += len;
         let by = Instant::now() + deadline_for(self.node.heartbeat().deadline, len);
         let waiting = tokio::task::spawn_blocking(move || {
             let landed = wait_all(&receiving, by);
@@ -231,6 +245,7 @@ impl PeerLink {
         ctx.spawn(waiting.into_actor(self).map(move |joined, act, ctx| {
             let span = act.span.clone();
             let _g = span.enter();
+            act.copies_in -= len;
             let done = match joined {
                 Ok((receiving, Ok(()))) => act.copies_landed(offers, receiving, then, slot, ctx),
                 Ok((receiving, Err(e))) => {
@@ -245,6 +260,19 @@ impl PeerLink {
             }
         }));
         Ok(())
+    }
+
+    /// Declines the offered copies' transfers (a receive of one that was posted is
+    /// replaced).
+    fn decline(&self, offers: &[Offer]) {
+        if let (Some(plane), Some(peer)) = (self.node.plane(), self.engine_peer()) {
+            for offer in offers {
+                let id = TransferId(offer.lease.get());
+                if let Err(e) = decline(&plane.engine, &peer, id) {
+                    tracing::debug!(%id, error = %e, "could not decline a copy");
+                }
+            }
+        }
     }
 
     /// Allocates a local buffer per offer and posts its receive.

@@ -58,6 +58,24 @@ fn region_of(alloc: &Allocation, offset: usize, len: usize) -> Result<Region> {
     })
 }
 
+/// Declines transfer `id` from `peer`: its bytes, when they come, are read past and
+/// dropped, and the sender's transfer fails ([`Error::TransferPeerGone`]: the receiver
+/// aborted it). For a receiver
+/// that refuses what it was offered, so that the sender's bytes do not hold up the
+/// transfers behind them on their connection.
+///
+/// # Errors
+/// The engine's refusal to post a receive.
+pub fn decline(engine: &dyn TransferEngine, peer: &EnginePeer, id: TransferId) -> Result<()> {
+    let mut byte = [0u8; 1];
+    // SAFETY: the receive is aborted before `byte` goes out of scope, and an aborted
+    // transfer is never touched again (`abort` returns once no engine thread touches
+    // it, and an engine thread starts touching only a transfer that is not aborted).
+    let transfer = unsafe { engine.recv(peer, id, Region::of_slice(&mut byte))? };
+    transfer.abort();
+    Ok(())
+}
+
 impl HeldTransfer {
     /// Starts sending bytes `offset..offset + len` of `alloc` to `peer` as transfer `id`,
     /// keeping `alloc` until the transfer has finished or been aborted.

@@ -195,6 +195,9 @@ struct Posted {
     signal: TransferSignal,
     mem: Mem,
     wire: Arc<Wire>,
+    /// When it was posted: a receive aborted before its bytes came is dropped a stall
+    /// timeout later (its sender never sent them), so aborted receives cannot pile up.
+    since: Instant,
 }
 
 #[derive(Debug)]
@@ -347,8 +350,21 @@ impl TransferEngine for TcpEngine {
             let wire = Arc::clone(&wire);
             move || cut(&wire)
         });
-        let old =
-            lock(&self.inner.posted).insert((peer.process, id.0), Posted { signal, mem, wire });
+        let old = {
+            let mut posted = lock(&self.inner.posted);
+            let stall = self.inner.stall;
+            posted.retain(|_, p| !(p.signal.is_finished() && p.since.elapsed() > stall));
+            let since = Instant::now();
+            posted.insert(
+                (peer.process, id.0),
+                Posted {
+                    signal,
+                    mem,
+                    wire,
+                    since,
+                },
+            )
+        };
         if let Some(old) = old {
             old.signal.abort(|| cut(&old.wire));
         }
@@ -744,6 +760,11 @@ fn receive_one(
     };
     let signal = &posted.signal;
     let room = posted.mem.len as u64;
+    if signal.is_aborted() {
+        // Aborted or declined before its bytes came.
+        discard(ch, len)?;
+        return Ok((Status::Aborted, room, false));
+    }
     if len != room {
         discard(ch, len)?;
         signal.finish(Err(Error::TransferSizeMismatch {

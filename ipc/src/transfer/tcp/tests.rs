@@ -300,3 +300,30 @@ fn a_killed_sender_process_fails_the_receive() {
     assert!(matches!(e, Error::TransferPeerGone { id: 1, .. }), "{e}");
     assert!(started.elapsed() < STALL + Duration::from_secs(5));
 }
+
+#[test]
+fn a_declined_transfer_is_read_past_and_the_next_one_lands_at_once() {
+    let (a, b) = (engine(1), engine(1));
+    let (to_b, from_a) = (b.as_peer(), a.as_peer());
+    let mut declined = pattern(4 << 20, 1);
+    // Declined before its bytes come, as a receiver that refuses an offer does.
+    crate::transfer::decline(&b, &from_a, TransferId(1)).unwrap();
+    // SAFETY: `declined` outlives the send: it is waited for below.
+    let send = unsafe { a.send(&to_b, TransferId(1), Region::of_slice(&mut declined)) }.unwrap();
+    let mut src = pattern(1 << 20, 2);
+    let mut dst = vec![0u8; 1 << 20];
+    let (next_send, next_recv) = start(&a, &b, 2, &mut src, &mut dst, None);
+    let started = Instant::now();
+    let declined = send.wait(WAIT);
+    assert!(
+        matches!(&declined, Err(Error::TransferPeerGone { why, .. }) if why.contains("aborted")),
+        "{declined:?}"
+    );
+    next_recv.wait(WAIT).unwrap();
+    next_send.wait(WAIT).unwrap();
+    assert!(
+        started.elapsed() < STALL,
+        "the next transfer did not wait out a stall timeout behind the declined one"
+    );
+    assert_eq!(dst, src);
+}
