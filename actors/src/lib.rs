@@ -127,10 +127,10 @@ mod observed;
 mod node;
 // A node's status, as it answers it.
 mod status;
-// One actor per connection.
 // The two transports of a link (Unix socket, TCP host link) behind one shape.
-mod link;
 mod transport;
+// One actor per connection.
+mod link;
 // How a node gets its links.
 mod connect;
 
