@@ -9,6 +9,8 @@
 mod actors;
 #[path = "support/host_msgs.rs"]
 mod host_msgs;
+#[path = "support/host_peer.rs"]
+mod host_peer;
 #[path = "support/msgs.rs"]
 mod msgs;
 #[path = "support/peer.rs"]
@@ -23,9 +25,10 @@ use baton::actors::{ActorError, Heartbeat, HostSettings, Node, NodeConfig, Peer,
 use baton::ipc::HostBackend;
 use baton::ipc::tcp::HostId;
 use host_msgs::*;
+use host_peer::{Lines, host_peer};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 /// The size of a buffer kept in flight while a side is killed or cut off.
@@ -66,66 +69,6 @@ fn events(node: &Node) -> Events {
     let events = Events::default();
     node.subscribe(EventLog(events.clone()).start().recipient());
     events
-}
-
-/// The lines a helper prints, read on a thread of their own.
-struct Lines {
-    rx: mpsc::Receiver<String>,
-    what: String,
-}
-
-impl Lines {
-    /// The next line starting with `prefix` (its rest); earlier lines are skipped. Panics
-    /// past `deadline`, or if the helper's stdout ends first.
-    async fn expect(&self, prefix: &str, deadline: Duration) -> String {
-        let start = Instant::now();
-        loop {
-            match self.rx.try_recv() {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix(prefix) {
-                        return rest.to_owned();
-                    }
-                }
-                Err(mpsc::TryRecvError::Empty) => {
-                    assert!(
-                        start.elapsed() < deadline,
-                        "{}: no line `{prefix}…` within {deadline:?}",
-                        self.what
-                    );
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    panic!("{}: its output ended before a line `{prefix}…`", self.what)
-                }
-            }
-        }
-    }
-}
-
-/// `baton-host-peer ARGS` on host `host`, with the session's token; its stdout's lines.
-fn host_peer(session: &Session, ns: &str, host: &str, args: &[&str]) -> (peer::Peer, Lines) {
-    let exe = peer::exe("baton-host-peer");
-    let mut child = peer::Peer::spawn_with(
-        exe,
-        session,
-        ns,
-        args,
-        &[(baton::ipc::tcp::HOST_ID_ENV, host)],
-        true,
-    );
-    let out = child.take_stdout().expect("piped");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let what = format!("baton-host-peer {args:?}");
-    (child, Lines { rx, what })
 }
 
 /// A helper that listens on loopback, and our link to it.

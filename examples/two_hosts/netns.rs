@@ -137,14 +137,22 @@ impl TwoHosts {
         self.holders[i].id()
     }
 
+    /// `nsenter` and its arguments before a program to run inside namespace `i`.
+    pub fn enter(&self, i: usize) -> (&Path, [String; 4]) {
+        let args = [
+            "-t".into(),
+            self.pid(i).to_string(),
+            "-n".into(),
+            "--".into(),
+        ];
+        (&self.nsenter, args)
+    }
+
     /// A command that runs `program` inside namespace `i` (0 or 1).
     pub fn command(&self, i: usize, program: &Path) -> Command {
-        let mut cmd = Command::new(&self.nsenter);
-        cmd.arg("-t")
-            .arg(self.pid(i).to_string())
-            .arg("-n")
-            .arg("--")
-            .arg(program);
+        let (nsenter, args) = self.enter(i);
+        let mut cmd = Command::new(nsenter);
+        cmd.args(args).arg(program);
         cmd
     }
 }

@@ -10,10 +10,11 @@
 //!   `Echo` of that many pattern bytes (its answer, a buffer of the peer's, checked) and
 //!   a `Take` of as many (checked by the peer); prints `ok <size>` per size and `done`,
 //!   exits 0.
-//! - `baton-host-peer drive-kill ADDR --len N`: links to ADDR, prints `ready`, waits for a
-//!   line on stdin, then sends an `Echo` of N bytes that must fail (the test kills the
-//!   receiver meanwhile): prints `call-failed <error>`, then `lease-back` once the
-//!   buffer's lease came back and `leases 0` once its node holds none out; exits 0.
+//! - `baton-host-peer drive-kill ADDR --len N --go FILE`: links to ADDR, prints `ready`,
+//!   waits for FILE to exist, then sends an `Echo` of N bytes, prints `in-flight` once
+//!   its lease is out; the call must fail (the test kills the receiver): prints
+//!   `call-failed <error>`, then `lease-back` once the buffer's lease came back and
+//!   `leases <n>` (the leases its node still has out); exits 0.
 //!
 //! Session from the token pipe (`BATON_TOKEN_FD`), taken at the top of `main`; host
 //! memory in the flavor `BATON_HOST` picks; `--heartbeat-ms D`: a heartbeat deadline of
@@ -26,7 +27,7 @@ use actix::prelude::*;
 use baton::actors::{Heartbeat, Node, NodeConfig, Peer};
 use baton::ipc::HostBackend;
 use host_msgs::*;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -49,6 +50,9 @@ struct Cli {
     /// drive-kill: the size of the buffer in flight when the receiver dies.
     #[arg(long, default_value_t = 512 << 20)]
     len: usize,
+    /// drive-kill: send once this file exists.
+    #[arg(long)]
+    go: Option<std::path::PathBuf>,
 }
 
 /// Answers `push` (to the one linked peer).
@@ -162,25 +166,30 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
                 .map_err(timeout)??;
             drop(warm);
             say("ready");
-            let go = tokio::task::spawn_blocking(|| {
-                let mut line = String::new();
-                std::io::stdin().lock().read_line(&mut line).map(|_| line)
-            });
-            tokio::time::timeout(DEADLINE, go)
-                .await
-                .map_err(|_| "no go from the test".to_owned())?
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
+            let go = cli.go.ok_or("drive-kill needs --go FILE")?;
+            let start = std::time::Instant::now();
+            while !go.exists() {
+                if start.elapsed() > DEADLINE {
+                    return Err(format!("no {} within {DEADLINE:?}", go.display()));
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             let big = node.allocate::<u8>(cli.len).map_err(|e| e.to_string())?;
-            let call = peer.remote::<Echo>("echo").send_timeout(
+            let call = actix::spawn(peer.remote::<Echo>("echo").send_timeout(
                 Echo {
                     seed: 0,
                     data: big.share(),
                 },
                 DEADLINE,
-            );
-            say("sending");
-            match call.await {
+            ));
+            while node.status(0).leases == 0 {
+                if start.elapsed() > DEADLINE {
+                    return Err("the copy's lease was never granted".into());
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            say("in-flight");
+            match call.await.map_err(|e| e.to_string())? {
                 Ok(_) => return Err("the call to a killed receiver succeeded".into()),
                 Err(e) => say(&format!("call-failed {e:?}")),
             }
