@@ -1,7 +1,8 @@
 //! Nodes on two "hosts" in two processes (the helper `baton-host-peer` runs with its own
 //! `BATON_HOST_ID`), linked over loopback TCP: typed messages with host buffers both ways;
 //! SIGKILL of either side mid-transfer; a silent partition cut by the heartbeat; a wrong
-//! token and rogue clients against `listen_tcp`. A transfer is kept in flight
+//! token and rogue clients against `listen_tcp`; a forged offer (a host segment, not a
+//! copy) cuts only its link. A transfer is kept in flight
 //! deterministically: the receiver is stopped (SIGSTOP) before the send, or a proxy
 //! (`support/tcp_proxy.rs`) holds the data connection's bytes after a budget.
 
@@ -526,5 +527,46 @@ fn rogue_clients_against_listen_tcp_leave_honest_peers_unharmed() {
             .await
             .is_ok()
         {}
+    });
+}
+
+#[test]
+fn an_offer_that_is_not_a_copy_cuts_only_that_host_link() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("xh-forge");
+        let _sweep = Sweep(ns.clone());
+        let b = node(&session, "b", &ns, None);
+        let b_events = events(&b);
+        let taken = serve_echo_and_take(&b);
+        let mut listening = b.listen_tcp("127.0.0.1:0").unwrap();
+        let at = listening.local_addr().to_string();
+        // An honest peer, linked all along.
+        let (mut honest, honest_lines) = host_peer(&session, &ns, "c", &["connect", &at]);
+        let to_honest = listening.accept_timeout(DEADLINE).await.unwrap();
+        honest_lines.expect("linked", DEADLINE).await;
+        // The forger offers a host segment's name (memory of *its* host) over a host link.
+        let (mut forger, lines) = host_peer(&session, &ns, "d", &["forge", &at]);
+        let forged = listening.accept_timeout(DEADLINE).await.unwrap();
+        lines.expect("cut", DEADLINE).await;
+        assert!(exited(&mut forger, DEADLINE).await.success());
+        eventually(DEADLINE, "the forged link's Down event", || {
+            b_events.down_reason(forged.link_id()).is_some()
+        })
+        .await;
+        let reason = b_events
+            .down_reason(forged.link_id())
+            .unwrap()
+            .expect("cut with an error, not closed");
+        eprintln!("the forged link was cut: {reason}");
+        assert!(reason.contains("BackendMismatch"), "{reason}");
+        assert_eq!(taken.load(Ordering::SeqCst), 0);
+        // Everyone else is unharmed.
+        assert!(to_honest.is_connected());
+        assert!(b_events.down_reason(to_honest.link_id()).is_none());
+        push_checked(&to_honest, 1 << 20, 3).await;
+        echo_checked(&b, &to_honest, 1 << 20, 4).await;
+        close_and_reap(&to_honest, &mut honest).await;
+        eventually(DEADLINE, "our buffers freed", || own_segments(&ns) == 0).await;
     });
 }

@@ -15,6 +15,11 @@
 //!   its lease is out; the call must fail (the test kills the receiver): prints
 //!   `call-failed <error>`, then `lease-back` once the buffer's lease came back and
 //!   `leases <n>` (the leases its node still has out); exits 0.
+//! - `baton-host-peer forge ADDR`: links to ADDR with the blocking `HostLink` client (the
+//!   Noise and Baton handshakes, no node), then sends a `Call` to `echo` whose offer is
+//!   not a copy but a host segment of this process (a name on *this* host), sealed with
+//!   the session's key; prints `cut` once the listener closes the link (`answered <kind>`
+//!   for any frame but a ping meanwhile), exits 0.
 //!
 //! Session from the token pipe (`BATON_TOKEN_FD`), taken at the top of `main`; host
 //! memory in the flavor `BATON_HOST` picks; `--heartbeat-ms D`: a heartbeat deadline of
@@ -81,6 +86,45 @@ fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
+}
+
+/// The `forge` role (see the module docs); blocking.
+fn forge(addr: &str, session: &baton::Session) -> Result<(), String> {
+    use baton::ipc::Backend;
+    use baton::ipc::tcp::{HostId, HostLink, NodeKey, TcpConfig};
+    use baton::messages::protocol::{Call, Offer};
+    use baton::messages::{LeaseId, Message};
+    let key = NodeKey::generate().map_err(|e| e.to_string())?;
+    let config = TcpConfig::new(session.clone(), key).host(HostId::current());
+    let mut link = HostLink::connect(addr, &config).map_err(|e| format!("{e:?}"))?;
+    say("linked");
+    let backend = HostBackend::new().map_err(|e| e.to_string())?;
+    let segment = backend.allocate(4096).map_err(|e| e.to_string())?;
+    let handle = segment.handle(session).build().map_err(|e| e.to_string())?;
+    let call = Message::Call(Call {
+        id: 1,
+        target: "echo".into(),
+        type_name: <Echo as baton::actors::RemoteMessage>::NAME.into(),
+        payload: Vec::new(),
+        offers: vec![Offer {
+            lease: LeaseId::new(1),
+            handle,
+        }],
+    });
+    link.send(&call, &[]).map_err(|e| format!("{e:?}"))?;
+    let start = std::time::Instant::now();
+    while start.elapsed() < DEADLINE {
+        match link.recv_timeout(DEADLINE) {
+            Ok(r) if matches!(r.message, Message::Ping(_)) => {}
+            Ok(r) => say(&format!("answered {}", r.message.kind())),
+            Err(baton::Error::Closed) => {
+                say("cut");
+                return Ok(());
+            }
+            Err(e) => return Err(format!("{e:?}")),
+        }
+    }
+    Err("the forged offer did not cut the link".into())
 }
 
 async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
@@ -218,7 +262,10 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    let result = System::new().block_on(run(cli, session));
+    let result = match cli.role.as_str() {
+        "forge" => forge(&cli.addr, &session),
+        _ => System::new().block_on(run(cli, session)),
+    };
     if let Err(e) = result {
         eprintln!("baton-host-peer: {e}");
         std::process::exit(2);
