@@ -1,5 +1,6 @@
 //! Two "hosts" as two network namespaces joined by a veth pair (made here where this
-//! process may: as root; skipped with the reason printed elsewhere — the loopback tests
+//! process may: as root, or in a user namespace of its own; skipped with the reason
+//! printed elsewhere — the loopback tests
 //! of `cross_host_procs.rs` always run): the helper `baton-host-peer` runs in each, on
 //! its own host id, linked over the veth addresses. Typed messages with host buffers both
 //! ways, data checked; SIGKILL of the receiver mid-transfer, the sender's lease back.
@@ -25,7 +26,10 @@ use std::time::Duration;
 /// The two hosts, or `None` after printing why they cannot be made here.
 fn two_hosts(test: &str) -> Option<netns::TwoHosts> {
     match netns::TwoHosts::make() {
-        Ok(hosts) => Some(hosts),
+        Ok(hosts) => {
+            eprintln!("{test}: two network namespaces, made {}", hosts.how());
+            Some(hosts)
+        }
         Err(why) => {
             eprintln!("{test}: skipped: no network namespaces here: {why}");
             None

@@ -11,7 +11,8 @@
 //! ```
 //!
 //! The two "hosts" are two network namespaces joined by a veth pair where this process may
-//! make them (root, with `ip`, `unshare` and `nsenter`), else loopback TCP; each side has
+//! make them (as root, or in a user namespace of its own; with `ip`, `unshare` and
+//! `nsenter`), else loopback TCP; each side has
 //! its own host id (`BATON_HOST_ID`), so Baton treats them as two machines either way
 //! (`--loopback` takes loopback TCP where namespaces could be made).
 //! This binary re-runs itself for each role; the session's token goes to each child
@@ -257,10 +258,11 @@ fn launcher(loopback: bool) -> Result<(), Box<dyn Error>> {
         }
     };
     let (listen, path) = match &hosts {
-        Some(_) => (
+        Some(h) => (
             format!("{}:0", netns::ADDRS[0]),
             format!(
-                "network namespaces joined by a veth pair ({} <-> {})",
+                "network namespaces (made {}) joined by a veth pair ({} <-> {})",
+                h.how(),
                 netns::ADDRS[0],
                 netns::ADDRS[1]
             ),

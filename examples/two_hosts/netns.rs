@@ -2,10 +2,14 @@
 //! by a sleeping process of its own (no named namespace in `/run/netns`: they go when
 //! their last process exits, and the veth pair with them).
 //!
-//! Made where this process may (as root, with `ip`, `unshare` and `nsenter`); elsewhere
-//! [`TwoHosts::make`] says why not, and the caller uses loopback TCP instead. Programs run
-//! inside a namespace through `nsenter -t <holder> -n`, which keeps the descriptors and
-//! environment it is given (the session token's pipe among them).
+//! Made where this process may, with `ip`, `unshare` and `nsenter`: as root, or else in a
+//! user namespace of its own (`unshare --user --map-root-user --net` for the first, an
+//! `unshare --net` inside that user namespace for the second, so that one user namespace
+//! owns both and may join them; `BATON_NETNS=userns` picks this way as root too).
+//! Elsewhere [`TwoHosts::make`] says why not, and the caller uses loopback TCP instead.
+//! Programs run inside a namespace through `nsenter -t <holder> -n` (and `-U` in a user
+//! namespace), which keeps the descriptors and environment it is given (the session
+//! token's pipe among them).
 //!
 //! Also compiled into `tests/cross_host_netns.rs`.
 
@@ -24,6 +28,8 @@ pub const ADDRS: [Ipv4Addr; 2] = [Ipv4Addr::new(10, 77, 0, 1), Ipv4Addr::new(10,
 pub struct TwoHosts {
     holders: Vec<Child>,
     nsenter: PathBuf,
+    /// Made in a user namespace of our own (not as root): joined with `-U` too.
+    userns: bool,
 }
 
 /// `name` in `PATH` or the usual system directories.
@@ -73,11 +79,8 @@ impl TwoHosts {
     /// Makes the two namespaces and the veth pair between them (`ADDRS[0]` in the first,
     /// `ADDRS[1]` in the second, /24), or says why it cannot.
     pub fn make() -> Result<TwoHosts, String> {
-        if !rustix::process::geteuid().is_root() {
-            return Err(
-                "not root (making network namespaces needs CAP_SYS_ADMIN and CAP_NET_ADMIN)".into(),
-            );
-        }
+        let userns = !rustix::process::geteuid().is_root()
+            || std::env::var("BATON_NETNS").is_ok_and(|v| v == "userns");
         let (Some(ip), Some(unshare), Some(nsenter)) =
             (tool("ip"), tool("unshare"), tool("nsenter"))
         else {
@@ -87,9 +90,31 @@ impl TwoHosts {
         let mut hosts = TwoHosts {
             holders: Vec::new(),
             nsenter,
+            userns,
         };
-        for _ in 0..2 {
-            let holder = Command::new(&unshare)
+        for i in 0..2 {
+            let mut holder = match (userns, i) {
+                (false, _) => Command::new(&unshare),
+                (true, 0) => {
+                    let mut cmd = Command::new(&unshare);
+                    cmd.args(["--user", "--map-root-user"]);
+                    cmd
+                }
+                // The second, in the first one's user namespace.
+                (true, _) => {
+                    let mut cmd = Command::new(&hosts.nsenter);
+                    cmd.args([
+                        "-t",
+                        &hosts.pid(0).to_string(),
+                        "-U",
+                        "--preserve-credentials",
+                    ])
+                    .arg("--")
+                    .arg(&unshare);
+                    cmd
+                }
+            };
+            let holder = holder
                 .args(["--net", "--", "sleep", "600"])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -97,14 +122,19 @@ impl TwoHosts {
                 .spawn()
                 .map_err(|e| format!("spawning `unshare --net`: {e}"))?;
             hosts.holders.push(holder);
-        }
-        // Each holder is in its namespace once `unshare` has exec'd `sleep`.
-        let start = Instant::now();
-        for i in 0..2 {
+            // In its namespace once `unshare` has exec'd `sleep`.
             let pid = hosts.pid(i).to_string();
+            let start = Instant::now();
             while net_ns(&pid) == ours || net_ns(&pid).is_none() {
                 if let Ok(Some(status)) = hosts.holders[i].try_wait() {
-                    return Err(format!("`unshare --net` exited: {status} (no permission?)"));
+                    let how = if userns {
+                        "in a user namespace"
+                    } else {
+                        "as root"
+                    };
+                    return Err(format!(
+                        "`unshare --net` {how} exited: {status} (not permitted here?)"
+                    ));
                 }
                 if start.elapsed() > Duration::from_secs(10) {
                     return Err("`unshare --net` did not enter a new namespace within 10 s".into());
@@ -113,10 +143,13 @@ impl TwoHosts {
             }
         }
         let (a, b) = (hosts.pid(0).to_string(), hosts.pid(1).to_string());
-        run(Command::new(&ip).args([
+        // Made from inside the first namespace (and its user namespace, if any).
+        let mut add = hosts.command(0, &ip);
+        add.args([
             "link", "add", "baton-a", "netns", &a, "type", "veth", "peer", "name", "baton-b",
             "netns", &b,
-        ]))?;
+        ]);
+        run(&mut add)?;
         for (i, dev) in ["baton-a", "baton-b"].into_iter().enumerate() {
             let addr = format!("{}/24", ADDRS[i]);
             for args in [
@@ -138,14 +171,22 @@ impl TwoHosts {
     }
 
     /// `nsenter` and its arguments before a program to run inside namespace `i`.
-    pub fn enter(&self, i: usize) -> (&Path, [String; 4]) {
-        let args = [
-            "-t".into(),
-            self.pid(i).to_string(),
-            "-n".into(),
-            "--".into(),
-        ];
+    pub fn enter(&self, i: usize) -> (&Path, Vec<String>) {
+        let mut args = vec!["-t".into(), self.pid(i).to_string(), "-n".into()];
+        if self.userns {
+            args.extend(["-U".into(), "--preserve-credentials".into()]);
+        }
+        args.push("--".into());
         (&self.nsenter, args)
+    }
+
+    /// How they were made: `"as root"` or `"in a user namespace"`.
+    pub fn how(&self) -> &'static str {
+        if self.userns {
+            "in a user namespace"
+        } else {
+            "as root"
+        }
     }
 
     /// A command that runs `program` inside namespace `i` (0 or 1).
