@@ -3,7 +3,9 @@
 //! printed elsewhere — the loopback tests
 //! of `cross_host_procs.rs` always run): the helper `baton-host-peer` runs in each, on
 //! its own host id, linked over the veth addresses. Typed messages with host buffers both
-//! ways, data checked; SIGKILL of the receiver mid-transfer, the sender's lease back.
+//! ways, data checked; SIGKILL of the receiver mid-transfer, the sender's lease back;
+//! SIGKILL of the sender mid-transfer (its side of the veth throttled by `tc`), the
+//! receiver's partial copy freed while it lives.
 //! The namespaces are held by processes (`examples/two_hosts/netns.rs`), not named: they
 //! and the veth pair go with them.
 
@@ -125,6 +127,71 @@ fn sigkill_of_the_receiver_mid_transfer_between_network_namespaces() {
         assert_eq!(b_lines.expect("leases ", DEADLINE).await, "0");
         assert!(exited(&mut b, Duration::from_secs(60)).await.success());
         let _ = baton::ipc::host::sweep(&ns);
+        no_leftovers(vec![a, b], hosts);
+    });
+}
+
+#[test]
+fn sigkill_of_the_sender_mid_transfer_between_network_namespaces() {
+    let Some(hosts) = two_hosts("sender_sigkill_between_namespaces") else {
+        return;
+    };
+    // The sender's side sends slowly: 512 MiB take about 20 s, the copy stays in flight.
+    if let Err(why) = hosts.throttle(1, "200mbit") {
+        eprintln!("sender_sigkill_between_namespaces: skipped: cannot throttle the veth: {why}");
+        return;
+    }
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("xh-nsskill");
+        let go = tempfile::tempdir().unwrap();
+        let go_file = go.path().join("go");
+        let (via, args) = hosts.enter(0);
+        let listen = format!("{}:0", netns::ADDRS[0]);
+        let (mut a, a_lines) = host_peer_via(
+            Some((via, &args)),
+            &session,
+            &ns,
+            "a",
+            &["listen", &listen, "--stay"],
+        );
+        let addr = a_lines.expect("listening ", DEADLINE).await;
+        let (b_via, b_args) = hosts.enter(1);
+        let len = 512usize << 20;
+        let (b, b_lines) = host_peer_via(
+            Some((b_via, &b_args)),
+            &session,
+            &ns,
+            "b",
+            &[
+                "drive-kill",
+                &addr,
+                "--len",
+                &len.to_string(),
+                "--go",
+                go_file.to_str().unwrap(),
+            ],
+        );
+        b_lines.expect("ready", DEADLINE).await;
+        std::fs::write(&go_file, b"go").unwrap();
+        b_lines.expect("in-flight", DEADLINE).await;
+        // The receiver's partial copy: a segment of its own, of the buffer's size.
+        let a_pid = a.pid();
+        let partial = move || {
+            baton::ipc::host::list_segments(&ns)
+                .unwrap()
+                .iter()
+                .filter(|s| s.owner_pid == a_pid && s.size >= len as u64)
+                .count()
+        };
+        actors::eventually(DEADLINE, "the receiver's partial copy", || partial() == 1).await;
+        let mut b = b;
+        b.kill9();
+        a_lines.expect("down", DEADLINE).await;
+        actors::eventually(DEADLINE, "the partial copy freed", || partial() == 0).await;
+        assert!(a.try_wait().is_none(), "the receiver lives on");
+        a.kill9();
+        let _ = baton::ipc::host::sweep(&peer::namespace("xh-nsskill"));
         no_leftovers(vec![a, b], hosts);
     });
 }

@@ -180,6 +180,17 @@ impl TwoHosts {
         (&self.nsenter, args)
     }
 
+    /// Limits what namespace `i` sends over the veth pair to `rate` (`tc` notation,
+    /// `200mbit`), with a token bucket filter: so that a large transfer stays in flight.
+    pub fn throttle(&self, i: usize, rate: &str) -> Result<(), String> {
+        let tc = tool("tc").ok_or("`tc` is missing")?;
+        let dev = ["baton-a", "baton-b"][i];
+        let mut cmd = self.command(i, &tc);
+        cmd.args(["qdisc", "add", "dev", dev, "root", "tbf", "rate", rate])
+            .args(["burst", "64kb", "latency", "100ms"]);
+        run(&mut cmd)
+    }
+
     /// How they were made: `"as root"` or `"in a user namespace"`.
     pub fn how(&self) -> &'static str {
         if self.userns {

@@ -5,7 +5,7 @@
 //!   `listening <addr>`, accepts one peer (printing `linked`), serves the test actors
 //!   until that link goes down, then exits 0.
 //! - `baton-host-peer connect ADDR`: links to ADDR (printing `linked`), serves until the
-//!   link goes down, then exits 0.
+//!   link goes down, then exits 0 (with `--stay`: prints `down` and stays until killed).
 //! - `baton-host-peer drive ADDR --sizes N,…`: links to ADDR and, per size, sends an
 //!   `Echo` of that many pattern bytes (its answer, a buffer of the peer's, checked) and
 //!   a `Take` of as many (checked by the peer); prints `ok <size>` per size and `done`,
@@ -55,6 +55,10 @@ struct Cli {
     /// drive-kill: the size of the buffer in flight when the receiver dies.
     #[arg(long, default_value_t = 512 << 20)]
     len: usize,
+    /// listen, connect: once the link is down, say `down` and stay (until killed, at most
+    /// 10 minutes), so that the test sees what this node freed while it lives.
+    #[arg(long)]
+    stay: bool,
     /// drive-kill: send once this file exists.
     #[arg(long)]
     go: Option<std::path::PathBuf>,
@@ -173,6 +177,10 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
     match cli.role.as_str() {
         "listen" | "connect" => {
             let _ = tokio::time::timeout(Duration::from_secs(600), peer.closed()).await;
+            if cli.stay {
+                say("down");
+                tokio::time::sleep(Duration::from_secs(600)).await;
+            }
             Ok(())
         }
         "drive" => {
