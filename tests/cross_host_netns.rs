@@ -22,7 +22,8 @@ mod peer;
 
 use actors::{DEADLINE, exited, run};
 use baton::Session;
-use host_peer::host_peer_via;
+use host_peer::{Lines, host_peer_via};
+use std::path::Path;
 use std::time::Duration;
 
 /// The two hosts, or `None` after printing why they cannot be made here.
@@ -49,14 +50,43 @@ fn no_leftovers(children: Vec<peer::Peer>, hosts: netns::TwoHosts) {
     }
 }
 
-/// A helper on host `a` in the first namespace, listening at its veth address; where.
-async fn listener_in(hosts: &netns::TwoHosts, session: &Session, ns: &str) -> (peer::Peer, String) {
+/// The size of the copy in flight when a side is killed.
+const IN_FLIGHT: usize = 512 << 20;
+
+/// A helper on host `a` in the first namespace, listening at its veth address (with
+/// `extra` arguments); its lines, and where it listens.
+async fn listener_in(
+    hosts: &netns::TwoHosts,
+    session: &Session,
+    ns: &str,
+    extra: &[&str],
+) -> (peer::Peer, Lines, String) {
     let (via, args) = hosts.enter(0);
     let listen = format!("{}:0", netns::ADDRS[0]);
-    let (child, lines) = host_peer_via(Some((via, &args)), session, ns, "a", &["listen", &listen]);
+    let mut argv = vec!["listen", &listen];
+    argv.extend_from_slice(extra);
+    let (child, lines) = host_peer_via(Some((via, &args)), session, ns, "a", &argv);
     let addr = lines.expect("listening ", DEADLINE).await;
-    // Its later lines are not read; the reader thread ends with the helper.
-    (child, addr)
+    (child, lines, addr)
+}
+
+/// A helper on host `b` in the second namespace that links to `addr`, and, once `go`
+/// exists, sends a copy of [`IN_FLIGHT`] bytes there (`drive-kill`); its lines, after
+/// `ready`.
+async fn sender_in(
+    hosts: &netns::TwoHosts,
+    session: &Session,
+    ns: &str,
+    addr: &str,
+    go: &Path,
+) -> (peer::Peer, Lines) {
+    let (via, args) = hosts.enter(1);
+    let len = IN_FLIGHT.to_string();
+    let go = go.to_str().unwrap();
+    let argv = ["drive-kill", addr, "--len", &len, "--go", go];
+    let (child, lines) = host_peer_via(Some((via, &args)), session, ns, "b", &argv);
+    lines.expect("ready", DEADLINE).await;
+    (child, lines)
 }
 
 #[test]
@@ -67,7 +97,7 @@ fn typed_messages_with_host_buffers_both_ways_between_two_network_namespaces() {
     run(async {
         let session = Session::generate().unwrap();
         let ns = peer::namespace("xh-netns");
-        let (mut a, addr) = listener_in(&hosts, &session, &ns).await;
+        let (mut a, _, addr) = listener_in(&hosts, &session, &ns, &[]).await;
         let (b_via, b_args) = hosts.enter(1);
         let (mut b, b_lines) = host_peer_via(
             Some((b_via, &b_args)),
@@ -97,23 +127,8 @@ fn sigkill_of_the_receiver_mid_transfer_between_network_namespaces() {
         let ns = peer::namespace("xh-nskill");
         let go = tempfile::tempdir().unwrap();
         let go_file = go.path().join("go");
-        let (mut a, addr) = listener_in(&hosts, &session, &ns).await;
-        let (b_via, b_args) = hosts.enter(1);
-        let (mut b, b_lines) = host_peer_via(
-            Some((b_via, &b_args)),
-            &session,
-            &ns,
-            "b",
-            &[
-                "drive-kill",
-                &addr,
-                "--len",
-                &(512usize << 20).to_string(),
-                "--go",
-                go_file.to_str().unwrap(),
-            ],
-        );
-        b_lines.expect("ready", DEADLINE).await;
+        let (mut a, _, addr) = listener_in(&hosts, &session, &ns, &[]).await;
+        let (mut b, b_lines) = sender_in(&hosts, &session, &ns, &addr, &go_file).await;
         // The receiver, stopped, reads nothing: the copy stays in flight.
         let pid = rustix::process::Pid::from_raw(a.pid() as i32).unwrap();
         rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
@@ -146,52 +161,26 @@ fn sigkill_of_the_sender_mid_transfer_between_network_namespaces() {
         let ns = peer::namespace("xh-nsskill");
         let go = tempfile::tempdir().unwrap();
         let go_file = go.path().join("go");
-        let (via, args) = hosts.enter(0);
-        let listen = format!("{}:0", netns::ADDRS[0]);
-        let (mut a, a_lines) = host_peer_via(
-            Some((via, &args)),
-            &session,
-            &ns,
-            "a",
-            &["listen", &listen, "--stay"],
-        );
-        let addr = a_lines.expect("listening ", DEADLINE).await;
-        let (b_via, b_args) = hosts.enter(1);
-        let len = 512usize << 20;
-        let (b, b_lines) = host_peer_via(
-            Some((b_via, &b_args)),
-            &session,
-            &ns,
-            "b",
-            &[
-                "drive-kill",
-                &addr,
-                "--len",
-                &len.to_string(),
-                "--go",
-                go_file.to_str().unwrap(),
-            ],
-        );
-        b_lines.expect("ready", DEADLINE).await;
+        let (mut a, a_lines, addr) = listener_in(&hosts, &session, &ns, &["--stay"]).await;
+        let (mut b, b_lines) = sender_in(&hosts, &session, &ns, &addr, &go_file).await;
         std::fs::write(&go_file, b"go").unwrap();
         b_lines.expect("in-flight", DEADLINE).await;
         // The receiver's partial copy: a segment of its own, of the buffer's size.
         let a_pid = a.pid();
-        let partial = move || {
+        let partial = || {
             baton::ipc::host::list_segments(&ns)
                 .unwrap()
                 .iter()
-                .filter(|s| s.owner_pid == a_pid && s.size >= len as u64)
+                .filter(|s| s.owner_pid == a_pid && s.size >= IN_FLIGHT as u64)
                 .count()
         };
         actors::eventually(DEADLINE, "the receiver's partial copy", || partial() == 1).await;
-        let mut b = b;
         b.kill9();
         a_lines.expect("down", DEADLINE).await;
         actors::eventually(DEADLINE, "the partial copy freed", || partial() == 0).await;
         assert!(a.try_wait().is_none(), "the receiver lives on");
         a.kill9();
-        let _ = baton::ipc::host::sweep(&peer::namespace("xh-nsskill"));
+        let _ = baton::ipc::host::sweep(&ns);
         no_leftovers(vec![a, b], hosts);
     });
 }
