@@ -403,10 +403,13 @@ fn a_wrong_token_is_refused_before_any_message() {
         assert!(
             matches!(
                 refused,
-                ActorError::Ipc(baton::Error::Refused { .. } | baton::Error::BadToken)
+                ActorError::Ipc(baton::Error::Refused {
+                    reason: baton::messages::protocol::RefuseReason::BadToken
+                })
             ),
             "{refused:?}"
         );
+        eprintln!("connect_tcp with another token: {refused:?}");
         eventually(DEADLINE, "the listener's Refused event", || {
             b_events
                 .all()
