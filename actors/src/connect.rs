@@ -218,7 +218,20 @@ impl Node {
                     while !stop.load(Ordering::Relaxed) {
                         match listener.accept_timeout(Duration::from_millis(200)) {
                             Err(baton_ipc::Error::Timeout { .. }) => {}
-                            Err(baton_ipc::Error::Closed) => break,
+                            // `Closed` is also one connection's outcome: a client that
+                            // hung up mid-handshake (a scanner, a rogue). The listener
+                            // goes on; only `stop` ends it. A stopped acceptor would
+                            // answer `Closed` at once every time: a short pause keeps
+                            // that from spinning until the guard drops.
+                            Err(baton_ipc::Error::Closed) => {
+                                if arrived
+                                    .blocking_send(Err(baton_ipc::Error::Closed))
+                                    .is_err()
+                                {
+                                    break;
+                                }
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
                             outcome => {
                                 if arrived.blocking_send(outcome).is_err() {
                                     break;

@@ -11,6 +11,7 @@
 //! | `baton-relay-peer` | a relay (B) and a sink (C) | `forwarding` |
 //! | `baton-ordering-peer` | a CUDA importer with a stream of its own | `ordering_cuda` |
 //! | `baton-api-peer` | a child started with `Node::spawn_child` | `api` |
+//! | `baton-host-peer` | a node on another host (`BATON_HOST_ID`) linked over TCP, or a forger with the raw `HostLink` client | `cross_host_procs`, `cross_host_netns` |
 //!
 //! The messages a helper and its tests share live beside the tests
 //! (`tests/support/msgs.rs` and the like) and are included by path on both sides.

@@ -1,0 +1,281 @@
+//! The helper process of Baton's cross-host tests: a node on another "host" (its own
+//! `BATON_HOST_ID`), linked to the test's node over TCP.
+//!
+//! - `baton-host-peer listen ADDR`: listens for host links at ADDR, prints
+//!   `listening <addr>`, accepts one peer (printing `linked`), serves the test actors
+//!   until that link goes down, then exits 0.
+//! - `baton-host-peer connect ADDR`: links to ADDR (printing `linked`), serves until the
+//!   link goes down, then exits 0 (with `--stay`: prints `down` and stays until killed).
+//! - `baton-host-peer drive ADDR --sizes N,…`: links to ADDR and, per size, sends an
+//!   `Echo` of that many pattern bytes (its answer, a buffer of the peer's, checked) and
+//!   a `Take` of as many (checked by the peer); prints `ok <size>` per size and `done`,
+//!   exits 0.
+//! - `baton-host-peer drive-kill ADDR --len N --go FILE`: links to ADDR, prints `ready`,
+//!   waits for FILE to exist, then sends an `Echo` of N bytes, prints `in-flight` once
+//!   its lease is out; the call must fail (the test kills the receiver): prints
+//!   `call-failed <error>`, then `lease-back` once the buffer's lease came back and
+//!   `leases <n>` (the leases its node still has out); exits 0.
+//! - `baton-host-peer forge ADDR`: links to ADDR with the blocking `HostLink` client (the
+//!   Noise and Baton handshakes, no node), then sends a `Call` to `echo` whose offer is
+//!   not a copy but a host segment of this process (a name on *this* host), sealed with
+//!   the session's key; prints `cut` once the listener closes the link (`answered <kind>`
+//!   for any frame but a ping meanwhile), exits 0.
+//!
+//! Session from the token pipe (`BATON_TOKEN_FD`), taken at the top of `main`; host
+//! memory in the flavor `BATON_HOST` picks; `--heartbeat-ms D`: a heartbeat deadline of
+//! D ms (pings every D/4). Every wait has a deadline.
+
+#[path = "../../../tests/support/host_msgs.rs"]
+mod host_msgs;
+
+use actix::prelude::*;
+use baton::actors::{Heartbeat, Node, NodeConfig, Peer};
+use baton::ipc::HostBackend;
+use host_msgs::*;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How long any wait of this helper may take.
+const DEADLINE: Duration = Duration::from_secs(120);
+
+#[derive(clap::Parser)]
+#[command(about = "The helper process of Baton's cross-host tests")]
+struct Cli {
+    /// listen | connect | drive | drive-kill
+    role: String,
+    /// Where to listen, or to connect to.
+    addr: String,
+    /// The heartbeat deadline in milliseconds (pings every quarter of it).
+    #[arg(long)]
+    heartbeat_ms: Option<u64>,
+    /// drive: the sizes to send, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<usize>,
+    /// drive-kill: the size of the buffer in flight when the receiver dies.
+    #[arg(long, default_value_t = 512 << 20)]
+    len: usize,
+    /// listen, connect: once the link is down, say `down` and stay (until killed, at most
+    /// 10 minutes), so that the test sees what this node freed while it lives.
+    #[arg(long)]
+    stay: bool,
+    /// drive-kill: send once this file exists.
+    #[arg(long)]
+    go: Option<std::path::PathBuf>,
+}
+
+/// Answers `push` (to the one linked peer).
+struct Pusher {
+    node: Node,
+    peer: Arc<Mutex<Option<Peer>>>,
+}
+
+impl Actor for Pusher {
+    type Context = Context<Self>;
+}
+
+impl Handler<Push> for Pusher {
+    type Result = ResponseFuture<Result<u64, String>>;
+    fn handle(&mut self, msg: Push, _: &mut Context<Self>) -> Self::Result {
+        let node = self.node.clone();
+        let peer = self.peer.lock().unwrap().clone();
+        Box::pin(async move {
+            let peer = peer.ok_or("not linked")?;
+            take_round(&node, &peer, msg.len as usize, msg.seed, DEADLINE).await
+        })
+    }
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// The `forge` role (see the module docs); blocking.
+fn forge(addr: &str, session: &baton::Session) -> Result<(), String> {
+    use baton::ipc::Backend;
+    use baton::ipc::tcp::{HostId, HostLink, NodeKey, TcpConfig};
+    use baton::messages::protocol::{Call, Offer};
+    use baton::messages::{LeaseId, Message};
+    let key = NodeKey::generate().map_err(|e| e.to_string())?;
+    let config = TcpConfig::new(session.clone(), key).host(HostId::current());
+    let mut link = HostLink::connect(addr, &config).map_err(|e| format!("{e:?}"))?;
+    say("linked");
+    let backend = HostBackend::new().map_err(|e| e.to_string())?;
+    let segment = backend.allocate(4096).map_err(|e| e.to_string())?;
+    let handle = segment.handle(session).build().map_err(|e| e.to_string())?;
+    let call = Message::Call(Call {
+        id: 1,
+        target: "echo".into(),
+        type_name: <Echo as baton::actors::RemoteMessage>::NAME.into(),
+        payload: Vec::new(),
+        offers: vec![Offer {
+            lease: LeaseId::new(1),
+            handle,
+        }],
+    });
+    link.send(&call, &[]).map_err(|e| format!("{e:?}"))?;
+    let start = std::time::Instant::now();
+    while start.elapsed() < DEADLINE {
+        match link.recv_timeout(DEADLINE) {
+            Ok(r) if matches!(r.message, Message::Ping(_)) => {}
+            Ok(r) => say(&format!("answered {}", r.message.kind())),
+            Err(baton::Error::Closed) => {
+                say("cut");
+                return Ok(());
+            }
+            Err(e) => return Err(format!("{e:?}")),
+        }
+    }
+    Err("the forged offer did not cut the link".into())
+}
+
+async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
+    let mut config = NodeConfig::new(session);
+    if let Some(ms) = cli.heartbeat_ms {
+        config = config.heartbeat(Heartbeat {
+            interval: Duration::from_millis(ms / 4),
+            deadline: Duration::from_millis(ms),
+        });
+    }
+    let backend = HostBackend::new().map_err(|e| e.to_string())?;
+    let node = Node::with_config(config, Arc::new(backend));
+    let linked = Arc::new(Mutex::new(None));
+    serve_echo_and_take(&node);
+    let pusher = Pusher {
+        node: node.clone(),
+        peer: Arc::clone(&linked),
+    };
+    node.register::<Push>("push", pusher.start().recipient());
+    let timeout = |e| format!("{e:?}");
+    let peer = match cli.role.as_str() {
+        "listen" => {
+            let mut listening = node.listen_tcp(&*cli.addr).map_err(timeout)?;
+            say(&format!("listening {}", listening.local_addr()));
+            listening.accept_timeout(DEADLINE).await.map_err(timeout)?
+        }
+        _ => {
+            // Retried while the listener is busy (rogue clients may hold every handshake
+            // slot for a handshake deadline); an error past the deadline is final.
+            let start = std::time::Instant::now();
+            loop {
+                match tokio::time::timeout(DEADLINE, node.connect_tcp(&*cli.addr)).await {
+                    Ok(Ok(peer)) => break peer,
+                    Ok(Err(e)) if start.elapsed() < DEADLINE => {
+                        eprintln!("baton-host-peer: connect_tcp: {e} (retrying)");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    Ok(Err(e)) => return Err(format!("{e:?}")),
+                    Err(_) => return Err("connect_tcp timed out".to_owned()),
+                }
+            }
+        }
+    };
+    *linked.lock().unwrap() = Some(peer.clone());
+    say("linked");
+    match cli.role.as_str() {
+        "listen" | "connect" => {
+            let _ = tokio::time::timeout(Duration::from_secs(600), peer.closed()).await;
+            if cli.stay {
+                say("down");
+                tokio::time::sleep(Duration::from_secs(600)).await;
+            }
+            Ok(())
+        }
+        "drive" => {
+            for (i, &len) in cli.sizes.iter().enumerate() {
+                let seed = i as u8 + 1;
+                echo_round(&node, &peer, len, seed, DEADLINE).await?;
+                // And a buffer of ours for the peer's `take` to check.
+                let took = take_round(&node, &peer, len, seed.wrapping_add(100), DEADLINE).await?;
+                if took != len as u64 {
+                    return Err(format!("take of {len} bytes: took {took}"));
+                }
+                say(&format!("ok {len}"));
+            }
+            say("done");
+            tokio::time::timeout(DEADLINE, peer.close_and_wait())
+                .await
+                .map_err(|_| "closing timed out".to_owned())?;
+            Ok(())
+        }
+        "drive-kill" => {
+            let buf = node.allocate::<u8>(4096).map_err(|e| e.to_string())?;
+            buf.write_at(0, &pattern_bytes(1, 4096))
+                .map_err(|e| e.to_string())?;
+            // A first copy opens the engine's data connection.
+            let warm = peer
+                .remote::<Echo>("echo")
+                .send_timeout(
+                    Echo {
+                        seed: 1,
+                        data: buf.share(),
+                    },
+                    DEADLINE,
+                )
+                .await
+                .map_err(timeout)??;
+            drop(warm);
+            say("ready");
+            let go = cli.go.ok_or("drive-kill needs --go FILE")?;
+            let start = std::time::Instant::now();
+            while !go.exists() {
+                if start.elapsed() > DEADLINE {
+                    return Err(format!("no {} within {DEADLINE:?}", go.display()));
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let big = node.allocate::<u8>(cli.len).map_err(|e| e.to_string())?;
+            let call = actix::spawn(peer.remote::<Echo>("echo").send_timeout(
+                Echo {
+                    seed: 0,
+                    data: big.share(),
+                },
+                DEADLINE,
+            ));
+            while node.status(0).leases == 0 {
+                if start.elapsed() > DEADLINE {
+                    return Err("the copy's lease was never granted".into());
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            say("in-flight");
+            match call.await.map_err(|e| e.to_string())? {
+                Ok(_) => return Err("the call to a killed receiver succeeded".into()),
+                Err(e) => say(&format!("call-failed {e:?}")),
+            }
+            big.returned_within(DEADLINE).await.map_err(timeout)?;
+            say("lease-back");
+            big.write_at(0, &[1, 2, 3]).map_err(|e| e.to_string())?;
+            let leases = node.status(0).leases;
+            say(&format!("leases {leases}"));
+            Ok(())
+        }
+        other => Err(format!("unknown role {other}")),
+    }
+}
+
+fn main() {
+    let cli = <Cli as clap::Parser>::parse();
+    // The child's entry point: take the token (and close its pipe) before anything else.
+    let session = match baton::Session::from_env() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("baton-host-peer: {e}");
+            std::process::exit(1);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.role.as_str() {
+        "forge" => forge(&cli.addr, &session),
+        _ => System::new().block_on(run(cli, session)),
+    };
+    if let Err(e) = result {
+        eprintln!("baton-host-peer: {e}");
+        std::process::exit(2);
+    }
+}
