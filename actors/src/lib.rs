@@ -17,7 +17,9 @@
 //!   the actors reachable by name ([`Node::register`]). [`Node::spawn_child`] starts a
 //!   child process already linked to it (the child calls [`Node::join`]);
 //!   [`Listening::accept`] waits for peers that connect; [`Peer::closed`] waits for a
-//!   link's end; [`Node::allocate`] allocates a buffer as a plain call.
+//!   link's end; [`Node::allocate`] allocates a buffer as a plain call. Across hosts,
+//!   [`Node::listen_tcp`] and [`Node::connect_tcp`] link over TCP (Noise host links), and
+//!   buffers sent there arrive as copies (`docs/CROSS_HOST.md`).
 //! - [`BufferOwner`]: allocates [`Buffer`]s; the node's lease ledger records every lease
 //!   on them from the moment its offer is sent. Dropping the last `Buffer` handle frees the
 //!   buffer once no live process may map it — no lease out, every warm mapping unmapped or
@@ -67,11 +69,12 @@
 //!    its actor takes), `exports` (the ledger behind its mutex), `buffer`, `remote` (typed
 //!    messages and their encoding), `relay` (forwarding's tables), `observed` (what the
 //!    status reports besides them);
-//! 3. the node and its links: `node`, `status`, `link` (the [`PeerLink`] actor, which
+//! 3. the node and its links: `node`, `status`, `transport` (a Unix socket or a TCP host
+//!    link behind one reader/writer/closer shape), `link` (the [`PeerLink`] actor, which
 //!    serves the node: the I/O shell of its `link_session`, by concept in `link/` —
-//!    `outgoing` (queue, writer, grants), `open` (opening offers), `leases` (the lease
-//!    protocol's other messages), `forward`, `closing`), `connect` (which makes links and
-//!    starts their actors);
+//!    `outgoing` (queue, writer, grants), `open` (opening offers), `copy` (buffers across
+//!    hosts, as copies), `leases` (the lease protocol's other messages), `forward`,
+//!    `closing`), `connect` (which makes links, Unix and TCP, and starts their actors);
 //! 4. the public API on top: [`raw`], `owner` ([`BufferOwner`]), [`child`],
 //!    [`supervisor`], [`metrics`].
 //!

@@ -54,7 +54,7 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A node's static public key (X25519), as pinned in a [`TcpPolicy`].
+/// A node's static public key (X25519), as pinned in a [`TcpPolicy`](crate::tcp::TcpPolicy).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NodePublicKey(pub [u8; 32]);
 

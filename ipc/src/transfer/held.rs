@@ -20,7 +20,7 @@ enum Kept {
 }
 
 /// A transfer of part of an [`Allocation`] that holds the allocation until the engine no
-/// longer touches it (see the [module docs](self)).
+/// longer touches it, and aborts it first when dropped unfinished.
 pub struct HeldTransfer {
     transfer: Transfer,
     /// `Some` until drop or [`into_allocation`](Self::into_allocation).
