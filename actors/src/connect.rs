@@ -166,7 +166,7 @@ impl Node {
             token_file,
             _listener: listener,
             task,
-            incoming,
+            incoming: Arrivals(incoming),
         })
     }
 }
@@ -270,7 +270,7 @@ impl Node {
             stop,
             thread: Some(thread),
             task,
-            incoming,
+            incoming: Arrivals(incoming),
         })
     }
 }
@@ -303,7 +303,7 @@ pub struct TcpListening {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     task: tokio::task::JoinHandle<()>,
-    incoming: tokio::sync::mpsc::Receiver<Peer>,
+    incoming: Arrivals,
 }
 
 impl fmt::Debug for TcpListening {
@@ -325,7 +325,7 @@ impl TcpListening {
     /// # Errors
     /// [`ActorError::NotListening`] if the accept loop has ended.
     pub async fn accept(&mut self) -> Result<Peer, ActorError> {
-        self.incoming.recv().await.ok_or(ActorError::NotListening)
+        self.incoming.accept().await
     }
 
     /// [`accept`](Self::accept) with a deadline.
@@ -333,12 +333,7 @@ impl TcpListening {
     /// # Errors
     /// As `accept`; [`ActorError::Timeout`] if no peer linked within `after`.
     pub async fn accept_timeout(&mut self, after: Duration) -> Result<Peer, ActorError> {
-        tokio::time::timeout(after, self.accept())
-            .await
-            .map_err(|_| ActorError::Timeout {
-                op: "accept",
-                after,
-            })?
+        self.incoming.accept_timeout(after).await
     }
 }
 
@@ -349,6 +344,24 @@ impl Drop for TcpListening {
         // The thread ends within its poll (200 ms); not joined here, which may run on
         // the node's arbiter.
         drop(self.thread.take());
+    }
+}
+
+/// The peers a listener linked, for its `accept`.
+struct Arrivals(tokio::sync::mpsc::Receiver<Peer>);
+
+impl Arrivals {
+    async fn accept(&mut self) -> Result<Peer, ActorError> {
+        self.0.recv().await.ok_or(ActorError::NotListening)
+    }
+
+    async fn accept_timeout(&mut self, after: Duration) -> Result<Peer, ActorError> {
+        tokio::time::timeout(after, self.accept())
+            .await
+            .map_err(|_| ActorError::Timeout {
+                op: "accept",
+                after,
+            })?
     }
 }
 
@@ -372,7 +385,7 @@ pub struct Listening {
     token_file: PathBuf,
     _listener: Listener,
     task: tokio::task::JoinHandle<()>,
-    incoming: tokio::sync::mpsc::Receiver<Peer>,
+    incoming: Arrivals,
 }
 
 impl fmt::Debug for Listening {
@@ -405,7 +418,7 @@ impl Listening {
     /// [`ActorError::NotListening`] if the accept loop has ended (its actix system is
     /// stopping).
     pub async fn accept(&mut self) -> Result<Peer, ActorError> {
-        self.incoming.recv().await.ok_or(ActorError::NotListening)
+        self.incoming.accept().await
     }
 
     /// [`accept`](Self::accept) with a deadline.
@@ -413,12 +426,7 @@ impl Listening {
     /// # Errors
     /// As `accept`; [`ActorError::Timeout`] if no peer linked within `after`.
     pub async fn accept_timeout(&mut self, after: Duration) -> Result<Peer, ActorError> {
-        tokio::time::timeout(after, self.accept())
-            .await
-            .map_err(|_| ActorError::Timeout {
-                op: "accept",
-                after,
-            })?
+        self.incoming.accept_timeout(after).await
     }
 }
 
