@@ -333,7 +333,14 @@ impl Setup {
             move || stream.synchronize(),
         )
         .await;
-        synced.unwrap_or_else(|e| panic!("our stream's synchronisation {when}: {e:?}"));
+        // Through `CudaError`, which keeps the raw code: cudarc's enum cannot hold a code
+        // newer than its bindings (formatting one hits `ud2`: SIGILL, no message).
+        synced.unwrap_or_else(|e| {
+            panic!(
+                "our stream's synchronisation {when}: {}",
+                baton::ipc::cuda::CudaError::from(e)
+            )
+        });
         let ctx = Arc::clone(self.cuda.context());
         let (synced, in_context) = on_thread(
             self.release_bound(),
@@ -341,7 +348,12 @@ impl Setup {
             move || ctx.synchronize(),
         )
         .await;
-        synced.unwrap_or_else(|e| panic!("our context's synchronisation {when}: {e:?}"));
+        synced.unwrap_or_else(|e| {
+            panic!(
+                "our context's synchronisation {when}: {}",
+                baton::ipc::cuda::CudaError::from(e)
+            )
+        });
         eprintln!(
             "  {when}: our stream synchronised in {on_stream:?}, our context in {in_context:?}"
         );
