@@ -573,3 +573,71 @@ fn an_offer_that_is_not_a_copy_cuts_only_that_host_link() {
         eventually(DEADLINE, "our buffers freed", || own_segments(&ns) == 0).await;
     });
 }
+
+#[test]
+fn engine_frames_a_host_memory_node_never_asked_for_cut_their_link_and_a_device_copy_is_refused() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("xh-engine");
+        let _sweep = Sweep(ns.clone());
+        let b = node(&session, "b", &ns, None);
+        let b_events = events(&b);
+        let taken = serve_echo_and_take(&b);
+        let mut listening = b.listen_tcp("127.0.0.1:0").unwrap();
+        let at = listening.local_addr().to_string();
+        let (mut honest, honest_lines) = host_peer(&session, &ns, "c", &["connect", &at]);
+        let to_honest = listening.accept_timeout(DEADLINE).await.unwrap();
+        honest_lines.expect("linked", DEADLINE).await;
+        // A pull of a lease we never offered, and a rendezvous for an NCCL engine this
+        // host-memory node does not run: each is the peer's fault, and cuts its link.
+        for what in ["pull", "rendezvous"] {
+            let (mut forger, lines) =
+                host_peer(&session, &ns, "d", &["forge", &at, "--forge", what]);
+            let forged = listening.accept_timeout(DEADLINE).await.unwrap();
+            lines.expect("cut", DEADLINE).await;
+            assert!(exited(&mut forger, DEADLINE).await.success());
+            eventually(DEADLINE, "the forged link's Down event", || {
+                b_events.down_reason(forged.link_id()).is_some()
+            })
+            .await;
+            let reason = b_events
+                .down_reason(forged.link_id())
+                .unwrap()
+                .expect("cut with an error, not closed");
+            eprintln!("a forged {what} cut its link: {reason}");
+            assert!(reason.contains("Unexpected"), "{reason}");
+        }
+        // A device copy offered to a node of host memory: refused with a typed error (the
+        // call fails, the lease goes back), the link unharmed.
+        let (mut forger, lines) = host_peer(
+            &session,
+            &ns,
+            "d",
+            &["forge", &at, "--forge", "device-copy"],
+        );
+        let forged = listening.accept_timeout(DEADLINE).await.unwrap();
+        lines.expect("answered Release", DEADLINE).await;
+        let fault = lines.expect("reply ", DEADLINE).await;
+        eprintln!("a device copy to a host-memory node: {fault}");
+        assert!(
+            fault.contains("OfferRefused") && fault.contains("nccl"),
+            "{fault}"
+        );
+        assert!(exited(&mut forger, DEADLINE).await.success());
+        eventually(DEADLINE, "the refusing link's end", || {
+            b_events.down_reason(forged.link_id()).is_some()
+        })
+        .await;
+        assert!(
+            b_events.down_reason(forged.link_id()).unwrap().is_none(),
+            "a refused device copy is no fault of the link"
+        );
+        assert_eq!(taken.load(Ordering::SeqCst), 0);
+        // Everyone else is unharmed.
+        assert!(to_honest.is_connected());
+        push_checked(&to_honest, 1 << 20, 3).await;
+        echo_checked(&b, &to_honest, 1 << 20, 4).await;
+        close_and_reap(&to_honest, &mut honest).await;
+        eventually(DEADLINE, "our buffers freed", || own_segments(&ns) == 0).await;
+    });
+}

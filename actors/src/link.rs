@@ -110,8 +110,10 @@ pub struct PeerLink {
     /// The writer found the socket gone and left the verdict to the reader
     /// ([`LinkFailed`](closing::LinkFailed)): a send that fails meanwhile is that same end, no reason of its own.
     verdict_pending: bool,
-    /// Sends of copies under way (a host link's; see `link/copy.rs`).
+    /// Copies offered (a host link's; see `link/copy.rs`).
     copies_out: copy::CopiesOut,
+    /// Device copies pulled and not sent yet, in order.
+    pulls: copy::Pulls,
     /// Bytes of copies being received now (at most [`LinkLimits::copy_bytes`]).
     copies_in: usize,
     pub(crate) span: tracing::Span,
@@ -190,15 +192,22 @@ impl PeerLink {
                 peer,
                 out: Some(tx),
                 closer,
-                session: LinkSession::new(
-                    peer.process,
-                    ours,
-                    SessionLimits {
-                        offers_per_message: limits.offers_per_message,
-                        leases_held: limits.leases_held,
-                    },
-                    Instant::now(),
-                ),
+                session: {
+                    let session = LinkSession::new(
+                        peer.process,
+                        ours,
+                        SessionLimits {
+                            offers_per_message: limits.offers_per_message,
+                            leases_held: limits.leases_held,
+                        },
+                        Instant::now(),
+                    );
+                    if peer.host().is_some() {
+                        session.across_hosts()
+                    } else {
+                        session
+                    }
+                },
                 limits,
                 calls,
                 down: None,
@@ -206,6 +215,7 @@ impl PeerLink {
                 closing: None,
                 verdict_pending: false,
                 copies_out: copy::CopiesOut::new(),
+                pulls: copy::Pulls::default(),
                 copies_in: 0,
             }
         });
@@ -303,6 +313,8 @@ impl PeerLink {
                 self.accept_inbox(grant);
                 Ok(())
             }
+            Action::Pull(lease) => self.on_pull(lease, ctx),
+            Action::Rendezvous(bytes) => self.on_rendezvous(&bytes),
             Action::Forward(forward) => self.on_forward(forward),
             Action::Forwarded(forwarded) => {
                 self.on_forwarded(forwarded, fds.take().unwrap_or_default())
@@ -347,13 +359,17 @@ impl Actor for PeerLink {
         let _g = span.enter();
         tracing::debug!(via = ?self.peer.via, "link up");
         // Fences the peer records for us are written into our memory: lend it a lane
-        // first, before anything of ours can ask it for a fence.
-        if let Some(grant) = self
-            .node
-            .backend()
-            .ordering()
-            .inbox_grant(&self.peer.process)
-        {
+        // first, before anything of ours can ask it for a fence. (No fence crosses hosts:
+        // a peer on another host gets copies.)
+        let inbox = match self.copies() {
+            true => None,
+            false => self
+                .node
+                .backend()
+                .ordering()
+                .inbox_grant(&self.peer.process),
+        };
+        if let Some(grant) = inbox {
             if let Err(e) = self.send(&Wire::FenceInbox(grant), Vec::new()) {
                 self.cut(ctx, e);
                 return;

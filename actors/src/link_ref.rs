@@ -296,6 +296,7 @@ link_commands!(
     PassOn,
     SendRelease,
     RevokePassed,
+    SendRendezvous,
 );
 
 /// Cut the link off (a revoke deadline passed, the peer's process died, or the user closed it).
@@ -357,6 +358,13 @@ pub(crate) struct ReleaseLease {
 pub(crate) struct SendRevoke {
     pub(crate) lease: LeaseId,
     pub(crate) within: Duration,
+}
+
+/// Carry our transfer engine's rendezvous message to the peer (a host link's).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SendRendezvous {
+    pub(crate) bytes: Vec<u8>,
 }
 
 /// Ask the peer to close its mapping of one of our allocations.

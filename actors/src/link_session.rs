@@ -35,8 +35,9 @@
 
 use crate::error::ActorError;
 use baton_messages::protocol::{
-    Call, CallFault, Evict, Forward, Forwarded, MAX_RELEASE_FENCES, Offer, Payload, Release, Reply,
-    Revoke, Status, StatusRequest, StatusScope, Unmap, Unmapped,
+    Call, CallFault, Evict, Forward, Forwarded, MAX_RELEASE_FENCES, MAX_RENDEZVOUS_BYTES, Offer,
+    Payload, Pull, Release, Rendezvous, Reply, Revoke, Status, StatusRequest, StatusScope, Unmap,
+    Unmapped,
 };
 use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire, ProcessId};
 use std::collections::HashMap;
@@ -141,6 +142,10 @@ pub(crate) enum Action<A: Attach> {
     AnswerStatus(StatusRequest),
     /// The peer lends us a lane of its fence inbox.
     AcceptInbox(InboxGrant),
+    /// Across hosts: the peer posted its receive of the NCCL copy of our lease; send it.
+    Pull(LeaseId),
+    /// Across hosts: the peer's transfer engine's rendezvous message, for ours.
+    Rendezvous(Vec<u8>),
     /// The peer asks us to lease a buffer to a third process (forwarding).
     Forward(Forward),
     /// The exporter's answer to a forward of ours (its descriptor travels with the frame).
@@ -229,6 +234,9 @@ pub(crate) struct LinkSession<A: Attach> {
     status_answers: usize,
     /// The peer lent us a fence inbox lane already (at most once).
     inbox_received: bool,
+    /// The peer runs on another host: buffers cross as copies, engines exchange
+    /// rendezvous messages, and no fence crosses.
+    across_hosts: bool,
 }
 
 impl<A: Attach> fmt::Debug for LinkSession<A> {
@@ -259,7 +267,16 @@ impl<A: Attach> LinkSession<A> {
             next_status: 1,
             status_answers: 0,
             inbox_received: false,
+            across_hosts: false,
         }
+    }
+
+    /// The same session, with a peer on another host (a host link): it takes
+    /// [`Pull`](Wire::Pull) and [`Rendezvous`](Wire::Rendezvous) frames, and refuses a
+    /// [`FenceInbox`](Wire::FenceInbox) (no fence crosses hosts).
+    pub(crate) fn across_hosts(mut self) -> Self {
+        self.across_hosts = true;
+        self
     }
 
     /// A frame from the peer, read at `now`: what to do about it, or the peer's fault.
@@ -348,6 +365,25 @@ impl<A: Attach> LinkSession<A> {
             }
             Wire::Forward(forward) => Action::Forward(forward),
             Wire::Forwarded(forwarded) => Action::Forwarded(forwarded),
+            Wire::FenceInbox(_) if self.across_hosts => {
+                return Err(ActorError::Unexpected {
+                    got: "a FenceInbox on a host link",
+                });
+            }
+            Wire::Pull(_) | Wire::Rendezvous(_) if !self.across_hosts => {
+                return Err(ActorError::Unexpected {
+                    got: "a message for transfer engines on a link within one host",
+                });
+            }
+            Wire::Pull(Pull { lease }) => Action::Pull(lease),
+            Wire::Rendezvous(Rendezvous { bytes }) => {
+                if bytes.len() > MAX_RENDEZVOUS_BYTES {
+                    return Err(ActorError::Unexpected {
+                        got: "an oversized Rendezvous",
+                    });
+                }
+                Action::Rendezvous(bytes)
+            }
             Wire::FenceInbox(grant) => {
                 if std::mem::replace(&mut self.inbox_received, true) {
                     return Err(ActorError::Unexpected {

@@ -11,13 +11,15 @@ use crate::ids::LinkId;
 use crate::ledger::RevokePolicy;
 use crate::link_ref::{
     CLOSE_FLUSH, Close, CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, RequestEvict, SendPing,
+    SendRendezvous,
 };
 use crate::offload::Offload;
 use crate::remote::{ErasedHandler, OutCall, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
 use baton_ipc::process::DeathWatch;
 use baton_ipc::tcp::{HostId, NodeKey, TcpConfig, TcpPolicy};
-use baton_ipc::transfer::TcpEngine;
+use baton_ipc::transfer::nccl::{NcclConfig, RendezvousSink};
+use baton_ipc::transfer::{EnginePeer, NcclEngine, TcpEngine};
 use baton_ipc::{
     Allocation, HostBackend, ImportCache, LinkConfig, PeerInfo, Session, SharedBackend, WarmBudget,
 };
@@ -245,6 +247,9 @@ pub struct HostSettings {
     pub host: HostId,
     /// How long a host link's handshake may take (default 5 s).
     pub handshake_timeout: Duration,
+    /// The NCCL engine's limits, for device memory across hosts (made on the first
+    /// device copy; see `docs/CROSS_HOST.md`).
+    pub nccl: NcclConfig,
 }
 
 impl Default for HostSettings {
@@ -254,6 +259,7 @@ impl Default for HostSettings {
             policy: TcpPolicy::any(),
             host: HostId::current(),
             handshake_timeout: Duration::from_secs(5),
+            nccl: NcclConfig::default(),
         }
     }
 }
@@ -264,6 +270,15 @@ impl Default for HostSettings {
 pub(crate) struct HostPlane {
     pub(crate) tcp: TcpConfig,
     pub(crate) engine: TcpEngine,
+    /// The engine for device memory, made on the first device copy ([`Node::nccl`]).
+    nccl: Mutex<Option<Arc<NcclEngine>>>,
+}
+
+impl HostPlane {
+    /// The NCCL engine, if it was made.
+    pub(crate) fn nccl(&self) -> Option<Arc<NcclEngine>> {
+        lock(&self.nccl).clone()
+    }
 }
 
 impl NodeConfig {
@@ -321,7 +336,8 @@ struct NodeInner {
     deaths: Option<DeathWatch>,
     /// Per name, a handler per wire type name (few: a linear search).
     handlers: Mutex<HashMap<String, Vec<Arc<dyn ErasedHandler>>>>,
-    links: Mutex<HashMap<LinkId, Peer>>,
+    /// Shared with the NCCL engine's rendezvous sink, which routes by it.
+    links: Arc<Mutex<HashMap<LinkId, Peer>>>,
     /// Processes seen dead whose links are still ending.
     dead: Mutex<HashSet<ProcessId>>,
     watchers: Mutex<Vec<Recipient<PeerEvent>>>,
@@ -426,7 +442,7 @@ impl Node {
                 config,
                 backend,
                 handlers: Mutex::new(HashMap::new()),
-                links: Mutex::new(HashMap::new()),
+                links: Arc::default(),
                 dead: Mutex::new(HashSet::new()),
                 watchers: Mutex::new(Vec::new()),
                 revoke_watchers: Mutex::new(Vec::new()),
@@ -482,6 +498,11 @@ impl Node {
 
     pub(crate) fn heartbeat(&self) -> Heartbeat {
         self.inner.config.heartbeat
+    }
+
+    /// How it links to nodes on other hosts.
+    pub(crate) fn hosts(&self) -> &HostSettings {
+        &self.inner.config.hosts
     }
 
     pub(crate) fn limits(&self) -> LinkLimits {
@@ -708,7 +729,11 @@ impl Node {
         let engine = TcpEngine::bind((ip, 0), tcp.clone(), self.heartbeat().deadline)?;
         let tcp = tcp.data_port(engine.data_addr().port());
         tracing::info!(host = %settings.host, key = %tcp.key.public(), data = %engine.data_addr(), "links beyond this host");
-        let made = Arc::new(HostPlane { tcp, engine });
+        let made = Arc::new(HostPlane {
+            tcp,
+            engine,
+            nccl: Mutex::new(None),
+        });
         *plane = Some(Arc::clone(&made));
         Ok(made)
     }
@@ -716,6 +741,71 @@ impl Node {
     /// Its reach beyond its host, if it has linked beyond it.
     pub(crate) fn plane(&self) -> Option<Arc<HostPlane>> {
         lock(&self.inner.plane).clone()
+    }
+
+    /// Its NCCL engine, for device memory across hosts: made on the first call, for the
+    /// device this node's CUDA backend allocates on. Its rendezvous messages go to the
+    /// peer over a host link to it (the links are the sink's only state: the engine,
+    /// which the node owns, never holds the node).
+    ///
+    /// # Errors
+    /// [`RegionUnsupported`](baton_ipc::Error::RegionUnsupported) without a host link or
+    /// a CUDA backend; [`NcclUnavailable`](baton_ipc::Error::NcclUnavailable) without
+    /// NCCL.
+    pub(crate) fn nccl(&self) -> Result<Arc<NcclEngine>, baton_ipc::Error> {
+        let unsupported = |reason| baton_ipc::Error::RegionUnsupported {
+            engine: "nccl",
+            reason,
+        };
+        let plane = self
+            .plane()
+            .ok_or_else(|| unsupported("this node has no host link"))?;
+        let mut made = lock(&plane.nccl);
+        if let Some(engine) = made.as_ref() {
+            return Ok(Arc::clone(engine));
+        }
+        let Some(cuda) = self
+            .backend()
+            .as_any()
+            .downcast_ref::<baton_ipc::CudaBackend>()
+        else {
+            return Err(unsupported(
+                "this node allocates host memory: device memory crosses hosts between nodes with CUDA backends",
+            ));
+        };
+        let me = EnginePeer {
+            process: self.session().process(),
+            host: self.inner.config.hosts.host,
+            data_addr: Some(plane.engine.data_addr()),
+        };
+        let links = Arc::clone(&self.inner.links);
+        let sink: RendezvousSink = Arc::new(move |peer: &EnginePeer, bytes: Vec<u8>| {
+            // Called under the engine's lock: only queue.
+            let link = lock(&links)
+                .values()
+                .find(|p| {
+                    p.info.process == peer.process && p.info.host().is_some() && p.link.is_alive()
+                })
+                .map(|p| p.link.clone());
+            match link {
+                Some(link) => link.do_send(SendRendezvous { bytes }),
+                None => {
+                    tracing::debug!(peer = %peer.process, "no host link for an NCCL rendezvous: its transfers fail by their deadline")
+                }
+            }
+        });
+        let engine = Arc::new(NcclEngine::new(
+            cuda.ordinal(),
+            &me,
+            self.inner.config.hosts.nccl,
+            sink,
+        )?);
+        tracing::info!(
+            device = cuda.ordinal(),
+            "NCCL engine made: device memory crosses hosts"
+        );
+        *made = Some(Arc::clone(&engine));
+        Ok(engine)
     }
 
     /// A buffer of this node with `layout`'s bytes (zeroed), as [`allocate`](Self::allocate)

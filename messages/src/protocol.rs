@@ -380,6 +380,44 @@ pub struct Relayed {
     pub offer: Offer,
 }
 
+/// Across hosts, the importer of an NCCL [`Copy`](crate::RawHandle::Copy) has posted its
+/// receive: the exporter may start sending the lease's bytes now. NCCL pairs a
+/// communicator's sends and receives in the order they start, so the exporter starts its
+/// sends in the order of the pulls. Only on a host link, once per lease offered as such a
+/// copy; anything else is a protocol fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Pull {
+    /// The lease whose copy to send.
+    pub lease: LeaseId,
+}
+
+/// Across hosts, a transfer engine's rendezvous message for its peer (the NCCL engine's
+/// communicator offers: they hold the `ncclUniqueId` that opens the offerer's bootstrap
+/// socket, so they travel only over the authenticated host link). At most
+/// [`MAX_RENDEZVOUS_BYTES`]; the engine checks the rest.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct Rendezvous {
+    /// The engine's bytes (never logged).
+    #[cfg_attr(
+        test,
+        proptest(strategy = "proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)")
+    )]
+    pub bytes: Vec<u8>,
+}
+
+impl fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rendezvous")
+            .field("bytes", &self.bytes.len())
+            .finish()
+    }
+}
+
+/// The most bytes a [`Rendezvous`] carries; a larger one is a protocol fault.
+pub const MAX_RENDEZVOUS_BYTES: usize = 1024;
+
 /// Every message a link carries.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
@@ -433,6 +471,10 @@ pub enum Message {
     /// receiver records for the sender are written there. At most once per link, right
     /// after the handshake; a second is a protocol fault.
     FenceInbox(crate::fence::InboxGrant),
+    /// [`Pull`] (host links only).
+    Pull(Pull),
+    /// [`Rendezvous`] (host links only).
+    Rendezvous(Rendezvous),
 }
 
 impl Message {
@@ -459,6 +501,8 @@ impl Message {
             Message::Forwarded(_) => "Forwarded",
             Message::Relayed(_) => "Relayed",
             Message::FenceInbox(_) => "FenceInbox",
+            Message::Pull(_) => "Pull",
+            Message::Rendezvous(_) => "Rendezvous",
         }
     }
 }

@@ -172,6 +172,10 @@ pub enum RawHandle {
 pub enum CopyEngine {
     /// The TCP engine: host memory, over the nodes' own authenticated data connections.
     Tcp,
+    /// The NCCL engine: device memory, over NCCL point-to-point. The exporter sends only
+    /// once the importer asks with a [`Pull`](crate::protocol::Pull) (its receive is
+    /// posted), so that both start their operations in the same order.
+    Nccl,
 }
 
 impl RawHandle {

@@ -57,6 +57,18 @@ pub fn host_peer_via(
     host: &str,
     args: &[&str],
 ) -> (peer::Peer, Lines) {
+    host_peer_env(enter, session, ns, host, args, &[])
+}
+
+/// As [`host_peer_via`], with `env` added to the helper's environment.
+pub fn host_peer_env(
+    enter: Option<(&Path, &[String])>,
+    session: &Session,
+    ns: &str,
+    host: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (peer::Peer, Lines) {
     let exe = peer::exe("baton-host-peer");
     let (program, argv): (&str, Vec<&str>) = match enter {
         None => (exe, args.to_vec()),
@@ -75,7 +87,10 @@ pub fn host_peer_via(
         session,
         ns,
         &argv,
-        &[(baton::ipc::tcp::HOST_ID_ENV, host)],
+        &[(baton::ipc::tcp::HOST_ID_ENV, host)]
+            .into_iter()
+            .chain(env.iter().copied())
+            .collect::<Vec<_>>(),
         true,
     );
     let out = child.take_stdout().expect("piped");

@@ -1,10 +1,17 @@
 //! Buffers across hosts: over a host link (TCP) a buffer arrives as a copy in memory the
-//! receiver's node owns.
+//! receiver's node owns — host memory through the node's TCP engine, device memory
+//! through its NCCL engine (made on the first device copy, [`Node::nccl`](crate::Node)).
 //!
 //! - As exporter ([`grant_copy`](PeerLink::grant_copy)), the link grants the lease as
 //!   over a Unix link (the ledger pins the buffer while it is out, and refuses our own
-//!   writes meanwhile), offers a [`RawHandle::Copy`] in place of a handle to map, and
-//!   starts the TCP engine sending the buffer's bytes as the transfer named by the lease.
+//!   writes meanwhile) and offers a [`RawHandle::Copy`] in place of a handle to map. Host
+//!   memory: the TCP engine starts sending the buffer's bytes at once, as the transfer
+//!   named by the lease. Device memory: the send starts when the receiver's
+//!   [`Pull`](baton_messages::protocol::Pull) says its receive is posted
+//!   ([`on_pull`](PeerLink::on_pull)) — NCCL pairs a communicator's sends and receives
+//!   in the order they start, so the sends start in the order of the pulls, each once the
+//!   work queued on the buffer before the offer (its acquire fence, kept here: no fence
+//!   crosses hosts) has completed. A refused device copy is simply never pulled.
 //!   The receiver's `Release` says the bytes landed; the lease then ends as any other.
 //! - As importer ([`receive_copies`](PeerLink::receive_copies)), it allocates a buffer of
 //!   its own node per offer, receives the bytes into it, gives the lease back at once
@@ -24,9 +31,11 @@
 //!
 //! Over a host link the peer may offer nothing but copies: any other handle names memory
 //! of *this* host (a segment name, a CUDA handle) that a process elsewhere has no business
-//! naming, and is the peer's fault (the link is cut). Writable leases, device memory
-//! (until the NCCL engine is wired in) and forwarded leases do not cross hosts: refused
-//! with typed errors, the link unharmed.
+//! naming, and is the peer's fault (the link is cut), as is a pull of a lease not offered
+//! as a device copy. Writable leases and forwarded leases do not cross hosts, nor does a
+//! copy into a node of the other kind of memory (a host-memory node cannot receive
+//! device memory, nor a CUDA node host memory): refused with typed errors, the link
+//! unharmed.
 //!
 //! Order: a message whose buffers are copies is handed on once they have landed, on the
 //! link's arbiter, while the link goes on handling later frames (pings keep it alive
@@ -36,13 +45,15 @@ use super::{Attached, PeerLink};
 use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, OfferGrant};
+use crate::link_ref::SendRendezvous;
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
 use actix::prelude::*;
-use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferId, decline};
-use baton_ipc::{Error as IpcError, MemPtr};
-use baton_messages::protocol::Offer;
-use baton_messages::{CopyEngine, DType, Layout, LeaseId, RawHandle, Shape};
+use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferEngine, TransferId, decline};
+use baton_ipc::{Error as IpcError, ExportedFence, MemPtr};
+use baton_messages::protocol::{Offer, Pull, Rendezvous};
+use baton_messages::{CopyEngine, DType, Layout, LeaseId, Message as Wire, RawHandle, Shape};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
@@ -51,16 +62,63 @@ use tokio::sync::OwnedSemaphorePermit;
 /// the heartbeat deadline plus `n / FLOOR_BYTES_PER_SEC` seconds.
 pub(crate) const FLOOR_BYTES_PER_SEC: u64 = 16 << 20;
 
-/// The sends of copies a link has started, by lease: aborted if their frame is never
-/// sent, and when the link ends.
-pub(super) type CopiesOut = std::collections::HashMap<LeaseId, Arc<HeldTransfer>>;
+/// The copies a link offered, by lease: forgotten (a send aborted) if their frame is
+/// never sent, when their lease comes back, and when the link ends.
+pub(super) type CopiesOut = std::collections::HashMap<LeaseId, CopyOut>;
 
-fn unsupported(reason: &'static str) -> ActorError {
-    IpcError::RegionUnsupported {
-        engine: "tcp",
-        reason,
+/// A copy the link offered.
+pub(super) enum CopyOut {
+    /// A device copy, until the receiver pulls it.
+    Offered(DeviceCopy),
+    /// A device copy pulled, waiting in [`Pulls`] for its turn.
+    Pulled(DeviceCopy),
+    /// Its send, under way.
+    Sending(Arc<HeldTransfer>),
+}
+
+/// A device copy not sent yet: the buffer (pinned by its lease) and the work before the
+/// offer that its send must follow.
+pub(super) struct DeviceCopy {
+    cell: Arc<BufferCell>,
+    len: usize,
+    fence: Option<Arc<dyn ExportedFence>>,
+}
+
+/// The device copies pulled and not sent yet, in the order of their pulls (the order
+/// their sends must start in).
+#[derive(Default)]
+pub(super) struct Pulls {
+    queue: VecDeque<LeaseId>,
+    /// The first one's fence is being waited for (on a blocking thread).
+    waiting: bool,
+}
+
+fn unsupported(engine: &'static str, reason: &'static str) -> IpcError {
+    IpcError::RegionUnsupported { engine, reason }
+}
+
+/// The engine an offered copy names (checked: the offer is a copy).
+fn copy_engine(offer: &Offer) -> CopyEngine {
+    match offer.handle.raw {
+        RawHandle::Copy { engine } => engine,
+        _ => CopyEngine::Tcp,
     }
-    .into()
+}
+
+/// An engine's name, for errors.
+fn engine_name(engine: CopyEngine) -> &'static str {
+    match engine {
+        CopyEngine::Nccl => "nccl",
+        _ => "tcp",
+    }
+}
+
+/// The engine that carries a copy of memory at `ptr`.
+fn engine_for(ptr: MemPtr) -> CopyEngine {
+    match ptr {
+        MemPtr::Host(_) => CopyEngine::Tcp,
+        MemPtr::Device(_) => CopyEngine::Nccl,
+    }
 }
 
 /// How long a copy of `len` bytes may take (see [`FLOOR_BYTES_PER_SEC`]).
@@ -113,36 +171,50 @@ impl PeerLink {
         self.peer.host().is_some()
     }
 
-    /// Grants the peer a lease on `out`'s buffer and starts sending its bytes (see the
+    /// Grants the peer a lease on `out`'s buffer and offers it as a copy: host memory
+    /// starts sending at once, device memory when the peer pulls it (see the
     /// [module docs](self)).
     pub(super) fn grant_copy(&mut self, out: &Outgoing) -> Result<(Offer, OfferGrant), ActorError> {
+        let cell = &out.cell;
+        let engine = engine_for(cell.alloc.ptr());
+        let name = engine_name(engine);
         if out.writable {
             return Err(unsupported(
+                name,
                 "a writable lease does not cross hosts: the receiver gets a copy (send its result back as a buffer of its own)",
-            ));
+            )
+            .into());
         }
-        let cell = &out.cell;
-        if !matches!(cell.alloc.ptr(), MemPtr::Host(_)) {
-            return Err(unsupported(
-                "device memory does not cross hosts yet (the NCCL engine is not wired into links): stage it in host memory",
-            ));
+        let peer = self
+            .engine_peer()
+            .filter(|p| p.data_addr.is_some())
+            .ok_or_else(|| unsupported(name, "the peer announced no TCP engine"))?;
+        let plane = self
+            .node
+            .plane()
+            .ok_or_else(|| unsupported(name, "this node has no host link"))?;
+        if engine == CopyEngine::Nccl {
+            // Made now, so that a node without NCCL refuses the offer, not its pull.
+            self.node.nccl()?;
         }
-        let (plane, peer) = match (self.node.plane(), self.engine_peer()) {
-            (Some(plane), Some(peer)) if peer.data_addr.is_some() => (plane, peer),
-            _ => {
-                return Err(unsupported(
-                    "the peer announced no TCP engine to send buffers to",
-                ));
-            }
-        };
         let fence = out.acquire_fence(&self.peer.process)?;
-        let (mut offer, fd, grant) = self.node.exports().grant(cell, &self.me, 0, fence, false)?;
+        let (mut offer, fd, grant) =
+            (self.node.exports()).grant(cell, &self.me, 0, fence.clone(), false)?;
         drop(fd);
-        offer.handle.raw = RawHandle::Copy {
-            engine: CopyEngine::Tcp,
-        };
+        offer.handle.raw = RawHandle::Copy { engine };
+        // The receiver waits on nothing of ours: we wait before we send.
+        offer.handle.fence = None;
         offer.handle = offer.handle.sealed(self.node.session().handle_key());
         let len = offer.handle.len as usize;
+        if engine == CopyEngine::Nccl {
+            let copy = DeviceCopy {
+                cell: Arc::clone(cell),
+                len,
+                fence,
+            };
+            self.copies_out.insert(offer.lease, CopyOut::Offered(copy));
+            return Ok((offer, grant));
+        }
         let sent = HeldTransfer::send(
             &plane.engine,
             &peer,
@@ -154,7 +226,8 @@ impl PeerLink {
         match sent {
             Ok(transfer) => {
                 let transfer = Arc::new(transfer);
-                self.copies_out.insert(offer.lease, Arc::clone(&transfer));
+                self.copies_out
+                    .insert(offer.lease, CopyOut::Sending(Arc::clone(&transfer)));
                 reap(transfer);
                 Ok((offer, grant))
             }
@@ -165,9 +238,10 @@ impl PeerLink {
         }
     }
 
-    /// A copy's lease came back (landed), or its frame was never sent (`abort`).
+    /// A copy's lease came back (landed, or refused unpulled), or its frame was never
+    /// sent (`abort`). A pulled copy not sent yet is dropped from its turn.
     pub(super) fn copy_done(&mut self, lease: LeaseId, abort: bool) {
-        if let Some(transfer) = self.copies_out.remove(&lease) {
+        if let Some(CopyOut::Sending(transfer)) = self.copies_out.remove(&lease) {
             if abort {
                 transfer.abort();
             }
@@ -178,12 +252,115 @@ impl PeerLink {
     /// ledger takes the link's leases back.
     pub(super) fn abort_copies(&mut self) {
         if let (Some(plane), Some(peer)) = (self.node.plane(), self.engine_peer()) {
-            use baton_ipc::TransferEngine;
             plane.engine.abort_peer(&peer);
+            if let Some(nccl) = plane.nccl() {
+                nccl.abort_peer(&peer);
+            }
         }
-        for (_, transfer) in self.copies_out.drain() {
-            transfer.abort();
+        self.pulls.queue.clear();
+        for (_, copy) in self.copies_out.drain() {
+            if let CopyOut::Sending(transfer) = copy {
+                transfer.abort();
+            }
         }
+    }
+
+    /// The peer posted its receive of the device copy of `lease`: its send takes its turn.
+    pub(super) fn on_pull(
+        &mut self,
+        lease: LeaseId,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), ActorError> {
+        match self.copies_out.remove(&lease) {
+            Some(CopyOut::Offered(copy)) => {
+                self.copies_out.insert(lease, CopyOut::Pulled(copy));
+                self.pulls.queue.push_back(lease);
+                self.send_pulled(ctx)
+            }
+            other => {
+                if let Some(copy) = other {
+                    self.copies_out.insert(lease, copy);
+                }
+                Err(ActorError::Unexpected {
+                    got: "a Pull of a lease not offered as a device copy, or pulled twice",
+                })
+            }
+        }
+    }
+
+    /// Starts the pulled sends in their order, each once its fence has completed (waited
+    /// for on a blocking thread: it is our own work on the buffer).
+    fn send_pulled(&mut self, ctx: &mut Context<Self>) -> Result<(), ActorError> {
+        while let Some(&lease) = self.pulls.queue.front() {
+            let ready = match self.copies_out.get(&lease) {
+                Some(CopyOut::Pulled(copy)) => copy.fence.as_ref().map(Arc::clone),
+                // Its lease came back meanwhile: the receiver gave up on it.
+                _ => {
+                    self.pulls.queue.pop_front();
+                    continue;
+                }
+            };
+            if let Some(fence) = ready.filter(|f| !matches!(f.is_complete(), Ok(true))) {
+                if !self.pulls.waiting {
+                    self.pulls.waiting = true;
+                    let waited = tokio::task::spawn_blocking(move || fence.synchronize());
+                    ctx.spawn(waited.into_actor(self).map(|waited, act, ctx| {
+                        act.pulls.waiting = false;
+                        let sent = match waited {
+                            Ok(Ok(())) => act.send_pulled(ctx),
+                            Ok(Err(e)) => Err(e.into()),
+                            Err(_) => Ok(()),
+                        };
+                        if let Err(e) = sent {
+                            act.cut(ctx, e);
+                        }
+                    }));
+                }
+                return Ok(());
+            }
+            self.pulls.queue.pop_front();
+            let Some(CopyOut::Pulled(copy)) = self.copies_out.remove(&lease) else {
+                unreachable!("checked above");
+            };
+            // A send that cannot start would leave the peer's receive unmatched, and the
+            // next send matched to it: the link ends (and with it the communicators).
+            let transfer = Arc::new(self.start_device_send(lease, copy)?);
+            self.copies_out
+                .insert(lease, CopyOut::Sending(Arc::clone(&transfer)));
+            reap(transfer);
+        }
+        Ok(())
+    }
+
+    fn start_device_send(
+        &self,
+        lease: LeaseId,
+        copy: DeviceCopy,
+    ) -> Result<HeldTransfer, ActorError> {
+        let peer = self
+            .engine_peer()
+            .ok_or_else(|| unsupported("nccl", "not a host link"))?;
+        let nccl = self.node.nccl()?;
+        let id = TransferId(lease.get());
+        Ok(HeldTransfer::send(
+            &*nccl,
+            &peer,
+            id,
+            copy.cell.alloc.clone(),
+            0,
+            copy.len,
+        )?)
+    }
+
+    /// The peer's engine's rendezvous message, for ours.
+    pub(super) fn on_rendezvous(&mut self, bytes: &[u8]) -> Result<(), ActorError> {
+        let peer = self
+            .engine_peer()
+            .ok_or_else(|| unsupported("nccl", "not a host link"))?;
+        let nccl = self.node.nccl().map_err(|_| ActorError::Unexpected {
+            got: "a Rendezvous for an engine this node does not run",
+        })?;
+        Ok(nccl.on_rendezvous(&peer, bytes)?)
     }
 
     /// Receives a frame's offered copies, then carries on with what they were for (see
@@ -213,31 +390,44 @@ impl PeerLink {
         let len = offers
             .iter()
             .fold(0usize, |n, o| n.saturating_add(o.handle.len as usize));
+        let name = offers
+            .first()
+            .map_or("tcp", |o| engine_name(copy_engine(o)));
         let received = if relayed {
-            Err(IpcError::RegionUnsupported {
-                engine: "tcp",
-                reason: "a forwarded lease does not cross hosts",
-            })
+            Err(unsupported(name, "a forwarded lease does not cross hosts"))
         } else if self.copies_in.saturating_add(len) > self.limits.copy_bytes {
             // Each copy is memory of ours: a peer cannot make us allocate without bound.
-            Err(IpcError::RegionUnsupported {
-                engine: "tcp",
-                reason: "the link's copies in flight would pass LinkLimits::copy_bytes",
-            })
+            Err(unsupported(
+                name,
+                "the link's copies in flight would pass LinkLimits::copy_bytes",
+            ))
         } else {
             self.post_receives(&offers)
         };
         let receiving = match received {
             Ok(receiving) => receiving,
             Err(e) => {
-                // The sender sends them all the same: read past them, so that they do
-                // not hold up the copies behind them on its connection.
+                // The sender sends host copies all the same: read past them, so that they
+                // do not hold up the copies behind them on its connection. (Device copies
+                // are sent only once pulled.)
                 self.decline(&offers);
                 return self.copies_failed(&offers, e, then, slot, ctx);
             }
         };
+        // Device copies: their receives are posted, so the sender may start them (in
+        // this order: the order NCCL pairs them in).
+        for offer in &offers {
+            if copy_engine(offer) == CopyEngine::Nccl {
+                self.send(&Wire::Pull(Pull { lease: offer.lease }), Vec::new())?;
+            }
+        }
         self.copies_in += len;
-        let by = Instant::now() + deadline_for(self.node.heartbeat().deadline, len);
+        let mut allowance = self.node.heartbeat().deadline;
+        if offers.iter().any(|o| copy_engine(o) == CopyEngine::Nccl) {
+            // The first device copy with a peer makes its communicator.
+            allowance += self.node.hosts().nccl.rendezvous_timeout;
+        }
+        let by = Instant::now() + deadline_for(allowance, len);
         let waiting = tokio::task::spawn_blocking(move || {
             let landed = wait_all(&receiving, by);
             (receiving, landed)
@@ -262,11 +452,11 @@ impl PeerLink {
         Ok(())
     }
 
-    /// Declines the offered copies' transfers (a receive of one that was posted is
+    /// Declines the offered host copies' transfers (a receive of one that was posted is
     /// replaced).
     fn decline(&self, offers: &[Offer]) {
         if let (Some(plane), Some(peer)) = (self.node.plane(), self.engine_peer()) {
-            for offer in offers {
+            for offer in offers.iter().filter(|o| copy_engine(o) == CopyEngine::Tcp) {
                 let id = TransferId(offer.lease.get());
                 if let Err(e) = decline(&plane.engine, &peer, id) {
                     tracing::debug!(%id, error = %e, "could not decline a copy");
@@ -275,30 +465,34 @@ impl PeerLink {
         }
     }
 
-    /// Allocates a local buffer per offer and posts its receive.
+    /// Allocates a local buffer per offer and posts its receive on its engine.
     fn post_receives(&self, offers: &[Offer]) -> Result<Vec<HeldTransfer>, IpcError> {
         let (plane, peer) = match (self.node.plane(), self.engine_peer()) {
             (Some(plane), Some(peer)) => (plane, peer),
-            _ => {
-                return Err(IpcError::RegionUnsupported {
-                    engine: "tcp",
-                    reason: "this node has no TCP engine",
-                });
-            }
+            _ => return Err(unsupported("tcp", "this node has no host link")),
         };
         let backend = self.node.backend();
         let mut receiving = Vec::with_capacity(offers.len());
         for offer in offers {
             let len = offer.handle.len as usize;
+            let engine = copy_engine(offer);
+            let nccl = match engine {
+                CopyEngine::Nccl => Some(self.node.nccl()?),
+                _ => None,
+            };
             let alloc = backend.allocate(len)?;
-            if !matches!(alloc.ptr(), MemPtr::Host(_)) {
-                return Err(IpcError::RegionUnsupported {
-                    engine: "tcp",
-                    reason: "this node allocates device memory: a copy from another host lands in host memory only (until the NCCL engine is wired into links)",
-                });
+            if engine_for(alloc.ptr()) != engine {
+                return Err(unsupported(
+                    engine_name(engine),
+                    "a copy lands in memory of the kind it was sent from: this node allocates the other kind (host memory crosses between host-memory nodes, device memory between CUDA nodes)",
+                ));
             }
             let id = TransferId(offer.lease.get());
-            receiving.push(HeldTransfer::recv(&plane.engine, &peer, id, alloc, 0, len)?);
+            let posted = match &nccl {
+                Some(nccl) => HeldTransfer::recv(&**nccl, &peer, id, alloc, 0, len)?,
+                None => HeldTransfer::recv(&plane.engine, &peer, id, alloc, 0, len)?,
+            };
+            receiving.push(posted);
         }
         Ok(receiving)
     }
@@ -369,5 +563,15 @@ impl PeerLink {
             self.send(&frame, Vec::new())?;
         }
         self.then(then, Err(why), slot, ctx)
+    }
+}
+
+impl Handler<SendRendezvous> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: SendRendezvous, ctx: &mut Self::Context) {
+        let rendezvous = Wire::Rendezvous(Rendezvous { bytes: msg.bytes });
+        if let Err(e) = self.send(&rendezvous, Vec::new()) {
+            self.cut(ctx, e);
+        }
     }
 }

@@ -96,21 +96,16 @@ impl PeerLink {
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
+        if self.copies() {
+            // A host link: the offers are copies, received through the engines.
+            drop(fds);
+            return self.receive_copies(open, slot, ctx);
+        }
         let Open {
             offers,
             relayed,
             then,
         } = open;
-        if self.copies() {
-            // A host link: the offers are copies, received through the engine.
-            drop(fds);
-            let open = Open {
-                offers,
-                relayed,
-                then,
-            };
-            return self.receive_copies(open, slot, ctx);
-        }
         self.me
             .state
             .fds_received

@@ -467,6 +467,70 @@ fn a_second_fence_inbox_is_a_fault() {
 }
 
 #[test]
+fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a_host() {
+    use baton_messages::protocol::{MAX_RENDEZVOUS_BYTES, Pull, Rendezvous};
+    let pull = || {
+        Wire::Pull(Pull {
+            lease: LeaseId::new(7),
+        })
+    };
+    let rendezvous = |len| {
+        Wire::Rendezvous(Rendezvous {
+            bytes: vec![1; len],
+        })
+    };
+    let grant = InboxGrant {
+        device: DeviceUuid::HOST,
+        slab: CudaIpcMemHandle([2; 64]),
+        slab_id: 1,
+        first: 0,
+        slots: 4,
+        base: 0,
+    };
+    let unexpected = |e: ActorError, what: &str| {
+        assert!(
+            matches!(e, ActorError::Unexpected { got } if got.contains(what)),
+            "{e}"
+        );
+    };
+    // Within one host: no engine messages.
+    unexpected(
+        fault(&mut session(), pull(), &Node::default()),
+        "transfer engines",
+    );
+    unexpected(
+        fault(&mut session(), rendezvous(149), &Node::default()),
+        "transfer engines",
+    );
+    // Across hosts: pulls and rendezvous messages, bounded; no fence inbox.
+    let mut s = session().across_hosts();
+    assert!(matches!(
+        &handle(&mut s, pull())[..],
+        [Action::Pull(lease)] if *lease == LeaseId::new(7)
+    ));
+    assert!(matches!(
+        &handle(&mut s, rendezvous(MAX_RENDEZVOUS_BYTES))[..],
+        [Action::Rendezvous(bytes)] if bytes.len() == MAX_RENDEZVOUS_BYTES
+    ));
+    unexpected(
+        fault(
+            &mut s,
+            rendezvous(MAX_RENDEZVOUS_BYTES + 1),
+            &Node::default(),
+        ),
+        "oversized",
+    );
+    unexpected(
+        fault(
+            &mut session().across_hosts(),
+            Wire::FenceInbox(grant),
+            &Node::default(),
+        ),
+        "host link",
+    );
+}
+
+#[test]
 fn a_handshake_frame_on_a_link_is_a_fault() {
     let mut s = session();
     let e = fault(

@@ -3,26 +3,36 @@
 //!
 //! - `baton-host-peer listen ADDR`: listens for host links at ADDR, prints
 //!   `listening <addr>`, accepts one peer (printing `linked`), serves the test actors
-//!   until that link goes down, then exits 0.
+//!   until that link goes down, then exits 0. With `--serve N`: N peers, one after the
+//!   other, printing after each link's end `down`, `leases <n>` (its node's leases
+//!   out) and, on CUDA, `mem <bytes>` (the device's free memory; `mem-start <bytes>`
+//!   before the first).
 //! - `baton-host-peer connect ADDR`: links to ADDR (printing `linked`), serves until the
 //!   link goes down, then exits 0 (with `--stay`: prints `down` and stays until killed).
 //! - `baton-host-peer drive ADDR --sizes N,…`: links to ADDR and, per size, sends an
 //!   `Echo` of that many pattern bytes (its answer, a buffer of the peer's, checked) and
-//!   a `Take` of as many (checked by the peer); prints `ok <size>` per size and `done`,
-//!   exits 0.
+//!   a `Take` of as many (checked by the peer); prints `ok <size> echo=<s> take=<s>`
+//!   per size (the seconds each round took) and `done`, exits 0.
 //! - `baton-host-peer drive-kill ADDR --len N --go FILE`: links to ADDR, prints `ready`,
 //!   waits for FILE to exist, then sends an `Echo` of N bytes, prints `in-flight` once
 //!   its lease is out; the call must fail (the test kills the receiver): prints
 //!   `call-failed <error>`, then `lease-back` once the buffer's lease came back and
-//!   `leases <n>` (the leases its node still has out); exits 0.
+//!   `leases <n>` (the leases its node still has out); on CUDA, `mem-baseline <bytes>`
+//!   before the big buffer and `mem-after <bytes>` once it is dropped (the device's free
+//!   memory); with `--then ADDR2`: links to ADDR2 and sends a 1 MiB `Echo` (checked),
+//!   printing `after ok`; exits 0.
 //! - `baton-host-peer forge ADDR`: links to ADDR with the blocking `HostLink` client (the
 //!   Noise and Baton handshakes, no node), then sends a `Call` to `echo` whose offer is
 //!   not a copy but a host segment of this process (a name on *this* host), sealed with
 //!   the session's key; prints `cut` once the listener closes the link (`answered <kind>`
-//!   for any frame but a ping meanwhile), exits 0.
+//!   for any frame but a ping meanwhile), exits 0. `--forge pull`: sends a `Pull` of a
+//!   lease never offered instead; `--forge rendezvous`: an NCCL rendezvous message;
+//!   `--forge device-copy`: the `Call` offers an NCCL copy (device memory) — a host-memory
+//!   node refuses it: prints `answered Release`, then `reply <fault>` and exits 0.
 //!
 //! Session from the token pipe (`BATON_TOKEN_FD`), taken at the top of `main`; host
-//! memory in the flavor `BATON_HOST` picks; `--heartbeat-ms D`: a heartbeat deadline of
+//! memory in the flavor `BATON_HOST` picks, or with `--cuda` device memory
+//! (`CudaBackend::from_env`: `BATON_CUDA_DEVICE`, `BATON_CUDA_EXPORT`); `--heartbeat-ms D`: a heartbeat deadline of
 //! D ms (pings every D/4). Every wait has a deadline.
 
 #[path = "../../../tests/support/host_msgs.rs"]
@@ -62,6 +72,43 @@ struct Cli {
     /// drive-kill: send once this file exists.
     #[arg(long)]
     go: Option<std::path::PathBuf>,
+    /// Device memory (`CudaBackend::from_env`) instead of host memory.
+    #[arg(long)]
+    cuda: bool,
+    /// listen: how many peers to serve, one after the other.
+    #[arg(long, default_value_t = 1)]
+    serve: usize,
+    /// forge: what to forge (segment, pull, rendezvous, device-copy).
+    #[arg(long, default_value = "segment")]
+    forge: String,
+    /// drive-kill: once the lease is back, link here and send a 1 MiB `Echo`.
+    #[arg(long)]
+    then: Option<String>,
+}
+
+/// The device's free memory, once the backend's pool gave back what it keeps (CUDA).
+fn device_free(cuda: Option<&baton::ipc::CudaBackend>) -> Option<usize> {
+    let cuda = cuda?;
+    cuda.synchronize().ok()?;
+    cuda.trim_pool(0).ok()?;
+    Some(cuda.mem_get_info().ok()?.0)
+}
+
+/// Links to `addr`, retried while the listener is busy (rogue clients may hold every
+/// handshake slot for a handshake deadline); an error past the deadline is final.
+async fn connect(node: &Node, addr: &str) -> Result<Peer, String> {
+    let start = std::time::Instant::now();
+    loop {
+        match tokio::time::timeout(DEADLINE, node.connect_tcp(addr)).await {
+            Ok(Ok(peer)) => break Ok(peer),
+            Ok(Err(e)) if start.elapsed() < DEADLINE => {
+                eprintln!("baton-host-peer: connect_tcp: {e} (retrying)");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Ok(Err(e)) => break Err(format!("{e:?}")),
+            Err(_) => break Err("connect_tcp timed out".to_owned()),
+        }
+    }
 }
 
 /// Answers `push` (to the one linked peer).
@@ -93,18 +140,24 @@ fn say(line: &str) {
 }
 
 /// The `forge` role (see the module docs); blocking.
-fn forge(addr: &str, session: &baton::Session) -> Result<(), String> {
+fn forge(addr: &str, session: &baton::Session, what: &str) -> Result<(), String> {
     use baton::ipc::Backend;
     use baton::ipc::tcp::{HostId, HostLink, NodeKey, TcpConfig};
-    use baton::messages::protocol::{Call, Offer};
-    use baton::messages::{LeaseId, Message};
+    use baton::messages::protocol::{Call, Offer, Pull, Rendezvous};
+    use baton::messages::{CopyEngine, LeaseId, Message, RawHandle};
     let key = NodeKey::generate().map_err(|e| e.to_string())?;
     let config = TcpConfig::new(session.clone(), key).host(HostId::current());
     let mut link = HostLink::connect(addr, &config).map_err(|e| format!("{e:?}"))?;
     say("linked");
     let backend = HostBackend::new().map_err(|e| e.to_string())?;
     let segment = backend.allocate(4096).map_err(|e| e.to_string())?;
-    let handle = segment.handle(session).build().map_err(|e| e.to_string())?;
+    let mut handle = segment.handle(session).build().map_err(|e| e.to_string())?;
+    if what == "device-copy" {
+        handle.raw = RawHandle::Copy {
+            engine: CopyEngine::Nccl,
+        };
+        handle = handle.sealed(session.handle_key());
+    }
     let call = Message::Call(Call {
         id: 1,
         target: "echo".into(),
@@ -115,11 +168,28 @@ fn forge(addr: &str, session: &baton::Session) -> Result<(), String> {
             handle,
         }],
     });
-    link.send(&call, &[]).map_err(|e| format!("{e:?}"))?;
+    let frame = match what {
+        "segment" | "device-copy" => call,
+        "pull" => Message::Pull(Pull {
+            lease: LeaseId::new(1),
+        }),
+        "rendezvous" => Message::Rendezvous(Rendezvous {
+            bytes: vec![0; 149],
+        }),
+        other => return Err(format!("cannot forge {other}")),
+    };
+    link.send(&frame, &[]).map_err(|e| format!("{e:?}"))?;
     let start = std::time::Instant::now();
     while start.elapsed() < DEADLINE {
         match link.recv_timeout(DEADLINE) {
             Ok(r) if matches!(r.message, Message::Ping(_)) => {}
+            Ok(r) if what == "device-copy" && matches!(r.message, Message::Reply(_)) => {
+                let Message::Reply(reply) = r.message else {
+                    unreachable!()
+                };
+                say(&format!("reply {:?}", reply.outcome.err()));
+                return Ok(());
+            }
             Ok(r) => say(&format!("answered {}", r.message.kind())),
             Err(baton::Error::Closed) => {
                 say("cut");
@@ -139,8 +209,20 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
             deadline: Duration::from_millis(ms),
         });
     }
-    let backend = HostBackend::new().map_err(|e| e.to_string())?;
-    let node = Node::with_config(config, Arc::new(backend));
+    let cuda = match cli.cuda {
+        true => Some(Arc::new(
+            baton::ipc::CudaBackend::from_env().map_err(|e| e.to_string())?,
+        )),
+        false => None,
+    };
+    let node = match &cuda {
+        Some(cuda) => Node::with_config(config, cuda.clone()),
+        None => Node::with_config(
+            config,
+            Arc::new(HostBackend::new().map_err(|e| e.to_string())?),
+        ),
+    };
+    let free = || device_free(cuda.as_deref());
     let linked = Arc::new(Mutex::new(None));
     serve_echo_and_take(&node);
     let pusher = Pusher {
@@ -149,28 +231,36 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
     };
     node.register::<Push>("push", pusher.start().recipient());
     let timeout = |e| format!("{e:?}");
+    if cli.role == "listen" && cli.serve > 1 {
+        let mut listening = node.listen_tcp(&*cli.addr).map_err(timeout)?;
+        say(&format!("listening {}", listening.local_addr()));
+        if let Some(bytes) = free() {
+            say(&format!("mem-start {bytes}"));
+        }
+        for _ in 0..cli.serve {
+            let peer = listening.accept_timeout(DEADLINE).await.map_err(timeout)?;
+            *linked.lock().unwrap() = Some(peer.clone());
+            say("linked");
+            let _ = tokio::time::timeout(Duration::from_secs(600), peer.closed()).await;
+            say("down");
+            let start = std::time::Instant::now();
+            while node.status(0).leases > 0 && start.elapsed() < DEADLINE {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            say(&format!("leases {}", node.status(0).leases));
+            if let Some(bytes) = free() {
+                say(&format!("mem {bytes}"));
+            }
+        }
+        return Ok(());
+    }
     let peer = match cli.role.as_str() {
         "listen" => {
             let mut listening = node.listen_tcp(&*cli.addr).map_err(timeout)?;
             say(&format!("listening {}", listening.local_addr()));
             listening.accept_timeout(DEADLINE).await.map_err(timeout)?
         }
-        _ => {
-            // Retried while the listener is busy (rogue clients may hold every handshake
-            // slot for a handshake deadline); an error past the deadline is final.
-            let start = std::time::Instant::now();
-            loop {
-                match tokio::time::timeout(DEADLINE, node.connect_tcp(&*cli.addr)).await {
-                    Ok(Ok(peer)) => break peer,
-                    Ok(Err(e)) if start.elapsed() < DEADLINE => {
-                        eprintln!("baton-host-peer: connect_tcp: {e} (retrying)");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                    Ok(Err(e)) => return Err(format!("{e:?}")),
-                    Err(_) => return Err("connect_tcp timed out".to_owned()),
-                }
-            }
-        }
+        _ => connect(&node, &cli.addr).await?,
     };
     *linked.lock().unwrap() = Some(peer.clone());
     say("linked");
@@ -186,13 +276,17 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
         "drive" => {
             for (i, &len) in cli.sizes.iter().enumerate() {
                 let seed = i as u8 + 1;
+                let start = std::time::Instant::now();
                 echo_round(&node, &peer, len, seed, DEADLINE).await?;
+                let echo = start.elapsed().as_secs_f64();
                 // And a buffer of ours for the peer's `take` to check.
+                let start = std::time::Instant::now();
                 let took = take_round(&node, &peer, len, seed.wrapping_add(100), DEADLINE).await?;
+                let take = start.elapsed().as_secs_f64();
                 if took != len as u64 {
                     return Err(format!("take of {len} bytes: took {took}"));
                 }
-                say(&format!("ok {len}"));
+                say(&format!("ok {len} echo={echo:.6} take={take:.6}"));
             }
             say("done");
             tokio::time::timeout(DEADLINE, peer.close_and_wait())
@@ -226,6 +320,9 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
+            if let Some(bytes) = free() {
+                say(&format!("mem-baseline {bytes}"));
+            }
             let big = node.allocate::<u8>(cli.len).map_err(|e| e.to_string())?;
             let call = actix::spawn(peer.remote::<Echo>("echo").send_timeout(
                 Echo {
@@ -250,6 +347,18 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
             big.write_at(0, &[1, 2, 3]).map_err(|e| e.to_string())?;
             let leases = node.status(0).leases;
             say(&format!("leases {leases}"));
+            drop(big);
+            if let Some(bytes) = free() {
+                say(&format!("mem-after {bytes}"));
+            }
+            if let Some(then) = &cli.then {
+                let next = connect(&node, then).await?;
+                echo_round(&node, &next, 1 << 20, 9, DEADLINE).await?;
+                say("after ok");
+                tokio::time::timeout(DEADLINE, next.close_and_wait())
+                    .await
+                    .map_err(|_| "closing timed out".to_owned())?;
+            }
             Ok(())
         }
         other => Err(format!("unknown role {other}")),
@@ -271,7 +380,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.role.as_str() {
-        "forge" => forge(&cli.addr, &session),
+        "forge" => forge(&cli.addr, &session, &cli.forge),
         _ => System::new().block_on(run(cli, session)),
     };
     if let Err(e) = result {

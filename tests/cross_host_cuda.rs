@@ -1,0 +1,341 @@
+//! Device memory across two emulated hosts (issues 26 and 27): two helper processes
+//! (`baton-host-peer --cuda`), one GPU each, whose nodes say they run on different hosts
+//! (`BATON_HOST_ID`), linked over loopback TCP; their device buffers cross as copies
+//! through the NCCL engine, and NCCL is told the same (`NCCL_HOSTID` per process) and
+//! forced onto its socket transport (`NCCL_NET=Socket`, `NCCL_SOCKET_IFNAME=lo`,
+//! peer-to-peer and shared memory off), as between two machines. Each test checks from
+//! NCCL's own log (`NCCL_DEBUG=INFO`) that the bytes went "via NET/Socket".
+//!
+//! - Typed messages with device buffers from 1 B to 1 GiB both ways, data checked; each
+//!   round's time is printed (the figures of `docs/CROSS_HOST.md`).
+//! - SIGKILL of the receiver during a 3 GiB copy: the sender's call fails, its lease
+//!   comes back, its device memory returns to where it was before the buffer, and a new
+//!   communicator (with a new peer) works afterwards.
+//! - SIGKILL of the sender during a 3 GiB copy: the receiver frees its partial copy (its
+//!   device memory back to where it started), holds no lease, and a new peer's copies
+//!   land afterwards.
+//!
+//! Needs two GPUs and NCCL (`BATON_NCCL_LIB` or `libnccl.so.2` on the loader's path):
+//! `gpu-tests` only; with one GPU it skips (see `support/gpus.rs`). The test process
+//! itself touches no GPU: it runs the helpers and reads what they print.
+
+#[path = "support/actors.rs"]
+mod actors;
+#[path = "support/gpus.rs"]
+mod gpus;
+#[path = "support/host_peer.rs"]
+mod host_peer;
+#[path = "support/msgs.rs"]
+mod msgs;
+#[path = "support/peer.rs"]
+mod peer;
+
+use actors::{DEADLINE, exited, run};
+use baton::Session;
+use host_peer::{Lines, host_peer_env};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The size of the copy in flight when a side is killed.
+const BIG: usize = 3 << 30;
+/// How long a round of the largest sizes may take.
+const LONG: Duration = Duration::from_secs(180);
+/// Device memory the survivor may have below its baseline afterwards (the driver's own
+/// bookkeeping; a leaked copy would be gigabytes).
+const SLACK: u64 = 64 << 20;
+
+/// The environment that makes one helper a "host" of its own, on GPU `device`, to NCCL
+/// as to Baton; NCCL logs into a file per process under `log`.
+fn env_for(device: &str, host: &str, log: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("BATON_CUDA_DEVICE", device.to_owned()),
+        ("NCCL_HOSTID", format!("baton-{host}")),
+        ("NCCL_NET", "Socket".to_owned()),
+        ("NCCL_SOCKET_IFNAME", "lo".to_owned()),
+        ("NCCL_P2P_DISABLE", "1".to_owned()),
+        ("NCCL_SHM_DISABLE", "1".to_owned()),
+        ("NCCL_NVLS_ENABLE", "0".to_owned()),
+        ("NCCL_DEBUG", "INFO".to_owned()),
+        ("NCCL_DEBUG_SUBSYS", "INIT,NET".to_owned()),
+        ("NCCL_DEBUG_FILE", format!("{log}/nccl.{host}.%p.log")),
+    ]
+}
+
+/// A helper on host `host` and GPU `device`.
+fn helper(
+    session: &Session,
+    ns: &str,
+    log: &str,
+    host: &str,
+    device: &str,
+    args: &[&str],
+) -> (peer::Peer, Lines) {
+    let env = env_for(device, host, log);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut args = args.to_vec();
+    args.push("--cuda");
+    host_peer_env(None, session, ns, host, &args, &env)
+}
+
+/// A directory for NCCL's logs, removed when the test ends.
+struct Logs(PathBuf);
+
+impl Logs {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("baton-nccl-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temp dir")
+    }
+
+    /// Asserts NCCL moved bytes over its socket transport, and names the lines.
+    fn assert_socket_transport(&self) {
+        let mut lines = Vec::new();
+        for entry in std::fs::read_dir(&self.0).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap_or_default();
+            lines.extend(
+                text.lines()
+                    .filter(|l| l.contains(" via "))
+                    .map(str::to_owned),
+            );
+        }
+        for line in lines.iter().take(4) {
+            eprintln!("NCCL: {line}");
+        }
+        assert!(
+            lines.iter().any(|l| l.contains("via NET/Socket")),
+            "NCCL's log says no channel went via NET/Socket: {lines:?}"
+        );
+        assert!(
+            lines
+                .iter()
+                .all(|l| !l.contains("via P2P") && !l.contains("via SHM")),
+            "a channel went peer to peer or through shared memory: {lines:?}"
+        );
+    }
+}
+
+impl Drop for Logs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn number(s: &str) -> u64 {
+    s.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("a number, not {s:?}"))
+}
+
+/// How long after its lease is out a copy is surely under way (the receiver allocates
+/// and pulls within milliseconds; 3 GiB take NCCL's sockets a second or more).
+const UNDER_WAY: Duration = Duration::from_millis(300);
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs and NCCL (--features gpu-tests)"
+)]
+fn device_buffers_from_1_byte_to_1_gib_both_ways_between_two_emulated_hosts_over_nccl_sockets() {
+    let test = "device_buffers_both_ways_over_nccl_sockets";
+    if !gpus::two_gpus(test) {
+        return;
+    }
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("xc-both");
+        let logs = Logs::new("both");
+        let (mut a, a_lines) = helper(
+            &session,
+            &ns,
+            logs.path(),
+            "a",
+            "0",
+            &["listen", "127.0.0.1:0"],
+        );
+        let at = a_lines.expect("listening ", DEADLINE).await;
+        let sizes = [1usize, 4096, (1 << 20) + 3, 64 << 20, 1 << 30];
+        let list = sizes.map(|s| s.to_string()).join(",");
+        let (mut b, b_lines) = helper(
+            &session,
+            &ns,
+            logs.path(),
+            "b",
+            "1",
+            &["drive", &at, "--sizes", &list],
+        );
+        for len in sizes {
+            let line = b_lines.expect(&format!("ok {len} "), LONG).await;
+            // `echo=` is our buffer there and theirs back; `take=` ours there once more.
+            eprintln!("{test}: {len} bytes: {line}");
+        }
+        b_lines.expect("done", DEADLINE).await;
+        assert!(exited(&mut b, DEADLINE).await.success(), "the driver");
+        assert!(exited(&mut a, DEADLINE).await.success(), "the listener");
+        logs.assert_socket_transport();
+    });
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs and NCCL (--features gpu-tests)"
+)]
+fn sigkill_of_the_receiver_during_a_3_gib_device_copy_gives_the_sender_its_lease_and_memory_back() {
+    let test = "sigkill_of_the_receiver_during_a_device_copy";
+    if !gpus::two_gpus(test) {
+        return;
+    }
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("xc-rkill");
+        let logs = Logs::new("rkill");
+        let go = std::env::temp_dir().join(format!("baton-xc-go-{}", std::process::id()));
+        let _ = std::fs::remove_file(&go);
+        let (mut a, a_lines) = helper(
+            &session,
+            &ns,
+            logs.path(),
+            "a",
+            "0",
+            &["listen", "127.0.0.1:0"],
+        );
+        let at = a_lines.expect("listening ", DEADLINE).await;
+        // The peer the sender links to afterwards: a new communicator.
+        let (mut c, c_lines) = helper(
+            &session,
+            &ns,
+            logs.path(),
+            "c",
+            "0",
+            &["listen", "127.0.0.1:0"],
+        );
+        let then = c_lines.expect("listening ", DEADLINE).await;
+        let len = BIG.to_string();
+        let (mut b, b_lines) = helper(
+            &session,
+            &ns,
+            logs.path(),
+            "b",
+            "1",
+            &[
+                "drive-kill",
+                &at,
+                "--len",
+                &len,
+                "--go",
+                go.to_str().unwrap(),
+                "--then",
+                &then,
+            ],
+        );
+        b_lines.expect("ready", LONG).await;
+        std::fs::write(&go, b"go").unwrap();
+        let baseline = number(&b_lines.expect("mem-baseline ", LONG).await);
+        b_lines.expect("in-flight", LONG).await;
+        // The receiver has pulled by now, and NCCL is moving the bytes.
+        tokio::time::sleep(UNDER_WAY).await;
+        a.kill9();
+        let _ = std::fs::remove_file(&go);
+        let failed = b_lines.expect("call-failed ", LONG).await;
+        eprintln!("{test}: the sender's call failed with {failed}");
+        b_lines.expect("lease-back", LONG).await;
+        assert_eq!(number(&b_lines.expect("leases ", DEADLINE).await), 0);
+        let after = number(&b_lines.expect("mem-after ", DEADLINE).await);
+        eprintln!(
+            "{test}: the sender's device memory: {} MiB free before the buffer, {} MiB after",
+            baseline >> 20,
+            after >> 20
+        );
+        assert!(
+            after + SLACK >= baseline,
+            "the sender's device memory did not come back: {baseline} free before, {after} after"
+        );
+        b_lines.expect("after ok", LONG).await;
+        assert!(exited(&mut b, DEADLINE).await.success(), "the sender");
+        assert!(exited(&mut c, DEADLINE).await.success(), "the new peer");
+        let _ = exited(&mut a, DEADLINE).await;
+        logs.assert_socket_transport();
+    });
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs and NCCL (--features gpu-tests)"
+)]
+fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_copy() {
+    let test = "sigkill_of_the_sender_during_a_device_copy";
+    if !gpus::two_gpus(test) {
+        return;
+    }
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("xc-skill");
+        let logs = Logs::new("skill");
+        let go = std::env::temp_dir().join(format!("baton-xc-go-{}", std::process::id()));
+        std::fs::write(&go, b"go").unwrap();
+        // The receiver serves two peers: the sender killed mid-copy, then a new one.
+        let (mut a, a_lines) = helper(
+            &session,
+            &ns,
+            logs.path(),
+            "a",
+            "0",
+            &["listen", "127.0.0.1:0", "--serve", "2"],
+        );
+        let at = a_lines.expect("listening ", DEADLINE).await;
+        let start = number(&a_lines.expect("mem-start ", DEADLINE).await);
+        let len = BIG.to_string();
+        let (mut b, b_lines) = helper(
+            &session,
+            &ns,
+            logs.path(),
+            "b",
+            "1",
+            &[
+                "drive-kill",
+                &at,
+                "--len",
+                &len,
+                "--go",
+                go.to_str().unwrap(),
+            ],
+        );
+        b_lines.expect("in-flight", LONG).await;
+        tokio::time::sleep(UNDER_WAY).await;
+        b.kill9();
+        let _ = std::fs::remove_file(&go);
+        a_lines.expect("down", LONG).await;
+        assert_eq!(number(&a_lines.expect("leases ", DEADLINE).await), 0);
+        let after = number(&a_lines.expect("mem ", LONG).await);
+        eprintln!(
+            "{test}: the receiver's device memory: {} MiB free at its start, {} MiB after the sender died",
+            start >> 20,
+            after >> 20
+        );
+        assert!(
+            after + SLACK >= start,
+            "the receiver's partial copy was not freed: {start} free at its start, {after} after"
+        );
+        // A new peer: a new communicator, both ways.
+        let (mut c, c_lines) = helper(
+            &session,
+            &ns,
+            logs.path(),
+            "c",
+            "1",
+            &["drive", &at, "--sizes", "1048576"],
+        );
+        c_lines.expect("ok 1048576 ", LONG).await;
+        c_lines.expect("done", DEADLINE).await;
+        assert!(exited(&mut c, DEADLINE).await.success(), "the new peer");
+        a_lines.expect("down", DEADLINE).await;
+        assert!(exited(&mut a, DEADLINE).await.success(), "the receiver");
+        let _ = exited(&mut b, DEADLINE).await;
+        logs.assert_socket_transport();
+    });
+}
