@@ -78,6 +78,33 @@ impl RemoteMessage for Take {
     const NAME: &'static str = "tests.cross_host.Take";
 }
 
+/// A buffer to land and drop unread: the receiver answers its length (the benchmark's
+/// message: what a copy across hosts costs, and nothing else).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<u64, String>")]
+pub struct Sink {
+    pub data: Shared<u8>,
+}
+
+impl RemoteMessage for Sink {
+    const NAME: &'static str = "tests.cross_host.Sink";
+}
+
+/// Answers [`Sink`].
+pub struct Sinker;
+
+impl actix::Actor for Sinker {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<Sink> for Sinker {
+    type Result = Result<u64, String>;
+    fn handle(&mut self, msg: Sink, _: &mut actix::Context<Self>) -> Self::Result {
+        let lease = msg.data.open().map_err(|e| e.to_string())?;
+        Ok(lease.len() as u64)
+    }
+}
+
 /// Answers [`Echo`]: checks the pattern, answers the bytes plus one in a buffer of its
 /// node.
 pub struct Echoer {

@@ -21,6 +21,10 @@
 //!   before the big buffer and `mem-after <bytes>` once it is dropped (the device's free
 //!   memory); with `--then ADDR2`: links to ADDR2 and sends a 1 MiB `Echo` (checked),
 //!   printing `after ok`; exits 0.
+//! - `baton-host-peer bench ADDR --sizes N,… --reps R`: links to ADDR and, per size,
+//!   sends the same buffer R times to the peer's `sink` (which drops it unread), each
+//!   time waiting for the answer and the lease's return; prints one JSON line per size
+//!   (`{"item":"baton_copy",…}`: median seconds, GB/s), then `done`; exits 0.
 //! - `baton-host-peer forge ADDR`: links to ADDR with the blocking `HostLink` client (the
 //!   Noise and Baton handshakes, no node), then sends a `Call` to `echo` whose offer is
 //!   not a copy but a host segment of this process (a name on *this* host), sealed with
@@ -78,6 +82,9 @@ struct Cli {
     /// listen: how many peers to serve, one after the other.
     #[arg(long, default_value_t = 1)]
     serve: usize,
+    /// bench: how many copies per size.
+    #[arg(long, default_value_t = 9)]
+    reps: usize,
     /// forge: what to forge (segment, pull, rendezvous, device-copy).
     #[arg(long, default_value = "segment")]
     forge: String,
@@ -225,6 +232,7 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
     let free = || device_free(cuda.as_deref());
     let linked = Arc::new(Mutex::new(None));
     serve_echo_and_take(&node);
+    node.register::<Sink>("sink", Sinker.start().recipient());
     let pusher = Pusher {
         node: node.clone(),
         peer: Arc::clone(&linked),
@@ -287,6 +295,43 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
                     return Err(format!("take of {len} bytes: took {took}"));
                 }
                 say(&format!("ok {len} echo={echo:.6} take={take:.6}"));
+            }
+            say("done");
+            tokio::time::timeout(DEADLINE, peer.close_and_wait())
+                .await
+                .map_err(|_| "closing timed out".to_owned())?;
+            Ok(())
+        }
+        "bench" => {
+            for &len in &cli.sizes {
+                let buf = node.allocate::<u8>(len).map_err(|e| e.to_string())?;
+                buf.write_at(0, &pattern_bytes(5, len))
+                    .map_err(|e| e.to_string())?;
+                let mut secs = Vec::with_capacity(cli.reps);
+                // One unmeasured round first: the communicators, the allocator.
+                for rep in 0..=cli.reps {
+                    let start = std::time::Instant::now();
+                    let got = peer
+                        .remote::<Sink>("sink")
+                        .send_timeout(Sink { data: buf.share() }, DEADLINE)
+                        .await
+                        .map_err(timeout)??;
+                    buf.returned_within(DEADLINE).await.map_err(timeout)?;
+                    if got != len as u64 {
+                        return Err(format!("sink of {len} bytes answered {got}"));
+                    }
+                    if rep > 0 {
+                        secs.push(start.elapsed().as_secs_f64());
+                    }
+                }
+                secs.sort_by(f64::total_cmp);
+                let median = secs[secs.len() / 2];
+                say(&format!(
+                    "{{\"item\":\"baton_copy\",\"bytes\":{len},\"reps\":{},\"median_s\":{median:.6},\"gbps\":{:.3},\"memory\":\"{}\"}}",
+                    cli.reps,
+                    len as f64 / median / 1e9,
+                    if cli.cuda { "device" } else { "host" }
+                ));
             }
             say("done");
             tokio::time::timeout(DEADLINE, peer.close_and_wait())
