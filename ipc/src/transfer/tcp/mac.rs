@@ -68,8 +68,9 @@ struct Batch {
 #[derive(Debug)]
 struct BatchState {
     cvs: Vec<Option<ChainingValue>>,
-    /// Pieces a hashing thread has taken and not yet hashed.
-    running: usize,
+    /// Pieces queued for the hashing threads and not yet done (hashed, or lost to a
+    /// panic: `finish` hashes those itself).
+    pending: usize,
 }
 
 impl Batch {
@@ -206,6 +207,7 @@ impl Hashers {
         if jobs.spawned == 0 {
             return false;
         }
+        lock(&batch.state).pending += to - from;
         jobs.queue
             .extend((from..to).map(|i| (Arc::clone(batch), i)));
         drop(jobs);
@@ -215,9 +217,12 @@ impl Hashers {
 
     /// Takes back `batch`'s pieces that no thread has started.
     fn withdraw(&self, batch: &Arc<Batch>) {
-        lock(&self.jobs)
-            .queue
-            .retain(|(b, _)| !Arc::ptr_eq(b, batch));
+        let mut jobs = lock(&self.jobs);
+        let before = jobs.queue.len();
+        jobs.queue.retain(|(b, _)| !Arc::ptr_eq(b, batch));
+        let taken = before - jobs.queue.len();
+        drop(jobs);
+        lock(&batch.state).pending -= taken;
     }
 
     fn work(&self) {
@@ -226,9 +231,6 @@ impl Hashers {
                 let mut jobs = lock(&self.jobs);
                 loop {
                     if let Some(job) = jobs.queue.pop_front() {
-                        // Counted before the queue's lock goes: a `withdraw` that no longer
-                        // finds it finds it running.
-                        lock(&job.0.state).running += 1;
                         break job;
                     }
                     if jobs.closed {
@@ -237,12 +239,15 @@ impl Hashers {
                     jobs = self.more.wait(jobs).unwrap_or_else(|p| p.into_inner());
                 }
             };
-            // SAFETY: the piece was queued by `PayloadMac::landed`, so it has landed; its
-            // `PayloadMac` is alive: its drop waits until `running` is back to zero.
-            let cv = unsafe { batch.chaining_value(i) };
+            let cv = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: the piece was queued by `PayloadMac::landed`, so it has landed;
+                // its `PayloadMac` is alive: its drop waits until `pending` is back to
+                // zero, and this piece counts until it is done below.
+                unsafe { batch.chaining_value(i) }
+            }));
             let mut state = lock(&batch.state);
-            state.cvs[i] = Some(cv);
-            state.running -= 1;
+            state.cvs[i] = cv.ok();
+            state.pending -= 1;
             drop(state);
             batch.done.notify_all();
         }
@@ -295,7 +300,7 @@ impl<'h> PayloadMac<'h> {
             piece,
             state: Mutex::new(BatchState {
                 cvs: vec![None; len.div_ceil(piece)],
-                running: 0,
+                pending: 0,
             }),
             done: Condvar::new(),
         });
@@ -355,14 +360,17 @@ impl<'h> PayloadMac<'h> {
             "finish before every byte landed"
         );
         let mut state = lock(&batch.state);
-        loop {
-            if state.running == 0 && state.cvs.iter().all(Option::is_some) {
-                break;
-            }
+        while state.pending > 0 {
             state = batch.done.wait(state).unwrap_or_else(|p| p.into_inner());
         }
-        let cvs: Vec<ChainingValue> = state.cvs.iter().map(|cv| cv.expect("hashed")).collect();
+        let done = std::mem::take(&mut state.cvs);
         drop(state);
+        let mut cvs = Vec::with_capacity(done.len());
+        for (i, cv) in done.into_iter().enumerate() {
+            // Lost only to a panic in a hashing thread: hashed here instead.
+            // SAFETY: every byte has landed and `self` is alive.
+            cvs.push(cv.unwrap_or_else(|| unsafe { batch.chaining_value(i) }));
+        }
         root(&cvs, &batch.key)
     }
 }
@@ -375,7 +383,7 @@ impl Drop for PayloadMac<'_> {
             hashers.withdraw(&self.batch);
         }
         let mut state = lock(&self.batch.state);
-        while state.running > 0 {
+        while state.pending > 0 {
             state = self
                 .batch
                 .done
