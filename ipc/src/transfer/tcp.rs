@@ -62,6 +62,9 @@ use mac::{Hashers, PayloadMac};
 /// Payload bytes written, or asked of one read, at once (between checks for an abort).
 const CHUNK: usize = 4 << 20;
 
+/// How far ahead of the copy a sender's hashing threads may hash its source.
+const HASH_AHEAD: usize = 32 << 20;
+
 const HEADER: u8 = 1;
 const MAC: u8 = 2;
 const ACK: u8 = 3;
@@ -625,17 +628,16 @@ fn send_one(ch: &mut Channel, job: &Job, hashers: &Arc<Hashers>) -> Result<Resul
         // SAFETY: we hold the touch until `mac` is dropped (below, before `end_touch`), and
         // the `send` contract keeps the region valid and unchanged meanwhile.
         let mut mac = unsafe { PayloadMac::new(Some(hashers), key, job.mem.ptr, len) };
-        if hashers.threads() > 0 {
-            // The whole source is there: the hashing threads may run ahead of the copy.
-            mac.landed(len);
-        }
+        // The whole source is there: hashing threads may run ahead of the copy (a bounded
+        // way, so that a large send does not hold up the hashing of a receive).
+        let ahead = if hashers.threads() > 0 { HASH_AHEAD } else { 0 };
         let mut offset = 0;
         while offset < len {
             if job.signal.is_aborted() {
                 return Err(Error::TransferAborted { id: id.0 });
             }
             let n = CHUNK.min(len - offset);
-            mac.landed(offset + n);
+            mac.landed((offset + n).saturating_add(ahead));
             // SAFETY: we hold the touch, and `offset + n <= len`.
             let chunk = unsafe { job.mem.bytes(offset, n) };
             (&*ch.stream)

@@ -311,8 +311,8 @@ impl<'h> PayloadMac<'h> {
         }
     }
 
-    /// The payload's bytes `..upto` have landed (and stay unchanged): the pieces wholly
-    /// among them are hashed, or queued to be.
+    /// The payload's bytes `..upto` have landed (and stay unchanged; an `upto` past the
+    /// end means all of them): the pieces wholly among them are hashed, or queued to be.
     pub(super) fn landed(&mut self, upto: usize) {
         let batch = &self.batch;
         let pieces = batch.pieces();
