@@ -168,9 +168,9 @@ impl Hashers {
     /// A default for a machine with `cores` cores: one thread per core beyond the two
     /// copying threads, at least two and at most four (four hash faster than a copy on
     /// loopback); none on one core. Even on two cores, where hashing competes with the
-    /// copy, the copy runs on while the hashing threads catch up: 0.64–0.83× of a plain
-    /// copy there against 0.50–0.55× with the copying threads hashing
-    /// (`docs/BENCHMARKS.md`).
+    /// copy, the copy runs on while the hashing threads catch up: 0.84× of a plain copy on
+    /// the 2-core development VM against 0.55× with the copying threads hashing (medians
+    /// of 36 rounds, `docs/BENCHMARKS.md`).
     pub(super) fn default_threads(cores: usize) -> usize {
         if cores <= 1 {
             0
