@@ -15,8 +15,19 @@ fn config(token: u8) -> TcpConfig {
     TcpConfig::new(session, NodeKey::generate().unwrap())
 }
 
+/// An engine with two hashing threads (what a machine of four cores or more gets), so
+/// that the tests take that path on any machine.
 fn engine(token: u8) -> TcpEngine {
-    TcpEngine::bind("127.0.0.1:0", config(token), STALL).unwrap()
+    let e = TcpEngine::bind("127.0.0.1:0", config(token), STALL).unwrap();
+    e.set_hash_threads(2);
+    e
+}
+
+/// An engine whose copying threads hash (what a machine of two cores gets).
+fn engine_hashing_inline(token: u8) -> TcpEngine {
+    let e = TcpEngine::bind("127.0.0.1:0", config(token), STALL).unwrap();
+    e.set_hash_threads(0);
+    e
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -51,13 +62,24 @@ fn start(
 
 #[test]
 fn round_trips_of_every_size_land_with_their_bytes() {
-    let (a, b) = (engine(1), engine(1));
+    round_trips(&engine(1), &engine(1));
+}
+
+#[test]
+fn round_trips_land_with_their_bytes_when_the_copying_threads_hash() {
+    round_trips(&engine_hashing_inline(1), &engine_hashing_inline(1));
+    // And between an engine with hashing threads and one without: the same MAC.
+    round_trips(&engine(1), &engine_hashing_inline(1));
+}
+
+fn round_trips(a: &TcpEngine, b: &TcpEngine) {
     assert_eq!(a.name(), "tcp");
     assert!(!a.moves_device_memory());
-    for (id, len) in [0usize, 1, 1 << 20, 256 << 20].into_iter().enumerate() {
+    let sizes = [0usize, 1, 1 << 20, (1 << 20) + 1, (5 << 20) + 3, 256 << 20];
+    for (id, len) in sizes.into_iter().enumerate() {
         let mut src = pattern(len, id as u8);
         let mut dst = vec![0u8; len];
-        let (send, recv) = start(&a, &b, id as u64, &mut src, &mut dst, None);
+        let (send, recv) = start(a, b, id as u64, &mut src, &mut dst, None);
         recv.wait(WAIT).unwrap();
         send.wait(WAIT).unwrap();
         assert!(send.is_finished() && recv.is_finished());
@@ -66,7 +88,7 @@ fn round_trips_of_every_size_land_with_their_bytes() {
     // And back, on the other direction's connection.
     let mut src = pattern(4096, 9);
     let mut dst = vec![0u8; 4096];
-    let (send, recv) = start(&b, &a, 100, &mut src, &mut dst, None);
+    let (send, recv) = start(b, a, 100, &mut src, &mut dst, None);
     recv.wait(WAIT).unwrap();
     send.wait(WAIT).unwrap();
     assert_eq!(src, dst);
@@ -105,19 +127,38 @@ fn device_memory_and_a_size_mismatch_are_refused() {
 
 #[test]
 fn a_changed_payload_byte_is_caught_by_the_mac() {
-    let (a, b) = (engine(1), engine(1));
-    let (via, _) = proxy(b.data_addr(), Flip::At(300_000), None);
-    let mut src = pattern(1 << 20, 3);
-    let mut dst = vec![0u8; 1 << 20];
-    let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
-    assert!(matches!(
-        recv.wait(WAIT),
-        Err(Error::TransferCorrupt { id: 1 })
-    ));
-    assert!(matches!(
-        send.wait(WAIT),
-        Err(Error::TransferCorrupt { id: 1 })
-    ));
+    // In a payload of one piece, in an early and a late piece of several (the offset is
+    // the stream's: the handshake comes first), hashed by hashing threads or by the copying
+    // threads.
+    let cases = [
+        (1 << 20, 300_000),
+        ((6 << 20) + 5, 2_000),
+        ((6 << 20) + 5, 6 << 20),
+    ];
+    for (len, at) in cases {
+        for inline in [false, true] {
+            let (a, b) = if inline {
+                (engine_hashing_inline(1), engine_hashing_inline(1))
+            } else {
+                (engine(1), engine(1))
+            };
+            let (via, _) = proxy(b.data_addr(), Flip::At(at), None);
+            let mut src = pattern(len, 3);
+            let mut dst = vec![0u8; len];
+            let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
+            let case = format!("{len} bytes, byte {at} changed, hashing inline: {inline}");
+            let r = recv.wait(WAIT);
+            assert!(
+                matches!(r, Err(Error::TransferCorrupt { id: 1 })),
+                "{case}: {r:?}"
+            );
+            let s = send.wait(WAIT);
+            assert!(
+                matches!(s, Err(Error::TransferCorrupt { id: 1 })),
+                "{case}: {s:?}"
+            );
+        }
+    }
 }
 
 #[test]
