@@ -51,6 +51,15 @@ use std::sync::{Arc, Weak};
 use std::time::Instant;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
+/// Marks a stage of a handoff (`baton_ipc::probe`); expands to nothing without the
+/// `stage-probes` feature.
+macro_rules! probe {
+    ($stage:expr) => {
+        #[cfg(feature = "stage-probes")]
+        baton_ipc::probe::mark($stage);
+    };
+}
+
 mod closing;
 mod copy;
 mod forward;
@@ -258,6 +267,7 @@ impl PeerLink {
             state: &self.me.state,
         };
         let actions = self.session.handle(message, Instant::now(), &checks)?;
+        probe!("link.session");
         let (mut fds, mut slot) = (Some(fds), Some(slot));
         for action in actions {
             self.act(action, &mut fds, &mut slot, ctx)?;
@@ -423,6 +433,7 @@ impl StreamHandler<Incoming> for PeerLink {
     fn handle(&mut self, (item, slot): Incoming, ctx: &mut Self::Context) {
         match item {
             Ok(received) => {
+                probe!("link.frame");
                 let span = self.span.clone();
                 let _g = span.enter();
                 if let Err(e) = self.on_frame(received, slot, ctx) {

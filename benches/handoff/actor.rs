@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 /// Where the consumer is registered.
 pub(crate) const CONSUMER: &str = "bench.consumer";
 const STATS: &str = "bench.consumer.stats";
+const PROBES: &str = "bench.consumer.probes";
 /// Bytes of the buffer handed off: a 1080p RGBA8 frame rounded up to 8 MiB (a multiple of
 /// the VMM granularity: `Allocate` of a size that is not fails on VMM, see BENCHMARKS.md).
 const BUF_LEN: u64 = 8 << 20;
@@ -72,6 +73,18 @@ impl RemoteMessage for AskStats {
     const NAME: &'static str = "bench.AskStats";
 }
 
+/// Starts the consumer's probes (`dump: None`), or stops them and has it write its marks
+/// to `dump` (issue 24's `--stages`). Answers whether its build has probes.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "bool")]
+struct Probes {
+    dump: Option<String>,
+}
+
+impl RemoteMessage for Probes {
+    const NAME: &'static str = "bench.Probes";
+}
+
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 struct ConsumerStats {
     handled: u64,
@@ -97,6 +110,7 @@ impl Handler<Handoff> for Consumer {
     type Result = u64;
 
     fn handle(&mut self, msg: Handoff, _: &mut Context<Self>) -> u64 {
+        crate::stages::mark("actor.handle");
         // The lease arrived open (the link opened it through the import cache); `open`
         // types it, `ptr` is what a kernel would be given.
         let opened = msg.buf.open().and_then(|lease| {
@@ -111,8 +125,11 @@ impl Handler<Handoff> for Consumer {
                 self.handled += 1;
                 if msg.keep {
                     self.pinned.push(lease);
+                } else {
+                    // Unmap (a cache reference), then Release.
+                    drop(lease);
+                    crate::stages::mark("actor.dropped");
                 }
-                // Otherwise the lease drops here: unmap (a cache reference), then Release.
                 msg.seq
             }
             Err(e) => {
@@ -121,6 +138,20 @@ impl Handler<Handoff> for Consumer {
                 u64::MAX
             }
         }
+    }
+}
+
+impl Handler<Probes> for Consumer {
+    type Result = bool;
+
+    fn handle(&mut self, msg: Probes, _: &mut Context<Self>) -> bool {
+        crate::stages::record(msg.dump.is_none());
+        if let Some(path) = msg.dump {
+            if let Err(e) = crate::stages::dump(std::path::Path::new(&path)) {
+                eprintln!("consumer: could not write the marks: {e}");
+            }
+        }
+        crate::stages::PROBES
     }
 }
 
@@ -173,6 +204,7 @@ pub(crate) fn consumer(socket: &str) -> Res<()> {
         }
         .start();
         node.register::<Handoff>(CONSUMER, consumer.clone().recipient());
+        node.register::<Probes>(PROBES, consumer.clone().recipient());
         node.register::<AskStats>(STATS, consumer.recipient());
         node.subscribe(Stopper.start().recipient());
         node.connect(&socket).await.map_err(|e| e.to_string())?;
@@ -237,7 +269,8 @@ async fn wait_for_link(node: &Node, peer: &mut PeerProcess) -> Res<Peer> {
 pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<()> {
     let namespace = format!("bench{}", std::process::id());
     let cfg = cfg.clone();
-    let records = System::new().block_on(async move { measure(&cfg, name, &namespace).await })?;
+    let (records, recorded) =
+        System::new().block_on(async move { measure(&cfg, name, &namespace).await })?;
     for r in records {
         if r["name"] == "error" {
             let what = r["what"].as_str().unwrap_or("item 2");
@@ -246,14 +279,22 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
             report.emit(r);
         }
     }
+    if let Some(marks) = recorded {
+        let unrecorded = report.p50_of("cached_roundtrip", name.as_str(), "share");
+        let anchors = crate::stages::ACTOR;
+        crate::stages::split(report, name.as_str(), "actor", anchors, marks, unrecorded);
+    }
     Ok(())
 }
+
+/// Records of a run, and the marks of its recorded round trips (`--stages`).
+type Measured = (Vec<serde_json::Value>, Option<Vec<crate::stages::Stamp>>);
 
 async fn measure(
     cfg: &Config,
     name: BackendName,
     namespace: &str,
-) -> Result<Vec<serde_json::Value>, Box<dyn std::error::Error>> {
+) -> Result<Measured, Box<dyn std::error::Error>> {
     let mut out = Vec::new();
     let session = Session::generate()?;
     let cuda = if name.is_cuda() {
@@ -282,12 +323,14 @@ async fn measure(
     // Leases the consumer keeps for the whole run (the ordered variant pins one more).
     let mut pinned = 1;
     let backend_name = name.as_str();
+    // The marks of the recorded round trips (`--stages`).
+    let mut recorded = None;
 
     if cfg.wants(2) {
         let mut variants = vec!["share"];
         // The ordered variant's buffer and the exporter's own stream.
         let mut ordered = None;
-        if let Some(c) = &cuda {
+        if let (Some(c), false) = (&cuda, cfg.stages) {
             variants.extend(["share_after", "ordered"]);
             let obuf = owner.send(Allocate::<u8>::vector(BUF_LEN)).await??;
             pin(&consumer, &obuf).await?;
@@ -351,6 +394,38 @@ async fn measure(
         }
     }
 
+    if cfg.stages && crate::stages::PROBES {
+        // Issue 24: the cached round trip again, both processes' probes recording.
+        let probes = link.remote::<Probes>(PROBES);
+        let dump = tmp.path().join("consumer-marks");
+        let call = |dump: Option<String>| probes.send(Probes { dump });
+        if !call(None).await? {
+            return Err("the consumer was built without probes".into());
+        }
+        crate::stages::record(true);
+        let timed = round_trips(
+            "share",
+            (cfg.samples(2_000), cfg.samples(20_000)),
+            &consumer,
+            &buf,
+            None,
+            None,
+        )
+        .await;
+        crate::stages::record(false);
+        call(Some(dump.to_str().ok_or("path")?.to_owned())).await?;
+        let (samples, _) = timed?;
+        let mut marks = crate::stages::take();
+        marks.extend(crate::stages::load(&dump)?);
+        out.push(json!({
+            "item": 24, "name": "recorded_roundtrip", "backend": backend_name,
+            "label": "cached handoff round trip, actor path, probes recording",
+            "marks": marks.len(),
+            "summary": Summary::of(&samples).json(),
+        }));
+        recorded = Some(marks);
+    }
+
     if cfg.wants(4) {
         let n = cfg.samples(200_000);
         // Warm up the pipeline once, untimed.
@@ -395,7 +470,7 @@ async fn measure(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     drop(listening);
-    Ok(out)
+    Ok((out, recorded))
 }
 
 /// `n` handoffs with at most `window` in flight; returns when every reply is in.
@@ -440,6 +515,7 @@ async fn round_trips(
     let mut replies = Vec::with_capacity(n);
     for i in 0..(warm + n) as u64 {
         let t = Instant::now();
+        crate::stages::mark("rt.begin");
         let shared = match (variant, cuda, ordered) {
             // With an event: recorded now on the backend's stream, carried in the
             // handle; the consumer's stream waits on it when it opens the buffer.
@@ -453,20 +529,22 @@ async fn round_trips(
             }
             _ => this.share(),
         };
-        let seq = consumer
-            .send(Handoff {
-                seq: i + 1,
-                keep: false,
-                ordered: variant == "ordered",
-                buf: shared,
-            })
-            .await?;
+        let call = consumer.send(Handoff {
+            seq: i + 1,
+            keep: false,
+            ordered: variant == "ordered",
+            buf: shared,
+        });
+        crate::stages::mark("call.queued");
+        let seq = call.await?;
+        crate::stages::mark("reply.back");
         if seq != i + 1 {
             return Err(format!("handoff {} answered {seq}", i + 1).into());
         }
         let replied = t.elapsed();
         // The consumer's pin stays out; this handoff's lease must be back.
         released(this, 1).await?;
+        crate::stages::mark("rt.end");
         if i >= warm as u64 {
             samples.push(t.elapsed());
             replies.push(replied);

@@ -151,7 +151,11 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
             1_000,
         ),
     ];
-    if name == BackendName::CudaPool {
+    if cfg.stages {
+        // Issue 24: the cached variant alone, then again with the probes recording.
+        variants.retain(|v| v.0 == "same");
+    }
+    if name == BackendName::CudaPool && !cfg.stages {
         variants.insert(
             1,
             (
@@ -161,7 +165,9 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
             ),
         );
     }
-    for (variant, label, n) in variants {
+    let recorded = (cfg.stages && crate::stages::PROBES).then_some(("same", "recorded", 5_000));
+    for (variant, label, n) in variants.into_iter().chain(recorded) {
+        let recording = label == "recorded";
         let session = Session::generate()?;
         let tmp = tempfile::tempdir()?;
         let dir = SocketDir::create(tmp.path().join("s"))?;
@@ -174,7 +180,10 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         } else {
             "nopin"
         };
-        let mut peer = PeerProcess::spawn(&session, "cold-importer", &[&sock, pin], &env)?;
+        let marks_path = tmp.path().join("importer-marks");
+        let marks_arg = marks_path.to_str().ok_or("path")?;
+        let args = [sock.as_str(), pin, if recording { marks_arg } else { "-" }];
+        let mut peer = PeerProcess::spawn(&session, "cold-importer", &args, &env)?;
         let mut link = accept(&listener, &mut peer)?;
         link.set_timeout(Some(DEADLINE))?;
         exchange_inboxes(&mut link, &*backend)?;
@@ -198,6 +207,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         };
         let (warm, n) = (cfg.samples(n / 10).min(100), cfg.samples(n));
         let (mut make, mut handoff, mut free, mut total) = (vec![], vec![], vec![], vec![]);
+        crate::stages::record(recording);
         for i in 0..(warm + n) as u64 {
             let t0 = Instant::now();
             let (made, fence) = match (&arena, &same, &stream, cuda) {
@@ -214,6 +224,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
             };
             let t1 = Instant::now();
             let this = made.as_ref().or(same.as_ref()).ok_or("nothing to offer")?;
+            crate::stages::mark("rt.begin");
             let lease = LeaseId::new(i + 1);
             // A pool's descriptor, and the one allocation of `same`, cross the link once.
             let with_fd = i == 0 || !(variant == "same" || name == BackendName::CudaPool);
@@ -224,6 +235,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
                 Message::Release(Release { lease: back, .. }) if back == lease => {}
                 other => return Err(format!("expected Release of {lease}, got {other:?}").into()),
             }
+            crate::stages::mark("rt.end");
             let t2 = Instant::now();
             // The importer waited on the fence before it released.
             drop(fence);
@@ -239,8 +251,17 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
         if let Some(stream) = &stream {
             stream.synchronize()?;
         }
+        crate::stages::record(false);
         drop(link);
         let importer = peer.result(DEADLINE)?;
+        if recording {
+            let mut marks = crate::stages::take();
+            marks.extend(crate::stages::load(&marks_path)?);
+            let unrecorded = report.p50_of("cold_handoff", name.as_str(), "same");
+            let anchors = crate::stages::RAW;
+            crate::stages::split(report, name.as_str(), "raw", anchors, marks, unrecorded);
+            continue;
+        }
         let (s_make, s_handoff, s_free) = (
             Summary::of(&make),
             Summary::of(&handoff),
@@ -267,7 +288,9 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
 
 /// The importer peer: opens every offer through its import cache, drops it (or keeps the
 /// first with `pin`), releases; at end of stream prints its timings.
-pub(crate) fn importer(socket: &str, pin: bool) -> Res<()> {
+/// `marks`: where to write its probes' marks (issue 24's `--stages`), `-` for nowhere.
+pub(crate) fn importer(socket: &str, pin: bool, marks: &str) -> Res<()> {
+    crate::stages::record(marks != "-");
     let session = Session::from_env()?;
     let mut link = Link::connect(socket, &LinkConfig::new(session.clone()))?;
     let backend = baton::ipc::select::auto()?;
@@ -291,6 +314,7 @@ pub(crate) fn importer(socket: &str, pin: bool) -> Res<()> {
         }
         let t0 = Instant::now();
         let imported = cache.open(&offer.handle, &mut fds)?;
+        crate::stages::mark("cache.opened");
         let t1 = Instant::now();
         if pin && kept.is_none() {
             kept = Some(imported);
@@ -303,6 +327,9 @@ pub(crate) fn importer(socket: &str, pin: bool) -> Res<()> {
         link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     }
     drop(kept);
+    if marks != "-" {
+        crate::stages::dump(std::path::Path::new(marks))?;
+    }
     let stats = cache.stats();
     // Skip the first open (the process's first driver-level open is the slow one).
     let skip = usize::from(open.len() > 1);

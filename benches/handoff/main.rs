@@ -15,6 +15,10 @@
 //!    the acquire fence, build and encode the offer, the importer's open and wait, its
 //!    release fence, the exporter's wait), for IPC-event and sequence-counter fences.
 //!
+//! With `--stages` (issue 24) it measures only the cached handoff — the socket floor, the
+//! raw link's, the actor path's — and, in a build with `--features stage-probes`, splits
+//! the raw link's and the actor path's round trips into stages (see `stages.rs`).
+//!
 //! It prints JSON lines as results come (and appends them to `$OUT/bench.jsonl` when `OUT`
 //! is set), then a table with the machine's name and the ratios against the issue's
 //! targets. Figures are reported, never asserted.
@@ -25,6 +29,7 @@
 //! cargo bench --bench handoff -- --backends host    # only the host backend
 //! cargo bench --bench handoff -- --torch bench/peers/torch_mp.py
 //! cargo bench --bench handoff -- --items 2,8 --backends cuda-pool
+//! cargo bench --bench handoff --features stage-probes -- --stages --backends host
 //! ```
 //!
 //! Without `--backends` it runs every backend the machine has: host, and on a GPU
@@ -42,6 +47,7 @@ mod machine;
 mod peer;
 mod renderer;
 mod report;
+mod stages;
 mod stats;
 mod torch;
 
@@ -108,6 +114,8 @@ pub(crate) struct Config {
     /// Parts that would start after this much wall time are skipped (and said so), so that
     /// a run under a per-command limit still prints its table.
     pub(crate) budget: Option<std::time::Duration>,
+    /// `--stages`: the cached handoff alone, split into stages (issue 24).
+    pub(crate) stages: bool,
 }
 
 impl Config {
@@ -126,7 +134,7 @@ impl Config {
 }
 
 const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm,cuda-pool] \
-[--items 1,2,3,4,5,6,7,8] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
+[--items 1,2,3,4,5,6,7,8] [--stages] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
 
 fn parse_args(args: &[String]) -> Res<Config> {
     let mut cfg = Config {
@@ -137,6 +145,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
         python: "python3".to_owned(),
         renderer: None,
         budget: None,
+        stages: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -149,6 +158,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
             // cargo bench passes `--bench`; libtest-style filters are not used here.
             "--bench" => {}
             "--quick" => cfg.quick = true,
+            "--stages" => cfg.stages = true,
             "--backends" => {
                 for b in value()?.split(',') {
                     cfg.backends
@@ -200,6 +210,10 @@ fn main() -> Res<()> {
     }
     let mut report = Report::new(machine, cfg.budget)?;
     report.header(&cfg);
+    if cfg.stages {
+        stages(&mut cfg, report);
+        return Ok(());
+    }
 
     // Item 1 first: every later ratio is against it.
     if cfg.wants(1) || cfg.wants(2) {
@@ -237,4 +251,36 @@ fn main() -> Res<()> {
     }
     report.finish();
     Ok(())
+}
+
+/// `--stages` (issue 24): the floor, the raw link's and the actor path's cached round
+/// trips, each path again with its probes recording, then the comparison.
+fn stages(cfg: &mut Config, mut report: Report) {
+    // Items 1-3 unless `--items` picks some (1 floor, 3 raw link, 2 actor path); never 4.
+    if cfg.items.is_empty() {
+        cfg.items = vec![1, 2, 3];
+    }
+    cfg.items.retain(|i| [1, 2, 3].contains(i));
+    report.stages_only = true;
+    if cfg.wants(1) {
+        report.attempt("socket floor", |r| floor::run(cfg, r));
+    }
+    for &backend in &cfg.backends {
+        let name = backend.as_str();
+        if cfg.wants(3) {
+            report.attempt(&format!("raw link cached handoff on {name}"), |r| {
+                cold::run(cfg, backend, r)
+            });
+        }
+        if cfg.wants(2) {
+            report.attempt(&format!("actor path cached handoff on {name}"), |r| {
+                actor::run(cfg, backend, r)
+            });
+        }
+        stages::summary(&mut report, name);
+    }
+    if !stages::PROBES {
+        stages::no_probes(&mut report);
+    }
+    report.finish();
 }

@@ -137,7 +137,7 @@ pub(crate) fn run(args: &[String]) -> Res<()> {
     match arg(0)? {
         "echo" => crate::floor::echo(arg(1)?, arg(2)?.parse()?),
         "consumer" => crate::actor::consumer(arg(1)?),
-        "cold-importer" => crate::cold::importer(arg(1)?, arg(2)? == "pin"),
+        "cold-importer" => crate::cold::importer(arg(1)?, arg(2)? == "pin", arg(3)?),
         "bw-importer" => crate::gpu::importer(arg(1)?, arg(2)?.parse()?),
         "fence-importer" => crate::fence::importer(arg(1)?, arg(2)?.parse()?),
         other => Err(format!("unknown peer role {other:?}").into()),

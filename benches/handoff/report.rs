@@ -12,6 +12,8 @@ pub(crate) struct Report {
     records: Vec<Value>,
     file: Option<File>,
     errors: Vec<String>,
+    /// `--stages`: no table of the targets.
+    pub(crate) stages_only: bool,
     started: Instant,
     /// Parts are skipped once the run has taken this long.
     budget: Option<std::time::Duration>,
@@ -41,6 +43,7 @@ impl Report {
             records: Vec::new(),
             file,
             errors: Vec::new(),
+            stages_only: false,
             started: Instant::now(),
             budget,
         })
@@ -129,6 +132,16 @@ impl Report {
         self.emit(json!({"item": -1, "name": "error", "what": what, "error": error}));
     }
 
+    /// The p50 of the first record named `name` of `backend` and `variant`.
+    pub(crate) fn p50_of(&self, name: &str, backend: &str, variant: &str) -> Option<f64> {
+        self.find(|r| {
+            text(r, "name") == name
+                && text(r, "backend") == backend
+                && text(r, "variant") == variant
+        })
+        .and_then(|r| num(r, "p50_us"))
+    }
+
     fn find(&self, pred: impl Fn(&Value) -> bool) -> Option<&Value> {
         self.records.iter().find(|r| pred(r))
     }
@@ -145,7 +158,7 @@ impl Report {
             let Some(item) = r.get("item").and_then(Value::as_i64) else {
                 continue;
             };
-            if item <= 0 || text(r, "name") == "target" {
+            if item <= 0 || item == 24 || text(r, "name") == "target" {
                 continue;
             }
             let us = |k: &str| num(r, k).map_or(String::new(), |v| format!("{v:.1} µs"));
@@ -166,6 +179,9 @@ impl Report {
                 us("p99_us"),
                 text(r, "note"),
             );
+        }
+        if self.stages_only {
+            return self.tail();
         }
         let targets = self.targets();
         println!();
@@ -188,6 +204,11 @@ impl Report {
         for t in targets {
             self.emit(t);
         }
+        self.tail();
+    }
+
+    /// The run's wall time and the parts that failed.
+    fn tail(&self) {
         println!();
         println!("# whole run: {:.1} s", self.started.elapsed().as_secs_f64());
         if !self.errors.is_empty() {

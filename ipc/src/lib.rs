@@ -66,6 +66,22 @@
 // "Layers" in the crate docs). One comment line per module keeps rustfmt from sorting
 // them.
 
+/// Marks a stage of a handoff ([`probe`]); expands to nothing without `stage-probes`.
+macro_rules! probe {
+    ($stage:expr) => {
+        #[cfg(feature = "stage-probes")]
+        $crate::probe::mark($stage);
+    };
+    ($stage:expr, $kind:expr) => {
+        #[cfg(feature = "stage-probes")]
+        $crate::probe::mark_kind($stage, $kind);
+    };
+}
+
+// 0. Timestamps of a handoff's stages, for the benchmark (feature `stage-probes`).
+#[cfg(feature = "stage-probes")]
+pub mod probe;
+
 // 1. Fence bookkeeping without I/O.
 // Waits on another process's event, releasable alone.
 mod bridge;

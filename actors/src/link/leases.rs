@@ -23,6 +23,7 @@ impl PeerLink {
         lease: LeaseId,
         fences: Vec<FenceHandle>,
     ) -> Result<(), ActorError> {
+        probe!("link.release.in");
         tracing::trace!(%lease, fences = fences.len(), "released");
         // A copy's lease comes back once its bytes landed.
         self.copy_done(lease, false);
@@ -122,6 +123,7 @@ impl PeerLink {
 impl Handler<ReleaseLease> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: ReleaseLease, ctx: &mut Self::Context) {
+        probe!("link.release");
         let ReleaseLease {
             lease,
             fences,

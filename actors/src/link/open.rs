@@ -215,6 +215,7 @@ impl PeerLink {
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
+        probe!("link.opened");
         match then {
             Then::Deliver => {
                 // A refusal was logged and given back already.
@@ -232,6 +233,7 @@ impl PeerLink {
                 payload,
             } => self.run_call(id, &target, &type_name, &payload, opened, slot, ctx),
             Then::Reply { caller, bytes } => {
+                probe!("link.reply");
                 let result = match opened {
                     Ok(leases) => Ok(IncomingPayload { bytes, leases }),
                     Err(e) => Err(ActorError::OfferRefused(e)),
@@ -268,9 +270,11 @@ impl PeerLink {
         match handler.invoke(self.peer.process, payload, leases) {
             Err(fault) => self.send_reply(id, Err(fault)),
             Ok(answer) => {
+                probe!("link.invoked");
                 // The call keeps its slot until it is answered: at the limit, reading pauses.
                 self.answering += 1;
                 ctx.spawn(answer.into_actor(self).map(move |res, act, ctx| {
+                    probe!("link.answer");
                     act.answering -= 1;
                     let sent = act.send_reply(id, res);
                     drop(slot);

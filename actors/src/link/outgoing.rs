@@ -282,6 +282,7 @@ impl Handler<OutCall> for PeerLink {
     type Result = ();
 
     fn handle(&mut self, msg: OutCall, _ctx: &mut Self::Context) {
+        probe!("link.call");
         let span = self.span.clone();
         let _g = span.enter();
         let Granted {
@@ -307,6 +308,7 @@ impl Handler<OutCall> for PeerLink {
             .and_then(|bytes| self.enqueue(bytes, fds, Some(msg.window)));
         match queued {
             Ok(()) => {
+                probe!("link.call.queued");
                 tracing::trace!(call = id, leases = grants.len(), "call sent");
                 self.session.call_sent(id, msg.reply);
             }

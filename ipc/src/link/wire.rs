@@ -111,6 +111,7 @@ pub(crate) fn send_some(
             "too many descriptors for one frame",
         ));
     }
+    probe!("sock.send");
     loop {
         match rustix::net::sendmsg(
             sock,
@@ -119,7 +120,10 @@ pub(crate) fn send_some(
             SendFlags::NOSIGNAL,
         ) {
             Err(rustix::io::Errno::INTR) => continue,
-            other => return other.map_err(rustix_io),
+            other => {
+                probe!("sock.sent");
+                return other.map_err(rustix_io);
+            }
         }
     }
 }
@@ -172,6 +176,7 @@ impl Receiver {
         let Some(frame) = self.decoder.next_frame()? else {
             return Ok(None);
         };
+        probe!("frame.decoded", frame.message.kind());
         let need = usize::from(frame.header.nfds);
         if self.fds.len() < need && self.fds_truncated {
             // The kernel dropped descriptors it could not give us (our descriptor limit):
@@ -216,6 +221,7 @@ impl Receiver {
                 other => break other.map_err(rustix_io)?,
             }
         };
+        probe!("sock.read");
         self.decoder.commit(msg.bytes);
         for m in control.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
