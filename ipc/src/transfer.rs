@@ -141,27 +141,35 @@ impl Shared {
     }
 
     /// Marks the transfer aborted (unless it finished), interrupts a thread touching its
-    /// memory, and waits until none does.
-    fn abort(&self, interrupt: impl FnOnce()) {
+    /// memory, and waits at most `wait` until none does: whether none does.
+    fn abort(&self, interrupt: impl FnOnce(), wait: Duration) -> bool {
         let mut state = self.lock();
         if state.outcome.is_some() {
-            return;
+            return !state.touching;
         }
         state.aborted = true;
         if state.touching {
             drop(state);
             interrupt();
             state = self.lock();
-            while state.touching {
-                state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
-            }
+            state = self
+                .changed
+                .wait_timeout_while(state, wait, |s| s.touching)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         if state.outcome.is_none() {
             state.outcome = Some(Err(Error::TransferAborted { id: self.id.0 }));
         }
         self.changed.notify_all();
+        !state.touching
     }
 }
+
+/// How long [`Transfer::abort`] waits for an engine to stop touching the memory before it
+/// returns `false` (the liveness rule: no Baton call waits without bound, even on an
+/// engine's own abort).
+pub const ABORT_WAIT: Duration = Duration::from_secs(15);
 
 /// How an engine stops a transfer whose memory one of its threads is touching (shut its
 /// connection down, abort its communicator): after it, the thread must stop touching soon.
@@ -249,6 +257,14 @@ pub(crate) fn again(e: &Error, id: TransferId) -> Error {
 }
 
 impl Transfer {
+    /// Another handle on the same transfer (waiting on it; it does not abort on drop).
+    pub(crate) fn clone_handle(&self) -> Transfer {
+        Transfer {
+            shared: Arc::clone(&self.shared),
+            interrupt: Arc::clone(&self.interrupt),
+        }
+    }
+
     /// Its id.
     pub fn id(&self) -> TransferId {
         self.shared.id
@@ -283,9 +299,30 @@ impl Transfer {
     }
 
     /// Stops it: it fails with [`Error::TransferAborted`] unless it had finished. Returns
-    /// once the engine no longer touches its memory.
-    pub fn abort(&self) {
-        self.shared.abort(|| (self.interrupt)());
+    /// `true` once the engine no longer touches its memory — or `false` after
+    /// [`ABORT_WAIT`] if it still does (an engine whose own abort hangs: NCCL's can): the
+    /// memory must then be kept until [`is_touching`](Self::is_touching) says otherwise
+    /// ([`HeldTransfer`] does that).
+    pub fn abort(&self) -> bool {
+        self.shared.abort(|| (self.interrupt)(), ABORT_WAIT)
+    }
+
+    /// Whether an engine thread may still read or write its memory (before its start, and
+    /// after it finished or its abort returned, none does).
+    pub fn is_touching(&self) -> bool {
+        self.shared.lock().touching
+    }
+
+    /// Waits at most `timeout` until no engine thread touches its memory: whether none does.
+    pub fn wait_untouched(&self, timeout: Duration) -> bool {
+        let state = self.shared.lock();
+        !self
+            .shared
+            .changed
+            .wait_timeout_while(state, timeout, |s| s.touching)
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .touching
     }
 }
 
@@ -344,9 +381,10 @@ impl TransferSignal {
     }
 
     /// Aborts it from the engine's side (as [`Transfer::abort`], for `abort_peer`):
-    /// `interrupt` stops a thread that touches the memory; returns once none does.
-    pub fn abort(&self, interrupt: impl FnOnce()) {
-        self.shared.abort(interrupt);
+    /// `interrupt` stops a thread that touches the memory; returns once none does (or,
+    /// `false`, after [`ABORT_WAIT`]).
+    pub fn abort(&self, interrupt: impl FnOnce()) -> bool {
+        self.shared.abort(interrupt, ABORT_WAIT)
     }
 }
 

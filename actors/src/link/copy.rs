@@ -257,12 +257,10 @@ impl PeerLink {
                 nccl.abort_peer(&peer);
             }
         }
+        // `abort_peer` stopped every send with the peer (within its bound): each ends in
+        // its reaper, which keeps its memory until the engine lets go of it.
         self.pulls.queue.clear();
-        for (_, copy) in self.copies_out.drain() {
-            if let CopyOut::Sending(transfer) = copy {
-                transfer.abort();
-            }
-        }
+        self.copies_out.clear();
     }
 
     /// The peer posted its receive of the device copy of `lease`: its send takes its turn.
@@ -428,20 +426,22 @@ impl PeerLink {
             allowance += self.node.hosts().nccl.rendezvous_timeout;
         }
         let by = Instant::now() + deadline_for(allowance, len);
-        let waiting = tokio::task::spawn_blocking(move || {
-            let landed = wait_all(&receiving, by);
-            (receiving, landed)
+        let waiting = tokio::task::spawn_blocking(move || match wait_all(&receiving, by) {
+            Ok(()) => Ok(receiving),
+            Err(e) => {
+                // Aborted here, off the link's thread (an engine's abort may take its
+                // time; the partial copies are freed once it no longer touches them).
+                drop(receiving);
+                Err(e)
+            }
         });
         ctx.spawn(waiting.into_actor(self).map(move |joined, act, ctx| {
             let span = act.span.clone();
             let _g = span.enter();
             act.copies_in -= len;
             let done = match joined {
-                Ok((receiving, Ok(()))) => act.copies_landed(offers, receiving, then, slot, ctx),
-                Ok((receiving, Err(e))) => {
-                    drop(receiving);
-                    act.copies_failed(&offers, e, then, slot, ctx)
-                }
+                Ok(Ok(receiving)) => act.copies_landed(offers, receiving, then, slot, ctx),
+                Ok(Err(e)) => act.copies_failed(&offers, e, then, slot, ctx),
                 Err(_) => Ok(()),
             };
             if let Err(e) = done {
@@ -513,7 +513,7 @@ impl PeerLink {
         for (offer, transfer) in offers.iter().zip(receiving) {
             let alloc = transfer
                 .into_allocation()
-                .expect("a receive owns its memory");
+                .expect("a landed receive owns its memory");
             let layout = offer
                 .handle
                 .layout

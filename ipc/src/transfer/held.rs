@@ -151,15 +151,18 @@ impl HeldTransfer {
         self.transfer.is_finished()
     }
 
-    /// Stops it (see [`Transfer::abort`]).
-    pub fn abort(&self) {
-        self.transfer.abort();
+    /// Stops it (see [`Transfer::abort`]): whether the engine no longer touches the memory.
+    pub fn abort(&self) -> bool {
+        self.transfer.abort()
     }
 
     /// The allocation a receive filled — after aborting the transfer if it has not
-    /// finished, so nothing touches it any more. `None` for a send (the owner has it).
+    /// finished, so nothing touches it any more. `None` for a send (the owner has it), and
+    /// for a receive the engine still touches after its abort (then kept, as on drop).
     pub fn into_allocation(mut self) -> Option<Allocation> {
-        self.transfer.abort();
+        if !self.transfer.abort() {
+            return None;
+        }
         match self.kept.take() {
             Some(Kept::Owned(alloc)) => Some(alloc),
             _ => None,
@@ -170,7 +173,41 @@ impl HeldTransfer {
 impl Drop for HeldTransfer {
     fn drop(&mut self) {
         // Unfinished: the engine stops touching the memory before it may go.
-        self.transfer.abort();
-        drop(self.kept.take());
+        if self.transfer.abort() {
+            drop(self.kept.take());
+            return;
+        }
+        // The engine's own abort hangs: the memory is kept (the freeing rule) until the
+        // engine lets go of it, by a thread of its own (the liveness rule: the caller
+        // goes on). Never freed if it never does.
+        let (Some(kept), id) = (self.kept.take(), self.transfer.id()) else {
+            return;
+        };
+        let bytes = match &kept {
+            Kept::Shared(a) => a.size(),
+            Kept::Owned(a) => a.size(),
+        };
+        tracing::warn!(transfer = %id, bytes, "an engine still touches an aborted transfer's memory: kept until it lets go");
+        let transfer = self.transfer.clone_handle();
+        let (tx, rx) = std::sync::mpsc::channel::<Kept>();
+        let keeper = std::thread::Builder::new()
+            .name("baton-transfer-keep".into())
+            .spawn(move || {
+                let Ok(kept) = rx.recv() else { return };
+                while !transfer.wait_untouched(Duration::from_secs(60)) {}
+                tracing::info!(transfer = %id, "the engine let go of an aborted transfer's memory: freed");
+                drop(kept);
+            });
+        let unkept = match keeper {
+            Ok(_) => tx.send(kept).err().map(|back| back.0),
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread to keep a transfer's memory");
+                Some(kept)
+            }
+        };
+        if let Some(kept) = unkept {
+            // Kept for the life of the process rather than freed under the engine.
+            std::mem::forget(kept);
+        }
     }
 }

@@ -76,6 +76,13 @@ pub struct NcclConfig {
     pub rendezvous_timeout: Duration,
     /// How often the watchdog polls errors, completions and deadlines.
     pub poll_interval: Duration,
+    /// How long [`TransferEngine::abort_peer`] (and the engine's drop) waits for the
+    /// aborts of the peer's communicators. `ncclCommAbort` runs on a thread of its own and
+    /// can hang (a peer killed mid-transfer can leave NCCL's proxy thread stuck, NVIDIA/nccl
+    /// #1013, #1777): past this, the caller goes on, and the transfers of that
+    /// communicator keep "touching" their memory — their owners keep it, never freed —
+    /// until the abort returns, if it ever does.
+    pub abort_wait: Duration,
 }
 
 impl Default for NcclConfig {
@@ -84,6 +91,7 @@ impl Default for NcclConfig {
             transfer_limit: Duration::from_secs(60),
             rendezvous_timeout: Duration::from_secs(30),
             poll_interval: Duration::from_millis(2),
+            abort_wait: Duration::from_secs(10),
         }
     }
 }
@@ -192,6 +200,11 @@ struct State {
 }
 
 struct Shared {
+    /// Itself, for the threads that abort communicators.
+    this: Weak<Shared>,
+    /// Held while `ncclCommAbort` runs: one abort at a time (NCCL handles concurrent
+    /// aborts badly).
+    abort_turn: Mutex<()>,
     nccl: Arc<dyn Nccl>,
     me: NodeKey,
     config: NcclConfig,
@@ -250,7 +263,9 @@ impl NcclEngine {
             move |k: &Key| if me < k.node { Rank(0) } else { Rank(1) },
             config.rendezvous_timeout,
         );
-        let shared = Arc::new(Shared {
+        let shared = Arc::new_cyclic(|this| Shared {
+            this: this.clone(),
+            abort_turn: Mutex::new(()),
             nccl,
             me,
             config,
@@ -411,7 +426,8 @@ impl Shared {
     }
 
     /// Fails and stops everything with `peer`; returns once no abort of its communicators
-    /// is in progress (here or on another thread).
+    /// is in progress, or after [`NcclConfig::abort_wait`] (an abort that hangs keeps
+    /// its transfers' memory: their touch ends only when it returns).
     fn stop_peer(&self, peer: &EnginePeer, why: Failure) {
         let node = node_key(peer);
         let keys = [Dir::Out, Dir::In].map(|dir| Key { node, dir });
@@ -421,12 +437,18 @@ impl Shared {
             st.table.abort_peer(key, why.clone(), &mut out);
         }
         st = self.execute(st, out);
+        let by = Instant::now() + self.config.abort_wait;
         while keys
             .iter()
             .any(|k| matches!(st.table.phase(k), Phase::Aborting(_)))
         {
+            let left = by.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(peer = %peer.process, after = ?self.config.abort_wait, "an NCCL abort has not returned: going on; the memory of its transfers stays held until it does");
+                break;
+            }
             st = (self.changed)
-                .wait_timeout(st, Duration::from_millis(50))
+                .wait_timeout(st, left.min(Duration::from_millis(50)))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
@@ -507,24 +529,39 @@ impl Shared {
                     }
                 }
                 Action::Abort { peer, attempt } => {
-                    let comm = st.comms.remove(&attempt);
-                    drop(st);
-                    if let Some((_, comm)) = comm {
-                        tracing::debug!(?attempt, "aborting an NCCL communicator");
-                        self.nccl.abort(comm);
-                    }
-                    st = self.lock();
-                    let dead: Vec<Tid> = (st.ops.iter())
-                        .filter(|(_, (_, a, _))| *a == attempt)
-                        .map(|(t, _)| *t)
-                        .collect();
-                    for tid in dead {
-                        if let Some((_, _, op)) = st.ops.remove(&tid) {
-                            self.nccl.release_op(op);
+                    let comm = st.comms.remove(&attempt).map(|(_, c)| c);
+                    // The Finish of each operation launched on it follows the abort's
+                    // return (only then does NCCL no longer touch its memory).
+                    let (deferred, rest): (Vec<_>, Vec<_>) =
+                        work.drain(..).partition(|a| match a {
+                            Action::Finish { tid, .. } => {
+                                st.ops.get(tid).is_some_and(|(_, a, _)| *a == attempt)
+                            }
+                            _ => false,
+                        });
+                    work.extend(rest);
+                    match (comm, self.this.upgrade()) {
+                        (Some(comm), Some(engine)) => {
+                            // On a thread of its own: ncclCommAbort can hang, and nothing
+                            // of the node may wait on it without bound (`abort_wait`).
+                            tracing::debug!(?attempt, "aborting an NCCL communicator");
+                            let spawned = std::thread::Builder::new()
+                                .name("baton-nccl-abort".into())
+                                .spawn(move || {
+                                    drop(engine.aborted_comm(peer, attempt, Some(comm), deferred))
+                                });
+                            if let Err(e) = spawned {
+                                tracing::warn!(error = %e, "no thread for an NCCL abort: aborting here");
+                                drop(st);
+                                st = self.aborted_comm(peer, attempt, Some(comm), Vec::new());
+                            }
+                        }
+                        // Never made (or the engine is going): nothing of NCCL's to stop.
+                        _ => {
+                            drop(st);
+                            st = self.aborted_comm(peer, attempt, comm, deferred);
                         }
                     }
-                    st.table.aborted(&peer, attempt, Instant::now(), &mut out);
-                    self.changed.notify_all();
                 }
                 Action::Finish { tid, outcome } => {
                     if let Some((_, _, op)) = st.ops.remove(&tid) {
@@ -544,6 +581,37 @@ impl Shared {
             work.extend(out);
         }
         st
+    }
+
+    /// Aborts `comm` (if any; one abort at a time), then releases its operations, finishes
+    /// their transfers (`deferred`: NCCL no longer touches their memory) and tells the
+    /// table.
+    fn aborted_comm(
+        &self,
+        peer: Key,
+        attempt: Attempt,
+        comm: Option<CommHandle>,
+        deferred: Vec<Action<Key>>,
+    ) -> MutexGuard<'_, State> {
+        if let Some(comm) = comm {
+            let _turn = self.abort_turn.lock().unwrap_or_else(|e| e.into_inner());
+            self.nccl.abort(comm);
+            tracing::debug!(?attempt, "an NCCL communicator aborted");
+        }
+        let mut st = self.lock();
+        let dead: Vec<Tid> = (st.ops.iter())
+            .filter(|(_, (_, a, _))| *a == attempt)
+            .map(|(t, _)| *t)
+            .collect();
+        for tid in dead {
+            if let Some((_, _, op)) = st.ops.remove(&tid) {
+                self.nccl.release_op(op);
+            }
+        }
+        let mut out = deferred;
+        st.table.aborted(&peer, attempt, Instant::now(), &mut out);
+        self.changed.notify_all();
+        self.execute(st, out)
     }
 
     /// One round of the watchdog: inits that completed or failed, asynchronous errors,

@@ -93,9 +93,15 @@ struct Cli {
     then: Option<String>,
 }
 
-/// The device's free memory, once the backend's pool gave back what it keeps (CUDA).
-fn device_free(cuda: Option<&baton::ipc::CudaBackend>) -> Option<usize> {
+/// The device's free memory, once the backend holds at most `live` allocations (its
+/// frees run on its driver thread: waited for, within the deadline) and its pool gave
+/// back what it keeps (CUDA).
+async fn device_free(cuda: Option<&baton::ipc::CudaBackend>, live: usize) -> Option<usize> {
     let cuda = cuda?;
+    let start = std::time::Instant::now();
+    while cuda.live().exported > live && start.elapsed() < DEADLINE {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     cuda.synchronize().ok()?;
     cuda.trim_pool(0).ok()?;
     Some(cuda.mem_get_info().ok()?.0)
@@ -229,7 +235,7 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
             Arc::new(HostBackend::new().map_err(|e| e.to_string())?),
         ),
     };
-    let free = || device_free(cuda.as_deref());
+    let live = || cuda.as_deref().map_or(0, |c| c.live().exported);
     let linked = Arc::new(Mutex::new(None));
     serve_echo_and_take(&node);
     node.register::<Sink>("sink", Sinker.start().recipient());
@@ -242,7 +248,8 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
     if cli.role == "listen" && cli.serve > 1 {
         let mut listening = node.listen_tcp(&*cli.addr).map_err(timeout)?;
         say(&format!("listening {}", listening.local_addr()));
-        if let Some(bytes) = free() {
+        let start_live = live();
+        if let Some(bytes) = device_free(cuda.as_deref(), start_live).await {
             say(&format!("mem-start {bytes}"));
         }
         for _ in 0..cli.serve {
@@ -256,7 +263,7 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             say(&format!("leases {}", node.status(0).leases));
-            if let Some(bytes) = free() {
+            if let Some(bytes) = device_free(cuda.as_deref(), start_live).await {
                 say(&format!("mem {bytes}"));
             }
         }
@@ -365,7 +372,8 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            if let Some(bytes) = free() {
+            let before = live();
+            if let Some(bytes) = device_free(cuda.as_deref(), before).await {
                 say(&format!("mem-baseline {bytes}"));
             }
             let big = node.allocate::<u8>(cli.len).map_err(|e| e.to_string())?;
@@ -393,7 +401,7 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
             let leases = node.status(0).leases;
             say(&format!("leases {leases}"));
             drop(big);
-            if let Some(bytes) = free() {
+            if let Some(bytes) = device_free(cuda.as_deref(), before).await {
                 say(&format!("mem-after {bytes}"));
             }
             if let Some(then) = &cli.then {
@@ -421,6 +429,7 @@ fn main() {
         }
     };
     tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();

@@ -51,6 +51,8 @@ pub(super) struct Fabric {
     pub(super) hold: bool,
     /// Inits fail while set.
     pub(super) fail_init: bool,
+    /// Aborts hang while set (as `ncclCommAbort` can when a peer died mid-transfer).
+    pub(super) hang_aborts: bool,
     pub(super) calls: Vec<Call>,
 }
 
@@ -252,6 +254,9 @@ impl Nccl for FakeNccl {
     }
 
     fn abort(&self, comm: CommHandle) {
+        while self.fabric().hang_aborts {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let mut f = self.fabric();
         f.calls.push(Call::Abort { comm: comm.0 });
         let c = f.comms.get_mut(&comm.0).expect("known");

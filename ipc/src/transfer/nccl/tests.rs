@@ -125,6 +125,7 @@ fn fast() -> NcclConfig {
         transfer_limit: Duration::from_secs(10),
         rendezvous_timeout: Duration::from_secs(10),
         poll_interval: Duration::from_millis(1),
+        abort_wait: Duration::from_secs(10),
     }
 }
 
@@ -321,6 +322,47 @@ fn abort_peer_returns_once_nothing_touches_memory() {
         a_ops_live, 0,
         "abort_peer returned while an operation could still run"
     );
+}
+
+#[test]
+fn an_abort_that_hangs_holds_no_caller_and_keeps_its_transfers_memory_until_it_returns() {
+    let pair = Pair::new(NcclConfig {
+        abort_wait: Duration::from_millis(200),
+        ..fast()
+    });
+    pair.fabric().hold = true;
+    let mut buf = vec![0u8; 64];
+    // SAFETY: the buffer outlives the transfer: the test waits until nothing touches it.
+    let t = unsafe { pair.a.send(&peer(2), TransferId(1), region(&mut buf)) }.unwrap();
+    // Launched: its communicator is up and its operation runs (held).
+    let start = Instant::now();
+    while pair.fabric().live_ops() == 0 {
+        assert!(start.elapsed() < soon(), "the send never launched");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    pair.fabric().hang_aborts = true;
+    // The caller goes on after abort_wait, though NCCL's abort has not returned…
+    let a = pair.a.clone();
+    let start = Instant::now();
+    std::thread::spawn(move || a.abort_peer(&peer(2)))
+        .join()
+        .unwrap();
+    assert!(
+        start.elapsed() < soon(),
+        "abort_peer waited on a hanging abort"
+    );
+    // …and the transfer still counts as touching its memory: its owner keeps it.
+    assert!(!t.is_finished());
+    assert!(t.is_touching());
+    assert!(!t.wait_untouched(Duration::from_millis(50)));
+    // Once the abort returns, the transfer ends and lets go of the memory.
+    pair.fabric().hang_aborts = false;
+    assert!(t.wait_untouched(soon()));
+    assert!(matches!(
+        ended(&t, soon()),
+        Err(Error::TransferAborted { .. })
+    ));
+    assert_eq!(pair.fabric().live_ops(), 0);
 }
 
 #[test]
