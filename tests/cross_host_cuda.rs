@@ -91,6 +91,22 @@ impl Logs {
         self.0.to_str().expect("a UTF-8 temp dir")
     }
 
+    /// How many communicator aborts host `host`'s NCCL log started and completed.
+    fn aborts(&self, host: &str) -> (usize, usize) {
+        let (mut started, mut completed) = (0, 0);
+        for entry in std::fs::read_dir(&self.0).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if !name.starts_with(&format!("nccl.{host}.")) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            started += text.matches("Abort START").count();
+            completed += text.matches("Abort COMPLETE").count();
+        }
+        (started, completed)
+    }
+
     /// Asserts NCCL moved bytes over its socket transport, and names the lines.
     fn assert_socket_transport(&self) {
         let mut lines = Vec::new();
@@ -250,10 +266,21 @@ fn sigkill_of_the_receiver_during_a_3_gib_device_copy_gives_the_sender_its_lease
             baseline >> 20,
             after >> 20
         );
-        assert!(
-            after + SLACK >= baseline,
-            "the sender's device memory did not come back: {baseline} free before, {after} after"
-        );
+        // As for the receiver (the other test): held while NCCL's abort has not returned,
+        // else freed.
+        let (started, completed) = logs.aborts("b");
+        eprintln!("{test}: the sender's NCCL aborts: {started} started, {completed} completed");
+        if completed < started {
+            assert!(
+                after + (BIG as u64) / 2 < baseline,
+                "the buffer was freed while NCCL's abort had not returned: {baseline} free before, {after} after"
+            );
+        } else {
+            assert!(
+                after + SLACK >= baseline,
+                "the sender's device memory did not come back: {baseline} free before, {after} after"
+            );
+        }
         b_lines.expect("after ok", LONG).await;
         assert!(exited(&mut b, DEADLINE).await.success(), "the sender");
         assert!(exited(&mut c, DEADLINE).await.success(), "the new peer");
@@ -317,10 +344,22 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
             start >> 20,
             after >> 20
         );
-        assert!(
-            after + SLACK >= start,
-            "the receiver's partial copy was not freed: {start} free at its start, {after} after"
-        );
+        // NCCL's abort of the receiving communicator may hang for good (a proxy thread
+        // stuck: NVIDIA/nccl #1013, #1777). Then the partial copy must stay allocated
+        // (NCCL may still write it); else it must be freed.
+        let (started, completed) = logs.aborts("a");
+        eprintln!("{test}: the receiver's NCCL aborts: {started} started, {completed} completed");
+        if completed < started {
+            assert!(
+                after + (BIG as u64) / 2 < start,
+                "the partial copy was freed while NCCL's abort had not returned: {start} free at its start, {after} after"
+            );
+        } else {
+            assert!(
+                after + SLACK >= start,
+                "the receiver's partial copy was not freed: {start} free at its start, {after} after"
+            );
+        }
         // A new peer: a new communicator, both ways.
         let (mut c, c_lines) = helper(
             &session,
@@ -334,7 +373,9 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
         c_lines.expect("done", DEADLINE).await;
         assert!(exited(&mut c, DEADLINE).await.success(), "the new peer");
         a_lines.expect("down", DEADLINE).await;
-        assert!(exited(&mut a, DEADLINE).await.success(), "the receiver");
+        assert_eq!(number(&a_lines.expect("leases ", DEADLINE).await), 0);
+        // (The receiver is not asked to exit cleanly: a hung NCCL abort may hold its exit.)
+        a.kill9();
         let _ = exited(&mut b, DEADLINE).await;
         logs.assert_socket_transport();
     });
