@@ -1,10 +1,14 @@
-//! Device memory across two emulated hosts (issues 26 and 27): two helper processes
+//! Device memory across two emulated hosts (issues 26 and 27): helper processes
 //! (`baton-host-peer --cuda`), one GPU each, whose nodes say they run on different hosts
-//! (`BATON_HOST_ID`), linked over loopback TCP; their device buffers cross as copies
-//! through the NCCL engine, and NCCL is told the same (`NCCL_HOSTID` per process) and
-//! forced onto its socket transport (`NCCL_NET=Socket`, `NCCL_SOCKET_IFNAME=lo`,
-//! peer-to-peer and shared memory off), as between two machines. Each test checks from
-//! NCCL's own log (`NCCL_DEBUG=INFO`) that the bytes went "via NET/Socket".
+//! (`BATON_HOST_ID`), each host a network namespace of its own joined to the other by a
+//! veth pair (`examples/two_hosts/netns.rs`, made where this process may: as root or in a
+//! user namespace) — else, with the reason printed, both on loopback TCP in this
+//! namespace. Their device buffers cross as copies through the NCCL engine, and NCCL is
+//! told the same (`NCCL_HOSTID` per host) and forced onto its socket transport
+//! (`NCCL_NET=Socket`, `NCCL_SOCKET_IFNAME` on the veth or `lo`, peer-to-peer and shared
+//! memory off), as between two machines. Each test checks from NCCL's own log
+//! (`NCCL_DEBUG=INFO`) that the bytes went "via NET/Socket", on the veth where there is one.
+//! `BATON_EXPECT_NETNS=1` makes a run that cannot make the namespaces fail instead.
 //!
 //! - Typed messages with device buffers from 1 B to 1 GiB both ways, data checked; each
 //!   round's time is printed (the figures of `docs/CROSS_HOST.md`).
@@ -27,6 +31,8 @@ mod gpus;
 mod host_peer;
 #[path = "support/msgs.rs"]
 mod msgs;
+#[path = "../examples/two_hosts/netns.rs"]
+mod netns;
 #[path = "support/peer.rs"]
 mod peer;
 
@@ -44,37 +50,104 @@ const LONG: Duration = Duration::from_secs(180);
 /// bookkeeping; a leaked copy would be gigabytes).
 const SLACK: u64 = 64 << 20;
 
-/// The environment that makes one helper a "host" of its own, on GPU `device`, to NCCL
-/// as to Baton; NCCL logs into a file per process under `log`.
-fn env_for(device: &str, host: &str, log: &str) -> Vec<(&'static str, String)> {
+/// Makes the run that cannot make network namespaces fail instead of using loopback.
+const EXPECT_NETNS_ENV: &str = "BATON_EXPECT_NETNS";
+
+/// The two emulated hosts: network namespaces joined by a veth pair, or (where this
+/// process may not make them) loopback in this namespace.
+enum Hosts {
+    Netns(netns::TwoHosts),
+    Loopback,
+}
+
+impl Hosts {
+    /// The namespaces, or loopback after printing why not (a failure if
+    /// [`EXPECT_NETNS_ENV`] is set).
+    fn make(test: &str) -> Self {
+        match netns::TwoHosts::make() {
+            Ok(hosts) => {
+                eprintln!(
+                    "{test}: two network namespaces joined by a veth pair, made {}",
+                    hosts.how()
+                );
+                Hosts::Netns(hosts)
+            }
+            Err(why) => {
+                assert!(
+                    std::env::var_os(EXPECT_NETNS_ENV).is_none(),
+                    "{test}: {EXPECT_NETNS_ENV} is set, but no network namespaces here: {why}"
+                );
+                eprintln!("{test}: no network namespaces here ({why}): both hosts on loopback");
+                Hosts::Loopback
+            }
+        }
+    }
+
+    /// Where a helper on host `i` (0 or 1) listens.
+    fn listen(&self, i: usize) -> String {
+        match self {
+            Hosts::Netns(_) => format!("{}:0", netns::ADDRS[i]),
+            Hosts::Loopback => "127.0.0.1:0".to_owned(),
+        }
+    }
+
+    /// The interface NCCL's sockets use on host `i`.
+    fn interface(&self, i: usize) -> &'static str {
+        match self {
+            Hosts::Netns(_) => ["baton-a", "baton-b"][i],
+            Hosts::Loopback => "lo",
+        }
+    }
+}
+
+/// The environment of helper `name` on GPU `device`, on emulated host `host` to NCCL,
+/// its sockets on `interface`; NCCL logs into a file per process under `log`.
+fn env_for(
+    device: &str,
+    host: &str,
+    name: &str,
+    interface: &str,
+    log: &str,
+) -> Vec<(&'static str, String)> {
     vec![
         ("BATON_CUDA_DEVICE", device.to_owned()),
         ("NCCL_HOSTID", format!("baton-{host}")),
         ("NCCL_NET", "Socket".to_owned()),
-        ("NCCL_SOCKET_IFNAME", "lo".to_owned()),
+        ("NCCL_SOCKET_IFNAME", format!("={interface}")),
         ("NCCL_P2P_DISABLE", "1".to_owned()),
         ("NCCL_SHM_DISABLE", "1".to_owned()),
         ("NCCL_NVLS_ENABLE", "0".to_owned()),
         ("NCCL_DEBUG", "INFO".to_owned()),
         ("NCCL_DEBUG_SUBSYS", "INIT,NET".to_owned()),
-        ("NCCL_DEBUG_FILE", format!("{log}/nccl.{host}.%p.log")),
+        ("NCCL_DEBUG_FILE", format!("{log}/nccl.{name}.%p.log")),
     ]
 }
 
-/// A helper on host `host` and GPU `device`.
+/// A helper named `name` on emulated host `on` (0 or 1) and GPU `device`.
+#[allow(clippy::too_many_arguments)]
 fn helper(
+    hosts: &Hosts,
+    on: usize,
     session: &Session,
     ns: &str,
     log: &str,
-    host: &str,
+    name: &str,
     device: &str,
     args: &[&str],
 ) -> (peer::Peer, Lines) {
-    let env = env_for(device, host, log);
+    // NCCL's host id names the emulated host, so that two helpers of one host are one
+    // host to NCCL too; Baton's host id is the helper's own name.
+    let env = env_for(device, ["x", "y"][on], name, hosts.interface(on), log);
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let mut args = args.to_vec();
     args.push("--cuda");
-    host_peer_env(None, session, ns, host, &args, &env)
+    match hosts {
+        Hosts::Netns(two) => {
+            let (via, before) = two.enter(on);
+            host_peer_env(Some((via, &before)), session, ns, name, &args, &env)
+        }
+        Hosts::Loopback => host_peer_env(None, session, ns, name, &args, &env),
+    }
 }
 
 /// A directory for NCCL's logs, removed when the test ends.
@@ -107,9 +180,10 @@ impl Logs {
         (started, completed)
     }
 
-    /// Asserts NCCL moved bytes over its socket transport, and names the lines.
-    fn assert_socket_transport(&self) {
-        let mut lines = Vec::new();
+    /// Asserts NCCL moved bytes over its socket transport, on the interfaces of `hosts`
+    /// only, and names the lines.
+    fn assert_socket_transport(&self, hosts: &Hosts) {
+        let (mut lines, mut using) = (Vec::new(), Vec::new());
         for entry in std::fs::read_dir(&self.0).unwrap() {
             let text = std::fs::read_to_string(entry.unwrap().path()).unwrap_or_default();
             lines.extend(
@@ -117,10 +191,25 @@ impl Logs {
                     .filter(|l| l.contains(" via "))
                     .map(str::to_owned),
             );
+            // "NET/Socket : Using [0]baton-a:10.77.0.1<0>": the interfaces it bound.
+            using.extend(
+                text.lines()
+                    .filter(|l| l.contains("NET/Socket : Using"))
+                    .map(str::to_owned),
+            );
         }
-        for line in lines.iter().take(4) {
+        for line in lines.iter().take(4).chain(using.iter().take(2)) {
             eprintln!("NCCL: {line}");
         }
+        let ours = [hosts.interface(0), hosts.interface(1)];
+        assert!(
+            !using.is_empty()
+                && using.iter().all(|l| {
+                    ours.iter()
+                        .any(|i| l.contains(&format!("]{i}:")) || l.contains(&format!("]{i}<")))
+                }),
+            "NCCL's sockets were not (only) on {ours:?}: {using:?}"
+        );
         assert!(
             lines.iter().any(|l| l.contains("via NET/Socket")),
             "NCCL's log says no channel went via NET/Socket: {lines:?}"
@@ -160,22 +249,27 @@ fn device_buffers_from_1_byte_to_1_gib_both_ways_between_two_emulated_hosts_over
     if !gpus::two_gpus(test) {
         return;
     }
+    let hosts = Hosts::make(test);
     run(async {
         let session = Session::generate().unwrap();
         let ns = peer::namespace("xc-both");
         let logs = Logs::new("both");
         let (mut a, a_lines) = helper(
+            &hosts,
+            0,
             &session,
             &ns,
             logs.path(),
             "a",
             "0",
-            &["listen", "127.0.0.1:0"],
+            &["listen", &hosts.listen(0)],
         );
         let at = a_lines.expect("listening ", DEADLINE).await;
         let sizes = [1usize, 4096, (1 << 20) + 3, 64 << 20, 1 << 30];
         let list = sizes.map(|s| s.to_string()).join(",");
         let (mut b, b_lines) = helper(
+            &hosts,
+            1,
             &session,
             &ns,
             logs.path(),
@@ -191,7 +285,7 @@ fn device_buffers_from_1_byte_to_1_gib_both_ways_between_two_emulated_hosts_over
         b_lines.expect("done", DEADLINE).await;
         assert!(exited(&mut b, DEADLINE).await.success(), "the driver");
         assert!(exited(&mut a, DEADLINE).await.success(), "the listener");
-        logs.assert_socket_transport();
+        logs.assert_socket_transport(&hosts);
     });
 }
 
@@ -205,6 +299,7 @@ fn sigkill_of_the_receiver_during_a_3_gib_device_copy_gives_the_sender_its_lease
     if !gpus::two_gpus(test) {
         return;
     }
+    let hosts = Hosts::make(test);
     run(async {
         let session = Session::generate().unwrap();
         let ns = peer::namespace("xc-rkill");
@@ -212,26 +307,32 @@ fn sigkill_of_the_receiver_during_a_3_gib_device_copy_gives_the_sender_its_lease
         let go = std::env::temp_dir().join(format!("baton-xc-go-{}", std::process::id()));
         let _ = std::fs::remove_file(&go);
         let (mut a, a_lines) = helper(
+            &hosts,
+            0,
             &session,
             &ns,
             logs.path(),
             "a",
             "0",
-            &["listen", "127.0.0.1:0"],
+            &["listen", &hosts.listen(0)],
         );
         let at = a_lines.expect("listening ", DEADLINE).await;
         // The peer the sender links to afterwards: a new communicator.
         let (mut c, c_lines) = helper(
+            &hosts,
+            0,
             &session,
             &ns,
             logs.path(),
             "c",
             "0",
-            &["listen", "127.0.0.1:0"],
+            &["listen", &hosts.listen(0)],
         );
         let then = c_lines.expect("listening ", DEADLINE).await;
         let len = BIG.to_string();
         let (mut b, b_lines) = helper(
+            &hosts,
+            1,
             &session,
             &ns,
             logs.path(),
@@ -284,7 +385,7 @@ fn sigkill_of_the_receiver_during_a_3_gib_device_copy_gives_the_sender_its_lease
         b_lines.expect("after ok", LONG).await;
         assert!(exited(&mut b, DEADLINE).await.success(), "the sender");
         assert!(exited(&mut c, DEADLINE).await.success(), "the new peer");
-        logs.assert_socket_transport();
+        logs.assert_socket_transport(&hosts);
     });
 }
 
@@ -298,6 +399,7 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
     if !gpus::two_gpus(test) {
         return;
     }
+    let hosts = Hosts::make(test);
     run(async {
         let session = Session::generate().unwrap();
         let ns = peer::namespace("xc-skill");
@@ -306,17 +408,21 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
         std::fs::write(&go, b"go").unwrap();
         // The receiver serves two peers: the sender killed mid-copy, then a new one.
         let (mut a, a_lines) = helper(
+            &hosts,
+            0,
             &session,
             &ns,
             logs.path(),
             "a",
             "0",
-            &["listen", "127.0.0.1:0", "--serve", "2"],
+            &["listen", &hosts.listen(0), "--serve", "2"],
         );
         let at = a_lines.expect("listening ", DEADLINE).await;
         let start = number(&a_lines.expect("mem-start ", DEADLINE).await);
         let len = BIG.to_string();
         let (mut b, b_lines) = helper(
+            &hosts,
+            1,
             &session,
             &ns,
             logs.path(),
@@ -361,6 +467,8 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
         }
         // A new peer: a new communicator, both ways.
         let (mut c, c_lines) = helper(
+            &hosts,
+            1,
             &session,
             &ns,
             logs.path(),
@@ -387,6 +495,6 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
         }
         // (The receiver is not asked to exit cleanly: a hung NCCL abort may hold its exit.)
         a.kill9();
-        logs.assert_socket_transport();
+        logs.assert_socket_transport(&hosts);
     });
 }

@@ -8,6 +8,8 @@ one-byte answer from rank 1 (as Baton's round waits for the reply and the lease'
 Prints one JSON line per size: {"item": "torch_nccl", "bytes", "reps", "median_s", "gbps"}.
 
 usage: python3 torch_nccl_sendrecv.py --sizes 1,4096,... --reps 9 [--port 29533]
+       [--rank R --master ADDR]   one rank only (the other started apart, e.g. in another
+                                  network namespace), rendezvous at ADDR:port
 """
 
 import argparse
@@ -21,12 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def worker(rank, sizes, reps, port):
+def worker(rank, sizes, reps, port, master="127.0.0.1"):
     os.environ["NCCL_HOSTID"] = f"torch-host-{rank}"
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{master}:{port}",
         rank=rank,
         world_size=2,
         device_id=torch.device("cuda", rank),
@@ -71,9 +73,14 @@ def main():
     p.add_argument("--sizes", default="1,4096,1048576,67108864,1073741824")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--rank", type=int)
+    p.add_argument("--master", default="127.0.0.1")
     a = p.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
-    mp.spawn(worker, args=(sizes, a.reps, a.port), nprocs=2, join=True)
+    if a.rank is None:
+        mp.spawn(worker, args=(sizes, a.reps, a.port, a.master), nprocs=2, join=True)
+    else:
+        worker(a.rank, sizes, a.reps, a.port, a.master)
 
 
 if __name__ == "__main__":
