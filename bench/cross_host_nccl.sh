@@ -48,10 +48,10 @@ if [ "${BATON_BENCH_NETNS:-0}" = 1 ]; then
     nsenter -t "$h" -n ip link set lo up
   done
   in_a=(nsenter -t "$ha" -n --) in_b=(nsenter -t "$hb" -n --)
-  if_a==baton-a if_b==baton-b addr_a=10.77.0.1
+  if_a=baton-a if_b=baton-b addr_a=10.77.0.1
   echo "hosts: two network namespaces joined by a veth pair (10.77.0.1, 10.77.0.2)"
 else
-  in_a=() in_b=() if_a==lo if_b==lo addr_a=127.0.0.1
+  in_a=() in_b=() if_a=lo if_b=lo addr_a=127.0.0.1
   echo "hosts: loopback"
 fi
 
