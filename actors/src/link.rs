@@ -125,6 +125,8 @@ pub struct PeerLink {
     pulls: copy::Pulls,
     /// Bytes of copies being received now (at most [`LinkLimits::copy_bytes`]).
     copies_in: usize,
+    /// Forwards sent as copies, until their lease comes back (see `link/copy.rs`).
+    forwards_out: copy::ForwardsOut,
     pub(crate) span: tracing::Span,
 }
 
@@ -178,6 +180,7 @@ impl PeerLink {
             fds_received: AtomicU64::new(0),
             turn: Arc::new(tokio::sync::Mutex::new(())),
             stopped: tokio::sync::watch::Sender::new(false),
+            pinned: Default::default(),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let ours = node.session().process();
@@ -226,6 +229,7 @@ impl PeerLink {
                 copies_out: copy::CopiesOut::new(),
                 pulls: copy::Pulls::default(),
                 copies_in: 0,
+                forwards_out: copy::ForwardsOut::default(),
             }
         });
         (

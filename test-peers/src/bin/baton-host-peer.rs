@@ -33,6 +33,14 @@
 //!   lease never offered instead; `--forge rendezvous`: an NCCL rendezvous message;
 //!   `--forge device-copy`: the `Call` offers an NCCL copy (device memory) — a host-memory
 //!   node refuses it: prints `answered Release`, then `reply <fault>` and exits 0.
+//! - `baton-host-peer export SOCKET --len N --seed S`: the exporter A of a forward across
+//!   hosts, on the relay's host. Links to the Unix socket SOCKET (printing `linked`),
+//!   allocates N bytes of the pattern S and sends them to the relay's `keep` (printing
+//!   `kept`; with `--writable`, shared writable to `keep-mut`); its `ledger` answers `LedgerOf` (its node's leases out, whether the buffer
+//!   could be written now). Serves until the link goes down, then exits 0.
+//! - `listen ADDR --inbox --seed S`: as `listen`, and each buffer that arrives in the
+//!   node's inbox is read, checked against the pattern S and dropped: prints
+//!   `inbox lease=<id> len=<n> pattern=<true|false>`.
 //!
 //! Session from the token pipe (`BATON_TOKEN_FD`), taken at the top of `main`; host
 //! memory in the flavor `BATON_HOST` picks, or with `--cuda` device memory
@@ -91,6 +99,86 @@ struct Cli {
     /// drive-kill: once the lease is back, link here and send a 1 MiB `Echo`.
     #[arg(long)]
     then: Option<String>,
+    /// listen: check and drop what arrives in the node's inbox.
+    #[arg(long)]
+    inbox: bool,
+    /// export: share the buffer writable (to the relay's `keep-mut`).
+    #[arg(long)]
+    writable: bool,
+    /// export, listen --inbox: the pattern's seed.
+    #[arg(long, default_value_t = 7)]
+    seed: u8,
+}
+
+/// Reads what arrives in the inbox, checks it against the pattern `seed`, drops it.
+struct Inbox {
+    seed: u8,
+}
+
+impl Actor for Inbox {
+    type Context = Context<Self>;
+}
+
+impl Handler<baton::actors::Offered> for Inbox {
+    type Result = ();
+    fn handle(&mut self, msg: baton::actors::Offered, _: &mut Context<Self>) {
+        match msg.buffer.open().and_then(|l| Ok((l.id(), l.to_vec()?))) {
+            Ok((id, bytes)) => say(&format!(
+                "inbox lease={id} len={} pattern={}",
+                bytes.len(),
+                is_pattern(self.seed, &bytes)
+            )),
+            Err(e) => say(&format!("inbox-failed {e:?}")),
+        }
+    }
+}
+
+/// The `export` role (see the module docs).
+async fn export(node: &Node, cli: &Cli) -> Result<(), String> {
+    let start = std::time::Instant::now();
+    let peer = loop {
+        match tokio::time::timeout(DEADLINE, node.connect(&cli.addr)).await {
+            Ok(Ok(peer)) => break peer,
+            Ok(Err(e)) if start.elapsed() < DEADLINE => {
+                eprintln!("baton-host-peer: connect: {e} (retrying)");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(Err(e)) => return Err(format!("{e:?}")),
+            Err(_) => return Err("connect timed out".to_owned()),
+        }
+    };
+    say("linked");
+    let buffer = node.allocate::<u8>(cli.len).map_err(|e| e.to_string())?;
+    buffer
+        .write_at(0, &pattern_bytes(cli.seed, cli.len))
+        .map_err(|e| e.to_string())?;
+    let (data, data_mut) = match cli.writable {
+        false => (Some(buffer.share()), None),
+        true => (None, Some(buffer.share_mut())),
+    };
+    let ledger = Ledger {
+        node: node.clone(),
+        buffer,
+        seed: cli.seed,
+    };
+    node.register::<LedgerOf>("ledger", ledger.start().recipient());
+    let kept = match (data, data_mut) {
+        (Some(data), _) => {
+            peer.remote::<Keep>("keep")
+                .send_timeout(Keep { data }, DEADLINE)
+                .await
+        }
+        (_, Some(data)) => {
+            peer.remote::<KeepMut>("keep-mut")
+                .send_timeout(KeepMut { data }, DEADLINE)
+                .await
+        }
+        _ => unreachable!("one of the two"),
+    };
+    kept.map_err(|e| format!("the keep call: {e:?}"))??;
+    say("kept");
+    let _ = tokio::time::timeout(Duration::from_secs(600), peer.closed()).await;
+    Ok(())
 }
 
 /// The device's free memory, once the backend holds at most `live` allocations (its
@@ -244,6 +332,12 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
         peer: Arc::clone(&linked),
     };
     node.register::<Push>("push", pusher.start().recipient());
+    if cli.inbox {
+        node.set_inbox(Inbox { seed: cli.seed }.start().recipient());
+    }
+    if cli.role == "export" {
+        return export(&node, &cli).await;
+    }
     let timeout = |e| format!("{e:?}");
     if cli.role == "listen" && cli.serve > 1 {
         let mut listening = node.listen_tcp(&*cli.addr).map_err(timeout)?;
