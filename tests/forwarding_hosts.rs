@@ -303,3 +303,56 @@ fn sigkill_of_the_receiver_mid_forward_keeps_our_lease_pinned_until_the_send_sto
         trio.a.kill9();
     });
 }
+
+#[test]
+fn forged_frames_about_a_forward_in_flight_cut_only_their_own_link() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("fwh-forge");
+        let _sweep = Sweep(ns.clone());
+        let len = 32 << 20;
+        let trio = trio(&session, &ns, len, 11).await;
+        echo_round(&trio.b, &trio.to_c, 4096, 3, DEADLINE)
+            .await
+            .unwrap();
+        let mut listening = trio.b.listen_tcp("127.0.0.1:0").unwrap();
+        let addr = listening.local_addr().to_string();
+        let lease = trio.lease();
+        let ours = lease.id().get().to_string();
+        // The copy to C is held in flight.
+        signal(&trio.c, rustix::process::Signal::STOP);
+        let forward = actix::spawn(trio.to_c.forward(&lease));
+        // Peers on other links name our lease on A's buffer (a Release of it, a Pull of
+        // it): each is that link's fault, and only its link is cut.
+        for what in ["release", "pull"] {
+            let (mut forger, lines) = host_peer(
+                &session,
+                &ns,
+                "d",
+                &["forge", &addr, "--forge", what, "--lease", &ours],
+            );
+            let link = listening
+                .accept_timeout(DEADLINE)
+                .await
+                .expect("the forger links");
+            lines.expect("cut", DEADLINE).await;
+            let _ = tokio::time::timeout(DEADLINE, link.closed()).await;
+            assert!(!link.is_connected(), "{what}: the forger's link is cut");
+            let status = exited(&mut forger, DEADLINE).await;
+            assert!(status.success(), "the forger ({what}): {status}");
+        }
+        assert!(trio.to_a.is_connected() && trio.to_c.is_connected());
+        assert_eq!(trio.ledger().await, HELD, "our lease is still out");
+        signal(&trio.c, rustix::process::Signal::CONT);
+        let id = tokio::time::timeout(DEADLINE, forward)
+            .await
+            .expect("the forward ends")
+            .unwrap()
+            .expect("the copy landed");
+        let line = trio.c_lines.expect("inbox ", DEADLINE).await;
+        assert_eq!(line, format!("lease={id} len={len} pattern=true"));
+        drop(lease);
+        trio.ledger_comes_to(FREE, "our lease dropped").await;
+        trio.end().await;
+    });
+}

@@ -32,10 +32,17 @@
 //! Over a host link the peer may offer nothing but copies: any other handle names memory
 //! of *this* host (a segment name, a CUDA handle) that a process elsewhere has no business
 //! naming, and is the peer's fault (the link is cut), as is a pull of a lease not offered
-//! as a device copy. Writable leases and forwarded leases do not cross hosts, nor does a
+//! as a device copy. Writable leases and relayed offers do not cross hosts, nor does a
 //! copy into a node of the other kind of memory (a host-memory node cannot receive
 //! device memory, nor a CUDA node host memory): refused with typed errors, the link
 //! unharmed.
+//!
+//! Forwards ([`Peer::forward`](crate::Peer::forward) to a peer on a host link): a lease we
+//! hold on another process's buffer is offered as a copy of ours
+//! ([`offer_forwarded`](PeerLink::offer_forwarded)), read from our mapping of it through the
+//! same engines and the same [`CopyOut`] states; what pins it is our lease on the original
+//! ([`LeasePin`]), which the send keeps until its engine lets go. The forward's caller hears
+//! when the peer gives the copy's lease back ([`forward_released`](PeerLink::forward_released)).
 //!
 //! Order: a message whose buffers are copies is handed on once they have landed, on the
 //! link's arbiter, while the link goes on handling later frames (pings keep it alive

@@ -31,7 +31,8 @@
 //!   the session's key; prints `cut` once the listener closes the link (`answered <kind>`
 //!   for any frame but a ping meanwhile), exits 0. `--forge pull`: sends a `Pull` of a
 //!   lease never offered instead; `--forge rendezvous`: an NCCL rendezvous message;
-//!   `--forge device-copy`: the `Call` offers an NCCL copy (device memory) — a host-memory
+//!   `--forge release --lease N`: a `Release` of lease N (one granted over another link);
+//!   `--forge pull --lease N` names lease N; `--forge device-copy`: the `Call` offers an NCCL copy (device memory) — a host-memory
 //!   node refuses it: prints `answered Release`, then `reply <fault>` and exits 0.
 //! - `baton-host-peer export SOCKET --len N --seed S`: the exporter A of a forward across
 //!   hosts, on the relay's host. Links to the Unix socket SOCKET (printing `linked`),
@@ -93,9 +94,12 @@ struct Cli {
     /// bench: how many copies per size.
     #[arg(long, default_value_t = 9)]
     reps: usize,
-    /// forge: what to forge (segment, pull, rendezvous, device-copy).
+    /// forge: what to forge (segment, pull, rendezvous, device-copy, release).
     #[arg(long, default_value = "segment")]
     forge: String,
+    /// forge pull, forge release: the lease they name.
+    #[arg(long, default_value_t = 1)]
+    lease: u64,
     /// drive-kill: once the lease is back, link here and send a 1 MiB `Echo`.
     #[arg(long)]
     then: Option<String>,
@@ -241,10 +245,10 @@ fn say(line: &str) {
 }
 
 /// The `forge` role (see the module docs); blocking.
-fn forge(addr: &str, session: &baton::Session, what: &str) -> Result<(), String> {
+fn forge(addr: &str, session: &baton::Session, what: &str, lease: u64) -> Result<(), String> {
     use baton::ipc::Backend;
     use baton::ipc::tcp::{HostId, HostLink, NodeKey, TcpConfig};
-    use baton::messages::protocol::{Call, Offer, Pull, Rendezvous};
+    use baton::messages::protocol::{Call, Offer, Pull, Release, Rendezvous};
     use baton::messages::{CopyEngine, LeaseId, Message, RawHandle};
     let key = NodeKey::generate().map_err(|e| e.to_string())?;
     let config = TcpConfig::new(session.clone(), key).host(HostId::current());
@@ -272,8 +276,9 @@ fn forge(addr: &str, session: &baton::Session, what: &str) -> Result<(), String>
     let frame = match what {
         "segment" | "device-copy" => call,
         "pull" => Message::Pull(Pull {
-            lease: LeaseId::new(1),
+            lease: LeaseId::new(lease),
         }),
+        "release" => Message::Release(Release::now(LeaseId::new(lease))),
         "rendezvous" => Message::Rendezvous(Rendezvous {
             bytes: vec![0; 149],
         }),
@@ -528,7 +533,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.role.as_str() {
-        "forge" => forge(&cli.addr, &session, &cli.forge),
+        "forge" => forge(&cli.addr, &session, &cli.forge, cli.lease),
         _ => System::new().block_on(run(cli, session)),
     };
     if let Err(e) = result {
