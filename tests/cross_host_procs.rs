@@ -22,7 +22,9 @@ mod tcp_proxy;
 use actix::prelude::*;
 use actors::{DEADLINE, EventLog, Events, eventually, exited, run};
 use baton::Session;
-use baton::actors::{ActorError, Heartbeat, HostSettings, Node, NodeConfig, Peer, PeerEvent};
+use baton::actors::{
+    ActorError, Heartbeat, HostSettings, LinkLimits, Node, NodeConfig, Peer, PeerEvent,
+};
 use baton::ipc::HostBackend;
 use baton::ipc::tcp::HostId;
 use host_msgs::*;
@@ -565,6 +567,56 @@ fn an_offer_that_is_not_a_copy_cuts_only_that_host_link() {
         assert!(reason.contains("BackendMismatch"), "{reason}");
         assert_eq!(taken.load(Ordering::SeqCst), 0);
         // Everyone else is unharmed.
+        assert!(to_honest.is_connected());
+        assert!(b_events.down_reason(to_honest.link_id()).is_none());
+        push_checked(&to_honest, 1 << 20, 3).await;
+        echo_checked(&b, &to_honest, 1 << 20, 4).await;
+        close_and_reap(&to_honest, &mut honest).await;
+        eventually(DEADLINE, "our buffers freed", || own_segments(&ns) == 0).await;
+    });
+}
+
+#[test]
+fn messages_held_back_behind_a_copy_are_bounded_and_a_peer_past_the_bound_is_cut_alone() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("xh-held");
+        let _sweep = Sweep(ns.clone());
+        let config = NodeConfig::new(session.clone())
+            .hosts(HostSettings {
+                host: HostId::named("b"),
+                ..HostSettings::default()
+            })
+            .limits(LinkLimits {
+                held_messages: 8,
+                ..LinkLimits::default()
+            });
+        let b = Node::with_config(config, Arc::new(HostBackend::with_namespace(&ns).unwrap()));
+        let b_events = events(&b);
+        let taken = serve_echo_and_take(&b);
+        let mut listening = b.listen_tcp("127.0.0.1:0").unwrap();
+        let at = listening.local_addr().to_string();
+        let (mut honest, honest_lines) = host_peer(&session, &ns, "c", &["connect", &at]);
+        let to_honest = listening.accept_timeout(DEADLINE).await.unwrap();
+        honest_lines.expect("linked", DEADLINE).await;
+        // The forger's copy never lands; its calls without buffers wait behind it, in
+        // order, until the ninth passes the bound.
+        let (mut forger, lines) = host_peer(&session, &ns, "d", &["forge", &at, "--forge", "held"]);
+        let forged = listening.accept_timeout(DEADLINE).await.unwrap();
+        lines.expect("cut", DEADLINE).await;
+        assert!(exited(&mut forger, DEADLINE).await.success());
+        eventually(DEADLINE, "the forged link's Down event", || {
+            b_events.down_reason(forged.link_id()).is_some()
+        })
+        .await;
+        let reason = b_events
+            .down_reason(forged.link_id())
+            .unwrap()
+            .expect("cut with an error, not closed");
+        eprintln!("the forger's link was cut: {reason}");
+        assert!(reason.contains("TooManyHeld"), "{reason}");
+        assert_eq!(taken.load(Ordering::SeqCst), 0);
+        // The honest peer is unharmed, and its own messages keep their order.
         assert!(to_honest.is_connected());
         assert!(b_events.down_reason(to_honest.link_id()).is_none());
         push_checked(&to_honest, 1 << 20, 3).await;

@@ -63,6 +63,7 @@ macro_rules! probe {
 mod closing;
 mod copy;
 mod forward;
+mod held;
 mod leases;
 mod open;
 mod outgoing;
@@ -127,6 +128,8 @@ pub struct PeerLink {
     copies_in: usize,
     /// Forwards sent as copies, until their lease comes back (see `link/copy.rs`).
     forwards_out: copy::ForwardsOut,
+    /// A host link's messages read and not handed on yet, in order (see `link/held.rs`).
+    held: held::HeldBack<copy::Handed>,
     pub(crate) span: tracing::Span,
 }
 
@@ -230,6 +233,7 @@ impl PeerLink {
                 pulls: copy::Pulls::default(),
                 copies_in: 0,
                 forwards_out: copy::ForwardsOut::default(),
+                held: held::HeldBack::default(),
             }
         });
         (

@@ -78,6 +78,14 @@ pub struct LinkLimits {
     /// [`CallFault::OfferRefused`](baton_messages::protocol::CallFault) — and the link
     /// stays up. Default 4 GiB.
     pub copy_bytes: usize,
+    /// Over a host link, the peer's messages (calls, replies, bare offers) that may wait
+    /// behind one whose copies have not landed yet — the link hands them on in the order
+    /// it read them, as a Unix link does. One more is a protocol fault
+    /// ([`ActorError::TooManyHeld`]). Default 1024.
+    pub held_messages: usize,
+    /// The payload bytes those waiting messages may hold; past it, a protocol fault
+    /// ([`ActorError::TooManyHeld`]). Default 64 MiB.
+    pub held_bytes: usize,
 }
 
 impl Default for LinkLimits {
@@ -90,6 +98,8 @@ impl Default for LinkLimits {
             offers_per_message: 1024,
             leases_held: 65_536,
             copy_bytes: 4 << 30,
+            held_messages: 1024,
+            held_bytes: 64 << 20,
         }
     }
 }

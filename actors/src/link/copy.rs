@@ -45,9 +45,11 @@
 //! when the peer gives the copy's lease back ([`forward_released`](PeerLink::forward_released)).
 //!
 //! Order: a message whose buffers are copies is handed on once they have landed, on the
-//! link's arbiter, while the link goes on handling later frames (pings keep it alive
-//! during a long copy): a later message without buffers may overtake it.
+//! link's arbiter, while the link goes on handling later frames (pings keep it alive during
+//! a long copy); the messages read after it wait for their turn ([`held`](super::held)), so
+//! the handlers see the order the peer sent, as over a Unix link.
 
+use super::held::Turn;
 use super::{Attached, PeerLink};
 use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
@@ -101,6 +103,21 @@ enum CopySource {
     /// A lease of ours on another process's buffer (a forward): our view of its mapping,
     /// and what pins the lease ([`LeasePin`]).
     Forwarded(Box<Imported>, Box<dyn std::any::Any + Send + Sync>),
+}
+
+/// A host link's message ready to hand on (see [`hand_on`](PeerLink::hand_on)).
+pub(super) struct Handed {
+    then: Then<Attached>,
+    opened: Result<Vec<IncomingLease>, IpcError>,
+    slot: Option<OwnedSemaphorePermit>,
+}
+
+impl std::fmt::Debug for Handed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handed")
+            .field("opened", &self.opened.as_ref().map(Vec::len))
+            .finish_non_exhaustive()
+    }
 }
 
 /// The forwards sent over this link as copies, by the lease the peer sees: who waits for
@@ -557,6 +574,19 @@ impl PeerLink {
             relayed,
             then,
         } = open;
+        // Its turn in the link's order, before anything can hand it on.
+        let bytes = match &then {
+            Then::Call { payload, .. } => payload.len(),
+            Then::Reply { bytes, .. } => bytes.len(),
+            Then::Deliver => 0,
+        };
+        let limits = self.limits;
+        let turn = self
+            .held
+            .admit(bytes, limits.held_messages, limits.held_bytes)?;
+        if offers.is_empty() {
+            return self.hand_on(turn, then, Ok(Vec::new()), slot, ctx);
+        }
         let key = self.node.session().handle_key();
         for offer in &offers {
             if !matches!(offer.handle.raw, RawHandle::Copy { .. }) {
@@ -594,7 +624,7 @@ impl PeerLink {
                 // do not hold up the copies behind them on its connection. (Device copies
                 // are sent only once pulled.)
                 self.decline(&offers);
-                return self.copies_failed(&offers, e, then, slot, ctx);
+                return self.copies_failed(&offers, e, turn, then, slot, ctx);
             }
         };
         // Device copies: their receives are posted, so the sender may start them (in
@@ -625,9 +655,14 @@ impl PeerLink {
             let _g = span.enter();
             act.copies_in -= len;
             let done = match joined {
-                Ok(Ok(receiving)) => act.copies_landed(offers, receiving, then, slot, ctx),
-                Ok(Err(e)) => act.copies_failed(&offers, e, then, slot, ctx),
-                Err(_) => Ok(()),
+                Ok(Ok(receiving)) => act.copies_landed(offers, receiving, turn, then, slot, ctx),
+                Ok(Err(e)) => act.copies_failed(&offers, e, turn, then, slot, ctx),
+                // The waiting task ended early (the runtime stops): its turn ends too, so
+                // nothing waits behind it for ever.
+                Err(_) => {
+                    let why = unsupported(name, "the wait for the copies ended early");
+                    act.copies_failed(&offers, why, turn, then, slot, ctx)
+                }
             };
             if let Err(e) = done {
                 drop(_g);
@@ -687,6 +722,7 @@ impl PeerLink {
         &mut self,
         offers: Vec<Offer>,
         receiving: Vec<HeldTransfer>,
+        turn: Turn,
         then: Then<Attached>,
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
@@ -707,11 +743,11 @@ impl PeerLink {
             let cell = self.node.adopt_allocation(alloc, layout);
             match self.open_copy(offer.lease, cell) {
                 Ok(lease) => leases.push(lease),
-                Err(e) => return self.then(then, Err(e), slot, ctx),
+                Err(e) => return self.hand_on(turn, then, Err(e), slot, ctx),
             }
         }
         tracing::debug!(copies = leases.len(), "copies landed");
-        self.then(then, Ok(leases), slot, ctx)
+        self.hand_on(turn, then, Ok(leases), slot, ctx)
     }
 
     /// A lease on our own copy, opened through the import cache.
@@ -739,6 +775,7 @@ impl PeerLink {
         &mut self,
         offers: &[Offer],
         why: IpcError,
+        turn: Turn,
         then: Then<Attached>,
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
@@ -747,7 +784,31 @@ impl PeerLink {
         for frame in self.session.refused(offers, false) {
             self.send(&frame, Vec::new())?;
         }
-        self.then(then, Err(why), slot, ctx)
+        self.hand_on(turn, then, Err(why), slot, ctx)
+    }
+
+    /// The message of `turn` is ready: it is handed on once those read before it are —
+    /// now, with those behind it that were waiting for it (see [`held`](super::held)).
+    fn hand_on(
+        &mut self,
+        turn: Turn,
+        then: Then<Attached>,
+        opened: Result<Vec<IncomingLease>, IpcError>,
+        slot: Option<OwnedSemaphorePermit>,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), ActorError> {
+        let item = Handed { then, opened, slot };
+        let now = self.held.ready(turn, item);
+        if now.is_empty() {
+            tracing::trace!(
+                waiting = self.held.waiting(),
+                "a message waits for those read before it"
+            );
+        }
+        for Handed { then, opened, slot } in now {
+            self.then(then, opened, slot, ctx)?;
+        }
+        Ok(())
     }
 }
 

@@ -31,7 +31,9 @@
 //!   the session's key; prints `cut` once the listener closes the link (`answered <kind>`
 //!   for any frame but a ping meanwhile), exits 0. `--forge pull`: sends a `Pull` of a
 //!   lease never offered instead; `--forge rendezvous`: an NCCL rendezvous message;
-//!   `--forge release --lease N`: a `Release` of lease N (one granted over another link);
+//!   `--forge held`: a `Call` with a TCP copy whose bytes never come, then 63 calls
+//!   without buffers (they wait behind it: a node whose `LinkLimits::held_messages` is
+//!   lower cuts the link); `--forge release --lease N`: a `Release` of lease N (one granted over another link);
 //!   `--forge pull --lease N` names lease N; `--forge device-copy`: the `Call` offers an NCCL copy (device memory) — a host-memory
 //!   node refuses it: prints `answered Release`, then `reply <fault>` and exits 0.
 //! - `baton-host-peer export SOCKET --len N --seed S`: the exporter A of a forward across
@@ -94,7 +96,7 @@ struct Cli {
     /// bench: how many copies per size.
     #[arg(long, default_value_t = 9)]
     reps: usize,
-    /// forge: what to forge (segment, pull, rendezvous, device-copy, release).
+    /// forge: what to forge (segment, pull, rendezvous, device-copy, release, held).
     #[arg(long, default_value = "segment")]
     forge: String,
     /// forge pull, forge release: the lease they name.
@@ -136,6 +138,9 @@ impl Handler<baton::actors::Offered> for Inbox {
         }
     }
 }
+
+/// `forge held`: the calls without buffers sent behind the copy that never lands.
+const LEASE_HELD_CALLS: u64 = 64;
 
 /// The `export` role (see the module docs).
 async fn export(node: &Node, cli: &Cli) -> Result<(), String> {
@@ -257,9 +262,12 @@ fn forge(addr: &str, session: &baton::Session, what: &str, lease: u64) -> Result
     let backend = HostBackend::new().map_err(|e| e.to_string())?;
     let segment = backend.allocate(4096).map_err(|e| e.to_string())?;
     let mut handle = segment.handle(session).build().map_err(|e| e.to_string())?;
-    if what == "device-copy" {
+    if what == "device-copy" || what == "held" {
         handle.raw = RawHandle::Copy {
-            engine: CopyEngine::Nccl,
+            engine: match what {
+                "held" => CopyEngine::Tcp,
+                _ => CopyEngine::Nccl,
+            },
         };
         handle = handle.sealed(session.handle_key());
     }
@@ -274,7 +282,7 @@ fn forge(addr: &str, session: &baton::Session, what: &str, lease: u64) -> Result
         }],
     });
     let frame = match what {
-        "segment" | "device-copy" => call,
+        "segment" | "device-copy" | "held" => call,
         "pull" => Message::Pull(Pull {
             lease: LeaseId::new(lease),
         }),
@@ -285,6 +293,21 @@ fn forge(addr: &str, session: &baton::Session, what: &str, lease: u64) -> Result
         other => return Err(format!("cannot forge {other}")),
     };
     link.send(&frame, &[]).map_err(|e| format!("{e:?}"))?;
+    if what == "held" {
+        // Its bytes never come: calls without buffers pile up behind it.
+        for id in 2..=LEASE_HELD_CALLS {
+            let plain = Message::Call(Call {
+                id,
+                target: "echo".into(),
+                type_name: <Echo as baton::actors::RemoteMessage>::NAME.into(),
+                payload: Vec::new(),
+                offers: Vec::new(),
+            });
+            if link.send(&plain, &[]).is_err() {
+                break;
+            }
+        }
+    }
     let start = std::time::Instant::now();
     while start.elapsed() < DEADLINE {
         match link.recv_timeout(DEADLINE) {
