@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The size of a buffer kept in flight while its receiver is killed.
-const IN_FLIGHT: usize = 256 << 20;
+const IN_FLIGHT: usize = 128 << 20;
 
 /// When a test ends, the segments its killed helpers left in its namespace go.
 struct Sweep(String);

@@ -144,6 +144,12 @@ const LEASE_HELD_CALLS: u64 = 64;
 
 /// The `export` role (see the module docs).
 async fn export(node: &Node, cli: &Cli) -> Result<(), String> {
+    // Written before linking: a large pattern takes this (single) thread a while, and a
+    // link would go unanswered meanwhile.
+    let buffer = node.allocate::<u8>(cli.len).map_err(|e| e.to_string())?;
+    buffer
+        .write_at(0, &pattern_bytes(cli.seed, cli.len))
+        .map_err(|e| e.to_string())?;
     let start = std::time::Instant::now();
     let peer = loop {
         match tokio::time::timeout(DEADLINE, node.connect(&cli.addr)).await {
@@ -157,10 +163,6 @@ async fn export(node: &Node, cli: &Cli) -> Result<(), String> {
         }
     };
     say("linked");
-    let buffer = node.allocate::<u8>(cli.len).map_err(|e| e.to_string())?;
-    buffer
-        .write_at(0, &pattern_bytes(cli.seed, cli.len))
-        .map_err(|e| e.to_string())?;
     let (data, data_mut) = match cli.writable {
         false => (Some(buffer.share()), None),
         true => (None, Some(buffer.share_mut())),
