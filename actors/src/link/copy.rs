@@ -251,6 +251,28 @@ impl PeerLink {
         self.peer.host().is_some()
     }
 
+    /// The peer and our engines, for a copy by `engine`: refused (typed, the link kept)
+    /// where the peer announced no TCP engine, or this node cannot send it.
+    fn copy_plane(
+        &self,
+        engine: CopyEngine,
+    ) -> Result<(EnginePeer, Arc<crate::node::HostPlane>), ActorError> {
+        let name = engine_name(engine);
+        let peer = self
+            .engine_peer()
+            .filter(|p| p.data_addr.is_some())
+            .ok_or_else(|| unsupported(name, "the peer announced no TCP engine"))?;
+        let plane = self
+            .node
+            .plane()
+            .ok_or_else(|| unsupported(name, "this node has no host link"))?;
+        if engine == CopyEngine::Nccl {
+            // Made now, so that a node without NCCL refuses the offer, not its pull.
+            self.node.nccl()?;
+        }
+        Ok((peer, plane))
+    }
+
     /// Grants the peer a lease on `out`'s buffer and offers it as a copy: host memory
     /// starts sending at once, device memory when the peer pulls it (see the
     /// [module docs](self)).
@@ -265,18 +287,7 @@ impl PeerLink {
             )
             .into());
         }
-        let peer = self
-            .engine_peer()
-            .filter(|p| p.data_addr.is_some())
-            .ok_or_else(|| unsupported(name, "the peer announced no TCP engine"))?;
-        let plane = self
-            .node
-            .plane()
-            .ok_or_else(|| unsupported(name, "this node has no host link"))?;
-        if engine == CopyEngine::Nccl {
-            // Made now, so that a node without NCCL refuses the offer, not its pull.
-            self.node.nccl()?;
-        }
+        let (peer, plane) = self.copy_plane(engine)?;
         let fence = out.acquire_fence(&self.peer.process)?;
         let (mut offer, fd, grant) =
             (self.node.exports()).grant(cell, &self.me, 0, fence.clone(), false)?;
@@ -336,17 +347,7 @@ impl PeerLink {
         } = msg;
         let engine = engine_for(view.ptr());
         let name = engine_name(engine);
-        let peer = self
-            .engine_peer()
-            .filter(|p| p.data_addr.is_some())
-            .ok_or_else(|| unsupported(name, "the peer announced no TCP engine"))?;
-        let plane = self
-            .node
-            .plane()
-            .ok_or_else(|| unsupported(name, "this node has no host link"))?;
-        if engine == CopyEngine::Nccl {
-            self.node.nccl()?;
-        }
+        let (peer, plane) = self.copy_plane(engine)?;
         let len = view.len();
         let lease = crate::ids::next_lease();
         let handle = HandleMsg {

@@ -50,7 +50,7 @@ impl Peer {
     /// until it gives the buffer back or dies — also if this node dies first. Returns the
     /// lease id the peer sees (this node's name for the forwarded lease).
     ///
-    /// **To a peer on another host** (a host link, [`PeerInfo::host`](crate::PeerInfo)),
+    /// **To a peer on another host** (a host link, [`PeerInfo::host`](baton_ipc::PeerInfo::host)),
     /// the buffer cannot be mapped there: it arrives as a *copy* in memory the peer's node
     /// owns, in its inbox as from this process, moved by the engine that moves this node's
     /// own buffers (TCP for host memory, NCCL for device memory) and read from this node's
