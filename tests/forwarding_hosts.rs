@@ -6,7 +6,9 @@
 //! This process is the relay B; A is `baton-host-peer export` (it sends its buffer to our
 //! `keep`, and answers `LedgerOf` about its ledger), C is `baton-host-peer listen --inbox`
 //! (it checks what lands in its inbox). A copy is kept in flight deterministically by
-//! stopping C (SIGSTOP) before it starts.
+//! stopping C (SIGSTOP) before it starts. Cases: the copy lands; a writable lease is
+//! refused; C killed mid-copy (our lease pinned until the send stops); A killed mid-copy
+//! (the copy completes from our mapping); forged frames on other links cut only those.
 
 #[path = "support/actors.rs"]
 mod actors;
@@ -353,6 +355,48 @@ fn forged_frames_about_a_forward_in_flight_cut_only_their_own_link() {
         assert_eq!(line, format!("lease={id} len={len} pattern=true"));
         drop(lease);
         trio.ledger_comes_to(FREE, "our lease dropped").await;
+        trio.end().await;
+    });
+}
+
+/// The exporter SIGKILLed while a forward reads our mapping of its buffer: the copy
+/// completes from the still-mapped memory (nobody can reuse the memory of a dead owner,
+/// and a host mapping outlives the process that made it), and lands whole.
+#[test]
+fn sigkill_of_the_exporter_mid_forward_lets_the_copy_complete_from_our_mapping() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("fwh-akill");
+        let _sweep = Sweep(ns.clone());
+        let len = 32 << 20;
+        let mut trio = trio(&session, &ns, len, 13).await;
+        echo_round(&trio.b, &trio.to_c, 4096, 3, DEADLINE)
+            .await
+            .unwrap();
+        let lease = trio.lease();
+        signal(&trio.c, rustix::process::Signal::STOP);
+        // Our view of the lease is taken as the forward starts.
+        let forward = actix::spawn(trio.to_c.forward(&lease));
+        trio.a.kill9();
+        let start = Instant::now();
+        while trio.to_a.is_connected() {
+            assert!(start.elapsed() < DEADLINE, "A's link never ended");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            matches!(lease.to_vec(), Err(ActorError::Orphaned { .. })),
+            "our lease is orphaned"
+        );
+        drop(lease);
+        signal(&trio.c, rustix::process::Signal::CONT);
+        let id = tokio::time::timeout(DEADLINE, forward)
+            .await
+            .expect("the forward ends")
+            .unwrap()
+            .expect("the copy completes from our mapping");
+        let line = trio.c_lines.expect("inbox ", DEADLINE).await;
+        assert_eq!(line, format!("lease={id} len={len} pattern=true"));
+        assert!(trio.to_c.is_connected());
         trio.end().await;
     });
 }
