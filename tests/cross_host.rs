@@ -74,3 +74,87 @@ fn typed_messages_with_host_buffers_cross_hosts_as_copies_both_ways() {
         to_b.close_and_wait().await;
     });
 }
+
+/// A message without buffers.
+#[derive(Debug, serde::Serialize, serde::Deserialize, Message)]
+#[rtype(result = "()")]
+struct Note;
+
+impl baton::actors::RemoteMessage for Note {
+    const NAME: &'static str = "tests.cross_host.Note";
+}
+
+/// Records the order in which its messages reach it.
+struct Recorder(Arc<std::sync::Mutex<Vec<&'static str>>>);
+
+impl Actor for Recorder {
+    type Context = Context<Self>;
+}
+
+impl Handler<Take> for Recorder {
+    type Result = Result<u64, String>;
+    fn handle(&mut self, msg: Take, _: &mut Context<Self>) -> Self::Result {
+        self.0.lock().unwrap().push("big");
+        let bytes = msg.data.open().and_then(|l| l.to_vec());
+        let bytes = bytes.map_err(|e| e.to_string())?;
+        match is_pattern(msg.seed, &bytes) {
+            true => Ok(bytes.len() as u64),
+            false => Err("not the pattern".into()),
+        }
+    }
+}
+
+impl Handler<Note> for Recorder {
+    type Result = ();
+    fn handle(&mut self, _: Note, _: &mut Context<Self>) {
+        self.0.lock().unwrap().push("small");
+    }
+}
+
+/// A host link keeps the order of its messages, as a Unix link does: a call without
+/// buffers sent after one whose 64 MiB copy is still under way reaches the handler after
+/// it (it is read first, and waits).
+#[test]
+fn a_message_after_a_big_copy_reaches_the_handler_after_it() {
+    System::new().block_on(async {
+        let deadline = Duration::from_secs(60);
+        let session = Session::generate().unwrap();
+        let a = node(&session, "a");
+        let b = node(&session, "b");
+        let seen = Arc::default();
+        let recorder = Recorder(Arc::clone(&seen)).start();
+        b.register::<Take>("take", recorder.clone().recipient());
+        b.register::<Note>("note", recorder.recipient());
+        let mut listening = b.listen_tcp("127.0.0.1:0").unwrap();
+        let to_b = a.connect_tcp(listening.local_addr()).await.unwrap();
+        let _from_a = listening.accept_timeout(deadline).await.unwrap();
+        for round in 0..3u8 {
+            let len = 64 << 20;
+            let buf = a.allocate::<u8>(len).unwrap();
+            buf.write_at(0, &pattern_bytes(round + 1, len)).unwrap();
+            let big = actix::spawn(to_b.remote::<Take>("take").send_timeout(
+                Take {
+                    seed: round + 1,
+                    data: buf.share(),
+                },
+                deadline,
+            ));
+            // Its lease is granted as its frame is queued: the note leaves after it.
+            let start = std::time::Instant::now();
+            while a.status(0).leases == 0 {
+                assert!(start.elapsed() < deadline, "the big call never left");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            to_b.remote::<Note>("note")
+                .send_timeout(Note, deadline)
+                .await
+                .expect("the note is answered");
+            let took = big.await.unwrap().expect("the big call").expect("whole");
+            assert_eq!(took, len as u64);
+            let order = std::mem::take(&mut *seen.lock().unwrap());
+            assert_eq!(order, ["big", "small"], "round {round}: in the order sent");
+            buf.returned_within(deadline).await.unwrap();
+        }
+        to_b.close_and_wait().await;
+    });
+}

@@ -22,7 +22,9 @@ mod tcp_proxy;
 use actix::prelude::*;
 use actors::{DEADLINE, EventLog, Events, eventually, exited, run};
 use baton::Session;
-use baton::actors::{ActorError, Heartbeat, HostSettings, Node, NodeConfig, Peer, PeerEvent};
+use baton::actors::{
+    ActorError, Heartbeat, HostSettings, LinkLimits, Node, NodeConfig, Peer, PeerEvent,
+};
 use baton::ipc::HostBackend;
 use baton::ipc::tcp::HostId;
 use host_msgs::*;
@@ -533,6 +535,62 @@ fn rogue_clients_against_listen_tcp_leave_honest_peers_unharmed() {
     });
 }
 
+/// `baton-host-peer forge ARGS…` links to `listening` (at `at`) and is cut: the reason
+/// `b`'s events give for its link's end.
+async fn forger_cut(
+    listening: &mut baton::actors::TcpListening,
+    b_events: &Events,
+    session: &Session,
+    ns: &str,
+    at: &str,
+    forge: &[&str],
+) -> String {
+    let mut args = vec!["forge", at];
+    args.extend_from_slice(forge);
+    let (mut forger, lines) = host_peer(session, ns, "d", &args);
+    let forged = listening.accept_timeout(DEADLINE).await.unwrap();
+    lines.expect("cut", DEADLINE).await;
+    assert!(exited(&mut forger, DEADLINE).await.success());
+    eventually(DEADLINE, "the forged link's Down event", || {
+        b_events.down_reason(forged.link_id()).is_some()
+    })
+    .await;
+    b_events
+        .down_reason(forged.link_id())
+        .unwrap()
+        .expect("cut with an error, not closed")
+}
+
+/// With an honest peer linked to `b` all along, `baton-host-peer forge` with `forge`
+/// links to `listening` and is cut with an error naming `fault`; nothing of it reached
+/// `take`, and the honest peer is unharmed (a push and an echo, then closed).
+async fn a_forger_is_cut_alone(
+    b: &Node,
+    listening: &mut baton::actors::TcpListening,
+    session: &Session,
+    ns: &str,
+    forge: &[&str],
+    fault: &str,
+    taken: &std::sync::atomic::AtomicUsize,
+) {
+    let b_events = events(b);
+    let at = listening.local_addr().to_string();
+    let (mut honest, honest_lines) = host_peer(session, ns, "c", &["connect", &at]);
+    let to_honest = listening.accept_timeout(DEADLINE).await.unwrap();
+    honest_lines.expect("linked", DEADLINE).await;
+    let reason = forger_cut(listening, &b_events, session, ns, &at, forge).await;
+    eprintln!("the forged link was cut: {reason}");
+    assert!(reason.contains(fault), "{reason}");
+    assert_eq!(taken.load(Ordering::SeqCst), 0);
+    // Everyone else is unharmed.
+    assert!(to_honest.is_connected());
+    assert!(b_events.down_reason(to_honest.link_id()).is_none());
+    push_checked(&to_honest, 1 << 20, 3).await;
+    echo_checked(b, &to_honest, 1 << 20, 4).await;
+    close_and_reap(&to_honest, &mut honest).await;
+    eventually(DEADLINE, "our buffers freed", || own_segments(ns) == 0).await;
+}
+
 #[test]
 fn an_offer_that_is_not_a_copy_cuts_only_that_host_link() {
     run(async {
@@ -540,37 +598,53 @@ fn an_offer_that_is_not_a_copy_cuts_only_that_host_link() {
         let ns = peer::namespace("xh-forge");
         let _sweep = Sweep(ns.clone());
         let b = node(&session, "b", &ns, None);
-        let b_events = events(&b);
         let taken = serve_echo_and_take(&b);
         let mut listening = b.listen_tcp("127.0.0.1:0").unwrap();
-        let at = listening.local_addr().to_string();
-        // An honest peer, linked all along.
-        let (mut honest, honest_lines) = host_peer(&session, &ns, "c", &["connect", &at]);
-        let to_honest = listening.accept_timeout(DEADLINE).await.unwrap();
-        honest_lines.expect("linked", DEADLINE).await;
         // The forger offers a host segment's name (memory of *its* host) over a host link.
-        let (mut forger, lines) = host_peer(&session, &ns, "d", &["forge", &at]);
-        let forged = listening.accept_timeout(DEADLINE).await.unwrap();
-        lines.expect("cut", DEADLINE).await;
-        assert!(exited(&mut forger, DEADLINE).await.success());
-        eventually(DEADLINE, "the forged link's Down event", || {
-            b_events.down_reason(forged.link_id()).is_some()
-        })
+        a_forger_is_cut_alone(
+            &b,
+            &mut listening,
+            &session,
+            &ns,
+            &[],
+            "BackendMismatch",
+            &taken,
+        )
         .await;
-        let reason = b_events
-            .down_reason(forged.link_id())
-            .unwrap()
-            .expect("cut with an error, not closed");
-        eprintln!("the forged link was cut: {reason}");
-        assert!(reason.contains("BackendMismatch"), "{reason}");
-        assert_eq!(taken.load(Ordering::SeqCst), 0);
-        // Everyone else is unharmed.
-        assert!(to_honest.is_connected());
-        assert!(b_events.down_reason(to_honest.link_id()).is_none());
-        push_checked(&to_honest, 1 << 20, 3).await;
-        echo_checked(&b, &to_honest, 1 << 20, 4).await;
-        close_and_reap(&to_honest, &mut honest).await;
-        eventually(DEADLINE, "our buffers freed", || own_segments(&ns) == 0).await;
+    });
+}
+
+#[test]
+fn messages_held_back_behind_a_copy_are_bounded_and_a_peer_past_the_bound_is_cut_alone() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("xh-held");
+        let _sweep = Sweep(ns.clone());
+        let config = NodeConfig::new(session.clone())
+            .hosts(HostSettings {
+                host: HostId::named("b"),
+                ..HostSettings::default()
+            })
+            .limits(LinkLimits {
+                held_messages: 8,
+                ..LinkLimits::default()
+            });
+        let b = Node::with_config(config, Arc::new(HostBackend::with_namespace(&ns).unwrap()));
+        let taken = serve_echo_and_take(&b);
+        let mut listening = b.listen_tcp("127.0.0.1:0").unwrap();
+        // The forger's copy never lands; its calls without buffers wait behind it, in
+        // order, until the ninth passes the bound.
+        let held = ["--forge", "held"];
+        a_forger_is_cut_alone(
+            &b,
+            &mut listening,
+            &session,
+            &ns,
+            &held,
+            "TooManyHeld",
+            &taken,
+        )
+        .await;
     });
 }
 
@@ -591,19 +665,8 @@ fn engine_frames_a_host_memory_node_never_asked_for_cut_their_link_and_a_device_
         // A pull of a lease we never offered, and a rendezvous for an NCCL engine this
         // host-memory node does not run: each is the peer's fault, and cuts its link.
         for what in ["pull", "rendezvous"] {
-            let (mut forger, lines) =
-                host_peer(&session, &ns, "d", &["forge", &at, "--forge", what]);
-            let forged = listening.accept_timeout(DEADLINE).await.unwrap();
-            lines.expect("cut", DEADLINE).await;
-            assert!(exited(&mut forger, DEADLINE).await.success());
-            eventually(DEADLINE, "the forged link's Down event", || {
-                b_events.down_reason(forged.link_id()).is_some()
-            })
-            .await;
-            let reason = b_events
-                .down_reason(forged.link_id())
-                .unwrap()
-                .expect("cut with an error, not closed");
+            let forge = ["--forge", what];
+            let reason = forger_cut(&mut listening, &b_events, &session, &ns, &at, &forge).await;
             eprintln!("a forged {what} cut its link: {reason}");
             assert!(reason.contains("Unexpected"), "{reason}");
         }

@@ -146,6 +146,23 @@ pub enum ActorError {
         /// The limit.
         max: usize,
     },
+    /// Over a host link, the peer's messages waiting behind one whose copies have not
+    /// landed yet (their order is kept) would pass
+    /// [`LinkLimits::held_messages`](crate::LinkLimits::held_messages) or
+    /// [`LinkLimits::held_bytes`](crate::LinkLimits::held_bytes).
+    #[error(
+        "peer sent more than the link holds back in order: {messages} messages ({bytes} bytes) wait already; at most {max_messages} messages and {max_bytes} bytes may"
+    )]
+    TooManyHeld {
+        /// Messages waiting when it was cut.
+        messages: usize,
+        /// Their payload bytes.
+        bytes: usize,
+        /// The limit in messages.
+        max_messages: usize,
+        /// The limit in bytes.
+        max_bytes: usize,
+    },
     /// The peer does not read what it makes us write (its pings' pongs, its calls'
     /// replies): more than [`LinkLimits::queued_bytes`](crate::LinkLimits::queued_bytes)
     /// would be queued for it.
@@ -321,6 +338,7 @@ impl ActorError {
             | ActorError::Unexpected { .. }
             | ActorError::TooManyOffers { .. }
             | ActorError::TooManyLeases { .. }
+            | ActorError::TooManyHeld { .. }
             | ActorError::TooManyFences { .. }
             | ActorError::PeerNotReading { .. }
             | ActorError::TooManyStatusRequests { .. } => Fault::Peer,

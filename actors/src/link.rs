@@ -63,6 +63,7 @@ macro_rules! probe {
 mod closing;
 mod copy;
 mod forward;
+mod held;
 mod leases;
 mod open;
 mod outgoing;
@@ -125,6 +126,10 @@ pub struct PeerLink {
     pulls: copy::Pulls,
     /// Bytes of copies being received now (at most [`LinkLimits::copy_bytes`]).
     copies_in: usize,
+    /// Forwards sent as copies, until their lease comes back (see `link/copy.rs`).
+    forwards_out: copy::ForwardsOut,
+    /// A host link's messages read and not handed on yet, in order (see `link/held.rs`).
+    held: held::HeldBack<copy::Handed>,
     pub(crate) span: tracing::Span,
 }
 
@@ -178,6 +183,7 @@ impl PeerLink {
             fds_received: AtomicU64::new(0),
             turn: Arc::new(tokio::sync::Mutex::new(())),
             stopped: tokio::sync::watch::Sender::new(false),
+            pinned: Default::default(),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let ours = node.session().process();
@@ -226,6 +232,8 @@ impl PeerLink {
                 copies_out: copy::CopiesOut::new(),
                 pulls: copy::Pulls::default(),
                 copies_in: 0,
+                forwards_out: copy::ForwardsOut::default(),
+                held: held::HeldBack::default(),
             }
         });
         (

@@ -78,6 +78,14 @@ pub struct LinkLimits {
     /// [`CallFault::OfferRefused`](baton_messages::protocol::CallFault) — and the link
     /// stays up. Default 4 GiB.
     pub copy_bytes: usize,
+    /// Over a host link, the peer's messages (calls, replies, bare offers) that may wait
+    /// behind one whose copies have not landed yet — the link hands them on in the order
+    /// it read them, as a Unix link does. One more is a protocol fault
+    /// ([`ActorError::TooManyHeld`]). Default 1024.
+    pub held_messages: usize,
+    /// The payload bytes those waiting messages may hold; past it, a protocol fault
+    /// ([`ActorError::TooManyHeld`]). Default 64 MiB.
+    pub held_bytes: usize,
 }
 
 impl Default for LinkLimits {
@@ -90,6 +98,8 @@ impl Default for LinkLimits {
             offers_per_message: 1024,
             leases_held: 65_536,
             copy_bytes: 4 << 30,
+            held_messages: 1024,
+            held_bytes: 64 << 20,
         }
     }
 }
@@ -126,6 +136,26 @@ pub(crate) struct LinkState {
     /// `true` once the link actor has stopped and the node has processed the link's end
     /// (leases reclaimed, `PeerEvent::Down` sent): what [`LinkRef::closed`] waits for.
     pub(crate) stopped: tokio::sync::watch::Sender<bool>,
+    /// Leases held over this link that copies to another host read from (by lease): a
+    /// dropped guard's `Release` waits for them (see `link/copy.rs`'s `LeasePin`).
+    pub(crate) pinned: std::sync::Mutex<std::collections::HashMap<LeaseId, Pinned>>,
+}
+
+/// A held lease that copies to another host read from: how many, and its guard's
+/// `Release` once it dropped meanwhile.
+#[derive(Default)]
+pub(crate) struct Pinned {
+    copies: usize,
+    release: Option<ReleaseLease>,
+}
+
+impl fmt::Debug for Pinned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pinned")
+            .field("copies", &self.copies)
+            .field("released", &self.release.is_some())
+            .finish()
+    }
 }
 
 /// A reference to a link: its actor's mailbox, and whether it is still up.
@@ -189,6 +219,42 @@ impl LinkRef {
 }
 
 impl LinkState {
+    fn pins(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<LeaseId, Pinned>> {
+        // Every operation leaves the map consistent.
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// One more copy reads from `lease`, held over this link (its guard is alive).
+    pub(crate) fn pin(&self, lease: LeaseId) {
+        self.pins().entry(lease).or_default().copies += 1;
+    }
+
+    /// One copy fewer reads from `lease`: its guard's `Release`, if the guard dropped
+    /// meanwhile and no other copy reads from it.
+    pub(crate) fn unpin(&self, lease: LeaseId) -> Option<ReleaseLease> {
+        let mut pins = self.pins();
+        match pins.get_mut(&lease) {
+            Some(p) if p.copies > 1 => {
+                p.copies -= 1;
+                None
+            }
+            Some(_) => pins.remove(&lease).and_then(|p| p.release),
+            None => None,
+        }
+    }
+
+    /// A dropped guard's `Release`: kept back while its lease is pinned (`None`: it goes
+    /// when the last pin drops), else handed back.
+    pub(crate) fn defer_release(&self, release: ReleaseLease) -> Option<ReleaseLease> {
+        match self.pins().get_mut(&release.lease) {
+            Some(pinned) => {
+                pinned.release = Some(release);
+                None
+            }
+            None => Some(release),
+        }
+    }
+
     /// A fresh id for a call of ours.
     pub(crate) fn next_call_id(&self) -> u64 {
         self.next_call.fetch_add(1, Ordering::Relaxed)
@@ -297,7 +363,25 @@ link_commands!(
     SendRelease,
     RevokePassed,
     SendRendezvous,
+    ForwardCopy,
 );
+
+/// Send a copy of a lease this node holds to the peer (on another host): offered as a
+/// copy of our own, its bytes read from `view`; answered once the peer gave its lease
+/// back (see `link/copy.rs`).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct ForwardCopy {
+    /// Our view of the lease's bytes (kept mapped until the engine lets go of it).
+    pub(crate) view: Imported,
+    /// What keeps the bytes from changing while they are read (the lease's pin).
+    pub(crate) keep: Box<dyn std::any::Any + Send + Sync>,
+    /// A device copy's send waits for this first (the exporter's acquire fence, passed
+    /// on as ours).
+    pub(crate) fence: Option<Arc<dyn baton_ipc::ExportedFence>>,
+    /// The lease id the peer sees once the bytes landed, or why not.
+    pub(crate) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
+}
 
 /// Cut the link off (a revoke deadline passed, the peer's process died, or the user closed it).
 #[derive(Message)]

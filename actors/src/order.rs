@@ -195,6 +195,11 @@ impl LeaseOrder {
         }
     }
 
+    /// The exporter's acquire fence, and who recorded it.
+    pub(crate) fn acquire(&self) -> Option<(&ProcessId, &FenceHandle)> {
+        self.acquire.as_ref().map(|f| (&self.producer, f))
+    }
+
     fn wait_acquire(&self, stream: StreamRef<'_>) -> Result<(), ActorError> {
         if let Some(fence) = &self.acquire {
             self.uses

@@ -171,8 +171,10 @@ fn check_range(offset: usize, len: usize, size: usize) -> Result<()> {
 }
 
 /// The process-wide source of allocation ids: never reused, so a handle to a freed
-/// allocation can always be told from one to a new allocation.
-fn next_allocation_id() -> AllocationId {
+/// allocation can always be told from one to a new allocation. Also names what is not an
+/// allocation of ours but is offered as one (a copy, to another host, of a buffer this
+/// process leased).
+pub fn next_allocation_id() -> AllocationId {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     AllocationId::new(NEXT.fetch_add(1, Ordering::Relaxed))
 }

@@ -284,6 +284,7 @@ impl ImportCache {
             offset: handle.offset as usize,
             len: handle.len as usize,
             layout: handle.layout.clone(),
+            device: handle.device,
             release: None,
             written_in_place: false,
         }

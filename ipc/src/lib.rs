@@ -143,7 +143,7 @@ pub mod fuzzing;
 
 pub use backend::{
     Allocation, AsAny, Backend, DescriptorScope, ExportableMemory, FreeWhileMapped, HandleBuilder,
-    InPlace, MemPtr, OpenedMem, RawMemory, SharedBackend,
+    InPlace, MemPtr, OpenedMem, RawMemory, SharedBackend, next_allocation_id,
 };
 pub use cache::{
     CacheKey, CacheStats, Evictor, Executor, HolderId, ImportCache, Imported, OnClosed, WarmBudget,

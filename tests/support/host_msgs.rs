@@ -249,3 +249,97 @@ pub async fn take_round(
         .map_err(|e| format!("the lease of {len} bytes: {e:?}"))?;
     Ok(took)
 }
+
+/// A buffer for the relay to keep (forwarding across hosts): a lease of its exporter's,
+/// over a Unix link; answered with its length once kept.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<u64, String>")]
+pub struct Keep {
+    pub data: Shared<u8>,
+}
+
+impl RemoteMessage for Keep {
+    const NAME: &'static str = "tests.cross_host.Keep";
+}
+
+/// As [`Keep`], shared writable.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<u64, String>")]
+pub struct KeepMut {
+    pub data: baton::actors::SharedMut<u8>,
+}
+
+impl RemoteMessage for KeepMut {
+    const NAME: &'static str = "tests.cross_host.KeepMut";
+}
+
+/// Asks an exporter about its ledger: answers the leases its node has out, and whether
+/// its buffer could be written now (refused while any lease on it is out).
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "Result<LedgerState, String>")]
+pub struct LedgerOf;
+
+impl RemoteMessage for LedgerOf {
+    const NAME: &'static str = "tests.cross_host.LedgerOf";
+}
+
+/// What [`LedgerOf`] answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerState {
+    pub leases: u64,
+    pub writable: bool,
+}
+
+/// Answers [`Keep`] and [`KeepMut`]: keeps the leases in `kept` and `kept_mut`.
+#[derive(Default)]
+pub struct Keeper {
+    pub kept: std::sync::Arc<std::sync::Mutex<Vec<baton::actors::Lease<u8>>>>,
+    pub kept_mut: std::sync::Arc<std::sync::Mutex<Vec<baton::actors::LeaseMut<u8>>>>,
+}
+
+impl actix::Handler<KeepMut> for Keeper {
+    type Result = Result<u64, String>;
+    fn handle(&mut self, msg: KeepMut, _: &mut actix::Context<Self>) -> Self::Result {
+        let lease = msg.data.open().map_err(|e| e.to_string())?;
+        let len = lease.len() as u64;
+        self.kept_mut.lock().unwrap().push(lease);
+        Ok(len)
+    }
+}
+
+impl actix::Actor for Keeper {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<Keep> for Keeper {
+    type Result = Result<u64, String>;
+    fn handle(&mut self, msg: Keep, _: &mut actix::Context<Self>) -> Self::Result {
+        let lease = msg.data.open().map_err(|e| e.to_string())?;
+        let len = lease.len() as u64;
+        self.kept.lock().unwrap().push(lease);
+        Ok(len)
+    }
+}
+
+/// Answers [`LedgerOf`] for the buffer it owns, of the pattern `seed`.
+pub struct Ledger {
+    pub node: baton::actors::Node,
+    pub buffer: baton::actors::Buffer<u8>,
+    pub seed: u8,
+}
+
+impl actix::Actor for Ledger {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<LedgerOf> for Ledger {
+    type Result = Result<LedgerState, String>;
+    fn handle(&mut self, _: LedgerOf, _: &mut actix::Context<Self>) -> Self::Result {
+        // The same byte again: the pattern stays whole.
+        let writable = self.buffer.write_at(0, &[pattern(self.seed, 0)]).is_ok();
+        Ok(LedgerState {
+            leases: self.node.status(0).leases,
+            writable,
+        })
+    }
+}

@@ -28,6 +28,8 @@ pub(crate) struct HeldLease {
     revoke_deadline_ms: AtomicU64,
     /// Woken when the exporter asks for the lease back ([`Lease::revoked`]).
     revoked: tokio::sync::Notify,
+    /// Opened writable ([`SharedMut::open`]): a forward to another host refuses it.
+    writable: std::sync::atomic::AtomicBool,
 }
 
 fn epoch() -> Instant {
@@ -36,6 +38,11 @@ fn epoch() -> Instant {
 }
 
 impl HeldLease {
+    /// Whether it was opened writable (a [`LeaseMut`]).
+    pub(crate) fn is_writable(&self) -> bool {
+        self.writable.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn request_revoke(&self, within: Duration) {
         let at = Instant::now() + within;
         let ms = at.duration_since(epoch()).as_millis().max(1) as u64;
@@ -262,9 +269,9 @@ impl<T: Element> SharedMut<T> {
     /// # Errors
     /// [`ActorError::NotReceived`] for a buffer that was not received.
     pub fn open(self) -> Result<LeaseMut<T>, ActorError> {
-        Ok(LeaseMut {
-            lease: self.0.open()?,
-        })
+        let lease = self.0.open()?;
+        lease.inner.held.writable.store(true, Ordering::Relaxed);
+        Ok(LeaseMut { lease })
     }
 }
 

@@ -34,6 +34,15 @@ fn every_own_variant() -> Vec<(ActorError, Fault)> {
         (ActorError::Unexpected { got: "Hello" }, Fault::Peer),
         (ActorError::TooManyOffers { count: 9, max: 8 }, Fault::Peer),
         (ActorError::TooManyLeases { max: 8 }, Fault::Peer),
+        (
+            ActorError::TooManyHeld {
+                messages: 8,
+                bytes: 0,
+                max_messages: 8,
+                max_bytes: 64,
+            },
+            Fault::Peer,
+        ),
         (ActorError::TooManyFences { count: 9, max: 8 }, Fault::Peer),
         (
             ActorError::PeerNotReading {
@@ -176,16 +185,17 @@ fn every_variant_has_the_kind_it_is_pinned_to() {
     }
 }
 
-/// The peer faults are the list as it stood before the kinds: the protocol breaches
-/// from `UnknownLease` to `TooManyStatusRequests`, none of the cuts this node decides
-/// (a revoke deadline, silence, an exit).
+/// The peer faults are the list as it stood before the kinds — the protocol breaches
+/// from `UnknownLease` to `TooManyStatusRequests` — and `TooManyHeld` (a host link's
+/// messages waiting in order past the bound), none of the cuts this node decides (a
+/// revoke deadline, silence, an exit).
 #[test]
 fn the_peer_faults_are_the_protocol_breaches() {
     let peer = every_own_variant()
         .into_iter()
         .filter(|(e, _)| e.is_peer_fault())
         .count();
-    assert_eq!(peer, 10);
+    assert_eq!(peer, 11);
     for e in [
         ActorError::RevokeDeadline {
             lease: LeaseId::new(1),

@@ -50,6 +50,7 @@ fn link_to(peer: ProcessId) -> LinkRef {
         fds_received: AtomicU64::new(0),
         turn: Arc::new(tokio::sync::Mutex::new(())),
         stopped: tokio::sync::watch::Sender::new(false),
+        pinned: Default::default(),
     });
     let mailbox = Context::<Unread>::new().address().recipient();
     LinkRef::new(LinkId::next(), mailbox, state)

@@ -32,31 +32,43 @@
 //! Over a host link the peer may offer nothing but copies: any other handle names memory
 //! of *this* host (a segment name, a CUDA handle) that a process elsewhere has no business
 //! naming, and is the peer's fault (the link is cut), as is a pull of a lease not offered
-//! as a device copy. Writable leases and forwarded leases do not cross hosts, nor does a
+//! as a device copy. Writable leases and relayed offers do not cross hosts, nor does a
 //! copy into a node of the other kind of memory (a host-memory node cannot receive
 //! device memory, nor a CUDA node host memory): refused with typed errors, the link
 //! unharmed.
 //!
+//! Forwards ([`Peer::forward`](crate::Peer::forward) to a peer on a host link): a lease we
+//! hold on another process's buffer is offered as a copy of ours
+//! ([`offer_forwarded`](PeerLink::offer_forwarded)), read from our mapping of it through the
+//! same engines and the same [`CopyOut`] states; what pins it is our lease on the original
+//! ([`LeasePin`]), which the send keeps until its engine lets go. The forward's caller hears
+//! when the peer gives the copy's lease back ([`forward_released`](PeerLink::forward_released)).
+//!
 //! Order: a message whose buffers are copies is handed on once they have landed, on the
-//! link's arbiter, while the link goes on handling later frames (pings keep it alive
-//! during a long copy): a later message without buffers may overtake it.
+//! link's arbiter, while the link goes on handling later frames (pings keep it alive during
+//! a long copy); the messages read after it wait for their turn ([`held`](super::held)), so
+//! the handlers see the order the peer sent, as over a Unix link.
 
+use super::held::Turn;
 use super::{Attached, PeerLink};
 use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, OfferGrant};
-use crate::link_ref::SendRendezvous;
+use crate::link_ref::{ForwardCopy, LinkRef, SendRendezvous};
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
 use actix::prelude::*;
 use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferEngine, TransferId, decline};
-use baton_ipc::{Error as IpcError, ExportedFence, MemPtr};
+use baton_ipc::{Error as IpcError, ExportedFence, Imported, MemPtr};
 use baton_messages::protocol::{Offer, Pull, Rendezvous};
-use baton_messages::{CopyEngine, DType, Layout, LeaseId, Message as Wire, RawHandle, Shape};
-use std::collections::VecDeque;
+use baton_messages::{
+    ActorId, CopyEngine, DType, ExporterId, Generation, HandleDigest, HandleMsg, Layout, LeaseId,
+    Message as Wire, PROTOCOL_VERSION, RawHandle, Shape,
+};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 /// The slowest a copy may move and still land by its deadline: a copy of `n` bytes has
 /// the heartbeat deadline plus `n / FLOOR_BYTES_PER_SEC` seconds.
@@ -64,7 +76,7 @@ pub(crate) const FLOOR_BYTES_PER_SEC: u64 = 16 << 20;
 
 /// The copies a link offered, by lease: forgotten (a send aborted) if their frame is
 /// never sent, when their lease comes back, and when the link ends.
-pub(super) type CopiesOut = std::collections::HashMap<LeaseId, CopyOut>;
+pub(super) type CopiesOut = HashMap<LeaseId, CopyOut>;
 
 /// A copy the link offered.
 pub(super) enum CopyOut {
@@ -76,12 +88,80 @@ pub(super) enum CopyOut {
     Sending(Arc<HeldTransfer>),
 }
 
-/// A device copy not sent yet: the buffer (pinned by its lease) and the work before the
+/// A device copy not sent yet: its bytes (pinned by their lease) and the work before the
 /// offer that its send must follow.
 pub(super) struct DeviceCopy {
-    cell: Arc<BufferCell>,
+    source: CopySource,
     len: usize,
     fence: Option<Arc<dyn ExportedFence>>,
+}
+
+/// Where a copy's bytes are read from.
+enum CopySource {
+    /// A buffer of ours, pinned by the lease offered on it.
+    Own(Arc<BufferCell>),
+    /// A lease of ours on another process's buffer (a forward): our view of its mapping,
+    /// and what pins the lease ([`LeasePin`]).
+    Forwarded(Box<Imported>, Box<dyn std::any::Any + Send + Sync>),
+}
+
+/// A host link's message ready to hand on (see [`hand_on`](PeerLink::hand_on)).
+pub(super) struct Handed {
+    then: Then<Attached>,
+    opened: Result<Vec<IncomingLease>, IpcError>,
+    slot: Option<OwnedSemaphorePermit>,
+}
+
+impl std::fmt::Debug for Handed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handed")
+            .field("opened", &self.opened.as_ref().map(Vec::len))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The forwards sent over this link as copies, by the lease the peer sees: who waits for
+/// their bytes to land.
+pub(super) type ForwardsOut = HashMap<LeaseId, oneshot::Sender<Result<LeaseId, ActorError>>>;
+
+/// Keeps one of our leases on another process's buffer from going back to its exporter
+/// while a copy to another host reads from our mapping of it: if the lease's guard drops
+/// meanwhile, its `Release` waits (`LinkState::defer_release`) until the last pin drops —
+/// which a send does only once its engine no longer touches the memory. So the exporter
+/// counts the lease, and neither writes nor frees the buffer, while the bytes are read.
+pub(crate) struct LeasePin {
+    link: LinkRef,
+    lease: LeaseId,
+}
+
+impl LeasePin {
+    /// Pins `lease`, held over `link` (the exporter's); its guard must be alive.
+    pub(crate) fn new(link: LinkRef, lease: LeaseId) -> Self {
+        link.state.pin(lease);
+        Self { link, lease }
+    }
+}
+
+impl Drop for LeasePin {
+    fn drop(&mut self) {
+        let Some(release) = self.link.state.unpin(self.lease) else {
+            return;
+        };
+        tracing::debug!(lease = %self.lease, "the copies of a dropped lease are done: its release goes");
+        if self.link.is_alive() {
+            self.link.do_send(release);
+        } else if let Some(pending) = release.pending {
+            // The exporter is gone; the mapping still must outlive our work on it.
+            pending.wait();
+        }
+    }
+}
+
+/// How long a forward to another host may wait for its copy to land: the receiver's own
+/// deadline for it ([`deadline_for`], with the rendezvous of a first device copy), and a
+/// heartbeat deadline more for its answer.
+pub(crate) fn forward_deadline(heartbeat: Duration, rendezvous: Duration, len: usize) -> Duration {
+    deadline_for(heartbeat * 2 + rendezvous, len)
 }
 
 /// The device copies pulled and not sent yet, in the order of their pulls (the order
@@ -171,6 +251,28 @@ impl PeerLink {
         self.peer.host().is_some()
     }
 
+    /// The peer and our engines, for a copy by `engine`: refused (typed, the link kept)
+    /// where the peer announced no TCP engine, or this node cannot send it.
+    fn copy_plane(
+        &self,
+        engine: CopyEngine,
+    ) -> Result<(EnginePeer, Arc<crate::node::HostPlane>), ActorError> {
+        let name = engine_name(engine);
+        let peer = self
+            .engine_peer()
+            .filter(|p| p.data_addr.is_some())
+            .ok_or_else(|| unsupported(name, "the peer announced no TCP engine"))?;
+        let plane = self
+            .node
+            .plane()
+            .ok_or_else(|| unsupported(name, "this node has no host link"))?;
+        if engine == CopyEngine::Nccl {
+            // Made now, so that a node without NCCL refuses the offer, not its pull.
+            self.node.nccl()?;
+        }
+        Ok((peer, plane))
+    }
+
     /// Grants the peer a lease on `out`'s buffer and offers it as a copy: host memory
     /// starts sending at once, device memory when the peer pulls it (see the
     /// [module docs](self)).
@@ -185,18 +287,7 @@ impl PeerLink {
             )
             .into());
         }
-        let peer = self
-            .engine_peer()
-            .filter(|p| p.data_addr.is_some())
-            .ok_or_else(|| unsupported(name, "the peer announced no TCP engine"))?;
-        let plane = self
-            .node
-            .plane()
-            .ok_or_else(|| unsupported(name, "this node has no host link"))?;
-        if engine == CopyEngine::Nccl {
-            // Made now, so that a node without NCCL refuses the offer, not its pull.
-            self.node.nccl()?;
-        }
+        let (peer, plane) = self.copy_plane(engine)?;
         let fence = out.acquire_fence(&self.peer.process)?;
         let (mut offer, fd, grant) =
             (self.node.exports()).grant(cell, &self.me, 0, fence.clone(), false)?;
@@ -208,7 +299,7 @@ impl PeerLink {
         let len = offer.handle.len as usize;
         if engine == CopyEngine::Nccl {
             let copy = DeviceCopy {
-                cell: Arc::clone(cell),
+                source: CopySource::Own(Arc::clone(cell)),
                 len,
                 fence,
             };
@@ -238,6 +329,112 @@ impl PeerLink {
         }
     }
 
+    /// Offers the peer a copy of a lease we hold on another process's buffer (a forward
+    /// to another host), read from our own mapping of it: as a copy of a buffer of ours
+    /// (`grant_copy`), except that no ledger of ours counts the lease — the table of
+    /// forwards does, until the peer gives it back — and that what pins the bytes is our
+    /// lease on the original ([`LeasePin`]), kept by the send until its engine lets go.
+    fn offer_forwarded(
+        &mut self,
+        msg: ForwardCopy,
+        ctx: &mut Context<Self>,
+    ) -> Result<LeaseId, ActorError> {
+        let ForwardCopy {
+            view,
+            keep,
+            fence,
+            reply: _,
+        } = msg;
+        let engine = engine_for(view.ptr());
+        let name = engine_name(engine);
+        let (peer, plane) = self.copy_plane(engine)?;
+        let len = view.len();
+        let lease = crate::ids::next_lease();
+        let handle = HandleMsg {
+            version: PROTOCOL_VERSION,
+            exporter: ExporterId {
+                process: self.node.session().process(),
+                actor: ActorId::new(0),
+            },
+            alloc: baton_ipc::next_allocation_id(),
+            generation: Generation::FIRST,
+            backend: view.mapping().backend(),
+            device: view.device(),
+            alloc_size: len as u64,
+            offset: 0,
+            len: len as u64,
+            layout: view.layout().cloned(),
+            raw: RawHandle::Copy { engine },
+            fence: None,
+            digest: HandleDigest::default(),
+        }
+        .sealed(self.node.session().handle_key());
+        let _span = tracing::debug_span!(parent: &self.span, "forward_copy", %lease, bytes = len, engine = name, exporter = %view.exporter()).entered();
+        if engine == CopyEngine::Nccl {
+            let copy = DeviceCopy {
+                source: CopySource::Forwarded(Box::new(view), keep),
+                len,
+                fence,
+            };
+            self.copies_out.insert(lease, CopyOut::Offered(copy));
+        } else {
+            let id = TransferId(lease.get());
+            let transfer = HeldTransfer::send_view(&plane.engine, &peer, id, view, keep)?;
+            let transfer = Arc::new(transfer);
+            self.copies_out
+                .insert(lease, CopyOut::Sending(Arc::clone(&transfer)));
+            reap(transfer);
+        }
+        if let Err(e) = self.send(&Wire::Offer(Offer { lease, handle }), Vec::new()) {
+            // Never offered: its send stops (and lets go of the pin) at once.
+            self.copy_done(lease, true);
+            self.cut(ctx, e);
+            return Err(ActorError::LinkClosed {
+                peer: self.peer.process,
+            });
+        }
+        tracing::debug!("forwarded as a copy");
+        Ok(lease)
+    }
+
+    /// The peer gave back the lease of a forward's copy: its bytes landed if its send
+    /// finished without error (told on a blocking thread: the engine reports a send's end
+    /// a moment after the receiver's), else the receiver refused it. Returns whether
+    /// `lease` was a forward's.
+    pub(super) fn forward_released(&mut self, lease: LeaseId) -> bool {
+        let Some(reply) = self.forwards_out.remove(&lease) else {
+            return false;
+        };
+        let sending = match self.copies_out.remove(&lease) {
+            Some(CopyOut::Sending(transfer)) => Some(transfer),
+            // Never pulled, or pulled and not started: the receiver refused it.
+            _ => None,
+        };
+        let within = self.node.heartbeat().deadline;
+        match sending {
+            None => {
+                let _ = reply.send(Err(ActorError::ForwardRefused {
+                    reason: "the peer refused the copy".into(),
+                }));
+            }
+            Some(transfer) => {
+                tokio::task::spawn_blocking(move || {
+                    let outcome = match transfer.wait(within) {
+                        Ok(()) => Ok(lease),
+                        Err(e) => Err(ActorError::ForwardRefused {
+                            reason: format!("the copy did not land: {e}"),
+                        }),
+                    };
+                    // Dropped first: the lease it reads from is let go of before the
+                    // forward's caller hears that it is done.
+                    drop(transfer);
+                    let _ = reply.send(outcome);
+                });
+            }
+        }
+        true
+    }
+
     /// A copy's lease came back (landed, or refused unpulled), or its frame was never
     /// sent (`abort`). A pulled copy not sent yet is dropped from its turn.
     pub(super) fn copy_done(&mut self, lease: LeaseId, abort: bool) {
@@ -261,6 +458,10 @@ impl PeerLink {
         // its reaper, which keeps its memory until the engine lets go of it.
         self.pulls.queue.clear();
         self.copies_out.clear();
+        let peer = self.peer.process;
+        for (_, reply) in self.forwards_out.drain() {
+            let _ = reply.send(Err(ActorError::LinkClosed { peer }));
+        }
     }
 
     /// The peer posted its receive of the device copy of `lease`: its send takes its turn.
@@ -340,14 +541,14 @@ impl PeerLink {
             .ok_or_else(|| unsupported("nccl", "not a host link"))?;
         let nccl = self.node.nccl()?;
         let id = TransferId(lease.get());
-        Ok(HeldTransfer::send(
-            &*nccl,
-            &peer,
-            id,
-            copy.cell.alloc.clone(),
-            0,
-            copy.len,
-        )?)
+        Ok(match copy.source {
+            CopySource::Own(cell) => {
+                HeldTransfer::send(&*nccl, &peer, id, cell.alloc.clone(), 0, copy.len)?
+            }
+            CopySource::Forwarded(view, keep) => {
+                HeldTransfer::send_view(&*nccl, &peer, id, *view, keep)?
+            }
+        })
     }
 
     /// The peer's engine's rendezvous message, for ours.
@@ -374,6 +575,19 @@ impl PeerLink {
             relayed,
             then,
         } = open;
+        // Its turn in the link's order, before anything can hand it on.
+        let bytes = match &then {
+            Then::Call { payload, .. } => payload.len(),
+            Then::Reply { bytes, .. } => bytes.len(),
+            Then::Deliver => 0,
+        };
+        let limits = self.limits;
+        let turn = self
+            .held
+            .admit(bytes, limits.held_messages, limits.held_bytes)?;
+        if offers.is_empty() {
+            return self.hand_on(turn, then, Ok(Vec::new()), slot, ctx);
+        }
         let key = self.node.session().handle_key();
         for offer in &offers {
             if !matches!(offer.handle.raw, RawHandle::Copy { .. }) {
@@ -392,7 +606,9 @@ impl PeerLink {
             .first()
             .map_or("tcp", |o| engine_name(copy_engine(o)));
         let received = if relayed {
-            Err(unsupported(name, "a forwarded lease does not cross hosts"))
+            // A relay forwards to another host as a copy of its own (`Peer::forward`),
+            // never a handle of a third process's memory.
+            Err(unsupported(name, "a relayed offer does not cross hosts"))
         } else if self.copies_in.saturating_add(len) > self.limits.copy_bytes {
             // Each copy is memory of ours: a peer cannot make us allocate without bound.
             Err(unsupported(
@@ -409,7 +625,7 @@ impl PeerLink {
                 // do not hold up the copies behind them on its connection. (Device copies
                 // are sent only once pulled.)
                 self.decline(&offers);
-                return self.copies_failed(&offers, e, then, slot, ctx);
+                return self.copies_failed(&offers, e, turn, then, slot, ctx);
             }
         };
         // Device copies: their receives are posted, so the sender may start them (in
@@ -440,9 +656,14 @@ impl PeerLink {
             let _g = span.enter();
             act.copies_in -= len;
             let done = match joined {
-                Ok(Ok(receiving)) => act.copies_landed(offers, receiving, then, slot, ctx),
-                Ok(Err(e)) => act.copies_failed(&offers, e, then, slot, ctx),
-                Err(_) => Ok(()),
+                Ok(Ok(receiving)) => act.copies_landed(offers, receiving, turn, then, slot, ctx),
+                Ok(Err(e)) => act.copies_failed(&offers, e, turn, then, slot, ctx),
+                // The waiting task ended early (the runtime stops): its turn ends too, so
+                // nothing waits behind it for ever.
+                Err(_) => {
+                    let why = unsupported(name, "the wait for the copies ended early");
+                    act.copies_failed(&offers, why, turn, then, slot, ctx)
+                }
             };
             if let Err(e) = done {
                 drop(_g);
@@ -502,6 +723,7 @@ impl PeerLink {
         &mut self,
         offers: Vec<Offer>,
         receiving: Vec<HeldTransfer>,
+        turn: Turn,
         then: Then<Attached>,
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
@@ -522,11 +744,11 @@ impl PeerLink {
             let cell = self.node.adopt_allocation(alloc, layout);
             match self.open_copy(offer.lease, cell) {
                 Ok(lease) => leases.push(lease),
-                Err(e) => return self.then(then, Err(e), slot, ctx),
+                Err(e) => return self.hand_on(turn, then, Err(e), slot, ctx),
             }
         }
         tracing::debug!(copies = leases.len(), "copies landed");
-        self.then(then, Ok(leases), slot, ctx)
+        self.hand_on(turn, then, Ok(leases), slot, ctx)
     }
 
     /// A lease on our own copy, opened through the import cache.
@@ -554,6 +776,7 @@ impl PeerLink {
         &mut self,
         offers: &[Offer],
         why: IpcError,
+        turn: Turn,
         then: Then<Attached>,
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
@@ -562,7 +785,51 @@ impl PeerLink {
         for frame in self.session.refused(offers, false) {
             self.send(&frame, Vec::new())?;
         }
-        self.then(then, Err(why), slot, ctx)
+        self.hand_on(turn, then, Err(why), slot, ctx)
+    }
+
+    /// The message of `turn` is ready: it is handed on once those read before it are —
+    /// now, with those behind it that were waiting for it (see [`held`](super::held)).
+    fn hand_on(
+        &mut self,
+        turn: Turn,
+        then: Then<Attached>,
+        opened: Result<Vec<IncomingLease>, IpcError>,
+        slot: Option<OwnedSemaphorePermit>,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), ActorError> {
+        let item = Handed { then, opened, slot };
+        let now = self.held.ready(turn, item);
+        if now.is_empty() {
+            tracing::trace!(
+                waiting = self.held.waiting(),
+                "a message waits for those read before it"
+            );
+        }
+        for Handed { then, opened, slot } in now {
+            self.then(then, opened, slot, ctx)?;
+        }
+        Ok(())
+    }
+}
+
+impl Handler<ForwardCopy> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, mut msg: ForwardCopy, ctx: &mut Self::Context) {
+        let (tx, _) = oneshot::channel();
+        let reply = std::mem::replace(&mut msg.reply, tx);
+        if reply.is_closed() {
+            // Its caller gave up before it started.
+            return;
+        }
+        match self.offer_forwarded(msg, ctx) {
+            Ok(lease) => {
+                self.forwards_out.insert(lease, reply);
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
     }
 }
 

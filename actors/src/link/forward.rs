@@ -4,16 +4,21 @@
 //! the calls that start a forward ([`Peer::forward`], [`Lease::forward_to`]).
 
 use super::PeerLink;
-use crate::buffer::{Element, Lease};
+use super::copy::{LeasePin, forward_deadline};
+use crate::buffer::{Element, IncomingLease, Lease};
 use crate::error::ActorError;
-use crate::link_ref::{AskForward, GiveBack, PassOn, RevokePassed, SendRelease};
+use crate::link_ref::{AskForward, ForwardCopy, GiveBack, PassOn, RevokePassed, SendRelease};
 use crate::node::Peer;
 use crate::relay::PendingForward;
 use actix::prelude::*;
-use baton_ipc::FrameFds;
+use baton_ipc::transfer::nccl::NcclConfig;
+use baton_ipc::{ExportedFence, FrameFds, Imported, MemPtr};
 use baton_messages::protocol::{Forward, Forwarded, Offer, Relayed, Release, Revoke};
 use baton_messages::{FenceHandle, LeaseId, Message as Wire};
+use futures_util::future::Either;
+use std::any::Any;
 use std::future::Future;
+use std::sync::Arc;
 use tokio::sync::oneshot;
 
 impl<T: Element> Lease<T> {
@@ -21,6 +26,7 @@ impl<T: Element> Lease<T> {
     /// (its ledger counts `to` as a holder), and this node relays the offer, which arrives
     /// in `to`'s inbox ([`Node::set_inbox`](crate::Node::set_inbox)) as an
     /// [`Offered`](crate::Offered) from this process. Returns the lease id `to` sees.
+    /// To a peer on another host, a copy instead (see [`Peer::forward`]).
     ///
     /// This lease stays this node's to drop: the forwarded one is independent of it.
     /// See [`Peer::forward`] and `docs/FORWARDING.md`.
@@ -44,16 +50,32 @@ impl Peer {
     /// until it gives the buffer back or dies — also if this node dies first. Returns the
     /// lease id the peer sees (this node's name for the forwarded lease).
     ///
+    /// **To a peer on another host** (a host link, [`PeerInfo::host`](baton_ipc::PeerInfo::host)),
+    /// the buffer cannot be mapped there: it arrives as a *copy* in memory the peer's node
+    /// owns, in its inbox as from this process, moved by the engine that moves this node's
+    /// own buffers (TCP for host memory, NCCL for device memory) and read from this node's
+    /// mapping of the lease. The lease stays held meanwhile — if it is dropped before the
+    /// bytes landed, its release to the exporter waits until the engine no longer reads
+    /// them — and the future resolves once the peer gave the copy's lease back, i.e. once
+    /// the bytes landed (device memory: after the work queued on the buffer before its
+    /// offer to us, as for our own buffers). A lease that is itself a copy from another
+    /// host is forwarded the same way.
+    ///
     /// # Errors
     /// [`ActorError::Orphaned`] if the exporter is gone; [`ActorError::LinkClosed`] if a
     /// link goes down first; [`ActorError::ForwardRefused`] if the exporter refused (the
-    /// lease is back, the peer is the exporter itself, a limit); [`ActorError::Timeout`]
-    /// after the heartbeat deadline.
+    /// lease is back, the peer is the exporter itself, a limit) — or, to another host, if
+    /// the lease is writable (a [`LeaseMut`](crate::LeaseMut): the peer would write a
+    /// copy) or the peer refused the copy or it did not land; [`ActorError::Timeout`]
+    /// after the heartbeat deadline (to another host: the copy's deadline, from its size).
     pub fn forward<T: Element>(
         &self,
         lease: &Lease<T>,
     ) -> impl Future<Output = Result<LeaseId, ActorError>> + 'static {
         let incoming = lease.incoming();
+        if self.info.host().is_some() {
+            return Either::Left(self.forward_copy(incoming));
+        }
         let upstream = incoming.link.clone();
         let exporter = upstream.peer();
         let asked = if !upstream.is_alive() {
@@ -77,7 +99,7 @@ impl Peer {
             Ok(rx)
         };
         let after = self.link_deadline;
-        async move {
+        Either::Right(async move {
             let rx = asked?;
             match tokio::time::timeout(after, rx).await {
                 Ok(Ok(result)) => result,
@@ -87,7 +109,95 @@ impl Peer {
                     after,
                 }),
             }
+        })
+    }
+
+    /// [`forward`](Self::forward) to a peer on another host: a copy, read from our view
+    /// of the lease, pinned until the engine lets go of it (see `link/copy.rs`).
+    fn forward_copy(
+        &self,
+        incoming: &IncomingLease,
+    ) -> impl Future<Output = Result<LeaseId, ActorError>> + 'static {
+        let to = self.process();
+        let prepared = self.prepare_copy(incoming);
+        let link = self.link.clone();
+        let device = matches!(incoming.imported().ptr(), MemPtr::Device(_));
+        let rendezvous = if device {
+            NcclConfig::default().rendezvous_timeout
+        } else {
+            std::time::Duration::ZERO
+        };
+        let after = forward_deadline(self.link_deadline, rendezvous, incoming.imported().len());
+        let forwarded = async move {
+            let (view, keep, fence) = prepared?;
+            let fence = match (device, fence) {
+                // A host copy starts at once: the work before it is waited for here.
+                (false, Some(fence)) => {
+                    let waited = tokio::task::spawn_blocking(move || fence.synchronize()).await;
+                    waited.map_err(|_| ActorError::LinkClosed { peer: to })??;
+                    None
+                }
+                (_, fence) => fence,
+            };
+            let (reply, rx) = oneshot::channel();
+            link.do_send(ForwardCopy {
+                view,
+                keep,
+                fence,
+                reply,
+            });
+            rx.await.unwrap_or(Err(ActorError::LinkClosed { peer: to }))
+        };
+        async move {
+            tokio::time::timeout(after, forwarded)
+                .await
+                .unwrap_or(Err(ActorError::Timeout {
+                    op: "forward",
+                    after,
+                }))
         }
+    }
+
+    /// What a copy of `incoming` to another host reads and keeps: a view of its bytes of
+    /// our own, the pin on our lease (or, for a copy that landed here, the buffer), and
+    /// the fence its send follows. Done while the lease is alive (its `Release` cannot
+    /// have gone before the pin).
+    #[allow(clippy::type_complexity)]
+    fn prepare_copy(
+        &self,
+        incoming: &IncomingLease,
+    ) -> Result<
+        (
+            Imported,
+            Box<dyn Any + Send + Sync>,
+            Option<Arc<dyn ExportedFence>>,
+        ),
+        ActorError,
+    > {
+        if incoming.held.is_writable() {
+            return Err(ActorError::ForwardRefused {
+                reason: "a writable lease does not cross hosts: the receiver would get a copy to write (send the result back as a buffer of its own)".into(),
+            });
+        }
+        if !self.link.is_alive() {
+            return Err(ActorError::LinkClosed {
+                peer: self.process(),
+            });
+        }
+        let view = incoming.live()?;
+        let me = baton_ipc::process::current();
+        let fence = match incoming.order.acquire() {
+            Some((producer, fence)) => view
+                .backend()
+                .ordering()
+                .relay_fence(producer, fence, &me)?,
+            None => None,
+        };
+        let keep: Box<dyn Any + Send + Sync> = match &incoming.copy {
+            Some(cell) => Box::new(Arc::clone(cell)),
+            None => Box::new(LeasePin::new(incoming.link.clone(), incoming.lease)),
+        };
+        Ok((view.another_view()?, keep, fence))
     }
 }
 

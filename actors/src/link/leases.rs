@@ -25,6 +25,10 @@ impl PeerLink {
     ) -> Result<(), ActorError> {
         probe!("link.release.in");
         tracing::trace!(%lease, fences = fences.len(), "released");
+        // A forward's copy: its caller hears whether it landed (no ledger of ours counts it).
+        if self.forward_released(lease) {
+            return Ok(());
+        }
         // A copy's lease comes back once its bytes landed.
         self.copy_done(lease, false);
         if self.release_passed(lease) {
@@ -124,6 +128,11 @@ impl Handler<ReleaseLease> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: ReleaseLease, ctx: &mut Self::Context) {
         probe!("link.release");
+        // A copy to another host still reads the buffer: its `Release` waits for it.
+        let Some(msg) = self.me.state.defer_release(msg) else {
+            tracing::debug!(parent: &self.span, "a lease's release waits for the copies that read it");
+            return;
+        };
         let ReleaseLease {
             lease,
             fences,

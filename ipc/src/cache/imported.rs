@@ -13,7 +13,7 @@ use super::CacheKey;
 use super::shared::Shared;
 use crate::backend::{MemPtr, OpenedMem, SharedBackend};
 use crate::{Error, Result};
-use baton_messages::{AllocationId, ExporterId, FenceHandle, Generation, Layout};
+use baton_messages::{AllocationId, DeviceUuid, ExporterId, FenceHandle, Generation, Layout};
 use std::fmt;
 use std::sync::Arc;
 
@@ -29,6 +29,8 @@ pub struct Imported {
     pub(super) offset: usize,
     pub(super) len: usize,
     pub(super) layout: Option<Layout>,
+    /// The device the memory lives on ([`DeviceUuid::HOST`] for host memory).
+    pub(super) device: DeviceUuid,
     /// A release fence of this process after the work queued on the view
     /// ([`release_after`](Self::release_after)).
     pub(super) release: Option<FenceHandle>,
@@ -80,6 +82,35 @@ impl Imported {
     /// Where the buffer's first byte is.
     pub fn ptr(&self) -> MemPtr {
         self.mem().ptr().offset_by(self.offset)
+    }
+
+    /// The device the memory lives on ([`DeviceUuid::HOST`] for host memory).
+    pub fn device(&self) -> DeviceUuid {
+        self.device
+    }
+
+    /// One more view of the same bytes, counted by the cache as any view is: the mapping
+    /// stays open while either lives (a send that reads it keeps one, whatever the
+    /// other's owner does meanwhile).
+    ///
+    /// # Errors
+    /// [`Error::WrittenInPlace`] while a view of the mapping hands out its bytes
+    /// writable ([`host_bytes_mut`](Self::host_bytes_mut)).
+    pub fn another_view(&self) -> Result<Imported> {
+        self.cache.lock().add_view(&self.key, self.key.alloc)?;
+        Ok(Imported {
+            cache: Arc::clone(&self.cache),
+            key: self.key,
+            generation: self.generation,
+            mem: self.mem.clone(),
+            backend: Arc::clone(&self.backend),
+            offset: self.offset,
+            len: self.len,
+            layout: self.layout.clone(),
+            device: self.device,
+            release: None,
+            written_in_place: false,
+        })
     }
 
     /// The whole mapping this buffer is part of.

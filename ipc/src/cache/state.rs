@@ -217,6 +217,20 @@ impl<M: Clone> State<M> {
         Ok(found)
     }
 
+    /// One more view of `key`, whose entry a live view keeps present; refused while a
+    /// view hands out its bytes writable.
+    pub(super) fn add_view(&mut self, key: &CacheKey, alloc: AllocationId) -> Result<()> {
+        let entry = self
+            .entries
+            .get_mut(key)
+            .expect("a live view keeps its entry");
+        if entry.written_in_place {
+            return Err(Error::WrittenInPlace { alloc });
+        }
+        entry.users += 1;
+        Ok(())
+    }
+
     /// A miss mapped `key` (marked opening, so absent until now): its entry, with one user.
     pub(super) fn insert(&mut self, key: CacheKey, mapping: M, size: u64, handle: &HandleMsg) {
         self.entries.insert(

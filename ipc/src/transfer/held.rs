@@ -5,6 +5,7 @@
 
 use super::{EnginePeer, Region, Transfer, TransferEngine, TransferId};
 use crate::backend::{Allocation, MemPtr};
+use crate::cache::Imported;
 use crate::{Error, Result};
 use std::fmt;
 use std::sync::Arc;
@@ -17,6 +18,10 @@ enum Kept {
     #[allow(dead_code)]
     Shared(Arc<Allocation>),
     Owned(Allocation),
+    /// A view of another process's memory this process maps (a lease it holds), and what
+    /// else must live as long as the engine may read it (the lease's pin).
+    #[allow(dead_code)]
+    View(Box<Imported>, Box<dyn std::any::Any + Send + Sync>),
 }
 
 /// A transfer of part of an [`Allocation`] that holds the allocation until the engine no
@@ -108,6 +113,42 @@ impl HeldTransfer {
         })
     }
 
+    /// Starts sending the bytes of `view` (memory of another process that this one maps)
+    /// to `peer` as transfer `id`, keeping the view — so the mapping — and `also` until
+    /// the transfer has finished or been aborted. What `also` is for: whatever keeps the
+    /// bytes from changing meanwhile (the lease the view belongs to, which its exporter
+    /// counts until it comes back).
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub fn send_view(
+        engine: &dyn TransferEngine,
+        peer: &EnginePeer,
+        id: TransferId,
+        view: Imported,
+        also: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<HeldTransfer> {
+        let ptr = view.ptr();
+        let src = Region {
+            ptr,
+            len: view.len(),
+            device: match ptr {
+                MemPtr::Host(_) => None,
+                MemPtr::Device(_) => Some(view.device()),
+            },
+        };
+        // SAFETY: `src` is the view's bytes, inside the mapping the view keeps open;
+        // this transfer keeps the view until the engine no longer touches it: `Drop`
+        // aborts an unfinished transfer (the abort returns once no engine thread touches
+        // the memory) before it lets go of the view, or hands the view to a keeper thread
+        // that waits for the engine to let go.
+        let transfer = unsafe { engine.send(peer, id, src)? };
+        Ok(HeldTransfer {
+            transfer,
+            kept: Some(Kept::View(Box::new(view), also)),
+        })
+    }
+
     /// Starts receiving transfer `id` from `peer` into bytes `offset..offset + len` of
     /// `alloc`, which it owns until it lands ([`into_allocation`](Self::into_allocation)).
     ///
@@ -186,6 +227,7 @@ impl Drop for HeldTransfer {
         let bytes = match &kept {
             Kept::Shared(a) => a.size(),
             Kept::Owned(a) => a.size(),
+            Kept::View(v, _) => v.len(),
         };
         tracing::warn!(transfer = %id, bytes, "an engine still touches an aborted transfer's memory: kept until it lets go");
         let transfer = self.transfer.clone_handle();

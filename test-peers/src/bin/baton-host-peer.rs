@@ -31,8 +31,19 @@
 //!   the session's key; prints `cut` once the listener closes the link (`answered <kind>`
 //!   for any frame but a ping meanwhile), exits 0. `--forge pull`: sends a `Pull` of a
 //!   lease never offered instead; `--forge rendezvous`: an NCCL rendezvous message;
-//!   `--forge device-copy`: the `Call` offers an NCCL copy (device memory) — a host-memory
+//!   `--forge held`: a `Call` with a TCP copy whose bytes never come, then 63 calls
+//!   without buffers (they wait behind it: a node whose `LinkLimits::held_messages` is
+//!   lower cuts the link); `--forge release --lease N`: a `Release` of lease N (one granted over another link);
+//!   `--forge pull --lease N` names lease N; `--forge device-copy`: the `Call` offers an NCCL copy (device memory) — a host-memory
 //!   node refuses it: prints `answered Release`, then `reply <fault>` and exits 0.
+//! - `baton-host-peer export SOCKET --len N --seed S`: the exporter A of a forward across
+//!   hosts, on the relay's host. Links to the Unix socket SOCKET (printing `linked`),
+//!   allocates N bytes of the pattern S and sends them to the relay's `keep` (printing
+//!   `kept`; with `--writable`, shared writable to `keep-mut`); its `ledger` answers `LedgerOf` (its node's leases out, whether the buffer
+//!   could be written now). Serves until the link goes down, then exits 0.
+//! - `listen ADDR --inbox --seed S`: as `listen`, and each buffer that arrives in the
+//!   node's inbox is read, checked against the pattern S and dropped: prints
+//!   `inbox lease=<id> len=<n> pattern=<true|false>`.
 //!
 //! Session from the token pipe (`BATON_TOKEN_FD`), taken at the top of `main`; host
 //! memory in the flavor `BATON_HOST` picks, or with `--cuda` device memory
@@ -85,12 +96,100 @@ struct Cli {
     /// bench: how many copies per size.
     #[arg(long, default_value_t = 9)]
     reps: usize,
-    /// forge: what to forge (segment, pull, rendezvous, device-copy).
+    /// forge: what to forge (segment, pull, rendezvous, device-copy, release, held).
     #[arg(long, default_value = "segment")]
     forge: String,
+    /// forge pull, forge release: the lease they name.
+    #[arg(long, default_value_t = 1)]
+    lease: u64,
     /// drive-kill: once the lease is back, link here and send a 1 MiB `Echo`.
     #[arg(long)]
     then: Option<String>,
+    /// listen: check and drop what arrives in the node's inbox.
+    #[arg(long)]
+    inbox: bool,
+    /// export: share the buffer writable (to the relay's `keep-mut`).
+    #[arg(long)]
+    writable: bool,
+    /// export, listen --inbox: the pattern's seed.
+    #[arg(long, default_value_t = 7)]
+    seed: u8,
+}
+
+/// Reads what arrives in the inbox, checks it against the pattern `seed`, drops it.
+struct Inbox {
+    seed: u8,
+}
+
+impl Actor for Inbox {
+    type Context = Context<Self>;
+}
+
+impl Handler<baton::actors::Offered> for Inbox {
+    type Result = ();
+    fn handle(&mut self, msg: baton::actors::Offered, _: &mut Context<Self>) {
+        match msg.buffer.open().and_then(|l| Ok((l.id(), l.to_vec()?))) {
+            Ok((id, bytes)) => say(&format!(
+                "inbox lease={id} len={} pattern={}",
+                bytes.len(),
+                is_pattern(self.seed, &bytes)
+            )),
+            Err(e) => say(&format!("inbox-failed {e:?}")),
+        }
+    }
+}
+
+/// `forge held`: the calls without buffers sent behind the copy that never lands.
+const LEASE_HELD_CALLS: u64 = 64;
+
+/// The `export` role (see the module docs).
+async fn export(node: &Node, cli: &Cli) -> Result<(), String> {
+    // Written before linking: a large pattern takes this (single) thread a while, and a
+    // link would go unanswered meanwhile.
+    let buffer = node.allocate::<u8>(cli.len).map_err(|e| e.to_string())?;
+    buffer
+        .write_at(0, &pattern_bytes(cli.seed, cli.len))
+        .map_err(|e| e.to_string())?;
+    let start = std::time::Instant::now();
+    let peer = loop {
+        match tokio::time::timeout(DEADLINE, node.connect(&cli.addr)).await {
+            Ok(Ok(peer)) => break peer,
+            Ok(Err(e)) if start.elapsed() < DEADLINE => {
+                eprintln!("baton-host-peer: connect: {e} (retrying)");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(Err(e)) => return Err(format!("{e:?}")),
+            Err(_) => return Err("connect timed out".to_owned()),
+        }
+    };
+    say("linked");
+    let (data, data_mut) = match cli.writable {
+        false => (Some(buffer.share()), None),
+        true => (None, Some(buffer.share_mut())),
+    };
+    let ledger = Ledger {
+        node: node.clone(),
+        buffer,
+        seed: cli.seed,
+    };
+    node.register::<LedgerOf>("ledger", ledger.start().recipient());
+    let kept = match (data, data_mut) {
+        (Some(data), _) => {
+            peer.remote::<Keep>("keep")
+                .send_timeout(Keep { data }, DEADLINE)
+                .await
+        }
+        (_, Some(data)) => {
+            peer.remote::<KeepMut>("keep-mut")
+                .send_timeout(KeepMut { data }, DEADLINE)
+                .await
+        }
+        _ => unreachable!("one of the two"),
+    };
+    kept.map_err(|e| format!("the keep call: {e:?}"))??;
+    say("kept");
+    let _ = tokio::time::timeout(Duration::from_secs(600), peer.closed()).await;
+    Ok(())
 }
 
 /// The device's free memory, once the backend holds at most `live` allocations (its
@@ -153,10 +252,10 @@ fn say(line: &str) {
 }
 
 /// The `forge` role (see the module docs); blocking.
-fn forge(addr: &str, session: &baton::Session, what: &str) -> Result<(), String> {
+fn forge(addr: &str, session: &baton::Session, what: &str, lease: u64) -> Result<(), String> {
     use baton::ipc::Backend;
     use baton::ipc::tcp::{HostId, HostLink, NodeKey, TcpConfig};
-    use baton::messages::protocol::{Call, Offer, Pull, Rendezvous};
+    use baton::messages::protocol::{Call, Offer, Pull, Release, Rendezvous};
     use baton::messages::{CopyEngine, LeaseId, Message, RawHandle};
     let key = NodeKey::generate().map_err(|e| e.to_string())?;
     let config = TcpConfig::new(session.clone(), key).host(HostId::current());
@@ -165,9 +264,12 @@ fn forge(addr: &str, session: &baton::Session, what: &str) -> Result<(), String>
     let backend = HostBackend::new().map_err(|e| e.to_string())?;
     let segment = backend.allocate(4096).map_err(|e| e.to_string())?;
     let mut handle = segment.handle(session).build().map_err(|e| e.to_string())?;
-    if what == "device-copy" {
+    if what == "device-copy" || what == "held" {
         handle.raw = RawHandle::Copy {
-            engine: CopyEngine::Nccl,
+            engine: match what {
+                "held" => CopyEngine::Tcp,
+                _ => CopyEngine::Nccl,
+            },
         };
         handle = handle.sealed(session.handle_key());
     }
@@ -182,16 +284,32 @@ fn forge(addr: &str, session: &baton::Session, what: &str) -> Result<(), String>
         }],
     });
     let frame = match what {
-        "segment" | "device-copy" => call,
+        "segment" | "device-copy" | "held" => call,
         "pull" => Message::Pull(Pull {
-            lease: LeaseId::new(1),
+            lease: LeaseId::new(lease),
         }),
+        "release" => Message::Release(Release::now(LeaseId::new(lease))),
         "rendezvous" => Message::Rendezvous(Rendezvous {
             bytes: vec![0; 149],
         }),
         other => return Err(format!("cannot forge {other}")),
     };
     link.send(&frame, &[]).map_err(|e| format!("{e:?}"))?;
+    if what == "held" {
+        // Its bytes never come: calls without buffers pile up behind it.
+        for id in 2..=LEASE_HELD_CALLS {
+            let plain = Message::Call(Call {
+                id,
+                target: "echo".into(),
+                type_name: <Echo as baton::actors::RemoteMessage>::NAME.into(),
+                payload: Vec::new(),
+                offers: Vec::new(),
+            });
+            if link.send(&plain, &[]).is_err() {
+                break;
+            }
+        }
+    }
     let start = std::time::Instant::now();
     while start.elapsed() < DEADLINE {
         match link.recv_timeout(DEADLINE) {
@@ -244,6 +362,12 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
         peer: Arc::clone(&linked),
     };
     node.register::<Push>("push", pusher.start().recipient());
+    if cli.inbox {
+        node.set_inbox(Inbox { seed: cli.seed }.start().recipient());
+    }
+    if cli.role == "export" {
+        return export(&node, &cli).await;
+    }
     let timeout = |e| format!("{e:?}");
     if cli.role == "listen" && cli.serve > 1 {
         let mut listening = node.listen_tcp(&*cli.addr).map_err(timeout)?;
@@ -434,7 +558,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.role.as_str() {
-        "forge" => forge(&cli.addr, &session, &cli.forge),
+        "forge" => forge(&cli.addr, &session, &cli.forge, cli.lease),
         _ => System::new().block_on(run(cli, session)),
     };
     if let Err(e) = result {
