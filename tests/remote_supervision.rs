@@ -12,6 +12,8 @@ mod host_peer;
 mod msgs;
 #[path = "support/peer.rs"]
 mod peer;
+#[path = "support/tcp_proxy.rs"]
+mod tcp_proxy;
 
 use actix::prelude::*;
 use actors::{DEADLINE, eventually, run};
@@ -230,6 +232,18 @@ fn a_remote_child_sigkilled_is_reported_and_restarted_by_its_supervisor() {
         let children = sup.send(Children).await.unwrap();
         assert_eq!(children.len(), 1);
         assert_eq!((children[0].pid, children[0].restarts), (Some(second), 1));
+        // The node's status lists it with its agent's address.
+        let status = a.status(0);
+        let listed: Vec<_> = status
+            .children
+            .iter()
+            .filter(|c| c.name == "worker")
+            .collect();
+        assert_eq!(listed.len(), 1, "{:?}", status.children);
+        assert_eq!(listed[0].state, "running");
+        assert_eq!(listed[0].pid, Some(second));
+        assert_eq!(listed[0].host, Some(at.to_string()));
+        assert_eq!(listed[0].last_exit.as_deref(), Some("killed by signal 9"));
         // Stopping the supervisor kills its remote children too.
         sup.send(Shutdown).await.unwrap();
         eventually(DEADLINE, "the child killed with its supervisor", || {
@@ -512,5 +526,58 @@ fn sigkill_of_the_supervisor_makes_the_agent_kill_and_reap_its_children() {
             gone(child.pid)
         })
         .await;
+    });
+}
+
+#[test]
+fn a_silent_partition_loses_the_children_on_both_sides_by_the_heartbeat() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("rs-part");
+        let _sweep = Sweep(ns.clone());
+        let (_agent, _lines, at) = agent(&session, &ns, "127.0.0.1:0", &[]).await;
+        // Our link to the agent goes through a proxy on 127.0.0.2.
+        let proxy = tcp_proxy::Proxy::new();
+        let via = proxy.route(SocketAddr::new("127.0.0.2".parse().unwrap(), 0), at, false);
+        let a = node(&session, "a", &ns);
+        let (sup, events) = supervisor(
+            &a,
+            vec![RemoteChildSpec::new("w0", via, "sleeper")],
+            RestartPolicy {
+                max_restarts: 100,
+                within: Duration::from_secs(60),
+            },
+            None,
+        );
+        let (pid, _) = events.started(1, "w0").await;
+        // Silence, both ends open: only the heartbeats can tell.
+        proxy.partition();
+        let lost = events
+            .nth(
+                1,
+                2 * HEARTBEAT + Duration::from_secs(1),
+                "lost",
+                |e| match e {
+                    SupervisorEvent::Lost {
+                        name, pid, reason, ..
+                    } if name == "w0" => Some((*pid, reason.clone())),
+                    _ => None,
+                },
+            )
+            .await;
+        assert_eq!(lost.0, pid);
+        let reason = lost.1.expect("cut, not a clean close");
+        assert!(
+            reason.contains("responsive"),
+            "cut by the heartbeat: {reason}"
+        );
+        // The agent's heartbeat cut its end too: it killed and reaped the child.
+        eventually(
+            2 * HEARTBEAT + DEADLINE,
+            "the agent killed the partitioned supervisor's child",
+            || gone(pid),
+        )
+        .await;
+        sup.send(Shutdown).await.unwrap();
     });
 }

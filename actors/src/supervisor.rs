@@ -469,6 +469,7 @@ impl ProcessSupervisor {
                     start_ticks: running.map(|r| r.process.start_ticks),
                     restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
                     last_exit: self.last_exit.get(&s.name).cloned(),
+                    host: None,
                 }
             })
             .chain(self.remote_entries())

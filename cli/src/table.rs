@@ -309,7 +309,11 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str, names: &HashMap<u32, Str
             .map(|c| {
                 vec![
                     c.name.clone(),
-                    c.state.clone(),
+                    // A child on another host: where its agent is (its pid is of that host).
+                    match &c.host {
+                        Some(host) => format!("{} on {host}", c.state),
+                        None => c.state.clone(),
+                    },
                     c.pid.map_or("-".to_owned(), |p| p.to_string()),
                     c.restarts.to_string(),
                     c.last_exit.clone().unwrap_or_default(),
@@ -354,6 +358,39 @@ mod tests {
         assert_eq!(millis(12), "12 ms");
         assert_eq!(millis(1500), "1.5 s");
         assert_eq!(millis(90_000), "1.5 min");
+    }
+
+    #[test]
+    fn a_child_on_another_host_shows_its_agents_address_beside_its_state() {
+        use baton_messages::status::ChildEntry;
+        let status = NodeStatus {
+            pid: 10,
+            children: vec![
+                ChildEntry {
+                    name: "local".into(),
+                    state: "running".into(),
+                    pid: Some(11),
+                    ..Default::default()
+                },
+                ChildEntry {
+                    name: "far".into(),
+                    state: "running".into(),
+                    pid: Some(12),
+                    host: Some("10.0.0.2:7701".into()),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let out = render(&status);
+        let line = |name: &str| {
+            out.lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .unwrap_or_else(|| panic!("no row {name} in\n{out}"))
+                .to_owned()
+        };
+        assert!(line("far").contains("running on 10.0.0.2:7701"), "{out}");
+        assert!(!line("local").contains(" on "), "{out}");
     }
 
     #[test]

@@ -258,7 +258,7 @@ impl ProcessSupervisor {
             .map_or(Restart::Permanent, |s| s.restart)
     }
 
-    /// The remote children's entries for the node's status: `running on <agent>`, … .
+    /// The remote children's entries for the node's status, with their agent's address.
     pub(super) fn remote_entries(&self) -> impl Iterator<Item = ChildEntry> + '_ {
         self.remote.specs.iter().map(|s| {
             let running = self.remote.running.get(&s.name);
@@ -273,11 +273,12 @@ impl ProcessSupervisor {
             };
             ChildEntry {
                 name: s.name.clone(),
-                state: format!("{state} on {}", s.agent),
+                state: state.to_owned(),
                 pid: running.map(|r| r.child.pid),
                 start_ticks: running.map(|r| r.child.process.start_ticks),
                 restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
                 last_exit: self.last_exit.get(&s.name).cloned(),
+                host: Some(s.agent.to_string()),
             }
         })
     }
