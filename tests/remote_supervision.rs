@@ -92,20 +92,50 @@ async fn agent(
     (child, lines, addr.parse().expect("an address"))
 }
 
+/// What each test starts with: a session, a segment namespace swept at the end, an agent
+/// (host `b`) and a node of this process (host `a`).
+struct Setup {
+    session: Session,
+    ns: String,
+    _sweep: Sweep,
+    agent: peer::Peer,
+    _lines: Lines,
+    at: SocketAddr,
+    a: Node,
+}
+
+async fn setup(test: &str, agent_args: &[&str]) -> Setup {
+    let session = Session::generate().unwrap();
+    let ns = peer::namespace(test);
+    let _sweep = Sweep(ns.clone());
+    let (agent, _lines, at) = agent(&session, &ns, "127.0.0.1:0", agent_args).await;
+    let a = node(&session, "a", &ns);
+    Setup {
+        session,
+        ns,
+        _sweep,
+        agent,
+        _lines,
+        at,
+        a,
+    }
+}
+
 /// Records a supervisor's events.
 #[derive(Clone, Default)]
 struct Recorded(Arc<Mutex<Vec<SupervisorEvent>>>);
 
-struct Recorder(Recorded);
+/// Keeps every message of type `T` it gets (a supervisor's events, an inbox's exits).
+struct Collect<T>(Arc<Mutex<Vec<T>>>);
 
-impl Actor for Recorder {
+impl<T: Unpin + 'static> Actor for Collect<T> {
     type Context = Context<Self>;
 }
 
-impl Handler<SupervisorEvent> for Recorder {
+impl<T: Message<Result = ()> + Unpin + 'static> Handler<T> for Collect<T> {
     type Result = ();
-    fn handle(&mut self, event: SupervisorEvent, _: &mut Context<Self>) {
-        self.0.0.lock().unwrap().push(event);
+    fn handle(&mut self, msg: T, _: &mut Context<Self>) {
+        self.0.lock().unwrap().push(msg);
     }
 }
 
@@ -180,7 +210,7 @@ fn supervisor(
     let recorded = Recorded::default();
     let mut sup = ProcessSupervisor::new(node.clone(), Vec::new(), Strategy::OneForOne, policy)
         .remote_children(children)
-        .subscriber(Recorder(recorded.clone()).start().recipient());
+        .subscriber(Collect(Arc::clone(&recorded.0)).start().recipient());
     if let Some(addr) = connect_back {
         sup = sup.connect_back_tcp(addr);
     }
@@ -190,11 +220,15 @@ fn supervisor(
 #[test]
 fn a_remote_child_sigkilled_is_reported_and_restarted_by_its_supervisor() {
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("rs-kill");
-        let _sweep = Sweep(ns.clone());
-        let (_agent, _lines, at) = agent(&session, &ns, "127.0.0.1:0", &[]).await;
-        let a = node(&session, "a", &ns);
+        let Setup {
+            session: _,
+            ns: _,
+            _sweep,
+            agent: _agent,
+            _lines,
+            at,
+            a,
+        } = setup("rs-kill", &[]).await;
         let listening = a.listen_tcp("127.0.0.1:0").unwrap();
         let (sup, events) = supervisor(
             &a,
@@ -261,30 +295,25 @@ fn a_remote_child_sigkilled_is_reported_and_restarted_by_its_supervisor() {
     });
 }
 
-/// Collects the exits an agent reports to our inbox.
-struct Inbox(Arc<Mutex<Vec<RemoteExit>>>);
-
-impl Actor for Inbox {
-    type Context = Context<Self>;
-}
-
-impl Handler<RemoteExit> for Inbox {
-    type Result = ();
-    fn handle(&mut self, exit: RemoteExit, _: &mut Context<Self>) {
-        self.0.lock().unwrap().push(exit);
-    }
-}
-
 #[test]
 fn an_agent_refuses_what_it_does_not_know_typed_and_the_link_is_unharmed() {
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("rs-refuse");
-        let _sweep = Sweep(ns.clone());
-        let (_agent, _lines, at) = agent(&session, &ns, "127.0.0.1:0", &["--limit", "1"]).await;
-        let a = node(&session, "a", &ns);
+        let Setup {
+            session: _,
+            ns: _,
+            _sweep,
+            agent: _agent,
+            _lines,
+            at,
+            a,
+        } = setup("rs-refuse", &["--limit", "1"]).await;
         let exits = Arc::new(Mutex::new(Vec::new()));
-        a.register::<RemoteExit>("test.inbox", Inbox(Arc::clone(&exits)).start().recipient());
+        a.register::<RemoteExit>(
+            "test.inbox",
+            Collect::<RemoteExit>(Arc::clone(&exits))
+                .start()
+                .recipient(),
+        );
         let link = tokio::time::timeout(DEADLINE, a.connect_tcp(at))
             .await
             .unwrap()
@@ -373,11 +402,15 @@ fn an_agent_refuses_what_it_does_not_know_typed_and_the_link_is_unharmed() {
 #[test]
 fn sigkill_of_the_agent_counts_its_children_lost_and_they_restart_when_it_is_back() {
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("rs-agent");
-        let _sweep = Sweep(ns.clone());
-        let (mut agent_proc, _lines, at) = agent(&session, &ns, "127.0.0.1:0", &[]).await;
-        let a = node(&session, "a", &ns);
+        let Setup {
+            session,
+            ns,
+            _sweep,
+            agent: mut agent_proc,
+            _lines,
+            at,
+            a,
+        } = setup("rs-agent", &[]).await;
         let (sup, events) = supervisor(
             &a,
             vec![
@@ -436,11 +469,15 @@ fn sigkill_of_the_agent_counts_its_children_lost_and_they_restart_when_it_is_bac
 #[test]
 fn an_agent_that_stays_away_makes_the_supervisor_escalate() {
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("rs-escalate");
-        let _sweep = Sweep(ns.clone());
-        let (mut agent_proc, _lines, at) = agent(&session, &ns, "127.0.0.1:0", &[]).await;
-        let a = node(&session, "a", &ns);
+        let Setup {
+            session: _,
+            ns: _,
+            _sweep,
+            agent: mut agent_proc,
+            _lines,
+            at,
+            a,
+        } = setup("rs-escalate", &[]).await;
         let (sup, events) = supervisor(
             &a,
             vec![RemoteChildSpec::new("w0", at, "sleeper")],
@@ -471,10 +508,15 @@ fn an_agent_that_stays_away_makes_the_supervisor_escalate() {
 #[test]
 fn sigkill_of_the_supervisor_makes_the_agent_kill_and_reap_its_children() {
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("rs-sup");
-        let _sweep = Sweep(ns.clone());
-        let (_agent, _lines, at) = agent(&session, &ns, "127.0.0.1:0", &[]).await;
+        let Setup {
+            session,
+            ns,
+            _sweep,
+            agent: _agent,
+            _lines,
+            at,
+            a,
+        } = setup("rs-sup", &[]).await;
         let at_s = at.to_string();
         let (mut sup, sup_lines) = helper(
             &session,
@@ -499,7 +541,6 @@ fn sigkill_of_the_supervisor_makes_the_agent_kill_and_reap_its_children() {
         )
         .await;
         // The agent goes on serving others.
-        let a = node(&session, "a", &ns);
         let link = tokio::time::timeout(DEADLINE, a.connect_tcp(at))
             .await
             .unwrap()
@@ -532,14 +573,18 @@ fn sigkill_of_the_supervisor_makes_the_agent_kill_and_reap_its_children() {
 #[test]
 fn a_silent_partition_loses_the_children_on_both_sides_by_the_heartbeat() {
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("rs-part");
-        let _sweep = Sweep(ns.clone());
-        let (_agent, _lines, at) = agent(&session, &ns, "127.0.0.1:0", &[]).await;
+        let Setup {
+            session: _,
+            ns: _,
+            _sweep,
+            agent: _agent,
+            _lines,
+            at,
+            a,
+        } = setup("rs-part", &[]).await;
         // Our link to the agent goes through a proxy on 127.0.0.2.
         let proxy = tcp_proxy::Proxy::new();
         let via = proxy.route(SocketAddr::new("127.0.0.2".parse().unwrap(), 0), at, false);
-        let a = node(&session, "a", &ns);
         let (sup, events) = supervisor(
             &a,
             vec![RemoteChildSpec::new("w0", via, "sleeper")],

@@ -453,18 +453,9 @@ impl ProcessSupervisor {
             .iter()
             .map(|s| {
                 let running = self.running.get(&s.name);
-                let state = if running.is_some() {
-                    "running"
-                } else if self.stopping {
-                    "stopped"
-                } else if self.done.contains(&s.name) {
-                    "exited"
-                } else {
-                    "restarting"
-                };
                 baton_messages::status::ChildEntry {
                     name: s.name.clone(),
-                    state: state.to_owned(),
+                    state: self.state_of(&s.name, running.is_some()).to_owned(),
                     pid: running.map(|r| r.pid),
                     start_ticks: running.map(|r| r.process.start_ticks),
                     restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
@@ -475,6 +466,19 @@ impl ProcessSupervisor {
             .chain(self.remote_entries())
             .collect();
         *self.board.lock().unwrap_or_else(|p| p.into_inner()) = entries;
+    }
+
+    /// A child's state as the node's status lists it.
+    fn state_of(&self, name: &str, running: bool) -> &'static str {
+        if running {
+            "running"
+        } else if self.stopping {
+            "stopped"
+        } else if self.done.contains(name) {
+            "exited"
+        } else {
+            "restarting"
+        }
     }
 
     fn emit(&self, event: SupervisorEvent) {

@@ -27,7 +27,7 @@ use super::{ChildSpec, describe, spawn_process, sweep_dead_child};
 use crate::buffer::IncomingLease;
 use crate::error::ActorError;
 use crate::node::{Node, PeerEvent};
-use crate::remote::{Answer, ErasedHandler, RemoteMessage, decode, encode};
+use crate::remote::{Answer, ErasedHandler, RemoteMessage, answer};
 use actix::prelude::*;
 use baton_messages::ProcessId;
 use baton_messages::protocol::CallFault;
@@ -195,16 +195,9 @@ where
         payload: &[u8],
         leases: Vec<IncomingLease>,
     ) -> Result<Answer, CallFault> {
-        let msg: M = decode("message", payload, leases, M::ENCODING)
-            .map_err(|e| CallFault::BadPayload(e.to_string()))?;
-        let request = self.recipient.send(FromPeer { from: peer, msg });
-        Ok(Box::pin(async move {
-            match request.await {
-                Ok(reply) => encode("reply", &reply, M::ENCODING)
-                    .map_err(|e| CallFault::ReplyFailed(e.to_string())),
-                Err(_) => Err(CallFault::ActorGone),
-            }
-        }))
+        answer(payload, leases, |msg: M| {
+            self.recipient.send(FromPeer { from: peer, msg })
+        })
     }
 }
 

@@ -262,18 +262,9 @@ impl ProcessSupervisor {
     pub(super) fn remote_entries(&self) -> impl Iterator<Item = ChildEntry> + '_ {
         self.remote.specs.iter().map(|s| {
             let running = self.remote.running.get(&s.name);
-            let state = if running.is_some() {
-                "running"
-            } else if self.stopping {
-                "stopped"
-            } else if self.done.contains(&s.name) {
-                "exited"
-            } else {
-                "restarting"
-            };
             ChildEntry {
                 name: s.name.clone(),
-                state: state.to_owned(),
+                state: self.state_of(&s.name, running.is_some()).to_owned(),
                 pid: running.map(|r| r.child.pid),
                 start_ticks: running.map(|r| r.child.process.start_ticks),
                 restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
