@@ -181,9 +181,17 @@ impl Recorded {
     }
 }
 
-fn sigkill(pid: u32) {
+fn signal(pid: u32, signal: rustix::process::Signal) {
     let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
-    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    rustix::process::kill_process(pid, signal).unwrap();
+}
+
+fn sigkill(pid: u32) {
+    signal(pid, rustix::process::Signal::KILL);
+}
+
+fn sigstop(pid: u32) {
+    signal(pid, rustix::process::Signal::STOP);
 }
 
 /// Whether `pid` runs (not a zombie).
@@ -624,5 +632,53 @@ fn a_silent_partition_loses_the_children_on_both_sides_by_the_heartbeat() {
         )
         .await;
         sup.send(Shutdown).await.unwrap();
+    });
+}
+
+#[test]
+fn a_remote_child_that_stops_answering_is_killed_through_its_agent_and_restarted() {
+    run(async {
+        let Setup {
+            session: _,
+            ns: _,
+            _sweep,
+            agent: _agent,
+            _lines,
+            at,
+            a,
+        } = setup("rs-stop", &[]).await;
+        let listening = a.listen_tcp("127.0.0.1:0").unwrap();
+        let (sup, events) = supervisor(
+            &a,
+            vec![RemoteChildSpec::new("worker", at, "sleeper")],
+            RestartPolicy::default(),
+            Some(listening.local_addr()),
+        );
+        let (first, _) = events.started(1, "worker").await;
+        eventually(DEADLINE, "the child linked back", || {
+            a.peers().iter().any(|p| p.process().pid == first)
+        })
+        .await;
+        // Stopped, it answers no ping: our heartbeat cuts its link, and the supervisor has
+        // its agent kill it (a stopped process dies of SIGKILL).
+        sigstop(first);
+        let status = events
+            .nth(1, 2 * HEARTBEAT + DEADLINE, "exit of worker", |e| match e {
+                SupervisorEvent::Exited { name, status, .. } if name == "worker" => {
+                    Some(status.clone())
+                }
+                _ => None,
+            })
+            .await;
+        assert_eq!(status, "killed by signal 9");
+        let (second, restarts) = events.started(2, "worker").await;
+        assert_eq!(restarts, 1);
+        assert_ne!(second, first);
+        eventually(DEADLINE, "the stopped child reaped", || gone(first)).await;
+        sup.send(Shutdown).await.unwrap();
+        eventually(DEADLINE, "the child killed with its supervisor", || {
+            gone(second)
+        })
+        .await;
     });
 }

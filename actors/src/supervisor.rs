@@ -752,6 +752,8 @@ impl Handler<PeerEvent> for ProcessSupervisor {
                 Self::kill(running);
             }
         }
+        // A child on another host that linked back: its agent kills it.
+        self.kill_unresponsive_remote(peer.process);
     }
 }
 

@@ -205,6 +205,18 @@ impl ProcessSupervisor {
         Some(running.child.pid)
     }
 
+    /// `process`'s link went silent past the heartbeat deadline: if it is a remote child
+    /// (one that linked back), its agent is asked to kill it; its exit restarts it.
+    pub(super) fn kill_unresponsive_remote(&self, process: ProcessId) {
+        let deadline = self.node.config().heartbeat.deadline;
+        for (name, running) in &self.remote.running {
+            if running.child.process == process {
+                tracing::warn!(child = %name, pid = running.child.pid, "remote child unresponsive: killing it");
+                kill_on(&running.agent, running.child.id, deadline);
+            }
+        }
+    }
+
     /// The last link to `process` went down: if it was an agent, its children are lost.
     pub(super) fn agent_down(
         &mut self,
