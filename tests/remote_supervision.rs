@@ -32,8 +32,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The heartbeat deadline of every node here.
-const HEARTBEAT: Duration = Duration::from_secs(2);
+/// The heartbeat deadline of every node here (helpers too): short enough for the tests
+/// that wait for it, long enough that a loaded 2-core machine does not cut a link.
+const HEARTBEAT: Duration = Duration::from_secs(3);
 
 /// When a test ends, the segments its killed helpers left in its namespace go.
 struct Sweep(String);
@@ -64,8 +65,9 @@ fn node(session: &Session, host: &str, ns: &str) -> Node {
 
 /// `baton-agent-peer ARGS` on host `host`; its stdout's lines.
 fn helper(session: &Session, ns: &str, host: &str, args: &[&str]) -> (peer::Peer, Lines) {
+    let heartbeat_ms = HEARTBEAT.as_millis().to_string();
     let mut argv = args.to_vec();
-    argv.extend(["--heartbeat-ms", "2000"]);
+    argv.extend(["--heartbeat-ms", heartbeat_ms.as_str()]);
     let mut child = peer::Peer::spawn_with(
         peer::exe("baton-agent-peer"),
         session,
