@@ -175,9 +175,10 @@ pub enum SupervisorEvent {
     Started {
         /// Its name.
         name: String,
-        /// Its pid.
+        /// Its pid (of the agent's host, for a child on another host).
         pid: u32,
-        /// The process (pid and start time).
+        /// The process (pid and start time; the agent host's boot id, for a child on
+        /// another host).
         process: ProcessId,
         /// How many times it was restarted before this start.
         restarts: u32,
