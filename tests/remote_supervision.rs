@@ -23,7 +23,7 @@ use baton::actors::supervisor::agent::{
 };
 use baton::actors::{
     Children, Heartbeat, HostSettings, Node, NodeConfig, ProcessSupervisor, RemoteChildSpec,
-    RestartPolicy, Shutdown, Strategy, SupervisorEvent,
+    RestartPolicy, Shutdown, Strategy, SupervisorEvent, TcpListening,
 };
 use baton::ipc::HostBackend;
 use baton::ipc::tcp::HostId;
@@ -227,35 +227,37 @@ fn supervisor(
     (sup.start(), recorded)
 }
 
+/// A supervisor on `a` of one child `worker`, the agent's `sleeper` at `at`, told to link
+/// back to `a`; once it has: where `a` listens, the supervisor, its events, the child's pid.
+async fn linked_worker(
+    a: &Node,
+    at: SocketAddr,
+) -> (TcpListening, Addr<ProcessSupervisor>, Recorded, u32) {
+    let listening = a.listen_tcp("127.0.0.1:0").unwrap();
+    let (sup, events) = supervisor(
+        a,
+        vec![RemoteChildSpec::new("worker", at, "sleeper")],
+        RestartPolicy::default(),
+        Some(listening.local_addr()),
+    );
+    let (first, restarts) = events.started(1, "worker").await;
+    assert_eq!(restarts, 0);
+    // It runs on the agent's "host" and linked back to us over TCP.
+    eventually(DEADLINE, "the child linked back", || {
+        a.peers().iter().any(|p| {
+            p.process().pid == first && p.info().host().map(|h| h.host) == Some(HostId::named("b"))
+        })
+    })
+    .await;
+    (listening, sup, events, first)
+}
+
 #[test]
 fn a_remote_child_sigkilled_is_reported_and_restarted_by_its_supervisor() {
     run(async {
-        let Setup {
-            session: _,
-            ns: _,
-            _sweep,
-            agent: _agent,
-            _lines,
-            at,
-            a,
-        } = setup("rs-kill", &[]).await;
-        let listening = a.listen_tcp("127.0.0.1:0").unwrap();
-        let (sup, events) = supervisor(
-            &a,
-            vec![RemoteChildSpec::new("worker", at, "sleeper")],
-            RestartPolicy::default(),
-            Some(listening.local_addr()),
-        );
-        let (first, restarts) = events.started(1, "worker").await;
-        assert_eq!(restarts, 0);
-        // It runs on the agent's "host" and linked back to us over TCP.
-        eventually(DEADLINE, "the child linked back", || {
-            a.peers().iter().any(|p| {
-                p.process().pid == first
-                    && p.info().host().map(|h| h.host) == Some(HostId::named("b"))
-            })
-        })
-        .await;
+        let t = setup("rs-kill", &[]).await;
+        let (a, at) = (t.a.clone(), t.at);
+        let (_listening, sup, events, first) = linked_worker(&a, at).await;
         sigkill(first);
         let status = events
             .nth(1, DEADLINE, "exit of worker", |e| match e {
@@ -308,15 +310,8 @@ fn a_remote_child_sigkilled_is_reported_and_restarted_by_its_supervisor() {
 #[test]
 fn an_agent_refuses_what_it_does_not_know_typed_and_the_link_is_unharmed() {
     run(async {
-        let Setup {
-            session: _,
-            ns: _,
-            _sweep,
-            agent: _agent,
-            _lines,
-            at,
-            a,
-        } = setup("rs-refuse", &["--limit", "1"]).await;
+        let t = setup("rs-refuse", &["--limit", "1"]).await;
+        let (a, at) = (t.a.clone(), t.at);
         let exits = Arc::new(Mutex::new(Vec::new()));
         a.register::<RemoteExit>(
             "test.inbox",
@@ -412,15 +407,8 @@ fn an_agent_refuses_what_it_does_not_know_typed_and_the_link_is_unharmed() {
 #[test]
 fn sigkill_of_the_agent_counts_its_children_lost_and_they_restart_when_it_is_back() {
     run(async {
-        let Setup {
-            session,
-            ns,
-            _sweep,
-            agent: mut agent_proc,
-            _lines,
-            at,
-            a,
-        } = setup("rs-agent", &[]).await;
+        let mut t = setup("rs-agent", &[]).await;
+        let (a, at) = (t.a.clone(), t.at);
         let (sup, events) = supervisor(
             &a,
             vec![
@@ -436,7 +424,7 @@ fn sigkill_of_the_agent_counts_its_children_lost_and_they_restart_when_it_is_bac
         );
         let (p0, _) = events.started(1, "w0").await;
         let (p1, _) = events.started(1, "w1").await;
-        agent_proc.kill9();
+        t.agent.kill9();
         // Both lost within the heartbeat deadline (here the kernel ends the stream at once).
         for name in ["w0", "w1"] {
             let lost = events
@@ -460,7 +448,7 @@ fn sigkill_of_the_agent_counts_its_children_lost_and_they_restart_when_it_is_bac
             })
             .await;
         // Back at the same address: both are started there again.
-        let (_agent2, _lines2, again) = agent(&session, &ns, &at.to_string(), &[]).await;
+        let (_agent2, _lines2, again) = agent(&t.session, &t.ns, &at.to_string(), &[]).await;
         assert_eq!(again, at);
         let (q0, r0) = events.started(2, "w0").await;
         let (q1, r1) = events.started(2, "w1").await;
@@ -479,15 +467,8 @@ fn sigkill_of_the_agent_counts_its_children_lost_and_they_restart_when_it_is_bac
 #[test]
 fn an_agent_that_stays_away_makes_the_supervisor_escalate() {
     run(async {
-        let Setup {
-            session: _,
-            ns: _,
-            _sweep,
-            agent: mut agent_proc,
-            _lines,
-            at,
-            a,
-        } = setup("rs-escalate", &[]).await;
+        let mut t = setup("rs-escalate", &[]).await;
+        let (a, at) = (t.a.clone(), t.at);
         let (sup, events) = supervisor(
             &a,
             vec![RemoteChildSpec::new("w0", at, "sleeper")],
@@ -498,7 +479,7 @@ fn an_agent_that_stays_away_makes_the_supervisor_escalate() {
             None,
         );
         events.started(1, "w0").await;
-        agent_proc.kill9();
+        t.agent.kill9();
         events
             .nth(1, DEADLINE, "escalation", |e| match e {
                 SupervisorEvent::Escalated { restarts } => Some(*restarts),
@@ -518,19 +499,12 @@ fn an_agent_that_stays_away_makes_the_supervisor_escalate() {
 #[test]
 fn sigkill_of_the_supervisor_makes_the_agent_kill_and_reap_its_children() {
     run(async {
-        let Setup {
-            session,
-            ns,
-            _sweep,
-            agent: _agent,
-            _lines,
-            at,
-            a,
-        } = setup("rs-sup", &[]).await;
+        let t = setup("rs-sup", &[]).await;
+        let (a, at) = (t.a.clone(), t.at);
         let at_s = at.to_string();
         let (mut sup, sup_lines) = helper(
-            &session,
-            &ns,
+            &t.session,
+            &t.ns,
             "c",
             &["supervise", at_s.as_str(), "--count", "2"],
         );
@@ -583,15 +557,8 @@ fn sigkill_of_the_supervisor_makes_the_agent_kill_and_reap_its_children() {
 #[test]
 fn a_silent_partition_loses_the_children_on_both_sides_by_the_heartbeat() {
     run(async {
-        let Setup {
-            session: _,
-            ns: _,
-            _sweep,
-            agent: _agent,
-            _lines,
-            at,
-            a,
-        } = setup("rs-part", &[]).await;
+        let t = setup("rs-part", &[]).await;
+        let (a, at) = (t.a.clone(), t.at);
         // Our link to the agent goes through a proxy on 127.0.0.2.
         let proxy = tcp_proxy::Proxy::new();
         let via = proxy.route(SocketAddr::new("127.0.0.2".parse().unwrap(), 0), at, false);
@@ -640,27 +607,9 @@ fn a_silent_partition_loses_the_children_on_both_sides_by_the_heartbeat() {
 #[test]
 fn a_remote_child_that_stops_answering_is_killed_through_its_agent_and_restarted() {
     run(async {
-        let Setup {
-            session: _,
-            ns: _,
-            _sweep,
-            agent: _agent,
-            _lines,
-            at,
-            a,
-        } = setup("rs-stop", &[]).await;
-        let listening = a.listen_tcp("127.0.0.1:0").unwrap();
-        let (sup, events) = supervisor(
-            &a,
-            vec![RemoteChildSpec::new("worker", at, "sleeper")],
-            RestartPolicy::default(),
-            Some(listening.local_addr()),
-        );
-        let (first, _) = events.started(1, "worker").await;
-        eventually(DEADLINE, "the child linked back", || {
-            a.peers().iter().any(|p| p.process().pid == first)
-        })
-        .await;
+        let t = setup("rs-stop", &[]).await;
+        let (a, at) = (t.a.clone(), t.at);
+        let (_listening, sup, events, first) = linked_worker(&a, at).await;
         // Stopped, it answers no ping: our heartbeat cuts its link, and the supervisor has
         // its agent kill it (a stopped process dies of SIGKILL).
         sigstop(first);
