@@ -196,6 +196,17 @@ fn sigstop(pid: u32) {
     signal(pid, rustix::process::Signal::STOP);
 }
 
+/// The children the agent's node lists (name, pid, supervisor), asked over our link.
+async fn agent_children(a: &Node) -> Vec<(String, Option<u32>, Option<String>)> {
+    let tree = a.tree_status(0).await;
+    tree.links
+        .iter()
+        .filter_map(|l| l.status.as_ref())
+        .flat_map(|s| s.children.iter())
+        .map(|c| (c.name.clone(), c.pid, c.supervisor.clone()))
+        .collect()
+}
+
 /// Whether `pid` runs (not a zombie).
 fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
@@ -364,6 +375,16 @@ fn an_agent_refuses_what_it_does_not_know_typed_and_the_link_is_unharmed() {
         // The link is unharmed: a good request works, up to the limit.
         let child = spawn("sleeper", "w", None).await.unwrap().expect("started");
         assert!(alive(child.pid));
+        // The agent's node lists it, with the supervisor it runs for.
+        let listed = agent_children(&a).await;
+        assert_eq!(
+            listed,
+            vec![(
+                "w".to_owned(),
+                Some(child.pid),
+                Some(a.session().process().to_string())
+            )]
+        );
         let over = spawn("sleeper", "w2", None).await.unwrap();
         assert_eq!(over, Err(AgentRefusal::TooManyChildren { limit: 1 }));
         assert!(alive(child.pid));
@@ -390,6 +411,7 @@ fn an_agent_refuses_what_it_does_not_know_typed_and_the_link_is_unharmed() {
             assert!(!exits[0].clean);
         }
         eventually(DEADLINE, "the child reaped", || gone(child.pid)).await;
+        assert_eq!(agent_children(&a).await, Vec::new());
         // A child that exits on its own is reported with its code.
         let exit3 = spawn("exit3", "w3", None).await.unwrap().expect("started");
         eventually(DEADLINE, "the second exit reported", || {

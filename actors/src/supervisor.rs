@@ -462,6 +462,7 @@ impl ProcessSupervisor {
                     restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
                     last_exit: self.last_exit.get(&s.name).cloned(),
                     host: None,
+                    supervisor: None,
                 }
             })
             .chain(self.remote_entries())

@@ -310,9 +310,11 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str, names: &HashMap<u32, Str
                 vec![
                     c.name.clone(),
                     // A child on another host: where its agent is (its pid is of that host).
-                    match &c.host {
-                        Some(host) => format!("{} on {host}", c.state),
-                        None => c.state.clone(),
+                    // A child an agent runs here: for whom.
+                    match (&c.host, &c.supervisor) {
+                        (Some(host), _) => format!("{} on {host}", c.state),
+                        (None, Some(sup)) => format!("{} for {sup}", c.state),
+                        (None, None) => c.state.clone(),
                     },
                     c.pid.map_or("-".to_owned(), |p| p.to_string()),
                     c.restarts.to_string(),
@@ -361,7 +363,7 @@ mod tests {
     }
 
     #[test]
-    fn a_child_on_another_host_shows_its_agents_address_beside_its_state() {
+    fn children_across_hosts_show_their_agent_or_their_supervisor_beside_their_state() {
         use baton_messages::status::ChildEntry;
         let status = NodeStatus {
             pid: 10,
@@ -370,6 +372,13 @@ mod tests {
                     name: "local".into(),
                     state: "running".into(),
                     pid: Some(11),
+                    ..Default::default()
+                },
+                ChildEntry {
+                    name: "guest".into(),
+                    state: "running".into(),
+                    pid: Some(13),
+                    supervisor: Some("10.0.0.1/77".into()),
                     ..Default::default()
                 },
                 ChildEntry {
@@ -390,6 +399,7 @@ mod tests {
                 .to_owned()
         };
         assert!(line("far").contains("running on 10.0.0.2:7701"), "{out}");
+        assert!(line("guest").contains("running for 10.0.0.1/77"), "{out}");
         assert!(!line("local").contains(" on "), "{out}");
     }
 

@@ -233,6 +233,9 @@ pub struct ChildEntry {
     /// For a child on another host, the address of the agent that runs it (its `pid` is
     /// a pid of that host); `None` for a local child.
     pub host: Option<String>,
+    /// For a child that a child agent of this node runs for a supervisor on another host,
+    /// that supervisor's process; `None` for a child of this node's own supervisors.
+    pub supervisor: Option<String>,
 }
 
 /// How many entries each list of a [`NodeStatus`] left out.

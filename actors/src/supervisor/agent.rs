@@ -31,6 +31,7 @@ use crate::remote::{Answer, ErasedHandler, RemoteMessage, answer};
 use actix::prelude::*;
 use baton_messages::ProcessId;
 use baton_messages::protocol::CallFault;
+use baton_messages::status::ChildEntry;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -233,6 +234,8 @@ pub struct ChildAgent {
     limits: AgentLimits,
     children: HashMap<u64, AgentRunning>,
     next_id: u64,
+    /// The children it runs, as its node's status lists them.
+    board: crate::observed::ChildBoard,
     span: tracing::Span,
 }
 
@@ -255,6 +258,7 @@ impl ChildAgent {
             limits: AgentLimits::default(),
             children: HashMap::new(),
             next_id: 0,
+            board: Arc::default(),
             span: tracing::info_span!("child_agent"),
         }
     }
@@ -271,6 +275,25 @@ impl ChildAgent {
     pub fn limits(mut self, limits: AgentLimits) -> Self {
         self.limits = limits;
         self
+    }
+
+    /// Puts the children it runs where its node's status reads them, each with the
+    /// supervisor it runs for.
+    fn publish(&self) {
+        let mut entries: Vec<ChildEntry> = self
+            .children
+            .values()
+            .map(|c| ChildEntry {
+                name: c.name.clone(),
+                state: "running".to_owned(),
+                pid: Some(c.pid),
+                start_ticks: Some(c.process.start_ticks),
+                supervisor: Some(c.supervisor.to_string()),
+                ..ChildEntry::default()
+            })
+            .collect();
+        entries.sort_by_key(|e| e.pid);
+        *self.board.lock().unwrap_or_else(|p| p.into_inner()) = entries;
     }
 
     /// Starts the agent and registers it on its node as [`AGENT_NAME`]. Must be called
@@ -374,6 +397,7 @@ impl ChildAgent {
                 pidfd: spawned.pidfd,
             },
         );
+        self.publish();
         Ok(AgentChild {
             id,
             pid: spawned.pid,
@@ -388,6 +412,8 @@ impl Actor for ChildAgent {
     fn started(&mut self, ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
         self.node.subscribe(ctx.address().recipient());
+        // The node's status lists the children it runs for as long as it lives.
+        self.node.observed().register_children(&self.board);
         self.node.insert_handler(
             AGENT_NAME,
             Arc::new(ByCaller::<SpawnRemote> {
@@ -458,6 +484,7 @@ impl Handler<AgentChildExited> for ChildAgent {
         let Some(child) = self.children.remove(&msg.id) else {
             return;
         };
+        self.publish();
         self.node.process_exited(child.process);
         let clean = msg.status.is_some_and(|s| s.success());
         let status = describe(msg.status);

@@ -282,6 +282,7 @@ impl ProcessSupervisor {
                 restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
                 last_exit: self.last_exit.get(&s.name).cloned(),
                 host: Some(s.agent.to_string()),
+                supervisor: None,
             }
         })
     }
