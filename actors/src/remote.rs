@@ -380,18 +380,33 @@ where
         payload: &[u8],
         leases: Vec<IncomingLease>,
     ) -> Result<Answer, CallFault> {
-        let msg: M = decode("message", payload, leases, M::ENCODING)
-            .map_err(|e| CallFault::BadPayload(e.to_string()))?;
         // `send` enqueues now, so calls reach the actor in the order they arrived.
-        let request = self.recipient.send(msg);
-        Ok(Box::pin(async move {
-            match request.await {
-                Ok(reply) => encode("reply", &reply, M::ENCODING)
-                    .map_err(|e| CallFault::ReplyFailed(e.to_string())),
-                Err(_) => Err(CallFault::ActorGone),
-            }
-        }))
+        answer(payload, leases, |msg: M| self.recipient.send(msg))
     }
+}
+
+/// Decodes a call's `payload` as `M`, hands it to `deliver` (which enqueues it to the
+/// actor at once), and returns the encoded answer to come.
+pub(crate) fn answer<M, F>(
+    payload: &[u8],
+    leases: Vec<IncomingLease>,
+    deliver: impl FnOnce(M) -> F,
+) -> Result<Answer, CallFault>
+where
+    M: RemoteMessage,
+    M::Result: Serialize,
+    F: Future<Output = Result<M::Result, actix::MailboxError>> + 'static,
+{
+    let msg: M = decode("message", payload, leases, M::ENCODING)
+        .map_err(|e| CallFault::BadPayload(e.to_string()))?;
+    let request = deliver(msg);
+    Ok(Box::pin(async move {
+        match request.await {
+            Ok(reply) => encode("reply", &reply, M::ENCODING)
+                .map_err(|e| CallFault::ReplyFailed(e.to_string())),
+            Err(_) => Err(CallFault::ActorGone),
+        }
+    }))
 }
 
 /// The address of a named actor in another process, for one message type.

@@ -31,6 +31,16 @@
 //!   every child is killed, subscribers get [`SupervisorEvent::Escalated`], and the
 //!   supervisor stops.
 //! - Stopping the supervisor kills and reaps every child.
+//! - **Children on other hosts** ([`RemoteChildSpec`]): a [`ChildAgent`](agent::ChildAgent)
+//!   on that host starts a spec of its own table at the supervisor's request, over a host
+//!   link, and reports the child's exits back; they drive the same strategies and restart
+//!   limit as local children's. When the agent's link goes down (the agent died, or the
+//!   heartbeat cut a partition) its children are counted [`SupervisorEvent::Lost`] — the
+//!   agent kills them on its side when it sees the same link down — and are restarted by
+//!   the strategy, which links to the agent's address again: while the agent stays
+//!   unreachable every attempt fails at once and counts toward the restart limit, so the
+//!   supervisor escalates rather than wait without bound. See `docs/CROSS_HOST.md`,
+//!   "Supervising children on another host".
 
 use crate::error::ActorError;
 use crate::node::{Node, PeerEvent};
@@ -44,6 +54,11 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+pub mod agent;
+mod remote;
+
+pub use remote::RemoteChildSpec;
 
 // A child's status reports its name: the constant sits with the status, below the node.
 pub use crate::status::CHILD_NAME_ENV;
@@ -160,9 +175,10 @@ pub enum SupervisorEvent {
     Started {
         /// Its name.
         name: String,
-        /// Its pid.
+        /// Its pid (of the agent's host, for a child on another host).
         pid: u32,
-        /// The process (pid and start time).
+        /// The process (pid and start time; the agent host's boot id, for a child on
+        /// another host).
         process: ProcessId,
         /// How many times it was restarted before this start.
         restarts: u32,
@@ -189,6 +205,30 @@ pub enum SupervisorEvent {
         segments: usize,
         /// Bytes they held.
         bytes: u64,
+    },
+    /// A child on another host was lost with its agent's link (the agent died, or the link
+    /// was cut); the agent kills it on its side. It is restarted by the strategy, like a
+    /// child that died.
+    Lost {
+        /// Its name.
+        name: String,
+        /// Its pid on the agent's host.
+        pid: u32,
+        /// The process (the agent host's boot id, pid, start time).
+        process: ProcessId,
+        /// The agent's process.
+        agent: ProcessId,
+        /// Why the link went down (`None`: a clean end of stream, as when the agent's
+        /// process died).
+        reason: Option<String>,
+    },
+    /// A child on another host could not be started: its agent was unreachable or refused
+    /// (an unknown spec, its limit). It is tried again like a child that died.
+    StartFailed {
+        /// Its name.
+        name: String,
+        /// Why.
+        error: String,
     },
     /// The restart limit was exceeded: all children were killed and the supervisor stops.
     Escalated {
@@ -242,6 +282,75 @@ fn sweep_dead_child(watchers: &[Recipient<SupervisorEvent>], name: &str, child: 
     }
 }
 
+/// A child process just spawned by [`spawn_process`], not yet reaped.
+pub(crate) struct Spawned {
+    pub(crate) child: Child,
+    pub(crate) pid: u32,
+    /// Its identity (pid and start time).
+    pub(crate) process: ProcessId,
+    /// Signals go through it, so a recycled pid is never hit.
+    pub(crate) pidfd: Arc<OwnedFd>,
+}
+
+/// Spawns `spec`'s program tied to this process (`spawn_tied`: SIGKILLed when this
+/// process dies), with its name ([`CHILD_NAME_ENV`]), `env`, the spec's own environment,
+/// and last the session token through an inherited pipe (never in its environment). The
+/// supervisor and the [`ChildAgent`](agent::ChildAgent) both start children here.
+///
+/// # Errors
+/// [`ActorError::Spawn`]: the program cannot be started, or no pidfd can be opened for it
+/// (then it is killed and reaped before this returns).
+pub(crate) fn spawn_process(
+    node: &Node,
+    spec: &ChildSpec,
+    env: &[(&str, std::ffi::OsString)],
+) -> Result<Spawned, ActorError> {
+    let spawn_err = |source| ActorError::Spawn {
+        name: spec.name.clone(),
+        source,
+    };
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args).env(CHILD_NAME_ENV, &spec.name);
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
+    cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
+    // Last, so that no spec puts the token in the environment.
+    node.session()
+        .pass_to(&mut cmd)
+        .map_err(|e| spawn_err(std::io::Error::other(e)))?;
+    let mut child: Child = baton_ipc::spawn::spawn_tied(cmd).map_err(spawn_err)?;
+    let pid = child.id();
+    // Not reaped yet (only its reaper waits for it), so its stat is readable.
+    let start_ticks = process::start_ticks(pid).unwrap_or_else(|| {
+        tracing::warn!(child = %spec.name, pid, "no start time: its segments will not be swept");
+        0
+    });
+    let child_process = ProcessId {
+        boot: process::boot_id(),
+        pid,
+        start_ticks,
+    };
+    let pidfd = rustix::process::Pid::from_raw(pid as i32)
+        .ok_or_else(|| spawn_err(std::io::Error::other("pid 0")))
+        .and_then(|p| {
+            rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty())
+                .map_err(|e| spawn_err(e.into()))
+        });
+    match pidfd {
+        Ok(fd) => Ok(Spawned {
+            child,
+            pid,
+            process: child_process,
+            pidfd: Arc::new(fd),
+        }),
+        Err(e) => {
+            // Without a pidfd it cannot be signalled safely: do not leave it running.
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+    }
+}
+
 fn describe(status: Option<ExitStatus>) -> String {
     use std::os::unix::process::ExitStatusExt;
     match status {
@@ -274,6 +383,8 @@ pub struct ProcessSupervisor {
     done: std::collections::HashSet<String>,
     /// The children's states as the node's status lists them (see [`publish`](Self::publish)).
     board: crate::observed::ChildBoard,
+    /// Children on other hosts, and what runs of them.
+    remote: remote::RemoteChildren,
     span: tracing::Span,
 }
 
@@ -311,6 +422,7 @@ impl ProcessSupervisor {
             last_exit: HashMap::new(),
             done: std::collections::HashSet::new(),
             board: Arc::default(),
+            remote: remote::RemoteChildren::default(),
             span: tracing::info_span!("process_supervisor"),
         }
     }
@@ -342,26 +454,33 @@ impl ProcessSupervisor {
             .iter()
             .map(|s| {
                 let running = self.running.get(&s.name);
-                let state = if running.is_some() {
-                    "running"
-                } else if self.stopping {
-                    "stopped"
-                } else if self.done.contains(&s.name) {
-                    "exited"
-                } else {
-                    "restarting"
-                };
                 baton_messages::status::ChildEntry {
                     name: s.name.clone(),
-                    state: state.to_owned(),
+                    state: self.state_of(&s.name, running.is_some()).to_owned(),
                     pid: running.map(|r| r.pid),
                     start_ticks: running.map(|r| r.process.start_ticks),
                     restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
                     last_exit: self.last_exit.get(&s.name).cloned(),
+                    host: None,
+                    supervisor: None,
                 }
             })
+            .chain(self.remote_entries())
             .collect();
         *self.board.lock().unwrap_or_else(|p| p.into_inner()) = entries;
+    }
+
+    /// A child's state as the node's status lists it.
+    fn state_of(&self, name: &str, running: bool) -> &'static str {
+        if running {
+            "running"
+        } else if self.stopping {
+            "stopped"
+        } else if self.done.contains(name) {
+            "exited"
+        } else {
+            "restarting"
+        }
     }
 
     fn emit(&self, event: SupervisorEvent) {
@@ -375,44 +494,17 @@ impl ProcessSupervisor {
             name: spec.name.clone(),
             source,
         };
-        let mut cmd = Command::new(&spec.program);
-        cmd.args(&spec.args).env(CHILD_NAME_ENV, &spec.name);
-        if let Some(path) = &self.connect {
-            cmd.env(CONNECT_ENV, path);
-        }
-        cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
-        // Last, so that no spec puts the token in the environment.
-        self.node
-            .session()
-            .pass_to(&mut cmd)
-            .map_err(|e| spawn_err(std::io::Error::other(e)))?;
-        let mut child: Child = baton_ipc::spawn::spawn_tied(cmd).map_err(spawn_err)?;
-        let pid = child.id();
-        // Not reaped yet (only the reaper below waits for it), so its stat is readable.
-        let start_ticks = process::start_ticks(pid).unwrap_or_else(|| {
-            tracing::warn!(child = %spec.name, pid, "no start time: its segments will not be swept");
-            0
-        });
-        let child_process = ProcessId {
-            boot: process::boot_id(),
+        let env: Vec<(&str, std::ffi::OsString)> = self
+            .connect
+            .iter()
+            .map(|path| (CONNECT_ENV, path.clone().into_os_string()))
+            .collect();
+        let Spawned {
+            mut child,
             pid,
-            start_ticks,
-        };
-        let pidfd = rustix::process::Pid::from_raw(pid as i32)
-            .ok_or_else(|| spawn_err(std::io::Error::other("pid 0")))
-            .and_then(|p| {
-                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty())
-                    .map_err(|e| spawn_err(e.into()))
-            });
-        let pidfd = match pidfd {
-            Ok(fd) => Arc::new(fd),
-            Err(e) => {
-                // Without a pidfd it cannot be signalled safely: do not leave it running.
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(e);
-            }
-        };
+            process: child_process,
+            pidfd,
+        } = spawn_process(&self.node, spec, &env)?;
         self.node
             .exports()
             .supervise(child_process, Arc::clone(&pidfd));
@@ -459,7 +551,7 @@ impl ProcessSupervisor {
             tracing::error!(child = %spec.name, error = %e, "could not start child; retrying");
             // A failed start counts like a death: retry later, within the restart limit.
             ctx.run_later(Duration::from_millis(100), move |act, ctx| {
-                act.on_death(&spec.name, ctx);
+                act.on_death(&[spec.name], ctx);
             });
         }
     }
@@ -474,13 +566,14 @@ impl ProcessSupervisor {
         let _ = rustix::process::pidfd_send_signal(&*running.pidfd, rustix::process::Signal::KILL);
     }
 
-    /// A child died (or failed to start): restart by strategy, or escalate.
-    fn on_death(&mut self, name: &str, ctx: &mut Context<Self>) {
-        if self.stopping {
+    /// Children died (or failed to start, or were lost with their agent): restart by
+    /// strategy, or escalate. Each counts as one restart.
+    fn on_death(&mut self, names: &[String], ctx: &mut Context<Self>) {
+        if self.stopping || names.is_empty() {
             return;
         }
         let now = Instant::now();
-        self.recent.push_back(now);
+        self.recent.extend(names.iter().map(|_| now));
         while self
             .recent
             .front()
@@ -496,25 +589,38 @@ impl ProcessSupervisor {
             ctx.stop();
             return;
         }
-        let to_restart: Vec<ChildSpec> = match self.strategy {
-            Strategy::OneForOne => self
-                .specs
-                .iter()
-                .filter(|s| s.name == name)
-                .cloned()
-                .collect(),
+        let (to_restart, remote): (Vec<ChildSpec>, Vec<RemoteChildSpec>) = match self.strategy {
+            Strategy::OneForOne => (
+                self.specs
+                    .iter()
+                    .filter(|s| names.contains(&s.name))
+                    .cloned()
+                    .collect(),
+                self.remote
+                    .specs
+                    .iter()
+                    .filter(|s| names.contains(&s.name))
+                    .cloned()
+                    .collect(),
+            ),
             Strategy::OneForAll => {
                 for running in self.running.values() {
                     Self::kill(running);
                 }
                 // Their exits arrive later, as an older incarnation: reaped, not restarted.
                 self.running.clear();
-                self.specs.clone()
+                // The same for the remote ones (their exits name ids no longer running).
+                self.kill_all_remote();
+                (self.specs.clone(), self.remote.specs.clone())
             }
         };
         for spec in to_restart {
             *self.restarts.entry(spec.name.clone()).or_insert(0) += 1;
             self.start_child(spec, ctx);
+        }
+        for spec in remote {
+            *self.restarts.entry(spec.name.clone()).or_insert(0) += 1;
+            self.start_remote(spec, ctx);
         }
         self.publish();
     }
@@ -531,6 +637,7 @@ impl Actor for ProcessSupervisor {
         for spec in self.specs.clone() {
             self.start_child(spec, ctx);
         }
+        self.start_remotes(ctx);
         self.publish();
     }
 
@@ -539,6 +646,7 @@ impl Actor for ProcessSupervisor {
     fn stopped(&mut self, _ctx: &mut Self::Context) {
         let _g = self.span.clone().entered();
         self.stopping = true;
+        self.stop_remotes();
         let running: Vec<(String, Running)> = self.running.drain().collect();
         // The node's status lists them as stopped from now on.
         self.publish();
@@ -615,14 +723,7 @@ impl Handler<ChildExited> for ProcessSupervisor {
                 .find(|s| s.name == msg.name)
                 .map_or(Restart::Permanent, |s| s.restart);
             let clean = msg.status.is_some_and(|s| s.success());
-            match restart {
-                Restart::Permanent => self.on_death(&msg.name, ctx),
-                Restart::Transient if !clean => self.on_death(&msg.name, ctx),
-                Restart::Transient | Restart::Temporary => {
-                    tracing::info!(child = %msg.name, "child done; not restarted");
-                    self.done.insert(msg.name.clone());
-                }
-            }
+            self.after_exit(&msg.name, restart, clean, ctx);
         }
         self.publish();
     }
@@ -631,14 +732,16 @@ impl Handler<ChildExited> for ProcessSupervisor {
 impl Handler<PeerEvent> for ProcessSupervisor {
     type Result = ();
 
-    /// A child's link went silent: kill it (it is restarted when its exit is seen).
-    fn handle(&mut self, event: PeerEvent, _ctx: &mut Self::Context) {
-        let PeerEvent::Down {
-            peer,
-            reason: Some(reason),
-            ..
-        } = event
-        else {
+    /// A child's link went silent: kill it (it is restarted when its exit is seen). An
+    /// agent's last link went down: its children are lost.
+    fn handle(&mut self, event: PeerEvent, ctx: &mut Self::Context) {
+        let PeerEvent::Down { peer, reason, .. } = event else {
+            return;
+        };
+        if self.node.peer(&peer.process).is_none() {
+            self.agent_down(peer.process, reason.as_deref(), ctx);
+        }
+        let Some(reason) = reason else {
             return;
         };
         if !self.kill_unresponsive || !matches!(*reason, ActorError::Unresponsive { .. }) {
@@ -649,6 +752,22 @@ impl Handler<PeerEvent> for ProcessSupervisor {
             if running.process == peer.process {
                 tracing::warn!(child = %name, pid = running.pid, "child unresponsive: killing it");
                 Self::kill(running);
+            }
+        }
+        // A child on another host that linked back: its agent kills it.
+        self.kill_unresponsive_remote(peer.process);
+    }
+}
+
+impl ProcessSupervisor {
+    /// A current child ended: restart it by `restart` and the strategy, or mark it done.
+    fn after_exit(&mut self, name: &str, restart: Restart, clean: bool, ctx: &mut Context<Self>) {
+        match restart {
+            Restart::Permanent => self.on_death(&[name.to_owned()], ctx),
+            Restart::Transient if !clean => self.on_death(&[name.to_owned()], ctx),
+            Restart::Transient | Restart::Temporary => {
+                tracing::info!(child = %name, "child done; not restarted");
+                self.done.insert(name.to_owned());
             }
         }
     }
@@ -663,6 +782,9 @@ impl Handler<KillChild> for ProcessSupervisor {
     type Result = Option<u32>;
 
     fn handle(&mut self, msg: KillChild, _ctx: &mut Self::Context) -> Option<u32> {
+        if let Some(pid) = self.kill_remote_named(&msg.0) {
+            return Some(pid);
+        }
         let running = self.running.get(&msg.0)?;
         tracing::info!(child = %msg.0, pid = running.pid, "killing child");
         Self::kill(running);
@@ -688,6 +810,7 @@ impl Handler<Children> for ProcessSupervisor {
                     process: self.running.get(&s.name).map(|r| r.process),
                     restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
                 })
+                .chain(self.remote_statuses())
                 .collect(),
         )
     }

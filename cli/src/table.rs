@@ -309,7 +309,13 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str, names: &HashMap<u32, Str
             .map(|c| {
                 vec![
                     c.name.clone(),
-                    c.state.clone(),
+                    // A child on another host: where its agent is (its pid is of that host).
+                    // A child an agent runs here: for whom.
+                    match (&c.host, &c.supervisor) {
+                        (Some(host), _) => format!("{} on {host}", c.state),
+                        (None, Some(sup)) => format!("{} for {sup}", c.state),
+                        (None, None) => c.state.clone(),
+                    },
                     c.pid.map_or("-".to_owned(), |p| p.to_string()),
                     c.restarts.to_string(),
                     c.last_exit.clone().unwrap_or_default(),
@@ -354,6 +360,47 @@ mod tests {
         assert_eq!(millis(12), "12 ms");
         assert_eq!(millis(1500), "1.5 s");
         assert_eq!(millis(90_000), "1.5 min");
+    }
+
+    #[test]
+    fn children_across_hosts_show_their_agent_or_their_supervisor_beside_their_state() {
+        use baton_messages::status::ChildEntry;
+        let status = NodeStatus {
+            pid: 10,
+            children: vec![
+                ChildEntry {
+                    name: "local".into(),
+                    state: "running".into(),
+                    pid: Some(11),
+                    ..Default::default()
+                },
+                ChildEntry {
+                    name: "guest".into(),
+                    state: "running".into(),
+                    pid: Some(13),
+                    supervisor: Some("10.0.0.1/77".into()),
+                    ..Default::default()
+                },
+                ChildEntry {
+                    name: "far".into(),
+                    state: "running".into(),
+                    pid: Some(12),
+                    host: Some("10.0.0.2:7701".into()),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let out = render(&status);
+        let line = |name: &str| {
+            out.lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .unwrap_or_else(|| panic!("no row {name} in\n{out}"))
+                .to_owned()
+        };
+        assert!(line("far").contains("running on 10.0.0.2:7701"), "{out}");
+        assert!(line("guest").contains("running for 10.0.0.1/77"), "{out}");
+        assert!(!line("local").contains(" on "), "{out}");
     }
 
     #[test]

@@ -230,6 +230,12 @@ pub struct ChildEntry {
     pub restarts: u32,
     /// How its last run ended (`exit code 0`, `killed by signal 9`), if one did.
     pub last_exit: Option<String>,
+    /// For a child on another host, the address of the agent that runs it (its `pid` is
+    /// a pid of that host); `None` for a local child.
+    pub host: Option<String>,
+    /// For a child that a child agent of this node runs for a supervisor on another host,
+    /// that supervisor's process; `None` for a child of this node's own supervisors.
+    pub supervisor: Option<String>,
 }
 
 /// How many entries each list of a [`NodeStatus`] left out.

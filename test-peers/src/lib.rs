@@ -12,6 +12,7 @@
 //! | `baton-ordering-peer` | a CUDA importer with a stream of its own | `ordering_cuda` |
 //! | `baton-api-peer` | a child started with `Node::spawn_child` | `api` |
 //! | `baton-host-peer` | a node on another host (`BATON_HOST_ID`) linked over TCP, or a forger with the raw `HostLink` client | `cross_host_procs`, `cross_host_netns` |
+//! | `baton-agent-peer` | a child agent on another host, its children, or a supervisor of children there | `remote_supervision` |
 //!
 //! The messages a helper and its tests share live beside the tests
 //! (`tests/support/msgs.rs` and the like) and are included by path on both sides.

@@ -93,6 +93,13 @@ pub fn host_peer_env(
             .collect::<Vec<_>>(),
         true,
     );
+    let lines = read_lines(&mut child, format!("baton-host-peer {args:?}"));
+    (child, lines)
+}
+
+/// The lines of `child`'s stdout (spawned with a pipe), read on a thread of their own;
+/// `what` names the child in failures.
+pub fn read_lines(child: &mut peer::Peer, what: String) -> Lines {
     let out = child.take_stdout().expect("piped");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -104,6 +111,5 @@ pub fn host_peer_env(
             }
         }
     });
-    let what = format!("baton-host-peer {args:?}");
-    (child, Lines { rx, what })
+    Lines { rx, what }
 }

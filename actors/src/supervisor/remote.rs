@@ -1,0 +1,433 @@
+//! The supervisor's side of children on other hosts: each started through the
+//! [`ChildAgent`](super::agent::ChildAgent) at an address, over a host link.
+
+use super::agent::{
+    AGENT_NAME, AgentChild, AgentRefusal, ByCaller, FromPeer, KillRemote, RemoteExit, SpawnRemote,
+};
+use super::{ChildStatus, ProcessSupervisor, Restart, SupervisorEvent};
+use crate::error::ActorError;
+use crate::node::Peer;
+use actix::prelude::*;
+use baton_messages::ProcessId;
+use baton_messages::status::ChildEntry;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// How long a failed remote start waits before it is tried again (and counted).
+const RETRY_AFTER: Duration = Duration::from_millis(200);
+
+/// How to start one child on another host: the spec `spec` of the
+/// [`ChildAgent`](super::agent::ChildAgent) that takes host links at `agent`.
+///
+/// The supervisor links to `agent` (`Node::connect_tcp`, under the heartbeat deadline)
+/// when it starts the child, and again on each restart if that link is down; children of
+/// one agent share its link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteChildSpec {
+    /// Its name (unique among the supervisor's children, local ones included).
+    pub name: String,
+    /// Where the agent takes host links.
+    pub agent: SocketAddr,
+    /// The name of a spec in the agent's table.
+    pub spec: String,
+    /// When to restart it (a lost child counts as failed).
+    pub restart: Restart,
+}
+
+impl RemoteChildSpec {
+    /// The child `name`, the agent's spec `spec` at `agent`; restarted always.
+    pub fn new(name: impl Into<String>, agent: SocketAddr, spec: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            agent,
+            spec: spec.into(),
+            restart: Restart::Permanent,
+        }
+    }
+
+    /// Sets when it is restarted.
+    pub fn restart(mut self, restart: Restart) -> Self {
+        self.restart = restart;
+        self
+    }
+}
+
+/// A remote child that runs.
+struct RemoteRunning {
+    agent: Peer,
+    child: AgentChild,
+}
+
+/// The supervisor's remote children.
+#[derive(Default)]
+pub(super) struct RemoteChildren {
+    pub(super) specs: Vec<RemoteChildSpec>,
+    /// Where children are told to link back to (`CONNECT_TCP_ENV`).
+    connect_tcp: Option<SocketAddr>,
+    /// The links to agents, by address.
+    agents: HashMap<SocketAddr, Peer>,
+    running: HashMap<String, RemoteRunning>,
+    /// Starts under way: the incarnation whose answer counts.
+    starting: HashMap<String, u64>,
+    /// The name exits are reported to on our node.
+    inbox: String,
+}
+
+impl ProcessSupervisor {
+    /// Adds children on other hosts, each started by the agent at its address.
+    pub fn remote_children(mut self, children: Vec<RemoteChildSpec>) -> Self {
+        self.remote.specs.extend(children);
+        self
+    }
+
+    /// Tells children on other hosts to link back to this address
+    /// ([`CONNECT_TCP_ENV`](super::agent::CONNECT_TCP_ENV)): where this supervisor's node
+    /// takes host links ([`TcpListening::local_addr`](crate::TcpListening::local_addr)).
+    pub fn connect_back_tcp(mut self, addr: SocketAddr) -> Self {
+        self.remote.connect_tcp = Some(addr);
+        self
+    }
+
+    /// Registers the exit inbox and starts every remote child.
+    pub(super) fn start_remotes(&mut self, ctx: &mut Context<Self>) {
+        if self.remote.specs.is_empty() {
+            return;
+        }
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        self.remote.inbox = format!("baton.supervisor.{}", NEXT.fetch_add(1, Ordering::Relaxed));
+        self.node.insert_handler(
+            &self.remote.inbox,
+            Arc::new(ByCaller::<RemoteExit> {
+                recipient: ctx.address().recipient(),
+            }),
+        );
+        for spec in self.remote.specs.clone() {
+            self.start_remote(spec, ctx);
+        }
+    }
+
+    /// Asks the agent to start `spec`'s child (linking to it first if need be); the
+    /// answer comes back as [`RemoteStarted`].
+    pub(super) fn start_remote(&mut self, spec: RemoteChildSpec, ctx: &mut Context<Self>) {
+        self.incarnation += 1;
+        let incarnation = self.incarnation;
+        self.remote.starting.insert(spec.name.clone(), incarnation);
+        let linked = self
+            .remote
+            .agents
+            .get(&spec.agent)
+            .filter(|p| p.is_connected())
+            .cloned();
+        let node = self.node.clone();
+        let deadline = node.config().heartbeat.deadline;
+        let request = SpawnRemote {
+            spec: spec.spec.clone(),
+            name: spec.name.clone(),
+            connect_tcp: self.remote.connect_tcp.map(|a| a.to_string()),
+            inbox: self.remote.inbox.clone(),
+        };
+        let addr = ctx.address();
+        let span = self.span.clone();
+        actix::spawn(async move {
+            let agent = match linked {
+                Some(peer) => Ok(peer),
+                None => match tokio::time::timeout(deadline, node.connect_tcp(spec.agent)).await {
+                    Ok(linked) => linked,
+                    Err(_) => Err(ActorError::Timeout {
+                        op: "linking to a child agent",
+                        after: deadline,
+                    }),
+                },
+            };
+            let outcome = match agent {
+                Err(e) => Err(e.to_string()),
+                Ok(agent) => {
+                    let reply = agent
+                        .remote::<SpawnRemote>(AGENT_NAME)
+                        .send_timeout(request, deadline)
+                        .await;
+                    match reply {
+                        Ok(Ok(child)) => Ok((agent, child)),
+                        Ok(Err(refusal)) => Err(refusal.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+            };
+            let started = RemoteStarted {
+                name: spec.name,
+                incarnation,
+                outcome,
+            };
+            // The supervisor stopped meanwhile: what it started must not run on.
+            if let Err(SendError::Closed(started) | SendError::Full(started)) =
+                addr.try_send(started)
+                && let Ok((agent, child)) = started.outcome
+            {
+                let _g = span.entered();
+                tracing::info!(child = %started.name, "started after the supervisor stopped: killing it");
+                kill_on(&agent, child.id, deadline);
+            }
+        });
+    }
+
+    /// Asks every remote child's agent to kill it and forgets them (their exits arrive
+    /// for ids no longer running: not restarted). Starts under way are dropped too: what
+    /// they start is killed when their answer comes.
+    pub(super) fn kill_all_remote(&mut self) {
+        let deadline = self.node.config().heartbeat.deadline;
+        for running in self.remote.running.values() {
+            kill_on(&running.agent, running.child.id, deadline);
+        }
+        self.remote.running.clear();
+        self.remote.starting.clear();
+    }
+
+    /// The supervisor stops: its remote children are killed, its inbox closed.
+    pub(super) fn stop_remotes(&mut self) {
+        self.kill_all_remote();
+        if !self.remote.inbox.is_empty() {
+            self.node.unregister(&self.remote.inbox);
+        }
+    }
+
+    /// Kills the remote child `name` through its agent; its pid there, if it runs.
+    pub(super) fn kill_remote_named(&self, name: &str) -> Option<u32> {
+        let running = self.remote.running.get(name)?;
+        tracing::info!(child = %name, pid = running.child.pid, "killing a remote child");
+        kill_on(
+            &running.agent,
+            running.child.id,
+            self.node.config().heartbeat.deadline,
+        );
+        Some(running.child.pid)
+    }
+
+    /// `process`'s link went silent past the heartbeat deadline: if it is a remote child
+    /// (one that linked back), its agent is asked to kill it; its exit restarts it.
+    pub(super) fn kill_unresponsive_remote(&self, process: ProcessId) {
+        let deadline = self.node.config().heartbeat.deadline;
+        for (name, running) in &self.remote.running {
+            if running.child.process == process {
+                tracing::warn!(child = %name, pid = running.child.pid, "remote child unresponsive: killing it");
+                kill_on(&running.agent, running.child.id, deadline);
+            }
+        }
+    }
+
+    /// The last link to `process` went down: if it was an agent, its children are lost.
+    pub(super) fn agent_down(
+        &mut self,
+        process: ProcessId,
+        reason: Option<&ActorError>,
+        ctx: &mut Context<Self>,
+    ) {
+        let lost: Vec<String> = self
+            .remote
+            .running
+            .iter()
+            .filter(|(_, r)| r.agent.process() == process)
+            .map(|(name, _)| name.clone())
+            .collect();
+        self.remote.agents.retain(|_, p| p.process() != process);
+        if lost.is_empty() {
+            return;
+        }
+        let _g = self.span.clone().entered();
+        let reason = reason.map(ToString::to_string);
+        let mut restart = Vec::new();
+        for name in lost {
+            let Some(running) = self.remote.running.remove(&name) else {
+                continue;
+            };
+            tracing::warn!(child = %name, pid = running.child.pid, agent = %process, reason = ?reason, "remote child lost with its agent's link");
+            self.last_exit
+                .insert(name.clone(), "lost with its agent's link".to_owned());
+            self.emit(SupervisorEvent::Lost {
+                name: name.clone(),
+                pid: running.child.pid,
+                process: running.child.process,
+                agent: process,
+                reason: reason.clone(),
+            });
+            if self.remote_restart(&name) == Restart::Temporary {
+                self.done.insert(name);
+            } else {
+                restart.push(name);
+            }
+        }
+        self.on_death(&restart, ctx);
+        self.publish();
+    }
+
+    fn remote_restart(&self, name: &str) -> Restart {
+        self.remote
+            .specs
+            .iter()
+            .find(|s| s.name == name)
+            .map_or(Restart::Permanent, |s| s.restart)
+    }
+
+    /// The remote children's entries for the node's status, with their agent's address.
+    pub(super) fn remote_entries(&self) -> impl Iterator<Item = ChildEntry> + '_ {
+        self.remote.specs.iter().map(|s| {
+            let running = self.remote.running.get(&s.name);
+            ChildEntry {
+                name: s.name.clone(),
+                state: self.state_of(&s.name, running.is_some()).to_owned(),
+                pid: running.map(|r| r.child.pid),
+                start_ticks: running.map(|r| r.child.process.start_ticks),
+                restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
+                last_exit: self.last_exit.get(&s.name).cloned(),
+                host: Some(s.agent.to_string()),
+                supervisor: None,
+            }
+        })
+    }
+
+    /// The remote children's states, for [`Children`](super::Children).
+    pub(super) fn remote_statuses(&self) -> impl Iterator<Item = ChildStatus> + '_ {
+        self.remote.specs.iter().map(|s| {
+            let running = self.remote.running.get(&s.name);
+            ChildStatus {
+                name: s.name.clone(),
+                pid: running.map(|r| r.child.pid),
+                process: running.map(|r| r.child.process),
+                restarts: self.restarts.get(&s.name).copied().unwrap_or(0),
+            }
+        })
+    }
+}
+
+/// Asks `agent` to kill its child `id`, on a task of its own, under `deadline`.
+fn kill_on(agent: &Peer, id: u64, deadline: Duration) {
+    let call = agent
+        .remote::<KillRemote>(AGENT_NAME)
+        .send_timeout(KillRemote { id }, deadline);
+    actix::spawn(async move {
+        match call.await {
+            Ok(Ok(())) => {}
+            // It had exited already.
+            Ok(Err(AgentRefusal::NoSuchChild { .. })) => {}
+            // A link that is down: the agent kills it on its side.
+            Ok(Err(e)) => tracing::warn!(id, error = %e, "the agent refused to kill a child"),
+            Err(e) => tracing::debug!(id, error = %e, "no answer to a kill"),
+        }
+    });
+}
+
+/// The answer to a remote start.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(super) struct RemoteStarted {
+    name: String,
+    incarnation: u64,
+    outcome: Result<(Peer, AgentChild), String>,
+}
+
+impl Handler<RemoteStarted> for ProcessSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RemoteStarted, ctx: &mut Self::Context) {
+        let _g = self.span.clone().entered();
+        let current =
+            !self.stopping && self.remote.starting.get(&msg.name) == Some(&msg.incarnation);
+        if !current {
+            // Given up meanwhile (one-for-all restarted them all, the supervisor stops).
+            if let Ok((agent, child)) = msg.outcome {
+                kill_on(&agent, child.id, self.node.config().heartbeat.deadline);
+            }
+            return;
+        }
+        self.remote.starting.remove(&msg.name);
+        match msg.outcome {
+            Ok((agent, child)) => {
+                let restarts = self.restarts.get(&msg.name).copied().unwrap_or(0);
+                let addr = self
+                    .remote
+                    .specs
+                    .iter()
+                    .find(|s| s.name == msg.name)
+                    .map(|s| s.agent);
+                if !agent.is_connected() {
+                    // Its link went down before we heard: lost at once.
+                    self.remote.running.insert(
+                        msg.name.clone(),
+                        RemoteRunning {
+                            agent: agent.clone(),
+                            child,
+                        },
+                    );
+                    self.agent_down(agent.process(), None, ctx);
+                    return;
+                }
+                tracing::info!(child = %msg.name, pid = child.pid, agent = %agent.process(), restarts, "remote child started");
+                if let Some(addr) = addr {
+                    self.remote.agents.insert(addr, agent.clone());
+                }
+                self.remote
+                    .running
+                    .insert(msg.name.clone(), RemoteRunning { agent, child });
+                self.done.remove(&msg.name);
+                self.emit(SupervisorEvent::Started {
+                    name: msg.name,
+                    pid: child.pid,
+                    process: child.process,
+                    restarts,
+                });
+            }
+            Err(error) => {
+                tracing::error!(child = %msg.name, %error, "could not start a remote child; retrying");
+                self.emit(SupervisorEvent::StartFailed {
+                    name: msg.name.clone(),
+                    error,
+                });
+                let name = msg.name;
+                ctx.run_later(RETRY_AFTER, move |act, ctx| {
+                    act.on_death(&[name], ctx);
+                });
+            }
+        }
+        self.publish();
+    }
+}
+
+impl Handler<FromPeer<RemoteExit>> for ProcessSupervisor {
+    type Result = ();
+
+    /// An agent reports a child's exit; only the agent that runs it is heard.
+    fn handle(&mut self, msg: FromPeer<RemoteExit>, ctx: &mut Self::Context) {
+        let _g = self.span.clone().entered();
+        let FromPeer { from, msg } = msg;
+        let Some(name) = self
+            .remote
+            .running
+            .iter()
+            .find(|(_, r)| r.agent.process() == from && r.child.id == msg.id)
+            .map(|(name, _)| name.clone())
+        else {
+            tracing::debug!(agent = %from, id = msg.id, status = %msg.status, "exit of a remote child no longer supervised");
+            return;
+        };
+        let Some(running) = self.remote.running.remove(&name) else {
+            return;
+        };
+        if msg.clean {
+            tracing::info!(child = %name, pid = running.child.pid, status = %msg.status, "remote child exited");
+        } else {
+            tracing::warn!(child = %name, pid = running.child.pid, status = %msg.status, "remote child exited");
+        }
+        self.last_exit.insert(name.clone(), msg.status.clone());
+        self.emit(SupervisorEvent::Exited {
+            name: name.clone(),
+            pid: running.child.pid,
+            process: running.child.process,
+            status: msg.status,
+        });
+        let restart = self.remote_restart(&name);
+        self.after_exit(&name, restart, msg.clean, ctx);
+        self.publish();
+    }
+}
