@@ -206,14 +206,22 @@ fn deadline_for(heartbeat: Duration, len: usize) -> Duration {
     heartbeat + Duration::from_secs(len as u64 / FLOOR_BYTES_PER_SEC)
 }
 
-/// Waits for each transfer until `by`: the first failure, or a timeout at `by`.
-fn wait_all(transfers: &[HeldTransfer], by: Instant) -> Result<(), IpcError> {
+/// Waits for each transfer for at most `allowed` from now: the first failure, or a
+/// timeout that names the whole allowance.
+fn wait_all(transfers: &[HeldTransfer], allowed: Duration) -> Result<(), IpcError> {
+    let by = Instant::now() + allowed;
     for t in transfers {
         loop {
             let left = by.saturating_duration_since(Instant::now());
             match t.wait(left.min(Duration::from_millis(500))) {
                 Ok(()) => break,
                 Err(IpcError::Timeout { .. }) if !left.is_zero() => {}
+                Err(IpcError::Timeout { .. }) => {
+                    return Err(IpcError::Timeout {
+                        op: "waiting for a copy to land",
+                        after: allowed,
+                    });
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -641,8 +649,8 @@ impl PeerLink {
             // The first device copy with a peer makes its communicator.
             allowance += self.node.hosts().nccl.rendezvous_timeout;
         }
-        let by = Instant::now() + deadline_for(allowance, len);
-        let waiting = tokio::task::spawn_blocking(move || match wait_all(&receiving, by) {
+        let allowed = deadline_for(allowance, len);
+        let waiting = tokio::task::spawn_blocking(move || match wait_all(&receiving, allowed) {
             Ok(()) => Ok(receiving),
             Err(e) => {
                 // Aborted here, off the link's thread (an engine's abort may take its
