@@ -496,6 +496,31 @@ fn apply_allowed(violations: &[Violation], allowed: &[Allowed]) -> (Vec<String>,
     (report, stale)
 }
 
+/// The macros `text` exports at the crate root (`#[macro_export] macro_rules! name`): a
+/// `crate::name!` anywhere is a use of the module that defines it.
+fn exported_macros(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut exported = false;
+    for line in text.lines().map(str::trim) {
+        if line == "#[macro_export]" {
+            exported = true;
+        } else if let Some(rest) = line.strip_prefix("macro_rules!") {
+            if exported {
+                let name: String = rest
+                    .trim()
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                names.push(name);
+            }
+            exported = false;
+        } else if !(line.starts_with("#[") || line.starts_with("///") || line.is_empty()) {
+            exported = false;
+        }
+    }
+    names
+}
+
 /// Checks that the modules of the workspace crate in `dir` form layers, but for `allowed`.
 /// `min_modules`: how many modules its `lib.rs` declares at least (a guard against a
 /// parser that finds none).
@@ -531,6 +556,14 @@ fn check_crate(dir: &str, min_modules: usize, allowed: &[Allowed]) {
             });
         }
         files.insert(module.clone(), sources);
+    }
+    let mut root = root;
+    for (module, sources) in &files {
+        for source in sources {
+            for name in exported_macros(&source.text) {
+                root.reexports.insert(name, module.clone());
+            }
+        }
     }
     let (violations, unknown) = check(&root, &files);
     assert!(
@@ -715,4 +748,34 @@ fn items_of_the_root_resolve_and_allowed_uses_must_still_be_needed() {
     let (report, stale) = apply_allowed(&violations, &[("high", "low", "gone")]);
     assert_eq!(report.len(), 1);
     assert_eq!(stale, ["`high` -> `low` (gone)"]);
+}
+
+#[test]
+fn a_macro_exported_at_the_root_is_a_use_of_the_module_that_defines_it() {
+    let low = "/// Docs.\n#[macro_export]\n#[doc(hidden)]\nmacro_rules! shout {\n    () => {};\n}\nmacro_rules! local { () => {}; }\n";
+    assert_eq!(exported_macros(low), vec!["shout".to_owned()]);
+    let mut root = parse_root("mod low;\nmod high;\n");
+    for name in exported_macros(low) {
+        root.reexports.insert(name, "low".to_owned());
+    }
+    let file = |module: &str, text: &str| SourceFile {
+        name: format!("{module}.rs"),
+        module: vec![module.to_owned()],
+        text: text.to_owned(),
+    };
+    let files = BTreeMap::from([
+        ("low".to_owned(), vec![file("low", "crate::shout!();\n")]),
+        ("high".to_owned(), vec![file("high", "crate::shout!();\n")]),
+    ]);
+    let (violations, unknown) = check(&root, &files);
+    assert!(unknown.is_empty(), "{unknown:?}");
+    assert!(violations.is_empty(), "high uses low, declared above it");
+    // Used from above the module that defines it: a violation, named as that module.
+    let root = Root {
+        modules: vec!["high".to_owned(), "low".to_owned()],
+        ..root
+    };
+    let (violations, _) = check(&root, &files);
+    assert_eq!(violations.len(), 1);
+    assert_eq!(violations[0].used, "low");
 }
