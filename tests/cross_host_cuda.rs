@@ -113,8 +113,9 @@ fn env_for(
         ("BATON_CUDA_DEVICE", device.to_owned()),
         ("NCCL_HOSTID", format!("baton-{host}")),
         ("NCCL_NET", "Socket".to_owned()),
-        // A prefix, not NCCL's `=` exact form: NCCL 2.28's bootstrap found no interface
-        // by `=baton-b` in its namespace (run H); each namespace has one `baton-` link.
+        // A prefix (each namespace has one `baton-` link). In two namespaces NCCL's
+        // bootstrap often finds no interface by it (nor by the exact `=baton-b`), and the
+        // first copy times out: runs H-L, docs/CROSS_HOST.md.
         ("NCCL_SOCKET_IFNAME", interface.to_owned()),
         ("NCCL_P2P_DISABLE", "1".to_owned()),
         ("NCCL_SHM_DISABLE", "1".to_owned()),

@@ -154,10 +154,10 @@ impl TwoHosts {
             let addr = format!("{}/24", ADDRS[i]);
             for args in [
                 vec!["ip", "addr", "add", &addr, "dev", dev],
-                // No IPv6 link-local address, so no duplicate address detection changing
-                // the link's addresses in its first seconds: NCCL's interface search
-                // (getifaddrs) found no interface by name a second after the pair was
-                // made, in 5 of 7 runs on two GPUs (runs H-K; docs/CROSS_HOST.md).
+                // IPv4 only: no IPv6 link-local address, so nothing changes the link's
+                // addresses in its first seconds. (Tried against NCCL's bootstrap finding
+                // no interface in these namespaces, runs H-L: it did not cure that;
+                // docs/CROSS_HOST.md.)
                 vec!["ip", "link", "set", dev, "addrgenmode", "none"],
                 vec!["ip", "link", "set", dev, "up"],
                 vec!["ip", "link", "set", "lo", "up"],
