@@ -126,30 +126,51 @@ fn env_for(
     ]
 }
 
-/// A helper named `name` on emulated host `on` (0 or 1) and GPU `device`.
-#[allow(clippy::too_many_arguments)]
-fn helper(
-    hosts: &Hosts,
-    on: usize,
-    session: &Session,
-    ns: &str,
-    log: &str,
-    name: &str,
-    device: &str,
-    args: &[&str],
-) -> (peer::Peer, Lines) {
-    // NCCL's host id names the emulated host, so that two helpers of one host are one
-    // host to NCCL too; Baton's host id is the helper's own name.
-    let env = env_for(device, ["x", "y"][on], name, hosts.interface(on), log);
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let mut args = args.to_vec();
-    args.push("--cuda");
-    match hosts {
-        Hosts::Netns(two) => {
-            let (via, before) = two.enter(on);
-            host_peer_env(Some((via, &before)), session, ns, name, &args, &env)
+/// One test's two hosts, session, shared-memory namespace and NCCL logs.
+struct Scene {
+    hosts: Hosts,
+    session: Session,
+    ns: String,
+    logs: Logs,
+}
+
+impl Scene {
+    fn new(test: &str, tag: &str) -> Self {
+        Scene {
+            hosts: Hosts::make(test),
+            session: Session::generate().unwrap(),
+            ns: peer::namespace(&format!("xc-{tag}")),
+            logs: Logs::new(tag),
         }
-        Hosts::Loopback => host_peer_env(None, session, ns, name, &args, &env),
+    }
+
+    /// Where a helper on host `on` listens.
+    fn listen(&self, on: usize) -> String {
+        self.hosts.listen(on)
+    }
+
+    /// A helper named `name` on emulated host `on` (0 or 1) and GPU `device`.
+    fn helper(&self, on: usize, name: &str, device: &str, args: &[&str]) -> (peer::Peer, Lines) {
+        // NCCL's host id names the emulated host, so that two helpers of one host are one
+        // host to NCCL too; Baton's host id is the helper's own name.
+        let interface = self.hosts.interface(on);
+        let env = env_for(device, ["x", "y"][on], name, interface, self.logs.path());
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut args = args.to_vec();
+        args.push("--cuda");
+        let enter = match &self.hosts {
+            Hosts::Netns(two) => Some(two.enter(on)),
+            Hosts::Loopback => None,
+        };
+        let enter = enter
+            .as_ref()
+            .map(|(via, before)| (*via, before.as_slice()));
+        host_peer_env(enter, &self.session, &self.ns, name, &args, &env)
+    }
+
+    /// See [`Logs::assert_socket_transport`].
+    fn assert_socket_transport(&self) {
+        self.logs.assert_socket_transport(&self.hosts);
     }
 }
 
@@ -252,34 +273,13 @@ fn device_buffers_from_1_byte_to_1_gib_both_ways_between_two_emulated_hosts_over
     if !gpus::two_gpus(test) {
         return;
     }
-    let hosts = Hosts::make(test);
+    let sc = Scene::new(test, "both");
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("xc-both");
-        let logs = Logs::new("both");
-        let (mut a, a_lines) = helper(
-            &hosts,
-            0,
-            &session,
-            &ns,
-            logs.path(),
-            "a",
-            "0",
-            &["listen", &hosts.listen(0)],
-        );
+        let (mut a, a_lines) = sc.helper(0, "a", "0", &["listen", &sc.listen(0)]);
         let at = a_lines.expect("listening ", DEADLINE).await;
         let sizes = [1usize, 4096, (1 << 20) + 3, 64 << 20, 1 << 30];
         let list = sizes.map(|s| s.to_string()).join(",");
-        let (mut b, b_lines) = helper(
-            &hosts,
-            1,
-            &session,
-            &ns,
-            logs.path(),
-            "b",
-            "1",
-            &["drive", &at, "--sizes", &list],
-        );
+        let (mut b, b_lines) = sc.helper(1, "b", "1", &["drive", &at, "--sizes", &list]);
         for len in sizes {
             let line = b_lines.expect(&format!("ok {len} "), LONG).await;
             // `echo=` is our buffer there and theirs back; `take=` ours there once more.
@@ -288,7 +288,7 @@ fn device_buffers_from_1_byte_to_1_gib_both_ways_between_two_emulated_hosts_over
         b_lines.expect("done", DEADLINE).await;
         assert!(exited(&mut b, DEADLINE).await.success(), "the driver");
         assert!(exited(&mut a, DEADLINE).await.success(), "the listener");
-        logs.assert_socket_transport(&hosts);
+        sc.assert_socket_transport();
     });
 }
 
@@ -302,43 +302,18 @@ fn sigkill_of_the_receiver_during_a_3_gib_device_copy_gives_the_sender_its_lease
     if !gpus::two_gpus(test) {
         return;
     }
-    let hosts = Hosts::make(test);
+    let sc = Scene::new(test, "rkill");
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("xc-rkill");
-        let logs = Logs::new("rkill");
         let go = std::env::temp_dir().join(format!("baton-xc-go-{}", std::process::id()));
         let _ = std::fs::remove_file(&go);
-        let (mut a, a_lines) = helper(
-            &hosts,
-            0,
-            &session,
-            &ns,
-            logs.path(),
-            "a",
-            "0",
-            &["listen", &hosts.listen(0)],
-        );
+        let (mut a, a_lines) = sc.helper(0, "a", "0", &["listen", &sc.listen(0)]);
         let at = a_lines.expect("listening ", DEADLINE).await;
         // The peer the sender links to afterwards: a new communicator.
-        let (mut c, c_lines) = helper(
-            &hosts,
-            0,
-            &session,
-            &ns,
-            logs.path(),
-            "c",
-            "0",
-            &["listen", &hosts.listen(0)],
-        );
+        let (mut c, c_lines) = sc.helper(0, "c", "0", &["listen", &sc.listen(0)]);
         let then = c_lines.expect("listening ", DEADLINE).await;
         let len = BIG.to_string();
-        let (mut b, b_lines) = helper(
-            &hosts,
+        let (mut b, b_lines) = sc.helper(
             1,
-            &session,
-            &ns,
-            logs.path(),
             "b",
             "1",
             &[
@@ -372,7 +347,7 @@ fn sigkill_of_the_receiver_during_a_3_gib_device_copy_gives_the_sender_its_lease
         );
         // As for the receiver (the other test): held while NCCL's abort has not returned,
         // else freed.
-        let (started, completed) = logs.aborts("b");
+        let (started, completed) = sc.logs.aborts("b");
         eprintln!("{test}: the sender's NCCL aborts: {started} started, {completed} completed");
         if completed < started {
             assert!(
@@ -388,7 +363,7 @@ fn sigkill_of_the_receiver_during_a_3_gib_device_copy_gives_the_sender_its_lease
         b_lines.expect("after ok", LONG).await;
         assert!(exited(&mut b, DEADLINE).await.success(), "the sender");
         assert!(exited(&mut c, DEADLINE).await.success(), "the new peer");
-        logs.assert_socket_transport(&hosts);
+        sc.assert_socket_transport();
     });
 }
 
@@ -402,33 +377,17 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
     if !gpus::two_gpus(test) {
         return;
     }
-    let hosts = Hosts::make(test);
+    let sc = Scene::new(test, "skill");
     run(async {
-        let session = Session::generate().unwrap();
-        let ns = peer::namespace("xc-skill");
-        let logs = Logs::new("skill");
         let go = std::env::temp_dir().join(format!("baton-xc-go-{}", std::process::id()));
         std::fs::write(&go, b"go").unwrap();
         // The receiver serves two peers: the sender killed mid-copy, then a new one.
-        let (mut a, a_lines) = helper(
-            &hosts,
-            0,
-            &session,
-            &ns,
-            logs.path(),
-            "a",
-            "0",
-            &["listen", &hosts.listen(0), "--serve", "2"],
-        );
+        let (mut a, a_lines) = sc.helper(0, "a", "0", &["listen", &sc.listen(0), "--serve", "2"]);
         let at = a_lines.expect("listening ", DEADLINE).await;
         let start = number(&a_lines.expect("mem-start ", DEADLINE).await);
         let len = BIG.to_string();
-        let (mut b, b_lines) = helper(
-            &hosts,
+        let (mut b, b_lines) = sc.helper(
             1,
-            &session,
-            &ns,
-            logs.path(),
             "b",
             "1",
             &[
@@ -455,7 +414,7 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
         // NCCL's abort of the receiving communicator may hang for good (a proxy thread
         // stuck: NVIDIA/nccl #1013, #1777). Then the partial copy must stay allocated
         // (NCCL may still write it); else it must be freed.
-        let (started, completed) = logs.aborts("a");
+        let (started, completed) = sc.logs.aborts("a");
         eprintln!("{test}: the receiver's NCCL aborts: {started} started, {completed} completed");
         if completed < started {
             assert!(
@@ -469,16 +428,7 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
             );
         }
         // A new peer: a new communicator, both ways.
-        let (mut c, c_lines) = helper(
-            &hosts,
-            1,
-            &session,
-            &ns,
-            logs.path(),
-            "c",
-            "1",
-            &["drive", &at, "--sizes", "1048576"],
-        );
+        let (mut c, c_lines) = sc.helper(1, "c", "1", &["drive", &at, "--sizes", "1048576"]);
         c_lines.expect("linked", LONG).await;
         if completed < started {
             // NCCL's abort hung, and with it this process's device work (the run that
@@ -498,6 +448,6 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
         }
         // (The receiver is not asked to exit cleanly: a hung NCCL abort may hold its exit.)
         a.kill9();
-        logs.assert_socket_transport(&hosts);
+        sc.assert_socket_transport();
     });
 }

@@ -36,3 +36,22 @@
 //! cargo (no `CARGO` in its environment) and the binary is already there, as on a GPU
 //! machine without a Rust toolchain that runs a prebuilt bundle (`cargo build --workspace
 //! --bins` puts them at the same paths), it is used as it is.
+
+/// A helper's first steps as a child: takes the session token (and closes its pipe) before
+/// anything else — exiting with `name: why` if there is none — then logs to stderr as
+/// `RUST_LOG` asks, without colour codes unless stderr is a terminal.
+pub fn start(name: &str) -> baton::Session {
+    let session = match baton::Session::from_env() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            std::process::exit(1);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    session
+}

@@ -544,19 +544,8 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
 
 fn main() {
     let cli = <Cli as clap::Parser>::parse();
-    // The child's entry point: take the token (and close its pipe) before anything else.
-    let session = match baton::Session::from_env() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("baton-host-peer: {e}");
-            std::process::exit(1);
-        }
-    };
-    tracing_subscriber::fmt()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    // The child's entry point: the token first (its pipe closed), then logging.
+    let session = baton_test_peers::start("baton-host-peer");
     let result = match cli.role.as_str() {
         "forge" => forge(&cli.addr, &session, &cli.forge, cli.lease),
         _ => System::new().block_on(run(cli, session)),
