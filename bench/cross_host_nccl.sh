@@ -47,6 +47,16 @@ if [ "${BATON_BENCH_NETNS:-0}" = 1 ]; then
     nsenter -t "$h" -n ip link set "${dev[$i]}" up
     nsenter -t "$h" -n ip link set lo up
   done
+  # NCCL skips an interface that is not RUNNING, and a veth becomes RUNNING a moment after
+  # `ip link set up` (the kernel's link watch, up to a second): wait for it.
+  for i in 0 1; do
+    h=${holders[$i]} dev=(baton-a baton-b)
+    for n in $(seq 1 1000); do
+      nsenter -t "$h" -n ip -o link show dev "${dev[$i]}" | grep -q ' state UP ' && break
+      [ "$n" = 1000 ] && { echo "${dev[$i]} is not running 10 s after it was set up" >&2; exit 1; }
+      sleep 0.01
+    done
+  done
   in_a=(nsenter -t "$ha" -n --) in_b=(nsenter -t "$hb" -n --)
   if_a=baton-a if_b=baton-b addr_a=10.77.0.1
   echo "hosts: two network namespaces joined by a veth pair (10.77.0.1, 10.77.0.2)"

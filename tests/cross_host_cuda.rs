@@ -67,8 +67,9 @@ impl Hosts {
         match netns::TwoHosts::make() {
             Ok(hosts) => {
                 eprintln!(
-                    "{test}: two network namespaces joined by a veth pair, made {}",
-                    hosts.how()
+                    "{test}: two network namespaces joined by a veth pair, made {}, running {:?} after it was set up",
+                    hosts.how(),
+                    hosts.running_after()
                 );
                 Hosts::Netns(hosts)
             }

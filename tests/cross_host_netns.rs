@@ -30,7 +30,11 @@ use std::time::Duration;
 fn two_hosts(test: &str) -> Option<netns::TwoHosts> {
     match netns::TwoHosts::make() {
         Ok(hosts) => {
-            eprintln!("{test}: two network namespaces, made {}", hosts.how());
+            eprintln!(
+                "{test}: two network namespaces, made {}, running {:?} after set up",
+                hosts.how(),
+                hosts.running_after()
+            );
             Some(hosts)
         }
         Err(why) => {

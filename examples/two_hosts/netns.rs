@@ -30,6 +30,8 @@ pub struct TwoHosts {
     nsenter: PathBuf,
     /// Made in a user namespace of our own (not as root): joined with `-U` too.
     userns: bool,
+    /// How long the veth pair took to be running after it was set up.
+    running_after: Duration,
 }
 
 /// `name` in `PATH` or the usual system directories.
@@ -43,23 +45,34 @@ fn tool(name: &str) -> Option<PathBuf> {
 
 /// Runs `cmd` to completion within 10 s; its failure as text.
 fn run(cmd: &mut Command) -> Result<(), String> {
+    output(cmd).map(drop)
+}
+
+/// Runs `cmd` to completion within 10 s: its standard output, or its failure as text.
+fn output(cmd: &mut Command) -> Result<String, String> {
     let what = format!("{cmd:?}");
     let mut child = cmd
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("{what}: {e}"))?;
+    // `ip` prints a line or two: the pipe never fills before it exits.
     let start = Instant::now();
     loop {
         if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            let read = |pipe: Option<&mut dyn std::io::Read>| {
+                let mut text = String::new();
+                if let Some(p) = pipe {
+                    let _ = p.read_to_string(&mut text);
+                }
+                text
+            };
+            let out = read(child.stdout.as_mut().map(|p| p as _));
             if status.success() {
-                return Ok(());
+                return Ok(out);
             }
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = std::io::Read::read_to_string(&mut e, &mut err);
-            }
+            let err = read(child.stderr.as_mut().map(|p| p as _));
             return Err(format!("{what}: {status}: {}", err.trim()));
         }
         if start.elapsed() > Duration::from_secs(10) {
@@ -91,6 +104,7 @@ impl TwoHosts {
             holders: Vec::new(),
             nsenter,
             userns,
+            running_after: Duration::ZERO,
         };
         for i in 0..2 {
             let mut holder = match (userns, i) {
@@ -167,7 +181,38 @@ impl TwoHosts {
                 run(&mut cmd)?;
             }
         }
+        // NCCL (and anything else that lists interfaces) skips an interface that is not
+        // RUNNING, and the kernel marks a veth RUNNING (operationally up) a moment after
+        // `ip link set up`, from its link-watch work (up to a second later): a program
+        // started at once found no interface (runs H-L, docs/CROSS_HOST.md).
+        let start = Instant::now();
+        for (i, dev) in ["baton-a", "baton-b"].into_iter().enumerate() {
+            hosts.wait_running(i, &ip, dev, start + Duration::from_secs(10))?;
+        }
+        hosts.running_after = start.elapsed();
         Ok(hosts)
+    }
+
+    /// Waits until `dev` in namespace `i` is operationally up (RUNNING), until `by`.
+    fn wait_running(&self, i: usize, ip: &Path, dev: &str, by: Instant) -> Result<(), String> {
+        loop {
+            let mut cmd = self.command(i, ip);
+            cmd.args(["-o", "link", "show", "dev", dev]);
+            let shown = output(&mut cmd)?;
+            // `state UP` is the operational state, which RUNNING reports.
+            if shown.contains(" state UP ") {
+                return Ok(());
+            }
+            if Instant::now() >= by {
+                return Err(format!("{dev} is not running 10 s after it was set up: {}", shown.trim()));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// How long the veth pair took to be running after it was set up.
+    pub fn running_after(&self) -> Duration {
+        self.running_after
     }
 
     /// The pid of namespace `i`'s holder.
