@@ -10,18 +10,29 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 dir=${1:-.gpu-bench}
 limit_mib=30
-exe=$(cargo bench --bench handoff --no-run --message-format=json 2>/dev/null \
-  | python3 -c 'import json,sys
+# The handoff benchmark's executable, built with the cargo arguments given.
+handoff() {
+  cargo bench --bench handoff --no-run --message-format=json "$@" 2>/dev/null \
+    | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "handoff":
-        print(m["executable"])')
+        print(m["executable"])'
+}
+exe=$(handoff)
 if [ -z "$exe" ] || [ ! -x "$exe" ]; then
   echo "bundle: the handoff benchmark did not build (cargo bench --bench handoff --no-run)" >&2
   exit 1
 fi
 rm -rf "$dir" && mkdir -p "$dir/peers"
 cp "$exe" "$dir/handoff" && strip "$dir/handoff"
+# With the stage probes (`--stages`: where one handoff's time goes, issue 24).
+stages=$(handoff --features stage-probes)
+if [ -n "$stages" ] && [ -x "$stages" ]; then
+  cp "$stages" "$dir/handoff-stages" && strip "$dir/handoff-stages"
+else
+  echo "bundle: the handoff benchmark with stage-probes did not build: no handoff-stages" >&2
+fi
 target=$(cargo metadata --format-version 1 --no-deps \
   | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 if cargo build --release --example renderer >/dev/null 2>&1; then

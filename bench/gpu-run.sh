@@ -14,5 +14,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
   --format=csv 2>&1 | tee "$out/nvidia-smi.txt"
 renderer=()
 [ -x "$here/renderer" ] && renderer=(--renderer "$here/renderer")
-"$here/handoff" --torch "$here/peers/torch_mp.py" "${renderer[@]}" \
+exe="$here/handoff"
+# `--stages` needs the build with the stage probes (bench/bundle.sh's handoff-stages).
+if [ -x "$here/handoff-stages" ] && printf '%s\n' "$@" | grep -qx -- --stages; then
+  exe="$here/handoff-stages"
+fi
+"$exe" --torch "$here/peers/torch_mp.py" "${renderer[@]}" \
   --budget "${BENCH_BUDGET:-500}" "$@" 2>&1 | tee "$out/bench.log"
