@@ -114,9 +114,8 @@ fn env_for(
         ("BATON_CUDA_DEVICE", device.to_owned()),
         ("NCCL_HOSTID", format!("baton-{host}")),
         ("NCCL_NET", "Socket".to_owned()),
-        // A prefix (each namespace has one `baton-` link). In two namespaces NCCL's
-        // bootstrap often finds no interface by it (nor by the exact `=baton-b`), and the
-        // first copy times out: runs H-L, docs/CROSS_HOST.md.
+        // A prefix (each namespace has one `baton-` link). NCCL skips an interface that
+        // is not yet RUNNING: `netns::TwoHosts::make` waits for it (runs H-L found none).
         ("NCCL_SOCKET_IFNAME", interface.to_owned()),
         ("NCCL_P2P_DISABLE", "1".to_owned()),
         ("NCCL_SHM_DISABLE", "1".to_owned()),
@@ -152,11 +151,25 @@ impl Scene {
 
     /// A helper named `name` on emulated host `on` (0 or 1) and GPU `device`.
     fn helper(&self, on: usize, name: &str, device: &str, args: &[&str]) -> (peer::Peer, Lines) {
+        self.helper_env(on, name, device, args, &[])
+    }
+
+    /// As [`Scene::helper`], with `extra` added to (or replacing in) its environment.
+    fn helper_env(
+        &self,
+        on: usize,
+        name: &str,
+        device: &str,
+        args: &[&str],
+        extra: &[(&str, &str)],
+    ) -> (peer::Peer, Lines) {
         // NCCL's host id names the emulated host, so that two helpers of one host are one
         // host to NCCL too; Baton's host id is the helper's own name.
         let interface = self.hosts.interface(on);
         let env = env_for(device, ["x", "y"][on], name, interface, self.logs.path());
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let env: Vec<(&str, &str)> = (env.iter().map(|(k, v)| (*k, v.as_str())))
+            .chain(extra.iter().copied())
+            .collect();
         let mut args = args.to_vec();
         args.push("--cuda");
         let enter = match &self.hosts {
@@ -450,5 +463,52 @@ fn sigkill_of_the_sender_during_a_3_gib_device_copy_frees_the_receivers_partial_
         // (The receiver is not asked to exit cleanly: a hung NCCL abort may hold its exit.)
         a.kill9();
         sc.assert_socket_transport();
+    });
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs and NCCL (--features gpu-tests)"
+)]
+fn a_sender_that_cannot_make_its_communicator_ends_the_link_and_the_receiver_hears_at_once() {
+    let test = "a_sender_that_cannot_make_its_communicator";
+    if !gpus::two_gpus(test) {
+        return;
+    }
+    let sc = Scene::new(test, "nocomm");
+    run(async {
+        let (mut a, a_lines) = sc.helper(0, "a", "0", &["listen", &sc.listen(0), "--serve", "1"]);
+        let at = a_lines.expect("listening ", DEADLINE).await;
+        let start = number(&a_lines.expect("mem-start ", DEADLINE).await);
+        // No such interface: the sender's `ncclGetUniqueId` fails, so its first device
+        // send fails before NCCL ever sees it, while the receiver's receive is posted.
+        let (mut b, b_lines) = sc.helper_env(
+            1,
+            "b",
+            "1",
+            &["drive", &at, "--sizes", "4096"],
+            &[("NCCL_SOCKET_IFNAME", "=baton-none")],
+        );
+        b_lines.expect("linked", LONG).await;
+        let failed = b_lines.expect("failed ", LONG).await;
+        eprintln!("{test}: the sender's call failed with {failed}");
+        // Before: the receiver waited for its copy's whole allowance (the heartbeat's
+        // deadline and NCCL's rendezvous timeout, 40 s), then refused the offer, and the
+        // sender's call failed with that timeout. Now the sender's engine failure ends the
+        // link at once (the order of sends and receives is lost), and so the call.
+        assert!(
+            !failed.contains("timed out"),
+            "the call waited for the receiver's allowance: {failed}"
+        );
+        assert!(!exited(&mut b, DEADLINE).await.success(), "the sender");
+        a_lines.expect("down", DEADLINE).await;
+        assert_eq!(number(&a_lines.expect("leases ", DEADLINE).await), 0);
+        let after = number(&a_lines.expect("mem ", DEADLINE).await);
+        assert!(
+            after + SLACK >= start,
+            "the receiver's copy was not freed: {start} free at its start, {after} after"
+        );
+        assert!(exited(&mut a, DEADLINE).await.success(), "the receiver");
     });
 }

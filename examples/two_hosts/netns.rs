@@ -204,7 +204,10 @@ impl TwoHosts {
                 return Ok(());
             }
             if Instant::now() >= by {
-                return Err(format!("{dev} is not running 10 s after it was set up: {}", shown.trim()));
+                return Err(format!(
+                    "{dev} is not running 10 s after it was set up: {}",
+                    shown.trim()
+                ));
             }
             std::thread::sleep(Duration::from_millis(10));
         }

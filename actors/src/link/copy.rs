@@ -24,7 +24,10 @@
 //! plus a second per [`FLOOR_BYTES_PER_SEC`] of its size) frees the partial copy and the
 //! message fails with the engine's typed error (a call's caller hears
 //! [`CallFault::OfferRefused`](baton_messages::protocol::CallFault)); the lease is given
-//! back all the same. When the link ends, every transfer with the peer is aborted
+//! back all the same. A *device* copy that fails also ends the link, on either side
+//! (`reap`): NCCL pairs sends and receives by order alone, so after a failure the next
+//! send could meet a receive posted for another buffer — and the receiver hears of a
+//! sender's failure at once instead of at its deadline. When the link ends, every transfer with the peer is aborted
 //! (`abort_peer` returns once the engine no longer touches the memory) *before* the
 //! ledger takes back the leases the link held — so no buffer is written or freed under
 //! a send still reading it — and a receive's partial copy is freed.
@@ -54,7 +57,7 @@ use super::{Attached, PeerLink};
 use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, OfferGrant};
-use crate::link_ref::{ForwardCopy, LinkRef, SendRendezvous};
+use crate::link_ref::{CutOff, ForwardCopy, LinkRef, SendRendezvous};
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
 use actix::prelude::*;
@@ -229,14 +232,36 @@ fn wait_all(transfers: &[HeldTransfer], allowed: Duration) -> Result<(), IpcErro
     Ok(())
 }
 
+/// Why a link ends after its device copy `id` failed with `e` (see [`reap`]).
+fn order_lost(id: u64, e: &IpcError) -> ActorError {
+    ActorError::Ipc(IpcError::TransferFailed {
+        id,
+        reason: format!(
+            "a device copy failed, so the order of NCCL's sends and receives with this peer is lost: {e}"
+        ),
+    })
+}
+
 /// Holds a finished send until the engine reports it (bounded by the engine's stall
 /// timeout), so that its memory is kept until then; started sends are reaped here.
-fn reap(transfer: Arc<HeldTransfer>) {
+///
+/// A device send that fails cuts the link (`link`): NCCL pairs a communicator's sends and
+/// receives by their order only, and after a failure the two sides no longer agree which
+/// of the peer's receives the next send would meet (a send that failed before NCCL saw it
+/// — its communicator could not be made — leaves the peer's receive waiting for the next
+/// one, with the next buffer's bytes). The cut also tells the receiver at once, which
+/// would otherwise wait for its copy's whole allowance. Host copies are named by their
+/// lease on the wire and need no such cut.
+fn reap(transfer: Arc<HeldTransfer>, link: Option<Addr<PeerLink>>) {
     tokio::task::spawn_blocking(move || {
         while !transfer.is_finished() {
-            if let Err(e) = transfer.wait(Duration::from_secs(1)) {
-                if !matches!(e, IpcError::Timeout { .. }) {
+            match transfer.wait(Duration::from_secs(1)) {
+                Ok(()) | Err(IpcError::Timeout { .. }) => {}
+                Err(e) => {
                     tracing::debug!(transfer = %transfer.id(), error = %e, "a copy's send failed");
+                    if let Some(link) = &link {
+                        link.do_send(CutOff(order_lost(transfer.id().0, &e)));
+                    }
                 }
             }
         }
@@ -327,7 +352,7 @@ impl PeerLink {
                 let transfer = Arc::new(transfer);
                 self.copies_out
                     .insert(offer.lease, CopyOut::Sending(Arc::clone(&transfer)));
-                reap(transfer);
+                reap(transfer, None);
                 Ok((offer, grant))
             }
             Err(e) => {
@@ -391,7 +416,7 @@ impl PeerLink {
             let transfer = Arc::new(transfer);
             self.copies_out
                 .insert(lease, CopyOut::Sending(Arc::clone(&transfer)));
-            reap(transfer);
+            reap(transfer, None);
         }
         if let Err(e) = self.send(&Wire::Offer(Offer { lease, handle }), Vec::new()) {
             // Never offered: its send stops (and lets go of the pin) at once.
@@ -534,7 +559,7 @@ impl PeerLink {
             let transfer = Arc::new(self.start_device_send(lease, copy)?);
             self.copies_out
                 .insert(lease, CopyOut::Sending(Arc::clone(&transfer)));
-            reap(transfer);
+            reap(transfer, Some(ctx.address()));
         }
         Ok(())
     }
@@ -665,6 +690,14 @@ impl PeerLink {
             act.copies_in -= len;
             let done = match joined {
                 Ok(Ok(receiving)) => act.copies_landed(offers, receiving, turn, then, slot, ctx),
+                Ok(Err(e)) if offers.iter().any(|o| copy_engine(o) == CopyEngine::Nccl) => {
+                    // A device copy failed: the link ends, as the sender's does (`reap`:
+                    // the communicators' order of sends and receives is lost), after the
+                    // message has failed with the engine's error.
+                    let cut = order_lost(offers[0].lease.get(), &e);
+                    act.copies_failed(&offers, e, turn, then, slot, ctx)
+                        .and(Err(cut))
+                }
                 Ok(Err(e)) => act.copies_failed(&offers, e, turn, then, slot, ctx),
                 // The waiting task ended early (the runtime stops): its turn ends too, so
                 // nothing waits behind it for ever.

@@ -551,6 +551,8 @@ fn main() {
         _ => System::new().block_on(run(cli, session)),
     };
     if let Err(e) = result {
+        // On stdout too: the tests read it.
+        say(&format!("failed {e}"));
         eprintln!("baton-host-peer: {e}");
         std::process::exit(2);
     }
