@@ -909,6 +909,86 @@ fn a_flood_of_releases_of_one_buffer_keeps_one_fence_per_producer_slot() {
     });
 }
 
+/// Issue 24's suspect for the renderer's fps falling over a run: a tile's buffer reused every
+/// frame — the exporter (a worker) renders into it on its stream and shares it after that;
+/// the importer (the compositor) composes from it on its stream and drops the lease, whose
+/// release fence comes back — must cost as many driver-level calls in frame 300 as in frame
+/// 3: no fence list, mark list or mapping record that grows with each reuse. Counted in the
+/// device log, per frame and per kind of call; the free at the end waits on at most one
+/// fence per slot of the importer's lane.
+#[test]
+fn a_tile_reused_every_frame_costs_the_same_driver_calls_every_frame() {
+    const FRAMES: usize = 300;
+    run(async {
+        let device = Device::with_deadline(DEADLINE);
+        let t = Pair::new(&device).await;
+        let buf = t.buffer(4).await;
+        let alloc = alloc_of(buf.ptr());
+        device.open_gate("go");
+        let kinds = [
+            "exp mark record",
+            "exp mark wait",
+            "exp wait-value",
+            "exp write",
+            "exp sync",
+            "imp mark record",
+            "imp mark wait",
+            "imp wait-value",
+            "imp write",
+            "imp sync",
+            "imp open",
+        ];
+        let mut per_frame: Vec<Vec<usize>> = Vec::with_capacity(FRAMES);
+        for frame in 0..FRAMES {
+            let from = device.log_len();
+            // The worker: its stream waits for the last frame's release, then renders.
+            buf.wait_on(Stream::Id(100)).unwrap();
+            t.exp.work(
+                100,
+                &format!("render {frame}"),
+                "go",
+                Some((alloc, 0, vec![frame as u8; 16])),
+            );
+            let shared = buf.share_on(Stream::Id(100)).unwrap();
+            // The compositor: composes on its stream (after the acquire fence), lets go.
+            let lease = t.hold(vec![shared]).await.pop().unwrap();
+            lease.wait_on(Stream::Id(300)).unwrap();
+            t.imp.work(300, &format!("compose {frame}"), "go", None);
+            drop(lease);
+            eventually("the release", || buf.leases_out() == 0).await;
+            per_frame.push(kinds.iter().map(|k| device.count_from(from, k)).collect());
+        }
+        let steady = &per_frame[3];
+        // The loop exercises both fences every frame: the reuse waits on the release fence,
+        // the compose on the acquire fence.
+        assert!(
+            steady[2] >= 1 && steady[7] >= 1,
+            "no fence waits per frame ({kinds:?}): {steady:?}"
+        );
+        let grew: Vec<(usize, &Vec<usize>)> = per_frame
+            .iter()
+            .enumerate()
+            .skip(3)
+            .filter(|(_, calls)| calls.iter().zip(steady).any(|(c, s)| c > s))
+            .collect();
+        assert!(
+            grew.is_empty(),
+            "driver calls per frame ({kinds:?}) grew with reuse of one tile: frame 3 {steady:?}, \
+             later {:?}",
+            grew.iter().take(5).collect::<Vec<_>>()
+        );
+        let from = device.log_len();
+        drop(buf);
+        eventually("the free", || device.freed(alloc)).await;
+        let free_waits = device.count_from(from, "exp wait-value");
+        assert!(
+            free_waits as u64 <= u64::from(mode().release_streams),
+            "the free waited on {free_waits} release fences after {FRAMES} reuses"
+        );
+        t.assert_safe();
+    });
+}
+
 /// Finding 6: 4,000 leases of one buffer held at once by one consumer, each offer with a
 /// fresh acquire fence (the buffer was used on a stream): no offer fails, and the exporter
 /// keeps no fence for them (a counter fence is a value written into the consumer's lane:

@@ -156,9 +156,33 @@ fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
             "host",
             "--out",
             dir,
+            "--frame-log",
+            &format!("{dir}/frames.jsonl"),
         ],
         Duration::from_secs(120),
     );
+    // The frame log: a line per frame, in order; one open per tile in the first frame,
+    // a hit per tile after; no GPU fields on host memory.
+    let log = std::fs::read_to_string(out.path().join("frames.jsonl")).unwrap();
+    let frames: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(frames.len(), 4, "{log}");
+    for (i, f) in frames.iter().enumerate() {
+        let (opens, hits) = if i == 0 { (8, 0) } else { (0, 8) };
+        assert_eq!(f["frame"], i as u64, "{log}");
+        assert_eq!(
+            (f["tiles"].as_u64(), f["tiles_missing"].as_u64()),
+            (Some(8), Some(0))
+        );
+        assert_eq!(
+            (f["opens"].as_u64(), f["hits"].as_u64()),
+            (Some(opens), Some(hits))
+        );
+        assert!(f["us"].as_f64().is_some_and(|us| us > 0.0), "{log}");
+        assert!(f["gpu_us"].is_null() && f["fence_waits"].is_null(), "{log}");
+    }
     // Every child exited cleanly and freed what it owned: no segment is left, though
     // nothing swept.
     let left = host::list_segments(&ns.0).unwrap();

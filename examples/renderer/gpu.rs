@@ -7,7 +7,9 @@
 
 use crate::scene::{CUDA_SOURCE, TileRect};
 use baton::actors::{Buffer, Lease};
-use baton::ipc::cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use baton::ipc::cuda::cudarc::driver::{
+    CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys,
+};
 use baton::ipc::cuda::cudarc::nvrtc::compile_ptx;
 use baton::ipc::cuda::{CudaBackend, DeviceArg};
 use std::error::Error;
@@ -128,6 +130,71 @@ impl Kernels {
                 .launch(grid(rect.w, rect.h))
         }?;
         Ok(())
+    }
+}
+
+impl Kernels {
+    /// Records a timing event on the compose stream after everything queued there so far
+    /// (a frame's compose kernels): `--frame-log` reads when each frame's GPU work ended.
+    pub fn frame_mark(&self) -> Result<CudaEvent, Box<dyn Error>> {
+        Ok(self
+            .stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+    }
+
+    /// Waits until the compose stream has run everything queued on it (and, through the
+    /// acquire fences its kernels waited on, the workers' renders of those tiles).
+    pub fn synchronize(&self) -> Result<(), Box<dyn Error>> {
+        Ok(self.stream.synchronize()?)
+    }
+}
+
+/// The compositor's frames on the GPU, for `--frame-log`: an event after each frame's
+/// compose kernels, queried without waiting at the end of each frame (how many frames of
+/// GPU work are still queued: how far the host runs ahead), and timed against each other
+/// once the run is over (when each frame's GPU work ended).
+#[derive(Default)]
+pub struct FrameMarks {
+    marks: Vec<CudaEvent>,
+    /// The first frame whose mark has not been seen complete.
+    first_pending: usize,
+}
+
+impl FrameMarks {
+    /// Marks the end of this frame's compose work; returns how many frames (this one
+    /// included) the GPU has not finished yet. `cuEventQuery` only: nothing waits.
+    pub fn frame_queued(&mut self, kernels: &Kernels) -> Result<u64, Box<dyn Error>> {
+        self.marks.push(kernels.frame_mark()?);
+        while self.first_pending < self.marks.len()
+            && self.marks[self.first_pending].try_is_complete()?
+        {
+            self.first_pending += 1;
+        }
+        Ok((self.marks.len() - self.first_pending) as u64)
+    }
+
+    /// Waits until the GPU has finished frame `frame`'s compose work (nothing if that
+    /// frame was never marked). A blocking wait on this process's own stream.
+    pub fn wait_for(&self, frame: u64) -> Result<(), Box<dyn Error>> {
+        if let Some(m) = usize::try_from(frame).ok().and_then(|i| self.marks.get(i)) {
+            m.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// After the run (waits for every mark): the GPU time from the end of frame `f - 1`'s
+    /// compose work to the end of frame `f`'s, in µs, per frame (`None` for the first).
+    pub fn intervals_us(&self) -> Result<Vec<Option<f64>>, Box<dyn Error>> {
+        let mut out = Vec::with_capacity(self.marks.len());
+        for (i, m) in self.marks.iter().enumerate() {
+            out.push(match i.checked_sub(1) {
+                Some(prev) => {
+                    Some((f64::from(self.marks[prev].elapsed_ms(m)?) * 1e4).round() / 10.0)
+                }
+                None => None,
+            });
+        }
+        Ok(out)
     }
 }
 

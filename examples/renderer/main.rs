@@ -32,7 +32,12 @@
 //! tile to host shared memory and back, the pipeline zero-copy replaces), `--verify`
 //! (compare the last frame with a single-process CPU render), `--no-sweep` (the root does
 //! not sweep at the end, so the caller can check what a run left: the summary counts it,
-//! and it does not fail the run; the supervisor still removes what killed children left).
+//! and it does not fail the run; the supervisor still removes what killed children left),
+//! `--frame-log FILE` (one JSON line per frame, written after the run: `bench/plot_frames.py`
+//! draws fps over frames from such files).
+//!
+//! The fps counts the GPU's work too: on CUDA the last frame waits until the compositor's
+//! stream has run every frame queued (the host may run ahead of the GPU by many frames).
 
 mod gpu;
 mod scene;
@@ -109,6 +114,17 @@ struct Options {
     /// Sweep nothing at the end: the caller counts what the run left.
     #[arg(long)]
     no_sweep: bool,
+    /// Write one JSON line per frame to FILE (written after the run, outside the timed
+    /// part): the frame's wall time and its phases, tiles, leases, import-cache opens and
+    /// hits, and on CUDA the compositor's fence waits, how many frames of GPU work were
+    /// still queued, and the GPU time between frames. `bench/plot_frames.py` plots them.
+    #[arg(long, value_name = "FILE")]
+    frame_log: Option<PathBuf>,
+    /// CUDA: ask for frame f only once the GPU has finished composing frame f - N (the
+    /// host then runs at most N frames ahead of the GPU). Default: no bound (the host
+    /// queues as far ahead as the driver lets it).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    frames_in_flight: Option<u64>,
     /// The process's role in the tree (the root starts the others).
     #[arg(long, hide = true, default_value = "root", value_parser = ["root", "compositor", "worker"])]
     role: String,
@@ -165,6 +181,14 @@ impl Options {
         }
         if self.verify {
             a.push("--verify".into());
+        }
+        if let Some(log) = &self.frame_log {
+            a.push("--frame-log".into());
+            a.push(log.display().to_string());
+        }
+        if let Some(n) = self.frames_in_flight {
+            a.push("--frames-in-flight".into());
+            a.push(n.to_string());
         }
         a
     }
@@ -274,6 +298,56 @@ struct Done {
 
 impl RemoteMessage for Done {
     const NAME: &'static str = "renderer.Done";
+}
+
+/// One frame, as `--frame-log` writes it (a JSON line). Times are µs of wall time on the
+/// compositor, PNG writing and `--verify` excluded.
+#[derive(Debug, Clone, Default, Serialize)]
+struct FrameRecord {
+    frame: u64,
+    /// The whole frame: from asking the workers to the leases going back (and, for the
+    /// last frame, the wait for the GPU to finish every frame queued).
+    us: f64,
+    /// Asking every worker and awaiting every answer (a round trip per worker, the
+    /// workers' rendering queued, the tiles' offers granted).
+    ask_us: f64,
+    /// Opening each tile (an import-cache hit after the first frame) and queuing its
+    /// compose.
+    compose_us: f64,
+    /// Dropping the leases (each `Release` with its fence goes out).
+    release_us: f64,
+    tiles: u64,
+    tiles_missing: u64,
+    /// Leases held at once this frame (one per composed tile).
+    leases_held: u64,
+    /// Driver-level opens (or `mmap`s) of the import cache during the frame, and hits.
+    opens: u64,
+    hits: u64,
+    /// Mappings the import cache holds at the end of the frame.
+    mappings: usize,
+    /// CUDA: fence waits the compositor's backend queued during the frame (acquire
+    /// fences of the tiles: one per lease and stream).
+    fence_waits: Option<u64>,
+    /// CUDA: frames (this one included) whose compose work the GPU had not finished when
+    /// this frame's host work ended: how far the host runs ahead of the GPU.
+    gpu_frames_queued: Option<u64>,
+    /// CUDA: GPU time from the end of the previous frame's compose work to the end of this
+    /// frame's (timing events on the compose stream, read after the run).
+    gpu_us: Option<f64>,
+    /// CUDA, last frame only: the wait for the GPU to finish every queued frame (counted
+    /// in `us` and in the run's fps).
+    drain_us: Option<f64>,
+}
+
+fn write_frame_log(path: &Path, frames: &[FrameRecord]) -> Res<()> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for f in frames {
+        serde_json::to_writer(&mut out, f)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()?;
+    Ok(())
 }
 
 // ---- worker --------------------------------------------------------------------------------
@@ -663,8 +737,19 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
         let mut summary = Done::default();
         let mut wrote_missing = false;
         let mut io = Duration::ZERO;
+        let us = |d: Duration| (d.as_secs_f64() * 1e7).round() / 10.0;
+        let cuda_waits = || canvas.gpu.as_ref().map(|(c, _)| c.waits());
+        let mut log: Vec<FrameRecord> = Vec::with_capacity(if opts.frame_log.is_some() { opts.frames as usize } else { 0 });
+        let mut marks = gpu::FrameMarks::default();
         let start = Instant::now();
         for f in 0..opts.frames {
+            let frame_start = Instant::now();
+            if let (Some(n), Some(_)) = (opts.frames_in_flight, &canvas.gpu) {
+                if let Some(done) = f.checked_sub(n) {
+                    marks.wait_for(done)?;
+                }
+            }
+            let (cache_before, waits_before) = (node.cache().stats(), cuda_waits());
             // Ask every worker for its tiles at once.
             let mut asks = Vec::new();
             let mut missing: Vec<TileRect> = Vec::new();
@@ -681,6 +766,7 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
             }
             let (rects, futures): (Vec<_>, Vec<_>) = asks.into_iter().unzip();
             let answers = futures_util::future::join_all(futures).await;
+            let answered = Instant::now();
             let mut held = Vec::new();
             for (mine, answer) in rects.into_iter().zip(answers) {
                 match answer {
@@ -711,7 +797,9 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
             // again. Host copies of the frame below wait for the compose kernels.
             let leases_held = held.len() as u64;
             summary.tiles_composed += leases_held;
+            let composed = Instant::now();
             drop(held);
+            let released = Instant::now();
             for rect in &missing {
                 canvas.put_rows(rect, &scene::missing_tile(rect))?;
             }
@@ -721,6 +809,39 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
             }
 
             let last = f + 1 == opts.frames;
+            // The run's time includes the GPU's: at the end, wait for every frame still
+            // queued (the host can run ahead of the GPU by many frames; before this wait was
+            // here, that backlog drained inside the PNG writing below and was not counted).
+            let mut drain = None;
+            let mut queued = None;
+            if let Some((_, k)) = &canvas.gpu {
+                queued = Some(marks.frame_queued(k)?);
+                if last {
+                    let t = Instant::now();
+                    k.synchronize()?;
+                    drain = Some(us(t.elapsed()));
+                }
+            }
+            if opts.frame_log.is_some() {
+                let cache = node.cache().stats();
+                log.push(FrameRecord {
+                    frame: f,
+                    us: us(frame_start.elapsed()),
+                    ask_us: us(answered - frame_start),
+                    compose_us: us(composed - answered),
+                    release_us: us(released - composed),
+                    tiles: leases_held,
+                    tiles_missing: missing.len() as u64,
+                    leases_held,
+                    opens: cache.opens - cache_before.opens,
+                    hits: cache.hits - cache_before.hits,
+                    mappings: cache.live,
+                    fence_waits: cuda_waits().zip(waits_before).map(|(a, b)| a - b),
+                    gpu_frames_queued: queued,
+                    gpu_us: None,
+                    drain_us: drain,
+                });
+            }
             let first_missing = !missing.is_empty() && !wrote_missing;
             let io_start = Instant::now();
             if f == 0 || last || first_missing {
@@ -750,6 +871,14 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
         }
         summary.frames = opts.frames;
         summary.seconds = (start.elapsed() - io).as_secs_f64();
+        if let Some(path) = &opts.frame_log {
+            if canvas.gpu.is_some() {
+                for (record, gpu_us) in log.iter_mut().zip(marks.intervals_us()?) {
+                    record.gpu_us = gpu_us;
+                }
+            }
+            write_frame_log(path, &log)?;
+        }
         let cache = node.cache().stats();
         summary.opens_after = cache.opens - summary.opens_first_frame;
         summary.cache_hits = cache.hits;
@@ -1003,6 +1132,11 @@ fn root(opts: Options) -> Res<()> {
         let (resolved, cuda) = backend(&opts.backend, opts.compositor_device())?;
         let mut opts = opts;
         opts.backend = resolved.name().to_owned();
+        // The compositor writes the frame log: give it a path that does not depend on its
+        // working directory.
+        if let Some(log) = opts.frame_log.take() {
+            opts.frame_log = Some(if log.is_relative() { std::env::current_dir()?.join(log) } else { log });
+        }
         // A backend on each of `--devices`: a device that is not there fails the run here,
         // before any child starts; the leak check's fallback measures each one.
         let mut meters = Vec::new();
