@@ -14,22 +14,17 @@ Needs matplotlib (pip install matplotlib).
 """
 
 import argparse
-import json
 import os
+import sys
 
-import matplotlib
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot import load as load_records  # noqa: E402  (also selects matplotlib's Agg backend)
 
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
 def load(path):
-    frames = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line.startswith("{"):
-                frames.append(json.loads(line))
+    frames = [r for r in load_records(path) if "frame" in r]
     frames.sort(key=lambda r: r["frame"])
     return frames
 
