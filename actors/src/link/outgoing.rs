@@ -7,6 +7,13 @@
 //! writer task. That saves a task wakeup per frame on each side (issue 24) and keeps the
 //! order of frames: nothing is queued ahead of a direct write, and once anything is queued,
 //! every later frame queues behind it until the writer has written it all.
+//!
+//! A `Release` is the exception ([`send_queued`](PeerLink::send_queued)): it is queued
+//! even when the queue is empty, because the reply to the call that carried the lease
+//! usually follows it within the same burst of the actor's turns; queued, both leave in
+//! one `sendmsg` and wake the peer once, where written directly they would take two of
+//! each (measured: 3.0 `sendmsg`s and 3.8 `epoll_wait`s per cached round trip instead of
+//! 2.0 and 2.0).
 
 use super::PeerLink;
 use crate::buffer::Outgoing;
@@ -38,6 +45,15 @@ struct Granted {
     offers: Vec<Offer>,
     fds: Vec<OwnedFd>,
     grants: Vec<OfferGrant>,
+}
+
+/// How a frame leaves (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Write {
+    /// From this turn if nothing is queued before it.
+    Now,
+    /// Through the writer task, with what follows it.
+    Queued,
 }
 
 /// The most bytes of frames one `sendmsg` carries when frames are queued back to back.
@@ -115,7 +131,16 @@ impl PeerLink {
     pub(crate) fn send(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
         let bytes = Self::encode(msg, fds.len())?;
         self.room_for(bytes.len())?;
-        self.enqueue(bytes, fds, None)
+        self.enqueue(bytes, fds, None, Write::Now)
+    }
+
+    /// As [`send`](Self::send), but through the writer task even when nothing is queued:
+    /// for a frame that frames sent in the next turns usually follow (a `Release`, then
+    /// the reply to the call that carried the lease), so that they leave together.
+    pub(crate) fn send_queued(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
+        let bytes = Self::encode(msg, fds.len())?;
+        self.room_for(bytes.len())?;
+        self.enqueue(bytes, fds, None, Write::Queued)
     }
 
     /// Whether `len` more bytes fit the queue's bound (see [`send`](Self::send)).
@@ -147,12 +172,17 @@ impl PeerLink {
         mut bytes: Vec<u8>,
         mut fds: Vec<OwnedFd>,
         window: Option<OwnedSemaphorePermit>,
+        write: Write,
     ) -> Result<(), ActorError> {
         let closed = || ActorError::LinkClosed {
             peer: self.peer.process,
         };
         let out = self.out.as_ref().ok_or_else(closed)?;
-        if let Some(taken) = self.write_now(&bytes, &fds) {
+        let now = match write {
+            Write::Now => self.write_now(&bytes, &fds),
+            Write::Queued => None,
+        };
+        if let Some(taken) = now {
             if taken == bytes.len() {
                 // Written: a call's share of the send window comes back now (`window`
                 // drops), as the writer gives it back once it has written a frame.
@@ -313,7 +343,7 @@ impl PeerLink {
         };
         let sent = self
             .room_for(bytes.len())
-            .and_then(|()| self.enqueue(bytes, fds, None));
+            .and_then(|()| self.enqueue(bytes, fds, None, Write::Now));
         if sent.is_err() {
             self.ungrant(&offers, &grants);
         }
@@ -350,7 +380,7 @@ impl Handler<OutCall> for PeerLink {
         let queued = Self::encode(&call, fds.len()).and_then(|bytes| {
             // Before the frame is written (directly, from here, or by the writer).
             probe!("link.call.queued");
-            self.enqueue(bytes, fds, Some(msg.window))
+            self.enqueue(bytes, fds, Some(msg.window), Write::Now)
         });
         match queued {
             Ok(()) => {
