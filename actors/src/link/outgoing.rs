@@ -19,7 +19,7 @@
 //! usually follows it within the same burst of the actor's turns; queued, both leave in
 //! one `sendmsg` and wake the peer once, where written directly they would take two of
 //! each (measured: 3.0 `sendmsg`s and 3.8 `epoll_wait`s per cached round trip instead of
-//! 2.0 and 2.0).
+//! 2.0 and 3.0).
 
 use super::PeerLink;
 use crate::buffer::Outgoing;
