@@ -38,9 +38,9 @@ use crate::link_ref::{AskStatus, LinkCommand, LinkLimits, LinkRef, LinkState, Se
 use crate::link_session::{Action, Attach, Checks, Ended, LinkSession, SessionLimits, Then};
 use crate::node::Node;
 use crate::remote::{IncomingPayload, OutCall};
-use crate::transport::{Closer, Reader, Transport, Writer};
+use crate::transport::{Closer, Reader, Transport};
 use actix::prelude::*;
-use baton_ipc::{CacheKey, FrameFds, LinkWriter, PeerInfo, Received};
+use baton_ipc::{CacheKey, FrameFds, PeerInfo, Received};
 use baton_messages::protocol::{Status, StatusRequest};
 use baton_messages::status::STATUS_VERSION;
 use baton_messages::{FenceHandle, Message as Wire, ProcessId};
@@ -105,9 +105,6 @@ pub struct PeerLink {
     pub(crate) me: LinkRef,
     pub(crate) peer: PeerInfo,
     out: Option<mpsc::UnboundedSender<OutFrame>>,
-    /// The socket, for frames written from the actor's own turn while `out` has nothing
-    /// queued (a Unix link's; see `link/outgoing.rs`).
-    direct: Option<LinkWriter>,
     closer: Closer,
     /// The link's protocol state.
     session: LinkSession<Attached>,
@@ -191,10 +188,6 @@ impl PeerLink {
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let ours = node.session().process();
         let (closer, reader, writer) = link.split();
-        let direct = match &writer {
-            Writer::Unix(w) => Some(w.clone()),
-            Writer::Tcp(_) => None,
-        };
         let (tx, rx) = mpsc::unbounded_channel();
         let addr = PeerLink::create(|ctx| {
             let me = LinkRef::new(id, ctx.address().recipient(), Arc::clone(&state));
@@ -213,7 +206,6 @@ impl PeerLink {
                 me,
                 peer,
                 out: Some(tx),
-                direct,
                 closer,
                 session: {
                     let session = LinkSession::new(
@@ -417,7 +409,6 @@ impl Actor for PeerLink {
         // or the peer never reads what we queued.
         self.closer.close();
         self.out = None;
-        self.direct = None;
         // No transfer touches our buffers once their leases are taken back.
         self.abort_copies();
         let exports = self.node.exports();

@@ -162,8 +162,7 @@ impl PeerLink {
         let Err((lease, fences)) = self.release_relayed(lease, fences) else {
             return;
         };
-        // Queued: the reply to the call that carried the lease usually follows.
-        if let Err(e) = self.send_queued(&Wire::Release(Release { lease, fences }), Vec::new()) {
+        if let Err(e) = self.send(&Wire::Release(Release { lease, fences }), Vec::new()) {
             self.cut(ctx, e);
         }
     }

@@ -1,25 +1,6 @@
 //! The link's outgoing side: the queue of frames and the task that writes them (batched),
 //! the bound on what the peer lets pile up, and the lease grants that go with our calls
 //! and replies (all or none, undone if the frame is never sent).
-//!
-//! A frame is written straight from the actor's turn (one non-blocking `sendmsg`) when
-//! nothing is queued before it; only what the socket does not take at once goes to the
-//! writer task. That saves a task wakeup per frame on each side (issue 24) and keeps the
-//! order of frames: nothing is queued ahead of a direct write, and once anything is queued,
-//! every later frame queues behind it until the writer has written it all.
-//!
-//! Where frames come in bursts the writer's batching is worth more than the saved wakeup
-//! (one `sendmsg` and one wakeup of the peer for many frames): a call of ours goes through
-//! the queue while other calls of ours await replies, and a reply while other calls of
-//! the peer's are being answered (measured: pipelined handoffs, 256 in flight, fell from
-//! about 106k/s to 88k/s on one core when every frame was written directly).
-//!
-//! A `Release` is queued too ([`send_queued`](PeerLink::send_queued)): it is queued
-//! even when the queue is empty, because the reply to the call that carried the lease
-//! usually follows it within the same burst of the actor's turns; queued, both leave in
-//! one `sendmsg` and wake the peer once, where written directly they would take two of
-//! each (measured: 3.0 `sendmsg`s and 3.8 `epoll_wait`s per cached round trip instead of
-//! 2.0 and 3.0).
 
 use super::PeerLink;
 use crate::buffer::Outgoing;
@@ -51,15 +32,6 @@ struct Granted {
     offers: Vec<Offer>,
     fds: Vec<OwnedFd>,
     grants: Vec<OfferGrant>,
-}
-
-/// How a frame leaves (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Write {
-    /// From this turn if nothing is queued before it.
-    Now,
-    /// Through the writer task, with what follows it.
-    Queued,
 }
 
 /// The most bytes of frames one `sendmsg` carries when frames are queued back to back.
@@ -137,16 +109,7 @@ impl PeerLink {
     pub(crate) fn send(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
         let bytes = Self::encode(msg, fds.len())?;
         self.room_for(bytes.len())?;
-        self.enqueue(bytes, fds, None, Write::Now)
-    }
-
-    /// As [`send`](Self::send), but through the writer task even when nothing is queued:
-    /// for a frame that frames sent in the next turns usually follow (a `Release`, then
-    /// the reply to the call that carried the lease), so that they leave together.
-    pub(crate) fn send_queued(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
-        let bytes = Self::encode(msg, fds.len())?;
-        self.room_for(bytes.len())?;
-        self.enqueue(bytes, fds, None, Write::Queued)
+        self.enqueue(bytes, fds, None)
     }
 
     /// Whether `len` more bytes fit the queue's bound (see [`send`](Self::send)).
@@ -171,34 +134,16 @@ impl PeerLink {
         Ok(bytes)
     }
 
-    /// Sends a frame: written at once if nothing is queued before it and the socket takes
-    /// it, else (what the socket did not take) queued for the writer task.
     fn enqueue(
         &mut self,
-        mut bytes: Vec<u8>,
-        mut fds: Vec<OwnedFd>,
+        bytes: Vec<u8>,
+        fds: Vec<OwnedFd>,
         window: Option<OwnedSemaphorePermit>,
-        write: Write,
     ) -> Result<(), ActorError> {
         let closed = || ActorError::LinkClosed {
             peer: self.peer.process,
         };
         let out = self.out.as_ref().ok_or_else(closed)?;
-        let now = match write {
-            Write::Now => self.write_now(&bytes, &fds),
-            Write::Queued => None,
-        };
-        if let Some(taken) = now {
-            if taken == bytes.len() {
-                // Written: a call's share of the send window comes back now (`window`
-                // drops), as the writer gives it back once it has written a frame.
-                return Ok(());
-            }
-            // The socket took the start (and the descriptors, which go with the first
-            // byte): the rest goes first in the queue, without them.
-            bytes.drain(..taken);
-            fds.clear();
-        }
         let len = bytes.len();
         let call = window.is_some();
         // Counted before the writer can see it (it subtracts once it is written).
@@ -208,30 +153,6 @@ impl PeerLink {
             state.count(len, call, false);
             closed()
         })
-    }
-
-    /// Writes `bytes` (`fds` with the first byte) from this turn if nothing is queued or
-    /// half written before them: returns how many bytes the socket took (`0` if it is
-    /// full), `None` if the frame must queue (something is queued, a host link, or the
-    /// write failed: the writer meets the failure too and reports it the usual way, see
-    /// [`LinkFailed`](super::closing::LinkFailed)).
-    ///
-    /// `queued` is zero only once the writer has written every frame queued so far: it
-    /// counts a frame in before the frame is queued and out only after it is written
-    /// whole, and the writer task runs on this actor's thread, between its turns.
-    fn write_now(&self, bytes: &[u8], fds: &[OwnedFd]) -> Option<usize> {
-        let direct = self.direct.as_ref()?;
-        if self.me.state.queued_bytes() != 0 {
-            return None;
-        }
-        let fds: Vec<BorrowedFd<'_>> = fds.iter().map(|fd| fd.as_fd()).collect();
-        match direct.try_send_encoded(bytes, &fds) {
-            Ok(taken) => Some(taken),
-            Err(e) => {
-                tracing::debug!(error = %e, "a direct write failed: the writer will tell");
-                None
-            }
-        }
     }
 
     /// Grants the peer a lease on each buffer; all or none.
@@ -347,15 +268,9 @@ impl PeerLink {
                 );
             }
         };
-        // Other answers under way: a burst, batched by the writer.
-        let write = if self.answering > 0 {
-            Write::Queued
-        } else {
-            Write::Now
-        };
         let sent = self
             .room_for(bytes.len())
-            .and_then(|()| self.enqueue(bytes, fds, None, write));
+            .and_then(|()| self.enqueue(bytes, fds, None));
         if sent.is_err() {
             self.ungrant(&offers, &grants);
         }
@@ -389,24 +304,11 @@ impl Handler<OutCall> for PeerLink {
             payload: msg.encoded.bytes,
             offers,
         });
-        // Other calls of ours awaiting replies (each caller holds a slot of
-        // `pending_calls` until its reply): a burst, batched by the writer.
-        let others = self
-            .limits
-            .pending_calls
-            .saturating_sub(self.me.state.pending_calls.available_permits() + 1);
-        let write = if others > 0 {
-            Write::Queued
-        } else {
-            Write::Now
-        };
-        let queued = Self::encode(&call, fds.len()).and_then(|bytes| {
-            // Before the frame is written (directly, from here, or by the writer).
-            probe!("link.call.queued");
-            self.enqueue(bytes, fds, Some(msg.window), write)
-        });
+        let queued = Self::encode(&call, fds.len())
+            .and_then(|bytes| self.enqueue(bytes, fds, Some(msg.window)));
         match queued {
             Ok(()) => {
+                probe!("link.call.queued");
                 tracing::trace!(call = id, leases = grants.len(), "call sent");
                 self.session.call_sent(id, msg.reply);
             }
