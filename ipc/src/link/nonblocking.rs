@@ -1,5 +1,12 @@
 //! The asynchronous driver of links, on tokio: the same wire format and handshake as the
 //! blocking [`Link`](super::Link), for event loops and actors.
+//!
+//! Once the handshake is done, the socket is registered with tokio's reactor for reads
+//! only: writes are direct non-blocking `sendmsg`s, and only a write that would block
+//! registers (a duplicate of) the socket for writability, until the write is done. A link
+//! registered for both wakes its process every time the peer reads our bytes (write space,
+//! edge-triggered) with nothing to do (issue 24: two `epoll_wait`s per round trip and, on a
+//! shared core, a second wakeup of the peer).
 
 use super::creds::PeerCred;
 use super::handshake::{ClientHandshake, Refusal, ServerHandshake};
@@ -9,17 +16,22 @@ use crate::{Error, Result};
 use baton_messages::codec::encode_frame;
 use baton_messages::protocol::RefuseReason;
 use baton_messages::{Message, ProcessId};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::io::ErrorKind;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::sync::Arc;
 use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
 use tokio::net::UnixStream;
+
+/// An established link's socket, registered for reads only.
+type Sock = AsyncFd<std::os::unix::net::UnixStream>;
 
 /// An established, authenticated link driven by tokio. Split it into a reader and a
 /// writer to receive and send from different tasks.
 #[derive(Debug)]
 pub struct AsyncLink {
-    stream: Arc<UnixStream>,
+    stream: Arc<Sock>,
     rx: Receiver,
     peer: PeerInfo,
 }
@@ -38,6 +50,93 @@ async fn send_frame(
         bytes = &bytes[n..];
     }
     Ok(())
+}
+
+/// Writes all of `bytes` (`fds` with the first byte) on an established link's socket:
+/// direct `sendmsg`s while the socket takes them; while one would block, a duplicate of
+/// the socket is registered for writability (the link's own registration is for reads
+/// only) and the write waits there. Dropped with the write, it leaves the reactor, so a
+/// link that is not writing is never woken by write space. A cut (`shutdown(2)`, see
+/// [`LinkCloser`]) wakes the wait, and the next `sendmsg` fails.
+async fn send_direct(sock: &Sock, mut bytes: &[u8], mut fds: &[BorrowedFd<'_>]) -> Result<()> {
+    let fd = sock.get_ref().as_fd();
+    let mut room: Option<AsyncFd<OwnedFd>> = None;
+    while !bytes.is_empty() {
+        let n = match send_some(fd, bytes, fds) {
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                let waiter = match &room {
+                    Some(waiter) => waiter,
+                    None => room.insert(writability(fd)?),
+                };
+                match waiter
+                    .writable()
+                    .await
+                    .map_err(|e| io_error("waiting for room on the socket", e))?
+                    .try_io(|_| send_some(fd, bytes, fds))
+                {
+                    Ok(sent) => sent.map_err(|e| io_error("sending a frame", e))?,
+                    // Still full: readiness cleared, wait again.
+                    Err(_would_block) => continue,
+                }
+            }
+            Err(e) => return Err(io_error("sending a frame", e)),
+        };
+        fds = &[];
+        bytes = &bytes[n..];
+    }
+    Ok(())
+}
+
+/// A duplicate of `fd` registered for writability alone. epoll tells a registration from
+/// another by descriptor number, so the duplicate coexists with the link's read
+/// registration; it reports the socket's state at registration, so room made between
+/// the `EAGAIN` and this call is not missed.
+fn writability(fd: BorrowedFd<'_>) -> Result<AsyncFd<OwnedFd>> {
+    let dup = fd
+        .try_clone_to_owned()
+        .map_err(|e| io_error("duplicating the socket to wait for room", e))?;
+    register(dup, Interest::WRITABLE)
+        .map_err(|e| io_error("registering the socket to wait for room", e))
+}
+
+/// Registers `owned` with the reactor for `interest`.
+///
+/// `AsyncFd::with_interest` is deprecated since tokio 1.54 in favour of an `unsafe`
+/// `register_with_interest`, because an arbitrary `AsRawFd` may close or change its
+/// descriptor while registered. Both types used here own their descriptor for their whole
+/// life (`OwnedFd`, `std::os::unix::net::UnixStream`) and the `AsyncFd` owns them, so that
+/// cannot happen; this keeps `unsafe` out of the link, as the crate's rule asks.
+#[allow(deprecated)]
+fn register<T: std::os::fd::AsRawFd + Into<OwnedFd>>(
+    owned: T,
+    interest: Interest,
+) -> std::io::Result<AsyncFd<T>> {
+    AsyncFd::with_interest(owned, interest)
+}
+
+/// Receives the next frame on an established link's socket. After a read that drained
+/// the socket (see [`Receiver::recv_drained`]) read readiness is cleared at once, so
+/// the task parks without a second `recvmsg` that would only fail with `EAGAIN`; after
+/// a read that filled the buffer or brought descriptors (the kernel stops a read after
+/// a descriptor-carrying message, with bytes possibly still queued), it reads again.
+/// tokio clears readiness only if no new event came since it was reported, so bytes that
+/// arrive after the read wake the task.
+async fn recv_established(sock: &Sock, rx: &mut Receiver) -> Result<Received> {
+    loop {
+        if let Some(received) = rx.next()? {
+            return Ok(received);
+        }
+        rx.check_fds()?;
+        let mut ready = sock.readable().await.map_err(|e| rx.recv_error(e))?;
+        match rx.recv_drained(sock.get_ref().as_fd()) {
+            Ok((0, _)) => return Err(rx.at_eof()),
+            Ok((_, true)) => ready.clear_ready(),
+            Ok((_, false)) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => ready.clear_ready(),
+            Err(e) => return Err(rx.recv_error(e)),
+        }
+    }
 }
 
 async fn recv_frame(stream: &UnixStream, rx: &mut Receiver) -> Result<Received> {
@@ -102,7 +201,7 @@ impl AsyncLink {
         };
         let server = deadline(config, handshake).await?;
         tracing::debug!(peer = %server, "link established (client)");
-        Ok(Self::established(stream, rx, server, cred))
+        Self::established(stream, rx, server, cred)
     }
 
     /// Completes the handshake as the server over an accepted stream.
@@ -130,23 +229,31 @@ impl AsyncLink {
         };
         let client = deadline(config, handshake).await?;
         tracing::debug!(peer = %client, "link established (server)");
-        Ok(Self::established(stream, rx, client, cred))
+        Self::established(stream, rx, client, cred)
     }
 
+    /// The handshake is done: the socket leaves tokio's registration for reads and
+    /// writes and is registered again for reads only (see the module docs).
     fn established(
         stream: UnixStream,
         rx: Receiver,
         process: ProcessId,
         cred: PeerCred,
-    ) -> AsyncLink {
-        AsyncLink {
-            stream: Arc::new(stream),
+    ) -> Result<AsyncLink> {
+        // Still non-blocking once out of tokio's hands.
+        let stream = stream
+            .into_std()
+            .map_err(|e| io_error("taking the socket from the runtime", e))?;
+        let sock = register(stream, Interest::READABLE)
+            .map_err(|e| io_error("registering the socket for reads", e))?;
+        Ok(AsyncLink {
+            stream: Arc::new(sock),
             rx,
             peer: PeerInfo {
                 process,
                 via: Via::Unix(cred),
             },
-        }
+        })
     }
 
     /// Who is at the other end.
@@ -189,12 +296,12 @@ async fn deadline<T>(config: &LinkConfig, fut: impl Future<Output = Result<T>>) 
 /// reader and writer are doing: a writer parked on a full socket fails at once, a pending
 /// receive ends, and the peer sees end of stream — even if it never reads what was queued.
 #[derive(Debug, Clone)]
-pub struct LinkCloser(Arc<UnixStream>);
+pub struct LinkCloser(Arc<Sock>);
 
 impl LinkCloser {
     /// Shuts the socket down. Idempotent.
     pub fn close(&self) {
-        let _ = rustix::net::shutdown(self.0.as_fd(), rustix::net::Shutdown::Both);
+        let _ = rustix::net::shutdown(self.0.get_ref().as_fd(), rustix::net::Shutdown::Both);
     }
 
     /// Whether a receive would return at once: bytes are waiting, or the peer's end is
@@ -206,7 +313,7 @@ impl LinkCloser {
         let mut byte = [0u8; 1];
         !matches!(
             rustix::net::recv(
-                self.0.as_fd(),
+                self.0.get_ref().as_fd(),
                 &mut byte,
                 RecvFlags::PEEK | RecvFlags::DONTWAIT
             ),
@@ -218,7 +325,7 @@ impl LinkCloser {
 /// The receiving half of an [`AsyncLink`].
 #[derive(Debug)]
 pub struct LinkReader {
-    stream: Arc<UnixStream>,
+    stream: Arc<Sock>,
     rx: Receiver,
 }
 
@@ -228,16 +335,31 @@ impl LinkReader {
     /// # Errors
     /// As [`Link::recv`](super::Link::recv); after an error, drop the link.
     pub async fn recv(&mut self) -> Result<Received> {
-        recv_frame(&self.stream, &mut self.rx).await
+        recv_established(&self.stream, &mut self.rx).await
     }
 }
 
 /// The sending half of an [`AsyncLink`]. Closing it (drop) does not close the socket
 /// while the reader lives; [`shutdown`](Self::shutdown) does.
+///
+/// A clone writes on the same socket. The bytes of one send go out in order, but two
+/// clones sending at once may interleave their frames: whoever holds clones orders their
+/// sends (the link actor writes from its own turn with
+/// [`try_send_encoded`](Self::try_send_encoded) only while its writer task has nothing
+/// queued or half written).
 #[derive(Debug)]
 pub struct LinkWriter {
-    stream: Arc<UnixStream>,
+    stream: Arc<Sock>,
     buf: Vec<u8>,
+}
+
+impl Clone for LinkWriter {
+    fn clone(&self) -> Self {
+        LinkWriter {
+            stream: Arc::clone(&self.stream),
+            buf: Vec::new(),
+        }
+    }
 }
 
 impl LinkWriter {
@@ -248,7 +370,7 @@ impl LinkWriter {
     pub async fn send(&mut self, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
         self.buf.clear();
         encode_frame(msg, fds.len(), &mut self.buf)?;
-        send_frame(&self.stream, &self.buf, fds).await
+        send_direct(&self.stream, &self.buf, fds).await
     }
 
     /// Sends already encoded frames (see [`baton_messages::codec::encode_frame`]); `fds`
@@ -257,13 +379,28 @@ impl LinkWriter {
     /// # Errors
     /// [`Error::Closed`] if the peer is gone.
     pub async fn send_encoded(&mut self, frames: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
-        send_frame(&self.stream, frames, fds).await
+        send_direct(&self.stream, frames, fds).await
+    }
+
+    /// One non-blocking `sendmsg` of already encoded frames, `fds` with the first byte:
+    /// returns how many bytes the socket took now, `0` when it is full. The descriptors
+    /// went with any byte taken; the rest of the bytes must follow with none (through
+    /// [`send_encoded`](Self::send_encoded), say) before anything else is sent.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] if the peer is gone, else the socket's failure.
+    pub fn try_send_encoded(&self, frames: &[u8], fds: &[BorrowedFd<'_>]) -> Result<usize> {
+        match send_some(self.stream.get_ref().as_fd(), frames, fds) {
+            Ok(n) => Ok(n),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(0),
+            Err(e) => Err(io_error("sending a frame", e)),
+        }
     }
 
     /// Shuts the socket down in both directions: the peer sees end of stream, and our
     /// reader's pending receive ends.
     pub fn shutdown(&self) {
-        let _ = rustix::net::shutdown(self.stream.as_fd(), rustix::net::Shutdown::Both);
+        let _ = rustix::net::shutdown(self.stream.get_ref().as_fd(), rustix::net::Shutdown::Both);
     }
 }
 
@@ -372,6 +509,114 @@ mod tests {
             .await
             .expect("the peer sees the end of the stream");
         assert!(got.is_err(), "{got:?}");
+    }
+
+    async fn linked() -> (AsyncLink, AsyncLink) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let config = LinkConfig::new(Session::new(SessionToken::from_bytes([8; 32])));
+        let (server, client) =
+            tokio::join!(AsyncLink::server(a, &config), AsyncLink::client(b, &config));
+        (server.unwrap(), client.unwrap())
+    }
+
+    const WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// Frames with descriptors sent back to back, before the reader wakes: the kernel
+    /// stops each read after a descriptor-carrying message with more bytes queued, so
+    /// the reader must read again rather than park (it would wait forever: no new byte
+    /// comes to wake it).
+    #[tokio::test(flavor = "current_thread")]
+    async fn frames_with_descriptors_queued_back_to_back_all_arrive_without_a_new_wakeup() {
+        let (server, client) = linked().await;
+        let (mut rx, _wx) = server.into_split();
+        let (_crx, mut cwx) = client.into_split();
+        let files: Vec<std::fs::File> = (0..3).map(|_| tempfile::tempfile().unwrap()).collect();
+        for i in 0..40u64 {
+            let fds: Vec<_> = files
+                .iter()
+                .take((i % 4) as usize)
+                .map(|f| f.as_fd())
+                .collect();
+            cwx.send(&Message::Ping(i), &fds).await.unwrap();
+        }
+        for i in 0..40u64 {
+            let got = tokio::time::timeout(WITHIN, rx.recv())
+                .await
+                .expect("every queued frame is read without another byte arriving")
+                .unwrap();
+            assert_eq!(
+                (got.message, got.fds.len()),
+                (Message::Ping(i), (i % 4) as usize)
+            );
+        }
+    }
+
+    /// A peer that does not read: the direct write fills the socket and says so
+    /// (`try_send_encoded` takes nothing more), a blocking send waits for room (it is not
+    /// woken for nothing, and does not spin), and once the peer reads, every frame arrives
+    /// whole, in order, with its descriptors.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_full_socket_makes_writes_wait_for_room_and_frames_arrive_in_order() {
+        let (server, client) = linked().await;
+        let (mut rx, _wx) = server.into_split();
+        let (_crx, mut cwx) = client.into_split();
+        let direct = cwx.clone();
+        let filler = baton_messages::codec::frame_bytes(&Message::Ping(0), 0).unwrap();
+        let mut sent = 0u64;
+        loop {
+            let n = direct.try_send_encoded(&filler, &[]).unwrap();
+            if n == 0 {
+                break;
+            }
+            assert_eq!(n, filler.len(), "small frames go whole or not at all here");
+            sent += 1;
+        }
+        assert!(sent > 0, "the socket took frames before it filled");
+        let file = tempfile::tempfile().unwrap();
+        let writer = tokio::spawn(async move {
+            let fd = file.as_fd();
+            cwx.send(&Message::Ping(1), &[fd]).await?;
+            cwx.send(&Message::Pong(2), &[]).await
+        });
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!writer.is_finished(), "the writer waits for room");
+        for _ in 0..sent {
+            let got = tokio::time::timeout(WITHIN, rx.recv())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!((got.message, got.fds.len()), (Message::Ping(0), 0));
+        }
+        let got = tokio::time::timeout(WITHIN, rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((got.message, got.fds.len()), (Message::Ping(1), 1));
+        let got = tokio::time::timeout(WITHIN, rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((got.message, got.fds.len()), (Message::Pong(2), 0));
+        tokio::time::timeout(WITHIN, writer)
+            .await
+            .expect("the writer finishes once there is room")
+            .unwrap()
+            .unwrap();
+    }
+
+    /// A direct write on a link whose peer is gone is `Closed`, not a hang or a panic.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_direct_write_to_a_gone_peer_is_closed() {
+        let (server, client) = linked().await;
+        let (_rx, wx) = server.into_split();
+        drop(client);
+        let frame = baton_messages::codec::frame_bytes(&Message::Ping(0), 0).unwrap();
+        assert!(matches!(
+            wx.try_send_encoded(&frame, &[]),
+            Err(Error::Closed)
+        ));
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -207,10 +207,29 @@ impl Receiver {
     /// # Errors
     /// The OS error (`WouldBlock` on a non-blocking socket with nothing to read).
     pub(crate) fn recv_some(&mut self, sock: BorrowedFd<'_>) -> io::Result<usize> {
+        self.recv_drained(sock).map(|(n, _)| n)
+    }
+
+    /// As [`recv_some`](Self::recv_some), and whether the read drained the socket: it
+    /// came back short of the space offered and brought no descriptors.
+    ///
+    /// On a Unix stream socket a read that copied something stops before the buffer is
+    /// full only when the receive queue is empty, right after a message that carried
+    /// descriptors (it hands those over and stops), or where the queue changes writer
+    /// (another process's credentials) or meets an out-of-band mark. The second case is
+    /// told by the descriptors that came, so it does not count as drained. The last two
+    /// never happen between two Baton peers (one process writes each end, no `MSG_OOB`); a
+    /// peer that does either only delays its own frames until its next one arrives (its
+    /// heartbeat at the latest).
+    ///
+    /// # Errors
+    /// As [`recv_some`](Self::recv_some).
+    pub(crate) fn recv_drained(&mut self, sock: BorrowedFd<'_>) -> io::Result<(usize, bool)> {
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_FRAME))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
-        let msg = loop {
+        let (msg, offered) = loop {
             let spare = self.decoder.spare(RECV_CHUNK);
+            let offered = spare.len();
             match rustix::net::recvmsg(
                 sock,
                 &mut [IoSliceMut::new(spare)],
@@ -218,18 +237,22 @@ impl Receiver {
                 RecvFlags::CMSG_CLOEXEC,
             ) {
                 Err(rustix::io::Errno::INTR) => continue,
-                other => break other.map_err(rustix_io)?,
+                other => break (other.map_err(rustix_io)?, offered),
             }
         };
         probe!("sock.read");
         self.decoder.commit(msg.bytes);
+        let mut descriptors = false;
         for m in control.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
+                descriptors = true;
                 self.fds.extend(fds);
             }
         }
-        self.fds_truncated |= msg.flags.contains(ReturnFlags::CTRUNC);
-        Ok(msg.bytes)
+        let truncated = msg.flags.contains(ReturnFlags::CTRUNC);
+        self.fds_truncated |= truncated;
+        let drained = msg.bytes < offered && !descriptors && !truncated;
+        Ok((msg.bytes, drained))
     }
 
     /// After draining complete frames: descriptors left over beyond what one partial frame
