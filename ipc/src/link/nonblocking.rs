@@ -344,9 +344,9 @@ impl LinkReader {
 ///
 /// A clone writes on the same socket. The bytes of one send go out in order, but two
 /// clones sending at once may interleave their frames: whoever holds clones orders their
-/// sends (the link actor writes from its own turn with
-/// [`try_send_encoded`](Self::try_send_encoded) only while its writer task has nothing
-/// queued or half written).
+/// sends. (The link actor writes from its writer task alone: writing from the actor's own
+/// turn with [`try_send_encoded`](Self::try_send_encoded) while nothing was queued was
+/// tried for issue 24 and withdrawn, `docs/BENCHMARKS.md`.)
 #[derive(Debug)]
 pub struct LinkWriter {
     stream: Arc<Sock>,
