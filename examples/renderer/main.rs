@@ -34,7 +34,8 @@
 //! not sweep at the end, so the caller can check what a run left: the summary counts it,
 //! and it does not fail the run; the supervisor still removes what killed children left),
 //! `--frame-log FILE` (one JSON line per frame, written after the run: `bench/plot_frames.py`
-//! draws fps over frames from such files).
+//! draws fps over frames from such files), `--frames-in-flight N` (CUDA: how many frames the
+//! host may queue ahead of the GPU, default 1; 0: no bound).
 //!
 //! The fps counts the GPU's work too: on CUDA the last frame waits until the compositor's
 //! stream has run every frame queued (the host may run ahead of the GPU by many frames).
@@ -121,10 +122,12 @@ struct Options {
     #[arg(long, value_name = "FILE")]
     frame_log: Option<PathBuf>,
     /// CUDA: ask for frame f only once the GPU has finished composing frame f - N (the
-    /// host then runs at most N frames ahead of the GPU). Default: no bound (the host
-    /// queues as far ahead as the driver lets it).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
-    frames_in_flight: Option<u64>,
+    /// host then runs at most N frames ahead of the GPU); 0: no bound. With the host
+    /// further ahead, the five processes' streams each wait on another's fence and the GPU
+    /// time-slices between them: 97 fps at 3840x2160 unbounded or at 2, 315 at 1, 307
+    /// unbounded under MPS (run N, H200; docs/BENCHMARKS.md).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    frames_in_flight: u64,
     /// The process's role in the tree (the root starts the others).
     #[arg(long, hide = true, default_value = "root", value_parser = ["root", "compositor", "worker"])]
     role: String,
@@ -186,10 +189,8 @@ impl Options {
             a.push("--frame-log".into());
             a.push(log.display().to_string());
         }
-        if let Some(n) = self.frames_in_flight {
-            a.push("--frames-in-flight".into());
-            a.push(n.to_string());
-        }
+        a.push("--frames-in-flight".into());
+        a.push(self.frames_in_flight.to_string());
         a
     }
 
@@ -744,7 +745,7 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
         let start = Instant::now();
         for f in 0..opts.frames {
             let frame_start = Instant::now();
-            if let (Some(n), Some(_)) = (opts.frames_in_flight, &canvas.gpu) {
+            if let (n @ 1.., Some(_)) = (opts.frames_in_flight, &canvas.gpu) {
                 if let Some(done) = f.checked_sub(n) {
                     marks.wait_for(done)?;
                 }
