@@ -21,6 +21,14 @@
 //!   waits for a stuck communicator) and only then fails the transfers: a transfer that
 //!   finished with an `Err` is one NCCL no longer touches. The next transfer makes a fresh
 //!   communicator.
+//! - Aborts run concurrently, each on a thread of its own, and all of a peer's (both
+//!   directions) start together. `ncclCommAbort` sets its communicator's abort flag, then
+//!   frees host memory, which waits for every kernel of the context — also the kernel of
+//!   another communicator, which leaves only when *its* abort flag is set. One abort behind
+//!   another therefore deadlocks when the second communicator's kernel still runs: the
+//!   receiver of a sender killed mid-copy, with a send communicator to that sender as well,
+//!   hung so (NVIDIA/nccl #564 describes the same). Concurrent aborts need NCCL 2.19 or
+//!   newer (#992), which the engine requires.
 //! - A [`Transfer::wait`] that times out leaves the transfer running (the engine's own
 //!   per-transfer limit, [`NcclConfig`], stops it); [`Transfer::abort`] stops it at once
 //!   and returns once NCCL no longer touches its memory.
@@ -202,9 +210,6 @@ struct State {
 struct Shared {
     /// Itself, for the threads that abort communicators.
     this: Weak<Shared>,
-    /// Held while `ncclCommAbort` runs: one abort at a time (NCCL handles concurrent
-    /// aborts badly).
-    abort_turn: Mutex<()>,
     nccl: Arc<dyn Nccl>,
     me: NodeKey,
     config: NcclConfig,
@@ -234,7 +239,7 @@ impl NcclEngine {
     /// first load sets `NCCL_NVLS_ENABLE=0` in the process environment if unset).
     ///
     /// # Errors
-    /// [`Error::NcclUnavailable`] (checked first: no NCCL, or one older than 2.17);
+    /// [`Error::NcclUnavailable`] (checked first: no NCCL, or one older than 2.19);
     /// [`Error::Nccl`] if the device's context cannot be made.
     pub fn new(
         ordinal: usize,
@@ -265,7 +270,6 @@ impl NcclEngine {
         );
         let shared = Arc::new_cyclic(|this| Shared {
             this: this.clone(),
-            abort_turn: Mutex::new(()),
             nccl,
             me,
             config,
@@ -312,7 +316,7 @@ impl NcclEngine {
     /// The peer died or left: its transfers fail ([`Error::TransferPeerGone`]) and its
     /// communicators are aborted; returns once none touches memory.
     pub fn peer_gone(&self, peer: &EnginePeer) {
-        self.shared.stop_peer(peer, Failure::PeerGone);
+        self.shared.stop_peers(&[*peer], Failure::PeerGone);
     }
 
     /// Starts a transfer (`send`: `dir` Out).
@@ -390,7 +394,7 @@ impl TransferEngine for NcclEngine {
     }
 
     fn abort_peer(&self, peer: &EnginePeer) {
-        self.shared.stop_peer(peer, Failure::Aborted);
+        self.shared.stop_peers(&[*peer], Failure::Aborted);
     }
 }
 
@@ -403,9 +407,9 @@ impl Drop for NcclEngine {
             let _ = w.join();
         }
         let peers: Vec<EnginePeer> = self.shared.lock().peers.values().copied().collect();
-        for peer in peers {
-            self.shared.stop_peer(&peer, Failure::Aborted);
-        }
+        // All at once: an abort's free can wait for another communicator's kernel, which
+        // leaves only once that communicator's abort has begun (module docs).
+        self.shared.stop_peers(&peers, Failure::Aborted);
     }
 }
 
@@ -425,12 +429,19 @@ impl Shared {
         Ok(Key { node, dir })
     }
 
-    /// Fails and stops everything with `peer`; returns once no abort of its communicators
-    /// is in progress, or after [`NcclConfig::abort_wait`] (an abort that hangs keeps
-    /// its transfers' memory: their touch ends only when it returns).
-    fn stop_peer(&self, peer: &EnginePeer, why: Failure) {
-        let node = node_key(peer);
-        let keys = [Dir::Out, Dir::In].map(|dir| Key { node, dir });
+    /// Fails and stops everything with `peers`, aborting all their communicators at once;
+    /// returns once no abort of them is in progress, or after [`NcclConfig::abort_wait`]
+    /// (an abort that hangs keeps its transfers' memory: their touch ends only when it
+    /// returns).
+    fn stop_peers(&self, peers: &[EnginePeer], why: Failure) {
+        let keys: Vec<Key> = (peers.iter())
+            .flat_map(|p| {
+                [Dir::Out, Dir::In].map(|dir| Key {
+                    node: node_key(p),
+                    dir,
+                })
+            })
+            .collect();
         let mut st = self.lock();
         let mut out = Vec::new();
         for key in &keys {
@@ -444,7 +455,7 @@ impl Shared {
         {
             let left = by.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                tracing::warn!(peer = %peer.process, after = ?self.config.abort_wait, "an NCCL abort has not returned: going on; the memory of its transfers stays held until it does");
+                tracing::warn!(peers = peers.len(), after = ?self.config.abort_wait, "an NCCL abort has not returned: going on; the memory of its transfers stays held until it does");
                 break;
             }
             st = (self.changed)
@@ -543,7 +554,9 @@ impl Shared {
                     match (comm, self.this.upgrade()) {
                         (Some(comm), Some(engine)) => {
                             // On a thread of its own: ncclCommAbort can hang, and nothing
-                            // of the node may wait on it without bound (`abort_wait`).
+                            // of the node may wait on it without bound (`abort_wait`). Never
+                            // one abort behind another: its free may wait for the other's
+                            // kernel, which leaves only once that abort has begun.
                             tracing::debug!(?attempt, "aborting an NCCL communicator");
                             let spawned = std::thread::Builder::new()
                                 .name("baton-nccl-abort".into())
@@ -583,9 +596,9 @@ impl Shared {
         st
     }
 
-    /// Aborts `comm` (if any; one abort at a time), then releases its operations, finishes
-    /// their transfers (`deferred`: NCCL no longer touches their memory) and tells the
-    /// table.
+    /// Aborts `comm` (if any), then releases its operations, finishes their transfers
+    /// (`deferred`: NCCL no longer touches their memory) and tells the table. Aborts of
+    /// different communicators run concurrently, each on its own thread.
     fn aborted_comm(
         &self,
         peer: Key,
@@ -594,7 +607,6 @@ impl Shared {
         deferred: Vec<Action<Key>>,
     ) -> MutexGuard<'_, State> {
         if let Some(comm) = comm {
-            let _turn = self.abort_turn.lock().unwrap_or_else(|e| e.into_inner());
             self.nccl.abort(comm);
             tracing::debug!(?attempt, "an NCCL communicator aborted");
         }

@@ -1,13 +1,17 @@
 //! A fake NCCL for the engine's tests: a fabric shared by the engines of a test, where two
 //! inits of one unique id make a communicator, the k-th send on it meets the k-th receive
 //! and copies the bytes (the "device" pointers are host addresses), and the test can hold
-//! every operation forever or raise an asynchronous error. It records every call.
+//! every operation forever or raise an asynchronous error. It records every call. Each
+//! engine's fake is a "device": with [`Fabric::frees_wait_for_kernels`] an abort returns
+//! only once no operation of another live communicator on its device still runs, as
+//! `ncclCommAbort`'s host-memory free waits for every kernel of the context.
 
 use super::api::{CommHandle, Nccl, OpHandle, Progress, Rank, UniqueId};
 use crate::transfer::Region;
 use crate::{Error, MemPtr, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// A recorded call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,6 +25,8 @@ pub(super) enum Call {
 
 #[derive(Debug)]
 struct FakeComm {
+    /// The device (the engine's fake) it was made on.
+    device: usize,
     uid: UniqueId,
     rank: Rank,
     /// The other rank's communicator, once it joined.
@@ -41,6 +47,12 @@ struct FakeOp {
     done: bool,
 }
 
+impl FakeOp {
+    fn comm_aborted(&self, f: &Fabric) -> bool {
+        f.comms[&self.comm].aborted
+    }
+}
+
 /// The fabric's state.
 #[derive(Debug, Default)]
 pub(super) struct Fabric {
@@ -53,6 +65,9 @@ pub(super) struct Fabric {
     pub(super) fail_init: bool,
     /// Aborts hang while set (as `ncclCommAbort` can when a peer died mid-transfer).
     pub(super) hang_aborts: bool,
+    /// While set, an abort sets its communicator's flag (its operations stop) and then
+    /// returns only once no operation of another live communicator of its device runs.
+    pub(super) frees_wait_for_kernels: bool,
     pub(super) calls: Vec<Call>,
 }
 
@@ -73,6 +88,13 @@ impl Fabric {
             .count()
     }
 
+    /// Operations still running on `device`'s live communicators ("kernels").
+    fn kernels_on(&self, device: usize) -> usize {
+        (self.ops.values())
+            .filter(|o| !o.done && !o.comm_aborted(self) && self.comms[&o.comm].device == device)
+            .count()
+    }
+
     pub(super) fn aborts(&self) -> usize {
         (self.calls.iter())
             .filter(|c| matches!(c, Call::Abort { .. }))
@@ -84,6 +106,8 @@ impl Fabric {
 #[derive(Debug, Clone)]
 pub(super) struct FakeNccl {
     pub(super) fabric: Arc<Mutex<Fabric>>,
+    /// Its device, for [`Fabric::frees_wait_for_kernels`].
+    pub(super) device: usize,
 }
 
 impl FakeNccl {
@@ -165,6 +189,7 @@ impl Nccl for FakeNccl {
         f.comms.insert(
             id,
             FakeComm {
+                device: self.device,
                 uid: *uid,
                 rank,
                 other,
@@ -255,12 +280,23 @@ impl Nccl for FakeNccl {
 
     fn abort(&self, comm: CommHandle) {
         while self.fabric().hang_aborts {
-            std::thread::sleep(std::time::Duration::from_millis(1));
+            std::thread::sleep(Duration::from_millis(1));
         }
         let mut f = self.fabric();
         f.calls.push(Call::Abort { comm: comm.0 });
         let c = f.comms.get_mut(&comm.0).expect("known");
         assert!(!c.aborted, "aborted twice");
         c.aborted = true;
+        let device = c.device;
+        if !f.frees_wait_for_kernels {
+            return;
+        }
+        drop(f);
+        // The free waits for the device's other kernels (bounded here so that a test the
+        // engine deadlocks fails by its own checks instead of hanging).
+        let start = Instant::now();
+        while self.fabric().kernels_on(device) > 0 && start.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! The NCCL engine on two GPUs (`gpu-tests`; needs two devices and NCCL ≥ 2.17 on the
+//! The NCCL engine on two GPUs (`gpu-tests`; needs two devices and NCCL ≥ 2.19 on the
 //! library path, or its file named in `BATON_NCCL_LIB`). Two processes: the test (node 1, device 0) spawns this test binary again
 //! as the peer (node 2, device 1, role in `BATON_NCCL_PEER`); their rendezvous messages
 //! travel over the child's stdin/stdout, as the control plane would carry them.

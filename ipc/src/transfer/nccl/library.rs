@@ -4,8 +4,9 @@
 //! `cuda/driver.rs` loads the CUDA driver, and for the same reason: a Rust enum of the
 //! result codes (cudarc's `nccl::sys::ncclResult_t`) would be undefined behaviour the
 //! moment a newer NCCL returned a code the bindings lack (2.30 added `ncclTimeout`).
-//! Without the library, or with one older than 2.17 (the first with the config layout
-//! used here), every call returns
+//! Without the library, or with one older than 2.19 (the config layout used here is 2.17's;
+//! 2.19 is the first whose aborts may run concurrently, as the engine's do), every call
+//! returns
 //! [`Error::NcclUnavailable`](crate::Error::NcclUnavailable), and builds never need NCCL.
 //!
 //! Before the library is loaded the process's `NCCL_NVLS_ENABLE` is set to `0` if unset:
@@ -40,7 +41,10 @@ const IN_PROGRESS: RawResult = 7;
 /// `ncclUint8`.
 const UINT8: c_int = 1;
 /// The oldest NCCL whose `ncclConfig_t` starts with the layout of [`Config`].
-const MIN_VERSION: c_int = 21700;
+const CONFIG_VERSION: c_int = 21700;
+/// The oldest NCCL the engine runs on: 2.19, the first whose `ncclCommAbort` may run on
+/// several threads at once (NVIDIA/nccl #992), as the engine's aborts do.
+const MIN_VERSION: c_int = 21900;
 
 type RawComm = *mut c_void;
 type RawStream = *mut c_void;
@@ -75,7 +79,7 @@ impl Config {
         Config {
             size: size_of::<Config>(),
             magic: 0xcafe_beef,
-            version: MIN_VERSION as c_uint,
+            version: CONFIG_VERSION as c_uint,
             blocking: 0,
             cga_cluster_size: UNDEF,
             min_ctas: UNDEF,
@@ -141,7 +145,7 @@ fn load_api() -> std::result::Result<Api, String> {
         })
         .ok_or_else(|| {
             format!(
-                "NCCL was not found ({}): install NCCL 2.17 or newer (e.g. the nvidia-nccl-cu12 \
+                "NCCL was not found ({}): install NCCL 2.19 or newer (e.g. the nvidia-nccl-cu12 \
                  wheel) and put its lib directory on LD_LIBRARY_PATH, or name the library's \
                  path in {NCCL_LIB_ENV}",
                 tried.join("; ")
@@ -156,7 +160,7 @@ fn load_api() -> std::result::Result<Api, String> {
             unsafe {
                 *lib.get($name.as_bytes()).map_err(|_| {
                     format!(
-                        "the NCCL library has no {}: install NCCL 2.17 or newer",
+                        "the NCCL library has no {}: install NCCL 2.19 or newer",
                         $name
                     )
                 })?
@@ -179,7 +183,7 @@ fn load_api() -> std::result::Result<Api, String> {
     if r != SUCCESS || version < MIN_VERSION {
         return Err(format!(
             "the NCCL library is version {version} (ncclGetVersion returned {r}): Baton needs \
-             2.17 (21700) or newer"
+             2.19 (21900) or newer"
         ));
     }
     Ok(api)

@@ -73,19 +73,20 @@ impl Pair {
                 let _ = tx.send((*to, [from_bytes(&from), bytes].concat()));
             })
         };
-        let fake = || {
+        let fake = |device| {
             Arc::new(FakeNccl {
                 fabric: fabric.clone(),
+                device,
             })
         };
         let a = Arc::new(NcclEngine::with_nccl(
-            fake(),
+            fake(1),
             &peer(1),
             config,
             sink(peer(1)),
         ));
         let b = Arc::new(NcclEngine::with_nccl(
-            fake(),
+            fake(2),
             &peer(2),
             config,
             sink(peer(2)),
@@ -133,7 +134,7 @@ fn fast() -> NcclConfig {
 fn without_nccl_every_entry_point_is_typed_unavailable() {
     match available() {
         // A machine with NCCL: it loaded and is new enough.
-        Ok(version) => assert!(version >= 21700),
+        Ok(version) => assert!(version >= 21900),
         Err(e) => {
             assert!(matches!(e, Error::NcclUnavailable { .. }), "{e}");
             assert!(e.to_string().contains("NCCL"), "{e}");
@@ -365,6 +366,65 @@ fn an_abort_that_hangs_holds_no_caller_and_keeps_its_transfers_memory_until_it_r
     assert_eq!(pair.fabric().live_ops(), 0);
 }
 
+/// The receiver of a sender killed mid-copy, with a communicator each way to it (an echo
+/// came back before): one abort behind the other deadlocked on two H200s, the first's free
+/// waiting for the second's kernel, which leaves only once the second's abort begins.
+#[test]
+fn a_peers_communicators_abort_together_when_a_free_waits_for_every_kernel() {
+    let pair = Pair::new(NcclConfig {
+        abort_wait: Duration::from_secs(5),
+        ..fast()
+    });
+    pair.fabric().hold = true;
+    pair.fabric().frees_wait_for_kernels = true;
+    let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 64]).collect();
+    let [s, r, s2, r2] = &mut bufs[..] else {
+        unreachable!()
+    };
+    // The buffers outlive both abort_peer calls below, which end every transfer.
+    // SAFETY: as said.
+    let ab = unsafe { pair.a.send(&peer(2), TransferId(1), region(s)) }.unwrap();
+    // SAFETY: as above.
+    let ba = unsafe { pair.b.recv(&peer(1), TransferId(1), region(r)) }.unwrap();
+    // SAFETY: as above.
+    let back = unsafe { pair.b.send(&peer(1), TransferId(2), region(s2)) }.unwrap();
+    // SAFETY: as above.
+    let recv_back = unsafe { pair.a.recv(&peer(2), TransferId(2), region(r2)) }.unwrap();
+    let start = Instant::now();
+    while pair.fabric().live_ops() < 4 {
+        assert!(
+            start.elapsed() < soon(),
+            "the four operations never launched"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let a = pair.a.clone();
+    std::thread::spawn(move || a.abort_peer(&peer(2)))
+        .join()
+        .unwrap();
+    // Both of a's aborts returned (not one left behind the other past abort_wait).
+    for t in [&ab, &recv_back] {
+        assert!(
+            t.is_finished(),
+            "an abort of a's waited on the other's kernel"
+        );
+        assert!(!t.is_touching());
+        assert!(matches!(
+            ended(t, soon()),
+            Err(Error::TransferAborted { .. })
+        ));
+    }
+    let b = pair.b.clone();
+    std::thread::spawn(move || b.abort_peer(&peer(1)))
+        .join()
+        .unwrap();
+    for t in [&ba, &back] {
+        assert!(t.is_finished());
+    }
+    assert_eq!(pair.fabric().live_ops(), 0);
+    assert_eq!(pair.fabric().aborts(), 4);
+}
+
 #[test]
 fn a_peer_death_fails_its_transfers_typed_and_queued_ones_too() {
     let pair = Pair::new(fast());
@@ -443,6 +503,7 @@ fn dropping_an_engine_aborts_what_runs() {
     let engine = NcclEngine::with_nccl(
         Arc::new(FakeNccl {
             fabric: pair.fabric.clone(),
+            device: 3,
         }),
         &peer(3),
         fast(),
