@@ -11,6 +11,7 @@ Needs matplotlib (pip install matplotlib).
 
 import argparse
 import json
+import lzma
 import os
 
 import matplotlib
@@ -20,8 +21,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def load(path):
+    """The JSON records of a log, plain or xz-compressed (`.xz`, as large logs are kept)."""
     records = []
-    with open(path) as f:
+    opener = lzma.open if str(path).endswith(".xz") else open
+    with opener(path, "rt") as f:
         for line in f:
             line = line.strip()
             if line.startswith("{"):
