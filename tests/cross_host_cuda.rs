@@ -18,6 +18,9 @@
 //! - SIGKILL of the sender during a 3 GiB copy: the receiver frees its partial copy (its
 //!   device memory back to where it started), holds no lease, and a new peer's copies
 //!   land afterwards.
+//! - A device lease forwarded across hosts: an exporter's buffer on GPU 0, leased over a
+//!   Unix link to a relay on the same host, forwarded by the relay to a third process on
+//!   the other host (GPU 1), lands there as a copy.
 //!
 //! Needs two GPUs and NCCL (`BATON_NCCL_LIB` or `libnccl.so.2` on the loader's path):
 //! `gpu-tests` only; with one GPU it skips (see `support/gpus.rs`). The test process
@@ -499,5 +502,64 @@ fn a_sender_that_cannot_make_its_communicator_ends_the_link_and_the_receiver_hea
         );
         // (It would wait for a second peer.)
         a.kill9();
+    });
+}
+
+/// Forwarding across hosts on GPUs (issue 26's forward, issue 27's run): A exports a
+/// device buffer on GPU 0 to the relay B over a Unix link (both on host 0, one GPU), B
+/// forwards its lease to C on host 1 (GPU 1), where it lands as a copy NCCL moved from B's
+/// mapping of A's memory, over its socket transport; B's own lease still reads the data.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs and NCCL (--features gpu-tests)"
+)]
+fn a_device_lease_forwarded_to_another_host_arrives_there_as_a_copy() {
+    let test = "device_lease_forwarded_to_another_host";
+    if !gpus::two_gpus(test) {
+        return;
+    }
+    let sc = Scene::new(test, "fwd");
+    run(async {
+        let len = ((64 << 20) + 3).to_string();
+        let seed = "9";
+        // A and B are one host to Baton as well as to NCCL.
+        let same_host = [(baton::ipc::tcp::HOST_ID_ENV, "fwd-x")];
+        let (mut c, c_lines) = sc.helper(
+            1,
+            "c",
+            "1",
+            &["listen", &sc.listen(1), "--inbox", "--seed", seed],
+        );
+        let at = c_lines.expect("listening ", DEADLINE).await;
+        let dir = format!("{}/sock", sc.logs.path());
+        let (mut b, b_lines) = sc.helper_env(
+            0,
+            "b",
+            "0",
+            &["relay", &dir, "--then", &at, "--seed", seed],
+            &same_host,
+        );
+        let path = b_lines.expect("relay-at ", DEADLINE).await;
+        let (mut a, a_lines) = sc.helper_env(
+            0,
+            "a",
+            "0",
+            &["export", &path, "--len", &len, "--seed", seed],
+            &same_host,
+        );
+        a_lines.expect("kept", DEADLINE).await;
+        let id = b_lines.expect("forwarded ", LONG).await;
+        assert_eq!(
+            c_lines.expect("inbox ", LONG).await,
+            format!("lease={id} len={len} pattern=true"),
+            "C's copy"
+        );
+        assert_eq!(b_lines.expect("still ", DEADLINE).await, "true");
+        b_lines.expect("done", DEADLINE).await;
+        assert!(exited(&mut b, DEADLINE).await.success(), "the relay");
+        assert!(exited(&mut c, DEADLINE).await.success(), "the receiver");
+        assert!(exited(&mut a, DEADLINE).await.success(), "the exporter");
+        sc.assert_socket_transport();
     });
 }

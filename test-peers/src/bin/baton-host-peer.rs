@@ -41,6 +41,13 @@
 //!   allocates N bytes of the pattern S and sends them to the relay's `keep` (printing
 //!   `kept`; with `--writable`, shared writable to `keep-mut`); its `ledger` answers `LedgerOf` (its node's leases out, whether the buffer
 //!   could be written now). Serves until the link goes down, then exits 0.
+//! - `baton-host-peer relay DIR --then ADDR --seed S`: the relay B of a forward across
+//!   hosts, as a process of its own. Listens on a Unix socket in the socket directory DIR
+//!   (made here; printing `relay-at <path>`), keeps the lease an exporter (`export`) sends
+//!   to its `keep`, links to ADDR over TCP, forwards the lease there (`forward_to`: a copy
+//!   from its mapping), printing `forwarded <lease id>` once the copy landed and `still
+//!   <true|false>` (its own lease still reads the pattern S); drops the lease, closes both
+//!   links, removes DIR, prints `done`, exits 0.
 //! - `listen ADDR --inbox --seed S`: as `listen`, and each buffer that arrives in the
 //!   node's inbox is read, checked against the pattern S and dropped: prints
 //!   `inbox lease=<id> len=<n> pattern=<true|false>`.
@@ -67,7 +74,7 @@ const DEADLINE: Duration = Duration::from_secs(120);
 #[derive(clap::Parser)]
 #[command(about = "The helper process of Baton's cross-host tests")]
 struct Cli {
-    /// listen | connect | drive | drive-kill
+    /// listen | connect | drive | drive-kill | bench | forge | export | relay
     role: String,
     /// Where to listen, or to connect to.
     addr: String,
@@ -102,7 +109,8 @@ struct Cli {
     /// forge pull, forge release: the lease they name.
     #[arg(long, default_value_t = 1)]
     lease: u64,
-    /// drive-kill: once the lease is back, link here and send a 1 MiB `Echo`.
+    /// drive-kill: once the lease is back, link here and send a 1 MiB `Echo`; relay: the
+    /// peer to forward to.
     #[arg(long)]
     then: Option<String>,
     /// listen: check and drop what arrives in the node's inbox.
@@ -189,6 +197,53 @@ async fn export(node: &Node, cli: &Cli) -> Result<(), String> {
     kept.map_err(|e| format!("the keep call: {e:?}"))??;
     say("kept");
     let _ = tokio::time::timeout(Duration::from_secs(600), peer.closed()).await;
+    Ok(())
+}
+
+/// The `relay` role (see the module docs).
+async fn relay(node: &Node, cli: &Cli) -> Result<(), String> {
+    let fail = |e: &dyn std::fmt::Debug| format!("{e:?}");
+    let keeper = Keeper::default();
+    let kept = Arc::clone(&keeper.kept);
+    node.register::<Keep>("keep", keeper.start().recipient());
+    let dir = std::path::PathBuf::from(&cli.addr);
+    let sockets = baton::SocketDir::create(&dir).map_err(|e| fail(&e))?;
+    let result = async {
+        let mut listening = node.listen(&sockets, "relay").map_err(|e| fail(&e))?;
+        say(&format!("relay-at {}", listening.path().display()));
+        let to_a = (listening.accept_timeout(DEADLINE).await).map_err(|e| fail(&e))?;
+        let start = std::time::Instant::now();
+        let lease = loop {
+            if let Some(lease) = kept.lock().unwrap().pop() {
+                break lease;
+            }
+            if start.elapsed() > DEADLINE {
+                return Err("the exporter's lease never came".to_owned());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let then = cli.then.as_deref().ok_or("relay needs --then ADDR")?;
+        let to_c = connect(node, then).await?;
+        let id = tokio::time::timeout(DEADLINE, lease.forward_to(&to_c))
+            .await
+            .map_err(|e| fail(&e))?
+            .map_err(|e| fail(&e))?;
+        say(&format!("forwarded {id}"));
+        let bytes = lease.to_vec().map_err(|e| fail(&e))?;
+        say(&format!("still {}", is_pattern(cli.seed, &bytes)));
+        drop(lease);
+        for link in [to_c, to_a] {
+            tokio::time::timeout(DEADLINE, link.close_and_wait())
+                .await
+                .map_err(|_| "closing timed out".to_owned())?;
+        }
+        Ok(())
+    }
+    .await;
+    drop(sockets);
+    let _ = std::fs::remove_dir_all(&dir);
+    result?;
+    say("done");
     Ok(())
 }
 
@@ -367,6 +422,9 @@ async fn run(cli: Cli, session: baton::Session) -> Result<(), String> {
     }
     if cli.role == "export" {
         return export(&node, &cli).await;
+    }
+    if cli.role == "relay" {
+        return relay(&node, &cli).await;
     }
     let timeout = |e| format!("{e:?}");
     if cli.role == "listen" && cli.serve > 1 {
