@@ -10,7 +10,7 @@
 use crate::scene::{CUDA_SOURCE, Sheet};
 use baton::actors::{Buffer, Lease};
 use baton::ipc::cuda::cudarc::driver::{
-    CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys,
+    CudaEvent, CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg, sys,
 };
 use baton::ipc::cuda::cudarc::nvrtc::compile_ptx;
 use baton::ipc::cuda::{CudaBackend, DeviceArg};
@@ -62,6 +62,20 @@ fn checked_slot(sheet: &Sheet, len: usize) -> Result<u32, Box<dyn Error>> {
     Ok(u32::try_from(sheet.slot()).map_err(|_| "a tile over 2^32 pixels")?)
 }
 
+/// Pushes the arguments both kernels take after their pointers, in their order: the sheet
+/// from its tile `j0` (`j0, count, first, step, slot, tile, width, height`).
+fn sheet_args<'a>(launch: &mut LaunchArgs<'a>, j0: &'a u32, slot: &'a u32, sheet: &'a Sheet) {
+    launch
+        .arg(j0)
+        .arg(&sheet.count)
+        .arg(&sheet.first)
+        .arg(&sheet.step)
+        .arg(slot)
+        .arg(&sheet.tile)
+        .arg(&sheet.width)
+        .arg(&sheet.height);
+}
+
 impl Kernels {
     /// Compiles the scene with NVRTC and loads it; makes the stream the kernels run on.
     pub fn load(backend: &CudaBackend) -> Result<Self, Box<dyn Error>> {
@@ -94,27 +108,20 @@ impl Kernels {
         t: f32,
     ) -> Result<(), Box<dyn Error>> {
         let slot = checked_slot(sheet, out.len())?;
+        // Waits once before the first launch; records the write when it drops, after the
+        // last.
+        let out = DeviceArg::write(out, &self.stream);
         for (j0, config) in launches(sheet) {
+            let mut launch = self.stream.launch_builder(&self.render);
+            launch.arg(&out);
+            sheet_args(&mut launch, &j0, &slot, sheet);
+            launch.arg(&t);
             // SAFETY: the arguments match `render_sheet`'s parameters in type and order (a
             // device pointer, eight u32, one f32); the kernel writes, for each tile
             // j < count, only `out[j * slot .. j * slot + tw * th]` with tw * th <= slot
             // (it checks), so below `count * slot`, which `checked_slot` kept inside the
             // buffer; the buffer is freed only after the work recorded on it.
-            unsafe {
-                self.stream
-                    .launch_builder(&self.render)
-                    .arg(&DeviceArg::write(out, &self.stream))
-                    .arg(&j0)
-                    .arg(&sheet.count)
-                    .arg(&sheet.first)
-                    .arg(&sheet.step)
-                    .arg(&slot)
-                    .arg(&sheet.tile)
-                    .arg(&sheet.width)
-                    .arg(&sheet.height)
-                    .arg(&t)
-                    .launch(config)
-            }?;
+            unsafe { launch.launch(config) }?;
         }
         Ok(())
     }
@@ -137,32 +144,23 @@ impl Kernels {
         if frame.len() < sheet.width as usize * sheet.height as usize {
             return Err("the frame buffer is smaller than the sheet's frame".into());
         }
+        // Each waits once before the first launch, and records its use after the last.
         let tiles = match tiles {
             Tiles::Leased(l) => DeviceArg::read(l, &self.stream),
             Tiles::Own(b) => DeviceArg::read(b, &self.stream),
         };
+        let frame = DeviceArg::write(frame, &self.stream);
         for (j0, config) in launches(sheet) {
+            let mut launch = self.stream.launch_builder(&self.compose);
+            launch.arg(&frame).arg(&tiles);
+            sheet_args(&mut launch, &j0, &slot, sheet);
             // SAFETY: the arguments match `compose_sheet`'s parameters (two device pointers
             // and eight u32); it reads, for each tile j < count, `sheet[j * slot ..
             // j * slot + tw * th]` (tw * th <= slot, checked there), inside the sheet by
             // `checked_slot`, and writes the tile's rect, which its arithmetic keeps inside
             // the width × height frame, checked above to fit the buffer; the sheet's mapping
             // closes only after the lease's release fence, which follows this launch.
-            unsafe {
-                self.stream
-                    .launch_builder(&self.compose)
-                    .arg(&DeviceArg::write(frame, &self.stream))
-                    .arg(&tiles)
-                    .arg(&j0)
-                    .arg(&sheet.count)
-                    .arg(&sheet.first)
-                    .arg(&sheet.step)
-                    .arg(&slot)
-                    .arg(&sheet.tile)
-                    .arg(&sheet.width)
-                    .arg(&sheet.height)
-                    .launch(config)
-            }?;
+            unsafe { launch.launch(config) }?;
         }
         Ok(())
     }
