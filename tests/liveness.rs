@@ -910,12 +910,13 @@ fn a_flood_of_releases_of_one_buffer_keeps_one_fence_per_producer_slot() {
 }
 
 /// Issue 24's suspect for the renderer's fps falling over a run: a tile's buffer reused every
-/// frame — the exporter (a worker) renders into it on its stream and shares it after that;
-/// the importer (the compositor) composes from it on its stream and drops the lease, whose
-/// release fence comes back — must cost as many driver-level calls in frame 300 as in frame
-/// 3: no fence list, mark list or mapping record that grows with each reuse. Counted in the
-/// device log, per frame and per kind of call; the free at the end waits on at most one
-/// fence per slot of the importer's lane.
+/// frame (in the renderer now a worker's tile sheet: one buffer, one lease, for all its
+/// tiles of a frame) — the exporter (a worker) renders into it on its stream and shares it
+/// after that; the importer (the compositor) composes from it on its stream and drops the
+/// lease, whose release fence comes back — must cost as many driver-level calls in frame 300
+/// as in frame 3: no fence list, mark list or mapping record that grows with each reuse.
+/// Counted in the device log, per frame and per kind of call; the free at the end waits on
+/// at most one fence per slot of the importer's lane.
 #[test]
 fn a_tile_reused_every_frame_costs_the_same_driver_calls_every_frame() {
     const FRAMES: usize = 300;

@@ -1,7 +1,8 @@
 //! End to end: the renderer example, small, on the host backend — with and without
 //! `--chaos`. Without chaos the last PNG equals a single-process reference render pixel
-//! for pixel and the compositor opens each tile once; with chaos the run ends and restarts
-//! are counted. (`tests/process_tree.rs` SIGKILLs the renderer's root.)
+//! for pixel and the compositor opens each worker's tile sheet once (one lease per worker
+//! and frame); with chaos the run ends and restarts are counted. The sheet's layout (the
+//! arithmetic the CUDA kernels share) is checked against the frame's tiling. (`tests/process_tree.rs` SIGKILLs the renderer's root.)
 //!
 //! Leaks are counted here, not by the renderer: it runs with `--no-sweep`, so the root
 //! removes nothing its children left, and the test lists the run's namespace
@@ -137,6 +138,45 @@ fn field<'a>(stdout: &'a str, name: &str) -> &'a str {
         .trim()
 }
 
+/// A sheet's tiles, by the arithmetic the CUDA kernels share (`Sheet::rect`), are the
+/// frame's tiles of that worker, in order; every tile is in exactly one worker's sheet, and
+/// fits its slot.
+#[test]
+fn a_sheet_holds_its_workers_tiles_at_known_offsets() {
+    for (width, height, tile, workers) in [
+        (200, 120, 64, 3),
+        (160, 96, 48, 3),
+        (3840, 2160, 256, 4),
+        (1, 1, 256, 4),
+        (300, 7, 5, 1),
+        (64, 64, 16, 40),
+    ] {
+        let all = scene::tiles(width, height, tile);
+        let mut seen = 0;
+        for w in 0..workers {
+            let sheet = scene::Sheet::of_worker(width, height, tile, w, workers);
+            let want: Vec<scene::TileRect> = all
+                .iter()
+                .filter(|t| t.index % workers == w)
+                .copied()
+                .collect();
+            let got: Vec<(usize, scene::TileRect)> = sheet.rects().collect();
+            assert_eq!(
+                got.iter().map(|(_, r)| *r).collect::<Vec<_>>(),
+                want,
+                "{width}x{height}, tile {tile}, worker {w} of {workers}"
+            );
+            for (j, (at, r)) in got.iter().enumerate() {
+                assert_eq!(*at, j * sheet.slot());
+                assert!((r.w * r.h) as usize <= sheet.slot());
+            }
+            assert_eq!(sheet.pixels(), got.len() * sheet.slot());
+            seen += got.len();
+        }
+        assert_eq!(seen, all.len());
+    }
+}
+
 #[test]
 fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
     let out = tempfile::tempdir().unwrap();
@@ -161,8 +201,9 @@ fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
         ],
         Duration::from_secs(120),
     );
-    // The frame log: a line per frame, in order; one open per tile in the first frame,
-    // a hit per tile after; no GPU fields on host memory.
+    // The frame log: a line per frame, in order; 8 tiles in 3 sheets (one lease per
+    // worker): one open per sheet in the first frame, a hit per sheet after; no GPU fields
+    // on host memory.
     let log = std::fs::read_to_string(out.path().join("frames.jsonl")).unwrap();
     let frames: Vec<serde_json::Value> = log
         .lines()
@@ -170,12 +211,13 @@ fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
         .collect();
     assert_eq!(frames.len(), 4, "{log}");
     for (i, f) in frames.iter().enumerate() {
-        let (opens, hits) = if i == 0 { (8, 0) } else { (0, 8) };
+        let (opens, hits) = if i == 0 { (3, 0) } else { (0, 3) };
         assert_eq!(f["frame"], i as u64, "{log}");
         assert_eq!(
             (f["tiles"].as_u64(), f["tiles_missing"].as_u64()),
             (Some(8), Some(0))
         );
+        assert_eq!(f["leases_held"].as_u64(), Some(3), "{log}");
         assert_eq!(
             (f["opens"].as_u64(), f["hits"].as_u64()),
             (Some(opens), Some(hits))
@@ -194,11 +236,15 @@ fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
         field(&stdout, "handoffs/s").contains("(32 tiles composed, 0 missing)"),
         "{stdout}"
     );
-    // The workers reuse their tile buffers, and the compositor keeps their mappings warm:
-    // one open per tile in the first frame, none after, a hit for every later tile.
+    // The workers reuse their sheets, and the compositor keeps their mappings warm: one
+    // open per sheet in the first frame, none after, a hit for every later sheet.
     assert_eq!(
         field(&stdout, "import cache"),
-        "8 opens in the first frame, 0 after (0.00 per frame), 24 hits",
+        "3 opens in the first frame, 0 after (0.00 per frame), 9 hits",
+        "{stdout}"
+    );
+    assert!(
+        field(&stdout, "leases").starts_with("12 (3.00 per frame"),
         "{stdout}"
     );
     for frame in [0, 3] {
@@ -369,7 +415,7 @@ fn on_named_segments_the_supervisor_sweeps_what_killed_workers_left() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no swept count in {leaked:?}"));
     // The first kill (frame 4) hits a worker that has rendered since frame 0 and holds a
-    // segment per tile.
+    // segment for its sheet.
     assert!(
         swept >= 1,
         "the supervisor swept the killed workers' segments: {leaked}"

@@ -1,14 +1,16 @@
 //! The renderer's CUDA kernels: compiled at run time with NVRTC (through cudarc), launched
 //! on a stream of the process's own. Buffers and leases are cudarc citizens
 //! (`DevicePtr`/`DevicePtrMut`), passed as kernel arguments through `DeviceArg`, so every
-//! launch is ordered by Baton without a synchronise: a tile lease's first use on the stream
+//! launch is ordered by Baton without a synchronise: a sheet lease's first use on the stream
 //! waits on the worker's acquire fence, every use is recorded, and dropping a lease records
-//! its release fence after the kernels that read it (see `docs/ORDERING.md`).
+//! its release fence after the kernels that read it (see `docs/ORDERING.md`). One launch
+//! renders a worker's whole tile sheet (`scene::Sheet`), one composes it: a tile per
+//! z-slice of the grid, its place in the frame found by arithmetic in the kernel.
 
-use crate::scene::{CUDA_SOURCE, TileRect};
+use crate::scene::{CUDA_SOURCE, Sheet};
 use baton::actors::{Buffer, Lease};
 use baton::ipc::cuda::cudarc::driver::{
-    CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys,
+    CudaEvent, CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg, sys,
 };
 use baton::ipc::cuda::cudarc::nvrtc::compile_ptx;
 use baton::ipc::cuda::{CudaBackend, DeviceArg};
@@ -22,12 +24,56 @@ pub struct Kernels {
     stream: Arc<CudaStream>,
 }
 
-fn grid(w: u32, h: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (w.div_ceil(16), h.div_ceil(16), 1),
-        block_dim: (16, 16, 1),
-        shared_mem_bytes: 0,
+/// Tiles of a sheet one launch covers: CUDA's limit on `gridDim.z`.
+const TILES_PER_LAUNCH: u32 = 65_535;
+
+/// The launches that cover `sheet`: 16×16 blocks over its largest tile, one z-slice of
+/// blocks per tile, at most [`TILES_PER_LAUNCH`] tiles each; each with its first tile
+/// `j0`. One launch unless a worker has over 65,535 tiles.
+fn launches(sheet: &Sheet) -> impl Iterator<Item = (u32, LaunchConfig)> + use<> {
+    let (w, h) = (sheet.tile.min(sheet.width), sheet.tile.min(sheet.height));
+    let count = sheet.count;
+    (0..count)
+        .step_by(TILES_PER_LAUNCH as usize)
+        .map(move |j0| {
+            let tiles = (count - j0).min(TILES_PER_LAUNCH);
+            let config = LaunchConfig {
+                grid_dim: (w.div_ceil(16), h.div_ceil(16), tiles),
+                block_dim: (16, 16, 1),
+                shared_mem_bytes: 0,
+            };
+            (j0, config)
+        })
+}
+
+/// `sheet.slot()` as the kernels take it, checking the sheet fits `len` pixels.
+fn checked_slot(sheet: &Sheet, len: usize) -> Result<u32, Box<dyn Error>> {
+    if sheet.count == 0 || sheet.width == 0 || sheet.height == 0 || sheet.tile == 0 {
+        return Err("an empty sheet".into());
     }
+    if len < sheet.pixels() {
+        return Err(format!(
+            "sheet buffer too small: {len} pixels for {} tiles of {}",
+            sheet.count,
+            sheet.slot()
+        )
+        .into());
+    }
+    Ok(u32::try_from(sheet.slot()).map_err(|_| "a tile over 2^32 pixels")?)
+}
+
+/// Pushes the arguments both kernels take after their pointers, in their order: the sheet
+/// from its tile `j0` (`j0, count, first, step, slot, tile, width, height`).
+fn sheet_args<'a>(launch: &mut LaunchArgs<'a>, j0: &'a u32, slot: &'a u32, sheet: &'a Sheet) {
+    launch
+        .arg(j0)
+        .arg(&sheet.count)
+        .arg(&sheet.first)
+        .arg(&sheet.step)
+        .arg(slot)
+        .arg(&sheet.tile)
+        .arg(&sheet.width)
+        .arg(&sheet.height);
 }
 
 impl Kernels {
@@ -46,89 +92,76 @@ impl Kernels {
             .map_err(|e| format!("NVRTC could not compile the scene: {e}"))?;
         let module = backend.context().load_module(ptx)?;
         Ok(Self {
-            render: module.load_function("render_tile")?,
-            compose: module.load_function("compose_tile")?,
+            render: module.load_function("render_sheet")?,
+            compose: module.load_function("compose_sheet")?,
             stream: backend.context().new_stream()?,
         })
     }
 
-    /// Renders `rect` of a `width`×`height` frame at time `t` into `out` (at least
-    /// `rect.w * rect.h` pixels). Asynchronous: the buffer records the write, so the offer
-    /// that shares it carries a fence after it.
+    /// Renders every tile of `sheet` at time `t` into `out` (at least `sheet.pixels()`
+    /// pixels): one launch (see [`launches`]). Asynchronous: the buffer records the write,
+    /// so the offer that shares it carries a fence after it.
     pub fn render(
         &self,
         out: &mut Buffer<u32>,
-        rect: &TileRect,
-        width: u32,
-        height: u32,
+        sheet: &Sheet,
         t: f32,
     ) -> Result<(), Box<dyn Error>> {
-        if out.len() < (rect.w * rect.h) as usize {
-            return Err("tile buffer too small".into());
+        let slot = checked_slot(sheet, out.len())?;
+        // Waits once before the first launch; records the write when it drops, after the
+        // last.
+        let out = DeviceArg::write(out, &self.stream);
+        for (j0, config) in launches(sheet) {
+            let mut launch = self.stream.launch_builder(&self.render);
+            launch.arg(&out);
+            sheet_args(&mut launch, &j0, &slot, sheet);
+            launch.arg(&t);
+            // SAFETY: the arguments match `render_sheet`'s parameters in type and order (a
+            // device pointer, eight u32, one f32); the kernel writes, for each tile
+            // j < count, only `out[j * slot .. j * slot + tw * th]` with tw * th <= slot
+            // (it checks), so below `count * slot`, which `checked_slot` kept inside the
+            // buffer; the buffer is freed only after the work recorded on it.
+            unsafe { launch.launch(config) }?;
         }
-        // SAFETY: the arguments match `render_tile`'s parameters in type and order (a
-        // device pointer, six u32, one f32); the kernel writes only
-        // `out[0 .. rect.w * rect.h]`, which the check above keeps inside the buffer, and
-        // the buffer is freed only after the work recorded on it.
-        unsafe {
-            self.stream
-                .launch_builder(&self.render)
-                .arg(&DeviceArg::write(out, &self.stream))
-                .arg(&rect.x)
-                .arg(&rect.y)
-                .arg(&rect.w)
-                .arg(&rect.h)
-                .arg(&width)
-                .arg(&height)
-                .arg(&t)
-                .launch(grid(rect.w, rect.h))
-        }?;
         Ok(())
     }
 
-    /// Copies a `rect.w`×`rect.h` tile (a lease on another process's device memory, or a
-    /// buffer of ours) into its place in `frame` (device memory of `frame_w`×`frame_h`).
-    /// Asynchronous: the launch waits on the tile's acquire fence, and the tile and the
-    /// frame record their use.
+    /// Copies every tile of `sheet` (a lease on another process's device memory, or a
+    /// buffer of ours) into its place in `frame` (device memory of `sheet.width` ×
+    /// `sheet.height`): one launch (see [`launches`]). Asynchronous: the launch waits on
+    /// the sheet's acquire fence, and the sheet and the frame record their use.
     pub fn compose(
         &self,
         frame: &mut Buffer<u32>,
-        frame_w: u32,
-        frame_h: u32,
-        tile: Tile<'_>,
-        rect: &TileRect,
+        tiles: Tiles<'_>,
+        sheet: &Sheet,
     ) -> Result<(), Box<dyn Error>> {
-        let tile_pixels = match tile {
-            Tile::Leased(l) => l.len(),
-            Tile::Own(b) => b.len(),
+        let sheet_pixels = match tiles {
+            Tiles::Leased(l) => l.len(),
+            Tiles::Own(b) => b.len(),
         };
-        if rect.x + rect.w > frame_w
-            || rect.y + rect.h > frame_h
-            || tile_pixels < (rect.w * rect.h) as usize
-            || frame.len() < (frame_w * frame_h) as usize
-        {
-            return Err("tile does not fit the frame".into());
+        let slot = checked_slot(sheet, sheet_pixels)?;
+        if frame.len() < sheet.width as usize * sheet.height as usize {
+            return Err("the frame buffer is smaller than the sheet's frame".into());
         }
-        let tile = match tile {
-            Tile::Leased(l) => DeviceArg::read(l, &self.stream),
-            Tile::Own(b) => DeviceArg::read(b, &self.stream),
+        // Each waits once before the first launch, and records its use after the last.
+        let tiles = match tiles {
+            Tiles::Leased(l) => DeviceArg::read(l, &self.stream),
+            Tiles::Own(b) => DeviceArg::read(b, &self.stream),
         };
-        // SAFETY: the arguments match `compose_tile`'s parameters (two device pointers and
-        // five u32); it reads `tile[0 .. w*h]` and writes the rect of `frame`, both checked
-        // above to lie inside their buffers; the tile's mapping closes only after the
-        // lease's release fence, which follows this launch.
-        unsafe {
-            self.stream
-                .launch_builder(&self.compose)
-                .arg(&DeviceArg::write(frame, &self.stream))
-                .arg(&frame_w)
-                .arg(&tile)
-                .arg(&rect.x)
-                .arg(&rect.y)
-                .arg(&rect.w)
-                .arg(&rect.h)
-                .launch(grid(rect.w, rect.h))
-        }?;
+        let frame = DeviceArg::write(frame, &self.stream);
+        for (j0, config) in launches(sheet) {
+            let mut launch = self.stream.launch_builder(&self.compose);
+            launch.arg(&frame).arg(&tiles);
+            sheet_args(&mut launch, &j0, &slot, sheet);
+            // SAFETY: the arguments match `compose_sheet`'s parameters (two device pointers
+            // and eight u32); it reads, for each tile j < count, `sheet[j * slot ..
+            // j * slot + tw * th]` (tw * th <= slot, checked there), inside the sheet by
+            // `checked_slot`, and writes the tile's rect, which its arithmetic keeps inside
+            // the width × height frame, checked above to fit the buffer; the sheet's mapping
+            // closes only after the lease's release fence, which follows this launch.
+            unsafe { launch.launch(config) }?;
+        }
         Ok(())
     }
 }
@@ -198,10 +231,11 @@ impl FrameMarks {
     }
 }
 
-/// A tile to compose: leased from a worker, or a buffer of ours (the staged path's).
+/// A sheet of tiles to compose: leased from a worker, or a buffer of ours (the staged
+/// path's).
 #[derive(Clone, Copy)]
-pub enum Tile<'a> {
-    /// A worker's tile.
+pub enum Tiles<'a> {
+    /// A worker's sheet.
     Leased(&'a Lease<u32>),
     /// Ours.
     Own(&'a Buffer<u32>),

@@ -13,15 +13,33 @@
 //!  └── worker-N-1
 //! ```
 //!
-//! Every frame the compositor asks each worker for its tiles (`Render`). A worker renders
-//! them into buffers its `BufferOwner` owns — with an NVRTC kernel on CUDA, with CPU code
-//! on the host backend — and answers with `Shared<u32>` tiles: leases on its memory, not
-//! copies. The compositor opens each lease (an import-cache hit after the first frame),
-//! copies the tile into its frame buffer (a kernel on CUDA, a copy on host), drops the
-//! leases, and writes PNGs of the first and last frames (and of the first frame that had
-//! to mark a tile missing). The root prints progress, and with `--chaos` SIGKILLs a random
-//! worker every K frames; the supervisor restarts it, the compositor marks the tiles it
-//! could not get, and the summary still shows zero leaked bytes.
+//! Every frame the compositor asks each worker for its tiles (`Render`), and each worker
+//! answers with ONE lease: all its tiles of the frame live in one buffer its `BufferOwner`
+//! owns, its *tile sheet* (`scene::Sheet`). Worker `w` of `n` renders the tiles whose index
+//! is `w` modulo `n`; tile `j` of its sheet lies at pixel offset `j · slot` (`slot`: the
+//! largest tile's pixel count), row-major with its own width as the row pitch, and the
+//! tile's place in the frame follows from `j` by arithmetic (`Sheet::rect`, which the CUDA
+//! kernels repeat), so nothing but the sheet's six numbers travels. Per worker and frame:
+//!
+//! - CUDA: one NVRTC kernel launch renders the whole sheet (a tile per z-slice of the grid;
+//!   a few launches only past 65,535 tiles); one offer goes out with one fence; the
+//!   compositor opens one lease (an import-cache hit after the first frame), its stream
+//!   waits on one fence, one kernel launch composes the sheet into the frame buffer, and
+//!   dropping the lease sends one release with its fence.
+//! - Host: the worker renders into the sheet's shared pages in place; the compositor
+//!   copies each tile's rows from the leased pages into the frame's (no other copy).
+//! - `--staged` (CUDA): the same sheet, copied device → host shared memory in one copy by
+//!   the worker, and uploaded in one copy by the compositor before the same compose
+//!   launch.
+//!
+//! A worker reuses its sheet while no lease on it is out; when the compositor may still
+//! read it (a lease out), the worker renders into a new sheet and the old one is freed
+//! once its lease comes back. On CUDA the render also waits on the compositor's release
+//! fence of the sheet's last frame. The compositor writes PNGs of the first and last
+//! frames (and of the first frame that had to mark a tile missing). The root prints
+//! progress, and with `--chaos` SIGKILLs a random worker every K frames; the supervisor
+//! restarts it, the compositor marks the tiles of the sheet it could not get, and the
+//! summary still shows zero leaked bytes.
 //!
 //! Options (`--help` lists them): `--size WxH` (default 1920x1080), `--frames N` (60), `--workers N` (4),
 //! `--tile N` (256), `--backend auto|host|cuda` (auto), `--devices LIST` (CUDA device
@@ -29,7 +47,7 @@
 //! and each process prints the device it uses), `--chaos [K]` (kill every K frames,
 //! default 10), `--kill-compositor N` (SIGKILL the compositor once, at frame N: the workers
 //! join its successor, which renders the run again), `--out DIR` (default target/renderer-out), `--staged` (CUDA only: copy each
-//! tile to host shared memory and back, the pipeline zero-copy replaces), `--verify`
+//! sheet to host shared memory and back, the pipeline zero-copy replaces), `--verify`
 //! (compare the last frame with a single-process CPU render), `--no-sweep` (the root does
 //! not sweep at the end, so the caller can check what a run left: the summary counts it,
 //! and it does not fail the run; the supervisor still removes what killed children left),
@@ -53,7 +71,7 @@ use baton::ipc::cuda::{CudaBackend, CudaExport};
 use baton::ipc::{Backend, HostBackend, HostFlavor, SharedBackend, host};
 use baton::messages::Shape;
 use baton::{Session, SocketDir};
-use scene::TileRect;
+use scene::{Sheet, TileRect};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::error::Error;
@@ -66,7 +84,8 @@ type Res<T> = Result<T, Box<dyn Error>>;
 // ---- options ------------------------------------------------------------------------------
 
 /// A multi-process renderer on Baton: a supervised tree of worker processes renders
-/// tiles into shared buffers, a compositor process composes them with zero copies.
+/// tiles into shared buffers (one sheet per worker), a compositor process composes them
+/// with zero copies.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "renderer")]
 struct Options {
@@ -106,7 +125,7 @@ struct Options {
     /// Where the PNGs go.
     #[arg(long, default_value = "target/renderer-out")]
     out: PathBuf,
-    /// CUDA only: copy each tile through host shared memory (the pipeline zero-copy replaces).
+    /// CUDA only: copy each sheet through host shared memory (the pipeline zero-copy replaces).
     #[arg(long)]
     staged: bool,
     /// Compare the last frame with a single-process CPU render.
@@ -236,22 +255,22 @@ fn backend(choice: &str, ordinal: usize) -> Res<(SharedBackend, Option<Arc<CudaB
 
 // ---- messages ------------------------------------------------------------------------------
 
-/// Compositor → worker: render these tiles of this frame.
+/// Compositor → worker: render this sheet of tiles of this frame.
 #[derive(Debug, Serialize, Deserialize, Message)]
 #[rtype(result = "Result<Rendered, String>")]
 struct Render {
     frame: u64,
-    tiles: Vec<TileRect>,
+    sheet: Sheet,
 }
 
 impl RemoteMessage for Render {
     const NAME: &'static str = "renderer.Render";
 }
 
-/// The tiles, as leases on the worker's memory.
+/// The sheet, as one lease on the worker's memory.
 #[derive(Debug, Serialize, Deserialize)]
 struct Rendered {
-    tiles: Vec<(u32, Shared<u32>)>,
+    sheet: Shared<u32>,
 }
 
 /// Worker → compositor: worker `index` is up (as process `pid`).
@@ -288,6 +307,8 @@ struct Done {
     seconds: f64,
     tiles_composed: u64,
     tiles_missing: u64,
+    /// Leases taken: one per worker's sheet and frame.
+    leases: u64,
     /// The compositor's import cache: driver-level opens (or `mmap`s) during the first
     /// frame, and after it; hits.
     opens_first_frame: u64,
@@ -310,16 +331,17 @@ struct FrameRecord {
     /// last frame, the wait for the GPU to finish every frame queued).
     us: f64,
     /// Asking every worker and awaiting every answer (a round trip per worker, the
-    /// workers' rendering queued, the tiles' offers granted).
+    /// workers' rendering queued, the sheets' offers granted).
     ask_us: f64,
-    /// Opening each tile (an import-cache hit after the first frame) and queuing its
+    /// Opening each sheet (an import-cache hit after the first frame) and queuing its
     /// compose.
     compose_us: f64,
     /// Dropping the leases (each `Release` with its fence goes out).
     release_us: f64,
+    /// Tiles composed.
     tiles: u64,
     tiles_missing: u64,
-    /// Leases held at once this frame (one per composed tile).
+    /// Leases held at once this frame (one per composed sheet: a worker's tiles).
     leases_held: u64,
     /// Driver-level opens (or `mmap`s) of the import cache during the frame, and hits.
     opens: u64,
@@ -327,7 +349,7 @@ struct FrameRecord {
     /// Mappings the import cache holds at the end of the frame.
     mappings: usize,
     /// CUDA: fence waits the compositor's backend queued during the frame (acquire
-    /// fences of the tiles: one per lease and stream).
+    /// fences of the sheets: one per lease and stream).
     fence_waits: Option<u64>,
     /// CUDA: frames (this one included) whose compose work the GPU had not finished when
     /// this frame's host work ended: how far the host runs ahead of the GPU.
@@ -353,11 +375,10 @@ fn write_frame_log(path: &Path, frames: &[FrameRecord]) -> Res<()> {
 
 // ---- worker --------------------------------------------------------------------------------
 
-/// A buffer per tile index.
-type TilePool = HashMap<u32, Buffer<u32>>;
+/// The buffer a worker renders its sheet into, reused while no lease on it is out.
+type SheetSlot = Option<Buffer<u32>>;
 
 struct Worker {
-    opts: Options,
     index: u32,
     node: Node,
     sockets: PathBuf,
@@ -367,12 +388,13 @@ struct Worker {
     /// the worker joins the next one.
     compositor: Option<baton::messages::ProcessId>,
     owner: Addr<BufferOwner>,
-    /// One buffer per tile, reused when no lease on it is out (an import-cache hit for
-    /// the compositor on every frame after the first).
-    pool: TilePool,
+    /// The sheet: one buffer for all of this worker's tiles, reused when no lease on it
+    /// is out (an import-cache hit for the compositor on every frame after the first),
+    /// replaced by a new one when a lease is (the compositor may still read the old one).
+    sheet: SheetSlot,
     gpu: Option<(Arc<CudaBackend>, gpu::Kernels)>,
-    /// `--staged`: host shared-memory copies of the device tiles.
-    staging: Option<(Addr<BufferOwner>, TilePool)>,
+    /// `--staged`: host shared memory the device sheet is copied to, and its owner.
+    staging: Option<(Addr<BufferOwner>, SheetSlot)>,
 }
 
 impl Actor for Worker {
@@ -383,7 +405,7 @@ impl Actor for Worker {
     }
 
     fn stopped(&mut self, _: &mut Context<Self>) {
-        // The pools drop with the actor: every buffer is freed (no lease is out any more).
+        // The sheets drop with the actor: every buffer is freed (no lease is out any more).
         System::current().stop();
     }
 }
@@ -426,62 +448,55 @@ impl Worker {
     }
 }
 
-fn reusable(pool: &TilePool, r: &TileRect) -> bool {
-    pool.get(&r.index)
-        .is_some_and(|b| b.leases_out() == 0 && b.len() == (r.w * r.h) as usize)
+fn reusable(slot: &SheetSlot, sheet: &Sheet) -> bool {
+    slot.as_ref()
+        .is_some_and(|b| b.leases_out() == 0 && b.len() == sheet.pixels())
 }
 
+/// A new sheet buffer from `owner`, unless the one in `slot` can be reused.
 async fn allocate(
-    owner: &Addr<BufferOwner>,
-    rects: Vec<TileRect>,
-) -> Result<Vec<(u32, Buffer<u32>)>, ActorError> {
-    let mut out = Vec::with_capacity(rects.len());
-    for r in rects {
-        let shape = Shape::new([u64::from(r.h), u64::from(r.w)]).expect("rank 2");
-        out.push((r.index, owner.send(Allocate::<u32>::new(shape)).await??));
+    owner: Addr<BufferOwner>,
+    need: Option<Sheet>,
+) -> Result<Option<Buffer<u32>>, ActorError> {
+    match need {
+        Some(sheet) => {
+            let pixels = Allocate::<u32>::vector(sheet.pixels() as u64);
+            Ok(Some(owner.send(pixels).await??))
+        }
+        None => Ok(None),
     }
-    Ok(out)
 }
 
 impl Worker {
+    /// Renders the sheet into its buffer and shares it: one lease, one offer.
     fn render(&mut self, msg: &Render) -> Res<Rendered> {
-        let (w, h) = (self.opts.width, self.opts.height);
-        let mut tiles = Vec::with_capacity(msg.tiles.len());
-        match &self.gpu {
+        let sheet = &msg.sheet;
+        let buf = self.sheet.as_mut().ok_or("no sheet buffer")?;
+        let shared = match &self.gpu {
             None => {
-                for r in &msg.tiles {
-                    let buf = &self.pool[&r.index];
-                    buf.write_at(0, &scene::render_tile(r, w, h, msg.frame))?;
-                    tiles.push((r.index, buf.share()));
-                }
+                // In place: the shared pages themselves, no copy.
+                scene::render_sheet_into(&mut buf.as_mut_slice()?, sheet, msg.frame);
+                buf.share()
             }
             Some((_, kernels)) => {
-                let t = scene::time_of(msg.frame);
-                for r in &msg.tiles {
-                    let buf = self.pool.get_mut(&r.index).ok_or("no buffer for a tile")?;
-                    // Waits on the compositor's release fence of this buffer's last frame,
-                    // then records the write: nobody blocks here.
-                    kernels.render(buf, r, w, h, t)?;
-                }
-                if let Some((_, staging)) = &self.staging {
-                    // The pipeline zero-copy replaces: device -> host -> shared memory (the
-                    // copy waits for the kernel that rendered the tile).
-                    for r in &msg.tiles {
-                        let pixels = self.pool[&r.index].to_vec()?;
-                        let host = &staging[&r.index];
-                        host.write_at(0, &pixels)?;
-                        tiles.push((r.index, host.share()));
+                // Waits on the compositor's release fence of this buffer's last frame, then
+                // records the write: nobody blocks here.
+                kernels.render(buf, sheet, scene::time_of(msg.frame))?;
+                match &self.staging {
+                    // The pipeline zero-copy replaces: device -> host shared memory, one
+                    // copy of the whole sheet (it waits for the kernel).
+                    Some((_, staged)) => {
+                        let host = staged.as_ref().ok_or("no staging sheet")?;
+                        buf.read_into(0, &mut host.as_mut_slice()?)?;
+                        host.share()
                     }
-                } else {
-                    // Each offer carries a fence after the kernel that rendered its tile; the
-                    // compositor's stream waits on it before reading.
-                    for r in &msg.tiles {
-                        tiles.push((r.index, self.pool[&r.index].share()));
-                    }
+                    // The offer carries a fence after the kernel; the compositor's stream
+                    // waits on it before reading.
+                    None => buf.share(),
                 }
             }
-        }
-        Ok(Rendered { tiles })
+        };
+        Ok(Rendered { sheet: shared })
     }
 }
 
@@ -489,36 +504,29 @@ impl Handler<Render> for Worker {
     type Result = ResponseActFuture<Self, Result<Rendered, String>>;
 
     fn handle(&mut self, msg: Render, _: &mut Context<Self>) -> Self::Result {
-        let need: Vec<TileRect> = msg
-            .tiles
-            .iter()
-            .filter(|r| !reusable(&self.pool, r))
-            .copied()
-            .collect();
-        let need_staged: Vec<TileRect> = match &self.staging {
-            Some((_, pool)) => msg
-                .tiles
-                .iter()
-                .filter(|r| !reusable(pool, r))
-                .copied()
-                .collect(),
-            None => Vec::new(),
+        let need = (!reusable(&self.sheet, &msg.sheet)).then_some(msg.sheet);
+        let need_staged = match &self.staging {
+            Some((_, slot)) => (!reusable(slot, &msg.sheet)).then_some(msg.sheet),
+            None => None,
         };
         let owner = self.owner.clone();
         let staging_owner = self.staging.as_ref().map(|(o, _)| o.clone());
         let fresh = async move {
-            let device = allocate(&owner, need).await?;
+            let device = allocate(owner, need).await?;
             let host = match staging_owner {
-                Some(o) => allocate(&o, need_staged).await?,
-                None => Vec::new(),
+                Some(o) => allocate(o, need_staged).await?,
+                None => None,
             };
             Ok::<_, ActorError>((device, host))
         };
         Box::pin(fresh.into_actor(self).map(move |fresh, act, _| {
             let (device, host) = fresh.map_err(|e| e.to_string())?;
-            act.pool.extend(device);
-            if let Some((_, pool)) = &mut act.staging {
-                pool.extend(host);
+            // A replaced buffer drops here; its owner frees it once its lease is back.
+            if device.is_some() {
+                act.sheet = device;
+            }
+            if let (Some((_, slot)), Some(h)) = (&mut act.staging, host) {
+                *slot = Some(h);
             }
             act.render(&msg).map_err(|e| e.to_string())
         }))
@@ -589,10 +597,7 @@ fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<
         let staging = match (&cuda, opts.staged) {
             (Some(_), true) => {
                 let host: SharedBackend = Arc::new(HostBackend::new()?);
-                Some((
-                    BufferOwner::with_backend(&node, host).start(),
-                    HashMap::new(),
-                ))
+                Some((BufferOwner::with_backend(&node, host).start(), None))
             }
             _ => None,
         };
@@ -606,14 +611,13 @@ fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<
         let root = node.connect(std::env::var(CONNECT_ENV)?).await?;
         // Registered before it joins the compositor, which asks for tiles once all joined.
         let actor = Worker {
-            opts,
             index,
             node: node.clone(),
             sockets,
             root,
             compositor: None,
             owner,
-            pool: HashMap::new(),
+            sheet: None,
             gpu,
             staging,
         }
@@ -662,40 +666,66 @@ struct Canvas {
     opts: Options,
     frame: Buffer<u32>,
     gpu: Option<(Arc<CudaBackend>, gpu::Kernels)>,
-    /// `--staged` on CUDA: a device buffer to upload a host tile into before composing.
+    /// `--staged` on CUDA: a device buffer (as large as the largest sheet) to upload a
+    /// host sheet into before composing.
     scratch: Option<Buffer<u32>>,
 }
 
+/// Copies `rect`'s rows from `tile` (row-major, `rect.w` a row) into `frame` (the whole
+/// frame, `frame_w` a row).
+fn put_rows(frame: &mut [u32], frame_w: u32, rect: &TileRect, tile: &[u32]) {
+    let (fw, w) = (frame_w as usize, rect.w as usize);
+    for (row, src) in tile.chunks_exact(w).take(rect.h as usize).enumerate() {
+        let at = (rect.y as usize + row) * fw + rect.x as usize;
+        frame[at..at + w].copy_from_slice(src);
+    }
+}
+
 impl Canvas {
-    fn put_rows(&self, r: &TileRect, pixels: &[u32]) -> Res<()> {
-        let (fw, w) = (self.opts.width as usize, r.w as usize);
-        for row in 0..r.h as usize {
-            let at = (r.y as usize + row) * fw + r.x as usize;
-            self.frame.write_at(at, &pixels[row * w..(row + 1) * w])?;
+    /// Writes `rect`'s pixels from `tile` into the frame (a host copy, or an upload on
+    /// CUDA: the missing-tile pattern).
+    fn put_tile(&self, rect: &TileRect, tile: &[u32]) -> Res<()> {
+        let fw = self.opts.width as usize;
+        if self.gpu.is_none() {
+            put_rows(&mut self.frame.as_mut_slice()?, self.opts.width, rect, tile);
+            return Ok(());
+        }
+        for (row, src) in tile.chunks_exact(rect.w as usize).enumerate() {
+            let at = (rect.y as usize + row) * fw + rect.x as usize;
+            self.frame.write_at(at, src)?;
         }
         Ok(())
     }
 
-    /// Composes a tile into the frame. On CUDA the kernel is queued on the compositor's
-    /// stream, ordered by the lease (its first use waits on the worker's fence; dropping it
-    /// records the release after the kernel): no synchronise here, and none before the
-    /// leases go back.
-    fn compose(&self, r: &TileRect, lease: &Lease<u32>) -> Res<()> {
-        let (fw, fh) = (self.opts.width, self.opts.height);
+    /// Composes a worker's whole sheet into the frame. On CUDA one kernel launch, queued on
+    /// the compositor's stream, ordered by the lease (its first use waits on the worker's
+    /// fence; dropping it records the release after the kernel): no synchronise here, and
+    /// none before the lease goes back. On host memory, a copy of each tile's rows from the
+    /// leased pages straight into the frame's.
+    fn compose(&self, sheet: &Sheet, lease: &Lease<u32>) -> Res<()> {
+        if lease.len() < sheet.pixels() {
+            return Err("the sheet is smaller than its tiles".into());
+        }
         // A second handle of the frame buffer, for the `&mut` of cudarc's `DevicePtrMut`.
         let mut frame = self.frame.clone();
         match &self.gpu {
             Some((_, k)) if lease.is_device() => {
-                k.compose(&mut frame, fw, fh, gpu::Tile::Leased(lease), r)
+                k.compose(&mut frame, gpu::Tiles::Leased(lease), sheet)
             }
             Some((_, k)) => {
-                // Staged: host tile -> device scratch -> frame. The upload waits for the
-                // kernel that last read the scratch buffer.
+                // Staged: host sheet -> device scratch -> frame, one upload. The upload
+                // waits for the kernel that last read the scratch buffer.
                 let scratch = self.scratch.as_ref().ok_or("no scratch buffer")?;
-                scratch.write_at(0, &lease.to_vec()?)?;
-                k.compose(&mut frame, fw, fh, gpu::Tile::Own(scratch), r)
+                scratch.write_at(0, lease.as_slice()?)?;
+                k.compose(&mut frame, gpu::Tiles::Own(scratch), sheet)
             }
-            None => self.put_rows(r, &lease.to_vec()?),
+            None => {
+                let (tiles, mut dst) = (lease.as_slice()?, frame.as_mut_slice()?);
+                for (at, rect) in sheet.rects() {
+                    put_rows(&mut dst, self.opts.width, &rect, &tiles[at..]);
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -714,8 +744,11 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
 
         let shape = Shape::new([u64::from(opts.height), u64::from(opts.width)]).expect("rank 2");
         let frame = owner.send(Allocate::<u32>::new(shape)).await??;
+        // Each worker's sheet, asked for every frame (a worker with no tile is not asked).
+        let sheets: Vec<Sheet> = (0..opts.workers).map(|w| Sheet::of_worker(opts.width, opts.height, opts.tile, w, opts.workers)).collect();
+        let largest = sheets.iter().map(Sheet::pixels).max().unwrap_or(0);
         let scratch = match (&cuda, opts.staged) {
-            (Some(_), true) => Some(owner.send(Allocate::<u32>::vector(u64::from(opts.tile * opts.tile))).await??),
+            (Some(_), true) => Some(owner.send(Allocate::<u32>::vector(largest as u64)).await??),
             _ => None,
         };
         let gpu = match cuda {
@@ -726,7 +759,6 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
             None => None,
         };
         let canvas = Canvas { opts: opts.clone(), frame, gpu, scratch };
-        let all = scene::tiles(opts.width, opts.height, opts.tile);
         std::fs::create_dir_all(&opts.out)?;
 
         // Wait for the workers to join (those that do not will show as missing tiles).
@@ -751,58 +783,57 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
                 }
             }
             let (cache_before, waits_before) = (node.cache().stats(), cuda_waits());
-            // Ask every worker for its tiles at once.
+            // Ask every worker for its sheet at once.
             let mut asks = Vec::new();
             let mut missing: Vec<TileRect> = Vec::new();
-            for w in 0..opts.workers {
-                let mine: Vec<TileRect> = all.iter().filter(|t| t.index % opts.workers == w).copied().collect();
+            for (w, sheet) in (0..opts.workers).zip(&sheets).filter(|(_, s)| s.count > 0) {
                 let pid = roster.0.lock().expect("roster").get(&w).copied();
                 match pid.and_then(|pid| node.peers().into_iter().find(|p| p.process().pid == pid && p.is_connected())) {
                     Some(peer) => {
-                        let ask = peer.remote::<Render>("render").send_timeout(Render { frame: f, tiles: mine.clone() }, Duration::from_secs(60));
-                        asks.push((mine, ask));
+                        let ask = peer.remote::<Render>("render").send_timeout(Render { frame: f, sheet: *sheet }, Duration::from_secs(60));
+                        asks.push((sheet, ask));
                     }
-                    None => missing.extend(mine),
+                    None => missing.extend(sheet.rects().map(|(_, r)| r)),
                 }
             }
-            let (rects, futures): (Vec<_>, Vec<_>) = asks.into_iter().unzip();
+            let (asked, futures): (Vec<_>, Vec<_>) = asks.into_iter().unzip();
             let answers = futures_util::future::join_all(futures).await;
             let answered = Instant::now();
+            // One lease per worker: its whole sheet, composed at once.
             let mut held = Vec::new();
-            for (mine, answer) in rects.into_iter().zip(answers) {
-                match answer {
-                    Ok(Ok(rendered)) => {
-                        for (index, shared) in rendered.tiles {
-                            let rect = all[index as usize];
-                            match shared.open().map_err(Into::into).and_then(|l| canvas.compose(&rect, &l).map(|()| l)) {
-                                Ok(lease) => held.push(lease),
-                                Err(e) => {
-                                    tracing::warn!(frame = f, tile = index, error = %e, "tile not composed");
-                                    missing.push(rect);
-                                }
-                            }
-                        }
+            let mut tiles = 0;
+            for (sheet, answer) in asked.into_iter().zip(answers) {
+                let composed = match answer {
+                    Ok(Ok(rendered)) => rendered
+                        .sheet
+                        .open()
+                        .map_err(|e| format!("sheet not opened: {e}"))
+                        .and_then(|l| canvas.compose(sheet, &l).map(|()| l).map_err(|e| format!("sheet not composed: {e}"))),
+                    Ok(Err(e)) => Err(format!("a worker could not render: {e}")),
+                    Err(e) => Err(format!("no answer from a worker: {e}")),
+                };
+                match composed {
+                    Ok(lease) => {
+                        held.push(lease);
+                        tiles += u64::from(sheet.count);
                     }
-                    Ok(Err(e)) => {
-                        tracing::warn!(frame = f, error = %e, "a worker could not render");
-                        missing.extend(mine);
-                    }
-                    Err(e) => {
-                        tracing::warn!(frame = f, error = %e, "no answer from a worker");
-                        missing.extend(mine);
+                    Err(why) => {
+                        tracing::warn!(frame = f, first_tile = sheet.first, "{why}: its tiles are missing");
+                        missing.extend(sheet.rects().map(|(_, r)| r));
                     }
                 }
             }
             // The leases go back in plain scope order: each release carries a fence after the
-            // kernels that read its tile, and the worker waits on it before rendering there
+            // kernel that read its sheet, and the worker waits on it before rendering there
             // again. Host copies of the frame below wait for the compose kernels.
             let leases_held = held.len() as u64;
-            summary.tiles_composed += leases_held;
+            summary.tiles_composed += tiles;
+            summary.leases += leases_held;
             let composed = Instant::now();
             drop(held);
             let released = Instant::now();
             for rect in &missing {
-                canvas.put_rows(rect, &scene::missing_tile(rect))?;
+                canvas.put_tile(rect, &scene::missing_tile(rect))?;
             }
             summary.tiles_missing += missing.len() as u64;
             if f == 0 {
@@ -831,7 +862,7 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
                     ask_us: us(answered - frame_start),
                     compose_us: us(composed - answered),
                     release_us: us(released - composed),
-                    tiles: leases_held,
+                    tiles,
                     tiles_missing: missing.len() as u64,
                     leases_held,
                     opens: cache.opens - cache_before.opens,
@@ -1290,6 +1321,11 @@ fn root(opts: Options) -> Res<()> {
         );
         println!("fps               {fps:.1}");
         println!("handoffs/s        {:.0} ({} tiles composed, {} missing)", summary.tiles_composed as f64 / summary.seconds, summary.tiles_composed, summary.tiles_missing);
+        println!(
+            "leases            {} ({:.2} per frame: one per worker's tile sheet)",
+            summary.leases,
+            summary.leases as f64 / summary.frames.max(1) as f64
+        );
         println!("restarts          {restarts}");
         let later = summary.frames.saturating_sub(1).max(1);
         println!(

@@ -31,6 +31,69 @@ pub fn tiles(width: u32, height: u32, tile: u32) -> Vec<TileRect> {
     out
 }
 
+/// A worker's tiles of one frame, laid out in one buffer (its "tile sheet"): tiles
+/// `first`, `first + step`, `first + 2·step`, … of [`tiles`]`(width, height, tile)`, `count`
+/// of them. Tile `j` of the sheet lies at pixel offset `j · slot`, row-major with a row
+/// pitch of its own width (`rect.w`); `slot` is the largest tile's pixel count, so edge
+/// tiles leave the end of their slot unused. The CUDA kernels find a tile's place in the
+/// frame by the same arithmetic as [`rect`](Self::rect), so no table travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Sheet {
+    pub width: u32,
+    pub height: u32,
+    pub tile: u32,
+    pub first: u32,
+    pub step: u32,
+    pub count: u32,
+}
+
+impl Sheet {
+    /// Worker `worker`'s sheet of `workers`: every tile whose index is `worker` modulo
+    /// `workers` (`count` 0 when there are fewer tiles than workers).
+    pub fn of_worker(width: u32, height: u32, tile: u32, worker: u32, workers: u32) -> Sheet {
+        let total = width.div_ceil(tile) * height.div_ceil(tile);
+        Sheet {
+            width,
+            height,
+            tile,
+            first: worker,
+            step: workers,
+            count: total.saturating_sub(worker).div_ceil(workers),
+        }
+    }
+
+    /// Pixels between tiles in the sheet: the largest tile's count.
+    pub fn slot(&self) -> usize {
+        self.tile.min(self.width) as usize * self.tile.min(self.height) as usize
+    }
+
+    /// The sheet's size in pixels.
+    pub fn pixels(&self) -> usize {
+        self.count as usize * self.slot()
+    }
+
+    /// Where tile `j` of the sheet goes in the frame: the kernels' arithmetic (equal to
+    /// `tiles(width, height, tile)[first + j·step]`).
+    pub fn rect(&self, j: u32) -> TileRect {
+        let index = self.first + j * self.step;
+        let across = self.width.div_ceil(self.tile);
+        let (x, y) = ((index % across) * self.tile, (index / across) * self.tile);
+        TileRect {
+            index,
+            x,
+            y,
+            w: self.tile.min(self.width - x),
+            h: self.tile.min(self.height - y),
+        }
+    }
+
+    /// Every tile of the sheet, with its pixel offset in the sheet.
+    pub fn rects(&self) -> impl Iterator<Item = (usize, TileRect)> + use<> {
+        let sheet = *self;
+        (0..self.count).map(move |j| (j as usize * sheet.slot(), sheet.rect(j)))
+    }
+}
+
 /// Scene time of a frame.
 pub fn time_of(frame: u64) -> f32 {
     frame as f32 * 0.06
@@ -75,16 +138,29 @@ pub fn shade(px: u32, py: u32, width: u32, height: u32, t: f32) -> u32 {
     pack(r, g, b)
 }
 
-/// Renders one tile on the CPU, row-major.
-pub fn render_tile(rect: &TileRect, width: u32, height: u32, frame: u64) -> Vec<u32> {
+/// Renders one tile on the CPU into `out` (at least `rect.w * rect.h` pixels), row-major.
+pub fn render_tile_into(out: &mut [u32], rect: &TileRect, width: u32, height: u32, frame: u64) {
     let t = time_of(frame);
-    let mut out = Vec::with_capacity((rect.w * rect.h) as usize);
-    for y in rect.y..rect.y + rect.h {
-        for x in rect.x..rect.x + rect.w {
-            out.push(shade(x, y, width, height, t));
+    let rows = out.chunks_exact_mut(rect.w as usize).take(rect.h as usize);
+    for (row, y) in rows.zip(rect.y..) {
+        for (px, x) in row.iter_mut().zip(rect.x..) {
+            *px = shade(x, y, width, height, t);
         }
     }
-    out
+}
+
+/// Renders a whole sheet on the CPU into `out` (its [`pixels`](Sheet::pixels)).
+pub fn render_sheet_into(out: &mut [u32], sheet: &Sheet, frame: u64) {
+    for (at, rect) in sheet.rects() {
+        let n = (rect.w * rect.h) as usize;
+        render_tile_into(
+            &mut out[at..at + n],
+            &rect,
+            sheet.width,
+            sheet.height,
+            frame,
+        );
+    }
 }
 
 /// A whole frame rendered in this process: the reference the multi-process render must equal.
@@ -153,19 +229,50 @@ __device__ unsigned int shade(unsigned int px, unsigned int py, unsigned int wid
     return pack(r, g, b);
 }
 
-extern "C" __global__ void render_tile(unsigned int* out, unsigned int x0, unsigned int y0,
-                                       unsigned int tw, unsigned int th,
-                                       unsigned int width, unsigned int height, float t) {
-    unsigned int x = blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned int y = blockIdx.y * blockDim.y + threadIdx.y;
-    if (x < tw && y < th) out[y * tw + x] = shade(x0 + x, y0 + y, width, height, t);
+// Tile j of a sheet (`Sheet::rect` in Rust, the same arithmetic): false when it lies
+// outside the frame's grid of tiles.
+__device__ bool sheet_rect(unsigned int j, unsigned int first, unsigned int step,
+                           unsigned int tile, unsigned int width, unsigned int height,
+                           unsigned int* x0, unsigned int* y0, unsigned int* tw, unsigned int* th) {
+    unsigned int across = (width - 1u) / tile + 1u;
+    unsigned int down = (height - 1u) / tile + 1u;
+    unsigned long long index = (unsigned long long)first + (unsigned long long)j * step;
+    if (index >= (unsigned long long)across * down) return false;
+    unsigned int tx = (unsigned int)(index % across), ty = (unsigned int)(index / across);
+    *x0 = tx * tile;
+    *y0 = ty * tile;
+    *tw = tile < width - *x0 ? tile : width - *x0;
+    *th = tile < height - *y0 ? tile : height - *y0;
+    return true;
 }
 
-extern "C" __global__ void compose_tile(unsigned int* frame, unsigned int frame_w,
-                                        const unsigned int* tile, unsigned int x0, unsigned int y0,
-                                        unsigned int tw, unsigned int th) {
+// One launch renders a sheet's tiles j0 .. j0 + gridDim.z: blockIdx.z picks the tile,
+// x and y its pixel. Tile j's pixels lie at sheet[j * slot ..], row-major, pitch tw.
+extern "C" __global__ void render_sheet(unsigned int* sheet, unsigned int j0, unsigned int count,
+                                        unsigned int first, unsigned int step, unsigned int slot,
+                                        unsigned int tile, unsigned int width, unsigned int height,
+                                        float t) {
+    unsigned int j = j0 + blockIdx.z;
+    unsigned int x0, y0, tw, th;
+    if (j >= count || !sheet_rect(j, first, step, tile, width, height, &x0, &y0, &tw, &th)) return;
     unsigned int x = blockIdx.x * blockDim.x + threadIdx.x;
     unsigned int y = blockIdx.y * blockDim.y + threadIdx.y;
-    if (x < tw && y < th) frame[(y0 + y) * frame_w + x0 + x] = tile[y * tw + x];
+    if (x < tw && y < th && (unsigned long long)tw * th <= slot)
+        sheet[(unsigned long long)j * slot + (unsigned long long)y * tw + x] = shade(x0 + x, y0 + y, width, height, t);
+}
+
+// One launch copies a sheet's tiles j0 .. j0 + gridDim.z into their places in the frame
+// (width x height pixels, row-major).
+extern "C" __global__ void compose_sheet(unsigned int* frame, const unsigned int* sheet,
+                                         unsigned int j0, unsigned int count, unsigned int first,
+                                         unsigned int step, unsigned int slot, unsigned int tile,
+                                         unsigned int width, unsigned int height) {
+    unsigned int j = j0 + blockIdx.z;
+    unsigned int x0, y0, tw, th;
+    if (j >= count || !sheet_rect(j, first, step, tile, width, height, &x0, &y0, &tw, &th)) return;
+    unsigned int x = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned int y = blockIdx.y * blockDim.y + threadIdx.y;
+    if (x < tw && y < th && (unsigned long long)tw * th <= slot)
+        frame[(unsigned long long)(y0 + y) * width + x0 + x] = sheet[(unsigned long long)j * slot + (unsigned long long)y * tw + x];
 }
 "#;
