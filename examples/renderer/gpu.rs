@@ -175,8 +175,9 @@ impl Kernels {
             .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
     }
 
-    /// Waits until the compose stream has run everything queued on it (and, through the
-    /// acquire fences its kernels waited on, the workers' renders of those tiles).
+    /// Waits until this process's kernel stream has run everything queued on it: in the
+    /// compositor the composes (and, through the acquire fences they waited on, the
+    /// workers' renders), in a worker its render (`--sync-render`).
     pub fn synchronize(&self) -> Result<(), Box<dyn Error>> {
         Ok(self.stream.synchronize()?)
     }

@@ -53,7 +53,9 @@
 //! and it does not fail the run; the supervisor still removes what killed children left),
 //! `--frame-log FILE` (one JSON line per frame, written after the run: `bench/plot_frames.py`
 //! draws fps over frames from such files), `--frames-in-flight N` (CUDA: how many frames the
-//! host may queue ahead of the GPU, default 1; 0: no bound).
+//! host may queue ahead of the GPU, default 1; 0: no bound), `--sync-render` (CUDA,
+//! zero-copy: a worker answers only once its render finished on the GPU, so the
+//! compositor's stream never waits on a fence not yet written).
 //!
 //! The fps counts the GPU's work too: on CUDA the last frame waits until the compositor's
 //! stream has run every frame queued (the host may run ahead of the GPU by many frames).
@@ -147,6 +149,12 @@ struct Options {
     /// unbounded under MPS (run N, H200; docs/BENCHMARKS.md).
     #[arg(long, value_name = "N", default_value_t = 1)]
     frames_in_flight: u64,
+    /// CUDA, zero-copy: a worker waits for its render to finish before it answers, so the
+    /// compositor's stream never waits on a fence not yet written (a stream waiting on
+    /// another process's unwritten fence holds its time slice: the experiment of
+    /// docs/BENCHMARKS.md, "Issue 24, runs P–S").
+    #[arg(long)]
+    sync_render: bool,
     /// The process's role in the tree (the root starts the others).
     #[arg(long, hide = true, default_value = "root", value_parser = ["root", "compositor", "worker"])]
     role: String,
@@ -200,6 +208,9 @@ impl Options {
         ];
         if self.staged {
             a.push("--staged".into());
+        }
+        if self.sync_render {
+            a.push("--sync-render".into());
         }
         if self.verify {
             a.push("--verify".into());
@@ -395,6 +406,8 @@ struct Worker {
     gpu: Option<(Arc<CudaBackend>, gpu::Kernels)>,
     /// `--staged`: host shared memory the device sheet is copied to, and its owner.
     staging: Option<(Addr<BufferOwner>, SheetSlot)>,
+    /// `--sync-render`: answer only once the render finished on the GPU.
+    sync_render: bool,
 }
 
 impl Actor for Worker {
@@ -489,6 +502,14 @@ impl Worker {
                         let host = staged.as_ref().ok_or("no staging sheet")?;
                         buf.read_into(0, &mut host.as_mut_slice()?)?;
                         host.share()
+                    }
+                    // `--sync-render`: the render is done before the answer leaves, so
+                    // the compositor's stream finds the fence already written (bounded:
+                    // the kernel's only wait is on the compositor's release fence, which
+                    // this process releases itself if the compositor dies).
+                    None if self.sync_render => {
+                        kernels.synchronize()?;
+                        buf.share()
                     }
                     // The offer carries a fence after the kernel; the compositor's stream
                     // waits on it before reading.
@@ -620,6 +641,7 @@ fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<
             sheet: None,
             gpu,
             staging,
+            sync_render: opts.sync_render,
         }
         .start();
         node.register::<Render>("render", actor.clone().recipient());
