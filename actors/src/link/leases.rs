@@ -41,14 +41,17 @@ impl PeerLink {
                 .ordering()
                 .check_fence(&self.peer.process, fence)?;
         }
-        if !fences.is_empty() && !self.node.offload().is_inline() {
-            // Opened on the driver thread now, so that the buffer's next use (on
-            // whatever thread) finds the importer's events open.
-            let (backend, peer, ahead) = (
-                Arc::clone(self.node.backend()),
-                self.peer.process,
-                fences.clone(),
-            );
+        // Opened on the driver thread now, so that the buffer's next use (on whatever
+        // thread) finds the importer's events open. Counter fences and events open
+        // already need nothing: no job, no wakeup of the driver thread.
+        let ordering = self.node.backend().ordering();
+        let ahead: Vec<FenceHandle> = fences
+            .iter()
+            .filter(|fence| !ordering.fence_prepared(&self.peer.process, fence))
+            .cloned()
+            .collect();
+        if !ahead.is_empty() && !self.node.offload().is_inline() {
+            let (backend, peer) = (Arc::clone(self.node.backend()), self.peer.process);
             self.node.offload().submit(move || {
                 for fence in &ahead {
                     if let Err(e) = backend.ordering().prepare_fence(&peer, fence) {
