@@ -177,7 +177,7 @@ impl Kernels {
 
     /// Waits until this process's kernel stream has run everything queued on it: in the
     /// compositor the composes (and, through the acquire fences they waited on, the
-    /// workers' renders), in a worker its render (`--sync-render`).
+    /// workers' renders), in a worker its render (unless `--overlap-render`).
     pub fn synchronize(&self) -> Result<(), Box<dyn Error>> {
         Ok(self.stream.synchronize()?)
     }

@@ -53,9 +53,10 @@
 //! and it does not fail the run; the supervisor still removes what killed children left),
 //! `--frame-log FILE` (one JSON line per frame, written after the run: `bench/plot_frames.py`
 //! draws fps over frames from such files), `--frames-in-flight N` (CUDA: how many frames the
-//! host may queue ahead of the GPU, default 1; 0: no bound), `--sync-render` (CUDA,
-//! zero-copy: a worker answers only once its render finished on the GPU, so the
-//! compositor's stream never waits on a fence not yet written).
+//! host may queue ahead of the GPU, default 1; 0: no bound), `--overlap-render` (CUDA,
+//! zero-copy: a worker answers as soon as its render is queued, not once it finished on
+//! the GPU — the compositor's stream then waits on fences not yet written, which on a GPU
+//! without MPS makes frames about 2.3× slower: docs/BENCHMARKS.md, "Issue 24").
 //!
 //! The fps counts the GPU's work too: on CUDA the last frame waits until the compositor's
 //! stream has run every frame queued (the host may run ahead of the GPU by many frames).
@@ -149,11 +150,16 @@ struct Options {
     /// unbounded under MPS (run N, H200; docs/BENCHMARKS.md).
     #[arg(long, value_name = "N", default_value_t = 1)]
     frames_in_flight: u64,
-    /// CUDA, zero-copy: a worker waits for its render to finish before it answers, so the
-    /// compositor's stream never waits on a fence not yet written (a stream waiting on
-    /// another process's unwritten fence holds its time slice: the experiment of
-    /// docs/BENCHMARKS.md, "Issue 24, runs P–S").
+    /// CUDA, zero-copy: a worker answers as soon as its render is queued (the offer's
+    /// fence follows it) instead of once the render finished on the GPU. The compositor's
+    /// stream then waits on fences not yet written, and a stream waiting on another
+    /// process's unwritten fence holds its time slice: 374–414 fps against 875–896 by
+    /// default at 3840x2160 (run T, H200; docs/BENCHMARKS.md, "Issue 24"). Under MPS
+    /// either is fast.
     #[arg(long)]
+    overlap_render: bool,
+    /// The default since the run T experiment (kept so that older command lines work).
+    #[arg(long, hide = true, conflicts_with = "overlap_render")]
     sync_render: bool,
     /// The process's role in the tree (the root starts the others).
     #[arg(long, hide = true, default_value = "root", value_parser = ["root", "compositor", "worker"])]
@@ -209,8 +215,8 @@ impl Options {
         if self.staged {
             a.push("--staged".into());
         }
-        if self.sync_render {
-            a.push("--sync-render".into());
+        if self.overlap_render {
+            a.push("--overlap-render".into());
         }
         if self.verify {
             a.push("--verify".into());
@@ -406,7 +412,7 @@ struct Worker {
     gpu: Option<(Arc<CudaBackend>, gpu::Kernels)>,
     /// `--staged`: host shared memory the device sheet is copied to, and its owner.
     staging: Option<(Addr<BufferOwner>, SheetSlot)>,
-    /// `--sync-render`: answer only once the render finished on the GPU.
+    /// Answer only once the render finished on the GPU (all but `--overlap-render`).
     sync_render: bool,
 }
 
@@ -503,10 +509,11 @@ impl Worker {
                         buf.read_into(0, &mut host.as_mut_slice()?)?;
                         host.share()
                     }
-                    // `--sync-render`: the render is done before the answer leaves, so
-                    // the compositor's stream finds the fence already written (bounded:
-                    // the kernel's only wait is on the compositor's release fence, which
-                    // this process releases itself if the compositor dies).
+                    // The render is done before the answer leaves, so the compositor's
+                    // stream finds the fence already written (bounded: the kernel's only
+                    // wait is on the compositor's release fence, which this process
+                    // releases itself if the compositor dies, and within the fence
+                    // deadline if it stalls). `--overlap-render` answers at once.
                     None if self.sync_render => {
                         kernels.synchronize()?;
                         buf.share()
@@ -641,7 +648,7 @@ fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<
             sheet: None,
             gpu,
             staging,
-            sync_render: opts.sync_render,
+            sync_render: !opts.overlap_render,
         }
         .start();
         node.register::<Render>("render", actor.clone().recipient());
