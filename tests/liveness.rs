@@ -966,6 +966,18 @@ fn a_tile_reused_every_frame_costs_the_same_driver_calls_every_frame() {
             steady[2] >= 1 && steady[7] >= 1,
             "no fence waits per frame ({kinds:?}): {steady:?}"
         );
+        // What one stream-ordered handoff costs in driver calls, as docs/BENCHMARKS.md
+        // ("the ordered round trip's driver calls") counts them: the exporter's reuse waits
+        // on the release fence, marks its stream at the wait and again at `share_on`, and
+        // its acquire fence is a release stream waiting on the mark and writing two words
+        // (the importer's slot and its own twin); the importer waits on the acquire fence
+        // and turns its mark into a release fence the same way. 11 calls; fewer is
+        // progress (update the document), more is a regression.
+        assert_eq!(
+            steady,
+            &vec![2, 1, 1, 2, 0, 1, 1, 1, 2, 0, 0],
+            "driver calls of one ordered handoff ({kinds:?}) changed: update docs/BENCHMARKS.md"
+        );
         let grew: Vec<(usize, &Vec<usize>)> = per_frame
             .iter()
             .enumerate()
