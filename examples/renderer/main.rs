@@ -76,7 +76,7 @@ use baton::messages::Shape;
 use baton::{Session, SocketDir};
 use scene::{Sheet, TileRect};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::error::Error;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -158,12 +158,6 @@ struct Options {
     /// either is fast.
     #[arg(long)]
     overlap_render: bool,
-    /// CUDA: ask the workers that share a GPU one after another (the next once the last
-    /// answered), the workers of different GPUs at the same time; by default every worker
-    /// is asked at once. Without MPS a GPU runs one process's context at a time, and
-    /// renders of several processes at once are time-sliced.
-    #[arg(long)]
-    ask_in_turn: bool,
     /// The default since the run T experiment (kept so that older command lines work).
     #[arg(long, hide = true, conflicts_with = "overlap_render")]
     sync_render: bool,
@@ -223,9 +217,6 @@ impl Options {
         }
         if self.overlap_render {
             a.push("--overlap-render".into());
-        }
-        if self.ask_in_turn {
-            a.push("--ask-in-turn".into());
         }
         if self.verify {
             a.push("--verify".into());
@@ -474,47 +465,6 @@ impl Worker {
             }
         }));
     }
-}
-
-/// Asks each worker of `asked` for its sheet of frame `f`; the answers in `asked`'s order.
-/// With `device_of`, the workers of one device are asked one after another (the next once
-/// the last answered), the devices' turns at the same time; without, all at once.
-async fn ask_workers(
-    asked: &[(u32, &Sheet, baton::actors::RemoteAddr<Render>)],
-    f: u64,
-    device_of: Option<impl Fn(u32) -> usize>,
-) -> Vec<Result<Result<Rendered, String>, ActorError>> {
-    let ask = |i: usize| {
-        let (_, sheet, worker) = &asked[i];
-        worker.send_timeout(
-            Render {
-                frame: f,
-                sheet: **sheet,
-            },
-            Duration::from_secs(60),
-        )
-    };
-    let Some(device_of) = device_of else {
-        return futures_util::future::join_all((0..asked.len()).map(ask)).await;
-    };
-    let mut turns: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    for (i, (w, _, _)) in asked.iter().enumerate() {
-        turns.entry(device_of(*w)).or_default().push(i);
-    }
-    let chains = turns.into_values().map(|line| async move {
-        let mut answers = Vec::with_capacity(line.len());
-        for i in line {
-            answers.push((i, ask(i).await));
-        }
-        answers
-    });
-    let mut answers: Vec<_> = futures_util::future::join_all(chains)
-        .await
-        .into_iter()
-        .flatten()
-        .collect();
-    answers.sort_by_key(|(i, _)| *i);
-    answers.into_iter().map(|(_, a)| a).collect()
 }
 
 fn reusable(slot: &SheetSlot, sheet: &Sheet) -> bool {
@@ -862,20 +812,21 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
                 }
             }
             let (cache_before, waits_before) = (node.cache().stats(), cuda_waits());
-            // Ask every worker for its sheet: at once, or with `--ask-in-turn` one GPU's
-            // workers one after another.
-            let mut asked = Vec::new();
+            // Ask every worker for its sheet at once.
+            let mut asks = Vec::new();
             let mut missing: Vec<TileRect> = Vec::new();
             for (w, sheet) in (0..opts.workers).zip(&sheets).filter(|(_, s)| s.count > 0) {
                 let pid = roster.0.lock().expect("roster").get(&w).copied();
                 match pid.and_then(|pid| node.peers().into_iter().find(|p| p.process().pid == pid && p.is_connected())) {
-                    Some(peer) => asked.push((w, sheet, peer.remote::<Render>("render"))),
+                    Some(peer) => {
+                        let ask = peer.remote::<Render>("render").send_timeout(Render { frame: f, sheet: *sheet }, Duration::from_secs(60));
+                        asks.push((sheet, ask));
+                    }
                     None => missing.extend(sheet.rects().map(|(_, r)| r)),
                 }
             }
-            let in_turn = opts.ask_in_turn && canvas.gpu.is_some();
-            let answers = ask_workers(&asked, f, in_turn.then_some(|w| opts.worker_device(w))).await;
-            let asked = asked.into_iter().map(|(_, sheet, _)| sheet);
+            let (asked, futures): (Vec<_>, Vec<_>) = asks.into_iter().unzip();
+            let answers = futures_util::future::join_all(futures).await;
             let answered = Instant::now();
             // One lease per worker: its whole sheet, composed at once.
             let mut held = Vec::new();
