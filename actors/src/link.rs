@@ -217,10 +217,9 @@ impl PeerLink {
                         },
                         Instant::now(),
                     );
-                    if peer.host().is_some() {
-                        session.across_hosts()
-                    } else {
-                        session
+                    match peer.host() {
+                        Some(host) => session.across_hosts(host.claimed),
+                        None => session,
                     }
                 },
                 limits,

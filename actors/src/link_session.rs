@@ -212,6 +212,10 @@ pub(crate) struct Ended<A: Attach> {
 pub(crate) struct LinkSession<A: Attach> {
     /// The peer's process.
     peer: ProcessId,
+    /// What the peer calls itself in its own handles: `peer` over a Unix link (the kernel
+    /// proved it); over a host link, the process it announced, which this node knows by
+    /// that claim in its key's namespace (`peer`, see `baton_ipc::tcp::remote_process`).
+    names_itself: ProcessId,
     /// Our own process.
     me: ProcessId,
     limits: SessionLimits,
@@ -255,6 +259,7 @@ impl<A: Attach> LinkSession<A> {
     pub(crate) fn new(peer: ProcessId, me: ProcessId, limits: SessionLimits, now: Instant) -> Self {
         Self {
             peer,
+            names_itself: peer,
             me,
             limits,
             mapped: HashMap::new(),
@@ -273,9 +278,12 @@ impl<A: Attach> LinkSession<A> {
 
     /// The same session, with a peer on another host (a host link): it takes
     /// [`Pull`](Wire::Pull) and [`Rendezvous`](Wire::Rendezvous) frames, and refuses a
-    /// [`FenceInbox`](Wire::FenceInbox) (no fence crosses hosts).
-    pub(crate) fn across_hosts(mut self) -> Self {
+    /// [`FenceInbox`](Wire::FenceInbox) or an offer with a fence (no fence crosses hosts).
+    /// `claimed` is the process the peer announced (its handles name it so), a claim:
+    /// nothing is keyed by it.
+    pub(crate) fn across_hosts(mut self, claimed: ProcessId) -> Self {
         self.across_hosts = true;
+        self.names_itself = claimed;
         self
     }
 
@@ -431,14 +439,21 @@ impl<A: Attach> LinkSession<A> {
         for (i, offer) in offers.iter().enumerate() {
             let exporter = offer.handle.exporter.process;
             if relayed {
-                if exporter == self.peer || exporter == self.me {
+                if exporter == self.names_itself || exporter == self.me {
                     return Err(ActorError::Unexpected {
                         got: "Relayed offer of the relay's or our own buffer",
                     });
                 }
-            } else if exporter != self.peer {
+            } else if exporter != self.names_itself {
                 return Err(ActorError::ForeignOffer {
                     claimed: offer.handle.exporter,
+                });
+            }
+            if self.across_hosts && offer.handle.fence.is_some() {
+                // A copy waits on nothing of the sender's (it waits before it sends); a
+                // fence's exporter over a host link is a claim, never checked or opened.
+                return Err(ActorError::Unexpected {
+                    got: "an offer with a fence over a host link",
                 });
             }
             if let Some(fence) = &offer.handle.fence {

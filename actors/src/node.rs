@@ -1079,7 +1079,9 @@ impl Node {
 
 /// The links to processes of `new`'s host that ran before its host's last boot: the old
 /// incarnation, whose leases a reconnect with a new boot id voids. Only host links (a
-/// Unix link's peer is on this host, whose boot is ours).
+/// Unix link's peer is on this host, whose boot is ours), and only those of `new`'s own
+/// key: a boot id is a claim, so a key can void only what it proved itself — another
+/// key that names the same host with a forged boot id cuts nothing of that host's.
 fn stale_incarnations<'a>(
     links: impl Iterator<Item = (LinkId, &'a PeerInfo)>,
     new: &PeerInfo,
@@ -1089,7 +1091,9 @@ fn stale_incarnations<'a>(
     };
     links
         .filter(|(_, p)| {
-            p.host().is_some_and(|h| h.host == host.host) && p.process.boot != new.process.boot
+            p.host().is_some_and(|h| {
+                h.host == host.host && h.key == host.key && h.claimed.boot != host.claimed.boot
+            })
         })
         .map(|(id, _)| id)
         .collect()
@@ -1103,20 +1107,25 @@ mod tests {
     use baton_messages::BootId;
 
     fn on(host: &str, boot: u8, pid: u32) -> PeerInfo {
+        by(0, host, boot, pid)
+    }
+
+    /// A peer over TCP with static key `key` that claims `pid` of boot `boot` on `host`.
+    fn by(key: u8, host: &str, boot: u8, pid: u32) -> PeerInfo {
+        let key = NodePublicKey([key; 32]);
+        let claimed = ProcessId {
+            boot: BootId([boot; 16]),
+            pid,
+            start_ticks: 1,
+        };
+        let process = baton_ipc::tcp::remote_process(&key, claimed);
         PeerInfo {
-            process: ProcessId {
-                boot: BootId([boot; 16]),
-                pid,
-                start_ticks: 1,
-            },
+            process,
             via: Via::Tcp(HostPeer {
-                process: ProcessId {
-                    boot: BootId([boot; 16]),
-                    pid,
-                    start_ticks: 1,
-                },
+                process,
+                claimed,
                 host: HostId::named(host),
-                key: NodePublicKey([0; 32]),
+                key,
                 addr: "10.0.0.1:1".parse().unwrap(),
                 data_addr: None,
             }),
@@ -1151,5 +1160,11 @@ mod tests {
         assert!(stale(&on("b", 1, 20)).is_empty());
         // A Unix peer is on this host, whose boot is ours.
         assert!(stale(&local).is_empty());
+        // Another key that names host a with a new boot id voids nothing of host a's
+        // (issue 45, finding 9): a boot id is a claim, only the key that proved it may
+        // change it.
+        assert!(stale(&by(5, "a", 3, 14)).is_empty());
+        // Another key on host b, on b's boot: nothing either (two nodes of one host).
+        assert!(stale(&by(6, "b", 1, 21)).is_empty());
     }
 }

@@ -3,7 +3,7 @@
 //! the other end. Below both the Unix links (whose [`PeerInfo`](crate::PeerInfo) names
 //! the transport) and the host links of [`tcp`](crate::tcp) that establish it.
 
-use baton_messages::ProcessId;
+use baton_messages::{BootId, ProcessId};
 use std::fmt;
 use std::net::SocketAddr;
 
@@ -70,11 +70,40 @@ impl fmt::Display for NodePublicKey {
     }
 }
 
+/// The id this node knows a remote process by: the process id it announced, in the
+/// namespace of the static key it proved (its boot id replaced by a keyed hash of the key
+/// and the announced boot id; its pid and start time kept, for people to read).
+///
+/// A peer over TCP proves only its key and the session token; what it says of its process
+/// is a claim. In the key's namespace a claim can name nothing but that key's own
+/// processes: never a process of this host (whose boot id is real, not a hash), of another
+/// host, or of another key — so a remote peer that claims a local process's id and then
+/// disconnects is no local process's death, and a data connection or rendezvous claiming
+/// another peer's process reaches nothing of that peer's. The same key announcing the
+/// same process gets the same id again (a reconnect is the same peer).
+pub fn remote_process(key: &NodePublicKey, claimed: ProcessId) -> ProcessId {
+    let mut material = [0u8; 48];
+    material[..32].copy_from_slice(&key.0);
+    material[32..].copy_from_slice(&claimed.boot.0);
+    let digest = blake3::derive_key("baton remote process id v1", &material);
+    let mut boot = [0u8; 16];
+    boot.copy_from_slice(&digest[..16]);
+    ProcessId {
+        boot: BootId(boot),
+        ..claimed
+    }
+}
+
 /// Who is at the other end of an established host link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostPeer {
-    /// The peer process, as it proved in the handshake.
+    /// The peer process, as this node knows it: what it announced in its handshake, in its
+    /// key's namespace ([`remote_process`]). Every table of this node keys remote peers by
+    /// this id.
     pub process: ProcessId,
+    /// What the peer announced in its handshake, as it was (its own name for itself):
+    /// a claim, for logs and for the peer's own messages, never a key of any table.
+    pub claimed: ProcessId,
     /// The host it runs on.
     pub host: HostId,
     /// Its static key.
@@ -84,4 +113,36 @@ pub struct HostPeer {
     /// Where its TCP engine takes data connections: its announced data port at the
     /// link's address; `None` if it announced none.
     pub data_addr: Option<SocketAddr>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn process(boot: u8, pid: u32) -> ProcessId {
+        ProcessId {
+            boot: BootId([boot; 16]),
+            pid,
+            start_ticks: 7,
+        }
+    }
+
+    #[test]
+    fn a_claim_lives_in_its_keys_namespace() {
+        let (a, b) = (NodePublicKey([1; 32]), NodePublicKey([2; 32]));
+        let local = process(9, 42);
+        // Claiming a local process gives an id that is not it, and differs per key.
+        assert_ne!(remote_process(&a, local), local);
+        assert_ne!(remote_process(&a, local), remote_process(&b, local));
+        // The same key and claim: the same id (a reconnect is the same peer); the pid
+        // and start time stay readable.
+        assert_eq!(remote_process(&a, local), remote_process(&a, local));
+        assert_eq!(remote_process(&a, local).pid, 42);
+        assert_eq!(remote_process(&a, local).start_ticks, 7);
+        // Two processes of one key stay two.
+        assert_ne!(
+            remote_process(&a, local),
+            remote_process(&a, process(9, 43))
+        );
+    }
 }

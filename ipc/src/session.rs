@@ -88,6 +88,15 @@ impl Session {
         self.process
     }
 
+    /// The same session, announcing `process` as its own: what a token holder that lies
+    /// about who it is can do (it only needs to change its code). For the tests that
+    /// play such an attacker; a process's rights never follow this claim.
+    #[cfg(feature = "testing")]
+    pub fn claiming(mut self, process: ProcessId) -> Self {
+        self.process = process;
+        self
+    }
+
     /// The proof that the side `role` holds the token, bound to both nonces and to the
     /// prover's identity.
     pub(crate) fn proof(

@@ -33,7 +33,7 @@ mod nonblocking;
 pub(crate) mod proxy;
 
 use crate::identity::hex;
-pub use crate::identity::{HOST_ID_ENV, HostId, HostPeer, NodePublicKey};
+pub use crate::identity::{HOST_ID_ENV, HostId, HostPeer, NodePublicKey, remote_process};
 pub use nonblocking::{AsyncHostLink, HostLinkCloser, HostLinkReader, HostLinkWriter};
 
 pub(crate) use noise::{
@@ -503,7 +503,7 @@ impl HostLink {
                     return Err(unexpected("Welcome", &welcome));
                 };
                 check_version(w.version)?;
-                check_claim(w.process, link.peer.process)?;
+                check_claim(w.process, link.peer.claimed)?;
                 if !session.check_proof(Role::Server, &nonce, &w.nonce, &w.process, &w.proof) {
                     return Err((Error::BadToken, RefuseReason::BadToken));
                 }
@@ -518,7 +518,7 @@ impl HostLink {
         })();
         steps?;
         link.set_timeout(None)?;
-        tracing::debug!(peer = %link.peer.process, host = %link.peer.host, "host link established (client)");
+        tracing::debug!(peer = %link.peer.process, claimed = %link.peer.claimed, host = %link.peer.host, "host link established (client)");
         Ok(link)
     }
 
@@ -542,7 +542,7 @@ impl HostLink {
                     return Err(unexpected("Hello", &hello));
                 };
                 check_version(h.version)?;
-                check_claim(h.process, link.peer.process)?;
+                check_claim(h.process, link.peer.claimed)?;
                 Ok(h.nonce)
             })();
             let client_nonce = step.map_err(|r| link.refuse(r, &deadline))?;
@@ -556,7 +556,7 @@ impl HostLink {
             });
             link.send_by(&welcome, &deadline)?;
             let auth = link.recv_by(&deadline)?;
-            let client = link.peer.process;
+            let client = link.peer.claimed;
             let step = match &auth {
                 Message::Auth(a)
                     if session.check_proof(
@@ -576,7 +576,7 @@ impl HostLink {
         })();
         steps?;
         link.set_timeout(None)?;
-        tracing::debug!(peer = %link.peer.process, host = %link.peer.host, "host link established (server)");
+        tracing::debug!(peer = %link.peer.process, claimed = %link.peer.claimed, host = %link.peer.host, "host link established (server)");
         Ok(link)
     }
 
@@ -584,6 +584,7 @@ impl HostLink {
         let addr = stream
             .peer_addr()
             .map_err(Error::io("reading a peer address"))?;
+        let process = est.process();
         Ok(HostLink {
             sealer: Sealer::new(Arc::clone(&est.transport)),
             opener: Opener::new(est.transport),
@@ -591,7 +592,8 @@ impl HostLink {
             tx: Vec::with_capacity(512),
             wire: Vec::with_capacity(1024),
             peer: HostPeer {
-                process: est.claim.process,
+                process,
+                claimed: est.claim.process,
                 host: est.claim.host,
                 key: NodePublicKey(est.remote_key),
                 addr,

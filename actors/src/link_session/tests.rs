@@ -234,6 +234,41 @@ fn an_offer_of_someone_elses_buffer_is_a_fault() {
 }
 
 #[test]
+fn over_a_host_link_offers_name_the_peers_claim_and_carry_no_fence() {
+    // This node knows the remote peer by its claim in its key's namespace (`peer()` here);
+    // its handles name it by its claim. Only the claim's offers are its own.
+    let claimed = third();
+    let mut s = session().across_hosts(claimed);
+    assert!(matches!(
+        &handle(&mut s, Wire::Offer(offer_of(claimed, 1, 1)))[..],
+        [Action::Open(_)]
+    ));
+    for frame in [
+        Wire::Offer(offer_of(peer(), 2, 1)),
+        Wire::Offer(offer_of(me(), 3, 1)),
+    ] {
+        let e = fault(
+            &mut session().across_hosts(claimed),
+            frame,
+            &Node::default(),
+        );
+        assert!(matches!(e, ActorError::ForeignOffer { .. }), "{e}");
+    }
+    // No fence crosses hosts: its exporter there is a claim, never checked or opened.
+    let mut fenced = offer_of(claimed, 4, 1);
+    fenced.handle.fence = Some(fence());
+    let e = fault(
+        &mut session().across_hosts(claimed),
+        Wire::Offer(fenced),
+        &Node::default(),
+    );
+    assert!(
+        matches!(e, ActorError::Unexpected { got } if got.contains("fence over a host link")),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_relayed_offer_of_the_relays_or_our_own_buffer_is_a_fault() {
     let mut s = session();
     for exporter in [peer(), me()] {
@@ -503,7 +538,7 @@ fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a
         "transfer engines",
     );
     // Across hosts: pulls and rendezvous messages, bounded; no fence inbox.
-    let mut s = session().across_hosts();
+    let mut s = session().across_hosts(peer());
     assert!(matches!(
         &handle(&mut s, pull())[..],
         [Action::Pull(lease)] if *lease == LeaseId::new(7)
@@ -522,7 +557,7 @@ fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a
     );
     unexpected(
         fault(
-            &mut session().across_hosts(),
+            &mut session().across_hosts(peer()),
             Wire::FenceInbox(grant),
             &Node::default(),
         ),

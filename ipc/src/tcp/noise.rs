@@ -151,6 +151,14 @@ pub(crate) struct Established {
     pub(crate) hash: [u8; 32],
 }
 
+impl Established {
+    /// The peer's process as this node knows it: its claim in its key's namespace
+    /// ([`remote_process`](crate::identity::remote_process)).
+    pub(crate) fn process(&self) -> ProcessId {
+        crate::identity::remote_process(&super::NodePublicKey(self.remote_key), self.claim.process)
+    }
+}
+
 /// One side of a Noise handshake in progress.
 #[derive(Debug)]
 pub(crate) struct Handshake {

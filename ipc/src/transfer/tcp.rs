@@ -601,10 +601,10 @@ fn connect(inner: &Inner, out: &Outgoing) -> Result<Channel> {
     config.keepalive.apply(stream.as_fd())?;
     let deadline = Deadline::after(config.handshake_timeout, "TCP engine handshake");
     let est = host::noise_client(&stream, config, &deadline)?;
-    if est.claim.process != out.peer.process {
+    if est.process() != out.peer.process {
         return Err(Error::HostClaimMismatch {
             claimed: out.peer.process,
-            announced: est.claim.process,
+            announced: est.process(),
         });
     }
     set_stall(&stream, Some(inner.stall))?;
@@ -690,7 +690,7 @@ fn incoming(inner: &Arc<Inner>, stream: TcpStream, slot: host::Slot) {
             return;
         }
     };
-    let peer = est.claim.process;
+    let peer = est.process();
     let mut ch = Channel::new(stream, est, config);
     lock(&inner.incoming)
         .entry(peer)
