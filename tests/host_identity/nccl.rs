@@ -1,0 +1,1 @@
+//! The nccl findings of issue 45 (see the binary's docs).

@@ -1,0 +1,1 @@
+//! The rights findings of issue 45 (see the binary's docs).
