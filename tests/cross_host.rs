@@ -10,7 +10,7 @@ use actix::prelude::*;
 use baton::Session;
 use baton::actors::{HostSettings, Node, NodeConfig};
 use baton::ipc::HostBackend;
-use baton::ipc::tcp::HostId;
+use baton::ipc::tcp::{HostId, remote_process};
 use host_msgs::*;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,7 +36,15 @@ fn typed_messages_with_host_buffers_cross_hosts_as_copies_both_ways() {
             .accept_timeout(Duration::from_secs(10))
             .await
             .unwrap();
-        assert_eq!(from_a.process(), a.session().process());
+        // b knows a by what a announced, in the namespace of the key a proved: never
+        // as a process of b's own host (issue 45).
+        let a_seen = from_a.info().host().expect("a host link");
+        assert_eq!(a_seen.claimed, a.session().process());
+        assert_eq!(
+            from_a.process(),
+            remote_process(&a_seen.key, a.session().process())
+        );
+        assert_ne!(from_a.process(), a.session().process());
         assert_eq!(to_b.info().host().map(|h| h.host), Some(HostId::named("b")));
         assert!(
             to_b.info().cred().is_none(),

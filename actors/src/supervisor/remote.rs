@@ -8,6 +8,7 @@ use super::{ChildStatus, ProcessSupervisor, Restart, SupervisorEvent};
 use crate::error::ActorError;
 use crate::node::Peer;
 use actix::prelude::*;
+use baton_ipc::PeerInfo;
 use baton_messages::ProcessId;
 use baton_messages::status::ChildEntry;
 use std::collections::HashMap;
@@ -205,12 +206,28 @@ impl ProcessSupervisor {
         Some(running.child.pid)
     }
 
-    /// `process`'s link went silent past the heartbeat deadline: if it is a remote child
-    /// (one that linked back), its agent is asked to kill it; its exit restarts it.
-    pub(super) fn kill_unresponsive_remote(&self, process: ProcessId) {
+    /// `peer`'s link went silent past the heartbeat deadline: if it is a remote child
+    /// (one that linked back over TCP), its agent is asked to kill it; its exit restarts
+    /// it.
+    ///
+    /// A child that links back over TCP is known here by its claim in its key's
+    /// namespace, and its agent reports the id it has on its own host: the two meet in
+    /// the claim (`HostPeer::claimed`) from the agent's host. That is a claim, not a
+    /// proof: a token holder claiming a remote child's id that goes silent gets that
+    /// child restarted (docs/CROSS_HOST.md, threat model). It gains no other right: the
+    /// kill goes to the child's own agent, for the child's own id.
+    pub(super) fn kill_unresponsive_remote(&self, peer: &PeerInfo) {
+        let Some(host) = peer.host() else {
+            return;
+        };
         let deadline = self.node.config().heartbeat.deadline;
         for (name, running) in &self.remote.running {
-            if running.child.process == process {
+            let from_its_agents_host = running
+                .agent
+                .info()
+                .host()
+                .is_some_and(|agent| agent.host == host.host);
+            if running.child.process == host.claimed && from_its_agents_host {
                 tracing::warn!(child = %name, pid = running.child.pid, "remote child unresponsive: killing it");
                 kill_on(&running.agent, running.child.id, deadline);
             }

@@ -315,10 +315,12 @@ impl TcpEngine {
         self.inner.hashers.set_threads(threads);
     }
 
-    /// This engine as its peers name it.
+    /// This engine as its peers name it: its process in the namespace of its key
+    /// ([`remote_process`](crate::tcp::remote_process)), as a host link to it names it.
     pub fn as_peer(&self) -> EnginePeer {
+        let config = &self.inner.config;
         EnginePeer {
-            process: self.inner.config.session.process(),
+            process: host::remote_process(&config.key.public(), config.session.process()),
             host: self.inner.config.host,
             data_addr: Some(self.inner.addr),
         }

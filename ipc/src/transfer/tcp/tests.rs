@@ -273,6 +273,15 @@ fn a_data_connection_with_a_wrong_token_is_refused() {
 
 /// The child's role in `a_killed_sender_process_fails_the_receive`: sends a large buffer
 /// to the parent's engine (through the address in the environment) and waits to be killed.
+/// A public key from its 64 hex digits (as `NodePublicKey`'s `Display` writes it).
+fn public_key(hex: &str) -> crate::tcp::NodePublicKey {
+    let mut key = [0u8; 32];
+    for (i, b) in key.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    crate::tcp::NodePublicKey(key)
+}
+
 #[test]
 #[ignore = "a child process's role, run by a_killed_sender_process_fails_the_receive"]
 fn child_sender() {
@@ -281,14 +290,20 @@ fn child_sender() {
     };
     let token = SessionToken::from_hex(&std::env::var("BATON_TEST_TOKEN").unwrap()).unwrap();
     let config = TcpConfig::new(crate::Session::new(token), NodeKey::generate().unwrap());
+    // The parent knows us by our process in our key's namespace: it learns the key here.
+    println!("{}", config.key.public());
     let a = TcpEngine::bind("127.0.0.1:0", config, STALL).unwrap();
     let parent = rustix::process::getppid().unwrap().as_raw_nonzero().get() as u32;
+    let parent_key = public_key(&std::env::var("BATON_TEST_ENGINE_KEY").unwrap());
     let peer = EnginePeer {
-        process: ProcessId {
-            boot: crate::process::boot_id(),
-            pid: parent,
-            start_ticks: crate::process::start_ticks(parent).unwrap(),
-        },
+        process: crate::tcp::remote_process(
+            &parent_key,
+            ProcessId {
+                boot: crate::process::boot_id(),
+                pid: parent,
+                start_ticks: crate::process::start_ticks(parent).unwrap(),
+            },
+        ),
         host: crate::tcp::HostId::current(),
         data_addr: Some(to.parse().unwrap()),
     };
@@ -307,21 +322,42 @@ fn a_killed_sender_process_fails_the_receive() {
         crate::Session::new(token.clone()),
         NodeKey::generate().unwrap(),
     );
+    let key = config.key.public();
     let b = TcpEngine::bind("127.0.0.1:0", config, STALL).unwrap();
     let (via, forwarded) = proxy(b.data_addr(), Flip::Never, Some(8 << 20));
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "transfer::tcp::tests::child_sender", "--ignored"])
+        .args([
+            "--exact",
+            "transfer::tcp::tests::child_sender",
+            "--ignored",
+            "--nocapture",
+        ])
         .env("BATON_TEST_ENGINE_TO", via.to_string())
+        .env("BATON_TEST_ENGINE_KEY", key.to_string())
         .env("BATON_TEST_TOKEN", token.to_hex())
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // The child's key: the first line it prints that is one (the harness prints too).
+    let child_key = {
+        use std::io::BufRead;
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let line = out
+            .lines()
+            .map_while(std::result::Result::ok)
+            .find(|l| l.len() == 64 && l.bytes().all(|b| b.is_ascii_hexdigit()))
+            .expect("the child prints its key");
+        public_key(&line)
+    };
     let from = EnginePeer {
-        process: ProcessId {
-            boot: crate::process::boot_id(),
-            pid: child.id(),
-            start_ticks: crate::process::start_ticks(child.id()).unwrap(),
-        },
+        process: crate::tcp::remote_process(
+            &child_key,
+            ProcessId {
+                boot: crate::process::boot_id(),
+                pid: child.id(),
+                start_ticks: crate::process::start_ticks(child.id()).unwrap(),
+            },
+        ),
         host: crate::tcp::HostId::current(),
         data_addr: None,
     };
