@@ -26,7 +26,12 @@ use host_peer::{Lines, host_peer_via};
 use std::path::Path;
 use std::time::Duration;
 
-/// The two hosts, or `None` after printing why they cannot be made here.
+/// Makes a run that cannot make network namespaces fail instead of skipping (CI sets it
+/// where it runs as root with `ip`; the GPU runs set it too).
+const EXPECT_NETNS_ENV: &str = "BATON_EXPECT_NETNS";
+
+/// The two hosts, or `None` after printing why they cannot be made here (a failure if
+/// [`EXPECT_NETNS_ENV`] is set).
 fn two_hosts(test: &str) -> Option<netns::TwoHosts> {
     match netns::TwoHosts::make() {
         Ok(hosts) => {
@@ -38,6 +43,10 @@ fn two_hosts(test: &str) -> Option<netns::TwoHosts> {
             Some(hosts)
         }
         Err(why) => {
+            assert!(
+                std::env::var_os(EXPECT_NETNS_ENV).is_none(),
+                "{test}: {EXPECT_NETNS_ENV} is set, but no network namespaces here: {why}"
+            );
             eprintln!("{test}: skipped: no network namespaces here: {why}");
             None
         }
