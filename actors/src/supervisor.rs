@@ -755,7 +755,7 @@ impl Handler<PeerEvent> for ProcessSupervisor {
             }
         }
         // A child on another host that linked back: its agent kills it.
-        self.kill_unresponsive_remote(peer.process);
+        self.kill_unresponsive_remote(&peer);
     }
 }
 

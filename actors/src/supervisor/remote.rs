@@ -205,12 +205,26 @@ impl ProcessSupervisor {
         Some(running.child.pid)
     }
 
-    /// `process`'s link went silent past the heartbeat deadline: if it is a remote child
-    /// (one that linked back), its agent is asked to kill it; its exit restarts it.
-    pub(super) fn kill_unresponsive_remote(&self, process: ProcessId) {
+    /// `peer`'s link went silent past the heartbeat deadline: if it is a remote child (one
+    /// that linked back), its agent is asked to kill it; its exit restarts it.
+    ///
+    /// A child's host link is recognised by what it announced (its own process id, as its
+    /// agent reported it) on the agent's host: this node knows it by that claim in its
+    /// key's namespace, which the agent cannot know. A claim grants nothing here: a token
+    /// holder announcing a child's id and going silent can at most make this supervisor
+    /// restart its own child early.
+    pub(super) fn kill_unresponsive_remote(&self, peer: &baton_ipc::PeerInfo) {
+        let Some(host) = peer.host() else {
+            return;
+        };
         let deadline = self.node.config().heartbeat.deadline;
         for (name, running) in &self.remote.running {
-            if running.child.process == process {
+            let on_its_agents_host = running
+                .agent
+                .info()
+                .host()
+                .is_some_and(|agent| agent.host == host.host);
+            if on_its_agents_host && running.child.process == host.claimed {
                 tracing::warn!(child = %name, pid = running.child.pid, "remote child unresponsive: killing it");
                 kill_on(&running.agent, running.child.id, deadline);
             }
