@@ -34,7 +34,10 @@
 //!   the relaying link, or ends when the holder is confirmed dead. If the relaying link
 //!   goes down first, the lease is *stranded*: it keeps the allocation — whatever the
 //!   backend's rule — until its holder is confirmed dead, since nobody can carry its
-//!   `Release` any more and nothing else tells us it stopped mapping.
+//!   `Release` any more and nothing else tells us it stopped mapping. A stranded lease
+//!   still counts as a lease out on its buffer ([`Ledger::leases_on`]): the owner's
+//!   `returned()` waits for it and its writes are refused, as for any reader (issue 45,
+//!   finding 6).
 //!
 //! # The invariant
 //!
@@ -381,7 +384,8 @@ impl<M, F, D> Ledger<M, F, D> {
             if self.writer_out(entry) {
                 return Err(Refusal::WriterOut);
             }
-            if writable && !entry.leases.is_empty() {
+            // A stranded relayed lease is a reader too: its holder may still map it.
+            if writable && (!entry.leases.is_empty() || !entry.stranded.is_empty()) {
                 return Err(Refusal::ReadersOut);
             }
         }
@@ -875,12 +879,14 @@ impl<M, F, D> Ledger<M, F, D> {
         self.allocs.get(alloc).map(|e| e.owner)
     }
 
-    /// Leases out on `buffer`.
+    /// Leases out on `buffer`, stranded relayed ones included: a stranded lease's holder
+    /// may still map the buffer until it is confirmed dead, so the owner must not write it
+    /// nor hear that it is back ([`returned`](crate::Buffer::returned)) before then.
     pub(crate) fn leases_on(&self, buffer: BufferId) -> usize {
         self.buffers
             .get(&buffer)
             .and_then(|a| self.allocs.get(a))
-            .map_or(0, |e| e.leases.len())
+            .map_or(0, |e| e.leases.len() + e.stranded.len())
     }
 
     /// Whether `lease` is out (granted, not yet back).

@@ -428,7 +428,8 @@ impl Run {
                     writable,
                     data,
                 );
-                let readers = m.leases.iter().any(|x| x.out && x.alloc == a);
+                // A stranded relayed lease is a reader still (its holder may map it).
+                let readers = m.leases.iter().any(|x| x.counts() && x.alloc == a);
                 let pool = m.allocs[a]
                     .pool
                     .filter(|p| m.links[l].up && !m.links[l].pools.contains(p));
@@ -896,11 +897,16 @@ impl Run {
         assert_eq!(c.buffers, live);
         let out = m.leases.iter().filter(|l| l.counts()).count();
         assert_eq!(c.leases, out);
-        // What the export table asks of the ledger: leases out per buffer (stranded ones
-        // are not out: they keep the memory, not a lease), whether a lease is out, the
+        // What the export table asks of the ledger: leases on each buffer (stranded ones
+        // count: their holders may still map it, so the owner's `returned()` must wait and
+        // its writes be refused — issue 45, finding 6), whether a lease is out, the
         // stranded ones.
         for (a, x) in m.allocs.iter().enumerate().filter(|(_, x)| !x.freed) {
-            let on = m.leases.iter().filter(|l| l.out && l.alloc == a).count();
+            let on = m
+                .leases
+                .iter()
+                .filter(|l| l.counts() && l.alloc == a)
+                .count();
             assert_eq!(self.ledger.leases_on(x.buffer), on, "leases on {a}");
         }
         for l in &m.leases {
@@ -1216,6 +1222,54 @@ fn a_stranded_forward_keeps_the_memory_until_its_holder_dies() {
         run.apply(&Ev::ProcessDead { process: 1 });
         assert!(run.model.allocs[0].freed, "freed once its holder is dead");
     }
+}
+
+/// A stranded forward on a live buffer still counts as a lease on it (issue 45, finding
+/// 6): the owner's `returned()` (which waits for `leases_on` to reach 0) does not resolve
+/// and a writable lease (or the owner's own write) is refused until its holder is dead.
+#[test]
+fn a_stranded_forward_counts_as_a_lease_until_its_holder_dies() {
+    let mut run = Run::new();
+    run.apply(&Ev::Insert {
+        unsafe_free: false,
+        kill: false,
+        pool: None,
+    });
+    run.apply(&Ev::LinkUp { process: 0 });
+    run.apply(&Ev::LinkUp { process: 2 });
+    run.apply(&Ev::Grant {
+        alloc: 0,
+        link: 0,
+        writable: false,
+    });
+    run.apply(&Ev::GrantRelayed { via: 0, to: 1 });
+    run.apply(&Ev::Release {
+        lease: 0,
+        wrong_link: false,
+        fences: Vec::new(),
+    });
+    // The relay's link goes down: the forward is stranded, its holder may still map it.
+    run.apply(&Ev::LinkCut { link: 0 });
+    let buffer = run.model.allocs[0].buffer;
+    assert_eq!(run.ledger.stranded().len(), 1);
+    assert_eq!(
+        run.ledger.leases_on(buffer),
+        1,
+        "the stranded lease pins it"
+    );
+    // No writer while a stranded reader may map it (the model checks the refusal).
+    run.apply(&Ev::Grant {
+        alloc: 0,
+        link: 1,
+        writable: true,
+    });
+    assert_eq!(run.model.leases.len(), 2, "the writable grant was refused");
+    run.apply(&Ev::ProcessDead { process: 1 });
+    assert_eq!(
+        run.ledger.leases_on(buffer),
+        0,
+        "back once its holder is dead"
+    );
 }
 
 /// A forwarded lease whose holder died: the relay's late `Release` of it is recognised

@@ -2,6 +2,28 @@
 //! its exporter for a lease on a third process's behalf and passes the offer on; A grants
 //! it; C checks a relayed offer, and gives it back only once its mapping is closed. Also
 //! the calls that start a forward ([`Peer::forward`], [`Lease::forward_to`]).
+//!
+//! **No local handle crosses a host link** (issue 45, finding 4). A zero-copy forward
+//! hands the holder the exporter's real handle (a segment name, a descriptor, a CUDA IPC
+//! handle), which only means something on the exporter's host, and pins the buffer until
+//! the named holder — a process of the exporter's host, named by the asker — dies. So:
+//!
+//! - A `Forward` that arrives over a host link is refused before anything is looked up
+//!   ([`HOST_LINK_FORWARD`], answered as a `Forwarded` refusal, which the asker sees as
+//!   [`ActorError::ForwardRefused`]): nothing is granted, watched or pinned, and the link
+//!   stays (an honest node sends one when it forwards a *copy* it received from another
+//!   host to a peer of its own host; the copy is its own memory: send it as a buffer).
+//! - A `Forwarded` offer that arrives over a host link is that link's fault
+//!   ([`ActorError::Unexpected`]): no node sends one, and its handle would name memory of
+//!   another host.
+//! - A relayed offer is never passed on over a host link ([`PassOn`] refuses it): a
+//!   forward *to* another host is a copy ([`Peer::forward`] → `forward_copy`).
+//!
+//! The other paths that carry handles were checked for the same rule: a link's own offers
+//! to a host-link peer are always copies (`grant_all` → `grant_copy`, which replaces the
+//! handle with [`RawHandle::Copy`](baton_messages::RawHandle::Copy) and drops the
+//! descriptor); `Revoke`, `Unmap`, `Release` and the copy protocol's frames carry lease ids
+//! only.
 
 use super::PeerLink;
 use super::copy::{LeasePin, forward_deadline};
@@ -20,6 +42,11 @@ use std::any::Any;
 use std::future::Future;
 use std::sync::Arc;
 use tokio::sync::oneshot;
+
+/// Why a `Forward` over a host link is refused (the [`ActorError::ForwardRefused`] reason
+/// its asker gets): a zero-copy forward would send the exporter's local handle to another
+/// host (see the [module docs](self)).
+pub(crate) const HOST_LINK_FORWARD: &str = "a forward is zero-copy on one host only: the exporter sends no handle over a host link (a copy received from another host is this node's own memory: send it as a buffer)";
 
 impl<T: Element> Lease<T> {
     /// Passes this buffer on to `to`, zero-copy: the exporter leases it to `to` directly
@@ -59,7 +86,9 @@ impl Peer {
     /// them — and the future resolves once the peer gave the copy's lease back, i.e. once
     /// the bytes landed (device memory: after the work queued on the buffer before its
     /// offer to us, as for our own buffers). A lease that is itself a copy from another
-    /// host is forwarded the same way.
+    /// host is forwarded the same way. Such a copy cannot be forwarded zero-copy to a
+    /// peer of this host: its exporter sends no handle over a host link, and refuses
+    /// ([`ActorError::ForwardRefused`]); send the copy on as a buffer instead.
     ///
     /// # Errors
     /// [`ActorError::Orphaned`] if the exporter is gone; [`ActorError::LinkClosed`] if a
@@ -242,6 +271,14 @@ impl Handler<PassOn> for PeerLink {
             give_back,
             reply,
         } = msg;
+        if self.peer.host().is_some() {
+            // A relayed offer carries a local handle: never onto a host link (a forward
+            // there is a copy). `give_back` returns the lease.
+            let _ = reply.send(Err(ActorError::ForwardRefused {
+                reason: HOST_LINK_FORWARD.to_owned(),
+            }));
+            return;
+        }
         let ours = crate::ids::next_lease();
         let theirs = give_back.lease;
         self.node
@@ -306,7 +343,14 @@ impl PeerLink {
     pub(crate) fn on_forward(&mut self, forward: Forward) -> Result<(), ActorError> {
         let Forward { id, lease, to } = forward;
         let me = self.node.session().process();
-        let granted = if to == self.peer.process || to == me {
+        // Nothing is looked up for a peer on another host: its `to` names a process of its
+        // key's choosing, and the offer would carry our local handle over TCP.
+        let granted = if self.peer.host().is_some() {
+            tracing::warn!(%lease, "refused a forward over a host link");
+            Err(ActorError::ForwardRefused {
+                reason: HOST_LINK_FORWARD.to_owned(),
+            })
+        } else if to == self.peer.process || to == me {
             Err(ActorError::ForwardRefused {
                 reason: format!("{to} is the relay or the exporter itself"),
             })
@@ -373,6 +417,14 @@ impl PeerLink {
             return Ok(());
         };
         let offer = match outcome {
+            // A forward's offer carries the exporter's local handle: none comes over a
+            // host link (ours are refused there, see the module docs).
+            Ok(_) if self.peer.host().is_some() => {
+                let _ = pending
+                    .reply
+                    .send(Err(ActorError::Unexpected { got: "Forwarded" }));
+                return Err(ActorError::Unexpected { got: "Forwarded" });
+            }
             Ok(offer) => offer,
             Err(reason) => {
                 let _ = pending

@@ -18,10 +18,17 @@
 //!   for that supervisor and reaps it. There is no grace period: the supervisor counts
 //!   those children lost the moment it sees the same link down, and starts new ones
 //!   when it reaches the agent again, so a child kept for a reconnect would run twice.
-//! - **Bounded**: at most [`AgentLimits::children_per_supervisor`] children per
-//!   supervisor process; names and addresses are checked before anything is spawned.
-//! - **Only the supervisor that started a child may kill it** ([`KillRemote`]): the agent
-//!   knows which process called from the link's handshake, not from the message.
+//! - **Rights follow the proven identity, not the claimed process** (issue 45, finding 3).
+//!   A caller is what its link proved: over a host link its authenticated static key
+//!   ([`HostPeer::key`](baton_ipc::tcp::HostPeer::key)) — whatever process id it announced,
+//!   since one key may announce as many as it likes — and over a Unix link its process,
+//!   as the kernel's credentials proved it. Only a caller of the same identity as the one
+//!   that started a child may kill it ([`KillRemote`]; anyone else hears
+//!   [`AgentRefusal::NoSuchChild`], which tells nothing of other callers' children).
+//! - **Bounded per identity and in all**: at most [`AgentLimits::children_per_caller`]
+//!   children per caller identity (so minting process ids gains a key nothing), and at
+//!   most [`AgentLimits::children_total`] in all; names and addresses are checked before
+//!   anything is spawned.
 
 use super::{ChildSpec, describe, spawn_process, sweep_dead_child};
 use crate::buffer::IncomingLease;
@@ -29,6 +36,8 @@ use crate::error::ActorError;
 use crate::node::{Node, PeerEvent};
 use crate::remote::{Answer, ErasedHandler, RemoteMessage, answer};
 use actix::prelude::*;
+use baton_ipc::PeerInfo;
+use baton_ipc::tcp::NodePublicKey;
 use baton_messages::ProcessId;
 use baton_messages::protocol::CallFault;
 use baton_messages::status::ChildEntry;
@@ -115,10 +124,21 @@ pub enum AgentRefusal {
         /// The names it knows.
         known: Vec<String>,
     },
-    /// The caller already has as many children there as the agent allows.
-    #[error("the agent runs {limit} children for this supervisor already, its limit")]
+    /// The caller (its key over a host link, its process on the agent's host) already
+    /// has as many children there as the agent allows.
+    #[error(
+        "the agent runs {limit} children for this caller's key already, its limit per caller: kill or wait for one first"
+    )]
     TooManyChildren {
-        /// The limit.
+        /// The limit ([`AgentLimits::children_per_caller`]).
+        limit: usize,
+    },
+    /// The agent runs as many children, for all callers together, as it allows.
+    #[error(
+        "the agent runs {limit} children in all already, its limit: try again when one has exited, or another agent"
+    )]
+    AgentFull {
+        /// The limit ([`AgentLimits::children_total`]).
         limit: usize,
     },
     /// A name or address in the request is malformed.
@@ -135,8 +155,9 @@ pub enum AgentRefusal {
         /// Why.
         reason: String,
     },
-    /// No child of that id runs for the caller.
-    #[error("no child {id} runs for this supervisor")]
+    /// No child of that id runs for the caller (its key, or its process on the agent's
+    /// host): it never ran, it exited, or another caller started it.
+    #[error("no child {id} runs for this caller: name one its own key started")]
     NoSuchChild {
         /// The id asked for.
         id: u64,
@@ -148,16 +169,40 @@ pub enum AgentRefusal {
 
 /// A [`ChildAgent`]'s bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AgentLimits {
-    /// How many children one supervisor process may have running through this agent
-    /// (default 16).
-    pub children_per_supervisor: usize,
+    /// How many children one caller may have running through this agent (default 16): a
+    /// caller is its authenticated key over a host link (all the processes it announces
+    /// together), its process over a Unix link.
+    pub children_per_caller: usize,
+    /// How many children the agent runs in all, for every caller together (default 64).
+    pub children_total: usize,
 }
 
 impl Default for AgentLimits {
     fn default() -> Self {
         Self {
-            children_per_supervisor: 16,
+            children_per_caller: 16,
+            children_total: 64,
+        }
+    }
+}
+
+/// Who called the agent, as its link proved it (see the [module docs](self)): rights and
+/// limits follow this, never the process id a host link's peer announced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Caller {
+    /// A peer over a host link: its authenticated static key.
+    Key(NodePublicKey),
+    /// A peer over a Unix link: its process, as the kernel's credentials proved it.
+    Local(ProcessId),
+}
+
+impl Caller {
+    fn of(info: &PeerInfo) -> Self {
+        match info.host() {
+            Some(host) => Caller::Key(host.key),
+            None => Caller::Local(info.process),
         }
     }
 }
@@ -203,7 +248,12 @@ where
 }
 
 struct AgentRunning {
+    /// The process it was started for (its exits go there; it dies with that process's
+    /// last link).
     supervisor: ProcessId,
+    /// Who started it: only the same identity may kill it, and it counts against that
+    /// identity's limit.
+    caller: Caller,
     name: String,
     inbox: String,
     pid: u32,
@@ -302,6 +352,13 @@ impl ChildAgent {
         self.start()
     }
 
+    /// Who `from` is, as the link it called over proved it; `None` once no link to it is
+    /// up (a remote process id names its key's namespace, so any link of that id is one
+    /// of the same key).
+    fn caller(&self, from: &ProcessId) -> Option<Caller> {
+        self.node.peer(from).map(|peer| Caller::of(peer.info()))
+    }
+
     fn spawn(
         &mut self,
         from: ProcessId,
@@ -337,20 +394,24 @@ impl ChildAgent {
                 )
             }
         };
-        let limit = self.limits.children_per_supervisor;
+        // It called over a link that may have gone down meanwhile: a child started now
+        // would have nobody to be killed with.
+        let Some(caller) = self.caller(&from) else {
+            return Err(AgentRefusal::NotLinked);
+        };
+        let limit = self.limits.children_per_caller;
         if self
             .children
             .values()
-            .filter(|c| c.supervisor == from)
+            .filter(|c| c.caller == caller)
             .count()
             >= limit
         {
             return Err(AgentRefusal::TooManyChildren { limit });
         }
-        // It called over a link that may have gone down meanwhile: a child started now
-        // would have nobody to be killed with.
-        if self.node.peer(&from).is_none() {
-            return Err(AgentRefusal::NotLinked);
+        let limit = self.limits.children_total;
+        if self.children.len() >= limit {
+            return Err(AgentRefusal::AgentFull { limit });
         }
         let mut spec = spec.clone();
         spec.name.clone_from(&req.name);
@@ -390,6 +451,7 @@ impl ChildAgent {
             id,
             AgentRunning {
                 supervisor: from,
+                caller,
                 name: req.name,
                 inbox: req.inbox,
                 pid: spawned.pid,
@@ -458,8 +520,9 @@ impl Handler<FromPeer<KillRemote>> for ChildAgent {
     fn handle(&mut self, msg: FromPeer<KillRemote>, _ctx: &mut Self::Context) -> Self::Result {
         let _g = self.span.clone().entered();
         let id = msg.msg.id;
+        let caller = self.caller(&msg.from);
         match self.children.get(&id) {
-            Some(child) if child.supervisor == msg.from => {
+            Some(child) if Some(child.caller) == caller => {
                 tracing::info!(child = %child.name, id, pid = child.pid, "killing a child at its supervisor's request");
                 sigkill(&child.pidfd);
                 Ok(())

@@ -5,7 +5,8 @@
 //! - `baton-agent-peer agent ADDR [--limit N]`: a node that listens for host links at ADDR
 //!   and serves a `ChildAgent` whose table holds two specs: `sleeper` (this binary,
 //!   `child`) and `exit3` (`child --exit 3`). Prints `listening <addr>`, then serves until
-//!   killed (at most 10 minutes). `--limit N`: at most N children per supervisor.
+//!   killed (at most 10 minutes). `--limit N`: at most N children per caller (its key);
+//!   `--total N`: at most N in all.
 //! - `baton-agent-peer child [--exit N]`: a child the agent starts. Takes the token, links
 //!   back to `BATON_CONNECT_TCP` if set (printing `child-linked <pid>`), then stays until
 //!   killed (at most 10 minutes), or with `--exit N` exits with code N once linked.
@@ -43,9 +44,12 @@ struct Cli {
     /// The heartbeat deadline in milliseconds (pings every quarter of it).
     #[arg(long)]
     heartbeat_ms: Option<u64>,
-    /// agent: children per supervisor.
+    /// agent: children per caller (its key over a host link).
     #[arg(long)]
     limit: Option<usize>,
+    /// agent: children in all.
+    #[arg(long)]
+    total: Option<usize>,
     /// child: exit with this code once linked.
     #[arg(long)]
     exit: Option<i32>,
@@ -89,7 +93,10 @@ async fn agent(cli: Cli, session: baton::Session) -> Result<(), String> {
     let exe = |name: &str| ChildSpec::this_exe(name).map_err(|e| e.to_string());
     let mut limits = AgentLimits::default();
     if let Some(limit) = cli.limit {
-        limits.children_per_supervisor = limit;
+        limits.children_per_caller = limit;
+    }
+    if let Some(total) = cli.total {
+        limits.children_total = total;
     }
     let _agent = ChildAgent::new(node.clone())
         .allow("sleeper", exe("sleeper")?.arg("child"))
