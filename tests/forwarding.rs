@@ -24,7 +24,7 @@ mod peer;
 mod relay_msgs;
 
 use actors::{DEADLINE, Lines, Parent, eventually, run};
-use baton::actors::{Buffer, BufferId, BufferLeases, Peer};
+use baton::actors::{ActorError, Buffer, BufferId, BufferLeases, Peer};
 use baton::ipc::cuda::testing::GpuTestLock;
 use baton::ipc::cuda::{CudaBackend, CudaExport};
 use baton::ipc::host::HostFlavor;
@@ -306,8 +306,6 @@ async fn relay_killed(setup: &Setup) {
     let buf = forward(parent, &trio, 9).await;
     let id = buf.id();
     assert_c_holds_via_b(parent, &trio, id).await;
-    drop(buf);
-    let freed_before = parent.stats().await.freed;
 
     trio.b.kill9();
     eventually(DEADLINE, "B's link to go down", || {
@@ -323,6 +321,15 @@ async fn relay_killed(setup: &Setup) {
             .any(|b| b.buffer == id && b.leases.len() == 1)
     })
     .await;
+    // A stranded lease still pins the buffer (issue 45, finding 6): C may still read
+    // it, so its owner may not write it, and it is not returned.
+    assert_eq!(buf.leases_out(), 1, "C's stranded lease is out");
+    assert!(
+        matches!(buf.write_at(0, &[0]), Err(ActorError::BufferLeased { .. })),
+        "no write under C's stranded lease"
+    );
+    drop(buf);
+    let freed_before = parent.stats().await.freed;
     let table = parent.table().await;
     let row = row(&table, id).expect("kept while C lives");
     assert_eq!(row.forwarded.len(), 1);
