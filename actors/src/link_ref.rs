@@ -78,6 +78,11 @@ pub struct LinkLimits {
     /// [`CallFault::OfferRefused`](baton_messages::protocol::CallFault) — and the link
     /// stays up. Default 4 GiB.
     pub copy_bytes: usize,
+    /// Bytes of copies all of this node's host links may have it receive at once, together
+    /// (the node-wide bound beside each link's `copy_bytes`: many links of token holders
+    /// cannot add up past it); a message past it is refused as one past `copy_bytes` is,
+    /// each link kept. Default 8 GiB.
+    pub node_copy_bytes: usize,
     /// Over a host link, the peer's messages (calls, replies, bare offers) that may wait
     /// behind one whose copies have not landed yet — the link hands them on in the order
     /// it read them, as a Unix link does. One more is a protocol fault
@@ -98,6 +103,7 @@ impl Default for LinkLimits {
             offers_per_message: 1024,
             leases_held: 65_536,
             copy_bytes: 4 << 30,
+            node_copy_bytes: 8 << 30,
             held_messages: 1024,
             held_bytes: 64 << 20,
         }

@@ -173,13 +173,18 @@ fn main() {
 
     let session = Session::generate().unwrap();
     let engine = || {
-        let config = TcpConfig::new(session.clone(), NodeKey::generate().unwrap());
-        TcpEngine::bind("127.0.0.1:0", config, Duration::from_secs(30)).unwrap()
+        let key = NodeKey::generate().unwrap();
+        let public = key.public();
+        let config = TcpConfig::new(session.clone(), key);
+        let engine = TcpEngine::bind("127.0.0.1:0", config, Duration::from_secs(30)).unwrap();
+        (engine, public)
     };
     let main_name = std::fs::read_to_string("/proc/thread-self/comm")
         .map(|n| n.trim().to_owned())
         .unwrap_or_default();
-    let (a, b) = (engine(), engine());
+    let ((a, a_key), (b, _)) = (engine(), engine());
+    // b takes a's data connections as a node does for a host link's peer.
+    b.admit(&a.as_peer(), a_key);
     if let Some(n) = hash_threads {
         a.set_hash_threads(n);
         b.set_hash_threads(n);

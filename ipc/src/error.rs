@@ -355,6 +355,14 @@ pub enum Error {
         /// What the Noise handshake payload said.
         announced: ProcessId,
     },
+    /// A TCP engine refused our data connection after its handshake: it takes no more
+    /// connections (in all, or from our key), or no host link of its node has our key and
+    /// process (a data connection belongs to the host link whose key opened it).
+    #[error("the peer's TCP engine refused our data connection: {why}")]
+    DataConnectionRefused {
+        /// Why.
+        why: crate::transfer::tcp::DataRefusal,
+    },
     /// A frame with file descriptors was to be sent over TCP, which cannot carry them.
     #[error(
         "a frame with {nfds} file descriptors cannot cross a TCP link: send host memory through a transfer engine instead"
@@ -510,7 +518,7 @@ impl Error {
             | Error::TransferCorrupt { .. }
             | Error::TransferSizeMismatch { .. }
             | Error::BadRendezvous { .. } => Fault::Peer,
-            Error::Refused { .. } => Fault::Refused,
+            Error::Refused { .. } | Error::DataConnectionRefused { .. } => Fault::Refused,
             Error::SegmentNotFound { .. }
             | Error::MemoryTooSmall { .. }
             | Error::SegmentOwnerMismatch { .. }

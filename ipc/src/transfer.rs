@@ -32,7 +32,7 @@ use std::time::Duration;
 
 pub use held::{HeldTransfer, decline};
 pub use nccl::NcclEngine;
-pub use tcp::TcpEngine;
+pub use tcp::{DataLimits, DataRefusal, TcpEngine};
 
 /// Where a transfer's bytes are: host memory or one device's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,6 +117,47 @@ pub trait TransferEngine: Send + Sync + fmt::Debug {
     /// Fails and stops every transfer with `peer`; returns once none touches memory any
     /// more.
     fn abort_peer(&self, peer: &EnginePeer);
+}
+
+/// The bytes of copies a node receives at once over all its links together (a node-wide
+/// bound beside each link's own): a receiver takes a copy's bytes here before it allocates
+/// its memory, and gives them back when the copy has landed or failed. Without it, many
+/// links of token holders could each fill their own link's bound.
+#[derive(Debug, Default)]
+pub struct CopyBudget {
+    taken: Mutex<usize>,
+}
+
+/// Bytes taken from a [`CopyBudget`]: given back when dropped.
+#[derive(Debug)]
+pub struct CopyBytes {
+    budget: Arc<CopyBudget>,
+    bytes: usize,
+}
+
+impl CopyBudget {
+    /// Takes `bytes` if the bytes taken stay within `limit`: `None` (nothing taken) if not.
+    pub fn try_take(self: &Arc<Self>, bytes: usize, limit: usize) -> Option<CopyBytes> {
+        let mut taken = self.taken.lock().unwrap_or_else(|p| p.into_inner());
+        let after = taken.checked_add(bytes).filter(|&n| n <= limit)?;
+        *taken = after;
+        Some(CopyBytes {
+            budget: Arc::clone(self),
+            bytes,
+        })
+    }
+
+    /// The bytes taken now.
+    pub fn taken(&self) -> usize {
+        *self.taken.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for CopyBytes {
+    fn drop(&mut self) {
+        let mut taken = self.budget.taken.lock().unwrap_or_else(|p| p.into_inner());
+        *taken = taken.saturating_sub(self.bytes);
+    }
 }
 
 /// Where a transfer stands.
@@ -249,6 +290,7 @@ pub(crate) fn again(e: &Error, id: TransferId) -> Error {
             room: *room,
         },
         Error::Timeout { op, after } => Error::Timeout { op, after: *after },
+        Error::DataConnectionRefused { why } => Error::DataConnectionRefused { why: *why },
         other => Error::TransferPeerGone {
             id: id.0,
             why: other.to_string(),
@@ -392,6 +434,23 @@ impl TransferSignal {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[test]
+    fn a_copy_budget_is_shared_and_given_back() {
+        let budget = Arc::new(CopyBudget::default());
+        let a = budget.try_take(600, 1000).unwrap();
+        assert!(budget.try_take(500, 1000).is_none(), "past the limit");
+        let b = budget.try_take(400, 1000).unwrap();
+        assert_eq!(budget.taken(), 1000);
+        drop(a);
+        assert_eq!(budget.taken(), 400);
+        assert!(
+            budget.try_take(usize::MAX, usize::MAX).is_none(),
+            "no overflow"
+        );
+        drop(b);
+        assert_eq!(budget.taken(), 0);
+    }
 
     #[test]
     fn a_transfer_reports_its_outcome_to_every_wait() {

@@ -1,1 +1,319 @@
-//! The copies findings of issue 45 (see the binary's docs).
+//! The copies findings of issue 45 (see the binary's docs): the TCP engine's data
+//! connections and the leases of host copies.
+//!
+//! - Finding 2: a data connection belongs to the host link whose key opened it — a second
+//!   node (its own key, the same token) that claims the sender's process cannot land its
+//!   bytes in the receive posted for the sender's copy: its connection is refused.
+//! - Finding 7: a receiver that gives a host copy's lease back before the bytes landed
+//!   does not end it while the sender's engine still reads the buffer.
+//! - Finding 8: data connections are capped (in all, per key), idle ones closed, and the
+//!   copies in flight of all a node's links bounded together (that bound's own test is
+//!   `transfer::tests::a_copy_budget_is_shared_and_given_back` in baton-ipc).
+
+use crate::actors::{DEADLINE, run};
+use crate::host_msgs::{Take, is_pattern, pattern_bytes};
+use crate::peer::poll_until;
+use baton::Session;
+use baton::actors::{HostSettings, LinkLimits, Node, NodeConfig};
+use baton::ipc::tcp::{HostId, HostLink, NodeKey, NodePublicKey, TcpConfig, remote_process};
+use baton::ipc::transfer::{
+    DataLimits, DataRefusal, EnginePeer, Region, TcpEngine, Transfer, TransferEngine, TransferId,
+};
+use baton::ipc::{Error as IpcError, HostBackend};
+use baton::messages::Message;
+use baton::messages::protocol::Release;
+use std::sync::Arc;
+
+#[path = "../support/tcp_proxy.rs"]
+mod tcp_proxy;
+use std::time::Duration;
+
+const STALL: Duration = Duration::from_secs(30);
+
+/// A TCP engine of its own key: the engine, and its key.
+fn engine(session: &Session) -> (TcpEngine, NodePublicKey) {
+    let key = NodeKey::generate().unwrap();
+    let public = key.public();
+    let config = TcpConfig::new(session.clone(), key);
+    (
+        TcpEngine::bind("127.0.0.1:0", config, STALL).unwrap(),
+        public,
+    )
+}
+
+/// `e` (of key `key`) as a host link to it knows it: its claim in its key's namespace.
+fn known(e: &TcpEngine, key: &NodePublicKey) -> EnginePeer {
+    EnginePeer {
+        process: remote_process(key, e.as_peer().process),
+        ..e.as_peer()
+    }
+}
+
+/// Sends `src` from `from` to `to` as transfer `id`.
+fn send(from: &TcpEngine, to: &EnginePeer, id: u64, src: &mut [u8]) -> Transfer {
+    // SAFETY: every caller waits for the transfer before `src` goes.
+    unsafe { from.send(to, TransferId(id), Region::of_slice(src)) }.unwrap()
+}
+
+/// Receives transfer `id` from `from` into `dst`.
+fn recv(on: &TcpEngine, from: &EnginePeer, id: u64, dst: &mut [u8]) -> Transfer {
+    // SAFETY: every caller waits for the transfer before `dst` goes.
+    unsafe { on.recv(from, TransferId(id), Region::of_slice(dst)) }.unwrap()
+}
+
+fn refused(r: Result<(), IpcError>, why: DataRefusal) {
+    match r {
+        Err(IpcError::DataConnectionRefused { why: got }) if got == why => {}
+        other => panic!("refused with {why:?}: {other:?}"),
+    }
+}
+
+/// Finding 2. The receiver's node has a host link to A (admits A's key and process) and
+/// posts the receive of A's copy; M — another node with its own key and the same token —
+/// claims A's process and sends forged bytes under the same transfer id, first. M's data
+/// connection is refused (typed, `NoHostLink`: no host link has its key), so the real copy
+/// lands intact: the receive is matched only by a connection of A's key.
+#[test]
+fn a_data_connection_claiming_the_senders_process_never_lands_in_its_receive() {
+    let session = Session::generate().unwrap();
+    let (receiver, r_key) = engine(&session);
+    let (a, a_key) = engine(&session);
+    let a_claim = a.as_peer().process;
+    // M announces A's process (in one test process they are the same anyway).
+    let (m, _) = engine(&session.clone().claiming(a_claim));
+    receiver.admit(&known(&a, &a_key), a_key);
+
+    let to_r = known(&receiver, &r_key);
+    let mut forged = vec![0xEE; 1 << 20];
+    let forging = send(&m, &to_r, 7, &mut forged);
+    // M's connection is in (handshake done) before the real receive is posted.
+    poll_until(DEADLINE, "the forger's data connection", || {
+        receiver.data_connections() >= 1
+    });
+    let mut dst = vec![0u8; 1 << 20];
+    let landing = recv(&receiver, &known(&a, &a_key), 7, &mut dst);
+    refused(forging.wait(DEADLINE), DataRefusal::NoHostLink);
+    assert!(!landing.is_finished(), "nothing of M's reached the receive");
+
+    let mut real = pattern_bytes(3, 1 << 20);
+    let sending = send(&a, &to_r, 7, &mut real);
+    landing.wait(DEADLINE).expect("the real copy lands");
+    sending.wait(DEADLINE).expect("and its sender hears it");
+    assert!(is_pattern(3, &dst), "the real bytes, intact");
+    poll_until(DEADLINE, "the forger's connection closed", || {
+        receiver.data_connections() == 1
+    });
+}
+
+/// Finding 8, the cap. A receiver that takes two data connections, one per key: a second
+/// connection of a key already in is refused (`FullForKey`), a third key's is refused
+/// (`Full`), and the honest connections carry on.
+#[test]
+fn more_data_connections_than_the_cap_are_refused_and_honest_transfers_still_land() {
+    let session = Session::generate().unwrap();
+    let (receiver, r_key) = engine(&session);
+    receiver.set_data_limits(DataLimits {
+        connections: 2,
+        per_key: 1,
+        ..DataLimits::default()
+    });
+    let to_r = known(&receiver, &r_key);
+    let (s1, k1) = engine(&session);
+    let (s2, k2) = engine(&session);
+    let (s3, k3) = engine(&session);
+    // Another process of s1's key (its own claim).
+    let twin_key = NodeKey::generate().unwrap();
+    let mut other = s1.as_peer().process;
+    other.pid = other.pid.wrapping_add(1);
+    let twin_config = TcpConfig::new(session.clone().claiming(other), twin_key.clone());
+    let twin = TcpEngine::bind("127.0.0.1:0", twin_config, STALL).unwrap();
+    let twin_known = EnginePeer {
+        process: remote_process(&twin_key.public(), other),
+        ..twin.as_peer()
+    };
+    // The twin shares s1's key: made from the same key pair.
+    let (s1, k1) = {
+        drop(s1);
+        let config = TcpConfig::new(session.clone(), twin_key.clone());
+        let e = TcpEngine::bind("127.0.0.1:0", config, STALL).unwrap();
+        let _ = k1;
+        (e, twin_key.public())
+    };
+    for (e, k) in [(&s1, &k1), (&s2, &k2), (&s3, &k3)] {
+        receiver.admit(&known(e, k), *k);
+    }
+    receiver.admit(&twin_known, twin_key.public());
+
+    let lands = |from: &TcpEngine, from_known: &EnginePeer, id: u64| {
+        let mut src = pattern_bytes(id as u8, 4096);
+        let mut dst = vec![0u8; 4096];
+        let r = recv(&receiver, from_known, id, &mut dst);
+        let s = send(from, &to_r, id, &mut src);
+        r.wait(DEADLINE).expect("lands");
+        s.wait(DEADLINE).expect("its sender hears it");
+        assert_eq!(src, dst);
+    };
+    lands(&s1, &known(&s1, &k1), 1);
+    let mut src = vec![1u8; 4096];
+    refused(
+        send(&twin, &to_r, 2, &mut src).wait(DEADLINE),
+        DataRefusal::FullForKey,
+    );
+    lands(&s2, &known(&s2, &k2), 3);
+    assert_eq!(receiver.data_connections(), 2);
+    let mut src = vec![1u8; 4096];
+    refused(
+        send(&s3, &to_r, 4, &mut src).wait(DEADLINE),
+        DataRefusal::Full,
+    );
+    // The honest connections carry on.
+    lands(&s1, &known(&s1, &k1), 5);
+    lands(&s2, &known(&s2, &k2), 6);
+    assert_eq!(receiver.data_connections(), 2);
+}
+
+/// Finding 8, the idle deadline. A data connection that carries nothing for the
+/// receiver's idle deadline is closed (its thread ends); the sender's next transfer
+/// connects again and lands.
+#[test]
+fn an_idle_data_connection_is_closed_after_the_deadline() {
+    let session = Session::generate().unwrap();
+    let (receiver, r_key) = engine(&session);
+    receiver.set_data_limits(DataLimits {
+        idle: Duration::from_millis(300),
+        ..DataLimits::default()
+    });
+    let (s, k) = engine(&session);
+    receiver.admit(&known(&s, &k), k);
+    let to_r = known(&receiver, &r_key);
+    for id in 1..=2 {
+        let mut src = pattern_bytes(id as u8, 4096);
+        let mut dst = vec![0u8; 4096];
+        let r = recv(&receiver, &known(&s, &k), id, &mut dst);
+        let t = send(&s, &to_r, id, &mut src);
+        r.wait(DEADLINE).expect("lands");
+        t.wait(DEADLINE).expect("its sender hears it");
+        assert_eq!(src, dst);
+        assert_eq!(receiver.data_connections(), 1);
+        poll_until(DEADLINE, "the idle data connection closed", || {
+            receiver.data_connections() == 0
+        });
+    }
+}
+
+fn host_node(session: &Session, host: &str, limits: LinkLimits) -> Node {
+    let config = NodeConfig::new(session.clone())
+        .hosts(HostSettings {
+            host: HostId::named(host),
+            ..HostSettings::default()
+        })
+        .limits(limits);
+    Node::with_config(config, Arc::new(HostBackend::new().unwrap()))
+}
+
+/// Finding 7. A raw host-link peer (it speaks the wire protocol itself) takes a copy of a
+/// 64 MiB buffer: its engine (behind a proxy that holds the bytes after 2 MiB) admits the sender's data connection but posts no receive, so
+/// the sender's engine is still writing the buffer's bytes when the peer sends `Release`
+/// of the copy's lease. The lease must not end then (`leases_out` stays 1, `returned()`
+/// waits): it ends once the sender's engine let go — here, when the peer's engine goes
+/// and the send fails.
+#[test]
+fn an_early_release_of_a_host_copy_keeps_the_lease_until_the_engine_lets_go() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ours = host_node(&session, "copies-early-a", LinkLimits::default());
+        let mut listening = ours.listen_tcp("127.0.0.1:0").unwrap();
+        let addr = listening.local_addr();
+
+        let key = NodeKey::generate().unwrap();
+        let config =
+            TcpConfig::new(session.clone(), key.clone()).host(HostId::named("copies-early-m"));
+        // Its data port is a proxy's, which holds the bytes after 2 MiB: once 1 MiB has
+        // passed, the sender's engine is surely mid-payload, reading the buffer.
+        let proxy = tcp_proxy::Proxy::new();
+        proxy.hold_after(2 << 20);
+        let (theirs_engine, link) = tokio::task::spawn_blocking(move || {
+            let e =
+                TcpEngine::bind("127.0.0.1:0", config.clone(), Duration::from_secs(120)).unwrap();
+            let via = proxy.route("127.0.0.1:0".parse().unwrap(), e.data_addr(), true);
+            let config = config.data_port(via.port());
+            let link = HostLink::connect(addr, &config).unwrap();
+            // It welcomes our data connection, and never posts the receive.
+            let us = link.peer();
+            e.admit(
+                &EnginePeer {
+                    process: us.process,
+                    host: us.host,
+                    data_addr: None,
+                },
+                us.key,
+            );
+            (e, (link, proxy))
+        })
+        .await
+        .unwrap();
+        let peer = listening.accept_timeout(DEADLINE).await.unwrap();
+
+        let len = 64 << 20;
+        let buf = ours.allocate::<u8>(len).unwrap();
+        buf.write_at(0, &pattern_bytes(5, len)).unwrap();
+        let take = peer.remote::<Take>("take");
+        let share = buf.share();
+        actix::spawn(async move {
+            let _ = take
+                .send(Take {
+                    seed: 5,
+                    data: share,
+                })
+                .await;
+        });
+
+        // The peer reads the call, gives the copy's lease back at once, and pings: once
+        // the pong comes, the release was handled.
+        let (link, proxy) = link;
+        let link = tokio::task::spawn_blocking(move || {
+            let mut link = link;
+            let lease = loop {
+                let got = link.recv_timeout(DEADLINE).unwrap();
+                if let Message::Call(call) = got.message {
+                    break call.offers[0].lease;
+                }
+            };
+            poll_until(DEADLINE, "the copy's bytes flowing", || {
+                proxy.forwarded() >= 1 << 20
+            });
+            link.send(
+                &Message::Release(Release {
+                    lease,
+                    fences: Vec::new(),
+                }),
+                &[],
+            )
+            .unwrap();
+            link.send(&Message::Ping(4545), &[]).unwrap();
+            loop {
+                if let Message::Pong(4545) = link.recv_timeout(DEADLINE).unwrap().message {
+                    break (link, proxy);
+                }
+            }
+        })
+        .await
+        .unwrap();
+        let (link, proxy) = link;
+        assert_eq!(
+            buf.leases_out(),
+            1,
+            "the lease outlasts the send that still reads the buffer"
+        );
+
+        // The peer's engine goes (and the proxy, which passes no close on while it
+        // holds): the send fails, the engine lets go, the lease ends.
+        drop(theirs_engine);
+        drop(proxy);
+        buf.returned_within(DEADLINE)
+            .await
+            .expect("the lease ends once the engine let go");
+        drop(link);
+        peer.close_and_wait().await;
+    });
+}

@@ -468,6 +468,20 @@ impl PeerLink {
         true
     }
 
+    /// The peer gave a copy's lease back: its send if the engine may still read the
+    /// buffer — a `Release` before the bytes landed, which an honest receiver never sends
+    /// (it releases once they landed, or declines them) — else `None`. The caller ends
+    /// the lease only once that send has let go (see `on_release`): until then the owner
+    /// may not write the buffer the engine reads.
+    pub(super) fn copy_released(&mut self, lease: LeaseId) -> Option<Arc<HeldTransfer>> {
+        match self.copies_out.remove(&lease) {
+            // Finished: its abort returns at once, and says whether the engine let go.
+            Some(CopyOut::Sending(transfer)) if transfer.is_finished() && transfer.abort() => None,
+            Some(CopyOut::Sending(transfer)) => Some(transfer),
+            _ => None,
+        }
+    }
+
     /// A copy's lease came back (landed, or refused unpulled), or its frame was never
     /// sent (`abort`). A pulled copy not sent yet is dropped from its turn.
     pub(super) fn copy_done(&mut self, lease: LeaseId, abort: bool) {
@@ -638,6 +652,14 @@ impl PeerLink {
         let name = offers
             .first()
             .map_or("tcp", |o| engine_name(copy_engine(o)));
+        // The peer's data connections are welcome from its host link's key (and only
+        // from it: see `baton_ipc::transfer::tcp`), before any receive or decline is posted.
+        if let (Some(plane), Some(peer), Some(host)) =
+            (self.node.plane(), self.engine_peer(), self.peer.host())
+        {
+            plane.engine.admit(&peer, host.key);
+        }
+        let mut budget = None;
         let received = if relayed {
             // A relay forwards to another host as a copy of its own (`Peer::forward`),
             // never a handle of a third process's memory.
@@ -649,7 +671,23 @@ impl PeerLink {
                 "the link's copies in flight would pass LinkLimits::copy_bytes",
             ))
         } else {
-            self.post_receives(&offers)
+            // Nor can many links together: the node's budget, kept by its TCP engine.
+            let taken = self.node.plane().and_then(|plane| {
+                plane
+                    .engine
+                    .copy_budget()
+                    .try_take(len, self.limits.node_copy_bytes)
+            });
+            match taken {
+                None => Err(unsupported(
+                    name,
+                    "the node's copies in flight, over all its links, would pass LinkLimits::node_copy_bytes",
+                )),
+                Some(taken) => {
+                    budget = Some(taken);
+                    self.post_receives(&offers)
+                }
+            }
         };
         let receiving = match received {
             Ok(receiving) => receiving,
@@ -675,14 +713,19 @@ impl PeerLink {
             allowance += self.node.hosts().nccl.rendezvous_timeout;
         }
         let allowed = deadline_for(allowance, len);
-        let waiting = tokio::task::spawn_blocking(move || match wait_all(&receiving, allowed) {
-            Ok(()) => Ok(receiving),
-            Err(e) => {
-                // Aborted here, off the link's thread (an engine's abort may take its
-                // time; the partial copies are freed once it no longer touches them).
-                drop(receiving);
-                Err(e)
-            }
+        let waiting = tokio::task::spawn_blocking(move || {
+            let waited = match wait_all(&receiving, allowed) {
+                Ok(()) => Ok(receiving),
+                Err(e) => {
+                    // Aborted here, off the link's thread (an engine's abort may take its
+                    // time; the partial copies are freed once it no longer touches them).
+                    drop(receiving);
+                    Err(e)
+                }
+            };
+            // In flight no more: the node's budget has the bytes back.
+            drop(budget);
+            waited
         });
         ctx.spawn(waiting.into_actor(self).map(move |joined, act, ctx| {
             let span = act.span.clone();

@@ -29,8 +29,10 @@ impl PeerLink {
         if self.forward_released(lease) {
             return Ok(());
         }
-        // A copy's lease comes back once its bytes landed.
-        self.copy_done(lease, false);
+        // A copy's lease comes back once its bytes landed — or early, from a faulty or
+        // hostile receiver, while the engine still reads the buffer: then it ends only
+        // once the send stopped and the engine let go (below).
+        let sending = self.copy_released(lease);
         if self.release_passed(lease) {
             // A lease we forwarded: handed on to its exporter (see `relay`).
             return Ok(());
@@ -60,7 +62,25 @@ impl PeerLink {
                 }
             });
         }
-        self.node.exports().release(lease, self.me.id, fences)
+        let Some(sending) = sending else {
+            return self.node.exports().release(lease, self.me.id, fences);
+        };
+        tracing::debug!(%lease, "a copy's lease came back before its send finished: it ends once the engine lets go");
+        let (exports, me) = (Arc::clone(self.node.exports()), self.me.clone());
+        tokio::task::spawn_blocking(move || {
+            // The receiver wants no more of it: the send stops (an abort returns once no
+            // engine thread touches the buffer, or says it still does after its bound).
+            if !sending.abort() {
+                while !sending.wait_untouched(Duration::from_secs(60)) {}
+            }
+            drop(sending);
+            if let Err(e) = exports.release(lease, me.id, fences) {
+                // The link may have ended meanwhile (its leases are back already): the
+                // cut then goes nowhere.
+                me.do_send(crate::link_ref::CutOff(e));
+            }
+        });
+        Ok(())
     }
 
     /// The exporter asks for a lease back: the holder of one we hold hears it (and the

@@ -197,6 +197,12 @@ impl HeldTransfer {
         self.transfer.abort()
     }
 
+    /// Waits at most `timeout` until no engine thread touches its memory: whether none does
+    /// (see [`Transfer::wait_untouched`]).
+    pub fn wait_untouched(&self, timeout: Duration) -> bool {
+        self.transfer.wait_untouched(timeout)
+    }
+
     /// The allocation a receive filled — after aborting the transfer if it has not
     /// finished, so nothing touches it any more. `None` for a send (the owner has it), and
     /// for a receive the engine still touches after its abort (then kept, as on drop).

@@ -7,16 +7,42 @@
 //! connect. On it, one transfer after another:
 //!
 //! ```text
+//! receiver → sender   record [4, verdict]    (once, after the handshake: 0 welcome, else
+//!                                             why it refuses the connection, then closes)
 //! sender → receiver   record [1, id, len]    (Noise: encrypted, authenticated)
 //!                     len bytes of payload   (in clear, for speed: as NCCL's sockets)
 //!                     record [2, mac]        (keyed blake3 of the payload, under a key
 //!                                             bound to the connection, id and len)
 //! receiver → sender   record [3, id, status, room]
+//! sender → receiver   record [5]             (goodbye: an idle sender closes; receives
+//!                                             posted for it wait for its next connection)
 //! ```
 //!
-//! The MAC (version 2, key label `baton tcp transfer mac v2`) is
+//! **Whose connection it is.** A data connection belongs to the host link whose key opened
+//! it: the receiver's node [`admit`](TcpEngine::admit)s each host-link peer (its process
+//! as this node knows it, in its key's namespace, and its static key) before it posts a
+//! receive for it, and a data connection is welcomed only from a static key and process
+//! admitted together (it waits a handshake deadline for the admission, which the offer
+//! that names its first transfer brings). A receive posted for a peer is matched only by
+//! a connection of that key; another token holder — its own key, any claim — has no host
+//! link under that key, so its connection is refused ([`DataRefusal::NoHostLink`]) and
+//! never reaches the receive. The MAC key is bound to both static keys as well as to the
+//! handshake (which binds them already: Noise XX hashes both).
+//!
+//! **Bounds** ([`DataLimits`]): at most `connections` data connections come in at once
+//! (each holds a thread), at most `per_key` of them from one static key: the others are
+//! refused after their handshake ([`DataRefusal::Full`], [`DataRefusal::FullForKey`]).
+//! A connection that carries no transfer for `idle` is closed by the receiver (its thread
+//! ends); a sender lets go of its idle connection after half that (with a goodbye, so
+//! that the receiver does not fail receives posted for it) and connects again for its
+//! next transfer, and checks before each transfer that the receiver has not closed it.
+//! A node-wide [`CopyBudget`] ([`copy_budget`](TcpEngine::copy_budget)) bounds the bytes
+//! of copies all the node's links receive at once.
+//!
+//! The MAC (version 3, key label `baton tcp transfer mac v3`) is
 //! `keyed_blake3(keyed_blake3(K, id ‖ len), payload)`, K derived from the session's
-//! pre-shared key and the connection's handshake hash. Version 1 hashed `id ‖ len ‖
+//! pre-shared key, the connection's handshake hash and both static keys (the sender's
+//! first). Versions 2 and 3 differ only in K. Version 1 hashed `id ‖ len ‖
 //! payload` under K, which puts the payload off BLAKE3's chunk grid; version 2 keeps it on
 //! the grid, so that the payload's 1 MiB pieces are subtrees that hashing threads hash
 //! while the copy goes on (`tcp/mac.rs`): the copying threads only copy, and the transfer
@@ -43,8 +69,8 @@
 //! ends (`tcp/mac.rs`); the `unsafe` contract of `send`/`recv` keeps the memory valid
 //! until the transfer is finished or aborted, and an abort waits the touch out.
 
-use super::{EnginePeer, Region, Transfer, TransferEngine, TransferId, TransferSignal};
-use crate::tcp::{self as host, Deadline, Opener, Sealer, TcpConfig};
+use super::{CopyBudget, EnginePeer, Region, Transfer, TransferEngine, TransferId, TransferSignal};
+use crate::tcp::{self as host, Deadline, NodePublicKey, Opener, Sealer, TcpConfig};
 use crate::{Error, MemPtr, Result};
 use baton_messages::ProcessId;
 use std::collections::{HashMap, VecDeque};
@@ -68,6 +94,74 @@ const HASH_AHEAD: usize = 32 << 20;
 const HEADER: u8 = 1;
 const MAC: u8 = 2;
 const ACK: u8 = 3;
+const VERDICT: u8 = 4;
+const BYE: u8 = 5;
+
+/// Bounds on a TCP engine's data connections (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataLimits {
+    /// Data connections that come in at once, in all (default 256).
+    pub connections: usize,
+    /// Data connections that come in at once from one static key (default 8: an honest
+    /// node opens one per process it sends to).
+    pub per_key: usize,
+    /// How long an incoming data connection may carry no transfer before it is closed
+    /// (default 5 minutes); a sender lets go of an idle connection after half of its own.
+    pub idle: Duration,
+}
+
+impl Default for DataLimits {
+    fn default() -> Self {
+        DataLimits {
+            connections: 256,
+            per_key: 8,
+            idle: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Why a TCP engine refused a data connection after its handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DataRefusal {
+    /// It holds [`DataLimits::connections`] data connections already.
+    Full,
+    /// It holds [`DataLimits::per_key`] data connections from our key already.
+    FullForKey,
+    /// No host link of its node has our static key and process (or none asked for our
+    /// transfers within its handshake deadline): a data connection belongs to the host
+    /// link whose key opened it.
+    NoHostLink,
+}
+
+impl DataRefusal {
+    fn code(self) -> u8 {
+        match self {
+            DataRefusal::Full => 1,
+            DataRefusal::FullForKey => 2,
+            DataRefusal::NoHostLink => 3,
+        }
+    }
+
+    fn of(code: u8) -> Option<DataRefusal> {
+        match code {
+            1 => Some(DataRefusal::Full),
+            2 => Some(DataRefusal::FullForKey),
+            3 => Some(DataRefusal::NoHostLink),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for DataRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DataRefusal::Full => "it holds as many data connections as its limits allow: retry once transfers end, or raise its DataLimits::connections",
+            DataRefusal::FullForKey => "it holds as many data connections from this key as its limits allow: retry once transfers end, or raise its DataLimits::per_key",
+            DataRefusal::NoHostLink => "no host link of its node has this key and process: send over a host link to it, whose key opens the data connection",
+        })
+    }
+}
 
 /// What the receiver says of a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,7 +255,8 @@ fn failed(e: &Error, id: TransferId) -> Error {
         | Error::BadToken
         | Error::HostKeyNotPinned { .. }
         | Error::Tampered { .. }
-        | Error::HostClaimMismatch { .. } => super::again(e, id),
+        | Error::HostClaimMismatch { .. }
+        | Error::DataConnectionRefused { .. } => super::again(e, id),
         other => gone(id, other),
     }
 }
@@ -233,6 +328,83 @@ struct Inner {
     active: Mutex<Vec<(ProcessId, TransferSignal, Arc<Wire>)>>,
     /// The threads that hash payloads beside their copy (see `mac`).
     hashers: Arc<Hashers>,
+    limits: Mutex<DataLimits>,
+    /// The host-link peers whose data connections are welcome, with their static keys.
+    admitted: Mutex<HashMap<ProcessId, NodePublicKey>>,
+    admitted_changed: Condvar,
+    /// Incoming data connections now, in all and by static key.
+    conns: Mutex<Conns>,
+    budget: Arc<CopyBudget>,
+}
+
+#[derive(Debug, Default)]
+struct Conns {
+    total: usize,
+    per_key: HashMap<[u8; 32], usize>,
+}
+
+/// One incoming data connection counted in [`Conns`], until dropped.
+struct Counted<'a> {
+    inner: &'a Inner,
+    key: [u8; 32],
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        let mut c = lock(&self.inner.conns);
+        c.total -= 1;
+        if let Some(n) = c.per_key.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                c.per_key.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// Counts an incoming data connection from `key`, or refuses it past the limits.
+fn count(inner: &Inner, key: [u8; 32]) -> std::result::Result<Counted<'_>, DataRefusal> {
+    let limits = *lock(&inner.limits);
+    let mut c = lock(&inner.conns);
+    if c.total >= limits.connections {
+        return Err(DataRefusal::Full);
+    }
+    let mine = c.per_key.entry(key).or_default();
+    if *mine >= limits.per_key {
+        return Err(DataRefusal::FullForKey);
+    }
+    *mine += 1;
+    c.total += 1;
+    Ok(Counted { inner, key })
+}
+
+/// Waits at most `within` until `peer` is admitted with `key`.
+fn admission(
+    inner: &Inner,
+    peer: ProcessId,
+    key: &[u8; 32],
+    within: Duration,
+) -> std::result::Result<(), DataRefusal> {
+    let until = Instant::now() + within;
+    let mut map = lock(&inner.admitted);
+    loop {
+        match map.get(&peer) {
+            Some(k) if k.0 == *key => return Ok(()),
+            // In its key's namespace a process names one key only; a match of another
+            // key is refused all the same.
+            Some(_) => return Err(DataRefusal::NoHostLink),
+            None => {}
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() || inner.stop.load(Ordering::Relaxed) {
+            return Err(DataRefusal::NoHostLink);
+        }
+        map = inner
+            .admitted_changed
+            .wait_timeout(map, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
 }
 
 /// The TCP transfer engine (host memory). See the module docs for the wire and the
@@ -270,6 +442,11 @@ impl TcpEngine {
             hashers: Hashers::new(Hashers::default_threads(
                 std::thread::available_parallelism().map_or(1, |n| n.get()),
             )),
+            limits: Mutex::new(DataLimits::default()),
+            admitted: Mutex::new(HashMap::new()),
+            admitted_changed: Condvar::new(),
+            conns: Mutex::new(Conns::default()),
+            budget: Arc::new(CopyBudget::default()),
         });
         let acceptor = {
             let weak = Arc::downgrade(&inner);
@@ -315,6 +492,37 @@ impl TcpEngine {
         self.inner.hashers.set_threads(threads);
     }
 
+    /// Welcomes data connections from `peer` (its process as this node knows it: the
+    /// claim of its host link in its key's namespace) made with `key`, the static key of
+    /// its host link, until [`abort_peer`](TransferEngine::abort_peer). A data connection
+    /// of any other key or process is refused ([`DataRefusal::NoHostLink`]). Call it before
+    /// posting the peer's receives.
+    pub fn admit(&self, peer: &EnginePeer, key: NodePublicKey) {
+        lock(&self.inner.admitted).insert(peer.process, key);
+        self.inner.admitted_changed.notify_all();
+    }
+
+    /// Its bounds on data connections.
+    pub fn data_limits(&self) -> DataLimits {
+        *lock(&self.inner.limits)
+    }
+
+    /// Sets its bounds on data connections (for connections made from now on; an idle
+    /// deadline also for those waiting for their next transfer, from that wait on).
+    pub fn set_data_limits(&self, limits: DataLimits) {
+        *lock(&self.inner.limits) = limits;
+    }
+
+    /// Incoming data connections now (counted from their handshake until they close).
+    pub fn data_connections(&self) -> usize {
+        lock(&self.inner.conns).total
+    }
+
+    /// The node-wide budget of copies received at once: one per engine, so one per node.
+    pub fn copy_budget(&self) -> &Arc<CopyBudget> {
+        &self.inner.budget
+    }
+
     /// This engine as its peers name it: its process in the namespace of its key
     /// ([`remote_process`](crate::tcp::remote_process)), as a host link to it names it.
     pub fn as_peer(&self) -> EnginePeer {
@@ -326,8 +534,14 @@ impl TcpEngine {
         }
     }
 
-    fn outgoing(&self, peer: &EnginePeer) -> Result<Arc<Outgoing>> {
-        let mut map = lock(&self.inner.outgoing);
+    /// The sending connection to `peer`, made if there is none (`map` is the locked
+    /// `outgoing` map: a sender closes for idleness only under that lock, so a job queued
+    /// under it is never left on a closed connection).
+    fn outgoing(
+        &self,
+        map: &mut HashMap<ProcessId, Arc<Outgoing>>,
+        peer: &EnginePeer,
+    ) -> Result<Arc<Outgoing>> {
         if let Some(out) = map.get(&peer.process) {
             if !lock(&out.queue).closed {
                 return Ok(Arc::clone(out));
@@ -367,7 +581,8 @@ impl TransferEngine for TcpEngine {
                 reason: "the peer has no TCP data address: give its EnginePeer one",
             });
         }
-        let out = self.outgoing(peer)?;
+        let mut map = lock(&self.inner.outgoing);
+        let out = self.outgoing(&mut map, peer)?;
         let wire = Arc::clone(&out.wire);
         let (transfer, signal) = super::transfer_pair(id, move || cut(&wire));
         {
@@ -378,6 +593,7 @@ impl TransferEngine for TcpEngine {
                 q.jobs.push_back(Job { signal, mem });
             }
         }
+        drop(map);
         out.more.notify_all();
         Ok(transfer)
     }
@@ -417,6 +633,7 @@ impl TransferEngine for TcpEngine {
 }
 
 fn abort_peer(inner: &Inner, peer: ProcessId) {
+    lock(&inner.admitted).remove(&peer);
     if let Some(out) = lock(&inner.outgoing).remove(&peer) {
         out.close(&Error::Closed);
     }
@@ -441,6 +658,8 @@ fn abort_peer(inner: &Inner, peer: ProcessId) {
 impl Drop for TcpEngine {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Relaxed);
+        self.inner.admitted_changed.notify_all();
+        self.inner.posted_changed.notify_all();
         let mut peers: Vec<ProcessId> = lock(&self.inner.outgoing).keys().copied().collect();
         peers.extend(lock(&self.inner.posted).keys().map(|(p, _)| *p));
         peers.extend(lock(&self.inner.incoming).keys().copied());
@@ -456,11 +675,13 @@ impl Drop for TcpEngine {
 }
 
 /// The MAC key of one data connection: the session's pre-shared key, bound to the
-/// connection's handshake.
-fn mac_key(config: &TcpConfig, hash: &[u8; 32]) -> [u8; 32] {
+/// connection's handshake and to both static keys, the sender's (`from`) first.
+fn mac_key(config: &TcpConfig, hash: &[u8; 32], from: &[u8; 32], to: &[u8; 32]) -> [u8; 32] {
     let mut material = host::psk(&config.session).to_vec();
     material.extend_from_slice(hash);
-    blake3::derive_key("baton tcp transfer mac v2", &material)
+    material.extend_from_slice(from);
+    material.extend_from_slice(to);
+    blake3::derive_key("baton tcp transfer mac v3", &material)
 }
 
 /// A data connection's state after its handshake.
@@ -474,9 +695,16 @@ struct Channel {
 }
 
 impl Channel {
-    fn new(stream: TcpStream, est: host::Established, config: &TcpConfig) -> Channel {
+    /// The channel of an established data connection; `sender`: we opened it.
+    fn new(stream: TcpStream, est: host::Established, config: &TcpConfig, sender: bool) -> Channel {
+        let (mine, theirs) = (config.key.public().0, est.remote_key);
+        let (from, to) = if sender {
+            (&mine, &theirs)
+        } else {
+            (&theirs, &mine)
+        };
         Channel {
-            key: mac_key(config, &est.hash),
+            key: mac_key(config, &est.hash, from, to),
             sealer: Sealer::new(Arc::clone(&est.transport)),
             opener: Opener::new(est.transport),
             stream: Arc::new(stream),
@@ -541,44 +769,112 @@ fn set_stall(stream: &TcpStream, stall: Option<Duration>) -> Result<()> {
         .map_err(Error::io("setting a socket timeout"))
 }
 
+/// Whether the receiver closed `stream` (checked without blocking before a transfer on a
+/// connection that waited for it: a receiver closes a connection idle past its deadline).
+fn closed_by_peer(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let r = stream.peek(&mut [0u8; 1]);
+    let back = stream.set_nonblocking(false);
+    match r {
+        Ok(0) => true,
+        // A record before our header: nothing the receiver sends unasked.
+        Ok(_) => true,
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock || back.is_err(),
+    }
+}
+
+/// What the sender thread's wait for its next job gave.
+enum Next {
+    Job(Job),
+    Closed,
+    /// Idle past half its deadline: the connection was let go of (under the map lock).
+    Idle,
+}
+
+/// Waits for `out`'s next job; after `idle` of none, lets the connection go.
+fn next_job(inner: &Inner, out: &Outgoing, idle: Duration) -> (Next, bool) {
+    let mut waited = false;
+    let mut q = lock(&out.queue);
+    loop {
+        if q.closed {
+            return (Next::Closed, waited);
+        }
+        if let Some(job) = q.jobs.pop_front() {
+            q.active = Some(job.signal.clone());
+            return (Next::Job(job), waited);
+        }
+        waited = true;
+        let (back, timeout) = out
+            .more
+            .wait_timeout(q, idle)
+            .unwrap_or_else(|p| p.into_inner());
+        q = back;
+        if timeout.timed_out() && q.jobs.is_empty() {
+            // In the lock order of `send` (the map, then the queue), so that no job is
+            // queued on a connection that is going.
+            drop(q);
+            let mut map = lock(&inner.outgoing);
+            q = lock(&out.queue);
+            if q.jobs.is_empty() && !q.closed {
+                q.closed = true;
+                if map
+                    .get(&out.peer.process)
+                    .is_some_and(|o| std::ptr::eq(Arc::as_ptr(o), out))
+                {
+                    map.remove(&out.peer.process);
+                }
+                return (Next::Idle, waited);
+            }
+        }
+    }
+}
+
 /// The sender thread of one outgoing connection: connects, then sends its queue's jobs
-/// one after another until closed or its connection fails.
+/// one after another until closed, idle, or its connection fails. A connection the
+/// receiver closed while it waited is made again before the next job.
 fn sending(inner: &Inner, out: &Outgoing) {
-    let why = match connect(inner, out) {
-        Ok(mut ch) => {
-            *lock(&out.wire) = Some(Arc::clone(&ch.stream));
-            loop {
-                let job = {
-                    let mut q = lock(&out.queue);
-                    loop {
-                        if q.closed {
-                            break None;
-                        }
-                        if let Some(job) = q.jobs.pop_front() {
-                            q.active = Some(job.signal.clone());
-                            break Some(job);
-                        }
-                        q = out.more.wait(q).unwrap_or_else(|p| p.into_inner());
-                    }
-                };
-                let Some(job) = job else {
-                    break Error::Closed;
-                };
-                let r = send_one(&mut ch, &job, &inner.hashers);
-                lock(&out.queue).active = None;
-                match r {
-                    Ok(outcome) => job.signal.finish(outcome),
-                    Err(e) => {
-                        job.signal.finish(Err(failed(&e, job.signal.id())));
-                        break Error::TransferPeerGone {
-                            id: job.signal.id().0,
-                            why: format!("an earlier transfer's connection failed: {e}"),
-                        };
-                    }
+    let why = 'conn: loop {
+        let mut ch = match connect(inner, out) {
+            Ok(ch) => ch,
+            Err(e) => break e,
+        };
+        *lock(&out.wire) = Some(Arc::clone(&ch.stream));
+        loop {
+            let idle = lock(&inner.limits).idle / 2;
+            let (next, waited) = next_job(inner, out, idle);
+            let job = match next {
+                Next::Job(job) => job,
+                Next::Closed => break 'conn Error::Closed,
+                Next::Idle => {
+                    tracing::debug!(peer = %out.peer.process, "an idle data connection let go of");
+                    let _ = ch.write_record(&[BYE]);
+                    break 'conn Error::Closed;
+                }
+            };
+            if waited && closed_by_peer(&ch.stream) {
+                // The receiver let it go (idle): the job goes first on a new one.
+                let mut q = lock(&out.queue);
+                q.active = None;
+                q.jobs.push_front(job);
+                drop(q);
+                let _ = ch.stream.shutdown(std::net::Shutdown::Both);
+                continue 'conn;
+            }
+            let r = send_one(&mut ch, &job, &inner.hashers);
+            lock(&out.queue).active = None;
+            match r {
+                Ok(outcome) => job.signal.finish(outcome),
+                Err(e) => {
+                    job.signal.finish(Err(failed(&e, job.signal.id())));
+                    break 'conn Error::TransferPeerGone {
+                        id: job.signal.id().0,
+                        why: format!("an earlier transfer's connection failed: {e}"),
+                    };
                 }
             }
         }
-        Err(e) => e,
     };
     let mut map = lock(&inner.outgoing);
     if map
@@ -609,8 +905,28 @@ fn connect(inner: &Inner, out: &Outgoing) -> Result<Channel> {
             announced: est.process(),
         });
     }
-    set_stall(&stream, Some(inner.stall))?;
-    Ok(Channel::new(stream, est, config))
+    // The receiver's verdict: it may wait a handshake deadline of its own for the host
+    // link that admits us.
+    set_stall(&stream, Some(config.handshake_timeout * 2 + inner.stall))?;
+    let mut ch = Channel::new(stream, est, config, true);
+    let n = ch.read_record()?;
+    match ch.record[..n] {
+        [VERDICT, 0] => {}
+        [VERDICT, code] => {
+            return Err(Error::DataConnectionRefused {
+                why: DataRefusal::of(code).ok_or(Error::Refused {
+                    reason: baton_messages::protocol::RefuseReason::ProtocolViolation,
+                })?,
+            });
+        }
+        _ => {
+            return Err(Error::Refused {
+                reason: baton_messages::protocol::RefuseReason::ProtocolViolation,
+            });
+        }
+    }
+    set_stall(&ch.stream, Some(inner.stall))?;
+    Ok(ch)
 }
 
 /// Sends one transfer and reads the receiver's verdict. `Err` is the connection's failure.
@@ -676,7 +992,8 @@ fn send_one(ch: &mut Channel, job: &Job, hashers: &Arc<Hashers>) -> Result<Resul
     })
 }
 
-/// An incoming data connection: its handshake, then one transfer after another.
+/// An incoming data connection: its handshake, its verdict (counted within the limits,
+/// admitted), then one transfer after another.
 fn incoming(inner: &Arc<Inner>, stream: TcpStream, slot: host::Slot) {
     let config = &inner.config;
     let est = (|| {
@@ -693,7 +1010,28 @@ fn incoming(inner: &Arc<Inner>, stream: TcpStream, slot: host::Slot) {
         }
     };
     let peer = est.process();
-    let mut ch = Channel::new(stream, est, config);
+    let key = est.remote_key;
+    let counted = count(inner, key)
+        .and_then(|c| admission(inner, peer, &key, config.handshake_timeout).map(|()| c));
+    let mut ch = Channel::new(stream, est, config, false);
+    let verdict = match &counted {
+        Ok(_) => 0,
+        Err(why) => why.code(),
+    };
+    let told = set_stall(&ch.stream, Some(config.handshake_timeout))
+        .and_then(|()| ch.write_record(&[VERDICT, verdict]));
+    let _counted = match (counted, told) {
+        (Ok(c), Ok(())) => c,
+        (Err(why), _) => {
+            tracing::warn!(%peer, key = %NodePublicKey(key), %why, "refused a TCP engine connection");
+            let _ = ch.stream.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+        (Ok(_), Err(e)) => {
+            tracing::debug!(%peer, error = %e, "a TCP engine connection ended before its verdict");
+            return;
+        }
+    };
     lock(&inner.incoming)
         .entry(peer)
         .or_default()
@@ -712,16 +1050,26 @@ fn incoming(inner: &Arc<Inner>, stream: TcpStream, slot: host::Slot) {
             list.len() < before && list.is_empty()
         })
     };
-    if last {
+    let why = match &r {
+        // Let go of for idleness: the peer's next transfer comes on a new connection.
+        Ok(Ended::Quiet) => None,
+        Ok(Ended::Closed) => Some(Error::Closed),
+        Err(e) => Some(super::again(e, TransferId(0))),
+    };
+    if let (true, Some(why)) = (last, why) {
         // The peer's data connection ended: receives posted for it will get no bytes.
-        let why = match &r {
-            Ok(()) => Error::Closed,
-            Err(e) => super::again(e, TransferId(0)),
-        };
         for p in take_posted(inner, peer) {
             p.signal.finish(Err(gone(p.signal.id(), &why)));
         }
     }
+}
+
+/// How a data connection ended without a failure.
+enum Ended {
+    /// The sender closed it, or the engine stops.
+    Closed,
+    /// Idle: the sender said goodbye, or it carried nothing for the idle deadline.
+    Quiet,
 }
 
 /// Takes the receives posted for `peer`.
@@ -731,18 +1079,26 @@ fn take_posted(inner: &Inner, peer: ProcessId) -> Vec<Posted> {
     keys.into_iter().filter_map(|k| map.remove(&k)).collect()
 }
 
-fn receiving(inner: &Inner, peer: ProcessId, ch: &mut Channel) -> Result<()> {
+fn receiving(inner: &Inner, peer: ProcessId, ch: &mut Channel) -> Result<Ended> {
     loop {
         if inner.stop.load(Ordering::Relaxed) {
-            return Ok(());
+            return Ok(Ended::Closed);
         }
-        set_stall(&ch.stream, None)?;
+        let idle = lock(&inner.limits).idle;
+        set_stall(&ch.stream, Some(idle))?;
         let n = match ch.read_record() {
             Ok(n) => n,
-            Err(Error::Closed) if ch.opener.buffered() == 0 => return Ok(()),
+            Err(Error::Closed) if ch.opener.buffered() == 0 => return Ok(Ended::Closed),
+            Err(Error::Timeout { .. }) if ch.opener.buffered() == 0 => {
+                tracing::debug!(%peer, ?idle, "closed an idle data connection");
+                return Ok(Ended::Quiet);
+            }
             Err(e) => return Err(e),
         };
         set_stall(&ch.stream, Some(inner.stall))?;
+        if ch.record[..n] == [BYE] {
+            return Ok(Ended::Quiet);
+        }
         let header = &ch.record[..n];
         if n != 17 || header[0] != HEADER {
             return Err(Error::Refused {

@@ -3,8 +3,8 @@
 //! transfer with a typed error within its deadline; a wrong token is refused.
 
 use super::*;
-use crate::tcp::NodeKey;
 use crate::tcp::proxy::{Flip, proxy};
+use crate::tcp::{NodeKey, NodePublicKey};
 use baton_messages::SessionToken;
 
 const STALL: Duration = Duration::from_secs(2);
@@ -36,6 +36,20 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// `e` as its peers' host links know it: its process in its key's namespace.
+fn known(e: &TcpEngine) -> EnginePeer {
+    e.as_peer()
+}
+
+fn key_of(e: &TcpEngine) -> NodePublicKey {
+    e.inner.config.key.public()
+}
+
+/// `b` welcomes `a`'s data connections, as a node does for a host link's peer.
+fn admit(b: &TcpEngine, a: &TcpEngine) {
+    b.admit(&known(a), key_of(a));
+}
+
 /// Sends `src` from `a` to `b` (to `via`, if given, instead of `b`'s own address) as
 /// transfer `id`: (the send, the receive). Both engines are in this process, so the peer
 /// of each is the same process: distinct engines tell them apart by their connections.
@@ -47,11 +61,12 @@ fn start(
     dst: &mut [u8],
     via: Option<SocketAddr>,
 ) -> (Transfer, Transfer) {
-    let mut to_b = b.as_peer();
+    let mut to_b = known(b);
     if via.is_some() {
         to_b.data_addr = via;
     }
-    let from_a = a.as_peer();
+    let from_a = known(a);
+    admit(b, a);
     // SAFETY: the buffers outlive both transfers: every test waits for or aborts them
     // before the buffers drop.
     let recv = unsafe { b.recv(&from_a, TransferId(id), Region::of_slice(dst)) }.unwrap();
@@ -188,24 +203,28 @@ fn a_sender_that_goes_away_mid_transfer_fails_the_receive() {
     assert!(started.elapsed() < STALL + Duration::from_secs(5));
 }
 
+/// The receiver goes away while the bytes flow (a proxy holds them halfway, so the
+/// transfer cannot have landed): the send fails, typed — never a success.
 #[test]
 fn a_receiver_that_goes_away_mid_transfer_fails_the_send() {
     let a = engine(1);
-    let mut src = pattern(256 << 20, 5);
-    let mut dst = vec![0u8; 256 << 20];
+    let mut src = pattern(64 << 20, 5);
+    let mut dst = vec![0u8; 64 << 20];
     let b = engine(1);
-    let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, None);
-    // Gone as soon as the bytes flow (or earlier: either way the send fails).
+    let (via, forwarded) = proxy(b.data_addr(), Flip::Never, Some(8 << 20));
+    let (send, recv) = start(&a, &b, 1, &mut src, &mut dst, Some(via));
+    let until = Instant::now() + WAIT;
+    while forwarded.load(Ordering::SeqCst) < 8 << 20 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!send.is_finished() && !recv.is_finished(), "mid-transfer");
     drop(b);
     assert!(matches!(
         recv.wait(Duration::ZERO),
-        Err(Error::TransferAborted { .. }) | Ok(())
+        Err(Error::TransferAborted { id: 1 })
     ));
-    match send.wait(WAIT) {
-        Err(Error::TransferPeerGone { id: 1, .. }) => {}
-        Ok(()) => assert!(recv.wait(Duration::ZERO).is_ok(), "landed before the drop"),
-        other => panic!("{other:?}"),
-    }
+    let e = send.wait(WAIT).unwrap_err();
+    assert!(matches!(e, Error::TransferPeerGone { id: 1, .. }), "{e}");
 }
 
 #[test]
@@ -238,7 +257,7 @@ fn abort_mid_transfer_returns_once_the_memory_is_free() {
         Err(Error::TransferAborted { id: 1 })
     ));
     src.fill(0); // ours again
-    b.abort_peer(&a.as_peer());
+    b.abort_peer(&known(&a));
     assert!(matches!(
         recv.wait(Duration::ZERO),
         Err(Error::TransferAborted { id: 1 })
@@ -273,15 +292,6 @@ fn a_data_connection_with_a_wrong_token_is_refused() {
 
 /// The child's role in `a_killed_sender_process_fails_the_receive`: sends a large buffer
 /// to the parent's engine (through the address in the environment) and waits to be killed.
-/// A public key from its 64 hex digits (as `NodePublicKey`'s `Display` writes it).
-fn public_key(hex: &str) -> crate::tcp::NodePublicKey {
-    let mut key = [0u8; 32];
-    for (i, b) in key.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-    }
-    crate::tcp::NodePublicKey(key)
-}
-
 #[test]
 #[ignore = "a child process's role, run by a_killed_sender_process_fails_the_receive"]
 fn child_sender() {
@@ -289,15 +299,21 @@ fn child_sender() {
         return;
     };
     let token = SessionToken::from_hex(&std::env::var("BATON_TEST_TOKEN").unwrap()).unwrap();
-    let config = TcpConfig::new(crate::Session::new(token), NodeKey::generate().unwrap());
-    // The parent knows us by our process in our key's namespace: it learns the key here.
-    println!("{}", config.key.public());
+    let key = NodeKey::generate().unwrap();
+    // The parent admits our key: it reads it from this file.
+    let file = std::env::var("BATON_TEST_KEY_FILE").unwrap();
+    std::fs::write(format!("{file}.tmp"), key.public().0).unwrap();
+    std::fs::rename(format!("{file}.tmp"), &file).unwrap();
+    let config = TcpConfig::new(crate::Session::new(token), key);
     let a = TcpEngine::bind("127.0.0.1:0", config, STALL).unwrap();
     let parent = rustix::process::getppid().unwrap().as_raw_nonzero().get() as u32;
-    let parent_key = public_key(&std::env::var("BATON_TEST_ENGINE_KEY").unwrap());
+    let parent_key: [u8; 32] = std::fs::read(format!("{file}.parent"))
+        .unwrap()
+        .try_into()
+        .unwrap();
     let peer = EnginePeer {
-        process: crate::tcp::remote_process(
-            &parent_key,
+        process: crate::identity::remote_process(
+            &NodePublicKey(parent_key),
             ProcessId {
                 boot: crate::process::boot_id(),
                 pid: parent,
@@ -322,35 +338,26 @@ fn a_killed_sender_process_fails_the_receive() {
         crate::Session::new(token.clone()),
         NodeKey::generate().unwrap(),
     );
-    let key = config.key.public();
     let b = TcpEngine::bind("127.0.0.1:0", config, STALL).unwrap();
     let (via, forwarded) = proxy(b.data_addr(), Flip::Never, Some(8 << 20));
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("key");
+    std::fs::write(dir.path().join("key.parent"), key_of(&b).0).unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "transfer::tcp::tests::child_sender",
-            "--ignored",
-            "--nocapture",
-        ])
+        .args(["--exact", "transfer::tcp::tests::child_sender", "--ignored"])
         .env("BATON_TEST_ENGINE_TO", via.to_string())
-        .env("BATON_TEST_ENGINE_KEY", key.to_string())
         .env("BATON_TEST_TOKEN", token.to_hex())
-        .stdout(std::process::Stdio::piped())
+        .env("BATON_TEST_KEY_FILE", &key_file)
+        .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    // The child's key: the first line it prints that is one (the harness prints too).
-    let child_key = {
-        use std::io::BufRead;
-        let out = std::io::BufReader::new(child.stdout.take().unwrap());
-        let line = out
-            .lines()
-            .map_while(std::result::Result::ok)
-            .find(|l| l.len() == 64 && l.bytes().all(|b| b.is_ascii_hexdigit()))
-            .expect("the child prints its key");
-        public_key(&line)
-    };
+    let until = Instant::now() + WAIT;
+    while !key_file.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let child_key = NodePublicKey(std::fs::read(&key_file).unwrap().try_into().unwrap());
     let from = EnginePeer {
-        process: crate::tcp::remote_process(
+        process: crate::identity::remote_process(
             &child_key,
             ProcessId {
                 boot: crate::process::boot_id(),
@@ -361,6 +368,7 @@ fn a_killed_sender_process_fails_the_receive() {
         host: crate::tcp::HostId::current(),
         data_addr: None,
     };
+    b.admit(&from, child_key);
     let mut dst = vec![0u8; 64 << 20];
     // SAFETY: `dst` outlives the transfer, which is waited for below.
     let recv = unsafe { b.recv(&from, TransferId(1), Region::of_slice(&mut dst)) }.unwrap();
@@ -381,7 +389,8 @@ fn a_killed_sender_process_fails_the_receive() {
 #[test]
 fn a_declined_transfer_is_read_past_and_the_next_one_lands_at_once() {
     let (a, b) = (engine(1), engine(1));
-    let (to_b, from_a) = (b.as_peer(), a.as_peer());
+    let (to_b, from_a) = (known(&b), known(&a));
+    admit(&b, &a);
     let mut declined = pattern(4 << 20, 1);
     // Declined before its bytes come, as a receiver that refuses an offer does.
     crate::transfer::decline(&b, &from_a, TransferId(1)).unwrap();
