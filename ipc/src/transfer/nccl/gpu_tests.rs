@@ -104,7 +104,9 @@ fn engine(ordinal: usize, me: u8, out: impl Write + Send + 'static) -> Arc<NcclE
 /// listens (on a real host link, the link's own address is passed, never this).
 fn maker_ip(bytes: &[u8]) -> std::net::IpAddr {
     let (_, _, uid) = decode_rendezvous(bytes).expect("a rendezvous message");
-    uid.bootstrap_addr().expect("NCCL names its bootstrap socket").ip()
+    uid.bootstrap_addr()
+        .expect("NCCL names its bootstrap socket")
+        .ip()
 }
 
 /// Feeds `from`'s rendezvous lines to `engine` (other lines are printed).

@@ -549,7 +549,8 @@ fn a_rendezvous_naming_a_bootstrap_off_the_peers_host_is_refused_and_disturbs_no
     let (pair, attempt) = ready_pair();
     let calls = pair.fabric().calls.len();
     let elsewhere = SocketAddr::from(([10, 9, 9, 9], 1234));
-    let mut nowhere = encode_rendezvous(Dir::Out, Offer { serial: 7, seen: 0 }, &UniqueId([0; 128]));
+    let mut nowhere =
+        encode_rendezvous(Dir::Out, Offer { serial: 7, seen: 0 }, &UniqueId([0; 128]));
     for (bytes, named) in [
         (
             encode_rendezvous(
@@ -604,7 +605,11 @@ fn a_rendezvous_claiming_another_peer_reaches_only_its_own_links_communicators()
     let (mut src, mut dst) = (vec![7u8; 64], vec![0u8; 64]);
     move_checked(&pair, 2, &mut src, &mut dst);
     assert_eq!(pair.b.phase(&peer(1), Dir::In), Phase::Ready(attempt));
-    assert_eq!(pair.fabric().aborts(), 0, "node 1's communicator was aborted");
+    assert_eq!(
+        pair.fabric().aborts(),
+        0,
+        "node 1's communicator was aborted"
+    );
 }
 
 #[test]
