@@ -35,6 +35,8 @@ struct Target {
     addr: SocketAddr,
     /// Its peer events.
     events: Events,
+    /// Its NCCL: aborts are let go of at the end, so that a failing test cannot hang.
+    fabric: FakeFabric,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -84,6 +86,7 @@ impl Target {
         Self {
             addr,
             events,
+            fabric: fabric.clone(),
             stop,
             thread: Some(thread),
         }
@@ -102,6 +105,7 @@ impl Target {
 
 impl Drop for Target {
     fn drop(&mut self) {
+        self.fabric.hang_aborts(false);
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();

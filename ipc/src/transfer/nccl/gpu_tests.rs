@@ -102,7 +102,7 @@ fn engine(ordinal: usize, me: u8, out: impl Write + Send + 'static) -> Arc<NcclE
 /// The address the rendezvous message's unique id names. Both processes run on this
 /// machine and talk over a pipe, not a host link: the peer's "host" is wherever its NCCL
 /// listens (on a real host link, the link's own address is passed, never this).
-fn maker_ip(bytes: &[u8]) -> std::net::IpAddr {
+fn maker_ip(bytes: &[u8]) -> IpAddr {
     let (_, _, uid) = decode_rendezvous(bytes).expect("a rendezvous message");
     uid.bootstrap_addr()
         .expect("NCCL names its bootstrap socket")

@@ -549,8 +549,8 @@ fn a_rendezvous_naming_a_bootstrap_off_the_peers_host_is_refused_and_disturbs_no
     let (pair, attempt) = ready_pair();
     let calls = pair.fabric().calls.len();
     let elsewhere = SocketAddr::from(([10, 9, 9, 9], 1234));
-    let mut nowhere =
-        encode_rendezvous(Dir::Out, Offer { serial: 7, seen: 0 }, &UniqueId([0; 128]));
+    // An id naming no address at all is refused too.
+    let nowhere = encode_rendezvous(Dir::Out, Offer { serial: 7, seen: 0 }, &UniqueId([0; 128]));
     for (bytes, named) in [
         (
             encode_rendezvous(
@@ -560,7 +560,7 @@ fn a_rendezvous_naming_a_bootstrap_off_the_peers_host_is_refused_and_disturbs_no
             ),
             Some(elsewhere.ip()),
         ),
-        (std::mem::take(&mut nowhere), None),
+        (nowhere, None),
     ] {
         let refused = pair.b.on_rendezvous(&peer(1), addr_of(1).ip(), &bytes);
         match refused {
