@@ -408,8 +408,66 @@ impl Actor for PeerLink {
         // or the peer never reads what we queued.
         self.closer.close();
         self.out = None;
-        // No transfer touches our buffers once their leases are taken back.
-        self.abort_copies();
+        // No transfer touches our buffers once their leases are taken back: the copies'
+        // engines let go first, then the rest of the link's end runs (`LinkEnd`).
+        let nccl_abort = self.abort_copies();
+        let end = LinkEnd {
+            node: self.node.clone(),
+            me: self.me.clone(),
+            peer: self.peer,
+            down: self.down.take(),
+            ended: Some(self.session.end()),
+            span: self.span.clone(),
+        };
+        match nccl_abort {
+            None => end.finish(),
+            Some((nccl, peer)) => {
+                // `ncclCommAbort` can hang (a peer killed mid-copy): never on the thread
+                // every link of the node shares, where it would hold all of them up past
+                // their heartbeat deadline (issue 45). The engine's `abort_peer` returns
+                // once the peer's communicators are aborted, or after its `abort_wait` —
+                // then the transfers of a hung abort keep their memory (never freed) for
+                // as long as it has not returned (`HeldTransfer`, the NCCL engine's docs).
+                let aborted = tokio::task::spawn_blocking(move || {
+                    baton_ipc::TransferEngine::abort_peer(&*nccl, &peer);
+                });
+                // `end` finishes once the abort returned or was given up on — or when it
+                // is dropped, should the runtime stop first.
+                actix::spawn(async move {
+                    let _ = aborted.await;
+                    end.finish();
+                });
+            }
+        }
+    }
+}
+
+/// The end of a link, after its copies' engines let go of the memory they moved: the
+/// ledger takes back the leases the link granted, the mappings it kept warm and the
+/// forwards through it go, its callers fail, what its guards hold is orphaned, and the
+/// node hears that it is down. Runs from [`PeerLink::stopped`] at once, or off the
+/// links' thread after the NCCL aborts of its peer (`finish`, or its drop).
+struct LinkEnd {
+    node: Node,
+    me: LinkRef,
+    peer: PeerInfo,
+    down: Option<Arc<ActorError>>,
+    /// `Some` until finished.
+    ended: Option<Ended<Attached>>,
+    span: tracing::Span,
+}
+
+impl LinkEnd {
+    fn finish(mut self) {
+        self.run();
+    }
+
+    fn run(&mut self) {
+        let Some(Ended { callers, orphans }) = self.ended.take() else {
+            return;
+        };
+        let span = self.span.clone();
+        let _g = span.enter();
         let exports = self.node.exports();
         let before = exports.stats(None).leases;
         exports.link_cut(self.me.id);
@@ -420,7 +478,6 @@ impl Actor for PeerLink {
         self.node
             .relays()
             .link_stopped(self.me.id, self.peer.process, self.node.cache());
-        let Ended { callers, orphans } = self.session.end();
         for tx in callers {
             let _ = tx.send(Err(ActorError::LinkClosed {
                 peer: self.peer.process,
@@ -433,6 +490,12 @@ impl Actor for PeerLink {
         tracing::info!(reclaimed, orphaned, reason = ?self.down.as_deref().map(ToString::to_string), "link down");
         self.node.link_down(self.me.id, self.peer, self.down.take());
         self.me.state.stopped.send_replace(true);
+    }
+}
+
+impl Drop for LinkEnd {
+    fn drop(&mut self) {
+        self.run();
     }
 }
 

@@ -746,7 +746,9 @@ impl Node {
     /// Its NCCL engine, for device memory across hosts: made on the first call, for the
     /// device this node's CUDA backend allocates on. Its rendezvous messages go to the
     /// peer over a host link to it (the links are the sink's only state: the engine,
-    /// which the node owns, never holds the node).
+    /// which the node owns, never holds the node): a live host link whose peer is the
+    /// engine's peer as the links know it — its process id in its proven key's namespace,
+    /// and its host — never a link found by what a peer claims (issue 45).
     ///
     /// # Errors
     /// [`RegionUnsupported`](baton_ipc::Error::RegionUnsupported) without a host link or
@@ -764,15 +766,6 @@ impl Node {
         if let Some(engine) = made.as_ref() {
             return Ok(Arc::clone(engine));
         }
-        let Some(cuda) = self
-            .backend()
-            .as_any()
-            .downcast_ref::<baton_ipc::CudaBackend>()
-        else {
-            return Err(unsupported(
-                "this node allocates host memory: device memory crosses hosts between nodes with CUDA backends",
-            ));
-        };
         let me = EnginePeer {
             process: self.session().process(),
             host: self.inner.config.hosts.host,
@@ -784,7 +777,9 @@ impl Node {
             let link = lock(&links)
                 .values()
                 .find(|p| {
-                    p.info.process == peer.process && p.info.host().is_some() && p.link.is_alive()
+                    p.info.process == peer.process
+                        && p.info.host().is_some_and(|h| h.host == peer.host)
+                        && p.link.is_alive()
                 })
                 .map(|p| p.link.clone());
             match link {
@@ -794,16 +789,30 @@ impl Node {
                 }
             }
         });
-        let engine = Arc::new(NcclEngine::new(
-            cuda.ordinal(),
-            &me,
-            self.inner.config.hosts.nccl,
-            sink,
-        )?);
-        tracing::info!(
-            device = cuda.ordinal(),
-            "NCCL engine made: device memory crosses hosts"
-        );
+        let config = self.inner.config.hosts.nccl;
+        // A test's fake NCCL, where one serves this node's host (the ipc crate's `testing`
+        // feature; never otherwise).
+        let engine = match baton_ipc::transfer::nccl::testing_engine(&me, config, sink.clone()) {
+            Some(fake) => fake,
+            None => {
+                let Some(cuda) = self
+                    .backend()
+                    .as_any()
+                    .downcast_ref::<baton_ipc::CudaBackend>()
+                else {
+                    return Err(unsupported(
+                        "this node allocates host memory: device memory crosses hosts between nodes with CUDA backends",
+                    ));
+                };
+                let engine = NcclEngine::new(cuda.ordinal(), &me, config, sink)?;
+                tracing::info!(
+                    device = cuda.ordinal(),
+                    "NCCL engine made: device memory crosses hosts"
+                );
+                engine
+            }
+        };
+        let engine = Arc::new(engine);
         *made = Some(Arc::clone(&engine));
         Ok(engine)
     }

@@ -449,6 +449,20 @@ pub enum Error {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// A peer's NCCL rendezvous names a bootstrap socket that is not on the host its link
+    /// runs to: joining it would make this node connect wherever the peer says, so it is
+    /// refused (the peer's fault). An honest peer whose NCCL listens on another interface
+    /// than its host link's: set `NCCL_SOCKET_IFNAME` there to that interface.
+    #[error(
+        "an NCCL rendezvous from the peer at {link} names a bootstrap socket at {}, not on the peer's host: refused (if the peer is honest, set NCCL_SOCKET_IFNAME on it to the interface its host link runs over)",
+        named.map_or_else(|| "no address".to_owned(), |ip| ip.to_string())
+    )]
+    RendezvousElsewhere {
+        /// The address the rendezvous names (`None`: none NCCL would read).
+        named: Option<std::net::IpAddr>,
+        /// The address of the peer's host link.
+        link: std::net::IpAddr,
+    },
 }
 
 /// Whose fault an [`Error`] is (or an `ActorError` of `baton-actors`, which shares the
@@ -517,7 +531,8 @@ impl Error {
             | Error::HostClaimMismatch { .. }
             | Error::TransferCorrupt { .. }
             | Error::TransferSizeMismatch { .. }
-            | Error::BadRendezvous { .. } => Fault::Peer,
+            | Error::BadRendezvous { .. }
+            | Error::RendezvousElsewhere { .. } => Fault::Peer,
             Error::Refused { .. } | Error::DataConnectionRefused { .. } => Fault::Refused,
             Error::SegmentNotFound { .. }
             | Error::MemoryTooSmall { .. }

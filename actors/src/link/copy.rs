@@ -61,6 +61,7 @@ use crate::link_ref::{CutOff, ForwardCopy, LinkRef, SendRendezvous};
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
 use actix::prelude::*;
+use baton_ipc::transfer::nccl::NcclEngine;
 use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferEngine, TransferId, decline};
 use baton_ipc::{Error as IpcError, ExportedFence, Imported, MemPtr};
 use baton_messages::protocol::{Offer, Pull, Rendezvous};
@@ -493,15 +494,17 @@ impl PeerLink {
     }
 
     /// The link ends: every transfer with the peer stops touching memory before the
-    /// ledger takes the link's leases back.
-    pub(super) fn abort_copies(&mut self) {
+    /// ledger takes the link's leases back. The TCP engine's transfers stop here (a
+    /// socket shutdown); the NCCL engine's abort, which can hang, is returned for the
+    /// caller to run off the links' shared thread before it lets the leases go
+    /// (`PeerLink::stopped`, issue 45).
+    pub(super) fn abort_copies(&mut self) -> Option<(Arc<NcclEngine>, EnginePeer)> {
+        let mut nccl_abort = None;
         if let (Some(plane), Some(peer)) = (self.node.plane(), self.engine_peer()) {
             plane.engine.abort_peer(&peer);
-            if let Some(nccl) = plane.nccl() {
-                nccl.abort_peer(&peer);
-            }
+            nccl_abort = plane.nccl().map(|nccl| (nccl, peer));
         }
-        // `abort_peer` stopped every send with the peer (within its bound): each ends in
+        // `abort_peer` stops every send with the peer (within its bound): each ends in
         // its reaper, which keeps its memory until the engine lets go of it.
         self.pulls.queue.clear();
         self.copies_out.clear();
@@ -509,6 +512,7 @@ impl PeerLink {
         for (_, reply) in self.forwards_out.drain() {
             let _ = reply.send(Err(ActorError::LinkClosed { peer }));
         }
+        nccl_abort
     }
 
     /// The peer posted its receive of the device copy of `lease`: its send takes its turn.
@@ -598,15 +602,16 @@ impl PeerLink {
         })
     }
 
-    /// The peer's engine's rendezvous message, for ours.
+    /// The peer's engine's rendezvous message, for ours: keyed by this link's peer, its
+    /// bootstrap socket checked to be on the host this link runs to (issue 45).
     pub(super) fn on_rendezvous(&mut self, bytes: &[u8]) -> Result<(), ActorError> {
-        let peer = self
-            .engine_peer()
-            .ok_or_else(|| unsupported("nccl", "not a host link"))?;
+        let (Some(peer), Some(host)) = (self.engine_peer(), self.peer.host()) else {
+            return Err(unsupported("nccl", "not a host link").into());
+        };
         let nccl = self.node.nccl().map_err(|_| ActorError::Unexpected {
             got: "a Rendezvous for an engine this node does not run",
         })?;
-        Ok(nccl.on_rendezvous(&peer, bytes)?)
+        Ok(nccl.on_rendezvous(&peer, host.addr.ip(), bytes)?)
     }
 
     /// Receives a frame's offered copies, then carries on with what they were for (see

@@ -267,6 +267,13 @@ fn every_variant() -> Vec<(Error, Fault)> {
             },
             Fault::Peer,
         ),
+        (
+            Error::RendezvousElsewhere {
+                named: Some(std::net::Ipv4Addr::new(10, 9, 9, 9).into()),
+                link: std::net::Ipv4Addr::LOCALHOST.into(),
+            },
+            Fault::Peer,
+        ),
     ]
 }
 
@@ -298,8 +305,8 @@ fn peer_fault_and_local_open_failure_read_the_kind() {
     // local failures (no NCCL, an NCCL call that failed).
     assert_eq!(
         (peer, local),
-        (10 + 6, 12 + 2),
-        "the lists as they stood before the kinds, with issue 26's host variants"
+        (10 + 6 + 1, 12 + 2),
+        "the lists as they stood before the kinds, with issue 26's host variants and issue 45's rendezvous naming another host"
     );
 }
 

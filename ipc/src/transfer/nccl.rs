@@ -12,6 +12,19 @@
 //!   over the authenticated link. The sending side of a direction offers its communicator
 //!   when its first transfer needs it; the receiving side queues its receives until the
 //!   offer comes (or their deadline). The lower node identity is rank 0.
+//! - Rendezvous follow the authenticated link, never what the bytes say (issue 45): the
+//!   engine keys a peer's communicators by the [`EnginePeer`] its link gives (a remote
+//!   process id lives in the namespace of the key the link proved), so a token holder
+//!   reaches only its own communicators, whatever it claims. A unique id names the
+//!   bootstrap socket that joining it connects to; the engine joins only one on the
+//!   peer's own host — the IP address its host link runs to — and refuses any other
+//!   ([`Error::RendezvousElsewhere`]) before its state is touched, so a peer cannot make
+//!   this node connect to an address of its choosing nor disturb another communicator.
+//!   An honest peer must therefore run NCCL's bootstrap on the interface of its host link
+//!   (`NCCL_SOCKET_IFNAME`). What the check cannot cover: once joined, the addresses
+//!   NCCL's own bootstrap exchanges (the other rank's, its network transport's) come from
+//!   the peer's NCCL unchecked — NCCL's bootstrap is not authenticated; keep NCCL's
+//!   ports inside the deployment's network.
 //! - NCCL matches point-to-point operations by order: per peer and direction, the receiver
 //!   must start its receives in the order the sender started the matching sends, with the
 //!   same lengths (the engine launches in the order transfers are started).
@@ -59,6 +72,7 @@ use baton_messages::ProcessId;
 use comm::{Action, Attempt, CommTable, Failure, Offer, Phase, Tid};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::net::IpAddr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -296,13 +310,26 @@ impl NcclEngine {
         }
     }
 
-    /// A rendezvous message from `peer`, carried by the control plane: joins (or declines,
-    /// for crossing offers) the communicator it offers.
+    /// A rendezvous message from `peer`, carried by the control plane over the link that
+    /// authenticated it, whose other end is at `host` (the IP address the host link runs
+    /// to): joins (or declines, for crossing offers) the communicator it offers, keyed by
+    /// `peer` as the link knows it — nothing in the bytes names a peer.
+    ///
+    /// Joining connects to the bootstrap socket its unique id names, so that address must
+    /// be on the peer's own host (`host`): a rendezvous that names any other is refused
+    /// before the engine's state is touched, so it cannot make this node connect
+    /// elsewhere, nor disturb any communicator (module docs).
     ///
     /// # Errors
-    /// [`Error::BadRendezvous`]: the bytes are not a rendezvous message (the peer's fault).
-    pub fn on_rendezvous(&self, peer: &EnginePeer, bytes: &[u8]) -> Result<()> {
+    /// [`Error::BadRendezvous`]: the bytes are not a rendezvous message;
+    /// [`Error::RendezvousElsewhere`]: its bootstrap socket is not at `host` (both the
+    /// peer's fault).
+    pub fn on_rendezvous(&self, peer: &EnginePeer, host: IpAddr, bytes: &[u8]) -> Result<()> {
         let (dir, offer, uid) = decode_rendezvous(bytes)?;
+        let named = uid.bootstrap_addr().map(|a| a.ip());
+        if named.map(|ip| ip.to_canonical()) != Some(host.to_canonical()) {
+            return Err(Error::RendezvousElsewhere { named, link: host });
+        }
         let key = self.shared.key(peer, dir)?;
         let mut st = self.shared.lock();
         st.peers.insert(key.node, *peer);
@@ -699,9 +726,116 @@ fn failure_error(id: TransferId, f: Failure) -> Error {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
+#[cfg_attr(not(test), allow(dead_code))]
 mod fake;
 #[cfg(all(test, feature = "gpu-tests"))]
 mod gpu_tests;
 #[cfg(test)]
 mod tests;
+
+/// An engine on the fake NCCL for a node whose host is served by a [`testing::FakeFabric`]
+/// (with the `testing` feature; else, and for every other host, `None`): how the layers
+/// above test what they do with an engine — a rendezvous, an abort that hangs — on
+/// machines without NCCL. Not a stable API.
+#[doc(hidden)]
+pub fn testing_engine(
+    me: &EnginePeer,
+    config: NcclConfig,
+    sink: RendezvousSink,
+) -> Option<NcclEngine> {
+    #[cfg(feature = "testing")]
+    {
+        let (fabric, device, addr) = testing::served(me.host)?;
+        let nccl = fake::FakeNccl {
+            fabric,
+            device,
+            addr,
+        };
+        Some(NcclEngine::with_nccl(Arc::new(nccl), me, config, sink))
+    }
+    #[cfg(not(feature = "testing"))]
+    {
+        let _ = (me, config, sink);
+        None
+    }
+}
+
+/// The fake NCCL for the tests of the layers above (the `testing` feature; not a stable
+/// API): a [`FakeFabric`](testing::FakeFabric) serves the nodes of a host (their
+/// [`HostId`]), whose engines then run on it ([`testing_engine`]).
+#[cfg(feature = "testing")]
+pub mod testing {
+    use super::fake::{Call, Fabric};
+    use super::{Dir, HostId, Mutex, Offer, encode_rendezvous};
+    use crate::transfer::nccl::api::UniqueId;
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+
+    /// The hosts served, with their fabric, device and bootstrap address.
+    type Served = Vec<(HostId, Arc<Mutex<Fabric>>, usize, SocketAddr)>;
+    static SERVED: Mutex<Served> = Mutex::new(Vec::new());
+
+    pub(super) fn served(host: HostId) -> Option<(Arc<Mutex<Fabric>>, usize, SocketAddr)> {
+        let served = SERVED.lock().unwrap_or_else(|e| e.into_inner());
+        (served.iter())
+            .find(|(h, ..)| *h == host)
+            .map(|(_, f, d, a)| (Arc::clone(f), *d, *a))
+    }
+
+    /// A fake NCCL fabric: communicators of one unique id meet, operations never complete
+    /// on their own here (nothing sends), and aborts can be made to hang.
+    #[derive(Debug, Clone, Default)]
+    pub struct FakeFabric {
+        fabric: Arc<Mutex<Fabric>>,
+    }
+
+    impl FakeFabric {
+        /// A fabric serving no host yet.
+        pub fn new() -> Self {
+            Self::default()
+        }
+
+        fn lock(&self) -> std::sync::MutexGuard<'_, Fabric> {
+            self.fabric.lock().unwrap_or_else(|e| e.into_inner())
+        }
+
+        /// Makes every node of `host` run its NCCL engine on this fabric (as device
+        /// `device`), its unique ids naming `bootstrap`.
+        pub fn serve(&self, host: HostId, device: usize, bootstrap: SocketAddr) {
+            let mut served = SERVED.lock().unwrap_or_else(|e| e.into_inner());
+            served.retain(|(h, ..)| *h != host);
+            served.push((host, Arc::clone(&self.fabric), device, bootstrap));
+        }
+
+        /// While `on`, every `ncclCommAbort` hangs (as NCCL's can when a peer died
+        /// mid-transfer); set it off and they return.
+        pub fn hang_aborts(&self, on: bool) {
+            self.lock().hang_aborts = on;
+        }
+
+        /// Communicators initialised (`ncclCommInitRankConfig` calls).
+        pub fn inits(&self) -> usize {
+            (self.lock().calls.iter())
+                .filter(|c| matches!(c, Call::Init { .. }))
+                .count()
+        }
+
+        /// Aborts called, whether or not they returned.
+        pub fn aborts_begun(&self) -> usize {
+            self.lock().aborts_begun
+        }
+
+        /// Aborts that returned.
+        pub fn aborts_returned(&self) -> usize {
+            self.lock().aborts()
+        }
+    }
+
+    /// A rendezvous message as a peer's engine sends it: an offer (number `serial`) of the
+    /// communicator it sends on, its unique id naming `bootstrap`.
+    pub fn rendezvous(serial: u64, bootstrap: SocketAddr) -> Vec<u8> {
+        let offer = Offer { serial, seen: 0 };
+        encode_rendezvous(Dir::Out, offer, &UniqueId::naming(serial, bootstrap))
+    }
+}

@@ -5,6 +5,7 @@
 use crate::transfer::Region;
 use crate::{Error, MemPtr, Result};
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
 /// The device address of `region`: NCCL moves device memory only.
 ///
@@ -41,6 +42,57 @@ impl fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never logged: it is the way into the maker's bootstrap.
         f.write_str("UniqueId(..)")
+    }
+}
+
+/// Where NCCL puts the bootstrap address in an `ncclUniqueId`: `struct ncclBootstrapHandle
+/// { uint64_t magic; union ncclSocketAddress addr; }` (NCCL 2.12 and later, 2.19 to 2.28
+/// checked), the address a `sockaddr_in` or `sockaddr_in6` in this host's byte order.
+const ADDR_AT: usize = 8;
+
+impl UniqueId {
+    /// The address of the bootstrap socket the id's maker listens on — where a rank that
+    /// initialises a communicator with this id connects first (`bootstrapInit` of NCCL's
+    /// `bootstrap.cc`); `None` if the id holds no IPv4 or IPv6 socket address there.
+    pub fn bootstrap_addr(&self) -> Option<SocketAddr> {
+        let b = &self.0[ADDR_AT..];
+        let family = u16::from_ne_bytes([b[0], b[1]]);
+        let port = u16::from_be_bytes([b[2], b[3]]);
+        if family == rustix::net::AddressFamily::INET.as_raw() {
+            let ip = Ipv4Addr::new(b[4], b[5], b[6], b[7]);
+            Some(SocketAddr::new(IpAddr::V4(ip), port))
+        } else if family == rustix::net::AddressFamily::INET6.as_raw() {
+            let word = |at: usize| u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+            let ip: [u8; 16] = b[8..24].try_into().expect("16 bytes");
+            let scope = u32::from_ne_bytes(b[24..28].try_into().expect("4 bytes"));
+            let v6 = SocketAddrV6::new(Ipv6Addr::from(ip), port, word(4), scope);
+            Some(SocketAddr::V6(v6))
+        } else {
+            None
+        }
+    }
+
+    /// An id laid out as NCCL lays its own: `magic`, then `addr` as a socket address
+    /// (for fakes and tests: an id NCCL would read as naming `addr`).
+    #[cfg(any(test, feature = "testing"))]
+    pub fn naming(magic: u64, addr: SocketAddr) -> UniqueId {
+        let mut uid = [0u8; 128];
+        uid[..ADDR_AT].copy_from_slice(&magic.to_le_bytes());
+        let b = &mut uid[ADDR_AT..];
+        b[2..4].copy_from_slice(&addr.port().to_be_bytes());
+        match addr {
+            SocketAddr::V4(v4) => {
+                b[..2].copy_from_slice(&rustix::net::AddressFamily::INET.as_raw().to_ne_bytes());
+                b[4..8].copy_from_slice(&v4.ip().octets());
+            }
+            SocketAddr::V6(v6) => {
+                b[..2].copy_from_slice(&rustix::net::AddressFamily::INET6.as_raw().to_ne_bytes());
+                b[4..8].copy_from_slice(&v6.flowinfo().to_be_bytes());
+                b[8..24].copy_from_slice(&v6.ip().octets());
+                b[24..28].copy_from_slice(&v6.scope_id().to_ne_bytes());
+            }
+        }
+        UniqueId(uid)
     }
 }
 

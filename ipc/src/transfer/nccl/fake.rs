@@ -10,6 +10,7 @@ use super::api::{CommHandle, Nccl, OpHandle, Progress, Rank, UniqueId};
 use crate::transfer::Region;
 use crate::{Error, MemPtr, Result};
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -69,6 +70,8 @@ pub(super) struct Fabric {
     /// returns only once no operation of another live communicator of its device runs.
     pub(super) frees_wait_for_kernels: bool,
     pub(super) calls: Vec<Call>,
+    /// Aborts called, returned or not (a hung one is counted here, not in `calls`).
+    pub(super) aborts_begun: usize,
 }
 
 impl Fabric {
@@ -108,6 +111,8 @@ pub(super) struct FakeNccl {
     pub(super) fabric: Arc<Mutex<Fabric>>,
     /// Its device, for [`Fabric::frees_wait_for_kernels`].
     pub(super) device: usize,
+    /// Where its bootstrap "listens": the address its unique ids name, as NCCL's do.
+    pub(super) addr: SocketAddr,
 }
 
 impl FakeNccl {
@@ -160,9 +165,7 @@ impl Nccl for FakeNccl {
         let mut f = self.fabric();
         f.next += 1;
         f.calls.push(Call::UniqueId);
-        let mut uid = [0u8; 128];
-        uid[..8].copy_from_slice(&(f.next as u64).to_le_bytes());
-        Ok(UniqueId(uid))
+        Ok(UniqueId::naming(f.next as u64, self.addr))
     }
 
     fn init(&self, uid: &UniqueId, rank: Rank) -> Result<CommHandle> {
@@ -279,6 +282,7 @@ impl Nccl for FakeNccl {
     }
 
     fn abort(&self, comm: CommHandle) {
+        self.fabric().aborts_begun += 1;
         while self.fabric().hang_aborts {
             std::thread::sleep(Duration::from_millis(1));
         }

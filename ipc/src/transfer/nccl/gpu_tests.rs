@@ -99,6 +99,16 @@ fn engine(ordinal: usize, me: u8, out: impl Write + Send + 'static) -> Arc<NcclE
     Arc::new(NcclEngine::new(ordinal, &node(me), config, sink).expect("an NCCL engine"))
 }
 
+/// The address the rendezvous message's unique id names. Both processes run on this
+/// machine and talk over a pipe, not a host link: the peer's "host" is wherever its NCCL
+/// listens (on a real host link, the link's own address is passed, never this).
+fn maker_ip(bytes: &[u8]) -> IpAddr {
+    let (_, _, uid) = decode_rendezvous(bytes).expect("a rendezvous message");
+    uid.bootstrap_addr()
+        .expect("NCCL names its bootstrap socket")
+        .ip()
+}
+
 /// Feeds `from`'s rendezvous lines to `engine` (other lines are printed).
 fn pump(engine: &Arc<NcclEngine>, from: u8, input: impl BufRead + Send + 'static) {
     let engine = Arc::downgrade(engine);
@@ -107,7 +117,11 @@ fn pump(engine: &Arc<NcclEngine>, from: u8, input: impl BufRead + Send + 'static
             let Ok(line) = line else { break };
             match line.strip_prefix(LINE) {
                 Some(h) => match engine.upgrade() {
-                    Some(e) => e.on_rendezvous(&node(from), &unhex(h)).expect("rendezvous"),
+                    Some(e) => {
+                        let bytes = unhex(h);
+                        e.on_rendezvous(&node(from), maker_ip(&bytes), &bytes)
+                            .expect("rendezvous")
+                    }
                     None => break,
                 },
                 None => eprintln!("[peer] {line}"),

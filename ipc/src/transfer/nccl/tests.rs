@@ -5,6 +5,7 @@
 use super::fake::{Call, Fabric, FakeNccl};
 use super::*;
 use baton_messages::BootId;
+use std::net::SocketAddr;
 use std::sync::mpsc;
 
 pub(super) fn peer(n: u8) -> EnginePeer {
@@ -17,6 +18,11 @@ pub(super) fn peer(n: u8) -> EnginePeer {
         host: HostId([n; 32]),
         data_addr: None,
     }
+}
+
+/// Where node `n`'s host is (its host link's address, and its NCCL bootstrap's).
+pub(super) fn addr_of(n: u8) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, n], 40_000 + u16::from(n)))
 }
 
 /// A host buffer posing as device memory for the fake.
@@ -77,6 +83,7 @@ impl Pair {
             Arc::new(FakeNccl {
                 fabric: fabric.clone(),
                 device,
+                addr: addr_of(device as u8),
             })
         };
         let a = Arc::new(NcclEngine::with_nccl(
@@ -103,7 +110,7 @@ impl Pair {
                     pb.upgrade()
                 };
                 if let Some(e) = engine {
-                    e.on_rendezvous(&from, &msg[1..])
+                    e.on_rendezvous(&from, addr_of(msg[0]).ip(), &msg[1..])
                         .expect("a good rendezvous");
                 }
             }
@@ -506,6 +513,7 @@ fn dropping_an_engine_aborts_what_runs() {
         Arc::new(FakeNccl {
             fabric: pair.fabric.clone(),
             device: 3,
+            addr: addr_of(3),
         }),
         &peer(3),
         fast(),
@@ -518,4 +526,108 @@ fn dropping_an_engine_aborts_what_runs() {
         ended(&t, soon()),
         Err(Error::TransferAborted { .. })
     ));
+}
+
+/// The communicator `b` receives from node 1 on, once a copy landed (issue 45's attacks
+/// below start from it).
+fn ready_pair() -> (Pair, Attempt) {
+    let pair = Pair::new(fast());
+    let (mut src, mut dst) = (vec![5u8; 64], vec![0u8; 64]);
+    move_checked(&pair, 1, &mut src, &mut dst);
+    let Phase::Ready(attempt) = pair.b.phase(&peer(1), Dir::In) else {
+        panic!("no ready communicator after a copy");
+    };
+    (pair, attempt)
+}
+
+/// Issue 45, finding 10: a rendezvous whose unique id names a bootstrap socket anywhere
+/// but on the host its link runs to would make this node connect there. It is refused,
+/// typed, before the engine's state is touched: no init, and the real peer's
+/// communicator (the same link's, here) stays as it was and carries the next copy.
+#[test]
+fn a_rendezvous_naming_a_bootstrap_off_the_peers_host_is_refused_and_disturbs_nothing() {
+    let (pair, attempt) = ready_pair();
+    let calls = pair.fabric().calls.len();
+    let elsewhere = SocketAddr::from(([10, 9, 9, 9], 1234));
+    // An id naming no address at all is refused too.
+    let nowhere = encode_rendezvous(Dir::Out, Offer { serial: 7, seen: 0 }, &UniqueId([0; 128]));
+    for (bytes, named) in [
+        (
+            encode_rendezvous(
+                Dir::Out,
+                Offer { serial: 5, seen: 0 },
+                &UniqueId::naming(99, elsewhere),
+            ),
+            Some(elsewhere.ip()),
+        ),
+        (nowhere, None),
+    ] {
+        let refused = pair.b.on_rendezvous(&peer(1), addr_of(1).ip(), &bytes);
+        match refused {
+            Err(Error::RendezvousElsewhere { named: n, link }) => {
+                assert_eq!((n, link), (named, addr_of(1).ip()));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(pair.b.phase(&peer(1), Dir::In), Phase::Ready(attempt));
+    assert_eq!(
+        pair.fabric().calls.len(),
+        calls,
+        "a refused rendezvous made an NCCL call"
+    );
+    let (mut src, mut dst) = (vec![6u8; 64], vec![0u8; 64]);
+    move_checked(&pair, 2, &mut src, &mut dst);
+    assert_eq!(pair.b.phase(&peer(1), Dir::In), Phase::Ready(attempt));
+    assert_eq!(pair.fabric().aborts(), 0);
+}
+
+/// Issue 45, finding 10: a token holder that claims node 1's process reaches, through
+/// its own link, only the communicators of the peer that link proved (its claim in its
+/// key's namespace): its offer — with a bootstrap on its own host, as checked — is joined
+/// as its own, and node 1's communicator is neither aborted nor replaced.
+#[test]
+fn a_rendezvous_claiming_another_peer_reaches_only_its_own_links_communicators() {
+    let (pair, attempt) = ready_pair();
+    let liar = EnginePeer {
+        process: crate::tcp::remote_process(&crate::tcp::NodePublicKey([66; 32]), peer(1).process),
+        ..peer(1)
+    };
+    let liar_host = SocketAddr::from(([10, 0, 0, 66], 5000));
+    let bytes = encode_rendezvous(
+        Dir::Out,
+        Offer { serial: 9, seen: 0 },
+        &UniqueId::naming(99, liar_host),
+    );
+    pair.b.on_rendezvous(&liar, liar_host.ip(), &bytes).unwrap();
+    assert!(matches!(pair.b.phase(&liar, Dir::In), Phase::Joining(_)));
+    assert_eq!(pair.b.phase(&peer(1), Dir::In), Phase::Ready(attempt));
+    let (mut src, mut dst) = (vec![7u8; 64], vec![0u8; 64]);
+    move_checked(&pair, 2, &mut src, &mut dst);
+    assert_eq!(pair.b.phase(&peer(1), Dir::In), Phase::Ready(attempt));
+    assert_eq!(
+        pair.fabric().aborts(),
+        0,
+        "node 1's communicator was aborted"
+    );
+}
+
+#[test]
+fn a_unique_id_names_its_bootstrap_as_nccl_lays_it_out() {
+    for addr in [
+        SocketAddr::from(([192, 168, 7, 3], 45_123)),
+        "[fe80::1%3]:50000".parse().unwrap(),
+    ] {
+        assert_eq!(UniqueId::naming(1, addr).bootstrap_addr(), Some(addr));
+    }
+    // struct ncclBootstrapHandle { uint64_t magic; sockaddr_in addr; }, by hand.
+    let mut raw = [0u8; 128];
+    raw[8..10].copy_from_slice(&2u16.to_ne_bytes());
+    raw[10..12].copy_from_slice(&[0x9c, 0x40]);
+    raw[12..16].copy_from_slice(&[10, 1, 2, 3]);
+    assert_eq!(
+        UniqueId(raw).bootstrap_addr(),
+        Some(SocketAddr::from(([10, 1, 2, 3], 40_000)))
+    );
+    assert_eq!(UniqueId([0; 128]).bootstrap_addr(), None);
 }
