@@ -32,7 +32,16 @@ fn messages_cross_both_ways_and_each_side_knows_the_other() {
     let client = config(1);
     let (c, s) = pair(server.clone(), &client);
     let (mut c, mut s) = (c.unwrap(), s.unwrap());
-    assert_eq!(c.peer().process, crate::process::current());
+    // Each side knows the other by its claim in its proven key's namespace.
+    assert_eq!(c.peer().claimed, crate::process::current());
+    assert_eq!(
+        c.peer().process,
+        remote_process(&server.key.public(), crate::process::current())
+    );
+    assert_eq!(
+        s.peer().process,
+        remote_process(&client.key.public(), crate::process::current())
+    );
     assert_eq!(c.peer().key, server.key.public());
     assert_eq!(s.peer().key, client.key.public());
     assert_eq!(s.peer().host, HostId::current());
