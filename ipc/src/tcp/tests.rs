@@ -259,3 +259,37 @@ fn async_halves_carry_messages_both_ways() {
         assert!(matches!(srx.recv().await, Err(Error::Closed)));
     });
 }
+
+#[test]
+fn an_accepted_links_place_is_given_back_once_both_async_halves_are_gone() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = listen(config(1).max_links(1, 1));
+    let addr = listener.local_addr();
+    let client = config(1);
+    let _c = HostLink::connect(addr, &client).unwrap();
+    let s = listener.accept_timeout(Duration::from_secs(10)).unwrap();
+    rt.block_on(async {
+        let (reader, writer) = AsyncHostLink::from_blocking(s).unwrap().into_split();
+        // Held: the listener is full.
+        assert!(matches!(
+            HostLink::connect(addr, &config(1)),
+            Err(Error::Refused {
+                reason: RefuseReason::TooManyLinks
+            })
+        ));
+        assert!(matches!(
+            listener.accept_timeout(Duration::from_secs(10)),
+            Err(Error::TooManyHostLinks { limit: 1, .. })
+        ));
+        drop(reader);
+        // One half still holds it.
+        assert!(HostLink::connect(addr, &config(1)).is_err());
+        assert!(listener.accept_timeout(Duration::from_secs(10)).is_err());
+        drop(writer);
+    });
+    assert!(HostLink::connect(addr, &config(1)).is_ok());
+    assert!(listener.accept_timeout(Duration::from_secs(10)).is_ok());
+}
