@@ -345,6 +345,20 @@ pub enum Error {
         /// The peer's public key, in hex.
         key: String,
     },
+    /// A host link listener already holds its cap of established host links, in all or
+    /// from the peer's key ([`TcpConfig::max_links`](crate::tcp::TcpConfig::max_links),
+    /// [`TcpConfig::max_links_per_key`](crate::tcp::TcpConfig::max_links_per_key)): the
+    /// new link is refused (`Refused { TooManyLinks }` on the peer's side).
+    #[error(
+        "this listener already holds {limit} host links {scope}: the new one is refused; close \
+         links that are not needed, or raise the TcpConfig's caps"
+    )]
+    TooManyHostLinks {
+        /// The cap that was reached.
+        limit: usize,
+        /// Which cap: "in all", or "from this peer's key".
+        scope: &'static str,
+    },
     /// A TCP peer's claimed process is not the one its Noise handshake announced.
     #[error(
         "the TCP peer claims to be {claimed} but its authenticated handshake announced {announced}"
@@ -533,7 +547,9 @@ impl Error {
             | Error::TransferSizeMismatch { .. }
             | Error::BadRendezvous { .. }
             | Error::RendezvousElsewhere { .. } => Fault::Peer,
-            Error::Refused { .. } | Error::DataConnectionRefused { .. } => Fault::Refused,
+            Error::Refused { .. }
+            | Error::DataConnectionRefused { .. }
+            | Error::TooManyHostLinks { .. } => Fault::Refused,
             Error::SegmentNotFound { .. }
             | Error::MemoryTooSmall { .. }
             | Error::SegmentOwnerMismatch { .. }

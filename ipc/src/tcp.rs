@@ -1,12 +1,13 @@
 //! Host links: the control plane between nodes on different hosts, over TCP with Noise.
 //!
 //! Establishing a host link, in order, before any Baton message is read:
-//! 1. the Noise handshake (`Noise_XXpsk3_25519_ChaChaPoly_BLAKE2s`, see `noise`): the
-//!    pre-shared key is derived from the session token, so a peer without the token fails
-//!    here ([`Error::BadToken`] on the listener's side, [`Error::Refused`] on the
-//!    client's); each side's static key is checked against its [`TcpPolicy`] (pinned keys:
-//!    [`Error::HostKeyNotPinned`]); each side announces, encrypted, its [`HostId`] and
-//!    process;
+//! 1. the Noise handshake (`Noise_XXpsk0_25519_ChaChaPoly_BLAKE2s`, see `noise`): the
+//!    pre-shared key is derived from the session token and mixed in from the first
+//!    message, so a peer without the token fails at once ([`Error::BadToken`] on the
+//!    listener's side, [`Error::Refused`] on the client's) having learnt nothing about
+//!    the listener; each side's static key is checked against its [`TcpPolicy`] (pinned
+//!    keys: [`Error::HostKeyNotPinned`]); each side announces, encrypted, its [`HostId`]
+//!    and process;
 //! 2. Baton's own handshake (`Hello`/`Welcome`/`Auth`, the messages of the Unix link)
 //!    inside the channel: the process each side claims must be the one its Noise handshake
 //!    announced ([`Error::HostClaimMismatch`]) — there is no `SO_PEERCRED` over TCP.
@@ -20,13 +21,17 @@
 //!
 //! [`HostLink`] is the blocking form; [`AsyncHostLink`] has the reader, writer and closer
 //! halves of the Unix [`AsyncLink`](crate::AsyncLink). [`HostListener`] runs each
-//! handshake on a thread of its own under the handshake deadline, with a cap on
-//! handshakes in progress: silent, slow or garbage-sending clients cost a slot each for at
-//! most the deadline, and are closed at once beyond the cap.
+//! handshake on a thread of its own under the handshake deadline, with caps on
+//! handshakes in progress, in total and per source, accepted fairly: silent, slow or
+//! garbage-sending clients cost a slot each for at most the deadline, one source never
+//! more than its own cap, so a flood from one source starves no other. Established links
+//! are capped too, in total and per key. See `accept`. [`HostLink::connect`] bounds the
+//! TCP connect by the handshake deadline as well.
 //!
 //! Sockets get `TCP_NODELAY`, keepalive probes and `TCP_USER_TIMEOUT` ([`Keepalive`]);
 //! liveness is still the actors' heartbeat.
 
+mod accept;
 mod noise;
 mod nonblocking;
 #[cfg(test)]
@@ -36,6 +41,8 @@ use crate::identity::hex;
 pub use crate::identity::{HOST_ID_ENV, HostId, HostPeer, NodePublicKey, remote_process};
 pub use nonblocking::{AsyncHostLink, HostLinkCloser, HostLinkReader, HostLinkWriter};
 
+pub(crate) use accept::{Caps, Slot, serve};
+use accept::{LinkCaps, LinkPermit};
 pub(crate) use noise::{
     Established, Handshake, MAX_RECORD, Opener, Sealer, psk, record_at, refusal_record,
 };
@@ -50,7 +57,7 @@ use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
@@ -198,8 +205,18 @@ pub struct TcpConfig {
     pub host: HostId,
     /// How long a peer may take to complete the handshake (Noise and Baton's).
     pub handshake_timeout: Duration,
-    /// How many handshakes a listener runs at once; connections beyond are closed at once.
+    /// How many handshakes a listener runs at once; connections beyond are closed at once
+    /// (unless a source holding more slots makes room: see `accept`'s docs).
     pub max_handshakes: usize,
+    /// How many handshakes a listener runs at once for one source (an IPv4 address, an
+    /// IPv6 /64); its connections beyond are closed at once.
+    pub max_handshakes_per_source: usize,
+    /// How many established host links a [`HostListener`] holds at once; beyond, a new
+    /// link is refused ([`Error::TooManyHostLinks`]).
+    pub max_links: usize,
+    /// How many established host links a [`HostListener`] holds at once from one static
+    /// key; beyond, a new link from that key is refused ([`Error::TooManyHostLinks`]).
+    pub max_links_per_key: usize,
     /// The sockets' keepalive.
     pub keepalive: Keepalive,
     /// The port this node's TCP engine takes data connections on
@@ -210,7 +227,8 @@ pub struct TcpConfig {
 }
 
 impl TcpConfig {
-    /// Any token holder, this host, a 5 s handshake deadline, 64 handshakes at once.
+    /// Any token holder, this host, a 5 s handshake deadline, 64 handshakes at once (16
+    /// from one source), 256 established host links per listener (16 from one key).
     pub fn new(session: Session, key: NodeKey) -> Self {
         Self {
             session,
@@ -219,6 +237,9 @@ impl TcpConfig {
             host: HostId::current(),
             handshake_timeout: Duration::from_secs(5),
             max_handshakes: 64,
+            max_handshakes_per_source: 16,
+            max_links: 256,
+            max_links_per_key: 16,
             keepalive: Keepalive::default(),
             data_port: None,
         }
@@ -253,6 +274,27 @@ impl TcpConfig {
         self.max_handshakes = n.max(1);
         self
     }
+
+    /// With another cap on handshakes in progress from one source.
+    pub fn max_handshakes_per_source(mut self, n: usize) -> Self {
+        self.max_handshakes_per_source = n.max(1);
+        self
+    }
+
+    /// With other caps on a listener's established host links: in all, and from one key.
+    pub fn max_links(mut self, total: usize, per_key: usize) -> Self {
+        self.max_links = total.max(1);
+        self.max_links_per_key = per_key.max(1);
+        self
+    }
+
+    /// The acceptor's caps on handshakes in progress.
+    pub(crate) fn caps(&self) -> Caps {
+        Caps {
+            total: self.max_handshakes.max(1),
+            per_source: self.max_handshakes_per_source.max(1),
+        }
+    }
 }
 
 /// The deadline of a handshake: every blocking read and write gets the time left.
@@ -281,6 +323,29 @@ impl Deadline {
             .set_read_timeout(Some(left))
             .and_then(|()| stream.set_write_timeout(Some(left)))
             .map_err(Error::io("setting a socket timeout"))
+    }
+
+    /// Connects to the first of `addr`'s addresses that answers, each tried with the time
+    /// left: a blackholed address costs the deadline, not the kernel's minutes of SYN
+    /// retries.
+    fn connect(&self, addr: impl ToSocketAddrs) -> Result<TcpStream> {
+        let op = "connecting to a host link";
+        let addrs = addr.to_socket_addrs().map_err(Error::io(op))?;
+        let mut last = Error::Io {
+            op,
+            source: io::Error::other("the address names no host"),
+        };
+        for a in addrs {
+            let left = self.at.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(self.timeout());
+            }
+            match TcpStream::connect_timeout(&a, left) {
+                Ok(stream) => return Ok(stream),
+                Err(e) => last = self.map(e),
+            }
+        }
+        Err(last)
     }
 
     fn timeout(&self) -> Error {
@@ -400,15 +465,30 @@ pub(crate) fn noise_server(
     config: &TcpConfig,
     deadline: &Deadline,
 ) -> Result<Established> {
+    noise_server_admitting(stream, config, deadline, |_| Ok(())).map(|(est, ())| est)
+}
+
+/// The Noise handshake as the responder, on a blocking stream; once the peer has proven
+/// the token and its key, `admit` decides on that key before the handshake is accepted (a
+/// refusal is sent with its reason).
+fn noise_server_admitting<T>(
+    stream: &TcpStream,
+    config: &TcpConfig,
+    deadline: &Deadline,
+    admit: impl FnOnce(&[u8; 32]) -> Result<T, (Error, RefuseReason)>,
+) -> Result<(Established, T)> {
     let mut hs = Handshake::responder(config)?;
     let first = deadline.read_record(stream)?;
-    let second = hs.on_first(&first)?;
+    let second = hs
+        .on_first(&first)
+        .map_err(|r| refuse(stream, deadline, r))?;
     deadline.write(stream, &second)?;
     let third = deadline.read_record(stream)?;
     hs.on_third(&third)
         .map_err(|r| refuse(stream, deadline, r))?;
+    let admitted = admit(&hs.remote_key()).map_err(|r| refuse(stream, deadline, r))?;
     deadline.write(stream, &ACCEPTED)?;
-    hs.finish()
+    Ok((hs.finish()?, admitted))
 }
 
 fn check_version(version: u8) -> Result<(), (Error, RefuseReason)> {
@@ -464,18 +544,26 @@ pub struct HostLink {
     tx: Vec<u8>,
     wire: Vec<u8>,
     peer: HostPeer,
+    /// Its place among its listener's established links (a link a listener accepted).
+    permit: Option<LinkPermit>,
 }
 
 impl HostLink {
-    /// Connects to a [`HostListener`] at `addr` and completes both handshakes as the client.
+    /// Connects to a [`HostListener`] at `addr` and completes both handshakes as the
+    /// client, the connect and both handshakes within one handshake deadline
+    /// ([`TcpConfig::handshake_timeout`]; each of `addr`'s addresses is tried with the time
+    /// left).
     ///
     /// # Errors
-    /// [`Error::Io`] if nobody listens there; [`Error::Refused`] if the listener refused us
-    /// (`BadToken`: we hold another token; `NotAllowed`: our key is not pinned there);
-    /// [`Error::HostKeyNotPinned`]; [`Error::Tampered`]; [`Error::Timeout`]; …
+    /// [`Error::Io`] if nobody listens there; [`Error::Timeout`] if the connect or the
+    /// handshakes did not complete in time (an address that drops connects, a silent
+    /// listener); [`Error::Refused`] if the listener refused us (`BadToken`: we hold
+    /// another token; `NotAllowed`: our key is not pinned there; `TooManyLinks`: it holds
+    /// its cap of links); [`Error::HostKeyNotPinned`]; [`Error::Tampered`]; …
     pub fn connect(addr: impl ToSocketAddrs, config: &TcpConfig) -> Result<HostLink> {
-        let stream = TcpStream::connect(addr).map_err(Error::io("connecting to a host link"))?;
-        Self::client(stream, config)
+        let deadline = Deadline::after(config.handshake_timeout, "host link handshake");
+        let stream = deadline.connect(addr)?;
+        Self::client_by(stream, config, deadline)
     }
 
     /// Completes both handshakes as the client over a connected stream.
@@ -483,8 +571,12 @@ impl HostLink {
     /// # Errors
     /// As [`connect`](Self::connect).
     pub fn client(stream: TcpStream, config: &TcpConfig) -> Result<HostLink> {
-        config.keepalive.apply(stream.as_fd())?;
         let deadline = Deadline::after(config.handshake_timeout, "host link handshake");
+        Self::client_by(stream, config, deadline)
+    }
+
+    fn client_by(stream: TcpStream, config: &TcpConfig, deadline: Deadline) -> Result<HostLink> {
+        config.keepalive.apply(stream.as_fd())?;
         let est = noise_client(&stream, config, &deadline)?;
         let mut link = Self::established(stream, est)?;
         let session = &config.session;
@@ -530,10 +622,25 @@ impl HostLink {
     /// [`Error::Timeout`], a frame error (garbage): the peer is told where it can be, then
     /// dropped.
     pub fn server(stream: TcpStream, config: &TcpConfig) -> Result<HostLink> {
+        Self::server_capped(stream, config, None)
+    }
+
+    /// As [`server`](Self::server); with `caps`, the link is counted against them (and
+    /// refused beyond them) once the peer has proven its key.
+    fn server_capped(
+        stream: TcpStream,
+        config: &TcpConfig,
+        caps: Option<&LinkCaps>,
+    ) -> Result<HostLink> {
         config.keepalive.apply(stream.as_fd())?;
         let deadline = Deadline::after(config.handshake_timeout, "host link handshake");
-        let est = noise_server(&stream, config, &deadline)?;
+        let (est, permit) = noise_server_admitting(&stream, config, &deadline, |key| {
+            caps.map(|caps| caps.admit(*key))
+                .transpose()
+                .map_err(|e| (e, RefuseReason::TooManyLinks))
+        })?;
         let mut link = Self::established(stream, est)?;
+        link.permit = permit;
         let session = &config.session;
         let steps = (|| {
             let hello = link.recv_by(&deadline)?;
@@ -601,6 +708,7 @@ impl HostLink {
                     .then(|| SocketAddr::new(addr.ip(), est.claim.data_port)),
             },
             stream,
+            permit: None,
         })
     }
 
@@ -742,21 +850,37 @@ impl HostLink {
         self.stream.as_fd()
     }
 
-    pub(crate) fn into_parts(self) -> (TcpStream, Sealer, Opener, FrameDecoder, HostPeer) {
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn into_parts(
+        self,
+    ) -> (
+        TcpStream,
+        Sealer,
+        Opener,
+        FrameDecoder,
+        HostPeer,
+        Option<LinkPermit>,
+    ) {
         (
             self.stream,
             self.sealer,
             self.opener,
             self.decoder,
             self.peer,
+            self.permit,
         )
     }
 }
 
 /// A TCP listener that establishes a [`HostLink`] per accepted connection, each handshake
 /// on a thread of its own under the handshake deadline, at most
-/// [`TcpConfig::max_handshakes`] at once (connections beyond are closed at once).
-/// Dropping it stops accepting; handshakes in progress end by their deadline.
+/// [`TcpConfig::max_handshakes`] at once and [`TcpConfig::max_handshakes_per_source`]
+/// from one source (connections beyond are closed at once; a full listener makes room
+/// by cutting the oldest handshake of the source that holds the most), and at most
+/// [`TcpConfig::max_links`] established links still up ([`TcpConfig::max_links_per_key`]
+/// from one key; beyond, refused with [`Error::TooManyHostLinks`]). See the `accept`
+/// module's docs. Dropping it stops accepting; handshakes in progress end by their
+/// deadline.
 #[derive(Debug)]
 pub struct HostListener {
     addr: SocketAddr,
@@ -838,82 +962,21 @@ impl Drop for HostListener {
     }
 }
 
-/// A slot among the handshakes in progress, given back on drop.
-#[derive(Debug)]
-pub(crate) struct Slot(Arc<AtomicUsize>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Accepts connections on `listener` until `stop`, each handed with its [`Slot`] to
-/// `handle` on a thread of its own; beyond `max` slots held, a connection is closed at
-/// once. The handler gives its slot back (drops it) once its handshake is done.
-pub(crate) fn serve(
-    listener: TcpListener,
-    max: usize,
-    stop: Arc<AtomicBool>,
-    name: &'static str,
-    handle: impl Fn(TcpStream, Slot) + Send + Sync + 'static,
-) {
-    let handle = Arc::new(handle);
-    let in_progress = Arc::new(AtomicUsize::new(0));
-    let tick = rustix::event::Timespec {
-        tv_sec: 0,
-        tv_nsec: 50_000_000,
-    };
-    while !stop.load(Ordering::Relaxed) {
-        let mut fds = [rustix::event::PollFd::new(
-            &listener,
-            rustix::event::PollFlags::IN,
-        )];
-        match rustix::event::poll(&mut fds, Some(&tick)) {
-            Ok(0) | Err(rustix::io::Errno::INTR) => continue,
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, "a TCP listener failed");
-                return;
-            }
-        }
-        let stream = match listener.accept() {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                tracing::debug!(error = %e, "accept failed");
-                continue;
-            }
-        };
-        if in_progress.fetch_add(1, Ordering::AcqRel) >= max {
-            in_progress.fetch_sub(1, Ordering::AcqRel);
-            tracing::debug!("TCP handshakes at their cap: connection closed");
-            continue;
-        }
-        let slot = Slot(Arc::clone(&in_progress));
-        let handle = Arc::clone(&handle);
-        let spawned = std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || handle(stream, slot));
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "no thread for a TCP handshake");
-        }
-    }
-}
-
 fn accept_loop(
     listener: TcpListener,
     config: TcpConfig,
     stop: Arc<AtomicBool>,
     tx: mpsc::SyncSender<Result<HostLink>>,
 ) {
-    let max = config.max_handshakes;
+    let caps = config.caps();
+    let links = LinkCaps::new(config.max_links, config.max_links_per_key);
     serve(
         listener,
-        max,
+        caps,
         stop,
         "baton-tcp-handshake",
         move |stream, slot| {
-            let outcome = HostLink::server(stream, &config);
+            let outcome = HostLink::server_capped(stream, &config, Some(&links));
             drop(slot);
             if let Err(e) = &outcome {
                 tracing::warn!(error = %e, "refused a host link");

@@ -126,6 +126,9 @@ pub enum RefuseReason {
     NotAllowed,
     /// The peer broke the protocol (an unexpected message).
     ProtocolViolation,
+    /// The listener already holds its cap of established host links (in all, or from the
+    /// peer's key): try again once links are closed.
+    TooManyLinks,
 }
 
 /// A refusal, sent before closing.

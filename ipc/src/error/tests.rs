@@ -73,6 +73,13 @@ fn every_variant() -> Vec<(Error, Fault)> {
             Fault::Refused,
         ),
         (
+            Error::TooManyHostLinks {
+                limit: 2,
+                scope: "in all",
+            },
+            Fault::Refused,
+        ),
+        (
             Error::SegmentNotFound {
                 exporter: exporter(),
                 alloc,

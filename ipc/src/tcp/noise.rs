@@ -2,9 +2,24 @@
 //! the identity each side announces in it, and the record layer (length-prefixed Noise
 //! transport messages) that carries Baton's frames once it is done.
 //!
-//! Pattern `Noise_XXpsk3_25519_ChaChaPoly_BLAKE2s`: both sides send their static keys
-//! (encrypted), and the pre-shared key — derived from the session token — is mixed in at
-//! the third message, so only a holder of the token completes the handshake. A record is a
+//! Pattern `Noise_XXpsk0_25519_ChaChaPoly_BLAKE2s`: both sides send their static keys
+//! (encrypted), and the pre-shared key — derived from the session token — is mixed in
+//! from the first message, so only a holder of the token completes the handshake.
+//!
+//! Why `psk0` (issue 45, finding 12): nothing identifying may reach a peer before it has
+//! proven the token. With `psk3` the token was checked only at the third message, so the
+//! responder's second message — its static key, host id, boot id, pid, start time and
+//! data port, encrypted under keys any initiator could derive from its own ephemeral key —
+//! was readable by anyone who connected. With `psk0` the initiator's first message carries
+//! an AEAD tag under a key that mixes in the pre-shared key: a peer without the token is
+//! refused at that first message (`BadToken`, a refusal record and nothing else), and the
+//! responder's second message is encrypted under keys that need both the token and the
+//! initiator's ephemeral private key, so a replayed first message (captured from an
+//! honest peer) gets back only bytes its sender cannot read. The alternative, sending the
+//! responder's claim after the third message, would have left its static key readable by
+//! any token-less initiator, and cost a round trip of framing of its own. Symmetrically,
+//! the initiator's key and claim travel in the third message, after it has checked the
+//! responder's second (which only a token holder can make). A record is a
 //! 2-byte big-endian length and that many bytes of Noise message (at most 65,535). A
 //! record of length 0 is a refusal: one reason byte follows, in clear (it can only make a
 //! peer give up, which anyone on the path could do by closing).
@@ -19,7 +34,7 @@ use snow::{HandshakeState, StatelessTransportState};
 use std::sync::Arc;
 
 /// The Noise protocol name.
-pub(crate) const PATTERN: &str = "Noise_XXpsk3_25519_ChaChaPoly_BLAKE2s";
+pub(crate) const PATTERN: &str = "Noise_XXpsk0_25519_ChaChaPoly_BLAKE2s";
 /// The longest Noise message.
 pub(crate) const MAX_RECORD: usize = 65_535;
 /// The AEAD tag each transport message carries.
@@ -96,6 +111,7 @@ fn reason_byte(reason: RefuseReason) -> u8 {
     match reason {
         RefuseReason::BadToken => 1,
         RefuseReason::NotAllowed => 2,
+        RefuseReason::TooManyLinks => 4,
         _ => 3,
     }
 }
@@ -104,6 +120,7 @@ fn reason_of(byte: u8) -> RefuseReason {
     match byte {
         1 => RefuseReason::BadToken,
         2 => RefuseReason::NotAllowed,
+        4 => RefuseReason::TooManyLinks,
         _ => RefuseReason::ProtocolViolation,
     }
 }
@@ -177,7 +194,7 @@ impl Handshake {
         let psk = psk(&config.session);
         let builder = snow::Builder::new(params())
             .local_private_key(config.key.private())
-            .and_then(|b| b.psk(3, &psk))
+            .and_then(|b| b.psk(0, &psk))
             .map_err(|e| Error::Io {
                 op: "setting up a Noise handshake",
                 source: std::io::Error::other(e),
@@ -243,11 +260,27 @@ impl Handshake {
             .map_err(|e| (e, RefuseReason::NotAllowed))
     }
 
+    /// The peer's static key (zeros before it was received).
+    pub(crate) fn remote_key(&self) -> [u8; 32] {
+        let mut key = [0u8; 32];
+        if let Some(k) = self.state.get_remote_static() {
+            key.copy_from_slice(k);
+        }
+        key
+    }
+
     /// Responder: takes the initiator's first record; returns the second, to send.
-    pub(crate) fn on_first(&mut self, record: &[u8]) -> Result<Vec<u8>> {
-        self.read(record, "first handshake message")?;
+    ///
+    /// # Errors
+    /// [`Error::BadToken`] if it does not check (the initiator holds another token, or the
+    /// bytes were changed): nothing of ours is sent, only the refusal that comes back with
+    /// the error.
+    pub(crate) fn on_first(&mut self, record: &[u8]) -> Result<Vec<u8>, (Error, RefuseReason)> {
+        self.read(record, "first handshake message")
+            .map_err(|_| (Error::BadToken, RefuseReason::BadToken))?;
         let me = self.me.to_bytes();
         self.write(&me)
+            .map_err(|e| (e, RefuseReason::ProtocolViolation))
     }
 
     /// Initiator: takes the responder's record; returns the third, to send.
@@ -268,8 +301,9 @@ impl Handshake {
     /// Responder: takes the initiator's last record.
     ///
     /// # Errors
-    /// [`Error::BadToken`] if it does not decrypt (the initiator holds another token, or
-    /// the bytes were changed); the refusal to send comes back with the error.
+    /// [`Error::BadToken`] if it does not decrypt (its bytes were changed on the way, or
+    /// its sender is not the token holder that sent the first); the refusal to send comes
+    /// back with the error.
     pub(crate) fn on_third(&mut self, record: &[u8]) -> Result<(), (Error, RefuseReason)> {
         let payload = self
             .read(record, "third handshake message")
@@ -472,7 +506,7 @@ mod tests {
         };
         let (mut c, first) = Handshake::initiator(&config(client)).unwrap();
         let mut s = Handshake::responder(&config(server)).unwrap();
-        let second = s.on_first(body(&first)).unwrap();
+        let second = s.on_first(body(&first))?;
         let third = c.on_second(body(&second)).unwrap();
         s.on_third(body(&third))?;
         Ok((c, s))
@@ -499,7 +533,7 @@ mod tests {
     }
 
     #[test]
-    fn a_wrong_token_fails_at_the_third_message_as_bad_token() {
+    fn a_wrong_token_fails_at_the_first_message_as_bad_token() {
         let Err((e, reason)) = run(&session(1), &session(2)) else {
             panic!("a wrong token completed the handshake");
         };

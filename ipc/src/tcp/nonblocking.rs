@@ -4,7 +4,7 @@
 //! The handshakes run on tokio's blocking pool under their deadline (they are short, and
 //! one blocking driver keeps one copy of them); the established link's halves are async.
 
-use super::{HostLink, HostPeer, Opener, Sealer, TcpConfig, io_error};
+use super::{HostLink, HostPeer, LinkPermit, Opener, Sealer, TcpConfig, io_error};
 use crate::link::Received;
 use crate::{Error, FrameFds, Result};
 use baton_messages::Message;
@@ -23,6 +23,8 @@ pub struct AsyncHostLink {
     opener: Opener,
     decoder: FrameDecoder,
     peer: HostPeer,
+    /// Its place among its listener's established links, held by both halves.
+    permit: Option<Arc<LinkPermit>>,
 }
 
 impl AsyncHostLink {
@@ -48,7 +50,7 @@ impl AsyncHostLink {
     /// # Errors
     /// [`Error::Io`] if the socket cannot be registered with tokio.
     pub fn from_blocking(link: HostLink) -> Result<AsyncHostLink> {
-        let (stream, sealer, opener, decoder, peer) = link.into_parts();
+        let (stream, sealer, opener, decoder, peer, permit) = link.into_parts();
         stream
             .set_nonblocking(true)
             .map_err(Error::io("making a host link non-blocking"))?;
@@ -59,6 +61,7 @@ impl AsyncHostLink {
             opener,
             decoder,
             peer,
+            permit: permit.map(Arc::new),
         })
     }
 
@@ -79,12 +82,14 @@ impl AsyncHostLink {
                 stream: Arc::clone(&self.stream),
                 opener: self.opener,
                 decoder: self.decoder,
+                _permit: self.permit.clone(),
             },
             HostLinkWriter {
                 stream: self.stream,
                 sealer: self.sealer,
                 buf: Vec::with_capacity(512),
                 wire: Vec::with_capacity(1024),
+                _permit: self.permit,
             },
         )
     }
@@ -123,6 +128,7 @@ pub struct HostLinkReader {
     stream: Arc<TcpStream>,
     opener: Opener,
     decoder: FrameDecoder,
+    _permit: Option<Arc<LinkPermit>>,
 }
 
 impl HostLinkReader {
@@ -164,6 +170,7 @@ pub struct HostLinkWriter {
     sealer: Sealer,
     buf: Vec<u8>,
     wire: Vec<u8>,
+    _permit: Option<Arc<LinkPermit>>,
 }
 
 impl HostLinkWriter {

@@ -32,15 +32,15 @@ fn messages_cross_both_ways_and_each_side_knows_the_other() {
     let client = config(1);
     let (c, s) = pair(server.clone(), &client);
     let (mut c, mut s) = (c.unwrap(), s.unwrap());
-    // Each knows the other by its claim, in the namespace of the key it proved.
+    // Each side knows the other by its claim in its proven key's namespace.
     assert_eq!(c.peer().claimed, crate::process::current());
     assert_eq!(
         c.peer().process,
-        crate::tcp::remote_process(&server.key.public(), crate::process::current())
+        remote_process(&server.key.public(), crate::process::current())
     );
     assert_eq!(
         s.peer().process,
-        crate::tcp::remote_process(&client.key.public(), crate::process::current())
+        remote_process(&client.key.public(), crate::process::current())
     );
     assert_eq!(c.peer().key, server.key.public());
     assert_eq!(s.peer().key, client.key.public());
@@ -258,4 +258,38 @@ fn async_halves_carry_messages_both_ways() {
         cwx.shutdown();
         assert!(matches!(srx.recv().await, Err(Error::Closed)));
     });
+}
+
+#[test]
+fn an_accepted_links_place_is_given_back_once_both_async_halves_are_gone() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = listen(config(1).max_links(1, 1));
+    let addr = listener.local_addr();
+    let client = config(1);
+    let _c = HostLink::connect(addr, &client).unwrap();
+    let s = listener.accept_timeout(Duration::from_secs(10)).unwrap();
+    rt.block_on(async {
+        let (reader, writer) = AsyncHostLink::from_blocking(s).unwrap().into_split();
+        // Held: the listener is full.
+        assert!(matches!(
+            HostLink::connect(addr, &config(1)),
+            Err(Error::Refused {
+                reason: RefuseReason::TooManyLinks
+            })
+        ));
+        assert!(matches!(
+            listener.accept_timeout(Duration::from_secs(10)),
+            Err(Error::TooManyHostLinks { limit: 1, .. })
+        ));
+        drop(reader);
+        // One half still holds it.
+        assert!(HostLink::connect(addr, &config(1)).is_err());
+        assert!(listener.accept_timeout(Duration::from_secs(10)).is_err());
+        drop(writer);
+    });
+    assert!(HostLink::connect(addr, &config(1)).is_ok());
+    assert!(listener.accept_timeout(Duration::from_secs(10)).is_ok());
 }

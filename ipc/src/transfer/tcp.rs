@@ -450,13 +450,13 @@ impl TcpEngine {
         });
         let acceptor = {
             let weak = Arc::downgrade(&inner);
-            let max = inner.config.max_handshakes;
+            let caps = inner.config.caps();
             std::thread::Builder::new()
                 .name("baton-tcp-engine".into())
                 .spawn(move || {
                     host::serve(
                         listener,
-                        max,
+                        caps,
                         stop,
                         "baton-tcp-data",
                         move |stream, slot| {
