@@ -141,6 +141,20 @@ fn node_key(peer: &EnginePeer) -> NodeKey {
     (peer.host, peer.process)
 }
 
+/// Whether a bootstrap socket at `named` is on the host of a peer whose host link runs to
+/// `link`: the same address; or, where the link runs over loopback (the peer is on this
+/// machine, and NCCL's bootstrap picks a non-loopback interface by default), any address
+/// of this machine — one a socket can bind to, never the unspecified one. Joining then
+/// connects to this machine only.
+fn bootstrap_on_peers_host(named: IpAddr, link: IpAddr) -> bool {
+    let (named, link) = (named.to_canonical(), link.to_canonical());
+    named == link
+        || (link.is_loopback()
+            && !named.is_unspecified()
+            && !named.is_multicast()
+            && std::net::UdpSocket::bind((named, 0)).is_ok())
+}
+
 /// Magic and version of a rendezvous message.
 const MAGIC: [u8; 4] = *b"BNC1";
 /// Bytes of a rendezvous message: magic, direction, serial, seen, unique id.
@@ -327,7 +341,7 @@ impl NcclEngine {
     pub fn on_rendezvous(&self, peer: &EnginePeer, host: IpAddr, bytes: &[u8]) -> Result<()> {
         let (dir, offer, uid) = decode_rendezvous(bytes)?;
         let named = uid.bootstrap_addr().map(|a| a.ip());
-        if named.map(|ip| ip.to_canonical()) != Some(host.to_canonical()) {
+        if !named.is_some_and(|ip| bootstrap_on_peers_host(ip, host)) {
             return Err(Error::RendezvousElsewhere { named, link: host });
         }
         let key = self.shared.key(peer, dir)?;

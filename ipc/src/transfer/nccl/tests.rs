@@ -631,3 +631,41 @@ fn a_unique_id_names_its_bootstrap_as_nccl_lays_it_out() {
     );
     assert_eq!(UniqueId([0; 128]).bootstrap_addr(), None);
 }
+
+/// Issue 45, finding 10: where a peer's bootstrap may be. On its host link's address;
+/// over a loopback link (a peer on this machine, whose NCCL picks a non-loopback interface
+/// by default) at an address of this machine; never the unspecified address, another
+/// machine's, or — from a peer on another host — this machine's loopback.
+#[test]
+fn a_bootstrap_is_accepted_only_on_the_peers_own_host() {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let remote = IpAddr::V4(Ipv4Addr::new(10, 9, 9, 9));
+    assert!(super::bootstrap_on_peers_host(remote, remote));
+    assert!(super::bootstrap_on_peers_host(lo, lo));
+    // The same address written as IPv4-mapped IPv6.
+    assert!(super::bootstrap_on_peers_host(
+        IpAddr::V6(Ipv4Addr::new(10, 9, 9, 9).to_ipv6_mapped()),
+        remote
+    ));
+    assert!(super::bootstrap_on_peers_host(
+        IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)),
+        lo
+    ));
+    assert!(
+        !super::bootstrap_on_peers_host(remote, lo),
+        "not this machine"
+    );
+    assert!(!super::bootstrap_on_peers_host(
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        lo
+    ));
+    assert!(!super::bootstrap_on_peers_host(
+        IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        lo
+    ));
+    assert!(
+        !super::bootstrap_on_peers_host(lo, remote),
+        "our loopback, from afar"
+    );
+}
