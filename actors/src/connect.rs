@@ -193,9 +193,12 @@ impl Node {
 
     /// Accepts host links from nodes on other hosts at `addr` (port 0: any free port; see
     /// [`TcpListening::local_addr`]) until the returned guard drops. Each handshake runs
-    /// under the handshake deadline on a thread of its own, at most 64 at once: silent or
-    /// garbage-sending connections cost a slot for at most the deadline and harm no honest
-    /// peer. Refused connections are reported to subscribers as [`PeerEvent::Refused`].
+    /// under the handshake deadline on a thread of its own, at most 64 at once and 16 from
+    /// one source address, accepted fairly: silent or garbage-sending connections cost a
+    /// slot for at most the deadline, and a flood from one source starves no other. At most
+    /// 256 links are up at once, 16 per static key (the `TcpConfig` defaults; see
+    /// `docs/CROSS_HOST.md`). Refused connections are reported to subscribers as
+    /// [`PeerEvent::Refused`].
     /// The node's TCP engine takes data connections at the same IP address. Must be
     /// called inside an actix system.
     ///

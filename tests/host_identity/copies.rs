@@ -43,10 +43,13 @@ fn engine(session: &Session) -> (TcpEngine, NodePublicKey) {
 
 /// `e` (of key `key`) as a host link to it knows it: its claim in its key's namespace.
 fn known(e: &TcpEngine, key: &NodePublicKey) -> EnginePeer {
-    EnginePeer {
-        process: remote_process(key, e.as_peer().process),
-        ..e.as_peer()
-    }
+    let peer = e.as_peer();
+    assert_eq!(
+        peer.process,
+        remote_process(key, Session::generate().unwrap().process()),
+        "as_peer names the engine in its key's namespace"
+    );
+    peer
 }
 
 /// Sends `src` from `from` to `to` as transfer `id`.
