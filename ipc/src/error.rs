@@ -375,7 +375,7 @@ pub enum Error {
     #[error("the peer's TCP engine refused our data connection: {why}")]
     DataConnectionRefused {
         /// Why.
-        why: crate::transfer::tcp::DataRefusal,
+        why: DataRefusal,
     },
     /// A frame with file descriptors was to be sent over TCP, which cannot carry them.
     #[error(
@@ -610,6 +610,30 @@ impl Error {
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Why a TCP engine refused a data connection after its handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DataRefusal {
+    /// It holds [`DataLimits::connections`](crate::transfer::DataLimits::connections) data connections already.
+    Full,
+    /// It holds [`DataLimits::per_key`](crate::transfer::DataLimits::per_key) data connections from our key already.
+    FullForKey,
+    /// No host link of its node has our static key and process (or none asked for our
+    /// transfers within its handshake deadline): a data connection belongs to the host
+    /// link whose key opened it.
+    NoHostLink,
+}
+
+impl std::fmt::Display for DataRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DataRefusal::Full => "it holds as many data connections as its limits allow: retry once transfers end, or raise its DataLimits::connections",
+            DataRefusal::FullForKey => "it holds as many data connections from this key as its limits allow: retry once transfers end, or raise its DataLimits::per_key",
+            DataRefusal::NoHostLink => "no host link of its node has this key and process: send over a host link to it, whose key opens the data connection",
+        })
+    }
+}
 
 mod cuda_code;
 pub use cuda_code::CudaError;

@@ -70,6 +70,7 @@
 //! until the transfer is finished or aborted, and an abort waits the touch out.
 
 use super::{CopyBudget, EnginePeer, Region, Transfer, TransferEngine, TransferId, TransferSignal};
+pub use crate::error::DataRefusal;
 use crate::tcp::{self as host, Deadline, NodePublicKey, Opener, Sealer, TcpConfig};
 use crate::{Error, MemPtr, Result};
 use baton_messages::ProcessId;
@@ -120,20 +121,6 @@ impl Default for DataLimits {
     }
 }
 
-/// Why a TCP engine refused a data connection after its handshake.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum DataRefusal {
-    /// It holds [`DataLimits::connections`] data connections already.
-    Full,
-    /// It holds [`DataLimits::per_key`] data connections from our key already.
-    FullForKey,
-    /// No host link of its node has our static key and process (or none asked for our
-    /// transfers within its handshake deadline): a data connection belongs to the host
-    /// link whose key opened it.
-    NoHostLink,
-}
-
 impl DataRefusal {
     fn code(self) -> u8 {
         match self {
@@ -150,16 +137,6 @@ impl DataRefusal {
             3 => Some(DataRefusal::NoHostLink),
             _ => None,
         }
-    }
-}
-
-impl std::fmt::Display for DataRefusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DataRefusal::Full => "it holds as many data connections as its limits allow: retry once transfers end, or raise its DataLimits::connections",
-            DataRefusal::FullForKey => "it holds as many data connections from this key as its limits allow: retry once transfers end, or raise its DataLimits::per_key",
-            DataRefusal::NoHostLink => "no host link of its node has this key and process: send over a host link to it, whose key opens the data connection",
-        })
     }
 }
 
