@@ -641,31 +641,28 @@ fn a_bootstrap_is_accepted_only_on_the_peers_own_host() {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
     let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
     let remote = IpAddr::V4(Ipv4Addr::new(10, 9, 9, 9));
-    assert!(super::bootstrap_on_peers_host(remote, remote));
-    assert!(super::bootstrap_on_peers_host(lo, lo));
+    assert!(bootstrap_on_peers_host(remote, remote));
+    assert!(bootstrap_on_peers_host(lo, lo));
     // The same address written as IPv4-mapped IPv6.
-    assert!(super::bootstrap_on_peers_host(
+    assert!(bootstrap_on_peers_host(
         IpAddr::V6(Ipv4Addr::new(10, 9, 9, 9).to_ipv6_mapped()),
         remote
     ));
-    assert!(super::bootstrap_on_peers_host(
+    assert!(bootstrap_on_peers_host(
         IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)),
         lo
     ));
-    assert!(
-        !super::bootstrap_on_peers_host(remote, lo),
-        "not this machine"
-    );
-    assert!(!super::bootstrap_on_peers_host(
+    assert!(!bootstrap_on_peers_host(remote, lo), "not this machine");
+    assert!(!bootstrap_on_peers_host(
         IpAddr::V4(Ipv4Addr::UNSPECIFIED),
         lo
     ));
-    assert!(!super::bootstrap_on_peers_host(
+    assert!(!bootstrap_on_peers_host(
         IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         lo
     ));
     assert!(
-        !super::bootstrap_on_peers_host(lo, remote),
+        !bootstrap_on_peers_host(lo, remote),
         "our loopback, from afar"
     );
 }
