@@ -124,6 +124,10 @@ fn the_event_pool_lends_up_to_its_limit_and_reuses_returned_events() {
         Err(Error::EventsExhausted { limit: 2 })
     ));
     let h1 = e1.ipc_handle();
+    // A retired event is lent again once its record has completed: wait for it here, or
+    // the next record may find it still pending and the pool exhausted (it did once, on
+    // an H200).
+    e1.synchronize().unwrap();
     drop(e1);
     let e3 = b.record_event().unwrap();
     assert_eq!(e3.ipc_handle(), h1, "the returned event is lent again");
