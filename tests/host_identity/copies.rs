@@ -7,8 +7,7 @@
 //! - Finding 7: a receiver that gives a host copy's lease back before the bytes landed
 //!   does not end it while the sender's engine still reads the buffer.
 //! - Finding 8: data connections are capped (in all, per key), idle ones closed, and the
-//!   copies in flight of all a node's links bounded together (that bound's own test is
-//!   `transfer::tests::a_copy_budget_is_shared_and_given_back` in baton-ipc).
+//!   copies in flight of all a node's links bounded together.
 
 use crate::actors::{DEADLINE, run};
 use crate::host_msgs::{Take, is_pattern, pattern_bytes};
@@ -318,5 +317,149 @@ fn an_early_release_of_a_host_copy_keeps_the_lease_until_the_engine_lets_go() {
             .expect("the lease ends once the engine let go");
         drop(link);
         peer.close_and_wait().await;
+    });
+}
+
+/// A raw host-link peer of its own key on host `host` that offers the node at `addr` a host
+/// copy of `len` bytes in a call to "take" and never sends the bytes: the copy stays in
+/// flight until its deadline. Returns once the node has handled the call (a ping sent after
+/// it came back), with the link (keep it: dropping it ends the link), the call id and what
+/// the node sent before that pong (a refusal of the call comes at once).
+fn copy_never_sent(
+    session: &Session,
+    host: &str,
+    addr: std::net::SocketAddr,
+    len: u64,
+) -> (HostLink, u64, Vec<Message>) {
+    use baton::messages::protocol::{Call, Offer};
+    use baton::messages::{
+        ActorId, AllocationId, BackendKind, CopyEngine, DType, DeviceUuid, ExporterId, Generation,
+        HandleDigest, HandleMsg, Layout, LeaseId, PROTOCOL_VERSION, RawHandle, Shape,
+    };
+    let config = TcpConfig::new(session.clone(), NodeKey::generate().unwrap())
+        .host(HostId::named(host))
+        .data_port(9);
+    let mut link = HostLink::connect(addr, &config).unwrap();
+    let handle = HandleMsg {
+        version: PROTOCOL_VERSION,
+        exporter: ExporterId {
+            process: session.process(),
+            actor: ActorId::new(0),
+        },
+        alloc: AllocationId::new(1),
+        generation: Generation::FIRST,
+        backend: BackendKind::Host,
+        device: DeviceUuid::HOST,
+        alloc_size: len,
+        offset: 0,
+        len,
+        layout: Some(Layout::new(DType::U8, Shape::new([len]).unwrap())),
+        raw: RawHandle::Copy {
+            engine: CopyEngine::Tcp,
+        },
+        fence: None,
+        digest: HandleDigest::default(),
+    }
+    .sealed(session.handle_key());
+    let id = 1;
+    link.send(
+        &Message::Call(Call {
+            id,
+            target: "take".into(),
+            type_name: <Take as baton::actors::RemoteMessage>::NAME.into(),
+            payload: Vec::new(),
+            offers: vec![Offer {
+                lease: LeaseId::new(1),
+                handle,
+            }],
+        }),
+        &[],
+    )
+    .unwrap();
+    // The link handles its frames in order: once the pong is back, the call was.
+    link.send(&Message::Ping(77), &[]).unwrap();
+    let mut before = Vec::new();
+    loop {
+        match link.recv_timeout(DEADLINE).unwrap().message {
+            Message::Pong(77) => break,
+            Message::Ping(n) => link.send(&Message::Pong(n), &[]).unwrap(),
+            other => before.push(other),
+        }
+    }
+    (link, id, before)
+}
+
+/// Finding 8, the node's part: the copies a node receives at once are bounded across all
+/// its links together, not only per link. Two token holders of their own keys each offer
+/// a copy within the per-link budget and never send its bytes: the first is taken (its
+/// receive posted, its bytes in flight), the second would pass the node's budget and is
+/// refused, typed, its link kept — while the first is still in flight.
+#[test]
+fn two_links_together_cannot_pass_the_nodes_copy_budget() {
+    use baton::messages::protocol::{CallFault, Reply};
+    run(async {
+        let session = Session::generate().unwrap();
+        let ours = host_node(
+            &session,
+            "copies-budget-a",
+            LinkLimits {
+                copy_bytes: 3 << 20,
+                node_copy_bytes: 4 << 20,
+                ..LinkLimits::default()
+            },
+        );
+        let mut listening = ours.listen_tcp("127.0.0.1:0").unwrap();
+        let addr = listening.local_addr();
+        let (s1, s2) = (session.clone(), session.clone());
+        let (first, _, _) = tokio::task::spawn_blocking(move || {
+            copy_never_sent(&s1, "copies-budget-m1", addr, 3 << 20)
+        })
+        .await
+        .unwrap();
+        let first_seen = listening.accept_timeout(DEADLINE).await.unwrap();
+        let (mut second, id, before) = tokio::task::spawn_blocking(move || {
+            copy_never_sent(&s2, "copies-budget-m2", addr, 2 << 20)
+        })
+        .await
+        .unwrap();
+        let second_seen = listening.accept_timeout(DEADLINE).await.unwrap();
+        let early = before.into_iter().find_map(|m| match m {
+            Message::Reply(r) => Some(r),
+            _ => None,
+        });
+        let reply = tokio::task::spawn_blocking(move || {
+            if let Some(r) = early {
+                return (r, second);
+            }
+            loop {
+                match second.recv_timeout(DEADLINE).unwrap().message {
+                    Message::Reply(r) => return (r, second),
+                    Message::Ping(n) => second.send(&Message::Pong(n), &[]).unwrap(),
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .unwrap();
+        let (
+            Reply {
+                id: answered,
+                outcome,
+            },
+            second,
+        ) = reply;
+        assert_eq!(answered, id);
+        match outcome {
+            Err(CallFault::OfferRefused(why)) => {
+                assert!(why.contains("node_copy_bytes"), "{why}")
+            }
+            other => panic!("refused past the node's budget, typed: {other:?}"),
+        }
+        assert!(second_seen.is_connected(), "the refused link is kept");
+        assert!(
+            first_seen.is_connected(),
+            "and so is the one whose copy is in flight"
+        );
+        drop((first, second));
     });
 }
