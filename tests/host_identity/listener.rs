@@ -158,20 +158,38 @@ fn honest_links_get_in(
 /// every handshake slot, and 0–1 of 100 honest connects got in.)
 #[test]
 fn a_flood_of_silent_connections_from_one_source_starves_no_honest_link() {
+    let source = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 9));
+    let flooded = honest_links_through_a_flood(vec![source], 10_000, Duration::from_secs(30), 100);
+    assert!(flooded > 1_000, "the flood ran alongside");
+}
+
+/// Finding 5, fair accepting: eight flooding sources together want twice the listener's
+/// handshake slots; a newcomer from a ninth source still gets in (the heaviest source's
+/// oldest handshake makes room for it).
+#[test]
+fn a_flood_from_many_sources_leaves_room_for_a_newcomer() {
+    let sources = (10..18)
+        .map(|b| IpAddr::V4(Ipv4Addr::new(127, 0, 0, b)))
+        .collect();
+    honest_links_through_a_flood(sources, 3_000, Duration::from_secs(10), 20);
+}
+
+/// A listener flooded with `connections` silent connections from `sources` over `over`
+/// (at most 2,000 held open at once) takes `honest` links that each must get in at their
+/// first try; the flood's connections made.
+fn honest_links_through_a_flood(
+    sources: Vec<IpAddr>,
+    connections: usize,
+    over: Duration,
+    honest: usize,
+) -> usize {
     raise_nofile();
     let session = Session::generate().unwrap();
     let listener = Arc::new(HostListener::bind("127.0.0.1:0", config(&session)).unwrap());
     let addr = listener.local_addr();
     let stop = Arc::new(AtomicBool::new(false));
     let (links, refused) = accepting(Arc::clone(&listener), Arc::clone(&stop));
-    let flooder = flood(
-        addr,
-        vec![IpAddr::V4(Ipv4Addr::new(127, 0, 0, 9))],
-        10_000,
-        Duration::from_secs(30),
-        2_000,
-        Arc::clone(&stop),
-    );
+    let flooder = flood(addr, sources, connections, over, 2_000, Arc::clone(&stop));
     // Let the flood fill what it can first.
     let until = Instant::now() + Duration::from_secs(30);
     while refused.load(Ordering::Relaxed) < 16 {
@@ -181,44 +199,9 @@ fn a_flood_of_silent_connections_from_one_source_starves_no_honest_link() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    honest_links_get_in(addr, &session, &links, 100, Duration::from_millis(250));
+    honest_links_get_in(addr, &session, &links, honest, Duration::from_millis(250));
     stop.store(true, Ordering::Relaxed);
-    assert!(flooder.join().unwrap() > 1_000, "the flood ran alongside");
-}
-
-/// Finding 5, fair accepting: eight flooding sources together want twice the listener's
-/// handshake slots; a newcomer from a ninth source still gets in (the heaviest source's
-/// oldest handshake makes room for it).
-#[test]
-fn a_flood_from_many_sources_leaves_room_for_a_newcomer() {
-    raise_nofile();
-    let session = Session::generate().unwrap();
-    let listener = Arc::new(HostListener::bind("127.0.0.1:0", config(&session)).unwrap());
-    let addr = listener.local_addr();
-    let stop = Arc::new(AtomicBool::new(false));
-    let (links, refused) = accepting(Arc::clone(&listener), Arc::clone(&stop));
-    let sources = (10..18)
-        .map(|b| IpAddr::V4(Ipv4Addr::new(127, 0, 0, b)))
-        .collect();
-    let flooder = flood(
-        addr,
-        sources,
-        3_000,
-        Duration::from_secs(10),
-        2_000,
-        Arc::clone(&stop),
-    );
-    let until = Instant::now() + Duration::from_secs(30);
-    while refused.load(Ordering::Relaxed) < 16 {
-        assert!(
-            Instant::now() < until,
-            "the flood never reached the listener"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    honest_links_get_in(addr, &session, &links, 20, Duration::from_millis(250));
-    stop.store(true, Ordering::Relaxed);
-    flooder.join().unwrap();
+    flooder.join().unwrap()
 }
 
 /// The first handshake record `client` sends, caught by a plain socket.
