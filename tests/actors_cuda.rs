@@ -32,6 +32,7 @@ use baton::actors::{ActorError, Allocate, Buffer, Lease};
 use baton::ipc::MemPtr;
 use baton::ipc::cuda::testing::GpuTestLock;
 use baton::ipc::cuda::{CudaBackend, CudaExport, DEVICE_ENV};
+use baton::messages::protocol::CallFault;
 use msgs::*;
 use std::future::Future;
 use std::sync::Arc;
@@ -482,14 +483,203 @@ fn vmm_device_buffer_read_and_written_from_another_gpu() {
     ));
 }
 
+/// Stream-ordered pool memory does not cross GPUs (it dies with its exporter, and the
+/// importer's queued work on it would end the importer's context): a helper on device 1
+/// refuses our pool buffer, and we refuse its, each with a typed error before any driver
+/// open, the leases come back, our buffer is untouched, and the link stays up.
 #[test]
 #[cfg_attr(
     not(feature = "gpu-tests"),
     ignore = "needs two CUDA GPUs (--features gpu-tests)"
 )]
-fn pool_device_buffer_read_and_written_from_another_gpu() {
-    run(across_gpus(
-        "pool_device_buffer_read_and_written_from_another_gpu",
-        CudaExport::Pool,
+fn pool_device_buffers_are_refused_by_a_process_on_another_gpu() {
+    run(pool_refused_across_gpus(
+        "pool_device_buffers_are_refused_by_a_process_on_another_gpu",
     ));
+}
+
+async fn pool_refused_across_gpus(test: &str) {
+    if !gpus::two_gpus(test) {
+        return;
+    }
+    let (mut parent, cuda, _gpu) = cuda_parent("cp-2gpu", CudaExport::Pool);
+    parent.child_env.push((DEVICE_ENV.into(), "1".into()));
+    let before = device_free(&cuda);
+    let (mut child, peer) = parent.child(&[]).await;
+    // Ours to the helper: it refuses to open it.
+    let buf = pattern_buffer(&parent, MIN_ELEMS, 51).await;
+    let refused = peer
+        .remote::<Overwrite>("overwriter")
+        .send(Overwrite {
+            buf: buf.share_mut(),
+            expect: 51,
+            write: 52,
+        })
+        .await;
+    match refused {
+        Err(ActorError::Remote(CallFault::OfferRefused(why))) => assert!(
+            why.contains("is not opened on GPU") && why.contains("VMM"),
+            "the helper's refusal names the rule and the alternative: {why}"
+        ),
+        other => panic!("the helper on device 1 opened our pool buffer: {other:?}"),
+    }
+    leases_back(&buf, "the refused lease").await;
+    assert_eq!(
+        wrong(&buf.to_vec().unwrap(), 51),
+        0,
+        "nothing wrote our buffer"
+    );
+    // The helper's to us: we refuse it.
+    let theirs = peer
+        .remote::<MakeBuffers>("exporter")
+        .send(MakeBuffers {
+            n: 1,
+            len: MIN_ELEMS as u32,
+            seed: 53,
+        })
+        .await;
+    match theirs {
+        Err(ActorError::OfferRefused(baton::Error::PoolAcrossDevices { device, here })) => {
+            assert_eq!(here, baton::ipc::Backend::device(&*cuda));
+            assert_ne!(device, here, "the refusal names both GPUs");
+        }
+        other => panic!("we opened the helper's device-1 pool buffer: {other:?}"),
+    }
+    assert_eq!(cuda.opens(), 0, "no driver-level open was tried");
+    peer.ping()
+        .await
+        .expect("the link stays up after both refusals");
+    drop(buf);
+    peer.close();
+    assert!(exited(&mut child, DEADLINE).await.success());
+    device_back_to(&cuda, before).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory goes back: what a node made, once it is closed
+// ---------------------------------------------------------------------------------------
+
+/// What a closed node may keep of device memory: the streams the driver keeps for the
+/// context (about 0.5 MiB each, not given back when destroyed: measured by
+/// `bench/probe/device_memory_costs.py`) and the fence slabs (small allocations in one
+/// 2 MiB chunk).
+const CLOSED_NODE_KEEPS: usize = 4 * MIB;
+
+/// Device free memory with `ctx` (the primary context, held by the test as a PyTorch
+/// process holds it) current, after everything queued in it.
+fn free_in(ctx: &Arc<baton::ipc::cuda::cudarc::driver::CudaContext>) -> usize {
+    ctx.synchronize().expect("the context synchronises");
+    ctx.mem_get_info().expect("cuMemGetInfo").0
+}
+
+/// A node on `export` memory links a helper, shares it a 64 MiB buffer (the helper checks
+/// and writes it), gets it back, drops it, closes the link; then the node and its backend
+/// go. The device's free memory, measured with the primary context held throughout (so
+/// that the context's own memory is not what comes back), returns to within
+/// [`CLOSED_NODE_KEEPS`] of its value before the backend was made — with no trim or
+/// synchronise of the backend by the test: the memory must come back on its own.
+fn closed_node_gives_memory_back(export: CudaExport) {
+    let tag = match export {
+        CudaExport::Legacy => "cl-close",
+        CudaExport::Vmm => "cv-close",
+        CudaExport::Pool => "cp-close",
+    };
+    let _gpu = baton::ipc::cuda::testing::exclusive_gpu(Duration::from_secs(1800))
+        .expect("the GPU test lock");
+    let ctx = baton::ipc::cuda::cudarc::driver::CudaContext::new(0).expect("a CUDA device");
+    let before = free_in(&ctx);
+    let step = |what: &str, since: usize| {
+        let now = free_in(&ctx);
+        eprintln!(
+            "  {export:?}: {what}: {:+.1} MiB of device memory in use since the start",
+            (since as f64 - now as f64) / MIB as f64
+        );
+        now
+    };
+    let mut held = None;
+    run(async {
+        let cuda = Arc::new(
+            CudaBackend::builder(0)
+                .export(export)
+                .build()
+                .expect("a CUDA backend"),
+        );
+        let mut parent = Parent::start_with(&peer::namespace(tag), cuda.clone());
+        for (k, v) in [
+            ("BATON_BACKEND", "cuda"),
+            ("BATON_CUDA_EXPORT", export.name()),
+        ] {
+            parent.child_env.push((k.into(), v.into()));
+        }
+        step("node made", before);
+        let (mut child, peer) = parent.child(&[]).await;
+        const N: usize = 16 * MIB; // u32s: 64 MiB
+        let buf = pattern_buffer(&parent, N, 61).await;
+        let reply = peer
+            .remote::<Overwrite>("overwriter")
+            .send(Overwrite {
+                buf: buf.share_mut(),
+                expect: 61,
+                write: 62,
+            })
+            .await
+            .expect("the helper reads and writes our buffer");
+        assert_eq!(reply.wrong, 0, "the helper read our buffer exactly");
+        leases_back(&buf, "the helper's lease").await;
+        assert_eq!(wrong(&buf.to_vec().unwrap(), 62), 0, "its write reads back");
+        step("64 MiB shared, written by the helper, back", before);
+        drop(buf);
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+        eventually(DEADLINE, "the node to map and hold nothing", || {
+            parent.node.cache().stats().live == 0 && cuda.live().is_empty()
+        })
+        .await;
+        step("buffer dropped, helper gone", before);
+        held = Some(cuda);
+    });
+    let cuda = held.expect("the backend");
+    let kept = before.saturating_sub(step("node closed (its backend still held)", before));
+    drop(cuda);
+    let left = before.saturating_sub(step("backend dropped", before));
+    assert!(
+        left <= CLOSED_NODE_KEEPS,
+        "{export:?}: a closed node and its backend keep {:.1} MiB of device memory (at most {} allowed)",
+        left as f64 / MIB as f64,
+        CLOSED_NODE_KEEPS / MIB
+    );
+    assert!(
+        kept <= CLOSED_NODE_KEEPS + 2 * MIB,
+        "{export:?}: a closed node whose backend is still held keeps {:.1} MiB of device memory \
+         (at most its streams and fence slabs: {} MiB)",
+        kept as f64 / MIB as f64,
+        (CLOSED_NODE_KEEPS + 2 * MIB) / MIB
+    );
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn a_closed_legacy_node_gives_the_device_its_memory_back() {
+    closed_node_gives_memory_back(CudaExport::Legacy);
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn a_closed_vmm_node_gives_the_device_its_memory_back() {
+    closed_node_gives_memory_back(CudaExport::Vmm);
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn a_closed_pool_node_gives_the_device_its_memory_back() {
+    closed_node_gives_memory_back(CudaExport::Pool);
 }

@@ -95,13 +95,14 @@ mod relay_msgs;
 
 use actix::prelude::*;
 use actors::{DEADLINE, Lines, Parent, eventually, exited, run};
-use baton::actors::{Allocate, Buffer, BufferId, BufferLeases, Offered, Shared};
+use baton::actors::{ActorError, Allocate, Buffer, BufferId, BufferLeases, Offered, Shared};
 use baton::ipc::cuda::cudarc::driver::CudaStream;
 use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
 use baton::ipc::cuda::{
     CudaBackend, CudaExport, DEFAULT_EVENT_LIMIT, DEVICE_ENV, EXPORT_ENV, FENCE_ENV, FenceKind,
 };
 use baton::ipc::inbox::FENCE_DEADLINE_ENV;
+use baton::messages::protocol::CallFault;
 use liveness_msgs::{
     Exit, FENCE_DEADLINE_MS, Keep, SHORT_CYCLES, SPIN_CYCLES, Scribble, SpinForward, SpinShare,
 };
@@ -214,6 +215,8 @@ fn relay_peer() -> &'static str {
 struct Setup {
     parent: Parent,
     cuda: Arc<CudaBackend>,
+    export: CudaExport,
+    peers: PeerGpu,
     /// The stream our own work on leases and buffers runs on.
     stream: Arc<CudaStream>,
     _gpu: GpuTestLock,
@@ -275,9 +278,17 @@ impl Setup {
         Some(Setup {
             parent,
             cuda,
+            export,
+            peers,
             stream,
             _gpu: gpu,
         })
+    }
+
+    /// Whether this case's offers are refused: pool memory between GPUs
+    /// ([`assert_pool_refused`]).
+    fn pool_refused(&self) -> bool {
+        self.export == CudaExport::Pool && self.peers == PeerGpu::Other
     }
 
     /// How long a synchronisation may take once the peer it waited on is gone: the fence
@@ -365,7 +376,7 @@ impl Setup {
     /// What enabling peer access between two contexts costs, once, then sits in the
     /// baseline instead of counting as a leak; the warm-up prints it.
     async fn baseline_after_warm_up(&self, peers: PeerGpu, link: &baton::actors::Peer) -> Baseline {
-        if peers == PeerGpu::Same {
+        if peers == PeerGpu::Same || self.pool_refused() {
             return self.baseline().await;
         }
         let before = self.baseline().await;
@@ -650,6 +661,23 @@ fn assert_reaped(pids: &[u32]) {
     }
 }
 
+/// Pool memory does not cross GPUs: an offer of it to a process on another GPU is refused
+/// before any driver open, by whichever side imports — typed (`PoolAcrossDevices`) where
+/// we import, named in the helper's refusal where it does. That is the pool, other-GPU cell
+/// of each scenario: the helper then goes as the scenario says, and we must carry on.
+fn assert_pool_refused<T: std::fmt::Debug>(got: Result<T, ActorError>) {
+    match got {
+        Err(ActorError::OfferRefused(baton::Error::PoolAcrossDevices { device, here })) => {
+            assert_ne!(device, here, "the refusal names two GPUs")
+        }
+        Err(ActorError::Remote(CallFault::OfferRefused(why)))
+            if why.contains("is not opened on GPU") => {}
+        other => panic!(
+            "pool memory was offered across GPUs and not refused with PoolAcrossDevices: {other:?}"
+        ),
+    }
+}
+
 fn row(table: &[BufferLeases], id: BufferId) -> Option<&BufferLeases> {
     table.iter().find(|b| b.buffer == id)
 }
@@ -766,8 +794,17 @@ fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes, pee
                 value: LATE,
                 cycles: SPIN_CYCLES,
             })
-            .await
-            .expect("the producer shares its buffer");
+            .await;
+        if s.pool_refused() {
+            assert_pool_refused(spun);
+            drop(copy);
+            producer_leaves(&mut child, &link, how).await;
+            s.assert_synchronises("after the producer went").await;
+            s.assert_released(base).await;
+            assert_reaped(&[pid]);
+            return;
+        }
+        let spun = spun.expect("the producer shares its buffer");
         assert!(
             spun.running,
             "the producer's kernel had finished before it shared the buffer: raise SPIN_CYCLES (else this proves nothing)"
@@ -783,25 +820,7 @@ fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes, pee
             "our stream did not wait for the producer's kernel (else this proves nothing)"
         );
 
-        match how {
-            Goes::Killed => child.signal_kill(),
-            Goes::Exits => {
-                // The reply may never come: the helper may be gone first.
-                let _ = tokio::time::timeout(
-                    DEADLINE,
-                    link.remote::<Exit>("exit").send(Exit { flush_ms: 0 }),
-                )
-                .await;
-            }
-        }
-        let status = exited(&mut child, DEADLINE).await;
-        match how {
-            Goes::Killed => assert_killed(status, "the producer"),
-            Goes::Exits => assert!(
-                status.success(),
-                "the producer returned from main, yet it ended with {status}"
-            ),
-        }
+        producer_leaves(&mut child, &link, how).await;
         s.assert_synchronises("after the producer went").await;
 
         eventually(DEADLINE, "the lease to turn orphaned", || {
@@ -815,6 +834,29 @@ fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes, pee
         s.assert_released(base).await;
         assert_reaped(&[pid]);
     });
+}
+
+/// The producer goes `how`, and ends as it should have.
+async fn producer_leaves(child: &mut peer::Peer, link: &baton::actors::Peer, how: Goes) {
+    match how {
+        Goes::Killed => child.signal_kill(),
+        Goes::Exits => {
+            // The reply may never come: the helper may be gone first.
+            let _ = tokio::time::timeout(
+                DEADLINE,
+                link.remote::<Exit>("exit").send(Exit { flush_ms: 0 }),
+            )
+            .await;
+        }
+    }
+    let status = exited(child, DEADLINE).await;
+    match how {
+        Goes::Killed => assert_killed(status, "the producer"),
+        Goes::Exits => assert!(
+            status.success(),
+            "the producer returned from main, yet it ended with {status}"
+        ),
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -870,8 +912,14 @@ fn consumer_killed(export: CudaExport, fence: FenceKind, peers: PeerGpu) {
                 cycles: SPIN_CYCLES,
                 keep: true,
             })
-            .await
-            .expect("the consumer queues its kernel");
+            .await;
+        if s.pool_refused() {
+            assert_pool_refused(running);
+            child.signal_kill();
+            assert_killed(exited(&mut child, DEADLINE).await, "the consumer");
+            return consumer_refused_and_gone(&s, buf, base, pid).await;
+        }
+        let running = running.expect("the consumer queues its kernel");
         assert!(
             running,
             "the consumer's kernel had finished already: raise SPIN_CYCLES (else this proves nothing)"
@@ -983,8 +1031,19 @@ fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool, peers: Peer
                 cycles: SPIN_CYCLES,
                 keep: false,
             })
-            .await
-            .expect("the consumer queues its kernel and releases");
+            .await;
+        if s.pool_refused() {
+            assert_pool_refused(running);
+            let _ = tokio::time::timeout(
+                DEADLINE,
+                link.remote::<Exit>("exit").send(Exit { flush_ms: 0 }),
+            )
+            .await;
+            let status = exited(&mut child, DEADLINE).await;
+            assert!(status.success(), "the consumer ended with {status}");
+            return consumer_refused_and_gone(&s, buf, base, pid).await;
+        }
+        let running = running.expect("the consumer queues its kernel and releases");
         assert!(
             running,
             "the consumer's kernel had finished before it released: raise SPIN_CYCLES (else this proves nothing)"
@@ -1063,6 +1122,25 @@ fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool, peers: Peer
         s.assert_released(base).await;
         assert_reaped(&[pid]);
     });
+}
+
+/// After a refused offer of `buf` (pool memory across GPUs) and the consumer's end: the
+/// lease is back, nothing wrote the buffer, and we carry on as in the other cells.
+async fn consumer_refused_and_gone(s: &Setup, buf: Buffer<u32>, base: Baseline, pid: u32) {
+    leases_back(&buf, "the refused lease").await;
+    let (buf, first) = first_of(buf, s.release_bound(), "reading our buffer back").await;
+    assert_eq!(
+        first, START,
+        "nothing wrote our buffer: its offer was refused"
+    );
+    drop(buf);
+    eventually(s.release_bound(), "the free", || {
+        s.cuda.live().exported == 0
+    })
+    .await;
+    s.assert_synchronises("after the consumer went").await;
+    s.assert_released(base).await;
+    assert_reaped(&[pid]);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -253,12 +253,22 @@ impl Options {
 }
 
 /// This process's backend: CUDA on device `ordinal` (with its concrete type, for kernels)
-/// or host.
-fn backend(choice: &str, ordinal: usize) -> Res<(SharedBackend, Option<Arc<CudaBackend>>)> {
+/// or host. `across_gpus`: its buffers go to a process on another GPU, so a pool export
+/// becomes VMM — pool memory is not opened across GPUs (it dies with its exporter and would
+/// take the importer's context with it: `docs/CUDA.md`).
+fn backend(
+    choice: &str,
+    ordinal: usize,
+    across_gpus: bool,
+) -> Res<(SharedBackend, Option<Arc<CudaBackend>>)> {
+    let export = match CudaExport::from_env()? {
+        CudaExport::Pool if across_gpus => CudaExport::Vmm,
+        export => export,
+    };
     let cuda = match choice {
         "host" => None,
-        "cuda" => Some(CudaBackend::new(ordinal, CudaExport::from_env()?)?),
-        "auto" => CudaBackend::new(ordinal, CudaExport::from_env()?).ok(),
+        "cuda" => Some(CudaBackend::new(ordinal, export)?),
+        "auto" => CudaBackend::new(ordinal, export).ok(),
         other => return Err(format!("--backend {other}: use auto, host or cuda").into()),
     };
     Ok(match cuda {
@@ -618,7 +628,8 @@ fn say_device(who: &str, cuda: Option<&Arc<CudaBackend>>) {
 fn worker(session: Session, opts: Options, index: u32, sockets: PathBuf) -> Res<()> {
     let system = System::new();
     system.block_on(async move {
-        let (backend, cuda) = backend(&opts.backend, opts.worker_device(index))?;
+        let device = opts.worker_device(index);
+        let (backend, cuda) = backend(&opts.backend, device, device != opts.compositor_device())?;
         say_device(&format!("worker {index}"), cuda.as_ref());
         let node = Node::new(session, backend);
         let owner = BufferOwner::new(&node).start();
@@ -761,7 +772,7 @@ impl Canvas {
 
 fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
     System::new().block_on(async move {
-        let (backend, cuda) = backend(&opts.backend, opts.compositor_device())?;
+        let (backend, cuda) = backend(&opts.backend, opts.compositor_device(), false)?;
         say_device("compositor", cuda.as_ref());
         let node = Node::new(session, backend);
         let owner = BufferOwner::new(&node).start();
@@ -1190,7 +1201,7 @@ fn root(opts: Options) -> Res<()> {
     let namespace = format!("renderer-{}", std::process::id());
     // Children get the namespace through their specs (their segments are ours to count).
     System::new().block_on(async move {
-        let (resolved, cuda) = backend(&opts.backend, opts.compositor_device())?;
+        let (resolved, cuda) = backend(&opts.backend, opts.compositor_device(), false)?;
         let mut opts = opts;
         opts.backend = resolved.name().to_owned();
         // The compositor writes the frame log: give it a path that does not depend on its

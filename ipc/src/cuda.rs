@@ -142,6 +142,7 @@ pub use arg::DeviceArg;
 pub use backend::CudaBackend;
 pub use builder::{
     CudaBackendBuilder, DEFAULT_EVENT_BACKLOG, DEFAULT_INBOX_LANES, EVENT_BACKLOG_ENV,
+    pool_size_limit_from_env,
 };
 pub use cudarc;
 pub use event::{DEFAULT_EVENT_LIMIT, RecordedEvent};
@@ -158,6 +159,17 @@ use baton_messages::BackendKind;
 use context::Quiet;
 use cudarc::driver::{CudaContext, CudaStream, sys};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+/// The largest stream-ordered pool allocation a backend makes or opens unless
+/// [`POOL_SIZE_LIMIT_ENV`] says otherwise: 5 GiB. On the drivers measured (580, CUDA 13.0,
+/// H200) an importer of a pool allocation of 5.5 GiB or more dies with SIGSEGV inside
+/// `cuMemPoolImportPointer` — a crash no error return reports — and 5 GiB imports
+/// (`bench/pool_size_driver.py`). No driver is known to lift it, so it holds on every
+/// driver until one is measured. Larger buffers go as VMM memory, which has no such bound.
+pub const POOL_SIZE_LIMIT: u64 = 5 << 30;
+/// The environment variable that sets the bound of [`POOL_SIZE_LIMIT`] in bytes, for a
+/// driver measured to import more (or less).
+pub const POOL_SIZE_LIMIT_ENV: &str = "BATON_CUDA_POOL_LIMIT";
 
 /// `vmm` or `pool`.
 pub const EXPORT_ENV: &str = "BATON_CUDA_EXPORT";

@@ -243,11 +243,59 @@ pub enum Error {
         /// The allocation.
         alloc: AllocationId,
     },
-    /// The handle's device is not present in this process.
-    #[error("device {device} is not visible to this process")]
+    /// The handle's device is not one this process sees: devices are named by UUID, and
+    /// this process's `CUDA_VISIBLE_DEVICES` leaves that one out. Nothing was opened.
+    #[error(
+        "the memory lies on GPU {device}, which this process (on GPU {here}) does not see: \
+         check its CUDA_VISIBLE_DEVICES"
+    )]
     DeviceNotFound {
-        /// The device.
+        /// The device the memory lies on.
         device: DeviceUuid,
+        /// The device of the backend that was asked to open it.
+        here: DeviceUuid,
+    },
+    /// The handle's device is visible here, but this process's device cannot map its
+    /// memory (`cuDeviceCanAccessPeer` says no). Nothing was opened.
+    #[error(
+        "the memory lies on GPU {device}, which GPU {here} cannot map (no peer access between them)"
+    )]
+    DeviceUnreachable {
+        /// The device the memory lies on.
+        device: DeviceUuid,
+        /// The device of the backend that was asked to open it.
+        here: DeviceUuid,
+    },
+    /// Stream-ordered pool memory of another GPU: refused before any driver call. Across
+    /// GPUs the driver does not keep a pool allocation's pages for its importer once the
+    /// exporting process is gone, and work of ours still queued on them would fault and end
+    /// this process's CUDA context (`CUDA_ERROR_CONTAINED`). Share VMM or legacy memory
+    /// across GPUs (`docs/CUDA.md`, "A peer's death and your GPU").
+    #[error(
+        "stream-ordered pool memory on GPU {device} is not opened on GPU {here}: a pool \
+         allocation mapped across GPUs dies with its exporter and would take this process's \
+         CUDA context with it; share VMM (CudaExport::Vmm) or legacy memory across GPUs"
+    )]
+    PoolAcrossDevices {
+        /// The device the memory lies on.
+        device: DeviceUuid,
+        /// The device of the backend that was asked to open it.
+        here: DeviceUuid,
+    },
+    /// Stream-ordered pool memory larger than the driver imports without crashing: refused
+    /// before any driver call, by the exporter (allocating) and by the importer (opening).
+    /// Larger buffers go as VMM memory.
+    #[error(
+        "{size} bytes of stream-ordered pool memory: more than {limit}, the most a pool \
+         import survives on this driver (a larger one crashes its importer inside \
+         cuMemPoolImportPointer); allocate it as VMM memory (CudaExport::Vmm), or set \
+         BATON_CUDA_POOL_LIMIT for a driver measured to import more"
+    )]
+    PoolTooLarge {
+        /// Bytes asked for (the whole allocation).
+        size: u64,
+        /// The bound: [`POOL_SIZE_LIMIT`](crate::cuda::POOL_SIZE_LIMIT) unless set otherwise.
+        limit: u64,
     },
     /// The handle was exported by a process on another machine boot.
     #[error("handle comes from another machine or boot ({exporter})")]
@@ -564,6 +612,9 @@ impl Error {
             | Error::PoolNotImported { .. }
             | Error::DescriptorsLost { .. }
             | Error::DeviceNotFound { .. }
+            | Error::DeviceUnreachable { .. }
+            | Error::PoolAcrossDevices { .. }
+            | Error::PoolTooLarge { .. }
             | Error::BackendUnavailable { .. }
             | Error::EventsExhausted { .. }
             | Error::FencesExhausted { .. }

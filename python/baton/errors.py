@@ -37,7 +37,8 @@ __all__ = [
     "DescriptorsLost", "MissingFdSlot", "NotMapped", "PoolNotImported",
     "InsecureSocketDir", "ZeroSize", "SegmentNotFound", "MemoryTooSmall",
     "UnsealedMemory", "SegmentOwnerMismatch", "Shm", "UnsupportedBackend", "StaleHandle",
-    "DeviceNotFound", "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
+    "DeviceNotFound", "DeviceUnreachable", "PoolAcrossDevices", "PoolTooLarge",
+    "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
     "AllocationGone", "SlabFull", "BackendUnavailable", "NotBorrowable",
     # The Python layer's
     "Released", "RuntimeGone",
@@ -294,7 +295,22 @@ class StaleHandle(Ipc):
 
 
 class DeviceNotFound(Ipc):
-    """The handle's device is not visible to this process."""
+    """The memory's GPU (by UUID) is not one this process sees (``CUDA_VISIBLE_DEVICES``)."""
+
+
+class DeviceUnreachable(Ipc):
+    """The memory's GPU is visible, but this process's GPU cannot map it (no peer access)."""
+
+
+class PoolAcrossDevices(Ipc):
+    """Stream-ordered pool memory of another GPU: refused, since it dies with its exporter
+    and would take this process's CUDA context with it. Share VMM or legacy memory across
+    GPUs."""
+
+
+class PoolTooLarge(Ipc):
+    """Pool memory past the size the driver imports without crashing (5 GiB unless
+    ``BATON_CUDA_POOL_LIMIT`` says otherwise): use VMM memory."""
 
 
 class ForeignHandle(Ipc):

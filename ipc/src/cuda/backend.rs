@@ -60,6 +60,8 @@ pub struct CudaBackend {
     /// Whether the device can export memory pools as POSIX fds.
     pub(super) pools_supported: bool,
     pub(super) pool_release_threshold: u64,
+    /// The largest pool allocation made or opened ([`Error::PoolTooLarge`] past it).
+    pub(super) pool_size_limit: u64,
     pub(super) access: Access,
     pub(super) counters: Arc<LiveCounters>,
     pub(super) opens: AtomicU64,
@@ -516,22 +518,41 @@ impl CudaBackend {
         })
     }
 
-    /// Checks that the memory's device is visible here (ours, or a peer we may map).
-    fn check_device(&self, device: DeviceUuid) -> Result<()> {
+    /// Checks, before any driver call that opens, that memory on `device` (`pool`: from a
+    /// stream-ordered pool) may be
+    /// mapped here: the device is ours, or one this process sees (devices are matched by
+    /// UUID, whatever `CUDA_VISIBLE_DEVICES` numbers them) and ours can map its memory —
+    /// and then only legacy or VMM memory. Pool memory of another GPU is refused
+    /// ([`Error::PoolAcrossDevices`]): its pages go with its exporter, and our work on them
+    /// would fault and end our context.
+    fn check_device(&self, device: DeviceUuid, pool: bool) -> Result<()> {
         if device == self.device {
             return Ok(());
         }
+        let here = self.device;
         // SAFETY: the driver is initialised (we exist).
         let n = unsafe { result::device_count() }?;
+        let mut found = None;
         for ordinal in 0..n {
             // SAFETY: as above; `ordinal` is in range.
             let dev = unsafe { result::device_get(ordinal) }?;
             // SAFETY: as above; `dev` from `device_get`.
             if unsafe { result::device_uuid(dev) }? == device.0 {
-                return Ok(());
+                found = Some(dev);
+                break;
             }
         }
-        Err(Error::DeviceNotFound { device })
+        let Some(dev) = found else {
+            return Err(Error::DeviceNotFound { device, here });
+        };
+        // SAFETY: as above; both devices from `device_get` (ours from our context).
+        if !unsafe { result::can_access_peer(self.dev, dev) }? {
+            return Err(Error::DeviceUnreachable { device, here });
+        }
+        if pool {
+            return Err(Error::PoolAcrossDevices { device, here });
+        }
+        Ok(())
     }
 
     fn allocate_legacy(&self, id: AllocationId, size: usize) -> Result<Exported> {
@@ -567,6 +588,17 @@ impl CudaBackend {
         })
     }
 
+    /// Refuses pool memory past the bound the driver imports without crashing.
+    fn check_pool_size(&self, size: u64) -> Result<()> {
+        if size > self.pool_size_limit {
+            return Err(Error::PoolTooLarge {
+                size,
+                limit: self.pool_size_limit,
+            });
+        }
+        Ok(())
+    }
+
     /// `size` bytes from the pool on `stream`, with their export data.
     fn allocate_pool(
         &self,
@@ -574,6 +606,7 @@ impl CudaBackend {
         size: usize,
         stream: SharedStream,
     ) -> Result<Exported> {
+        self.check_pool_size(size as u64)?;
         let alloc = self.export_pool()?.allocate(size, stream)?;
         let data = CudaPoolExportData(alloc.export_data()?);
         Ok(Exported {
@@ -660,7 +693,11 @@ impl CudaBackend {
         handle: &CheckedHandle<'_>,
         fd: Option<OwnedFd>,
     ) -> Result<Mapped> {
-        self.check_device(handle.device)?;
+        let pool = matches!(handle.raw, RawHandle::CudaPool { .. });
+        self.check_device(handle.device, pool)?;
+        if pool {
+            self.check_pool_size(handle.alloc_size)?;
+        }
         let size = usize::try_from(handle.alloc_size).map_err(|_| Error::MemoryTooSmall {
             claimed: handle.alloc_size,
             actual: usize::MAX as u64,

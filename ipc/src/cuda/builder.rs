@@ -50,6 +50,22 @@ fn event_backlog_from_env() -> usize {
     }
 }
 
+/// The largest pool allocation a backend makes or opens, by default:
+/// [`POOL_SIZE_LIMIT_ENV`](super::POOL_SIZE_LIMIT_ENV) in bytes (a plain number) if set and
+/// valid, else [`POOL_SIZE_LIMIT`](super::POOL_SIZE_LIMIT).
+pub fn pool_size_limit_from_env() -> u64 {
+    match std::env::var(super::POOL_SIZE_LIMIT_ENV) {
+        Err(_) => super::POOL_SIZE_LIMIT,
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(n) => n,
+            Err(_) => {
+                tracing::warn!(value = %v, "{} is not a number of bytes: using the default", super::POOL_SIZE_LIMIT_ENV);
+                super::POOL_SIZE_LIMIT
+            }
+        },
+    }
+}
+
 /// How to make a [`CudaBackend`](super::CudaBackend): [`CudaBackend::builder`].
 #[derive(Debug, Clone)]
 #[must_use]
@@ -63,6 +79,7 @@ pub struct CudaBackendBuilder {
     pub(super) fence_deadline: Duration,
     pub(super) event_backlog: usize,
     pub(super) pool_release_threshold: u64,
+    pub(super) pool_size_limit: u64,
 }
 
 impl CudaBackendBuilder {
@@ -131,6 +148,17 @@ impl CudaBackendBuilder {
         self
     }
 
+    /// The largest stream-ordered pool allocation the backend makes or opens (default
+    /// [`pool_size_limit_from_env`]: `BATON_CUDA_POOL_LIMIT`, else
+    /// [`POOL_SIZE_LIMIT`](super::POOL_SIZE_LIMIT)). Larger ones are refused with
+    /// [`Error::PoolTooLarge`](crate::Error::PoolTooLarge) before any driver call: on the
+    /// drivers measured, importing one crashes the importing process inside the driver.
+    /// Raise it only for a driver measured to import more (`bench/pool_size_driver.py`).
+    pub fn pool_size_limit(mut self, bytes: u64) -> Self {
+        self.pool_size_limit = bytes;
+        self
+    }
+
     /// The backend.
     ///
     /// # Errors
@@ -180,6 +208,7 @@ impl CudaBackend {
             fence_deadline: crate::inbox::fence_deadline_from_env(),
             event_backlog: event_backlog_from_env(),
             pool_release_threshold: DEFAULT_POOL_RELEASE_THRESHOLD,
+            pool_size_limit: pool_size_limit_from_env(),
         }
     }
 
@@ -248,6 +277,7 @@ impl CudaBackend {
             vmm_granularity,
             pools_supported,
             pool_release_threshold: b.pool_release_threshold,
+            pool_size_limit: b.pool_size_limit,
             access,
             counters: Arc::default(),
             opens: AtomicU64::new(0),

@@ -102,6 +102,7 @@ driver_api! {
         cuDeviceGet = "cuDeviceGet": fn(*mut CUdevice, c_int);
         cuDeviceGetUuid_v2 = "cuDeviceGetUuid_v2": fn(*mut CUuuid, CUdevice);
         cuDeviceGetAttribute = "cuDeviceGetAttribute": fn(*mut c_int, c_int, CUdevice);
+        cuDeviceCanAccessPeer = "cuDeviceCanAccessPeer": fn(*mut c_int, CUdevice, CUdevice);
         cuCtxGetCurrent = "cuCtxGetCurrent": fn(*mut CUcontext);
         cuCtxSetCurrent = "cuCtxSetCurrent": fn(CUcontext);
         cuCtxPushCurrent_v2 = "cuCtxPushCurrent_v2": fn(CUcontext);

@@ -25,8 +25,8 @@ use crate::Result;
 use cudarc::driver::sys;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// The release threshold of a backend's pool unless told otherwise
 /// ([`CudaBackendBuilder::pool_release_threshold`](super::CudaBackendBuilder::pool_release_threshold)):
@@ -44,6 +44,13 @@ fn next_pool_id() -> u64 {
 }
 
 /// This process's exportable memory pool on one device.
+///
+/// Freed memory stays reserved for the next allocation (up to the release threshold) only
+/// while an allocation of the pool is live: when the last one is freed the threshold
+/// drops to zero, so the driver gives everything back to the device at the next
+/// synchronisation (setting it returns what is already free at once), and the first
+/// allocation after raises it again. Memory a backend no longer uses goes back to the
+/// device; a pool kept warm costs one live allocation.
 pub(crate) struct ExportPool {
     ctx: SharedContext,
     raw: sys::CUmemoryPool,
@@ -51,6 +58,11 @@ pub(crate) struct ExportPool {
     /// The pool's shareable handle, exported once and sent beside the frames that carry
     /// handles of its allocations.
     fd: OwnedFd,
+    /// The release threshold while allocations are live.
+    threshold: u64,
+    /// Live allocations; the threshold changes when this leaves or reaches zero, under the
+    /// lock.
+    live: Mutex<usize>,
 }
 
 // SAFETY: a `CUmemoryPool` is a driver handle usable from any thread with its context
@@ -95,7 +107,31 @@ impl ExportPool {
             raw,
             id: next_pool_id(),
             fd,
+            threshold: release_threshold,
+            live: Mutex::new(0),
         }))
+    }
+
+    /// Counts an allocation in (`true`) or out; on the way to or from none, sets the
+    /// release threshold: the configured one while any is live, zero when none is. The
+    /// caller has the pool's context current.
+    fn count(&self, allocated: bool) {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let before = *live;
+        *live = if allocated {
+            before + 1
+        } else {
+            before.saturating_sub(1)
+        };
+        let threshold = match (before, *live) {
+            (0, 1) => self.threshold,
+            (1, 0) => 0,
+            _ => return,
+        };
+        // SAFETY: our live pool; the caller has its context current.
+        if let Err(e) = unsafe { result::mem_pool_set_release_threshold(self.raw, threshold) } {
+            tracing::warn!(error = %e, threshold, "setting a memory pool's release threshold failed");
+        }
     }
 
     /// The pool's id, unique in this process.
@@ -116,10 +152,12 @@ impl ExportPool {
         stream: SharedStream,
     ) -> Result<PoolAlloc> {
         let pushed = ContextGuard::push(stream.context())?;
+        self.count(true);
         // SAFETY: the pool and the stream are live, the stream's context is current (the
         // caller checked it is of the pool's device); the allocation is owned by the
         // `PoolAlloc` returned, which frees it once.
-        let ptr = unsafe { result::mem_alloc_from_pool_async(size, self.raw, stream.cu_stream()) }?;
+        let ptr = unsafe { result::mem_alloc_from_pool_async(size, self.raw, stream.cu_stream()) }
+            .inspect_err(|_| self.count(false))?;
         drop(pushed);
         Ok(PoolAlloc {
             pool: Arc::clone(self),
@@ -196,7 +234,9 @@ impl PoolAlloc {
         let _pushed = ContextGuard::push(stream.context())?;
         // SAFETY: our live allocation (checked above), freed once, on its own live stream in
         // its current context; the owner guarantees no work ordered after this uses it.
-        unsafe { result::mem_free_async(self.ptr, stream.cu_stream()) }
+        let freed = unsafe { result::mem_free_async(self.ptr, stream.cu_stream()) };
+        self.pool.count(false);
+        freed
     }
 }
 

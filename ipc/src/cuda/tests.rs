@@ -6,7 +6,7 @@ use super::legacy::{DeviceAlloc, IpcMapping};
 use super::live::{LiveCounters, LiveToken};
 use super::*;
 use crate::backend::{Allocation, Backend, FreeWhileMapped, MemPtr, RawMemory};
-use baton_messages::RawHandle;
+use baton_messages::{BackendKind, RawHandle};
 use std::sync::atomic::Ordering;
 
 #[test]
@@ -593,4 +593,77 @@ fn a_dropped_counter_slot_is_lent_again_only_once_its_value_landed() {
     drop(second);
     let _keep = KeepCurrent::new().unwrap();
     drop(producer);
+}
+
+/// Refusals that come before any driver call: pool memory past the backend's size limit,
+/// allocated or opened (`Error::PoolTooLarge`: on the drivers measured a larger import
+/// crashes its process inside the driver), and memory of a GPU this process does not see
+/// (`Error::DeviceNotFound`, naming both devices). The opens are of handles as another
+/// process of this boot would send them; no driver-level open is tried.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn pool_memory_past_the_size_limit_and_unknown_devices_are_refused_before_the_driver() {
+    let _gpu = gpu_lock();
+    const MIB: usize = 1 << 20;
+    let b = CudaBackend::builder(0)
+        .export(CudaExport::Pool)
+        .pool_size_limit(4 << 20)
+        .build()
+        .unwrap();
+    match b.allocate(5 * MIB) {
+        Err(Error::PoolTooLarge { size, limit }) => {
+            assert_eq!((size, limit), (5 << 20, 4 << 20));
+        }
+        other => panic!("a pool allocation past the limit: {other:?}"),
+    }
+    assert!(b.live().is_empty(), "nothing was allocated");
+    let alloc = b.allocate(4 * MIB).expect("a pool allocation at the limit");
+    let session = Session::new(SessionToken::from_bytes([9; 32]));
+    let ours = alloc.handle(&session).build().unwrap();
+    // As another process of this boot sends it.
+    let from = |edit: &dyn Fn(&mut baton_messages::HandleMsg)| {
+        let mut h = ours.clone();
+        h.exporter.process.pid = h.exporter.process.pid.wrapping_add(1);
+        edit(&mut h);
+        h.sealed(session.handle_key())
+    };
+    let too_large = from(&|h| {
+        h.alloc_size = 6 << 20;
+        h.len = 6 << 20;
+    });
+    let opens = b.opens();
+    match b.open_remote(&session.check(&too_large).unwrap(), None) {
+        Err(Error::PoolTooLarge { size, limit }) => {
+            assert_eq!((size, limit), (6 << 20, 4 << 20));
+        }
+        other => panic!("a pool handle past the limit: {:?}", other.err()),
+    }
+    let elsewhere = baton_messages::DeviceUuid([0xee; 16]);
+    for kind in ["pool", "legacy"] {
+        let unseen = from(&|h| {
+            h.device = elsewhere;
+            if kind == "legacy" {
+                h.backend = BackendKind::CudaLegacy;
+                h.raw = RawHandle::CudaIpc(baton_messages::CudaIpcMemHandle([1; 64]));
+            }
+        });
+        match b.open_remote(&session.check(&unseen).unwrap(), None) {
+            Err(e @ Error::DeviceNotFound { device, here }) => {
+                assert_eq!((device, here), (elsewhere, b.device()));
+                let said = e.to_string();
+                assert!(
+                    said.contains(&elsewhere.to_string()) && said.contains(&here.to_string()),
+                    "{kind}: the error names both devices: {said}"
+                );
+            }
+            other => panic!(
+                "{kind}: memory of a device we do not see: {:?}",
+                other.err()
+            ),
+        }
+    }
+    assert_eq!(b.opens(), opens, "no driver-level open was tried");
 }

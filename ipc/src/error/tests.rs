@@ -153,6 +153,28 @@ fn every_variant() -> Vec<(Error, Fault)> {
         (
             Error::DeviceNotFound {
                 device: DeviceUuid([5; 16]),
+                here: DeviceUuid([6; 16]),
+            },
+            Fault::Local,
+        ),
+        (
+            Error::DeviceUnreachable {
+                device: DeviceUuid([5; 16]),
+                here: DeviceUuid([6; 16]),
+            },
+            Fault::Local,
+        ),
+        (
+            Error::PoolAcrossDevices {
+                device: DeviceUuid([5; 16]),
+                here: DeviceUuid([6; 16]),
+            },
+            Fault::Local,
+        ),
+        (
+            Error::PoolTooLarge {
+                size: 6 << 30,
+                limit: 5 << 30,
             },
             Fault::Local,
         ),

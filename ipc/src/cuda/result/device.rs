@@ -83,6 +83,22 @@ pub(crate) unsafe fn device_attribute(dev: sys::CUdevice, attribute: c_int) -> R
     Ok(v)
 }
 
+/// `cuDeviceCanAccessPeer`: whether `dev`'s contexts can map memory of `peer` (NVLink or
+/// PCIe peer access).
+///
+/// # Errors
+/// [`Error::Cuda`].
+///
+/// # Safety
+/// The driver must be initialised; both devices must come from [`device_get`].
+#[doc(alias = "cuDeviceCanAccessPeer")]
+pub(crate) unsafe fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
+    let mut can: c_int = 0;
+    // SAFETY: `can` is a valid out pointer; the devices are passed by value.
+    unsafe { call!(cuDeviceCanAccessPeer(&mut can, dev, peer)) }?;
+    Ok(can != 0)
+}
+
 /// `cuCtxGetCurrent`: the context current on this thread (null: none).
 ///
 /// # Errors
