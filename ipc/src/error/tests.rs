@@ -331,11 +331,13 @@ fn peer_fault_and_local_open_failure_read_the_kind() {
     }
     // Issue 26 added six peer faults (a tampered or unpinned TCP peer, a host claim that
     // does not match, a corrupt transfer, a size disagreement, a bad rendezvous) and two
-    // local failures (no NCCL, an NCCL call that failed).
+    // local failures (no NCCL, an NCCL call that failed); issue 46 three local ones (a
+    // device visible but out of peer reach, pool memory of another GPU, pool memory past
+    // the size the driver imports).
     assert_eq!(
         (peer, local),
-        (10 + 6 + 1, 12 + 2),
-        "the lists as they stood before the kinds, with issue 26's host variants and issue 45's rendezvous naming another host"
+        (10 + 6 + 1, 12 + 2 + 3),
+        "the lists as they stood before the kinds, with issue 26's host variants, issue 45's rendezvous naming another host and issue 46's device refusals"
     );
 }
 
