@@ -1715,8 +1715,10 @@ mod interleavings {
                     let call = to.remote::<Hold>("keep").send(Hold {
                         buffers: vec![shared],
                     });
+                    covered(|c| c.offers_tried += 1);
                     if let Ok(Ok(1)) = tokio::time::timeout(PATIENCE, call).await {
                         self.leases.extend(t.kept.lock().unwrap().pop());
+                        covered(|c| c.offers_granted += 1);
                     }
                 }
                 Step::Use {
@@ -1742,6 +1744,10 @@ mod interleavings {
                     };
                     let alloc = alloc_of(l.ptr().unwrap_or(baton::ipc::MemPtr::Device(0)));
                     t.imp.work(s, "use", &gate, Some((alloc, 0, vec![2; 16])));
+                    covered(|c| {
+                        c.uses += 1;
+                        c.gated_uses += usize::from(gated);
+                    });
                 }
                 Step::Release { lease } => {
                     if !self.leases.is_empty() {
@@ -1781,6 +1787,10 @@ mod interleavings {
                         } else {
                             t.importer_dies();
                         }
+                        covered(|c| {
+                            c.exporter_deaths += usize::from(exporter);
+                            c.importer_deaths += usize::from(!exporter);
+                        });
                     }
                 }
                 Step::Cut => {
@@ -1828,6 +1838,10 @@ mod interleavings {
             assert!(broken.is_empty(), "at the end: {broken:#?}");
             let stuck = device.stuck_waits(Duration::ZERO);
             assert!(stuck.is_empty(), "at the end: {stuck:#?}");
+            covered(|c| {
+                c.frees += device.count_from(0, "exp free");
+                c.missed += device.count_from(0, "exp missed") + device.count_from(0, "imp missed");
+            });
             if std::env::var_os("LIVENESS_STATS").is_some() {
                 eprintln!(
                     "waits {} releases {} frees {} held {:?} missed {}",
@@ -1846,25 +1860,69 @@ mod interleavings {
         if exporter { "exp" } else { "imp" }
     }
 
-    proptest! {
-        #![proptest_config(ProptestConfig {
-            cases: 48,
-            max_shrink_iters: 64,
-            failure_persistence: None,
-            ..ProptestConfig::default()
-        })]
+    /// Cases of the property test.
+    const CASES: u32 = 64;
 
-        /// Findings 3 and 4 (and 2, for the exporter's death): over random interleavings of
-        /// offers, uses on streams, releases, frees, gates, stalled producers, deaths, cuts
-        /// and watch steps with simulated time, after every step: no free of an
-        /// allocation while a live role has queued work that uses it, no blocking wait on
-        /// an actor thread, and no stream of a live role waiting on a peer's value,
-        /// neither satisfied nor released, for longer than the fence deadline plus one
-        /// watch step.
-        #[test]
-        fn liveness_and_safety_hold_under_random_interleavings(
-            steps in proptest::collection::vec(step(), 8..32)
-        ) {
+    /// What the random runs did, summed over every case: the property says something only
+    /// if the runs reached what it is about.
+    #[derive(Debug)]
+    struct Coverage {
+        /// Offers tried while both roles lived and were linked, and those granted.
+        offers_tried: usize,
+        offers_granted: usize,
+        /// Uses queued on the importer's streams (gated ones: behind work that waits).
+        uses: usize,
+        gated_uses: usize,
+        /// Frees of exported memory (the device's count).
+        frees: usize,
+        /// Deaths of each role.
+        exporter_deaths: usize,
+        importer_deaths: usize,
+        /// Producers the watch found past the fence deadline (faults reached).
+        missed: usize,
+    }
+
+    static COVERAGE: Mutex<Coverage> = Mutex::new(Coverage {
+        offers_tried: 0,
+        offers_granted: 0,
+        uses: 0,
+        gated_uses: 0,
+        frees: 0,
+        exporter_deaths: 0,
+        importer_deaths: 0,
+        missed: 0,
+    });
+
+    fn covered(f: impl FnOnce(&mut Coverage)) {
+        f(&mut COVERAGE.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Findings 3 and 4 (and 2, for the exporter's death): over random interleavings of
+    /// offers, uses on streams, releases, frees, gates, stalled producers, deaths, cuts
+    /// and watch steps with simulated time, after every step: no free of an
+    /// allocation while a live role has queued work that uses it, no blocking wait on
+    /// an actor thread, and no stream of a live role waiting on a peer's value,
+    /// neither satisfied nor released, for longer than the fence deadline plus one
+    /// watch step. Then, over all cases: the runs made offers that were granted, queued
+    /// uses (gated ones too), freed memory, killed each role and reached the fence
+    /// deadline — else they proved nothing.
+    #[test]
+    fn liveness_and_safety_hold_under_random_interleavings() {
+        // A fixed seed: the same cases every run, so that what they cover (below) is known;
+        // the steps' outcomes still depend on real timing.
+        let mut runner = proptest::test_runner::TestRunner::new_with_rng(
+            ProptestConfig {
+                cases: CASES,
+                max_shrink_iters: 64,
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            },
+            proptest::test_runner::TestRng::deterministic_rng(
+                proptest::test_runner::RngAlgorithm::ChaCha,
+            ),
+        );
+        let steps = proptest::collection::vec(step(), 8..32);
+        let result = runner.run(&steps, |steps| {
             run(async move {
                 let mut world = World::new().await;
                 for (i, step) in steps.iter().enumerate() {
@@ -1873,6 +1931,23 @@ mod interleavings {
                 }
                 world.finish().await;
             });
+            Ok(())
+        });
+        if let Err(e) = result {
+            panic!("{e}");
         }
+        let c = COVERAGE.lock().unwrap_or_else(|e| e.into_inner());
+        eprintln!("over {CASES} cases: {c:?}");
+        assert!(
+            c.offers_granted * 4 >= c.offers_tried * 3 && c.offers_granted >= CASES as usize,
+            "most offers between live, linked roles must be granted: {c:?}"
+        );
+        assert!(c.uses >= 24 && c.gated_uses >= 8, "uses queued: {c:?}");
+        assert!(c.frees >= 8, "memory freed: {c:?}");
+        assert!(
+            c.exporter_deaths >= 4 && c.importer_deaths >= 4,
+            "each role died in some runs: {c:?}"
+        );
+        assert!(c.missed >= 1, "some run reached the fence deadline: {c:?}");
     }
 }

@@ -248,15 +248,21 @@ impl Setup {
         let cuda = match built {
             Ok(cuda) => cuda,
             Err(e @ baton::Error::BackendUnavailable { .. }) if export != CudaExport::Legacy => {
-                eprintln!("  skipped: this device cannot export {export:?} memory: {e}");
+                gpus::skipped(
+                    tag,
+                    &format!("this device cannot export {export:?} memory: {e}"),
+                );
                 return None;
             }
             Err(e) => panic!("a CUDA device: {e}"),
         };
         if cuda.fence_kind() != fence {
-            eprintln!(
-                "  skipped: this device records {:?} fences, not {fence:?} (no 64-bit stream memory operations)",
-                cuda.fence_kind()
+            gpus::skipped(
+                tag,
+                &format!(
+                    "this device records {:?} fences, not {fence:?} (no 64-bit stream memory operations)",
+                    cuda.fence_kind()
+                ),
             );
             return None;
         }

@@ -592,7 +592,8 @@ impl Node {
 
     /// Stops listening, closes every mailbox (calls waiting in them are answered
     /// `ActorGone`) and every link (leases granted over them stop counting, leases held
-    /// over them are orphaned). First waits (at most 2 s) until the fences this node
+    /// over them are orphaned), and gives the device back what the backend keeps for reuse
+    /// (`Backend::release_idle`). First waits (at most 2 s) until the fences this node
     /// recorded for peers were written, so that peers need not wait out their fence
     /// deadline after we exit.
     fn close(&self, py: Python<'_>) {
@@ -607,6 +608,9 @@ impl Node {
             peer.close();
         }
         drop(self.ups.close());
+        // What the backend keeps for reuse goes back to the device (a pool another process
+        // imported gives its memory back only when destroyed: once its last buffer is freed).
+        self.node.backend().release_idle();
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

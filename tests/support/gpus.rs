@@ -35,9 +35,20 @@ pub fn two_gpus(test: &str) -> bool {
         "{test} needs two GPUs and this process sees {n}, but {EXPECT_GPUS_ENV}={want} says \
          the run expects {want} (check CUDA_VISIBLE_DEVICES)"
     );
-    eprintln!(
-        "{test}: skipped: it needs two GPUs and this process sees {n} \
-         (set {EXPECT_GPUS_ENV}=2 to make that a failure)"
+    skipped(
+        test,
+        &format!(
+            "it needs two GPUs and this process sees {n} (set {EXPECT_GPUS_ENV}=2 to make that a failure)"
+        ),
     );
     false
+}
+
+/// Says that `test` (or a case of it) did not run, and why, where a reader of the run's log
+/// sees it: on the process's standard error itself, past the test harness's capture (which
+/// keeps a passing test's output to itself), as a line starting `SKIPPED`.
+pub fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let line = format!("SKIPPED {test}: {why}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }

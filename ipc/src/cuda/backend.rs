@@ -848,6 +848,13 @@ impl Backend for CudaBackend {
         drop(self.imported_pools.take_where(|(p, _)| of(p)));
         self.fences.forget_process(process, dead);
     }
+
+    /// Retires the export pool (destroyed with its last allocation) and drops the imported
+    /// pools (mappings keep theirs): see [`Backend::release_idle`].
+    fn release_idle(&self) {
+        drop(self.pool.take_where(|_| true));
+        drop(self.imported_pools.take_where(|_| true));
+    }
 }
 
 impl dyn Backend {

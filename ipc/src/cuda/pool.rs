@@ -49,8 +49,10 @@ fn next_pool_id() -> u64 {
 /// while an allocation of the pool is live: when the last one is freed the threshold
 /// drops to zero, so the driver gives everything back to the device at the next
 /// synchronisation (setting it returns what is already free at once), and the first
-/// allocation after raises it again. Memory a backend no longer uses goes back to the
-/// device; a pool kept warm costs one live allocation.
+/// allocation after raises it again. That gives back the memory of a pool no other process
+/// imported; one that was imported keeps its freed memory until it is destroyed (driver
+/// 580: `bench/probe/pool_release_with_importer.py`), which is why a backend retires its
+/// pool when a node closes ([`Backend::release_idle`](crate::Backend::release_idle)).
 pub(crate) struct ExportPool {
     ctx: SharedContext,
     raw: sys::CUmemoryPool,

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Does another process's import of our memory pool keep freed pool memory on the device?
+
+The driver API through ctypes, torch holding the primary context. We make a pool (release
+threshold 256 MiB), allocate 256 MiB from it and export the pool and the pointer; a child
+imports both, then frees its mapping (cuMemFreeAsync, synchronised) but keeps the imported
+pool. We free our allocation and try to give the memory back (threshold 0, synchronise,
+trim to 0) while the child still holds the imported pool, then after it destroyed it, then
+after it exited. Device free memory is printed after each step.
+
+usage: python3 bench/probe/pool_release_with_importer.py     (needs torch and a GPU)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+
+cuda = ctypes.CDLL("libcuda.so.1")
+MIB = 1 << 20
+POSIX_FD, PINNED, DEVICE, READ_WRITE = 1, 1, 1, 3
+RELEASE_THRESHOLD = 4
+
+
+def check(name: str, *args) -> None:
+    rc = getattr(cuda, name)(*args)
+    if rc != 0:
+        raise RuntimeError(f"{name} failed: CUresult {rc}")
+
+
+def context() -> None:
+    import torch
+
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+
+
+def free() -> int:
+    f, t = ctypes.c_size_t(), ctypes.c_size_t()
+    check("cuCtxSynchronize")
+    check("cuMemGetInfo_v2", ctypes.byref(f), ctypes.byref(t))
+    return f.value
+
+
+def child(sock_fd: int) -> None:
+    context()
+    sock = socket.socket(fileno=sock_fd)
+    data, fds, _, _ = socket.recv_fds(sock, 1024, 1)
+    export = (ctypes.c_ubyte * 64).from_buffer_copy(data[:64])
+    pool, ptr, s = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
+    check("cuMemPoolImportFromShareableHandle", ctypes.byref(pool),
+          ctypes.c_void_p(fds[0]), ctypes.c_int(POSIX_FD), ctypes.c_ulonglong(0))
+    os.close(fds[0])
+    desc = (ctypes.c_int * 3)(DEVICE, 0, READ_WRITE)
+    check("cuMemPoolSetAccess", pool, desc, ctypes.c_size_t(1))
+    check("cuMemPoolImportPointer", ctypes.byref(ptr), pool, export)
+    check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
+    check("cuMemFreeAsync", ptr, s)
+    check("cuStreamSynchronize", s)
+    sock.sendall(b"m")  # mapping freed, pool kept
+    sock.recv(1)
+    check("cuMemPoolDestroy", pool)
+    sock.sendall(b"p")  # imported pool destroyed
+    sock.recv(1)
+
+
+def main() -> None:
+    context()
+    base = free()
+
+    def step(what: str) -> None:
+        print(f"{what:<66} {(base - free()) / MIB:+8.1f} MiB in use", flush=True)
+
+    props = (ctypes.c_ubyte * 88)()
+    fields = (ctypes.c_int * 4).from_buffer(props)
+    fields[0], fields[1], fields[2], fields[3] = PINNED, POSIX_FD, DEVICE, 0
+    pool, ptr, s = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
+    check("cuMemPoolCreate", ctypes.byref(pool), props)
+    threshold = ctypes.c_uint64(256 * MIB)
+    check("cuMemPoolSetAttribute", pool, ctypes.c_int(RELEASE_THRESHOLD), ctypes.byref(threshold))
+    check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
+    check("cuMemAllocFromPoolAsync", ctypes.byref(ptr), ctypes.c_size_t(256 * MIB), pool, s)
+    check("cuStreamSynchronize", s)
+    step("256 MiB allocated from our pool")
+    fd = ctypes.c_int()
+    check("cuMemPoolExportToShareableHandle", ctypes.byref(fd), pool, ctypes.c_int(POSIX_FD),
+          ctypes.c_ulonglong(0))
+    export = (ctypes.c_ubyte * 64)()
+    check("cuMemPoolExportPointer", export, ptr)
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
+                             str(theirs.fileno())], pass_fds=[theirs.fileno()])
+    theirs.close()
+    socket.send_fds(ours, [bytes(export)], [fd.value])
+    os.close(fd.value)
+    assert ours.recv(1) == b"m"
+    base = free()  # the child's context is in the baseline from here
+    step("(baseline again: the child imported the pool, mapped and unmapped)")
+    check("cuMemFreeAsync", ptr, s)
+    check("cuStreamSynchronize", s)
+    zero = ctypes.c_uint64(0)
+    check("cuMemPoolSetAttribute", pool, ctypes.c_int(RELEASE_THRESHOLD), ctypes.byref(zero))
+    check("cuStreamSynchronize", s)
+    step("freed, threshold 0, synchronised; the child holds the imported pool")
+    check("cuMemPoolTrimTo", pool, ctypes.c_size_t(0))
+    step("trimmed to 0; the child holds the imported pool")
+    ours.sendall(b"x")
+    assert ours.recv(1) == b"p"
+    step("the child destroyed its imported pool")
+    check("cuMemPoolTrimTo", pool, ctypes.c_size_t(0))
+    step("trimmed to 0 again")
+    ours.sendall(b"x")
+    proc.wait(timeout=60)
+    step("the child exited (its context's memory leaves the measure)")
+    check("cuMemPoolDestroy", pool)
+    step("our pool destroyed")
+
+
+if __name__ == "__main__":
+    child(int(sys.argv[2])) if sys.argv[1:2] == ["--child"] else main()
