@@ -21,3 +21,9 @@ pub use baton_ipc::{
     OpenedMem, Session, SharedBackend, SocketDir,
 };
 pub use baton_messages::{HandleMsg, Message};
+
+/// The Rust code blocks of `docs/GUIDE.md` (the README's examples that moved there), compiled
+/// as doctests like the README's.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/GUIDE.md")]
+pub struct GuideDoctests;
