@@ -683,3 +683,71 @@ fn a_closed_vmm_node_gives_the_device_its_memory_back() {
 fn a_closed_pool_node_gives_the_device_its_memory_back() {
     closed_node_gives_memory_back(CudaExport::Pool);
 }
+
+/// Pool memory a live peer imported goes back once the pool is idle, without a close: the
+/// driver keeps such a pool's freed memory reserved until the pool is destroyed, so the
+/// node retires it after [`baton::ipc::cuda::POOL_IDLE_RETIRE`] with no allocation (on a
+/// link's heartbeat). The helper lives throughout; a buffer made after that comes from a
+/// fresh pool, which the helper imports and reads exactly.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
+    run(async {
+        let (parent, cuda, _gpu) = cuda_parent("cp-idle", CudaExport::Pool);
+        let (mut child, peer) = parent.child(&[]).await;
+        let free = || {
+            cuda.synchronize().unwrap();
+            cuda.mem_get_info().unwrap().0
+        };
+        let before = free();
+        const N: usize = 16 * MIB; // u32s: 64 MiB
+        for (round, seed) in [(1, 71), (2, 73)] {
+            let buf = pattern_buffer(&parent, N, seed).await;
+            let reply = peer
+                .remote::<Overwrite>("overwriter")
+                .send(Overwrite {
+                    buf: buf.share_mut(),
+                    expect: seed,
+                    write: seed + 1,
+                })
+                .await
+                .expect("the helper reads and writes our buffer");
+            assert_eq!(
+                reply.wrong, 0,
+                "round {round}: the helper read our buffer exactly"
+            );
+            leases_back(&buf, "the helper's lease").await;
+            assert_eq!(
+                wrong(&buf.to_vec().unwrap(), seed + 1),
+                0,
+                "round {round}: the helper's write reads back"
+            );
+            drop(buf);
+            eventually(DEADLINE, "the buffer's free", || cuda.live().is_empty()).await;
+            let start = Instant::now();
+            let bound = baton::ipc::cuda::POOL_IDLE_RETIRE + Duration::from_secs(10);
+            loop {
+                let kept = before.saturating_sub(free());
+                if kept <= 4 * MIB {
+                    eprintln!(
+                        "round {round}: the pool's memory went back {:?} after the free",
+                        start.elapsed()
+                    );
+                    break;
+                }
+                assert!(
+                    start.elapsed() < bound,
+                    "round {round}: {} MiB of freed pool memory still reserved {bound:?} after \
+                     the free, with the peer that imported the pool alive",
+                    kept / MIB
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}

@@ -842,6 +842,76 @@ fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes, pee
     });
 }
 
+/// We open a helper's buffer, queue a copy of it on our stream and release the lease at
+/// once (our release fence goes to the helper behind the copy); the helper is SIGKILLed
+/// right after. Our stream and context synchronise, and our memory comes back.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn a_producer_killed_right_after_our_release_never_blocks_the_consumer() {
+    each(
+        "a_producer_killed_right_after_our_release_never_blocks_the_consumer",
+        cases(),
+        |(export, fence)| producer_killed_after_release(*export, *fence, PeerGpu::Same),
+    );
+}
+
+/// The same with the producer on device 1.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs: --features gpu-tests"
+)]
+fn a_producer_on_another_gpu_killed_right_after_our_release_never_blocks_the_consumer() {
+    const TEST: &str =
+        "a_producer_on_another_gpu_killed_right_after_our_release_never_blocks_the_consumer";
+    each_across_gpus(TEST, cases(), |(export, fence)| {
+        producer_killed_after_release(*export, *fence, PeerGpu::Other)
+    });
+}
+
+fn producer_killed_after_release(export: CudaExport, fence: FenceKind, peers: PeerGpu) {
+    run(async {
+        let Some(s) = Setup::start_with_peers("lv-prod-rel", export, fence, peers) else {
+            return;
+        };
+        let (mut child, link) = s.serve().await;
+        let pid = child.pid();
+        let base = s.baseline_after_warm_up(peers, &link).await;
+        let mut copy: Buffer<u32> = s.buffer(LEN).await;
+        let spun = link
+            .remote::<SpinShare>("spin_share")
+            .send(SpinShare {
+                len: LEN,
+                value: LATE,
+                cycles: SHORT_CYCLES,
+            })
+            .await;
+        if s.pool_refused() {
+            assert_pool_refused(spun);
+        } else {
+            let spun = spun.expect("the producer shares its buffer");
+            let lease = spun.buf.open().expect("open the producer's buffer");
+            lease.wait_on(&s.stream).expect("wait on the acquire fence");
+            s.stream
+                .memcpy_dtod(&lease, &mut copy)
+                .expect("queue the copy");
+            // Released with our copy still queued: the release fence goes behind it.
+            drop(lease);
+        }
+        child.signal_kill();
+        assert_killed(exited(&mut child, DEADLINE).await, "the producer");
+        s.assert_synchronises("after the producer died right after our release")
+            .await;
+        drop(copy);
+        s.assert_synchronises("after our buffer dropped").await;
+        s.assert_released(base).await;
+        assert_reaped(&[pid]);
+    });
+}
+
 /// The producer goes `how`, and ends as it should have.
 async fn producer_leaves(child: &mut peer::Peer, link: &baton::actors::Peer, how: Goes) {
     match how {
@@ -993,7 +1063,14 @@ fn a_consumer_that_exits_right_after_release_leaves_the_exporter_working() {
     each(
         "a_consumer_that_exits_right_after_release_leaves_the_exporter_working",
         cases().flat_map(|(e, f)| [(e, f, true), (e, f, false)]),
-        |(export, fence, flush)| consumer_exits(*export, *fence, *flush, PeerGpu::Same),
+        |(export, fence, flush)| {
+            consumer_exits(
+                *export,
+                *fence,
+                Ends::Exits { flush: *flush },
+                PeerGpu::Same,
+            )
+        },
     );
 }
 
@@ -1010,16 +1087,61 @@ fn a_consumer_on_another_gpu_that_exits_right_after_release_leaves_the_exporter_
     each_across_gpus(
         TEST,
         cases().flat_map(|(e, f)| [(e, f, true), (e, f, false)]),
-        |(export, fence, flush)| consumer_exits(*export, *fence, *flush, PeerGpu::Other),
+        |(export, fence, flush)| {
+            consumer_exits(
+                *export,
+                *fence,
+                Ends::Exits { flush: *flush },
+                PeerGpu::Other,
+            )
+        },
     );
 }
 
-fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool, peers: PeerGpu) {
+/// How a consumer that released ends: returning from `main` (after flushing its fences, or
+/// not), or SIGKILLed.
+#[derive(Debug, Clone, Copy)]
+enum Ends {
+    Exits { flush: bool },
+    Killed,
+}
+
+/// Scenario 4 with the consumer SIGKILLed right after its release: its kernel and the
+/// release fence behind it may never run.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn a_consumer_killed_right_after_release_leaves_the_exporter_working() {
+    each(
+        "a_consumer_killed_right_after_release_leaves_the_exporter_working",
+        cases(),
+        |(export, fence)| consumer_exits(*export, *fence, Ends::Killed, PeerGpu::Same),
+    );
+}
+
+/// The same with the consumer on device 1.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs: --features gpu-tests"
+)]
+fn a_consumer_on_another_gpu_killed_right_after_release_leaves_the_exporter_working() {
+    const TEST: &str =
+        "a_consumer_on_another_gpu_killed_right_after_release_leaves_the_exporter_working";
+    each_across_gpus(TEST, cases(), |(export, fence)| {
+        consumer_exits(*export, *fence, Ends::Killed, PeerGpu::Other)
+    });
+}
+
+fn consumer_exits(export: CudaExport, fence: FenceKind, ends: Ends, peers: PeerGpu) {
+    let flush = matches!(ends, Ends::Exits { flush: true });
     run(async {
-        let tag = if flush {
-            "lv-cons-flush"
-        } else {
-            "lv-cons-exit"
+        let tag = match ends {
+            Ends::Exits { flush: true } => "lv-cons-flush",
+            Ends::Exits { flush: false } => "lv-cons-exit",
+            Ends::Killed => "lv-cons-relkill",
         };
         let Some(s) = Setup::start_with_peers(tag, export, fence, peers) else {
             return;
@@ -1040,13 +1162,7 @@ fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool, peers: Peer
             .await;
         if s.pool_refused() {
             assert_pool_refused(running);
-            let _ = tokio::time::timeout(
-                DEADLINE,
-                link.remote::<Exit>("exit").send(Exit { flush_ms: 0 }),
-            )
-            .await;
-            let status = exited(&mut child, DEADLINE).await;
-            assert!(status.success(), "the consumer ended with {status}");
+            consumer_ends(&mut child, &link, ends).await;
             return consumer_refused_and_gone(&s, buf, base, pid).await;
         }
         let running = running.expect("the consumer queues its kernel and releases");
@@ -1054,22 +1170,7 @@ fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool, peers: Peer
             running,
             "the consumer's kernel had finished before it released: raise SPIN_CYCLES (else this proves nothing)"
         );
-        let flush_ms = if flush {
-            DEADLINE.as_millis() as u32
-        } else {
-            0
-        };
-        // The reply may never come: the helper may be gone first.
-        let _ = tokio::time::timeout(
-            DEADLINE,
-            link.remote::<Exit>("exit").send(Exit { flush_ms }),
-        )
-        .await;
-        let status = exited(&mut child, DEADLINE).await;
-        assert!(
-            status.success(),
-            "the consumer returned from main, yet it ended with {status}"
-        );
+        consumer_ends(&mut child, &link, ends).await;
 
         leases_back(&buf, "the consumer's release").await;
         let (buf, first) = first_of(
@@ -1128,6 +1229,34 @@ fn consumer_exits(export: CudaExport, fence: FenceKind, flush: bool, peers: Peer
         s.assert_released(base).await;
         assert_reaped(&[pid]);
     });
+}
+
+/// The consumer ends `ends`, and ends as it should have.
+async fn consumer_ends(child: &mut peer::Peer, link: &baton::actors::Peer, ends: Ends) {
+    match ends {
+        Ends::Exits { flush } => {
+            let flush_ms = if flush {
+                DEADLINE.as_millis() as u32
+            } else {
+                0
+            };
+            // The reply may never come: the helper may be gone first.
+            let _ = tokio::time::timeout(
+                DEADLINE,
+                link.remote::<Exit>("exit").send(Exit { flush_ms }),
+            )
+            .await;
+            let status = exited(child, DEADLINE).await;
+            assert!(
+                status.success(),
+                "the consumer returned from main, yet it ended with {status}"
+            );
+        }
+        Ends::Killed => {
+            child.signal_kill();
+            assert_killed(exited(child, DEADLINE).await, "the consumer");
+        }
+    }
 }
 
 /// After a refused offer of `buf` (pool memory across GPUs) and the consumer's end: the
