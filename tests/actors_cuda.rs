@@ -751,3 +751,86 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
         assert!(exited(&mut child, DEADLINE).await.success());
     });
 }
+
+/// Devices by identity, whatever the numbering: a helper that sees the GPUs in the other
+/// order (`CUDA_VISIBLE_DEVICES=1,0`, so its device 0 is our device 1) opens our device-0
+/// buffer where it lies — it reads and writes it exactly and reports another GPU than
+/// ours — and a helper that sees only GPU 1 refuses it with `DeviceNotFound`, naming our
+/// GPU, before any driver open; the lease comes back, our buffer is untouched, the link
+/// stays up.
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs two CUDA GPUs (--features gpu-tests)"
+)]
+fn devices_are_matched_by_uuid_whatever_the_numbering() {
+    const TEST: &str = "devices_are_matched_by_uuid_whatever_the_numbering";
+    run(async {
+        if !gpus::two_gpus(TEST) {
+            return;
+        }
+        let (mut parent, cuda, _gpu) = cuda_parent("cl-perm", CudaExport::Legacy);
+        let ours = baton::ipc::Backend::device(&*cuda);
+        let base_env = parent.child_env.clone();
+        // The other order: the helper's device 0 is our device 1.
+        parent
+            .child_env
+            .push(("CUDA_VISIBLE_DEVICES".into(), "1,0".into()));
+        parent.child_env.push((DEVICE_ENV.into(), "0".into()));
+        let (mut child, peer) = parent.child(&[]).await;
+        let buf = pattern_buffer(&parent, MIN_ELEMS, 81).await;
+        let reply = peer
+            .remote::<Overwrite>("overwriter")
+            .send(Overwrite {
+                buf: buf.share_mut(),
+                expect: 81,
+                write: 82,
+            })
+            .await
+            .expect("the helper that numbers the GPUs the other way opens our buffer");
+        assert_eq!(reply.ordinal, Some(0), "the helper uses its device 0");
+        assert_ne!(reply.device, ours, "which is our device 1, not ours");
+        assert_eq!(reply.wrong, 0, "it reads our device-0 buffer exactly");
+        leases_back(&buf, "the helper's lease").await;
+        assert_eq!(
+            wrong(&buf.to_vec().unwrap(), 82),
+            0,
+            "its write lands in our buffer"
+        );
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+        // Only GPU 1: our GPU is not among the helper's.
+        parent.child_env = base_env;
+        parent
+            .child_env
+            .push(("CUDA_VISIBLE_DEVICES".into(), "1".into()));
+        let (mut child, peer) = parent.child(&[]).await;
+        let refused = peer
+            .remote::<Overwrite>("overwriter")
+            .send(Overwrite {
+                buf: buf.share_mut(),
+                expect: 82,
+                write: 83,
+            })
+            .await;
+        match refused {
+            Err(ActorError::Remote(CallFault::OfferRefused(why))) => assert!(
+                why.contains(&ours.to_string()) && why.contains("does not see"),
+                "the refusal names our GPU and why: {why}"
+            ),
+            other => panic!("a helper that does not see our GPU opened our buffer: {other:?}"),
+        }
+        leases_back(&buf, "the refused lease").await;
+        assert_eq!(
+            wrong(&buf.to_vec().unwrap(), 82),
+            0,
+            "nothing wrote our buffer"
+        );
+        peer.ping()
+            .await
+            .expect("the link stays up after the refusal");
+        drop(buf);
+        peer.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}

@@ -444,7 +444,8 @@ fn a_consumer_whose_producer_died_releases_its_waits_at_once() {
             let v = lease.to_vec();
             (v, lease)
         });
-        settle(Duration::from_millis(100)).await;
+        // The event: the reader's copy is queued behind its wait (then it synchronises).
+        device.logged("imp copy-out").await;
         assert!(!device.ran("consume"), "the wait on the acquire fence held");
         assert!(!reader.is_finished());
 
@@ -480,6 +481,13 @@ fn an_exporter_frees_at_once_when_its_importer_dies_and_never_while_its_work_may
         for _ in 0..(FENCE_DEADLINE.as_millis() / STEP.as_millis() - 1) {
             t.pass(STEP);
         }
+        // The watch has not released the importer's lane (nothing else could let the free
+        // go): then no free may come, which a bounded watch checks.
+        assert_ne!(
+            t.exp.lane_status(&t.me()),
+            Some(LaneStatus::Released),
+            "the watch released the importer's lane short of the deadline"
+        );
         settle(Duration::from_millis(100)).await;
         assert!(
             !device.freed(alloc),
@@ -579,8 +587,8 @@ fn a_producer_that_never_writes_its_value_is_cut_after_the_deadline_and_its_memo
         assert!(device.stuck_waits(FENCE_DEADLINE + STEP).is_empty());
 
         drop(buf);
+        // The event: the free is held (parked until the producer dies).
         eventually("the free held", || t.exporter.held_frees() == (1, 16)).await;
-        settle(Duration::from_millis(50)).await;
         assert!(
             !device.freed(alloc),
             "freed while the producer's work may run"
@@ -613,7 +621,11 @@ fn a_free_already_waiting_when_the_deadline_releases_its_wait_is_held_not_run() 
             t.pass(STEP);
         }
         assert_eq!(t.exp.lane_status(&t.me()), Some(LaneStatus::Released));
-        settle(Duration::from_millis(100)).await;
+        // The event: the released free either ran or was held.
+        eventually("the free to run or be held", || {
+            device.freed(alloc) || t.exporter.held_frees().0 == 1
+        })
+        .await;
         assert!(
             !device.freed(alloc),
             "the free went ahead once the deadline released its wait, while the producer \
@@ -1218,8 +1230,9 @@ fn a_forwarded_release_with_fences_is_attributed_to_the_relay_and_leaks_nothing(
              {used:?}"
         );
         t.exp.work(100, "reuse", "reuse", None);
+        // No sleep: the wait was queued before the gate opened, and the device runs work
+        // the moment it is ready; only the fence's value could release it.
         device.open_gate("reuse");
-        settle(Duration::from_millis(50)).await;
         assert!(
             !device.ran("reuse"),
             "the reuse ran before the relay's value landed: its fence was not waited on"
@@ -1334,8 +1347,9 @@ fn two_producers_of_one_process_never_satisfy_each_others_fences() {
         b.wait_on(Stream::Id(101)).unwrap();
         t.exp
             .work(101, "reuse-b", "reuse", Some((alloc_b, 0, vec![1; 16])));
+        // No sleep: both waits were queued before the gate opened, and the device runs
+        // work the moment it is ready; only the fences' values could release them.
         device.open_gate("reuse");
-        settle(Duration::from_millis(50)).await;
         assert!(
             !device.ran("reuse-b"),
             "the exporter's reuse of b ran before the second importer's work on it"
@@ -1345,7 +1359,6 @@ fn two_producers_of_one_process_never_satisfy_each_others_fences() {
             device.ran("reuse-b")
         })
         .await;
-        settle(Duration::from_millis(50)).await;
         assert!(
             !device.ran("reuse-a"),
             "the exporter's reuse of a ran before the first importer's pending work on it: the \
@@ -1529,8 +1542,9 @@ fn an_offer_to_a_peer_that_lent_no_inbox_never_blocks_an_actor_thread() {
             .order_after(StreamRef::Id(900), &t.me(), &fence)
             .unwrap();
         t.imp.work(900, "consume", "consume", None);
+        // No sleep: the wait was queued before the gate opened, and the device runs work
+        // the moment it is ready; only the fence's value could release it.
         device.open_gate("consume");
-        settle(Duration::from_millis(50)).await;
         assert!(
             !device.ran("consume"),
             "the consumer's wait on the event fence passed before the work it follows"
