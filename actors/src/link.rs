@@ -365,15 +365,6 @@ impl PeerLink {
         if let Err(e) = pinged {
             self.cut(ctx, e);
         }
-        // What the backend keeps for reuse and has not used for a while goes back to the
-        // device (a pool a peer imported keeps its freed memory until it is retired).
-        let backend = Arc::clone(self.node.backend());
-        let offload = self.node.offload();
-        if offload.is_inline() {
-            backend.tidy();
-        } else {
-            offload.submit(move || backend.tidy());
-        }
     }
 }
 

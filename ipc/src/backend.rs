@@ -714,13 +714,6 @@ pub trait Backend: AsAny + Send + Sync + fmt::Debug {
     /// device only then, whatever the release threshold or a trim say) and its imported
     /// pools dropped (each mapping keeps its own); a later allocation makes a fresh pool.
     fn release_idle(&self) {}
-    /// Called now and then by a node (on each link's heartbeat, on its driver thread when
-    /// [`blocking_calls`](Self::blocking_calls)): gives back what the backend keeps for
-    /// reuse but has not used for a while. CUDA: an export pool another process may have
-    /// imported, with no allocation for [`POOL_IDLE_RETIRE`](crate::cuda::POOL_IDLE_RETIRE),
-    /// is retired, so its memory goes back to the device (see
-    /// [`release_idle`](Self::release_idle)).
-    fn tidy(&self) {}
 }
 
 /// How a `dyn Backend` is downcast to the type behind it (`<dyn Backend>::cuda()`):

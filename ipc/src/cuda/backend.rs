@@ -680,27 +680,6 @@ impl CudaBackend {
                 pool,
             },
         })?;
-        // An exporter retires idle pools and makes fresh ones: keep this process's imports
-        // of its pools bounded, dropping those no mapping uses, oldest first.
-        let process = handle.exporter.process;
-        let of_process = self
-            .imported_pools
-            .keys_where(|(p, _), _| *p == process)
-            .len();
-        if of_process >= super::IMPORTED_POOLS_PER_PROCESS {
-            // Unused: no mapping holds it (the table's is the only reference).
-            let mut unused: Vec<u64> = self
-                .imported_pools
-                .keys_where(|(p, _), imported| *p == process && Arc::strong_count(imported) == 1)
-                .into_iter()
-                .map(|(_, id)| id)
-                .collect();
-            unused.sort_unstable();
-            unused.truncate(of_process + 1 - super::IMPORTED_POOLS_PER_PROCESS);
-            drop(self.imported_pools.take_where_value(|(p, id), imported| {
-                *p == process && unused.contains(id) && Arc::strong_count(imported) == 1
-            }));
-        }
         self.imported_pools.get_or_open(&key, || {
             tracing::debug!(exporter = %handle.exporter, pool, "importing a memory pool");
             // The imported pool keeps the memory; the descriptor closes after.
@@ -875,22 +854,6 @@ impl Backend for CudaBackend {
     fn release_idle(&self) {
         drop(self.pool.take_where(|_| true));
         drop(self.imported_pools.take_where(|_| true));
-    }
-
-    /// Retires the export pool if it may have been imported and has had no allocation for
-    /// [`POOL_IDLE_RETIRE`](super::POOL_IDLE_RETIRE): see [`Backend::tidy`].
-    fn tidy(&self) {
-        let idle = |p: &Arc<ExportPool>| {
-            p.idle_shared_for()
-                .is_some_and(|idle| idle >= super::POOL_IDLE_RETIRE)
-        };
-        let retired = self.pool.take_where_value(|_, p| idle(p));
-        if !retired.is_empty() {
-            tracing::debug!(
-                "retiring an idle export pool another process imported: its memory goes back to the device"
-            );
-        }
-        drop(retired);
     }
 }
 

@@ -122,35 +122,15 @@ impl<K: Eq + Hash + Clone, V> OnceTable<K, V> {
     /// Removes the ready values whose key matches and returns them, for the caller to drop
     /// with no lock held (dropping may call the driver).
     pub(crate) fn take_where(&self, mut pred: impl FnMut(&K) -> bool) -> Vec<Arc<V>> {
-        self.take_where_value(|k, _| pred(k))
-    }
-
-    /// As [`take_where`](Self::take_where), the predicate seeing the value too (its
-    /// `Arc`: whether anything else holds it).
-    pub(crate) fn take_where_value(
-        &self,
-        mut pred: impl FnMut(&K, &Arc<V>) -> bool,
-    ) -> Vec<Arc<V>> {
         let mut taken = Vec::new();
         self.lock().retain(|k, slot| match slot {
-            Slot::Ready(v) if pred(k, v) => {
+            Slot::Ready(v) if pred(k) => {
                 taken.push(Arc::clone(v));
                 false
             }
             _ => true,
         });
         taken
-    }
-
-    /// The keys of the ready values `pred` picks.
-    pub(crate) fn keys_where(&self, mut pred: impl FnMut(&K, &Arc<V>) -> bool) -> Vec<K> {
-        self.lock()
-            .iter()
-            .filter_map(|(k, slot)| match slot {
-                Slot::Ready(v) if pred(k, v) => Some(k.clone()),
-                _ => None,
-            })
-            .collect()
     }
 
     /// Entries, ready or being opened.
@@ -211,25 +191,5 @@ mod tests {
         assert_eq!(taken.len(), 2);
         assert_eq!(table.len(), 1);
         assert!(table.get(&(2, 1)).is_some());
-    }
-
-    /// What an importer's pruning of unused pools relies on: the predicates see whether
-    /// anything besides the table holds a value, and only ready values are listed or taken.
-    #[test]
-    fn keys_and_takes_see_who_else_holds_a_value() {
-        let table = OnceTable::<(u8, u8), u8>::default();
-        for k in [(1, 1), (1, 2), (1, 3), (2, 1)] {
-            table.get_or_open(&k, || Ok(Arc::new(k.1))).unwrap();
-        }
-        let held = table.get(&(1, 2)).unwrap(); // a mapping holds it
-        let unused = |(p, _): &(u8, u8), v: &Arc<u8>| *p == 1 && Arc::strong_count(v) == 1;
-        let mut keys = table.keys_where(unused);
-        keys.sort_unstable();
-        assert_eq!(keys, [(1, 1), (1, 3)]);
-        let taken = table.take_where_value(|k, v| unused(k, v) && k.1 == 1);
-        assert_eq!(taken.len(), 1);
-        assert_eq!(table.len(), 3);
-        assert!(table.get(&(1, 1)).is_none() && table.get(&(1, 3)).is_some());
-        drop(held);
     }
 }
