@@ -112,8 +112,10 @@ class Node:
     def import_stats(self) -> dict[str, int]:
         """Counters of this node's import cache (``opens``: driver-level opens)."""
     def close(self) -> None:
-        """Waits (at most 2 s) for fences recorded for peers to land, then stops listening
-        and closes every mailbox and link."""
+        """Waits (at most 2 s) for fences recorded for peers to land, then stops listening,
+        closes every mailbox and link, and gives the device back what the backend keeps for
+        reuse (a stream-ordered pool is retired: its memory goes back once its last buffer
+        is freed)."""
     def __enter__(self) -> Node: ...
     def __exit__(
         self,
