@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Awaitable, Iterable, Literal, Mapping, Optional, Sequence, SupportsIndex, Tuple, Union
+from typing import Any, Awaitable, Iterable, Literal, Mapping, Optional, Sequence, SupportsIndex, Tuple, TypedDict, Union
 
 import baton.bundle
 
@@ -30,6 +30,63 @@ def generate_token() -> str:
 
 def log_to_stderr(filter: str = "info") -> bool:
     """Sends Baton's tracing events to stderr (once per process); returns whether it did."""
+
+class LeaseRow(TypedDict):
+    """One buffer this node exports, in ``Node.lease_table()``."""
+
+    #: The buffer's id.
+    buffer: int
+    #: Its bytes.
+    bytes: int
+    #: The leases out on it: ``(lease_id, pid of the holder)``.
+    leases: list[tuple[int, int]]
+    #: The pids of the processes that map it (a mapping outlives its leases: warm).
+    mapped_by: list[int]
+    #: No handle of it is left: it is freed once its leases and mappings are gone.
+    retiring: bool
+    #: A cut holder may still map it: it stays allocated until that process is dead.
+    quarantined: bool
+
+
+class ExportStats(TypedDict):
+    """Counters of the buffers a node exports, from ``Node.export_stats()``."""
+
+    #: Buffers alive (handles, leases or mappings out).
+    buffers: int
+    #: Of those, buffers no handle is left of, waiting to be freed.
+    retiring: int
+    #: Of those, buffers quarantined.
+    quarantined: int
+    #: Leases out.
+    leases: int
+    #: Bytes alive.
+    bytes: int
+    #: Leases granted so far.
+    granted: int
+    #: Buffers freed so far.
+    freed: int
+
+
+class ImportStats(TypedDict):
+    """Counters of a node's import cache, from ``Node.import_stats()``."""
+
+    #: Driver-level opens (or ``mmap``s): each first open of an allocation.
+    opens: int
+    #: Opens served from a mapping already there.
+    hits: int
+    #: Mappings closed.
+    closes: int
+    #: Handles refused as stale (an older generation of a reused allocation).
+    stale: int
+    #: Warm mappings dropped to stay within the warm budget.
+    evictions: int
+    #: Mappings open now.
+    live: int
+    #: Of those, warm ones (no lease uses them).
+    warm: int
+    #: Bytes of the warm mappings.
+    warm_bytes: int
+
 
 class Node:
     """This process in a Baton deployment.
@@ -105,12 +162,12 @@ class Node:
     ) -> list["baton.bundle.Bundle"]:
         """Leases CUDA tensors PyTorch allocated, in place: one bundle per CUDA allocation
         they lie in; their storages are kept until Baton is done with them."""
-    def lease_table(self) -> list[dict[str, Any]]:
-        """The buffers this node exports and their leases."""
-    def export_stats(self) -> dict[str, int]:
-        """Counters of the buffers this node exports."""
-    def import_stats(self) -> dict[str, int]:
-        """Counters of this node's import cache (``opens``: driver-level opens)."""
+    def lease_table(self) -> list[LeaseRow]:
+        """The buffers this node exports and their leases (``LeaseRow``)."""
+    def export_stats(self) -> ExportStats:
+        """Counters of the buffers this node exports (``ExportStats``)."""
+    def import_stats(self) -> ImportStats:
+        """Counters of this node's import cache (``ImportStats``)."""
     def close(self) -> None:
         """Waits (at most 2 s) for fences recorded for peers to land, then stops listening,
         closes every mailbox and link, and gives the device back what the backend keeps for
