@@ -335,8 +335,66 @@ async fn overwritten(
     buf
 }
 
-/// The helper checks that `buf` holds pattern `seed` and writes pattern `seed + 1`; we
-/// check its write when the lease is back.
+/// Asks the helper to check that `buf` holds pattern `seed` and to write pattern
+/// `seed + 1`, through a writable lease.
+async fn overwrite(
+    peer: &baton::actors::Peer,
+    buf: &Buffer<u32>,
+    seed: u32,
+) -> Result<Overwritten, ActorError> {
+    peer.remote::<Overwrite>("overwriter")
+        .send(Overwrite {
+            buf: buf.share_mut(),
+            expect: seed,
+            write: seed + 1,
+        })
+        .await
+}
+
+/// [`overwrite`], which must go through exactly: the helper read pattern `seed`, its lease
+/// comes back, and its write reads back here. Its answer.
+async fn overwritten_exactly(
+    peer: &baton::actors::Peer,
+    buf: &Buffer<u32>,
+    seed: u32,
+    what: &str,
+) -> Overwritten {
+    let reply = overwrite(peer, buf, seed)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: the helper's overwrite: {e}"));
+    assert_eq!(
+        reply.wrong,
+        0,
+        "{what}: the helper read {} of {} elements of our buffer wrong",
+        reply.wrong,
+        buf.len()
+    );
+    leases_back(buf, "the overwriter's lease").await;
+    assert_eq!(
+        wrong(&buf.to_vec().unwrap(), seed + 1),
+        0,
+        "{what}: what the helper wrote into our buffer does not read back here"
+    );
+    reply
+}
+
+/// [`overwrite`], which the helper must refuse before opening anything: its lease comes
+/// back and our buffer still holds pattern `seed`. Why the helper refused.
+async fn overwrite_refused(peer: &baton::actors::Peer, buf: &Buffer<u32>, seed: u32) -> String {
+    let why = match overwrite(peer, buf, seed).await {
+        Err(ActorError::Remote(CallFault::OfferRefused(why))) => why,
+        other => panic!("the helper opened our buffer: {other:?}"),
+    };
+    leases_back(buf, "the refused lease").await;
+    assert_eq!(
+        wrong(&buf.to_vec().unwrap(), seed),
+        0,
+        "nothing wrote our buffer"
+    );
+    why
+}
+
+/// [`overwritten_exactly`] by a helper on device 1, of our device-0 buffer.
 async fn overwrite_round(
     cuda: &CudaBackend,
     peer: &baton::actors::Peer,
@@ -344,15 +402,7 @@ async fn overwrite_round(
     seed: u32,
     what: &str,
 ) {
-    let reply = peer
-        .remote::<Overwrite>("overwriter")
-        .send(Overwrite {
-            buf: buf.share_mut(),
-            expect: seed,
-            write: seed + 1,
-        })
-        .await
-        .unwrap();
+    let reply = overwritten_exactly(peer, buf, seed, what).await;
     assert_eq!(
         reply.ordinal,
         Some(1),
@@ -362,20 +412,6 @@ async fn overwrite_round(
         reply.device,
         baton::ipc::Backend::device(cuda),
         "the helper's device is another GPU than ours"
-    );
-    assert_eq!(
-        reply.wrong,
-        0,
-        "{what}: the process on device 1 read {} of {} elements of our device-0 buffer wrong",
-        reply.wrong,
-        buf.len()
-    );
-    leases_back(buf, "the overwriter's lease").await;
-    assert_eq!(
-        wrong(&buf.to_vec().unwrap(), seed + 1),
-        0,
-        "{what}: what the process on device 1 wrote into our device-0 buffer does not read \
-         back here"
     );
 }
 
@@ -508,26 +544,10 @@ async fn pool_refused_across_gpus(test: &str) {
     let (mut child, peer) = parent.child(&[]).await;
     // Ours to the helper: it refuses to open it.
     let buf = pattern_buffer(&parent, MIN_ELEMS, 51).await;
-    let refused = peer
-        .remote::<Overwrite>("overwriter")
-        .send(Overwrite {
-            buf: buf.share_mut(),
-            expect: 51,
-            write: 52,
-        })
-        .await;
-    match refused {
-        Err(ActorError::Remote(CallFault::OfferRefused(why))) => assert!(
-            why.contains("is not opened on GPU") && why.contains("VMM"),
-            "the helper's refusal names the rule and the alternative: {why}"
-        ),
-        other => panic!("the helper on device 1 opened our pool buffer: {other:?}"),
-    }
-    leases_back(&buf, "the refused lease").await;
-    assert_eq!(
-        wrong(&buf.to_vec().unwrap(), 51),
-        0,
-        "nothing wrote our buffer"
+    let why = overwrite_refused(&peer, &buf, 51).await;
+    assert!(
+        why.contains("is not opened on GPU") && why.contains("VMM"),
+        "the helper's refusal names the rule and the alternative: {why}"
     );
     // The helper's to us: we refuse it.
     let theirs = peer
@@ -615,18 +635,7 @@ fn closed_node_gives_memory_back(export: CudaExport) {
         let (mut child, peer) = parent.child(&[]).await;
         const N: usize = 16 * MIB; // u32s: 64 MiB
         let buf = pattern_buffer(&parent, N, 61).await;
-        let reply = peer
-            .remote::<Overwrite>("overwriter")
-            .send(Overwrite {
-                buf: buf.share_mut(),
-                expect: 61,
-                write: 62,
-            })
-            .await
-            .expect("the helper reads and writes our buffer");
-        assert_eq!(reply.wrong, 0, "the helper read our buffer exactly");
-        leases_back(&buf, "the helper's lease").await;
-        assert_eq!(wrong(&buf.to_vec().unwrap(), 62), 0, "its write reads back");
+        overwritten_exactly(&peer, &buf, 61, "a 64 MiB buffer").await;
         step("64 MiB shared, written by the helper, back", before);
         drop(buf);
         peer.close();
@@ -707,25 +716,7 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
         const N: usize = 16 * MIB; // u32s: 64 MiB
         for (round, seed) in [(1, 71), (2, 73)] {
             let buf = pattern_buffer(&parent, N, seed).await;
-            let reply = peer
-                .remote::<Overwrite>("overwriter")
-                .send(Overwrite {
-                    buf: buf.share_mut(),
-                    expect: seed,
-                    write: seed + 1,
-                })
-                .await
-                .expect("the helper reads and writes our buffer");
-            assert_eq!(
-                reply.wrong, 0,
-                "round {round}: the helper read our buffer exactly"
-            );
-            leases_back(&buf, "the helper's lease").await;
-            assert_eq!(
-                wrong(&buf.to_vec().unwrap(), seed + 1),
-                0,
-                "round {round}: the helper's write reads back"
-            );
+            overwritten_exactly(&peer, &buf, seed, &format!("round {round}")).await;
             drop(buf);
             eventually(DEADLINE, "the buffer's free", || cuda.live().is_empty()).await;
             let start = Instant::now();
@@ -780,24 +771,15 @@ fn devices_are_matched_by_uuid_whatever_the_numbering() {
         parent.child_env.push((DEVICE_ENV.into(), "0".into()));
         let (mut child, peer) = parent.child(&[]).await;
         let buf = pattern_buffer(&parent, MIN_ELEMS, 81).await;
-        let reply = peer
-            .remote::<Overwrite>("overwriter")
-            .send(Overwrite {
-                buf: buf.share_mut(),
-                expect: 81,
-                write: 82,
-            })
-            .await
-            .expect("the helper that numbers the GPUs the other way opens our buffer");
+        let reply = overwritten_exactly(
+            &peer,
+            &buf,
+            81,
+            "the helper that numbers the GPUs the other way",
+        )
+        .await;
         assert_eq!(reply.ordinal, Some(0), "the helper uses its device 0");
         assert_ne!(reply.device, ours, "which is our device 1, not ours");
-        assert_eq!(reply.wrong, 0, "it reads our device-0 buffer exactly");
-        leases_back(&buf, "the helper's lease").await;
-        assert_eq!(
-            wrong(&buf.to_vec().unwrap(), 82),
-            0,
-            "its write lands in our buffer"
-        );
         peer.close();
         assert!(exited(&mut child, DEADLINE).await.success());
         // Only GPU 1: our GPU is not among the helper's.
@@ -806,26 +788,10 @@ fn devices_are_matched_by_uuid_whatever_the_numbering() {
             .child_env
             .push(("CUDA_VISIBLE_DEVICES".into(), "1".into()));
         let (mut child, peer) = parent.child(&[]).await;
-        let refused = peer
-            .remote::<Overwrite>("overwriter")
-            .send(Overwrite {
-                buf: buf.share_mut(),
-                expect: 82,
-                write: 83,
-            })
-            .await;
-        match refused {
-            Err(ActorError::Remote(CallFault::OfferRefused(why))) => assert!(
-                why.contains(&ours.to_string()) && why.contains("does not see"),
-                "the refusal names our GPU and why: {why}"
-            ),
-            other => panic!("a helper that does not see our GPU opened our buffer: {other:?}"),
-        }
-        leases_back(&buf, "the refused lease").await;
-        assert_eq!(
-            wrong(&buf.to_vec().unwrap(), 82),
-            0,
-            "nothing wrote our buffer"
+        let why = overwrite_refused(&peer, &buf, 82).await;
+        assert!(
+            why.contains(&ours.to_string()) && why.contains("does not see"),
+            "the refusal names our GPU and why: {why}"
         );
         peer.ping()
             .await

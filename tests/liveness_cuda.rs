@@ -291,6 +291,20 @@ impl Setup {
         })
     }
 
+    /// `baton-liveness-peer serve`, linked to us, and the baseline of our device memory
+    /// (after a warm-up round when the helper is on the other GPU).
+    async fn served(&self) -> Served {
+        let (child, link) = self.serve().await;
+        let pid = child.pid();
+        let base = self.baseline_after_warm_up(&link).await;
+        Served {
+            child,
+            link,
+            pid,
+            base,
+        }
+    }
+
     /// Whether this case's offers are refused: pool memory between GPUs
     /// ([`assert_pool_refused`]).
     fn pool_refused(&self) -> bool {
@@ -381,8 +395,8 @@ impl Setup {
     /// ours leased to it, its kernel writing it through peer access, fences both ways.
     /// What enabling peer access between two contexts costs, once, then sits in the
     /// baseline instead of counting as a leak; the warm-up prints it.
-    async fn baseline_after_warm_up(&self, peers: PeerGpu, link: &baton::actors::Peer) -> Baseline {
-        if peers == PeerGpu::Same || self.pool_refused() {
+    async fn baseline_after_warm_up(&self, link: &baton::actors::Peer) -> Baseline {
+        if self.peers == PeerGpu::Same || self.pool_refused() {
             return self.baseline().await;
         }
         let before = self.baseline().await;
@@ -490,6 +504,14 @@ impl Setup {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// A helper linked to us ([`Setup::served`]).
+struct Served {
+    child: peer::Peer,
+    link: baton::actors::Peer,
+    pid: u32,
+    base: Baseline,
 }
 
 /// How the survivor's device memory is measured.
@@ -712,6 +734,20 @@ enum Goes {
     Killed,
     /// Returns from `main` without flushing its fences.
     Exits,
+    /// SIGKILL right after we released our lease, our copy and the release fence behind
+    /// it still queued (its fill is short: it has run by then).
+    KilledAfterRelease,
+}
+
+impl Goes {
+    /// The segment namespace tag of the scenario.
+    fn tag(self) -> &'static str {
+        match self {
+            Goes::Killed => "lv-prod-kill",
+            Goes::Exits => "lv-prod-exit",
+            Goes::KilledAfterRelease => "lv-prod-rel",
+        }
+    }
 }
 
 /// A helper shares a buffer while its fill kernel runs; our stream waits on the acquire
@@ -726,9 +762,7 @@ fn a_producer_killed_before_its_acquire_fence_lands_never_blocks_the_consumer() 
     each(
         "a_producer_killed_before_its_acquire_fence_lands_never_blocks_the_consumer",
         cases(),
-        |(export, fence)| {
-            producer_goes("lv-prod-kill", *export, *fence, Goes::Killed, PeerGpu::Same)
-        },
+        |(export, fence)| producer_goes(*export, *fence, Goes::Killed, PeerGpu::Same),
     );
 }
 
@@ -743,9 +777,7 @@ fn a_producer_that_exits_with_work_queued_never_blocks_the_consumer() {
     each(
         "a_producer_that_exits_with_work_queued_never_blocks_the_consumer",
         cases(),
-        |(export, fence)| {
-            producer_goes("lv-prod-exit", *export, *fence, Goes::Exits, PeerGpu::Same)
-        },
+        |(export, fence)| producer_goes(*export, *fence, Goes::Exits, PeerGpu::Same),
     );
 }
 
@@ -760,13 +792,7 @@ fn a_producer_on_another_gpu_killed_before_its_acquire_fence_lands_never_blocks_
     const TEST: &str =
         "a_producer_on_another_gpu_killed_before_its_acquire_fence_lands_never_blocks_the_consumer";
     each_across_gpus(TEST, cases(), |(export, fence)| {
-        producer_goes(
-            "lv-prod-kill",
-            *export,
-            *fence,
-            Goes::Killed,
-            PeerGpu::Other,
-        )
+        producer_goes(*export, *fence, Goes::Killed, PeerGpu::Other)
     });
 }
 
@@ -780,25 +806,33 @@ fn a_producer_on_another_gpu_that_exits_with_work_queued_never_blocks_the_consum
     const TEST: &str =
         "a_producer_on_another_gpu_that_exits_with_work_queued_never_blocks_the_consumer";
     each_across_gpus(TEST, cases(), |(export, fence)| {
-        producer_goes("lv-prod-exit", *export, *fence, Goes::Exits, PeerGpu::Other)
+        producer_goes(*export, *fence, Goes::Exits, PeerGpu::Other)
     });
 }
 
-fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes, peers: PeerGpu) {
+fn producer_goes(export: CudaExport, fence: FenceKind, how: Goes, peers: PeerGpu) {
     run(async {
-        let Some(s) = Setup::start_with_peers(tag, export, fence, peers) else {
+        let Some(s) = Setup::start_with_peers(how.tag(), export, fence, peers) else {
             return;
         };
-        let (mut child, link) = s.serve().await;
-        let pid = child.pid();
-        let base = s.baseline_after_warm_up(peers, &link).await;
+        let Served {
+            mut child,
+            link,
+            pid,
+            base,
+        } = s.served().await;
         let mut copy: Buffer<u32> = s.buffer(LEN).await;
+        let after_release = matches!(how, Goes::KilledAfterRelease);
         let spun = link
             .remote::<SpinShare>("spin_share")
             .send(SpinShare {
                 len: LEN,
                 value: LATE,
-                cycles: SPIN_CYCLES,
+                cycles: if after_release {
+                    SHORT_CYCLES
+                } else {
+                    SPIN_CYCLES
+                },
             })
             .await;
         if s.pool_refused() {
@@ -812,7 +846,7 @@ fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes, pee
         }
         let spun = spun.expect("the producer shares its buffer");
         assert!(
-            spun.running,
+            spun.running || after_release,
             "the producer's kernel had finished before it shared the buffer: raise SPIN_CYCLES (else this proves nothing)"
         );
         let lease = spun.buf.open().expect("open the producer's buffer");
@@ -820,20 +854,28 @@ fn producer_goes(tag: &str, export: CudaExport, fence: FenceKind, how: Goes, pee
         s.stream
             .memcpy_dtod(&lease, &mut copy)
             .expect("queue the copy");
-        let probe = s.stream.record_event(None).unwrap();
-        assert!(
-            !probe.is_complete(),
-            "our stream did not wait for the producer's kernel (else this proves nothing)"
-        );
+        let lease = if after_release {
+            // Released with our copy still queued: the release fence goes behind it.
+            drop(lease);
+            None
+        } else {
+            let probe = s.stream.record_event(None).unwrap();
+            assert!(
+                !probe.is_complete(),
+                "our stream did not wait for the producer's kernel (else this proves nothing)"
+            );
+            Some(lease)
+        };
 
         producer_leaves(&mut child, &link, how).await;
         s.assert_synchronises("after the producer went").await;
 
-        eventually(DEADLINE, "the lease to turn orphaned", || {
-            lease.is_orphaned()
-        })
-        .await;
-        drop(lease);
+        if let Some(lease) = lease {
+            eventually(DEADLINE, "the lease to turn orphaned", || {
+                lease.is_orphaned()
+            })
+            .await;
+        }
         drop(copy);
         s.assert_synchronises("after our lease and buffer dropped")
             .await;
@@ -854,7 +896,7 @@ fn a_producer_killed_right_after_our_release_never_blocks_the_consumer() {
     each(
         "a_producer_killed_right_after_our_release_never_blocks_the_consumer",
         cases(),
-        |(export, fence)| producer_killed_after_release(*export, *fence, PeerGpu::Same),
+        |(export, fence)| producer_goes(*export, *fence, Goes::KilledAfterRelease, PeerGpu::Same),
     );
 }
 
@@ -868,54 +910,14 @@ fn a_producer_on_another_gpu_killed_right_after_our_release_never_blocks_the_con
     const TEST: &str =
         "a_producer_on_another_gpu_killed_right_after_our_release_never_blocks_the_consumer";
     each_across_gpus(TEST, cases(), |(export, fence)| {
-        producer_killed_after_release(*export, *fence, PeerGpu::Other)
-    });
-}
-
-fn producer_killed_after_release(export: CudaExport, fence: FenceKind, peers: PeerGpu) {
-    run(async {
-        let Some(s) = Setup::start_with_peers("lv-prod-rel", export, fence, peers) else {
-            return;
-        };
-        let (mut child, link) = s.serve().await;
-        let pid = child.pid();
-        let base = s.baseline_after_warm_up(peers, &link).await;
-        let mut copy: Buffer<u32> = s.buffer(LEN).await;
-        let spun = link
-            .remote::<SpinShare>("spin_share")
-            .send(SpinShare {
-                len: LEN,
-                value: LATE,
-                cycles: SHORT_CYCLES,
-            })
-            .await;
-        if s.pool_refused() {
-            assert_pool_refused(spun);
-        } else {
-            let spun = spun.expect("the producer shares its buffer");
-            let lease = spun.buf.open().expect("open the producer's buffer");
-            lease.wait_on(&s.stream).expect("wait on the acquire fence");
-            s.stream
-                .memcpy_dtod(&lease, &mut copy)
-                .expect("queue the copy");
-            // Released with our copy still queued: the release fence goes behind it.
-            drop(lease);
-        }
-        child.signal_kill();
-        assert_killed(exited(&mut child, DEADLINE).await, "the producer");
-        s.assert_synchronises("after the producer died right after our release")
-            .await;
-        drop(copy);
-        s.assert_synchronises("after our buffer dropped").await;
-        s.assert_released(base).await;
-        assert_reaped(&[pid]);
+        producer_goes(*export, *fence, Goes::KilledAfterRelease, PeerGpu::Other)
     });
 }
 
 /// The producer goes `how`, and ends as it should have.
 async fn producer_leaves(child: &mut peer::Peer, link: &baton::actors::Peer, how: Goes) {
     match how {
-        Goes::Killed => child.signal_kill(),
+        Goes::Killed | Goes::KilledAfterRelease => child.signal_kill(),
         Goes::Exits => {
             // The reply may never come: the helper may be gone first.
             let _ = tokio::time::timeout(
@@ -927,7 +929,7 @@ async fn producer_leaves(child: &mut peer::Peer, link: &baton::actors::Peer, how
     }
     let status = exited(child, DEADLINE).await;
     match how {
-        Goes::Killed => assert_killed(status, "the producer"),
+        Goes::Killed | Goes::KilledAfterRelease => assert_killed(status, "the producer"),
         Goes::Exits => assert!(
             status.success(),
             "the producer returned from main, yet it ended with {status}"
@@ -975,9 +977,12 @@ fn consumer_killed(export: CudaExport, fence: FenceKind, peers: PeerGpu) {
         let Some(s) = Setup::start_with_peers("lv-cons-kill", export, fence, peers) else {
             return;
         };
-        let (mut child, link) = s.serve().await;
-        let pid = child.pid();
-        let base = s.baseline_after_warm_up(peers, &link).await;
+        let Served {
+            mut child,
+            link,
+            pid,
+            base,
+        } = s.served().await;
         let buf: Buffer<u32> = s.buffer(LEN).await;
         buf.write_at(0, &[START]).unwrap();
         let running = link
@@ -1146,9 +1151,12 @@ fn consumer_exits(export: CudaExport, fence: FenceKind, ends: Ends, peers: PeerG
         let Some(s) = Setup::start_with_peers(tag, export, fence, peers) else {
             return;
         };
-        let (mut child, link) = s.serve().await;
-        let pid = child.pid();
-        let base = s.baseline_after_warm_up(peers, &link).await;
+        let Served {
+            mut child,
+            link,
+            pid,
+            base,
+        } = s.served().await;
         let buf: Buffer<u32> = s.buffer(LEN).await;
         buf.write_at(0, &[START]).unwrap();
         let running = link
