@@ -35,7 +35,12 @@ of its handling), `call_overhead` (the call's round trip beyond the engine's han
 encode, socket, mailbox hops, decode), `returned` (the trainer's wait for the leases back));
 then a summary line with the ratios the issue sets targets for.
 
-usage: python3 bench/weight_sync.py [--model qwen2.5-0.5b|qwen2.5-7b] [--steps N]
+Loading: Baton's engine copies with a `baton.CopyPlan` (one kernel launch for every
+tensor); torch's engines as an engine does by hand (a `copy_` per tensor of 1 MiB or more,
+one fused `_foreach_copy_` of the rest). `copy-per-tensor-loader` is that loader alone,
+`copy-plan` Baton's alone, in one process.
+
+usage: python3 bench/weight_sync.py [--model qwen2.5-0.5b|qwen2.5-7b|moe-20000] [--steps N]
                                     [--paths baton-bundle,torch-mp-tensors,...]
 """
 
@@ -54,11 +59,18 @@ MODELS = {
     "qwen2.5-0.5b": (896, 24, 4864, 151936, 14, 2, True),  # ~0.92 GiB in bf16, 290 tensors
     "qwen2.5-7b": (3584, 28, 18944, 152064, 28, 4, False),  # ~14.2 GiB in bf16, 339 tensors
 }
+#: A synthetic mixture-of-experts shard: 20,000 tensors, 7.6 GB in bf16 (issue 47).
+MOE = "moe-20000"
 
 
 def model_spec(name: str) -> list:
     """(name, shape, dtype) of every weight, in a checkpoint's order, plus a `step` scalar
     the engine checks."""
+    if name == MOE:
+        # 160 experts x 125 projections of 190,000 bf16 each (380 kB): per-tensor costs
+        # dominate unless a sync pays nothing per tensor.
+        spec = [(f"experts.{i // 125}.w{i % 125}", (190_000,), "bfloat16") for i in range(20_000)]
+        return spec + [("step", (), "int64")]
     hidden, layers, inter, vocab, heads, kv_heads, tied = MODELS[name]
     kv = hidden // heads * kv_heads
     spec = [("model.embed_tokens.weight", (vocab, hidden), "bfloat16")]
@@ -134,9 +146,12 @@ def run_copy(args, spec) -> list:
     src_bytes = [t.view(-1).view(torch.uint8) for t in src_list]
     dst_bytes = [t.view(-1).view(torch.uint8) for t in dst_list]
     out = []
-    for how in ("per-tensor", "per-tensor-loader", "flat"):
+    plan_memory = None
+    for how in ("per-tensor", "per-tensor-loader", "plan", "flat"):
         flat_src = torch.empty(nbytes(spec), dtype=torch.uint8, device="cuda")
         flat_dst = torch.empty_like(flat_src)
+        if how == "plan":
+            plan_memory = _PlanFloor(torch, spec, dst)
         times = []
         for _ in range(args.steps):
             torch.cuda.synchronize()
@@ -145,13 +160,37 @@ def run_copy(args, spec) -> list:
                 flat_dst.copy_(flat_src)
             elif how == "per-tensor":
                 torch._foreach_copy_(dst_list, src_list)
+            elif how == "plan":
+                plan_memory.copy_into(plan_memory.plan)
             else:
                 load(dst_bytes, src_bytes)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         out.append(summary(f"copy-{how}", times, opens_per_sync=0))
         del flat_src, flat_dst
+    if plan_memory is not None:
+        plan_memory.close()
     return out
+
+
+class _PlanFloor:
+    """Baton's loader alone: a bundle of this process's own, copied into `dst` by a
+    `baton.CopyPlan` (no second process, no lease)."""
+
+    def __init__(self, torch, spec, dst) -> None:
+        import baton
+
+        self.node = baton.Node(backend="cuda")
+        self.bundle = self.node.allocate_bundle(spec)
+        self.plan = baton.CopyPlan(self.bundle.layout, dst)
+
+    def copy_into(self, plan) -> None:
+        self.bundle.copy_into(plan)
+
+    def close(self) -> None:
+        del self.plan
+        self.bundle.release()
+        self.node.close()
 
 
 # ---- Baton: one bundle --------------------------------------------------------------------
@@ -170,6 +209,7 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
     mailbox = node.register("engine", "rl.Weights")
     node.connect_parent()
     params = params_like(torch, spec)
+    plan = None  # the engine's loading plan: made at the first sync, run every sync
     synced = 0
     while True:
         try:
@@ -188,7 +228,9 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
             if isinstance(sent, list):  # borrowed: each bundle holds some of them
                 weights.copy_into({n: params[n] for n, *_ in weights.layout.tensors})
             else:
-                weights.copy_into(params)
+                if plan is None or plan.layout != weights.layout:
+                    plan = baton.CopyPlan(weights.layout, params)
+                weights.copy_into(plan)
             if synced == 2 and kill == "engine":
                 os.kill(os.getpid(), signal.SIGKILL)
             t2 = time.perf_counter()
@@ -549,7 +591,7 @@ def run_torch(args, spec, flat: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
+    ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS) + [MOE])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--paths", default="copy,baton-bundle,baton-bundle-ordered,"
                     "baton-borrowed,torch-mp-flat,torch-mp-tensors")
@@ -576,6 +618,7 @@ def main() -> None:
     spec = model_spec(args.model)
     print(json.dumps({
         "bench": "weight_sync", "model": args.model, "tensors": len(spec) - 1,
+        "baton_commit": os.environ.get("BATON_COMMIT"),
         "bytes": nbytes(spec), "steps": args.steps,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
     }), flush=True)
@@ -604,7 +647,35 @@ def main() -> None:
                 ratios[f"{k} / {baton_path}"] = round(v / b, 2)
             elif k.startswith("copy"):
                 ratios[f"{baton_path} / {k}"] = round(b / v, 2)
-    print(json.dumps({"bench": "weight_sync", "summary": ratios}), flush=True)
+    print(json.dumps({"bench": "weight_sync", "summary": ratios,
+                      "targets": targets(args.model, med, results)}), flush=True)
+
+
+#: Issue 47's targets, per model: (what, numerator path, denominator path, bound, "<=" or ">=").
+TARGETS = {
+    "qwen2.5-7b": [("bundle <= 1.1x the flat copy", "baton-bundle", "copy-flat", 1.1, "<="),
+                   ("torch flat bucket >= 1.25x the bundle", "torch-mp-flat", "baton-bundle", 1.25, ">=")],
+    "qwen2.5-0.5b": [("bundle <= 1.5x the flat copy", "baton-bundle", "copy-flat", 1.5, "<="),
+                     ("torch flat bucket >= 2x the bundle", "torch-mp-flat", "baton-bundle", 2.0, ">=")],
+    MOE: [("bundle <= 2x the flat copy", "baton-bundle", "copy-flat", 2.0, "<=")],
+}
+#: For every model: the borrowed path against the bundle, with one lease per sync.
+BORROWED = ("borrowed <= 1.2x the bundle", "baton-borrowed", "baton-bundle", 1.2, "<=")
+
+
+def targets(model: str, med: dict, results: dict) -> dict:
+    out = {}
+    for what, num, den, bound, op in TARGETS.get(model, []) + [BORROWED]:
+        if num not in med or den not in med:
+            continue
+        ratio = round(med[num] / med[den], 3)
+        met = ratio <= bound if op == "<=" else ratio >= bound
+        if num == "baton-borrowed":
+            leases = results[num].get("bundles")
+            met = met and leases == 1
+            what += f" (leases per sync: {leases})"
+        out[what] = {"ratio": ratio, "met": met}
+    return out
 
 
 if __name__ == "__main__":

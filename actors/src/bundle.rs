@@ -3,6 +3,7 @@
 
 use crate::buffer::{Buffer, Element, Lease, Shared};
 use crate::error::ActorError;
+use baton_ipc::cuda::CopySpan;
 use baton_ipc::{MemPtr, Stream};
 use baton_messages::{BundleLayout, TensorSpec};
 use serde::{Deserialize, Serialize};
@@ -43,6 +44,33 @@ fn range_of(spec: &TensorSpec) -> Result<(usize, usize), ActorError> {
         .and_then(|l| usize::try_from(l).ok())
         .ok_or_else(too_large)?;
     Ok((start, len))
+}
+
+/// The spans of a batched copy between a bundle of `layout` and device tensors of this
+/// process, by name: `(name, data pointer)` each, for
+/// [`CudaBackend::copy_plan`](baton_ipc::cuda::CudaBackend::copy_plan). Each tensor must be
+/// as large as the bundle's tensor of that name. Run the plan on the bundle's memory
+/// ([`BundleLease::lease`]'s pointer after [`BundleLease::wait_on`] the stream, or
+/// [`Bundle::buffer`]'s after [`Buffer::wait_on`] and before
+/// [`share_on`](Bundle::share_on) that stream): one kernel launch for every tensor.
+///
+/// # Errors
+/// [`ActorError::NoSuchTensor`] for a name the layout lacks.
+pub fn copy_spans(
+    layout: &BundleLayout,
+    tensors: &[(&str, u64)],
+) -> Result<Vec<CopySpan>, ActorError> {
+    tensors
+        .iter()
+        .map(|&(name, ptr)| {
+            let (offset, len) = range_of(spec_of(layout, name)?)?;
+            Ok(CopySpan {
+                ptr,
+                offset: offset as u64,
+                len: len as u64,
+            })
+        })
+        .collect()
 }
 
 /// The exporter's handle to a bundle: many named, typed tensors in one buffer, leased and

@@ -150,7 +150,7 @@ pub mod supervisor;
 pub mod metrics;
 
 pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, Shared, SharedMut};
-pub use bundle::{Bundle, BundleLease, SharedBundle};
+pub use bundle::{Bundle, BundleLease, SharedBundle, copy_spans};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use connect::{ACCEPT_BACKLOG, Listening, TcpListening, token_file_of};
 pub use error::ActorError;

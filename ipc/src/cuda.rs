@@ -119,6 +119,7 @@ mod backend;
 mod bridge;
 mod builder;
 mod context;
+mod copy;
 mod driver;
 mod event;
 mod fence;
@@ -144,6 +145,7 @@ pub use builder::{
     CudaBackendBuilder, DEFAULT_EVENT_BACKLOG, DEFAULT_INBOX_LANES, EVENT_BACKLOG_ENV,
     pool_size_limit_from_env,
 };
+pub use copy::{CopyDirection, CopyPlan, CopySpan};
 pub use cudarc;
 pub use event::{DEFAULT_EVENT_LIMIT, RecordedEvent};
 pub use fence::{

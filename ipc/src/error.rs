@@ -364,6 +364,13 @@ pub enum Error {
         /// Why, and what to do.
         reason: String,
     },
+    /// A batched device copy ([`CopyPlan`](crate::cuda::CopyPlan)) was refused: a pointer
+    /// outside any allocation of the device, a buffer too short or overlapping the copies.
+    #[error("a batched copy was refused: {reason}")]
+    CopyRefused {
+        /// What is wrong, and with which copy.
+        reason: String,
+    },
     /// A backend that was asked for is not available here.
     #[error("backend {backend} is unavailable: {reason}")]
     BackendUnavailable {
@@ -631,6 +638,7 @@ impl Error {
             | Error::InPlace { .. }
             | Error::SlabFull { .. }
             | Error::NotBorrowable { .. }
+            | Error::CopyRefused { .. }
             | Error::DescriptorsOverTcp { .. }
             | Error::RegionUnsupported { .. } => Fault::Usage,
             Error::Closed

@@ -21,7 +21,7 @@ from ._baton import (
     generate_token,
     log_to_stderr,
 )
-from .bundle import Bundle, BundleLayout, BundleLease, SharedBundle
+from .bundle import Bundle, BundleLayout, BundleLease, CopyPlan, SharedBundle, bundle_parameters
 from .errors import *  # noqa: F401,F403  (the exception classes, as baton.Orphaned etc.)
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "BundleLease",
     "Call",
     "Child",
+    "CopyPlan",
     "Lease",
     "Mailbox",
     "Node",
@@ -39,6 +40,7 @@ __all__ = [
     "Shared",
     "SharedBundle",
     "__version__",
+    "bundle_parameters",
     "errors",
     "generate_token",
     "log_to_stderr",

@@ -39,7 +39,7 @@ __all__ = [
     "UnsealedMemory", "SegmentOwnerMismatch", "Shm", "UnsupportedBackend", "StaleHandle",
     "DeviceNotFound", "DeviceUnreachable", "PoolAcrossDevices", "PoolTooLarge",
     "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
-    "AllocationGone", "SlabFull", "BackendUnavailable", "NotBorrowable",
+    "AllocationGone", "SlabFull", "BackendUnavailable", "NotBorrowable", "CopyRefused",
     # The Python layer's
     "Released", "RuntimeGone",
 ]
@@ -345,6 +345,12 @@ class NotBorrowable(Ipc, ValueError):
     """Memory allocated outside Baton that Baton cannot lease (``Node.borrow_tensors``):
     expandable segments or another allocator's memory, another device's, or memory this
     process lent already."""
+
+
+class CopyRefused(Ipc, ValueError):
+    """A batched copy (``BundleLease.copy_into``, ``Bundle.copy_from``, ``CopyPlan``) was
+    refused: a tensor outside any allocation of the device, on another device, or a buffer
+    too short for the plan or overlapping its tensors."""
 
 
 # --- The Python layer's -----------------------------------------------------------------

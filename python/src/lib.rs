@@ -7,13 +7,15 @@
 //! MessagePack (`codec`), and hands buffers to Python as views whose lifetime keeps the
 //! memory mapped (`memory`, `dlpack`).
 //!
-//! `unsafe` code lives only in `dlpack` (the capsule handed to DLPack consumers) and
-//! `stream` (wrapping a stream Python names), which each open with a `# Safety` overview.
+//! `unsafe` code lives only in `dlpack` (the capsule handed to DLPack consumers), `stream`
+//! (wrapping a stream Python names) and `copy` (batched copies to tensors' raw pointers),
+//! which each open with a `# Safety` overview.
 
 #![deny(unsafe_code)]
 
 mod bundle;
 mod codec;
+mod copy;
 mod dlpack;
 mod errors;
 mod memory;
@@ -38,6 +40,7 @@ fn _baton(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<memory::Buffer>()?;
     m.add_class::<memory::HostView>()?;
     m.add_class::<bundle::BundleLayout>()?;
+    m.add_class::<copy::CopyPlan>()?;
     m.add_function(wrap_pyfunction!(node::generate_token, m)?)?;
     m.add_function(wrap_pyfunction!(node::log_to_stderr, m)?)?;
     Ok(())

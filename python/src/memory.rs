@@ -1241,3 +1241,57 @@ impl Buffer {
         )
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Batched copies (`copy.rs`).
+
+/// Device memory of a `Lease` or `Buffer` for a batched copy: its address, bytes and
+/// backend, and a view guard that keeps it mapped — and, for a buffer of ours, ordered
+/// after its importers' release fences, as any view of it is — while the copies are
+/// queued. `write`: the copies write it (a lease must be writable, a buffer unleased).
+pub(crate) fn device_memory(
+    obj: &Bound<'_, PyAny>,
+    write: bool,
+) -> Result<(u64, usize, Arc<CudaBackend>, ViewGuard), Failure> {
+    if let Ok(lease) = obj.cast::<Lease>() {
+        let c = &lease.get().cell;
+        let Some(cuda) = c.cuda.clone().filter(|_| c.device != Device::Cpu) else {
+            return Err(Failure::Type(
+                "a batched copy needs device memory; this lease is host memory".into(),
+            ));
+        };
+        if write && !c.writable {
+            return Err(Failure::Buffer(format!(
+                "lease {} was opened read-only: open it writable to copy into it",
+                c.id
+            )));
+        }
+        return Ok((c.addr, c.geometry.nbytes, cuda, c.view()?));
+    }
+    if let Ok(buffer) = obj.cast::<Buffer>() {
+        let b = buffer.get();
+        let Some(cuda) = b.cuda_of_device() else {
+            return Err(Failure::Type(
+                "a batched copy needs device memory; this buffer is host memory".into(),
+            ));
+        };
+        if write {
+            let out = b.handle()?.leases_out();
+            if out > 0 {
+                return Err(Failure::Buffer(format!(
+                    "buffer {} has {out} lease(s) out: writing it would race their holders \
+                     (wait for returned() first)",
+                    b.id
+                )));
+            }
+        }
+        return Ok((b.addr, b.geometry.nbytes, cuda, b.view()?));
+    }
+    Err(Failure::Type(format!(
+        "a batched copy runs on a baton.Lease or baton.Buffer, not a {}",
+        obj.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default()
+    )))
+}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -188,8 +189,8 @@ def test_a_rust_device_bundle_opens_in_python_as_torch_tensors(torch, cuda_peer)
             assert t.is_cuda and t.tolist() == [3.0 + i] * (i + 1)
         del views, t
     eventually(lambda: cuda_peer.call("table", "py.Table")["leases"] == 0, "the lease to go back")
-    # load_weights into torch tensors: of the same dtypes, one fused copy of bytes (its plan
-    # kept for the next sync); of another dtype, a typed copy per tensor.
+    # load_weights into torch tensors: of the same dtypes, one kernel launch (its plan kept
+    # for the next sync); of another dtype, a typed copy per tensor.
     same = {f"t{i}": torch.zeros(i + 1, device="cuda") for i in (9, 0, 4)}
     other = {f"t{i}": torch.zeros(i + 1, device="cuda", dtype=torch.float64) for i in (1, 7)}
     for seed in (5, 6):
@@ -276,6 +277,59 @@ def test_a_stream_ordered_bundle_sync_round_trip(torch, cuda_node, cuda_peer):
             assert reply["sums"] == want, step
             bundle.returned(timeout=DEADLINE)
             bundle.wait_on(s)
+
+
+def test_a_copy_plan_publishes_and_loads_thousands_of_tensors_in_one_launch(
+    torch, cuda_node, cuda_peer, token_file, short_dir
+):
+    # Odd sizes of two dtypes and enough tensors that the kernel's search runs deep; the
+    # trainer's tensors are torch's own allocations.
+    spec = [(f"t{i}", ((i * 7) % 300 + 1,), "bfloat16" if i % 3 else "float32")
+            for i in range(3000)]
+    params = {n: torch.randn(s, device="cuda").to(getattr(torch, d)) for n, s, d in spec}
+    bundle = cuda_node.allocate_bundle(spec)
+    plan = baton.CopyPlan(bundle.layout, params)
+    assert len(plan) == len(spec)
+    for step in range(2):
+        for t in params.values():
+            t.add_(1)
+        bundle.copy_from(plan)  # torch's current stream; sending synchronises first
+        reply = cuda_peer.call("bundles", "py.SumBundle", {"weights": bundle}, timeout=DEADLINE)
+        assert reply["error"] is None, reply
+        assert reply["sums"] == _bundle_sums(torch, bundle, params), step
+        bundle.returned(timeout=DEADLINE)
+    # Loading a bundle a Rust peer made (imported memory) through a plan.
+    loaded = {f"t{i}": torch.zeros(i + 1, device="cuda") for i in range(20)}
+    for seed in (9, 10):
+        shared = cuda_peer.call("bundler", "py.MakeBundle", {"tensors": 20, "seed": seed})["weights"]
+        with shared.open() as opened:
+            opened.copy_into(baton.CopyPlan(opened.layout, loaded))
+        torch.cuda.synchronize()
+        for i in range(20):
+            assert loaded[f"t{i}"].tolist() == [float(seed + i)] * (i + 1), (seed, i)
+    # Refused, with the reason: another dtype, a host tensor, a write while a lease is out.
+    with pytest.raises(ValueError, match="float64"):
+        baton.CopyPlan(bundle.layout, {"t0": torch.zeros(1, device="cuda", dtype=torch.float64)})
+    with pytest.raises(TypeError, match="CUDA"):
+        baton.CopyPlan(bundle.layout, {"t0": torch.zeros(1)})
+    holder = baton.Node(token_file=str(token_file), backend="cuda")
+    try:
+        mailbox = holder.register("hold", "py.Hold")
+        holder.listen(short_dir, "holder.sock")
+        peer = cuda_node.connect(short_dir / "holder.sock", timeout=DEADLINE)
+        answered = threading.Thread(
+            target=lambda: peer.call("hold", "py.Hold", {"w": bundle}, timeout=DEADLINE))
+        answered.start()
+        call = mailbox.recv(timeout=DEADLINE)  # the lease is out until the holder lets go
+        with pytest.raises(BufferError, match="lease"):
+            bundle.copy_from(plan)
+        call.message["w"].release()
+        call.reply(None)
+        answered.join(DEADLINE)
+        bundle.returned(timeout=DEADLINE)
+        bundle.copy_from(plan)  # unleased again: allowed
+    finally:
+        holder.close()
 
 
 def _bundle_sums(torch, bundle, params):

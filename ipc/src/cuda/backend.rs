@@ -32,7 +32,7 @@ use cudarc::driver::{CudaContext, CudaStream, sys};
 use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 /// The CUDA backend: allocates on one device, exports legacy, VMM or pool handles, opens
 /// all three.
@@ -68,6 +68,8 @@ pub struct CudaBackend {
     /// The exportable pool, made on first use.
     pub(super) pool: OnceTable<(), ExportPool>,
     pub(super) imported_pools: OnceTable<(ProcessId, u64), ImportedPool>,
+    /// Baton's copy kernel (`cuda/copy.rs`), loaded by the first copy plan.
+    pub(super) gather: OnceLock<std::result::Result<Arc<super::copy::Gather>, String>>,
     /// Everything about fences (`cuda/ordering.rs`): the backend's [`StreamOrdering`].
     /// Last, so that it drops after the memory parts, as its fields did.
     pub(super) fences: Fences,

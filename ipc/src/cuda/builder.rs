@@ -283,6 +283,7 @@ impl CudaBackend {
             opens: AtomicU64::new(0),
             pool: OnceTable::default(),
             imported_pools: OnceTable::default(),
+            gather: std::sync::OnceLock::new(),
             fences,
         };
         if b.export == CudaExport::Pool {

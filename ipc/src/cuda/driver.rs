@@ -27,11 +27,11 @@
 
 use crate::{Error, Result};
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdeviceptr, CUevent, CUipcEventHandle, CUipcMemHandle, CUmemAccessDesc,
-    CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemPoolProps, CUmemPoolPtrExportData,
-    CUmemoryPool, CUstream, CUuuid,
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUipcEventHandle, CUipcMemHandle,
+    CUmemAccessDesc, CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemPoolProps,
+    CUmemPoolPtrExportData, CUmemoryPool, CUmodule, CUstream, CUuuid,
 };
-use std::ffi::{c_int, c_uchar, c_uint, c_ulonglong, c_void};
+use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void};
 use std::sync::OnceLock;
 
 /// A `CUresult` as the driver returns it: `0` is `CUDA_SUCCESS`.
@@ -153,6 +153,25 @@ driver_api! {
         cuMemcpyHtoDAsync_v2 = "cuMemcpyHtoDAsync_v2":
             fn(CUdeviceptr, *const c_void, usize, CUstream);
         cuMemsetD8Async = "cuMemsetD8Async": fn(CUdeviceptr, c_uchar, usize, CUstream);
+        cuMemcpyDtoDAsync_v2 = "cuMemcpyDtoDAsync_v2":
+            fn(CUdeviceptr, CUdeviceptr, usize, CUstream);
+        cuModuleLoadData = "cuModuleLoadData": fn(*mut CUmodule, *const c_void);
+        cuModuleUnload = "cuModuleUnload": fn(CUmodule);
+        cuModuleGetFunction = "cuModuleGetFunction":
+            fn(*mut CUfunction, CUmodule, *const c_char);
+        cuLaunchKernel = "cuLaunchKernel": fn(
+            CUfunction,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            CUstream,
+            *mut *mut c_void,
+            *mut *mut c_void,
+        );
         cuMemPoolCreate = "cuMemPoolCreate": fn(*mut CUmemoryPool, *const CUmemPoolProps);
         cuMemPoolDestroy = "cuMemPoolDestroy": fn(CUmemoryPool);
         cuMemPoolSetAttribute = "cuMemPoolSetAttribute": fn(CUmemoryPool, c_int, *mut c_void);

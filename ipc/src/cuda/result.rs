@@ -113,6 +113,7 @@ fn owned_fd(op: &'static str, fd: c_int) -> Result<OwnedFd> {
 mod device;
 mod event;
 mod memory;
+mod module;
 mod pool;
 mod stream;
 mod vmm;
@@ -120,6 +121,7 @@ mod vmm;
 pub(crate) use device::*;
 pub(crate) use event::*;
 pub(crate) use memory::*;
+pub(crate) use module::*;
 pub(crate) use pool::*;
 pub(crate) use stream::*;
 pub(crate) use vmm::*;

@@ -667,3 +667,163 @@ fn pool_memory_past_the_size_limit_and_unknown_devices_are_refused_before_the_dr
     }
     assert_eq!(b.opens(), opens, "no driver-level open was tried");
 }
+
+/// A copy plan's kernel on the memory of each export kind: a bundle-like allocation of the
+/// kind copied into tensors of odd sizes at unaligned addresses (and twenty thousand small
+/// ones, which exercise the kernel's search), then the tensors copied back into it, each
+/// checked byte for byte; and what a plan refuses before any launch.
+fn batched_copy_on(export: CudaExport) {
+    let _gpu = gpu_lock();
+    let b = gpu_backend(export, 2);
+    let stream = Arc::clone(b.stream());
+    let dst = b.allocate_as(CudaExport::Legacy, 8 << 20).unwrap();
+    let base = device_ptr(&dst);
+    for count in [1usize, 7, 20_000] {
+        // Sizes 1.., spread over the destination at odd gaps; offsets 256-aligned, as a
+        // bundle's are, and one unaligned.
+        let sizes: Vec<u64> = (0..count as u64)
+            .map(|i| (i * 37 + 1) % 300 + if count < 10 { 70_000 } else { 1 })
+            .collect();
+        let mut spans = Vec::new();
+        let (mut at, mut offset) = (3u64, 0u64);
+        for (i, &len) in sizes.iter().enumerate() {
+            spans.push(CopySpan {
+                ptr: base + at,
+                offset: offset + (i == 1) as u64,
+                len,
+            });
+            at += len + (i as u64 % 5);
+            offset = (offset + 1 + len).div_ceil(256) * 256;
+        }
+        let src = b.allocate_as(export, offset as usize + 512).unwrap();
+        let pattern: Vec<u8> = (0..src.size()).map(|i| (i * 31 + count) as u8).collect();
+        src.write(0, &pattern).unwrap();
+        dst.fill(0, 8 << 20, 0).unwrap();
+        let plan = b.copy_plan(&spans).unwrap();
+        assert!(
+            plan.batched(),
+            "the kernel loads (driver JIT of the shipped PTX)"
+        );
+        assert_eq!(plan.len(), count);
+        // SAFETY: both allocations live until the stream is synchronised below.
+        unsafe {
+            plan.run(
+                device_ptr(&src),
+                src.size(),
+                CopyDirection::FromBuffer,
+                &stream,
+            )
+        }
+        .unwrap();
+        b.synchronize().unwrap();
+        let mut got = vec![0u8; 8 << 20];
+        dst.read(0, &mut got).unwrap();
+        for (i, s) in spans.iter().enumerate() {
+            let (p, o, n) = ((s.ptr - base) as usize, s.offset as usize, s.len as usize);
+            assert_eq!(
+                got[p..p + n],
+                pattern[o..o + n],
+                "{export:?}: tensor {i} of {count} loaded"
+            );
+        }
+        // Back the other way: the tensors (now changed) into the buffer.
+        let changed: Vec<u8> = got.iter().map(|v| v.wrapping_add(1)).collect();
+        dst.write(0, &changed).unwrap();
+        // SAFETY: as above.
+        unsafe {
+            plan.run(
+                device_ptr(&src),
+                src.size(),
+                CopyDirection::IntoBuffer,
+                &stream,
+            )
+        }
+        .unwrap();
+        b.synchronize().unwrap();
+        let mut back = vec![0u8; src.size()];
+        src.read(0, &mut back).unwrap();
+        for (i, s) in spans.iter().enumerate() {
+            let (p, o, n) = ((s.ptr - base) as usize, s.offset as usize, s.len as usize);
+            assert_eq!(
+                back[o..o + n],
+                changed[p..p + n],
+                "{export:?}: tensor {i} of {count} published"
+            );
+        }
+        // Refused before any launch: a buffer shorter than the plan, one overlapping it.
+        assert!(matches!(
+            // SAFETY: refused before any driver call.
+            unsafe {
+                plan.run(
+                    device_ptr(&src),
+                    plan.end() as usize - 1,
+                    CopyDirection::FromBuffer,
+                    &stream,
+                )
+            },
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            // SAFETY: refused before any driver call.
+            unsafe {
+                plan.run(
+                    base,
+                    plan.end() as usize,
+                    CopyDirection::FromBuffer,
+                    &stream,
+                )
+            },
+            Err(Error::CopyRefused { .. })
+        ));
+        drop(plan);
+        src.free().unwrap();
+    }
+    // A pointer no allocation holds, and a span past its allocation's end.
+    let host = [0u8; 64];
+    for bad in [
+        CopySpan {
+            ptr: host.as_ptr() as u64,
+            offset: 0,
+            len: 64,
+        },
+        CopySpan {
+            ptr: base + (8 << 20) - 10,
+            offset: 0,
+            len: 11,
+        },
+    ] {
+        assert!(
+            matches!(b.copy_plan(&[bad]), Err(Error::CopyRefused { .. })),
+            "{bad:?} is refused"
+        );
+    }
+    dst.free().unwrap();
+    assert!(b.live().is_empty(), "nothing left: {:?}", b.live());
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn batched_copies_on_legacy_memory() {
+    batched_copy_on(CudaExport::Legacy);
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn batched_copies_on_vmm_memory() {
+    batched_copy_on(CudaExport::Vmm);
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: --features gpu-tests"
+)]
+fn batched_copies_on_pool_memory() {
+    batched_copy_on(CudaExport::Pool);
+}

@@ -1,0 +1,682 @@
+//! Batched device copies: many copies between one buffer and many device pointers, queued
+//! as one kernel launch ([`CopyPlan`]).
+//!
+//! Loading a model's weights is hundreds to tens of thousands of copies between a bundle
+//! and the engine's own tensors. Issued one by one (a torch `copy_` or a
+//! `cuMemcpyDtoDAsync` each) the host time to queue them dominates a small model's sync
+//! and a many-tensor shard's; `cuMemcpyBatchAsync` (CUDA 12.8+) is no faster to queue or
+//! run on driver 580. One launch of a gather kernel that cuts every copy into 64 KiB
+//! chunks, one block each, runs within a few percent of one flat copy of the same bytes
+//! and queues in microseconds (`bench/probe/batched_copy.py`; `docs/BENCHMARKS.md`).
+//!
+//! The kernel (`kernels/gather.cu`) ships as PTX for `sm_70` at ISA 7.4, the oldest the
+//! drivers Baton supports (CUDA 11.4) compile; the driver compiles it for the device once
+//! per backend. Should that fail, a plan falls back to one `cuMemcpyDtoDAsync` per copy.
+//!
+//! # Safety
+//!
+//! A plan's spans are raw device addresses. [`CudaBackend::copy_plan`] checks each one lies
+//! inside one allocation of the backend's device when the plan is made; that the memory is
+//! still allocated when the plan runs is the caller's promise ([`CopyPlan::run`] is
+//! `unsafe`): the Python layer keeps the tensors alive with the plan. The plan's span table
+//! is device memory the kernel reads: every launch records an event after it, and the plan
+//! waits for those events before it frees the table. The module is unloaded when the last
+//! plan and the backend let go of it, with its context pushed.
+
+use super::backend::CudaBackend;
+use super::context::ContextGuard;
+use super::{SharedContext, result};
+use crate::{Error, Result};
+use cudarc::driver::{CudaStream, sys};
+use std::ffi::{CStr, c_void};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The kernel, as PTX with the NUL the driver wants.
+const PTX: &str = concat!(include_str!("kernels/gather.ptx"), "\0");
+/// The kernel's entry point.
+const ENTRY: &CStr = c"baton_gather";
+/// Bytes per block of the kernel (each block copies one chunk of one span).
+const CHUNK: u64 = 64 << 10;
+/// Threads per block.
+const THREADS: u32 = 256;
+/// Launches a plan keeps track of before it waits for the oldest (each is one event).
+const MAX_PENDING: usize = 64;
+
+/// One copy of a plan: `len` bytes between `ptr` and offset `offset` of the plan's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopySpan {
+    /// A device address of this process (a tensor's data pointer).
+    pub ptr: u64,
+    /// Where in the buffer the copy starts.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Which way a plan copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyDirection {
+    /// From the buffer to the pointers (a bundle's `copy_into`: loading weights).
+    FromBuffer,
+    /// From the pointers into the buffer (a bundle's `copy_from`: publishing weights).
+    IntoBuffer,
+}
+
+/// The loaded kernel of one context.
+pub(crate) struct Gather {
+    ctx: SharedContext,
+    module: sys::CUmodule,
+    function: sys::CUfunction,
+}
+
+// SAFETY: module and function handles are context-wide driver objects that any thread may
+// use with the context pushed (every use here pushes it).
+unsafe impl Send for Gather {}
+// SAFETY: as above; nothing here is mutated after loading.
+unsafe impl Sync for Gather {}
+
+impl Gather {
+    /// Loads the kernel into `ctx`.
+    pub(crate) fn load(ctx: &SharedContext) -> Result<Self> {
+        let _pushed = ContextGuard::push(ctx)?;
+        let image = CStr::from_bytes_with_nul(PTX.as_bytes()).map_err(|_| Error::Cuda {
+            op: "cuModuleLoadData",
+            code: super::CudaError::INVALID_VALUE,
+        })?;
+        // SAFETY: the context is current; the module is unloaded once, in `Drop`.
+        let module = unsafe { result::module_load_data(image) }?;
+        // SAFETY: the module is live.
+        match unsafe { result::module_get_function(module, ENTRY) } {
+            Ok(function) => Ok(Self {
+                ctx: Arc::clone(ctx),
+                module,
+                function,
+            }),
+            Err(e) => {
+                // SAFETY: loaded above, nothing launched from it.
+                let _ = unsafe { result::module_unload(module) };
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for Gather {
+    fn drop(&mut self) {
+        // Every plan holding this module waited for its launches before letting go.
+        if let Ok(_pushed) = ContextGuard::push(&self.ctx) {
+            // SAFETY: loaded once, unloaded once, with its context current.
+            if let Err(e) = unsafe { result::module_unload(self.module) } {
+                tracing::warn!(error = %e, "unloading Baton's copy kernel failed");
+            }
+        }
+    }
+}
+
+/// Many device copies between one buffer and many device pointers of this process, checked
+/// once and queued as one kernel launch per [`run`](Self::run) (see the module docs). Made
+/// by [`CudaBackend::copy_plan`].
+pub struct CopyPlan {
+    ctx: SharedContext,
+    /// `None`: the kernel did not load; each span is its own `cuMemcpyDtoDAsync`.
+    gather: Option<Arc<Gather>>,
+    layout: SpanLayout,
+    /// The span table the kernel reads ([`SpanLayout::table`]) in device memory; 0 when
+    /// there is none.
+    table: sys::CUdeviceptr,
+    /// Events recorded after launches that may still read the table.
+    pending: Mutex<Vec<sys::CUevent>>,
+}
+
+// SAFETY: the raw handles (table, events) are used only with the context pushed, and the
+// event list only under its mutex; the driver allows any thread to use them.
+unsafe impl Send for CopyPlan {}
+// SAFETY: as above.
+unsafe impl Sync for CopyPlan {}
+
+impl std::fmt::Debug for CopyPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyPlan")
+            .field("spans", &self.layout.spans.len())
+            .field("end", &self.layout.end)
+            .field("kernel", &self.gather.is_some())
+            .finish()
+    }
+}
+
+/// A plan's spans, checked and laid out for the kernel, with no driver involved.
+#[derive(Debug)]
+struct SpanLayout {
+    /// The non-empty spans, in the order given.
+    spans: Vec<CopySpan>,
+    /// Bytes per chunk (one kernel block each).
+    chunk: u64,
+    /// Chunks in all: the launch's blocks.
+    chunks: u32,
+    /// The buffer bytes the plan reaches: the largest `offset + len`.
+    end: u64,
+    /// The spans' pointer ranges sorted by start, each with the largest end so far: where
+    /// a buffer must not be (one run would read and write the same bytes).
+    by_ptr: Vec<(u64, u64)>,
+}
+
+impl SpanLayout {
+    fn new(spans: &[CopySpan], chunk: u64) -> Result<Self> {
+        let spans: Vec<CopySpan> = spans.iter().copied().filter(|s| s.len > 0).collect();
+        let (mut end, mut chunks) = (0u64, 0u64);
+        let mut by_ptr = Vec::with_capacity(spans.len());
+        for (i, s) in spans.iter().enumerate() {
+            let (Some(ptr_end), Some(buf_end)) =
+                (s.ptr.checked_add(s.len), s.offset.checked_add(s.len))
+            else {
+                return Err(refused(format!("copy {i} reaches past 2^64")));
+            };
+            end = end.max(buf_end);
+            chunks += s.len.div_ceil(chunk);
+            by_ptr.push((s.ptr, ptr_end));
+        }
+        let chunks = u32::try_from(chunks)
+            .ok()
+            .filter(|&c| c <= i32::MAX as u32)
+            .ok_or_else(|| {
+                refused(format!(
+                    "{chunks} chunks of {chunk} bytes: too many for one launch"
+                ))
+            })?;
+        by_ptr.sort_unstable();
+        let mut reach = 0;
+        for r in &mut by_ptr {
+            reach = reach.max(r.1);
+            r.1 = reach;
+        }
+        Ok(Self {
+            spans,
+            chunk,
+            chunks,
+            end,
+            by_ptr,
+        })
+    }
+
+    /// The table the kernel reads: `ptr, offset, len, first chunk` per span.
+    fn table(&self) -> Vec<u64> {
+        let mut words = Vec::with_capacity(self.spans.len() * 4);
+        let mut first = 0;
+        for s in &self.spans {
+            words.extend_from_slice(&[s.ptr, s.offset, s.len, first]);
+            first += s.len.div_ceil(self.chunk);
+        }
+        words
+    }
+
+    /// Whether a run on the buffer at `base` of `len` bytes may go ahead.
+    fn check(&self, base: u64, len: usize, direction: CopyDirection) -> Result<()> {
+        if self.end > len as u64 {
+            return Err(Error::OutOfBounds {
+                offset: 0,
+                len: usize::try_from(self.end).unwrap_or(usize::MAX),
+                size: len,
+            });
+        }
+        let Some(buf_end) = base.checked_add(self.end) else {
+            return Err(refused(format!(
+                "a buffer at {base:#x} of {} bytes reaches past 2^64",
+                self.end
+            )));
+        };
+        // Ranges starting before the buffer's end; the last of them reaches furthest.
+        let before = self.by_ptr.partition_point(|r| r.0 < buf_end);
+        if before > 0 && self.by_ptr[before - 1].1 > base {
+            return Err(refused(format!(
+                "the buffer at {base:#x} overlaps memory the plan copies {}",
+                match direction {
+                    CopyDirection::FromBuffer => "into",
+                    CopyDirection::IntoBuffer => "from",
+                }
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn refused(reason: String) -> Error {
+    Error::CopyRefused { reason }
+}
+
+impl CudaBackend {
+    /// A plan of `spans` between a buffer and device pointers of this process: each
+    /// span's `ptr..ptr + len` must lie inside one allocation on this backend's device
+    /// (checked here, once: `cuMemGetAddressRange` and the pointer's device). Spans of
+    /// zero bytes are dropped. The kernel is loaded on the backend's first plan.
+    ///
+    /// # Errors
+    /// [`Error::CopyRefused`] for a span outside any allocation, on another device, or
+    /// past `u64`; [`Error::Cuda`].
+    pub fn copy_plan(&self, spans: &[CopySpan]) -> Result<CopyPlan> {
+        let layout = SpanLayout::new(spans, CHUNK)?;
+        let ordinal = self.ordinal() as i32;
+        {
+            let _pushed = ContextGuard::push(&self.access.ctx)?;
+            for (i, s) in layout.spans.iter().enumerate() {
+                // SAFETY: a context is current.
+                let (base, size) =
+                    unsafe { result::mem_get_address_range(s.ptr) }.map_err(|e| {
+                        refused(format!(
+                            "copy {i}: {:#x} is not device memory of this process ({e})",
+                            s.ptr
+                        ))
+                    })?;
+                if s.ptr + s.len > base.saturating_add(size as u64) {
+                    return Err(refused(format!(
+                        "copy {i}: {} bytes at {:#x} reach past the allocation that holds it ({size} bytes at {base:#x})",
+                        s.len, s.ptr
+                    )));
+                }
+                // SAFETY: the driver is initialised.
+                let device = unsafe { result::pointer_device_ordinal(s.ptr) }?;
+                if device != ordinal {
+                    return Err(refused(format!(
+                        "copy {i}: {:#x} is memory of device {device}; this backend's is {ordinal}",
+                        s.ptr
+                    )));
+                }
+            }
+        }
+        let gather = match self.gather() {
+            Ok(g) => Some(g),
+            Err(e) => {
+                tracing::warn!(error = %e, "Baton's copy kernel did not load: copies are queued one by one");
+                None
+            }
+        };
+        let mut plan = CopyPlan {
+            ctx: Arc::clone(&self.access.ctx),
+            gather,
+            layout,
+            table: 0,
+            pending: Mutex::new(Vec::new()),
+        };
+        if plan.gather.is_some() && !plan.layout.spans.is_empty() {
+            plan.upload(&self.access.stream)?;
+        }
+        Ok(plan)
+    }
+
+    /// The kernel of this backend's context, loaded on first use.
+    fn gather(&self) -> std::result::Result<Arc<Gather>, String> {
+        self.gather
+            .get_or_init(|| {
+                Gather::load(&self.access.ctx)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+    }
+}
+
+impl CopyPlan {
+    /// The buffer bytes the plan reaches (a buffer it runs on must have at least these).
+    pub fn end(&self) -> u64 {
+        self.layout.end
+    }
+
+    /// How many copies (of one byte or more) the plan makes.
+    pub fn len(&self) -> usize {
+        self.layout.spans.len()
+    }
+
+    /// Whether the plan copies nothing.
+    pub fn is_empty(&self) -> bool {
+        self.layout.spans.is_empty()
+    }
+
+    /// Whether runs are one kernel launch (`false`: the kernel did not load, and each
+    /// copy is queued on its own).
+    pub fn batched(&self) -> bool {
+        self.gather.is_some()
+    }
+
+    /// Writes the span table to device memory.
+    fn upload(&mut self, stream: &CudaStream) -> Result<()> {
+        let bytes: Vec<u8> = self
+            .layout
+            .table()
+            .iter()
+            .flat_map(|w| w.to_ne_bytes())
+            .collect();
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: a context is current; the table is freed once, in `Drop`.
+        let table = unsafe { result::mem_alloc(bytes.len()) }?;
+        self.table = table;
+        // SAFETY: `table` holds `bytes.len()` bytes; the stream is the backend's, live in
+        // this context; synchronised below, before `bytes` goes.
+        unsafe { result::memcpy_htod_async(table, &bytes, stream.cu_stream()) }?;
+        // SAFETY: as above.
+        unsafe { result::stream_synchronize(stream.cu_stream()) }
+    }
+
+    /// Queues the plan's copies on `stream`, between the buffer at `base` (`len` bytes)
+    /// and the plan's pointers, in `direction`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when the buffer is shorter than [`end`](Self::end);
+    /// [`Error::CopyRefused`] when the buffer overlaps a span's pointer range;
+    /// [`Error::Cuda`].
+    ///
+    /// # Safety
+    /// `base..base + len` is device memory this process may read (and, for
+    /// [`CopyDirection::IntoBuffer`], write), and every span's pointer range is still
+    /// allocated memory that may be written (read, for `IntoBuffer`), both until the
+    /// copies complete; `stream` is a live stream of the backend's context. Work on other
+    /// streams that uses either side is the caller's to order.
+    pub unsafe fn run(
+        &self,
+        base: u64,
+        len: usize,
+        direction: CopyDirection,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.layout.check(base, len, direction)?;
+        if self.layout.spans.is_empty() {
+            return Ok(());
+        }
+        let raw = stream.cu_stream();
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        let Some(gather) = &self.gather else {
+            for s in &self.layout.spans {
+                let (src, dst) = match direction {
+                    CopyDirection::FromBuffer => (base + s.offset, s.ptr),
+                    CopyDirection::IntoBuffer => (s.ptr, base + s.offset),
+                };
+                // SAFETY: both ranges are valid device memory (the caller's promise and the
+                // bounds checked above); the stream is live in this context.
+                unsafe { result::memcpy_dtod_async(dst, src, s.len as usize, raw) }?;
+            }
+            return Ok(());
+        };
+        let mut base_arg = base;
+        let mut table = self.table;
+        let mut n = self.layout.spans.len() as u32;
+        let mut chunk = self.layout.chunk;
+        let mut into: i32 = (direction == CopyDirection::FromBuffer).into();
+        let mut params: [*mut c_void; 5] = [
+            (&mut base_arg as *mut u64).cast(),
+            (&mut table as *mut sys::CUdeviceptr).cast(),
+            (&mut n as *mut u32).cast(),
+            (&mut chunk as *mut u64).cast(),
+            (&mut into as *mut i32).cast(),
+        ];
+        let mut pending = self.lock_pending();
+        self.retire(&mut pending)?;
+        // SAFETY: the parameters match `baton_gather(u64, const Span*, u32, u64, i32)`; the
+        // table lives until the event recorded below completes (`Drop`); the memory the
+        // spans and the buffer name is valid (the caller's promise, bounds checked above).
+        unsafe {
+            result::launch_kernel(
+                gather.function,
+                self.layout.chunks,
+                THREADS,
+                raw,
+                &mut params,
+            )
+        }?;
+        // SAFETY: a context is current; the event is destroyed once (`retire`, `Drop`).
+        let event = unsafe { result::event_create() }?;
+        pending.push(event);
+        // SAFETY: the event and the stream are live in this context.
+        unsafe { result::event_record(event, raw) }
+    }
+
+    fn lock_pending(&self) -> MutexGuard<'_, Vec<sys::CUevent>> {
+        // Each critical section is one push or a retain: consistent after a panic.
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Destroys the events of completed launches; waits for the oldest while too many
+    /// are pending. The caller pushed the context.
+    fn retire(&self, pending: &mut Vec<sys::CUevent>) -> Result<()> {
+        let mut kept = Vec::with_capacity(pending.len());
+        for &ev in pending.iter() {
+            // SAFETY: a live event of this context.
+            if unsafe { result::event_query(ev) }? {
+                // SAFETY: completed, destroyed once.
+                unsafe { result::event_destroy(ev) }?;
+            } else {
+                kept.push(ev);
+            }
+        }
+        while kept.len() >= MAX_PENDING {
+            let ev = kept.remove(0);
+            // SAFETY: a live event of this context.
+            unsafe { result::event_synchronize(ev) }?;
+            // SAFETY: completed, destroyed once.
+            unsafe { result::event_destroy(ev) }?;
+        }
+        *pending = kept;
+        Ok(())
+    }
+}
+
+impl Drop for CopyPlan {
+    fn drop(&mut self) {
+        let Ok(_pushed) = ContextGuard::push(&self.ctx) else {
+            tracing::warn!("a copy plan's context could not be pushed: its span table stays");
+            return;
+        };
+        let mut synced = true;
+        for ev in std::mem::take(&mut *self.lock_pending()) {
+            // SAFETY: a live event of this context.
+            if let Err(e) = unsafe { result::event_synchronize(ev) } {
+                tracing::warn!(error = %e, "waiting for a batched copy failed");
+                synced = false;
+            }
+            // SAFETY: destroyed once (the driver frees a pending one when it completes).
+            let _ = unsafe { result::event_destroy(ev) };
+        }
+        if self.table != 0 {
+            if !synced {
+                // Freeing memory a launch may still read would break the freeing rule:
+                // keep it (the context's error makes further launches fail anyway).
+                tracing::warn!("a batched copy did not complete: its span table is not freed");
+                return;
+            }
+            // SAFETY: allocated in `upload`, freed once, after every launch that read it.
+            if let Err(e) = unsafe { result::mem_free(self.table) } {
+                tracing::warn!(error = %e, "freeing a copy plan's span table failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The kernel's arithmetic — which span a block copies, the head, words and tail of its
+    //! chunk — emulated on host bytes, against plain copies; and the checks a run makes.
+    //! The PTX itself runs in the GPU tests (`tests/actors_cuda.rs`, Python's
+    //! `test_cuda.py`).
+    use super::*;
+    use proptest::prelude::*;
+
+    /// What `baton_gather` does, block by block, with addresses as indices into `mem`.
+    fn emulate(layout: &SpanLayout, base: u64, direction: CopyDirection, mem: &mut [u8]) {
+        let table = layout.table();
+        let n = table.len() / 4;
+        let into = direction == CopyDirection::FromBuffer;
+        for c in 0..u64::from(layout.chunks) {
+            let (mut lo, mut hi) = (0, n);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if table[mid * 4 + 3] <= c {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            let (ptr, off, len, first) = (
+                table[lo * 4],
+                table[lo * 4 + 1],
+                table[lo * 4 + 2],
+                table[lo * 4 + 3],
+            );
+            let at = (c - first) * layout.chunk;
+            assert!(
+                at < len,
+                "block {c} has no bytes: the grid counts chunks exactly"
+            );
+            let len = (len - at).min(layout.chunk);
+            let (src, dst) = if into {
+                (base + off + at, ptr + at)
+            } else {
+                (ptr + at, base + off + at)
+            };
+            let (head, words) = if (src ^ dst) & 15 == 0 {
+                let head = ((16 - (src & 15)) & 15).min(len);
+                (head, (len - head) / 16)
+            } else {
+                (len, 0)
+            };
+            let tail = head + words * 16;
+            // Head, words and tail cover the chunk exactly once.
+            assert!(tail <= len && (words == 0 || (src + head) % 16 == 0));
+            for k in 0..len {
+                mem[(dst + k) as usize] = mem[(src + k) as usize];
+            }
+        }
+    }
+
+    fn model(spans: &[CopySpan], base: u64, direction: CopyDirection, mem: &mut [u8]) {
+        for s in spans {
+            let (src, dst) = match direction {
+                CopyDirection::FromBuffer => (base + s.offset, s.ptr),
+                CopyDirection::IntoBuffer => (s.ptr, base + s.offset),
+            };
+            let bytes = mem[src as usize..(src + s.len) as usize].to_vec();
+            mem[dst as usize..(dst + s.len) as usize].copy_from_slice(&bytes);
+        }
+    }
+
+    /// Spans of `sizes` bytes at `gaps` apart, after a buffer of `buffer` bytes at 0, each
+    /// at an offset of the buffer given by `offsets` (disjoint in the buffer too).
+    fn spans_of(sizes: &[u64], gaps: &[u64]) -> (Vec<CopySpan>, u64) {
+        let buffer: u64 = sizes.iter().zip(gaps).map(|(s, g)| s + g).sum();
+        let (mut ptr, mut offset) = (buffer + 7, 3);
+        let mut spans = Vec::new();
+        for (&len, &gap) in sizes.iter().zip(gaps) {
+            spans.push(CopySpan { ptr, offset, len });
+            ptr += len + gap;
+            offset += len + gap;
+        }
+        (spans, ptr)
+    }
+
+    fn check_both_ways(spans: &[CopySpan], top: u64, chunk: u64) {
+        let layout = SpanLayout::new(spans, chunk).expect("a valid plan");
+        for direction in [CopyDirection::FromBuffer, CopyDirection::IntoBuffer] {
+            let mut mem: Vec<u8> = (0..top + 64).map(|i| (i * 7 + 1) as u8).collect();
+            let mut want = mem.clone();
+            layout
+                .check(0, layout.end as usize, direction)
+                .expect("no overlap");
+            emulate(&layout, 0, direction, &mut mem);
+            model(spans, 0, direction, &mut want);
+            assert_eq!(mem, want, "{direction:?} of {} spans", spans.len());
+        }
+    }
+
+    #[test]
+    fn an_empty_plan_copies_nothing_and_needs_no_buffer() {
+        let layout = SpanLayout::new(&[], CHUNK).unwrap();
+        assert_eq!((layout.chunks, layout.end), (0, 0));
+        assert!(layout.table().is_empty());
+        layout.check(0x1000, 0, CopyDirection::FromBuffer).unwrap();
+        let zero = [CopySpan {
+            ptr: 64,
+            offset: 0,
+            len: 0,
+        }];
+        let layout = SpanLayout::new(&zero, CHUNK).unwrap();
+        assert!(layout.spans.is_empty(), "spans of zero bytes are dropped");
+    }
+
+    #[test]
+    fn one_tensor_mixed_sizes_and_unaligned_sizes_copy_exactly() {
+        // One tensor; bf16 and f32 and int64 sizes; odd sizes; a scalar; across chunks.
+        for sizes in [
+            vec![4096],
+            vec![2, 1792, 8, 4, 3, 1, 4097, 256 * 3 + 5],
+            vec![1, 1, 1, 1],
+            vec![100_000, 17, 65_536, 65_537],
+        ] {
+            let gaps: Vec<u64> = sizes.iter().map(|s| s % 13 + 1).collect();
+            let (spans, top) = spans_of(&sizes, &gaps);
+            for chunk in [16, 256, 4096, CHUNK] {
+                check_both_ways(&spans, top, chunk);
+            }
+        }
+    }
+
+    #[test]
+    fn a_buffer_too_short_or_overlapping_the_tensors_is_refused() {
+        let spans = [
+            CopySpan {
+                ptr: 10_000,
+                offset: 0,
+                len: 100,
+            },
+            CopySpan {
+                ptr: 20_000,
+                offset: 512,
+                len: 100,
+            },
+        ];
+        let layout = SpanLayout::new(&spans, CHUNK).unwrap();
+        assert_eq!(layout.end, 612);
+        assert!(matches!(
+            layout.check(0, 611, CopyDirection::FromBuffer),
+            Err(Error::OutOfBounds { size: 611, .. })
+        ));
+        layout.check(0, 612, CopyDirection::FromBuffer).unwrap();
+        // Overlapping the first tensor, the second, or lying between them.
+        for base in [9_500, 9_900, 10_099, 19_400, 20_099] {
+            assert!(
+                matches!(
+                    layout.check(base, 612, CopyDirection::IntoBuffer),
+                    Err(Error::CopyRefused { .. })
+                ),
+                "a buffer at {base} overlaps a tensor"
+            );
+        }
+        for base in [9_388, 10_100, 19_388 - 612 + 600, 20_100] {
+            layout.check(base, 612, CopyDirection::FromBuffer).unwrap();
+        }
+        assert!(matches!(
+            SpanLayout::new(
+                &[CopySpan {
+                    ptr: u64::MAX - 2,
+                    offset: 0,
+                    len: 4
+                }],
+                CHUNK
+            ),
+            Err(Error::CopyRefused { .. })
+        ));
+        assert!(matches!(
+            layout.check(u64::MAX - 100, 612, CopyDirection::FromBuffer),
+            Err(Error::CopyRefused { .. })
+        ));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn the_kernels_chunks_copy_what_plain_copies_do(
+            sizes in prop::collection::vec(0u64..3_000, 0..40),
+            chunk_pow in 4u32..13,
+        ) {
+            let gaps: Vec<u64> = sizes.iter().enumerate().map(|(i, _)| (i as u64 * 5) % 19).collect();
+            let (spans, top) = spans_of(&sizes, &gaps);
+            check_both_ways(&spans, top, 1 << chunk_pow);
+        }
+    }
+}
