@@ -180,7 +180,7 @@ class _PlanFloor:
     def __init__(self, torch, spec, dst) -> None:
         import baton
 
-        self.node = baton.Node(backend="cuda")
+        self.node = baton.Node(token=baton.generate_token(), backend="cuda")
         self.bundle = self.node.allocate_bundle(spec)
         self.plan = baton.CopyPlan(self.bundle.layout, dst)
 

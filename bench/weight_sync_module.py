@@ -57,7 +57,7 @@ def train_step(torch, model, opt) -> float:
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 def baton_engine() -> None:

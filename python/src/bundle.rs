@@ -26,8 +26,9 @@ pub(crate) const LAYOUT_KEY: &str = "baton.bundle";
 #[pyclass(frozen, module = "baton._baton", name = "BundleLayout")]
 pub(crate) struct BundleLayout {
     pub(crate) inner: Arc<Layout>,
-    /// Its wire form, made at the first send (a bundle is sent every sync).
-    wire: OnceLock<rmpv::Value>,
+    /// Its wire form (MessagePack bytes), made at the first send (a bundle is sent every
+    /// sync).
+    wire: OnceLock<Vec<u8>>,
 }
 
 impl BundleLayout {
@@ -38,14 +39,13 @@ impl BundleLayout {
         }
     }
 
-    /// Its wire form (what Rust's serde writes with struct maps).
-    pub(crate) fn wire(&self) -> Result<rmpv::Value, String> {
+    /// Its wire form: the MessagePack bytes Rust's serde writes with struct maps.
+    pub(crate) fn wire(&self) -> Result<&[u8], String> {
         if let Some(v) = self.wire.get() {
-            return Ok(v.clone());
+            return Ok(v);
         }
         let bytes = rmp_serde::to_vec_named(&*self.inner).map_err(|e| e.to_string())?;
-        let value = rmpv::decode::read_value(&mut bytes.as_slice()).map_err(|e| e.to_string())?;
-        Ok(self.wire.get_or_init(|| value).clone())
+        Ok(self.wire.get_or_init(|| bytes))
     }
 }
 
@@ -147,26 +147,21 @@ impl BundleLayout {
 /// same layout every time, and is decoded (and checked) once.
 const RECENT: usize = 8;
 
-/// A received layout (its wire value), checked — the same checks as Rust's decoding — or
+/// A received layout (its wire bytes), checked — the same checks as Rust's decoding — or
 /// the `BundleLayout` made the last time these bytes came.
-pub(crate) fn decode_layout(
-    py: Python<'_>,
-    value: &rmpv::Value,
-) -> Result<Py<BundleLayout>, String> {
+pub(crate) fn decode_layout(py: Python<'_>, bytes: &[u8]) -> Result<Py<BundleLayout>, String> {
     static SEEN: Mutex<Vec<(Vec<u8>, Py<BundleLayout>)>> = Mutex::new(Vec::new());
-    let mut bytes = Vec::new();
-    rmpv::encode::write_value(&mut bytes, value).map_err(|e| e.to_string())?;
     let mut seen = lock(&SEEN);
-    if let Some(i) = seen.iter().position(|(b, _)| *b == bytes) {
+    if let Some(i) = seen.iter().position(|(b, _)| b.as_slice() == bytes) {
         let hit = seen.remove(i);
         let layout = hit.1.clone_ref(py);
         seen.insert(0, hit);
         return Ok(layout);
     }
     let layout: Layout =
-        rmp_serde::from_slice(&bytes).map_err(|e| format!("a bundle layout: {e}"))?;
+        rmp_serde::from_slice(bytes).map_err(|e| format!("a bundle layout: {e}"))?;
     let layout = Py::new(py, BundleLayout::of(Arc::new(layout))).map_err(|e| e.to_string())?;
-    seen.insert(0, (bytes, layout.clone_ref(py)));
+    seen.insert(0, (bytes.to_vec(), layout.clone_ref(py)));
     seen.truncate(RECENT);
     Ok(layout)
 }

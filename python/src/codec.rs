@@ -59,13 +59,141 @@ pub(crate) fn encode(
         device = None;
     }
     let mut bytes = Vec::new();
-    rmpv::encode::write_value(&mut bytes, &v)
+    write_tree(&mut bytes, &v)
         .map_err(|e| encode_error(e.to_string()))
         .or_raise(value.py())?;
     Ok(Outgoing {
         message: RawMessage::new(bytes, buffers),
         device,
     })
+}
+
+/// Marks, in a value tree of this module only, the MessagePack bytes of a bundle layout
+/// kept as they are on the wire: written as they are ([`write_tree`]) and, received, read
+/// without building a tree of them ([`read_tree`]). A bundle sent every sync carries its
+/// layout (hundreds of tensors) every time; as bytes, encoding it is a copy and decoding it
+/// a comparison with the layouts received before. Never on the wire as an extension.
+const RAW_LAYOUT: i8 = -100;
+
+/// Writes `v` as MessagePack, splicing [`RAW_LAYOUT`] bytes in as they are.
+fn write_tree(out: &mut Vec<u8>, v: &Value) -> Result<(), String> {
+    match v {
+        Value::Map(entries) => {
+            rmp::encode::write_map_len(out, entries.len() as u32).map_err(|e| e.to_string())?;
+            for (k, v) in entries {
+                write_tree(out, k)?;
+                write_tree(out, v)?;
+            }
+        }
+        Value::Array(items) => {
+            rmp::encode::write_array_len(out, items.len() as u32).map_err(|e| e.to_string())?;
+            for item in items {
+                write_tree(out, item)?;
+            }
+        }
+        Value::Ext(RAW_LAYOUT, raw) => out.extend_from_slice(raw),
+        leaf => rmpv::encode::write_value(out, leaf).map_err(|e| e.to_string())?,
+    }
+    Ok(())
+}
+
+/// Reads one MessagePack value as [`rmpv::decode::read_value`] does, except that the value
+/// of a map's [`LAYOUT_KEY`] is kept as its bytes (a [`RAW_LAYOUT`] mark), unparsed.
+fn read_tree(rd: &mut &[u8], depth: usize) -> Result<Value, String> {
+    if depth > MAX_DEPTH {
+        return Err(format!("values nest deeper than {MAX_DEPTH} levels"));
+    }
+    let Some(&first) = rd.first() else {
+        return Err("the value ends early".into());
+    };
+    match rmp::Marker::from_u8(first) {
+        rmp::Marker::FixMap(_) | rmp::Marker::Map16 | rmp::Marker::Map32 => {
+            let n = rmp::decode::read_map_len(rd).map_err(|e| e.to_string())?;
+            let mut entries = Vec::with_capacity((n as usize).min(rd.len() / 2));
+            for _ in 0..n {
+                let k = read_tree(rd, depth + 1)?;
+                let v = if k.as_str() == Some(LAYOUT_KEY) {
+                    let at = *rd;
+                    skip(rd, depth + 1)?;
+                    Value::Ext(RAW_LAYOUT, at[..at.len() - rd.len()].to_vec())
+                } else {
+                    read_tree(rd, depth + 1)?
+                };
+                entries.push((k, v));
+            }
+            Ok(Value::Map(entries))
+        }
+        rmp::Marker::FixArray(_) | rmp::Marker::Array16 | rmp::Marker::Array32 => {
+            let n = rmp::decode::read_array_len(rd).map_err(|e| e.to_string())?;
+            let mut items = Vec::with_capacity((n as usize).min(rd.len()));
+            for _ in 0..n {
+                items.push(read_tree(rd, depth + 1)?);
+            }
+            Ok(Value::Array(items))
+        }
+        // Not a container: nothing nested to look into.
+        _ => rmpv::decode::read_value(rd).map_err(|e| e.to_string()),
+    }
+}
+
+/// Steps over one MessagePack value without reading it into memory.
+fn skip(rd: &mut &[u8], depth: usize) -> Result<(), String> {
+    use rmp::Marker as M;
+    if depth > MAX_DEPTH {
+        return Err(format!("values nest deeper than {MAX_DEPTH} levels"));
+    }
+    fn take(rd: &mut &[u8], n: usize) -> Result<&'static [u8], String> {
+        if rd.len() < n {
+            return Err("the value ends early".into());
+        }
+        *rd = &rd[n..];
+        Ok(&[])
+    }
+    fn len(rd: &mut &[u8], bytes: usize) -> Result<usize, String> {
+        if rd.len() < bytes {
+            return Err("the value ends early".into());
+        }
+        let n = rd[..bytes]
+            .iter()
+            .fold(0usize, |n, b| n << 8 | usize::from(*b));
+        *rd = &rd[bytes..];
+        Ok(n)
+    }
+    let Some((&first, rest)) = rd.split_first() else {
+        return Err("the value ends early".into());
+    };
+    *rd = rest;
+    let (items, bytes) = match M::from_u8(first) {
+        M::FixPos(_) | M::FixNeg(_) | M::Null | M::True | M::False => (0, 0),
+        M::U8 | M::I8 => (0, 1),
+        M::U16 | M::I16 => (0, 2),
+        M::U32 | M::I32 | M::F32 => (0, 4),
+        M::U64 | M::I64 | M::F64 => (0, 8),
+        M::FixStr(n) => (0, usize::from(n)),
+        M::Str8 | M::Bin8 => (0, len(rd, 1)?),
+        M::Str16 | M::Bin16 => (0, len(rd, 2)?),
+        M::Str32 | M::Bin32 => (0, len(rd, 4)?),
+        M::FixArray(n) => (usize::from(n), 0),
+        M::Array16 => (len(rd, 2)?, 0),
+        M::Array32 => (len(rd, 4)?, 0),
+        M::FixMap(n) => (2 * usize::from(n), 0),
+        M::Map16 => (2 * len(rd, 2)?, 0),
+        M::Map32 => (2 * len(rd, 4)?, 0),
+        M::FixExt1 => (0, 2),
+        M::FixExt2 => (0, 3),
+        M::FixExt4 => (0, 5),
+        M::FixExt8 => (0, 9),
+        M::FixExt16 => (0, 17),
+        M::Ext8 => (0, len(rd, 1)? + 1),
+        M::Ext16 => (0, len(rd, 2)? + 1),
+        M::Ext32 => (0, len(rd, 4)? + 1),
+        M::Reserved => return Err("a reserved MessagePack marker".into()),
+    };
+    take(rd, bytes)?;
+    for _ in 0..items {
+        skip(rd, depth + 1)?;
+    }
+    Ok(())
 }
 
 /// The stream an outgoing value's device buffers are ordered on: named by the caller,
@@ -153,7 +281,8 @@ fn to_value(
         return Err(Failure::Actor(ActorError::NotOwned)).or_raise(py);
     }
     if let Ok(layout) = obj.cast::<BundleLayout>() {
-        return layout.get().wire().map_err(encode_error).or_raise(py);
+        let raw = layout.get().wire().map_err(encode_error).or_raise(py)?;
+        return Ok(Value::Ext(RAW_LAYOUT, raw.to_vec()));
     }
     // A `baton.Bundle` (Python, `baton/bundle.py`) says what it is on the wire.
     if obj.hasattr(WIRE_METHOD)? {
@@ -204,9 +333,7 @@ pub(crate) fn decode(
 ) -> PyResult<Py<PyAny>> {
     let fail = |reason: String| Failure::Actor(ActorError::Decode { what, reason });
     let mut rd: &[u8] = &message.bytes;
-    let value = rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH)
-        .map_err(|e| fail(e.to_string()))
-        .or_raise(py)?;
+    let value = read_tree(&mut rd, 0).map_err(fail).or_raise(py)?;
     if !rd.is_empty() {
         return Err(fail(format!("{} bytes after the value", rd.len()))).or_raise(py);
     }
@@ -312,7 +439,10 @@ fn received_bundle(
     for (k, v) in entries {
         match k.as_str() {
             Some(LAYOUT_KEY) if layout.is_none() => {
-                layout = Some(bundle::decode_layout(py, &v).map_err(Decoded::Bad)?);
+                let Value::Ext(RAW_LAYOUT, raw) = v else {
+                    unreachable!("read_tree keeps every layout as its bytes");
+                };
+                layout = Some(bundle::decode_layout(py, &raw).map_err(Decoded::Bad)?);
             }
             Some("buffer") if buffer.is_none() => buffer = Some(to_py(py, v, buffers, cuda)?),
             _ => {

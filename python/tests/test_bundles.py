@@ -157,6 +157,63 @@ def test_python_nodes_send_each_other_bundles_and_refuse_forged_ones(node, token
         sender.close()
 
 
+def test_layouts_travel_as_bytes_among_every_kind_of_value(node, token_file, short_dir):
+    """A layout is kept as its bytes on both sides (copied in on sending, compared with the
+    layouts received before on arrival): values of every MessagePack width around and
+    between two bundles — one of them in a list, one big enough for 32-bit offsets — come
+    out as they went in, and a layout that is not a list of tensors is refused."""
+    node.listen(short_dir, "py.sock")
+    sender = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("echo", "py.Echo")
+        small = sender.allocate_bundle([("a", (3,), "float32"), ("b", (), "int64")])
+        big = sender.allocate_bundle([(f"t{i}", (70_000 + i,), "uint8") for i in range(3)])
+        scalars = [0, 1, -1, 127, 128, -32, -33, 255, 256, -129, 65_535, 65_536, -32_769,
+                   2**32, -(2**31) - 1, 2**63, -(2**63), 1.5, "", "x" * 31, "y" * 32,
+                   "z" * 300, "w" * 70_000, b"", b"b" * 300, b"c" * 70_000, None, True, False,
+                   [], {}, {"k": [1, {"l": []}]}, list(range(20)), {str(i): i for i in range(20)}]
+        sent = {"before": scalars, "w": small, "list": [scalars, big, "after"], "z": scalars}
+        got = {}
+
+        def serve() -> None:
+            for _ in range(2):
+                call = mailbox.recv(timeout=DEADLINE)
+                got["m"] = call.message
+                for shared in (call.message["w"], call.message["list"][1]):
+                    shared.release()
+                call.reply(None)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        for _ in range(2):  # the second time the layouts are the ones received before
+            assert to_node.call("echo", "py.Echo", sent, timeout=DEADLINE) is None
+            m = got.pop("m")
+            assert m["before"] == scalars and m["z"] == scalars
+            assert m["list"][0] == scalars and m["list"][2] == "after"
+            assert m["w"].layout == small.layout and m["list"][1].layout == big.layout
+        server.join(timeout=DEADLINE)
+        small.returned(timeout=DEADLINE)
+        big.returned(timeout=DEADLINE)
+        # A layout that is bytes (the beginning of a list's encoding) is refused by the
+        # receiving mailbox, which carries on, and so does the link.
+        def drain() -> None:
+            with pytest.raises(baton.Timeout):
+                mailbox.recv(timeout=3)
+
+        drainer = threading.Thread(target=drain)
+        drainer.start()
+        buf = sender.allocate(64, "uint8")
+        with pytest.raises(baton.BadPayload):
+            to_node.call("echo", "py.Echo", {"w": {"baton.bundle": b"\x93\x01", "buffer": buf}},
+                         timeout=DEADLINE)
+        buf.returned(timeout=DEADLINE)
+        drainer.join(timeout=DEADLINE)
+        assert to_node.ping(timeout=DEADLINE) > 0
+    finally:
+        sender.close()
+
+
 def test_numpy_views_of_bfloat16_need_ml_dtypes_and_say_so():
     layout = baton.BundleLayout({"w": (4, "bfloat16")})
     assert layout.nbytes == 8
