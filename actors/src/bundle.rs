@@ -105,7 +105,7 @@ pub fn copy_spans(
 /// ([`tensor_ptr`](BundleLease::tensor_ptr), after [`wait_on`](BundleLease::wait_on)).
 ///
 /// On the wire a `SharedBundle` is a struct of two fields, `"baton.bundle"` (the layout:
-/// a list of `{name, dtype, shape, offset}`) and `"buffer"` (a `Shared<u8>`): Python
+/// one byte string, [`BundleLayout::to_wire`]) and `"buffer"` (a `Shared<u8>`): Python
 /// receives it as a `baton.SharedBundle` and sends a `baton.Bundle` as the same.
 #[derive(Clone)]
 pub struct Bundle {

@@ -289,6 +289,11 @@ mod tests {
     use super::*;
     use crate::LeaseId;
     use crate::handle::{RawHandle, SegmentName};
+
+    #[test]
+    fn a_layout_may_take_a_whole_frame_and_no_more() {
+        assert_eq!(crate::BundleLayout::MAX_WIRE, MAX_FRAME_LEN);
+    }
     use crate::protocol::{Offer, Release};
     use proptest::prelude::*;
 

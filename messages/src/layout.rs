@@ -1,6 +1,6 @@
 //! Element types and shapes of typed buffers.
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 
 /// The element type of a typed buffer.
@@ -180,6 +180,9 @@ pub enum LayoutError {
     /// Two tensors share bytes.
     #[error("tensors {0:?} and {1:?} overlap")]
     Overlap(String, String),
+    /// Wire bytes that are not a list of tensors.
+    #[error("a bundle layout's bytes do not decode: {0}")]
+    Malformed(String),
 }
 
 /// The tensors of a bundle — many named, typed tensors in one buffer, leased and opened as
@@ -188,10 +191,14 @@ pub enum LayoutError {
 /// no two tensors sharing a byte. Decoding checks the same (a peer's layout is input); the
 /// receiver checks that it fits the buffer when it opens it.
 ///
+/// On the wire a layout is one byte string ([`to_wire`](Self::to_wire)): the bincode
+/// encoding (standard configuration) of its tensors in order — a name and at most 20 more
+/// bytes per tensor — so that a mixture-of-experts shard of 20,000 tensors fits one frame, and a
+/// receiver steps over a layout in one read and recognises one it has seen by its bytes.
+///
 /// [`packed`](Self::packed) lays tensors out one after another, each at a multiple of
 /// [`ALIGN`](Self::ALIGN) bytes.
-#[derive(Clone, Serialize, Deserialize)]
-#[serde(try_from = "Vec<TensorSpec>", into = "Vec<TensorSpec>")]
+#[derive(Clone)]
 pub struct BundleLayout {
     tensors: Vec<TensorSpec>,
     /// Tensor index by name.
@@ -204,6 +211,9 @@ impl BundleLayout {
     pub const MAX_TENSORS: usize = 1 << 16;
     /// The longest tensor name, in bytes.
     pub const MAX_NAME: usize = 512;
+    /// The most wire bytes a layout may have ([`from_wire`](Self::from_wire)): a frame's
+    /// payload, `MAX_FRAME_LEN`.
+    pub const MAX_WIRE: usize = 1 << 20;
     /// Where [`packed`](Self::packed) starts each tensor: a multiple of this many bytes
     /// (what CUDA's allocators give, and enough for any vector load).
     pub const ALIGN: u64 = 256;
@@ -334,6 +344,68 @@ impl PartialEq for BundleLayout {
 
 impl Eq for BundleLayout {}
 
+impl BundleLayout {
+    /// Its wire bytes (see the type's docs).
+    pub fn to_wire(&self) -> Vec<u8> {
+        // Encoding a `Vec` of plain structs into memory cannot fail.
+        bincode::serde::encode_to_vec(&self.tensors, bincode::config::standard())
+            .unwrap_or_default()
+    }
+
+    /// A layout from its wire bytes, checked as [`new`](Self::new) checks.
+    ///
+    /// # Errors
+    /// [`LayoutError::Malformed`] for bytes that are not exactly a list of tensors; as
+    /// [`new`](Self::new).
+    pub fn from_wire(bytes: &[u8]) -> Result<Self, LayoutError> {
+        let config = bincode::config::standard().with_limit::<{ Self::MAX_WIRE }>();
+        let (tensors, read): (Vec<TensorSpec>, usize) =
+            bincode::serde::decode_from_slice(bytes, config)
+                .map_err(|e| LayoutError::Malformed(e.to_string()))?;
+        if read != bytes.len() {
+            return Err(LayoutError::Malformed(format!(
+                "{} bytes after the tensors",
+                bytes.len() - read
+            )));
+        }
+        Self::new(tensors)
+    }
+}
+
+impl Serialize for BundleLayout {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(&self.to_wire())
+    }
+}
+
+impl<'de> Deserialize<'de> for BundleLayout {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{self, SeqAccess, Visitor};
+        struct Bytes;
+        impl<'de> Visitor<'de> for Bytes {
+            type Value = BundleLayout;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a bundle layout: a byte string")
+            }
+            fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<BundleLayout, E> {
+                BundleLayout::from_wire(b).map_err(E::custom)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<BundleLayout, A::Error> {
+                // Formats without byte strings write bytes as a sequence of numbers.
+                let mut bytes = Vec::new();
+                while let Some(b) = seq.next_element::<u8>()? {
+                    if bytes.len() == BundleLayout::MAX_WIRE {
+                        return Err(de::Error::custom("a bundle layout longer than a frame"));
+                    }
+                    bytes.push(b);
+                }
+                self.visit_bytes(&bytes)
+            }
+        }
+        d.deserialize_bytes(Bytes)
+    }
+}
+
 impl TryFrom<Vec<TensorSpec>> for BundleLayout {
     type Error = LayoutError;
     fn try_from(tensors: Vec<TensorSpec>) -> Result<Self, LayoutError> {
@@ -429,6 +501,49 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_layout_is_one_byte_string_on_the_wire_and_20_000_tensors_fit_a_frame() {
+        let layout = BundleLayout::packed((0..20_000).map(|i| {
+            (
+                format!("experts.{}.w{}", i / 125, i % 125),
+                DType::BF16,
+                Shape::vector(190_000),
+            )
+        }))
+        .unwrap();
+        let wire = layout.to_wire();
+        // 16-byte names: 30 bytes a tensor at most (a 9-byte offset past 4 GiB).
+        assert!(wire.len() <= 20_000 * 30, "{} bytes", wire.len());
+        assert_eq!(BundleLayout::from_wire(&wire).unwrap(), layout);
+        // Through serde (a field of a bincode message), as bytes.
+        let config = bincode::config::standard();
+        let framed = bincode::serde::encode_to_vec(&layout, config).unwrap();
+        assert_eq!(framed.len(), wire.len() + 5, "a length and the bytes");
+        let (back, _): (BundleLayout, usize) =
+            bincode::serde::decode_from_slice(&framed, config).unwrap();
+        assert_eq!(back, layout);
+        // Bytes after the tensors, bytes cut short, and garbage are refused.
+        let mut longer = wire.clone();
+        longer.push(0);
+        assert!(matches!(
+            BundleLayout::from_wire(&longer),
+            Err(LayoutError::Malformed(_))
+        ));
+        assert!(matches!(
+            BundleLayout::from_wire(&wire[..wire.len() - 1]),
+            Err(LayoutError::Malformed(_))
+        ));
+        assert!(matches!(
+            BundleLayout::from_wire(&[0xff; 9]),
+            Err(LayoutError::Malformed(_))
+        ));
+        // A length that claims more than a frame allocates nothing and is refused.
+        assert!(matches!(
+            BundleLayout::from_wire(&[0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f]),
+            Err(LayoutError::Malformed(_))
+        ));
+    }
+
     proptest::proptest! {
         /// Any layout that decodes keeps its rules (a peer's layout is input): against a
         /// plain model of them, over arbitrary specs.
@@ -443,8 +558,7 @@ mod tests {
                 .map(|(name, dtype, dims, offset)| spec(&name, dtype, &dims, offset))
                 .collect();
             let bytes = bincode::serde::encode_to_vec(&specs, bincode::config::standard()).unwrap();
-            let decoded: Result<(BundleLayout, usize), _> =
-                bincode::serde::decode_from_slice(&bytes, bincode::config::standard());
+            let decoded = BundleLayout::from_wire(&bytes).map(|l| (l, 0));
             let names: std::collections::HashSet<_> = specs.iter().map(|t| &t.name).collect();
             let aligned = specs.iter().all(|t| t.offset % t.dtype.size() as u64 == 0);
             let spans: Vec<(u64, u64)> = specs

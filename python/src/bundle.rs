@@ -39,7 +39,8 @@ impl BundleLayout {
         }
     }
 
-    /// Its wire form: the MessagePack bytes Rust's serde writes with struct maps.
+    /// Its wire form: the MessagePack byte string Rust's serde writes
+    /// ([`Layout::to_wire`]'s bytes, as `bin`).
     pub(crate) fn wire(&self) -> Result<&[u8], String> {
         if let Some(v) = self.wire.get() {
             return Ok(v);

@@ -92,16 +92,50 @@ def test_a_rust_bundle_opens_in_python_as_a_dict_of_views(node, peer):
         opened.copy_into({"t9": np.zeros(10, np.float32)})
 
 
+def _varint(n: int) -> bytes:
+    """bincode's variable-length integer (standard configuration)."""
+    if n < 251:
+        return bytes([n])
+    for marker, width in ((251, 2), (252, 4), (253, 8)):
+        if n < 1 << (8 * width):
+            return bytes([marker]) + n.to_bytes(width, "little")
+    raise ValueError(n)
+
+
+_DTYPE_INDEX = {"uint8": 0, "int8": 1, "uint16": 2, "int16": 3, "uint32": 4, "int32": 5,
+                "uint64": 6, "int64": 7, "float16": 8, "bfloat16": 9, "float32": 10,
+                "float64": 11}
+
+
+def wire_layout(tensors: list) -> bytes:
+    """A layout's wire bytes, written by hand as a forger would: `(name, dtype, shape,
+    offset)` each, unchecked (Rust's `BundleLayout::to_wire`)."""
+    out = _varint(len(tensors))
+    for name, dtype, shape, offset in tensors:
+        out += _varint(len(name.encode())) + name.encode() + _varint(_DTYPE_INDEX[dtype])
+        out += _varint(len(shape)) + b"".join(_varint(d) for d in shape) + _varint(offset)
+    return out
+
+
+def test_layout_wire_bytes_written_by_hand_are_the_ones_rust_writes(node, peer):
+    layout = baton.BundleLayout([("a", (3, 5), "bfloat16"), ("b", (), "int64"),
+                                 ("long name " * 30, (1 << 20,), "float32")])
+    bundle = node.allocate_bundle(layout)
+    tensors = [(n, d, s, o) for n, d, s, o in layout.tensors]
+    wire = {"baton.bundle": wire_layout(tensors), "buffer": bundle.buffer}
+    # Sent by hand, the partner sums the same tensors it sums of the bundle itself.
+    assert peer.call("bundles", "py.SumBundle", {"weights": wire})["sums"] == \
+        peer.call("bundles", "py.SumBundle", {"weights": bundle})["sums"]
+    bundle.returned(timeout=DEADLINE)
+
+
 def test_a_forged_bundle_layout_is_refused_and_the_link_carries_on(node, peer):
     buf = node.allocate(64, "uint8")
-    overlapping = [
-        {"name": "a", "dtype": "F32", "shape": [8], "offset": 0},
-        {"name": "b", "dtype": "F32", "shape": [8], "offset": 16},
-    ]
+    overlapping = wire_layout([("a", "float32", [8], 0), ("b", "float32", [8], 16)])
     with pytest.raises(baton.BadPayload, match="overlap"):
         peer.call("bundles", "py.SumBundle", {"weights": {"baton.bundle": overlapping, "buffer": buf}})
     buf.returned(timeout=DEADLINE)  # the refused call's lease comes back
-    past_the_end = [{"name": "a", "dtype": "F32", "shape": [1 << 20], "offset": 0}]
+    past_the_end = wire_layout([("a", "float32", [1 << 20], 0)])
     reply = peer.call(
         "bundles", "py.SumBundle", {"weights": {"baton.bundle": past_the_end, "buffer": buf}}
     )
@@ -136,10 +170,7 @@ def test_python_nodes_send_each_other_bundles_and_refuse_forged_ones(node, token
         server = threading.Thread(target=serve)
         server.start()
         buf = sender.allocate(64, "uint8")
-        forged = [
-            {"name": "w", "dtype": "F32", "shape": [2], "offset": 0},
-            {"name": "w", "dtype": "F32", "shape": [2], "offset": 8},
-        ]
+        forged = wire_layout([("w", "float32", [2], 0), ("w", "float32", [2], 8)])
         with pytest.raises(baton.BadPayload, match="two tensors are named"):
             to_node.call("weights", "py.Weights", {"weights": {"baton.bundle": forged, "buffer": buf}})
         buf.returned(timeout=DEADLINE)
@@ -195,19 +226,21 @@ def test_layouts_travel_as_bytes_among_every_kind_of_value(node, token_file, sho
         server.join(timeout=DEADLINE)
         small.returned(timeout=DEADLINE)
         big.returned(timeout=DEADLINE)
-        # A layout that is bytes (the beginning of a list's encoding) is refused by the
-        # receiving mailbox, which carries on, and so does the link.
+        # Bytes that are not a layout (a list cut short, and bytes after a layout) are
+        # refused by the receiving mailbox, which carries on, and so does the link.
         def drain() -> None:
             with pytest.raises(baton.Timeout):
                 mailbox.recv(timeout=3)
 
         drainer = threading.Thread(target=drain)
         drainer.start()
-        buf = sender.allocate(64, "uint8")
-        with pytest.raises(baton.BadPayload):
-            to_node.call("echo", "py.Echo", {"w": {"baton.bundle": b"\x93\x01", "buffer": buf}},
-                         timeout=DEADLINE)
-        buf.returned(timeout=DEADLINE)
+        whole = wire_layout([("a", "uint8", [4], 0)])
+        for bad in (whole[:-1], whole + b"\x00"):
+            buf = sender.allocate(64, "uint8")
+            with pytest.raises(baton.BadPayload, match="decode"):
+                to_node.call("echo", "py.Echo", {"w": {"baton.bundle": bad, "buffer": buf}},
+                             timeout=DEADLINE)
+            buf.returned(timeout=DEADLINE)
         drainer.join(timeout=DEADLINE)
         assert to_node.ping(timeout=DEADLINE) > 0
     finally:
