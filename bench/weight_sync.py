@@ -32,7 +32,9 @@ import cache counter), the engine's reserved device memory at the first and the 
 step, and for Baton's paths where a sync's time goes (`stages_ms_median`: the engine's
 `open`, `copy` (queueing `copy_into`), `release` and `wait` (for its copies), `engine` (all
 of its handling), `call_overhead` (the call's round trip beyond the engine's handling:
-encode, socket, mailbox hops, decode), `returned` (the trainer's wait for the leases back));
+encode, socket, mailbox hops, decode), split into `to_engine` (the trainer's call to the
+engine's `recv` returning) and `from_engine` (the engine's `reply` to the trainer's call
+returning), `returned` (the trainer's wait for the leases back));
 then a summary line with the ratios the issue sets targets for.
 
 Loading: Baton's engine copies with a `baton.CopyPlan` (one kernel launch for every
@@ -216,6 +218,10 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
             call = mailbox.recv(timeout=120)
         except baton.LinkClosed:
             return
+        if call.message.get("stats"):  # asked between syncs, outside the timed window
+            call.reply({"opens": node.import_stats()["opens"],
+                        "reserved": torch.cuda.memory_reserved()})
+            continue
         # Where the engine's time goes (seconds, summed over the bundles of a sync).
         stage = dict.fromkeys(("open", "copy", "release", "wait"), 0.0)
         t_in = time.perf_counter()
@@ -245,12 +251,8 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
         stage["wait"] = time.perf_counter() - t
         ok = int(params["step"].item()) == call.message["step"]
         stage["engine"] = time.perf_counter() - t_in
-        call.reply({
-            "ok": ok,
-            "opens": node.import_stats()["opens"],
-            "reserved": torch.cuda.memory_reserved(),
-            "stages": stage,
-        })
+        # Both processes' perf_counter is CLOCK_MONOTONIC: comparable across them.
+        call.reply({"ok": ok, "stages": stage, "t_in": t_in, "t_out": time.perf_counter()})
 
 
 def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
@@ -294,9 +296,12 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
         # The trainer's view: the call's round trip less the engine's own time (messages,
         # encode and decode, mailbox hops), and the wait for the leases back.
         stages.append(dict(reply["stages"], call_overhead=t_reply - t - reply["stages"]["engine"],
+                           to_engine=reply["t_in"] - t, from_engine=t_reply - reply["t_out"],
                            returned=times[-1] - (t_reply - t)))
-        opens.append(reply["opens"])
-        reserved.append(reply["reserved"])
+        if step in (0, args.steps - 1):  # the engine's counters, asked outside the timing
+            stats = child.peer.call("engine", "rl.Weights", {"stats": True}, timeout=120)
+            opens.append(stats["opens"])
+            reserved.append(stats["reserved"])
     child.peer.close()
     child.wait(timeout=60)
     node.close()
@@ -305,7 +310,7 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
         "baton-bundle-ordered" if ordered else "baton-bundle", times,
         bundles=len(bundles),
         opens_first=opens[0],
-        opens_per_sync=(opens[-1] - opens[0]) / max(1, len(opens) - 1),
+        opens_per_sync=(opens[-1] - opens[0]) / max(1, args.steps - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
         stages_ms_median={k: round(statistics.median(s[k] for s in stages[1:] or stages) * 1e3, 3)
                           for k in stages[0]},
@@ -521,6 +526,9 @@ def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
         item = inbox.get()
         if item is None:
             return
+        if item == "stats":  # asked between syncs, outside the timed window
+            outbox.put(torch.cuda.memory_reserved())
+            continue
         step, payload = item
         # The same loading as Baton's `copy_into`, so that the transports are compared: a
         # memcpy per large tensor, one fused copy (`_foreach_copy_`) of 8-byte words for
@@ -532,7 +540,7 @@ def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
         load(dst, src)
         del payload, item
         torch.cuda.current_stream().synchronize()
-        outbox.put((int(params["step"].item()) == step, torch.cuda.memory_reserved()))
+        outbox.put(int(params["step"].item()) == step)
 
 
 def load(dst: list, src: list) -> None:
@@ -576,10 +584,12 @@ def run_torch(args, spec, flat: bool) -> dict:
         torch.cuda.synchronize()
         t = time.perf_counter()
         inbox.put((step, bucket if flat else list(views.values())))
-        ok, res = outbox.get(timeout=300)
+        ok = outbox.get(timeout=300)
         times.append(time.perf_counter() - t)
         assert ok, step
-        reserved.append(res)
+        if step in (0, args.steps - 1):
+            inbox.put("stats")
+            reserved.append(outbox.get(timeout=300))
     inbox.put(None)
     proc.join(60)
     return summary(

@@ -3,7 +3,7 @@
 `bench/weight_sync.py`), the engine answering at once, on the host and the CUDA backend,
 carrying nothing, one buffer (opened and released, or not opened), or a bundle of
 Qwen2.5-0.5B's 290 tensor names (tiny tensors: the layout and the lease are measured, not
-the memory). Prints one JSON line per case: the median round trip in microseconds over
+the memory) — and the real 0.92 GiB of that bundle, opened. Prints one JSON line per case: the median round trip in microseconds over
 `--calls` calls, and the engine's own handling (open, release) apart.
 
 usage: python3 bench/probe/call_overhead.py [--calls N] [--backends host,cuda]
@@ -60,7 +60,9 @@ def main() -> None:
         cases = [("nothing", None, False), ("buffer, unopened", node.allocate(1 << 18, "float32"), False),
                  ("buffer, opened", node.allocate(1 << 18, "float32"), True),
                  ("bundle of 290, unopened", node.allocate_bundle(spec), False),
-                 ("bundle of 290, opened", node.allocate_bundle(spec), True)]
+                 ("bundle of 290, opened", node.allocate_bundle(spec), True),
+                 ("bundle of Qwen2.5-0.5B (0.92 GiB), opened",
+                  node.allocate_bundle(model_spec("qwen2.5-0.5b")), True)]
         for what, obj, opened in cases:
             rtt, handling = [], []
             for _ in range(args.calls):
