@@ -60,6 +60,15 @@ def train_step(torch, model, opt) -> float:
     return float(loss.detach())
 
 
+def trained(torch, model, opt, step_s: list, losses: list) -> list:
+    """One optimizer step, timed apart from the sync; the probe of the weights it made."""
+    t = time.perf_counter()
+    losses.append(train_step(torch, model, opt))
+    torch.cuda.synchronize()
+    step_s.append(time.perf_counter() - t)
+    return probe(model)
+
+
 def baton_engine() -> None:
     import torch
 
@@ -96,13 +105,10 @@ def run_baton(args) -> dict:
     child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine"], timeout=120)
     times, step_s, losses = [], [], []
     for step in range(args.steps):
+        want = trained(torch, model, opt, step_s, losses)
         t = time.perf_counter()
-        losses.append(train_step(torch, model, opt))
-        torch.cuda.synchronize()
-        step_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        reply = child.peer.call("engine", "rl.Module",
-                                {"weights": bundle, "probe": probe(model)}, timeout=120)
+        reply = child.peer.call("engine", "rl.Module", {"weights": bundle, "probe": want},
+                                timeout=120)
         bundle.returned(timeout=120)
         times.append(time.perf_counter() - t)
         assert reply["ok"], step
@@ -149,14 +155,11 @@ def run_torch(args) -> dict:
     proc.start()
     times, step_s, losses = [], [], []
     for step in range(args.steps):
-        t = time.perf_counter()
-        losses.append(train_step(torch, model, opt))
-        torch.cuda.synchronize()
-        step_s.append(time.perf_counter() - t)
+        want = trained(torch, model, opt, step_s, losses)
         t = time.perf_counter()
         torch._foreach_copy_(slots, params)  # the trainer-side copy into the bucket
         torch.cuda.synchronize()
-        inbox.put((bucket, probe(model)))
+        inbox.put((bucket, want))
         ok = outbox.get(timeout=300)
         times.append(time.perf_counter() - t)
         assert ok, step

@@ -18,6 +18,10 @@ import cache has the allocation mapped already: it opens nothing.
   arrays of yours by name (an engine's ``load_weights``); the lease goes back once the
   ``BundleLease`` is released (or collected) and its views are gone, as for a ``Lease`` —
   a view kept in a variable keeps it.
+- On device memory, a :class:`CopyPlan` (``CopyPlan(layout, tensors)``, made once) copies
+  every tensor in one kernel launch: ``BundleLease.copy_into(plan)`` loads them,
+  ``Bundle.copy_from(plan)`` publishes them; :func:`bundle_parameters` moves a
+  ``torch.nn.Module``'s parameters into a bundle, so that training writes it directly.
 - On device memory, ``open(stream=s)``, ``peer.call(..., stream=s)`` and
   ``bundle.wait_on(s)`` order by fences on a stream of yours instead of synchronising
   the device (see the README's *Device memory and streams*).
