@@ -431,7 +431,9 @@ class BundleLease:
         kernel launch for every tensor (the plan for a mapping is made once and kept for
         the next syncs); into a bundle of the same layout, one contiguous copy; otherwise
         one typed copy per tensor (converting dtypes). Copies are queued on ``stream``
-        (default torch's current stream)."""
+        (default torch's current stream). A lease opened stream-ordered (``open(stream=s)``)
+        records its release fence on ``s`` only: run its copies on ``s`` too (pass
+        ``stream=s``, or make ``s`` torch's current stream), as for its views."""
         if isinstance(params, CopyPlan):
             return params._run(self._lease, stream, into_memory=False)
         if isinstance(params, Bundle) and params.layout == self._layout:
