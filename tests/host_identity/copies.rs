@@ -5,7 +5,8 @@
 //!   node (its own key, the same token) that claims the sender's process cannot land its
 //!   bytes in the receive posted for the sender's copy: its connection is refused.
 //! - Finding 7: a receiver that gives a host copy's lease back before the bytes landed
-//!   does not end it while the sender's engine still reads the buffer.
+//!   does not end it while the sender's engine still reads the buffer: the send is
+//!   stopped first.
 //! - Finding 8: data connections are capped (in all, per key), idle ones closed, and the
 //!   copies in flight of all a node's links bounded together.
 
@@ -214,13 +215,17 @@ fn host_node(session: &Session, host: &str, limits: LinkLimits) -> Node {
 }
 
 /// Finding 7. A raw host-link peer (it speaks the wire protocol itself) takes a copy of a
-/// 64 MiB buffer: its engine (behind a proxy that holds the bytes after 2 MiB) admits the sender's data connection but posts no receive, so
-/// the sender's engine is still writing the buffer's bytes when the peer sends `Release`
-/// of the copy's lease. The lease must not end then (`leases_out` stays 1, `returned()`
-/// waits): it ends once the sender's engine let go — here, when the peer's engine goes
-/// and the send fails.
+/// 64 MiB buffer: its engine (behind a proxy that holds the bytes after 2 MiB) admits the
+/// sender's data connection but posts no receive, so the sender's engine is still writing
+/// the buffer's bytes when the peer sends `Release` of the copy's lease. The lease must not
+/// simply be dropped from the books while the engine reads on: the send is stopped first
+/// (an abort, which returns once no engine thread touches the buffer — the ordering
+/// `abort_waits_until_no_thread_touches_the_memory` in `baton-ipc` proves), and only then
+/// does the lease end. Seen from outside: the link lives on, the lease ends without the
+/// peer's engine going, and a receive the peer posts afterwards (the proxy letting the
+/// held bytes through) fails short of the payload — the send was cut, not forgotten.
 #[test]
-fn an_early_release_of_a_host_copy_keeps_the_lease_until_the_engine_lets_go() {
+fn an_early_release_of_a_host_copy_stops_the_send_before_the_lease_ends() {
     run(async {
         let session = Session::generate().unwrap();
         let ours = host_node(&session, "copies-early-a", LinkLimits::default());
@@ -234,23 +239,21 @@ fn an_early_release_of_a_host_copy_keeps_the_lease_until_the_engine_lets_go() {
         // passed, the sender's engine is surely mid-payload, reading the buffer.
         let proxy = tcp_proxy::Proxy::new();
         proxy.hold_after(2 << 20);
-        let (theirs_engine, link) = tokio::task::spawn_blocking(move || {
+        let (theirs_engine, us, link) = tokio::task::spawn_blocking(move || {
             let e =
                 TcpEngine::bind("127.0.0.1:0", config.clone(), Duration::from_secs(120)).unwrap();
             let via = proxy.route("127.0.0.1:0".parse().unwrap(), e.data_addr(), true);
             let config = config.data_port(via.port());
             let link = HostLink::connect(addr, &config).unwrap();
-            // It welcomes our data connection, and never posts the receive.
-            let us = link.peer();
-            e.admit(
-                &EnginePeer {
-                    process: us.process,
-                    host: us.host,
-                    data_addr: None,
-                },
-                us.key,
-            );
-            (e, (link, proxy))
+            // It welcomes our data connection, and posts no receive (yet).
+            let peer = link.peer();
+            let us = EnginePeer {
+                process: peer.process,
+                host: peer.host,
+                data_addr: None,
+            };
+            e.admit(&us, peer.key);
+            (e, us, (link, proxy))
         })
         .await
         .unwrap();
@@ -270,10 +273,10 @@ fn an_early_release_of_a_host_copy_keeps_the_lease_until_the_engine_lets_go() {
                 .await;
         });
 
-        // The peer reads the call, gives the copy's lease back at once, and pings: once
-        // the pong comes, the release was handled.
+        // The peer reads the call, gives the copy's lease back once the bytes flow, and
+        // pings: the pong says the link took the early release without a cut.
         let (link, proxy) = link;
-        let link = tokio::task::spawn_blocking(move || {
+        let (link, proxy, lease) = tokio::task::spawn_blocking(move || {
             let mut link = link;
             let lease = loop {
                 let got = link.recv_timeout(DEADLINE).unwrap();
@@ -295,26 +298,36 @@ fn an_early_release_of_a_host_copy_keeps_the_lease_until_the_engine_lets_go() {
             link.send(&Message::Ping(4545), &[]).unwrap();
             loop {
                 if let Message::Pong(4545) = link.recv_timeout(DEADLINE).unwrap().message {
-                    break (link, proxy);
+                    break (link, proxy, lease);
                 }
             }
         })
         .await
         .unwrap();
-        let (link, proxy) = link;
-        assert_eq!(
-            buf.leases_out(),
-            1,
-            "the lease outlasts the send that still reads the buffer"
-        );
 
-        // The peer's engine goes (and the proxy, which passes no close on while it
-        // holds): the send fails, the engine lets go, the lease ends.
-        drop(theirs_engine);
-        drop(proxy);
+        // The lease ends with the peer's engine and the proxy still holding the bytes: the
+        // send was stopped (nothing else could end it).
         buf.returned_within(DEADLINE)
             .await
-            .expect("the lease ends once the engine let go");
+            .expect("the lease ends once the send is stopped");
+        assert_eq!(buf.leases_out(), 0);
+
+        // The peer now posts the receive and the proxy lets the held bytes through: what
+        // the sender had written before the cut arrives, then the connection's end.
+        let landed = tokio::task::spawn_blocking(move || {
+            let mut dst = vec![0u8; len];
+            let r = recv(&theirs_engine, &us, lease.get(), &mut dst);
+            proxy.hold_after(u64::MAX);
+            let landed = r.wait(DEADLINE);
+            drop((theirs_engine, proxy));
+            landed
+        })
+        .await
+        .unwrap();
+        assert!(
+            matches!(landed, Err(IpcError::TransferPeerGone { .. })),
+            "the stopped send delivers no whole payload: {landed:?}"
+        );
         drop(link);
         peer.close_and_wait().await;
     });
