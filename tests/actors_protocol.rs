@@ -9,7 +9,7 @@ mod msgs;
 mod peer;
 
 use actors::{DEADLINE, Parent, eventually, eventually_async, exited, run};
-use baton::actors::{ActorError, Allocate, Buffer, Revoke};
+use baton::actors::{ActorError, Allocate, Buffer, LinkEnd, Revoke};
 use msgs::*;
 use std::time::Duration;
 
@@ -205,9 +205,20 @@ fn an_offer_in_flight_holds_the_buffer_until_the_link_closes() {
             } else {
                 child.kill9();
             }
+            let ended = call.await;
             assert!(
-                matches!(call.await, Err(ActorError::LinkClosed { .. })),
+                matches!(ended, Err(ActorError::LinkClosed { .. })),
                 "the call ends with the link"
+            );
+            // And says whether the peer died: the killed importer's call says so.
+            let died = if closed_by_us {
+                LinkEnd::Closed
+            } else {
+                LinkEnd::PeerDied
+            };
+            assert!(
+                matches!(ended, Err(ActorError::LinkClosed { cause, .. }) if cause == died),
+                "closed by us: {closed_by_us}; {ended:?}"
             );
             eventually_async(DEADLINE, "the buffer to be freed", || async {
                 let s = parent.stats().await;

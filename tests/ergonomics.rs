@@ -240,6 +240,19 @@ fn returned_within_says_how_many_leases_are_still_out() {
             matches!(err, ActorError::NotReturned { leases: 1, .. }),
             "{err:?}"
         );
+        // It names the lease and the process that keeps it.
+        let ActorError::NotReturned { holders, .. } = &err else {
+            unreachable!()
+        };
+        assert_eq!(holders.len(), 1, "{err}");
+        assert_eq!(holders[0].1, local.process(), "{err}");
+        assert!(
+            err.to_string().contains(&format!(
+                "held by lease {} ({})",
+                holders[0].0, holders[0].1
+            )),
+            "{err}"
+        );
         let waiting = buf.returned_within(DEADLINE);
         assert_eq!(let_go(&local).await, 1);
         waiting.await.expect("back once dropped");

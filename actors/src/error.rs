@@ -36,11 +36,15 @@ pub enum ActorError {
     /// The remote side answered a call with a fault.
     #[error("the remote actor refused the call: {0:?}")]
     Remote(CallFault),
-    /// The link to the peer closed before the operation completed.
-    #[error("the link to {peer} is closed")]
+    /// The link to the peer closed before the operation completed. `cause` says whether
+    /// the peer's process is known to be gone (build it with
+    /// [`link_closed`](Self::link_closed), which looks).
+    #[error("the link to {peer} is closed{cause}")]
     LinkClosed {
         /// The peer.
         peer: ProcessId,
+        /// What this process knows of why.
+        cause: LinkEnd,
     },
     /// The buffer's exporter is gone (its process died or its link closed): the data may
     /// be incomplete. Drop the lease; the mapping is closed when the last one goes.
@@ -192,9 +196,12 @@ pub enum ActorError {
         /// How long it had been silent.
         silent_for: Duration,
     },
-    /// The peer's process exited (seen through its pidfd, or reaped by its supervisor)
-    /// while its link was up, e.g. because a descendant inherited its socket.
-    #[error("{peer} exited")]
+    /// The link was cut because the peer's process exited (seen through its pidfd, or
+    /// reaped by its supervisor) while the link was still up — as when a descendant
+    /// inherited its socket, so that no end of stream came. A call pending when a peer
+    /// dies usually fails with [`LinkClosed`](Self::LinkClosed) and
+    /// [`LinkEnd::PeerDied`] instead: the end of stream comes first.
+    #[error("{peer} exited (or was killed) while its link was up: the link was cut")]
     PeerExited {
         /// The peer.
         peer: ProcessId,
@@ -214,13 +221,17 @@ pub enum ActorError {
     /// ([`Buffer::returned_within`](crate::Buffer::returned_within)): their holders keep
     /// them. Wait longer, or ask for them back ([`Revoke`](crate::Revoke)).
     #[error(
-        "{buffer:?} still has {leases} leases out after {after:?}: their holders keep them (wait longer, or Revoke them)"
+        "{buffer:?} still has {leases} leases out after {after:?}, held by {}: their holders keep them (a view or lease object still alive there; wait longer, or Revoke them)",
+        holders_of(.holders)
     )]
     NotReturned {
         /// The buffer.
         buffer: BufferId,
         /// Leases still out when the deadline passed.
         leases: usize,
+        /// Each lease still out and the process holding it (for a forwarded lease, the
+        /// process it was forwarded to).
+        holders: Vec<(LeaseId, ProcessId)>,
         /// The deadline.
         after: Duration,
     },
@@ -380,6 +391,78 @@ impl ActorError {
     /// [`Fault::Peer`](baton_ipc::Fault::Peer).
     pub fn is_peer_fault(&self) -> bool {
         self.fault() == baton_ipc::Fault::Peer
+    }
+}
+
+/// `lease 3 (pid:123@456), ...` for [`ActorError::NotReturned`]'s message.
+fn holders_of(holders: &[(LeaseId, ProcessId)]) -> String {
+    if holders.is_empty() {
+        return "nobody it can name".to_owned();
+    }
+    let named: Vec<String> = holders
+        .iter()
+        .map(|(lease, process)| format!("lease {lease} ({process})"))
+        .collect();
+    named.join(", ")
+}
+
+/// Why a link is closed, as far as this process can tell (see
+/// [`ActorError::LinkClosed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LinkEnd {
+    /// Closed by either side, or cut for a fault (the node's log and
+    /// [`PeerEvent::Down`](crate::PeerEvent::Down) say which); the peer's process may live
+    /// on, or is on another host (its life cannot be seen from here).
+    Closed,
+    /// The peer's process on this host is gone: it exited, or was killed.
+    PeerDied,
+}
+
+impl std::fmt::Display for LinkEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LinkEnd::Closed => Ok(()),
+            LinkEnd::PeerDied => f.write_str(": the peer process died (it exited or was killed)"),
+        }
+    }
+}
+
+impl ActorError {
+    /// [`LinkClosed`](Self::LinkClosed) for `peer`, with [`LinkEnd::PeerDied`] if `peer` is
+    /// a process of this host that is no longer alive (a zombie counts as dead).
+    pub fn link_closed(peer: ProcessId) -> Self {
+        let cause = if peer.boot == baton_ipc::process::boot_id()
+            && baton_ipc::process::liveness(&peer) == baton_ipc::process::Liveness::Dead
+        {
+            LinkEnd::PeerDied
+        } else {
+            LinkEnd::Closed
+        };
+        ActorError::LinkClosed { peer, cause }
+    }
+
+    /// [`link_closed`](Self::link_closed), once the process's death had time to show: a
+    /// killed peer's end of stream comes as the kernel closes its descriptors, a moment
+    /// before it becomes a zombie. Looks again for up to 50 ms while the process seems
+    /// alive (on the error path only).
+    pub(crate) async fn link_closed_settled(peer: ProcessId) -> Self {
+        for _ in 0..10 {
+            let e = Self::link_closed(peer);
+            if peer.boot != baton_ipc::process::boot_id()
+                || matches!(
+                    e,
+                    ActorError::LinkClosed {
+                        cause: LinkEnd::PeerDied,
+                        ..
+                    }
+                )
+            {
+                return e;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Self::link_closed(peer)
     }
 }
 

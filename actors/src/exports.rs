@@ -231,13 +231,15 @@ impl BufferCell {
         let returned = self.exports.returned(self.id);
         let (exports, buffer) = (Arc::clone(&self.exports), self.id);
         async move {
-            tokio::time::timeout(timeout, returned)
-                .await
-                .map_err(|_| ActorError::NotReturned {
+            tokio::time::timeout(timeout, returned).await.map_err(|_| {
+                let holders = exports.holders_of(buffer);
+                ActorError::NotReturned {
                     buffer,
-                    leases: exports.leases_on(buffer),
+                    leases: holders.len(),
+                    holders,
                     after: timeout,
-                })
+                }
+            })
         }
     }
 }
@@ -669,7 +671,7 @@ impl Exports {
                 .map_err(|r| match r {
                     Refusal::WriterOut => conflict(wanted, "a writable lease on it is out"),
                     Refusal::ReadersOut => conflict("writable", "other leases on it are out"),
-                    Refusal::LinkDown => ActorError::LinkClosed { peer: link.peer() },
+                    Refusal::LinkDown => ActorError::link_closed(link.peer()),
                     _ => ActorError::UnknownBuffer(cell.id),
                 })?;
             OfferGrant { ledger, pool }
@@ -716,7 +718,7 @@ impl Exports {
                     Refusal::WriterOut => ActorError::ForwardRefused {
                         reason: format!("{via} is a writable lease: it is not forwarded"),
                     },
-                    Refusal::LinkDown => ActorError::LinkClosed { peer: link.peer() },
+                    Refusal::LinkDown => ActorError::link_closed(link.peer()),
                     Refusal::TooManyRelayed => ActorError::TooManyLeases { max },
                     _ => ActorError::UnknownLease { lease: via },
                 })?;
@@ -912,6 +914,17 @@ impl Exports {
     /// Leases out on `buffer`.
     pub(crate) fn leases_on(&self, buffer: BufferId) -> usize {
         self.lock().ledger.leases_on(buffer)
+    }
+
+    /// The leases out on `buffer` and the process holding each.
+    pub(crate) fn holders_of(&self, buffer: BufferId) -> Vec<(LeaseId, ProcessId)> {
+        self.lock()
+            .ledger
+            .view(None)
+            .into_iter()
+            .find(|v| v.buffer == buffer)
+            .map(|v| v.leases)
+            .unwrap_or_default()
     }
 
     /// The buffers of `owner` (all: `None`) with their leases and holders.

@@ -153,7 +153,7 @@ pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, Shared, SharedMut}
 pub use bundle::{Bundle, BundleLease, SharedBundle, copy_spans};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use connect::{ACCEPT_BACKLOG, Listening, TcpListening, token_file_of};
-pub use error::ActorError;
+pub use error::{ActorError, LinkEnd};
 pub use exports::{BufferLeases, ForwardedLease, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;

@@ -479,9 +479,7 @@ impl LinkEnd {
             .relays()
             .link_stopped(self.me.id, self.peer.process, self.node.cache());
         for tx in callers {
-            let _ = tx.send(Err(ActorError::LinkClosed {
-                peer: self.peer.process,
-            }));
+            let _ = tx.send(Err(ActorError::link_closed(self.peer.process)));
         }
         // What our guards still hold of the peer's is orphaned: the node's status lists it
         // until the guards drop.
@@ -567,9 +565,9 @@ impl Handler<AskStatus> for PeerLink {
         match self.send(&request, Vec::new()) {
             Ok(()) => self.session.await_status(id, msg.reply),
             Err(e) => {
-                let _ = msg.reply.send(Err(ActorError::LinkClosed {
-                    peer: self.peer.process,
-                }));
+                let _ = msg
+                    .reply
+                    .send(Err(ActorError::link_closed(self.peer.process)));
                 self.cut(ctx, e);
             }
         }

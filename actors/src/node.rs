@@ -152,7 +152,7 @@ impl Peer {
         async move {
             match tokio::time::timeout(after, rx).await {
                 Ok(Ok(rtt)) => Ok(rtt),
-                Ok(Err(_)) => Err(ActorError::LinkClosed { peer }),
+                Ok(Err(_)) => Err(ActorError::link_closed(peer)),
                 Err(_) => Err(ActorError::Timeout { op: "ping", after }),
             }
         }
@@ -1008,9 +1008,8 @@ impl Node {
             if let Some(old) = old {
                 // Its host rebooted: that process is gone, whatever its link still says.
                 tracing::warn!(old = %old.process(), new = %peer.process(), "a host came back with a new boot id: its old links are cut, their leases void");
-                old.link.do_send(CutOff(ActorError::LinkClosed {
-                    peer: old.process(),
-                }));
+                old.link
+                    .do_send(CutOff(ActorError::link_closed(old.process())));
             }
         }
         self.notify(PeerEvent::Up(peer.clone()));
@@ -1055,9 +1054,8 @@ impl Node {
     pub fn disconnect(&self, process: &ProcessId) {
         for peer in self.peers() {
             if peer.info.process == *process {
-                peer.link.do_send(CutOff(ActorError::LinkClosed {
-                    peer: peer.info.process,
-                }));
+                peer.link
+                    .do_send(CutOff(ActorError::link_closed(peer.info.process)));
             }
         }
     }

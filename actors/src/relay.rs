@@ -145,7 +145,7 @@ impl Relays {
             (failed, holders)
         };
         for pending in failed {
-            let _ = pending.reply.send(Err(ActorError::LinkClosed { peer }));
+            let _ = pending.reply.send(Err(ActorError::link_closed(peer)));
         }
         for holder in holders {
             cache.drop_holder(holder);

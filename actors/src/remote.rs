@@ -561,7 +561,7 @@ pub(crate) fn call_encoded(
                 // Calls that wait go in the order they were made.
                 let _turn = Arc::clone(&state.turn).lock_owned().await;
                 wait_for_fences(&encoded, &link).await;
-                let closed = |_| ActorError::LinkClosed { peer };
+                let closed = |_| ActorError::link_closed(peer);
                 let slot = Arc::clone(&state.pending_calls)
                     .acquire_owned()
                     .await
@@ -578,7 +578,10 @@ pub(crate) fn call_encoded(
             mut cancel,
             slot,
         } = queued;
-        let payload = reply.await.map_err(|_| ActorError::LinkClosed { peer })??;
+        let payload = match reply.await {
+            Ok(answer) => answer?,
+            Err(_) => return Err(ActorError::link_closed_settled(peer).await),
+        };
         cancel.disarm();
         drop(slot);
         Ok(payload)

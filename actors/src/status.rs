@@ -239,7 +239,7 @@ impl Peer {
         async move {
             let json = match tokio::time::timeout(within, rx).await {
                 Ok(Ok(answer)) => answer?,
-                Ok(Err(_)) => return Err(crate::ActorError::LinkClosed { peer }),
+                Ok(Err(_)) => return Err(crate::ActorError::link_closed(peer)),
                 Err(_) => {
                     return Err(crate::ActorError::Timeout {
                         op: "a peer's status",

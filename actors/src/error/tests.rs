@@ -131,7 +131,13 @@ fn every_own_variant() -> Vec<(ActorError, Fault)> {
         ),
         (ActorError::NotHostMemory, Fault::Usage),
         (ActorError::NoSuchTensor { name: "w".into() }, Fault::Usage),
-        (ActorError::LinkClosed { peer: process() }, Fault::Ended),
+        (
+            ActorError::LinkClosed {
+                peer: process(),
+                cause: LinkEnd::Closed,
+            },
+            Fault::Ended,
+        ),
         (
             ActorError::Orphaned {
                 exporter: process(),
@@ -162,6 +168,7 @@ fn every_own_variant() -> Vec<(ActorError, Fault)> {
             ActorError::NotReturned {
                 buffer,
                 leases: 1,
+                holders: vec![(LeaseId::new(1), process())],
                 after: secs,
             },
             Fault::Ended,
@@ -232,4 +239,43 @@ fn an_ipc_error_has_the_kind_it_wraps() {
         assert_eq!(outer.fault(), kind, "{outer:?}");
         assert_eq!(outer.is_peer_fault(), kind == Fault::Peer, "{outer:?}");
     }
+}
+
+/// `link_closed` says the peer died only for a process of this host that is gone: a
+/// reaped child, a zombie; never for a live one, nor for a peer of another host (whose
+/// life this host cannot see).
+#[test]
+fn a_closed_link_says_the_peer_died_only_when_its_process_is_gone_here() {
+    let cause = |peer| match ActorError::link_closed(peer) {
+        ActorError::LinkClosed { cause, .. } => cause,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(cause(baton_ipc::process::current()), LinkEnd::Closed);
+    assert_eq!(cause(process()), LinkEnd::Closed, "another boot's process");
+
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let peer = ProcessId {
+        boot: baton_ipc::process::boot_id(),
+        pid,
+        start_ticks: baton_ipc::process::start_ticks(pid).unwrap(),
+    };
+    assert_eq!(cause(peer), LinkEnd::Closed, "alive");
+    child.kill().unwrap();
+    // Killed, not reaped yet: a zombie is dead.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while cause(peer) != LinkEnd::PeerDied {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the zombie was never seen dead"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let e = ActorError::link_closed(peer);
+    assert!(e.to_string().contains("the peer process died"), "{e}");
+    child.wait().unwrap();
+    assert_eq!(cause(peer), LinkEnd::PeerDied, "reaped");
 }

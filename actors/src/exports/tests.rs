@@ -77,7 +77,7 @@ fn assert_link_closed(
     peer: ProcessId,
 ) {
     match got {
-        Err(ActorError::LinkClosed { peer: p }) => assert_eq!(p, peer),
+        Err(ActorError::LinkClosed { peer: p, .. }) => assert_eq!(p, peer),
         Err(e) => panic!("a grant over a link that is down failed with {e:?}, not LinkClosed"),
         Ok(_) => panic!("a lease was granted over a link that is down"),
     }
@@ -129,7 +129,7 @@ fn a_relayed_grant_over_a_link_whose_peer_was_confirmed_dead_is_link_closed() {
     let (exports, _cell, link, via) = leased_to_relay();
     exports.process_dead(link.peer());
     match exports.grant_relayed(via, &link, process(5001), 4) {
-        Err(ActorError::LinkClosed { peer }) => assert_eq!(peer, link.peer()),
+        Err(ActorError::LinkClosed { peer, .. }) => assert_eq!(peer, link.peer()),
         Err(e) => panic!("a forward over a link that is down failed with {e:?}, not LinkClosed"),
         Ok(_) => panic!("a lease was forwarded over a link that is down"),
     }

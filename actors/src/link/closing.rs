@@ -72,12 +72,7 @@ impl PeerLink {
                     "closing before every answer was sent: the flush deadline passed"
                 );
             }
-            self.cut(
-                ctx,
-                ActorError::LinkClosed {
-                    peer: self.peer.process,
-                },
-            );
+            self.cut(ctx, ActorError::link_closed(self.peer.process));
         } else {
             ctx.run_later(CLOSE_POLL, |act, ctx| act.finish_close(ctx));
         }

@@ -423,9 +423,7 @@ impl PeerLink {
             // Never offered: its send stops (and lets go of the pin) at once.
             self.copy_done(lease, true);
             self.cut(ctx, e);
-            return Err(ActorError::LinkClosed {
-                peer: self.peer.process,
-            });
+            return Err(ActorError::link_closed(self.peer.process));
         }
         tracing::debug!("forwarded as a copy");
         Ok(lease)
@@ -510,7 +508,7 @@ impl PeerLink {
         self.copies_out.clear();
         let peer = self.peer.process;
         for (_, reply) in self.forwards_out.drain() {
-            let _ = reply.send(Err(ActorError::LinkClosed { peer }));
+            let _ = reply.send(Err(ActorError::link_closed(peer)));
         }
         nccl_abort
     }

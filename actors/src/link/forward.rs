@@ -110,9 +110,7 @@ impl Peer {
         let asked = if !upstream.is_alive() {
             Err(ActorError::Orphaned { exporter })
         } else if !self.link.is_alive() {
-            Err(ActorError::LinkClosed {
-                peer: self.process(),
-            })
+            Err(ActorError::link_closed(self.process()))
         } else if self.process() == exporter {
             Err(ActorError::ForwardRefused {
                 reason: format!("{exporter} is the buffer's exporter: it has the buffer"),
@@ -132,7 +130,7 @@ impl Peer {
             let rx = asked?;
             match tokio::time::timeout(after, rx).await {
                 Ok(Ok(result)) => result,
-                Ok(Err(_)) => Err(ActorError::LinkClosed { peer: exporter }),
+                Ok(Err(_)) => Err(ActorError::link_closed(exporter)),
                 Err(_) => Err(ActorError::Timeout {
                     op: "forward",
                     after,
@@ -163,7 +161,7 @@ impl Peer {
                 // A host copy starts at once: the work before it is waited for here.
                 (false, Some(fence)) => {
                     let waited = tokio::task::spawn_blocking(move || fence.synchronize()).await;
-                    waited.map_err(|_| ActorError::LinkClosed { peer: to })??;
+                    waited.map_err(|_| ActorError::link_closed(to))??;
                     None
                 }
                 (_, fence) => fence,
@@ -175,7 +173,7 @@ impl Peer {
                 fence,
                 reply,
             });
-            rx.await.unwrap_or(Err(ActorError::LinkClosed { peer: to }))
+            rx.await.unwrap_or(Err(ActorError::link_closed(to)))
         };
         async move {
             tokio::time::timeout(after, forwarded)
@@ -209,9 +207,7 @@ impl Peer {
             });
         }
         if !self.link.is_alive() {
-            return Err(ActorError::LinkClosed {
-                peer: self.process(),
-            });
+            return Err(ActorError::link_closed(self.process()));
         }
         let view = incoming.live()?;
         let me = baton_ipc::process::current();
@@ -253,9 +249,9 @@ impl Handler<AskForward> for PeerLink {
                 );
             }
             Err(e) => {
-                let _ = msg.reply.send(Err(ActorError::LinkClosed {
-                    peer: self.peer.process,
-                }));
+                let _ = msg
+                    .reply
+                    .send(Err(ActorError::link_closed(self.peer.process)));
                 self.cut(ctx, e);
             }
         }
@@ -302,9 +298,7 @@ impl Handler<PassOn> for PeerLink {
             Err(e) => {
                 self.node.relays().take_passed(self.me.id, ours);
                 drop(give_back);
-                let _ = reply.send(Err(ActorError::LinkClosed {
-                    peer: self.peer.process,
-                }));
+                let _ = reply.send(Err(ActorError::link_closed(self.peer.process)));
                 self.cut(ctx, e);
             }
         }
@@ -457,9 +451,9 @@ impl PeerLink {
             None => None,
         };
         if pending.reply.is_closed() || !pending.downstream.is_alive() {
-            let _ = pending.reply.send(Err(ActorError::LinkClosed {
-                peer: pending.downstream.peer(),
-            }));
+            let _ = pending
+                .reply
+                .send(Err(ActorError::link_closed(pending.downstream.peer())));
             return Ok(());
         }
         pending.downstream.do_send(PassOn {

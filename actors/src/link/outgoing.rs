@@ -140,9 +140,7 @@ impl PeerLink {
         fds: Vec<OwnedFd>,
         window: Option<OwnedSemaphorePermit>,
     ) -> Result<(), ActorError> {
-        let closed = || ActorError::LinkClosed {
-            peer: self.peer.process,
-        };
+        let closed = || ActorError::link_closed(self.peer.process);
         let out = self.out.as_ref().ok_or_else(closed)?;
         let len = bytes.len();
         let call = window.is_some();
