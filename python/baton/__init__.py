@@ -22,6 +22,7 @@ from ._baton import (
     log_to_stderr,
 )
 from .bundle import Bundle, BundleLayout, BundleLease, CopyPlan, SharedBundle, bundle_parameters
+from .supervisor import Supervisor
 from .errors import *  # noqa: F401,F403  (the exception classes, as baton.Orphaned etc.)
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Peer",
     "Shared",
     "SharedBundle",
+    "Supervisor",
     "__version__",
     "bundle_parameters",
     "errors",

@@ -170,9 +170,11 @@ class Node:
         """Counters of this node's import cache (``ImportStats``)."""
     def close(self) -> None:
         """Waits (at most 2 s) for fences recorded for peers to land, then stops listening,
-        closes every mailbox and link, and gives the device back what the backend keeps for
-        reuse (a stream-ordered pool is retired: its memory goes back once its last buffer
-        is freed)."""
+        closes every mailbox and link — waiting (at most 3 s) until each link's close has
+        written the replies under way, so a reply made just before reaches its caller even
+        if this process exits right after — and gives the device back what the backend
+        keeps for reuse (a stream-ordered pool is retired: its memory goes back once its
+        last buffer is freed)."""
     def __enter__(self) -> Node: ...
     def __exit__(
         self,
@@ -235,6 +237,10 @@ class Mailbox:
         """The next call (``None``: wait until one comes or the mailbox closes). Raises
         ``Timeout``, ``Released`` once closed, or ``LinkClosed`` once no link is up and
         the node does not listen (nobody can call it any more)."""
+    def recv_async(self, *, timeout: Optional[float] = None) -> Awaitable[Call]:
+        """``recv`` for asyncio (awaitable), with the same errors. Cancelling it loses no
+        call: calls are taken on the event loop's thread only."""
+    def _wait_ready(self, timeout: float) -> bool: ...
     def close(self) -> None: ...
     def __enter__(self) -> Mailbox: ...
     def __exit__(self, *exc: object) -> bool: ...
@@ -348,7 +354,8 @@ class Buffer:
     def returned_async(self, timeout: float = 30.0) -> Awaitable[None]:
         """``returned`` for asyncio (awaitable)."""
     def numpy(self) -> Any:
-        """A zero-copy, writable ``numpy.ndarray`` of host memory."""
+        """A zero-copy ``numpy.ndarray`` of host memory: writable while no lease is out,
+        read-only while one is (a view taken before stays writable: your race)."""
     def tobytes(self) -> bytes: ...
     def __dlpack__(
         self,

@@ -274,8 +274,11 @@ class Bundle:
         return self._buffer.device
 
     def tensors(self, framework: Optional[str] = None) -> Dict[str, Any]:
-        """A view of each tensor of this process's memory, by name, in layout order
-        (writable while no lease is out)."""
+        """A view of each tensor of this process's memory, by name, in layout order.
+        NumPy views are read-only while a lease is out (writing would race the holders:
+        ``returned()`` first); torch and CuPy views of device memory cannot be made
+        read-only — write them only after ``returned()``, or write with ``copy_from``,
+        which is refused while a lease is out."""
         return _views(self._buffer, self._layout, framework)
 
     @property

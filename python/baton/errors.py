@@ -10,9 +10,10 @@ error's message unchanged:
   ``NoSuchActor``, ``WrongType``, ``BadPayload``, ``ActorGone``, ``ReplyFailed``,
   ``RemoteOfferRefused``.
 
-and two of the Python layer's own: ``Released`` (a lease, buffer or mailbox used after it
-was released or closed) and ``RuntimeGone`` (the extension's runtime thread is not
-available, e.g. in a forked child).
+and three of the Python layer's own: ``Released`` (a lease, buffer or mailbox used after
+it was released or closed), ``RuntimeGone`` (the extension's runtime thread is not
+available, e.g. in a forked child) and ``Escalated`` (a ``Supervisor`` past its restart
+limit).
 
 A variant without a class of its own raises its group's class (``Ipc``, ``Remote``), else
 ``BatonError``. Catch ``BatonError`` for all of them.
@@ -23,7 +24,7 @@ from __future__ import annotations
 __all__ = [
     "BatonError",
     # ActorError
-    "Encode", "Decode", "Remote", "LinkClosed", "Orphaned", "WrongElementType",
+    "Encode", "Decode", "Remote", "LinkClosed", "PeerDied", "Orphaned", "WrongElementType",
     "OutOfBounds", "UnknownBuffer", "NotOwned", "NotReceived", "TooManyDescriptors",
     "UnknownLease", "ForeignOffer", "DuplicateLease", "UnknownCall", "Unexpected",
     "TooManyOffers", "TooManyLeases", "PeerNotReading", "OfferRefused", "RevokeDeadline",
@@ -41,7 +42,7 @@ __all__ = [
     "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
     "AllocationGone", "SlabFull", "BackendUnavailable", "NotBorrowable", "CopyRefused",
     # The Python layer's
-    "Released", "RuntimeGone",
+    "Released", "RuntimeGone", "Escalated",
 ]
 
 
@@ -64,7 +65,16 @@ class Remote(BatonError):
 
 
 class LinkClosed(BatonError):
-    """The link to the peer closed before the operation completed."""
+    """The link to the peer closed before the operation completed: closed by either side,
+    or cut for a fault (the node's log says which). When the peer's process on this host
+    is known to be gone, the subclass ``PeerDied`` is raised instead."""
+
+
+class PeerDied(LinkClosed):
+    """The link closed because the peer's process died (it exited, or was killed): a call
+    pending then, or made after, raises this. A ``LinkClosed``, so code that catches that
+    keeps working. (A peer on another host cannot be seen to die: its link's end is a
+    plain ``LinkClosed``.)"""
 
 
 class Orphaned(BatonError):
@@ -140,7 +150,9 @@ class Unresponsive(BatonError):
 
 
 class PeerExited(BatonError):
-    """The peer's process exited while its link was up."""
+    """The link was cut because the peer's process exited while the link was still up (a
+    descendant inherited its socket, so no end of stream came). The usual report of a
+    peer's death is ``PeerDied``."""
 
 
 class Mailbox(BatonError):
@@ -361,3 +373,8 @@ class Released(BatonError, ValueError):
 
 class RuntimeGone(BatonError):
     """The extension's runtime thread is not available (e.g. in a forked child)."""
+
+
+class Escalated(BatonError):
+    """A ``baton.Supervisor`` passed its restart limit (or was closed): its child is
+    killed, and every later use raises this."""

@@ -80,6 +80,11 @@ fn classes(e: &ActorError) -> Vec<String> {
             };
             vec![name, "Remote".into()]
         }
+        // The link's end says the peer's process died: its own class, under `LinkClosed`.
+        ActorError::LinkClosed {
+            cause: baton_actors::LinkEnd::PeerDied,
+            ..
+        } => vec!["PeerDied".into(), "LinkClosed".into()],
         other => vec![variant(&format!("{other:?}")).to_owned()],
     }
 }

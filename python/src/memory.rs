@@ -1132,16 +1132,20 @@ impl Buffer {
             .call_method1("run_in_executor", (py.None(), wait, timeout))
     }
 
-    /// A zero-copy, writable NumPy view of host memory. The memory stays allocated while
-    /// the array, or any view of it, lives.
+    /// A zero-copy NumPy view of host memory: writable while no lease on the buffer is
+    /// out, read-only while one is (the holders read it; writing would race them — wait
+    /// for `returned()`, then ask again). A view taken before a lease went out stays
+    /// writable: writing through it then is the caller's race. The memory stays allocated
+    /// while the array, or any view of it, lives.
     fn numpy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let leased = self.handle().or_raise(py)?.leases_out() > 0;
         numpy_view(
             py,
             || self.view(),
             &self.geometry,
             self.addr,
             self.device,
-            false,
+            leased,
         )
     }
 

@@ -595,7 +595,8 @@ impl Node {
     /// over them are orphaned), and gives the device back what the backend keeps for reuse
     /// (`Backend::release_idle`). First waits (at most 2 s) until the fences this node
     /// recorded for peers were written, so that peers need not wait out their fence
-    /// deadline after we exit.
+    /// deadline after we exit; then (at most 3 s) until each link's close has written the
+    /// answers under way, so that a reply made just before reaches its caller.
     fn close(&self, py: Python<'_>) {
         let node = self.node.clone();
         py.detach(move || node.flush_fences(Duration::from_secs(2)));
@@ -604,8 +605,26 @@ impl Node {
             self.node.unregister(&name); // every type of it
             drop(queue.close());
         }
-        for peer in self.node.peers() {
+        let peers = self.node.peers();
+        for peer in &peers {
             peer.close();
+        }
+        // Each link's close writes the answers under way first (at most `CLOSE_FLUSH`):
+        // waited for here, so that a reply made just before `close()` reaches its caller
+        // even when this process exits right after.
+        if !peers.is_empty()
+            && let Ok(rt) = runtime()
+        {
+            let _ = rt.block_on(
+                py,
+                "closing the node's links",
+                baton_actors::CLOSE_FLUSH + Duration::from_secs(1),
+                move || async move {
+                    for peer in peers {
+                        peer.closed().await;
+                    }
+                },
+            );
         }
         drop(self.ups.close());
         // What the backend keeps for reuse goes back to the device (a pool another process
@@ -914,6 +933,31 @@ impl Mailbox {
                 }
             }
         }
+    }
+
+    /// `recv` for asyncio: an awaitable of the next call. Cancelling it loses no call: a
+    /// call is taken from the mailbox only on the event loop's thread, never by a helper
+    /// thread that could outlive the cancellation (one of the loop's default executor
+    /// waits at most half a second meanwhile, taking nothing).
+    #[pyo3(signature = (*, timeout = None))]
+    fn recv_async<'py>(
+        slf: &Bound<'py, Self>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        if let Some(t) = timeout {
+            seconds(py, t)?;
+        }
+        py.import("baton._aio")?
+            .call_method1("recv", (slf, timeout))
+    }
+
+    /// Waits (without the GIL) at most `timeout` seconds until a call is waiting or the
+    /// mailbox closed; takes nothing. For `recv_async`.
+    fn _wait_ready(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let after = seconds(py, timeout)?;
+        let queue = Arc::clone(&self.queue);
+        Ok(py.detach(move || queue.wait_ready(after)))
     }
 
     /// Unregisters the name (for this wire type); calls waiting are answered `ActorGone`.

@@ -329,6 +329,17 @@ impl<T> Queue<T> {
         }
     }
 
+    /// Waits at most `timeout` until an item is waiting or the queue is closed, taking
+    /// nothing: whether one is (or it closed).
+    pub(crate) fn wait_ready(&self, timeout: Duration) -> bool {
+        let q = lock(&self.inner);
+        let (q, _) = self
+            .cv
+            .wait_timeout_while(q, timeout, |q| q.0.is_empty() && !q.1)
+            .unwrap_or_else(|p| p.into_inner());
+        !q.0.is_empty() || q.1
+    }
+
     /// Pops within `timeout` (`Duration::MAX`: no deadline) without the GIL, checking
     /// for signals between slices.
     ///

@@ -3,6 +3,7 @@ type table; numpy.from_dlpack on host memory."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
@@ -73,6 +74,47 @@ def test_rust_calls_python_with_two_buffers_and_gets_two_back(node, peer, partne
     # The partner gave back x and y after checking them; we gave back a and b.
     eventually(lambda: node.export_stats()["leases"] == 0, "the partner to release x and y")
     eventually(lambda: table(peer)["leases"] == 0, "a and b back with the partner")
+
+
+def test_recv_async_serves_rust_calls_and_a_cancelled_wait_loses_no_call(node, peer, partner):
+    seed, n = 5, 512
+    mailbox = node.register("scaler", "py.Scale")
+
+    async def main() -> dict:
+        # A wait cancelled before any call came: it must take none of the calls after it
+        # (a helper thread blocked in a plain recv would swallow the next one).
+        cancelled = asyncio.ensure_future(mailbox.recv_async())
+        await asyncio.sleep(0.1)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        with pytest.raises(baton.Timeout):
+            await mailbox.recv_async(timeout=0.05)
+
+        # Rust calls back (peer.call blocks: on a thread); the loop serves it.
+        loop = asyncio.get_running_loop()
+        done = loop.run_in_executor(None, lambda: peer.call(
+            "caller", "py.CallBack", {"pid": node.pid, "target": "scaler", "seed": seed, "len": n},
+            timeout=DEADLINE,
+        ))
+        call = await mailbox.recv_async(timeout=DEADLINE)
+        assert call.peer_pid == partner.pid
+        msg = call.message
+        with msg["a"].open() as a, msg["b"].open() as b:
+            x, y = node.allocate(n, "float32"), node.allocate(n, "int64")
+            x.numpy()[:] = b.numpy() * 2
+            y.numpy()[:] = a.numpy().astype(np.int64) - 1
+        assert call.reply({"x": x, "y": y})
+        return await done
+
+    assert asyncio.run(main()) == {"ok": True, "detail": f"{n} elements checked"}
+    mailbox.close()
+
+    async def closed() -> None:
+        with pytest.raises(baton.Released):
+            await mailbox.recv_async(timeout=DEADLINE)
+
+    asyncio.run(closed())
 
 
 def test_a_python_handler_of_another_type_is_refused_before_python_sees_it(node, peer):

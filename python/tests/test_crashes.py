@@ -73,8 +73,11 @@ def test_sigkill_of_the_rust_exporter_orphans_python_leases_and_the_process_live
             use()
     with pytest.raises(baton.Orphaned):
         unopened.open()
-    with pytest.raises(baton.LinkClosed):
+    with pytest.raises(baton.LinkClosed) as closed:
         p_doomed.call("table", "py.Table")
+    # It says the peer died (a LinkClosed of its own class), not merely that a link closed.
+    assert isinstance(closed.value, baton.PeerDied), repr(closed.value)
+    assert "the peer process died" in str(closed.value)
     # The view taken before still reads the memory it mapped (never freed under it).
     np.testing.assert_array_equal(view, pattern(9, 2048))
     del view

@@ -69,6 +69,8 @@ def test_returned_waits_for_the_leases_blocking_and_with_asyncio(root):
         with pytest.raises(baton.NotReturned, match="1 leases out") as caught:
             data.returned(timeout=0.05)
         assert isinstance(caught.value, baton.Timeout)
+        # It names the process that keeps the lease.
+        assert f"held by lease" in str(caught.value) and f"(pid:{child.pid}@" in str(caught.value), caught.value
         assert child.peer.call("worker", "t.Drop", None) == 0
         data.returned(timeout=DEADLINE)
 
@@ -83,6 +85,33 @@ def test_returned_waits_for_the_leases_blocking_and_with_asyncio(root):
 
         asyncio.run(hold_then_drop())
         assert data.leases_out == 0
+    finally:
+        child.kill()
+        child.wait(timeout=DEADLINE)
+
+
+def test_writes_of_a_leased_buffer_or_bundle_are_refused_until_returned(root):
+    child = spawn(root, "serve")
+    try:
+        data = root.allocate(64, "float32")
+        bundle = root.allocate_bundle({"w": ((4, 4), "float32")})
+        assert child.peer.call("worker", "t.Hold", {"data": data}) == 1
+        assert child.peer.call("worker", "t.Hold", {"data": bundle}) == 2
+        assert data.leases_out == 1 and bundle.leases_out == 1
+        view = data.numpy()
+        assert not view.flags.writeable, "a lease is out: the owner's view is read-only"
+        with pytest.raises(ValueError):
+            view[0] = 1.0
+        with pytest.raises(ValueError):
+            bundle.tensors()["w"][0, 0] = 1.0
+        with pytest.raises(BufferError, match="lease"):
+            bundle.copy_from({"w": np.ones((4, 4), np.float32)})
+        assert child.peer.call("worker", "t.Drop", None) == 0
+        data.returned(timeout=DEADLINE)
+        bundle.returned(timeout=DEADLINE)
+        data.numpy()[:] = 3.0  # back: writable again
+        bundle.copy_from({"w": np.ones((4, 4), np.float32)})
+        assert bundle.tensors()["w"].sum() == 16.0
     finally:
         child.kill()
         child.wait(timeout=DEADLINE)
