@@ -53,6 +53,7 @@ mod named;
 
 #[cfg(target_os = "linux")]
 pub use memfd::{MemfdFiles, MemfdUsage, memfd_files, memfd_usage};
+#[cfg(feature = "fuzzing")]
 pub(crate) use named::SegmentOwner;
 pub use named::{
     DEFAULT_NAMESPACE, NAMESPACE_ENV, SegmentInfo, SweepReport, list_segments, sweep, sweep_process,

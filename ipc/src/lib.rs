@@ -137,7 +137,8 @@ pub mod slab;
 #[allow(unsafe_code)]
 pub mod transfer;
 
-// 7. The fuzz targets' logic.
+// 7. The fuzz targets' logic (the `fuzzing` feature: fuzz/ and the corpus replay).
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 

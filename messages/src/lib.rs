@@ -61,7 +61,8 @@ pub mod protocol;
 pub mod codec;
 // Node status.
 pub mod status;
-// The fuzz targets' logic.
+// The fuzz targets' logic (the `fuzzing` feature: fuzz/ and the corpus replay).
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 
