@@ -10,6 +10,9 @@
 //!   are back; a lease that overlaps a writable one is refused with `LeaseConflict`, as is
 //!   a writable lease that overlaps a reader;
 //! - over a host link only the range's bytes are copied.
+//!
+//! A forwarded range lease needs three processes (a node refuses to forward to its own
+//! process): `forwarding.rs`.
 
 #[path = "support/actors.rs"]
 mod actors;
@@ -20,7 +23,7 @@ mod peer;
 
 use actix::prelude::*;
 use actors::{DEADLINE, run};
-use baton::actors::{ActorError, Buffer, HostSettings, LeaseMut, Node, NodeConfig, Peer};
+use baton::actors::{ActorError, Buffer, HostSettings, Lease, LeaseMut, Node, NodeConfig, Peer};
 use baton::ipc::tcp::HostId;
 use baton::{HostBackend, RemoteMessage, Session, Shared, SharedMut, SocketDir};
 use serde::{Deserialize, Serialize};
@@ -81,7 +84,7 @@ impl RemoteMessage for LetGo {
 #[derive(Default)]
 struct Worker {
     writable: Vec<LeaseMut<u32>>,
-    read: Vec<baton::actors::Lease<u32>>,
+    read: Vec<Lease<u32>>,
 }
 impl Actor for Worker {
     type Context = Context<Self>;
