@@ -666,10 +666,11 @@ impl Exports {
 
     /// Grants the peer over `link` a lease on `cell`'s buffer (all of it, or `part` of
     /// it: the offer's handle names those bytes, with their layout; `writable`: its
-    /// holder's alone) and builds the offer, with `fence` (recorded after the work that produced the buffer) as its
-    /// acquire fence. `fd_slot` is where a descriptor would sit among the frame's
-    /// descriptors: the allocation's descriptor comes back only when this offer starts a
-    /// mapping hold (a pool's: when its descriptor has not crossed this link yet).
+    /// holder's alone) and builds the offer, with `fence` (recorded after the work that
+    /// produced the buffer) as its acquire fence. `fd_slot` is where a descriptor would
+    /// sit among the frame's descriptors: the allocation's descriptor comes back only when
+    /// this offer starts a mapping hold (a pool's: when its descriptor has not crossed this
+    /// link yet).
     ///
     /// One writer or many readers, per range: a writable lease is refused while any other
     /// lease that overlaps its range is out, and any lease while a writable one that

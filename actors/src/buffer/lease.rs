@@ -298,9 +298,8 @@ impl<T: Element> SharedMut<T> {
 /// `Imported::ptr`) dereferenced in `unsafe` code — in the exporter's process or another
 /// importer's, which writes the shared pages directly (on one host an importer maps the
 /// whole allocation, so a range lease's holder could reach past its range that way: see
-/// [`Buffer::share_range`]);
-/// and another process of the same
-/// user that maps the memory by itself. Baton authenticates its peers (same uid and the
+/// [`Buffer::share_range`]); and another process of the same user that maps the memory
+/// by itself. Baton authenticates its peers (same uid and the
 /// session token) but does not sandbox them: a peer that writes under a reader breaks the
 /// protocol, and the reader may see torn values (the memory never goes away under the
 /// slice: the mapping lives as long as the lease).
@@ -534,12 +533,12 @@ impl<T: Element> DevicePtr<T> for Lease<T> {
 /// writable or read-only, to any process, this one included — and refuses its own
 /// [`Buffer::write_at`], so no other holder's view of those bytes exists (a writable
 /// lease of a disjoint range of the same buffer may be out: its slice is other bytes).
-/// In this process the import cache backs that up: it hands the slice out only while the lease's view is
-/// the mapping's only one here, and opens no other view of it until the lease drops (an
-/// offer of it fails meanwhile — of any range of the allocation: a process that writes
-/// one range in place receives no other lease on that buffer until it drops this one, and
-/// one that holds two leases on a buffer writes them with [`write_at`](Self::write_at)).
-/// The slice borrows the lease mutably, so neither this
+/// In this process the import cache backs that up: it hands the slice out only while the
+/// lease's view is the mapping's only one here, and opens no other view of it until the
+/// lease drops (an offer of it fails meanwhile — of any range of the allocation: a
+/// process that writes one range in place receives no other lease on that buffer until it
+/// drops this one, and one that holds two leases on a buffer writes them with
+/// [`write_at`](Self::write_at)). The slice borrows the lease mutably, so neither this
 /// lease's own copies ([`write_at`](Self::write_at), [`read_into`](Lease::read_into)) nor
 /// its `&[T]` ([`as_slice`](Lease::as_slice)) can be used while it lives.
 ///

@@ -5,9 +5,9 @@
 //! allocation keeps only the newest release fence of each counter slot or event. The model
 //! also holds the rules the node used to keep beside the ledger: one writer or many
 //! readers per byte range (leases of parts of an allocation: disjoint writers coexist,
-//! overlapping ones do not), a pool's descriptor once per link, each lease's data handed back once when
-//! the lease ends (which lease, on which allocation, with what data), the counters per
-//! owner.
+//! overlapping ones do not), a pool's descriptor once per link, each lease's data handed
+//! back once when the lease ends (which lease, on which allocation, with what data), the
+//! counters per owner.
 
 use super::*;
 use baton_messages::{BootId, CounterFence, CudaIpcMemHandle, FenceHandle};
@@ -184,7 +184,9 @@ fn event() -> impl Strategy<Value = Ev> {
             .prop_map(|(unsafe_free, kill, pool)| Ev::Insert { unsafe_free, kill, pool }),
         2 => (0u32..4).prop_map(|process| Ev::LinkUp { process }),
         6 => (any::<usize>(), any::<usize>(), prop::bool::weighted(0.25), quarters())
-            .prop_map(|(alloc, link, writable, quarters)| Ev::Grant { alloc, link, writable, quarters }),
+            .prop_map(|(alloc, link, writable, quarters)| {
+                Ev::Grant { alloc, link, writable, quarters }
+            }),
         5 => (any::<usize>(), prop::bool::weighted(0.1), prop::collection::vec(point(), 0..4))
             .prop_map(|(lease, wrong_link, fences)| Ev::Release { lease, wrong_link, fences }),
         1 => any::<usize>().prop_map(|lease| Ev::Ungrant { lease }),
