@@ -319,6 +319,10 @@ fn writable_leases_of_disjoint_halves_are_both_granted_and_each_writes_its_half(
             buf.write_at(999, &[1]),
             Err(ActorError::BufferLeased { leases: 2, .. })
         ));
+        assert!(matches!(
+            buf.as_mut_slice(),
+            Err(ActorError::BufferLeased { leases: 2, .. })
+        ));
         assert_eq!(let_go(&w.to[0]).await, 1);
         assert_eq!(let_go(&w.to[1]).await, 1);
         buf.returned_within(DEADLINE).await.unwrap();
