@@ -389,6 +389,45 @@ fn cuda_the_relays_death_strands_the_lease_until_the_holder_dies() {
     }
 }
 
+/// A range lease forwarded (A → B → C) is the range at C: C sums the range's elements
+/// alone, and its first element is A's element at the range's start (a write there,
+/// below the lease rules, is what C sees change).
+#[test]
+fn a_forwarded_range_lease_is_the_range() {
+    run(async {
+        let parent = parent("fwd-range", HostFlavor::Memfd);
+        let trio = trio(&parent, &[]).await;
+        let (seed, range) = (17, 500..1500);
+        let buf = parent.pattern_buffer(LEN, seed).await;
+        let ids = trio
+            .b_link
+            .remote::<ForwardTo>("relay")
+            .send(ForwardTo {
+                buffers: vec![buf.share_range(range.clone()).unwrap()],
+                to_pid: trio.c.pid(),
+            })
+            .await
+            .unwrap()
+            .expect("B forwards the range");
+        let sum: u64 = range.clone().map(|i| u64::from(pattern(seed, i))).sum();
+        let expected = format!(
+            "got lease={} exporter={} sum={sum}",
+            ids[0],
+            std::process::id()
+        );
+        assert_eq!(trio.c_lines.next_line(DEADLINE).await, expected);
+        assert_c_holds_via_b(&parent, &trio, buf.id()).await;
+        let at = match buf.ptr() {
+            MemPtr::Host(p) => p.wrapping_add(range.start * 4),
+            MemPtr::Device(_) => unreachable!("host memory"),
+        };
+        // SAFETY: element `range.start` of the buffer's host mapping, aligned, alive while
+        // `buf` is; nothing else writes it now.
+        unsafe { at.cast::<u32>().write_volatile(0xC0FF_EE00) };
+        assert_eq!(trio.c_lines.next_line(DEADLINE).await, "first=3237998080");
+    });
+}
+
 #[test]
 fn the_holders_release_goes_back_through_the_relay() {
     for flavor in flavors() {

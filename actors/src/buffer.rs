@@ -14,17 +14,44 @@
 //! - [`SharedMut<T>`] and [`LeaseMut<T>`]: the same, writable — the sender grants write
 //!   with [`Buffer::share_mut`], in a field whose type says so
 //!   ([`LeaseMut::as_mut_slice`] writes host memory in place).
+//! - Range leases: [`Buffer::share_range`] and [`Buffer::share_range_mut`] lease a part of
+//!   a buffer (element indices, like a slice's). The receiver's lease is exactly that part:
+//!   its `len`, `as_slice`, `read_into`, `ptr` and device pointer start at the range's
+//!   first element, and its layout is a vector of the range's length. To give each worker
+//!   its half, send each a range.
 //!
 //! # One writer or many readers
 //!
-//! Per buffer, the exporter grants either one writable lease or any number of read-only
-//! ones, never both, and refuses its own host writes ([`Buffer::write_at`]) while any
-//! lease is out ([`Buffer::returned`] waits for them). So nothing writes through Baton's
-//! safe API while a `&[T]` of [`Lease::as_slice`] lives, and nothing but its holder reaches
-//! the memory while a `&mut [T]` of [`LeaseMut::as_mut_slice`] does; see [`Lease`] and
-//! [`LeaseMut`] for what `unsafe` code elsewhere could still do. Device memory follows the same rule for host copies;
-//! kernels are ordered by fences (below), and not launching a kernel that writes what
-//! holders still read is the exporter's ordering to keep.
+//! Per byte range of a buffer, the exporter grants either one writable lease or any number
+//! of read-only ones, never both: a writable lease is granted only while no other lease
+//! that overlaps its range is out, and no lease is granted while a writable one that
+//! overlaps it is ([`ActorError::LeaseConflict`] otherwise). A whole-buffer lease
+//! ([`Buffer::share`], [`Buffer::share_mut`]) covers every element, so it conflicts as it
+//! always did; writable leases of disjoint ranges coexist — each worker writes its own half
+//! at the same time — and read leases always coexist. The exporter refuses its own host
+//! writes ([`Buffer::write_at`], [`Buffer::as_mut_slice`]) while any lease on the buffer
+//! is out, whatever its range ([`Buffer::returned`] waits for them). So nothing writes
+//! through Baton's safe API the bytes a `&[T]` of [`Lease::as_slice`] sees while it
+//! lives, and nothing but its holder reaches the bytes of a `&mut [T]` of
+//! [`LeaseMut::as_mut_slice`] while it does; see [`Lease`] and [`LeaseMut`] for what
+//! `unsafe` code elsewhere could still do. Device memory follows the same rule for host
+//! copies; kernels are ordered by fences (below), and not launching a kernel that writes
+//! what holders still read is the exporter's ordering to keep.
+//!
+//! # What a range lease restricts, and what it does not
+//!
+//! Baton's safe API gives the holder of a range lease the range and nothing else: every
+//! accessor of [`Lease`] and [`LeaseMut`] is bounded by it, and a forward of the lease
+//! ([`Peer::forward`](crate::Peer::forward)) covers the same range. It is not a memory
+//! protection boundary between processes on one host. For same-host sharing (host memory
+//! and CUDA IPC) the importer's process maps the whole *allocation* — the handle names the
+//! allocation, then the range inside it — so code in that process that reaches past the
+//! range through a raw pointer in `unsafe` code ([`Lease::ptr`] plus an offset, or the
+//! mapping itself) can read and write the rest of the buffer; Baton authenticates its
+//! peers but does not sandbox them. Over a host link (TCP) the restriction is real: only
+//! the range's bytes are sent, into a copy of exactly their size, and the receiver learns
+//! nothing else of the buffer. Give a process whose reach must end at its range a copy
+//! (a buffer of its own), or a peer on another host.
 //!
 //! # Stream ordering (device memory)
 //!
@@ -46,7 +73,7 @@
 //! [`Buffer::wait_on`] and [`Buffer::share_on`]. See `docs/ORDERING.md`.
 
 use crate::error::ActorError;
-use crate::exports::BufferCell;
+use crate::exports::{BufferCell, Part};
 use crate::ids::BufferId;
 use crate::link_ref::{LinkHandle, PendingRelease, ReleaseLease};
 use crate::order::{Finished, LeaseOrder};
@@ -58,6 +85,7 @@ use baton_ipc::{ExportedFence, Imported, MemPtr, SharedBackend, Stream, StreamRe
 use baton_messages::{AllocationId, DType, ExporterId, Layout, LeaseId, ProcessId, Shape};
 use std::fmt;
 use std::marker::PhantomData;
+use std::ops::RangeBounds;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -283,15 +311,122 @@ impl<T: Element> Buffer<T> {
     /// A handle that grants its receiver a *writable* lease ([`LeaseMut`]): put it in a
     /// [`SharedMut<T>`] field. One writer, or readers — like `&mut` and `&` across
     /// processes: sending it fails with [`ActorError::LeaseConflict`] if any other lease on
-    /// the buffer is out, and while it is out no other lease is granted and the exporter's
-    /// own [`write_at`](Self::write_at) is refused. Await [`returned`](Self::returned) to
-    /// read what the holder wrote.
+    /// the buffer (of any range of it) is out, and while it is out no other lease is
+    /// granted and the exporter's own [`write_at`](Self::write_at) is refused. Await
+    /// [`returned`](Self::returned) to read what the holder wrote. To let several holders
+    /// write at once, give each its own part: [`share_range_mut`](Self::share_range_mut).
     pub fn share_mut(&self) -> SharedMut<T> {
         let mut shared = self.shared_with(None);
         if let SharedInner::Local(out) = &mut shared.inner {
             out.writable = true;
         }
         SharedMut(shared)
+    }
+
+    /// A handle that grants its receiver a read-only lease of the elements in `range`
+    /// alone (element indices, like a slice's): the receiver's [`Lease`] sees exactly
+    /// them — its [`len`](Lease::len), [`as_slice`](Lease::as_slice),
+    /// [`read_into`](Lease::read_into) and [`ptr`](Lease::ptr) start at `range.start` —
+    /// and its [`layout`](Lease::layout) is a vector of `range.len()` elements (a range
+    /// of the whole buffer is [`share`](Self::share), with the buffer's own shape). Give
+    /// each worker its part of one buffer:
+    ///
+    /// ```no_run
+    /// # use baton_actors::{ActorError, Buffer, Shared};
+    /// # fn halves(data: &Buffer<f32>) -> Result<(Shared<f32>, Shared<f32>), ActorError> {
+    /// let half = data.len() / 2;
+    /// let first = data.share_range(..half)?; // put each in a message to its worker
+    /// let second = data.share_range(half..)?;
+    /// # Ok((first, second)) }
+    /// ```
+    ///
+    /// One writer or many readers holds per byte range: it is refused when sent only while
+    /// a writable lease that overlaps `range` is out (whole-buffer leases overlap every
+    /// range). The exporter's own [`write_at`](Self::write_at) is refused while any lease
+    /// on the buffer is out, whatever its range.
+    ///
+    /// # What the range restricts, and what it does not
+    ///
+    /// Baton's safe API gives the holder the range and nothing else: every accessor of
+    /// [`Lease`] and [`LeaseMut`] is bounded by it, and a forward of the lease covers the
+    /// same range. It is not a memory protection boundary between processes on one host:
+    /// for same-host sharing (host memory, CUDA IPC) the importer's process maps the whole
+    /// allocation — the handle names the allocation, then the range inside it — so code
+    /// there that reaches past the range through a raw pointer in `unsafe` code
+    /// ([`Lease::ptr`] plus an offset) can read and write the rest of the buffer; Baton
+    /// authenticates its peers, it does not sandbox them. Over a host link (TCP) the
+    /// restriction is real: only the range's bytes are sent, into a copy of exactly their
+    /// size, and the receiver learns nothing else of the buffer. Give a process whose
+    /// reach must end at its range a buffer of its own, or reach it over a host link.
+    ///
+    /// # Errors
+    /// [`ActorError::OutOfBounds`] for a range that ends past the buffer's end, or is
+    /// empty (a lease of nothing is refused: nothing could be read through it, and the
+    /// wire's handles name at least one byte).
+    pub fn share_range(&self, range: impl RangeBounds<usize>) -> Result<Shared<T>, ActorError> {
+        let part = self.part(range)?;
+        let mut shared = self.share();
+        if let SharedInner::Local(out) = &mut shared.inner {
+            out.part = part;
+        }
+        Ok(shared)
+    }
+
+    /// A handle that grants its receiver a *writable* lease ([`LeaseMut`]) of the elements
+    /// in `range` alone: [`share_range`](Self::share_range) with
+    /// [`share_mut`](Self::share_mut)'s grant. Writable leases of disjoint ranges coexist
+    /// (give each worker its half to write, then await [`returned`](Self::returned) and
+    /// read both); sending one fails with [`ActorError::LeaseConflict`] while any other
+    /// lease that overlaps `range` is out, and while it is out no lease that overlaps it
+    /// is granted. The exporter's own [`write_at`](Self::write_at) is refused while any
+    /// lease on the buffer is out, whatever its range.
+    ///
+    /// # Errors
+    /// As [`share_range`](Self::share_range).
+    pub fn share_range_mut(
+        &self,
+        range: impl RangeBounds<usize>,
+    ) -> Result<SharedMut<T>, ActorError> {
+        let part = self.part(range)?;
+        let mut shared = self.share_mut();
+        if let SharedInner::Local(out) = &mut shared.0.inner {
+            out.part = part;
+        }
+        Ok(shared)
+    }
+
+    /// The part of the buffer `range` names: `None` for all of it.
+    fn part(&self, range: impl RangeBounds<usize>) -> Result<Option<Part>, ActorError> {
+        use std::ops::Bound;
+        let size = self.len();
+        let start = match range.start_bound() {
+            Bound::Included(&s) => Some(s),
+            Bound::Excluded(&s) => s.checked_add(1),
+            Bound::Unbounded => Some(0),
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&e) => e.checked_add(1),
+            Bound::Excluded(&e) => Some(e),
+            Bound::Unbounded => Some(size),
+        };
+        let (start, end) = match (start, end) {
+            (Some(start), Some(end)) if start < end && end <= size => (start, end),
+            (start, end) => {
+                let index = start.unwrap_or(usize::MAX);
+                return Err(ActorError::OutOfBounds {
+                    index,
+                    len: end.unwrap_or(usize::MAX).saturating_sub(index),
+                    size,
+                });
+            }
+        };
+        if start == 0 && end == size {
+            return Ok(None);
+        }
+        let t = size_of::<T>() as u64;
+        let bytes = start as u64 * t..end as u64 * t;
+        let layout = crate::exports::layout_of(&self.cell.layout, &bytes);
+        Ok(Some(Part { bytes, layout }))
     }
 
     /// Like [`share`](Self::share), for a buffer that device work is still writing: the
@@ -349,6 +484,7 @@ impl<T: Element> Buffer<T> {
                 cell: Arc::clone(&self.cell),
                 fence,
                 writable: false,
+                part: None,
             }),
             _t: PhantomData,
         }

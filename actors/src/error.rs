@@ -298,9 +298,11 @@ pub enum ActorError {
         /// Leases out on it.
         leases: usize,
     },
-    /// A lease could not be granted without breaking the one-writer rule: a writable
-    /// lease ([`Buffer::share_mut`](crate::Buffer::share_mut)) needs the buffer to have no
-    /// other lease out, and no lease is granted on a buffer while a writable one is out.
+    /// A lease could not be granted without breaking the one-writer rule, which holds per
+    /// byte range: a writable lease ([`Buffer::share_mut`](crate::Buffer::share_mut),
+    /// [`Buffer::share_range_mut`](crate::Buffer::share_range_mut)) needs no other lease
+    /// that overlaps its range to be out, and no lease is granted on a range while a
+    /// writable one that overlaps it is out.
     #[error("{buffer:?} cannot be leased {wanted} now: {reason}")]
     LeaseConflict {
         /// The buffer.

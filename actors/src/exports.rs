@@ -23,8 +23,8 @@
 use crate::error::ActorError;
 use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
-    Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal, RevokePolicy,
-    Totals,
+    Access, Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal,
+    RevokePolicy, Totals,
 };
 use crate::link_ref::{CutOff, LinkRef, SendRevoke, SendUnmap};
 use crate::offload::Offload;
@@ -32,9 +32,10 @@ use crate::order::{ExportOrder, FreeVerdict, ReleaseFence};
 use baton_ipc::{Allocation, DescriptorScope, ExportedFence, Session, SharedBackend};
 use baton_messages::protocol::Offer;
 use baton_messages::{
-    ActorId, AllocationId, BackendKind, DeviceUuid, FenceHandle, Layout, LeaseId, ProcessId,
+    ActorId, AllocationId, BackendKind, DeviceUuid, FenceHandle, Layout, LeaseId, ProcessId, Shape,
 };
 use std::collections::HashMap;
+use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
@@ -207,7 +208,30 @@ pub(crate) struct BufferCell {
     pub(crate) _retire: Retire,
 }
 
+/// The part of a buffer a range lease covers ([`Buffer::share_range`](crate::Buffer::share_range)):
+/// checked in bounds and non-empty when made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Part {
+    /// Its bytes, from the buffer's first (which is its allocation's first).
+    pub(crate) bytes: Range<u64>,
+    /// A vector of its elements ([`layout_of`]).
+    pub(crate) layout: Layout,
+}
+
 impl BufferCell {
+    /// The bytes of the allocation a lease of `part` covers (`None`: all of the buffer).
+    pub(crate) fn bytes_of(&self, part: Option<&Part>) -> Range<u64> {
+        match part {
+            Some(part) => part.bytes.clone(),
+            None => 0..self.layout.byte_len().unwrap_or(0),
+        }
+    }
+
+    /// The layout of what a lease of `part` covers (`None`: the buffer's own).
+    pub(crate) fn layout_of<'a>(&'a self, part: Option<&'a Part>) -> &'a Layout {
+        part.map_or(&self.layout, |p| &p.layout)
+    }
+
     /// Refuses a write while leases on the buffer are out (see [`Buffer::write_at`](crate::Buffer::write_at)).
     pub(crate) fn check_unleased(&self) -> Result<(), ActorError> {
         match self.exports.leases_on(self.id) {
@@ -335,7 +359,22 @@ fn keeps_until_back(fence: &dyn ExportedFence) -> bool {
 struct OfferParts<'a> {
     alloc: &'a Allocation,
     owner: ActorId,
+    /// The bytes of the allocation the offer names: the buffer's, or a range lease's.
+    bytes: Range<u64>,
+    /// Their layout.
     layout: &'a Layout,
+}
+
+/// The layout of `bytes` of a buffer laid out as `whole` (which starts at byte 0): `whole`
+/// itself for all of it, else a vector of the elements `bytes` hold (a range lease is a
+/// 1-D shape of the range's length).
+pub(crate) fn layout_of(whole: &Layout, bytes: &Range<u64>) -> Layout {
+    if bytes.start == 0 && Some(bytes.end) == whole.byte_len() {
+        return whole.clone();
+    }
+    let size = (whole.dtype.size() as u64).max(1);
+    let elements = (bytes.end.saturating_sub(bytes.start)) / size;
+    Layout::new(whole.dtype, Shape::vector(elements))
 }
 
 /// Carries out actions after the lock is released.
@@ -627,24 +666,29 @@ impl Exports {
         self.lock().supervised.insert(process, pidfd);
     }
 
-    /// Grants the peer over `link` a lease on `cell`'s buffer and builds the offer, with
-    /// `fence` (recorded after the work that produced the buffer) as its acquire fence.
-    /// `fd_slot` is where a descriptor would sit among the frame's descriptors: the
-    /// allocation's descriptor comes back only when this offer starts a mapping hold (a
-    /// pool's: when its descriptor has not crossed this link yet).
+    /// Grants the peer over `link` a lease on `cell`'s buffer (all of it, or `part` of
+    /// it: the offer's handle names those bytes, with their layout; `writable`: its
+    /// holder's alone) and builds the offer, with `fence` (recorded after the work that
+    /// produced the buffer) as its acquire fence. `fd_slot` is where a descriptor would
+    /// sit among the frame's descriptors: the allocation's descriptor comes back only when
+    /// this offer starts a mapping hold (a pool's: when its descriptor has not crossed this
+    /// link yet).
     ///
-    /// One writer or many readers: a `writable` lease is refused while any other lease on
-    /// the buffer is out, and any lease while a writable one is or while its owner writes
-    /// it in place (the flag is read under the lock, after which `Buffer::as_mut_slice`
-    /// counts the leases under the same lock: one of the two sees the other).
+    /// One writer or many readers, per range: a writable lease is refused while any other
+    /// lease that overlaps its range is out, and any lease while a writable one that
+    /// overlaps it is, or while the owner writes the buffer in place (the flag is read
+    /// under the lock, after which `Buffer::as_mut_slice` counts the leases under the same
+    /// lock: one of the two sees the other).
     pub(crate) fn grant(
         &self,
         cell: &BufferCell,
+        part: Option<&Part>,
+        writable: bool,
         link: &LinkRef,
         fd_slot: u8,
         fence: Option<Arc<dyn ExportedFence>>,
-        writable: bool,
     ) -> Result<(Offer, Option<OwnedFd>, OfferGrant), ActorError> {
+        let bytes = cell.bytes_of(part);
         let lease = crate::ids::next_lease();
         let grant = {
             let mut state = self.lock();
@@ -665,12 +709,22 @@ impl Exports {
                 .as_ref()
                 .filter(|f| keeps_until_back(f.as_ref()))
                 .map(Arc::clone);
+            let access = match writable {
+                true => Access::write(bytes.clone()),
+                false => Access::read(bytes.clone()),
+            };
             let (ledger, pool) = state
                 .ledger
-                .grant(alloc, link.id, lease, Instant::now(), writable, kept)
+                .grant(alloc, link.id, lease, Instant::now(), access, kept)
                 .map_err(|r| match r {
-                    Refusal::WriterOut => conflict(wanted, "a writable lease on it is out"),
-                    Refusal::ReadersOut => conflict("writable", "other leases on it are out"),
+                    Refusal::WriterOut => conflict(
+                        wanted,
+                        "a writable lease on it (or on a range that overlaps this one) is out",
+                    ),
+                    Refusal::ReadersOut => conflict(
+                        "writable",
+                        "other leases on it (or on ranges that overlap this one) are out",
+                    ),
                     Refusal::LinkDown => ActorError::link_closed(link.peer()),
                     _ => ActorError::UnknownBuffer(cell.id),
                 })?;
@@ -684,7 +738,8 @@ impl Exports {
         let parts = OfferParts {
             alloc: &cell.alloc,
             owner: cell.owner,
-            layout: &cell.layout,
+            bytes,
+            layout: cell.layout_of(part),
         };
         let built = self.build_offer(parts, lease, send_fd, fd_slot, handle);
         if built.is_err() {
@@ -697,7 +752,8 @@ impl Exports {
     /// Grants `holder` — a process with no link to us — a lease on the buffer of `via`, a
     /// lease out over `link` whose peer forwards it, and builds the offer that peer passes
     /// on: always with the allocation's (or pool's) descriptor, since the holder maps it
-    /// through no link of ours; with the buffer's acquire fence after its uses so far.
+    /// through no link of ours; with the buffer's acquire fence after its uses so far. A
+    /// forward of a range lease covers that range: the offer names its bytes alone.
     pub(crate) fn grant_relayed(
         &self,
         via: LeaseId,
@@ -706,12 +762,12 @@ impl Exports {
         max: usize,
     ) -> Result<(Offer, Option<OwnedFd>), ActorError> {
         let lease = crate::ids::next_lease();
-        let (alloc, owner, layout, order) = {
+        let (alloc, owner, bytes, layout, order) = {
             let mut state = self.lock();
             // One writer or many readers holds for forwarded leases too: a writable lease
             // is its holder's alone (its `as_mut_slice` relies on it). The acquire fence is
             // made below, unlocked, and kept with the lease then.
-            let alloc = state
+            let (alloc, bytes) = state
                 .ledger
                 .grant_relayed(via, link.id, lease, holder, max, Instant::now(), None)
                 .map_err(|r| match r {
@@ -726,7 +782,8 @@ impl Exports {
             (
                 Arc::clone(&meta.alloc),
                 meta.owner,
-                meta.layout.clone(),
+                bytes.clone(),
+                layout_of(&meta.layout, &bytes),
                 Arc::clone(&meta.order),
             )
         };
@@ -756,6 +813,7 @@ impl Exports {
         let parts = OfferParts {
             alloc: &alloc,
             owner,
+            bytes,
             layout: &layout,
         };
         let built = self.build_offer(parts, lease, true, 0, fence.as_ref().map(|f| f.handle()));
@@ -776,6 +834,7 @@ impl Exports {
         let OfferParts {
             alloc,
             owner,
+            bytes,
             layout,
         } = parts;
         let fd = match alloc.export_fd().filter(|_| send_fd) {
@@ -786,12 +845,13 @@ impl Exports {
             None => None,
         };
         // The buffer is the layout's bytes; the allocation may be larger (VMM rounds it up
-        // to the granularity), so the handle names exactly that range.
-        let len = layout.byte_len().unwrap_or(0);
+        // to the granularity), so the handle names exactly that range — or the part of it
+        // a range lease covers (the importer's view starts and ends there).
+        let len = bytes.end.saturating_sub(bytes.start);
         let mut builder = alloc
             .handle(&self.session)
             .actor(owner)
-            .range(0, len)
+            .range(bytes.start, len)
             .layout(layout.clone())
             .fd_slot(fd.as_ref().map(|_| fd_slot));
         if let Some(fence) = fence {
@@ -815,6 +875,7 @@ impl Exports {
         let parts = OfferParts {
             alloc: &cell.alloc,
             owner: cell.owner,
+            bytes: 0..cell.layout.byte_len().unwrap_or(0),
             layout: &cell.layout,
         };
         let (offer, fd) = self.build_offer(parts, LeaseId::new(0), true, 0, None)?;

@@ -13,10 +13,14 @@
 //!
 //! - **Leases**: one per buffer in a message, from the moment its offer is sent (so one
 //!   lost in flight still counts) until the importer's `Release` — which may carry a
-//!   *release fence*: the point on the importer's stream after its last use. One writer or
-//!   many readers: a writable lease is granted only while no other lease on the allocation
-//!   is out, and no lease while a writable one is. Each lease keeps the data the node gave
-//!   its grant (its acquire fence) and hands it back in [`Action::LeaseEnded`].
+//!   *release fence*: the point on the importer's stream after its last use. Each lease
+//!   covers a byte range of the allocation ([`Access`]: the whole buffer, or the part a
+//!   range lease names). One writer or many readers, *per range*: a writable lease is
+//!   granted only while no other lease that overlaps its range is out (stranded relayed
+//!   leases included), and no lease while a writable one that overlaps it is; leases on
+//!   disjoint ranges never conflict, so writable leases of the two halves of a buffer
+//!   coexist. Each lease keeps the data the node gave its grant (its acquire fence) and
+//!   hands it back in [`Action::LeaseEnded`].
 //! - **Mapping holds**, per link: the importer's process may map the allocation (its import
 //!   cache keeps a mapping warm after its last lease drops). A hold starts with the first
 //!   offer over a link — that offer carries the descriptor, later ones do not — and ends
@@ -65,6 +69,7 @@ use crate::ids::{BufferId, LinkId};
 use baton_ipc::FreeWhileMapped;
 use baton_messages::{ActorId, AllocationId, LeaseId, ProcessId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Range;
 use std::time::Instant;
 
 pub(crate) use tables::{Counts, EntryView, HolderView};
@@ -75,6 +80,39 @@ pub(crate) trait Covers {
     /// Whether waiting on `self` also waits for everything `earlier` was recorded after.
     /// Reflexive: a fence covers itself (and an equal one).
     fn covers(&self, earlier: &Self) -> bool;
+}
+
+/// What a lease may touch: bytes of its allocation, and whether it writes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Access {
+    /// The bytes of the allocation the lease covers (never empty: the node refuses empty
+    /// ranges before it asks).
+    pub(crate) bytes: Range<u64>,
+    /// A writable lease: no other lease that overlaps `bytes` is out while it is.
+    pub(crate) writable: bool,
+}
+
+impl Access {
+    /// A read-only lease of `bytes`.
+    pub(crate) fn read(bytes: Range<u64>) -> Self {
+        Self {
+            bytes,
+            writable: false,
+        }
+    }
+
+    /// A writable lease of `bytes`.
+    pub(crate) fn write(bytes: Range<u64>) -> Self {
+        Self {
+            bytes,
+            writable: true,
+        }
+    }
+}
+
+/// Whether two byte ranges share a byte (empty ranges share none).
+pub(crate) fn overlaps(a: &Range<u64>, b: &Range<u64>) -> bool {
+    a.start < b.end && b.start < a.end && a.start < a.end && b.start < b.end
 }
 
 /// What a [`BufferOwner`](crate::BufferOwner) does to a holder that keeps a revoked lease
@@ -108,10 +146,10 @@ pub(crate) enum Refusal {
     UnknownLease,
     /// The link relays as many leases as it may.
     TooManyRelayed,
-    /// A writable lease on the allocation is out: no other lease is granted (nor is the
-    /// writable lease forwarded) until it is back.
+    /// A writable lease that overlaps the range asked for is out: no lease on those bytes
+    /// is granted (nor is the writable lease forwarded) until it is back.
     WriterOut,
-    /// A writable lease was asked for while other leases on the allocation are out.
+    /// A writable lease was asked for while other leases that overlap its range are out.
     ReadersOut,
 }
 
@@ -245,6 +283,8 @@ fn keep_newest<F: Covers>(kept: &mut Vec<F>, fence: F) {
 #[derive(Debug)]
 struct Stranded<D> {
     holder: ProcessId,
+    /// The bytes it covers: a reader of them until its holder is confirmed dead.
+    bytes: Range<u64>,
     data: D,
 }
 
@@ -257,8 +297,9 @@ struct LeaseRecord<D> {
     granted_at: Instant,
     /// A relayed lease: the third process that holds it (not the link's peer).
     relayed_to: Option<ProcessId>,
-    /// A writable lease: the only one out on its allocation.
-    writable: bool,
+    /// The bytes it covers, and whether it writes them (then no other lease out overlaps
+    /// them).
+    access: Access,
     /// Its grant started the link's mapping hold (undone with it, see [`Ledger::ungrant`]).
     new_hold: bool,
     /// The pool whose descriptor its offer carries (given back with an ungrant).
@@ -362,30 +403,30 @@ impl<M, F, D> Ledger<M, F, D> {
         );
     }
 
-    /// Grants the peer over `link` a lease on `alloc` (`writable`: its holder's alone),
-    /// before its offer is sent; `now` is the caller's clock (the lease's age in
-    /// [`holders`](Self::holders) counts from it); `data` is kept with the lease until
-    /// [`Action::LeaseEnded`] hands it back. Returns whether the offer starts a mapping
-    /// hold, and the pool whose descriptor it must carry (once per link and pool).
+    /// Grants the peer over `link` a lease on `access.bytes` of `alloc`
+    /// (`access.writable`: those bytes are its holder's alone), before its offer is sent;
+    /// `now` is the caller's clock (the lease's age in [`holders`](Self::holders) counts
+    /// from it); `data` is kept with the lease until [`Action::LeaseEnded`] hands it back.
+    /// Returns whether the offer starts a mapping hold, and the pool whose descriptor it
+    /// must carry (once per link and pool).
     ///
-    /// One writer or many readers: refused while a writable lease on `alloc` is out, and a
-    /// writable one while any lease on it is (both before the link and the allocation are
-    /// looked at).
+    /// One writer or many readers, per range: refused while a writable lease that overlaps
+    /// `access.bytes` is out, and a writable one while any lease that overlaps them is
+    /// (both before the link and the allocation are looked at).
     pub(crate) fn grant(
         &mut self,
         alloc: AllocationId,
         link: LinkId,
         lease: LeaseId,
         now: Instant,
-        writable: bool,
+        access: Access,
         data: D,
     ) -> Result<(Grant, Option<u64>), Refusal> {
         if let Some(entry) = self.allocs.get(&alloc) {
-            if self.writer_out(entry) {
+            if self.writer_over(entry, &access.bytes) {
                 return Err(Refusal::WriterOut);
             }
-            // A stranded relayed lease is a reader too: its holder may still map it.
-            if writable && (!entry.leases.is_empty() || !entry.stranded.is_empty()) {
+            if access.writable && self.reader_over(entry, &access.bytes) {
                 return Err(Refusal::ReadersOut);
             }
         }
@@ -410,7 +451,7 @@ impl<M, F, D> Ledger<M, F, D> {
                 revoke_by: None,
                 granted_at: now,
                 relayed_to: None,
-                writable,
+                access,
                 new_hold,
                 pool,
                 data,
@@ -420,14 +461,24 @@ impl<M, F, D> Ledger<M, F, D> {
         Ok((Grant { new_hold }, pool))
     }
 
-    /// Whether a writable lease on `entry` is out. (It is then the only lease out on it,
-    /// see [`grant`](Self::grant): the first one tells.)
-    fn writer_out(&self, entry: &Entry<M, F, D>) -> bool {
+    /// Whether a writable lease on `entry` that overlaps `bytes` is out.
+    fn writer_over(&self, entry: &Entry<M, F, D>, bytes: &Range<u64>) -> bool {
         entry
             .leases
-            .first()
-            .and_then(|l| self.leases.get(l))
-            .is_some_and(|r| r.writable)
+            .iter()
+            .filter_map(|l| self.leases.get(l))
+            .any(|r| r.access.writable && overlaps(&r.access.bytes, bytes))
+    }
+
+    /// Whether any lease on `entry` that overlaps `bytes` is out — a stranded relayed
+    /// lease too: its holder may still map it.
+    fn reader_over(&self, entry: &Entry<M, F, D>, bytes: &Range<u64>) -> bool {
+        let out = entry
+            .leases
+            .iter()
+            .filter_map(|l| self.leases.get(l))
+            .any(|r| overlaps(&r.access.bytes, bytes));
+        out || entry.stranded.values().any(|s| overlaps(&s.bytes, bytes))
     }
 
     fn count_grant(&mut self, owner: ActorId) {
@@ -442,7 +493,8 @@ impl<M, F, D> Ledger<M, F, D> {
     /// Refused for a writable `via` (its holder's alone, checked first), a `via` not out
     /// over `link` (or itself relayed: forwards are one hop), a link that is down, and a
     /// holder already at `max` relayed leases over `link`. `data` as for
-    /// [`grant`](Self::grant).
+    /// [`grant`](Self::grant). The relayed lease covers the bytes `via` covers, read-only;
+    /// returns its allocation and those bytes.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn grant_relayed(
         &mut self,
@@ -453,15 +505,17 @@ impl<M, F, D> Ledger<M, F, D> {
         max: usize,
         now: Instant,
         data: D,
-    ) -> Result<AllocationId, Refusal> {
-        if self.leases.get(&via).is_some_and(|r| r.writable) {
+    ) -> Result<(AllocationId, Range<u64>), Refusal> {
+        if self.leases.get(&via).is_some_and(|r| r.access.writable) {
             return Err(Refusal::WriterOut);
         }
         if !self.links.contains_key(&link) {
             return Err(Refusal::LinkDown);
         }
-        let alloc = match self.leases.get(&via) {
-            Some(r) if r.link == link && r.relayed_to.is_none() => r.alloc,
+        let (alloc, bytes) = match self.leases.get(&via) {
+            Some(r) if r.link == link && r.relayed_to.is_none() => {
+                (r.alloc, r.access.bytes.clone())
+            }
             _ => return Err(Refusal::UnknownLease),
         };
         let relayed = self
@@ -483,14 +537,14 @@ impl<M, F, D> Ledger<M, F, D> {
                 revoke_by: None,
                 granted_at: now,
                 relayed_to: Some(holder),
-                writable: false,
+                access: Access::read(bytes.clone()),
                 new_hold: false,
                 pool: None,
                 data,
             },
         );
         self.count_grant(owner);
-        Ok(alloc)
+        Ok((alloc, bytes))
     }
 
     /// The data kept with `lease` (out, or stranded), to replace what its grant was given.
@@ -796,8 +850,13 @@ impl<M, F, D> Ledger<M, F, D> {
                 Some(holder) => {
                     stranded_now.insert(lease);
                     if let Some(entry) = self.allocs.get_mut(&record.alloc) {
-                        let data = record.data;
-                        entry.stranded.insert(lease, Stranded { holder, data });
+                        let (bytes, data) = (record.access.bytes, record.data);
+                        let stranded = Stranded {
+                            holder,
+                            bytes,
+                            data,
+                        };
+                        entry.stranded.insert(lease, stranded);
                     }
                 }
                 None => self.end(lease, record),

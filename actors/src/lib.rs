@@ -36,7 +36,8 @@
 //! - Typed buffer messages: a [`RemoteMessage`] may hold [`Shared<T>`] fields; sending it
 //!   through a [`RemoteAddr`] leases its buffers to the receiver, which `open()`s them into
 //!   read-only [`Lease<T>`]s ([`SharedMut<T>`] fields open writable [`LeaseMut<T>`]s: one
-//!   writer or many readers per buffer). Replies may carry buffers too. Each message type picks its
+//!   writer or many readers per byte range; [`Buffer::share_range`] leases a part of a
+//!   buffer). Replies may carry buffers too. Each message type picks its
 //!   [`Encoding`]: bincode by default, MessagePack for messages that cross languages.
 //! - [`raw`]: untyped calls and buffers ([`Node::register_raw`], [`Peer::call_raw`],
 //!   [`AnyBuffer`], [`AnyShared`], [`AnyLease`]) for peers that do not share Rust types,

@@ -194,6 +194,7 @@ impl AnyBuffer {
                 cell: Arc::clone(&self.cell),
                 fence: None,
                 writable: false,
+                part: None,
             }),
         }
     }
@@ -252,7 +253,7 @@ impl AnyShared {
     /// untyped.
     pub fn layout(&self) -> Option<&Layout> {
         match &self.inner {
-            SharedInner::Local(out) => Some(&out.cell.layout),
+            SharedInner::Local(out) => Some(out.layout()),
             SharedInner::Incoming(l) => l.imported().layout(),
         }
     }

@@ -265,6 +265,7 @@ impl<T: Element> Serialize for Shared<T> {
                     cell: Arc::clone(&out.cell),
                     fence: out.fence.clone(),
                     writable: out.writable,
+                    part: out.part.clone(),
                 });
                 cells.len() - 1
             })

@@ -157,15 +157,23 @@ impl fmt::Debug for IncomingLease {
 /// A buffer on its way out: what the link needs to grant a lease on it.
 pub(crate) struct Outgoing {
     pub(crate) cell: Arc<BufferCell>,
-    /// A writable lease ([`Buffer::share_mut`]): granted only while no other lease is out,
-    /// and no other lease is granted while it is.
+    /// A writable lease ([`Buffer::share_mut`]): granted only while no other lease that
+    /// overlaps its range is out, and no lease that overlaps it is granted while it is.
     pub(crate) writable: bool,
     /// Recorded after the work that produced the buffer; kept with the lease. `None`: the
     /// buffer's own acquire fence (after its uses on streams), if it needs one.
     pub(crate) fence: Option<Arc<dyn ExportedFence>>,
+    /// The part of the buffer a range lease covers ([`Buffer::share_range`]); `None`:
+    /// all of it.
+    pub(crate) part: Option<Part>,
 }
 
 impl Outgoing {
+    /// The layout of what the lease covers.
+    pub(crate) fn layout(&self) -> &Layout {
+        self.cell.layout_of(self.part.as_ref())
+    }
+
     /// The offer's acquire fence, for process `to`: the buffer's own, or one after the
     /// fence the sender recorded itself (passed on into `to`'s inbox).
     pub(crate) fn acquire_fence(
@@ -217,7 +225,7 @@ impl<T: Element> Shared<T> {
     /// Its layout.
     pub fn layout(&self) -> &Layout {
         match &self.inner {
-            SharedInner::Local(out) => &out.cell.layout,
+            SharedInner::Local(out) => out.layout(),
             SharedInner::Incoming(l) => l.imported().layout().expect("typed on arrival"),
         }
     }
@@ -243,8 +251,8 @@ impl<T: Element> Shared<T> {
 /// which both sides share: nothing about it crosses the wire, and a [`Shared<T>`] field
 /// only ever opens read-only.
 ///
-/// The exporter enforces one writer or many readers per buffer (see
-/// [`Buffer::share_mut`]).
+/// The exporter enforces one writer or many readers per byte range (see
+/// [`Buffer::share_mut`] and [`Buffer::share_range_mut`]).
 pub struct SharedMut<T: Element>(pub(crate) Shared<T>);
 
 impl<T: Element> fmt::Debug for SharedMut<T> {
@@ -284,11 +292,14 @@ impl<T: Element> SharedMut<T> {
 /// in safe code because nothing can write the memory through Baton's safe API while the
 /// lease is out: a read-only lease has no write method, the exporter's
 /// [`Buffer::write_at`] is refused while any lease on the buffer is out, and no writable
-/// lease is granted while a read-only one is (nor the other way round). What the API
+/// lease is granted on bytes a read-only one covers (nor the other way round: the rule
+/// holds per byte range, and a range lease's slice is its range alone). What the API
 /// cannot stop: `unsafe` code — or a raw pointer ([`Buffer::ptr`], [`Lease::ptr`],
 /// `Imported::ptr`) dereferenced in `unsafe` code — in the exporter's process or another
-/// importer's, which writes the shared pages directly; and another process of the same
-/// user that maps the memory by itself. Baton authenticates its peers (same uid and the
+/// importer's, which writes the shared pages directly (on one host an importer maps the
+/// whole allocation, so a range lease's holder could reach past its range that way: see
+/// [`Buffer::share_range`]); and another process of the same user that maps the memory
+/// by itself. Baton authenticates its peers (same uid and the
 /// session token) but does not sandbox them: a peer that writes under a reader breaks the
 /// protocol, and the reader may see torn values (the memory never goes away under the
 /// slice: the mapping lives as long as the lease).
@@ -328,7 +339,8 @@ impl<T: Element> Lease<T> {
         self.inner.imported().exporter()
     }
 
-    /// Elements in the buffer.
+    /// Elements leased: the buffer's, or a range lease's (its element 0 is the range's
+    /// first).
     pub fn len(&self) -> usize {
         self.inner.imported().len() / size_of::<T>()
     }
@@ -508,20 +520,25 @@ impl<T: Element> DevicePtr<T> for Lease<T> {
 
 /// An importer's writable guard on another process's buffer: a [`Lease<T>`] (every read
 /// accessor, through `Deref`) that may also write. Opened from a [`SharedMut<T>`] field,
-/// which the sender filled with [`Buffer::share_mut`]; while it is out, the exporter
-/// grants no other lease on the buffer and refuses its own `write_at`, so this is the
-/// only writer its safe API allows.
+/// which the sender filled with [`Buffer::share_mut`] (or [`Buffer::share_range_mut`]:
+/// then the lease is that range alone); while it is out, the exporter grants no other
+/// lease that overlaps it and refuses its own `write_at`, so this is the only writer of
+/// those bytes its safe API allows.
 ///
 /// # Writing in place
 ///
 /// [`as_mut_slice`](Self::as_mut_slice) gives a `&mut [T]` of host memory without a copy.
 /// It extends the argument of [Reading in place](Lease#reading-in-place): while a
-/// writable lease is out, the exporter grants no other lease on the buffer — writable or
-/// read-only, to any process, this one included — and refuses its own
-/// [`Buffer::write_at`], so no other holder's view of the memory exists. In this process
-/// the import cache backs that up: it hands the slice out only while the lease's view is
-/// the mapping's only one here, and opens no other view of it until the lease drops (an
-/// offer of it fails meanwhile). The slice borrows the lease mutably, so neither this
+/// writable lease is out, the exporter grants no other lease that overlaps its range —
+/// writable or read-only, to any process, this one included — and refuses its own
+/// [`Buffer::write_at`], so no other holder's view of those bytes exists (a writable
+/// lease of a disjoint range of the same buffer may be out: its slice is other bytes).
+/// In this process the import cache backs that up: it hands the slice out only while the
+/// lease's view is the mapping's only one here, and opens no other view of it until the
+/// lease drops (an offer of it fails meanwhile — of any range of the allocation: a
+/// process that writes one range in place receives no other lease on that buffer until it
+/// drops this one, and one that holds two leases on a buffer writes them with
+/// [`write_at`](Self::write_at)). The slice borrows the lease mutably, so neither this
 /// lease's own copies ([`write_at`](Self::write_at), [`read_into`](Lease::read_into)) nor
 /// its `&[T]` ([`as_slice`](Lease::as_slice)) can be used while it lives.
 ///

@@ -1,7 +1,7 @@
 //! Checks of the ledger's bookkeeping, run by the tests after every event.
 
-use super::{Covers, FreeWhileMapped, Ledger, Phase};
-use baton_messages::AllocationId;
+use super::{Access, Covers, FreeWhileMapped, Ledger, Phase, overlaps};
+use baton_messages::{AllocationId, LeaseId};
 
 impl<M, F, D> Ledger<M, F, D> {
     /// The release fences `alloc` keeps for its free.
@@ -71,20 +71,30 @@ impl<M, F, D> Ledger<M, F, D> {
                     "a stranded lease is not out"
                 );
             }
-            let writable = e
+            // One writer or many readers, per range: a writable lease out overlaps no
+            // other lease out or stranded.
+            let counted: Vec<(LeaseId, &Access)> = e
                 .leases
                 .iter()
-                .filter(|l| self.leases.get(l).is_some_and(|r| r.writable))
-                .count();
-            assert!(
-                writable == 0 || e.leases.len() == 1,
-                "a writable lease is the only lease out on its allocation"
-            );
-            assert_eq!(
-                self.writer_out(e),
-                writable == 1,
-                "the first lease tells a writer"
-            );
+                .filter_map(|l| self.leases.get(l).map(|r| (*l, &r.access)))
+                .collect();
+            for (l, a) in counted.iter().filter(|(_, a)| a.writable) {
+                assert!(!a.bytes.is_empty(), "{l} covers no byte");
+                for (m, b) in &counted {
+                    assert!(
+                        m == l || !overlaps(&a.bytes, &b.bytes),
+                        "writable {l} ({:?}) overlaps {m} ({:?})",
+                        a.bytes,
+                        b.bytes
+                    );
+                }
+                for (m, s) in &e.stranded {
+                    assert!(
+                        !overlaps(&a.bytes, &s.bytes),
+                        "writable {l} overlaps stranded {m}"
+                    );
+                }
+            }
             if e.phase != Phase::Live && e.leases.is_empty() {
                 assert!(
                     e.holds.values().all(|h| !h.current),

@@ -4,9 +4,10 @@
 //! that quarantines, unmaps and cuts happen exactly when the model says, and that an
 //! allocation keeps only the newest release fence of each counter slot or event. The model
 //! also holds the rules the node used to keep beside the ledger: one writer or many
-//! readers, a pool's descriptor once per link, each lease's data handed back once when
-//! the lease ends (which lease, on which allocation, with what data), the counters per
-//! owner.
+//! readers per byte range (leases of parts of an allocation: disjoint writers coexist,
+//! overlapping ones do not), a pool's descriptor once per link, each lease's data handed
+//! back once when the lease ends (which lease, on which allocation, with what data), the
+//! counters per owner.
 
 use super::*;
 use baton_messages::{BootId, CounterFence, CudaIpcMemHandle, FenceHandle};
@@ -90,6 +91,8 @@ enum Ev {
         alloc: usize,
         link: usize,
         writable: bool,
+        /// The part of the allocation asked for, in quarters: `first..end` (never empty).
+        quarters: (u64, u64),
     },
     /// Fences recorded by the lease's holder.
     Release {
@@ -147,13 +150,43 @@ fn point() -> impl Strategy<Value = Point> {
     ]
 }
 
+/// A part of an allocation of [`BYTES`], in quarters: the whole of it half the time, else
+/// any non-empty run of quarters (so that parts often overlap, often do not, and often
+/// touch end to start).
+fn quarters() -> impl Strategy<Value = (u64, u64)> {
+    prop_oneof![
+        1 => Just((0, 4)),
+        1 => (0u64..4, 1u64..=4).prop_map(|(first, n)| (first, (first + n).min(4))),
+    ]
+}
+
+/// Bytes of every allocation in the model runs.
+const BYTES: u64 = 4096;
+
+/// The bytes of a part given in quarters.
+fn bytes_of((first, end): (u64, u64)) -> Range<u64> {
+    first * (BYTES / 4)..end * (BYTES / 4)
+}
+
+/// Whether two leases' bytes share one, computed apart from the ledger's `overlaps`:
+/// the bytes are counted one quarter at a time.
+fn share_a_byte(a: &Range<u64>, b: &Range<u64>) -> bool {
+    (0..4).any(|q| {
+        let quarter = q * (BYTES / 4)..(q + 1) * (BYTES / 4);
+        let within = |r: &Range<u64>| r.start <= quarter.start && quarter.end <= r.end;
+        within(a) && within(b)
+    })
+}
+
 fn event() -> impl Strategy<Value = Ev> {
     prop_oneof![
         2 => (any::<bool>(), any::<bool>(), prop::option::weighted(0.4, 0u64..2))
             .prop_map(|(unsafe_free, kill, pool)| Ev::Insert { unsafe_free, kill, pool }),
         2 => (0u32..4).prop_map(|process| Ev::LinkUp { process }),
-        6 => (any::<usize>(), any::<usize>(), prop::bool::weighted(0.15))
-            .prop_map(|(alloc, link, writable)| Ev::Grant { alloc, link, writable }),
+        6 => (any::<usize>(), any::<usize>(), prop::bool::weighted(0.25), quarters())
+            .prop_map(|(alloc, link, writable, quarters)| {
+                Ev::Grant { alloc, link, writable, quarters }
+            }),
         5 => (any::<usize>(), prop::bool::weighted(0.1), prop::collection::vec(point(), 0..4))
             .prop_map(|(lease, wrong_link, fences)| Ev::Release { lease, wrong_link, fences }),
         1 => any::<usize>().prop_map(|lease| Ev::Ungrant { lease }),
@@ -216,6 +249,8 @@ struct MLease {
     /// A relayed lease whose link went down: kept until its holder dies.
     stranded: bool,
     writable: bool,
+    /// The bytes of its allocation it covers.
+    bytes: Range<u64>,
     /// The pool whose descriptor its offer carried.
     pool: Option<u64>,
     /// What the node keeps with it (handed back when it ends).
@@ -254,11 +289,11 @@ impl Model {
         self.next
     }
 
-    /// Whether a writable lease on `alloc` is out.
-    fn writer_out(&self, alloc: usize) -> bool {
+    /// Whether a writable lease on `alloc` that shares a byte with `bytes` is out.
+    fn writer_over(&self, alloc: usize, bytes: &Range<u64>) -> bool {
         self.leases
             .iter()
-            .any(|l| l.out && l.writable && l.alloc == alloc)
+            .any(|l| l.out && l.writable && l.alloc == alloc && share_a_byte(&l.bytes, bytes))
     }
 
     fn lease_out_on(&self, alloc: usize) -> bool {
@@ -413,6 +448,7 @@ impl Run {
                 alloc,
                 link,
                 writable,
+                quarters,
             } => {
                 if m.allocs.is_empty() || m.links.is_empty() {
                     return;
@@ -420,21 +456,24 @@ impl Run {
                 let (a, l) = (alloc % m.allocs.len(), link % m.links.len());
                 let lease = LeaseId::new(m.fresh());
                 let data = m.fresh();
-                let got = self.ledger.grant(
-                    m.allocs[a].id,
-                    m.links[l].id,
-                    lease,
-                    self.now,
+                let bytes = bytes_of(quarters);
+                let access = Access {
+                    bytes: bytes.clone(),
                     writable,
-                    data,
-                );
+                };
+                let got =
+                    self.ledger
+                        .grant(m.allocs[a].id, m.links[l].id, lease, self.now, access, data);
                 // A stranded relayed lease is a reader still (its holder may map it).
-                let readers = m.leases.iter().any(|x| x.counts() && x.alloc == a);
+                let readers = m
+                    .leases
+                    .iter()
+                    .any(|x| x.counts() && x.alloc == a && share_a_byte(&x.bytes, &bytes));
                 let pool = m.allocs[a]
                     .pool
                     .filter(|p| m.links[l].up && !m.links[l].pools.contains(p));
                 // One writer or many readers comes first: a lease out keeps the entry.
-                let expect = if m.writer_out(a) {
+                let expect = if m.writer_over(a, &bytes) {
                     Err(Refusal::WriterOut)
                 } else if writable && readers {
                     Err(Refusal::ReadersOut)
@@ -448,7 +487,10 @@ impl Run {
                     let current = m.holds.contains(&(a, l, Token::Current));
                     Ok((Grant { new_hold: !current }, pool))
                 };
-                assert_eq!(got, expect, "grant of {a} over {l} (writable: {writable})");
+                assert_eq!(
+                    got, expect,
+                    "grant of {bytes:?} of {a} over {l} (writable: {writable})"
+                );
                 if let Ok((g, pool)) = got {
                     if let Some(pool) = pool {
                         m.links[l].pools.insert(pool);
@@ -467,6 +509,7 @@ impl Run {
                         relayed_to: None,
                         stranded: false,
                         writable,
+                        bytes,
                         pool,
                         data,
                     });
@@ -504,7 +547,8 @@ impl Run {
                 } else if relayed >= MAX_RELAYED {
                     Err(Refusal::TooManyRelayed)
                 } else {
-                    Ok(m.allocs[v.alloc].id)
+                    // A forward covers what its `via` covers.
+                    Ok((m.allocs[v.alloc].id, v.bytes.clone()))
                 };
                 assert_eq!(got, expect, "relayed grant of {v:?} to {to}");
                 if got.is_ok() {
@@ -519,6 +563,7 @@ impl Run {
                         relayed_to: Some(to),
                         stranded: false,
                         writable: false,
+                        bytes: v.bytes.clone(),
                         pool: None,
                         data,
                     });
@@ -1115,6 +1160,7 @@ fn a_cut_live_holder_quarantines_unsafe_memory_until_it_dies() {
             alloc: 0,
             link: 0,
             writable: false,
+            quarters: (0, 4),
         });
         run.apply(&Ev::Retire { alloc: 0 });
         run.apply(&Ev::Revoke { alloc: 0 });
@@ -1152,11 +1198,13 @@ fn a_free_waits_for_every_warm_mapping() {
         alloc: 0,
         link: 0,
         writable: false,
+        quarters: (0, 4),
     });
     run.apply(&Ev::Grant {
         alloc: 0,
         link: 1,
         writable: false,
+        quarters: (0, 4),
     });
     run.apply(&Ev::Release {
         lease: 0,
@@ -1197,6 +1245,7 @@ fn a_stranded_forward_keeps_the_memory_until_its_holder_dies() {
             alloc: 0,
             link: 0,
             writable: false,
+            quarters: (0, 4),
         });
         run.apply(&Ev::GrantRelayed { via: 0, to: 1 });
         assert!(run.model.leases[1].out, "the forward is granted");
@@ -1241,6 +1290,7 @@ fn a_stranded_forward_counts_as_a_lease_until_its_holder_dies() {
         alloc: 0,
         link: 0,
         writable: false,
+        quarters: (0, 4),
     });
     run.apply(&Ev::GrantRelayed { via: 0, to: 1 });
     run.apply(&Ev::Release {
@@ -1262,6 +1312,7 @@ fn a_stranded_forward_counts_as_a_lease_until_its_holder_dies() {
         alloc: 0,
         link: 1,
         writable: true,
+        quarters: (0, 4),
     });
     assert_eq!(run.model.leases.len(), 2, "the writable grant was refused");
     run.apply(&Ev::ProcessDead { process: 1 });
@@ -1291,10 +1342,12 @@ fn a_release_that_crosses_the_holders_death_is_recognised() {
     ledger.link_up(link, process(0));
     let now = Instant::now();
     let (own, fwd) = (LeaseId::new(1), LeaseId::new(2));
-    ledger.grant(alloc, link, own, now, false, ()).unwrap();
+    ledger
+        .grant(alloc, link, own, now, Access::read(0..BYTES), ())
+        .unwrap();
     assert_eq!(
         ledger.grant_relayed(own, link, fwd, process(1), 4, now, ()),
-        Ok(alloc)
+        Ok((alloc, 0..BYTES))
     );
     assert_eq!(ledger.stranded().len(), 0);
     ledger.process_dead(process(1));
@@ -1356,7 +1409,9 @@ fn a_flood_of_releases_of_one_reused_buffer_keeps_one_fence_per_slot() {
     const CYCLES: u64 = 10_000;
     for n in 1..=CYCLES {
         let lease = LeaseId::new(n);
-        ledger.grant(alloc, link, lease, now, false, ()).unwrap();
+        ledger
+            .grant(alloc, link, lease, now, Access::read(0..BYTES), ())
+            .unwrap();
         // Slots 0 and 1 of the lane take turns; each value is higher than the last.
         let fence = slot(8 * (n % 2), 100 + n);
         assert_eq!(ledger.release(lease, link, [fence]), Ok(alloc));
@@ -1415,16 +1470,37 @@ fn grants_and_frees_are_counted_per_owner() {
     // Owner 1: a lease and its forward; owner 2: a lease on each of its two buffers.
     let lease = LeaseId::new;
     ledger
-        .grant(buffers[0].0, link, lease(1), now, false, ())
+        .grant(
+            buffers[0].0,
+            link,
+            lease(1),
+            now,
+            Access::read(0..BYTES),
+            (),
+        )
         .unwrap();
     ledger
         .grant_relayed(lease(1), link, lease(2), process(1), 4, now, ())
         .unwrap();
     ledger
-        .grant(buffers[1].0, link, lease(3), now, false, ())
+        .grant(
+            buffers[1].0,
+            link,
+            lease(3),
+            now,
+            Access::read(0..BYTES),
+            (),
+        )
         .unwrap();
     ledger
-        .grant(buffers[2].0, link, lease(4), now, false, ())
+        .grant(
+            buffers[2].0,
+            link,
+            lease(4),
+            now,
+            Access::read(0..BYTES),
+            (),
+        )
         .unwrap();
     // Owner 2's buffers go: released, retired, unmapped.
     for (l, (alloc, buffer)) in [(3, buffers[1]), (4, buffers[2])] {
@@ -1481,36 +1557,36 @@ fn a_pools_descriptor_goes_once_per_link_until_an_open_fails() {
     let lease = LeaseId::new;
     let hold = |new_hold| Grant { new_hold };
     assert_eq!(
-        ledger.grant(a, link, lease(1), now, false, "one"),
+        ledger.grant(a, link, lease(1), now, Access::read(0..BYTES), "one"),
         Ok((hold(true), Some(7)))
     );
     assert_eq!(
-        ledger.grant(b, link, lease(2), now, false, "two"),
+        ledger.grant(b, link, lease(2), now, Access::read(0..BYTES), "two"),
         Ok((hold(true), None)),
         "the pool's descriptor went with the first offer"
     );
     // The first offer never went out: the next one carries the descriptor.
     assert_eq!(ledger.ungrant(lease(1)), Some((link, hold(true), Some(7))));
     assert_eq!(
-        ledger.grant(a, link, lease(3), now, false, "three"),
+        ledger.grant(a, link, lease(3), now, Access::read(0..BYTES), "three"),
         Ok((hold(true), Some(7)))
     );
     // The importer could not open `b`'s offer: the pool goes again.
     assert!(ledger.unmapped(link, b));
     assert_eq!(
-        ledger.grant(b, link, lease(4), now, false, "four"),
+        ledger.grant(b, link, lease(4), now, Access::read(0..BYTES), "four"),
         Ok((hold(true), Some(7)))
     );
     // A writable lease waits for the others; none is granted while one is out.
     assert_eq!(
-        ledger.grant(a, link, lease(5), now, true, "five"),
+        ledger.grant(a, link, lease(5), now, Access::write(0..BYTES), "five"),
         Err(Refusal::ReadersOut)
     );
     // A new link gets the descriptor with its first offer.
     let other = LinkId::next();
     ledger.link_up(other, process(1));
     assert_eq!(
-        ledger.grant(b, other, lease(6), now, false, "six"),
+        ledger.grant(b, other, lease(6), now, Access::read(0..BYTES), "six"),
         Ok((hold(true), Some(7)))
     );
     ledger.check();
@@ -1528,12 +1604,101 @@ fn a_pools_descriptor_goes_once_per_link_until_an_open_fails() {
     // `a`'s leases went with the link: a writable lease may go out now (the pool's
     // descriptor already crossed `other`), and then no other lease on `a`.
     assert_eq!(
-        ledger.grant(a, other, lease(7), now, true, "seven"),
+        ledger.grant(a, other, lease(7), now, Access::write(0..BYTES), "seven"),
         Ok((hold(true), None))
     );
     assert_eq!(
-        ledger.grant(a, other, lease(8), now, false, "eight"),
+        ledger.grant(a, other, lease(8), now, Access::read(0..BYTES), "eight"),
         Err(Refusal::WriterOut)
     );
     ledger.check();
+}
+
+/// One writer or many readers holds per byte range: writable leases of the two halves of
+/// an allocation coexist; a lease that overlaps a writable one is refused, and a writable
+/// one that overlaps any lease out (a stranded forward included); a forward covers the
+/// bytes of the lease it forwards.
+#[test]
+fn writable_leases_of_disjoint_ranges_coexist_and_overlapping_ones_are_refused() {
+    let mut ledger: Ledger<u64, Fence, ()> = Ledger::default();
+    let alloc = AllocationId::new(1);
+    ledger.insert(NewAllocation {
+        alloc,
+        buffer: BufferId::next(),
+        owner: ActorId::new(1),
+        bytes: BYTES,
+        rule: FreeWhileMapped::Survives,
+        policy: RevokePolicy::Cut,
+        pool: None,
+        meta: 1,
+    });
+    let (link, other) = (LinkId::next(), LinkId::next());
+    ledger.link_up(link, process(0));
+    ledger.link_up(other, process(1));
+    let now = Instant::now();
+    let lease = LeaseId::new;
+    let half = BYTES / 2;
+    let grant = |ledger: &mut Ledger<u64, Fence, ()>, n, link, access| {
+        let got = ledger.grant(alloc, link, lease(n), now, access, ());
+        ledger.check();
+        got.map(|_| ())
+    };
+
+    // The two halves, writable, to two importers.
+    assert_eq!(grant(&mut ledger, 1, link, Access::write(0..half)), Ok(()));
+    assert_eq!(
+        grant(&mut ledger, 2, other, Access::write(half..BYTES)),
+        Ok(())
+    );
+    // Anything that overlaps either is refused; the whole buffer overlaps both.
+    for (n, access) in [
+        (3, Access::read(0..1)),
+        (4, Access::read(half - 1..half + 1)),
+        (5, Access::write(half..half + 8)),
+        (6, Access::read(0..BYTES)),
+    ] {
+        assert_eq!(
+            grant(&mut ledger, n, link, access.clone()),
+            Err(Refusal::WriterOut),
+            "{access:?}"
+        );
+    }
+    assert_eq!(ledger.leases_on(ledger_buffer(&ledger, alloc)), 2);
+    // The first half comes back: readers of it are granted, and forwarded (a forward
+    // covers its lease's bytes); a writer of it is refused while they are out.
+    ledger.release(lease(1), link, []).unwrap();
+    assert_eq!(grant(&mut ledger, 7, link, Access::read(0..half)), Ok(()));
+    assert_eq!(grant(&mut ledger, 8, other, Access::read(8..16)), Ok(()));
+    assert_eq!(
+        ledger.grant_relayed(lease(7), link, lease(9), process(2), 4, now, ()),
+        Ok((alloc, 0..half))
+    );
+    assert_eq!(
+        grant(&mut ledger, 10, other, Access::write(0..8)),
+        Err(Refusal::ReadersOut)
+    );
+    // The relaying link goes: its forward is stranded, a reader of its bytes still.
+    ledger.link_cut(link);
+    ledger.release(lease(8), other, []).unwrap();
+    assert_eq!(ledger.stranded(), BTreeSet::from([lease(9)]));
+    assert_eq!(
+        grant(&mut ledger, 11, other, Access::write(half - 8..half)),
+        Err(Refusal::ReadersOut),
+        "the stranded forward covers the first half"
+    );
+    // Its holder dies: the first half is free for a writer; the second is still written.
+    ledger.process_dead(process(2));
+    assert_eq!(
+        grant(&mut ledger, 12, other, Access::write(0..half)),
+        Ok(())
+    );
+    assert_eq!(
+        grant(&mut ledger, 13, other, Access::write(half..BYTES)),
+        Err(Refusal::WriterOut)
+    );
+}
+
+/// The buffer of an allocation, for [`Ledger::leases_on`].
+fn ledger_buffer<M, F, D>(ledger: &Ledger<M, F, D>, alloc: AllocationId) -> BufferId {
+    ledger.allocs[&alloc].buffer
 }

@@ -14,7 +14,9 @@
 //!   crosses hosts) has completed. A refused device copy is simply never pulled.
 //!   The receiver's `Release` says the bytes landed; the lease then ends as any other.
 //! - As importer ([`receive_copies`](PeerLink::receive_copies)), it allocates a buffer of
-//!   its own node per offer, receives the bytes into it, gives the lease back at once
+//!   its own node per offer (of the offer's length: a range lease's copy is the range's
+//!   bytes alone, sent from its offset, and its handle names no more of the sender's
+//!   buffer), receives the bytes into it, gives the lease back at once
 //!   (`Release`, `Unmapped`: the sender's buffer is free again), and hands the message's
 //!   handler an ordinary lease on the local copy, opened through its import cache as
 //!   `Node::local` opens one. Dropping that lease frees the copy; it is never orphaned
@@ -96,6 +98,9 @@ pub(super) enum CopyOut {
 /// offer that its send must follow.
 pub(super) struct DeviceCopy {
     source: CopySource,
+    /// Where its bytes start in the source (a range lease's first byte; 0 for a forward,
+    /// whose view starts there already).
+    offset: usize,
     len: usize,
     fence: Option<Arc<dyn ExportedFence>>,
 }
@@ -323,17 +328,29 @@ impl PeerLink {
         }
         let (peer, plane) = self.copy_plane(engine)?;
         let fence = out.acquire_fence(&self.peer.process)?;
-        let (mut offer, fd, grant) =
-            (self.node.exports()).grant(cell, &self.me, 0, fence.clone(), false)?;
+        let (mut offer, fd, grant) = (self.node.exports()).grant(
+            cell,
+            out.part.as_ref(),
+            false,
+            &self.me,
+            0,
+            fence.clone(),
+        )?;
         drop(fd);
+        // The bytes the lease covers (all of the buffer, or a range lease's part) are what
+        // is sent, and all the receiver learns of: its copy is an allocation of exactly
+        // them.
+        let (offset, len) = (offer.handle.offset as usize, offer.handle.len as usize);
         offer.handle.raw = RawHandle::Copy { engine };
+        offer.handle.alloc_size = offer.handle.len;
+        offer.handle.offset = 0;
         // The receiver waits on nothing of ours: we wait before we send.
         offer.handle.fence = None;
         offer.handle = offer.handle.sealed(self.node.session().handle_key());
-        let len = offer.handle.len as usize;
         if engine == CopyEngine::Nccl {
             let copy = DeviceCopy {
                 source: CopySource::Own(Arc::clone(cell)),
+                offset,
                 len,
                 fence,
             };
@@ -345,7 +362,7 @@ impl PeerLink {
             &peer,
             TransferId(offer.lease.get()),
             Arc::clone(&cell.alloc),
-            0,
+            offset,
             len,
         );
         match sent {
@@ -407,6 +424,7 @@ impl PeerLink {
         if engine == CopyEngine::Nccl {
             let copy = DeviceCopy {
                 source: CopySource::Forwarded(Box::new(view), keep),
+                offset: 0,
                 len,
                 fence,
             };
@@ -592,7 +610,7 @@ impl PeerLink {
         let id = TransferId(lease.get());
         Ok(match copy.source {
             CopySource::Own(cell) => {
-                HeldTransfer::send(&*nccl, &peer, id, cell.alloc.clone(), 0, copy.len)?
+                HeldTransfer::send(&*nccl, &peer, id, cell.alloc.clone(), copy.offset, copy.len)?
             }
             CopySource::Forwarded(view, keep) => {
                 HeldTransfer::send_view(&*nccl, &peer, id, *view, keep)?

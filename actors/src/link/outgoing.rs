@@ -182,9 +182,14 @@ impl PeerLink {
                 break;
             }
             let granted = out.acquire_fence(&self.peer.process).and_then(|fence| {
-                self.node
-                    .exports()
-                    .grant(cell, &self.me, fds.len() as u8, fence, out.writable)
+                self.node.exports().grant(
+                    cell,
+                    out.part.as_ref(),
+                    out.writable,
+                    &self.me,
+                    fds.len() as u8,
+                    fence,
+                )
             });
             match granted {
                 Ok((offer, fd, grant)) => {
