@@ -270,6 +270,7 @@ impl ProcessSupervisor {
                 reason: reason.clone(),
             });
             if self.remote_restart(&name) == Restart::Temporary {
+                self.forget_waiters(&name);
                 self.done.insert(name);
             } else {
                 restart.push(name);
@@ -389,11 +390,12 @@ impl Handler<RemoteStarted> for ProcessSupervisor {
                     .insert(msg.name.clone(), RemoteRunning { agent, child });
                 self.done.remove(&msg.name);
                 self.emit(SupervisorEvent::Started {
-                    name: msg.name,
+                    name: msg.name.clone(),
                     pid: child.pid,
                     process: child.process,
                     restarts,
                 });
+                self.started_waiters(&msg.name);
             }
             Err(error) => {
                 tracing::error!(child = %msg.name, %error, "could not start a remote child; retrying");
