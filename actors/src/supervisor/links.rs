@@ -13,6 +13,7 @@ use crate::error::ActorError;
 use crate::node::Peer;
 use actix::prelude::*;
 use baton_ipc::SocketDir;
+use baton_messages::ProcessId;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,10 +30,17 @@ pub(super) struct ChildLinks {
     linked: HashMap<String, Peer>,
 }
 
+/// A caller waiting for a child's link.
+struct PeerWaiter {
+    /// The run whose link does not count (one that died), if any.
+    replacing: Option<ProcessId>,
+    reply: oneshot::Sender<Peer>,
+}
+
 /// Callers waiting for a child, by its name.
 #[derive(Default)]
 pub(super) struct Waiting {
-    peer: HashMap<String, Vec<oneshot::Sender<Peer>>>,
+    peer: HashMap<String, Vec<PeerWaiter>>,
     running: HashMap<String, Vec<oneshot::Sender<ChildStatus>>>,
 }
 
@@ -175,8 +183,16 @@ impl StreamHandler<Peer> for ProcessSupervisor {
         };
         tracing::info!(child = %name, pid = process.pid, "child linked");
         links.linked.insert(name.clone(), peer.clone());
-        for waiter in self.waiting.peer.remove(&name).unwrap_or_default() {
-            let _ = waiter.send(peer.clone());
+        if let Some(waiting) = self.waiting.peer.remove(&name) {
+            let (answered, still): (Vec<_>, Vec<_>) = waiting
+                .into_iter()
+                .partition(|w| w.replacing != Some(process));
+            for waiter in answered {
+                let _ = waiter.reply.send(peer.clone());
+            }
+            if !still.is_empty() {
+                self.waiting.peer.insert(name.clone(), still);
+            }
         }
         self.emit(SupervisorEvent::Linked {
             name,
@@ -192,7 +208,8 @@ impl StreamHandler<Peer> for ProcessSupervisor {
 /// Replies with the link of the child `name`'s current run once it has linked (under
 /// [`ProcessSupervisor::link_children`]): at once if it has, else when it does, waiting at
 /// most `within`. Right after the supervisor starts, or after a restart, this is how a
-/// caller gets the new run's link.
+/// caller gets the new run's link; with [`replacing`](Self::replacing) the run that died is
+/// never the answer, even before the supervisor has seen it die.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<Peer, ActorError>")]
 pub struct ChildPeer {
@@ -200,6 +217,8 @@ pub struct ChildPeer {
     pub name: String,
     /// How long to wait for it to link.
     pub within: Duration,
+    /// A run whose link is not wanted (one that was killed): wait for another's.
+    pub replacing: Option<ProcessId>,
 }
 
 impl ChildPeer {
@@ -208,7 +227,15 @@ impl ChildPeer {
         Self {
             name: name.into(),
             within,
+            replacing: None,
         }
+    }
+
+    /// Waits for the link of a run other than `process` (the one that died: its
+    /// [`Peer::process`]).
+    pub fn replacing(mut self, process: ProcessId) -> Self {
+        self.replacing = Some(process);
+        self
     }
 }
 
@@ -220,7 +247,11 @@ impl Handler<ChildPeer> for ProcessSupervisor {
     /// child of that name, or that child ended for good; [`ActorError::Timeout`] if it did
     /// not link within `within`.
     fn handle(&mut self, msg: ChildPeer, _ctx: &mut Context<Self>) -> Self::Result {
-        let ChildPeer { name, within } = msg;
+        let ChildPeer {
+            name,
+            within,
+            replacing,
+        } = msg;
         let Some(links) = &self.links else {
             return Box::pin(std::future::ready(Err(ActorError::NoSuchChild {
                 name,
@@ -230,6 +261,7 @@ impl Handler<ChildPeer> for ProcessSupervisor {
         let current = self.running.get(&name).map(|r| r.process);
         if let Some(peer) = links.linked.get(&name)
             && Some(peer.process()) == current
+            && Some(peer.process()) != replacing
         {
             return Box::pin(std::future::ready(Ok(peer.clone())));
         }
@@ -239,8 +271,11 @@ impl Handler<ChildPeer> for ProcessSupervisor {
         let (tx, rx) = oneshot::channel();
         let name_of_waited = name.clone();
         let waiting = self.waiting.peer.entry(name).or_default();
-        waiting.retain(|w| !w.is_closed());
-        waiting.push(tx);
+        waiting.retain(|w| !w.reply.is_closed());
+        waiting.push(PeerWaiter {
+            replacing,
+            reply: tx,
+        });
         Box::pin(wait_for(
             rx,
             within,
