@@ -45,10 +45,12 @@
 //!   limit as local children's. When the agent's link goes down (the agent died, or the
 //!   heartbeat cut a partition) its children are counted [`SupervisorEvent::Lost`] — the
 //!   agent kills them on its side when it sees the same link down — and are restarted by
-//!   the strategy, which links to the agent's address again: while the agent stays
-//!   unreachable every attempt fails at once and counts toward the restart limit, so the
-//!   supervisor escalates rather than wait without bound. See `docs/CROSS_HOST.md`,
-//!   "Supervising children on another host".
+//!   the strategy, which links to the agent's address again. A start whose agent cannot be
+//!   reached (not up yet, or away) is tried again with a backoff *without* counting toward
+//!   the restart limit for up to [`RemoteChildSpec::ready_within`] (default 10 s); past
+//!   that each failed start counts, so an agent that stays away makes the supervisor
+//!   escalate rather than wait without bound. [`ChildRunning`] waits, with a deadline, until
+//!   a child runs. See `docs/CROSS_HOST.md`, "Supervising children on another host".
 
 use crate::error::ActorError;
 use crate::node::{Node, Peer, PeerEvent};
@@ -68,7 +70,7 @@ mod links;
 mod remote;
 
 pub use links::{ChildPeer, ChildRunning};
-pub use remote::RemoteChildSpec;
+pub use remote::{DEFAULT_READY_WITHIN, RemoteChildSpec};
 
 // A child's status reports its name: the constant sits with the status, below the node.
 pub use crate::status::CHILD_NAME_ENV;
@@ -251,7 +253,8 @@ pub enum SupervisorEvent {
         reason: Option<String>,
     },
     /// A child on another host could not be started: its agent was unreachable or refused
-    /// (an unknown spec, its limit). It is tried again like a child that died.
+    /// (an unknown spec, its limit). It is tried again: like a child that died, or — its
+    /// agent unreachable, within [`RemoteChildSpec::ready_within`] — uncounted.
     StartFailed {
         /// Its name.
         name: String,
