@@ -205,7 +205,7 @@ impl StreamHandler<Peer> for ProcessSupervisor {
     fn finished(&mut self, _ctx: &mut Context<Self>) {}
 }
 
-/// Replies with the link of the child `name`'s current run once it has linked (under
+/// Replies with the live link of the child `name`'s current run once it has linked (under
 /// [`ProcessSupervisor::link_children`]): at once if it has, else when it does, waiting at
 /// most `within`. Right after the supervisor starts, or after a restart, this is how a
 /// caller gets the new run's link; with [`replacing`](Self::replacing) the run that died is
@@ -262,6 +262,7 @@ impl Handler<ChildPeer> for ProcessSupervisor {
         if let Some(peer) = links.linked.get(&name)
             && Some(peer.process()) == current
             && Some(peer.process()) != replacing
+            && peer.is_connected()
         {
             return Box::pin(std::future::ready(Ok(peer.clone())));
         }
