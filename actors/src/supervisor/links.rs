@@ -244,7 +244,7 @@ impl Handler<ChildPeer> for ProcessSupervisor {
 
     /// # Errors
     /// [`ActorError::NoSuchChild`] if the supervisor does not link its children, has no
-    /// child of that name, or that child ended for good; [`ActorError::Timeout`] if it did
+    /// local child of that name, or that child ended for good; [`ActorError::Timeout`] if it did
     /// not link within `within`.
     fn handle(&mut self, msg: ChildPeer, _ctx: &mut Context<Self>) -> Self::Result {
         let ChildPeer {
@@ -258,6 +258,12 @@ impl Handler<ChildPeer> for ProcessSupervisor {
                 reason: "the supervisor does not link its children (ProcessSupervisor::link_children)",
             })));
         };
+        if self.remote.specs.iter().any(|s| s.name == name) {
+            return Box::pin(std::future::ready(Err(ActorError::NoSuchChild {
+                name,
+                reason: "a child on another host links back over TCP (connect_back_tcp), not to this socket",
+            })));
+        }
         let current = self.running.get(&name).map(|r| r.process);
         if let Some(peer) = links.linked.get(&name)
             && Some(peer.process()) == current
