@@ -54,7 +54,9 @@ impl ProcessSupervisor {
     ///
     /// Each link is matched to its child by the process it proved in the handshake (pid
     /// and start time), never by anything the child sent; a link from a process that is not
-    /// a current child is closed (with a warning). Subscribers get
+    /// a current child is closed (with a warning) — so the program a spec starts must be the
+    /// one that joins, not a shell or launcher that forks it (`exec` keeps the process, and
+    /// is fine). Subscribers get
     /// [`SupervisorEvent::Linked`]; [`ChildPeer`] waits for a child's link, also after a
     /// restart (a restarted child's link replaces the old one). Must be called inside an
     /// actix system. [`connect_back`](Self::connect_back) still works beside it.
