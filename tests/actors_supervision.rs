@@ -1,23 +1,29 @@
 //! Supervision: a process supervisor restarts a SIGKILLed exporter while the importer's
 //! leases turn orphaned; restart limits escalate; one-for-all restarts all; a child that
 //! keeps a revoked lease is killed where its owner's `RevokePolicy` says so; actix's own
-//! `Supervisor` restarts an actor in process without losing its registration.
+//! `Supervisor` restarts an actor in process without losing its registration; children of a
+//! supervisor that links them join with `Node::join` and are matched by their proven process.
 
 #[path = "support/actors.rs"]
 mod actors;
+#[path = "support/api_msgs.rs"]
+mod api_msgs;
 #[path = "support/msgs.rs"]
 mod msgs;
 #[path = "support/peer.rs"]
 mod peer;
 
 use actix::prelude::*;
-use actors::{DEADLINE, Parent, eventually, run};
+use actors::{DEADLINE, Parent, eventually, exited, run};
+use api_msgs::WhichBackend;
 use baton::actors::supervisor::{KillChild, Shutdown};
 use baton::actors::{
-    ActorError, Allocate, Buffer, BufferOwner, ChildSpec, Lease, Node, ProcessSupervisor,
-    RemoteMessage, RestartPolicy, Revoke, RevokePolicy, Strategy, SupervisorEvent,
+    ActorError, Allocate, Buffer, BufferOwner, ChildPeer, ChildSpec, Children, Lease, Node,
+    PARENT_SOCKET_ENV, ProcessSupervisor, RemoteMessage, RestartPolicy, Revoke, RevokePolicy,
+    Strategy, SupervisorEvent,
 };
 use baton::ipc::{HostBackend, host};
+use baton::messages::ProcessId;
 use msgs::*;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
@@ -441,7 +447,7 @@ fn a_transient_child_is_restarted_after_a_crash_and_not_after_a_clean_exit() {
             )
         })
         .await;
-        let children = sup.send(baton::actors::Children).await.unwrap();
+        let children = sup.send(Children).await.unwrap();
         assert_eq!(
             (children[0].pid, children[0].restarts),
             (None, 1),
@@ -600,5 +606,183 @@ fn an_unresponsive_child_is_killed_and_restarted() {
         .await;
         eventually(DEADLINE, "the killed child reaped", || gone(pid1)).await;
         sup.send(Shutdown).await.unwrap();
+    });
+}
+
+/// A child that joins with `Node::join` (`baton-api-peer`), named segments in the parent's
+/// namespace; no backend named: it inherits the supervisor node's.
+fn joining_spec(parent: &Parent, name: &str) -> ChildSpec {
+    ChildSpec::new(name, peer::exe("baton-api-peer"))
+        .env(host::NAMESPACE_ENV, &parent.ns)
+        .env(host::HOST_ENV, "named")
+}
+
+/// A supervisor of `specs` on the parent's node that links its children, recording events.
+fn supervise_linked(
+    parent: &Parent,
+    specs: Vec<ChildSpec>,
+) -> (Addr<ProcessSupervisor>, SupEvents) {
+    let events = SupEvents::default();
+    let sup = ProcessSupervisor::new(
+        parent.node.clone(),
+        specs,
+        Strategy::OneForOne,
+        RestartPolicy {
+            max_restarts: 3,
+            within: Duration::from_secs(60),
+        },
+    )
+    .link_children()
+    .expect("a socket for the children")
+    .subscriber(SupLog(events.clone()).start().recipient())
+    .start();
+    (sup, events)
+}
+
+/// The variable `var` in `pid`'s environment.
+fn environ_of(pid: u32, var: &str) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environ.split(|b| *b == 0).find_map(|entry| {
+        let entry = String::from_utf8_lossy(entry);
+        entry
+            .strip_prefix(var)
+            .and_then(|rest| rest.strip_prefix('='))
+            .map(str::to_owned)
+    })
+}
+
+impl SupEvents {
+    /// The processes announced as linked for `name`, in order.
+    fn linked(&self, name: &str) -> Vec<ProcessId> {
+        self.all()
+            .into_iter()
+            .filter_map(|e| match e {
+                SupervisorEvent::Linked {
+                    name: n,
+                    process,
+                    peer,
+                } if n == name => {
+                    assert_eq!(peer.process(), process);
+                    Some(process)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Issue 50: a supervised child joins with `Node::join` alone; `ChildPeer` answers with the
+/// link of exactly that child (its proven process is the one the supervisor started), and
+/// after SIGKILL and restart with the new run's link. The child has the supervisor node's
+/// backend, which its spec did not name.
+#[test]
+fn a_supervised_child_joins_in_one_call_and_child_peer_follows_its_restarts() {
+    run(async {
+        let parent = Parent::start("supjoin");
+        let (sup, events) = supervise_linked(&parent, vec![joining_spec(&parent, "worker")]);
+        let first = sup
+            .send(ChildPeer::new("worker", DEADLINE))
+            .await
+            .unwrap()
+            .expect("the child's link");
+        let children = sup.send(Children).await.unwrap();
+        assert_eq!(children[0].process, Some(first.process()));
+        assert_eq!(events.linked("worker"), vec![first.process()]);
+        let pid1 = first.process().pid;
+        // The parent's backend, passed on though the spec named none.
+        assert_eq!(environ_of(pid1, "BATON_BACKEND").as_deref(), Some("host"));
+        let (name, kind) = first
+            .remote::<WhichBackend>("api.backend")
+            .send(WhichBackend)
+            .await
+            .unwrap();
+        assert_eq!((name.as_str(), kind.as_str()), ("host", "Host"));
+
+        assert_eq!(
+            sup.send(KillChild("worker".into())).await.unwrap(),
+            Some(pid1)
+        );
+        // Asked at once: the killed run's link is never the answer, though the supervisor
+        // may not have seen it die yet.
+        let second = sup
+            .send(ChildPeer::new("worker", DEADLINE).replacing(first.process()))
+            .await
+            .unwrap()
+            .expect("the restarted child's link");
+        assert_ne!(second.process(), first.process());
+        let children = sup.send(Children).await.unwrap();
+        assert_eq!(children[0].process, Some(second.process()));
+        assert_eq!(children[0].restarts, 1);
+        assert_eq!(
+            events.linked("worker"),
+            vec![first.process(), second.process()]
+        );
+        let (name, _) = second
+            .remote::<WhichBackend>("api.backend")
+            .send(WhichBackend)
+            .await
+            .unwrap();
+        assert_eq!(name, "host");
+        // Unknown names are told apart from slow children.
+        assert!(matches!(
+            sup.send(ChildPeer::new("nobody", DEADLINE)).await.unwrap(),
+            Err(ActorError::NoSuchChild { .. })
+        ));
+
+        sup.send(Shutdown).await.unwrap();
+        let pid2 = second.process().pid;
+        eventually(DEADLINE, "both children reaped", || {
+            gone(pid1) && gone(pid2)
+        })
+        .await;
+    });
+}
+
+/// Issue 50: a process that holds the token but is not a current child, linking to the
+/// supervisor's socket, is not matched to any child: its link is closed, and `ChildPeer`
+/// still answers with the child's own link.
+#[test]
+fn a_stranger_on_the_supervisors_socket_is_not_matched_and_is_closed() {
+    run(async {
+        let parent = Parent::start("supstranger");
+        let (sup, events) = supervise_linked(&parent, vec![joining_spec(&parent, "worker")]);
+        let child = sup
+            .send(ChildPeer::new("worker", DEADLINE))
+            .await
+            .unwrap()
+            .expect("the child's link");
+        let socket = environ_of(child.process().pid, PARENT_SOCKET_ENV).expect("the socket");
+        // The same program, token and socket: only its process differs.
+        let mut stranger = peer::Peer::spawn_with(
+            peer::exe("baton-api-peer"),
+            &parent.session,
+            &parent.ns,
+            &[],
+            &[(PARENT_SOCKET_ENV, socket.as_str())],
+            false,
+        );
+        let stranger_pid = stranger.pid();
+        // The supervisor closes its link; the helper exits when its parent's link ends (or
+        // when its join fails, if the close comes first). Were it kept, it would run on.
+        exited(&mut stranger, DEADLINE).await;
+        assert_eq!(events.linked("worker"), vec![child.process()]);
+        assert!(
+            !events.all().iter().any(|e| matches!(
+                e,
+                SupervisorEvent::Linked { process, .. } if process.pid == stranger_pid
+            )),
+            "{:?}",
+            events.all()
+        );
+        let again = sup
+            .send(ChildPeer::new("worker", DEADLINE))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(again.process(), child.process());
+        assert!(again.is_connected());
+        sup.send(Shutdown).await.unwrap();
+        let pid = child.process().pid;
+        eventually(DEADLINE, "the child reaped", || gone(pid)).await;
     });
 }

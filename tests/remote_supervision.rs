@@ -22,8 +22,8 @@ use baton::actors::supervisor::agent::{
     AGENT_NAME, AgentRefusal, KillRemote, RemoteExit, SpawnRemote,
 };
 use baton::actors::{
-    Children, Heartbeat, HostSettings, Node, NodeConfig, ProcessSupervisor, RemoteChildSpec,
-    RestartPolicy, Shutdown, Strategy, SupervisorEvent, TcpListening,
+    ChildRunning, Children, Heartbeat, HostSettings, Node, NodeConfig, ProcessSupervisor,
+    RemoteChildSpec, RestartPolicy, Shutdown, Strategy, SupervisorEvent, TcpListening,
 };
 use baton::ipc::HostBackend;
 use baton::ipc::tcp::HostId;
@@ -667,5 +667,103 @@ fn a_remote_child_that_stops_answering_is_killed_through_its_agent_and_restarted
             gone(second)
         })
         .await;
+    });
+}
+
+/// A loopback address no one listens at now (the port of a listener just closed).
+fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// Issue 50: an agent that comes up after its supervisor started does not use up the
+/// restart limit: the start is retried, uncounted, within the spec's readiness window, and
+/// `ChildRunning` answers once the child runs there.
+#[test]
+fn an_agent_that_comes_up_late_gets_its_child_started_without_counting_restarts() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("rs-late");
+        let _sweep = Sweep(ns.clone());
+        let a = node(&session, "a", &ns);
+        let at = free_addr();
+        let (sup, events) = supervisor(
+            &a,
+            vec![RemoteChildSpec::new("late", at, "sleeper").ready_within(DEADLINE)],
+            // Not one restart: the tries before the agent is up must not count.
+            RestartPolicy {
+                max_restarts: 0,
+                within: Duration::from_secs(60),
+            },
+            None,
+        );
+        // Tried before the agent is there.
+        events
+            .nth(2, DEADLINE, "failed starts", |e| {
+                matches!(e, SupervisorEvent::StartFailed { .. }).then_some(())
+            })
+            .await;
+        let (_agent, _lines, up) = agent(&session, &ns, &at.to_string(), &[]).await;
+        assert_eq!(up, at);
+        let running = sup
+            .send(ChildRunning::new("late", DEADLINE))
+            .await
+            .unwrap()
+            .expect("the child runs once its agent is up");
+        let pid = running.pid.expect("a pid");
+        assert_eq!(running.restarts, 0, "uncounted tries are no restarts");
+        assert_eq!(events.started(1, "late").await, (pid, 0));
+        assert!(
+            !events
+                .all()
+                .iter()
+                .any(|e| matches!(e, SupervisorEvent::Escalated { .. })),
+            "{:?}",
+            events.all()
+        );
+        sup.send(Shutdown).await.unwrap();
+        eventually(DEADLINE, "the child killed with its supervisor", || {
+            gone(pid)
+        })
+        .await;
+    });
+}
+
+/// Issue 50: an agent that never comes up ends in an error within the stated bound: past
+/// its readiness window the failed starts count, the supervisor escalates, and a caller
+/// waiting for the child hears it will not run.
+#[test]
+fn an_agent_that_never_comes_up_ends_in_escalation_and_an_error_for_who_waits() {
+    run(async {
+        let session = Session::generate().unwrap();
+        let ns = peer::namespace("rs-never");
+        let _sweep = Sweep(ns.clone());
+        let a = node(&session, "a", &ns);
+        let at = free_addr();
+        let (sup, events) = supervisor(
+            &a,
+            vec![RemoteChildSpec::new("never", at, "sleeper").ready_within(Duration::from_secs(1))],
+            RestartPolicy {
+                max_restarts: 2,
+                within: Duration::from_secs(60),
+            },
+            None,
+        );
+        let waited = sup.send(ChildRunning::new("never", DEADLINE)).await;
+        assert!(!matches!(waited, Ok(Ok(_))), "{waited:?}");
+        let restarts = events
+            .nth(1, DEADLINE, "escalation", |e| match e {
+                SupervisorEvent::Escalated { restarts } => Some(*restarts),
+                _ => None,
+            })
+            .await;
+        assert_eq!(restarts, 3);
+        eventually(DEADLINE, "the supervisor stopped", || !sup.connected()).await;
+        assert!(
+            !events
+                .all()
+                .iter()
+                .any(|e| matches!(e, SupervisorEvent::Started { .. }))
+        );
     });
 }

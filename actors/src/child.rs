@@ -135,9 +135,12 @@ impl Drop for LinkedChild {
     }
 }
 
-/// The environment `spawn_child` gives the child so that it picks the parent's backend,
-/// unless the command already says.
-fn inherit_backend(node: &Node, cmd: &mut Command) {
+/// Names `node`'s backend in `cmd`'s environment so that the child allocates where the
+/// parent does: `BATON_BACKEND`, and for CUDA `BATON_CUDA_EXPORT` and `BATON_CUDA_DEVICE`,
+/// each unless `cmd` sets it already (nothing at all if it sets `BATON_BACKEND`).
+/// [`Node::spawn_child`], the [`ProcessSupervisor`](crate::ProcessSupervisor) and the
+/// [`ChildAgent`](crate::supervisor::agent::ChildAgent) all start children through it.
+pub(crate) fn inherit_backend(node: &Node, cmd: &mut Command) {
     let set = |cmd: &Command, var: &str| cmd.get_envs().any(|(k, _)| k == var);
     if set(cmd, baton_ipc::select::BACKEND_ENV) {
         return;

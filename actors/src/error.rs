@@ -281,6 +281,17 @@ pub enum ActorError {
         /// How it exited.
         status: std::process::ExitStatus,
     },
+    /// A [`ProcessSupervisor`](crate::ProcessSupervisor) was asked for a child it cannot
+    /// give ([`ChildPeer`](crate::supervisor::ChildPeer),
+    /// [`ChildRunning`](crate::supervisor::ChildRunning)): see `reason`.
+    #[error("supervised child {name:?} is not available: {reason}")]
+    NoSuchChild {
+        /// The name asked for.
+        name: String,
+        /// Why: no child of that name, it ended for good, the supervisor stops, or it
+        /// does not link its children.
+        reason: &'static str,
+    },
     /// `Node::join` was called in a process that [`Node::spawn_child`](crate::Node::spawn_child)
     /// did not start (the socket variable is missing).
     #[error("no parent to join: {var} is not set (start this process with Node::spawn_child)")]
@@ -372,6 +383,7 @@ impl ActorError {
             | ActorError::TooManyDescriptors { .. }
             | ActorError::TooManyStreams { .. }
             | ActorError::NoParent { .. }
+            | ActorError::NoSuchChild { .. }
             | ActorError::BufferLeased { .. }
             | ActorError::LeaseConflict { .. }
             | ActorError::NotHostMemory

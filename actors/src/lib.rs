@@ -168,8 +168,8 @@ pub use raw::{AnyBuffer, AnyLease, AnyShared, RawCall, RawHandler, RawMessage, R
 pub use remote::{Encoding, MSGPACK_SHARED_EXT, RemoteAddr, RemoteMessage};
 pub use status::TREE_DEADLINE;
 pub use supervisor::{
-    ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor, RemoteChildSpec, Restart,
-    RestartPolicy, Shutdown, Strategy, SupervisorEvent,
+    ChildPeer, ChildRunning, ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor,
+    RemoteChildSpec, Restart, RestartPolicy, Shutdown, Strategy, SupervisorEvent,
 };
 
 pub use actix;

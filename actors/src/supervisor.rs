@@ -10,7 +10,15 @@
 //! - Each child gets the session token through an inherited pipe
 //!   ([`Session::pass_to`](baton_ipc::Session::pass_to): never in its environment; its
 //!   `Session::from_env` / `Node::from_env` reads and closes it), its name
-//!   ([`CHILD_NAME_ENV`]) and, if set, the socket to connect back to ([`CONNECT_ENV`]).
+//!   ([`CHILD_NAME_ENV`]), the node's backend unless its spec names one (as
+//!   [`Node::spawn_child`](crate::Node::spawn_child) does), and, if set, the socket to
+//!   connect back to ([`CONNECT_ENV`]).
+//! - **Joining in one call** ([`ProcessSupervisor::link_children`]): the supervisor listens
+//!   on a fresh private socket and names it in [`PARENT_SOCKET_ENV`](crate::PARENT_SOCKET_ENV);
+//!   each child calls [`Node::join`](crate::Node::join). A link is matched to its child by
+//!   the process it proved in the handshake (pid and start time), never by what the child
+//!   says; links from other processes are closed. [`SupervisorEvent::Linked`] announces
+//!   each; [`ChildPeer`] waits for a child's current link (after a restart, the new one).
 //! - Children are named by (pid, start time) ([`ProcessId`]), never by pid alone.
 //! - When a child dies, every link to it is cut at once (reclaiming the leases it held,
 //!   orphaning the ones it granted), even if a descendant inherited its socket, and the
@@ -37,13 +45,15 @@
 //!   limit as local children's. When the agent's link goes down (the agent died, or the
 //!   heartbeat cut a partition) its children are counted [`SupervisorEvent::Lost`] — the
 //!   agent kills them on its side when it sees the same link down — and are restarted by
-//!   the strategy, which links to the agent's address again: while the agent stays
-//!   unreachable every attempt fails at once and counts toward the restart limit, so the
-//!   supervisor escalates rather than wait without bound. See `docs/CROSS_HOST.md`,
-//!   "Supervising children on another host".
+//!   the strategy, which links to the agent's address again. A start whose agent cannot be
+//!   reached (not up yet, or away) is tried again with a backoff *without* counting toward
+//!   the restart limit for up to [`RemoteChildSpec::ready_within`] (default 10 s); past
+//!   that each failed start counts, so an agent that stays away makes the supervisor
+//!   escalate rather than wait without bound. [`ChildRunning`] waits, with a deadline, until
+//!   a child runs. See `docs/CROSS_HOST.md`, "Supervising children on another host".
 
 use crate::error::ActorError;
-use crate::node::{Node, PeerEvent};
+use crate::node::{Node, Peer, PeerEvent};
 use actix::prelude::*;
 use baton_ipc::{host, process};
 use baton_messages::ProcessId;
@@ -56,9 +66,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub mod agent;
+mod links;
 mod remote;
 
-pub use remote::RemoteChildSpec;
+pub use links::{ChildPeer, ChildRunning};
+pub use remote::{DEFAULT_READY_WITHIN, RemoteChildSpec};
 
 // A child's status reports its name: the constant sits with the status, below the node.
 pub use crate::status::CHILD_NAME_ENV;
@@ -79,6 +91,13 @@ pub enum Restart {
 }
 
 /// How to start one child.
+///
+/// Besides `env`, the child gets its name ([`CHILD_NAME_ENV`]), the session token through
+/// an inherited pipe, the supervisor's socket when it links its children
+/// ([`ProcessSupervisor::link_children`]) or names one ([`CONNECT_ENV`]), and the
+/// supervisor node's backend — `BATON_BACKEND`, and `BATON_CUDA_DEVICE` and
+/// `BATON_CUDA_EXPORT` for CUDA — unless `env` sets `BATON_BACKEND` (then none of them is
+/// added) or the CUDA variable itself.
 #[derive(Debug, Clone)]
 pub struct ChildSpec {
     /// Its name (unique among the supervisor's children).
@@ -206,6 +225,17 @@ pub enum SupervisorEvent {
         /// Bytes they held.
         bytes: u64,
     },
+    /// A child linked to the supervisor's socket (under
+    /// [`ProcessSupervisor::link_children`]), matched by the process it proved in the
+    /// handshake. A restarted child's link replaces its last run's.
+    Linked {
+        /// Its name.
+        name: String,
+        /// The process (pid and start time) that linked: the child's current run.
+        process: ProcessId,
+        /// The link to it (boxed: a link is larger than the other events).
+        peer: Box<Peer>,
+    },
     /// A child on another host was lost with its agent's link (the agent died, or the link
     /// was cut); the agent kills it on its side. It is restarted by the strategy, like a
     /// child that died.
@@ -223,7 +253,8 @@ pub enum SupervisorEvent {
         reason: Option<String>,
     },
     /// A child on another host could not be started: its agent was unreachable or refused
-    /// (an unknown spec, its limit). It is tried again like a child that died.
+    /// (an unknown spec, its limit). It is tried again: like a child that died, or — its
+    /// agent unreachable, within [`RemoteChildSpec::ready_within`] — uncounted.
     StartFailed {
         /// Its name.
         name: String,
@@ -294,7 +325,7 @@ pub(crate) struct Spawned {
 
 /// Spawns `spec`'s program tied to this process (`spawn_tied`: SIGKILLed when this
 /// process dies), with its name ([`CHILD_NAME_ENV`]), `env`, the spec's own environment,
-/// and last the session token through an inherited pipe (never in its environment). The
+/// `node`'s backend unless the spec names one (as [`Node::spawn_child`] does), and last the session token through an inherited pipe (never in its environment). The
 /// supervisor and the [`ChildAgent`](agent::ChildAgent) both start children here.
 ///
 /// # Errors
@@ -313,6 +344,8 @@ pub(crate) fn spawn_process(
     cmd.args(&spec.args).env(CHILD_NAME_ENV, &spec.name);
     cmd.envs(env.iter().map(|(k, v)| (k, v)));
     cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
+    // The node's backend, unless the spec names one.
+    crate::child::inherit_backend(node, &mut cmd);
     // Last, so that no spec puts the token in the environment.
     node.session()
         .pass_to(&mut cmd)
@@ -363,7 +396,33 @@ fn describe(status: Option<ExitStatus>) -> String {
     }
 }
 
-/// A process supervisor (see the [crate docs](crate)).
+/// An actor that spawns child processes, watches them and restarts them by strategy,
+/// feeding their deaths into the lease protocol (the [module docs](self) have the detail).
+///
+/// - **Starting:** each [`ChildSpec`] is spawned with `std::process::Command`, tied to this
+///   process (it is SIGKILLed when this process dies), with the session token through an
+///   inherited pipe, its name in [`CHILD_NAME_ENV`] and this node's backend
+///   (`BATON_BACKEND`, and `BATON_CUDA_DEVICE`/`BATON_CUDA_EXPORT` for CUDA) unless the
+///   spec sets it — as [`Node::spawn_child`] does.
+/// - **Linking:** with [`link_children`](Self::link_children) each child joins in one
+///   call, [`Node::join`]; the supervisor matches the link to the child by the process it
+///   proved (pid and start time), announces it ([`SupervisorEvent::Linked`]) and hands it
+///   out ([`ChildPeer`]). Or name a socket of your own with
+///   [`connect_back`](Self::connect_back) ([`CONNECT_ENV`]) and match peers yourself.
+/// - **Deaths:** a dead child's links are cut at once (leases it held reclaimed, leases it
+///   granted orphaned), its named host segments swept ([`SupervisorEvent::Swept`]), and it
+///   is restarted by its [`Restart`] and the [`Strategy`]; more than
+///   [`RestartPolicy::max_restarts`] restarts within [`RestartPolicy::within`] escalate:
+///   every child is killed and the supervisor stops ([`SupervisorEvent::Escalated`]).
+///   A child whose link goes silent past the heartbeat deadline is killed
+///   ([`kill_unresponsive`](Self::kill_unresponsive)).
+/// - **Other hosts:** [`RemoteChildSpec`]s are started by a
+///   [`ChildAgent`](agent::ChildAgent) there ([`remote_children`](Self::remote_children));
+///   [`ChildRunning`] waits until one runs.
+/// - **Stopping** ([`Shutdown`], or dropping every address) kills and reaps every child.
+///
+/// Subscribers ([`subscriber`](Self::subscriber)) get every [`SupervisorEvent`];
+/// [`Children`] lists the children's states, [`KillChild`] kills one.
 pub struct ProcessSupervisor {
     specs: Vec<ChildSpec>,
     strategy: Strategy,
@@ -385,6 +444,10 @@ pub struct ProcessSupervisor {
     board: crate::observed::ChildBoard,
     /// Children on other hosts, and what runs of them.
     remote: remote::RemoteChildren,
+    /// The children's socket and links, under `link_children`.
+    links: Option<links::ChildLinks>,
+    /// Callers waiting for a child to link or to run.
+    waiting: links::Waiting,
     span: tracing::Span,
 }
 
@@ -423,6 +486,8 @@ impl ProcessSupervisor {
             done: std::collections::HashSet::new(),
             board: Arc::default(),
             remote: remote::RemoteChildren::default(),
+            links: None,
+            waiting: links::Waiting::default(),
             span: tracing::info_span!("process_supervisor"),
         }
     }
@@ -498,6 +563,7 @@ impl ProcessSupervisor {
             .connect
             .iter()
             .map(|path| (CONNECT_ENV, path.clone().into_os_string()))
+            .chain(self.link_env())
             .collect();
         let Spawned {
             mut child,
@@ -543,6 +609,7 @@ impl ProcessSupervisor {
             process: child_process,
             restarts,
         });
+        self.started_waiters(&spec.name);
         Ok(())
     }
 
@@ -634,6 +701,7 @@ impl Actor for ProcessSupervisor {
         self.node.subscribe(ctx.address().recipient());
         // The node's status lists the children for as long as this supervisor lives.
         self.node.observed().register_children(&self.board);
+        self.accept_links(ctx);
         for spec in self.specs.clone() {
             self.start_child(spec, ctx);
         }
@@ -717,6 +785,7 @@ impl Handler<ChildExited> for ProcessSupervisor {
             .is_some_and(|r| r.incarnation == msg.incarnation);
         if current {
             self.running.remove(&msg.name);
+            self.unlink(&msg.name);
             let restart = self
                 .specs
                 .iter()
@@ -768,6 +837,7 @@ impl ProcessSupervisor {
             Restart::Transient | Restart::Temporary => {
                 tracing::info!(child = %name, "child done; not restarted");
                 self.done.insert(name.to_owned());
+                self.forget_waiters(name);
             }
         }
     }

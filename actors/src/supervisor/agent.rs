@@ -8,7 +8,8 @@
 //!   unharmed.
 //! - **Children are spawned as a [`ProcessSupervisor`](super::ProcessSupervisor) spawns
 //!   them** (`spawn_tied`: they die with the agent's process; the session token through an
-//!   inherited pipe; their name in [`CHILD_NAME_ENV`](super::CHILD_NAME_ENV)), plus the
+//!   inherited pipe; their name in [`CHILD_NAME_ENV`](super::CHILD_NAME_ENV); the agent
+//!   node's backend unless the spec names one), plus the
 //!   supervisor's host-link address in [`CONNECT_TCP_ENV`] when it gave one, so that a
 //!   child can link back to it (`node.connect_tcp(addr)`).
 //! - **Exits go back** to the supervisor that asked, over its link ([`RemoteExit`]).

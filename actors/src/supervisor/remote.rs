@@ -15,10 +15,21 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long a failed remote start waits before it is tried again (and counted).
 const RETRY_AFTER: Duration = Duration::from_millis(200);
+
+/// The first wait before a start whose agent was unreachable is tried again (uncounted);
+/// each later wait doubles, up to [`UNREACHABLE_RETRY_MAX`].
+const UNREACHABLE_RETRY_FIRST: Duration = Duration::from_millis(100);
+
+/// The longest wait between two tries of an unreachable agent within its readiness window.
+const UNREACHABLE_RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// How long a remote child's agent may stay unreachable before failed starts count toward
+/// the restart limit, unless its spec says ([`RemoteChildSpec::ready_within`]).
+pub const DEFAULT_READY_WITHIN: Duration = Duration::from_secs(10);
 
 /// How to start one child on another host: the spec `spec` of the
 /// [`ChildAgent`](super::agent::ChildAgent) that takes host links at `agent`.
@@ -26,6 +37,17 @@ const RETRY_AFTER: Duration = Duration::from_millis(200);
 /// The supervisor links to `agent` (`Node::connect_tcp`, under the heartbeat deadline)
 /// when it starts the child, and again on each restart if that link is down; children of
 /// one agent share its link.
+///
+/// **An agent that is not reachable yet** (no link could be made: refused, or no answer
+/// within the heartbeat deadline) does not use up the restart limit at once: the start is
+/// tried again, uncounted, with a backoff (100 ms doubling to 1 s), for up to
+/// [`ready_within`](Self::ready_within) from the first such failure (default
+/// [`DEFAULT_READY_WITHIN`], 10 s). Past that, each failed start counts toward
+/// [`RestartPolicy`](super::RestartPolicy) as any other failed start does, so an agent
+/// that stays away makes the supervisor escalate: never a wait without bound. Every
+/// failed try is still reported ([`SupervisorEvent::StartFailed`]). An agent that answers
+/// and refuses (an unknown spec, its limits, a wrong token) counts at once. To wait until
+/// the child runs, send the supervisor [`ChildRunning`](super::ChildRunning).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteChildSpec {
     /// Its name (unique among the supervisor's children, local ones included).
@@ -36,6 +58,9 @@ pub struct RemoteChildSpec {
     pub spec: String,
     /// When to restart it (a lost child counts as failed).
     pub restart: Restart,
+    /// How long its agent may stay unreachable before failed starts count toward the
+    /// restart limit (see above).
+    pub ready_within: Duration,
 }
 
 impl RemoteChildSpec {
@@ -46,12 +71,20 @@ impl RemoteChildSpec {
             agent,
             spec: spec.into(),
             restart: Restart::Permanent,
+            ready_within: DEFAULT_READY_WITHIN,
         }
     }
 
     /// Sets when it is restarted.
     pub fn restart(mut self, restart: Restart) -> Self {
         self.restart = restart;
+        self
+    }
+
+    /// Sets how long its agent may stay unreachable before failed starts count toward the
+    /// restart limit (`Duration::ZERO`: they count at once).
+    pub fn ready_within(mut self, within: Duration) -> Self {
+        self.ready_within = within;
         self
     }
 }
@@ -75,6 +108,9 @@ pub(super) struct RemoteChildren {
     starting: HashMap<String, u64>,
     /// The name exits are reported to on our node.
     inbox: String,
+    /// Children whose agent was unreachable at their last start: since when, and the
+    /// next wait before an uncounted retry.
+    unreachable: HashMap<String, (Instant, Duration)>,
 }
 
 impl ProcessSupervisor {
@@ -143,8 +179,20 @@ impl ProcessSupervisor {
                     }),
                 },
             };
+            let counted = |error: String| StartFailure {
+                error,
+                unreachable: false,
+            };
             let outcome = match agent {
-                Err(e) => Err(e.to_string()),
+                // No link: refused by the OS or no answer (not there yet, or gone). An agent
+                // that answered and refused (a wrong token) is no unreachable one.
+                Err(e) => Err(StartFailure {
+                    unreachable: matches!(
+                        e.fault(),
+                        baton_ipc::Fault::Local | baton_ipc::Fault::Ended
+                    ),
+                    error: e.to_string(),
+                }),
                 Ok(agent) => {
                     let reply = agent
                         .remote::<SpawnRemote>(AGENT_NAME)
@@ -152,8 +200,8 @@ impl ProcessSupervisor {
                         .await;
                     match reply {
                         Ok(Ok(child)) => Ok((agent, child)),
-                        Ok(Err(refusal)) => Err(refusal.to_string()),
-                        Err(e) => Err(e.to_string()),
+                        Ok(Err(refusal)) => Err(counted(refusal.to_string())),
+                        Err(e) => Err(counted(e.to_string())),
                     }
                 }
             };
@@ -270,6 +318,7 @@ impl ProcessSupervisor {
                 reason: reason.clone(),
             });
             if self.remote_restart(&name) == Restart::Temporary {
+                self.forget_waiters(&name);
                 self.done.insert(name);
             } else {
                 restart.push(name);
@@ -277,6 +326,46 @@ impl ProcessSupervisor {
         }
         self.on_death(&restart, ctx);
         self.publish();
+    }
+
+    /// `name`'s agent was unreachable: the wait before an uncounted retry, while its
+    /// readiness window ([`RemoteChildSpec::ready_within`]) lasts; `None` once it is over
+    /// (the failure counts).
+    fn uncounted_retry(&mut self, name: &str) -> Option<Duration> {
+        let ready_within = self
+            .remote
+            .specs
+            .iter()
+            .find(|s| s.name == name)
+            .map_or(Duration::ZERO, |s| s.ready_within);
+        let now = Instant::now();
+        let (since, next) = self
+            .remote
+            .unreachable
+            .entry(name.to_owned())
+            .or_insert((now, UNREACHABLE_RETRY_FIRST));
+        let left = ready_within.checked_sub(now.duration_since(*since))?;
+        if left.is_zero() {
+            return None;
+        }
+        let wait = (*next).min(left);
+        *next = (*next * 2).min(UNREACHABLE_RETRY_MAX);
+        Some(wait)
+    }
+
+    /// Tries an unreachable agent's child again, uncounted, unless it was started or given
+    /// up meanwhile (a one-for-all restart, the supervisor stopping).
+    fn retry_remote(&mut self, name: &str, ctx: &mut Context<Self>) {
+        let wanted = !self.stopping
+            && !self.done.contains(name)
+            && !self.remote.running.contains_key(name)
+            && !self.remote.starting.contains_key(name);
+        let Some(spec) = self.remote.specs.iter().find(|s| s.name == name).cloned() else {
+            return;
+        };
+        if wanted {
+            self.start_remote(spec, ctx);
+        }
     }
 
     fn remote_restart(&self, name: &str) -> Restart {
@@ -341,7 +430,14 @@ fn kill_on(agent: &Peer, id: u64, deadline: Duration) {
 pub(super) struct RemoteStarted {
     name: String,
     incarnation: u64,
-    outcome: Result<(Peer, AgentChild), String>,
+    outcome: Result<(Peer, AgentChild), StartFailure>,
+}
+
+/// Why a remote start failed.
+pub(super) struct StartFailure {
+    error: String,
+    /// No link to the agent could be made (it may not be up yet).
+    unreachable: bool,
 }
 
 impl Handler<RemoteStarted> for ProcessSupervisor {
@@ -380,6 +476,7 @@ impl Handler<RemoteStarted> for ProcessSupervisor {
                     self.agent_down(agent.process(), None, ctx);
                     return;
                 }
+                self.remote.unreachable.remove(&msg.name);
                 tracing::info!(child = %msg.name, pid = child.pid, agent = %agent.process(), restarts, "remote child started");
                 if let Some(addr) = addr {
                     self.remote.agents.insert(addr, agent.clone());
@@ -389,22 +486,29 @@ impl Handler<RemoteStarted> for ProcessSupervisor {
                     .insert(msg.name.clone(), RemoteRunning { agent, child });
                 self.done.remove(&msg.name);
                 self.emit(SupervisorEvent::Started {
-                    name: msg.name,
+                    name: msg.name.clone(),
                     pid: child.pid,
                     process: child.process,
                     restarts,
                 });
+                self.started_waiters(&msg.name);
             }
-            Err(error) => {
-                tracing::error!(child = %msg.name, %error, "could not start a remote child; retrying");
+            Err(StartFailure { error, unreachable }) => {
                 self.emit(SupervisorEvent::StartFailed {
                     name: msg.name.clone(),
-                    error,
+                    error: error.clone(),
                 });
-                let name = msg.name;
-                ctx.run_later(RETRY_AFTER, move |act, ctx| {
-                    act.on_death(&[name], ctx);
-                });
+                if unreachable && let Some(wait) = self.uncounted_retry(&msg.name) {
+                    tracing::warn!(child = %msg.name, %error, ?wait, "the child's agent is not reachable (yet); retrying, not counted");
+                    let name = msg.name;
+                    ctx.run_later(wait, move |act, ctx| act.retry_remote(&name, ctx));
+                } else {
+                    tracing::error!(child = %msg.name, %error, "could not start a remote child; retrying");
+                    let name = msg.name;
+                    ctx.run_later(RETRY_AFTER, move |act, ctx| {
+                        act.on_death(&[name], ctx);
+                    });
+                }
             }
         }
         self.publish();
