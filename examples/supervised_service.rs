@@ -1,6 +1,6 @@
 //! A supervised service: a `ProcessSupervisor` keeps two worker processes running, each
 //! joins with one call (`Node::join`), and each checksums its half of one buffer through a
-//! read-only lease (zero-copy). Then one worker is SIGKILLed while it holds a lease: the
+//! read-only lease of that half (`Buffer::share_range`: zero-copy). Then one worker is SIGKILLed while it holds a lease: the
 //! lease comes back, the supervisor restarts the worker, and the new run gets the work
 //! again. `cargo run --example supervised_service` (CI runs it).
 use actix::prelude::*;
@@ -15,12 +15,12 @@ const N: usize = 1 << 20;
 const WITHIN: Duration = Duration::from_secs(10);
 const WORKERS: [&str; 2] = ["w0", "w1"];
 
-/// Checksum `range` of the buffer (the whole buffer is leased: the range says which part).
+/// Checksum `part`, a lease of elements `start..` of the owner's buffer.
 #[derive(Serialize, Deserialize, Message)]
 #[rtype(result = "Result<u64, String>")]
 struct Checksum {
-    data: Shared<u32>,
-    range: Range<usize>,
+    part: Shared<u32>,
+    start: usize,
 }
 /// Keep a lease of the buffer until this process dies.
 #[derive(Serialize, Deserialize, Message)]
@@ -42,10 +42,9 @@ impl Actor for Worker {
 impl Handler<Checksum> for Worker {
     type Result = Result<u64, String>;
     fn handle(&mut self, msg: Checksum, _: &mut Context<Self>) -> Self::Result {
-        let lease = msg.data.open().map_err(|e| e.to_string())?; // read-only, zero-copy
-        let xs = lease.as_slice().map_err(|e| e.to_string())?;
-        let part = xs.get(msg.range.clone()).ok_or("range out of the buffer")?;
-        Ok(checksum(part, msg.range.start))
+        let lease = msg.part.open().map_err(|e| e.to_string())?; // read-only, zero-copy
+        let xs = lease.as_slice().map_err(|e| e.to_string())?; // exactly our half
+        Ok(checksum(xs, msg.start))
     } // the lease goes back here
 }
 impl Handler<Hold> for Worker {
@@ -67,10 +66,9 @@ async fn work(
     i: usize,
     expected: u64,
 ) -> Result<(), Box<dyn Error>> {
-    let range = part(i);
     let msg = Checksum {
-        data: data.share(),
-        range,
+        part: data.share_range(part(i))?,
+        start: part(i).start,
     };
     let got = peer.remote::<Checksum>("worker").send(msg).await??;
     assert_eq!(got, expected, "{}'s checksum", WORKERS[i]);
