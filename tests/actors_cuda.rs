@@ -177,6 +177,77 @@ fn pool_typed_message_with_two_device_buffers_there_and_back() {
     run(typed_round_trip(CudaExport::Pool));
 }
 
+/// Range leases of device memory (issue 50): the child is sent read leases of the same
+/// inner range of two device buffers (`share_range`, a start that is not a multiple of any
+/// granularity) and answers their element-wise sum in a buffer of its own — which must be
+/// exactly the range's elements, from the range's start: the importer's device pointer is
+/// offset by the range, and its length is the range's.
+async fn device_range_leases(export: CudaExport, tag: &str) {
+    let (parent, cuda, _gpu) = cuda_parent(tag, export);
+    let baseline = device_free(&cuda);
+    let (mut child, peer) = parent.child(&[]).await;
+    const N: usize = 1 << 20;
+    let range = 1001..1001 + 300_000;
+    let a = pattern_buffer(&parent, N, 33).await;
+    let b: Buffer<f32> = parent
+        .owner
+        .send(Allocate::vector(N as u64))
+        .await
+        .unwrap()
+        .unwrap();
+    b.write_at(0, &(0..N).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
+        .unwrap();
+    let reply = peer
+        .remote::<CheckPair>("checker")
+        .send(CheckPair {
+            seed: 33,
+            a: a.share_range(range.clone()).unwrap(),
+            b: b.share_range(range.clone()).unwrap(),
+        })
+        .await
+        .unwrap();
+    // `ok` checks the pattern from element 0: a range from 1001 is not that.
+    assert!(!reply.ok, "the child saw the range, not the buffer's start");
+    let sum = reply.sum.open().unwrap().to_vec().unwrap();
+    assert_eq!(sum.len(), range.len(), "the range's length");
+    let wrong = sum
+        .iter()
+        .zip(range.clone())
+        .filter(|&(v, i)| *v != pattern(33, i) as f32 + i as f32 * 0.5)
+        .count();
+    assert_eq!(wrong, 0, "elements of the range, from its start");
+    eventually_async(DEADLINE, "leases back", || async {
+        parent.table().await.iter().all(|b| b.leases.is_empty())
+    })
+    .await;
+    drop((a, b));
+    peer.close();
+    assert!(exited(&mut child, DEADLINE).await.success());
+    eventually(DEADLINE, "the import cache to close every mapping", || {
+        parent.node.cache().stats().live == 0
+    })
+    .await;
+    device_back_to(&cuda, baseline).await;
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn legacy_range_leases_of_device_memory_are_the_range() {
+    run(device_range_leases(CudaExport::Legacy, "cl-range"));
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn vmm_range_leases_of_device_memory_are_the_range() {
+    run(device_range_leases(CudaExport::Vmm, "cv-range"));
+}
+
 /// Deferred free and importer SIGKILL on device memory: the frees complete and the
 /// device's free memory returns to its baseline.
 #[test]
