@@ -1,7 +1,9 @@
 //! The modules of `baton-messages`, `baton-ipc` and `baton-actors` form layers: each
 //! crate's `lib.rs` declares its modules bottom first, and each may use only the modules
 //! declared above it — so no two modules use each other, directly or around a cycle (see
-//! "Layers" in each crate's docs). One test per crate, one checker for all three.
+//! "Layers" in each crate's docs). One test per crate, one checker for all three. Below
+//! them, no two *files* of a crate (or of `benches/handoff`) use each other around a cycle
+//! either (the "Files" part at the end).
 //!
 //! The check reads the sources: every `crate::x` path (also `$crate::x`, and each entry
 //! of `use crate::{x, y::z}`), and every `super::` path that climbs to the crate root from
@@ -778,4 +780,310 @@ fn a_macro_exported_at_the_root_is_a_use_of_the_module_that_defines_it() {
     let (violations, _) = check(&root, &files);
     assert_eq!(violations.len(), 1);
     assert_eq!(violations[0].used, "low");
+}
+
+// --- Files -------------------------------------------------------------------------------
+//
+// Within a module, its files must not use each other around a cycle either (issue 49):
+// `src/cuda/backend.rs` may use `src/cuda/ordering.rs`, or the other way, not both. A file
+// uses another when one of its `crate::…` or `super::…` paths leads into that file's module
+// (the longest prefix of the path that is a file's module). Uses of a file's own ancestors
+// (a child using its parent's items, as every `super::Parent` does) are the module tree,
+// not a layer order, and do not count; nor do relative paths (`use copy::X` in `cuda.rs`),
+// which only a parent writes to its children.
+
+/// Every path of `src` that starts at the crate root or climbs with `super::`, as segments
+/// from the crate root; `module` is the file's module path (inline `mod`s are added as they
+/// open). A use group adds one path per entry's first segment.
+fn absolute_paths(src: &str, module: &[String]) -> Vec<(Vec<String>, usize)> {
+    let toks = tokens(src);
+    let mut found = Vec::new();
+    let mut inline: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0usize;
+    // The segments of the path from token `at` on (up to a group, expanded by its heads).
+    let segments = |at: usize, base: Vec<String>| -> Vec<Vec<String>> {
+        let mut path = base;
+        let mut j = at;
+        loop {
+            match toks.get(j) {
+                Some((Token::Ident(s), _)) => {
+                    path.push(s.clone());
+                    if is(toks.get(j + 1), &Token::PathSep) {
+                        j += 2;
+                        continue;
+                    }
+                    return vec![path];
+                }
+                Some((Token::Punct('{'), _)) => {
+                    return group_heads(&toks, j)
+                        .into_iter()
+                        .map(|head| path.iter().cloned().chain([head]).collect())
+                        .collect();
+                }
+                _ => return vec![path],
+            }
+        }
+    };
+    let mut i = 0;
+    while i < toks.len() {
+        let (tok, line) = &toks[i];
+        match tok {
+            Token::Punct('{') => depth += 1,
+            Token::Punct('}') => {
+                depth = depth.saturating_sub(1);
+                if inline.last().is_some_and(|(_, d)| *d == depth) {
+                    inline.pop();
+                }
+            }
+            Token::Ident(kw) if kw == "mod" => {
+                if let (Some(name), true) = (
+                    ident(toks.get(i + 1)),
+                    is(toks.get(i + 2), &Token::Punct('{')),
+                ) {
+                    inline.push((name.to_owned(), depth));
+                }
+            }
+            Token::Ident(kw) if kw == "crate" && is(toks.get(i + 1), &Token::PathSep) => {
+                let previous = i.checked_sub(1).and_then(|p| toks.get(p));
+                if !is(previous, &Token::PathSep) {
+                    for p in segments(i + 2, Vec::new()) {
+                        found.push((p, *line));
+                    }
+                }
+            }
+            Token::Ident(kw)
+                if kw == "super"
+                    && is(toks.get(i + 1), &Token::PathSep)
+                    && !(i >= 1 && is(toks.get(i - 1), &Token::PathSep)) =>
+            {
+                let mut up = 0;
+                let mut j = i;
+                while ident(toks.get(j)) == Some("super") && is(toks.get(j + 1), &Token::PathSep) {
+                    up += 1;
+                    j += 2;
+                }
+                // Where the code is: the file's module, then its open inline modules.
+                let here: Vec<String> = module
+                    .iter()
+                    .cloned()
+                    .chain(inline.iter().map(|(m, _)| m.clone()))
+                    .collect();
+                let base = here[..here.len().saturating_sub(up)].to_vec();
+                for p in segments(j, base) {
+                    found.push((p, *line));
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    found
+}
+
+/// The cycles among `files` (module path → source): each a list of file modules (`a/b`)
+/// that use each other around a cycle, with one use of each edge as `user -> used (line)`.
+fn file_cycles(files: &BTreeMap<Vec<String>, String>) -> Vec<Vec<String>> {
+    let name = |m: &[String]| m.join("/");
+    let mut uses: BTreeMap<Vec<String>, BTreeMap<Vec<String>, usize>> = BTreeMap::new();
+    for (module, src) in files {
+        let edges = uses.entry(module.clone()).or_default();
+        for (path, line) in absolute_paths(src, module) {
+            let Some(target) = (1..=path.len())
+                .rev()
+                .map(|k| path[..k].to_vec())
+                .find(|prefix| files.contains_key(prefix))
+            else {
+                continue; // the crate root's own items
+            };
+            if target != *module && !module.starts_with(&target) {
+                edges.entry(target).or_insert(line);
+            }
+        }
+    }
+    // Tarjan's strongly connected components.
+    struct Walk<'a> {
+        uses: &'a BTreeMap<Vec<String>, BTreeMap<Vec<String>, usize>>,
+        index: BTreeMap<Vec<String>, usize>,
+        low: BTreeMap<Vec<String>, usize>,
+        stack: Vec<Vec<String>>,
+        cycles: Vec<Vec<Vec<String>>>,
+    }
+    fn visit(w: &mut Walk<'_>, v: &Vec<String>) {
+        let n = w.index.len();
+        w.index.insert(v.clone(), n);
+        w.low.insert(v.clone(), n);
+        w.stack.push(v.clone());
+        let next: Vec<Vec<String>> = w
+            .uses
+            .get(v)
+            .into_iter()
+            .flat_map(|e| e.keys().cloned())
+            .collect();
+        for u in next {
+            if !w.index.contains_key(&u) {
+                visit(w, &u);
+                let low = w.low[v].min(w.low[&u]);
+                w.low.insert(v.clone(), low);
+            } else if w.stack.contains(&u) {
+                let low = w.low[v].min(w.index[&u]);
+                w.low.insert(v.clone(), low);
+            }
+        }
+        if w.low[v] == w.index[v] {
+            let mut component = Vec::new();
+            while let Some(u) = w.stack.pop() {
+                let done = u == *v;
+                component.push(u);
+                if done {
+                    break;
+                }
+            }
+            if component.len() > 1 {
+                component.sort();
+                w.cycles.push(component);
+            }
+        }
+    }
+    let mut walk = Walk {
+        uses: &uses,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        cycles: Vec::new(),
+    };
+    for v in files.keys() {
+        if !walk.index.contains_key(v) {
+            visit(&mut walk, v);
+        }
+    }
+    walk.cycles
+        .into_iter()
+        .map(|component| {
+            let mut shown = Vec::new();
+            for user in &component {
+                for (used, line) in &uses[user] {
+                    if component.contains(used) {
+                        shown.push(format!("{} -> {} (line {line})", name(user), name(used)));
+                    }
+                }
+            }
+            shown
+        })
+        .collect()
+}
+
+/// The `.rs` files under `dir` of the workspace, by module path from `dir` (`lib.rs`,
+/// `main.rs` and `mod.rs` name their directory's module).
+fn source_tree(dir: &str) -> BTreeMap<Vec<String>, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut paths = Vec::new();
+    rust_files(&root, &mut paths);
+    paths
+        .into_iter()
+        .map(|path| {
+            let mut module: Vec<String> = path
+                .strip_prefix(&root)
+                .expect("under the directory")
+                .with_extension("")
+                .iter()
+                .map(|c| c.to_string_lossy().into_owned())
+                .collect();
+            if module
+                .last()
+                .is_some_and(|m| ["lib", "main", "mod"].contains(&m.as_str()))
+            {
+                module.pop();
+            }
+            let text =
+                fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            (module, text)
+        })
+        .collect()
+}
+
+fn assert_no_file_cycles(dir: &str, min_files: usize) {
+    let files = source_tree(dir);
+    assert!(
+        files.len() >= min_files,
+        "{dir}: expected at least {min_files} files, found {}",
+        files.len()
+    );
+    let cycles = file_cycles(&files);
+    assert!(
+        cycles.is_empty(),
+        "files of {dir} use each other around a cycle; move what both need into a file \
+         below them:\n{}",
+        cycles
+            .iter()
+            .map(|c| c.join("\n  "))
+            .collect::<Vec<_>>()
+            .join("\n\n")
+    );
+}
+
+#[test]
+fn no_two_files_of_a_crate_use_each_other_around_a_cycle() {
+    assert_no_file_cycles("messages/src", 10);
+    assert_no_file_cycles("ipc/src", 40);
+    assert_no_file_cycles("actors/src", 30);
+    assert_no_file_cycles("benches/handoff", 10);
+}
+
+#[test]
+fn a_cycle_of_files_is_found_and_a_child_using_its_parent_is_none() {
+    let tree = |files: &[(&str, &str)]| -> BTreeMap<Vec<String>, String> {
+        files
+            .iter()
+            .map(|(m, src)| {
+                let module = m
+                    .split('/')
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect();
+                (module, (*src).to_owned())
+            })
+            .collect()
+    };
+    // `b` and `a/x` use each other (through `crate::` and `super::super::`); `a` uses `b`
+    // (through a use group) but nothing leads back to it.
+    let cycle = tree(&[
+        ("", "mod a; mod b;"),
+        ("a", "mod x; use crate::b::{Thing, other};"),
+        ("b", "use crate::a::x::f;"),
+        ("a/x", "fn f() { super::super::b::g(); }"),
+    ]);
+    assert_eq!(
+        file_cycles(&cycle),
+        vec![vec![
+            "a/x -> b (line 1)".to_owned(),
+            "b -> a/x (line 1)".to_owned()
+        ]]
+    );
+    // Around three files, one of them reached through a use group.
+    let three = tree(&[
+        ("", "mod a; mod b; mod c;"),
+        ("a", "use crate::{b::B, c::C};"),
+        ("b", "use crate::c::C;"),
+        ("c", "\n\nuse crate::a::A;"),
+    ]);
+    assert_eq!(
+        file_cycles(&three),
+        vec![vec![
+            "a -> b (line 1)".to_owned(),
+            "a -> c (line 1)".to_owned(),
+            "b -> c (line 1)".to_owned(),
+            "c -> a (line 3)".to_owned(),
+        ]]
+    );
+    // A child using its parent (and the parent its child, relatively) is the module tree;
+    // `super` inside an inline `mod tests` is the file itself; comments are not code.
+    let tree_only = tree(&[
+        ("", "mod a;"),
+        ("a", "mod x; use x::Y; // crate::a::x"),
+        (
+            "a/x",
+            "use super::Z; mod tests { use super::*; use crate::a::x::W; }",
+        ),
+    ]);
+    assert_eq!(file_cycles(&tree_only), Vec::<Vec<String>>::new());
 }

@@ -61,7 +61,8 @@
 //!
 //! Layers: each module uses only the modules below it, so none is part of an import
 //! cycle. `lib.rs` declares them bottom first, and the workspace's `tests/layers.rs`
-//! fails on any import of a module declared later:
+//! fails on any import of a module declared later (and on files of one module that use
+//! each other around a cycle):
 //!
 //! 1. pure state: `ids`, `error`, `ledger` (the lease state machine), `link_session` (a
 //!    link's protocol state machine), `order` (stream ordering), `offload` (where blocking

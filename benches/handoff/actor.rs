@@ -17,7 +17,7 @@
 //! to), as a consumer in a steady pipeline would, so every later open is an import-cache
 //! hit: no driver call, no `mmap`. Its cache counters are reported to show it.
 
-use crate::floor::DEADLINE;
+use crate::peer::DEADLINE;
 use crate::peer::PeerProcess;
 use crate::report::Report;
 use crate::stats::Summary;
@@ -384,7 +384,7 @@ async fn measure(
                     None => format!("until the Release is back; {:.1} µs until the reply", replies.p50),
                 },
             });
-            merge(&mut rec, Summary::of(&samples).json());
+            crate::report::merge(&mut rec, Summary::of(&samples).json());
             out.push(rec);
         }
         if let Some((_, stream)) = &ordered {
@@ -593,11 +593,5 @@ async fn drained(owner: &Addr<BufferOwner>, keep: usize) -> Res<()> {
             return Err("releases did not come back".into());
         }
         tokio::time::sleep(Duration::from_micros(100)).await;
-    }
-}
-
-pub(crate) fn merge(base: &mut serde_json::Value, extra: serde_json::Value) {
-    if let (Some(b), serde_json::Value::Object(e)) = (base.as_object_mut(), extra) {
-        b.extend(e);
     }
 }

@@ -25,7 +25,7 @@
 //!   cache closes the slab's mapping when the last lease drops, so every handoff maps the
 //!   whole slab again.
 
-use crate::floor::DEADLINE;
+use crate::peer::DEADLINE;
 use crate::peer::{PeerProcess, result_line};
 use crate::report::Report;
 use crate::stats::Summary;
@@ -280,7 +280,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
                 importer["cache_opens"].as_u64().unwrap_or(0),
             ),
         });
-        crate::actor::merge(&mut rec, Summary::of(&total).json());
+        crate::report::merge(&mut rec, Summary::of(&total).json());
         report.emit(rec);
     }
     Ok(())

@@ -29,7 +29,7 @@
 //! hangs there and the deadline reports it). Medians; the kind whose driver calls cost less
 //! per handoff is named.
 
-use crate::floor::DEADLINE;
+use crate::peer::DEADLINE;
 use crate::peer::{PeerProcess, result_line};
 use crate::report::Report;
 use crate::stats::{Summary, round};
@@ -105,7 +105,7 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
                     "side": side, "step": step,
                     "label": format!("fence {} step: {side} {step}", effective.name()),
                 });
-                crate::actor::merge(&mut rec, from[step].clone());
+                crate::report::merge(&mut rec, from[step].clone());
                 report.emit(rec);
             }
         }
@@ -126,7 +126,7 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
                 p50("build_offer"), p50("encode"), first("open"), first("wait_acquire"),
             ),
         });
-        crate::actor::merge(&mut rec, total);
+        crate::report::merge(&mut rec, total);
         report.emit(rec);
         if !fell_back {
             driver.push((effective, driver_p50));

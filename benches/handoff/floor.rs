@@ -1,7 +1,7 @@
 //! Item 1, the floor: a raw Unix-socket ping-pong between two processes, blocking reads
 //! and writes, each message as long as a real `Call` frame that carries one handle.
 
-use crate::peer::PeerProcess;
+use crate::peer::{DEADLINE, PeerProcess};
 use crate::report::Report;
 use crate::stats::Summary;
 use crate::{Config, Res};
@@ -14,8 +14,6 @@ use serde_json::json;
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
-
-pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
 /// The length of a `Call` frame carrying one offer of a buffer of `backend`, as the actor
 /// layer sends it for the benchmark's `Handoff` message.

@@ -3,7 +3,7 @@
 //! events on the backend's stream; also into the imported buffer. Alternating order,
 //! warmed up, medians. GB/s count bytes read plus bytes written, as the DESIGN's 3.0 TB/s.
 
-use crate::floor::DEADLINE;
+use crate::peer::DEADLINE;
 use crate::peer::{PeerProcess, result_line};
 use crate::report::Report;
 use crate::stats::round;

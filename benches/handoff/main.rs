@@ -189,10 +189,28 @@ fn parse_args(args: &[String]) -> Res<Config> {
     Ok(cfg)
 }
 
+/// The peer side: `ROLE ARGS…`, dispatched here, at the root, so that the modules of the
+/// items and `peer` (which spawns them) do not use each other.
+fn run_peer(args: &[String]) -> Res<()> {
+    let arg = |i: usize| -> Res<&str> {
+        args.get(i)
+            .map(String::as_str)
+            .ok_or_else(|| format!("peer {:?}: missing argument {i}", args.first()).into())
+    };
+    match arg(0)? {
+        "echo" => floor::echo(arg(1)?, arg(2)?.parse()?),
+        "consumer" => actor::consumer(arg(1)?),
+        "cold-importer" => cold::importer(arg(1)?, arg(2)? == "pin", arg(3)?),
+        "bw-importer" => gpu::importer(arg(1)?, arg(2)?.parse()?),
+        "fence-importer" => fence::importer(arg(1)?, arg(2)?.parse()?),
+        other => Err(format!("unknown peer role {other:?}").into()),
+    }
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("peer") {
-        return peer::run(&args[1..]);
+        return run_peer(&args[1..]);
     }
     let mut cfg = parse_args(&args)?;
     let machine = machine::Machine::detect();

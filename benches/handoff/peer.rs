@@ -9,6 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+/// How long any wait on a peer (its link, its result, its exit) lasts at most.
+pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
+
 /// A peer: killed and reaped on drop. Its stdout is read on a thread; a line starting
 /// with `RESULT ` carries its JSON result.
 pub(crate) struct PeerProcess {
@@ -125,21 +128,4 @@ impl Drop for PeerProcess {
 /// Prints a peer's result for its parent.
 pub(crate) fn result_line(value: &Value) {
     println!("RESULT {value}");
-}
-
-/// The peer side: `ROLE ARGS…`.
-pub(crate) fn run(args: &[String]) -> Res<()> {
-    let arg = |i: usize| -> Res<&str> {
-        args.get(i)
-            .map(String::as_str)
-            .ok_or_else(|| format!("peer {:?}: missing argument {i}", args.first()).into())
-    };
-    match arg(0)? {
-        "echo" => crate::floor::echo(arg(1)?, arg(2)?.parse()?),
-        "consumer" => crate::actor::consumer(arg(1)?),
-        "cold-importer" => crate::cold::importer(arg(1)?, arg(2)? == "pin", arg(3)?),
-        "bw-importer" => crate::gpu::importer(arg(1)?, arg(2)?.parse()?),
-        "fence-importer" => crate::fence::importer(arg(1)?, arg(2)?.parse()?),
-        other => Err(format!("unknown peer role {other:?}").into()),
-    }
 }

@@ -453,3 +453,10 @@ impl Report {
         out
     }
 }
+
+/// Adds the fields of `extra` (an object) to `base` (an object).
+pub(crate) fn merge(base: &mut Value, extra: Value) {
+    if let (Some(b), Value::Object(e)) = (base.as_object_mut(), extra) {
+        b.extend(e);
+    }
+}

@@ -362,7 +362,7 @@ pub(crate) fn split(
         "unrecorded_p50_us": unrecorded.map(round),
         "label": format!("{path} path, recorded: round trip split into {} stages", anchors.len()),
     });
-    crate::actor::merge(&mut rec, total.json());
+    crate::report::merge(&mut rec, total.json());
     report.emit(rec);
 }
 

@@ -124,6 +124,7 @@ mod driver;
 mod event;
 mod fence;
 mod inbox;
+mod kernel;
 mod legacy;
 mod live;
 mod mark;

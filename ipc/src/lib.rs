@@ -28,7 +28,8 @@
 //!
 //! Each module holds one concept and uses only the modules below it, so none is part of
 //! an import cycle. `lib.rs` declares them bottom first, and the workspace's
-//! `tests/layers.rs` fails on any use of a module declared later:
+//! `tests/layers.rs` fails on any use of a module declared later (and on files of one
+//! module that use each other around a cycle):
 //!
 //! 1. fence bookkeeping without I/O, which the CUDA backend drives: `bridge` (waits on
 //!    another process's event that this process can still release alone), [`inbox`]

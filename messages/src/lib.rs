@@ -6,7 +6,8 @@
 //!
 //! Each module holds one concept and uses only the modules below it, so none is part of
 //! an import cycle. `lib.rs` declares them bottom first, and the workspace's
-//! `tests/layers.rs` fails on any use of a module declared later:
+//! `tests/layers.rs` fails on any use of a module declared later (and on files of one
+//! module that use each other around a cycle):
 //!
 //! 1. `serde_bytes64`: serde for the 64-byte arrays of raw handles;
 //! 2. [`ids`]: newtype identifiers ([`AllocationId`], [`Generation`], [`LeaseId`],

@@ -69,7 +69,7 @@ pub struct CudaBackend {
     pub(super) pool: OnceTable<(), ExportPool>,
     pub(super) imported_pools: OnceTable<(ProcessId, u64), ImportedPool>,
     /// Baton's copy kernel (`cuda/copy.rs`), loaded by the first copy plan.
-    pub(super) gather: OnceLock<std::result::Result<Arc<super::copy::Gather>, String>>,
+    pub(super) gather: OnceLock<std::result::Result<Arc<super::kernel::Gather>, String>>,
     /// Everything about fences (`cuda/ordering.rs`): the backend's [`StreamOrdering`].
     /// Last, so that it drops after the memory parts, as its fields did.
     pub(super) fences: Fences,

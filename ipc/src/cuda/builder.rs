@@ -8,7 +8,7 @@ use super::context::{KeepCurrent, Quiet};
 use super::event::DEFAULT_EVENT_LIMIT;
 use super::fence::{DEFAULT_COUNTER_SLOTS, FenceKind, fence_kind_from_env};
 use super::memory::Access;
-use super::ordering::Fences;
+use super::ordering::{FenceSettings, Fences};
 use super::pool::DEFAULT_POOL_RELEASE_THRESHOLD;
 use super::result;
 use super::table::OnceTable;
@@ -269,7 +269,16 @@ impl CudaBackend {
             )));
         }
         let access = Access { ctx, stream };
-        let fences = Fences::new(&access, dev, DeviceUuid(uuid), side, &b)?;
+        let settings = FenceSettings {
+            ordinal: b.ordinal,
+            fence: b.fence,
+            event_limit: b.event_limit,
+            counter_slots: b.counter_slots,
+            inbox_lanes: b.inbox_lanes,
+            fence_deadline: b.fence_deadline,
+            event_backlog: b.event_backlog,
+        };
+        let fences = Fences::new(&access, dev, DeviceUuid(uuid), side, &settings)?;
         let backend = Self {
             export: b.export,
             device: DeviceUuid(uuid),

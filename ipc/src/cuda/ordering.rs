@@ -12,7 +12,6 @@
 //! rest ([`Fences::forget_process`]).
 
 use super::bridge::Bridge;
-use super::builder::CudaBackendBuilder;
 use super::context::{ContextGuard, KeepCurrent, Quiet};
 use super::event::{self, EventPool, OpenedEvent, RecordedEvent};
 use super::fence::{self, FenceKind, OpenedSlab, PeerFence, RecordedFence};
@@ -42,6 +41,19 @@ const RELEASE_STREAMS: usize = 4;
 /// peer's inbox mapping (else it is closed at a later death, or with the backend).
 const DYING_INBOX_WAIT: Duration = Duration::from_millis(200);
 
+/// What [`Fences::new`] takes from the backend's builder (its settings of the same names:
+/// [`CudaBackendBuilder`](super::CudaBackendBuilder)), so that the builder, which makes the
+/// fences, is above this module and not beside it.
+pub(super) struct FenceSettings {
+    pub(super) ordinal: usize,
+    pub(super) fence: FenceKind,
+    pub(super) event_limit: usize,
+    pub(super) counter_slots: usize,
+    pub(super) inbox_lanes: usize,
+    pub(super) fence_deadline: Duration,
+    pub(super) event_backlog: usize,
+}
+
 /// The fence service of a [`CudaBackend`](super::CudaBackend) (module docs).
 pub(super) struct Fences {
     /// The backend's context and own stream (shared with its memory).
@@ -66,7 +78,7 @@ pub(super) struct Fences {
     bridge: Bridge,
     /// The fence deadline (bounds how long a close polls our own fences).
     fence_deadline: Duration,
-    /// [`CudaBackendBuilder::event_backlog`].
+    /// [`CudaBackendBuilder::event_backlog`](super::CudaBackendBuilder::event_backlog).
     event_backlog: usize,
     opened_events: OnceTable<(ProcessId, [u8; 64]), OpenedEvent>,
     /// Peers' fence inboxes we write into, by (process, slab id); closed once the peer
@@ -100,7 +112,7 @@ impl Fences {
         dev: sys::CUdevice,
         device: DeviceUuid,
         side: SharedStream,
-        b: &CudaBackendBuilder,
+        b: &FenceSettings,
     ) -> Result<Self> {
         let ordinal = b.ordinal;
         let ctx = &access.ctx;
