@@ -1,4 +1,6 @@
 //! Host links: the control plane between nodes on different hosts, over TCP with Noise.
+//! (The data plane, copies of buffers, is the TCP engine:
+//! [`transfer::tcp_engine`](crate::transfer::tcp_engine).)
 //!
 //! Establishing a host link, in order, before any Baton message is read:
 //! 1. the Noise handshake (`Noise_XXpsk0_25519_ChaChaPoly_BLAKE2s`, see `noise`): the

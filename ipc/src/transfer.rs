@@ -7,7 +7,7 @@
 //! done, failed or aborted — and an abort returns only once the engine no longer touches
 //! that memory, so the caller may free or reuse it at once.
 //!
-//! Backends: [`tcp`] (host memory over its own authenticated TCP connections; what CI
+//! Backends: [`tcp_engine`] (host memory over its own authenticated TCP connections; what CI
 //! runs) and [`nccl`] (device memory over NCCL point-to-point, NCCL loaded at run time).
 //!
 //! # Safety
@@ -20,7 +20,7 @@
 
 mod held;
 pub mod nccl;
-pub mod tcp;
+pub mod tcp_engine;
 
 use crate::tcp::HostId;
 use crate::{Error, MemPtr, Result};
@@ -32,7 +32,7 @@ use std::time::Duration;
 
 pub use held::{HeldTransfer, decline};
 pub use nccl::NcclEngine;
-pub use tcp::{DataLimits, DataRefusal, TcpEngine};
+pub use tcp_engine::{DataLimits, DataRefusal, TcpEngine};
 
 /// Where a transfer's bytes are: host memory or one device's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -674,7 +674,7 @@ impl PeerLink {
             .first()
             .map_or("tcp", |o| engine_name(copy_engine(o)));
         // The peer's data connections are welcome from its host link's key (and only
-        // from it: see `baton_ipc::transfer::tcp`), before any receive or decline is posted.
+        // from it: see `baton_ipc::transfer::tcp_engine`), before any receive or decline is posted.
         if let (Some(plane), Some(peer), Some(host)) =
             (self.node.plane(), self.engine_peer(), self.peer.host())
         {

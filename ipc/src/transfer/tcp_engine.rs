@@ -1,4 +1,5 @@
-//! The TCP engine: host memory between hosts, over the engine's own TCP connections.
+//! The TCP engine: host memory between hosts, over the engine's own TCP connections — the
+//! data plane beside host links' control plane ([`crate::tcp`]).
 //!
 //! Each (this engine, peer process) pair gets one data connection per direction, opened
 //! lazily by the sender to the receiver's [`data_addr`](TcpEngine::data_addr) and

@@ -344,7 +344,11 @@ fn a_killed_sender_process_fails_the_receive() {
     let key_file = dir.path().join("key");
     std::fs::write(dir.path().join("key.parent"), key_of(&b).0).unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "transfer::tcp::tests::child_sender", "--ignored"])
+        .args([
+            "--exact",
+            "transfer::tcp_engine::tests::child_sender",
+            "--ignored",
+        ])
         .env("BATON_TEST_ENGINE_TO", via.to_string())
         .env("BATON_TEST_TOKEN", token.to_hex())
         .env("BATON_TEST_KEY_FILE", &key_file)
