@@ -24,7 +24,7 @@ fn backend() -> HostBackend {
 }
 
 /// A sealed handle of a host segment, as the actor layer builds it.
-fn handle(alloc: &baton::Allocation, session: &Session) -> HandleMsg {
+fn handle(alloc: &baton::ipc::Allocation, session: &Session) -> HandleMsg {
     alloc
         .handle(session)
         .actor(ActorId::new(3))

@@ -16,11 +16,15 @@ pub use baton_actors::{
     SharedMut, remote_message,
 };
 
-pub use baton_ipc::{
-    Allocation, Backend, Error, HostBackend, ImportCache, Imported, Link, LinkConfig, Listener,
-    OpenedMem, Session, SharedBackend, SocketDir,
-};
-pub use baton_messages::{HandleMsg, Message};
+/// The error of everything at the root: [`ActorError`] (whose `Ipc` variant carries the
+/// transport's and memory's [`ipc::Error`]).
+pub type Error = ActorError;
+
+/// What a node is made from: the session (its token) and the host backend, and the
+/// directory its sockets live in. The low-level API — links, allocations, the import
+/// cache, the wire messages — is under [`ipc`] and [`messages`].
+#[doc(inline)]
+pub use baton_ipc::{HostBackend, Session, SocketDir};
 
 /// The Rust code blocks of `docs/GUIDE.md` (the README's examples that moved there), compiled
 /// as doctests like the README's.

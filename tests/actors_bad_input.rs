@@ -14,8 +14,8 @@ mod peer;
 
 use actix::prelude::*;
 use actors::{DEADLINE, Parent, eventually, eventually_async, exited, run};
-use baton::Error;
 use baton::actors::{Allocate, Buffer, LinkId};
+use baton::ipc::Error;
 use baton::ipc::{Backend, HostBackend, Link};
 use baton::messages::protocol::{Offer, Payload, Release, Reply};
 use baton::messages::{LeaseId, Message as Wire};

@@ -630,7 +630,7 @@ async fn pool_refused_across_gpus(test: &str) {
         })
         .await;
     match theirs {
-        Err(ActorError::OfferRefused(baton::Error::PoolAcrossDevices { device, here })) => {
+        Err(ActorError::OfferRefused(baton::ipc::Error::PoolAcrossDevices { device, here })) => {
             assert_eq!(here, baton::ipc::Backend::device(&*cuda));
             assert_ne!(device, here, "the refusal names both GPUs");
         }

@@ -391,7 +391,7 @@ fn after_a_batch_of_calls_the_queue_bound_still_cuts_a_peer_that_does_not_read()
             while sent < 200_000 && raw.send(&Wire::Ping(sent), &[]).is_ok() {
                 sent += 1;
             }
-            Ok::<_, baton::Error>(sent)
+            Ok::<_, baton::ipc::Error>(sent)
         });
         eventually(DEADLINE, "the raw link to end", || {
             parent.events.down_reason(link.link_id()).is_some()
@@ -444,7 +444,7 @@ fn a_peer_far_behind_that_reads_is_not_cut() {
                         pongs += 1;
                     }
                 }
-                Ok::<_, baton::Error>((sent, raw))
+                Ok::<_, baton::ipc::Error>((sent, raw))
             })
         };
         let mut most = 0;

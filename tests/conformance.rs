@@ -21,16 +21,17 @@
 #[path = "support/peer.rs"]
 mod peer;
 
+use baton::Session;
 use baton::ipc::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use baton::ipc::cuda::cudarc::nvrtc::Ptx;
 use baton::ipc::cuda::testing::{GpuTestLock, exclusive_gpu};
 use baton::ipc::cuda::{CudaBackend, CudaExport, FenceHandle, FenceKind};
+use baton::ipc::{Allocation, Error, LinkConfig, Listener};
 use baton::ipc::{
     Backend, FrameFds, HostBackend, HostFlavor, ImportCache, MemPtr, SharedBackend, SlabArena, host,
 };
 use baton::messages::protocol::{Call, Offer, Release};
 use baton::messages::{Error as MessageError, HandleMsg, LeaseId, Message, RawHandle};
-use baton::{Allocation, Error, LinkConfig, Listener, Session};
 use peer::{Peer, accept_from, poll_until, socket_dir};
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
@@ -336,7 +337,7 @@ fn produce(subject: &Subject, alloc: &Allocation, seed: u32) -> blake3::Hash {
     blake3::hash(&expected)
 }
 
-fn offer(link: &mut baton::Link, lease: u64, handle: HandleMsg, fd: Option<BorrowedFd<'_>>) {
+fn offer(link: &mut baton::ipc::Link, lease: u64, handle: HandleMsg, fd: Option<BorrowedFd<'_>>) {
     let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
     link.send(
         &Message::Offer(Offer {
@@ -366,7 +367,7 @@ fn corrupted(handle: &HandleMsg) -> HandleMsg {
     bad
 }
 
-fn expect_release(link: &mut baton::Link, lease: u64) {
+fn expect_release(link: &mut baton::ipc::Link, lease: u64) {
     let got = link.recv_timeout(DEADLINE).unwrap().message;
     assert_eq!(got, Message::Release(Release::now(LeaseId::new(lease))));
 }

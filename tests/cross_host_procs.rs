@@ -408,7 +408,7 @@ fn a_wrong_token_is_refused_before_any_message() {
         assert!(
             matches!(
                 refused,
-                ActorError::Ipc(baton::Error::Refused {
+                ActorError::Ipc(baton::ipc::Error::Refused {
                     reason: baton::messages::protocol::RefuseReason::BadToken
                 })
             ),

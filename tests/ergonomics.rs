@@ -176,12 +176,12 @@ fn the_owner_writes_in_place_only_while_no_lease_is_out() {
             let other = buf.clone();
             let second = other.as_mut_slice().unwrap_err();
             assert!(
-                matches!(second, ActorError::Ipc(baton::Error::InPlace { .. })),
+                matches!(second, ActorError::Ipc(baton::ipc::Error::InPlace { .. })),
                 "{second:?}"
             );
             let copy = other.write_at(0, &[1]).unwrap_err();
             assert!(
-                matches!(copy, ActorError::Ipc(baton::Error::InPlace { .. })),
+                matches!(copy, ActorError::Ipc(baton::ipc::Error::InPlace { .. })),
                 "{copy:?}"
             );
             assert!(other.to_vec().is_err(), "reads are refused too");

@@ -4,10 +4,11 @@
 #[path = "support/peer.rs"]
 mod peer;
 
+use baton::Session;
+use baton::ipc::Error;
 use baton::ipc::{Backend, HostBackend, ImportCache, LinkConfig, Listener, Received, host};
 use baton::messages::protocol::{Offer, Release};
 use baton::messages::{ActorId, LeaseId, Message};
-use baton::{Error, Session};
 use peer::{Peer, accept_from, namespace, segments, socket_dir};
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,11 +4,12 @@
 #[path = "support/peer.rs"]
 mod peer;
 
+use baton::Session;
+use baton::ipc::Error;
 use baton::ipc::{Backend, HostBackend, ImportCache, Link, LinkConfig, Listener, PeerPolicy};
 use baton::messages::codec::{FrameHeader, HEADER_LEN, frame_bytes};
 use baton::messages::protocol::{Auth, AuthProof, Hello, Nonce, Offer, RefuseReason, Release};
 use baton::messages::{self as msg, LeaseId, Message, PROTOCOL_VERSION, SessionToken};
-use baton::{Error, Session};
 use proptest::prelude::*;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

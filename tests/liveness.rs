@@ -358,7 +358,7 @@ impl Raw {
         loop {
             match self.link.recv_timeout(DEADLINE) {
                 Ok(_) => continue,
-                Err(baton::Error::Closed) => return true,
+                Err(baton::ipc::Error::Closed) => return true,
                 Err(e) => panic!("the link did not end cleanly: {e:?}"),
             }
         }

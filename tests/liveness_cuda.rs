@@ -247,7 +247,9 @@ impl Setup {
             .build();
         let cuda = match built {
             Ok(cuda) => cuda,
-            Err(e @ baton::Error::BackendUnavailable { .. }) if export != CudaExport::Legacy => {
+            Err(e @ baton::ipc::Error::BackendUnavailable { .. })
+                if export != CudaExport::Legacy =>
+            {
                 gpus::skipped(
                     tag,
                     &format!("this device cannot export {export:?} memory: {e}"),
@@ -695,7 +697,7 @@ fn assert_reaped(pids: &[u32]) {
 /// of each scenario: the helper then goes as the scenario says, and we must carry on.
 fn assert_pool_refused<T: std::fmt::Debug>(got: Result<T, ActorError>) {
     match got {
-        Err(ActorError::OfferRefused(baton::Error::PoolAcrossDevices { device, here })) => {
+        Err(ActorError::OfferRefused(baton::ipc::Error::PoolAcrossDevices { device, here })) => {
             assert_ne!(device, here, "the refusal names two GPUs")
         }
         Err(ActorError::Remote(CallFault::OfferRefused(why)))

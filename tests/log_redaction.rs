@@ -287,7 +287,7 @@ fn no_raw_handle_bytes_segment_names_or_tokens_reach_the_log() {
                         // B drops the link at once: the end of the stream (a reset reads the
                         // same), with no frame before it. A timeout would mean B kept it.
                         assert!(
-                            matches!(answer, Err(baton::Error::Closed)),
+                            matches!(answer, Err(baton::ipc::Error::Closed)),
                             "B did not drop the rogue link: {answer:?}"
                         );
                     }

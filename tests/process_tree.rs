@@ -358,7 +358,7 @@ fn the_token_is_in_no_childs_environment_and_no_grandchild_inherits_it() {
     let _link = loop {
         match listener.accept() {
             Ok(link) => break link,
-            Err(baton::Error::Io { source, .. })
+            Err(baton::ipc::Error::Io { source, .. })
                 if source.kind() == std::io::ErrorKind::WouldBlock =>
             {
                 assert!(start.elapsed() < DEADLINE, "the child did not connect");

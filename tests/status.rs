@@ -859,8 +859,8 @@ fn status_requests_are_bounded_per_link_and_a_silent_peer_is_named_not_waited_fo
             loop {
                 match link.recv_timeout(DEADLINE) {
                     Ok(_) => {}
-                    Err(baton::Error::Closed) => break,
-                    Err(baton::Error::Io { source, .. })
+                    Err(baton::ipc::Error::Closed) => break,
+                    Err(baton::ipc::Error::Io { source, .. })
                         if source.kind() == std::io::ErrorKind::ConnectionReset =>
                     {
                         break;

@@ -103,7 +103,7 @@ pub(crate) fn accept(listener: &Listener, peer: &mut PeerProcess) -> Res<Link> {
     loop {
         match listener.accept() {
             Ok(link) => return Ok(link),
-            Err(baton::Error::Io { source, .. })
+            Err(baton::ipc::Error::Io { source, .. })
                 if source.kind() == std::io::ErrorKind::WouldBlock =>
             {
                 if peer.exited() {
@@ -302,7 +302,7 @@ pub(crate) fn importer(socket: &str, pin: bool, marks: &str) -> Res<()> {
     loop {
         let received = match link.recv() {
             Ok(r) => r,
-            Err(baton::Error::Closed) => break,
+            Err(baton::ipc::Error::Closed) => break,
             Err(e) => return Err(e.into()),
         };
         let Message::Offer(offer) = received.message else {

@@ -300,7 +300,7 @@ pub(crate) fn importer(socket: &str, warm: usize) -> Res<()> {
     loop {
         let received = match link.recv() {
             Ok(r) => r,
-            Err(baton::Error::Closed) => break,
+            Err(baton::ipc::Error::Closed) => break,
             Err(e) => return Err(e.into()),
         };
         let Message::Offer(offer) = received.message else {

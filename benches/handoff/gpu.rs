@@ -39,7 +39,7 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
     let mut link = loop {
         match listener.accept() {
             Ok(l) => break l,
-            Err(baton::Error::Io { source, .. })
+            Err(baton::ipc::Error::Io { source, .. })
                 if source.kind() == std::io::ErrorKind::WouldBlock =>
             {
                 if peer.exited() {

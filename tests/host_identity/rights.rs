@@ -198,8 +198,8 @@ fn forger(
     answer: std::sync::mpsc::Sender<Result<bool, String>>,
     done: std::sync::mpsc::Receiver<()>,
 ) {
-    use baton::Message;
     use baton::ipc::tcp::{HostLink, TcpConfig};
+    use baton::messages::Message;
     use baton::messages::RawHandle;
     use baton::messages::protocol::{Forward, Release};
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -350,7 +350,7 @@ impl Backend for LegacyLike {
     fn device(&self) -> baton::messages::DeviceUuid {
         self.0.device()
     }
-    fn allocate(&self, size: usize) -> baton::ipc::Result<baton::Allocation> {
+    fn allocate(&self, size: usize) -> baton::ipc::Result<baton::ipc::Allocation> {
         Ok(self
             .0
             .allocate(size)?

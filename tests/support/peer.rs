@@ -171,7 +171,7 @@ pub fn poll_until(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool
 /// (the listener's `handshake_timeout`).
 ///
 /// The listening socket is switched to non-blocking; accepted sockets are not affected.
-pub fn accept_within(listener: &Listener, deadline: Duration) -> Result<Link, baton::Error> {
+pub fn accept_within(listener: &Listener, deadline: Duration) -> Result<Link, baton::ipc::Error> {
     accept_while(listener, deadline, || true).expect("waited")
 }
 
@@ -181,7 +181,7 @@ pub fn accept_from(
     listener: &Listener,
     child: &mut Peer,
     deadline: Duration,
-) -> Result<Link, baton::Error> {
+) -> Result<Link, baton::ipc::Error> {
     let what = child.what.clone();
     accept_while(listener, deadline, || {
         if let Some(status) = child.try_wait() {
@@ -198,7 +198,7 @@ pub fn accept_while(
     listener: &Listener,
     deadline: Duration,
     mut keep_waiting: impl FnMut() -> bool,
-) -> Option<Result<Link, baton::Error>> {
+) -> Option<Result<Link, baton::ipc::Error>> {
     listener
         .listener()
         .set_nonblocking(true)
@@ -206,7 +206,7 @@ pub fn accept_while(
     let start = Instant::now();
     loop {
         match listener.accept() {
-            Err(baton::Error::Io { source, .. })
+            Err(baton::ipc::Error::Io { source, .. })
                 if source.kind() == std::io::ErrorKind::WouldBlock =>
             {
                 if !keep_waiting() {

@@ -121,7 +121,7 @@ fn release_and_wait_close(link: &mut Link, leases: &[LeaseId]) -> Res<()> {
     }
     // Wait for the exporter to hang up, so it sees the releases before our EOF.
     match link.recv_timeout(DEADLINE) {
-        Err(baton::Error::Closed) => Ok(()),
+        Err(baton::ipc::Error::Closed) => Ok(()),
         Err(e) => Err(e.into()),
         Ok(r) => Err(format!("unexpected {}", r.message.kind()).into()),
     }
@@ -145,7 +145,7 @@ fn import_check(
 
     let (bad, mut fds) = take_offer(&mut link)?;
     match cache.open(&bad.handle, &mut fds) {
-        Err(baton::Error::Message(MessageError::DigestMismatch)) => {}
+        Err(baton::ipc::Error::Message(MessageError::DigestMismatch)) => {}
         Err(e) => return Err(format!("corrupted handle refused, but as {e}").into()),
         Ok(_) => return Err("a corrupted handle was opened".into()),
     }

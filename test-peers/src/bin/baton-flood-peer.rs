@@ -57,7 +57,7 @@ fn call(id: u64, target: &str, type_name: &str, payload: Vec<u8>, offers: Vec<Of
 }
 
 /// A typed host buffer of ours (256 `u32`s) and its sealed handle.
-fn buffer(session: &Session) -> Res<(baton::Allocation, HandleMsg)> {
+fn buffer(session: &Session) -> Res<(baton::ipc::Allocation, HandleMsg)> {
     let backend = HostBackend::new()?;
     let alloc = backend.allocate(1024)?;
     let handle = alloc

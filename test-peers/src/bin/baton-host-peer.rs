@@ -377,7 +377,7 @@ fn forge(addr: &str, session: &baton::Session, what: &str, lease: u64) -> Result
                 return Ok(());
             }
             Ok(r) => say(&format!("answered {}", r.message.kind())),
-            Err(baton::Error::Closed) => {
+            Err(baton::ipc::Error::Closed) => {
                 say("cut");
                 return Ok(());
             }

@@ -100,7 +100,7 @@ fn import(socket: &str, expect_hex: &str, payload_len: usize) -> Res<()> {
     link.send(&Message::Release(Release::now(offer.lease)), &[])?;
     // Wait for the exporter to hang up, so it sees the Release before our EOF.
     match recv(&mut link) {
-        Err(baton::Error::Closed) => Ok(()),
+        Err(baton::ipc::Error::Closed) => Ok(()),
         Err(e) => Err(e.into()),
         Ok(r) => Err(format!("unexpected {}", r.message.kind()).into()),
     }
