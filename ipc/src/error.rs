@@ -76,6 +76,19 @@ pub enum Error {
         /// What came.
         got: &'static str,
     },
+    /// The peer's process lives in another PID namespace than ours (a container of its
+    /// own): the kernel gives its pid as 0 when we cannot see it, or a pid whose process
+    /// sits in a namespace nested below ours. Baton proves who a peer is, and sees it die,
+    /// by its pid and start time (the freeing rule waits for a mapper's death): a PID
+    /// namespace hides both, so the link is refused rather than trusted blind.
+    #[error(
+        "the peer process{} lives in another PID namespace: Baton proves a peer's identity and sees it die by its pid and start time, which a PID namespace hides; run both processes in one PID namespace (containers: share the host's, e.g. `docker run --pid=host`); a network namespace of its own is fine",
+        pid.map(|p| format!(" (pid {p} here)")).unwrap_or_else(|| " (not visible from here)".to_owned())
+    )]
+    PeerInOtherPidNamespace {
+        /// Its pid in our namespace, when we can see it (it is nested below ours).
+        pid: Option<u32>,
+    },
     /// The identity a peer claims is not the process at the other end of the socket.
     #[error("peer claims to be {claimed} but the socket belongs to pid {actual_pid}")]
     PeerIdentityMismatch {
@@ -640,7 +653,8 @@ impl Error {
             | Error::NotBorrowable { .. }
             | Error::CopyRefused { .. }
             | Error::DescriptorsOverTcp { .. }
-            | Error::RegionUnsupported { .. } => Fault::Usage,
+            | Error::RegionUnsupported { .. }
+            | Error::PeerInOtherPidNamespace { .. } => Fault::Usage,
             Error::Closed
             | Error::Timeout { .. }
             | Error::TransferAborted { .. }

@@ -68,6 +68,25 @@ fn parse_stat(text: &str) -> Option<Stat> {
     Some(Stat { state, start_ticks })
 }
 
+/// How many PID namespaces `status` (the text of `/proc/<pid>/status`) says its process is
+/// in: the entries of its `NSpid` line (one per namespace, ours first), if it has one.
+fn pid_namespace_depth(status: &str) -> Option<usize> {
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    Some(line.split_ascii_whitespace().count())
+}
+
+/// Whether process `pid` (as we see it) lives in a PID namespace nested below ours: its
+/// `NSpid` has more entries than our own. `false` when `/proc` cannot tell.
+pub fn in_nested_pid_namespace(pid: u32) -> bool {
+    let depth = |who: &str| {
+        std::fs::read_to_string(format!("/proc/{who}/status"))
+            .ok()
+            .as_deref()
+            .and_then(pid_namespace_depth)
+    };
+    matches!((depth(&pid.to_string()), depth("self")), (Some(theirs), Some(ours)) if theirs > ours)
+}
+
 /// A process's start time in clock ticks since boot, if it exists.
 pub fn start_ticks(pid: u32) -> Option<u64> {
     stat(pid).ok().map(|s| s.start_ticks)
@@ -261,6 +280,17 @@ fn watch_loop(shared: &WatchShared, on_death: &dyn Fn(ProcessId)) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pid_namespace_depth_is_the_count_of_nspid_entries() {
+        let status = |nspid: &str| format!("Name:\tx\nTgid:\t7\nNSpid:{nspid}\nPPid:\t1\n");
+        assert_eq!(pid_namespace_depth(&status("\t4021")), Some(1));
+        assert_eq!(pid_namespace_depth(&status("\t4021\t1")), Some(2));
+        assert_eq!(pid_namespace_depth(&status("\t4021\t7\t1")), Some(3));
+        assert_eq!(pid_namespace_depth("Name:\tx\n"), None, "an old kernel");
+        // This process is no deeper than itself.
+        assert!(!in_nested_pid_namespace(std::process::id()));
+    }
 
     #[test]
     fn parses_stat_with_hostile_command_names() {

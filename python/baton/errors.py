@@ -38,7 +38,7 @@ __all__ = [
     "DescriptorsLost", "MissingFdSlot", "NotMapped", "PoolNotImported",
     "InsecureSocketDir", "ZeroSize", "SegmentNotFound", "MemoryTooSmall",
     "UnsealedMemory", "SegmentOwnerMismatch", "Shm", "UnsupportedBackend", "StaleHandle",
-    "DeviceNotFound", "DeviceUnreachable", "PoolAcrossDevices", "PoolTooLarge",
+    "DeviceNotFound", "DeviceUnreachable", "PeerInOtherPidNamespace", "PoolAcrossDevices", "PoolTooLarge",
     "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
     "AllocationGone", "SlabFull", "BackendUnavailable", "NotBorrowable", "CopyRefused",
     # The Python layer's
@@ -244,6 +244,12 @@ class UnexpectedMessage(Ipc):
 
 class PeerIdentityMismatch(Ipc):
     """The peer claims another identity than the socket's process."""
+
+
+class PeerInOtherPidNamespace(Ipc):
+    """The peer's process lives in another PID namespace (a container of its own): Baton
+    proves identities and sees deaths by pid, which the namespace hides. Run both in one
+    PID namespace (docs/CROSS_HOST.md, "Containers")."""
 
 
 class MissingFds(Ipc):

@@ -197,6 +197,11 @@ fn every_variant() -> Vec<(Error, Fault)> {
             Fault::Usage,
         ),
         (Error::ZeroSize, Fault::Usage),
+        (Error::PeerInOtherPidNamespace { pid: None }, Fault::Usage),
+        (
+            Error::PeerInOtherPidNamespace { pid: Some(9) },
+            Fault::Usage,
+        ),
         (
             Error::OutOfBounds {
                 offset: 4,

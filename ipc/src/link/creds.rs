@@ -20,12 +20,24 @@ impl PeerCred {
     /// Reads the peer credentials of a connected Unix socket (`getsockopt(SO_PEERCRED)`).
     ///
     /// # Errors
-    /// [`Error::Io`] if the socket is not a connected Unix socket.
+    /// [`Error::PeerInOtherPidNamespace`] if the peer's process is not visible from our
+    /// PID namespace (the kernel gives its pid as 0); [`Error::Io`] if the socket is not a
+    /// connected Unix socket.
     pub fn of(socket: impl AsFd) -> Result<Self> {
-        let c = rustix::net::sockopt::socket_peercred(socket).map_err(|e| Error::Io {
-            op: "getsockopt(SO_PEERCRED)",
-            source: e.into(),
-        })?;
+        let c = match rustix::net::sockopt::socket_peercred(socket) {
+            Ok(c) => c,
+            // The kernel's pid 0 (a process our PID namespace cannot see) is no valid
+            // `Pid`: rustix reports it as an error without an errno.
+            Err(e) if e.raw_os_error() == 0 => {
+                return Err(Error::PeerInOtherPidNamespace { pid: None });
+            }
+            Err(e) => {
+                return Err(Error::Io {
+                    op: "getsockopt(SO_PEERCRED)",
+                    source: e.into(),
+                });
+            }
+        };
         Ok(Self {
             pid: c.pid.as_raw_nonzero().get() as u32,
             uid: c.uid.as_raw(),
@@ -37,13 +49,19 @@ impl PeerCred {
     /// says is connected: same pid, same start time, same boot.
     ///
     /// # Errors
-    /// [`Error::PeerIdentityMismatch`].
+    /// [`Error::PeerInOtherPidNamespace`] if the claim does not hold because the peer lives
+    /// in a PID namespace nested below ours (it names itself by a pid of its own
+    /// namespace); else [`Error::PeerIdentityMismatch`].
     pub fn verify_claim(&self, claimed: &ProcessId) -> Result<()> {
         let same = claimed.pid == self.pid
             && claimed.boot == crate::process::boot_id()
             && crate::process::start_ticks(self.pid) == Some(claimed.start_ticks);
         if same {
             Ok(())
+        } else if crate::process::in_nested_pid_namespace(self.pid) {
+            Err(Error::PeerInOtherPidNamespace {
+                pid: Some(self.pid),
+            })
         } else {
             Err(Error::PeerIdentityMismatch {
                 claimed: *claimed,
