@@ -50,6 +50,11 @@ fn a_typed_message_with_two_buffers_goes_to_another_process_and_back() {
             child.pid(),
             "the reply buffer is the child's"
         );
+        assert_eq!(
+            sum.path(),
+            baton::actors::LeasePath::HostSegment,
+            "mapped from the child's named segment (the tests' helpers allocate named ones)"
+        );
         let got = sum.to_vec().unwrap();
         for (i, v) in got.iter().enumerate() {
             assert_eq!(*v, pattern(7, i) as f32 + i as f32 * 0.5, "element {i}");

@@ -76,7 +76,13 @@ fn a_peer_in_its_own_network_namespace_links_and_maps_our_host_memory() {
             reply.ok,
             "the peer in its own network namespace read our memory"
         );
-        let sum = reply.sum.open().unwrap().to_vec().unwrap();
+        let sum = reply.sum.open().unwrap();
+        assert_eq!(
+            sum.path(),
+            baton::actors::LeasePath::HostMemfd,
+            "its memory came as a memfd over the socket"
+        );
+        let sum = sum.to_vec().unwrap();
         assert!(
             sum.iter()
                 .enumerate()

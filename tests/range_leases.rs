@@ -44,6 +44,8 @@ struct Seen {
     past_end_refused: bool,
     /// Bytes of the memory the lease maps in the worker's process.
     mapped: usize,
+    /// How the bytes reached the worker (`LeasePath::name`).
+    path: String,
 }
 
 /// Reads a lease and reports what it saw.
@@ -114,6 +116,7 @@ impl Handler<Read> for Worker {
                 .mapping()
                 .raw()
                 .size(),
+            path: lease.path().name().to_owned(),
         })
     }
 }
@@ -254,6 +257,11 @@ fn two_workers_each_read_exactly_their_half() {
             futures_util::future::join(read(&w.to[0], first), read(&w.to[1], second)).await;
         assert_is(&a, 0..500);
         assert_is(&b, 500..1000);
+        // Mapped in place, from the memfd the exporter's host backend allocates on Linux.
+        assert_eq!(
+            (a.path.as_str(), b.path.as_str()),
+            ("host-memfd", "host-memfd")
+        );
         // An inner range, given inclusively, and the whole buffer as a range.
         assert_is(
             &read(&w.to[0], buf.share_range(123..=456).unwrap()).await,
@@ -433,6 +441,10 @@ fn a_range_lease_over_a_host_link_copies_only_the_range() {
         let range = 300_001..301_001;
         let seen = read(&to_b, buf.share_range(range.clone()).unwrap()).await;
         assert_is(&seen, range.clone());
+        assert_eq!(
+            seen.path, "tcp-copy",
+            "copied by the TCP engine, and labelled so"
+        );
         assert!(
             seen.mapped < LEN * 4 / 2,
             "the copy is of the range ({} bytes), not of the buffer ({} bytes)",

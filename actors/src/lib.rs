@@ -151,7 +151,7 @@ pub mod supervisor;
 // A node's status as metrics.
 pub mod metrics;
 
-pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, Shared, SharedMut};
+pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, LeasePath, Shared, SharedMut};
 pub use bundle::{Bundle, BundleLease, SharedBundle, copy_spans};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use connect::{ACCEPT_BACKLOG, Listening, TcpListening, token_file_of};

@@ -396,6 +396,11 @@ impl AnyLease {
         self.inner.live()
     }
 
+    /// How its bytes reached this process (see [`LeasePath`](crate::LeasePath)).
+    pub fn path(&self) -> crate::LeasePath {
+        self.inner.path
+    }
+
     /// Gives the lease back now (the same as dropping it).
     pub fn release(self) {}
 }

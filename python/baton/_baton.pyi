@@ -303,6 +303,11 @@ class Lease:
     @property
     def exporter_pid(self) -> int: ...
     @property
+    def path(self) -> str:
+        """How its bytes reached this process: "host-memfd", "host-segment", "cuda-legacy",
+        "cuda-vmm", "cuda-pool" (with "-peer-gpu" for another GPU's memory), "tcp-copy",
+        "nccl-copy"."""
+    @property
     def released(self) -> bool: ...
     @property
     def orphaned(self) -> bool: ...

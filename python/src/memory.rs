@@ -471,6 +471,8 @@ pub(crate) struct LeaseCell {
     writable: bool,
     id: u64,
     exporter_pid: u32,
+    /// `LeasePath::name` of the lease.
+    path: &'static str,
     cuda: Cuda,
     /// Opened on a stream the caller named: the release fence is recorded on it when the
     /// lease goes back, instead of synchronising the device first.
@@ -696,6 +698,7 @@ impl Shared {
             }
         }
         let exporter_pid = lease.exporter().process.pid;
+        let path = lease.path().name();
         Ok(Lease {
             cell: Arc::new(LeaseCell {
                 state: Mutex::new(LeaseState {
@@ -711,6 +714,7 @@ impl Shared {
                 writable,
                 id: self.id,
                 exporter_pid,
+                path,
                 cuda: self.cuda.clone(),
                 ordered,
             }),
@@ -793,6 +797,15 @@ impl Lease {
     #[getter]
     fn released(&self) -> bool {
         lock(&self.cell.state).released
+    }
+
+    /// How its bytes reached this process: `"host-memfd"`, `"host-segment"`,
+    /// `"cuda-legacy"`, `"cuda-vmm"`, `"cuda-pool"` (with `"-peer-gpu"` for another GPU's
+    /// memory), `"tcp-copy"`, `"nccl-copy"` (Rust's `LeasePath::name`). Readable after
+    /// release too.
+    #[getter]
+    fn path(&self) -> &'static str {
+        self.cell.path
     }
 
     /// Whether the exporter is gone (accessors then raise `baton.Orphaned`).

@@ -27,6 +27,7 @@ def test_a_rust_process_links_to_a_listening_python_node(node, token_file, short
     lent = peer.call("lender", "py.Lend", {"index": 0, "len": 64, "seed": 2})["buffer"]
     with lent.open() as lease:
         assert lease.exporter_pid == child.pid
+        assert lease.path == "host-memfd", "mapped from the partner's memfd, and labelled so"
         assert lease.numpy().shape == (64,)
     eventually(lambda: table(peer)["leases"] == 0, "the lease to go back")
 

@@ -18,6 +18,97 @@ pub(crate) struct IncomingLease {
     /// A copy of a buffer from another host: our own buffer (the view maps it), whose
     /// lease went back when its bytes landed — nothing to release, never orphaned.
     pub(crate) copy: Option<Arc<BufferCell>>,
+    /// How its bytes reached us ([`Lease::path`]).
+    pub(crate) path: LeasePath,
+}
+
+/// The way a lease's bytes reached this process: mapped in place, and through which kind
+/// of handle, or copied here by a transfer engine. [`Lease::path`] says it for every lease,
+/// so that a slower path is never taken silently. [`name`](Self::name) is its label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LeasePath {
+    /// Host memory mapped in place: a sealed memfd passed over the Unix socket.
+    HostMemfd,
+    /// Host memory mapped in place: a named POSIX shared-memory segment.
+    HostSegment,
+    /// Device memory mapped through a legacy CUDA IPC handle; `peer_gpu`: memory of
+    /// another GPU than this backend's, reached peer-to-peer.
+    CudaLegacy {
+        /// Another GPU's memory.
+        peer_gpu: bool,
+    },
+    /// Device memory mapped from a VMM allocation's descriptor.
+    CudaVmm {
+        /// Another GPU's memory.
+        peer_gpu: bool,
+    },
+    /// Device memory mapped from a stream-ordered pool's descriptor.
+    CudaPool {
+        /// Another GPU's memory.
+        peer_gpu: bool,
+    },
+    /// Copied from another host into our host memory by the TCP engine.
+    TcpCopy,
+    /// Copied from another host into our device memory by the NCCL engine.
+    NcclCopy,
+    /// A kind of handle this label does not know yet.
+    Other,
+}
+
+impl LeasePath {
+    /// The path of an offer mapped in place, from its handle, as `imported` opened it.
+    pub(crate) fn mapped(raw: &baton_messages::RawHandle, imported: &Imported) -> Self {
+        use baton_messages::RawHandle;
+        let peer_gpu = imported.device() != imported.backend().device();
+        match raw {
+            RawHandle::HostMemfd { .. } => LeasePath::HostMemfd,
+            RawHandle::HostSegment(_) => LeasePath::HostSegment,
+            RawHandle::CudaIpc(_) => LeasePath::CudaLegacy { peer_gpu },
+            RawHandle::CudaVmmFd { .. } => LeasePath::CudaVmm { peer_gpu },
+            RawHandle::CudaPool { .. } => LeasePath::CudaPool { peer_gpu },
+            // A copy is opened as our own buffer (`copied`), never mapped from its offer;
+            // a handle kind newer than this match is labelled as such, not guessed.
+            _ => LeasePath::Other,
+        }
+    }
+
+    /// The path of a copy that landed in `cell`, our own buffer.
+    pub(crate) fn copied(cell: &BufferCell) -> Self {
+        match cell.alloc.backend() {
+            baton_messages::BackendKind::Host => LeasePath::TcpCopy,
+            _ => LeasePath::NcclCopy,
+        }
+    }
+
+    /// Its label: `host-memfd`, `host-segment`, `cuda-legacy`, `cuda-vmm`, `cuda-pool`
+    /// (with `-peer-gpu` for another GPU's memory), `tcp-copy`, `nccl-copy`, `other`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LeasePath::HostMemfd => "host-memfd",
+            LeasePath::HostSegment => "host-segment",
+            LeasePath::CudaLegacy { peer_gpu: false } => "cuda-legacy",
+            LeasePath::CudaLegacy { peer_gpu: true } => "cuda-legacy-peer-gpu",
+            LeasePath::CudaVmm { peer_gpu: false } => "cuda-vmm",
+            LeasePath::CudaVmm { peer_gpu: true } => "cuda-vmm-peer-gpu",
+            LeasePath::CudaPool { peer_gpu: false } => "cuda-pool",
+            LeasePath::CudaPool { peer_gpu: true } => "cuda-pool-peer-gpu",
+            LeasePath::TcpCopy => "tcp-copy",
+            LeasePath::NcclCopy => "nccl-copy",
+            LeasePath::Other => "other",
+        }
+    }
+
+    /// Whether the bytes were copied here (not mapped in place).
+    pub fn is_copy(self) -> bool {
+        matches!(self, LeasePath::TcpCopy | LeasePath::NcclCopy)
+    }
+}
+
+impl fmt::Display for LeasePath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// What the importer's link knows of a lease it holds: whether the exporter asked for it
@@ -478,6 +569,11 @@ impl<T: Element> Lease<T> {
     /// [`ActorError::Orphaned`].
     pub fn imported(&self) -> Result<&Imported, ActorError> {
         self.inner.live()
+    }
+
+    /// How its bytes reached this process (see [`LeasePath`]).
+    pub fn path(&self) -> LeasePath {
+        self.inner.path
     }
 
     /// Gives the lease back now (the same as dropping it).

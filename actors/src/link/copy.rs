@@ -56,7 +56,7 @@
 
 use super::held::Turn;
 use super::{Attached, PeerLink};
-use crate::buffer::{IncomingLease, Outgoing};
+use crate::buffer::{IncomingLease, LeasePath, Outgoing};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, OfferGrant};
 use crate::link_ref::{CutOff, ForwardCopy, LinkRef, SendRendezvous};
@@ -871,6 +871,7 @@ impl PeerLink {
             link: self.me.clone(),
             held: Arc::default(),
             order,
+            path: LeasePath::copied(&cell),
             copy: Some(cell),
         })
     }

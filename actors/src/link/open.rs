@@ -4,7 +4,7 @@
 //! ours.
 
 use super::{Attached, PeerLink};
-use crate::buffer::{HeldLease, IncomingLease};
+use crate::buffer::{HeldLease, IncomingLease, LeasePath};
 use crate::error::ActorError;
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
@@ -194,6 +194,7 @@ impl PeerLink {
                 offer.handle.exporter.process,
                 offer.handle.fence,
             );
+            let path = LeasePath::mapped(&offer.handle.raw, &imported);
             leases.push(IncomingLease {
                 imported: Some(imported),
                 lease: offer.lease,
@@ -201,6 +202,7 @@ impl PeerLink {
                 held,
                 order,
                 copy: None,
+                path,
             });
         }
         Ok(Ok(leases))
