@@ -89,6 +89,45 @@ async fn pattern_buffer(parent: &Parent, len: usize, seed: u32) -> Buffer<u32> {
     buf
 }
 
+/// A device buffer of `len` floats, element `i` being `i * 0.5` (what the checker expects
+/// of `CheckPair::b`).
+async fn halves_buffer(parent: &Parent, len: usize) -> Buffer<f32> {
+    let b: Buffer<f32> = parent
+        .owner
+        .send(Allocate::vector(len as u64))
+        .await
+        .unwrap()
+        .unwrap();
+    b.write_at(0, &(0..len).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
+        .unwrap();
+    b
+}
+
+/// The end of a round trip with the checker child: every lease back, our buffers dropped,
+/// the child closed and exited, the import cache's mappings closed (on the node's driver
+/// thread, after the leases' release fences), device memory back to `baseline`.
+async fn close_and_check_device_back(
+    parent: &Parent,
+    cuda: &CudaBackend,
+    baseline: usize,
+    buffers: (Buffer<u32>, Buffer<f32>),
+    peer: baton::actors::Peer,
+    mut child: peer::Peer,
+) {
+    eventually_async(DEADLINE, "leases back", || async {
+        parent.table().await.iter().all(|b| b.leases.is_empty())
+    })
+    .await;
+    drop(buffers);
+    peer.close();
+    assert!(exited(&mut child, DEADLINE).await.success());
+    eventually(DEADLINE, "the import cache to close every mapping", || {
+        parent.node.cache().stats().live == 0
+    })
+    .await;
+    device_back_to(cuda, baseline).await;
+}
+
 async fn typed_round_trip(export: CudaExport) {
     let tag = match export {
         CudaExport::Legacy => "cl-rt",
@@ -97,20 +136,13 @@ async fn typed_round_trip(export: CudaExport) {
     };
     let (parent, cuda, _gpu) = cuda_parent(tag, export);
     let baseline = device_free(&cuda);
-    let (mut child, peer) = parent.child(&[]).await;
+    let (child, peer) = parent.child(&[]).await;
     // Not a multiple of the 2 MiB VMM granularity: the handle must name the layout's bytes,
     // not the rounded-up allocation.
     const N: usize = 1920 * 1080;
     let a = pattern_buffer(&parent, N, 21).await;
     assert_eq!(cuda.live().exported, 1);
-    let b: Buffer<f32> = parent
-        .owner
-        .send(Allocate::vector(N as u64))
-        .await
-        .unwrap()
-        .unwrap();
-    b.write_at(0, &(0..N).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
-        .unwrap();
+    let b = halves_buffer(&parent, N).await;
     let reply = peer
         .remote::<CheckPair>("checker")
         .send(CheckPair {
@@ -135,19 +167,7 @@ async fn typed_round_trip(export: CudaExport) {
             .all(|(i, v)| *v == pattern(21, i) as f32 + i as f32 * 0.5)
     );
     drop(sum);
-    eventually_async(DEADLINE, "leases back", || async {
-        parent.table().await.iter().all(|b| b.leases.is_empty())
-    })
-    .await;
-    drop((a, b));
-    peer.close();
-    assert!(exited(&mut child, DEADLINE).await.success());
-    // Closes run on the node's driver thread, after the leases' release fences.
-    eventually(DEADLINE, "the import cache to close every mapping", || {
-        parent.node.cache().stats().live == 0
-    })
-    .await;
-    device_back_to(&cuda, baseline).await;
+    close_and_check_device_back(&parent, &cuda, baseline, (a, b), peer, child).await;
 }
 
 #[test]
@@ -185,18 +205,11 @@ fn pool_typed_message_with_two_device_buffers_there_and_back() {
 async fn device_range_leases(export: CudaExport, tag: &str) {
     let (parent, cuda, _gpu) = cuda_parent(tag, export);
     let baseline = device_free(&cuda);
-    let (mut child, peer) = parent.child(&[]).await;
+    let (child, peer) = parent.child(&[]).await;
     const N: usize = 1 << 20;
     let range = 1001..1001 + 300_000;
     let a = pattern_buffer(&parent, N, 33).await;
-    let b: Buffer<f32> = parent
-        .owner
-        .send(Allocate::vector(N as u64))
-        .await
-        .unwrap()
-        .unwrap();
-    b.write_at(0, &(0..N).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
-        .unwrap();
+    let b = halves_buffer(&parent, N).await;
     let reply = peer
         .remote::<CheckPair>("checker")
         .send(CheckPair {
@@ -216,18 +229,7 @@ async fn device_range_leases(export: CudaExport, tag: &str) {
         .filter(|&(v, i)| *v != pattern(33, i) as f32 + i as f32 * 0.5)
         .count();
     assert_eq!(wrong, 0, "elements of the range, from its start");
-    eventually_async(DEADLINE, "leases back", || async {
-        parent.table().await.iter().all(|b| b.leases.is_empty())
-    })
-    .await;
-    drop((a, b));
-    peer.close();
-    assert!(exited(&mut child, DEADLINE).await.success());
-    eventually(DEADLINE, "the import cache to close every mapping", || {
-        parent.node.cache().stats().live == 0
-    })
-    .await;
-    device_back_to(&cuda, baseline).await;
+    close_and_check_device_back(&parent, &cuda, baseline, (a, b), peer, child).await;
 }
 
 #[test]
