@@ -5,7 +5,7 @@ use crate::buffer::{Buffer, Element, Lease, Shared};
 use crate::error::ActorError;
 use baton_ipc::cuda::CopySpan;
 use baton_ipc::{MemPtr, Stream};
-use baton_messages::{BundleLayout, TensorSpec};
+use baton_messages::{BundleLayout, SyncStamp, TensorSpec};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
@@ -104,9 +104,17 @@ pub fn copy_spans(
 /// ([`tensor`](BundleLease::tensor)), as a device pointer for GPU memory
 /// ([`tensor_ptr`](BundleLease::tensor_ptr), after [`wait_on`](BundleLease::wait_on)).
 ///
-/// On the wire a `SharedBundle` is a struct of two fields, `"baton.bundle"` (the layout:
-/// one byte string, [`BundleLayout::to_wire`]) and `"buffer"` (a `Shared<u8>`): Python
-/// receives it as a `baton.SharedBundle` and sends a `baton.Bundle` as the same.
+/// On the wire a `SharedBundle` is a struct of three fields, `"baton.bundle"` (the layout:
+/// one byte string, [`BundleLayout::to_wire`]), `"buffer"` (a `Shared<u8>`) and
+/// `"baton.sync"` (the [`SyncStamp`] of a versioned sync, or nil; a MessagePack map
+/// without it decodes as nil): Python receives it as a `baton.SharedBundle` and sends a
+/// `baton.Bundle` as the same.
+///
+/// A model in several bundles, or synced to several receivers, is synced as versions:
+/// [`SyncSender`](crate::SyncSender) stamps each part
+/// ([`share_stamped`](Self::share_stamped)) and
+/// [`SyncReceiver`](crate::SyncReceiver) commits a version only once every part of it has
+/// landed.
 #[derive(Clone)]
 pub struct Bundle {
     buffer: Buffer<u8>,
@@ -147,6 +155,17 @@ impl Bundle {
         SharedBundle {
             layout: Arc::clone(&self.layout),
             buffer: self.buffer.share(),
+            stamp: None,
+        }
+    }
+
+    /// [`share`](Self::share), as a part of a versioned sync: `stamp` comes from
+    /// [`SyncSender::stamp`](crate::SyncSender::stamp), and the receiver reads it from
+    /// [`BundleLease::version`].
+    pub fn share_stamped(&self, stamp: SyncStamp) -> SharedBundle {
+        SharedBundle {
+            stamp: Some(stamp),
+            ..self.share()
         }
     }
 
@@ -159,6 +178,23 @@ impl Bundle {
         Ok(SharedBundle {
             layout: Arc::clone(&self.layout),
             buffer: self.buffer.share_on(stream)?,
+            stamp: None,
+        })
+    }
+
+    /// [`share_stamped`](Self::share_stamped), ordered after the work queued on `stream`
+    /// (see [`Buffer::share_on`]).
+    ///
+    /// # Errors
+    /// As [`Buffer::share_on`].
+    pub fn share_stamped_on(
+        &self,
+        stamp: SyncStamp,
+        stream: impl Into<Stream>,
+    ) -> Result<SharedBundle, ActorError> {
+        Ok(SharedBundle {
+            stamp: Some(stamp),
+            ..self.share_on(stream)?
         })
     }
 
@@ -215,6 +251,9 @@ pub struct SharedBundle {
     layout: Arc<BundleLayout>,
     /// The buffer that holds them.
     buffer: Shared<u8>,
+    /// The stamp of a versioned sync (checked when opened).
+    #[serde(rename = "baton.sync", default)]
+    stamp: Option<SyncStamp>,
 }
 
 mod arc_layout {
@@ -244,12 +283,22 @@ impl SharedBundle {
         self.buffer.is_received()
     }
 
+    /// The stamp of the versioned sync this bundle is a part of, as the sender wrote it
+    /// (unchecked until opened).
+    pub fn stamp(&self) -> Option<&SyncStamp> {
+        self.stamp.as_ref()
+    }
+
     /// Opens a received bundle. The lease goes back when the [`BundleLease`] drops.
     ///
     /// # Errors
     /// [`ActorError::NotReceived`]; [`ActorError::BundleTooLarge`] when the layout reaches
-    /// past the buffer (the lease goes back at once).
+    /// past the buffer, [`ActorError::Version`] when the stamp does not check (the lease
+    /// goes back at once).
     pub fn open(self) -> Result<BundleLease, ActorError> {
+        if let Some(stamp) = &self.stamp {
+            stamp.check()?;
+        }
         let lease = self.buffer.open()?;
         let needs = self.layout.byte_len();
         if needs > lease.len() as u64 {
@@ -261,6 +310,7 @@ impl SharedBundle {
         Ok(BundleLease {
             lease,
             layout: self.layout,
+            stamp: self.stamp,
         })
     }
 }
@@ -270,6 +320,7 @@ impl SharedBundle {
 pub struct BundleLease {
     lease: Lease<u8>,
     layout: Arc<BundleLayout>,
+    stamp: Option<SyncStamp>,
 }
 
 impl fmt::Debug for BundleLease {
@@ -277,6 +328,7 @@ impl fmt::Debug for BundleLease {
         f.debug_struct("BundleLease")
             .field("lease", &self.lease.id())
             .field("tensors", &self.layout.len())
+            .field("version", &self.version())
             .finish()
     }
 }
@@ -285,6 +337,17 @@ impl BundleLease {
     /// The tensors' layout.
     pub fn layout(&self) -> &BundleLayout {
         &self.layout
+    }
+
+    /// The version this bundle is a part of, when it was sent as a part of a versioned
+    /// sync (see [`SyncSender`](crate::SyncSender)); `None` for a bundle shared without.
+    pub fn version(&self) -> Option<u64> {
+        self.stamp.map(|s| s.version)
+    }
+
+    /// The whole stamp of its versioned sync (checked when opened).
+    pub fn stamp(&self) -> Option<&SyncStamp> {
+        self.stamp.as_ref()
     }
 
     /// The lease on the whole buffer.

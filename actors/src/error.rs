@@ -345,6 +345,36 @@ pub enum ActorError {
         /// Bytes in the buffer.
         len: u64,
     },
+    /// A receiver refused a part of a versioned sync (see
+    /// [`SyncReceiver`](crate::SyncReceiver)): stale, skipping ahead, of a sync that is
+    /// over, disagreeing with its sync, malformed, or not stamped. The part's lease goes
+    /// back; the receiver keeps its version and the link carries on.
+    #[error(transparent)]
+    Version(#[from] baton_messages::VersionFault),
+    /// A sync's deadline cannot be met (see [`SyncSender::begin`](crate::SyncSender::begin)):
+    /// it is past, nearer than the sender's stated minimum, or further than a stamp can
+    /// carry. Refused before anything is stamped.
+    #[error(
+        "a sync deadline {left:?} away cannot be met: it must be between {min:?} and {max:?} from now"
+    )]
+    InfeasibleDeadline {
+        /// Time left to the deadline when it was asked for (zero: already past).
+        left: Duration,
+        /// The sender's minimum.
+        min: Duration,
+        /// The longest a stamp carries.
+        max: Duration,
+    },
+    /// The sender's sync is over: its deadline passed, it was cancelled or replaced by a
+    /// later one, or it never began. Nothing more of it can be stamped; receivers drop what
+    /// they staged of it.
+    #[error("sync of version {version} is over: {why}")]
+    SyncOver {
+        /// The version the sync was to make (the sender's next one).
+        version: u64,
+        /// Why.
+        why: &'static str,
+    },
 }
 
 impl ActorError {
@@ -370,6 +400,9 @@ impl ActorError {
             // A received bundle's layout names more memory than its buffer has: refused
             // when opened, its lease given back.
             ActorError::BundleTooLarge { .. } => Fault::Handle,
+            // A part's stamp, as the peer wrote it, does not follow this receiver's version:
+            // refused, its lease given back, the link kept.
+            ActorError::Version(_) => Fault::Refused,
             // By construction a local failure to open a reply's buffer (see
             // `is_local_open_failure`): the link stays up.
             ActorError::OfferRefused(_) | ActorError::Spawn { .. } => Fault::Local,
@@ -387,7 +420,8 @@ impl ActorError {
             | ActorError::BufferLeased { .. }
             | ActorError::LeaseConflict { .. }
             | ActorError::NotHostMemory
-            | ActorError::NoSuchTensor { .. } => Fault::Usage,
+            | ActorError::NoSuchTensor { .. }
+            | ActorError::InfeasibleDeadline { .. } => Fault::Usage,
             ActorError::LinkClosed { .. }
             | ActorError::Orphaned { .. }
             | ActorError::RevokeDeadline { .. }
@@ -397,7 +431,8 @@ impl ActorError {
             | ActorError::Timeout { .. }
             | ActorError::NotReturned { .. }
             | ActorError::NotListening
-            | ActorError::ChildExited { .. } => Fault::Ended,
+            | ActorError::ChildExited { .. }
+            | ActorError::SyncOver { .. } => Fault::Ended,
         }
     }
 

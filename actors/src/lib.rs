@@ -45,6 +45,9 @@
 //! - Forwarding: a process passes a buffer it leased on to a third one, zero-copy
 //!   ([`Peer::forward`], A → B → C); the exporter's ledger counts the third process as a
 //!   holder until it gives the buffer back or dies (see `docs/FORWARDING.md`).
+//! - Versioned syncs: [`SyncSender`] stamps the bundles of a sync with version N+1;
+//!   [`SyncReceiver`] stages them and commits N+1 only once every part has landed, so a
+//!   receiver is always on exactly N or N+1 (see `docs/GUIDE.md`, "Versioned syncs").
 //! - [`supervisor`]: a process supervisor that spawns, watches and restarts child processes
 //!   (one-for-one or one-for-all, at most N restarts in a window), and feeds their deaths
 //!   into the lease protocol.
@@ -66,7 +69,7 @@
 //!
 //! 1. pure state: `ids`, `error`, `ledger` (the lease state machine), `link_session` (a
 //!    link's protocol state machine), `order` (stream ordering), `offload` (where blocking
-//!    calls run);
+//!    calls run), `versions` (versioned syncs: the sender's stamps, a receiver's staging);
 //! 2. what the node and its links share: `link_ref` (a link's handle, and the messages
 //!    its actor takes), `exports` (the ledger behind its mutex), `buffer`, `remote` (typed
 //!    messages and their encoding), `relay` (forwarding's tables), `observed` (what the
@@ -78,7 +81,7 @@
 //!    hosts, as copies), `leases` (the lease protocol's other messages), `forward`,
 //!    `closing`), `connect` (which makes links, Unix and TCP, and starts their actors);
 //! 4. the public API on top: [`raw`], `owner` ([`BufferOwner`]), [`child`],
-//!    [`supervisor`], [`metrics`].
+//!    [`supervisor`], [`metrics`], `versioned` ([`SyncReceiver`]).
 //!
 //! Where types point both ways — the node keeps its links and each link actor calls back
 //! into the node; lease guards, the exports and the node hold links — the lower side
@@ -110,6 +113,8 @@ mod link_session;
 mod order;
 // Where blocking backend calls run.
 mod offload;
+// Versioned syncs: the sender's stamps and the receiver's staging, without I/O.
+mod versions;
 
 // 2. What the node and its links share.
 // A link as the rest of the crate holds it, and the messages its actor takes.
@@ -150,6 +155,8 @@ pub mod child;
 pub mod supervisor;
 // A node's status as metrics.
 pub mod metrics;
+// Versioned syncs received: staged, then committed whole.
+mod versioned;
 
 pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, LeasePath, Shared, SharedMut};
 pub use bundle::{Bundle, BundleLease, SharedBundle, copy_spans};
@@ -172,5 +179,7 @@ pub use supervisor::{
     ChildPeer, ChildRunning, ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor,
     RemoteChildSpec, Restart, RestartPolicy, Shutdown, Strategy, SupervisorEvent,
 };
+pub use versioned::SyncReceiver;
+pub use versions::{Staged, SyncProgress, SyncSender, SyncState};
 
 pub use actix;

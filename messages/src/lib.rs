@@ -15,24 +15,26 @@
 //!    allocation id is expected, and the [`SessionToken`];
 //! 3. [`layout`]: element types and shapes of typed buffers, and the layouts of bundles
 //!    (many named tensors in one buffer);
-//! 4. `raw`: what each backend puts in a handle ([`RawHandle`]: a segment name, 64 CUDA
+//! 4. [`sync`]: versioned syncs of bundles — the [`SyncStamp`] on each part, the
+//!    [`SyncCancel`] a sender sends, what a receiver refuses ([`VersionFault`]);
+//! 5. `raw`: what each backend puts in a handle ([`RawHandle`]: a segment name, 64 CUDA
 //!    bytes or a descriptor's slot) and which backend made a buffer ([`BackendKind`]);
 //!    re-exported from [`handle`], where they were first defined;
-//! 5. `error`: [`Error`], everything that can be wrong with what a peer sent;
-//! 6. [`fence`]: [`FenceHandle`], what orders GPU work across processes (acquire fences
+//! 6. `error`: [`Error`], everything that can be wrong with what a peer sent;
+//! 7. [`fence`]: [`FenceHandle`], what orders GPU work across processes (acquire fences
 //!    in handles, release fences in `Release`);
-//! 7. [`handle`]: [`HandleMsg`], the serialized capability that lets another process map
+//! 8. [`handle`]: [`HandleMsg`], the serialized capability that lets another process map
 //!    a buffer, sealed with a keyed digest (whose encoding is the seal's own: see "The
 //!    seal" there) so that a corrupted or forged handle is refused before any driver
 //!    call;
-//! 8. [`protocol`]: the [`Message`]s of the link and lease protocol;
-//! 9. [`codec`]: length-prefixed frames of messages with a hard size limit, decoded with
-//!    bincode under a byte limit, so that arbitrary input can never panic or allocate
-//!    without bound;
-//! 10. [`status`]: [`NodeStatus`](status::NodeStatus), what a node tells an
+//! 9. [`protocol`]: the [`Message`]s of the link and lease protocol;
+//! 10. [`codec`]: length-prefixed frames of messages with a hard size limit, decoded with
+//!     bincode under a byte limit, so that arbitrary input can never panic or allocate
+//!     without bound;
+//! 11. [`status`]: [`NodeStatus`](status::NodeStatus), what a node tells an
 //!     authenticated peer about its buffers, leases, cache, links and children (the JSON
 //!     body of a `Status` message);
-//! 11. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
+//! 12. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
 //!
 //! This crate knows nothing of CUDA, sockets or actors, and has no `unsafe` code.
 
@@ -48,6 +50,8 @@ mod serde_bytes64;
 pub mod ids;
 // Element types, shapes, bundle layouts.
 pub mod layout;
+// Versioned syncs of bundles: stamps, cancels, refusals.
+pub mod sync;
 // Raw handles and backend kinds.
 mod raw;
 // What can be wrong with what a peer sent.
@@ -81,6 +85,7 @@ pub use raw::{
     BackendKind, CopyEngine, CudaIpcMemHandle, CudaPoolExportData, IpcEventHandle, RawHandle,
     SegmentName,
 };
+pub use sync::{SyncCancel, SyncStamp, VersionFault};
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer
 /// speaking another version is refused before its payload is decoded.

@@ -21,7 +21,10 @@ from ._baton import (
     generate_token,
     log_to_stderr,
 )
-from .bundle import Bundle, BundleLayout, BundleLease, CopyPlan, SharedBundle, bundle_parameters
+from .bundle import (
+    Bundle, BundleLayout, BundleLease, CopyPlan, SharedBundle, SyncReceiver, SyncSender,
+    SyncStamp, bundle_parameters,
+)
 from .supervisor import Supervisor
 from .errors import *  # noqa: F401,F403  (the exception classes, as baton.Orphaned etc.)
 
@@ -41,6 +44,9 @@ __all__ = [
     "Shared",
     "SharedBundle",
     "Supervisor",
+    "SyncReceiver",
+    "SyncSender",
+    "SyncStamp",
     "__version__",
     "bundle_parameters",
     "errors",

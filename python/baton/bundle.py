@@ -26,18 +26,28 @@ import cache has the allocation mapped already: it opens nothing.
   ``bundle.wait_on(s)`` order by fences on a stream of yours instead of synchronising
   the device (see the README's *Device memory and streams*).
 
+- Versioned syncs (a model in several bundles, or sent to several engines): a
+  :class:`SyncSender` stamps each bundle of version N+1 (``sender.share(part, bundle)``);
+  a :class:`SyncReceiver` stages the parts in bundles of its own node and commits N+1 only
+  once every part has landed, so it is always on exactly N or N+1 (``receiver.version``,
+  ``receiver.parts``). A received bundle's version is ``SharedBundle.version`` and
+  ``BundleLease.version``.
+
 On the wire a bundle is Rust's ``baton_actors::SharedBundle``: Rust and Python peers send
 each other bundles. A received layout is checked (unique names, aligned, disjoint
-tensors) on arrival and against the buffer when opened.
+tensors) on arrival and against the buffer when opened; a stamp is checked when opened.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
-from ._baton import Buffer, BundleLayout, Lease, Shared
+from ._baton import Buffer, BundleLayout, Lease, Shared, SyncStamp, _SyncSender, _SyncState
 
-__all__ = ["Bundle", "BundleLayout", "BundleLease", "CopyPlan", "SharedBundle", "bundle_parameters"]
+__all__ = [
+    "Bundle", "BundleLayout", "BundleLease", "CopyPlan", "SharedBundle", "SyncReceiver",
+    "SyncSender", "SyncStamp", "bundle_parameters",
+]
 
 _ITEMSIZE = {
     "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2, "bfloat16": 2,
@@ -358,17 +368,30 @@ class Bundle:
 
 
 class SharedBundle:
-    """A received bundle, not opened yet (a ``baton.Shared`` and its layout)."""
+    """A received bundle, not opened yet (a ``baton.Shared``, its layout, and the stamp of
+    the versioned sync it is a part of, if any)."""
 
-    __slots__ = ("_layout", "_shared")
+    __slots__ = ("_layout", "_shared", "_stamp")
 
-    def __init__(self, layout: BundleLayout, shared: Shared) -> None:
+    def __init__(self, layout: BundleLayout, shared: Shared,
+                 stamp: Optional[SyncStamp] = None) -> None:
         self._layout = layout
         self._shared = shared
+        self._stamp = stamp
 
     @property
     def layout(self) -> BundleLayout:
         return self._layout
+
+    @property
+    def stamp(self) -> Optional[SyncStamp]:
+        """The stamp of its versioned sync, as the sender wrote it (checked when opened)."""
+        return self._stamp
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version it is a part of (None: not sent as part of a versioned sync)."""
+        return None if self._stamp is None else self._stamp.version
 
     @property
     def nbytes(self) -> int:
@@ -377,15 +400,22 @@ class SharedBundle:
     def open(self, writable: bool = False, stream: Any = None) -> "BundleLease":
         """Opens the bundle's lease (see ``Shared.open``; ``stream`` makes it
         stream-ordered: no host synchronisation, the release fence recorded on that stream).
-        Raises ``ValueError`` — and gives the lease back — when the layout reaches past the
-        buffer."""
+        Raises ``ValueError`` when the layout reaches past the buffer, ``Malformed`` when
+        the stamp does not check — and gives the lease back."""
+        if self._stamp is not None:
+            try:
+                self._stamp.check()
+            except Exception:
+                self._shared.release()
+                raise
         if self._layout.nbytes > self._shared.nbytes:
             self._shared.release()
             raise ValueError(
                 f"the bundle's tensors need {self._layout.nbytes} bytes; its buffer has "
                 f"{self._shared.nbytes}"
             )
-        return BundleLease(self._layout, self._shared.open(writable=writable, stream=stream))
+        return BundleLease(self._layout, self._shared.open(writable=writable, stream=stream),
+                           self._stamp)
 
     def release(self) -> bool:
         """Gives the lease back unopened."""
@@ -399,15 +429,27 @@ class BundleLease:
     """An opened bundle: one ``Lease`` and the layout of its tensors. A context manager,
     released as a ``Lease`` is (the lease goes back once its views are gone)."""
 
-    __slots__ = ("_layout", "_lease")
+    __slots__ = ("_layout", "_lease", "_stamp")
 
-    def __init__(self, layout: BundleLayout, lease: Lease) -> None:
+    def __init__(self, layout: BundleLayout, lease: Lease,
+                 stamp: Optional[SyncStamp] = None) -> None:
         self._layout = layout
         self._lease = lease
+        self._stamp = stamp
 
     @property
     def layout(self) -> BundleLayout:
         return self._layout
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version this bundle is a part of (None: not sent by a ``SyncSender``)."""
+        return None if self._stamp is None else self._stamp.version
+
+    @property
+    def stamp(self) -> Optional[SyncStamp]:
+        """The whole stamp of its versioned sync (checked when opened)."""
+        return self._stamp
 
     @property
     def lease(self) -> Lease:
@@ -480,3 +522,146 @@ class BundleLease:
 
     def __repr__(self) -> str:
         return f"BundleLease({len(self._layout)} tensors, {self._lease!r})"
+
+
+class _Stamped:
+    """A bundle with the stamp of a versioned sync, as a message field (what
+    ``SyncSender.share`` gives)."""
+
+    __slots__ = ("_bundle", "_stamp")
+
+    def __init__(self, bundle: Bundle, stamp: SyncStamp) -> None:
+        self._bundle = bundle
+        self._stamp = stamp
+
+    @property
+    def stamp(self) -> SyncStamp:
+        return self._stamp
+
+    def __baton_wire__(self) -> dict:
+        wire = self._bundle.__baton_wire__()
+        wire["baton.sync"] = self._stamp
+        return wire
+
+    def __repr__(self) -> str:
+        return f"{self._bundle!r} stamped {self._stamp!r}"
+
+
+class SyncSender:
+    """The sending side of versioned syncs: version N+1 of a whole (a model's weights) in
+    ``parts`` bundles, to one or more receivers. ``begin(parts, deadline)`` starts the sync
+    (refused with ``InfeasibleDeadline`` when ``deadline`` seconds cannot be met: past,
+    under ``min_deadline``, over a day); ``share(part, bundle)`` gives the message field
+    of each part (stamped; sent to every receiver, in messages of your own);
+    ``finish()`` once every part was sent makes N+1 the sender's version. Past its deadline
+    a sync stamps nothing more (``SyncOver``) and receivers drop what they staged of it;
+    ``cancel()`` gives it up at once and returns ``(version, sync)`` for the receivers'
+    ``SyncReceiver.cancel``.
+
+    ``version`` is what the receivers have (0: nothing yet); a restarted sender starts from
+    the version its receivers report."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, version: int = 0, min_deadline: Optional[float] = None) -> None:
+        self._inner = _SyncSender(version, min_deadline)
+
+    @property
+    def version(self) -> int:
+        """The version the last finished sync made."""
+        return self._inner.version
+
+    @property
+    def pending(self) -> Optional[int]:
+        """The version the sync under way makes, if one is."""
+        return self._inner.pending
+
+    def begin(self, parts: int, deadline: float) -> int:
+        """Begins the next version's sync, due in ``deadline`` seconds; returns its
+        version."""
+        return self._inner.begin(parts, deadline)
+
+    def share(self, part: int, bundle: Bundle) -> _Stamped:
+        """Part ``part`` of the sync under way, as a message field."""
+        return _Stamped(bundle, self._inner.stamp(part))
+
+    def finish(self) -> int:
+        """Ends the sync once every part was shared: returns the new version."""
+        return self._inner.finish()
+
+    def cancel(self) -> Optional[tuple]:
+        """Gives the sync under way up: ``(version, sync)`` to send the receivers, or
+        None."""
+        return self._inner.cancel()
+
+
+class SyncReceiver:
+    """The receiving side of versioned syncs: always on exactly one version, whole.
+
+    ``receive(shared_bundle)`` checks the part's stamp (refusing stale, skipping, replaced,
+    cancelled, expired, inconsistent, malformed and unstamped parts with a ``Version``
+    error — the receiver keeps its version, the lease goes back), copies it into a staging
+    bundle of ``node`` and gives the lease back; when the last part of the sync lands, the
+    staging bundles become the committed ones at once. ``parts`` are the committed
+    bundles (this process's memory: readable after the sender is gone); ``version`` their
+    version (0: none yet). It costs a second copy of the model in ``node``'s memory.
+
+    Load the committed parts into an engine's parameters with ``parts[i].copy_into(params)``
+    after a commit (``receive`` returns the new version then, else None)."""
+
+    __slots__ = ("_node", "_state", "_front", "_back")
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+        self._state = _SyncState()
+        self._front: list = []
+        self._back: list = []
+
+    @property
+    def version(self) -> int:
+        """The committed version."""
+        return self._state.version
+
+    @property
+    def parts(self) -> list:
+        """The committed version's bundles, by part index."""
+        return list(self._front)
+
+    @property
+    def staging(self) -> Optional[tuple]:
+        """``(version, sync, landed, parts)`` of the sync being staged, or None."""
+        return self._state.staging
+
+    def receive(self, part: SharedBundle, stream: Any = None) -> Optional[int]:
+        """Takes a part of a sync; returns the version it committed, or None while parts
+        are missing."""
+        try:
+            stamp = self._state.admit(part.stamp)
+        except BaseException:
+            part.release()  # refused: the lease goes back now
+            raise
+        back = self._back
+        back.extend([None] * (stamp.parts - len(back)))
+        del back[stamp.parts:]
+        with part.open() as lease:
+            staged = back[stamp.part]
+            if staged is None or staged.layout != lease.layout or staged.leases_out:
+                staged = back[stamp.part] = self._node.allocate_bundle(lease.layout)
+            lease.copy_into(staged, stream)
+            if lease.device[0] == "cuda":
+                import torch
+
+                (stream or torch.cuda.current_stream(lease.device[1])).synchronize()
+        committed = self._state.landed(stamp)
+        if committed is not None:
+            self._front, self._back = list(back), list(self._front)
+        return committed
+
+    def cancel(self, cancel: tuple) -> bool:
+        """Drops the staged sync when ``cancel`` — ``SyncSender.cancel()``'s
+        ``(version, sync)`` — names it."""
+        version, sync = cancel
+        return self._state.cancel(version, sync)
+
+    def __repr__(self) -> str:
+        return f"SyncReceiver(version {self.version}, {len(self._front)} parts)"

@@ -29,6 +29,9 @@ __all__ = [
     "UnknownLease", "ForeignOffer", "DuplicateLease", "UnknownCall", "Unexpected",
     "TooManyOffers", "TooManyLeases", "PeerNotReading", "OfferRefused", "RevokeDeadline",
     "Unresponsive", "PeerExited", "Mailbox", "Timeout", "NotReturned", "Spawn", "NoParent",
+    "InfeasibleDeadline", "SyncOver",
+    # VersionFault (a part of a versioned sync refused), under Version
+    "Version", "Unversioned", "Malformed", "Stale", "Skipped", "SyncClosed", "Inconsistent",
     # CallFault
     "NoSuchActor", "WrongType", "BadPayload", "ActorGone", "ReplyFailed",
     "RemoteOfferRefused",
@@ -165,6 +168,45 @@ class Timeout(BatonError, TimeoutError):
 
 class NotReturned(Timeout):
     """Leases on a buffer were still out when ``Buffer.returned(timeout)`` gave up."""
+
+
+class InfeasibleDeadline(BatonError):
+    """A sync's deadline is past, nearer than the sender's minimum, or beyond a day:
+    refused before anything is stamped."""
+
+
+class SyncOver(BatonError):
+    """The sender's sync is over (its deadline passed, it was cancelled, or none began):
+    nothing more of it can be stamped."""
+
+
+class Version(BatonError):
+    """A receiver refused a part of a versioned sync: it keeps its version, the part's
+    lease goes back, the link carries on."""
+
+
+class Unversioned(Version):
+    """The bundle carries no stamp (shared plainly, not by a SyncSender)."""
+
+
+class Malformed(Version):
+    """The stamp does not check (version 0, parts out of bounds, no time to live)."""
+
+
+class Stale(Version):
+    """The version is not newer than the receiver's."""
+
+
+class Skipped(Version):
+    """The version skips ahead: a receiver on N takes only N+1."""
+
+
+class SyncClosed(Version):
+    """A part of a sync that was cancelled, expired or replaced by a later one."""
+
+
+class Inconsistent(Version):
+    """A part that disagrees with its sync (another number of parts, a part twice)."""
 
 
 class NoParent(BatonError):

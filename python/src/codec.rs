@@ -280,6 +280,11 @@ fn to_value(
     if obj.is_instance_of::<Shared>() || obj.is_instance_of::<Lease>() {
         return Err(Failure::Actor(ActorError::NotOwned)).or_raise(py);
     }
+    if let Ok(stamp) = obj.cast::<crate::versions::SyncStamp>() {
+        return crate::versions::encode_stamp(&stamp.get().inner)
+            .map_err(encode_error)
+            .or_raise(py);
+    }
     if let Ok(layout) = obj.cast::<BundleLayout>() {
         let raw = layout.get().wire().map_err(encode_error).or_raise(py)?;
         return Ok(Value::Ext(RAW_LAYOUT, raw.to_vec()));
@@ -427,6 +432,9 @@ fn to_py(
     })
 }
 
+/// The key of a bundle's sync stamp in its wire map (nil or absent: none).
+const STAMP_KEY: &str = "baton.sync";
+
 /// A received bundle (the map of Rust's `SharedBundle`): its layout checked, then a
 /// `baton.SharedBundle` of it and its buffer.
 fn received_bundle(
@@ -435,7 +443,7 @@ fn received_bundle(
     buffers: &mut [Option<AnyShared>],
     cuda: &Cuda,
 ) -> Result<Py<PyAny>, Decoded> {
-    let (mut layout, mut buffer) = (None, None);
+    let (mut layout, mut buffer, mut stamp) = (None, None, None);
     for (k, v) in entries {
         match k.as_str() {
             Some(LAYOUT_KEY) if layout.is_none() => {
@@ -445,9 +453,13 @@ fn received_bundle(
                 layout = Some(bundle::decode_layout(py, &raw).map_err(Decoded::Bad)?);
             }
             Some("buffer") if buffer.is_none() => buffer = Some(to_py(py, v, buffers, cuda)?),
+            Some(STAMP_KEY) if stamp.is_none() => {
+                stamp = Some(crate::versions::decode_stamp(v).map_err(Decoded::Bad)?);
+            }
             _ => {
                 return Err(Decoded::Bad(format!(
-                    "a bundle has the fields {LAYOUT_KEY:?} and \"buffer\" once each, not {k}"
+                    "a bundle has the fields {LAYOUT_KEY:?}, \"buffer\" and {STAMP_KEY:?} \
+                     once each, not {k}"
                 )));
             }
         }
@@ -461,6 +473,12 @@ fn received_bundle(
     Ok(py
         .import("baton.bundle")?
         .getattr("SharedBundle")?
-        .call1((layout, buffer))?
+        .call1((
+            layout,
+            buffer,
+            stamp
+                .flatten()
+                .map(|inner| crate::versions::SyncStamp { inner }),
+        ))?
         .unbind())
 }

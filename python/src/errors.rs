@@ -85,6 +85,9 @@ fn classes(e: &ActorError) -> Vec<String> {
             cause: baton_actors::LinkEnd::PeerDied,
             ..
         } => vec!["PeerDied".into(), "LinkClosed".into()],
+        ActorError::Version(fault) => {
+            vec![variant(&format!("{fault:?}")).to_owned(), "Version".into()]
+        }
         other => vec![variant(&format!("{other:?}")).to_owned()],
     }
 }

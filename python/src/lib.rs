@@ -22,6 +22,7 @@ mod memory;
 mod node;
 mod runtime;
 mod stream;
+mod versions;
 
 use pyo3::prelude::*;
 
@@ -41,6 +42,9 @@ fn _baton(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<memory::HostView>()?;
     m.add_class::<bundle::BundleLayout>()?;
     m.add_class::<copy::CopyPlan>()?;
+    m.add_class::<versions::SyncStamp>()?;
+    m.add_class::<versions::SyncSender>()?;
+    m.add_class::<versions::SyncState>()?;
     m.add_function(wrap_pyfunction!(node::generate_token, m)?)?;
     m.add_function(wrap_pyfunction!(node::log_to_stderr, m)?)?;
     Ok(())

@@ -64,6 +64,28 @@ fn every_own_variant() -> Vec<(ActorError, Fault)> {
             Fault::Handle,
         ),
         (
+            ActorError::Version(baton_messages::VersionFault::Stale {
+                committed: 3,
+                got: 2,
+            }),
+            Fault::Refused,
+        ),
+        (
+            ActorError::InfeasibleDeadline {
+                left: Duration::ZERO,
+                min: Duration::from_millis(1),
+                max: Duration::from_secs(86_400),
+            },
+            Fault::Usage,
+        ),
+        (
+            ActorError::SyncOver {
+                version: 2,
+                why: "its deadline passed",
+            },
+            Fault::Ended,
+        ),
+        (
             ActorError::OfferRefused(baton_ipc::Error::DescriptorsLost { slot: 0 }),
             Fault::Local,
         ),
