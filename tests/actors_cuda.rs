@@ -766,17 +766,18 @@ fn a_closed_pool_node_gives_the_device_its_memory_back() {
     closed_node_gives_memory_back(CudaExport::Pool);
 }
 
-/// Pool memory a live peer imported should go back once the buffer is freed, without a
-/// close. It does not yet (issue 46, open): the driver keeps a pool's freed memory reserved
-/// once another process imported the pool — threshold and trim do not return it — and,
-/// as far as the runs show, until every importer has let go of its import too (our pool
-/// retired after a second idle was not enough while the helper kept its import: run
-/// `docs/bench/h200/2026-11-29-58bafd4-gpu-tests-a-k.log`). A node's close does return it
-/// (the link's end makes the peer drop its import; `Backend::release_idle` retires our
-/// pool). Kept as the reproduction: the GPU set runs it (`--include-ignored`) and fails
-/// until the importer is told to drop an import its exporter retired.
+/// Pool memory a live peer imported goes back once the buffer is freed, without a close
+/// (issue 46): the driver keeps a pool's freed memory reserved once another process
+/// imported the pool — threshold and trim do not return it — until the pool is destroyed
+/// and every importer dropped its import. So the backend retires a pool idle for
+/// `POOL_IDLE_RETIRE` on a heartbeat and the link tells the importer (`PoolRetired`),
+/// which drops its import. Twice: the second round's buffer comes from a fresh pool,
+/// imported again, and its memory goes back too.
 #[test]
-#[ignore = "known open defect (issue 46): pool memory a live peer imported stays reserved until the node closes; needs a CUDA GPU (--features gpu-tests)"]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
 fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
     run(async {
         let (parent, cuda, _gpu) = cuda_parent("cp-idle", CudaExport::Pool);

@@ -444,6 +444,61 @@ fn pool_descriptors_cross_a_link_once_per_pool_and_again_after_a_failed_import()
     });
 }
 
+/// Pool memory an importer mapped goes back to the device once the pool is idle, with the
+/// importer alive (issue 46): the exporter's backend retires its idle pool on a heartbeat,
+/// the link that carried the pool's descriptor tells the importer (`PoolRetired`), and the
+/// importer drops its import of that pool. The next allocation comes from a fresh pool,
+/// whose descriptor crosses the link again, and its offer opens.
+#[test]
+fn a_retired_pool_is_forgotten_by_its_importer_and_the_next_pool_crosses_again() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::pooled(&device, "exp");
+        exp.retire_idle_pools_at_once();
+        let imp = SimBackend::new(&device, "imp");
+        let pair = Pair::link(exp.clone(), imp.clone()).await;
+        let Pair {
+            owner,
+            kept,
+            to_importer,
+            ..
+        } = &pair;
+        let logged = |line: &str| device.log().iter().any(|l| l == line);
+        let a: Buffer<u32> = owner.send(Allocate::vector(8)).await.unwrap().unwrap();
+        to_importer
+            .remote::<Hold>("keep")
+            .send(Hold {
+                buffers: vec![a.share()],
+            })
+            .await
+            .unwrap();
+        assert!(logged("imp pool imported p1"));
+        kept.lock().unwrap().clear(); // the lease goes back; the mapping stays warm
+        drop(a); // unmapped by the importer, then freed: the pool is idle
+        eventually("the importer drops its import of the retired pool", || {
+            logged("imp pool forgotten p1")
+        })
+        .await;
+        assert!(logged("exp pool retired p1"));
+
+        let b: Buffer<u32> = owner.send(Allocate::vector(8)).await.unwrap().unwrap();
+        to_importer
+            .remote::<Hold>("keep")
+            .send(Hold {
+                buffers: vec![b.share()],
+            })
+            .await
+            .unwrap();
+        assert!(
+            logged("imp pool imported p2"),
+            "the fresh pool's descriptor crossed the link"
+        );
+        assert_eq!(imp.fds_opened.load(std::sync::atomic::Ordering::Relaxed), 2);
+        kept.lock().unwrap().clear();
+        drop(pair);
+    });
+}
+
 /// While a deliberately slow open (the recording backend's, blocked on a gate) runs on the
 /// importer node's driver thread, the node answers pings from another peer; the offer is
 /// delivered once the open finishes.

@@ -26,7 +26,7 @@ use crate::ledger::{
     Access, Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal,
     RevokePolicy, Totals,
 };
-use crate::link_ref::{CutOff, LinkRef, SendRevoke, SendUnmap};
+use crate::link_ref::{CutOff, LinkRef, SendPoolRetired, SendRevoke, SendUnmap};
 use crate::offload::Offload;
 use crate::order::{ExportOrder, FreeVerdict, ReleaseFence};
 use baton_ipc::{Allocation, DescriptorScope, ExportedFence, Session, SharedBackend};
@@ -411,6 +411,11 @@ impl Todo {
                         l.do_send(SendUnmap { alloc });
                     }
                 }
+                Action::ForgetPool { link, pool } => {
+                    if let Some(l) = self.links.get(&link) {
+                        l.do_send(SendPoolRetired { pool });
+                    }
+                }
                 Action::Cut { link, lease, kill } => {
                     let Some(l) = self.links.get(&link) else {
                         continue;
@@ -542,6 +547,7 @@ impl Exports {
                 let link = match action {
                     Action::Revoke { link, .. }
                     | Action::Unmap { link, .. }
+                    | Action::ForgetPool { link, .. }
                     | Action::Cut { link, .. } => *link,
                     Action::Free { .. } | Action::Quarantine { .. } | Action::LeaseEnded { .. } => {
                         continue;
@@ -959,6 +965,19 @@ impl Exports {
     /// Cuts the holders past their revoke deadlines.
     pub(crate) fn tick(&self, now: Instant) {
         self.apply(|s| s.ledger.tick(now));
+    }
+
+    /// The backend retired these pools of ours: the links that carried their descriptors
+    /// tell their importers, which drop their imports.
+    pub(crate) fn pools_retired(&self, pools: &[u64]) {
+        if pools.is_empty() {
+            return;
+        }
+        self.apply(|s| {
+            for &pool in pools {
+                s.ledger.pool_retired(pool);
+            }
+        });
     }
 
     /// The importer over `link` asks to drop its idle mapping of `alloc`.

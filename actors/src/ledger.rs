@@ -29,7 +29,9 @@
 //!   drop an idle mapping) or because it could not open the offer.
 //! - **Pool descriptors**, per link: for memory of an exporter's pool, the first offer of
 //!   any allocation of the pool over a link carries the pool's descriptor, until the link
-//!   goes or the importer says it could not open an offer of the pool.
+//!   goes, the importer says it could not open an offer of the pool, or the backend retires
+//!   the pool (then each link that carried its descriptor is told, [`Action::ForgetPool`],
+//!   so that the importer drops its import and the device gets the memory back).
 //! - **Cut holders**: processes whose link was cut while they held a lease or a mapping.
 //!   Cutting a link does not stop a live process from mapping memory it has mapped.
 //! - **Relayed leases** (forwarding, see [`relay`](crate::relay)): a lease granted at the
@@ -184,6 +186,9 @@ pub(crate) enum Action<M, F, D = ()> {
         bytes: u64,
         holders: Vec<ProcessId>,
     },
+    /// Tell the importer over `link` that `pool`, whose descriptor went over it, is
+    /// retired: it drops its import. Emitted once per link that carried the descriptor.
+    ForgetPool { link: LinkId, pool: u64 },
     /// `lease` on `alloc` is over: released, taken back unsent, its link gone (a relayed
     /// lease's: its holder confirmed dead; until then it is stranded), or its relayed
     /// holder confirmed dead. `data` is what the node gave its grant, handed back once.
@@ -758,6 +763,18 @@ impl<M, F, D> Ledger<M, F, D> {
         }
         self.settle(alloc);
         true
+    }
+
+    /// The backend retired `pool` (it has no allocation left): every live link that carried
+    /// its descriptor is told ([`Action::ForgetPool`]) and forgets it, so that an offer of a
+    /// later allocation of the pool — none is expected: a retired pool makes none — would
+    /// carry the descriptor again.
+    pub(crate) fn pool_retired(&mut self, pool: u64) {
+        for (link, record) in &mut self.links {
+            if record.pools.remove(&pool) {
+                self.actions.push(Action::ForgetPool { link: *link, pool });
+            }
+        }
     }
 
     /// `link` is down (end of stream, a fault, a revoke deadline, a close). Its leases no

@@ -81,7 +81,7 @@
 //!    hosts, as copies), `leases` (the lease protocol's other messages), `forward`,
 //!    `closing`), `connect` (which makes links, Unix and TCP, and starts their actors);
 //! 4. the public API on top: [`raw`], `owner` ([`BufferOwner`]), [`child`],
-//!    [`supervisor`], [`metrics`], `versioned` ([`SyncReceiver`]).
+//!    [`supervisor`], [`metrics`], `sync_receiver` ([`SyncReceiver`]).
 //!
 //! Where types point both ways — the node keeps its links and each link actor calls back
 //! into the node; lease guards, the exports and the node hold links — the lower side
@@ -156,7 +156,7 @@ pub mod supervisor;
 // A node's status as metrics.
 pub mod metrics;
 // Versioned syncs received: staged, then committed whole.
-mod versioned;
+mod sync_receiver;
 
 pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, LeasePath, Shared, SharedMut};
 pub use bundle::{Bundle, BundleLease, SharedBundle, copy_spans};
@@ -179,7 +179,7 @@ pub use supervisor::{
     ChildPeer, ChildRunning, ChildSpec, ChildStatus, Children, KillChild, ProcessSupervisor,
     RemoteChildSpec, Restart, RestartPolicy, Shutdown, Strategy, SupervisorEvent,
 };
-pub use versioned::SyncReceiver;
+pub use sync_receiver::SyncReceiver;
 pub use versions::{Staged, SyncProgress, SyncSender, SyncState};
 
 pub use actix;

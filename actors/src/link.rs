@@ -322,6 +322,15 @@ impl PeerLink {
                 self.node.exports().evict(self.me.id, alloc);
                 Ok(())
             }
+            Action::ForgetPool(pool) => {
+                // A driver call: on the driver thread, behind the closes of the pool's
+                // last mappings that may still be queued there.
+                let (cache, peer) = (self.node.cache().clone(), self.peer.process);
+                self.node
+                    .offload()
+                    .submit(move || cache.forget_pool(&peer, pool));
+                Ok(())
+            }
             Action::AnswerStatus(request) => {
                 self.answer_status(request, ctx);
                 Ok(())
@@ -364,7 +373,18 @@ impl PeerLink {
             .and_then(|ping| self.send(&ping, Vec::new()));
         if let Err(e) = pinged {
             self.cut(ctx, e);
+            return;
         }
+        // Pools of ours idle for a while go back to the device: the backend retires them
+        // (driver calls: on the driver thread), and the links that carried their
+        // descriptors tell the importers to drop their imports (`PoolRetired`).
+        let (backend, exports) = (
+            Arc::clone(self.node.backend()),
+            Arc::clone(self.node.exports()),
+        );
+        self.node
+            .offload()
+            .submit(move || exports.pools_retired(&backend.retire_idle_pools()));
     }
 }
 

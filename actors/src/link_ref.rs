@@ -360,6 +360,7 @@ link_commands!(
     ReleaseLease,
     SendRevoke,
     SendUnmap,
+    SendPoolRetired,
     RequestEvict,
     CancelCall,
     SendPing,
@@ -462,6 +463,13 @@ pub(crate) struct SendRendezvous {
 #[rtype(result = "()")]
 pub(crate) struct SendUnmap {
     pub(crate) alloc: AllocationId,
+}
+
+/// Tell the peer one of our memory pools, whose descriptor went over the link, is retired.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SendPoolRetired {
+    pub(crate) pool: u64,
 }
 
 /// The import cache's warm budget is exceeded: ask the peer to let us drop a mapping.

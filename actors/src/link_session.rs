@@ -36,8 +36,8 @@
 use crate::error::ActorError;
 use baton_messages::protocol::{
     Call, CallFault, Evict, Forward, Forwarded, MAX_RELEASE_FENCES, MAX_RENDEZVOUS_BYTES, Offer,
-    Payload, Pull, Release, Rendezvous, Reply, Revoke, Status, StatusRequest, StatusScope, Unmap,
-    Unmapped,
+    Payload, PoolRetired, Pull, Release, Rendezvous, Reply, Revoke, Status, StatusRequest,
+    StatusScope, Unmap, Unmapped,
 };
 use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire, ProcessId};
 use std::collections::HashMap;
@@ -138,6 +138,8 @@ pub(crate) enum Action<A: Attach> {
     Unmapped(AllocationId),
     /// The peer asks us to let it drop its idle mapping of our `alloc`.
     Evict(AllocationId),
+    /// The peer retired one of its memory pools: drop our import of it.
+    ForgetPool(u64),
     /// Answer the peer's status request (then report [`status_answered`](LinkSession::status_answered)).
     AnswerStatus(StatusRequest),
     /// The peer lends us a lane of its fence inbox.
@@ -378,6 +380,12 @@ impl<A: Attach> LinkSession<A> {
                     got: "a FenceInbox on a host link",
                 });
             }
+            Wire::PoolRetired(_) if self.across_hosts => {
+                return Err(ActorError::Unexpected {
+                    got: "a PoolRetired on a host link",
+                });
+            }
+            Wire::PoolRetired(PoolRetired { pool }) => Action::ForgetPool(pool),
             Wire::Pull(_) | Wire::Rendezvous(_) if !self.across_hosts => {
                 return Err(ActorError::Unexpected {
                     got: "a message for transfer engines on a link within one host",

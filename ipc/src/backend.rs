@@ -714,6 +714,23 @@ pub trait Backend: AsAny + Send + Sync + fmt::Debug {
     /// device only then, whatever the release threshold or a trim say) and its imported
     /// pools dropped (each mapping keeps its own); a later allocation makes a fresh pool.
     fn release_idle(&self) {}
+    /// Exporter: retires the memory pools another process may have imported that have had
+    /// no allocation for a while, and returns their ids, for the node to tell the
+    /// processes it sent their descriptors ([`forget_pool`](Self::forget_pool) there). Called
+    /// by a node on each link's heartbeat, on its driver thread when
+    /// [`blocking_calls`](Self::blocking_calls). CUDA: an export pool whose descriptor was
+    /// sent, idle for [`POOL_IDLE_RETIRE`](crate::cuda::POOL_IDLE_RETIRE), is retired — its
+    /// freed memory goes back to the device once every importer dropped its import; a later
+    /// allocation makes a fresh pool.
+    fn retire_idle_pools(&self) -> Vec<u64> {
+        Vec::new()
+    }
+    /// Importer: `exporter` retired its memory pool `pool` (it has no allocation left):
+    /// drop our import of it, so that the device gets its memory back (mappings keep their
+    /// own; none should be left). A pool never imported changes nothing.
+    fn forget_pool(&self, exporter: &ProcessId, pool: u64) {
+        let _ = (exporter, pool);
+    }
 }
 
 /// How a `dyn Backend` is downcast to the type behind it (`<dyn Backend>::cuda()`):

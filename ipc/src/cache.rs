@@ -348,6 +348,14 @@ impl ImportCache {
         }
     }
 
+    /// [`Backend::forget_pool`](crate::Backend::forget_pool) of every backend: `exporter`
+    /// retired its memory pool `pool`, whose import goes (mappings keep theirs).
+    pub fn forget_pool(&self, exporter: &ProcessId, pool: u64) {
+        for backend in &self.shared.backends {
+            backend.forget_pool(exporter, pool);
+        }
+    }
+
     /// The counters.
     pub fn stats(&self) -> CacheStats {
         self.shared.lock().stats()

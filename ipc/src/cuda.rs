@@ -174,6 +174,14 @@ pub const POOL_SIZE_LIMIT: u64 = 5 << 30;
 /// driver measured to import more (or less).
 pub const POOL_SIZE_LIMIT_ENV: &str = "BATON_CUDA_POOL_LIMIT";
 
+/// How long an export pool that another process may have imported stays with no
+/// allocation before [`Backend::retire_idle_pools`](crate::Backend::retire_idle_pools)
+/// retires it: such a pool keeps its freed memory reserved until it is destroyed and every
+/// importer dropped its import, whatever its release threshold. Within it, the next
+/// allocation is a warm one; after it, the first allocation makes a fresh pool, which each
+/// peer imports once.
+pub const POOL_IDLE_RETIRE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// `vmm` or `pool`.
 pub const EXPORT_ENV: &str = "BATON_CUDA_EXPORT";
 /// The environment variable that picks the device ordinal of [`CudaBackend::from_env`]

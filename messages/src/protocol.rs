@@ -226,6 +226,21 @@ pub struct Evict {
     pub alloc: AllocationId,
 }
 
+/// The exporter retired one of its memory pools: it had no allocation left for a while.
+/// Memory of a pool another process imported goes back to the device only once the pool
+/// is destroyed and every importer dropped its import, so the importer drops its import
+/// of the pool (mappings from it keep theirs; none should be left, since every allocation
+/// of the pool was unmapped before it was freed). Later offers of the exporter's memory
+/// come from a fresh pool, with its descriptor. One for a pool the importer never imported
+/// changes nothing; the pool is the sender's own (the importer keys its imports by the
+/// process the handshake proved), so no peer can make us drop another's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct PoolRetired {
+    /// The pool, as handles of its memory name it (`RawHandle::CudaPool::pool`).
+    pub pool: u64,
+}
+
 /// A typed message for a named actor in the receiving process.
 ///
 /// `payload` is the user's message, bincode-encoded; each `Shared<T>` field in it was
@@ -478,6 +493,8 @@ pub enum Message {
     Pull(Pull),
     /// [`Rendezvous`] (host links only).
     Rendezvous(Rendezvous),
+    /// [`PoolRetired`] (links within one host only).
+    PoolRetired(PoolRetired),
 }
 
 impl Message {
@@ -506,6 +523,7 @@ impl Message {
             Message::FenceInbox(_) => "FenceInbox",
             Message::Pull(_) => "Pull",
             Message::Rendezvous(_) => "Rendezvous",
+            Message::PoolRetired(_) => "PoolRetired",
         }
     }
 }

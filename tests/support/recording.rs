@@ -45,7 +45,9 @@
 //! - Every driver-level call is logged, tagged with the backend's role (`exp`, `imp`), so
 //!   tests assert on the order of records, waits, copies, opens, closes and frees.
 //! - Opens can be made slow on purpose (a gate), and pool-like allocations share one
-//!   descriptor, whose import can be made to fail once.
+//!   descriptor, whose import can be made to fail once. A pool-like backend can retire its
+//!   pool once no allocation of it is live ([`SimBackend::retire_idle_pools_at_once`]; the
+//!   next allocation makes a fresh one), and an importer logs dropping its import.
 //!
 //! Both roles of a test live in one process and share one [`Device`].
 
@@ -991,8 +993,31 @@ struct SimMem {
     alloc: u64,
     size: usize,
     owner: bool,
-    /// Pool-like: the shared descriptor (exporter side).
-    pool_fd: Option<Arc<OwnedFd>>,
+    /// Pool-like: the pool it comes from (exporter side).
+    pool: Option<Arc<SimPool>>,
+}
+
+/// A pool-like backend's pool: one descriptor for all its allocations.
+#[derive(Debug)]
+struct SimPool {
+    id: u64,
+    fd: OwnedFd,
+    /// Live allocations, and whether it ever had one.
+    live: AtomicUsize,
+    used: AtomicBool,
+}
+
+impl SimPool {
+    fn new(id: u64) -> Arc<SimPool> {
+        let fd = rustix::fs::memfd_create("sim-pool", rustix::fs::MemfdFlags::CLOEXEC)
+            .expect("memfd_create");
+        Arc::new(SimPool {
+            id,
+            fd,
+            live: AtomicUsize::new(0),
+            used: AtomicBool::new(false),
+        })
+    }
 }
 
 impl SimMem {
@@ -1059,21 +1084,21 @@ impl ExportableMemory for SimMem {
         FreeWhileMapped::Unsafe
     }
     fn raw_handle(&self, fd_slot: Option<u8>) -> Result<RawHandle> {
-        Ok(match &self.pool_fd {
+        Ok(match &self.pool {
             None => RawHandle::CudaIpc(CudaIpcMemHandle(encode_alloc(self.alloc))),
-            Some(_) => RawHandle::CudaPool {
-                pool: 1,
+            Some(pool) => RawHandle::CudaPool {
+                pool: pool.id,
                 pool_slot: fd_slot,
                 ptr: CudaPoolExportData(encode_alloc(self.alloc)),
             },
         })
     }
     fn export_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.pool_fd.as_ref().map(|fd| fd.as_fd())
+        self.pool.as_ref().map(|p| p.fd.as_fd())
     }
     fn descriptor_scope(&self) -> DescriptorScope {
-        match self.pool_fd {
-            Some(_) => DescriptorScope::Pool(1),
+        match &self.pool {
+            Some(pool) => DescriptorScope::Pool(pool.id),
             None => DescriptorScope::Allocation,
         }
     }
@@ -1081,6 +1106,9 @@ impl ExportableMemory for SimMem {
 
 impl Drop for SimMem {
     fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            pool.live.fetch_sub(1, Ordering::SeqCst);
+        }
         if self.owner {
             self.sim.device.free(&self.sim.role, self.alloc);
         } else {
@@ -1156,9 +1184,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The recording backend (see the module docs).
 pub struct SimBackend {
     sim: Arc<SimRef>,
-    pool_fd: Option<Arc<OwnedFd>>,
-    /// Pools imported, by exporter process.
-    imported_pools: Mutex<HashSet<ProcessId>>,
+    /// Pool-like: its pool now (`None` until the first allocation and after a retirement).
+    pool: Option<Mutex<Option<Arc<SimPool>>>>,
+    /// The last pool id used.
+    pool_ids: AtomicU64,
+    /// Pool-like: retire the pool as soon as it has no live allocation.
+    retire_idle: AtomicBool,
+    /// Pools imported: exporter process, pool id.
+    imported_pools: Mutex<HashSet<(ProcessId, u64)>>,
     fail_pool_import: AtomicBool,
     /// Opens wait until this gate opens (a deliberately slow driver call).
     slow_open: Mutex<Option<String>>,
@@ -1177,26 +1210,31 @@ impl std::fmt::Debug for SimBackend {
 impl SimBackend {
     /// A backend called `role` in the log, allocating legacy-like memory.
     pub fn new(device: &Arc<Device>, role: &str) -> Arc<SimBackend> {
-        Self::make(device, role, None, None)
+        Self::make(device, role, false, None)
     }
 
     /// As [`new`](Self::new), allocating pool-like memory: every allocation shares one
     /// descriptor (a memfd), shared once per link.
     pub fn pooled(device: &Arc<Device>, role: &str) -> Arc<SimBackend> {
-        let fd = rustix::fs::memfd_create("sim-pool", rustix::fs::MemfdFlags::CLOEXEC)
-            .expect("memfd_create");
-        Self::make(device, role, Some(Arc::new(fd)), None)
+        Self::make(device, role, true, None)
+    }
+
+    /// Pool-like: [`retire_idle_pools`](Backend::retire_idle_pools) retires the pool as
+    /// soon as it has no live allocation (the CUDA backend waits `POOL_IDLE_RETIRE`), and
+    /// logs `"{role} pool retired p{id}"`.
+    pub fn retire_idle_pools_at_once(&self) {
+        self.retire_idle.store(true, Ordering::SeqCst);
     }
 
     /// As [`new`](Self::new), with counter fences in fence inboxes (see the module docs).
     pub fn with_counters(device: &Arc<Device>, role: &str, mode: CounterMode) -> Arc<SimBackend> {
-        Self::make(device, role, None, Some(mode))
+        Self::make(device, role, false, Some(mode))
     }
 
     fn make(
         device: &Arc<Device>,
         role: &str,
-        pool_fd: Option<Arc<OwnedFd>>,
+        pooled: bool,
         mode: Option<CounterMode>,
     ) -> Arc<SimBackend> {
         let number = device.next_backend.fetch_add(1, Ordering::Relaxed) + 1;
@@ -1225,7 +1263,9 @@ impl SimBackend {
                 role: role.to_owned(),
                 number,
             }),
-            pool_fd,
+            pool: pooled.then(|| Mutex::new(None)),
+            pool_ids: AtomicU64::new(0),
+            retire_idle: AtomicBool::new(false),
             imported_pools: Mutex::new(HashSet::new()),
             fail_pool_import: AtomicBool::new(false),
             slow_open: Mutex::new(None),
@@ -1568,7 +1608,7 @@ impl Backend for SimBackend {
         "sim"
     }
     fn kind(&self) -> BackendKind {
-        match self.pool_fd {
+        match self.pool {
             Some(_) => BackendKind::CudaPool,
             None => BackendKind::CudaLegacy,
         }
@@ -1578,6 +1618,38 @@ impl Backend for SimBackend {
     }
     fn can_open(&self, kind: BackendKind) -> bool {
         matches!(kind, BackendKind::CudaLegacy | BackendKind::CudaPool)
+    }
+    fn retire_idle_pools(&self) -> Vec<u64> {
+        let Some(current) = &self.pool else {
+            return Vec::new();
+        };
+        if !self.retire_idle.load(Ordering::SeqCst) {
+            return Vec::new();
+        }
+        let mut current = lock(current);
+        let idle = current
+            .as_ref()
+            .is_some_and(|p| p.used.load(Ordering::SeqCst) && p.live.load(Ordering::SeqCst) == 0);
+        if !idle {
+            return Vec::new();
+        }
+        let id = current.take().expect("idle").id;
+        self.sim
+            .device
+            .note(format!("{} pool retired p{id}", self.sim.role));
+        vec![id]
+    }
+    fn forget_pool(&self, exporter: &ProcessId, pool: u64) {
+        if self
+            .imported_pools
+            .lock()
+            .unwrap()
+            .remove(&(*exporter, pool))
+        {
+            self.sim
+                .device
+                .note(format!("{} pool forgotten p{pool}", self.sim.role));
+        }
     }
     fn allocate(&self, size: usize) -> Result<Allocation> {
         if size == 0 {
@@ -1598,7 +1670,14 @@ impl Backend for SimBackend {
             alloc,
             size,
             owner: true,
-            pool_fd: self.pool_fd.clone(),
+            pool: self.pool.as_ref().map(|current| {
+                let pool = Arc::clone(lock(current).get_or_insert_with(|| {
+                    SimPool::new(self.pool_ids.fetch_add(1, Ordering::SeqCst) + 1)
+                }));
+                pool.live.fetch_add(1, Ordering::SeqCst);
+                pool.used.store(true, Ordering::SeqCst);
+                pool
+            }),
         };
         Ok(Allocation::with_id(
             AllocationId::new(alloc),
@@ -1625,7 +1704,11 @@ impl Backend for SimBackend {
         }
         let alloc = match &handle.raw {
             RawHandle::CudaIpc(raw) => decode_alloc(&raw.0),
-            RawHandle::CudaPool { pool_slot, ptr, .. } => {
+            RawHandle::CudaPool {
+                pool,
+                pool_slot,
+                ptr,
+            } => {
                 let exporter = handle.exporter.process;
                 if pool_slot.is_some() {
                     let fd = fd.ok_or(Error::MissingFdSlot { slot: 0 })?;
@@ -1637,12 +1720,22 @@ impl Backend for SimBackend {
                             source: std::io::Error::from_raw_os_error(24),
                         });
                     }
-                    self.imported_pools.lock().unwrap().insert(exporter);
-                    self.sim.device.note(format!("{role} pool imported"));
-                } else if !self.imported_pools.lock().unwrap().contains(&exporter) {
+                    self.imported_pools
+                        .lock()
+                        .unwrap()
+                        .insert((exporter, *pool));
+                    self.sim
+                        .device
+                        .note(format!("{role} pool imported p{pool}"));
+                } else if !self
+                    .imported_pools
+                    .lock()
+                    .unwrap()
+                    .contains(&(exporter, *pool))
+                {
                     return Err(Error::PoolNotImported {
                         exporter: handle.exporter,
-                        pool: 1,
+                        pool: *pool,
                     });
                 }
                 decode_alloc(&ptr.0)
@@ -1662,7 +1755,7 @@ impl Backend for SimBackend {
                 alloc,
                 size,
                 owner: false,
-                pool_fd: None,
+                pool: None,
             }),
         ))
     }

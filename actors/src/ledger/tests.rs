@@ -139,6 +139,10 @@ enum Ev {
     ProcessDead {
         process: u32,
     },
+    /// The backend retired a pool.
+    PoolRetired {
+        pool: u64,
+    },
 }
 
 /// Few slots, events and values, so that fences often cover each other (equal ones too),
@@ -200,6 +204,7 @@ fn event() -> impl Strategy<Value = Ev> {
         1 => (any::<usize>(), any::<usize>()).prop_map(|(link, alloc)| Ev::SpuriousUnmapped { link, alloc }),
         1 => any::<usize>().prop_map(|link| Ev::LinkCut { link }),
         1 => (0u32..4).prop_map(|process| Ev::ProcessDead { process }),
+        1 => (0u64..2).prop_map(|pool| Ev::PoolRetired { pool }),
     ]
 }
 
@@ -377,6 +382,8 @@ struct Run {
     now: Instant,
     /// Which leases kept their allocation before the event (out or stranded).
     counted_before: Vec<bool>,
+    /// The links the event's pool retirement must tell, with the pool.
+    expected_forgets: Vec<(usize, u64)>,
 }
 
 impl Run {
@@ -386,6 +393,7 @@ impl Run {
             model: Model::default(),
             now: Instant::now(),
             counted_before: Vec::new(),
+            expected_forgets: Vec::new(),
         }
     }
 
@@ -766,6 +774,16 @@ impl Run {
                 }
                 self.ledger.process_dead(process(p));
             }
+            Ev::PoolRetired { pool } => {
+                // Each live link that carried the pool's descriptor is told once, and the
+                // next offer of the pool over it would carry the descriptor again.
+                for (l, link) in m.links.iter_mut().enumerate() {
+                    if link.up && link.pools.remove(&pool) {
+                        self.expected_forgets.push((l, pool));
+                    }
+                }
+                self.ledger.pool_retired(pool);
+            }
         }
         self.settle_model_and_compare();
     }
@@ -806,8 +824,13 @@ impl Run {
         let mut unmaps = Vec::new();
         let mut cuts = Vec::new();
         let mut ended = Vec::new();
+        let mut forgets = Vec::new();
         for action in actions {
             match action {
+                Action::ForgetPool { link, pool } => {
+                    let l = m.links.iter().position(|x| x.id == link).expect("known");
+                    forgets.push((l, pool));
+                }
                 Action::LeaseEnded { lease, alloc, data } => {
                     let r = m.leases.iter().find(|x| x.id == lease).expect("known");
                     assert_eq!(
@@ -889,6 +912,13 @@ impl Run {
         m.pending_unmaps.extend(expected_unmaps);
         cuts.sort();
         assert_eq!(cuts, expected_cuts, "one cut per overdue holder's link");
+        forgets.sort();
+        let mut expected_forgets = std::mem::take(&mut self.expected_forgets);
+        expected_forgets.sort();
+        assert_eq!(
+            forgets, expected_forgets,
+            "a retired pool is forgotten by each live link that carried its descriptor, once"
+        );
         // A lease ends exactly when it stops keeping its allocation (released, ungranted,
         // its link gone unless relayed, its relayed holder dead), once.
         let mut expected_ended: Vec<LeaseId> = m

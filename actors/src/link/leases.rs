@@ -6,10 +6,10 @@
 use super::PeerLink;
 use crate::buffer::HeldLease;
 use crate::error::ActorError;
-use crate::link_ref::{ReleaseLease, RequestEvict, SendRevoke, SendUnmap};
+use crate::link_ref::{ReleaseLease, RequestEvict, SendPoolRetired, SendRevoke, SendUnmap};
 use actix::prelude::*;
 use baton_ipc::CacheKey;
-use baton_messages::protocol::{Evict, Release, Revoke, Unmap, Unmapped};
+use baton_messages::protocol::{Evict, PoolRetired, Release, Revoke, Unmap, Unmapped};
 use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -209,6 +209,17 @@ impl Handler<SendUnmap> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: SendUnmap, ctx: &mut Self::Context) {
         if let Err(e) = self.send(&Wire::Unmap(Unmap { alloc: msg.alloc }), Vec::new()) {
+            self.cut(ctx, e);
+        }
+    }
+}
+
+impl Handler<SendPoolRetired> for PeerLink {
+    type Result = ();
+    fn handle(&mut self, msg: SendPoolRetired, ctx: &mut Self::Context) {
+        tracing::debug!(parent: &self.span, pool = msg.pool, "our pool is retired: telling the peer");
+        let frame = Wire::PoolRetired(PoolRetired { pool: msg.pool });
+        if let Err(e) = self.send(&frame, Vec::new()) {
             self.cut(ctx, e);
         }
     }

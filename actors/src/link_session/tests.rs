@@ -565,6 +565,32 @@ fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a
     );
 }
 
+/// A peer's retired pool: within one host, its import is dropped (whatever the pool: an
+/// unknown one changes nothing in the backend, and the import is keyed by the process the
+/// handshake proved, so no peer names another's); across hosts, where no pool is imported,
+/// the frame is a fault.
+#[test]
+fn a_retired_pool_is_forgotten_within_a_host_and_a_fault_across_hosts() {
+    use baton_messages::protocol::PoolRetired;
+    let retired = |pool| Wire::PoolRetired(PoolRetired { pool });
+    let mut s = session();
+    for pool in [3, u64::MAX] {
+        assert!(matches!(
+            &handle(&mut s, retired(pool))[..],
+            [Action::ForgetPool(p)] if *p == pool
+        ));
+    }
+    let e = fault(
+        &mut session().across_hosts(peer()),
+        retired(3),
+        &Node::default(),
+    );
+    assert!(
+        matches!(e, ActorError::Unexpected { got } if got.contains("PoolRetired")),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_handshake_frame_on_a_link_is_a_fault() {
     let mut s = session();

@@ -857,6 +857,37 @@ impl Backend for CudaBackend {
         drop(self.pool.take_where(|_| true));
         drop(self.imported_pools.take_where(|_| true));
     }
+
+    /// Retires the export pool if its descriptor was sent and it has had no allocation for
+    /// [`POOL_IDLE_RETIRE`](super::POOL_IDLE_RETIRE): see [`Backend::retire_idle_pools`].
+    fn retire_idle_pools(&self) -> Vec<u64> {
+        let idle = |p: &Arc<ExportPool>| {
+            p.idle_shared_for()
+                .is_some_and(|idle| idle >= super::POOL_IDLE_RETIRE)
+        };
+        let retired = self.pool.take_where_value(|_, p| idle(p));
+        let ids = retired.iter().map(|p| p.id()).collect();
+        if !retired.is_empty() {
+            tracing::debug!(
+                ?ids,
+                "retiring an idle export pool another process imported: its memory goes back \
+                 to the device once the importers drop theirs"
+            );
+        }
+        drop(retired);
+        ids
+    }
+
+    /// Drops our import of `exporter`'s retired pool: see [`Backend::forget_pool`].
+    fn forget_pool(&self, exporter: &ProcessId, pool: u64) {
+        let dropped = self
+            .imported_pools
+            .take_where(|(p, id)| p == exporter && *id == pool);
+        if !dropped.is_empty() {
+            tracing::debug!(%exporter, pool, "dropping the import of a retired memory pool");
+        }
+        drop(dropped);
+    }
 }
 
 impl dyn Backend {

@@ -25,8 +25,9 @@ use crate::Result;
 use cudarc::driver::sys;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// The release threshold of a backend's pool unless told otherwise
 /// ([`CudaBackendBuilder::pool_release_threshold`](super::CudaBackendBuilder::pool_release_threshold)):
@@ -50,9 +51,12 @@ fn next_pool_id() -> u64 {
 /// drops to zero, so the driver gives everything back to the device at the next
 /// synchronisation (setting it returns what is already free at once), and the first
 /// allocation after raises it again. That gives back the memory of a pool no other process
-/// imported; one that was imported keeps its freed memory until it is destroyed (driver
-/// 580: `bench/probe/pool_release_with_importer.py`), which is why a backend retires its
-/// pool when a node closes ([`Backend::release_idle`](crate::Backend::release_idle)).
+/// imported; one that was imported keeps its freed memory until it is destroyed *and*
+/// every importer dropped its import (driver 580: `bench/probe/pool_release_with_importer.py`),
+/// which is why a backend retires such a pool once it has been idle for
+/// [`POOL_IDLE_RETIRE`](super::POOL_IDLE_RETIRE) ([`Backend::retire_idle_pools`](crate::Backend::retire_idle_pools),
+/// whose ids the node sends the importers) and when a node closes
+/// ([`Backend::release_idle`](crate::Backend::release_idle)).
 pub(crate) struct ExportPool {
     ctx: SharedContext,
     raw: sys::CUmemoryPool,
@@ -62,9 +66,20 @@ pub(crate) struct ExportPool {
     fd: OwnedFd,
     /// The release threshold while allocations are live.
     threshold: u64,
-    /// Live allocations; the threshold changes when this leaves or reaches zero, under the
-    /// lock.
-    live: Mutex<usize>,
+    /// Live allocations, and since when there are none; the threshold changes when the
+    /// count leaves or reaches zero, under the lock.
+    live: Mutex<Use>,
+    /// Whether the pool's descriptor was taken to be sent: another process may have
+    /// imported the pool, so its freed memory goes back to the device only when it is
+    /// destroyed ([`idle_shared_for`](Self::idle_shared_for)).
+    shared: AtomicBool,
+}
+
+/// How an [`ExportPool`] is used now.
+#[derive(Debug, Default)]
+struct Use {
+    live: usize,
+    idle_since: Option<Instant>,
 }
 
 // SAFETY: a `CUmemoryPool` is a driver handle usable from any thread with its context
@@ -110,24 +125,44 @@ impl ExportPool {
             id: next_pool_id(),
             fd,
             threshold: release_threshold,
-            live: Mutex::new(0),
+            live: Mutex::new(Use {
+                live: 0,
+                idle_since: Some(Instant::now()),
+            }),
+            shared: AtomicBool::new(false),
         }))
+    }
+
+    /// How long the pool has had no live allocation, if its descriptor was ever taken to
+    /// be sent (another process may hold its memory reserved: see the type's docs).
+    pub(crate) fn idle_shared_for(&self) -> Option<Duration> {
+        if !self.shared.load(Ordering::Relaxed) {
+            return None;
+        }
+        let used = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        used.idle_since.map(|since| since.elapsed())
     }
 
     /// Counts an allocation in (`true`) or out; on the way to or from none, sets the
     /// release threshold: the configured one while any is live, zero when none is. The
     /// caller has the pool's context current.
     fn count(&self, allocated: bool) {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        let before = *live;
-        *live = if allocated {
+        let mut used = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let before = used.live;
+        used.live = if allocated {
             before + 1
         } else {
             before.saturating_sub(1)
         };
-        let threshold = match (before, *live) {
-            (0, 1) => self.threshold,
-            (1, 0) => 0,
+        let threshold = match (before, used.live) {
+            (0, 1) => {
+                used.idle_since = None;
+                self.threshold
+            }
+            (1, 0) => {
+                used.idle_since = Some(Instant::now());
+                0
+            }
             _ => return,
         };
         // SAFETY: our live pool; the caller has its context current.
@@ -141,8 +176,9 @@ impl ExportPool {
         self.id
     }
 
-    /// The pool's descriptor.
+    /// The pool's descriptor, taken to be sent (the pool counts as shared from then on).
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.shared.store(true, Ordering::Relaxed);
         self.fd.as_fd()
     }
 

@@ -122,9 +122,17 @@ impl<K: Eq + Hash + Clone, V> OnceTable<K, V> {
     /// Removes the ready values whose key matches and returns them, for the caller to drop
     /// with no lock held (dropping may call the driver).
     pub(crate) fn take_where(&self, mut pred: impl FnMut(&K) -> bool) -> Vec<Arc<V>> {
+        self.take_where_value(|k, _| pred(k))
+    }
+
+    /// As [`take_where`](Self::take_where), the predicate seeing the value too.
+    pub(crate) fn take_where_value(
+        &self,
+        mut pred: impl FnMut(&K, &Arc<V>) -> bool,
+    ) -> Vec<Arc<V>> {
         let mut taken = Vec::new();
         self.lock().retain(|k, slot| match slot {
-            Slot::Ready(v) if pred(k) => {
+            Slot::Ready(v) if pred(k, v) => {
                 taken.push(Arc::clone(v));
                 false
             }
