@@ -191,6 +191,7 @@ impl Node {
             children: truncate(&mut children, limit),
         };
         let counts = exports.counts;
+        let (paths, downgrades) = observed.paths.snapshot();
         NodeStatus {
             version: STATUS_VERSION,
             pid: session.pid,
@@ -217,6 +218,8 @@ impl Node {
             links,
             children,
             omitted,
+            paths,
+            downgrades,
         }
     }
 }
