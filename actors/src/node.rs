@@ -623,14 +623,17 @@ impl Node {
 
     /// A [`Bundle`](crate::Bundle): one buffer holding every tensor of `layout` (see
     /// [`BundleLayout::packed`](baton_messages::BundleLayout::packed)), zeroed as
-    /// [`allocate`](Self::allocate)'s buffers are. On a CUDA node it is VMM memory where
-    /// the device has it, whatever the backend's export
+    /// [`allocate`](Self::allocate)'s buffers are. On a CUDA node it is VMM memory,
+    /// whatever the backend's export
     /// ([`CudaBackend::bulk_export`](baton_ipc::cuda::CudaBackend::bulk_export)): an
     /// importer reads a VMM import as fast as its own memory, a legacy IPC import about
-    /// 25 % slower.
+    /// 25 % slower. On a device that cannot share VMM memory the backend's own export is
+    /// a downgrade ([`Downgrade::BundleWithoutVmm`]), taken only where the node's
+    /// [`DowngradePolicy`] allows it.
     ///
     /// # Errors
-    /// As `allocate`.
+    /// As `allocate`; [`ActorError::PathDowngrade`] on a device without VMM sharing
+    /// unless downgrades are allowed.
     pub fn allocate_bundle(
         &self,
         layout: baton_messages::BundleLayout,

@@ -29,6 +29,7 @@ __all__ = [
     "UnknownLease", "ForeignOffer", "DuplicateLease", "UnknownCall", "Unexpected",
     "TooManyOffers", "TooManyLeases", "PeerNotReading", "OfferRefused", "RevokeDeadline",
     "Unresponsive", "PeerExited", "Mailbox", "Timeout", "NotReturned", "Spawn", "NoParent",
+    "PathDowngrade",
     # CallFault
     "NoSuchActor", "WrongType", "BadPayload", "ActorGone", "ReplyFailed",
     "RemoteOfferRefused",
@@ -174,6 +175,12 @@ class NoParent(BatonError):
 
 class Spawn(BatonError):
     """A child process could not be spawned."""
+
+
+class PathDowngrade(BatonError):
+    """A slower path than the one wanted would have been taken (a copy where a mapping was
+    wanted, say), and the node refuses downgrades: the message names both paths. Set
+    ``BATON_ALLOW_DOWNGRADE=1`` to take them (and be told)."""
 
 
 # --- CallFault (under Remote) -----------------------------------------------------------
