@@ -1006,14 +1006,7 @@ impl Node {
             });
         }
         self.inner.observed.paths.downgraded(&event);
-        match peer {
-            Some(peer) => {
-                tracing::warn!(%kind, %wanted, %taken, %peer, "downgraded to a slower path: {}", kind.why());
-            }
-            None => {
-                tracing::warn!(%kind, %wanted, %taken, "downgraded to a slower path: {}", kind.why())
-            }
-        }
+        tracing::warn!(%kind, %wanted, %taken, peer = ?peer, "downgraded to a slower path: {}", kind.why());
         let mut watchers = lock(&self.inner.downgrade_watchers);
         watchers.retain(|w| w.connected());
         for w in watchers.iter() {
