@@ -29,5 +29,5 @@ echo "python: building the Rust partner (examples/py_partner.rs)"
 cargo build --quiet --locked --example py_partner
 
 echo "python: pytest"
-BATON_PY_PARTNER="$PWD/target/debug/examples/py_partner" \
+BATON_PY_PARTNER="${CARGO_TARGET_DIR:-$PWD/target}/debug/examples/py_partner" \
   "$venv/bin/python" -m pytest python/tests -p no:cacheprovider -rs -q "$@"

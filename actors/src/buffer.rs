@@ -92,7 +92,7 @@ use std::time::{Duration, Instant};
 
 mod lease;
 pub(crate) use lease::{HeldLease, IncomingLease, Outgoing, SharedInner};
-pub use lease::{Lease, LeaseMut, LeasePath, Shared, SharedMut};
+pub use lease::{Lease, LeaseMut, Shared, SharedMut};
 
 /// An element type of typed buffers: plain old data with a wire [`DType`].
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {

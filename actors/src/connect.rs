@@ -10,9 +10,11 @@
 use crate::error::ActorError;
 use crate::link::PeerLink;
 use crate::node::{Node, Peer, PeerEvent};
+use crate::paths::{Downgrade, LeasePath, PathDowngraded};
 use crate::transport::Transport;
-use baton_ipc::tcp::{AsyncHostLink, HostListener};
+use baton_ipc::tcp::{AsyncHostLink, HostId, HostListener};
 use baton_ipc::{AsyncLink, Listener, Session, SocketDir};
+use baton_messages::{BackendKind, ProcessId};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
@@ -188,7 +190,29 @@ impl Node {
         let addr = resolve(addr)?;
         let plane = self.host_plane(unspecified(addr.ip()))?;
         let link = AsyncHostLink::connect(addr, &plane.tcp).await?;
+        // A refused downgrade drops the link (its peer sees it close) before it is one.
+        self.same_host_copies(link.peer().host, link.peer().process)?;
         Ok(self.adopt(link))
+    }
+
+    /// A host link to a peer that says it runs on this node's host: its buffers would be
+    /// copied where a Unix link would map them — a downgrade ([`Downgrade::CopyOnSameHost`]),
+    /// taken only if this node's policy allows it.
+    fn same_host_copies(&self, host: HostId, peer: ProcessId) -> Result<(), ActorError> {
+        if host != self.hosts().host {
+            return Ok(());
+        }
+        let backend = self.backend();
+        let taken = match backend.kind() {
+            BackendKind::Host => LeasePath::TcpCopy,
+            _ => LeasePath::NcclCopy,
+        };
+        self.downgrade(PathDowngraded {
+            kind: Downgrade::CopyOnSameHost,
+            wanted: LeasePath::exported_by(&**backend),
+            taken,
+            peer: Some(peer),
+        })
     }
 
     /// Accepts host links from nodes on other hosts at `addr` (port 0: any free port; see
@@ -252,7 +276,13 @@ impl Node {
         let (linked, incoming) = tokio::sync::mpsc::channel(ACCEPT_BACKLOG);
         let task = actix::spawn(async move {
             while let Some(outcome) = outcomes.recv().await {
-                match outcome.and_then(AsyncHostLink::from_blocking) {
+                let outcome = outcome.and_then(AsyncHostLink::from_blocking);
+                let outcome = outcome.map_err(ActorError::from).and_then(|link| {
+                    let peer = link.peer();
+                    node.same_host_copies(peer.host, peer.process)
+                        .map(|()| link)
+                });
+                match outcome {
                     Ok(link) => {
                         let peer = node.adopt(link);
                         if linked.try_send(peer).is_err() {
@@ -263,7 +293,7 @@ impl Node {
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "refused a host link");
-                        node.notify(PeerEvent::Refused(Arc::new(e.into())));
+                        node.notify(PeerEvent::Refused(Arc::new(e)));
                     }
                 }
             }

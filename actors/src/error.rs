@@ -336,6 +336,23 @@ pub enum ActorError {
         /// The name asked for.
         name: String,
     },
+    /// A slower path than the one wanted would be taken, and this node's
+    /// [`DowngradePolicy`](crate::DowngradePolicy) refuses downgrades (the default): allow
+    /// them with [`NodeConfig::downgrades`](crate::NodeConfig::downgrades) or
+    /// `BATON_ALLOW_DOWNGRADE=1`, or give the wanted path what it needs.
+    #[error(
+        "refused a downgrade ({kind}): {reason}; wanted {wanted}, only {available} is available. Allow it with BATON_ALLOW_DOWNGRADE=1 (or NodeConfig::downgrades), or fix what the wanted path needs"
+    )]
+    PathDowngrade {
+        /// Which downgrade.
+        kind: crate::paths::Downgrade,
+        /// The path wanted.
+        wanted: crate::paths::LeasePath,
+        /// The slower path that is available.
+        available: crate::paths::LeasePath,
+        /// Why the wanted path is not there.
+        reason: &'static str,
+    },
     /// A received bundle's layout reaches past its buffer: it is refused when opened (and
     /// the lease given back).
     #[error("the bundle's tensors need {needs} bytes; its buffer has {len}")]
@@ -421,7 +438,8 @@ impl ActorError {
             | ActorError::LeaseConflict { .. }
             | ActorError::NotHostMemory
             | ActorError::NoSuchTensor { .. }
-            | ActorError::InfeasibleDeadline { .. } => Fault::Usage,
+            | ActorError::InfeasibleDeadline { .. }
+            | ActorError::PathDowngrade { .. } => Fault::Usage,
             ActorError::LinkClosed { .. }
             | ActorError::Orphaned { .. }
             | ActorError::RevokeDeadline { .. }

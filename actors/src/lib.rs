@@ -103,6 +103,8 @@
 // 1. Pure state.
 // Ids local to this process.
 mod ids;
+// Which path each lease took, counted, and the downgrade policy.
+pub mod paths;
 // The crate's error type.
 mod error;
 // The lease ledger: a state machine without I/O.
@@ -158,7 +160,7 @@ pub mod metrics;
 // Versioned syncs received: staged, then committed whole.
 mod sync_receiver;
 
-pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, LeasePath, Shared, SharedMut};
+pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, Shared, SharedMut};
 pub use bundle::{Bundle, BundleLease, SharedBundle, copy_spans};
 pub use child::{LinkedChild, PARENT_SOCKET_ENV};
 pub use connect::{ACCEPT_BACKLOG, Listening, TcpListening, token_file_of};
@@ -172,6 +174,7 @@ pub use metrics::MetricsPublisher;
 pub use node::{HostSettings, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
+pub use paths::{ALLOW_DOWNGRADE_ENV, Downgrade, DowngradePolicy, LeasePath, PathDowngraded};
 pub use raw::{AnyBuffer, AnyLease, AnyShared, RawCall, RawHandler, RawMessage, RawReply};
 pub use remote::{Encoding, MSGPACK_SHARED_EXT, RemoteAddr, RemoteMessage};
 pub use status::TREE_DEADLINE;

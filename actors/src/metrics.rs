@@ -23,6 +23,30 @@
 //! | `baton_cache_hits_total` | counter | opens served from a mapping, with no driver call |
 //! | `baton_link_round_trip_seconds{peer}` | gauge | last heartbeat round trip, per linked pid |
 //! | `baton_link_queued_bytes{peer}` | gauge | bytes queued for the peer's socket |
+//! | `baton_tx_requests_num_total{path}` | counter | leases this node granted, by the path each was offered as |
+//! | `baton_tx_bytes_total{path}` | counter | their bytes |
+//! | `baton_rx_requests_num_total{path}` | counter | leases this node opened, by the path their bytes took |
+//! | `baton_rx_bytes_total{path}` | counter | their bytes |
+//! | `baton_path_downgrades_total{wanted,taken}` | counter | downgrades to a slower path taken (each allowed by the node's policy) |
+//!
+//! `path` is a [`LeasePath`](crate::LeasePath) label: `host-memfd`, `host-segment`,
+//! `cuda-legacy`, `cuda-vmm`, `cuda-pool` (importers add `-peer-gpu` for another GPU's
+//! memory), `tcp-copy`, `nccl-copy`, `other`; a path no lease took yet has no series.
+//!
+//! **Names shared with NIXL.** Where a metric means what one of NIXL's telemetry does, it
+//! has NIXL's name with Baton's prefix in place of NIXL's `agent_` (NIXL's Prometheus
+//! exporter adds `_total` to its counters, as here):
+//!
+//! | Baton | NIXL | the same except |
+//! |---|---|---|
+//! | `baton_tx_bytes_total` | `agent_tx_bytes_total` | a lease mapped in place moves no bytes: its bytes are those the peer may read (its length); a copy's are the bytes sent |
+//! | `baton_rx_bytes_total` | `agent_rx_bytes_total` | as above, on the receiving side |
+//! | `baton_tx_requests_num_total` | `agent_tx_requests_num_total` | one request is one lease |
+//! | `baton_rx_requests_num_total` | `agent_rx_requests_num_total` | as above |
+//!
+//! NIXL labels by agent and host; Baton's series carry `path` instead (the recorder adds
+//! the process's own labels). NIXL's `agent_xfer_time`, memory registration and error
+//! events have no Baton counterpart here.
 
 use crate::node::Node;
 use baton_messages::status::{MAX_STATUS_ENTRIES, NodeStatus};
@@ -47,6 +71,17 @@ pub fn record(status: &NodeStatus) {
     counter!("baton_buffers_freed_total").absolute(status.freed);
     counter!("baton_cache_opens_total").absolute(status.cache.opens);
     counter!("baton_cache_hits_total").absolute(status.cache.hits);
+    for p in &status.paths {
+        let path = p.path.clone();
+        counter!("baton_tx_requests_num_total", "path" => path.clone()).absolute(p.granted);
+        counter!("baton_tx_bytes_total", "path" => path.clone()).absolute(p.granted_bytes);
+        counter!("baton_rx_requests_num_total", "path" => path.clone()).absolute(p.opened);
+        counter!("baton_rx_bytes_total", "path" => path).absolute(p.opened_bytes);
+    }
+    for d in &status.downgrades {
+        counter!("baton_path_downgrades_total", "wanted" => d.wanted.clone(), "taken" => d.taken.clone())
+            .absolute(d.count);
+    }
     for link in &status.links {
         let peer = link.pid.to_string();
         if let Some(us) = link.round_trip_us {

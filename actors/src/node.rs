@@ -14,6 +14,7 @@ use crate::link_ref::{
     SendRendezvous,
 };
 use crate::offload::Offload;
+use crate::paths::{Downgrade, DowngradePolicy, LeasePath, PathDowngraded};
 use crate::remote::{ErasedHandler, OutCall, Registered, RemoteAddr, RemoteMessage};
 use actix::prelude::*;
 use baton_ipc::process::DeathWatch;
@@ -232,6 +233,10 @@ pub struct NodeConfig {
     /// How this node links to nodes on other hosts ([`Node::listen_tcp`],
     /// [`Node::connect_tcp`]).
     pub hosts: HostSettings,
+    /// Whether it takes a slower path than the one wanted (see
+    /// [`paths`](crate::paths)); default [`DowngradePolicy::from_env`]: refused unless
+    /// `BATON_ALLOW_DOWNGRADE` allows it.
+    pub downgrades: DowngradePolicy,
 }
 
 /// How a node links to nodes on other hosts: its key, whom it accepts, which host it says
@@ -310,6 +315,14 @@ impl NodeConfig {
         self.hosts = hosts;
         self
     }
+
+    /// With another policy for downgrades to a slower path ([`DowngradePolicy::Allow`]
+    /// takes them and tells [`Node::on_downgrade`]'s subscribers; see
+    /// [`paths`](crate::paths)).
+    pub fn downgrades(mut self, policy: DowngradePolicy) -> Self {
+        self.downgrades = policy;
+        self
+    }
 }
 
 impl From<LinkConfig> for NodeConfig {
@@ -320,6 +333,7 @@ impl From<LinkConfig> for NodeConfig {
             warm: WarmBudget::default(),
             limits: LinkLimits::default(),
             hosts: HostSettings::default(),
+            downgrades: DowngradePolicy::from_env(),
         }
     }
 }
@@ -342,6 +356,7 @@ struct NodeInner {
     dead: Mutex<HashSet<ProcessId>>,
     watchers: Mutex<Vec<Recipient<PeerEvent>>>,
     revoke_watchers: Mutex<Vec<Recipient<RevokeRequested>>>,
+    downgrade_watchers: Mutex<Vec<Recipient<PathDowngraded>>>,
     inbox: Mutex<Option<Recipient<Offered>>>,
     /// What the node's status reports besides the ledger, cache and links.
     observed: crate::observed::Observed,
@@ -446,6 +461,7 @@ impl Node {
                 dead: Mutex::new(HashSet::new()),
                 watchers: Mutex::new(Vec::new()),
                 revoke_watchers: Mutex::new(Vec::new()),
+                downgrade_watchers: Mutex::new(Vec::new()),
                 inbox: Mutex::new(None),
                 observed: crate::observed::Observed::new(),
                 owner: crate::ids::next_actor(),
@@ -607,14 +623,17 @@ impl Node {
 
     /// A [`Bundle`](crate::Bundle): one buffer holding every tensor of `layout` (see
     /// [`BundleLayout::packed`](baton_messages::BundleLayout::packed)), zeroed as
-    /// [`allocate`](Self::allocate)'s buffers are. On a CUDA node it is VMM memory where
-    /// the device has it, whatever the backend's export
+    /// [`allocate`](Self::allocate)'s buffers are. On a CUDA node it is VMM memory,
+    /// whatever the backend's export
     /// ([`CudaBackend::bulk_export`](baton_ipc::cuda::CudaBackend::bulk_export)): an
     /// importer reads a VMM import as fast as its own memory, a legacy IPC import about
-    /// 25 % slower.
+    /// 25 % slower. On a device that cannot share VMM memory the backend's own export is
+    /// a downgrade ([`Downgrade::BundleWithoutVmm`]), taken only where the node's
+    /// [`DowngradePolicy`] allows it.
     ///
     /// # Errors
-    /// As `allocate`.
+    /// As `allocate`; [`ActorError::PathDowngrade`] on a device without VMM sharing
+    /// unless downgrades are allowed.
     pub fn allocate_bundle(
         &self,
         layout: baton_messages::BundleLayout,
@@ -628,8 +647,20 @@ impl Node {
             })?;
         let backend = Arc::clone(&self.inner.backend);
         let alloc = match backend.cuda() {
-            // Read whole by importers: VMM where the device has it (see `bulk_export`).
-            Some(cuda) => cuda.allocate_as(cuda.bulk_export(), bytes)?,
+            // Read whole by importers: VMM where the device has it (see `bulk_export`);
+            // the backend's own export elsewhere is a downgrade, taken only if allowed.
+            Some(cuda) => {
+                let export = cuda.bulk_export();
+                if export != baton_ipc::cuda::CudaExport::Vmm {
+                    self.downgrade(PathDowngraded {
+                        kind: Downgrade::BundleWithoutVmm,
+                        wanted: LeasePath::CudaVmm { peer_gpu: false },
+                        taken: LeasePath::exported_by(&*backend),
+                        peer: None,
+                    })?;
+                }
+                cuda.allocate_as(export, bytes)?
+            }
             None => backend.allocate(bytes)?,
         };
         tracing::debug!(alloc = %alloc.id(), bytes, "allocated a bundle (node)");
@@ -944,6 +975,44 @@ impl Node {
     /// [`Lease::revoked`](crate::Lease::revoked), with no lease ids to map.
     pub fn on_revoke(&self, recipient: Recipient<RevokeRequested>) {
         lock(&self.inner.revoke_watchers).push(recipient);
+    }
+
+    /// Tells `recipient` of every downgrade to a slower path this node takes (its
+    /// [`DowngradePolicy`] allowing it; see [`paths`](crate::paths)).
+    pub fn on_downgrade(&self, recipient: Recipient<PathDowngraded>) {
+        lock(&self.inner.downgrade_watchers).push(recipient);
+    }
+
+    /// Takes the downgrade `event` describes if this node's policy allows it — counted,
+    /// logged at warn, told to [`on_downgrade`](Self::on_downgrade)'s subscribers — or
+    /// refuses it.
+    ///
+    /// # Errors
+    /// [`ActorError::PathDowngrade`] under [`DowngradePolicy::Refuse`].
+    pub(crate) fn downgrade(&self, event: PathDowngraded) -> Result<(), ActorError> {
+        let PathDowngraded {
+            kind,
+            wanted,
+            taken,
+            peer,
+        } = event;
+        if !self.inner.config.downgrades.allows() {
+            tracing::debug!(%kind, %wanted, %taken, "refused a downgrade");
+            return Err(ActorError::PathDowngrade {
+                kind,
+                wanted,
+                available: taken,
+                reason: kind.why(),
+            });
+        }
+        self.inner.observed.paths.downgraded(&event);
+        tracing::warn!(%kind, %wanted, %taken, peer = ?peer, "downgraded to a slower path: {}", kind.why());
+        let mut watchers = lock(&self.inner.downgrade_watchers);
+        watchers.retain(|w| w.connected());
+        for w in watchers.iter() {
+            w.do_send(event);
+        }
+        Ok(())
     }
 
     /// Where bare offers go; without an inbox they are released at once, and so is an

@@ -1,6 +1,7 @@
 //! [`Observed`]: what a node keeps for its status besides its ledger, cache and links —
 //! the leases its links held when they went down (orphaned, until their guards drop), and
-//! the tables of children its process supervisors publish ([`ChildBoard`]).
+//! the tables of children its process supervisors publish ([`ChildBoard`]), and its
+//! leases counted by path ([`PathCounters`](crate::paths::PathCounters)).
 //!
 //! State only, below the node that keeps it; `status` reads it into a node status.
 
@@ -25,6 +26,8 @@ pub(crate) struct OrphanGroup {
 #[derive(Debug)]
 pub(crate) struct Observed {
     pub(crate) created: Instant,
+    /// Leases by path, granted and opened, and the downgrades taken.
+    pub(crate) paths: crate::paths::PathCounters,
     orphans: Mutex<Vec<OrphanGroup>>,
     boards: Mutex<Vec<Weak<Mutex<Vec<ChildEntry>>>>>,
 }
@@ -38,6 +41,7 @@ impl Observed {
     pub(crate) fn new() -> Self {
         Self {
             created: Instant::now(),
+            paths: crate::paths::PathCounters::default(),
             orphans: Mutex::new(Vec::new()),
             boards: Mutex::new(Vec::new()),
         }

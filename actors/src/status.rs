@@ -19,8 +19,8 @@ use crate::node::{Node, Peer};
 use baton_messages::ProcessId;
 use baton_messages::protocol::{StatusRequest, StatusScope};
 use baton_messages::status::{
-    BufferEntry, CacheEntry, DEFAULT_STATUS_ENTRIES, LinkEntry, MAX_STATUS_ENTRIES, NodeStatus,
-    Omitted, OrphanedLeases, PeerLeases, STATUS_VERSION, truncate,
+    BufferEntry, CacheEntry, DEFAULT_STATUS_ENTRIES, DowngradeEntry, LinkEntry, MAX_STATUS_ENTRIES,
+    NodeStatus, Omitted, OrphanedLeases, PathEntry, PeerLeases, STATUS_VERSION, truncate,
 };
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -43,6 +43,13 @@ impl Node {
     /// default, 64; at most 256) and says how many it left out.
     pub fn status(&self, limit: u32) -> NodeStatus {
         self.status_for(limit, None)
+    }
+
+    /// This node's leases by path — granted on its buffers, opened on others' — and the
+    /// downgrades it took: [`NodeStatus::paths`] and [`NodeStatus::downgrades`] alone,
+    /// without the rest of a status (see [`paths`](crate::paths)).
+    pub fn path_counts(&self) -> (Vec<PathEntry>, Vec<DowngradeEntry>) {
+        self.observed().paths.snapshot()
     }
 
     /// As [`status`](Self::status), and every linked peer's own status in its link's
@@ -191,6 +198,7 @@ impl Node {
             children: truncate(&mut children, limit),
         };
         let counts = exports.counts;
+        let (paths, downgrades) = observed.paths.snapshot();
         NodeStatus {
             version: STATUS_VERSION,
             pid: session.pid,
@@ -217,6 +225,8 @@ impl Node {
             links,
             children,
             omitted,
+            paths,
+            downgrades,
         }
     }
 }

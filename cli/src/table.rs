@@ -73,6 +73,43 @@ pub fn totals(status: &NodeStatus) -> Totals {
     t
 }
 
+/// Leases by path over every node of a tree: `(label, granted, opened)`, in the order the
+/// labels first appear, and the downgrades taken.
+pub fn path_totals(status: &NodeStatus) -> (Vec<(String, u64, u64)>, u64) {
+    let mut paths: Vec<(String, u64, u64)> = Vec::new();
+    let mut downgrades = 0;
+    for s in status.tree() {
+        for p in &s.paths {
+            match paths.iter_mut().find(|(label, _, _)| *label == p.path) {
+                Some(row) => {
+                    row.1 += p.granted;
+                    row.2 += p.opened;
+                }
+                None => paths.push((p.path.clone(), p.granted, p.opened)),
+            }
+        }
+        downgrades += s.downgrades.iter().map(|d| d.count).sum::<u64>();
+    }
+    (paths, downgrades)
+}
+
+/// `paths (granted/opened) host-memfd 3/3 · tcp-copy 1/1 · downgrades 1`, for a tree.
+pub fn paths_line(status: &NodeStatus) -> String {
+    let (paths, downgrades) = path_totals(status);
+    let mut line = String::from("paths (granted/opened) ");
+    if paths.is_empty() {
+        line.push_str("none yet");
+    } else {
+        let rows: Vec<String> = paths
+            .iter()
+            .map(|(label, g, o)| format!("{label} {g}/{o}"))
+            .collect();
+        line.push_str(&rows.join(" · "));
+    }
+    let _ = write!(line, " · downgrades {downgrades}");
+    line
+}
+
 fn table(out: &mut String, indent: &str, header: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in rows {
@@ -178,6 +215,39 @@ fn node(out: &mut String, s: &NodeStatus, indent: &str, names: &HashMap<u32, Str
         bytes(s.orphaned_bytes)
     );
 
+    if !s.downgrades.is_empty() {
+        let _ = writeln!(
+            out,
+            "{indent}downgrades  {}",
+            s.downgrades
+                .iter()
+                .map(|d| format!("{} instead of {} ×{}", d.taken, d.wanted, d.count))
+                .collect::<Vec<_>>()
+                .join(" · ")
+        );
+    }
+    if !s.paths.is_empty() {
+        out.push('\n');
+        let rows: Vec<Vec<String>> = s
+            .paths
+            .iter()
+            .map(|p| {
+                vec![
+                    p.path.clone(),
+                    p.granted.to_string(),
+                    bytes(p.granted_bytes),
+                    p.opened.to_string(),
+                    bytes(p.opened_bytes),
+                ]
+            })
+            .collect();
+        table(
+            out,
+            indent,
+            &["PATH", "GRANTED", "GRANTED BYTES", "OPENED", "OPENED BYTES"],
+            &rows,
+        );
+    }
     if !s.peers.is_empty() {
         out.push('\n');
         let rows: Vec<Vec<String>> = s
@@ -401,6 +471,42 @@ mod tests {
         assert!(line("far").contains("running on 10.0.0.2:7701"), "{out}");
         assert!(line("guest").contains("running for 10.0.0.1/77"), "{out}");
         assert!(!line("local").contains(" on "), "{out}");
+    }
+
+    #[test]
+    fn paths_and_downgrades_are_listed_when_there_are_any() {
+        use baton_messages::status::{DowngradeEntry, PathEntry};
+        let quiet = render(&NodeStatus::default());
+        assert!(
+            !quiet.contains("PATH") && !quiet.contains("downgrades"),
+            "{quiet}"
+        );
+        let status = NodeStatus {
+            paths: vec![PathEntry {
+                path: "tcp-copy".into(),
+                granted: 2,
+                granted_bytes: 2048,
+                opened: 1,
+                opened_bytes: 512,
+            }],
+            downgrades: vec![DowngradeEntry {
+                wanted: "host-memfd".into(),
+                taken: "tcp-copy".into(),
+                count: 1,
+            }],
+            ..Default::default()
+        };
+        let out = render(&status);
+        assert!(out.contains("PATH"), "{out}");
+        let row = out
+            .lines()
+            .find(|l| l.starts_with("tcp-copy"))
+            .unwrap_or_else(|| panic!("no tcp-copy row in\n{out}"));
+        assert!(row.contains("2.0 KiB") && row.contains("512 B"), "{out}");
+        assert!(
+            out.contains("downgrades  tcp-copy instead of host-memfd ×1"),
+            "{out}"
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! quarantined and orphaned counts highlighted, a row per node. `q` quits.
 
 use crate::client::{AdminLink, CliError};
-use crate::table::{bytes, label, millis, totals};
+use crate::table::{bytes, label, millis, path_totals, paths_line, totals};
 use baton_messages::protocol::StatusScope;
 use baton_messages::status::NodeStatus;
 use ratatui::Frame;
@@ -158,8 +158,13 @@ pub fn draw(frame: &mut Frame<'_>, state: &TopState) {
         .min(area.height / 3)
         .max(3);
     let nodes = state.latest.as_ref().map_or(0, |s| s.tree().len());
+    let head_lines = match (&state.latest, &state.error) {
+        (Some(_), Some(_)) => 4,
+        (Some(_), None) => 3,
+        (None, _) => 2,
+    };
     let [head, pinned, spark, table] = Layout::vertical([
-        Constraint::Length(4),
+        Constraint::Length(2 + head_lines),
         Constraint::Length(holder_rows),
         Constraint::Length(6),
         Constraint::Min(3 + nodes.min(1) as u16),
@@ -195,6 +200,13 @@ pub fn draw(frame: &mut Frame<'_>, state: &TopState) {
                 Span::raw(" · "),
                 Span::styled(format!(" orphaned {} ", t.orphaned), alarm(t.orphaned)),
             ]));
+            let (_, downgrades) = path_totals(s);
+            let style = if downgrades > 0 {
+                Style::default().fg(Color::Yellow)
+            } else {
+                Style::default()
+            };
+            lines.push(Line::from(Span::styled(paths_line(s), style)));
         }
         None => lines.push(Line::from("waiting for the first status…")),
     }
@@ -484,7 +496,7 @@ pub fn run(socket: &Path, token_file: Option<&Path>, scope: StatusScope) -> std:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use baton_messages::status::{ChildEntry, LinkEntry, PeerLeases};
+    use baton_messages::status::{ChildEntry, LinkEntry, PathEntry, PeerLeases};
     use ratatui::backend::TestBackend;
 
     fn worker(pid: u32, name: &str, granted: u64, holder: PeerLeases) -> NodeStatus {
@@ -497,6 +509,11 @@ mod tests {
             leases: holder.leases,
             pinned_bytes: holder.pinned_bytes,
             granted,
+            paths: vec![PathEntry {
+                path: "host-memfd".into(),
+                granted: 3,
+                ..Default::default()
+            }],
             peers: vec![holder],
             ..Default::default()
         }
@@ -537,6 +554,11 @@ mod tests {
             start_ticks: 300,
             name: Some("compositor".into()),
             buffers: 1,
+            paths: vec![PathEntry {
+                path: "host-memfd".into(),
+                opened: 6,
+                ..Default::default()
+            }],
             orphaned: 0,
             ..Default::default()
         };
@@ -595,6 +617,10 @@ mod tests {
             lines[2].contains(
                 "buffers 9 · leases 6 · pinned 6.0 MiB · handoffs/s 2400 ·  quarantined 1  ·  orphaned 0"
             ),
+            "{text}"
+        );
+        assert!(
+            lines[3].contains("paths (granted/opened) host-memfd 6/6 · downgrades 0"),
             "{text}"
         );
         // The compositor pins 4 + 2 MiB of the two workers': the longest bar; the cut

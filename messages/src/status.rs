@@ -88,6 +88,46 @@ pub struct NodeStatus {
     pub children: Vec<ChildEntry>,
     /// How many entries each list left out.
     pub omitted: Omitted,
+    /// Leases by the path their bytes took, as this node granted them (exporter) and
+    /// opened them (importer): one entry per path seen, in the order of its label. A
+    /// handful of labels at most, never capped.
+    pub paths: Vec<PathEntry>,
+    /// Downgrades to a slower path this node took (each one allowed by its policy), by
+    /// the path wanted and the one taken. Never capped: a handful of pairs at most.
+    pub downgrades: Vec<DowngradeEntry>,
+}
+
+/// Leases of one path (see [`NodeStatus::paths`]). The label is Rust's
+/// `LeasePath::name`: `host-memfd`, `host-segment`, `cuda-legacy`, `cuda-vmm`, `cuda-pool`
+/// (each with `-peer-gpu` when the importer mapped another GPU's memory), `tcp-copy`,
+/// `nccl-copy`, `other`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PathEntry {
+    /// The path's label.
+    pub path: String,
+    /// Leases this node granted on its buffers that took it (offers sent). The exporter
+    /// does not know which GPU the importer maps from: its grants of device memory carry
+    /// the label without `-peer-gpu`.
+    pub granted: u64,
+    /// Bytes of those leases.
+    pub granted_bytes: u64,
+    /// Leases this node opened on other processes' buffers that took it.
+    pub opened: u64,
+    /// Bytes of those leases.
+    pub opened_bytes: u64,
+}
+
+/// Downgrades of one kind (see [`NodeStatus::downgrades`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DowngradeEntry {
+    /// The path wanted (a path label, as in [`PathEntry::path`]).
+    pub wanted: String,
+    /// The slower path taken instead.
+    pub taken: String,
+    /// Times it was taken.
+    pub count: u64,
 }
 
 /// One process holding something of a node's.
@@ -350,6 +390,8 @@ mod tests {
         let skewed =
             NodeStatus::from_json(r#"{"pid": 3, "leases": 4, "from_the_future": [1]}"#).unwrap();
         assert_eq!((skewed.pid, skewed.leases, skewed.buffers), (3, 4, 0));
+        // A writer from before paths were counted: no paths, no downgrades.
+        assert!(skewed.paths.is_empty() && skewed.downgrades.is_empty());
         assert!(NodeStatus::from_json("\"a string\"").is_err());
         let huge = format!("{{\"name\": \"{}\"}}", "x".repeat(MAX_STATUS_BYTES));
         assert!(NodeStatus::from_json(&huge).is_err());

@@ -88,6 +88,44 @@ class ImportStats(TypedDict):
     warm_bytes: int
 
 
+class PathRow(TypedDict):
+    """Leases of one path, in ``Node.path_stats()["paths"]``."""
+
+    #: The path's label, as ``Lease.path``: ``"host-memfd"``, ``"host-segment"``,
+    #: ``"cuda-legacy"``, ``"cuda-vmm"``, ``"cuda-pool"`` (importers add ``"-peer-gpu"``),
+    #: ``"tcp-copy"``, ``"nccl-copy"``, ``"other"``.
+    path: str
+    #: Leases this node granted on its buffers through it (exporters label device memory
+    #: without ``"-peer-gpu"``: which GPU maps it is the importer's to know).
+    granted: int
+    #: Their bytes.
+    granted_bytes: int
+    #: Leases this node opened on other processes' buffers through it.
+    opened: int
+    #: Their bytes.
+    opened_bytes: int
+
+
+class DowngradeRow(TypedDict):
+    """Downgrades of one kind, in ``Node.path_stats()["downgrades"]``."""
+
+    #: The path wanted.
+    wanted: str
+    #: The slower path taken instead.
+    taken: str
+    #: Times it was taken.
+    count: int
+
+
+class PathStats(TypedDict):
+    """A node's leases by path and the downgrades it took, from ``Node.path_stats()``."""
+
+    #: One row per path taken so far.
+    paths: list[PathRow]
+    #: One row per kind of downgrade taken (each allowed by ``BATON_ALLOW_DOWNGRADE``).
+    downgrades: list[DowngradeRow]
+
+
 class Node:
     """This process in a Baton deployment.
 
@@ -168,6 +206,8 @@ class Node:
         """Counters of the buffers this node exports (``ExportStats``)."""
     def import_stats(self) -> ImportStats:
         """Counters of this node's import cache (``ImportStats``)."""
+    def path_stats(self) -> PathStats:
+        """This node's leases by the path their bytes took, and its downgrades (``PathStats``)."""
     def close(self) -> None:
         """Waits (at most 2 s) for fences recorded for peers to land, then stops listening,
         closes every mailbox and link — waiting (at most 3 s) until each link's close has

@@ -29,7 +29,7 @@ __all__ = [
     "UnknownLease", "ForeignOffer", "DuplicateLease", "UnknownCall", "Unexpected",
     "TooManyOffers", "TooManyLeases", "PeerNotReading", "OfferRefused", "RevokeDeadline",
     "Unresponsive", "PeerExited", "Mailbox", "Timeout", "NotReturned", "Spawn", "NoParent",
-    "InfeasibleDeadline", "SyncOver",
+    "InfeasibleDeadline", "SyncOver", "PathDowngrade",
     # VersionFault (a part of a versioned sync refused), under Version
     "Version", "Unversioned", "Malformed", "Stale", "Skipped", "SyncClosed", "Inconsistent",
     # CallFault
@@ -216,6 +216,12 @@ class NoParent(BatonError):
 
 class Spawn(BatonError):
     """A child process could not be spawned."""
+
+
+class PathDowngrade(BatonError):
+    """A slower path than the one wanted would have been taken (a copy where a mapping was
+    wanted, say), and the node refuses downgrades: the message names both paths. Set
+    ``BATON_ALLOW_DOWNGRADE=1`` to take them (and be told)."""
 
 
 # --- CallFault (under Remote) -----------------------------------------------------------

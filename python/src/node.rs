@@ -590,6 +590,37 @@ impl Node {
         Ok(d)
     }
 
+    /// This node's leases by the path their bytes took (Rust's `Node::path_counts`):
+    /// `paths`, a list of `{path, granted, granted_bytes, opened, opened_bytes}` (granted
+    /// on our buffers, opened on others'; only paths taken so far), and `downgrades`, a
+    /// list of `{wanted, taken, count}` (slower paths taken, each allowed by
+    /// `BATON_ALLOW_DOWNGRADE`).
+    fn path_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (paths, downgrades) = self.node.path_counts();
+        let rows = PyList::empty(py);
+        for p in paths {
+            let d = PyDict::new(py);
+            d.set_item("path", p.path)?;
+            d.set_item("granted", p.granted)?;
+            d.set_item("granted_bytes", p.granted_bytes)?;
+            d.set_item("opened", p.opened)?;
+            d.set_item("opened_bytes", p.opened_bytes)?;
+            rows.append(d)?;
+        }
+        let taken = PyList::empty(py);
+        for g in downgrades {
+            let d = PyDict::new(py);
+            d.set_item("wanted", g.wanted)?;
+            d.set_item("taken", g.taken)?;
+            d.set_item("count", g.count)?;
+            taken.append(d)?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("paths", rows)?;
+        out.set_item("downgrades", taken)?;
+        Ok(out)
+    }
+
     /// Stops listening, closes every mailbox (calls waiting in them are answered
     /// `ActorGone`) and every link (leases granted over them stop counting, leases held
     /// over them are orphaned), and gives the device back what the backend keeps for reuse

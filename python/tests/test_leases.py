@@ -128,3 +128,18 @@ def test_a_buffer_of_ours_leased_out_is_freed_after_the_lease_comes_back(node, p
         assert peer.call("sink", "py.Sink", {"data": buf})["sum"] == 128.0
     eventually(lambda: node.export_stats()["buffers"] == 0, "the buffer to be freed")
     assert node.export_stats()["freed"] == 1
+
+
+def test_path_stats_count_each_lease_by_the_path_it_took(node, peer):
+    assert node.path_stats() == {"paths": [], "downgrades": []}
+    lease = lend(peer).open()
+    assert lease.path in ("host-memfd", "host-segment"), lease.path
+    nbytes = lease.numpy().nbytes
+    stats = node.path_stats()
+    assert stats["paths"] == [
+        {"path": lease.path, "granted": 0, "granted_bytes": 0, "opened": 1, "opened_bytes": nbytes}
+    ]
+    assert stats["downgrades"] == []
+    lease.release()
+    # Counts are totals: a lease given back stays counted.
+    assert node.path_stats()["paths"][0]["opened"] == 1

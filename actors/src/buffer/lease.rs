@@ -4,6 +4,7 @@
 //! [parent module](super) for the rules they keep.
 
 use super::*;
+use crate::paths::LeasePath;
 
 /// An importer's lease before it is typed: the mapping, the lease, and the link to release
 /// it on.
@@ -20,40 +21,6 @@ pub(crate) struct IncomingLease {
     pub(crate) copy: Option<Arc<BufferCell>>,
     /// How its bytes reached us ([`Lease::path`]).
     pub(crate) path: LeasePath,
-}
-
-/// The way a lease's bytes reached this process: mapped in place, and through which kind
-/// of handle, or copied here by a transfer engine. [`Lease::path`] says it for every lease,
-/// so that a slower path is never taken silently. [`name`](Self::name) is its label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum LeasePath {
-    /// Host memory mapped in place: a sealed memfd passed over the Unix socket.
-    HostMemfd,
-    /// Host memory mapped in place: a named POSIX shared-memory segment.
-    HostSegment,
-    /// Device memory mapped through a legacy CUDA IPC handle; `peer_gpu`: memory of
-    /// another GPU than this backend's, reached peer-to-peer.
-    CudaLegacy {
-        /// Another GPU's memory.
-        peer_gpu: bool,
-    },
-    /// Device memory mapped from a VMM allocation's descriptor.
-    CudaVmm {
-        /// Another GPU's memory.
-        peer_gpu: bool,
-    },
-    /// Device memory mapped from a stream-ordered pool's descriptor.
-    CudaPool {
-        /// Another GPU's memory.
-        peer_gpu: bool,
-    },
-    /// Copied from another host into our host memory by the TCP engine.
-    TcpCopy,
-    /// Copied from another host into our device memory by the NCCL engine.
-    NcclCopy,
-    /// A kind of handle this label does not know yet.
-    Other,
 }
 
 impl LeasePath {
@@ -79,35 +46,6 @@ impl LeasePath {
             baton_messages::BackendKind::Host => LeasePath::TcpCopy,
             _ => LeasePath::NcclCopy,
         }
-    }
-
-    /// Its label: `host-memfd`, `host-segment`, `cuda-legacy`, `cuda-vmm`, `cuda-pool`
-    /// (with `-peer-gpu` for another GPU's memory), `tcp-copy`, `nccl-copy`, `other`.
-    pub fn name(self) -> &'static str {
-        match self {
-            LeasePath::HostMemfd => "host-memfd",
-            LeasePath::HostSegment => "host-segment",
-            LeasePath::CudaLegacy { peer_gpu: false } => "cuda-legacy",
-            LeasePath::CudaLegacy { peer_gpu: true } => "cuda-legacy-peer-gpu",
-            LeasePath::CudaVmm { peer_gpu: false } => "cuda-vmm",
-            LeasePath::CudaVmm { peer_gpu: true } => "cuda-vmm-peer-gpu",
-            LeasePath::CudaPool { peer_gpu: false } => "cuda-pool",
-            LeasePath::CudaPool { peer_gpu: true } => "cuda-pool-peer-gpu",
-            LeasePath::TcpCopy => "tcp-copy",
-            LeasePath::NcclCopy => "nccl-copy",
-            LeasePath::Other => "other",
-        }
-    }
-
-    /// Whether the bytes were copied here (not mapped in place).
-    pub fn is_copy(self) -> bool {
-        matches!(self, LeasePath::TcpCopy | LeasePath::NcclCopy)
-    }
-}
-
-impl fmt::Display for LeasePath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }
 

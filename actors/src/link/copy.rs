@@ -56,12 +56,13 @@
 
 use super::held::Turn;
 use super::{Attached, PeerLink};
-use crate::buffer::{IncomingLease, LeasePath, Outgoing};
+use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, OfferGrant};
 use crate::link_ref::{CutOff, ForwardCopy, LinkRef, SendRendezvous};
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
+use crate::paths::LeasePath;
 use actix::prelude::*;
 use baton_ipc::transfer::nccl::NcclEngine;
 use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferEngine, TransferId, decline};
@@ -437,12 +438,15 @@ impl PeerLink {
                 .insert(lease, CopyOut::Sending(Arc::clone(&transfer)));
             reap(transfer, None);
         }
+        let path = LeasePath::offered(&handle.raw);
+        let bytes = handle.len;
         if let Err(e) = self.send(&Wire::Offer(Offer { lease, handle }), Vec::new()) {
             // Never offered: its send stops (and lets go of the pin) at once.
             self.copy_done(lease, true);
             self.cut(ctx, e);
             return Err(ActorError::link_closed(self.peer.process));
         }
+        self.node.observed().paths.granted(path, bytes);
         tracing::debug!("forwarded as a copy");
         Ok(lease)
     }
@@ -865,13 +869,15 @@ impl PeerLink {
             self.node.session().process(),
             None,
         );
+        let path = LeasePath::copied(&cell);
+        self.node.observed().paths.opened(path, handle.len);
         Ok(IncomingLease {
             imported: Some(imported),
             lease,
             link: self.me.clone(),
             held: Arc::default(),
             order,
-            path: LeasePath::copied(&cell),
+            path,
             copy: Some(cell),
         })
     }

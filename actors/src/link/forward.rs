@@ -356,6 +356,10 @@ impl PeerLink {
         match granted {
             Ok((offer, fd)) => {
                 let new = offer.lease;
+                let (path, bytes) = (
+                    crate::paths::LeasePath::offered(&offer.handle.raw),
+                    offer.handle.len,
+                );
                 // Before the offer leaves: a holder already dead is reported at once, and
                 // its lease ends then.
                 self.node.watch(to);
@@ -365,6 +369,9 @@ impl PeerLink {
                     outcome: Ok(offer),
                 });
                 let sent = self.send(&answer, fd.into_iter().collect());
+                if sent.is_ok() {
+                    self.node.observed().paths.granted(path, bytes);
+                }
                 if sent.is_err() {
                     self.node.exports().ungrant(
                         new,

@@ -4,10 +4,11 @@
 //! ours.
 
 use super::{Attached, PeerLink};
-use crate::buffer::{HeldLease, IncomingLease, LeasePath};
+use crate::buffer::{HeldLease, IncomingLease};
 use crate::error::ActorError;
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
+use crate::paths::LeasePath;
 use crate::remote::IncomingPayload;
 use actix::prelude::*;
 use baton_ipc::{FrameFds, ImportCache, Imported};
@@ -195,6 +196,7 @@ impl PeerLink {
                 offer.handle.fence,
             );
             let path = LeasePath::mapped(&offer.handle.raw, &imported);
+            self.node.observed().paths.opened(path, offer.handle.len);
             leases.push(IncomingLease {
                 imported: Some(imported),
                 lease: offer.lease,

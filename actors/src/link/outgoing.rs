@@ -274,10 +274,23 @@ impl PeerLink {
         let sent = self
             .room_for(bytes.len())
             .and_then(|()| self.enqueue(bytes, fds, None));
-        if sent.is_err() {
-            self.ungrant(&offers, &grants);
+        match sent {
+            Ok(()) => self.granted_paths(&offers),
+            Err(_) => self.ungrant(&offers, &grants),
         }
         sent
+    }
+
+    /// Counts the leases of offers that left (see [`paths`](crate::paths)), by the path
+    /// each was offered as.
+    pub(super) fn granted_paths(&self, offers: &[Offer]) {
+        let paths = &self.node.observed().paths;
+        for offer in offers {
+            paths.granted(
+                crate::paths::LeasePath::offered(&offer.handle.raw),
+                offer.handle.len,
+            );
+        }
     }
 }
 
@@ -312,6 +325,9 @@ impl Handler<OutCall> for PeerLink {
         match queued {
             Ok(()) => {
                 probe!("link.call.queued");
+                if let Wire::Call(call) = &call {
+                    self.granted_paths(&call.offers);
+                }
                 tracing::trace!(call = id, leases = grants.len(), "call sent");
                 self.session.call_sent(id, msg.reply);
             }
