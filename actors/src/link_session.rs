@@ -39,8 +39,10 @@ use baton_messages::protocol::{
     Payload, PoolRetired, Pull, Release, Rendezvous, Reply, Revoke, Status, StatusRequest,
     StatusScope, Unmap, Unmapped,
 };
-use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire, ProcessId};
-use std::collections::HashMap;
+use baton_messages::{
+    AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire, ProcessId, RawHandle,
+};
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Weak;
 use std::time::{Duration, Instant};
@@ -243,7 +245,17 @@ pub(crate) struct LinkSession<A: Attach> {
     /// The peer runs on another host: buffers cross as copies, engines exchange
     /// rendezvous messages, and no fence crosses.
     across_hosts: bool,
+    /// The peer's memory pools whose descriptor came with an offer over this link (at most
+    /// [`POOLS_REMEMBERED`]): a `PoolRetired` that names one drops our import of it, once;
+    /// one that names another changes nothing (so a flood of them costs the driver
+    /// thread nothing).
+    pools: BTreeSet<u64>,
 }
+
+/// The most pools of the peer a session remembers for its `PoolRetired`s. An exporter has
+/// one pool at a time (and retires it when idle), so a peer past this bound sends
+/// descriptors of pools it never uses; the pools past it are dropped with the link.
+const POOLS_REMEMBERED: usize = 64;
 
 impl<A: Attach> fmt::Debug for LinkSession<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -275,6 +287,7 @@ impl<A: Attach> LinkSession<A> {
             status_answers: 0,
             inbox_received: false,
             across_hosts: false,
+            pools: BTreeSet::new(),
         }
     }
 
@@ -385,7 +398,11 @@ impl<A: Attach> LinkSession<A> {
                     got: "a PoolRetired on a host link",
                 });
             }
-            Wire::PoolRetired(PoolRetired { pool }) => Action::ForgetPool(pool),
+            Wire::PoolRetired(PoolRetired { pool }) => match self.pools.remove(&pool) {
+                true => Action::ForgetPool(pool),
+                // Not a pool whose descriptor came over this link: nothing of ours to drop.
+                false => return Ok(Vec::new()),
+            },
             Wire::Pull(_) | Wire::Rendezvous(_) if !self.across_hosts => {
                 return Err(ActorError::Unexpected {
                     got: "a message for transfer engines on a link within one host",
@@ -413,15 +430,30 @@ impl<A: Attach> LinkSession<A> {
         Ok(vec![action])
     }
 
-    /// Checks offers and asks the shell to open them.
+    /// Checks offers and asks the shell to open them; remembers the pools whose
+    /// descriptors came with the peer's own offers.
     fn open(
-        &self,
+        &mut self,
         offers: Vec<Offer>,
         relayed: bool,
         then: Then<A>,
         checks: &impl Checks,
     ) -> Result<Action<A>, ActorError> {
         self.check_offers(&offers, relayed, checks)?;
+        if !relayed {
+            for offer in &offers {
+                if let RawHandle::CudaPool {
+                    pool,
+                    pool_slot: Some(_),
+                    ..
+                } = offer.handle.raw
+                {
+                    if self.pools.len() < POOLS_REMEMBERED {
+                        self.pools.insert(pool);
+                    }
+                }
+            }
+        }
         Ok(Action::Open(Open {
             offers,
             relayed,

@@ -565,21 +565,41 @@ fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a
     );
 }
 
-/// A peer's retired pool: within one host, its import is dropped (whatever the pool: an
-/// unknown one changes nothing in the backend, and the import is keyed by the process the
-/// handshake proved, so no peer names another's); across hosts, where no pool is imported,
-/// the frame is a fault.
+/// A peer's retired pool: within one host, our import of it is dropped — once, and only
+/// for a pool whose descriptor came with one of the peer's offers over this link (the
+/// import is keyed by the process the handshake proved, so no peer names another's; an
+/// unknown pool, or a flood of retirements, costs nothing); across hosts, where no pool
+/// is imported, the frame is a fault.
 #[test]
 fn a_retired_pool_is_forgotten_within_a_host_and_a_fault_across_hosts() {
     use baton_messages::protocol::PoolRetired;
+    use baton_messages::{CudaPoolExportData, RawHandle};
     let retired = |pool| Wire::PoolRetired(PoolRetired { pool });
+    let pool_offer = |lease, pool, descriptor: bool| {
+        let mut o = offer(lease, lease);
+        o.handle.raw = RawHandle::CudaPool {
+            pool,
+            pool_slot: descriptor.then_some(0),
+            ptr: CudaPoolExportData([0; 64]),
+        };
+        o
+    };
     let mut s = session();
+    // Unknown pools: nothing to do.
     for pool in [3, u64::MAX] {
-        assert!(matches!(
-            &handle(&mut s, retired(pool))[..],
-            [Action::ForgetPool(p)] if *p == pool
-        ));
+        assert!(handle(&mut s, retired(pool)).is_empty());
     }
+    // Pool 3's descriptor comes with an offer; pool 4's offer carries none.
+    for (lease, pool, descriptor) in [(1, 3, true), (2, 4, false)] {
+        let opens = handle(&mut s, Wire::Offer(pool_offer(lease, pool, descriptor)));
+        open_all(&mut s, opens);
+    }
+    assert!(matches!(
+        &handle(&mut s, retired(3))[..],
+        [Action::ForgetPool(3)]
+    ));
+    assert!(handle(&mut s, retired(3)).is_empty(), "once");
+    assert!(handle(&mut s, retired(4)).is_empty());
     let e = fault(
         &mut session().across_hosts(peer()),
         retired(3),
