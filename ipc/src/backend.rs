@@ -721,7 +721,8 @@ pub trait Backend: AsAny + Send + Sync + fmt::Debug {
     /// [`blocking_calls`](Self::blocking_calls). CUDA: an export pool whose descriptor was
     /// sent, idle for [`POOL_IDLE_RETIRE`](crate::cuda::POOL_IDLE_RETIRE), is retired — its
     /// freed memory goes back to the device once every importer dropped its import; a later
-    /// allocation makes a fresh pool.
+    /// allocation makes a fresh pool. The ids of shared pools retired since the last call
+    /// for another reason (a peer's death, [`release_idle`](Self::release_idle)) come too.
     fn retire_idle_pools(&self) -> Vec<u64> {
         Vec::new()
     }

@@ -32,7 +32,7 @@ use cudarc::driver::{CudaContext, CudaStream, sys};
 use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// The CUDA backend: allocates on one device, exports legacy, VMM or pool handles, opens
 /// all three.
@@ -68,6 +68,9 @@ pub struct CudaBackend {
     /// The exportable pool, made on first use.
     pub(super) pool: OnceTable<(), ExportPool>,
     pub(super) imported_pools: OnceTable<(ProcessId, u64), ImportedPool>,
+    /// Ids of shared export pools retired at a death or a close, for the next
+    /// [`Backend::retire_idle_pools`] to report (at most [`RETIRED_REMEMBERED`]).
+    pub(super) retired_pools: Mutex<Vec<u64>>,
     /// Baton's copy kernel (`cuda/copy.rs`), loaded by the first copy plan.
     pub(super) gather: OnceLock<std::result::Result<Arc<super::kernel::Gather>, String>>,
     /// Everything about fences (`cuda/ordering.rs`): the backend's [`StreamOrdering`].
@@ -844,8 +847,8 @@ impl Backend for CudaBackend {
             // destroying the pool does. So a death retires our export pool: new
             // allocations come from a fresh one (importers import it once more), and the
             // old one is destroyed with its last allocation. Only a death: an importer
-            // that closed its links unmapped first.
-            drop(self.pool.take_where(|_| true));
+            // that closed its links unmapped first. The other importers are told.
+            self.retire(self.pool.take_where(|_| true));
         }
         drop(self.imported_pools.take_where(|(p, _)| of(p)));
         self.fences.forget_process(process, dead);
@@ -854,7 +857,7 @@ impl Backend for CudaBackend {
     /// Retires the export pool (destroyed with its last allocation) and drops the imported
     /// pools (mappings keep theirs): see [`Backend::release_idle`].
     fn release_idle(&self) {
-        drop(self.pool.take_where(|_| true));
+        self.retire(self.pool.take_where(|_| true));
         drop(self.imported_pools.take_where(|_| true));
     }
 
@@ -866,16 +869,14 @@ impl Backend for CudaBackend {
                 .is_some_and(|idle| idle >= super::POOL_IDLE_RETIRE)
         };
         let retired = self.pool.take_where_value(|_, p| idle(p));
-        let ids = retired.iter().map(|p| p.id()).collect();
         if !retired.is_empty() {
             tracing::debug!(
-                ?ids,
                 "retiring an idle export pool another process imported: its memory goes back \
                  to the device once the importers drop theirs"
             );
         }
-        drop(retired);
-        ids
+        self.retire(retired);
+        std::mem::take(&mut *lock(&self.retired_pools))
     }
 
     /// Drops our import of `exporter`'s retired pool: see [`Backend::forget_pool`].
@@ -887,6 +888,27 @@ impl Backend for CudaBackend {
             tracing::debug!(%exporter, pool, "dropping the import of a retired memory pool");
         }
         drop(dropped);
+    }
+}
+
+/// How many ids of retired pools a backend keeps for its next
+/// [`Backend::retire_idle_pools`] (a node that never asks again, after its close, keeps no
+/// more than these).
+const RETIRED_REMEMBERED: usize = 16;
+
+impl CudaBackend {
+    /// Drops retired export pools (each is destroyed with its last allocation) and
+    /// remembers the ids of those another process may have imported, for the node to tell
+    /// their importers ([`Backend::retire_idle_pools`]).
+    fn retire(&self, pools: Vec<Arc<ExportPool>>) {
+        let mut ids = lock(&self.retired_pools);
+        for pool in pools.iter().filter(|p| p.shared()) {
+            if ids.len() < RETIRED_REMEMBERED {
+                ids.push(pool.id());
+            }
+        }
+        drop(ids);
+        drop(pools);
     }
 }
 

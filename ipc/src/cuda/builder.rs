@@ -16,8 +16,8 @@ use super::{CudaExport, DEVICE_ENV, EXPORT_ENV, SharedContext, SharedStream, pro
 use crate::Result;
 use baton_messages::DeviceUuid;
 use cudarc::driver::{CudaContext, sys};
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How many peer processes get a lane of a backend's fence inbox unless told otherwise
@@ -292,6 +292,7 @@ impl CudaBackend {
             opens: AtomicU64::new(0),
             pool: OnceTable::default(),
             imported_pools: OnceTable::default(),
+            retired_pools: Mutex::default(),
             gather: std::sync::OnceLock::new(),
             fences,
         };

@@ -133,10 +133,16 @@ impl ExportPool {
         }))
     }
 
+    /// Whether its descriptor was ever taken to be sent (another process may have imported
+    /// it).
+    pub(crate) fn shared(&self) -> bool {
+        self.shared.load(Ordering::Relaxed)
+    }
+
     /// How long the pool has had no live allocation, if its descriptor was ever taken to
     /// be sent (another process may hold its memory reserved: see the type's docs).
     pub(crate) fn idle_shared_for(&self) -> Option<Duration> {
-        if !self.shared.load(Ordering::Relaxed) {
+        if !self.shared() {
             return None;
         }
         let used = self.live.lock().unwrap_or_else(|p| p.into_inner());
