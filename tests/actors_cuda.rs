@@ -766,18 +766,17 @@ fn a_closed_pool_node_gives_the_device_its_memory_back() {
     closed_node_gives_memory_back(CudaExport::Pool);
 }
 
-/// Pool memory a live peer imported goes back once the buffer is freed, without a close
-/// (issue 46): the driver keeps a pool's freed memory reserved once another process
-/// imported the pool — threshold and trim do not return it — until the pool is destroyed
-/// and every importer dropped its import. So the backend retires a pool idle for
-/// `POOL_IDLE_RETIRE` on a heartbeat and the link tells the importer (`PoolRetired`),
-/// which drops its import. Twice: the second round's buffer comes from a fresh pool,
-/// imported again, and its memory goes back too.
+/// Pool memory a live peer imported should go back once the buffer is freed, without a
+/// close. It does not yet (issue 46, open): the driver keeps a pool's freed memory reserved
+/// once another process imported the pool — threshold and trim do not return it — until
+/// the pool is destroyed and its importers let go. The backend retires a pool idle for
+/// `POOL_IDLE_RETIRE` on a heartbeat and the link tells the importer (`PoolRetired`), which
+/// drops its import (the protocol: `tests/ordering.rs`); on the H200 the memory still stays
+/// reserved (`docs/bench/h200/2026-11-29-95c6884-pool-rerun.log`). Kept as the reproduction:
+/// the GPU set runs it (`--include-ignored`) and fails until the memory goes back. Twice:
+/// the second round's buffer comes from a fresh pool, imported again.
 #[test]
-#[cfg_attr(
-    not(feature = "gpu-tests"),
-    ignore = "needs a CUDA GPU (--features gpu-tests)"
-)]
+#[ignore = "known open defect (issue 46): pool memory a live peer imported stays reserved until the node closes; needs a CUDA GPU (--features gpu-tests)"]
 fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
     run(async {
         let (parent, cuda, _gpu) = cuda_parent("cp-idle", CudaExport::Pool);
