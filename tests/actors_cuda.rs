@@ -670,7 +670,8 @@ fn free_in(ctx: &Arc<baton::ipc::cuda::cudarc::driver::CudaContext>) -> usize {
 /// go. The device's free memory, measured with the primary context held throughout (so
 /// that the context's own memory is not what comes back), returns to within
 /// [`CLOSED_NODE_KEEPS`] of its value before the backend was made — with no trim or
-/// synchronise of the backend by the test: the memory must come back on its own.
+/// synchronise of the backend by the test: the memory must come back on its own, within
+/// the tests' deadline once the node is gone (it is released on the node's driver thread).
 fn closed_node_gives_memory_back(export: CudaExport) {
     let tag = match export {
         CudaExport::Legacy => "cl-close",
@@ -721,7 +722,16 @@ fn closed_node_gives_memory_back(export: CudaExport) {
         held = Some(cuda);
     });
     let cuda = held.expect("the backend");
-    let kept = before.saturating_sub(step("node closed (its backend still held)", before));
+    // The node, once dropped, releases its backend's idle memory on its driver thread
+    // (a pool is destroyed then): given a bounded while to land.
+    let start = Instant::now();
+    let kept = loop {
+        let kept = before.saturating_sub(free_in(&ctx));
+        if kept <= CLOSED_NODE_KEEPS + 2 * MIB || start.elapsed() > DEADLINE {
+            break before.saturating_sub(step("node closed (its backend still held)", before));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     drop(cuda);
     let left = before.saturating_sub(step("backend dropped", before));
     assert!(
@@ -778,6 +788,9 @@ fn a_closed_pool_node_gives_the_device_its_memory_back() {
 #[test]
 #[ignore = "known open defect (issue 46): pool memory a live peer imported stays reserved until the node closes; needs a CUDA GPU (--features gpu-tests)"]
 fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
+    // RUST_LOG=baton_ipc::cuda=debug,baton_actors=debug shows each side's retirement
+    // (the helper logs to the same standard error).
+    actors::log_as_rust_log_says();
     run(async {
         let (parent, cuda, _gpu) = cuda_parent("cp-idle", CudaExport::Pool);
         let (mut child, peer) = parent.child(&[]).await;

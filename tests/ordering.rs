@@ -85,6 +85,19 @@ struct Pair {
 }
 
 impl Pair {
+    /// A new 8-element buffer of the exporter, held by the importer's keeper.
+    async fn lend_one(&self) -> Buffer<u32> {
+        let buf: Buffer<u32> = self.owner.send(Allocate::vector(8)).await.unwrap().unwrap();
+        self.to_importer
+            .remote::<Hold>("keep")
+            .send(Hold {
+                buffers: vec![buf.share()],
+            })
+            .await
+            .unwrap();
+        buf
+    }
+
     async fn link(exp: SharedBackend, imp: SharedBackend) -> Pair {
         let session = Session::generate().unwrap();
         let exporter = Node::new(session.clone(), exp);
@@ -457,21 +470,9 @@ fn a_retired_pool_is_forgotten_by_its_importer_and_the_next_pool_crosses_again()
         exp.retire_idle_pools_at_once();
         let imp = SimBackend::new(&device, "imp");
         let pair = Pair::link(exp.clone(), imp.clone()).await;
-        let Pair {
-            owner,
-            kept,
-            to_importer,
-            ..
-        } = &pair;
+        let kept = &pair.kept;
         let logged = |line: &str| device.log().iter().any(|l| l == line);
-        let a: Buffer<u32> = owner.send(Allocate::vector(8)).await.unwrap().unwrap();
-        to_importer
-            .remote::<Hold>("keep")
-            .send(Hold {
-                buffers: vec![a.share()],
-            })
-            .await
-            .unwrap();
+        let a = pair.lend_one().await;
         assert!(logged("imp pool imported p1"));
         kept.lock().unwrap().clear(); // the lease goes back; the mapping stays warm
         drop(a); // unmapped by the importer, then freed: the pool is idle
@@ -481,14 +482,7 @@ fn a_retired_pool_is_forgotten_by_its_importer_and_the_next_pool_crosses_again()
         .await;
         assert!(logged("exp pool retired p1"));
 
-        let b: Buffer<u32> = owner.send(Allocate::vector(8)).await.unwrap().unwrap();
-        to_importer
-            .remote::<Hold>("keep")
-            .send(Hold {
-                buffers: vec![b.share()],
-            })
-            .await
-            .unwrap();
+        let _b = pair.lend_one().await;
         assert!(
             logged("imp pool imported p2"),
             "the fresh pool's descriptor crossed the link"
@@ -496,6 +490,44 @@ fn a_retired_pool_is_forgotten_by_its_importer_and_the_next_pool_crosses_again()
         assert_eq!(imp.fds_opened.load(std::sync::atomic::Ordering::Relaxed), 2);
         kept.lock().unwrap().clear();
         drop(pair);
+    });
+}
+
+/// A node that goes gives its backend's idle memory back without being asked (issue 46:
+/// a closed node keeps no pool another process imported): once the exporter node is
+/// dropped — its buffer freed, its pool imported by a peer that lives on — its backend's
+/// pool is released, and only then.
+#[test]
+fn a_dropped_node_releases_its_backends_idle_pool() {
+    run(async {
+        let device = Device::new();
+        let exp = SimBackend::pooled(&device, "exp");
+        let imp = SimBackend::new(&device, "imp");
+        let logged = |line: &str| device.log().iter().any(|l| l == line);
+        let pair = Pair::link(exp.clone(), imp.clone()).await;
+        let a = pair.lend_one().await;
+        assert!(logged("imp pool imported p1"));
+        pair.kept.lock().unwrap().clear();
+        drop(a);
+        device.logged("exp free a1").await;
+        assert!(
+            !logged("exp pool released p1"),
+            "a live node keeps its pool for the next allocation"
+        );
+        let Pair {
+            _exporter,
+            importer,
+            owner,
+            to_importer,
+            ..
+        } = pair;
+        to_importer.close();
+        drop((to_importer, owner, _exporter));
+        eventually("the dropped node releases its pool", || {
+            logged("exp pool released p1")
+        })
+        .await;
+        drop(importer);
     });
 }
 

@@ -290,13 +290,7 @@ fn event_fences_in_a_tight_ordered_loop() {
 
 fn tight_ordered_loop(fence: FenceKind, handoffs: usize) {
     // RUST_LOG=baton_ipc::cuda=trace shows each side's pooled events and bridged waits.
-    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .with_ansi(false)
-            .try_init();
-    }
+    actors::log_as_rust_log_says();
     run(async {
         let (parent, cuda, mut child, link, _gpu) =
             setup("ord-loop", CudaExport::Legacy, fence).await;

@@ -370,6 +370,19 @@ struct NodeInner {
     plane: Mutex<Option<Arc<HostPlane>>>,
 }
 
+impl Drop for NodeInner {
+    /// A closed node gives the device back what its backend keeps for reuse and nothing
+    /// uses any more ([`Backend::release_idle`](baton_ipc::Backend::release_idle): CUDA
+    /// retires its export pool, whose memory another process imported goes back only when
+    /// the pool is destroyed). On the driver thread, which runs what is queued before it
+    /// ends; the backend may outlive the node (a caller that keeps it), and it makes a
+    /// fresh pool if asked for memory again.
+    fn drop(&mut self) {
+        let backend = Arc::clone(&self.backend);
+        self.offload.submit(move || backend.release_idle());
+    }
+}
+
 /// This process in a deployment (see the [crate docs](crate)). Cheap to clone.
 #[derive(Clone)]
 pub struct Node {

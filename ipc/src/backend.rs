@@ -708,8 +708,8 @@ pub trait Backend: AsAny + Send + Sync + fmt::Debug {
         let _ = process;
     }
     /// Gives the device back what the backend keeps for reuse that no allocation or
-    /// mapping uses any more — called by a node when it closes, and by anyone done with a
-    /// backend they keep. CUDA: its export pool is retired (destroyed once its last
+    /// mapping uses any more — called by a node when it goes (its last handle dropped, or
+    /// Python's `Node.close`), and by anyone done with a backend they keep. CUDA: its export pool is retired (destroyed once its last
     /// allocation is freed: memory of a pool another process imported goes back to the
     /// device only then, whatever the release threshold or a trim say) and its imported
     /// pools dropped (each mapping keeps its own); a later allocation makes a fresh pool.

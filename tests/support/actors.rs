@@ -26,6 +26,18 @@ pub fn run<F: Future<Output = ()>>(test: F) {
     });
 }
 
+/// Logs to standard error as `RUST_LOG` says, without colour codes, when it is set (a
+/// GPU run's way to see what both sides of a test did: helpers log the same way).
+pub fn log_as_rust_log_says() {
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .try_init();
+    }
+}
+
 /// Polls `cond` until it holds; panics past `deadline`. Never a bare sleep.
 pub async fn eventually(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();

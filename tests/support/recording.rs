@@ -1639,6 +1639,16 @@ impl Backend for SimBackend {
             .note(format!("{} pool retired p{id}", self.sim.role));
         vec![id]
     }
+    /// Pool-like: the pool is given up (a later allocation makes a fresh one), logged as
+    /// `"{role} pool released p{id}"`, as a CUDA backend retires its export pool.
+    fn release_idle(&self) {
+        let Some(current) = &self.pool else { return };
+        if let Some(pool) = lock(current).take() {
+            self.sim
+                .device
+                .note(format!("{} pool released p{}", self.sim.role, pool.id));
+        }
+    }
     fn forget_pool(&self, exporter: &ProcessId, pool: u64) {
         if self
             .imported_pools
