@@ -8,7 +8,11 @@ pool. We free our allocation and try to give the memory back (threshold 0, synch
 trim to 0) while the child still holds the imported pool, then after it destroyed it, then
 after it exited. Device free memory is printed after each step.
 
-usage: python3 bench/probe/pool_release_with_importer.py     (needs torch and a GPU)
+With `--destroy-first`, the order Baton's pool retirement takes: we free our allocation and
+destroy our pool while the child, alive, still holds the imported pool; then the child
+destroys its import; then it synchronises its context; then it exits.
+
+usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first]   (needs torch and a GPU)
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ def child(sock_fd: int) -> None:
     check("cuMemPoolDestroy", pool)
     sock.sendall(b"p")  # imported pool destroyed
     sock.recv(1)
+    check("cuCtxSynchronize")
+    sock.sendall(b"s")  # context synchronised
+    sock.recv(1)
 
 
 def main() -> None:
@@ -105,6 +112,20 @@ def main() -> None:
     check("cuMemPoolSetAttribute", pool, ctypes.c_int(RELEASE_THRESHOLD), ctypes.byref(zero))
     check("cuStreamSynchronize", s)
     step("freed, threshold 0, synchronised; the child holds the imported pool")
+    if "--destroy-first" in sys.argv:
+        check("cuMemPoolDestroy", pool)
+        check("cuStreamSynchronize", s)
+        step("our pool destroyed; the child, alive, holds the imported pool")
+        ours.sendall(b"x")
+        assert ours.recv(1) == b"p"
+        step("the child destroyed its imported pool (alive)")
+        ours.sendall(b"x")
+        assert ours.recv(1) == b"s"
+        step("the child synchronised its context (alive)")
+        ours.sendall(b"x")
+        proc.wait(timeout=60)
+        step("the child exited (its context's memory leaves the measure)")
+        return
     check("cuMemPoolTrimTo", pool, ctypes.c_size_t(0))
     step("trimmed to 0; the child holds the imported pool")
     ours.sendall(b"x")
@@ -112,6 +133,8 @@ def main() -> None:
     step("the child destroyed its imported pool")
     check("cuMemPoolTrimTo", pool, ctypes.c_size_t(0))
     step("trimmed to 0 again")
+    ours.sendall(b"x")
+    assert ours.recv(1) == b"s"
     ours.sendall(b"x")
     proc.wait(timeout=60)
     step("the child exited (its context's memory leaves the measure)")

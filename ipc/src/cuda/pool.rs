@@ -231,8 +231,9 @@ impl Drop for ExportPool {
         };
         // SAFETY: our pool, destroyed once (here). Every allocation from it holds an `Arc`
         // of us, so none is live; importers' mappings keep their own imported pool.
-        if let Err(e) = unsafe { result::mem_pool_destroy(self.raw) } {
-            tracing::warn!(error = %e, "destroying a memory pool failed");
+        match unsafe { result::mem_pool_destroy(self.raw) } {
+            Ok(()) => tracing::debug!(pool = self.id, "export memory pool destroyed"),
+            Err(e) => tracing::warn!(error = %e, "destroying a memory pool failed"),
         }
     }
 }
@@ -343,8 +344,9 @@ impl Drop for ImportedPool {
         };
         // SAFETY: our imported pool, destroyed once (here); every mapping from it holds an
         // `Arc` of us, so none is live.
-        if let Err(e) = unsafe { result::mem_pool_destroy(self.raw) } {
-            tracing::warn!(error = %e, "releasing an imported memory pool failed");
+        match unsafe { result::mem_pool_destroy(self.raw) } {
+            Ok(()) => tracing::debug!("imported memory pool released"),
+            Err(e) => tracing::warn!(error = %e, "releasing an imported memory pool failed"),
         }
     }
 }

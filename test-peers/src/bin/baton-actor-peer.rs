@@ -411,12 +411,9 @@ struct Cli {
 
 fn main() {
     let cli = <Cli as clap::Parser>::parse();
-    // The child's entry point: take the token (and close its pipe) before anything else;
-    // `Node::from_env` below gets the same session.
-    if let Err(e) = baton::Session::from_env() {
-        eprintln!("baton-actor-peer: {e}");
-        std::process::exit(1);
-    }
+    // The child's entry point: take the token (and close its pipe) before anything else,
+    // then log as `RUST_LOG` asks; `Node::from_env` below gets the same session.
+    baton_test_peers::start("baton-actor-peer");
     let args: Vec<String> = std::iter::once(cli.command).chain(cli.args).collect();
     let socket = args
         .get(1)
