@@ -40,7 +40,8 @@ tensors) on arrival and against the buffer when opened; a stamp is checked when 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional
 
 from ._baton import Buffer, BundleLayout, Lease, Shared, SyncStamp, _SyncSender, _SyncState
 
@@ -142,7 +143,7 @@ class CopyPlan:
     number of bytes (the shape may differ). The plan holds the tensors' storages, so their
     memory stays allocated while it lives; a tensor re-pointed afterwards (``p.data = ...``)
     is not followed: make a new plan. ``copy_into(dict)`` makes and keeps plans by itself
-    for the last few sets of tensors it saw."""
+    for the last sets of tensors it saw (a few per bundle layout, up to 256 layouts)."""
 
     __slots__ = ("layout", "tensors", "_spans", "_keep", "_ptrs", "_plans")
 
@@ -184,7 +185,7 @@ class CopyPlan:
         plan.run(memory, stream, into_memory=into_memory)
 
     def _matches(self, layout: BundleLayout, params: Mapping[str, Any]) -> bool:
-        # A layout received again is the same object (the codec keeps the last few).
+        # A layout received again is the same object (the codec keeps the recent ones).
         return (len(params) == len(self._ptrs)
                 and (layout is self.layout or layout == self.layout)
                 and all(a is b and a.data_ptr() == p for a, b, p
@@ -197,23 +198,34 @@ class CopyPlan:
         return f"CopyPlan({len(self._spans)} tensors)"
 
 
-#: The last few plans `copy_into` made (an engine loads the same bundle into the same
-#: tensors every sync).
-_PLANS: list = []
+#: The plans `copy_into` made, by the id of their layout object, most recently used last
+#: (an engine loads the same bundles into the same tensors every sync; a borrowed model
+#: comes as one bundle per allocation, tens of them). A received layout that is the same
+#: as one before is the same object (the codec keeps them), and a plan holds its layout,
+#: so an id is not reused while its plan is here.
+_PLANS: "OrderedDict[int, List[CopyPlan]]" = OrderedDict()
+#: The most plans kept.
+_PLANS_KEPT = 256
 
 
 def _plan_for(layout: BundleLayout, params: Mapping[str, Any]) -> Optional[CopyPlan]:
     """The plan for these destinations, or None when one is not a contiguous CUDA tensor of
     its source's dtype and size (then each tensor is copied typed, converting)."""
-    for plan in _PLANS:
-        if plan._matches(layout, params):
-            return plan
+    plans = _PLANS.get(id(layout))
+    if plans is not None:
+        _PLANS.move_to_end(id(layout))
+        for plan in plans:
+            if plan._matches(layout, params):
+                return plan
     try:
         plan = CopyPlan(layout, params)
     except (TypeError, ValueError):
         return None
-    _PLANS.insert(0, plan)
-    del _PLANS[4:]
+    plans = _PLANS.setdefault(id(layout), [])
+    plans.insert(0, plan)
+    del plans[4:]  # the same bundle into a few sets of tensors
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.popitem(last=False)
     return plan
 
 

@@ -145,8 +145,11 @@ impl BundleLayout {
 }
 
 /// The layouts received last, by their wire bytes: a bundle sent every sync carries the
-/// same layout every time, and is decoded (and checked) once.
-const RECENT: usize = 8;
+/// same layout every time, and is decoded (and checked) once — also a borrowed model's
+/// tens of bundles, one per allocation. At most this many, and [`RECENT_BYTES`] of wire.
+const RECENT: usize = 256;
+/// The most wire bytes of the layouts kept (a 20,000-tensor layout is ~0.6 MB).
+const RECENT_BYTES: usize = 16 << 20;
 
 /// A received layout (its wire bytes), checked — the same checks as Rust's decoding — or
 /// the `BundleLayout` made the last time these bytes came.
@@ -163,6 +166,16 @@ pub(crate) fn decode_layout(py: Python<'_>, bytes: &[u8]) -> Result<Py<BundleLay
         rmp_serde::from_slice(bytes).map_err(|e| format!("a bundle layout: {e}"))?;
     let layout = Py::new(py, BundleLayout::of(Arc::new(layout))).map_err(|e| e.to_string())?;
     seen.insert(0, (bytes.to_vec(), layout.clone_ref(py)));
-    seen.truncate(RECENT);
+    let mut total = 0;
+    let keep = seen
+        .iter()
+        .take(RECENT)
+        .take_while(|(b, _)| {
+            total += b.len();
+            total <= RECENT_BYTES
+        })
+        .count()
+        .max(1);
+    seen.truncate(keep);
     Ok(layout)
 }

@@ -247,6 +247,44 @@ def test_layouts_travel_as_bytes_among_every_kind_of_value(node, token_file, sho
         sender.close()
 
 
+def test_the_many_layouts_of_a_borrowed_model_are_decoded_once(node, token_file, short_dir):
+    """A borrowed model comes as one bundle per allocation, tens of them every sync: each
+    layout is decoded once, and a layout received again is the object received before
+    (which is what lets ``copy_into`` keep each bundle's plan) — for 48 layouts in a call,
+    more than a handful."""
+    node.listen(short_dir, "py.sock")
+    sender = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("many", "py.Many")
+        bundles = [sender.allocate_bundle([(f"b{i}.w", (8 + i,), "float32"),
+                                           (f"b{i}.b", (i + 1,), "int64")])
+                   for i in range(48)]
+        seen = []
+
+        def serve() -> None:
+            for _ in range(2):
+                call = mailbox.recv(timeout=DEADLINE)
+                got = call.message["w"]
+                seen.append([shared.layout for shared in got])
+                for shared in got:
+                    shared.release()
+                call.reply(None)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        for _ in range(2):
+            assert to_node.call("many", "py.Many", {"w": bundles}, timeout=DEADLINE) is None
+            for b in bundles:
+                b.returned(timeout=DEADLINE)
+        server.join(timeout=DEADLINE)
+        first, second = seen
+        assert [l == b.layout for l, b in zip(first, bundles)] == [True] * 48
+        assert all(a is b for a, b in zip(first, second)), "every layout decoded once"
+    finally:
+        sender.close()
+
+
 def test_numpy_views_of_bfloat16_need_ml_dtypes_and_say_so():
     layout = baton.BundleLayout({"w": (4, "bfloat16")})
     assert layout.nbytes == 8
