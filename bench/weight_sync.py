@@ -42,8 +42,16 @@ tensor); torch's engines as an engine does by hand (a `copy_` per tensor of 1 Mi
 one fused `_foreach_copy_` of the rest). `copy-per-tensor-loader` is that loader alone,
 `copy-plan` Baton's alone, in one process.
 
-usage: python3 bench/weight_sync.py [--model qwen2.5-0.5b|qwen2.5-7b|moe-20000] [--steps N]
-                                    [--paths baton-bundle,torch-mp-tensors,...]
+Across GPUs (`--engine-device N`, issue 47 item 6): the trainer's weights on GPU 0, every
+engine on GPU N (Baton's maps the bundle there, its `CopyPlan` reads over NVLink;
+torch's maps the bucket by CUDA IPC); the floor is then `copy-p2p`, a torch copy of the
+same bytes from GPU 0 to GPU N in one process (and `copy-flat` the same copy within GPU 0).
+The `flat-256m`, `flat-1g` and `flat-4g` models are one tensor of that size, for the
+targets set by size.
+
+usage: python3 bench/weight_sync.py [--model qwen2.5-0.5b|qwen2.5-7b|moe-20000|flat-1g|...]
+                                    [--steps N] [--paths baton-bundle,torch-mp-tensors,...]
+                                    [--engine-device N]
 """
 
 from __future__ import annotations
@@ -63,11 +71,15 @@ MODELS = {
 }
 #: A synthetic mixture-of-experts shard: 20,000 tensors, 7.6 GB in bf16 (issue 47).
 MOE = "moe-20000"
+#: One flat tensor of a size (the across-GPU targets are set by size).
+FLAT = {"flat-256m": 256 << 20, "flat-1g": 1 << 30, "flat-4g": 4 << 30}
 
 
 def model_spec(name: str) -> list:
     """(name, shape, dtype) of every weight, in a checkpoint's order, plus a `step` scalar
     the engine checks."""
+    if name in FLAT:
+        return [("flat.weight", (FLAT[name] // 2,), "bfloat16"), ("step", (), "int64")]
     if name == MOE:
         # 160 experts x 125 projections of 190,000 bf16 each (380 kB): per-tensor costs
         # dominate unless a sync pays nothing per tensor.
@@ -149,16 +161,20 @@ def run_copy(args, spec) -> list:
     dst_bytes = [t.view(-1).view(torch.uint8) for t in dst_list]
     out = []
     plan_memory = None
-    for how in ("per-tensor", "per-tensor-loader", "plan", "flat"):
+    hows = ["per-tensor", "per-tensor-loader", "plan", "flat"]
+    if args.engine_device:
+        hows.append("p2p")  # the floor across GPUs: GPU 0 to the engine's GPU
+    for how in hows:
         flat_src = torch.empty(nbytes(spec), dtype=torch.uint8, device="cuda")
-        flat_dst = torch.empty_like(flat_src)
+        flat_dst = torch.empty_like(flat_src, device=f"cuda:{args.engine_device}"
+                                    if how == "p2p" else "cuda")
         if how == "plan":
             plan_memory = _PlanFloor(torch, spec, dst)
         times = []
         for _ in range(args.steps):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            if how == "flat":
+            if how in ("flat", "p2p"):
                 flat_dst.copy_(flat_src)
             elif how == "per-tensor":
                 torch._foreach_copy_(dst_list, src_list)
@@ -167,6 +183,8 @@ def run_copy(args, spec) -> list:
             else:
                 load(dst_bytes, src_bytes)
             torch.cuda.synchronize()
+            if how == "p2p":
+                torch.cuda.synchronize(flat_dst.device)
             times.append(time.perf_counter() - t)
         out.append(summary(f"copy-{how}", times, opens_per_sync=0))
         del flat_src, flat_dst
@@ -197,7 +215,7 @@ class _PlanFloor:
 
 # ---- Baton: one bundle --------------------------------------------------------------------
 
-def baton_engine(model: str, ordered: bool, kill: str) -> None:
+def baton_engine(model: str, ordered: bool, kill: str, device: int = 0) -> None:
     """The engine, a child of the trainer (`Node.spawn`). `kill == "engine"`: SIGKILL
     itself in the middle of its third sync (the lease open, its copies queued)."""
     import signal
@@ -207,7 +225,8 @@ def baton_engine(model: str, ordered: bool, kill: str) -> None:
     import baton
 
     spec = model_spec(model)
-    node = baton.Node()  # the token and backend the trainer passed
+    torch.cuda.set_device(device)  # its parameters, copies and waits on its own GPU
+    node = baton.Node()  # the token, backend and device the trainer passed
     mailbox = node.register("engine", "rl.Weights")
     node.connect_parent()
     params = params_like(torch, spec)
@@ -262,8 +281,9 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
 
     node = baton.Node(token=baton.generate_token(), backend="cuda")
     child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine",
-                        "--model", args.model] + (["--ordered"] if ordered else []),
-                       timeout=120)
+                        "--model", args.model, "--engine-device", str(args.engine_device)]
+                       + (["--ordered"] if ordered else []),
+                       env={"BATON_CUDA_DEVICE": str(args.engine_device)}, timeout=120)
     stream = torch.cuda.current_stream() if ordered else None
     if borrowed:
         views = params_like(torch, spec)  # the trainer's own parameters
@@ -512,9 +532,10 @@ def trainer_client(args) -> None:
 
 # ---- torch.multiprocessing ----------------------------------------------------------------
 
-def torch_engine(model: str, flat: bool, inbox, outbox) -> None:
+def torch_engine(model: str, flat: bool, inbox, outbox, device: int = 0) -> None:
     import torch
 
+    torch.cuda.set_device(device)
     spec = model_spec(model)
     params = params_like(torch, spec)
     dst = [p.view(-1).view(torch.uint8) for p in params.values()]
@@ -556,8 +577,11 @@ def load(dst: list, src: list) -> None:
         else:
             small_dst.append(d.view(torch.int64))
             small_src.append(s.view(torch.int64))
-    if small_dst:
+    if small_dst and small_dst[0].device == small_src[0].device:
         torch._foreach_copy_(small_dst, small_src)
+    else:  # across GPUs (`--engine-device`): one copy each
+        for d, s in zip(small_dst, small_src):
+            d.copy_(s)
 
 
 def run_torch(args, spec, flat: bool) -> dict:
@@ -566,7 +590,8 @@ def run_torch(args, spec, flat: bool) -> dict:
 
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=torch_engine, args=(args.model, flat, inbox, outbox))
+    proc = ctx.Process(target=torch_engine,
+                       args=(args.model, flat, inbox, outbox, args.engine_device))
     proc.start()
     if flat:
         bucket = torch.zeros(nbytes(spec), dtype=torch.uint8, device="cuda")
@@ -601,7 +626,10 @@ def run_torch(args, spec, flat: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS) + [MOE])
+    ap.add_argument("--model", default="qwen2.5-0.5b",
+                    choices=sorted(MODELS) + [MOE] + sorted(FLAT))
+    ap.add_argument("--engine-device", type=int, default=0,
+                    help="the engines' GPU (the trainer's is 0): across GPUs when not 0")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--paths", default="copy,baton-bundle,baton-bundle-ordered,"
                     "baton-borrowed,torch-mp-flat,torch-mp-tensors")
@@ -616,7 +644,7 @@ def main() -> None:
                     "report how the survivor fares")
     args = ap.parse_args()
     if args.role == "engine":
-        return baton_engine(args.model, args.ordered, args.kill or "")
+        return baton_engine(args.model, args.ordered, args.kill or "", args.engine_device)
     if args.role == "engine-server":
         return engine_server(args)
     if args.role == "client":
@@ -629,7 +657,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "weight_sync", "model": args.model, "tensors": len(spec) - 1,
         "baton_commit": os.environ.get("BATON_COMMIT"),
-        "bytes": nbytes(spec), "steps": args.steps,
+        "bytes": nbytes(spec), "steps": args.steps, "engine_device": args.engine_device,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
     }), flush=True)
     results = {}
@@ -658,7 +686,8 @@ def main() -> None:
             elif k.startswith("copy"):
                 ratios[f"{baton_path} / {k}"] = round(b / v, 2)
     print(json.dumps({"bench": "weight_sync", "summary": ratios,
-                      "targets": targets(args.model, med, results)}), flush=True)
+                      "targets": targets(args.model, med, results, args.engine_device)}),
+          flush=True)
 
 
 #: Issue 47's targets, per model: (what, numerator path, denominator path, bound, "<=" or ">=").
@@ -671,11 +700,22 @@ TARGETS = {
 }
 #: For every model: the borrowed path against the bundle, with one lease per sync.
 BORROWED = ("borrowed <= 1.2x the bundle", "baton-borrowed", "baton-bundle", 1.2, "<=")
+#: Across GPUs, by size: from 1 GiB up, a sync at least 0.95x the speed of a torch
+#: peer-to-peer copy of its bytes; at 256 MiB, at most 1.2x its time.
+ACROSS_LARGE = ("bundle >= 0.95x the speed of a peer-to-peer copy", "copy-p2p", "baton-bundle",
+                0.95, ">=")
+ACROSS_SMALL = ("bundle <= 1.2x a peer-to-peer copy", "baton-bundle", "copy-p2p", 1.2, "<=")
 
 
-def targets(model: str, med: dict, results: dict) -> dict:
+def targets(model: str, med: dict, results: dict, engine_device: int = 0) -> dict:
     out = {}
-    for what, num, den, bound, op in TARGETS.get(model, []) + [BORROWED]:
+    if engine_device:
+        size = nbytes(model_spec(model))
+        wanted = [ACROSS_LARGE] if size >= 1 << 30 else [ACROSS_SMALL] \
+            if model == "flat-256m" else []
+    else:
+        wanted = TARGETS.get(model, []) + [BORROWED]
+    for what, num, den, bound, op in wanted:
         if num not in med or den not in med:
             continue
         ratio = round(med[num] / med[den], 3)
