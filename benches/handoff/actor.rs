@@ -91,6 +91,8 @@ struct ConsumerStats {
     cache_hits: u64,
     cache_opens: u64,
     failed: u64,
+    /// The consumer process's allocations so far (`counting.rs`).
+    allocations: u64,
 }
 
 struct Consumer {
@@ -165,6 +167,7 @@ impl Handler<AskStats> for Consumer {
             cache_hits: cache.hits,
             cache_opens: cache.opens,
             failed: self.failed,
+            allocations: crate::counting::allocations(),
         })
     }
 }
@@ -343,6 +346,7 @@ async fn measure(
                 ("ordered", Some((obuf, _))) => obuf,
                 _ => &buf,
             };
+            let before = Allocations::now(&link).await?;
             // A variant that fails is recorded; the others and item 4 still run.
             let timed = round_trips(
                 variant,
@@ -353,6 +357,7 @@ async fn measure(
                 ordered.as_ref(),
             )
             .await;
+            let allocations = before.per_handoff(&link, warm + n).await?;
             let (samples, replies) = match timed {
                 Ok(t) => t,
                 Err(e) => {
@@ -385,6 +390,7 @@ async fn measure(
                 },
             });
             crate::report::merge(&mut rec, Summary::of(&samples).json());
+            crate::report::merge(&mut rec, allocations);
             out.push(rec);
         }
         if let Some((_, stream)) = &ordered {
@@ -431,26 +437,26 @@ async fn measure(
         // Warm up the pipeline once, untimed.
         pipeline(&consumer, &buf, cfg.samples(20_000), WINDOW).await?;
         drained(&owner, pinned).await?;
+        let before = Allocations::now(&link).await?;
         let t = Instant::now();
         pipeline(&consumer, &buf, n, WINDOW).await?;
         let replies = t.elapsed();
         drained(&owner, pinned).await?;
         let all = t.elapsed();
-        out.push(json!({
+        let allocations = before.per_handoff(&link, n).await?;
+        let mut rec = json!({
             "item": 4, "name": "pipelined", "backend": backend_name, "window": WINDOW, "n": n,
             "label": format!("pipelined handoffs, {WINDOW} in flight, releases flowing back"),
             "per_s": n as f64 / all.as_secs_f64(),
             "per_s_replies": n as f64 / replies.as_secs_f64(),
             "seconds": all.as_secs_f64(),
             "note": format!("{:.0}/s counting replies only", n as f64 / replies.as_secs_f64()),
-        }));
+        });
+        crate::report::merge(&mut rec, allocations);
+        out.push(rec);
     }
 
-    let stats = link
-        .remote::<AskStats>(STATS)
-        .send(AskStats)
-        .await
-        .map_err(|e| e.to_string())?;
+    let stats = consumer_stats(&link).await?;
     out.push(json!({
         "item": 2, "name": "consumer_cache", "backend": backend_name,
         "label": "consumer's import cache over the run",
@@ -471,6 +477,43 @@ async fn measure(
     }
     drop(listening);
     Ok((out, recorded))
+}
+
+/// Both processes' allocation counters at one moment (`counting.rs`): the consumer's is
+/// asked for over the link (one small call, counted in neither figure's handoffs).
+struct Allocations {
+    exporter: u64,
+    consumer: u64,
+}
+
+impl Allocations {
+    async fn now(link: &Peer) -> Res<Self> {
+        let consumer = consumer_stats(link).await?.allocations;
+        Ok(Self {
+            exporter: crate::counting::allocations(),
+            consumer,
+        })
+    }
+
+    /// Allocations per handoff on each side since `self`, over `n` handoffs.
+    async fn per_handoff(&self, link: &Peer, n: usize) -> Res<serde_json::Value> {
+        let exporter = crate::counting::allocations() - self.exporter;
+        let consumer = consumer_stats(link).await?.allocations - self.consumer;
+        let per = |a: u64| (a as f64 / n as f64 * 100.0).round() / 100.0;
+        Ok(json!({
+            "allocs_per_handoff_exporter": per(exporter),
+            "allocs_per_handoff_consumer": per(consumer),
+            "allocs_handoffs": n,
+        }))
+    }
+}
+
+async fn consumer_stats(link: &Peer) -> Res<ConsumerStats> {
+    Ok(link
+        .remote::<AskStats>(STATS)
+        .send(AskStats)
+        .await
+        .map_err(|e| e.to_string())?)
 }
 
 /// `n` handoffs with at most `window` in flight; returns when every reply is in.

@@ -40,6 +40,7 @@
 
 mod actor;
 mod cold;
+mod counting;
 mod fence;
 mod floor;
 mod gpu;
@@ -54,6 +55,9 @@ mod torch;
 use report::Report;
 use std::error::Error;
 use std::path::PathBuf;
+
+#[global_allocator]
+static ALLOCATOR: counting::Counting = counting::Counting;
 
 pub(crate) type Res<T> = Result<T, Box<dyn Error>>;
 
