@@ -130,6 +130,16 @@ impl fmt::Debug for HandleMsg {
 /// The seal's encoding: see "The seal" in the module docs.
 const SEAL_ENCODING: bincode::config::Configuration = bincode::config::standard();
 
+/// The seal's keyed BLAKE3 hasher, fed by bincode as it encodes.
+struct SealHasher(blake3::Hasher);
+
+impl bincode::enc::write::Writer for SealHasher {
+    fn write(&mut self, bytes: &[u8]) -> std::result::Result<(), bincode::error::EncodeError> {
+        self.0.update(bytes);
+        Ok(())
+    }
+}
+
 impl HandleMsg {
     fn compute_digest(&self, key: &HandleKey) -> HandleDigest {
         let body = (
@@ -146,9 +156,12 @@ impl HandleMsg {
             &self.raw,
             &self.fence,
         );
-        // Encoding plain data into a Vec cannot fail; an empty body would still be keyed.
-        let bytes = bincode::serde::encode_to_vec(body, SEAL_ENCODING).unwrap_or_default();
-        HandleDigest(*blake3::keyed_hash(&key.0, &bytes).as_bytes())
+        // The encoding goes straight into the keyed hasher (no buffer: the digest is the
+        // same as over the encoded bytes, and sealing allocates nothing). Encoding plain
+        // data cannot fail; had it, the bytes written so far would still be keyed.
+        let mut hasher = SealHasher(blake3::Hasher::new_keyed(&key.0));
+        let _ = bincode::serde::encode_into_writer(body, &mut hasher, SEAL_ENCODING);
+        HandleDigest(*hasher.0.finalize().as_bytes())
     }
 
     /// Computes and stores the digest over all other fields.

@@ -47,39 +47,108 @@ impl DType {
 }
 
 /// The extents of a typed buffer, outermost first. At most [`Shape::MAX_RANK`] dimensions.
-#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(try_from = "Vec<u64>", into = "Vec<u64>")]
-pub struct Shape(Vec<u64>);
+///
+/// Held inline (no allocation): a shape is cloned into every handle, offer and import of a
+/// typed buffer. On the wire it is a sequence of extents, as a `Vec<u64>` is.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Shape {
+    rank: u8,
+    /// The extents, then zeros (so that equality and hashing see the extents alone).
+    dims: [u64; Shape::MAX_RANK],
+}
+
+impl Serialize for Shape {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.dims().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Shape {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Extents;
+
+        impl<'de> serde::de::Visitor<'de> for Extents {
+            type Value = Shape;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "at most {} extents", Shape::MAX_RANK)
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Shape, A::Error> {
+                let mut shape = Shape::scalar();
+                while let Some(d) = seq.next_element::<u64>()? {
+                    let Some(slot) = shape.dims.get_mut(usize::from(shape.rank)) else {
+                        // Read no further: a peer's length is not trusted.
+                        let rank = seq
+                            .size_hint()
+                            .map_or(Shape::MAX_RANK + 1, |more| Shape::MAX_RANK + 1 + more);
+                        return Err(serde::de::Error::custom(format!(
+                            "shape of rank {rank} exceeds {}",
+                            Shape::MAX_RANK
+                        )));
+                    };
+                    *slot = d;
+                    shape.rank += 1;
+                }
+                Ok(shape)
+            }
+        }
+
+        d.deserialize_seq(Extents)
+    }
+}
 
 impl Shape {
     /// The most dimensions a shape may have; decoding refuses more.
     pub const MAX_RANK: usize = 8;
 
+    /// Rank zero (one element).
+    fn scalar() -> Self {
+        Self {
+            rank: 0,
+            dims: [0; Self::MAX_RANK],
+        }
+    }
+
     /// A shape from its extents, or `None` with more than [`MAX_RANK`](Self::MAX_RANK) of them.
     pub fn new(dims: impl Into<Vec<u64>>) -> Option<Self> {
-        let dims = dims.into();
-        (dims.len() <= Self::MAX_RANK).then_some(Self(dims))
+        Self::from_slice(&dims.into())
+    }
+
+    fn from_slice(dims: &[u64]) -> Option<Self> {
+        let mut shape = Self::scalar();
+        shape.dims.get_mut(..dims.len())?.copy_from_slice(dims);
+        shape.rank = dims.len() as u8;
+        Some(shape)
     }
 
     /// A one-dimensional shape.
     pub fn vector(len: u64) -> Self {
-        Self(vec![len])
+        let mut shape = Self::scalar();
+        shape.dims[0] = len;
+        shape.rank = 1;
+        shape
     }
 
     /// The extents.
     pub fn dims(&self) -> &[u64] {
-        &self.0
+        &self.dims[..usize::from(self.rank)]
     }
 
     /// The number of elements, or `None` if it overflows `u64`.
     pub fn elements(&self) -> Option<u64> {
-        self.0.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        self.dims()
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
     }
 }
 
 impl fmt::Debug for Shape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let dims: Vec<String> = self.0.iter().map(u64::to_string).collect();
+        let dims: Vec<String> = self.dims().iter().map(u64::to_string).collect();
         write!(f, "[{}]", dims.join("x"))
     }
 }
@@ -88,13 +157,14 @@ impl TryFrom<Vec<u64>> for Shape {
     type Error = String;
     fn try_from(dims: Vec<u64>) -> Result<Self, String> {
         let rank = dims.len();
-        Shape::new(dims).ok_or_else(|| format!("shape of rank {rank} exceeds {}", Shape::MAX_RANK))
+        Shape::from_slice(&dims)
+            .ok_or_else(|| format!("shape of rank {rank} exceeds {}", Shape::MAX_RANK))
     }
 }
 
 impl From<Shape> for Vec<u64> {
     fn from(s: Shape) -> Vec<u64> {
-        s.0
+        s.dims().to_vec()
     }
 }
 
@@ -105,7 +175,7 @@ impl proptest::arbitrary::Arbitrary for Shape {
     fn arbitrary_with((): ()) -> Self::Strategy {
         use proptest::prelude::*;
         proptest::collection::vec(any::<u64>(), 0..=Shape::MAX_RANK)
-            .prop_map(Shape)
+            .prop_map(|dims| Shape::new(dims).expect("at most MAX_RANK"))
             .boxed()
     }
 }
@@ -430,6 +500,24 @@ mod tests {
         let huge = Layout::new(DType::F64, Shape::new([u64::MAX, 2]).unwrap());
         assert_eq!(huge.byte_len(), None);
         assert_eq!(Shape::new(vec![1; 9]), None);
+    }
+
+    #[test]
+    fn a_shape_is_a_sequence_of_extents_on_the_wire() {
+        let config = bincode::config::standard();
+        for dims in [vec![], vec![7], vec![3, 5, 1 << 40], vec![u64::MAX; 8]] {
+            let shape = Shape::new(dims.clone()).unwrap();
+            let bytes = bincode::serde::encode_to_vec(&shape, config).unwrap();
+            assert_eq!(bytes, bincode::serde::encode_to_vec(&dims, config).unwrap());
+            let (back, used): (Shape, usize) =
+                bincode::serde::decode_from_slice(&bytes, config).unwrap();
+            assert_eq!((back.dims(), used), (&dims[..], bytes.len()));
+            assert_eq!(back, shape);
+        }
+        let nine = bincode::serde::encode_to_vec(vec![1u64; 9], config).unwrap();
+        let e = bincode::serde::decode_from_slice::<Shape, _>(&nine, config).unwrap_err();
+        assert!(e.to_string().contains("shape of rank 9 exceeds 8"), "{e}");
+        assert_eq!(format!("{:?}", Shape::new([2, 3]).unwrap()), "[2x3]");
     }
 
     fn spec(name: &str, dtype: DType, dims: &[u64], offset: u64) -> TensorSpec {

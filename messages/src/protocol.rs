@@ -261,6 +261,52 @@ pub struct Call {
     pub offers: Vec<Offer>,
 }
 
+/// A [`Call`] whose parts are borrowed: it encodes as [`Message::Call`] of the same parts,
+/// byte for byte, without copying them into an owned `Call` first (a sender's hot path:
+/// [`codec::encode_call_frame`](crate::codec::encode_call_frame)). Decoding gives a
+/// [`Message::Call`].
+#[derive(Debug, Clone, Copy)]
+pub struct CallRef<'a> {
+    /// As [`Call::id`].
+    pub id: u64,
+    /// As [`Call::target`].
+    pub target: &'a str,
+    /// As [`Call::type_name`].
+    pub type_name: &'a str,
+    /// As [`Call::payload`].
+    pub payload: &'a [u8],
+    /// As [`Call::offers`].
+    pub offers: &'a [Offer],
+}
+
+/// [`Message::Call`]'s variant index (the order of [`Message`]'s variants; a test pins it
+/// against the derived encoding).
+const CALL_VARIANT: u32 = 10;
+
+impl Serialize for CallRef<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        /// [`Call`]'s fields, in its order, borrowed.
+        #[derive(Serialize)]
+        #[serde(rename = "Call")]
+        struct Body<'a> {
+            id: u64,
+            target: &'a str,
+            type_name: &'a str,
+            #[serde(with = "serde_bytes")]
+            payload: &'a [u8],
+            offers: &'a [Offer],
+        }
+        let body = Body {
+            id: self.id,
+            target: self.target,
+            type_name: self.type_name,
+            payload: self.payload,
+            offers: self.offers,
+        };
+        s.serialize_newtype_variant("Message", CALL_VARIANT, "Call", &body)
+    }
+}
+
 /// Why a [`Call`] produced no reply.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]

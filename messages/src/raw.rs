@@ -27,9 +27,16 @@ pub enum BackendKind {
 }
 
 /// The name of a host shared-memory segment: `/` then 1 to 200 of `[A-Za-z0-9._-]`.
-#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[derive(Clone, PartialEq, Eq, Hash, Deserialize)]
+#[serde(try_from = "String")]
 pub struct SegmentName(String);
+
+/// As a string (what `into = "String"` wrote, without the copy).
+impl Serialize for SegmentName {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
 
 impl SegmentName {
     /// Longest name accepted, leading `/` excluded.
