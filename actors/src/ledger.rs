@@ -261,7 +261,7 @@ struct Entry<M, F, D> {
     pool: Option<u64>,
     meta: M,
     phase: Phase,
-    leases: BTreeSet<LeaseId>,
+    leases: EntryLeases,
     holds: BTreeMap<LinkId, Hold>,
     cut_holders: BTreeSet<ProcessId>,
     /// Relayed leases whose relaying link went down, and their holders: kept until the
@@ -273,6 +273,49 @@ struct Entry<M, F, D> {
     /// `StreamOrdering::check_fence`), so however often the buffer is leased and released, this
     /// holds at most a lane's slots per producer, plus the distinct events sent.
     fences: Vec<F>,
+}
+
+/// The leases out on one allocation, and which of them are writable: a read-only grant
+/// while no writable lease is out (a handoff's common case) looks at no other lease, where
+/// looking at each would cost a lookup per lease out (256 in a pipeline of 256).
+#[derive(Debug, Default)]
+struct EntryLeases {
+    all: BTreeSet<LeaseId>,
+    /// Those of `all` that are writable.
+    writable: BTreeSet<LeaseId>,
+}
+
+impl EntryLeases {
+    fn insert(&mut self, lease: LeaseId, writable: bool) {
+        self.all.insert(lease);
+        if writable {
+            self.writable.insert(lease);
+        }
+    }
+
+    fn remove(&mut self, lease: &LeaseId) {
+        self.writable.remove(lease);
+        self.all.remove(lease);
+    }
+
+    /// Keeps the leases for which `keep` says so (it sees each once).
+    fn retain(&mut self, keep: impl FnMut(&LeaseId) -> bool) {
+        self.all.retain(keep);
+        let all = &self.all;
+        self.writable.retain(|lease| all.contains(lease));
+    }
+
+    fn iter(&self) -> std::collections::btree_set::Iter<'_, LeaseId> {
+        self.all.iter()
+    }
+
+    fn len(&self) -> usize {
+        self.all.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.all.is_empty()
+    }
 }
 
 /// Adds `fence` to `kept` unless a kept fence covers it, and drops the kept fences it covers.
@@ -387,7 +430,7 @@ impl<M, F, D> Ledger<M, F, D> {
                 pool: new.pool,
                 meta: new.meta,
                 phase: Phase::Live,
-                leases: BTreeSet::new(),
+                leases: EntryLeases::default(),
                 holds: BTreeMap::new(),
                 cut_holders: BTreeSet::new(),
                 stranded: BTreeMap::new(),
@@ -442,7 +485,7 @@ impl<M, F, D> Ledger<M, F, D> {
         if entry.phase != Phase::Live {
             return Err(Refusal::NotLive);
         }
-        entry.leases.insert(lease);
+        entry.leases.insert(lease, access.writable);
         let hold = entry.holds.entry(link).or_default();
         let new_hold = !hold.current;
         hold.current = true;
@@ -470,6 +513,7 @@ impl<M, F, D> Ledger<M, F, D> {
     fn writer_over(&self, entry: &Entry<M, F, D>, bytes: &Range<u64>) -> bool {
         entry
             .leases
+            .writable
             .iter()
             .filter_map(|l| self.leases.get(l))
             .any(|r| r.access.writable && overlaps(&r.access.bytes, bytes))
@@ -532,7 +576,7 @@ impl<M, F, D> Ledger<M, F, D> {
             return Err(Refusal::TooManyRelayed);
         }
         let entry = self.allocs.get_mut(&alloc).expect("a lease's entry exists");
-        entry.leases.insert(lease);
+        entry.leases.insert(lease, false);
         let owner = entry.owner;
         self.leases.insert(
             lease,
@@ -681,7 +725,7 @@ impl<M, F, D> Ledger<M, F, D> {
     pub(crate) fn revoke(&mut self, buffer: BufferId, deadline: Instant) -> Result<usize, Refusal> {
         let alloc = *self.buffers.get(&buffer).ok_or(Refusal::UnknownBuffer)?;
         let entry = self.allocs.get(&alloc).ok_or(Refusal::UnknownBuffer)?;
-        for lease in &entry.leases {
+        for lease in entry.leases.iter() {
             let record = self.leases.get_mut(lease).expect("indexed");
             let by = record.revoke_by.map_or(deadline, |d| d.min(deadline));
             record.revoke_by = Some(by);

@@ -35,7 +35,15 @@ impl<M, F, D> Ledger<M, F, D> {
                 .allocs
                 .get(&r.alloc)
                 .expect("a lease's allocation exists");
-            assert!(entry.leases.contains(lease), "lease index and entry agree");
+            assert!(
+                entry.leases.all.contains(lease),
+                "lease index and entry agree"
+            );
+            assert_eq!(
+                entry.leases.writable.contains(lease),
+                r.access.writable,
+                "the entry's writable leases are its leases that write"
+            );
             assert!(
                 self.links.contains_key(&r.link),
                 "a lease is on a live link"
@@ -43,9 +51,13 @@ impl<M, F, D> Ledger<M, F, D> {
         }
         for (alloc, e) in &self.allocs {
             assert_eq!(self.buffers.get(&e.buffer), Some(alloc), "buffer index");
-            for lease in &e.leases {
+            for lease in e.leases.iter() {
                 assert_eq!(self.leases.get(lease).map(|r| r.alloc), Some(*alloc));
             }
+            assert!(
+                e.leases.writable.is_subset(&e.leases.all),
+                "writable leases are leases of the entry"
+            );
             for (link, hold) in &e.holds {
                 assert!(self.links.contains_key(link), "a hold is on a live link");
                 assert!(!hold.is_empty(), "empty holds are removed");

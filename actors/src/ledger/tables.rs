@@ -172,7 +172,7 @@ impl<M, F, D> Ledger<M, F, D> {
         for e in self.allocs.values() {
             // Per process: whether it leases this allocation, whether it maps it.
             let mut leasing: BTreeSet<ProcessId> = BTreeSet::new();
-            for lease in &e.leases {
+            for lease in e.leases.iter() {
                 let Some(r) = self.leases.get(lease) else {
                     continue;
                 };
