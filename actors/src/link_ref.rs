@@ -165,17 +165,25 @@ impl fmt::Debug for Pinned {
 }
 
 /// A reference to a link: its actor's mailbox, and whether it is still up.
+///
+/// Cloned on every handoff (each lease guard holds one, so does each call waiting for its
+/// reply): the mailbox sits behind an `Arc`, so a clone allocates nothing (a clone of an
+/// actix `Recipient` allocates its sender's parking slot and a box).
 #[derive(Clone)]
 pub(crate) struct LinkRef {
     pub(crate) id: LinkId,
-    mailbox: Recipient<LinkCommand>,
+    mailbox: Arc<Recipient<LinkCommand>>,
     pub(crate) state: Arc<LinkState>,
 }
 
 impl LinkRef {
     /// The reference to link `id`, whose actor takes [`LinkCommand`]s at `mailbox`.
     pub(crate) fn new(id: LinkId, mailbox: Recipient<LinkCommand>, state: Arc<LinkState>) -> Self {
-        Self { id, mailbox, state }
+        Self {
+            id,
+            mailbox: Arc::new(mailbox),
+            state,
+        }
     }
 
     /// Queues `msg` for the link's actor without waiting (dropped if it has stopped).

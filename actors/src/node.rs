@@ -135,6 +135,7 @@ impl Peer {
             link: self.link.clone(),
             calls: self.calls.clone(),
             target: Arc::from(name),
+            type_name: Arc::from(M::NAME),
             _m: PhantomData,
         }
     }

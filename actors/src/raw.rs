@@ -548,7 +548,7 @@ impl Peer {
             &self.link,
             &self.calls,
             &Arc::from(target),
-            Arc::from(type_name),
+            &Arc::from(type_name),
             message.into_encoded(),
         );
         async move {

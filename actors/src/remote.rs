@@ -415,6 +415,8 @@ pub struct RemoteAddr<M: RemoteMessage> {
     pub(crate) link: LinkRef,
     pub(crate) calls: Recipient<OutCall>,
     pub(crate) target: Arc<str>,
+    /// `M::NAME`, made once (each call's `OutCall` shares it).
+    pub(crate) type_name: Arc<str>,
     pub(crate) _m: PhantomData<fn(M)>,
 }
 
@@ -424,6 +426,7 @@ impl<M: RemoteMessage> Clone for RemoteAddr<M> {
             link: self.link.clone(),
             calls: self.calls.clone(),
             target: Arc::clone(&self.target),
+            type_name: Arc::clone(&self.type_name),
             _m: PhantomData,
         }
     }
@@ -485,7 +488,7 @@ where
             &self.link,
             &self.calls,
             &self.target,
-            Arc::from(M::NAME),
+            &self.type_name,
             encoded,
         );
         async move {
@@ -524,19 +527,17 @@ pub(crate) fn call_encoded(
     link: &LinkRef,
     calls: &Recipient<OutCall>,
     target: &Arc<str>,
-    type_name: Arc<str>,
+    type_name: &Arc<str>,
     encoded: Result<Encoded, ActorError>,
 ) -> impl Future<Output = Result<IncomingPayload, ActorError>> + 'static + use<> {
-    let link = link.clone();
-    let calls = calls.clone();
-    let target = Arc::clone(target);
     let peer = link.peer();
     // The fast path, taken now: no call waits before this one (the turn), room on the
-    // link and fences to spare, so the call is queued in order.
+    // link and fences to spare, so the call is queued in order. Only a call that waits
+    // keeps the link's addresses and names (the queued one's `OutCall` has them).
     let started = match encoded {
         Err(e) => Err(e),
         Ok(encoded) => {
-            let cost = window_cost(&encoded, &link);
+            let cost = window_cost(&encoded, link);
             let state = link.state();
             let fast = Arc::clone(&state.turn)
                 .try_lock_owned()
@@ -548,31 +549,23 @@ pub(crate) fn call_encoded(
                 Arc::clone(&state.send_window).try_acquire_many_owned(cost),
             ) {
                 (Some(_turn), Ok(slot), Ok(window)) => Ok(Started::Queued(queue(
-                    &link, &calls, &target, &type_name, encoded, window, slot,
+                    link, calls, target, type_name, encoded, window, slot,
                 ))),
-                _ => Ok(Started::Waiting(encoded, cost)),
+                _ => Ok(Started::Waiting(Box::new(Waiting {
+                    encoded,
+                    cost,
+                    link: link.clone(),
+                    calls: calls.clone(),
+                    target: Arc::clone(target),
+                    type_name: Arc::clone(type_name),
+                }))),
             }
         }
     };
     async move {
         let queued = match started? {
             Started::Queued(q) => q,
-            Started::Waiting(encoded, cost) => {
-                let state = link.state();
-                // Calls that wait go in the order they were made.
-                let _turn = Arc::clone(&state.turn).lock_owned().await;
-                wait_for_fences(&encoded, &link).await;
-                let closed = |_| ActorError::link_closed(peer);
-                let slot = Arc::clone(&state.pending_calls)
-                    .acquire_owned()
-                    .await
-                    .map_err(closed)?;
-                let window = Arc::clone(&state.send_window)
-                    .acquire_many_owned(cost)
-                    .await
-                    .map_err(closed)?;
-                queue(&link, &calls, &target, &type_name, encoded, window, slot)
-            }
+            Started::Waiting(waiting) => waiting.queue().await?,
         };
         let Queued {
             reply,
@@ -621,8 +614,51 @@ async fn wait_for_fences(encoded: &Encoded, link: &LinkRef) {
 /// How far a call got when `send` returned.
 enum Started {
     Queued(Queued),
-    /// No room on the link yet: the encoded call and its window cost.
-    Waiting(Encoded, u32),
+    /// No room on the link yet.
+    Waiting(Box<Waiting>),
+}
+
+/// A call that waits for room on its link: what queueing it later takes.
+struct Waiting {
+    encoded: Encoded,
+    /// Its window cost.
+    cost: u32,
+    link: LinkRef,
+    calls: Recipient<OutCall>,
+    target: Arc<str>,
+    type_name: Arc<str>,
+}
+
+impl Waiting {
+    /// Waits for the call's turn, fences to spare, a pending-call slot and its window,
+    /// then queues it.
+    async fn queue(self) -> Result<Queued, ActorError> {
+        let Self {
+            encoded,
+            cost,
+            link,
+            calls,
+            target,
+            type_name,
+        } = self;
+        let state = link.state();
+        let peer = link.peer();
+        // Calls that wait go in the order they were made.
+        let _turn = Arc::clone(&state.turn).lock_owned().await;
+        wait_for_fences(&encoded, &link).await;
+        let closed = |_| ActorError::link_closed(peer);
+        let slot = Arc::clone(&state.pending_calls)
+            .acquire_owned()
+            .await
+            .map_err(closed)?;
+        let window = Arc::clone(&state.send_window)
+            .acquire_many_owned(cost)
+            .await
+            .map_err(closed)?;
+        Ok(queue(
+            &link, &calls, &target, &type_name, encoded, window, slot,
+        ))
+    }
 }
 
 /// A call queued on its link.
