@@ -11,8 +11,8 @@ use crate::remote::{Encoded, OutCall};
 use crate::transport::Writer;
 use actix::prelude::*;
 use baton_messages::Message as Wire;
-use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_frame};
-use baton_messages::protocol::{Call, CallFault, Offer, Payload, Reply};
+use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_call_frame, encode_frame};
+use baton_messages::protocol::{CallFault, CallRef, Offer, Payload, Reply};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -313,29 +313,27 @@ impl Handler<OutCall> for PeerLink {
             }
         };
         let id = msg.id;
-        let call = Wire::Call(Call {
+        // Encoded from its parts where they are: no copy of the names, payload or offers.
+        let call = CallRef {
             id,
-            target: msg.target.to_string(),
-            type_name: msg.type_name.to_string(),
-            payload: msg.encoded.bytes,
-            offers,
-        });
-        let queued = Self::encode(&call, fds.len())
-            .and_then(|bytes| self.enqueue(bytes, fds, Some(msg.window)));
+            target: &msg.target,
+            type_name: &msg.type_name,
+            payload: &msg.encoded.bytes,
+            offers: &offers,
+        };
+        let mut bytes = Vec::with_capacity(256);
+        let queued = encode_call_frame(call, fds.len(), &mut bytes)
+            .map_err(|e| ActorError::from(baton_ipc::Error::from(e)))
+            .and_then(|()| self.enqueue(bytes, fds, Some(msg.window)));
         match queued {
             Ok(()) => {
                 probe!("link.call.queued");
-                if let Wire::Call(call) = &call {
-                    self.granted_paths(&call.offers);
-                }
+                self.granted_paths(&offers);
                 tracing::trace!(call = id, leases = grants.len(), "call sent");
                 self.session.call_sent(id, msg.reply);
             }
             Err(e) => {
-                let Wire::Call(call) = call else {
-                    unreachable!("built just above")
-                };
-                self.ungrant(&call.offers, &grants);
+                self.ungrant(&offers, &grants);
                 let _ = msg.reply.send(Err(e));
             }
         }
