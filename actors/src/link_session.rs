@@ -101,6 +101,55 @@ pub(crate) struct SessionLimits {
     pub(crate) leases_held: usize,
 }
 
+/// What one frame asks of the shell, in order: most frames ask one thing, held without
+/// an allocation; a few ask none or several.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "the one action is held in place: boxing it would be the allocation per frame \
+              this type is for"
+)]
+pub(crate) enum Actions<A: Attach> {
+    /// Exactly one action.
+    One(Action<A>),
+    /// Any number (none: an empty `Vec`, which allocates nothing).
+    Many(Vec<Action<A>>),
+}
+
+impl<A: Attach> Actions<A> {
+    fn none() -> Self {
+        Self::Many(Vec::new())
+    }
+
+    fn one(action: Action<A>) -> Self {
+        Self::One(action)
+    }
+}
+
+impl<A: Attach> std::ops::Deref for Actions<A> {
+    type Target = [Action<A>];
+
+    fn deref(&self) -> &[Action<A>] {
+        match self {
+            Self::One(one) => std::slice::from_ref(one),
+            Self::Many(many) => many,
+        }
+    }
+}
+
+impl<A: Attach> IntoIterator for Actions<A> {
+    type Item = Action<A>;
+    type IntoIter =
+        std::iter::Chain<std::option::IntoIter<Action<A>>, std::vec::IntoIter<Action<A>>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        let (one, many) = match self {
+            Self::One(one) => (Some(one), Vec::new()),
+            Self::Many(many) => (None, many),
+        };
+        one.into_iter().chain(many)
+    }
+}
+
 /// What the shell does next, for the session.
 pub(crate) enum Action<A: Attach> {
     /// Send this frame of ours (it carries no descriptors).
@@ -313,7 +362,7 @@ impl<A: Attach> LinkSession<A> {
         frame: Wire,
         now: Instant,
         checks: &impl Checks,
-    ) -> Result<Vec<Action<A>>, ActorError> {
+    ) -> Result<Actions<A>, ActorError> {
         self.last_heard = now;
         let action = match frame {
             Wire::Call(Call {
@@ -371,7 +420,7 @@ impl<A: Attach> LinkSession<A> {
                     reply,
                 },
                 // A pong we did not ask for is harmless: nothing is recorded for it.
-                None => return Ok(Vec::new()),
+                None => return Ok(Actions::none()),
             },
             Wire::StatusRequest(request) => {
                 if self.status_answers >= STATUS_ANSWERS {
@@ -384,7 +433,7 @@ impl<A: Attach> LinkSession<A> {
             }
             Wire::Status(status) => {
                 self.on_status(status)?;
-                return Ok(Vec::new());
+                return Ok(Actions::none());
             }
             Wire::Forward(forward) => Action::Forward(forward),
             Wire::Forwarded(forwarded) => Action::Forwarded(forwarded),
@@ -401,7 +450,7 @@ impl<A: Attach> LinkSession<A> {
             Wire::PoolRetired(PoolRetired { pool }) => match self.pools.remove(&pool) {
                 true => Action::ForgetPool(pool),
                 // Not a pool whose descriptor came over this link: nothing of ours to drop.
-                false => return Ok(Vec::new()),
+                false => return Ok(Actions::none()),
             },
             Wire::Pull(_) | Wire::Rendezvous(_) if !self.across_hosts => {
                 return Err(ActorError::Unexpected {
@@ -427,7 +476,7 @@ impl<A: Attach> LinkSession<A> {
             }
             other => return Err(ActorError::Unexpected { got: other.kind() }),
         };
-        Ok(vec![action])
+        Ok(Actions::one(action))
     }
 
     /// Checks offers and asks the shell to open them; remembers the pools whose
@@ -516,11 +565,7 @@ impl<A: Attach> LinkSession<A> {
         Ok(())
     }
 
-    fn on_reply(
-        &mut self,
-        reply: Reply,
-        checks: &impl Checks,
-    ) -> Result<Vec<Action<A>>, ActorError> {
+    fn on_reply(&mut self, reply: Reply, checks: &impl Checks) -> Result<Actions<A>, ActorError> {
         let Some(caller) = self.pending.remove(&reply.id) else {
             if !checks.call_issued(reply.id) {
                 return Err(ActorError::UnknownCall { id: reply.id });
@@ -535,13 +580,14 @@ impl<A: Attach> LinkSession<A> {
                             max: self.limits.offers_per_message,
                         });
                     }
-                    Ok(self
-                        .refused(&payload.offers, false)
-                        .into_iter()
-                        .map(Action::Send)
-                        .collect())
+                    Ok(Actions::Many(
+                        self.refused(&payload.offers, false)
+                            .into_iter()
+                            .map(Action::Send)
+                            .collect(),
+                    ))
                 }
-                Err(_) => Ok(Vec::new()),
+                Err(_) => Ok(Actions::none()),
             };
         };
         let action = match reply.outcome {
@@ -550,7 +596,7 @@ impl<A: Attach> LinkSession<A> {
             }
             Err(fault) => Action::CallFailed { caller, fault },
         };
-        Ok(vec![action])
+        Ok(Actions::one(action))
     }
 
     /// The peer's answer to a status request of ours. One to a request we never made is

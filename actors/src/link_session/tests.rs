@@ -149,6 +149,8 @@ fn fault(s: &mut LinkSession<Plain>, frame: Wire, node: &Node) -> ActorError {
 fn handle(s: &mut LinkSession<Plain>, frame: Wire) -> Vec<Action<Plain>> {
     s.handle(frame, Instant::now(), &Node::default())
         .unwrap_or_else(|e| panic!("no fault expected: {e}"))
+        .into_iter()
+        .collect()
 }
 
 /// Does what the shell does with an [`Action::Open`]: every offer opens; returns the
@@ -652,7 +654,10 @@ fn a_silent_peer_is_unresponsive() {
 }
 
 fn handle_at(s: &mut LinkSession<Plain>, frame: Wire, at: Instant) -> Vec<Action<Plain>> {
-    s.handle(frame, at, &Node::default()).expect("no fault")
+    s.handle(frame, at, &Node::default())
+        .expect("no fault")
+        .into_iter()
+        .collect()
 }
 
 // What is no fault.
