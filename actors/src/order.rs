@@ -59,14 +59,14 @@ struct StreamUse {
 /// The streams that used a buffer, each with its mark.
 pub(crate) struct StreamUses {
     backend: SharedBackend,
-    slots: Box<[OnceLock<StreamUse>; MAX_STREAMS]>,
+    /// Made at the first mark: a lease no stream uses (every host lease, an unordered
+    /// handoff's) allocates none.
+    slots: OnceLock<Box<[OnceLock<StreamUse>; MAX_STREAMS]>>,
 }
 
 impl fmt::Debug for StreamUses {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list()
-            .entries(self.slots.iter().filter_map(|s| s.get().map(|u| u.key)))
-            .finish()
+        f.debug_list().entries(self.marks().map(|u| u.key)).finish()
     }
 }
 
@@ -86,7 +86,7 @@ impl StreamUses {
     pub(crate) fn new(backend: SharedBackend) -> Self {
         Self {
             backend,
-            slots: Box::new(std::array::from_fn(|_| OnceLock::new())),
+            slots: OnceLock::new(),
         }
     }
 
@@ -95,10 +95,7 @@ impl StreamUses {
     }
 
     fn find(&self, key: StreamKey) -> Option<&StreamUse> {
-        self.slots
-            .iter()
-            .filter_map(OnceLock::get)
-            .find(|u| u.key == key)
+        self.marks().find(|u| u.key == key)
     }
 
     /// The stream's use, made (with `first`, run before the mark exists) if it has none.
@@ -120,7 +117,10 @@ impl StreamUses {
             mark,
             held: OnceLock::new(),
         });
-        for slot in self.slots.iter() {
+        let slots = self
+            .slots
+            .get_or_init(|| Box::new(std::array::from_fn(|_| OnceLock::new())));
+        for slot in slots.iter() {
             if slot.get().is_some() {
                 continue;
             }
@@ -135,7 +135,11 @@ impl StreamUses {
     }
 
     fn marks(&self) -> impl Iterator<Item = &StreamUse> {
-        self.slots.iter().filter_map(OnceLock::get)
+        self.slots
+            .get()
+            .into_iter()
+            .flat_map(|slots| slots.iter())
+            .filter_map(OnceLock::get)
     }
 
     /// Makes `stream` wait for the latest record of every mark but its own.
@@ -269,13 +273,11 @@ impl LeaseOrder {
             Ok(None) => Finished::Idle,
             Err(e) => {
                 tracing::warn!(error = %e, "no release fence: the release waits for the lease's work first");
-                let slots: [OnceLock<StreamUse>; MAX_STREAMS] = *std::mem::replace(
-                    &mut self.uses.slots,
-                    Box::new(std::array::from_fn(|_| OnceLock::new())),
-                );
+                let slots = std::mem::take(&mut self.uses.slots).into_inner();
                 Finished::Wait(
                     slots
                         .into_iter()
+                        .flat_map(|slots| *slots)
                         .filter_map(OnceLock::into_inner)
                         .map(|u| u.mark)
                         .collect(),
