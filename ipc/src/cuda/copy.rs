@@ -34,8 +34,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Bytes per block of the kernel (each block copies one chunk of one span).
 const CHUNK: u64 = 64 << 10;
-/// Threads per block.
-const THREADS: u32 = 256;
+/// Threads per block: 512 ran closest to one flat copy on an H200 (1.7 %, 3.8 % and 3.6 %
+/// over it for the Qwen2.5-0.5B and -7B layouts and a 20,000-tensor shard, against 3.6 %,
+/// 4.8 % and 4.1 % at 256; `bench/probe/gather_tuning.py`,
+/// `docs/bench/h200/2026-11-29-gather-tuning.jsonl`).
+const THREADS: u32 = 512;
 /// Launches a plan keeps track of before it waits for the oldest (each is one event).
 const MAX_PENDING: usize = 64;
 
