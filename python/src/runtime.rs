@@ -341,7 +341,8 @@ impl<T> Queue<T> {
     }
 
     /// Pops within `timeout` (`Duration::MAX`: no deadline) without the GIL, checking
-    /// for signals between slices.
+    /// for signals after every slice that passes empty — the last one too, so that a
+    /// caller waiting in short pops (`Mailbox.recv`) still sees Ctrl-C.
     ///
     /// # Errors
     /// A signal handler's error.
@@ -355,8 +356,11 @@ impl<T> Queue<T> {
                 SLICE.min(t.saturating_duration_since(Instant::now()))
             });
             match py.detach(|| self.pop(slice)) {
-                Waited::Pending if deadline.is_none_or(|t| Instant::now() < t) => {
-                    py.check_signals()?
+                Waited::Pending => {
+                    py.check_signals()?;
+                    if deadline.is_some_and(|t| Instant::now() >= t) {
+                        return Ok(Waited::Pending);
+                    }
                 }
                 other => return Ok(other),
             }

@@ -1,6 +1,7 @@
 """A Python child started with `Node.spawn`: it joins its parent and serves one role.
 
-    python ergo_child.py serve   # "worker": t.Sum (reply, then close at once), t.Hold, t.Drop
+    python ergo_child.py serve   # "worker": t.Sum (reply, then close at once), t.Hold, t.Drop,
+                                 # t.Stall (kept, never answered), t.Echo (the message back)
     python ergo_child.py wait    # a mailbox nobody calls: exits 0 once recv raises LinkClosed
 """
 
@@ -24,9 +25,17 @@ node = baton.Node(backend="host")  # the token its parent passed it
 sums = node.register("worker", "t.Sum")
 holds = node.register("worker", "t.Hold")  # one name, several wire types
 drops = node.register("worker", "t.Drop")
+stalls = node.register("worker", "t.Stall")
+echoes = node.register("worker", "t.Echo")
 parent = node.connect_parent()  # linked once the names are there
 held = []
+stalled = []  # calls kept unanswered: their callers wait until they give up
 while True:
+    while stalls.pending:
+        stalled.append(stalls.recv(timeout=1))
+    while echoes.pending:
+        call = echoes.recv(timeout=1)
+        call.reply(call.message)
     for mailbox in (holds, drops):
         while mailbox.pending:
             call = mailbox.recv(timeout=1)

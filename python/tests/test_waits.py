@@ -1,0 +1,118 @@
+"""The waits of a Python thread on Baton's runtime (`Peer.call`, `Buffer.returned`,
+`Mailbox.recv`): each ends with its answer, at its deadline, or at a signal (Ctrl-C) — the
+wake-up is the answer's own, and a signal is still seen while nothing answers — and a wait
+given up leaves the link working."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import baton
+from conftest import DEADLINE
+
+HERE = Path(__file__).parent
+CHILD = [sys.executable, str(HERE / "ergo_child.py")]
+
+
+@pytest.fixture
+def root() -> baton.Node:
+    n = baton.Node(token=baton.generate_token(), backend="host")
+    yield n
+    n.close()
+
+
+@pytest.fixture
+def child(root: baton.Node) -> baton.Child:
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE)] + sys.path)}
+    c = root.spawn([*CHILD, "serve"], env=env, timeout=DEADLINE)
+    yield c
+    c.kill()
+    c.wait(timeout=DEADLINE)
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.fixture
+def alarm():
+    """`alarm(seconds)`: SIGALRM then, its handler raising `Interrupted` in the main thread
+    (as Ctrl-C's raises KeyboardInterrupt)."""
+
+    def raise_interrupted(signum, frame):
+        raise Interrupted()
+
+    old = signal.signal(signal.SIGALRM, raise_interrupted)
+    yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_a_call_nobody_answers_ends_at_a_signal_and_the_link_keeps_working(child, alarm):
+    alarm(0.2)
+    # Without the signal, this call would end with baton.Timeout after DEADLINE.
+    with pytest.raises(Interrupted):
+        child.peer.call("worker", "t.Stall", {"n": 1}, timeout=DEADLINE)
+    assert child.peer.connected
+    assert child.peer.call("worker", "t.Echo", {"n": 2}, timeout=DEADLINE) == {"n": 2}
+
+
+def test_a_call_nobody_answers_ends_at_its_deadline(child):
+    with pytest.raises(baton.Timeout, match="remote call"):
+        child.peer.call("worker", "t.Stall", {"n": 1}, timeout=0.2)
+    assert child.peer.call("worker", "t.Echo", [1, 2, 3], timeout=DEADLINE) == [1, 2, 3]
+
+
+def test_returned_ends_at_a_signal_while_a_lease_is_held(root, child, alarm):
+    data = root.allocate(64, "float32")
+    assert child.peer.call("worker", "t.Hold", {"data": data}, timeout=DEADLINE) == 1
+    alarm(0.2)
+    with pytest.raises(Interrupted):
+        data.returned(timeout=DEADLINE)  # held until t.Drop: only the signal ends this
+    assert data.leases_out == 1
+    assert child.peer.call("worker", "t.Drop", None, timeout=DEADLINE) == 0
+    data.returned(timeout=DEADLINE)
+    assert data.leases_out == 0
+
+
+def test_recv_ends_at_a_signal(root, alarm, tmp_path):
+    mailbox = root.register("nobody-calls", "t.Nothing")
+    root.listen(tmp_path / "s")
+    alarm(0.2)
+    with pytest.raises(Interrupted):
+        # The node listens, so nothing but the signal ends this before its deadline (a
+        # recv that missed the signal would raise baton.Timeout).
+        mailbox.recv(timeout=DEADLINE)
+
+
+def test_calls_from_many_threads_each_get_their_own_answer(root, child):
+    data = [root.allocate(16, "float32") for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def caller(i: int) -> None:
+        try:
+            for n in range(50):
+                message = {"thread": i, "n": n}
+                assert child.peer.call("worker", "t.Echo", message, timeout=DEADLINE) == message
+                got = child.peer.call("worker", "t.Hold", {"data": data[i]}, timeout=DEADLINE)
+                assert got >= 1
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert child.peer.call("worker", "t.Drop", None, timeout=DEADLINE) == 0
+    for d in data:
+        d.returned(timeout=DEADLINE)
+        assert d.leases_out == 0
