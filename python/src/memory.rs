@@ -1121,14 +1121,14 @@ impl Buffer {
             })
             .or_raise(py)?;
         let handle = self.handle().or_raise(py)?;
-        // The inner deadline answers first; the runtime's is a backstop.
+        // The inner deadline answers first (naming the holders); the wait's own is a backstop.
         runtime()
             .or_raise(py)?
-            .block_on(
+            .wait_here(
                 py,
                 "waiting for leases to come back",
                 after.saturating_add(std::time::Duration::from_secs(1)),
-                move || handle.returned_within(after),
+                || handle.returned_within(after),
             )?
             .or_raise(py)
     }

@@ -739,12 +739,12 @@ impl Peer {
         if let Some(cuda) = &out.device {
             py.detach(|| memory::sync_context(cuda)).or_raise(py)?;
         }
-        let peer = self.peer.clone();
-        let message = out.message;
+        // Queued on the link from this thread, and the reply waited for here: the runtime
+        // thread that receives it wakes this one directly.
         let reply = runtime()
             .or_raise(py)?
-            .block_on(py, "remote call", deadline, move || {
-                peer.call_raw(&target, &type_name, message)
+            .wait_here(py, "remote call", deadline, || {
+                self.peer.call_raw(&target, &type_name, out.message)
             })?
             .or_raise(py)?;
         codec::decode(py, "reply", reply, &self.cuda)

@@ -1,19 +1,30 @@
 //! The actix system the extension owns, and the waits of Python threads on it.
 //!
 //! One thread per process (`baton-actix`) runs an actix system; every node's actors and
-//! links live there. A Python call posts a closure to that thread's arbiter, which spawns
-//! the future it makes; the calling thread waits for the result *without the GIL*
-//! (`Python::detach`), in slices so that a signal (Ctrl-C) is noticed, and always under a
-//! deadline: the future runs under the caller's deadline on the runtime, and the Python
-//! side gives up a grace period later if the runtime itself stops answering. A wait given
-//! up (a signal, the deadline) aborts the future, which drops what it was doing (a remote
-//! call is then cancelled on its link).
+//! links live there. Two ways to wait on it:
+//!
+//! - [`Runtime::block_on`], for work that must run on that thread (starting actors,
+//!   connecting): a Python call posts a closure to the thread's arbiter, which spawns the
+//!   future it makes; the calling thread waits for the result *without the GIL*
+//!   (`Python::detach`), in slices so that a signal (Ctrl-C) is noticed, and always under a
+//!   deadline: the future runs under the caller's deadline on the runtime, and the Python
+//!   side gives up a grace period later if the runtime itself stops answering.
+//! - [`Runtime::wait_here`], for the hot path (a remote call, a buffer's leases coming
+//!   back): the calling thread polls the future itself, with the GIL (a poll does not
+//!   block), inside the runtime's tokio context, and between polls sleeps without the GIL
+//!   until the future's waker rings — the runtime thread that completes it wakes the Python
+//!   thread directly, with no task spawned and no hop through the runtime on the way out.
+//!   The same slices and signal checks bound the wait, and the deadline is the waiter's own.
+//!
+//! A wait given up (a signal, the deadline) drops the future (or aborts its task), which
+//! drops what it was doing (a remote call is then cancelled on its link).
 
 use crate::errors::{self, Failure};
 use pyo3::prelude::*;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::task::{Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 /// How long a Python thread sleeps between checks for signals while it waits.
@@ -28,9 +39,12 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The runtime thread: its arbiter, and the process that started it.
+/// The runtime thread: its arbiter, its tokio runtime, and the process that started it.
 pub(crate) struct Runtime {
     arbiter: actix::ArbiterHandle,
+    /// The handle of the tokio runtime under the actix system: futures polled on Python
+    /// threads ([`Runtime::wait_here`]) use its timers.
+    tokio: tokio::runtime::Handle,
     pid: u32,
 }
 
@@ -61,16 +75,18 @@ fn start() -> Result<Runtime, String> {
         .name("baton-actix".into())
         .spawn(move || {
             let system = actix::System::new();
-            let arbiter = system.block_on(async { actix::Arbiter::current() });
-            sender.send(arbiter);
+            let started = system
+                .block_on(async { (actix::Arbiter::current(), tokio::runtime::Handle::current()) });
+            sender.send(started);
             if let Err(e) = system.run() {
                 tracing::error!(error = %e, "baton's actix system stopped");
             }
         })
         .map_err(|e| format!("could not start baton's runtime thread: {e}"))?;
     match done.wait(START_DEADLINE) {
-        Waited::Done(arbiter) => Ok(Runtime {
+        Waited::Done((arbiter, tokio)) => Ok(Runtime {
             arbiter,
+            tokio,
             pid: std::process::id(),
         }),
         Waited::Gone => Err("baton's runtime thread failed to start".into()),
@@ -160,6 +176,63 @@ impl Runtime {
         }
     }
 
+    /// Makes a future with `make` and polls it on the calling thread until it is ready, under
+    /// `deadline`: with the GIL while it polls (a poll never blocks), without it while the
+    /// future waits, woken by the future's own waker (whichever thread completes it), so
+    /// that no task is spawned and no thread stands between the runtime and the caller.
+    /// `make` and every poll run inside the runtime's tokio context (timers, semaphores);
+    /// the future must not need an actix context (`actix::spawn`, an arbiter): use
+    /// [`block_on`](Self::block_on) for that.
+    ///
+    /// Signals are checked whenever a slice of the wait passes without a wake-up, and at
+    /// least every slice otherwise.
+    ///
+    /// # Errors
+    /// [`Failure::Timeout`] past the deadline; the error of a signal handler (e.g.
+    /// `KeyboardInterrupt`). Either drops the future, which gives up what it was doing.
+    pub(crate) fn wait_here<T, Fut, F>(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        deadline: Duration,
+        make: F,
+    ) -> PyResult<T>
+    where
+        Fut: Future<Output = T>,
+        F: FnOnce() -> Fut,
+    {
+        let bell = Arc::new(Bell::default());
+        let waker = Waker::from(Arc::clone(&bell));
+        let mut cx = std::task::Context::from_waker(&waker);
+        // `None`: a deadline too far away to count.
+        let give_up = Instant::now().checked_add(deadline);
+        let fut = {
+            let _tokio = self.tokio.enter();
+            make()
+        };
+        let mut fut = std::pin::pin!(fut);
+        let mut signals_checked = Instant::now();
+        loop {
+            let polled = {
+                let _tokio = self.tokio.enter();
+                fut.as_mut().poll(&mut cx)
+            };
+            if let Poll::Ready(out) = polled {
+                return Ok(out);
+            }
+            let now = Instant::now();
+            if give_up.is_some_and(|t| now >= t) {
+                return Err(errors::to_py(py, Failure::timeout(op, deadline)));
+            }
+            let slice = give_up.map_or(SLICE, |t| SLICE.min(t.saturating_duration_since(now)));
+            let rang = py.detach(|| bell.wait(slice));
+            if !rang || signals_checked.elapsed() >= SLICE {
+                py.check_signals()?;
+                signals_checked = Instant::now();
+            }
+        }
+    }
+
     /// Runs `f` on the runtime thread (for what must be made inside the actix system)
     /// and waits for its result.
     pub(crate) fn run<T, F>(&self, py: Python<'_>, op: &'static str, f: F) -> PyResult<T>
@@ -168,6 +241,37 @@ impl Runtime {
         F: FnOnce() -> T + Send + 'static,
     {
         self.block_on(py, op, START_DEADLINE, move || async move { f() })
+    }
+}
+
+/// The waker of a future polled on a Python thread ([`Runtime::wait_here`]): a flag and a
+/// condition variable, rung from any thread.
+#[derive(Default)]
+struct Bell {
+    rung: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Wake for Bell {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        *lock(&self.rung) = true;
+        self.cv.notify_one();
+    }
+}
+
+impl Bell {
+    /// Waits at most `timeout` for a ring and clears it: whether it rang.
+    fn wait(&self, timeout: Duration) -> bool {
+        let rung = lock(&self.rung);
+        let (mut rung, _) = self
+            .cv
+            .wait_timeout_while(rung, timeout, |rung| !*rung)
+            .unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *rung)
     }
 }
 
