@@ -5,32 +5,19 @@ given up leaves the link working."""
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 import baton
 from conftest import DEADLINE
-
-HERE = Path(__file__).parent
-CHILD = [sys.executable, str(HERE / "ergo_child.py")]
+from test_ergonomics import root, spawn  # noqa: F401 (`root` is a fixture: a host node)
 
 
 @pytest.fixture
-def root() -> baton.Node:
-    n = baton.Node(token=baton.generate_token(), backend="host")
-    yield n
-    n.close()
-
-
-@pytest.fixture
-def child(root: baton.Node) -> baton.Child:
-    env = {"PYTHONPATH": os.pathsep.join([str(HERE)] + sys.path)}
-    c = root.spawn([*CHILD, "serve"], env=env, timeout=DEADLINE)
+def child(root: baton.Node) -> baton.Child:  # noqa: F811
+    c = spawn(root, "serve")
     yield c
     c.kill()
     c.wait(timeout=DEADLINE)
