@@ -12,7 +12,17 @@ With `--destroy-first`, the order Baton's pool retirement takes: we free our all
 destroy our pool while the child, alive, still holds the imported pool; then the child
 destroys its import; then it synchronises its context; then it exits.
 
-usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first]   (needs torch and a GPU)
+`--child-copies`: the child also does what Baton's importer does with a mapping between
+import and free — asks its size (`cuMemGetAddressRange_v2`), reads it all into pageable host
+memory and writes it all back (`cuMemcpyDtoHAsync`, `cuMemcpyHtoDAsync` on its stream, each
+synchronised). `--child-memset`: a `cuMemsetD8Async` of it instead. `--mib N`: the size
+(default 256). `--tell-at-once`: with `--destroy-first`, the child is told to destroy its import
+the moment our `cuMemPoolDestroy` returns (no synchronise, no measure between), as Baton's
+`PoolRetired` does. `--export-first`: the pool's descriptor is exported before the allocation
+(as Baton's `ExportPool::create` does), not after.
+
+usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first]
+(needs torch and a GPU)
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import sys
 
 cuda = ctypes.CDLL("libcuda.so.1")
 MIB = 1 << 20
+SIZE = (int(sys.argv[sys.argv.index("--mib") + 1]) if "--mib" in sys.argv else 256) * MIB
 POSIX_FD, PINNED, DEVICE, READ_WRITE = 1, 1, 1, 3
 RELEASE_THRESHOLD = 4
 
@@ -62,6 +73,17 @@ def child(sock_fd: int) -> None:
     check("cuMemPoolSetAccess", pool, desc, ctypes.c_size_t(1))
     check("cuMemPoolImportPointer", ctypes.byref(ptr), pool, export)
     check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
+    if "--child-copies" in sys.argv:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        check("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
+        host = ctypes.create_string_buffer(size.value)
+        check("cuMemcpyDtoHAsync_v2", host, ptr, size, s)
+        check("cuStreamSynchronize", s)
+        check("cuMemcpyHtoDAsync_v2", ptr, host, size, s)
+        check("cuStreamSynchronize", s)
+    if "--child-memset" in sys.argv:
+        check("cuMemsetD8Async", ptr, ctypes.c_ubyte(7), ctypes.c_size_t(SIZE), s)
+        check("cuStreamSynchronize", s)
     check("cuMemFreeAsync", ptr, s)
     check("cuStreamSynchronize", s)
     sock.sendall(b"m")  # mapping freed, pool kept
@@ -89,17 +111,24 @@ def main() -> None:
     threshold = ctypes.c_uint64(256 * MIB)
     check("cuMemPoolSetAttribute", pool, ctypes.c_int(RELEASE_THRESHOLD), ctypes.byref(threshold))
     check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
-    check("cuMemAllocFromPoolAsync", ctypes.byref(ptr), ctypes.c_size_t(256 * MIB), pool, s)
-    check("cuStreamSynchronize", s)
-    step("256 MiB allocated from our pool")
     fd = ctypes.c_int()
-    check("cuMemPoolExportToShareableHandle", ctypes.byref(fd), pool, ctypes.c_int(POSIX_FD),
-          ctypes.c_ulonglong(0))
+
+    def export_pool() -> None:
+        check("cuMemPoolExportToShareableHandle", ctypes.byref(fd), pool, ctypes.c_int(POSIX_FD),
+              ctypes.c_ulonglong(0))
+
+    if "--export-first" in sys.argv:
+        export_pool()
+    check("cuMemAllocFromPoolAsync", ctypes.byref(ptr), ctypes.c_size_t(SIZE), pool, s)
+    check("cuStreamSynchronize", s)
+    step(f"{SIZE // MIB} MiB allocated from our pool")
+    if "--export-first" not in sys.argv:
+        export_pool()
     export = (ctypes.c_ubyte * 64)()
     check("cuMemPoolExportPointer", export, ptr)
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
-                             str(theirs.fileno())], pass_fds=[theirs.fileno()])
+                             str(theirs.fileno()), *sys.argv[1:]], pass_fds=[theirs.fileno()])
     theirs.close()
     socket.send_fds(ours, [bytes(export)], [fd.value])
     os.close(fd.value)
@@ -114,8 +143,9 @@ def main() -> None:
     step("freed, threshold 0, synchronised; the child holds the imported pool")
     if "--destroy-first" in sys.argv:
         check("cuMemPoolDestroy", pool)
-        check("cuStreamSynchronize", s)
-        step("our pool destroyed; the child, alive, holds the imported pool")
+        if "--tell-at-once" not in sys.argv:
+            check("cuStreamSynchronize", s)
+            step("our pool destroyed; the child, alive, holds the imported pool")
         ours.sendall(b"x")
         assert ours.recv(1) == b"p"
         step("the child destroyed its imported pool (alive)")
