@@ -784,7 +784,9 @@ fn a_closed_pool_node_gives_the_device_its_memory_back() {
 /// drops its import (the protocol: `tests/ordering.rs`); on the H200 the memory still stays
 /// reserved (`docs/bench/h200/2026-11-29-95c6884-pool-rerun.log`). Kept as the reproduction:
 /// the GPU set runs it (`--include-ignored`) and fails until the memory goes back. Twice:
-/// the second round's buffer comes from a fresh pool, imported again.
+/// the second round's buffer comes from a fresh pool, imported again. A failure also says
+/// whether the memory came back once we closed the link (on the H200 it does, within 0.1 s,
+/// the peer alive: `docs/bench/h200/2026-11-29-pool-memory-link-close-trace.log.xz`).
 #[test]
 #[ignore = "known open defect (issue 46): pool memory a live peer imported stays reserved until the node closes; needs a CUDA GPU (--features gpu-tests)"]
 fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
@@ -794,40 +796,72 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
     run(async {
         let (parent, cuda, _gpu) = cuda_parent("cp-idle", CudaExport::Pool);
         let (mut child, peer) = parent.child(&[]).await;
-        let free = || {
-            cuda.synchronize().unwrap();
-            cuda.mem_get_info().unwrap().0
-        };
-        let before = free();
+        let before = device_free_now(&cuda);
         const N: usize = 16 * MIB; // u32s: 64 MiB
+        let mut stuck = None;
         for (round, seed) in [(1, 71), (2, 73)] {
             let buf = pattern_buffer(&parent, N, seed).await;
             overwritten_exactly(&peer, &buf, seed, &format!("round {round}")).await;
             drop(buf);
             eventually(DEADLINE, "the buffer's free", || cuda.live().is_empty()).await;
-            let start = Instant::now();
-            let bound = Duration::from_secs(10);
-            loop {
-                let kept = before.saturating_sub(free());
-                if kept <= 4 * MIB {
-                    eprintln!(
-                        "round {round}: the pool's memory went back {:?} after the free",
-                        start.elapsed()
-                    );
+            match pool_memory_back(&cuda, before, Duration::from_secs(10)).await {
+                Ok(after) => {
+                    eprintln!("round {round}: the pool's memory went back {after:?} after the free")
+                }
+                Err(kept) => {
+                    stuck = Some((round, kept));
                     break;
                 }
-                assert!(
-                    start.elapsed() < bound,
-                    "round {round}: {} MiB of freed pool memory still reserved {bound:?} after \
-                     the free, with the peer that imported the pool alive",
-                    kept / MIB
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
         peer.close();
+        // Where a stuck reservation goes back: once the link is gone (the peer exits then).
+        let at_close = match stuck {
+            Some(_) => Some(pool_memory_back(&cuda, before, Duration::from_secs(5)).await),
+            None => None,
+        };
         assert!(exited(&mut child, DEADLINE).await.success());
+        if let (Some((round, kept)), Some(at_close)) = (stuck, at_close) {
+            let then = match at_close {
+                Ok(after) => format!("it went back {after:?} after we closed the link"),
+                Err(kept) => format!(
+                    "{} MiB were still missing 5 s after we closed the link",
+                    kept / MIB
+                ),
+            };
+            panic!(
+                "round {round}: {} MiB of freed pool memory still reserved 10 s after the free, \
+                 with the peer that imported the pool alive; {then}",
+                kept / MIB
+            );
+        }
     });
+}
+
+/// Device free memory now (after a synchronise; no trim: the pool's own threshold decides).
+fn device_free_now(cuda: &CudaBackend) -> usize {
+    cuda.synchronize().unwrap();
+    cuda.mem_get_info().unwrap().0
+}
+
+/// How long until device free memory is back within 4 MiB of `before`, polling for at most
+/// `bound`; else how much is still missing then.
+async fn pool_memory_back(
+    cuda: &CudaBackend,
+    before: usize,
+    bound: Duration,
+) -> Result<Duration, usize> {
+    let start = Instant::now();
+    loop {
+        let kept = before.saturating_sub(device_free_now(cuda));
+        if kept <= 4 * MIB {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() >= bound {
+            return Err(kept);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Devices by identity, whatever the numbering: a helper that sees the GPUs in the other

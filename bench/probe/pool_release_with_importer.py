@@ -19,9 +19,15 @@ synchronised). `--child-memset`: a `cuMemsetD8Async` of it instead. `--mib N`: t
 (default 256). `--tell-at-once`: with `--destroy-first`, the child is told to destroy its import
 the moment our `cuMemPoolDestroy` returns (no synchronise, no measure between), as Baton's
 `PoolRetired` does. `--export-first`: the pool's descriptor is exported before the allocation
-(as Baton's `ExportPool::create` does), not after.
+(as Baton's `ExportPool::create` does), not after. `--legacy-open`: we also share a 2 MiB
+`cuMemAlloc` buffer by legacy IPC, which the child opens (`cuIpcOpenMemHandle`) before it
+imports the pool and closes only after it destroyed its import — as Baton's importer keeps
+the exporter's fence inbox mapped for as long as the link lives. `--legacy-both`: that, and
+the child shares us a buffer the same way, which we keep open to the end (each side of a
+Baton link maps the other's inbox). `--child-pool`: the child has an exported pool of its
+own from the start (as a Baton backend of the pool kind has).
 
-usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first]
+usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool]
 (needs torch and a GPU)
 """
 
@@ -37,6 +43,12 @@ cuda = ctypes.CDLL("libcuda.so.1")
 MIB = 1 << 20
 SIZE = (int(sys.argv[sys.argv.index("--mib") + 1]) if "--mib" in sys.argv else 256) * MIB
 POSIX_FD, PINNED, DEVICE, READ_WRITE = 1, 1, 1, 3
+LEGACY = "--legacy-open" in sys.argv or "--legacy-both" in sys.argv
+BOTH = "--legacy-both" in sys.argv
+
+
+class IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
 RELEASE_THRESHOLD = 4
 
 
@@ -60,11 +72,37 @@ def free() -> int:
     return f.value
 
 
+def own_pool() -> ctypes.c_void_p:
+    """A pool of our own with the POSIX-fd handle type, exported (as each Baton backend of
+    the pool kind makes one when it starts)."""
+    props = (ctypes.c_ubyte * 88)()
+    fields = (ctypes.c_int * 4).from_buffer(props)
+    fields[0], fields[1], fields[2], fields[3] = PINNED, POSIX_FD, DEVICE, 0
+    pool, fd = ctypes.c_void_p(), ctypes.c_int()
+    check("cuMemPoolCreate", ctypes.byref(pool), props)
+    check("cuMemPoolExportToShareableHandle", ctypes.byref(fd), pool, ctypes.c_int(POSIX_FD),
+          ctypes.c_ulonglong(0))
+    return pool
+
+
 def child(sock_fd: int) -> None:
     context()
+    kept = own_pool() if "--child-pool" in sys.argv else None  # noqa: F841 (kept to the end)
     sock = socket.socket(fileno=sock_fd)
     data, fds, _, _ = socket.recv_fds(sock, 1024, 1)
     export = (ctypes.c_ubyte * 64).from_buffer_copy(data[:64])
+    legacy = ctypes.c_uint64()
+    if LEGACY:
+        # Open our parent's other (cuMemAlloc) buffer first, as Baton opens a peer's fence
+        # inbox when the link comes up.
+        handle = IpcMemHandle.from_buffer_copy(data[64:128])
+        check("cuIpcOpenMemHandle_v2", ctypes.byref(legacy), handle, ctypes.c_uint(1))
+    if BOTH:
+        # ... and share one of ours the other way, as each side lends the other its inbox.
+        mine, handle = ctypes.c_uint64(), IpcMemHandle()
+        check("cuMemAlloc_v2", ctypes.byref(mine), ctypes.c_size_t(2 * MIB))
+        check("cuIpcGetMemHandle", ctypes.byref(handle), mine)
+        sock.sendall(bytes(handle))
     pool, ptr, s = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
     check("cuMemPoolImportFromShareableHandle", ctypes.byref(pool),
           ctypes.c_void_p(fds[0]), ctypes.c_int(POSIX_FD), ctypes.c_ulonglong(0))
@@ -91,6 +129,8 @@ def child(sock_fd: int) -> None:
     check("cuMemPoolDestroy", pool)
     sock.sendall(b"p")  # imported pool destroyed
     sock.recv(1)
+    if LEGACY:
+        check("cuIpcCloseMemHandle", legacy)
     check("cuCtxSynchronize")
     sock.sendall(b"s")  # context synchronised
     sock.recv(1)
@@ -126,12 +166,22 @@ def main() -> None:
         export_pool()
     export = (ctypes.c_ubyte * 64)()
     check("cuMemPoolExportPointer", export, ptr)
+    message = bytes(export)
+    if LEGACY:
+        other, handle = ctypes.c_uint64(), IpcMemHandle()
+        check("cuMemAlloc_v2", ctypes.byref(other), ctypes.c_size_t(2 * MIB))
+        check("cuIpcGetMemHandle", ctypes.byref(handle), other)
+        message += bytes(handle)
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
                              str(theirs.fileno()), *sys.argv[1:]], pass_fds=[theirs.fileno()])
     theirs.close()
-    socket.send_fds(ours, [bytes(export)], [fd.value])
+    socket.send_fds(ours, [message], [fd.value])
     os.close(fd.value)
+    theirs_legacy = ctypes.c_uint64()
+    if BOTH:
+        handle = IpcMemHandle.from_buffer_copy(ours.recv(64, socket.MSG_WAITALL))
+        check("cuIpcOpenMemHandle_v2", ctypes.byref(theirs_legacy), handle, ctypes.c_uint(1))
     assert ours.recv(1) == b"m"
     base = free()  # the child's context is in the baseline from here
     step("(baseline again: the child imported the pool, mapped and unmapped)")
@@ -151,7 +201,8 @@ def main() -> None:
         step("the child destroyed its imported pool (alive)")
         ours.sendall(b"x")
         assert ours.recv(1) == b"s"
-        step("the child synchronised its context (alive)")
+        step("the child closed its legacy mapping, synchronised (alive)" if LEGACY
+             else "the child synchronised its context (alive)")
         ours.sendall(b"x")
         proc.wait(timeout=60)
         step("the child exited (its context's memory leaves the measure)")

@@ -27,8 +27,11 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 pub use crate::error::CudaError;
 
-/// Turns a raw result into `Ok` or [`Error::Cuda`] naming `op`.
+/// Turns a raw result into `Ok` or [`Error::Cuda`] naming `op`. Every call through the
+/// driver table comes here, so `RUST_LOG=baton_ipc::cuda::calls=trace` lists each driver call
+/// Baton makes, by name, with its result code (no arguments: they may be handle bytes).
 pub(crate) fn check(op: &'static str, code: RawResult) -> Result<()> {
+    tracing::trace!(target: "baton_ipc::cuda::calls", op, code);
     match code {
         0 => Ok(()),
         code => Err(Error::Cuda {
