@@ -15,14 +15,23 @@
 //!   until the future's waker rings — the runtime thread that completes it wakes the Python
 //!   thread directly, with no task spawned and no hop through the runtime on the way out.
 //!   The same slices and signal checks bound the wait, and the deadline is the waiter's own.
+//!   Before it sleeps, a thread whose last wait ended a moment ago ([`ACTIVE`]) watches the
+//!   waker's flag for up to [`SPIN`] (yielding the core between looks): a reply that comes
+//!   within that window — a call answered at once — then costs no wake-up of a sleeping
+//!   thread, which on a machine whose idle cores halt (a VM) is tens of microseconds. A
+//!   thread that was idle longer sleeps at once: on a small VM a watching core would push
+//!   the peer's wake-ups onto a colder one, which costs more than it saves
+//!   (`bench/probe/call_overhead.py --gap-ms`, `docs/bench/vm/`).
 //!
 //! A wait given up (a signal, the deadline) drops the future (or aborts its task), which
 //! drops what it was doing (a remote call is then cancelled on its link).
 
 use crate::errors::{self, Failure};
 use pyo3::prelude::*;
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::task::{Poll, Wake, Waker};
 use std::time::{Duration, Instant};
@@ -33,6 +42,36 @@ const SLICE: Duration = Duration::from_millis(100);
 const GRACE: Duration = Duration::from_secs(10);
 /// How long the runtime thread may take to start.
 const START_DEADLINE: Duration = Duration::from_secs(30);
+/// How long a thread in [`Runtime::wait_here`] watches for its future's waker, or one
+/// popping a [`Queue`] for an item, before it sleeps, when it is active ([`watch_window`]):
+/// about a remote call's round trip when the other side answers at once, so that such a
+/// call's reply (or the next of calls that come back to back) finds the thread awake.
+/// Watching costs this much CPU at most per wait (the core is yielded between looks, so a
+/// peer on the same core still runs).
+const SPIN: Duration = Duration::from_micros(300);
+/// A thread whose last wait ended no longer ago than this is active: it watches before it
+/// sleeps ([`watch_window`]).
+const ACTIVE: Duration = Duration::from_millis(5);
+
+thread_local! {
+    /// When this thread's last wait ended ([`note_wait`]).
+    static LAST_WAIT: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// How long this thread watches before it sleeps in a wait of at most `timeout`: [`SPIN`]
+/// if its last wait ended within [`ACTIVE`], else nothing.
+fn watch_window(timeout: Duration) -> Duration {
+    match LAST_WAIT.get() {
+        Some(ended) if ended.elapsed() <= ACTIVE => SPIN.min(timeout),
+        _ => Duration::ZERO,
+    }
+}
+
+/// Records that a wait of this thread was answered now (not one that timed out), for its
+/// next [`watch_window`].
+fn note_wait() {
+    LAST_WAIT.set(Some(Instant::now()));
+}
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every value behind these mutexes is left consistent by each single operation.
@@ -211,13 +250,16 @@ impl Runtime {
             make()
         };
         let mut fut = std::pin::pin!(fut);
-        let mut signals_checked = Instant::now();
+        let started = Instant::now();
+        let window = watch_window(deadline);
+        let mut signals_checked = started;
         loop {
             let polled = {
                 let _tokio = self.tokio.enter();
                 fut.as_mut().poll(&mut cx)
             };
             if let Poll::Ready(out) = polled {
+                note_wait();
                 return Ok(out);
             }
             let now = Instant::now();
@@ -225,7 +267,7 @@ impl Runtime {
                 return Err(errors::to_py(py, Failure::timeout(op, deadline)));
             }
             let slice = give_up.map_or(SLICE, |t| SLICE.min(t.saturating_duration_since(now)));
-            let rang = py.detach(|| bell.wait(slice));
+            let rang = py.detach(|| bell.wait(slice, window));
             if !rang || signals_checked.elapsed() >= SLICE {
                 py.check_signals()?;
                 signals_checked = Instant::now();
@@ -245,10 +287,14 @@ impl Runtime {
 }
 
 /// The waker of a future polled on a Python thread ([`Runtime::wait_here`]): a flag and a
-/// condition variable, rung from any thread.
+/// condition variable, rung from any thread. The waiter may watch the flag for a while
+/// before it sleeps on the condition variable ([`watch_window`]).
 #[derive(Default)]
 struct Bell {
-    rung: Mutex<bool>,
+    rung: AtomicBool,
+    /// Held to sleep and to notify, so that a ring between the waiter's last look at the
+    /// flag and its sleep is not lost.
+    sleep: Mutex<()>,
     cv: Condvar,
 }
 
@@ -258,20 +304,48 @@ impl Wake for Bell {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        *lock(&self.rung) = true;
+        self.rung.store(true, Ordering::Release);
+        let _sleep = lock(&self.sleep);
         self.cv.notify_one();
     }
 }
 
 impl Bell {
-    /// Waits at most `timeout` for a ring and clears it: whether it rang.
-    fn wait(&self, timeout: Duration) -> bool {
-        let rung = lock(&self.rung);
-        let (mut rung, _) = self
+    /// Waits at most `timeout` for a ring and clears it: whether it rang. Watches the flag
+    /// for up to `window` of it first.
+    fn wait(&self, timeout: Duration, window: Duration) -> bool {
+        let start = Instant::now();
+        if watch(window.min(timeout), || {
+            self.rung.swap(false, Ordering::Acquire)
+        }) {
+            return true;
+        }
+        let left = timeout.saturating_sub(start.elapsed());
+        let sleep = lock(&self.sleep);
+        let _sleep = self
             .cv
-            .wait_timeout_while(rung, timeout, |rung| !*rung)
+            .wait_timeout_while(sleep, left, |_| !self.rung.load(Ordering::Acquire))
             .unwrap_or_else(|p| p.into_inner());
-        std::mem::take(&mut *rung)
+        self.rung.swap(false, Ordering::Acquire)
+    }
+}
+
+/// Looks at `ready` until it says yes or `window` has passed, yielding the core between
+/// looks (so that a thread on the same core that would make it ready still runs): whether
+/// it said yes. What a thread does for a short while before it sleeps ([`watch_window`]).
+fn watch(window: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if ready() {
+            return true;
+        }
+        if start.elapsed() >= window {
+            return false;
+        }
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+        std::thread::yield_now();
     }
 }
 
@@ -411,11 +485,18 @@ impl<T> Queue<T> {
 
     /// The next item within `timeout`: `Done(Some)`, `Gone` when closed and empty,
     /// `Pending` past the timeout.
+    /// May watch the queue for a while before it sleeps ([`watch_window`]).
     pub(crate) fn pop(&self, timeout: Duration) -> Waited<T> {
-        let deadline = Instant::now() + timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
+        watch(watch_window(timeout), || {
+            let q = lock(&self.inner);
+            !q.0.is_empty() || q.1
+        });
         let mut q = lock(&self.inner);
         loop {
             if let Some(item) = q.0.pop_front() {
+                note_wait();
                 return Waited::Done(item);
             }
             if q.1 {
@@ -435,13 +516,24 @@ impl<T> Queue<T> {
 
     /// Waits at most `timeout` until an item is waiting or the queue is closed, taking
     /// nothing: whether one is (or it closed).
+    /// May watch the queue for a while before it sleeps ([`watch_window`]).
     pub(crate) fn wait_ready(&self, timeout: Duration) -> bool {
+        let started = Instant::now();
+        watch(watch_window(timeout), || {
+            let q = lock(&self.inner);
+            !q.0.is_empty() || q.1
+        });
         let q = lock(&self.inner);
+        let left = timeout.saturating_sub(started.elapsed());
         let (q, _) = self
             .cv
-            .wait_timeout_while(q, timeout, |q| q.0.is_empty() && !q.1)
+            .wait_timeout_while(q, left, |q| q.0.is_empty() && !q.1)
             .unwrap_or_else(|p| p.into_inner());
-        !q.0.is_empty() || q.1
+        let ready = !q.0.is_empty() || q.1;
+        if ready {
+            note_wait();
+        }
+        ready
     }
 
     /// Pops within `timeout` (`Duration::MAX`: no deadline) without the GIL, checking

@@ -103,3 +103,23 @@ def test_calls_from_many_threads_each_get_their_own_answer(root, child):
     for d in data:
         d.returned(timeout=DEADLINE)
         assert d.leases_out == 0
+
+
+def test_calls_back_to_back_and_after_pauses_each_get_their_answer(root, child):
+    """A thread that waited a moment ago watches for its answer before it sleeps; one idle
+    longer sleeps at once (`runtime.rs`, `watch_window`). Bursts of calls with the buffer's
+    return waited for, and calls after pauses longer than the active window, take both
+    ways on both sides (the caller's wait and the child's mailbox): every answer is the
+    call's own and every lease comes back."""
+    import time
+
+    data = root.allocate(16, "float32")
+    for burst in range(6):
+        for n in range(20):
+            message = {"burst": burst, "n": n}
+            assert child.peer.call("worker", "t.Echo", message, timeout=DEADLINE) == message
+            assert child.peer.call("worker", "t.Hold", {"data": data}, timeout=DEADLINE) >= 1
+            assert child.peer.call("worker", "t.Drop", None, timeout=DEADLINE) == 0
+            data.returned(timeout=DEADLINE)
+            assert data.leases_out == 0
+        time.sleep(0.02)  # longer than the 5 ms active window: the next waits sleep at once
