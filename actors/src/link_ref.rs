@@ -91,6 +91,14 @@ pub struct LinkLimits {
     /// The payload bytes those waiting messages may hold; past it, a protocol fault
     /// ([`ActorError::TooManyHeld`]). Default 64 MiB.
     pub held_bytes: usize,
+    /// How long a copy's send may go on once the receiver gave its lease back. A receiver
+    /// releases once the bytes landed, and the sending engine usually hears that its send
+    /// finished a moment later (an NCCL receive can complete before the send's completion
+    /// is seen): the send finishes within this, and the lease ends then. One still sending
+    /// after it — the receiver gave the lease back early, faulty or hostile — is stopped
+    /// (an NCCL send's stop aborts the link's communicator, which ends the link), and the
+    /// lease ends once the engine let go. Default 2 s.
+    pub early_release_grace: Duration,
 }
 
 impl Default for LinkLimits {
@@ -106,6 +114,7 @@ impl Default for LinkLimits {
             node_copy_bytes: 8 << 30,
             held_messages: 1024,
             held_bytes: 64 << 20,
+            early_release_grace: Duration::from_secs(2),
         }
     }
 }

@@ -214,32 +214,44 @@ fn host_node(session: &Session, host: &str, limits: LinkLimits) -> Node {
     Node::with_config(config, Arc::new(HostBackend::new().unwrap()))
 }
 
-/// Finding 7. A raw host-link peer (it speaks the wire protocol itself) takes a copy of a
-/// 64 MiB buffer: its engine (behind a proxy that holds the bytes after 2 MiB) admits the
-/// sender's data connection but posts no receive, so the sender's engine is still writing
-/// the buffer's bytes when the peer sends `Release` of the copy's lease. The lease must not
-/// simply be dropped from the books while the engine reads on: the send is stopped first
-/// (an abort, which returns once no engine thread touches the buffer — the ordering
-/// `abort_waits_until_no_thread_touches_the_memory` in `baton-ipc` proves), and only then
-/// does the lease end. Seen from outside: the link lives on, the lease ends without the
-/// peer's engine going, and a receive the peer posts afterwards (the proxy letting the
-/// held bytes through) fails short of the payload — the send was cut, not forgotten.
-#[test]
-fn an_early_release_of_a_host_copy_stops_the_send_before_the_lease_ends() {
-    run(async {
+/// A copy whose receiver gave its lease back while the sender's engine still wrote it: a
+/// raw host-link peer (it speaks the wire protocol itself) takes a copy of a 64 MiB buffer;
+/// its engine (behind a proxy that holds the bytes after 2 MiB) admits the sender's data
+/// connection but posts no receive, so the sender's engine is still writing the buffer's
+/// bytes when the peer sends `Release` of the copy's lease, then a ping: the pong says the
+/// link took the release without a cut.
+struct ReleasedMidSend {
+    ours: Node,
+    peer: baton::actors::Peer,
+    buf: baton::actors::Buffer<u8>,
+    engine: TcpEngine,
+    us: EnginePeer,
+    link: HostLink,
+    proxy: tcp_proxy::Proxy,
+    lease: baton::messages::LeaseId,
+    len: usize,
+}
+
+impl ReleasedMidSend {
+    /// The scene, on a node whose links give an early-released send `grace` to finish.
+    async fn new(tag: &str, grace: Duration) -> Self {
         let session = Session::generate().unwrap();
-        let ours = host_node(&session, "copies-early-a", LinkLimits::default());
+        let limits = LinkLimits {
+            early_release_grace: grace,
+            ..LinkLimits::default()
+        };
+        let ours = host_node(&session, &format!("{tag}-a"), limits);
         let mut listening = ours.listen_tcp("127.0.0.1:0").unwrap();
         let addr = listening.local_addr();
 
         let key = NodeKey::generate().unwrap();
         let config =
-            TcpConfig::new(session.clone(), key.clone()).host(HostId::named("copies-early-m"));
+            TcpConfig::new(session.clone(), key.clone()).host(HostId::named(&format!("{tag}-m")));
         // Its data port is a proxy's, which holds the bytes after 2 MiB: once 1 MiB has
         // passed, the sender's engine is surely mid-payload, reading the buffer.
         let proxy = tcp_proxy::Proxy::new();
         proxy.hold_after(2 << 20);
-        let (theirs_engine, us, link) = tokio::task::spawn_blocking(move || {
+        let (engine, us, link) = tokio::task::spawn_blocking(move || {
             let e =
                 TcpEngine::bind("127.0.0.1:0", config.clone(), Duration::from_secs(120)).unwrap();
             let via = proxy.route("127.0.0.1:0".parse().unwrap(), e.data_addr(), true);
@@ -304,32 +316,109 @@ fn an_early_release_of_a_host_copy_stops_the_send_before_the_lease_ends() {
         })
         .await
         .unwrap();
+        Self {
+            ours,
+            peer,
+            buf,
+            engine,
+            us,
+            link,
+            proxy,
+            lease,
+            len,
+        }
+    }
 
-        // The lease ends with the peer's engine and the proxy still holding the bytes: the
-        // send was stopped (nothing else could end it).
-        buf.returned_within(DEADLINE)
-            .await
-            .expect("the lease ends once the send is stopped");
-        assert_eq!(buf.leases_out(), 0);
-
-        // The peer now posts the receive and the proxy lets the held bytes through: what
-        // the sender had written before the cut arrives, then the connection's end.
-        let landed = tokio::task::spawn_blocking(move || {
-            let mut dst = vec![0u8; len];
-            let r = recv(&theirs_engine, &us, lease.get(), &mut dst);
-            proxy.hold_after(u64::MAX);
+    /// The peer posts the receive and the proxy lets the held bytes through: the
+    /// receive's outcome, and the bytes.
+    async fn receive(self) -> (Result<(), IpcError>, Vec<u8>, Self) {
+        tokio::task::spawn_blocking(move || {
+            let mut dst = vec![0u8; self.len];
+            let r = recv(&self.engine, &self.us, self.lease.get(), &mut dst);
+            self.proxy.hold_after(u64::MAX);
             let landed = r.wait(DEADLINE);
-            drop((theirs_engine, proxy));
-            landed
+            drop(r);
+            (landed, dst, self)
         })
         .await
-        .unwrap();
+        .unwrap()
+    }
+}
+
+/// Finding 7. A receiver that gives a copy's lease back while the sender's engine still
+/// writes it, and then lets the send hang past the grace, has the send stopped: the lease
+/// must not simply be dropped from the books while the engine reads on. The send is
+/// stopped first (an abort, which returns once no engine thread touches the buffer — the
+/// ordering `abort_waits_until_no_thread_touches_the_memory` in `baton-ipc` proves), and
+/// only then does the lease end. Seen from outside: the link lives on, the lease ends
+/// without the peer's engine going, and a receive the peer posts afterwards (the proxy
+/// letting the held bytes through) fails short of the payload — the send was cut, not
+/// forgotten.
+#[test]
+fn an_early_release_of_a_host_copy_stops_the_send_before_the_lease_ends() {
+    run(async {
+        let grace = Duration::from_millis(200);
+        let scene = ReleasedMidSend::new("copies-early", grace).await;
+        // The lease ends with the peer's engine and the proxy still holding the bytes: the
+        // send was stopped (nothing else could end it).
+        scene
+            .buf
+            .returned_within(DEADLINE)
+            .await
+            .expect("the lease ends once the send is stopped");
+        assert_eq!(scene.buf.leases_out(), 0);
+        let (landed, _, scene) = scene.receive().await;
         assert!(
             matches!(landed, Err(IpcError::TransferPeerGone { .. })),
             "the stopped send delivers no whole payload: {landed:?}"
         );
+        let ReleasedMidSend { peer, link, .. } = scene;
         drop(link);
         peer.close_and_wait().await;
+    });
+}
+
+/// A receiver's `Release` can come before the sender heard that its send finished (an
+/// NCCL receive completes before the send's completion is seen; on two H200s every copy
+/// of 4 KiB raced so, and stopping the send aborted the link's communicator). Within
+/// `LinkLimits::early_release_grace` the send goes on: here the peer releases while the
+/// bytes are held, then posts its receive — the whole payload lands, exactly, and the
+/// lease ends after, the link unharmed.
+#[test]
+fn a_release_that_comes_before_the_send_is_seen_finished_lets_the_send_finish() {
+    run(async {
+        let scene = ReleasedMidSend::new("copies-grace", Duration::from_secs(120)).await;
+        // Released, and still out: the send goes on within the grace.
+        assert_eq!(scene.buf.leases_out(), 1, "the send was not stopped");
+        let (landed, bytes, scene) = scene.receive().await;
+        landed.expect("the whole payload lands");
+        assert!(is_pattern(5, &bytes), "the payload lands exactly");
+        scene
+            .buf
+            .returned_within(DEADLINE)
+            .await
+            .expect("the lease ends once the send finished");
+        assert_eq!(scene.buf.leases_out(), 0);
+        let ReleasedMidSend {
+            ours,
+            peer,
+            mut link,
+            ..
+        } = scene;
+        // The link took all of it without a cut.
+        tokio::task::spawn_blocking(move || {
+            link.send(&Message::Ping(4646), &[]).unwrap();
+            loop {
+                if let Message::Pong(4646) = link.recv_timeout(DEADLINE).unwrap().message {
+                    break;
+                }
+            }
+            drop(link);
+        })
+        .await
+        .unwrap();
+        peer.close_and_wait().await;
+        drop(ours);
     });
 }
 

@@ -67,9 +67,16 @@ impl PeerLink {
         };
         tracing::debug!(%lease, "a copy's lease came back before its send finished: it ends once the engine lets go");
         let (exports, me) = (Arc::clone(self.node.exports()), self.me.clone());
+        let grace = self.limits.early_release_grace;
         tokio::task::spawn_blocking(move || {
-            // The receiver wants no more of it: the send stops (an abort returns once no
-            // engine thread touches the buffer, or says it still does after its bound).
+            // A receiver whose bytes landed releases before we may have heard that our
+            // send finished: it finishes within the grace. Else the receiver wants no more
+            // of it and the send stops (an abort returns once no engine thread touches the
+            // buffer, or says it still does after its bound; a finished send's returns at
+            // once, stopping nothing).
+            if sending.wait(grace).is_err() && !sending.is_finished() {
+                tracing::debug!(%lease, ?grace, "a copy released early is still sending after the grace: stopped");
+            }
             if !sending.abort() {
                 while !sending.wait_untouched(Duration::from_secs(60)) {}
             }
