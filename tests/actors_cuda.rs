@@ -814,19 +814,46 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
                 }
             }
         }
-        peer.close();
-        // Where a stuck reservation goes back: once the link is gone (the peer exits then).
-        let at_close = match stuck {
-            Some(_) => Some(pool_memory_back(&cuda, before, Duration::from_secs(5)).await),
-            None => None,
+        // Where a stuck reservation goes back: which side's end of the link gives it back?
+        // The peer is stopped (SIGSTOP) while we close the link, so that only our side's
+        // link-down runs; then it goes on (and exits, its link gone).
+        let signal = |sig| {
+            let pid = rustix::process::Pid::from_raw(child.pid() as i32).unwrap();
+            rustix::process::kill_process(pid, sig).unwrap();
+        };
+        let stuck_then = match stuck {
+            Some(_) => {
+                signal(rustix::process::Signal::STOP);
+                peer.close();
+                let ours = pool_memory_back(&cuda, before, Duration::from_secs(3)).await;
+                signal(rustix::process::Signal::CONT);
+                let theirs = match ours {
+                    Ok(_) => None,
+                    Err(_) => Some(pool_memory_back(&cuda, before, Duration::from_secs(5)).await),
+                };
+                Some((ours, theirs))
+            }
+            None => {
+                peer.close();
+                None
+            }
         };
         assert!(exited(&mut child, DEADLINE).await.success());
-        if let (Some((round, kept)), Some(at_close)) = (stuck, at_close) {
-            let then = match at_close {
-                Ok(after) => format!("it went back {after:?} after we closed the link"),
-                Err(kept) => format!(
-                    "{} MiB were still missing 5 s after we closed the link",
-                    kept / MIB
+        if let (Some((round, kept)), Some((ours, theirs))) = (stuck, stuck_then) {
+            let then = match (ours, theirs) {
+                (Ok(after), _) => format!(
+                    "it went back {after:?} after we closed the link, the peer stopped \
+                     (our side's link-down gave it back)"
+                ),
+                (Err(_), Some(Ok(after))) => format!(
+                    "it was still missing 3 s after we closed the link with the peer stopped, \
+                     and went back {after:?} after the peer went on (its side's link-down \
+                     gave it back)"
+                ),
+                (Err(first), later) => format!(
+                    "{} MiB were still missing after we closed the link, the peer stopped \
+                     3 s and then going on 5 s",
+                    later.and_then(Result::err).unwrap_or(first) / MIB
                 ),
             };
             panic!(

@@ -27,7 +27,14 @@ the child shares us a buffer the same way, which we keep open to the end (each s
 Baton link maps the other's inbox). `--child-pool`: the child has an exported pool of its
 own from the start (as a Baton backend of the pool kind has).
 
-usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool]
+`--baton-order`: a link's order, as Baton's trace shows it (`RUST_LOG=baton_ipc::cuda::calls=trace`):
+each side makes its fence inbox (a 2 MiB `cuMemAlloc`, legacy-shared) and an exported pool of
+its own first, and each opens the other's inbox (lazy peer access) before our allocation; the
+allocation is zeroed, the child imports it, reads and writes it, frees it; we free it, drop the
+threshold, destroy our pool; the child destroys its import; then we close our mapping of the
+child's inbox, then the child closes its mapping of ours, each step measured.
+
+usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool] [--baton-order]
 (needs torch and a GPU)
 """
 
@@ -223,5 +230,115 @@ def main() -> None:
     step("our pool destroyed")
 
 
+def inbox() -> tuple[ctypes.c_uint64, IpcMemHandle]:
+    """A fence inbox as a Baton backend makes one: 32 KiB of `cuMemAlloc`, zeroed, shared
+    by legacy IPC."""
+    mem, handle = ctypes.c_uint64(), IpcMemHandle()
+    check("cuMemAlloc_v2", ctypes.byref(mem), ctypes.c_size_t(32 << 10))
+    check("cuMemsetD8_v2", mem, ctypes.c_ubyte(0), ctypes.c_size_t(32 << 10))
+    check("cuIpcGetMemHandle", ctypes.byref(handle), mem)
+    return mem, handle
+
+
+def open_inbox(raw: bytes) -> ctypes.c_uint64:
+    mapped = ctypes.c_uint64()
+    check("cuIpcOpenMemHandle_v2", ctypes.byref(mapped), IpcMemHandle.from_buffer_copy(raw),
+          ctypes.c_uint(1))
+    return mapped
+
+
+def baton_child(sock_fd: int) -> None:
+    context()
+    _mine, handle = inbox()
+    kept = own_pool()  # noqa: F841 (kept to the end)
+    sock = socket.socket(fileno=sock_fd)
+    theirs = open_inbox(sock.recv(64, socket.MSG_WAITALL))
+    sock.sendall(bytes(handle))
+    data, fds, _, _ = socket.recv_fds(sock, 64, 1)
+    export = (ctypes.c_ubyte * 64).from_buffer_copy(data[:64])
+    pool, ptr, s = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
+    check("cuMemPoolImportFromShareableHandle", ctypes.byref(pool),
+          ctypes.c_void_p(fds[0]), ctypes.c_int(POSIX_FD), ctypes.c_ulonglong(0))
+    os.close(fds[0])
+    desc = (ctypes.c_int * 3)(DEVICE, 0, READ_WRITE)
+    check("cuMemPoolSetAccess", pool, desc, ctypes.c_size_t(1))
+    check("cuMemPoolImportPointer", ctypes.byref(ptr), pool, export)
+    check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
+    host = ctypes.create_string_buffer(SIZE)
+    check("cuMemcpyDtoHAsync_v2", host, ptr, ctypes.c_size_t(SIZE), s)
+    check("cuStreamSynchronize", s)
+    check("cuMemcpyHtoDAsync_v2", ptr, host, ctypes.c_size_t(SIZE), s)
+    check("cuStreamSynchronize", s)
+    check("cuMemFreeAsync", ptr, s)
+    check("cuStreamSynchronize", s)
+    sock.sendall(b"m")  # mapping freed, pool kept
+    sock.recv(1)
+    check("cuMemPoolDestroy", pool)
+    sock.sendall(b"p")  # imported pool destroyed
+    sock.recv(1)
+    check("cuIpcCloseMemHandle", theirs)
+    sock.sendall(b"c")  # our mapping of the parent's inbox closed
+    sock.recv(1)
+
+
+def baton_main() -> None:
+    context()
+    _mine, handle = inbox()
+    props = (ctypes.c_ubyte * 88)()
+    fields = (ctypes.c_int * 4).from_buffer(props)
+    fields[0], fields[1], fields[2], fields[3] = PINNED, POSIX_FD, DEVICE, 0
+    pool, fd = ctypes.c_void_p(), ctypes.c_int()
+    check("cuMemPoolCreate", ctypes.byref(pool), props)
+    threshold = ctypes.c_uint64(256 * MIB)
+    check("cuMemPoolSetAttribute", pool, ctypes.c_int(RELEASE_THRESHOLD), ctypes.byref(threshold))
+    check("cuMemPoolExportToShareableHandle", ctypes.byref(fd), pool, ctypes.c_int(POSIX_FD),
+          ctypes.c_ulonglong(0))
+    ours, theirs_sock = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
+                             str(theirs_sock.fileno()), *sys.argv[1:]],
+                            pass_fds=[theirs_sock.fileno()])
+    theirs_sock.close()
+    ours.sendall(bytes(handle))
+    theirs = open_inbox(ours.recv(64, socket.MSG_WAITALL))
+    base = free()
+
+    def step(what: str) -> None:
+        print(f"{what:<66} {(base - free()) / MIB:+8.1f} MiB in use", flush=True)
+
+    ptr, s = ctypes.c_uint64(), ctypes.c_void_p()
+    check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
+    check("cuMemAllocFromPoolAsync", ctypes.byref(ptr), ctypes.c_size_t(SIZE), pool, s)
+    export = (ctypes.c_ubyte * 64)()
+    check("cuMemPoolExportPointer", export, ptr)
+    check("cuMemsetD8Async", ptr, ctypes.c_ubyte(0), ctypes.c_size_t(SIZE), s)
+    check("cuStreamSynchronize", s)
+    step(f"{SIZE // MIB} MiB allocated from our pool (each side maps the other's inbox)")
+    socket.send_fds(ours, [bytes(export)], [fd.value])
+    assert ours.recv(1) == b"m"
+    step("the child imported, read, wrote and freed its mapping")
+    check("cuMemFreeAsync", ptr, s)
+    zero = ctypes.c_uint64(0)
+    check("cuMemPoolSetAttribute", pool, ctypes.c_int(RELEASE_THRESHOLD), ctypes.byref(zero))
+    check("cuStreamSynchronize", s)
+    step("freed, threshold 0, synchronised")
+    check("cuMemPoolDestroy", pool)
+    os.close(fd.value)
+    ours.sendall(b"x")
+    assert ours.recv(1) == b"p"
+    step("our pool destroyed, then the child destroyed its import (alive)")
+    check("cuIpcCloseMemHandle", theirs)
+    step("we closed our mapping of the child's inbox")
+    ours.sendall(b"x")
+    assert ours.recv(1) == b"c"
+    step("the child closed its mapping of our inbox (alive)")
+    ours.sendall(b"x")
+    proc.wait(timeout=60)
+    step("the child exited")
+
+
 if __name__ == "__main__":
-    child(int(sys.argv[2])) if sys.argv[1:2] == ["--child"] else main()
+    ORDER = "--baton-order" in sys.argv
+    if sys.argv[1:2] == ["--child"]:
+        (baton_child if ORDER else child)(int(sys.argv[2]))
+    else:
+        (baton_main if ORDER else main)()
