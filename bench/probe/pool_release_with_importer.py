@@ -25,7 +25,8 @@ imports the pool and closes only after it destroyed its import — as Baton's im
 the exporter's fence inbox mapped for as long as the link lives. `--legacy-both`: that, and
 the child shares us a buffer the same way, which we keep open to the end (each side of a
 Baton link maps the other's inbox). `--child-pool`: the child has an exported pool of its
-own from the start (as a Baton backend of the pool kind has).
+own from the start (as a Baton backend of the pool kind has). `--no-torch`: each side takes
+the primary context with the driver API alone, as cudarc does, instead of through torch.
 
 `--baton-order`: a link's order, as Baton's trace shows it (`RUST_LOG=baton_ipc::cuda::calls=trace`):
 each side makes its fence inbox (a 2 MiB `cuMemAlloc`, legacy-shared) and an exported pool of
@@ -34,7 +35,7 @@ allocation is zeroed, the child imports it, reads and writes it, frees it; we fr
 threshold, destroy our pool; the child destroys its import; then we close our mapping of the
 child's inbox, then the child closes its mapping of ours, each step measured.
 
-usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool] [--baton-order]
+usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool] [--baton-order] [--no-torch]
 (needs torch and a GPU)
 """
 
@@ -66,6 +67,14 @@ def check(name: str, *args) -> None:
 
 
 def context() -> None:
+    if "--no-torch" in sys.argv:
+        # The primary context as cudarc (and so Baton) takes it: retained and made current.
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        check("cuInit", ctypes.c_uint(0))
+        check("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(0))
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        check("cuCtxSetCurrent", ctx)
+        return
     import torch
 
     torch.zeros(1, device="cuda")
@@ -92,6 +101,32 @@ def own_pool() -> ctypes.c_void_p:
     return pool
 
 
+def import_allocation(fd: int, export) -> tuple[ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p]:
+    """The parent's pool imported from its descriptor (closed after), made accessible, the
+    allocation `export` names mapped; and a stream of our own."""
+    pool, ptr, s = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
+    check("cuMemPoolImportFromShareableHandle", ctypes.byref(pool),
+          ctypes.c_void_p(fd), ctypes.c_int(POSIX_FD), ctypes.c_ulonglong(0))
+    os.close(fd)
+    desc = (ctypes.c_int * 3)(DEVICE, 0, READ_WRITE)
+    check("cuMemPoolSetAccess", pool, desc, ctypes.c_size_t(1))
+    check("cuMemPoolImportPointer", ctypes.byref(ptr), pool, export)
+    check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
+    return pool, ptr, s
+
+
+def unmap_then_destroy(sock: socket.socket, pool, ptr, s) -> None:
+    """Frees our mapping (synchronised) and says so; once told, destroys the imported pool
+    and says so; then waits to be told again."""
+    check("cuMemFreeAsync", ptr, s)
+    check("cuStreamSynchronize", s)
+    sock.sendall(b"m")  # mapping freed, pool kept
+    sock.recv(1)
+    check("cuMemPoolDestroy", pool)
+    sock.sendall(b"p")  # imported pool destroyed
+    sock.recv(1)
+
+
 def child(sock_fd: int) -> None:
     context()
     kept = own_pool() if "--child-pool" in sys.argv else None  # noqa: F841 (kept to the end)
@@ -110,14 +145,7 @@ def child(sock_fd: int) -> None:
         check("cuMemAlloc_v2", ctypes.byref(mine), ctypes.c_size_t(2 * MIB))
         check("cuIpcGetMemHandle", ctypes.byref(handle), mine)
         sock.sendall(bytes(handle))
-    pool, ptr, s = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
-    check("cuMemPoolImportFromShareableHandle", ctypes.byref(pool),
-          ctypes.c_void_p(fds[0]), ctypes.c_int(POSIX_FD), ctypes.c_ulonglong(0))
-    os.close(fds[0])
-    desc = (ctypes.c_int * 3)(DEVICE, 0, READ_WRITE)
-    check("cuMemPoolSetAccess", pool, desc, ctypes.c_size_t(1))
-    check("cuMemPoolImportPointer", ctypes.byref(ptr), pool, export)
-    check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
+    pool, ptr, s = import_allocation(fds[0], export)
     if "--child-copies" in sys.argv:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         check("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
@@ -129,13 +157,7 @@ def child(sock_fd: int) -> None:
     if "--child-memset" in sys.argv:
         check("cuMemsetD8Async", ptr, ctypes.c_ubyte(7), ctypes.c_size_t(SIZE), s)
         check("cuStreamSynchronize", s)
-    check("cuMemFreeAsync", ptr, s)
-    check("cuStreamSynchronize", s)
-    sock.sendall(b"m")  # mapping freed, pool kept
-    sock.recv(1)
-    check("cuMemPoolDestroy", pool)
-    sock.sendall(b"p")  # imported pool destroyed
-    sock.recv(1)
+    unmap_then_destroy(sock, pool, ptr, s)
     if LEGACY:
         check("cuIpcCloseMemHandle", legacy)
     check("cuCtxSynchronize")
@@ -256,26 +278,13 @@ def baton_child(sock_fd: int) -> None:
     sock.sendall(bytes(handle))
     data, fds, _, _ = socket.recv_fds(sock, 64, 1)
     export = (ctypes.c_ubyte * 64).from_buffer_copy(data[:64])
-    pool, ptr, s = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
-    check("cuMemPoolImportFromShareableHandle", ctypes.byref(pool),
-          ctypes.c_void_p(fds[0]), ctypes.c_int(POSIX_FD), ctypes.c_ulonglong(0))
-    os.close(fds[0])
-    desc = (ctypes.c_int * 3)(DEVICE, 0, READ_WRITE)
-    check("cuMemPoolSetAccess", pool, desc, ctypes.c_size_t(1))
-    check("cuMemPoolImportPointer", ctypes.byref(ptr), pool, export)
-    check("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))
+    pool, ptr, s = import_allocation(fds[0], export)
     host = ctypes.create_string_buffer(SIZE)
     check("cuMemcpyDtoHAsync_v2", host, ptr, ctypes.c_size_t(SIZE), s)
     check("cuStreamSynchronize", s)
     check("cuMemcpyHtoDAsync_v2", ptr, host, ctypes.c_size_t(SIZE), s)
     check("cuStreamSynchronize", s)
-    check("cuMemFreeAsync", ptr, s)
-    check("cuStreamSynchronize", s)
-    sock.sendall(b"m")  # mapping freed, pool kept
-    sock.recv(1)
-    check("cuMemPoolDestroy", pool)
-    sock.sendall(b"p")  # imported pool destroyed
-    sock.recv(1)
+    unmap_then_destroy(sock, pool, ptr, s)
     check("cuIpcCloseMemHandle", theirs)
     sock.sendall(b"c")  # our mapping of the parent's inbox closed
     sock.recv(1)
