@@ -27,15 +27,17 @@ the child shares us a buffer the same way, which we keep open to the end (each s
 Baton link maps the other's inbox). `--child-pool`: the child has an exported pool of its
 own from the start (as a Baton backend of the pool kind has). `--no-torch`: each side takes
 the primary context with the driver API alone, as cudarc does, instead of through torch.
+`--threads`: the child's driver calls (import, copies, free, destroy) each run on a thread of
+its own with the context pushed and popped around them, as Baton runs them.
 
 `--baton-order`: a link's order, as Baton's trace shows it (`RUST_LOG=baton_ipc::cuda::calls=trace`):
-each side makes its fence inbox (a 2 MiB `cuMemAlloc`, legacy-shared) and an exported pool of
+each side makes its fence inbox (a 32 KiB `cuMemAlloc`, legacy-shared) and an exported pool of
 its own first, and each opens the other's inbox (lazy peer access) before our allocation; the
 allocation is zeroed, the child imports it, reads and writes it, frees it; we free it, drop the
 threshold, destroy our pool; the child destroys its import; then we close our mapping of the
 child's inbox, then the child closes its mapping of ours, each step measured.
 
-usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool] [--baton-order] [--no-torch]
+usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool] [--baton-order] [--no-torch] [--threads]
 (needs torch and a GPU)
 """
 
@@ -46,6 +48,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 cuda = ctypes.CDLL("libcuda.so.1")
 MIB = 1 << 20
@@ -66,7 +69,35 @@ def check(name: str, *args) -> None:
         raise RuntimeError(f"{name} failed: CUresult {rc}")
 
 
+CTX = ctypes.c_void_p()
+
+
+def on_thread(fn):
+    """`fn()`; with `--threads` on a thread of its own with our context pushed and popped
+    around it, as Baton's driver calls run (each on whichever thread, in a push/pop)."""
+    if "--threads" not in sys.argv:
+        return fn()
+    out = {}
+
+    def run() -> None:
+        check("cuCtxPushCurrent_v2", CTX)
+        try:
+            out["v"] = fn()
+        finally:
+            check("cuCtxPopCurrent_v2", ctypes.byref(ctypes.c_void_p()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out.get("v")
+
+
 def context() -> None:
+    context_made()
+    check("cuCtxGetCurrent", ctypes.byref(CTX))
+
+
+def context_made() -> None:
     if "--no-torch" in sys.argv:
         # The primary context as cudarc (and so Baton) takes it: retained and made current.
         dev, ctx = ctypes.c_int(), ctypes.c_void_p()
@@ -118,11 +149,14 @@ def import_allocation(fd: int, export) -> tuple[ctypes.c_void_p, ctypes.c_uint64
 def unmap_then_destroy(sock: socket.socket, pool, ptr, s) -> None:
     """Frees our mapping (synchronised) and says so; once told, destroys the imported pool
     and says so; then waits to be told again."""
-    check("cuMemFreeAsync", ptr, s)
-    check("cuStreamSynchronize", s)
+    def unmap() -> None:
+        check("cuMemFreeAsync", ptr, s)
+        check("cuStreamSynchronize", s)
+
+    on_thread(unmap)
     sock.sendall(b"m")  # mapping freed, pool kept
     sock.recv(1)
-    check("cuMemPoolDestroy", pool)
+    on_thread(lambda: check("cuMemPoolDestroy", pool))
     sock.sendall(b"p")  # imported pool destroyed
     sock.recv(1)
 
@@ -278,12 +312,16 @@ def baton_child(sock_fd: int) -> None:
     sock.sendall(bytes(handle))
     data, fds, _, _ = socket.recv_fds(sock, 64, 1)
     export = (ctypes.c_ubyte * 64).from_buffer_copy(data[:64])
-    pool, ptr, s = import_allocation(fds[0], export)
+    pool, ptr, s = on_thread(lambda: import_allocation(fds[0], export))
     host = ctypes.create_string_buffer(SIZE)
-    check("cuMemcpyDtoHAsync_v2", host, ptr, ctypes.c_size_t(SIZE), s)
-    check("cuStreamSynchronize", s)
-    check("cuMemcpyHtoDAsync_v2", ptr, host, ctypes.c_size_t(SIZE), s)
-    check("cuStreamSynchronize", s)
+
+    def copies() -> None:
+        check("cuMemcpyDtoHAsync_v2", host, ptr, ctypes.c_size_t(SIZE), s)
+        check("cuStreamSynchronize", s)
+        check("cuMemcpyHtoDAsync_v2", ptr, host, ctypes.c_size_t(SIZE), s)
+        check("cuStreamSynchronize", s)
+
+    on_thread(copies)
     unmap_then_destroy(sock, pool, ptr, s)
     check("cuIpcCloseMemHandle", theirs)
     sock.sendall(b"c")  # our mapping of the parent's inbox closed

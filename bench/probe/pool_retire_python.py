@@ -8,10 +8,13 @@ retired, `PoolRetired` sent, the partner drops its import) and measures; then cl
 node (the partner stays alive) and measures; then stops the partner and measures. With
 `--close-first` the node closes at once after the free, as
 `python/tests/test_cuda.py::test_a_closed_node_gives_the_device_its_memory_back` does.
+With `--reverse` the partner exports and we import: it lends us 64 MiB of its pool
+(`py.Lend`), torch reads it, we give the lease back, the partner drops its buffer
+(`py.Forget`), and we measure 3 s later (its pool retired, the link up).
 Device memory in use (`torch.cuda.mem_get_info`, after a synchronise) since the partner
 started is printed after each step.
 
-usage: python3 bench/probe/pool_retire_python.py [--close-first]
+usage: python3 bench/probe/pool_retire_python.py [--close-first | --reverse]
 (needs torch, the baton wheel and a GPU; `BATON_PY_PARTNER` names the partner, else the GPU
 bundle's)
 """
@@ -62,6 +65,29 @@ def main() -> None:
     node = baton.Node(token_file=token, backend="cuda")
     peer = node.connect(sock, timeout=10)
     step("node made and linked")
+    if "--reverse" in sys.argv:
+        shared = peer.call("lender", "py.Lend", {"index": 0, "len": 16 * MIB, "seed": 5})
+        lease = shared["buffer"].open()
+        t = torch.from_dlpack(lease).view(torch.int32)
+        int(t.sum())  # read it all
+        del t
+        step("the partner lent us 64 MiB of its pool; torch read it")
+        lease.release()
+        del lease, shared
+        end = time.monotonic() + 10
+        while peer.call("table", "py.Table")["leases"] and time.monotonic() < end:
+            time.sleep(0.01)
+        assert peer.call("forgetter", "py.Forget", {"index": 0})
+        step("the lease back, the partner dropped its buffer")
+        time.sleep(3)
+        step("3 s later: its pool retired, the link up")
+        node.close()
+        del peer, node
+        time.sleep(2)
+        step("node closed, 2 s later (the partner alive)")
+        partner.terminate()
+        partner.wait(10)
+        return
     n = 16 * MIB  # float32: 64 MiB
     buf = node.allocate(n, "float32")
     t = torch.from_dlpack(buf)
