@@ -10,11 +10,12 @@ node (the partner stays alive) and measures; then stops the partner and measures
 `python/tests/test_cuda.py::test_a_closed_node_gives_the_device_its_memory_back` does.
 With `--reverse` the partner exports and we import: it lends us 64 MiB of its pool
 (`py.Lend`), torch reads it, we give the lease back, the partner drops its buffer
-(`py.Forget`), and we measure 3 s later (its pool retired, the link up).
+(`py.Forget`), and we measure 3 s later (its pool retired, the link up); `--write`: torch
+also writes it (the lease opened writable), as the failing Rust pair's helper does.
 Device memory in use (`torch.cuda.mem_get_info`, after a synchronise) since the partner
 started is printed after each step.
 
-usage: python3 bench/probe/pool_retire_python.py [--close-first | --reverse]
+usage: python3 bench/probe/pool_retire_python.py [--close-first | --reverse [--write]]
 (needs torch, the baton wheel and a GPU; `BATON_PY_PARTNER` names the partner, else the GPU
 bundle's)
 """
@@ -67,11 +68,16 @@ def main() -> None:
     step("node made and linked")
     if "--reverse" in sys.argv:
         shared = peer.call("lender", "py.Lend", {"index": 0, "len": 16 * MIB, "seed": 5})
-        lease = shared["buffer"].open()
+        write = "--write" in sys.argv
+        lease = shared["buffer"].open(writable=write)
         t = torch.from_dlpack(lease).view(torch.int32)
         int(t.sum())  # read it all
+        if write:
+            t.add_(1)
+            torch.cuda.synchronize()
         del t
-        step("the partner lent us 64 MiB of its pool; torch read it")
+        step("the partner lent us 64 MiB of its pool; torch read it"
+             + (" and wrote it" if write else ""))
         lease.release()
         del lease, shared
         end = time.monotonic() + 10
