@@ -787,7 +787,10 @@ fn a_closed_pool_node_gives_the_device_its_memory_back() {
 /// the second round's buffer comes from a fresh pool, imported again. A failure also says
 /// where the memory comes back: the link closed with the peer stopped (only our side's
 /// link-down runs), then the peer going on (its side's too: it lingers, alive), then the
-/// peer killed (see CUDA.md, *The release threshold, and memory going back*).
+/// peer killed (see CUDA.md, *The release threshold, and memory going back*). For the
+/// search: `BATON_POOL_REPRO=read` (the helper only reads), `=py_partner` (the Python
+/// package's partner imports; `BATON_PY_PARTNER` names it), `BATON_POOL_REPRO_SYNC=ctx`
+/// (each measure synchronises our whole context).
 #[test]
 #[ignore = "known open defect (issue 46): pool memory a live peer imported stays reserved until the node closes; needs a CUDA GPU (--features gpu-tests)"]
 fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
@@ -796,17 +799,63 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
     actors::log_as_rust_log_says();
     run(async {
         let (parent, cuda, _gpu) = cuda_parent("cp-idle", CudaExport::Pool);
+        // Which importer, doing what (issue 46's search for the holder): `baton-actor-peer`
+        // overwriting the buffer (the default), or only reading it (`read`), or the Python
+        // package's Rust partner `py_partner` reading it (`py_partner`; its path in
+        // `BATON_PY_PARTNER`), which gives the memory back to a Python exporter.
+        let how = std::env::var("BATON_POOL_REPRO").unwrap_or_default();
+        eprintln!(
+            "importer: {}",
+            if how.is_empty() { "overwrite" } else { &how }
+        );
         // Before the helper: its own context's memory (about 0.5 GiB) goes when it dies.
         let before_helper = device_free_now(&cuda);
         // `linger`: it outlives its link, until killed.
-        let (mut child, peer) = parent.child(&["linger"]).await;
+        let (mut child, peer) = if how == "py_partner" {
+            let exe = std::env::var("BATON_PY_PARTNER").expect("BATON_PY_PARTNER names py_partner");
+            // It exits when its standard input ends: give it a FIFO it also holds open.
+            let script = r#"d=$(mktemp -d) && mkfifo "$d/in" && exec 0<>"$d/in" && rm -r "$d" && exec "$0" connect "$1""#;
+            let sock = parent.socket();
+            parent
+                .spawn_linked("bash", &["-c", script, &exe, &sock], false)
+                .await
+        } else {
+            parent.child(&["linger"]).await
+        };
         let before = device_free_now(&cuda);
-        const N: usize = 16 * MIB; // u32s: 64 MiB
+        const N: usize = 16 * MIB; // 4-byte elements: 64 MiB
         let mut stuck = None;
         for (round, seed) in [(1, 71), (2, 73)] {
-            let buf = pattern_buffer(&parent, N, seed).await;
-            overwritten_exactly(&peer, &buf, seed, &format!("round {round}")).await;
-            drop(buf);
+            let what = format!("round {round}");
+            match how.as_str() {
+                "py_partner" => {
+                    let buf = halves_buffer(&parent, N).await;
+                    let reply = peer
+                        .remote::<PySink>("sink")
+                        .send(PySink { data: buf.share() })
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: py_partner's sink: {e}"));
+                    assert_eq!(reply.len, N as u64, "{what}: py_partner read our buffer");
+                    leases_back(&buf, "py_partner's lease").await;
+                }
+                "read" => {
+                    let buf = pattern_buffer(&parent, N, seed).await;
+                    let sum = peer
+                        .remote::<Sum>("sink")
+                        .send(Sum {
+                            buffers: vec![buf.share()],
+                        })
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: the helper's sum: {e}"));
+                    let want: u64 = (0..N).map(|i| u64::from(pattern(seed, i))).sum();
+                    assert_eq!(sum, want, "{what}: the helper read our buffer");
+                    leases_back(&buf, "the reader's lease").await;
+                }
+                _ => {
+                    let buf = pattern_buffer(&parent, N, seed).await;
+                    overwritten_exactly(&peer, &buf, seed, &what).await;
+                }
+            }
             eventually(DEADLINE, "the buffer's free", || cuda.live().is_empty()).await;
             match pool_memory_back(&cuda, before, Duration::from_secs(10)).await {
                 Ok(after) => {
@@ -862,9 +911,31 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
     });
 }
 
+/// `py_partner`'s `py.Sink` (examples/py_partner.rs): it sums a float buffer it is lent.
+#[derive(Debug, serde::Serialize, serde::Deserialize, Message)]
+#[rtype(result = "PySinkReply")]
+struct PySink {
+    data: baton::actors::Shared<f32>,
+}
+
+impl baton::actors::RemoteMessage for PySink {
+    const NAME: &'static str = "py.Sink";
+    const ENCODING: baton::actors::Encoding = baton::actors::Encoding::MessagePack;
+}
+
+/// `py_partner`'s answer to [`PySink`].
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct PySinkReply {
+    len: u64,
+}
+
 /// Device free memory now (after a synchronise; no trim: the pool's own threshold decides).
 fn device_free_now(cuda: &CudaBackend) -> usize {
     cuda.synchronize().unwrap();
+    if std::env::var("BATON_POOL_REPRO_SYNC").is_ok_and(|v| v == "ctx") {
+        // The whole context, as `torch.cuda.synchronize()` does (issue 46's search).
+        cuda.context().synchronize().unwrap();
+    }
     cuda.mem_get_info().unwrap().0
 }
 

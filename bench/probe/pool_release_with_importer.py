@@ -35,9 +35,12 @@ each side makes its fence inbox (a 32 KiB `cuMemAlloc`, legacy-shared) and an ex
 its own first, and each opens the other's inbox (lazy peer access) before our allocation; the
 allocation is zeroed, the child imports it, reads and writes it, frees it; we free it, drop the
 threshold, destroy our pool; the child destroys its import; then we close our mapping of the
-child's inbox, then the child closes its mapping of ours, each step measured.
+child's inbox, then the child closes its mapping of ours, each step measured. With it, `--parent-htod`: our
+allocation is written from pageable host memory (`cuMemcpyHtoDAsync`, as Baton's `write_at`)
+instead of zeroed; `--parent-dtoh`: we read it back into pageable memory after the child's use
+(as `to_vec`).
 
-usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool] [--baton-order] [--no-torch] [--threads]
+usage: python3 bench/probe/pool_release_with_importer.py [--destroy-first] [--child-copies|--child-memset] [--mib N] [--tell-at-once] [--export-first] [--legacy-open|--legacy-both] [--child-pool] [--baton-order [--parent-htod] [--parent-dtoh]] [--no-torch] [--threads]
 (needs torch and a GPU)
 """
 
@@ -357,12 +360,21 @@ def baton_main() -> None:
     check("cuMemAllocFromPoolAsync", ctypes.byref(ptr), ctypes.c_size_t(SIZE), pool, s)
     export = (ctypes.c_ubyte * 64)()
     check("cuMemPoolExportPointer", export, ptr)
-    check("cuMemsetD8Async", ptr, ctypes.c_ubyte(0), ctypes.c_size_t(SIZE), s)
+    if "--parent-htod" in sys.argv:  # as a Baton `write_at` does: from pageable memory
+        pattern = ctypes.create_string_buffer(b"\x05" * SIZE, SIZE)
+        check("cuMemcpyHtoDAsync_v2", ptr, pattern, ctypes.c_size_t(SIZE), s)
+    else:
+        check("cuMemsetD8Async", ptr, ctypes.c_ubyte(0), ctypes.c_size_t(SIZE), s)
     check("cuStreamSynchronize", s)
     step(f"{SIZE // MIB} MiB allocated from our pool (each side maps the other's inbox)")
     socket.send_fds(ours, [bytes(export)], [fd.value])
     assert ours.recv(1) == b"m"
     step("the child imported, read, wrote and freed its mapping")
+    if "--parent-dtoh" in sys.argv:  # as a Baton `to_vec` does: into pageable memory
+        back = ctypes.create_string_buffer(SIZE)
+        check("cuMemcpyDtoHAsync_v2", back, ptr, ctypes.c_size_t(SIZE), s)
+        check("cuStreamSynchronize", s)
+        step("we read it back into pageable memory")
     check("cuMemFreeAsync", ptr, s)
     zero = ctypes.c_uint64(0)
     check("cuMemPoolSetAttribute", pool, ctypes.c_int(RELEASE_THRESHOLD), ctypes.byref(zero))
