@@ -789,8 +789,9 @@ fn a_closed_pool_node_gives_the_device_its_memory_back() {
 /// link-down runs), then the peer going on (its side's too: it lingers, alive), then the
 /// peer killed (see CUDA.md, *The release threshold, and memory going back*). For the
 /// search: `BATON_POOL_REPRO=read` (the helper only reads), `=py_partner` (the Python
-/// package's partner imports; `BATON_PY_PARTNER` names it), `BATON_POOL_REPRO_SYNC=ctx`
-/// (each measure synchronises our whole context).
+/// package's partner imports; `BATON_PY_PARTNER` names it), `=python` (a Python node imports:
+/// `bench/probe/pool_python_importer.py`, named by `BATON_POOL_PYTHON_IMPORTER`),
+/// `BATON_POOL_REPRO_SYNC=ctx` (each measure synchronises our whole context).
 #[test]
 #[ignore = "known open defect (issue 46): pool memory a live peer imported stays reserved until the node closes; needs a CUDA GPU (--features gpu-tests)"]
 fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
@@ -802,7 +803,8 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
         // Which importer, doing what (issue 46's search for the holder): `baton-actor-peer`
         // overwriting the buffer (the default), or only reading it (`read`), or the Python
         // package's Rust partner `py_partner` reading it (`py_partner`; its path in
-        // `BATON_PY_PARTNER`), which gives the memory back to a Python exporter.
+        // `BATON_PY_PARTNER`), which gives the memory back to a Python exporter, or a Python
+        // node reading it with torch (`python`).
         let how = std::env::var("BATON_POOL_REPRO").unwrap_or_default();
         eprintln!(
             "importer: {}",
@@ -811,7 +813,14 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
         // Before the helper: its own context's memory (about 0.5 GiB) goes when it dies.
         let before_helper = device_free_now(&cuda);
         // `linger`: it outlives its link, until killed.
-        let (mut child, peer) = if how == "py_partner" {
+        let (mut child, peer) = if how == "python" {
+            let script = std::env::var("BATON_POOL_PYTHON_IMPORTER")
+                .expect("BATON_POOL_PYTHON_IMPORTER names bench/probe/pool_python_importer.py");
+            let sock = parent.socket();
+            parent
+                .spawn_linked("python3", &[&script, &sock], false)
+                .await
+        } else if how == "py_partner" {
             let exe = std::env::var("BATON_PY_PARTNER").expect("BATON_PY_PARTNER names py_partner");
             // It exits when its standard input ends: give it a FIFO it also holds open.
             let script = r#"d=$(mktemp -d) && mkfifo "$d/in" && exec 0<>"$d/in" && rm -r "$d" && exec "$0" connect "$1""#;
@@ -828,15 +837,15 @@ fn pool_memory_a_live_peer_imported_goes_back_once_the_pool_is_idle() {
         for (round, seed) in [(1, 71), (2, 73)] {
             let what = format!("round {round}");
             match how.as_str() {
-                "py_partner" => {
+                "py_partner" | "python" => {
                     let buf = halves_buffer(&parent, N).await;
                     let reply = peer
                         .remote::<PySink>("sink")
                         .send(PySink { data: buf.share() })
                         .await
-                        .unwrap_or_else(|e| panic!("{what}: py_partner's sink: {e}"));
-                    assert_eq!(reply.len, N as u64, "{what}: py_partner read our buffer");
-                    leases_back(&buf, "py_partner's lease").await;
+                        .unwrap_or_else(|e| panic!("{what}: the importer's sink: {e}"));
+                    assert_eq!(reply.len, N as u64, "{what}: the importer read our buffer");
+                    leases_back(&buf, "the importer's lease").await;
                 }
                 "read" => {
                     let buf = pattern_buffer(&parent, N, seed).await;
