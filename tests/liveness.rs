@@ -94,9 +94,35 @@ async fn within(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     true
 }
 
-/// Waits `for_` of real time, for things that must *not* happen.
+/// Waits `for_` of real time, for what a step started to happen.
 async fn settle(for_: Duration) {
     tokio::time::sleep(for_).await;
+}
+
+/// How long a bounded watch looks for something that must *not* happen.
+const MUST_NOT_WATCH: Duration = Duration::from_millis(200);
+
+/// Checks `holds` every 2 ms for `for_`: a window in which something must *not* happen (a
+/// free). Not a sleep the test relies on to pass: it can only fail, at the first look that
+/// finds `holds` broken.
+async fn holds_for(for_: Duration, what: &str, mut holds: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < for_ {
+        assert!(holds(), "after {:?}: {what}", start.elapsed());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Whether the exporter `node` keeps allocation `alloc` as a retiring buffer (no handle
+/// left) for which `why` holds of its table entry.
+fn kept_retiring(
+    node: &Node,
+    alloc: u64,
+    why: impl Fn(&baton::actors::BufferLeases) -> bool,
+) -> bool {
+    node.lease_table()
+        .iter()
+        .any(|b| b.alloc == AllocationId::new(alloc) && b.retiring && why(b))
 }
 
 /// Runs `f` on a thread that may block (host copies synchronise), and awaits it.
@@ -478,6 +504,11 @@ fn an_exporter_frees_at_once_when_its_importer_dies_and_never_while_its_work_may
         drop(lease);
         eventually("the lease back", || buf.leases_out() == 0).await;
         drop(buf);
+        // The event: the exporter took the drop and keeps the buffer for the importer,
+        // which still maps it.
+        let me = t.me();
+        let kept = || kept_retiring(&t.exporter, alloc, |b| b.mapped_by.contains(&me));
+        eventually("the buffer kept for its importer", kept).await;
         for _ in 0..(FENCE_DEADLINE.as_millis() / STEP.as_millis() - 1) {
             t.pass(STEP);
         }
@@ -488,11 +519,12 @@ fn an_exporter_frees_at_once_when_its_importer_dies_and_never_while_its_work_may
             Some(LaneStatus::Released),
             "the watch released the importer's lane short of the deadline"
         );
-        settle(Duration::from_millis(100)).await;
-        assert!(
-            !device.freed(alloc),
-            "freed while the importer's work may run"
-        );
+        holds_for(
+            MUST_NOT_WATCH,
+            "freed (or no longer kept) while the importer's work may run",
+            || kept() && !device.freed(alloc),
+        )
+        .await;
 
         t.importer_dies();
         eventually("the free", || device.freed(alloc)).await;
@@ -1168,16 +1200,26 @@ fn a_forwarded_lease_whose_relay_dies_keeps_the_memory_until_its_holder_dies() {
         .await;
         eventually("the relay's link down", || t.exporter.peers().is_empty()).await;
         drop(buf);
+        // The event: the exporter took the drop and keeps the buffer for the holder's
+        // forwarded lease.
+        let held = holder.id;
+        let kept = || {
+            kept_retiring(&t.exporter, alloc, |b| {
+                b.forwarded.len() == 1 && b.leases.iter().any(|(_, p)| *p == held)
+            })
+        };
+        eventually("the buffer kept for the holder", kept).await;
         let mut passed = Duration::ZERO;
         while passed <= 2 * FENCE_DEADLINE {
             t.pass(STEP);
             passed += STEP;
         }
-        settle(Duration::from_millis(200)).await;
-        assert!(
-            !device.freed(alloc),
-            "freed while the holder of a forwarded lease lives"
-        );
+        holds_for(
+            MUST_NOT_WATCH,
+            "freed (or no longer kept) while the holder of a forwarded lease lives",
+            || kept() && !device.freed(alloc),
+        )
+        .await;
         assert_eq!(
             device.count_from(0, "exp wait-value"),
             0,
