@@ -99,7 +99,14 @@ fn read_write_access(dev: sys::CUdevice) -> sys::CUmemAccessDesc {
     }
 }
 
-/// Wraps a descriptor the driver just wrote through an `int` out pointer.
+/// Wraps a descriptor the driver just wrote through an `int` out pointer, and marks it
+/// close-on-exec.
+///
+/// The driver opens an export's descriptor without `O_CLOEXEC`: a child this process
+/// spawned later (a helper, a worker, any `Command`) would inherit it and hold the pool or
+/// the physical allocation it names for as long as it lives — the device never got a
+/// retired pool's memory back while such a child ran (issue 46). Marked here, at once,
+/// only a fork in the instant between the export and this call can still inherit it.
 fn owned_fd(op: &'static str, fd: c_int) -> Result<OwnedFd> {
     if fd < 0 {
         return Err(Error::Cuda {
@@ -108,7 +115,14 @@ fn owned_fd(op: &'static str, fd: c_int) -> Result<OwnedFd> {
         });
     }
     // SAFETY: the driver just opened `fd` for us (a successful export); nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let cloexec = rustix::io::fcntl_getfd(&fd)
+        .and_then(|flags| rustix::io::fcntl_setfd(&fd, flags | rustix::io::FdFlags::CLOEXEC));
+    cloexec.map_err(|e| Error::Io {
+        op: "marking an export's descriptor close-on-exec",
+        source: e.into(),
+    })?;
+    Ok(fd)
 }
 
 // The calls, grouped by what they act on as cudarc's `result` groups them (one file each),

@@ -82,6 +82,15 @@ fn gpu_backend(export: CudaExport, events: usize) -> Arc<CudaBackend> {
     )
 }
 
+/// Descriptors the driver hands us are closed on exec: children never inherit them.
+fn assert_close_on_exec(fd: std::os::fd::BorrowedFd<'_>, what: &str) {
+    let flags = rustix::io::fcntl_getfd(fd).expect("the descriptor's flags");
+    assert!(
+        flags.contains(rustix::io::FdFlags::CLOEXEC),
+        "{what} is not close-on-exec: a child spawned later would inherit it"
+    );
+}
+
 fn device_ptr(alloc: &Allocation) -> u64 {
     match alloc.ptr() {
         MemPtr::Device(p) => p,
@@ -194,10 +203,11 @@ fn a_legacy_backend_allocates_vmm_memory_for_bulk_buffers() {
         alloc.raw().raw_handle(Some(0)).unwrap(),
         RawHandle::CudaVmmFd { slot: Some(0) }
     ));
-    assert!(
-        alloc.raw().export_fd().is_some(),
-        "a descriptor goes with its handles"
-    );
+    let fd = alloc
+        .raw()
+        .export_fd()
+        .expect("a descriptor goes with its handles");
+    assert_close_on_exec(fd, "a VMM allocation's descriptor");
     assert!(matches!(
         b.allocate_as(CudaExport::Vmm, 0),
         Err(Error::ZeroSize)
@@ -455,7 +465,10 @@ fn pool_memory_round_trips_and_is_counted() {
         panic!("a pool handle")
     };
     assert_eq!(pool_slot, Some(2));
-    assert!(alloc.export_fd().is_some(), "the pool's descriptor");
+    let fd = alloc.export_fd().expect("the pool's descriptor");
+    // A child spawned from here on must not inherit it: it would hold the pool, and its
+    // memory, for as long as it lives (issue 46).
+    assert_close_on_exec(fd, "the pool's descriptor");
 
     let session = Session::new(SessionToken::from_bytes([5; 32]));
     let cache = ImportCache::new(session.clone(), [b.clone() as crate::SharedBackend]);
