@@ -622,14 +622,6 @@ fn session(token_file: Option<&Path>) -> Result<Session, Box<dyn Error>> {
 
 fn main() -> Result<(), Box<dyn Error>> {
     let cli = <Cli as clap::Parser>::parse();
-    // Logs to standard error as `RUST_LOG` says (no colour codes), when it is set.
-    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .with_ansi(false)
-            .try_init();
-    }
     let session = session(cli.token_file.as_deref())?;
     // Never outlive the process that started us: exit when our stdin closes.
     std::thread::spawn(|| {
