@@ -13,6 +13,12 @@
 //! drivers Baton supports (CUDA 11.4) compile; the driver compiles it for the device once
 //! per backend. Should that fail, a plan falls back to one `cuMemcpyDtoDAsync` per copy.
 //!
+//! A plan of one copy is one `cuMemcpyDtoDAsync`, not the kernel: the copy engine moves one
+//! range as fast as anything can, and across GPUs faster than a kernel reading the other
+//! GPU's memory (two H200 over NVLink, one process: a copy-engine copy 0.99–1.01× torch's
+//! peer-to-peer copy from 256 MiB to 4 GiB, the gather kernel 1.055–1.06×;
+//! `bench/probe/p2p_copy.py`, `docs/bench/h200/2026-11-29-2b4ab84-x2-p2p-copy-probe.jsonl`).
+//!
 //! # Safety
 //!
 //! A plan's spans are raw device addresses. [`CudaBackend::copy_plan`] checks each one lies
@@ -63,8 +69,8 @@ pub enum CopyDirection {
 }
 
 /// Many device copies between one buffer and many device pointers of this process, checked
-/// once and queued as one kernel launch per [`run`](Self::run) (see the module docs). Made
-/// by [`CudaBackend::copy_plan`].
+/// once and queued as one kernel launch per [`run`](Self::run) — one copy-engine copy when
+/// there is one (see the module docs). Made by [`CudaBackend::copy_plan`].
 pub struct CopyPlan {
     ctx: SharedContext,
     /// `None`: the kernel did not load; each span is its own `cuMemcpyDtoDAsync`.
@@ -245,7 +251,7 @@ impl CudaBackend {
             table: 0,
             pending: Mutex::new(Vec::new()),
         };
-        if plan.gather.is_some() && !plan.layout.spans.is_empty() {
+        if plan.launches() {
             plan.upload(&self.access.stream)?;
         }
         Ok(plan)
@@ -279,10 +285,17 @@ impl CopyPlan {
         self.layout.spans.is_empty()
     }
 
-    /// Whether runs are one kernel launch (`false`: the kernel did not load, and each
-    /// copy is queued on its own).
+    /// Whether a run is one driver operation: one kernel launch, or the one copy of a plan
+    /// of one (`false`: the kernel did not load, and each of several copies is queued on
+    /// its own).
     pub fn batched(&self) -> bool {
-        self.gather.is_some()
+        self.gather.is_some() || self.layout.spans.len() <= 1
+    }
+
+    /// Whether runs launch the kernel: it loaded and there are two copies or more (one is
+    /// a copy-engine copy).
+    fn launches(&self) -> bool {
+        self.gather.is_some() && self.layout.spans.len() > 1
     }
 
     /// Writes the span table to device memory.
@@ -331,7 +344,7 @@ impl CopyPlan {
         }
         let raw = stream.cu_stream();
         let _pushed = ContextGuard::push(&self.ctx)?;
-        let Some(gather) = &self.gather else {
+        let Some(gather) = self.gather.as_ref().filter(|_| self.launches()) else {
             for s in &self.layout.spans {
                 let (src, dst) = match direction {
                     CopyDirection::FromBuffer => (base + s.offset, s.ptr),
