@@ -43,7 +43,8 @@ one fused `_foreach_copy_` of the rest). `copy-per-tensor-loader` is that loader
 `copy-plan` Baton's alone, in one process.
 
 Across GPUs (`--engine-device N`, issue 47 item 6): the trainer's weights on GPU 0, every
-engine on GPU N (Baton's maps the bundle there, its `CopyPlan` reads over NVLink;
+engine on GPU N (Baton's maps the bundle there, its `CopyPlan` reads over NVLink: one
+copy-engine copy for a one-tensor model, the gather kernel for more;
 torch's maps the bucket by CUDA IPC); the floor is then `copy-p2p`, a torch copy of the
 same bytes from GPU 0 to GPU N in one process (and `copy-flat` the same copy within GPU 0).
 The `flat-256m`, `flat-1g` and `flat-4g` models are one tensor of that size, for the
