@@ -13,11 +13,11 @@
 //! drivers Baton supports (CUDA 11.4) compile; the driver compiles it for the device once
 //! per backend. Should that fail, a plan falls back to one `cuMemcpyDtoDAsync` per copy.
 //!
-//! A plan of one copy is one `cuMemcpyDtoDAsync`, not the kernel: the copy engine moves one
-//! range as fast as anything can, and across GPUs faster than a kernel reading the other
-//! GPU's memory (two H200 over NVLink, one process: a copy-engine copy 0.99–1.01× torch's
-//! peer-to-peer copy from 256 MiB to 4 GiB, the gather kernel 1.055–1.06×;
-//! `bench/probe/p2p_copy.py`, `docs/bench/h200/2026-11-29-2b4ab84-x2-p2p-copy-probe.jsonl`).
+//! A plan of one copy is one `cuMemcpyDtoDAsync`, not the kernel, and needs no span table:
+//! the copy engine moves one range as fast as anything can (across GPUs in one process,
+//! 0.99–1.01× torch's peer-to-peer copy where the gather kernel takes 1.055–1.06×:
+//! `bench/probe/p2p_copy.py`; in the weight-sync benchmark across GPUs the engine's copy
+//! of one imported tensor took the same time either way, `docs/BENCHMARKS.md`).
 //!
 //! # Safety
 //!
