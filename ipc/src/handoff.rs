@@ -12,6 +12,14 @@
 //! `BATON_TOKEN_FD` that a grandchild inherits names a descriptor it does not have, or
 //! another file (the inode differs): it is ignored.
 //!
+//! **Nothing else crosses.** The same hook marks every other descriptor above stderr
+//! close-on-exec in the child (`close_range(3, ~0, CLOSE_RANGE_CLOEXEC)`, Linux 5.11+), so
+//! a child of a Baton spawn inherits its stdio and the token's pipe only — never a
+//! descriptor another thread of this process opened without `O_CLOEXEC` and had not yet
+//! marked when the fork came (the CUDA driver's export descriptors are such: a child that
+//! inherited one held the exported memory for its whole life; `docs/CUDA.md`). Where the
+//! kernel lacks `close_range`, descriptors are left as they are.
+//!
 //! **By hand.** A process started by hand, not by a Baton parent, may be given the token
 //! in [`TOKEN_ENV`]: taken with a warning, since the environment keeps it.
 //!
@@ -19,9 +27,9 @@
 //!
 //! The `unsafe` code here is of two kinds:
 //! - a `pre_exec` hook ([`pass_token`]), which runs in the child between `fork` and `exec`,
-//!   where only async-signal-safe operations are allowed: it makes one raw system call
-//!   (`fcntl`) through `rustix`, which neither allocates nor locks, and builds its error
-//!   from a raw errno (no allocation);
+//!   where only async-signal-safe operations are allowed: it makes two raw system calls
+//!   (`close_range` through `libc::syscall`, `fcntl` through `rustix`), which neither
+//!   allocate nor lock, and builds its error from a raw errno (no allocation);
 //! - taking ownership of the inherited token descriptor, by number, in the child
 //!   (`take_inherited_token`): done at most once per process (a `OnceLock`), and only
 //!   after checking that the number names the very pipe the parent made (a FIFO with the
@@ -55,6 +63,11 @@ const TOKEN_HEX_LEN: usize = 64;
 /// [`TOKEN_FD_ENV`], and never through its environment (`BATON_TOKEN` is removed from the
 /// child's environment, should this process have it).
 ///
+/// The child inherits no other descriptor above stderr: every one is marked close-on-exec
+/// in the child before the token's pipe is unmarked (see the [module docs](self)). A
+/// descriptor you mean the child to inherit must be unmarked by a `pre_exec` hook of yours
+/// added after this call.
+///
 /// One `Command`, one child: the pipe holds one copy of the token, which the first child
 /// spawned from `cmd` reads. The pipe's read end is closed in this process when `cmd`
 /// drops. A child that is not a Baton program never reads it, and its own children
@@ -81,17 +94,35 @@ pub fn pass_token(cmd: &mut Command, token: &SessionToken) -> io::Result<()> {
     cmd.env_remove(TOKEN_ENV)
         .env(TOKEN_FD_ENV, format!("{}:{inode}", read.as_raw_fd()));
     let hook = move || -> io::Result<()> {
+        mark_inherited_cloexec();
         // The child's copy of the read end stays open across exec; nothing else does.
         rustix::io::fcntl_setfd(&read, rustix::io::FdFlags::empty())?;
         Ok(())
     };
-    // SAFETY: the hook runs between fork and exec and makes one `fcntl(F_SETFD)` system
-    // call on a descriptor the closure owns (so it is open in the child's copy of the
-    // table); it neither allocates nor locks, and its error comes from a raw errno.
+    // SAFETY: the hook runs between fork and exec and makes two system calls:
+    // `close_range` with integer arguments, and `fcntl(F_SETFD)` on a descriptor the
+    // closure owns (so it is open in the child's copy of the table); it neither allocates
+    // nor locks, and its error comes from a raw errno.
     unsafe {
         cmd.pre_exec(hook);
     }
     Ok(())
+}
+
+/// Marks every descriptor above stderr close-on-exec: `close_range(3, ~0,
+/// CLOSE_RANGE_CLOEXEC)`. A kernel without it (before 5.11: `ENOSYS`, `EINVAL`) leaves them
+/// as they are, which is what a spawn did before. Async-signal-safe: one system call.
+fn mark_inherited_cloexec() {
+    // SAFETY: a raw system call with integer arguments; it touches no memory of ours.
+    // Its result is deliberately not checked (see above).
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        );
+    }
 }
 
 /// The token a parent handed this process: from the pipe [`TOKEN_FD_ENV`] names (see the
@@ -221,6 +252,50 @@ mod tests {
         assert!(
             matches!(read_token(&read), Err(TokenFdError::BadContents(_))),
             "drained"
+        );
+    }
+
+    /// A child spawned with the token inherits the token's pipe and no other descriptor
+    /// above stderr — here one left inheritable, as the CUDA driver leaves its export
+    /// descriptors — while the same spawn without the token inherits it (so the check can
+    /// fail).
+    #[test]
+    fn a_child_inherits_the_token_pipe_and_nothing_else() {
+        let (read, _write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let leaky = rustix::io::fcntl_dupfd_cloexec(&read, 200).unwrap();
+        rustix::io::fcntl_setfd(&leaky, rustix::io::FdFlags::empty()).unwrap();
+        let n = leaky.as_raw_fd();
+        let probe = |pass: bool| -> Vec<String> {
+            let mut cmd = Command::new("sh");
+            cmd.arg("-c").arg(format!(
+                "for f in {n} ${{{TOKEN_FD_ENV}%%:*}}; do \
+                   if [ -e /proc/$$/fd/$f ]; then echo \"$f open\"; else echo \"$f closed\"; fi; \
+                 done"
+            ));
+            if pass {
+                pass_token(&mut cmd, &SessionToken::from_bytes([7; 32])).unwrap();
+            } else {
+                cmd.env_remove(TOKEN_FD_ENV);
+            }
+            let out = cmd.output().unwrap();
+            assert!(out.status.success(), "the probe ran: {out:?}");
+            String::from_utf8(out.stdout)
+                .unwrap()
+                .lines()
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(
+            probe(false),
+            [format!("{n} open")],
+            "inheritable without the hook"
+        );
+        let got = probe(true);
+        assert_eq!(got.len(), 2, "the descriptor and the token's pipe: {got:?}");
+        assert_eq!(got[0], format!("{n} closed"), "not inherited: {got:?}");
+        assert!(
+            got[1].ends_with(" open") && got[1] != got[0],
+            "the token's pipe is inherited: {got:?}"
         );
     }
 
