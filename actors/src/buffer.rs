@@ -74,7 +74,6 @@
 
 use crate::error::ActorError;
 use crate::exports::{BufferCell, Part};
-use crate::ids::BufferId;
 use crate::link_ref::{LinkHandle, PendingRelease, ReleaseLease};
 use crate::order::{Finished, LeaseOrder};
 use baton_ipc::cuda::cudarc::driver::{
@@ -82,7 +81,7 @@ use baton_ipc::cuda::cudarc::driver::{
 };
 use baton_ipc::cuda::{RecordedEvent, RecordedFence};
 use baton_ipc::{ExportedFence, Imported, MemPtr, SharedBackend, Stream, StreamRef};
-use baton_messages::{AllocationId, DType, ExporterId, Layout, LeaseId, ProcessId, Shape};
+use baton_messages::{AllocationId, DType, Layout, LeaseId, ProcessId, Shape};
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::RangeBounds;
@@ -91,6 +90,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 mod lease;
+pub(crate) use lease::lease_accessors;
 pub(crate) use lease::{HeldLease, IncomingLease, Outgoing, SharedInner};
 pub use lease::{Lease, LeaseMut, Shared, SharedMut};
 
@@ -115,6 +115,82 @@ fn byte_range<T: Element>(index: usize, len: usize, size: usize) -> Result<usize
         _ => Err(ActorError::OutOfBounds { index, len, size }),
     }
 }
+
+/// The accessors of an exporter's buffer handle, typed ([`Buffer<T>`]) or not
+/// ([`AnyBuffer`](crate::AnyBuffer)), written once: each type has a `cell: Arc<BufferCell>`
+/// field. The argument is the precise-capture list of the futures (`use<T>`, `use<>`).
+macro_rules! buffer_accessors {
+    ($($capture:tt)*) => {
+        /// Its id in its owner.
+        pub fn id(&self) -> $crate::ids::BufferId {
+            self.cell.id
+        }
+
+        /// Where it starts (host address or device pointer).
+        pub fn ptr(&self) -> ::baton_ipc::MemPtr {
+            self.cell.alloc.ptr()
+        }
+
+        /// How many leases on it are out now. A buffer with none may be written again
+        /// without racing a reader (a lease is counted from the moment its offer is sent).
+        pub fn leases_out(&self) -> usize {
+            self.cell.exports.leases_on(self.cell.id)
+        }
+
+        /// Resolves once every lease on the buffer is back — released by its holder, or
+        /// reclaimed because the holder's link went down — at once if none is out. A lease
+        /// granted after the future was made counts too (it waits for the buffer to be idle,
+        /// not for one set of leases). The future borrows nothing and does not keep the
+        /// buffer alive.
+        ///
+        /// It is woken by the node's link actors: await it from an actix system's task (or
+        /// any async context), never by blocking the thread those actors run on.
+        pub fn returned(
+            &self,
+        ) -> impl ::std::future::Future<Output = ()> + 'static + $($capture)* {
+            self.cell.exports.returned(self.cell.id)
+        }
+
+        /// [`returned`](Self::returned) with a deadline: `Ok(())` once every lease on the
+        /// buffer is back, an error if some are still out after `timeout`.
+        ///
+        /// # Errors
+        /// [`ActorError::NotReturned`](crate::ActorError::NotReturned), with how many
+        /// leases were still out.
+        pub fn returned_within(
+            &self,
+            timeout: ::std::time::Duration,
+        ) -> impl ::std::future::Future<Output = Result<(), $crate::ActorError>>
+               + 'static
+               + $($capture)* {
+            self.cell.returned_within(timeout)
+        }
+
+        /// Orders the work you queue on `stream` from now on (with the raw
+        /// [`ptr`](Self::ptr)) after the work of importers that gave the buffer back and after
+        /// its uses on other streams. Record the end of your work with
+        /// [`share_on`](Self::share_on), or use cudarc's API (`DevicePtr`, typed buffers),
+        /// which does both.
+        ///
+        /// # Errors
+        /// A backend error; [`ActorError::TooManyStreams`](crate::ActorError::TooManyStreams).
+        pub fn wait_on(
+            &self,
+            stream: impl Into<::baton_ipc::Stream>,
+        ) -> Result<(), $crate::ActorError> {
+            let stream = stream.into();
+            self.cell.order.use_on(stream.as_ref())?;
+            Ok(())
+        }
+
+        /// Whether it is device memory of a CUDA backend (cudarc's traits apply).
+        pub fn is_device(&self) -> bool {
+            matches!(self.cell.alloc.ptr(), ::baton_ipc::MemPtr::Device(_))
+                && self.cell.order.backend().cuda().is_some()
+        }
+    };
+}
+pub(crate) use buffer_accessors;
 
 /// The exporter's handle to a buffer of `T`s (see the [crate docs](crate)).
 pub struct Buffer<T: Element> {
@@ -142,16 +218,13 @@ impl<T: Element> fmt::Debug for Buffer<T> {
 }
 
 impl<T: Element> Buffer<T> {
+    buffer_accessors!(use<T>);
+
     pub(crate) fn new(cell: Arc<BufferCell>) -> Self {
         Self {
             cell,
             _t: PhantomData,
         }
-    }
-
-    /// Its id in its owner.
-    pub fn id(&self) -> BufferId {
-        self.cell.id
     }
 
     /// Elements in the buffer.
@@ -169,41 +242,6 @@ impl<T: Element> Buffer<T> {
     /// Its shape.
     pub fn shape(&self) -> &Shape {
         &self.cell.layout.shape
-    }
-
-    /// Where its first element is (host address or device pointer).
-    pub fn ptr(&self) -> MemPtr {
-        self.cell.alloc.ptr()
-    }
-
-    /// How many leases on it are out now. A buffer with none may be written again
-    /// without racing a reader (a lease is counted from the moment its offer is sent).
-    pub fn leases_out(&self) -> usize {
-        self.cell.exports.leases_on(self.cell.id)
-    }
-
-    /// Resolves once every lease on the buffer is back — released by its holder, or
-    /// reclaimed because the holder's link went down — at once if none is out. A lease
-    /// granted after the future was made counts too (it waits for the buffer to be idle,
-    /// not for one set of leases). The future borrows nothing and does not keep the
-    /// buffer alive.
-    ///
-    /// It is woken by the node's link actors: await it from an actix system's task (or
-    /// any async context), never by blocking the thread those actors run on.
-    pub fn returned(&self) -> impl Future<Output = ()> + 'static + use<T> {
-        self.cell.exports.returned(self.cell.id)
-    }
-
-    /// [`returned`](Self::returned) with a deadline: `Ok(())` once every lease on the
-    /// buffer is back, an error if some are still out after `timeout`.
-    ///
-    /// # Errors
-    /// [`ActorError::NotReturned`], with how many leases were still out.
-    pub fn returned_within(
-        &self,
-        timeout: Duration,
-    ) -> impl Future<Output = Result<(), ActorError>> + 'static + use<T> {
-        self.cell.returned_within(timeout)
     }
 
     /// The buffer's elements in place, writable, without a copy: host memory only. The
@@ -458,24 +496,6 @@ impl<T: Element> Buffer<T> {
             mark.record(stream.as_ref())?;
         }
         Ok(self.share())
-    }
-
-    /// Orders the work you queue on `stream` from now on (with the raw
-    /// [`ptr`](Self::ptr)) after the work of importers that gave the buffer back and after
-    /// its uses on other streams. Record the end of your work with
-    /// [`share_on`](Self::share_on), or use cudarc's API (`DevicePtr`), which does both.
-    ///
-    /// # Errors
-    /// A backend error; [`ActorError::TooManyStreams`].
-    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
-        let stream = stream.into();
-        self.cell.order.use_on(stream.as_ref())?;
-        Ok(())
-    }
-
-    /// Whether it is device memory of a CUDA backend (cudarc's traits apply).
-    pub fn is_device(&self) -> bool {
-        matches!(self.ptr(), MemPtr::Device(_)) && self.cell.order.backend().cuda().is_some()
     }
 
     fn shared_with(&self, fence: Option<Arc<dyn ExportedFence>>) -> Shared<T> {

@@ -33,19 +33,17 @@
 use crate::buffer::{IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::exports::BufferCell;
-use crate::ids::BufferId;
 use crate::node::{Node, Peer};
 use crate::remote::{Answer, Encoded, ErasedHandler, call_encoded};
 use crate::{Buffer, Element};
-use baton_ipc::{Allocation, Imported, MemPtr, Stream};
+use baton_ipc::{Allocation, Stream};
 use baton_messages::protocol::CallFault;
-use baton_messages::{ExporterId, Layout, LeaseId, ProcessId};
+use baton_messages::{Layout, LeaseId, ProcessId};
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
 
 fn check_bytes(offset: usize, len: usize, size: usize) -> Result<(), ActorError> {
     match offset.checked_add(len) {
@@ -83,13 +81,10 @@ impl<T: Element> From<Buffer<T>> for AnyBuffer {
 }
 
 impl AnyBuffer {
+    crate::buffer::buffer_accessors!(use<>);
+
     pub(crate) fn new(cell: Arc<BufferCell>) -> Self {
         Self { cell }
-    }
-
-    /// Its id in its owner.
-    pub fn id(&self) -> BufferId {
-        self.cell.id
     }
 
     /// Its element type and shape.
@@ -104,32 +99,6 @@ impl AnyBuffer {
             .byte_len()
             .and_then(|b| usize::try_from(b).ok())
             .unwrap_or(0)
-    }
-
-    /// Where its first byte is (host address or device pointer).
-    pub fn ptr(&self) -> MemPtr {
-        self.cell.alloc.ptr()
-    }
-
-    /// How many leases on it are out now (see [`Buffer::leases_out`]).
-    pub fn leases_out(&self) -> usize {
-        self.cell.exports.leases_on(self.cell.id)
-    }
-
-    /// Resolves once every lease on it is back (see [`Buffer::returned`]).
-    pub fn returned(&self) -> impl Future<Output = ()> + 'static + use<> {
-        self.cell.exports.returned(self.cell.id)
-    }
-
-    /// [`returned`](Self::returned) with a deadline (see [`Buffer::returned_within`]).
-    ///
-    /// # Errors
-    /// [`ActorError::NotReturned`], with how many leases were still out.
-    pub fn returned_within(
-        &self,
-        timeout: std::time::Duration,
-    ) -> impl Future<Output = Result<(), ActorError>> + 'static + use<> {
-        self.cell.returned_within(timeout)
     }
 
     /// The backend allocation, for backend-specific work.
@@ -160,17 +129,6 @@ impl AnyBuffer {
         check_bytes(offset, src.len(), self.byte_len())?;
         self.cell.order.before_host_copy()?;
         Ok(self.cell.alloc.write(offset, src)?)
-    }
-
-    /// Orders the work queued on `stream` from now on after the work of importers that
-    /// gave the buffer back and after its uses on other streams (as [`Buffer::wait_on`]).
-    ///
-    /// # Errors
-    /// A backend error; [`ActorError::TooManyStreams`].
-    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
-        let stream = stream.into();
-        self.cell.order.use_on(stream.as_ref())?;
-        Ok(())
     }
 
     /// Like [`share`](Self::share), after the work queued on `stream` so far (as
@@ -312,15 +270,7 @@ impl fmt::Debug for AnyLease {
 }
 
 impl AnyLease {
-    /// The lease id (the exporter's).
-    pub fn id(&self) -> LeaseId {
-        self.inner.lease
-    }
-
-    /// Who exported the buffer.
-    pub fn exporter(&self) -> ExporterId {
-        self.inner.imported().exporter()
-    }
+    crate::buffer::lease_accessors!(use<>);
 
     /// Element type and shape; `None` if the exporter offered it untyped.
     pub fn layout(&self) -> Option<&Layout> {
@@ -330,27 +280,6 @@ impl AnyLease {
     /// Bytes in the buffer.
     pub fn byte_len(&self) -> usize {
         self.inner.imported().len()
-    }
-
-    /// Whether the exporter is gone (its accessors then fail).
-    pub fn is_orphaned(&self) -> bool {
-        !self.inner.link.is_alive()
-    }
-
-    /// The deadline by which the exporter asked to have this lease back, if it did.
-    pub fn revoke_deadline(&self) -> Option<Instant> {
-        self.inner.held.revoke_deadline()
-    }
-
-    /// Where the first byte is mapped in this process. The address stays valid while
-    /// this lease lives (an orphaned lease included: its mapping closes when it drops).
-    /// Before queuing work that uses it on a stream, call [`wait_on`](Self::wait_on) with
-    /// that stream.
-    ///
-    /// # Errors
-    /// [`ActorError::Orphaned`].
-    pub fn ptr(&self) -> Result<MemPtr, ActorError> {
-        Ok(self.inner.live()?.ptr())
     }
 
     /// Copies bytes out of the buffer, starting `offset` bytes in (on the backend's own
@@ -376,33 +305,6 @@ impl AnyLease {
         self.inner.order.before_host_copy()?;
         Ok(imported.write(offset, src)?)
     }
-
-    /// Orders the work queued on `stream` from now on after the exporter's work that
-    /// produced the buffer, and keeps `stream`: dropping the lease records its release
-    /// fence there (as [`Lease::wait_on`](crate::Lease::wait_on)).
-    ///
-    /// # Errors
-    /// [`ActorError::Orphaned`]; a backend error; [`ActorError::TooManyStreams`].
-    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
-        self.inner.live()?;
-        self.inner.order.wait_on(stream.into())
-    }
-
-    /// The import view, for backend-specific work.
-    ///
-    /// # Errors
-    /// [`ActorError::Orphaned`].
-    pub fn imported(&self) -> Result<&Imported, ActorError> {
-        self.inner.live()
-    }
-
-    /// How its bytes reached this process (see [`LeasePath`](crate::LeasePath)).
-    pub fn path(&self) -> crate::LeasePath {
-        self.inner.path
-    }
-
-    /// Gives the lease back now (the same as dropping it).
-    pub fn release(self) {}
 }
 
 /// A message as it travels: encoded bytes, and the buffers they refer to (by index).

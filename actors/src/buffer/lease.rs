@@ -351,6 +351,119 @@ pub struct Lease<T: Element> {
     _t: PhantomData<fn() -> T>,
 }
 
+/// The accessors of an importer's lease, typed ([`Lease<T>`]) or not
+/// ([`AnyLease`](crate::AnyLease)), written once: each type has an `inner: IncomingLease`
+/// field. The argument is the precise-capture list of the futures (`use<T>`, `use<>`).
+macro_rules! lease_accessors {
+    ($($capture:tt)*) => {
+        /// The lease id (the exporter's).
+        pub fn id(&self) -> ::baton_messages::LeaseId {
+            self.inner.lease
+        }
+
+        /// Who exported the buffer.
+        pub fn exporter(&self) -> ::baton_messages::ExporterId {
+            self.inner.imported().exporter()
+        }
+
+        /// Whether the exporter is gone (its accessors then fail).
+        pub fn is_orphaned(&self) -> bool {
+            !self.inner.link.is_alive()
+        }
+
+        /// The deadline by which the exporter asked to have this lease back, if it did.
+        /// Drop the lease before then, or the link is cut.
+        pub fn revoke_deadline(&self) -> Option<::std::time::Instant> {
+            self.inner.held.revoke_deadline()
+        }
+
+        /// Resolves with the deadline once the exporter asks for this lease back
+        /// ([`Revoke`](crate::Revoke)); drop the lease before it, or the link is cut.
+        /// Resolves at once if it already has; never, if it never does. The future borrows
+        /// nothing, so the actor that holds the lease can handle its revoke itself:
+        ///
+        /// ```
+        /// use actix::prelude::*;
+        /// use baton_actors::Lease;
+        /// use std::collections::HashMap;
+        ///
+        /// struct Holder {
+        ///     leases: HashMap<u64, Lease<f32>>,
+        /// }
+        /// impl Actor for Holder {
+        ///     type Context = Context<Self>;
+        /// }
+        /// impl Holder {
+        ///     fn keep(&mut self, key: u64, lease: Lease<f32>, ctx: &mut Context<Self>) {
+        ///         ctx.spawn(lease.revoked().into_actor(self).map(move |_deadline, act, _| {
+        ///             act.leases.remove(&key); // dropping it gives it back
+        ///         }));
+        ///         self.leases.insert(key, lease);
+        ///     }
+        /// }
+        /// ```
+        ///
+        /// [`Node::on_revoke`](crate::Node::on_revoke) reports every revoke of the node,
+        /// by lease id, instead.
+        pub fn revoked(
+            &self,
+        ) -> impl ::std::future::Future<Output = ::std::time::Instant> + 'static + $($capture)* {
+            self.inner.held.revoked()
+        }
+
+        /// Where it is mapped in this process. The address stays valid while the lease
+        /// lives (an orphaned lease included: its mapping closes when it drops). Before
+        /// queuing work that uses it on a stream, call [`wait_on`](Self::wait_on) with that
+        /// stream (cudarc's API does it for you for typed leases: `DevicePtr`).
+        ///
+        /// # Errors
+        /// [`ActorError::Orphaned`](crate::ActorError::Orphaned).
+        pub fn ptr(&self) -> Result<::baton_ipc::MemPtr, $crate::ActorError> {
+            Ok(self.inner.live()?.ptr())
+        }
+
+        /// Orders the work you queue on `stream` from now on after the exporter's work that
+        /// produced the buffer (the stream waits on the offer's acquire fence, once per
+        /// stream), and keeps `stream`: dropping the lease records its release fence there,
+        /// after everything queued by then.
+        ///
+        /// # Errors
+        /// [`ActorError::Orphaned`](crate::ActorError::Orphaned); a backend error (the
+        /// fence cannot be opened, the stream is not of the backend's device);
+        /// [`ActorError::TooManyStreams`](crate::ActorError::TooManyStreams).
+        pub fn wait_on(
+            &self,
+            stream: impl Into<::baton_ipc::Stream>,
+        ) -> Result<(), $crate::ActorError> {
+            self.inner.live()?;
+            self.inner.order.wait_on(stream.into())
+        }
+
+        /// Whether it is device memory of a CUDA backend (cudarc's traits apply).
+        pub fn is_device(&self) -> bool {
+            matches!(self.inner.imported().ptr(), ::baton_ipc::MemPtr::Device(_))
+                && self.inner.imported().backend().cuda().is_some()
+        }
+
+        /// The import view, for backend-specific work (e.g. a kernel reading it).
+        ///
+        /// # Errors
+        /// [`ActorError::Orphaned`](crate::ActorError::Orphaned).
+        pub fn imported(&self) -> Result<&::baton_ipc::Imported, $crate::ActorError> {
+            self.inner.live()
+        }
+
+        /// How its bytes reached this process (see [`LeasePath`](crate::LeasePath)).
+        pub fn path(&self) -> $crate::LeasePath {
+            self.inner.path
+        }
+
+        /// Gives the lease back now (the same as dropping it).
+        pub fn release(self) {}
+    };
+}
+pub(crate) use lease_accessors;
+
 impl<T: Element> fmt::Debug for Lease<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("Lease").field(&self.inner).finish()
@@ -358,15 +471,7 @@ impl<T: Element> fmt::Debug for Lease<T> {
 }
 
 impl<T: Element> Lease<T> {
-    /// The lease id (the exporter's).
-    pub fn id(&self) -> LeaseId {
-        self.inner.lease
-    }
-
-    /// Who exported the buffer.
-    pub fn exporter(&self) -> ExporterId {
-        self.inner.imported().exporter()
-    }
+    lease_accessors!(use<T>);
 
     /// Elements leased: the buffer's, or a range lease's (its element 0 is the range's
     /// first).
@@ -387,46 +492,6 @@ impl<T: Element> Lease<T> {
     /// Its layout.
     pub fn layout(&self) -> &Layout {
         self.inner.imported().layout().expect("typed on arrival")
-    }
-
-    /// Whether the exporter is gone (its accessors then fail).
-    pub fn is_orphaned(&self) -> bool {
-        !self.inner.link.is_alive()
-    }
-
-    /// The deadline by which the exporter asked to have this lease back, if it did.
-    /// Drop the lease before then, or the link is cut.
-    pub fn revoke_deadline(&self) -> Option<Instant> {
-        self.inner.held.revoke_deadline()
-    }
-
-    /// Where the first element is mapped in this process. Before queuing work that uses
-    /// it on a stream, call [`wait_on`](Self::wait_on) with that stream (cudarc's API does
-    /// it for you: `DevicePtr`).
-    ///
-    /// # Errors
-    /// [`ActorError::Orphaned`].
-    pub fn ptr(&self) -> Result<MemPtr, ActorError> {
-        Ok(self.inner.live()?.ptr())
-    }
-
-    /// Orders the work you queue on `stream` from now on after the exporter's work that
-    /// produced the buffer (the stream waits on the offer's acquire fence, once per
-    /// stream), and keeps `stream`: dropping the lease records its release fence there,
-    /// after everything queued by then.
-    ///
-    /// # Errors
-    /// [`ActorError::Orphaned`]; a backend error (the fence cannot be opened, the stream is
-    /// not of the backend's device); [`ActorError::TooManyStreams`].
-    pub fn wait_on(&self, stream: impl Into<Stream>) -> Result<(), ActorError> {
-        self.inner.live()?;
-        self.inner.order.wait_on(stream.into())
-    }
-
-    /// Whether it is device memory of a CUDA backend (cudarc's traits apply).
-    pub fn is_device(&self) -> bool {
-        matches!(self.inner.imported().ptr(), MemPtr::Device(_))
-            && self.inner.imported().backend().cuda().is_some()
     }
 
     /// Reads elements starting at `index` into `out` (on the backend's own stream, after
@@ -468,54 +533,6 @@ impl<T: Element> Lease<T> {
             .ok_or(ActorError::NotHostMemory)?;
         bytemuck::try_cast_slice(bytes).map_err(|_| ActorError::NotHostMemory)
     }
-
-    /// Resolves with the deadline once the exporter asks for this lease back
-    /// ([`Revoke`](crate::Revoke)); drop the lease before it, or the link is cut. Resolves
-    /// at once if it already has; never, if it never does. The future borrows nothing, so
-    /// the actor that holds the lease can handle its revoke itself:
-    ///
-    /// ```
-    /// use actix::prelude::*;
-    /// use baton_actors::Lease;
-    /// use std::collections::HashMap;
-    ///
-    /// struct Holder {
-    ///     leases: HashMap<u64, Lease<f32>>,
-    /// }
-    /// impl Actor for Holder {
-    ///     type Context = Context<Self>;
-    /// }
-    /// impl Holder {
-    ///     fn keep(&mut self, key: u64, lease: Lease<f32>, ctx: &mut Context<Self>) {
-    ///         ctx.spawn(lease.revoked().into_actor(self).map(move |_deadline, act, _| {
-    ///             act.leases.remove(&key); // dropping it gives it back
-    ///         }));
-    ///         self.leases.insert(key, lease);
-    ///     }
-    /// }
-    /// ```
-    ///
-    /// [`Node::on_revoke`](crate::Node::on_revoke) reports every revoke of the node, by
-    /// lease id, instead.
-    pub fn revoked(&self) -> impl Future<Output = Instant> + 'static + use<T> {
-        self.inner.held.revoked()
-    }
-
-    /// The import view, for backend-specific work (e.g. a kernel reading it).
-    ///
-    /// # Errors
-    /// [`ActorError::Orphaned`].
-    pub fn imported(&self) -> Result<&Imported, ActorError> {
-        self.inner.live()
-    }
-
-    /// How its bytes reached this process (see [`LeasePath`]).
-    pub fn path(&self) -> LeasePath {
-        self.inner.path
-    }
-
-    /// Gives the lease back now (the same as dropping it).
-    pub fn release(self) {}
 
     /// The untyped lease (its id, its link).
     pub(crate) fn incoming(&self) -> &IncomingLease {
