@@ -65,7 +65,9 @@ impl Session {
     /// the token goes through a pipe the child inherits (named in
     /// [`TOKEN_FD_ENV`](crate::handoff::TOKEN_FD_ENV)), never through its environment, and
     /// [`TOKEN_ENV`](crate::TOKEN_ENV) is removed from the child's environment. One command,
-    /// one child.
+    /// one child. The child inherits no other descriptor above stderr (see
+    /// [`pass_token`](crate::handoff::pass_token)): one you mean it to have must be unmarked
+    /// by a `pre_exec` hook of yours added after this call.
     ///
     /// # Errors
     /// [`Error::Io`] if the pipe cannot be made.
