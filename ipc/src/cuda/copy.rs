@@ -15,7 +15,7 @@
 //!
 //! A plan of one copy is one `cuMemcpyDtoDAsync`, not the kernel, and needs no span table:
 //! the copy engine moves one range as fast as anything can (across GPUs in one process,
-//! 0.99–1.01× torch's peer-to-peer copy where the gather kernel takes 1.055–1.06×:
+//! 0.98–1.01× torch's peer-to-peer copy where the gather kernel takes 1.055–1.06×:
 //! `bench/probe/p2p_copy.py`; in the weight-sync benchmark across GPUs the engine's copy
 //! of one imported tensor took the same time either way, `docs/BENCHMARKS.md`).
 //!
