@@ -133,9 +133,10 @@ const MARK: u32 = 0x0C0F_FEE0;
 /// running when the other process acted (else it proves nothing and says so); kept short
 /// so the matrix repeats quickly (issue 46 runs it 20 times).
 const QUEUED_CYCLES: i64 = SPIN_CYCLES / 12;
-/// How long scenarios 3 and 4 watch for a dead helper's kernel landing: about three times
-/// as long as the kernel's spin (`QUEUED_CYCLES`) would have run.
-const LATE_WRITE_WATCH: Duration = Duration::from_millis(500);
+/// How long scenarios 3 and 4 watch for a dead helper's kernel landing, from our first
+/// write after its death: twice as long as the kernel's whole spin (`QUEUED_CYCLES`),
+/// which began before the kill.
+const LATE_WRITE_WATCH: Duration = Duration::from_millis(300);
 /// Fence waits the free of a flooded buffer may queue with counter fences: one per
 /// release stream of the helper (4), and room for the buffer's own marks.
 const COUNTER_FREE_WAITS: u64 = 64;
