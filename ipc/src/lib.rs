@@ -18,6 +18,8 @@
 //! - [`DriverThread`]: where blocking driver calls run for threads that must not block.
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
+//! - [`ring`]: a shared-memory frame ring per link direction with an adaptive doorbell
+//!   (issue 48's groundwork; no link uses it yet).
 //! - [`tcp`]: host links, the same frames between hosts over TCP with Noise.
 //! - [`transfer`]: engines that move memory between hosts ([`TransferEngine`]).
 //! - [`process`]: process identity and liveness that survive pid reuse.
@@ -40,8 +42,9 @@
 //! 3. the deployment: [`handoff`] (the session token's way to a child process), `session`
 //!    ([`Session`]: the token, its keys, the handle check), [`spawn`] (children that die
 //!    with this process);
-//! 4. the transport: [`link`] (sockets, handshake, frames with descriptors), [`tcp`]
-//!    (host links: TCP with Noise, the same frames without descriptors);
+//! 4. the transport: [`link`] (sockets, handshake, frames with descriptors), [`ring`]
+//!    (same-host frames through shared memory, an eventfd doorbell; uses nothing of the
+//!    crate), [`tcp`] (host links: TCP with Noise, the same frames without descriptors);
 //! 5. memory: `backend` (the [`Backend`] trait, [`Allocation`], [`OpenedMem`]), [`host`]
 //!    (the backend every generic test can run on), `cache` ([`ImportCache`],
 //!    [`Imported`]: any backend's mappings), [`cuda`] (after the cache, which its GPU tests
@@ -55,7 +58,8 @@
 //! beside `CudaBackend`, not in the trait.
 //!
 //! This crate knows nothing of actors. `unsafe` code lives only in backend modules, in
-//! [`spawn`] (`pre_exec` hooks), [`transfer`] (an engine's threads reading and writing a
+//! [`spawn`] (`pre_exec` hooks), [`ring`] (the ring's shared mapping, reached through
+//! atomics and raw copies), [`transfer`] (an engine's threads reading and writing a
 //! transfer's memory; NCCL loaded and called through FFI) and [`handoff`] (a `pre_exec`
 //! hook, the inherited token descriptor), and in one block of the import cache
 //! ([`Imported::host_bytes_mut`], the only caller that can keep the contract of
@@ -114,6 +118,9 @@ pub mod spawn;
 // Who a peer is across hosts (host id, node key), below both transports.
 mod identity;
 pub mod link;
+// Same-host frames through a shared-memory ring.
+#[allow(unsafe_code)]
+pub mod ring;
 // Host links: TCP with Noise, across hosts.
 pub mod tcp;
 
