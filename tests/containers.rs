@@ -6,12 +6,20 @@
 //!   directory, links over that Unix socket and maps our host memory (memfd descriptors
 //!   over the socket need no shared network, PID or IPC namespace): the typed round trip
 //!   of two buffers, read and answered exactly.
-//! - A peer in a PID namespace of its own (`unshare -p -f`) is refused, typed, with the
-//!   reason, on both sides: from inside, our pid is invisible (the kernel says 0); from
-//!   here, its pid is one of a nested namespace, so its claim cannot be checked and its
-//!   death not seen by pid. The listener serves the next peer as before.
+//! - A peer in a PID namespace of its own as well (`unshare -p -n -f`) links the same way:
+//!   we prove it by the pid `/proc` translates for it (`NSpid`) and its start time; it
+//!   cannot see us at all and binds our claim to the kernel's pidfd for the socket's peer
+//!   (`SO_PEERPIDFD`). Both watch the other die through that pidfd.
+//! - The freeing rule across PID namespaces: memory that must not be freed while a live
+//!   process maps it stays quarantined while a cut holder in another PID namespace lives
+//!   (its claimed pid names another process here), and is freed once it dies.
+//! - A claim from a nested PID namespace is checked against what `/proc` says of the
+//!   process: its own namespace's pid and its start time, nothing else.
 //!
-//! `docs/CROSS_HOST.md`, "Containers", says what works across namespaces and why.
+//! On a kernel without `SO_PEERPIDFD` (Linux 6.5) or pidfs (6.9) such a peer is refused,
+//! typed, with the reason (`Error::PeerInOtherPidNamespace`); the unit tests of
+//! `baton_ipc::link::creds` cover that branch. `docs/CROSS_HOST.md`, "Containers", says
+//! what works across namespaces and why.
 
 #[path = "support/actors.rs"]
 mod actors;
@@ -20,12 +28,13 @@ mod msgs;
 #[path = "support/peer.rs"]
 mod peer;
 
-use actors::{DEADLINE, Parent, run};
+use actors::{DEADLINE, LegacyLike, Parent, eventually, eventually_async, run};
+use baton::actors::{Peer, Revoke};
 use baton::ipc::host::{HOST_ENV, NAMESPACE_ENV};
 use baton::ipc::{Error as IpcError, HostBackend, PeerCred};
 use baton::messages::ProcessId;
-use msgs::{CheckPair, pattern};
-use std::io::Read;
+use msgs::{CheckPair, Hold, pattern};
+use rustix::process::{Pid, Signal, kill_process};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,46 +103,146 @@ fn a_peer_in_its_own_network_namespace_links_and_maps_our_host_memory() {
     });
 }
 
+/// A peer under `unshare ARGS… baton-actor-peer serve SOCKET EXTRA…` (memfd host memory,
+/// our session), and its link.
+/// A PID namespace goes with `--mount-proc`, as a container's does: a process reads its own
+/// identity from `/proc/self`, which must be its namespace's.
+async fn spawn_in_namespaces(
+    parent: &Parent,
+    unshare: &[&str],
+    extra: &[&str],
+) -> (Namespaced, Peer) {
+    let sock = parent.socket();
+    let ups = parent.events.ups().len();
+    let mut cmd = Command::new("unshare");
+    cmd.args(unshare)
+        .args([peer::exe("baton-actor-peer"), "serve", &sock])
+        .args(extra)
+        .env(NAMESPACE_ENV, &parent.ns)
+        .env(HOST_ENV, "memfd")
+        .env("BATON_BACKEND", "host")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    parent.session.pass_to(&mut cmd).unwrap();
+    let ns = Namespaced::start(&mut cmd);
+    eventually(DEADLINE, "the namespaced peer's link", || {
+        parent.events.ups().len() > ups
+    })
+    .await;
+    let link = parent.events.ups().swap_remove(ups);
+    (ns, link)
+}
+
+/// `unshare -f …` and the one child it forked, the init of the new PID namespace. Dropped
+/// (a test that failed half-way), it kills that init, and with it the namespace, so no
+/// process outlives the test.
+struct Namespaced {
+    unshare: std::process::Child,
+    /// The forked child's pid here.
+    inner: u32,
+}
+
+impl Namespaced {
+    fn start(cmd: &mut Command) -> Namespaced {
+        let unshare = cmd.spawn().unwrap();
+        let pid = unshare.id();
+        let start = Instant::now();
+        let inner = loop {
+            let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .unwrap_or_default();
+            if let Some(pid) = children.split_whitespace().next() {
+                break pid.parse().unwrap();
+            }
+            assert!(start.elapsed() < DEADLINE, "unshare forked nothing");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        Namespaced { unshare, inner }
+    }
+
+    fn signal(&self, sig: Signal) {
+        kill_process(Pid::from_raw(self.inner as i32).unwrap(), sig).unwrap();
+    }
+
+    /// `unshare`'s exit, once its child has ended.
+    fn reaped(&mut self) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.unshare.try_wait().unwrap() {
+                return status;
+            }
+            assert!(start.elapsed() < DEADLINE, "unshare never exited");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Namespaced {
+    fn drop(&mut self) {
+        if self.unshare.try_wait().ok().flatten().is_none() {
+            let _ = kill_process(Pid::from_raw(self.inner as i32).unwrap(), Signal::KILL);
+            let _ = self.unshare.kill();
+            let _ = self.unshare.wait();
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs root (unshare: a PID namespace)"]
-fn a_peer_in_another_pid_namespace_is_refused_with_the_reason_and_the_listener_serves_on() {
+fn a_peer_in_its_own_pid_and_network_namespaces_links_and_maps_our_host_memory() {
     run(async {
         let parent = memfd_parent("ct-pid");
-        let sock = parent.socket();
-        let exe = peer::exe("baton-actor-peer");
-        let ups = parent.events.ups().len();
-        let mut cmd = Command::new("unshare");
-        cmd.args(["-p", "-f", exe, "serve", &sock])
-            .env(NAMESPACE_ENV, &parent.ns)
-            .env(HOST_ENV, "memfd")
-            .env("BATON_BACKEND", "host")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        parent.session.pass_to(&mut cmd).unwrap();
-        let mut child = cmd.spawn().unwrap();
-        let mut stderr = child.stderr.take().unwrap();
-        let read = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = stderr.read_to_string(&mut text);
-            text
-        });
-        let start = Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            assert!(start.elapsed() < DEADLINE, "the peer never gave up");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
-        let said = read.join().unwrap();
-        assert!(!status.success(), "refused: {said}");
-        assert!(
-            said.contains("lives in another PID namespace"),
-            "the peer says why: {said}"
+        let (mut ns, link) =
+            spawn_in_namespaces(&parent, &["-p", "-n", "-f", "--mount-proc"], &[]).await;
+        // It names itself as its namespace does: pid 1, its init.
+        let claimed = link.process();
+        assert_eq!(claimed.pid, 1, "{claimed}");
+        assert_eq!(
+            baton::ipc::process::pid_in_nested_namespace(ns.inner),
+            Some(1)
         );
-        assert_eq!(parent.events.ups().len(), ups, "no link came up");
-
+        assert!(
+            baton::ipc::process::is_observed(&claimed),
+            "watched through a pidfd, not by the pid it claims"
+        );
+        const N: usize = 50_000;
+        let a = parent.pattern_buffer(N, 3).await;
+        let b: baton::Buffer<f32> = parent
+            .owner
+            .send(baton::actors::Allocate::vector(N as u64))
+            .await
+            .unwrap()
+            .unwrap();
+        b.write_at(0, &(0..N).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
+            .unwrap();
+        let reply = link
+            .remote::<CheckPair>("checker")
+            .send(CheckPair {
+                seed: 3,
+                a: a.share(),
+                b: b.share(),
+            })
+            .await
+            .unwrap();
+        assert!(
+            reply.ok,
+            "the peer in its own PID namespace read our memory"
+        );
+        let sum = reply.sum.open().unwrap();
+        assert_eq!(sum.path(), baton::actors::LeasePath::HostMemfd);
+        let sum = sum.to_vec().unwrap();
+        assert!(
+            sum.iter()
+                .enumerate()
+                .all(|(i, v)| *v == pattern(3, i) as f32 + i as f32 * 0.5),
+            "and its answer, in its memory, reads back here"
+        );
+        drop(sum);
+        link.close_and_wait().await;
+        assert!(ns.reaped().success());
+        eventually(DEADLINE, "its death seen through the pidfd", || {
+            baton::ipc::process::liveness(&claimed) == baton::ipc::process::Liveness::Dead
+        })
+        .await;
         // The listener serves the next peer, from our own namespace, as before.
         let (mut next, link) = parent.child(&[]).await;
         link.close_and_wait().await;
@@ -141,28 +250,90 @@ fn a_peer_in_another_pid_namespace_is_refused_with_the_reason_and_the_listener_s
     });
 }
 
-/// From our side: a process in a PID namespace nested below ours has a pid here, but
-/// claims its own namespace's (1, 2, …): the claim is refused as a PID-namespace peer, not
-/// as a liar.
+/// The freeing rule across PID namespaces. The holder claims pid 1, which here is our own
+/// init: `/proc` would call the holder dead at once (another start time) and let memory it
+/// still maps be freed. Watched through its pidfd, its memory stays quarantined while it
+/// lives, stopped and cut, and is freed once it dies.
 #[test]
 #[ignore = "needs root (unshare: a PID namespace)"]
-fn a_claim_from_a_nested_pid_namespace_is_refused_as_such() {
-    let mut unshare = Command::new("unshare")
-        .args(["-p", "-f", "sleep", "30"])
-        .spawn()
-        .unwrap();
-    // `unshare -f` forks `sleep`: find it among its children.
-    let start = Instant::now();
-    let inner: u32 = loop {
-        let children =
-            std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", unshare.id()))
-                .unwrap_or_default();
-        if let Some(pid) = children.split_whitespace().next() {
-            break pid.parse().unwrap();
-        }
-        assert!(start.elapsed() < DEADLINE, "unshare forked nothing");
-        std::thread::sleep(Duration::from_millis(5));
-    };
+fn legacy_like_memory_held_across_pid_namespaces_is_quarantined_until_the_holder_dies() {
+    run(async {
+        let ns = peer::namespace("ct-quar");
+        let backend = Arc::new(LegacyLike(HostBackend::memfd().unwrap()));
+        let parent = Parent::start_with(&ns, backend);
+        let (mut ns, link) = spawn_in_namespaces(
+            &parent,
+            &["-p", "-f", "--mount-proc"],
+            &["stubborn", "linger"],
+        )
+        .await;
+        let holder = link.process();
+        const LEN: usize = 4096;
+        let buf = parent.pattern_buffer(LEN, 5).await;
+        let id = buf.id();
+        link.remote::<Hold>("holder")
+            .send(Hold {
+                buffers: vec![buf.share()],
+            })
+            .await
+            .unwrap();
+        drop(buf);
+
+        ns.signal(Signal::STOP);
+        let asked = parent
+            .owner
+            .send(Revoke {
+                buffer: id,
+                within: Duration::from_millis(300),
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(asked, 1);
+        eventually(DEADLINE, "the stopped holder cut off", || {
+            parent.events.down_reason(link.link_id()).is_some()
+        })
+        .await;
+        let quarantined = || async {
+            parent
+                .table()
+                .await
+                .iter()
+                .any(|b| b.buffer == id && b.quarantined && b.cut_holders == [holder])
+        };
+        assert!(quarantined().await, "{:?}", parent.table().await);
+        // Long enough for a death watch by pid to have freed it (it reports at once).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            quarantined().await,
+            "still quarantined while the holder lives: {:?}",
+            parent.table().await
+        );
+        assert_eq!(parent.stats().await.quarantined_bytes, (LEN * 4) as u64);
+
+        // The holder is its namespace's init: killed, the namespace goes with it.
+        ns.signal(Signal::KILL);
+        ns.reaped();
+        eventually_async(
+            DEADLINE,
+            "the memory freed after the holder died",
+            || async { parent.table().await.iter().all(|b| b.buffer != id) },
+        )
+        .await;
+        assert_eq!(parent.stats().await.quarantined, 0);
+    });
+}
+
+/// From our side: a process in a PID namespace nested below ours has a pid here, but
+/// claims its own namespace's (1, 2, …). The claim holds when it is the pid `/proc`
+/// translates for it (`NSpid`) with its start time; any other is refused as a mismatch.
+/// (A claim of the pid we see, with its start time, names it as well as `/proc` can: it
+/// holds, and is watched by that pid.)
+#[test]
+#[ignore = "needs root (unshare: a PID namespace)"]
+fn a_claim_from_a_nested_pid_namespace_is_checked_by_its_namespace_pid_and_start_time() {
+    let mut ns = Namespaced::start(Command::new("unshare").args(["-p", "-f", "sleep", "30"]));
+    let inner = ns.inner;
     assert!(baton::ipc::process::in_nested_pid_namespace(inner));
     assert!(!baton::ipc::process::in_nested_pid_namespace(
         std::process::id()
@@ -172,18 +343,33 @@ fn a_claim_from_a_nested_pid_namespace_is_refused_as_such() {
         uid: 0,
         gid: 0,
     };
-    // What it would claim: pid 1 of its namespace.
-    let claim = ProcessId {
+    let started = baton::ipc::process::start_ticks(inner).unwrap();
+    let claim = |pid, start_ticks| ProcessId {
         boot: baton::ipc::process::boot_id(),
-        pid: 1,
-        start_ticks: baton::ipc::process::start_ticks(inner).unwrap(),
+        pid,
+        start_ticks,
     };
-    match cred.verify_claim(&claim) {
-        Err(IpcError::PeerInOtherPidNamespace { pid: Some(pid) }) => assert_eq!(pid, inner),
-        other => panic!("refused as a PID-namespace peer: {other:?}"),
+    for lie in [claim(2, started), claim(1, started + 1)] {
+        assert!(
+            matches!(
+                cred.verify_claim(&lie, None),
+                Err(IpcError::PeerIdentityMismatch { .. })
+            ),
+            "{lie} refused"
+        );
     }
+    let truth = claim(1, started);
+    cred.verify_claim(&truth, None).unwrap();
+    assert!(baton::ipc::process::is_observed(&truth));
+    assert_eq!(
+        baton::ipc::process::liveness(&truth),
+        baton::ipc::process::Liveness::Alive
+    );
     // `sleep` is its namespace's init: killed from here, and `unshare` exits with it.
-    let pid = rustix::process::Pid::from_raw(inner as i32).unwrap();
-    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
-    let _ = unshare.wait();
+    ns.signal(Signal::KILL);
+    ns.reaped();
+    assert_eq!(
+        baton::ipc::process::liveness(&truth),
+        baton::ipc::process::Liveness::Dead
+    );
 }

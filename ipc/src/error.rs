@@ -77,24 +77,32 @@ pub enum Error {
         got: &'static str,
     },
     /// The peer's process lives in another PID namespace than ours (a container of its
-    /// own): the kernel gives its pid as 0 when we cannot see it, or a pid whose process
-    /// sits in a namespace nested below ours. Baton proves who a peer is, and sees it die,
-    /// by its pid and start time (the freeing rule waits for a mapper's death): a PID
-    /// namespace hides both, so the link is refused rather than trusted blind.
+    /// own) and this kernel cannot prove and watch it without a pid: Baton proves a peer
+    /// of another PID namespace, and sees it die, through a pidfd the kernel gives for the
+    /// socket's peer (`SO_PEERPIDFD`, Linux 6.5+) whose inode names the process (pidfs,
+    /// Linux 6.9+). Without them the link is refused rather than trusted blind: `/proc`
+    /// would answer for another process, and the freeing rule could free memory the peer
+    /// still maps.
     #[error(
-        "the peer process{} lives in another PID namespace: Baton proves a peer's identity and sees it die by its pid and start time, which a PID namespace hides; run both processes in one PID namespace (containers: share the host's, e.g. `docker run --pid=host`); a network namespace of its own is fine",
+        "the peer process{} lives in another PID namespace and cannot be proven and watched from here: {why}; run both processes in one PID namespace (containers: share the host's, e.g. `docker run --pid=host`), or on Linux 6.9 or later",
         pid.map(|p| format!(" (pid {p} here)")).unwrap_or_else(|| " (not visible from here)".to_owned())
     )]
     PeerInOtherPidNamespace {
         /// Its pid in our namespace, when we can see it (it is nested below ours).
         pid: Option<u32>,
+        /// What this kernel or process lacks.
+        why: &'static str,
     },
     /// The identity a peer claims is not the process at the other end of the socket.
-    #[error("peer claims to be {claimed} but the socket belongs to pid {actual_pid}")]
+    #[error(
+        "peer claims to be {claimed} but the socket belongs to {}",
+        if *actual_pid == 0 { "another process, of another PID namespace".to_owned() } else { format!("pid {actual_pid}") }
+    )]
     PeerIdentityMismatch {
         /// What the peer said.
         claimed: ProcessId,
-        /// What the kernel says (`SO_PEERCRED`).
+        /// What the kernel says (`SO_PEERCRED`); 0 for a process with no pid in our PID
+        /// namespace.
         actual_pid: u32,
     },
     /// A frame announced more file descriptors than arrived with it.

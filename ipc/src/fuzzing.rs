@@ -9,7 +9,7 @@
 //! is broken. Nothing here maps memory, opens a socket or touches `/dev/shm`.
 
 use crate::backend::{Allocation, Backend, MemPtr, OpenedMem, RawMemory};
-use crate::link::{ClientHandshake, FrameFds, PeerCred, Refusal, ServerHandshake};
+use crate::link::{ClientHandshake, FrameFds, KernelPeer, PeerCred, Refusal, ServerHandshake};
 use crate::session::{CheckedHandle, Role, Session};
 use crate::{Error, ImportCache, Result, SharedBackend};
 use baton_messages::codec::{FrameDecoder, frame_bytes};
@@ -280,12 +280,16 @@ pub fn handle_msg(data: &[u8]) -> HandleDepth {
     depth
 }
 
-/// Our own credentials, as `SO_PEERCRED` would report them for a socket pair.
-fn own_cred() -> PeerCred {
-    PeerCred {
-        pid: std::process::id(),
-        uid: rustix::process::geteuid().as_raw(),
-        gid: rustix::process::getegid().as_raw(),
+/// Our own credentials, as `SO_PEERCRED` would report them for a socket pair (no pidfd:
+/// the peer is visible).
+fn own_cred() -> KernelPeer {
+    KernelPeer {
+        cred: PeerCred {
+            pid: std::process::id(),
+            uid: rustix::process::geteuid().as_raw(),
+            gid: rustix::process::getegid().as_raw(),
+        },
+        pidfd: None,
     }
 }
 

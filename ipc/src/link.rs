@@ -21,6 +21,7 @@ mod nonblocking;
 mod socket_dir;
 mod wire;
 
+pub(crate) use creds::KernelPeer;
 pub use creds::{PeerCred, PeerPolicy};
 pub use nonblocking::{AsyncLink, LinkCloser, LinkReader, LinkWriter};
 pub use socket_dir::{SocketDir, SocketSweepReport, sweep_dead_dirs};
@@ -146,15 +147,15 @@ impl Link {
     /// # Errors
     /// As [`connect`](Self::connect).
     pub fn client(stream: UnixStream, config: &LinkConfig) -> Result<Link> {
-        let cred = PeerCred::of(&stream)?;
-        config.policy.check(&cred)?;
-        let mut link = Self::unauthenticated(stream, cred, config.handshake_timeout)?;
+        let peer = KernelPeer::of(&stream)?;
+        config.policy.check(&peer.cred)?;
+        let mut link = Self::unauthenticated(stream, peer.cred, config.handshake_timeout)?;
         let result = (|| {
             let (state, hello) = ClientHandshake::start(&config.session)?;
             link.send(&hello, &[])?;
             let welcome = link.recv()?.message;
             let (auth, server) = state
-                .on_welcome(&config.session, &cred, welcome)
+                .on_welcome(&config.session, &peer, welcome)
                 .map_err(|r| link.refuse(r))?;
             link.send(&auth, &[])?;
             Ok(server)
@@ -171,15 +172,15 @@ impl Link {
     /// # Errors
     /// [`Error::PeerNotAllowed`] (the peer is told, then dropped), or a handshake error.
     pub fn server(stream: UnixStream, config: &LinkConfig) -> Result<Link> {
-        let cred = PeerCred::of(&stream)?;
-        let mut link = Self::unauthenticated(stream, cred, config.handshake_timeout)?;
-        if let Err(e) = config.policy.check(&cred) {
+        let peer = KernelPeer::of(&stream)?;
+        let mut link = Self::unauthenticated(stream, peer.cred, config.handshake_timeout)?;
+        if let Err(e) = config.policy.check(&peer.cred) {
             let refusal = Refusal::new(e, baton_messages::protocol::RefuseReason::NotAllowed);
             return Err(link.refuse(refusal));
         }
         let result = (|| {
             let hello = link.recv()?.message;
-            let (state, welcome) = ServerHandshake::on_hello(&config.session, &cred, hello)
+            let (state, welcome) = ServerHandshake::on_hello(&config.session, &peer, hello)
                 .map_err(|r| link.refuse(r))?;
             link.send(&welcome, &[])?;
             let auth = link.recv()?.message;

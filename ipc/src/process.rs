@@ -6,6 +6,11 @@
 use baton_messages::{BootId, ProcessId};
 use std::sync::OnceLock;
 
+mod observed;
+
+pub use observed::{MAX_OBSERVED, is_observed, peer_pidfd, pidfd_inode};
+pub(crate) use observed::{open_pidfd, peer_ucred, register as observe};
+
 /// The calling process's identity (computed once).
 pub fn current() -> ProcessId {
     static ME: OnceLock<ProcessId> = OnceLock::new();
@@ -68,23 +73,39 @@ fn parse_stat(text: &str) -> Option<Stat> {
     Some(Stat { state, start_ticks })
 }
 
-/// How many PID namespaces `status` (the text of `/proc/<pid>/status`) says its process is
-/// in: the entries of its `NSpid` line (one per namespace, ours first), if it has one.
-fn pid_namespace_depth(status: &str) -> Option<usize> {
+/// The pids of `status`'s process (the text of `/proc/<pid>/status`), one per PID
+/// namespace it is in, ours first: its `NSpid` line, if it has one.
+fn namespace_pids(status: &str) -> Option<Vec<u32>> {
     let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
-    Some(line.split_ascii_whitespace().count())
+    line.split_ascii_whitespace()
+        .map(|p| p.parse().ok())
+        .collect()
+}
+
+fn namespace_pids_of(who: &str) -> Option<Vec<u32>> {
+    std::fs::read_to_string(format!("/proc/{who}/status"))
+        .ok()
+        .as_deref()
+        .and_then(namespace_pids)
+}
+
+/// The pid that process `pid` (as we see it) has in its own PID namespace, if that
+/// namespace is nested below ours: the last of its `NSpid` entries, when it has more than
+/// our own. `None` when it is in our namespace or `/proc` cannot tell.
+pub fn pid_in_nested_namespace(pid: u32) -> Option<u32> {
+    let theirs = namespace_pids_of(&pid.to_string())?;
+    let ours = namespace_pids_of("self")?;
+    if theirs.len() > ours.len() {
+        theirs.last().copied()
+    } else {
+        None
+    }
 }
 
 /// Whether process `pid` (as we see it) lives in a PID namespace nested below ours: its
 /// `NSpid` has more entries than our own. `false` when `/proc` cannot tell.
 pub fn in_nested_pid_namespace(pid: u32) -> bool {
-    let depth = |who: &str| {
-        std::fs::read_to_string(format!("/proc/{who}/status"))
-            .ok()
-            .as_deref()
-            .and_then(pid_namespace_depth)
-    };
-    matches!((depth(&pid.to_string()), depth("self")), (Some(theirs), Some(ours)) if theirs > ours)
+    pid_in_nested_namespace(pid).is_some()
 }
 
 /// A process's start time in clock ticks since boot, if it exists.
@@ -103,10 +124,15 @@ pub enum Liveness {
     Unknown,
 }
 
-/// Whether `process` is alive. A process of another boot is dead by definition.
+/// Whether `process` is alive. A process of another boot is dead by definition; a link
+/// peer of another PID namespace is asked through its pidfd (see [`is_observed`]), every
+/// other process through `/proc`.
 pub fn liveness(process: &ProcessId) -> Liveness {
     if process.boot != boot_id() {
         return Liveness::Dead;
+    }
+    if let Some(known) = observed::liveness(process) {
+        return known;
     }
     liveness_of(process.pid, process.start_ticks)
 }
@@ -211,6 +237,10 @@ fn start_watching(process: &ProcessId) -> Option<Observed> {
     if process.boot != boot_id() {
         return None;
     }
+    // A peer of another PID namespace: its pid here is not its own; its pidfd is.
+    if let Some(pidfd) = observed::watch(process) {
+        return pidfd.map(Observed::Pidfd);
+    }
     let pid = rustix::process::Pid::from_raw(process.pid as i32)?;
     let observed = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
         Ok(fd) => Observed::Pidfd(fd),
@@ -282,12 +312,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_pid_namespace_depth_is_the_count_of_nspid_entries() {
+    fn the_namespace_pids_are_the_nspid_entries() {
         let status = |nspid: &str| format!("Name:\tx\nTgid:\t7\nNSpid:{nspid}\nPPid:\t1\n");
-        assert_eq!(pid_namespace_depth(&status("\t4021")), Some(1));
-        assert_eq!(pid_namespace_depth(&status("\t4021\t1")), Some(2));
-        assert_eq!(pid_namespace_depth(&status("\t4021\t7\t1")), Some(3));
-        assert_eq!(pid_namespace_depth("Name:\tx\n"), None, "an old kernel");
+        assert_eq!(namespace_pids(&status("\t4021")), Some(vec![4021]));
+        assert_eq!(namespace_pids(&status("\t4021\t1")), Some(vec![4021, 1]));
+        assert_eq!(
+            namespace_pids(&status("\t4021\t7\t1")),
+            Some(vec![4021, 7, 1])
+        );
+        assert_eq!(namespace_pids("Name:\tx\n"), None, "an old kernel");
+        assert_eq!(namespace_pids(&status("\t4021\tx")), None, "garbage");
+        assert_eq!(pid_in_nested_namespace(std::process::id()), None);
         // This process is no deeper than itself.
         assert!(!in_nested_pid_namespace(std::process::id()));
     }

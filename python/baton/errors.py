@@ -295,9 +295,10 @@ class PeerIdentityMismatch(Ipc):
 
 
 class PeerInOtherPidNamespace(Ipc):
-    """The peer's process lives in another PID namespace (a container of its own): Baton
-    proves identities and sees deaths by pid, which the namespace hides. Run both in one
-    PID namespace (docs/CROSS_HOST.md, "Containers")."""
+    """The peer's process lives in another PID namespace (a container of its own) and this
+    kernel cannot prove and watch it without a pid (it needs SO_PEERPIDFD and pidfs, Linux
+    6.9+). Run both in one PID namespace, or on a newer kernel (docs/CROSS_HOST.md,
+    "Containers")."""
 
 
 class MissingFds(Ipc):

@@ -197,9 +197,18 @@ fn every_variant() -> Vec<(Error, Fault)> {
             Fault::Usage,
         ),
         (Error::ZeroSize, Fault::Usage),
-        (Error::PeerInOtherPidNamespace { pid: None }, Fault::Usage),
         (
-            Error::PeerInOtherPidNamespace { pid: Some(9) },
+            Error::PeerInOtherPidNamespace {
+                pid: None,
+                why: "no pidfd",
+            },
+            Fault::Usage,
+        ),
+        (
+            Error::PeerInOtherPidNamespace {
+                pid: Some(9),
+                why: "no pidfs",
+            },
             Fault::Usage,
         ),
         (

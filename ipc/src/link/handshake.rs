@@ -4,7 +4,7 @@
 //! their own identity; the token itself never travels. Each side also checks that the
 //! identity the peer claims is the process the kernel says is connected.
 
-use super::creds::PeerCred;
+use super::creds::KernelPeer;
 use crate::session::{Role, Session};
 use crate::{Error, Result};
 use baton_messages::protocol::{Auth, Hello, Nonce, RefuseReason, Refused, Welcome};
@@ -76,8 +76,8 @@ fn check_version(version: u8) -> Result<(), Refusal> {
     }
 }
 
-fn check_claim(cred: &PeerCred, claimed: &ProcessId) -> Result<(), Refusal> {
-    cred.verify_claim(claimed)
+fn check_claim(peer: &KernelPeer, claimed: &ProcessId) -> Result<(), Refusal> {
+    peer.verify_claim(claimed)
         .map_err(|e| Refusal::new(e, RefuseReason::ProtocolViolation))
 }
 
@@ -103,14 +103,14 @@ impl ClientHandshake {
     pub(crate) fn on_welcome(
         self,
         session: &Session,
-        cred: &PeerCred,
+        peer: &KernelPeer,
         msg: Message,
     ) -> Result<(Message, ProcessId), Refusal> {
         let Message::Welcome(w) = msg else {
             return Err(unexpected("Welcome", &msg));
         };
         check_version(w.version)?;
-        check_claim(cred, &w.process)?;
+        check_claim(peer, &w.process)?;
         if !session.check_proof(Role::Server, &self.nonce, &w.nonce, &w.process, &w.proof) {
             return Err(Refusal::new(Error::BadToken, RefuseReason::BadToken));
         }
@@ -131,14 +131,14 @@ impl ServerHandshake {
     /// Takes the client's `Hello`: the `Welcome` to send.
     pub(crate) fn on_hello(
         session: &Session,
-        cred: &PeerCred,
+        peer: &KernelPeer,
         msg: Message,
     ) -> Result<(Self, Message), Refusal> {
         let Message::Hello(h) = msg else {
             return Err(unexpected("Hello", &msg));
         };
         check_version(h.version)?;
-        check_claim(cred, &h.process)?;
+        check_claim(peer, &h.process)?;
         let server_nonce = Nonce(crate::session::random_bytes()?);
         let me = session.process();
         let welcome = Message::Welcome(Welcome {
@@ -179,13 +179,21 @@ impl ServerHandshake {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::link::PeerCred;
     use baton_messages::SessionToken;
 
-    fn me_cred() -> PeerCred {
+    fn cred() -> PeerCred {
         PeerCred {
             pid: std::process::id(),
             uid: rustix::process::geteuid().as_raw(),
             gid: 0,
+        }
+    }
+
+    fn me_cred() -> KernelPeer {
+        KernelPeer {
+            cred: cred(),
+            pidfd: None,
         }
     }
 
@@ -253,9 +261,9 @@ mod tests {
     fn a_claimed_identity_must_match_the_socket() {
         let s = Session::new(SessionToken::from_bytes([5; 32]));
         let (_, hello) = ClientHandshake::start(&s).unwrap();
-        let other = PeerCred {
-            pid: 1,
-            ..me_cred()
+        let other = KernelPeer {
+            cred: PeerCred { pid: 1, ..cred() },
+            pidfd: None,
         };
         let r = ServerHandshake::on_hello(&s, &other, hello).unwrap_err();
         assert!(matches!(r.error, Error::PeerIdentityMismatch { .. }));

@@ -8,7 +8,7 @@
 //! edge-triggered) with nothing to do (issue 24: two `epoll_wait`s per round trip and, on a
 //! shared core, a second wakeup of the peer).
 
-use super::creds::PeerCred;
+use super::creds::{KernelPeer, PeerCred};
 use super::handshake::{ClientHandshake, Refusal, ServerHandshake};
 use super::wire::{Received, Receiver, io_error, send_some};
 use super::{LinkConfig, PeerInfo, Via};
@@ -185,14 +185,14 @@ impl AsyncLink {
     /// # Errors
     /// As [`Link::client`](super::Link::client).
     pub async fn client(stream: UnixStream, config: &LinkConfig) -> Result<AsyncLink> {
-        let cred = PeerCred::of(&stream)?;
-        config.policy.check(&cred)?;
+        let peer = KernelPeer::of(&stream)?;
+        config.policy.check(&peer.cred)?;
         let mut rx = Receiver::default();
         let handshake = async {
             let (state, hello) = ClientHandshake::start(&config.session)?;
             send_message(&stream, &hello).await?;
             let welcome = recv_frame(&stream, &mut rx).await?.message;
-            let (auth, server) = match state.on_welcome(&config.session, &cred, welcome) {
+            let (auth, server) = match state.on_welcome(&config.session, &peer, welcome) {
                 Ok(ok) => ok,
                 Err(r) => return Err(refuse(&stream, r).await),
             };
@@ -201,7 +201,7 @@ impl AsyncLink {
         };
         let server = deadline(config, handshake).await?;
         tracing::debug!(peer = %server, "link established (client)");
-        Self::established(stream, rx, server, cred)
+        Self::established(stream, rx, server, peer.cred)
     }
 
     /// Completes the handshake as the server over an accepted stream.
@@ -209,14 +209,14 @@ impl AsyncLink {
     /// # Errors
     /// As [`Link::server`](super::Link::server).
     pub async fn server(stream: UnixStream, config: &LinkConfig) -> Result<AsyncLink> {
-        let cred = PeerCred::of(&stream)?;
-        if let Err(e) = config.policy.check(&cred) {
+        let peer = KernelPeer::of(&stream)?;
+        if let Err(e) = config.policy.check(&peer.cred) {
             return Err(refuse(&stream, Refusal::new(e, RefuseReason::NotAllowed)).await);
         }
         let mut rx = Receiver::default();
         let handshake = async {
             let hello = recv_frame(&stream, &mut rx).await?.message;
-            let (state, welcome) = match ServerHandshake::on_hello(&config.session, &cred, hello) {
+            let (state, welcome) = match ServerHandshake::on_hello(&config.session, &peer, hello) {
                 Ok(ok) => ok,
                 Err(r) => return Err(refuse(&stream, r).await),
             };
@@ -229,7 +229,7 @@ impl AsyncLink {
         };
         let client = deadline(config, handshake).await?;
         tracing::debug!(peer = %client, "link established (server)");
-        Self::established(stream, rx, client, cred)
+        Self::established(stream, rx, client, peer.cred)
     }
 
     /// The handshake is done: the socket leaves tokio's registration for reads and
