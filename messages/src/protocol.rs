@@ -241,6 +241,22 @@ pub struct PoolRetired {
     pub pool: u64,
 }
 
+/// The sender made a shared-memory ring for the frames the receiver sends it (issue 48,
+/// item 1; `baton_ipc::ring`) and passes its three descriptors beside this frame: slot 0
+/// the sealed memory, slot 1 the doorbell, slot 2 the space bell. Sent at most once per
+/// link, right after the handshake, only on a link within one host. The receiver checks
+/// the descriptors; if they are a ring it answers [`Message::RingReady`] as its last frame
+/// on the socket alone and writes every later frame into the ring (a frame with
+/// descriptors, or too large for the ring, goes on the socket after a marker in the ring).
+/// If they are not, it says nothing and keeps writing on the socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+pub struct RingOffer {
+    /// The ring's data bytes, as its creator made it (the receiver checks it against the
+    /// memory, which is what counts).
+    pub capacity: u64,
+}
+
 /// A typed message for a named actor in the receiving process.
 ///
 /// `payload` is the user's message, bincode-encoded; each `Shared<T>` field in it was
@@ -541,6 +557,12 @@ pub enum Message {
     Rendezvous(Rendezvous),
     /// [`PoolRetired`] (links within one host only).
     PoolRetired(PoolRetired),
+    /// [`RingOffer`] (links within one host only; three descriptors beside it).
+    RingOffer(RingOffer),
+    /// The answer to a [`RingOffer`]: the sender's last frame on the socket alone; every
+    /// later frame of the sender is in the ring, or on the socket after a marker in the
+    /// ring. At most once per link, and only after the receiver's offer.
+    RingReady,
 }
 
 impl Message {
@@ -570,6 +592,8 @@ impl Message {
             Message::Pull(_) => "Pull",
             Message::Rendezvous(_) => "Rendezvous",
             Message::PoolRetired(_) => "PoolRetired",
+            Message::RingOffer(_) => "RingOffer",
+            Message::RingReady => "RingReady",
         }
     }
 }
