@@ -116,6 +116,14 @@ pub enum Error {
     /// A peer sent more file descriptors than its frames announce.
     #[error("peer sent file descriptors that no frame announced")]
     UnexpectedFds,
+    /// The peer wrote something into a link's shared-memory ring that no Baton writer or
+    /// reader would ([`RingError::Corrupt`](crate::ring::RingError::Corrupt)): the ring,
+    /// and the link it came with, are unusable.
+    #[error("the peer corrupted the link's ring ({reason}): drop the link")]
+    RingCorrupt {
+        /// What did not check.
+        reason: &'static str,
+    },
     /// The kernel dropped the descriptors of a frame on its way into this process (it was
     /// at its descriptor limit, `RLIMIT_NOFILE`): a local failure, not the sender's.
     #[error(
@@ -611,6 +619,7 @@ impl Error {
             | Error::PeerIdentityMismatch { .. }
             | Error::MissingFds { .. }
             | Error::UnexpectedFds
+            | Error::RingCorrupt { .. }
             | Error::MissingFdSlot { .. }
             | Error::UnsealedMemory { .. }
             | Error::BadToken

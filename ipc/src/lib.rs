@@ -19,7 +19,7 @@
 //! - [`Session`]: the deployment's token, which authenticates links and seals handles.
 //! - [`link`]: framed, authenticated Unix-socket links with descriptors out of band.
 //! - [`ring`]: a shared-memory frame ring per link direction with an adaptive doorbell
-//!   (issue 48's groundwork; no link uses it yet).
+//!   (issue 48), which an [`AsyncLink`] uses where [`LinkConfig::with_ring`] asks for it.
 //! - [`tcp`]: host links, the same frames between hosts over TCP with Noise.
 //! - [`transfer`]: engines that move memory between hosts ([`TransferEngine`]).
 //! - [`process`]: process identity and liveness that survive pid reuse.
@@ -42,9 +42,9 @@
 //! 3. the deployment: [`handoff`] (the session token's way to a child process), `session`
 //!    ([`Session`]: the token, its keys, the handle check), [`spawn`] (children that die
 //!    with this process);
-//! 4. the transport: [`link`] (sockets, handshake, frames with descriptors), [`ring`]
-//!    (same-host frames through shared memory, an eventfd doorbell; uses nothing of the
-//!    crate), [`tcp`] (host links: TCP with Noise, the same frames without descriptors);
+//! 4. the transport: [`ring`] (same-host frames through shared memory, an eventfd
+//!    doorbell; uses nothing of the crate), [`link`] (sockets, handshake, frames with
+//!    descriptors; an [`AsyncLink`] may carry its frames through a ring), [`tcp`] (host links: TCP with Noise, the same frames without descriptors);
 //! 5. memory: `backend` (the [`Backend`] trait, [`Allocation`], [`OpenedMem`]), [`host`]
 //!    (the backend every generic test can run on), `cache` ([`ImportCache`],
 //!    [`Imported`]: any backend's mappings), [`cuda`] (after the cache, which its GPU tests
@@ -114,13 +114,13 @@ mod session;
 pub mod spawn;
 
 // 4. The transport.
-// Framed, authenticated links.
 // Who a peer is across hosts (host id, node key), below both transports.
 mod identity;
-pub mod link;
-// Same-host frames through a shared-memory ring.
+// Same-host frames through a shared-memory ring (below the link, which carries it).
 #[allow(unsafe_code)]
 pub mod ring;
+// Framed, authenticated links.
+pub mod link;
 // Host links: TCP with Noise, across hosts.
 pub mod tcp;
 

@@ -13,11 +13,16 @@
 //! [`Listener`] goes on accepting the next.
 //!
 //! [`Link`] is the blocking driver (helper processes, tools, tests, benchmarks);
-//! [`AsyncLink`] drives the same wire format and handshake on tokio (the actor layer).
+//! [`AsyncLink`] drives the same wire format and handshake on tokio (the actor layer), and
+//! can carry its frames through a shared-memory ring per direction
+//! ([`LinkConfig::with_ring`], [`crate::ring`]; the blocking driver stays on the socket).
 
 mod creds;
 mod handshake;
 mod nonblocking;
+#[cfg(test)]
+mod ring_tests;
+mod ringed;
 mod socket_dir;
 mod wire;
 
@@ -49,16 +54,79 @@ pub struct LinkConfig {
     pub policy: PeerPolicy,
     /// How long a peer may take to complete the handshake.
     pub handshake_timeout: Duration,
+    /// Whether an [`AsyncLink`] asks its peer to send it frames through a shared-memory
+    /// ring of this many data bytes ([`crate::ring`]; a power of two between
+    /// [`MIN_CAPACITY`](crate::ring::MIN_CAPACITY) and
+    /// [`MAX_CAPACITY`](crate::ring::MAX_CAPACITY)), `None` for the socket alone. See
+    /// [`with_ring`](Self::with_ring).
+    pub ring: Option<usize>,
+}
+
+/// The environment variable [`LinkConfig::new`] reads for its ring setting: a capacity in
+/// bytes (`1048576`), or `1` for [`DEFAULT_CAPACITY`](crate::ring::DEFAULT_CAPACITY);
+/// unset, empty or `0` for no ring.
+pub const RING_ENV: &str = "BATON_LINK_RING";
+
+/// The ring setting a value of [`RING_ENV`] asks for; an unreadable value is no ring (and
+/// a warning).
+fn ring_setting(value: Option<&str>) -> Option<usize> {
+    match value.map(str::trim) {
+        None | Some("" | "0") => None,
+        Some("1") => Some(crate::ring::DEFAULT_CAPACITY),
+        Some(bytes) => match bytes.parse() {
+            Ok(capacity) => Some(capacity),
+            Err(_) => {
+                tracing::warn!(
+                    value = bytes,
+                    "{RING_ENV} is neither a capacity in bytes nor 1: links use the socket alone"
+                );
+                None
+            }
+        },
+    }
 }
 
 impl LinkConfig {
-    /// Same-uid peers, a 5 s handshake deadline.
+    /// Same-uid peers, a 5 s handshake deadline, and the ring setting of
+    /// [`RING_ENV`] (`BATON_LINK_RING`; no ring when it is unset).
     pub fn new(session: Session) -> Self {
         Self {
             session,
             policy: PeerPolicy::same_user(),
             handshake_timeout: Duration::from_secs(5),
+            ring: ring_setting(std::env::var(RING_ENV).ok().as_deref()),
         }
+    }
+
+    /// With a shared-memory ring of `capacity` data bytes for the frames the peer sends
+    /// this side of an [`AsyncLink`] (issue 48; [`crate::ring`]).
+    ///
+    /// After the handshake this side creates the ring (a sealed, unnamed memfd and two
+    /// eventfds) and offers it over the authenticated socket (`RingOffer`, its three
+    /// descriptors beside it). The peer checks the descriptors; if they are a ring, it
+    /// answers `RingReady` as its last frame on the socket alone and from then on writes
+    /// its frames into the ring, a frame that carries descriptors or is larger than the
+    /// ring's [`max_frame`](crate::ring::RingReader::max_frame) on the socket after a
+    /// marker in the ring, so that order holds. A peer accepts an offer whatever its own
+    /// setting, so one side asking is enough for the direction towards it; each direction
+    /// has its own ring. A capacity the ring refuses, or a peer that refuses the ring,
+    /// leaves the link on the socket (logged).
+    ///
+    /// The blocking [`Link`] neither offers nor accepts rings: an offer reaches its
+    /// caller as a message to ignore, and the peer then keeps using the socket.
+    ///
+    /// A reader polls its ring only on a runtime built with
+    /// [`before_park`](crate::ring::before_park) as its `on_thread_park` hook (see
+    /// [`ring::park`](crate::ring::park)); without it every frame is a doorbell wakeup.
+    pub fn with_ring(mut self, capacity: usize) -> Self {
+        self.ring = Some(capacity);
+        self
+    }
+
+    /// Without a ring (the socket alone), whatever [`RING_ENV`] says.
+    pub fn without_ring(mut self) -> Self {
+        self.ring = None;
+        self
     }
 
     /// With another peer policy.

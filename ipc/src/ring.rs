@@ -1,5 +1,6 @@
 //! A shared-memory frame ring for one direction of a same-host link, with an adaptive
-//! doorbell (issue 48, item 1: the groundwork; no link uses it yet).
+//! doorbell (issue 48, item 1), which an [`AsyncLink`](crate::AsyncLink) uses where its
+//! [`LinkConfig::with_ring`](crate::LinkConfig::with_ring) asks for one.
 //!
 //! A crossing through a Unix socket costs a system call on each side and, when the reader
 //! sleeps, the wakeup of a thread (the "socket floor" of `docs/BENCHMARKS.md`). A ring in
@@ -85,22 +86,45 @@
 //! has no name: nothing is left in `/dev/shm` whoever is killed; the kernel frees the pages
 //! with their last descriptor or mapping.
 //!
-//! # The link integration (designed, not built)
+//! # The link integration
 //!
-//! - The handshake gains a capability bit; a link uses rings only where both peers set it.
-//! - The accepting side creates one ring per direction (the reader of each creates it) and
-//!   passes [`RingFds`] over the authenticated Unix link, as descriptors beside a frame. A
-//!   ring is thereby authenticated by the link it was set up on and lives as long as it:
-//!   closing the link drops both ends (both sides then see [`RingError::Closed`]), and the
-//!   memfds are never named, so nothing can remain in `/dev/shm` after any kill.
-//! - Frames without descriptors go on the ring. A frame carrying descriptors still goes on
-//!   the socket, preceded by a socket marker in the ring ([`RingWriter::try_send_marker`]):
-//!   the reader, on [`Entry::Socket`], reads the next frame from the socket, so order holds.
-//! - A node's arbiters poll on their own thread: actix-rt's `System::with_tokio_rt` with a
-//!   current-thread runtime built with `on_thread_park(before_park)`, each link's reader an
-//!   [`AsyncRingReader`].
-//! - A full ring applies the link's existing queue bound: the sender waits for room up to
-//!   its deadline or is told `Full`, as with a full socket; nothing grows without bound.
+//! Built (`link::ringed`, [`AsyncLink`](crate::AsyncLink); opt-in, off by default):
+//!
+//! - A side whose [`LinkConfig::ring`](crate::LinkConfig::ring) is set (by
+//!   [`with_ring`](crate::LinkConfig::with_ring), or `BATON_LINK_RING` read by
+//!   [`LinkConfig::new`](crate::LinkConfig::new)) creates, right after the handshake, the
+//!   ring it will read, and sends its [`RingFds`] over the authenticated Unix socket as
+//!   descriptors beside a `RingOffer` frame. No capability bit: a peer accepts an offer
+//!   whatever its own setting, so one side asking is enough for the direction towards it,
+//!   and each direction has its own ring. Off on both sides, nothing on the wire changes.
+//! - The peer checks the descriptors ([`RingWriter::open`]); anything else is logged at
+//!   debug and the socket stays. Its next send announces the ring with `RingReady`, its
+//!   last frame on the socket alone, and from then on frames without descriptors that fit
+//!   go into the ring; a frame with descriptors, or above [`RingWriter::max_frame`], goes on
+//!   the socket after a marker ([`RingWriter::try_send_marker`]), under the writers' lock,
+//!   so no other clone's frame comes between. The offering reader reads the socket until
+//!   `RingReady`, then the ring, and the socket only at [`Entry::Socket`], one frame each:
+//!   order holds across the switch.
+//! - The reader waits on the ring ([`AsyncRingReader`]) and the socket at once: socket
+//!   bytes with no marker before them break the protocol; the socket's end of stream ends
+//!   the link, also when the peer was killed without closing its ring.
+//!   [`RingError::Corrupt`] ends it as the peer's fault.
+//! - A full ring makes the writer wait for room on the `space` bell (announced with
+//!   [`RingWriter::announce_waiting`]) until the link is closed or cut: the ring's capacity
+//!   bounds what is in flight, nothing grows. The memfds are never named: nothing can
+//!   remain in `/dev/shm` after any kill, and the ring's ends close with the link's halves.
+//!
+//! Still open:
+//!
+//! - A node's arbiters do not poll yet: the actors' links still use the socket alone, and
+//!   a reader only polls on a runtime built with `on_thread_park(before_park)` (e.g.
+//!   actix-rt's `System::with_tokio_rt` with a current-thread runtime built so, each link's
+//!   reader on that arbiter); without the hook every frame costs a doorbell wakeup.
+//! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and an
+//!   offer reaches its caller as a message to ignore (the peer then keeps the socket).
+//! - Frames a dead peer left in the ring are not seen by
+//!   [`LinkCloser::readable_now`](crate::LinkCloser::readable_now), which looks at the
+//!   socket alone.
 //!
 //! # Safety
 //!
@@ -869,6 +893,36 @@ impl RingWriter {
     /// Whether the reader dropped its end.
     pub fn is_closed(&self) -> bool {
         self.map.is_closed()
+    }
+
+    /// The space bell, for a caller that waits for room itself (an event loop): readable
+    /// after the reader made room, which it signals only after
+    /// [`announce_waiting`](Self::announce_waiting). Read it back to zero (8 bytes) before
+    /// waiting on it again.
+    pub fn space_fd(&self) -> BorrowedFd<'_> {
+        self.space.as_fd()
+    }
+
+    /// Tells the reader to signal `space` after its next consume: sets the waiting flag,
+    /// then a `SeqCst` fence. The caller must try its send again before it blocks (module
+    /// docs, "Ordering"), and call [`stop_waiting`](Self::stop_waiting) once it stops
+    /// waiting.
+    pub fn announce_waiting(&self) {
+        self.map
+            .header()
+            .writer_waiting
+            .0
+            .store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Takes the announcement of [`announce_waiting`](Self::announce_waiting) back.
+    pub fn stop_waiting(&self) {
+        self.map
+            .header()
+            .writer_waiting
+            .0
+            .store(0, Ordering::Relaxed);
     }
 
     fn corrupt(&mut self, why: &'static str) -> RingError {

@@ -7,14 +7,26 @@
 //! registered for both wakes its process every time the peer reads our bytes (write space,
 //! edge-triggered) with nothing to do (issue 24: two `epoll_wait`s per round trip and, on a
 //! shared core, a second wakeup of the peer).
+//!
+//! With a ring ([`LinkConfig::with_ring`]), frames travel through shared memory instead
+//! (`ringed`, [`crate::ring`]): a writer copies each frame without descriptors into the
+//! peer's ring, the reader waits on its ring's doorbell and on the socket at once (the
+//! socket carries the frames with descriptors, after a marker in the ring, and tells a
+//! dead peer by its end of stream). A ring that is full makes a writer wait for room on
+//! the ring's space bell, until the link is closed: the ring's capacity is the bound.
 
 use super::creds::{KernelPeer, PeerCred};
 use super::handshake::{ClientHandshake, Refusal, ServerHandshake};
-use super::wire::{Received, Receiver, io_error, send_some};
+use super::ringed::{
+    Push, RxRing, Shared, TxRing, TxState, accept_offer, decode_ring_frame, first_frame, make_ring,
+    ring_error,
+};
+use super::wire::{FrameFds, Received, Receiver, io_error, send_some};
 use super::{LinkConfig, PeerInfo, Via};
+use crate::ring::{Entry, RingError, RingReader};
 use crate::{Error, Result};
-use baton_messages::codec::encode_frame;
-use baton_messages::protocol::RefuseReason;
+use baton_messages::codec::{encode_frame, frame_bytes};
+use baton_messages::protocol::{RefuseReason, RingOffer};
 use baton_messages::{Message, ProcessId};
 use std::io::ErrorKind;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -34,6 +46,8 @@ pub struct AsyncLink {
     stream: Arc<Sock>,
     rx: Receiver,
     peer: PeerInfo,
+    shared: Arc<Shared>,
+    ring: RxRing,
 }
 
 async fn send_frame(
@@ -168,6 +182,30 @@ async fn refuse(stream: &UnixStream, refusal: Refusal) -> Error {
     refusal.error
 }
 
+/// Offers the peer a ring for its frames to this side, if the configuration asks for one
+/// (`RingOffer`, the ring's three descriptors beside it): this side's reading end, or
+/// `None` when no ring is asked for, none could be made (logged), or the offer could not
+/// be sent (the socket's failure, a refusal the peer sent, shows at the next receive).
+async fn offer_ring(stream: &UnixStream, config: &LinkConfig) -> Result<Option<RingReader>> {
+    let Some(capacity) = config.ring else {
+        return Ok(None);
+    };
+    let Some((reader, fds)) = make_ring(capacity) else {
+        return Ok(None);
+    };
+    let offer = Message::RingOffer(RingOffer {
+        capacity: capacity as u64,
+    });
+    let frame = frame_bytes(&offer, 3)?;
+    let fds = [fds.memory.as_fd(), fds.doorbell.as_fd(), fds.space.as_fd()];
+    if let Err(e) = send_frame(stream, &frame, &fds).await {
+        tracing::debug!(error = %e, "the ring offer could not be sent");
+        return Ok(None);
+    }
+    tracing::debug!(capacity, "ring offered to the peer");
+    Ok(Some(reader))
+}
+
 impl AsyncLink {
     /// Connects to the listener at `path` and completes the handshake as the client.
     ///
@@ -201,7 +239,8 @@ impl AsyncLink {
         };
         let server = deadline(config, handshake).await?;
         tracing::debug!(peer = %server, "link established (client)");
-        Self::established(stream, rx, server, peer.cred)
+        let ring = offer_ring(&stream, config).await?;
+        Self::established(stream, rx, server, peer.cred, ring)
     }
 
     /// Completes the handshake as the server over an accepted stream.
@@ -229,17 +268,24 @@ impl AsyncLink {
         };
         let client = deadline(config, handshake).await?;
         tracing::debug!(peer = %client, "link established (server)");
-        Self::established(stream, rx, client, peer.cred)
+        let ring = offer_ring(&stream, config).await?;
+        Self::established(stream, rx, client, peer.cred, ring)
     }
 
     /// The handshake is done: the socket leaves tokio's registration for reads and
-    /// writes and is registered again for reads only (see the module docs).
+    /// writes and is registered again for reads only (see the module docs); `ring` is the
+    /// reading end of the ring this side offered, if it did.
     fn established(
         stream: UnixStream,
         rx: Receiver,
         process: ProcessId,
         cred: PeerCred,
+        ring: Option<RingReader>,
     ) -> Result<AsyncLink> {
+        let ring = match ring {
+            Some(reader) => RxRing::offered(reader)?,
+            None => RxRing::Off,
+        };
         // Still non-blocking once out of tokio's hands.
         let stream = stream
             .into_std()
@@ -253,6 +299,8 @@ impl AsyncLink {
                 process,
                 via: Via::Unix(cred),
             },
+            shared: Arc::default(),
+            ring,
         })
     }
 
@@ -264,7 +312,10 @@ impl AsyncLink {
     /// A handle that shuts the socket down, whatever the halves are doing (see
     /// [`LinkCloser`]).
     pub fn closer(&self) -> LinkCloser {
-        LinkCloser(Arc::clone(&self.stream))
+        LinkCloser {
+            sock: Arc::clone(&self.stream),
+            shared: Arc::clone(&self.shared),
+        }
     }
 
     /// Splits into a receiving and a sending half, usable from different tasks.
@@ -273,10 +324,14 @@ impl AsyncLink {
             LinkReader {
                 stream: Arc::clone(&self.stream),
                 rx: self.rx,
+                shared: Arc::clone(&self.shared),
+                ring: self.ring,
+                frame: Vec::new(),
             },
             LinkWriter {
                 stream: self.stream,
                 buf: Vec::with_capacity(512),
+                shared: self.shared,
             },
         )
     }
@@ -293,27 +348,38 @@ async fn deadline<T>(config: &LinkConfig, fut: impl Future<Output = Result<T>>) 
 }
 
 /// Shuts an [`AsyncLink`]'s socket down in both directions (`shutdown(2)`), whatever its
-/// reader and writer are doing: a writer parked on a full socket fails at once, a pending
-/// receive ends, and the peer sees end of stream — even if it never reads what was queued.
+/// reader and writer are doing: a writer parked on a full socket (or waiting for room in
+/// the peer's ring) fails at once, a pending receive ends, and the peer sees end of
+/// stream — even if it never reads what was queued.
 #[derive(Debug, Clone)]
-pub struct LinkCloser(Arc<Sock>);
+pub struct LinkCloser {
+    sock: Arc<Sock>,
+    shared: Arc<Shared>,
+}
+
+/// Shuts `sock` down and tells the writers (those waiting for room in a ring).
+fn cut(sock: &Sock, shared: &Shared) {
+    let _ = rustix::net::shutdown(sock.get_ref().as_fd(), rustix::net::Shutdown::Both);
+    shared.close();
+}
 
 impl LinkCloser {
     /// Shuts the socket down. Idempotent.
     pub fn close(&self) {
-        let _ = rustix::net::shutdown(self.0.get_ref().as_fd(), rustix::net::Shutdown::Both);
+        cut(&self.sock, &self.shared);
     }
 
     /// Whether a receive would return at once: bytes are waiting, or the peer's end is
     /// closed (end of stream), or the socket failed. After the peer process died, `false`
     /// means its end of the socket lives on in another process (a descendant inherited
-    /// it) and nothing it sent is left to read.
+    /// it) and nothing it sent is left to read on the socket (frames waiting in a ring are
+    /// not seen here).
     pub fn readable_now(&self) -> bool {
         use rustix::net::RecvFlags;
         let mut byte = [0u8; 1];
         !matches!(
             rustix::net::recv(
-                self.0.get_ref().as_fd(),
+                self.sock.get_ref().as_fd(),
                 &mut byte,
                 RecvFlags::PEEK | RecvFlags::DONTWAIT
             ),
@@ -327,15 +393,187 @@ impl LinkCloser {
 pub struct LinkReader {
     stream: Arc<Sock>,
     rx: Receiver,
+    shared: Arc<Shared>,
+    ring: RxRing,
+    /// A frame read from the ring.
+    frame: Vec<u8>,
+}
+
+/// What a frame the reader received does to the ring set-up: a peer's offer is checked
+/// and left for the writers, the peer's `RingReady` switches this reader to its ring;
+/// anything else is for the caller.
+fn ring_control(ring: &mut RxRing, shared: &Shared, got: Received) -> Result<Option<Received>> {
+    match got.message {
+        Message::RingOffer(offer) => {
+            if let Some(writer) = accept_offer(offer.capacity, got.fds)
+                && !shared.leave_offered(writer)
+            {
+                return Err(Error::UnexpectedMessage {
+                    expected: "one RingOffer per link",
+                    got: "a second RingOffer",
+                });
+            }
+            Ok(None)
+        }
+        Message::RingReady => match std::mem::take(ring) {
+            RxRing::Offered(reader) => {
+                tracing::debug!("the peer writes into our ring");
+                *ring = RxRing::On {
+                    ring: reader,
+                    socket_next: false,
+                    ring_closed: false,
+                };
+                Ok(None)
+            }
+            other => {
+                *ring = other;
+                Err(Error::UnexpectedMessage {
+                    expected: "no RingReady (no ring offered, or one announced already)",
+                    got: "RingReady",
+                })
+            }
+        },
+        message => Ok(Some(Received {
+            message,
+            fds: got.fds,
+        })),
+    }
+}
+
+/// An entry the reader took from its ring: a frame (decoded from `frame`, which is then
+/// cleared), or a marker (the next frame is on the socket).
+fn ring_entry(
+    entry: Entry,
+    frame: &mut Vec<u8>,
+    socket_next: &mut bool,
+) -> Result<Option<Received>> {
+    match entry {
+        Entry::Frame { .. } => {
+            let message = decode_ring_frame(frame);
+            frame.clear();
+            Ok(Some(Received {
+                message: message?,
+                fds: FrameFds::none(),
+            }))
+        }
+        Entry::Socket => {
+            *socket_next = true;
+            Ok(None)
+        }
+    }
+}
+
+/// Socket bytes with no marker in the ring before them.
+fn unmarked() -> Error {
+    Error::UnexpectedMessage {
+        expected: "frames in the ring (a frame on the socket only after a marker)",
+        got: "bytes on the socket with no marker in the ring",
+    }
 }
 
 impl LinkReader {
     /// Receives the next message and the descriptors that came with it.
     ///
+    /// On a link whose peer writes into this side's ring, waits on the ring and the socket
+    /// at once: frames come from the ring, a frame after a marker from the socket, and the
+    /// socket's end of stream ends the receive as [`Error::Closed`] (a peer killed
+    /// without closing its ring too).
+    ///
     /// # Errors
-    /// As [`Link::recv`](super::Link::recv); after an error, drop the link.
+    /// As [`Link::recv`](super::Link::recv); [`Error::RingCorrupt`] when the peer
+    /// corrupted the ring; [`Error::UnexpectedMessage`] for bytes on the socket without a
+    /// marker in the ring, or a ring message out of place. After an error, drop the link
+    /// (writers waiting for room in the peer's ring stop with [`Error::Closed`]).
     pub async fn recv(&mut self) -> Result<Received> {
-        recv_established(&self.stream, &mut self.rx).await
+        let got = self.next().await;
+        if got.is_err() {
+            self.shared.close();
+        }
+        got
+    }
+
+    /// Whether frames come through this side's ring (the peer announced it with
+    /// `RingReady`).
+    pub fn uses_ring(&self) -> bool {
+        matches!(self.ring, RxRing::On { .. })
+    }
+
+    async fn next(&mut self) -> Result<Received> {
+        let LinkReader {
+            stream,
+            rx,
+            shared,
+            ring,
+            frame,
+        } = self;
+        loop {
+            let got = match ring {
+                RxRing::Off | RxRing::Offered(_) => recv_established(stream, rx).await?,
+                RxRing::On {
+                    socket_next: socket_next @ true,
+                    ..
+                } => {
+                    let got = recv_established(stream, rx).await?;
+                    *socket_next = false;
+                    got
+                }
+                RxRing::On {
+                    ring: reader,
+                    socket_next,
+                    ring_closed,
+                } => {
+                    let entry = if rx.has_bytes() {
+                        // Socket bytes follow a marker, published before them.
+                        match reader.try_recv(frame) {
+                            Ok(Some(entry)) => entry,
+                            Ok(None) | Err(RingError::Closed) => return Err(unmarked()),
+                            Err(e) => return Err(ring_error("reading the link's ring", e)),
+                        }
+                    } else {
+                        let from_ring = tokio::select! {
+                            biased;
+                            entry = reader.recv(frame), if !*ring_closed => Some(entry),
+                            ready = stream.readable() => {
+                                let mut ready = ready.map_err(|e| rx.recv_error(e))?;
+                                match reader.try_recv(frame) {
+                                    Ok(Some(entry)) => Some(Ok(entry)),
+                                    Ok(None) => {
+                                        // Nothing in the ring: the socket may say it ended.
+                                        match rx.recv_drained(stream.get_ref().as_fd()) {
+                                            Ok((0, _)) => return Err(rx.at_eof()),
+                                            Ok((_, true)) => ready.clear_ready(),
+                                            Ok((_, false)) => {}
+                                            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                                                ready.clear_ready();
+                                            }
+                                            Err(e) => return Err(rx.recv_error(e)),
+                                        }
+                                        None
+                                    }
+                                    Err(e) => Some(Err(e)),
+                                }
+                            }
+                        };
+                        match from_ring {
+                            None => continue,
+                            Some(Ok(entry)) => entry,
+                            Some(Err(RingError::Closed)) => {
+                                *ring_closed = true;
+                                continue;
+                            }
+                            Some(Err(e)) => return Err(ring_error("reading the link's ring", e)),
+                        }
+                    };
+                    match ring_entry(entry, frame, socket_next)? {
+                        Some(got) => got,
+                        None => continue,
+                    }
+                }
+            };
+            if let Some(got) = ring_control(ring, shared, got)? {
+                return Ok(got);
+            }
+        }
     }
 }
 
@@ -347,10 +585,16 @@ impl LinkReader {
 /// sends. (The link actor writes from its writer task alone: writing from the actor's own
 /// turn with [`try_send_encoded`](Self::try_send_encoded) while nothing was queued was
 /// tried for issue 24 and withdrawn, `docs/BENCHMARKS.md`.)
+///
+/// On a link whose peer offered a ring, the writer's next send announces it (`RingReady`,
+/// the last frame on the socket alone) and writes from then on into the ring: one clone
+/// at a time, for a whole send, so a marker and the socket frame after it are never
+/// split by another clone's frames.
 #[derive(Debug)]
 pub struct LinkWriter {
     stream: Arc<Sock>,
     buf: Vec<u8>,
+    shared: Arc<Shared>,
 }
 
 impl Clone for LinkWriter {
@@ -358,8 +602,88 @@ impl Clone for LinkWriter {
         LinkWriter {
             stream: Arc::clone(&self.stream),
             buf: Vec::new(),
+            shared: Arc::clone(&self.shared),
         }
     }
+}
+
+/// Sends encoded frames, `fds` with the first: on the socket, or into the peer's ring once
+/// it is announced (announcing it first if the peer offered one since the last send).
+async fn send_frames(
+    sock: &Sock,
+    shared: &Shared,
+    mut frames: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> Result<()> {
+    let mut tx = shared.tx.lock().await;
+    if tx.owed > 0 {
+        // The rest of what `try_send_encoded` began on the socket.
+        let (begun, after) = frames.split_at(tx.owed.min(frames.len()));
+        send_direct(sock, begun, &[]).await?;
+        tx.owed -= begun.len();
+        frames = after;
+        if frames.is_empty() {
+            return Ok(());
+        }
+    }
+    if tx.ring.is_none()
+        && let Some(writer) = shared.take_offered()
+    {
+        switch_to_ring(sock, shared, &mut tx, writer).await?;
+    }
+    match &mut tx.ring {
+        None => send_direct(sock, frames, fds).await,
+        Some(ring) => send_ringed(sock, shared, ring, frames, fds).await,
+    }
+}
+
+/// Announces the peer's ring (`RingReady`, our last frame on the socket alone) and makes
+/// the writers use it. A space bell that cannot be registered leaves the link on the socket
+/// (logged; the ring is dropped, unannounced).
+async fn switch_to_ring(
+    sock: &Sock,
+    shared: &Shared,
+    tx: &mut TxState,
+    writer: crate::ring::RingWriter,
+) -> Result<()> {
+    let space = TxRing::space_of(&writer).and_then(|bell| register(bell, Interest::READABLE));
+    let space = match space {
+        Ok(space) => space,
+        Err(e) => {
+            tracing::warn!(error = %e, "the peer's ring is not used: the link stays on the socket");
+            return Ok(());
+        }
+    };
+    let ready = frame_bytes(&Message::RingReady, 0)?;
+    send_direct(sock, &ready, &[]).await?;
+    tx.ring = Some(TxRing::new(writer, space));
+    shared.set_writes_ring();
+    tracing::debug!("writing into the peer's ring");
+    Ok(())
+}
+
+/// Sends encoded frames through the peer's ring: each without descriptors that fits in the
+/// ring, into it; any other after a marker, on the socket.
+async fn send_ringed(
+    sock: &Sock,
+    shared: &Shared,
+    ring: &mut TxRing,
+    mut frames: &[u8],
+    mut fds: &[BorrowedFd<'_>],
+) -> Result<()> {
+    while !frames.is_empty() {
+        let (len, nfds) = first_frame(frames)?;
+        let (frame, rest) = frames.split_at(len);
+        if ring.carries(frame, nfds.max(fds.len())) {
+            ring.push(shared, Push::Frame(frame)).await?;
+        } else {
+            ring.push(shared, Push::Marker).await?;
+            send_direct(sock, frame, fds).await?;
+        }
+        fds = &[];
+        frames = rest;
+    }
+    Ok(())
 }
 
 impl LinkWriter {
@@ -370,7 +694,7 @@ impl LinkWriter {
     pub async fn send(&mut self, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
         self.buf.clear();
         encode_frame(msg, fds.len(), &mut self.buf)?;
-        send_direct(&self.stream, &self.buf, fds).await
+        send_frames(&self.stream, &self.shared, &self.buf, fds).await
     }
 
     /// Sends already encoded frames (see [`baton_messages::codec::encode_frame`]); `fds`
@@ -379,7 +703,7 @@ impl LinkWriter {
     /// # Errors
     /// [`Error::Closed`] if the peer is gone.
     pub async fn send_encoded(&mut self, frames: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
-        send_direct(&self.stream, frames, fds).await
+        send_frames(&self.stream, &self.shared, frames, fds).await
     }
 
     /// One non-blocking `sendmsg` of already encoded frames, `fds` with the first byte:
@@ -387,20 +711,78 @@ impl LinkWriter {
     /// went with any byte taken; the rest of the bytes must follow with none (through
     /// [`send_encoded`](Self::send_encoded), say) before anything else is sent.
     ///
+    /// On a link that writes into the peer's ring, it takes whole frames without
+    /// descriptors into the ring while they fit, and `0` for a first frame with
+    /// descriptors (send it with [`send_encoded`](Self::send_encoded)). It also takes `0`
+    /// while another clone sends, or while a ring the peer offered waits to be announced.
+    ///
     /// # Errors
     /// [`Error::Closed`] if the peer is gone, else the socket's failure.
     pub fn try_send_encoded(&self, frames: &[u8], fds: &[BorrowedFd<'_>]) -> Result<usize> {
-        match send_some(self.stream.get_ref().as_fd(), frames, fds) {
-            Ok(n) => Ok(n),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(0),
-            Err(e) => Err(io_error("sending a frame", e)),
+        let Ok(mut tx) = self.shared.tx.try_lock() else {
+            return Ok(0);
+        };
+        if tx.owed > 0 || (tx.ring.is_none() && self.shared.has_offered()) {
+            return Ok(0);
         }
+        let Some(ring) = &mut tx.ring else {
+            return match send_some(self.stream.get_ref().as_fd(), frames, fds) {
+                Ok(n) => {
+                    tx.owed = frames.len() - n;
+                    if n == 0 {
+                        tx.owed = 0;
+                    }
+                    Ok(n)
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(0),
+                Err(e) => Err(io_error("sending a frame", e)),
+            };
+        };
+        if self.shared.is_closed() {
+            return Err(Error::Closed);
+        }
+        let mut taken = 0;
+        while taken < frames.len() {
+            let (len, nfds) = first_frame(&frames[taken..])?;
+            let frame = &frames[taken..taken + len];
+            let nfds = if taken == 0 {
+                nfds.max(fds.len())
+            } else {
+                nfds
+            };
+            if !ring.carries(frame, nfds) || !ring.try_push_now(Push::Frame(frame))? {
+                break;
+            }
+            taken += len;
+        }
+        Ok(taken)
     }
 
-    /// Shuts the socket down in both directions: the peer sees end of stream, and our
-    /// reader's pending receive ends.
+    /// Whether this side writes its frames into the peer's ring (it announced it with
+    /// `RingReady`).
+    pub fn uses_ring(&self) -> bool {
+        self.shared.writes_ring()
+    }
+
+    /// Shuts the socket down in both directions: the peer sees end of stream, our
+    /// reader's pending receive ends, and a clone waiting for room in the peer's ring
+    /// stops.
     pub fn shutdown(&self) {
-        let _ = rustix::net::shutdown(self.stream.get_ref().as_fd(), rustix::net::Shutdown::Both);
+        cut(&self.stream, &self.shared);
+    }
+}
+
+#[cfg(test)]
+impl LinkWriter {
+    /// Test: bytes straight onto the socket, past the ring and its markers.
+    pub(super) fn send_raw_for_test(&self, bytes: &[u8]) -> std::io::Result<usize> {
+        send_some(self.stream.get_ref().as_fd(), bytes, &[])
+    }
+
+    /// Test: takes the peer's ring out of the writers without closing it, as a killed
+    /// process leaves it.
+    pub(super) fn take_ring_for_test(&self) -> Option<TxRing> {
+        self.shared.tx.try_lock().ok()?.ring.take()
     }
 }
 
@@ -561,7 +943,7 @@ mod tests {
         let (mut rx, _wx) = server.into_split();
         let (_crx, mut cwx) = client.into_split();
         let direct = cwx.clone();
-        let filler = baton_messages::codec::frame_bytes(&Message::Ping(0), 0).unwrap();
+        let filler = frame_bytes(&Message::Ping(0), 0).unwrap();
         let mut sent = 0u64;
         loop {
             let n = direct.try_send_encoded(&filler, &[]).unwrap();
@@ -612,7 +994,7 @@ mod tests {
         let (server, client) = linked().await;
         let (_rx, wx) = server.into_split();
         drop(client);
-        let frame = baton_messages::codec::frame_bytes(&Message::Ping(0), 0).unwrap();
+        let frame = frame_bytes(&Message::Ping(0), 0).unwrap();
         assert!(matches!(
             wx.try_send_encoded(&frame, &[]),
             Err(Error::Closed)

@@ -255,6 +255,11 @@ impl Receiver {
         Ok((msg.bytes, drained))
     }
 
+    /// Whether bytes of a frame not yet returned are buffered.
+    pub(crate) fn has_bytes(&self) -> bool {
+        self.decoder.finish().is_err()
+    }
+
     /// After draining complete frames: descriptors left over beyond what one partial frame
     /// may carry were never announced, and more than one `sendmsg` may carry is abuse.
     pub(crate) fn check_fds(&self) -> Result<()> {

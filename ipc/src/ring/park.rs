@@ -262,6 +262,15 @@ impl AsyncRingReader {
         self.reader
     }
 
+    /// Takes the next entry without waiting ([`RingReader::try_recv`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`RingReader::try_recv`].
+    pub fn try_recv(&mut self, out: &mut Vec<u8>) -> Result<Option<Entry>, RingError> {
+        self.reader.try_recv(out)
+    }
+
     /// Waits for the next entry: a frame's bytes are appended to `out`. Cancel-safe.
     ///
     /// # Errors
