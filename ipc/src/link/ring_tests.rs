@@ -386,3 +386,82 @@ async fn a_link_without_a_ring_sends_no_offer() {
         }
     }
 }
+
+/// The environment variable that makes [`killed_peer_child`] the peer of
+/// [`a_peer_killed_with_sigkill_ends_the_wait`]: the socket path to connect to.
+const CHILD_ENV: &str = "BATON_RING_TEST_PEER";
+
+/// The child's role (ignored unless [`CHILD_ENV`] names a socket): connects without a ring
+/// of its own, reads the parent's first frame (and with it the offer), sends one frame
+/// (which switches it to the parent's ring), then waits to be killed.
+#[test]
+#[ignore = "the peer process of a_peer_killed_with_sigkill_ends_the_wait"]
+fn killed_peer_child() {
+    let Ok(path) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let link = AsyncLink::connect(&path, &config(None)).await.unwrap();
+        let (mut rx, mut wx) = link.into_split();
+        assert_eq!(recv(&mut rx).await.message, ping(0));
+        wx.send(&ping(1), &[]).await.unwrap();
+        assert!(wx.uses_ring());
+        wx.send(&ping(2), &[]).await.unwrap();
+        // Killed here; the deadline only bounds a parent that never kills.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    });
+}
+
+/// Kills and reaps the child however the test ends.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A peer process killed with SIGKILL after it switched to our ring runs no `Drop`, so
+/// its ring is never marked closed: the reader, waiting on the ring, ends with `Closed`
+/// through the socket's end of stream, within the deadline, after the frames it sent.
+#[tokio::test(flavor = "current_thread")]
+async fn a_peer_killed_with_sigkill_ends_the_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ring.sock");
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "link::ring_tests::killed_peer_child",
+            "--nocapture",
+        ])
+        .env(CHILD_ENV, &path)
+        .spawn()
+        .unwrap();
+    let mut child = Reaped(child);
+    let (stream, _) = tokio::time::timeout(WITHIN, listener.accept())
+        .await
+        .expect("the child connects")
+        .unwrap();
+    let link = AsyncLink::server(stream, &config(Some(MIN_CAPACITY)))
+        .await
+        .unwrap();
+    let (mut rx, mut wx) = link.into_split();
+    wx.send(&ping(0), &[]).await.unwrap();
+    assert_eq!(recv(&mut rx).await.message, ping(1));
+    assert_eq!(recv(&mut rx).await.message, ping(2));
+    assert!(rx.uses_ring(), "the child writes into our ring");
+    child.0.kill().unwrap();
+    let status = child.0.wait().unwrap();
+    assert!(!status.success(), "killed, not finished: {status:?}");
+    let ended = tokio::time::timeout(WITHIN, rx.recv())
+        .await
+        .expect("the socket's end ends the wait");
+    assert!(matches!(ended, Err(Error::Closed)), "{ended:?}");
+}
