@@ -2,7 +2,7 @@
 //! pair, the same 215-byte frame (a real `Call` frame's size) each way (issue 48, item 1).
 //!
 //! ```text
-//! cargo bench -p baton-ipc --bench ring [-- ROUND_TRIPS BATCHES]
+//! cargo bench -p baton-ipc --bench ring [-- [link] ROUND_TRIPS BATCHES]
 //! ```
 //!
 //! Two processes: this one and a child forked per transport (before either makes a thread
@@ -17,15 +17,23 @@
 //!   (`sched_setaffinity`), where the readers' windows are zero (`PollWindow::for_this_machine`
 //!   sees one CPU).
 //!
+//! With `link`, one mode alone instead, `link-tokio`: [`AsyncLink`]s both ways (handshake,
+//! codec, a `Call` frame of the same size), on the same runtimes, one link offering rings
+//! both ways ([`LinkConfig::with_ring`]) against one on the socket alone: what the ring
+//! saves once the link's own work is paid.
+//!
 //! Each mode runs 2,000 round trips of warm-up, then BATCHES (default 5) batches of
 //! ROUND_TRIPS (default 20,000), ring and socket alternating batch by batch, and prints a
 //! JSON line per batch (`p50_us`, `mean_us`, `p99_us` of that batch's round trips) and one
 //! per mode: the medians of the batches' figures and the ratio ring / socket. Figures, not
 //! assertions (docs/BENCHMARKS.md).
 
+use baton_ipc::messages::protocol::Call;
+use baton_ipc::messages::{Message, SessionToken};
 use baton_ipc::ring::{
     AsyncRingReader, DEFAULT_CAPACITY, PollWindow, RingReader, RingWriter, before_park,
 };
+use baton_ipc::{AsyncLink, LinkConfig, LinkReader, LinkWriter, Session};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -246,6 +254,140 @@ fn socket_batch(
     samples
 }
 
+/// As [`runtime`], with timers (the link's handshake has a deadline).
+fn link_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .on_thread_park(before_park)
+        .build()
+        .expect("a runtime")
+}
+
+fn link_config(ring: bool) -> LinkConfig {
+    let config = LinkConfig::new(Session::new(SessionToken::from_bytes([1; 32])));
+    if ring {
+        config.with_ring(DEFAULT_CAPACITY)
+    } else {
+        config.without_ring()
+    }
+}
+
+/// A `Call` whose frame is `MSG` bytes or a few more.
+fn link_message() -> Message {
+    Message::Call(Call {
+        id: 1,
+        target: "bench".into(),
+        type_name: "pingpong".into(),
+        payload: vec![7; MSG - 30],
+        offers: Vec::new(),
+    })
+}
+
+/// A link (with rings both ways, or not) and a child echoing `total` messages on it. The
+/// child connects to a listener (a socket pair made before the fork would carry the
+/// parent's credentials on both ends, which the handshake refuses); the handshake is done
+/// later, on the parent's runtime (`link_open`).
+fn link_peer(ring: bool, total: usize) -> (UnixStream, libc::pid_t) {
+    let dir = std::env::temp_dir().join(format!("baton-ring-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a socket directory");
+    let path = dir.join(if ring { "ring.sock" } else { "plain.sock" });
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).expect("a listener");
+    let Some(pid) = fork() else {
+        drop(listener);
+        let theirs = UnixStream::connect(&path).expect("the parent's listener");
+        link_runtime().block_on(async {
+            theirs.set_nonblocking(true).unwrap();
+            let s = tokio::net::UnixStream::from_std(theirs).unwrap();
+            let link = AsyncLink::client(s, &link_config(ring)).await.unwrap();
+            let (mut rx, mut wx) = link.into_split();
+            for _ in 0..total {
+                let got = rx.recv().await.unwrap();
+                wx.send(&got.message, &[]).await.unwrap();
+            }
+            assert_eq!(wx.uses_ring(), ring, "the child's writer");
+        });
+        exit_child();
+    };
+    let (ours, _) = listener.accept().expect("the child connects");
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_dir(&dir);
+    (ours, pid)
+}
+
+async fn link_open(s: UnixStream, ring: bool) -> (LinkReader, LinkWriter) {
+    s.set_nonblocking(true).unwrap();
+    let s = tokio::net::UnixStream::from_std(s).unwrap();
+    let link = AsyncLink::server(s, &link_config(ring)).await.unwrap();
+    link.into_split()
+}
+
+async fn link_batch(link: &mut (LinkReader, LinkWriter), msg: &Message, n: usize) -> Samples {
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        link.1.send(msg, &[]).await.unwrap();
+        let got = link.0.recv().await.unwrap();
+        samples.push(t.elapsed().as_secs_f64() * 1e6);
+        assert_eq!(&got.message, msg, "the echo differs");
+    }
+    samples
+}
+
+/// The `link-tokio` mode: ping-pong over `AsyncLink`s, with rings and without.
+fn link_mode(round_trips: usize, batches: usize) {
+    let total = WARMUP + round_trips * batches;
+    let (ring_sock, ring_pid) = link_peer(true, total);
+    let (plain_sock, plain_pid) = link_peer(false, total);
+    let rt = link_runtime();
+    let msg = link_message();
+    let frame = baton_ipc::messages::codec::frame_bytes(&msg, 0)
+        .unwrap()
+        .len();
+    let (mut ring_figs, mut socket_figs) = (Vec::new(), Vec::new());
+    rt.block_on(async {
+        let mut ringed = link_open(ring_sock, true).await;
+        let mut plain = link_open(plain_sock, false).await;
+        link_batch(&mut ringed, &msg, WARMUP).await;
+        link_batch(&mut plain, &msg, WARMUP).await;
+        assert!(
+            ringed.0.uses_ring() && ringed.1.uses_ring(),
+            "rings both ways"
+        );
+        assert!(!plain.0.uses_ring() && !plain.1.uses_ring());
+        for batch in 0..batches {
+            let r = figures(link_batch(&mut ringed, &msg, round_trips).await);
+            let s = figures(link_batch(&mut plain, &msg, round_trips).await);
+            for (transport, (p50, mean, p99)) in [("ring", r), ("socket", s)] {
+                println!(
+                    "{{\"mode\":\"link-tokio\",\"transport\":\"{transport}\",\"batch\":{batch},\
+                      \"frame_bytes\":{frame},\"p50_us\":{p50:.3},\"mean_us\":{mean:.3},\
+                      \"p99_us\":{p99:.3}}}"
+                );
+            }
+            ring_figs.push(r);
+            socket_figs.push(s);
+        }
+    });
+    drop(rt);
+    reap(ring_pid);
+    reap(plain_pid);
+    let med =
+        |v: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| median(v.iter().map(f).collect());
+    let (rp, sp) = (med(&ring_figs, |f| f.0), med(&socket_figs, |f| f.0));
+    let (rm, sm) = (med(&ring_figs, |f| f.1), med(&socket_figs, |f| f.1));
+    let (r99, s99) = (med(&ring_figs, |f| f.2), med(&socket_figs, |f| f.2));
+    println!(
+        "{{\"mode\":\"link-tokio\",\"summary\":true,\"frame_bytes\":{frame},\
+          \"window_max_us\":{:.1},\"ring_p50_us\":{rp:.3},\"socket_p50_us\":{sp:.3},\
+          \"ratio_p50\":{:.3},\"ring_mean_us\":{rm:.3},\"socket_mean_us\":{sm:.3},\
+          \"ratio_mean\":{:.3},\"ring_p99_us\":{r99:.3},\"socket_p99_us\":{s99:.3}}}",
+        PollWindow::for_this_machine().max().as_secs_f64() * 1e6,
+        rp / sp,
+        rm / sm,
+    );
+}
+
 /// (p50, mean, p99) of a batch.
 fn figures(mut s: Samples) -> (f64, f64, f64) {
     s.sort_by(|a, b| a.total_cmp(b));
@@ -327,6 +469,10 @@ fn main() {
         cores(),
         PollWindow::DEFAULT_MAX.as_micros()
     );
+    if std::env::args().any(|a| a == "link") {
+        link_mode(round_trips, batches);
+        return;
+    }
     let total = WARMUP + round_trips * batches;
     let modes = [
         ("blocking", Drive::Blocking, false),
