@@ -112,7 +112,8 @@
 //! - A full ring makes the writer wait for room on the `space` bell (announced with
 //!   [`RingWriter::announce_waiting`]) until the link is closed or cut: the ring's capacity
 //!   bounds what is in flight, nothing grows. The memfds are never named: nothing can
-//!   remain in `/dev/shm` after any kill, and the ring's ends close with the link's halves.
+//!   remain in `/dev/shm` after any kill, and a link's ring ends close when it is closed
+//!   (or a receive fails) or its halves drop ([`RingCloser`]).
 //!
 //! Still open:
 //!
@@ -746,6 +747,45 @@ impl RingReader {
 
 impl Drop for RingReader {
     fn drop(&mut self) {
+        self.map.close(self.doorbell.as_fd(), self.space.as_fd());
+    }
+}
+
+impl RingReader {
+    /// A handle that closes this ring from elsewhere (a link's closer), as dropping the
+    /// reader does: the writer's next send fails with [`RingError::Closed`] and a writer
+    /// waiting for room wakes.
+    ///
+    /// # Errors
+    ///
+    /// [`RingError::Io`] if the bells cannot be duplicated.
+    pub fn closer(&self) -> Result<RingCloser, RingError> {
+        Ok(RingCloser {
+            map: Arc::clone(&self.map),
+            doorbell: self.doorbell.try_clone()?,
+            space: self.space.try_clone()?,
+        })
+    }
+}
+
+/// Closes a ring from elsewhere than its reader ([`RingReader::closer`]).
+pub struct RingCloser {
+    map: Arc<RingMap>,
+    doorbell: OwnedFd,
+    space: OwnedFd,
+}
+
+impl fmt::Debug for RingCloser {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RingCloser")
+            .field("closed", &self.map.is_closed())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RingCloser {
+    /// Marks the ring closed and rings both bells. Idempotent.
+    pub fn close(&self) {
         self.map.close(self.doorbell.as_fd(), self.space.as_fd());
     }
 }

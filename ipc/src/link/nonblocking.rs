@@ -282,8 +282,9 @@ impl AsyncLink {
         cred: PeerCred,
         ring: Option<RingReader>,
     ) -> Result<AsyncLink> {
+        let shared = Arc::<Shared>::default();
         let ring = match ring {
-            Some(reader) => RxRing::offered(reader)?,
+            Some(reader) => RxRing::offered(reader, &shared)?,
             None => RxRing::Off,
         };
         // Still non-blocking once out of tokio's hands.
@@ -299,7 +300,7 @@ impl AsyncLink {
                 process,
                 via: Via::Unix(cred),
             },
-            shared: Arc::default(),
+            shared,
             ring,
         })
     }
@@ -537,7 +538,8 @@ impl LinkReader {
                                 let mut ready = ready.map_err(|e| rx.recv_error(e))?;
                                 match reader.try_recv(frame) {
                                     Ok(Some(entry)) => Some(Ok(entry)),
-                                    Ok(None) => {
+                                    // Closed and read to its end: only the socket is left.
+                                    Ok(None) | Err(RingError::Closed) => {
                                         // Nothing in the ring: the socket may say it ended.
                                         match rx.recv_drained(stream.get_ref().as_fd()) {
                                             Ok((0, _)) => return Err(rx.at_eof()),
@@ -631,10 +633,15 @@ async fn send_frames(
     {
         switch_to_ring(sock, shared, &mut tx, writer).await?;
     }
-    match &mut tx.ring {
+    let sent = match &mut tx.ring {
         None => send_direct(sock, frames, fds).await,
         Some(ring) => send_ringed(sock, shared, ring, frames, fds).await,
+    };
+    if shared.is_closed() {
+        // Closed while this send held the ring: its end closes now.
+        tx.ring = None;
     }
+    sent
 }
 
 /// Announces the peer's ring (`RingReady`, our last frame on the socket alone) and makes

@@ -208,10 +208,18 @@ async fn a_full_ring_makes_the_writer_wait_and_then_complete_in_order() {
 }
 
 /// `LinkCloser::close` ends a writer waiting for room in a full ring, and a reader waiting
-/// on its ring and socket; `LinkWriter::shutdown` does the same for the writer.
+/// on its ring and socket; `LinkWriter::shutdown` does the same for the writer; and the
+/// reader's side closing its link closes its ring, which ends the peer's wait for room at
+/// once (the peer's reader reads nothing here, so only the ring can tell it).
 #[tokio::test(flavor = "current_thread")]
 async fn closing_ends_a_writer_waiting_for_room_and_a_waiting_reader() {
-    for by_shutdown in [false, true] {
+    #[derive(Debug, Clone, Copy)]
+    enum By {
+        Closer,
+        Shutdown,
+        ReadersSide,
+    }
+    for by in [By::Closer, By::Shutdown, By::ReadersSide] {
         let (server, client) = offered(MIN_CAPACITY).await;
         let mut wx = client.wx.clone();
         let cutter = client.wx.clone();
@@ -225,16 +233,16 @@ async fn closing_ends_a_writer_waiting_for_room_and_a_waiting_reader() {
             tokio::task::yield_now().await;
         }
         assert!(!writer.is_finished(), "the writer waits for room");
-        if by_shutdown {
-            cutter.shutdown();
-        } else {
-            client.closer.close();
+        match by {
+            By::Shutdown => cutter.shutdown(),
+            By::Closer => client.closer.close(),
+            By::ReadersSide => server.closer.close(),
         }
         let ended = tokio::time::timeout(WITHIN, writer)
             .await
             .expect("the waiting writer is woken")
             .unwrap();
-        assert!(matches!(ended, Err(Error::Closed)), "{ended:?}");
+        assert!(matches!(ended, Err(Error::Closed)), "{by:?}: {ended:?}");
         drop(server);
     }
 
@@ -283,6 +291,29 @@ async fn a_peer_gone_without_closing_its_ring_ends_the_wait() {
             .expect("the socket's end ends the wait");
         assert!(matches!(ended, Err(Error::Closed)), "{ended:?}");
         drop(kept);
+    }
+}
+
+/// A peer that drops its link the ordinary way closes its ring, then its socket: the reader
+/// reads what the ring still holds, then ends with `Closed` (the ring's close alone does not
+/// end it: frames may still come after a marker; the socket's end does).
+#[tokio::test(flavor = "current_thread")]
+async fn a_peer_that_drops_its_link_ends_the_wait_with_closed() {
+    for left in [0u64, 3] {
+        let (mut server, mut client) = offered(DEFAULT_CAPACITY).await;
+        client.wx.send(&ping(100), &[]).await.unwrap();
+        assert_eq!(recv(&mut server.rx).await.message, ping(100));
+        for i in 0..left {
+            client.wx.send(&ping(i), &[]).await.unwrap();
+        }
+        drop(client);
+        for i in 0..left {
+            assert_eq!(recv(&mut server.rx).await.message, ping(i));
+        }
+        let ended = tokio::time::timeout(WITHIN, server.rx.recv())
+            .await
+            .expect("the peer's close ends the wait");
+        assert!(matches!(ended, Err(Error::Closed)), "{ended:?}");
     }
 }
 

@@ -18,7 +18,9 @@
 //!    before them break the protocol; the socket's end of stream still ends the link, so a
 //!    peer killed without closing its ring is noticed at once.
 
-use crate::ring::{AsyncRingReader, PollWindow, RingError, RingFds, RingReader, RingWriter};
+use crate::ring::{
+    AsyncRingReader, PollWindow, RingCloser, RingError, RingFds, RingReader, RingWriter,
+};
 use crate::{Error, Result};
 use baton_messages::Message;
 use baton_messages::codec::{FrameHeader, HEADER_LEN, decode_payload};
@@ -39,6 +41,8 @@ pub(super) struct Shared {
     /// A ring the peer offered and this side opened, waiting for the next send to announce
     /// it (`RingReady`) and start writing into it.
     offered: Mutex<Option<RingWriter>>,
+    /// Closes this side's reading ring when the link is closed.
+    rx_ring: Mutex<Option<RingCloser>>,
     /// Whether the writers write into a ring (read by [`writes_ring`](Self::writes_ring)).
     writing_ring: AtomicBool,
     /// The writers' state; one writer at a time holds it for a whole send, so that a
@@ -48,10 +52,29 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    /// Marks the link closed and wakes writers waiting for room.
+    /// Marks the link closed and wakes writers waiting for room; closes both rings' ends
+    /// here (the writing end at once unless a writer holds it, then when its send ends), so
+    /// the peer's writer waiting for room in ours wakes too.
     pub(super) fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.closing.notify_waiters();
+        if let Some(ring) = self
+            .rx_ring
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            ring.close();
+        }
+        drop(self.offered().take());
+        if let Ok(mut tx) = self.tx.try_lock() {
+            tx.ring = None;
+        }
+    }
+
+    /// Keeps a way to close this side's reading ring with the link.
+    pub(super) fn set_rx_ring(&self, closer: RingCloser) {
+        *self.rx_ring.lock().unwrap_or_else(|e| e.into_inner()) = Some(closer);
     }
 
     pub(super) fn is_closed(&self) -> bool {
@@ -328,7 +351,12 @@ impl RxRing {
     ///
     /// # Errors
     /// [`Error::Io`] if the doorbell cannot be registered with the runtime.
-    pub(super) fn offered(reader: RingReader) -> Result<Self> {
+    pub(super) fn offered(reader: RingReader, shared: &Shared) -> Result<Self> {
+        shared.set_rx_ring(
+            reader
+                .closer()
+                .map_err(|e| ring_error("keeping a closer of the ring", e))?,
+        );
         let ring = AsyncRingReader::new(reader)
             .map_err(|e| ring_error("registering the ring's doorbell", e))?;
         Ok(Self::Offered(ring))
