@@ -64,7 +64,8 @@ pub struct LinkConfig {
 
 /// The environment variable [`LinkConfig::new`] reads for its ring setting: a capacity in
 /// bytes (`1048576`), or `1` for [`DEFAULT_CAPACITY`](crate::ring::DEFAULT_CAPACITY);
-/// unset, empty or `0` for no ring.
+/// unset, empty or `0` for no ring. Every [`AsyncLink`] made from such a configuration
+/// offers a ring, a node's links included (see [`LinkConfig::with_ring`] for what polls).
 pub const RING_ENV: &str = "BATON_LINK_RING";
 
 /// The ring setting a value of [`RING_ENV`] asks for; an unreadable value is no ring (and

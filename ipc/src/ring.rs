@@ -117,15 +117,15 @@
 //!
 //! Still open:
 //!
-//! - A node's arbiters do not poll yet: the actors' links still use the socket alone, and
-//!   a reader only polls on a runtime built with `on_thread_park(before_park)` (e.g.
+//! - A node's arbiters do not poll yet: a reader only polls on a runtime built with
+//!   `on_thread_park(before_park)` (e.g.
 //!   actix-rt's `System::with_tokio_rt` with a current-thread runtime built so, each link's
 //!   reader on that arbiter); without the hook every frame costs a doorbell wakeup.
 //! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and an
 //!   offer reaches its caller as a message to ignore (the peer then keeps the socket).
-//! - Frames a dead peer left in the ring are not seen by
-//!   [`LinkCloser::readable_now`](crate::LinkCloser::readable_now), which looks at the
-//!   socket alone.
+//! - [`LinkConfig::new`](crate::LinkConfig::new) reads `BATON_LINK_RING`, so the variable
+//!   turns rings on for the actors' links too, but their arbiters' runtimes have no park
+//!   hook yet: correct (a doorbell wakeup per frame), not faster.
 //!
 //! # Safety
 //!
@@ -784,6 +784,13 @@ impl fmt::Debug for RingCloser {
 }
 
 impl RingCloser {
+    /// Whether the ring holds an entry its reader has not taken yet: the published counters
+    /// differ (a hint, from words the writer could forge; the reader checks every entry).
+    pub fn has_entry(&self) -> bool {
+        let h = self.map.header();
+        h.tail.0.load(Ordering::Acquire) != h.head.0.load(Ordering::Acquire)
+    }
+
     /// Marks the ring closed and rings both bells. Idempotent.
     pub fn close(&self) {
         self.map.close(self.doorbell.as_fd(), self.space.as_fd());

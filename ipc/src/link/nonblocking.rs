@@ -370,13 +370,15 @@ impl LinkCloser {
         cut(&self.sock, &self.shared);
     }
 
-    /// Whether a receive would return at once: bytes are waiting, or the peer's end is
-    /// closed (end of stream), or the socket failed. After the peer process died, `false`
-    /// means its end of the socket lives on in another process (a descendant inherited
-    /// it) and nothing it sent is left to read on the socket (frames waiting in a ring are
-    /// not seen here).
+    /// Whether a receive would return at once: bytes are waiting (on the socket, or in this
+    /// side's ring), or the peer's end is closed (end of stream), or the socket failed.
+    /// After the peer process died, `false` means its end of the socket lives on in
+    /// another process (a descendant inherited it) and nothing it sent is left to read.
     pub fn readable_now(&self) -> bool {
         use rustix::net::RecvFlags;
+        if self.shared.rx_ring_has_entry() {
+            return true;
+        }
         let mut byte = [0u8; 1];
         !matches!(
             rustix::net::recv(

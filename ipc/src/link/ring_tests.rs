@@ -317,6 +317,19 @@ async fn a_peer_that_drops_its_link_ends_the_wait_with_closed() {
     }
 }
 
+/// `readable_now` sees frames waiting in this side's ring, not only on the socket.
+#[tokio::test(flavor = "current_thread")]
+async fn readable_now_sees_frames_waiting_in_the_ring() {
+    let (mut server, mut client) = offered(DEFAULT_CAPACITY).await;
+    client.wx.send(&ping(1), &[]).await.unwrap();
+    assert_eq!(recv(&mut server.rx).await.message, ping(1));
+    assert!(!server.closer.readable_now(), "nothing waits");
+    client.wx.send(&ping(2), &[]).await.unwrap();
+    assert!(server.closer.readable_now(), "a frame waits in the ring");
+    assert_eq!(recv(&mut server.rx).await.message, ping(2));
+    assert!(!server.closer.readable_now(), "the frame was read");
+}
+
 /// After the switch, bytes on the socket with no marker in the ring before them break the
 /// protocol: a typed error of the peer's fault, never a hang or a frame out of order.
 #[tokio::test(flavor = "current_thread")]

@@ -72,6 +72,15 @@ impl Shared {
         }
     }
 
+    /// Whether this side's reading ring holds an entry not yet taken.
+    pub(super) fn rx_ring_has_entry(&self) -> bool {
+        self.rx_ring
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(RingCloser::has_entry)
+    }
+
     /// Keeps a way to close this side's reading ring with the link.
     pub(super) fn set_rx_ring(&self, closer: RingCloser) {
         *self.rx_ring.lock().unwrap_or_else(|e| e.into_inner()) = Some(closer);
