@@ -81,7 +81,8 @@
 //!    hosts, as copies), `leases` (the lease protocol's other messages), `forward`,
 //!    `closing`), `connect` (which makes links, Unix and TCP, and starts their actors);
 //! 4. the public API on top: [`raw`], `owner` ([`BufferOwner`]), [`child`],
-//!    [`supervisor`], [`metrics`], `sync_receiver` ([`SyncReceiver`]).
+//!    [`supervisor`], [`metrics`], `sync_receiver` ([`SyncReceiver`]), `polling`
+//!    ([`ring_polling_system`]).
 //!
 //! Where types point both ways — the node keeps its links and each link actor calls back
 //! into the node; lease guards, the exports and the node hold links — the lower side
@@ -159,6 +160,8 @@ pub mod supervisor;
 pub mod metrics;
 // Versioned syncs received: staged, then committed whole.
 mod sync_receiver;
+// Runtimes whose thread polls link rings before it parks.
+mod polling;
 
 pub use buffer::{Buffer, BufferMut, Element, Lease, LeaseMut, Shared, SharedMut};
 pub use bundle::{Bundle, BundleLease, SharedBundle, copy_spans};
@@ -169,12 +172,13 @@ pub use exports::{BufferLeases, ForwardedLease, OwnerStats};
 pub use ids::{BufferId, LinkId};
 pub use ledger::RevokePolicy;
 pub use link::PeerLink;
-pub use link_ref::{CLOSE_FLUSH, Heartbeat, LinkLimits};
+pub use link_ref::{CLOSE_FLUSH, Heartbeat, LinkLimits, LinkRings};
 pub use metrics::MetricsPublisher;
 pub use node::{HostSettings, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
 pub use paths::{ALLOW_DOWNGRADE_ENV, Downgrade, DowngradePolicy, LeasePath, PathDowngraded};
+pub use polling::{ring_polling_runtime, ring_polling_system};
 pub use raw::{AnyBuffer, AnyLease, AnyShared, RawCall, RawHandler, RawMessage, RawReply};
 pub use remote::{Encoding, MSGPACK_SHARED_EXT, RemoteAddr, RemoteMessage};
 pub use status::TREE_DEADLINE;

@@ -148,14 +148,25 @@ type Incoming = (Result<Received, baton_ipc::Error>, OwnedSemaphorePermit);
 
 /// The link's frames. A slot of `calls` is taken before each read, so when every slot is
 /// held by a running call, reading pauses (see [`LinkLimits::calls_in_flight`]).
-fn frames(reader: Reader, calls: Arc<Semaphore>) -> impl Stream<Item = Incoming> {
+/// The first frame read from a ring marks the link's state ([`LinkRings::inbound`]).
+fn frames(
+    reader: Reader,
+    calls: Arc<Semaphore>,
+    link: Arc<LinkState>,
+) -> impl Stream<Item = Incoming> {
     futures_util::stream::unfold(Some(reader), move |state| {
         let calls = Arc::clone(&calls);
+        let link = Arc::clone(&link);
         async move {
             let mut reader = state?;
             let slot = calls.acquire_owned().await.ok()?;
             match reader.recv().await {
-                Ok(r) => Some(((Ok(r), slot), Some(reader))),
+                Ok(r) => {
+                    if reader.uses_ring() && !link.reads_ring.load(Ordering::Relaxed) {
+                        link.reads_ring.store(true, Ordering::Relaxed);
+                    }
+                    Some(((Ok(r), slot), Some(reader)))
+                }
                 Err(e) => Some(((Err(e), slot), None)),
             }
         }
@@ -181,6 +192,8 @@ impl PeerLink {
             queued_calls: AtomicUsize::new(0),
             held_leases: AtomicUsize::new(0),
             fds_received: AtomicU64::new(0),
+            reads_ring: AtomicBool::new(false),
+            writes_ring: AtomicBool::new(false),
             turn: Arc::new(tokio::sync::Mutex::new(())),
             stopped: tokio::sync::watch::Sender::new(false),
             pinned: Default::default(),
@@ -198,7 +211,7 @@ impl PeerLink {
                 // host is watched by its link alone (end of stream, the heartbeat).
                 node.watch(peer.process);
             }
-            ctx.add_stream(frames(reader, Arc::clone(&calls)));
+            ctx.add_stream(frames(reader, Arc::clone(&calls), Arc::clone(&state)));
             actix::spawn(write_loop(writer, rx, Arc::clone(&state), ctx.address()));
             PeerLink {
                 span: tracing::info_span!("peer_link", link = %id, peer = %peer.process),

@@ -24,6 +24,19 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::{Semaphore, oneshot};
 
+/// Which directions of a link have carried frames through a shared-memory ring instead of
+/// the socket ([`Peer::rings`](crate::Peer::rings); rings are opt-in:
+/// [`NodeConfig::ring`](crate::NodeConfig::ring) or `BATON_LINK_RING`). A direction counts
+/// once a frame has gone that way through the ring; both stay `false` on a link over TCP
+/// or one whose peers did not set up rings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkRings {
+    /// The peer's frames come through this side's ring (this side asked for one).
+    pub inbound: bool,
+    /// Our frames go into the peer's ring (the peer asked for one).
+    pub outbound: bool,
+}
+
 /// How a link watches its peer's liveness.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Heartbeat {
@@ -144,6 +157,11 @@ pub(crate) struct LinkState {
     pub(crate) held_leases: AtomicUsize,
     /// File descriptors received from the peer beside its frames.
     pub(crate) fds_received: AtomicU64,
+    /// The peer's frames have come through this side's shared-memory ring (see
+    /// [`LinkRings`]); set by the reader, never cleared.
+    pub(crate) reads_ring: AtomicBool,
+    /// Our frames have gone into the peer's ring; set by the writer, never cleared.
+    pub(crate) writes_ring: AtomicBool,
     /// Held by a call while it is queued: a call that has to wait (for room on the link or
     /// for fences to spare) holds it meanwhile, so later calls wait behind it and calls
     /// leave in the order they were made.
@@ -227,6 +245,14 @@ impl LinkRef {
     /// File descriptors received from the peer so far.
     pub(crate) fn descriptors_received(&self) -> u64 {
         self.state.fds_received.load(Ordering::Relaxed)
+    }
+
+    /// Which directions of the link have used a shared-memory ring.
+    pub(crate) fn rings(&self) -> LinkRings {
+        LinkRings {
+            inbound: self.state.reads_ring.load(Ordering::Relaxed),
+            outbound: self.state.writes_ring.load(Ordering::Relaxed),
+        }
     }
 
     /// Resolves once the link actor has stopped and the node has processed the end of the

@@ -10,8 +10,8 @@ use crate::exports::{BufferCell, BufferLeases, Exports, OwnerStats};
 use crate::ids::LinkId;
 use crate::ledger::RevokePolicy;
 use crate::link_ref::{
-    CLOSE_FLUSH, Close, CutOff, Heartbeat, LinkLimits, LinkRef, PeerDied, RequestEvict, SendPing,
-    SendRendezvous,
+    CLOSE_FLUSH, Close, CutOff, Heartbeat, LinkLimits, LinkRef, LinkRings, PeerDied, RequestEvict,
+    SendPing, SendRendezvous,
 };
 use crate::offload::Offload;
 use crate::paths::{Downgrade, DowngradePolicy, LeasePath, PathDowngraded};
@@ -172,6 +172,12 @@ impl Peer {
         self.link.descriptors_received()
     }
 
+    /// Which directions of this link have carried frames through a shared-memory ring
+    /// instead of the socket (rings are opt-in: [`NodeConfig::ring`]).
+    pub fn rings(&self) -> LinkRings {
+        self.link.rings()
+    }
+
     /// Bytes queued for the peer's socket now (our calls, replies and protocol messages
     /// not yet written). Our calls never hold more than
     /// [`LinkLimits::send_window`] of it; the rest never more than
@@ -221,9 +227,22 @@ impl Peer {
 }
 
 /// How a [`Node`] links and keeps its links and mappings.
+///
+/// **Rings (opt-in).** With [`ring`](Self::ring) set — or `BATON_LINK_RING` in the
+/// environment, which [`NodeConfig::new`] reads through [`LinkConfig::new`] — every link
+/// the node makes to a process of this host ([`Node::listen`], [`Node::connect`],
+/// [`Node::local`], [`Node::spawn_child`]) asks its peer to send its frames through a
+/// shared-memory ring instead of the socket (see [`baton_ipc::ring`]); frames that carry
+/// descriptors still take the socket. A link's reader runs on the actix system (or
+/// arbiter) that made the link; it *polls* the ring for a short window before sleeping
+/// only when that thread's runtime was built with the ring's park hook —
+/// [`ring_polling_system`](crate::ring_polling_system) builds such a system. Elsewhere a
+/// ring still works, each frame then costs a doorbell wakeup. [`Peer::rings`] says
+/// whether a link uses them.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
-    /// How links are established: session, peer policy, handshake deadline.
+    /// How links are established: session, peer policy, handshake deadline, and the ring
+    /// setting ([`LinkConfig::ring`]; see [`ring`](Self::ring)).
     pub link: LinkConfig,
     /// How links watch their peers' liveness.
     pub heartbeat: Heartbeat,
@@ -296,6 +315,17 @@ impl NodeConfig {
     /// With another heartbeat.
     pub fn heartbeat(mut self, heartbeat: Heartbeat) -> Self {
         self.heartbeat = heartbeat;
+        self
+    }
+
+    /// With links on this host asking for a shared-memory ring of `capacity` data bytes
+    /// for the frames their peers send (`Some`: a power of two, see
+    /// [`LinkConfig::with_ring`]), or on the socket alone (`None`), whatever
+    /// `BATON_LINK_RING` says. Without this call the node follows `BATON_LINK_RING` (unset:
+    /// no ring). Links to other hosts never use rings. For the reader to poll, run the node
+    /// on [`ring_polling_system`](crate::ring_polling_system) (see the type's docs).
+    pub fn ring(mut self, capacity: Option<usize>) -> Self {
+        self.link.ring = capacity;
         self
     }
 

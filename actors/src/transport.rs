@@ -102,6 +102,11 @@ impl Reader {
             Reader::Tcp(r) => r.recv().await,
         }
     }
+
+    /// Whether frames come through this side's shared-memory ring (never over TCP).
+    pub(crate) fn uses_ring(&self) -> bool {
+        matches!(self, Reader::Unix(r) if r.uses_ring())
+    }
 }
 
 /// The sending half.
@@ -129,6 +134,11 @@ impl Writer {
             }
             Writer::Tcp(w) => w.send_encoded(frames).await,
         }
+    }
+
+    /// Whether frames go into the peer's shared-memory ring (never over TCP).
+    pub(crate) fn uses_ring(&self) -> bool {
+        matches!(self, Writer::Unix(w) if w.uses_ring())
     }
 
     /// Shuts the socket down in both directions.

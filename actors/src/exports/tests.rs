@@ -48,6 +48,8 @@ fn link_to(peer: ProcessId) -> LinkRef {
         queued_calls: AtomicUsize::new(0),
         held_leases: AtomicUsize::new(0),
         fds_received: AtomicU64::new(0),
+        reads_ring: AtomicBool::new(false),
+        writes_ring: AtomicBool::new(false),
         turn: Arc::new(tokio::sync::Mutex::new(())),
         stopped: tokio::sync::watch::Sender::new(false),
         pinned: Default::default(),

@@ -85,6 +85,9 @@ pub(super) async fn write_loop(
         }
         let fds: Vec<BorrowedFd<'_>> = first.fds.iter().map(|fd| fd.as_fd()).collect();
         let sent = writer.send_encoded(&batch, &fds).await;
+        if writer.uses_ring() && !state.writes_ring.load(Ordering::Relaxed) {
+            state.writes_ring.store(true, Ordering::Relaxed);
+        }
         state.queued.fetch_sub(batch.len(), Ordering::Relaxed);
         state.queued_calls.fetch_sub(calls, Ordering::Relaxed);
         // The calls' share of the window comes back: waiting senders may queue again.

@@ -423,7 +423,13 @@ fn main() {
         .expect("a socket to connect to");
     let cooperative = !args.iter().any(|a| a == "stubborn");
     let linger = args.iter().any(|a| a == "linger");
-    let system = System::new();
+    // Asked for rings (`BATON_LINK_RING`, which `Node::from_env` reads), the links'
+    // readers poll them: a system with the rings' park hook.
+    let system = if std::env::var_os(baton::ipc::link::RING_ENV).is_some() {
+        baton::actors::ring_polling_system().expect("a runtime")
+    } else {
+        System::new()
+    };
     let result = system.block_on(async move {
         let node = Node::from_env()?;
         let owner = BufferOwner::new(&node).start();
