@@ -24,7 +24,7 @@ use crate::stats::Summary;
 use crate::{BackendName, Config, Res};
 use actix::prelude::*;
 use baton::actors::{
-    Allocate, BufferOwner, Lease, Node, Peer, PeerEvent, RemoteMessage, Shared, Stats,
+    Allocate, BufferOwner, Lease, Node, NodeConfig, Peer, PeerEvent, RemoteMessage, Shared, Stats,
 };
 use baton::ipc::cuda::cudarc::driver::CudaStream;
 use baton::ipc::cuda::{CudaBackend, fence_kind_from_env};
@@ -190,7 +190,7 @@ impl Handler<PeerEvent> for Stopper {
 
 /// The consumer peer.
 pub(crate) fn consumer(socket: &str) -> Res<()> {
-    let system = System::new();
+    let system = system(ring_from_env())?;
     let socket = socket.to_owned();
     system.block_on(async move {
         let node = Node::from_env().map_err(|e| e.to_string())?;
@@ -215,6 +215,20 @@ pub(crate) fn consumer(socket: &str) -> Res<()> {
     })?;
     system.run()?;
     Ok(())
+}
+
+/// An actix system; with `ring`, one whose thread polls the links' rings before it parks.
+fn system(ring: bool) -> Res<SystemRunner> {
+    Ok(if ring {
+        baton::actors::ring_polling_system()?
+    } else {
+        System::new()
+    })
+}
+
+/// Whether the parent asked this peer for rings (`--ring`: `BATON_LINK_RING=1`).
+fn ring_from_env() -> bool {
+    std::env::var(baton::ipc::link::RING_ENV).is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
 /// The backend a part allocates with.
@@ -271,10 +285,12 @@ async fn wait_for_link(node: &Node, peer: &mut PeerProcess) -> Res<Peer> {
 
 pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<()> {
     let namespace = format!("bench{}", std::process::id());
+    let ring = cfg.ring;
     let cfg = cfg.clone();
     let (records, recorded) =
-        System::new().block_on(async move { measure(&cfg, name, &namespace).await })?;
-    for r in records {
+        system(ring)?.block_on(async move { measure(&cfg, name, &namespace).await })?;
+    for mut r in records {
+        r["link_ring"] = json!(ring);
         if r["name"] == "error" {
             let what = r["what"].as_str().unwrap_or("item 2");
             report.failed(what, r["error"].as_str().unwrap_or(""));
@@ -309,11 +325,18 @@ async fn measure(
         Some(c) => c.clone(),
         None => backend(name, namespace)?,
     };
-    let node = Node::new(session.clone(), backend);
+    // Rings both ways with `--ring` (the consumer asks through its environment), none
+    // without, whatever `BATON_LINK_RING` says.
+    let ring = cfg.ring.then_some(baton::ipc::ring::DEFAULT_CAPACITY);
+    let node = Node::with_config(NodeConfig::new(session.clone()).ring(ring), backend);
     let tmp = tempfile::tempdir()?;
     let dir = SocketDir::create(tmp.path().join("s"))?;
     let listening = node.listen(&dir, "bench.sock")?;
-    let env = peer_env(name, namespace);
+    let mut env = peer_env(name, namespace);
+    env.push((
+        baton::ipc::link::RING_ENV,
+        if cfg.ring { "1" } else { "0" }.to_owned(),
+    ));
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let sock = listening.path().to_str().ok_or("path")?.to_owned();
     let mut peer = PeerProcess::spawn(&session, "consumer", &[&sock], &env)?;

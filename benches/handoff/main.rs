@@ -15,6 +15,11 @@
 //!    the acquire fence, build and encode the offer, the importer's open and wait, its
 //!    release fence, the exporter's wait), for IPC-event and sequence-counter fences.
 //!
+//! With `--ring` (issue 48) items 2 and 4 run over links whose frames go through
+//! shared-memory rings both ways, on actix systems that poll them
+//! (`baton::actors::ring_polling_system`); their records say `"link_ring": true`. The
+//! floor stays the socket's.
+//!
 //! With `--stages` (issue 24) it measures only the cached handoff — the socket floor, the
 //! raw link's, the actor path's — and, in a build with `--features stage-probes`, splits
 //! the raw link's and the actor path's round trips into stages (see `stages.rs`).
@@ -29,6 +34,7 @@
 //! cargo bench --bench handoff -- --backends host    # only the host backend
 //! cargo bench --bench handoff -- --torch bench/peers/torch_mp.py
 //! cargo bench --bench handoff -- --items 2,8 --backends cuda-pool
+//! cargo bench --bench handoff -- --quick --backends host --items 2,4 --ring
 //! cargo bench --bench handoff --features stage-probes -- --stages --backends host
 //! ```
 //!
@@ -120,6 +126,10 @@ pub(crate) struct Config {
     pub(crate) budget: Option<std::time::Duration>,
     /// `--stages`: the cached handoff alone, split into stages (issue 24).
     pub(crate) stages: bool,
+    /// `--ring`: the actor items' links (items 2 and 4) carry frames through shared-memory
+    /// rings both ways (issue 48), on systems whose threads poll them; without it they are
+    /// on the socket alone, whatever `BATON_LINK_RING` says.
+    pub(crate) ring: bool,
 }
 
 impl Config {
@@ -138,7 +148,7 @@ impl Config {
 }
 
 const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm,cuda-pool] \
-[--items 1,2,3,4,5,6,7,8] [--stages] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
+[--items 1,2,3,4,5,6,7,8] [--stages] [--ring] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
 
 fn parse_args(args: &[String]) -> Res<Config> {
     let mut cfg = Config {
@@ -150,6 +160,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
         renderer: None,
         budget: None,
         stages: false,
+        ring: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -163,6 +174,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
             "--bench" => {}
             "--quick" => cfg.quick = true,
             "--stages" => cfg.stages = true,
+            "--ring" => cfg.ring = true,
             "--backends" => {
                 for b in value()?.split(',') {
                     cfg.backends
