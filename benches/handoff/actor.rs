@@ -490,6 +490,11 @@ async fn measure(
     if stats.failed > 0 {
         return Err(format!("the consumer failed {} handoffs", stats.failed).into());
     }
+    // Which directions really went through a ring (`Peer::rings`), in every record.
+    let rings = link.rings();
+    for r in &mut out {
+        r["rings"] = json!({"inbound": rings.inbound, "outbound": rings.outbound});
+    }
     link.close();
     let start = Instant::now();
     while !peer.exited() {
