@@ -115,17 +115,17 @@
 //!   remain in `/dev/shm` after any kill, and a link's ring ends close when it is closed
 //!   (or a receive fails) or its halves drop ([`RingCloser`]).
 //!
-//! Still open:
+//! Limits:
 //!
-//! - A node's arbiters do not poll yet: a reader only polls on a runtime built with
-//!   `on_thread_park(before_park)` (e.g.
-//!   actix-rt's `System::with_tokio_rt` with a current-thread runtime built so, each link's
-//!   reader on that arbiter); without the hook every frame costs a doorbell wakeup.
+//! - A reader only polls on a runtime built with `on_thread_park(before_park)`: a node's
+//!   links (`NodeConfig::ring` in `baton-actors`, or `BATON_LINK_RING`) poll when the node
+//!   runs on `baton_actors::ring_polling_system` (or an arbiter on `ring_polling_runtime`);
+//!   on any other runtime every frame costs a doorbell wakeup.
 //! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and an
 //!   offer reaches its caller as a message to ignore (the peer then keeps the socket).
 //! - [`LinkConfig::new`](crate::LinkConfig::new) reads `BATON_LINK_RING`, so the variable
-//!   turns rings on for the actors' links too, but their arbiters' runtimes have no park
-//!   hook yet: correct (a doorbell wakeup per frame), not faster.
+//!   turns rings on for the actors' links too; on a system built without the park hook
+//!   that is correct (a doorbell wakeup per frame), not faster.
 //!
 //! # Safety
 //!
