@@ -51,6 +51,44 @@ fn memfd_parent(tag: &str) -> Parent {
     parent
 }
 
+/// The typed round trip across namespaces: the peer reads two of our buffers (a pattern,
+/// and `i * 0.5`), checks them, and answers with their sum in a buffer of its own, which
+/// must come as a memfd over the socket and read back here.
+async fn maps_our_memory_and_answers_in_its_own(parent: &Parent, link: &Peer, n: usize, seed: u32) {
+    let a = parent.pattern_buffer(n, seed).await;
+    let b: baton::Buffer<f32> = parent
+        .owner
+        .send(baton::actors::Allocate::vector(n as u64))
+        .await
+        .unwrap()
+        .unwrap();
+    b.write_at(0, &(0..n).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
+        .unwrap();
+    let reply = link
+        .remote::<CheckPair>("checker")
+        .send(CheckPair {
+            seed,
+            a: a.share(),
+            b: b.share(),
+        })
+        .await
+        .unwrap();
+    assert!(reply.ok, "the peer in its own namespaces read our memory");
+    let sum = reply.sum.open().unwrap();
+    assert_eq!(
+        sum.path(),
+        baton::actors::LeasePath::HostMemfd,
+        "its memory came as a memfd over the socket"
+    );
+    let sum = sum.to_vec().unwrap();
+    assert!(
+        sum.iter()
+            .enumerate()
+            .all(|(i, v)| *v == pattern(seed, i) as f32 + i as f32 * 0.5),
+        "and its answer, in its memory, reads back here"
+    );
+}
+
 #[test]
 #[ignore = "needs root (unshare: a network namespace)"]
 fn a_peer_in_its_own_network_namespace_links_and_maps_our_host_memory() {
@@ -62,42 +100,7 @@ fn a_peer_in_its_own_network_namespace_links_and_maps_our_host_memory() {
         let (mut child, link) = parent
             .spawn_linked("unshare", &["-n", exe, "serve", &sock], false)
             .await;
-        const N: usize = 100_000;
-        let a = parent.pattern_buffer(N, 7).await;
-        let b: baton::Buffer<f32> = parent
-            .owner
-            .send(baton::actors::Allocate::vector(N as u64))
-            .await
-            .unwrap()
-            .unwrap();
-        b.write_at(0, &(0..N).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
-            .unwrap();
-        let reply = link
-            .remote::<CheckPair>("checker")
-            .send(CheckPair {
-                seed: 7,
-                a: a.share(),
-                b: b.share(),
-            })
-            .await
-            .unwrap();
-        assert!(
-            reply.ok,
-            "the peer in its own network namespace read our memory"
-        );
-        let sum = reply.sum.open().unwrap();
-        assert_eq!(
-            sum.path(),
-            baton::actors::LeasePath::HostMemfd,
-            "its memory came as a memfd over the socket"
-        );
-        let sum = sum.to_vec().unwrap();
-        assert!(
-            sum.iter()
-                .enumerate()
-                .all(|(i, v)| *v == pattern(7, i) as f32 + i as f32 * 0.5),
-            "and its answer, in its memory, reads back here"
-        );
+        maps_our_memory_and_answers_in_its_own(&parent, &link, 100_000, 7).await;
         link.close_and_wait().await;
         assert!(child.wait(DEADLINE).success());
     });
@@ -204,39 +207,7 @@ fn a_peer_in_its_own_pid_and_network_namespaces_links_and_maps_our_host_memory()
             baton::ipc::process::is_observed(&claimed),
             "watched through a pidfd, not by the pid it claims"
         );
-        const N: usize = 50_000;
-        let a = parent.pattern_buffer(N, 3).await;
-        let b: baton::Buffer<f32> = parent
-            .owner
-            .send(baton::actors::Allocate::vector(N as u64))
-            .await
-            .unwrap()
-            .unwrap();
-        b.write_at(0, &(0..N).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
-            .unwrap();
-        let reply = link
-            .remote::<CheckPair>("checker")
-            .send(CheckPair {
-                seed: 3,
-                a: a.share(),
-                b: b.share(),
-            })
-            .await
-            .unwrap();
-        assert!(
-            reply.ok,
-            "the peer in its own PID namespace read our memory"
-        );
-        let sum = reply.sum.open().unwrap();
-        assert_eq!(sum.path(), baton::actors::LeasePath::HostMemfd);
-        let sum = sum.to_vec().unwrap();
-        assert!(
-            sum.iter()
-                .enumerate()
-                .all(|(i, v)| *v == pattern(3, i) as f32 + i as f32 * 0.5),
-            "and its answer, in its memory, reads back here"
-        );
-        drop(sum);
+        maps_our_memory_and_answers_in_its_own(&parent, &link, 50_000, 3).await;
         link.close_and_wait().await;
         assert!(ns.reaped().success());
         eventually(DEADLINE, "its death seen through the pidfd", || {
