@@ -252,19 +252,28 @@ mod tests {
             .unwrap()
     }
 
-    /// The side of a link that cannot see its peer (`SO_PEERCRED` pid 0: we are the
-    /// container) binds the claim to the kernel's pidfd. A child stands in for the peer:
-    /// its pidfd is what `SO_PEERPIDFD` would give.
-    #[test]
-    fn a_peer_without_a_pid_here_is_known_by_its_pidfd() {
+    /// A child and a pidfd on it, where pidfds live on pidfs; `None` (the test skipped,
+    /// said on stderr) on an older kernel.
+    fn sleeper_with_pidfd() -> Option<(std::process::Child, OwnedFd)> {
         let mut child = sleeper();
         let pidfd = process::open_pidfd(child.id()).unwrap();
         if process::pidfd_inode(&pidfd).is_none() {
             eprintln!("SKIPPED: this kernel has no pidfs (Linux 6.9+)");
             child.kill().unwrap();
             child.wait().unwrap();
-            return;
+            return None;
         }
+        Some((child, pidfd))
+    }
+
+    /// The side of a link that cannot see its peer (`SO_PEERCRED` pid 0: we are the
+    /// container) binds the claim to the kernel's pidfd. A child stands in for the peer:
+    /// its pidfd is what `SO_PEERPIDFD` would give.
+    #[test]
+    fn a_peer_without_a_pid_here_is_known_by_its_pidfd() {
+        let Some((mut child, pidfd)) = sleeper_with_pidfd() else {
+            return;
+        };
         let invisible = PeerCred {
             pid: 0,
             ..PeerCred::of(std::os::unix::net::UnixStream::pair().unwrap().0).unwrap()
@@ -327,14 +336,9 @@ mod tests {
     #[test]
     fn the_death_watch_follows_a_pidfd_bound_identity() {
         use std::sync::mpsc;
-        let mut child = sleeper();
-        let pidfd = process::open_pidfd(child.id()).unwrap();
-        if process::pidfd_inode(&pidfd).is_none() {
-            eprintln!("SKIPPED: this kernel has no pidfs (Linux 6.9+)");
-            child.kill().unwrap();
-            child.wait().unwrap();
+        let Some((mut child, pidfd)) = sleeper_with_pidfd() else {
             return;
-        }
+        };
         let claim = ProcessId {
             boot: process::boot_id(),
             pid: 1,
