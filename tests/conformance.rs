@@ -14,6 +14,9 @@
 //! tests at the end check producer/consumer ordering across the two processes for each
 //! fence kind.
 //!
+//! The same tests run with the other process in namespaces of its own, as a container's
+//! (`*_across_namespaces`, root only: `unshare`; see [`across_namespaces`]).
+//!
 //! On CUDA the exporter writes with a kernel: hand-written PTX that the driver JIT-compiles
 //! (no NVRTC needed at run time). Should the driver refuse the PTX, the tests fall back to
 //! host-to-device copies and chains of memsets, and say so on stderr.
@@ -32,7 +35,7 @@ use baton::ipc::{
 };
 use baton::messages::protocol::{Call, Offer, Release};
 use baton::messages::{Error as MessageError, HandleMsg, LeaseId, Message, RawHandle};
-use peer::{Peer, accept_from, poll_until, socket_dir};
+use peer::{Peer, Placement, accept_from, poll_until, socket_dir};
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 use std::time::Duration;
@@ -79,6 +82,8 @@ const GPU_QUEUE: Duration = Duration::from_secs(1800);
 /// The backend under test in this process, with what the tests measure on it.
 struct Subject {
     flavor: Flavor,
+    /// Where the other process runs.
+    placement: Placement,
     ns: String,
     backend: SharedBackend,
     host: Option<Arc<HostBackend>>,
@@ -88,11 +93,11 @@ struct Subject {
 }
 
 impl Subject {
-    fn new(flavor: Flavor, test: &str) -> Subject {
-        Self::with_fence(flavor, test, FenceKind::Event)
+    fn new(flavor: Flavor, placement: Placement, test: &str) -> Subject {
+        Self::with_fence(flavor, placement, test, FenceKind::Event)
     }
 
-    fn with_fence(flavor: Flavor, test: &str, fence: FenceKind) -> Subject {
+    fn with_fence(flavor: Flavor, placement: Placement, test: &str, fence: FenceKind) -> Subject {
         let ns = peer::namespace(test);
         let (backend, host, cuda, gpu): (SharedBackend, _, _, _) = match flavor.export() {
             None => {
@@ -124,6 +129,7 @@ impl Subject {
         };
         Subject {
             flavor,
+            placement,
             ns,
             backend,
             host,
@@ -143,7 +149,33 @@ impl Subject {
     fn spawn(&self, session: &Session, role: &str, args: &[&str]) -> Peer {
         let mut all = vec![self.flavor.arg(), role];
         all.extend_from_slice(args);
-        Peer::spawn_exe(peer::exe("baton-conformance-peer"), session, &self.ns, &all)
+        Peer::spawn_placed(
+            self.placement,
+            peer::exe("baton-conformance-peer"),
+            session,
+            &self.ns,
+            &all,
+            &[],
+            false,
+        )
+    }
+
+    /// The link of `child`, which must be where the subject placed it.
+    fn accept(&self, listener: &Listener, child: &mut Peer) -> baton::ipc::Link {
+        let link = accept_from(listener, child, DEADLINE).unwrap();
+        self.check_placement(&link);
+        link
+    }
+
+    /// A peer in namespaces of its own names itself as its namespace does (pid 1, its
+    /// init), and we watch it through the kernel's pidfd, not by that pid.
+    fn check_placement(&self, link: &baton::ipc::Link) {
+        let claimed = link.peer().process;
+        let observed = baton::ipc::process::is_observed(&claimed);
+        match self.placement {
+            Placement::Here => assert!(!observed && claimed.pid != 1, "{claimed}"),
+            Placement::OwnNamespaces => assert!(observed && claimed.pid == 1, "{claimed}"),
+        }
     }
 
     /// What leaks would change: free device bytes (CUDA; after the pool gave back what it
@@ -377,8 +409,8 @@ fn expect_release(link: &mut baton::ipc::Link, lease: u64) {
 /// A 256 MiB buffer written by the exporter is read back exactly by the importer, whose
 /// reply the exporter then sees. Before it, a corrupted handle is refused with no driver
 /// open; after it, reopening the handle hits the cache (no driver open).
-fn round_trip(flavor: Flavor) {
-    let subject = Subject::new(flavor, "rt");
+fn round_trip(flavor: Flavor, placement: Placement) {
+    let subject = Subject::new(flavor, placement, "rt");
     let session = Session::generate().unwrap();
     let (_tmp, dir) = socket_dir();
     let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
@@ -401,7 +433,7 @@ fn round_trip(flavor: Flavor) {
             &REPLY_SEED.to_string(),
         ],
     );
-    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
+    let mut link = subject.accept(&listener, &mut child);
     let handle = alloc.handle(&session).build().unwrap();
     assert_eq!(handle.alloc_size, SIZE as u64);
     assert_eq!(handle.device, subject.backend.device());
@@ -432,8 +464,8 @@ fn round_trip(flavor: Flavor) {
 
 /// The exporter launches long work that writes the buffer, records an event after it and
 /// offers the handle at once; the importer waits on the event and never sees stale data.
-fn event_ordering(flavor: Flavor) {
-    let subject = Subject::new(flavor, "ev");
+fn event_ordering(flavor: Flavor, placement: Placement) {
+    let subject = Subject::new(flavor, placement, "ev");
     let session = Session::generate().unwrap();
     let (_tmp, dir) = socket_dir();
     let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
@@ -454,7 +486,7 @@ fn event_ordering(flavor: Flavor) {
         &[&sock, expected.to_hex().as_str()],
     );
     // The importer has made its backend (and CUDA context) by the time it connects.
-    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
+    let mut link = subject.accept(&listener, &mut child);
 
     let mut event = None;
     let mut builder = alloc.handle(&session);
@@ -497,10 +529,22 @@ fn event_ordering(flavor: Flavor) {
     offer(&mut link, 1, builder.build().unwrap(), alloc.export_fd());
     expect_release(&mut link, 1);
     drop(link);
-    assert!(
-        child.wait(DEADLINE).success(),
-        "the importer saw only the finished data"
-    );
+    let status = child.wait(DEADLINE);
+    if subject.cuda.is_some() && placement == Placement::OwnNamespaces {
+        // Across PID namespaces an event is refused before any driver call (the driver
+        // keeps it in our /dev/shm, which the importer's container does not see): the
+        // lease came back, and the importer says so by its exit status.
+        assert_eq!(
+            status.code(),
+            Some(3),
+            "the importer refused our event as one across PID namespaces ({status})"
+        );
+        if let Some(cuda) = &subject.cuda {
+            cuda.synchronize().unwrap();
+        }
+    } else {
+        assert!(status.success(), "the importer saw only the finished data");
+    }
     if let (Some(cuda), Some(event)) = (&subject.cuda, event) {
         drop(event);
         assert_eq!(
@@ -519,8 +563,8 @@ fn event_ordering(flavor: Flavor) {
 /// name whether or not the importer lives: there this shows the clean close and that the
 /// free leaves no segment — not that the free waited for the importer (no ledger at this
 /// level; see `tests/actors_protocol.rs` for that).
-fn importer_sigkill(flavor: Flavor) {
-    let subject = Subject::new(flavor, "ik");
+fn importer_sigkill(flavor: Flavor, placement: Placement) {
+    let subject = Subject::new(flavor, placement, "ik");
     let session = Session::generate().unwrap();
     let (_tmp, dir) = socket_dir();
     let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
@@ -530,7 +574,7 @@ fn importer_sigkill(flavor: Flavor) {
     alloc.fill(0, SIZE, 0x5A).unwrap();
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = subject.spawn(&session, "import-hold", &[&sock]);
-    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
+    let mut link = subject.accept(&listener, &mut child);
     offer(
         &mut link,
         1,
@@ -577,14 +621,14 @@ fn importer_sigkill(flavor: Flavor) {
 
 /// The exporter is SIGKILLed while the importer maps its buffer; the importer releases
 /// cleanly and its backend (CUDA: context) stays usable.
-fn exporter_sigkill(flavor: Flavor) {
-    let subject = Subject::new(flavor, "ek");
+fn exporter_sigkill(flavor: Flavor, placement: Placement) {
+    let subject = Subject::new(flavor, placement, "ek");
     let session = Session::generate().unwrap();
     let (_tmp, dir) = socket_dir();
     let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = subject.spawn(&session, "export-hold", &[&sock, &(64 * MIB).to_string()]);
-    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
+    let mut link = subject.accept(&listener, &mut child);
     let received = link.recv_timeout(DEADLINE).unwrap();
     let Message::Offer(offered) = received.message else {
         panic!("expected an offer, got {:?}", received.message)
@@ -647,8 +691,8 @@ fn exporter_sigkill(flavor: Flavor) {
 }
 
 /// Many buffers carved from one slab cost the importer one driver open.
-fn slab_buffers_share_one_open(flavor: Flavor) {
-    let subject = Subject::new(flavor, "sl");
+fn slab_buffers_share_one_open(flavor: Flavor, placement: Placement) {
+    let subject = Subject::new(flavor, placement, "sl");
     let session = Session::generate().unwrap();
     let (_tmp, dir) = socket_dir();
     let listener = Listener::bind(&dir, "x.sock", LinkConfig::new(session.clone())).unwrap();
@@ -659,7 +703,7 @@ fn slab_buffers_share_one_open(flavor: Flavor) {
     }
     let sock = listener.path().to_str().unwrap().to_owned();
     let mut child = subject.spawn(&session, "import-slab", &[&sock, "3"]);
-    let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
+    let mut link = subject.accept(&listener, &mut child);
     for (i, b) in buffers.iter().enumerate() {
         offer(
             &mut link,
@@ -684,8 +728,8 @@ fn slab_buffers_share_one_open(flavor: Flavor) {
 /// exporter's own handle opens to its own memory (CUDA: the same device pointer, no driver
 /// open, since the driver refuses that open) and stays valid after the exporter's guard
 /// drops; VMM sizes are rounded up to the granularity.
-fn same_process_open_and_corrupted_handles(flavor: Flavor) {
-    let subject = Subject::new(flavor, "sp");
+fn same_process_open_and_corrupted_handles(flavor: Flavor, placement: Placement) {
+    let subject = Subject::new(flavor, placement, "sp");
     let session = Session::generate().unwrap();
     let cache = ImportCache::new(session.clone(), [subject.backend.clone()]);
     let alloc = subject.backend.allocate(MIB).unwrap();
@@ -744,8 +788,8 @@ fn same_process_open_and_corrupted_handles(flavor: Flavor) {
 /// records a fence of `kind` after it and at once sends the fence and the buffer's handle
 /// (in a `Call`: fences travel as bytes until the wire vocabulary has a fence variant);
 /// the importer makes its stream wait on the fence and must never read stale data.
-fn fence_ordering(kind: FenceKind) {
-    let subject = Subject::with_fence(Flavor::CudaLegacy, "fe", kind);
+fn fence_ordering(kind: FenceKind, placement: Placement) {
+    let subject = Subject::with_fence(Flavor::CudaLegacy, placement, "fe", kind);
     let cuda = subject.cuda.clone().expect("a CUDA subject");
     assert_eq!(
         cuda.fence_kind(),
@@ -776,7 +820,20 @@ fn fence_ordering(kind: FenceKind) {
     );
     // The importer has made its backend (and CUDA context) by the time it connects.
     let mut link = listener.accept().unwrap();
+    subject.check_placement(&link);
     let importer = link.peer().process;
+    if kind == FenceKind::Event && placement == Placement::OwnNamespaces {
+        // No event crosses PID namespaces: refused before anything is recorded.
+        assert!(
+            matches!(
+                cuda.record_fence_for(cuda.stream(), &importer),
+                Err(Error::EventAcrossPidNamespaces { peer }) if peer == importer
+            ),
+            "an event fence for a process in another PID namespace is refused"
+        );
+        assert_eq!(cuda.fence_counts(), (0, 0), "nothing was recorded");
+        return;
+    }
     if kind == FenceKind::Counter {
         // Counter fences for the importer are written into its inbox: it lends us a lane.
         let got = link.recv_timeout(DEADLINE).unwrap().message;
@@ -857,7 +914,7 @@ fn fence_ordering(kind: FenceKind) {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn event_fences_order_the_importers_stream() {
-    fence_ordering(FenceKind::Event);
+    fence_ordering(FenceKind::Event, Placement::Here);
 }
 
 #[test]
@@ -866,7 +923,7 @@ fn event_fences_order_the_importers_stream() {
     ignore = "needs a CUDA GPU: --features gpu-tests"
 )]
 fn counter_fences_order_the_importers_stream() {
-    fence_ordering(FenceKind::Counter);
+    fence_ordering(FenceKind::Counter, Placement::Here);
 }
 
 macro_rules! conformance {
@@ -875,7 +932,7 @@ macro_rules! conformance {
             $(
                 #[test]
                 fn $test() {
-                    super::$test(super::Flavor::HostMemfd)
+                    super::$test(super::Flavor::HostMemfd, super::Placement::Here)
                 }
             )*
         }
@@ -884,7 +941,7 @@ macro_rules! conformance {
             $(
                 #[test]
                 fn $test() {
-                    super::$test(super::Flavor::HostNamed)
+                    super::$test(super::Flavor::HostNamed, super::Placement::Here)
                 }
             )*
         }
@@ -894,14 +951,14 @@ macro_rules! conformance {
                 #[test]
                 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
                 fn $test() {
-                    super::$test(super::Flavor::CudaLegacy)
+                    super::$test(super::Flavor::CudaLegacy, super::Placement::Here)
                 }
             )*
             $(
                 #[test]
                 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
                 fn $gpu() {
-                    super::$gpu(super::Flavor::CudaLegacy)
+                    super::$gpu(super::Flavor::CudaLegacy, super::Placement::Here)
                 }
             )*
         }
@@ -911,14 +968,14 @@ macro_rules! conformance {
                 #[test]
                 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
                 fn $test() {
-                    super::$test(super::Flavor::CudaVmm)
+                    super::$test(super::Flavor::CudaVmm, super::Placement::Here)
                 }
             )*
             $(
                 #[test]
                 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
                 fn $gpu() {
-                    super::$gpu(super::Flavor::CudaVmm)
+                    super::$gpu(super::Flavor::CudaVmm, super::Placement::Here)
                 }
             )*
         }
@@ -928,14 +985,14 @@ macro_rules! conformance {
                 #[test]
                 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
                 fn $test() {
-                    super::$test(super::Flavor::CudaPool)
+                    super::$test(super::Flavor::CudaPool, super::Placement::Here)
                 }
             )*
             $(
                 #[test]
                 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: --features gpu-tests")]
                 fn $gpu() {
-                    super::$gpu(super::Flavor::CudaPool)
+                    super::$gpu(super::Flavor::CudaPool, super::Placement::Here)
                 }
             )*
         }
@@ -954,6 +1011,76 @@ conformance!(
     device memory only:
         event_ordering,
 );
+
+/// The conformance set across namespaces (issue 51): the other process runs in PID,
+/// network, IPC and mount namespaces of its own with a `/dev/shm` of its own, as a
+/// container's process does, sharing with us only the socket's directory and the devices
+/// ([`Placement::OwnNamespaces`]; needs root). Host memory crosses as memfds (named
+/// segments live in a `/dev/shm`, which containers do not share; `docs/CROSS_HOST.md`,
+/// "Containers"); device memory of every export kind crosses, and counter fences do,
+/// while an interprocess event is refused, typed, on either side (the driver keeps it in
+/// the exporter's `/dev/shm`).
+fn across_namespaces(flavor: Flavor) {
+    let at = Placement::OwnNamespaces;
+    round_trip(flavor, at);
+    importer_sigkill(flavor, at);
+    exporter_sigkill(flavor, at);
+    slab_buffers_share_one_open(flavor, at);
+    if flavor.export().is_some() {
+        event_ordering(flavor, at);
+    }
+}
+
+#[test]
+#[ignore = "needs root (unshare: the namespaces of a container)"]
+fn host_memfd_conformance_across_namespaces() {
+    across_namespaces(Flavor::HostMemfd);
+}
+
+macro_rules! across_namespaces_on_gpu {
+    ($($test:ident: $flavor:ident),* $(,)?) => {
+        $(
+            #[test]
+            #[cfg_attr(feature = "gpu-tests", ignore = "needs root (unshare: the namespaces of a container)")]
+            #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU (--features gpu-tests) and root")]
+            fn $test() {
+                across_namespaces(Flavor::$flavor);
+            }
+        )*
+    };
+}
+
+across_namespaces_on_gpu!(
+    cuda_legacy_conformance_across_namespaces: CudaLegacy,
+    cuda_vmm_conformance_across_namespaces: CudaVmm,
+    cuda_pool_conformance_across_namespaces: CudaPool,
+);
+
+#[test]
+#[cfg_attr(
+    feature = "gpu-tests",
+    ignore = "needs root (unshare: the namespaces of a container)"
+)]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests) and root"
+)]
+fn event_fences_order_the_importers_stream_across_namespaces() {
+    fence_ordering(FenceKind::Event, Placement::OwnNamespaces);
+}
+
+#[test]
+#[cfg_attr(
+    feature = "gpu-tests",
+    ignore = "needs root (unshare: the namespaces of a container)"
+)]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests) and root"
+)]
+fn counter_fences_order_the_importers_stream_across_namespaces() {
+    fence_ordering(FenceKind::Counter, Placement::OwnNamespaces);
+}
 
 #[test]
 fn the_fill_pattern_is_stable() {

@@ -147,18 +147,8 @@ struct Namespaced {
 
 impl Namespaced {
     fn start(cmd: &mut Command) -> Namespaced {
-        let unshare = cmd.spawn().unwrap();
-        let pid = unshare.id();
-        let start = Instant::now();
-        let inner = loop {
-            let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-                .unwrap_or_default();
-            if let Some(pid) = children.split_whitespace().next() {
-                break pid.parse().unwrap();
-            }
-            assert!(start.elapsed() < DEADLINE, "unshare forked nothing");
-            std::thread::sleep(Duration::from_millis(5));
-        };
+        let mut unshare = cmd.spawn().unwrap();
+        let inner = peer::forked_child(&mut unshare, "unshare");
         Namespaced { unshare, inner }
     }
 

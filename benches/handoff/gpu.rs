@@ -12,10 +12,12 @@ use baton::Session;
 use baton::SocketDir;
 use baton::ipc::cuda::cudarc::driver::{result as cu, sys};
 use baton::ipc::cuda::{CudaBackend, CudaExport};
-use baton::ipc::{Backend, ImportCache, Link, LinkConfig, Listener, MemPtr, SharedBackend};
+use baton::ipc::{
+    Allocation, Backend, ImportCache, Link, LinkConfig, Listener, MemPtr, SharedBackend,
+};
 use baton::messages::protocol::{Offer, Release};
 use baton::messages::{LeaseId, Message};
-use serde_json::json;
+use serde_json::{Value, json};
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
@@ -26,15 +28,73 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
     let size = GIB;
     let src = cuda.allocate(size)?;
     src.fill(0, size, 0x5A)?;
+    let reps = if cfg.quick { 5 } else { 30 };
+    let here = measure(name, &src, reps, false)?;
+    let gbps = |r: &Value, k: &str| r[k]["gbps"].as_f64().unwrap_or(f64::NAN);
+    let rows = |report: &mut Report, r: &Value, placement: &str| {
+        for (variant, label) in [
+            ("local_src", "device copy 1 GiB, local → local"),
+            ("imported_src", "device copy 1 GiB, imported → local"),
+            ("imported_dst", "device copy 1 GiB, local → imported"),
+        ] {
+            report.emit(json!({
+                "item": 5, "name": "bandwidth", "backend": name.as_str(), "variant": variant,
+                "placement": placement,
+                "label": label, "gbps": gbps(r, variant), "ms_p50": r[variant]["ms_p50"],
+                "ms_min": r[variant]["ms_min"], "ms_max": r[variant]["ms_max"],
+                "reps": reps, "bytes": size,
+                "note": "GB/s = (read + written) / time, CUDA events",
+            }));
+        }
+    };
+    rows(report, &here, "same namespaces");
+    for variant in ["imported_src", "imported_dst"] {
+        let ratio = gbps(&here, variant) / gbps(&here, "local_src");
+        report.emit(json!({
+            "item": 0, "name": "bandwidth_ratio", "backend": name.as_str(), "variant": variant,
+            "ratio": round(ratio),
+        }));
+    }
+    if cfg.across_namespaces {
+        // A path that cannot cross namespaces is a row that says why, not a failed run.
+        match measure(name, &src, reps, true) {
+            Ok(across) => {
+                rows(report, &across, "own PID and network namespaces");
+                for variant in ["imported_src", "imported_dst"] {
+                    let ratio = gbps(&across, variant) / gbps(&here, variant);
+                    report.emit(json!({
+                        "item": 0, "name": "bandwidth_across_namespaces_ratio",
+                        "backend": name.as_str(), "variant": variant, "ratio": round(ratio),
+                        "note": "the importer in its own PID and network namespaces / in ours, same run",
+                    }));
+                }
+            }
+            Err(e) => report.emit(json!({
+                "item": 5, "name": "bandwidth_across_namespaces_refused",
+                "backend": name.as_str(), "error": e.to_string(),
+            })),
+        }
+    }
+    Ok(())
+}
+
+/// One importer's figures for `src`, offered over a link of its own; the importer runs in
+/// namespaces of its own with `own_namespaces`.
+fn measure(name: BackendName, src: &Allocation, reps: usize, own_namespaces: bool) -> Res<Value> {
     let session = Session::generate()?;
     let tmp = tempfile::tempdir()?;
     let dir = SocketDir::create(tmp.path().join("s"))?;
     let listener = Listener::bind(&dir, "bw.sock", LinkConfig::new(session.clone()))?;
     let sock = listener.path().to_str().ok_or("path")?.to_owned();
-    let reps = if cfg.quick { 5 } else { 30 };
     let env = crate::actor::peer_env(name, "benchbw");
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let mut peer = PeerProcess::spawn(&session, "bw-importer", &[&sock, &reps.to_string()], &env)?;
+    let mut peer = PeerProcess::spawn_placed(
+        &session,
+        "bw-importer",
+        &[&sock, &reps.to_string()],
+        &env,
+        own_namespaces,
+    )?;
     listener.listener().set_nonblocking(true)?;
     let mut link = loop {
         match listener.accept() {
@@ -57,31 +117,9 @@ pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<(
     link.set_timeout(Some(DEADLINE))?;
     let result = peer.result(DEADLINE)?;
     match link.recv()?.message {
-        Message::Release(Release { lease: back, .. }) if back == lease => {}
-        other => return Err(format!("expected the Release, got {other:?}").into()),
+        Message::Release(Release { lease: back, .. }) if back == lease => Ok(result),
+        other => Err(format!("expected the Release, got {other:?}").into()),
     }
-    let gbps = |k: &str| result[k]["gbps"].as_f64().unwrap_or(f64::NAN);
-    for (variant, label) in [
-        ("local_src", "device copy 1 GiB, local → local"),
-        ("imported_src", "device copy 1 GiB, imported → local"),
-        ("imported_dst", "device copy 1 GiB, local → imported"),
-    ] {
-        report.emit(json!({
-            "item": 5, "name": "bandwidth", "backend": name.as_str(), "variant": variant,
-            "label": label, "gbps": gbps(variant), "ms_p50": result[variant]["ms_p50"],
-            "ms_min": result[variant]["ms_min"], "ms_max": result[variant]["ms_max"],
-            "reps": reps, "bytes": size,
-            "note": "GB/s = (read + written) / time, CUDA events",
-        }));
-    }
-    for variant in ["imported_src", "imported_dst"] {
-        let ratio = gbps(variant) / gbps("local_src");
-        report.emit(json!({
-            "item": 0, "name": "bandwidth_ratio", "backend": name.as_str(), "variant": variant,
-            "ratio": round(ratio),
-        }));
-    }
-    Ok(())
 }
 
 /// Times copies of `size` bytes on the backend's stream with a pair of events.

@@ -130,6 +130,10 @@ pub(crate) struct Config {
     /// rings both ways (issue 48), on systems whose threads poll them; without it they are
     /// on the socket alone, whatever `BATON_LINK_RING` says.
     pub(crate) ring: bool,
+    /// `--across-namespaces`: the bandwidth item (5) also runs its importer in PID and
+    /// network namespaces of its own, as a container's process (issue 51; root only), and
+    /// compares its imported bandwidth with the same-namespace importer's.
+    pub(crate) across_namespaces: bool,
 }
 
 impl Config {
@@ -148,7 +152,7 @@ impl Config {
 }
 
 const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm,cuda-pool] \
-[--items 1,2,3,4,5,6,7,8] [--stages] [--ring] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
+[--items 1,2,3,4,5,6,7,8] [--stages] [--ring] [--across-namespaces] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
 
 fn parse_args(args: &[String]) -> Res<Config> {
     let mut cfg = Config {
@@ -161,6 +165,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
         budget: None,
         stages: false,
         ring: false,
+        across_namespaces: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -175,6 +180,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
             "--quick" => cfg.quick = true,
             "--stages" => cfg.stages = true,
             "--ring" => cfg.ring = true,
+            "--across-namespaces" => cfg.across_namespaces = true,
             "--backends" => {
                 for b in value()?.split(',') {
                     cfg.backends

@@ -28,7 +28,39 @@ impl PeerProcess {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Res<PeerProcess> {
-        let mut cmd = Command::new(std::env::current_exe()?);
+        Self::spawn_placed(session, role, args, env, false)
+    }
+
+    /// As [`spawn`](Self::spawn); with `own_namespaces`, as a container's process: in PID,
+    /// network, IPC and mount namespaces of its own with a `/dev/shm` of its own
+    /// (`unshare -p -n -i -f --mount-proc --kill-child`, a tmpfs mounted on `/dev/shm`;
+    /// root only; dropped, `unshare` is killed and its child with it).
+    pub(crate) fn spawn_placed(
+        session: &Session,
+        role: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        own_namespaces: bool,
+    ) -> Res<PeerProcess> {
+        let exe = std::env::current_exe()?;
+        let mut cmd = if own_namespaces {
+            let mut cmd = Command::new("unshare");
+            cmd.args([
+                "-p",
+                "-n",
+                "-i",
+                "-f",
+                "--mount-proc",
+                "--kill-child",
+                "sh",
+                "-c",
+            ])
+            .arg("mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && exec \"$0\" \"$@\"")
+            .arg(exe);
+            cmd
+        } else {
+            Command::new(exe)
+        };
         cmd.arg("peer")
             .arg(role)
             .args(args)

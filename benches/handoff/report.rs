@@ -426,6 +426,33 @@ impl Report {
                 "no CUDA backend ran item 5",
             ));
         }
+        // Across namespaces (issue 51, `--across-namespaces`): the importer in PID and
+        // network namespaces of its own against one in ours; a refused path says why.
+        for r in self.records.iter().filter(|r| {
+            let name = text(r, "name");
+            name == "bandwidth_across_namespaces_ratio"
+                || name == "bandwidth_across_namespaces_refused"
+        }) {
+            let what = format!(
+                "device bandwidth across PID and network namespaces ≥ 99% of within ({}, {})",
+                text(r, "backend"),
+                text(r, "variant")
+            );
+            match num(r, "ratio") {
+                Some(ratio) => out.push(target(
+                    &what,
+                    format!("{:.1}%", ratio * 100.0),
+                    Some(ratio >= 0.99),
+                    Some(ratio),
+                )),
+                None => out.push(target(
+                    &what,
+                    format!("refused: {}", text(r, "error")),
+                    None,
+                    None,
+                )),
+            }
+        }
 
         // 9. The cached round trip against the socket floor, every backend: p50 at most
         // half the floor's, p99 at most twice the floor's p50.

@@ -350,6 +350,19 @@ pub enum Error {
         /// What is wrong with it.
         reason: crate::inbox::FenceRefusal,
     },
+    /// A CUDA interprocess event would cross to or from a process in another PID
+    /// namespace (a container of its own): refused before any driver call. The driver
+    /// keeps such an event in its exporter's `/dev/shm` (`cuda.shm.*`), which a container
+    /// does not share, and an importer that opened one there was killed by a signal
+    /// (H200, driver 580), not given an error. Counter fences (the default,
+    /// [`FenceKind::Counter`](crate::cuda::FenceKind::Counter)) cross namespaces.
+    #[error(
+        "a CUDA interprocess event cannot cross to {peer}, which lives in another PID namespace (a container of its own): the driver keeps such events in the exporter's /dev/shm, which containers do not share; use counter fences (FenceKind::Counter, the default where the device has 64-bit stream memory operations) for stream-ordered handoffs across containers (docs/CROSS_HOST.md, \"Containers\")"
+    )]
+    EventAcrossPidNamespaces {
+        /// The process in the other namespace (the waiter, or the event's exporter).
+        peer: ProcessId,
+    },
     /// Every interprocess event of the pool is lent out.
     #[error(
         "all {limit} interprocess events are in use: release leases (their events return to the pool) or raise the backend's event limit"
@@ -671,7 +684,8 @@ impl Error {
             | Error::CopyRefused { .. }
             | Error::DescriptorsOverTcp { .. }
             | Error::RegionUnsupported { .. }
-            | Error::PeerInOtherPidNamespace { .. } => Fault::Usage,
+            | Error::PeerInOtherPidNamespace { .. }
+            | Error::EventAcrossPidNamespaces { .. } => Fault::Usage,
             Error::Closed
             | Error::Timeout { .. }
             | Error::TransferAborted { .. }

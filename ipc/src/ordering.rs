@@ -235,7 +235,9 @@ pub trait StreamOrdering: Send + Sync + fmt::Debug {
     ///
     /// # Errors
     /// A backend error ([`Error::EventsExhausted`](crate::Error::EventsExhausted) when
-    /// every pooled event is in use).
+    /// every pooled event is in use;
+    /// [`Error::EventAcrossPidNamespaces`](crate::Error::EventAcrossPidNamespaces) where
+    /// the fence would be an event and `to` lives in another PID namespace).
     fn export_fence(
         &self,
         after: &[&dyn UseMark],

@@ -41,7 +41,8 @@ __all__ = [
     "DescriptorsLost", "MissingFdSlot", "NotMapped", "PoolNotImported",
     "InsecureSocketDir", "ZeroSize", "SegmentNotFound", "MemoryTooSmall",
     "UnsealedMemory", "SegmentOwnerMismatch", "Shm", "UnsupportedBackend", "StaleHandle",
-    "DeviceNotFound", "DeviceUnreachable", "PeerInOtherPidNamespace", "PoolAcrossDevices", "PoolTooLarge",
+    "DeviceNotFound", "DeviceUnreachable", "PeerInOtherPidNamespace",
+    "EventAcrossPidNamespaces", "PoolAcrossDevices", "PoolTooLarge",
     "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
     "AllocationGone", "SlabFull", "BackendUnavailable", "NotBorrowable", "CopyRefused",
     # The Python layer's
@@ -299,6 +300,13 @@ class PeerInOtherPidNamespace(Ipc):
     kernel cannot prove and watch it without a pid (it needs SO_PEERPIDFD and pidfs, Linux
     6.9+). Run both in one PID namespace, or on a newer kernel (docs/CROSS_HOST.md,
     "Containers")."""
+
+
+class EventAcrossPidNamespaces(Ipc):
+    """A CUDA interprocess event would cross to or from a process in another PID namespace
+    (a container of its own), refused before any driver call: the driver keeps such events
+    in the exporter's /dev/shm, which containers do not share. Counter fences (the default)
+    cross (docs/CROSS_HOST.md, "Containers")."""
 
 
 class MissingFds(Ipc):

@@ -20,9 +20,26 @@ pub fn exe(name: &str) -> &'static str {
     built::peer(name)
 }
 
+/// Where a helper process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Beside the test, in its namespaces.
+    Here,
+    /// In namespaces of its own, as a container's process is: PID, network, IPC and mount,
+    /// with a `/dev/shm` of its own (a fresh tmpfs), through
+    /// `unshare -p -n -i -f --mount-proc --kill-child` (root only). `/proc` there is its
+    /// namespace's, so it names itself by its namespace's pid (1); it shares with the test
+    /// only the filesystem (the socket's directory) and the devices.
+    OwnNamespaces,
+}
+
 /// A helper process that is SIGKILLed and reaped when dropped.
 pub struct Peer {
+    /// The process spawned: the helper itself, or `unshare` around it.
     child: Option<Child>,
+    /// Under `unshare -f` ([`Placement::OwnNamespaces`]): the helper's pid here, the init
+    /// of its namespace (`unshare` forked it and waits for it).
+    inner: Option<u32>,
     what: String,
 }
 
@@ -38,16 +55,42 @@ impl Peer {
         Self::spawn_exe(exe("baton-test-peer"), session, namespace, args)
     }
 
+    /// The helper's pid here (also under `unshare`: the helper's, not `unshare`'s).
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
+        self.inner
+            .unwrap_or_else(|| self.child.as_ref().expect("running").id())
     }
 
-    /// SIGKILL, then reap.
+    /// SIGKILL, then reap. Under `unshare`, the helper is the init of its PID namespace:
+    /// killed, every process of the namespace goes with it, and `unshare` reaps it and
+    /// exits; so when this returns the helper is gone, as a helper spawned here would be.
     pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if self.kill_inner() {
+            let start = Instant::now();
+            while child.try_wait().ok().flatten().is_none() {
+                if start.elapsed() > Duration::from_secs(10) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
         }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// SIGKILLs the helper under `unshare`, if it runs under one (whether it does).
+    fn kill_inner(&self) -> bool {
+        let Some(pid) = self
+            .inner
+            .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+        else {
+            return false;
+        };
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        true
     }
 
     /// The exit status, if the child has exited (reaping it).
@@ -85,7 +128,27 @@ impl Peer {
         env: &[(&str, &str)],
         piped: bool,
     ) -> Peer {
-        let mut cmd = Command::new(exe);
+        Self::spawn_placed(Placement::Here, exe, session, namespace, args, env, piped)
+    }
+
+    /// As [`spawn_with`](Self::spawn_with), where `placement` says.
+    pub fn spawn_placed(
+        placement: Placement,
+        exe: &str,
+        session: &Session,
+        namespace: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        piped: bool,
+    ) -> Peer {
+        let mut cmd = match placement {
+            Placement::Here => Command::new(exe),
+            Placement::OwnNamespaces => {
+                let mut cmd = Command::new("unshare");
+                cmd.args(UNSHARE).arg(exe);
+                cmd
+            }
+        };
         cmd.args(args)
             .env(host::NAMESPACE_ENV, namespace)
             // The tests count and sweep segments: helpers allocate named ones unless a
@@ -102,10 +165,18 @@ impl Peer {
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("spawning {exe}: {e}"));
-        Peer {
+        let mut peer = Peer {
+            inner: None,
+            what: format!("{exe} {args:?} ({placement:?})"),
             child: Some(child),
-            what: format!("{exe} {args:?}"),
+        };
+        if placement == Placement::OwnNamespaces {
+            peer.inner = Some(forked_child(
+                peer.child.as_mut().expect("spawned"),
+                &peer.what,
+            ));
         }
+        peer
     }
 
     /// The child's stdout, if it was spawned with a pipe and not taken yet.
@@ -116,9 +187,48 @@ impl Peer {
     /// Sends SIGKILL without waiting: reap it with `try_wait` (or `actors::exited`), which
     /// never blocks an event loop.
     pub fn signal_kill(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = child.kill();
+        if self.child.is_some() && !self.kill_inner() {
+            let _ = self.child.as_mut().map(Child::kill);
         }
+    }
+}
+
+/// `unshare` arguments that run a command as a container's process
+/// ([`Placement::OwnNamespaces`]): PID, network, IPC and mount namespaces of its own, and
+/// a `/dev/shm` of its own; its pid (the namespace's init) stays the forked child's, as
+/// `sh` execs the command.
+pub const UNSHARE: &[&str] = &[
+    "-p",
+    "-n",
+    "-i",
+    "-f",
+    "--mount-proc",
+    "--kill-child",
+    "sh",
+    "-c",
+    "mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && exec \"$0\" \"$@\"",
+];
+
+/// The one child `unshare -f` (spawned as `unshare`) forked: the init of the new PID
+/// namespace, by its pid here. Panics if `unshare` exits first or forks nothing within a
+/// deadline.
+pub fn forked_child(unshare: &mut Child, what: &str) -> u32 {
+    let pid = unshare.id();
+    let start = Instant::now();
+    loop {
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        if let Some(child) = children.split_whitespace().next() {
+            return child.parse().expect("a pid");
+        }
+        if let Some(status) = unshare.try_wait().expect("try_wait") {
+            panic!("{what}: unshare exited ({status}) before it forked");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{what}: unshare forked nothing"
+        );
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

@@ -215,7 +215,9 @@ impl CudaBackend {
     /// event fences, a pooled event. `to` may be this process.
     ///
     /// # Errors
-    /// As [`record_fence_on`](Self::record_fence_on); a driver error mapping `to`'s inbox.
+    /// As [`record_fence_on`](Self::record_fence_on); a driver error mapping `to`'s inbox;
+    /// [`Error::EventAcrossPidNamespaces`] where the fence would be an event and `to`
+    /// lives in another PID namespace (events do not cross containers; counters do).
     #[doc(alias = "cuStreamWriteValue64")]
     pub fn record_fence_for(
         &self,
@@ -252,7 +254,8 @@ impl CudaBackend {
     /// # Errors
     /// [`Error::Cuda`] (the fence cannot be opened; a counter fence on a device without
     /// stream memory operations, or outside its slab); [`Error::Timeout`] if another
-    /// thread's open of the same object hangs.
+    /// thread's open of the same object hangs; [`Error::EventAcrossPidNamespaces`] for an
+    /// event of a process in another PID namespace (refused before any driver call).
     #[doc(alias = "cuStreamWaitEvent")]
     #[doc(alias = "cuStreamWaitValue64")]
     pub fn wait_fence_on(

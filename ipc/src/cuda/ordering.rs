@@ -211,7 +211,7 @@ impl Fences {
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>> {
         if self.fence == FenceKind::Event {
-            return Ok(Some(Arc::new(self.events.record_for(stream, waiter(to))?)));
+            return self.event_for(stream, to).map(Some);
         }
         let own = self.record_fence_on(stream)?;
         if *to == crate::process::current() {
@@ -219,6 +219,16 @@ impl Fences {
         }
         let me = crate::process::current();
         StreamOrdering::relay_fence(self, &me, &own.handle(), to)
+    }
+
+    /// A pooled interprocess event recorded on `stream` for `to` to wait on.
+    ///
+    /// # Errors
+    /// [`Error::EventAcrossPidNamespaces`] if `to` lives in another PID namespace;
+    /// [`Error::EventsExhausted`]; a driver error recording it.
+    fn event_for(&self, stream: &CudaStream, to: &ProcessId) -> Result<Arc<dyn ExportedFence>> {
+        no_event_across_pid_namespaces(to)?;
+        Ok(Arc::new(self.events.record_for(stream, waiter(to))?))
     }
 
     /// [`CudaBackend::fence_counts`](super::CudaBackend::fence_counts).
@@ -260,6 +270,7 @@ impl Fences {
                     // Never `cuStreamWaitEvent` on another process's event: a wait its
                     // waiter can release (`cuda/bridge.rs`).
                     None => {
+                        no_event_across_pid_namespaces(exporter)?;
                         self.bridge
                             .wait(exporter, &self.opened_event(exporter, handle)?, stream)?
                     }
@@ -391,7 +402,7 @@ impl Fences {
             // `to` lent us no lane we can use (none, several, or it is gone): a pooled
             // interprocess event, which any process can wait on, and nothing blocks here.
             // (Its waiter bridges the wait through memory of its own: `cuda/bridge.rs`.)
-            None => Ok(Some(Arc::new(self.events.record_for(stream, Some(*to))?))),
+            None => self.event_for(stream, to).map(Some),
         }
     }
 
@@ -543,7 +554,7 @@ impl StreamOrdering for Fences {
             for mark in after {
                 mark.order(StreamRef::Cuda(&stream))?;
             }
-            return Ok(Some(Arc::new(self.events.record_for(&stream, waiter(to))?)));
+            return self.event_for(&stream, to).map(Some);
         };
         let mut held = inbox.mark_lock(i);
         for mark in after {
@@ -563,7 +574,7 @@ impl StreamOrdering for Fences {
         let (i, stream) = self.release_stream(crate::ordering::StreamKey::Internal)?;
         let Some(inbox) = &self.inbox else {
             self.wait_fence_on(producer, fence, &stream)?;
-            return Ok(Some(Arc::new(self.events.record_for(&stream, waiter(to))?)));
+            return self.event_for(&stream, to).map(Some);
         };
         let mut held = inbox.mark_lock(i);
         self.wait_fence_on(producer, fence, &stream)?;
@@ -730,6 +741,20 @@ impl StreamOrdering for Fences {
 
 /// Whom an event recorded for `to` is lent to ([`event`]'s reuse rules): nobody in
 /// particular for this process itself (its own waits capture the record when queued).
+/// Refuses an interprocess event to or from `peer` if it lives in another PID namespace
+/// (a process Baton watches through a pidfd: `process::is_observed`), before any driver
+/// call: the driver keeps the event in its exporter's `/dev/shm` (`cuda.shm.*`), which
+/// containers do not share, and an importer that opened one it could not find there was
+/// killed by a signal (H200, driver 580) instead of getting an error. Baton cannot tell
+/// whether two processes of different PID namespaces share a `/dev/shm`, so no event
+/// crosses PID namespaces; counter fences do.
+fn no_event_across_pid_namespaces(peer: &ProcessId) -> Result<()> {
+    if crate::process::is_observed(peer) {
+        return Err(Error::EventAcrossPidNamespaces { peer: *peer });
+    }
+    Ok(())
+}
+
 fn waiter(to: &ProcessId) -> Option<ProcessId> {
     (*to != crate::process::current()).then_some(*to)
 }

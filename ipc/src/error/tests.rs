@@ -212,6 +212,10 @@ fn every_variant() -> Vec<(Error, Fault)> {
             Fault::Usage,
         ),
         (
+            Error::EventAcrossPidNamespaces { peer: process() },
+            Fault::Usage,
+        ),
+        (
             Error::OutOfBounds {
                 offset: 4,
                 len: 8,

@@ -15,7 +15,9 @@
 //!   hits, no driver open), write the reply pattern, release. On CUDA, the thread's current
 //!   context must be none before and after all that (Baton pushes and pops its own).
 //! - `import-expect SOCKET EXPECT_HEX`: open the offer (waiting on its event), check the
-//!   BLAKE3 of the whole buffer (fails on stale data), release.
+//!   BLAKE3 of the whole buffer (fails on stale data), release. An event of an exporter in
+//!   another PID namespace is refused, typed, before any driver call: the lease is given
+//!   back and the exit status is 3.
 //! - `import-fence SOCKET KIND EXPECT_HEX` (CUDA): a `Call` whose payload is a fence of
 //!   KIND (`event`: the 64-byte IPC event handle; `counter`: `CounterFence::to_bytes`) and
 //!   whose offer is a handle without an event: open it, make the backend stream wait on the
@@ -38,6 +40,10 @@ use std::time::Duration;
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The exit status of a role that refused an exporter's event as one across PID
+/// namespaces (`Error::EventAcrossPidNamespaces`), its lease given back.
+const EVENT_REFUSED_ACROSS: i32 = 3;
 
 /// The backend under test, with its driver-open counter.
 enum Subject {
@@ -203,7 +209,15 @@ fn import_expect(subject: &Subject, socket: &str, expect: &str) -> Res<()> {
         offer.handle.fence.is_some() || !matches!(subject, Subject::Cuda(_)),
         || "a CUDA handle came without an event".into(),
     )?;
-    let buffer = cache.open(&offer.handle, &mut fds)?;
+    let buffer = match cache.open(&offer.handle, &mut fds) {
+        // An exporter in another PID namespace: its event is refused before any driver
+        // call; the lease goes back, and the refusal is our exit status.
+        Err(e @ baton::ipc::Error::EventAcrossPidNamespaces { .. }) => {
+            release_and_wait_close(&mut link, &[offer.lease])?;
+            return Err(e.into());
+        }
+        other => other?,
+    };
     let digest = digest_of(&buffer)?;
     ensure(digest.to_hex().as_str() == expect, || {
         format!(
@@ -393,6 +407,10 @@ fn main() {
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     if let Err(e) = run(&argv) {
         eprintln!("baton-conformance-peer: {e}");
-        std::process::exit(1);
+        let across = matches!(
+            e.downcast_ref::<baton::ipc::Error>(),
+            Some(baton::ipc::Error::EventAcrossPidNamespaces { .. })
+        );
+        std::process::exit(if across { EVENT_REFUSED_ACROSS } else { 1 });
     }
 }
