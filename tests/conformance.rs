@@ -1038,49 +1038,27 @@ fn host_memfd_conformance_across_namespaces() {
 }
 
 macro_rules! across_namespaces_on_gpu {
-    ($($test:ident: $flavor:ident),* $(,)?) => {
+    ($($test:ident: $run:expr),* $(,)?) => {
         $(
             #[test]
             #[cfg_attr(feature = "gpu-tests", ignore = "needs root (unshare: the namespaces of a container)")]
             #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU (--features gpu-tests) and root")]
             fn $test() {
-                across_namespaces(Flavor::$flavor);
+                $run;
             }
         )*
     };
 }
 
 across_namespaces_on_gpu!(
-    cuda_legacy_conformance_across_namespaces: CudaLegacy,
-    cuda_vmm_conformance_across_namespaces: CudaVmm,
-    cuda_pool_conformance_across_namespaces: CudaPool,
+    cuda_legacy_conformance_across_namespaces: across_namespaces(Flavor::CudaLegacy),
+    cuda_vmm_conformance_across_namespaces: across_namespaces(Flavor::CudaVmm),
+    cuda_pool_conformance_across_namespaces: across_namespaces(Flavor::CudaPool),
+    event_fences_order_the_importers_stream_across_namespaces:
+        fence_ordering(FenceKind::Event, Placement::OwnNamespaces),
+    counter_fences_order_the_importers_stream_across_namespaces:
+        fence_ordering(FenceKind::Counter, Placement::OwnNamespaces),
 );
-
-#[test]
-#[cfg_attr(
-    feature = "gpu-tests",
-    ignore = "needs root (unshare: the namespaces of a container)"
-)]
-#[cfg_attr(
-    not(feature = "gpu-tests"),
-    ignore = "needs a CUDA GPU (--features gpu-tests) and root"
-)]
-fn event_fences_order_the_importers_stream_across_namespaces() {
-    fence_ordering(FenceKind::Event, Placement::OwnNamespaces);
-}
-
-#[test]
-#[cfg_attr(
-    feature = "gpu-tests",
-    ignore = "needs root (unshare: the namespaces of a container)"
-)]
-#[cfg_attr(
-    not(feature = "gpu-tests"),
-    ignore = "needs a CUDA GPU (--features gpu-tests) and root"
-)]
-fn counter_fences_order_the_importers_stream_across_namespaces() {
-    fence_ordering(FenceKind::Counter, Placement::OwnNamespaces);
-}
 
 #[test]
 fn the_fill_pattern_is_stable() {
