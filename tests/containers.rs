@@ -15,6 +15,10 @@
 //!   (its claimed pid names another process here), and is freed once it dies.
 //! - A claim from a nested PID namespace is checked against what `/proc` says of the
 //!   process: its own namespace's pid and its start time, nothing else.
+//! - Named host segments of a peer in another PID namespace sharing our `/dev/shm`: the
+//!   segment names its owner's namespace beside its pid, and our sweep judges that owner
+//!   through its pidfd (kept while it lives, removed once it died), never by a pid that
+//!   is another process here.
 //!
 //! On a kernel without `SO_PEERPIDFD` (Linux 6.5) or pidfs (6.9) such a peer is refused,
 //! typed, with the reason (`Error::PeerInOtherPidNamespace`); the unit tests of
@@ -51,10 +55,9 @@ fn memfd_parent(tag: &str) -> Parent {
     parent
 }
 
-/// The typed round trip across namespaces: the peer reads two of our buffers (a pattern,
-/// and `i * 0.5`), checks them, and answers with their sum in a buffer of its own, which
-/// must come as a memfd over the socket and read back here.
-async fn maps_our_memory_and_answers_in_its_own(parent: &Parent, link: &Peer, n: usize, seed: u32) {
+/// The peer reads two of our buffers (a pattern, and `i * 0.5`), checks them, and answers
+/// with their sum in a buffer of its own.
+async fn check_pair(parent: &Parent, link: &Peer, n: usize, seed: u32) -> msgs::PairChecked {
     let a = parent.pattern_buffer(n, seed).await;
     let b: baton::Buffer<f32> = parent
         .owner
@@ -74,6 +77,13 @@ async fn maps_our_memory_and_answers_in_its_own(parent: &Parent, link: &Peer, n:
         .await
         .unwrap();
     assert!(reply.ok, "the peer in its own namespaces read our memory");
+    reply
+}
+
+/// The typed round trip across namespaces ([`check_pair`]): the peer's answer must come as
+/// a memfd over the socket and read back here.
+async fn maps_our_memory_and_answers_in_its_own(parent: &Parent, link: &Peer, n: usize, seed: u32) {
+    let reply = check_pair(parent, link, n, seed).await;
     let sum = reply.sum.open().unwrap();
     assert_eq!(
         sum.path(),
@@ -115,6 +125,16 @@ async fn spawn_in_namespaces(
     unshare: &[&str],
     extra: &[&str],
 ) -> (Namespaced, Peer) {
+    spawn_in_namespaces_with(parent, unshare, extra, &[]).await
+}
+
+/// [`spawn_in_namespaces`], with more environment variables (after the defaults: they win).
+async fn spawn_in_namespaces_with(
+    parent: &Parent,
+    unshare: &[&str],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Namespaced, Peer) {
     let sock = parent.socket();
     let ups = parent.events.ups().len();
     let mut cmd = Command::new("unshare");
@@ -124,6 +144,7 @@ async fn spawn_in_namespaces(
         .env(NAMESPACE_ENV, &parent.ns)
         .env(HOST_ENV, "memfd")
         .env("BATON_BACKEND", "host")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null());
     parent.session.pass_to(&mut cmd).unwrap();
@@ -333,4 +354,50 @@ fn a_claim_from_a_nested_pid_namespace_is_checked_by_its_namespace_pid_and_start
         baton::ipc::process::liveness(&truth),
         baton::ipc::process::Liveness::Dead
     );
+}
+
+/// Named host segments across PID namespaces that share one `/dev/shm` (containers run with
+/// `--ipc=host`). A segment names its owner by its pid in its own namespace (1 here: our
+/// own init) and that namespace: our sweep keeps a live peer's segment — `/proc` would call
+/// pid 1 with another start time dead — and removes it once the peer's pidfd says it died.
+#[test]
+#[ignore = "needs root (unshare: a PID namespace)"]
+fn named_segments_of_a_peer_in_another_pid_namespace_are_swept_only_once_it_died() {
+    run(async {
+        let parent = memfd_parent("ct-named");
+        let (mut ns, link) = spawn_in_namespaces_with(
+            &parent,
+            &["-p", "-f", "--mount-proc"],
+            &[],
+            &[(HOST_ENV, "named")],
+        )
+        .await;
+        let reply = check_pair(&parent, &link, 4096, 9).await;
+        let sum = reply.sum.open().unwrap();
+        assert_eq!(sum.path(), baton::actors::LeasePath::HostSegment);
+        let theirs = || baton::ipc::host::list_segments(&parent.ns).unwrap();
+        let listed = theirs();
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        assert_eq!(
+            (listed[0].owner_pid, listed[0].owner),
+            (1, baton::ipc::process::Liveness::Alive),
+            "named by its namespace's pid, judged through its pidfd"
+        );
+        let kept = baton::ipc::host::sweep(&parent.ns).unwrap();
+        assert_eq!((kept.removed.len(), kept.kept), (0, 1), "a live owner's");
+        drop(sum);
+
+        // Killed, it cannot unlink its segment: the sweep from here can, now.
+        ns.signal(Signal::KILL);
+        ns.reaped();
+        eventually(DEADLINE, "its death seen through the pidfd", || {
+            theirs()
+                .iter()
+                .all(|s| s.owner == baton::ipc::process::Liveness::Dead)
+        })
+        .await;
+        let swept = baton::ipc::host::sweep(&parent.ns).unwrap();
+        assert_eq!((swept.removed.len(), swept.kept), (1, 0));
+        assert!(theirs().is_empty());
+    });
 }

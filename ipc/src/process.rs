@@ -25,6 +25,17 @@ pub fn current() -> ProcessId {
     })
 }
 
+/// This process's PID namespace: the low 32 bits of its nsfs inode (`/proc/self/ns/pid`;
+/// the host's initial namespace is `0xEFFF_FFFC`), 0 if that cannot be read. A pid means
+/// something only within its namespace; names that carry a pid (named host segments) carry
+/// this beside it, so that a process of another namespace does not judge them by a pid that
+/// names another process there.
+pub(crate) fn pid_namespace() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    static NS: OnceLock<u32> = OnceLock::new();
+    *NS.get_or_init(|| std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino() as u32))
+}
+
 /// This boot's id (`/proc/sys/kernel/random/boot_id`); all zeros where unreadable.
 pub fn boot_id() -> BootId {
     static BOOT: OnceLock<BootId> = OnceLock::new();

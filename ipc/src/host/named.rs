@@ -44,10 +44,14 @@ pub(crate) fn valid_namespace(ns: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
-/// The name of a new segment of `alloc`, owned by this process.
+/// The name of a new segment of `alloc`, owned by this process:
+/// `/<namespace>.<pid>.<start ticks>.<alloc>.<tag>`, whose 16-hex-digit tag is this
+/// process's PID namespace ([`process::pid_namespace`]) in its high 32 bits, random bits
+/// in its low 32.
 pub(super) fn segment_name(namespace: &str, alloc: AllocationId) -> Result<SegmentName> {
     let me = process::current();
-    let tag = u64::from_le_bytes(crate::session::random_bytes()?);
+    let random = u64::from(u32::from_le_bytes(crate::session::random_bytes()?));
+    let tag = (u64::from(process::pid_namespace()) << 32) | random;
     let name = format!(
         "/{namespace}.{}.{}.{}.{tag:016x}",
         me.pid,
@@ -156,6 +160,9 @@ pub(super) fn open(handle: &CheckedHandle<'_>, name: &SegmentName) -> Result<Ope
 pub(crate) struct SegmentOwner {
     pid: u32,
     start_ticks: u64,
+    /// The owner's PID namespace (the tag's high 32 bits): its pid means something only
+    /// there.
+    pid_namespace: u32,
 }
 
 impl SegmentOwner {
@@ -172,7 +179,37 @@ impl SegmentOwner {
         let _alloc: u64 = parts.next()?.parse().ok()?;
         let tag = parts.next()?;
         let ok = valid_namespace(ns) && tag.len() == 16 && parts.next().is_none();
-        ok.then_some((ns, Self { pid, start_ticks }))
+        let tag = u64::from_str_radix(tag, 16).ok().filter(|_| ok)?;
+        let pid_namespace = (tag >> 32) as u32;
+        Some((
+            ns,
+            Self {
+                pid,
+                start_ticks,
+                pid_namespace,
+            },
+        ))
+    }
+
+    /// Whether the owner still runs. Within our PID namespace, `/proc` says. The pid of an
+    /// owner of another PID namespace names another process here (pid 1 is our init), so
+    /// `/proc` cannot say: its pidfd does if it is a link peer of ours
+    /// ([`process::is_observed`]), and otherwise it is [`Liveness::Unknown`] — never
+    /// swept from here (a sweeper in its own namespace can).
+    fn liveness(self) -> Liveness {
+        if self.pid_namespace == process::pid_namespace() {
+            return process::liveness_of(self.pid, self.start_ticks);
+        }
+        let id = ProcessId {
+            boot: process::boot_id(),
+            pid: self.pid,
+            start_ticks: self.start_ticks,
+        };
+        if process::is_observed(&id) {
+            process::liveness(&id)
+        } else {
+            Liveness::Unknown
+        }
     }
 }
 
@@ -183,7 +220,8 @@ pub struct SegmentInfo {
     pub name: String,
     /// Its owner's pid.
     pub owner_pid: u32,
-    /// Whether the owner still runs.
+    /// Whether the owner still runs ([`Liveness::Unknown`] for an owner of another PID
+    /// namespace that is not a link peer of this process: kept by [`sweep`]).
     pub owner: Liveness,
     /// Size in bytes.
     pub size: u64,
@@ -215,7 +253,7 @@ fn list_segments_in(
         out.push(SegmentInfo {
             name: name.to_owned(),
             owner_pid: owner.pid,
-            owner: process::liveness_of(owner.pid, owner.start_ticks),
+            owner: owner.liveness(),
             size: entry.metadata().map(|m| m.len()).unwrap_or(0),
         });
     }
@@ -236,8 +274,11 @@ pub struct SweepReport {
 
 /// Removes the segments of `namespace` whose owner is dead (it was killed before its
 /// `Drop` could unlink them). A live owner's segments are never touched, even if its pid
-/// was once a dead owner's: the start time tells them apart. Importers that still map a
-/// removed segment keep their mapping; only the name goes.
+/// was once a dead owner's: the start time tells them apart. Nor are those of an owner in
+/// another PID namespace (a container sharing this `/dev/shm`), whose pid names another
+/// process here: unless it is a link peer of this process, watched through its pidfd, its
+/// liveness is unknown and its segments stay. Importers that still map a removed segment
+/// keep their mapping; only the name goes.
 ///
 /// Only the named flavor leaves anything to sweep: `memfd` memory has no name and is freed
 /// by the kernel with its last holder.
@@ -305,6 +346,11 @@ mod tests {
         format!("unit-{tag}-{}", std::process::id())
     }
 
+    /// A segment tag of this PID namespace (as `segment_name` makes them).
+    fn tag() -> String {
+        format!("{:08x}89abcdef", process::pid_namespace())
+    }
+
     #[test]
     fn segment_names_round_trip_their_owner() {
         let name = segment_name("ns_1-x", AllocationId::new(9)).unwrap();
@@ -313,13 +359,41 @@ mod tests {
             SegmentOwner::parse(name.as_str().trim_start_matches('/')),
             Some(SegmentOwner {
                 pid: me.pid,
-                start_ticks: me.start_ticks
+                start_ticks: me.start_ticks,
+                pid_namespace: process::pid_namespace(),
             })
         );
+        assert_ne!(process::pid_namespace(), 0, "/proc/self/ns/pid is readable");
         assert_eq!(SegmentOwner::parse("ns.1.2.3"), None);
         assert_eq!(SegmentOwner::parse("ns.x.2.3.0123456789abcdef"), None);
         assert!(HostBackend::with_namespace("has.dot").is_err());
         assert!(HostBackend::with_namespace("").is_err());
+    }
+
+    /// A segment whose owner is dead by `/proc` is swept when the owner was of our PID
+    /// namespace, and kept when it was of another (its pid names another process here, and
+    /// it is no link peer of ours).
+    #[test]
+    fn sweep_judges_only_owners_of_its_own_pid_namespace() {
+        let ns = ns("pidns");
+        // Our init, with a start time that is not its own: dead by `/proc`, as pid 1 of a
+        // container is seen from the host.
+        let start = process::start_ticks(1).unwrap_or(0) + 12_345;
+        let ours = u64::from(process::pid_namespace()) << 32;
+        let theirs = u64::from(process::pid_namespace() ^ 0x5a5a) << 32;
+        let name = |tag: u64| format!("{ns}.1.{start}.7.{tag:016x}");
+        let (mine, foreign) = (name(ours | 1), name(theirs | 1));
+        for n in [&mine, &foreign] {
+            std::fs::write(Path::new(SHM_DIR).join(n), b"x").unwrap();
+        }
+        let listed = list_segments(&ns).unwrap();
+        let owner_of = |n: &str| listed.iter().find(|s| s.name == n).map(|s| s.owner);
+        assert_eq!(owner_of(&mine), Some(Liveness::Dead));
+        assert_eq!(owner_of(&foreign), Some(Liveness::Unknown));
+        let report = sweep(&ns).unwrap();
+        assert_eq!((report.removed, report.kept), (vec![mine], 1));
+        std::fs::remove_file(Path::new(SHM_DIR).join(&foreign)).unwrap();
+        assert!(list_segments(&ns).unwrap().is_empty());
     }
 
     #[test]
@@ -387,11 +461,12 @@ mod tests {
             rustix::fs::ftruncate(&fd, 4096).unwrap();
         };
         let me = std::process::id();
+        let tag = tag();
         let theirs = [
-            format!("/unit-spa-{me}.{pid}.{start}.1.0123456789abcdef"),
-            format!("/unit-spb-{me}.{pid}.{start}.2.0123456789abcdef"),
+            format!("/unit-spa-{me}.{pid}.{start}.1.{tag}"),
+            format!("/unit-spb-{me}.{pid}.{start}.2.{tag}"),
         ];
-        let other = format!("/unit-spa-{me}.{pid}.{}.3.0123456789abcdef", start + 1);
+        let other = format!("/unit-spa-{me}.{pid}.{}.3.{tag}", start + 1);
         for name in theirs.iter().chain([&other]) {
             make(name);
         }
@@ -417,9 +492,10 @@ mod tests {
     #[test]
     fn listing_ignores_foreign_names() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("ns.1.987654321.3.0123456789abcdef"), b"").unwrap();
+        let tag = tag();
+        std::fs::write(dir.path().join(format!("ns.1.987654321.3.{tag}")), b"").unwrap();
         std::fs::write(dir.path().join("ns.notours"), b"").unwrap();
-        std::fs::write(dir.path().join("other.1.2.3.0123456789abcdef"), b"").unwrap();
+        std::fs::write(dir.path().join(format!("other.1.2.3.{tag}")), b"").unwrap();
         let segs = list_segments_in(dir.path(), |ns, _| ns == "ns").unwrap();
         assert_eq!(segs.len(), 1);
         assert_eq!(segs[0].owner_pid, 1);
@@ -432,6 +508,6 @@ mod tests {
         let by_owner =
             list_segments_in(dir.path(), |_, o| o.pid == 1 && o.start_ticks == 2).unwrap();
         assert_eq!(by_owner.len(), 1);
-        assert_eq!(by_owner[0].name, "other.1.2.3.0123456789abcdef");
+        assert_eq!(by_owner[0].name, format!("other.1.2.3.{tag}"));
     }
 }
