@@ -57,7 +57,12 @@ fn memfd_parent(tag: &str) -> Parent {
 
 /// The peer reads two of our buffers (a pattern, and `i * 0.5`), checks them, and answers
 /// with their sum in a buffer of its own.
-async fn check_pair(parent: &Parent, link: &Peer, n: usize, seed: u32) -> msgs::PairChecked {
+async fn send_check_pair(
+    parent: &Parent,
+    link: &Peer,
+    n: usize,
+    seed: u32,
+) -> Result<msgs::PairChecked, baton::actors::ActorError> {
     let a = parent.pattern_buffer(n, seed).await;
     let b: baton::Buffer<f32> = parent
         .owner
@@ -67,15 +72,18 @@ async fn check_pair(parent: &Parent, link: &Peer, n: usize, seed: u32) -> msgs::
         .unwrap();
     b.write_at(0, &(0..n).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
         .unwrap();
-    let reply = link
-        .remote::<CheckPair>("checker")
+    link.remote::<CheckPair>("checker")
         .send(CheckPair {
             seed,
             a: a.share(),
             b: b.share(),
         })
         .await
-        .unwrap();
+}
+
+/// [`send_check_pair`], which must succeed, the peer reading our memory right.
+async fn check_pair(parent: &Parent, link: &Peer, n: usize, seed: u32) -> msgs::PairChecked {
+    let reply = send_check_pair(parent, link, n, seed).await.unwrap();
     assert!(reply.ok, "the peer in its own namespaces read our memory");
     reply
 }
@@ -399,5 +407,46 @@ fn named_segments_of_a_peer_in_another_pid_namespace_are_swept_only_once_it_died
         let swept = baton::ipc::host::sweep(&parent.ns).unwrap();
         assert_eq!((swept.removed.len(), swept.kept), (1, 0));
         assert!(theirs().is_empty());
+    });
+}
+
+/// Containers that do not share `/dev/shm` (each has its own, as by default): a named
+/// segment of a peer in another PID namespace is not in ours, and its offer is refused,
+/// typed, with the reason (not "freed or never made", and not the peer's fault): the lease
+/// goes back and the link goes on.
+#[test]
+#[ignore = "needs root (unshare: a PID namespace)"]
+fn a_named_segment_of_a_container_with_its_own_dev_shm_is_refused_saying_why() {
+    run(async {
+        let parent = memfd_parent("ct-shm");
+        let (mut ns, link) =
+            spawn_in_namespaces_with(&parent, peer::UNSHARE, &[], &[(HOST_ENV, "named")]).await;
+        // The peer answers with the sum in a named segment of its own `/dev/shm`.
+        let refused = send_check_pair(&parent, &link, 1024, 4)
+            .await
+            .expect_err("its segment is not in our /dev/shm");
+        assert!(
+            matches!(
+                refused,
+                baton::actors::ActorError::OfferRefused(
+                    IpcError::SegmentAcrossPidNamespaces { .. }
+                )
+            ),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("/dev/shm"), "{refused}");
+        // The link goes on: the peer still maps our (memfd) memory.
+        let a = parent.pattern_buffer(1024, 4).await;
+        let summed = link
+            .remote::<msgs::Sum>("sink")
+            .send(msgs::Sum {
+                buffers: vec![a.share()],
+            })
+            .await
+            .unwrap();
+        let want: u64 = (0..1024).map(|i| u64::from(pattern(4, i))).sum();
+        assert_eq!(summed, want);
+        link.close_and_wait().await;
+        assert!(ns.reaped().success());
     });
 }

@@ -197,6 +197,18 @@ pub enum Error {
         /// The allocation the handle names.
         alloc: AllocationId,
     },
+    /// The handle names a host segment of an exporter in another PID namespace, and no such
+    /// segment is in this process's `/dev/shm`: the two do not share one (containers each
+    /// have their own), so named segments cannot cross between them.
+    #[error(
+        "{alloc} of {exporter} is a named shared-memory segment, and its exporter lives in another PID namespace whose /dev/shm is not ours (containers each have their own): named segments do not cross containers; use memfd host memory (BATON_HOST=memfd, the default on Linux), which crosses the socket as a descriptor"
+    )]
+    SegmentAcrossPidNamespaces {
+        /// The exporter the handle names.
+        exporter: ExporterId,
+        /// The allocation the handle names.
+        alloc: AllocationId,
+    },
     /// The exported memory (segment or device allocation) is smaller than the handle says.
     #[error("the exported memory holds {actual} bytes but the handle claims {claimed}")]
     MemoryTooSmall {
@@ -670,6 +682,10 @@ impl Error {
             | Error::FencesExhausted { .. }
             | Error::NcclUnavailable { .. }
             | Error::Nccl { .. }
+            // What this process's namespaces cannot reach (a container's): the offer is
+            // refused, the link stays.
+            | Error::EventAcrossPidNamespaces { .. }
+            | Error::SegmentAcrossPidNamespaces { .. }
             // Mapping a segment that exists failed here (a segment that does not exist
             // is `SegmentNotFound`): descriptors, memory.
             | Error::Shm(_) => Fault::Local,
@@ -684,8 +700,7 @@ impl Error {
             | Error::CopyRefused { .. }
             | Error::DescriptorsOverTcp { .. }
             | Error::RegionUnsupported { .. }
-            | Error::PeerInOtherPidNamespace { .. }
-            | Error::EventAcrossPidNamespaces { .. } => Fault::Usage,
+            | Error::PeerInOtherPidNamespace { .. } => Fault::Usage,
             Error::Closed
             | Error::Timeout { .. }
             | Error::TransferAborted { .. }

@@ -42,7 +42,7 @@ __all__ = [
     "InsecureSocketDir", "ZeroSize", "SegmentNotFound", "MemoryTooSmall",
     "UnsealedMemory", "SegmentOwnerMismatch", "Shm", "UnsupportedBackend", "StaleHandle",
     "DeviceNotFound", "DeviceUnreachable", "PeerInOtherPidNamespace",
-    "EventAcrossPidNamespaces", "PoolAcrossDevices", "PoolTooLarge",
+    "EventAcrossPidNamespaces", "SegmentAcrossPidNamespaces", "PoolAcrossDevices", "PoolTooLarge",
     "ForeignHandle", "Cuda", "EventsExhausted", "FencesExhausted",
     "AllocationGone", "SlabFull", "BackendUnavailable", "NotBorrowable", "CopyRefused",
     # The Python layer's
@@ -307,6 +307,12 @@ class EventAcrossPidNamespaces(Ipc):
     (a container of its own), refused before any driver call: the driver keeps such events
     in the exporter's /dev/shm, which containers do not share. Counter fences (the default)
     cross (docs/CROSS_HOST.md, "Containers")."""
+
+
+class SegmentAcrossPidNamespaces(Ipc):
+    """A named shared-memory segment of an exporter in another PID namespace is not in this
+    process's /dev/shm (containers each have their own): named segments do not cross
+    containers; use memfd host memory (BATON_HOST=memfd, the default on Linux)."""
 
 
 class MissingFds(Ipc):

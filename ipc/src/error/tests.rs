@@ -213,7 +213,14 @@ fn every_variant() -> Vec<(Error, Fault)> {
         ),
         (
             Error::EventAcrossPidNamespaces { peer: process() },
-            Fault::Usage,
+            Fault::Local,
+        ),
+        (
+            Error::SegmentAcrossPidNamespaces {
+                exporter: exporter(),
+                alloc: AllocationId::new(3),
+            },
+            Fault::Local,
         ),
         (
             Error::OutOfBounds {
@@ -351,11 +358,12 @@ fn peer_fault_and_local_open_failure_read_the_kind() {
     // does not match, a corrupt transfer, a size disagreement, a bad rendezvous) and two
     // local failures (no NCCL, an NCCL call that failed); issue 46 three local ones (a
     // device visible but out of peer reach, pool memory of another GPU, pool memory past
-    // the size the driver imports).
+    // the size the driver imports); issue 51 two (an interprocess event or a named segment
+    // that a container's namespaces cannot reach).
     assert_eq!(
         (peer, local),
-        (10 + 6 + 1, 12 + 2 + 3),
-        "the lists as they stood before the kinds, with issue 26's host variants, issue 45's rendezvous naming another host and issue 46's device refusals"
+        (10 + 6 + 1, 12 + 2 + 3 + 2),
+        "the lists as they stood before the kinds, with issue 26's host variants, issue 45's rendezvous naming another host, issue 46's device refusals and issue 51's namespace refusals"
     );
 }
 

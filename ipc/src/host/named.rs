@@ -126,11 +126,13 @@ pub(super) fn allocate(namespace: &str, size: usize) -> Result<Allocation> {
 pub(super) fn open(handle: &CheckedHandle<'_>, name: &SegmentName) -> Result<OpenedMem> {
     let owner = SegmentOwner::parse(name.as_str().trim_start_matches('/'));
     let expected = handle.exporter.process;
-    if !owner.is_some_and(|o| o.pid == expected.pid && o.start_ticks == expected.start_ticks) {
+    let Some(owner) =
+        owner.filter(|o| o.pid == expected.pid && o.start_ticks == expected.start_ticks)
+    else {
         return Err(Error::SegmentOwnerMismatch {
             exporter: handle.exporter,
         });
-    }
+    };
     let shmem = ShmemConf::new()
         .os_id(name.as_str())
         .open()
@@ -138,9 +140,16 @@ pub(super) fn open(handle: &CheckedHandle<'_>, name: &SegmentName) -> Result<Ope
             ShmemError::MapOpenFailed(code)
                 if code == rustix::io::Errno::NOENT.raw_os_error() as u32 =>
             {
-                Error::SegmentNotFound {
-                    exporter: handle.exporter,
-                    alloc: handle.alloc,
+                if owner.pid_namespace == process::pid_namespace() {
+                    Error::SegmentNotFound {
+                        exporter: handle.exporter,
+                        alloc: handle.alloc,
+                    }
+                } else {
+                    Error::SegmentAcrossPidNamespaces {
+                        exporter: handle.exporter,
+                        alloc: handle.alloc,
+                    }
                 }
             }
             other => Error::Shm(format!("opening a segment: {other}")),
