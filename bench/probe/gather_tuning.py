@@ -6,7 +6,12 @@ on the weight-sync layouts (Qwen2.5-0.5B, -7B, a 20,000-tensor shard). Prints on
 per (layout, kernel, chunk, threads): the median time of `--reps` runs after two, its ratio
 to the flat copy measured just before, and whether every tensor arrived.
 
-usage: python3 bench/probe/gather_tuning.py [--reps N] [--layouts ...]   (torch, CuPy, a GPU)
+`--variants` adds the entry points of `gather_variants.cu` beside this file (more loads in
+flight per thread, cache hints), each under its own name; `--chunks` and `--threads` pick
+the grid shapes tried.
+
+usage: python3 bench/probe/gather_tuning.py [--reps N] [--layouts ...] [--variants]
+       [--chunks 65536,...] [--threads 256,...]   (torch, CuPy, a GPU)
 """
 
 from __future__ import annotations
@@ -33,13 +38,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--layouts", default="qwen2.5-0.5b,qwen2.5-7b,moe-20000")
+    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--chunks", default="65536,131072,262144")
+    ap.add_argument("--threads", default="256,512,1024")
     args = ap.parse_args()
     torch.cuda.init()
     stream = torch.cuda.Stream()
     kernels = {
-        "shipped-ptx": cupy.RawModule(path=os.path.join(KERNELS, "gather.ptx")),
-        "tree-source": cupy.RawModule(code=open(os.path.join(KERNELS, "gather.cu")).read()),
+        "shipped-ptx": cupy.RawModule(path=os.path.join(KERNELS, "gather.ptx"))
+        .get_function("baton_gather"),
+        "tree-source": cupy.RawModule(code=open(os.path.join(KERNELS, "gather.cu")).read())
+        .get_function("baton_gather"),
     }
+    if args.variants:
+        variants = cupy.RawModule(code=open(os.path.join(HERE, "gather_variants.cu")).read())
+        for v in ("u1", "u2", "u4", "u8", "u4cs", "u8cs"):
+            kernels[v] = variants.get_function("baton_gather_" + v)
     print(json.dumps({"probe": "gather_tuning", "device": torch.cuda.get_device_name(),
                       "torch": torch.__version__}), flush=True)
     for name in args.layouts.split(","):
@@ -66,15 +80,14 @@ def main() -> None:
             with torch.cuda.stream(stream):
                 flat_dst.copy_(src)
 
-        for kname, module in kernels.items():
-            fn = module.get_function("baton_gather")
-            for chunk in (1 << 16, 1 << 17, 1 << 18):
+        for kname, fn in kernels.items():
+            for chunk in map(int, args.chunks.split(",")):
                 spans, first = [], 0
                 for d, (_, _, _, at, ln) in zip(dst_bytes, layout):
                     spans += [d.data_ptr(), at, ln, first]
                     first += (ln + chunk - 1) // chunk
                 table = cupy.asarray(spans, dtype=cupy.uint64)
-                for threads in (256, 512, 1024):
+                for threads in map(int, args.threads.split(",")):
                     def run(chunk=chunk, threads=threads, first=first, table=table):
                         with cupy.cuda.ExternalStream(stream.cuda_stream):
                             fn((first,), (threads,), (cupy.uint64(src.data_ptr()), table,
