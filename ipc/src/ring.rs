@@ -153,7 +153,7 @@ mod tests;
 mod window;
 
 pub use park::{AsyncRingReader, before_park};
-pub use window::PollWindow;
+pub use window::{POLL_ENV, PollWindow};
 
 use rustix::event::{EventfdFlags, PollFd, PollFlags, Timespec};
 use rustix::fs::{MemfdFlags, OFlags, SealFlags};

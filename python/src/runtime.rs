@@ -21,7 +21,15 @@
 //!   thread, which on a machine whose idle cores halt (a VM) is tens of microseconds. A
 //!   thread that was idle longer sleeps at once: on a small VM a watching core would push
 //!   the peer's wake-ups onto a colder one, which costs more than it saves
-//!   (`bench/probe/call_overhead.py --gap-ms`, `docs/bench/vm/`).
+//!   (`bench/probe/call_overhead.py --gap-ms`, `docs/bench/vm/`). Where
+//!   `BATON_LINK_RING_POLL_US` asks ring readers to poll longer
+//!   (`baton_ipc::ring::PollWindow::configured_max`), a waiting thread watches as long, and
+//!   counts as active for twice that: a latency setting that keeps the threads of a call
+//!   awake across the gaps between syncs, at the price of their cores.
+//!
+//! The runtime thread's tokio runtime polls the links' rings before it parks
+//! (`baton_actors::ring_polling_runtime`): with rings (`BATON_LINK_RING`) a frame from the
+//! peer reaches it without a wake-up while its reader's window lasts.
 //!
 //! A wait given up (a signal, the deadline) drops the future (or aborts its task), which
 //! drops what it was doing (a remote call is then cancelled on its link).
@@ -59,12 +67,20 @@ thread_local! {
 }
 
 /// How long this thread watches before it sleeps in a wait of at most `timeout`: [`SPIN`]
-/// if its last wait ended within [`ACTIVE`], else nothing.
+/// (or the rings' longer poll window, [`spin`]) if its last wait ended within [`ACTIVE`]
+/// (or twice that window), else nothing.
 fn watch_window(timeout: Duration) -> Duration {
+    let spin = spin();
     match LAST_WAIT.get() {
-        Some(ended) if ended.elapsed() <= ACTIVE => SPIN.min(timeout),
+        Some(ended) if ended.elapsed() <= ACTIVE.max(spin * 2) => spin.min(timeout),
         _ => Duration::ZERO,
     }
+}
+
+/// [`SPIN`], or the ring readers' poll window where `BATON_LINK_RING_POLL_US` makes it
+/// longer.
+fn spin() -> Duration {
+    SPIN.max(baton_ipc::ring::PollWindow::configured_max())
 }
 
 /// Records that a wait of this thread was answered now (not one that timed out), for its
@@ -113,7 +129,13 @@ fn start() -> Result<Runtime, String> {
     std::thread::Builder::new()
         .name("baton-actix".into())
         .spawn(move || {
-            let system = actix::System::new();
+            let system = match baton_actors::ring_polling_system() {
+                Ok(system) => system,
+                Err(e) => {
+                    tracing::error!(error = %e, "baton's runtime could not be built");
+                    return;
+                }
+            };
             let started = system
                 .block_on(async { (actix::Arbiter::current(), tokio::runtime::Handle::current()) });
             sender.send(started);

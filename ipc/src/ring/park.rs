@@ -37,10 +37,12 @@
 //! announcement stands (and was followed by a look at the ring) or the hook is polling its
 //! ring on this thread.
 //!
-//! The hook holds the thread for at most the largest window left (50 µs by default) and
-//! stops as soon as it wakes a task; a task woken from another thread meanwhile runs when it
-//! returns. That is why a node's arbiters would poll on their own thread (module docs of
-//! [`ring`](super), "The link integration").
+//! The hook holds the thread for at most the largest window left (50 µs by default,
+//! [`PollWindow::configured_max`](super::PollWindow::configured_max)) and stops as soon as it
+//! wakes a task or a task is woken from another thread (tokio's global queue is not empty:
+//! a message posted to an actor of the thread, a reply for a caller's future). What it does
+//! not watch waits for it to return, at most the window: timers, and sockets that are not a
+//! ring's doorbell. (The next park polls again for what is left of each window.)
 //!
 //! `recv` is cancel-safe: an entry is taken from the ring only when `recv` returns it.
 
@@ -124,6 +126,12 @@ pub fn before_park() {
         if waiting.is_empty() {
             return;
         }
+        // Tasks woken from other threads wait in the runtime's global queue: the polling
+        // stops for them (else they would wait out the window).
+        let metrics = tokio::runtime::Handle::try_current()
+            .ok()
+            .map(|h| h.metrics());
+        let remote_work = || metrics.as_ref().is_some_and(|m| m.global_queue_depth() > 0);
         loop {
             let now = Instant::now();
             let (mut woke_any, mut polling) = (false, false);
@@ -147,7 +155,7 @@ pub fn before_park() {
                 }
                 woke_any |= wait.phase == Phase::Woken;
             }
-            if woke_any || !polling {
+            if woke_any || !polling || remote_work() {
                 break;
             }
             std::hint::spin_loop();

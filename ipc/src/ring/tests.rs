@@ -707,6 +707,39 @@ fn async_recv_without_the_park_hook() {
     async_receive(false, PollWindow::never());
 }
 
+/// A reader polling through a long window does not hold up a task woken from another
+/// thread (a message posted to an actor of the runtime): the hook stops for it. Without
+/// that, the task — and the deadline below, a timer — would wait out the 60 s window.
+#[test]
+fn the_park_hook_stops_polling_for_a_task_woken_from_another_thread() {
+    let (mut reader, fds) =
+        RingReader::create(MIN_CAPACITY, PollWindow::new(Duration::from_secs(120))).unwrap();
+    // A gap of 30 s seen: the window grows to 60 s.
+    reader.window_mut().observe(Duration::from_secs(30));
+    assert_eq!(reader.window().current(), Duration::from_secs(60));
+    let rt = runtime(true);
+    let handle = rt.handle().clone();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let poster = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        handle.spawn(async move {
+            let _ = tx.send(());
+        });
+    });
+    rt.block_on(async {
+        let mut ring = AsyncRingReader::new(reader).unwrap();
+        let mut out = Vec::new();
+        tokio::select! {
+            r = ring.recv(&mut out) => panic!("nothing was written: {r:?}"),
+            posted = tokio::time::timeout(WAIT, rx) => {
+                posted.expect("the posted task ran before the deadline").unwrap();
+            }
+        }
+    });
+    poster.join().unwrap();
+    drop(fds);
+}
+
 #[test]
 fn async_ping_pong_on_two_runtimes_with_the_hook() {
     let (a_reader, a_fds) =

@@ -2,6 +2,10 @@
 
 use std::time::Duration;
 
+/// The environment variable that sets the longest poll window of a ring reader
+/// ([`PollWindow::configured_max`]), in microseconds.
+pub const POLL_ENV: &str = "BATON_LINK_RING_POLL_US";
+
 /// A reader's self-tuning poll window: how long it polls the ring for the next entry before
 /// it announces its sleep and blocks on the doorbell.
 ///
@@ -53,11 +57,49 @@ impl PollWindow {
 
     /// [`with_cpus`](Self::with_cpus) with the CPUs this process may run on
     /// (`std::thread::available_parallelism`, which honours affinity and cgroup quotas) and
-    /// [`DEFAULT_MAX`](Self::DEFAULT_MAX). Unknown counts as one.
+    /// [`configured_max`](Self::configured_max). Unknown counts as one.
     pub fn for_this_machine() -> Self {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self::with_cpus(cpus, Self::DEFAULT_MAX)
+        Self::with_cpus(cpus, Self::configured_max())
     }
+
+    /// The largest window of [`for_this_machine`](Self::for_this_machine):
+    /// [`POLL_ENV`] (`BATON_LINK_RING_POLL_US`, microseconds, at most
+    /// [`LONGEST`](Self::LONGEST)) where it is set to a number, else
+    /// [`DEFAULT_MAX`](Self::DEFAULT_MAX). Read once per process.
+    ///
+    /// A longer window keeps a reader awake across longer gaps between frames — a weight
+    /// sync every few milliseconds — at the price of a core polling through each gap it
+    /// learns to span (see the type's docs): a latency setting for a host with cores to
+    /// spare, never a default.
+    pub fn configured_max() -> Duration {
+        static MAX: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+        *MAX.get_or_init(|| {
+            Self::max_from(std::env::var(POLL_ENV).ok().as_deref()).unwrap_or_else(|bad| {
+                tracing::warn!(
+                    value = bad,
+                    "{POLL_ENV} is not a number of microseconds: ignored"
+                );
+                Self::DEFAULT_MAX
+            })
+        })
+    }
+
+    /// The maximum a value of [`POLL_ENV`] asks for: unset or empty, the default; a number
+    /// of microseconds, that (capped at [`LONGEST`](Self::LONGEST)); anything else, `Err`
+    /// with it.
+    fn max_from(value: Option<&str>) -> Result<Duration, &str> {
+        match value.map(str::trim) {
+            None | Some("") => Ok(Self::DEFAULT_MAX),
+            Some(v) => v
+                .parse::<u64>()
+                .map(|us| Duration::from_micros(us).min(Self::LONGEST))
+                .map_err(|_| v),
+        }
+    }
+
+    /// The longest window [`POLL_ENV`] may ask for: 100 ms.
+    pub const LONGEST: Duration = Duration::from_millis(100);
 
     /// How long to poll now.
     pub fn current(&self) -> Duration {
@@ -85,5 +127,27 @@ impl PollWindow {
                 self.current = Duration::ZERO;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configured_maximum_is_microseconds_capped_or_the_default() {
+        assert_eq!(PollWindow::max_from(None), Ok(PollWindow::DEFAULT_MAX));
+        assert_eq!(PollWindow::max_from(Some(" ")), Ok(PollWindow::DEFAULT_MAX));
+        assert_eq!(
+            PollWindow::max_from(Some("5000")),
+            Ok(Duration::from_millis(5))
+        );
+        assert_eq!(PollWindow::max_from(Some("0")), Ok(Duration::ZERO));
+        assert_eq!(
+            PollWindow::max_from(Some("999999999")),
+            Ok(PollWindow::LONGEST)
+        );
+        assert_eq!(PollWindow::max_from(Some("5ms")), Err("5ms"));
+        assert_eq!(PollWindow::max_from(Some("-1")), Err("-1"));
     }
 }
