@@ -739,8 +739,6 @@ impl StreamOrdering for Fences {
     }
 }
 
-/// Whom an event recorded for `to` is lent to ([`event`]'s reuse rules): nobody in
-/// particular for this process itself (its own waits capture the record when queued).
 /// Refuses an interprocess event to or from `peer` if it lives in another PID namespace
 /// (a process Baton watches through a pidfd: `process::is_observed`), before any driver
 /// call: the driver keeps the event in its exporter's `/dev/shm` (`cuda.shm.*`), which
@@ -755,6 +753,8 @@ fn no_event_across_pid_namespaces(peer: &ProcessId) -> Result<()> {
     Ok(())
 }
 
+/// Whom an event recorded for `to` is lent to ([`event`]'s reuse rules): nobody in
+/// particular for this process itself (its own waits capture the record when queued).
 fn waiter(to: &ProcessId) -> Option<ProcessId> {
     (*to != crate::process::current()).then_some(*to)
 }
