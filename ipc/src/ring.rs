@@ -60,8 +60,9 @@
 //! Sleeping costs the wakeup the ring is there to avoid, but polling costs a core and is
 //! ruinous where the writer needs that core. [`PollWindow`] is how long a reader polls before
 //! it sleeps, tuned by what it sees: a frame within the window keeps it, a miss halves it,
-//! and from zero a short gap between frames makes it try twice that gap. It is zero for good
-//! where the process has fewer than two CPUs. [`RingReader::recv`] polls then blocks
+//! and from zero a short gap between frames makes it try twice that gap, up to 50 µs or what
+//! [`POLL_ENV`] (`BATON_LINK_RING_POLL_US`) asks for. It is zero for good where the process has
+//! fewer than two CPUs. [`RingReader::recv`] polls then blocks
 //! (`poll(2)` on the doorbell); [`AsyncRingReader`] ([`park`]) does the same on a tokio
 //! current-thread runtime: its [`before_park`] hook polls the thread's rings just before the
 //! thread would sleep, so the reactor itself waits only on the doorbell.
@@ -120,7 +121,9 @@
 //! - A reader only polls on a runtime built with `on_thread_park(before_park)`: a node's
 //!   links (`NodeConfig::ring` in `baton-actors`, or `BATON_LINK_RING`) poll when the node
 //!   runs on `baton_actors::ring_polling_system` (or an arbiter on `ring_polling_runtime`);
-//!   on any other runtime every frame costs a doorbell wakeup.
+//!   on any other runtime every frame costs a doorbell wakeup. (Python's runtime thread is
+//!   built that way.) While the hook polls, the runtime's timers and its sockets other than
+//!   doorbells wait for it (at most the window); tasks woken from other threads stop it.
 //! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and an
 //!   offer reaches its caller as a message to ignore (the peer then keeps the socket).
 //! - [`LinkConfig::new`](crate::LinkConfig::new) reads `BATON_LINK_RING`, so the variable
