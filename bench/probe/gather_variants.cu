@@ -6,6 +6,9 @@
 //   them, with `__restrict__` pointers, so that N loads are in flight at once;
 // - `cs`: streaming cache hints (`ld.global.cs`, `st.global.cs`): the bytes are touched
 //   once, so they need not stay in L2.
+//
+// Everything but the word loop is the shipped kernel's, copied, so that the variants differ
+// from it in that loop alone.
 
 struct Span {
     unsigned long long ptr;
