@@ -52,7 +52,7 @@ targets set by size.
 
 usage: python3 bench/weight_sync.py [--model qwen2.5-0.5b|qwen2.5-7b|moe-20000|flat-1g|...]
                                     [--steps N] [--paths baton-bundle,torch-mp-tensors,...]
-                                    [--engine-device N]
+                                    [--engine-device N] [--pin T,E]
 """
 
 from __future__ import annotations
@@ -74,6 +74,17 @@ MODELS = {
 MOE = "moe-20000"
 #: One flat tensor of a size (the across-GPU targets are set by size).
 FLAT = {"flat-256m": 256 << 20, "flat-1g": 1 << 30, "flat-4g": 4 << 30}
+#: `--pin T,E`: the trainer's CPUs and every engine's, each one CPU or several joined by `+`
+#: (children read it from the environment).
+PIN_ENV = "WEIGHT_SYNC_PIN"
+
+
+def pin(role: int) -> None:
+    """Pins this process's threads from now on (and its children's) to the trainer's CPUs
+    (`role` 0) or the engines' (1), when `--pin` asked for it."""
+    cpus = os.environ.get(PIN_ENV)
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")[role].split("+")})
 
 
 def model_spec(name: str) -> list:
@@ -221,6 +232,7 @@ def baton_engine(model: str, ordered: bool, kill: str, device: int = 0) -> None:
     itself in the middle of its third sync (the lease open, its copies queued)."""
     import signal
 
+    pin(1)
     import torch
 
     import baton
@@ -534,6 +546,7 @@ def trainer_client(args) -> None:
 # ---- torch.multiprocessing ----------------------------------------------------------------
 
 def torch_engine(model: str, flat: bool, inbox, outbox, device: int = 0) -> None:
+    pin(1)
     import torch
 
     torch.cuda.set_device(device)
@@ -643,7 +656,15 @@ def main() -> None:
                     help="instead of timing: SIGKILL the engine (a child of the trainer), or "
                     "the trainer (of an engine serving trainers), in the middle of a sync, and "
                     "report how the survivor fares")
+    ap.add_argument("--pin", metavar="T,E",
+                    help="pin the trainer to CPU T and every engine to CPU E (all their "
+                    "threads; several CPUs joined by +: the wake-up experiment of "
+                    "docs/BENCHMARKS.md)")
     args = ap.parse_args()
+    if args.pin:
+        os.environ[PIN_ENV] = args.pin
+    if args.role == "trainer":
+        pin(0)
     if args.role == "engine":
         return baton_engine(args.model, args.ordered, args.kill or "", args.engine_device)
     if args.role == "engine-server":
