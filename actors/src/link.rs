@@ -130,6 +130,9 @@ pub struct PeerLink {
     forwards_out: copy::ForwardsOut,
     /// A host link's messages read and not handed on yet, in order (see `link/held.rs`).
     held: held::HeldBack<copy::Handed>,
+    /// The offer and grant lists of the last call sent, emptied: the next call's reuse
+    /// them (a call's lists are let go once its frame is queued).
+    spare: outgoing::Spare,
     pub(crate) span: tracing::Span,
 }
 
@@ -246,6 +249,7 @@ impl PeerLink {
                 copies_in: 0,
                 forwards_out: copy::ForwardsOut::default(),
                 held: held::HeldBack::default(),
+                spare: outgoing::Spare::default(),
             }
         });
         (

@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::sync::Arc;
 
 /// Which backend made a buffer, and so how to open its handle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -27,9 +28,27 @@ pub enum BackendKind {
 }
 
 /// The name of a host shared-memory segment: `/` then 1 to 200 of `[A-Za-z0-9._-]`.
-#[derive(Clone, PartialEq, Eq, Hash, Deserialize)]
-#[serde(try_from = "String")]
-pub struct SegmentName(String);
+/// Cloning it (once per offer of the segment) counts a reference, not a copy.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct SegmentName(Arc<str>);
+
+/// From a string, checked (as `try_from = "String"` would, without the `String` when the
+/// decoder lends the bytes: one allocation, the name's own).
+impl<'de> Deserialize<'de> for SegmentName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Name;
+        impl serde::de::Visitor<'_> for Name {
+            type Value = SegmentName;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a shared-memory segment name")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<SegmentName, E> {
+                SegmentName::new(v).ok_or_else(|| E::custom("invalid shared-memory segment name"))
+            }
+        }
+        d.deserialize_str(Name)
+    }
+}
 
 /// As a string (what `into = "String"` wrote, without the copy).
 impl Serialize for SegmentName {
@@ -43,8 +62,8 @@ impl SegmentName {
     pub const MAX_LEN: usize = 200;
 
     /// Checks and wraps a name.
-    pub fn new(name: impl Into<String>) -> Option<Self> {
-        let name = name.into();
+    pub fn new(name: impl AsRef<str>) -> Option<Self> {
+        let name = name.as_ref();
         let rest = name.strip_prefix('/')?;
         let ok = !rest.is_empty()
             && rest.len() <= Self::MAX_LEN
@@ -53,7 +72,7 @@ impl SegmentName {
             && rest
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-        ok.then_some(Self(name))
+        ok.then(|| Self(Arc::from(name)))
     }
 
     /// The name, with its leading `/`.
@@ -77,7 +96,7 @@ impl TryFrom<String> for SegmentName {
 
 impl From<SegmentName> for String {
     fn from(s: SegmentName) -> String {
-        s.0
+        s.0.as_ref().to_owned()
     }
 }
 
@@ -266,5 +285,24 @@ pub(crate) mod tests {
         ] {
             assert!(SegmentName::new(bad).is_none(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_decoded_segment_name_is_checked_as_a_made_one() {
+        let config = crate::codec::config();
+        let good = SegmentName::new("/baton.1-2_3").unwrap();
+        let bytes = bincode::serde::encode_to_vec(&good, config).unwrap();
+        let (back, _): (SegmentName, usize) =
+            bincode::serde::decode_from_slice(&bytes, config).unwrap();
+        assert_eq!(back, good);
+        assert_eq!(back.as_str(), "/baton.1-2_3");
+        for bad in ["noslash", "/a/b", "/..", "/"] {
+            let bytes = bincode::serde::encode_to_vec(bad, config).unwrap();
+            let e = bincode::serde::decode_from_slice::<SegmentName, _>(&bytes, config);
+            assert!(e.is_err(), "{bad:?} decoded");
+        }
+        // A clone shares the name: what an offer of the segment copies.
+        let clone = good.clone();
+        assert!(std::ptr::eq(clone.as_str(), good.as_str()));
     }
 }

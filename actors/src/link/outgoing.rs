@@ -34,6 +34,29 @@ struct Granted {
     grants: Vec<OfferGrant>,
 }
 
+/// Emptied offer and grant lists kept for the next call (see `PeerLink::spare`).
+#[derive(Default)]
+pub(super) struct Spare {
+    offers: Vec<Offer>,
+    grants: Vec<OfferGrant>,
+}
+
+impl Spare {
+    /// The most entries a list kept may have room for: a call with more buffers gives its
+    /// lists back to the allocator, so one large call does not keep its memory.
+    const KEEP: usize = 64;
+
+    /// Keeps `offers` and `grants`, emptied, unless they are larger than [`Self::KEEP`].
+    fn keep(&mut self, mut offers: Vec<Offer>, mut grants: Vec<OfferGrant>) {
+        if offers.capacity() <= Self::KEEP && grants.capacity() <= Self::KEEP {
+            offers.clear();
+            grants.clear();
+            self.offers = offers;
+            self.grants = grants;
+        }
+    }
+}
+
 /// The most bytes of frames one `sendmsg` carries when frames are queued back to back.
 const MAX_BATCH: usize = 64 * 1024;
 
@@ -158,8 +181,10 @@ impl PeerLink {
 
     /// Grants the peer a lease on each buffer; all or none.
     fn grant_all(&mut self, cells: &[Outgoing]) -> Result<Granted, ActorError> {
-        let mut offers = Vec::with_capacity(cells.len());
-        let mut grants = Vec::with_capacity(cells.len());
+        let mut offers = std::mem::take(&mut self.spare.offers);
+        let mut grants = std::mem::take(&mut self.spare.grants);
+        offers.reserve(cells.len());
+        grants.reserve(cells.len());
         let mut fds = Vec::new();
         let mut failure = None;
         for out in cells {
@@ -340,6 +365,7 @@ impl Handler<OutCall> for PeerLink {
                 let _ = msg.reply.send(Err(e));
             }
         }
+        self.spare.keep(offers, grants);
     }
 }
 
