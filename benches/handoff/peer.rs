@@ -12,6 +12,20 @@ use std::time::Duration;
 /// How long any wait on a peer (its link, its result, its exit) lasts at most.
 pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
+/// Names a command that runs each peer outside namespaces (its words, then the peer's
+/// command line): a profiler, e.g. `BENCH_PEER_WRAPPER="heaptrack -o /tmp/ht-peer"`.
+pub(crate) const WRAPPER_ENV: &str = "BENCH_PEER_WRAPPER";
+
+/// The words of [`WRAPPER_ENV`], if it names a command.
+fn wrapper() -> Option<Vec<String>> {
+    let words: Vec<String> = std::env::var(WRAPPER_ENV)
+        .ok()?
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    (!words.is_empty()).then_some(words)
+}
+
 /// A peer: killed and reaped on drop. Its stdout is read on a thread; a line starting
 /// with `RESULT ` carries its JSON result.
 pub(crate) struct PeerProcess {
@@ -59,7 +73,14 @@ impl PeerProcess {
             .arg(exe);
             cmd
         } else {
-            Command::new(exe)
+            match wrapper() {
+                Some(words) => {
+                    let mut cmd = Command::new(&words[0]);
+                    cmd.args(&words[1..]).arg(exe);
+                    cmd
+                }
+                None => Command::new(exe),
+            }
         };
         cmd.arg("peer")
             .arg(role)
