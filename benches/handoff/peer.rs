@@ -13,7 +13,11 @@ use std::time::Duration;
 pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Names a command that runs each peer outside namespaces (its words, then the peer's
-/// command line): a profiler, e.g. `BENCH_PEER_WRAPPER="heaptrack -o /tmp/ht-peer"`.
+/// command line): a profiler that `exec`s the peer, since the parent checks that the peer
+/// that links is its own child (a wrapper that forks is refused: "did not link"). E.g.
+/// heaptrack's preload, whose raw output `heaptrack_interpret` reads afterwards:
+/// `BENCH_PEER_WRAPPER="env LD_PRELOAD=/usr/lib/heaptrack/libheaptrack_preload.so
+/// DUMP_HEAPTRACK_OUTPUT=/tmp/ht-raw"`.
 pub(crate) const WRAPPER_ENV: &str = "BENCH_PEER_WRAPPER";
 
 /// The words of [`WRAPPER_ENV`], if it names a command.
