@@ -251,27 +251,60 @@ impl ImportCache {
     /// [`Error::StaleHandle`], [`Error::MemoryTooSmall`]).
     pub fn open_if_mapped(&self, handle: &HandleMsg) -> Option<Result<Imported>> {
         let key = CacheKey::of(handle);
-        let known = {
-            let state = self.shared.lock();
+        {
+            let mut state = self.shared.lock();
             if state.busy.contains_key(&key) {
                 return None;
             }
-            state.entries.get(&key)?.verified == *handle
-        };
-        // Checked with no lock held, as a miss is.
-        let checked = !known;
-        if checked {
-            if let Err(e) = self.shared.session.check(handle) {
-                return Some(Err(e));
+            if state.entries.get(&key)?.verified == *handle {
+                // The handle this mapping was opened with, checked then: one lock.
+                let found = state.hit(&key, handle, false);
+                drop(state);
+                return Some(found.map(|mapping| self.imported(key, handle, mapping)));
             }
+        }
+        // Another handle of a mapped allocation: checked with no lock held, as a miss is.
+        if let Err(e) = self.shared.session.check(handle) {
+            return Some(Err(e));
         }
         let mut state = self.shared.lock();
         if state.busy.contains_key(&key) || !state.entries.contains_key(&key) {
             return None;
         }
-        let found = state.hit(&key, handle, checked);
+        let found = state.hit(&key, handle, true);
         drop(state);
         Some(found.map(|mapping| self.imported(key, handle, mapping)))
+    }
+
+    /// A frame's handles opened as [`open_if_mapped`](Self::open_if_mapped) hits whose
+    /// fences need nothing opened first (`fence_prepared`): what an actor's thread may do
+    /// with no driver call that blocks. The views, up to and with the first that fails;
+    /// `None` — nothing kept open — if any handle would miss or wait, or its fence would
+    /// need opening: open them where blocking is allowed.
+    pub fn open_all_if_ready<'a>(
+        &self,
+        handles: impl IntoIterator<Item = &'a HandleMsg>,
+    ) -> Option<Vec<Result<Imported>>> {
+        let handles = handles.into_iter();
+        let mut views = Vec::with_capacity(handles.size_hint().0);
+        for handle in handles {
+            let view = self.open_if_mapped(handle)?;
+            if let (Ok(view), Some(fence)) = (&view, &handle.fence) {
+                if !view
+                    .backend()
+                    .ordering()
+                    .fence_prepared(&handle.exporter.process, fence)
+                {
+                    return None;
+                }
+            }
+            let failed = view.is_err();
+            views.push(view);
+            if failed {
+                break;
+            }
+        }
+        Some(views)
     }
 
     fn imported(&self, key: CacheKey, handle: &HandleMsg, mapping: Mapping) -> Imported {

@@ -52,34 +52,6 @@ fn open_views(cache: ImportCache, offers: Vec<Offer>, mut fds: FrameFds) -> Open
     (offers, views)
 }
 
-/// The offers' views if every one is a cache hit whose fence is open already — no driver
-/// call that blocks, so fine on an actor's thread — up to the first that fails (as
-/// [`open_views`]); `None` (nothing kept open) if any needs the driver thread.
-fn open_hits(
-    cache: &ImportCache,
-    offers: &[Offer],
-) -> Option<Vec<Result<Imported, baton_ipc::Error>>> {
-    let mut views = Vec::with_capacity(offers.len());
-    for offer in offers {
-        let view = cache.open_if_mapped(&offer.handle)?;
-        if let (Ok(view), Some(fence)) = (&view, &offer.handle.fence) {
-            if !view
-                .backend()
-                .ordering()
-                .fence_prepared(&offer.handle.exporter.process, fence)
-            {
-                return None;
-            }
-        }
-        let failed = view.is_err();
-        views.push(view);
-        if failed {
-            break;
-        }
-    }
-    Some(views)
-}
-
 impl PeerLink {
     /// Opens a frame's offers, checked by the session, all or none, then carries on with
     /// what they are for ([`then`](Self::then)). Opens are driver calls: on a node whose
@@ -123,7 +95,7 @@ impl PeerLink {
         }
         // Mapped already, fences open: nothing that blocks, so no trip to the driver thread
         // (the cached handoff's common case).
-        if let Some(views) = open_hits(&cache, &offers) {
+        if let Some(views) = cache.open_all_if_ready(offers.iter().map(|o| &o.handle)) {
             drop(fds);
             let opened = self.finish_open(offers, views, relayed)?;
             return self.then(then, opened, slot, ctx);

@@ -364,6 +364,61 @@ fn open_if_mapped_opens_hits_only() {
     );
 }
 
+/// `open_all_if_ready` opens a frame's handles only if every one is a hit: a miss among
+/// them keeps nothing open; a refused one ends the views, with its error last.
+#[test]
+fn open_all_if_ready_opens_all_hits_or_nothing() {
+    let session = Session::new(SessionToken::from_bytes([8; 32]));
+    let backend = Arc::new(EventBackend::default());
+    let cache = ImportCache::new(session.clone(), [backend.clone() as SharedBackend]);
+    let (a, b) = (
+        backend.allocate(4096).unwrap(),
+        backend.allocate(4096).unwrap(),
+    );
+    let (ha, hb) = (
+        a.handle(&session).build().unwrap(),
+        b.handle(&session).build().unwrap(),
+    );
+    let first = cache.open_unordered(&ha, &mut FrameFds::none()).unwrap();
+    assert!(
+        cache.open_all_if_ready([&ha, &hb]).is_none(),
+        "b would miss"
+    );
+    drop(first);
+    assert_eq!(
+        cache.stats().live,
+        0,
+        "a's view of that attempt was let go too"
+    );
+    let first = cache.open_unordered(&ha, &mut FrameFds::none()).unwrap();
+    let second = cache.open_unordered(&hb, &mut FrameFds::none()).unwrap();
+    let views = cache.open_all_if_ready([&ha, &hb, &ha]).expect("all hits");
+    assert_eq!(views.len(), 3);
+    assert!(views.iter().all(Result::is_ok));
+    assert_eq!(
+        backend.opens.load(Ordering::Relaxed),
+        3,
+        "no driver open for a hit"
+    );
+    let foreign = a
+        .handle(&Session::new(SessionToken::from_bytes([9; 32])))
+        .build()
+        .unwrap();
+    let refused = cache
+        .open_all_if_ready([&ha, &foreign, &hb])
+        .expect("hits, one refused");
+    assert_eq!(refused.len(), 2, "up to and with the refused one");
+    assert!(matches!(refused[1], Err(Error::Message(_))));
+    assert!(
+        cache
+            .open_all_if_ready([])
+            .expect("nothing to open")
+            .is_empty()
+    );
+    drop((first, second, views, refused));
+    assert_eq!(cache.stats().live, 0);
+}
+
 fn counter() -> (Arc<AtomicU64>, OnClosed) {
     let n = Arc::new(AtomicU64::new(0));
     let m = Arc::clone(&n);
