@@ -318,7 +318,11 @@ impl PeerLink {
                 };
                 self.open(open, fds, slot, ctx)
             }
-            Action::Released { lease, fences } => self.on_release(lease, fences),
+            Action::Released {
+                lease,
+                fences,
+                route,
+            } => self.on_release(lease, fences, route),
             Action::Revoke {
                 lease,
                 deadline_ms,

@@ -42,7 +42,7 @@ use baton_messages::protocol::{
 use baton_messages::{
     AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire, ProcessId, RawHandle,
 };
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::Weak;
 use std::time::{Duration, Instant};
@@ -99,6 +99,22 @@ pub(crate) struct SessionLimits {
     pub(crate) offers_per_message: usize,
     /// Leases held from the peer at once ([`ActorError::TooManyLeases`]).
     pub(crate) leases_held: usize,
+}
+
+/// How a lease the peer releases was lent over this link — the one place a `Release` is
+/// routed from, so that the shell does not probe its copy, forward and relay tables for
+/// every release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReleaseRoute {
+    /// Granted by this node over this same-host link: the ledger's alone.
+    Local,
+    /// An offer of a third process we passed on over this link ([`passed_on`]): the
+    /// `Release` goes to its exporter.
+    ///
+    /// [`passed_on`]: LinkSession::passed_on
+    Passed,
+    /// Lent over a host link: a copy, or a forward's copy (the shell's copy tables).
+    Copy,
 }
 
 /// What one frame asks of the shell, in order: most frames ask one thing, held without
@@ -158,14 +174,17 @@ pub(crate) enum Action<A: Attach> {
     /// reporting each through [`opened`](LinkSession::opened) or the rest through
     /// [`refused`](LinkSession::refused); then carry on with `then`.
     Open(Open<A>),
-    /// The peer released a lease: one we passed on goes to its exporter (forwarding);
-    /// else the ledger checks it was granted over this link, and takes its fences (their
-    /// count is checked; each fence is checked by the shell).
+    /// The peer released a lease, by the route it was lent on ([`ReleaseRoute`]): one we
+    /// passed on goes to its exporter (forwarding); else the ledger checks it was granted
+    /// over this link, and takes its fences (their count is checked; each fence is checked
+    /// by the shell).
     Released {
         /// The lease.
         lease: LeaseId,
         /// Its release fences.
         fences: Vec<FenceHandle>,
+        /// How it was lent.
+        route: ReleaseRoute,
     },
     /// The exporter asks for a lease back by `deadline_ms`: one we hold (`held`), else one
     /// we forwarded (its holder is asked), else one whose `Release` crossed the revoke
@@ -274,8 +293,14 @@ pub(crate) struct LinkSession<A: Attach> {
     limits: SessionLimits,
     /// The peer's allocations this link keeps mapped.
     mapped: HashMap<AllocationId, A::Mapping>,
-    /// Leases held from the peer: each one's guard, and the bytes it maps.
-    held: HashMap<LeaseId, (A::Held, u64)>,
+    /// Leases held from the peer: each one's guard, the bytes it maps, and whether it is
+    /// relayed (a third process's memory, its mapping its own: see [`released`]).
+    ///
+    /// [`released`]: LinkSession::released
+    held: HashMap<LeaseId, (A::Held, u64, bool)>,
+    /// Offers of third processes we passed on to the peer, until it releases them
+    /// ([`ReleaseRoute::Passed`]). Ours, not peer-fed: one per forward this node made.
+    passed: HashSet<LeaseId>,
     /// Our calls awaiting the peer's reply.
     pending: HashMap<u64, A::Caller>,
     /// Pings in flight: when each was sent, and who waits for its round trip.
@@ -327,6 +352,7 @@ impl<A: Attach> LinkSession<A> {
             limits,
             mapped: HashMap::new(),
             held: HashMap::new(),
+            passed: HashSet::new(),
             pending: HashMap::new(),
             pings: HashMap::new(),
             next_ping: 1,
@@ -390,7 +416,18 @@ impl<A: Attach> LinkSession<A> {
                         max: MAX_RELEASE_FENCES,
                     });
                 }
-                Action::Released { lease, fences }
+                let route = if self.across_hosts {
+                    ReleaseRoute::Copy
+                } else if self.passed.remove(&lease) {
+                    ReleaseRoute::Passed
+                } else {
+                    ReleaseRoute::Local
+                };
+                Action::Released {
+                    lease,
+                    fences,
+                    route,
+                }
             }
             Wire::Revoke(Revoke { lease, deadline_ms }) => Action::Revoke {
                 lease,
@@ -398,7 +435,7 @@ impl<A: Attach> LinkSession<A> {
                 held: self
                     .held
                     .get(&lease)
-                    .map(|(h, _)| h)
+                    .map(|(h, _, _)| h)
                     .filter(|h| h.is_held())
                     .cloned(),
             },
@@ -552,7 +589,7 @@ impl<A: Attach> LinkSession<A> {
             let held = self
                 .held
                 .get(&offer.lease)
-                .is_some_and(|(h, _)| h.is_held());
+                .is_some_and(|(h, _, _)| h.is_held());
             if held || offers[..i].iter().any(|o| o.lease == offer.lease) {
                 return Err(ActorError::DuplicateLease { lease: offer.lease });
             }
@@ -623,8 +660,10 @@ impl<A: Attach> LinkSession<A> {
         held: A::Held,
         mapping: Option<A::Mapping>,
     ) -> bool {
+        let relayed = mapping.is_none();
         let new_hold = mapping.is_some_and(|m| self.mapped.insert(offer.handle.alloc, m).is_none());
-        self.held.insert(offer.lease, (held, offer.handle.len));
+        self.held
+            .insert(offer.lease, (held, offer.handle.len, relayed));
         new_hold
     }
 
@@ -650,9 +689,23 @@ impl<A: Attach> LinkSession<A> {
         frames
     }
 
-    /// The guard of a lease we held dropped: it is no longer held.
-    pub(crate) fn released(&mut self, lease: LeaseId) {
-        self.held.remove(&lease);
+    /// The guard of a lease we held dropped: it is no longer held. Returns whether it was
+    /// relayed (its `Release` waits for its own mapping to close).
+    pub(crate) fn released(&mut self, lease: LeaseId) -> bool {
+        self.held
+            .remove(&lease)
+            .is_some_and(|(_, _, relayed)| relayed)
+    }
+
+    /// We passed a third process's offer on to the peer as `lease` (forwarding): its
+    /// `Release` is routed to that offer's exporter ([`ReleaseRoute::Passed`]).
+    pub(crate) fn passed_on(&mut self, lease: LeaseId) {
+        self.passed.insert(lease);
+    }
+
+    /// The frame that passed `lease` on was never sent.
+    pub(crate) fn pass_failed(&mut self, lease: LeaseId) {
+        self.passed.remove(&lease);
     }
 
     /// Leases held from the peer now.
@@ -759,7 +812,7 @@ impl<A: Attach> LinkSession<A> {
             orphans: self
                 .held
                 .drain()
-                .map(|(_, held)| held)
+                .map(|(_, (held, bytes, _))| (held, bytes))
                 .filter(|(h, _)| h.is_held())
                 .collect(),
         }

@@ -282,6 +282,7 @@ impl Handler<PassOn> for PeerLink {
             .lock()
             .passed
             .insert((self.me.id, ours), (give_back.upstream.clone(), theirs));
+        self.session.passed_on(ours);
         let relayed = Wire::Relayed(Relayed {
             offer: Offer {
                 lease: ours,
@@ -297,6 +298,7 @@ impl Handler<PassOn> for PeerLink {
             }
             Err(e) => {
                 self.node.relays().take_passed(self.me.id, ours);
+                self.session.pass_failed(ours);
                 drop(give_back);
                 let _ = reply.send(Err(ActorError::link_closed(self.peer.process)));
                 self.cut(ctx, e);

@@ -7,6 +7,7 @@ use super::PeerLink;
 use crate::buffer::HeldLease;
 use crate::error::ActorError;
 use crate::link_ref::{ReleaseLease, RequestEvict, SendPoolRetired, SendRevoke, SendUnmap};
+use crate::link_session::ReleaseRoute;
 use actix::prelude::*;
 use baton_ipc::CacheKey;
 use baton_messages::protocol::{Evict, PoolRetired, Release, Revoke, Unmap, Unmapped};
@@ -22,21 +23,23 @@ impl PeerLink {
         &mut self,
         lease: LeaseId,
         fences: Vec<FenceHandle>,
+        route: ReleaseRoute,
     ) -> Result<(), ActorError> {
         probe!("link.release.in");
-        tracing::trace!(%lease, fences = fences.len(), "released");
-        // A forward's copy: its caller hears whether it landed (no ledger of ours counts it).
-        if self.forward_released(lease) {
-            return Ok(());
-        }
-        // A copy's lease comes back once its bytes landed — or early, from a faulty or
-        // hostile receiver, while the engine still reads the buffer: then it ends only
-        // once the send stopped and the engine let go (below).
-        let sending = self.copy_released(lease);
-        if self.release_passed(lease) {
+        tracing::trace!(%lease, fences = fences.len(), ?route, "released");
+        let sending = match route {
+            ReleaseRoute::Local => None,
             // A lease we forwarded: handed on to its exporter (see `relay`).
-            return Ok(());
-        }
+            ReleaseRoute::Passed if self.release_passed(lease) => return Ok(()),
+            ReleaseRoute::Passed => None,
+            // A forward's copy: its caller hears whether it landed (no ledger of ours
+            // counts it).
+            ReleaseRoute::Copy if self.forward_released(lease) => return Ok(()),
+            // A copy's lease comes back once its bytes landed — or early, from a faulty or
+            // hostile receiver, while the engine still reads the buffer: then it ends only
+            // once the send stopped and the engine let go (below).
+            ReleaseRoute::Copy => self.copy_released(lease),
+        };
         for fence in &fences {
             self.node
                 .backend()
@@ -168,17 +171,17 @@ impl Handler<ReleaseLease> for PeerLink {
             fences,
             pending,
         } = msg;
-        self.session.released(lease);
+        let relayed = self.session.released(lease);
         self.me
             .state
             .held_leases
             .store(self.session.held(), Ordering::Relaxed);
         match pending {
-            None => self.release_now(lease, fences, ctx),
+            None => self.release_now(lease, fences, relayed, ctx),
             Some(pending) => {
                 let waited = self.node.offload().run(move || pending.wait());
                 ctx.spawn(waited.into_actor(self).map(move |_, act, ctx| {
-                    act.release_now(lease, fences, ctx);
+                    act.release_now(lease, fences, relayed, ctx);
                 }));
             }
         }
@@ -188,9 +191,20 @@ impl Handler<ReleaseLease> for PeerLink {
 impl PeerLink {
     /// Sends `Release` of a lease whose uses are over — for a relayed lease, once its
     /// mapping is closed (see `relay`).
-    fn release_now(&mut self, lease: LeaseId, fences: Vec<FenceHandle>, ctx: &mut Context<Self>) {
-        let Err((lease, fences)) = self.release_relayed(lease, fences) else {
-            return;
+    fn release_now(
+        &mut self,
+        lease: LeaseId,
+        fences: Vec<FenceHandle>,
+        relayed: bool,
+        ctx: &mut Context<Self>,
+    ) {
+        let (lease, fences) = if relayed {
+            match self.release_relayed(lease, fences) {
+                Ok(()) => return,
+                Err(unheld) => unheld,
+            }
+        } else {
+            (lease, fences)
         };
         if let Err(e) = self.send(&Wire::Release(Release { lease, fences }), Vec::new()) {
             self.cut(ctx, e);

@@ -295,6 +295,62 @@ fn a_relayed_offer_of_the_relays_or_our_own_buffer_is_a_fault() {
     assert!(!s.maps(AllocationId::new(1)));
 }
 
+/// The route of a peer's `Release`: what the session knows of how the lease was lent, so
+/// that a same-host release touches neither the copy nor the relay tables.
+#[test]
+fn a_release_is_routed_by_how_its_lease_was_lent() {
+    let release = |lease: u64| Wire::Release(Release::now(LeaseId::new(lease)));
+    let route = |s: &mut LinkSession<Plain>, lease| match &handle(s, release(lease))[..] {
+        [Action::Released { route, .. }] => *route,
+        other => panic!("one release was expected, not {} actions", other.len()),
+    };
+    let mut s = session();
+    assert_eq!(route(&mut s, 1), ReleaseRoute::Local, "granted by us");
+    s.passed_on(LeaseId::new(2));
+    s.passed_on(LeaseId::new(3));
+    assert_eq!(route(&mut s, 2), ReleaseRoute::Passed, "passed on");
+    assert_eq!(
+        route(&mut s, 2),
+        ReleaseRoute::Local,
+        "once: a second release of it is the ledger's to refuse"
+    );
+    s.pass_failed(LeaseId::new(3));
+    assert_eq!(
+        route(&mut s, 3),
+        ReleaseRoute::Local,
+        "its frame never left"
+    );
+    let mut across = session().across_hosts(peer());
+    across.passed_on(LeaseId::new(4));
+    assert_eq!(
+        route(&mut across, 4),
+        ReleaseRoute::Copy,
+        "a host link lends copies"
+    );
+    assert_eq!(route(&mut across, 5), ReleaseRoute::Copy);
+}
+
+/// Our own release of a held lease says whether it was relayed (its `Release` then waits
+/// for its own mapping to close); a lease not held is not.
+#[test]
+fn a_held_lease_released_says_whether_it_was_relayed() {
+    let mut s = session();
+    let mut guards = hold(&mut s, &[1], 1);
+    let actions = handle(
+        &mut s,
+        Wire::Relayed(Relayed {
+            offer: offer_of(third(), 2, 2),
+        }),
+    );
+    guards.extend(open_all(&mut s, actions));
+    assert_eq!(s.held(), 2);
+    assert!(s.released(LeaseId::new(2)), "relayed");
+    assert!(!s.released(LeaseId::new(1)), "the peer's own buffer");
+    assert!(!s.released(LeaseId::new(1)), "no longer held");
+    assert_eq!(s.held(), 0);
+    drop(guards);
+}
+
 #[test]
 fn a_forged_fence_is_a_fault() {
     let mut s = session();
