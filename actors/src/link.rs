@@ -13,7 +13,11 @@
 //!   in outgoing messages through the node's [`Exports`](crate::exports::Exports); a
 //!   `Release`, `Unmapped` or `Evict` is checked against what was granted over *this*
 //!   link (a release of anything else — unknown, replayed, another peer's — drops the
-//!   link), and the release fences of the peer's `Release`s go to the exporter's ledger;
+//!   link), and the release fences of the peer's `Release`s go to the exporter's ledger.
+//!   The session says how each released lease was lent
+//!   ([`ReleaseRoute`](crate::link_session::ReleaseRoute): granted here, passed on, a host
+//!   link's copy), so a plain release goes to the ledger without a look at the copy,
+//!   forward or relay tables;
 //! - as importer (`link/open.rs`), it opens the offers the session checked through the
 //!   import cache — on the node's driver thread when the backend's calls block (CUDA),
 //!   the link waiting with `ctx.wait` so that its frames keep their order — keeps the
