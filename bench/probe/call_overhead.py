@@ -3,7 +3,9 @@
 `bench/weight_sync.py`), the engine answering at once, on the host and the CUDA backend,
 carrying nothing, one buffer (opened and released, or not opened), or a bundle of
 Qwen2.5-0.5B's 290 tensor names (tiny tensors: the layout and the lease are measured, not
-the memory) — and the real 0.92 GiB of that bundle, opened. Prints one JSON line per case: the median round trip in microseconds over
+the memory) — and the real 0.92 GiB of that bundle, opened; or those 290 names in 43 or 155
+bundles (a borrowed model's shape: a lease per allocation), each opened. Prints one JSON
+line per case: the median round trip in microseconds over
 `--calls` calls, the engine's own handling (open, release) apart, and the round trip cut in
 two on the shared monotonic clock: `to_engine_us` (the trainer's call until the engine's
 `recv` returns) and `from_engine_us` (the engine's `reply` until the trainer has the reply,
@@ -43,10 +45,11 @@ def engine() -> None:
             return
         t = time.perf_counter()
         sent = call.message["w"]
-        if sent is not None and call.message["open"]:
-            sent.open().release()
-        elif sent is not None:
-            sent.release()
+        for one in sent if isinstance(sent, list) else [] if sent is None else [sent]:
+            if call.message["open"]:
+                one.open().release()
+            else:
+                one.release()
         done = time.perf_counter()
         call.reply([t, done - t, time.perf_counter()])
 
@@ -76,7 +79,12 @@ def main() -> None:
                  ("bundle of 290, unopened", lambda: node.allocate_bundle(spec), False),
                  ("bundle of 290, opened", lambda: node.allocate_bundle(spec), True),
                  ("bundle of Qwen2.5-0.5B (0.92 GiB), opened",
-                  lambda: node.allocate_bundle(model_spec("qwen2.5-0.5b")), True)]
+                  lambda: node.allocate_bundle(model_spec("qwen2.5-0.5b")), True),
+                 # A borrowed model's shape: one bundle per allocation (the same 290 names).
+                 ("43 bundles of 290 in all, opened",
+                  lambda: [node.allocate_bundle(spec[i::43]) for i in range(43)], True),
+                 ("155 bundles of 290 in all, opened",
+                  lambda: [node.allocate_bundle(spec[i::155]) for i in range(155)], True)]
         wanted = [c for c in args.cases.split(",") if c]
         cases = [(what, make(), opened) for what, make, opened in cases
                  if not wanted or any(what.startswith(w) for w in wanted)]
@@ -91,8 +99,8 @@ def main() -> None:
                     t = time.perf_counter()
                     got, h, replied = child.peer.call("engine", "probe.Call",
                                                       {"w": obj, "open": opened}, timeout=60)
-                    if obj is not None:
-                        obj.returned(timeout=60)
+                    for one in obj if isinstance(obj, list) else [] if obj is None else [obj]:
+                        one.returned(timeout=60)
                     end = time.perf_counter()
                     rtt.append(end - t)
                     handling.append(h)
