@@ -16,8 +16,9 @@ the same run, the same bytes through:
   `open(stream=s)`, `wait_on(s)`): fences on the streams, no host synchronisation but the
   engine's own wait for its copies;
 - `baton-borrowed`: the trainer's own torch tensors leased in place
-  (`Node.borrow_tensors`: one bundle per CUDA allocation of PyTorch's caching allocator,
-  no copy into a Baton buffer), the engine copying out of each;
+  (`Node.borrow_tensors`: a group of one bundle per CUDA allocation of PyTorch's caching
+  allocator, no copy into a Baton buffer), the engine opening the group in one call and
+  loading it with one `CopyPlan`;
 - `torch-mp-tensors`: torch.multiprocessing, one CUDA tensor per weight (what RL
   frameworks do without bucketing);
 - `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
@@ -254,29 +255,26 @@ def baton_engine(model: str, ordered: bool, kill: str, device: int = 0) -> None:
             call.reply({"opens": node.import_stats()["opens"],
                         "reserved": torch.cuda.memory_reserved()})
             continue
-        # Where the engine's time goes (seconds, summed over the bundles of a sync).
+        # Where the engine's time goes (seconds).
         stage = dict.fromkeys(("open", "copy", "release", "wait"), 0.0)
         t_in = time.perf_counter()
         ordering = {"stream": torch.cuda.current_stream()} if ordered else {}
-        sent = call.message["weights"]
-        for shared in sent if isinstance(sent, list) else [sent]:
-            t = time.perf_counter()
-            weights = shared.open(**ordering)
-            t1 = time.perf_counter()
-            if isinstance(sent, list):  # borrowed: each bundle holds some of them
-                weights.copy_into({n: params[n] for n, *_ in weights.layout.tensors})
-            else:
-                if plan is None or plan.layout != weights.layout:
-                    plan = baton.CopyPlan(weights.layout, params)
-                weights.copy_into(plan)
-            if synced == 2 and kill == "engine":
-                os.kill(os.getpid(), signal.SIGKILL)
-            t2 = time.perf_counter()
-            weights.release()
-            t3 = time.perf_counter()
-            stage["open"] += t1 - t
-            stage["copy"] += t2 - t1
-            stage["release"] += t3 - t2
+        # A bundle, or (borrowed) a bundle group: one per allocation of the trainer's,
+        # opened, loaded with one plan and released as one either way.
+        t = time.perf_counter()
+        weights = call.message["weights"].open(**ordering)
+        t1 = time.perf_counter()
+        if plan is None or plan.layout != weights.layout:
+            plan = baton.CopyPlan(weights.layout, params)
+        weights.copy_into(plan)
+        if synced == 2 and kill == "engine":
+            os.kill(os.getpid(), signal.SIGKILL)
+        t2 = time.perf_counter()
+        weights.release()
+        t3 = time.perf_counter()
+        stage["open"] += t1 - t
+        stage["copy"] += t2 - t1
+        stage["release"] += t3 - t2
         synced += 1
         t = time.perf_counter()
         torch.cuda.current_stream().synchronize()  # loaded: what an engine waits for
@@ -300,13 +298,10 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
     stream = torch.cuda.current_stream() if ordered else None
     if borrowed:
         views = params_like(torch, spec)  # the trainer's own parameters
-        bundles = node.borrow_tensors(views)
-        sent = bundles
+        sent = node.borrow_tensors(views)  # a group: one bundle per allocation
     else:
-        bundle = node.allocate_bundle(spec)
-        bundles = [bundle]
-        sent = bundle
-        views = bundle.tensors()
+        sent = node.allocate_bundle(spec)
+        views = sent.tensors()
     weights = [v for n, v in views.items() if n != "step"]
     for w in weights:
         w.fill_(0)
@@ -320,10 +315,9 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
         reply = child.peer.call("engine", "rl.Weights", {"weights": sent, "step": step},
                                 timeout=120, **ordering)
         t_reply = time.perf_counter()
-        for b in bundles:
-            b.returned(timeout=120)
-            if ordered:
-                b.wait_on(stream)  # the next update waits for the engine's copies
+        sent.returned(timeout=120)
+        if ordered:
+            sent.wait_on(stream)  # the next update waits for the engine's copies
         times.append(time.perf_counter() - t)
         assert reply["ok"], (step, reply)
         # The trainer's view: the call's round trip less the engine's own time (messages,
@@ -341,7 +335,7 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
     return summary(
         "baton-borrowed" if borrowed else
         "baton-bundle-ordered" if ordered else "baton-bundle", times,
-        bundles=len(bundles),
+        bundles=len(sent) if borrowed else 1,
         opens_first=opens[0],
         opens_per_sync=(opens[-1] - opens[0]) / max(1, args.steps - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],

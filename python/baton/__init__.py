@@ -22,8 +22,8 @@ from ._baton import (
     log_to_stderr,
 )
 from .bundle import (
-    Bundle, BundleLayout, BundleLease, CopyPlan, SharedBundle, SyncReceiver, SyncSender,
-    SyncStamp, bundle_parameters,
+    Bundle, BundleGroup, BundleGroupLease, BundleLayout, BundleLease, CopyPlan, SharedBundle,
+    SharedBundleGroup, SyncReceiver, SyncSender, SyncStamp, bundle_parameters,
 )
 from .supervisor import Supervisor
 from .errors import *  # noqa: F401,F403  (the exception classes, as baton.Orphaned etc.)
@@ -32,6 +32,8 @@ __all__ = [
     "MSGPACK_SHARED_EXT",
     "Buffer",
     "Bundle",
+    "BundleGroup",
+    "BundleGroupLease",
     "BundleLayout",
     "BundleLease",
     "Call",
@@ -43,6 +45,7 @@ __all__ = [
     "Peer",
     "Shared",
     "SharedBundle",
+    "SharedBundleGroup",
     "Supervisor",
     "SyncReceiver",
     "SyncSender",

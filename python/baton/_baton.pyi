@@ -25,6 +25,12 @@ Device = Tuple[str, int]
 #: (which must stay alive for the life of the process).
 StreamLike = Any
 
+def open_all(
+    shared: list[Shared], *, writable: bool = False, stream: Any = None
+) -> list[Lease]:
+    """Opens every ``Shared`` of the list as ``Shared.open`` does, in one call (one host
+    wait without ``stream``); all or nothing: on an error every lease goes back."""
+
 def generate_token() -> str:
     """A fresh random session token (64 hex digits), for a process that starts a deployment."""
 
@@ -197,9 +203,10 @@ class Node:
         """A bundle: one buffer holding many named tensors (see ``baton.bundle``)."""
     def borrow_tensors(
         self, tensors: Union[Mapping[str, Any], Iterable[tuple[str, Any]]]
-    ) -> list["baton.bundle.Bundle"]:
-        """Leases CUDA tensors PyTorch allocated, in place: one bundle per CUDA allocation
-        they lie in; their storages are kept until Baton is done with them."""
+    ) -> "baton.bundle.BundleGroup":
+        """Leases CUDA tensors PyTorch allocated, in place: a group of one bundle per CUDA
+        allocation they lie in, sent and opened as one; their storages are kept until Baton
+        is done with them."""
     def lease_table(self) -> list[LeaseRow]:
         """The buffers this node exports and their leases (``LeaseRow``)."""
     def export_stats(self) -> ExportStats:
@@ -419,13 +426,23 @@ class Buffer:
     def __exit__(self, *exc: object) -> bool: ...
 
 class _CopyPlan:
-    """Copies between one device buffer and many tensors by their data pointers, one kernel
-    launch per run (``baton.CopyPlan`` makes and runs these)."""
+    """Copies between device buffers and many tensors by their data pointers, one kernel
+    launch per run (``baton.CopyPlan`` makes and runs these): one buffer and its spans, or
+    a list of buffers and a list of span lists, one per buffer."""
 
     def __init__(
-        self, memory: Union[Lease, Buffer], spans: Sequence[tuple[int, int, int]], keep: Any
+        self,
+        memory: Union[Lease, Buffer, list[Union[Lease, Buffer]]],
+        spans: Union[Sequence[tuple[int, int, int]], Sequence[Sequence[tuple[int, int, int]]]],
+        keep: Any,
     ) -> None: ...
-    def run(self, memory: Union[Lease, Buffer], stream: Any, *, into_memory: bool = False) -> None: ...
+    def run(
+        self,
+        memory: Union[Lease, Buffer, list[Union[Lease, Buffer]]],
+        stream: Any,
+        *,
+        into_memory: bool = False,
+    ) -> None: ...
     @property
     def end(self) -> int: ...
     @property

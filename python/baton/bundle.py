@@ -46,8 +46,9 @@ from typing import Any, Dict, List, Mapping, Optional
 from ._baton import Buffer, BundleLayout, Lease, Shared, SyncStamp, _SyncSender, _SyncState
 
 __all__ = [
-    "Bundle", "BundleLayout", "BundleLease", "CopyPlan", "SharedBundle", "SyncReceiver",
-    "SyncSender", "SyncStamp", "bundle_parameters",
+    "Bundle", "BundleGroup", "BundleGroupLease", "BundleLayout", "BundleLease", "CopyPlan",
+    "SharedBundle", "SharedBundleGroup", "SyncReceiver", "SyncSender", "SyncStamp",
+    "bundle_parameters",
 ]
 
 _ITEMSIZE = {
@@ -147,12 +148,21 @@ class CopyPlan:
 
     __slots__ = ("layout", "tensors", "_spans", "_keep", "_ptrs", "_plans")
 
-    def __init__(self, layout: BundleLayout, tensors: Mapping[str, Any]) -> None:
+    def __init__(self, layout: Any, tensors: Mapping[str, Any]) -> None:
         import torch
 
-        spans, keep = [], []
+        # A bundle group's layouts (a tuple, one per part): the plan runs on its leases.
+        parts = None if isinstance(layout, BundleLayout) else tuple(layout)
+        where = _parts_index(parts) if parts is not None else None
+        spans: List[list] = [[] for _ in (parts or (layout,))]
+        keep = []
         for name, value in tensors.items():
-            dtype, shape, offset = layout[name]
+            if where is None:
+                part, (dtype, shape, offset) = 0, layout[name]
+            else:
+                if name not in where:
+                    raise KeyError(name)
+                part, dtype, shape, offset = where[name]
             n = _nbytes(dtype, shape)
             if not isinstance(value, torch.Tensor) or value.device.type != "cuda":
                 raise TypeError(f"tensor {name!r}: a CopyPlan copies into CUDA torch tensors, "
@@ -163,25 +173,27 @@ class CopyPlan:
                     f"tensor {name!r}: the bundle has {dtype} of {n} bytes; the tensor is "
                     f"{value.dtype} of {value.numel() * value.element_size()} bytes"
                     f"{'' if value.is_contiguous() else ', not contiguous'}")
-            spans.append((value.data_ptr(), offset, n))
+            spans[part].append((value.data_ptr(), offset, n))
             keep.append(value.untyped_storage())
-        self.layout = layout
+        self.layout = layout if parts is None else parts
         self.tensors = tensors
-        self._spans = spans
+        self._spans = spans[0] if parts is None else spans
         self._keep = keep
-        self._ptrs = [p for p, _, _ in spans]
+        self._ptrs = [value.data_ptr() for value in tensors.values()]
         self._plans: Dict[int, Any] = {}
 
     def _run(self, memory: Any, stream: Any, into_memory: bool) -> None:
-        plan = self._plans.get(memory.device[1])
+        """Runs on ``memory``: a lease or buffer, or a group's list of them."""
+        device = (memory[0] if isinstance(memory, list) else memory).device[1]
+        plan = self._plans.get(device)
         if plan is None:
             from ._baton import _CopyPlan
 
-            plan = self._plans[memory.device[1]] = _CopyPlan(memory, self._spans, self._keep)
+            plan = self._plans[device] = _CopyPlan(memory, self._spans, self._keep)
         if stream is None:
             import torch
 
-            stream = torch.cuda.current_stream(memory.device[1])
+            stream = torch.cuda.current_stream(device)
         plan.run(memory, stream, into_memory=into_memory)
 
     def _matches(self, layout: BundleLayout, params: Mapping[str, Any]) -> bool:
@@ -192,10 +204,22 @@ class CopyPlan:
                         in zip(params.values(), self.tensors.values(), self._ptrs)))
 
     def __len__(self) -> int:
-        return len(self._spans)
+        return len(self._ptrs)
 
     def __repr__(self) -> str:
-        return f"CopyPlan({len(self._spans)} tensors)"
+        parts = "" if isinstance(self.layout, BundleLayout) else f", {len(self.layout)} parts"
+        return f"CopyPlan({len(self._ptrs)} tensors{parts})"
+
+
+def _parts_index(layouts: tuple) -> Dict[str, tuple]:
+    """Name -> (part, dtype, shape, offset) over a group's layouts; a name twice is refused."""
+    where: Dict[str, tuple] = {}
+    for part, layout in enumerate(layouts):
+        for name, dtype, shape, offset in layout.tensors:
+            if name in where:
+                raise ValueError(f"tensor {name!r} is in two bundles of the group")
+            where[name] = (part, dtype, shape, offset)
+    return where
 
 
 #: The plans `copy_into` made, by the id of their layout object, most recently used last
@@ -203,17 +227,19 @@ class CopyPlan:
 #: comes as one bundle per allocation, tens of them). A received layout that is the same
 #: as one before is the same object (the codec keeps them), and a plan holds its layout,
 #: so an id is not reused while its plan is here.
-_PLANS: "OrderedDict[int, List[CopyPlan]]" = OrderedDict()
+_PLANS: "OrderedDict[Any, List[CopyPlan]]" = OrderedDict()
 #: The most plans kept.
 _PLANS_KEPT = 256
 
 
-def _plan_for(layout: BundleLayout, params: Mapping[str, Any]) -> Optional[CopyPlan]:
-    """The plan for these destinations, or None when one is not a contiguous CUDA tensor of
-    its source's dtype and size (then each tensor is copied typed, converting)."""
-    plans = _PLANS.get(id(layout))
+def _plan_for(layout: Any, params: Mapping[str, Any]) -> Optional[CopyPlan]:
+    """The plan for these destinations (``layout`` a bundle's, or a group's tuple of them),
+    or None when one is not a contiguous CUDA tensor of its source's dtype and size (then
+    each tensor is copied typed, converting)."""
+    key = id(layout) if isinstance(layout, BundleLayout) else tuple(map(id, layout))
+    plans = _PLANS.get(key)
     if plans is not None:
-        _PLANS.move_to_end(id(layout))
+        _PLANS.move_to_end(key)
         for plan in plans:
             if plan._matches(layout, params):
                 return plan
@@ -221,7 +247,7 @@ def _plan_for(layout: BundleLayout, params: Mapping[str, Any]) -> Optional[CopyP
         plan = CopyPlan(layout, params)
     except (TypeError, ValueError):
         return None
-    plans = _PLANS.setdefault(id(layout), [])
+    plans = _PLANS.setdefault(key, [])
     plans.insert(0, plan)
     del plans[4:]  # the same bundle into a few sets of tensors
     while len(_PLANS) > _PLANS_KEPT:
@@ -534,6 +560,224 @@ class BundleLease:
 
     def __repr__(self) -> str:
         return f"BundleLease({len(self._layout)} tensors, {self._lease!r})"
+
+
+class BundleGroup:
+    """Several bundles lent as one: one message field, opened by the receiver in one call
+    into one :class:`BundleGroupLease`, loaded with one :class:`CopyPlan` (one kernel
+    launch for every tensor of every bundle) and given back in one call. What
+    ``Node.borrow_tensors`` returns — a model's tensors lie in many allocations of
+    PyTorch's caching allocator, one bundle (one lease) each — and what
+    ``BundleGroup([b1, b2, ...])`` makes of bundles of yours. It is also a sequence of its
+    bundles. Each bundle stays its own lease: ``returned()`` waits for every one."""
+
+    __slots__ = ("_bundles", "_layout")
+
+    def __init__(self, bundles: Any) -> None:
+        self._bundles = tuple(bundles)
+        if not self._bundles or not all(isinstance(b, Bundle) for b in self._bundles):
+            raise TypeError("a BundleGroup is made of one baton.Bundle or more")
+        self._layout = tuple(b.layout for b in self._bundles)
+        _parts_index(self._layout)  # a name in two bundles is refused here
+
+    @property
+    def bundles(self) -> tuple:
+        return self._bundles
+
+    @property
+    def layout(self) -> tuple:
+        """The layouts of its bundles, in order (what a :class:`CopyPlan` takes)."""
+        return self._layout
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bundles)
+
+    @property
+    def device(self) -> tuple:
+        return self._bundles[0].device
+
+    def tensors(self, framework: Optional[str] = None) -> Dict[str, Any]:
+        """Views of every tensor of every bundle, by name (see ``Bundle.tensors``)."""
+        out: Dict[str, Any] = {}
+        for b in self._bundles:
+            out.update(b.tensors(framework))
+        return out
+
+    @property
+    def leases_out(self) -> int:
+        return sum(b.leases_out for b in self._bundles)
+
+    def wait_on(self, stream: Any) -> None:
+        """``Bundle.wait_on`` for each bundle."""
+        for b in self._bundles:
+            b.wait_on(stream)
+
+    def returned(self, timeout: float) -> None:
+        """Waits until every lease on every bundle is back, within ``timeout`` in all."""
+        import time
+
+        give_up = time.monotonic() + timeout
+        for b in self._bundles:
+            b.returned(max(0.0, give_up - time.monotonic()))
+
+    def copy_from(self, params: Any, stream: Any = None) -> None:
+        """Copies your tensors into the bundles, by name (see ``Bundle.copy_from``): a
+        :class:`CopyPlan` of ``layout`` or same-dtype contiguous torch tensors in one
+        kernel launch; refused while a lease is out."""
+        if self.leases_out:
+            raise BufferError(f"the group has {self.leases_out} lease(s) out: wait for "
+                              "returned() before writing it")
+        if isinstance(params, CopyPlan):
+            return params._run([b.buffer for b in self._bundles], stream, into_memory=True)
+        if self.device[0] == "cuda" and _is_torch(params):
+            plan = _plan_for(self._layout, params)
+            if plan is not None:
+                return plan._run([b.buffer for b in self._bundles], stream, into_memory=True)
+        for b in self._bundles:
+            b.copy_from({n: params[n] for n, *_ in b.layout.tensors if n in params}, stream)
+
+    def release(self) -> bool:
+        """Lets go of every bundle: whether each was still held."""
+        return all([b.release() for b in self._bundles])
+
+    def __len__(self) -> int:
+        return len(self._bundles)
+
+    def __iter__(self) -> Any:
+        return iter(self._bundles)
+
+    def __getitem__(self, i: int) -> Bundle:
+        return self._bundles[i]
+
+    def __baton_wire__(self) -> dict:
+        # `{"baton.bundles": [bundle, ...]}`, each what Rust's `SharedBundle` is.
+        return {"baton.bundles": [b.__baton_wire__() for b in self._bundles]}
+
+    def __repr__(self) -> str:
+        return (f"BundleGroup({len(self._bundles)} bundles, "
+                f"{sum(len(l) for l in self._layout)} tensors)")
+
+
+class SharedBundleGroup:
+    """A received :class:`BundleGroup`, not opened yet: its bundles' leases."""
+
+    __slots__ = ("_parts", "_layout")
+
+    def __init__(self, parts: List[SharedBundle]) -> None:
+        self._parts = tuple(parts)
+        self._layout = tuple(p.layout for p in self._parts)
+
+    @property
+    def parts(self) -> tuple:
+        """Its bundles, each a :class:`SharedBundle`."""
+        return self._parts
+
+    @property
+    def layout(self) -> tuple:
+        """The layouts of its bundles, in order (what a :class:`CopyPlan` takes)."""
+        return self._layout
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._parts)
+
+    def open(self, writable: bool = False, stream: Any = None) -> "BundleGroupLease":
+        """Opens every bundle in one call (see ``SharedBundle.open``): without ``stream``
+        the host waits once for all of them. All or nothing: if a bundle's stamp or size
+        does not check, or one cannot be opened, every lease of the group goes back and the
+        error is raised."""
+        from ._baton import open_all
+
+        try:
+            _parts_index(self._layout)
+            for p in self._parts:
+                if p._stamp is not None:
+                    p._stamp.check()
+                if p._layout.nbytes > p._shared.nbytes:
+                    raise ValueError(
+                        f"a bundle's tensors need {p._layout.nbytes} bytes; its buffer has "
+                        f"{p._shared.nbytes}")
+            leases = open_all([p._shared for p in self._parts], writable=writable,
+                              stream=stream)
+        except Exception:
+            self.release()
+            raise
+        return BundleGroupLease(self._layout, leases)
+
+    def release(self) -> bool:
+        """Gives every lease back unopened (those opened already are left alone)."""
+        return all([p._shared.release() for p in self._parts])
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def __repr__(self) -> str:
+        return (f"SharedBundleGroup({len(self._parts)} bundles, "
+                f"{sum(len(l) for l in self._layout)} tensors)")
+
+
+class BundleGroupLease:
+    """An opened bundle group: a ``Lease`` per bundle and their layouts; one
+    ``copy_into``, one ``release``. A context manager."""
+
+    __slots__ = ("_layout", "_leases")
+
+    def __init__(self, layout: tuple, leases: List[Lease]) -> None:
+        self._layout = layout
+        self._leases = leases
+
+    @property
+    def layout(self) -> tuple:
+        return self._layout
+
+    @property
+    def leases(self) -> List[Lease]:
+        return list(self._leases)
+
+    @property
+    def device(self) -> tuple:
+        return self._leases[0].device
+
+    def tensors(self, framework: Optional[str] = None) -> Dict[str, Any]:
+        """Views of every tensor of the exporter's memory, by name (see
+        ``BundleLease.tensors``)."""
+        out: Dict[str, Any] = {}
+        for layout, lease in zip(self._layout, self._leases):
+            out.update(_views(lease, layout, framework))
+        return out
+
+    def copy_into(self, params: Any, stream: Any = None) -> None:
+        """Copies each tensor into yours by name, as ``BundleLease.copy_into``: into a
+        :class:`CopyPlan` of ``layout`` (or same-dtype contiguous torch tensors, whose plan
+        is made once and kept), one kernel launch for every tensor of every bundle;
+        otherwise one typed copy per tensor."""
+        if isinstance(params, CopyPlan):
+            return params._run(self._leases, stream, into_memory=False)
+        framework = _framework(params)
+        if framework == "torch" and self.device[0] == "cuda":
+            plan = _plan_for(self._layout, params)
+            if plan is not None:
+                return plan._run(self._leases, stream, into_memory=False)
+        for layout, lease in zip(self._layout, self._leases):
+            names = [n for n, *_ in layout.tensors if n in params]
+            if names:
+                BundleLease(layout, lease).copy_into({n: params[n] for n in names}, stream)
+
+    def release(self) -> bool:
+        """Gives every lease back (each deferred while views of it are alive)."""
+        return all([lease.release() for lease in self._leases])
+
+    def __enter__(self) -> "BundleGroupLease":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.release()
+        return False
+
+    def __repr__(self) -> str:
+        return (f"BundleGroupLease({len(self._leases)} bundles, "
+                f"{sum(len(l) for l in self._layout)} tensors)")
 
 
 class _Stamped:

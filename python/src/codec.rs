@@ -391,6 +391,9 @@ fn to_py(
         Value::Map(entries) if entries.iter().any(|(k, _)| k.as_str() == Some(LAYOUT_KEY)) => {
             received_bundle(py, entries, buffers, cuda)?
         }
+        Value::Map(entries) if entries.iter().any(|(k, _)| k.as_str() == Some(GROUP_KEY)) => {
+            received_group(py, entries, buffers, cuda)?
+        }
         Value::Map(entries) => {
             let dict = PyDict::new(py);
             for (k, v) in entries {
@@ -430,6 +433,45 @@ fn to_py(
             )));
         }
     })
+}
+
+/// The key of a bundle group's wire map (`baton.BundleGroup`): its one field, the list of
+/// its bundles.
+const GROUP_KEY: &str = "baton.bundles";
+
+/// A received bundle group: a map of one field, [`GROUP_KEY`], whose value is a list of
+/// one bundle or more; a `baton.SharedBundleGroup` of them.
+fn received_group(
+    py: Python<'_>,
+    entries: Vec<(Value, Value)>,
+    buffers: &mut [Option<AnyShared>],
+    cuda: &Cuda,
+) -> Result<Py<PyAny>, Decoded> {
+    let mut entries = entries.into_iter();
+    let (Some((_, Value::Array(items))), None) = (entries.next(), entries.next()) else {
+        return Err(Decoded::Bad(format!(
+            "a bundle group is a map of one field, {GROUP_KEY:?}, a list of bundles"
+        )));
+    };
+    if items.is_empty() {
+        return Err(Decoded::Bad("a bundle group of no bundle".into()));
+    }
+    let parts = PyList::empty(py);
+    for item in items {
+        match item {
+            Value::Map(e) if e.iter().any(|(k, _)| k.as_str() == Some(LAYOUT_KEY)) => {
+                parts.append(received_bundle(py, e, buffers, cuda)?)?;
+            }
+            _ => {
+                return Err(Decoded::Bad("a bundle group holds bundles only".into()));
+            }
+        }
+    }
+    Ok(py
+        .import("baton.bundle")?
+        .getattr("SharedBundleGroup")?
+        .call1((parts,))?
+        .unbind())
 }
 
 /// The key of a bundle's sync stamp in its wire map (nil or absent: none).

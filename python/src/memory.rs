@@ -580,6 +580,74 @@ enum SharedState {
 }
 
 impl Shared {
+    /// What `open` opens, taken once: a second open, or an open after `release`, is
+    /// refused.
+    fn take_unopened(&self, py: Python<'_>) -> PyResult<AnyShared> {
+        let mut inner = lock(&self.inner);
+        match std::mem::replace(&mut *inner, SharedState::Opened) {
+            SharedState::Unopened(s) => Ok(s),
+            SharedState::Opened => Err(to_py(
+                py,
+                Failure::Released(format!(
+                    "buffer {} was opened already: use the Lease that open() returned",
+                    self.id
+                )),
+            )),
+            SharedState::Released => {
+                *inner = SharedState::Released;
+                Err(to_py(
+                    py,
+                    Failure::Released(format!("buffer {} was released", self.id)),
+                ))
+            }
+        }
+    }
+
+    /// Opens the taken lease: it, its address and its device. An orphaned lease fails
+    /// here, and goes back as it drops.
+    fn opened(&self, py: Python<'_>, shared: AnyShared) -> PyResult<(AnyLease, u64, Device)> {
+        let lease = shared.open().or_raise(py)?;
+        let (addr, device) = lease
+            .ptr()
+            .map_err(Failure::from)
+            .and_then(|ptr| Device::of(ptr, &self.cuda))
+            .or_raise(py)?;
+        Ok((lease, addr, device))
+    }
+
+    /// The Python object of an opened lease.
+    fn lease_object(
+        &self,
+        lease: AnyLease,
+        addr: u64,
+        device: Device,
+        writable: bool,
+        ordered: bool,
+    ) -> Lease {
+        let exporter_pid = lease.exporter().process.pid;
+        let path = lease.path().name();
+        Lease {
+            cell: Arc::new(LeaseCell {
+                state: Mutex::new(LeaseState {
+                    lease: Some(lease),
+                    released: false,
+                    object_alive: true,
+                    cai: false,
+                    views: 0,
+                }),
+                geometry: self.geometry.clone(),
+                addr,
+                device,
+                writable,
+                id: self.id,
+                exporter_pid,
+                path,
+                cuda: self.cuda.clone(),
+                ordered,
+            }),
+        }
+    }
+
     pub(crate) fn new(shared: AnyShared, cuda: Cuda) -> Self {
         // A received buffer's layout and size come from its checked handle.
         let (geometry, id) = {
@@ -645,80 +713,31 @@ impl Shared {
         writable: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Lease> {
-        let shared = {
-            let mut inner = lock(&self.inner);
-            match std::mem::replace(&mut *inner, SharedState::Opened) {
-                SharedState::Unopened(s) => s,
-                SharedState::Opened => {
-                    return Err(to_py(
-                        py,
-                        Failure::Released(format!(
-                            "buffer {} was opened already: use the Lease that open() returned",
-                            self.id
-                        )),
-                    ));
-                }
-                SharedState::Released => {
-                    *inner = SharedState::Released;
-                    return Err(to_py(
-                        py,
-                        Failure::Released(format!("buffer {} was released", self.id)),
-                    ));
-                }
-            }
-        };
-        let lease = shared.open().or_raise(py)?;
-        // An orphaned lease fails here, and goes back as it drops.
-        let (addr, device) = lease
-            .ptr()
-            .map_err(Failure::from)
-            .and_then(|ptr| Device::of(ptr, &self.cuda))
-            .or_raise(py)?;
-        let mut ordered = false;
-        if let (Device::Cuda(_), Some(cuda)) = (device, &self.cuda) {
-            match stream {
+        let shared = self.take_unopened(py)?;
+        let (lease, addr, device) = self.opened(py, shared)?;
+        let ordered = match (device, &self.cuda, stream) {
+            (Device::Cuda(_), Some(cuda), Some(stream)) => {
                 // Acquire, stream-ordered: the caller's stream waits on the fence.
-                Some(stream) => {
-                    let stream = crate::stream::named(stream, cuda)?;
-                    lease.wait_on(stream).or_raise(py)?;
-                    ordered = true;
-                }
+                let stream = crate::stream::named(stream, cuda)?;
+                lease.wait_on(stream).or_raise(py)?;
+                true
+            }
+            (Device::Cuda(_), Some(cuda), None) => {
                 // Acquire: the backend's stream waits on the exporter's fence; once it is
                 // idle, every stream sees the data (CONSERVATIVE SYNC: a host wait, since
                 // the consumers' streams are not ours to keep).
-                None => {
-                    let cuda = Arc::clone(cuda);
-                    let lease = &lease;
-                    py.detach(move || -> Result<(), Failure> {
-                        lease.wait_on(Stream::Internal)?;
-                        Ok(cuda.synchronize()?)
-                    })
-                    .or_raise(py)?;
-                }
+                let cuda = Arc::clone(cuda);
+                let lease = &lease;
+                py.detach(move || -> Result<(), Failure> {
+                    lease.wait_on(Stream::Internal)?;
+                    Ok(cuda.synchronize()?)
+                })
+                .or_raise(py)?;
+                false
             }
-        }
-        let exporter_pid = lease.exporter().process.pid;
-        let path = lease.path().name();
-        Ok(Lease {
-            cell: Arc::new(LeaseCell {
-                state: Mutex::new(LeaseState {
-                    lease: Some(lease),
-                    released: false,
-                    object_alive: true,
-                    cai: false,
-                    views: 0,
-                }),
-                geometry: self.geometry.clone(),
-                addr,
-                device,
-                writable,
-                id: self.id,
-                exporter_pid,
-                path,
-                cuda: self.cuda.clone(),
-                ordered,
-            }),
-        })
+            _ => false,
+        };
+        Ok(self.lease_object(lease, addr, device, writable, ordered))
     }
 
     /// Gives the lease back without opening it. Returns whether it was still unopened.
@@ -735,6 +754,54 @@ impl Shared {
             self.geometry.shape
         )
     }
+}
+
+/// Opens every buffer of `shared` (a list of `baton.Shared`) as `Shared.open` does, in
+/// one call: a received bundle group's leases (`SharedBundleGroup.open`). Without `stream`
+/// the host waits once, for all of their acquire fences, not once per lease. All or
+/// nothing: if one cannot be opened, every lease of the list goes back (those opened
+/// already as they drop, the others unopened) and the error says which.
+#[pyfunction]
+#[pyo3(signature = (shared, *, writable = false, stream = None))]
+pub(crate) fn open_all(
+    py: Python<'_>,
+    shared: Vec<PyRef<'_, Shared>>,
+    writable: bool,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Vec<Lease>> {
+    let mut taken = Vec::with_capacity(shared.len());
+    for s in &shared {
+        // Taken before anything opens: whatever fails, the rest of the list is not left
+        // half open. Those taken so far go back as `taken` drops.
+        taken.push(s.take_unopened(py)?);
+    }
+    let mut opened = Vec::with_capacity(shared.len());
+    let mut backend: Option<Arc<CudaBackend>> = None;
+    for (s, inner) in shared.iter().zip(taken) {
+        let (lease, addr, device) = s.opened(py, inner)?;
+        if let (Device::Cuda(_), Some(cuda)) = (device, &s.cuda) {
+            match stream {
+                Some(stream) => {
+                    let stream = crate::stream::named(stream, cuda)?;
+                    lease.wait_on(stream).or_raise(py)?;
+                }
+                None => {
+                    lease.wait_on(Stream::Internal).or_raise(py)?;
+                    backend.get_or_insert_with(|| Arc::clone(cuda));
+                }
+            }
+        }
+        let ordered = stream.is_some() && matches!(device, Device::Cuda(_));
+        opened.push(s.lease_object(lease, addr, device, writable, ordered));
+    }
+    if let Some(cuda) = backend {
+        // CONSERVATIVE SYNC, as in `Shared.open`: once the backend's stream is idle every
+        // stream sees the data.
+        py.detach(|| cuda.synchronize())
+            .map_err(Failure::from)
+            .or_raise(py)?;
+    }
+    Ok(opened)
 }
 
 /// An opened lease on another process's buffer (Python's `baton.Lease`).

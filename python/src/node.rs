@@ -436,10 +436,11 @@ impl Node {
 
     /// Leases memory PyTorch allocated, without a copy: `tensors` maps names to CUDA
     /// tensors (a dict, or `(name, tensor)` pairs such as `model.named_parameters()`),
-    /// each contiguous, on this node's device. Returns a list of `baton.Bundle`, one per
-    /// CUDA allocation the tensors lie in (PyTorch's caching allocator packs small tensors
-    /// into shared segments), each naming its tensors where they are: sent, each is one
-    /// lease, opened as any bundle. The tensors' storages are kept alive until Baton is done
+    /// each contiguous, on this node's device. Returns a `baton.BundleGroup` of one
+    /// `baton.Bundle` per CUDA allocation the tensors lie in (PyTorch's caching allocator
+    /// packs small tensors into shared segments), each naming its tensors where they are:
+    /// sent as one message field, the receiver opens the group in one call and loads it
+    /// with one `CopyPlan` (each bundle is still its own lease). The tensors' storages are kept alive until Baton is done
     /// with them (no handle, lease or mapping left, no work pending). A peer a bundle is
     /// leased to can reach its whole allocation, not only the tensors named. Refused
     /// (`baton.NotBorrowable`) for expandable segments and other memory legacy CUDA IPC
@@ -454,7 +455,7 @@ impl Node {
         &self,
         py: Python<'py>,
         tensors: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         use baton_messages::{BundleLayout as Layout, TensorSpec};
         use std::collections::BTreeMap;
         let value = |m: String| crate::errors::to_py(py, Failure::Value(m));
@@ -514,7 +515,8 @@ impl Node {
             // (`set_`); its storage keeps this block, so PyTorch keeps the segment.
             group.1.push(t.call_method0("untyped_storage")?.unbind());
         }
-        let bundle_class = py.import("baton.bundle")?.getattr("Bundle")?;
+        let bundle_module = py.import("baton.bundle")?;
+        let bundle_class = bundle_module.getattr("Bundle")?;
         let out = PyList::empty(py);
         for (base, (specs, keep, _)) in groups {
             let layout = Arc::new(
@@ -535,7 +537,7 @@ impl Node {
                 Buffer::new(bundle.buffer().clone().into(), self.cuda.clone()).or_raise(py)?;
             out.append(bundle_class.call1((buffer, BundleLayout::of(layout)))?)?;
         }
-        Ok(out)
+        bundle_module.getattr("BundleGroup")?.call1((out,))
     }
 
     /// The buffers this node exports, with their leases: a list of dicts with `buffer`,

@@ -285,6 +285,114 @@ def test_the_many_layouts_of_a_borrowed_model_are_decoded_once(node, token_file,
         sender.close()
 
 
+def test_a_bundle_group_is_sent_opened_loaded_and_given_back_as_one(node, token_file, short_dir):
+    """A group of bundles (what ``borrow_tensors`` returns: a model in many allocations) is
+    one message field: the receiver gets one ``SharedBundleGroup``, opens every lease in
+    one call, reads and copies every tensor by name, and gives them all back in one call;
+    the second sync opens nothing. Names in two bundles are refused when the group is
+    made."""
+    node.listen(short_dir, "py.sock")
+    sender = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("group", "py.Group")
+        specs = [[(f"b{i}.w", (3 + i, 2), "float32"), (f"b{i}.n", (i + 1,), "float16")]
+                 for i in range(5)] + [[("step", (), "int64")]]
+        group = baton.BundleGroup(sender.allocate_bundle(spec) for spec in specs)
+        assert len(group) == 6 and [b.layout for b in group] == list(group.layout)
+        with pytest.raises(ValueError, match="two bundles"):
+            baton.BundleGroup([group[0], group[0]])
+        got = []
+
+        def serve() -> None:
+            for _ in range(2):
+                call = mailbox.recv(timeout=DEADLINE)
+                shared = call.message["weights"]
+                assert isinstance(shared, baton.SharedBundleGroup) and len(shared) == 6
+                dst = {n: np.zeros(s, dtype=d) for spec in specs for n, s, d in spec}
+                with shared.open() as opened:
+                    views = opened.tensors()
+                    step = int(views["step"])
+                    del views
+                    opened.copy_into(dst)
+                got.append((step, dst))
+                call.reply(shared.nbytes)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        opens = node.import_stats()["opens"]
+        for step in range(2):
+            views = group.tensors()
+            for i, (name, arr) in enumerate(sorted(views.items())):
+                arr[...] = step * 100 + i
+            del views
+            nbytes = to_node.call("group", "py.Group", {"weights": group}, timeout=DEADLINE)
+            assert nbytes == group.nbytes
+            group.returned(timeout=DEADLINE)
+            assert group.leases_out == 0
+            if step == 0:
+                assert node.import_stats()["opens"] == opens + 6, "one open per bundle, once"
+        server.join(timeout=DEADLINE)
+        assert node.import_stats()["opens"] == opens + 6, "the second sync opened nothing"
+        for step, (seen_step, dst) in enumerate(got):
+            assert seen_step == step * 100 + sorted(dst).index("step")
+            for i, name in enumerate(sorted(dst)):
+                assert (dst[name] == step * 100 + i).all(), (step, name)
+    finally:
+        sender.close()
+
+
+def test_a_forged_bundle_group_is_refused_and_a_bad_part_gives_every_lease_back(
+        node, token_file, short_dir):
+    """A group map that is not one field holding a list of bundles is refused on arrival
+    (``BadPayload``; its buffers go back, the link carries on); a group whose part does not
+    fit its buffer is refused when opened, and every lease of the group goes back."""
+    node.listen(short_dir, "py.sock")
+    sender = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("group", "py.Group")
+        honest = sender.allocate_bundle([("a", (4,), "float32")])
+        part = {"baton.bundle": honest.layout, "buffer": honest.buffer}
+
+        def drain() -> None:
+            with pytest.raises(baton.Timeout):
+                mailbox.recv(timeout=3)
+
+        drainer = threading.Thread(target=drain)
+        drainer.start()
+        for forged in ({"baton.bundles": []}, {"baton.bundles": [1, part]},
+                       {"baton.bundles": [part], "x": 1}, {"baton.bundles": part}):
+            with pytest.raises(baton.BadPayload):
+                to_node.call("group", "py.Group", {"w": forged}, timeout=DEADLINE)
+            honest.returned(timeout=DEADLINE)
+        drainer.join(timeout=DEADLINE)
+
+        small = sender.allocate(16, "uint8")
+        too_big = {"baton.bundle": wire_layout([("b", "float32", [64], 0)]), "buffer": small}
+        outcome = {}
+
+        def serve() -> None:
+            call = mailbox.recv(timeout=DEADLINE)
+            try:
+                call.message["w"].open()
+            except ValueError as e:
+                outcome["error"] = str(e)
+            call.reply(None)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        to_node.call("group", "py.Group", {"w": {"baton.bundles": [part, too_big]}},
+                     timeout=DEADLINE)
+        server.join(timeout=DEADLINE)
+        assert "need 256 bytes" in outcome["error"]
+        honest.returned(timeout=DEADLINE)
+        small.returned(timeout=DEADLINE)
+        assert to_node.ping(timeout=DEADLINE) > 0
+    finally:
+        sender.close()
+
+
 def test_numpy_views_of_bfloat16_need_ml_dtypes_and_say_so():
     layout = baton.BundleLayout({"w": (4, "bfloat16")})
     assert layout.nbytes == 8

@@ -15,12 +15,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import baton
 from conftest import DEADLINE, eventually, pattern
+
+HERE = Path(__file__).resolve().parent
 
 N = 1 << 20
 #: GPU clock cycles of a spin queued before a write (about a second on an H100): the write
@@ -403,6 +406,37 @@ def test_tensors_torch_allocated_are_leased_in_place_and_kept_until_baton_is_don
         return torch.cuda.memory_allocated() < allocated
 
     eventually(given_back, "the borrowed tensors' memory to go back to PyTorch")
+
+
+def test_a_borrowed_model_is_lent_opened_and_loaded_as_one_group(torch, cuda_node):
+    # What a weight sync of borrowed tensors is: the trainer's parameters, in a handful of
+    # the caching allocator's segments, lent as one group to an engine process that opens
+    # it in one call and loads every tensor with one plan (one kernel launch over every
+    # segment) — or by name, or stream-ordered — and opens nothing after the first sync.
+    params = {}
+    for i in range(30):
+        shape = (64, 40) if i % 3 else (48,)
+        params[f"layers.{i}"] = torch.empty(shape, dtype=torch.bfloat16 if i % 2 else torch.float32,
+                                            device="cuda")
+    params["embed"] = torch.empty((4096, 1024), dtype=torch.bfloat16, device="cuda")
+    group = cuda_node.borrow_tensors(params)
+    assert isinstance(group, baton.BundleGroup) and 2 <= len(group) < len(params)
+    child = cuda_node.spawn([sys.executable, str(HERE / "group_child.py")], timeout=DEADLINE)
+    try:
+        for step, (plan, ordered) in enumerate([(True, False), (True, True), (False, False)]):
+            for i, t in enumerate(params.values()):
+                t.fill_(step + i / 32)
+            torch.cuda.synchronize()
+            reply = child.peer.call("engine", "py.Group", {"weights": group, "plan": plan,
+                                                          "ordered": ordered}, timeout=DEADLINE)
+            group.returned(timeout=DEADLINE)
+            want = {n: float(t.double().sum()) for n, t in params.items()}
+            assert reply["sums"] == want, (step, plan, ordered)
+            assert reply["opens"] == len(group), "each segment opened once, at the first sync"
+    finally:
+        child.peer.close()
+        child.wait(timeout=DEADLINE)
+    assert group.release()
 
 
 def test_expandable_segments_are_refused_with_a_reason(tmp_path, token_file):

@@ -13,6 +13,15 @@
 //! drivers Baton supports (CUDA 11.4) compile; the driver compiles it for the device once
 //! per backend. Should that fail, a plan falls back to one `cuMemcpyDtoDAsync` per copy.
 //!
+//! A plan may copy between several buffers ("parts") and the pointers at once
+//! ([`CudaBackend::copy_plan_parts`]): a model lent as one allocation per segment of
+//! PyTorch's caching allocator loads in one launch, not one per allocation. Its span table
+//! then holds absolute addresses of the parts (the kernel's base is 0): it is written at
+//! the first run and again whenever a part is at another address than the run before —
+//! after the plan's earlier launches complete, with a wait for the run's stream (an
+//! importer's cache maps a lent allocation at the same address every sync, so a plan run
+//! every sync writes it once).
+//!
 //! A plan of one copy is one `cuMemcpyDtoDAsync`, not the kernel, and needs no span table:
 //! the copy engine moves one range as fast as anything can (across GPUs in one process,
 //! 0.98–1.01× torch's peer-to-peer copy where the gather kernel takes 1.055–1.06×:
@@ -79,8 +88,17 @@ pub struct CopyPlan {
     /// The span table the kernel reads ([`SpanLayout::table`]) in device memory; 0 when
     /// there is none.
     table: sys::CUdeviceptr,
-    /// Events recorded after launches that may still read the table.
-    pending: Mutex<Vec<sys::CUevent>>,
+    /// What the launches share: the events recorded after those that may still read the
+    /// table, and the part addresses the table was last written for (a plan of several
+    /// parts; `None` until its first run).
+    pending: Mutex<Pending>,
+}
+
+/// A plan's launches in flight, and the parts its table was written for.
+#[derive(Default)]
+struct Pending {
+    events: Vec<sys::CUevent>,
+    written_for: Option<Vec<u64>>,
 }
 
 // SAFETY: the raw handles (table, events) are used only with the context pushed, and the
@@ -93,7 +111,8 @@ impl std::fmt::Debug for CopyPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CopyPlan")
             .field("spans", &self.layout.spans.len())
-            .field("end", &self.layout.end)
+            .field("parts", &self.layout.ends.len())
+            .field("ends", &self.layout.ends)
             .field("kernel", &self.gather.is_some())
             .finish()
     }
@@ -104,31 +123,48 @@ impl std::fmt::Debug for CopyPlan {
 struct SpanLayout {
     /// The non-empty spans, in the order given.
     spans: Vec<CopySpan>,
+    /// The part (buffer) of each span.
+    parts: Vec<u32>,
     /// Bytes per chunk (one kernel block each).
     chunk: u64,
     /// Chunks in all: the launch's blocks.
     chunks: u32,
-    /// The buffer bytes the plan reaches: the largest `offset + len`.
-    end: u64,
+    /// The bytes the plan reaches in each part: its spans' largest `offset + len`.
+    ends: Vec<u64>,
     /// The spans' pointer ranges sorted by start, each with the largest end so far: where
     /// a buffer must not be (one run would read and write the same bytes).
     by_ptr: Vec<(u64, u64)>,
 }
 
 impl SpanLayout {
+    /// A layout of one part.
+    #[cfg(test)]
     fn new(spans: &[CopySpan], chunk: u64) -> Result<Self> {
-        let spans: Vec<CopySpan> = spans.iter().copied().filter(|s| s.len > 0).collect();
-        let (mut end, mut chunks) = (0u64, 0u64);
-        let mut by_ptr = Vec::with_capacity(spans.len());
-        for (i, s) in spans.iter().enumerate() {
-            let (Some(ptr_end), Some(buf_end)) =
-                (s.ptr.checked_add(s.len), s.offset.checked_add(s.len))
-            else {
-                return Err(refused(format!("copy {i} reaches past 2^64")));
-            };
-            end = end.max(buf_end);
-            chunks += s.len.div_ceil(chunk);
-            by_ptr.push((s.ptr, ptr_end));
+        Self::of_parts(&[spans], chunk)
+    }
+
+    fn of_parts(parts: &[&[CopySpan]], chunk: u64) -> Result<Self> {
+        let part_count = u32::try_from(parts.len())
+            .map_err(|_| refused(format!("{} parts: too many", parts.len())))?;
+        let mut spans = Vec::new();
+        let mut part_of = Vec::new();
+        let mut ends = vec![0u64; parts.len()];
+        let mut chunks = 0u64;
+        let mut by_ptr = Vec::new();
+        for (part, list) in (0..part_count).zip(parts) {
+            for s in list.iter().filter(|s| s.len > 0) {
+                let i = spans.len();
+                let (Some(ptr_end), Some(buf_end)) =
+                    (s.ptr.checked_add(s.len), s.offset.checked_add(s.len))
+                else {
+                    return Err(refused(format!("copy {i} reaches past 2^64")));
+                };
+                ends[part as usize] = ends[part as usize].max(buf_end);
+                chunks += s.len.div_ceil(chunk);
+                by_ptr.push((s.ptr, ptr_end));
+                spans.push(*s);
+                part_of.push(part);
+            }
         }
         let chunks = u32::try_from(chunks)
             .ok()
@@ -146,37 +182,56 @@ impl SpanLayout {
         }
         Ok(Self {
             spans,
+            parts: part_of,
             chunk,
             chunks,
-            end,
+            ends,
             by_ptr,
         })
     }
 
-    /// The table the kernel reads: `ptr, offset, len, first chunk` per span.
-    fn table(&self) -> Vec<u64> {
+    /// The table the kernel reads: `ptr, offset, len, first chunk` per span, each offset
+    /// from `bases[part]` (all 0: offsets within the part, for a kernel given the one
+    /// part's address).
+    fn table(&self, bases: &[u64]) -> Vec<u64> {
         let mut words = Vec::with_capacity(self.spans.len() * 4);
         let mut first = 0;
-        for s in &self.spans {
-            words.extend_from_slice(&[s.ptr, s.offset, s.len, first]);
+        for (s, &part) in self.spans.iter().zip(&self.parts) {
+            words.extend_from_slice(&[s.ptr, bases[part as usize] + s.offset, s.len, first]);
             first += s.len.div_ceil(self.chunk);
         }
         words
     }
 
-    /// Whether a run on the buffer at `base` of `len` bytes may go ahead.
-    fn check(&self, base: u64, len: usize, direction: CopyDirection) -> Result<()> {
-        if self.end > len as u64 {
+    /// Whether a run on the buffers `parts` (`(address, bytes)`, one per part of the
+    /// plan) may go ahead.
+    fn check(&self, parts: &[(u64, usize)], direction: CopyDirection) -> Result<()> {
+        if parts.len() != self.ends.len() {
+            return Err(refused(format!(
+                "the plan copies between {} buffers and its tensors; {} were given",
+                self.ends.len(),
+                parts.len()
+            )));
+        }
+        for (&(base, len), &end) in parts.iter().zip(&self.ends) {
+            self.check_part(base, len, end, direction)?;
+        }
+        Ok(())
+    }
+
+    /// Whether one part at `base` (`len` bytes) holds the plan's `end` bytes of it and
+    /// overlaps no span's pointer range.
+    fn check_part(&self, base: u64, len: usize, end: u64, direction: CopyDirection) -> Result<()> {
+        if end > len as u64 {
             return Err(Error::OutOfBounds {
                 offset: 0,
-                len: usize::try_from(self.end).unwrap_or(usize::MAX),
+                len: usize::try_from(end).unwrap_or(usize::MAX),
                 size: len,
             });
         }
-        let Some(buf_end) = base.checked_add(self.end) else {
+        let Some(buf_end) = base.checked_add(end) else {
             return Err(refused(format!(
-                "a buffer at {base:#x} of {} bytes reaches past 2^64",
-                self.end
+                "a buffer at {base:#x} of {end} bytes reaches past 2^64"
             )));
         };
         // Ranges starting before the buffer's end; the last of them reaches furthest.
@@ -208,7 +263,17 @@ impl CudaBackend {
     /// [`Error::CopyRefused`] for a span outside any allocation, on another device, or
     /// past `u64`; [`Error::Cuda`].
     pub fn copy_plan(&self, spans: &[CopySpan]) -> Result<CopyPlan> {
-        let layout = SpanLayout::new(spans, CHUNK)?;
+        self.copy_plan_parts(&[spans])
+    }
+
+    /// A plan of copies between several buffers — `parts[i]`'s spans have offsets in
+    /// buffer `i` — and device pointers of this process, queued as one launch per run
+    /// ([`run_parts`](CopyPlan::run_parts)); checked as [`copy_plan`](Self::copy_plan)'s.
+    ///
+    /// # Errors
+    /// As [`copy_plan`](Self::copy_plan).
+    pub fn copy_plan_parts(&self, parts: &[&[CopySpan]]) -> Result<CopyPlan> {
+        let layout = SpanLayout::of_parts(parts, CHUNK)?;
         let ordinal = self.ordinal() as i32;
         {
             let _pushed = ContextGuard::push(&self.access.ctx)?;
@@ -249,10 +314,14 @@ impl CudaBackend {
             gather,
             layout,
             table: 0,
-            pending: Mutex::new(Vec::new()),
+            pending: Mutex::default(),
         };
         if plan.launches() {
-            plan.upload(&self.access.stream)?;
+            plan.allocate_table()?;
+            if plan.layout.ends.len() == 1 {
+                // Offsets within the one part: written once, for every buffer it runs on.
+                plan.write_table(&[0], &self.access.stream)?;
+            }
         }
         Ok(plan)
     }
@@ -270,9 +339,15 @@ impl CudaBackend {
 }
 
 impl CopyPlan {
-    /// The buffer bytes the plan reaches (a buffer it runs on must have at least these).
+    /// The buffer bytes the plan reaches (a buffer it runs on must have at least these;
+    /// the most of any part, for a plan of several).
     pub fn end(&self) -> u64 {
-        self.layout.end
+        self.layout.ends.iter().copied().max().unwrap_or(0)
+    }
+
+    /// The bytes the plan reaches in each of its buffers.
+    pub fn ends(&self) -> &[u64] {
+        &self.layout.ends
     }
 
     /// How many copies (of one byte or more) the plan makes.
@@ -298,39 +373,45 @@ impl CopyPlan {
         self.gather.is_some() && self.layout.spans.len() > 1
     }
 
-    /// Writes the span table to device memory.
-    fn upload(&mut self, stream: &CudaStream) -> Result<()> {
+    /// Allocates the span table.
+    fn allocate_table(&mut self) -> Result<()> {
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        // SAFETY: a context is current; the table is freed once, in `Drop`.
+        self.table = unsafe { result::mem_alloc(self.layout.spans.len() * 32) }?;
+        Ok(())
+    }
+
+    /// Writes the span table for parts at `bases`, on `stream`, and waits for it. The
+    /// caller has the context pushed or pushes it here, and no launch that reads the
+    /// table is pending.
+    fn write_table(&self, bases: &[u64], stream: &CudaStream) -> Result<()> {
+        self.write_table_raw(bases, stream.cu_stream())
+    }
+
+    fn write_table_raw(&self, bases: &[u64], stream: sys::CUstream) -> Result<()> {
         let bytes: Vec<u8> = self
             .layout
-            .table()
+            .table(bases)
             .iter()
             .flat_map(|w| w.to_ne_bytes())
             .collect();
         let _pushed = ContextGuard::push(&self.ctx)?;
-        // SAFETY: a context is current; the table is freed once, in `Drop`.
-        let table = unsafe { result::mem_alloc(bytes.len()) }?;
-        self.table = table;
-        // SAFETY: `table` holds `bytes.len()` bytes; the stream is the backend's, live in
-        // this context; synchronised below, before `bytes` goes.
-        unsafe { result::memcpy_htod_async(table, &bytes, stream.cu_stream()) }?;
+        // SAFETY: `table` holds one 32-byte entry per span; `stream` is live in this
+        // context; synchronised below, before `bytes` goes.
+        unsafe { result::memcpy_htod_async(self.table, &bytes, stream) }?;
         // SAFETY: as above.
-        unsafe { result::stream_synchronize(stream.cu_stream()) }
+        unsafe { result::stream_synchronize(stream) }
     }
 
     /// Queues the plan's copies on `stream`, between the buffer at `base` (`len` bytes)
-    /// and the plan's pointers, in `direction`.
+    /// and the plan's pointers, in `direction`: [`run_parts`](Self::run_parts) for a
+    /// plan of one part.
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] when the buffer is shorter than [`end`](Self::end);
-    /// [`Error::CopyRefused`] when the buffer overlaps a span's pointer range;
-    /// [`Error::Cuda`].
+    /// As [`run_parts`](Self::run_parts).
     ///
     /// # Safety
-    /// `base..base + len` is device memory this process may read (and, for
-    /// [`CopyDirection::IntoBuffer`], write), and every span's pointer range is still
-    /// allocated memory that may be written (read, for `IntoBuffer`), both until the
-    /// copies complete; `stream` is a live stream of the backend's context. Work on other
-    /// streams that uses either side is the caller's to order.
+    /// As [`run_parts`](Self::run_parts).
     pub unsafe fn run(
         &self,
         base: u64,
@@ -338,14 +419,45 @@ impl CopyPlan {
         direction: CopyDirection,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.layout.check(base, len, direction)?;
+        // SAFETY: the caller's promise.
+        unsafe { self.run_parts(&[(base, len)], direction, stream) }
+    }
+
+    /// Queues the plan's copies on `stream`, between its buffers — `parts[i]` the address
+    /// and bytes of part `i` — and the plan's pointers, in `direction`. A plan of several
+    /// parts writes its span table at its first run and when a part moved since the run
+    /// before (see the module docs).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when a buffer is shorter than the plan reaches in it;
+    /// [`Error::CopyRefused`] when the number of buffers is not the plan's, a buffer
+    /// overlaps a span's pointer range, or (into buffers) two buffers overlap;
+    /// [`Error::Cuda`].
+    ///
+    /// # Safety
+    /// Each `base..base + len` is device memory this process may read (and, for
+    /// [`CopyDirection::IntoBuffer`], write), and every span's pointer range is still
+    /// allocated memory that may be written (read, for `IntoBuffer`), both until the
+    /// copies complete; `stream` is a live stream of the backend's context. Work on other
+    /// streams that uses either side is the caller's to order.
+    pub unsafe fn run_parts(
+        &self,
+        parts: &[(u64, usize)],
+        direction: CopyDirection,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.layout.check(parts, direction)?;
+        if direction == CopyDirection::IntoBuffer {
+            disjoint(parts, &self.layout.ends)?;
+        }
         if self.layout.spans.is_empty() {
             return Ok(());
         }
         let raw = stream.cu_stream();
         let _pushed = ContextGuard::push(&self.ctx)?;
         let Some(gather) = self.gather.as_ref().filter(|_| self.launches()) else {
-            for s in &self.layout.spans {
+            for (s, &part) in self.layout.spans.iter().zip(&self.layout.parts) {
+                let base = parts[part as usize].0;
                 let (src, dst) = match direction {
                     CopyDirection::FromBuffer => (base + s.offset, s.ptr),
                     CopyDirection::IntoBuffer => (s.ptr, base + s.offset),
@@ -356,7 +468,20 @@ impl CopyPlan {
             }
             return Ok(());
         };
-        let mut base_arg = base;
+        let mut pending = self.lock_pending();
+        // One part: offsets within it, the kernel given its address. Several: the table
+        // holds their addresses, the kernel's base is 0.
+        let mut base_arg = if parts.len() == 1 {
+            parts[0].0
+        } else {
+            let bases: Vec<u64> = parts.iter().map(|p| p.0).collect();
+            if pending.written_for.as_ref() != Some(&bases) {
+                self.retire(&mut pending.events, 0)?;
+                self.write_table_raw(&bases, raw)?;
+                pending.written_for = Some(bases);
+            }
+            0
+        };
         let mut table = self.table;
         let mut n = self.layout.spans.len() as u32;
         let mut chunk = self.layout.chunk;
@@ -368,11 +493,10 @@ impl CopyPlan {
             (&mut chunk as *mut u64).cast(),
             (&mut into as *mut i32).cast(),
         ];
-        let mut pending = self.lock_pending();
-        self.retire(&mut pending)?;
+        self.retire(&mut pending.events, MAX_PENDING - 1)?;
         // SAFETY: the parameters match `baton_gather(u64, const Span*, u32, u64, i32)`; the
         // table lives until the event recorded below completes (`Drop`); the memory the
-        // spans and the buffer name is valid (the caller's promise, bounds checked above).
+        // spans and the buffers name is valid (the caller's promise, bounds checked above).
         unsafe {
             result::launch_kernel(
                 gather.function(),
@@ -384,19 +508,19 @@ impl CopyPlan {
         }?;
         // SAFETY: a context is current; the event is destroyed once (`retire`, `Drop`).
         let event = unsafe { result::event_create() }?;
-        pending.push(event);
+        pending.events.push(event);
         // SAFETY: the event and the stream are live in this context.
         unsafe { result::event_record(event, raw) }
     }
 
-    fn lock_pending(&self) -> MutexGuard<'_, Vec<sys::CUevent>> {
-        // Each critical section is one push or a retain: consistent after a panic.
+    fn lock_pending(&self) -> MutexGuard<'_, Pending> {
+        // Each critical section leaves the events and the parts written for consistent.
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Destroys the events of completed launches; waits for the oldest while too many
-    /// are pending. The caller pushed the context.
-    fn retire(&self, pending: &mut Vec<sys::CUevent>) -> Result<()> {
+    /// Destroys the events of completed launches; waits for the oldest while more than
+    /// `keep` are pending. The caller pushed the context.
+    fn retire(&self, pending: &mut Vec<sys::CUevent>, keep: usize) -> Result<()> {
         let mut kept = Vec::with_capacity(pending.len());
         for &ev in pending.iter() {
             // SAFETY: a live event of this context.
@@ -407,7 +531,7 @@ impl CopyPlan {
                 kept.push(ev);
             }
         }
-        while kept.len() >= MAX_PENDING {
+        while kept.len() > keep {
             let ev = kept.remove(0);
             // SAFETY: a live event of this context.
             unsafe { result::event_synchronize(ev) }?;
@@ -419,6 +543,23 @@ impl CopyPlan {
     }
 }
 
+/// Refuses buffers to be written that overlap each other (`ends[i]` bytes of each).
+fn disjoint(parts: &[(u64, usize)], ends: &[u64]) -> Result<()> {
+    let mut ranges: Vec<(u64, u64)> = parts
+        .iter()
+        .zip(ends)
+        .filter(|&(_, &end)| end > 0)
+        .map(|(&(base, _), &end)| (base, base.saturating_add(end)))
+        .collect();
+    ranges.sort_unstable();
+    if ranges.windows(2).any(|w| w[1].0 < w[0].1) {
+        return Err(refused(
+            "two buffers the plan copies into overlap".to_string(),
+        ));
+    }
+    Ok(())
+}
+
 impl Drop for CopyPlan {
     fn drop(&mut self) {
         let Ok(_pushed) = ContextGuard::push(&self.ctx) else {
@@ -426,7 +567,7 @@ impl Drop for CopyPlan {
             return;
         };
         let mut synced = true;
-        for ev in std::mem::take(&mut *self.lock_pending()) {
+        for ev in std::mem::take(&mut self.lock_pending().events) {
             // SAFETY: a live event of this context.
             if let Err(e) = unsafe { result::event_synchronize(ev) } {
                 tracing::warn!(error = %e, "waiting for a batched copy failed");
@@ -442,7 +583,8 @@ impl Drop for CopyPlan {
                 tracing::warn!("a batched copy did not complete: its span table is not freed");
                 return;
             }
-            // SAFETY: allocated in `upload`, freed once, after every launch that read it.
+            // SAFETY: allocated in `allocate_table`, freed once, after every launch that
+            // read it.
             if let Err(e) = unsafe { result::mem_free(self.table) } {
                 tracing::warn!(error = %e, "freeing a copy plan's span table failed");
             }
@@ -461,7 +603,17 @@ mod tests {
 
     /// What `baton_gather` does, block by block, with addresses as indices into `mem`.
     fn emulate(layout: &SpanLayout, base: u64, direction: CopyDirection, mem: &mut [u8]) {
-        let table = layout.table();
+        emulate_table(layout, &layout.table(&[0]), base, direction, mem);
+    }
+
+    /// What `baton_gather` does with `table`, given `base`.
+    fn emulate_table(
+        layout: &SpanLayout,
+        table: &[u64],
+        base: u64,
+        direction: CopyDirection,
+        mem: &mut [u8],
+    ) {
         let n = table.len() / 4;
         let into = direction == CopyDirection::FromBuffer;
         for c in 0..u64::from(layout.chunks) {
@@ -537,7 +689,7 @@ mod tests {
             let mut mem: Vec<u8> = (0..top + 64).map(|i| (i * 7 + 1) as u8).collect();
             let mut want = mem.clone();
             layout
-                .check(0, layout.end as usize, direction)
+                .check(&[(0, layout.ends[0] as usize)], direction)
                 .expect("no overlap");
             emulate(&layout, 0, direction, &mut mem);
             model(spans, 0, direction, &mut want);
@@ -548,9 +700,11 @@ mod tests {
     #[test]
     fn an_empty_plan_copies_nothing_and_needs_no_buffer() {
         let layout = SpanLayout::new(&[], CHUNK).unwrap();
-        assert_eq!((layout.chunks, layout.end), (0, 0));
-        assert!(layout.table().is_empty());
-        layout.check(0x1000, 0, CopyDirection::FromBuffer).unwrap();
+        assert_eq!((layout.chunks, layout.ends.as_slice()), (0, &[0][..]));
+        assert!(layout.table(&[0]).is_empty());
+        layout
+            .check(&[(0x1000, 0)], CopyDirection::FromBuffer)
+            .unwrap();
         let zero = [CopySpan {
             ptr: 64,
             offset: 0,
@@ -592,24 +746,28 @@ mod tests {
             },
         ];
         let layout = SpanLayout::new(&spans, CHUNK).unwrap();
-        assert_eq!(layout.end, 612);
+        assert_eq!(layout.ends, [612]);
         assert!(matches!(
-            layout.check(0, 611, CopyDirection::FromBuffer),
+            layout.check(&[(0, 611)], CopyDirection::FromBuffer),
             Err(Error::OutOfBounds { size: 611, .. })
         ));
-        layout.check(0, 612, CopyDirection::FromBuffer).unwrap();
+        layout
+            .check(&[(0, 612)], CopyDirection::FromBuffer)
+            .unwrap();
         // Overlapping the first tensor, the second, or lying between them.
         for base in [9_500, 9_900, 10_099, 19_400, 20_099] {
             assert!(
                 matches!(
-                    layout.check(base, 612, CopyDirection::IntoBuffer),
+                    layout.check(&[(base, 612)], CopyDirection::IntoBuffer),
                     Err(Error::CopyRefused { .. })
                 ),
                 "a buffer at {base} overlaps a tensor"
             );
         }
         for base in [9_388, 10_100, 19_388 - 612 + 600, 20_100] {
-            layout.check(base, 612, CopyDirection::FromBuffer).unwrap();
+            layout
+                .check(&[(base, 612)], CopyDirection::FromBuffer)
+                .unwrap();
         }
         assert!(matches!(
             SpanLayout::new(
@@ -623,7 +781,100 @@ mod tests {
             Err(Error::CopyRefused { .. })
         ));
         assert!(matches!(
-            layout.check(u64::MAX - 100, 612, CopyDirection::FromBuffer),
+            layout.check(&[(u64::MAX - 100, 612)], CopyDirection::FromBuffer),
+            Err(Error::CopyRefused { .. })
+        ));
+    }
+
+    /// Spans of `sizes` bytes spread over `parts` buffers (span `i` in part `i % parts`),
+    /// each buffer and the pointers laid out apart in one address space: the parts' spans,
+    /// their buffers' `(address, bytes)` and the top address.
+    fn parts_of(sizes: &[u64], parts: usize) -> (Vec<Vec<CopySpan>>, Vec<(u64, usize)>, u64) {
+        let mut lists = vec![Vec::new(); parts];
+        let mut offsets = vec![5u64; parts];
+        let mut ptr = 0;
+        for (i, &len) in sizes.iter().enumerate() {
+            let part = i % parts;
+            lists[part].push(CopySpan {
+                ptr,
+                offset: offsets[part],
+                len,
+            });
+            offsets[part] += len + (i as u64 % 7);
+            ptr += len + 3;
+        }
+        let mut bufs = Vec::new();
+        let mut at = ptr + 64;
+        for &size in &offsets {
+            bufs.push((at, size as usize));
+            at += size + 33;
+        }
+        (lists, bufs, at)
+    }
+
+    fn check_parts_both_ways(sizes: &[u64], parts: usize, chunk: u64) {
+        let (lists, bufs, top) = parts_of(sizes, parts);
+        let slices: Vec<&[CopySpan]> = lists.iter().map(Vec::as_slice).collect();
+        let layout = SpanLayout::of_parts(&slices, chunk).expect("a valid plan");
+        let bases: Vec<u64> = bufs.iter().map(|b| b.0).collect();
+        for direction in [CopyDirection::FromBuffer, CopyDirection::IntoBuffer] {
+            layout.check(&bufs, direction).expect("no overlap");
+            disjoint(&bufs, &layout.ends).expect("apart");
+            let mut mem: Vec<u8> = (0..top).map(|i| (i * 11 + 3) as u8).collect();
+            let mut want = mem.clone();
+            emulate_table(&layout, &layout.table(&bases), 0, direction, &mut mem);
+            for (list, &(base, _)) in lists.iter().zip(&bufs) {
+                model(list, base, direction, &mut want);
+            }
+            assert_eq!(mem, want, "{direction:?} of {sizes:?} over {parts} parts");
+        }
+    }
+
+    #[test]
+    fn a_plan_of_several_parts_copies_each_part_at_its_own_address() {
+        for (sizes, parts) in [
+            (vec![100, 7, 4096, 1, 70_000], 3),
+            (vec![5, 9], 2),
+            (vec![256; 12], 5),
+            (vec![1], 4), // parts with no copy
+            (vec![], 2),
+        ] {
+            for chunk in [16, 4096, CHUNK] {
+                check_parts_both_ways(&sizes, parts, chunk);
+            }
+        }
+    }
+
+    #[test]
+    fn a_run_of_several_parts_checks_each_part() {
+        let (lists, bufs, _) = parts_of(&[100, 200, 300, 400], 2);
+        let slices: Vec<&[CopySpan]> = lists.iter().map(Vec::as_slice).collect();
+        let layout = SpanLayout::of_parts(&slices, CHUNK).unwrap();
+        assert_eq!(layout.ends.len(), 2);
+        // Too few or too many buffers.
+        for wrong in [&bufs[..1], &[bufs[0], bufs[1], bufs[1]][..]] {
+            assert!(matches!(
+                layout.check(wrong, CopyDirection::FromBuffer),
+                Err(Error::CopyRefused { .. })
+            ));
+        }
+        // The second part too short for its spans.
+        let short = [bufs[0], (bufs[1].0, layout.ends[1] as usize - 1)];
+        assert!(matches!(
+            layout.check(&short, CopyDirection::FromBuffer),
+            Err(Error::OutOfBounds { .. })
+        ));
+        // The second part over the tensors' memory (pointers start at 0).
+        let over = [bufs[0], (50, bufs[1].1)];
+        assert!(matches!(
+            layout.check(&over, CopyDirection::IntoBuffer),
+            Err(Error::CopyRefused { .. })
+        ));
+        // Two buffers written that overlap each other.
+        let twice = [bufs[0], (bufs[0].0 + 1, bufs[1].1)];
+        layout.check(&twice, CopyDirection::IntoBuffer).unwrap();
+        assert!(matches!(
+            disjoint(&twice, &layout.ends),
             Err(Error::CopyRefused { .. })
         ));
     }
@@ -639,6 +890,15 @@ mod tests {
             let gaps: Vec<u64> = sizes.iter().enumerate().map(|(i, _)| (i as u64 * 5) % 19).collect();
             let (spans, top) = spans_of(&sizes, &gaps);
             check_both_ways(&spans, top, 1 << chunk_pow);
+        }
+
+        #[test]
+        fn a_plan_of_parts_copies_what_plain_copies_do(
+            sizes in prop::collection::vec(0u64..3_000, 0..40),
+            parts in 1usize..6,
+            chunk_pow in 4u32..13,
+        ) {
+            check_parts_both_ways(&sizes, parts, 1 << chunk_pow);
         }
     }
 }

@@ -791,6 +791,7 @@ fn batched_copy_on(export: CudaExport) {
         drop(plan);
         src.free().unwrap();
     }
+    batched_copy_of_parts_on(&b, export, &dst);
     // A pointer no allocation holds, and a span past its allocation's end.
     let host = [0u8; 64];
     for bad in [
@@ -812,6 +813,111 @@ fn batched_copy_on(export: CudaExport) {
     }
     dst.free().unwrap();
     assert!(b.live().is_empty(), "nothing left: {:?}", b.live());
+}
+
+/// A plan of three parts (three allocations of the kind, a model lent one allocation per
+/// segment): loaded into the tensors of `dst` in one launch, then run again with a part at
+/// another address (the span table written again), then the other way.
+fn batched_copy_of_parts_on(b: &CudaBackend, export: CudaExport, dst: &Allocation) {
+    let stream = Arc::clone(b.stream());
+    let base = device_ptr(dst);
+    let sizes = [70_001u64, 3, 4096, 256, 65_537, 1, 100_000, 17, 9];
+    let mut lists = vec![Vec::new(); 3];
+    let mut offsets = [0u64; 3];
+    let mut at = 11;
+    for (i, &len) in sizes.iter().enumerate() {
+        let part = i % 3;
+        lists[part].push(CopySpan {
+            ptr: base + at,
+            offset: offsets[part],
+            len,
+        });
+        offsets[part] = (offsets[part] + len).div_ceil(256) * 256;
+        at += len + 5;
+    }
+    let parts: Vec<Allocation> = offsets
+        .iter()
+        .map(|&end| b.allocate_as(export, end as usize + 256).unwrap())
+        .collect();
+    let other = b.allocate_as(export, offsets[1] as usize + 256).unwrap();
+    let largest = parts
+        .iter()
+        .chain([&other])
+        .map(|m| m.size())
+        .max()
+        .unwrap();
+    let patterns: Vec<Vec<u8>> = (0..4)
+        .map(|k| (0..largest).map(|i| (i * 13 + k * 7 + 1) as u8).collect())
+        .collect();
+    for (k, m) in parts.iter().chain([&other]).enumerate() {
+        m.write(0, &patterns[k][..m.size()]).unwrap();
+    }
+    let slices: Vec<&[CopySpan]> = lists.iter().map(Vec::as_slice).collect();
+    let plan = b.copy_plan_parts(&slices).unwrap();
+    assert_eq!(plan.len(), sizes.len());
+    assert_eq!(plan.ends().len(), 3);
+    let check_loaded = |which: [usize; 3], what: &str| {
+        let mut got = vec![0u8; dst.size()];
+        dst.read(0, &mut got).unwrap();
+        for (part, list) in lists.iter().enumerate() {
+            for s in list {
+                let (p, o, n) = ((s.ptr - base) as usize, s.offset as usize, s.len as usize);
+                assert_eq!(
+                    got[p..p + n],
+                    patterns[which[part]][o..o + n],
+                    "{export:?}: {what}, a tensor of part {part}"
+                );
+            }
+        }
+    };
+    // Twice on the same parts (the table written once), then with part 1 elsewhere.
+    for (which, what) in [
+        ([0, 1, 2], "loaded from three parts"),
+        ([0, 1, 2], "loaded again"),
+        ([0, 3, 2], "loaded with a part moved"),
+    ] {
+        let bufs: Vec<(u64, usize)> = which
+            .iter()
+            .map(|&k| {
+                let m = if k == 3 { &other } else { &parts[k] };
+                (device_ptr(m), m.size())
+            })
+            .collect();
+        dst.fill(0, dst.size(), 0).unwrap();
+        // SAFETY: every allocation lives until the stream is synchronised below.
+        unsafe { plan.run_parts(&bufs, CopyDirection::FromBuffer, &stream) }.unwrap();
+        b.synchronize().unwrap();
+        check_loaded(which, what);
+    }
+    // The tensors back into the first three parts.
+    let changed: Vec<u8> = (0..dst.size()).map(|i| (i * 3 + 5) as u8).collect();
+    dst.write(0, &changed).unwrap();
+    let bufs: Vec<(u64, usize)> = parts.iter().map(|m| (device_ptr(m), m.size())).collect();
+    // SAFETY: as above.
+    unsafe { plan.run_parts(&bufs, CopyDirection::IntoBuffer, &stream) }.unwrap();
+    b.synchronize().unwrap();
+    for (part, list) in lists.iter().enumerate() {
+        let mut back = vec![0u8; parts[part].size()];
+        parts[part].read(0, &mut back).unwrap();
+        for s in list {
+            let (p, o, n) = ((s.ptr - base) as usize, s.offset as usize, s.len as usize);
+            assert_eq!(
+                back[o..o + n],
+                changed[p..p + n],
+                "{export:?}: published into part {part}"
+            );
+        }
+    }
+    // Refused before any launch: two buffers for a plan of three.
+    assert!(matches!(
+        // SAFETY: refused before any driver call.
+        unsafe { plan.run_parts(&bufs[..2], CopyDirection::FromBuffer, &stream) },
+        Err(Error::CopyRefused { .. })
+    ));
+    drop(plan);
+    for m in parts.into_iter().chain([other]) {
+        m.free().unwrap();
+    }
 }
 
 #[test]
