@@ -170,6 +170,106 @@ async fn typed_round_trip(export: CudaExport) {
     close_and_check_device_back(&parent, &cuda, baseline, (a, b), peer, child).await;
 }
 
+/// A holder that gives leases back with `AnyLease::release_synchronized` (what Python's
+/// leases opened without a stream do, after one host wait for all of them) sends no
+/// release fence: the exporter's next grants of those buffers wait on nothing. The same
+/// leases dropped one by one come back fenced, and the next grants wait on those fences
+/// (the control: the count can move). Each round the holder read what we wrote.
+async fn released_synchronized(export: CudaExport) {
+    let tag = match export {
+        CudaExport::Legacy => "cl-rs",
+        CudaExport::Vmm => "cv-rs",
+        CudaExport::Pool => "cp-rs",
+    };
+    let (parent, cuda, _gpu) = cuda_parent(tag, export);
+    let baseline = device_free(&cuda);
+    let (mut child, peer) = parent.child(&[]).await;
+    let mut bufs = Vec::new();
+    for seed in 0..3 {
+        bufs.push(pattern_buffer(&parent, 4096, seed).await);
+    }
+    let round = |synchronized: bool| {
+        let shared: Vec<_> = bufs.iter().map(Buffer::share).collect();
+        let peer = peer.clone();
+        async move {
+            let n = peer
+                .remote::<UseAndRelease>("holder.use")
+                .send(UseAndRelease {
+                    buffers: shared,
+                    synchronized,
+                })
+                .await
+                .unwrap();
+            assert_eq!(n, 3);
+        }
+    };
+    // Dropped one by one: each lease, used on a stream, comes back with a fence.
+    round(false).await;
+    for b in &bufs {
+        leases_back(b, "dropped").await;
+    }
+    // This round's grants wait on those fences; its leases go back synchronised.
+    let before = cuda.waits();
+    round(true).await;
+    for b in &bufs {
+        leases_back(b, "released synchronised").await;
+    }
+    assert!(
+        cuda.waits() > before,
+        "{export:?}: the grants after fenced releases waited on their fences"
+    );
+    // Nothing to wait on after synchronised releases.
+    let before = cuda.waits();
+    round(false).await;
+    for b in &bufs {
+        leases_back(b, "dropped again").await;
+    }
+    assert_eq!(
+        cuda.waits(),
+        before,
+        "{export:?}: the grants after synchronised releases waited on no fence"
+    );
+    eventually_async(DEADLINE, "leases back", || async {
+        parent.table().await.iter().all(|b| b.leases.is_empty())
+    })
+    .await;
+    drop(bufs);
+    peer.close();
+    assert!(exited(&mut child, DEADLINE).await.success());
+    eventually(DEADLINE, "the import cache to close every mapping", || {
+        parent.node.cache().stats().live == 0
+    })
+    .await;
+    device_back_to(&cuda, baseline).await;
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn legacy_leases_released_synchronized_send_no_fence() {
+    run(released_synchronized(CudaExport::Legacy));
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn vmm_leases_released_synchronized_send_no_fence() {
+    run(released_synchronized(CudaExport::Vmm));
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU (--features gpu-tests)"
+)]
+fn pool_leases_released_synchronized_send_no_fence() {
+    run(released_synchronized(CudaExport::Pool));
+}
+
 #[test]
 #[cfg_attr(
     not(feature = "gpu-tests"),

@@ -21,7 +21,7 @@ mod stubborn;
 
 use actix::prelude::*;
 use actors::{DEADLINE, LegacyLike, Parent, eventually, eventually_async, exited};
-use baton::actors::PeerEvent;
+use baton::actors::{Buffer, PeerEvent};
 use baton::ipc::{HostBackend, WarmBudget};
 use msgs::*;
 use rustix::process::Signal;
@@ -174,6 +174,38 @@ fn past_the_warm_budget_the_importer_evicts_through_the_exporter() {
         assert_eq!(lease.to_vec().unwrap()[5], pattern(0, 5));
         assert_eq!(cache.stats().opens, 4);
         drop(lease);
+        link.close();
+        assert!(exited(&mut child, DEADLINE).await.success());
+    });
+}
+
+/// `AnyLease::release_synchronized` on host memory (no device context to synchronise)
+/// gives every lease back as dropping them would, both ways the holder can let go.
+#[test]
+fn leases_released_synchronized_on_host_memory_go_back() {
+    run(async {
+        let parent = Parent::start("relsync");
+        let (mut child, link) = parent.child(&[]).await;
+        let mut bufs = Vec::new();
+        for seed in 0..3 {
+            bufs.push(parent.pattern_buffer(256, seed).await);
+        }
+        for synchronized in [true, false, true] {
+            let n = link
+                .remote::<UseAndRelease>("holder.use")
+                .send(UseAndRelease {
+                    buffers: bufs.iter().map(Buffer::share).collect(),
+                    synchronized,
+                })
+                .await
+                .unwrap();
+            assert_eq!(n, 3);
+            for b in &bufs {
+                tokio::time::timeout(DEADLINE, b.returned())
+                    .await
+                    .expect("every lease back");
+            }
+        }
         link.close();
         assert!(exited(&mut child, DEADLINE).await.success());
     });

@@ -253,6 +253,12 @@ impl LeaseOrder {
         }
     }
 
+    /// Every use of the lease has completed (its holder synchronised the device after
+    /// them): forgets them, so that [`finish`](Self::finish) finds nothing to fence.
+    pub(crate) fn settle(&mut self) {
+        drop(std::mem::take(&mut self.uses.slots));
+    }
+
     /// The lease drops: marks are recorded on the streams named with `wait_on`, then turned
     /// into one release fence.
     pub(crate) fn finish(&mut self) -> Finished {

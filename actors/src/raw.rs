@@ -36,6 +36,7 @@ use crate::exports::BufferCell;
 use crate::node::{Node, Peer};
 use crate::remote::{Answer, Encoded, ErasedHandler, call_encoded};
 use crate::{Buffer, Element};
+use baton_ipc::cuda::CudaBackend;
 use baton_ipc::{Allocation, Stream};
 use baton_messages::protocol::CallFault;
 use baton_messages::{Layout, LeaseId, ProcessId};
@@ -263,6 +264,14 @@ pub struct AnyLease {
     inner: IncomingLease,
 }
 
+impl<T: Element> From<crate::Lease<T>> for AnyLease {
+    fn from(lease: crate::Lease<T>) -> Self {
+        Self {
+            inner: lease.into_inner(),
+        }
+    }
+}
+
 impl fmt::Debug for AnyLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("AnyLease").field(&self.inner).finish()
@@ -271,6 +280,52 @@ impl fmt::Debug for AnyLease {
 
 impl AnyLease {
     crate::buffer::lease_accessors!(use<>);
+
+    /// Gives `leases` back once every use of them on the device has completed: each CUDA
+    /// context they are mapped in is synchronised once (`cuCtxSynchronize`, after the work
+    /// of every stream of the process on the device), so their `Release`s carry no release
+    /// fence and their exporters have nothing to wait for before the next grant. What a
+    /// holder that does not keep its streams does — Python's leases opened without a
+    /// stream — with one host wait for many leases. Other leases (host memory, a backend
+    /// without CUDA contexts) go back as dropped.
+    ///
+    /// The wait is on this process's own work; work that waits on a peer's fence is
+    /// released within the fence deadline if that peer dies (see `docs/ORDERING.md`).
+    ///
+    /// # Errors
+    /// A synchronisation that failed: every lease still goes back, those of that context
+    /// with their release fences, as when dropped.
+    pub fn release_synchronized(leases: Vec<AnyLease>) -> Result<(), ActorError> {
+        let backends: Vec<_> = leases
+            .iter()
+            .map(|l| l.inner.imported().backend().clone())
+            .collect();
+        // The backends whose context was synchronised (one per context).
+        let mut synced: Vec<&CudaBackend> = Vec::new();
+        let same = |a: &CudaBackend, b: &CudaBackend| Arc::ptr_eq(a.context(), b.context());
+        let mut failed = None;
+        for cuda in backends.iter().filter_map(|b| b.cuda()) {
+            if synced.iter().any(|c| same(c, cuda)) {
+                continue;
+            }
+            match cuda.synchronize_context() {
+                Ok(()) => synced.push(cuda),
+                Err(e) => failed = Some(e),
+            }
+        }
+        for (mut lease, backend) in leases.into_iter().zip(&backends) {
+            // Only a synchronised context's leases are settled; any other goes back as
+            // dropped (host memory has no uses to fence).
+            if backend
+                .cuda()
+                .is_some_and(|cuda| synced.iter().any(|c| same(c, cuda)))
+            {
+                lease.inner.order.settle();
+            }
+            drop(lease);
+        }
+        failed.map_or(Ok(()), |e| Err(e.into()))
+    }
 
     /// Element type and shape; `None` if the exporter offered it untyped.
     pub fn layout(&self) -> Option<&Layout> {

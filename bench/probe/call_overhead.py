@@ -4,7 +4,8 @@
 carrying nothing, one buffer (opened and released, or not opened), or a bundle of
 Qwen2.5-0.5B's 290 tensor names (tiny tensors: the layout and the lease are measured, not
 the memory) — and the real 0.92 GiB of that bundle, opened; or those 290 names in 43 or 155
-bundles (a borrowed model's shape: a lease per allocation), each opened. Prints one JSON
+bundles (a borrowed model's shape: a lease per allocation), each opened, or as one
+`BundleGroup` (opened and released in one call). Prints one JSON
 line per case: the median round trip in microseconds over
 `--calls` calls, the engine's own handling (open, release) apart, and the round trip cut in
 two on the shared monotonic clock: `to_engine_us` (the trainer's call until the engine's
@@ -84,7 +85,15 @@ def main() -> None:
                  ("43 bundles of 290 in all, opened",
                   lambda: [node.allocate_bundle(spec[i::43]) for i in range(43)], True),
                  ("155 bundles of 290 in all, opened",
-                  lambda: [node.allocate_bundle(spec[i::155]) for i in range(155)], True)]
+                  lambda: [node.allocate_bundle(spec[i::155]) for i in range(155)], True),
+                 # The same, as one group (what `borrow_tensors` returns): one field, one
+                 # open and one release call on each side.
+                 ("a group of 43 bundles, opened",
+                  lambda: baton.BundleGroup(node.allocate_bundle(spec[i::43])
+                                            for i in range(43)), True),
+                 ("a group of 155 bundles, opened",
+                  lambda: baton.BundleGroup(node.allocate_bundle(spec[i::155])
+                                            for i in range(155)), True)]
         wanted = [c for c in args.cases.split(",") if c]
         cases = [(what, make(), opened) for what, make, opened in cases
                  if not wanted or any(what.startswith(w) for w in wanted)]

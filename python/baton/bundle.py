@@ -22,6 +22,10 @@ import cache has the allocation mapped already: it opens nothing.
   every tensor in one kernel launch: ``BundleLease.copy_into(plan)`` loads them,
   ``Bundle.copy_from(plan)`` publishes them; :func:`bundle_parameters` moves a
   ``torch.nn.Module``'s parameters into a bundle, so that training writes it directly.
+- A model in several allocations (``Node.borrow_tensors``: one bundle per allocation of
+  PyTorch's caching allocator) is a :class:`BundleGroup`: one message field, received as a
+  :class:`SharedBundleGroup`, opened in one call into a :class:`BundleGroupLease` and
+  loaded by one :class:`CopyPlan` of the group's ``layout``; each bundle stays one lease.
 - On device memory, ``open(stream=s)``, ``peer.call(..., stream=s)`` and
   ``bundle.wait_on(s)`` order by fences on a stream of yours instead of synchronising
   the device (see the README's *Device memory and streams*).
@@ -141,7 +145,9 @@ class CopyPlan:
     about the time of one flat copy of its bytes.
 
     ``tensors`` maps names of ``layout`` to contiguous CUDA tensors of the same dtype and
-    number of bytes (the shape may differ). The plan holds the tensors' storages, so their
+    number of bytes (the shape may differ). ``layout`` may also be a bundle group's (a tuple
+    of its bundles' layouts, :class:`BundleGroup`): the plan then copies between every
+    bundle of the group and the tensors in one launch (``BundleGroupLease.copy_into``). The plan holds the tensors' storages, so their
     memory stays allocated while it lives; a tensor re-pointed afterwards (``p.data = ...``)
     is not followed: make a new plan. ``copy_into(dict)`` makes and keeps plans by itself
     for the last sets of tensors it saw (a few per bundle layout, up to 256 layouts)."""
@@ -690,7 +696,6 @@ class SharedBundleGroup:
         from ._baton import open_all
 
         try:
-            _parts_index(self._layout)
             for p in self._parts:
                 if p._stamp is not None:
                     p._stamp.check()

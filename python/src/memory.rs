@@ -249,46 +249,96 @@ impl Geometry {
 // ---------------------------------------------------------------------------------------
 // Letting go of device memory after the streams that used it are done.
 
-struct Deferred {
-    cuda: Arc<CudaBackend>,
-    what: Box<dyn Send>,
+/// What the device-release thread lets go of.
+enum Deferred {
+    /// A lease, given back without a release fence once its context is synchronised
+    /// ([`AnyLease::release_synchronized`]).
+    Lease(Box<AnyLease>),
+    /// Anything else (a buffer handle views used), dropped after its backend's context is
+    /// synchronised.
+    Other {
+        cuda: Arc<CudaBackend>,
+        what: Box<dyn Send>,
+    },
 }
 
-/// CONSERVATIVE SYNC (release): drops `what` (a lease or a buffer handle whose device
-/// memory views used) on a background thread, after synchronising the device's primary
-/// context, so that no queued kernel of this process still uses the memory when the
-/// lease goes back or the memory is freed. Never blocks the caller (a DLPack deleter, a
-/// garbage collection).
-pub(crate) fn drop_after_sync(cuda: &Arc<CudaBackend>, what: Box<dyn Send>) {
+/// The most items the device-release thread lets go of after one synchronisation.
+const RELEASE_BATCH: usize = 1024;
+
+/// Lets go of a batch: one synchronisation of each context for all of it.
+fn let_go(batch: Vec<Deferred>) {
+    let mut leases = Vec::new();
+    let mut others = Vec::new();
+    for d in batch {
+        match d {
+            Deferred::Lease(lease) => leases.push(*lease),
+            Deferred::Other { cuda, what } => others.push((cuda, what)),
+        }
+    }
+    if !leases.is_empty() {
+        if let Err(e) = AnyLease::release_synchronized(leases) {
+            tracing::warn!(error = %e, "synchronising before a device release failed");
+        }
+    }
+    let mut synced: Vec<Arc<CudaBackend>> = Vec::new();
+    for (cuda, what) in others {
+        if !synced
+            .iter()
+            .any(|c| Arc::ptr_eq(c.context(), cuda.context()))
+        {
+            if let Err(e) = cuda.synchronize_context() {
+                tracing::warn!(error = %e, "synchronising before a device release failed");
+            }
+            synced.push(cuda);
+        }
+        drop(what);
+    }
+}
+
+/// CONSERVATIVE SYNC (release): lets go of a lease or a buffer handle whose device memory
+/// views used on a background thread, after synchronising the device's primary context,
+/// so that no queued kernel of this process still uses the memory when the lease goes back
+/// or the memory is freed. Never blocks the caller (a DLPack deleter, a garbage
+/// collection). The thread takes everything queued by then after one synchronisation: a
+/// group of leases released together costs one host wait, and their `Release`s carry no
+/// release fence (the work they would order after is complete).
+fn drop_after_sync(deferred: Deferred) {
     static WORKER: OnceLock<Option<Mutex<mpsc::Sender<Deferred>>>> = OnceLock::new();
     let worker = WORKER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Deferred>();
         std::thread::Builder::new()
             .name("baton-device-release".into())
             .spawn(move || {
-                for d in rx {
-                    if let Err(e) = d.cuda.context().synchronize() {
-                        tracing::warn!(error = ?e, "synchronising before a device release failed");
+                while let Ok(first) = rx.recv() {
+                    let mut batch = vec![first];
+                    while batch.len() < RELEASE_BATCH {
+                        match rx.try_recv() {
+                            Ok(more) => batch.push(more),
+                            Err(_) => break,
+                        }
                     }
-                    drop(d.what);
+                    let_go(batch);
                 }
             })
             .ok()
             .map(|_| Mutex::new(tx))
     });
-    let deferred = Deferred {
-        cuda: Arc::clone(cuda),
-        what,
-    };
     let unsent = match worker {
         Some(tx) => lock(tx).send(deferred).err().map(|e| e.0),
         None => Some(deferred),
     };
     if let Some(d) = unsent {
         // No worker thread: synchronise here rather than release early.
-        let _ = d.cuda.context().synchronize();
-        drop(d.what);
+        let_go(vec![d]);
     }
+}
+
+/// [`drop_after_sync`] of a buffer handle (or what else views of `cuda`'s memory used).
+pub(crate) fn drop_buffer_after_sync(cuda: &Arc<CudaBackend>, what: Box<dyn Send>) {
+    drop_after_sync(Deferred::Other {
+        cuda: Arc::clone(cuda),
+        what,
+    });
 }
 
 /// Before a device view of a buffer of ours is handed out: the backend's stream waits on
@@ -326,7 +376,7 @@ impl Drop for ViewGuard {
             ViewGuard::Buffer {
                 buffer,
                 cuda: Some(cuda),
-            } => drop_after_sync(cuda, Box::new(buffer.clone())),
+            } => drop_buffer_after_sync(cuda, Box::new(buffer.clone())),
             ViewGuard::Buffer { cuda: None, .. } => {}
         }
     }
@@ -521,7 +571,7 @@ impl LeaseCell {
     fn give_back(&self, lease: AnyLease) {
         match (&self.cuda, self.device) {
             (Some(cuda), Device::Cuda(_)) if !self.ordered => {
-                drop_after_sync(cuda, Box::new(lease));
+                drop_after_sync(Deferred::Lease(Box::new(lease)));
             }
             _ => drop(lease),
         }
@@ -1095,7 +1145,7 @@ impl Buffer {
         };
         match (handle, &self.cuda, self.device) {
             (Some(b), Some(cuda), Device::Cuda(_)) => {
-                drop_after_sync(cuda, Box::new(b));
+                drop_buffer_after_sync(cuda, Box::new(b));
                 true
             }
             (Some(b), _, _) => {

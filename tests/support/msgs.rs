@@ -87,6 +87,20 @@ impl RemoteMessage for DropHeld {
     const NAME: &'static str = "test.DropHeld";
 }
 
+/// Open `buffers`, each waited on the backend's own stream (a use, as Python's leases
+/// opened without a stream make), and give them back at once: dropped one by one
+/// (`synchronized: false`), or with `AnyLease::release_synchronized`. Answers how many.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "usize")]
+pub struct UseAndRelease {
+    pub buffers: Vec<Shared<u32>>,
+    pub synchronized: bool,
+}
+
+impl RemoteMessage for UseAndRelease {
+    const NAME: &'static str = "test.UseAndRelease";
+}
+
 /// Make `n` buffers of `len` pattern values and share them back.
 #[derive(Debug, Serialize, Deserialize, Message)]
 #[rtype(result = "Made")]

@@ -351,6 +351,13 @@ pub struct Lease<T: Element> {
     _t: PhantomData<fn() -> T>,
 }
 
+impl<T: Element> Lease<T> {
+    /// The untyped lease (for [`AnyLease`](crate::AnyLease)).
+    pub(crate) fn into_inner(self) -> IncomingLease {
+        self.inner
+    }
+}
+
 /// The accessors of an importer's lease, typed ([`Lease<T>`]) or not
 /// ([`AnyLease`](crate::AnyLease)), written once: each type has an `inner: IncomingLease`
 /// field. The argument is the precise-capture list of the futures (`use<T>`, `use<>`).

@@ -167,6 +167,18 @@ impl CudaBackend {
         self.access.synchronize()
     }
 
+    /// Blocks until all work in the backend's context — every stream of this process on
+    /// the device's primary context — has completed (`cuCtxSynchronize`).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`], including errors of that work.
+    pub fn synchronize_context(&self) -> Result<()> {
+        self.access
+            .ctx
+            .synchronize()
+            .map_err(result::from_driver("cuCtxSynchronize"))
+    }
+
     /// Records an interprocess event on the backend's stream, after the work launched
     /// there so far. Keep the guard until every importer handed its
     /// [`ipc_handle`](RecordedEvent::ipc_handle) has released its lease and no longer

@@ -16,8 +16,8 @@ mod msgs;
 
 use actix::prelude::*;
 use baton::actors::{
-    Allocate, Buffer, BufferOwner, Lease, LeaseTable, Node, PeerEvent, Revoke, RevokeRequested,
-    supervisor,
+    Allocate, AnyLease, Buffer, BufferOwner, Lease, LeaseTable, Node, PeerEvent, Revoke,
+    RevokeRequested, supervisor,
 };
 use baton::messages::LeaseId;
 use msgs::*;
@@ -204,6 +204,31 @@ impl Handler<DropHeld> for TestActor {
     fn handle(&mut self, _: DropHeld, _ctx: &mut Context<Self>) -> usize {
         let n = self.held.len();
         self.held.clear();
+        n
+    }
+}
+
+impl Handler<UseAndRelease> for TestActor {
+    type Result = usize;
+
+    fn handle(&mut self, msg: UseAndRelease, _ctx: &mut Context<Self>) -> usize {
+        let leases: Vec<AnyLease> = msg
+            .buffers
+            .into_iter()
+            .map(|shared| {
+                let lease = shared.open().expect("received");
+                lease
+                    .wait_on(baton::ipc::Stream::Internal)
+                    .expect("waited on");
+                AnyLease::from(lease)
+            })
+            .collect();
+        let n = leases.len();
+        if msg.synchronized {
+            AnyLease::release_synchronized(leases).expect("synchronised");
+        } else {
+            drop(leases);
+        }
         n
     }
 }
@@ -448,6 +473,7 @@ fn main() {
         node.register::<Hold>("holder", actor.clone().recipient());
         node.register::<PeekHeld>("holder.peek", actor.clone().recipient());
         node.register::<DropHeld>("holder.drop", actor.clone().recipient());
+        node.register::<UseAndRelease>("holder.use", actor.clone().recipient());
         node.register::<MakeBuffers>("exporter", actor.clone().recipient());
         node.register::<MakeBuffersLate>("late-exporter", actor.clone().recipient());
         node.register::<Sum>("sink", actor.clone().recipient());
