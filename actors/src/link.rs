@@ -67,7 +67,6 @@ macro_rules! probe {
 mod closing;
 mod copy;
 mod forward;
-mod held;
 mod leases;
 mod open;
 mod outgoing;
@@ -81,6 +80,7 @@ impl Attach for Attached {
     type Held = Weak<HeldLease>;
     type Mapping = CacheKey;
     type Caller = oneshot::Sender<Result<IncomingPayload, ActorError>>;
+    type Handed = copy::Handed;
 }
 
 /// What the session asks of the node while it checks a frame.
@@ -132,8 +132,6 @@ pub struct PeerLink {
     copies_in: usize,
     /// Forwards sent as copies, until their lease comes back (see `link/copy.rs`).
     forwards_out: copy::ForwardsOut,
-    /// A host link's messages read and not handed on yet, in order (see `link/held.rs`).
-    held: held::HeldBack<copy::Handed>,
     /// The offer and grant lists of the last call sent, emptied: the next call's reuse
     /// them (a call's lists are let go once its frame is queued).
     spare: outgoing::Spare,
@@ -234,6 +232,8 @@ impl PeerLink {
                         SessionLimits {
                             offers_per_message: limits.offers_per_message,
                             leases_held: limits.leases_held,
+                            held_messages: limits.held_messages,
+                            held_bytes: limits.held_bytes,
                         },
                         Instant::now(),
                     );
@@ -252,7 +252,6 @@ impl PeerLink {
                 pulls: copy::Pulls::default(),
                 copies_in: 0,
                 forwards_out: copy::ForwardsOut::default(),
-                held: held::HeldBack::default(),
                 spare: outgoing::Spare::default(),
             }
         });

@@ -22,7 +22,10 @@
 //! - as **caller**: our calls awaiting a reply (a reply to a call never made is a fault,
 //!   a late one's leases go back);
 //! - **liveness**: pings in flight and when the peer was last heard;
-//! - **status**: our requests awaiting an answer, and the peer's being answered (bounded).
+//! - **status**: our requests awaiting an answer, and the peer's being answered (bounded);
+//! - over a **host link**, the order of the user-visible messages read while their copies
+//!   land ([`hold`](LinkSession::hold), [`held_ready`](LinkSession::held_ready)): handed
+//!   on in the order read, and what waits bounded in messages and bytes.
 //!
 //! What it leaves to the shell, and why: the lease *grants* (the node's ledger, shared by
 //! every link, decides them and a release's validity), the import cache and the driver
@@ -48,8 +51,12 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
+mod held;
 #[cfg(test)]
 mod tests;
+
+use held::HeldBack;
+pub(crate) use held::Turn;
 
 /// Status answers a link prepares for its peer at once; one more request is a protocol
 /// fault ([`ActorError::TooManyStatusRequests`]).
@@ -66,6 +73,9 @@ pub(crate) trait Attach {
     type Mapping;
     /// Who waits for the reply to one of our calls.
     type Caller;
+    /// A host link's message read and ready to hand on, waiting for those read before it
+    /// ([`LinkSession::hold`]).
+    type Handed;
 }
 
 /// Whether a lease's guard still holds it (its last handle may drop before the shell
@@ -99,6 +109,11 @@ pub(crate) struct SessionLimits {
     pub(crate) offers_per_message: usize,
     /// Leases held from the peer at once ([`ActorError::TooManyLeases`]).
     pub(crate) leases_held: usize,
+    /// A host link's messages read and not handed on yet, at most
+    /// ([`ActorError::TooManyHeld`]).
+    pub(crate) held_messages: usize,
+    /// Their payload bytes, at most.
+    pub(crate) held_bytes: usize,
 }
 
 /// How a lease the peer releases was lent over this link — the one place a `Release` is
@@ -303,6 +318,9 @@ pub(crate) struct LinkSession<A: Attach> {
     passed: HashSet<LeaseId>,
     /// Our calls awaiting the peer's reply.
     pending: HashMap<u64, A::Caller>,
+    /// A host link's messages read and not handed on yet, in the order read (see
+    /// [`hold`](Self::hold)).
+    held_back: HeldBack<A::Handed>,
     /// Pings in flight: when each was sent, and who waits for its round trip.
     pings: HashMap<u64, (Instant, Option<oneshot::Sender<Duration>>)>,
     next_ping: u64,
@@ -354,6 +372,7 @@ impl<A: Attach> LinkSession<A> {
             held: HashMap::new(),
             passed: HashSet::new(),
             pending: HashMap::new(),
+            held_back: HeldBack::default(),
             pings: HashMap::new(),
             next_ping: 1,
             last_heard: now,
@@ -716,6 +735,31 @@ impl<A: Attach> LinkSession<A> {
     /// Whether this link keeps the peer's `alloc` mapped.
     pub(crate) fn maps(&self, alloc: AllocationId) -> bool {
         self.mapped.contains_key(&alloc)
+    }
+
+    /// A host link read a user-visible message (a call, a reply, a bare offer) of
+    /// `bytes` payload bytes, whose buffers arrive as copies while the link reads on: its
+    /// turn in the order read. The message is handed on only once those read before it
+    /// are ([`held_ready`](Self::held_ready)), as over a Unix link.
+    ///
+    /// # Errors
+    /// [`ActorError::TooManyHeld`]: more messages or payload bytes would wait behind one
+    /// not handed on yet than [`SessionLimits`] allow — the peer's fault (its link is cut).
+    pub(crate) fn hold(&mut self, bytes: usize) -> Result<Turn, ActorError> {
+        self.held_back
+            .admit(bytes, self.limits.held_messages, self.limits.held_bytes)
+    }
+
+    /// The message of `turn` is ready to hand on (its copies landed or failed, or it had
+    /// none): what may be handed on now, in the order read — nothing while one read before
+    /// it is not ready.
+    pub(crate) fn held_ready(&mut self, turn: Turn, item: A::Handed) -> Vec<A::Handed> {
+        self.held_back.ready(turn, item)
+    }
+
+    /// A host link's messages read and not handed on now.
+    pub(crate) fn held_back(&self) -> usize {
+        self.held_back.waiting()
     }
 
     /// Our calls awaiting a reply now.

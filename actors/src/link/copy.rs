@@ -51,15 +51,15 @@
 //!
 //! Order: a message whose buffers are copies is handed on once they have landed, on the
 //! link's arbiter, while the link goes on handling later frames (pings keep it alive during
-//! a long copy); the messages read after it wait for their turn ([`held`](super::held)), so
+//! a long copy); the messages read after it wait for their turn ([`LinkSession::hold`](crate::link_session::LinkSession::hold)), so
 //! the handlers see the order the peer sent, as over a Unix link.
 
-use super::held::Turn;
 use super::{Attached, PeerLink};
 use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, OfferGrant};
 use crate::link_ref::{CutOff, ForwardCopy, LinkRef, SendRendezvous};
+use crate::link_session::Turn;
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
 use crate::paths::LeasePath;
@@ -653,10 +653,7 @@ impl PeerLink {
             Then::Reply { bytes, .. } => bytes.len(),
             Then::Deliver => 0,
         };
-        let limits = self.limits;
-        let turn = self
-            .held
-            .admit(bytes, limits.held_messages, limits.held_bytes)?;
+        let turn = self.session.hold(bytes)?;
         if offers.is_empty() {
             return self.hand_on(turn, then, Ok(Vec::new()), slot, ctx);
         }
@@ -901,7 +898,7 @@ impl PeerLink {
     }
 
     /// The message of `turn` is ready: it is handed on once those read before it are —
-    /// now, with those behind it that were waiting for it (see [`held`](super::held)).
+    /// now, with those behind it that were waiting for it (see [`LinkSession::hold`](crate::link_session::LinkSession::hold)).
     fn hand_on(
         &mut self,
         turn: Turn,
@@ -911,10 +908,10 @@ impl PeerLink {
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
         let item = Handed { then, opened, slot };
-        let now = self.held.ready(turn, item);
+        let now = self.session.held_ready(turn, item);
         if now.is_empty() {
             tracing::trace!(
-                waiting = self.held.waiting(),
+                waiting = self.session.held_back(),
                 "a message waits for those read before it"
             );
         }

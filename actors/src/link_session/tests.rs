@@ -22,6 +22,7 @@ impl Attach for Plain {
     type Held = Weak<()>;
     type Mapping = u64;
     type Caller = u64;
+    type Handed = u32;
 }
 
 fn process(n: u32) -> ProcessId {
@@ -70,6 +71,8 @@ impl Checks for Node {
 const LIMITS: SessionLimits = SessionLimits {
     offers_per_message: 4,
     leases_held: 6,
+    held_messages: 3,
+    held_bytes: 100,
 };
 
 fn session() -> LinkSession<Plain> {
@@ -912,6 +915,12 @@ enum Step {
         ms: u64,
         paused: bool,
     },
+    /// A host link reads a user-visible message of this many payload bytes (its copies
+    /// still to land).
+    Hold(usize),
+    /// The shell reports ready (its copies landed or failed) the message with this index
+    /// among those not ready yet.
+    HeldReady(usize),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -985,6 +994,8 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Ping),
         1 => (0..6u64).prop_map(Step::Pong),
         2 => (0..6000u64, prop::bool::weighted(0.2)).prop_map(|(ms, paused)| Step::Tick { ms, paused }),
+        2 => prop_oneof![4 => 0..40usize, 1 => 40..120usize].prop_map(Step::Hold),
+        3 => (0..8usize).prop_map(Step::HeldReady),
     ]
 }
 
@@ -999,6 +1010,7 @@ enum Fault {
     UnknownCall,
     TooManyStatusRequests,
     Unresponsive,
+    TooManyHeld,
 }
 
 fn kind(e: &ActorError) -> Option<Fault> {
@@ -1011,6 +1023,7 @@ fn kind(e: &ActorError) -> Option<Fault> {
         ActorError::UnknownCall { .. } => Fault::UnknownCall,
         ActorError::TooManyStatusRequests { .. } => Fault::TooManyStatusRequests,
         ActorError::Unresponsive { .. } => Fault::Unresponsive,
+        ActorError::TooManyHeld { .. } => Fault::TooManyHeld,
         _ => return None,
     })
 }
@@ -1036,6 +1049,14 @@ struct Model {
     /// Time (ms since start), and when the peer was last heard.
     now: u64,
     heard: u64,
+    /// A host link's messages read: the next one's place in the order, the next to hand
+    /// on, those not ready yet (their turn, place and bytes), those ready and waiting for
+    /// an earlier one, and the payload bytes of all not handed on.
+    next_in: u32,
+    next_out: u32,
+    not_ready: Vec<(Turn, u32, usize)>,
+    ready: BTreeMap<u32, usize>,
+    held_bytes: usize,
 }
 
 const DEADLINE_MS: u64 = 10_000;
@@ -1280,6 +1301,33 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 }
                 (expected, result.map(|_| ()))
             }
+            Step::Hold(bytes) => {
+                let waiting = (m.next_in - m.next_out) as usize;
+                let expected = (waiting > 0
+                    && (waiting >= LIMITS.held_messages
+                        || m.held_bytes + bytes > LIMITS.held_bytes))
+                    .then_some(Fault::TooManyHeld);
+                let result = s.hold(bytes).map(|turn| {
+                    m.not_ready.push((turn, m.next_in, bytes));
+                    m.next_in += 1;
+                    m.held_bytes += bytes;
+                });
+                (expected, result)
+            }
+            Step::HeldReady(index) => {
+                if !m.not_ready.is_empty() {
+                    let (turn, seq, bytes) = m.not_ready.remove(index % m.not_ready.len());
+                    m.ready.insert(seq, bytes);
+                    let mut want = Vec::new();
+                    while let Some(bytes) = m.ready.remove(&m.next_out) {
+                        want.push(m.next_out);
+                        m.held_bytes -= bytes;
+                        m.next_out += 1;
+                    }
+                    prop_assert_eq!(s.held_ready(turn, seq), want, "handed on in the order read");
+                }
+                continue;
+            }
             // What the shell reports.
             Step::Drop { index, reported } => {
                 if !m.guards.is_empty() {
@@ -1342,6 +1390,8 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
         prop_assert!(s.status_answers <= STATUS_ANSWERS);
         prop_assert_eq!(s.status_answers, m.status_answers);
         prop_assert_eq!(s.pings(), m.pings.len());
+        prop_assert_eq!(s.held_back(), (m.next_in - m.next_out) as usize);
+        prop_assert!(s.held_back() <= LIMITS.held_messages);
         for alloc in 0..4 {
             prop_assert_eq!(s.maps(AllocationId::new(alloc)), m.mapped.contains(&alloc));
         }
@@ -1385,6 +1435,7 @@ fn the_random_runs_reach_every_fault() {
             Fault::UnknownCall,
             Fault::TooManyStatusRequests,
             Fault::Unresponsive,
+            Fault::TooManyHeld,
         ]
     );
     assert_eq!(most_held, LIMITS.leases_held);

@@ -1,4 +1,5 @@
-//! The order of a host link's messages: [`HeldBack`], without I/O.
+//! The order of a host link's messages: [`HeldBack`], without I/O (the session's: see
+//! [`LinkSession::hold`](super::LinkSession::hold)).
 //!
 //! Over a host link a message's buffers are copies, received through the engines while the
 //! link goes on reading (its pings, releases, pulls and rendezvous must keep flowing, or a
@@ -20,7 +21,7 @@ use std::collections::BTreeMap;
 
 /// A message's turn: its place in the link's order, and the payload bytes it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Turn {
+pub(crate) struct Turn {
     seq: u64,
     bytes: usize,
 }
@@ -28,7 +29,7 @@ pub(super) struct Turn {
 /// The user-visible messages of a link read and not handed on yet (see the module docs);
 /// `T` is what handing one on takes.
 #[derive(Debug)]
-pub(super) struct HeldBack<T> {
+pub(crate) struct HeldBack<T> {
     /// The turn of the next message read.
     next_in: u64,
     /// The turn of the next message to hand on.
@@ -56,7 +57,7 @@ impl<T> HeldBack<T> {
     ///
     /// # Errors
     /// [`ActorError::TooManyHeld`]: the peer's fault.
-    pub(super) fn admit(
+    pub(crate) fn admit(
         &mut self,
         bytes: usize,
         max_messages: usize,
@@ -83,7 +84,7 @@ impl<T> HeldBack<T> {
 
     /// The message of `turn` is ready to hand on as `item`: what may be handed on now, in
     /// order (nothing while a turn before it is not ready).
-    pub(super) fn ready(&mut self, turn: Turn, item: T) -> Vec<T> {
+    pub(crate) fn ready(&mut self, turn: Turn, item: T) -> Vec<T> {
         self.ready.insert(turn.seq, (item, turn.bytes));
         let mut out = Vec::new();
         while let Some((item, bytes)) = self.ready.remove(&self.next_out) {
@@ -95,7 +96,7 @@ impl<T> HeldBack<T> {
     }
 
     /// Messages read and not handed on now.
-    pub(super) fn waiting(&self) -> usize {
+    pub(crate) fn waiting(&self) -> usize {
         (self.next_in - self.next_out) as usize
     }
 }
