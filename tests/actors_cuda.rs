@@ -103,14 +103,14 @@ async fn halves_buffer(parent: &Parent, len: usize) -> Buffer<f32> {
     b
 }
 
-/// The end of a round trip with the checker child: every lease back, our buffers dropped,
+/// The end of a round trip with a child: every lease back, our buffers dropped,
 /// the child closed and exited, the import cache's mappings closed (on the node's driver
 /// thread, after the leases' release fences), device memory back to `baseline`.
-async fn close_and_check_device_back(
+async fn close_and_check_device_back<B>(
     parent: &Parent,
     cuda: &CudaBackend,
     baseline: usize,
-    buffers: (Buffer<u32>, Buffer<f32>),
+    buffers: B,
     peer: baton::actors::Peer,
     mut child: peer::Peer,
 ) {
@@ -183,7 +183,7 @@ async fn released_synchronized(export: CudaExport) {
     };
     let (parent, cuda, _gpu) = cuda_parent(tag, export);
     let baseline = device_free(&cuda);
-    let (mut child, peer) = parent.child(&[]).await;
+    let (child, peer) = parent.child(&[]).await;
     let mut bufs = Vec::new();
     for seed in 0..3 {
         bufs.push(pattern_buffer(&parent, 4096, seed).await);
@@ -229,18 +229,7 @@ async fn released_synchronized(export: CudaExport) {
         before,
         "{export:?}: the grants after synchronised releases waited on no fence"
     );
-    eventually_async(DEADLINE, "leases back", || async {
-        parent.table().await.iter().all(|b| b.leases.is_empty())
-    })
-    .await;
-    drop(bufs);
-    peer.close();
-    assert!(exited(&mut child, DEADLINE).await.success());
-    eventually(DEADLINE, "the import cache to close every mapping", || {
-        parent.node.cache().stats().live == 0
-    })
-    .await;
-    device_back_to(&cuda, baseline).await;
+    close_and_check_device_back(&parent, &cuda, baseline, bufs, peer, child).await;
 }
 
 #[test]
