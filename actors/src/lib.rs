@@ -142,6 +142,8 @@ mod node;
 mod status;
 // The two transports of a link (Unix socket, TCP host link) behind one shape.
 mod transport;
+// The calls that start a forward, and what a forward across hosts shares with its links.
+mod forwarding;
 // One actor per connection.
 mod link;
 // How a node gets its links.

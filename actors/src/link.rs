@@ -1,5 +1,5 @@
 //! [`PeerLink`]: one actor per connection — the I/O shell of its protocol, a
-//! [`LinkSession`](crate::link_session::LinkSession).
+//! [`LinkSession`].
 //!
 //! The session (a state machine without I/O, in the crate's bottom layer) holds what the
 //! link knows of the protocol — leases held, mappings kept warm, pending calls, pings,
@@ -47,7 +47,7 @@ use actix::prelude::*;
 use baton_ipc::{CacheKey, FrameFds, PeerInfo, Received};
 use baton_messages::protocol::{Status, StatusRequest};
 use baton_messages::status::STATUS_VERSION;
-use baton_messages::{FenceHandle, Message as Wire, ProcessId};
+use baton_messages::{FenceHandle, HandleMsg, Message as Wire, ProcessId};
 use futures_util::stream::Stream;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -81,6 +81,9 @@ impl Attach for Attached {
     type Mapping = CacheKey;
     type Caller = oneshot::Sender<Result<IncomingPayload, ActorError>>;
     type Handed = copy::Handed;
+    type Copy = copy::DeviceCopy;
+    type Sending = Arc<baton_ipc::transfer::HeldTransfer>;
+    type Forward = copy::ForwardWaiter;
 }
 
 /// What the session asks of the node while it checks a frame.
@@ -100,6 +103,11 @@ impl Checks for NodeChecks<'_> {
 
     fn call_issued(&self, id: u64) -> bool {
         self.state.issued(id)
+    }
+
+    fn check_sealed(&self, handle: &HandleMsg) -> Result<(), ActorError> {
+        let key = self.node.session().handle_key();
+        Ok(handle.check(key).map_err(baton_ipc::Error::from)?)
     }
 }
 
@@ -124,14 +132,9 @@ pub struct PeerLink {
     /// The writer found the socket gone and left the verdict to the reader
     /// ([`LinkFailed`](closing::LinkFailed)): a send that fails meanwhile is that same end, no reason of its own.
     verdict_pending: bool,
-    /// Copies offered (a host link's; see `link/copy.rs`).
-    copies_out: copy::CopiesOut,
-    /// Device copies pulled and not sent yet, in order.
-    pulls: copy::Pulls,
-    /// Bytes of copies being received now (at most [`LinkLimits::copy_bytes`]).
-    copies_in: usize,
-    /// Forwards sent as copies, until their lease comes back (see `link/copy.rs`).
-    forwards_out: copy::ForwardsOut,
+    /// The fence of the next pulled device copy is being waited for (on a blocking
+    /// thread; see `link/copy.rs`).
+    pull_waiting: bool,
     /// The offer and grant lists of the last call sent, emptied: the next call's reuse
     /// them (a call's lists are let go once its frame is queued).
     spare: outgoing::Spare,
@@ -153,7 +156,7 @@ type Incoming = (Result<Received, baton_ipc::Error>, OwnedSemaphorePermit);
 
 /// The link's frames. A slot of `calls` is taken before each read, so when every slot is
 /// held by a running call, reading pauses (see [`LinkLimits::calls_in_flight`]).
-/// The first frame read from a ring marks the link's state ([`LinkRings::inbound`]).
+/// The first frame read from a ring marks the link's state ([`LinkRings::inbound`](crate::link_ref::LinkRings::inbound)).
 fn frames(
     reader: Reader,
     calls: Arc<Semaphore>,
@@ -234,6 +237,7 @@ impl PeerLink {
                             leases_held: limits.leases_held,
                             held_messages: limits.held_messages,
                             held_bytes: limits.held_bytes,
+                            copy_bytes: limits.copy_bytes,
                         },
                         Instant::now(),
                     );
@@ -248,10 +252,7 @@ impl PeerLink {
                 answering: 0,
                 closing: None,
                 verdict_pending: false,
-                copies_out: copy::CopiesOut::new(),
-                pulls: copy::Pulls::default(),
-                copies_in: 0,
-                forwards_out: copy::ForwardsOut::default(),
+                pull_waiting: false,
                 spare: outgoing::Spare::default(),
             }
         });
@@ -363,7 +364,7 @@ impl PeerLink {
                 self.accept_inbox(grant);
                 Ok(())
             }
-            Action::Pull(lease) => self.on_pull(lease, ctx),
+            Action::SendPulled => self.send_pulled(ctx),
             Action::Rendezvous(bytes) => self.on_rendezvous(&bytes),
             Action::Forward(forward) => self.on_forward(forward),
             Action::Forwarded(forwarded) => {
@@ -507,7 +508,12 @@ impl LinkEnd {
     }
 
     fn run(&mut self) {
-        let Some(Ended { callers, orphans }) = self.ended.take() else {
+        let Some(Ended {
+            callers,
+            orphans,
+            forwards,
+        }) = self.ended.take()
+        else {
             return;
         };
         let span = self.span.clone();
@@ -523,6 +529,10 @@ impl LinkEnd {
             .relays()
             .link_stopped(self.me.id, self.peer.process, self.node.cache());
         for tx in callers {
+            let _ = tx.send(Err(ActorError::link_closed(self.peer.process)));
+        }
+        // Forwards sent over this link as copies: their sends stopped with the link.
+        for tx in forwards {
             let _ = tx.send(Err(ActorError::link_closed(self.peer.process)));
         }
         // What our guards still hold of the peer's is orphaned: the node's status lists it

@@ -170,7 +170,7 @@ pub(crate) struct LinkState {
     /// (leases reclaimed, `PeerEvent::Down` sent): what [`LinkRef::closed`] waits for.
     pub(crate) stopped: tokio::sync::watch::Sender<bool>,
     /// Leases held over this link that copies to another host read from (by lease): a
-    /// dropped guard's `Release` waits for them (see `link/copy.rs`'s `LeasePin`).
+    /// dropped guard's `Release` waits for them (see [`LeasePin`](crate::forwarding::LeasePin)).
     pub(crate) pinned: std::sync::Mutex<std::collections::HashMap<LeaseId, Pinned>>,
 }
 

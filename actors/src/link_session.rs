@@ -25,12 +25,20 @@
 //! - **status**: our requests awaiting an answer, and the peer's being answered (bounded);
 //! - over a **host link**, the order of the user-visible messages read while their copies
 //!   land ([`hold`](LinkSession::hold), [`held_ready`](LinkSession::held_ready)): handed
-//!   on in the order read, and what waits bounded in messages and bytes.
+//!   on in the order read, and what waits bounded in messages and bytes;
+//! - over a **host link**, the copies we lent (offered, pulled, sending; and the forwards
+//!   among them), the order their pulls start them in ([`next_pulled`]), the route a
+//!   `Release` of one takes ([`CopyReleased`]), the checks on the peer's offers (sealed
+//!   copies only) and the bytes of its copies coming in ([`admit_copies_in`]).
 //!
 //! What it leaves to the shell, and why: the lease *grants* (the node's ledger, shared by
 //! every link, decides them and a release's validity), the import cache and the driver
-//! calls that open offers, forwarding's tables (shared by the links a forward crosses), the
-//! outgoing queue and its bounds, and the calls running now (their slots bound reading).
+//! calls that open offers, the transfer engines and the waits on their transfers and on
+//! fences, forwarding's tables (shared by the links a forward crosses), the outgoing queue
+//! and its bounds, and the calls running now (their slots bound reading).
+//!
+//! [`next_pulled`]: LinkSession::next_pulled
+//! [`admit_copies_in`]: LinkSession::admit_copies_in
 //!
 //! The types the shell attaches to the records (a lease's guard, a mapping's cache key,
 //! a call's waiter) are the session's parameters ([`Attach`]), so a test attaches plain
@@ -43,7 +51,8 @@ use baton_messages::protocol::{
     StatusScope, Unmap, Unmapped,
 };
 use baton_messages::{
-    AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire, ProcessId, RawHandle,
+    AllocationId, FenceHandle, HandleMsg, InboxGrant, LeaseId, Message as Wire, ProcessId,
+    RawHandle,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
@@ -51,10 +60,13 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
+mod copies;
 mod held;
 #[cfg(test)]
 mod tests;
 
+use copies::CopiesOut;
+pub(crate) use copies::CopyReleased;
 use held::HeldBack;
 pub(crate) use held::Turn;
 
@@ -76,6 +88,13 @@ pub(crate) trait Attach {
     /// A host link's message read and ready to hand on, waiting for those read before it
     /// ([`LinkSession::hold`]).
     type Handed;
+    /// A device copy this host link offered and has not started sending: its bytes
+    /// (pinned) and the work its send must follow.
+    type Copy;
+    /// A copy's send under way.
+    type Sending;
+    /// Who waits for a forward's copy to land.
+    type Forward;
 }
 
 /// Whether a lease's guard still holds it (its last handle may drop before the shell
@@ -100,6 +119,9 @@ pub(crate) trait Checks {
     /// Whether our call `id` was handed out already (a reply to it that is not pending
     /// answers a call its caller gave up on).
     fn call_issued(&self, id: u64) -> bool;
+    /// Whether a copy offered over a host link is sealed with the deployment's handle key
+    /// (its digest). An error is the peer's fault.
+    fn check_sealed(&self, handle: &HandleMsg) -> Result<(), ActorError>;
 }
 
 /// The limits of a session that the peer controls: past them is a protocol fault.
@@ -114,13 +136,15 @@ pub(crate) struct SessionLimits {
     pub(crate) held_messages: usize,
     /// Their payload bytes, at most.
     pub(crate) held_bytes: usize,
+    /// Bytes of the peer's copies being received at once over a host link, at most: an
+    /// offer past it is refused (the link kept), not a fault.
+    pub(crate) copy_bytes: usize,
 }
 
 /// How a lease the peer releases was lent over this link — the one place a `Release` is
 /// routed from, so that the shell does not probe its copy, forward and relay tables for
 /// every release.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ReleaseRoute {
+pub(crate) enum ReleaseRoute<A: Attach> {
     /// Granted by this node over this same-host link: the ledger's alone.
     Local,
     /// An offer of a third process we passed on over this link ([`passed_on`]): the
@@ -128,8 +152,20 @@ pub(crate) enum ReleaseRoute {
     ///
     /// [`passed_on`]: LinkSession::passed_on
     Passed,
-    /// Lent over a host link: a copy, or a forward's copy (the shell's copy tables).
-    Copy,
+    /// Lent over a host link: a copy, or a forward's copy, with what of it still runs.
+    Copy(CopyReleased<A>),
+}
+
+impl<A: Attach> ReleaseRoute<A> {
+    /// The route's name, for traces.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Self::Local => "local",
+            Self::Passed => "passed",
+            Self::Copy(CopyReleased::Copy { .. }) => "copy",
+            Self::Copy(CopyReleased::Forward { .. }) => "forward copy",
+        }
+    }
 }
 
 /// What one frame asks of the shell, in order: most frames ask one thing, held without
@@ -199,7 +235,7 @@ pub(crate) enum Action<A: Attach> {
         /// Its release fences.
         fences: Vec<FenceHandle>,
         /// How it was lent.
-        route: ReleaseRoute,
+        route: ReleaseRoute<A>,
     },
     /// The exporter asks for a lease back by `deadline_ms`: one we hold (`held`), else one
     /// we forwarded (its holder is asked), else one whose `Release` crossed the revoke
@@ -229,8 +265,9 @@ pub(crate) enum Action<A: Attach> {
     AnswerStatus(StatusRequest),
     /// The peer lends us a lane of its fence inbox.
     AcceptInbox(InboxGrant),
-    /// Across hosts: the peer posted its receive of the NCCL copy of our lease; send it.
-    Pull(LeaseId),
+    /// Across hosts: the peer posted its receive of an NCCL copy of ours: start the pulled
+    /// copies' sends, in order ([`next_pulled`](LinkSession::next_pulled)).
+    SendPulled,
     /// Across hosts: the peer's transfer engine's rendezvous message, for ours.
     Rendezvous(Vec<u8>),
     /// The peer asks us to lease a buffer to a third process (forwarding).
@@ -293,6 +330,8 @@ pub(crate) struct Ended<A: Attach> {
     pub(crate) callers: Vec<A::Caller>,
     /// The leases still held, with their bytes: orphaned.
     pub(crate) orphans: Vec<(A::Held, u64)>,
+    /// Who waits for a forward's copy over this host link: it fails.
+    pub(crate) forwards: Vec<A::Forward>,
 }
 
 /// The link's protocol state (see the [module docs](self)).
@@ -337,6 +376,8 @@ pub(crate) struct LinkSession<A: Attach> {
     /// The peer runs on another host: buffers cross as copies, engines exchange
     /// rendezvous messages, and no fence crosses.
     across_hosts: bool,
+    /// Over a host link, the copies we lent and those coming in.
+    copies: CopiesOut<A>,
     /// The peer's memory pools whose descriptor came with an offer over this link (at most
     /// [`POOLS_REMEMBERED`]): a `PoolRetired` that names one drops our import of it, once;
     /// one that names another changes nothing (so a flood of them costs the driver
@@ -381,6 +422,7 @@ impl<A: Attach> LinkSession<A> {
             status_answers: 0,
             inbox_received: false,
             across_hosts: false,
+            copies: CopiesOut::default(),
             pools: BTreeSet::new(),
         }
     }
@@ -436,7 +478,7 @@ impl<A: Attach> LinkSession<A> {
                     });
                 }
                 let route = if self.across_hosts {
-                    ReleaseRoute::Copy
+                    ReleaseRoute::Copy(self.copies.released(lease))
                 } else if self.passed.remove(&lease) {
                     ReleaseRoute::Passed
                 } else {
@@ -513,7 +555,14 @@ impl<A: Attach> LinkSession<A> {
                     got: "a message for transfer engines on a link within one host",
                 });
             }
-            Wire::Pull(Pull { lease }) => Action::Pull(lease),
+            Wire::Pull(Pull { lease }) => {
+                if !self.copies.pull(lease) {
+                    return Err(ActorError::Unexpected {
+                        got: "a Pull of a lease not offered as a device copy, or pulled twice",
+                    });
+                }
+                Action::SendPulled
+            }
             Wire::Rendezvous(Rendezvous { bytes }) => {
                 if bytes.len() > MAX_RENDEZVOUS_BYTES {
                     return Err(ActorError::Unexpected {
@@ -594,12 +643,27 @@ impl<A: Attach> LinkSession<A> {
                     claimed: offer.handle.exporter,
                 });
             }
-            if self.across_hosts && offer.handle.fence.is_some() {
-                // A copy waits on nothing of the sender's (it waits before it sends); a
-                // fence's exporter over a host link is a claim, never checked or opened.
-                return Err(ActorError::Unexpected {
-                    got: "an offer with a fence over a host link",
-                });
+            if self.across_hosts {
+                if offer.handle.fence.is_some() {
+                    // A copy waits on nothing of the sender's (it waits before it sends); a
+                    // fence's exporter over a host link is a claim, never checked or opened.
+                    return Err(ActorError::Unexpected {
+                        got: "an offer with a fence over a host link",
+                    });
+                }
+                // Only copies cross hosts: any other handle names memory of *this* host (a
+                // segment name, a CUDA handle) that a process elsewhere has no business
+                // naming.
+                if !matches!(offer.handle.raw, RawHandle::Copy { .. }) {
+                    return Err(
+                        baton_ipc::Error::from(baton_messages::Error::BackendMismatch {
+                            backend: offer.handle.backend,
+                            raw: offer.handle.raw.kind_name(),
+                        })
+                        .into(),
+                    );
+                }
+                checks.check_sealed(&offer.handle)?;
             }
             if let Some(fence) = &offer.handle.fence {
                 // Before anything waits on it (forged fences are the peer's fault).
@@ -762,6 +826,18 @@ impl<A: Attach> LinkSession<A> {
         self.held_back.waiting()
     }
 
+    /// Copies of ours over a host link that are offered, pulled or sending now.
+    #[cfg(test)]
+    pub(crate) fn copies_out(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// Bytes of the peer's copies being received now.
+    #[cfg(test)]
+    pub(crate) fn copies_in(&self) -> usize {
+        self.copies.bytes_in()
+    }
+
     /// Our calls awaiting a reply now.
     #[cfg(test)]
     pub(crate) fn calls_pending(&self) -> usize {
@@ -849,9 +925,59 @@ impl<A: Attach> LinkSession<A> {
         self.status_answers = self.status_answers.saturating_sub(1);
     }
 
+    /// Over a host link, we offered a device copy of `lease`: its send starts once the
+    /// peer pulls it, in the order of the pulls.
+    pub(crate) fn copy_offered(&mut self, lease: LeaseId, copy: A::Copy) {
+        self.copies.offered(lease, copy);
+    }
+
+    /// The send of our copy of `lease` started (a host copy's at its offer, a device
+    /// copy's once pulled and taken by [`take_pulled`](Self::take_pulled)).
+    pub(crate) fn copy_sending(&mut self, lease: LeaseId, sending: A::Sending) {
+        self.copies.sending(lease, sending);
+    }
+
+    /// The copy of `lease` is a forward's: `waiter` hears how it ends, when the peer
+    /// releases it ([`CopyReleased::Forward`]) or the link ends ([`Ended::forwards`]).
+    pub(crate) fn forward_offered(&mut self, lease: LeaseId, waiter: A::Forward) {
+        self.copies.forwarded(lease, waiter);
+    }
+
+    /// The pulled device copy whose send must start next, if any.
+    pub(crate) fn next_pulled(&mut self) -> Option<&A::Copy> {
+        self.copies.next_pulled()
+    }
+
+    /// Takes the [`next_pulled`](Self::next_pulled) copy, to start its send (then
+    /// reported by [`copy_sending`](Self::copy_sending)).
+    pub(crate) fn take_pulled(&mut self) -> Option<(LeaseId, A::Copy)> {
+        self.copies.take_pulled()
+    }
+
+    /// The frame that offered our copy of `lease` was never sent: it is forgotten, and its
+    /// send, if one started, is handed back to be stopped.
+    pub(crate) fn copy_unsent(&mut self, lease: LeaseId) -> Option<A::Sending> {
+        self.copies.forget(lease)
+    }
+
+    /// Copies of `bytes` in all are to be received: whether they fit the link's bound
+    /// ([`SessionLimits::copy_bytes`]; then they count until [`copies_in_done`]).
+    ///
+    /// [`copies_in_done`]: Self::copies_in_done
+    pub(crate) fn admit_copies_in(&mut self, bytes: usize) -> bool {
+        self.copies.admit_in(bytes, self.limits.copy_bytes)
+    }
+
+    /// Copies of `bytes` admitted by [`admit_copies_in`](Self::admit_copies_in) landed or
+    /// failed.
+    pub(crate) fn copies_in_done(&mut self, bytes: usize) {
+        self.copies.landed_in(bytes);
+    }
+
     /// The link ended: what the session held that others wait on.
     pub(crate) fn end(&mut self) -> Ended<A> {
         Ended {
+            forwards: self.copies.end(),
             callers: self.pending.drain().map(|(_, caller)| caller).collect(),
             orphans: self
                 .held

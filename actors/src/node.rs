@@ -194,7 +194,7 @@ impl Peer {
     ///
     /// What this side owes the peer goes first: answers to the peer's calls that are under
     /// way (a handler that replied just before the close) and frames already queued are
-    /// written before the end of the link, for at most [`CLOSE_FLUSH`](crate::CLOSE_FLUSH)
+    /// written before the end of the link, for at most [`CLOSE_FLUSH`]
     /// (a peer that does not read, or a handler that never answers, does not hold the
     /// close up longer). Our own calls still waiting for the peer's answers end with
     /// [`ActorError::LinkClosed`].
@@ -934,10 +934,10 @@ impl Node {
     ///
     /// One name serves every message type registered under it: an actor that handles
     /// several types is registered once per type, under the same name, and each call goes
-    /// to the registration of its type ([`RemoteMessage::NAME`](crate::RemoteMessage::NAME)).
+    /// to the registration of its type ([`RemoteMessage::NAME`]).
     /// Registering a type again under the same name replaces that type's registration
     /// only. A call of a type the name does not serve is refused with
-    /// [`CallFault::WrongType`](baton_messages::protocol::CallFault::WrongType), which
+    /// [`CallFault::WrongType`], which
     /// lists the types it does.
     ///
     /// ```no_run

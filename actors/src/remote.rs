@@ -467,7 +467,7 @@ where
     ///
     /// The reply also tells you where the leases stand: the receiving process maps a
     /// call's buffers before its handler runs (a buffer it cannot open fails the call with
-    /// [`CallFault::OfferRefused`](baton_messages::protocol::CallFault::OfferRefused)), so
+    /// [`CallFault::OfferRefused`]), so
     /// once `send` resolves `Ok`, each lease of `msg` is either held by the receiver —
     /// mapped, in its handler's hands — or already given back ([`Buffer::leases_out`]
     /// says which; [`Buffer::returned`] waits for the rest). No protocol message is needed

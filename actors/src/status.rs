@@ -1,5 +1,5 @@
 //! Introspection: what a node holds and who holds what of it, as a
-//! [`NodeStatus`](baton_messages::status::NodeStatus).
+//! [`NodeStatus`].
 //!
 //! [`Node::status`] takes a snapshot in process; any authenticated peer may ask for one
 //! over its link ([`Peer::status`](crate::Peer::status), or the `baton` command through a
@@ -8,7 +8,7 @@
 //! a supervision root answers for its whole tree — each within [`TREE_DEADLINE`].
 //!
 //! Every list is capped (the request's limit, at most
-//! [`MAX_STATUS_ENTRIES`](baton_messages::status::MAX_STATUS_ENTRIES)) and says how many
+//! [`MAX_STATUS_ENTRIES`]) and says how many
 //! entries it left out; the whole answer stays under
 //! [`MAX_STATUS_BYTES`](baton_messages::status::MAX_STATUS_BYTES) (peers' statuses are
 //! left out, last first, until it does).

@@ -7,9 +7,10 @@
 //!   writes meanwhile) and offers a [`RawHandle::Copy`] in place of a handle to map. Host
 //!   memory: the TCP engine starts sending the buffer's bytes at once, as the transfer
 //!   named by the lease. Device memory: the send starts when the receiver's
-//!   [`Pull`](baton_messages::protocol::Pull) says its receive is posted
-//!   ([`on_pull`](PeerLink::on_pull)) — NCCL pairs a communicator's sends and receives
-//!   in the order they start, so the sends start in the order of the pulls, each once the
+//!   [`Pull`] says its receive is posted. NCCL pairs a
+//!   communicator's sends and receives in the order they start, so the sends start in the
+//!   order of the pulls, which the session keeps with each copy's state (offered, pulled,
+//!   sending: `link_session/copies.rs`, [`LinkSession::next_pulled`]), each once the
 //!   work queued on the buffer before the offer (its acquire fence, kept here: no fence
 //!   crosses hosts) has completed. A refused device copy is simply never pulled.
 //!   The receiver's `Release` says the bytes landed; the lease then ends as any other.
@@ -23,7 +24,7 @@
 //!   (nothing of the sender's is in it).
 //!
 //! Failures: a transfer that fails or does not land by its deadline (the heartbeat's,
-//! plus a second per [`FLOOR_BYTES_PER_SEC`] of its size) frees the partial copy and the
+//! plus a second per [`FLOOR_BYTES_PER_SEC`](crate::forwarding::FLOOR_BYTES_PER_SEC) of its size) frees the partial copy and the
 //! message fails with the engine's typed error (a call's caller hears
 //! [`CallFault::OfferRefused`](baton_messages::protocol::CallFault)); the lease is given
 //! back all the same. A *device* copy that fails also ends the link, on either side
@@ -36,8 +37,9 @@
 //!
 //! Over a host link the peer may offer nothing but copies: any other handle names memory
 //! of *this* host (a segment name, a CUDA handle) that a process elsewhere has no business
-//! naming, and is the peer's fault (the link is cut), as is a pull of a lease not offered
-//! as a device copy. Writable leases and relayed offers do not cross hosts, nor does a
+//! naming, and is the peer's fault (the link is cut), as is a copy not sealed with the
+//! deployment's key or a pull of a lease not offered as a device copy (the session checks
+//! all three, and its model test drives them). Writable leases and relayed offers do not cross hosts, nor does a
 //! copy into a node of the other kind of memory (a host-memory node cannot receive
 //! device memory, nor a CUDA node host memory): refused with typed errors, the link
 //! unharmed.
@@ -45,20 +47,25 @@
 //! Forwards ([`Peer::forward`](crate::Peer::forward) to a peer on a host link): a lease we
 //! hold on another process's buffer is offered as a copy of ours
 //! ([`offer_forwarded`](PeerLink::offer_forwarded)), read from our mapping of it through the
-//! same engines and the same [`CopyOut`] states; what pins it is our lease on the original
-//! ([`LeasePin`]), which the send keeps until its engine lets go. The forward's caller hears
-//! when the peer gives the copy's lease back ([`forward_released`](PeerLink::forward_released)).
+//! same engines, its state kept by the session as a copy's is; what pins it is our lease on the original
+//! ([`LeasePin`](crate::forwarding::LeasePin)), which the send keeps until its engine lets
+//! go. The forward's caller hears when the peer gives the copy's lease back
+//! ([`forward_released`](PeerLink::forward_released)).
 //!
 //! Order: a message whose buffers are copies is handed on once they have landed, on the
 //! link's arbiter, while the link goes on handling later frames (pings keep it alive during
-//! a long copy); the messages read after it wait for their turn ([`LinkSession::hold`](crate::link_session::LinkSession::hold)), so
+//! a long copy); the messages read after it wait for their turn ([`LinkSession::hold`]), so
 //! the handlers see the order the peer sent, as over a Unix link.
+//!
+//! [`LinkSession::hold`]: crate::link_session::LinkSession::hold
+//! [`LinkSession::next_pulled`]: crate::link_session::LinkSession::next_pulled
 
 use super::{Attached, PeerLink};
 use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, OfferGrant};
-use crate::link_ref::{CutOff, ForwardCopy, LinkRef, SendRendezvous};
+use crate::forwarding::copy_deadline;
+use crate::link_ref::{CutOff, ForwardCopy, SendRendezvous};
 use crate::link_session::Turn;
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
@@ -72,28 +79,9 @@ use baton_messages::{
     ActorId, CopyEngine, DType, ExporterId, Generation, HandleDigest, HandleMsg, Layout, LeaseId,
     Message as Wire, PROTOCOL_VERSION, RawHandle, Shape,
 };
-use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
-
-/// The slowest a copy may move and still land by its deadline: a copy of `n` bytes has
-/// the heartbeat deadline plus `n / FLOOR_BYTES_PER_SEC` seconds.
-pub(crate) const FLOOR_BYTES_PER_SEC: u64 = 16 << 20;
-
-/// The copies a link offered, by lease: forgotten (a send aborted) if their frame is
-/// never sent, when their lease comes back, and when the link ends.
-pub(super) type CopiesOut = HashMap<LeaseId, CopyOut>;
-
-/// A copy the link offered.
-pub(super) enum CopyOut {
-    /// A device copy, until the receiver pulls it.
-    Offered(DeviceCopy),
-    /// A device copy pulled, waiting in [`Pulls`] for its turn.
-    Pulled(DeviceCopy),
-    /// Its send, under way.
-    Sending(Arc<HeldTransfer>),
-}
 
 /// A device copy not sent yet: its bytes (pinned by their lease) and the work before the
 /// offer that its send must follow.
@@ -111,7 +99,7 @@ enum CopySource {
     /// A buffer of ours, pinned by the lease offered on it.
     Own(Arc<BufferCell>),
     /// A lease of ours on another process's buffer (a forward): our view of its mapping,
-    /// and what pins the lease ([`LeasePin`]).
+    /// and what pins the lease ([`LeasePin`](crate::forwarding::LeasePin)).
     Forwarded(Box<Imported>, Box<dyn std::any::Any + Send + Sync>),
 }
 
@@ -130,58 +118,8 @@ impl std::fmt::Debug for Handed {
     }
 }
 
-/// The forwards sent over this link as copies, by the lease the peer sees: who waits for
-/// their bytes to land.
-pub(super) type ForwardsOut = HashMap<LeaseId, oneshot::Sender<Result<LeaseId, ActorError>>>;
-
-/// Keeps one of our leases on another process's buffer from going back to its exporter
-/// while a copy to another host reads from our mapping of it: if the lease's guard drops
-/// meanwhile, its `Release` waits (`LinkState::defer_release`) until the last pin drops —
-/// which a send does only once its engine no longer touches the memory. So the exporter
-/// counts the lease, and neither writes nor frees the buffer, while the bytes are read.
-pub(crate) struct LeasePin {
-    link: LinkRef,
-    lease: LeaseId,
-}
-
-impl LeasePin {
-    /// Pins `lease`, held over `link` (the exporter's); its guard must be alive.
-    pub(crate) fn new(link: LinkRef, lease: LeaseId) -> Self {
-        link.state.pin(lease);
-        Self { link, lease }
-    }
-}
-
-impl Drop for LeasePin {
-    fn drop(&mut self) {
-        let Some(release) = self.link.state.unpin(self.lease) else {
-            return;
-        };
-        tracing::debug!(lease = %self.lease, "the copies of a dropped lease are done: its release goes");
-        if self.link.is_alive() {
-            self.link.do_send(release);
-        } else if let Some(pending) = release.pending {
-            // The exporter is gone; the mapping still must outlive our work on it.
-            pending.wait();
-        }
-    }
-}
-
-/// How long a forward to another host may wait for its copy to land: the receiver's own
-/// deadline for it ([`deadline_for`], with the rendezvous of a first device copy), and a
-/// heartbeat deadline more for its answer.
-pub(crate) fn forward_deadline(heartbeat: Duration, rendezvous: Duration, len: usize) -> Duration {
-    deadline_for(heartbeat * 2 + rendezvous, len)
-}
-
-/// The device copies pulled and not sent yet, in the order of their pulls (the order
-/// their sends must start in).
-#[derive(Default)]
-pub(super) struct Pulls {
-    queue: VecDeque<LeaseId>,
-    /// The first one's fence is being waited for (on a blocking thread).
-    waiting: bool,
-}
+/// Who waits for a forward sent over this link as a copy to land.
+pub(super) type ForwardWaiter = oneshot::Sender<Result<LeaseId, ActorError>>;
 
 fn unsupported(engine: &'static str, reason: &'static str) -> IpcError {
     IpcError::RegionUnsupported { engine, reason }
@@ -209,11 +147,6 @@ fn engine_for(ptr: MemPtr) -> CopyEngine {
         MemPtr::Host(_) => CopyEngine::Tcp,
         MemPtr::Device(_) => CopyEngine::Nccl,
     }
-}
-
-/// How long a copy of `len` bytes may take (see [`FLOOR_BYTES_PER_SEC`]).
-fn deadline_for(heartbeat: Duration, len: usize) -> Duration {
-    heartbeat + Duration::from_secs(len as u64 / FLOOR_BYTES_PER_SEC)
 }
 
 /// Waits for each transfer for at most `allowed` from now: the first failure, or a
@@ -355,7 +288,7 @@ impl PeerLink {
                 len,
                 fence,
             };
-            self.copies_out.insert(offer.lease, CopyOut::Offered(copy));
+            self.session.copy_offered(offer.lease, copy);
             return Ok((offer, grant));
         }
         let sent = HeldTransfer::send(
@@ -369,8 +302,7 @@ impl PeerLink {
         match sent {
             Ok(transfer) => {
                 let transfer = Arc::new(transfer);
-                self.copies_out
-                    .insert(offer.lease, CopyOut::Sending(Arc::clone(&transfer)));
+                (self.session).copy_sending(offer.lease, Arc::clone(&transfer));
                 reap(transfer, None);
                 Ok((offer, grant))
             }
@@ -385,7 +317,7 @@ impl PeerLink {
     /// to another host), read from our own mapping of it: as a copy of a buffer of ours
     /// (`grant_copy`), except that no ledger of ours counts the lease — the table of
     /// forwards does, until the peer gives it back — and that what pins the bytes is our
-    /// lease on the original ([`LeasePin`]), kept by the send until its engine lets go.
+    /// lease on the original ([`LeasePin`](crate::forwarding::LeasePin)), kept by the send until its engine lets go.
     fn offer_forwarded(
         &mut self,
         msg: ForwardCopy,
@@ -429,20 +361,19 @@ impl PeerLink {
                 len,
                 fence,
             };
-            self.copies_out.insert(lease, CopyOut::Offered(copy));
+            self.session.copy_offered(lease, copy);
         } else {
             let id = TransferId(lease.get());
             let transfer = HeldTransfer::send_view(&plane.engine, &peer, id, view, keep)?;
             let transfer = Arc::new(transfer);
-            self.copies_out
-                .insert(lease, CopyOut::Sending(Arc::clone(&transfer)));
+            self.session.copy_sending(lease, Arc::clone(&transfer));
             reap(transfer, None);
         }
         let path = LeasePath::offered(&handle.raw);
         let bytes = handle.len;
         if let Err(e) = self.send(&Wire::Offer(Offer { lease, handle }), Vec::new()) {
             // Never offered: its send stops (and lets go of the pin) at once.
-            self.copy_done(lease, true);
+            self.copy_unsent(lease);
             self.cut(ctx, e);
             return Err(ActorError::link_closed(self.peer.process));
         }
@@ -453,17 +384,14 @@ impl PeerLink {
 
     /// The peer gave back the lease of a forward's copy: its bytes landed if its send
     /// finished without error (told on a blocking thread: the engine reports a send's end
-    /// a moment after the receiver's), else the receiver refused it. Returns whether
-    /// `lease` was a forward's.
-    pub(super) fn forward_released(&mut self, lease: LeaseId) -> bool {
-        let Some(reply) = self.forwards_out.remove(&lease) else {
-            return false;
-        };
-        let sending = match self.copies_out.remove(&lease) {
-            Some(CopyOut::Sending(transfer)) => Some(transfer),
-            // Never pulled, or pulled and not started: the receiver refused it.
-            _ => None,
-        };
+    /// a moment after the receiver's), else the receiver refused it (`sending` is `None`:
+    /// never pulled, or pulled and not started).
+    pub(super) fn forward_released(
+        &self,
+        lease: LeaseId,
+        reply: ForwardWaiter,
+        sending: Option<Arc<HeldTransfer>>,
+    ) {
         let within = self.node.heartbeat().deadline;
         match sending {
             None => {
@@ -486,7 +414,6 @@ impl PeerLink {
                 });
             }
         }
-        true
     }
 
     /// The peer gave a copy's lease back: its send if the engine may still read the
@@ -494,22 +421,16 @@ impl PeerLink {
     /// (it releases once they landed, or declines them) — else `None`. The caller ends
     /// the lease only once that send has let go (see `on_release`): until then the owner
     /// may not write the buffer the engine reads.
-    pub(super) fn copy_released(&mut self, lease: LeaseId) -> Option<Arc<HeldTransfer>> {
-        match self.copies_out.remove(&lease) {
-            // Finished: its abort returns at once, and says whether the engine let go.
-            Some(CopyOut::Sending(transfer)) if transfer.is_finished() && transfer.abort() => None,
-            Some(CopyOut::Sending(transfer)) => Some(transfer),
-            _ => None,
-        }
+    pub(super) fn still_sending(sending: Option<Arc<HeldTransfer>>) -> Option<Arc<HeldTransfer>> {
+        // Finished: its abort returns at once, and says whether the engine let go.
+        sending.filter(|transfer| !(transfer.is_finished() && transfer.abort()))
     }
 
-    /// A copy's lease came back (landed, or refused unpulled), or its frame was never
-    /// sent (`abort`). A pulled copy not sent yet is dropped from its turn.
-    pub(super) fn copy_done(&mut self, lease: LeaseId, abort: bool) {
-        if let Some(CopyOut::Sending(transfer)) = self.copies_out.remove(&lease) {
-            if abort {
-                transfer.abort();
-            }
+    /// The frame that offered the copy of `lease` was never sent: its send, if one
+    /// started, stops.
+    pub(super) fn copy_unsent(&mut self, lease: LeaseId) {
+        if let Some(transfer) = self.session.copy_unsent(lease) {
+            transfer.abort();
         }
     }
 
@@ -525,57 +446,22 @@ impl PeerLink {
             nccl_abort = plane.nccl().map(|nccl| (nccl, peer));
         }
         // `abort_peer` stops every send with the peer (within its bound): each ends in
-        // its reaper, which keeps its memory until the engine lets go of it.
-        self.pulls.queue.clear();
-        self.copies_out.clear();
-        let peer = self.peer.process;
-        for (_, reply) in self.forwards_out.drain() {
-            let _ = reply.send(Err(ActorError::link_closed(peer)));
-        }
+        // its reaper, which keeps its memory until the engine lets go of it. The session
+        // forgets them as it ends.
         nccl_abort
-    }
-
-    /// The peer posted its receive of the device copy of `lease`: its send takes its turn.
-    pub(super) fn on_pull(
-        &mut self,
-        lease: LeaseId,
-        ctx: &mut Context<Self>,
-    ) -> Result<(), ActorError> {
-        match self.copies_out.remove(&lease) {
-            Some(CopyOut::Offered(copy)) => {
-                self.copies_out.insert(lease, CopyOut::Pulled(copy));
-                self.pulls.queue.push_back(lease);
-                self.send_pulled(ctx)
-            }
-            other => {
-                if let Some(copy) = other {
-                    self.copies_out.insert(lease, copy);
-                }
-                Err(ActorError::Unexpected {
-                    got: "a Pull of a lease not offered as a device copy, or pulled twice",
-                })
-            }
-        }
     }
 
     /// Starts the pulled sends in their order, each once its fence has completed (waited
     /// for on a blocking thread: it is our own work on the buffer).
-    fn send_pulled(&mut self, ctx: &mut Context<Self>) -> Result<(), ActorError> {
-        while let Some(&lease) = self.pulls.queue.front() {
-            let ready = match self.copies_out.get(&lease) {
-                Some(CopyOut::Pulled(copy)) => copy.fence.as_ref().map(Arc::clone),
-                // Its lease came back meanwhile: the receiver gave up on it.
-                _ => {
-                    self.pulls.queue.pop_front();
-                    continue;
-                }
-            };
+    pub(super) fn send_pulled(&mut self, ctx: &mut Context<Self>) -> Result<(), ActorError> {
+        while let Some(copy) = self.session.next_pulled() {
+            let ready = copy.fence.as_ref().map(Arc::clone);
             if let Some(fence) = ready.filter(|f| !matches!(f.is_complete(), Ok(true))) {
-                if !self.pulls.waiting {
-                    self.pulls.waiting = true;
+                if !self.pull_waiting {
+                    self.pull_waiting = true;
                     let waited = tokio::task::spawn_blocking(move || fence.synchronize());
                     ctx.spawn(waited.into_actor(self).map(|waited, act, ctx| {
-                        act.pulls.waiting = false;
+                        act.pull_waiting = false;
                         let sent = match waited {
                             Ok(Ok(())) => act.send_pulled(ctx),
                             Ok(Err(e)) => Err(e.into()),
@@ -588,15 +474,11 @@ impl PeerLink {
                 }
                 return Ok(());
             }
-            self.pulls.queue.pop_front();
-            let Some(CopyOut::Pulled(copy)) = self.copies_out.remove(&lease) else {
-                unreachable!("checked above");
-            };
+            let (lease, copy) = self.session.take_pulled().expect("one is next");
             // A send that cannot start would leave the peer's receive unmatched, and the
             // next send matched to it: the link ends (and with it the communicators).
             let transfer = Arc::new(self.start_device_send(lease, copy)?);
-            self.copies_out
-                .insert(lease, CopyOut::Sending(Arc::clone(&transfer)));
+            self.session.copy_sending(lease, Arc::clone(&transfer));
             reap(transfer, Some(ctx.address()));
         }
         Ok(())
@@ -657,17 +539,6 @@ impl PeerLink {
         if offers.is_empty() {
             return self.hand_on(turn, then, Ok(Vec::new()), slot, ctx);
         }
-        let key = self.node.session().handle_key();
-        for offer in &offers {
-            if !matches!(offer.handle.raw, RawHandle::Copy { .. }) {
-                return Err(IpcError::from(baton_messages::Error::BackendMismatch {
-                    backend: offer.handle.backend,
-                    raw: offer.handle.raw.kind_name(),
-                })
-                .into());
-            }
-            offer.handle.check(key).map_err(IpcError::from)?;
-        }
         let len = offers
             .iter()
             .fold(0usize, |n, o| n.saturating_add(o.handle.len as usize));
@@ -686,7 +557,7 @@ impl PeerLink {
             // A relay forwards to another host as a copy of its own (`Peer::forward`),
             // never a handle of a third process's memory.
             Err(unsupported(name, "a relayed offer does not cross hosts"))
-        } else if self.copies_in.saturating_add(len) > self.limits.copy_bytes {
+        } else if !self.session.admit_copies_in(len) {
             // Each copy is memory of ours: a peer cannot make us allocate without bound.
             Err(unsupported(
                 name,
@@ -700,7 +571,7 @@ impl PeerLink {
                     .copy_budget()
                     .try_take(len, self.limits.node_copy_bytes)
             });
-            match taken {
+            let taken_or_posted = match taken {
                 None => Err(unsupported(
                     name,
                     "the node's copies in flight, over all its links, would pass LinkLimits::node_copy_bytes",
@@ -709,7 +580,11 @@ impl PeerLink {
                     budget = Some(taken);
                     self.post_receives(&offers)
                 }
+            };
+            if taken_or_posted.is_err() {
+                self.session.copies_in_done(len);
             }
+            taken_or_posted
         };
         let receiving = match received {
             Ok(receiving) => receiving,
@@ -728,13 +603,12 @@ impl PeerLink {
                 self.send(&Wire::Pull(Pull { lease: offer.lease }), Vec::new())?;
             }
         }
-        self.copies_in += len;
         let mut allowance = self.node.heartbeat().deadline;
         if offers.iter().any(|o| copy_engine(o) == CopyEngine::Nccl) {
             // The first device copy with a peer makes its communicator.
             allowance += self.node.hosts().nccl.rendezvous_timeout;
         }
-        let allowed = deadline_for(allowance, len);
+        let allowed = copy_deadline(allowance, len);
         let waiting = tokio::task::spawn_blocking(move || {
             let waited = match wait_all(&receiving, allowed) {
                 Ok(()) => Ok(receiving),
@@ -752,7 +626,7 @@ impl PeerLink {
         ctx.spawn(waiting.into_actor(self).map(move |joined, act, ctx| {
             let span = act.span.clone();
             let _g = span.enter();
-            act.copies_in -= len;
+            act.session.copies_in_done(len);
             let done = match joined {
                 Ok(Ok(receiving)) => act.copies_landed(offers, receiving, turn, then, slot, ctx),
                 Ok(Err(e)) if offers.iter().any(|o| copy_engine(o) == CopyEngine::Nccl) => {
@@ -933,7 +807,7 @@ impl Handler<ForwardCopy> for PeerLink {
         }
         match self.offer_forwarded(msg, ctx) {
             Ok(lease) => {
-                self.forwards_out.insert(lease, reply);
+                self.session.forward_offered(lease, reply);
             }
             Err(e) => {
                 let _ = reply.send(Err(e));

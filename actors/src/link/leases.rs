@@ -7,7 +7,7 @@ use super::PeerLink;
 use crate::buffer::HeldLease;
 use crate::error::ActorError;
 use crate::link_ref::{ReleaseLease, RequestEvict, SendPoolRetired, SendRevoke, SendUnmap};
-use crate::link_session::ReleaseRoute;
+use crate::link_session::{CopyReleased, ReleaseRoute};
 use actix::prelude::*;
 use baton_ipc::CacheKey;
 use baton_messages::protocol::{Evict, PoolRetired, Release, Revoke, Unmap, Unmapped};
@@ -23,10 +23,10 @@ impl PeerLink {
         &mut self,
         lease: LeaseId,
         fences: Vec<FenceHandle>,
-        route: ReleaseRoute,
+        route: ReleaseRoute<super::Attached>,
     ) -> Result<(), ActorError> {
         probe!("link.release.in");
-        tracing::trace!(%lease, fences = fences.len(), ?route, "released");
+        tracing::trace!(%lease, fences = fences.len(), route = route.name(), "released");
         let sending = match route {
             ReleaseRoute::Local => None,
             // A lease we forwarded: handed on to its exporter (see `relay`).
@@ -34,11 +34,14 @@ impl PeerLink {
             ReleaseRoute::Passed => None,
             // A forward's copy: its caller hears whether it landed (no ledger of ours
             // counts it).
-            ReleaseRoute::Copy if self.forward_released(lease) => return Ok(()),
+            ReleaseRoute::Copy(CopyReleased::Forward { waiter, sending }) => {
+                self.forward_released(lease, waiter, sending);
+                return Ok(());
+            }
             // A copy's lease comes back once its bytes landed — or early, from a faulty or
             // hostile receiver, while the engine still reads the buffer: then it ends only
             // once the send stopped and the engine let go (below).
-            ReleaseRoute::Copy => self.copy_released(lease),
+            ReleaseRoute::Copy(CopyReleased::Copy { sending }) => Self::still_sending(sending),
         };
         for fence in &fences {
             self.node

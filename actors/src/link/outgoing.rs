@@ -248,7 +248,7 @@ impl PeerLink {
     fn ungrant(&mut self, offers: &[Offer], grants: &[OfferGrant]) {
         // Newest first, so that the grant that started a hold is undone last.
         for (offer, grant) in offers.iter().zip(grants).rev() {
-            self.copy_done(offer.lease, true);
+            self.copy_unsent(offer.lease);
             self.node.exports().ungrant(offer.lease, *grant, self.me.id);
         }
     }

@@ -5,17 +5,18 @@
 
 use super::*;
 use baton_ipc::inbox::FenceRefusal;
-use baton_messages::protocol::{RefuseReason, Refused, Relayed};
+use baton_messages::protocol::{Pull, RefuseReason, Refused, Relayed};
 use baton_messages::{
     ActorId, BootId, CounterFence, CudaIpcMemHandle, DeviceUuid, ExporterId, Generation,
-    HandleDigest, HandleMsg, RawHandle, SegmentName,
+    HandleDigest, HandleKey, HandleMsg, RawHandle, SegmentName, SessionToken,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// Plain values for what the shell attaches: a guard is an `Arc<()>` the test keeps, a
-/// mapping is its allocation's number, a caller is its call id.
+/// mapping is its allocation's number, a caller is its call id; a copy, its send and a
+/// forward's waiter are their lease's number.
 enum Plain {}
 
 impl Attach for Plain {
@@ -23,6 +24,9 @@ impl Attach for Plain {
     type Mapping = u64;
     type Caller = u64;
     type Handed = u32;
+    type Copy = u64;
+    type Sending = u64;
+    type Forward = u64;
 }
 
 fn process(n: u32) -> ProcessId {
@@ -44,7 +48,8 @@ fn third() -> ProcessId {
     process(2)
 }
 
-/// What the node answers: calls issued below `issued`; fences refused if `refuse_fences`.
+/// What the node answers: calls issued below `issued`; fences refused if `refuse_fences`;
+/// a copy's seal checked with [`key`].
 #[derive(Default)]
 struct Node {
     issued: u64,
@@ -66,6 +71,10 @@ impl Checks for Node {
     fn call_issued(&self, id: u64) -> bool {
         id < self.issued
     }
+
+    fn check_sealed(&self, handle: &HandleMsg) -> Result<(), ActorError> {
+        Ok(handle.check(&key()).map_err(baton_ipc::Error::from)?)
+    }
 }
 
 const LIMITS: SessionLimits = SessionLimits {
@@ -73,6 +82,7 @@ const LIMITS: SessionLimits = SessionLimits {
     leases_held: 6,
     held_messages: 3,
     held_bytes: 100,
+    copy_bytes: 1000,
 };
 
 fn session() -> LinkSession<Plain> {
@@ -106,6 +116,21 @@ fn offer_of(exporter: ProcessId, lease: u64, alloc: u64) -> Offer {
 /// An offer of the peer's own buffer.
 fn offer(lease: u64, alloc: u64) -> Offer {
     offer_of(peer(), lease, alloc)
+}
+
+/// The deployment's handle key, which seals copies.
+fn key() -> HandleKey {
+    HandleKey::derive(&SessionToken::from_bytes([3; 32]))
+}
+
+/// An offer of a copy of `exporter`'s buffer, sealed, as a host link carries them.
+fn copy_of(exporter: ProcessId, lease: u64, alloc: u64) -> Offer {
+    let mut offer = offer_of(exporter, lease, alloc);
+    offer.handle.raw = RawHandle::Copy {
+        engine: baton_messages::CopyEngine::Tcp,
+    };
+    offer.handle = offer.handle.sealed(&key());
+    offer
 }
 
 fn call(id: u64, offers: Vec<Offer>) -> Wire {
@@ -239,36 +264,62 @@ fn an_offer_of_someone_elses_buffer_is_a_fault() {
 }
 
 #[test]
-fn over_a_host_link_offers_name_the_peers_claim_and_carry_no_fence() {
+fn over_a_host_link_offers_are_sealed_copies_that_name_the_peers_claim_and_carry_no_fence() {
     // This node knows the remote peer by its claim in its key's namespace (`peer()` here);
     // its handles name it by its claim. Only the claim's offers are its own.
     let claimed = third();
     let mut s = session().across_hosts(claimed);
     assert!(matches!(
-        &handle(&mut s, Wire::Offer(offer_of(claimed, 1, 1)))[..],
+        &handle(&mut s, Wire::Offer(copy_of(claimed, 1, 1)))[..],
         [Action::Open(_)]
     ));
-    for frame in [
-        Wire::Offer(offer_of(peer(), 2, 1)),
-        Wire::Offer(offer_of(me(), 3, 1)),
-    ] {
-        let e = fault(
+    let across = |frame| {
+        fault(
             &mut session().across_hosts(claimed),
             frame,
             &Node::default(),
-        );
+        )
+    };
+    for frame in [
+        Wire::Offer(copy_of(peer(), 2, 1)),
+        Wire::Offer(copy_of(me(), 3, 1)),
+    ] {
+        let e = across(frame);
         assert!(matches!(e, ActorError::ForeignOffer { .. }), "{e}");
     }
     // No fence crosses hosts: its exporter there is a claim, never checked or opened.
-    let mut fenced = offer_of(claimed, 4, 1);
+    let mut fenced = copy_of(claimed, 4, 1);
     fenced.handle.fence = Some(fence());
-    let e = fault(
-        &mut session().across_hosts(claimed),
-        Wire::Offer(fenced),
-        &Node::default(),
-    );
+    let e = across(Wire::Offer(fenced));
     assert!(
         matches!(e, ActorError::Unexpected { got } if got.contains("fence over a host link")),
+        "{e}"
+    );
+    // Only copies cross hosts: a handle to map names memory of the peer's host.
+    let e = across(call(
+        1,
+        vec![copy_of(claimed, 5, 1), offer_of(claimed, 6, 1)],
+    ));
+    assert!(
+        matches!(
+            e,
+            ActorError::Ipc(baton_ipc::Error::Message(
+                baton_messages::Error::BackendMismatch { .. }
+            ))
+        ),
+        "{e}"
+    );
+    // A copy not sealed with the deployment's key is forged.
+    let mut forged = copy_of(claimed, 7, 1);
+    forged.handle.len -= 1;
+    let e = across(Wire::Offer(forged));
+    assert!(
+        matches!(
+            e,
+            ActorError::Ipc(baton_ipc::Error::Message(
+                baton_messages::Error::DigestMismatch
+            ))
+        ),
         "{e}"
     );
 }
@@ -298,39 +349,131 @@ fn a_relayed_offer_of_the_relays_or_our_own_buffer_is_a_fault() {
     assert!(!s.maps(AllocationId::new(1)));
 }
 
+/// How a `Release` was routed, plainly: the route's name, and the copy's send and the
+/// forward's waiter it hands back.
+fn route(s: &mut LinkSession<Plain>, lease: u64) -> (&'static str, Option<u64>, Option<u64>) {
+    let release = Wire::Release(Release::now(LeaseId::new(lease)));
+    match handle(s, release).pop() {
+        Some(Action::Released { route, .. }) => {
+            let name = route.name();
+            match route {
+                ReleaseRoute::Copy(CopyReleased::Copy { sending }) => (name, sending, None),
+                ReleaseRoute::Copy(CopyReleased::Forward { waiter, sending }) => {
+                    (name, sending, Some(waiter))
+                }
+                _ => (name, None, None),
+            }
+        }
+        _ => panic!("one release was expected"),
+    }
+}
+
 /// The route of a peer's `Release`: what the session knows of how the lease was lent, so
 /// that a same-host release touches neither the copy nor the relay tables.
 #[test]
 fn a_release_is_routed_by_how_its_lease_was_lent() {
-    let release = |lease: u64| Wire::Release(Release::now(LeaseId::new(lease)));
-    let route = |s: &mut LinkSession<Plain>, lease| match &handle(s, release(lease))[..] {
-        [Action::Released { route, .. }] => *route,
-        other => panic!("one release was expected, not {} actions", other.len()),
-    };
     let mut s = session();
-    assert_eq!(route(&mut s, 1), ReleaseRoute::Local, "granted by us");
+    assert_eq!(route(&mut s, 1), ("local", None, None), "granted by us");
     s.passed_on(LeaseId::new(2));
     s.passed_on(LeaseId::new(3));
-    assert_eq!(route(&mut s, 2), ReleaseRoute::Passed, "passed on");
+    assert_eq!(route(&mut s, 2), ("passed", None, None), "passed on");
     assert_eq!(
         route(&mut s, 2),
-        ReleaseRoute::Local,
+        ("local", None, None),
         "once: a second release of it is the ledger's to refuse"
     );
     s.pass_failed(LeaseId::new(3));
     assert_eq!(
         route(&mut s, 3),
-        ReleaseRoute::Local,
+        ("local", None, None),
         "its frame never left"
     );
+    // A host link lends copies: a release hands back the send still under way, and a
+    // forward's waiter.
     let mut across = session().across_hosts(peer());
     across.passed_on(LeaseId::new(4));
+    assert_eq!(route(&mut across, 4), ("copy", None, None));
+    across.copy_sending(LeaseId::new(5), 50);
+    across.copy_offered(LeaseId::new(6), 60);
+    across.copy_sending(LeaseId::new(7), 70);
+    across.forward_offered(LeaseId::new(7), 700);
+    across.copy_offered(LeaseId::new(8), 80);
+    across.forward_offered(LeaseId::new(8), 800);
+    assert_eq!(route(&mut across, 5), ("copy", Some(50), None), "sending");
+    assert_eq!(route(&mut across, 6), ("copy", None, None), "never pulled");
+    assert_eq!(route(&mut across, 7), ("forward copy", Some(70), Some(700)));
     assert_eq!(
-        route(&mut across, 4),
-        ReleaseRoute::Copy,
-        "a host link lends copies"
+        route(&mut across, 8),
+        ("forward copy", None, Some(800)),
+        "a forward refused unpulled"
     );
-    assert_eq!(route(&mut across, 5), ReleaseRoute::Copy);
+    assert_eq!(
+        route(&mut across, 5),
+        ("copy", None, None),
+        "once: a second release of it is the ledger's to refuse"
+    );
+    assert_eq!(across.copies_out(), 0);
+}
+
+/// The device copies of a host link start in the order the peer pulls them (the order
+/// NCCL pairs sends and receives in), each pulled once; a copy whose lease came back, or
+/// whose frame was never sent, is skipped; the waiters of forwards fail with the link.
+#[test]
+fn copies_start_in_the_order_pulled_and_end_with_their_lease_or_the_link() {
+    let pull = |lease| {
+        Wire::Pull(Pull {
+            lease: LeaseId::new(lease),
+        })
+    };
+    let mut s = session().across_hosts(peer());
+    for lease in 1..=5 {
+        s.copy_offered(LeaseId::new(lease), lease * 10);
+    }
+    s.copy_sending(LeaseId::new(6), 60);
+    for lease in [3, 1, 4, 2] {
+        assert!(matches!(
+            &handle(&mut s, pull(lease))[..],
+            [Action::SendPulled]
+        ));
+    }
+    for (lease, what) in [
+        (3, "pulled twice"),
+        (6, "a host copy"),
+        (9, "never offered"),
+    ] {
+        let e = fault(&mut s, pull(lease), &Node::default());
+        assert!(
+            matches!(e, ActorError::Unexpected { got } if got.contains("Pull")),
+            "{what}: {e}"
+        );
+    }
+    let mut s = session().across_hosts(peer());
+    for lease in 1..=5 {
+        s.copy_offered(LeaseId::new(lease), lease * 10);
+    }
+    for lease in [3, 1, 4, 2] {
+        handle(&mut s, pull(lease));
+    }
+    assert_eq!(s.next_pulled(), Some(&30));
+    assert_eq!(s.take_pulled(), Some((LeaseId::new(3), 30)));
+    s.copy_sending(LeaseId::new(3), 31);
+    // Lease 1's comes back before its send starts (the receiver gave up); lease 4's
+    // frame was never sent.
+    assert_eq!(route(&mut s, 1), ("copy", None, None));
+    assert_eq!(s.copy_unsent(LeaseId::new(4)), None);
+    assert_eq!(s.take_pulled(), Some((LeaseId::new(2), 20)));
+    assert_eq!(s.take_pulled(), None);
+    assert_eq!(s.copy_unsent(LeaseId::new(3)), Some(31));
+    s.forward_offered(LeaseId::new(5), 500);
+    let ended = s.end();
+    assert_eq!(ended.forwards, [500]);
+    assert_eq!(s.copies_out(), 0);
+    // Copies coming in are bounded in bytes.
+    assert!(s.admit_copies_in(600));
+    assert!(!s.admit_copies_in(401), "past copy_bytes");
+    assert!(s.admit_copies_in(400));
+    s.copies_in_done(600);
+    assert_eq!(s.copies_in(), 400);
 }
 
 /// Our own release of a held lease says whether it was relayed (its `Release` then waits
@@ -564,7 +707,7 @@ fn a_second_fence_inbox_is_a_fault() {
 
 #[test]
 fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a_host() {
-    use baton_messages::protocol::{MAX_RENDEZVOUS_BYTES, Pull, Rendezvous};
+    use baton_messages::protocol::{MAX_RENDEZVOUS_BYTES, Rendezvous};
     let pull = || {
         Wire::Pull(Pull {
             lease: LeaseId::new(7),
@@ -598,12 +741,11 @@ fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a
         fault(&mut session(), rendezvous(149), &Node::default()),
         "transfer engines",
     );
-    // Across hosts: pulls and rendezvous messages, bounded; no fence inbox.
+    // Across hosts: pulls (of our device copies) and rendezvous messages, bounded; no
+    // fence inbox.
     let mut s = session().across_hosts(peer());
-    assert!(matches!(
-        &handle(&mut s, pull())[..],
-        [Action::Pull(lease)] if *lease == LeaseId::new(7)
-    ));
+    s.copy_offered(LeaseId::new(7), 7);
+    assert!(matches!(&handle(&mut s, pull())[..], [Action::SendPulled]));
     assert!(matches!(
         &handle(&mut s, rendezvous(MAX_RENDEZVOUS_BYTES))[..],
         [Action::Rendezvous(bytes)] if bytes.len() == MAX_RENDEZVOUS_BYTES
@@ -891,8 +1033,12 @@ enum Step {
         /// The shell's open fails at this offer (a local failure).
         fails_at: Option<usize>,
     },
-    /// The peer releases a lease of ours with this many fences.
-    Release(usize),
+    /// The peer releases a lease of ours with this many fences: lease 1, or one lent as a
+    /// copy over a host link (picked).
+    Release {
+        fences: usize,
+        pick: Option<usize>,
+    },
     /// Our lease guard drops, and the shell reports it (or not yet).
     Drop {
         index: usize,
@@ -921,6 +1067,23 @@ enum Step {
     /// The shell reports ready (its copies landed or failed) the message with this index
     /// among those not ready yet.
     HeldReady(usize),
+    /// Over a host link, the shell lent a copy: a device copy (offered until pulled) or a
+    /// host copy (sending at once), perhaps a forward's.
+    CopyLent {
+        device: bool,
+        forward: bool,
+    },
+    /// The peer pulls a copy of ours (picked: among those offered and not pulled if
+    /// `honest`, else among all), or a lease it was never offered.
+    Pull(Option<(usize, bool)>),
+    /// The shell starts the next pulled copy's send.
+    StartPulled,
+    /// The frame of a copy (picked) was never sent.
+    CopyUnsent(usize),
+    /// The peer's copies of this many bytes are to be received, or those with this index
+    /// among the admitted landed.
+    CopiesIn(usize),
+    CopiesInDone(usize),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -950,6 +1113,9 @@ enum Whose {
     Ours,
     Third,
     Peer,
+    /// The right exporter's, but a handle to map: a fault over a host link, where only
+    /// copies cross.
+    Local,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -958,6 +1124,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Whose::Ours),
         1 => Just(Whose::Third),
         1 => Just(Whose::Peer),
+        1 => Just(Whose::Local),
     ];
     let lease = prop::option::weighted(0.1, 0..12u64).prop_map(|l| l.map(|l| l + 1));
     let offer = (lease, 0..4u64, whose);
@@ -984,7 +1151,7 @@ fn step() -> impl Strategy<Value = Step> {
         8 => (how, offers, prop::option::weighted(0.1, 0..6usize)).prop_map(
             |(how, offers, fails_at)| Step::Offers { how, offers, fails_at }
         ),
-        1 => fences.prop_map(Step::Release),
+        2 => (fences, prop::option::weighted(0.7, 0..8usize)).prop_map(|(fences, pick)| Step::Release { fences, pick }),
         6 => (0..8usize, prop::bool::weighted(0.8)).prop_map(|(index, reported)| Step::Drop { index, reported }),
         1 => (0..4u64).prop_map(Step::Unmap),
         3 => Just(Step::Send),
@@ -996,7 +1163,21 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (0..6000u64, prop::bool::weighted(0.2)).prop_map(|(ms, paused)| Step::Tick { ms, paused }),
         2 => prop_oneof![4 => 0..40usize, 1 => 40..120usize].prop_map(Step::Hold),
         3 => (0..8usize).prop_map(Step::HeldReady),
+        3 => (prop::bool::weighted(0.7), prop::bool::weighted(0.3)).prop_map(|(device, forward)| Step::CopyLent { device, forward }),
+        3 => prop::option::weighted(0.97, (0..8usize, prop::bool::weighted(0.9))).prop_map(Step::Pull),
+        3 => Just(Step::StartPulled),
+        1 => (0..8usize).prop_map(Step::CopyUnsent),
+        1 => prop_oneof![4 => 0..400usize, 1 => 400..1200usize].prop_map(Step::CopiesIn),
+        1 => (0..8usize).prop_map(Step::CopiesInDone),
     ]
+}
+
+/// A copy of ours over a host link, as the model keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CopyState {
+    Offered,
+    Pulled,
+    Sending,
 }
 
 /// The fault the model expects, by kind.
@@ -1011,11 +1192,18 @@ enum Fault {
     TooManyStatusRequests,
     Unresponsive,
     TooManyHeld,
+    /// A `Pull` of a lease not offered as a device copy (or on a Unix link).
+    BadPull,
+    /// Over a host link, an offer that is not a copy.
+    NotACopy,
 }
 
 fn kind(e: &ActorError) -> Option<Fault> {
     Some(match e {
         ActorError::TooManyOffers { .. } => Fault::TooManyOffers,
+        ActorError::Unexpected { got } if got.contains("Pull") || got.contains("engines") => {
+            Fault::BadPull
+        }
         ActorError::ForeignOffer { .. } | ActorError::Unexpected { .. } => Fault::Foreign,
         ActorError::DuplicateLease { .. } => Fault::Duplicate,
         ActorError::TooManyLeases { .. } => Fault::TooManyLeases,
@@ -1024,6 +1212,9 @@ fn kind(e: &ActorError) -> Option<Fault> {
         ActorError::TooManyStatusRequests { .. } => Fault::TooManyStatusRequests,
         ActorError::Unresponsive { .. } => Fault::Unresponsive,
         ActorError::TooManyHeld { .. } => Fault::TooManyHeld,
+        ActorError::Ipc(baton_ipc::Error::Message(baton_messages::Error::BackendMismatch {
+            ..
+        })) => Fault::NotACopy,
         _ => return None,
     })
 }
@@ -1057,6 +1248,14 @@ struct Model {
     not_ready: Vec<(Turn, u32, usize)>,
     ready: BTreeMap<u32, usize>,
     held_bytes: usize,
+    /// Over a host link: our copies by lease, the forwards among them, the pulled ones in
+    /// order (stale ones included, as the session skips them), the next lease we lend, and
+    /// the copies coming in (their bytes).
+    copies: BTreeMap<u64, CopyState>,
+    forwards: BTreeSet<u64>,
+    pulls: std::collections::VecDeque<u64>,
+    next_lent: u64,
+    copies_in: Vec<usize>,
 }
 
 const DEADLINE_MS: u64 = 10_000;
@@ -1067,11 +1266,11 @@ impl Model {
     }
 
     /// The fault a frame of these offers is, checked in the session's order.
-    fn offers_fault(&self, offers: &[(u64, u64, ProcessId)], relayed: bool) -> Option<Fault> {
+    fn offers_fault(&self, offers: &[ModelOffer], relayed: bool, across: bool) -> Option<Fault> {
         if offers.len() > LIMITS.offers_per_message {
             return Some(Fault::TooManyOffers);
         }
-        for (i, &(lease, _, exporter)) in offers.iter().enumerate() {
+        for (i, &(lease, _, exporter, local)) in offers.iter().enumerate() {
             let foreign = if relayed {
                 exporter == peer() || exporter == me()
             } else {
@@ -1079,6 +1278,9 @@ impl Model {
             };
             if foreign {
                 return Some(Fault::Foreign);
+            }
+            if across && local {
+                return Some(Fault::NotACopy);
             }
             if self.live(lease) || offers[..i].iter().any(|o| o.0 == lease) {
                 return Some(Fault::Duplicate);
@@ -1091,12 +1293,16 @@ impl Model {
     }
 }
 
+/// An offer as the model sees it: lease, allocation, exporter, and whether it is a handle
+/// to map rather than a copy (over a host link; within one host every offer is one).
+type ModelOffer = (u64, u64, ProcessId, bool);
+
 /// The exporter of an offer: the right one (the peer's; a third process's, relayed), or
 /// the one named.
 fn exporter(whose: Whose, relayed: bool) -> ProcessId {
     match whose {
-        Whose::Right if relayed => third(),
-        Whose::Right | Whose::Peer => peer(),
+        Whose::Right | Whose::Local if relayed => third(),
+        Whose::Right | Whose::Local | Whose::Peer => peer(),
         Whose::Ours => me(),
         Whose::Third => third(),
     }
@@ -1109,20 +1315,30 @@ struct Outcome {
     fault: Option<Fault>,
     /// The most leases held at once.
     most_held: usize,
+    /// Pulled copies started, and copies released while sending.
+    started: usize,
+    released_sending: usize,
 }
 
 /// Runs `steps` against a session and the model; stops at the first fault, which must be
 /// the one the model expects.
-fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
+fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
     let t0 = Instant::now();
     let at = |ms: u64| t0 + Duration::from_millis(ms);
     let mut s: LinkSession<Plain> = LinkSession::new(peer(), me(), LIMITS, t0);
+    if across {
+        s = s.across_hosts(peer());
+    }
     let mut outcome = Outcome::default();
     let mut m = Model {
         next_ping: 1,
         fresh: 100,
+        next_lent: 1000,
         ..Model::default()
     };
+    // A copy of ours, picked.
+    let pick_copy =
+        |m: &Model, pick: usize| m.copies.keys().nth(pick % m.copies.len().max(1)).copied();
     for step in steps {
         let node = Node {
             issued: m.issued,
@@ -1137,14 +1353,19 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
             } => {
                 let relayed = matches!(how, How::Relayed);
                 // Leases never offered before get fresh ids; the buffers' exporters.
-                let offers: Vec<(u64, u64, ProcessId)> = offers
+                let offers: Vec<ModelOffer> = offers
                     .into_iter()
                     .map(|(lease, alloc, whose)| {
                         let lease = lease.unwrap_or_else(|| {
                             m.fresh += 1;
                             m.fresh
                         });
-                        (lease, alloc, exporter(whose, relayed))
+                        (
+                            lease,
+                            alloc,
+                            exporter(whose, relayed),
+                            whose == Whose::Local,
+                        )
                     })
                     .collect();
                 let mut offers = offers;
@@ -1153,7 +1374,10 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 }
                 let wire: Vec<Offer> = offers
                     .iter()
-                    .map(|&(lease, alloc, exporter)| offer_of(exporter, lease, alloc))
+                    .map(|&(lease, alloc, exporter, local)| match across && !local {
+                        true => copy_of(exporter, lease, alloc),
+                        false => offer_of(exporter, lease, alloc),
+                    })
                     .collect();
                 let (frame, mut expected, late) = match how {
                     // A bare or relayed offer is one.
@@ -1191,7 +1415,7 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                     }
                 };
                 if expected.is_none() && !late {
-                    expected = m.offers_fault(&offers, relayed);
+                    expected = m.offers_fault(&offers, relayed, across);
                 }
                 m.heard = m.now;
                 let result = s.handle(frame, at(m.now), &node);
@@ -1235,13 +1459,62 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 }
                 (expected, result.map(|_| ()))
             }
-            Step::Release(fences) => {
+            Step::Release { fences, pick } => {
                 m.heard = m.now;
+                let lease = pick.and_then(|p| pick_copy(&m, p)).unwrap_or(1);
                 let frame = Wire::Release(Release {
-                    lease: LeaseId::new(1),
+                    lease: LeaseId::new(lease),
                     fences: vec![fence(); fences],
                 });
                 let expected = (fences > MAX_RELEASE_FENCES).then_some(Fault::TooManyFences);
+                let result = s.handle(frame, at(m.now), &node);
+                if let (None, Ok(actions)) = (expected, &result) {
+                    let [Action::Released { route, .. }] = &actions[..] else {
+                        return Err(TestCaseError::fail("one release was expected"));
+                    };
+                    // Routed by how the lease was lent, handing back what still runs.
+                    let state = m.copies.remove(&lease);
+                    let sending = (state == Some(CopyState::Sending)).then_some(lease);
+                    outcome.released_sending += usize::from(across && sending.is_some());
+                    let forward = m.forwards.remove(&lease).then_some(lease);
+                    let got = match route {
+                        ReleaseRoute::Copy(CopyReleased::Copy { sending }) => {
+                            Some((*sending, None))
+                        }
+                        ReleaseRoute::Copy(CopyReleased::Forward { waiter, sending }) => {
+                            Some((*sending, Some(*waiter)))
+                        }
+                        _ => None,
+                    };
+                    prop_assert_eq!(got, across.then_some((sending, forward)));
+                }
+                (expected, result.map(|_| ()))
+            }
+            // Within one host every pull is a fault: rarely tried, so runs go on.
+            Step::Pull(Some(_)) if !across => continue,
+            Step::Pull(pick) => {
+                m.heard = m.now;
+                let offered: Vec<u64> = (m.copies.iter())
+                    .filter(|(_, state)| **state == CopyState::Offered)
+                    .map(|(lease, _)| *lease)
+                    .collect();
+                let lease = match pick {
+                    Some((p, true)) if !offered.is_empty() => Some(offered[p % offered.len()]),
+                    Some((p, _)) => pick_copy(&m, p),
+                    None => None,
+                }
+                .unwrap_or(9999);
+                let frame = Wire::Pull(Pull {
+                    lease: LeaseId::new(lease),
+                });
+                let expected = match m.copies.get_mut(&lease) {
+                    Some(state) if across && *state == CopyState::Offered => {
+                        *state = CopyState::Pulled;
+                        m.pulls.push_back(lease);
+                        None
+                    }
+                    _ => Some(Fault::BadPull),
+                };
                 (expected, s.handle(frame, at(m.now), &node).map(|_| ()))
             }
             Step::Unmap(alloc) => {
@@ -1329,6 +1602,67 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 continue;
             }
             // What the shell reports.
+            Step::CopyLent { device, forward } => {
+                if across {
+                    m.next_lent += 1;
+                    let lease = LeaseId::new(m.next_lent);
+                    if device {
+                        s.copy_offered(lease, m.next_lent);
+                        m.copies.insert(m.next_lent, CopyState::Offered);
+                    } else {
+                        s.copy_sending(lease, m.next_lent);
+                        m.copies.insert(m.next_lent, CopyState::Sending);
+                    }
+                    if forward {
+                        s.forward_offered(lease, m.next_lent);
+                        m.forwards.insert(m.next_lent);
+                    }
+                }
+                continue;
+            }
+            Step::StartPulled => {
+                while let Some(front) = m.pulls.front() {
+                    if m.copies.get(front) == Some(&CopyState::Pulled) {
+                        break;
+                    }
+                    m.pulls.pop_front();
+                }
+                let want = m.pulls.pop_front();
+                let got = s.take_pulled();
+                prop_assert_eq!(
+                    got,
+                    want.map(|l| (LeaseId::new(l), l)),
+                    "started in the order pulled"
+                );
+                if let Some(lease) = want {
+                    outcome.started += 1;
+                    s.copy_sending(LeaseId::new(lease), lease);
+                    m.copies.insert(lease, CopyState::Sending);
+                }
+                continue;
+            }
+            Step::CopyUnsent(pick) => {
+                if let Some(lease) = pick_copy(&m, pick) {
+                    let sending = m.copies.remove(&lease) == Some(CopyState::Sending);
+                    prop_assert_eq!(s.copy_unsent(LeaseId::new(lease)), sending.then_some(lease));
+                }
+                continue;
+            }
+            Step::CopiesIn(bytes) => {
+                let fits = m.copies_in.iter().sum::<usize>() + bytes <= LIMITS.copy_bytes;
+                prop_assert_eq!(s.admit_copies_in(bytes), fits);
+                if fits {
+                    m.copies_in.push(bytes);
+                }
+                continue;
+            }
+            Step::CopiesInDone(index) => {
+                if !m.copies_in.is_empty() {
+                    let bytes = m.copies_in.remove(index % m.copies_in.len());
+                    s.copies_in_done(bytes);
+                }
+                continue;
+            }
             Step::Drop { index, reported } => {
                 if !m.guards.is_empty() {
                     let (lease, guard) = m.guards.remove(index % m.guards.len());
@@ -1372,6 +1706,7 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 let ended = s.end();
                 prop_assert_eq!(ended.orphans.len(), m.guards.len());
                 prop_assert_eq!(ended.callers.len(), m.pending.len());
+                prop_assert_eq!(ended.forwards.len(), m.forwards.len());
                 outcome.fault = Some(fault);
                 return Ok(outcome);
             }
@@ -1391,6 +1726,8 @@ fn run(steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
         prop_assert_eq!(s.status_answers, m.status_answers);
         prop_assert_eq!(s.pings(), m.pings.len());
         prop_assert_eq!(s.held_back(), (m.next_in - m.next_out) as usize);
+        prop_assert_eq!(s.copies_out(), m.copies.len());
+        prop_assert_eq!(s.copies_in(), m.copies_in.iter().sum::<usize>());
         prop_assert!(s.held_back() <= LIMITS.held_messages);
         for alloc in 0..4 {
             prop_assert_eq!(s.maps(AllocationId::new(alloc)), m.mapped.contains(&alloc));
@@ -1403,8 +1740,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn random_frames_against_the_model(steps in prop::collection::vec(step(), 1..80)) {
-        run(steps)?;
+    fn random_frames_against_the_model(
+        across in any::<bool>(),
+        steps in prop::collection::vec(step(), 1..80),
+    ) {
+        run(across, steps)?;
     }
 }
 
@@ -1415,15 +1755,23 @@ fn the_random_runs_reach_every_fault() {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::TestRunner;
     let mut runner = TestRunner::deterministic();
-    let steps = prop::collection::vec(step(), 1..80);
+    let steps = (any::<bool>(), prop::collection::vec(step(), 1..80));
     let mut faults = BTreeSet::new();
     let mut most_held = 0;
+    let (mut started, mut released_sending) = (0, 0);
     for _ in 0..2000 {
         let tree = steps.new_tree(&mut runner).expect("a run");
-        let outcome = run(tree.current()).expect("the model agrees");
+        let (across, steps) = tree.current();
+        let outcome = run(across, steps).expect("the model agrees");
         faults.extend(outcome.fault);
         most_held = most_held.max(outcome.most_held);
+        started += outcome.started;
+        released_sending += outcome.released_sending;
     }
+    assert!(
+        started > 30 && released_sending > 30,
+        "{started} {released_sending}"
+    );
     assert_eq!(
         faults.into_iter().collect::<Vec<_>>(),
         [
@@ -1436,6 +1784,8 @@ fn the_random_runs_reach_every_fault() {
             Fault::TooManyStatusRequests,
             Fault::Unresponsive,
             Fault::TooManyHeld,
+            Fault::BadPull,
+            Fault::NotACopy,
         ]
     );
     assert_eq!(most_held, LIMITS.leases_held);
