@@ -320,7 +320,7 @@ impl CudaBackend {
             plan.allocate_table()?;
             if plan.layout.ends.len() == 1 {
                 // Offsets within the one part: written once, for every buffer it runs on.
-                plan.write_table(&[0], &self.access.stream)?;
+                plan.write_table(&[0], self.access.stream.cu_stream())?;
             }
         }
         Ok(plan)
@@ -384,11 +384,7 @@ impl CopyPlan {
     /// Writes the span table for parts at `bases`, on `stream`, and waits for it. The
     /// caller has the context pushed or pushes it here, and no launch that reads the
     /// table is pending.
-    fn write_table(&self, bases: &[u64], stream: &CudaStream) -> Result<()> {
-        self.write_table_raw(bases, stream.cu_stream())
-    }
-
-    fn write_table_raw(&self, bases: &[u64], stream: sys::CUstream) -> Result<()> {
+    fn write_table(&self, bases: &[u64], stream: sys::CUstream) -> Result<()> {
         let bytes: Vec<u8> = self
             .layout
             .table(bases)
@@ -477,7 +473,7 @@ impl CopyPlan {
             let bases: Vec<u64> = parts.iter().map(|p| p.0).collect();
             if pending.written_for.as_ref() != Some(&bases) {
                 self.retire(&mut pending.events, 0)?;
-                self.write_table_raw(&bases, raw)?;
+                self.write_table(&bases, raw)?;
                 pending.written_for = Some(bases);
             }
             0
