@@ -5,10 +5,11 @@
 //! link knows of the protocol — leases held, mappings kept warm, pending calls, pings,
 //! status requests, and over a host link the messages held back behind their copies and
 //! the copies lent (their states, the order of their pulls) — and says what each frame
-//! means: an action to carry out, or the peer's fault. The actor owns everything else: the socket (a reader stream feeds it
-//! frames, a writer task drains its outgoing queue, and a [`Closer`] shuts the socket
-//! down when the link is cut, whatever the writer is doing), the timers, and the calls
-//! into the node. It routes the lease protocol both ways:
+//! means: an action to carry out, or the peer's fault. The actor owns everything else:
+//! the socket (a reader stream feeds it frames, a writer task drains its outgoing queue,
+//! and a [`Closer`] shuts the socket down when the link is cut, whatever the writer is
+//! doing), the timers, and the calls into the node. It routes the lease protocol both
+//! ways:
 //!
 //! - as exporter (`link/outgoing.rs`, `link/leases.rs`), it grants leases for the buffers
 //!   in outgoing messages through the node's [`Exports`](crate::exports::Exports); a
@@ -159,7 +160,8 @@ type Incoming = (Result<Received, baton_ipc::Error>, OwnedSemaphorePermit);
 
 /// The link's frames. A slot of `calls` is taken before each read, so when every slot is
 /// held by a running call, reading pauses (see [`LinkLimits::calls_in_flight`]).
-/// The first frame read from a ring marks the link's state ([`LinkRings::inbound`](crate::link_ref::LinkRings::inbound)).
+/// The first frame read from a ring marks the link's state
+/// ([`LinkRings::inbound`](crate::link_ref::LinkRings::inbound)).
 fn frames(
     reader: Reader,
     calls: Arc<Semaphore>,
