@@ -3,13 +3,11 @@
 //!
 //! The session (a state machine without I/O, in the crate's bottom layer) holds what the
 //! link knows of the protocol — leases held, mappings kept warm, pending calls, pings,
-//! status requests, and over a host link the messages held back behind their copies and
-//! the copies lent (their states, the order of their pulls) — and says what each frame
-//! means: an action to carry out, or the peer's fault. The actor owns everything else:
-//! the socket (a reader stream feeds it frames, a writer task drains its outgoing queue,
-//! and a [`Closer`] shuts the socket down when the link is cut, whatever the writer is
-//! doing), the timers, and the calls into the node. It routes the lease protocol both
-//! ways:
+//! status requests — and says what each frame means: an action to carry out, or the
+//! peer's fault. The actor owns everything else: the socket (a reader stream feeds it
+//! frames, a writer task drains its outgoing queue, and a [`Closer`] shuts the socket
+//! down when the link is cut, whatever the writer is doing), the timers, and the calls
+//! into the node. It routes the lease protocol both ways:
 //!
 //! - as exporter (`link/outgoing.rs`, `link/leases.rs`), it grants leases for the buffers
 //!   in outgoing messages through the node's [`Exports`](crate::exports::Exports); a
@@ -26,9 +24,7 @@
 //!   mapping warm for the next offer of the same allocation (a *hold*, until the exporter
 //!   sends `Unmap`), and hands out lease guards that send `Release` (with the release
 //!   fence after their last use) when dropped;
-//! - as relay (`link/forward.rs`), it passes leases on to third processes;
-//! - over a host link (`link/copy.rs`), it drives the transfer engines that carry copies
-//!   both ways.
+//! - as relay (`link/forward.rs`), it passes leases on to third processes.
 //!
 //! It pings the peer on the node's heartbeat interval; a peer that sends nothing within
 //! the deadline is *unresponsive* and its link is cut.
@@ -160,8 +156,7 @@ type Incoming = (Result<Received, baton_ipc::Error>, OwnedSemaphorePermit);
 
 /// The link's frames. A slot of `calls` is taken before each read, so when every slot is
 /// held by a running call, reading pauses (see [`LinkLimits::calls_in_flight`]).
-/// The first frame read from a ring marks the link's state
-/// ([`LinkRings::inbound`](crate::link_ref::LinkRings::inbound)).
+/// The first frame read from a ring marks the link's state ([`LinkRings::inbound`](crate::link_ref::LinkRings::inbound)).
 fn frames(
     reader: Reader,
     calls: Arc<Semaphore>,

@@ -6,13 +6,13 @@
 //!   over a Unix link (the ledger pins the buffer while it is out, and refuses our own
 //!   writes meanwhile) and offers a [`RawHandle::Copy`] in place of a handle to map. Host
 //!   memory: the TCP engine starts sending the buffer's bytes at once, as the transfer
-//!   named by the lease. Device memory: the send starts when the receiver's [`Pull`] says
-//!   its receive is posted. NCCL pairs a communicator's sends and receives in the order
-//!   they start, so the sends start in the order of the pulls, which the session keeps
-//!   with each copy's state (offered, pulled, sending: `link_session/copies.rs`,
-//!   [`LinkSession::next_pulled`]), each once the work queued on the buffer before the
-//!   offer (its acquire fence, kept here: no fence crosses hosts) has completed. A refused
-//!   device copy is simply never pulled.
+//!   named by the lease. Device memory: the send starts when the receiver's
+//!   [`Pull`] says its receive is posted. NCCL pairs a
+//!   communicator's sends and receives in the order they start, so the sends start in the
+//!   order of the pulls, which the session keeps with each copy's state (offered, pulled,
+//!   sending: `link_session/copies.rs`, [`LinkSession::next_pulled`]), each once the
+//!   work queued on the buffer before the offer (its acquire fence, kept here: no fence
+//!   crosses hosts) has completed. A refused device copy is simply never pulled.
 //!   The receiver's `Release` says the bytes landed; the lease then ends as any other.
 //! - As importer ([`receive_copies`](PeerLink::receive_copies)), it allocates a buffer of
 //!   its own node per offer (of the offer's length: a range lease's copy is the range's
@@ -24,7 +24,7 @@
 //!   (nothing of the sender's is in it).
 //!
 //! Failures: a transfer that fails or does not land by its deadline (the heartbeat's,
-//! plus a second per [`FLOOR_BYTES_PER_SEC`] of its size) frees the partial copy and the
+//! plus a second per [`FLOOR_BYTES_PER_SEC`](crate::forwarding::FLOOR_BYTES_PER_SEC) of its size) frees the partial copy and the
 //! message fails with the engine's typed error (a call's caller hears
 //! [`CallFault::OfferRefused`](baton_messages::protocol::CallFault)); the lease is given
 //! back all the same. A *device* copy that fails also ends the link, on either side
@@ -39,17 +39,17 @@
 //! of *this* host (a segment name, a CUDA handle) that a process elsewhere has no business
 //! naming, and is the peer's fault (the link is cut), as is a copy not sealed with the
 //! deployment's key or a pull of a lease not offered as a device copy (the session checks
-//! all three, and its model test drives them). Writable leases and relayed offers do not
-//! cross hosts, nor does a copy into a node of the other kind of memory (a host-memory
-//! node cannot receive device memory, nor a CUDA node host memory): refused with typed
-//! errors, the link unharmed.
+//! all three, and its model test drives them). Writable leases and relayed offers do not cross hosts, nor does a
+//! copy into a node of the other kind of memory (a host-memory node cannot receive
+//! device memory, nor a CUDA node host memory): refused with typed errors, the link
+//! unharmed.
 //!
 //! Forwards ([`Peer::forward`](crate::Peer::forward) to a peer on a host link): a lease we
 //! hold on another process's buffer is offered as a copy of ours
 //! ([`offer_forwarded`](PeerLink::offer_forwarded)), read from our mapping of it through the
-//! same engines, its state kept by the session as a copy's is; what pins it is our lease
-//! on the original ([`LeasePin`]), which the send keeps until its engine lets go. The
-//! forward's caller hears when the peer gives the copy's lease back
+//! same engines, its state kept by the session as a copy's is; what pins it is our lease on the original
+//! ([`LeasePin`](crate::forwarding::LeasePin)), which the send keeps until its engine lets
+//! go. The forward's caller hears when the peer gives the copy's lease back
 //! ([`forward_released`](PeerLink::forward_released)).
 //!
 //! Order: a message whose buffers are copies is handed on once they have landed, on the
@@ -57,8 +57,6 @@
 //! a long copy); the messages read after it wait for their turn ([`LinkSession::hold`]), so
 //! the handlers see the order the peer sent, as over a Unix link.
 //!
-//! [`FLOOR_BYTES_PER_SEC`]: crate::forwarding::FLOOR_BYTES_PER_SEC
-//! [`LeasePin`]: crate::forwarding::LeasePin
 //! [`LinkSession::hold`]: crate::link_session::LinkSession::hold
 //! [`LinkSession::next_pulled`]: crate::link_session::LinkSession::next_pulled
 
@@ -304,8 +302,7 @@ impl PeerLink {
         match sent {
             Ok(transfer) => {
                 let transfer = Arc::new(transfer);
-                self.session
-                    .copy_sending(offer.lease, Arc::clone(&transfer));
+                (self.session).copy_sending(offer.lease, Arc::clone(&transfer));
                 reap(transfer, None);
                 Ok((offer, grant))
             }
@@ -320,8 +317,7 @@ impl PeerLink {
     /// to another host), read from our own mapping of it: as a copy of a buffer of ours
     /// (`grant_copy`), except that no ledger of ours counts the lease — the table of
     /// forwards does, until the peer gives it back — and that what pins the bytes is our
-    /// lease on the original ([`LeasePin`](crate::forwarding::LeasePin)), kept by the send
-    /// until its engine lets go.
+    /// lease on the original ([`LeasePin`](crate::forwarding::LeasePin)), kept by the send until its engine lets go.
     fn offer_forwarded(
         &mut self,
         msg: ForwardCopy,
