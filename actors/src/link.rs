@@ -84,6 +84,7 @@ impl Attach for Attached {
     type Copy = copy::DeviceCopy;
     type Sending = Arc<baton_ipc::transfer::HeldTransfer>;
     type Forward = copy::ForwardWaiter;
+    type Asked = forward::Asked;
 }
 
 /// What the session asks of the node while it checks a frame.
@@ -367,8 +368,9 @@ impl PeerLink {
             Action::SendPulled => self.send_pulled(ctx),
             Action::Rendezvous(bytes) => self.on_rendezvous(&bytes),
             Action::Forward(forward) => self.on_forward(forward),
-            Action::Forwarded(forwarded) => {
-                self.on_forwarded(forwarded, fds.take().unwrap_or_default())
+            Action::Forwarded { asked, outcome } => {
+                self.on_forwarded(asked, outcome, fds.take().unwrap_or_default());
+                Ok(())
             }
             Action::CallFailed { caller, fault } => {
                 let _ = caller.send(Err(ActorError::Remote(fault)));
@@ -512,6 +514,7 @@ impl LinkEnd {
             callers,
             orphans,
             forwards,
+            asked,
         }) = self.ended.take()
         else {
             return;
@@ -527,13 +530,17 @@ impl LinkEnd {
         // Forwards through this link: see `relay`.
         self.node
             .relays()
-            .link_stopped(self.me.id, self.peer.process, self.node.cache());
+            .link_stopped(self.me.id, self.node.cache());
+        let closed = || ActorError::link_closed(self.peer.process);
         for tx in callers {
-            let _ = tx.send(Err(ActorError::link_closed(self.peer.process)));
+            let _ = tx.send(Err(closed()));
+        }
+        for asked in asked {
+            let _ = asked.reply.send(Err(closed()));
         }
         // Forwards sent over this link as copies: their sends stopped with the link.
         for tx in forwards {
-            let _ = tx.send(Err(ActorError::link_closed(self.peer.process)));
+            let _ = tx.send(Err(closed()));
         }
         // What our guards still hold of the peer's is orphaned: the node's status lists it
         // until the guards drop.

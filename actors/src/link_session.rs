@@ -23,6 +23,10 @@
 //!   a late one's leases go back);
 //! - **liveness**: pings in flight and when the peer was last heard;
 //! - **status**: our requests awaiting an answer, and the peer's being answered (bounded);
+//! - **forwarding**: the forwards we asked the peer for, awaiting its answer (an answer to
+//!   one never asked, or an offer of a buffer not the peer's, is a fault), and which of the
+//!   peer's forward requests are refused before anything is looked up (over a host link,
+//!   or naming the relay or us);
 //! - over a **host link**, the order of the user-visible messages read while their copies
 //!   land ([`hold`](LinkSession::hold), [`held_ready`](LinkSession::held_ready)): handed
 //!   on in the order read, and what waits bounded in messages and bytes;
@@ -34,7 +38,7 @@
 //! What it leaves to the shell, and why: the lease *grants* (the node's ledger, shared by
 //! every link, decides them and a release's validity), the import cache and the driver
 //! calls that open offers, the transfer engines and the waits on their transfers and on
-//! fences, forwarding's tables (shared by the links a forward crosses), the outgoing queue
+//! fences, forwarding's relay tables (shared by the links a forward crosses), the outgoing queue
 //! and its bounds, and the calls running now (their slots bound reading).
 //!
 //! [`next_pulled`]: LinkSession::next_pulled
@@ -74,6 +78,11 @@ pub(crate) use held::Turn;
 /// fault ([`ActorError::TooManyStatusRequests`]).
 pub(crate) const STATUS_ANSWERS: usize = 4;
 
+/// Why a `Forward` over a host link is refused (the [`ActorError::ForwardRefused`] reason
+/// its asker gets): a zero-copy forward would send the exporter's local handle to another
+/// host (see `link/forward.rs`).
+pub(crate) const HOST_LINK_FORWARD: &str = "a forward is zero-copy on one host only: the exporter sends no handle over a host link (a copy received from another host is this node's own memory: send it as a buffer)";
+
 /// What the shell attaches to a session's records; the session only stores and hands
 /// them back.
 pub(crate) trait Attach {
@@ -95,6 +104,9 @@ pub(crate) trait Attach {
     type Sending;
     /// Who waits for a forward's copy to land.
     type Forward;
+    /// Who waits for the exporter's answer to a forward we asked for
+    /// ([`LinkSession::ask_forward`]).
+    type Asked;
 }
 
 /// Whether a lease's guard still holds it (its last handle may drop before the shell
@@ -270,10 +282,17 @@ pub(crate) enum Action<A: Attach> {
     SendPulled,
     /// Across hosts: the peer's transfer engine's rendezvous message, for ours.
     Rendezvous(Vec<u8>),
-    /// The peer asks us to lease a buffer to a third process (forwarding).
+    /// The peer asks us to lease a buffer to a third process (forwarding); the session
+    /// answered the requests it refuses on sight.
     Forward(Forward),
-    /// The exporter's answer to a forward of ours (its descriptor travels with the frame).
-    Forwarded(Forwarded),
+    /// The exporter's answer to a forward we asked for: an offer of its buffer (its
+    /// descriptor travels with the frame), or why it refused.
+    Forwarded {
+        /// Who asked.
+        asked: A::Asked,
+        /// The offer, or the exporter's reason.
+        outcome: Result<Offer, String>,
+    },
     /// A call of ours failed at the peer.
     CallFailed {
         /// Who waits for its reply.
@@ -332,6 +351,8 @@ pub(crate) struct Ended<A: Attach> {
     pub(crate) orphans: Vec<(A::Held, u64)>,
     /// Who waits for a forward's copy over this host link: it fails.
     pub(crate) forwards: Vec<A::Forward>,
+    /// Who waits for the peer's answer to a forward we asked for: it fails.
+    pub(crate) asked: Vec<A::Asked>,
 }
 
 /// The link's protocol state (see the [module docs](self)).
@@ -371,6 +392,11 @@ pub(crate) struct LinkSession<A: Attach> {
     next_status: u64,
     /// Status answers being prepared for the peer (at most [`STATUS_ANSWERS`]).
     status_answers: usize,
+    /// Forwards we asked the peer for, awaiting its answer. Ours, not peer-fed: one per
+    /// forward this node asks for.
+    asked: HashMap<u64, A::Asked>,
+    /// The id of the next forward we ask for.
+    next_forward: u64,
     /// The peer lent us a fence inbox lane already (at most once).
     inbox_received: bool,
     /// The peer runs on another host: buffers cross as copies, engines exchange
@@ -420,6 +446,8 @@ impl<A: Attach> LinkSession<A> {
             status_waiters: HashMap::new(),
             next_status: 1,
             status_answers: 0,
+            asked: HashMap::new(),
+            next_forward: 1,
             inbox_received: false,
             across_hosts: false,
             copies: CopiesOut::default(),
@@ -533,8 +561,8 @@ impl<A: Attach> LinkSession<A> {
                 self.on_status(status)?;
                 return Ok(Actions::none());
             }
-            Wire::Forward(forward) => Action::Forward(forward),
-            Wire::Forwarded(forwarded) => Action::Forwarded(forwarded),
+            Wire::Forward(forward) => self.on_forward(forward),
+            Wire::Forwarded(forwarded) => return self.on_forwarded(forwarded),
             Wire::FenceInbox(_) if self.across_hosts => {
                 return Err(ActorError::Unexpected {
                     got: "a FenceInbox on a host link",
@@ -721,6 +749,61 @@ impl<A: Attach> LinkSession<A> {
 
     /// The peer's answer to a status request of ours. One to a request we never made is
     /// a protocol fault; one to a request whose asker gave up is dropped.
+    /// The peer asks us to lease a buffer to a third process: refused at once over a host
+    /// link (nothing is looked up: its `to` names a process of its key's choosing, and the
+    /// offer would carry our local handle over TCP), or when it names the relay or us. A
+    /// refusal is an answer, not a fault.
+    fn on_forward(&self, forward: Forward) -> Action<A> {
+        let reason = if self.across_hosts {
+            tracing::warn!(lease = %forward.lease, "refused a forward over a host link");
+            HOST_LINK_FORWARD.to_owned()
+        } else if forward.to == self.peer || forward.to == self.me {
+            format!("{} is the relay or the exporter itself", forward.to)
+        } else {
+            return Action::Forward(forward);
+        };
+        let refused = ActorError::ForwardRefused { reason };
+        tracing::debug!(lease = %forward.lease, to = %forward.to, error = %refused, "refused to forward");
+        Action::Send(Wire::Forwarded(Forwarded {
+            id: forward.id,
+            outcome: Err(refused.to_string()),
+        }))
+    }
+
+    /// The exporter's answer to a forward: one we asked for, answered once, with an offer
+    /// of the peer's own buffer. An answer to a forward answered already is stale: its
+    /// offer goes back. Over a host link no offer comes (it would carry a local handle of
+    /// another host, and we ask no forward there).
+    fn on_forwarded(&mut self, forwarded: Forwarded) -> Result<Actions<A>, ActorError> {
+        let Forwarded { id, outcome } = forwarded;
+        if self.across_hosts && outcome.is_ok() {
+            return Err(ActorError::Unexpected {
+                got: "a Forwarded offer on a host link",
+            });
+        }
+        let Some(asked) = self.asked.remove(&id) else {
+            if id == 0 || id >= self.next_forward {
+                return Err(ActorError::Unexpected {
+                    got: "a Forwarded answering no forward of ours",
+                });
+            }
+            return Ok(match outcome {
+                Ok(offer) => Actions::one(Action::Send(Wire::Release(Release::now(offer.lease)))),
+                Err(_) => Actions::none(),
+            });
+        };
+        if let Ok(offer) = &outcome {
+            if offer.handle.exporter.process != self.names_itself {
+                // Its asker fails with the link (`Ended::asked`).
+                self.asked.insert(id, asked);
+                return Err(ActorError::ForeignOffer {
+                    claimed: offer.handle.exporter,
+                });
+            }
+        }
+        Ok(Actions::one(Action::Forwarded { asked, outcome }))
+    }
+
     fn on_status(&mut self, status: Status) -> Result<(), ActorError> {
         match self.status_waiters.remove(&status.id) {
             Some(tx) => {
@@ -920,6 +1003,26 @@ impl<A: Attach> LinkSession<A> {
         self.status_waiters.insert(id, reply);
     }
 
+    /// A forward we ask the peer for: of the buffer of our `lease` to the process `to`. Its
+    /// id and frame; once it is sent, [`await_forward`](Self::await_forward) registers who
+    /// waits for the answer ([`Action::Forwarded`]).
+    pub(crate) fn ask_forward(&mut self, lease: LeaseId, to: ProcessId) -> (u64, Wire) {
+        let id = self.next_forward;
+        self.next_forward += 1;
+        (id, Wire::Forward(Forward { id, lease, to }))
+    }
+
+    /// `asked` waits for the peer's answer to our forward `id`.
+    pub(crate) fn await_forward(&mut self, id: u64, asked: A::Asked) {
+        self.asked.insert(id, asked);
+    }
+
+    /// Forwards we asked for whose answer has not come.
+    #[cfg(test)]
+    pub(crate) fn forwards_asked(&self) -> usize {
+        self.asked.len()
+    }
+
     /// One of the peer's status requests ([`Action::AnswerStatus`]) was answered.
     pub(crate) fn status_answered(&mut self) {
         self.status_answers = self.status_answers.saturating_sub(1);
@@ -978,6 +1081,7 @@ impl<A: Attach> LinkSession<A> {
     pub(crate) fn end(&mut self) -> Ended<A> {
         Ended {
             forwards: self.copies.end(),
+            asked: self.asked.drain().map(|(_, asked)| asked).collect(),
             callers: self.pending.drain().map(|(_, caller)| caller).collect(),
             orphans: self
                 .held

@@ -29,7 +29,8 @@
 //!   confirmed dead, since nothing can carry C's `Release` any more.
 //! - **B** (this module's [`Relays`]): which of its lease ids stands for which of A's, so
 //!   that C's `Release` (and A's `Revoke`) are handed on. B's own lease is independent: B
-//!   may drop it while C holds the forwarded one.
+//!   may drop it while C holds the forwarded one. The forwards B asked A for and awaits
+//!   are the A–B link's session's (`LinkSession::ask_forward`): per link, checked there.
 //! - **C**: a lease like any other (the node's inbox receives it, see
 //!   [`Node::set_inbox`](crate::Node::set_inbox)), but no warm mapping: its `Release`
 //!   leaves only after the mapping is closed, so A never needs to ask C to `Unmap`.
@@ -41,15 +42,13 @@
 //! each frame, and [`Peer::forward`](crate::Peer::forward) — is `link/forward.rs`; the
 //! messages themselves are in `link_ref`.
 
-use crate::error::ActorError;
 use crate::ids::LinkId;
 use crate::link_ref::LinkRef;
 use baton_ipc::{CacheKey, HolderId, ImportCache};
-use baton_messages::{LeaseId, ProcessId};
+use baton_messages::LeaseId;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use tokio::sync::oneshot;
 
 /// Import-cache holders of relayed mappings are numbered apart from links' (a link's
 /// holder id is its link id).
@@ -64,19 +63,11 @@ pub(crate) struct Relays {
 
 #[derive(Debug, Default)]
 pub(crate) struct RelayState {
-    /// B: forwards asked over an upstream link, by (that link, request id).
-    pub(crate) pending: HashMap<(LinkId, u64), PendingForward>,
     /// B: offers passed on, by (downstream link, our lease id): the upstream link and the
     /// exporter's lease id.
     pub(crate) passed: HashMap<(LinkId, LeaseId), (LinkRef, LeaseId)>,
     /// C: relayed leases held, by (link, lease): the mapping and its holder in the cache.
     pub(crate) held: HashMap<(LinkId, LeaseId), (CacheKey, HolderId)>,
-}
-
-#[derive(Debug)]
-pub(crate) struct PendingForward {
-    pub(crate) downstream: LinkRef,
-    pub(crate) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
 }
 
 impl Relays {
@@ -85,18 +76,9 @@ impl Relays {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn next_id(&self) -> u64 {
-        self.next.fetch_add(1, Ordering::Relaxed) + 1
-    }
-
-    /// Whether `id` was handed out already.
-    pub(crate) fn issued(&self, id: u64) -> bool {
-        id != 0 && id <= self.next.load(Ordering::Relaxed)
-    }
-
     /// C: a fresh cache holder for one relayed lease.
     pub(crate) fn new_holder(&self) -> HolderId {
-        HolderId(RELAY_HOLDER | self.next_id())
+        HolderId(RELAY_HOLDER | (self.next.fetch_add(1, Ordering::Relaxed) + 1))
     }
 
     /// C: `lease`, received over `link`, maps `key` under `holder`.
@@ -115,25 +97,15 @@ impl Relays {
         self.lock().passed.remove(&(link, lease))
     }
 
-    /// `link` is down: forwards asked over it fail, offers passed over it are forgotten
+    /// `link` is down: offers passed over it are forgotten
     /// (their holder's death ends them at the exporter, which watches it), and the
     /// mappings of relayed leases held over it stop being kept (they close with their
     /// last lease). Offers passed on *from* it (its peer was their exporter) are kept
     /// until their holder gives them back, so that its `Release` is not taken for a
     /// lease we never granted; it then goes nowhere.
-    pub(crate) fn link_stopped(&self, link: LinkId, peer: ProcessId, cache: &ImportCache) {
-        let (failed, holders) = {
+    pub(crate) fn link_stopped(&self, link: LinkId, cache: &ImportCache) {
+        let holders = {
             let mut state = self.lock();
-            let keys: Vec<(LinkId, u64)> = state
-                .pending
-                .keys()
-                .filter(|(l, _)| *l == link)
-                .copied()
-                .collect();
-            let failed: Vec<PendingForward> = keys
-                .into_iter()
-                .filter_map(|k| state.pending.remove(&k))
-                .collect();
             state.passed.retain(|(down, _), _| *down != link);
             let holders: Vec<HolderId> = state
                 .held
@@ -142,11 +114,8 @@ impl Relays {
                 .map(|(_, (_, h))| *h)
                 .collect();
             state.held.retain(|(l, _), _| *l != link);
-            (failed, holders)
+            holders
         };
-        for pending in failed {
-            let _ = pending.reply.send(Err(ActorError::link_closed(peer)));
-        }
         for holder in holders {
             cache.drop_holder(holder);
         }

@@ -10,13 +10,13 @@
 //! the named holder — a process of the exporter's host, named by the asker — dies. So:
 //!
 //! - A `Forward` that arrives over a host link is refused before anything is looked up
-//!   ([`HOST_LINK_FORWARD`], answered as a `Forwarded` refusal, which the asker sees as
+//!   (by the session: [`HOST_LINK_FORWARD`], answered as a `Forwarded` refusal, which the asker sees as
 //!   [`ActorError::ForwardRefused`]): nothing is granted, watched or pinned, and the link
 //!   stays (an honest node sends one when it forwards a *copy* it received from another
 //!   host to a peer of its own host; the copy is its own memory: send it as a buffer).
 //! - A `Forwarded` offer that arrives over a host link is that link's fault
-//!   ([`ActorError::Unexpected`]): no node sends one, and its handle would name memory of
-//!   another host.
+//!   ([`ActorError::Unexpected`], the session's check): no node sends one, and its handle
+//!   would name memory of another host.
 //! - A relayed offer is never passed on over a host link ([`PassOn`] refuses it): a
 //!   forward *to* another host is a copy (`Peer::forward` → `forward_copy`).
 //!
@@ -28,39 +28,34 @@
 
 use super::PeerLink;
 use crate::error::ActorError;
-use crate::link_ref::{AskForward, GiveBack, PassOn, RevokePassed, SendRelease};
-use crate::relay::PendingForward;
+use crate::link_ref::{AskForward, GiveBack, LinkRef, PassOn, RevokePassed, SendRelease};
+use crate::link_session::HOST_LINK_FORWARD;
 use actix::prelude::*;
 use baton_ipc::FrameFds;
 use baton_messages::protocol::{Forward, Forwarded, Offer, Relayed, Release, Revoke};
 use baton_messages::{FenceHandle, LeaseId, Message as Wire};
+use tokio::sync::oneshot;
 
-/// Why a `Forward` over a host link is refused (the [`ActorError::ForwardRefused`] reason
-/// its asker gets): a zero-copy forward would send the exporter's local handle to another
-/// host (see the [module docs](self)).
-pub(crate) const HOST_LINK_FORWARD: &str = "a forward is zero-copy on one host only: the exporter sends no handle over a host link (a copy received from another host is this node's own memory: send it as a buffer)";
+/// B: a forward we asked the exporter for, awaiting its answer (kept by the session).
+pub(crate) struct Asked {
+    /// The link to the process the offer is for.
+    downstream: LinkRef,
+    /// Who waits for the lease id it gets there.
+    pub(super) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
+}
 
 impl Handler<AskForward> for PeerLink {
     type Result = ();
     fn handle(&mut self, msg: AskForward, ctx: &mut Self::Context) {
-        let node = self.node.clone();
-        let relays = node.relays();
-        let id = relays.next_id();
-        let forward = Wire::Forward(Forward {
-            id,
-            lease: msg.lease,
-            to: msg.to,
-        });
+        let (id, forward) = self.session.ask_forward(msg.lease, msg.to);
         tracing::debug!(parent: &self.span, lease = %msg.lease, to = %msg.to, "asking to forward");
         match self.send(&forward, Vec::new()) {
             Ok(()) => {
-                relays.lock().pending.insert(
-                    (self.me.id, id),
-                    PendingForward {
-                        downstream: msg.downstream,
-                        reply: msg.reply,
-                    },
-                );
+                let asked = Asked {
+                    downstream: msg.downstream,
+                    reply: msg.reply,
+                };
+                self.session.await_forward(id, asked);
             }
             Err(e) => {
                 let _ = msg
@@ -148,27 +143,15 @@ impl Handler<RevokePassed> for PeerLink {
 }
 
 impl PeerLink {
-    /// A: the peer asks us to lease the buffer of its `lease` to a third process. A
-    /// refusal is answered, not a fault: the lease may have crossed a revoke.
+    /// A: the peer asks us to lease the buffer of its `lease` to a third process (one the
+    /// session did not refuse on sight). A refusal is answered, not a fault: the lease may
+    /// have crossed a revoke.
     pub(crate) fn on_forward(&mut self, forward: Forward) -> Result<(), ActorError> {
         let Forward { id, lease, to } = forward;
-        let me = self.node.session().process();
-        // Nothing is looked up for a peer on another host: its `to` names a process of its
-        // key's choosing, and the offer would carry our local handle over TCP.
-        let granted = if self.peer.host().is_some() {
-            tracing::warn!(%lease, "refused a forward over a host link");
-            Err(ActorError::ForwardRefused {
-                reason: HOST_LINK_FORWARD.to_owned(),
-            })
-        } else if to == self.peer.process || to == me {
-            Err(ActorError::ForwardRefused {
-                reason: format!("{to} is the relay or the exporter itself"),
-            })
-        } else {
+        let granted =
             self.node
                 .exports()
-                .grant_relayed(lease, &self.me, to, self.limits.leases_held)
-        };
+                .grant_relayed(lease, &self.me, to, self.limits.leases_held);
         match granted {
             Ok((offer, fd)) => {
                 let new = offer.lease;
@@ -211,53 +194,24 @@ impl PeerLink {
         }
     }
 
-    /// B: the exporter's answer to a forward of ours. An answer to a request we never
-    /// made, or an offer of someone else's buffer, is a protocol fault; an offer nobody
-    /// waits for any more goes back at once.
+    /// B: the exporter's answer to a forward of ours, checked by the session (asked, and
+    /// an offer of the peer's own buffer): the offer goes on to the process it is for, or
+    /// back at once when nobody waits for it any more.
     pub(crate) fn on_forwarded(
         &mut self,
-        forwarded: Forwarded,
+        pending: Asked,
+        outcome: Result<Offer, String>,
         mut fds: FrameFds,
-    ) -> Result<(), ActorError> {
-        let Forwarded { id, outcome } = forwarded;
-        let node = self.node.clone();
-        let relays = node.relays();
-        let pending = relays.lock().pending.remove(&(self.me.id, id));
-        let Some(pending) = pending else {
-            if !relays.issued(id) {
-                return Err(ActorError::Unexpected { got: "Forwarded" });
-            }
-            // A request that failed on our side meanwhile: give the lease back.
-            if let Ok(offer) = outcome {
-                return self.send(&Wire::Release(Release::now(offer.lease)), Vec::new());
-            }
-            return Ok(());
-        };
+    ) {
         let offer = match outcome {
-            // A forward's offer carries the exporter's local handle: none comes over a
-            // host link (ours are refused there, see the module docs).
-            Ok(_) if self.peer.host().is_some() => {
-                let _ = pending
-                    .reply
-                    .send(Err(ActorError::Unexpected { got: "Forwarded" }));
-                return Err(ActorError::Unexpected { got: "Forwarded" });
-            }
             Ok(offer) => offer,
             Err(reason) => {
                 let _ = pending
                     .reply
                     .send(Err(ActorError::ForwardRefused { reason }));
-                return Ok(());
+                return;
             }
         };
-        if offer.handle.exporter.process != self.peer.process {
-            let _ = pending.reply.send(Err(ActorError::ForeignOffer {
-                claimed: offer.handle.exporter,
-            }));
-            return Err(ActorError::ForeignOffer {
-                claimed: offer.handle.exporter,
-            });
-        }
         let give_back = GiveBack {
             upstream: self.me.clone(),
             lease: offer.lease,
@@ -268,7 +222,7 @@ impl PeerLink {
                 Err(e) => {
                     let _ = pending.reply.send(Err(e.into()));
                     // `give_back` returns the lease.
-                    return Ok(());
+                    return;
                 }
             },
             None => None,
@@ -277,7 +231,7 @@ impl PeerLink {
             let _ = pending
                 .reply
                 .send(Err(ActorError::link_closed(pending.downstream.peer())));
-            return Ok(());
+            return;
         }
         pending.downstream.do_send(PassOn {
             offer,
@@ -285,7 +239,6 @@ impl PeerLink {
             give_back,
             reply: pending.reply,
         });
-        Ok(())
     }
 
     /// B: a `Release` over this link of a lease we passed on: hand it on to the exporter,

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 /// Plain values for what the shell attaches: a guard is an `Arc<()>` the test keeps, a
 /// mapping is its allocation's number, a caller is its call id; a copy, its send and a
-/// forward's waiter are their lease's number.
+/// forward's waiter are their lease's number; who asked for a forward is its id.
 enum Plain {}
 
 impl Attach for Plain {
@@ -27,6 +27,7 @@ impl Attach for Plain {
     type Copy = u64;
     type Sending = u64;
     type Forward = u64;
+    type Asked = u64;
 }
 
 fn process(n: u32) -> ProcessId {
@@ -768,6 +769,120 @@ fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a
     );
 }
 
+/// The exporter's answer to one of our forwards: it finds who asked, once; a second
+/// answer's offer goes back; an answer to a forward never asked, an offer of a buffer not
+/// the peer's, or any offer over a host link is a fault, and who asked hears at the end.
+#[test]
+fn a_forwards_answer_finds_who_asked_once() {
+    let node = Node::default();
+    let forwarded =
+        |id: u64, outcome: Result<Offer, String>| Wire::Forwarded(Forwarded { id, outcome });
+    let mut s = session();
+    let (id, frame) = s.ask_forward(LeaseId::new(5), third());
+    assert!(
+        matches!(frame, Wire::Forward(Forward { id: i, lease, to }) if i == id && lease.get() == 5 && to == third())
+    );
+    s.await_forward(id, id);
+    let actions = handle(&mut s, forwarded(id, Ok(offer(40, 1))));
+    let [
+        Action::Forwarded {
+            asked,
+            outcome: Ok(o),
+        },
+    ] = &actions[..]
+    else {
+        panic!("the offer goes to who asked");
+    };
+    assert_eq!((*asked, o.lease.get()), (id, 40));
+    assert_eq!(s.forwards_asked(), 0);
+    // Answered again: the offer goes back; a refusal changes nothing.
+    let actions = handle(&mut s, forwarded(id, Ok(offer(41, 1))));
+    assert!(matches!(sent(&actions)[..], [Wire::Release(r)] if r.lease.get() == 41));
+    assert!(handle(&mut s, forwarded(id, Err("no".into()))).is_empty());
+    // A refusal reaches who asked.
+    let (id, _) = s.ask_forward(LeaseId::new(6), third());
+    s.await_forward(id, id);
+    let actions = handle(&mut s, forwarded(id, Err("revoked".into())));
+    assert!(
+        matches!(&actions[..], [Action::Forwarded { asked, outcome: Err(r) }] if *asked == id && r == "revoked")
+    );
+    // Never asked.
+    for never in [0, id + 1] {
+        let e = fault(&mut s, forwarded(never, Err("no".into())), &node);
+        assert!(
+            matches!(e, ActorError::Unexpected { got } if got.contains("no forward of ours")),
+            "{e}"
+        );
+    }
+    // Someone else's buffer: a fault, and who asked fails with the link.
+    let mut s = session();
+    let (id, _) = s.ask_forward(LeaseId::new(5), third());
+    s.await_forward(id, id);
+    let e = fault(&mut s, forwarded(id, Ok(offer_of(third(), 40, 1))), &node);
+    assert!(matches!(e, ActorError::ForeignOffer { .. }), "{e}");
+    assert_eq!(s.end().asked, [id]);
+    // Over a host link: no offer, even one asked for; a refusal is an answer.
+    let mut s = session().across_hosts(peer());
+    let (id, _) = s.ask_forward(LeaseId::new(5), third());
+    s.await_forward(id, id);
+    let e = fault(&mut s, forwarded(id, Ok(copy_of(peer(), 40, 1))), &node);
+    assert!(
+        matches!(e, ActorError::Unexpected { got } if got.contains("host link")),
+        "{e}"
+    );
+    let mut s = session().across_hosts(peer());
+    let (id, _) = s.ask_forward(LeaseId::new(5), third());
+    s.await_forward(id, id);
+    let actions = handle(&mut s, forwarded(id, Err("no".into())));
+    assert!(matches!(
+        &actions[..],
+        [Action::Forwarded {
+            outcome: Err(_),
+            ..
+        }]
+    ));
+}
+
+/// The peer's forward requests: refused on sight over a host link, or naming the relay or
+/// us (an answer, not a fault); the others go to the ledger.
+#[test]
+fn a_forward_request_is_refused_on_sight_across_hosts_or_naming_the_relay_or_us() {
+    let ask = |to: ProcessId| {
+        Wire::Forward(Forward {
+            id: 7,
+            lease: LeaseId::new(3),
+            to,
+        })
+    };
+    let refusal = |actions: &[Action<Plain>]| match sent(actions)[..] {
+        [
+            Wire::Forwarded(Forwarded {
+                id: 7,
+                outcome: Err(reason),
+            }),
+        ] => Some(reason.clone()),
+        _ => None,
+    };
+    let mut s = session();
+    assert!(matches!(&handle(&mut s, ask(third()))[..], [Action::Forward(f)] if f.to == third()));
+    for to in [peer(), me()] {
+        let reason = refusal(&handle(&mut s, ask(to))).expect("refused");
+        assert!(
+            reason.contains("is the relay or the exporter itself"),
+            "{reason}"
+        );
+    }
+    let mut s = session().across_hosts(peer());
+    let reason = refusal(&handle(&mut s, ask(third()))).expect("refused");
+    assert_eq!(
+        reason,
+        ActorError::ForwardRefused {
+            reason: HOST_LINK_FORWARD.into()
+        }
+        .to_string()
+    );
+}
+
 /// A peer's retired pool: within one host, our import of it is dropped — once, and only
 /// for a pool whose descriptor came with one of the peer's offers over this link (the
 /// import is keyed by the process the handshake proved, so no peer names another's; an
@@ -1084,6 +1199,28 @@ enum Step {
     /// among the admitted landed.
     CopiesIn(usize),
     CopiesInDone(usize),
+    /// We ask the peer to forward a lease of ours (the shell sent the request).
+    AskForward,
+    /// The peer answers a forward (picked) with an offer — of its own buffer, or of a third
+    /// process's (`foreign`) — or a refusal.
+    Forwarded {
+        pick: usize,
+        to: AnswerTo,
+        offer: Option<bool>,
+    },
+    /// The peer asks us to forward a lease of its to the process of `whose`.
+    Forward(Whose),
+}
+
+/// Which forward an answer names.
+#[derive(Debug, Clone, Copy)]
+enum AnswerTo {
+    /// One we asked for and await.
+    Asked,
+    /// One answered already.
+    Answered,
+    /// One we never asked for.
+    Never,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1156,7 +1293,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (0..4u64).prop_map(Step::Unmap),
         3 => Just(Step::Send),
         1 => (0..8usize).prop_map(Step::Cancel),
-        1 => Just(Step::StatusRequest),
+        2 => Just(Step::StatusRequest),
         1 => Just(Step::StatusAnswered),
         1 => Just(Step::Ping),
         1 => (0..6u64).prop_map(Step::Pong),
@@ -1169,6 +1306,14 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (0..8usize).prop_map(Step::CopyUnsent),
         1 => prop_oneof![4 => 0..400usize, 1 => 400..1200usize].prop_map(Step::CopiesIn),
         1 => (0..8usize).prop_map(Step::CopiesInDone),
+        2 => Just(Step::AskForward),
+        2 => (
+            0..8usize,
+            prop_oneof![8 => Just(AnswerTo::Asked), 2 => Just(AnswerTo::Answered), 1 => Just(AnswerTo::Never)],
+            prop::option::weighted(0.7, prop::bool::weighted(0.05)),
+        )
+            .prop_map(|(pick, to, offer)| Step::Forwarded { pick, to, offer }),
+        1 => prop_oneof![4 => Just(Whose::Right), 1 => Just(Whose::Peer), 1 => Just(Whose::Ours)].prop_map(Step::Forward),
     ]
 }
 
@@ -1196,6 +1341,8 @@ enum Fault {
     BadPull,
     /// Over a host link, an offer that is not a copy.
     NotACopy,
+    /// An answer to a forward never asked for, or a forward's offer over a host link.
+    BadForwarded,
 }
 
 fn kind(e: &ActorError) -> Option<Fault> {
@@ -1204,6 +1351,7 @@ fn kind(e: &ActorError) -> Option<Fault> {
         ActorError::Unexpected { got } if got.contains("Pull") || got.contains("engines") => {
             Fault::BadPull
         }
+        ActorError::Unexpected { got } if got.contains("Forwarded") => Fault::BadForwarded,
         ActorError::ForeignOffer { .. } | ActorError::Unexpected { .. } => Fault::Foreign,
         ActorError::DuplicateLease { .. } => Fault::Duplicate,
         ActorError::TooManyLeases { .. } => Fault::TooManyLeases,
@@ -1256,6 +1404,9 @@ struct Model {
     pulls: std::collections::VecDeque<u64>,
     next_lent: u64,
     copies_in: Vec<usize>,
+    /// Forwards we asked for and await, and the next one's id.
+    asked: BTreeSet<u64>,
+    next_forward: u64,
 }
 
 const DEADLINE_MS: u64 = 10_000;
@@ -1318,6 +1469,8 @@ struct Outcome {
     /// Pulled copies started, and copies released while sending.
     started: usize,
     released_sending: usize,
+    /// Forwards answered to who asked.
+    forwards_answered: usize,
 }
 
 /// Runs `steps` against a session and the model; stops at the first fault, which must be
@@ -1334,6 +1487,7 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
         next_ping: 1,
         fresh: 100,
         next_lent: 1000,
+        next_forward: 1,
         ..Model::default()
     };
     // A copy of ours, picked.
@@ -1663,6 +1817,111 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 }
                 continue;
             }
+            Step::AskForward => {
+                let (id, frame) = s.ask_forward(LeaseId::new(1), third());
+                prop_assert_eq!(id, m.next_forward);
+                let asks = matches!(frame, Wire::Forward(Forward { id: i, .. }) if i == id);
+                prop_assert!(asks, "the request names forward {}", id);
+                s.await_forward(id, id);
+                m.asked.insert(id);
+                m.next_forward += 1;
+                continue;
+            }
+            Step::Forwarded { pick, to, offer } => {
+                // Over a host link an offer is a fault: rarely tried, so runs go on.
+                let offer = offer.filter(|_| !across || pick % 8 == 0);
+                let answered: Vec<u64> = (1..m.next_forward)
+                    .filter(|id| !m.asked.contains(id))
+                    .collect();
+                let id = match to {
+                    AnswerTo::Asked if !m.asked.is_empty() => {
+                        *m.asked.iter().nth(pick % m.asked.len()).unwrap()
+                    }
+                    AnswerTo::Answered if !answered.is_empty() => answered[pick % answered.len()],
+                    AnswerTo::Never if pick % 4 == 0 => 0,
+                    AnswerTo::Never => m.next_forward + pick as u64,
+                    _ => continue,
+                };
+                m.heard = m.now;
+                m.fresh += 1;
+                let lease = m.fresh;
+                let answer = match offer {
+                    Some(foreign) => {
+                        let exporter = if foreign { third() } else { peer() };
+                        Ok(match across {
+                            true => copy_of(exporter, lease, 0),
+                            false => offer_of(exporter, lease, 0),
+                        })
+                    }
+                    None => Err("refused".to_owned()),
+                };
+                let frame = Wire::Forwarded(Forwarded {
+                    id,
+                    outcome: answer,
+                });
+                let waits = m.asked.contains(&id);
+                let never = !waits && (id == 0 || id >= m.next_forward);
+                let expected = if (across && offer.is_some()) || never {
+                    Some(Fault::BadForwarded)
+                } else if waits && offer == Some(true) {
+                    Some(Fault::Foreign)
+                } else {
+                    None
+                };
+                let result = s.handle(frame, at(m.now), &node);
+                if let (None, Ok(actions)) = (expected, &result) {
+                    if waits {
+                        // Handed to who asked, once.
+                        m.asked.remove(&id);
+                        outcome.forwards_answered += 1;
+                        let handed = matches!(
+                            &actions[..],
+                            [Action::Forwarded { asked, outcome: o }]
+                                if *asked == id && o.as_ref().map(|o| o.lease.get()).ok() == offer.map(|_| lease)
+                        );
+                        prop_assert!(handed, "the answer to forward {} goes to who asked", id);
+                    } else {
+                        // Answered already: its offer goes back.
+                        let back: Vec<u64> = sent(actions)
+                            .iter()
+                            .filter_map(|w| match w {
+                                Wire::Release(r) => Some(r.lease.get()),
+                                _ => None,
+                            })
+                            .collect();
+                        prop_assert_eq!(actions.len(), usize::from(offer.is_some()));
+                        prop_assert_eq!(back, offer.map(|_| lease).into_iter().collect::<Vec<_>>());
+                    }
+                }
+                (expected, result.map(|_| ()))
+            }
+            Step::Forward(whose) => {
+                m.heard = m.now;
+                let to = match whose {
+                    Whose::Peer => peer(),
+                    Whose::Ours => me(),
+                    _ => third(),
+                };
+                let frame = Wire::Forward(Forward {
+                    id: 3,
+                    lease: LeaseId::new(1),
+                    to,
+                });
+                let actions = s.handle(frame, at(m.now), &node).expect("never a fault");
+                let refused = across || to != third();
+                let got = match &actions[..] {
+                    [Action::Forward(f)] if f.to == to => Some(false),
+                    [
+                        Action::Send(Wire::Forwarded(Forwarded {
+                            id: 3,
+                            outcome: Err(_),
+                        })),
+                    ] => Some(true),
+                    _ => None,
+                };
+                prop_assert_eq!(got, Some(refused), "refused on sight: {}", refused);
+                continue;
+            }
             Step::Drop { index, reported } => {
                 if !m.guards.is_empty() {
                     let (lease, guard) = m.guards.remove(index % m.guards.len());
@@ -1707,6 +1966,7 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 prop_assert_eq!(ended.orphans.len(), m.guards.len());
                 prop_assert_eq!(ended.callers.len(), m.pending.len());
                 prop_assert_eq!(ended.forwards.len(), m.forwards.len());
+                prop_assert_eq!(ended.asked.len(), m.asked.len());
                 outcome.fault = Some(fault);
                 return Ok(outcome);
             }
@@ -1728,6 +1988,7 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
         prop_assert_eq!(s.held_back(), (m.next_in - m.next_out) as usize);
         prop_assert_eq!(s.copies_out(), m.copies.len());
         prop_assert_eq!(s.copies_in(), m.copies_in.iter().sum::<usize>());
+        prop_assert_eq!(s.forwards_asked(), m.asked.len());
         prop_assert!(s.held_back() <= LIMITS.held_messages);
         for alloc in 0..4 {
             prop_assert_eq!(s.maps(AllocationId::new(alloc)), m.mapped.contains(&alloc));
@@ -1758,7 +2019,7 @@ fn the_random_runs_reach_every_fault() {
     let steps = (any::<bool>(), prop::collection::vec(step(), 1..80));
     let mut faults = BTreeSet::new();
     let mut most_held = 0;
-    let (mut started, mut released_sending) = (0, 0);
+    let (mut started, mut released_sending, mut answered) = (0, 0, 0);
     for _ in 0..2000 {
         let tree = steps.new_tree(&mut runner).expect("a run");
         let (across, steps) = tree.current();
@@ -1767,10 +2028,11 @@ fn the_random_runs_reach_every_fault() {
         most_held = most_held.max(outcome.most_held);
         started += outcome.started;
         released_sending += outcome.released_sending;
+        answered += outcome.forwards_answered;
     }
     assert!(
-        started > 30 && released_sending > 30,
-        "{started} {released_sending}"
+        started > 30 && released_sending > 30 && answered > 30,
+        "{started} {released_sending} {answered}"
     );
     assert_eq!(
         faults.into_iter().collect::<Vec<_>>(),
@@ -1786,6 +2048,7 @@ fn the_random_runs_reach_every_fault() {
             Fault::TooManyHeld,
             Fault::BadPull,
             Fault::NotACopy,
+            Fault::BadForwarded,
         ]
     );
     assert_eq!(most_held, LIMITS.leases_held);
