@@ -44,7 +44,7 @@ use crate::node::Node;
 use crate::remote::{IncomingPayload, OutCall};
 use crate::transport::{Closer, Reader, Transport};
 use actix::prelude::*;
-use baton_ipc::{CacheKey, FrameFds, PeerInfo, Received};
+use baton_ipc::{CacheKey, FrameFds, HolderId, PeerInfo, Received};
 use baton_messages::protocol::{Status, StatusRequest};
 use baton_messages::status::STATUS_VERSION;
 use baton_messages::{FenceHandle, HandleMsg, Message as Wire, ProcessId};
@@ -79,6 +79,7 @@ enum Attached {}
 impl Attach for Attached {
     type Held = Weak<HeldLease>;
     type Mapping = CacheKey;
+    type Relayed = (CacheKey, HolderId);
     type Caller = oneshot::Sender<Result<IncomingPayload, ActorError>>;
     type Handed = copy::Handed;
     type Copy = copy::DeviceCopy;
@@ -515,6 +516,7 @@ impl LinkEnd {
             orphans,
             forwards,
             asked,
+            relayed,
         }) = self.ended.take()
         else {
             return;
@@ -527,10 +529,12 @@ impl LinkEnd {
         let reclaimed = before.saturating_sub(exports.stats(None).leases);
         // The mappings this link kept warm go (now, or with the last orphaned lease).
         self.node.cache().drop_holder(self.me.holder());
-        // Forwards through this link: see `relay`.
-        self.node
-            .relays()
-            .link_stopped(self.me.id, self.node.cache());
+        // Forwards through this link: see `relay`. The relayed leases' own holds go (their
+        // mappings close with their last use).
+        self.node.relays().link_stopped(self.me.id);
+        for (_, holder) in relayed {
+            self.node.cache().drop_holder(holder);
+        }
         let closed = || ActorError::link_closed(self.peer.process);
         for tx in callers {
             let _ = tx.send(Err(closed()));

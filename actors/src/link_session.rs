@@ -92,6 +92,9 @@ pub(crate) trait Attach {
     /// A mapping of the peer's allocation that this link keeps warm (the import cache's
     /// key).
     type Mapping;
+    /// A relayed lease's own hold on its mapping (a third process's memory), let go once
+    /// its guard drops ([`LinkSession::released`]) or the link ends.
+    type Relayed;
     /// Who waits for the reply to one of our calls.
     type Caller;
     /// A host link's message read and ready to hand on, waiting for those read before it
@@ -319,6 +322,15 @@ pub(crate) struct Open<A: Attach> {
     pub(crate) then: Then<A>,
 }
 
+/// How an opened lease's mapping is kept ([`LinkSession::opened`]).
+pub(crate) enum Kept<A: Attach> {
+    /// The peer's own allocation: this link keeps it warm (a hold, until the peer's
+    /// `Unmap`).
+    Warm(A::Mapping),
+    /// A third process's memory, relayed: by the lease's own hold.
+    Own(A::Relayed),
+}
+
 /// What opened offers are for.
 pub(crate) enum Then<A: Attach> {
     /// Bare offers (or a relayed one): delivered to the node's inbox.
@@ -353,6 +365,20 @@ pub(crate) struct Ended<A: Attach> {
     pub(crate) forwards: Vec<A::Forward>,
     /// Who waits for the peer's answer to a forward we asked for: it fails.
     pub(crate) asked: Vec<A::Asked>,
+    /// The holds of the relayed leases still recorded: let go (their mappings close with
+    /// their last use).
+    pub(crate) relayed: Vec<A::Relayed>,
+}
+
+/// A lease held from the peer.
+struct HeldFrom<A: Attach> {
+    /// Its guard.
+    guard: A::Held,
+    /// The bytes it maps.
+    bytes: u64,
+    /// A relayed lease's own hold on its mapping (a third process's memory: see
+    /// [`released`](LinkSession::released)).
+    own: Option<A::Relayed>,
 }
 
 /// The link's protocol state (see the [module docs](self)).
@@ -368,11 +394,8 @@ pub(crate) struct LinkSession<A: Attach> {
     limits: SessionLimits,
     /// The peer's allocations this link keeps mapped.
     mapped: HashMap<AllocationId, A::Mapping>,
-    /// Leases held from the peer: each one's guard, the bytes it maps, and whether it is
-    /// relayed (a third process's memory, its mapping its own: see [`released`]).
-    ///
-    /// [`released`]: LinkSession::released
-    held: HashMap<LeaseId, (A::Held, u64, bool)>,
+    /// Leases held from the peer.
+    held: HashMap<LeaseId, HeldFrom<A>>,
     /// Offers of third processes we passed on to the peer, until it releases them
     /// ([`ReleaseRoute::Passed`]). Ours, not peer-fed: one per forward this node made.
     passed: HashSet<LeaseId>,
@@ -524,7 +547,7 @@ impl<A: Attach> LinkSession<A> {
                 held: self
                     .held
                     .get(&lease)
-                    .map(|(h, _, _)| h)
+                    .map(|h| &h.guard)
                     .filter(|h| h.is_held())
                     .cloned(),
             },
@@ -697,10 +720,12 @@ impl<A: Attach> LinkSession<A> {
                 // Before anything waits on it (forged fences are the peer's fault).
                 checks.check_fence(&exporter, fence)?;
             }
+            // Held still — or relayed and not given back yet: its own hold on the mapping
+            // would be lost under a second one.
             let held = self
                 .held
                 .get(&offer.lease)
-                .is_some_and(|(h, _, _)| h.is_held());
+                .is_some_and(|h| h.guard.is_held() || h.own.is_some());
             if held || offers[..i].iter().any(|o| o.lease == offer.lease) {
                 return Err(ActorError::DuplicateLease { lease: offer.lease });
             }
@@ -815,21 +840,18 @@ impl<A: Attach> LinkSession<A> {
         }
     }
 
-    /// An offer of an [`Action::Open`] opened: its lease is held (through `held`). For an
-    /// offer of the peer's own buffer, `mapping` is our mapping of its allocation; returns
-    /// whether it is the first over this link — a *hold* starts, that keeps the mapping
-    /// warm for the next offer until the peer says `Unmap`. (A relayed offer's mapping is
-    /// its own lease's: `None`.)
-    pub(crate) fn opened(
-        &mut self,
-        offer: &Offer,
-        held: A::Held,
-        mapping: Option<A::Mapping>,
-    ) -> bool {
-        let relayed = mapping.is_none();
-        let new_hold = mapping.is_some_and(|m| self.mapped.insert(offer.handle.alloc, m).is_none());
+    /// An offer of an [`Action::Open`] opened: its lease is held (through `held`), its
+    /// mapping `kept`. For an offer of the peer's own buffer, returns whether it is the
+    /// first over this link — a *hold* starts, that keeps the mapping warm for the next
+    /// offer until the peer says `Unmap`.
+    pub(crate) fn opened(&mut self, offer: &Offer, guard: A::Held, kept: Kept<A>) -> bool {
+        let (new_hold, own) = match kept {
+            Kept::Warm(m) => (self.mapped.insert(offer.handle.alloc, m).is_none(), None),
+            Kept::Own(own) => (false, Some(own)),
+        };
+        let bytes = offer.handle.len;
         self.held
-            .insert(offer.lease, (held, offer.handle.len, relayed));
+            .insert(offer.lease, HeldFrom { guard, bytes, own });
         new_hold
     }
 
@@ -855,12 +877,10 @@ impl<A: Attach> LinkSession<A> {
         frames
     }
 
-    /// The guard of a lease we held dropped: it is no longer held. Returns whether it was
-    /// relayed (its `Release` waits for its own mapping to close).
-    pub(crate) fn released(&mut self, lease: LeaseId) -> bool {
-        self.held
-            .remove(&lease)
-            .is_some_and(|(_, _, relayed)| relayed)
+    /// The guard of a lease we held dropped: it is no longer held. Returns a relayed
+    /// lease's own hold (its `Release` waits for its mapping to close).
+    pub(crate) fn released(&mut self, lease: LeaseId) -> Option<A::Relayed> {
+        self.held.remove(&lease).and_then(|h| h.own)
     }
 
     /// We passed a third process's offer on to the peer as `lease` (forwarding): its
@@ -1079,16 +1099,19 @@ impl<A: Attach> LinkSession<A> {
 
     /// The link ended: what the session held that others wait on.
     pub(crate) fn end(&mut self) -> Ended<A> {
+        let (mut orphans, mut relayed) = (Vec::new(), Vec::new());
+        for (_, HeldFrom { guard, bytes, own }) in self.held.drain() {
+            relayed.extend(own);
+            if guard.is_held() {
+                orphans.push((guard, bytes));
+            }
+        }
         Ended {
             forwards: self.copies.end(),
             asked: self.asked.drain().map(|(_, asked)| asked).collect(),
             callers: self.pending.drain().map(|(_, caller)| caller).collect(),
-            orphans: self
-                .held
-                .drain()
-                .map(|(_, (held, bytes, _))| (held, bytes))
-                .filter(|(h, _)| h.is_held())
-                .collect(),
+            orphans,
+            relayed,
         }
     }
 }

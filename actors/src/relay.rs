@@ -32,8 +32,10 @@
 //!   may drop it while C holds the forwarded one. The forwards B asked A for and awaits
 //!   are the A–B link's session's (`LinkSession::ask_forward`): per link, checked there.
 //! - **C**: a lease like any other (the node's inbox receives it, see
-//!   [`Node::set_inbox`](crate::Node::set_inbox)), but no warm mapping: its `Release`
-//!   leaves only after the mapping is closed, so A never needs to ask C to `Unmap`.
+//!   [`Node::set_inbox`](crate::Node::set_inbox)), but no warm mapping: the lease holds
+//!   its mapping under a holder of its own ([`Relays::new_holder`], kept by the link's
+//!   session with the lease), and its `Release` leaves only after the mapping is closed,
+//!   so A never needs to ask C to `Unmap`.
 //!
 //! The limits are in `docs/FORWARDING.md`.
 //!
@@ -44,7 +46,7 @@
 
 use crate::ids::LinkId;
 use crate::link_ref::LinkRef;
-use baton_ipc::{CacheKey, HolderId, ImportCache};
+use baton_ipc::HolderId;
 use baton_messages::LeaseId;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -54,7 +56,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// holder id is its link id).
 const RELAY_HOLDER: u64 = 1 << 63;
 
-/// What a node knows of the forwards it takes part in, as relay (B) or final holder (C).
+/// What a node knows of the forwards it takes part in: as relay (B), the offers passed
+/// on; as final holder (C), the numbering of its relayed leases' holds.
 #[derive(Debug, Default)]
 pub(crate) struct Relays {
     next: AtomicU64,
@@ -66,8 +69,6 @@ pub(crate) struct RelayState {
     /// B: offers passed on, by (downstream link, our lease id): the upstream link and the
     /// exporter's lease id.
     pub(crate) passed: HashMap<(LinkId, LeaseId), (LinkRef, LeaseId)>,
-    /// C: relayed leases held, by (link, lease): the mapping and its holder in the cache.
-    pub(crate) held: HashMap<(LinkId, LeaseId), (CacheKey, HolderId)>,
 }
 
 impl Relays {
@@ -81,43 +82,16 @@ impl Relays {
         HolderId(RELAY_HOLDER | (self.next.fetch_add(1, Ordering::Relaxed) + 1))
     }
 
-    /// C: `lease`, received over `link`, maps `key` under `holder`.
-    pub(crate) fn hold(&self, link: LinkId, lease: LeaseId, key: CacheKey, holder: HolderId) {
-        self.lock().held.insert((link, lease), (key, holder));
-    }
-
-    /// C: whether `lease` over `link` is a relayed lease held here (it then goes back
-    /// only once its mapping is closed).
-    pub(crate) fn take_held(&self, link: LinkId, lease: LeaseId) -> Option<(CacheKey, HolderId)> {
-        self.lock().held.remove(&(link, lease))
-    }
-
     /// B: the exporter's lease that `lease`, passed on over `link`, stands for; forgotten.
     pub(crate) fn take_passed(&self, link: LinkId, lease: LeaseId) -> Option<(LinkRef, LeaseId)> {
         self.lock().passed.remove(&(link, lease))
     }
 
-    /// `link` is down: offers passed over it are forgotten
-    /// (their holder's death ends them at the exporter, which watches it), and the
-    /// mappings of relayed leases held over it stop being kept (they close with their
-    /// last lease). Offers passed on *from* it (its peer was their exporter) are kept
-    /// until their holder gives them back, so that its `Release` is not taken for a
-    /// lease we never granted; it then goes nowhere.
-    pub(crate) fn link_stopped(&self, link: LinkId, cache: &ImportCache) {
-        let holders = {
-            let mut state = self.lock();
-            state.passed.retain(|(down, _), _| *down != link);
-            let holders: Vec<HolderId> = state
-                .held
-                .iter()
-                .filter(|((l, _), _)| *l == link)
-                .map(|(_, (_, h))| *h)
-                .collect();
-            state.held.retain(|(l, _), _| *l != link);
-            holders
-        };
-        for holder in holders {
-            cache.drop_holder(holder);
-        }
+    /// `link` is down: offers passed over it are forgotten (their holder's death ends
+    /// them at the exporter, which watches it). Offers passed on *from* it (its peer was
+    /// their exporter) are kept until their holder gives them back, so that its `Release`
+    /// is not taken for a lease we never granted; it then goes nowhere.
+    pub(crate) fn link_stopped(&self, link: LinkId) {
+        self.lock().passed.retain(|(down, _), _| *down != link);
     }
 }

@@ -31,7 +31,7 @@ use crate::error::ActorError;
 use crate::link_ref::{AskForward, GiveBack, LinkRef, PassOn, RevokePassed, SendRelease};
 use crate::link_session::HOST_LINK_FORWARD;
 use actix::prelude::*;
-use baton_ipc::FrameFds;
+use baton_ipc::{CacheKey, FrameFds, HolderId};
 use baton_messages::protocol::{Forward, Forwarded, Offer, Relayed, Release, Revoke};
 use baton_messages::{FenceHandle, LeaseId, Message as Wire};
 use tokio::sync::oneshot;
@@ -283,22 +283,19 @@ impl PeerLink {
         }
     }
 
-    /// C: a relayed lease's guard dropped: its mapping is let go, and its `Release` goes
-    /// once the mapping is closed. Hands `lease` and `fences` back if it was not one.
+    /// C: a relayed lease's guard dropped: its own hold on the mapping is let go, and
+    /// its `Release` goes once the mapping is closed.
     pub(crate) fn release_relayed(
         &mut self,
         lease: LeaseId,
         fences: Vec<FenceHandle>,
-    ) -> Result<(), (LeaseId, Vec<FenceHandle>)> {
-        let Some((key, holder)) = self.node.relays().take_held(self.me.id, lease) else {
-            return Err((lease, fences));
-        };
+        (key, holder): (CacheKey, HolderId),
+    ) {
         let me = self.me.clone();
         self.node.cache().unhold(
             &key,
             holder,
             Box::new(move || me.do_send(SendRelease { lease, fences })),
         );
-        Ok(())
     }
 }

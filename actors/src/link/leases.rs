@@ -9,7 +9,7 @@ use crate::error::ActorError;
 use crate::link_ref::{ReleaseLease, RequestEvict, SendPoolRetired, SendRevoke, SendUnmap};
 use crate::link_session::{CopyReleased, ReleaseRoute};
 use actix::prelude::*;
-use baton_ipc::CacheKey;
+use baton_ipc::{CacheKey, HolderId};
 use baton_messages::protocol::{Evict, PoolRetired, Release, Revoke, Unmap, Unmapped};
 use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire};
 use std::sync::atomic::Ordering;
@@ -198,17 +198,12 @@ impl PeerLink {
         &mut self,
         lease: LeaseId,
         fences: Vec<FenceHandle>,
-        relayed: bool,
+        relayed: Option<(CacheKey, HolderId)>,
         ctx: &mut Context<Self>,
     ) {
-        let (lease, fences) = if relayed {
-            match self.release_relayed(lease, fences) {
-                Ok(()) => return,
-                Err(unheld) => unheld,
-            }
-        } else {
-            (lease, fences)
-        };
+        if let Some(own) = relayed {
+            return self.release_relayed(lease, fences, own);
+        }
         if let Err(e) = self.send(&Wire::Release(Release { lease, fences }), Vec::new()) {
             self.cut(ctx, e);
         }

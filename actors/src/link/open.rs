@@ -6,7 +6,7 @@
 use super::{Attached, PeerLink};
 use crate::buffer::{HeldLease, IncomingLease};
 use crate::error::ActorError;
-use crate::link_session::{Open, Then};
+use crate::link_session::{Kept, Open, Then};
 use crate::order::LeaseOrder;
 use crate::paths::LeasePath;
 use crate::remote::IncomingPayload;
@@ -138,24 +138,21 @@ impl PeerLink {
                 Err(e) => return Err(e.into()),
             };
             let key = imported.key();
-            let mapping = if relayed {
+            let kept = if relayed {
                 // A third process's memory: no warm mapping (its exporter cannot ask us to
                 // unmap it); this lease's own hold keeps it until its `Release` may go.
                 let holder = self.node.relays().new_holder();
                 self.node.cache().hold(&key, holder);
-                self.node
-                    .relays()
-                    .hold(self.me.id, offer.lease, key, holder);
-                None
+                Kept::Own((key, holder))
             } else {
-                Some(key)
+                Kept::Warm(key)
             };
             let held = Arc::new(HeldLease::default());
             // The first offer of an allocation over this link starts a hold: the mapping
             // stays warm for the next offer until the exporter says `Unmap`. (A hold that
             // was letting go while leases used the mapping is superseded: the cache answers
             // its `Unmapped`.)
-            if self.session.opened(offer, Arc::downgrade(&held), mapping) {
+            if self.session.opened(offer, Arc::downgrade(&held), kept) {
                 self.node.cache().hold(&key, self.me.holder());
             }
             self.me

@@ -16,12 +16,14 @@ use std::sync::Arc;
 
 /// Plain values for what the shell attaches: a guard is an `Arc<()>` the test keeps, a
 /// mapping is its allocation's number, a caller is its call id; a copy, its send and a
-/// forward's waiter are their lease's number; who asked for a forward is its id.
+/// forward's waiter are their lease's number, as is a relayed lease's own hold; who
+/// asked for a forward is its id.
 enum Plain {}
 
 impl Attach for Plain {
     type Held = Weak<()>;
     type Mapping = u64;
+    type Relayed = u64;
     type Caller = u64;
     type Handed = u32;
     type Copy = u64;
@@ -182,6 +184,15 @@ fn handle(s: &mut LinkSession<Plain>, frame: Wire) -> Vec<Action<Plain>> {
         .collect()
 }
 
+/// How the shell keeps an opened offer's mapping: the allocation's, or the relayed
+/// lease's own.
+fn kept(offer: &Offer, relayed: bool) -> Kept<Plain> {
+    match relayed {
+        true => Kept::Own(offer.lease.get()),
+        false => Kept::Warm(offer.handle.alloc.get()),
+    }
+}
+
 /// Does what the shell does with an [`Action::Open`]: every offer opens; returns the
 /// guards (the leases' holders).
 fn open_all(s: &mut LinkSession<Plain>, actions: Vec<Action<Plain>>) -> Vec<(LeaseId, Arc<()>)> {
@@ -192,8 +203,7 @@ fn open_all(s: &mut LinkSession<Plain>, actions: Vec<Action<Plain>>) -> Vec<(Lea
         };
         for offer in &open.offers {
             let guard = Arc::new(());
-            let mapping = (!open.relayed).then_some(offer.handle.alloc.get());
-            s.opened(offer, Arc::downgrade(&guard), mapping);
+            s.opened(offer, Arc::downgrade(&guard), kept(offer, open.relayed));
             guards.push((offer.lease, guard));
         }
     }
@@ -477,10 +487,11 @@ fn copies_start_in_the_order_pulled_and_end_with_their_lease_or_the_link() {
     assert_eq!(s.copies_in(), 400);
 }
 
-/// Our own release of a held lease says whether it was relayed (its `Release` then waits
-/// for its own mapping to close); a lease not held is not.
+/// Our own release of a held lease hands back a relayed one's own hold (its `Release`
+/// then waits for its mapping to close); until then its id offered again is a duplicate,
+/// even once its guard dropped (a second hold would replace the first).
 #[test]
-fn a_held_lease_released_says_whether_it_was_relayed() {
+fn a_held_lease_released_hands_back_a_relayed_ones_hold() {
     let mut s = session();
     let mut guards = hold(&mut s, &[1], 1);
     let actions = handle(
@@ -491,9 +502,19 @@ fn a_held_lease_released_says_whether_it_was_relayed() {
     );
     guards.extend(open_all(&mut s, actions));
     assert_eq!(s.held(), 2);
-    assert!(s.released(LeaseId::new(2)), "relayed");
-    assert!(!s.released(LeaseId::new(1)), "the peer's own buffer");
-    assert!(!s.released(LeaseId::new(1)), "no longer held");
+    guards.retain(|(lease, _)| lease.get() != 2);
+    let again = Wire::Relayed(Relayed {
+        offer: offer_of(third(), 2, 3),
+    });
+    let e = fault(&mut s, again.clone(), &Node::default());
+    assert!(matches!(e, ActorError::DuplicateLease { .. }), "{e}");
+    let mut s = session();
+    let mut guards = hold(&mut s, &[1], 1);
+    let actions = handle(&mut s, again);
+    guards.extend(open_all(&mut s, actions));
+    assert_eq!(s.released(LeaseId::new(2)), Some(2), "relayed");
+    assert_eq!(s.released(LeaseId::new(1)), None, "the peer's own buffer");
+    assert_eq!(s.released(LeaseId::new(1)), None, "no longer held");
     assert_eq!(s.held(), 0);
     drop(guards);
 }
@@ -1039,10 +1060,10 @@ fn the_first_offer_of_an_allocation_starts_a_hold() {
     let a = offer(1, 1);
     let b = offer(2, 1);
     let (ga, gb) = (Arc::new(()), Arc::new(()));
-    assert!(s.opened(&a, Arc::downgrade(&ga), Some(1)));
-    assert!(!s.opened(&b, Arc::downgrade(&gb), Some(1)));
+    assert!(s.opened(&a, Arc::downgrade(&ga), Kept::Warm(1)));
+    assert!(!s.opened(&b, Arc::downgrade(&gb), Kept::Warm(1)));
     assert!(
-        !s.opened(&offer(3, 2), Arc::downgrade(&gb), None),
+        !s.opened(&offer(3, 2), Arc::downgrade(&gb), Kept::Own(3)),
         "relayed"
     );
     assert_eq!(s.held(), 3);
@@ -1404,6 +1425,8 @@ struct Model {
     pulls: std::collections::VecDeque<u64>,
     next_lent: u64,
     copies_in: Vec<usize>,
+    /// Relayed leases recorded (opened, not reported released): their own holds.
+    relayed: BTreeSet<u64>,
     /// Forwards we asked for and await, and the next one's id.
     asked: BTreeSet<u64>,
     next_forward: u64,
@@ -1433,7 +1456,8 @@ impl Model {
             if across && local {
                 return Some(Fault::NotACopy);
             }
-            if self.live(lease) || offers[..i].iter().any(|o| o.0 == lease) {
+            let live = self.live(lease) || self.relayed.contains(&lease);
+            if live || offers[..i].iter().any(|o| o.0 == lease) {
                 return Some(Fault::Duplicate);
             }
         }
@@ -1589,12 +1613,15 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                         let upto = fails_at.unwrap_or(usize::MAX).min(open.offers.len());
                         for o in &open.offers[..upto] {
                             let guard = Arc::new(());
-                            let mapping = (!relayed).then_some(o.handle.alloc.get());
-                            let new_hold = s.opened(o, Arc::downgrade(&guard), mapping);
+                            let new_hold = s.opened(o, Arc::downgrade(&guard), kept(o, relayed));
                             let alloc = o.handle.alloc.get();
                             prop_assert_eq!(new_hold, !relayed && m.mapped.insert(alloc));
                             m.held.insert(o.lease.get(), true);
                             m.guards.push((o.lease.get(), guard));
+                            match relayed {
+                                true => m.relayed.insert(o.lease.get()),
+                                false => m.relayed.remove(&o.lease.get()),
+                            };
                         }
                         if upto < open.offers.len() {
                             let back = s.refused(&open.offers[upto..], relayed);
@@ -1928,7 +1955,8 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                     drop(guard);
                     m.held.insert(lease, false);
                     if reported {
-                        s.released(LeaseId::new(lease));
+                        let own = m.relayed.remove(&lease).then_some(lease);
+                        prop_assert_eq!(s.released(LeaseId::new(lease)), own);
                         m.held.remove(&lease);
                     }
                 }
@@ -1967,6 +1995,9 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 prop_assert_eq!(ended.callers.len(), m.pending.len());
                 prop_assert_eq!(ended.forwards.len(), m.forwards.len());
                 prop_assert_eq!(ended.asked.len(), m.asked.len());
+                let mut relayed = ended.relayed;
+                relayed.sort_unstable();
+                prop_assert_eq!(relayed, m.relayed.iter().copied().collect::<Vec<_>>());
                 outcome.fault = Some(fault);
                 return Ok(outcome);
             }
