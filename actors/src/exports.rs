@@ -26,7 +26,7 @@ use crate::ledger::{
     Access, Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal,
     RevokePolicy, Totals,
 };
-use crate::link_ref::{CutOff, LinkRef, SendPoolRetired, SendRevoke, SendUnmap};
+use crate::link_ref::{CutOff, LinkRef, Notice};
 use crate::offload::Offload;
 use crate::order::{ExportOrder, FreeVerdict, ReleaseFence};
 use baton_ipc::{Allocation, DescriptorScope, ExportedFence, Session, SharedBackend};
@@ -402,18 +402,18 @@ impl Todo {
                     if let Some(l) = self.links.get(&link) {
                         let within = deadline.saturating_duration_since(Instant::now());
                         tracing::info!(%lease, peer = %l.peer(), ?within, "revoking");
-                        l.do_send(SendRevoke { lease, within });
+                        l.do_send(Notice::Revoke { lease, within });
                     }
                 }
                 Action::Unmap { link, alloc } => {
                     if let Some(l) = self.links.get(&link) {
                         tracing::debug!(%alloc, peer = %l.peer(), "asking to unmap");
-                        l.do_send(SendUnmap { alloc });
+                        l.do_send(Notice::Unmap(alloc));
                     }
                 }
                 Action::ForgetPool { link, pool } => {
                     if let Some(l) = self.links.get(&link) {
-                        l.do_send(SendPoolRetired { pool });
+                        l.do_send(Notice::PoolRetired(pool));
                     }
                 }
                 Action::Cut { link, lease, kill } => {

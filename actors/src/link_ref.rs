@@ -13,10 +13,11 @@
 
 use crate::error::ActorError;
 use crate::ids::LinkId;
+pub(crate) use crate::link_session::Notice;
 use actix::prelude::*;
 use baton_ipc::{HolderId, Imported, UseMark};
-use baton_messages::protocol::Offer;
-use baton_messages::{AllocationId, FenceHandle, LeaseId, ProcessId};
+use baton_messages::protocol::{Offer, Release};
+use baton_messages::{FenceHandle, LeaseId, ProcessId};
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -401,20 +402,19 @@ link_commands!(
     Close,
     PeerDied,
     ReleaseLease,
-    SendRevoke,
-    SendUnmap,
-    SendPoolRetired,
-    RequestEvict,
+    Notice,
     CancelCall,
     SendPing,
     AskStatus,
     AskForward,
     PassOn,
-    SendRelease,
-    RevokePassed,
-    SendRendezvous,
     ForwardCopy,
 );
+
+/// A frame for the peer (see [`Notice`]).
+impl Message for Notice {
+    type Result = ();
+}
 
 /// Send a copy of a lease this node holds to the peer (on another host): offered as a
 /// copy of our own, its bytes read from `view`; answered once the peer gave its lease
@@ -486,42 +486,6 @@ pub(crate) struct ReleaseLease {
     pub(crate) pending: Option<PendingRelease>,
 }
 
-/// Ask the peer to give a lease back within a deadline.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendRevoke {
-    pub(crate) lease: LeaseId,
-    pub(crate) within: Duration,
-}
-
-/// Carry our transfer engine's rendezvous message to the peer (a host link's).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendRendezvous {
-    pub(crate) bytes: Vec<u8>,
-}
-
-/// Ask the peer to close its mapping of one of our allocations.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendUnmap {
-    pub(crate) alloc: AllocationId,
-}
-
-/// Tell the peer one of our memory pools, whose descriptor went over the link, is retired.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendPoolRetired {
-    pub(crate) pool: u64,
-}
-
-/// The import cache's warm budget is exceeded: ask the peer to let us drop a mapping.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct RequestEvict {
-    pub(crate) alloc: AllocationId,
-}
-
 /// The caller of a pending call gave up (it dropped the future: a timeout): forget the
 /// call at once. A reply that comes later is given back (its leases released).
 #[derive(Message)]
@@ -563,10 +527,8 @@ pub(crate) struct GiveBack {
 impl Drop for GiveBack {
     fn drop(&mut self) {
         if self.upstream.is_alive() {
-            self.upstream.do_send(SendRelease {
-                lease: self.lease,
-                fences: Vec::new(),
-            });
+            self.upstream
+                .do_send(Notice::Release(Release::now(self.lease)));
         }
     }
 }
@@ -579,21 +541,4 @@ pub(crate) struct PassOn {
     pub(crate) fd: Option<OwnedFd>,
     pub(crate) give_back: GiveBack,
     pub(crate) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
-}
-
-/// Send `Release` of `lease` to this link's peer: B handing on a holder's release, or C
-/// giving back a relayed lease once its mapping is closed.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct SendRelease {
-    pub(crate) lease: LeaseId,
-    pub(crate) fences: Vec<FenceHandle>,
-}
-
-/// B: hand the exporter's `Revoke` of a forwarded lease on to its holder.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct RevokePassed {
-    pub(crate) lease: LeaseId,
-    pub(crate) deadline_ms: u32,
 }

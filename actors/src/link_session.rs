@@ -23,6 +23,8 @@
 //!   a late one's leases go back);
 //! - **liveness**: pings in flight and when the peer was last heard;
 //! - **status**: our requests awaiting an answer, and the peer's being answered (bounded);
+//! - **notices**: the frames the rest of the node asks the link to send ([`Notice`]: a
+//!   revoke, an unmap, an eviction — only of a mapping the link keeps —, a release…);
 //! - **forwarding**: the forwards we asked the peer for, awaiting its answer (an answer to
 //!   one never asked, or an offer of a buffer not the peer's, is a fault), and which of the
 //!   peer's forward requests are refused before anything is looked up (over a host link,
@@ -320,6 +322,34 @@ pub(crate) struct Open<A: Attach> {
     pub(crate) relayed: bool,
     /// What to do with the leases once opened.
     pub(crate) then: Then<A>,
+}
+
+/// A frame the rest of the node asks a link to send its peer (through its `LinkRef`):
+/// the session builds it, or finds it is not needed ([`LinkSession::notice`]).
+#[derive(Debug)]
+pub(crate) enum Notice {
+    /// Ask the peer to give `lease` back within `within` (one of ours, or — as a relay —
+    /// one we passed on to it, on its exporter's behalf).
+    Revoke {
+        /// The lease.
+        lease: LeaseId,
+        /// Its deadline, from now.
+        within: Duration,
+    },
+    /// Ask the peer to close its mapping of our allocation.
+    Unmap(AllocationId),
+    /// One of our memory pools, whose descriptor went over this link, is retired.
+    PoolRetired(u64),
+    /// Our import cache's warm budget is exceeded: ask the peer to let us drop our
+    /// mapping of its allocation (none is sent if this link no longer maps it).
+    Evict(AllocationId),
+    /// Our mapping of the peer's allocation is closed: its `Unmap` is answered.
+    Unmapped(AllocationId),
+    /// Give a lease back: a relayed lease once its mapping is closed, or — as a relay —
+    /// a passed-on lease its holder gave back.
+    Release(Release),
+    /// Our transfer engine's rendezvous message, for the peer's (a host link's).
+    Rendezvous(Vec<u8>),
 }
 
 /// How an opened lease's mapping is kept ([`LinkSession::opened`]).
@@ -900,6 +930,7 @@ impl<A: Attach> LinkSession<A> {
     }
 
     /// Whether this link keeps the peer's `alloc` mapped.
+    #[cfg(test)]
     pub(crate) fn maps(&self, alloc: AllocationId) -> bool {
         self.mapped.contains_key(&alloc)
     }
@@ -1035,6 +1066,26 @@ impl<A: Attach> LinkSession<A> {
     /// `asked` waits for the peer's answer to our forward `id`.
     pub(crate) fn await_forward(&mut self, id: u64, asked: A::Asked) {
         self.asked.insert(id, asked);
+    }
+
+    /// The frame that carries `notice` to the peer, if one is needed.
+    pub(crate) fn notice(&self, notice: Notice) -> Option<Wire> {
+        tracing::trace!(?notice, "notice");
+        Some(match notice {
+            Notice::Revoke { lease, within } => Wire::Revoke(Revoke {
+                lease,
+                deadline_ms: u32::try_from(within.as_millis()).unwrap_or(u32::MAX),
+            }),
+            Notice::Unmap(alloc) => Wire::Unmap(Unmap { alloc }),
+            Notice::PoolRetired(pool) => Wire::PoolRetired(PoolRetired { pool }),
+            Notice::Evict(alloc) if self.mapped.contains_key(&alloc) => {
+                Wire::Evict(Evict { alloc })
+            }
+            Notice::Evict(_) => return None,
+            Notice::Unmapped(alloc) => Wire::Unmapped(Unmapped { alloc }),
+            Notice::Release(release) => Wire::Release(release),
+            Notice::Rendezvous(bytes) => Wire::Rendezvous(Rendezvous { bytes }),
+        })
     }
 
     /// Forwards we asked for whose answer has not come.

@@ -10,8 +10,8 @@ use crate::exports::{BufferCell, BufferLeases, Exports, OwnerStats};
 use crate::ids::LinkId;
 use crate::ledger::RevokePolicy;
 use crate::link_ref::{
-    CLOSE_FLUSH, Close, CutOff, Heartbeat, LinkLimits, LinkRef, LinkRings, PeerDied, RequestEvict,
-    SendPing, SendRendezvous,
+    CLOSE_FLUSH, Close, CutOff, Heartbeat, LinkLimits, LinkRef, LinkRings, Notice, PeerDied,
+    SendPing,
 };
 use crate::offload::Offload;
 use crate::paths::{Downgrade, DowngradePolicy, LeasePath, PathDowngraded};
@@ -490,7 +490,7 @@ impl Node {
                     .find(|p| p.link.id.get() == holder.0)
                     .cloned();
                 if let Some(peer) = peer {
-                    peer.link.do_send(RequestEvict { alloc: key.alloc });
+                    peer.link.do_send(Notice::Evict(key.alloc));
                 }
             }));
             NodeInner {
@@ -858,7 +858,7 @@ impl Node {
                 })
                 .map(|p| p.link.clone());
             match link {
-                Some(link) => link.do_send(SendRendezvous { bytes }),
+                Some(link) => link.do_send(Notice::Rendezvous(bytes)),
                 None => {
                     tracing::debug!(peer = %peer.process, "no host link for an NCCL rendezvous: its transfers fail by their deadline")
                 }

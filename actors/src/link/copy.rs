@@ -65,7 +65,7 @@ use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, OfferGrant};
 use crate::forwarding::copy_deadline;
-use crate::link_ref::{CutOff, ForwardCopy, SendRendezvous};
+use crate::link_ref::{CutOff, ForwardCopy};
 use crate::link_session::Turn;
 use crate::link_session::{Open, Then};
 use crate::order::LeaseOrder;
@@ -74,7 +74,7 @@ use actix::prelude::*;
 use baton_ipc::transfer::nccl::NcclEngine;
 use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferEngine, TransferId, decline};
 use baton_ipc::{Error as IpcError, ExportedFence, Imported, MemPtr};
-use baton_messages::protocol::{Offer, Pull, Rendezvous};
+use baton_messages::protocol::{Offer, Pull};
 use baton_messages::{
     ActorId, CopyEngine, DType, ExporterId, Generation, HandleDigest, HandleMsg, Layout, LeaseId,
     Message as Wire, PROTOCOL_VERSION, RawHandle, Shape,
@@ -812,16 +812,6 @@ impl Handler<ForwardCopy> for PeerLink {
             Err(e) => {
                 let _ = reply.send(Err(e));
             }
-        }
-    }
-}
-
-impl Handler<SendRendezvous> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendRendezvous, ctx: &mut Self::Context) {
-        let rendezvous = Wire::Rendezvous(Rendezvous { bytes: msg.bytes });
-        if let Err(e) = self.send(&rendezvous, Vec::new()) {
-            self.cut(ctx, e);
         }
     }
 }

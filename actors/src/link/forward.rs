@@ -28,12 +28,13 @@
 
 use super::PeerLink;
 use crate::error::ActorError;
-use crate::link_ref::{AskForward, GiveBack, LinkRef, PassOn, RevokePassed, SendRelease};
+use crate::link_ref::{AskForward, GiveBack, LinkRef, Notice, PassOn};
 use crate::link_session::HOST_LINK_FORWARD;
 use actix::prelude::*;
 use baton_ipc::{CacheKey, FrameFds, HolderId};
-use baton_messages::protocol::{Forward, Forwarded, Offer, Relayed, Release, Revoke};
+use baton_messages::protocol::{Forward, Forwarded, Offer, Relayed, Release};
 use baton_messages::{FenceHandle, LeaseId, Message as Wire};
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// B: a forward we asked the exporter for, awaiting its answer (kept by the session).
@@ -112,32 +113,6 @@ impl Handler<PassOn> for PeerLink {
                 let _ = reply.send(Err(ActorError::link_closed(self.peer.process)));
                 self.cut(ctx, e);
             }
-        }
-    }
-}
-
-impl Handler<SendRelease> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendRelease, ctx: &mut Self::Context) {
-        let release = Wire::Release(Release {
-            lease: msg.lease,
-            fences: msg.fences,
-        });
-        if let Err(e) = self.send(&release, Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-impl Handler<RevokePassed> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: RevokePassed, ctx: &mut Self::Context) {
-        let revoke = Wire::Revoke(Revoke {
-            lease: msg.lease,
-            deadline_ms: msg.deadline_ms,
-        });
-        if let Err(e) = self.send(&revoke, Vec::new()) {
-            self.cut(ctx, e);
         }
     }
 }
@@ -251,10 +226,7 @@ impl PeerLink {
             return false;
         };
         if upstream.is_alive() {
-            upstream.do_send(SendRelease {
-                lease: theirs,
-                fences: Vec::new(),
-            });
+            upstream.do_send(Notice::Release(Release::now(theirs)));
         }
         true
     }
@@ -276,9 +248,9 @@ impl PeerLink {
             return;
         };
         if let Some(peer) = self.node.peers().into_iter().find(|p| p.link.id == down) {
-            peer.link.do_send(RevokePassed {
+            peer.link.do_send(Notice::Revoke {
                 lease: ours,
-                deadline_ms,
+                within: Duration::from_millis(deadline_ms.into()),
             });
         }
     }
@@ -295,7 +267,7 @@ impl PeerLink {
         self.node.cache().unhold(
             &key,
             holder,
-            Box::new(move || me.do_send(SendRelease { lease, fences })),
+            Box::new(move || me.do_send(Notice::Release(Release { lease, fences }))),
         );
     }
 }

@@ -6,11 +6,11 @@
 use super::PeerLink;
 use crate::buffer::HeldLease;
 use crate::error::ActorError;
-use crate::link_ref::{ReleaseLease, RequestEvict, SendPoolRetired, SendRevoke, SendUnmap};
+use crate::link_ref::{LinkCommand, Notice, ReleaseLease};
 use crate::link_session::{CopyReleased, ReleaseRoute};
 use actix::prelude::*;
 use baton_ipc::{CacheKey, HolderId};
-use baton_messages::protocol::{Evict, PoolRetired, Release, Revoke, Unmap, Unmapped};
+use baton_messages::protocol::Release;
 use baton_messages::{AllocationId, FenceHandle, InboxGrant, LeaseId, Message as Wire};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -130,7 +130,7 @@ impl PeerLink {
         self.node.cache().unhold(
             mapping,
             self.me.holder(),
-            Box::new(move || addr.do_send(SendUnmapped { alloc })),
+            Box::new(move || addr.do_send(LinkCommand::from(Notice::Unmapped(alloc)))),
         );
     }
 
@@ -210,64 +210,15 @@ impl PeerLink {
     }
 }
 
-impl Handler<SendRevoke> for PeerLink {
+impl Handler<Notice> for PeerLink {
     type Result = ();
-    fn handle(&mut self, msg: SendRevoke, ctx: &mut Self::Context) {
-        let deadline_ms = u32::try_from(msg.within.as_millis()).unwrap_or(u32::MAX);
-        let revoke = Wire::Revoke(Revoke {
-            lease: msg.lease,
-            deadline_ms,
-        });
-        if let Err(e) = self.send(&revoke, Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-impl Handler<SendUnmap> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendUnmap, ctx: &mut Self::Context) {
-        if let Err(e) = self.send(&Wire::Unmap(Unmap { alloc: msg.alloc }), Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-impl Handler<SendPoolRetired> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendPoolRetired, ctx: &mut Self::Context) {
-        tracing::debug!(parent: &self.span, pool = msg.pool, "our pool is retired: telling the peer");
-        let frame = Wire::PoolRetired(PoolRetired { pool: msg.pool });
-        if let Err(e) = self.send(&frame, Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-/// Our mapping of one of the peer's allocations is closed (an `Unmap` answered).
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SendUnmapped {
-    alloc: AllocationId,
-}
-
-impl Handler<SendUnmapped> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: SendUnmapped, ctx: &mut Self::Context) {
-        tracing::trace!(parent: &self.span, alloc = %msg.alloc, "unmapped");
-        if let Err(e) = self.send(&Wire::Unmapped(Unmapped { alloc: msg.alloc }), Vec::new()) {
-            self.cut(ctx, e);
-        }
-    }
-}
-
-impl Handler<RequestEvict> for PeerLink {
-    type Result = ();
-    fn handle(&mut self, msg: RequestEvict, ctx: &mut Self::Context) {
-        if !self.session.maps(msg.alloc) {
+    fn handle(&mut self, notice: Notice, ctx: &mut Self::Context) {
+        let _g = self.span.clone().entered();
+        let Some(frame) = self.session.notice(notice) else {
             return;
-        }
-        if let Err(e) = self.send(&Wire::Evict(Evict { alloc: msg.alloc }), Vec::new()) {
+        };
+        if let Err(e) = self.send(&frame, Vec::new()) {
+            drop(_g);
             self.cut(ctx, e);
         }
     }

@@ -1054,6 +1054,57 @@ fn unmap_lets_go_of_a_mapping_or_answers_at_once() {
     }
 }
 
+/// What the rest of the node asks a link to tell its peer becomes one frame; an eviction
+/// is asked only of an allocation this link still maps.
+#[test]
+fn a_notice_becomes_its_frame_and_an_eviction_needs_a_mapping() {
+    let mut s = session();
+    let alloc = AllocationId::new(1);
+    let frame = |s: &LinkSession<Plain>, n| s.notice(n).map(|w| format!("{w:?}"));
+    assert_eq!(frame(&s, Notice::Evict(alloc)), None, "not mapped");
+    let _guards = hold(&mut s, &[1], 1);
+    let notices = [
+        (Notice::Evict(alloc), Wire::Evict(Evict { alloc })),
+        (Notice::Unmap(alloc), Wire::Unmap(Unmap { alloc })),
+        (Notice::Unmapped(alloc), Wire::Unmapped(Unmapped { alloc })),
+        (
+            Notice::PoolRetired(7),
+            Wire::PoolRetired(PoolRetired { pool: 7 }),
+        ),
+        (
+            Notice::Release(Release::now(LeaseId::new(4))),
+            Wire::Release(Release::now(LeaseId::new(4))),
+        ),
+        (
+            Notice::Revoke {
+                lease: LeaseId::new(4),
+                within: Duration::from_millis(1500),
+            },
+            Wire::Revoke(Revoke {
+                lease: LeaseId::new(4),
+                deadline_ms: 1500,
+            }),
+        ),
+        (
+            Notice::Revoke {
+                lease: LeaseId::new(4),
+                within: Duration::MAX,
+            },
+            Wire::Revoke(Revoke {
+                lease: LeaseId::new(4),
+                deadline_ms: u32::MAX,
+            }),
+        ),
+        (
+            Notice::Rendezvous(vec![1, 2]),
+            Wire::Rendezvous(Rendezvous { bytes: vec![1, 2] }),
+        ),
+    ];
+    for (notice, want) in notices {
+        assert_eq!(frame(&s, notice), Some(format!("{want:?}")));
+    }
+}
+
 #[test]
 fn the_first_offer_of_an_allocation_starts_a_hold() {
     let mut s = session();
