@@ -57,8 +57,8 @@ use baton_messages::protocol::{
     StatusScope, Unmap, Unmapped,
 };
 use baton_messages::{
-    AllocationId, FenceHandle, HandleMsg, InboxGrant, LeaseId, Message as Wire, ProcessId,
-    RawHandle,
+    AllocationId, CopyEngine, FenceHandle, HandleMsg, InboxGrant, LeaseId, Message as Wire,
+    ProcessId, RawHandle,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
@@ -350,6 +350,47 @@ pub(crate) enum Notice {
     Release(Release),
     /// Our transfer engine's rendezvous message, for the peer's (a host link's).
     Rendezvous(Vec<u8>),
+}
+
+/// A frame's copies coming in over a host link, admitted
+/// ([`LinkSession::receive_copies`]).
+#[derive(Debug)]
+pub(crate) struct CopiesIn {
+    /// Their bytes in all: they count against [`SessionLimits::copy_bytes`] until
+    /// [`copies_in_done`](LinkSession::copies_in_done).
+    pub(crate) bytes: usize,
+    /// The `Pull`s that let the sender start the device copies, in the offers' order (the
+    /// order NCCL pairs sends and receives in): sent once their receives are posted.
+    pub(crate) pulls: Vec<Wire>,
+}
+
+impl CopiesIn {
+    /// Whether one is a device copy: then the first with a peer makes the communicator,
+    /// and a failure ends the link ([`order_lost`]).
+    pub(crate) fn device(&self) -> bool {
+        !self.pulls.is_empty()
+    }
+}
+
+/// The engine an offered copy names (over a host link the session let only copies in).
+pub(crate) fn copy_engine(offer: &Offer) -> CopyEngine {
+    match offer.handle.raw {
+        RawHandle::Copy { engine } => engine,
+        _ => CopyEngine::Tcp,
+    }
+}
+
+/// Why a host link ends after its device copy of `lease` failed with `e`: NCCL pairs a
+/// communicator's sends and receives by their order alone, so after a failure the next
+/// send could meet a receive posted for another buffer (the sender's side cuts too,
+/// which tells the receiver at once instead of at its deadline).
+pub(crate) fn order_lost(lease: LeaseId, e: &baton_ipc::Error) -> ActorError {
+    ActorError::Ipc(baton_ipc::Error::TransferFailed {
+        id: lease.get(),
+        reason: format!(
+            "a device copy failed, so the order of NCCL's sends and receives with this peer is lost: {e}"
+        ),
+    })
 }
 
 /// How an opened lease's mapping is kept ([`LinkSession::opened`]).
@@ -1140,6 +1181,34 @@ impl<A: Attach> LinkSession<A> {
     /// [`copies_in_done`]: Self::copies_in_done
     pub(crate) fn admit_copies_in(&mut self, bytes: usize) -> bool {
         self.copies.admit_in(bytes, self.limits.copy_bytes)
+    }
+
+    /// A frame's offered copies (of an [`Action::Open`] over a host link), to be received
+    /// now: admitted ([`CopiesIn`]), or refused with the reason — the link kept, their
+    /// leases given back — when they are relayed (a relay forwards to another host as a
+    /// copy of its own, never a third process's handle) or would pass the link's bound on
+    /// copies in flight (each is memory of ours: a peer cannot make us allocate without
+    /// bound).
+    pub(crate) fn receive_copies(
+        &mut self,
+        offers: &[Offer],
+        relayed: bool,
+    ) -> Result<CopiesIn, &'static str> {
+        if relayed {
+            return Err("a relayed offer does not cross hosts");
+        }
+        let bytes = offers
+            .iter()
+            .fold(0usize, |n, o| n.saturating_add(o.handle.len as usize));
+        if !self.admit_copies_in(bytes) {
+            return Err("the link's copies in flight would pass LinkLimits::copy_bytes");
+        }
+        let pulls = offers
+            .iter()
+            .filter(|o| copy_engine(o) == CopyEngine::Nccl)
+            .map(|o| Wire::Pull(Pull { lease: o.lease }))
+            .collect();
+        Ok(CopiesIn { bytes, pulls })
     }
 
     /// Copies of `bytes` admitted by [`admit_copies_in`](Self::admit_copies_in) landed or

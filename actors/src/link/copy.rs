@@ -67,14 +67,14 @@ use crate::exports::{BufferCell, OfferGrant};
 use crate::forwarding::copy_deadline;
 use crate::link_ref::{CutOff, ForwardCopy};
 use crate::link_session::Turn;
-use crate::link_session::{Open, Then};
+use crate::link_session::{Open, Then, copy_engine, order_lost};
 use crate::order::LeaseOrder;
 use crate::paths::LeasePath;
 use actix::prelude::*;
 use baton_ipc::transfer::nccl::NcclEngine;
 use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferEngine, TransferId, decline};
 use baton_ipc::{Error as IpcError, ExportedFence, Imported, MemPtr};
-use baton_messages::protocol::{Offer, Pull};
+use baton_messages::protocol::Offer;
 use baton_messages::{
     ActorId, CopyEngine, DType, ExporterId, Generation, HandleDigest, HandleMsg, Layout, LeaseId,
     Message as Wire, PROTOCOL_VERSION, RawHandle, Shape,
@@ -125,14 +125,6 @@ fn unsupported(engine: &'static str, reason: &'static str) -> IpcError {
     IpcError::RegionUnsupported { engine, reason }
 }
 
-/// The engine an offered copy names (checked: the offer is a copy).
-fn copy_engine(offer: &Offer) -> CopyEngine {
-    match offer.handle.raw {
-        RawHandle::Copy { engine } => engine,
-        _ => CopyEngine::Tcp,
-    }
-}
-
 /// An engine's name, for errors.
 fn engine_name(engine: CopyEngine) -> &'static str {
     match engine {
@@ -172,16 +164,6 @@ fn wait_all(transfers: &[HeldTransfer], allowed: Duration) -> Result<(), IpcErro
     Ok(())
 }
 
-/// Why a link ends after its device copy `id` failed with `e` (see [`reap`]).
-fn order_lost(id: u64, e: &IpcError) -> ActorError {
-    ActorError::Ipc(IpcError::TransferFailed {
-        id,
-        reason: format!(
-            "a device copy failed, so the order of NCCL's sends and receives with this peer is lost: {e}"
-        ),
-    })
-}
-
 /// Holds a finished send until the engine reports it (bounded by the engine's stall
 /// timeout), so that its memory is kept until then; started sends are reaped here.
 ///
@@ -200,7 +182,8 @@ fn reap(transfer: Arc<HeldTransfer>, link: Option<Addr<PeerLink>>) {
                 Err(e) => {
                     tracing::debug!(transfer = %transfer.id(), error = %e, "a copy's send failed");
                     if let Some(link) = &link {
-                        link.do_send(CutOff(order_lost(transfer.id().0, &e)));
+                        let lease = LeaseId::new(transfer.id().0);
+                        link.do_send(CutOff(order_lost(lease, &e)));
                     }
                 }
             }
@@ -539,12 +522,7 @@ impl PeerLink {
         if offers.is_empty() {
             return self.hand_on(turn, then, Ok(Vec::new()), slot, ctx);
         }
-        let len = offers
-            .iter()
-            .fold(0usize, |n, o| n.saturating_add(o.handle.len as usize));
-        let name = offers
-            .first()
-            .map_or("tcp", |o| engine_name(copy_engine(o)));
+        let name = engine_name(copy_engine(&offers[0]));
         // The peer's data connections are welcome from its host link's key (and only
         // from it: see `baton_ipc::transfer::tcp_engine`), before any receive or decline is posted.
         if let (Some(plane), Some(peer), Some(host)) =
@@ -553,41 +531,35 @@ impl PeerLink {
             plane.engine.admit(&peer, host.key);
         }
         let mut budget = None;
-        let received = if relayed {
-            // A relay forwards to another host as a copy of its own (`Peer::forward`),
-            // never a handle of a third process's memory.
-            Err(unsupported(name, "a relayed offer does not cross hosts"))
-        } else if !self.session.admit_copies_in(len) {
-            // Each copy is memory of ours: a peer cannot make us allocate without bound.
-            Err(unsupported(
-                name,
-                "the link's copies in flight would pass LinkLimits::copy_bytes",
-            ))
-        } else {
-            // Nor can many links together: the node's budget, kept by its TCP engine.
-            let taken = self.node.plane().and_then(|plane| {
-                plane
-                    .engine
-                    .copy_budget()
-                    .try_take(len, self.limits.node_copy_bytes)
-            });
-            let taken_or_posted = match taken {
-                None => Err(unsupported(
-                    name,
-                    "the node's copies in flight, over all its links, would pass LinkLimits::node_copy_bytes",
-                )),
-                Some(taken) => {
-                    budget = Some(taken);
-                    self.post_receives(&offers)
+        let received = match self.session.receive_copies(&offers, relayed) {
+            Err(reason) => Err(unsupported(name, reason)),
+            Ok(copies) => {
+                // Nor can many links together make us allocate without bound: the node's
+                // budget, kept by its TCP engine.
+                let taken = self.node.plane().and_then(|plane| {
+                    plane
+                        .engine
+                        .copy_budget()
+                        .try_take(copies.bytes, self.limits.node_copy_bytes)
+                });
+                let posted = match taken {
+                    None => Err(unsupported(
+                        name,
+                        "the node's copies in flight, over all its links, would pass LinkLimits::node_copy_bytes",
+                    )),
+                    Some(taken) => {
+                        budget = Some(taken);
+                        self.post_receives(&offers)
+                    }
+                };
+                if posted.is_err() {
+                    self.session.copies_in_done(copies.bytes);
                 }
-            };
-            if taken_or_posted.is_err() {
-                self.session.copies_in_done(len);
+                posted.map(|receiving| (copies, receiving))
             }
-            taken_or_posted
         };
-        let receiving = match received {
-            Ok(receiving) => receiving,
+        let (copies, receiving) = match received {
+            Ok(received) => received,
             Err(e) => {
                 // The sender sends host copies all the same: read past them, so that they
                 // do not hold up the copies behind them on its connection. (Device copies
@@ -596,18 +568,16 @@ impl PeerLink {
                 return self.copies_failed(&offers, e, turn, then, slot, ctx);
             }
         };
-        // Device copies: their receives are posted, so the sender may start them (in
-        // this order: the order NCCL pairs them in).
-        for offer in &offers {
-            if copy_engine(offer) == CopyEngine::Nccl {
-                self.send(&Wire::Pull(Pull { lease: offer.lease }), Vec::new())?;
-            }
+        // Device copies: their receives are posted, so the sender may start them.
+        for pull in &copies.pulls {
+            self.send(pull, Vec::new())?;
         }
         let mut allowance = self.node.heartbeat().deadline;
-        if offers.iter().any(|o| copy_engine(o) == CopyEngine::Nccl) {
+        if copies.device() {
             // The first device copy with a peer makes its communicator.
             allowance += self.node.hosts().nccl.rendezvous_timeout;
         }
+        let (len, device) = (copies.bytes, copies.device());
         let allowed = copy_deadline(allowance, len);
         let waiting = tokio::task::spawn_blocking(move || {
             let waited = match wait_all(&receiving, allowed) {
@@ -629,11 +599,11 @@ impl PeerLink {
             act.session.copies_in_done(len);
             let done = match joined {
                 Ok(Ok(receiving)) => act.copies_landed(offers, receiving, turn, then, slot, ctx),
-                Ok(Err(e)) if offers.iter().any(|o| copy_engine(o) == CopyEngine::Nccl) => {
+                Ok(Err(e)) if device => {
                     // A device copy failed: the link ends, as the sender's does (`reap`:
                     // the communicators' order of sends and receives is lost), after the
                     // message has failed with the engine's error.
-                    let cut = order_lost(offers[0].lease.get(), &e);
+                    let cut = order_lost(offers[0].lease, &e);
                     act.copies_failed(&offers, e, turn, then, slot, ctx)
                         .and(Err(cut))
                 }

@@ -130,7 +130,7 @@ fn key() -> HandleKey {
 fn copy_of(exporter: ProcessId, lease: u64, alloc: u64) -> Offer {
     let mut offer = offer_of(exporter, lease, alloc);
     offer.handle.raw = RawHandle::Copy {
-        engine: baton_messages::CopyEngine::Tcp,
+        engine: CopyEngine::Tcp,
     };
     offer.handle = offer.handle.sealed(&key());
     offer
@@ -484,6 +484,42 @@ fn copies_start_in_the_order_pulled_and_end_with_their_lease_or_the_link() {
     assert!(!s.admit_copies_in(401), "past copy_bytes");
     assert!(s.admit_copies_in(400));
     s.copies_in_done(600);
+    assert_eq!(s.copies_in(), 400);
+}
+
+/// A frame's copies coming in: refused when relayed or past the link's bound in bytes
+/// (the link kept); admitted ones count until done, and their device copies are pulled in
+/// the offers' order.
+#[test]
+fn copies_in_are_bounded_and_their_device_copies_pulled_in_order() {
+    let mut s = session().across_hosts(peer());
+    let sized = |lease: u64, len: u64, engine| {
+        let mut offer = offer_of(peer(), lease, lease);
+        offer.handle.len = len;
+        offer.handle.raw = RawHandle::Copy { engine };
+        offer
+    };
+    let (tcp, nccl) = (CopyEngine::Tcp, CopyEngine::Nccl);
+    let offers = [sized(1, 100, nccl), sized(2, 200, tcp), sized(3, 300, nccl)];
+    let reason = s.receive_copies(&offers, true).expect_err("relayed");
+    assert!(reason.contains("relayed"), "{reason}");
+    let copies = s.receive_copies(&offers, false).expect("within the bound");
+    assert_eq!(copies.bytes, 600);
+    assert!(copies.device());
+    let pulled: Vec<u64> = (copies.pulls.iter())
+        .map(|w| match w {
+            Wire::Pull(Pull { lease }) => lease.get(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(pulled, [1, 3]);
+    let past = s.receive_copies(&[sized(4, 401, tcp)], false);
+    assert!(past.expect_err("past copy_bytes").contains("copy_bytes"));
+    let host = s
+        .receive_copies(&[sized(4, 400, tcp)], false)
+        .expect("fits");
+    assert!(!host.device() && host.pulls.is_empty());
+    s.copies_in_done(copies.bytes);
     assert_eq!(s.copies_in(), 400);
 }
 
