@@ -12,7 +12,9 @@
 //! `node`'s), or an item `lib.rs` defines itself (`crate::Result`: any module may use
 //! those). Comments (doc comments too) and string literals are not code and are
 //! skipped. What it cannot see is a method call on a type whose `impl` sits in a higher
-//! module; the layers keep those in order too, by review.
+//! module; the layers keep those in order too, by review — and for `baton-actors`'s
+//! `Node`, by its types: below the node tree a module holds a `NodeCore`, never a `Node`,
+//! and every inherent `impl Node` is in that tree (the "Node tree" part at the end).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -1086,4 +1088,117 @@ fn a_cycle_of_files_is_found_and_a_child_using_its_parent_is_none() {
         ),
     ]);
     assert_eq!(file_cycles(&tree_only), Vec::<Vec<String>>::new());
+}
+
+// --- The node tree -----------------------------------------------------------------------
+//
+// Every inherent `impl Node` of `baton-actors` is in one module tree, `actors/src/node.rs`
+// and the files under `actors/src/node/` (issue 49), so that the node's whole API reads in
+// one place. Where a method's work needs a module below the node, the method calls that
+// module, which takes the node's state (`NodeCore`, in `node_core.rs`): the layers above
+// keep every module from naming `Node` below the tree, and this check keeps `Node`'s
+// methods from spreading back out.
+
+/// The lines of `src`'s inherent `impl` blocks of the type `name` — `impl Name {`,
+/// `impl Name<…>`, with or without generics on the `impl` and a path before the name — but
+/// no trait impl (`impl Trait for Name`), and no other type whose name starts the same.
+fn inherent_impls(src: &str, name: &str) -> Vec<usize> {
+    let toks = tokens(src);
+    // The index just past the `<…>` that opens at `at` (a `->` inside is no `>`).
+    let past_generics = |at: usize| -> usize {
+        let mut depth = 0;
+        let mut j = at;
+        while let Some((t, _)) = toks.get(j) {
+            match t {
+                Token::Punct('<') => depth += 1,
+                Token::Punct('>') if !is(toks.get(j.wrapping_sub(1)), &Token::Punct('-')) => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return j + 1;
+                    }
+                }
+                _ => {}
+            }
+            j += 1;
+        }
+        j
+    };
+    let mut found = Vec::new();
+    for (i, (t, line)) in toks.iter().enumerate() {
+        if !matches!(t, Token::Ident(kw) if kw == "impl") {
+            continue;
+        }
+        let mut j = i + 1;
+        if is(toks.get(j), &Token::Punct('<')) {
+            j = past_generics(j);
+        }
+        // A path to the type (`crate::node::Node`).
+        while ident(toks.get(j)).is_some() && is(toks.get(j + 1), &Token::PathSep) {
+            j += 2;
+        }
+        if ident(toks.get(j)) != Some(name) {
+            continue;
+        }
+        j += 1;
+        if is(toks.get(j), &Token::Punct('<')) {
+            j = past_generics(j);
+        }
+        // `{` or a `where` clause: inherent; `for`: an impl of a trait of that name.
+        if is(toks.get(j), &Token::Punct('{')) || ident(toks.get(j)) == Some("where") {
+            found.push(*line);
+        }
+    }
+    found
+}
+
+#[test]
+fn every_inherent_impl_of_node_is_in_the_node_tree() {
+    let files = source_tree("actors/src");
+    let mut in_tree = 0;
+    let mut stray = Vec::new();
+    for (module, src) in &files {
+        for line in inherent_impls(src, "Node") {
+            if module.first().map(String::as_str) == Some("node") {
+                in_tree += 1;
+            } else {
+                let file = if module.is_empty() {
+                    "lib".to_owned()
+                } else {
+                    module.join("/")
+                };
+                stray.push(format!("actors/src/{file}.rs:{line}"));
+            }
+        }
+    }
+    assert!(
+        stray.is_empty(),
+        "every inherent `impl Node` belongs in actors/src/node.rs or actors/src/node/ (see \
+         node.rs's module docs); a lower module gives the method what it needs, taking a \
+         `&NodeCore`:\n{}",
+        stray.join("\n")
+    );
+    // A guard against a finder that finds none: node.rs and its five files have some.
+    assert!(
+        in_tree >= 6,
+        "found {in_tree} `impl Node` blocks in the node tree"
+    );
+}
+
+#[test]
+fn inherent_impls_are_told_from_trait_impls_and_other_types() {
+    let src = r#"
+impl Node {}
+impl fmt::Debug for Node {}
+impl NodeCore {}
+impl NodeConfig {}
+impl<T> Node<T> where T: Clone {}
+impl<F: Fn() -> u8> crate::node::Node {}
+// impl Node {}
+const S: &str = "impl Node {";
+impl From<Node> for Peer {}
+impl Node<u8> for X {}
+impl Drop for Node {}
+impl<T: Into<u8>> Node<Vec<T>> {}
+"#;
+    assert_eq!(inherent_impls(src, "Node"), [2, 6, 7, 13]);
 }

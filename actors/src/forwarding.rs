@@ -6,7 +6,7 @@
 use crate::buffer::{Element, IncomingLease, Lease};
 use crate::error::ActorError;
 use crate::link_ref::{AskForward, ForwardCopy, LinkRef};
-use crate::node::Peer;
+use crate::node_core::Peer;
 use baton_ipc::transfer::nccl::NcclConfig;
 use baton_ipc::{ExportedFence, Imported, MemPtr};
 use baton_messages::LeaseId;

@@ -74,15 +74,30 @@
 //!    its actor takes), `exports` (the ledger behind its mutex), `buffer`, `remote` (typed
 //!    messages and their encoding), `relay` (forwarding's tables), `observed` (what the
 //!    status reports besides them);
-//! 3. the node and its links: `node`, `status`, `transport` (a Unix socket or a TCP host
-//!    link behind one reader/writer/closer shape), `link` (the [`PeerLink`] actor, which
-//!    serves the node: the I/O shell of its `link_session`, by concept in `link/` —
-//!    `outgoing` (queue, writer, grants), `open` (opening offers), `copy` (buffers across
-//!    hosts, as copies), `leases` (the lease protocol's other messages), `forward`,
-//!    `closing`), `connect` (which makes links, Unix and TCP, and starts their actors);
-//! 4. the public API on top: [`raw`], `owner` ([`BufferOwner`]), [`child`],
-//!    [`supervisor`], [`metrics`], `sync_receiver` ([`SyncReceiver`]), `polling`
+//! 3. the node's state and its links: `node_core` (`NodeCore`: what the node keeps, and
+//!    every method the modules below its public API ask of it), `status`, `transport` (a
+//!    Unix socket or a TCP host link behind one reader/writer/closer shape), `link` (the
+//!    [`PeerLink`] actor, which serves the node: the I/O shell of its `link_session`, by
+//!    concept in `link/` — `outgoing` (queue, writer, grants), `open` (opening offers),
+//!    `copy` (buffers across hosts, as copies), `leases` (the lease protocol's other
+//!    messages), `forward`, `closing`), `connect` (which makes links, Unix and TCP, and
+//!    starts their actors);
+//! 4. what the node's public API is made of: [`raw`], [`child`], [`metrics`] (their types,
+//!    and helpers that take a `NodeCore`);
+//! 5. the public API on top: `node` ([`Node`], a `NodeCore` with the public API: every
+//!    inherent `impl Node` is in `node.rs` and `node/`, by concept — `connect`, `child`,
+//!    `status`, `metrics`, `raw`; `tests/layers.rs` checks that none is elsewhere), `owner`
+//!    ([`BufferOwner`]), [`supervisor`], `sync_receiver` ([`SyncReceiver`]), `polling`
 //!    ([`ring_polling_system`]).
+//!
+//! The node is split in two because its links point both ways: each link actor holds the
+//! node and calls back into it, so the node's state must sit below `link`, while
+//! [`Node::connect`] and [`Node::listen`] start link actors, so they must sit above it.
+//! The state (`NodeCore`) is below, the public `Node` above; a public method that a lower
+//! module needs too is defined once, on `NodeCore`, and `Node`'s calls it in one line. No
+//! module below `node` can name `Node`, so none holds one to call its methods: a method
+//! call, the one use of a higher module that the checker cannot see, cannot reach `Node`
+//! from below.
 //!
 //! Where types point both ways — the node keeps its links and each link actor calls back
 //! into the node; lease guards, the exports and the node hold links — the lower side
@@ -135,9 +150,9 @@ mod relay;
 // What a node keeps for its status.
 mod observed;
 
-// 3. The node and its links.
-// This process in a deployment: its links, exports, registered actors.
-mod node;
+// 3. The node's state and its links.
+// The node's state, and what its links and the modules below its API ask of it.
+mod node_core;
 // A node's status, as it answers it.
 mod status;
 // The two transports of a link (Unix socket, TCP host link) behind one shape.
@@ -149,17 +164,21 @@ mod link;
 // How a node gets its links.
 mod connect;
 
-// 4. The public API on top.
+// 4. What the node's public API is made of.
 // Untyped calls and buffers.
 pub mod raw;
-// The actor that allocates buffers.
-mod owner;
 // Child processes linked to their parent.
 pub mod child;
-// The process supervisor.
-pub mod supervisor;
 // A node's status as metrics.
 pub mod metrics;
+
+// 5. The public API on top.
+// This process in a deployment: every inherent `impl Node`.
+mod node;
+// The actor that allocates buffers.
+mod owner;
+// The process supervisor.
+pub mod supervisor;
 // Versioned syncs received: staged, then committed whole.
 mod sync_receiver;
 // Runtimes whose thread polls link rings before it parks.
@@ -176,7 +195,8 @@ pub use ledger::RevokePolicy;
 pub use link::PeerLink;
 pub use link_ref::{CLOSE_FLUSH, Heartbeat, LinkLimits, LinkRings};
 pub use metrics::MetricsPublisher;
-pub use node::{HostSettings, Node, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
+pub use node::Node;
+pub use node_core::{HostSettings, NodeConfig, Offered, Peer, PeerEvent, RevokeRequested};
 pub use order::MAX_STREAMS;
 pub use owner::{Allocate, AllocateAny, BufferOwner, LeaseTable, Revoke, Stats};
 pub use paths::{ALLOW_DOWNGRADE_ENV, Downgrade, DowngradePolicy, LeasePath, PathDowngraded};

@@ -40,7 +40,7 @@ use crate::error::ActorError;
 use crate::ids::LinkId;
 use crate::link_ref::{AskStatus, LinkCommand, LinkLimits, LinkRef, LinkState, SendPing};
 use crate::link_session::{Action, Attach, Checks, Ended, LinkSession, SessionLimits, Then};
-use crate::node::Node;
+use crate::node_core::NodeCore;
 use crate::remote::{IncomingPayload, OutCall};
 use crate::transport::{Closer, Reader, Transport};
 use actix::prelude::*;
@@ -90,7 +90,7 @@ impl Attach for Attached {
 
 /// What the session asks of the node while it checks a frame.
 struct NodeChecks<'a> {
-    node: &'a Node,
+    node: &'a NodeCore,
     state: &'a LinkState,
 }
 
@@ -115,7 +115,7 @@ impl Checks for NodeChecks<'_> {
 
 /// One actor per connection (see the [crate docs](crate)).
 pub struct PeerLink {
-    pub(crate) node: Node,
+    pub(crate) node: NodeCore,
     pub(crate) me: LinkRef,
     pub(crate) peer: PeerInfo,
     out: Option<mpsc::UnboundedSender<OutFrame>>,
@@ -186,7 +186,7 @@ fn frames(
 impl PeerLink {
     /// Starts the actor for an established link on the current arbiter.
     /// Returns its reference and where typed calls to it go.
-    pub(crate) fn start(node: Node, link: Transport) -> (LinkRef, Recipient<OutCall>) {
+    pub(crate) fn start(node: NodeCore, link: Transport) -> (LinkRef, Recipient<OutCall>) {
         let peer = link.peer();
         let id = LinkId::next();
         let limits = node.limits();
@@ -496,7 +496,7 @@ impl Actor for PeerLink {
 /// node hears that it is down. Runs from [`PeerLink::stopped`] at once, or off the
 /// links' thread after the NCCL aborts of its peer (`finish`, or its drop).
 struct LinkEnd {
-    node: Node,
+    node: NodeCore,
     me: LinkRef,
     peer: PeerInfo,
     down: Option<Arc<ActorError>>,

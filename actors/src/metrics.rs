@@ -47,12 +47,15 @@
 //! NIXL labels by agent and host; Baton's series carry `path` instead (the recorder adds
 //! the process's own labels). NIXL's `agent_xfer_time`, memory registration and error
 //! events have no Baton counterpart here.
+//!
+//! [`Node::publish_metrics`] is `Node`'s, in `node/metrics.rs`; this module, below the node
+//! tree, has what it records and its guard.
+//!
+//! [`Node::publish_metrics`]: crate::Node::publish_metrics
 
-use crate::node::Node;
-use baton_messages::status::{MAX_STATUS_ENTRIES, NodeStatus};
+use baton_messages::status::NodeStatus;
 use metrics::{counter, gauge};
 use std::fmt;
-use std::time::Duration;
 
 /// Records `status` through the `metrics` facade (see the [module docs](self) for the
 /// names). A no-op without an installed recorder.
@@ -93,6 +96,8 @@ pub fn record(status: &NodeStatus) {
 
 /// Samples a node's status into the `metrics` facade on an interval, until dropped (see
 /// [`Node::publish_metrics`]).
+///
+/// [`Node::publish_metrics`]: crate::Node::publish_metrics
 pub struct MetricsPublisher {
     task: tokio::task::JoinHandle<()>,
 }
@@ -103,24 +108,15 @@ impl fmt::Debug for MetricsPublisher {
     }
 }
 
-impl Drop for MetricsPublisher {
-    fn drop(&mut self) {
-        self.task.abort();
+impl MetricsPublisher {
+    /// The guard of the sampling `task`: aborted when dropped.
+    pub(crate) fn new(task: tokio::task::JoinHandle<()>) -> Self {
+        Self { task }
     }
 }
 
-impl Node {
-    /// Records this node's counters and gauges (see [`metrics`](crate::metrics)) now and
-    /// every `every` after, until the returned guard drops. Must be called inside an
-    /// actix system.
-    pub fn publish_metrics(&self, every: Duration) -> MetricsPublisher {
-        let node = self.clone();
-        let task = actix::spawn(async move {
-            loop {
-                record(&node.status(MAX_STATUS_ENTRIES));
-                tokio::time::sleep(every).await;
-            }
-        });
-        MetricsPublisher { task }
+impl Drop for MetricsPublisher {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }

@@ -53,8 +53,8 @@ impl BufferOwner {
         let id = crate::ids::next_actor();
         Self {
             id,
-            exports: Arc::clone(node.exports()),
-            offload: node.offload(),
+            exports: Arc::clone(node.core().exports()),
+            offload: node.core().offload(),
             span: tracing::info_span!("buffer_owner", actor = %id, backend = backend.name()),
             backend,
             policy: RevokePolicy::default(),

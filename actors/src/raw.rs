@@ -29,11 +29,16 @@
 //! ([`AnyBuffer::read`], [`AnyLease::write`], …) are ordered and complete when they
 //! return; work on a device pointer is ordered with [`AnyLease::wait_on`] and
 //! [`AnyBuffer::wait_on`] / [`AnyBuffer::share_on`].
+//!
+//! `Node::register_raw` is `Node`'s, in `node/raw.rs`; this module, below the node tree,
+//! has the raw types and the handler it registers.
+//!
+//! [`Node::register_raw`]: crate::Node::register_raw
 
 use crate::buffer::{IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::exports::BufferCell;
-use crate::node::{Node, Peer};
+use crate::node_core::Peer;
 use crate::remote::{Answer, Encoded, ErasedHandler, call_encoded};
 use crate::{Buffer, Element};
 use baton_ipc::cuda::CudaBackend;
@@ -435,9 +440,21 @@ where
     }
 }
 
-struct RawRegistered {
+/// A [`RawHandler`] registered for calls of one wire type name
+/// ([`Node::register_raw`](crate::Node::register_raw)).
+pub(crate) struct RawRegistered {
     type_name: String,
     handler: Arc<dyn RawHandler>,
+}
+
+impl RawRegistered {
+    /// `handler`, for calls of `type_name`.
+    pub(crate) fn new(type_name: &str, handler: impl RawHandler) -> Self {
+        Self {
+            type_name: type_name.to_owned(),
+            handler: Arc::new(handler),
+        }
+    }
 }
 
 impl ErasedHandler for RawRegistered {
@@ -461,24 +478,6 @@ impl ErasedHandler for RawRegistered {
                 .into_encoded()
                 .map_err(|e| CallFault::ReplyFailed(e.to_string()))
         }))
-    }
-}
-
-impl Node {
-    /// Makes `handler` reachable from other processes as `name`, for calls whose wire type
-    /// name is `type_name` (a call of another type is refused with
-    /// [`CallFault::WrongType`] before the handler sees it). As with
-    /// [`Node::register`], one name serves several types: this replaces only an earlier
-    /// registration of `name` for `type_name`, typed or raw. See the
-    /// [module docs](crate::raw).
-    pub fn register_raw(&self, name: &str, type_name: &str, handler: impl RawHandler) {
-        self.insert_handler(
-            name,
-            Arc::new(RawRegistered {
-                type_name: type_name.to_owned(),
-                handler: Arc::new(handler),
-            }),
-        );
     }
 }
 

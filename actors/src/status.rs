@@ -12,15 +12,21 @@
 //! entries it left out; the whole answer stays under
 //! [`MAX_STATUS_BYTES`](baton_messages::status::MAX_STATUS_BYTES) (peers' statuses are
 //! left out, last first, until it does).
+//!
+//! `Node`'s methods (`status`, `tree_status`, `path_counts`) are in `node/status.rs`; this
+//! module, below `link` (whose actor answers a peer's `StatusRequest` with [`answer`]),
+//! builds the answer from the node's state, a `NodeCore`.
+//!
+//! [`Node::status`]: crate::Node::status
 
 use crate::ids::LinkId;
 use crate::link_ref::AskStatus;
-use crate::node::{Node, Peer};
+use crate::node_core::{NodeCore, Peer};
 use baton_messages::ProcessId;
 use baton_messages::protocol::{StatusRequest, StatusScope};
 use baton_messages::status::{
-    BufferEntry, CacheEntry, DEFAULT_STATUS_ENTRIES, DowngradeEntry, LinkEntry, MAX_STATUS_ENTRIES,
-    NodeStatus, Omitted, OrphanedLeases, PathEntry, PeerLeases, STATUS_VERSION, truncate,
+    BufferEntry, CacheEntry, DEFAULT_STATUS_ENTRIES, LinkEntry, MAX_STATUS_ENTRIES, NodeStatus,
+    Omitted, OrphanedLeases, PeerLeases, STATUS_VERSION, truncate,
 };
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -35,199 +41,173 @@ fn age_ms(since: Instant, now: Instant) -> u64 {
     now.saturating_duration_since(since).as_millis() as u64
 }
 
-impl Node {
-    /// A snapshot of this node: its buffers and who holds what of them (leases, bytes
-    /// pinned, oldest lease age), quarantines, the orphaned leases it holds, its import
-    /// cache, its links (round trip, queued bytes) and the children of the process
-    /// supervisors started with it. Each list keeps at most `limit` entries (0: the
-    /// default, 64; at most 256) and says how many it left out.
-    pub fn status(&self, limit: u32) -> NodeStatus {
-        self.status_for(limit, None)
-    }
+/// A snapshot of `node` (the body of [`Node::status`](crate::Node::status)), its link
+/// `requester`'s entry marked as the one that asked.
+pub(crate) fn status_for(node: &NodeCore, limit: u32, requester: Option<LinkId>) -> NodeStatus {
+    let limit = match limit {
+        0 => DEFAULT_STATUS_ENTRIES,
+        n => n.min(MAX_STATUS_ENTRIES),
+    };
+    let now = Instant::now();
+    let observed = node.observed();
+    let exports = node.exports().snapshot();
+    let session = node.session().process();
+    let children = observed.children();
+    let names: HashMap<u32, &str> = children
+        .iter()
+        .filter_map(|c| Some((c.pid?, c.name.as_str())))
+        .collect();
+    let name_of = |pid: u32| names.get(&pid).map(|n| (*n).to_owned());
 
-    /// This node's leases by path — granted on its buffers, opened on others' — and the
-    /// downgrades it took: [`NodeStatus::paths`] and [`NodeStatus::downgrades`] alone,
-    /// without the rest of a status (see [`paths`](crate::paths)).
-    pub fn path_counts(&self) -> (Vec<PathEntry>, Vec<DowngradeEntry>) {
-        self.observed().paths.snapshot()
-    }
+    let mut peers: Vec<PeerLeases> = exports
+        .holders
+        .iter()
+        .map(|h| PeerLeases {
+            pid: h.process.pid,
+            start_ticks: h.process.start_ticks,
+            name: name_of(h.process.pid),
+            linked: h.linked,
+            leases: h.leases as u64,
+            pinned_bytes: h.pinned_bytes,
+            mapped_bytes: h.mapped_bytes,
+            oldest_lease_ms: h.oldest_grant.map(|t| age_ms(t, now)),
+            cut: h.cut,
+            quarantined_bytes: h.quarantined_bytes,
+        })
+        .collect();
+    peers.sort_by(|a, b| {
+        (b.pinned_bytes + b.quarantined_bytes, b.mapped_bytes, a.pid).cmp(&(
+            a.pinned_bytes + a.quarantined_bytes,
+            a.mapped_bytes,
+            b.pid,
+        ))
+    });
 
-    /// As [`status`](Self::status), and every linked peer's own status in its link's
-    /// entry (asked now, each within [`TREE_DEADLINE`]): a supervision root answers for
-    /// its tree. Must be called inside an actix system.
-    pub async fn tree_status(&self, limit: u32) -> NodeStatus {
-        let mut status = self.status_for(limit, None);
-        fill_tree(self, &mut status, limit, None).await;
-        fit(&mut status);
-        status
-    }
+    let mut buffer_table: Vec<BufferEntry> = exports
+        .table
+        .iter()
+        .map(|(v, kind, device)| BufferEntry {
+            id: v.buffer.get(),
+            alloc: v.alloc.get(),
+            bytes: v.bytes,
+            backend: kind.map(|k| format!("{k:?}")).unwrap_or_default(),
+            device: device.to_string(),
+            leases: v.leases.len() as u64,
+            holders: {
+                let mut pids: Vec<u32> = v
+                    .leases
+                    .iter()
+                    .map(|(_, p)| p.pid)
+                    .chain(v.mapped_by.iter().map(|p| p.pid))
+                    .collect();
+                pids.sort_unstable();
+                pids.dedup();
+                pids
+            },
+            cut_holders: v.cut_holders.iter().map(|p| p.pid).collect(),
+            retiring: v.retiring,
+            quarantined: v.quarantined,
+        })
+        .collect();
 
-    fn status_for(&self, limit: u32, requester: Option<LinkId>) -> NodeStatus {
-        let limit = match limit {
-            0 => DEFAULT_STATUS_ENTRIES,
-            n => n.min(MAX_STATUS_ENTRIES),
-        };
-        let now = Instant::now();
-        let observed = self.observed();
-        let exports = self.exports().snapshot();
-        let session = self.session().process();
-        let children = observed.children();
-        let names: HashMap<u32, &str> = children
-            .iter()
-            .filter_map(|c| Some((c.pid?, c.name.as_str())))
-            .collect();
-        let name_of = |pid: u32| names.get(&pid).map(|n| (*n).to_owned());
-
-        let mut peers: Vec<PeerLeases> = exports
-            .holders
-            .iter()
-            .map(|h| PeerLeases {
-                pid: h.process.pid,
-                start_ticks: h.process.start_ticks,
-                name: name_of(h.process.pid),
-                linked: h.linked,
-                leases: h.leases as u64,
-                pinned_bytes: h.pinned_bytes,
-                mapped_bytes: h.mapped_bytes,
-                oldest_lease_ms: h.oldest_grant.map(|t| age_ms(t, now)),
-                cut: h.cut,
-                quarantined_bytes: h.quarantined_bytes,
-            })
-            .collect();
-        peers.sort_by(|a, b| {
-            (b.pinned_bytes + b.quarantined_bytes, b.mapped_bytes, a.pid).cmp(&(
-                a.pinned_bytes + a.quarantined_bytes,
-                a.mapped_bytes,
-                b.pid,
-            ))
-        });
-
-        let mut buffer_table: Vec<BufferEntry> = exports
-            .table
-            .iter()
-            .map(|(v, kind, device)| BufferEntry {
-                id: v.buffer.get(),
-                alloc: v.alloc.get(),
-                bytes: v.bytes,
-                backend: kind.map(|k| format!("{k:?}")).unwrap_or_default(),
-                device: device.to_string(),
-                leases: v.leases.len() as u64,
-                holders: {
-                    let mut pids: Vec<u32> = v
-                        .leases
-                        .iter()
-                        .map(|(_, p)| p.pid)
-                        .chain(v.mapped_by.iter().map(|p| p.pid))
-                        .collect();
-                    pids.sort_unstable();
-                    pids.dedup();
-                    pids
-                },
-                cut_holders: v.cut_holders.iter().map(|p| p.pid).collect(),
-                retiring: v.retiring,
-                quarantined: v.quarantined,
-            })
-            .collect();
-
-        let mut orphaned = (0u64, 0u64);
-        let mut orphaned_leases: Vec<OrphanedLeases> = {
-            let groups = observed.orphan_groups();
-            let mut by: HashMap<ProcessId, OrphanedLeases> = HashMap::new();
-            for g in groups.iter() {
-                let e = by.entry(g.exporter).or_insert_with(|| OrphanedLeases {
-                    pid: g.exporter.pid,
-                    start_ticks: g.exporter.start_ticks,
-                    since_ms: age_ms(g.since, now),
-                    ..Default::default()
-                });
-                e.since_ms = e.since_ms.max(age_ms(g.since, now));
-                for (_, bytes) in &g.leases {
-                    e.leases += 1;
-                    e.bytes += bytes;
-                    orphaned.0 += 1;
-                    orphaned.1 += bytes;
-                }
+    let mut orphaned = (0u64, 0u64);
+    let mut orphaned_leases: Vec<OrphanedLeases> = {
+        let groups = observed.orphan_groups();
+        let mut by: HashMap<ProcessId, OrphanedLeases> = HashMap::new();
+        for g in groups.iter() {
+            let e = by.entry(g.exporter).or_insert_with(|| OrphanedLeases {
+                pid: g.exporter.pid,
+                start_ticks: g.exporter.start_ticks,
+                since_ms: age_ms(g.since, now),
+                ..Default::default()
+            });
+            e.since_ms = e.since_ms.max(age_ms(g.since, now));
+            for (_, bytes) in &g.leases {
+                e.leases += 1;
+                e.bytes += bytes;
+                orphaned.0 += 1;
+                orphaned.1 += bytes;
             }
-            let mut v: Vec<OrphanedLeases> = by.into_values().collect();
-            v.sort_by_key(|o| (std::cmp::Reverse(o.bytes), o.pid));
-            v
-        };
-
-        let c = self.cache().stats();
-        let cache = CacheEntry {
-            entries: c.live as u64,
-            warm: c.warm as u64,
-            warm_bytes: c.warm_bytes,
-            opens: c.opens,
-            hits: c.hits,
-            closes: c.closes,
-            evictions: c.evictions,
-            stale: c.stale,
-        };
-
-        let mut links: Vec<LinkEntry> = self
-            .peers()
-            .iter()
-            .map(|p| LinkEntry {
-                id: p.link_id().get(),
-                pid: p.process().pid,
-                start_ticks: p.process().start_ticks,
-                // A remote pid names no child of ours, whatever its number.
-                name: match p.info().host() {
-                    None => name_of(p.process().pid),
-                    Some(_) => None,
-                },
-                host: p.info().host().map(|h| h.host.to_string()),
-                addr: p.info().host().map(|h| h.addr.to_string()),
-                round_trip_us: p.round_trip().map(|d| d.as_micros() as u64),
-                queued_bytes: p.queued_bytes() as u64,
-                leases_held: p.link.state().held_leases() as u64,
-                requester: Some(p.link_id()) == requester,
-                status: None,
-                status_error: None,
-            })
-            .collect();
-        links.sort_by_key(|l| l.id);
-
-        let mut children = children;
-        let omitted = Omitted {
-            peers: truncate(&mut peers, limit),
-            buffer_table: truncate(&mut buffer_table, limit),
-            orphaned_leases: truncate(&mut orphaned_leases, limit),
-            links: truncate(&mut links, limit),
-            children: truncate(&mut children, limit),
-        };
-        let counts = exports.counts;
-        let (paths, downgrades) = observed.paths.snapshot();
-        NodeStatus {
-            version: STATUS_VERSION,
-            pid: session.pid,
-            start_ticks: session.start_ticks,
-            name: std::env::var(CHILD_NAME_ENV).ok(),
-            backend: self.backend().name().to_owned(),
-            device: self.backend().device().to_string(),
-            uptime_ms: age_ms(observed.created, now),
-            buffers: counts.buffers as u64,
-            bytes: counts.bytes,
-            retiring: counts.retiring as u64,
-            quarantined: counts.quarantined as u64,
-            quarantined_bytes: counts.quarantined_bytes,
-            leases: counts.leases as u64,
-            pinned_bytes: counts.pinned_bytes,
-            granted: exports.granted,
-            freed: exports.freed,
-            orphaned: orphaned.0,
-            orphaned_bytes: orphaned.1,
-            peers,
-            buffer_table,
-            orphaned_leases,
-            cache,
-            links,
-            children,
-            omitted,
-            paths,
-            downgrades,
         }
+        let mut v: Vec<OrphanedLeases> = by.into_values().collect();
+        v.sort_by_key(|o| (std::cmp::Reverse(o.bytes), o.pid));
+        v
+    };
+
+    let c = node.cache().stats();
+    let cache = CacheEntry {
+        entries: c.live as u64,
+        warm: c.warm as u64,
+        warm_bytes: c.warm_bytes,
+        opens: c.opens,
+        hits: c.hits,
+        closes: c.closes,
+        evictions: c.evictions,
+        stale: c.stale,
+    };
+
+    let mut links: Vec<LinkEntry> = node
+        .peers()
+        .iter()
+        .map(|p| LinkEntry {
+            id: p.link_id().get(),
+            pid: p.process().pid,
+            start_ticks: p.process().start_ticks,
+            // A remote pid names no child of ours, whatever its number.
+            name: match p.info().host() {
+                None => name_of(p.process().pid),
+                Some(_) => None,
+            },
+            host: p.info().host().map(|h| h.host.to_string()),
+            addr: p.info().host().map(|h| h.addr.to_string()),
+            round_trip_us: p.round_trip().map(|d| d.as_micros() as u64),
+            queued_bytes: p.queued_bytes() as u64,
+            leases_held: p.link.state().held_leases() as u64,
+            requester: Some(p.link_id()) == requester,
+            status: None,
+            status_error: None,
+        })
+        .collect();
+    links.sort_by_key(|l| l.id);
+
+    let mut children = children;
+    let omitted = Omitted {
+        peers: truncate(&mut peers, limit),
+        buffer_table: truncate(&mut buffer_table, limit),
+        orphaned_leases: truncate(&mut orphaned_leases, limit),
+        links: truncate(&mut links, limit),
+        children: truncate(&mut children, limit),
+    };
+    let counts = exports.counts;
+    let (paths, downgrades) = observed.paths.snapshot();
+    NodeStatus {
+        version: STATUS_VERSION,
+        pid: session.pid,
+        start_ticks: session.start_ticks,
+        name: std::env::var(CHILD_NAME_ENV).ok(),
+        backend: node.backend().name().to_owned(),
+        device: node.backend().device().to_string(),
+        uptime_ms: age_ms(observed.created, now),
+        buffers: counts.buffers as u64,
+        bytes: counts.bytes,
+        retiring: counts.retiring as u64,
+        quarantined: counts.quarantined as u64,
+        quarantined_bytes: counts.quarantined_bytes,
+        leases: counts.leases as u64,
+        pinned_bytes: counts.pinned_bytes,
+        granted: exports.granted,
+        freed: exports.freed,
+        orphaned: orphaned.0,
+        orphaned_bytes: orphaned.1,
+        peers,
+        buffer_table,
+        orphaned_leases,
+        cache,
+        links,
+        children,
+        omitted,
+        paths,
+        downgrades,
     }
 }
 
@@ -267,7 +247,12 @@ impl Peer {
 
 /// Asks every linked peer but `requester` for its status and puts each answer (or why
 /// there is none) in its link's entry.
-async fn fill_tree(node: &Node, status: &mut NodeStatus, limit: u32, requester: Option<LinkId>) {
+pub(crate) async fn fill_tree(
+    node: &NodeCore,
+    status: &mut NodeStatus,
+    limit: u32,
+    requester: Option<LinkId>,
+) {
     let peers: HashMap<u64, Peer> = node
         .peers()
         .into_iter()
@@ -296,7 +281,7 @@ async fn fill_tree(node: &Node, status: &mut NodeStatus, limit: u32, requester: 
 
 /// Leaves peers' statuses out, last first, until the whole status encodes within
 /// `MAX_STATUS_BYTES`.
-fn fit(status: &mut NodeStatus) -> String {
+pub(crate) fn fit(status: &mut NodeStatus) -> String {
     loop {
         match status.to_json() {
             Ok(json) => return json,
@@ -318,8 +303,8 @@ fn fit(status: &mut NodeStatus) -> String {
 }
 
 /// The body of the answer to `request`, which came over `requester`.
-pub(crate) async fn answer(node: &Node, request: StatusRequest, requester: LinkId) -> String {
-    let mut status = node.status_for(request.limit, Some(requester));
+pub(crate) async fn answer(node: &NodeCore, request: StatusRequest, requester: LinkId) -> String {
+    let mut status = status_for(node, request.limit, Some(requester));
     if request.scope == StatusScope::Tree {
         fill_tree(node, &mut status, request.limit, Some(requester)).await;
     }

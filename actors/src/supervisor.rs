@@ -53,7 +53,8 @@
 //!   a child runs. See `docs/CROSS_HOST.md`, "Supervising children on another host".
 
 use crate::error::ActorError;
-use crate::node::{Node, Peer, PeerEvent};
+use crate::node::Node;
+use crate::node_core::{Peer, PeerEvent};
 use actix::prelude::*;
 use baton_ipc::{host, process};
 use baton_messages::ProcessId;
@@ -345,7 +346,7 @@ pub(crate) fn spawn_process(
     cmd.envs(env.iter().map(|(k, v)| (k, v)));
     cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
     // The node's backend, unless the spec names one.
-    crate::child::inherit_backend(node, &mut cmd);
+    crate::child::inherit_backend(node.core(), &mut cmd);
     // Last, so that no spec puts the token in the environment.
     node.session()
         .pass_to(&mut cmd)
@@ -572,6 +573,7 @@ impl ProcessSupervisor {
             pidfd,
         } = spawn_process(&self.node, spec, &env)?;
         self.node
+            .core()
             .exports()
             .supervise(child_process, Arc::clone(&pidfd));
         self.incarnation += 1;
@@ -700,7 +702,7 @@ impl Actor for ProcessSupervisor {
         let _g = self.span.clone().entered();
         self.node.subscribe(ctx.address().recipient());
         // The node's status lists the children for as long as this supervisor lives.
-        self.node.observed().register_children(&self.board);
+        self.node.core().observed().register_children(&self.board);
         self.accept_links(ctx);
         for spec in self.specs.clone() {
             self.start_child(spec, ctx);

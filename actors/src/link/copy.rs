@@ -212,7 +212,7 @@ impl PeerLink {
     fn copy_plane(
         &self,
         engine: CopyEngine,
-    ) -> Result<(EnginePeer, Arc<crate::node::HostPlane>), ActorError> {
+    ) -> Result<(EnginePeer, Arc<crate::node_core::HostPlane>), ActorError> {
         let name = engine_name(engine);
         let peer = self
             .engine_peer()

@@ -108,7 +108,7 @@ impl PeerLink {
         if let Some(held) = held.as_ref().and_then(Weak::upgrade) {
             let within = Duration::from_millis(deadline_ms.into());
             held.request_revoke(within);
-            self.node.notify_revoke(crate::node::RevokeRequested {
+            self.node.notify_revoke(crate::node_core::RevokeRequested {
                 peer: self.peer.process,
                 lease,
                 within,

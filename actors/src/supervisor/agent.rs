@@ -34,7 +34,8 @@
 use super::{ChildSpec, describe, spawn_process, sweep_dead_child};
 use crate::buffer::IncomingLease;
 use crate::error::ActorError;
-use crate::node::{Node, PeerEvent};
+use crate::node::Node;
+use crate::node_core::PeerEvent;
 use crate::remote::{Answer, ErasedHandler, RemoteMessage, answer};
 use actix::prelude::*;
 use baton_ipc::PeerInfo;
@@ -428,6 +429,7 @@ impl ChildAgent {
             }
         })?;
         self.node
+            .core()
             .exports()
             .supervise(spawned.process, Arc::clone(&spawned.pidfd));
         self.next_id += 1;
@@ -476,14 +478,14 @@ impl Actor for ChildAgent {
         let _g = self.span.clone().entered();
         self.node.subscribe(ctx.address().recipient());
         // The node's status lists the children it runs for as long as it lives.
-        self.node.observed().register_children(&self.board);
-        self.node.insert_handler(
+        self.node.core().observed().register_children(&self.board);
+        self.node.core().insert_handler(
             AGENT_NAME,
             Arc::new(ByCaller::<SpawnRemote> {
                 recipient: ctx.address().recipient(),
             }),
         );
-        self.node.insert_handler(
+        self.node.core().insert_handler(
             AGENT_NAME,
             Arc::new(ByCaller::<KillRemote> {
                 recipient: ctx.address().recipient(),

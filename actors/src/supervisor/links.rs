@@ -10,7 +10,7 @@ use super::{ChildStatus, ProcessSupervisor, SupervisorEvent};
 use crate::child::PARENT_SOCKET_ENV;
 use crate::connect::Listening;
 use crate::error::ActorError;
-use crate::node::Peer;
+use crate::node_core::Peer;
 use actix::prelude::*;
 use baton_ipc::SocketDir;
 use baton_messages::ProcessId;

@@ -6,7 +6,7 @@ use super::agent::{
 };
 use super::{ChildStatus, ProcessSupervisor, Restart, SupervisorEvent};
 use crate::error::ActorError;
-use crate::node::Peer;
+use crate::node_core::Peer;
 use actix::prelude::*;
 use baton_ipc::PeerInfo;
 use baton_messages::ProcessId;
@@ -135,7 +135,7 @@ impl ProcessSupervisor {
         }
         static NEXT: AtomicU64 = AtomicU64::new(1);
         self.remote.inbox = format!("baton.supervisor.{}", NEXT.fetch_add(1, Ordering::Relaxed));
-        self.node.insert_handler(
+        self.node.core().insert_handler(
             &self.remote.inbox,
             Arc::new(ByCaller::<RemoteExit> {
                 recipient: ctx.address().recipient(),
