@@ -76,9 +76,12 @@
 //!    status reports besides them);
 //! 3. the node's state and its links: `node_core` (`NodeCore`: what the node keeps, and
 //!    every method the modules below its public API ask of it), `status`, `transport` (a
-//!    Unix socket or a TCP host link behind one reader/writer/closer shape), `link` (the
+//!    Unix socket or a TCP host link behind one reader/writer/closer shape; the writer
+//!    drains a link's queue in batches), `forwarding` (the calls that start a forward),
+//!    `host_copies` (a host link's copies through the node's transfer engines, without
+//!    the link actor), `link` (the
 //!    [`PeerLink`] actor, which serves the node: the I/O shell of its `link_session`, by
-//!    concept in `link/` — `outgoing` (queue, writer, grants), `open` (opening offers),
+//!    concept in `link/` — `outgoing` (queue, grants), `open` (opening offers),
 //!    `copy` (buffers across hosts, as copies), `leases` (the lease protocol's other
 //!    messages), `forward`, `closing`), `connect` (which makes links, Unix and TCP, and
 //!    starts their actors);
@@ -159,6 +162,8 @@ mod status;
 mod transport;
 // The calls that start a forward, and what a forward across hosts shares with its links.
 mod forwarding;
+// A host link's copies through the node's transfer engines, without the link actor.
+mod host_copies;
 // One actor per connection.
 mod link;
 // How a node gets its links.

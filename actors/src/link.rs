@@ -5,9 +5,10 @@
 //! link knows of the protocol — leases held, mappings kept warm, pending calls, pings,
 //! status requests — and says what each frame means: an action to carry out, or the
 //! peer's fault. The actor owns everything else: the socket (a reader stream feeds it
-//! frames, a writer task drains its outgoing queue, and a [`Closer`] shuts the socket
-//! down when the link is cut, whatever the writer is doing), the timers, and the calls
-//! into the node. It routes the lease protocol both ways:
+//! frames, a writer task drains its outgoing queue — the transport's `Writer::drain` —,
+//! and a [`Closer`] shuts the socket down when the link is cut, whatever the writer is
+//! doing), the timers, and the calls into the node. It routes the lease protocol both
+//! ways:
 //!
 //! - as exporter (`link/outgoing.rs`, `link/leases.rs`), it grants leases for the buffers
 //!   in outgoing messages through the node's [`Exports`](crate::exports::Exports); a
@@ -42,7 +43,7 @@ use crate::link_ref::{AskStatus, LinkCommand, LinkLimits, LinkRef, LinkState, Se
 use crate::link_session::{Action, Attach, Checks, Ended, LinkSession, SessionLimits, Then};
 use crate::node_core::NodeCore;
 use crate::remote::{IncomingPayload, OutCall};
-use crate::transport::{Closer, Reader, Transport};
+use crate::transport::{Closer, OutFrame, Reader, Transport};
 use actix::prelude::*;
 use baton_ipc::{CacheKey, FrameFds, HolderId, PeerInfo, Received};
 use baton_messages::protocol::{Status, StatusRequest};
@@ -71,8 +72,6 @@ mod leases;
 mod open;
 mod outgoing;
 
-use outgoing::{OutFrame, write_loop};
-
 /// What this shell attaches to its session's records.
 enum Attached {}
 
@@ -82,7 +81,7 @@ impl Attach for Attached {
     type Relayed = (CacheKey, HolderId);
     type Caller = oneshot::Sender<Result<IncomingPayload, ActorError>>;
     type Handed = copy::Handed;
-    type Copy = copy::DeviceCopy;
+    type Copy = crate::host_copies::DeviceCopy;
     type Sending = Arc<baton_ipc::transfer::HeldTransfer>;
     type Forward = copy::ForwardWaiter;
     type Asked = forward::Asked;
@@ -222,7 +221,12 @@ impl PeerLink {
                 node.watch(peer.process);
             }
             ctx.add_stream(frames(reader, Arc::clone(&calls), Arc::clone(&state)));
-            actix::spawn(write_loop(writer, rx, Arc::clone(&state), ctx.address()));
+            let (state, addr) = (Arc::clone(&state), ctx.address());
+            actix::spawn(async move {
+                if let Some(error) = writer.drain(rx, state).await {
+                    addr.do_send(closing::LinkFailed { error, deferred: 0 });
+                }
+            });
             PeerLink {
                 span: tracing::info_span!("peer_link", link = %id, peer = %peer.process),
                 node,
@@ -458,7 +462,7 @@ impl Actor for PeerLink {
         self.out = None;
         // No transfer touches our buffers once their leases are taken back: the copies'
         // engines let go first, then the rest of the link's end runs (`LinkEnd`).
-        let nccl_abort = self.abort_copies();
+        let nccl_abort = crate::host_copies::abort_peer(&self.node, &self.peer);
         let end = LinkEnd {
             node: self.node.clone(),
             me: self.me.clone(),

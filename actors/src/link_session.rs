@@ -57,8 +57,8 @@ use baton_messages::protocol::{
     StatusScope, Unmap, Unmapped,
 };
 use baton_messages::{
-    AllocationId, CopyEngine, FenceHandle, HandleMsg, InboxGrant, LeaseId, Message as Wire,
-    ProcessId, RawHandle,
+    AllocationId, CopyEngine, FenceHandle, HandleKey, HandleMsg, InboxGrant, LeaseId,
+    Message as Wire, ProcessId, RawHandle,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
@@ -378,6 +378,23 @@ pub(crate) fn copy_engine(offer: &Offer) -> CopyEngine {
         RawHandle::Copy { engine } => engine,
         _ => CopyEngine::Tcp,
     }
+}
+
+/// The handle of a copy we offer over a host link, from the handle `granted` for its
+/// lease: the shape the peer's session checks for. It names the bytes the lease covers
+/// alone (all of the buffer, or a range lease's part: the receiver's copy is an
+/// allocation of exactly them), the engine that carries them, and no fence (we wait
+/// before we send; no fence crosses hosts); sealed with the deployment's `key`.
+pub(crate) fn copy_handle(
+    mut granted: HandleMsg,
+    engine: CopyEngine,
+    key: &HandleKey,
+) -> HandleMsg {
+    granted.raw = RawHandle::Copy { engine };
+    granted.alloc_size = granted.len;
+    granted.offset = 0;
+    granted.fence = None;
+    granted.sealed(key)
 }
 
 /// Why a host link ends after its device copy of `lease` failed with `e`: NCCL pairs a

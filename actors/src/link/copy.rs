@@ -7,7 +7,7 @@
 //!   writes meanwhile) and offers a [`RawHandle::Copy`] in place of a handle to map. Host
 //!   memory: the TCP engine starts sending the buffer's bytes at once, as the transfer
 //!   named by the lease. Device memory: the send starts when the receiver's
-//!   [`Pull`] says its receive is posted. NCCL pairs a
+//!   [`Pull`](baton_messages::protocol::Pull) says its receive is posted. NCCL pairs a
 //!   communicator's sends and receives in the order they start, so the sends start in the
 //!   order of the pulls, which the session keeps with each copy's state (offered, pulled,
 //!   sending: `link_session/copies.rs`, [`LinkSession::next_pulled`]), each once the
@@ -28,7 +28,7 @@
 //! message fails with the engine's typed error (a call's caller hears
 //! [`CallFault::OfferRefused`](baton_messages::protocol::CallFault)); the lease is given
 //! back all the same. A *device* copy that fails also ends the link, on either side
-//! (`reap`): NCCL pairs sends and receives by order alone, so after a failure the next
+//! ([`reap`]): NCCL pairs sends and receives by order alone, so after a failure the next
 //! send could meet a receive posted for another buffer — and the receiver hears of a
 //! sender's failure at once instead of at its deadline. When the link ends, every transfer with the peer is aborted
 //! (`abort_peer` returns once the engine no longer touches the memory) *before* the
@@ -50,12 +50,16 @@
 //! same engines, its state kept by the session as a copy's is; what pins it is our lease on the original
 //! ([`LeasePin`](crate::forwarding::LeasePin)), which the send keeps until its engine lets
 //! go. The forward's caller hears when the peer gives the copy's lease back
-//! ([`forward_released`](PeerLink::forward_released)).
+//! ([`forward_released`](crate::host_copies::forward_released)).
 //!
 //! Order: a message whose buffers are copies is handed on once they have landed, on the
 //! link's arbiter, while the link goes on handling later frames (pings keep it alive during
 //! a long copy); the messages read after it wait for their turn ([`LinkSession::hold`]), so
 //! the handlers see the order the peer sent, as over a Unix link.
+//!
+//! What the engines do — post, decline, send, wait, reap, open a landed copy, stop —
+//! is [`host_copies`](crate::host_copies)'s, called from here with the node and the peer;
+//! this file is the link's part: when each runs, and what the session says of it.
 //!
 //! [`LinkSession::hold`]: crate::link_session::LinkSession::hold
 //! [`LinkSession::next_pulled`]: crate::link_session::LinkSession::next_pulled
@@ -63,45 +67,25 @@
 use super::{Attached, PeerLink};
 use crate::buffer::{IncomingLease, Outgoing};
 use crate::error::ActorError;
-use crate::exports::{BufferCell, OfferGrant};
+use crate::exports::OfferGrant;
 use crate::forwarding::copy_deadline;
-use crate::link_ref::{CutOff, ForwardCopy};
-use crate::link_session::Turn;
-use crate::link_session::{Open, Then, copy_engine, order_lost};
-use crate::order::LeaseOrder;
+use crate::host_copies::{
+    DeviceCopy, copy_plane, decline_copies, engine_for, engine_name, engine_peer, open_copy,
+    post_receives, reap, unsupported, wait_all,
+};
+use crate::link_ref::ForwardCopy;
+use crate::link_session::{Open, Then, Turn, copy_engine, copy_handle, order_lost};
 use crate::paths::LeasePath;
 use actix::prelude::*;
-use baton_ipc::transfer::nccl::NcclEngine;
-use baton_ipc::transfer::{EnginePeer, HeldTransfer, TransferEngine, TransferId, decline};
-use baton_ipc::{Error as IpcError, ExportedFence, Imported, MemPtr};
+use baton_ipc::Error as IpcError;
+use baton_ipc::transfer::{HeldTransfer, TransferId};
 use baton_messages::protocol::Offer;
 use baton_messages::{
     ActorId, CopyEngine, DType, ExporterId, Generation, HandleDigest, HandleMsg, Layout, LeaseId,
     Message as Wire, PROTOCOL_VERSION, RawHandle, Shape,
 };
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
-
-/// A device copy not sent yet: its bytes (pinned by their lease) and the work before the
-/// offer that its send must follow.
-pub(super) struct DeviceCopy {
-    source: CopySource,
-    /// Where its bytes start in the source (a range lease's first byte; 0 for a forward,
-    /// whose view starts there already).
-    offset: usize,
-    len: usize,
-    fence: Option<Arc<dyn ExportedFence>>,
-}
-
-/// Where a copy's bytes are read from.
-enum CopySource {
-    /// A buffer of ours, pinned by the lease offered on it.
-    Own(Arc<BufferCell>),
-    /// A lease of ours on another process's buffer (a forward): our view of its mapping,
-    /// and what pins the lease ([`LeasePin`](crate::forwarding::LeasePin)).
-    Forwarded(Box<Imported>, Box<dyn std::any::Any + Send + Sync>),
-}
 
 /// A host link's message ready to hand on (see [`hand_on`](PeerLink::hand_on)).
 pub(super) struct Handed {
@@ -121,112 +105,10 @@ impl std::fmt::Debug for Handed {
 /// Who waits for a forward sent over this link as a copy to land.
 pub(super) type ForwardWaiter = oneshot::Sender<Result<LeaseId, ActorError>>;
 
-fn unsupported(engine: &'static str, reason: &'static str) -> IpcError {
-    IpcError::RegionUnsupported { engine, reason }
-}
-
-/// An engine's name, for errors.
-fn engine_name(engine: CopyEngine) -> &'static str {
-    match engine {
-        CopyEngine::Nccl => "nccl",
-        _ => "tcp",
-    }
-}
-
-/// The engine that carries a copy of memory at `ptr`.
-fn engine_for(ptr: MemPtr) -> CopyEngine {
-    match ptr {
-        MemPtr::Host(_) => CopyEngine::Tcp,
-        MemPtr::Device(_) => CopyEngine::Nccl,
-    }
-}
-
-/// Waits for each transfer for at most `allowed` from now: the first failure, or a
-/// timeout that names the whole allowance.
-fn wait_all(transfers: &[HeldTransfer], allowed: Duration) -> Result<(), IpcError> {
-    let by = Instant::now() + allowed;
-    for t in transfers {
-        loop {
-            let left = by.saturating_duration_since(Instant::now());
-            match t.wait(left.min(Duration::from_millis(500))) {
-                Ok(()) => break,
-                Err(IpcError::Timeout { .. }) if !left.is_zero() => {}
-                Err(IpcError::Timeout { .. }) => {
-                    return Err(IpcError::Timeout {
-                        op: "waiting for a copy to land",
-                        after: allowed,
-                    });
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Holds a finished send until the engine reports it (bounded by the engine's stall
-/// timeout), so that its memory is kept until then; started sends are reaped here.
-///
-/// A device send that fails cuts the link (`link`): NCCL pairs a communicator's sends and
-/// receives by their order only, and after a failure the two sides no longer agree which
-/// of the peer's receives the next send would meet (a send that failed before NCCL saw it
-/// — its communicator could not be made — leaves the peer's receive waiting for the next
-/// one, with the next buffer's bytes). The cut also tells the receiver at once, which
-/// would otherwise wait for its copy's whole allowance. Host copies are named by their
-/// lease on the wire and need no such cut.
-fn reap(transfer: Arc<HeldTransfer>, link: Option<Addr<PeerLink>>) {
-    tokio::task::spawn_blocking(move || {
-        while !transfer.is_finished() {
-            match transfer.wait(Duration::from_secs(1)) {
-                Ok(()) | Err(IpcError::Timeout { .. }) => {}
-                Err(e) => {
-                    tracing::debug!(transfer = %transfer.id(), error = %e, "a copy's send failed");
-                    if let Some(link) = &link {
-                        let lease = LeaseId::new(transfer.id().0);
-                        link.do_send(CutOff(order_lost(lease, &e)));
-                    }
-                }
-            }
-        }
-    });
-}
-
 impl PeerLink {
-    /// The peer as the transfer engines name it (a host link's peer only).
-    fn engine_peer(&self) -> Option<EnginePeer> {
-        let host = self.peer.host()?;
-        Some(EnginePeer {
-            process: self.peer.process,
-            host: host.host,
-            data_addr: host.data_addr,
-        })
-    }
-
     /// Whether buffers cross this link as copies (a host link).
     pub(super) fn copies(&self) -> bool {
         self.peer.host().is_some()
-    }
-
-    /// The peer and our engines, for a copy by `engine`: refused (typed, the link kept)
-    /// where the peer announced no TCP engine, or this node cannot send it.
-    fn copy_plane(
-        &self,
-        engine: CopyEngine,
-    ) -> Result<(EnginePeer, Arc<crate::node_core::HostPlane>), ActorError> {
-        let name = engine_name(engine);
-        let peer = self
-            .engine_peer()
-            .filter(|p| p.data_addr.is_some())
-            .ok_or_else(|| unsupported(name, "the peer announced no TCP engine"))?;
-        let plane = self
-            .node
-            .plane()
-            .ok_or_else(|| unsupported(name, "this node has no host link"))?;
-        if engine == CopyEngine::Nccl {
-            // Made now, so that a node without NCCL refuses the offer, not its pull.
-            self.node.nccl()?;
-        }
-        Ok((peer, plane))
     }
 
     /// Grants the peer a lease on `out`'s buffer and offers it as a copy: host memory
@@ -243,7 +125,7 @@ impl PeerLink {
             )
             .into());
         }
-        let (peer, plane) = self.copy_plane(engine)?;
+        let (peer, plane) = copy_plane(&self.node, &self.peer, engine)?;
         let fence = out.acquire_fence(&self.peer.process)?;
         let (mut offer, fd, grant) = (self.node.exports()).grant(
             cell,
@@ -254,23 +136,12 @@ impl PeerLink {
             fence.clone(),
         )?;
         drop(fd);
-        // The bytes the lease covers (all of the buffer, or a range lease's part) are what
-        // is sent, and all the receiver learns of: its copy is an allocation of exactly
-        // them.
+        // The bytes the lease covers are what is sent.
         let (offset, len) = (offer.handle.offset as usize, offer.handle.len as usize);
-        offer.handle.raw = RawHandle::Copy { engine };
-        offer.handle.alloc_size = offer.handle.len;
-        offer.handle.offset = 0;
-        // The receiver waits on nothing of ours: we wait before we send.
-        offer.handle.fence = None;
-        offer.handle = offer.handle.sealed(self.node.session().handle_key());
+        let key = self.node.session().handle_key();
+        offer.handle = copy_handle(offer.handle, engine, key);
         if engine == CopyEngine::Nccl {
-            let copy = DeviceCopy {
-                source: CopySource::Own(Arc::clone(cell)),
-                offset,
-                len,
-                fence,
-            };
+            let copy = DeviceCopy::own(Arc::clone(cell), offset, len, fence);
             self.session.copy_offered(offer.lease, copy);
             return Ok((offer, grant));
         }
@@ -314,7 +185,7 @@ impl PeerLink {
         } = msg;
         let engine = engine_for(view.ptr());
         let name = engine_name(engine);
-        let (peer, plane) = self.copy_plane(engine)?;
+        let (peer, plane) = copy_plane(&self.node, &self.peer, engine)?;
         let len = view.len();
         let lease = crate::ids::next_lease();
         let handle = HandleMsg {
@@ -338,12 +209,7 @@ impl PeerLink {
         .sealed(self.node.session().handle_key());
         let _span = tracing::debug_span!(parent: &self.span, "forward_copy", %lease, bytes = len, engine = name, exporter = %view.exporter()).entered();
         if engine == CopyEngine::Nccl {
-            let copy = DeviceCopy {
-                source: CopySource::Forwarded(Box::new(view), keep),
-                offset: 0,
-                len,
-                fence,
-            };
+            let copy = DeviceCopy::forwarded(view, keep, fence);
             self.session.copy_offered(lease, copy);
         } else {
             let id = TransferId(lease.get());
@@ -365,50 +231,6 @@ impl PeerLink {
         Ok(lease)
     }
 
-    /// The peer gave back the lease of a forward's copy: its bytes landed if its send
-    /// finished without error (told on a blocking thread: the engine reports a send's end
-    /// a moment after the receiver's), else the receiver refused it (`sending` is `None`:
-    /// never pulled, or pulled and not started).
-    pub(super) fn forward_released(
-        &self,
-        lease: LeaseId,
-        reply: ForwardWaiter,
-        sending: Option<Arc<HeldTransfer>>,
-    ) {
-        let within = self.node.heartbeat().deadline;
-        match sending {
-            None => {
-                let _ = reply.send(Err(ActorError::ForwardRefused {
-                    reason: "the peer refused the copy".into(),
-                }));
-            }
-            Some(transfer) => {
-                tokio::task::spawn_blocking(move || {
-                    let outcome = match transfer.wait(within) {
-                        Ok(()) => Ok(lease),
-                        Err(e) => Err(ActorError::ForwardRefused {
-                            reason: format!("the copy did not land: {e}"),
-                        }),
-                    };
-                    // Dropped first: the lease it reads from is let go of before the
-                    // forward's caller hears that it is done.
-                    drop(transfer);
-                    let _ = reply.send(outcome);
-                });
-            }
-        }
-    }
-
-    /// The peer gave a copy's lease back: its send if the engine may still read the
-    /// buffer — a `Release` before the bytes landed, which an honest receiver never sends
-    /// (it releases once they landed, or declines them) — else `None`. The caller ends
-    /// the lease only once that send has let go (see `on_release`): until then the owner
-    /// may not write the buffer the engine reads.
-    pub(super) fn still_sending(sending: Option<Arc<HeldTransfer>>) -> Option<Arc<HeldTransfer>> {
-        // Finished: its abort returns at once, and says whether the engine let go.
-        sending.filter(|transfer| !(transfer.is_finished() && transfer.abort()))
-    }
-
     /// The frame that offered the copy of `lease` was never sent: its send, if one
     /// started, stops.
     pub(super) fn copy_unsent(&mut self, lease: LeaseId) {
@@ -417,28 +239,11 @@ impl PeerLink {
         }
     }
 
-    /// The link ends: every transfer with the peer stops touching memory before the
-    /// ledger takes the link's leases back. The TCP engine's transfers stop here (a
-    /// socket shutdown); the NCCL engine's abort, which can hang, is returned for the
-    /// caller to run off the links' shared thread before it lets the leases go
-    /// (`PeerLink::stopped`, issue 45).
-    pub(super) fn abort_copies(&mut self) -> Option<(Arc<NcclEngine>, EnginePeer)> {
-        let mut nccl_abort = None;
-        if let (Some(plane), Some(peer)) = (self.node.plane(), self.engine_peer()) {
-            plane.engine.abort_peer(&peer);
-            nccl_abort = plane.nccl().map(|nccl| (nccl, peer));
-        }
-        // `abort_peer` stops every send with the peer (within its bound): each ends in
-        // its reaper, which keeps its memory until the engine lets go of it. The session
-        // forgets them as it ends.
-        nccl_abort
-    }
-
     /// Starts the pulled sends in their order, each once its fence has completed (waited
     /// for on a blocking thread: it is our own work on the buffer).
     pub(super) fn send_pulled(&mut self, ctx: &mut Context<Self>) -> Result<(), ActorError> {
         while let Some(copy) = self.session.next_pulled() {
-            let ready = copy.fence.as_ref().map(Arc::clone);
+            let ready = copy.fence().map(Arc::clone);
             if let Some(fence) = ready.filter(|f| !matches!(f.is_complete(), Ok(true))) {
                 if !self.pull_waiting {
                     self.pull_waiting = true;
@@ -460,37 +265,17 @@ impl PeerLink {
             let (lease, copy) = self.session.take_pulled().expect("one is next");
             // A send that cannot start would leave the peer's receive unmatched, and the
             // next send matched to it: the link ends (and with it the communicators).
-            let transfer = Arc::new(self.start_device_send(lease, copy)?);
+            let transfer = Arc::new(copy.start(&self.node, &self.peer, lease)?);
             self.session.copy_sending(lease, Arc::clone(&transfer));
-            reap(transfer, Some(ctx.address()));
+            reap(transfer, Some(self.me.clone()));
         }
         Ok(())
-    }
-
-    fn start_device_send(
-        &self,
-        lease: LeaseId,
-        copy: DeviceCopy,
-    ) -> Result<HeldTransfer, ActorError> {
-        let peer = self
-            .engine_peer()
-            .ok_or_else(|| unsupported("nccl", "not a host link"))?;
-        let nccl = self.node.nccl()?;
-        let id = TransferId(lease.get());
-        Ok(match copy.source {
-            CopySource::Own(cell) => {
-                HeldTransfer::send(&*nccl, &peer, id, cell.alloc.clone(), copy.offset, copy.len)?
-            }
-            CopySource::Forwarded(view, keep) => {
-                HeldTransfer::send_view(&*nccl, &peer, id, *view, keep)?
-            }
-        })
     }
 
     /// The peer's engine's rendezvous message, for ours: keyed by this link's peer, its
     /// bootstrap socket checked to be on the host this link runs to (issue 45).
     pub(super) fn on_rendezvous(&mut self, bytes: &[u8]) -> Result<(), ActorError> {
-        let (Some(peer), Some(host)) = (self.engine_peer(), self.peer.host()) else {
+        let (Some(peer), Some(host)) = (engine_peer(&self.peer), self.peer.host()) else {
             return Err(unsupported("nccl", "not a host link").into());
         };
         let nccl = self.node.nccl().map_err(|_| ActorError::Unexpected {
@@ -526,7 +311,7 @@ impl PeerLink {
         // The peer's data connections are welcome from its host link's key (and only
         // from it: see `baton_ipc::transfer::tcp_engine`), before any receive or decline is posted.
         if let (Some(plane), Some(peer), Some(host)) =
-            (self.node.plane(), self.engine_peer(), self.peer.host())
+            (self.node.plane(), engine_peer(&self.peer), self.peer.host())
         {
             plane.engine.admit(&peer, host.key);
         }
@@ -549,7 +334,7 @@ impl PeerLink {
                     )),
                     Some(taken) => {
                         budget = Some(taken);
-                        self.post_receives(&offers)
+                        post_receives(&self.node, &self.peer, &offers)
                     }
                 };
                 if posted.is_err() {
@@ -564,7 +349,7 @@ impl PeerLink {
                 // The sender sends host copies all the same: read past them, so that they
                 // do not hold up the copies behind them on its connection. (Device copies
                 // are sent only once pulled.)
-                self.decline(&offers);
+                decline_copies(&self.node, &self.peer, &offers);
                 return self.copies_failed(&offers, e, turn, then, slot, ctx);
             }
         };
@@ -623,51 +408,6 @@ impl PeerLink {
         Ok(())
     }
 
-    /// Declines the offered host copies' transfers (a receive of one that was posted is
-    /// replaced).
-    fn decline(&self, offers: &[Offer]) {
-        if let (Some(plane), Some(peer)) = (self.node.plane(), self.engine_peer()) {
-            for offer in offers.iter().filter(|o| copy_engine(o) == CopyEngine::Tcp) {
-                let id = TransferId(offer.lease.get());
-                if let Err(e) = decline(&plane.engine, &peer, id) {
-                    tracing::debug!(%id, error = %e, "could not decline a copy");
-                }
-            }
-        }
-    }
-
-    /// Allocates a local buffer per offer and posts its receive on its engine.
-    fn post_receives(&self, offers: &[Offer]) -> Result<Vec<HeldTransfer>, IpcError> {
-        let (plane, peer) = match (self.node.plane(), self.engine_peer()) {
-            (Some(plane), Some(peer)) => (plane, peer),
-            _ => return Err(unsupported("tcp", "this node has no host link")),
-        };
-        let backend = self.node.backend();
-        let mut receiving = Vec::with_capacity(offers.len());
-        for offer in offers {
-            let len = offer.handle.len as usize;
-            let engine = copy_engine(offer);
-            let nccl = match engine {
-                CopyEngine::Nccl => Some(self.node.nccl()?),
-                _ => None,
-            };
-            let alloc = backend.allocate(len)?;
-            if engine_for(alloc.ptr()) != engine {
-                return Err(unsupported(
-                    engine_name(engine),
-                    "a copy lands in memory of the kind it was sent from: this node allocates the other kind (host memory crosses between host-memory nodes, device memory between CUDA nodes)",
-                ));
-            }
-            let id = TransferId(offer.lease.get());
-            let posted = match &nccl {
-                Some(nccl) => HeldTransfer::recv(&**nccl, &peer, id, alloc, 0, len)?,
-                None => HeldTransfer::recv(&plane.engine, &peer, id, alloc, 0, len)?,
-            };
-            receiving.push(posted);
-        }
-        Ok(receiving)
-    }
-
     /// The copies landed: the leases go back, and the local copies are handed on.
     fn copies_landed(
         &mut self,
@@ -692,35 +432,13 @@ impl PeerLink {
                 .clone()
                 .unwrap_or_else(|| Layout::new(DType::U8, Shape::vector(offer.handle.len)));
             let cell = self.node.adopt_allocation(alloc, layout);
-            match self.open_copy(offer.lease, cell) {
+            match open_copy(&self.node, &self.me, offer.lease, cell) {
                 Ok(lease) => leases.push(lease),
                 Err(e) => return self.hand_on(turn, then, Err(e), slot, ctx),
             }
         }
         tracing::debug!(copies = leases.len(), "copies landed");
         self.hand_on(turn, then, Ok(leases), slot, ctx)
-    }
-
-    /// A lease on our own copy, opened through the import cache.
-    fn open_copy(&self, lease: LeaseId, cell: Arc<BufferCell>) -> Result<IncomingLease, IpcError> {
-        let (handle, mut fds) = self.node.exports().own_handle(&cell)?;
-        let imported = self.node.cache().open_unordered(&handle, &mut fds)?;
-        let order = LeaseOrder::new(
-            Arc::clone(imported.backend()),
-            self.node.session().process(),
-            None,
-        );
-        let path = LeasePath::copied(&cell);
-        self.node.observed().paths.opened(path, handle.len);
-        Ok(IncomingLease {
-            imported: Some(imported),
-            lease,
-            link: self.me.clone(),
-            held: Arc::default(),
-            order,
-            path,
-            copy: Some(cell),
-        })
     }
 
     /// The copies could not be received: what landed is freed, the leases go back, and

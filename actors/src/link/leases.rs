@@ -35,13 +35,16 @@ impl PeerLink {
             // A forward's copy: its caller hears whether it landed (no ledger of ours
             // counts it).
             ReleaseRoute::Copy(CopyReleased::Forward { waiter, sending }) => {
-                self.forward_released(lease, waiter, sending);
+                let within = self.node.heartbeat().deadline;
+                crate::host_copies::forward_released(lease, waiter, sending, within);
                 return Ok(());
             }
             // A copy's lease comes back once its bytes landed — or early, from a faulty or
             // hostile receiver, while the engine still reads the buffer: then it ends only
             // once the send stopped and the engine let go (below).
-            ReleaseRoute::Copy(CopyReleased::Copy { sending }) => Self::still_sending(sending),
+            ReleaseRoute::Copy(CopyReleased::Copy { sending }) => {
+                crate::host_copies::still_sending(sending)
+            }
         };
         for fence in &fences {
             self.node

@@ -1,30 +1,22 @@
-//! The link's outgoing side: the queue of frames and the task that writes them (batched),
-//! the bound on what the peer lets pile up, and the lease grants that go with our calls
+//! The link's outgoing side: the queue of frames (drained in batches by the transport's
+//! writer, [`Writer::drain`](crate::transport::Writer::drain)), the bound on what the peer
+//! lets pile up, and the lease grants that go with our calls
 //! and replies (all or none, undone if the frame is never sent).
 
 use super::PeerLink;
 use crate::buffer::Outgoing;
 use crate::error::ActorError;
 use crate::exports::OfferGrant;
-use crate::link_ref::{CancelCall, LinkState};
+use crate::link_ref::CancelCall;
 use crate::remote::{Encoded, OutCall};
-use crate::transport::Writer;
+use crate::transport::OutFrame;
 use actix::prelude::*;
 use baton_messages::Message as Wire;
 use baton_messages::codec::{MAX_FDS_PER_FRAME, encode_call_frame, encode_frame};
 use baton_messages::protocol::{CallFault, CallRef, Offer, Payload, Reply};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
-
-/// A frame queued for the writer.
-pub(super) struct OutFrame {
-    bytes: Vec<u8>,
-    fds: Vec<OwnedFd>,
-    /// For a call of ours: its share of the send window, given back once it is written.
-    window: Option<OwnedSemaphorePermit>,
-}
+use tokio::sync::OwnedSemaphorePermit;
 
 /// Leases granted for one frame: its offers, the descriptors that go with them, and what
 /// undoing each grant takes.
@@ -55,77 +47,6 @@ impl Spare {
             self.grants = grants;
         }
     }
-}
-
-/// The most bytes of frames one `sendmsg` carries when frames are queued back to back.
-const MAX_BATCH: usize = 64 * 1024;
-
-/// Drains the outgoing queue onto the socket. Frames queued behind the one being sent go
-/// out in the same `sendmsg` (one system call, one wakeup of the peer, instead of one per
-/// frame) — up to [`MAX_BATCH`] bytes, and never past a frame that carries descriptors:
-/// descriptors travel with their frame's first byte, so such a frame starts a new batch.
-pub(super) async fn write_loop(
-    mut writer: Writer,
-    mut rx: mpsc::UnboundedReceiver<OutFrame>,
-    state: Arc<LinkState>,
-    addr: Addr<PeerLink>,
-) {
-    let mut batch: Vec<u8> = Vec::with_capacity(4096);
-    let mut windows: Vec<OwnedSemaphorePermit> = Vec::new();
-    let mut next: Option<OutFrame> = None;
-    loop {
-        let first = match next.take() {
-            Some(frame) => frame,
-            None => match rx.recv().await {
-                Some(frame) => frame,
-                None => break,
-            },
-        };
-        batch.clear();
-        batch.extend_from_slice(&first.bytes);
-        // Bytes of our calls in the batch.
-        let mut calls = if first.window.is_some() {
-            first.bytes.len()
-        } else {
-            0
-        };
-        windows.extend(first.window);
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(frame) if frame.fds.is_empty() => {
-                    batch.extend_from_slice(&frame.bytes);
-                    if frame.window.is_some() {
-                        calls += frame.bytes.len();
-                    }
-                    windows.extend(frame.window);
-                }
-                Ok(frame) => {
-                    next = Some(frame);
-                    break;
-                }
-                Err(_) => break,
-            }
-        }
-        let fds: Vec<BorrowedFd<'_>> = first.fds.iter().map(|fd| fd.as_fd()).collect();
-        let sent = writer.send_encoded(&batch, &fds).await;
-        if writer.uses_ring() && !state.writes_ring.load(Ordering::Relaxed) {
-            state.writes_ring.store(true, Ordering::Relaxed);
-        }
-        state.queued.fetch_sub(batch.len(), Ordering::Relaxed);
-        state.queued_calls.fetch_sub(calls, Ordering::Relaxed);
-        // The calls' share of the window comes back: waiting senders may queue again.
-        windows.clear();
-        if let Err(e) = sent {
-            addr.do_send(super::closing::LinkFailed {
-                error: e,
-                deferred: 0,
-            });
-            break;
-        }
-    }
-    // The actor dropped its sender (it stopped) or the socket failed: the peer sees the
-    // end of the stream, and our reader's pending receive ends.
-    writer.shutdown();
 }
 
 impl PeerLink {

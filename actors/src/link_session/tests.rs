@@ -129,11 +129,34 @@ fn key() -> HandleKey {
 /// An offer of a copy of `exporter`'s buffer, sealed, as a host link carries them.
 fn copy_of(exporter: ProcessId, lease: u64, alloc: u64) -> Offer {
     let mut offer = offer_of(exporter, lease, alloc);
-    offer.handle.raw = RawHandle::Copy {
-        engine: CopyEngine::Tcp,
-    };
-    offer.handle = offer.handle.sealed(&key());
+    offer.handle = copy_handle(offer.handle, CopyEngine::Tcp, &key());
     offer
+}
+
+/// A copy's handle names the bytes its lease covers alone, and no fence; sealed, it is
+/// what the peer's session takes over a host link.
+#[test]
+fn a_copy_handle_names_the_leased_bytes_alone_and_passes_the_peers_checks() {
+    let mut granted = offer_of(peer(), 7, 1);
+    (granted.handle.offset, granted.handle.len) = (4096, 100);
+    granted.handle.alloc_size = 1 << 20;
+    granted.handle.fence = Some(fence());
+    let copy = copy_handle(granted.handle, CopyEngine::Nccl, &key());
+    assert_eq!((copy.offset, copy.len, copy.alloc_size), (0, 100, 100));
+    assert!(copy.fence.is_none());
+    assert!(matches!(
+        copy.raw,
+        RawHandle::Copy {
+            engine: CopyEngine::Nccl
+        }
+    ));
+    let mut s = session().across_hosts(peer());
+    let offer = Offer {
+        lease: LeaseId::new(7),
+        handle: copy,
+    };
+    let actions = handle(&mut s, Wire::Offer(offer));
+    assert!(matches!(&actions[..], [Action::Open(_)]));
 }
 
 fn call(id: u64, offers: Vec<Offer>) -> Wire {
