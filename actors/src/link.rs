@@ -3,8 +3,9 @@
 //!
 //! The session (a state machine without I/O, in the crate's bottom layer) holds what the
 //! link knows of the protocol — leases held, mappings kept warm, pending calls, pings,
-//! status requests — and says what each frame means: an action to carry out, or the
-//! peer's fault. The actor owns everything else: the socket (a reader stream feeds it
+//! status requests, forwards asked, a host link's copies — says what each frame means
+//! (an action to carry out, or the peer's fault), and builds the frames the rest of the
+//! node asks the link to send ([`Notice`](crate::link_ref::Notice)). The actor owns everything else: the socket (a reader stream feeds it
 //! frames, a writer task drains its outgoing queue — the transport's `Writer::drain` —,
 //! and a [`Closer`] shuts the socket down when the link is cut, whatever the writer is
 //! doing), the timers, and the calls into the node. It routes the lease protocol both
