@@ -15,8 +15,9 @@ use baton_ipc::Stream;
 use baton_ipc::cuda::CudaBackend;
 use pyo3::IntoPyObjectExt;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{
-    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType,
 };
 use rmpv::Value;
 use std::sync::Arc;
@@ -435,6 +436,11 @@ fn to_py(
     })
 }
 
+/// `baton.bundle.SharedBundle` and `SharedBundleGroup`, looked up once: a borrowed model's
+/// group makes tens of bundles each sync.
+static SHARED_BUNDLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static SHARED_GROUP: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
 /// The key of a bundle group's wire map (`baton.BundleGroup`): its one field, the list of
 /// its bundles.
 const GROUP_KEY: &str = "baton.bundles";
@@ -467,9 +473,8 @@ fn received_group(
             }
         }
     }
-    Ok(py
-        .import("baton.bundle")?
-        .getattr("SharedBundleGroup")?
+    Ok(SHARED_GROUP
+        .import(py, "baton.bundle", "SharedBundleGroup")?
         .call1((parts,))?
         .unbind())
 }
@@ -512,9 +517,8 @@ fn received_bundle(
     if !buffer.bind(py).is_instance_of::<Shared>() {
         return Err(Decoded::Bad("a bundle's buffer is not a buffer".into()));
     }
-    Ok(py
-        .import("baton.bundle")?
-        .getattr("SharedBundle")?
+    Ok(SHARED_BUNDLE
+        .import(py, "baton.bundle", "SharedBundle")?
         .call1((
             layout,
             buffer,

@@ -1238,6 +1238,11 @@ impl Buffer {
             })
             .or_raise(py)?;
         let handle = self.handle().or_raise(py)?;
+        // Back already (a sync's leases are, once its reply is in): no wait to set up, no
+        // timer on the runtime — a borrowed model asks this of every allocation each sync.
+        if handle.leases_out() == 0 {
+            return Ok(());
+        }
         // The inner deadline answers first (naming the holders); the wait's own is a backstop.
         runtime()
             .or_raise(py)?
