@@ -21,6 +21,7 @@
 //! one retires the buffer here.
 
 use crate::error::ActorError;
+use crate::ids::FastMap;
 use crate::ids::{BufferId, LinkId};
 use crate::ledger::{
     Access, Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal,
@@ -34,7 +35,6 @@ use baton_messages::protocol::Offer;
 use baton_messages::{
     ActorId, AllocationId, BackendKind, DeviceUuid, FenceHandle, Layout, LeaseId, ProcessId, Shape,
 };
-use std::collections::HashMap;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -71,9 +71,9 @@ pub(crate) struct OfferGrant {
 struct State {
     ledger: Ledger<Owned, Fence, Acquire>,
     /// The actor of each link the ledger knows, to carry out what it asks of the link.
-    links: HashMap<LinkId, LinkRef>,
+    links: FastMap<LinkId, LinkRef>,
     /// Children of this node's supervisor, which a [`RevokePolicy`] may kill.
-    supervised: HashMap<ProcessId, Arc<OwnedFd>>,
+    supervised: FastMap<ProcessId, Arc<OwnedFd>>,
 }
 
 /// A buffer's leases, as a [`BufferOwner`](crate::BufferOwner) reports them for its own
@@ -381,8 +381,8 @@ pub(crate) fn layout_of(whole: &Layout, bytes: &Range<u64>) -> Layout {
 #[derive(Default)]
 struct Todo {
     actions: Vec<Action<Owned, Fence, Acquire>>,
-    links: HashMap<LinkId, LinkRef>,
-    kill: HashMap<LinkId, Arc<OwnedFd>>,
+    links: FastMap<LinkId, LinkRef>,
+    kill: FastMap<LinkId, Arc<OwnedFd>>,
 }
 
 impl Todo {

@@ -60,3 +60,12 @@ pub(crate) fn next_actor() -> baton_messages::ActorId {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     baton_messages::ActorId::new(NEXT.fetch_add(1, Ordering::Relaxed))
 }
+
+/// A map for the tables a handoff touches (the ledger, a link's session, the node's
+/// registry): hashed with foldhash, seeded per map, several times cheaper than the standard
+/// library's SipHash on an id, and still unpredictable to a peer that picks keys (its lease
+/// and call ids), whose tables are bounded besides.
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
+/// A set hashed as [`FastMap`]'s keys.
+pub(crate) type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;

@@ -67,10 +67,11 @@
 //! is read in [`tables`]; `check` (tests only, `ledger/check.rs`) verifies the bookkeeping
 //! after every event.
 
+use crate::ids::FastMap;
 use crate::ids::{BufferId, LinkId};
 use baton_ipc::FreeWhileMapped;
 use baton_messages::{ActorId, AllocationId, LeaseId, ProcessId};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::time::Instant;
 
@@ -379,17 +380,17 @@ pub(crate) struct Totals {
 /// allocation; `F` a release fence; `D` what the node keeps with each lease until it ends.
 #[derive(Debug)]
 pub(crate) struct Ledger<M, F, D = ()> {
-    allocs: HashMap<AllocationId, Entry<M, F, D>>,
-    buffers: HashMap<BufferId, AllocationId>,
-    leases: HashMap<LeaseId, LeaseRecord<D>>,
-    links: HashMap<LinkId, LinkRecord>,
+    allocs: FastMap<AllocationId, Entry<M, F, D>>,
+    buffers: FastMap<BufferId, AllocationId>,
+    leases: FastMap<LeaseId, LeaseRecord<D>>,
+    links: FastMap<LinkId, LinkRecord>,
     actions: Vec<Action<M, F, D>>,
     /// Relayed leases that ended with their holder's death, by the link that relays them:
     /// the relay's `Release` of one may still be on its way (at most [`MAX_TOMBSTONES`]).
-    ended_relays: HashMap<LeaseId, LinkId>,
+    ended_relays: FastMap<LeaseId, LinkId>,
     totals: Totals,
     /// Per owner (an owner's entry stays once it has one).
-    owners: HashMap<ActorId, Totals>,
+    owners: FastMap<ActorId, Totals>,
 }
 
 /// Relayed leases ended by a death whose late `Release` is still accepted.
@@ -398,14 +399,14 @@ const MAX_TOMBSTONES: usize = 65_536;
 impl<M, F, D> Default for Ledger<M, F, D> {
     fn default() -> Self {
         Self {
-            allocs: HashMap::new(),
-            buffers: HashMap::new(),
-            leases: HashMap::new(),
-            links: HashMap::new(),
-            ended_relays: HashMap::new(),
+            allocs: FastMap::default(),
+            buffers: FastMap::default(),
+            leases: FastMap::default(),
+            links: FastMap::default(),
+            ended_relays: FastMap::default(),
             actions: Vec::new(),
             totals: Totals::default(),
-            owners: HashMap::new(),
+            owners: FastMap::default(),
         }
     }
 }

@@ -154,7 +154,14 @@ impl fmt::Debug for PeerLink {
 }
 
 /// A frame, with the call slot taken before it was read (kept by a `Call` while it runs).
-type Incoming = (Result<Received, baton_ipc::Error>, OwnedSemaphorePermit);
+///
+/// The frame is boxed, and so is each read's future: a frame and the state of a read are
+/// hundreds of bytes each, which the stream would otherwise move through its layers for
+/// every frame (a fifth of a pipelined handoff's instructions were those copies).
+type Incoming = (
+    Result<Box<Received>, baton_ipc::Error>,
+    OwnedSemaphorePermit,
+);
 
 /// The link's frames. A slot of `calls` is taken before each read, so when every slot is
 /// held by a running call, reading pauses (see [`LinkLimits::calls_in_flight`]).
@@ -164,10 +171,10 @@ fn frames(
     calls: Arc<Semaphore>,
     link: Arc<LinkState>,
 ) -> impl Stream<Item = Incoming> {
-    futures_util::stream::unfold(Some(reader), move |state| {
+    futures_util::stream::unfold(Some(Box::new(reader)), move |state| {
         let calls = Arc::clone(&calls);
         let link = Arc::clone(&link);
-        async move {
+        Box::pin(async move {
             let mut reader = state?;
             let slot = calls.acquire_owned().await.ok()?;
             match reader.recv().await {
@@ -175,11 +182,11 @@ fn frames(
                     if reader.uses_ring() && !link.reads_ring.load(Ordering::Relaxed) {
                         link.reads_ring.store(true, Ordering::Relaxed);
                     }
-                    Some(((Ok(r), slot), Some(reader)))
+                    Some(((Ok(Box::new(r)), slot), Some(reader)))
                 }
                 Err(e) => Some(((Err(e), slot), None)),
             }
-        }
+        })
     })
 }
 
@@ -292,11 +299,11 @@ impl PeerLink {
     /// carried out (the frame's descriptors go to the one that takes them).
     fn on_frame(
         &mut self,
-        received: Received,
+        received: Box<Received>,
         slot: OwnedSemaphorePermit,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
-        let Received { message, fds } = received;
+        let Received { message, fds } = *received;
         let checks = NodeChecks {
             node: &self.node,
             state: &self.me.state,

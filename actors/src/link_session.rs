@@ -51,6 +51,7 @@
 //! values.
 
 use crate::error::ActorError;
+use crate::ids::{FastMap, FastSet};
 use baton_messages::protocol::{
     Call, CallFault, Evict, Forward, Forwarded, MAX_RELEASE_FENCES, MAX_RENDEZVOUS_BYTES, Offer,
     Payload, PoolRetired, Pull, Release, Rendezvous, Reply, Revoke, Status, StatusRequest,
@@ -60,7 +61,7 @@ use baton_messages::{
     AllocationId, CopyEngine, FenceHandle, HandleKey, HandleMsg, InboxGrant, LeaseId,
     Message as Wire, ProcessId, RawHandle,
 };
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Weak;
 use std::time::{Duration, Instant};
@@ -481,31 +482,31 @@ pub(crate) struct LinkSession<A: Attach> {
     me: ProcessId,
     limits: SessionLimits,
     /// The peer's allocations this link keeps mapped.
-    mapped: HashMap<AllocationId, A::Mapping>,
+    mapped: FastMap<AllocationId, A::Mapping>,
     /// Leases held from the peer.
-    held: HashMap<LeaseId, HeldFrom<A>>,
+    held: FastMap<LeaseId, HeldFrom<A>>,
     /// Offers of third processes we passed on to the peer, until it releases them
     /// ([`ReleaseRoute::Passed`]). Ours, not peer-fed: one per forward this node made.
-    passed: HashSet<LeaseId>,
+    passed: FastSet<LeaseId>,
     /// Our calls awaiting the peer's reply.
-    pending: HashMap<u64, A::Caller>,
+    pending: FastMap<u64, A::Caller>,
     /// A host link's messages read and not handed on yet, in the order read (see
     /// [`hold`](Self::hold)).
     held_back: HeldBack<A::Handed>,
     /// Pings in flight: when each was sent, and who waits for its round trip.
-    pings: HashMap<u64, (Instant, Option<oneshot::Sender<Duration>>)>,
+    pings: FastMap<u64, (Instant, Option<oneshot::Sender<Duration>>)>,
     next_ping: u64,
     /// When the peer last sent anything.
     last_heard: Instant,
     /// Status requests of ours awaiting the peer's answer.
-    status_waiters: HashMap<u64, oneshot::Sender<Result<String, ActorError>>>,
+    status_waiters: FastMap<u64, oneshot::Sender<Result<String, ActorError>>>,
     /// The next id of a status request of ours.
     next_status: u64,
     /// Status answers being prepared for the peer (at most [`STATUS_ANSWERS`]).
     status_answers: usize,
     /// Forwards we asked the peer for, awaiting its answer. Ours, not peer-fed: one per
     /// forward this node asks for.
-    asked: HashMap<u64, A::Asked>,
+    asked: FastMap<u64, A::Asked>,
     /// The id of the next forward we ask for.
     next_forward: u64,
     /// The peer lent us a fence inbox lane already (at most once).
@@ -546,18 +547,18 @@ impl<A: Attach> LinkSession<A> {
             names_itself: peer,
             me,
             limits,
-            mapped: HashMap::new(),
-            held: HashMap::new(),
-            passed: HashSet::new(),
-            pending: HashMap::new(),
+            mapped: FastMap::default(),
+            held: FastMap::default(),
+            passed: FastSet::default(),
+            pending: FastMap::default(),
             held_back: HeldBack::default(),
-            pings: HashMap::new(),
+            pings: FastMap::default(),
             next_ping: 1,
             last_heard: now,
-            status_waiters: HashMap::new(),
+            status_waiters: FastMap::default(),
             next_status: 1,
             status_answers: 0,
-            asked: HashMap::new(),
+            asked: FastMap::default(),
             next_forward: 1,
             inbox_received: false,
             across_hosts: false,

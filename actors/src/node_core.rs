@@ -18,6 +18,7 @@ use crate::buffer::{IncomingLease, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, Exports};
 use crate::ids::LinkId;
+use crate::ids::{FastMap, FastSet};
 use crate::ledger::RevokePolicy;
 use crate::link_ref::{
     CLOSE_FLUSH, Close, CutOff, Heartbeat, LinkLimits, LinkRef, LinkRings, Notice, PeerDied,
@@ -36,7 +37,6 @@ use baton_ipc::{
 };
 use baton_messages::protocol::CallFault;
 use baton_messages::{ActorId, BackendKind, Layout, LeaseId, ProcessId};
-use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::marker::PhantomData;
 use std::net::IpAddr;
@@ -401,11 +401,11 @@ struct NodeInner {
     /// then learn of deaths by end of stream and from the supervisor only).
     deaths: Option<DeathWatch>,
     /// Per name, a handler per wire type name (few: a linear search).
-    handlers: Mutex<HashMap<String, Vec<Arc<dyn ErasedHandler>>>>,
+    handlers: Mutex<FastMap<String, Vec<Arc<dyn ErasedHandler>>>>,
     /// Shared with the NCCL engine's rendezvous sink, which routes by it.
-    links: Arc<Mutex<HashMap<LinkId, Peer>>>,
+    links: Arc<Mutex<FastMap<LinkId, Peer>>>,
     /// Processes seen dead whose links are still ending.
-    dead: Mutex<HashSet<ProcessId>>,
+    dead: Mutex<FastSet<ProcessId>>,
     watchers: Mutex<Vec<Recipient<PeerEvent>>>,
     revoke_watchers: Mutex<Vec<Recipient<RevokeRequested>>>,
     downgrade_watchers: Mutex<Vec<Recipient<PathDowngraded>>>,
@@ -516,9 +516,9 @@ impl NodeCore {
                 deaths,
                 config,
                 backend,
-                handlers: Mutex::new(HashMap::new()),
+                handlers: Mutex::new(FastMap::default()),
                 links: Arc::default(),
-                dead: Mutex::new(HashSet::new()),
+                dead: Mutex::new(FastSet::default()),
                 watchers: Mutex::new(Vec::new()),
                 revoke_watchers: Mutex::new(Vec::new()),
                 downgrade_watchers: Mutex::new(Vec::new()),

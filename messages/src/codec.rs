@@ -136,7 +136,7 @@ fn encode_frame_of<M: Serialize + ?Sized>(msg: &M, nfds: usize, out: &mut Vec<u8
         })?;
     let start = out.len();
     out.extend_from_slice(&[0; HEADER_LEN]);
-    let encoded = bincode::serde::encode_into_std_write(msg, out, config());
+    let encoded = bincode::serde::encode_into_writer(msg, VecWriter(out), config());
     let len = out.len() - start - HEADER_LEN;
     match encoded {
         Ok(_) if len <= MAX_FRAME_LEN => {
@@ -159,6 +159,22 @@ fn encode_frame_of<M: Serialize + ?Sized>(msg: &M, nfds: usize, out: &mut Vec<u8
             out.truncate(start);
             Err(Error::Encode(e.to_string()))
         }
+    }
+}
+
+/// bincode's writer into a `Vec`: serde hands bincode a frame a field, and a byte array a
+/// byte, at a time (a handle's 64-byte raw handle and fence are 64 writes each), so a write
+/// of a byte or a few is pushed in place rather than through `io::Write` and a `memcpy`.
+struct VecWriter<'a>(&'a mut Vec<u8>);
+
+impl bincode::enc::write::Writer for VecWriter<'_> {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) -> std::result::Result<(), bincode::error::EncodeError> {
+        match *bytes {
+            [b] => self.0.push(b),
+            _ => self.0.extend_from_slice(bytes),
+        }
+        Ok(())
     }
 }
 

@@ -159,7 +159,14 @@ impl SealHasher {
 }
 
 impl bincode::enc::write::Writer for SealHasher {
+    #[inline]
     fn write(&mut self, bytes: &[u8]) -> std::result::Result<(), bincode::error::EncodeError> {
+        // Most writes are one byte (a byte array is written a byte at a time): no `memcpy`.
+        if let ([b], Some(slot)) = (bytes, self.buf.get_mut(self.len)) {
+            *slot = *b;
+            self.len += 1;
+            return Ok(());
+        }
         if self.len + bytes.len() > SEAL_BUF {
             self.hasher.update(&self.buf[..self.len]);
             self.len = 0;

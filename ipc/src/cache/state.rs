@@ -12,6 +12,10 @@
 use crate::{Error, Result};
 use baton_messages::{AllocationId, ExporterId, FenceHandle, Generation, HandleMsg};
 use std::collections::HashMap;
+
+/// The cache's tables, hashed with foldhash (seeded per table): a hit hashes its key twice,
+/// and SipHash of a key this size cost more than the rest of the lookup.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::{Arc, Mutex};
 
 /// Which mapping: an allocation of an exporter.
@@ -151,8 +155,8 @@ pub(super) type Victims = Vec<(Vec<HolderId>, CacheKey)>;
 
 /// The cache's bookkeeping (see the module docs).
 pub(super) struct State<M> {
-    pub(super) entries: HashMap<CacheKey, Entry<M>>,
-    pub(super) busy: HashMap<CacheKey, Busy<M>>,
+    pub(super) entries: Map<CacheKey, Entry<M>>,
+    pub(super) busy: Map<CacheKey, Busy<M>>,
     clock: u64,
     stats: CacheStats,
 }
@@ -160,8 +164,8 @@ pub(super) struct State<M> {
 impl<M> Default for State<M> {
     fn default() -> Self {
         Self {
-            entries: HashMap::new(),
-            busy: HashMap::new(),
+            entries: Map::default(),
+            busy: Map::default(),
             clock: 0,
             stats: CacheStats::default(),
         }
