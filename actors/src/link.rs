@@ -156,8 +156,8 @@ impl fmt::Debug for PeerLink {
 /// A frame, with the call slot taken before it was read (kept by a `Call` while it runs).
 ///
 /// The frame is boxed, and so is each read's future: a frame and the state of a read are
-/// hundreds of bytes each, which the stream would otherwise move through its layers for
-/// every frame (a fifth of a pipelined handoff's instructions were those copies).
+/// hundreds of bytes each, which the stream would otherwise copy through its layers for
+/// every frame.
 type Incoming = (
     Result<Box<Received>, baton_ipc::Error>,
     OwnedSemaphorePermit,
