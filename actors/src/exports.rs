@@ -21,8 +21,7 @@
 //! one retires the buffer here.
 
 use crate::error::ActorError;
-use crate::ids::FastMap;
-use crate::ids::{BufferId, LinkId};
+use crate::ids::{BufferId, FastMap, LinkId};
 use crate::ledger::{
     Access, Action, Counts, EntryView, Grant, HolderView, Ledger, NewAllocation, Refusal,
     RevokePolicy, Totals,

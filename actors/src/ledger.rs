@@ -67,8 +67,7 @@
 //! is read in [`tables`]; `check` (tests only, `ledger/check.rs`) verifies the bookkeeping
 //! after every event.
 
-use crate::ids::FastMap;
-use crate::ids::{BufferId, LinkId};
+use crate::ids::{BufferId, FastMap, LinkId};
 use baton_ipc::FreeWhileMapped;
 use baton_messages::{ActorId, AllocationId, LeaseId, ProcessId};
 use std::collections::{BTreeMap, BTreeSet};

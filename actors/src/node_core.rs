@@ -17,8 +17,7 @@
 use crate::buffer::{IncomingLease, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::exports::{BufferCell, Exports};
-use crate::ids::LinkId;
-use crate::ids::{FastMap, FastSet};
+use crate::ids::{FastMap, FastSet, LinkId};
 use crate::ledger::RevokePolicy;
 use crate::link_ref::{
     CLOSE_FLUSH, Close, CutOff, Heartbeat, LinkLimits, LinkRef, LinkRings, Notice, PeerDied,

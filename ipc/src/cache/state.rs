@@ -12,11 +12,11 @@
 use crate::{Error, Result};
 use baton_messages::{AllocationId, ExporterId, FenceHandle, Generation, HandleMsg};
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// The cache's tables, hashed with foldhash (seeded per table): a hit hashes its key twice,
 /// and SipHash of a key this size cost more than the rest of the lookup.
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-use std::sync::{Arc, Mutex};
 
 /// Which mapping: an allocation of an exporter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
