@@ -52,10 +52,13 @@ use baton_messages::status::STATUS_VERSION;
 use baton_messages::{FenceHandle, HandleMsg, Message as Wire, ProcessId};
 use futures_util::stream::Stream;
 use std::fmt;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
+use std::task::{Context as TaskContext, Poll};
 use std::time::Instant;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio_util::sync::ReusableBoxFuture;
 
 /// Marks a stage of a handoff (`baton_ipc::probe`); expands to nothing without the
 /// `stage-probes` feature.
@@ -154,40 +157,77 @@ impl fmt::Debug for PeerLink {
 }
 
 /// A frame, with the call slot taken before it was read (kept by a `Call` while it runs).
-///
-/// The frame is boxed, and so is each read's future: a frame and the state of a read are
-/// hundreds of bytes each, which the stream would otherwise copy through its layers for
-/// every frame.
-type Incoming = (
-    Result<Box<Received>, baton_ipc::Error>,
-    OwnedSemaphorePermit,
-);
+type Incoming = (Result<Received, baton_ipc::Error>, OwnedSemaphorePermit);
+
+/// What a read needs, moved into each read's future and back out of it.
+struct FrameSource {
+    reader: Reader,
+    calls: Arc<Semaphore>,
+    link: Arc<LinkState>,
+}
+
+/// A read's result: the frame, and the source for the next read (none once the link ended).
+type Read = Option<(Incoming, Option<Box<FrameSource>>)>;
 
 /// The link's frames. A slot of `calls` is taken before each read, so when every slot is
 /// held by a running call, reading pauses (see [`LinkLimits::calls_in_flight`]).
 /// The first frame read from a ring marks the link's state ([`LinkRings::inbound`](crate::link_ref::LinkRings::inbound)).
-fn frames(
-    reader: Reader,
-    calls: Arc<Semaphore>,
-    link: Arc<LinkState>,
-) -> impl Stream<Item = Incoming> {
-    futures_util::stream::unfold(Some(Box::new(reader)), move |state| {
-        let calls = Arc::clone(&calls);
-        let link = Arc::clone(&link);
-        Box::pin(async move {
-            let mut reader = state?;
-            let slot = calls.acquire_owned().await.ok()?;
-            match reader.recv().await {
-                Ok(r) => {
-                    if reader.uses_ring() && !link.reads_ring.load(Ordering::Relaxed) {
-                        link.reads_ring.store(true, Ordering::Relaxed);
-                    }
-                    Some(((Ok(Box::new(r)), slot), Some(reader)))
+///
+/// Each read is one future in a box the stream keeps and reuses: no allocation per frame,
+/// and a read's state (hundreds of bytes) is not copied through the stream's layers.
+struct Frames {
+    /// The read under way; none once the link ended.
+    read: Option<ReusableBoxFuture<'static, Read>>,
+}
+
+impl Frames {
+    fn new(reader: Reader, calls: Arc<Semaphore>, link: Arc<LinkState>) -> Frames {
+        let source = Box::new(FrameSource {
+            reader,
+            calls,
+            link,
+        });
+        Frames {
+            read: Some(ReusableBoxFuture::new(Frames::read(source))),
+        }
+    }
+
+    async fn read(mut source: Box<FrameSource>) -> Read {
+        let slot = Arc::clone(&source.calls).acquire_owned().await.ok()?;
+        match source.reader.recv().await {
+            Ok(r) => {
+                if source.reader.uses_ring() && !source.link.reads_ring.load(Ordering::Relaxed) {
+                    source.link.reads_ring.store(true, Ordering::Relaxed);
                 }
-                Err(e) => Some(((Err(e), slot), None)),
+                Some(((Ok(r), slot), Some(source)))
             }
-        })
-    })
+            Err(e) => Some(((Err(e), slot), None)),
+        }
+    }
+}
+
+impl Stream for Frames {
+    type Item = Incoming;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Incoming>> {
+        let Some(read) = self.read.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match std::task::ready!(read.poll(cx)) {
+            Some((item, Some(source))) => {
+                read.set(Frames::read(source));
+                Poll::Ready(Some(item))
+            }
+            Some((item, None)) => {
+                self.read = None;
+                Poll::Ready(Some(item))
+            }
+            None => {
+                self.read = None;
+                Poll::Ready(None)
+            }
+        }
+    }
 }
 
 impl PeerLink {
@@ -228,7 +268,7 @@ impl PeerLink {
                 // host is watched by its link alone (end of stream, the heartbeat).
                 node.watch(peer.process);
             }
-            ctx.add_stream(frames(reader, Arc::clone(&calls), Arc::clone(&state)));
+            ctx.add_stream(Frames::new(reader, Arc::clone(&calls), Arc::clone(&state)));
             let (state, addr) = (Arc::clone(&state), ctx.address());
             actix::spawn(async move {
                 if let Some(error) = writer.drain(rx, state).await {
@@ -299,11 +339,11 @@ impl PeerLink {
     /// carried out (the frame's descriptors go to the one that takes them).
     fn on_frame(
         &mut self,
-        received: Box<Received>,
+        received: Received,
         slot: OwnedSemaphorePermit,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
-        let Received { message, fds } = *received;
+        let Received { message, fds } = received;
         let checks = NodeChecks {
             node: &self.node,
             state: &self.me.state,
