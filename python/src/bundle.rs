@@ -13,6 +13,7 @@ use crate::runtime::lock;
 use baton_messages::{BundleLayout as Layout, Shape};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The key of a bundle's layout in its wire map.
@@ -151,31 +152,46 @@ const RECENT: usize = 256;
 /// The most wire bytes of the layouts kept (a 20,000-tensor layout is ~0.6 MB).
 const RECENT_BYTES: usize = 16 << 20;
 
+/// The layouts received last ([`decode_layout`]), by their wire bytes, each with the tick
+/// of its last use.
+#[derive(Default)]
+struct Recent {
+    layouts: HashMap<Box<[u8]>, (Py<BundleLayout>, u64)>,
+    /// Wire bytes of the layouts kept.
+    bytes: usize,
+    tick: u64,
+}
+
 /// A received layout (its wire bytes), checked — the same checks as Rust's decoding — or
-/// the `BundleLayout` made the last time these bytes came.
+/// the `BundleLayout` made the last time these bytes came. A lookup is one hash of the
+/// bytes (a borrowed model's group looks up tens of layouts each sync); past [`RECENT`]
+/// layouts or [`RECENT_BYTES`], the least recently used go (never the one just made).
 pub(crate) fn decode_layout(py: Python<'_>, bytes: &[u8]) -> Result<Py<BundleLayout>, String> {
-    static SEEN: Mutex<Vec<(Vec<u8>, Py<BundleLayout>)>> = Mutex::new(Vec::new());
+    static SEEN: Mutex<Option<Recent>> = Mutex::new(None);
     let mut seen = lock(&SEEN);
-    if let Some(i) = seen.iter().position(|(b, _)| b.as_slice() == bytes) {
-        let hit = seen.remove(i);
-        let layout = hit.1.clone_ref(py);
-        seen.insert(0, hit);
-        return Ok(layout);
+    let seen = seen.get_or_insert_with(Recent::default);
+    seen.tick += 1;
+    let tick = seen.tick;
+    if let Some((layout, used)) = seen.layouts.get_mut(bytes) {
+        *used = tick;
+        return Ok(layout.clone_ref(py));
     }
     let layout: Layout =
         rmp_serde::from_slice(bytes).map_err(|e| format!("a bundle layout: {e}"))?;
     let layout = Py::new(py, BundleLayout::of(Arc::new(layout))).map_err(|e| e.to_string())?;
-    seen.insert(0, (bytes.to_vec(), layout.clone_ref(py)));
-    let mut total = 0;
-    let keep = seen
-        .iter()
-        .take(RECENT)
-        .take_while(|(b, _)| {
-            total += b.len();
-            total <= RECENT_BYTES
-        })
-        .count()
-        .max(1);
-    seen.truncate(keep);
+    seen.layouts
+        .insert(bytes.into(), (layout.clone_ref(py), tick));
+    seen.bytes += bytes.len();
+    while seen.layouts.len() > 1 && (seen.layouts.len() > RECENT || seen.bytes > RECENT_BYTES) {
+        let oldest = seen
+            .layouts
+            .iter()
+            .filter(|(_, (_, used))| *used != tick)
+            .min_by_key(|(_, (_, used))| *used)
+            .map(|(k, _)| k.clone());
+        let Some(oldest) = oldest else { break };
+        seen.layouts.remove(&oldest);
+        seen.bytes -= oldest.len();
+    }
     Ok(layout)
 }

@@ -247,6 +247,18 @@ def test_layouts_travel_as_bytes_among_every_kind_of_value(node, token_file, sho
         sender.close()
 
 
+def _keep_layouts(mailbox, calls: int, seen: list) -> None:
+    """Serves `calls` calls carrying bundles in field "w": keeps their layouts in `seen`
+    (one list per call), gives the bundles back unopened and replies."""
+    for _ in range(calls):
+        call = mailbox.recv(timeout=DEADLINE)
+        got = call.message["w"]
+        seen.append([shared.layout for shared in got])
+        for shared in got:
+            shared.release()
+        call.reply(None)
+
+
 def test_the_many_layouts_of_a_borrowed_model_are_decoded_once(node, token_file, short_dir):
     """A borrowed model comes as one bundle per allocation, tens of them every sync: each
     layout is decoded once, and a layout received again is the object received before
@@ -261,17 +273,7 @@ def test_the_many_layouts_of_a_borrowed_model_are_decoded_once(node, token_file,
                                            (f"b{i}.b", (i + 1,), "int64")])
                    for i in range(48)]
         seen = []
-
-        def serve() -> None:
-            for _ in range(2):
-                call = mailbox.recv(timeout=DEADLINE)
-                got = call.message["w"]
-                seen.append([shared.layout for shared in got])
-                for shared in got:
-                    shared.release()
-                call.reply(None)
-
-        server = threading.Thread(target=serve)
+        server = threading.Thread(target=_keep_layouts, args=(mailbox, 2, seen))
         server.start()
         for _ in range(2):
             assert to_node.call("many", "py.Many", {"w": bundles}, timeout=DEADLINE) is None
@@ -281,6 +283,34 @@ def test_the_many_layouts_of_a_borrowed_model_are_decoded_once(node, token_file,
         first, second = seen
         assert [l == b.layout for l, b in zip(first, bundles)] == [True] * 48
         assert all(a is b for a, b in zip(first, second)), "every layout decoded once"
+    finally:
+        sender.close()
+
+
+def test_the_layouts_kept_are_bounded_and_the_least_recent_go_first(node, token_file,
+                                                                    short_dir):
+    """The received layouts kept are bounded (256): after 288 other layouts have come, the
+    first ones are decoded anew (a new object), while the ones received last are still the
+    objects received before."""
+    node.listen(short_dir, "py.sock")
+    sender = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("kept", "py.Kept")
+        batches = [[sender.allocate_bundle([(f"k{j}.{i}", (1 + i,), "int32")])
+                    for i in range(48)] for j in range(7)]
+        order = [0, 1, 2, 3, 4, 5, 6, 0, 6]
+        seen = []
+        server = threading.Thread(target=_keep_layouts, args=(mailbox, len(order), seen))
+        server.start()
+        for j in order:
+            assert to_node.call("kept", "py.Kept", {"w": batches[j]}, timeout=DEADLINE) is None
+            for b in batches[j]:
+                b.returned(timeout=DEADLINE)
+        server.join(timeout=DEADLINE)
+        assert [l == b.layout for l, b in zip(seen[7], batches[0])] == [True] * 48
+        assert not any(a is b for a, b in zip(seen[0], seen[7])), "the oldest went"
+        assert all(a is b for a, b in zip(seen[6], seen[8])), "the last ones were kept"
     finally:
         sender.close()
 
