@@ -113,8 +113,9 @@ impl LinkConfig {
     /// has its own ring. A capacity the ring refuses, or a peer that refuses the ring,
     /// leaves the link on the socket (logged).
     ///
-    /// The blocking [`Link`] neither offers nor accepts rings: an offer reaches its
-    /// caller as a message to ignore, and the peer then keeps using the socket.
+    /// The blocking [`Link`] neither offers nor accepts rings: it declines an offer itself
+    /// (closing its descriptors; its caller never sees it), and the peer then keeps using
+    /// the socket.
     ///
     /// A reader polls its ring only on a runtime built with
     /// [`before_park`](crate::ring::before_park) as its `on_thread_park` hook (see
@@ -327,6 +328,12 @@ impl Link {
     pub fn recv(&mut self) -> Result<Received> {
         loop {
             if let Some(received) = self.rx.next()? {
+                if matches!(received.message, Message::RingOffer(_)) {
+                    // Link-level, and this link reads only its socket: declined by not
+                    // answering (the peer stays on the socket); its descriptors close here.
+                    tracing::debug!("a ring offered to a blocking link: the socket stays");
+                    continue;
+                }
                 return Ok(received);
             }
             self.rx.check_fds()?;

@@ -53,6 +53,11 @@
 //! variant of the issue-24 experiment also needs it: there, reading lost a wakeup); an
 //! eventfd keeps its count, so a ring that lands before the reader blocks is not lost
 //! either. A spurious ring (the reader found the frame on its own) costs one extra turn.
+//! A writer may hold appends back ([`RingWriter::hold`]) and publish a batch with one store
+//! of `tail` and at most one doorbell ([`RingWriter::publish`]); it publishes before it
+//! waits for room, since the reader frees only what it saw. A link's writer publishes each
+//! send's frames as one batch: rung frame by frame, a reader sharing the writer's only CPU
+//! preempted it at each doorbell (`docs/BENCHMARKS.md`, "Rings").
 //! `space` works the same way the other round, with `head` and `writer_waiting`.
 //!
 //! # Adaptive polling
@@ -124,8 +129,8 @@
 //!   on any other runtime every frame costs a doorbell wakeup. (Python's runtime thread is
 //!   built that way.) While the hook polls, the runtime's timers and its sockets other than
 //!   doorbells wait for it (at most the window); tasks woken from other threads stop it.
-//! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and an
-//!   offer reaches its caller as a message to ignore (the peer then keeps the socket).
+//! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and
+//!   declines an offer itself (its caller never sees it; the peer keeps the socket).
 //! - [`LinkConfig::new`](crate::LinkConfig::new) reads `BATON_LINK_RING`, so the variable
 //!   turns rings on for the actors' links too; on a system built without the park hook
 //!   that is correct (a doorbell wakeup per frame), not faster.
@@ -804,8 +809,13 @@ impl RingCloser {
 pub struct RingWriter {
     map: RingMap,
     capacity: u64,
-    /// Bytes published: ours, trusted.
+    /// Bytes appended: ours, trusted.
     tail: u64,
+    /// Bytes published (`tail` as the reader sees it): `tail` except while
+    /// [`hold`](Self::hold) keeps appends back.
+    published: u64,
+    /// Appends wait for [`flush`](Self::flush) or [`publish`](Self::publish).
+    held: bool,
     /// The largest `head` seen: a smaller one later is corruption.
     seen_head: u64,
     doorbell: OwnedFd,
@@ -818,6 +828,8 @@ impl fmt::Debug for RingWriter {
         f.debug_struct("RingWriter")
             .field("capacity", &self.capacity)
             .field("tail", &self.tail)
+            .field("published", &self.published)
+            .field("held", &self.held)
             .field("poisoned", &self.poisoned)
             .finish_non_exhaustive()
     }
@@ -923,6 +935,8 @@ impl RingWriter {
             map,
             capacity: capacity as u64,
             tail,
+            published: tail,
+            held: false,
             seen_head: head,
             doorbell,
             space,
@@ -988,7 +1002,7 @@ impl RingWriter {
         if head < self.seen_head {
             return Err(self.corrupt("head moved backwards"));
         }
-        if head > self.tail {
+        if head > self.published {
             return Err(self.corrupt("head passed tail"));
         }
         self.seen_head = head;
@@ -1051,6 +1065,34 @@ impl RingWriter {
         self.map.write_data(at + RECORD, bytes);
         self.map.write_data(at, &record(bytes.len() as u32, kind));
         self.tail += total as u64;
+        if !self.held {
+            self.flush();
+        }
+        Ok(())
+    }
+
+    /// Holds later appends back from the reader until [`flush`](Self::flush) or
+    /// [`publish`](Self::publish): a batch of frames becomes visible, and rings the
+    /// doorbell, once. (One doorbell per frame makes a reader sharing the writer's only CPU
+    /// preempt it frame after frame: `docs/BENCHMARKS.md`, "Rings".) A held append still
+    /// takes room, and [`send`](Self::send) flushes before it waits for room.
+    pub fn hold(&mut self) {
+        self.held = true;
+    }
+
+    /// Whether appends are held back ([`hold`](Self::hold)).
+    pub fn is_held(&self) -> bool {
+        self.held
+    }
+
+    /// Publishes what was appended and not yet published (a store of `tail`), ringing the
+    /// doorbell if the reader announced it sleeps; appends stay held if they were. Nothing
+    /// to publish, it does nothing.
+    pub fn flush(&mut self) {
+        if self.published == self.tail {
+            return;
+        }
+        self.published = self.tail;
         let h = self.map.header();
         h.tail.0.store(self.tail, Ordering::Release);
         fence(Ordering::SeqCst);
@@ -1059,7 +1101,13 @@ impl RingWriter {
         {
             ring(self.doorbell.as_fd());
         }
-        Ok(())
+    }
+
+    /// Ends a [`hold`](Self::hold): publishes what was appended, and publishes each later
+    /// append at once.
+    pub fn publish(&mut self) {
+        self.held = false;
+        self.flush();
     }
 
     /// Appends a frame, waiting for room until `until` (blocked in `poll(2)` on `space`
@@ -1078,6 +1126,8 @@ impl RingWriter {
             if Instant::now() >= until {
                 return Err(RingError::Full);
             }
+            // The reader makes room only from what it sees.
+            self.flush();
             let waiting = &self.map.header().writer_waiting.0;
             waiting.store(1, Ordering::Relaxed);
             fence(Ordering::SeqCst);

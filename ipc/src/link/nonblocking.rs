@@ -672,7 +672,8 @@ async fn switch_to_ring(
 }
 
 /// Sends encoded frames through the peer's ring: each without descriptors that fits in the
-/// ring, into it; any other after a marker, on the socket.
+/// ring, into it; any other after a marker, on the socket. The frames are published to the
+/// reader as one batch (and before a frame goes on the socket).
 async fn send_ringed(
     sock: &Sock,
     shared: &Shared,
@@ -680,6 +681,7 @@ async fn send_ringed(
     mut frames: &[u8],
     mut fds: &[BorrowedFd<'_>],
 ) -> Result<()> {
+    let mut ring = ring.batch();
     while !frames.is_empty() {
         let (len, nfds) = first_frame(frames)?;
         let (frame, rest) = frames.split_at(len);
@@ -687,6 +689,7 @@ async fn send_ringed(
             ring.push(shared, Push::Frame(frame)).await?;
         } else {
             ring.push(shared, Push::Marker).await?;
+            ring.flush();
             send_direct(sock, frame, fds).await?;
         }
         fds = &[];
@@ -750,6 +753,7 @@ impl LinkWriter {
         if self.shared.is_closed() {
             return Err(Error::Closed);
         }
+        let mut ring = ring.batch();
         let mut taken = 0;
         while taken < frames.len() {
             let (len, nfds) = first_frame(&frames[taken..])?;

@@ -393,42 +393,49 @@ async fn a_forged_ring_offer_is_refused_and_the_link_keeps_the_socket() {
     }
 }
 
-/// Ring disabled: the first frame after the handshake is the application's, not an offer
-/// (seen by a blocking `Link`, which hands every frame to its caller); enabled, it is the
-/// offer, with its three descriptors.
+/// Ring disabled, no offer goes out: the peer (which accepts any offer, its own setting
+/// off) is still on the socket after its next send; enabled, it switches to the ring there.
 #[tokio::test(flavor = "current_thread")]
 async fn a_link_without_a_ring_sends_no_offer() {
     for ring in [None, Some(MIN_CAPACITY)] {
-        let (a, b) = UnixStream::pair().unwrap();
-        a.set_nonblocking(true).unwrap();
-        let a = tokio::net::UnixStream::from_std(a).unwrap();
-        let blocking = tokio::task::spawn_blocking(move || {
-            let mut link = Link::client(b, &config(None))?;
-            // The link is kept until the server's send is done.
-            link.recv_timeout(WITHIN).map(|first| (first, link))
-        });
-        let server = AsyncLink::server(a, &config(ring)).await.unwrap();
-        let (_rx, mut wx) = server.into_split();
-        wx.send(&Message::Ping(7), &[]).await.unwrap();
-        let first = tokio::time::timeout(WITHIN, blocking)
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap()
-            .0;
-        match ring {
-            None => assert_eq!((first.message, first.fds.len()), (Message::Ping(7), 0)),
-            Some(capacity) => assert_eq!(
-                (first.message, first.fds.len()),
-                (
-                    Message::RingOffer(RingOffer {
-                        capacity: capacity as u64
-                    }),
-                    3
-                )
-            ),
-        }
+        let (server, client) = linked(ring, None).await;
+        let (mut server, mut client) = (split(server), split(client));
+        server.wx.send(&ping(0), &[]).await.unwrap();
+        assert_eq!(recv(&mut client.rx).await.message, ping(0));
+        client.wx.send(&ping(1), &[]).await.unwrap();
+        assert_eq!(recv(&mut server.rx).await.message, ping(1));
+        assert_eq!(client.wx.uses_ring(), ring.is_some(), "ring {ring:?}");
+        assert_eq!(server.rx.uses_ring(), ring.is_some(), "ring {ring:?}");
     }
+}
+
+/// A blocking `Link` declines an offer itself: its caller's first message is the
+/// application's, with no descriptors, and the offering side goes on reading its socket.
+#[tokio::test(flavor = "current_thread")]
+async fn a_blocking_link_declines_an_offer_and_both_stay_on_the_socket() {
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    let a = tokio::net::UnixStream::from_std(a).unwrap();
+    let blocking = tokio::task::spawn_blocking(move || {
+        let mut link = Link::client(b, &config(None))?;
+        let first = link.recv_timeout(WITHIN)?;
+        link.send(&Message::Pong(7), &[])?;
+        // The link is kept until the server has read the answer.
+        Ok::<_, Error>((first, link))
+    });
+    let server = AsyncLink::server(a, &config(Some(MIN_CAPACITY)))
+        .await
+        .unwrap();
+    let (mut rx, mut wx) = server.into_split();
+    wx.send(&Message::Ping(7), &[]).await.unwrap();
+    assert_eq!(recv(&mut rx).await.message, Message::Pong(7));
+    assert!(!rx.uses_ring() && !wx.uses_ring());
+    let (first, _link) = tokio::time::timeout(WITHIN, blocking)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!((first.message, first.fds.len()), (Message::Ping(7), 0));
 }
 
 /// The environment variable that makes [`killed_peer_child`] the peer of

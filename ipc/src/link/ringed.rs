@@ -168,6 +168,15 @@ impl TxRing {
         nfds == 0 && frame.len() <= self.writer.max_frame()
     }
 
+    /// Holds the appends made through the returned batch back until it is dropped (or
+    /// [`Batch::flush`]): the frames of one send become visible to the reader, and ring
+    /// its doorbell, once ([`RingWriter::hold`]). Dropped, it publishes, also when its send
+    /// is cancelled or fails.
+    pub(super) fn batch(&mut self) -> Batch<'_> {
+        self.writer.hold();
+        Batch(self)
+    }
+
     fn try_push(&mut self, push: Push<'_>) -> std::result::Result<(), RingError> {
         match push {
             Push::Frame(frame) => self.writer.try_send(frame),
@@ -201,6 +210,9 @@ impl TxRing {
             if self.try_push_now(push)? {
                 return Ok(());
             }
+            // The reader makes room only from what it sees: a held batch is published
+            // before waiting (and stays held).
+            self.writer.flush();
             let closing = shared.closing.notified();
             tokio::pin!(closing);
             closing.as_mut().enable();
@@ -228,6 +240,39 @@ impl TxRing {
             self.writer.stop_waiting();
             waited.map_err(Error::io("waiting for room in the link's ring"))?;
         }
+    }
+}
+
+/// Appends to a [`TxRing`] held back from its reader until this is dropped
+/// ([`TxRing::batch`]).
+#[derive(Debug)]
+pub(super) struct Batch<'a>(&'a mut TxRing);
+
+impl Batch<'_> {
+    /// Publishes what the batch appended so far (before a frame goes on the socket: the
+    /// reader must see the marker first); later appends stay held.
+    pub(super) fn flush(&mut self) {
+        self.0.writer.flush();
+    }
+}
+
+impl std::ops::Deref for Batch<'_> {
+    type Target = TxRing;
+
+    fn deref(&self) -> &TxRing {
+        self.0
+    }
+}
+
+impl std::ops::DerefMut for Batch<'_> {
+    fn deref_mut(&mut self) -> &mut TxRing {
+        self.0
+    }
+}
+
+impl Drop for Batch<'_> {
+    fn drop(&mut self) {
+        self.0.writer.publish();
     }
 }
 

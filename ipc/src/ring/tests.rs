@@ -49,6 +49,9 @@ enum Op {
     Send(usize),
     Marker,
     Recv,
+    Hold,
+    Flush,
+    Publish,
 }
 
 fn ops(max: usize) -> impl Strategy<Value = Vec<Op>> {
@@ -64,18 +67,24 @@ fn ops(max: usize) -> impl Strategy<Value = Vec<Op>> {
             4 => len.prop_map(Op::Send),
             1 => Just(Op::Marker),
             4 => Just(Op::Recv),
+            1 => Just(Op::Hold),
+            1 => Just(Op::Flush),
+            1 => Just(Op::Publish),
         ],
         1..300,
     )
 }
 
 /// What the model holds: each entry (a frame's bytes or a marker) and the bytes it takes
-/// in the ring, wrap marker included.
+/// in the ring, wrap marker included; how many of the first entries the reader may see
+/// (the rest are held back), and whether appends are held.
 struct Model {
     capacity: u64,
     head: u64,
     tail: u64,
     entries: VecDeque<(Option<Vec<u8>>, u64)>,
+    visible: usize,
+    held: bool,
 }
 
 impl Model {
@@ -94,15 +103,19 @@ impl Model {
         let cost = self.cost(len);
         self.tail += cost;
         self.entries.push_back((entry, cost));
+        if !self.held {
+            self.visible = self.entries.len();
+        }
     }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
-    /// Random sends, markers and receives against a queue: every entry comes out whole and
-    /// in order, `Full` exactly when the entry does not fit (never on an empty ring),
-    /// `TooLarge` exactly above the maximum; records ending exactly at the end included.
+    /// Random sends, markers, receives, holds and publishes against a queue: every entry
+    /// comes out whole and in order, none held back before it is published, `Full` exactly
+    /// when the entry does not fit (never on an empty ring), `TooLarge` exactly above the
+    /// maximum; records ending exactly at the end included.
     #[test]
     fn the_ring_behaves_as_a_bounded_queue(ops in ops(max_frame_of(MIN_CAPACITY))) {
         let (mut reader, mut writer) = pair(MIN_CAPACITY);
@@ -112,6 +125,8 @@ proptest! {
             head: 0,
             tail: 0,
             entries: VecDeque::new(),
+            visible: 0,
+            held: false,
         };
         for (i, op) in ops.into_iter().enumerate() {
             match op {
@@ -137,9 +152,28 @@ proptest! {
                         prop_assert!(matches!(r, Err(RingError::Full)), "{r:?}");
                     }
                 }
+                Op::Hold => {
+                    writer.hold();
+                    model.held = true;
+                }
+                Op::Flush | Op::Publish => {
+                    if matches!(op, Op::Flush) {
+                        writer.flush();
+                    } else {
+                        writer.publish();
+                        model.held = false;
+                    }
+                    model.visible = model.entries.len();
+                }
                 Op::Recv => {
                     let got = recv_now(&mut reader).unwrap();
-                    match model.entries.pop_front() {
+                    let next = if model.visible > 0 {
+                        model.visible -= 1;
+                        model.entries.pop_front()
+                    } else {
+                        None
+                    };
+                    match next {
                         None => prop_assert!(got.is_none()),
                         Some((want, cost)) => {
                             model.head += cost;
@@ -155,9 +189,11 @@ proptest! {
                     }
                 }
             }
-            prop_assert_eq!(reader.has_frame(), !model.entries.is_empty());
+            prop_assert_eq!(reader.has_frame(), model.visible > 0);
+            prop_assert_eq!(writer.is_held(), model.held);
         }
-        // Everything still in the ring comes out too.
+        // Everything still in the ring comes out too, once published.
+        writer.publish();
         while let Some((want, _)) = model.entries.pop_front() {
             let (entry, bytes) = recv_now(&mut reader).unwrap().expect("an entry");
             match want {
@@ -503,6 +539,63 @@ fn a_blocked_writer_gets_room_when_the_reader_consumes() {
         }
     }
     sender.join().unwrap();
+}
+
+#[test]
+fn a_held_batch_rings_the_doorbell_once_when_published() {
+    let (mut reader, mut writer) = pair(MIN_CAPACITY);
+    assert!(
+        reader.prepare_to_sleep(),
+        "an empty ring lets its reader sleep"
+    );
+    writer.hold();
+    for i in 0..3 {
+        writer.try_send(&frame(i, 40)).unwrap();
+    }
+    assert!(!reader.has_frame(), "held frames are not published");
+    assert!(
+        !drain(reader.doorbell_fd()),
+        "no doorbell before the publish"
+    );
+    writer.publish();
+    assert!(
+        drain(reader.doorbell_fd()),
+        "the publish rings the sleeping reader"
+    );
+    reader.woke();
+    for i in 0..3 {
+        assert_eq!(recv_now(&mut reader).unwrap().unwrap().1, frame(i, 40));
+    }
+    assert!(recv_now(&mut reader).unwrap().is_none());
+    // A publish with nothing new rings nothing.
+    assert!(reader.prepare_to_sleep());
+    writer.publish();
+    assert!(!drain(reader.doorbell_fd()));
+}
+
+#[test]
+fn a_held_writer_waiting_for_room_publishes_first() {
+    let (mut reader, mut writer) = pair(MIN_CAPACITY);
+    let sender = std::thread::spawn(move || {
+        writer.hold();
+        // Far more than the ring holds: each wait for room must publish what is held, or
+        // the reader never sees a frame and the send ends at its deadline.
+        for i in 0..200u64 {
+            writer.send(&frame(i, 500), soon()).unwrap();
+        }
+        writer.publish();
+        writer
+    });
+    let mut out = Vec::new();
+    for i in 0..200u64 {
+        out.clear();
+        reader
+            .recv(&mut out, soon())
+            .unwrap()
+            .expect("before the deadline");
+        assert_eq!(out, frame(i, 500));
+    }
+    drop(sender.join().unwrap());
 }
 
 /// Ping-pong between two threads, each ring's reader with the given window.
