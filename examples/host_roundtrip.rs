@@ -97,7 +97,7 @@ fn exporter() -> Result<(), Box<dyn Error>> {
     let lease = LeaseId::new(1);
     // A memfd's descriptor goes beside the frame (slot 0); a named segment needs none.
     let fds: Vec<_> = alloc.export_fd().into_iter().collect();
-    link.send(&Message::Offer(Offer { lease, handle }), &fds)?;
+    link.send(&Message::Offer(Box::new(Offer { lease, handle })), &fds)?;
     let answer = link.recv_timeout(Duration::from_secs(30))?.message;
     let elapsed = start.elapsed();
     if answer != Message::Release(Release::now(lease)) {

@@ -153,10 +153,10 @@ fn protocol_abuse_drops_only_the_abusive_link() {
         drop(ghost);
         send_and_expect_drop(
             link,
-            Wire::Offer(Offer {
+            Wire::Offer(Box::new(Offer {
                 lease: LeaseId::new(1),
                 handle,
-            }),
+            })),
         )
         .await;
         dropped_because(&parent, id, "SegmentNotFound").await;
@@ -169,10 +169,10 @@ fn protocol_abuse_drops_only_the_abusive_link() {
         let handle = handle.sealed(parent.session.handle_key());
         send_and_expect_drop(
             link,
-            Wire::Offer(Offer {
+            Wire::Offer(Box::new(Offer {
                 lease: LeaseId::new(2),
                 handle,
-            }),
+            })),
         )
         .await;
         dropped_because(&parent, id, "ForeignOffer").await;
@@ -185,10 +185,10 @@ fn protocol_abuse_drops_only_the_abusive_link() {
         handle.len -= 1;
         send_and_expect_drop(
             link,
-            Wire::Offer(Offer {
+            Wire::Offer(Box::new(Offer {
                 lease: LeaseId::new(3),
                 handle,
-            }),
+            })),
         )
         .await;
         dropped_because(&parent, id, "DigestMismatch").await;
@@ -276,18 +276,18 @@ fn a_bare_offer_without_element_type_is_released_not_delivered() {
         let link = spawn_blocking(move || {
             let mut link = link;
             // Untyped: the actor layer deals in typed buffers only; it gives it back.
-            let offer = Wire::Offer(Offer {
+            let offer = Wire::Offer(Box::new(Offer {
                 lease: LeaseId::new(1),
                 handle: untyped,
-            });
+            }));
             link.send(&offer, &[]).unwrap();
             let back = recv_skipping_pings(&mut link).unwrap().message;
             assert_eq!(back, Wire::Release(Release::now(LeaseId::new(1))));
             // Typed: delivered to the inbox.
-            let offer = Wire::Offer(Offer {
+            let offer = Wire::Offer(Box::new(Offer {
                 lease: LeaseId::new(2),
                 handle: typed,
-            });
+            }));
             link.send(&offer, &[]).unwrap();
             link
         })
@@ -392,7 +392,8 @@ fn the_offer_and_lease_bounds_are_exact_and_a_lease_is_offered_once() {
         link = spawn_blocking(move || {
             for lease in 30..35 {
                 let offer = &offers;
-                link.send(&Wire::Offer(offer(lease)), &[]).unwrap();
+                link.send(&Wire::Offer(Box::new(offer(lease))), &[])
+                    .unwrap();
             }
             link
         })
@@ -406,7 +407,7 @@ fn the_offer_and_lease_bounds_are_exact_and_a_lease_is_offered_once() {
             parent.events.down_reason(id).is_none(),
             "at the bound is no fault"
         );
-        send_and_expect_drop(link, Wire::Offer(offer(31))).await;
+        send_and_expect_drop(link, Wire::Offer(Box::new(offer(31)))).await;
         dropped_because(&parent, id, "DuplicateLease").await;
 
         kept.lock().unwrap().clear();
@@ -415,7 +416,8 @@ fn the_offer_and_lease_bounds_are_exact_and_a_lease_is_offered_once() {
         link = spawn_blocking(move || {
             for lease in 40..45 {
                 let offer = &offers;
-                link.send(&Wire::Offer(offer(lease)), &[]).unwrap();
+                link.send(&Wire::Offer(Box::new(offer(lease))), &[])
+                    .unwrap();
             }
             link
         })
@@ -426,7 +428,7 @@ fn the_offer_and_lease_bounds_are_exact_and_a_lease_is_offered_once() {
         })
         .await;
         assert!(parent.events.down_reason(id).is_none());
-        send_and_expect_drop(link, Wire::Offer(offer(45))).await;
+        send_and_expect_drop(link, Wire::Offer(Box::new(offer(45)))).await;
         dropped_because(&parent, id, "TooManyLeases").await;
         drop(mem);
     });

@@ -372,10 +372,10 @@ fn produce(subject: &Subject, alloc: &Allocation, seed: u32) -> blake3::Hash {
 fn offer(link: &mut baton::ipc::Link, lease: u64, handle: HandleMsg, fd: Option<BorrowedFd<'_>>) {
     let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
     link.send(
-        &Message::Offer(Offer {
+        &Message::Offer(Box::new(Offer {
             lease: LeaseId::new(lease),
             handle,
-        }),
+        })),
         &fds,
     )
     .unwrap();

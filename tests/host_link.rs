@@ -70,7 +70,7 @@ fn a_64_mib_buffer_goes_to_another_process_and_a_reply_comes_back() {
         .build()
         .unwrap();
     let lease = LeaseId::new(1);
-    link.send(&Message::Offer(Offer { lease, handle }), &[])
+    link.send(&Message::Offer(Box::new(Offer { lease, handle })), &[])
         .unwrap();
 
     let Received { message, .. } = link.recv_timeout(DEADLINE).unwrap();
@@ -124,10 +124,10 @@ fn importer_sigkill_while_mapped_ends_the_link_cleanly_and_our_free_leaves_nothi
     let mut link = accept_from(&listener, &mut child, DEADLINE).unwrap();
     let handle = alloc.handle(&session).build().unwrap();
     link.send(
-        &Message::Offer(Offer {
+        &Message::Offer(Box::new(Offer {
             lease: LeaseId::new(7),
             handle,
-        }),
+        })),
         &[],
     )
     .unwrap();

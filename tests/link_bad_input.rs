@@ -122,7 +122,7 @@ fn serve_one(
     let alloc = backend.allocate(4096)?;
     alloc.fill(0, 4096, 0x5A)?;
     let handle = alloc.handle(session).build()?;
-    link.send(&Message::Offer(Offer { lease, handle }), &[])?;
+    link.send(&Message::Offer(Box::new(Offer { lease, handle })), &[])?;
     match link.recv_timeout(DEADLINE)?.message {
         Message::Release(r) if r.lease == lease => Ok(()),
         other => Err(Error::UnexpectedMessage {

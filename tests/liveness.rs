@@ -811,7 +811,7 @@ fn a_forged_fence_on_an_offer_or_a_release_is_refused_and_drops_only_its_link() 
             };
             let dropped = blocking(move || {
                 let mut raw = raw;
-                raw.send(&Wire::Offer(offer));
+                raw.send(&Wire::Offer(Box::new(offer)));
                 raw.dropped()
             })
             .await;

@@ -266,10 +266,10 @@ fn no_raw_handle_bytes_segment_names_or_tokens_reach_the_log() {
                 );
                 spawn_blocking(move || {
                     let mut link = Link::connect(path, &config).unwrap();
-                    let offer = Message::Offer(Offer {
+                    let offer = Message::Offer(Box::new(Offer {
                         lease: LeaseId::new(1),
                         handle,
-                    });
+                    }));
                     link.send(&offer, &[]).unwrap();
                     // Skipping heartbeat pings, the next thing we read is the answer.
                     let answer = loop {

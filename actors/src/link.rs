@@ -422,7 +422,7 @@ impl PeerLink {
             Action::Rendezvous(bytes) => self.on_rendezvous(&bytes),
             Action::Forward(forward) => self.on_forward(forward),
             Action::Forwarded { asked, outcome } => {
-                self.on_forwarded(asked, outcome, fds.take().unwrap_or_default());
+                self.on_forwarded(asked, outcome.map(|o| *o), fds.take().unwrap_or_default());
                 Ok(())
             }
             Action::CallFailed { caller, fault } => {

@@ -188,11 +188,6 @@ impl<A: Attach> ReleaseRoute<A> {
 
 /// What one frame asks of the shell, in order: most frames ask one thing, held without
 /// an allocation; a few ask none or several.
-#[expect(
-    clippy::large_enum_variant,
-    reason = "the one action is held in place: boxing it would be the allocation per frame \
-              this type is for"
-)]
 pub(crate) enum Actions<A: Attach> {
     /// Exactly one action.
     One(Action<A>),
@@ -296,8 +291,9 @@ pub(crate) enum Action<A: Attach> {
     Forwarded {
         /// Who asked.
         asked: A::Asked,
-        /// The offer, or the exporter's reason.
-        outcome: Result<Offer, String>,
+        /// The offer (boxed: rare, and as large as the rest of the actions together), or the
+        /// exporter's reason.
+        outcome: Result<Box<Offer>, String>,
     },
     /// A call of ours failed at the peer.
     CallFailed {
@@ -647,7 +643,7 @@ impl<A: Attach> LinkSession<A> {
             },
             Wire::Unmapped(Unmapped { alloc }) => Action::Unmapped(alloc),
             Wire::Evict(Evict { alloc }) => Action::Evict(alloc),
-            Wire::Offer(offer) => self.open(vec![offer], false, Then::Deliver, checks)?,
+            Wire::Offer(offer) => self.open(vec![*offer], false, Then::Deliver, checks)?,
             Wire::Relayed(relayed) => {
                 self.open(vec![relayed.offer], true, Then::Deliver, checks)?
             }
@@ -674,7 +670,7 @@ impl<A: Attach> LinkSession<A> {
                 return Ok(Actions::none());
             }
             Wire::Forward(forward) => self.on_forward(forward),
-            Wire::Forwarded(forwarded) => return self.on_forwarded(forwarded),
+            Wire::Forwarded(forwarded) => return self.on_forwarded(*forwarded),
             Wire::FenceInbox(_) if self.across_hosts => {
                 return Err(ActorError::Unexpected {
                     got: "a FenceInbox on a host link",
@@ -878,10 +874,10 @@ impl<A: Attach> LinkSession<A> {
         };
         let refused = ActorError::ForwardRefused { reason };
         tracing::debug!(lease = %forward.lease, to = %forward.to, error = %refused, "refused to forward");
-        Action::Send(Wire::Forwarded(Forwarded {
+        Action::Send(Wire::Forwarded(Box::new(Forwarded {
             id: forward.id,
             outcome: Err(refused.to_string()),
-        }))
+        })))
     }
 
     /// The exporter's answer to a forward: one we asked for, answered once, with an offer
@@ -915,7 +911,10 @@ impl<A: Attach> LinkSession<A> {
                 });
             }
         }
-        Ok(Actions::one(Action::Forwarded { asked, outcome }))
+        Ok(Actions::one(Action::Forwarded {
+            asked,
+            outcome: outcome.map(Box::new),
+        }))
     }
 
     fn on_status(&mut self, status: Status) -> Result<(), ActorError> {

@@ -70,7 +70,7 @@ impl Made {
             None => builder,
         }
         .build()?;
-        Ok(Message::Offer(Offer { lease, handle }))
+        Ok(Message::Offer(Box::new(Offer { lease, handle })))
     }
 
     fn fd(&self) -> Option<BorrowedFd<'_>> {

@@ -212,7 +212,7 @@ fn measure(cfg: &Config, kind: FenceKind) -> Res<(FenceKind, Value, Value, Value
             .ok_or("no fence recorded")?;
         let t1 = Instant::now();
         let handle = alloc.handle(&session).fence(acquire.handle()).build()?;
-        let msg = Message::Offer(Offer { lease, handle });
+        let msg = Message::Offer(Box::new(Offer { lease, handle }));
         let t2 = Instant::now();
         std::hint::black_box(codec::frame_bytes(&msg, 0)?);
         let t3 = Instant::now();

@@ -113,7 +113,7 @@ fn measure(name: BackendName, src: &Allocation, reps: usize, own_namespaces: boo
     let handle = src.handle(&session).build()?;
     let fds: Vec<BorrowedFd<'_>> = src.export_fd().into_iter().collect();
     let lease = LeaseId::new(1);
-    link.send(&Message::Offer(Offer { lease, handle }), &fds)?;
+    link.send(&Message::Offer(Box::new(Offer { lease, handle })), &fds)?;
     link.set_timeout(Some(DEADLINE))?;
     let result = peer.result(DEADLINE)?;
     match link.recv()?.message {

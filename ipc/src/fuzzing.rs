@@ -577,10 +577,10 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             process: me,
             nonce: Nonce([1; 32]),
         }),
-        Message::Offer(Offer {
+        Message::Offer(Box::new(Offer {
             lease: LeaseId::new(5),
             handle: handles[1].clone().sealed(&fuzz_handle_key()),
-        }),
+        })),
         Message::Release(Release {
             lease: LeaseId::new(5),
             fences: vec![baton_messages::FenceHandle::Event(
@@ -621,23 +621,23 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             lease: LeaseId::new(5),
             to: me,
         }),
-        Message::Forwarded(baton_messages::protocol::Forwarded {
+        Message::Forwarded(Box::new(baton_messages::protocol::Forwarded {
             id: 1,
             outcome: Ok(Offer {
                 lease: LeaseId::new(6),
                 handle: handles[3].clone().sealed(&fuzz_handle_key()),
             }),
-        }),
-        Message::Forwarded(baton_messages::protocol::Forwarded {
+        })),
+        Message::Forwarded(Box::new(baton_messages::protocol::Forwarded {
             id: 2,
             outcome: Err("the lease is back".into()),
-        }),
-        Message::Relayed(baton_messages::protocol::Relayed {
+        })),
+        Message::Relayed(Box::new(baton_messages::protocol::Relayed {
             offer: Offer {
                 lease: LeaseId::new(7),
                 handle: handles[1].clone().sealed(&fuzz_handle_key()),
             },
-        }),
+        })),
     ] {
         baton_messages::codec::encode_frame(&m, 0, &mut stream).expect("encodes");
     }

@@ -333,7 +333,7 @@ mod tests {
         let Message::Offer(offer) = offer() else {
             unreachable!()
         };
-        for (offers, nfds) in [(vec![], 0), (vec![offer.clone(), offer], 2)] {
+        for (offers, nfds) in [(vec![], 0), (vec![(*offer).clone(), *offer], 2)] {
             let call = crate::protocol::Call {
                 id: 300,
                 target: "bench.consumer".into(),
@@ -362,12 +362,12 @@ mod tests {
     }
 
     fn offer() -> Message {
-        Message::Offer(Offer {
+        Message::Offer(Box::new(Offer {
             lease: LeaseId::new(5),
             handle: crate::handle::tests::sample(RawHandle::HostSegment(
                 SegmentName::new("/baton.t").unwrap(),
             )),
-        })
+        }))
     }
 
     #[test]

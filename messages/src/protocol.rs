@@ -502,12 +502,6 @@ pub const MAX_RENDEZVOUS_BYTES: usize = 1024;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 #[non_exhaustive]
-#[allow(
-    clippy::large_enum_variant,
-    reason = "Offer is the common message; boxing it would add an allocation per handoff \
-              (an allow, not an expect: with Forwarded and Relayed, as large as Offer, the \
-              lint no longer fires)"
-)]
 pub enum Message {
     /// Handshake, client: [`Hello`].
     Hello(Hello),
@@ -517,8 +511,10 @@ pub enum Message {
     Auth(Auth),
     /// Either side refuses the link: [`Refused`].
     Refused(Refused),
-    /// [`Offer`].
-    Offer(Offer),
+    /// [`Offer`], boxed: a bare offer is rare (a handoff's offers travel inside its
+    /// [`Call`] or [`Reply`]), and unboxed its 400 bytes made every message as large, each
+    /// frame moved through a link's stream, its queue and its handler.
+    Offer(Box<Offer>),
     /// [`Release`].
     Release(Release),
     /// [`Revoke`].
@@ -543,10 +539,10 @@ pub enum Message {
     Status(Status),
     /// [`Forward`].
     Forward(Forward),
-    /// [`Forwarded`].
-    Forwarded(Forwarded),
-    /// [`Relayed`].
-    Relayed(Relayed),
+    /// [`Forwarded`] (boxed, as [`Message::Offer`]).
+    Forwarded(Box<Forwarded>),
+    /// [`Relayed`] (boxed, as [`Message::Offer`]).
+    Relayed(Box<Relayed>),
     /// The sender's fence inbox lane for the receiver ([`InboxGrant`](crate::InboxGrant)): counter fences the
     /// receiver records for the sender are written there. At most once per link, right
     /// after the handshake; a second is a protocol fault.

@@ -220,7 +220,7 @@ impl PeerLink {
         }
         let path = LeasePath::offered(&handle.raw);
         let bytes = handle.len;
-        if let Err(e) = self.send(&Wire::Offer(Offer { lease, handle }), Vec::new()) {
+        if let Err(e) = self.send(&Wire::Offer(Box::new(Offer { lease, handle })), Vec::new()) {
             // Never offered: its send stops (and lets go of the pin) at once.
             self.copy_unsent(lease);
             self.cut(ctx, e);

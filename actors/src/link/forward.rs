@@ -93,12 +93,12 @@ impl Handler<PassOn> for PeerLink {
             .passed
             .insert((self.me.id, ours), (give_back.upstream.clone(), theirs));
         self.session.passed_on(ours);
-        let relayed = Wire::Relayed(Relayed {
+        let relayed = Wire::Relayed(Box::new(Relayed {
             offer: Offer {
                 lease: ours,
                 handle: offer.handle,
             },
-        });
+        }));
         match self.send(&relayed, fd.into_iter().collect()) {
             Ok(()) => {
                 // Passed on: it comes back with the holder's `Release`, or ends with it.
@@ -138,10 +138,10 @@ impl PeerLink {
                 // its lease ends then.
                 self.node.watch(to);
                 tracing::debug!(%lease, forwarded = %new, %to, "forwarding");
-                let answer = Wire::Forwarded(Forwarded {
+                let answer = Wire::Forwarded(Box::new(Forwarded {
                     id,
                     outcome: Ok(offer),
-                });
+                }));
                 let sent = self.send(&answer, fd.into_iter().collect());
                 if sent.is_ok() {
                     self.node.observed().paths.granted(path, bytes);
@@ -160,10 +160,10 @@ impl PeerLink {
             }
             Err(e) => {
                 tracing::debug!(%lease, %to, error = %e, "refused to forward");
-                let answer = Wire::Forwarded(Forwarded {
+                let answer = Wire::Forwarded(Box::new(Forwarded {
                     id,
                     outcome: Err(e.to_string()),
-                });
+                }));
                 self.send(&answer, Vec::new())
             }
         }

@@ -155,7 +155,7 @@ fn a_copy_handle_names_the_leased_bytes_alone_and_passes_the_peers_checks() {
         lease: LeaseId::new(7),
         handle: copy,
     };
-    let actions = handle(&mut s, Wire::Offer(offer));
+    let actions = handle(&mut s, Wire::Offer(Box::new(offer)));
     assert!(matches!(&actions[..], [Action::Open(_)]));
 }
 
@@ -237,7 +237,7 @@ fn open_all(s: &mut LinkSession<Plain>, actions: Vec<Action<Plain>>) -> Vec<(Lea
 fn hold(s: &mut LinkSession<Plain>, leases: &[u64], alloc: u64) -> Vec<(LeaseId, Arc<()>)> {
     let mut guards = Vec::new();
     for &lease in leases {
-        let actions = handle(s, Wire::Offer(offer(lease, alloc)));
+        let actions = handle(s, Wire::Offer(Box::new(offer(lease, alloc))));
         guards.extend(open_all(s, actions));
     }
     guards
@@ -288,7 +288,7 @@ fn too_many_offers_in_a_late_reply_is_a_fault() {
 fn an_offer_of_someone_elses_buffer_is_a_fault() {
     let mut s = session();
     for frame in [
-        Wire::Offer(offer_of(third(), 1, 1)),
+        Wire::Offer(Box::new(offer_of(third(), 1, 1))),
         call(1, vec![offer(2, 1), offer_of(me(), 3, 1)]),
     ] {
         let e = fault(&mut s, frame, &Node::default());
@@ -304,7 +304,7 @@ fn over_a_host_link_offers_are_sealed_copies_that_name_the_peers_claim_and_carry
     let claimed = third();
     let mut s = session().across_hosts(claimed);
     assert!(matches!(
-        &handle(&mut s, Wire::Offer(copy_of(claimed, 1, 1)))[..],
+        &handle(&mut s, Wire::Offer(Box::new(copy_of(claimed, 1, 1))))[..],
         [Action::Open(_)]
     ));
     let across = |frame| {
@@ -315,8 +315,8 @@ fn over_a_host_link_offers_are_sealed_copies_that_name_the_peers_claim_and_carry
         )
     };
     for frame in [
-        Wire::Offer(copy_of(peer(), 2, 1)),
-        Wire::Offer(copy_of(me(), 3, 1)),
+        Wire::Offer(Box::new(copy_of(peer(), 2, 1))),
+        Wire::Offer(Box::new(copy_of(me(), 3, 1))),
     ] {
         let e = across(frame);
         assert!(matches!(e, ActorError::ForeignOffer { .. }), "{e}");
@@ -324,7 +324,7 @@ fn over_a_host_link_offers_are_sealed_copies_that_name_the_peers_claim_and_carry
     // No fence crosses hosts: its exporter there is a claim, never checked or opened.
     let mut fenced = copy_of(claimed, 4, 1);
     fenced.handle.fence = Some(fence());
-    let e = across(Wire::Offer(fenced));
+    let e = across(Wire::Offer(Box::new(fenced)));
     assert!(
         matches!(e, ActorError::Unexpected { got } if got.contains("fence over a host link")),
         "{e}"
@@ -346,7 +346,7 @@ fn over_a_host_link_offers_are_sealed_copies_that_name_the_peers_claim_and_carry
     // A copy not sealed with the deployment's key is forged.
     let mut forged = copy_of(claimed, 7, 1);
     forged.handle.len -= 1;
-    let e = across(Wire::Offer(forged));
+    let e = across(Wire::Offer(Box::new(forged)));
     assert!(
         matches!(
             e,
@@ -364,9 +364,9 @@ fn a_relayed_offer_of_the_relays_or_our_own_buffer_is_a_fault() {
     for exporter in [peer(), me()] {
         let e = fault(
             &mut s,
-            Wire::Relayed(Relayed {
+            Wire::Relayed(Box::new(Relayed {
                 offer: offer_of(exporter, 1, 1),
-            }),
+            })),
             &Node::default(),
         );
         assert!(matches!(e, ActorError::Unexpected { .. }), "{e}");
@@ -374,9 +374,9 @@ fn a_relayed_offer_of_the_relays_or_our_own_buffer_is_a_fault() {
     // A third process's buffer is what a relay passes on: opened, with no warm mapping.
     let actions = handle(
         &mut s,
-        Wire::Relayed(Relayed {
+        Wire::Relayed(Box::new(Relayed {
             offer: offer_of(third(), 1, 1),
-        }),
+        })),
     );
     let _guards = open_all(&mut s, actions);
     assert_eq!(s.held(), 1);
@@ -555,16 +555,16 @@ fn a_held_lease_released_hands_back_a_relayed_ones_hold() {
     let mut guards = hold(&mut s, &[1], 1);
     let actions = handle(
         &mut s,
-        Wire::Relayed(Relayed {
+        Wire::Relayed(Box::new(Relayed {
             offer: offer_of(third(), 2, 2),
-        }),
+        })),
     );
     guards.extend(open_all(&mut s, actions));
     assert_eq!(s.held(), 2);
     guards.retain(|(lease, _)| lease.get() != 2);
-    let again = Wire::Relayed(Relayed {
+    let again = Wire::Relayed(Box::new(Relayed {
         offer: offer_of(third(), 2, 3),
-    });
+    }));
     let e = fault(&mut s, again.clone(), &Node::default());
     assert!(matches!(e, ActorError::DuplicateLease { .. }), "{e}");
     let mut s = session();
@@ -587,10 +587,10 @@ fn a_forged_fence_is_a_fault() {
         refuse_fences: true,
         ..Node::default()
     };
-    let e = fault(&mut s, Wire::Offer(forged.clone()), &node);
+    let e = fault(&mut s, Wire::Offer(Box::new(forged.clone())), &node);
     assert!(matches!(e, ActorError::Ipc(_)), "{e}");
     // The same offer with a fence the node accepts opens.
-    handle(&mut s, Wire::Offer(forged));
+    handle(&mut s, Wire::Offer(Box::new(forged)));
 }
 
 #[test]
@@ -611,11 +611,11 @@ fn a_lease_offered_twice_in_one_frame_is_a_fault() {
 fn a_lease_offered_while_it_is_held_is_a_fault() {
     let mut s = session();
     let mut guards = hold(&mut s, &[7], 1);
-    let e = fault(&mut s, Wire::Offer(offer(7, 1)), &Node::default());
+    let e = fault(&mut s, Wire::Offer(Box::new(offer(7, 1))), &Node::default());
     assert!(matches!(e, ActorError::DuplicateLease { .. }), "{e}");
     // Once its guard dropped (its `Release` under way), the id is no longer held.
     guards.clear();
-    handle(&mut s, Wire::Offer(offer(7, 1)));
+    handle(&mut s, Wire::Offer(Box::new(offer(7, 1))));
 }
 
 #[test]
@@ -855,8 +855,9 @@ fn transfer_engine_frames_are_taken_only_on_a_host_link_and_fences_only_within_a
 #[test]
 fn a_forwards_answer_finds_who_asked_once() {
     let node = Node::default();
-    let forwarded =
-        |id: u64, outcome: Result<Offer, String>| Wire::Forwarded(Forwarded { id, outcome });
+    let forwarded = |id: u64, outcome: Result<Offer, String>| {
+        Wire::Forwarded(Box::new(Forwarded { id, outcome }))
+    };
     let mut s = session();
     let (id, frame) = s.ask_forward(LeaseId::new(5), third());
     assert!(
@@ -935,12 +936,7 @@ fn a_forward_request_is_refused_on_sight_across_hosts_or_naming_the_relay_or_us(
         })
     };
     let refusal = |actions: &[Action<Plain>]| match sent(actions)[..] {
-        [
-            Wire::Forwarded(Forwarded {
-                id: 7,
-                outcome: Err(reason),
-            }),
-        ] => Some(reason.clone()),
+        [Wire::Forwarded(f)] if f.id == 7 => f.outcome.as_ref().err().cloned(),
         _ => None,
     };
     let mut s = session();
@@ -989,7 +985,10 @@ fn a_retired_pool_is_forgotten_within_a_host_and_a_fault_across_hosts() {
     }
     // Pool 3's descriptor comes with an offer; pool 4's offer carries none.
     for (lease, pool, descriptor) in [(1, 3, true), (2, 4, false)] {
-        let opens = handle(&mut s, Wire::Offer(pool_offer(lease, pool, descriptor)));
+        let opens = handle(
+            &mut s,
+            Wire::Offer(Box::new(pool_offer(lease, pool, descriptor))),
+        );
         open_all(&mut s, opens);
     }
     assert!(matches!(
@@ -1670,11 +1669,11 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 let (frame, mut expected, late) = match how {
                     // A bare or relayed offer is one.
                     How::Bare | How::Relayed if wire.is_empty() => continue,
-                    How::Bare => (Wire::Offer(wire[0].clone()), None, false),
+                    How::Bare => (Wire::Offer(Box::new(wire[0].clone())), None, false),
                     How::Relayed => (
-                        Wire::Relayed(Relayed {
+                        Wire::Relayed(Box::new(Relayed {
                             offer: wire[0].clone(),
-                        }),
+                        })),
                         None,
                         false,
                     ),
@@ -1992,10 +1991,10 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                     }
                     None => Err("refused".to_owned()),
                 };
-                let frame = Wire::Forwarded(Forwarded {
+                let frame = Wire::Forwarded(Box::new(Forwarded {
                     id,
                     outcome: answer,
-                });
+                }));
                 let waits = m.asked.contains(&id);
                 let never = !waits && (id == 0 || id >= m.next_forward);
                 let expected = if (across && offer.is_some()) || never {
@@ -2048,12 +2047,9 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                 let refused = across || to != third();
                 let got = match &actions[..] {
                     [Action::Forward(f)] if f.to == to => Some(false),
-                    [
-                        Action::Send(Wire::Forwarded(Forwarded {
-                            id: 3,
-                            outcome: Err(_),
-                        })),
-                    ] => Some(true),
+                    [Action::Send(Wire::Forwarded(f))] if f.id == 3 && f.outcome.is_err() => {
+                        Some(true)
+                    }
                     _ => None,
                 };
                 prop_assert_eq!(got, Some(refused), "refused on sight: {}", refused);

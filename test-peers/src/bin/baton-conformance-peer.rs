@@ -112,7 +112,7 @@ fn connect(socket: &str) -> Res<(Session, Link)> {
 fn take_offer(link: &mut Link) -> Res<(Offer, FrameFds)> {
     let received = link.recv_timeout(DEADLINE)?;
     match received.message {
-        Message::Offer(offer) => Ok((offer, received.fds)),
+        Message::Offer(offer) => Ok((*offer, received.fds)),
         other => Err(format!("expected an Offer, got {}", other.kind()).into()),
     }
 }
@@ -338,10 +338,10 @@ fn export_hold(subject: &Subject, socket: &str, size: usize) -> Res<()> {
     let handle = alloc.handle(&session).build()?;
     let fds: Vec<_> = alloc.export_fd().into_iter().collect();
     link.send(
-        &Message::Offer(Offer {
+        &Message::Offer(Box::new(Offer {
             lease: LeaseId::new(1),
             handle,
-        }),
+        })),
         &fds,
     )?;
     loop {

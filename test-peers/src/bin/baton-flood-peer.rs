@@ -172,10 +172,10 @@ fn main() {
             let mut sent = 0;
             while link
                 .send(
-                    &Message::Offer(Offer {
+                    &Message::Offer(Box::new(Offer {
                         lease: LeaseId::new(sent + 1),
                         handle: handle.clone(),
-                    }),
+                    })),
                     &[],
                 )
                 .is_ok()

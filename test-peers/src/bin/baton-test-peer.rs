@@ -74,7 +74,7 @@ fn recv(link: &mut Link) -> baton::ipc::Result<Received> {
 fn take_offer(link: &mut Link) -> Res<(Offer, FrameFds)> {
     let received = recv(link)?;
     match received.message {
-        Message::Offer(offer) => Ok((offer, received.fds)),
+        Message::Offer(offer) => Ok((*offer, received.fds)),
         other => Err(format!("expected an Offer, got {}", other.kind()).into()),
     }
 }
@@ -128,10 +128,10 @@ fn export_hold(socket: &str, size: usize) -> Res<()> {
     let handle = alloc.handle(&session).build()?;
     let fds: Vec<_> = alloc.export_fd().into_iter().collect();
     link.send(
-        &Message::Offer(Offer {
+        &Message::Offer(Box::new(Offer {
             lease: LeaseId::new(1),
             handle,
-        }),
+        })),
         &fds,
     )?;
     loop {
@@ -238,10 +238,10 @@ fn half_frame_export(socket: &str) -> Res<()> {
     let alloc = baton::ipc::Backend::allocate(&backend, 4096)?;
     alloc.fill(0, 4096, 0xCD)?;
     let offer = |lease| -> Res<Message> {
-        Ok(Message::Offer(Offer {
+        Ok(Message::Offer(Box::new(Offer {
             lease: LeaseId::new(lease),
             handle: alloc.handle(&session).build()?,
-        }))
+        })))
     };
     let fds: Vec<_> = alloc.export_fd().into_iter().collect();
     link.send(&offer(1)?, &fds)?;
