@@ -190,7 +190,7 @@ impl Handler<PeerEvent> for Stopper {
 
 /// The consumer peer.
 pub(crate) fn consumer(socket: &str) -> Res<()> {
-    let system = system(ring_from_env())?;
+    let system = system(ring_from_env() && std::env::var(RING_POLL_ENV).as_deref() != Ok("0"))?;
     let socket = socket.to_owned();
     system.block_on(async move {
         let node = Node::from_env().map_err(|e| e.to_string())?;
@@ -225,6 +225,9 @@ fn system(ring: bool) -> Res<SystemRunner> {
         System::new()
     })
 }
+
+/// `0` when the parent asks this peer for rings on a plain system (`--ring-unpolled`).
+const RING_POLL_ENV: &str = "BATON_BENCH_RING_POLL";
 
 /// Whether the parent asked this peer for rings (`--ring`: `BATON_LINK_RING=1`).
 fn ring_from_env() -> bool {
@@ -285,12 +288,13 @@ async fn wait_for_link(node: &Node, peer: &mut PeerProcess) -> Res<Peer> {
 
 pub(crate) fn run(cfg: &Config, name: BackendName, report: &mut Report) -> Res<()> {
     let namespace = format!("bench{}", std::process::id());
-    let ring = cfg.ring;
+    let (ring, polled) = (cfg.ring, cfg.ring && !cfg.ring_unpolled);
     let cfg = cfg.clone();
     let (records, recorded) =
-        system(ring)?.block_on(async move { measure(&cfg, name, &namespace).await })?;
+        system(polled)?.block_on(async move { measure(&cfg, name, &namespace).await })?;
     for mut r in records {
         r["link_ring"] = json!(ring);
+        r["ring_polled"] = json!(polled);
         if r["name"] == "error" {
             let what = r["what"].as_str().unwrap_or("item 2");
             report.failed(what, r["error"].as_str().unwrap_or(""));
@@ -336,6 +340,10 @@ async fn measure(
     env.push((
         baton::ipc::link::RING_ENV,
         if cfg.ring { "1" } else { "0" }.to_owned(),
+    ));
+    env.push((
+        RING_POLL_ENV,
+        if cfg.ring_unpolled { "0" } else { "1" }.to_owned(),
     ));
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let sock = listening.path().to_str().ok_or("path")?.to_owned();

@@ -18,7 +18,9 @@
 //! With `--ring` (issue 48) items 2 and 4 run over links whose frames go through
 //! shared-memory rings both ways, on actix systems that poll them
 //! (`baton::actors::ring_polling_system`); their records say `"link_ring": true`. The
-//! floor stays the socket's.
+//! floor stays the socket's. `--ring-unpolled` does the same on plain actix systems,
+//! whose readers sleep on the doorbell after every frame (`"ring_polled": false`). To
+//! compare on one core, run the whole benchmark under `taskset -c N`: its peers inherit it.
 //!
 //! With `--stages` (issue 24) it measures only the cached handoff — the socket floor, the
 //! raw link's, the actor path's — and, in a build with `--features stage-probes`, splits
@@ -130,6 +132,9 @@ pub(crate) struct Config {
     /// rings both ways (issue 48), on systems whose threads poll them; without it they are
     /// on the socket alone, whatever `BATON_LINK_RING` says.
     pub(crate) ring: bool,
+    /// `--ring-unpolled`: as `--ring`, on plain actix systems (no park hook): each frame
+    /// costs a doorbell wakeup, what a node gets that runs on `actix::System::new()`.
+    pub(crate) ring_unpolled: bool,
     /// `--across-namespaces`: the bandwidth item (5) also runs its importer in PID and
     /// network namespaces of its own, as a container's process (issue 51; root only), and
     /// compares its imported bandwidth with the same-namespace importer's.
@@ -152,7 +157,7 @@ impl Config {
 }
 
 const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm,cuda-pool] \
-[--items 1,2,3,4,5,6,7,8] [--stages] [--ring] [--across-namespaces] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
+[--items 1,2,3,4,5,6,7,8] [--stages] [--ring | --ring-unpolled] [--across-namespaces] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
 
 fn parse_args(args: &[String]) -> Res<Config> {
     let mut cfg = Config {
@@ -165,6 +170,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
         budget: None,
         stages: false,
         ring: false,
+        ring_unpolled: false,
         across_namespaces: false,
     };
     let mut it = args.iter();
@@ -180,6 +186,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
             "--quick" => cfg.quick = true,
             "--stages" => cfg.stages = true,
             "--ring" => cfg.ring = true,
+            "--ring-unpolled" => (cfg.ring, cfg.ring_unpolled) = (true, true),
             "--across-namespaces" => cfg.across_namespaces = true,
             "--backends" => {
                 for b in value()?.split(',') {
