@@ -421,8 +421,8 @@ impl PeerLink {
             Action::SendPulled => self.send_pulled(ctx),
             Action::Rendezvous(bytes) => self.on_rendezvous(&bytes),
             Action::Forward(forward) => self.on_forward(forward),
-            Action::Forwarded { asked, outcome } => {
-                self.on_forwarded(asked, outcome.map(|o| *o), fds.take().unwrap_or_default());
+            Action::Forwarded { asked, answer } => {
+                self.on_forwarded(asked, answer.outcome, fds.take().unwrap_or_default());
                 Ok(())
             }
             Action::CallFailed { caller, fault } => {

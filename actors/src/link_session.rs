@@ -291,9 +291,9 @@ pub(crate) enum Action<A: Attach> {
     Forwarded {
         /// Who asked.
         asked: A::Asked,
-        /// The offer (boxed: rare, and as large as the rest of the actions together), or the
-        /// exporter's reason.
-        outcome: Result<Box<Offer>, String>,
+        /// The answer as it came (boxed, as on the wire: rare, and as large as the rest of
+        /// the actions together): the offer, or the exporter's reason.
+        answer: Box<Forwarded>,
     },
     /// A call of ours failed at the peer.
     CallFailed {
@@ -670,7 +670,7 @@ impl<A: Attach> LinkSession<A> {
                 return Ok(Actions::none());
             }
             Wire::Forward(forward) => self.on_forward(forward),
-            Wire::Forwarded(forwarded) => return self.on_forwarded(*forwarded),
+            Wire::Forwarded(forwarded) => return self.on_forwarded(forwarded),
             Wire::FenceInbox(_) if self.across_hosts => {
                 return Err(ActorError::Unexpected {
                     got: "a FenceInbox on a host link",
@@ -884,9 +884,9 @@ impl<A: Attach> LinkSession<A> {
     /// of the peer's own buffer. An answer to a forward answered already is stale: its
     /// offer goes back. Over a host link no offer comes (it would carry a local handle of
     /// another host, and we ask no forward there).
-    fn on_forwarded(&mut self, forwarded: Forwarded) -> Result<Actions<A>, ActorError> {
-        let Forwarded { id, outcome } = forwarded;
-        if self.across_hosts && outcome.is_ok() {
+    fn on_forwarded(&mut self, answer: Box<Forwarded>) -> Result<Actions<A>, ActorError> {
+        let id = answer.id;
+        if self.across_hosts && answer.outcome.is_ok() {
             return Err(ActorError::Unexpected {
                 got: "a Forwarded offer on a host link",
             });
@@ -897,12 +897,12 @@ impl<A: Attach> LinkSession<A> {
                     got: "a Forwarded answering no forward of ours",
                 });
             }
-            return Ok(match outcome {
+            return Ok(match &answer.outcome {
                 Ok(offer) => Actions::one(Action::Send(Wire::Release(Release::now(offer.lease)))),
                 Err(_) => Actions::none(),
             });
         };
-        if let Ok(offer) = &outcome {
+        if let Ok(offer) = &answer.outcome {
             if offer.handle.exporter.process != self.names_itself {
                 // Its asker fails with the link (`Ended::asked`).
                 self.asked.insert(id, asked);
@@ -911,10 +911,7 @@ impl<A: Attach> LinkSession<A> {
                 });
             }
         }
-        Ok(Actions::one(Action::Forwarded {
-            asked,
-            outcome: outcome.map(Box::new),
-        }))
+        Ok(Actions::one(Action::Forwarded { asked, answer }))
     }
 
     fn on_status(&mut self, status: Status) -> Result<(), ActorError> {

@@ -1080,8 +1080,9 @@ impl RingWriter {
         self.held = true;
     }
 
-    /// Whether appends are held back ([`hold`](Self::hold)).
-    pub fn is_held(&self) -> bool {
+    /// Whether appends are held back ([`hold`](Self::hold)): for the model test.
+    #[cfg(test)]
+    pub(crate) fn is_held(&self) -> bool {
         self.held
     }
 

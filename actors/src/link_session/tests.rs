@@ -865,13 +865,10 @@ fn a_forwards_answer_finds_who_asked_once() {
     );
     s.await_forward(id, id);
     let actions = handle(&mut s, forwarded(id, Ok(offer(40, 1))));
-    let [
-        Action::Forwarded {
-            asked,
-            outcome: Ok(o),
-        },
-    ] = &actions[..]
-    else {
+    let [Action::Forwarded { asked, answer }] = &actions[..] else {
+        panic!("the offer goes to who asked");
+    };
+    let Ok(o) = &answer.outcome else {
         panic!("the offer goes to who asked");
     };
     assert_eq!((*asked, o.lease.get()), (id, 40));
@@ -885,7 +882,7 @@ fn a_forwards_answer_finds_who_asked_once() {
     s.await_forward(id, id);
     let actions = handle(&mut s, forwarded(id, Err("revoked".into())));
     assert!(
-        matches!(&actions[..], [Action::Forwarded { asked, outcome: Err(r) }] if *asked == id && r == "revoked")
+        matches!(&actions[..], [Action::Forwarded { asked, answer }] if *asked == id && answer.outcome.as_ref().err().is_some_and(|r| r == "revoked"))
     );
     // Never asked.
     for never in [0, id + 1] {
@@ -917,10 +914,7 @@ fn a_forwards_answer_finds_who_asked_once() {
     let actions = handle(&mut s, forwarded(id, Err("no".into())));
     assert!(matches!(
         &actions[..],
-        [Action::Forwarded {
-            outcome: Err(_),
-            ..
-        }]
+        [Action::Forwarded { answer, .. }] if answer.outcome.is_err()
     ));
 }
 
@@ -2012,8 +2006,8 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                         outcome.forwards_answered += 1;
                         let handed = matches!(
                             &actions[..],
-                            [Action::Forwarded { asked, outcome: o }]
-                                if *asked == id && o.as_ref().map(|o| o.lease.get()).ok() == offer.map(|_| lease)
+                            [Action::Forwarded { asked, answer }]
+                                if *asked == id && answer.outcome.as_ref().map(|o| o.lease.get()).ok() == offer.map(|_| lease)
                         );
                         prop_assert!(handed, "the answer to forward {} goes to who asked", id);
                     } else {
