@@ -888,12 +888,24 @@ fn the_window_explores_keeps_and_halves() {
     let us = Duration::from_micros;
     let mut w = PollWindow::new(us(50));
     assert_eq!(w.current(), Duration::ZERO);
-    w.observe(us(40));
+    w.observe(us(51));
     assert_eq!(
         w.current(),
         Duration::ZERO,
-        "a gap over half the max: no exploring"
+        "a gap over the max: no exploring"
     );
+    w.observe(us(40));
+    assert_eq!(
+        w.current(),
+        us(50),
+        "a gap over half the max explores the max (a round trip whose other side sleeps)"
+    );
+    w.observe(us(40));
+    assert_eq!(w.current(), us(50), "and catches the next one");
+    for _ in 0..8 {
+        w.observe(us(1000));
+    }
+    assert_eq!(w.current(), Duration::ZERO);
     w.observe(us(10));
     assert_eq!(w.current(), us(20), "explores twice the gap");
     w.observe(us(3));
@@ -909,16 +921,43 @@ fn the_window_explores_keeps_and_halves() {
     assert_eq!(w.current(), us(50), "at most the max");
 }
 
+/// On two or three CPUs a window explores only gaps up to half its max (a polling consumer
+/// there holds a core its peer needs); on one it never polls.
+#[test]
+fn few_cpus_explore_only_short_gaps() {
+    let us = Duration::from_micros;
+    for cpus in [2, 3] {
+        let mut w = PollWindow::with_cpus(cpus, us(50));
+        w.observe(us(40));
+        assert_eq!(
+            w.current(),
+            Duration::ZERO,
+            "{cpus} CPUs: a gap over half the max"
+        );
+        w.observe(us(20));
+        assert_eq!(w.current(), us(40), "{cpus} CPUs: a short gap explores");
+    }
+    let mut w = PollWindow::with_cpus(PollWindow::EXPLORE_ALL_CPUS, us(50));
+    w.observe(us(40));
+    assert_eq!(w.current(), us(50));
+    let mut w = PollWindow::with_cpus(1, us(50));
+    w.observe(us(1));
+    assert_eq!(w.current(), Duration::ZERO);
+}
+
 proptest! {
     /// Whatever it sees: never above its max; `never` stays zero; a hit keeps it; a miss on
-    /// a window at least halves it; from zero, exactly the short gaps explore.
+    /// a window at least halves it; from zero, exactly the gaps within the exploring limit
+    /// explore (the max, or half of it on two or three CPUs).
     #[test]
     fn the_window_stays_in_bounds(
         max_us in 0u64..200,
+        cpus in 2usize..8,
         gaps in prop::collection::vec(0u64..300_000, 1..200),
     ) {
         let max = Duration::from_micros(max_us);
-        let mut w = PollWindow::new(max);
+        let mut w = PollWindow::with_cpus(cpus, max);
+        let explore = if cpus < PollWindow::EXPLORE_ALL_CPUS { max / 2 } else { max };
         let mut never = PollWindow::never();
         for gap in gaps.into_iter().map(Duration::from_nanos) {
             let before = w.current();
@@ -929,8 +968,11 @@ proptest! {
             if gap <= before {
                 prop_assert_eq!(w.current(), before);
             } else if before.is_zero() {
-                let explores = gap <= max / 2;
-                prop_assert_eq!(w.current(), if explores { gap * 2 } else { Duration::ZERO });
+                let explores = gap <= explore;
+                prop_assert_eq!(
+                    w.current(),
+                    if explores { (gap * 2).min(max) } else { Duration::ZERO }
+                );
             } else {
                 prop_assert!(w.current() <= before / 2);
             }

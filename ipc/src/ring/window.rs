@@ -13,17 +13,29 @@ pub const POLL_ENV: &str = "BATON_LINK_RING_POLL_US";
 /// entry that ended it) and feeds it to [`observe`](Self::observe):
 /// - a *hit* (the gap within the window) keeps the window;
 /// - a *miss* halves it (below [`FLOOR`](Self::FLOOR) it is zero: not worth a spin);
-/// - a window of zero that sees a gap of at most half its maximum *explores*: the window
-///   becomes twice that gap, so that the next entry after such a gap is caught polling.
+/// - a window of zero that sees a gap within its *exploring limit* explores: the window
+///   becomes twice that gap, at most the maximum, so that the next entry after such a gap is
+///   caught polling.
 ///
 /// It starts at zero (the first wait sleeps and measures). [`never`](Self::never) stays at
 /// zero whatever it sees, which is what [`for_this_machine`](Self::for_this_machine) gives a
 /// process with fewer than two CPUs: a spinning reader there holds the very core its writer
 /// needs (the issue-24 experiment: 13.5 µs a round trip against 2.5 sleeping).
+///
+/// **The exploring limit** is the maximum ([`new`](Self::new)) where the process may run on
+/// [`EXPLORE_ALL_CPUS`](Self::EXPLORE_ALL_CPUS) CPUs or more, and half of it on two or three
+/// ([`with_cpus`](Self::with_cpus)). A cached round trip over rings whose consumer sleeps
+/// takes longer than half the default maximum, so a consumer that explored only gaps up to
+/// half never learned to poll, and the round trip kept the doorbell's cost about one time in
+/// two; exploring every gap within the maximum makes it poll. With many CPUs that is the
+/// cheaper round trip every time; with two, the polling consumer holds a core its peer
+/// needs, and the round trip gets slower (`docs/BENCHMARKS.md`, "Rings by default").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PollWindow {
     current: Duration,
     max: Duration,
+    /// The longest gap that a window of zero explores.
+    explore: Duration,
 }
 
 impl PollWindow {
@@ -33,11 +45,16 @@ impl PollWindow {
     /// A window halved below this becomes zero.
     pub const FLOOR: Duration = Duration::from_nanos(500);
 
-    /// A window that starts at zero and may grow to `max`.
+    /// The fewest CPUs with which [`with_cpus`](Self::with_cpus) explores every gap within
+    /// the maximum (fewer, but two or more: gaps up to half of it).
+    pub const EXPLORE_ALL_CPUS: usize = 4;
+
+    /// A window that starts at zero, may grow to `max`, and explores every gap within it.
     pub fn new(max: Duration) -> Self {
         Self {
             current: Duration::ZERO,
             max,
+            explore: max,
         }
     }
 
@@ -46,12 +63,17 @@ impl PollWindow {
         Self::new(Duration::ZERO)
     }
 
-    /// [`never`](Self::never) with fewer than 2 CPUs, else [`new`](Self::new) with `max`.
+    /// [`never`](Self::never) with fewer than 2 CPUs; [`new`](Self::new) with `max` with
+    /// [`EXPLORE_ALL_CPUS`](Self::EXPLORE_ALL_CPUS) or more; between, a window of `max`
+    /// that explores gaps up to half of it (see the type's docs).
     pub fn with_cpus(cpus: usize, max: Duration) -> Self {
-        if cpus < 2 {
-            Self::never()
-        } else {
-            Self::new(max)
+        match cpus {
+            0 | 1 => Self::never(),
+            n if n < Self::EXPLORE_ALL_CPUS => Self {
+                explore: max / 2,
+                ..Self::new(max)
+            },
+            _ => Self::new(max),
         }
     }
 
@@ -118,8 +140,8 @@ impl PollWindow {
             return;
         }
         if self.current.is_zero() {
-            if gap <= self.max / 2 {
-                self.current = gap * 2;
+            if gap <= self.explore {
+                self.current = (gap * 2).min(self.max);
             }
         } else {
             self.current /= 2;
