@@ -94,11 +94,11 @@
 //!
 //! # The link integration
 //!
-//! Built (`link::ringed`, [`AsyncLink`](crate::AsyncLink); opt-in, off by default):
+//! Built (`link::ringed`, [`AsyncLink`](crate::AsyncLink); on by default):
 //!
 //! - A side whose [`LinkConfig::ring`](crate::LinkConfig::ring) is set (by
-//!   [`with_ring`](crate::LinkConfig::with_ring), or `BATON_LINK_RING` read by
-//!   [`LinkConfig::new`](crate::LinkConfig::new)) creates, right after the handshake, the
+//!   [`LinkConfig::new`](crate::LinkConfig::new) unless `BATON_LINK_RING=0`, or by
+//!   [`with_ring`](crate::LinkConfig::with_ring)) creates, right after the handshake, the
 //!   ring it will read, and sends its [`RingFds`] over the authenticated Unix socket as
 //!   descriptors beside a `RingOffer` frame. No capability bit: a peer accepts an offer
 //!   whatever its own setting, so one side asking is enough for the direction towards it,
@@ -132,8 +132,13 @@
 //! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and
 //!   declines an offer itself (its caller never sees it; the peer keeps the socket).
 //! - [`LinkConfig::new`](crate::LinkConfig::new) reads `BATON_LINK_RING`, so the variable
-//!   turns rings on for the actors' links too; on a system built without the park hook
-//!   that is correct (a doorbell wakeup per frame), not faster.
+//!   (`0`) turns rings off for the actors' links too; on a system built without the park
+//!   hook rings are correct (a doorbell wakeup per frame) and not slower than the socket
+//!   (`docs/BENCHMARKS.md`, "Rings by default").
+//! - A process maps at most [`max_ends`] ring ends at once (`BATON_LINK_RINGS_MAX`, 64 by
+//!   default): each end — a reader it created, a writer it opened — holds its mapping and
+//!   two eventfds. Past that a link keeps the socket ([`RingError::TooMany`]), so memory and
+//!   descriptors stay bounded however many links a process has.
 //!
 //! # Safety
 //!
@@ -155,11 +160,13 @@
 //!   (`AsyncFd::register_with_interest`): the `AsyncFd` owns that `OwnedFd`, so the
 //!   descriptor stays open and the same for as long as it is registered.
 
+mod budget;
 pub mod park;
 #[cfg(test)]
 mod tests;
 mod window;
 
+pub use budget::{DEFAULT_MAX_ENDS, MAX_ENDS_ENV, live_ends, max_ends};
 pub use park::{AsyncRingReader, before_park};
 pub use window::{POLL_ENV, PollWindow};
 
@@ -175,8 +182,10 @@ use std::time::{Duration, Instant};
 
 /// The smallest data area a ring may have: 4 KiB.
 pub const MIN_CAPACITY: usize = 4 << 10;
-/// The data area a link's ring would use: 1 MiB (frames up to 512 KiB - 8).
-pub const DEFAULT_CAPACITY: usize = 1 << 20;
+/// The data area of a link's ring unless told otherwise: 256 KiB (frames up to 128 KiB - 8
+/// go through it; a handoff's frame is about 250 bytes, so 256 of them in flight take a
+/// quarter of it).
+pub const DEFAULT_CAPACITY: usize = 256 << 10;
 /// The largest data area a ring may have: 64 MiB.
 pub const MAX_CAPACITY: usize = 64 << 20;
 
@@ -227,6 +236,15 @@ pub enum RingError {
     /// not an eventfd).
     #[error("the descriptors are not a Baton ring: the peer sent something else")]
     NotARing,
+    /// This process maps as many ring ends as it may ([`max_ends`]): the link keeps the
+    /// socket.
+    #[error(
+        "this process maps {limit} ring ends already ({MAX_ENDS_ENV}): the link keeps the socket"
+    )]
+    TooMany {
+        /// [`max_ends`].
+        limit: usize,
+    },
     /// A capacity that is not a power of two in `MIN_CAPACITY..=MAX_CAPACITY`.
     #[error(
         "ring capacity {0} is not a power of two between {MIN_CAPACITY} and {MAX_CAPACITY} bytes"
@@ -294,10 +312,12 @@ struct RingHeader {
 const _: () = assert!(size_of::<RingHeader>() <= HEADER_SIZE);
 const _: () = assert!(align_of::<RingHeader>() <= 4096);
 
-/// One `MAP_SHARED` read-write mapping of a ring's memfd; unmapped on drop.
+/// One `MAP_SHARED` read-write mapping of a ring's memfd; unmapped on drop. It holds a slot
+/// of the process's budget of ring ends ([`max_ends`]) while it lives.
 struct RingMap {
     base: NonNull<u8>,
     len: usize,
+    _slot: budget::Slot,
 }
 
 // SAFETY: the base pointer points into a process-wide shared mapping that this value owns
@@ -312,8 +332,14 @@ unsafe impl Sync for RingMap {}
 impl RingMap {
     /// Maps the first `len` bytes of `fd`, which the caller checked is a regular file sealed
     /// against shrinking and exactly `len` bytes long, with `len > HEADER_SIZE`.
+    ///
+    /// [`RingError::TooMany`] when the process's budget of ring ends is spent.
     fn map(fd: BorrowedFd<'_>, len: usize) -> Result<Self, RingError> {
         debug_assert!(len > HEADER_SIZE);
+        let limit = max_ends();
+        let slot = budget::ENDS
+            .take(limit)
+            .ok_or(RingError::TooMany { limit })?;
         // SAFETY: a null hint, so a fresh range the kernel picks, overlapping no Rust object;
         // `fd` is `len` bytes and sealed against shrinking (checked by both callers), so every
         // page stays backed; unmapped only by this value's `Drop` (module overview).
@@ -328,7 +354,11 @@ impl RingMap {
             )
         }?;
         let base = NonNull::new(ptr.cast::<u8>()).ok_or(RingError::NotARing)?;
-        Ok(Self { base, len })
+        Ok(Self {
+            base,
+            len,
+            _slot: slot,
+        })
     }
 
     fn header(&self) -> &RingHeader {

@@ -338,6 +338,10 @@ pub(super) fn ring_error(op: &'static str, e: RingError) -> Error {
 pub(super) fn make_ring(capacity: usize) -> Option<(RingReader, RingFds)> {
     match RingReader::create(capacity, PollWindow::for_this_machine()) {
         Ok(made) => Some(made),
+        Err(e @ RingError::TooMany { .. }) => {
+            tracing::debug!(error = %e, "no ring for this link: it uses the socket");
+            None
+        }
         Err(e) => {
             tracing::warn!(error = %e, capacity, "no ring for this link: it uses the socket");
             None
