@@ -29,7 +29,7 @@ pub const POLL_ENV: &str = "BATON_LINK_RING_POLL_US";
 /// half never learned to poll, and the round trip kept the doorbell's cost about one time in
 /// two; exploring every gap within the maximum makes it poll. With many CPUs that is the
 /// cheaper round trip every time; with two, the polling consumer holds a core its peer
-/// needs, and the round trip gets slower (`docs/BENCHMARKS.md`, "Rings by default").
+/// needs, and the round trip gets slower (`docs/BENCHMARKS.md`, "What would close the floor gap").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PollWindow {
     current: Duration,
