@@ -12,7 +12,9 @@
 //! From each run's summary the import cache's line (`import cache  N opens in the first
 //! frame, M after …`: driver-level opens per frame after the first should be 0) and the
 //! leak check's line (`leaked bytes  N (…)`, the renderer's own process tree's device
-//! memory, or a labelled fallback) are kept in the record.
+//! memory, or a labelled fallback) are kept in the record, and so is the first-frame line
+//! (`first frame  X ms …; the N after it: Y fps`): the first frame also pays for one-time
+//! work (links' set-up, opens, first launches), which in a short run weighs on the fps.
 
 use crate::report::Report;
 use crate::{Config, Res};
@@ -75,6 +77,24 @@ pub(crate) fn parse_fps(output: &str) -> Option<f64> {
     None
 }
 
+/// The summary's first-frame line: (the first frame's milliseconds, the fps of the frames
+/// after it).
+pub(crate) fn parse_first_frame(output: &str) -> Option<(f64, f64)> {
+    let line = output
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("first frame"))?;
+    let ms = line.split_whitespace().next()?.parse().ok()?;
+    let fps = line
+        .rsplit(':')
+        .next()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some((ms, fps))
+}
+
 /// The numbers of the summary's import-cache line: (opens in the first frame, opens after).
 pub(crate) fn parse_opens(output: &str) -> Option<(u64, u64)> {
     let line = output
@@ -100,6 +120,8 @@ pub(crate) fn parse_leaked(output: &str) -> Option<(u64, String)> {
 /// One renderer run's figures.
 struct Run {
     fps: f64,
+    /// The first frame's ms and the fps of the frames after it, where the summary says.
+    first_frame: Option<(f64, f64)>,
     /// What went wrong, when it exited with an error after printing its summary (e.g. its
     /// own leak check).
     trouble: Option<String>,
@@ -141,6 +163,7 @@ fn render(
     let fps = parse_fps(&text);
     let run = |fps, trouble| Run {
         fps,
+        first_frame: parse_first_frame(&text),
         trouble,
         opens: parse_opens(&text),
         leaked: parse_leaked(&text),
@@ -213,6 +236,9 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
                 }
             };
             let mut note = String::new();
+            if let Some((ms, fps)) = run.first_frame {
+                note += &format!("first frame {ms:.1} ms, {fps:.1} fps after it; ");
+            }
             if let Some((first, after)) = run.opens {
                 note += &format!("opens: {first} first frame, {after} after; ");
             }
@@ -224,6 +250,8 @@ pub(crate) fn run(cfg: &Config, report: &mut Report) -> Res<()> {
                 "item": 6, "name": "renderer", "backend": backend, "size": size,
                 "variant": variant, "export": if gpu { export } else { "-" },
                 "frames": frames, "fps": run.fps,
+                "first_frame_ms": run.first_frame.map(|f| f.0),
+                "fps_after_first": run.first_frame.map(|f| f.1),
                 "opens_first_frame": run.opens.map(|o| o.0),
                 "opens_after": run.opens.map(|o| o.1),
                 "leaked_bytes": run.leaked.as_ref().map(|l| l.0),

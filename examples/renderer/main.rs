@@ -332,6 +332,10 @@ impl RemoteMessage for Progress {
 struct Done {
     frames: u64,
     seconds: f64,
+    /// Of `seconds`, the first frame's: it also pays for one-time work (links' set-up,
+    /// driver-level opens, first launches), so the fps of the frames after it is printed
+    /// apart.
+    first_frame_seconds: f64,
     tiles_composed: u64,
     tiles_missing: u64,
     /// Leases taken: one per worker's sheet and frame.
@@ -938,6 +942,9 @@ fn compositor(session: Session, opts: Options, sockets: PathBuf) -> Res<()> {
             }
             // PNG encoding and --verify are output, not rendering: keep them out of the fps.
             io += io_start.elapsed();
+            if f == 0 {
+                summary.first_frame_seconds = (start.elapsed() - io).as_secs_f64();
+            }
             let fps = (f + 1) as f64 / (start.elapsed() - io).as_secs_f64();
             actix::spawn(progress.send(Progress { frame: f + 1, fps, tiles_missing: summary.tiles_missing, leases_held }));
         }
@@ -1359,6 +1366,17 @@ fn root(opts: Options) -> Res<()> {
             "frames            {} at {}x{} in {:.2} s (PNG writing and --verify excluded)",
             summary.frames, opts.width, opts.height, summary.seconds
         );
+        // Before the fps line: a reader that takes the number next to the last "fps" gets the
+        // whole run's.
+        let after = summary.frames.saturating_sub(1);
+        let after_seconds = summary.seconds - summary.first_frame_seconds;
+        if after > 0 && after_seconds > 0.0 {
+            println!(
+                "first frame       {:.2} ms (one-time work: links, opens, first launches); the {after} after it: {:.1} fps",
+                summary.first_frame_seconds * 1e3,
+                after as f64 / after_seconds
+            );
+        }
         println!("fps               {fps:.1}");
         println!("handoffs/s        {:.0} ({} tiles composed, {} missing)", summary.tiles_composed as f64 / summary.seconds, summary.tiles_composed, summary.tiles_missing);
         println!(
