@@ -467,6 +467,41 @@ fn raise_fd_limit() {
     }
 }
 
+/// How many descriptors the table of a process with a node has room for from the start
+/// ([`reserve_fd_table`]), unless its limit on open files is lower.
+const RESERVED_FDS: u64 = 1024;
+
+/// Grows the process's descriptor table, once, to hold [`RESERVED_FDS`] descriptors (a
+/// duplicate at the top of that range, closed at once: the table never shrinks).
+///
+/// In a process with threads, every growth of the table waits for an RCU grace period
+/// (`expand_fdtable`), 10-40 ms on the machines measured, for every thread of the process
+/// that opens a descriptor meanwhile — and the processes waiting on one grace period are
+/// released together. Grown at the first link instead, the wait fell on the link's set-up: a
+/// ring's descriptors took a CUDA process (which holds many already) past a boundary, and the
+/// renderer's first frame took 8-40 ms against 3 on the socket
+/// (`docs/bench/h200/2026-11-30-c33f5be-x2-renderer-first-frame.txt`). Here it is paid when the
+/// node is made, before any link. A process that maps thousands of host segments grows the
+/// table further as it goes.
+fn reserve_fd_table() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        use rustix::process::{Resource, getrlimit};
+        let limit = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+        let top = RESERVED_FDS.min(limit).saturating_sub(1);
+        let started = std::time::Instant::now();
+        let reserved = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
+            .and_then(|probe| rustix::io::fcntl_dupfd_cloexec(&probe, top as i32));
+        match reserved {
+            Ok(high) => {
+                drop(high);
+                tracing::debug!(room = top + 1, took = ?started.elapsed(), "descriptor table grown");
+            }
+            Err(e) => tracing::debug!(error = %e, "descriptor table not grown ahead"),
+        }
+    });
+}
+
 impl NodeCore {
     /// The state of a node with `config` that allocates with `backend` (the body of
     /// [`Node::with_config`]): its import cache, exports, death
@@ -475,6 +510,7 @@ impl NodeCore {
     /// [`Node::with_config`]: crate::Node::with_config
     pub(crate) fn new(config: NodeConfig, backend: SharedBackend) -> NodeCore {
         raise_fd_limit();
+        reserve_fd_table();
         let mut importers: Vec<SharedBackend> = vec![Arc::clone(&backend)];
         if !backend.can_open(BackendKind::Host) {
             if let Ok(host) = HostBackend::new() {
@@ -1100,5 +1136,32 @@ mod tests {
         assert!(stale(&by(5, "a", 3, 14)).is_empty());
         // Another key on host b, on b's boot: nothing either (two nodes of one host).
         assert!(stale(&by(6, "b", 1, 21)).is_empty());
+    }
+
+    /// The size of this process's descriptor table (`FDSize` in `/proc/self/status`).
+    fn fd_table_size() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("FDSize:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("an FDSize line")
+    }
+
+    #[test]
+    fn a_node_makes_room_in_the_descriptor_table_before_any_link() {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX);
+        reserve_fd_table();
+        let want = RESERVED_FDS.min(limit);
+        assert!(
+            fd_table_size() >= want,
+            "descriptor table of {} after the reservation, want room for {want}",
+            fd_table_size()
+        );
+        // Once per process: a second call neither fails nor shrinks it.
+        reserve_fd_table();
+        assert!(fd_table_size() >= want);
     }
 }
