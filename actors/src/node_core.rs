@@ -467,19 +467,20 @@ fn raise_fd_limit() {
     }
 }
 
-/// How many descriptors the table of a process with a node has room for from the start
-/// ([`reserve_fd_table`]), unless its limit on open files is lower.
+/// How many descriptors the table of a process with a node has room for from the start, at
+/// least ([`reserve_fd_table`]), unless its limit on open files is lower.
 const RESERVED_FDS: u64 = 1024;
 
-/// Grows the process's descriptor table, once, to hold [`RESERVED_FDS`] descriptors (a
-/// duplicate at the top of that range, closed at once: the table never shrinks).
+/// Grows the process's descriptor table, once, to hold [`RESERVED_FDS`] descriptors, or
+/// twice as many as are open, if more (a duplicate at the top of that range, closed at
+/// once: the table never shrinks).
 ///
 /// In a process with threads, every growth of the table waits for an RCU grace period
-/// (`expand_fdtable`), 10-40 ms on the machines measured, for every thread of the process
-/// that opens a descriptor meanwhile — and the processes waiting on one grace period are
-/// released together. Grown at the first link instead, the wait fell on the link's set-up: a
-/// ring's descriptors took a CUDA process (which holds many already) past a boundary, and the
-/// renderer's first frame took 8-40 ms against 3 on the socket
+/// (`expand_fdtable`), 6-40 ms on the machines measured, for the thread that opens the
+/// descriptor — and the processes waiting on one grace period are released together. Grown
+/// at the first link instead, the wait fell on the link's set-up: a ring's descriptors took a
+/// CUDA process (which holds many already) past a boundary, and the renderer's first frame
+/// took 8-40 ms against 3 on the socket
 /// (`docs/bench/h200/2026-11-30-c33f5be-x2-renderer-first-frame.txt`). Here it is paid when the
 /// node is made, before any link. A process that maps thousands of host segments grows the
 /// table further as it goes.
@@ -488,14 +489,16 @@ fn reserve_fd_table() {
     ONCE.call_once(|| {
         use rustix::process::{Resource, getrlimit};
         let limit = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
-        let top = RESERVED_FDS.min(limit).saturating_sub(1);
+        let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+        let room = RESERVED_FDS.max(2 * open).min(limit);
+        let top = i32::try_from(room.saturating_sub(1)).unwrap_or(i32::MAX);
         let started = std::time::Instant::now();
         let reserved = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
-            .and_then(|probe| rustix::io::fcntl_dupfd_cloexec(&probe, top as i32));
+            .and_then(|probe| rustix::io::fcntl_dupfd_cloexec(&probe, top));
         match reserved {
             Ok(high) => {
                 drop(high);
-                tracing::debug!(room = top + 1, took = ?started.elapsed(), "descriptor table grown");
+                tracing::debug!(room, open, took = ?started.elapsed(), "descriptor table grown");
             }
             Err(e) => tracing::debug!(error = %e, "descriptor table not grown ahead"),
         }
