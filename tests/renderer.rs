@@ -247,6 +247,27 @@ fn the_renderer_matches_a_single_process_render_and_leaks_nothing() {
         field(&stdout, "leases").starts_with("12 (3.00 per frame"),
         "{stdout}"
     );
+    // The first frame apart (it also pays for the links' set-up), before the run's fps line,
+    // which a reader takes as the last number next to "fps".
+    let first = field(&stdout, "first frame");
+    let ms: f64 = first
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no first-frame time in {first:?}"));
+    let (after, fps) = first
+        .rsplit_once("; the ")
+        .and_then(|(_, rest)| rest.split_once(" after it: "))
+        .unwrap_or_else(|| panic!("no fps after the first frame in {first:?}"));
+    assert_eq!(after, "3", "{first}");
+    let fps: f64 = fps.trim_end_matches(" fps").parse().unwrap();
+    assert!(ms > 0.0 && fps > 0.0, "{first}");
+    let line = |prefix: &str| stdout.lines().position(|l| l.starts_with(prefix));
+    assert!(line("first frame") < line("fps "), "{stdout}");
+    assert!(
+        field(&stdout, "fps").parse::<f64>().is_ok_and(|f| f > 0.0),
+        "{stdout}"
+    );
     for frame in [0, 3] {
         let (w, h, pixels) = decode(&out.path().join(format!("frame-{frame:04}.png")));
         assert_eq!((w, h), (200, 120));
