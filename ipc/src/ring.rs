@@ -128,8 +128,9 @@
 //!   links (`NodeConfig::ring` in `baton-actors`, or `BATON_LINK_RING`) poll when the node
 //!   runs on `baton_actors::ring_polling_system` (or an arbiter on `ring_polling_runtime`);
 //!   on any other runtime every frame costs a doorbell wakeup. (Python's runtime thread is
-//!   built that way.) While the hook polls, the runtime's timers and its sockets other than
-//!   doorbells wait for it (at most the window); tasks woken from other threads stop it.
+//!   built that way.) The hook polls in slices of [`park::SLICE`] and lets the runtime turn
+//!   between them, so its timers, its other sockets and tasks woken from other threads wait
+//!   at most a slice, not the window.
 //! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and
 //!   declines an offer itself (its caller never sees it; the peer keeps the socket).
 //! - [`LinkConfig::new`](crate::LinkConfig::new) reads `BATON_LINK_RING`, so the variable

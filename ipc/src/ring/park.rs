@@ -33,16 +33,21 @@
 //! task still never misses an entry: it announces its sleep itself before it returns
 //! `Pending`, so the writer rings the doorbell. The hook, where it runs, takes that
 //! announcement back while it polls the ring and makes it again when the window has passed
-//! or when it stops polling for any reason: whenever the task is pending, either its
-//! announcement stands (and was followed by a look at the ring) or the hook is polling its
-//! ring on this thread.
+//! or when it cannot go on polling: whenever the task is pending, either its announcement
+//! stands (and was followed by a look at the ring) or the hook polls its ring again before
+//! the thread blocks (it left a task ready, so the thread does not block before the next
+//! park, which calls the hook).
 //!
-//! The hook holds the thread for at most the largest window left (50 µs by default,
-//! [`PollWindow::configured_max`](super::PollWindow::configured_max)) and stops as soon as it
-//! wakes a task or a task is woken from another thread (tokio's global queue is not empty:
-//! a message posted to an actor of the thread, a reply for a caller's future). What it does
-//! not watch waits for it to return, at most the window: timers, and sockets that are not a
-//! ring's doorbell. (The next park polls again for what is left of each window.)
+//! The hook never holds the thread for long: it polls for at most a short slice
+//! ([`SLICE`]) and then, while a window lasts, leaves a task of its own ready to run, so that
+//! tokio does not block: it polls its I/O driver without waiting (timers, sockets), runs
+//! what was woken — a task woken from another thread, a message posted to an actor of the
+//! thread from another thread — and parks again, which calls the hook again. So nothing
+//! the runtime watches waits for more than a slice and one turn of the scheduler, however
+//! long the window. (Spinning through the whole window, as the hook did first, it stopped
+//! early only for tasks in tokio's global queue — but an actix actor is a task of a
+//! `LocalSet`, whose wakes from other threads do not go there: such a message waited out
+//! the window, and so did timers and sockets.)
 //!
 //! `recv` is cancel-safe: an entry is taken from the ring only when `recv` returns it.
 
@@ -54,7 +59,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
@@ -109,10 +114,16 @@ fn wake(wait: &mut Wait) {
     }
 }
 
+/// How long [`before_park`] polls before it lets the runtime look at everything else (see
+/// the [module docs](self)).
+pub const SLICE: Duration = Duration::from_micros(5);
+
 /// The hook for tokio's `Builder::on_thread_park`: polls the rings whose tasks wait on this
-/// thread, for as long as the first of their poll windows lasts, and wakes the tasks whose
-/// ring has an entry; the others, past their window, stay announced, so their writers ring
-/// the doorbells the reactor waits on. See the [module docs](self).
+/// thread for at most a [`SLICE`], and wakes the tasks whose ring has an entry; while a poll
+/// window lasts, it leaves a task of its own ready, so that the runtime turns (I/O, timers,
+/// tasks woken from other threads) and parks again instead of blocking; rings past their
+/// window stay announced, so their writers ring the doorbells the reactor waits on. See the
+/// [module docs](self).
 ///
 /// Cheap when nothing waits (a thread-local look); harmless on a runtime whose tasks do not
 /// use rings.
@@ -126,13 +137,13 @@ pub fn before_park() {
         if waiting.is_empty() {
             return;
         }
-        // Tasks woken from other threads wait in the runtime's global queue: the polling
-        // stops for them (else they would wait out the window).
+        // Tasks woken from other threads into the runtime's own queue: stop at once.
         let metrics = tokio::runtime::Handle::try_current()
             .ok()
             .map(|h| h.metrics());
         let remote_work = || metrics.as_ref().is_some_and(|m| m.global_queue_depth() > 0);
-        loop {
+        let until = Instant::now() + SLICE;
+        let polling = loop {
             let now = Instant::now();
             let (mut woke_any, mut polling) = (false, false);
             for slot in waiting.iter().filter_map(Weak::upgrade) {
@@ -155,19 +166,66 @@ pub fn before_park() {
                 }
                 woke_any |= wait.phase == Phase::Woken;
             }
-            if woke_any || !polling || remote_work() {
-                break;
+            if woke_any || !polling {
+                break false;
+            }
+            if remote_work() || now >= until {
+                break true;
             }
             std::hint::spin_loop();
-        }
-        // Leaving: whatever is still polled is announced again (nobody will watch it).
-        for slot in waiting.iter().filter_map(Weak::upgrade) {
-            let mut wait = slot.wait();
-            if wait.phase == Phase::Polling {
-                announce(&slot, &mut wait);
+        };
+        // Still polling: the runtime turns and comes back here, rather than block.
+        if polling && !keep_turning() {
+            // No task of ours could be left ready (no current-thread runtime here): whatever
+            // is polled is announced again, so nothing waits unwatched.
+            for slot in waiting.iter().filter_map(Weak::upgrade) {
+                let mut wait = slot.wait();
+                if wait.phase == Phase::Polling {
+                    announce(&slot, &mut wait);
+                }
             }
         }
     });
+}
+
+thread_local! {
+    /// This thread's turner: a task of the runtime (by its id) that does nothing when woken.
+    static TURNER: RefCell<Option<(tokio::runtime::Id, Arc<tokio::sync::Notify>)>> =
+        const { RefCell::new(None) };
+}
+
+/// Leaves a task ready on this thread's runtime (its turner, spawned on first use), so that
+/// it does not block when the hook returns; `false` if there is no current-thread runtime
+/// here (a task spawned on a multi-thread runtime may run on another thread, and this one
+/// would block with rings unannounced).
+fn keep_turning() -> bool {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return false;
+    };
+    if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread {
+        return false;
+    }
+    TURNER.with(|turner| {
+        let Ok(mut turner) = turner.try_borrow_mut() else {
+            return false;
+        };
+        match turner.as_ref() {
+            Some((id, notify)) if *id == handle.id() => notify.notify_one(),
+            // None yet, or one of a runtime this thread ran before (ids are never reused).
+            _ => {
+                let notify = Arc::new(tokio::sync::Notify::new());
+                let woken = Arc::clone(&notify);
+                // Spawned ready: its first poll is the turn this park needs.
+                drop(handle.spawn(async move {
+                    loop {
+                        woken.notified().await;
+                    }
+                }));
+                *turner = Some((handle.id(), notify));
+            }
+        }
+        true
+    })
 }
 
 /// Announces a polled ring's sleep and looks at it again: an entry there wakes its task.

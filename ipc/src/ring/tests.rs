@@ -833,6 +833,77 @@ fn the_park_hook_stops_polling_for_a_task_woken_from_another_thread() {
     drop(fds);
 }
 
+/// A reader whose window has grown to 60 s: the hook polls its ring for that long, unless
+/// it lets the runtime turn.
+fn reader_polling_for_a_minute() -> (RingReader, RingFds) {
+    let (mut reader, fds) =
+        RingReader::create(MIN_CAPACITY, PollWindow::new(Duration::from_secs(120))).unwrap();
+    reader.window_mut().observe(Duration::from_secs(30));
+    assert_eq!(reader.window().current(), Duration::from_secs(60));
+    (reader, fds)
+}
+
+/// Waits on the ring (where nothing is written) and on `other` at once: `other` must finish
+/// well within the window (half of it; it takes about 50 ms).
+async fn while_the_hook_polls(reader: RingReader, other: impl Future<Output = ()>) {
+    let started = Instant::now();
+    let mut ring = AsyncRingReader::new(reader).unwrap();
+    let mut out = Vec::new();
+    tokio::select! {
+        r = ring.recv(&mut out) => panic!("nothing was written: {r:?}"),
+        () = other => {}
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "held up by the poll window: {:?}",
+        started.elapsed()
+    );
+}
+
+/// An actix actor is a task of a `LocalSet`: woken from another thread (a message posted to
+/// it), it wakes the runtime's `block_on` future, which tokio's global queue does not show.
+/// The hook lets the runtime turn within a slice, so it runs at once, not after the window.
+#[test]
+fn a_local_task_woken_from_another_thread_runs_while_the_hook_polls() {
+    let (reader, fds) = reader_polling_for_a_minute();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let poster = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        let _ = tx.send(());
+    });
+    let rt = runtime(true);
+    tokio::task::LocalSet::new().block_on(&rt, async {
+        let local = tokio::task::spawn_local(async move { rx.await.unwrap() });
+        while_the_hook_polls(reader, async move { local.await.unwrap() }).await;
+    });
+    poster.join().unwrap();
+    drop(fds);
+}
+
+/// Timers and sockets other than doorbells are seen while the hook polls.
+#[test]
+fn timers_and_sockets_are_seen_while_the_hook_polls() {
+    let (reader, fds) = reader_polling_for_a_minute();
+    runtime(true).block_on(while_the_hook_polls(reader, async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }));
+    let (reader, fds2) = reader_polling_for_a_minute();
+    let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let poster = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        std::io::Write::write_all(&mut b, b"x").unwrap();
+        b
+    });
+    let rt = runtime(true);
+    rt.block_on(async {
+        a.set_nonblocking(true).unwrap();
+        let a = tokio::net::UnixStream::from_std(a).unwrap();
+        while_the_hook_polls(reader, async move { a.readable().await.unwrap() }).await;
+    });
+    drop(poster.join().unwrap());
+    drop((fds, fds2));
+}
+
 #[test]
 fn async_ping_pong_on_two_runtimes_with_the_hook() {
     let (a_reader, a_fds) =
