@@ -175,9 +175,19 @@ struct Namespaced {
 }
 
 impl Namespaced {
+    /// Starts `cmd` once the init of the namespace started before it (by any test of this
+    /// file, which run in parallel) is two clock ticks old. An init claims pid 1 of its own
+    /// namespace, and a process is named by its boot, pid and start time in clock ticks
+    /// (10 ms): two inits started within one tick claim one name, and a process that
+    /// already knows one of them refuses the other (`PeerIdentityMismatch`) — its link
+    /// never comes up. (Containers started that close together, linking to one process, meet
+    /// the same refusal: docs/CROSS_HOST.md.)
     fn start(cmd: &mut Command) -> Namespaced {
+        static SPACED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _spaced = SPACED.lock().unwrap_or_else(|p| p.into_inner());
         let mut unshare = cmd.spawn().unwrap();
         let inner = peer::forked_child(&mut unshare, "unshare");
+        std::thread::sleep(Duration::from_millis(20));
         Namespaced { unshare, inner }
     }
 
