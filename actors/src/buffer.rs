@@ -179,8 +179,7 @@ macro_rules! buffer_accessors {
             stream: impl Into<::baton_ipc::Stream>,
         ) -> Result<(), $crate::ActorError> {
             let stream = stream.into();
-            self.cell.order.use_on(stream.as_ref())?;
-            Ok(())
+            self.cell.order.wait_on(stream.as_ref())
         }
 
         /// Whether it is device memory of a CUDA backend (cudarc's traits apply).
@@ -492,9 +491,7 @@ impl<T: Element> Buffer<T> {
     /// [`ActorError::TooManyStreams`].
     pub fn share_on(&self, stream: impl Into<Stream>) -> Result<Shared<T>, ActorError> {
         let stream = stream.into();
-        if let Some(mark) = self.cell.order.use_on(stream.as_ref())? {
-            mark.record(stream.as_ref())?;
-        }
+        self.cell.order.mark_on(stream.as_ref())?;
         Ok(self.share())
     }
 

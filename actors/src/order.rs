@@ -299,6 +299,14 @@ pub(crate) struct ExportOrder {
     uses: StreamUses,
     /// Importers' release fences not yet waited for by any stream of ours.
     released: Mutex<Vec<ReleaseFence>>,
+    /// Release fences a stream waited for ([`wait_on`](Self::wait_on)) whose mark has not
+    /// been recorded since: other streams, host copies and offers wait for them as well,
+    /// until a [`mark_on`](Self::mark_on) covers them.
+    unrecorded: Mutex<Vec<(StreamKey, ReleaseFence)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ExportOrder {
@@ -306,6 +314,7 @@ impl ExportOrder {
         Self {
             uses: StreamUses::new(backend),
             released: Mutex::new(Vec::new()),
+            unrecorded: Mutex::new(Vec::new()),
         }
     }
 
@@ -330,7 +339,34 @@ impl ExportOrder {
     }
 
     fn take_released(&self) -> Vec<ReleaseFence> {
-        std::mem::take(&mut *self.released.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *lock(&self.released))
+    }
+
+    /// Makes `stream` wait for the latest mark of every other stream and for the release
+    /// fences other streams waited for without a mark since; returns those fences.
+    fn order_after_others(&self, stream: StreamRef<'_>) -> Result<Vec<ReleaseFence>, ActorError> {
+        self.uses.order_after_others(stream)?;
+        let key = stream.key();
+        let others: Vec<ReleaseFence> = lock(&self.unrecorded)
+            .iter()
+            .filter(|(k, _)| *k != key)
+            .map(|(_, f)| f.clone())
+            .collect();
+        for f in &others {
+            self.backend()
+                .ordering()
+                .order_after(stream, &f.producer, &f.fence)?;
+        }
+        Ok(others)
+    }
+
+    /// A mark just recorded on `stream` follows `covered` (fences it waited for) and every
+    /// fence `stream` itself waited for before `own` was taken: they leave the list.
+    fn recorded(&self, key: StreamKey, own: &[ReleaseFence], covered: &[ReleaseFence]) {
+        lock(&self.unrecorded).retain(|(k, f)| {
+            let mine = *k == key && own.contains(f);
+            !(mine || covered.contains(f))
+        });
     }
 
     /// Makes `stream` wait for fences taken from the line; puts them back on error.
@@ -357,14 +393,15 @@ impl ExportOrder {
     /// it waits for the importers' release fences and the buffer's uses on other streams.
     pub(crate) fn before_host_copy(&self) -> Result<(), ActorError> {
         self.order_released(StreamRef::Internal, self.take_released())?;
-        self.uses.order_after_others(StreamRef::Internal)
+        self.order_after_others(StreamRef::Internal).map(drop)
     }
 
     /// Before a use on `stream`: it waits for the importers' release fences and the
     /// buffer's uses on other streams; returns the mark to record after the use.
     pub(crate) fn use_on(&self, stream: StreamRef<'_>) -> Result<Option<&dyn UseMark>, ActorError> {
-        let waited = self.order_released(stream, self.take_released())?;
-        self.uses.order_after_others(stream)?;
+        let taken = self.take_released();
+        let waited = self.order_released(stream, taken)?;
+        self.order_after_others(stream)?;
         let mark = match self.uses.get_or_add(stream, || Ok(()))? {
             Found::Known(u) | Found::New(u) => &*u.mark,
             Found::Unmarked | Found::Full => return Ok(None),
@@ -377,6 +414,77 @@ impl ExportOrder {
         Ok(Some(mark))
     }
 
+    /// [`Buffer::wait_on`](crate::Buffer::wait_on): as [`use_on`](Self::use_on), but on a
+    /// stream of the caller's the mark is not recorded now — its
+    /// [`mark_on`](Self::mark_on) (`share_on`) records it after its work. Until then the
+    /// release fences `stream` waited for stay listed, and other streams, host copies and
+    /// offers wait for them too. (One driver call less per stream-ordered handoff than
+    /// recording twice; a `wait_on` followed by cudarc uses and a plain `share` costs two
+    /// more instead, the offer's: the backend's own stream takes the fences in.)
+    pub(crate) fn wait_on(&self, stream: StreamRef<'_>) -> Result<(), ActorError> {
+        if matches!(stream, StreamRef::Internal) {
+            // The backend's own stream (host copies, Python's conservative views): no
+            // `share_on` follows to record it.
+            return self.use_on(stream).map(drop);
+        }
+        let taken = self.take_released();
+        let kept = taken.clone();
+        let waited = self.order_released(stream, taken)?;
+        self.order_after_others(stream)?;
+        match self.uses.get_or_add(stream, || Ok(()))? {
+            Found::Known(_) | Found::New(_) => {}
+            Found::Unmarked => return Ok(()),
+            Found::Full => {
+                // Not tracked: its work is never followed by a mark. The fences go back in
+                // line for the next tracked use (waiting twice is harmless).
+                self.released(kept);
+                return Err(ActorError::TooManyStreams { max: MAX_STREAMS });
+            }
+        }
+        if waited {
+            let key = stream.key();
+            let mut unrecorded = lock(&self.unrecorded);
+            for f in kept {
+                use crate::ledger::Covers;
+                if unrecorded
+                    .iter()
+                    .any(|(k, old)| *k == key && old.covers(&f))
+                {
+                    continue;
+                }
+                unrecorded.retain(|(k, old)| !(*k == key && f.covers(old)));
+                unrecorded.push((key, f));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Buffer::share_on`](crate::Buffer::share_on): `stream` waits as for a use, and the
+    /// buffer's mark is recorded there now, after everything queued there so far.
+    pub(crate) fn mark_on(&self, stream: StreamRef<'_>) -> Result<(), ActorError> {
+        let taken = self.take_released();
+        let waited = taken.clone();
+        self.order_released(stream, taken)?;
+        let covered = self.order_after_others(stream)?;
+        let key = stream.key();
+        let own: Vec<ReleaseFence> = lock(&self.unrecorded)
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, f)| f.clone())
+            .collect();
+        let mark = match self.uses.get_or_add(stream, || Ok(()))? {
+            Found::Known(u) | Found::New(u) => &*u.mark,
+            Found::Unmarked => return Ok(()),
+            Found::Full => {
+                self.released(waited);
+                return Err(ActorError::TooManyStreams { max: MAX_STREAMS });
+            }
+        };
+        mark.record(stream)?;
+        self.recorded(key, &own, &covered);
+        Ok(())
+    }
+
     /// The acquire fence for an offer to process `to`: after the buffer's uses on streams
     /// and after the work of importers that gave it back since its last use here (`None`
     /// if there is none: host copies complete before they return, and without a fence
@@ -386,7 +494,14 @@ impl ExportOrder {
         &self,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
-        let released = self.take_released();
+        let mut released = self.take_released();
+        // Fences a stream waited for with no mark since (a `wait_on` not followed by a
+        // `share_on`): the backend's own stream takes them in as well.
+        let unrecorded: Vec<ReleaseFence> = lock(&self.unrecorded)
+            .iter()
+            .map(|(_, f)| f.clone())
+            .collect();
+        released.extend(unrecorded.iter().cloned());
         if !released.is_empty() {
             // The next importer must not see the buffer before the last one's work ends:
             // the backend's own stream takes the release fences in, and its mark (recorded
@@ -405,6 +520,7 @@ impl ExportOrder {
                 self.released(kept);
                 return Err(e);
             }
+            self.recorded(StreamKey::Internal, &[], &unrecorded);
         }
         self.uses.export(to)
     }
@@ -418,7 +534,11 @@ impl ExportOrder {
     /// for then). The fences stay in line for a later call.
     pub(crate) fn before_free(&self, fences: &[ReleaseFence]) -> FreeVerdict {
         let mut all = self.take_released();
-        for f in fences {
+        let unrecorded: Vec<ReleaseFence> = lock(&self.unrecorded)
+            .iter()
+            .map(|(_, f)| f.clone())
+            .collect();
+        for f in unrecorded.iter().chain(fences) {
             if !all.iter().any(|kept| kept == f) {
                 all.push(f.clone());
             }

@@ -144,9 +144,7 @@ impl AnyBuffer {
     /// A backend error; [`ActorError::TooManyStreams`].
     pub fn share_on(&self, stream: impl Into<Stream>) -> Result<AnyShared, ActorError> {
         let stream = stream.into();
-        if let Some(mark) = self.cell.order.use_on(stream.as_ref())? {
-            mark.record(stream.as_ref())?;
-        }
+        self.cell.order.mark_on(stream.as_ref())?;
         Ok(self.share())
     }
 

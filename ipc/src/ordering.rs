@@ -156,8 +156,8 @@ pub trait ExportedFence: Send + Sync + fmt::Debug {
     /// What the other process waits on. A capability.
     fn handle(&self) -> FenceHandle;
     /// What this process waits on for the same point (a counter fence recorded for a peer
-    /// lies in the peer's inbox; its local twin lies in ours). For closing a mapping only
-    /// after our own work on it.
+    /// lies in the peer's inbox; its local twin lies in ours, written when first read or
+    /// waited on). For closing a mapping only after our own work on it.
     fn local_handle(&self) -> FenceHandle {
         self.handle()
     }

@@ -14,7 +14,8 @@
 //!   the simulated device) laid out like the CUDA slab (local marks, a lend area, then one
 //!   lane of `R` slots per peer process, managed by the real `baton_ipc::inbox::Lanes`); a
 //!   fence for a peer is a `WriteValue` into the peer's inbox lane (slot = release stream)
-//!   queued on a release stream after the marks, plus a local twin in its own inbox; a wait
+//!   queued on a release stream after the marks, with a local twin in its own inbox (written
+//!   on that release stream only when the twin is read or waited on); a wait
 //!   is a `WaitValue` on the waiter's own inbox, which runs once the word holds at least the
 //!   value. A `watch` step (called by the test, with simulated time: [`Device::advance`])
 //!   reads the inbox back into `Lanes::observe`, writes the release value into released lanes and
@@ -944,6 +945,8 @@ struct SimCounterFence {
     handle: CounterFence,
     local: CounterFence,
     own: u64,
+    /// Where `local` is written when read or waited on.
+    twins: Arc<SimTwins>,
     live: Arc<AtomicUsize>,
 }
 
@@ -971,6 +974,7 @@ impl ExportedFence for SimCounterFence {
         FenceHandle::Counter(self.local)
     }
     fn is_complete(&self) -> Result<bool> {
+        self.twins.settle(self.local.offset / 8, self.local.value);
         Ok(self
             .device
             .inbox_word(self.own, (self.local.offset / 8) as u32)
@@ -978,6 +982,7 @@ impl ExportedFence for SimCounterFence {
     }
     fn synchronize(&self) -> Result<()> {
         let (own, slot, value) = (self.own, (self.local.offset / 8) as u32, self.local.value);
+        self.twins.settle(u64::from(slot), value);
         self.device
             .block_until(Some(&self.role), "a counter fence", |st| {
                 geq(st.word(own, slot), value)
@@ -1164,9 +1169,8 @@ enum PeerInbox {
 struct CounterState {
     mode: CounterMode,
     lanes: Mutex<Lanes>,
-    /// The last value of each local mark slot; held while a release stream queues a
-    /// fence's writes.
-    marks: Vec<Mutex<u64>>,
+    /// The local marks; one's lock is held while its release stream queues a fence.
+    marks: Arc<SimTwins>,
     peers: Mutex<HashMap<ProcessId, PeerInbox>>,
     hooks: Mutex<Vec<FenceFaultHook>>,
     /// Which role each process id stands for (learned from the grants accepted).
@@ -1179,6 +1183,80 @@ struct CounterState {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A local mark's values (as `TwinState` in `ipc/src/cuda/fence.rs`).
+#[derive(Default)]
+struct SimTwin {
+    written: u64,
+    promised: u64,
+}
+
+/// A backend's local marks, slot `i` written by release stream `i` only when a twin is
+/// read or waited on (as `CounterSlab::promise` and `settle`).
+struct SimTwins {
+    device: Arc<Device>,
+    role: String,
+    number: u64,
+    slots: Vec<Mutex<SimTwin>>,
+    /// Each slot's `written`, read without its lock.
+    written: Vec<AtomicU64>,
+}
+
+impl SimTwins {
+    fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn lock(&self, i: u32) -> MutexGuard<'_, SimTwin> {
+        lock(&self.slots[i as usize])
+    }
+
+    /// The twin of a fence release stream `i` just queued: promised, not written.
+    fn promise(held: &mut SimTwin) -> u64 {
+        if held.promised <= held.written {
+            held.promised = held.written + 1;
+        }
+        held.promised
+    }
+
+    /// Queues the write of mark `slot`'s promised value on its release stream, unless one
+    /// of at least `value` is queued already (nothing for other slots). No mark's lock
+    /// held.
+    fn settle(&self, slot: u64, value: u64) {
+        let (Some(m), Some(written)) = (
+            self.slots.get(slot as usize),
+            self.written.get(slot as usize),
+        ) else {
+            return;
+        };
+        if written.load(Ordering::Acquire) >= value {
+            return;
+        }
+        let mut t = lock(m);
+        if t.written >= value || t.promised <= t.written {
+            return;
+        }
+        let role = self.role.as_str();
+        let s = counter_release_stream(self.number, slot as u32);
+        self.device.enqueue_as(
+            Some(role),
+            s,
+            Op::WriteValue {
+                inbox: self.number,
+                slot: slot as u32,
+                value: t.promised,
+                writer: role.to_owned(),
+                peer: false,
+            },
+            Some(format!(
+                "{role} write mark slot{slot} = {} on s{s}",
+                t.promised
+            )),
+        );
+        t.written = t.promised;
+        written.store(t.written, Ordering::Release);
+    }
 }
 
 /// The recording backend (see the module docs).
@@ -1248,7 +1326,13 @@ impl SimBackend {
             CounterState {
                 mode,
                 lanes: Mutex::new(Lanes::new(r + LEND, mode.lanes, r, mode.deadline)),
-                marks: (0..r).map(|_| Mutex::new(0)).collect(),
+                marks: Arc::new(SimTwins {
+                    device: Arc::clone(device),
+                    role: role.to_owned(),
+                    number,
+                    slots: (0..r).map(|_| Mutex::default()).collect(),
+                    written: (0..r).map(|_| AtomicU64::new(0)).collect(),
+                }),
                 peers: Mutex::new(HashMap::new()),
                 hooks: Mutex::new(Vec::new()),
                 peer_roles: Mutex::new(HashMap::new()),
@@ -1467,7 +1551,7 @@ impl SimBackend {
     fn fence_on(
         &self,
         i: u32,
-        held: &mut u64,
+        held: &mut SimTwin,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>> {
         let c = self.counters();
@@ -1516,19 +1600,7 @@ impl SimBackend {
                 grant.first + slot
             )),
         );
-        *held += 1;
-        device.enqueue_as(
-            Some(role),
-            s,
-            Op::WriteValue {
-                inbox: self.sim.number,
-                slot: i,
-                value: *held,
-                writer: role.to_owned(),
-                peer: false,
-            },
-            Some(format!("{role} write mark slot{i} = {} on s{s}", *held)),
-        );
+        let twin = SimTwins::promise(held);
         c.live.fetch_add(1, Ordering::Relaxed);
         Ok(Some(Arc::new(SimCounterFence {
             device: Arc::clone(device),
@@ -1543,9 +1615,10 @@ impl SimBackend {
                 slab: inbox_handle(self.sim.number),
                 slab_id: self.sim.number,
                 offset: u64::from(i) * 8,
-                value: *held,
+                value: twin,
             },
             own: self.sim.number,
+            twins: Arc::clone(&c.marks),
             live: Arc::clone(&c.live),
         })))
     }
@@ -1585,6 +1658,8 @@ impl SimBackend {
                 },
             ));
         }
+        // A local mark is written when waited on.
+        c.marks.settle(slot, fence.value);
         let role = &self.sim.role;
         self.sim.device.enqueue_as(
             Some(role),
@@ -1828,7 +1903,7 @@ impl StreamOrdering for SimBackend {
         if let Some(c) = &self.counters {
             let i = self.pick(first.stream());
             let s = self.counter_release_stream(i);
-            let mut held = lock(&c.marks[i as usize]);
+            let mut held = c.marks.lock(i);
             for mark in after {
                 mark.order(StreamRef::Id(s))?;
             }
@@ -1856,7 +1931,13 @@ impl StreamOrdering for SimBackend {
             return Ok(None);
         };
         let s = self.counter_release_stream(0);
-        let mut held = lock(&c.marks[0]);
+        if let FenceHandle::Counter(f) = fence
+            && f.slab_id == self.sim.number
+        {
+            // Our own twin: written when waited on, under its lock (maybe this one).
+            c.marks.settle(f.offset / 8, f.value);
+        }
+        let mut held = c.marks.lock(0);
         self.order_after(StreamRef::Id(s), producer, fence)?;
         self.fence_on(0, &mut held, to)
     }
@@ -2021,6 +2102,13 @@ impl StreamOrdering for SimBackend {
         for f in fences {
             match f {
                 FenceHandle::Counter(c) => {
+                    if let Some(counters) = self
+                        .counters
+                        .as_ref()
+                        .filter(|_| c.slab_id == self.sim.number)
+                    {
+                        counters.marks.settle(c.offset / 8, c.value);
+                    }
                     names.push(format!("i{}@{}={}", c.slab_id, c.offset, c.value));
                     wanted.push((None, Some((c.slab_id, (c.offset / 8) as u32, c.value))));
                 }

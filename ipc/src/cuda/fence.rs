@@ -217,6 +217,25 @@ pub(crate) struct CounterSlab {
     /// A stream of the slab's own, for reads that must not queue behind anyone's work.
     side: SharedStream,
     state: Mutex<SlabState>,
+    /// The local marks, slots `0..lend.0`: one per release stream.
+    twins: Box<[Twin]>,
+}
+
+/// A local mark's slot (see [`CounterSlab::promise`]), locked by its release stream while
+/// it queues a fence.
+pub(crate) struct TwinState {
+    /// The highest value queued for writing.
+    written: u64,
+    /// The highest value promised to a fence: written at the next [`CounterSlab::settle`].
+    promised: u64,
+    /// The release stream that writes the slot (the only one).
+    stream: Option<SharedStream>,
+}
+
+struct Twin {
+    state: Mutex<TwinState>,
+    /// `state.written`, read without the lock.
+    written: AtomicU64,
 }
 
 impl fmt::Debug for CounterSlab {
@@ -266,6 +285,16 @@ impl CounterSlab {
                 retired: Vec::new(),
                 values: vec![0; slots],
             }),
+            twins: (0..lend.0.min(slots as u32))
+                .map(|_| Twin {
+                    state: Mutex::new(TwinState {
+                        written: 0,
+                        promised: 0,
+                        stream: None,
+                    }),
+                    written: AtomicU64::new(0),
+                })
+                .collect(),
         });
         lock(local_slabs()).insert(slab.id, Arc::downgrade(&slab));
         Ok(slab)
@@ -295,6 +324,66 @@ impl CounterSlab {
     /// From now on the memory is never freed: a peer may map it.
     pub(crate) fn keep_for_peers(&self) {
         self.keep.store(true, Ordering::Relaxed);
+    }
+
+    /// Local mark `i`'s lock, held by release stream `i` while it queues a fence (which
+    /// keeps each lane slot's values in order) and promises the mark.
+    pub(crate) fn twin(&self, i: usize) -> MutexGuard<'_, TwinState> {
+        lock(&self.twins[i % self.twins.len()].state)
+    }
+
+    /// The local twin of a fence release stream `i` (`stream`) just queued, its lock
+    /// `held`: a value of local mark `i` that lands after that fence's work. Nothing is
+    /// written now: the value is written on `stream` when something reads or waits on it
+    /// ([`settle`](Self::settle), which every read and wait here does first), then
+    /// covering every fence queued on `stream` before. So a fence costs one write, not
+    /// two, and the twin is paid for only by the rare reader (a mapping's close, a relay).
+    pub(crate) fn promise(
+        self: &Arc<Self>,
+        held: &mut MutexGuard<'_, TwinState>,
+        i: usize,
+        stream: &SharedStream,
+    ) -> LocalMark {
+        if held.promised <= held.written {
+            held.promised = held.written + 1;
+        }
+        if held.stream.is_none() {
+            held.stream = Some(Arc::clone(stream));
+        }
+        LocalMark {
+            slab: Arc::clone(self),
+            slot: (i % self.twins.len()) as u32,
+            value: held.promised,
+        }
+    }
+
+    /// Queues the write of the local mark at `offset` up to `value` (see
+    /// [`settle_slot`](Self::settle_slot)); nothing for other slots.
+    pub(crate) fn settle(&self, offset: u64, value: u64) -> Result<()> {
+        self.settle_slot(self.offset_slot(offset)?, value)
+    }
+
+    /// Queues the write of local mark `slot`'s promised value on its release stream,
+    /// unless a value of at least `value` is queued already (or `slot` is not a local
+    /// mark). Call with no local mark's lock held.
+    fn settle_slot(&self, slot: u32, value: u64) -> Result<()> {
+        let Some(twin) = self.twins.get(slot as usize) else {
+            return Ok(());
+        };
+        if twin.written.load(Ordering::Acquire) >= value {
+            return Ok(());
+        }
+        let mut held = lock(&twin.state);
+        if held.written >= value || held.promised <= held.written {
+            return Ok(());
+        }
+        let Some(stream) = held.stream.clone() else {
+            return Ok(());
+        };
+        self.write_on(&stream, slot, held.promised)?;
+        held.written = held.promised;
+        twin.written.store(held.written, Ordering::Release);
+        Ok(())
     }
 
     /// Has `stream` write `value` into `slot` after the work queued there so far. The
@@ -432,6 +521,7 @@ impl CounterSlab {
     /// this process, waited on in it).
     pub(crate) fn wait(&self, offset: u64, value: u64, stream: &CudaStream) -> Result<()> {
         let slot = self.offset_slot(offset)?;
+        self.settle_slot(slot, value)?;
         let _pushed = ContextGuard::push(stream.context())?;
         // SAFETY: the slot lies inside our live allocation (checked above); the stream is
         // live in its current context.
@@ -441,6 +531,7 @@ impl CounterSlab {
     /// Whether the slot at `offset` holds `value` or more now (read on the side stream).
     pub(crate) fn holds(&self, offset: u64, value: u64) -> Result<bool> {
         let slot = self.offset_slot(offset)?;
+        self.settle_slot(slot, value)?;
         Ok(self.read(slot)? >= value)
     }
 
@@ -480,6 +571,7 @@ impl CounterSlab {
     /// rarely. The value comes: the slot's writes are this process's own, behind work
     /// whose waits on peers are released within the fence deadline.
     fn synchronize(&self, slot: u32, value: u64) -> Result<()> {
+        self.settle_slot(slot, value)?;
         let start = Instant::now();
         let mut pause = Duration::from_micros(20);
         loop {
@@ -611,8 +703,8 @@ impl OpenedSlab {
 }
 
 /// A fence this process recorded for itself in a slot of its inbox that only one release
-/// stream writes (see [`CounterSlab::write_on`]): the local twin of a fence recorded for a
-/// peer, complete once the same work is.
+/// stream writes (see [`CounterSlab::promise`]): the local twin of a fence recorded for a
+/// peer, complete once the same work is (or later work of the same release stream).
 pub(crate) struct LocalMark {
     pub(crate) slab: Arc<CounterSlab>,
     pub(crate) slot: u32,
@@ -656,7 +748,9 @@ impl crate::ordering::ExportedFence for PeerFence {
     }
 
     fn is_complete(&self) -> Result<bool> {
-        Ok(self.local.slab.read(self.local.slot)? >= self.local.value)
+        self.local
+            .slab
+            .holds(u64::from(self.local.slot) * 8, self.local.value)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -6,7 +6,8 @@
 //!
 //! ```text
 //! [0, R)                 local marks: slot i is written by release stream i only, after
-//!                        each fence it records for a peer (the fence's local twin)
+//!                        fences it recorded for peers (their local twins), when a twin
+//!                        is read or waited on (`CounterSlab::promise`)
 //! [R, R + lend)          slots lent one per fence this process records for itself
 //! [R + lend, ...)        lanes of R slots, one per peer process: that peer's release
 //!                        stream i writes slot i of its lane
@@ -16,14 +17,13 @@
 //! write into it. The watch thread reads it back (one copy, on a stream of its own that
 //! waits on nothing) whenever a lane has values pending, at most every [`WATCH_TICK`].
 
-use super::fence::{CounterSlab, LocalMark};
+use super::fence::{CounterSlab, LocalMark, TwinState};
 use super::{SharedContext, SharedStream};
 use crate::inbox::{FenceRefusal, Lanes, ReleaseRange};
 use crate::ordering::FenceFaultHook;
 use crate::process::{Liveness, liveness};
 use crate::{Error, Result};
 use baton_messages::{CounterFence, DeviceUuid, InboxGrant, ProcessId};
-use cudarc::driver::CudaStream;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
@@ -146,9 +146,6 @@ type LaneKey = (ProcessId, u64, u32);
 pub(crate) struct Inbox {
     device: DeviceUuid,
     watched: Arc<Watched>,
-    /// The last value of each local mark slot; the lock is held while its release stream
-    /// queues a fence's writes, which keeps every slot's values in order.
-    marks: Vec<Mutex<u64>>,
     peers: Mutex<HashMap<ProcessId, PeerInbox>>,
 }
 
@@ -198,7 +195,6 @@ impl Inbox {
         Ok(Self {
             device,
             watched,
-            marks: (0..release_streams).map(|_| Mutex::new(0)).collect(),
             peers: Mutex::new(HashMap::new()),
         })
     }
@@ -287,26 +283,20 @@ impl Inbox {
     }
 
     /// The lock of release stream `i`'s local mark.
-    pub(crate) fn mark_lock(&self, i: usize) -> MutexGuard<'_, u64> {
-        lock(&self.marks[i % self.marks.len()])
+    pub(crate) fn mark_lock(&self, i: usize) -> MutexGuard<'_, TwinState> {
+        self.slab().twin(i)
     }
 
-    /// Writes release stream `i`'s next local mark on `stream` (the guard from
-    /// [`mark_lock`](Self::mark_lock) held).
+    /// Release stream `i`'s (`stream`'s) local mark after the fence it just queued (the
+    /// guard from [`mark_lock`](Self::mark_lock) held): promised, written only when read
+    /// or waited on ([`CounterSlab::promise`]).
     pub(crate) fn write_mark(
         &self,
-        value: &mut MutexGuard<'_, u64>,
+        held: &mut MutexGuard<'_, TwinState>,
         i: usize,
-        stream: &CudaStream,
-    ) -> Result<LocalMark> {
-        let slot = (i % self.marks.len()) as u32;
-        self.slab().write_on(stream, slot, **value + 1)?;
-        **value += 1;
-        Ok(LocalMark {
-            slab: Arc::clone(self.slab()),
-            slot,
-            value: **value,
-        })
+        stream: &SharedStream,
+    ) -> LocalMark {
+        self.slab().promise(held, i, stream)
     }
 
     fn refused(producer: &ProcessId, reason: FenceRefusal) -> Error {

@@ -14,7 +14,7 @@
 use super::bridge::Bridge;
 use super::context::{ContextGuard, KeepCurrent, Quiet};
 use super::event::{self, EventPool, OpenedEvent, RecordedEvent};
-use super::fence::{self, FenceKind, OpenedSlab, PeerFence, RecordedFence};
+use super::fence::{self, FenceKind, OpenedSlab, PeerFence, RecordedFence, TwinState};
 use super::inbox::Inbox;
 use super::mark::MarkPool;
 use super::memory::Access;
@@ -377,8 +377,8 @@ impl Fences {
     fn fence_on(
         &self,
         i: usize,
-        stream: &CudaStream,
-        mark: &mut MutexGuard<'_, u64>,
+        stream: &SharedStream,
+        mark: &mut MutexGuard<'_, TwinState>,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>> {
         // Only counter backends have an inbox, whose mark lock the caller holds.
@@ -396,7 +396,7 @@ impl Fences {
         match lane {
             Some((slab, handle)) => {
                 slab.write_on(handle.offset, handle.value, stream)?;
-                let local = inbox.write_mark(mark, i, stream)?;
+                let local = inbox.write_mark(mark, i, stream);
                 Ok(Some(Arc::new(PeerFence { handle, local })))
             }
             // `to` lent us no lane we can use (none, several, or it is gone): a pooled
@@ -576,6 +576,14 @@ impl StreamOrdering for Fences {
             self.wait_fence_on(producer, fence, &stream)?;
             return self.event_for(&stream, to).map(Some);
         };
+        // A local twin of ours is written when waited on, under its release stream's lock:
+        // queue that write before taking ours (it may be the same lock).
+        if let FenceHandle::Counter(c) = fence
+            && *producer == crate::process::current()
+            && inbox.is_ours(c)
+        {
+            inbox.slab().settle(c.offset, c.value)?;
+        }
         let mut held = inbox.mark_lock(i);
         self.wait_fence_on(producer, fence, &stream)?;
         self.fence_on(i, &stream, &mut held, to)
