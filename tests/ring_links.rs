@@ -125,7 +125,7 @@ fn a_typed_round_trip_with_leases_goes_through_rings_both_ways() {
 
 /// A process that may map no more ring ends (`BATON_LINK_RINGS_MAX`; 0 here) neither
 /// creates a ring nor opens ours: the link keeps the socket both ways, and typed round
-/// trips with leases still work. (Our side asks for rings, as the first test.)
+/// trips with leases still work. (Our side offers a ring, as every node does by default.)
 #[test]
 fn a_child_out_of_ring_budget_keeps_the_socket_both_ways() {
     run(async {

@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio::sync::{Semaphore, oneshot};
 
 /// Which directions of a link have carried frames through a shared-memory ring instead of
-/// the socket ([`Peer::rings`](crate::Peer::rings); rings are opt-in:
+/// the socket ([`Peer::rings`](crate::Peer::rings); on by default for links on one host:
 /// [`NodeConfig::ring`](crate::NodeConfig::ring) or `BATON_LINK_RING`). A direction counts
 /// once a frame has gone that way through the ring; both stay `false` on a link over TCP
 /// or one whose peers did not set up rings.

@@ -182,7 +182,7 @@ impl Peer {
     }
 
     /// Which directions of this link have carried frames through a shared-memory ring
-    /// instead of the socket (rings are opt-in: [`NodeConfig::ring`]).
+    /// instead of the socket (on by default: [`NodeConfig::ring`]).
     pub fn rings(&self) -> LinkRings {
         self.link.rings()
     }
@@ -237,19 +237,20 @@ impl Peer {
 
 /// How a [`Node`] links and keeps its links and mappings.
 ///
-/// **Rings (opt-in).** With [`ring`](Self::ring) set — or `BATON_LINK_RING` in the
-/// environment, which [`NodeConfig::new`] reads through [`LinkConfig::new`] — every link
-/// the node makes to a process of this host ([`Node::listen`], [`Node::connect`],
-/// [`Node::local`], [`Node::spawn_child`]) asks its peer to send its frames through a
-/// shared-memory ring instead of the socket (see [`baton_ipc::ring`]); frames that carry
-/// descriptors still take the socket. A link's reader runs on the actix system (or
+/// **Rings (on by default).** Every link the node makes to a process of this host
+/// ([`Node::listen`], [`Node::connect`], [`Node::local`], [`Node::spawn_child`]) asks its
+/// peer to send its frames through a shared-memory ring instead of the socket (see
+/// [`baton_ipc::ring`]; 256 KiB per direction by default); frames that carry descriptors or
+/// are larger than half the ring still take the socket. [`ring`](Self::ring) sets the
+/// capacity or turns rings off, as `BATON_LINK_RING` does in the environment (`0`: off),
+/// which [`NodeConfig::new`] reads through [`LinkConfig::new`]. A process maps at most
+/// [`max_ends`](baton_ipc::ring::max_ends) ring ends (64 by default, `BATON_LINK_RINGS_MAX`:
+/// 32 links with a ring each way); links past that keep the socket. A link's reader runs on the actix system (or
 /// arbiter) that made the link; it *polls* the ring for a short window before sleeping
 /// only when that thread's runtime was built with the ring's park hook —
 /// [`ring_polling_system`](crate::ring_polling_system) builds such a system. Elsewhere a
 /// ring still works, each frame then costs a doorbell wakeup. [`Peer::rings`] says
-/// whether a link uses them. A process maps at most
-/// [`max_ends`](baton_ipc::ring::max_ends) ring ends (`BATON_LINK_RINGS_MAX`, 64 by
-/// default); links past that keep the socket.
+/// whether a link uses them.
 ///
 /// [`Node`]: crate::Node
 /// [`Node::connect`]: crate::Node::connect
@@ -342,7 +343,8 @@ impl NodeConfig {
     /// for the frames their peers send (`Some`: a power of two, see
     /// [`LinkConfig::with_ring`]), or on the socket alone (`None`), whatever
     /// `BATON_LINK_RING` says. Without this call the node follows `BATON_LINK_RING` (unset:
-    /// no ring). Links to other hosts never use rings. For the reader to poll, run the node
+    /// rings of [`DEFAULT_CAPACITY`](baton_ipc::ring::DEFAULT_CAPACITY)). Links to other
+    /// hosts never use rings. For the reader to poll, run the node
     /// on [`ring_polling_system`](crate::ring_polling_system) (see the type's docs).
     pub fn ring(mut self, capacity: Option<usize>) -> Self {
         self.link.ring = capacity;

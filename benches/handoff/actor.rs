@@ -229,7 +229,7 @@ fn system(ring: bool) -> Res<SystemRunner> {
 /// `0` when the parent asks this peer for rings on a plain system (`--ring-unpolled`).
 const RING_POLL_ENV: &str = "BATON_BENCH_RING_POLL";
 
-/// Whether the parent asked this peer for rings (`--ring`: `BATON_LINK_RING=1`).
+/// Whether the parent asked this peer for rings (`BATON_LINK_RING=1`; `0` with `--socket`).
 fn ring_from_env() -> bool {
     std::env::var(baton::ipc::link::RING_ENV).is_ok_and(|v| !v.is_empty() && v != "0")
 }
@@ -329,8 +329,8 @@ async fn measure(
         Some(c) => c.clone(),
         None => backend(name, namespace)?,
     };
-    // Rings both ways with `--ring` (the consumer asks through its environment), none
-    // without, whatever `BATON_LINK_RING` says.
+    // Rings both ways by default (the consumer asks through its environment), none with
+    // `--socket`, whatever `BATON_LINK_RING` says.
     let ring = cfg.ring.then_some(baton::ipc::ring::DEFAULT_CAPACITY);
     let node = Node::with_config(NodeConfig::new(session.clone()).ring(ring), backend);
     let tmp = tempfile::tempdir()?;

@@ -15,16 +15,18 @@
 //!    the acquire fence, build and encode the offer, the importer's open and wait, its
 //!    release fence, the exporter's wait), for IPC-event and sequence-counter fences.
 //!
-//! With `--ring` (issue 48) items 2 and 4 run over links whose frames go through
-//! shared-memory rings both ways, on actix systems that poll them
+//! Items 2 and 4 run over links as a node makes them by default (issue 48): frames go
+//! through shared-memory rings both ways, on actix systems that poll them
 //! (`baton::actors::ring_polling_system`); their records say `"link_ring": true`. The
-//! floor stays the socket's. `--ring-unpolled` does the same on plain actix systems,
-//! whose readers sleep on the doorbell after every frame (`"ring_polled": false`). To
-//! compare on one core, run the whole benchmark under `taskset -c N`: its peers inherit it.
+//! floor stays the socket's. `--socket` runs them on the socket alone (`"link_ring":
+//! false`); `--ring-unpolled` on rings on plain actix systems, whose readers sleep on the
+//! doorbell after every frame (`"ring_polled": false`). To compare on one core, run the
+//! whole benchmark under `taskset -c N`: its peers inherit it.
 //!
 //! With `--stages` (issue 24) it measures only the cached handoff — the socket floor, the
-//! raw link's, the actor path's — and, in a build with `--features stage-probes`, splits
-//! the raw link's and the actor path's round trips into stages (see `stages.rs`).
+//! raw link's, the actor path's, on the socket (its stages are the socket's) — and, in a
+//! build with `--features stage-probes`, splits the raw link's and the actor path's round
+//! trips into stages (see `stages.rs`).
 //!
 //! It prints JSON lines as results come (and appends them to `$OUT/bench.jsonl` when `OUT`
 //! is set), then a table with the machine's name and the ratios against the issue's
@@ -36,7 +38,7 @@
 //! cargo bench --bench handoff -- --backends host    # only the host backend
 //! cargo bench --bench handoff -- --torch bench/peers/torch_mp.py
 //! cargo bench --bench handoff -- --items 2,8 --backends cuda-pool
-//! cargo bench --bench handoff -- --quick --backends host --items 2,4 --ring
+//! cargo bench --bench handoff -- --quick --backends host --items 2,4 --socket
 //! cargo bench --bench handoff --features stage-probes -- --stages --backends host
 //! ```
 //!
@@ -128,11 +130,11 @@ pub(crate) struct Config {
     pub(crate) budget: Option<std::time::Duration>,
     /// `--stages`: the cached handoff alone, split into stages (issue 24).
     pub(crate) stages: bool,
-    /// `--ring`: the actor items' links (items 2 and 4) carry frames through shared-memory
-    /// rings both ways (issue 48), on systems whose threads poll them; without it they are
-    /// on the socket alone, whatever `BATON_LINK_RING` says.
+    /// The actor items' links (items 2 and 4) carry frames through shared-memory rings both
+    /// ways (issue 48), on systems whose threads poll them, as a node's links do by default;
+    /// `--socket` (or `--stages`): on the socket alone, whatever `BATON_LINK_RING` says.
     pub(crate) ring: bool,
-    /// `--ring-unpolled`: as `--ring`, on plain actix systems (no park hook): each frame
+    /// `--ring-unpolled`: as the default, on plain actix systems (no park hook): each frame
     /// costs a doorbell wakeup, what a node gets that runs on `actix::System::new()`.
     pub(crate) ring_unpolled: bool,
     /// `--across-namespaces`: the bandwidth item (5) also runs its importer in PID and
@@ -157,7 +159,7 @@ impl Config {
 }
 
 const USAGE: &str = "usage: handoff [--quick] [--backends host,cuda-legacy,cuda-vmm,cuda-pool] \
-[--items 1,2,3,4,5,6,7,8] [--stages] [--ring | --ring-unpolled] [--across-namespaces] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
+[--items 1,2,3,4,5,6,7,8] [--stages] [--socket | --ring-unpolled] [--across-namespaces] [--torch bench/peers/torch_mp.py] [--python python3] [--renderer PATH] [--budget SECONDS]";
 
 fn parse_args(args: &[String]) -> Res<Config> {
     let mut cfg = Config {
@@ -169,7 +171,7 @@ fn parse_args(args: &[String]) -> Res<Config> {
         renderer: None,
         budget: None,
         stages: false,
-        ring: false,
+        ring: true,
         ring_unpolled: false,
         across_namespaces: false,
     };
@@ -184,7 +186,9 @@ fn parse_args(args: &[String]) -> Res<Config> {
             // cargo bench passes `--bench`; libtest-style filters are not used here.
             "--bench" => {}
             "--quick" => cfg.quick = true,
-            "--stages" => cfg.stages = true,
+            "--stages" => (cfg.stages, cfg.ring) = (true, false),
+            "--socket" => cfg.ring = false,
+            // The default; accepted for the command lines of earlier records.
             "--ring" => cfg.ring = true,
             "--ring-unpolled" => (cfg.ring, cfg.ring_unpolled) = (true, true),
             "--across-namespaces" => cfg.across_namespaces = true,

@@ -62,18 +62,20 @@ pub struct LinkConfig {
     pub ring: Option<usize>,
 }
 
-/// The environment variable [`LinkConfig::new`] reads for its ring setting: a capacity in
-/// bytes (`1048576`), or `1` for [`DEFAULT_CAPACITY`](crate::ring::DEFAULT_CAPACITY);
-/// unset, empty or `0` for no ring. Every [`AsyncLink`] made from such a configuration
-/// offers a ring, a node's links included (see [`LinkConfig::with_ring`] for what polls).
+/// The environment variable [`LinkConfig::new`] reads for its ring setting: `0` for no
+/// ring (the socket alone); a capacity in bytes (`1048576`); unset, empty or `1` for
+/// [`DEFAULT_CAPACITY`](crate::ring::DEFAULT_CAPACITY). Every [`AsyncLink`] made from such
+/// a configuration offers a ring, a node's links included (see [`LinkConfig::with_ring`]
+/// for what polls), while the process's budget of ring ends lasts
+/// ([`max_ends`](crate::ring::max_ends)).
 pub const RING_ENV: &str = "BATON_LINK_RING";
 
 /// The ring setting a value of [`RING_ENV`] asks for; an unreadable value is no ring (and
 /// a warning).
 fn ring_setting(value: Option<&str>) -> Option<usize> {
     match value.map(str::trim) {
-        None | Some("" | "0") => None,
-        Some("1") => Some(crate::ring::DEFAULT_CAPACITY),
+        Some("0") => None,
+        None | Some("" | "1") => Some(crate::ring::DEFAULT_CAPACITY),
         Some(bytes) => match bytes.parse() {
             Ok(capacity) => Some(capacity),
             Err(_) => {
@@ -89,7 +91,7 @@ fn ring_setting(value: Option<&str>) -> Option<usize> {
 
 impl LinkConfig {
     /// Same-uid peers, a 5 s handshake deadline, and the ring setting of
-    /// [`RING_ENV`] (`BATON_LINK_RING`; no ring when it is unset).
+    /// [`RING_ENV`] (`BATON_LINK_RING`; a ring of the default capacity when it is unset).
     pub fn new(session: Session) -> Self {
         Self {
             session,

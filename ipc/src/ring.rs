@@ -94,12 +94,11 @@
 //!
 //! # The link integration
 //!
-//! Built (`link::ringed`, [`AsyncLink`](crate::AsyncLink); opt-in, off by default:
-//! `docs/BENCHMARKS.md`, "Rings by default", says why):
+//! Built (`link::ringed`, [`AsyncLink`](crate::AsyncLink); on by default):
 //!
 //! - A side whose [`LinkConfig::ring`](crate::LinkConfig::ring) is set (by
-//!   [`with_ring`](crate::LinkConfig::with_ring), or `BATON_LINK_RING` read by
-//!   [`LinkConfig::new`](crate::LinkConfig::new)) creates, right after the handshake, the
+//!   [`LinkConfig::new`](crate::LinkConfig::new) unless `BATON_LINK_RING=0`, or by
+//!   [`with_ring`](crate::LinkConfig::with_ring)) creates, right after the handshake, the
 //!   ring it will read, and sends its [`RingFds`] over the authenticated Unix socket as
 //!   descriptors beside a `RingOffer` frame. No capability bit: a peer accepts an offer
 //!   whatever its own setting, so one side asking is enough for the direction towards it,
@@ -134,8 +133,9 @@
 //! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and
 //!   declines an offer itself (its caller never sees it; the peer keeps the socket).
 //! - [`LinkConfig::new`](crate::LinkConfig::new) reads `BATON_LINK_RING`, so the variable
-//!   turns rings on for the actors' links too; on a system built without the park hook
-//!   that is correct (a doorbell wakeup per frame), not faster.
+//!   (`0`) turns rings off for the actors' links too; on a system built without the park
+//!   hook rings are correct, each frame a doorbell wakeup (about a socket crossing:
+//!   `docs/BENCHMARKS.md`, the ring experiment).
 //! - A process maps at most [`max_ends`] ring ends at once (`BATON_LINK_RINGS_MAX`, 64 by
 //!   default): each end — a reader it created, a writer it opened — holds its mapping and
 //!   two eventfds. Past that a link keeps the socket ([`RingError::TooMany`]), so memory and

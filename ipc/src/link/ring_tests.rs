@@ -83,9 +83,10 @@ fn big(i: u64) -> Message {
 
 #[test]
 fn the_ring_setting_of_the_environment() {
-    assert_eq!(ring_setting(None), None);
-    assert_eq!(ring_setting(Some("")), None);
+    assert_eq!(ring_setting(None), Some(DEFAULT_CAPACITY));
+    assert_eq!(ring_setting(Some("")), Some(DEFAULT_CAPACITY));
     assert_eq!(ring_setting(Some("0")), None);
+    assert_eq!(ring_setting(Some(" 0 ")), None);
     assert_eq!(ring_setting(Some("1")), Some(DEFAULT_CAPACITY));
     assert_eq!(ring_setting(Some(" 65536 ")), Some(65536));
     assert_eq!(ring_setting(Some("lots")), None);

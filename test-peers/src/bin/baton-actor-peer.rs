@@ -448,8 +448,9 @@ fn main() {
         .expect("a socket to connect to");
     let cooperative = !args.iter().any(|a| a == "stubborn");
     let linger = args.iter().any(|a| a == "linger");
-    // Asked for rings (`BATON_LINK_RING`, which `Node::from_env` reads), the links'
-    // readers poll them: a system with the rings' park hook.
+    // Asked for rings by name (`BATON_LINK_RING`, which `Node::from_env` reads), the
+    // links' readers poll them: a system with the rings' park hook. Otherwise a plain
+    // system: its links still use rings by default, each frame a doorbell wakeup.
     let system = if std::env::var_os(baton::ipc::link::RING_ENV).is_some() {
         baton::actors::ring_polling_system().expect("a runtime")
     } else {
