@@ -114,7 +114,8 @@ impl LinkConfig {
     /// setting, so one side asking is enough for the direction towards it; each direction
     /// has its own ring. A capacity the ring refuses, a peer that refuses the ring, or a
     /// process (either side) that maps as many ring ends as it may
-    /// ([`max_ends`](crate::ring::max_ends)) leaves the link on the socket (logged).
+    /// ([`max_ends`](crate::ring::max_ends)) leaves the link on the socket (logged); a peer
+    /// that does not take the ring says so (`RingDeclined`), and this side drops it.
     ///
     /// The blocking [`Link`] neither offers nor accepts rings: it declines an offer itself
     /// (closing its descriptors; its caller never sees it), and the peer then keeps using
@@ -332,9 +333,13 @@ impl Link {
         loop {
             if let Some(received) = self.rx.next()? {
                 if matches!(received.message, Message::RingOffer(_)) {
-                    // Link-level, and this link reads only its socket: declined by not
-                    // answering (the peer stays on the socket); its descriptors close here.
+                    // Link-level, and this link reads only its socket: declined (the peer
+                    // stays on the socket and lets its ring go); its descriptors close here.
                     tracing::debug!("a ring offered to a blocking link: the socket stays");
+                    drop(received);
+                    if let Err(e) = self.send(&Message::RingDeclined, &[]) {
+                        tracing::debug!(error = %e, "declining a ring offer failed");
+                    }
                     continue;
                 }
                 return Ok(received);

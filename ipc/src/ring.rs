@@ -132,6 +132,10 @@
 //!   at most a slice, not the window.
 //! - The blocking [`Link`](crate::Link) stays on the socket: it offers no ring, and
 //!   declines an offer itself (its caller never sees it; the peer keeps the socket).
+//! - An offer a side does not take — descriptors that are no ring, no ring end left in its
+//!   budget, a space bell it cannot register, a blocking `Link` — is answered with
+//!   `RingDeclined` (before its next frame), and the offering side drops its ring at once
+//!   rather than keeping it, unused, until the link closes.
 //! - [`LinkConfig::new`](crate::LinkConfig::new) reads `BATON_LINK_RING`, so the variable
 //!   (`0`) turns rings off for the actors' links too; on a system built without the park
 //!   hook rings are correct, each frame a doorbell wakeup (about a socket crossing:

@@ -248,7 +248,9 @@ pub struct PoolRetired {
 /// the descriptors; if they are a ring it answers [`Message::RingReady`] as its last frame
 /// on the socket alone and writes every later frame into the ring (a frame with
 /// descriptors, or too large for the ring, goes on the socket after a marker in the ring).
-/// If they are not, it says nothing and keeps writing on the socket.
+/// If it does not take the ring (the descriptors are not a ring, it may map no more ring
+/// ends, it reads only its socket), it answers [`Message::RingDeclined`] and keeps writing
+/// on the socket, and the sender lets its ring go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub struct RingOffer {
@@ -559,6 +561,11 @@ pub enum Message {
     /// later frame of the sender is in the ring, or on the socket after a marker in the
     /// ring. At most once per link, and only after the receiver's offer.
     RingReady,
+    /// The answer to a [`RingOffer`] the sender does not take: it keeps writing on the
+    /// socket, and the receiver drops the ring it offered (its memory and descriptors, and
+    /// its slot in the process's budget of ring ends). Instead of [`Message::RingReady`];
+    /// one that comes when no offer waits is ignored.
+    RingDeclined,
 }
 
 impl Message {
@@ -590,6 +597,7 @@ impl Message {
             Message::PoolRetired(_) => "PoolRetired",
             Message::RingOffer(_) => "RingOffer",
             Message::RingReady => "RingReady",
+            Message::RingDeclined => "RingDeclined",
         }
     }
 }

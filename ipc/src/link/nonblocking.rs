@@ -408,16 +408,35 @@ pub struct LinkReader {
 fn ring_control(ring: &mut RxRing, shared: &Shared, got: Received) -> Result<Option<Received>> {
     match got.message {
         Message::RingOffer(offer) => {
-            if let Some(writer) = accept_offer(offer.capacity, got.fds)
-                && !shared.leave_offered(writer)
-            {
-                return Err(Error::UnexpectedMessage {
-                    expected: "one RingOffer per link",
-                    got: "a second RingOffer",
-                });
+            match accept_offer(offer.capacity, got.fds) {
+                Some(writer) => {
+                    if !shared.leave_offered(writer) {
+                        return Err(Error::UnexpectedMessage {
+                            expected: "one RingOffer per link",
+                            got: "a second RingOffer",
+                        });
+                    }
+                }
+                None => shared.decline(),
             }
             Ok(None)
         }
+        Message::RingDeclined => match std::mem::take(ring) {
+            RxRing::Offered(reader) => {
+                tracing::debug!("the peer declined our ring: this direction stays on the socket");
+                drop(reader);
+                shared.drop_rx_ring();
+                Ok(None)
+            }
+            RxRing::Off => Ok(None),
+            on @ RxRing::On { .. } => {
+                *ring = on;
+                Err(Error::UnexpectedMessage {
+                    expected: "no RingDeclined (the peer writes into our ring)",
+                    got: "RingDeclined",
+                })
+            }
+        },
         Message::RingReady => match std::mem::take(ring) {
             RxRing::Offered(reader) => {
                 tracing::debug!("the peer writes into our ring");
@@ -499,6 +518,19 @@ impl LinkReader {
     /// `RingReady`).
     pub fn uses_ring(&self) -> bool {
         matches!(self.ring, RxRing::On { .. })
+    }
+
+    /// Whether this side still keeps a ring it offered or reads (not after the peer
+    /// declined it).
+    #[cfg(test)]
+    pub(crate) fn keeps_ring(&self) -> bool {
+        !matches!(self.ring, RxRing::Off)
+            || self
+                .shared
+                .rx_ring
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
     }
 
     async fn next(&mut self) -> Result<Received> {
@@ -630,6 +662,9 @@ async fn send_frames(
             return Ok(());
         }
     }
+    if tx.ring.is_none() && shared.take_declined() {
+        send_direct(sock, &frame_bytes(&Message::RingDeclined, 0)?, &[]).await?;
+    }
     if tx.ring.is_none()
         && let Some(writer) = shared.take_offered()
     {
@@ -660,7 +695,7 @@ async fn switch_to_ring(
         Ok(space) => space,
         Err(e) => {
             tracing::warn!(error = %e, "the peer's ring is not used: the link stays on the socket");
-            return Ok(());
+            return send_direct(sock, &frame_bytes(&Message::RingDeclined, 0)?, &[]).await;
         }
     };
     let ready = frame_bytes(&Message::RingReady, 0)?;
@@ -726,7 +761,8 @@ impl LinkWriter {
     /// On a link that writes into the peer's ring, it takes whole frames without
     /// descriptors into the ring while they fit, and `0` for a first frame with
     /// descriptors (send it with [`send_encoded`](Self::send_encoded)). It also takes `0`
-    /// while another clone sends, or while a ring the peer offered waits to be announced.
+    /// while another clone sends, or while a ring the peer offered waits to be announced
+    /// or declined.
     ///
     /// # Errors
     /// [`Error::Closed`] if the peer is gone, else the socket's failure.

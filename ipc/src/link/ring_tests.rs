@@ -410,8 +410,9 @@ async fn a_link_without_a_ring_sends_no_offer() {
     }
 }
 
-/// A blocking `Link` declines an offer itself: its caller's first message is the
-/// application's, with no descriptors, and the offering side goes on reading its socket.
+/// A blocking `Link` declines an offer itself (`RingDeclined`): its caller's first message
+/// is the application's, with no descriptors, and the offering side goes on reading its
+/// socket and lets its ring go (its memory, descriptors and slot in the budget of ends).
 #[tokio::test(flavor = "current_thread")]
 async fn a_blocking_link_declines_an_offer_and_both_stay_on_the_socket() {
     let (a, b) = UnixStream::pair().unwrap();
@@ -428,15 +429,50 @@ async fn a_blocking_link_declines_an_offer_and_both_stay_on_the_socket() {
         .await
         .unwrap();
     let (mut rx, mut wx) = server.into_split();
+    assert!(rx.keeps_ring(), "the offer's ring is kept until the answer");
     wx.send(&Message::Ping(7), &[]).await.unwrap();
     assert_eq!(recv(&mut rx).await.message, Message::Pong(7));
     assert!(!rx.uses_ring() && !wx.uses_ring());
+    assert!(!rx.keeps_ring(), "the declined ring is still kept");
     let (first, _link) = tokio::time::timeout(WITHIN, blocking)
         .await
         .unwrap()
         .unwrap()
         .unwrap();
     assert_eq!((first.message, first.fds.len()), (Message::Ping(7), 0));
+}
+
+/// An offer an async link does not take (here: descriptors that are no ring) is answered
+/// with `RingDeclined` before its next frame, on the socket; the link carries on there.
+#[tokio::test(flavor = "current_thread")]
+async fn an_offer_not_taken_is_declined_on_the_socket() {
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    let a = tokio::net::UnixStream::from_std(a).unwrap();
+    let blocking = tokio::task::spawn_blocking(move || {
+        let mut link = Link::client(b, &config(None))?;
+        let unsealed: OwnedFd =
+            rustix::fs::memfd_create("forged", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let offer = Message::RingOffer(RingOffer {
+            capacity: MIN_CAPACITY as u64,
+        });
+        link.send(&offer, &[unsealed.as_fd()])?;
+        link.send(&Message::Ping(3), &[])?;
+        let first = link.recv_timeout(WITHIN)?.message;
+        let second = link.recv_timeout(WITHIN)?.message;
+        Ok::<_, Error>((first, second, link))
+    });
+    let server = AsyncLink::server(a, &config(None)).await.unwrap();
+    let (mut rx, mut wx) = server.into_split();
+    assert_eq!(recv(&mut rx).await.message, Message::Ping(3));
+    wx.send(&Message::Pong(3), &[]).await.unwrap();
+    let (first, second, _link) = tokio::time::timeout(WITHIN, blocking)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!((first, second), (Message::RingDeclined, Message::Pong(3)));
+    assert!(!wx.uses_ring());
 }
 
 /// The environment variable that makes [`killed_peer_child`] the peer of

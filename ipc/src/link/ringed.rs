@@ -8,7 +8,9 @@
 //!    is set creates its reading end and sends `RingOffer` with the three descriptors;
 //!    its reader goes on reading the socket ([`RxRing::Offered`]);
 //! 2. the peer's reader checks the descriptors ([`accept_offer`]): a ring is left in
-//!    [`Shared`] for the writers; anything else is logged and the socket stays;
+//!    [`Shared`] for the writers; anything else is logged, the socket stays, and the
+//!    peer's next send says `RingDeclined`, at which the offering reader drops its ring
+//!    (and its slot in the budget of ring ends);
 //! 3. the peer's next send, under the writers' lock, sends `RingReady` on the socket, its
 //!    last frame there alone, and then writes into the ring ([`TxRing`]): a frame that
 //!    carries descriptors, or is larger than the ring's `max_frame`, goes on the socket
@@ -41,8 +43,11 @@ pub(super) struct Shared {
     /// A ring the peer offered and this side opened, waiting for the next send to announce
     /// it (`RingReady`) and start writing into it.
     offered: Mutex<Option<RingWriter>>,
+    /// A ring the peer offered that this side does not take, waiting for the next send to
+    /// say so (`RingDeclined`), so that the peer lets it go.
+    declined: AtomicBool,
     /// Closes this side's reading ring when the link is closed.
-    rx_ring: Mutex<Option<RingCloser>>,
+    pub(super) rx_ring: Mutex<Option<RingCloser>>,
     /// Whether the writers write into a ring (read by [`writes_ring`](Self::writes_ring)).
     writing_ring: AtomicBool,
     /// The writers' state; one writer at a time holds it for a whole send, so that a
@@ -105,9 +110,29 @@ impl Shared {
         true
     }
 
-    /// Whether a ring the peer offered waits to be announced.
+    /// Whether a ring the peer offered waits to be announced, or declined.
     pub(super) fn has_offered(&self) -> bool {
-        self.offered().is_some()
+        self.offered().is_some() || self.declined.load(Ordering::Acquire)
+    }
+
+    /// The peer's offer is not taken: the next send says so.
+    pub(super) fn decline(&self) {
+        self.declined.store(true, Ordering::Release);
+    }
+
+    /// Whether a decline waits to be sent (cleared).
+    pub(super) fn take_declined(&self) -> bool {
+        self.declined.swap(false, Ordering::AcqRel)
+    }
+
+    /// Forgets this side's reading ring: the peer declined it.
+    pub(super) fn drop_rx_ring(&self) {
+        drop(
+            self.rx_ring
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
     }
 
     /// The ring the peer offered, if one waits to be announced.

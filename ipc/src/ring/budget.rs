@@ -6,7 +6,8 @@
 //! is left, [`RingReader::create`](super::RingReader::create) and
 //! [`RingWriter::open`](super::RingWriter::open) fail with
 //! [`RingError::TooMany`](super::RingError::TooMany), and a link that wanted the ring stays
-//! on the socket (it offers none, or declines the peer's).
+//! on the socket (it offers none, or declines the peer's: `RingDeclined`, at which the peer
+//! drops the ring it offered, and with it that ring's slot of its own budget).
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
