@@ -68,7 +68,9 @@ async fn setup(
 
 /// The importer queues a long kernel that writes `2r + 1` into element 0 and drops the
 /// lease at once; the exporter then writes `2r`. Without release ordering the importer's
-/// kernel lands after the exporter's write, and the next round reads `2r + 1`.
+/// kernel lands after the exporter's write, and the next round reads `2r + 1`. On odd
+/// rounds the importer names its stream with `wait_on`, so that stream writes the release
+/// fence itself; on even rounds a release stream writes it after the kernel's mark.
 #[test]
 #[cfg_attr(
     not(feature = "gpu-tests"),

@@ -259,9 +259,39 @@ impl LeaseOrder {
         drop(std::mem::take(&mut self.uses.slots));
     }
 
+    /// A lease used on one stream only, named with `wait_on`: the release fence written on
+    /// that stream itself, after everything queued there by now — where its mark would be
+    /// recorded — with no mark and no release stream
+    /// ([`StreamOrdering::export_fence_on`](baton_ipc::StreamOrdering::export_fence_on)).
+    /// `None` (then the marks make it) if the lease used other streams or the backend has
+    /// no such fence now.
+    fn fence_on_held_stream(&self) -> Option<Arc<dyn ExportedFence>> {
+        let mut uses = self.uses.marks();
+        let (only, None) = (uses.next()?, uses.next()) else {
+            return None;
+        };
+        let stream = only.held.get()?;
+        match self
+            .uses
+            .backend
+            .ordering()
+            .export_fence_on(stream, &self.producer)
+        {
+            Ok(fence) => fence,
+            Err(e) => {
+                tracing::debug!(error = %e, "no release fence on the lease's stream: its mark makes one");
+                None
+            }
+        }
+    }
+
     /// The lease drops: marks are recorded on the streams named with `wait_on`, then turned
-    /// into one release fence.
+    /// into one release fence (on a release stream of the backend), unless the lease used
+    /// one stream only, which then writes it itself.
     pub(crate) fn finish(&mut self) -> Finished {
+        if let Some(fence) = self.fence_on_held_stream() {
+            return Finished::Fence(fence);
+        }
         let mut any = false;
         for u in self.uses.marks() {
             any = true;

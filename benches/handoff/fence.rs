@@ -16,7 +16,7 @@
 //! | `send` | exporter | `Link::send` (encodes again, `sendmsg`) |
 //! | `open` | importer | `ImportCache::open_unordered` (a hit) |
 //! | `wait_acquire` | importer | `CudaBackend::wait_fence_on(exporter, fence, stream)` (`cuStreamWaitEvent` / `cuStreamWaitValue64`) |
-//! | `record_release` | importer | `record_fence_for(stream, exporter)` on the importer's stream |
+//! | `record_release` | importer | counters: `StreamOrdering::export_fence_on(stream, exporter)` (the stream writes the exporter's inbox itself, `cuStreamWriteValue64`: what a lease used on one stream named with `wait_on` does when it drops); events: `record_fence_for(stream, exporter)` |
 //! | `send_release` | importer | `Link::send` of `Release { fences: [that fence] }` |
 //! | `drop_release` | importer | the previous release fence given back to its pool (the exporter waited on it before this offer) |
 //! | `wait_reply` | exporter | from the send to the `Release` in (the importer's steps and two socket hops) |
@@ -36,7 +36,7 @@ use crate::stats::{Summary, round};
 use crate::{Config, Res};
 use baton::ipc::ExportedFence;
 use baton::ipc::cuda::{CudaBackend, CudaExport, FenceKind, fence_kind_from_env};
-use baton::ipc::{Backend, ImportCache, Link, LinkConfig, Listener, SharedBackend};
+use baton::ipc::{Backend, ImportCache, Link, LinkConfig, Listener, SharedBackend, Stream};
 use baton::messages::codec;
 use baton::messages::protocol::{Offer, Release};
 use baton::messages::{LeaseId, Message};
@@ -319,9 +319,18 @@ pub(crate) fn importer(socket: &str, warm: usize) -> Res<()> {
             .check_fence(&offer.handle.exporter.process, &fence)?;
         cuda.wait_fence_on(&offer.handle.exporter.process, &fence, &stream)?;
         let t3 = Instant::now();
-        let release = cuda
-            .record_fence_for(&stream, &exporter)?
-            .ok_or("no fence recorded")?;
+        // The lease's stream writes the release fence itself (a stream slot), as a lease
+        // used on one stream named with `wait_on` does; where the kind has none (events),
+        // a fence recorded for the exporter.
+        let on_stream = cuda
+            .ordering()
+            .export_fence_on(&Stream::Cuda(Arc::clone(&stream)), &exporter)?;
+        let release = match on_stream {
+            Some(fence) => fence,
+            None => cuda
+                .record_fence_for(&stream, &exporter)?
+                .ok_or("no fence recorded")?,
+        };
         let t4 = Instant::now();
         link.send(
             &Message::Release(Release {

@@ -10,9 +10,10 @@
 //! wait never touches a word another process waits on.
 //!
 //! The inbox is cut into **lanes**, one per peer process ([`InboxGrant`](baton_messages::InboxGrant)): a lane has one
-//! slot per release stream of the producer, and a producer writes each slot from one
-//! stream only, so a slot's values land in increasing order and a wait for a value is
-//! satisfied by it or any later one — never early.
+//! slot per writer of the producer (its release streams, and streams bound to its stream
+//! slots), and a producer writes each slot from one stream at a time, passing it to
+//! another only once that stream ran everything, so a slot's values land in increasing
+//! order and a wait for a value is satisfied by it or any later one — never early.
 //!
 //! [`Lanes`] is the bookkeeping: which lane belongs to whom, which values each producer
 //! has named (announced) and whether they landed, which producer missed its deadline, and

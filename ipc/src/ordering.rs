@@ -246,6 +246,25 @@ pub trait StreamOrdering: Send + Sync + fmt::Debug {
         let _ = (after, to);
         Ok(None)
     }
+    /// A fence for process `to` written on `stream` itself, after the work queued there so
+    /// far: no mark and no release stream (CUDA counter fences: one `cuStreamWriteValue64`
+    /// into `to`'s inbox, from a lane slot that only `stream` writes while it holds it).
+    /// `None` when the backend has no such fence for `stream` now — event fences, `to` is
+    /// this process or lent us no lane, every stream slot is held by a stream still busy:
+    /// then record a mark there and use [`export_fence`](Self::export_fence). The backend
+    /// may keep `stream` alive for as long as its slot is bound to it. Never blocks on
+    /// queued work.
+    ///
+    /// # Errors
+    /// A backend error (the stream is not of the backend's device, …).
+    fn export_fence_on(
+        &self,
+        stream: &Stream,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let _ = (stream, to);
+        Ok(None)
+    }
     /// A fence for `to` that completes once `fence` (which `producer` recorded for this
     /// process) has: how a relay passes an acquire fence on, and how a fence a user
     /// recorded here becomes one a peer can wait on. `None` for backends without fences.

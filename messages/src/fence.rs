@@ -120,8 +120,8 @@ impl fmt::Debug for CounterFence {
 /// What a process lends one peer process of its fence inbox: a *lane* of `slots` 64-bit
 /// counters starting at `first`, in the device memory of its CUDA backend, shared as a
 /// legacy IPC handle. The peer's streams write the values of the fences they record for
-/// this process there (one slot per release stream of the peer, each written in order);
-/// this process's streams wait on them in its own memory. Sent once per link, right after
+/// this process there (one slot per writer of the peer — its release streams and stream
+/// slots — each written in order); this process's streams wait on them in its own memory. Sent once per link, right after
 /// the handshake ([`Message::FenceInbox`](crate::protocol::Message::FenceInbox)). The
 /// handle is a capability: `Debug` never prints it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -57,7 +57,7 @@
 use baton::ipc::inbox::{FenceRefusal, LaneStatus, Lanes, Observation, ReleaseRange};
 use baton::ipc::{
     Allocation, Backend, CheckedHandle, DescriptorScope, Error, ExportableMemory, ExportedFence,
-    FenceFaultHook, FreeWhileMapped, MemPtr, OpenedMem, RawMemory, Result, StreamKey,
+    FenceFaultHook, FreeWhileMapped, MemPtr, OpenedMem, RawMemory, Result, Stream, StreamKey,
     StreamOrdering, StreamRef, UseMark,
 };
 use baton::messages::{
@@ -99,6 +99,10 @@ fn counter_release_stream(backend: u64, i: u32) -> u64 {
 /// Slots of the lend area of a counter-mode inbox (this process's own fences: unused by
 /// the actor layer, kept for the layout).
 const LEND: u32 = 1;
+
+/// Stream slots (as `STREAM_SLOTS` in `ipc/src/cuda/ordering.rs`): streams that write
+/// their fences themselves (`export_fence_on`), after the release streams' slots.
+const STREAM_SLOTS: u32 = 4;
 
 thread_local! {
     static NO_BLOCKING: Cell<bool> = const { Cell::new(false) };
@@ -1172,6 +1176,8 @@ struct CounterState {
     /// The local marks; one's lock is held while its release stream queues a fence.
     marks: Arc<SimTwins>,
     peers: Mutex<HashMap<ProcessId, PeerInbox>>,
+    /// The stream each stream slot was last bound to, and where a claim starts looking.
+    stream_slots: Mutex<([Option<u64>; STREAM_SLOTS as usize], usize)>,
     hooks: Mutex<Vec<FenceFaultHook>>,
     /// Which role each process id stands for (learned from the grants accepted).
     peer_roles: Mutex<HashMap<ProcessId, String>>,
@@ -1190,6 +1196,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct SimTwin {
     written: u64,
     promised: u64,
+    /// A stream slot's mark: the stream bound to it (else release stream `i` writes it).
+    stream: Option<u64>,
 }
 
 /// A backend's local marks, slot `i` written by release stream `i` only when a twin is
@@ -1238,7 +1246,9 @@ impl SimTwins {
             return;
         }
         let role = self.role.as_str();
-        let s = counter_release_stream(self.number, slot as u32);
+        let s = t
+            .stream
+            .unwrap_or_else(|| counter_release_stream(self.number, slot as u32));
         self.device.enqueue_as(
             Some(role),
             s,
@@ -1317,7 +1327,7 @@ impl SimBackend {
     ) -> Arc<SimBackend> {
         let number = device.next_backend.fetch_add(1, Ordering::Relaxed) + 1;
         let counters = mode.map(|mode| {
-            let r = mode.release_streams.max(1);
+            let r = mode.release_streams.max(1) + STREAM_SLOTS;
             let words = (r + LEND + mode.lanes * r) as usize;
             let mut st = device.lock();
             st.inboxes.insert(number, vec![0; words]);
@@ -1334,6 +1344,7 @@ impl SimBackend {
                     written: (0..r).map(|_| AtomicU64::new(0)).collect(),
                 }),
                 peers: Mutex::new(HashMap::new()),
+                stream_slots: Mutex::new(([None; STREAM_SLOTS as usize], 0)),
                 hooks: Mutex::new(Vec::new()),
                 peer_roles: Mutex::new(HashMap::new()),
                 slow_accept: Mutex::new(None),
@@ -1539,7 +1550,7 @@ impl SimBackend {
 
     /// The release stream a fence after uses on `stream` is recorded on.
     fn pick(&self, stream: StreamKey) -> u32 {
-        let r = self.counters().marks.len() as u32;
+        let r = self.counters().mode.release_streams.max(1);
         match stream {
             StreamKey::Id(n) => (n % u64::from(r)) as u32,
             _ => 0,
@@ -1551,22 +1562,21 @@ impl SimBackend {
     fn fence_on(
         &self,
         i: u32,
+        s: u64,
         held: &mut SimTwin,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>> {
         let c = self.counters();
         let role = self.sim.role.as_str();
-        let s = self.counter_release_stream(i);
         let taken = {
             let mut peers = lock(&c.peers);
             match peers.get_mut(to) {
-                Some(PeerInbox::Lane(lane)) => {
-                    let slot = i % lane.grant.slots.max(1);
-                    let v = &mut lane.values[slot as usize];
+                Some(PeerInbox::Lane(lane)) if i < lane.grant.slots => {
+                    let v = &mut lane.values[i as usize];
                     *v += 1;
-                    Some((lane.grant, slot, *v))
+                    Some((lane.grant, i, *v))
                 }
-                Some(PeerInbox::Ambiguous) | None => None,
+                Some(PeerInbox::Lane(_) | PeerInbox::Ambiguous) | None => None,
             }
         };
         let Some((grant, slot, value)) = taken else {
@@ -1907,7 +1917,7 @@ impl StreamOrdering for SimBackend {
             for mark in after {
                 mark.order(StreamRef::Id(s))?;
             }
-            return self.fence_on(i, &mut held, to);
+            return self.fence_on(i, s, &mut held, to);
         }
         let s = self.release_stream();
         for mark in after {
@@ -1920,6 +1930,52 @@ impl StreamOrdering for SimBackend {
             role: self.sim.role.clone(),
             event,
         })))
+    }
+    /// As `Fences::export_fence_on`: the stream writes the fence itself, from the stream
+    /// slot bound to it (bound now if one is free, or held by an idle stream whose mark is
+    /// written).
+    fn export_fence_on(
+        &self,
+        stream: &Stream,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        let Some(c) = &self.counters else {
+            return Ok(None);
+        };
+        if !self.has_lane_for(to) {
+            return Ok(None);
+        }
+        let Ok(s) = self.sim.stream(stream.as_ref()) else {
+            return Ok(None);
+        };
+        let r = c.mode.release_streams.max(1);
+        let known = lock(&c.stream_slots).0.iter().position(|k| *k == Some(s));
+        if let Some(k) = known {
+            let i = r + k as u32;
+            let mut held = c.marks.lock(i);
+            if held.stream == Some(s) {
+                return self.fence_on(i, s, &mut held, to);
+            }
+        }
+        let mut slots = lock(&c.stream_slots);
+        let start = slots.1;
+        for n in 0..STREAM_SLOTS as usize {
+            let k = (start + n) % STREAM_SLOTS as usize;
+            let i = r + k as u32;
+            let mut held = c.marks.lock(i);
+            let free = match held.stream {
+                None => true,
+                Some(old) => old == s || self.sim.device.idle(old),
+            };
+            if free {
+                held.stream = Some(s);
+                slots.0[k] = Some(s);
+                slots.1 = (k + 1) % STREAM_SLOTS as usize;
+                drop(slots);
+                return self.fence_on(i, s, &mut held, to);
+            }
+        }
+        Ok(None)
     }
     fn relay_fence(
         &self,
@@ -1939,7 +1995,7 @@ impl StreamOrdering for SimBackend {
         }
         let mut held = c.marks.lock(0);
         self.order_after(StreamRef::Id(s), producer, fence)?;
-        self.fence_on(0, &mut held, to)
+        self.fence_on(0, s, &mut held, to)
     }
     fn inbox_grant(&self, peer: &ProcessId) -> Option<InboxGrant> {
         let c = self.counters.as_ref()?;
@@ -2069,9 +2125,10 @@ impl StreamOrdering for SimBackend {
         let Some(c) = &self.counters else {
             return Ok(true);
         };
-        let streams: Vec<u64> = (0..c.marks.len() as u32)
-            .map(|i| self.counter_release_stream(i))
-            .collect();
+        let r = c.mode.release_streams.max(1);
+        let mut streams: Vec<u64> = (0..r).map(|i| self.counter_release_stream(i)).collect();
+        // Streams that wrote fences themselves.
+        streams.extend((r..c.marks.len() as u32).filter_map(|i| c.marks.lock(i).stream));
         Ok(self.sim.device.block_within(
             Some(&self.sim.role),
             "the release streams",

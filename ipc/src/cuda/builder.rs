@@ -114,7 +114,7 @@ impl CudaBackendBuilder {
     }
 
     /// How many peer processes, over the backend's life, get a lane of its fence inbox
-    /// (default [`DEFAULT_INBOX_LANES`]; 32 bytes of device memory each). Fences from peers
+    /// (default [`DEFAULT_INBOX_LANES`]; 64 bytes of device memory each). Fences from peers
     /// past that are made complete before they are sent (host-synchronised, slower).
     pub fn inbox_lanes(mut self, lanes: usize) -> Self {
         self.inbox_lanes = lanes;

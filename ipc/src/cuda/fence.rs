@@ -217,7 +217,7 @@ pub(crate) struct CounterSlab {
     /// A stream of the slab's own, for reads that must not queue behind anyone's work.
     side: SharedStream,
     state: Mutex<SlabState>,
-    /// The local marks, slots `0..lend.0`: one per release stream.
+    /// The local marks, slots `0..lend.0`: one per writer (release streams, stream slots).
     twins: Box<[Twin]>,
 }
 
@@ -228,8 +228,9 @@ pub(crate) struct TwinState {
     written: u64,
     /// The highest value promised to a fence: written at the next [`CounterSlab::settle`].
     promised: u64,
-    /// The release stream that writes the slot (the only one).
-    stream: Option<SharedStream>,
+    /// The stream that writes the slot (the only one): a release stream, or the stream a
+    /// stream slot is bound to ([`CounterSlab::bind`]).
+    pub(crate) stream: Option<SharedStream>,
 }
 
 struct Twin {
@@ -355,6 +356,48 @@ impl CounterSlab {
             slot: (i % self.twins.len()) as u32,
             value: held.promised,
         }
+    }
+
+    /// Binds local mark `i` (its lock `held`) to `stream` (`cu` its handle), the only stream
+    /// that writes it and its lane slots from then on, unless it is bound to another
+    /// stream with work not yet run (`cuStreamQuery`, which never blocks): a write of that
+    /// stream could land after the new one's and lower the slot under a wait. A value
+    /// promised and not yet written stays promised: true already (the old stream ran
+    /// everything), it is written on the new stream when read. `make` gives the stream to
+    /// keep.
+    pub(crate) fn bind(
+        &self,
+        held: &mut MutexGuard<'_, TwinState>,
+        cu: cudarc::driver::sys::CUstream,
+        make: impl FnOnce() -> SharedStream,
+    ) -> Result<bool> {
+        if let Some(old) = &held.stream {
+            if old.cu_stream() == cu {
+                return Ok(true);
+            }
+            let _pushed = ContextGuard::push(&self.ctx)?;
+            // SAFETY: a live stream (we keep it) of the slab's context, which is current.
+            if !unsafe { result::stream_query(old.cu_stream()) }? {
+                return Ok(false);
+            }
+        }
+        held.stream = Some(make());
+        Ok(true)
+    }
+
+    /// Whether local mark `i` (its lock `held`) is bound to the stream `cu`.
+    pub(crate) fn bound_to(held: &TwinState, cu: cudarc::driver::sys::CUstream) -> bool {
+        held.stream.as_ref().is_some_and(|s| s.cu_stream() == cu)
+    }
+
+    /// The streams local marks `range` are bound to.
+    pub(crate) fn bound_streams(&self, range: std::ops::Range<usize>) -> Vec<SharedStream> {
+        self.twins
+            .get(range)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|t| lock(&t.state).stream.clone())
+            .collect()
     }
 
     /// Queues the write of the local mark at `offset` up to `value` (see

@@ -5,15 +5,17 @@
 //! Layout of the slab, in 64-bit slots:
 //!
 //! ```text
-//! [0, R)                 local marks: slot i is written by release stream i only, after
-//!                        fences it recorded for peers (their local twins), when a twin
-//!                        is read or waited on (`CounterSlab::promise`)
-//! [R, R + lend)          slots lent one per fence this process records for itself
-//! [R + lend, ...)        lanes of R slots, one per peer process: that peer's release
-//!                        stream i writes slot i of its lane
+//! [0, W)                 local marks: slot i is written by writer i only, after fences
+//!                        it recorded for peers (their local twins), when a twin is read
+//!                        or waited on (`CounterSlab::promise`)
+//! [W, W + lend)          slots lent one per fence this process records for itself
+//! [W + lend, ...)        lanes of W slots, one per peer process: that peer's writer i
+//!                        writes slot i of its lane
 //! ```
 //!
-//! (R = the backend's release streams.) Only the slab's own process waits on it; peers
+//! (W = the backend's writers: its release streams, then its stream slots — a stream of
+//! the user's bound to slot i while it writes fences there itself, `Fences::export_fence_on`.)
+//! Only the slab's own process waits on it; peers
 //! write into it. The watch thread reads it back (one copy, on a stream of its own that
 //! waits on nothing) whenever a lane has values pending, at most every [`WATCH_TICK`].
 
@@ -159,8 +161,8 @@ impl std::fmt::Debug for Inbox {
 }
 
 impl Inbox {
-    /// A slab of `release_streams` local marks, `lend` slots for this process's own fences
-    /// and `lanes` peer lanes, and its watch thread.
+    /// A slab of `writers` local marks, `lend` slots for this process's own fences and
+    /// `lanes` peer lanes of `writers` slots, and its watch thread.
     #[allow(
         clippy::too_many_arguments,
         reason = "called once, by the backend's build, with its own fields"
@@ -171,12 +173,12 @@ impl Inbox {
         ops: StreamMemOps,
         side: SharedStream,
         stream: SharedStream,
-        release_streams: usize,
+        writers: usize,
         lend: usize,
         lanes: usize,
         deadline: Duration,
     ) -> Result<Self> {
-        let r = release_streams as u32;
+        let r = writers as u32;
         let lend = lend.clamp(1, 1 << 20) as u32;
         let lanes = lanes.min(1 << 16) as u32;
         let total = r as usize + lend as usize + lanes as usize * r as usize;
@@ -263,14 +265,15 @@ impl Inbox {
         }
     }
 
-    /// Takes the next value of `peer`'s lane slot for release stream `i` (call with that
-    /// stream's mark lock held, and queue the write before letting it go).
+    /// Takes the next value of `peer`'s lane slot for writer `i` (call with that writer's
+    /// mark lock held, and queue the write before letting it go); `None` if the lane has no
+    /// slot `i`.
     pub(crate) fn next_peer_value(&self, peer: &ProcessId, i: usize) -> Option<CounterFence> {
         let mut peers = lock(&self.peers);
         let PeerInbox::Lane(lane) = peers.get_mut(peer)? else {
             return None;
         };
-        let slot = (i as u32) % lane.grant.slots.max(1);
+        let slot = u32::try_from(i).ok().filter(|&s| s < lane.grant.slots)?;
         let offset = lane.grant.offset_of(slot)?;
         let v = &mut lane.values[slot as usize];
         *v += 1;
@@ -282,12 +285,12 @@ impl Inbox {
         })
     }
 
-    /// The lock of release stream `i`'s local mark.
+    /// The lock of writer `i`'s local mark.
     pub(crate) fn mark_lock(&self, i: usize) -> MutexGuard<'_, TwinState> {
         self.slab().twin(i)
     }
 
-    /// Release stream `i`'s (`stream`'s) local mark after the fence it just queued (the
+    /// Writer `i`'s (`stream`'s) local mark after the fence it just queued (the
     /// guard from [`mark_lock`](Self::mark_lock) held): promised, written only when read
     /// or waited on ([`CounterSlab::promise`]).
     pub(crate) fn write_mark(

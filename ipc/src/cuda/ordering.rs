@@ -37,6 +37,11 @@ const OPENED_EVENT_CAP: usize = 4096;
 /// How many release streams a backend has (see `Fences::release_streams`).
 const RELEASE_STREAMS: usize = 4;
 
+/// How many streams at once may write fences themselves ([`StreamOrdering::export_fence_on`]):
+/// each holds a lane slot of every peer's inbox, and a local mark of ours, after the
+/// release streams'.
+const STREAM_SLOTS: usize = 4;
+
 /// How long a death waits for our release streams to drain before closing the dead
 /// peer's inbox mapping (else it is closed at a later death, or with the backend).
 const DYING_INBOX_WAIT: Duration = Duration::from_millis(200);
@@ -74,6 +79,9 @@ pub(super) struct Fences {
     release_streams: [OnceLock<SharedStream>; RELEASE_STREAMS],
     /// The fence inbox (counter fences only), made with the backend.
     inbox: Option<Inbox>,
+    /// Which stream each stream slot was last bound to (a hint: the binding itself is the
+    /// slot's local mark's, under its lock), and where the next claim starts looking.
+    stream_slots: Mutex<([Option<crate::ordering::StreamKey>; STREAM_SLOTS], usize)>,
     /// Waits on other processes' interprocess events, released by us alone.
     bridge: Bridge,
     /// The fence deadline (bounds how long a close polls our own fences).
@@ -141,7 +149,7 @@ impl Fences {
                     ops,
                     Arc::clone(&side),
                     Arc::new(Quiet::new(watch)),
-                    RELEASE_STREAMS,
+                    RELEASE_STREAMS + STREAM_SLOTS,
                     b.counter_slots,
                     b.inbox_lanes,
                     b.fence_deadline,
@@ -160,6 +168,7 @@ impl Fences {
             access: access.clone(),
             waits: AtomicU64::new(0),
             inbox,
+            stream_slots: Mutex::new(([None; STREAM_SLOTS], 0)),
             bridge,
             fence_deadline: b.fence_deadline,
             event_backlog: b.event_backlog,
@@ -466,6 +475,42 @@ impl Fences {
         Ok((i, Arc::clone(slot.get_or_init(|| made))))
     }
 
+    /// The stream slot bound to `cuda` (`key`), with its local mark's lock held: the one it
+    /// was bound to before if it still is, else the first slot from a rotating start that
+    /// [`CounterSlab::bind`](super::fence::CounterSlab::bind) lets it take. `None` if none
+    /// does.
+    fn stream_slot<'a>(
+        &self,
+        inbox: &'a Inbox,
+        key: crate::ordering::StreamKey,
+        cuda: &CudaStream,
+        make: impl Fn() -> SharedStream,
+    ) -> Result<Option<(usize, MutexGuard<'a, TwinState>)>> {
+        let cu = cuda.cu_stream();
+        let known = lock(&self.stream_slots)
+            .0
+            .iter()
+            .position(|k| *k == Some(key));
+        if let Some(k) = known {
+            let held = inbox.mark_lock(RELEASE_STREAMS + k);
+            if fence::CounterSlab::bound_to(&held, cu) {
+                return Ok(Some((RELEASE_STREAMS + k, held)));
+            }
+        }
+        let mut slots = lock(&self.stream_slots);
+        let start = slots.1;
+        for n in 0..STREAM_SLOTS {
+            let k = (start + n) % STREAM_SLOTS;
+            let mut held = inbox.mark_lock(RELEASE_STREAMS + k);
+            if inbox.slab().bind(&mut held, cu, &make)? {
+                slots.0[k] = Some(key);
+                slots.1 = (k + 1) % STREAM_SLOTS;
+                return Ok(Some((RELEASE_STREAMS + k, held)));
+            }
+        }
+        Ok(None)
+    }
+
     /// The fence half of [`Backend::forget_process`](crate::Backend::forget_process) (the
     /// backend dropped the process's pools already): drops the process's opened events
     /// and releases every wait of ours on its counter fences if it is `dead`
@@ -561,6 +606,54 @@ impl StreamOrdering for Fences {
             mark.order(StreamRef::Cuda(&stream))?;
         }
         self.fence_on(i, &stream, &mut held, to)
+    }
+
+    /// `stream` writes the counter into `to`'s inbox itself, from the lane slot of the
+    /// stream slot bound to it (bound now if one is free or held by a stream that is idle
+    /// with its local mark written), with its local twin promised in ours: one
+    /// `cuStreamWriteValue64`. `None` for event fences, for this process, without a lane
+    /// from `to`, for a stream of another context, and while every stream slot is held by
+    /// a busy stream.
+    fn export_fence_on(
+        &self,
+        stream: &crate::ordering::Stream,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>> {
+        use crate::ordering::Stream;
+        let Some(inbox) = &self.inbox else {
+            return Ok(None);
+        };
+        if *to == crate::process::current() {
+            return Ok(None);
+        }
+        let cuda: &CudaStream = match stream {
+            Stream::Internal => &self.access.stream,
+            Stream::Cuda(s) if s.context().cu_ctx() == self.access.ctx.cu_ctx() => s,
+            Stream::Cuda(_) | Stream::Id(_) => return Ok(None),
+        };
+        let Some((slab, grant)) = self.peer_inbox(to)? else {
+            return Ok(None);
+        };
+        let make = || -> SharedStream {
+            match stream {
+                Stream::Cuda(s) => Arc::new(Quiet::new(Arc::clone(s))),
+                _ => Arc::clone(&self.access.stream),
+            }
+        };
+        let Some((i, mut held)) = self.stream_slot(inbox, stream.as_ref().key(), cuda, make)?
+        else {
+            return Ok(None);
+        };
+        let Some(handle) = inbox
+            .next_peer_value(to, i)
+            .filter(|h| h.slab_id == grant.slab_id)
+        else {
+            return Ok(None);
+        };
+        slab.write_on(handle.offset, handle.value, cuda)?;
+        let bound = held.stream.clone().expect("bound by stream_slot");
+        let local = inbox.write_mark(&mut held, i, &bound);
+        Ok(Some(Arc::new(PeerFence { handle, local })))
     }
 
     /// A release stream waits on `fence`, then records a fence for `to` (as
@@ -678,12 +771,26 @@ impl StreamOrdering for Fences {
         }
     }
 
-    /// Polls the release streams (`cuStreamQuery`, which never blocks) until each has run
-    /// what it was given, or `within` passed.
+    /// Polls the release streams and the streams bound to stream slots (`cuStreamQuery`,
+    /// which never blocks) until each has run what it was given, or `within` passed.
     fn flush_fences(&self, within: Duration) -> Result<bool> {
         let until = Instant::now() + within;
         let _pushed = ContextGuard::push(&self.access.ctx)?;
-        for stream in self.release_streams.iter().filter_map(OnceLock::get) {
+        let mut streams: Vec<SharedStream> = self
+            .release_streams
+            .iter()
+            .filter_map(OnceLock::get)
+            .cloned()
+            .collect();
+        if let Some(inbox) = &self.inbox {
+            // Streams that wrote fences themselves (`export_fence_on`).
+            streams.extend(
+                inbox
+                    .slab()
+                    .bound_streams(RELEASE_STREAMS..RELEASE_STREAMS + STREAM_SLOTS),
+            );
+        }
+        for stream in &streams {
             loop {
                 // SAFETY: a live stream of the backend's context, which is current.
                 if unsafe { result::stream_query(stream.cu_stream()) }? {

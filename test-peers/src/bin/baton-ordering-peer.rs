@@ -43,6 +43,13 @@ impl Handler<Round> for Importer {
         let mut seen = [0u32];
         lease.read_into(0, &mut seen).expect("read");
         let value = 2 * msg.round + 1;
+        // Odd rounds name the stream first: the lease's release fence is then written on
+        // it when the lease drops, with no mark. Even rounds leave it to cudarc's marks.
+        if msg.round % 2 == 1 {
+            lease
+                .wait_on(&self.stream)
+                .expect("wait on the acquire fence");
+        }
         // SAFETY: `spin_then_write(unsigned int*, unsigned int, long long)`; it writes one
         // element of the (writable) lease, which is at least one element long.
         unsafe {
