@@ -1360,6 +1360,67 @@ fn four_streams_write_their_own_release_fences_and_a_busy_one_keeps_its_slot() {
     });
 }
 
+/// A driver error while a stream takes the release fences in (here the wait on another
+/// stream's mark fails, after the release fence was waited for) leaves them in line: the
+/// next use waits for them again, and the free still waits for the importer's work.
+#[test]
+fn release_fences_a_failed_use_took_in_still_hold_the_free() {
+    run(async {
+        let device = Device::with_deadline(DEADLINE);
+        let t = Pair::new(&device).await;
+        let buf = t.buffer(4).await;
+        let alloc = alloc_of(buf.ptr());
+        // Stream 101 has a mark: a use on stream 100 waits on it.
+        let lease = t
+            .hold(vec![buf.share_on(Stream::Id(101)).unwrap()])
+            .await
+            .pop()
+            .unwrap();
+        lease.wait_on(Stream::Id(300)).unwrap();
+        t.imp.work(300, "use", "late", None);
+        drop(lease);
+        eventually("the lease back", || buf.leases_out() == 0).await;
+        device.fail_mark_waits(1);
+        let from = device.log_len();
+        assert!(
+            buf.wait_on(Stream::Id(100)).is_err(),
+            "the mark wait did not fail"
+        );
+        assert_eq!(
+            device.count_from(from, "exp wait-value"),
+            1,
+            "the release fence was not waited for before the failure:\n{}",
+            device.log().join("\n")
+        );
+        // The next use waits for it again.
+        let from = device.log_len();
+        buf.wait_on(Stream::Id(100)).unwrap();
+        assert_eq!(
+            device.count_from(from, "exp wait-value"),
+            1,
+            "the next use did not wait for the release fence:\n{}",
+            device.log().join("\n")
+        );
+        drop(buf);
+        let free = format!("exp free a{alloc}");
+        holds_for(
+            MUST_NOT_WATCH,
+            "freed before the importer's work ran",
+            || device.position(&free).is_none(),
+        )
+        .await;
+        device.open_gate("late");
+        let freed = device.logged(&free).await;
+        let ran = device.logged("ran work use").await;
+        assert!(
+            ran < freed,
+            "freed before the work:\n{}",
+            device.log().join("\n")
+        );
+        t.assert_safe();
+    });
+}
+
 /// A fence's local twin is written only when something reads it: an ordered handoff
 /// queues no twin write on either side; when the importer's mapping closes (its exporter
 /// died) with its work on the lease still queued, the close writes the twin then, on the

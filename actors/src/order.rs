@@ -399,49 +399,61 @@ impl ExportOrder {
         });
     }
 
-    /// Makes `stream` wait for fences taken from the line; puts them back on error.
+    /// Makes `stream` wait for `fences`, taken from the line.
     fn order_released(
         &self,
         stream: StreamRef<'_>,
-        fences: Vec<ReleaseFence>,
+        fences: &[ReleaseFence],
     ) -> Result<bool, ActorError> {
-        let any = !fences.is_empty();
-        for (i, f) in fences.iter().enumerate() {
-            if let Err(e) = self
-                .backend()
+        for f in fences {
+            self.backend()
                 .ordering()
-                .order_after(stream, &f.producer, &f.fence)
-            {
-                self.released(fences[i..].iter().cloned());
-                return Err(e.into());
-            }
+                .order_after(stream, &f.producer, &f.fence)?;
         }
-        Ok(any)
+        Ok(!fences.is_empty())
+    }
+
+    /// Runs `step` with fences taken from the line (waited for by a stream whose mark may
+    /// not be recorded yet); on its error they go back in line, so that the next use, an
+    /// offer and the free still wait for them (waiting twice is harmless).
+    fn with_released<R>(
+        &self,
+        step: impl FnOnce(&[ReleaseFence]) -> Result<R, ActorError>,
+    ) -> Result<R, ActorError> {
+        let taken = self.take_released();
+        let done = step(&taken);
+        if done.is_err() {
+            self.released(taken);
+        }
+        done
     }
 
     /// Before a host copy (on the backend's own stream, synchronised before it returns):
     /// it waits for the importers' release fences and the buffer's uses on other streams.
     pub(crate) fn before_host_copy(&self) -> Result<(), ActorError> {
-        self.order_released(StreamRef::Internal, self.take_released())?;
-        self.order_after_others(StreamRef::Internal).map(drop)
+        self.with_released(|taken| {
+            self.order_released(StreamRef::Internal, taken)?;
+            self.order_after_others(StreamRef::Internal).map(drop)
+        })
     }
 
     /// Before a use on `stream`: it waits for the importers' release fences and the
     /// buffer's uses on other streams; returns the mark to record after the use.
     pub(crate) fn use_on(&self, stream: StreamRef<'_>) -> Result<Option<&dyn UseMark>, ActorError> {
-        let taken = self.take_released();
-        let waited = self.order_released(stream, taken)?;
-        self.order_after_others(stream)?;
-        let mark = match self.uses.get_or_add(stream, || Ok(()))? {
-            Found::Known(u) | Found::New(u) => &*u.mark,
-            Found::Unmarked | Found::Full => return Ok(None),
-        };
-        if waited {
-            // Other streams order after this one's mark: record it now, so that they wait
-            // for the release fences too even before this use is recorded.
-            mark.record(stream)?;
-        }
-        Ok(Some(mark))
+        self.with_released(|taken| {
+            let waited = self.order_released(stream, taken)?;
+            self.order_after_others(stream)?;
+            let mark = match self.uses.get_or_add(stream, || Ok(()))? {
+                Found::Known(u) | Found::New(u) => &*u.mark,
+                Found::Unmarked | Found::Full => return Ok(None),
+            };
+            if waited {
+                // Other streams order after this one's mark: record it now, so that they
+                // wait for the release fences too even before this use is recorded.
+                mark.record(stream)?;
+            }
+            Ok(Some(mark))
+        })
     }
 
     /// [`Buffer::wait_on`](crate::Buffer::wait_on): as [`use_on`](Self::use_on), but on a
@@ -457,21 +469,18 @@ impl ExportOrder {
             // `share_on` follows to record it.
             return self.use_on(stream).map(drop);
         }
-        let taken = self.take_released();
-        let kept = taken.clone();
-        let waited = self.order_released(stream, taken)?;
-        self.order_after_others(stream)?;
-        match self.uses.get_or_add(stream, || Ok(()))? {
-            Found::Known(_) | Found::New(_) => {}
-            Found::Unmarked => return Ok(()),
-            Found::Full => {
-                // Not tracked: its work is never followed by a mark. The fences go back in
-                // line for the next tracked use (waiting twice is harmless).
-                self.released(kept);
-                return Err(ActorError::TooManyStreams { max: MAX_STREAMS });
+        let kept = self.with_released(|taken| {
+            let waited = self.order_released(stream, taken)?;
+            self.order_after_others(stream)?;
+            match self.uses.get_or_add(stream, || Ok(()))? {
+                Found::Known(_) | Found::New(_) => Ok(waited.then(|| taken.to_vec())),
+                Found::Unmarked => Ok(None),
+                // Not tracked: its work is never followed by a mark. The fences go back
+                // in line for the next tracked use.
+                Found::Full => Err(ActorError::TooManyStreams { max: MAX_STREAMS }),
             }
-        }
-        if waited {
+        })?;
+        if let Some(kept) = kept {
             let key = stream.key();
             let mut unrecorded = lock(&self.unrecorded);
             for f in kept {
@@ -492,27 +501,24 @@ impl ExportOrder {
     /// [`Buffer::share_on`](crate::Buffer::share_on): `stream` waits as for a use, and the
     /// buffer's mark is recorded there now, after everything queued there so far.
     pub(crate) fn mark_on(&self, stream: StreamRef<'_>) -> Result<(), ActorError> {
-        let taken = self.take_released();
-        let waited = taken.clone();
-        self.order_released(stream, taken)?;
-        let covered = self.order_after_others(stream)?;
-        let key = stream.key();
-        let own: Vec<ReleaseFence> = lock(&self.unrecorded)
-            .iter()
-            .filter(|(k, _)| *k == key)
-            .map(|(_, f)| f.clone())
-            .collect();
-        let mark = match self.uses.get_or_add(stream, || Ok(()))? {
-            Found::Known(u) | Found::New(u) => &*u.mark,
-            Found::Unmarked => return Ok(()),
-            Found::Full => {
-                self.released(waited);
-                return Err(ActorError::TooManyStreams { max: MAX_STREAMS });
-            }
-        };
-        mark.record(stream)?;
-        self.recorded(key, &own, &covered);
-        Ok(())
+        self.with_released(|taken| {
+            self.order_released(stream, taken)?;
+            let covered = self.order_after_others(stream)?;
+            let key = stream.key();
+            let own: Vec<ReleaseFence> = lock(&self.unrecorded)
+                .iter()
+                .filter(|(k, _)| *k == key)
+                .map(|(_, f)| f.clone())
+                .collect();
+            let mark = match self.uses.get_or_add(stream, || Ok(()))? {
+                Found::Known(u) | Found::New(u) => &*u.mark,
+                Found::Unmarked => return Ok(()),
+                Found::Full => return Err(ActorError::TooManyStreams { max: MAX_STREAMS }),
+            };
+            mark.record(stream)?;
+            self.recorded(key, &own, &covered);
+            Ok(())
+        })
     }
 
     /// The acquire fence for an offer to process `to`: after the buffer's uses on streams
@@ -537,9 +543,8 @@ impl ExportOrder {
             // the backend's own stream takes the release fences in, and its mark (recorded
             // at once) goes into the acquire fence. (On failure the fences go back in line:
             // waiting on them twice is harmless.)
-            let kept = released.clone();
             let marked = self
-                .order_released(StreamRef::Internal, released)
+                .order_released(StreamRef::Internal, &released)
                 .and_then(|_| self.uses.get_or_add(StreamRef::Internal, || Ok(())))
                 .and_then(|found| match found {
                     Found::Known(u) | Found::New(u) => Ok(u.mark.record(StreamRef::Internal)?),
@@ -547,7 +552,7 @@ impl ExportOrder {
                     Found::Full => Err(ActorError::TooManyStreams { max: MAX_STREAMS }),
                 });
             if let Err(e) = marked {
-                self.released(kept);
+                self.released(released);
                 return Err(e);
             }
             self.recorded(StreamKey::Internal, &[], &unrecorded);
@@ -586,9 +591,8 @@ impl ExportOrder {
             return FreeVerdict::Hold(alive);
         }
         let any = !all.is_empty() || self.uses.marks().next().is_some();
-        let checked = all.clone();
         let waited = || -> Result<(), ActorError> {
-            self.order_released(StreamRef::Internal, all)?;
+            self.order_released(StreamRef::Internal, &all)?;
             self.uses.order_after_others(StreamRef::Internal)?;
             if any {
                 backend.ordering().synchronize()?;
@@ -598,6 +602,7 @@ impl ExportOrder {
         if let Err(e) = waited() {
             return FreeVerdict::Failed(e);
         }
+        let checked = all;
         // The deadline may have released a wait while we waited: then it guards work
         // that may still run after all.
         let mut alive: Vec<ProcessId> = checked

@@ -331,6 +331,8 @@ pub struct Device {
     next_backend: AtomicU64,
     base: Instant,
     deadline: Duration,
+    /// How many of the next waits on a use mark fail (a driver error).
+    failing_mark_waits: AtomicUsize,
 }
 
 impl Default for Device {
@@ -341,11 +343,17 @@ impl Default for Device {
             next_backend: AtomicU64::new(0),
             base: Instant::now(),
             deadline: DEVICE_DEADLINE,
+            failing_mark_waits: AtomicUsize::new(0),
         }
     }
 }
 
 impl Device {
+    /// The next `n` waits on a use mark (`cuStreamWaitEvent`) fail, as a driver error.
+    pub fn fail_mark_waits(&self, n: usize) {
+        self.failing_mark_waits.store(n, Ordering::SeqCst);
+    }
+
     pub fn new() -> Arc<Device> {
         Arc::new(Device::default())
     }
@@ -893,6 +901,20 @@ impl UseMark for SimMark {
     }
     fn order(&self, stream: StreamRef<'_>) -> Result<()> {
         let s = self.device.stream(stream)?;
+        let failing = &self.device.device.failing_mark_waits;
+        if failing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            self.device.device.note(format!(
+                "{} mark wait on s{s} failed (simulated)",
+                self.device.role
+            ));
+            return Err(Error::Io {
+                op: "cuStreamWaitEvent (simulated failure)",
+                source: std::io::Error::other("simulated driver error"),
+            });
+        }
         self.device
             .device
             .wait(&format!("{} mark", self.device.role), self.event, s);
