@@ -143,8 +143,8 @@ mod vmm;
 pub use arg::DeviceArg;
 pub use backend::CudaBackend;
 pub use builder::{
-    CudaBackendBuilder, DEFAULT_EVENT_BACKLOG, DEFAULT_INBOX_LANES, EVENT_BACKLOG_ENV,
-    pool_size_limit_from_env,
+    CudaBackendBuilder, DEFAULT_EVENT_BACKLOG, DEFAULT_INBOX_LANES, DEFAULT_STREAM_SLOTS,
+    EVENT_BACKLOG_ENV, MAX_STREAM_SLOTS, STREAM_SLOTS_ENV, pool_size_limit_from_env,
 };
 pub use copy::{CopyDirection, CopyPlan, CopySpan};
 pub use cudarc;

@@ -35,6 +35,32 @@ pub const DEFAULT_EVENT_BACKLOG: usize = 8;
 /// the environment.
 pub const EVENT_BACKLOG_ENV: &str = "BATON_EVENT_BACKLOG";
 
+/// How many streams of the user's at once may write their own fences unless told
+/// otherwise ([`CudaBackendBuilder::stream_slots`]).
+pub const DEFAULT_STREAM_SLOTS: usize = 4;
+
+/// The most stream slots a backend has.
+pub const MAX_STREAM_SLOTS: usize = 16;
+
+/// The variable that sets [`CudaBackendBuilder::stream_slots`] for backends built from the
+/// environment.
+pub const STREAM_SLOTS_ENV: &str = "BATON_CUDA_STREAM_SLOTS";
+
+/// [`STREAM_SLOTS_ENV`]'s value (at most [`MAX_STREAM_SLOTS`]), [`DEFAULT_STREAM_SLOTS`] if
+/// unset or not a number (logged).
+fn stream_slots_from_env() -> usize {
+    match std::env::var(STREAM_SLOTS_ENV) {
+        Err(_) => DEFAULT_STREAM_SLOTS,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) => n.min(MAX_STREAM_SLOTS),
+            Err(_) => {
+                tracing::warn!(value = %v, "{STREAM_SLOTS_ENV} is not a number: using the default");
+                DEFAULT_STREAM_SLOTS
+            }
+        },
+    }
+}
+
 /// [`EVENT_BACKLOG_ENV`]'s value, [`DEFAULT_EVENT_BACKLOG`] if unset or not a positive
 /// number (logged).
 fn event_backlog_from_env() -> usize {
@@ -78,6 +104,7 @@ pub struct CudaBackendBuilder {
     pub(super) inbox_lanes: usize,
     pub(super) fence_deadline: Duration,
     pub(super) event_backlog: usize,
+    pub(super) stream_slots: usize,
     pub(super) pool_release_threshold: u64,
     pub(super) pool_size_limit: u64,
 }
@@ -135,6 +162,17 @@ impl CudaBackendBuilder {
     /// [`DEFAULT_EVENT_BACKLOG`], or `BATON_EVENT_BACKLOG`). At least 1.
     pub fn event_backlog(mut self, backlog: usize) -> Self {
         self.event_backlog = backlog.max(1);
+        self
+    }
+
+    /// How many streams of the user's at once may write the release fences of leases used
+    /// on them alone themselves (`Lease::wait_on`; one driver call, where a release stream
+    /// takes a mark record and two: docs/ORDERING.md, "Costs and limits"); default
+    /// [`DEFAULT_STREAM_SLOTS`], or `BATON_CUDA_STREAM_SLOTS`; at most
+    /// [`MAX_STREAM_SLOTS`]. Each is a slot of every peer's lane and of ours, and keeps
+    /// the stream alive while bound to it. `0`: every fence takes a release stream.
+    pub fn stream_slots(mut self, slots: usize) -> Self {
+        self.stream_slots = slots.min(MAX_STREAM_SLOTS);
         self
     }
 
@@ -207,6 +245,7 @@ impl CudaBackend {
             inbox_lanes: DEFAULT_INBOX_LANES,
             fence_deadline: crate::inbox::fence_deadline_from_env(),
             event_backlog: event_backlog_from_env(),
+            stream_slots: stream_slots_from_env(),
             pool_release_threshold: DEFAULT_POOL_RELEASE_THRESHOLD,
             pool_size_limit: pool_size_limit_from_env(),
         }
@@ -277,6 +316,7 @@ impl CudaBackend {
             inbox_lanes: b.inbox_lanes,
             fence_deadline: b.fence_deadline,
             event_backlog: b.event_backlog,
+            stream_slots: b.stream_slots,
         };
         let fences = Fences::new(&access, dev, DeviceUuid(uuid), side, &settings)?;
         let backend = Self {

@@ -37,11 +37,6 @@ const OPENED_EVENT_CAP: usize = 4096;
 /// How many release streams a backend has (see `Fences::release_streams`).
 const RELEASE_STREAMS: usize = 4;
 
-/// How many streams at once may write fences themselves ([`StreamOrdering::export_fence_on`]):
-/// each holds a lane slot of every peer's inbox, and a local mark of ours, after the
-/// release streams'.
-const STREAM_SLOTS: usize = 4;
-
 /// How long a death waits for our release streams to drain before closing the dead
 /// peer's inbox mapping (else it is closed at a later death, or with the backend).
 const DYING_INBOX_WAIT: Duration = Duration::from_millis(200);
@@ -57,6 +52,10 @@ pub(super) struct FenceSettings {
     pub(super) inbox_lanes: usize,
     pub(super) fence_deadline: Duration,
     pub(super) event_backlog: usize,
+    /// Streams at once that may write fences themselves ([`StreamOrdering::export_fence_on`]):
+    /// each holds a lane slot of every peer's inbox, and a local mark of ours, after the
+    /// release streams'.
+    pub(super) stream_slots: usize,
 }
 
 /// The fence service of a [`CudaBackend`](super::CudaBackend) (module docs).
@@ -81,7 +80,7 @@ pub(super) struct Fences {
     inbox: Option<Inbox>,
     /// Which stream each stream slot was last bound to (a hint: the binding itself is the
     /// slot's local mark's, under its lock), and where the next claim starts looking.
-    stream_slots: Mutex<([Option<crate::ordering::StreamKey>; STREAM_SLOTS], usize)>,
+    stream_slots: Mutex<(Vec<Option<crate::ordering::StreamKey>>, usize)>,
     /// Waits on other processes' interprocess events, released by us alone.
     bridge: Bridge,
     /// The fence deadline (bounds how long a close polls our own fences).
@@ -149,7 +148,7 @@ impl Fences {
                     ops,
                     Arc::clone(&side),
                     Arc::new(Quiet::new(watch)),
-                    RELEASE_STREAMS + STREAM_SLOTS,
+                    RELEASE_STREAMS + b.stream_slots,
                     b.counter_slots,
                     b.inbox_lanes,
                     b.fence_deadline,
@@ -168,7 +167,7 @@ impl Fences {
             access: access.clone(),
             waits: AtomicU64::new(0),
             inbox,
-            stream_slots: Mutex::new(([None; STREAM_SLOTS], 0)),
+            stream_slots: Mutex::new((vec![None; b.stream_slots], 0)),
             bridge,
             fence_deadline: b.fence_deadline,
             event_backlog: b.event_backlog,
@@ -498,13 +497,13 @@ impl Fences {
             }
         }
         let mut slots = lock(&self.stream_slots);
-        let start = slots.1;
-        for n in 0..STREAM_SLOTS {
-            let k = (start + n) % STREAM_SLOTS;
+        let (count, start) = (slots.0.len(), slots.1);
+        for n in 0..count {
+            let k = (start + n) % count;
             let mut held = inbox.mark_lock(RELEASE_STREAMS + k);
             if inbox.slab().bind(&mut held, cu, &make)? {
                 slots.0[k] = Some(key);
-                slots.1 = (k + 1) % STREAM_SLOTS;
+                slots.1 = (k + 1) % count;
                 return Ok(Some((RELEASE_STREAMS + k, held)));
             }
         }
@@ -784,10 +783,11 @@ impl StreamOrdering for Fences {
             .collect();
         if let Some(inbox) = &self.inbox {
             // Streams that wrote fences themselves (`export_fence_on`).
+            let slots = lock(&self.stream_slots).0.len();
             streams.extend(
                 inbox
                     .slab()
-                    .bound_streams(RELEASE_STREAMS..RELEASE_STREAMS + STREAM_SLOTS),
+                    .bound_streams(RELEASE_STREAMS..RELEASE_STREAMS + slots),
             );
         }
         for stream in &streams {
