@@ -608,8 +608,8 @@ impl StreamOrdering for Fences {
     }
 
     /// `stream` writes the counter into `to`'s inbox itself, from the lane slot of the
-    /// stream slot bound to it (bound now if one is free or held by a stream that is idle
-    /// with its local mark written), with its local twin promised in ours: one
+    /// stream slot bound to it (bound now if one is free or held by a stream that ran
+    /// everything queued on it), with its local twin promised in ours: one
     /// `cuStreamWriteValue64`. `None` for event fences, for this process, without a lane
     /// from `to`, for a stream of another context, and while every stream slot is held by
     /// a busy stream.
