@@ -281,6 +281,21 @@ impl Pair {
     }
 
     /// Sends `buffers` to the importer, which keeps them; returns the leases.
+    /// `buf`, shared after the exporter's stream `on`, leased to the importer, used there by
+    /// work `name` on stream 300 that waits for `gate`, and dropped: its release is back
+    /// (its fence not landed while the gate is shut).
+    async fn use_and_give_back(&self, buf: &Buffer<u32>, on: u64, name: &str, gate: &str) {
+        let lease = self
+            .hold(vec![buf.share_on(Stream::Id(on)).unwrap()])
+            .await
+            .pop()
+            .unwrap();
+        lease.wait_on(Stream::Id(300)).unwrap();
+        self.imp.work(300, name, gate, None);
+        drop(lease);
+        eventually("the lease back", || buf.leases_out() == 0).await;
+    }
+
     async fn hold(&self, buffers: Vec<Shared<u32>>) -> Vec<Lease<u32>> {
         let n = buffers.len();
         let held = self
@@ -1371,15 +1386,7 @@ fn release_fences_a_failed_use_took_in_still_hold_the_free() {
         let buf = t.buffer(4).await;
         let alloc = alloc_of(buf.ptr());
         // Stream 101 has a mark: a use on stream 100 waits on it.
-        let lease = t
-            .hold(vec![buf.share_on(Stream::Id(101)).unwrap()])
-            .await
-            .pop()
-            .unwrap();
-        lease.wait_on(Stream::Id(300)).unwrap();
-        t.imp.work(300, "use", "late", None);
-        drop(lease);
-        eventually("the lease back", || buf.leases_out() == 0).await;
+        t.use_and_give_back(&buf, 101, "use", "late").await;
         device.fail_mark_waits(1);
         let from = device.log_len();
         assert!(
@@ -1424,7 +1431,8 @@ fn release_fences_a_failed_use_took_in_still_hold_the_free() {
 /// A fence's local twin is written only when something reads it: an ordered handoff
 /// queues no twin write on either side; when the importer's mapping closes (its exporter
 /// died) with its work on the lease still queued, the close writes the twin then, on the
-/// release stream behind that work, and the mapping closes only after the work ran.
+/// stream that wrote the release fence (the lease's own), behind that work, and the
+/// mapping closes only after the work ran.
 #[test]
 fn a_local_twin_is_written_when_read_and_a_close_still_waits_for_the_work() {
     run(async {
@@ -1432,15 +1440,7 @@ fn a_local_twin_is_written_when_read_and_a_close_still_waits_for_the_work() {
         let t = Pair::new(&device).await;
         let buf = t.buffer(4).await;
         let alloc = alloc_of(buf.ptr());
-        let lease = t
-            .hold(vec![buf.share_on(Stream::Id(100)).unwrap()])
-            .await
-            .pop()
-            .unwrap();
-        lease.wait_on(Stream::Id(300)).unwrap();
-        t.imp.work(300, "compose", "late", None);
-        drop(lease);
-        eventually("the lease back", || buf.leases_out() == 0).await;
+        t.use_and_give_back(&buf, 100, "compose", "late").await;
         assert!(
             device.count_from(0, "imp write inbox") == 1
                 && device.count_from(0, "exp write inbox") == 1,
