@@ -13,6 +13,9 @@
 //! queues other work, so the figure is the ordering's own cost. `ordered` uses a buffer of
 //! its own, so that the other variants and item 4 share a buffer no stream has used.
 //!
+//! The variants take turns, ten chunks each, so that their ratios (the targets) are of
+//! samples spread over the same stretch of time.
+//!
 //! The consumer holds one lease of the buffer for the whole run (the first message asks it
 //! to), as a consumer in a steady pipeline would, so every later open is an import-cache
 //! hit: no driver call, no `mmap`. Its cache counters are reported to show it.
@@ -371,46 +374,72 @@ async fn measure(
             pinned += 1;
             ordered = Some((obuf, c.context().new_stream()?));
         }
-        for variant in variants {
-            let (warm, n) = (cfg.samples(2_000), cfg.samples(20_000));
-            let this = match (variant, &ordered) {
-                ("ordered", Some((obuf, _))) => obuf,
-                _ => &buf,
-            };
-            let before = Allocations::now(&link).await?;
-            // A variant that fails is recorded; the others and item 4 still run.
-            let timed = round_trips(
-                variant,
-                (warm, n),
-                &consumer,
-                this,
-                cuda.as_deref(),
-                ordered.as_ref(),
-            )
-            .await;
-            let allocations = before.per_handoff(&link, warm + n).await?;
-            let (samples, replies) = match timed {
-                Ok(t) => t,
-                Err(e) => {
-                    out.push(json!({
-                        "item": -1, "name": "error", "backend": backend_name,
-                        "what": format!("item 2 {variant} on {backend_name}"),
-                        "error": e.to_string(),
-                    }));
+        // The variants take turns, a chunk each, so that each one's samples span the whole
+        // measurement and a drift of the machine moves them alike (their ratios are the
+        // targets): `CHUNKS` rounds of `n / CHUNKS` round trips, each variant warmed up
+        // first. Allocations are counted over each variant's first chunk.
+        const CHUNKS: usize = 10;
+        let (warm, n) = (cfg.samples(2_000), cfg.samples(20_000));
+        let chunk = n.div_ceil(CHUNKS).max(1);
+        let mut measured: Vec<Option<Timed>> =
+            variants.iter().map(|_| Some(Timed::default())).collect();
+        for round in 0..n.div_ceil(chunk) {
+            for (variant, slot) in variants.iter().zip(measured.iter_mut()) {
+                let Some(timed) = slot else {
                     continue;
+                };
+                let this = match (*variant, &ordered) {
+                    ("ordered", Some((obuf, _))) => obuf,
+                    _ => &buf,
+                };
+                let warm = if round == 0 { warm } else { 0 };
+                let before = Allocations::now(&link).await?;
+                let got = round_trips(
+                    variant,
+                    (warm, chunk),
+                    &consumer,
+                    this,
+                    cuda.as_deref(),
+                    ordered.as_ref(),
+                )
+                .await;
+                match got {
+                    Ok((samples, replies)) => {
+                        if round == 0 {
+                            timed.allocations =
+                                Some(before.per_handoff(&link, warm + chunk).await?);
+                        }
+                        timed.samples.extend(samples);
+                        timed.replies.extend(replies);
+                    }
+                    // A variant that fails is recorded; the others and item 4 still run.
+                    Err(e) => {
+                        out.push(json!({
+                            "item": -1, "name": "error", "backend": backend_name,
+                            "what": format!("item 2 {variant} on {backend_name}"),
+                            "error": e.to_string(),
+                        }));
+                        *slot = None;
+                    }
                 }
+            }
+        }
+        for (variant, timed) in variants.iter().zip(measured) {
+            let Some(timed) = timed else {
+                continue;
             };
-            let label = match variant {
+            let label = match *variant {
                 "share" => "cached handoff round trip, unordered (send, open = cache hit, release)",
                 "share_after" => "cached handoff round trip, with an IPC event (share_after)",
                 _ => "cached handoff round trip, stream-ordered (share_on, wait_on, release fence)",
             };
-            let replies = Summary::of(&replies);
+            let replies = Summary::of(&timed.replies);
             let mut rec = json!({
                 "item": 2, "name": "cached_roundtrip", "backend": backend_name,
                 "variant": variant, "label": label, "bytes": BUF_LEN,
                 "fence": cuda.as_ref().map(|c| c.fence_kind().name()),
                 "reply_p50_us": replies.p50,
+                "interleaved_chunks": CHUNKS,
                 "note": match &cuda {
                     Some(c) => format!(
                         "until the Release is back; {:.1} µs until the reply; {} fences",
@@ -420,8 +449,10 @@ async fn measure(
                     None => format!("until the Release is back; {:.1} µs until the reply", replies.p50),
                 },
             });
-            crate::report::merge(&mut rec, Summary::of(&samples).json());
-            crate::report::merge(&mut rec, allocations);
+            crate::report::merge(&mut rec, Summary::of(&timed.samples).json());
+            if let Some(allocations) = timed.allocations {
+                crate::report::merge(&mut rec, allocations);
+            }
             out.push(rec);
         }
         if let Some((_, stream)) = &ordered {
@@ -513,6 +544,15 @@ async fn measure(
     }
     drop(listening);
     Ok((out, recorded))
+}
+
+/// One item-2 variant's round trips, gathered over its chunks.
+#[derive(Default)]
+struct Timed {
+    samples: Vec<Duration>,
+    replies: Vec<Duration>,
+    /// Allocations per handoff over its first chunk.
+    allocations: Option<serde_json::Value>,
 }
 
 /// Both processes' allocation counters at one moment (`counting.rs`): the consumer's is
