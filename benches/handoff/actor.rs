@@ -377,10 +377,11 @@ async fn measure(
         // The variants take turns, a chunk each, so that each one's samples span the whole
         // measurement and a drift of the machine moves them alike (their ratios are the
         // targets): `CHUNKS` rounds of `n / CHUNKS` round trips, each after a warm-up of its
-        // own (a variant's first the longest), so that a chunk is timed in its variant's
-        // steady state — the rings' poll windows, learned from the gaps, adapt to each
-        // variant's pace (without it, interleaved chunks timed the ordered variant 2-3x
-        // the unordered one). Allocations are counted over each variant's first chunk.
+        // own (a variant's first the longest), so that a chunk is timed after its variant
+        // ran a while. (Interleaved, the ordered variant times higher against the unordered
+        // one than in blocks one after the other — 1.6-2.8x against 1.2-2.5x on one H200,
+        // 2-3x without the warm-ups: the variants change one another's pace; docs/BENCHMARKS.md.)
+        // Allocations are counted over each variant's first chunk.
         const CHUNKS: usize = 10;
         let (warm, n) = (cfg.samples(2_000), cfg.samples(20_000));
         let chunk = n.div_ceil(CHUNKS).max(1);
