@@ -476,6 +476,62 @@ fn the_holding_actor_receives_the_revoke_and_its_deadline() {
     });
 }
 
+/// Three buffers sent as one lease over them all (`Shared::lease_with_previous`): each is
+/// out (the ledger keeps a part per buffer), a revoke of the last buffer reaches the guard
+/// of the first — the holder knows one lease — and every buffer comes back when the holder
+/// drops its leases; the link stays up.
+#[test]
+fn a_lease_over_several_buffers_is_revoked_and_given_back_whole() {
+    run(async {
+        let node = host_node();
+        let owner = BufferOwner::new(&node).start();
+        let child = child(&node).await;
+        let mut bufs = Vec::new();
+        for _ in 0..3 {
+            let buf = owner.send(Allocate::<u32>::vector(64)).await.unwrap();
+            bufs.push(buf.unwrap());
+        }
+        let data = (bufs.iter().enumerate())
+            .map(|(i, b)| match i {
+                0 => b.share(),
+                _ => b.share().lease_with_previous(),
+            })
+            .collect();
+        child
+            .peer()
+            .remote::<KeepAllUntilRevoked>("api.revocable_all")
+            .send(KeepAllUntilRevoked { data })
+            .await
+            .unwrap();
+        let leases: Vec<_> = (node.lease_table().into_iter())
+            .flat_map(|b| b.leases.into_iter().map(|(lease, _)| lease))
+            .collect();
+        assert_eq!(leases.len(), 3, "a part per buffer: {leases:?}");
+        assert!(bufs.iter().all(|b| b.leases_out() == 1));
+        assert!(
+            still_pending(bufs[0].returned()).await,
+            "kept until revoked"
+        );
+        let within = Duration::from_secs(60);
+        let asked = owner
+            .send(Revoke {
+                buffer: bufs[2].id(),
+                within,
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(asked, 1);
+        for b in &bufs {
+            tokio::time::timeout(Duration::from_secs(20), b.returned())
+                .await
+                .expect("the holder gave the whole lease back on the revoke of a part");
+        }
+        assert!(child.peer().is_connected(), "not cut: it cooperated");
+        finish(child).await;
+    });
+}
+
 #[test]
 fn node_allocate_is_a_plain_call_counted_in_the_ledger() {
     run(async {

@@ -91,7 +91,7 @@ use std::time::{Duration, Instant};
 
 mod lease;
 pub(crate) use lease::lease_accessors;
-pub(crate) use lease::{HeldLease, IncomingLease, Outgoing, SharedInner};
+pub(crate) use lease::{HeldLease, IncomingLease, LeaseParts, Outgoing, SharedInner};
 pub use lease::{Lease, LeaseMut, Shared, SharedMut};
 
 /// An element type of typed buffers: plain old data with a wire [`DType`].
@@ -502,6 +502,7 @@ impl<T: Element> Buffer<T> {
                 fence,
                 writable: false,
                 part: None,
+                joins: false,
             }),
             _t: PhantomData,
         }

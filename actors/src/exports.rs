@@ -61,6 +61,9 @@ pub(crate) type Acquire = Option<Arc<dyn ExportedFence>>;
 /// A lease granted for an offer, and what undoing it takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct OfferGrant {
+    /// The ledger's lease: the offer's own, or, for a part of a lease over several
+    /// buffers, the part's (the offer names the lease's first part).
+    pub(crate) lease: LeaseId,
     pub(crate) ledger: Grant,
     /// The offer carries the descriptor of this pool (once per link and pool).
     pub(crate) pool: Option<u64>,
@@ -73,6 +76,50 @@ struct State {
     links: FastMap<LinkId, LinkRef>,
     /// Children of this node's supervisor, which a [`RevokePolicy`] may kill.
     supervised: FastMap<ProcessId, Arc<OwnedFd>>,
+    /// Leases over several buffers.
+    groups: LeaseGroups,
+}
+
+/// Leases over several buffers (offers of one frame that name one lease: see
+/// [`Offer`]): the ledger keeps a lease per buffer — its *parts* — and the peer names
+/// them all by the first part's, which its one `Release` gives back and our `Revoke` of
+/// any part asks back. Every entry is a part the ledger has out (an entry goes when its
+/// part ends), so these maps are bounded as the ledger's leases are.
+#[derive(Debug, Default)]
+struct LeaseGroups {
+    /// A lease's first part → its other parts still out.
+    parts: FastMap<LeaseId, Vec<LeaseId>>,
+    /// A part after the first → the lease's first part.
+    first: FastMap<LeaseId, LeaseId>,
+}
+
+impl LeaseGroups {
+    fn join(&mut self, first: LeaseId, part: LeaseId) {
+        self.parts.entry(first).or_default().push(part);
+        self.first.insert(part, first);
+    }
+
+    /// The lease the peer knows `part` by.
+    fn named(&self, part: LeaseId) -> LeaseId {
+        self.first.get(&part).copied().unwrap_or(part)
+    }
+
+    /// `part` ended (released, ungranted, or its holder gone): forgotten, and so is a
+    /// group whose parts all ended.
+    fn ended(&mut self, part: LeaseId, still_out: impl Fn(LeaseId) -> bool) {
+        let first = match self.first.remove(&part) {
+            Some(first) => {
+                if let Some(parts) = self.parts.get_mut(&first) {
+                    parts.retain(|p| *p != part);
+                }
+                first
+            }
+            None => part,
+        };
+        if self.parts.get(&first).is_some_and(Vec::is_empty) && !still_out(first) {
+            self.parts.remove(&first);
+        }
+    }
 }
 
 /// A buffer's leases, as a [`BufferOwner`](crate::BufferOwner) reports them for its own
@@ -539,7 +586,21 @@ impl Exports {
         let (result, todo) = {
             let mut state = self.lock();
             let result = event(&mut state);
-            let actions = state.ledger.take_actions();
+            let mut actions = state.ledger.take_actions();
+            let state = &mut *state;
+            for action in &mut actions {
+                match action {
+                    // The peer knows a part of a lease over several buffers by its first.
+                    Action::Revoke { lease, .. } | Action::Cut { lease, .. } => {
+                        *lease = state.groups.named(*lease);
+                    }
+                    Action::LeaseEnded { lease, .. } => {
+                        let ledger = &state.ledger;
+                        state.groups.ended(*lease, |l| ledger.is_out(l));
+                    }
+                    _ => {}
+                }
+            }
             let mut todo = Todo::default();
             // The links (and supervised children) the actions reach, looked up under the lock.
             for action in &actions {
@@ -677,13 +738,18 @@ impl Exports {
     /// produced the buffer) as its acquire fence. `fd_slot` is where a descriptor would
     /// sit among the frame's descriptors: the allocation's descriptor comes back only when
     /// this offer starts a mapping hold (a pool's: when its descriptor has not crossed this
-    /// link yet).
+    /// link yet). `with`: the offer is a part of that lease (granted over the same link
+    /// for the same frame), the lease over several buffers the offer names.
     ///
     /// One writer or many readers, per range: a writable lease is refused while any other
     /// lease that overlaps its range is out, and any lease while a writable one that
     /// overlaps it is, or while the owner writes the buffer in place (the flag is read
     /// under the lock, after which `Buffer::as_mut_slice` counts the leases under the same
     /// lock: one of the two sees the other).
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "what one offer of a frame is: the buffer, its part and access, the link, its place among the frame's descriptors and offers, its fence"
+    )]
     pub(crate) fn grant(
         &self,
         cell: &BufferCell,
@@ -692,6 +758,7 @@ impl Exports {
         link: &LinkRef,
         fd_slot: u8,
         fence: Option<Arc<dyn ExportedFence>>,
+        with: Option<LeaseId>,
     ) -> Result<(Offer, Option<OwnedFd>, OfferGrant), ActorError> {
         let bytes = cell.bytes_of(part);
         let lease = crate::ids::next_lease();
@@ -733,7 +800,14 @@ impl Exports {
                     Refusal::LinkDown => ActorError::link_closed(link.peer()),
                     _ => ActorError::UnknownBuffer(cell.id),
                 })?;
-            OfferGrant { ledger, pool }
+            if let Some(first) = with {
+                state.groups.join(first, lease);
+            }
+            OfferGrant {
+                lease,
+                ledger,
+                pool,
+            }
         };
         let handle = fence.as_ref().map(|f| f.handle());
         let send_fd = match cell.alloc.descriptor_scope() {
@@ -746,9 +820,9 @@ impl Exports {
             bytes,
             layout: cell.layout_of(part),
         };
-        let built = self.build_offer(parts, lease, send_fd, fd_slot, handle);
+        let built = self.build_offer(parts, with.unwrap_or(lease), send_fd, fd_slot, handle);
         if built.is_err() {
-            self.ungrant(lease, grant, link.id);
+            self.ungrant(grant, link.id);
         }
         let (offer, fd) = built?;
         Ok((offer, fd, grant))
@@ -772,6 +846,11 @@ impl Exports {
             // One writer or many readers holds for forwarded leases too: a writable lease
             // is its holder's alone (its `as_mut_slice` relies on it). The acquire fence is
             // made below, unlocked, and kept with the lease then.
+            if state.groups.parts.contains_key(&via) {
+                return Err(ActorError::ForwardRefused {
+                    reason: format!("{via} is a lease over several buffers: it is not forwarded"),
+                });
+            }
             let (alloc, bytes) = state
                 .ledger
                 .grant_relayed(via, link.id, lease, holder, max, Instant::now(), None)
@@ -794,8 +873,8 @@ impl Exports {
         };
         let undo = || {
             self.ungrant(
-                lease,
                 OfferGrant {
+                    lease,
                     ledger: Grant { new_hold: false },
                     pool: None,
                 },
@@ -893,7 +972,8 @@ impl Exports {
     /// Takes back a lease whose offer (over `link`) was never sent. `grant` is what
     /// [`grant`](Self::grant) returned (for a relayed lease: no hold, no pool); the ledger
     /// remembers both, and undoes what it recorded.
-    pub(crate) fn ungrant(&self, lease: LeaseId, grant: OfferGrant, link: LinkId) {
+    pub(crate) fn ungrant(&self, grant: OfferGrant, link: LinkId) {
+        let lease = grant.lease;
         self.apply(|s| {
             let undone = s.ledger.ungrant(lease);
             debug_assert!(
@@ -903,7 +983,9 @@ impl Exports {
         });
     }
 
-    /// The peer over `link` gave `lease` back, after the work its `fences` follow.
+    /// The peer over `link` gave `lease` back, after the work its `fences` follow — every
+    /// part of it, for a lease over several buffers (each part's buffer waits for all the
+    /// fences: the importer sends one set for the lease).
     pub(crate) fn release(
         &self,
         lease: LeaseId,
@@ -933,7 +1015,18 @@ impl Exports {
                 Err(e) => return Err(e),
             }
             if let Some(order) = order {
-                order.released(fences);
+                order.released(fences.clone());
+            }
+            for part in s.groups.parts.remove(&lease).unwrap_or_default() {
+                s.groups.first.remove(&part);
+                let order = s.ledger.lease_meta(part).map(|m| Arc::clone(&m.order));
+                // A part granted with the lease over the same link; one that ended
+                // already (never, while its first part was out) is no fault of the peer.
+                if s.ledger.release(part, link, fences.iter().cloned()).is_ok() {
+                    if let Some(order) = order {
+                        order.released(fences.clone());
+                    }
+                }
             }
             Ok(())
         })

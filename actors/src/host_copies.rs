@@ -284,6 +284,7 @@ pub(crate) fn open_copy(
         order,
         path,
         copy: Some(cell),
+        parts: None,
     })
 }
 

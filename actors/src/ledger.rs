@@ -1010,7 +1010,6 @@ impl<M, F, D> Ledger<M, F, D> {
     }
 
     /// Whether `lease` is out (granted, not yet back).
-    #[cfg(test)]
     pub(crate) fn is_out(&self, lease: LeaseId) -> bool {
         self.leases.contains_key(&lease)
     }

@@ -15,7 +15,7 @@ use crate::error::ActorError;
 use crate::ids::LinkId;
 pub(crate) use crate::link_session::Notice;
 use actix::prelude::*;
-use baton_ipc::{HolderId, Imported, UseMark};
+use baton_ipc::{ExportedFence, HolderId, Imported, UseMark};
 use baton_messages::protocol::{Offer, Release};
 use baton_messages::{FenceHandle, LeaseId, ProcessId};
 use std::fmt;
@@ -428,7 +428,7 @@ pub(crate) struct ForwardCopy {
     pub(crate) keep: Box<dyn std::any::Any + Send + Sync>,
     /// A device copy's send waits for this first (the exporter's acquire fence, passed
     /// on as ours).
-    pub(crate) fence: Option<Arc<dyn baton_ipc::ExportedFence>>,
+    pub(crate) fence: Option<Arc<dyn ExportedFence>>,
     /// The lease id the peer sees once the bytes landed, or why not.
     pub(crate) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
 }
@@ -461,15 +461,33 @@ pub(crate) struct PeerDied;
 /// use): its uses to wait for, and its view, closed after them.
 pub(crate) struct PendingRelease {
     pub(crate) marks: Vec<Box<dyn UseMark>>,
-    pub(crate) imported: Option<Imported>,
+    /// Release fences a lease over several buffers could not carry (more than
+    /// [`MAX_RELEASE_FENCES`](baton_messages::protocol::MAX_RELEASE_FENCES) that no other
+    /// covers): waited for here instead.
+    pub(crate) fences: Vec<Arc<dyn ExportedFence>>,
+    pub(crate) imported: Vec<Imported>,
 }
 
 impl PendingRelease {
-    /// Blocks until the lease's uses have completed, then lets its view go.
+    /// A lease's uses to wait for (`marks`), then its view to let go.
+    pub(crate) fn new(marks: Vec<Box<dyn UseMark>>, imported: Option<Imported>) -> Self {
+        Self {
+            marks,
+            fences: Vec::new(),
+            imported: imported.into_iter().collect(),
+        }
+    }
+
+    /// Blocks until the lease's uses have completed, then lets its views go.
     pub(crate) fn wait(self) {
         for mark in &self.marks {
             if let Err(e) = mark.synchronize() {
                 tracing::warn!(error = %e, "waiting for a lease's work failed");
+            }
+        }
+        for fence in &self.fences {
+            if let Err(e) = fence.synchronize() {
+                tracing::warn!(error = %e, "waiting for a lease's release fence failed");
             }
         }
         drop(self.imported);

@@ -77,6 +77,16 @@ pub(crate) use copies::CopyReleased;
 use held::HeldBack;
 pub(crate) use held::Turn;
 
+/// The leases a frame's offers name, once each: adjacent offers that name one lease are
+/// its parts (see [`LinkSession::opened`]).
+pub(crate) fn leases_of(offers: &[Offer]) -> impl Iterator<Item = LeaseId> + '_ {
+    offers
+        .iter()
+        .enumerate()
+        .filter(|(i, o)| *i == 0 || offers[i - 1].lease != o.lease)
+        .map(|(_, o)| o.lease)
+}
+
 /// Status answers a link prepares for its peer at once; one more request is a protocol
 /// fault ([`ActorError::TooManyStatusRequests`]).
 pub(crate) const STATUS_ANSWERS: usize = 4;
@@ -753,7 +763,9 @@ impl<A: Attach> LinkSession<A> {
 
     /// Checks a frame's offers before anything is opened: each is the peer's own (a
     /// relayed one: a third process's), offered once, its fence sane, and the leases fit
-    /// the limits. An error is the peer's fault.
+    /// the limits. Adjacent offers that name one lease are its parts (a lease over
+    /// several buffers: never relayed, never over a host link); a lease named apart
+    /// twice is a duplicate. An error is the peer's fault.
     fn check_offers(
         &self,
         offers: &[Offer],
@@ -805,6 +817,15 @@ impl<A: Attach> LinkSession<A> {
                 // Before anything waits on it (forged fences are the peer's fault).
                 checks.check_fence(&exporter, fence)?;
             }
+            // A part of the lease of the offer before it.
+            if i > 0 && offers[i - 1].lease == offer.lease {
+                if relayed || self.across_hosts {
+                    return Err(ActorError::Unexpected {
+                        got: "a lease over several buffers relayed or over a host link",
+                    });
+                }
+                continue;
+            }
             // Held still — or relayed and not given back yet: its own hold on the mapping
             // would be lost under a second one.
             let held = self
@@ -815,7 +836,8 @@ impl<A: Attach> LinkSession<A> {
                 return Err(ActorError::DuplicateLease { lease: offer.lease });
             }
         }
-        if self.held.len() + offers.len() > self.limits.leases_held {
+        let leases = leases_of(offers).count();
+        if self.held.len() + leases > self.limits.leases_held {
             return Err(ActorError::TooManyLeases {
                 max: self.limits.leases_held,
             });
@@ -928,15 +950,28 @@ impl<A: Attach> LinkSession<A> {
     /// An offer of an [`Action::Open`] opened: its lease is held (through `held`), its
     /// mapping `kept`. For an offer of the peer's own buffer, returns whether it is the
     /// first over this link — a *hold* starts, that keeps the mapping warm for the next
-    /// offer until the peer says `Unmap`.
-    pub(crate) fn opened(&mut self, offer: &Offer, guard: A::Held, kept: Kept<A>) -> bool {
+    /// offer until the peer says `Unmap`. `part`: the offer is a part of the lease of the
+    /// offer opened before it (a lease over several buffers), held already through that
+    /// one's guard; its bytes count with it.
+    pub(crate) fn opened(
+        &mut self,
+        offer: &Offer,
+        guard: A::Held,
+        kept: Kept<A>,
+        part: bool,
+    ) -> bool {
         let (new_hold, own) = match kept {
             Kept::Warm(m) => (self.mapped.insert(offer.handle.alloc, m).is_none(), None),
             Kept::Own(own) => (false, Some(own)),
         };
         let bytes = offer.handle.len;
-        self.held
-            .insert(offer.lease, HeldFrom { guard, bytes, own });
+        match self.held.get_mut(&offer.lease).filter(|_| part) {
+            Some(held) => held.bytes = held.bytes.saturating_add(bytes),
+            None => {
+                self.held
+                    .insert(offer.lease, HeldFrom { guard, bytes, own });
+            }
+        }
         new_hold
     }
 
@@ -947,8 +982,8 @@ impl<A: Attach> LinkSession<A> {
     pub(crate) fn refused(&self, offers: &[Offer], relayed: bool) -> Vec<Wire> {
         let mut frames = Vec::with_capacity(offers.len() + 1);
         let mut unmapped: Vec<AllocationId> = Vec::new();
+        frames.extend(leases_of(offers).map(|lease| Wire::Release(Release::now(lease))));
         for offer in offers {
-            frames.push(Wire::Release(Release::now(offer.lease)));
             let alloc = offer.handle.alloc;
             if !relayed && !self.mapped.contains_key(&alloc) && !unmapped.contains(&alloc) {
                 unmapped.push(alloc);
@@ -982,6 +1017,13 @@ impl<A: Attach> LinkSession<A> {
     /// Leases held from the peer now.
     pub(crate) fn held(&self) -> usize {
         self.held.len()
+    }
+
+    /// The bytes a lease held from the peer maps (every part's, for a lease over several
+    /// buffers).
+    #[cfg(test)]
+    pub(crate) fn held_bytes(&self, lease: LeaseId) -> Option<u64> {
+        self.held.get(&lease).map(|h| h.bytes)
     }
 
     /// Whether this link keeps the peer's `alloc` mapped.

@@ -157,6 +157,7 @@ impl AnyBuffer {
                 fence: None,
                 writable: false,
                 part: None,
+                joins: false,
             }),
         }
     }
@@ -204,6 +205,23 @@ impl AnyShared {
         Self {
             inner: SharedInner::Incoming(Box::new(lease)),
         }
+    }
+
+    /// Leases this buffer, when the message is sent, as a part of the lease of the buffer
+    /// before it in the message (and so on back, over every buffer so marked): the
+    /// receiver holds **one lease over several buffers**. Each part is still opened and
+    /// viewed on its own, but the lease goes back — one `Release`, every part's buffer
+    /// then free of it — only once every part's guard has dropped, and a revoke of any
+    /// part asks for them all. It costs the peer one lease (and its frames) where it
+    /// held one per buffer: what a model lent as many allocations needs
+    /// (`Node.borrow_tensors` in Python). No effect on the message's first buffer, on a
+    /// received buffer, or over a link to another host (each buffer crosses as its own
+    /// copy there).
+    pub fn lease_with_previous(mut self) -> Self {
+        if let SharedInner::Local(out) = &mut self.inner {
+            out.joins = true;
+        }
+        self
     }
 
     /// Whether this is a received buffer (as opposed to one about to be sent).

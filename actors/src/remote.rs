@@ -266,6 +266,7 @@ impl<T: Element> Serialize for Shared<T> {
                     fence: out.fence.clone(),
                     writable: out.writable,
                     part: out.part.clone(),
+                    joins: out.joins,
                 });
                 cells.len() - 1
             })

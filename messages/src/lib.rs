@@ -89,7 +89,7 @@ pub use sync::{SyncCancel, SyncStamp, VersionFault};
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer
 /// speaking another version is refused before its payload is decoded.
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

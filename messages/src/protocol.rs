@@ -143,6 +143,14 @@ pub struct Refused {
 ///
 /// The lease exists from the moment the offer is sent, so an offer lost in flight still
 /// holds the buffer until the link closes.
+///
+/// **A lease over several buffers.** Adjacent offers of one frame that name the same
+/// `lease` are its *parts*: the receiver holds one lease, gives it back with one
+/// [`Release`] (once it is done with every part; its fences follow every part's uses),
+/// and a [`Revoke`] of it asks for every part. Each part is still its own handle, checked
+/// and opened on its own. A lease named by offers that are not adjacent is a duplicate (a
+/// protocol fault), and so are parts in a [`Relayed`] offer or over a link to another
+/// host. Since protocol version 3.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub struct Offer {

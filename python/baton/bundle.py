@@ -569,13 +569,16 @@ class BundleLease:
 
 
 class BundleGroup:
-    """Several bundles lent as one: one message field, opened by the receiver in one call
-    into one :class:`BundleGroupLease`, loaded with one :class:`CopyPlan` (one kernel
-    launch for every tensor of every bundle) and given back in one call. What
-    ``Node.borrow_tensors`` returns — a model's tensors lie in many allocations of
-    PyTorch's caching allocator, one bundle (one lease) each — and what
-    ``BundleGroup([b1, b2, ...])`` makes of bundles of yours. It is also a sequence of its
-    bundles. Each bundle stays its own lease: ``returned()`` waits for every one."""
+    """Several bundles lent as one: one message field and **one lease over all their
+    buffers**, opened by the receiver in one call into one :class:`BundleGroupLease`,
+    loaded with one :class:`CopyPlan` (one kernel launch for every tensor of every bundle)
+    and given back with one ``Release``. What ``Node.borrow_tensors`` returns — a model's
+    tensors lie in many allocations of PyTorch's caching allocator, one bundle each — and
+    what ``BundleGroup([b1, b2, ...])`` makes of bundles of yours. It is also a sequence
+    of its bundles. The receiver's lease goes back once every bundle of it is released
+    (a ``Lease`` of one bundle released alone waits for the others), and a revoke of any
+    bundle asks for the whole lease. ``returned()`` waits until every bundle is back.
+    Over a link to another host each bundle crosses as its own copy and lease."""
 
     __slots__ = ("_bundles", "_layout")
 

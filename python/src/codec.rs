@@ -292,13 +292,23 @@ fn to_value(
     }
     // A `baton.Bundle` (Python, `baton/bundle.py`) says what it is on the wire.
     if obj.hasattr(WIRE_METHOD)? {
-        return to_value(
+        let first = buffers.len();
+        let value = to_value(
             &obj.call_method0(WIRE_METHOD)?,
             buffers,
             device,
             order,
             depth + 1,
-        );
+        )?;
+        // A `baton.BundleGroup`: its bundles' buffers (one each, in order) are leased as
+        // one lease over them all.
+        if let Value::Map(entries) = &value {
+            if entries.iter().any(|(k, _)| k.as_str() == Some(GROUP_KEY)) && first < buffers.len() {
+                let parts = buffers.split_off(first + 1);
+                buffers.extend(parts.into_iter().map(AnyShared::lease_with_previous));
+            }
+        }
+        return Ok(value);
     }
     // NumPy scalars and other numbers.
     if obj.hasattr("__index__")? {

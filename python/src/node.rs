@@ -439,8 +439,8 @@ impl Node {
     /// each contiguous, on this node's device. Returns a `baton.BundleGroup` of one
     /// `baton.Bundle` per CUDA allocation the tensors lie in (PyTorch's caching allocator
     /// packs small tensors into shared segments), each naming its tensors where they are:
-    /// sent as one message field, the receiver opens the group in one call and loads it
-    /// with one `CopyPlan` (each bundle is still its own lease). The tensors' storages are kept alive until Baton is done
+    /// sent as one message field and one lease over every allocation, the receiver opens
+    /// the group in one call and loads it with one `CopyPlan`. The tensors' storages are kept alive until Baton is done
     /// with them (no handle, lease or mapping left, no work pending). A peer a bundle is
     /// leased to can reach its whole allocation, not only the tensors named. Refused
     /// (`baton.NotBorrowable`) for expandable segments and other memory legacy CUDA IPC

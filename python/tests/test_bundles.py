@@ -4,7 +4,9 @@ and Rust, and between two Python nodes; forged layouts refused with the link unh
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -368,6 +370,47 @@ def test_a_bundle_group_is_sent_opened_loaded_and_given_back_as_one(node, token_
             assert seen_step == step * 100 + sorted(dst).index("step")
             for i, name in enumerate(sorted(dst)):
                 assert (dst[name] == step * 100 + i).all(), (step, name)
+    finally:
+        sender.close()
+
+
+def test_a_bundle_group_is_one_lease_back_once_every_bundle_is_released(
+        node, token_file, short_dir):
+    """A group is one lease over its bundles' buffers: the receiver's lease of a bundle
+    released alone stays out until every bundle of the group is released, then all of
+    them are back at once; the sender's ledger keeps a part per buffer."""
+    node.listen(short_dir, "py.sock")
+    sender = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("group", "py.Group")
+        group = baton.BundleGroup(sender.allocate_bundle([(f"b{i}", (8,), "float32")])
+                                  for i in range(3))
+        steps = queue.Queue()
+
+        def serve() -> None:
+            call = mailbox.recv(timeout=DEADLINE)
+            opened = call.message["weights"].open()
+            call.reply(None)
+            for lease in opened.leases:
+                steps.get(timeout=DEADLINE)
+                lease.release()
+            steps.get(timeout=DEADLINE)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        assert to_node.call("group", "py.Group", {"weights": group}, timeout=DEADLINE) is None
+        parts = [lid for row in sender.lease_table() for lid, _ in row["leases"]]
+        assert len(parts) == 3 and len(set(parts)) == 3, "a part per buffer"
+        for released in range(2):
+            steps.put("release one")
+            time.sleep(0.3)
+            assert group.leases_out == 3, f"{released + 1} of 3 released: the lease is out"
+        steps.put("release the last")
+        group.returned(timeout=DEADLINE)
+        assert group.leases_out == 0
+        steps.put("done")
+        server.join(timeout=DEADLINE)
     finally:
         sender.close()
 

@@ -51,6 +51,18 @@ impl RemoteMessage for KeepUntilRevoked {
     const NAME: &'static str = "api.KeepUntilRevoked";
 }
 
+/// Keep every lease until the exporter revokes the first one (sent as one lease over them
+/// all: a revoke of any asks for them all), then drop them all.
+#[derive(Debug, Serialize, Deserialize, Message)]
+#[rtype(result = "()")]
+pub struct KeepAllUntilRevoked {
+    pub data: Vec<Shared<u32>>,
+}
+
+impl RemoteMessage for KeepAllUntilRevoked {
+    const NAME: &'static str = "api.KeepAllUntilRevoked";
+}
+
 /// Answers, for each revoke the holding actor handled, how many milliseconds it had left
 /// before the deadline when it learned of it.
 #[derive(Debug, Serialize, Deserialize, Message)]

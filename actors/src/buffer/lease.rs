@@ -21,6 +21,99 @@ pub(crate) struct IncomingLease {
     pub(crate) copy: Option<Arc<BufferCell>>,
     /// How its bytes reached us ([`Lease::path`]).
     pub(crate) path: LeasePath,
+    /// A part of a lease over several buffers: the parts' guards share this, and the last
+    /// to drop sends the lease's `Release` (see [`LeaseParts`]).
+    pub(crate) parts: Option<Arc<LeaseParts>>,
+}
+
+/// The parts of a lease over several buffers, gathering what each part's guard leaves as
+/// it drops: the release fences (only those no other covers: a counter slot's latest
+/// value covers its earlier ones, so at most one per slot) and what must be waited for.
+/// The last part to drop — when this drops — sends the lease's one `Release`, with them.
+pub(crate) struct LeaseParts {
+    lease: LeaseId,
+    link: LinkHandle,
+    back: std::sync::Mutex<PartsBack>,
+}
+
+#[derive(Default)]
+struct PartsBack {
+    fences: Vec<Arc<dyn ExportedFence>>,
+    pending: Option<PendingRelease>,
+    /// Given back already, unopened (the link refused the frame): nothing to send.
+    refused: bool,
+}
+
+impl LeaseParts {
+    pub(crate) fn new(lease: LeaseId, link: LinkHandle) -> Arc<Self> {
+        Arc::new(Self {
+            lease,
+            link,
+            back: std::sync::Mutex::new(PartsBack::default()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PartsBack> {
+        self.back.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The link gave the lease back itself (a part could not be opened): the parts
+    /// opened already send nothing when they drop.
+    pub(crate) fn refused(&self) {
+        self.lock().refused = true;
+    }
+
+    /// A part dropped, leaving `fence` (after its uses) or `pending` (its uses to wait
+    /// for, when no fence could be made).
+    fn part_back(&self, fence: Option<Arc<dyn ExportedFence>>, pending: Option<PendingRelease>) {
+        let mut back = self.lock();
+        if let Some(fence) = fence {
+            let handle = fence.handle();
+            if !back.fences.iter().any(|f| f.handle().covers(&handle)) {
+                back.fences.retain(|f| !handle.covers(&f.handle()));
+                back.fences.push(fence);
+            }
+        }
+        if let Some(p) = pending {
+            let all = (back.pending).get_or_insert_with(|| PendingRelease::new(Vec::new(), None));
+            all.marks.extend(p.marks);
+            all.fences.extend(p.fences);
+            all.imported.extend(p.imported);
+        }
+    }
+}
+
+impl Drop for LeaseParts {
+    fn drop(&mut self) {
+        let back = std::mem::take(&mut *self.lock());
+        let mut pending = back.pending;
+        let mut fences = back.fences;
+        // More than a `Release` may carry (event fences: none covers another): the
+        // oldest are waited for before it goes.
+        let over = fences
+            .len()
+            .saturating_sub(baton_messages::protocol::MAX_RELEASE_FENCES);
+        if over > 0 {
+            let waited = fences.drain(..over);
+            (pending.get_or_insert_with(|| PendingRelease::new(Vec::new(), None)))
+                .fences
+                .extend(waited);
+        }
+        if back.refused {
+            if let Some(pending) = pending {
+                pending.wait();
+            }
+        } else if self.link.is_alive() {
+            self.link.do_send(ReleaseLease {
+                lease: self.lease,
+                fences: fences.iter().map(|f| f.handle()).collect(),
+                pending,
+            });
+        } else if let Some(pending) = pending {
+            // The exporter is gone; the mappings still must outlive our work on them.
+            pending.wait();
+        }
+    }
 }
 
 impl LeasePath {
@@ -127,6 +220,24 @@ impl Drop for IncomingLease {
         // (its mapping closes — after that fence — if it was the last), then the Release
         // with the fence, queued on the link without blocking.
         let imported = self.imported.take();
+        if let Some(parts) = self.parts.take() {
+            // A part of a lease over several buffers: the last part sends the `Release`.
+            let (fence, pending) = match self.order.finish() {
+                Finished::Idle => {
+                    drop(imported);
+                    (None, None)
+                }
+                Finished::Fence(fence) => {
+                    if let Some(imported) = imported {
+                        imported.release_after(fence.local_handle());
+                    }
+                    (Some(fence), None)
+                }
+                Finished::Wait(marks) => (None, Some(PendingRelease::new(marks, imported))),
+            };
+            parts.part_back(fence, pending);
+            return;
+        }
         if let Some(copy) = self.copy.take() {
             // Our own buffer: the view goes after the work queued on it, then the buffer
             // (freed once nothing maps it); its lease went back when it landed.
@@ -137,7 +248,7 @@ impl Drop for IncomingLease {
                         imported.release_after(fence.local_handle());
                     }
                 }
-                Finished::Wait(marks) => PendingRelease { marks, imported }.wait(),
+                Finished::Wait(marks) => PendingRelease::new(marks, imported).wait(),
             }
             drop(copy);
             return;
@@ -158,7 +269,7 @@ impl Drop for IncomingLease {
                 drop(fence);
                 (vec![handle], None)
             }
-            Finished::Wait(marks) => (Vec::new(), Some(PendingRelease { marks, imported })),
+            Finished::Wait(marks) => (Vec::new(), Some(PendingRelease::new(marks, imported))),
         };
         if self.link.is_alive() {
             self.link.do_send(ReleaseLease {
@@ -195,6 +306,9 @@ pub(crate) struct Outgoing {
     /// The part of the buffer a range lease covers ([`Buffer::share_range`]); `None`:
     /// all of it.
     pub(crate) part: Option<Part>,
+    /// Leased as a part of the lease of the buffer before it in the message: one lease
+    /// over several buffers ([`AnyShared::lease_with_previous`](crate::AnyShared::lease_with_previous)).
+    pub(crate) joins: bool,
 }
 
 impl Outgoing {
@@ -249,6 +363,24 @@ impl<T: Element> Shared<T> {
     /// Whether this is a received buffer (as opposed to one about to be sent).
     pub fn is_received(&self) -> bool {
         matches!(self.inner, SharedInner::Incoming(_))
+    }
+
+    /// Sent as a part of the lease of the buffer serialized just before it in the same
+    /// message: one lease over several buffers (see
+    /// [`AnyShared::lease_with_previous`](crate::AnyShared::lease_with_previous)). Fields
+    /// serialize in declaration order, and a `Vec`'s items in theirs:
+    ///
+    /// ```ignore
+    /// Weights { parts: bufs.iter().enumerate().map(|(i, b)| match i {
+    ///     0 => b.share(),
+    ///     _ => b.share().lease_with_previous(),
+    /// }).collect() }
+    /// ```
+    pub fn lease_with_previous(mut self) -> Self {
+        if let SharedInner::Local(out) = &mut self.inner {
+            out.joins = true;
+        }
+        self
     }
 
     /// Its layout.

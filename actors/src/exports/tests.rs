@@ -92,12 +92,18 @@ fn a_grant_over_a_link_whose_peer_was_confirmed_dead_is_link_closed() {
     let link = link_to(peer);
     exports.link_up(&link);
     // Granted while the link is up (and given back): the buffer itself is grantable.
-    let (offer, _fd, grant) = exports.grant(&cell, None, false, &link, 0, None).unwrap();
-    exports.ungrant(offer.lease, grant, link.id);
+    let (offer, _fd, grant) = exports
+        .grant(&cell, None, false, &link, 0, None, None)
+        .unwrap();
+    assert_eq!(offer.lease, grant.lease);
+    exports.ungrant(grant, link.id);
 
     // The death watch saw the peer die; its link actor has not stopped yet.
     exports.process_dead(peer);
-    assert_link_closed(exports.grant(&cell, None, false, &link, 0, None), peer);
+    assert_link_closed(
+        exports.grant(&cell, None, false, &link, 0, None, None),
+        peer,
+    );
     assert_eq!(exports.leases_on(cell.id), 0, "nothing granted");
     assert_eq!(
         exports.stats(None).granted,
@@ -113,7 +119,10 @@ fn a_grant_over_a_cut_link_is_link_closed() {
     let link = link_to(peer);
     exports.link_up(&link);
     exports.link_cut(link.id);
-    assert_link_closed(exports.grant(&cell, None, false, &link, 0, None), peer);
+    assert_link_closed(
+        exports.grant(&cell, None, false, &link, 0, None, None),
+        peer,
+    );
     assert_eq!(exports.leases_on(cell.id), 0);
 }
 
@@ -122,7 +131,9 @@ fn leased_to_relay() -> (Arc<Exports>, Arc<BufferCell>, LinkRef, LeaseId) {
     let (exports, cell) = exports_with_a_buffer();
     let link = link_to(process(5000));
     exports.link_up(&link);
-    let (offer, _fd, _grant) = exports.grant(&cell, None, false, &link, 0, None).unwrap();
+    let (offer, _fd, _grant) = exports
+        .grant(&cell, None, false, &link, 0, None, None)
+        .unwrap();
     (exports, cell, link, offer.lease)
 }
 

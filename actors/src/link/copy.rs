@@ -134,6 +134,7 @@ impl PeerLink {
             &self.me,
             0,
             fence.clone(),
+            None,
         )?;
         drop(fd);
         // The bytes the lease covers are what is sent.
@@ -161,7 +162,7 @@ impl PeerLink {
                 Ok((offer, grant))
             }
             Err(e) => {
-                self.node.exports().ungrant(offer.lease, grant, self.me.id);
+                self.node.exports().ungrant(grant, self.me.id);
                 Err(e.into())
             }
         }

@@ -148,8 +148,8 @@ impl PeerLink {
                 }
                 if sent.is_err() {
                     self.node.exports().ungrant(
-                        new,
                         crate::exports::OfferGrant {
+                            lease: new,
                             ledger: crate::ledger::Grant { new_hold: false },
                             pool: None,
                         },

@@ -4,7 +4,7 @@
 //! ours.
 
 use super::{Attached, PeerLink};
-use crate::buffer::{HeldLease, IncomingLease};
+use crate::buffer::{HeldLease, IncomingLease, LeaseParts};
 use crate::error::ActorError;
 use crate::link_session::{Kept, Open, Then};
 use crate::order::LeaseOrder;
@@ -123,14 +123,33 @@ impl PeerLink {
         views: Vec<Result<Imported, baton_ipc::Error>>,
         relayed: bool,
     ) -> Result<Opened<Vec<IncomingLease>>, ActorError> {
-        let mut leases = Vec::with_capacity(offers.len());
+        let mut leases: Vec<IncomingLease> = Vec::with_capacity(offers.len());
+        // The parts of the lease over several buffers being opened, and its guard.
+        let mut parts: Option<(Arc<LeaseParts>, Arc<HeldLease>)> = None;
         for (i, (offer, view)) in offers.iter().zip(views).enumerate() {
+            let part = i > 0 && offers[i - 1].lease == offer.lease;
+            if !part {
+                parts = None;
+            }
             let imported = match view {
                 Ok(imported) => imported,
                 Err(e) if e.is_local_open_failure() => {
                     tracing::warn!(lease = %offer.lease, alloc = %offer.handle.alloc, error = %e, "could not open an offer: refused");
+                    // A lease over several buffers goes back whole: its parts opened
+                    // already send nothing, and the lease is given back with the rest.
+                    let mut from = i;
+                    if part {
+                        from = offers[..i]
+                            .iter()
+                            .rposition(|o| o.lease != offer.lease)
+                            .map_or(0, |p| p + 1);
+                        if let Some((parts, _)) = &parts {
+                            parts.refused();
+                        }
+                        self.session.released(offer.lease);
+                    }
                     drop(leases);
-                    for frame in self.session.refused(&offers[i..], relayed) {
+                    for frame in self.session.refused(&offers[from..], relayed) {
                         self.send(&frame, Vec::new())?;
                     }
                     return Ok(Err(e));
@@ -147,12 +166,27 @@ impl PeerLink {
             } else {
                 Kept::Warm(key)
             };
-            let held = Arc::new(HeldLease::default());
+            // A lease over several buffers: its parts share one guard and one release.
+            if !part
+                && offers
+                    .get(i + 1)
+                    .is_some_and(|next| next.lease == offer.lease)
+            {
+                let first = LeaseParts::new(offer.lease, self.me.clone());
+                parts = Some((first, Arc::new(HeldLease::default())));
+            }
+            let (lease_parts, held) = match &parts {
+                Some((p, held)) => (Some(Arc::clone(p)), Arc::clone(held)),
+                None => (None, Arc::new(HeldLease::default())),
+            };
             // The first offer of an allocation over this link starts a hold: the mapping
             // stays warm for the next offer until the exporter says `Unmap`. (A hold that
             // was letting go while leases used the mapping is superseded: the cache answers
             // its `Unmapped`.)
-            if self.session.opened(offer, Arc::downgrade(&held), kept) {
+            if self
+                .session
+                .opened(offer, Arc::downgrade(&held), kept, part)
+            {
                 self.node.cache().hold(&key, self.me.holder());
             }
             self.me
@@ -174,6 +208,7 @@ impl PeerLink {
                 order,
                 copy: None,
                 path,
+                parts: lease_parts,
             });
         }
         Ok(Ok(leases))

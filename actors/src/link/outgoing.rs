@@ -138,6 +138,8 @@ impl PeerLink {
                     &self.me,
                     fds.len() as u8,
                     fence,
+                    // A part of the lease of the offer before it: that offer names it.
+                    offers.last().map(|o: &Offer| o.lease).filter(|_| out.joins),
                 )
             });
             match granted {
@@ -170,7 +172,7 @@ impl PeerLink {
         // Newest first, so that the grant that started a hold is undone last.
         for (offer, grant) in offers.iter().zip(grants).rev() {
             self.copy_unsent(offer.lease);
-            self.node.exports().ungrant(offer.lease, *grant, self.me.id);
+            self.node.exports().ungrant(*grant, self.me.id);
         }
     }
 

@@ -224,9 +224,15 @@ fn open_all(s: &mut LinkSession<Plain>, actions: Vec<Action<Plain>>) -> Vec<(Lea
         let Action::Open(open) = action else {
             panic!("an open was expected")
         };
-        for offer in &open.offers {
+        for (i, offer) in open.offers.iter().enumerate() {
             let guard = Arc::new(());
-            s.opened(offer, Arc::downgrade(&guard), kept(offer, open.relayed));
+            let part = i > 0 && open.offers[i - 1].lease == offer.lease;
+            s.opened(
+                offer,
+                Arc::downgrade(&guard),
+                kept(offer, open.relayed),
+                part,
+            );
             guards.push((offer.lease, guard));
         }
     }
@@ -598,13 +604,62 @@ fn a_lease_offered_twice_in_one_frame_is_a_fault() {
     let mut s = session();
     let e = fault(
         &mut s,
-        call(1, vec![offer(7, 1), offer(7, 2)]),
+        call(1, vec![offer(7, 1), offer(8, 1), offer(7, 2)]),
         &Node::default(),
     );
     assert!(
         matches!(e, ActorError::DuplicateLease { lease } if lease == LeaseId::new(7)),
         "{e}"
     );
+}
+
+/// Adjacent offers that name one lease are its parts: one lease over several buffers,
+/// held (and counted against the limit) once, its bytes summed, given back with one
+/// `Release` if refused; never relayed, and never over a host link.
+#[test]
+fn adjacent_offers_of_one_lease_are_its_parts() {
+    let mut s = session();
+    let actions = handle(&mut s, call(1, vec![offer(7, 1), offer(7, 2), offer(8, 3)]));
+    let Action::Open(open) = &actions[0] else {
+        panic!("an open was expected")
+    };
+    assert_eq!(
+        s.refused(&open.offers, false).len(),
+        2 + 3,
+        "two releases, three unmaps"
+    );
+    let guards = open_all(&mut s, actions);
+    assert_eq!(s.held(), 2);
+    assert_eq!(
+        s.held_bytes(LeaseId::new(7)),
+        Some(2 * offer(7, 1).handle.len)
+    );
+    // The limit (6) counts leases, not parts: four more fit, in eight offers.
+    let actions = handle(
+        &mut s,
+        call(
+            2,
+            vec![offer(9, 4), offer(9, 5), offer(10, 4), offer(11, 4)],
+        ),
+    );
+    let mut more = open_all(&mut s, actions);
+    let actions = handle(&mut s, call(3, vec![offer(12, 4); 4]));
+    more.extend(open_all(&mut s, actions));
+    assert_eq!(s.held(), 6);
+    let e = fault(
+        &mut s,
+        call(4, vec![offer(13, 4), offer(13, 5)]),
+        &Node::default(),
+    );
+    assert!(matches!(e, ActorError::TooManyLeases { .. }), "{e}");
+    drop(guards);
+    let mut host = session().across_hosts(peer());
+    let e = fault(
+        &mut host,
+        call(1, vec![copy_of(peer(), 7, 1), copy_of(peer(), 7, 2)]),
+        &Node::default(),
+    );
+    assert!(matches!(e, ActorError::Unexpected { .. }), "{e}");
 }
 
 #[test]
@@ -1163,10 +1218,10 @@ fn the_first_offer_of_an_allocation_starts_a_hold() {
     let a = offer(1, 1);
     let b = offer(2, 1);
     let (ga, gb) = (Arc::new(()), Arc::new(()));
-    assert!(s.opened(&a, Arc::downgrade(&ga), Kept::Warm(1)));
-    assert!(!s.opened(&b, Arc::downgrade(&gb), Kept::Warm(1)));
+    assert!(s.opened(&a, Arc::downgrade(&ga), Kept::Warm(1), false));
+    assert!(!s.opened(&b, Arc::downgrade(&gb), Kept::Warm(1), false));
     assert!(
-        !s.opened(&offer(3, 2), Arc::downgrade(&gb), Kept::Own(3)),
+        !s.opened(&offer(3, 2), Arc::downgrade(&gb), Kept::Own(3), false),
         "relayed"
     );
     assert_eq!(s.held(), 3);
@@ -1559,16 +1614,33 @@ impl Model {
             if across && local {
                 return Some(Fault::NotACopy);
             }
+            // A part of the lease before it: one lease over several buffers, never
+            // relayed or across hosts.
+            if i > 0 && offers[i - 1].0 == lease {
+                if relayed || across {
+                    return Some(Fault::Foreign);
+                }
+                continue;
+            }
             let live = self.live(lease) || self.relayed.contains(&lease);
             if live || offers[..i].iter().any(|o| o.0 == lease) {
                 return Some(Fault::Duplicate);
             }
         }
-        if self.held.len() + offers.len() > LIMITS.leases_held {
+        if self.held.len() + runs(offers.iter().map(|o| o.0)) > LIMITS.leases_held {
             return Some(Fault::TooManyLeases);
         }
         None
     }
+}
+
+/// How many leases offers name, adjacent offers of one lease being its parts.
+fn runs(leases: impl IntoIterator<Item = u64>) -> usize {
+    let mut last = None;
+    leases
+        .into_iter()
+        .filter(|&l| last.replace(l) != Some(l))
+        .count()
 }
 
 /// An offer as the model sees it: lease, allocation, exporter, and whether it is a handle
@@ -1707,20 +1779,25 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                             .iter()
                             .filter(|w| matches!(w, Wire::Release(_)))
                             .count();
-                        prop_assert_eq!(releases, offers.len());
+                        prop_assert_eq!(releases, runs(offers.iter().map(|o| o.0)));
                     } else {
                         prop_assert_eq!(actions.len(), 1);
                         let Action::Open(open) = &actions[0] else {
                             return Err(TestCaseError::fail("an open was expected"));
                         };
                         let upto = fails_at.unwrap_or(usize::MAX).min(open.offers.len());
-                        for o in &open.offers[..upto] {
+                        for (i, o) in open.offers[..upto].iter().enumerate() {
                             let guard = Arc::new(());
-                            let new_hold = s.opened(o, Arc::downgrade(&guard), kept(o, relayed));
+                            let part = i > 0 && open.offers[i - 1].lease == o.lease;
+                            let new_hold =
+                                s.opened(o, Arc::downgrade(&guard), kept(o, relayed), part);
                             let alloc = o.handle.alloc.get();
                             prop_assert_eq!(new_hold, !relayed && m.mapped.insert(alloc));
                             m.held.insert(o.lease.get(), true);
-                            m.guards.push((o.lease.get(), guard));
+                            if !part {
+                                // A part is held through its lease's first part's guard.
+                                m.guards.push((o.lease.get(), guard));
+                            }
                             match relayed {
                                 true => m.relayed.insert(o.lease.get()),
                                 false => m.relayed.remove(&o.lease.get()),
@@ -1737,7 +1814,8 @@ fn run(across: bool, steps: Vec<Step>) -> Result<Outcome, TestCaseError> {
                                     .filter(|a| !m.mapped.contains(a))
                                     .collect()
                             };
-                            prop_assert_eq!(back.len(), open.offers.len() - upto + unmapped.len());
+                            let leases = runs(open.offers[upto..].iter().map(|o| o.lease.get()));
+                            prop_assert_eq!(back.len(), leases + unmapped.len());
                         }
                     }
                 }

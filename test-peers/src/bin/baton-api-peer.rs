@@ -96,6 +96,26 @@ impl Handler<KeepUntilRevoked> for ApiActor {
     }
 }
 
+impl Handler<KeepAllUntilRevoked> for ApiActor {
+    type Result = ();
+    fn handle(&mut self, msg: KeepAllUntilRevoked, ctx: &mut Context<Self>) {
+        let leases: Vec<_> = (msg.data.into_iter())
+            .map(|s| s.open().expect("a received buffer"))
+            .collect();
+        let Some(first) = leases.first() else { return };
+        ctx.spawn(
+            first
+                .revoked()
+                .into_actor(self)
+                .map(move |deadline, act, _| {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    act.revocations.push(left.as_millis() as u64);
+                    drop(leases);
+                }),
+        );
+    }
+}
+
 impl Handler<Revocations> for ApiActor {
     type Result = Vec<u64>;
     fn handle(&mut self, _: Revocations, _: &mut Context<Self>) -> Vec<u64> {
@@ -140,6 +160,7 @@ async fn main() {
     node.register::<SumBundle>("api.bundle", actor.clone().recipient());
     node.register::<GiveBack>("api.give", actor.clone().recipient());
     node.register::<KeepUntilRevoked>("api.revocable", actor.clone().recipient());
+    node.register::<KeepAllUntilRevoked>("api.revocable_all", actor.clone().recipient());
     node.register::<Revocations>("api.revocations", actor.clone().recipient());
     node.register::<Fill>("api.fill", actor.clone().recipient());
     node.register::<WhichBackend>("api.backend", actor.recipient());
