@@ -60,18 +60,27 @@ fn link_to(peer: ProcessId) -> LinkRef {
 
 /// Exports with one live buffer of 4 KiB of memfd host memory (nothing in `/dev/shm`).
 fn exports_with_a_buffer() -> (Arc<Exports>, Arc<BufferCell>) {
+    let (exports, mut cells) = exports_with_buffers(1);
+    (exports, cells.remove(0))
+}
+
+/// Exports with `n` live buffers of 4 KiB of memfd host memory.
+fn exports_with_buffers(n: usize) -> (Arc<Exports>, Vec<Arc<BufferCell>>) {
     let host: SharedBackend =
         Arc::new(HostBackend::with_flavor(HostFlavor::Memfd, "exports-unit").unwrap());
     let exports = Exports::new(Session::generate().unwrap(), Offload::for_backends([&host]));
-    let alloc = host.allocate(4096).unwrap();
-    let cell = exports.insert(
-        alloc,
-        Arc::clone(&host),
-        Layout::new(DType::U8, Shape::vector(4096)),
-        crate::ids::next_actor(),
-        RevokePolicy::Cut,
-    );
-    (exports, cell)
+    let cells = (0..n)
+        .map(|_| {
+            exports.insert(
+                host.allocate(4096).unwrap(),
+                Arc::clone(&host),
+                Layout::new(DType::U8, Shape::vector(4096)),
+                crate::ids::next_actor(),
+                RevokePolicy::Cut,
+            )
+        })
+        .collect();
+    (exports, cells)
 }
 
 fn assert_link_closed(
@@ -204,4 +213,74 @@ fn a_release_that_crossed_its_relayed_holders_death_is_no_fault_but_an_unknown_o
     }
     exports.release(via, link.id, Vec::new()).unwrap();
     assert_eq!(exports.leases_on(cell.id), 0);
+}
+
+/// A lease over several buffers: each part is a lease of the ledger, and the peer names
+/// them all by the first. Its one release gives every part back with the fences it
+/// carried; a forward of it is refused; parts taken back unsent, or ended with their
+/// link, leave nothing in the maps that name them.
+#[test]
+fn a_lease_over_several_buffers_is_released_whole_and_never_forwarded() {
+    let (exports, cells) = exports_with_buffers(3);
+    let link = link_to(process(6000));
+    exports.link_up(&link);
+    let grant_parts = || {
+        let mut first = None;
+        let mut grants = Vec::new();
+        for (i, cell) in cells.iter().enumerate() {
+            let (offer, _fd, grant) = exports
+                .grant(cell, None, false, &link, 0, None, first)
+                .unwrap();
+            first.get_or_insert(offer.lease);
+            assert_eq!(offer.lease, first.unwrap(), "every part names the first");
+            assert_eq!(
+                grant.lease == offer.lease,
+                i == 0,
+                "each part its own ledger lease"
+            );
+            grants.push(grant);
+        }
+        (first.unwrap(), grants)
+    };
+    let (lease, _) = grant_parts();
+    assert!(cells.iter().all(|c| exports.leases_on(c.id) == 1));
+    match exports.grant_relayed(lease, &link, process(6001), 8) {
+        Err(ActorError::ForwardRefused { reason }) => assert!(reason.contains("several")),
+        other => panic!(
+            "a lease over several buffers was forwarded: {:?}",
+            other.map(|_| ())
+        ),
+    }
+    exports.release(lease, link.id, Vec::new()).unwrap();
+    assert!(
+        cells.iter().all(|c| exports.leases_on(c.id) == 0),
+        "every part back"
+    );
+    assert!(
+        matches!(
+            exports.release(lease, link.id, Vec::new()),
+            Err(ActorError::UnknownLease { .. })
+        ),
+        "released once"
+    );
+    let groups = |e: &Exports| {
+        let s = e.lock();
+        (s.groups.parts.len(), s.groups.first.len())
+    };
+    assert_eq!(groups(&exports), (0, 0));
+    // Taken back unsent, newest first, as a frame that could not be sent is.
+    let (_, grants) = grant_parts();
+    for grant in grants.into_iter().rev() {
+        exports.ungrant(grant, link.id);
+    }
+    assert_eq!(groups(&exports), (0, 0), "ungranted parts forgotten");
+    // Ended with their link.
+    grant_parts();
+    exports.link_cut(link.id);
+    assert!(cells.iter().all(|c| exports.leases_on(c.id) == 0));
+    assert_eq!(
+        groups(&exports),
+        (0, 0),
+        "parts ended with the link forgotten"
+    );
 }
