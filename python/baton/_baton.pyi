@@ -31,6 +31,10 @@ def open_all(
     """Opens every ``Shared`` of the list as ``Shared.open`` does, in one call (one host
     wait without ``stream``); all or nothing: on an error every lease goes back."""
 
+def release_all(leases: list[Lease]) -> bool:
+    """Releases every ``Lease`` of the list as ``Lease.release`` does, in one call (one
+    device synchronisation for those opened without a stream); whether all went back now."""
+
 def generate_token() -> str:
     """A fresh random session token (64 hex digits), for a process that starts a deployment."""
 

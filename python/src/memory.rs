@@ -254,6 +254,10 @@ enum Deferred {
     /// A lease, given back without a release fence once its context is synchronised
     /// ([`AnyLease::release_synchronized`]).
     Lease(Box<AnyLease>),
+    /// Leases given back together ([`release_all`]): one item, so that the thread takes
+    /// them in one batch (one synchronisation, and a lease over several buffers' parts
+    /// back at once).
+    Leases(Vec<AnyLease>),
     /// Anything else (a buffer handle views used), dropped after its backend's context is
     /// synchronised.
     Other {
@@ -272,6 +276,7 @@ fn let_go(batch: Vec<Deferred>) {
     for d in batch {
         match d {
             Deferred::Lease(lease) => leases.push(*lease),
+            Deferred::Leases(more) => leases.extend(more),
             Deferred::Other { cuda, what } => others.push((cuda, what)),
         }
     }
@@ -569,11 +574,10 @@ impl LeaseCell {
     /// goes back at once: dropping it records its release fence on the caller's stream,
     /// after the work queued there.
     fn give_back(&self, lease: AnyLease) {
-        match (&self.cuda, self.device) {
-            (Some(cuda), Device::Cuda(_)) if !self.ordered => {
-                drop_after_sync(Deferred::Lease(Box::new(lease)));
-            }
-            _ => drop(lease),
+        if self.after_sync() {
+            drop_after_sync(Deferred::Lease(Box::new(lease)));
+        } else {
+            drop(lease);
         }
     }
 
@@ -590,21 +594,29 @@ impl LeaseCell {
 
     /// Python is done with the lease; returns whether it went back now.
     fn release(&self, object_dropped: bool) -> bool {
-        let lease = {
-            let mut state = lock(&self.state);
-            state.released = true;
-            if object_dropped {
-                state.object_alive = false;
-            }
-            Self::done(&mut state)
-        };
-        match lease {
+        match self.take_released(object_dropped) {
             Some(lease) => {
                 self.give_back(lease);
                 true
             }
             None => false,
         }
+    }
+
+    /// Python is done with the lease: the lease, if nothing else holds it (then it goes
+    /// back as [`give_back`](Self::give_back) would give it).
+    fn take_released(&self, object_dropped: bool) -> Option<AnyLease> {
+        let mut state = lock(&self.state);
+        state.released = true;
+        if object_dropped {
+            state.object_alive = false;
+        }
+        Self::done(&mut state)
+    }
+
+    /// Whether [`give_back`](Self::give_back) hands the lease to the device-release thread.
+    fn after_sync(&self) -> bool {
+        self.cuda.is_some() && matches!(self.device, Device::Cuda(_)) && !self.ordered
     }
 
     fn with_lease<T>(&self, f: impl FnOnce(&AnyLease) -> Result<T, Failure>) -> Result<T, Failure> {
@@ -852,6 +864,29 @@ pub(crate) fn open_all(
             .or_raise(py)?;
     }
     Ok(opened)
+}
+
+/// Releases every lease of `leases` (a list of `baton.Lease`) as `Lease.release` does, in
+/// one call: those that go back after a device synchronisation go in one batch (one
+/// synchronisation for all; the parts of a lease over several buffers back together, so
+/// that its `Release` leaves at once). Returns whether every one went back now (none is
+/// held by a view).
+#[pyfunction]
+pub(crate) fn release_all(leases: Vec<PyRef<'_, Lease>>) -> bool {
+    let mut all = true;
+    let mut batch = Vec::new();
+    for lease in &leases {
+        let cell = &lease.cell;
+        match cell.take_released(false) {
+            Some(l) if cell.after_sync() => batch.push(l),
+            Some(l) => drop(l),
+            None => all = false,
+        }
+    }
+    if !batch.is_empty() {
+        drop_after_sync(Deferred::Leases(batch));
+    }
+    all
 }
 
 /// An opened lease on another process's buffer (Python's `baton.Lease`).

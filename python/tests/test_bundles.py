@@ -415,6 +415,45 @@ def test_a_bundle_group_is_one_lease_back_once_every_bundle_is_released(
         sender.close()
 
 
+def test_a_bundle_group_released_in_one_call_waits_for_its_views(
+        node, token_file, short_dir):
+    """``BundleGroupLease.release()`` gives every lease back in one call — except while a
+    view of one is alive: it says so (``False``), and the group's one lease goes back when
+    the last view goes."""
+    node.listen(short_dir, "py.sock")
+    sender = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("group", "py.Group")
+        group = baton.BundleGroup(sender.allocate_bundle([(f"b{i}", (8,), "float32")])
+                                  for i in range(3))
+        steps = queue.Queue()
+        released = []
+
+        def serve() -> None:
+            call = mailbox.recv(timeout=DEADLINE)
+            opened = call.message["weights"].open()
+            view = opened.tensors()["b1"]
+            released.append(opened.release())
+            call.reply(None)
+            steps.get(timeout=DEADLINE)
+            del view
+            steps.get(timeout=DEADLINE)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        assert to_node.call("group", "py.Group", {"weights": group}, timeout=DEADLINE) is None
+        assert released == [False], "a view of a part is alive"
+        time.sleep(0.3)
+        assert group.leases_out == 3
+        steps.put("drop the view")
+        group.returned(timeout=DEADLINE)
+        steps.put("done")
+        server.join(timeout=DEADLINE)
+    finally:
+        sender.close()
+
+
 def test_a_forged_bundle_group_is_refused_and_a_bad_part_gives_every_lease_back(
         node, token_file, short_dir):
     """A group map that is not one field holding a list of bundles is refused on arrival
