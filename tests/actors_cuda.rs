@@ -822,7 +822,18 @@ fn closed_node_gives_memory_back(export: CudaExport) {
         std::thread::sleep(Duration::from_millis(10));
     };
     drop(cuda);
-    let left = before.saturating_sub(step("backend dropped", before));
+    // The reading is the device's, every process's: a context another process is still
+    // letting go of (the helper's, an earlier test's) shows for a while. What is ours
+    // stays; what is not leaves within the deadline. (Read once, a pool run saw 2 MiB
+    // more here once in 17 runs, its node and backend gone.)
+    let start = Instant::now();
+    let left = loop {
+        let left = before.saturating_sub(free_in(&ctx));
+        if left <= CLOSED_NODE_KEEPS || start.elapsed() > DEADLINE {
+            break before.saturating_sub(step("backend dropped", before));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     assert!(
         left <= CLOSED_NODE_KEEPS,
         "{export:?}: a closed node and its backend keep {:.1} MiB of device memory (at most {} allowed)",
