@@ -17,8 +17,9 @@ the same run, the same bytes through:
   engine's own wait for its copies;
 - `baton-borrowed`: the trainer's own torch tensors leased in place
   (`Node.borrow_tensors`: a group of one bundle per CUDA allocation of PyTorch's caching
-  allocator, no copy into a Baton buffer), the engine opening the group in one call and
-  loading it with one `CopyPlan`;
+  allocator, no copy into a Baton buffer, one lease over them all), the engine opening the
+  group in one call and loading it with one `CopyPlan`; `leases_per_sync` is what the
+  engine received (the distinct lease ids of the group's parts);
 - `torch-mp-tensors`: torch.multiprocessing, one CUDA tensor per weight (what RL
   frameworks do without bucketing);
 - `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
@@ -261,8 +262,12 @@ def baton_engine(model: str, ordered: bool, kill: str, device: int = 0) -> None:
         ordering = {"stream": torch.cuda.current_stream()} if ordered else {}
         # A bundle, or (borrowed) a bundle group: one per allocation of the trainer's,
         # opened, loaded with one plan and released as one either way.
+        sent = call.message["weights"]
+        # The leases it came in, as received: a group's parts name one lease.
+        leases = len({p._shared.lease_id for p in sent.parts}) \
+            if isinstance(sent, baton.SharedBundleGroup) else 1
         t = time.perf_counter()
-        weights = call.message["weights"].open(**ordering)
+        weights = sent.open(**ordering)
         t1 = time.perf_counter()
         if plan is None or plan.layout != weights.layout:
             plan = baton.CopyPlan(weights.layout, params)
@@ -282,7 +287,8 @@ def baton_engine(model: str, ordered: bool, kill: str, device: int = 0) -> None:
         ok = int(params["step"].item()) == call.message["step"]
         stage["engine"] = time.perf_counter() - t_in
         # Both processes' perf_counter is CLOCK_MONOTONIC: comparable across them.
-        call.reply({"ok": ok, "stages": stage, "t_in": t_in, "t_out": time.perf_counter()})
+        call.reply({"ok": ok, "stages": stage, "leases": leases, "t_in": t_in,
+                    "t_out": time.perf_counter()})
 
 
 def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
@@ -305,7 +311,7 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
     weights = [v for n, v in views.items() if n != "step"]
     for w in weights:
         w.fill_(0)
-    times, opens, reserved, stages = [], [], [], []
+    times, opens, reserved, stages, leases = [], [], [], [], []
     try:
         for step in range(args.steps):
             torch._foreach_add_(weights, 1e-3)  # the optimizer's update
@@ -321,6 +327,7 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
                 sent.wait_on(stream)  # the next update waits for the engine's copies
             times.append(time.perf_counter() - t)
             assert reply["ok"], (step, reply)
+            leases.append(reply["leases"])
             # The trainer's view: the call's round trip less the engine's own time (messages,
             # encode and decode, mailbox hops), and the wait for the leases back.
             stages.append(dict(reply["stages"],
@@ -339,6 +346,7 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
         "baton-borrowed" if borrowed else
         "baton-bundle-ordered" if ordered else "baton-bundle", times,
         bundles=len(sent) if borrowed else 1,
+        leases_per_sync=max(leases),
         opens_first=opens[0],
         opens_per_sync=(opens[-1] - opens[0]) / max(1, args.steps - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
@@ -748,7 +756,7 @@ def targets(model: str, med: dict, results: dict, engine_device: int = 0) -> dic
         ratio = round(med[num] / med[den], 3)
         met = ratio <= bound if op == "<=" else ratio >= bound
         if num == "baton-borrowed":
-            leases = results[num].get("bundles")
+            leases = results[num].get("leases_per_sync")
             met = met and leases == 1
             what += f" (leases per sync: {leases})"
         out[what] = {"ratio": ratio, "met": met}
