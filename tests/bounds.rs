@@ -592,6 +592,43 @@ fn an_importer_that_cannot_open_refuses_the_call_and_keeps_its_link() {
                 .await
                 .unwrap();
             assert_eq!(first, vec![pattern(1, 0)]);
+            // One lease over a buffer it maps and a new one it cannot open (then a lease
+            // of its own): the part opened goes back with the lease, once — a second
+            // `Release` of it would be an unknown lease, and the link cut.
+            let new = parent.pattern_buffer(64, 4).await;
+            let got = holder
+                .send(Hold {
+                    buffers: vec![
+                        warm.share(),
+                        new.share().lease_with_previous(),
+                        held.share(),
+                    ],
+                })
+                .await;
+            assert!(
+                matches!(&got, Err(ActorError::Remote(CallFault::OfferRefused(_)))),
+                "{flavor}: a lease over several buffers, one part unopenable: {got:?}"
+            );
+            eventually(DEADLINE, "every lease of the refused call back", || {
+                warm.leases_out() == 0 && new.leases_out() == 0 && held.leases_out() == 1
+            })
+            .await;
+            let table = parent.table().await;
+            let mapping = |id| {
+                table
+                    .iter()
+                    .find(|b| b.buffer == id)
+                    .is_some_and(|b| b.mapped_by.iter().any(|p| p.pid == child_pid))
+            };
+            assert!(
+                mapping(warm.id()),
+                "{flavor}: the part it maps stays mapped"
+            );
+            assert!(
+                !mapping(new.id()),
+                "{flavor}: it maps nothing of the new one"
+            );
+            assert!(link.is_connected());
             assert!(parent.events.down_reason(link.link_id()).is_none());
             link.close();
             assert!(exited(&mut child, DEADLINE).await.success());
