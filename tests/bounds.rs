@@ -484,6 +484,14 @@ fn signal(child: &peer::Peer, sig: rustix::process::Signal) {
 /// call (a typed remote error; the lease comes back), and keeps its link and the leases it
 /// already holds. On named segments (the open is an `shm_open`) and on memfds (the
 /// descriptor cannot be received: the kernel drops it).
+/// Whether the lease table says process `pid` may map buffer `id`.
+fn maps(table: &[baton::actors::BufferLeases], id: baton::actors::BufferId, pid: u32) -> bool {
+    table
+        .iter()
+        .find(|b| b.buffer == id)
+        .is_some_and(|b| b.mapped_by.iter().any(|p| p.pid == pid))
+}
+
 #[test]
 fn an_importer_that_cannot_open_refuses_the_call_and_keeps_its_link() {
     let _serial = serial();
@@ -571,12 +579,7 @@ fn an_importer_that_cannot_open_refuses_the_call_and_keeps_its_link() {
             .await;
             let child_pid = link.process().pid;
             let table = parent.table().await;
-            let mapping = |id| {
-                table
-                    .iter()
-                    .find(|b| b.buffer == id)
-                    .is_some_and(|b| b.mapped_by.iter().any(|p| p.pid == child_pid))
-            };
+            let mapping = |id| maps(&table, id, child_pid);
             assert!(
                 mapping(held.id()),
                 "{flavor}: the importer still maps the held buffer"
@@ -614,12 +617,7 @@ fn an_importer_that_cannot_open_refuses_the_call_and_keeps_its_link() {
             })
             .await;
             let table = parent.table().await;
-            let mapping = |id| {
-                table
-                    .iter()
-                    .find(|b| b.buffer == id)
-                    .is_some_and(|b| b.mapped_by.iter().any(|p| p.pid == child_pid))
-            };
+            let mapping = |id| maps(&table, id, child_pid);
             assert!(
                 mapping(warm.id()),
                 "{flavor}: the part it maps stays mapped"

@@ -374,11 +374,9 @@ def test_a_bundle_group_is_sent_opened_loaded_and_given_back_as_one(node, token_
         sender.close()
 
 
-def test_a_bundle_group_is_one_lease_back_once_every_bundle_is_released(
-        node, token_file, short_dir):
-    """A group is one lease over its bundles' buffers: the receiver's lease of a bundle
-    released alone stays out until every bundle of the group is released, then all of
-    them are back at once; the sender's ledger keeps a part per buffer."""
+def _three_bundle_group(node, token_file, short_dir):
+    """A host sender linked to `node`, `node`'s mailbox for groups, and a group of three
+    one-tensor bundles of the sender's."""
     node.listen(short_dir, "py.sock")
     sender = baton.Node(token_file=str(token_file), backend="host")
     try:
@@ -386,6 +384,19 @@ def test_a_bundle_group_is_one_lease_back_once_every_bundle_is_released(
         mailbox = node.register("group", "py.Group")
         group = baton.BundleGroup(sender.allocate_bundle([(f"b{i}", (8,), "float32")])
                                   for i in range(3))
+    except BaseException:
+        sender.close()
+        raise
+    return sender, to_node, mailbox, group
+
+
+def test_a_bundle_group_is_one_lease_back_once_every_bundle_is_released(
+        node, token_file, short_dir):
+    """A group is one lease over its bundles' buffers: the receiver's lease of a bundle
+    released alone stays out until every bundle of the group is released, then all of
+    them are back at once; the sender's ledger keeps a part per buffer."""
+    sender, to_node, mailbox, group = _three_bundle_group(node, token_file, short_dir)
+    try:
         steps = queue.Queue()
 
         def serve() -> None:
@@ -420,13 +431,8 @@ def test_a_bundle_group_released_in_one_call_waits_for_its_views(
     """``BundleGroupLease.release()`` gives every lease back in one call — except while a
     view of one is alive: it says so (``False``), and the group's one lease goes back when
     the last view goes."""
-    node.listen(short_dir, "py.sock")
-    sender = baton.Node(token_file=str(token_file), backend="host")
+    sender, to_node, mailbox, group = _three_bundle_group(node, token_file, short_dir)
     try:
-        to_node = sender.connect(short_dir / "py.sock", timeout=DEADLINE)
-        mailbox = node.register("group", "py.Group")
-        group = baton.BundleGroup(sender.allocate_bundle([(f"b{i}", (8,), "float32")])
-                                  for i in range(3))
         steps = queue.Queue()
         released = []
 
