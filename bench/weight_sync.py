@@ -355,6 +355,115 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
     )
 
 
+# ---- Baton: the engine lends its weights, the trainer writes them ------------------------------
+
+def baton_push_engine(model: str, device: int = 0) -> None:
+    """The engine of `baton-push`, a child of the trainer: its parameters live in one bundle
+    of its own, which it lends to the trainer for each sync (a call, stream-ordered after its
+    reads of them), then waits for the lease back, orders its stream after the trainer's
+    copies and checks the step. Each lend carries what the engine saw of the sync before."""
+    pin(1)
+    import torch
+
+    import baton
+
+    spec = model_spec(model)
+    torch.cuda.set_device(device)
+    node = baton.Node()  # the token, backend and device the trainer passed
+    peer = node.connect_parent()
+    bundle = node.allocate_bundle(spec)
+    params = bundle.tensors()
+    stream = torch.cuda.current_stream()
+    seen: dict = {}
+    while True:
+        try:
+            answer = peer.call("trainer", "rl.Lend", {"weights": bundle, "seen": seen},
+                               timeout=120, stream=stream)
+        except baton.LinkClosed:
+            return
+        if answer.get("stop"):
+            bundle.returned(timeout=120)
+            return
+        t = time.perf_counter()
+        bundle.returned(timeout=120)
+        bundle.wait_on(stream)  # its next reads after the trainer's copies
+        ok = int(params["step"].item()) == answer["step"]
+        # Both processes' perf_counter is CLOCK_MONOTONIC: comparable across them.
+        seen = {"ok": ok, "step": answer["step"], "t_landed": time.perf_counter(),
+                "returned": time.perf_counter() - t,
+                "reserved": torch.cuda.memory_reserved()}
+
+
+def run_baton_push(args, spec) -> dict:
+    import torch
+
+    import baton
+
+    node = baton.Node(token=baton.generate_token(), backend="cuda")
+    mailbox = node.register("trainer", "rl.Lend")
+    child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine-push",
+                        "--model", args.model, "--engine-device", str(args.engine_device)],
+                       env={"BATON_CUDA_DEVICE": str(args.engine_device)}, timeout=120)
+    stream = torch.cuda.current_stream()
+    views = params_like(torch, spec)  # the trainer's own parameters: plain torch tensors
+    weights = [v for n, v in views.items() if n != "step"]
+    for w in weights:
+        w.fill_(0)
+    plan = None
+    times, starts, landed, reserved, stages = [], [], [], [], []
+    opens = node.import_stats()["opens"]
+    opens_first = None
+
+    def take(seen: dict) -> None:  # what the engine saw of the sync before
+        if seen:
+            assert seen["ok"], seen
+            landed.append(seen["t_landed"] - starts[seen["step"]])
+            reserved.append(seen["reserved"])
+
+    try:
+        for step in range(args.steps):
+            torch._foreach_add_(weights, 1e-3)  # the optimizer's update
+            views["step"].fill_(step)
+            torch.cuda.synchronize()  # the update is the trainer's step, not the sync's
+            t = time.perf_counter()
+            starts.append(t)
+            call = mailbox.recv(timeout=120)  # the engine's lend, in since the last sync
+            t_recv = time.perf_counter()
+            lent = call.message["weights"].open(writable=True, stream=stream)
+            t_open = time.perf_counter()
+            if plan is None or plan.layout != lent.layout:
+                plan = baton.CopyPlan(lent.layout, views)
+            lent.copy_from(plan, stream=stream)
+            t_copy = time.perf_counter()
+            lent.release()  # its release fence on `stream`, after the copies
+            call.reply({"step": step})
+            t_sent = time.perf_counter()
+            stream.synchronize()  # the copies done: the weights are the trainer's again
+            times.append(time.perf_counter() - t)
+            take(call.message["seen"])
+            stages.append({"recv": t_recv - t, "open": t_open - t_recv, "copy": t_copy - t_open,
+                           "release_reply": t_sent - t_copy, "wait": times[-1] - (t_sent - t)})
+            if step == 0:
+                opens_first = node.import_stats()["opens"] - opens
+        call = mailbox.recv(timeout=120)  # the last sync's report, and the end
+        take(call.message["seen"])
+        call.message["weights"].release()
+        call.reply({"stop": True})
+        opens_after = node.import_stats()["opens"] - opens - opens_first
+    finally:
+        child.wait(timeout=60)
+        node.close()
+    return summary(
+        "baton-push", times,
+        opens_first=opens_first,
+        opens_per_sync=opens_after / max(1, args.steps - 1),
+        engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
+        landed_ms_median=round(statistics.median(landed[1:] or landed) * 1e3, 3),
+        stages_ms_median={k: round(statistics.median(s[k] for s in stages[1:] or stages) * 1e3, 3)
+                          for k in stages[0]},
+    )
+
+
 # ---- SIGKILL in the middle of a sync ---------------------------------------------------------
 
 def device_free() -> int:
@@ -603,6 +712,66 @@ def load(dst: list, src: list) -> None:
             d.copy_(s)
 
 
+def torch_push_engine(model: str, inbox, outbox, device: int = 0) -> None:
+    """The engine of `torch-mp-push`: its parameters are views of one flat bucket, which it
+    shares with the trainer once (CUDA IPC); each sync it says it is ready (its reads done),
+    the trainer writes the bucket and answers the step once its copies are done."""
+    pin(1)
+    import torch
+
+    torch.cuda.set_device(device)
+    spec = model_spec(model)
+    bucket = torch.zeros(nbytes(spec), dtype=torch.uint8, device="cuda")
+    step_view = next(bucket[at:at + n].view(getattr(torch, dtype)).view(shape)
+                     for name, shape, dtype, at, n in flat_layout(spec)[0] if name == "step")
+    outbox.put(bucket)
+    ok = None
+    while True:
+        outbox.put(("ready", ok, torch.cuda.memory_reserved()))
+        step = inbox.get()
+        if step is None:
+            return
+        ok = int(step_view.item()) == step
+
+
+def run_torch_push(args, spec) -> dict:
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=torch_push_engine, args=(args.model, inbox, outbox,
+                                                       args.engine_device))
+    proc.start()
+    bucket = outbox.get(timeout=300)  # the engine's parameters, opened here once
+    views = params_like(torch, spec)
+    src = [t.view(-1).view(torch.uint8) for t in views.values()]
+    dst = [bucket[at:at + n] for _, _, _, at, n in flat_layout(spec)[0]]
+    weights = [v for n, v in views.items() if n != "step"]
+    for w in weights:
+        w.zero_()
+    times, reserved = [], []
+    for step in range(args.steps):
+        torch._foreach_add_(weights, 1e-3)
+        views["step"].fill_(step)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        _, ok, mem = outbox.get(timeout=300)  # the engine's reads are done
+        load(dst, src)
+        torch.cuda.synchronize()
+        inbox.put(step)
+        times.append(time.perf_counter() - t)
+        assert ok is None or ok, step
+        reserved.append(mem)
+    _, ok, mem = outbox.get(timeout=300)
+    assert ok, "the last sync"
+    inbox.put(None)
+    del bucket, dst
+    proc.join(60)
+    return summary("torch-mp-push", times,
+                   engine_reserved_mib=[reserved[0] >> 20, mem >> 20], torch=torch.__version__)
+
+
 def run_torch(args, spec, flat: bool) -> dict:
     import torch
     import torch.multiprocessing as mp
@@ -653,7 +822,7 @@ def main() -> None:
     ap.add_argument("--paths", default="copy,baton-bundle,baton-bundle-ordered,"
                     "baton-borrowed,torch-mp-flat,torch-mp-tensors")
     ap.add_argument("--role", default="trainer",
-                    choices=["trainer", "engine", "engine-server", "client"], help=argparse.SUPPRESS)
+                    choices=["trainer", "engine", "engine-push", "engine-server", "client"], help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--ordered", action="store_true", help=argparse.SUPPRESS)
@@ -672,6 +841,8 @@ def main() -> None:
         pin(0)
     if args.role == "engine":
         return baton_engine(args.model, args.ordered, args.kill or "", args.engine_device)
+    if args.role == "engine-push":
+        return baton_push_engine(args.model, args.engine_device)
     if args.role == "engine-server":
         return engine_server(args)
     if args.role == "client":
@@ -696,6 +867,8 @@ def main() -> None:
                 results[line["path"]] = line
         elif path in ("baton-bundle", "baton-bundle-ordered"):
             results[path] = run_baton(args, spec, ordered=path.endswith("ordered"))
+        elif path == "baton-push":
+            results[path] = run_baton_push(args, spec)
         elif path == "baton-borrowed":
             try:
                 results[path] = run_baton(args, spec, ordered=False, borrowed=True)
@@ -704,6 +877,8 @@ def main() -> None:
                 # every sync: 20,000 tensors borrowed): a line that says so, not a crash.
                 print(json.dumps({"bench": "weight_sync", "path": path, "error": str(e)}),
                       flush=True)
+        elif path == "torch-mp-push":
+            results[path] = run_torch_push(args, spec)
         elif path in ("torch-mp-flat", "torch-mp-tensors"):
             results[path] = run_torch(args, spec, flat=path == "torch-mp-flat")
         else:
@@ -711,7 +886,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     med = {k: v["per_sync_ms_median"] for k, v in results.items()}
     ratios = {}
-    for baton_path in ("baton-bundle", "baton-bundle-ordered", "baton-borrowed"):
+    for baton_path in ("baton-bundle", "baton-bundle-ordered", "baton-borrowed", "baton-push"):
         if baton_path not in med:
             continue
         b = med[baton_path]
@@ -750,6 +925,12 @@ def targets(model: str, med: dict, results: dict, engine_device: int = 0) -> dic
             if model == "flat-256m" else []
     else:
         wanted = TARGETS.get(model, []) + [BORROWED]
+    # Each bundle target also for the engine lending its weights (`baton-push`).
+    wanted += [(f"push: {what.replace('bundle', 'push')}",
+                "baton-push" if num == "baton-bundle" else num,
+                "baton-push" if den == "baton-bundle" else den, bound, op)
+               for what, num, den, bound, op in wanted if "baton-bundle" in (num, den)
+               and "baton-borrowed" not in (num, den)]
     for what, num, den, bound, op in wanted:
         if num not in med or den not in med:
             continue

@@ -543,6 +543,37 @@ class BundleLease:
         finally:
             views.clear()
 
+    def copy_from(self, params: Any, stream: Any = None) -> None:
+        """Writes your tensors into the exporter's bundle, by name — the lease opened
+        ``writable`` — as a trainer writes the weights an engine lent it (GUIDE, *An engine
+        lends its weights*). ``params``: a :class:`CopyPlan` of this layout, or a mapping of
+        names to torch tensors, NumPy or cupy arrays of the tensor's shape. Device memory:
+        one kernel launch for every tensor of a plan or of contiguous torch tensors of the
+        bundle's dtypes, queued on ``stream`` (default torch's current stream); otherwise
+        one typed copy per tensor. Raises ``BufferError`` for a lease opened read-only,
+        ``KeyError`` for a name the bundle does not have. Opened stream-ordered, the
+        release fence is recorded on the lease's stream: write on that stream."""
+        if not self._lease.writable:
+            raise BufferError(f"lease {self._lease.lease_id} was opened read-only: open it "
+                              "with writable=True to write into it")
+        if isinstance(params, CopyPlan):
+            return params._run(self._lease, stream, into_memory=True)
+        framework = _framework(params)
+        if framework == "torch" and self.device[0] == "cuda":
+            plan = _plan_for(self._layout, params)
+            if plan is not None:
+                return plan._run(self._lease, stream, into_memory=True)
+        views = _views(self._lease, self._layout, framework)
+        try:
+            for name, src in params.items():
+                dst = views[name]
+                if framework == "torch":
+                    dst.copy_(src)
+                else:
+                    dst[...] = src
+        finally:
+            views.clear()
+
     def _copy_whole(self, bundle: "Bundle", stream: Any) -> None:
         n = self._layout.nbytes
         if self.device[0] == "cpu":

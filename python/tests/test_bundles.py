@@ -460,6 +460,59 @@ def test_a_bundle_group_released_in_one_call_waits_for_its_views(
         sender.close()
 
 
+def test_an_engine_lends_its_bundle_and_the_trainer_writes_it_in_place(node, token_file, short_dir):
+    """The other way round from a sync the engine loads: the engine's weights are a bundle
+    of its own, lent to the trainer (a call); the trainer opens it writable, writes every
+    tensor by name with ``copy_from`` and gives it back; the engine sees the new values
+    once ``returned()``. Opened read-only, ``copy_from`` is refused and writes nothing; a
+    name the bundle does not have is a ``KeyError``; the lends after the first open
+    nothing."""
+    node.listen(short_dir, "py.sock")
+    engine = baton.Node(token_file=str(token_file), backend="host")
+    try:
+        to_trainer = engine.connect(short_dir / "py.sock", timeout=DEADLINE)
+        mailbox = node.register("trainer", "py.Lend")
+        bundle = engine.allocate_bundle([("w", (2, 3), "float32"), ("b", (5,), "float16"),
+                                         ("step", (), "int64")])
+        refused = []
+
+        def train() -> None:
+            for step in range(3):
+                call = mailbox.recv(timeout=DEADLINE)
+                new = {"w": np.full((2, 3), step + 0.5, dtype=np.float32),
+                       "b": np.arange(5, dtype=np.float16) * step, "step": np.int64(step)}
+                with call.message["weights"].open(writable=step > 0) as lent:
+                    try:
+                        lent.copy_from(new)
+                    except BufferError as e:
+                        refused.append(str(e))
+                    if step == 1:
+                        with pytest.raises(KeyError):
+                            lent.copy_from({"nope": new["w"]})
+                call.reply(step)
+
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        views = bundle.tensors()
+        views["step"][...] = -1
+        opens = node.import_stats()["opens"]
+        for step in range(3):
+            assert to_trainer.call("trainer", "py.Lend", {"weights": bundle},
+                                   timeout=DEADLINE) == step
+            bundle.returned(timeout=DEADLINE)
+            if step == 0:
+                assert len(refused) == 1 and "read-only" in refused[0], refused
+                assert int(views["step"]) == -1, "a read-only lease wrote nothing"
+                continue
+            assert int(views["step"]) == step
+            assert (views["w"] == step + 0.5).all() and (views["b"] == np.arange(5) * step).all()
+        trainer.join(timeout=DEADLINE)
+        assert node.import_stats()["opens"] == opens + 1, "one open, at the first lend"
+        del views
+    finally:
+        engine.close()
+
+
 def test_a_forged_bundle_group_is_refused_and_a_bad_part_gives_every_lease_back(
         node, token_file, short_dir):
     """A group map that is not one field holding a list of bundles is refused on arrival

@@ -439,6 +439,43 @@ def test_a_borrowed_model_is_lent_opened_and_loaded_as_one_group(torch, cuda_nod
     assert group.release()
 
 
+def test_an_engine_lends_its_weights_and_the_trainer_writes_them_stream_ordered(torch, cuda_node):
+    # A sync the other way round (GUIDE, *An engine lends its weights*): an engine process
+    # lends its weight bundle with a stream-ordered call, its own write still queued behind
+    # a spin; this process opens it writable on its stream, queues a spin of its own, then
+    # writes every tensor with one plan (or by name) and gives the lease back. The engine's
+    # reads after `returned()` and `wait_on` see exactly what was written: a copy that did
+    # not wait for the engine's write, or a release fence the engine did not wait for,
+    # shows as the engine's -1s.
+    mailbox = cuda_node.register("trainer", "py.Lend")
+    child = cuda_node.spawn([sys.executable, str(HERE / "lend_child.py")], timeout=DEADLINE)
+    stream = torch.cuda.current_stream()
+    params, want, opens = None, None, cuda_node.import_stats()["opens"]
+    try:
+        for step in range(4):
+            call = mailbox.recv(timeout=DEADLINE)
+            assert call.message["sums"] == want, step
+            if step == 3:
+                call.message["weights"].release()
+                call.reply({"stop": True})
+                break
+            lent = call.message["weights"].open(writable=True, stream=stream)
+            if params is None:
+                params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+                          for name, dtype, shape, _ in lent.layout.tensors}
+            for i, t in enumerate(params.values()):
+                t.fill_(step + i / 32)
+            spin(torch)  # the copies queued behind it: the release must wait for them
+            lent.copy_from(baton.CopyPlan(lent.layout, params) if step == 1 else params)
+            lent.release()
+            call.reply({"step": step})
+            want = {n: float(t.double().sum()) for n, t in params.items()}
+        assert cuda_node.import_stats()["opens"] == opens + 1, "one open, at the first lend"
+    finally:
+        child.peer.close()  # a lend still waiting for its answer ends the engine
+        child.wait(timeout=DEADLINE)
+
+
 def test_expandable_segments_are_refused_with_a_reason(tmp_path, token_file):
     # PyTorch's expandable segments are VMM memory, which legacy IPC cannot share: a child
     # with that allocator setting is refused, clearly, and goes on.

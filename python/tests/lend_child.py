@@ -1,0 +1,39 @@
+"""A CUDA engine for `test_cuda.py`'s lend test, spawned by the test's node (`Node.spawn`):
+its weights are a bundle of its own, which it lends to the test's node (the trainer) with
+a stream-ordered call, each time after a spin and a write of its own queued on its stream;
+once the lease is back it orders its stream after the trainer's copies and sends each
+tensor's sum (float64) with the next lend.
+
+    python lend_child.py
+"""
+
+import torch
+
+import baton
+
+#: GPU clock cycles of the spin before the engine's own write (about a second on an H100).
+SPIN = 2_000_000_000
+
+node = baton.Node()  # the token, backend and device the test's node passed
+peer = node.connect_parent()
+bundle = node.allocate_bundle(
+    [(f"layers.{i}", (64, 40) if i % 3 else (48,), "bfloat16" if i % 2 else "float32")
+     for i in range(12)] + [("step", (), "int64")])
+params = bundle.tensors()
+stream = torch.cuda.current_stream()
+sums = None
+while True:
+    # Its own last write, still queued when it lends: the trainer's copies must wait for it.
+    torch.cuda._sleep(SPIN)
+    for t in params.values():
+        t.fill_(-1)
+    try:
+        answer = peer.call("trainer", "py.Lend", {"weights": bundle, "sums": sums},
+                           timeout=60, stream=stream)
+    except (baton.LinkClosed, baton.Timeout):
+        break
+    bundle.returned(timeout=60)
+    if answer.get("stop"):
+        break
+    bundle.wait_on(stream)  # its reads after the trainer's copies
+    sums = {n: float(t.double().sum()) for n, t in params.items()}
