@@ -401,6 +401,7 @@ def run_baton_push(args, spec) -> dict:
 
     node = baton.Node(token=baton.generate_token(), backend="cuda")
     mailbox = node.register("trainer", "rl.Lend")
+    opens = node.import_stats()["opens"]  # before the engine's first lend arrives (opened then)
     child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine-push",
                         "--model", args.model, "--engine-device", str(args.engine_device)],
                        env={"BATON_CUDA_DEVICE": str(args.engine_device)}, timeout=120)
@@ -411,7 +412,6 @@ def run_baton_push(args, spec) -> dict:
         w.fill_(0)
     plan = None
     times, starts, landed, reserved, stages = [], [], [], [], []
-    opens = node.import_stats()["opens"]
     opens_first = None
 
     def take(seen: dict) -> None:  # what the engine saw of the sync before
