@@ -146,7 +146,7 @@ pub use builder::{
     CudaBackendBuilder, DEFAULT_EVENT_BACKLOG, DEFAULT_INBOX_LANES, DEFAULT_STREAM_SLOTS,
     EVENT_BACKLOG_ENV, MAX_STREAM_SLOTS, STREAM_SLOTS_ENV, pool_size_limit_from_env,
 };
-pub use copy::{CopyDirection, CopyPlan, CopySpan};
+pub use copy::{CopyDirection, CopyPlan, CopySpan, PEER_ENGINE_MIN};
 pub use cudarc;
 pub use event::{DEFAULT_EVENT_LIMIT, RecordedEvent};
 pub use fence::{

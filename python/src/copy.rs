@@ -125,6 +125,13 @@ impl CopyPlan {
         }
         let mut bufs = Vec::with_capacity(memory.len());
         let mut guards = Vec::with_capacity(memory.len());
+        // Another GPU's memory mapped here: its large copies go by the copy engine.
+        let on_peer = match memory.as_slice() {
+            [one] => one
+                .cast::<crate::memory::Lease>()
+                .is_ok_and(|l| l.get().on_peer_gpu()),
+            _ => false,
+        };
         for m in &memory {
             let (addr, len, cuda, guard) = device_memory(m, into_memory).or_raise(py)?;
             if cuda.ordinal() != self.cuda.ordinal() {
@@ -151,7 +158,14 @@ impl CopyPlan {
         // fence recorded on this stream (module docs); the spans' memory is kept by
         // `_keep`; the stream is a live stream of the device's primary context
         // (`stream::named`).
-        let queued = unsafe { self.plan.run_parts(&bufs, direction, &stream) };
+        let queued = if on_peer {
+            let (addr, len) = bufs[0];
+            // SAFETY: as above.
+            unsafe { self.plan.run_on_peer(addr, len, direction, &stream) }
+        } else {
+            // SAFETY: as above.
+            unsafe { self.plan.run_parts(&bufs, direction, &stream) }
+        };
         drop(guards);
         queued.map_err(Failure::from).or_raise(py)
     }

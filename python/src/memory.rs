@@ -901,6 +901,13 @@ impl Drop for Lease {
     }
 }
 
+impl Lease {
+    /// Whether it is another GPU's memory, mapped on this process's.
+    pub(crate) fn on_peer_gpu(&self) -> bool {
+        self.cell.path.ends_with("-peer-gpu")
+    }
+}
+
 #[pymethods]
 impl Lease {
     /// The shape (outermost dimension first).

@@ -1,4 +1,5 @@
-"""A CUDA engine for `test_cuda.py`'s lend test, spawned by the test's node (`Node.spawn`):
+"""A CUDA engine for `test_cuda.py`'s lend test, spawned by the test's node (`Node.spawn`)
+on the GPU `BATON_CUDA_DEVICE` names:
 its weights are a bundle of its own, which it lends to the test's node (the trainer) with
 a stream-ordered call, each time after a spin and a write of its own queued on its stream;
 once the lease is back it orders its stream after the trainer's copies and sends each
@@ -7,6 +8,8 @@ tensor's sum (float64) with the next lend.
     python lend_child.py
 """
 
+import os
+
 import torch
 
 import baton
@@ -14,11 +17,13 @@ import baton
 #: GPU clock cycles of the spin before the engine's own write (about a second on an H100).
 SPIN = 2_000_000_000
 
+torch.cuda.set_device(int(os.environ.get("BATON_CUDA_DEVICE", "0")))
 node = baton.Node()  # the token, backend and device the test's node passed
 peer = node.connect_parent()
+# Small tensors and one of 64 MiB (across GPUs a copy-engine copy of its own).
 bundle = node.allocate_bundle(
     [(f"layers.{i}", (64, 40) if i % 3 else (48,), "bfloat16" if i % 2 else "float32")
-     for i in range(12)] + [("step", (), "int64")])
+     for i in range(12)] + [("big", (16 << 20,), "float32"), ("step", (), "int64")])
 params = bundle.tensors()
 stream = torch.cuda.current_stream()
 sums = None

@@ -439,16 +439,22 @@ def test_a_borrowed_model_is_lent_opened_and_loaded_as_one_group(torch, cuda_nod
     assert group.release()
 
 
-def test_an_engine_lends_its_weights_and_the_trainer_writes_them_stream_ordered(torch, cuda_node):
+@pytest.mark.parametrize("engine_device", [0, 1])
+def test_an_engine_lends_its_weights_and_the_trainer_writes_them_stream_ordered(
+        torch, cuda_node, engine_device):
     # A sync the other way round (GUIDE, *An engine lends its weights*): an engine process
     # lends its weight bundle with a stream-ordered call, its own write still queued behind
     # a spin; this process opens it writable on its stream, queues a spin of its own, then
     # writes every tensor with one plan (or by name) and gives the lease back. The engine's
     # reads after `returned()` and `wait_on` see exactly what was written: a copy that did
     # not wait for the engine's write, or a release fence the engine did not wait for,
-    # shows as the engine's -1s.
+    # shows as the engine's -1s. On a second GPU the bundle is that GPU's memory mapped
+    # here, and the plan copies its 64 MiB tensor by the copy engine, the rest by one launch.
+    if engine_device >= torch.cuda.device_count():
+        pytest.skip(f"needs {engine_device + 1} GPUs; torch sees {torch.cuda.device_count()}")
     mailbox = cuda_node.register("trainer", "py.Lend")
-    child = cuda_node.spawn([sys.executable, str(HERE / "lend_child.py")], timeout=DEADLINE)
+    child = cuda_node.spawn([sys.executable, str(HERE / "lend_child.py")], timeout=DEADLINE,
+                            env={"BATON_CUDA_DEVICE": str(engine_device)})
     stream = torch.cuda.current_stream()
     params, want, opens = None, None, cuda_node.import_stats()["opens"]
     try:
@@ -460,6 +466,7 @@ def test_an_engine_lends_its_weights_and_the_trainer_writes_them_stream_ordered(
                 call.reply({"stop": True})
                 break
             lent = call.message["weights"].open(writable=True, stream=stream)
+            assert lent.lease.path.endswith("-peer-gpu") == (engine_device != 0)
             if params is None:
                 params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
                           for name, dtype, shape, _ in lent.layout.tensors}

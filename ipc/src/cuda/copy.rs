@@ -25,8 +25,12 @@
 //! A plan of one copy is one `cuMemcpyDtoDAsync`, not the kernel, and needs no span table:
 //! the copy engine moves one range as fast as anything can (across GPUs in one process,
 //! 0.98–1.01× torch's peer-to-peer copy where the gather kernel takes 1.055–1.06×:
-//! `bench/probe/p2p_copy.py`; in the weight-sync benchmark across GPUs the engine's copy
-//! of one imported tensor took the same time either way, `docs/BENCHMARKS.md`).
+//! `bench/probe/p2p_copy.py`). So a plan of one buffer run on another GPU's memory mapped
+//! here ([`CopyPlan::run_on_peer`]) copies each span of [`PEER_ENGINE_MIN`] bytes or more
+//! with the copy engine and launches the kernel for the rest only (a trainer writing an
+//! engine's weights on another GPU: 0.93× a peer-to-peer copy's speed with the kernel for
+//! 4 GiB, `docs/BENCHMARKS.md`). Within one GPU the kernel stays: copy-engine copies of a
+//! model's large tensors, one each, run slower than one launch for all.
 //!
 //! # Safety
 //!
@@ -56,6 +60,10 @@ const CHUNK: u64 = 64 << 10;
 const THREADS: u32 = 512;
 /// Launches a plan keeps track of before it waits for the oldest (each is one event).
 const MAX_PENDING: usize = 64;
+/// Bytes from which a span of a run on another GPU's memory goes by the copy engine
+/// ([`CopyPlan::run_on_peer`]): where one `cuMemcpyDtoDAsync`'s few microseconds of queueing
+/// are a small part of its copy over NVLink (16 MiB: about 45 µs there).
+pub const PEER_ENGINE_MIN: u64 = 16 << 20;
 
 /// One copy of a plan: `len` bytes between `ptr` and offset `offset` of the plan's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +100,20 @@ pub struct CopyPlan {
     /// table, and the part addresses the table was last written for (a plan of several
     /// parts; `None` until its first run).
     pending: Mutex<Pending>,
+    /// How a run on another GPU's memory splits the plan ([`run_on_peer`](Self::run_on_peer));
+    /// `None` when it would not differ from a plain run.
+    peer: Option<PeerRoute>,
+}
+
+/// A one-buffer plan's spans of [`PEER_ENGINE_MIN`] bytes or more, copied by the copy
+/// engine when the buffer is another GPU's, and the kernel's layout and table of the rest.
+struct PeerRoute {
+    /// Indices into the plan's spans.
+    large: Vec<usize>,
+    /// The other spans (none, one: a copy-engine copy too, or several: one launch).
+    rest: SpanLayout,
+    /// `rest`'s span table (offsets within the buffer), 0 when `rest` does not launch.
+    table: sys::CUdeviceptr,
 }
 
 /// A plan's launches in flight, and the parts its table was written for.
@@ -114,6 +136,10 @@ impl std::fmt::Debug for CopyPlan {
             .field("parts", &self.layout.ends.len())
             .field("ends", &self.layout.ends)
             .field("kernel", &self.gather.is_some())
+            .field(
+                "peer_engine_spans",
+                &self.peer.as_ref().map(|r| r.large.len()),
+            )
             .finish()
     }
 }
@@ -188,6 +214,18 @@ impl SpanLayout {
             ends,
             by_ptr,
         })
+    }
+
+    /// The indices of the spans of `min` bytes or more and the layout of the others (one
+    /// part's), or `None` when there is no such span.
+    fn split(&self, min: u64) -> Result<Option<(Vec<usize>, SpanLayout)>> {
+        let (large, rest): (Vec<usize>, Vec<usize>) =
+            (0..self.spans.len()).partition(|&i| self.spans[i].len >= min);
+        if large.is_empty() {
+            return Ok(None);
+        }
+        let rest: Vec<CopySpan> = rest.into_iter().map(|i| self.spans[i]).collect();
+        Ok(Some((large, Self::of_parts(&[&rest], self.chunk)?)))
     }
 
     /// The table the kernel reads: `ptr, offset, len, first chunk` per span, each offset
@@ -315,13 +353,16 @@ impl CudaBackend {
             layout,
             table: 0,
             pending: Mutex::default(),
+            peer: None,
         };
+        let stream = self.access.stream.cu_stream();
         if plan.launches() {
-            plan.allocate_table()?;
+            plan.table = plan.allocate_table(plan.layout.spans.len())?;
             if plan.layout.ends.len() == 1 {
                 // Offsets within the one part: written once, for every buffer it runs on.
-                plan.write_table(&[0], self.access.stream.cu_stream())?;
+                plan.write_table(plan.table, &plan.layout, &[0], stream)?;
             }
+            plan.peer = plan.peer_route(stream)?;
         }
         Ok(plan)
     }
@@ -373,20 +414,48 @@ impl CopyPlan {
         self.gather.is_some() && self.layout.spans.len() > 1
     }
 
-    /// Allocates the span table.
-    fn allocate_table(&mut self) -> Result<()> {
+    /// Allocates a span table of `spans` entries (freed in `Drop`).
+    fn allocate_table(&self, spans: usize) -> Result<sys::CUdeviceptr> {
         let _pushed = ContextGuard::push(&self.ctx)?;
         // SAFETY: a context is current; the table is freed once, in `Drop`.
-        self.table = unsafe { result::mem_alloc(self.layout.spans.len() * 32) }?;
-        Ok(())
+        unsafe { result::mem_alloc(spans * 32) }
     }
 
-    /// Writes the span table for parts at `bases`, on `stream`, and waits for it. The
-    /// caller has the context pushed or pushes it here, and no launch that reads the
-    /// table is pending.
-    fn write_table(&self, bases: &[u64], stream: sys::CUstream) -> Result<()> {
-        let bytes: Vec<u8> = self
-            .layout
+    /// The split of a one-buffer plan that has spans of [`PEER_ENGINE_MIN`] bytes or more,
+    /// its table of the rest written; `None` for any other plan.
+    fn peer_route(&self, stream: sys::CUstream) -> Result<Option<PeerRoute>> {
+        if self.layout.ends.len() != 1 {
+            return Ok(None);
+        }
+        let Some((large, rest)) = self.layout.split(PEER_ENGINE_MIN)? else {
+            return Ok(None);
+        };
+        let mut route = PeerRoute {
+            large,
+            rest,
+            table: 0,
+        };
+        if route.rest.spans.len() > 1 {
+            route.table = self.allocate_table(route.rest.spans.len())?;
+            if let Err(e) = self.write_table(route.table, &route.rest, &[0], stream) {
+                self.free_table(route.table);
+                return Err(e);
+            }
+        }
+        Ok(Some(route))
+    }
+
+    /// Writes `layout`'s span table for parts at `bases` into `table`, on `stream`, and
+    /// waits for it. The caller has the context pushed or pushes it here, and no launch
+    /// that reads the table is pending.
+    fn write_table(
+        &self,
+        table: sys::CUdeviceptr,
+        layout: &SpanLayout,
+        bases: &[u64],
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let bytes: Vec<u8> = layout
             .table(bases)
             .iter()
             .flat_map(|w| w.to_ne_bytes())
@@ -394,7 +463,7 @@ impl CopyPlan {
         let _pushed = ContextGuard::push(&self.ctx)?;
         // SAFETY: `table` holds one 32-byte entry per span; `stream` is live in this
         // context; synchronised below, before `bytes` goes.
-        unsafe { result::memcpy_htod_async(self.table, &bytes, stream) }?;
+        unsafe { result::memcpy_htod_async(table, &bytes, stream) }?;
         // SAFETY: as above.
         unsafe { result::stream_synchronize(stream) }
     }
@@ -467,20 +536,104 @@ impl CopyPlan {
         let mut pending = self.lock_pending();
         // One part: offsets within it, the kernel given its address. Several: the table
         // holds their addresses, the kernel's base is 0.
-        let mut base_arg = if parts.len() == 1 {
+        let base_arg = if parts.len() == 1 {
             parts[0].0
         } else {
             let bases: Vec<u64> = parts.iter().map(|p| p.0).collect();
             if pending.written_for.as_ref() != Some(&bases) {
                 self.retire(&mut pending.events, 0)?;
-                self.write_table(&bases, raw)?;
+                self.write_table(self.table, &self.layout, &bases, raw)?;
                 pending.written_for = Some(bases);
             }
             0
         };
-        let mut table = self.table;
-        let mut n = self.layout.spans.len() as u32;
-        let mut chunk = self.layout.chunk;
+        // SAFETY: the caller's promise; the table is this layout's.
+        unsafe {
+            self.launch(
+                gather,
+                &mut pending,
+                (base_arg, self.table, &self.layout),
+                direction,
+                raw,
+            )
+        }
+    }
+
+    /// Queues the plan's copies on `stream` between its one buffer at `base` (`len` bytes),
+    /// which is another GPU's memory mapped here, and its pointers: each span of
+    /// [`PEER_ENGINE_MIN`] bytes or more as a copy-engine copy, one launch for the rest (see
+    /// the module docs). A plan with no such span, or of several buffers, runs as
+    /// [`run`](Self::run).
+    ///
+    /// # Errors
+    /// As [`run_parts`](Self::run_parts).
+    ///
+    /// # Safety
+    /// As [`run_parts`](Self::run_parts).
+    pub unsafe fn run_on_peer(
+        &self,
+        base: u64,
+        len: usize,
+        direction: CopyDirection,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let Some(route) = self.peer.as_ref() else {
+            // SAFETY: the caller's promise.
+            return unsafe { self.run(base, len, direction, stream) };
+        };
+        self.layout.check(&[(base, len)], direction)?;
+        let raw = stream.cu_stream();
+        let _pushed = ContextGuard::push(&self.ctx)?;
+        let one = |s: &CopySpan| {
+            let (src, dst) = match direction {
+                CopyDirection::FromBuffer => (base + s.offset, s.ptr),
+                CopyDirection::IntoBuffer => (s.ptr, base + s.offset),
+            };
+            // SAFETY: both ranges are valid device memory (the caller's promise and the
+            // bounds checked above); the stream is live in this context.
+            unsafe { result::memcpy_dtod_async(dst, src, s.len as usize, raw) }
+        };
+        for &i in &route.large {
+            one(&self.layout.spans[i])?;
+        }
+        match (route.rest.spans.as_slice(), self.gather.as_ref()) {
+            ([], _) => Ok(()),
+            ([s], _) => one(s),
+            (_, Some(gather)) => {
+                let mut pending = self.lock_pending();
+                // SAFETY: the caller's promise; the table is `rest`'s.
+                unsafe {
+                    self.launch(
+                        gather,
+                        &mut pending,
+                        (base, route.table, &route.rest),
+                        direction,
+                        raw,
+                    )
+                }
+            }
+            (spans, None) => spans.iter().try_for_each(one),
+        }
+    }
+
+    /// Launches the kernel over `layout`'s spans, its table at `table`, the buffer's
+    /// address `base` (0 for a table of absolute addresses), and records the launch's
+    /// event. The caller pushed the context.
+    ///
+    /// # Safety
+    /// As [`run_parts`](Self::run_parts); `table` holds `layout`'s spans.
+    unsafe fn launch(
+        &self,
+        gather: &Gather,
+        pending: &mut Pending,
+        (base, table, layout): (u64, sys::CUdeviceptr, &SpanLayout),
+        direction: CopyDirection,
+        raw: sys::CUstream,
+    ) -> Result<()> {
+        let mut base_arg = base;
+        let mut table = table;
+        let mut n = layout.spans.len() as u32;
+        let mut chunk = layout.chunk;
         let mut into: i32 = (direction == CopyDirection::FromBuffer).into();
         let mut params: [*mut c_void; 5] = [
             (&mut base_arg as *mut u64).cast(),
@@ -494,19 +647,29 @@ impl CopyPlan {
         // table lives until the event recorded below completes (`Drop`); the memory the
         // spans and the buffers name is valid (the caller's promise, bounds checked above).
         unsafe {
-            result::launch_kernel(
-                gather.function(),
-                self.layout.chunks,
-                THREADS,
-                raw,
-                &mut params,
-            )
+            result::launch_kernel(gather.function(), layout.chunks, THREADS, raw, &mut params)
         }?;
         // SAFETY: a context is current; the event is destroyed once (`retire`, `Drop`).
         let event = unsafe { result::event_create() }?;
         pending.events.push(event);
         // SAFETY: the event and the stream are live in this context.
         unsafe { result::event_record(event, raw) }
+    }
+
+    /// Frees a span table (0: none) once no launch can read it.
+    fn free_table(&self, table: sys::CUdeviceptr) {
+        if table == 0 {
+            return;
+        }
+        let Ok(_pushed) = ContextGuard::push(&self.ctx) else {
+            tracing::warn!("a copy plan's context could not be pushed: its span table stays");
+            return;
+        };
+        // SAFETY: allocated in `allocate_table`, freed once, after every launch that read
+        // it (the caller's promise).
+        if let Err(e) = unsafe { result::mem_free(table) } {
+            tracing::warn!(error = %e, "freeing a copy plan's span table failed");
+        }
     }
 
     fn lock_pending(&self) -> MutexGuard<'_, Pending> {
@@ -572,18 +735,15 @@ impl Drop for CopyPlan {
             // SAFETY: destroyed once (the driver frees a pending one when it completes).
             let _ = unsafe { result::event_destroy(ev) };
         }
-        if self.table != 0 {
-            if !synced {
-                // Freeing memory a launch may still read would break the freeing rule:
-                // keep it (the context's error makes further launches fail anyway).
-                tracing::warn!("a batched copy did not complete: its span table is not freed");
-                return;
-            }
-            // SAFETY: allocated in `allocate_table`, freed once, after every launch that
-            // read it.
-            if let Err(e) = unsafe { result::mem_free(self.table) } {
-                tracing::warn!(error = %e, "freeing a copy plan's span table failed");
-            }
+        let tables = [self.table, self.peer.as_ref().map_or(0, |r| r.table)];
+        if tables.iter().any(|&t| t != 0) && !synced {
+            // Freeing memory a launch may still read would break the freeing rule: keep
+            // it (the context's error makes further launches fail anyway).
+            tracing::warn!("a batched copy did not complete: its span table is not freed");
+            return;
+        }
+        for table in tables {
+            self.free_table(table);
         }
     }
 }
@@ -886,6 +1046,35 @@ mod tests {
             let gaps: Vec<u64> = sizes.iter().enumerate().map(|(i, _)| (i as u64 * 5) % 19).collect();
             let (spans, top) = spans_of(&sizes, &gaps);
             check_both_ways(&spans, top, 1 << chunk_pow);
+        }
+
+        #[test]
+        fn a_run_on_another_gpus_memory_copies_what_plain_copies_do(
+            sizes in prop::collection::vec(0u64..3_000, 0..40),
+            min in 1u64..3_000,
+            chunk_pow in 4u32..13,
+        ) {
+            // `run_on_peer`: the spans of `min` bytes or more one copy each, the kernel for
+            // the rest, together what plain copies of every span do.
+            let gaps: Vec<u64> = sizes.iter().enumerate().map(|(i, _)| (i as u64 * 3) % 17).collect();
+            let (spans, top) = spans_of(&sizes, &gaps);
+            let layout = SpanLayout::new(&spans, 1 << chunk_pow).unwrap();
+            let Some((large, rest)) = layout.split(min).unwrap() else {
+                prop_assert!(layout.spans.iter().all(|s| s.len < min));
+                return Ok(());
+            };
+            prop_assert!(large.iter().all(|&i| layout.spans[i].len >= min));
+            prop_assert!(rest.spans.iter().all(|s| s.len < min));
+            prop_assert_eq!(large.len() + rest.spans.len(), layout.spans.len());
+            for direction in [CopyDirection::FromBuffer, CopyDirection::IntoBuffer] {
+                let mut mem: Vec<u8> = (0..top + 64).map(|i| (i * 5 + 2) as u8).collect();
+                let mut want = mem.clone();
+                let engine: Vec<CopySpan> = large.iter().map(|&i| layout.spans[i]).collect();
+                model(&engine, 0, direction, &mut mem);
+                emulate(&rest, 0, direction, &mut mem);
+                model(&spans, 0, direction, &mut want);
+                prop_assert_eq!(&mem, &want, "{:?}", direction);
+            }
         }
 
         #[test]
