@@ -20,6 +20,20 @@ the same run, the same bytes through:
   allocator, no copy into a Baton buffer, one lease over them all), the engine opening the
   group in one call and loading it with one `CopyPlan`; `leases_per_sync` is what the
   engine received (the distinct lease ids of the group's parts);
+- `baton-push`: the other way round — the engine's parameters live in one bundle of its
+  own, which it lends writable to the trainer for each sync (`bundle.share_mut()` in a
+  stream-ordered call, sent while the trainer trains); the trainer opens it writable on its
+  stream, writes every tensor from its own torch parameters with one `CopyPlan` launch
+  (`BundleLease.copy_from`), gives it back with its release fence on that stream and
+  answers; the engine's stream waits for the fence (`wait_on`) and the engine checks the
+  step. The sync is timed to the trainer's copies done (its stream synchronised);
+  `landed_ms_median` is the trainer's call to the engine having checked the weights;
+- `baton-push-borrowed`: the same with the engine's parameters torch tensors lent where
+  PyTorch allocated them (`borrow_tensors`: a group, one writable lease);
+- `torch-mp-push`: torch.multiprocessing the same way round — the engine's parameters are
+  views of one flat bucket it shares once; each sync the engine says it is ready, the
+  trainer copies into the bucket (as every torch loader here does), synchronises and
+  answers the step;
 - `torch-mp-tensors`: torch.multiprocessing, one CUDA tensor per weight (what RL
   frameworks do without bucketing);
 - `torch-mp-flat`: torch.multiprocessing, one flat bucket and a layout (the bucketed fix);
@@ -357,11 +371,13 @@ def run_baton(args, spec, ordered: bool, borrowed: bool = False) -> dict:
 
 # ---- Baton: the engine lends its weights, the trainer writes them ------------------------------
 
-def baton_push_engine(model: str, device: int = 0) -> None:
+def baton_push_engine(model: str, device: int = 0, borrowed: bool = False) -> None:
     """The engine of `baton-push`, a child of the trainer: its parameters live in one bundle
-    of its own, which it lends to the trainer for each sync (a call, stream-ordered after its
-    reads of them), then waits for the lease back, orders its stream after the trainer's
-    copies and checks the step. Each lend carries what the engine saw of the sync before."""
+    of its own (`borrowed`: they are torch tensors, lent where PyTorch allocated them, a
+    group), which it lends writable to the trainer for each sync (a call, stream-ordered
+    after its reads of them), then waits for the lease back, orders its stream after the
+    trainer's copies and checks the step. Each lend carries what the engine saw of the sync
+    before."""
     pin(1)
     import torch
 
@@ -371,13 +387,18 @@ def baton_push_engine(model: str, device: int = 0) -> None:
     torch.cuda.set_device(device)
     node = baton.Node()  # the token, backend and device the trainer passed
     peer = node.connect_parent()
-    bundle = node.allocate_bundle(spec)
-    params = bundle.tensors()
+    if borrowed:
+        params = params_like(torch, spec)
+        bundle = node.borrow_tensors(params)
+    else:
+        bundle = node.allocate_bundle(spec)
+        params = bundle.tensors()
+    lend = bundle.share_mut()  # one writable lease, the only one while it is out
     stream = torch.cuda.current_stream()
     seen: dict = {}
     while True:
         try:
-            answer = peer.call("trainer", "rl.Lend", {"weights": bundle, "seen": seen},
+            answer = peer.call("trainer", "rl.Lend", {"weights": lend, "seen": seen},
                                timeout=120, stream=stream)
         except baton.LinkClosed:
             return
@@ -394,7 +415,7 @@ def baton_push_engine(model: str, device: int = 0) -> None:
                 "reserved": torch.cuda.memory_reserved()}
 
 
-def run_baton_push(args, spec) -> dict:
+def run_baton_push(args, spec, borrowed: bool = False) -> dict:
     import torch
 
     import baton
@@ -403,7 +424,8 @@ def run_baton_push(args, spec) -> dict:
     mailbox = node.register("trainer", "rl.Lend")
     opens = node.import_stats()["opens"]  # before the engine's first lend arrives (opened then)
     child = node.spawn([sys.executable, os.path.abspath(__file__), "--role", "engine-push",
-                        "--model", args.model, "--engine-device", str(args.engine_device)],
+                        "--model", args.model, "--engine-device", str(args.engine_device)]
+                       + (["--borrowed"] if borrowed else []),
                        env={"BATON_CUDA_DEVICE": str(args.engine_device)}, timeout=120)
     stream = torch.cuda.current_stream()
     views = params_like(torch, spec)  # the trainer's own parameters: plain torch tensors
@@ -411,7 +433,7 @@ def run_baton_push(args, spec) -> dict:
     for w in weights:
         w.fill_(0)
     plan = None
-    times, starts, landed, reserved, stages = [], [], [], [], []
+    times, starts, landed, reserved, stages, leases = [], [], [], [], [], []
     opens_first = None
 
     def take(seen: dict) -> None:  # what the engine saw of the sync before
@@ -429,7 +451,8 @@ def run_baton_push(args, spec) -> dict:
             starts.append(t)
             call = mailbox.recv(timeout=120)  # the engine's lend, in since the last sync
             t_recv = time.perf_counter()
-            lent = call.message["weights"].open(writable=True, stream=stream)
+            sent = call.message["weights"]
+            lent = sent.open(writable=True, stream=stream)
             t_open = time.perf_counter()
             if plan is None or plan.layout != lent.layout:
                 plan = baton.CopyPlan(lent.layout, views)
@@ -441,6 +464,9 @@ def run_baton_push(args, spec) -> dict:
             stream.synchronize()  # the copies done: the weights are the trainer's again
             times.append(time.perf_counter() - t)
             take(call.message["seen"])
+            # The leases it came in, as received: a group's parts name one lease.
+            leases.append(len({p._shared.lease_id for p in sent.parts})
+                          if isinstance(sent, baton.SharedBundleGroup) else 1)
             stages.append({"recv": t_recv - t, "open": t_open - t_recv, "copy": t_copy - t_open,
                            "release_reply": t_sent - t_copy, "wait": times[-1] - (t_sent - t)})
             if step == 0:
@@ -454,7 +480,9 @@ def run_baton_push(args, spec) -> dict:
         child.wait(timeout=60)
         node.close()
     return summary(
-        "baton-push", times,
+        "baton-push-borrowed" if borrowed else "baton-push", times,
+        bundles=len(sent) if borrowed else 1,
+        leases_per_sync=max(leases),
         opens_first=opens_first,
         opens_per_sync=opens_after / max(1, args.steps - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
@@ -820,12 +848,14 @@ def main() -> None:
                     help="the engines' GPU (the trainer's is 0): across GPUs when not 0")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--paths", default="copy,baton-bundle,baton-bundle-ordered,"
-                    "baton-borrowed,torch-mp-flat,torch-mp-tensors")
+                    "baton-borrowed,baton-push,baton-push-borrowed,torch-mp-flat,"
+                    "torch-mp-push,torch-mp-tensors")
     ap.add_argument("--role", default="trainer",
                     choices=["trainer", "engine", "engine-push", "engine-server", "client"], help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--ordered", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--borrowed", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kill", choices=["engine", "trainer"],
                     help="instead of timing: SIGKILL the engine (a child of the trainer), or "
                     "the trainer (of an engine serving trainers), in the middle of a sync, and "
@@ -842,7 +872,7 @@ def main() -> None:
     if args.role == "engine":
         return baton_engine(args.model, args.ordered, args.kill or "", args.engine_device)
     if args.role == "engine-push":
-        return baton_push_engine(args.model, args.engine_device)
+        return baton_push_engine(args.model, args.engine_device, args.borrowed)
     if args.role == "engine-server":
         return engine_server(args)
     if args.role == "client":
@@ -867,8 +897,8 @@ def main() -> None:
                 results[line["path"]] = line
         elif path in ("baton-bundle", "baton-bundle-ordered"):
             results[path] = run_baton(args, spec, ordered=path.endswith("ordered"))
-        elif path == "baton-push":
-            results[path] = run_baton_push(args, spec)
+        elif path in ("baton-push", "baton-push-borrowed"):
+            results[path] = run_baton_push(args, spec, borrowed=path.endswith("borrowed"))
         elif path == "baton-borrowed":
             try:
                 results[path] = run_baton(args, spec, ordered=False, borrowed=True)
@@ -886,7 +916,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     med = {k: v["per_sync_ms_median"] for k, v in results.items()}
     ratios = {}
-    for baton_path in ("baton-bundle", "baton-bundle-ordered", "baton-borrowed", "baton-push"):
+    for baton_path in ("baton-bundle", "baton-bundle-ordered", "baton-borrowed", "baton-push",
+                       "baton-push-borrowed"):
         if baton_path not in med:
             continue
         b = med[baton_path]
@@ -910,6 +941,9 @@ TARGETS = {
 }
 #: For every model: the borrowed path against the bundle, with one lease per sync.
 BORROWED = ("borrowed <= 1.2x the bundle", "baton-borrowed", "baton-bundle", 1.2, "<=")
+#: The same for an engine that lends its torch tensors where they are (a group).
+PUSH_BORROWED = ("push: borrowed <= 1.2x the push", "baton-push-borrowed", "baton-push", 1.2,
+                 "<=")
 #: Across GPUs, by size: from 1 GiB up, a sync at least 0.95x the speed of a torch
 #: peer-to-peer copy of its bytes; at 256 MiB, at most 1.2x its time.
 ACROSS_LARGE = ("bundle >= 0.95x the speed of a peer-to-peer copy", "copy-p2p", "baton-bundle",
@@ -924,7 +958,7 @@ def targets(model: str, med: dict, results: dict, engine_device: int = 0) -> dic
         wanted = [ACROSS_LARGE] if size >= 1 << 30 else [ACROSS_SMALL] \
             if model == "flat-256m" else []
     else:
-        wanted = TARGETS.get(model, []) + [BORROWED]
+        wanted = TARGETS.get(model, []) + [BORROWED, PUSH_BORROWED]
     # Each bundle target also for the engine lending its weights (`baton-push`).
     wanted += [(f"push: {what.replace('bundle', 'push')}",
                 "baton-push" if num == "baton-bundle" else num,
@@ -936,7 +970,7 @@ def targets(model: str, med: dict, results: dict, engine_device: int = 0) -> dic
             continue
         ratio = round(med[num] / med[den], 3)
         met = ratio <= bound if op == "<=" else ratio >= bound
-        if num == "baton-borrowed":
+        if num in ("baton-borrowed", "baton-push-borrowed"):
             leases = results[num].get("leases_per_sync")
             met = met and leases == 1
             what += f" (leases per sync: {leases})"

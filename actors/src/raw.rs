@@ -162,6 +162,30 @@ impl AnyBuffer {
         }
     }
 
+    /// A handle that grants its receiver a *writable* lease, as
+    /// [`Buffer::share_mut`]: sending it fails with [`ActorError::LeaseConflict`] while any
+    /// other lease on the buffer is out, and while it is out no other lease is granted.
+    /// The raw API does not tell the receiver: a receiver in Python or on the raw API
+    /// opens it writable when it asks to (`AnyLease::write`).
+    pub fn share_mut(&self) -> AnyShared {
+        let mut shared = self.share();
+        if let SharedInner::Local(out) = &mut shared.inner {
+            out.writable = true;
+        }
+        shared
+    }
+
+    /// [`share_mut`](Self::share_mut), after the work queued on `stream` so far (as
+    /// [`share_on`](Self::share_on)).
+    ///
+    /// # Errors
+    /// As [`share_on`](Self::share_on).
+    pub fn share_mut_on(&self, stream: impl Into<Stream>) -> Result<AnyShared, ActorError> {
+        let stream = stream.into();
+        self.cell.order.mark_on(stream.as_ref())?;
+        Ok(self.share_mut())
+    }
+
     /// The typed handle, if `T` is its element type.
     ///
     /// # Errors

@@ -17,13 +17,14 @@ from ._baton import (
     Node,
     Peer,
     Shared,
+    WritableShare,
     __version__,
     generate_token,
     log_to_stderr,
 )
 from .bundle import (
     Bundle, BundleGroup, BundleGroupLease, BundleLayout, BundleLease, CopyPlan, SharedBundle,
-    SharedBundleGroup, SyncReceiver, SyncSender, SyncStamp, bundle_parameters,
+    SharedBundleGroup, SyncReceiver, SyncSender, SyncStamp, WritableBundle, bundle_parameters,
 )
 from .supervisor import Supervisor
 from .errors import *  # noqa: F401,F403  (the exception classes, as baton.Orphaned etc.)
@@ -50,6 +51,8 @@ __all__ = [
     "SyncReceiver",
     "SyncSender",
     "SyncStamp",
+    "WritableBundle",
+    "WritableShare",
     "__version__",
     "bundle_parameters",
     "errors",

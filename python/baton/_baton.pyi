@@ -402,6 +402,10 @@ class Buffer:
     def released(self) -> bool: ...
     @property
     def leases_out(self) -> int: ...
+    def share_mut(self) -> WritableShare:
+        """The buffer, to put in a message in its place when its receiver is to write it:
+        the one writable lease on the buffer while it is out (raises ``LeaseConflict`` on
+        sending while another lease is out)."""
     def wait_on(self, stream: StreamLike) -> None:
         """Device memory: work queued on ``stream`` from now on waits for the importers'
         release fences (stream-ordered writes after ``returned()``)."""
@@ -428,6 +432,12 @@ class Buffer:
         """Drops Python's handle; the memory is freed once no view, lease or handle is left."""
     def __enter__(self) -> Buffer: ...
     def __exit__(self, *exc: object) -> bool: ...
+
+class WritableShare:
+    """A buffer to be leased writable (``Buffer.share_mut()``), for a message field."""
+
+    @property
+    def buffer(self) -> Buffer: ...
 
 class _CopyPlan:
     """Copies between device buffers and many tensors by their data pointers, one kernel

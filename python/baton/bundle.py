@@ -52,7 +52,7 @@ from ._baton import Buffer, BundleLayout, Lease, Shared, SyncStamp, _SyncSender,
 __all__ = [
     "Bundle", "BundleGroup", "BundleGroupLease", "BundleLayout", "BundleLease", "CopyPlan",
     "SharedBundle", "SharedBundleGroup", "SyncReceiver", "SyncSender", "SyncStamp",
-    "bundle_parameters",
+    "WritableBundle", "bundle_parameters",
 ]
 
 _ITEMSIZE = {
@@ -399,6 +399,14 @@ class Bundle:
         """``returned`` under asyncio."""
         return self._buffer.returned_async(timeout)
 
+    def share_mut(self) -> "WritableBundle":
+        """The bundle, to put in a message in its place when its receiver is to write it
+        — an engine lending its weights to the trainer (GUIDE, *An engine lends its
+        weights*): the lease it grants is the one lease on the bundle while it is out
+        (``Buffer.share_mut``; sending it raises ``LeaseConflict`` while another is out).
+        The receiver opens it ``writable=True`` and writes with ``copy_from``."""
+        return WritableBundle(self)
+
     def release(self) -> bool:
         """Lets go of the buffer (see ``Buffer.release``)."""
         return self._buffer.release()
@@ -409,6 +417,30 @@ class Bundle:
 
     def __repr__(self) -> str:
         return f"Bundle({len(self._layout)} tensors, {self._buffer!r})"
+
+
+class WritableBundle:
+    """A bundle or bundle group to be leased writable (``share_mut()``), for a message
+    field: its receiver gets a ``SharedBundle`` (``SharedBundleGroup``) as for any, and
+    the exporter's ledger keeps the lease the only one on each buffer while it is out."""
+
+    __slots__ = ("_bundle",)
+
+    def __init__(self, bundle: Any) -> None:
+        self._bundle = bundle
+
+    @property
+    def bundle(self) -> Any:
+        """The ``Bundle`` or ``BundleGroup``."""
+        return self._bundle
+
+    def __baton_wire__(self) -> dict:
+        if isinstance(self._bundle, BundleGroup):
+            return {"baton.bundles": [WritableBundle(b).__baton_wire__() for b in self._bundle]}
+        return {"baton.bundle": self._bundle.layout, "buffer": self._bundle.buffer.share_mut()}
+
+    def __repr__(self) -> str:
+        return f"WritableBundle({self._bundle!r})"
 
 
 class SharedBundle:
@@ -677,6 +709,11 @@ class BundleGroup:
         for b in self._bundles:
             b.copy_from({n: params[n] for n, *_ in b.layout.tensors if n in params}, stream)
 
+    def share_mut(self) -> WritableBundle:
+        """The group, to put in a message in its place when its receiver is to write it
+        (see ``Bundle.share_mut``): one writable lease over every bundle."""
+        return WritableBundle(self)
+
     def release(self) -> bool:
         """Lets go of every bundle: whether each was still held."""
         return all([b.release() for b in self._bundles])
@@ -802,6 +839,31 @@ class BundleGroupLease:
             names = [n for n, *_ in layout.tensors if n in params]
             if names:
                 BundleLease(layout, lease).copy_into({n: params[n] for n in names}, stream)
+
+    def copy_from(self, params: Any, stream: Any = None) -> None:
+        """Writes your tensors into the exporter's bundles by name, the group opened
+        ``writable`` (see ``BundleLease.copy_from``): from a :class:`CopyPlan` of ``layout``
+        or same-dtype contiguous torch tensors, one kernel launch for every tensor of every
+        bundle; otherwise one typed copy per tensor."""
+        for lease in self._leases:
+            if not lease.writable:
+                raise BufferError(f"lease {lease.lease_id} was opened read-only: open the "
+                                  "group with writable=True to write into it")
+        if isinstance(params, CopyPlan):
+            return params._run(self._leases, stream, into_memory=True)
+        where = _parts_index(self._layout)
+        for name in params:
+            if name not in where:
+                raise KeyError(name)
+        framework = _framework(params)
+        if framework == "torch" and self.device[0] == "cuda":
+            plan = _plan_for(self._layout, params)
+            if plan is not None:
+                return plan._run(self._leases, stream, into_memory=True)
+        for layout, lease in zip(self._layout, self._leases):
+            names = [n for n, *_ in layout.tensors if n in params]
+            if names:
+                BundleLease(layout, lease).copy_from({n: params[n] for n in names}, stream)
 
     def release(self) -> bool:
         """Gives every lease back (each deferred while views of it are alive), in one call:

@@ -29,7 +29,7 @@ __all__ = [
     "UnknownLease", "ForeignOffer", "DuplicateLease", "UnknownCall", "Unexpected",
     "TooManyOffers", "TooManyLeases", "PeerNotReading", "OfferRefused", "RevokeDeadline",
     "Unresponsive", "PeerExited", "Mailbox", "Timeout", "NotReturned", "Spawn", "NoParent",
-    "InfeasibleDeadline", "SyncOver", "PathDowngrade",
+    "InfeasibleDeadline", "SyncOver", "PathDowngrade", "LeaseConflict",
     # VersionFault (a part of a versioned sync refused), under Version
     "Version", "Unversioned", "Malformed", "Stale", "Skipped", "SyncClosed", "Inconsistent",
     # CallFault
@@ -143,6 +143,11 @@ class PeerNotReading(BatonError):
 
 class OfferRefused(BatonError):
     """A buffer of the reply could not be opened in this process."""
+
+
+class LeaseConflict(BatonError):
+    """A lease would break one writer or many readers: a writable lease (``share_mut``)
+    while another lease on the buffer is out, or any lease while a writable one is."""
 
 
 class RevokeDeadline(BatonError):

@@ -9,7 +9,7 @@
 
 use crate::bundle::{self, BundleLayout, LAYOUT_KEY};
 use crate::errors::{Failure, OrRaise};
-use crate::memory::{Buffer, Cuda, Lease, Shared};
+use crate::memory::{Buffer, Cuda, Lease, Shared, WritableShare};
 use baton_actors::{ActorError, AnyShared, MSGPACK_SHARED_EXT, RawMessage};
 use baton_ipc::Stream;
 use baton_ipc::cuda::CudaBackend;
@@ -265,12 +265,19 @@ fn to_value(
             .collect::<PyResult<_>>()
             .map(Value::Map);
     }
-    if let Ok(b) = obj.cast::<Buffer>() {
+    let writable = obj.cast::<WritableShare>().ok();
+    let buffer = match &writable {
+        Some(w) => Some(w.get().buffer.bind(py).clone()),
+        None => obj.cast::<Buffer>().ok().cloned(),
+    };
+    if let Some(b) = buffer {
         let b = b.get();
         if let (Some(named), None, Some(cuda)) = (order.named, &order.stream, b.cuda_of_device()) {
             order.stream = Some(crate::stream::named(named, &cuda)?);
         }
-        let (shared, cuda) = b.share(order.stream.as_ref()).or_raise(py)?;
+        let (shared, cuda) = b
+            .share(order.stream.as_ref(), writable.is_some())
+            .or_raise(py)?;
         let index = u32::try_from(buffers.len()).expect("a frame holds far fewer buffers");
         buffers.push(shared);
         if cuda.is_some() {

@@ -39,6 +39,7 @@ fn _baton(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<memory::Shared>()?;
     m.add_class::<memory::Lease>()?;
     m.add_class::<memory::Buffer>()?;
+    m.add_class::<memory::WritableShare>()?;
     m.add_class::<memory::HostView>()?;
     m.add_class::<bundle::BundleLayout>()?;
     m.add_class::<copy::CopyPlan>()?;

@@ -1098,6 +1098,25 @@ struct BufferState {
 }
 
 /// A buffer this process owns (Python's `baton.Buffer`), from `Node.allocate`.
+/// A buffer to be leased writable: what `Buffer.share_mut()` returns, for a message field.
+#[pyclass(frozen, module = "baton._baton", name = "WritableShare")]
+pub(crate) struct WritableShare {
+    pub(crate) buffer: Py<Buffer>,
+}
+
+#[pymethods]
+impl WritableShare {
+    /// The buffer it leases.
+    #[getter]
+    fn buffer(&self, py: Python<'_>) -> Py<Buffer> {
+        self.buffer.clone_ref(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("WritableShare(buffer {})", self.buffer.get().id)
+    }
+}
+
 #[pyclass(frozen, module = "baton._baton", name = "Buffer")]
 pub(crate) struct Buffer {
     state: Mutex<BufferState>,
@@ -1150,15 +1169,19 @@ impl Buffer {
 
     /// A share of it for an outgoing message, and whether it is device memory. With a
     /// `stream` (device memory), the share's acquire fence follows the work queued there.
+    /// `writable`: the share grants a writable lease (`Buffer.share_mut()`).
     pub(crate) fn share(
         &self,
         stream: Option<&Stream>,
+        writable: bool,
     ) -> Result<(AnyShared, Option<Arc<CudaBackend>>), Failure> {
         let handle = self.handle()?;
         let cuda = self.cuda_of_device();
-        let shared = match (stream, &cuda) {
-            (Some(stream), Some(_)) => handle.share_on(stream.clone())?,
-            _ => handle.share(),
+        let shared = match (stream, &cuda, writable) {
+            (Some(stream), Some(_), false) => handle.share_on(stream.clone())?,
+            (Some(stream), Some(_), true) => handle.share_mut_on(stream.clone())?,
+            (_, _, false) => handle.share(),
+            (_, _, true) => handle.share_mut(),
         };
         Ok((shared, cuda))
     }
@@ -1248,6 +1271,16 @@ impl Buffer {
     #[getter]
     fn leases_out(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.handle().or_raise(py)?.leases_out())
+    }
+
+    /// The buffer, to put in a message in its place when its receiver is to write it:
+    /// the lease it grants is the one writable lease on the buffer (Rust's
+    /// `Buffer::share_mut`). Sending it raises `LeaseConflict` while any other lease on
+    /// the buffer is out, and while it is out no other lease is granted.
+    fn share_mut(slf: Bound<'_, Self>) -> WritableShare {
+        WritableShare {
+            buffer: slf.unbind(),
+        }
     }
 
     /// Stream-ordered writes (device memory): the work queued on `stream` from now on

@@ -33,7 +33,7 @@ while True:
     for t in params.values():
         t.fill_(-1)
     try:
-        answer = peer.call("trainer", "py.Lend", {"weights": bundle, "sums": sums},
+        answer = peer.call("trainer", "py.Lend", {"weights": bundle.share_mut(), "sums": sums},
                            timeout=60, stream=stream)
     except (baton.LinkClosed, baton.Timeout):
         break

@@ -462,11 +462,13 @@ def test_a_bundle_group_released_in_one_call_waits_for_its_views(
 
 def test_an_engine_lends_its_bundle_and_the_trainer_writes_it_in_place(node, token_file, short_dir):
     """The other way round from a sync the engine loads: the engine's weights are a bundle
-    of its own, lent to the trainer (a call); the trainer opens it writable, writes every
-    tensor by name with ``copy_from`` and gives it back; the engine sees the new values
-    once ``returned()``. Opened read-only, ``copy_from`` is refused and writes nothing; a
-    name the bundle does not have is a ``KeyError``; the lends after the first open
-    nothing."""
+    of its own, lent writable to the trainer (a call with ``bundle.share_mut()``); the
+    trainer opens it writable, writes every tensor by name with ``copy_from`` and gives it
+    back; the engine sees the new values once ``returned()``. While the writable lease is
+    out the bundle is leased to nobody else (``LeaseConflict``), and while a read-only
+    lease is out it is not lent writable. Opened read-only, ``copy_from`` is refused and
+    writes nothing; a name the bundle does not have is a ``KeyError``; the lends after the
+    first open nothing."""
     node.listen(short_dir, "py.sock")
     engine = baton.Node(token_file=str(token_file), backend="host")
     try:
@@ -474,7 +476,7 @@ def test_an_engine_lends_its_bundle_and_the_trainer_writes_it_in_place(node, tok
         mailbox = node.register("trainer", "py.Lend")
         bundle = engine.allocate_bundle([("w", (2, 3), "float32"), ("b", (5,), "float16"),
                                          ("step", (), "int64")])
-        refused = []
+        refused, conflicts = [], []
 
         def train() -> None:
             for step in range(3):
@@ -489,6 +491,14 @@ def test_an_engine_lends_its_bundle_and_the_trainer_writes_it_in_place(node, tok
                     if step == 1:
                         with pytest.raises(KeyError):
                             lent.copy_from({"nope": new["w"]})
+                    # Out read-only, the bundle is not lent writable; out writable, it is
+                    # lent to nobody else.
+                    for other in [bundle.share_mut()] + ([bundle] if step == 1 else []):
+                        try:
+                            to_trainer.call("trainer", "py.Lend", {"weights": other},
+                                            timeout=DEADLINE)
+                        except baton.LeaseConflict as e:
+                            conflicts.append(str(e))
                 call.reply(step)
 
         trainer = threading.Thread(target=train)
@@ -497,7 +507,8 @@ def test_an_engine_lends_its_bundle_and_the_trainer_writes_it_in_place(node, tok
         views["step"][...] = -1
         opens = node.import_stats()["opens"]
         for step in range(3):
-            assert to_trainer.call("trainer", "py.Lend", {"weights": bundle},
+            lend = bundle if step == 0 else bundle.share_mut()
+            assert to_trainer.call("trainer", "py.Lend", {"weights": lend},
                                    timeout=DEADLINE) == step
             bundle.returned(timeout=DEADLINE)
             if step == 0:
@@ -507,7 +518,60 @@ def test_an_engine_lends_its_bundle_and_the_trainer_writes_it_in_place(node, tok
             assert int(views["step"]) == step
             assert (views["w"] == step + 0.5).all() and (views["b"] == np.arange(5) * step).all()
         trainer.join(timeout=DEADLINE)
+        assert len(conflicts) == 4 and all("writable" in c for c in conflicts), conflicts
         assert node.import_stats()["opens"] == opens + 1, "one open, at the first lend"
+        del views
+    finally:
+        engine.close()
+
+
+def test_a_bundle_group_lent_writable_is_written_in_place_in_one_call(node, token_file, short_dir):
+    """An engine whose weights are a group (PyTorch's allocations borrowed) lends them
+    writable as one lease (``group.share_mut()``): the trainer opens the group writable,
+    writes every tensor by name in one ``copy_from`` and gives it back in one call; the
+    engine reads what was written. While it is out, no bundle of it is leased again; a
+    name in no bundle is a ``KeyError``; opened read-only, nothing is written."""
+    engine, to_trainer, mailbox, group = _three_bundle_group(node, token_file, short_dir)
+    try:
+        got = []
+
+        def train() -> None:
+            for writable in (False, True):
+                call = mailbox.recv(timeout=DEADLINE)
+                new = {f"b{i}": np.full(8, 10 * i + 1, dtype=np.float32) for i in range(3)}
+                with call.message["weights"].open(writable=writable) as lent:
+                    try:
+                        with pytest.raises(KeyError):
+                            lent.copy_from({"nope": new["b0"]})
+                        lent.copy_from(new)
+                        got.append("written")
+                    except BufferError:
+                        got.append("refused")
+                    if writable:
+                        try:
+                            to_trainer.call("group", "py.Group", {"weights": group[1]},
+                                            timeout=DEADLINE)
+                        except baton.LeaseConflict:
+                            got.append("conflict")
+                call.reply(None)
+
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        views = group.tensors()
+        for v in views.values():
+            v[...] = -1
+        for writable in (False, True):
+            lend = group.share_mut() if writable else group
+            assert to_trainer.call("group", "py.Group", {"weights": lend},
+                                   timeout=DEADLINE) is None
+            group.returned(timeout=DEADLINE)
+            want = [10 * i + 1 if writable else -1 for i in range(3)]
+            assert [float(views[f"b{i}"][0]) for i in range(3)] == want
+            assert all((views[f"b{i}"] == want[i]).all() for i in range(3))
+        trainer.join(timeout=DEADLINE)
+        # Read-only: refused; writable: written, and a bundle of the group is leased to
+        # nobody else meanwhile.
+        assert got == ["refused", "written", "conflict"], got
         del views
     finally:
         engine.close()
