@@ -27,7 +27,8 @@ the same run, the same bytes through:
   (`BundleLease.copy_from`), gives it back with its release fence on that stream and
   answers; the engine's stream waits for the fence (`wait_on`) and the engine checks the
   step. The sync is timed to the trainer's copies done (its stream synchronised);
-  `landed_ms_median` is the trainer's call to the engine having checked the weights;
+  `returned_ms_median` is the trainer's call to the engine having the lease back and its
+  stream ordered after the copies (the weights are the engine's; it checks them after);
 - `baton-push-borrowed`: the same with the engine's parameters torch tensors lent where
   PyTorch allocated them (`borrow_tensors`: a group, one writable lease);
 - `torch-mp-push`: torch.multiprocessing the same way round — the engine's parameters are
@@ -375,9 +376,11 @@ def baton_push_engine(model: str, device: int = 0, borrowed: bool = False) -> No
     """The engine of `baton-push`, a child of the trainer: its parameters live in one bundle
     of its own (`borrowed`: they are torch tensors, lent where PyTorch allocated them, a
     group), which it lends writable to the trainer for each sync (a call, stream-ordered
-    after its reads of them), then waits for the lease back, orders its stream after the
-    trainer's copies and checks the step. Each lend carries what the engine saw of the sync
-    before."""
+    after its reads of them). Once the lease is back it orders its stream after the
+    trainer's copies, queues its read of the step they wrote, and lends again at once —
+    ordered after that read, so the trainer's next copies wait for it on the GPU, not for
+    the engine's host — then checks the value read. Each lend carries the check of the sync
+    before the last; the engine's last message, the last one's."""
     pin(1)
     import torch
 
@@ -395,24 +398,35 @@ def baton_push_engine(model: str, device: int = 0, borrowed: bool = False) -> No
         params = bundle.tensors()
     lend = bundle.share_mut()  # one writable lease, the only one while it is out
     stream = torch.cuda.current_stream()
-    seen: dict = {}
+    read = torch.empty((), dtype=torch.int64, pin_memory=True)  # the step, read back
+    done = torch.cuda.Event()  # after the read
+    report, pending = {}, None
     while True:
         try:
-            answer = peer.call("trainer", "rl.Lend", {"weights": lend, "seen": seen},
+            answer = peer.call("trainer", "rl.Lend", {"weights": lend, "seen": report},
                                timeout=120, stream=stream)
+        except baton.Message as e:  # a lend that does not fit a frame: say so, and go
+            peer.call("trainer", "rl.Lend", {"error": str(e)}, timeout=120)
+            return
         except baton.LinkClosed:
             return
+        report = {}
+        if pending is not None:  # the read queued after the sync before this one
+            done.synchronize()
+            step, t_returned = pending
+            report = {"ok": int(read) == step, "step": step, "t_returned": t_returned,
+                      "reserved": torch.cuda.memory_reserved()}
+            pending = None
         if answer.get("stop"):
             bundle.returned(timeout=120)
+            peer.call("trainer", "rl.Lend", {"seen": report}, timeout=120)
             return
-        t = time.perf_counter()
         bundle.returned(timeout=120)
         bundle.wait_on(stream)  # its next reads after the trainer's copies
-        ok = int(params["step"].item()) == answer["step"]
         # Both processes' perf_counter is CLOCK_MONOTONIC: comparable across them.
-        seen = {"ok": ok, "step": answer["step"], "t_landed": time.perf_counter(),
-                "returned": time.perf_counter() - t,
-                "reserved": torch.cuda.memory_reserved()}
+        pending = (answer["step"], time.perf_counter())
+        read.copy_(params["step"], non_blocking=True)
+        done.record(stream)
 
 
 def run_baton_push(args, spec, borrowed: bool = False) -> dict:
@@ -433,14 +447,20 @@ def run_baton_push(args, spec, borrowed: bool = False) -> dict:
     for w in weights:
         w.fill_(0)
     plan = None
-    times, starts, landed, reserved, stages, leases = [], [], [], [], [], []
+    times, starts, returned, reserved, stages, leases = [], [], [], [], [], []
     opens_first = None
 
-    def take(seen: dict) -> None:  # what the engine saw of the sync before
+    def lend_in():  # the engine's next lend, with what it saw of an earlier sync
+        call = mailbox.recv(timeout=120)
+        if "error" in call.message:
+            call.reply(None)
+            raise baton.Message(f"the engine's lend: {call.message['error']}")
+        seen = call.message["seen"]
         if seen:
             assert seen["ok"], seen
-            landed.append(seen["t_landed"] - starts[seen["step"]])
+            returned.append(seen["t_returned"] - starts[seen["step"]])
             reserved.append(seen["reserved"])
+        return call
 
     try:
         for step in range(args.steps):
@@ -449,7 +469,7 @@ def run_baton_push(args, spec, borrowed: bool = False) -> dict:
             torch.cuda.synchronize()  # the update is the trainer's step, not the sync's
             t = time.perf_counter()
             starts.append(t)
-            call = mailbox.recv(timeout=120)  # the engine's lend, in since the last sync
+            call = lend_in()  # the engine's lend, in since the last sync
             t_recv = time.perf_counter()
             sent = call.message["weights"]
             lent = sent.open(writable=True, stream=stream)
@@ -463,7 +483,6 @@ def run_baton_push(args, spec, borrowed: bool = False) -> dict:
             t_sent = time.perf_counter()
             stream.synchronize()  # the copies done: the weights are the trainer's again
             times.append(time.perf_counter() - t)
-            take(call.message["seen"])
             # The leases it came in, as received: a group's parts name one lease.
             leases.append(len({p._shared.lease_id for p in sent.parts})
                           if isinstance(sent, baton.SharedBundleGroup) else 1)
@@ -471,10 +490,11 @@ def run_baton_push(args, spec, borrowed: bool = False) -> dict:
                            "release_reply": t_sent - t_copy, "wait": times[-1] - (t_sent - t)})
             if step == 0:
                 opens_first = node.import_stats()["opens"] - opens
-        call = mailbox.recv(timeout=120)  # the last sync's report, and the end
-        take(call.message["seen"])
+        call = lend_in()  # a lend the trainer does not take: the end
         call.message["weights"].release()
         call.reply({"stop": True})
+        lend_in().reply(None)  # what the engine saw of the last sync
+        assert len(returned) == args.steps, (len(returned), args.steps)
         opens_after = node.import_stats()["opens"] - opens - opens_first
     finally:
         child.wait(timeout=60)
@@ -486,7 +506,7 @@ def run_baton_push(args, spec, borrowed: bool = False) -> dict:
         opens_first=opens_first,
         opens_per_sync=opens_after / max(1, args.steps - 1),
         engine_reserved_mib=[reserved[0] >> 20, reserved[-1] >> 20],
-        landed_ms_median=round(statistics.median(landed[1:] or landed) * 1e3, 3),
+        returned_ms_median=round(statistics.median(returned[1:] or returned) * 1e3, 3),
         stages_ms_median={k: round(statistics.median(s[k] for s in stages[1:] or stages) * 1e3, 3)
                           for k in stages[0]},
     )
@@ -897,11 +917,11 @@ def main() -> None:
                 results[line["path"]] = line
         elif path in ("baton-bundle", "baton-bundle-ordered"):
             results[path] = run_baton(args, spec, ordered=path.endswith("ordered"))
-        elif path in ("baton-push", "baton-push-borrowed"):
-            results[path] = run_baton_push(args, spec, borrowed=path.endswith("borrowed"))
-        elif path == "baton-borrowed":
+        elif path in ("baton-borrowed", "baton-push-borrowed", "baton-push"):
             try:
-                results[path] = run_baton(args, spec, ordered=False, borrowed=True)
+                results[path] = run_baton_push(args, spec, borrowed=path.endswith("borrowed")) \
+                    if path.startswith("baton-push") else \
+                    run_baton(args, spec, ordered=False, borrowed=True)
             except baton.Message as e:
                 # A model whose group does not fit one frame (its layouts travel inline
                 # every sync: 20,000 tensors borrowed): a line that says so, not a crash.

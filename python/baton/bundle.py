@@ -261,6 +261,30 @@ def _plan_for(layout: Any, params: Mapping[str, Any]) -> Optional[CopyPlan]:
     return plan
 
 
+def _copy_by_name(lease: Lease, layout: BundleLayout, params: Any, stream: Any,
+                  into_memory: bool) -> None:
+    """A lease's copies from (``into_memory``: into) ``params`` by name: a plan (made and
+    kept for contiguous torch tensors of the bundle's dtypes) as one launch on ``stream``,
+    otherwise one typed copy per tensor."""
+    if isinstance(params, CopyPlan):
+        return params._run(lease, stream, into_memory=into_memory)
+    framework = _framework(params)
+    if framework == "torch" and lease.device[0] == "cuda":
+        plan = _plan_for(layout, params)
+        if plan is not None:
+            return plan._run(lease, stream, into_memory=into_memory)
+    views = _views(lease, layout, framework)
+    try:
+        for name, value in params.items():
+            dst, src = (views[name], value) if into_memory else (value, views[name])
+            if framework == "torch":
+                dst.copy_(src)
+            else:
+                dst[...] = src
+    finally:
+        views.clear()
+
+
 def bundle_parameters(node: Any, module: Any, *, buffers: bool = False) -> "Bundle":
     """Re-homes a ``torch.nn.Module``'s parameters (and, with ``buffers``, its buffers) into
     one new bundle of ``node``, once: each is copied into the bundle and the module's
@@ -555,25 +579,9 @@ class BundleLease:
         (default torch's current stream). A lease opened stream-ordered (``open(stream=s)``)
         records its release fence on ``s`` only: run its copies on ``s`` too (pass
         ``stream=s``, or make ``s`` torch's current stream), as for its views."""
-        if isinstance(params, CopyPlan):
-            return params._run(self._lease, stream, into_memory=False)
         if isinstance(params, Bundle) and params.layout == self._layout:
             return self._copy_whole(params, stream)
-        framework = _framework(params)
-        if framework == "torch" and self.device[0] == "cuda":
-            plan = _plan_for(self._layout, params)
-            if plan is not None:
-                return plan._run(self._lease, stream, into_memory=False)
-        views = _views(self._lease, self._layout, framework)
-        try:
-            for name, dst in params.items():
-                src = views[name]
-                if framework == "torch":
-                    dst.copy_(src)
-                else:
-                    dst[...] = src
-        finally:
-            views.clear()
+        _copy_by_name(self._lease, self._layout, params, stream, into_memory=False)
 
     def copy_from(self, params: Any, stream: Any = None) -> None:
         """Writes your tensors into the exporter's bundle, by name — the lease opened
@@ -588,23 +596,7 @@ class BundleLease:
         if not self._lease.writable:
             raise BufferError(f"lease {self._lease.lease_id} was opened read-only: open it "
                               "with writable=True to write into it")
-        if isinstance(params, CopyPlan):
-            return params._run(self._lease, stream, into_memory=True)
-        framework = _framework(params)
-        if framework == "torch" and self.device[0] == "cuda":
-            plan = _plan_for(self._layout, params)
-            if plan is not None:
-                return plan._run(self._lease, stream, into_memory=True)
-        views = _views(self._lease, self._layout, framework)
-        try:
-            for name, src in params.items():
-                dst = views[name]
-                if framework == "torch":
-                    dst.copy_(src)
-                else:
-                    dst[...] = src
-        finally:
-            views.clear()
+        _copy_by_name(self._lease, self._layout, params, stream, into_memory=True)
 
     def _copy_whole(self, bundle: "Bundle", stream: Any) -> None:
         n = self._layout.nbytes
