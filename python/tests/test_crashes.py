@@ -89,3 +89,31 @@ def test_sigkill_of_the_rust_exporter_orphans_python_leases_and_the_process_live
     assert table(p_survivor)["holders"] == [node.pid]
     other.release()
     eventually(lambda: table(p_survivor)["holders"] == [], "the other lease to go back")
+
+
+def test_a_trainer_killed_while_writing_lent_weights_leaves_the_engine_working(node):
+    """An engine lends its weights writable (``share_mut``) to a trainer that is SIGKILLed
+    in the middle of writing them: the engine's lend call raises ``LinkClosed`` (its
+    ``PeerDied``), the lease comes back, the bundle holds what was written before the kill
+    (half written: serve only a sync whose call returned), and the engine lends it to the
+    next trainer, who writes all of it."""
+    bundle = node.allocate_bundle([("a", (16,), "float32"), ("b", (16,), "float32")])
+    views = bundle.tensors()
+    for v in views.values():
+        v[...] = 1
+    doomed = node.spawn([sys.executable, str(HERE / "writer_child.py"), "die"], timeout=DEADLINE)
+    with pytest.raises(baton.LinkClosed):
+        doomed.peer.call("trainer", "py.Lend", {"weights": bundle.share_mut()}, timeout=DEADLINE)
+    assert doomed.wait(timeout=DEADLINE) == -signal.SIGKILL
+    bundle.returned(timeout=DEADLINE)
+    assert bundle.leases_out == 0
+    assert (views["a"] == 7).all() and (views["b"] == 1).all(), "written up to the kill"
+    next_trainer = node.spawn([sys.executable, str(HERE / "writer_child.py"), "finish"],
+                              timeout=DEADLINE)
+    assert next_trainer.peer.call("trainer", "py.Lend", {"weights": bundle.share_mut()},
+                                  timeout=DEADLINE) == "written"
+    bundle.returned(timeout=DEADLINE)
+    assert (views["a"] == 7).all() and (views["b"] == 7).all()
+    assert next_trainer.wait(timeout=DEADLINE) == 0
+    del views
+
