@@ -1,6 +1,5 @@
-"""Weight sync on host memory: a trainer hands 200 tensors to an inference process 20
-times, as one bundle; the engine copies them into its own parameters and answers a
-checksum."""
+"""Weight sync on host memory: an inference process lends its 200 weights, one bundle, to a
+trainer 20 times; the trainer writes them in place, and the engine checks a checksum."""
 import sys
 
 import numpy as np
@@ -13,33 +12,39 @@ SPEC = [(f"layers.{i}.weight", (256, 256), "float32") if i % 2 == 0
 
 def engine() -> None:
     node = baton.Node()  # the session token the trainer passed us
-    mailbox = node.register("engine", "rl.Weights")
-    node.connect_parent()  # linked to the trainer, once the name is there
-    params = {name: np.empty(shape, dtype) for name, shape, dtype in SPEC}
-    while True:
-        try:
-            call = mailbox.recv(timeout=60)
-        except baton.LinkClosed:  # the trainer is done and closed the link
+    trainer = node.connect_parent()  # linked to the trainer
+    weights = node.allocate_bundle(SPEC)  # our parameters: 200 tensors in one buffer
+    params = weights.tensors()  # views of it, by name
+    total = None
+    while True:  # lend them writable (one lease); the call returns once they are written
+        answer = trainer.call("trainer", "rl.Lend", {"weights": weights.share_mut(),
+                                                     "total": total}, timeout=60)
+        weights.returned(timeout=10)  # the lease is back: ours to read
+        if answer == "done":
             return
-        with call.message["weights"].open() as weights:  # the trainer's memory, one lease
-            weights.copy_into(params)  # load_weights: one copy into our parameters, by name
-        call.reply(sum(float(p.sum(dtype=np.float64)) for p in params.values()))
+        total = sum(float(p.sum(dtype=np.float64)) for p in params.values())
 
 
 def trainer() -> None:
     node = baton.Node(token=baton.generate_token(), backend="host")
+    mailbox = node.register("trainer", "rl.Lend")
     child = node.spawn([sys.executable, __file__, "engine"])  # started, given the token, linked
-    weights = node.allocate_bundle(SPEC)  # 200 tensors in one buffer
-    tensors = weights.tensors()  # views of it, by name
-    for step in range(20):
-        values = [np.float32(step + i / 1000) for i in range(len(SPEC))]
-        for t, v in zip(tensors.values(), values):
-            t[...] = v  # the optimizer's update, in place
-        total = child.peer.call("engine", "rl.Weights", {"weights": weights})
-        expect = sum(float(v) * t.size for v, t in zip(values, tensors.values()))
-        assert abs(total - expect) <= 1e-9 * expect, (step, total, expect)
-        weights.returned(timeout=10)  # the engine gave the lease back: ours to write again
-    child.peer.close()
+    params = {name: np.empty(shape, dtype) for name, shape, dtype in SPEC}  # our own
+    expect = None
+    for step in range(21):
+        call = mailbox.recv(timeout=60)  # the engine's lend, with its checksum of the last
+        total = call.message["total"]
+        assert total == expect or abs(total - expect) <= 1e-9 * expect, (step, total, expect)
+        if step == 20:
+            call.message["weights"].release()  # the last lend goes back unopened
+            call.reply("done")
+            break
+        for i, p in enumerate(params.values()):
+            p[...] = np.float32(step + i / 1000)  # the optimizer's update
+        with call.message["weights"].open(writable=True) as weights:  # the engine's memory
+            weights.copy_from(params)  # one copy into its parameters, by name
+        call.reply("written")  # back when the block ended: the engine's to read
+        expect = sum(float(p.sum(dtype=np.float64)) for p in params.values())
     assert child.wait(timeout=10) == 0
     node.close()
     print(f"weight sync: 20 steps of {len(SPEC)} tensors checked")
