@@ -524,3 +524,49 @@ fn forwarding_to_the_exporter_itself_is_refused() {
         assert!(row(&table, buf.id()).unwrap().forwarded.is_empty());
     });
 }
+
+/// A lease over several buffers (`lease_with_previous`) is one lease of its holder's (a part
+/// per buffer in A's ledger), and it is never forwarded: A refuses B's forward, naming why;
+/// nothing is forwarded, B keeps its link and its lease, and both buffers come back when B
+/// lets go.
+#[test]
+fn a_lease_over_several_buffers_is_not_forwarded() {
+    run(async {
+        let parent = parent("fwd-group", HostFlavor::Memfd);
+        let trio = trio(&parent, &[]).await;
+        let a = parent.pattern_buffer(LEN, 5).await;
+        let b = parent.pattern_buffer(LEN, 6).await;
+        let refused = trio
+            .b_link
+            .remote::<ForwardTo>("relay")
+            .send(ForwardTo {
+                buffers: vec![a.share(), b.share().lease_with_previous()],
+                to_pid: trio.c.pid(),
+            })
+            .await
+            .unwrap()
+            .expect_err("a lease over two buffers is not forwarded");
+        assert!(refused.contains("several buffers"), "{refused}");
+        let table = parent.table().await;
+        let held: Vec<_> = [a.id(), b.id()]
+            .iter()
+            .map(|&id| row(&table, id).unwrap())
+            .collect();
+        assert!(
+            held.iter().all(|r| r.forwarded.is_empty()
+                && r.leases.len() == 1
+                && r.leases[0].1.pid == trio.b.pid()),
+            "B holds both parts, nothing forwarded: {held:?}"
+        );
+        assert!(trio.b_link.is_connected());
+        trio.b_link
+            .remote::<DropOwn>("relay.drop")
+            .send(DropOwn)
+            .await
+            .unwrap();
+        eventually(DEADLINE, "both parts back from B", || {
+            a.leases_out() == 0 && b.leases_out() == 0
+        })
+        .await;
+    });
+}
