@@ -285,6 +285,26 @@ def _copy_by_name(lease: Lease, layout: BundleLayout, params: Any, stream: Any,
         views.clear()
 
 
+def _copy_group_by_name(leases: List[Lease], layouts: tuple, params: Any, stream: Any,
+                        into_memory: bool) -> None:
+    """``_copy_by_name`` over a group's leases: a plan over every bundle as one launch, or
+    each bundle's tensors copied by name (a name in no bundle: ``KeyError``)."""
+    if isinstance(params, CopyPlan):
+        return params._run(leases, stream, into_memory=into_memory)
+    if _framework(params) == "torch" and leases[0].device[0] == "cuda":
+        plan = _plan_for(layouts, params)  # a name in no bundle: KeyError, from the plan
+        if plan is not None:
+            return plan._run(leases, stream, into_memory=into_memory)
+    where = _parts_index(layouts)
+    for name in params:
+        if name not in where:
+            raise KeyError(name)
+    for layout, lease in zip(layouts, leases):
+        names = [n for n, *_ in layout.tensors if n in params]
+        if names:
+            _copy_by_name(lease, layout, {n: params[n] for n in names}, stream, into_memory)
+
+
 def bundle_parameters(node: Any, module: Any, *, buffers: bool = False) -> "Bundle":
     """Re-homes a ``torch.nn.Module``'s parameters (and, with ``buffers``, its buffers) into
     one new bundle of ``node``, once: each is copied into the bundle and the module's
@@ -819,18 +839,8 @@ class BundleGroupLease:
         """Copies each tensor into yours by name, as ``BundleLease.copy_into``: into a
         :class:`CopyPlan` of ``layout`` (or same-dtype contiguous torch tensors, whose plan
         is made once and kept), one kernel launch for every tensor of every bundle;
-        otherwise one typed copy per tensor."""
-        if isinstance(params, CopyPlan):
-            return params._run(self._leases, stream, into_memory=False)
-        framework = _framework(params)
-        if framework == "torch" and self.device[0] == "cuda":
-            plan = _plan_for(self._layout, params)
-            if plan is not None:
-                return plan._run(self._leases, stream, into_memory=False)
-        for layout, lease in zip(self._layout, self._leases):
-            names = [n for n, *_ in layout.tensors if n in params]
-            if names:
-                BundleLease(layout, lease).copy_into({n: params[n] for n in names}, stream)
+        otherwise one typed copy per tensor. Raises ``KeyError`` for a name in no bundle."""
+        _copy_group_by_name(self._leases, self._layout, params, stream, into_memory=False)
 
     def copy_from(self, params: Any, stream: Any = None) -> None:
         """Writes your tensors into the exporter's bundles by name, the group opened
@@ -841,21 +851,7 @@ class BundleGroupLease:
             if not lease.writable:
                 raise BufferError(f"lease {lease.lease_id} was opened read-only: open the "
                                   "group with writable=True to write into it")
-        if isinstance(params, CopyPlan):
-            return params._run(self._leases, stream, into_memory=True)
-        where = _parts_index(self._layout)
-        for name in params:
-            if name not in where:
-                raise KeyError(name)
-        framework = _framework(params)
-        if framework == "torch" and self.device[0] == "cuda":
-            plan = _plan_for(self._layout, params)
-            if plan is not None:
-                return plan._run(self._leases, stream, into_memory=True)
-        for layout, lease in zip(self._layout, self._leases):
-            names = [n for n, *_ in layout.tensors if n in params]
-            if names:
-                BundleLease(layout, lease).copy_from({n: params[n] for n in names}, stream)
+        _copy_group_by_name(self._leases, self._layout, params, stream, into_memory=True)
 
     def release(self) -> bool:
         """Gives every lease back (each deferred while views of it are alive), in one call:
