@@ -1062,6 +1062,147 @@ fn a_tile_reused_every_frame_costs_the_same_driver_calls_every_frame() {
     });
 }
 
+/// A lease over several buffers (a model lent as one lease over its allocations) used on
+/// one stream costs the importer one acquire wait and one release write for the whole
+/// lease, not one per part — and still orders everything: the importer's work on any part
+/// runs after the exporter's writes of every part, and the exporter's next use of any part
+/// after the importer's work on every part. Three rounds, so that a slot's covered values
+/// and the parts' shared record of waited streams are tried again.
+#[test]
+fn a_lease_over_several_buffers_waits_and_releases_once_per_stream() {
+    const PARTS: usize = 8;
+    run(async {
+        let device = Device::with_deadline(DEADLINE);
+        let t = Pair::new(&device).await;
+        let mut bufs = Vec::new();
+        for _ in 0..PARTS {
+            bufs.push(t.buffer(4).await);
+        }
+        device.open_gate("go");
+        for round in 0..3u8 {
+            let (written, read) = (format!("written {round}"), format!("read {round}"));
+            // The exporter writes every part on its stream, behind gate `written`.
+            for (i, b) in bufs.iter().enumerate() {
+                b.wait_on(Stream::Id(100)).unwrap();
+                let write = Some((alloc_of(b.ptr()), 0, vec![round; 16]));
+                t.exp
+                    .work(100, &format!("write {round}.{i}"), &written, write);
+            }
+            let shared = bufs
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let s = b.share_on(Stream::Id(100)).unwrap();
+                    if i == 0 { s } else { s.lease_with_previous() }
+                })
+                .collect();
+            let from = device.log_len();
+            let leases = t.hold(shared).await;
+            // The importer reads every part on its stream, behind gate `read`.
+            for (i, lease) in leases.iter().enumerate() {
+                lease.wait_on(Stream::Id(300)).unwrap();
+                t.imp.work(300, &format!("read {round}.{i}"), &read, None);
+            }
+            assert_eq!(
+                device.count_from(from, "imp wait-value"),
+                1,
+                "round {round}: the importer's stream waits once for the whole lease"
+            );
+            drop(leases);
+            eventually("the lease back", || {
+                bufs.iter().all(|b| b.leases_out() == 0)
+            })
+            .await;
+            assert_eq!(
+                device.count_from(from, "imp write"),
+                1,
+                "round {round}: one release fence for the whole lease"
+            );
+            // The exporter's next use of the first part, on another stream.
+            bufs[0].wait_on(Stream::Id(200)).unwrap();
+            t.exp.work(200, &format!("reuse {round}"), "go", None);
+            device.open_gate(&read);
+            holds_for(
+                MUST_NOT_WATCH,
+                "the importer read a part before the exporter's writes of every part",
+                || (0..PARTS).all(|i| !device.ran(&format!("read {round}.{i}"))),
+            )
+            .await;
+            device.open_gate(&written);
+            eventually("the reads and the reuse", || {
+                (0..PARTS).all(|i| device.ran(&format!("read {round}.{i}")))
+                    && device.ran(&format!("reuse {round}"))
+            })
+            .await;
+            // The reuse went after the importer's read of the last part: it waited on
+            // the one release fence, written after every part's read.
+            let at = |work: String| device.position(&format!("ran work {work} on "));
+            assert!(
+                at(format!("read {round}.{}", PARTS - 1)) < at(format!("reuse {round}")),
+                "round {round}: the exporter reused a part before the importer's work on the lease ran"
+            );
+        }
+        t.assert_safe();
+    });
+}
+
+/// The parts of one lease used on different streams: each stream waits once for the
+/// lease, and each part's release covers the work on its own streams — a part used on
+/// stream 300, one on 400 and one on both: the exporter's reuse of any part waits for the
+/// importer's work on both streams (one `Release` for the lease, its fences for every part).
+#[test]
+fn the_parts_of_one_lease_used_on_different_streams_are_each_ordered() {
+    run(async {
+        let device = Device::with_deadline(DEADLINE);
+        let t = Pair::new(&device).await;
+        let mut bufs = Vec::new();
+        for _ in 0..3 {
+            bufs.push(t.buffer(4).await);
+        }
+        device.open_gate("go");
+        for b in &bufs {
+            b.wait_on(Stream::Id(100)).unwrap();
+        }
+        t.exp.work(100, "write", "go", None);
+        let shared = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let s = b.share_on(Stream::Id(100)).unwrap();
+                if i == 0 { s } else { s.lease_with_previous() }
+            })
+            .collect();
+        let from = device.log_len();
+        let leases = t.hold(shared).await;
+        for (lease, streams) in leases.iter().zip([&[300][..], &[400], &[300, 400]]) {
+            for &s in streams {
+                lease.wait_on(Stream::Id(s)).unwrap();
+            }
+        }
+        t.imp.work(300, "read on 300", "r300", None);
+        t.imp.work(400, "read on 400", "r400", None);
+        assert_eq!(
+            device.count_from(from, "imp wait-value"),
+            2,
+            "each stream waits once for the lease"
+        );
+        drop(leases);
+        eventually("the lease back", || bufs.iter().all(|b| b.leases_out() == 0)).await;
+        for (i, b) in bufs.iter().enumerate() {
+            b.wait_on(Stream::Id(200 + i as u64)).unwrap();
+            t.exp.work(200 + i as u64, &format!("reuse {i}"), "go", None);
+        }
+        let reused = || (0..3).any(|i| device.ran(&format!("reuse {i}")));
+        holds_for(MUST_NOT_WATCH, "a reuse before either stream's read", || !reused()).await;
+        device.open_gate("r300");
+        eventually("the read on 300", || device.ran("read on 300")).await;
+        holds_for(MUST_NOT_WATCH, "a reuse before the read on 400", || !reused()).await;
+        device.open_gate("r400");
+        eventually("every reuse", || (0..3).all(|i| device.ran(&format!("reuse {i}")))).await;
+        t.assert_safe();
+    });
+}
+
 /// Finding 6: 4,000 leases of one buffer held at once by one consumer, each offer with a
 /// fresh acquire fence (the buffer was used on a stream): no offer fails, and the exporter
 /// keeps no fence for them (a counter fence is a value written into the consumer's lane:

@@ -172,6 +172,57 @@ pub(crate) struct LeaseOrder {
     acquire: Option<FenceHandle>,
     /// The backend's own stream waited for the acquire fence already.
     internal_ordered: AtomicBool,
+    /// A part of a lease over several buffers: the acquire side its parts share.
+    group: Option<Arc<GroupAcquire>>,
+}
+
+/// What the parts of one lease over several buffers share of their acquire side: the
+/// exporter's acquire fences of every part, reduced (none covers another: a counter slot's
+/// latest value stands for its earlier ones), and the streams that waited for all of them
+/// already. A stream waits once for the whole lease, not once per part — its later work on
+/// any part is queued after that wait — so a model lent as one lease over its 43 or 155
+/// allocations costs one fence wait per stream, not one per allocation. Streams are known
+/// by their [`StreamKey`] for the lease's life, as a lease's own uses are.
+#[derive(Debug)]
+pub(crate) struct GroupAcquire {
+    producer: ProcessId,
+    fences: Vec<FenceHandle>,
+    waited: Mutex<Vec<StreamKey>>,
+}
+
+impl GroupAcquire {
+    /// The shared acquire side of parts whose offers came from `producer` with `fences`.
+    pub(crate) fn new(producer: ProcessId, fences: impl IntoIterator<Item = FenceHandle>) -> Self {
+        let mut kept: Vec<FenceHandle> = Vec::new();
+        for f in fences {
+            if kept.iter().any(|k| k.covers(&f)) {
+                continue;
+            }
+            kept.retain(|k| !f.covers(k));
+            kept.push(f);
+        }
+        Self {
+            producer,
+            fences: kept,
+            waited: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// `stream` waits for every part's acquire fence, unless it did already.
+    fn wait(&self, backend: &SharedBackend, stream: StreamRef<'_>) -> Result<(), ActorError> {
+        let key = stream.key();
+        let mut waited = lock(&self.waited);
+        if waited.contains(&key) {
+            return Ok(());
+        }
+        for fence in &self.fences {
+            backend
+                .ordering()
+                .order_after(stream, &self.producer, fence)?;
+        }
+        waited.push(key);
+        Ok(())
+    }
 }
 
 /// What is left of a dropped lease: the fence its `Release` carries, or the marks to wait
@@ -196,7 +247,33 @@ impl LeaseOrder {
             producer,
             acquire,
             internal_ordered: AtomicBool::new(false),
+            group: None,
         }
+    }
+
+    /// A part of a lease over several buffers: its streams wait for the fences of every
+    /// part, once per stream for all the parts (see [`GroupAcquire`]). `group` must cover
+    /// this part's own acquire fence.
+    pub(crate) fn in_group(mut self, group: Arc<GroupAcquire>) -> Self {
+        self.group = Some(group);
+        self
+    }
+
+    /// The one stream it was used on, when it was used on one only and was told about it
+    /// with `wait_on` (its release can then be recorded there by another part's, later).
+    pub(crate) fn held_stream(&self) -> Option<StreamKey> {
+        let mut uses = self.uses.marks();
+        match (uses.next(), uses.next()) {
+            (Some(only), None) => only.held.get().map(|_| only.key),
+            _ => None,
+        }
+    }
+
+    /// Takes its uses and fences out, leaving one with none (for a guard that hands its
+    /// release over before it drops).
+    pub(crate) fn take(&mut self) -> LeaseOrder {
+        let empty = LeaseOrder::new(self.uses.backend.clone(), self.producer, None);
+        std::mem::replace(self, empty)
     }
 
     /// The exporter's acquire fence, and who recorded it.
@@ -205,13 +282,17 @@ impl LeaseOrder {
     }
 
     fn wait_acquire(&self, stream: StreamRef<'_>) -> Result<(), ActorError> {
-        if let Some(fence) = &self.acquire {
-            self.uses
+        let Some(fence) = &self.acquire else {
+            return Ok(());
+        };
+        match &self.group {
+            Some(group) => group.wait(&self.uses.backend, stream),
+            None => Ok(self
+                .uses
                 .backend
                 .ordering()
-                .order_after(stream, &self.producer, fence)?;
+                .order_after(stream, &self.producer, fence)?),
         }
-        Ok(())
     }
 
     /// Before a host copy (on the backend's own stream, synchronised before it returns):

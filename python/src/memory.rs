@@ -1097,7 +1097,6 @@ struct BufferState {
     cai: bool,
 }
 
-/// A buffer this process owns (Python's `baton.Buffer`), from `Node.allocate`.
 /// A buffer to be leased writable: what `Buffer.share_mut()` returns, for a message field.
 #[pyclass(frozen, module = "baton._baton", name = "WritableShare")]
 pub(crate) struct WritableShare {
@@ -1117,6 +1116,7 @@ impl WritableShare {
     }
 }
 
+/// A buffer this process owns (Python's `baton.Buffer`), from `Node.allocate`.
 #[pyclass(frozen, module = "baton._baton", name = "Buffer")]
 pub(crate) struct Buffer {
     state: Mutex<BufferState>,

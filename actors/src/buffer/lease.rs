@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::paths::LeasePath;
+use baton_ipc::StreamKey;
 
 /// An importer's lease before it is typed: the mapping, the lease, and the link to release
 /// it on.
@@ -30,6 +31,12 @@ pub(crate) struct IncomingLease {
 /// it drops: the release fences (only those no other covers: a counter slot's latest
 /// value covers its earlier ones, so at most one per slot) and what must be waited for.
 /// The last part to drop — when this drops — sends the lease's one `Release`, with them.
+///
+/// A part used on one stream only (named with `wait_on`) leaves its uses and its mapping
+/// instead of a fence: when the last part drops, one release is recorded on each such
+/// stream, after every part's work queued there, and covers every part used on it — one
+/// fence write per stream for the whole lease, not one per part. Its mapping stays until
+/// then (the exporter frees nothing before the `Release` anyway).
 pub(crate) struct LeaseParts {
     lease: LeaseId,
     link: LinkHandle,
@@ -40,8 +47,57 @@ pub(crate) struct LeaseParts {
 struct PartsBack {
     fences: Vec<Arc<dyn ExportedFence>>,
     pending: Option<PendingRelease>,
+    /// Parts used on one stream only, by that stream: their release is recorded once the
+    /// last part drops.
+    on_one_stream: Vec<(StreamKey, LeaseOrder, Option<Imported>)>,
     /// Given back already, unopened (the link refused the frame): nothing to send.
     refused: bool,
+}
+
+impl PartsBack {
+    /// A part's release fence, kept unless one kept covers it.
+    fn fence(&mut self, fence: Arc<dyn ExportedFence>) {
+        let handle = fence.handle();
+        if !self.fences.iter().any(|f| f.handle().covers(&handle)) {
+            self.fences.retain(|f| !handle.covers(&f.handle()));
+            self.fences.push(fence);
+        }
+    }
+
+    /// A part's uses to wait for, when no fence could be made.
+    fn pending(&mut self, p: PendingRelease) {
+        let all = (self.pending).get_or_insert_with(|| PendingRelease::new(Vec::new(), None));
+        all.marks.extend(p.marks);
+        all.fences.extend(p.fences);
+        all.imported.extend(p.imported);
+    }
+
+    /// The release of the parts used on one stream only: per stream, that of the part
+    /// dropped last, recorded there now, after every part's work on it, covers them all
+    /// (the others' uses go unrecorded: they are before it on the same stream).
+    fn finish_on_one_stream(&mut self) {
+        let mut left = std::mem::take(&mut self.on_one_stream);
+        while let Some((key, mut order, view)) = left.pop() {
+            let mut views: Vec<Imported> = view.into_iter().collect();
+            let (same, rest): (Vec<_>, Vec<_>) = left.into_iter().partition(|(k, ..)| *k == key);
+            left = rest;
+            views.extend(same.into_iter().filter_map(|(_, _, view)| view));
+            match order.finish() {
+                Finished::Idle => drop(views),
+                Finished::Fence(fence) => {
+                    for view in views {
+                        view.release_after(fence.local_handle());
+                    }
+                    self.fence(fence);
+                }
+                Finished::Wait(marks) => self.pending(PendingRelease {
+                    marks,
+                    fences: Vec::new(),
+                    imported: views,
+                }),
+            }
+        }
+    }
 }
 
 impl LeaseParts {
@@ -68,24 +124,24 @@ impl LeaseParts {
     fn part_back(&self, fence: Option<Arc<dyn ExportedFence>>, pending: Option<PendingRelease>) {
         let mut back = self.lock();
         if let Some(fence) = fence {
-            let handle = fence.handle();
-            if !back.fences.iter().any(|f| f.handle().covers(&handle)) {
-                back.fences.retain(|f| !handle.covers(&f.handle()));
-                back.fences.push(fence);
-            }
+            back.fence(fence);
         }
         if let Some(p) = pending {
-            let all = (back.pending).get_or_insert_with(|| PendingRelease::new(Vec::new(), None));
-            all.marks.extend(p.marks);
-            all.fences.extend(p.fences);
-            all.imported.extend(p.imported);
+            back.pending(p);
         }
+    }
+
+    /// A part used on stream `key` only dropped: its release is recorded with the last
+    /// part's (see [`LeaseParts`]).
+    fn part_on_one_stream(&self, key: StreamKey, order: LeaseOrder, view: Option<Imported>) {
+        self.lock().on_one_stream.push((key, order, view));
     }
 }
 
 impl Drop for LeaseParts {
     fn drop(&mut self) {
-        let back = std::mem::take(&mut *self.lock());
+        let mut back = std::mem::take(&mut *self.lock());
+        back.finish_on_one_stream();
         let mut pending = back.pending;
         let mut fences = back.fences;
         // More than a `Release` may carry (event fences: none covers another): the
@@ -222,6 +278,10 @@ impl Drop for IncomingLease {
         let imported = self.imported.take();
         if let Some(parts) = self.parts.take() {
             // A part of a lease over several buffers: the last part sends the `Release`.
+            if let Some(key) = self.order.held_stream() {
+                parts.part_on_one_stream(key, self.order.take(), imported);
+                return;
+            }
             let (fence, pending) = match self.order.finish() {
                 Finished::Idle => {
                     drop(imported);

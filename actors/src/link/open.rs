@@ -7,7 +7,7 @@ use super::{Attached, PeerLink};
 use crate::buffer::{HeldLease, IncomingLease, LeaseParts};
 use crate::error::ActorError;
 use crate::link_session::{Kept, Open, Then};
-use crate::order::LeaseOrder;
+use crate::order::{GroupAcquire, LeaseOrder};
 use crate::paths::LeasePath;
 use crate::remote::IncomingPayload;
 use actix::prelude::*;
@@ -124,8 +124,9 @@ impl PeerLink {
         relayed: bool,
     ) -> Result<Opened<Vec<IncomingLease>>, ActorError> {
         let mut leases: Vec<IncomingLease> = Vec::with_capacity(offers.len());
-        // The parts of the lease over several buffers being opened, and its guard.
-        let mut parts: Option<(Arc<LeaseParts>, Arc<HeldLease>)> = None;
+        // The parts of the lease over several buffers being opened, its guard, and the
+        // acquire side its parts share.
+        let mut parts: Option<(Arc<LeaseParts>, Arc<HeldLease>, Option<Arc<GroupAcquire>>)> = None;
         for (i, (offer, view)) in offers.iter().zip(views).enumerate() {
             let part = i > 0 && offers[i - 1].lease == offer.lease;
             if !part {
@@ -143,7 +144,7 @@ impl PeerLink {
                             .iter()
                             .rposition(|o| o.lease != offer.lease)
                             .map_or(0, |p| p + 1);
-                        if let Some((parts, _)) = &parts {
+                        if let Some((parts, ..)) = &parts {
                             parts.refused();
                         }
                         self.session.released(offer.lease);
@@ -173,11 +174,23 @@ impl PeerLink {
                     .is_some_and(|next| next.lease == offer.lease)
             {
                 let first = LeaseParts::new(offer.lease, self.me.clone());
-                parts = Some((first, Arc::new(HeldLease::default())));
+                let all = || offers[i..].iter().take_while(|o| o.lease == offer.lease);
+                let producer = offer.handle.exporter.process;
+                // One exporter's fences (a lease over several buffers comes over one
+                // link, never relayed): its streams wait once for them all.
+                let group = all()
+                    .all(|o| o.handle.exporter.process == producer)
+                    .then(|| {
+                        Arc::new(GroupAcquire::new(
+                            producer,
+                            all().filter_map(|o| o.handle.fence),
+                        ))
+                    });
+                parts = Some((first, Arc::new(HeldLease::default()), group));
             }
-            let (lease_parts, held) = match &parts {
-                Some((p, held)) => (Some(Arc::clone(p)), Arc::clone(held)),
-                None => (None, Arc::new(HeldLease::default())),
+            let (lease_parts, held, group) = match &parts {
+                Some((p, held, group)) => (Some(Arc::clone(p)), Arc::clone(held), group.clone()),
+                None => (None, Arc::new(HeldLease::default()), None),
             };
             // The first offer of an allocation over this link starts a hold: the mapping
             // stays warm for the next offer until the exporter says `Unmap`. (A hold that
@@ -193,11 +206,14 @@ impl PeerLink {
                 .state
                 .held_leases
                 .store(self.session.held(), Ordering::Relaxed);
-            let order = LeaseOrder::new(
+            let mut order = LeaseOrder::new(
                 Arc::clone(imported.backend()),
                 offer.handle.exporter.process,
                 offer.handle.fence,
             );
+            if let Some(group) = group {
+                order = order.in_group(group);
+            }
             let path = LeasePath::mapped(&offer.handle.raw, &imported);
             self.node.observed().paths.opened(path, offer.handle.len);
             leases.push(IncomingLease {
