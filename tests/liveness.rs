@@ -1187,18 +1187,33 @@ fn the_parts_of_one_lease_used_on_different_streams_are_each_ordered() {
             "each stream waits once for the lease"
         );
         drop(leases);
-        eventually("the lease back", || bufs.iter().all(|b| b.leases_out() == 0)).await;
+        eventually("the lease back", || {
+            bufs.iter().all(|b| b.leases_out() == 0)
+        })
+        .await;
         for (i, b) in bufs.iter().enumerate() {
             b.wait_on(Stream::Id(200 + i as u64)).unwrap();
-            t.exp.work(200 + i as u64, &format!("reuse {i}"), "go", None);
+            t.exp
+                .work(200 + i as u64, &format!("reuse {i}"), "go", None);
         }
         let reused = || (0..3).any(|i| device.ran(&format!("reuse {i}")));
-        holds_for(MUST_NOT_WATCH, "a reuse before either stream's read", || !reused()).await;
+        holds_for(
+            MUST_NOT_WATCH,
+            "a reuse before either stream's read",
+            || !reused(),
+        )
+        .await;
         device.open_gate("r300");
         eventually("the read on 300", || device.ran("read on 300")).await;
-        holds_for(MUST_NOT_WATCH, "a reuse before the read on 400", || !reused()).await;
+        holds_for(MUST_NOT_WATCH, "a reuse before the read on 400", || {
+            !reused()
+        })
+        .await;
         device.open_gate("r400");
-        eventually("every reuse", || (0..3).all(|i| device.ran(&format!("reuse {i}")))).await;
+        eventually("every reuse", || {
+            (0..3).all(|i| device.ran(&format!("reuse {i}")))
+        })
+        .await;
         t.assert_safe();
     });
 }

@@ -47,7 +47,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional
 
-from ._baton import Buffer, BundleLayout, Lease, Shared, SyncStamp, _SyncSender, _SyncState
+from ._baton import (Buffer, BundleLayout, Lease, Shared, SyncStamp, _SyncSender, _SyncState,
+                     open_all, release_all)
 
 __all__ = [
     "Bundle", "BundleGroup", "BundleGroupLease", "BundleLayout", "BundleLease", "CopyPlan",
@@ -776,8 +777,6 @@ class SharedBundleGroup:
         the host waits once for all of them. All or nothing: if a bundle's stamp or size
         does not check, or one cannot be opened, every lease of the group goes back and the
         error is raised."""
-        from ._baton import open_all
-
         try:
             for p in self._parts:
                 if p._stamp is not None:
@@ -856,8 +855,6 @@ class BundleGroupLease:
     def release(self) -> bool:
         """Gives every lease back (each deferred while views of it are alive), in one call:
         after one device synchronisation for all of them when opened without a stream."""
-        from ._baton import release_all
-
         return release_all(self._leases)
 
     def __enter__(self) -> "BundleGroupLease":

@@ -439,9 +439,10 @@ def test_a_borrowed_model_is_lent_opened_and_loaded_as_one_group(torch, cuda_nod
     assert group.release()
 
 
-@pytest.mark.parametrize("engine_device", [0, 1])
+@pytest.mark.parametrize("engine_device,borrowed", [(0, False), (1, False), (0, True),
+                                                     (1, True)])
 def test_an_engine_lends_its_weights_and_the_trainer_writes_them_stream_ordered(
-        torch, cuda_node, engine_device):
+        torch, cuda_node, engine_device, borrowed):
     # A sync the other way round (GUIDE, *An engine lends its weights*): an engine process
     # lends its weight bundle with a stream-ordered call, its own write still queued behind
     # a spin; this process opens it writable on its stream, queues a spin of its own, then
@@ -450,10 +451,13 @@ def test_an_engine_lends_its_weights_and_the_trainer_writes_them_stream_ordered(
     # not wait for the engine's write, or a release fence the engine did not wait for,
     # shows as the engine's -1s. On a second GPU the bundle is that GPU's memory mapped
     # here, and the plan copies its 64 MiB tensor by the copy engine, the rest by one launch.
+    # `borrowed`: the engine's weights are torch tensors lent as one lease over their
+    # allocations (a group), whose parts wait once and release once on the trainer's stream.
     if engine_device >= torch.cuda.device_count():
         pytest.skip(f"needs {engine_device + 1} GPUs; torch sees {torch.cuda.device_count()}")
     mailbox = cuda_node.register("trainer", "py.Lend")
-    child = cuda_node.spawn([sys.executable, str(HERE / "lend_child.py")], timeout=DEADLINE,
+    child = cuda_node.spawn([sys.executable, str(HERE / "lend_child.py")]
+                            + (["borrowed"] if borrowed else []), timeout=DEADLINE,
                             env={"BATON_CUDA_DEVICE": str(engine_device)})
     stream = torch.cuda.current_stream()
     params, want, opens = None, None, cuda_node.import_stats()["opens"]
@@ -466,10 +470,13 @@ def test_an_engine_lends_its_weights_and_the_trainer_writes_them_stream_ordered(
                 call.reply({"stop": True})
                 break
             lent = call.message["weights"].open(writable=True, stream=stream)
-            assert lent.lease.path.endswith("-peer-gpu") == (engine_device != 0)
+            leases = lent.leases if borrowed else [lent.lease]
+            assert len(leases) >= (2 if borrowed else 1)
+            assert all(l.path.endswith("-peer-gpu") == (engine_device != 0) for l in leases)
             if params is None:
+                layouts = lent.layout if borrowed else (lent.layout,)
                 params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-                          for name, dtype, shape, _ in lent.layout.tensors}
+                          for layout in layouts for name, dtype, shape, _ in layout.tensors}
             for i, t in enumerate(params.values()):
                 t.fill_(step + i / 32)
             spin(torch)  # the copies queued behind it: the release must wait for them
@@ -477,7 +484,8 @@ def test_an_engine_lends_its_weights_and_the_trainer_writes_them_stream_ordered(
             lent.release()
             call.reply({"step": step})
             want = {n: float(t.double().sum()) for n, t in params.items()}
-        assert cuda_node.import_stats()["opens"] == opens + 1, "one open, at the first lend"
+        assert cuda_node.import_stats()["opens"] == opens + len(leases), \
+            "each allocation opened once, at the first lend"
     finally:
         child.peer.close()  # a lend still waiting for its answer ends the engine
         child.wait(timeout=DEADLINE)

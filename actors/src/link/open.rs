@@ -52,6 +52,14 @@ fn open_views(cache: ImportCache, offers: Vec<Offer>, mut fds: FrameFds) -> Open
     (offers, views)
 }
 
+/// A lease over several buffers being opened: its parts' shared guard, its hold, and the
+/// acquire side its parts share.
+struct Opening {
+    parts: Arc<LeaseParts>,
+    held: Arc<HeldLease>,
+    group: Option<Arc<GroupAcquire>>,
+}
+
 impl PeerLink {
     /// Opens a frame's offers, checked by the session, all or none, then carries on with
     /// what they are for ([`then`](Self::then)). Opens are driver calls: on a node whose
@@ -124,9 +132,8 @@ impl PeerLink {
         relayed: bool,
     ) -> Result<Opened<Vec<IncomingLease>>, ActorError> {
         let mut leases: Vec<IncomingLease> = Vec::with_capacity(offers.len());
-        // The parts of the lease over several buffers being opened, its guard, and the
-        // acquire side its parts share.
-        let mut parts: Option<(Arc<LeaseParts>, Arc<HeldLease>, Option<Arc<GroupAcquire>>)> = None;
+        // The lease over several buffers being opened, if any.
+        let mut parts: Option<Opening> = None;
         for (i, (offer, view)) in offers.iter().zip(views).enumerate() {
             let part = i > 0 && offers[i - 1].lease == offer.lease;
             if !part {
@@ -144,8 +151,8 @@ impl PeerLink {
                             .iter()
                             .rposition(|o| o.lease != offer.lease)
                             .map_or(0, |p| p + 1);
-                        if let Some((parts, ..)) = &parts {
-                            parts.refused();
+                        if let Some(opening) = &parts {
+                            opening.parts.refused();
                         }
                         self.session.released(offer.lease);
                     }
@@ -186,10 +193,18 @@ impl PeerLink {
                             all().filter_map(|o| o.handle.fence),
                         ))
                     });
-                parts = Some((first, Arc::new(HeldLease::default()), group));
+                parts = Some(Opening {
+                    parts: first,
+                    held: Arc::new(HeldLease::default()),
+                    group,
+                });
             }
             let (lease_parts, held, group) = match &parts {
-                Some((p, held, group)) => (Some(Arc::clone(p)), Arc::clone(held), group.clone()),
+                Some(o) => (
+                    Some(Arc::clone(&o.parts)),
+                    Arc::clone(&o.held),
+                    o.group.clone(),
+                ),
                 None => (None, Arc::new(HeldLease::default()), None),
             };
             // The first offer of an allocation over this link starts a hold: the mapping
