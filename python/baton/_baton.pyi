@@ -26,10 +26,12 @@ Device = Tuple[str, int]
 StreamLike = Any
 
 def open_all(
-    shared: list[Shared], *, writable: bool = False, stream: Any = None
+    shared: list[Shared], *, writable: bool = False, stream: Any = None,
+    layouts: Optional[Sequence[BundleLayout]] = None,
 ) -> list[Lease]:
     """Opens every ``Shared`` of the list as ``Shared.open`` does, in one call (one host
-    wait without ``stream``); all or nothing: on an error every lease goes back."""
+    wait without ``stream``); all or nothing: on an error every lease goes back.
+    ``layouts``, one per buffer, are checked first (a buffer too small: ``ValueError``)."""
 
 def release_all(leases: list[Lease]) -> bool:
     """Releases every ``Lease`` of the list as ``Lease.release`` does, in one call (one

@@ -752,15 +752,32 @@ class BundleGroup:
 class SharedBundleGroup:
     """A received :class:`BundleGroup`, not opened yet: its bundles' leases."""
 
-    __slots__ = ("_parts", "_layout")
+    __slots__ = ("_layout", "_shared", "_stamps", "_parts")
 
     def __init__(self, parts: List[SharedBundle]) -> None:
-        self._parts = tuple(parts)
-        self._layout = tuple(p.layout for p in self._parts)
+        parts = tuple(parts)
+        self._layout = tuple(p._layout for p in parts)
+        self._shared = [p._shared for p in parts]
+        stamps = [p._stamp for p in parts]
+        self._stamps = stamps if any(s is not None for s in stamps) else None
+        self._parts: Optional[tuple] = parts
+
+    @classmethod
+    def _received(cls, layouts: tuple, shared: list,
+                  stamps: Optional[list]) -> "SharedBundleGroup":
+        # What the codec makes of a group on arrival: its layouts, buffers and stamps (None:
+        # none stamped), and no object per bundle until `parts` asks for them.
+        group = cls.__new__(cls)
+        group._layout, group._shared, group._stamps, group._parts = layouts, shared, stamps, None
+        return group
 
     @property
     def parts(self) -> tuple:
         """Its bundles, each a :class:`SharedBundle`."""
+        if self._parts is None:
+            stamps = self._stamps or [None] * len(self._shared)
+            self._parts = tuple(SharedBundle(layout, shared, stamp) for layout, shared, stamp
+                                in zip(self._layout, self._shared, stamps))
         return self._parts
 
     @property
@@ -770,7 +787,7 @@ class SharedBundleGroup:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self._parts)
+        return sum(layout.nbytes for layout in self._layout)
 
     def open(self, writable: bool = False, stream: Any = None) -> "BundleGroupLease":
         """Opens every bundle in one call (see ``SharedBundle.open``): without ``stream``
@@ -778,29 +795,25 @@ class SharedBundleGroup:
         does not check, or one cannot be opened, every lease of the group goes back and the
         error is raised."""
         try:
-            for p in self._parts:
-                if p._stamp is not None:
-                    p._stamp.check()
-                if p._layout.nbytes > p._shared.nbytes:
-                    raise ValueError(
-                        f"a bundle's tensors need {p._layout.nbytes} bytes; its buffer has "
-                        f"{p._shared.nbytes}")
-            leases = open_all([p._shared for p in self._parts], writable=writable,
-                              stream=stream)
+            for stamp in self._stamps or ():
+                if stamp is not None:
+                    stamp.check()
+            leases = open_all(self._shared, writable=writable, stream=stream,
+                              layouts=self._layout)
         except Exception:
             self.release()
             raise
-        return BundleGroupLease(self._layout, leases)
+        return BundleGroupLease(self._layout, leases, writable)
 
     def release(self) -> bool:
         """Gives every lease back unopened (those opened already are left alone)."""
-        return all([p._shared.release() for p in self._parts])
+        return all([shared.release() for shared in self._shared])
 
     def __len__(self) -> int:
-        return len(self._parts)
+        return len(self._shared)
 
     def __repr__(self) -> str:
-        return (f"SharedBundleGroup({len(self._parts)} bundles, "
+        return (f"SharedBundleGroup({len(self._shared)} bundles, "
                 f"{sum(len(l) for l in self._layout)} tensors)")
 
 
@@ -808,11 +821,13 @@ class BundleGroupLease:
     """An opened bundle group: a ``Lease`` per bundle and their layouts; one
     ``copy_into``, one ``release``. A context manager."""
 
-    __slots__ = ("_layout", "_leases")
+    __slots__ = ("_layout", "_leases", "_writable")
 
-    def __init__(self, layout: tuple, leases: List[Lease]) -> None:
+    def __init__(self, layout: tuple, leases: List[Lease], writable: Optional[bool] = None) -> None:
         self._layout = layout
         self._leases = leases
+        # Whether every lease was opened writable (None: look at each when writing).
+        self._writable = writable
 
     @property
     def layout(self) -> tuple:
@@ -846,10 +861,11 @@ class BundleGroupLease:
         ``writable`` (see ``BundleLease.copy_from``): from a :class:`CopyPlan` of ``layout``
         or same-dtype contiguous torch tensors, one kernel launch for every tensor of every
         bundle; otherwise one typed copy per tensor."""
-        for lease in self._leases:
-            if not lease.writable:
-                raise BufferError(f"lease {lease.lease_id} was opened read-only: open the "
-                                  "group with writable=True to write into it")
+        if not self._writable:
+            for lease in self._leases:
+                if not lease.writable:
+                    raise BufferError(f"lease {lease.lease_id} was opened read-only: open "
+                                      "the group with writable=True to write into it")
         _copy_group_by_name(self._leases, self._layout, params, stream, into_memory=True)
 
     def release(self) -> bool:

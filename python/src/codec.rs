@@ -463,7 +463,9 @@ static SHARED_GROUP: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 const GROUP_KEY: &str = "baton.bundles";
 
 /// A received bundle group: a map of one field, [`GROUP_KEY`], whose value is a list of
-/// one bundle or more; a `baton.SharedBundleGroup` of them.
+/// one bundle or more; a `baton.SharedBundleGroup` of them, made in one call with their
+/// layouts, buffers and stamps (no Python object per bundle: a borrowed model's group has
+/// tens of them each sync).
 fn received_group(
     py: Python<'_>,
     entries: Vec<(Value, Value)>,
@@ -479,20 +481,33 @@ fn received_group(
     if items.is_empty() {
         return Err(Decoded::Bad("a bundle group of no bundle".into()));
     }
-    let parts = PyList::empty(py);
+    let (mut layouts, shared) = (Vec::with_capacity(items.len()), PyList::empty(py));
+    let mut stamps: Vec<Option<crate::versions::SyncStamp>> = Vec::new();
     for item in items {
         match item {
             Value::Map(e) if e.iter().any(|(k, _)| k.as_str() == Some(LAYOUT_KEY)) => {
-                parts.append(received_bundle(py, e, buffers, cuda)?)?;
+                let (layout, buffer, stamp) = bundle_fields(py, e, buffers, cuda)?;
+                if stamp.is_some() {
+                    stamps.resize_with(layouts.len(), || None);
+                    stamps.push(stamp);
+                } else if !stamps.is_empty() {
+                    stamps.push(None);
+                }
+                layouts.push(layout);
+                shared.append(buffer)?;
             }
             _ => {
                 return Err(Decoded::Bad("a bundle group holds bundles only".into()));
             }
         }
     }
+    let stamps = (!stamps.is_empty()).then(|| {
+        stamps.resize_with(layouts.len(), || None);
+        stamps
+    });
     Ok(SHARED_GROUP
         .import(py, "baton.bundle", "SharedBundleGroup")?
-        .call1((parts,))?
+        .call_method1("_received", (PyTuple::new(py, layouts)?, shared, stamps))?
         .unbind())
 }
 
@@ -507,6 +522,27 @@ fn received_bundle(
     buffers: &mut [Option<AnyShared>],
     cuda: &Cuda,
 ) -> Result<Py<PyAny>, Decoded> {
+    let (layout, buffer, stamp) = bundle_fields(py, entries, buffers, cuda)?;
+    Ok(SHARED_BUNDLE
+        .import(py, "baton.bundle", "SharedBundle")?
+        .call1((layout, buffer, stamp))?
+        .unbind())
+}
+
+/// A received bundle's layout, buffer (a `baton.Shared`) and sync stamp, checked.
+fn bundle_fields(
+    py: Python<'_>,
+    entries: Vec<(Value, Value)>,
+    buffers: &mut [Option<AnyShared>],
+    cuda: &Cuda,
+) -> Result<
+    (
+        Py<BundleLayout>,
+        Py<PyAny>,
+        Option<crate::versions::SyncStamp>,
+    ),
+    Decoded,
+> {
     let (mut layout, mut buffer, mut stamp) = (None, None, None);
     for (k, v) in entries {
         match k.as_str() {
@@ -534,14 +570,8 @@ fn received_bundle(
     if !buffer.bind(py).is_instance_of::<Shared>() {
         return Err(Decoded::Bad("a bundle's buffer is not a buffer".into()));
     }
-    Ok(SHARED_BUNDLE
-        .import(py, "baton.bundle", "SharedBundle")?
-        .call1((
-            layout,
-            buffer,
-            stamp
-                .flatten()
-                .map(|inner| crate::versions::SyncStamp { inner }),
-        ))?
-        .unbind())
+    let stamp = stamp
+        .flatten()
+        .map(|inner| crate::versions::SyncStamp { inner });
+    Ok((layout, buffer, stamp))
 }

@@ -822,15 +822,38 @@ impl Shared {
 /// one call: a received bundle group's leases (`SharedBundleGroup.open`). Without `stream`
 /// the host waits once, for all of their acquire fences, not once per lease. All or
 /// nothing: if one cannot be opened, every lease of the list goes back (those opened
-/// already as they drop, the others unopened) and the error says which.
+/// already as they drop, the others unopened) and the error says which. `layouts` (one
+/// `BundleLayout` per buffer) are checked first: a buffer smaller than its layout's
+/// tensors is a `ValueError`, and nothing is opened.
 #[pyfunction]
-#[pyo3(signature = (shared, *, writable = false, stream = None))]
+#[pyo3(signature = (shared, *, writable = false, stream = None, layouts = None))]
 pub(crate) fn open_all(
     py: Python<'_>,
     shared: Vec<PyRef<'_, Shared>>,
     writable: bool,
     stream: Option<&Bound<'_, PyAny>>,
+    layouts: Option<Vec<PyRef<'_, crate::bundle::BundleLayout>>>,
 ) -> PyResult<Vec<Lease>> {
+    if let Some(layouts) = &layouts {
+        if layouts.len() != shared.len() {
+            return Err(Failure::Value(format!(
+                "{} layouts for {} buffers",
+                layouts.len(),
+                shared.len()
+            )))
+            .or_raise(py);
+        }
+        for (s, layout) in shared.iter().zip(layouts) {
+            let need = layout.inner.byte_len();
+            if need > s.geometry.nbytes as u64 {
+                return Err(Failure::Value(format!(
+                    "a bundle's tensors need {need} bytes; its buffer has {}",
+                    s.geometry.nbytes
+                )))
+                .or_raise(py);
+            }
+        }
+    }
     let mut taken = Vec::with_capacity(shared.len());
     for s in &shared {
         // Taken before anything opens: whatever fails, the rest of the list is not left
@@ -839,12 +862,18 @@ pub(crate) fn open_all(
     }
     let mut opened = Vec::with_capacity(shared.len());
     let mut backend: Option<Arc<CudaBackend>> = None;
+    // The caller's stream, named once for every lease (each device buffer's backend is
+    // the node's).
+    let mut named: Option<Stream> = None;
     for (s, inner) in shared.iter().zip(taken) {
         let (lease, addr, device) = s.opened(py, inner)?;
         if let (Device::Cuda(_), Some(cuda)) = (device, &s.cuda) {
             match stream {
                 Some(stream) => {
-                    let stream = crate::stream::named(stream, cuda)?;
+                    let stream = match &named {
+                        Some(n) => n.clone(),
+                        None => named.insert(crate::stream::named(stream, cuda)?).clone(),
+                    };
                     lease.wait_on(stream).or_raise(py)?;
                 }
                 None => {

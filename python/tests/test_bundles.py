@@ -341,6 +341,10 @@ def test_a_bundle_group_is_sent_opened_loaded_and_given_back_as_one(node, token_
                 call = mailbox.recv(timeout=DEADLINE)
                 shared = call.message["weights"]
                 assert isinstance(shared, baton.SharedBundleGroup) and len(shared) == 6
+                # Its bundles, made when asked for: each its layout and its lease, in order.
+                assert tuple(p.layout for p in shared.parts) == shared.layout
+                assert shared.parts is shared.parts
+                assert len({p._shared.lease_id for p in shared.parts}) == 1, "one lease"
                 dst = {n: np.zeros(s, dtype=d) for spec in specs for n, s, d in spec}
                 with shared.open() as opened:
                     views = opened.tensors()
