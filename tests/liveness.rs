@@ -1062,6 +1062,17 @@ fn a_tile_reused_every_frame_costs_the_same_driver_calls_every_frame() {
     });
 }
 
+/// `bufs` shared after the exporter's stream `on`, as one lease over all of them.
+fn one_lease(bufs: &[Buffer<u32>], on: u64) -> Vec<Shared<u32>> {
+    bufs.iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let s = b.share_on(Stream::Id(on)).unwrap();
+            if i == 0 { s } else { s.lease_with_previous() }
+        })
+        .collect()
+}
+
 /// A lease over several buffers (a model lent as one lease over its allocations) used on
 /// one stream costs the importer one acquire wait and one release write for the whole
 /// lease, not one per part — and still orders everything: the importer's work on any part
@@ -1088,14 +1099,7 @@ fn a_lease_over_several_buffers_waits_and_releases_once_per_stream() {
                 t.exp
                     .work(100, &format!("write {round}.{i}"), &written, write);
             }
-            let shared = bufs
-                .iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    let s = b.share_on(Stream::Id(100)).unwrap();
-                    if i == 0 { s } else { s.lease_with_previous() }
-                })
-                .collect();
+            let shared = one_lease(&bufs, 100);
             let from = device.log_len();
             let leases = t.hold(shared).await;
             // The importer reads every part on its stream, behind gate `read`.
@@ -1164,14 +1168,7 @@ fn the_parts_of_one_lease_used_on_different_streams_are_each_ordered() {
             b.wait_on(Stream::Id(100)).unwrap();
         }
         t.exp.work(100, "write", "go", None);
-        let shared = bufs
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let s = b.share_on(Stream::Id(100)).unwrap();
-                if i == 0 { s } else { s.lease_with_previous() }
-            })
-            .collect();
+        let shared = one_lease(&bufs, 100);
         let from = device.log_len();
         let leases = t.hold(shared).await;
         for (lease, streams) in leases.iter().zip([&[300][..], &[400], &[300, 400]]) {
