@@ -529,20 +529,20 @@ fn received_bundle(
         .unbind())
 }
 
-/// A received bundle's layout, buffer (a `baton.Shared`) and sync stamp, checked.
+/// A received bundle's layout, its buffer (a `baton.Shared`) and its sync stamp.
+type BundleFields = (
+    Py<BundleLayout>,
+    Py<PyAny>,
+    Option<crate::versions::SyncStamp>,
+);
+
+/// A received bundle's fields, checked.
 fn bundle_fields(
     py: Python<'_>,
     entries: Vec<(Value, Value)>,
     buffers: &mut [Option<AnyShared>],
     cuda: &Cuda,
-) -> Result<
-    (
-        Py<BundleLayout>,
-        Py<PyAny>,
-        Option<crate::versions::SyncStamp>,
-    ),
-    Decoded,
-> {
+) -> Result<BundleFields, Decoded> {
     let (mut layout, mut buffer, mut stamp) = (None, None, None);
     for (k, v) in entries {
         match k.as_str() {
