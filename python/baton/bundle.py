@@ -787,7 +787,7 @@ class SharedBundleGroup:
 
     @property
     def nbytes(self) -> int:
-        return sum(layout.nbytes for layout in self._layout)
+        return sum(shared.nbytes for shared in self._shared)
 
     def open(self, writable: bool = False, stream: Any = None) -> "BundleGroupLease":
         """Opens every bundle in one call (see ``SharedBundle.open``): without ``stream``
