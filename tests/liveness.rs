@@ -31,7 +31,8 @@ mod recording;
 use actix::prelude::*;
 use baton::Session;
 use baton::actors::{
-    Allocate, Buffer, BufferOwner, Lease, LinkId, Listening, Node, Peer, PeerEvent, Shared,
+    Allocate, AnyBuffer, Buffer, BufferOwner, Lease, LinkId, Listening, Node, Peer, PeerEvent,
+    Shared,
 };
 use baton::ipc::inbox::{LaneStatus, MAX_VALUE_STEP};
 use baton::ipc::{Backend, Link, LinkConfig, Stream, StreamRef};
@@ -1074,11 +1075,15 @@ fn one_lease(bufs: &[Buffer<u32>], on: u64) -> Vec<Shared<u32>> {
 }
 
 /// A lease over several buffers (a model lent as one lease over its allocations) used on
-/// one stream costs the importer one acquire wait and one release write for the whole
-/// lease, not one per part — and still orders everything: the importer's work on any part
-/// runs after the exporter's writes of every part, and the exporter's next use of any part
-/// after the importer's work on every part. Three rounds, so that a slot's covered values
-/// and the parts' shared record of waited streams are tried again.
+/// one stream costs each side one fence wait and one fence write for the whole lease, not
+/// one per part: the exporter's `wait_all_on` waits once for the release fences every
+/// part's line holds, its `share_all_on` records one mark, and the send makes one acquire
+/// fence for every part (a release stream's wait on the mark and its write); the
+/// importer's stream waits once and writes one release fence. It still orders
+/// everything: the importer's work on any part runs after the exporter's writes of every
+/// part, and the exporter's next use of any part after the importer's work on every part.
+/// Three rounds, so that a slot's covered values, the shared mark and the parts' shared
+/// record of waited streams are tried again.
 #[test]
 fn a_lease_over_several_buffers_waits_and_releases_once_per_stream() {
     const PARTS: usize = 8;
@@ -1089,19 +1094,43 @@ fn a_lease_over_several_buffers_waits_and_releases_once_per_stream() {
         for _ in 0..PARTS {
             bufs.push(t.buffer(4).await);
         }
+        let any: Vec<AnyBuffer> = bufs.iter().cloned().map(AnyBuffer::from).collect();
         device.open_gate("go");
         for round in 0..3u8 {
             let (written, read) = (format!("written {round}"), format!("read {round}"));
             // The exporter writes every part on its stream, behind gate `written`.
+            let waits = device.log_len();
+            AnyBuffer::wait_all_on(&any, Stream::Id(100)).unwrap();
+            assert_eq!(
+                device.count_from(waits, "exp wait-value"),
+                usize::from(round > 0),
+                "round {round}: the exporter's stream waits once for the lease's release"
+            );
             for (i, b) in bufs.iter().enumerate() {
-                b.wait_on(Stream::Id(100)).unwrap();
                 let write = Some((alloc_of(b.ptr()), 0, vec![round; 16]));
                 t.exp
                     .work(100, &format!("write {round}.{i}"), &written, write);
             }
-            let shared = one_lease(&bufs, 100);
+            let marks = device.log_len();
+            let shared: Vec<Shared<u32>> = AnyBuffer::share_all_on(&any, Stream::Id(100), false)
+                .unwrap()
+                .into_iter()
+                .map(|s| s.typed().unwrap())
+                .collect();
             let from = device.log_len();
             let leases = t.hold(shared).await;
+            for (what, count) in [
+                ("exp mark record", 1),
+                ("exp mark wait", 1),
+                ("exp write inbox", 1),
+                ("exp wait-value", 0),
+            ] {
+                assert_eq!(
+                    device.count_from(marks, what),
+                    count,
+                    "round {round}: {what:?} for the whole lease"
+                );
+            }
             // The importer reads every part on its stream, behind gate `read`.
             for (i, lease) in leases.iter().enumerate() {
                 lease.wait_on(Stream::Id(300)).unwrap();
@@ -1122,9 +1151,9 @@ fn a_lease_over_several_buffers_waits_and_releases_once_per_stream() {
                 1,
                 "round {round}: one release fence for the whole lease"
             );
-            // The exporter's next use of the first part, on another stream.
-            bufs[0].wait_on(Stream::Id(200)).unwrap();
-            t.exp.work(200, &format!("reuse {round}"), "go", None);
+            // The exporter's next use of the first part, on its stream.
+            bufs[0].wait_on(Stream::Id(100)).unwrap();
+            t.exp.work(100, &format!("reuse {round}"), "go", None);
             device.open_gate(&read);
             holds_for(
                 MUST_NOT_WATCH,

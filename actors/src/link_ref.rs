@@ -460,7 +460,7 @@ pub(crate) struct PeerDied;
 /// What a dropped lease could not turn into a release fence (every pooled event was in
 /// use): its uses to wait for, and its view, closed after them.
 pub(crate) struct PendingRelease {
-    pub(crate) marks: Vec<Box<dyn UseMark>>,
+    pub(crate) marks: Vec<Arc<dyn UseMark>>,
     /// Release fences a lease over several buffers could not carry (more than
     /// [`MAX_RELEASE_FENCES`](baton_messages::protocol::MAX_RELEASE_FENCES) that no other
     /// covers): waited for here instead.
@@ -470,7 +470,7 @@ pub(crate) struct PendingRelease {
 
 impl PendingRelease {
     /// A lease's uses to wait for (`marks`), then its view to let go.
-    pub(crate) fn new(marks: Vec<Box<dyn UseMark>>, imported: Option<Imported>) -> Self {
+    pub(crate) fn new(marks: Vec<Arc<dyn UseMark>>, imported: Option<Imported>) -> Self {
         Self {
             marks,
             fences: Vec::new(),

@@ -50,7 +50,10 @@ impl crate::ledger::Covers for ReleaseFence {
 /// One stream's uses.
 struct StreamUse {
     key: StreamKey,
-    mark: Box<dyn UseMark>,
+    /// Shared by the buffers of one [`ExportOrder::mark_all_on`] on this stream: a mark
+    /// is only ever recorded later on its one stream, after every earlier use there of
+    /// any buffer, so one record serves them all.
+    mark: Arc<dyn UseMark>,
     /// The stream itself, for streams named with `wait_on`: the mark is recorded there
     /// again when the lease drops.
     held: OnceLock<Stream>,
@@ -104,13 +107,28 @@ impl StreamUses {
         stream: StreamRef<'_>,
         first: impl FnOnce() -> Result<(), ActorError>,
     ) -> Result<Found<'_>, ActorError> {
+        self.get_or_adopt(stream, first, None)
+    }
+
+    /// [`get_or_add`](Self::get_or_add), a new use taking `adopt` (a mark of the same
+    /// stream) rather than a mark of its own.
+    fn get_or_adopt(
+        &self,
+        stream: StreamRef<'_>,
+        first: impl FnOnce() -> Result<(), ActorError>,
+        adopt: Option<&Arc<dyn UseMark>>,
+    ) -> Result<Found<'_>, ActorError> {
         let key = stream.key();
         if let Some(u) = self.find(key) {
             return Ok(Found::Known(u));
         }
         first()?;
-        let Some(mark) = self.backend.ordering().use_mark(stream)? else {
-            return Ok(Found::Unmarked);
+        let mark = match adopt {
+            Some(mark) => Arc::clone(mark),
+            None => match self.backend.ordering().use_mark(stream)? {
+                Some(mark) => Arc::from(mark),
+                None => return Ok(Found::Unmarked),
+            },
         };
         let mut new = Some(StreamUse {
             key,
@@ -132,6 +150,17 @@ impl StreamUses {
         }
         tracing::debug!(?key, max = MAX_STREAMS, "no room to track one more stream");
         Ok(Found::Full)
+    }
+
+    /// Who its marks are (their addresses, sorted: a mark lives as long as a use keeps it),
+    /// to tell whether two buffers' fences would follow the same records.
+    fn mark_ids(&self) -> Vec<usize> {
+        let mut ids: Vec<usize> = self
+            .marks()
+            .map(|u| Arc::as_ptr(&u.mark).cast::<()>() as usize)
+            .collect();
+        ids.sort_unstable();
+        ids
     }
 
     fn marks(&self) -> impl Iterator<Item = &StreamUse> {
@@ -161,6 +190,9 @@ impl StreamUses {
         Ok(self.backend.ordering().export_fence(&marks, to)?)
     }
 }
+
+/// Marks, each once.
+type Marks = Vec<Arc<dyn UseMark>>;
 
 /// The importer's side (see the module docs).
 #[derive(Debug)]
@@ -233,7 +265,7 @@ pub(crate) enum Finished {
     /// A release fence after every use.
     Fence(Arc<dyn ExportedFence>),
     /// No fence could be made (every pooled event is in use): wait for these first.
-    Wait(Vec<Box<dyn UseMark>>),
+    Wait(Vec<Arc<dyn UseMark>>),
 }
 
 impl LeaseOrder {
@@ -562,21 +594,167 @@ impl ExportOrder {
             }
         })?;
         if let Some(kept) = kept {
-            let key = stream.key();
-            let mut unrecorded = lock(&self.unrecorded);
-            for f in kept {
-                use crate::ledger::Covers;
-                if unrecorded
-                    .iter()
-                    .any(|(k, old)| *k == key && old.covers(&f))
-                {
-                    continue;
-                }
-                unrecorded.retain(|(k, old)| !(*k == key && f.covers(old)));
-                unrecorded.push((key, f));
-            }
+            self.unrecorded_on(stream.key(), kept);
         }
         Ok(())
+    }
+
+    /// `stream` (keyed `key`) waited for `fences` and its mark is not recorded yet: they
+    /// stay listed until it is (a fence covered by one listed for the same stream is not
+    /// listed twice).
+    fn unrecorded_on(&self, key: StreamKey, fences: Vec<ReleaseFence>) {
+        use crate::ledger::Covers;
+        let mut unrecorded = lock(&self.unrecorded);
+        for f in fences {
+            if unrecorded
+                .iter()
+                .any(|(k, old)| *k == key && old.covers(&f))
+            {
+                continue;
+            }
+            unrecorded.retain(|(k, old)| !(*k == key && f.covers(old)));
+            unrecorded.push((key, f));
+        }
+    }
+
+    /// Whether `orders` can be ordered on a stream together: two or more, one backend.
+    fn together(orders: &[&ExportOrder], stream: StreamRef<'_>) -> bool {
+        orders.len() > 1
+            && !matches!(stream, StreamRef::Internal)
+            && orders
+                .iter()
+                .all(|o| Arc::ptr_eq(o.backend(), orders[0].backend()))
+    }
+
+    /// Runs `step` with the release fences taken from every order's line and the stream
+    /// made to wait once for all of them (reduced: a fence another covers is waited for
+    /// through that one); on its error, or the wait's, each order's go back in line.
+    fn with_released_all<R>(
+        orders: &[&ExportOrder],
+        stream: StreamRef<'_>,
+        step: impl FnOnce(&[Vec<ReleaseFence>]) -> Result<R, ActorError>,
+    ) -> Result<R, ActorError> {
+        use crate::ledger::Covers;
+        let taken: Vec<Vec<ReleaseFence>> = orders.iter().map(|o| o.take_released()).collect();
+        let mut all: Vec<&ReleaseFence> = Vec::new();
+        for f in taken.iter().flatten() {
+            if all.iter().any(|kept| kept.covers(f)) {
+                continue;
+            }
+            all.retain(|kept| !f.covers(kept));
+            all.push(f);
+        }
+        let backend = orders[0].backend();
+        let done = all
+            .iter()
+            .try_for_each(|f| {
+                backend
+                    .ordering()
+                    .order_after(stream, &f.producer, &f.fence)
+            })
+            .map_err(ActorError::from)
+            .and_then(|()| step(&taken));
+        if done.is_err() {
+            for (o, fences) in orders.iter().zip(taken) {
+                o.released(fences);
+            }
+        }
+        done
+    }
+
+    /// [`wait_on`](Self::wait_on) for several buffers (`AnyBuffer::wait_all_on`): `stream`
+    /// waits once for the release fences of all of them — a lease over several buffers
+    /// comes back with one fence, which each buffer's line holds — not once per buffer.
+    pub(crate) fn wait_all_on(
+        orders: &[&ExportOrder],
+        stream: StreamRef<'_>,
+    ) -> Result<(), ActorError> {
+        if !Self::together(orders, stream) {
+            return orders.iter().try_for_each(|o| o.wait_on(stream));
+        }
+        let kept = Self::with_released_all(orders, stream, |taken| {
+            for o in orders {
+                o.order_after_others(stream)?;
+            }
+            let (tracked, _) = Self::uses_together(orders, stream)?;
+            // Each buffer's own fences stay listed until its mark is recorded (as
+            // `wait_on` keeps them).
+            Ok(taken
+                .iter()
+                .zip(tracked)
+                .map(|(own, tracked)| if tracked { own.clone() } else { Vec::new() })
+                .collect::<Vec<_>>())
+        })?;
+        let key = stream.key();
+        for (o, kept) in orders.iter().zip(kept) {
+            o.unrecorded_on(key, kept);
+        }
+        Ok(())
+    }
+
+    /// Each order's use of `stream`, a new one taking the first mark found there (one
+    /// mark for buffers first used together: see [`StreamUse::mark`]): whether each is
+    /// tracked there, and the distinct marks.
+    fn uses_together(
+        orders: &[&ExportOrder],
+        stream: StreamRef<'_>,
+    ) -> Result<(Vec<bool>, Marks), ActorError> {
+        let mut tracked = Vec::with_capacity(orders.len());
+        let mut marks: Marks = Vec::new();
+        for o in orders {
+            let mark = match o.uses.get_or_adopt(stream, || Ok(()), marks.first())? {
+                Found::Known(u) | Found::New(u) => &u.mark,
+                Found::Unmarked => {
+                    tracked.push(false);
+                    continue;
+                }
+                Found::Full => return Err(ActorError::TooManyStreams { max: MAX_STREAMS }),
+            };
+            tracked.push(true);
+            if !marks.iter().any(|m| Arc::ptr_eq(m, mark)) {
+                marks.push(Arc::clone(mark));
+            }
+        }
+        Ok((tracked, marks))
+    }
+
+    /// [`mark_on`](Self::mark_on) for several buffers (`AnyBuffer::share_all_on`): `stream`
+    /// waits once for all their release fences, and one mark, shared by every buffer that
+    /// has none of its own there yet, is recorded once, after everything queued there so
+    /// far — one wait and one record for a lease over many buffers, and one acquire fence
+    /// for all of them at the send ([`acquire_fence_for_part`](Self::acquire_fence_for_part)).
+    pub(crate) fn mark_all_on(
+        orders: &[&ExportOrder],
+        stream: StreamRef<'_>,
+    ) -> Result<(), ActorError> {
+        if !Self::together(orders, stream) {
+            return orders.iter().try_for_each(|o| o.mark_on(stream));
+        }
+        let key = stream.key();
+        Self::with_released_all(orders, stream, |_| {
+            let covered = orders
+                .iter()
+                .map(|o| o.order_after_others(stream))
+                .collect::<Result<Vec<_>, _>>()?;
+            let (_, marks) = Self::uses_together(orders, stream)?;
+            let own: Vec<Vec<ReleaseFence>> = orders
+                .iter()
+                .map(|o| {
+                    lock(&o.unrecorded)
+                        .iter()
+                        .filter(|(k, _)| *k == key)
+                        .map(|(_, f)| f.clone())
+                        .collect()
+                })
+                .collect();
+            for mark in &marks {
+                mark.record(stream)?;
+            }
+            for ((o, own), covered) in orders.iter().zip(&own).zip(&covered) {
+                o.recorded(key, own, covered);
+            }
+            Ok(())
+        })
     }
 
     /// [`Buffer::share_on`](crate::Buffer::share_on): `stream` waits as for a use, and the
@@ -608,6 +786,43 @@ impl ExportOrder {
     /// inbox from `to` the work is waited for here). One per offer: an event fence's lease
     /// keeps it until it is back, as the pooled events' reuse contract asks.
     pub(crate) fn acquire_fence(
+        &self,
+        to: &ProcessId,
+    ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        self.acquire_fence_for_part(to, &mut None)
+    }
+
+    /// [`acquire_fence`](Self::acquire_fence) of a part of a lease over several buffers,
+    /// `before` the fence of the part before it: a part with nothing in line whose fence
+    /// would follow exactly the marks that one followed (a lease's buffers marked together
+    /// by [`mark_all_on`](Self::mark_all_on)) takes that fence as it is — one acquire fence
+    /// per stream for the whole lease, not one per buffer. It follows those marks' records
+    /// up to the earlier part's send, which is after this part's `share_on`: all the
+    /// offer promises. `before` then holds this part's.
+    pub(crate) fn acquire_fence_for_part(
+        &self,
+        to: &ProcessId,
+        before: &mut Option<PartFence>,
+    ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        let quiet = lock(&self.released).is_empty() && lock(&self.unrecorded).is_empty();
+        if !quiet {
+            *before = None;
+            return self.acquire_fence_in_line(to);
+        }
+        let marks = self.uses.mark_ids();
+        if let Some(kept) = before.as_ref().filter(|b| b.to == *to && b.marks == marks) {
+            return Ok(kept.fence.clone());
+        }
+        let fence = self.uses.export(to)?;
+        *before = Some(PartFence {
+            to: *to,
+            marks,
+            fence: fence.clone(),
+        });
+        Ok(fence)
+    }
+
+    fn acquire_fence_in_line(
         &self,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
@@ -699,6 +914,15 @@ impl ExportOrder {
         self.released(checked);
         FreeVerdict::Hold(alive)
     }
+}
+
+/// The acquire fence a part of a lease over several buffers got, for the next part (see
+/// [`ExportOrder::acquire_fence_for_part`]).
+pub(crate) struct PartFence {
+    to: ProcessId,
+    /// The marks it follows ([`StreamUses::mark_ids`]).
+    marks: Vec<usize>,
+    fence: Option<Arc<dyn ExportedFence>>,
 }
 
 /// What [`ExportOrder::before_free`] found.

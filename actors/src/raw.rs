@@ -39,6 +39,7 @@ use crate::buffer::{IncomingLease, Outgoing, Shared, SharedInner};
 use crate::error::ActorError;
 use crate::exports::BufferCell;
 use crate::node_core::Peer;
+use crate::order::ExportOrder;
 use crate::remote::{Answer, Encoded, ErasedHandler, call_encoded};
 use crate::{Buffer, Element};
 use baton_ipc::cuda::CudaBackend;
@@ -50,6 +51,16 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
+
+/// The stream orders of `buffers`, each once (buffers of one allocation share one).
+fn orders_of<'a>(buffers: impl IntoIterator<Item = &'a AnyBuffer>) -> Vec<&'a ExportOrder> {
+    let mut seen = std::collections::HashSet::new();
+    buffers
+        .into_iter()
+        .map(|b| &*b.cell.order)
+        .filter(|o| seen.insert(std::ptr::from_ref(*o)))
+        .collect()
+}
 
 fn check_bytes(offset: usize, len: usize, size: usize) -> Result<(), ActorError> {
     match offset.checked_add(len) {
@@ -146,6 +157,72 @@ impl AnyBuffer {
         let stream = stream.into();
         self.cell.order.mark_on(stream.as_ref())?;
         Ok(self.share())
+    }
+
+    /// [`wait_on`](Self::wait_on) for several buffers: the work queued on `stream` from
+    /// now on waits for the release fences of all of them, each waited for once — a lease
+    /// over several buffers comes back with one fence, which each buffer holds — and for
+    /// their uses on other streams. Record the end of your work with
+    /// [`share_all_on`](Self::share_all_on) (or each buffer's `share_on`).
+    ///
+    /// # Errors
+    /// As [`wait_on`](Self::wait_on); on an error no buffer's fences are lost (the next
+    /// use waits for them).
+    pub fn wait_all_on<'a>(
+        buffers: impl IntoIterator<Item = &'a AnyBuffer>,
+        stream: impl Into<Stream>,
+    ) -> Result<(), ActorError> {
+        let stream = stream.into();
+        let orders = orders_of(buffers);
+        ExportOrder::wait_all_on(&orders, stream.as_ref())
+    }
+
+    /// Records on `stream` what [`share_on`](Self::share_on) records for each buffer,
+    /// once for all of them: `stream` waits once for their release fences, and one mark
+    /// after everything queued there so far stands for every buffer's uses on it. Offers
+    /// of them made since ([`share`](Self::share) each, as a lease over all of them with
+    /// [`AnyShared::lease_with_previous`]) then carry one acquire fence for the whole
+    /// lease, not one per buffer. [`share_all_on`](Self::share_all_on) is this and the
+    /// shares; this is for a caller that makes the shares itself (Python's encoder).
+    ///
+    /// # Errors
+    /// As [`share_on`](Self::share_on).
+    pub fn mark_all_on<'a>(
+        buffers: impl IntoIterator<Item = &'a AnyBuffer>,
+        stream: impl Into<Stream>,
+    ) -> Result<(), ActorError> {
+        let stream = stream.into();
+        let orders = orders_of(buffers);
+        ExportOrder::mark_all_on(&orders, stream.as_ref())
+    }
+
+    /// Shares `buffers` as **one lease over all of them** (the first, then each
+    /// [`lease_with_previous`](AnyShared::lease_with_previous)), after the work queued on
+    /// `stream` so far — [`share_on`](Self::share_on) of each, with one fence wait, one
+    /// mark record and one acquire fence for the whole lease (see
+    /// [`mark_all_on`](Self::mark_all_on)). `writable`: each as
+    /// [`share_mut`](Self::share_mut). Put them in the message in this order.
+    ///
+    /// # Errors
+    /// As [`share_on`](Self::share_on).
+    pub fn share_all_on(
+        buffers: &[AnyBuffer],
+        stream: impl Into<Stream>,
+        writable: bool,
+    ) -> Result<Vec<AnyShared>, ActorError> {
+        Self::mark_all_on(buffers, stream)?;
+        Ok(buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let shared = if writable { b.share_mut() } else { b.share() };
+                if i == 0 {
+                    shared
+                } else {
+                    shared.lease_with_previous()
+                }
+            })
+            .collect())
     }
 
     /// A handle to put in a [`RawMessage`]: sending it grants the receiver a lease. The

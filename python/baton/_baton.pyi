@@ -37,6 +37,10 @@ def release_all(leases: list[Lease]) -> bool:
     """Releases every ``Lease`` of the list as ``Lease.release`` does, in one call (one
     device synchronisation for those opened without a stream); whether all went back now."""
 
+def wait_all_on(buffers: list[Buffer], stream: StreamLike) -> None:
+    """``Buffer.wait_on`` for every buffer of the list, in one call: ``stream`` waits once
+    for the release fences of all of them, not once per buffer."""
+
 def generate_token() -> str:
     """A fresh random session token (64 hex digits), for a process that starts a deployment."""
 

@@ -48,7 +48,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional
 
 from ._baton import (Buffer, BundleLayout, Lease, Shared, SyncStamp, _SyncSender, _SyncState,
-                     open_all, release_all)
+                     open_all, release_all, wait_all_on)
 
 __all__ = [
     "Bundle", "BundleGroup", "BundleGroupLease", "BundleLayout", "BundleLease", "CopyPlan",
@@ -694,9 +694,10 @@ class BundleGroup:
         return sum(b.leases_out for b in self._bundles)
 
     def wait_on(self, stream: Any) -> None:
-        """``Bundle.wait_on`` for each bundle."""
-        for b in self._bundles:
-            b.wait_on(stream)
+        """``Bundle.wait_on`` for every bundle, in one call: ``stream`` waits once for the
+        release fences of all of them (the group's lease comes back with one), not once
+        per bundle."""
+        wait_all_on([b.buffer for b in self._bundles], stream)
 
     def returned(self, timeout: float) -> None:
         """Waits until every lease on every bundle is back, within ``timeout`` in all."""

@@ -10,7 +10,7 @@
 use crate::bundle::{self, BundleLayout, LAYOUT_KEY};
 use crate::errors::{Failure, OrRaise};
 use crate::memory::{Buffer, Cuda, Lease, Shared, WritableShare};
-use baton_actors::{ActorError, AnyShared, MSGPACK_SHARED_EXT, RawMessage};
+use baton_actors::{ActorError, AnyBuffer, AnyShared, MSGPACK_SHARED_EXT, RawMessage};
 use baton_ipc::Stream;
 use baton_ipc::cuda::CudaBackend;
 use pyo3::IntoPyObjectExt;
@@ -54,6 +54,7 @@ pub(crate) fn encode(
     let mut order = Order {
         named: stream,
         stream: None,
+        group: None,
     };
     let v = to_value(value, &mut buffers, &mut device, &mut order, 0)?;
     if order.stream.is_some() {
@@ -202,6 +203,10 @@ fn skip(rd: &mut &[u8], depth: usize) -> Result<(), String> {
 struct Order<'a, 'py> {
     named: Option<&'a Bound<'py, PyAny>>,
     stream: Option<Stream>,
+    /// Inside a bundle group: its device buffers, shared unmarked and marked on the stream
+    /// together once the group is encoded (`AnyBuffer::mark_all_on`: one fence wait, one
+    /// record and one acquire fence for the lease over all of them).
+    group: Option<Vec<AnyBuffer>>,
 }
 
 fn to_value(
@@ -275,9 +280,14 @@ fn to_value(
         if let (Some(named), None, Some(cuda)) = (order.named, &order.stream, b.cuda_of_device()) {
             order.stream = Some(crate::stream::named(named, &cuda)?);
         }
-        let (shared, cuda) = b
-            .share(order.stream.as_ref(), writable.is_some())
-            .or_raise(py)?;
+        let (shared, cuda) = match (&mut order.group, &order.stream, b.cuda_of_device()) {
+            (Some(group), Some(_), Some(_)) => {
+                group.push(b.handle().or_raise(py)?);
+                b.share(None, writable.is_some())
+            }
+            _ => b.share(order.stream.as_ref(), writable.is_some()),
+        }
+        .or_raise(py)?;
         let index = u32::try_from(buffers.len()).expect("a frame holds far fewer buffers");
         buffers.push(shared);
         if cuda.is_some() {
@@ -300,20 +310,32 @@ fn to_value(
     // A `baton.Bundle` (Python, `baton/bundle.py`) says what it is on the wire.
     if obj.hasattr(WIRE_METHOD)? {
         let first = buffers.len();
-        let value = to_value(
-            &obj.call_method0(WIRE_METHOD)?,
-            buffers,
-            device,
-            order,
-            depth + 1,
-        )?;
+        let wire = obj.call_method0(WIRE_METHOD)?;
         // A `baton.BundleGroup`: its bundles' buffers (one each, in order) are leased as
-        // one lease over them all.
-        if let Value::Map(entries) = &value {
-            if entries.iter().any(|(k, _)| k.as_str() == Some(GROUP_KEY)) && first < buffers.len() {
-                let parts = buffers.split_off(first + 1);
-                buffers.extend(parts.into_iter().map(AnyShared::lease_with_previous));
-            }
+        // one lease over them all, marked on the stream together.
+        let group = match wire.cast::<PyDict>() {
+            Ok(d) => d.contains(GROUP_KEY)?,
+            Err(_) => false,
+        };
+        let outer = if group {
+            order.group.replace(Vec::new())
+        } else {
+            None
+        };
+        let value = to_value(&wire, buffers, device, order, depth + 1);
+        if !group {
+            return value;
+        }
+        let marked = std::mem::replace(&mut order.group, outer).unwrap_or_default();
+        let value = value?;
+        if let (Some(stream), false) = (&order.stream, marked.is_empty()) {
+            AnyBuffer::mark_all_on(&marked, stream.clone())
+                .map_err(Failure::from)
+                .or_raise(py)?;
+        }
+        if first < buffers.len() {
+            let parts = buffers.split_off(first + 1);
+            buffers.extend(parts.into_iter().map(AnyShared::lease_with_previous));
         }
         return Ok(value);
     }

@@ -48,6 +48,7 @@ fn _baton(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<versions::SyncState>()?;
     m.add_function(wrap_pyfunction!(memory::open_all, m)?)?;
     m.add_function(wrap_pyfunction!(memory::release_all, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::wait_all_on, m)?)?;
     m.add_function(wrap_pyfunction!(node::generate_token, m)?)?;
     m.add_function(wrap_pyfunction!(node::log_to_stderr, m)?)?;
     Ok(())

@@ -895,6 +895,35 @@ pub(crate) fn open_all(
     Ok(opened)
 }
 
+/// `Buffer.wait_on` for every buffer of `buffers` (a list of `baton.Buffer`), in one call:
+/// the work queued on `stream` from now on waits once for the release fences of all of
+/// them (a lease over several buffers comes back with one), not once per buffer
+/// (`BundleGroup.wait_on`). Host buffers have nothing to wait for.
+#[pyfunction]
+pub(crate) fn wait_all_on(
+    py: Python<'_>,
+    buffers: Vec<PyRef<'_, Buffer>>,
+    stream: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let mut handles = Vec::with_capacity(buffers.len());
+    let mut named: Option<Stream> = None;
+    for b in &buffers {
+        let handle = b.handle().or_raise(py)?;
+        if let (Device::Cuda(_), Some(cuda)) = (b.device, &b.cuda) {
+            if named.is_none() {
+                named = Some(crate::stream::named(stream, cuda)?);
+            }
+            handles.push(handle);
+        }
+    }
+    match named {
+        Some(stream) => AnyBuffer::wait_all_on(&handles, stream)
+            .map_err(Failure::from)
+            .or_raise(py),
+        None => Ok(()),
+    }
+}
+
 /// Releases every lease of `leases` (a list of `baton.Lease`) as `Lease.release` does, in
 /// one call: those that go back after a device synchronisation go in one batch (one
 /// synchronisation for all; the parts of a lease over several buffers back together, so
@@ -1180,7 +1209,7 @@ impl Buffer {
         ))
     }
 
-    fn handle(&self) -> Result<AnyBuffer, Failure> {
+    pub(crate) fn handle(&self) -> Result<AnyBuffer, Failure> {
         let state = lock(&self.state);
         match (&state.buffer, state.released) {
             (Some(b), false) => Ok(b.clone()),

@@ -4,6 +4,7 @@
 //! [parent module](super) for the rules they keep.
 
 use super::*;
+use crate::order::PartFence;
 use crate::paths::LeasePath;
 use baton_ipc::StreamKey;
 
@@ -383,13 +384,28 @@ impl Outgoing {
         &self,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        self.acquire_fence_after(to, &mut None)
+    }
+
+    /// [`acquire_fence`](Self::acquire_fence), `before` the fence of the offer before it in
+    /// the frame: a part of the same lease whose fence would be that one's takes it
+    /// ([`ExportOrder::acquire_fence_for_part`](crate::order::ExportOrder::acquire_fence_for_part)).
+    pub(crate) fn acquire_fence_after(
+        &self,
+        to: &ProcessId,
+        before: &mut Option<PartFence>,
+    ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
+        if !self.joins {
+            *before = None;
+        }
         match &self.fence {
             Some(f) => {
+                *before = None;
                 let backend = self.cell.order.backend();
                 let me = baton_ipc::process::current();
                 Ok(backend.ordering().relay_fence(&me, &f.local_handle(), to)?)
             }
-            None => self.cell.order.acquire_fence(to),
+            None => self.cell.order.acquire_fence_for_part(to, before),
         }
     }
 }

@@ -108,6 +108,8 @@ impl PeerLink {
         grants.reserve(cells.len());
         let mut fds = Vec::new();
         let mut failure = None;
+        // The fence of the offer before, for a part of its lease to take.
+        let mut before = None;
         for out in cells {
             if self.copies() {
                 match self.grant_copy(out) {
@@ -130,18 +132,20 @@ impl PeerLink {
                 });
                 break;
             }
-            let granted = out.acquire_fence(&self.peer.process).and_then(|fence| {
-                self.node.exports().grant(
-                    cell,
-                    out.part.as_ref(),
-                    out.writable,
-                    &self.me,
-                    fds.len() as u8,
-                    fence,
-                    // A part of the lease of the offer before it: that offer names it.
-                    offers.last().map(|o: &Offer| o.lease).filter(|_| out.joins),
-                )
-            });
+            let granted = out
+                .acquire_fence_after(&self.peer.process, &mut before)
+                .and_then(|fence| {
+                    self.node.exports().grant(
+                        cell,
+                        out.part.as_ref(),
+                        out.writable,
+                        &self.me,
+                        fds.len() as u8,
+                        fence,
+                        // A part of the lease of the offer before it: that offer names it.
+                        offers.last().map(|o: &Offer| o.lease).filter(|_| out.joins),
+                    )
+                });
             match granted {
                 Ok((offer, fd, grant)) => {
                     fds.extend(fd);
