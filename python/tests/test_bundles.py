@@ -581,6 +581,18 @@ def test_a_bundle_group_lent_writable_is_written_in_place_in_one_call(node, toke
         engine.close()
 
 
+def test_a_bundle_group_waits_on_a_stream_in_one_call_for_every_bundle(node):
+    """``BundleGroup.wait_on`` is one call for every bundle (``wait_all_on``): host memory
+    has nothing to wait for, and a bundle of the group already let go is refused — the
+    call names every bundle, not only the first."""
+    group = baton.BundleGroup([node.allocate_bundle({f"t{i}": ((4,), "float32")})
+                               for i in range(3)])
+    group.wait_on(None)
+    assert group[2].release()
+    with pytest.raises(baton.Released):
+        group.wait_on(None)
+
+
 def test_a_forged_bundle_group_is_refused_and_a_bad_part_gives_every_lease_back(
         node, token_file, short_dir):
     """A group map that is not one field holding a list of bundles is refused on arrival
