@@ -281,6 +281,17 @@ impl Pair {
             .unwrap()
     }
 
+    /// `n` buffers of four elements, typed and untyped (the parts of a lease over several
+    /// buffers).
+    async fn parts(&self, n: usize) -> (Vec<Buffer<u32>>, Vec<AnyBuffer>) {
+        let mut bufs = Vec::with_capacity(n);
+        for _ in 0..n {
+            bufs.push(self.buffer(4).await);
+        }
+        let any = bufs.iter().cloned().map(AnyBuffer::from).collect();
+        (bufs, any)
+    }
+
     /// Sends `buffers` to the importer, which keeps them; returns the leases.
     /// `buf`, shared after the exporter's stream `on`, leased to the importer, used there by
     /// work `name` on stream 300 that waits for `gate`, and dropped: its release is back
@@ -1090,11 +1101,7 @@ fn a_lease_over_several_buffers_waits_and_releases_once_per_stream() {
     run(async {
         let device = Device::with_deadline(DEADLINE);
         let t = Pair::new(&device).await;
-        let mut bufs = Vec::new();
-        for _ in 0..PARTS {
-            bufs.push(t.buffer(4).await);
-        }
-        let any: Vec<AnyBuffer> = bufs.iter().cloned().map(AnyBuffer::from).collect();
+        let (bufs, any) = t.parts(PARTS).await;
         device.open_gate("go");
         for round in 0..3u8 {
             let (written, read) = (format!("written {round}"), format!("read {round}"));
@@ -1197,11 +1204,7 @@ fn leases_over_buffers_shared_together_or_one_by_one_stay_ordered() {
     run(async {
         let device = Device::with_deadline(DEADLINE);
         let t = Pair::new(&device).await;
-        let mut bufs = Vec::new();
-        for _ in 0..PARTS {
-            bufs.push(t.buffer(4).await);
-        }
-        let any: Vec<AnyBuffer> = bufs.iter().cloned().map(AnyBuffer::from).collect();
+        let (bufs, any) = t.parts(PARTS).await;
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut next = move |n: u64| {
             seed ^= seed << 13;
