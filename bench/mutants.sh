@@ -3,7 +3,7 @@
 # docs/DEPENDENCIES.md; `cargo install cargo-mutants --locked`). Not part of CI: it takes
 # long. Each set mutates one part of the code and runs the tests that guard it.
 #
-#   bash bench/mutants.sh [SET…]        sets: ledger exports supervisor link link-session cache ipc-link
+#   bash bench/mutants.sh [SET…]        sets: ledger exports supervisor link link-session cache ipc-link order
 #                                       (default: ledger exports, the highest-value two)
 #   BATON_MUTANTS_ITERATE=1 bash bench/mutants.sh SET
 #                                       test again only what the last run of SET did not
@@ -69,6 +69,9 @@ args_of() {
     # would select only the facade's test targets.) The selections are `--cargo-arg`s, so
     # that each mutant's build makes only the test binaries that run.
     ipc-link) echo "-f ipc/src/link.rs -f ipc/src/link/*.rs --test-package baton-ipc --test-package baton --cargo-arg=--lib --cargo-arg=--test=link_bad_input --cargo-arg=--test=auth --cargo-arg=--test=host_link --timeout 240" ;;
+    # Stream ordering on both sides of a handoff (order.rs) and the raw API over it: the
+    # simulated device's tests (liveness, ordering) count and order every driver call.
+    order) echo "-f actors/src/order.rs -f actors/src/raw.rs -f actors/src/buffer/lease.rs --test-package baton --cargo-arg=--test=liveness --cargo-arg=--test=ordering --timeout 120" ;;
     *) echo "mutants: unknown set $1" >&2; return 1 ;;
   esac
 }
