@@ -1188,15 +1188,17 @@ fn a_lease_over_several_buffers_waits_and_releases_once_per_stream() {
 
 /// Leases over random subsets of six buffers, shared together (`AnyBuffer::wait_all_on`,
 /// `share_all_on`: shared marks, one acquire fence for the parts) or one by one (`wait_on`,
-/// `share_on`), on one of two exporter streams — a part of a group sometimes also written
-/// on the other stream and marked there by itself — read by the importer on one of two
-/// streams: whatever mix of shared and own marks and fences results, every part's history
+/// `share_on`, each part on a stream of its own choosing), on two exporter streams — a part
+/// of a group sometimes also written on the other stream and marked there by itself — and
+/// read by the importer on two streams, a stream per part (so a lease comes back with a
+/// release fence per stream): whatever mix of shared and own marks and fences results, every part's history
 /// runs in order — the exporter's writes of a round before the importer's read of it, that
 /// read before the exporter's next write — and gates show it while it matters: a read
 /// released while its write is held does not run (acquire), and a write released while the
 /// read of an earlier round is held does not run either (release). Seeded, so a failure
 /// repeats; it fails when the group's stream waits only for the first part's release
-/// fences, or when its shared mark is not recorded.
+/// fences or drops one of two it should wait for, when its shared mark is not recorded, or
+/// when a part takes the acquire fence of a part before it that followed other marks.
 #[test]
 fn leases_over_buffers_shared_together_or_one_by_one_stay_ordered() {
     const PARTS: usize = 6;
@@ -1233,10 +1235,21 @@ fn leases_over_buffers_shared_together_or_one_by_one_stay_ordered() {
                 picked.push(next(PARTS as u64) as usize);
             }
             let together = next(2) == 0;
-            let (on, at) = (100 + next(2), 300 + next(2));
-            let what =
-                format!("round {round}: parts {picked:?}, together {together}, s{on} -> s{at}");
-            let (write_gate, read_gate) = (format!("write {round}"), format!("read {round}"));
+            // The exporter's stream of each part (one for a lease shared together), and the
+            // importer's: parts on two streams come back with two release fences.
+            let on = 100 + next(2);
+            let ons: Vec<u64> = picked
+                .iter()
+                .map(|_| if together { on } else { 100 + next(2) })
+                .collect();
+            let ats: Vec<u64> = picked.iter().map(|_| 300 + next(2)).collect();
+            let what = format!(
+                "round {round}: parts {picked:?}, together {together}, s{ons:?} -> s{ats:?}"
+            );
+            // A gate per exporter stream: a read released while its part's write on the
+            // stream still held waits, whichever stream's writes ran.
+            let write_gate = |s: u64| format!("write {round} s{s}");
+            let read_gate = format!("read {round}");
             let writes: Vec<String> = picked
                 .iter()
                 .map(|i| format!("write {round}.{i}"))
@@ -1246,15 +1259,16 @@ fn leases_over_buffers_shared_together_or_one_by_one_stay_ordered() {
             if together {
                 AnyBuffer::wait_all_on(&mine, Stream::Id(on)).unwrap();
             } else {
-                for b in &mine {
+                for (b, &on) in mine.iter().zip(&ons) {
                     b.wait_on(Stream::Id(on)).unwrap();
                 }
             }
-            for (&i, name) in picked.iter().zip(&writes) {
+            for ((&i, name), &on) in picked.iter().zip(&writes).zip(&ons) {
                 let write = Some((alloc_of(bufs[i].ptr()), 0, vec![round as u8; 16]));
-                t.exp.work(on, name, &write_gate, write);
+                t.exp.work(on, name, &write_gate(on), write);
             }
             let mut written: Vec<Vec<String>> = writes.iter().map(|w| vec![w.clone()]).collect();
+            let mut written_on: Vec<Vec<u64>> = ons.iter().map(|&on| vec![on]).collect();
             let mut writes = writes;
             if together && picked.len() > 1 && next(2) == 0 {
                 // The last part also written on the other stream, marked there by itself:
@@ -1263,9 +1277,10 @@ fn leases_over_buffers_shared_together_or_one_by_one_stay_ordered() {
                 let name = format!("write {round}.{i} on the other stream");
                 bufs[i].wait_on(Stream::Id(other)).unwrap();
                 let write = Some((alloc_of(bufs[i].ptr()), 4, vec![round as u8; 4]));
-                t.exp.work(other, &name, &write_gate, write);
+                t.exp.work(other, &name, &write_gate(other), write);
                 drop(bufs[i].share_on(Stream::Id(other)).unwrap());
                 written.last_mut().expect("picked").push(name.clone());
+                written_on.last_mut().expect("picked").push(other);
                 writes.push(name);
             }
             let shared: Vec<Shared<u32>> = if together {
@@ -1275,11 +1290,19 @@ fn leases_over_buffers_shared_together_or_one_by_one_stay_ordered() {
                     .map(|s| s.typed().unwrap())
                     .collect()
             } else {
-                let mine: Vec<Buffer<u32>> = picked.iter().map(|&i| bufs[i].clone()).collect();
-                one_lease(&mine, on)
+                // Each part after the work on its own stream, all of them one lease.
+                picked
+                    .iter()
+                    .zip(&ons)
+                    .enumerate()
+                    .map(|(k, (&i, &on))| {
+                        let s = bufs[i].share_on(Stream::Id(on)).unwrap();
+                        if k == 0 { s } else { s.lease_with_previous() }
+                    })
+                    .collect()
             };
             let leases = t.hold(shared).await;
-            for (lease, name) in leases.iter().zip(&reads) {
+            for ((lease, name), &at) in leases.iter().zip(&reads).zip(&ats) {
                 lease.wait_on(Stream::Id(at)).unwrap();
                 t.imp.work(at, name, &read_gate, None);
             }
@@ -1303,7 +1326,23 @@ fn leases_over_buffers_shared_together_or_one_by_one_stay_ordered() {
                 )
                 .await;
             }
-            device.open_gate(&write_gate);
+            let first = 100 + next(2);
+            device.open_gate(&write_gate(first));
+            if !carry {
+                let waiting: Vec<&String> = reads
+                    .iter()
+                    .zip(&written_on)
+                    .filter(|(_, on)| on.iter().any(|&s| s != first))
+                    .map(|(r, _)| r)
+                    .collect();
+                holds_for(
+                    MUST_NOT_WATCH,
+                    &format!("{what}: a read before its write on s{}", 201 - first),
+                    || !waiting.iter().any(|r| ran(r)),
+                )
+                .await;
+            }
+            device.open_gate(&write_gate(201 - first));
             if let Some((earlier, parts)) = held.take() {
                 let blocked: Vec<&String> = picked
                     .iter()
