@@ -1671,6 +1671,63 @@ fn release_fences_a_stream_took_in_order_other_uses_until_share_on_marks_it() {
     });
 }
 
+/// Every release fence a stream took in with `wait_on`, and no mark recorded since, holds
+/// the buffer's other uses back — several per stream, and several streams'. Three leases
+/// out at once, read on three streams of the importer (three fences of three slots, none
+/// covering another), come back one, then two: the exporter's stream 200 takes the first
+/// in, its stream 100 the other two, and neither records a mark. A use on a fourth stream
+/// and a new offer then wait for all three reads: whichever read is let run last, neither
+/// runs before it.
+#[test]
+fn every_fence_that_streams_took_in_without_a_mark_holds_other_uses_back() {
+    run(async {
+        let device = Device::with_deadline(DEADLINE);
+        let t = Pair::new(&device).await;
+        device.open_gate("go");
+        for last in 1..=3u64 {
+            let buf = t.buffer(4).await;
+            let mut leases = t.hold((0..3).map(|_| buf.share()).collect()).await;
+            for (n, lease) in (1u64..).zip(&leases) {
+                lease.wait_on(Stream::Id(300 + n)).unwrap();
+                t.imp.work(
+                    300 + n,
+                    &format!("read {last}.{n}"),
+                    &format!("g{last}.{n}"),
+                    None,
+                );
+            }
+            drop(leases.remove(0));
+            eventually("the first lease back", || buf.leases_out() == 2).await;
+            buf.wait_on(Stream::Id(200)).unwrap();
+            drop(leases);
+            eventually("the others back", || buf.leases_out() == 0).await;
+            buf.wait_on(Stream::Id(100)).unwrap();
+            buf.wait_on(Stream::Id(400)).unwrap();
+            let (use_, read) = (format!("use {last}"), format!("next read {last}"));
+            t.exp.work(400, &use_, "go", None);
+            let next = t.hold(vec![buf.share()]).await.pop().unwrap();
+            next.wait_on(Stream::Id(304)).unwrap();
+            t.imp.work(304, &read, "go", None);
+            for n in (1..=3).filter(|&n| n != last) {
+                device.open_gate(&format!("g{last}.{n}"));
+            }
+            holds_for(
+                MUST_NOT_WATCH,
+                &format!("a use or an offer ran before read {last}.{last}"),
+                || !device.ran(&use_) && !device.ran(&read),
+            )
+            .await;
+            device.open_gate(&format!("g{last}.{last}"));
+            eventually("the use and the next read", || {
+                device.ran(&use_) && device.ran(&read)
+            })
+            .await;
+            drop(next);
+        }
+        t.assert_safe();
+    });
+}
+
 /// A lease used on one stream, named with `wait_on`, has that stream write its release
 /// fence itself when it drops — no mark, no release stream — from one of four stream slots
 /// (a lane slot of the exporter's inbox and a local mark of ours). A stream keeps its slot
