@@ -1,5 +1,6 @@
 //! Micro-benchmarks (divan) of the two pieces every handoff goes through in-process: the
-//! frame codec (a `Call` frame carrying one handle) and the import cache's hit path.
+//! frame codec (a `Call` frame carrying one handle, and one carrying a lease over 43 CUDA
+//! allocations, a borrowed 0.5B model's) and the import cache's hit path.
 //!
 //! ```text
 //! cargo bench --bench micro
@@ -8,7 +9,11 @@
 use baton::ipc::{Backend, FrameFds, HostBackend, ImportCache, Session};
 use baton::messages::codec::{FrameDecoder, decode_payload, encode_frame, frame_bytes};
 use baton::messages::protocol::{Call, Offer, Release};
-use baton::messages::{ActorId, DType, HandleMsg, Layout, LeaseId, Message, SessionToken, Shape};
+use baton::messages::{
+    ActorId, AllocationId, BackendKind, BootId, CounterFence, CudaIpcMemHandle, DType, DeviceUuid,
+    ExporterId, FenceHandle, Generation, HandleDigest, HandleMsg, Layout, LeaseId, Message,
+    PROTOCOL_VERSION, ProcessId, RawHandle, SessionToken, Shape,
+};
 use divan::{Bencher, black_box};
 
 fn main() {
@@ -47,8 +52,70 @@ fn call(handle: HandleMsg) -> Message {
     })
 }
 
+/// The frame of a lease over `parts` CUDA IPC allocations, each with a counter fence: what
+/// an engine receives when a borrowed model is lent (decoding never checks the seal).
+fn cuda_lease(parts: usize) -> Message {
+    let offers = (0..parts)
+        .map(|i| Offer {
+            lease: LeaseId::new(99),
+            handle: HandleMsg {
+                version: PROTOCOL_VERSION,
+                exporter: ExporterId {
+                    process: ProcessId {
+                        boot: BootId([7; 16]),
+                        pid: 4242,
+                        start_ticks: 123_456,
+                    },
+                    actor: ActorId::new(3),
+                },
+                alloc: AllocationId::new(1000 + i as u64),
+                generation: Generation::FIRST,
+                backend: BackendKind::CudaLegacy,
+                device: DeviceUuid([0xab; 16]),
+                alloc_size: 20 << 20,
+                offset: 0,
+                len: 20 << 20,
+                layout: Some(Layout::new(DType::U8, Shape::vector(20 << 20))),
+                raw: RawHandle::CudaIpc(CudaIpcMemHandle([0x5a; 64])),
+                fence: Some(FenceHandle::Counter(CounterFence {
+                    slab: CudaIpcMemHandle([0x11; 64]),
+                    slab_id: 2,
+                    offset: 256,
+                    value: 1 << 20,
+                })),
+                digest: HandleDigest([0x77; 32]),
+            },
+        })
+        .collect();
+    Message::Call(Call {
+        id: 4242,
+        target: "trainer".into(),
+        type_name: "rl.Lend".into(),
+        payload: vec![1; 2000],
+        offers,
+    })
+}
+
 mod codec {
     use super::*;
+
+    #[divan::bench]
+    fn decode_cuda_lease_of_43_payload(bencher: Bencher<'_, '_>) {
+        let wire = frame_bytes(&cuda_lease(43), 0).expect("encode");
+        let payload = &wire[baton::messages::codec::HEADER_LEN..];
+        bencher.bench_local(|| black_box(decode_payload(black_box(payload)).expect("decode")));
+    }
+
+    #[divan::bench]
+    fn encode_cuda_lease_of_43_frame(bencher: Bencher<'_, '_>) {
+        let msg = cuda_lease(43);
+        let mut buf = Vec::with_capacity(16 << 10);
+        bencher.bench_local(|| {
+            buf.clear();
+            encode_frame(black_box(&msg), 0, &mut buf).expect("encode");
+            black_box(&buf);
+        });
+    }
 
     #[divan::bench]
     fn encode_call_frame(bencher: Bencher<'_, '_>) {

@@ -19,13 +19,15 @@
 //! written by bincode 2 in its standard configuration: little-endian; integers of
 //! variable length (below 251 one byte, else a marker byte 251, 252 or 253 then 2, 4 or 8
 //! bytes); enum variants as their index; `Option` as a 0 or 1 byte, then the value;
-//! sequences length first; the 64-byte raw handles as 64 bytes, no length; no size limit.
+//! sequences length first; byte arrays (ids, the 64-byte raw handles) as byte strings,
+//! their length first (since protocol version 4; 3 wrote them with no length); no size
+//! limit.
 //!
 //! That encoding is the seal's own, not the framing codec's ([`codec`](crate::codec), a
 //! layer above): frames have a size limit, seals need none, and either may change without
 //! the other. It writes the same bytes as the framing configuration, which differs only
-//! by its decode limit, and a test pins the digests computed before the seal had an
-//! encoding of its own: handles on the wire are byte for byte what they were.
+//! by its decode limit, and a test pins the digests of a set of handles: a change to
+//! what is sealed shows there.
 
 use crate::fence::FenceHandle;
 use crate::ids::{AllocationId, DeviceUuid, ExporterId, Generation, SessionToken};
@@ -62,7 +64,7 @@ impl fmt::Debug for HandleKey {
 /// A keyed BLAKE3 digest over every other field of a [`HandleMsg`].
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
-pub struct HandleDigest(pub [u8; 32]);
+pub struct HandleDigest(#[serde(with = "crate::byte_array")] pub [u8; 32]);
 
 impl fmt::Debug for HandleDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -161,7 +163,7 @@ impl SealHasher {
 impl bincode::enc::write::Writer for SealHasher {
     #[inline]
     fn write(&mut self, bytes: &[u8]) -> std::result::Result<(), bincode::error::EncodeError> {
-        // Most writes are one byte (a byte array is written a byte at a time): no `memcpy`.
+        // Most writes are one byte (a tag, a small integer): no `memcpy`.
         if let ([b], Some(slot)) = (bytes, self.buf.get_mut(self.len)) {
             *slot = *b;
             self.len += 1;
@@ -507,16 +509,17 @@ pub(crate) mod tests {
 
     /// The seal's encoding is pinned: the digest input, and so every handle on the wire, is
     /// byte for byte what it was (the handle's protocol version is part of it: these are
-    /// version 3's; version 2's were computed before the seal had an encoding of its own).
+    /// version 4's, whose byte arrays are byte strings; version 2's were computed before
+    /// the seal had an encoding of its own).
     /// A change here changes what peers of another build accept.
     #[test]
     fn seals_are_pinned() {
         let pinned = [
-            "9fd0de2df7d0a4fc9b363403a01782734712ea84c3dbbfc15e151c5bf81bce5a",
-            "b8dcb2af7777efbf34cbba7575d945a39a74ff32fa70786869f863a157a68725",
-            "8addb7ed486517a1949441a784d04bd5bff261af2f87cefefe13cc71f61b0991",
-            "2601c1b91941b95755ec7fb7851bed0fbd0a8ea1ebb2e670c39976f706cb0e21",
-            "f4f2e8240bfeea140e6a29117c4d29502d9ad7e67275d352030abc06bb7ac082",
+            "f71420a6905ecf4a8a4d91ac32dfa9fdae972d75ee4d1752605c5bc54135960c",
+            "78317c051c55eb3d48b6211026e36ddb881f65446f70bb082eff8b418271f566",
+            "c3d765f16747bc1786b81ef812a368e759d3dd43a26baebdf2b222fed9e43f25",
+            "b9d422463b2548b88f09019401907b45a58dfab1ba10f69b3cff0a20ec64194e",
+            "2538e2479756400f818a3a787cadf055e6c5f222e963cfb90622a5b63582422b",
         ];
         let got: Vec<String> = pinned_handles()
             .into_iter()

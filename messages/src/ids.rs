@@ -84,7 +84,7 @@ impl Generation {
 /// With a pid and a process start time it names a process uniquely, even across pid reuse.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
-pub struct BootId(pub [u8; 16]);
+pub struct BootId(#[serde(with = "crate::byte_array")] pub [u8; 16]);
 
 impl fmt::Debug for BootId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -145,7 +145,7 @@ impl fmt::Display for ExporterId {
 /// A device, by UUID: ordinals differ between processes (`CUDA_VISIBLE_DEVICES`), UUIDs do not.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
-pub struct DeviceUuid(pub [u8; 16]);
+pub struct DeviceUuid(#[serde(with = "crate::byte_array")] pub [u8; 16]);
 
 impl DeviceUuid {
     /// The "device" of the host backend: the machine's own memory.

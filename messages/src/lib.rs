@@ -9,7 +9,8 @@
 //! `tests/layers.rs` fails on any use of a module declared later (and on files of one
 //! module that use each other around a cycle):
 //!
-//! 1. `serde_bytes64`: serde for the 64-byte arrays of raw handles;
+//! 1. `byte_array`: serde for the byte arrays of ids, digests and raw handles (a byte
+//!    string on the wire, read in one copy);
 //! 2. [`ids`]: newtype identifiers ([`AllocationId`], [`Generation`], [`LeaseId`],
 //!    [`DeviceUuid`], [`ExporterId`], …) so that a lease id can never be passed where an
 //!    allocation id is expected, and the [`SessionToken`];
@@ -44,8 +45,8 @@
 // "Layers" in the crate docs). One comment line per module keeps rustfmt from sorting
 // them.
 
-// Serde for 64-byte arrays.
-mod serde_bytes64;
+// Serde for byte arrays.
+mod byte_array;
 // Identifiers.
 pub mod ids;
 // Element types, shapes, bundle layouts.
@@ -89,7 +90,7 @@ pub use sync::{SyncCancel, SyncStamp, VersionFault};
 
 /// The protocol version this build speaks. Every frame header carries it, so a peer
 /// speaking another version is refused before its payload is decoded.
-pub const PROTOCOL_VERSION: u8 = 3;
+pub const PROTOCOL_VERSION: u8 = 4;
 
 /// Result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

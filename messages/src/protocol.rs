@@ -57,7 +57,7 @@ use std::fmt;
 /// A fresh random challenge of one handshake.
 #[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
-pub struct Nonce(pub [u8; 32]);
+pub struct Nonce(#[serde(with = "crate::byte_array")] pub [u8; 32]);
 
 impl fmt::Debug for Nonce {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -68,7 +68,7 @@ impl fmt::Debug for Nonce {
 /// A keyed digest proving knowledge of the session token.
 #[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
-pub struct AuthProof(pub [u8; 32]);
+pub struct AuthProof(#[serde(with = "crate::byte_array")] pub [u8; 32]);
 
 impl fmt::Debug for AuthProof {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

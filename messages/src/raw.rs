@@ -104,7 +104,7 @@ macro_rules! secret_bytes64 {
     ($(#[$doc:meta])* $name:ident) => {
         $(#[$doc])*
         #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-        pub struct $name(#[serde(with = "crate::serde_bytes64")] pub [u8; 64]);
+        pub struct $name(#[serde(with = "crate::byte_array")] pub [u8; 64]);
 
         impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
