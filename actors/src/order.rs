@@ -789,7 +789,7 @@ impl ExportOrder {
         &self,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
-        self.acquire_fence_for_part(to, &mut None)
+        self.acquire_fence_for_part(to, &mut None, false)
     }
 
     /// [`acquire_fence`](Self::acquire_fence) of a part of a lease over several buffers,
@@ -798,23 +798,34 @@ impl ExportOrder {
     /// by [`mark_all_on`](Self::mark_all_on)) takes that fence as it is — one acquire fence
     /// per stream for the whole lease, not one per buffer. It follows those marks' records
     /// up to the earlier part's send, which is after this part's `share_on`: all the
-    /// offer promises. `before` then holds this part's.
+    /// offer promises. `before` then holds this part's when the next offer is a part of
+    /// the same lease (`next_joins`); otherwise nothing is kept, and an offer of one buffer
+    /// (no `before`, no next part) lists no marks.
     pub(crate) fn acquire_fence_for_part(
         &self,
         to: &ProcessId,
         before: &mut Option<PartFence>,
+        next_joins: bool,
     ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
         let quiet = lock(&self.released).is_empty() && lock(&self.unrecorded).is_empty();
         if !quiet {
             *before = None;
             return self.acquire_fence_in_line(to);
         }
+        if !next_joins && before.as_ref().is_none_or(|b| b.to != *to) {
+            *before = None;
+            return self.uses.export(to);
+        }
         let marks = self.uses.mark_ids();
         if let Some(kept) = before.as_ref().filter(|b| b.to == *to && b.marks == marks) {
-            return Ok(kept.fence.clone());
+            let fence = kept.fence.clone();
+            if !next_joins {
+                *before = None;
+            }
+            return Ok(fence);
         }
         let fence = self.uses.export(to)?;
-        *before = Some(PartFence {
+        *before = next_joins.then(|| PartFence {
             to: *to,
             marks,
             fence: fence.clone(),

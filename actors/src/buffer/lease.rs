@@ -384,16 +384,18 @@ impl Outgoing {
         &self,
         to: &ProcessId,
     ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
-        self.acquire_fence_after(to, &mut None)
+        self.acquire_fence_after(to, &mut None, false)
     }
 
     /// [`acquire_fence`](Self::acquire_fence), `before` the fence of the offer before it in
     /// the frame: a part of the same lease whose fence would be that one's takes it
-    /// ([`ExportOrder::acquire_fence_for_part`](crate::order::ExportOrder::acquire_fence_for_part)).
+    /// ([`ExportOrder::acquire_fence_for_part`](crate::order::ExportOrder::acquire_fence_for_part)),
+    /// and `before` keeps this one's when the next offer is a part too (`next_joins`).
     pub(crate) fn acquire_fence_after(
         &self,
         to: &ProcessId,
         before: &mut Option<PartFence>,
+        next_joins: bool,
     ) -> Result<Option<Arc<dyn ExportedFence>>, ActorError> {
         if !self.joins {
             *before = None;
@@ -405,7 +407,10 @@ impl Outgoing {
                 let me = baton_ipc::process::current();
                 Ok(backend.ordering().relay_fence(&me, &f.local_handle(), to)?)
             }
-            None => self.cell.order.acquire_fence_for_part(to, before),
+            None => self
+                .cell
+                .order
+                .acquire_fence_for_part(to, before, next_joins),
         }
     }
 }

@@ -110,7 +110,7 @@ impl PeerLink {
         let mut failure = None;
         // The fence of the offer before, for a part of its lease to take.
         let mut before = None;
-        for out in cells {
+        for (i, out) in cells.iter().enumerate() {
             if self.copies() {
                 match self.grant_copy(out) {
                     Ok((offer, grant)) => {
@@ -133,7 +133,11 @@ impl PeerLink {
                 break;
             }
             let granted = out
-                .acquire_fence_after(&self.peer.process, &mut before)
+                .acquire_fence_after(
+                    &self.peer.process,
+                    &mut before,
+                    cells.get(i + 1).is_some_and(|next| next.joins),
+                )
                 .and_then(|fence| {
                     self.node.exports().grant(
                         cell,
