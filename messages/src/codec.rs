@@ -466,6 +466,34 @@ mod tests {
     }
 
     #[test]
+    fn a_byte_array_of_another_length_is_refused() {
+        // The handle's boot id (16 bytes of 7) travels as a length and its bytes. As 15
+        // or 17 bytes, the rest of the payload intact (only the length check can refuse
+        // it), or claiming 2^60: a decode error, never a short or padded id.
+        let wire = frame_bytes(&offer(), 0).unwrap();
+        let payload = &wire[HEADER_LEN..];
+        let mut boot = vec![16u8];
+        boot.extend([7u8; 16]);
+        let at = payload.windows(boot.len()).position(|w| w == boot).unwrap();
+        let rest = &payload[at + boot.len()..];
+        let mut huge = vec![0xfd];
+        huge.extend_from_slice(&(1u64 << 60).to_le_bytes());
+        huge.extend([7u8; 16]);
+        for id in [
+            [&[15u8][..], &[7; 15]].concat(),
+            [&[17u8][..], &[7; 17]].concat(),
+            huge,
+        ] {
+            let lying = [&payload[..at], &id, rest].concat();
+            assert!(
+                matches!(decode_payload(&lying), Err(Error::Decode(_))),
+                "a boot id written as {id:?} decoded"
+            );
+        }
+        assert_eq!(decode_payload(payload).unwrap(), offer());
+    }
+
+    #[test]
     fn spare_and_commit_receive_in_place() {
         let wire = frame_bytes(&Message::Pong(3), 0).unwrap();
         let mut d = FrameDecoder::new();
