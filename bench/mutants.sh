@@ -3,7 +3,7 @@
 # docs/DEPENDENCIES.md; `cargo install cargo-mutants --locked`). Not part of CI: it takes
 # long. Each set mutates one part of the code and runs the tests that guard it.
 #
-#   bash bench/mutants.sh [SET…]        sets: ledger exports supervisor link link-session cache ipc-link order
+#   bash bench/mutants.sh [SET…]        sets: ledger exports supervisor link link-session cache ipc-link order wire
 #                                       (default: ledger exports, the highest-value two)
 #   BATON_MUTANTS_ITERATE=1 bash bench/mutants.sh SET
 #                                       test again only what the last run of SET did not
@@ -63,6 +63,9 @@ args_of() {
     # is its own set (`link-session`), proved by its unit and model tests.
     link) echo "-f actors/src/link.rs -f actors/src/link/*.rs --test-package baton --cargo-arg=--test=actors_protocol --cargo-arg=--test=bounds --cargo-arg=--test=actors_bad_input --cargo-arg=--test=ordering --cargo-arg=--test=leases --cargo-arg=--test=liveness --cargo-arg=--test=status --cargo-arg=--test=api --cargo-arg=--test=soak --cargo-arg=--test=ergonomics --timeout 300" ;;
     link-session) echo "-f actors/src/link_session.rs --cargo-arg=--lib --timeout 60" ;;
+    # How byte arrays cross the wire (messages/src/byte_array.rs): its unit tests and the
+    # codec's (exact bytes, wrong lengths refused, JSON's arrays).
+    wire) echo "-f messages/src/byte_array.rs --test-package baton-messages --cargo-arg=--lib --timeout 60" ;;
     cache) echo "-f ipc/src/cache.rs -f ipc/src/cache/state.rs -f ipc/src/cache/close.rs -f ipc/src/cache/shared.rs -f ipc/src/cache/imported.rs --test-package baton-ipc --timeout 120" ;;
     # `--lib` runs baton-ipc's unit tests (the handshake's model test, the wire's, the socket
     # directory's); the facade's link tests cross real processes. (Without `--lib`, `--test`

@@ -82,7 +82,13 @@ mod tests {
         wire.extend([0u8; 15]);
         wire.push(64);
         wire.extend([0u8; 64]);
-        assert!(bincode::serde::decode_from_slice::<Two, _>(&wire, CONFIG).is_err());
+        let short = bincode::serde::decode_from_slice::<Two, _>(&wire, CONFIG).unwrap_err();
+        assert!(
+            short
+                .to_string()
+                .contains("invalid length 15, expected 16 bytes"),
+            "{short}"
+        );
         let mut wire = vec![17];
         wire.extend([0u8; 17]);
         wire.push(64);
@@ -102,6 +108,10 @@ mod tests {
         let short = json.replacen("[1,1,", "[1,", 1);
         assert!(serde_json::from_str::<Two>(&short).is_err());
         let long = json.replacen("[1,1,", "[1,1,1,", 1);
-        assert!(serde_json::from_str::<Two>(&long).is_err());
+        let long = serde_json::from_str::<Two>(&long).unwrap_err().to_string();
+        assert!(
+            long.contains("invalid length 17, expected 16 bytes"),
+            "{long}"
+        );
     }
 }
