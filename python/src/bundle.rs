@@ -156,7 +156,10 @@ const RECENT_BYTES: usize = 16 << 20;
 /// of its last use.
 #[derive(Default)]
 struct Recent {
-    layouts: HashMap<Box<[u8]>, (Py<BundleLayout>, u64)>,
+    /// Hashed with foldhash, not SipHash: a lookup hashes a layout's wire bytes (hundreds
+    /// of bytes; tens of lookups a sync), and the map is bounded, so a peer that aims at its
+    /// buckets slows only its own lookups among at most [`RECENT`] layouts.
+    layouts: HashMap<Box<[u8]>, (Py<BundleLayout>, u64), foldhash::fast::RandomState>,
     /// Wire bytes of the layouts kept.
     bytes: usize,
     tick: u64,

@@ -77,6 +77,13 @@ pub(crate) fn encode(
 /// a comparison with the layouts received before. Never on the wire as an extension.
 const RAW_LAYOUT: i8 = -100;
 
+/// Marks, as [`RAW_LAYOUT`] does, the MessagePack bytes of a received bundle group's list of
+/// bundles, kept unparsed by [`read_tree`] and read by [`received_group`] straight from
+/// them: a borrowed model's group is tens of bundles every sync, and a tree of values for
+/// each (its keys, its layout's bytes, its buffer) was most of its receiver's decoding.
+/// Never written, never on the wire as an extension.
+const RAW_GROUP: i8 = -101;
+
 /// Writes `v` as MessagePack, splicing [`RAW_LAYOUT`] bytes in as they are.
 fn write_tree(out: &mut Vec<u8>, v: &Value) -> Result<(), String> {
     match v {
@@ -100,7 +107,9 @@ fn write_tree(out: &mut Vec<u8>, v: &Value) -> Result<(), String> {
 }
 
 /// Reads one MessagePack value as [`rmpv::decode::read_value`] does, except that the value
-/// of a map's [`LAYOUT_KEY`] is kept as its bytes (a [`RAW_LAYOUT`] mark), unparsed.
+/// of a map's [`LAYOUT_KEY`] is kept as its bytes (a [`RAW_LAYOUT`] mark), unparsed, and so
+/// is that of a map's [`GROUP_KEY`] (a [`RAW_GROUP`] mark; stepped over within the same
+/// depth bound).
 fn read_tree(rd: &mut &[u8], depth: usize) -> Result<Value, String> {
     if depth > MAX_DEPTH {
         return Err(format!("values nest deeper than {MAX_DEPTH} levels"));
@@ -114,12 +123,14 @@ fn read_tree(rd: &mut &[u8], depth: usize) -> Result<Value, String> {
             let mut entries = Vec::with_capacity((n as usize).min(rd.len() / 2));
             for _ in 0..n {
                 let k = read_tree(rd, depth + 1)?;
-                let v = if k.as_str() == Some(LAYOUT_KEY) {
-                    let at = *rd;
-                    skip(rd, depth + 1)?;
-                    Value::Ext(RAW_LAYOUT, at[..at.len() - rd.len()].to_vec())
-                } else {
-                    read_tree(rd, depth + 1)?
+                let raw = match k.as_str() {
+                    Some(LAYOUT_KEY) => Some(RAW_LAYOUT),
+                    Some(GROUP_KEY) => Some(RAW_GROUP),
+                    _ => None,
+                };
+                let v = match raw {
+                    Some(mark) => Value::Ext(mark, skipped(rd, depth + 1)?.to_vec()),
+                    None => read_tree(rd, depth + 1)?,
                 };
                 entries.push((k, v));
             }
@@ -136,6 +147,13 @@ fn read_tree(rd: &mut &[u8], depth: usize) -> Result<Value, String> {
         // Not a container: nothing nested to look into.
         _ => rmpv::decode::read_value(rd).map_err(|e| e.to_string()),
     }
+}
+
+/// Steps over one MessagePack value ([`skip`]) and gives its bytes.
+fn skipped<'a>(rd: &mut &'a [u8], depth: usize) -> Result<&'a [u8], String> {
+    let at = *rd;
+    skip(rd, depth)?;
+    Ok(&at[..at.len() - rd.len()])
 }
 
 /// Steps over one MessagePack value without reading it into memory.
@@ -444,35 +462,44 @@ fn to_py(
             }
             dict.into_any().unbind()
         }
-        Value::Ext(MSGPACK_SHARED_EXT, data) => {
-            let index = <[u8; 4]>::try_from(data.as_slice())
-                .map(u32::from_be_bytes)
-                .map_err(|_| {
-                    Decoded::Bad(format!(
-                        "a buffer reference of {} bytes (4 expected)",
-                        data.len()
-                    ))
-                })? as usize;
-            let count = buffers.len();
-            let shared = buffers
-                .get_mut(index)
-                .ok_or_else(|| {
-                    Decoded::Bad(format!(
-                        "buffer index {index} out of range ({count} buffers)"
-                    ))
-                })?
-                .take()
-                .ok_or_else(|| Decoded::Bad(format!("buffer index {index} used twice")))?;
-            Bound::new(py, Shared::new(shared, cuda.clone()))?
-                .into_any()
-                .unbind()
-        }
+        Value::Ext(MSGPACK_SHARED_EXT, data) => take_buffer(py, &data, buffers, cuda)?,
         Value::Ext(tag, _) => {
             return Err(Decoded::Bad(format!(
                 "MessagePack extension {tag} (Baton knows only {MSGPACK_SHARED_EXT}, a buffer)"
             )));
         }
     })
+}
+
+/// The buffer a [`MSGPACK_SHARED_EXT`] extension's data (its index, 4 bytes) names,
+/// taken from the message's buffers (each once), as a `baton.Shared`.
+fn take_buffer(
+    py: Python<'_>,
+    data: &[u8],
+    buffers: &mut [Option<AnyShared>],
+    cuda: &Cuda,
+) -> Result<Py<PyAny>, Decoded> {
+    let index = <[u8; 4]>::try_from(data)
+        .map(u32::from_be_bytes)
+        .map_err(|_| {
+            Decoded::Bad(format!(
+                "a buffer reference of {} bytes (4 expected)",
+                data.len()
+            ))
+        })? as usize;
+    let count = buffers.len();
+    let shared = buffers
+        .get_mut(index)
+        .ok_or_else(|| {
+            Decoded::Bad(format!(
+                "buffer index {index} out of range ({count} buffers)"
+            ))
+        })?
+        .take()
+        .ok_or_else(|| Decoded::Bad(format!("buffer index {index} used twice")))?;
+    Ok(Bound::new(py, Shared::new(shared, cuda.clone()))?
+        .into_any()
+        .unbind())
 }
 
 /// `baton.bundle.SharedBundle` and `SharedBundleGroup`, looked up once: a borrowed model's
@@ -487,41 +514,46 @@ const GROUP_KEY: &str = "baton.bundles";
 /// A received bundle group: a map of one field, [`GROUP_KEY`], whose value is a list of
 /// one bundle or more; a `baton.SharedBundleGroup` of them, made in one call with their
 /// layouts, buffers and stamps (no Python object per bundle: a borrowed model's group has
-/// tens of them each sync).
+/// tens of them each sync). The list is read from its bytes (a [`RAW_GROUP`] mark), with
+/// no tree of values: each bundle's keys are compared where they lie, its layout looked
+/// up by its bytes, its buffer taken by its index.
 fn received_group(
     py: Python<'_>,
     entries: Vec<(Value, Value)>,
     buffers: &mut [Option<AnyShared>],
     cuda: &Cuda,
 ) -> Result<Py<PyAny>, Decoded> {
-    let mut entries = entries.into_iter();
-    let (Some((_, Value::Array(items))), None) = (entries.next(), entries.next()) else {
-        return Err(Decoded::Bad(format!(
+    let not_a_group = || {
+        Decoded::Bad(format!(
             "a bundle group is a map of one field, {GROUP_KEY:?}, a list of bundles"
-        )));
+        ))
     };
-    if items.is_empty() {
+    let mut entries = entries.into_iter();
+    let (Some((_, Value::Ext(RAW_GROUP, raw))), None) = (entries.next(), entries.next()) else {
+        return Err(not_a_group());
+    };
+    let rd = &mut raw.as_slice();
+    let n = rmp::decode::read_array_len(rd).map_err(|_| not_a_group())?;
+    if n == 0 {
         return Err(Decoded::Bad("a bundle group of no bundle".into()));
     }
-    let (mut layouts, shared) = (Vec::with_capacity(items.len()), PyList::empty(py));
+    // At most one bundle per byte left: a forged count allocates nothing it cannot fill.
+    let mut layouts = Vec::with_capacity((n as usize).min(rd.len()));
+    let shared = PyList::empty(py);
     let mut stamps: Vec<Option<crate::versions::SyncStamp>> = Vec::new();
-    for item in items {
-        match item {
-            Value::Map(e) if e.iter().any(|(k, _)| k.as_str() == Some(LAYOUT_KEY)) => {
-                let (layout, buffer, stamp) = bundle_fields(py, e, buffers, cuda)?;
-                if stamp.is_some() {
-                    stamps.resize_with(layouts.len(), || None);
-                    stamps.push(stamp);
-                } else if !stamps.is_empty() {
-                    stamps.push(None);
-                }
-                layouts.push(layout);
-                shared.append(buffer)?;
-            }
-            _ => {
-                return Err(Decoded::Bad("a bundle group holds bundles only".into()));
-            }
+    for _ in 0..n {
+        let (layout, buffer, stamp) = group_bundle(py, rd, buffers, cuda)?;
+        if stamp.is_some() {
+            stamps.resize_with(layouts.len(), || None);
+            stamps.push(stamp);
+        } else if !stamps.is_empty() {
+            stamps.push(None);
         }
+        layouts.push(layout);
+        shared.append(buffer)?;
+    }
+    if !rd.is_empty() {
+        return Err(not_a_group());
     }
     let stamps = (!stamps.is_empty()).then(|| {
         stamps.resize_with(layouts.len(), || None);
@@ -531,6 +563,67 @@ fn received_group(
         .import(py, "baton.bundle", "SharedBundleGroup")?
         .call_method1("_received", (PyTuple::new(py, layouts)?, shared, stamps))?
         .unbind())
+}
+
+/// One bundle of a group's list, read from its bytes (see [`received_group`]): the checks
+/// and errors of [`bundle_fields`].
+fn group_bundle(
+    py: Python<'_>,
+    rd: &mut &[u8],
+    buffers: &mut [Option<AnyShared>],
+    cuda: &Cuda,
+) -> Result<BundleFields, Decoded> {
+    let only_bundles = || Decoded::Bad("a bundle group holds bundles only".into());
+    let fields = rmp::decode::read_map_len(rd).map_err(|_| only_bundles())?;
+    let (mut layout, mut buffer, mut stamp) = (None, None, None);
+    for _ in 0..fields {
+        // A key that is not a string is not one of a bundle's.
+        let key = match rmp::decode::read_str_from_slice(*rd) {
+            Ok((key, rest)) => {
+                *rd = rest;
+                Some(key)
+            }
+            Err(_) => {
+                skip(rd, 2).map_err(Decoded::Bad)?;
+                None
+            }
+        };
+        let value = skipped(rd, 2).map_err(Decoded::Bad)?;
+        match key {
+            Some(LAYOUT_KEY) if layout.is_none() => {
+                layout = Some(bundle::decode_layout(py, value).map_err(Decoded::Bad)?);
+            }
+            Some("buffer") if buffer.is_none() => {
+                let mut data = value;
+                buffer = Some(match rmp::decode::read_ext_meta(&mut data) {
+                    Ok(meta) if meta.typeid == MSGPACK_SHARED_EXT => {
+                        take_buffer(py, data, buffers, cuda)?
+                    }
+                    _ => return Err(Decoded::Bad("a bundle's buffer is not a buffer".into())),
+                });
+            }
+            Some(STAMP_KEY) if stamp.is_none() => {
+                stamp = Some(crate::versions::decode_stamp_bytes(value).map_err(Decoded::Bad)?);
+            }
+            _ => {
+                return Err(Decoded::Bad(format!(
+                    "a bundle has the fields {LAYOUT_KEY:?}, \"buffer\" and {STAMP_KEY:?} \
+                     once each, not {}",
+                    key.map_or_else(|| "a key that is not a string".into(), |k| format!("{k:?}"))
+                )));
+            }
+        }
+    }
+    let Some(layout) = layout else {
+        return Err(only_bundles());
+    };
+    let Some(buffer) = buffer else {
+        return Err(Decoded::Bad("a bundle without its buffer".into()));
+    };
+    let stamp = stamp
+        .flatten()
+        .map(|inner| crate::versions::SyncStamp { inner });
+    Ok((layout, buffer, stamp))
 }
 
 /// The key of a bundle's sync stamp in its wire map (nil or absent: none).

@@ -85,6 +85,16 @@ pub(crate) fn decode_stamp(value: rmpv::Value) -> Result<Option<Stamp>, String> 
         .map_err(|e| format!("a sync stamp: {e}"))
 }
 
+/// A received stamp, from its MessagePack bytes (nil: none).
+pub(crate) fn decode_stamp_bytes(bytes: &[u8]) -> Result<Option<Stamp>, String> {
+    if bytes == [rmp::Marker::Null.to_u8()] {
+        return Ok(None);
+    }
+    rmp_serde::from_slice(bytes)
+        .map(Some)
+        .map_err(|e| format!("a sync stamp: {e}"))
+}
+
 /// A stamp's MessagePack value.
 pub(crate) fn encode_stamp(stamp: &Stamp) -> Result<rmpv::Value, String> {
     let bytes = rmp_serde::to_vec_named(stamp).map_err(|e| e.to_string())?;

@@ -612,8 +612,17 @@ def test_a_forged_bundle_group_is_refused_and_a_bad_part_gives_every_lease_back(
 
         drainer = threading.Thread(target=drain)
         drainer.start()
+        layout = honest.layout
+        # The group's list is read from its bytes (no tree of values): each malformed part
+        # is refused as the tree reader refused it.
         for forged in ({"baton.bundles": []}, {"baton.bundles": [1, part]},
-                       {"baton.bundles": [part], "x": 1}, {"baton.bundles": part}):
+                       {"baton.bundles": [part], "x": 1}, {"baton.bundles": part},
+                       {"baton.bundles": [part, {"baton.bundle": layout, "buffer": 1}]},
+                       {"baton.bundles": [part, {"baton.bundle": layout}]},
+                       {"baton.bundles": [part, {7: 1}]},
+                       {"baton.bundles": [{**part, "baton.sync": "not a stamp"}]},
+                       {"baton.bundles": [{**part, "extra": None}]},
+                       {"baton.bundles": [part, {}]}):
             with pytest.raises(baton.BadPayload):
                 to_node.call("group", "py.Group", {"w": forged}, timeout=DEADLINE)
             honest.returned(timeout=DEADLINE)
