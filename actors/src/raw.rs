@@ -353,7 +353,7 @@ impl AnyShared {
     /// [`ActorError::NotReceived`] for a buffer that was not received.
     pub fn open(self) -> Result<AnyLease, ActorError> {
         match self.inner {
-            SharedInner::Incoming(inner) => Ok(AnyLease { inner: *inner }),
+            SharedInner::Incoming(inner) => Ok(AnyLease { inner }),
             SharedInner::Local(_) => Err(ActorError::NotReceived),
         }
     }
@@ -383,7 +383,8 @@ impl AnyShared {
 /// and then sends `Release`, without blocking. If the exporter dies, the lease is
 /// orphaned: its accessors return [`ActorError::Orphaned`].
 pub struct AnyLease {
-    inner: IncomingLease,
+    /// Boxed, as [`Lease`](crate::Lease)'s.
+    inner: Box<IncomingLease>,
 }
 
 impl<T: Element> From<crate::Lease<T>> for AnyLease {

@@ -479,7 +479,7 @@ impl<T: Element> Shared<T> {
     pub fn open(self) -> Result<Lease<T>, ActorError> {
         match self.inner {
             SharedInner::Incoming(inner) => Ok(Lease {
-                inner: *inner,
+                inner,
                 _t: PhantomData,
             }),
             SharedInner::Local(_) => Err(ActorError::NotReceived),
@@ -560,13 +560,15 @@ impl<T: Element> SharedMut<T> {
 /// }
 /// ```
 pub struct Lease<T: Element> {
-    inner: IncomingLease,
+    /// Boxed as it arrived (in [`Shared`]): a lease is 500-odd bytes, and a borrowed
+    /// model's tens of parts each sync were copied whole at every move.
+    inner: Box<IncomingLease>,
     _t: PhantomData<fn() -> T>,
 }
 
 impl<T: Element> Lease<T> {
     /// The untyped lease (for [`AnyLease`](crate::AnyLease)).
-    pub(crate) fn into_inner(self) -> IncomingLease {
+    pub(crate) fn into_inner(self) -> Box<IncomingLease> {
         self.inner
     }
 }
