@@ -183,6 +183,39 @@ def test_a_forged_stamp_is_refused_when_opened(linked):
     bundle.returned(timeout=DEADLINE)
 
 
+def test_a_bundle_groups_bundles_keep_their_own_stamps(linked):
+    """A group's list is read from its bytes, stamps too: an unstamped bundle and a stamped
+    one arrive as one ``SharedBundleGroup`` whose parts say which carries what."""
+    node, sender_node, to_engine = linked
+    mailbox = node.register("grouped", "py.Group")
+    bundles = [sender_node.allocate_bundle(SPEC) for _ in range(2)]
+    sender = baton.SyncSender()
+    sender.begin(2, 30.0)
+    honest = sender.share(0, bundles[0]).stamp
+    stamp = {"version": 1, "sync": honest.sync, "part": 0, "parts": 2, "ttl_ms": 1000}
+    got = []
+
+    def serve() -> None:
+        call = mailbox.recv(timeout=DEADLINE)
+        group = call.message["w"]
+        got.append(type(group).__name__)
+        got.append([(p.version, None if p.stamp is None else p.stamp.part) for p in group.parts])
+        group.release()
+        call.reply(None)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    wire = {"baton.bundles": [
+        {"baton.bundle": bundles[1].layout, "buffer": bundles[1].buffer},
+        {"baton.bundle": bundles[0].layout, "buffer": bundles[0].buffer, "baton.sync": stamp},
+    ]}
+    assert to_engine.call("grouped", "py.Group", {"w": wire}, timeout=DEADLINE) is None
+    server.join(timeout=DEADLINE)
+    assert got == ["SharedBundleGroup", [(None, None), (1, 0)]], got
+    for bundle in bundles:
+        bundle.returned(timeout=DEADLINE)
+
+
 def test_an_infeasible_deadline_is_refused_up_front():
     sender = baton.SyncSender(version=4, min_deadline=0.1)
     for deadline in (-1.0, 0.0, 0.01, 2 * 86_400.0):
