@@ -28,6 +28,7 @@ use crate::{Error, Result};
 use baton_messages::{
     ActorId, AllocationId, BackendKind, DeviceUuid, ExporterId, FenceHandle, Generation,
     HandleDigest, HandleMsg, IpcEventHandle, Layout, PROTOCOL_VERSION, ProcessId, RawHandle,
+    SealPrefix,
 };
 use std::any::Any;
 use std::fmt;
@@ -249,6 +250,9 @@ pub struct Allocation {
     /// [`Allocation::write_in_place`]); below it, how many of its copies are running.
     access: AtomicUsize,
     mem: Box<dyn ExportableMemory>,
+    /// The seal of the last handle of it up to its fence: the next handle of the same
+    /// buffer is sealed by hashing its fence alone (see [`HandleBuilder::build`]).
+    sealed: std::sync::Mutex<Option<Box<SealPrefix>>>,
 }
 
 impl Allocation {
@@ -273,6 +277,7 @@ impl Allocation {
             free_while_mapped: mem.free_while_mapped(),
             access: AtomicUsize::new(0),
             mem,
+            sealed: std::sync::Mutex::new(None),
         }
     }
 
@@ -574,7 +579,20 @@ impl HandleBuilder<'_> {
             digest: HandleDigest::default(),
         };
         handle.validate()?;
-        Ok(handle.sealed(self.session.handle_key()))
+        // A buffer shared again is the same handle but for its fence: sealed from the last
+        // one's seal up to the fence (the seal was an eighth of a cached handoff's work on
+        // the exporter). The same digest as `seal`'s, whatever the fence.
+        let key = self.session.handle_key();
+        let mut handle = handle;
+        let mut sealed = a.sealed.lock().unwrap_or_else(|p| p.into_inner());
+        if sealed.as_mut().is_some_and(|p| p.seal(&mut handle, key)) {
+            return Ok(handle);
+        }
+        let mut prefix = SealPrefix::new(&handle, key);
+        let own = prefix.seal(&mut handle, key);
+        debug_assert!(own, "a seal prefix seals the handle it was made from");
+        *sealed = Some(Box::new(prefix));
+        Ok(handle)
     }
 }
 

@@ -42,7 +42,7 @@ pub use crate::raw::{
 };
 
 /// The key that seals handle messages, derived from the [`SessionToken`].
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct HandleKey([u8; 32]);
 
 impl HandleKey {
@@ -154,9 +154,81 @@ impl SealHasher {
         }
     }
 
-    fn finalize(mut self) -> blake3::Hash {
+    /// Hashes in what is gathered.
+    fn flush(&mut self) {
         self.hasher.update(&self.buf[..self.len]);
+        self.len = 0;
+    }
+
+    fn finalize(mut self) -> blake3::Hash {
+        self.flush();
         self.hasher.finalize()
+    }
+}
+
+/// A handle's seal up to its fence, kept to seal the next handles of the same buffer.
+///
+/// A buffer shared again gives the same handle but for its fence (a new acquire fence
+/// each time, or none). The digest is over the fields' encoding in order, the fence last,
+/// so the keyed hasher with every field but the fence absorbed, cloned, seals such a
+/// handle by hashing its fence alone: the digest [`HandleMsg::seal`] computes, without
+/// encoding and hashing the rest again (most of a cached handoff's sealing work).
+#[derive(Clone)]
+pub struct SealPrefix {
+    key: HandleKey,
+    /// The handle it was made from (its fence and digest are not compared).
+    fields: HandleMsg,
+    /// The keyed hasher with every field but the fence absorbed.
+    hasher: blake3::Hasher,
+    /// The last fence sealed, and the digest it gave (a buffer shared again without a
+    /// fence, or with the same one, takes it as it is).
+    last: Option<(Option<FenceHandle>, HandleDigest)>,
+}
+
+impl fmt::Debug for SealPrefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SealPrefix")
+            .field("fields", &self.fields)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SealPrefix {
+    /// The seal of `handle` up to its fence, under `key`.
+    pub fn new(handle: &HandleMsg, key: &HandleKey) -> Self {
+        let mut hasher = SealHasher::new(key);
+        // Encoding plain data cannot fail (as in `compute_digest`).
+        let _ = bincode::serde::encode_into_writer(handle.prefix(), &mut hasher, SEAL_ENCODING);
+        hasher.flush();
+        Self {
+            key: key.clone(),
+            fields: handle.clone(),
+            hasher: hasher.hasher,
+            last: None,
+        }
+    }
+
+    /// Seals `handle` when it is this one's handle but for its fence (and digest), under
+    /// the same key; returns whether it did (else `handle` is left as it was).
+    pub fn seal(&mut self, handle: &mut HandleMsg, key: &HandleKey) -> bool {
+        if self.key != *key || !self.fields.same_but_fence(handle) {
+            return false;
+        }
+        if let Some((fence, digest)) = &self.last {
+            if *fence == handle.fence {
+                handle.digest = *digest;
+                return true;
+            }
+        }
+        let mut hasher = SealHasher {
+            hasher: self.hasher.clone(),
+            buf: [0; SEAL_BUF],
+            len: 0,
+        };
+        let _ = bincode::serde::encode_into_writer(handle.fence, &mut hasher, SEAL_ENCODING);
+        handle.digest = HandleDigest(*hasher.finalize().as_bytes());
+        self.last = Some((handle.fence, handle.digest));
+        true
     }
 }
 
@@ -184,6 +256,72 @@ impl bincode::enc::write::Writer for SealHasher {
 }
 
 impl HandleMsg {
+    /// The fields the digest covers before the fence, in order.
+    #[expect(
+        clippy::type_complexity,
+        reason = "the sealed fields, borrowed as a tuple to encode"
+    )]
+    fn prefix(
+        &self,
+    ) -> (
+        &u8,
+        &ExporterId,
+        &AllocationId,
+        &Generation,
+        &BackendKind,
+        &DeviceUuid,
+        &u64,
+        &u64,
+        &u64,
+        &Option<Layout>,
+        &RawHandle,
+    ) {
+        (
+            &self.version,
+            &self.exporter,
+            &self.alloc,
+            &self.generation,
+            &self.backend,
+            &self.device,
+            &self.alloc_size,
+            &self.offset,
+            &self.len,
+            &self.layout,
+            &self.raw,
+        )
+    }
+
+    /// Whether every field before the fence is `other`'s.
+    fn same_but_fence(&self, other: &HandleMsg) -> bool {
+        // Destructured: a field added to the handle must be added here.
+        let HandleMsg {
+            version,
+            exporter,
+            alloc,
+            generation,
+            backend,
+            device,
+            alloc_size,
+            offset,
+            len,
+            layout,
+            raw,
+            fence: _,
+            digest: _,
+        } = self;
+        *version == other.version
+            && *exporter == other.exporter
+            && *alloc == other.alloc
+            && *generation == other.generation
+            && *backend == other.backend
+            && *device == other.device
+            && *alloc_size == other.alloc_size
+            && *offset == other.offset
+            && *len == other.len
+            && *layout == other.layout
+            && *raw == other.raw
+    }
+
     fn compute_digest(&self, key: &HandleKey) -> HandleDigest {
         let body = (
             &self.version,
@@ -529,5 +667,65 @@ pub(crate) mod tests {
             })
             .collect();
         assert_eq!(got, pinned);
+    }
+
+    proptest::proptest! {
+        /// A seal prefix seals a handle of the same buffer (any fence, or none) with the
+        /// digest `seal` computes, and leaves any other handle, or another key's, alone.
+        #[test]
+        fn a_seal_prefix_seals_as_seal_does_and_only_its_own_buffer(
+            handle: HandleMsg,
+            fence: Option<FenceHandle>,
+            other: HandleMsg,
+        ) {
+            let key = key();
+            let mut prefix = SealPrefix::new(&handle, &key);
+            // Twice each (the second takes the last digest): with the fence, without one,
+            // with the fence again.
+            for fence in [fence, fence, None, None, fence] {
+                let mut again = handle.clone();
+                again.fence = fence;
+                again.digest = HandleDigest::default();
+                proptest::prop_assert!(prefix.seal(&mut again, &key));
+                proptest::prop_assert_eq!(again.digest, again.clone().sealed(&key).digest);
+                proptest::prop_assert!(again.verify(&key).is_ok());
+            }
+            let mut theirs = other.clone();
+            let same = handle.same_but_fence(&other);
+            proptest::prop_assert_eq!(prefix.seal(&mut theirs, &key), same);
+            if !same {
+                proptest::prop_assert_eq!(&theirs, &other);
+            }
+            let stranger = HandleKey::derive(&SessionToken::from_bytes([3; 32]));
+            let mut keyed = handle.clone();
+            proptest::prop_assert!(!prefix.seal(&mut keyed, &stranger));
+        }
+    }
+
+    #[test]
+    fn a_seal_prefix_refuses_a_handle_that_differs_in_any_field_before_the_fence() {
+        let key = key();
+        let handle = sample(RawHandle::HostSegment(
+            SegmentName::new("/baton.x").unwrap(),
+        ));
+        let mut prefix = SealPrefix::new(&handle, &key);
+        let changes: [fn(&mut HandleMsg); 11] = [
+            |h| h.version += 1,
+            |h| h.exporter.actor = ActorId::new(h.exporter.actor.get() + 1),
+            |h| h.alloc = AllocationId::new(h.alloc.get() + 1),
+            |h| h.generation = h.generation.next(),
+            |h| h.backend = BackendKind::CudaLegacy,
+            |h| h.device = DeviceUuid([9; 16]),
+            |h| h.alloc_size += 1,
+            |h| h.offset += 1,
+            |h| h.len += 1,
+            |h| h.layout = None,
+            |h| h.raw = RawHandle::HostSegment(SegmentName::new("/baton.y").unwrap()),
+        ];
+        for (i, change) in changes.iter().enumerate() {
+            let mut changed = handle.clone();
+            change(&mut changed);
+            assert!(!prefix.seal(&mut changed, &key), "field {i}");
+        }
     }
 }

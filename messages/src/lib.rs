@@ -75,7 +75,7 @@ pub mod fuzzing;
 pub use codec::{FrameDecoder, FrameHeader, MAX_FDS_PER_FRAME, MAX_FRAME_LEN};
 pub use error::Error;
 pub use fence::{CounterFence, FenceHandle, FenceKind, InboxGrant};
-pub use handle::{HandleDigest, HandleKey, HandleMsg};
+pub use handle::{HandleDigest, HandleKey, HandleMsg, SealPrefix};
 pub use ids::{
     ActorId, AllocationId, BootId, DeviceUuid, ExporterId, Generation, LeaseId, ProcessId,
     SessionToken,
