@@ -34,6 +34,7 @@ use baton_messages::protocol::Offer;
 use baton_messages::{
     ActorId, AllocationId, BackendKind, DeviceUuid, FenceHandle, Layout, LeaseId, ProcessId, Shape,
 };
+use std::cell::Cell;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -431,9 +432,21 @@ struct Todo {
     kill: FastMap<LinkId, Arc<OwnedFd>>,
 }
 
+/// An event's actions, in the order they are carried out.
+type Actions = Vec<Action<Owned, Fence, Acquire>>;
+
+thread_local! {
+    /// This thread's emptied actions list, handed to the ledger at its next event so that
+    /// an event (a release on every handoff) allocates no list of its own.
+    static SPARE_ACTIONS: Cell<Actions> = const { Cell::new(Vec::new()) };
+}
+
 impl Todo {
-    fn run(self, offload: &Offload, exports: &Weak<Exports>) {
-        for action in self.actions {
+    /// The most actions a kept list may hold room for (a larger one is freed).
+    const KEEP_ACTIONS: usize = 16;
+
+    fn run(mut self, offload: &Offload, exports: &Weak<Exports>) {
+        for action in self.actions.drain(..) {
             match action {
                 Action::LeaseEnded { lease, alloc, data } => {
                     // Its acquire fence (a pooled event) goes back to its pool.
@@ -508,6 +521,10 @@ impl Todo {
                     );
                 }
             }
+        }
+        if self.actions.capacity() <= Self::KEEP_ACTIONS {
+            // (Not after the thread's locals are gone: a buffer dropped as a thread ends.)
+            let _ = SPARE_ACTIONS.try_with(|spare| spare.set(self.actions));
         }
     }
 }
@@ -586,7 +603,8 @@ impl Exports {
         let (result, todo) = {
             let mut state = self.lock();
             let result = event(&mut state);
-            let mut actions = state.ledger.take_actions();
+            let spare = SPARE_ACTIONS.try_with(Cell::take).unwrap_or_default();
+            let mut actions = state.ledger.swap_actions(spare);
             let state = &mut *state;
             for action in &mut actions {
                 match action {

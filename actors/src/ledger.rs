@@ -412,8 +412,16 @@ impl<M, F, D> Default for Ledger<M, F, D> {
 
 impl<M, F, D> Ledger<M, F, D> {
     /// The actions queued by the events so far, oldest first.
+    #[cfg(test)]
     pub(crate) fn take_actions(&mut self) -> Vec<Action<M, F, D>> {
-        std::mem::take(&mut self.actions)
+        self.swap_actions(Vec::new())
+    }
+
+    /// [`take_actions`](Self::take_actions), leaving `spare` (empty) for the next events
+    /// to fill: a caller that keeps its emptied lists allocates none per event.
+    pub(crate) fn swap_actions(&mut self, spare: Vec<Action<M, F, D>>) -> Vec<Action<M, F, D>> {
+        debug_assert!(spare.is_empty(), "a spare actions list is empty");
+        std::mem::replace(&mut self.actions, spare)
     }
 
     /// Records a new allocation, live (its first `Buffer` handle exists).
