@@ -91,7 +91,9 @@ use std::time::{Duration, Instant};
 
 mod lease;
 pub(crate) use lease::lease_accessors;
-pub(crate) use lease::{HeldLease, IncomingLease, LeaseParts, Outgoing, SharedInner};
+pub(crate) use lease::{
+    HeldLease, IncomingLease, IncomingLeases, LeaseParts, Outgoing, SharedInner,
+};
 pub use lease::{Lease, LeaseMut, Shared, SharedMut};
 
 /// An element type of typed buffers: plain old data with a wire [`DType`].

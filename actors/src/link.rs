@@ -254,6 +254,7 @@ impl PeerLink {
             turn: Arc::new(tokio::sync::Mutex::new(())),
             stopped: tokio::sync::watch::Sender::new(false),
             pinned: Default::default(),
+            frames: Default::default(),
         });
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let ours = node.session().process();

@@ -133,6 +133,47 @@ impl Default for LinkLimits {
     }
 }
 
+/// Frame buffers the writer has copied out, kept for the link to encode its next frames
+/// into, so that a frame costs no allocation on either side of the queue (a pipelined
+/// sender's frames outnumber what the allocator keeps at hand for a size, and each would
+/// otherwise take its slow path). Bounded: at most [`KEEP`](Self::KEEP) buffers of at
+/// most [`LARGEST`](Self::LARGEST) bytes, 128 KiB a link; larger ones are freed.
+#[derive(Debug, Default)]
+pub(crate) struct FramePool(std::sync::Mutex<Vec<Vec<u8>>>);
+
+impl FramePool {
+    /// The most buffers kept.
+    const KEEP: usize = 128;
+    /// The largest buffer kept, in bytes (a call or reply with a few offers).
+    const LARGEST: usize = 1024;
+    /// A new buffer's capacity.
+    const FIRST: usize = 256;
+
+    /// An empty buffer to encode a frame into.
+    pub(crate) fn take(&self) -> Vec<u8> {
+        self.lock()
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(Self::FIRST))
+    }
+
+    /// Keeps `bytes`, emptied, for a later frame (or frees it, past the bounds).
+    pub(crate) fn give(&self, mut bytes: Vec<u8>) {
+        if bytes.capacity() > Self::LARGEST {
+            return;
+        }
+        bytes.clear();
+        let mut kept = self.lock();
+        if kept.len() < Self::KEEP {
+            kept.push(bytes);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Vec<u8>>> {
+        // A buffer list is consistent between any two statements: nothing to repair.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 /// Shared between a link actor and the guards that depend on it.
 #[derive(Debug)]
 pub(crate) struct LinkState {
@@ -173,6 +214,8 @@ pub(crate) struct LinkState {
     /// Leases held over this link that copies to another host read from (by lease): a
     /// dropped guard's `Release` waits for them (see [`LeasePin`](crate::forwarding::LeasePin)).
     pub(crate) pinned: std::sync::Mutex<std::collections::HashMap<LeaseId, Pinned>>,
+    /// Frame buffers the writer gave back, for the link's next frames.
+    pub(crate) frames: FramePool,
 }
 
 /// A held lease that copies to another host read from: how many, and its guard's
@@ -359,8 +402,11 @@ impl fmt::Debug for LinkRef {
 pub(crate) type LinkHandle = LinkRef;
 
 /// Declares [`LinkCommand`]: one variant per message, each also a message of its own.
+/// The messages after `boxed:` are large and rare (forwarding); their variants hold them
+/// boxed, so that every command — a lease's release on each handoff among them — moves
+/// and allocates the size of the common ones, not of the largest.
 macro_rules! link_commands {
-    ($($message:ident),* $(,)?) => {
+    ($($message:ident),* ; boxed: $($boxed:ident),* $(,)?) => {
         /// What the rest of the crate may ask of a link actor, through a [`LinkRef`]: one
         /// variant per message, each handled by the message's own handler
         /// ([`dispatch`](Self::dispatch)).
@@ -368,6 +414,10 @@ macro_rules! link_commands {
             $(
                 #[doc = concat!("A [`", stringify!($message), "`].")]
                 $message($message),
+            )*
+            $(
+                #[doc = concat!("A [`", stringify!($boxed), "`], boxed.")]
+                $boxed(Box<$boxed>),
             )*
         }
 
@@ -382,15 +432,23 @@ macro_rules! link_commands {
                 }
             }
         )*
+        $(
+            impl From<$boxed> for LinkCommand {
+                fn from(msg: $boxed) -> Self {
+                    Self::$boxed(Box::new(msg))
+                }
+            }
+        )*
 
         impl LinkCommand {
             /// Hands the message to `actor`'s handler of its own type.
             pub(crate) fn dispatch<A>(self, actor: &mut A, ctx: &mut A::Context)
             where
-                A: Actor $(+ Handler<$message, Result = ()>)*,
+                A: Actor $(+ Handler<$message, Result = ()>)* $(+ Handler<$boxed, Result = ()>)*,
             {
                 match self {
                     $(Self::$message(msg) => <A as Handler<$message>>::handle(actor, msg, ctx),)*
+                    $(Self::$boxed(msg) => <A as Handler<$boxed>>::handle(actor, *msg, ctx),)*
                 }
             }
         }
@@ -398,7 +456,6 @@ macro_rules! link_commands {
 }
 
 link_commands!(
-    CutOff,
     Close,
     PeerDied,
     ReleaseLease,
@@ -406,7 +463,8 @@ link_commands!(
     CancelCall,
     SendPing,
     AskStatus,
-    AskForward,
+    AskForward;
+    boxed: CutOff,
     PassOn,
     ForwardCopy,
 );
@@ -500,8 +558,9 @@ impl PendingRelease {
 pub(crate) struct ReleaseLease {
     pub(crate) lease: LeaseId,
     pub(crate) fences: Vec<FenceHandle>,
-    /// Waited for (on the driver thread) before the `Release` goes.
-    pub(crate) pending: Option<PendingRelease>,
+    /// Waited for (on the driver thread) before the `Release` goes. Boxed: rare, and the
+    /// command goes through the link's mailbox on every handoff.
+    pub(crate) pending: Option<Box<PendingRelease>>,
 }
 
 /// The caller of a pending call gave up (it dropped the future: a timeout): forget the
@@ -559,4 +618,49 @@ pub(crate) struct PassOn {
     pub(crate) fd: Option<OwnedFd>,
     pub(crate) give_back: GiveBack,
     pub(crate) reply: oneshot::Sender<Result<LeaseId, ActorError>>,
+}
+
+#[cfg(test)]
+mod tests {
+    /// A lease's release goes through the link's mailbox on every handoff, boxed by actix
+    /// with the command's whole size: the large, rare commands are boxed themselves (at
+    /// 448 bytes, every release's envelope was too big for the allocator's fast bins).
+    #[test]
+    fn a_link_command_stays_small() {
+        let size = size_of::<super::LinkCommand>();
+        assert!(size <= 96, "LinkCommand is {size} bytes");
+    }
+
+    /// The pool hands back what the writer gave it, emptied, and keeps at most `KEEP`
+    /// buffers of at most `LARGEST` bytes: a burst of frames or one large frame leaves no
+    /// more memory with the link than that.
+    #[test]
+    fn the_frame_pool_reuses_buffers_and_keeps_a_bounded_few() {
+        let pool = super::FramePool::default();
+        let first = pool.take();
+        assert!(first.is_empty() && first.capacity() >= super::FramePool::FIRST);
+        let mut written = first;
+        written.extend_from_slice(b"a frame");
+        let at = written.as_ptr();
+        pool.give(written);
+        let again = pool.take();
+        assert_eq!(
+            again.as_ptr(),
+            at,
+            "the buffer given back is the one taken next"
+        );
+        assert!(again.is_empty(), "and it comes back empty");
+
+        // A large frame's buffer is freed, not kept.
+        pool.give(Vec::with_capacity(super::FramePool::LARGEST + 1));
+        assert_eq!(pool.0.lock().unwrap().len(), 0);
+
+        // A burst: every buffer given back past `KEEP` is freed.
+        for _ in 0..super::FramePool::KEEP + 50 {
+            pool.give(Vec::with_capacity(super::FramePool::FIRST));
+        }
+        assert_eq!(pool.0.lock().unwrap().len(), super::FramePool::KEEP);
+        let kept: usize = pool.0.lock().unwrap().iter().map(Vec::capacity).sum();
+        assert!(kept <= super::FramePool::KEEP * super::FramePool::LARGEST);
+    }
 }

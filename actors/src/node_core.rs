@@ -933,7 +933,7 @@ impl NodeCore {
         }
     }
 
-    pub(crate) fn deliver_offer(&self, peer: ProcessId, lease: IncomingLease) {
+    pub(crate) fn deliver_offer(&self, peer: ProcessId, lease: Box<IncomingLease>) {
         // Actors deal in typed buffers only (`Shared::layout` promises one): an offer
         // without an element type and shape is given back at once (dropping the lease
         // sends `Release`), never handed to user code.
@@ -942,7 +942,7 @@ impl NodeCore {
             return;
         }
         let buffer = Shared {
-            inner: SharedInner::Incoming(Box::new(lease)),
+            inner: SharedInner::Incoming(lease),
             _t: PhantomData,
         };
         match &*lock(&self.inner.inbox) {

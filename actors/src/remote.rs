@@ -16,12 +16,15 @@
 //! [`MSGPACK_SHARED_EXT`]). Untyped peers (another language's runtime) use the raw API of
 //! [`raw`](crate::raw) instead: they send and receive encoded bytes and buffers.
 
-use crate::buffer::{Element, IncomingLease, Outgoing, Shared, SharedInner, SharedMut};
+use crate::buffer::{
+    Element, IncomingLease, IncomingLeases, Outgoing, Shared, SharedInner, SharedMut,
+};
 use crate::error::ActorError;
 use crate::link_ref::{CancelCall, LinkRef};
 use actix::{Message, Recipient};
 use baton_messages::ProcessId;
 use baton_messages::protocol::CallFault;
+use futures_util::FutureExt as _;
 use serde::de::{DeserializeOwned, Error as _};
 use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -135,7 +138,7 @@ pub(crate) struct Encoded {
 /// A received value not yet decoded, with its leases.
 pub(crate) struct IncomingPayload {
     pub(crate) bytes: Vec<u8>,
-    pub(crate) leases: Vec<IncomingLease>,
+    pub(crate) leases: IncomingLeases,
 }
 
 /// A typed call from a [`RemoteAddr`].
@@ -154,7 +157,7 @@ pub(crate) struct OutCall {
 
 thread_local! {
     static OUTGOING: RefCell<Option<Vec<Outgoing>>> = const { RefCell::new(None) };
-    static INCOMING: RefCell<Option<Vec<Option<IncomingLease>>>> = const { RefCell::new(None) };
+    static INCOMING: RefCell<Option<Vec<Option<Box<IncomingLease>>>>> = const { RefCell::new(None) };
     /// The encoding of the value being encoded or decoded on this thread (for `Shared`).
     static CODEC: Cell<Encoding> = const { Cell::new(Encoding::Bincode) };
 }
@@ -222,7 +225,7 @@ pub(crate) fn encode<V: Serialize>(
 pub(crate) fn decode<V: DeserializeOwned>(
     what: &'static str,
     bytes: &[u8],
-    leases: Vec<IncomingLease>,
+    leases: IncomingLeases,
     encoding: Encoding,
 ) -> Result<V, ActorError> {
     let table = leases.into_iter().map(Some).collect();
@@ -327,7 +330,7 @@ impl<'de, T: Element> Deserialize<'de> for Shared<T> {
             }));
         }
         Ok(Shared {
-            inner: SharedInner::Incoming(Box::new(lease)),
+            inner: SharedInner::Incoming(lease),
             _t: PhantomData,
         })
     }
@@ -356,7 +359,7 @@ pub(crate) trait ErasedHandler: Send + Sync {
         &self,
         peer: ProcessId,
         payload: &[u8],
-        leases: Vec<IncomingLease>,
+        leases: IncomingLeases,
     ) -> Result<Answer, CallFault>;
 }
 
@@ -380,7 +383,7 @@ where
         &self,
         _peer: ProcessId,
         payload: &[u8],
-        leases: Vec<IncomingLease>,
+        leases: IncomingLeases,
     ) -> Result<Answer, CallFault> {
         // `send` enqueues now, so calls reach the actor in the order they arrived.
         answer(payload, leases, |msg: M| self.recipient.send(msg))
@@ -391,7 +394,7 @@ where
 /// actor at once), and returns the encoded answer to come.
 pub(crate) fn answer<M, F>(
     payload: &[u8],
-    leases: Vec<IncomingLease>,
+    leases: IncomingLeases,
     deliver: impl FnOnce(M) -> F,
 ) -> Result<Answer, CallFault>
 where
@@ -401,14 +404,13 @@ where
 {
     let msg: M = decode("message", payload, leases, M::ENCODING)
         .map_err(|e| CallFault::BadPayload(e.to_string()))?;
-    let request = deliver(msg);
-    Ok(Box::pin(async move {
-        match request.await {
-            Ok(reply) => encode("reply", &reply, M::ENCODING)
-                .map_err(|e| CallFault::ReplyFailed(e.to_string())),
-            Err(_) => Err(CallFault::ActorGone),
+    // A combinator, not an `async` block, which would keep the request twice in the box.
+    Ok(Box::pin(deliver(msg).map(|answered| match answered {
+        Ok(reply) => {
+            encode("reply", &reply, M::ENCODING).map_err(|e| CallFault::ReplyFailed(e.to_string()))
         }
-    }))
+        Err(_) => Err(CallFault::ActorGone),
+    })))
 }
 
 /// The address of a named actor in another process, for one message type.
@@ -492,10 +494,12 @@ where
             &self.type_name,
             encoded,
         );
-        async move {
-            let payload = reply.await?;
+        // A combinator, not an `async` block: a block would keep `reply` twice (captured,
+        // then pinned at its `await`), doubling the future every caller stores.
+        reply.map(|payload| {
+            let payload = payload?;
             decode("reply", &payload.bytes, payload.leases, M::ENCODING)
-        }
+        })
     }
 
     /// [`send`](Self::send) with a deadline.
@@ -508,15 +512,12 @@ where
         msg: M,
         after: Duration,
     ) -> impl Future<Output = Result<M::Result, ActorError>> + 'static {
-        let reply = self.send(msg);
-        async move {
-            tokio::time::timeout(after, reply)
-                .await
-                .map_err(|_| ActorError::Timeout {
-                    op: "remote call",
-                    after,
-                })?
-        }
+        tokio::time::timeout(after, self.send(msg)).map(move |res| {
+            res.map_err(|_| ActorError::Timeout {
+                op: "remote call",
+                after,
+            })?
+        })
     }
 }
 
@@ -564,9 +565,11 @@ pub(crate) fn call_encoded(
         }
     };
     async move {
+        // The paths that wait for room or settle a closed link's cause are boxed: the
+        // fast path's future (which every caller stores) stays small.
         let queued = match started? {
             Started::Queued(q) => q,
-            Started::Waiting(waiting) => waiting.queue().await?,
+            Started::Waiting(waiting) => (*waiting).queue_boxed().await?,
         };
         let Queued {
             reply,
@@ -575,7 +578,7 @@ pub(crate) fn call_encoded(
         } = queued;
         let payload = match reply.await {
             Ok(answer) => answer?,
-            Err(_) => return Err(ActorError::link_closed_settled(peer).await),
+            Err(_) => return Err(settled_boxed(peer).await),
         };
         cancel.disarm();
         drop(slot);
@@ -612,6 +615,11 @@ async fn wait_for_fences(encoded: &Encoded, link: &LinkRef) {
     }
 }
 
+/// [`ActorError::link_closed_settled`], boxed (see [`Waiting::queue_boxed`]).
+fn settled_boxed(peer: ProcessId) -> Pin<Box<dyn Future<Output = ActorError> + Send>> {
+    Box::pin(ActorError::link_closed_settled(peer))
+}
+
 /// How far a call got when `send` returned.
 enum Started {
     Queued(Queued),
@@ -631,6 +639,12 @@ struct Waiting {
 }
 
 impl Waiting {
+    /// [`queue`](Self::queue), boxed (built outside the caller's future, which would
+    /// otherwise keep room for it).
+    fn queue_boxed(self) -> Pin<Box<dyn Future<Output = Result<Queued, ActorError>> + Send>> {
+        Box::pin(self.queue())
+    }
+
     /// Waits for the call's turn, fences to spare, a pending-call slot and its window,
     /// then queues it.
     async fn queue(self) -> Result<Queued, ActorError> {
@@ -822,5 +836,24 @@ mod tests {
         }
         let err = refuse(rmp_serde::to_vec_named(&Plain { data: 0 }).unwrap());
         assert!(err.contains("could not decode message"), "{err}");
+    }
+
+    /// The future of a call is what every caller stores (a pipelined sender keeps hundreds
+    /// in a `FuturesUnordered`, each moved there whole): its fast path's future must not
+    /// carry room for the paths that wait. Written as `async` blocks around the queued
+    /// call, `send`'s future was 1,896 bytes: the inner call's twice, and room for the wait
+    /// for room and the settling of a closed link's cause.
+    #[test]
+    fn a_calls_future_stays_small_and_sendable() {
+        // (`Peer::call_raw`'s: `raw::tests`.)
+        fn size_of_future<A, B, F: Future + Send>(_: fn(A, B) -> F) -> usize {
+            size_of::<F>()
+        }
+        #[derive(Serialize, Deserialize, actix::Message)]
+        #[rtype(result = "u64")]
+        struct Probe(u64);
+        crate::remote_message!(Probe = "test.Probe");
+        let send = size_of_future(RemoteAddr::<Probe>::send);
+        assert!(send <= 512, "RemoteAddr::send's future is {send} bytes");
     }
 }

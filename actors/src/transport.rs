@@ -195,7 +195,13 @@ impl Writer {
             batch.extend_from_slice(&first.bytes);
             // Bytes of our calls in the batch.
             let mut calls = first.window.as_ref().map_or(0, |_| first.bytes.len());
-            windows.extend(first.window);
+            let OutFrame {
+                bytes,
+                fds: first_fds,
+                window,
+            } = first;
+            state.frames.give(bytes);
+            windows.extend(window);
             while batch.len() < MAX_BATCH {
                 match queue.try_recv() {
                     Ok(frame) if frame.fds.is_empty() => {
@@ -204,6 +210,7 @@ impl Writer {
                             calls += frame.bytes.len();
                         }
                         windows.extend(frame.window);
+                        state.frames.give(frame.bytes);
                     }
                     Ok(frame) => {
                         next = Some(frame);
@@ -212,7 +219,7 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let fds: Vec<BorrowedFd<'_>> = first.fds.iter().map(|fd| fd.as_fd()).collect();
+            let fds: Vec<BorrowedFd<'_>> = first_fds.iter().map(|fd| fd.as_fd()).collect();
             let sent = self.send_encoded(&batch, &fds).await;
             if self.uses_ring() && !state.writes_ring.load(Ordering::Relaxed) {
                 state.writes_ring.store(true, Ordering::Relaxed);

@@ -8,6 +8,10 @@ use crate::order::PartFence;
 use crate::paths::LeasePath;
 use baton_ipc::StreamKey;
 
+/// A message's leases as they arrive, each boxed where it is made (544 bytes: every later
+/// move — into the decoder's table, a `Shared`, the user's lease — moves a pointer).
+pub(crate) type IncomingLeases = Vec<Box<IncomingLease>>;
+
 /// An importer's lease before it is typed: the mapping, the lease, and the link to release
 /// it on.
 pub(crate) struct IncomingLease {
@@ -164,7 +168,7 @@ impl Drop for LeaseParts {
             self.link.do_send(ReleaseLease {
                 lease: self.lease,
                 fences: fences.iter().map(|f| f.handle()).collect(),
-                pending,
+                pending: pending.map(Box::new),
             });
         } else if let Some(pending) = pending {
             // The exporter is gone; the mappings still must outlive our work on them.
@@ -336,7 +340,7 @@ impl Drop for IncomingLease {
             self.link.do_send(ReleaseLease {
                 lease: self.lease,
                 fences,
-                pending,
+                pending: pending.map(Box::new),
             });
         } else if let Some(pending) = pending {
             // The exporter is gone; the mapping still must outlive our work on it.

@@ -53,6 +53,7 @@ fn link_to(peer: ProcessId) -> LinkRef {
         turn: Arc::new(tokio::sync::Mutex::new(())),
         stopped: tokio::sync::watch::Sender::new(false),
         pinned: Default::default(),
+        frames: Default::default(),
     });
     let mailbox = Context::<Unread>::new().address().recipient();
     LinkRef::new(LinkId::next(), mailbox, state)

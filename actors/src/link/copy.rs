@@ -65,7 +65,7 @@
 //! [`LinkSession::next_pulled`]: crate::link_session::LinkSession::next_pulled
 
 use super::{Attached, PeerLink};
-use crate::buffer::{IncomingLease, Outgoing};
+use crate::buffer::{IncomingLeases, Outgoing};
 use crate::error::ActorError;
 use crate::exports::OfferGrant;
 use crate::forwarding::copy_deadline;
@@ -90,7 +90,7 @@ use tokio::sync::{OwnedSemaphorePermit, oneshot};
 /// A host link's message ready to hand on (see [`hand_on`](PeerLink::hand_on)).
 pub(super) struct Handed {
     then: Then<Attached>,
-    opened: Result<Vec<IncomingLease>, IpcError>,
+    opened: Result<IncomingLeases, IpcError>,
     slot: Option<OwnedSemaphorePermit>,
 }
 
@@ -434,7 +434,7 @@ impl PeerLink {
                 .unwrap_or_else(|| Layout::new(DType::U8, Shape::vector(offer.handle.len)));
             let cell = self.node.adopt_allocation(alloc, layout);
             match open_copy(&self.node, &self.me, offer.lease, cell) {
-                Ok(lease) => leases.push(lease),
+                Ok(lease) => leases.push(Box::new(lease)),
                 Err(e) => return self.hand_on(turn, then, Err(e), slot, ctx),
             }
         }
@@ -466,7 +466,7 @@ impl PeerLink {
         &mut self,
         turn: Turn,
         then: Then<Attached>,
-        opened: Result<Vec<IncomingLease>, IpcError>,
+        opened: Result<IncomingLeases, IpcError>,
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {

@@ -4,7 +4,7 @@
 //! ours.
 
 use super::{Attached, PeerLink};
-use crate::buffer::{HeldLease, IncomingLease, LeaseParts};
+use crate::buffer::{HeldLease, IncomingLease, IncomingLeases, LeaseParts};
 use crate::error::ActorError;
 use crate::link_session::{Kept, Open, Then};
 use crate::order::{GroupAcquire, LeaseOrder};
@@ -130,8 +130,8 @@ impl PeerLink {
         offers: Vec<Offer>,
         views: Vec<Result<Imported, baton_ipc::Error>>,
         relayed: bool,
-    ) -> Result<Opened<Vec<IncomingLease>>, ActorError> {
-        let mut leases: Vec<IncomingLease> = Vec::with_capacity(offers.len());
+    ) -> Result<Opened<IncomingLeases>, ActorError> {
+        let mut leases: IncomingLeases = Vec::with_capacity(offers.len());
         // The lease over several buffers being opened, if any.
         let mut parts: Option<Opening> = None;
         for (i, (offer, view)) in offers.iter().zip(views).enumerate() {
@@ -231,7 +231,8 @@ impl PeerLink {
             }
             let path = LeasePath::mapped(&offer.handle.raw, &imported);
             self.node.observed().paths.opened(path, offer.handle.len);
-            leases.push(IncomingLease {
+            // Boxed where it is made (see `IncomingLeases`).
+            leases.push(Box::new(IncomingLease {
                 imported: Some(imported),
                 lease: offer.lease,
                 link: self.me.clone(),
@@ -240,7 +241,7 @@ impl PeerLink {
                 copy: None,
                 path,
                 parts: lease_parts,
-            });
+            }));
         }
         Ok(Ok(leases))
     }
@@ -250,7 +251,7 @@ impl PeerLink {
     pub(super) fn then(
         &mut self,
         then: Then<Attached>,
-        opened: Opened<Vec<IncomingLease>>,
+        opened: Opened<IncomingLeases>,
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {
@@ -294,7 +295,7 @@ impl PeerLink {
         target: &str,
         type_name: &str,
         payload: &[u8],
-        opened: Opened<Vec<IncomingLease>>,
+        opened: Opened<IncomingLeases>,
         slot: Option<OwnedSemaphorePermit>,
         ctx: &mut Context<Self>,
     ) -> Result<(), ActorError> {

@@ -54,7 +54,7 @@ impl PeerLink {
     /// release, a pong…). Fails with [`ActorError::PeerNotReading`] when the queue is past
     /// its bound: the peer makes us write and does not read.
     pub(crate) fn send(&mut self, msg: &Wire, fds: Vec<OwnedFd>) -> Result<(), ActorError> {
-        let bytes = Self::encode(msg, fds.len())?;
+        let bytes = self.encode(msg, fds.len())?;
         self.room_for(bytes.len())?;
         self.enqueue(bytes, fds, None)
     }
@@ -75,8 +75,8 @@ impl PeerLink {
         Ok(())
     }
 
-    pub(super) fn encode(msg: &Wire, fds: usize) -> Result<Vec<u8>, ActorError> {
-        let mut bytes = Vec::with_capacity(256);
+    pub(super) fn encode(&self, msg: &Wire, fds: usize) -> Result<Vec<u8>, ActorError> {
+        let mut bytes = self.me.state.frames.take();
         encode_frame(msg, fds, &mut bytes).map_err(baton_ipc::Error::from)?;
         Ok(bytes)
     }
@@ -215,7 +215,7 @@ impl PeerLink {
             Ok(p) => p.offers.clone(),
             Err(_) => Vec::new(),
         };
-        let bytes = match Self::encode(&Wire::Reply(Reply { id, outcome }), fds.len()) {
+        let bytes = match self.encode(&Wire::Reply(Reply { id, outcome }), fds.len()) {
             Ok(bytes) => bytes,
             Err(e) => {
                 // Too large for a frame: the caller hears why, and the link stays up.
@@ -280,7 +280,7 @@ impl Handler<OutCall> for PeerLink {
             payload: &msg.encoded.bytes,
             offers: &offers,
         };
-        let mut bytes = Vec::with_capacity(256);
+        let mut bytes = self.me.state.frames.take();
         let queued = encode_call_frame(call, fds.len(), &mut bytes)
             .map_err(|e| ActorError::from(baton_ipc::Error::from(e)))
             .and_then(|()| self.enqueue(bytes, fds, Some(msg.window)));

@@ -32,7 +32,7 @@
 //!   anything is spawned.
 
 use super::{ChildSpec, describe, spawn_process, sweep_dead_child};
-use crate::buffer::IncomingLease;
+use crate::buffer::IncomingLeases;
 use crate::error::ActorError;
 use crate::node::Node;
 use crate::node_core::PeerEvent;
@@ -241,7 +241,7 @@ where
         &self,
         peer: ProcessId,
         payload: &[u8],
-        leases: Vec<IncomingLease>,
+        leases: IncomingLeases,
     ) -> Result<Answer, CallFault> {
         answer(payload, leases, |msg: M| {
             self.recipient.send(FromPeer { from: peer, msg })
