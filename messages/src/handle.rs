@@ -323,20 +323,9 @@ impl HandleMsg {
     }
 
     fn compute_digest(&self, key: &HandleKey) -> HandleDigest {
-        let body = (
-            &self.version,
-            &self.exporter,
-            &self.alloc,
-            &self.generation,
-            &self.backend,
-            &self.device,
-            &self.alloc_size,
-            &self.offset,
-            &self.len,
-            &self.layout,
-            &self.raw,
-            &self.fence,
-        );
+        // A tuple encodes as its fields one after the other, nested or not: the same
+        // bytes as the flat tuple of every field, the fence last.
+        let body = (self.prefix(), &self.fence);
         // The encoding goes into the keyed hasher as it is written (`SealHasher`: the
         // digest is the one over the encoded bytes, and sealing allocates nothing).
         // Encoding plain data cannot fail; had it, the bytes written so far are keyed.
