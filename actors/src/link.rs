@@ -44,7 +44,7 @@ use crate::link_ref::{AskStatus, LinkCommand, LinkLimits, LinkRef, LinkState, Se
 use crate::link_session::{Action, Attach, Checks, Ended, LinkSession, SessionLimits, Then};
 use crate::node_core::NodeCore;
 use crate::remote::{IncomingPayload, OutCall};
-use crate::transport::{Closer, OutFrame, Reader, Transport};
+use crate::transport::{Closer, FrameQueue, Reader, Transport};
 use actix::prelude::*;
 use baton_ipc::{CacheKey, FrameFds, HolderId, PeerInfo, Received};
 use baton_messages::protocol::{Status, StatusRequest};
@@ -57,7 +57,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::{Context as TaskContext, Poll};
 use std::time::Instant;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio_util::sync::ReusableBoxFuture;
 
 /// Marks a stage of a handoff (`baton_ipc::probe`); expands to nothing without the
@@ -121,7 +121,7 @@ pub struct PeerLink {
     pub(crate) node: NodeCore,
     pub(crate) me: LinkRef,
     pub(crate) peer: PeerInfo,
-    out: Option<mpsc::UnboundedSender<OutFrame>>,
+    out: Option<FrameQueue>,
     closer: Closer,
     /// The link's protocol state.
     session: LinkSession<Attached>,
@@ -259,7 +259,7 @@ impl PeerLink {
         let calls = Arc::new(Semaphore::new(limits.calls_in_flight));
         let ours = node.session().process();
         let (closer, reader, writer) = link.split();
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = crate::transport::frame_queue();
         let addr = PeerLink::create(|ctx| {
             let me = LinkRef::new(id, ctx.address().recipient(), Arc::clone(&state));
             // Before any frame is handled or any call granted: leases need the link.

@@ -136,14 +136,22 @@ impl Default for LinkLimits {
 /// Frame buffers the writer has copied out, kept for the link to encode its next frames
 /// into, so that a frame costs no allocation on either side of the queue (a pipelined
 /// sender's frames outnumber what the allocator keeps at hand for a size, and each would
-/// otherwise take its slow path). Bounded: at most [`KEEP`](Self::KEEP) buffers of at
-/// most [`LARGEST`](Self::LARGEST) bytes, 128 KiB a link; larger ones are freed.
+/// otherwise take its slow path). Bounded: buffers of at most [`LARGEST`](Self::LARGEST)
+/// bytes, [`KEEP_BYTES`](Self::KEEP_BYTES) of them in all (128 KiB a link: a burst of 256
+/// calls and their releases, at 256 bytes each); others are freed.
 #[derive(Debug, Default)]
-pub(crate) struct FramePool(std::sync::Mutex<Vec<Vec<u8>>>);
+pub(crate) struct FramePool(std::sync::Mutex<Kept>);
+
+/// [`FramePool`]'s buffers, and their capacities' sum.
+#[derive(Debug, Default)]
+pub(crate) struct Kept {
+    buffers: Vec<Vec<u8>>,
+    bytes: usize,
+}
 
 impl FramePool {
-    /// The most buffers kept.
-    const KEEP: usize = 128;
+    /// The most bytes of buffers kept.
+    const KEEP_BYTES: usize = 128 * 1024;
     /// The largest buffer kept, in bytes (a call or reply with a few offers).
     const LARGEST: usize = 1024;
     /// A new buffer's capacity.
@@ -151,25 +159,33 @@ impl FramePool {
 
     /// An empty buffer to encode a frame into.
     pub(crate) fn take(&self) -> Vec<u8> {
-        self.lock()
-            .pop()
-            .unwrap_or_else(|| Vec::with_capacity(Self::FIRST))
+        let mut kept = self.lock();
+        match kept.buffers.pop() {
+            Some(bytes) => {
+                kept.bytes -= bytes.capacity();
+                bytes
+            }
+            None => Vec::with_capacity(Self::FIRST),
+        }
     }
 
     /// Keeps `bytes`, emptied, for a later frame (or frees it, past the bounds).
     pub(crate) fn give(&self, mut bytes: Vec<u8>) {
-        if bytes.capacity() > Self::LARGEST {
+        let size = bytes.capacity();
+        if size > Self::LARGEST {
             return;
         }
         bytes.clear();
         let mut kept = self.lock();
-        if kept.len() < Self::KEEP {
-            kept.push(bytes);
+        if kept.bytes + size <= Self::KEEP_BYTES {
+            kept.bytes += size;
+            kept.buffers.push(bytes);
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Vec<u8>>> {
-        // A buffer list is consistent between any two statements: nothing to repair.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
+        // A buffer list and its sum are consistent between any two statements but the
+        // two updates of `take` and `give`, which cannot panic: nothing to repair.
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -653,14 +669,23 @@ mod tests {
 
         // A large frame's buffer is freed, not kept.
         pool.give(Vec::with_capacity(super::FramePool::LARGEST + 1));
-        assert_eq!(pool.0.lock().unwrap().len(), 0);
+        assert_eq!(pool.0.lock().unwrap().buffers.len(), 0);
 
-        // A burst: every buffer given back past `KEEP` is freed.
-        for _ in 0..super::FramePool::KEEP + 50 {
+        // A burst: every buffer given back past `KEEP_BYTES` is freed, of any size.
+        let fit = super::FramePool::KEEP_BYTES / super::FramePool::FIRST;
+        for _ in 0..fit + 50 {
             pool.give(Vec::with_capacity(super::FramePool::FIRST));
         }
-        assert_eq!(pool.0.lock().unwrap().len(), super::FramePool::KEEP);
-        let kept: usize = pool.0.lock().unwrap().iter().map(Vec::capacity).sum();
-        assert!(kept <= super::FramePool::KEEP * super::FramePool::LARGEST);
+        pool.give(Vec::with_capacity(super::FramePool::LARGEST));
+        let kept = pool.0.lock().unwrap();
+        assert_eq!(kept.buffers.len(), fit);
+        let sum: usize = kept.buffers.iter().map(Vec::capacity).sum();
+        assert_eq!(sum, kept.bytes);
+        assert!(sum <= super::FramePool::KEEP_BYTES);
+        drop(kept);
+        // Taking gives the room back.
+        drop(pool.take());
+        pool.give(Vec::with_capacity(super::FramePool::FIRST));
+        assert_eq!(pool.0.lock().unwrap().buffers.len(), fit);
     }
 }
