@@ -190,6 +190,10 @@ pub fn frame_bytes(msg: &Message, nfds: usize) -> Result<Vec<u8>> {
 
 /// Decodes one payload, which must hold exactly one message.
 ///
+/// A handoff's messages (a call, a reply with a payload, a release) are read by a
+/// hand-written decoder (`hot`), which returns what serde would or nothing; everything
+/// else, and anything it does not take, is decoded with serde.
+///
 /// # Errors
 /// [`Error::FrameTooLarge`], [`Error::Decode`] or [`Error::TrailingBytes`].
 pub fn decode_payload(payload: &[u8]) -> Result<Message> {
@@ -199,6 +203,14 @@ pub fn decode_payload(payload: &[u8]) -> Result<Message> {
             max: MAX_FRAME_LEN,
         });
     }
+    match crate::hot::decode(payload) {
+        Some(msg) => Ok(msg),
+        None => decode_with_serde(payload),
+    }
+}
+
+/// [`decode_payload`] through serde alone.
+fn decode_with_serde(payload: &[u8]) -> Result<Message> {
     let (msg, used) = bincode::serde::decode_from_slice::<Message, _>(payload, config())
         .map_err(|e| Error::Decode(e.to_string()))?;
     match payload.len() - used {
@@ -325,7 +337,7 @@ mod tests {
     fn a_layout_may_take_a_whole_frame_and_no_more() {
         assert_eq!(crate::BundleLayout::MAX_WIRE, MAX_FRAME_LEN);
     }
-    use crate::protocol::{Offer, Release};
+    use crate::protocol::{Call, Offer, Payload, Release, Reply};
     use proptest::prelude::*;
 
     #[test]
@@ -334,7 +346,7 @@ mod tests {
             unreachable!()
         };
         for (offers, nfds) in [(vec![], 0), (vec![(*offer).clone(), *offer], 2)] {
-            let call = crate::protocol::Call {
+            let call = Call {
                 id: 300,
                 target: "bench.consumer".into(),
                 type_name: "bench.Handoff".into(),
@@ -549,6 +561,128 @@ mod tests {
             let mut d = FrameDecoder::new();
             d.push(&wire);
             let _ = d.next_frame();
+        }
+    }
+
+    // The hand-written decoder of a handoff's messages against serde's (see `hot`).
+
+    fn hot_encode(msg: &Message) -> Vec<u8> {
+        bincode::serde::encode_to_vec(msg, config()).unwrap()
+    }
+
+    /// Whether `decode` agrees with serde on `payload`: the same message, or nothing.
+    fn hot_agrees(payload: &[u8]) -> Result<(), TestCaseError> {
+        if let Some(fast) = crate::hot::decode(payload) {
+            let serde = decode_with_serde(payload);
+            prop_assert!(
+                serde.is_ok(),
+                "serde refused what the hot decoder took: {serde:?}"
+            );
+            prop_assert_eq!(fast, serde.unwrap());
+        }
+        Ok(())
+    }
+
+    /// A handoff's messages: a call or a reply with offers, a release with fences.
+    fn handoff_message() -> impl Strategy<Value = Message> {
+        let offers = proptest::collection::vec(any::<Offer>(), 0..4);
+        prop_oneof![
+            (any::<Call>(), offers.clone()).prop_map(|(mut call, offers)| {
+                call.offers = offers;
+                Message::Call(call)
+            }),
+            (any::<u64>(), any::<Vec<u8>>(), offers).prop_map(|(id, bytes, offers)| {
+                Message::Reply(Reply {
+                    id,
+                    outcome: Ok(Payload { bytes, offers }),
+                })
+            }),
+            any::<Release>().prop_map(Message::Release),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn every_message_decodes_as_serde_decodes_it(msg in any::<Message>()) {
+            let payload = hot_encode(&msg);
+            hot_agrees(&payload)?;
+            if let Some(fast) = crate::hot::decode(&payload) {
+                prop_assert_eq!(fast, msg);
+            }
+        }
+
+        #[test]
+        fn a_handoffs_messages_are_all_decoded_here(msg in handoff_message()) {
+            let payload = hot_encode(&msg);
+            // Unless they carry a copy handle (serde's, by design).
+            let copies = match &msg {
+                Message::Call(c) => c.offers.iter().any(|o| matches!(o.handle.raw, RawHandle::Copy { .. })),
+                Message::Reply(r) => r.outcome.as_ref().is_ok_and(|p| p.offers.iter().any(|o| matches!(o.handle.raw, RawHandle::Copy { .. }))),
+                _ => false,
+            };
+            let fast = crate::hot::decode(&payload);
+            prop_assert_eq!(fast.is_some(), !copies);
+            if let Some(fast) = fast {
+                prop_assert_eq!(fast, msg);
+            }
+        }
+
+        #[test]
+        fn mutated_messages_decode_as_serde_decodes_them(
+            msg in handoff_message(),
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+            cut in any::<prop::sample::Index>(),
+            grow in proptest::collection::vec(any::<u8>(), 0..3),
+        ) {
+            let mut payload = hot_encode(&msg);
+            for (at, byte) in &edits {
+                let i = at.index(payload.len());
+                payload[i] = *byte;
+            }
+            hot_agrees(&payload)?;
+            hot_agrees(&payload[..cut.index(payload.len())])?;
+            payload.extend(grow);
+            hot_agrees(&payload)?;
+        }
+
+        #[test]
+        fn random_bytes_decode_as_serde_decodes_them(
+            head in prop_oneof![Just(crate::hot::CALL as u8), Just(crate::hot::REPLY as u8), Just(crate::hot::RELEASE as u8), any::<u8>()],
+            rest in proptest::collection::vec(any::<u8>(), 0..512),
+        ) {
+            let mut payload = vec![head];
+            payload.extend(rest);
+            hot_agrees(&payload)?;
+        }
+    }
+
+    #[test]
+    fn every_one_byte_change_of_a_handoffs_message_decodes_as_serde_decodes_it() {
+        // Exhaustive where random edits are thin: each byte of a few messages, every value
+        // (an `Option` tag of 2, a variant past the last, a length one off, …).
+        use proptest::strategy::ValueTree;
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let strategy = handoff_message();
+        let mut messages = Vec::new();
+        while messages.len() < 6 {
+            let msg = strategy.new_tree(&mut runner).unwrap().current();
+            // Those the hot decoder takes (no copy handle), each kind twice.
+            let payload = hot_encode(&msg);
+            let kind = payload[0];
+            if crate::hot::decode(&payload).is_some()
+                && messages.iter().filter(|(k, _)| *k == kind).count() < 2
+            {
+                messages.push((kind, payload));
+            }
+        }
+        for (_, payload) in &messages {
+            for i in 0..payload.len() {
+                let mut changed = payload.clone();
+                for byte in 0..=u8::MAX {
+                    changed[i] = byte;
+                    hot_agrees(&changed).unwrap();
+                }
+            }
         }
     }
 }

@@ -118,7 +118,7 @@ impl Shape {
         Self::from_slice(&dims.into())
     }
 
-    fn from_slice(dims: &[u64]) -> Option<Self> {
+    pub(crate) fn from_slice(dims: &[u64]) -> Option<Self> {
         let mut shape = Self::scalar();
         shape.dims.get_mut(..dims.len())?.copy_from_slice(dims);
         shape.rank = dims.len() as u8;

@@ -29,13 +29,15 @@
 //!    seal" there) so that a corrupted or forged handle is refused before any driver
 //!    call;
 //! 9. [`protocol`]: the [`Message`]s of the link and lease protocol;
-//! 10. [`codec`]: length-prefixed frames of messages with a hard size limit, decoded with
+//! 10. `hot`: a hand-written decoder of a handoff's messages (a call, a reply, a
+//!     release), which returns exactly what serde would, or nothing (then serde decodes);
+//! 11. [`codec`]: length-prefixed frames of messages with a hard size limit, decoded with
 //!     bincode under a byte limit, so that arbitrary input can never panic or allocate
 //!     without bound;
-//! 11. [`status`]: [`NodeStatus`](status::NodeStatus), what a node tells an
+//! 12. [`status`]: [`NodeStatus`](status::NodeStatus), what a node tells an
 //!     authenticated peer about its buffers, leases, cache, links and children (the JSON
 //!     body of a `Status` message);
-//! 12. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
+//! 13. `fuzzing`: the logic of the fuzz targets (hidden; not a stable API).
 //!
 //! This crate knows nothing of CUDA, sockets or actors, and has no `unsafe` code.
 
@@ -63,6 +65,8 @@ pub mod fence;
 pub mod handle;
 // The messages of the protocol.
 pub mod protocol;
+// A hand-written decoder of a handoff's messages.
+mod hot;
 // Frames.
 pub mod codec;
 // Node status.
