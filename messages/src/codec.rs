@@ -113,7 +113,7 @@ impl FrameHeader {
 /// [`Error::TooManyFds`], [`Error::FrameTooLarge`] or [`Error::Encode`]; `out` is left as
 /// it was.
 pub fn encode_frame(msg: &Message, nfds: usize, out: &mut Vec<u8>) -> Result<()> {
-    encode_frame_of(msg, nfds, out)
+    encode_frame_of(msg, |out| crate::hot::encode(msg, out), nfds, out)
 }
 
 /// Appends one frame holding a [`Message::Call`] of borrowed parts to `out`: the same
@@ -122,11 +122,18 @@ pub fn encode_frame(msg: &Message, nfds: usize, out: &mut Vec<u8>) -> Result<()>
 /// # Errors
 /// As [`encode_frame`].
 pub fn encode_call_frame(call: CallRef<'_>, nfds: usize, out: &mut Vec<u8>) -> Result<()> {
-    encode_frame_of(&call, nfds, out)
+    encode_frame_of(&call, |out| crate::hot::encode_call(call, out), nfds, out)
 }
 
-/// [`encode_frame`] of anything that serializes as a [`Message`].
-fn encode_frame_of<M: Serialize + ?Sized>(msg: &M, nfds: usize, out: &mut Vec<u8>) -> Result<()> {
+/// [`encode_frame`] of anything that serializes as a [`Message`]: written by `hot` (the
+/// hand-written encoder of a handoff's messages, which writes serde's bytes or nothing),
+/// else by serde.
+fn encode_frame_of<M: Serialize + ?Sized>(
+    msg: &M,
+    hot: impl FnOnce(&mut Vec<u8>) -> bool,
+    nfds: usize,
+    out: &mut Vec<u8>,
+) -> Result<()> {
     let nfds_u8 = u8::try_from(nfds)
         .ok()
         .filter(|&n| usize::from(n) <= MAX_FDS_PER_FRAME)
@@ -136,7 +143,11 @@ fn encode_frame_of<M: Serialize + ?Sized>(msg: &M, nfds: usize, out: &mut Vec<u8
         })?;
     let start = out.len();
     out.extend_from_slice(&[0; HEADER_LEN]);
-    let encoded = bincode::serde::encode_into_writer(msg, VecWriter(out), config());
+    let encoded = if hot(out) {
+        Ok(())
+    } else {
+        bincode::serde::encode_into_writer(msg, VecWriter(out), config())
+    };
     let len = out.len() - start - HEADER_LEN;
     match encoded {
         Ok(_) if len <= MAX_FRAME_LEN => {
@@ -682,6 +693,46 @@ mod tests {
                     changed[i] = byte;
                     hot_agrees(&changed).unwrap();
                 }
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn the_hot_encoder_writes_serdes_bytes(msg in any::<Message>()) {
+            let serde = hot_encode(&msg);
+            let mut out = vec![7];
+            if crate::hot::encode(&msg, &mut out) {
+                prop_assert_eq!(&out[1..], &serde[..]);
+            } else {
+                prop_assert_eq!(out, [7], "nothing written");
+            }
+        }
+
+        #[test]
+        fn the_hot_encoder_writes_every_handoff_message(msg in handoff_message()) {
+            let serde = hot_encode(&msg);
+            let copies = |offers: &[Offer]| offers.iter().any(|o| matches!(o.handle.raw, RawHandle::Copy { .. }));
+            let (hot, borrowed) = match &msg {
+                Message::Call(c) => {
+                    let mut out = Vec::new();
+                    let call = CallRef { id: c.id, target: &c.target, type_name: &c.type_name, payload: &c.payload, offers: &c.offers };
+                    let written = crate::hot::encode_call(call, &mut out);
+                    prop_assert_eq!(written, !copies(&c.offers));
+                    (!copies(&c.offers), Some((written, out)))
+                }
+                Message::Reply(r) => (r.outcome.as_ref().is_ok_and(|p| !copies(&p.offers)), None),
+                _ => (true, None),
+            };
+            let mut out = Vec::new();
+            prop_assert_eq!(crate::hot::encode(&msg, &mut out), hot);
+            if hot {
+                prop_assert_eq!(&out, &serde);
+            } else {
+                prop_assert!(out.is_empty());
+            }
+            if let Some((true, borrowed)) = borrowed {
+                prop_assert_eq!(borrowed, serde);
             }
         }
     }
