@@ -14,6 +14,10 @@
 //! with bincode under a byte limit of [`MAX_FRAME_LEN`], so a lying length inside the
 //! payload cannot make the decoder allocate more than that, and a payload must be consumed
 //! exactly. After any error the stream is out of sync: drop the connection.
+//!
+//! A handoff's messages (a call, a reply with a payload, a release) are encoded and
+//! decoded by a hand-written codec first (`hot`): the same bytes and the same messages as
+//! serde's, or nothing, and then serde does it.
 
 use crate::protocol::{CallRef, Message};
 use crate::{Error, PROTOCOL_VERSION, Result};

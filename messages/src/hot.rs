@@ -540,6 +540,22 @@ mod tests {
         }
     }
 
+    /// Values at and around each of bincode's varint forms.
+    const VARINT_EDGES: [u64; 12] = [
+        0,
+        1,
+        249,
+        250,
+        251,
+        255,
+        256,
+        65_535,
+        65_536,
+        u32::MAX as u64,
+        u32::MAX as u64 + 1,
+        u64::MAX,
+    ];
+
     #[test]
     fn varints_are_read_as_bincode_reads_them() {
         let config = bincode::config::standard();
@@ -550,18 +566,7 @@ mod tests {
             vec![251, 1],
             vec![252, 1, 2, 3],
         ];
-        for v in [
-            0u64,
-            1,
-            250,
-            251,
-            255,
-            65_535,
-            65_536,
-            u64::from(u32::MAX),
-            u64::from(u32::MAX) + 1,
-            u64::MAX,
-        ] {
+        for v in VARINT_EDGES {
             cases.push(bincode::encode_to_vec(v, config).unwrap());
             // Longer forms than needed, which bincode takes too.
             let mut long = vec![253];
@@ -595,20 +600,7 @@ mod tests {
     #[test]
     fn varints_are_written_as_bincode_writes_them() {
         let config = bincode::config::standard();
-        for v in [
-            0u64,
-            1,
-            249,
-            250,
-            251,
-            255,
-            256,
-            65_535,
-            65_536,
-            u64::from(u32::MAX),
-            u64::from(u32::MAX) + 1,
-            u64::MAX,
-        ] {
+        for v in VARINT_EDGES {
             let mut ours = Vec::new();
             Writer(&mut ours).varint(v);
             assert_eq!(ours, bincode::encode_to_vec(v, config).unwrap(), "{v}");
