@@ -740,4 +740,32 @@ mod tests {
             }
         }
     }
+
+    proptest! {
+        #[test]
+        fn variant_tags_in_longer_forms_decode_as_serde_decodes_them(msg in handoff_message()) {
+            // bincode reads an enum's variant as a u32: the 2- and 4-byte forms are taken,
+            // the 8-byte one is refused. The message's tag, and a reply's `Ok`.
+            let payload = hot_encode(&msg);
+            let forms = |v: u8| -> [Vec<u8>; 3] {
+                [vec![251, v, 0], vec![252, v, 0, 0, 0], vec![253, v, 0, 0, 0, 0, 0, 0, 0]]
+            };
+            for form in forms(payload[0]) {
+                let mut longer = form;
+                longer.extend_from_slice(&payload[1..]);
+                hot_agrees(&longer)?;
+            }
+            if let Message::Reply(r) = &msg {
+                let mut id = Vec::new();
+                bincode::serde::encode_into_std_write(r.id, &mut id, config()).unwrap();
+                let at = 1 + id.len();
+                for form in forms(payload[at]) {
+                    let mut longer = payload[..at].to_vec();
+                    longer.extend(form);
+                    longer.extend_from_slice(&payload[at + 1..]);
+                    hot_agrees(&longer)?;
+                }
+            }
+        }
+    }
 }

@@ -69,7 +69,8 @@ thread_local! {
 /// caller decodes it with serde).
 pub(crate) fn decode(payload: &[u8]) -> Option<Message> {
     let mut r = Reader(payload);
-    let msg = match r.varint()? {
+    // A variant index is a u32 to bincode (as every enum's below).
+    let msg = match u64::from(r.varint_u32()?) {
         CALL => Message::Call(Call {
             id: r.varint()?,
             target: r.str()?.to_owned(),
@@ -80,7 +81,7 @@ pub(crate) fn decode(payload: &[u8]) -> Option<Message> {
         REPLY => {
             let id = r.varint()?;
             // `Ok` (variant 0) only: a fault is rare, and serde reads it.
-            if r.varint()? != 0 {
+            if r.varint_u32()? != 0 {
                 return None;
             }
             let bytes = r.bytes()?.to_vec();
