@@ -171,7 +171,7 @@ pub(crate) struct OutFrame {
 /// A `VecDeque` that keeps its room, where tokio's unbounded channel allocated a block per
 /// 32 frames (2 KiB, more than glibc serves from its per-size caches: each such block
 /// also consolidated the allocator's fast bins, so the small allocations after it took the
-/// slow path — 4 % of a pipelined consumer's instructions). It is bounded by what the link
+/// slow path — 6 % of a pipelined consumer's instructions). It is bounded by what the link
 /// counts as queued ([`LinkState`]'s bytes and calls), as the channel was; room beyond
 /// [`FrameQueue::KEEP`] frames is given back once the queue empties.
 pub(crate) fn frame_queue() -> (FrameQueue, FrameQueueReader) {
